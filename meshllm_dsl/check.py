@@ -1,0 +1,882 @@
+"""The checker: declarations -> checked plans (PlanIR) plus every diagnostic, all at once.
+
+Stages of a plan check, in order: names and values (resolve.py), rules -> placements with coverage,
+divisibility of every sharded dim, activation layouts through each block (layouts.py), the pipeline
+stage map, batch / schedule / optimizer constraints, and the pitfall warnings.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import attrs
+
+from meshllm_dsl import ast
+from meshllm_dsl.diagnostics import Diagnostic, Label
+from meshllm_dsl.ir import (
+    REPLICATE,
+    RULES,
+    SCHEDULES,
+    BlockClass,
+    Leaf,
+    MeshIR,
+    ModelIR,
+    Placement,
+    PlanIR,
+    Repeat,
+    Stage,
+    StagePiece,
+    Unit,
+)
+from meshllm_dsl.layouts import block_flows, top_flows
+from meshllm_dsl.load import Declarations, load
+from meshllm_dsl.names import did_you_mean, divisors, or_list
+from meshllm_dsl.resolve import ModelResolver, Resolver, resolve_mesh
+from meshllm_dsl.source import Span
+
+
+@attrs.frozen
+class CheckResult:
+    """What `meshc check` and the API return: diagnostics and everything that checked clean."""
+
+    diagnostics: tuple[Diagnostic, ...]
+    plans: dict[str, PlanIR]
+    meshes: dict[str, MeshIR]
+    models: dict[str, ModelIR]
+    sources: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not any(d.is_error for d in self.diagnostics)
+
+    @property
+    def errors(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if d.is_error]
+
+    @property
+    def warnings(self) -> list[Diagnostic]:
+        return [d for d in self.diagnostics if not d.is_error]
+
+
+def check_file(path: str | Path) -> CheckResult:
+    return check_declarations(load(path))
+
+
+def check_text(text: str, path: str = "<string>") -> CheckResult:
+    return check_declarations(load(path, text))
+
+
+def check_declarations(decls: Declarations) -> CheckResult:
+    diags: list[Diagnostic] = list(decls.diagnostics)
+    r = Resolver(diags)
+
+    def named(kind: type, what: str) -> dict[str, ast.Item]:
+        out: dict[str, ast.Item] = {}
+        for item in decls.user(kind):
+            name = item.name  # type: ignore[attr-defined]
+            if name.value in out:
+                first = out[name.value].name  # type: ignore[attr-defined]
+                r.error("E0201", f"{what} `{name.value}` is declared twice", name.span, label="second declaration",
+                        secondary=(Label(first.span, "first declared here"),), help=f"rename one of the {what}s")
+                continue
+            out[name.value] = item
+        return out
+
+    devices = named(ast.DeviceDecl, "device")
+    mesh_decls = named(ast.MeshDecl, "mesh")
+    families: dict[str, ast.FamilyDecl] = {f.name.value: f for f in decls.prelude if isinstance(f, ast.FamilyDecl)}
+    user_families = named(ast.FamilyDecl, "family")
+    for fam in user_families.values():
+        r.check_identifier(fam.name, "family")  # type: ignore[attr-defined]
+    families.update(user_families)  # type: ignore[arg-type]
+    model_decls = named(ast.ModelDecl, "model")
+    plan_decls = named(ast.PlanDecl, "plan")
+
+    meshes: dict[str, MeshIR] = {}
+    for name, decl in mesh_decls.items():
+        mesh = resolve_mesh(decl, r, list(devices))  # type: ignore[arg-type]
+        if mesh is not None:
+            meshes[name] = mesh
+    models: dict[str, ModelIR] = {}
+    mr = ModelResolver(diags, families)
+    for name, decl in model_decls.items():
+        model = mr.resolve(decl)  # type: ignore[arg-type]
+        if model is not None:
+            models[name] = model
+
+    plans: dict[str, PlanIR] = {}
+    for name, decl in plan_decls.items():
+        assert isinstance(decl, ast.PlanDecl)
+        r.check_identifier(decl.name, "plan")
+        mesh = meshes.get(decl.mesh.value)
+        model = models.get(decl.model.value)
+        if decl.mesh.value not in mesh_decls:
+            r.error("E0202", f"unknown mesh `{decl.mesh.value}`", decl.mesh.span, label="no such mesh",
+                    help=did_you_mean(decl.mesh.value, mesh_decls))
+        if decl.model.value not in model_decls:
+            r.error("E0202", f"unknown model `{decl.model.value}`", decl.model.span, label="no such model",
+                    help=did_you_mean(decl.model.value, model_decls))
+        if mesh is None or model is None:
+            continue
+        plan = PlanChecker(decl, mesh, model, diags).check()
+        if plan is not None:
+            plans[name] = plan
+    return CheckResult(tuple(diags), plans, meshes, models, tuple(s.path for s in decls.sources))
+
+
+# ---------------------------------------------------------------- plan checking
+
+_PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "seed", "lr")
+_OPT_SETTINGS = ("lr", "weight_decay", "beta1", "beta2", "eps")
+
+
+@attrs.define
+class _Match:
+    """A placement source (a shard rule or a layout entry) and the blocks it covers for one leaf."""
+
+    placement: Placement
+    span: Span | None
+    blocks: frozenset[int] | None  # None: every block (or a top-level leaf)
+    text: str
+
+
+class PlanChecker(Resolver):
+    def __init__(self, decl: ast.PlanDecl, mesh: MeshIR, model: ModelIR, diags: list[Diagnostic]) -> None:
+        super().__init__(diags)
+        self.decl = decl
+        self.mesh = mesh
+        self.model = model
+        self.failed = False
+        self.repeat = model.repeat
+
+    def error(self, code: str, message: str, span: Span | None, **kw: object) -> None:
+        if not code.startswith("W"):
+            self.failed = True
+        super().error(code, message, span, **kw)
+
+    def warn(self, code: str, message: str, span: Span | None, **kw: object) -> None:
+        super().error(code, message, span, **kw)
+
+    def axis_label(self, name: str) -> tuple[Label, ...]:
+        axis = self.mesh.axis(name)
+        if axis is None or axis.span is None:
+            return ()
+        return (Label(axis.span, f"`{name}` = {axis.size} declared here"),)
+
+    def check_axes(self, names: Sequence[ast.Name], what: str) -> tuple[str, ...] | None:
+        """Validate a list of axis names: each declared on the mesh, none twice."""
+        out: list[str] = []
+        ok = True
+        for n in names:
+            if self.mesh.axis(n.value) is None:
+                self.error("E0202", f"unknown mesh axis `{n.value}`", n.span, label=f"not an axis of `{self.mesh.name}`",
+                           help=did_you_mean(n.value, [a.name for a in self.mesh.axes]))
+                ok = False
+            elif n.value in out:
+                self.error("E0401", f"mesh axis `{n.value}` is used twice in {what}", n.span, label="used again",
+                           help="a tensor dim can be split over an axis once; list each axis once")
+                ok = False
+            else:
+                out.append(n.value)
+        return tuple(out) if ok else None
+
+    # -- entry point
+    def check(self) -> PlanIR | None:
+        decl = self.decl
+        settings = {s.name.value: s for s in decl.body if isinstance(s, ast.Setting)}
+        env = {k: v for k, v in ()}  # plan settings are literals or simple arithmetic
+        values: dict[str, int] = {}
+        for key, s in settings.items():
+            if key not in _PLAN_SETTINGS:
+                self.error("E0203", f"unknown plan setting `{key}`", s.name.span, label="not a plan setting",
+                           help=did_you_mean(key, _PLAN_SETTINGS))
+                continue
+            if key == "dtype":
+                continue
+            if key == "lr":
+                continue
+            v = self.eval_int(s.value, env, key, minimum=0 if key == "seed" else 1)
+            if v is not None:
+                values[key] = v
+        for stmt in decl.body:
+            if isinstance(stmt, ast.Setting) and sum(1 for x in decl.body if isinstance(x, ast.Setting) and x.name.value == stmt.name.value) > 1 and settings[stmt.name.value] is not stmt:
+                self.error("E0201", f"`{stmt.name.value}` is set twice", stmt.name.span, label="second setting",
+                           help="set each plan setting once")
+        dtype = self.model.dtype
+        if "dtype" in settings:
+            v = settings["dtype"].value
+            from meshllm_dsl.ir import DTYPES
+
+            if isinstance(v, ast.Name) and v.value in DTYPES:
+                dtype = v.value
+            else:
+                self.error("E0203", "unknown dtype", v.span, label="not a dtype", help=f"use one of {or_list(DTYPES)}")
+
+        batch_axes, layout_matches = self.layout()
+        matches = self.shard_rules(layout_matches)
+        top, classes = self.placements(matches)
+        loss = self.loss(top)
+        stages, pipeline_axis, virtual = self.stages(top, classes)
+        schedule = self.schedule(pipeline_axis, virtual)
+        microbatches = values.get("microbatches", 1)
+        batch = values.get("batch", max(1, microbatches) * (self.mesh.size(*batch_axes) if batch_axes else 1))
+        seq = values.get("seq", 128)
+        self.batch_checks(batch, microbatches, batch_axes, settings, stages, schedule)
+        optimizer, opt_settings, zero, zero_axes = self.optimizer(batch_axes)
+        self.axis_usage(top, classes, pipeline_axis, batch_axes)
+        if self.failed:
+            return None
+        return PlanIR(
+            name=decl.name.value, mesh=self.mesh, model=self.model, batch=batch, seq=seq,
+            microbatches=microbatches, schedule=schedule, virtual=virtual, pipeline_axis=pipeline_axis,
+            batch_axes=batch_axes, stages=stages, top_placements=tuple(top.items()),
+            top_flows=tuple(top_flows(self.model, top, loss)), block_classes=classes, loss=loss,
+            optimizer=optimizer, optimizer_settings=opt_settings, zero=zero, zero_axes=zero_axes,
+            dtype=dtype, span=decl.span,
+        )
+
+    # -- layout entries: logical dim -> mesh axes
+    def layout(self) -> tuple[tuple[str, ...], list[tuple[Leaf, _Match]]]:
+        batch_axes: tuple[str, ...] = ()
+        out: list[tuple[Leaf, _Match]] = []
+        dims_seen: dict[str, ast.LayoutEntry] = {}
+        for stmt in self.decl.body:
+            if not isinstance(stmt, ast.LayoutStmt):
+                continue
+            for e in stmt.entries:
+                dim = e.dim.value
+                if dim in dims_seen:
+                    self.error("E0201", f"`{dim}` is laid out twice", e.dim.span, label="second entry",
+                               secondary=(Label(dims_seen[dim].span, "first here"),), help="map each dim once")  # type: ignore[arg-type]
+                    continue
+                dims_seen[dim] = e
+                axes = self.check_axes(e.axes, f"the layout of `{dim}`")
+                if axes is None:
+                    continue
+                if dim == "batch":
+                    batch_axes = axes
+                    continue
+                hits = self.layout_leaves(dim, axes, e)
+                if not hits:
+                    known = sorted({u[0] for _, _, leaf in self.model.leaves() if leaf.shardable for u in leaf.in_units + leaf.out_units} | {"batch"})
+                    self.error("E0502", f"layout entry `{dim}` matches no parameter", e.dim.span,
+                               label="no layer has this dim", help=did_you_mean(dim, known))
+                out.extend(hits)
+        return batch_axes, out
+
+    def layout_leaves(self, dim: str, axes: tuple[str, ...], e: ast.LayoutEntry) -> list[tuple[Leaf, _Match]]:
+        hits = []
+        for _, _, leaf in self.model.leaves():
+            if not leaf.shardable:
+                continue
+            out_hit = any(u[0] == dim for u in leaf.out_units[:1])
+            in_hit = any(u[0] == dim for u in leaf.in_units)
+            if not (out_hit or in_hit):
+                continue
+            if out_hit and in_hit:
+                self.error("E0401", f"`{dim} -> {' * '.join(axes)}` would split both dims of `{'.'.join(leaf.path)}`",
+                           e.span, label="both input and output are this dim",
+                           help="shard this layer with an explicit `shard` rule instead")
+                continue
+            if out_hit:
+                rule = "vocab_parallel" if leaf.kind == "embedding" else "column"
+            else:
+                rule = "row"
+            text = f"layout {dim} -> {' * '.join(axes)}"
+            hits.append((leaf, _Match(Placement(rule, axes, e.span), e.span, None, text)))
+        return hits
+
+    # -- shard rules
+    def shard_rules(self, matches: list[tuple[Leaf, _Match]]) -> dict[Leaf, list[_Match]]:
+        by_leaf: dict[Leaf, list[_Match]] = {}
+        for leaf, m in matches:
+            by_leaf.setdefault(leaf, []).append(m)
+        for stmt in self.decl.body:
+            if not isinstance(stmt, ast.ShardStmt):
+                continue
+            placement = self.rule(stmt.rule)
+            hits = self.match_path(stmt.path)
+            if not hits:
+                continue
+            for leaf, blocks in hits:
+                if placement is None:
+                    continue
+                if not self.rule_fits(leaf, placement, stmt):
+                    continue
+                by_leaf.setdefault(leaf, []).append(_Match(placement, stmt.span, blocks, f"shard {stmt.path}"))
+        return by_leaf
+
+    def rule(self, rule: ast.Rule) -> Placement | None:
+        name = rule.name.value
+        if name not in RULES:
+            self.error("E0406", f"unknown sharding rule `{name}`", rule.name.span, label="not a rule",
+                       help=f"use {or_list(f'`{r}`' for r in RULES)}")
+            return None
+        if name == "replicate":
+            if rule.axes:
+                self.error("E0406", "`replicate` takes no axes", rule.span, label="remove the axes",
+                           help="`replicate` keeps a full copy on every device")
+                return None
+            return Placement("replicate", (), rule.span)
+        if not rule.axes:
+            self.error("E0406", f"`{name}` needs the mesh axes to shard over", rule.span, label="no axes given",
+                       help=f"e.g. `{name}({next((a.name for a in self.mesh.axes if a.name == 'tensor'), self.mesh.axes[-1].name)})`")
+            return None
+        axes = self.check_axes(rule.axes, f"`{name}`")
+        if axes is None:
+            return None
+        return Placement(name, axes, rule.span)
+
+    def rule_fits(self, leaf: Leaf, p: Placement, stmt: ast.ShardStmt) -> bool:
+        path = ".".join(leaf.path)
+        if p.rule == "replicate":
+            return True
+        if not leaf.shardable:
+            self.error("E0405", f"`{path}` is a {leaf.kind}; it cannot be sharded with `{p.rule}`", stmt.rule.span,
+                       label="not shardable", help=f"{leaf.kind} parameters are small and stay replicated: use `replicate` or remove the rule")
+            return False
+        if leaf.kind == "embedding" and p.rule != "vocab_parallel":
+            self.error("E0405", f"embedding `{path}` can only be `vocab_parallel` or `replicate`", stmt.rule.span,
+                       label=f"`{p.rule}` is not supported for embeddings",
+                       help=f"use `vocab_parallel({', '.join(p.axes)})`: it splits the vocabulary rows")
+            return False
+        if leaf.kind == "linear" and p.rule == "vocab_parallel":
+            self.error("E0405", f"`vocab_parallel` applies to embeddings; `{path}` is a linear layer", stmt.rule.span,
+                       label="not an embedding",
+                       help=f"use `column({', '.join(p.axes)})`: for an output projection it splits the vocabulary")
+            return False
+        return True
+
+    def match_path(self, path: ast.Path) -> list[tuple[Leaf, frozenset[int] | None]]:
+        """Leaves a pattern matches, with the blocks it covers for leaves inside the repeat."""
+        segs = path.segments
+        hits: list[tuple[Leaf, frozenset[int] | None]] = []
+        for item, _unit, leaf in self.model.leaves():
+            if isinstance(item, Repeat):
+                if len(segs) != len(leaf.path) + 2 or not _seg_matches(segs[0], item.name):
+                    continue
+                idx = segs[1]
+                if idx.kind == "star":
+                    blocks = None
+                elif idx.kind == "index":
+                    if idx.index >= item.count:
+                        continue
+                    blocks = frozenset([idx.index])
+                else:
+                    continue
+                if all(_seg_matches(s, n) for s, n in zip(segs[2:], leaf.path)):
+                    hits.append((leaf, blocks))
+            elif len(segs) == len(leaf.path) and all(_seg_matches(s, n) for s, n in zip(segs, leaf.path)):
+                hits.append((leaf, None))
+        if hits:
+            # every alternative in `{a,b}` must name something, or the rule silently matches less
+            for s in segs:
+                if s.kind == "alt":
+                    for n in s.names:
+                        if not any(n in (leaf.path) or (isinstance(item, Repeat) and n == item.name)
+                                   for item, _, leaf in self.model.leaves()):
+                            self.error("E0502", f"`{n}` in `{path}` matches no layer", s.span, label=f"no layer `{n}`",
+                                       help=did_you_mean(n, {p for _, _, lf in self.model.leaves() for p in lf.path}))
+            return hits
+        self.error("E0502", f"rule `{path}` matches no layer", path.span, label="matches nothing",
+                   help=self.path_help(path))
+        return []
+
+    def path_help(self, path: ast.Path) -> str:
+        segs = path.segments
+        rep = self.repeat
+        if rep is not None and segs and _seg_matches(segs[0], rep.name) and len(segs) > 1 and segs[1].kind == "index":
+            if segs[1].index >= rep.count:
+                return f"`{rep.name}` has {rep.count} blocks, numbered 0 to {rep.count - 1}"
+        # A pattern naming a composite (attention, mlp): list its layers.
+        text = str(path)
+        for item, unit, leaf in self.model.leaves():
+            prefix = (f"{item.name}.*." if isinstance(item, Repeat) else "") + unit.name
+            if text == prefix or text.endswith("." + unit.name) and len(unit.leaves) > 1:
+                names = ",".join(lf.name for lf in unit.leaves)
+                return f"`{unit.name}` is a {unit.kind}; its layers are {{{names}}}: e.g. `{prefix}.{{{names}}}`"
+        paths = []
+        for item, _, leaf in self.model.leaves():
+            paths.append((f"{item.name}.*." if isinstance(item, Repeat) else "") + ".".join(leaf.path))
+        return "layers are " + ", ".join(dict.fromkeys(paths))
+
+    # -- placements per leaf, coverage, overlap, divisibility
+    def placements(self, by_leaf: dict[Leaf, list[_Match]]) -> tuple[dict[str, Placement], tuple[BlockClass, ...]]:
+        any_rules = bool(by_leaf)
+        top: dict[str, Placement] = {}
+        per_leaf_default: dict[tuple[str, ...], Placement] = {}
+        per_leaf_exceptions: dict[tuple[str, ...], dict[int, Placement]] = {}
+        units_needed: dict[tuple[tuple[str, ...], int], list[tuple[str, int, Placement]]] = {}
+        for item, _unit, leaf in self.model.leaves():
+            ms = by_leaf.get(leaf, [])
+            in_repeat = isinstance(item, Repeat)
+            self.overlaps(leaf, ms, item)
+            full = ".".join(leaf.path)
+            if in_repeat:
+                default = next((m.placement for m in ms if m.blocks is None), None)
+                exceptions: dict[int, Placement] = {}
+                for m in ms:
+                    if m.blocks is not None:
+                        for b in m.blocks:
+                            exceptions.setdefault(b, m.placement)
+                if default is None and any_rules and leaf.shardable:
+                    missing = [b for b in range(item.count) if b not in exceptions]
+                    if missing:
+                        self.uncovered(leaf, f"{item.name}.{_blocks_text(missing)}.{full}")
+                per_leaf_default[leaf.path] = default or REPLICATE
+                per_leaf_exceptions[leaf.path] = exceptions
+                placements = [default or REPLICATE, *exceptions.values()]
+            else:
+                if not ms and any_rules and leaf.shardable:
+                    self.uncovered(leaf, full)
+                top[full] = ms[0].placement if ms else REPLICATE
+                placements = [top[full]]
+            for p in placements:
+                self.divisibility(leaf, p)
+        self.tied(top)
+        classes = self.block_classes(per_leaf_default, per_leaf_exceptions)
+        return top, classes
+
+    def overlaps(self, leaf: Leaf, ms: list[_Match], item: object) -> None:
+        for i, a in enumerate(ms):
+            for b in ms[:i]:
+                if a.blocks is not None and b.blocks is not None and not (a.blocks & b.blocks):
+                    continue
+                if a.blocks is not None and b.blocks is None or a.blocks is None and b.blocks is not None:
+                    # A rule for specific blocks refines a rule for all blocks only if it is explicit;
+                    # silently picking one would be the bug this checker exists to catch.
+                    pass
+                where = ".".join(leaf.path)
+                if isinstance(item, Repeat):
+                    where = f"{item.name}.{'*' if a.blocks is None and b.blocks is None else _blocks_text(sorted((a.blocks or b.blocks or frozenset())))}.{where}"
+                self.error("E0503", f"`{where}` is matched by two rules", a.span, label=f"{a.text} also matches it",
+                           secondary=(Label(b.span, f"first matched by {b.text}"),) if b.span else (),
+                           help="make the patterns disjoint: every parameter must be placed by exactly one rule")
+                return
+
+    def uncovered(self, leaf: Leaf, where: str) -> None:
+        self.error("E0501", f"`{where}` is not placed by any rule", self.decl.name.span,
+                   label=f"plan `{self.decl.name.value}` leaves it out",
+                   secondary=(Label(leaf.span, f"`{leaf.name}` declared here"),) if leaf.span else (),
+                   help=f"add `shard {where} replicate` or a sharding rule; a plan with rules must place every parameter")
+
+    def divisibility(self, leaf: Leaf, p: Placement) -> None:
+        if not p.sharded:
+            return
+        n = self.mesh.size(*p.axes)
+        units = leaf.in_units if p.rule == "row" else leaf.out_units
+        axes_text = " x ".join(p.axes)
+        for unit_name, count in units:
+            if count % n == 0:
+                continue
+            key = (p.span.start if p.span else 0, unit_name, axes_text)
+            if key in getattr(self, "_reported", set()):
+                continue
+            self._reported = getattr(self, "_reported", set()) | {key}
+            all_units = self.units_over(p.axes)
+            common = math.gcd(*[c for _, c in all_units]) if all_units else count
+            listing = " and ".join(f"{c} {u}" for u, c in all_units) or f"{count} {unit_name}"
+            self.error(
+                "E0301",
+                f"`{unit_name}` ({count}) is not divisible by {axes_text} ({n})",
+                p.span,
+                label=f"splits {count} {unit_name} over {n} devices",
+                secondary=tuple(lab for a in p.axes for lab in self.axis_label(a)),
+                help=f"{axes_text} must divide {listing}: use {or_list(divisors(common))}",
+            )
+
+    def units_over(self, axes: tuple[str, ...]) -> list[tuple[str, int]]:
+        """Every (unit, count) this plan splits over exactly these axes, for a help line."""
+        seen: dict[str, int] = {}
+        for stmt in self.decl.body:
+            if isinstance(stmt, ast.ShardStmt) and tuple(a.value for a in stmt.rule.axes) == axes:
+                for leaf, _ in self._quiet_match(stmt.path):
+                    for u, c in (leaf.in_units if stmt.rule.name.value == "row" else leaf.out_units):
+                        seen.setdefault(u, c)
+            if isinstance(stmt, ast.LayoutStmt):
+                for e in stmt.entries:
+                    if tuple(a.value for a in e.axes) == axes and e.dim.value != "batch":
+                        for _, _, leaf in self.model.leaves():
+                            for u, c in leaf.in_units + leaf.out_units:
+                                if u == e.dim.value:
+                                    seen.setdefault(u, c)
+        return list(seen.items())
+
+    def _quiet_match(self, path: ast.Path) -> list[tuple[Leaf, object]]:
+        saved, self.diagnostics = self.diagnostics, []
+        failed = self.failed
+        try:
+            return self.match_path(path)  # type: ignore[return-value]
+        finally:
+            self.diagnostics, self.failed = saved, failed
+
+    def tied(self, top: dict[str, Placement]) -> None:
+        for _, _, leaf in self.model.leaves():
+            if leaf.tie is None:
+                continue
+            mine, theirs = top.get(".".join(leaf.path), REPLICATE), top.get(leaf.tie, REPLICATE)
+            same = (mine.sharded, mine.axes) == (theirs.sharded, theirs.axes)
+            if not same:
+                self.error("E0408", f"`{leaf.name}` shares its weight with `{leaf.tie}` but is placed differently",
+                           mine.span or leaf.span, label=f"{mine.rule}{'(' + ', '.join(mine.axes) + ')' if mine.axes else ''}",
+                           secondary=(Label(theirs.span, f"`{leaf.tie}` is {theirs.rule}"),) if theirs.span else (),
+                           help=f"tied weights have one placement: shard both `{leaf.tie}` vocab_parallel(T) and `{leaf.name}` column(T) over the same axes, or replicate both")
+
+    def block_classes(self, default: dict[tuple[str, ...], Placement], exceptions: dict[tuple[str, ...], dict[int, Placement]]) -> tuple[BlockClass, ...]:
+        rep = self.repeat
+        if rep is None:
+            return ()
+        special = sorted({b for ex in exceptions.values() for b in ex})
+        combos: dict[tuple[tuple[str, Placement], ...], list[int]] = {}
+        base = tuple((".".join(p), pl) for p, pl in default.items())
+        rest = [b for b in range(rep.count) if b not in set(special)]
+        if rest:
+            combos.setdefault(base, []).extend(rest)
+        for b in special:
+            key = tuple((".".join(p), exceptions[p].get(b, pl)) for p, pl in default.items())
+            combos.setdefault(key, []).append(b)
+        classes = []
+        for key, idx in sorted(combos.items(), key=lambda kv: min(kv[1])):
+            flows = block_flows(rep, dict(key), self, f"{rep.name}.{_blocks_text(sorted(idx))}")
+            classes.append(BlockClass(tuple(sorted(idx)), key, tuple(flows)))
+        return tuple(classes)
+
+    # -- loss
+    def loss(self, top: dict[str, Placement]) -> Placement:
+        last = self.model.items[-1]
+        head = top.get(last.name) if isinstance(last, Unit) and last.kind == "linear" else None
+        logits = head if head is not None else REPLICATE
+        inferred = Placement("vocab_parallel", logits.axes) if logits.rule == "column" and logits.sharded else REPLICATE
+        stmt = next((s for s in self.decl.body if isinstance(s, ast.LossStmt)), None)
+        if head is not None and head.rule == "row" and head.sharded:
+            self.error("E0404", f"`{last.name}` is row-parallel, so its logits are partial sums entering the loss",
+                       head.span, label="logits are Partial over " + " x ".join(head.axes),
+                       help=f"make `{last.name}` `column({', '.join(head.axes)})` with a vocab-parallel loss, or `replicate`")
+            return inferred
+        if stmt is None:
+            return inferred
+        name = stmt.rule.name.value
+        if name not in ("cross_entropy", "vocab_parallel"):
+            self.error("E0406", f"unknown loss `{name}`", stmt.rule.name.span, label="not a loss",
+                       help="use `cross_entropy` or `vocab_parallel(AXIS)`")
+            return inferred
+        axes = self.check_axes(stmt.rule.axes, "the loss") if name == "vocab_parallel" else ()
+        if axes is None:
+            return inferred
+        if name == "vocab_parallel" and inferred.axes != axes:
+            got = "replicated (gathered)" if not inferred.sharded else f"sharded over {' x '.join(inferred.axes)}"
+            self.error("E0404", f"the loss expects logits sharded over {' x '.join(axes) or 'nothing'} but they are {got}",
+                       stmt.rule.span, label="loss layout", secondary=(Label(head.span, "logits placed here"),) if head and head.span else (),
+                       help=f"shard `{last.name}` with `column({', '.join(axes)})`, or use `loss cross_entropy`")
+        if name == "cross_entropy" and inferred.sharded:
+            self.error("E0404", f"`cross_entropy` needs full logits but `{last.name}` shards them over {' x '.join(inferred.axes)}",
+                       stmt.rule.span, label="expects replicated logits",
+                       help=f"use `loss vocab_parallel({', '.join(inferred.axes)})`: it never gathers the logits")
+        return inferred
+
+    # -- pipeline
+    def stages(self, top: dict[str, Placement], classes: tuple[BlockClass, ...]) -> tuple[tuple[Stage, ...], str | None, int]:
+        stmts = [s for s in self.decl.body if isinstance(s, ast.StagesStmt)]
+        model = self.model
+        if not stmts:
+            return (Stage(0, 0, tuple(StagePiece(i.name, 0 if isinstance(i, Repeat) else None, i.count if isinstance(i, Repeat) else None) for i in model.items), model.numel),), None, 1
+        stmt = stmts[0]
+        for extra in stmts[1:]:
+            self.error("E0201", "`stages` is declared twice", extra.span, label="second declaration",
+                       secondary=(Label(stmt.span, "first here"),), help="declare the stage map once")  # type: ignore[arg-type]
+        axes = self.check_axes([stmt.axis], "stages")
+        if axes is None:
+            return (), None, 1
+        axis = axes[0]
+        p = self.mesh.size(axis)
+        virtual = 1
+        if stmt.virtual is not None:
+            virtual = self.eval_int(stmt.virtual, {}, "virtual stages") or 1
+        count = p * virtual
+        rep = self.repeat
+        if stmt.balanced:
+            return self.balanced(stmt, axis, p, virtual), axis, virtual
+        stages: list[Stage] = []
+        seen_items: dict[str, ast.StageItem] = {}
+        order = {i.name: k for k, i in enumerate(model.items)}
+        position = (-1, 0)  # (item order, next block) the next piece must start at
+        for k, entry in enumerate(stmt.entries):
+            if entry.index.value != k:
+                self.error("E0603", f"stage {entry.index.value} is out of order", entry.index.span,
+                           label=f"expected stage {k}", help="number stages 0, 1, 2, ... in order")
+            pieces: list[StagePiece] = []
+            for it in entry.items:
+                name = it.name.value
+                item = model.item(name)
+                if item is None:
+                    self.error("E0202", f"unknown layer `{name}` in the stage map", it.name.span, label="no such layer",
+                               help=did_you_mean(name, [i.name for i in model.items]))
+                    continue
+                if isinstance(item, Repeat):
+                    start, stop = (it.start, it.stop) if it.start is not None else (0, item.count)
+                    assert start is not None and stop is not None
+                    if not (0 <= start < stop <= item.count):
+                        self.error("E0609", f"`{name}[{start}:{stop}]` is not a valid block range", it.span,
+                                   label=f"`{name}` has blocks 0 to {item.count - 1}",
+                                   help=f"use a range within [0:{item.count}] with start < stop")
+                        continue
+                else:
+                    if it.start is not None:
+                        self.error("E0609", f"`{name}` is a single layer and cannot be sliced", it.span,
+                                   label="not a repeat", help=f"write `{name}` without a range")
+                        continue
+                    start = stop = None  # type: ignore[assignment]
+                    if name in seen_items:
+                        self.error("E0602", f"`{name}` is in two stages", it.span, label="again here",
+                                   secondary=(Label(seen_items[name].span, "first here"),),  # type: ignore[arg-type]
+                                   help="every layer belongs to exactly one stage")
+                        continue
+                    seen_items[name] = it
+                here = (order[name], start or 0)
+                if here < position:
+                    self.error("E0603", f"`{it.name.value}{'' if start is None else f'[{start}:{stop}]'}` is out of order",
+                               it.span, label="comes before an earlier stage's layers",
+                               help="stages must hold the model's layers contiguously and in order")
+                elif isinstance(item, Repeat) and here > position and position[0] == order[name]:
+                    self.error("E0601", f"blocks {position[1]} to {start - 1} of `{name}` are in no stage", it.span,
+                               label=f"starts at {start}", help=f"start this range at {position[1]}")
+                elif isinstance(item, Repeat) and position[0] < order[name] and start != 0:
+                    self.error("E0601", f"blocks 0 to {start - 1} of `{name}` are in no stage", it.span,
+                               label=f"starts at {start}", help=f"start the first range of `{name}` at 0")
+                position = (order[name], stop if stop is not None else 0) if isinstance(item, Repeat) else (order[name] + 1, 0)
+                pieces.append(StagePiece(name, start, stop))
+            if not pieces:
+                self.error("E0605", f"stage {k} holds no layers", entry.span, label="empty stage",
+                           help="every stage needs at least one layer; use fewer stages or move layers here")
+            stages.append(Stage(k, k % p, tuple(pieces), self.stage_numel(pieces, top)))
+        # coverage of every item and every block
+        for item in model.items:
+            if isinstance(item, Repeat):
+                covered = sorted(b for s in stages for pc in s.pieces if pc.item == item.name for b in range(pc.start or 0, pc.stop or 0))
+                if len(covered) != len(set(covered)):
+                    dup = sorted({b for b in covered if covered.count(b) > 1})
+                    self.error("E0602", f"blocks {_blocks_text(dup)} of `{item.name}` are in two stages", stmt.span,
+                               label="overlapping ranges", help="block ranges of consecutive stages must not overlap")
+                missing = sorted(set(range(item.count)) - set(covered))
+                if missing and not self.failed:
+                    self.error("E0601", f"blocks {_blocks_text(missing)} of `{item.name}` are in no stage", stmt.span,
+                               label="stage map", help=f"the stages must cover `{item.name}[0:{item.count}]` exactly once")
+            elif item.name not in seen_items:
+                self.error("E0601", f"`{item.name}` is in no stage", stmt.span, label="stage map",
+                           help=f"add `{item.name}` to the {'first' if order[item.name] == 0 else 'stage that holds its neighbours'}")
+        if len(stmt.entries) != count:
+            self.error("E0604", f"{len(stmt.entries)} stages for a pipeline of {count}", stmt.span,
+                       label=f"`{axis}` = {p}" + (f" x virtual {virtual}" if virtual > 1 else ""),
+                       secondary=self.axis_label(axis),
+                       help=f"declare exactly {count} stages ({axis} size {p}" + (f" x {virtual} virtual" if virtual > 1 else "") + ")")
+        self.imbalance(stages, stmt)
+        return tuple(stages), axis, virtual
+
+    def balanced(self, stmt: ast.StagesStmt, axis: str, p: int, virtual: int) -> tuple[Stage, ...]:
+        count = p * virtual
+        rep = self.repeat
+        if rep is None:
+            self.error("E0608", "`balanced` needs a repeated block stack to split", stmt.span,
+                       label="no repeat in this model", help="list the stages explicitly")
+            return ()
+        if rep.count % count:
+            fits = [d for d in divisors(rep.count)]
+            self.error("E0608", f"{rep.count} blocks cannot be split evenly over {count} stages", stmt.span,
+                       label=f"{axis} = {p}" + (f" x virtual {virtual}" if virtual > 1 else ""),
+                       secondary=self.axis_label(axis),
+                       help=f"stage count ({axis} x virtual) must divide {rep.count}: use {or_list(fits)}, or list the stages explicitly")
+            return ()
+        per = rep.count // count
+        order = [i.name for i in self.model.items]
+        ri = order.index(rep.name)
+        stages = []
+        top_placeholder: dict[str, Placement] = {}
+        for k in range(count):
+            pieces = []
+            if k == 0:
+                pieces += [StagePiece(n) for n in order[:ri]]
+            pieces.append(StagePiece(rep.name, k * per, (k + 1) * per))
+            if k == count - 1:
+                pieces += [StagePiece(n) for n in order[ri + 1 :]]
+            stages.append(Stage(k, k % p, tuple(pieces), self.stage_numel(pieces, top_placeholder)))
+        self.imbalance(stages, stmt)
+        return tuple(stages)
+
+    def stage_numel(self, pieces: Iterable[StagePiece], top: dict[str, Placement]) -> int:
+        total = 0
+        for pc in pieces:
+            item = self.model.item(pc.item)
+            if isinstance(item, Repeat):
+                total += (pc.stop - pc.start) * item.numel_per_block  # type: ignore[operator]
+            elif item is not None:
+                total += item.numel
+                for leaf in item.leaves:
+                    if leaf.tie is not None:
+                        tied = self.model.item(leaf.tie)
+                        # A tied weight on another stage is held there too (a synchronised copy).
+                        if tied is not None and all(q.item != leaf.tie for q in pieces):
+                            total += tied.numel
+        return total
+
+    def imbalance(self, stages: Sequence[Stage], stmt: ast.StagesStmt) -> None:
+        if len(stages) < 2:
+            return
+        sizes = [s.numel for s in stages]
+        mean = sum(sizes) / len(sizes)
+        worst = max(stages, key=lambda s: s.numel)
+        if mean and worst.numel > 1.25 * mean:
+            listing = ", ".join(f"{_human(s.numel)}" for s in stages)
+            self.warn("W0701", f"stage {worst.index} holds {worst.numel / mean:.2f}x the mean parameter count",
+                      stmt.span, label=f"parameters per stage: {listing}",
+                      help="the slowest stage sets the pace of the pipeline: move blocks off stage "
+                      f"{worst.index}, or give the embedding / head stages fewer blocks",
+                      note="the pipeline waits for its slowest stage")
+
+    def schedule(self, pipeline_axis: str | None, virtual: int) -> str:
+        stmt = next((s for s in self.decl.body if isinstance(s, ast.ScheduleStmt)), None)
+        default = "interleaved_1f1b" if virtual > 1 else ("1f1b" if pipeline_axis else "gpipe")
+        if stmt is None:
+            return default
+        name = stmt.name.value
+        if name not in SCHEDULES:
+            self.error("E0607", f"unknown schedule `{name}`", stmt.name.span, label="not a schedule",
+                       help=f"use {or_list(f'`{s}`' for s in SCHEDULES)}")
+            return default
+        if name == "interleaved_1f1b" and virtual < 2:
+            self.error("E0607", "`interleaved_1f1b` needs virtual stages", stmt.name.span, label="no `virtual N` on the stages",
+                       help="write `stages over AXIS virtual 2 ...` (each rank then runs 2 stages)")
+        if name != "interleaved_1f1b" and virtual > 1:
+            self.error("E0607", f"virtual stages need the `interleaved_1f1b` schedule, not `{name}`", stmt.name.span,
+                       label="does not interleave", help="use `schedule interleaved_1f1b`, or drop `virtual`")
+        return name
+
+    def batch_checks(self, batch: int, micro: int, batch_axes: tuple[str, ...], settings: dict[str, ast.Setting],
+                     stages: Sequence[Stage], schedule: str) -> None:
+        dp = self.mesh.size(*batch_axes) if batch_axes else 1
+        span = settings["batch"].value.span if "batch" in settings else self.decl.name.span
+        if batch % (dp * micro):
+            parts = " x ".join([*(f"{a} ({self.mesh.size(a)})" for a in batch_axes), f"microbatches ({micro})"])
+            ok = [b for b in range(dp * micro, dp * micro * 5, dp * micro)]
+            self.error("E0305", f"batch {batch} does not split into {parts}", span,
+                       label=f"not a multiple of {dp * micro}",
+                       secondary=(Label(settings["microbatches"].value.span, "microbatches here"),) if "microbatches" in settings and settings["microbatches"].value.span else (),  # type: ignore[arg-type]
+                       help=f"batch must be a multiple of {dp * micro}: e.g. {or_list(ok)}")
+        pipeline = len({s.coord for s in stages})
+        if pipeline > 1 and micro < pipeline:
+            ms = settings.get("microbatches")
+            where = ms.value.span if ms is not None else self.decl.name.span
+            if schedule in ("1f1b", "interleaved_1f1b"):
+                self.error("E0606", f"`{schedule}` needs at least as many microbatches as pipeline stages ({micro} < {pipeline})",
+                           where, label=f"{micro} microbatches", help=f"use microbatches >= {pipeline} (and batch divisible by it)",
+                           note="with fewer microbatches than stages 1F1B cannot fill the pipeline and hangs in torch")
+            else:
+                self.warn("W0703", f"{micro} microbatches for {pipeline} pipeline stages", where,
+                          label="fewer microbatches than stages",
+                          help=f"use at least {pipeline} (bubble is (p - 1) / (m + p - 1) = {(pipeline - 1) / (micro + pipeline - 1):.0%} now)")
+        if schedule == "interleaved_1f1b" and pipeline > 1 and micro % pipeline:
+            ms = settings.get("microbatches")
+            self.error("E0606", f"`interleaved_1f1b` needs microbatches divisible by the pipeline size ({micro} % {pipeline} != 0)",
+                       ms.value.span if ms is not None else self.decl.name.span, label=f"{micro} microbatches",
+                       help=f"use a multiple of {pipeline}")
+
+    def optimizer(self, batch_axes: tuple[str, ...]) -> tuple[str, tuple[tuple[str, object], ...], int, tuple[str, ...]]:
+        stmt = next((s for s in self.decl.body if isinstance(s, ast.OptimizerStmt)), None)
+        if stmt is None:
+            return "adamw", (), 0, ()
+        if stmt.name.value not in ("adamw", "adam", "sgd"):
+            self.error("E0203", f"unknown optimizer `{stmt.name.value}`", stmt.name.span, label="not an optimizer",
+                       help="use `adamw`, `adam` or `sgd`")
+        settings = []
+        for s in stmt.settings:
+            if s.name.value not in _OPT_SETTINGS:
+                self.error("E0203", f"unknown optimizer setting `{s.name.value}`", s.name.span, label="not a setting",
+                           help=did_you_mean(s.name.value, _OPT_SETTINGS))
+                continue
+            v = self.eval(s.value, {})
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                self.error("E0304", f"`{s.name.value}` must be a number", s.value.span)
+                continue
+            settings.append((s.name.value, float(v)))
+        zero, zero_axes = 0, ()
+        if stmt.zero is not None:
+            zero = stmt.zero.stage.value
+            if zero not in (0, 1, 2, 3):
+                self.error("E0203", f"ZeRO stage {zero} does not exist", stmt.zero.stage.span, label="not 0, 1, 2 or 3",
+                           help="zero 1 shards optimizer states, 2 also gradients, 3 also parameters")
+            axes = self.check_axes(stmt.zero.axes, "zero") if stmt.zero.axes else batch_axes
+            if axes is not None:
+                zero_axes = axes
+                if not batch_axes and zero:
+                    self.error("E0407", "ZeRO shards over the data-parallel axes, but this plan has none",
+                               stmt.zero.span, label=f"zero {zero}",
+                               help="add `layout { batch -> data }` so the batch (and the optimizer states) split over an axis")
+                elif set(axes) != set(batch_axes) and zero:
+                    self.error("E0407", f"ZeRO must shard over the batch axes ({' x '.join(batch_axes)}), not {' x '.join(axes)}",
+                               stmt.zero.span, label="not the data-parallel axes",
+                               help=f"write `zero {zero} over {' * '.join(batch_axes)}`: only ranks holding the same parameters can share their optimizer states")
+        return stmt.name.value, tuple(settings), zero, zero_axes
+
+    def axis_usage(self, top: dict[str, Placement], classes: tuple[BlockClass, ...], pipeline_axis: str | None,
+                   batch_axes: tuple[str, ...]) -> None:
+        shard_axes: dict[str, Span | None] = {}
+        for p in [*top.values(), *(pl for c in classes for _, pl in c.placements)]:
+            for a in p.axes:
+                shard_axes.setdefault(a, p.span)
+        roles: dict[str, str] = {}
+        if pipeline_axis:
+            roles[pipeline_axis] = "the pipeline"
+        for a in batch_axes:
+            if a in roles:
+                self.error("E0407", f"axis `{a}` is both {roles[a]} and a batch axis", self.decl.name.span,
+                           label=f"plan `{self.decl.name.value}`", help="give each mesh axis one role")
+            roles.setdefault(a, "a batch axis")
+        for a, span in shard_axes.items():
+            if a in roles:
+                self.error("E0407", f"axis `{a}` is {roles[a]}; parameters cannot also be sharded over it", span,
+                           label=f"shards over `{a}`",
+                           help="shard parameters over a separate tensor axis; to shard them over the data axis use `optimizer adamw { zero 3 }`")
+            if self.mesh.hosts > 1 and self.mesh.crosses_hosts(a):
+                self.warn("W0702", f"tensor-parallel axis `{a}` spans hosts", span, label="collectives cross the network every layer",
+                          secondary=self.axis_label(a),
+                          help="put the tensor axis last in `axes` (last varies fastest) and keep its size within devices per host "
+                          f"({self.mesh.devices_per_host})")
+        used = set(shard_axes) | set(roles)
+        for a in self.mesh.axes:
+            if a.name not in used and a.size > 1:
+                self.warn("W0704", f"mesh axis `{a.name}` is not used by plan `{self.decl.name.value}`", self.decl.name.span,
+                          label="every rank along it does identical work", secondary=self.axis_label(a.name),
+                          help=f"use it: `layout {{ batch -> {a.name} }}` for data parallelism, a `shard` rule, or `stages over {a.name}`")
+
+
+def _seg_matches(seg: ast.PathSegment, name: str) -> bool:
+    if seg.kind == "star":
+        return True
+    if seg.kind in ("name", "alt"):
+        return name in seg.names
+    return False
+
+
+def _blocks_text(blocks: Sequence[int]) -> str:
+    if not blocks:
+        return "{}"
+    if len(blocks) == 1:
+        return str(blocks[0])
+    runs = []
+    start = prev = blocks[0]
+    for b in list(blocks[1:]) + [None]:  # type: ignore[list-item]
+        if b is not None and b == prev + 1:
+            prev = b
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if b is not None:
+            start = prev = b
+    return "{" + ",".join(runs) + "}"
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return str(n)

@@ -1,0 +1,159 @@
+"""`meshc`: the command line. Exit codes: 0 ok, 1 errors in a spec, 2 usage or internal error."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from meshllm_dsl.diagnostics import Diagnostic, SpecError, render_all, to_json
+
+EXIT_OK, EXIT_SPEC, EXIT_USAGE = 0, 1, 2
+
+
+class UsageError(Exception):
+    pass
+
+
+def _existing(paths: Sequence[str]) -> list[str]:
+    missing = [p for p in paths if not Path(p).is_file()]
+    if missing:
+        raise UsageError(f"no such file: {', '.join(missing)}")
+    return list(paths)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from meshllm_dsl.check import check_file
+
+    diags: list[Diagnostic] = []
+    for path in _existing(args.files):
+        diags.extend(check_file(path).diagnostics)
+    if args.format == "json":
+        print(to_json(diags))
+    else:
+        text = render_all(diags)
+        if text:
+            print(text, end="", file=sys.stderr if any(d.is_error for d in diags) else sys.stdout)
+        if not any(d.is_error for d in diags):
+            n = len(args.files)
+            print(f"ok: {n} file{'s' if n != 1 else ''} checked")
+    failed = any(d.is_error for d in diags) or (args.deny_warnings and diags)
+    return EXIT_SPEC if failed else EXIT_OK
+
+
+def cmd_fmt(args: argparse.Namespace) -> int:
+    from meshllm_dsl.fmt import format_text
+
+    status = EXIT_OK
+    for path in _existing(args.files):
+        text = Path(path).read_bytes().decode("utf-8", errors="replace")
+        try:
+            formatted = format_text(text, path)
+        except SpecError as err:
+            print(render_all(err.diagnostics), end="", file=sys.stderr)
+            status = EXIT_SPEC
+            continue
+        if args.check:
+            if formatted != text:
+                print(f"would reformat {path}")
+                status = EXIT_SPEC
+        elif args.write:
+            if formatted != text:
+                Path(path).write_text(formatted)
+                print(f"reformatted {path}")
+        else:
+            sys.stdout.write(formatted)
+    return status
+
+
+def cmd_explain_error(args: argparse.Namespace) -> int:
+    from meshllm_dsl.codes import CODES, explain
+
+    text = explain(args.code)
+    if text is None:
+        raise UsageError(f"unknown code {args.code!r}; codes: {', '.join(CODES)}")
+    print(text, end="")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="meshc",
+        description="Check and compile .mesh specs: how a large language model is split over devices.",
+    )
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    c = sub.add_parser("check", help="parse and check specs; print every diagnostic")
+    c.add_argument("files", nargs="+", metavar="FILE")
+    c.add_argument("--format", choices=("text", "json"), default="text")
+    c.add_argument("--deny-warnings", action="store_true", help="exit 1 on warnings too")
+    c.set_defaults(func=cmd_check)
+
+    f = sub.add_parser("fmt", help="print specs in canonical format")
+    f.add_argument("files", nargs="+", metavar="FILE")
+    g = f.add_mutually_exclusive_group()
+    g.add_argument("--check", action="store_true", help="only report files that would change (exit 1)")
+    g.add_argument("--write", "-w", action="store_true", help="rewrite files in place")
+    f.set_defaults(func=cmd_fmt)
+
+    e = sub.add_parser("explain-error", help="explain a diagnostic code, e.g. E0301")
+    e.add_argument("code")
+    e.set_defaults(func=cmd_explain_error)
+
+    for register in _EXTENSIONS:
+        register(sub)
+    return p
+
+
+# Later stages (compile, run, verify, plan, explain) register their subcommands here, so the
+# front end's commands never import torch.
+_EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = []  # type: ignore[type-arg]
+
+
+def _load_extensions() -> None:
+    import importlib
+
+    for name in ("meshllm_dsl.cli_compile", "meshllm_dsl.cli_plan"):
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name != name:
+                raise
+            continue
+        _EXTENSIONS.append(module.register)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    _load_extensions()
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    try:
+        return int(args.func(args))
+    except UsageError as err:
+        print(f"meshc: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except SpecError as err:
+        print(render_all(err.diagnostics), end="", file=sys.stderr)
+        return EXIT_SPEC
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        return EXIT_OK
+    except Exception:  # noqa: BLE001 - the contract: internal errors exit 2 with a report, not a raw traceback
+        print("meshc: internal error (please report it with the spec that caused it):", file=sys.stderr)
+        print(traceback.format_exc(limit=-3), file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _json_dump(obj: object) -> str:
+    return json.dumps(obj, indent=2, sort_keys=False)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""Every diagnostic code with a one-paragraph explanation (`meshc explain-error CODE`)."""
+
+from __future__ import annotations
+
+CODES: dict[str, tuple[str, str]] = {
+    "E0101": ("unexpected token", "The parser met a token that cannot appear at this point of the grammar "
+              "(grammar/mesh.lark). The help line lists what the parser would have accepted there. Only the first "
+              "syntax error of a file is reported, because everything after it would be guesswork."),
+    "E0102": ("unexpected character", "A character that starts no token of the language, such as `@` or `$`. "
+              "Names are ASCII identifiers, numbers are decimal, comments start with `#`."),
+    "E0103": ("include not found or cyclic", "An `include \"FILE\"` names a file that exists neither next to the "
+              "including file nor in the shipped standard library, or it includes a file that is already being "
+              "included (a cycle). Shared declarations belong in a third file that both include."),
+    "E0201": ("duplicate name", "Two declarations of the same kind share a name: two meshes, models, plans or "
+              "families, two axes of one mesh, two layers of one block, or one setting given twice. Names must be "
+              "unique so that rules and references are unambiguous."),
+    "E0202": ("unknown name", "A reference names something that is not declared: a mesh, model, family, "
+              "mesh axis, dim, layer, primitive or device profile. The help line suggests the closest known name."),
+    "E0203": ("unknown setting or argument", "A setting, keyword argument or option value that the construct "
+              "does not have, such as a misspelled mesh setting, an activation that does not exist or a family "
+              "parameter the family does not declare."),
+    "E0204": ("invalid identifier", "Every name in a spec can reach generated Python code, so names must be plain "
+              "identifiers: not Python keywords, not dunder names, and (for layers and axes) not attributes that "
+              "torch.nn.Module or the generated module already define, such as `forward`. This is what makes it "
+              "impossible for a spec to inject code into generated files."),
+    "E0205": ("missing parameter", "A model does not give a value for a family parameter that has no default, "
+              "or a layer primitive is called without a required argument."),
+    "E0301": ("not divisible", "A sharded tensor dim must split into whole units over the product of its mesh "
+              "axes: heads and kv_heads for attention projections, ffn for the MLP, vocab for embeddings and the "
+              "head. Otherwise some ranks would hold a fraction of a head (or of the vocabulary) and silently "
+              "compute something else. The help line lists the axis sizes that divide every dim split over that "
+              "axis."),
+    "E0302": ("inexact division", "`/` in a dim expression must divide exactly (dims are integers), e.g. "
+              "`head_dim = hidden / heads` needs heads to divide hidden. Also raised for division by zero and for "
+              "grouped-query attention whose heads are not a multiple of kv_heads."),
+    "E0303": ("size must be positive", "Mesh axis sizes, dims, repeat counts and plan sizes must be positive "
+              "integers."),
+    "E0304": ("wrong kind of value", "A value of the wrong type: a number where a name is needed, a float where a "
+              "dim must be an integer, a non-boolean for a flag, or a tie between layers of different shapes."),
+    "E0305": ("batch does not split", "The global batch is divided over the batch (data-parallel) axes and then "
+              "into microbatches, so it must be a multiple of (data axes size) x microbatches."),
+    "E0306": ("device count mismatch", "`devices = N` must equal the product of the axis sizes, and `hosts` must "
+              "divide the device count so every host has the same number of devices."),
+    "E0401": ("axis used twice for one tensor", "A tensor dim can be split over a mesh axis once; listing an axis "
+              "twice in one rule, or a layout that would split both dims of one weight over axes, is rejected."),
+    "E0402": ("layout mismatch at a layer boundary", "Activations carry a layout (Replicate, Shard over axes, "
+              "Partial over axes). A column-parallel layer needs a replicated input and yields a sharded output; "
+              "a row-parallel layer consumes that sharded output. A column layer feeding a column layer, a "
+              "replicated layer fed a sharded activation, attention fed q / k / v laid out differently, or a "
+              "sharded activation reaching the residual stream would each need an implicit gather; meshc makes "
+              "them errors and names the rule that fixes them."),
+    "E0403": ("partial sum reaches a non-linearity", "A row-parallel layer's output is a partial sum: each rank "
+              "holds a term, and the true activation is their sum. Applying a non-linearity (softmax in "
+              "attention, an activation, a norm) to the terms and summing afterwards is not the same as applying "
+              "it to the sum, so the result would be silently wrong. Row layers belong at the end of a sublayer, "
+              "where the sum is taken before the residual add."),
+    "E0404": ("loss input layout", "The loss must match the layout of the logits: full logits take "
+              "`cross_entropy`, logits sharded over the vocabulary take `vocab_parallel(AXIS)` (which never "
+              "gathers them), and partial-sum logits from a row-parallel head are never a valid loss input. "
+              "This is the mistake that makes other tools compute a wrong loss silently."),
+    "E0405": ("rule does not apply to this layer", "A rule used on a layer kind it cannot shard: norms and "
+              "positional embeddings are only replicated, token embeddings are vocab-parallel or replicated, "
+              "`vocab_parallel` is for embeddings (use `column` for a head)."),
+    "E0406": ("unknown rule", "The sharding rules are `column(AXES)`, `row(AXES)`, `vocab_parallel(AXES)` and "
+              "`replicate`; losses are `cross_entropy` and `vocab_parallel(AXES)`."),
+    "E0407": ("axis has two roles", "A mesh axis is the pipeline axis, a batch (data-parallel) axis, or an axis "
+              "parameters are sharded over; not two of these. ZeRO shards optimizer state over exactly the batch "
+              "axes."),
+    "E0408": ("tied weights placed differently", "Layers that share one weight (a head tied to the embedding) "
+              "must place it the same way: `vocab_parallel(T)` for the embedding with `column(T)` for the head "
+              "split the same vocabulary rows."),
+    "E0501": ("parameter not placed", "A plan that has any sharding rule must place every shardable parameter "
+              "exactly once, by a `shard` rule or a layout entry; replicate it explicitly with `replicate` if "
+              "that is what you mean. Silently replicating a forgotten layer is how plans run out of memory."),
+    "E0502": ("rule matches nothing", "A `shard` pattern or layout entry that matches no parameter. Other tools "
+              "skip such keys silently, leaving the layer replicated; meshc rejects them and lists the layer "
+              "paths that exist."),
+    "E0503": ("overlapping rules", "Two rules match the same parameter (for the same blocks). Exactly one rule "
+              "must place each parameter, so the plan reads the same whatever the rule order."),
+    "E0601": ("layer in no stage", "The stage map must cover every top-level layer and every block of the "
+              "repeat exactly once."),
+    "E0602": ("layer in two stages", "A layer or a block appears in more than one stage."),
+    "E0603": ("stages out of order", "Stages are numbered 0, 1, 2, ... and hold the model's layers contiguously "
+              "and in order, because activations flow from stage i to stage i + 1."),
+    "E0604": ("wrong number of stages", "The number of stages must equal the pipeline axis size times the "
+              "virtual stages per rank."),
+    "E0605": ("empty stage", "Every stage must hold at least one layer."),
+    "E0606": ("too few microbatches", "1F1B needs at least as many microbatches as pipeline stages (torch's "
+              "schedule otherwise cannot fill the pipeline and the job hangs); interleaved 1F1B also needs "
+              "microbatches divisible by the pipeline size."),
+    "E0607": ("schedule invalid", "Schedules are `gpipe`, `1f1b` and `interleaved_1f1b`; interleaving requires "
+              "`virtual N` stages per rank, and virtual stages require interleaving."),
+    "E0608": ("cannot balance stages", "`balanced` splits the repeated blocks evenly, so the stage count "
+              "(pipeline size x virtual stages) must divide the number of blocks; otherwise list the stages."),
+    "E0609": ("bad block range", "A stage's block range `blocks[a:b]` must satisfy 0 <= a < b <= count, and "
+              "only repeats can be sliced."),
+    "W0701": ("stage imbalance", "One pipeline stage holds more than 1.25x the mean parameter count. The "
+              "pipeline advances at the pace of its slowest stage, so the others idle."),
+    "W0702": ("tensor axis spans hosts", "Tensor-parallel collectives run in every layer; across the network "
+              "they are an order of magnitude slower than within a host. Put the tensor axis last in `axes` (it "
+              "then varies fastest) and keep it within a host."),
+    "W0703": ("fewer microbatches than stages", "With GPipe and fewer microbatches than stages, the bubble "
+              "(p - 1) / (m + p - 1) is more than half of the step."),
+    "W0704": ("unused mesh axis", "Every rank along an unused axis does identical work: the devices are "
+              "wasted. Use it for data parallelism, sharding or the pipeline, or shrink the mesh."),
+}
+
+
+def explain(code: str) -> str | None:
+    entry = CODES.get(code.upper())
+    if entry is None:
+        return None
+    title, text = entry
+    return f"{code.upper()}: {title}\n\n{text}\n"

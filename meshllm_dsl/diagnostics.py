@@ -1,0 +1,148 @@
+"""Structured diagnostics and their rustc-style rendering.
+
+Every problem the front end finds is a `Diagnostic` with a stable code, a primary span, optional
+secondary labels (a second place involved, such as where an axis was declared) and a `help` line
+that names concrete valid alternatives. Rendering is separate from finding, so tools can ask for JSON.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable, Sequence
+
+import attrs
+
+from meshllm_dsl.source import Span
+
+
+class Severity(enum.Enum):
+    ERROR = "error"
+    WARNING = "warning"
+
+
+@attrs.frozen
+class Label:
+    span: Span
+    message: str
+
+
+@attrs.frozen
+class Diagnostic:
+    code: str
+    message: str
+    span: Span | None
+    label: str = ""
+    secondary: tuple[Label, ...] = ()
+    help: str | None = None
+    note: str | None = None
+
+    @property
+    def severity(self) -> Severity:
+        return Severity.WARNING if self.code.startswith("W") else Severity.ERROR
+
+    @property
+    def is_error(self) -> bool:
+        return self.severity is Severity.ERROR
+
+    def to_json(self) -> dict[str, object]:
+        def where(span: Span) -> dict[str, object]:
+            end_line, end_col = span.source.position(span.end)
+            return {
+                "file": span.file,
+                "line": span.line,
+                "column": span.column,
+                "end_line": end_line,
+                "end_column": end_col,
+            }
+
+        return {
+            "code": self.code,
+            "severity": self.severity.value,
+            "message": self.message,
+            "span": where(self.span) if self.span else None,
+            "label": self.label,
+            "secondary": [{"message": s.message, **where(s.span)} for s in self.secondary],
+            "help": self.help,
+            "note": self.note,
+        }
+
+
+class SpecError(Exception):
+    """Raised by the API when a spec has errors; carries every diagnostic found."""
+
+    def __init__(self, diagnostics: Sequence[Diagnostic]) -> None:
+        self.diagnostics = tuple(diagnostics)
+        super().__init__(render_all(self.diagnostics))
+
+
+def _snippet(span: Span, label: str, mark: str, gutter: int) -> list[str]:
+    """Source lines under `span` with `mark` characters under the exact columns."""
+    source = span.source
+    first_line, first_col = source.position(span.start)
+    last_line, last_col = source.position(max(span.start, span.end - 1) if span.end > span.start else span.start)
+    pad = " " * gutter
+    out: list[str] = []
+    for line in range(first_line, last_line + 1):
+        text = source.line_text(line).replace("\t", " ")
+        out.append(f"{str(line).rjust(gutter)} | {text}")
+        start = first_col if line == first_line else 1
+        if line == last_line:
+            end = last_col + (1 if span.end > span.start else 0)
+        else:
+            end = len(text) + 1
+        width = max(1, end - start)
+        marks = " " * (start - 1) + mark * width
+        if line == last_line and label:
+            marks += " " + label
+        out.append(f"{pad} | {marks.rstrip()}")
+    return out
+
+
+def render(d: Diagnostic) -> str:
+    """One diagnostic in rustc's layout."""
+    lines = [f"{d.severity.value}[{d.code}]: {d.message}"]
+    spans = [s for s in [d.span, *(lab.span for lab in d.secondary)] if s is not None]
+    gutter = max((len(str(s.source.position(s.end)[0])) for s in spans), default=1)
+    pad = " " * gutter
+    if d.span is not None:
+        lines.append(f"{pad}--> {d.span}")
+        lines.append(f"{pad} |")
+        lines.extend(_snippet(d.span, d.label, "^", gutter))
+    for lab in d.secondary:
+        if d.span is None or lab.span.file != d.span.file:
+            lines.append(f"{pad}::: {lab.span}")
+        lines.append(f"{pad} |")
+        lines.extend(_snippet(lab.span, lab.message, "-", gutter))
+    if d.span is not None or d.secondary:
+        lines.append(f"{pad} |")
+    if d.note:
+        lines.append(f"{pad} = note: {d.note}")
+    if d.help:
+        lines.append(f"{pad} = help: {d.help}")
+    return "\n".join(lines)
+
+
+def sort_key(d: Diagnostic) -> tuple[str, int, int, str]:
+    if d.span is None:
+        return ("", 0, 0, d.code)
+    return (d.span.file, d.span.start, d.span.end, d.code)
+
+
+def render_all(diagnostics: Iterable[Diagnostic]) -> str:
+    ds = sorted(diagnostics, key=sort_key)
+    body = "\n\n".join(render(d) for d in ds)
+    errors = sum(d.is_error for d in ds)
+    warnings = len(ds) - errors
+    summary = []
+    if errors:
+        summary.append(f"{errors} error{'s' if errors != 1 else ''}")
+    if warnings:
+        summary.append(f"{warnings} warning{'s' if warnings != 1 else ''}")
+    if not ds:
+        return ""
+    return body + "\n\n" + ", ".join(summary) + " found\n"
+
+
+def to_json(diagnostics: Iterable[Diagnostic]) -> str:
+    return json.dumps([d.to_json() for d in sorted(diagnostics, key=sort_key)], indent=2)

@@ -1,0 +1,372 @@
+"""The checked program: what the checker hands to codegen, the planner and the CLI.
+
+Everything later stages need is resolved here once (dims to integers, every layer's parameters with
+their global shapes, each layer's placement on the mesh, the stage map, the activation layouts and the
+collectives they imply), so no later stage re-derives anything from the AST.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Union
+
+import attrs
+
+from meshllm_dsl.source import Span
+
+Value = Union[int, float, str, bool]
+
+# Rule names a `shard` statement may use.
+RULES = ("column", "row", "vocab_parallel", "replicate")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
+
+
+@attrs.frozen
+class Symbol:
+    """A bare name used as a value (`swiglu`, `bf16`, `embed`) rather than a dim."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+# ---------------------------------------------------------------- meshes
+
+
+@attrs.frozen
+class Axis:
+    name: str
+    size: int
+    span: Span | None = attrs.field(eq=False, default=None)
+
+
+@attrs.frozen
+class MeshIR:
+    name: str
+    axes: tuple[Axis, ...]
+    hosts: int = 1
+    device: str | None = None
+    span: Span | None = attrs.field(eq=False, default=None)
+
+    @property
+    def devices(self) -> int:
+        return math.prod(a.size for a in self.axes)
+
+    @property
+    def devices_per_host(self) -> int:
+        return self.devices // self.hosts
+
+    def axis(self, name: str) -> Axis | None:
+        return next((a for a in self.axes if a.name == name), None)
+
+    def size(self, *names: str) -> int:
+        return math.prod(self.axis(n).size for n in names)  # type: ignore[union-attr]
+
+    def stride(self, name: str) -> int:
+        """Rank distance between neighbours along an axis (last axis varies fastest)."""
+        stride = 1
+        for a in reversed(self.axes):
+            if a.name == name:
+                return stride
+            stride *= a.size
+        raise KeyError(name)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for a in reversed(self.axes):
+            out[a.name] = rank % a.size
+            rank //= a.size
+        return {a.name: out[a.name] for a in self.axes}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for a in self.axes:
+            rank = rank * a.size + coords.get(a.name, 0)
+        return rank
+
+    def groups(self, *names: str) -> list[list[int]]:
+        """The process groups over `names`: ranks that differ only in those axes."""
+        others = [a for a in self.axes if a.name not in names]
+        groups = []
+        for fixed in _product([a.size for a in others]):
+            base = dict(zip((a.name for a in others), fixed))
+            members = []
+            for varying in _product([self.axis(n).size for n in names]):  # type: ignore[union-attr]
+                members.append(self.rank_of({**base, **dict(zip(names, varying))}))
+            groups.append(members)
+        return groups
+
+    def crosses_hosts(self, *names: str) -> bool:
+        per_host = self.devices_per_host
+        return any(len({r // per_host for r in g}) > 1 for g in self.groups(*names))
+
+
+def _product(sizes: list[int]) -> Iterator[tuple[int, ...]]:
+    if not sizes:
+        yield ()
+        return
+    for head in range(sizes[0]):
+        for rest in _product(sizes[1:]):
+            yield (head, *rest)
+
+
+# ---------------------------------------------------------------- models
+
+# A shard unit: a tensor dim may be split only into whole units, e.g. ("heads", 64) for the rows of
+# a q projection (heads x head_dim rows). A fused tensor lists one unit per segment.
+ShardUnit = tuple[str, int]
+
+
+@attrs.frozen
+class Tensor:
+    """One parameter of a layer, e.g. `weight` of shape (out, in) as torch stores it."""
+
+    name: str
+    shape: tuple[int, ...]
+    units: tuple[tuple[ShardUnit, ...], ...]  # per tensor dim: the units it is made of
+    segments: tuple[int, ...] = ()  # sizes of fused segments along dim 0 (qkv), else ()
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@attrs.frozen
+class Leaf:
+    """A layer that owns parameters and can be given a placement (a rule)."""
+
+    name: str  # path inside its unit: "q", or the unit name itself for a single-layer unit
+    path: tuple[str, ...]  # path template inside its repeat (or top level), e.g. ("attn", "q")
+    kind: str  # linear | embedding | positional | rmsnorm | layernorm
+    params: tuple[Tensor, ...]
+    in_units: tuple[ShardUnit, ...] = ()  # what a row rule splits
+    out_units: tuple[ShardUnit, ...] = ()  # what a column / vocab_parallel rule splits
+    tie: str | None = None  # path of the layer whose weight this layer uses
+    span: Span | None = attrs.field(eq=False, default=None)
+
+    @property
+    def shardable(self) -> bool:
+        return self.kind in ("linear", "embedding")
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.params)
+
+
+@attrs.frozen
+class Unit:
+    """A primitive as declared: embedding, positional, linear, a norm, attention or mlp."""
+
+    name: str
+    kind: str
+    attrs: tuple[tuple[str, Value | None], ...]
+    leaves: tuple[Leaf, ...]
+    span: Span | None = attrs.field(eq=False, default=None)
+
+    def attr(self, key: str) -> Value | None:
+        return dict(self.attrs)[key]
+
+    @property
+    def numel(self) -> int:
+        return sum(leaf.numel for leaf in self.leaves)
+
+
+@attrs.frozen
+class Repeat:
+    name: str
+    count: int
+    body: tuple[Unit, ...]
+    span: Span | None = attrs.field(eq=False, default=None)
+
+    @property
+    def numel_per_block(self) -> int:
+        return sum(u.numel for u in self.body)
+
+
+Item = Union[Unit, Repeat]
+
+
+@attrs.frozen
+class ModelIR:
+    name: str
+    values: tuple[tuple[str, Value], ...]  # every dim and setting, resolved
+    items: tuple[Item, ...]
+    dtype: str
+    span: Span | None = attrs.field(eq=False, default=None)
+
+    def value(self, name: str) -> Value | None:
+        return dict(self.values).get(name)
+
+    @property
+    def numel(self) -> int:
+        total = 0
+        for item in self.items:
+            total += item.numel if isinstance(item, Unit) else item.count * item.numel_per_block
+        return total
+
+    def item(self, name: str) -> Item | None:
+        return next((i for i in self.items if i.name == name), None)
+
+    @property
+    def repeat(self) -> Repeat | None:
+        return next((i for i in self.items if isinstance(i, Repeat)), None)
+
+    def leaves(self) -> Iterator[tuple[Item, Unit, Leaf]]:
+        """Every leaf template with its item and unit (a repeat's leaves once, not per block)."""
+        for item in self.items:
+            units = item.body if isinstance(item, Repeat) else (item,)
+            for unit in units:
+                for leaf in unit.leaves:
+                    yield item, unit, leaf
+
+
+# ---------------------------------------------------------------- plans
+
+
+@attrs.frozen
+class Placement:
+    """How one layer's parameters lie on the mesh."""
+
+    rule: str  # column | row | vocab_parallel | replicate
+    axes: tuple[str, ...] = ()
+    span: Span | None = attrs.field(eq=False, default=None)  # the rule (or layout entry) that chose it
+
+    @property
+    def sharded(self) -> bool:
+        return self.rule != "replicate" and bool(self.axes)
+
+    def tensor_dim(self, tensor: Tensor) -> int | None:
+        """Which dim of `tensor` this placement splits (torch layout: weight is (out, in))."""
+        if not self.sharded:
+            return None
+        if self.rule in ("column", "vocab_parallel"):
+            return 0
+        if self.rule == "row":
+            return 1 if len(tensor.shape) == 2 else None  # a row layer's bias stays whole
+        return None
+
+
+REPLICATE = Placement("replicate")
+
+
+@attrs.frozen
+class Layout:
+    """An activation's layout over the mesh: Replicate, Shard (last dim) or Partial (pending sum)."""
+
+    kind: str  # "R" | "S" | "P"
+    axes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        if self.kind == "R" or not self.axes:
+            return "Replicate"
+        name = {"S": "Shard(-1)", "P": "Partial"}[self.kind]
+        return f"{name} over {' x '.join(self.axes)}"
+
+
+@attrs.frozen
+class Collective:
+    """A collective the generated forward issues (Megatron's f / g and friends)."""
+
+    op: str  # copy_to | reduce_from | split_to | gather_from
+    axes: tuple[str, ...]
+    where: str  # "input" of the unit, or "output" (at the residual add)
+
+
+@attrs.frozen
+class UnitFlow:
+    """A unit's activation layouts and the collectives codegen must emit around it."""
+
+    input: Layout
+    output: Layout
+    collectives: tuple[Collective, ...]
+
+
+@attrs.frozen
+class BlockClass:
+    """Blocks of a repeat that share every placement (so one generated class serves them)."""
+
+    indices: tuple[int, ...]
+    placements: tuple[tuple[str, Placement], ...]  # leaf path "attn.q" -> placement
+    flows: tuple[tuple[str, UnitFlow], ...]  # unit name -> flow
+
+    def placement(self, leaf_path: str) -> Placement:
+        return dict(self.placements).get(leaf_path, REPLICATE)
+
+    def flow(self, unit: str) -> UnitFlow:
+        return dict(self.flows)[unit]
+
+
+@attrs.frozen
+class StagePiece:
+    item: str
+    start: int | None = None  # block range for a repeat
+    stop: int | None = None
+
+
+@attrs.frozen
+class Stage:
+    index: int  # position in the pipeline, 0 .. stages-1
+    coord: int  # coordinate on the pipeline axis that runs it (index % pipeline size)
+    pieces: tuple[StagePiece, ...]
+    numel: int  # parameters held (tied copies counted where they live)
+
+
+@attrs.frozen
+class PlanIR:
+    name: str
+    mesh: MeshIR
+    model: ModelIR
+    batch: int
+    seq: int
+    microbatches: int
+    schedule: str
+    virtual: int
+    pipeline_axis: str | None
+    batch_axes: tuple[str, ...]
+    stages: tuple[Stage, ...]
+    top_placements: tuple[tuple[str, Placement], ...]  # top-level leaf path -> placement
+    top_flows: tuple[tuple[str, UnitFlow], ...]
+    block_classes: tuple[BlockClass, ...]
+    loss: Placement  # replicate = plain cross-entropy; vocab_parallel over axes
+    optimizer: str
+    optimizer_settings: tuple[tuple[str, Value], ...]
+    zero: int
+    zero_axes: tuple[str, ...]
+    dtype: str
+    span: Span | None = attrs.field(eq=False, default=None)
+
+    @property
+    def pipeline_size(self) -> int:
+        return self.mesh.size(self.pipeline_axis) if self.pipeline_axis else 1
+
+    @property
+    def data_size(self) -> int:
+        return self.mesh.size(*self.batch_axes) if self.batch_axes else 1
+
+    def block_class(self, index: int) -> BlockClass:
+        for cls in self.block_classes:
+            if index in cls.indices:
+                return cls
+        raise KeyError(index)
+
+    def placement(self, path: str) -> Placement:
+        """Placement of a full leaf path such as `blocks.3.attn.q` or `lm_head`."""
+        top = dict(self.top_placements)
+        if path in top:
+            return top[path]
+        repeat = self.model.repeat
+        if repeat is not None and path.startswith(repeat.name + "."):
+            _, index, rest = path.split(".", 2)
+            return self.block_class(int(index)).placement(rest)
+        raise KeyError(path)
+
+    def local_shape(self, tensor: Tensor, placement: Placement) -> tuple[int, ...]:
+        dim = placement.tensor_dim(tensor)
+        if dim is None:
+            return tensor.shape
+        shape = list(tensor.shape)
+        shape[dim] //= self.mesh.size(*placement.axes)
+        return tuple(shape)

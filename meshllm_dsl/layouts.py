@@ -1,0 +1,161 @@
+"""Activation layouts across layer boundaries: Replicate / Shard(-1) / Partial, per unit.
+
+The residual stream is always Replicate. Inside a sublayer the layouts follow Megatron's pairing:
+a column layer takes Replicate (the f operator `copy_to` in front) and gives Shard; a row layer takes
+that Shard and gives Partial, which the g operator `reduce_from` sums at the residual add. Anything
+else is a typed error at the boundary where it happens: a column layer fed a sharded activation,
+a partial sum reaching a non-linearity, the attention core fed q / k / v laid out differently, a
+sharded activation reaching the residual stream.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from meshllm_dsl.ir import REPLICATE, Collective, Layout, ModelIR, Placement, Repeat, Unit, UnitFlow
+from meshllm_dsl.source import Span
+
+R = Layout("R")
+
+
+class _Reporter(Protocol):
+    def error(self, code: str, message: str, span: Span | None, **kw: object) -> None: ...
+
+
+def _rule_text(p: Placement) -> str:
+    return f"{p.rule}({', '.join(p.axes)})" if p.sharded else "replicate"
+
+
+def _through(p: Placement, x: Layout, where: str, r: _Reporter, collectives: list[Collective]) -> Layout | None:
+    """Layout after a linear with placement `p` whose input has layout `x`; None after an error."""
+    if not p.sharded:
+        if x.kind == "S":
+            r.error("E0402", f"`{where}` is replicated but its input is sharded over {' x '.join(x.axes)}", p.span,
+                    label="needs the full input",
+                    help=f"make `{where}` `row({', '.join(x.axes)})`: a column layer pairs with a row layer")
+            return None
+        return R
+    if p.rule == "column":
+        if x.kind == "S":
+            r.error("E0402", f"column layer `{where}` is fed an activation already sharded over {' x '.join(x.axes)}",
+                    p.span, label="column after column",
+                    help=f"make `{where}` `row({', '.join(x.axes)})`: a column layer must be followed by a row layer")
+            return None
+        collectives.append(Collective("copy_to", p.axes, "input"))
+        return Layout("S", p.axes)
+    # row
+    if x.kind == "S":
+        if x.axes != p.axes:
+            r.error("E0402", f"row layer `{where}` splits over {' x '.join(p.axes)} but its input is sharded over "
+                    f"{' x '.join(x.axes)}", p.span, label="axes differ",
+                    help=f"use `row({', '.join(x.axes)})` to match the column layer before it")
+            return None
+    else:
+        collectives.append(Collective("split_to", p.axes, "input"))
+    return Layout("P", p.axes)
+
+
+def _partial_error(x: Layout, what: str, span: Span | None, r: _Reporter, producer: str) -> None:
+    r.error("E0403", f"a partial sum over {' x '.join(x.axes)} reaches {what}", span,
+            label=f"`{producer}` is row-parallel here",
+            help=f"make `{producer}` `column({', '.join(x.axes)})` so its output is sharded, not partial; "
+            "row layers belong at the end of a sublayer, before the residual add",
+            note=f"{what} is not linear: applying it to each rank's partial sum and then adding is not the same as applying it to the sum")
+
+
+def unit_flow(unit: Unit, prefix: str, placement: dict[str, Placement], r: _Reporter, last: bool = False) -> UnitFlow | None:
+    """The flow through one unit, given the placement of each of its leaves (keyed by leaf path)."""
+    collectives: list[Collective] = []
+
+    def pl(leaf: str) -> Placement:
+        return placement.get(f"{unit.name}.{leaf}" if leaf != unit.name else unit.name, REPLICATE)
+
+    def name(leaf: str) -> str:
+        return f"{prefix}{unit.name}.{leaf}" if leaf != unit.name else f"{prefix}{unit.name}"
+
+    if unit.kind in ("rmsnorm", "layernorm", "positional"):
+        return UnitFlow(R, R, ())
+    if unit.kind == "embedding":
+        p = pl(unit.name)
+        if p.sharded:
+            return UnitFlow(R, R, (Collective("reduce_from", p.axes, "output"),))
+        return UnitFlow(R, R, ())
+    if unit.kind in ("attention", "mlp"):
+        inputs = [leaf.name for leaf in unit.leaves[:-1]]
+        out_leaf = unit.leaves[-1].name
+        layouts: dict[str, Layout] = {}
+        for leaf in inputs:
+            y = _through(pl(leaf), R, name(leaf), r, collectives)
+            if y is None:
+                return None
+            layouts[leaf] = y
+        for leaf, y in layouts.items():
+            if y.kind == "P":
+                what = "the attention softmax" if unit.kind == "attention" else f"the {unit.attr('act')} activation"
+                _partial_error(y, what, pl(leaf).span, r, name(leaf))
+                return None
+        first = inputs[0]
+        for leaf in inputs[1:]:
+            if layouts[leaf] != layouts[first]:
+                a, b = layouts[first], layouts[leaf]
+                what = "attention" if unit.kind == "attention" else "the gated product"
+                r.error("E0402", f"{what} combines `{name(first)}` ({a}) with `{name(leaf)}` ({b})",
+                        pl(leaf).span or pl(first).span, label="layouts differ",
+                        help=f"give {', '.join(f'`{name(x)}`' for x in inputs)} the same rule, e.g. "
+                        f"`shard {prefix}{unit.name}.{{{','.join(inputs)}}} {_rule_text(pl(first) if a.kind == 'S' else pl(leaf))}`")
+                return None
+        # copy_to once for the whole unit: all input projections read the same normed activation
+        seen: set[tuple[str, tuple[str, ...]]] = set()
+        unique = []
+        for c in collectives:
+            if (c.op, c.axes) not in seen:
+                seen.add((c.op, c.axes))
+                unique.append(c)
+        collectives = unique
+        y = _through(pl(out_leaf), layouts[first], name(out_leaf), r, collectives)
+        if y is None:
+            return None
+        return _at_residual(y, name(out_leaf), pl(out_leaf), collectives, r)
+    if unit.kind == "linear":
+        p = pl(unit.name)
+        y = _through(p, R, name(unit.name), r, collectives)
+        if y is None:
+            return None
+        if last:
+            return UnitFlow(R, y, tuple(collectives))  # logits: the loss consumes them (checked there)
+        return _at_residual(y, name(unit.name), p, collectives, r)
+    raise AssertionError(unit.kind)
+
+
+def _at_residual(y: Layout, where: str, p: Placement, collectives: list[Collective], r: _Reporter) -> UnitFlow | None:
+    if y.kind == "S":
+        r.error("E0402", f"`{where}` leaves its output sharded over {' x '.join(y.axes)} at the residual add", p.span,
+                label="the residual stream must be replicated",
+                help=f"make `{where}` `row({', '.join(y.axes)})` (its output is then summed), or `replicate`")
+        return None
+    if y.kind == "P":
+        collectives.append(Collective("reduce_from", y.axes, "output"))
+    return UnitFlow(R, R, tuple(collectives))
+
+
+def block_flows(rep: Repeat, placement: dict[str, Placement], r: _Reporter, prefix: str) -> list[tuple[str, UnitFlow]]:
+    out = []
+    for unit in rep.body:
+        flow = unit_flow(unit, prefix + ".", placement, r)
+        if flow is not None:
+            out.append((unit.name, flow))
+    return out
+
+
+def top_flows(model: ModelIR, top: dict[str, Placement], loss: Placement) -> list[tuple[str, UnitFlow]]:
+    class _Silent:
+        def error(self, code: str, message: str, span: Span | None, **kw: object) -> None:
+            pass  # top-level units are checked where their placements are chosen (loss, tied)
+
+    out = []
+    for i, item in enumerate(model.items):
+        if isinstance(item, Unit):
+            flow = unit_flow(item, "", top, _Silent(), last=i == len(model.items) - 1)
+            if flow is not None:
+                out.append((item.name, flow))
+    return out

@@ -1,0 +1,359 @@
+"""Text -> typed AST (meshllm_dsl.ast), with Lark's LALR parser over grammar/mesh.lark.
+
+Syntax errors become diagnostics (E0101 unexpected token, E0102 unexpected character) that name
+what the parser expected there; they never escape as Lark exceptions.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from lark import Lark, Token, Transformer, Tree, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+
+from meshllm_dsl import ast
+from meshllm_dsl.diagnostics import Diagnostic, SpecError
+from meshllm_dsl.source import SourceFile
+
+# Human names for the grammar's terminals, used in "expected ..." help lines.
+_TERMINAL_NAMES = {
+    "NAME": "a name",
+    "INT": "an integer",
+    "FLOAT": "a number",
+    "STRING": "a string",
+    "SCHEDULE_NAME": "a schedule name",
+    "LBRACE": "`{`",
+    "RBRACE": "`}`",
+    "LPAR": "`(`",
+    "RPAR": "`)`",
+    "LSQB": "`[`",
+    "RSQB": "`]`",
+    "COMMA": "`,`",
+    "EQUAL": "`=`",
+    "COLON": "`:`",
+    "DOT": "`.`",
+    "STAR": "`*`",
+    "SLASH": "`/`",
+    "PLUS": "`+`",
+    "MINUS": "`-`",
+    "__ANON_0": "`->`",
+    "$END": "end of file",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def grammar() -> Lark:
+    return Lark.open_from_package(
+        "meshllm_dsl.grammar",
+        "mesh.lark",
+        parser="lalr",
+        lexer="contextual",
+        propagate_positions=True,
+        maybe_placeholders=True,
+    )
+
+
+def _describe(term: str) -> str:
+    if term in _TERMINAL_NAMES:
+        return _TERMINAL_NAMES[term]
+    pattern = grammar().get_terminal(term).pattern
+    if pattern.type == "str":
+        return f"`{pattern.value}`"
+    return term.lower()
+
+
+class _ToAst(Transformer[Token, Any]):
+    """Builds AST nodes bottom-up; every node gets the span of the text it came from."""
+
+    def __init__(self, source: SourceFile) -> None:
+        super().__init__()
+        self.source = source
+
+    def _span(self, meta: Any) -> Any:
+        if getattr(meta, "empty", True):
+            return None
+        return self.source.span(meta.start_pos, meta.end_pos)
+
+    def _tok(self, tok: Token) -> Any:
+        return self.source.span(tok.start_pos or 0, tok.end_pos or 0)
+
+    def _name(self, tok: Token) -> ast.Name:
+        return ast.Name(str(tok), self._tok(tok))
+
+    def __default__(self, data: str, children: list[Any], meta: Any) -> Any:
+        raise AssertionError(f"grammar rule {data!r} has no AST builder")
+
+    # -- terminals
+    def NAME(self, tok: Token) -> ast.Name:
+        return self._name(tok)
+
+    def SCHEDULE_NAME(self, tok: Token) -> ast.Name:
+        return self._name(tok)
+
+    # -- expressions
+    @v_args(meta=True)
+    def int_lit(self, meta: Any, c: list[Token]) -> ast.IntLit:
+        return ast.IntLit(int(str(c[0]).replace("_", "")), self._span(meta))
+
+    @v_args(meta=True)
+    def float_lit(self, meta: Any, c: list[Token]) -> ast.FloatLit:
+        return ast.FloatLit(str(c[0]), self._span(meta))
+
+    @v_args(meta=True)
+    def str_lit(self, meta: Any, c: list[Token]) -> ast.StrLit:
+        return ast.StrLit(str(c[0])[1:-1], self._span(meta))
+
+    @v_args(meta=True)
+    def name_ref(self, meta: Any, c: list[ast.Name]) -> ast.Name:
+        return c[0]
+
+    @v_args(meta=True)
+    def neg(self, meta: Any, c: list[ast.Expr]) -> ast.Neg:
+        return ast.Neg(c[0], self._span(meta))
+
+    def _bin(op: str):  # type: ignore[no-untyped-def]  # noqa: N805 - a builder of methods
+        @v_args(meta=True)
+        def build(self: _ToAst, meta: Any, c: list[ast.Expr]) -> ast.BinOp:
+            return ast.BinOp(op, c[0], c[1], self._span(meta))
+
+        return build
+
+    add = _bin("+")
+    sub = _bin("-")
+    mul = _bin("*")
+    div = _bin("/")
+
+    @v_args(meta=True)
+    def setting(self, meta: Any, c: list[Any]) -> ast.Setting:
+        return ast.Setting(c[0], c[1], self._span(meta))
+
+    def setting_list(self, c: list[ast.Setting]) -> tuple[ast.Setting, ...]:
+        return tuple(c)
+
+    # -- items
+    @v_args(meta=True)
+    def start(self, meta: Any, c: list[Any]) -> ast.Module:
+        return ast.Module(tuple(c), self._span(meta))
+
+    @v_args(meta=True)
+    def include(self, meta: Any, c: list[Token]) -> ast.Include:
+        tok = c[0]
+        return ast.Include(ast.StrLit(str(tok)[1:-1], self._tok(tok)), self._span(meta))
+
+    @v_args(meta=True)
+    def device(self, meta: Any, c: list[Any]) -> ast.DeviceDecl:
+        return ast.DeviceDecl(c[0], c[1], self._span(meta))
+
+    @v_args(meta=True)
+    def mesh(self, meta: Any, c: list[Any]) -> ast.MeshDecl:
+        axes: list[ast.AxisDecl] = []
+        settings: list[ast.Setting] = []
+        for stmt in c[1:]:
+            if isinstance(stmt, ast.Setting):
+                settings.append(stmt)
+            else:
+                axes.extend(stmt)
+        return ast.MeshDecl(c[0], tuple(axes), tuple(settings), self._span(meta))
+
+    def axes(self, c: list[ast.AxisDecl]) -> list[ast.AxisDecl]:
+        return list(c)
+
+    @v_args(meta=True)
+    def axis(self, meta: Any, c: list[Any]) -> ast.AxisDecl:
+        return ast.AxisDecl(c[0], c[1], self._span(meta))
+
+    @v_args(meta=True)
+    def family(self, meta: Any, c: list[Any]) -> ast.FamilyDecl:
+        params = tuple(p for p in c[1:] if isinstance(p, ast.Param))
+        body = tuple(s for s in c[1:] if isinstance(s, (ast.LayerDecl, ast.RepeatDecl)))
+        return ast.FamilyDecl(c[0], params, body, self._span(meta))
+
+    @v_args(meta=True)
+    def param(self, meta: Any, c: list[Any]) -> ast.Param:
+        return ast.Param(c[0], c[1], self._span(meta))
+
+    @v_args(meta=True)
+    def model_from_family(self, meta: Any, c: list[Any]) -> ast.ModelDecl:
+        return ast.ModelDecl(c[0], c[1], c[2], (), self._span(meta))
+
+    @v_args(meta=True)
+    def model_inline(self, meta: Any, c: list[Any]) -> ast.ModelDecl:
+        settings, body = c[1]
+        return ast.ModelDecl(c[0], None, settings, body, self._span(meta))
+
+    def model_body(self, c: list[Any]) -> tuple[tuple[ast.Setting, ...], tuple[ast.LayerStmt, ...]]:
+        settings = tuple(s for s in c if isinstance(s, ast.Setting))
+        body = tuple(s for s in c if not isinstance(s, ast.Setting))
+        return settings, body
+
+    @v_args(meta=True)
+    def layer(self, meta: Any, c: list[Any]) -> ast.LayerDecl:
+        return ast.LayerDecl(c[0], c[1], self._span(meta))
+
+    @v_args(meta=True)
+    def repeat(self, meta: Any, c: list[Any]) -> ast.RepeatDecl:
+        return ast.RepeatDecl(c[0], c[1], tuple(c[2:]), self._span(meta))
+
+    @v_args(meta=True)
+    def call(self, meta: Any, c: list[Any]) -> ast.Call:
+        args = [a for a in c[1:] if a is not None]
+        positional = tuple(a for a in args if not isinstance(a, ast.Setting))
+        kwargs = tuple(a for a in args if isinstance(a, ast.Setting))
+        return ast.Call(c[0], positional, kwargs, self._span(meta))
+
+    # -- plans
+    @v_args(meta=True)
+    def plan(self, meta: Any, c: list[Any]) -> ast.PlanDecl:
+        return ast.PlanDecl(c[0], c[1], c[2], tuple(c[3:]), self._span(meta))
+
+    @v_args(meta=True)
+    def shard(self, meta: Any, c: list[Any]) -> ast.ShardStmt:
+        return ast.ShardStmt(c[0], c[1], self._span(meta))
+
+    @v_args(meta=True)
+    def loss(self, meta: Any, c: list[Any]) -> ast.LossStmt:
+        return ast.LossStmt(c[0], self._span(meta))
+
+    @v_args(meta=True)
+    def rule(self, meta: Any, c: list[Any]) -> ast.Rule:
+        return ast.Rule(c[0], tuple(a for a in c[1:] if a is not None), self._span(meta))
+
+    @v_args(meta=True)
+    def layout(self, meta: Any, c: list[Any]) -> ast.LayoutStmt:
+        return ast.LayoutStmt(tuple(e for e in c if e is not None), self._span(meta))
+
+    @v_args(meta=True)
+    def layout_entry(self, meta: Any, c: list[Any]) -> ast.LayoutEntry:
+        return ast.LayoutEntry(c[0], tuple(c[1:]), self._span(meta))
+
+    @v_args(meta=True)
+    def stages(self, meta: Any, c: list[Any]) -> ast.StagesStmt:
+        axis, virtual, body = c
+        if body == "balanced":
+            return ast.StagesStmt(axis, virtual, True, (), self._span(meta))
+        return ast.StagesStmt(axis, virtual, False, tuple(body), self._span(meta))
+
+    def virtual(self, c: list[Any]) -> ast.Expr:
+        return c[0]  # type: ignore[no-any-return]
+
+    def balanced(self, c: list[Any]) -> str:
+        return "balanced"
+
+    def stage_map(self, c: list[ast.StageEntry]) -> list[ast.StageEntry]:
+        return list(c)
+
+    @v_args(meta=True)
+    def stage_entry(self, meta: Any, c: list[Any]) -> ast.StageEntry:
+        index = ast.IntLit(int(str(c[0]).replace("_", "")), self._tok(c[0]))
+        return ast.StageEntry(index, tuple(c[1:]), self._span(meta))
+
+    @v_args(meta=True)
+    def stage_item(self, meta: Any, c: list[Any]) -> ast.StageItem:
+        name, bounds = c
+        start, stop = bounds if bounds is not None else (None, None)
+        return ast.StageItem(name, start, stop, self._span(meta))
+
+    def slice(self, c: list[Token]) -> tuple[int, int]:
+        return int(str(c[0]).replace("_", "")), int(str(c[1]).replace("_", ""))
+
+    @v_args(meta=True)
+    def schedule(self, meta: Any, c: list[Any]) -> ast.ScheduleStmt:
+        return ast.ScheduleStmt(c[0], self._span(meta))
+
+    @v_args(meta=True)
+    def optimizer(self, meta: Any, c: list[Any]) -> ast.OptimizerStmt:
+        zero = next((s for s in c[1:] if isinstance(s, ast.ZeroStmt)), None)
+        settings = tuple(s for s in c[1:] if isinstance(s, ast.Setting))
+        return ast.OptimizerStmt(c[0], zero, settings, self._span(meta))
+
+    @v_args(meta=True)
+    def zero(self, meta: Any, c: list[Any]) -> ast.ZeroStmt:
+        stage = ast.IntLit(int(str(c[0]).replace("_", "")), self._tok(c[0]))
+        return ast.ZeroStmt(stage, tuple(a for a in c[1:] if a is not None), self._span(meta))
+
+    # -- paths
+    @v_args(meta=True)
+    def path(self, meta: Any, c: list[ast.PathSegment]) -> ast.Path:
+        return ast.Path(tuple(c), self._span(meta))
+
+    @v_args(meta=True)
+    def name_segment(self, meta: Any, c: list[ast.Name]) -> ast.PathSegment:
+        return ast.PathSegment("name", (c[0].value,), span=c[0].span)
+
+    @v_args(meta=True)
+    def star_segment(self, meta: Any, c: list[Any]) -> ast.PathSegment:
+        return ast.PathSegment("star", span=self._span(meta))
+
+    @v_args(meta=True)
+    def index_segment(self, meta: Any, c: list[Token]) -> ast.PathSegment:
+        return ast.PathSegment("index", index=int(str(c[0]).replace("_", "")), span=self._tok(c[0]))
+
+    @v_args(meta=True)
+    def alt_segment(self, meta: Any, c: list[ast.Name]) -> ast.PathSegment:
+        return ast.PathSegment("alt", tuple(n.value for n in c), span=self._span(meta))
+
+
+def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
+    pos = getattr(err, "pos_in_stream", None)
+    if isinstance(err, UnexpectedToken) and err.token is not None:
+        tok = err.token
+        if tok.type == "$END":
+            start = end = len(source.text)
+            found = "end of file"
+        else:
+            start, end = tok.start_pos or 0, tok.end_pos or 0
+            found = f"`{tok}`"
+        expected = sorted({_describe(t) for t in err.expected})
+        return Diagnostic(
+            "E0101",
+            f"unexpected {found}",
+            source.span(start, end),
+            label="not expected here",
+            help=f"expected {_or_list(expected)}" if expected else None,
+        )
+    if isinstance(err, UnexpectedCharacters):
+        start = pos if pos is not None else 0
+        ch = source.text[start : start + 1]
+        expected = sorted({_describe(t) for t in (err.allowed or ())})
+        return Diagnostic(
+            "E0102",
+            f"unexpected character {ch!r}",
+            source.span(start, start + 1),
+            label="not valid here",
+            help=f"expected {_or_list(expected)}" if expected else None,
+        )
+    assert isinstance(err, UnexpectedEOF)
+    expected = sorted({_describe(t) for t in err.expected})
+    end = len(source.text)
+    return Diagnostic(
+        "E0101",
+        "unexpected end of file",
+        source.span(end, end),
+        label="file ends here",
+        help=f"expected {_or_list(expected)}" if expected else None,
+    )
+
+
+def _or_list(items: list[str]) -> str:
+    if len(items) > 8:
+        items = items[:8] + ["..."]
+    if len(items) <= 1:
+        return "".join(items)
+    return ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def parse_source(source: SourceFile) -> ast.Module:
+    """Parse one file; raises SpecError with a syntax diagnostic on bad input."""
+    try:
+        tree: Tree[Token] = grammar().parse(source.text)
+    except UnexpectedInput as err:
+        raise SpecError([_syntax_diagnostic(source, err)]) from None
+    module = _ToAst(source).transform(tree)
+    assert isinstance(module, ast.Module)
+    return module
+
+
+def parse(text: str, path: str = "<string>") -> ast.Module:
+    """Parse .mesh text into a Module (no includes resolved, nothing checked)."""
+    return parse_source(SourceFile(path, text))
