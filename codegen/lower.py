@@ -1,0 +1,548 @@
+"""Lowering: a checked plan (PlanIR) -> the template context of one generated module.
+
+Every decision about the generated code is made here: class per pipeline stage and per block class,
+literal local shapes, the collectives each forward issues (from the checker's UnitFlow), shape
+comments, the parameter map. The template only prints what this module hands it. Every identifier
+that reaches the output was validated by the checker (names.identifier_problem), and every number is
+printed from an int or float, so nothing in a spec can inject code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from meshllm_dsl.ir import (
+    REPLICATE,
+    BlockClass,
+    Collective,
+    Leaf,
+    PlanIR,
+    Placement,
+    Repeat,
+    Stage,
+    Tensor,
+    Unit,
+    UnitFlow,
+)
+
+TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32", "fp64": "torch.float64"}
+
+
+@attrs.define
+class Line:
+    """One statement of generated code with an optional trailing comment."""
+
+    code: str
+    comment: str = ""
+
+    def __str__(self) -> str:
+        if not self.comment:
+            return self.code
+        if not self.code:
+            return "# " + self.comment
+        return f"{self.code}  # {self.comment}"
+
+
+@attrs.define
+class ClassDef:
+    name: str
+    doc: str
+    init: list[Line]
+    forward_args: str
+    forward: list[Line]
+    params: list[Line]  # body of the `params(prefix)` static method: dict entries
+
+
+@attrs.define
+class ModuleContext:
+    header: list[str]
+    axes: str
+    model: str
+    classes: list[ClassDef]
+    stages: list[str]
+    loss: list[Line]
+    program: list[Line]
+
+
+def _axes_text(axes: Sequence[str]) -> str:
+    return " x ".join(axes)
+
+
+def _group_attr(axes: Sequence[str]) -> str:
+    return "g_" + "_".join(axes)
+
+
+def _tuple(xs: Sequence[object]) -> str:
+    items = ", ".join(repr(x) if isinstance(x, str) else str(x) for x in xs)
+    return f"({items},)" if len(xs) == 1 else f"({items})"
+
+
+def literal(obj: Any, indent: int = 0) -> str:
+    """A deterministic Python literal for plain data (dicts keep insertion order)."""
+    pad = "    " * indent
+    if isinstance(obj, dict):
+        if not obj:
+            return "{}"
+        if all(not isinstance(v, (dict, list, tuple)) for v in obj.values()) and len(obj) <= 4:
+            return "{" + ", ".join(f"{literal(k)}: {literal(v)}" for k, v in obj.items()) + "}"
+        inner = ",\n".join(f"{pad}    {literal(k)}: {literal(v, indent + 1)}" for k, v in obj.items())
+        return "{\n" + inner + ",\n" + pad + "}"
+    if isinstance(obj, (list, tuple)):
+        if not obj:
+            return "[]" if isinstance(obj, list) else "()"
+        if all(not isinstance(x, (dict, list, tuple)) for x in obj):
+            body = ", ".join(literal(x) for x in obj)
+            return f"[{body}]" if isinstance(obj, list) else (f"({body},)" if len(obj) == 1 else f"({body})")
+        inner = ",\n".join(f"{pad}    {literal(x, indent + 1)}" for x in obj)
+        open_, close = ("[", "]") if isinstance(obj, list) else ("(", ")")
+        return open_ + "\n" + inner + ",\n" + pad + close
+    if isinstance(obj, bool) or obj is None:
+        return repr(obj)
+    if isinstance(obj, (int, float)):
+        return repr(obj)
+    if isinstance(obj, str):
+        # str repr escapes everything; spec strings never reach here unvalidated anyway
+        return repr(obj)
+    raise TypeError(f"cannot print {type(obj).__name__} as a literal")
+
+
+# ---------------------------------------------------------------- the model description
+
+
+def model_description(plan: PlanIR) -> dict[str, Any]:
+    """The JSON-able model description the runtime's reference model and launcher read."""
+    layers: list[dict[str, Any]] = []
+    for item in plan.model.items:
+        if isinstance(item, Repeat):
+            layers.append({"name": item.name, "kind": "repeat", "count": item.count,
+                           "body": [_unit_desc(u) for u in item.body]})
+        else:
+            layers.append(_unit_desc(item))
+    return {"name": plan.model.name, "dtype": plan.model.dtype, "layers": layers}
+
+
+def _unit_desc(u: Unit) -> dict[str, Any]:
+    a = dict(u.attrs)
+    d: dict[str, Any] = {"name": u.name, "kind": u.kind}
+    if u.kind in ("embedding", "positional"):
+        d.update(num=a["num"], dim=a["dim"])
+    elif u.kind == "linear":
+        d.update({"in": a["in"], "out": a["out"], "bias": a["bias"], "tie": a["tie"]})
+    elif u.kind in ("rmsnorm", "layernorm"):
+        d.update(dim=a["dim"], eps=a["eps"])
+    elif u.kind == "attention":
+        d.update(hidden=a["hidden"], heads=a["heads"], kv_heads=a["kv_heads"], head_dim=a["head_dim"],
+                 rope_theta=a["rope_theta"], qkv_bias=a["bias"], o_bias=a["out_bias"], fused_qkv=a["fused_qkv"])
+    elif u.kind == "mlp":
+        d.update(hidden=a["hidden"], ffn=a["ffn"], act=a["act"], bias=a["bias"])
+    return d
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def _shard_dims(t: Tensor, p: Placement) -> tuple[tuple[int, tuple[str, ...]], ...]:
+    dim = p.tensor_dim(t)
+    return () if dim is None else ((dim, p.axes),)
+
+
+def _spec(full_local: str, t: Tensor, p: Placement, local_expr: str | None = None) -> Line:
+    dims = _shard_dims(t, p)
+    dims_text = "(" + ", ".join(f"({d}, {_tuple(list(axes))})" for d, axes in dims) + ("," if len(dims) == 1 else "") + ")"
+    seg = f", segments={_tuple(list(t.segments))}" if t.segments and dims and dims[0][0] == 0 else ""
+    local = local_expr if local_expr is not None else "prefix + " + repr(full_local)
+    return Line(f"prefix + {full_local!r}: rt.ShardSpec({local}, {_tuple(list(t.shape))}, {dims_text}{seg}),")
+
+
+# ---------------------------------------------------------------- code for units
+
+
+class _UnitWriter:
+    """Writes __init__ and forward lines of one unit (in a block or at top level)."""
+
+    def __init__(self, plan: PlanIR, groups: dict[tuple[str, ...], str]) -> None:
+        self.plan = plan
+        self.groups = groups  # axes -> attribute name holding the process group
+
+    def group(self, axes: tuple[str, ...]) -> str:
+        self.groups.setdefault(axes, _group_attr(axes))
+        return "self." + self.groups[axes]
+
+    def n(self, axes: tuple[str, ...]) -> int:
+        return self.plan.mesh.size(*axes) if axes else 1
+
+    def linear_init(self, owner: str, leaf: Leaf, p: Placement) -> list[Line]:
+        w = leaf.params[0]
+        out_f, in_f = self.plan.local_shape(w, p)
+        has_bias = len(leaf.params) > 1
+        how = f"{p.rule}({', '.join(p.axes)})" if p.sharded else "replicated"
+        full = f"full ({w.shape[0]}, {w.shape[1]})" if p.sharded else ""
+        return [Line(f"{owner}.{leaf.name} = nn.Linear({in_f}, {out_f}, bias={has_bias})",
+                     f"{how}: weight ({out_f}, {in_f}) of {full}".rstrip(" of") if p.sharded else how)]
+
+    def unit_init(self, attr: str, unit: Unit, placement: dict[str, Placement]) -> list[Line]:
+        a = dict(unit.attrs)
+        if unit.kind == "rmsnorm":
+            return [Line(f"self.{attr} = rt.RMSNorm({a['dim']}, eps={a['eps']!r})")]
+        if unit.kind == "layernorm":
+            return [Line(f"self.{attr} = nn.LayerNorm({a['dim']}, eps={a['eps']!r}, bias={a['bias']})")]
+        if unit.kind == "positional":
+            return [Line(f"self.{attr} = nn.Embedding({a['num']}, {a['dim']})", "learned positions, replicated")]
+        if unit.kind == "embedding":
+            p = placement.get(unit.name, REPLICATE)
+            if p.sharded:
+                local = a["num"] // self.n(p.axes)
+                idx = "mesh.index(" + ", ".join(repr(x) for x in p.axes) + ")"
+                return [Line(f"self.{attr} = rt.VocabParallelEmbedding({local}, {a['dim']}, start={idx} * {local})",
+                             f"vocab_parallel({', '.join(p.axes)}): rows [start, start + {local}) of {a['num']}")]
+            return [Line(f"self.{attr} = nn.Embedding({a['num']}, {a['dim']})", "replicated")]
+        if unit.kind == "linear":
+            p = placement.get(unit.name, REPLICATE)
+            if unit.leaves[0].tie is not None:
+                w_shape = (a["out"], a["in"])
+                local = w_shape[0] // self.n(p.axes) if p.sharded else w_shape[0]
+                return [Line(f"self.{attr} = nn.Module()"),
+                        Line(f"self.{attr}.weight = nn.Parameter(torch.empty({local}, {a['in']}))",
+                             f"tied to {unit.leaves[0].tie}.weight (kept equal by the runtime)")] + (
+                    [Line(f"self.{attr}.bias = nn.Parameter(torch.empty({local}))")] if a["bias"] else [])
+            leaf = unit.leaves[0]
+            w = leaf.params[0]
+            out_f, in_f = self.plan.local_shape(w, p)
+            how = f"{p.rule}({', '.join(p.axes)})" if p.sharded else "replicated"
+            return [Line(f"self.{attr} = nn.Linear({in_f}, {out_f}, bias={a['bias']})", how)]
+        # composites: a plain container module so parameter names read attn.q.weight
+        lines = [Line(f"self.{attr} = nn.Module()")]
+        for leaf in unit.leaves:
+            p = placement.get(f"{unit.name}.{leaf.name}", REPLICATE)
+            w = leaf.params[0]
+            out_f, in_f = self.plan.local_shape(w, p)
+            has_bias = len(leaf.params) > 1
+            if p.sharded:
+                what = self._unit_words(unit, leaf, p)
+                comment = f"{p.rule}({', '.join(p.axes)}): {what}"
+            else:
+                comment = "replicated"
+            lines.append(Line(f"self.{attr}.{leaf.name} = nn.Linear({in_f}, {out_f}, bias={has_bias})", comment))
+        return lines
+
+    def _unit_words(self, unit: Unit, leaf: Leaf, p: Placement) -> str:
+        n = self.n(p.axes)
+        units = leaf.in_units if p.rule == "row" else leaf.out_units
+        return ", ".join(dict.fromkeys(f"{c // n} of {c} {name}" for name, c in units))
+
+    # -- forward
+    def sublayer(self, attr: str, unit: Unit, flow: UnitFlow, placement: dict[str, Placement], x: str) -> list[Line]:
+        """Forward of attention / mlp on input `x` (normed, replicated); result in `out`."""
+        a = dict(unit.attrs)
+        lines: list[Line] = []
+        hidden = a["hidden"]
+        for c in flow.collectives:
+            if c.where == "input" and c.op == "copy_to":
+                lines.append(Line(f"{x} = rt.copy_to({x}, {self.group(c.axes)})",
+                                  f"f: [b, s, {hidden}] identity; backward all-reduces over {_axes_text(c.axes)} ({self.n(c.axes)})"))
+        split = next((c for c in flow.collectives if c.where == "input" and c.op == "split_to"), None)
+        reduce = next((c for c in flow.collectives if c.where == "output" and c.op == "reduce_from"), None)
+        if unit.kind == "attention":
+            lines += self._attention(attr, unit, a, placement, x)
+        else:
+            lines += self._mlp(attr, unit, a, placement, x)
+        out_leaf = unit.leaves[-1]
+        p_out = placement.get(f"{unit.name}.{out_leaf.name}", REPLICATE)
+        src = "a"
+        if split is not None and p_out.rule == "row":
+            n = self.n(split.axes)
+            lines.append(Line(f"a = rt.split_to(a, {self.group(split.axes)}, dim=-1)",
+                              f"[b, s, {out_leaf.params[0].shape[1] // n}]: this rank's slice over {_axes_text(split.axes)}"))
+        has_bias = len(out_leaf.params) > 1
+        if reduce is not None:
+            lines.append(Line(f"out = F.linear({src}, self.{attr}.{out_leaf.name}.weight)",
+                              f"[b, s, {hidden}] Partial over {_axes_text(reduce.axes)}"))
+            bias = f" + self.{attr}.{out_leaf.name}.bias" if has_bias else ""
+            lines.append(Line(f"out = rt.reduce_from(out, {self.group(reduce.axes)}){bias}",
+                              f"g: all-reduce over {_axes_text(reduce.axes)} ({self.n(reduce.axes)}) -> [b, s, {hidden}]"))
+        else:
+            lines.append(Line(f"out = self.{attr}.{out_leaf.name}({src})", f"[b, s, {hidden}]"))
+        return lines
+
+    def _local_heads(self, unit: Unit, leaf_name: str, count: int, placement: dict[str, Placement]) -> int:
+        p = placement.get(f"{unit.name}.{leaf_name}", REPLICATE)
+        return count // self.n(p.axes) if p.sharded else count
+
+    def _attention(self, attr: str, unit: Unit, a: dict[str, Any], placement: dict[str, Placement], x: str) -> list[Line]:
+        hd = a["head_dim"]
+        lines: list[Line] = []
+        if a["fused_qkv"]:
+            h = self._local_heads(unit, "qkv", a["heads"], placement)
+            kv = self._local_heads(unit, "qkv", a["kv_heads"], placement)
+            lines.append(Line(f"q, k, v = self.{attr}.qkv({x}).split([{h * hd}, {kv * hd}, {kv * hd}], dim=-1)",
+                              f"[b, s, {h}*{hd}], [b, s, {kv}*{hd}] x 2"))
+            lines += [Line(f"q = q.view(b, s, {h}, {hd})"), Line(f"k = k.view(b, s, {kv}, {hd})"),
+                      Line(f"v = v.view(b, s, {kv}, {hd})")]
+        else:
+            h = self._local_heads(unit, "q", a["heads"], placement)
+            kv = self._local_heads(unit, "k", a["kv_heads"], placement)
+            lines += [
+                Line(f"q = self.{attr}.q({x}).view(b, s, {h}, {hd})", f"[b, s, {h} of {a['heads']} heads, {hd}]"),
+                Line(f"k = self.{attr}.k({x}).view(b, s, {kv}, {hd})", f"[b, s, {kv} of {a['kv_heads']} kv heads, {hd}]"),
+                Line(f"v = self.{attr}.v({x}).view(b, s, {kv}, {hd})"),
+            ]
+        if a["rope_theta"]:
+            lines.append(Line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(a['rope_theta'])!r})"))
+        lines.append(Line("a = rt.attention(q, k, v)", f"[b, s, {h * hd}] causal; q heads per kv head: {h // kv if kv else 0}"))
+        return lines
+
+    def _mlp(self, attr: str, unit: Unit, a: dict[str, Any], placement: dict[str, Placement], x: str) -> list[Line]:
+        p_up = placement.get(f"{unit.name}.up", REPLICATE)
+        f_local = a["ffn"] // self.n(p_up.axes) if p_up.sharded and p_up.rule == "column" else a["ffn"]
+        if a["act"] == "swiglu":
+            return [Line(f"a = F.silu(self.{attr}.gate({x})) * self.{attr}.up({x})", f"[b, s, {f_local}] SwiGLU")]
+        act = {"gelu_tanh": "F.gelu({}, approximate=\"tanh\")", "gelu": "F.gelu({})", "relu": "F.relu({})",
+               "silu": "F.silu({})"}[a["act"]]
+        return [Line("a = " + act.format(f"self.{attr}.up({x})"), f"[b, s, {f_local}] {a['act']}")]
+
+
+# ---------------------------------------------------------------- classes
+
+
+def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> ClassDef:
+    groups: dict[tuple[str, ...], str] = {}
+    w = _UnitWriter(plan, groups)
+    placement = dict(cls.placements)
+    init: list[Line] = []
+    forward: list[Line] = [Line("b, s, _ = x.shape", f"x: [b, s, {_hidden(rep)}] Replicate (the residual stream)")]
+    params: list[Line] = []
+    pending_norm: str | None = None
+    for unit in rep.body:
+        init += w.unit_init(unit.name, unit, placement)
+        for leaf in unit.leaves:
+            p = placement.get(".".join(leaf.path[0:]) if len(leaf.path) == 1 else f"{unit.name}.{leaf.name}", REPLICATE)
+            local_base = leaf.path[0] if len(leaf.path) == 1 else f"{unit.name}.{leaf.name}"
+            for t in leaf.params:
+                params.append(_spec(f"{local_base}.{t.name}", t, p))
+        if unit.kind in ("rmsnorm", "layernorm"):
+            forward.append(Line(f"h = self.{unit.name}(x)"))
+            pending_norm = unit.name
+        elif unit.kind in ("attention", "mlp"):
+            src = "h" if pending_norm else "x"
+            forward += w.sublayer(unit.name, unit, cls.flow(unit.name), placement, src)
+            forward.append(Line("x = x + out", "residual add: Replicate"))
+            pending_norm = None
+        else:
+            raise AssertionError(f"{unit.kind} inside a repeat")
+    if pending_norm:
+        forward.append(Line("x = h"))
+    forward.append(Line("return x"))
+    forward = _trim_shape_line(forward)
+    group_init = [Line(f"self.{attr} = mesh.group({', '.join(repr(a) for a in axes)})",
+                       f"{_axes_text(axes)}: {plan.mesh.size(*axes)} ranks") for axes, attr in groups.items()]
+    idx = cls.indices
+    doc = f"Blocks {_ranges(idx)} of `{rep.name}`: " + ", ".join(f"{u.name} ({u.kind})" for u in rep.body) + "."
+    return ClassDef(name, doc, group_init + init, "x: torch.Tensor", forward, params)
+
+
+def _hidden(rep: Repeat) -> int:
+    for u in rep.body:
+        if u.kind in ("attention", "mlp"):
+            return int(dict(u.attrs)["hidden"])
+    return int(dict(rep.body[0].attrs).get("dim", 0))  # type: ignore[arg-type]
+
+
+def _ranges(idx: Sequence[int]) -> str:
+    runs = []
+    start = prev = idx[0]
+    for b in [*idx[1:], None]:
+        if b is not None and b == prev + 1:
+            prev = b
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if b is not None:
+            start = prev = b
+    return ", ".join(runs)
+
+
+def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> ClassDef:
+    groups: dict[tuple[str, ...], str] = {}
+    w = _UnitWriter(plan, groups)
+    top = dict(plan.top_placements)
+    flows = dict(plan.top_flows)
+    model = plan.model
+    first = stage.index == 0
+    last = stage.index == len(plan.stages) - 1
+    init: list[Line] = []
+    forward: list[Line] = []
+    params: list[Line] = []
+    hidden = _model_hidden(plan)
+    if first:
+        forward.append(Line("b, s = tokens.shape", "tokens: [b, s] int64"))
+        cur = "tokens"
+    else:
+        forward.append(Line("b, s, _ = x.shape", f"x: [b, s, {hidden}] from the previous stage"))
+        cur = "x"
+    held = {pc.item for pc in stage.pieces}
+    for pc in stage.pieces:
+        item = model.item(pc.item)
+        if isinstance(item, Repeat):
+            assert pc.start is not None and pc.stop is not None
+            entries = ", ".join(f'"{i}": {block_names[i]}(mesh)' for i in range(pc.start, pc.stop))
+            init.append(Line(f"self.{item.name} = nn.ModuleDict({{{entries}}})",
+                             f"blocks {pc.start} to {pc.stop - 1} of {item.count}"))
+            forward.append(Line(f"for block in self.{item.name}.values():"))
+            forward.append(Line(f"    x = block(x)", f"[b, s, {hidden}]"))
+            for i in range(pc.start, pc.stop):
+                params.append(Line(f"**{block_names[i]}.params(prefix + {item.name + '.' + str(i) + '.'!r}),"))
+            cur = "x"
+            continue
+        assert isinstance(item, Unit)
+        init += w.unit_init(item.name, item, top)
+        flow = flows.get(item.name)
+        p = top.get(item.name, REPLICATE)
+        leaf = item.leaves[0] if item.leaves else None
+        if leaf is not None:
+            if leaf.tie is not None:
+                tied = model.item(leaf.tie)
+                assert isinstance(tied, Unit)
+                t = tied.leaves[0].params[0]
+                local = f"prefix + {item.name + '.weight'!r}"
+                if leaf.tie not in held:
+                    params.append(_spec(f"{leaf.tie}.weight", t, p, local))
+                for t2 in leaf.params:
+                    params.append(_spec(f"{item.name}.{t2.name}", t2, p))
+            else:
+                for lf in item.leaves:
+                    for t in lf.params:
+                        base = lf.path[0] if len(lf.path) == 1 else f"{item.name}.{lf.name}"
+                        params.append(_spec(f"{base}.{t.name}", t, p))
+        a = dict(item.attrs)
+        if item.kind == "embedding":
+            forward.append(Line(f"x = self.{item.name}({cur})",
+                                f"[b, s, {a['dim']}]" + (f" Partial over {_axes_text(p.axes)}" if p.sharded else "")))
+            if flow is not None:
+                for c in flow.collectives:
+                    if c.op == "reduce_from":
+                        forward.append(Line(f"x = rt.reduce_from(x, {w.group(c.axes)})",
+                                            f"g: all-reduce over {_axes_text(c.axes)} ({plan.mesh.size(*c.axes)}) -> [b, s, {a['dim']}]"))
+            cur = "x"
+        elif item.kind == "positional":
+            forward.append(Line(f"x = x + self.{item.name}(rt.positions(s, x.device))", f"[b, s, {a['dim']}]"))
+        elif item.kind in ("rmsnorm", "layernorm"):
+            forward.append(Line(f"x = self.{item.name}(x)", f"[b, s, {a['dim']}]"))
+        elif item.kind == "linear":
+            is_head = item is model.items[-1]
+            if p.sharded and p.rule == "column":
+                forward.append(Line(f"x = rt.copy_to(x, {w.group(p.axes)})",
+                                    f"f: [b, s, {a['in']}] identity; backward all-reduces over {_axes_text(p.axes)}"))
+            out_local = a["out"] // plan.mesh.size(*p.axes) if p.sharded and p.rule == "column" else a["out"]
+            call = f"F.linear(x, self.{item.name}.weight{', self.' + item.name + '.bias' if a['bias'] else ''})" if leaf and leaf.tie else f"self.{item.name}(x)"
+            what = f"Shard(vocab) over {_axes_text(p.axes)}: {out_local} of {a['out']}" if p.sharded else "Replicate"
+            forward.append(Line(f"{'logits' if is_head else 'x'} = {call}", f"[b, s, {out_local}] {what}"))
+            if is_head:
+                cur = "logits"
+        else:
+            raise AssertionError(f"top-level {item.kind} is not supported by codegen")
+    forward.append(Line(f"return {cur if cur != 'tokens' else 'x'}"))
+    forward = _trim_shape_line(forward)
+    group_init = [Line(f"self.{attr} = mesh.group({', '.join(repr(a) for a in axes)})",
+                       f"{_axes_text(axes)}: {plan.mesh.size(*axes)} ranks") for axes, attr in groups.items()]
+    pieces = ", ".join(pc.item + (f"[{pc.start}:{pc.stop}]" if pc.start is not None else "") for pc in stage.pieces)
+    where = f"pipeline coordinate {stage.coord}" if plan.pipeline_axis else "every rank"
+    doc = f"Stage {stage.index} ({where}): {pieces}."
+    arg = "tokens: torch.Tensor" if first else "x: torch.Tensor"
+    return ClassDef(f"Stage{stage.index}", doc, group_init + init, arg, forward, params)
+
+
+def _trim_shape_line(forward: list[Line]) -> list[Line]:
+    """Bind only the batch / sequence sizes the forward body uses (no unused variables)."""
+    first, rest = forward[0], forward[1:]
+    body = "\n".join(line.code for line in rest)
+    uses_b = re.search(r"\bb\b", body) is not None
+    uses_s = re.search(r"\bs\b", body) is not None
+    target, arg = first.code.split(" = ")
+    names = [n.strip() for n in target.split(",")]
+    names[0] = names[0] if uses_b else "_"
+    names[1] = names[1] if uses_s else "_"
+    if not uses_b and not uses_s:
+        return [Line("", first.comment), *rest]
+    return [Line(f"{', '.join(names)} = {arg}", first.comment), *rest]
+
+
+def _model_hidden(plan: PlanIR) -> int:
+    for item in plan.model.items:
+        if isinstance(item, Unit) and item.kind == "embedding":
+            return int(dict(item.attrs)["dim"])  # type: ignore[arg-type]
+    return 0
+
+
+def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
+    digest = hashlib.sha256(source_text.encode()).hexdigest()
+    mesh = plan.mesh
+    header = [
+        f"Plan `{plan.name}` of {source_path} (sha256 {digest[:16]}), generated by meshc. Do not edit.",
+        "",
+        f"Mesh `{mesh.name}`: {' x '.join(f'{a.name} {a.size}' for a in mesh.axes)} = {mesh.devices} ranks"
+        " (rank order: last axis varies fastest).",
+        f"Model `{plan.model.name}`: {plan.model.numel:,} parameters.",
+        f"Pipeline: {len(plan.stages)} stage(s)" + (f" over `{plan.pipeline_axis}`, schedule {plan.schedule}, "
+                                                   f"{plan.microbatches} microbatches" if plan.pipeline_axis else "") + ".",
+        f"Data parallel over: {_axes_text(plan.batch_axes) or 'none'}; ZeRO stage {plan.zero}.",
+        "",
+        f"Run: torchrun --nproc-per-node {mesh.devices} THIS_FILE --steps 10",
+    ]
+    classes: list[ClassDef] = []
+    block_names: dict[int, str] = {}
+    rep = plan.model.repeat
+    if rep is not None:
+        for k, cls in enumerate(plan.block_classes):
+            name = f"Block{k}" if len(plan.block_classes) > 1 else "Block"
+            classes.append(_block_class(plan, rep, cls, name))
+            for i in cls.indices:
+                block_names[i] = name
+    stage_classes = [_stage_class(plan, s, block_names) for s in plan.stages]
+    classes += stage_classes
+    loss = _loss_lines(plan)
+    program = [
+        Line(f"model=MODEL,"),
+        Line(f"axes=AXES,"),
+        Line(f"stages=({', '.join(c.name for c in stage_classes)},),"),
+        Line(f"loss=make_loss,"),
+        Line(f"pipeline_axis={plan.pipeline_axis!r},"),
+        Line(f"batch_axes={_tuple(list(plan.batch_axes)) if plan.batch_axes else '()'},"),
+        Line(f"schedule={plan.schedule!r},"),
+        Line(f"microbatches={plan.microbatches},"),
+        Line(f"batch={plan.batch},"),
+        Line(f"seq={plan.seq},"),
+        Line(f"zero={plan.zero},"),
+        Line(f"optimizer={literal(dict(plan.optimizer_settings))},"),
+        Line(f"dtype={TORCH_DTYPES[plan.dtype]},"),
+    ]
+    axes = "(" + ", ".join(f"({a.name!r}, {a.size})" for a in mesh.axes) + ("," if len(mesh.axes) == 1 else "") + ")"
+    return ModuleContext(header, axes, literal(model_description(plan)), classes, [c.name for c in stage_classes],
+                         loss, program)
+
+
+def _loss_lines(plan: PlanIR) -> list[Line]:
+    if plan.loss.sharded:
+        axes = plan.loss.axes
+        head = plan.model.items[-1]
+        vocab = int(dict(head.attrs)["out"]) if isinstance(head, Unit) else 0  # type: ignore[arg-type]
+        local = vocab // plan.mesh.size(*axes)
+        return [
+            Line(f"group = mesh.group({', '.join(repr(a) for a in axes)})"),
+            Line(f"start = mesh.index({', '.join(repr(a) for a in axes)}) * {local}", f"this rank's vocab rows [start, start + {local})"),
+            Line(""),
+            Line("def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:"),
+            Line(f"    # logits: [b, s, {local}] Shard(vocab) over {_axes_text(axes)}; the full logits are never gathered"),
+            Line("    return rt.vocab_parallel_cross_entropy(logits, targets, group, start)"),
+            Line(""),
+            Line("return loss"),
+        ]
+    return [
+        Line("def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:"),
+        Line("    return rt.cross_entropy(logits, targets)", "logits: [b, s, vocab] Replicate"),
+        Line(""),
+        Line("return loss"),
+    ]

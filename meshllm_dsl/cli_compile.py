@@ -1,0 +1,101 @@
+"""`meshc compile` and `meshc run`: code generation and launching (imports torch only to run)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from meshllm_dsl.diagnostics import render_all
+
+
+def _checked(path: str, plan_name: str | None = None):  # type: ignore[no-untyped-def]
+    from meshllm_dsl.check import check_file
+    from meshllm_dsl.cli import UsageError
+
+    if not Path(path).is_file():
+        raise UsageError(f"no such file: {path}")
+    result = check_file(path)
+    if result.diagnostics:
+        print(render_all(result.diagnostics), end="", file=sys.stderr)
+    if not result.ok:
+        return result, None
+    if plan_name is not None and plan_name not in result.plans:
+        raise UsageError(f"{path} has no plan `{plan_name}`; plans: {', '.join(sorted(result.plans)) or 'none'}")
+    if not result.plans:
+        raise UsageError(f"{path} declares no plan to compile")
+    return result, plan_name or sorted(result.plans)[0]
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from meshllm_dsl.codegen.emit import render_package, write_package
+
+    result, _ = _checked(args.file, args.plan)
+    if not result.ok:
+        return 1
+    source = Path(args.file).read_text()
+    files = render_package(result, args.file, source)
+    if args.plan:
+        files = {k: v for k, v in files.items() if k in (f"{args.plan}.py", "__init__.py")}
+    written = write_package(files, args.output)
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from meshllm_dsl.codegen.emit import render_package, write_package
+
+    result, plan_name = _checked(args.file, args.plan)
+    if not result.ok:
+        return 1
+    plan = result.plans[plan_name]
+    nproc = args.nproc or plan.mesh.devices
+    if nproc != plan.mesh.devices:
+        from meshllm_dsl.cli import UsageError
+
+        raise UsageError(f"plan `{plan_name}` needs {plan.mesh.devices} processes (its mesh size), not {nproc}")
+    workdir = Path(tempfile.mkdtemp(prefix="meshc-run-"))
+    try:
+        files = render_package(result, args.file, Path(args.file).read_text())
+        write_package(files, workdir / "generated")
+        script = workdir / "generated" / f"{plan_name}.py"
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            str(script), "--steps", str(args.steps), "--seed", str(args.seed),
+        ]
+        if args.data:
+            cmd += ["--data", args.data]
+        if args.infer:
+            cmd += ["--infer", "--tokens", str(args.tokens)]
+        env = dict(os.environ)
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.setdefault("LOGLEVEL", "WARNING")
+        print(f"meshc: launching {nproc} processes for plan `{plan_name}`", file=sys.stderr)
+        proc = subprocess.run(cmd, env=env, check=False)
+        return 0 if proc.returncode == 0 else 1
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    c = sub.add_parser("compile", help="write the generated torch.distributed package")
+    c.add_argument("file", metavar="FILE")
+    c.add_argument("-o", "--output", required=True, metavar="DIR")
+    c.add_argument("--plan", help="only this plan (default: every plan in the file)")
+    c.set_defaults(func=cmd_compile)
+
+    r = sub.add_parser("run", help="compile and launch with torchrun on this machine")
+    r.add_argument("file", metavar="FILE")
+    r.add_argument("--plan", help="which plan (default: the first by name)")
+    r.add_argument("--steps", type=int, default=10)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--nproc", type=int, help="processes (default and only valid value: the mesh size)")
+    r.add_argument("--data", metavar="TEXTFILE", help="train on this text (bytes -> tokens) instead of synthetic tokens")
+    r.add_argument("--infer", action="store_true", help="greedy generation instead of training")
+    r.add_argument("--tokens", type=int, default=16, help="tokens to generate with --infer")
+    r.set_defaults(func=cmd_run)
