@@ -1,0 +1,210 @@
+"""Layers and functions called by generated stage modules.
+
+Numerics follow HF ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` so their checkpoints load unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "RMSNorm",
+    "LayerNorm",
+    "VocabParallelEmbedding",
+    "KVCache",
+    "positions",
+    "apply_rotary",
+    "attention",
+    "activation",
+    "cross_entropy",
+    "vocab_parallel_cross_entropy",
+]
+
+LayerNorm = nn.LayerNorm
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # HF upcasts half precision to float32; float64 (used by exactness tests) stays float64.
+    return torch.promote_types(dtype, torch.float32)
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalise in float32, scale in the input dtype (as HF does)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        in_dtype = x.dtype
+        h = x.to(_compute_dtype(in_dtype))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(in_dtype)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows [start, start + local_num) of the full table.
+
+    Tokens outside the shard produce zeros, so the output is Partial over the vocab axis: generated
+    code sums it with ``reduce_from``.  With ``start=0`` and the full vocab it is a plain embedding.
+    """
+
+    def __init__(self, local_num: int, dim: int, start: int = 0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(local_num, dim).normal_(0.0, 0.02))
+        self.start = start
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class KVCache:
+    """Keys and values of one attention layer seen so far, [b, kv_heads_local, t, head_dim]."""
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def reset(self) -> None:
+        self.k = self.v = None
+
+
+def positions(seq: int, device: torch.device | str | None = None, offset: int = 0) -> Tensor:
+    """Token positions offset .. offset + seq - 1 (int64)."""
+    return torch.arange(offset, offset + seq, device=device, dtype=torch.long)
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(q: Tensor, k: Tensor, pos: Tensor, theta: float) -> tuple[Tensor, Tensor]:
+    """HF Llama rotary (rotate_half) on q, k shaped [b, s, heads, head_dim]; pos is [s] or [b, s]."""
+    d = q.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=q.device).float() / d))
+    # cos/sin are computed in float32 (as HF does) and only then cast to the activation dtype.
+    freqs = pos.to(torch.float32).unsqueeze(-1) * inv_freq  # [.., s, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache | None = None) -> Tensor:
+    """Causal GQA attention: q [b, s, h, d], k/v [b, s, kvh, d] -> [b, s, h * d].
+
+    KV head j serves query heads j*n_rep .. (j+1)*n_rep - 1 (HF ``repeat_kv``), which is also what
+    makes column-sharding q, k, v by heads consistent.  With a cache, the new tokens attend to
+    every cached position and causally among themselves.
+    """
+    b, s, h, d = q.shape
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    past = 0
+    if kv_cache is not None:
+        past = kv_cache.length
+        kh, vh = kv_cache.update(kh, vh)
+    n_rep = h // kh.shape[1]
+    if n_rep > 1:
+        kh = kh.repeat_interleave(n_rep, dim=1)
+        vh = vh.repeat_interleave(n_rep, dim=1)
+    if past == 0:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    else:
+        t = kh.shape[2]
+        allowed = torch.arange(t, device=q.device) <= (past + torch.arange(s, device=q.device))[:, None]
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed)
+    return out.transpose(1, 2).reshape(b, s, h * d)
+
+
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def activation(name: str) -> Callable[[Tensor], Tensor]:
+    """Element-wise activation by name (swiglu is spelled out by generated code with silu)."""
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unknown activation {name!r}; expected one of {sorted(_ACTIVATIONS)}") from None
+
+
+def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean token cross-entropy of full logits [..., V] against targets [...]."""
+    flat = logits.reshape(-1, logits.shape[-1]).to(_compute_dtype(logits.dtype))
+    return F.cross_entropy(flat, targets.reshape(-1))
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, logits: Tensor, targets: Tensor, group: ProcessGroup, vocab_start: int
+    ) -> Tensor:
+        x = logits.reshape(-1, logits.shape[-1]).to(_compute_dtype(logits.dtype))
+        t = targets.reshape(-1)
+        n_local = x.shape[-1]
+        # [N, Vl] -> [N]: global max over the vocab axis, for a stable log-sum-exp.
+        gmax = x.max(dim=-1).values
+        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+        shifted = x - gmax.unsqueeze(-1)
+        local_t = t - vocab_start
+        outside = (local_t < 0) | (local_t >= n_local)
+        local_t = local_t.masked_fill(outside, 0)
+        # [N]: the target logit lives on exactly one rank; the others contribute zero.
+        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        # Two [N] all-reduces (sum) over the vocab axis; the logits themselves never move.
+        packed = torch.stack([target_logit, sum_exp])
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        target_logit, sum_exp = packed[0], packed[1]
+        loss = (sum_exp.log() - target_logit).mean()
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, outside)
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        softmax, local_t, outside = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, local_t] -= (~outside).to(g.dtype)
+        g.mul_(grad / g.shape[0])
+        return g.to(ctx.dtype).reshape(ctx.shape), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    local_logits: Tensor, targets: Tensor, group: ProcessGroup | None, vocab_start: int
+) -> Tensor:
+    """Mean token cross-entropy of logits sharded over the vocab (last dim) across ``group``.
+
+    ``local_logits`` holds columns [vocab_start, vocab_start + V_local); the full logits are never
+    gathered.  The result (and its gradient) equals ``cross_entropy`` of the gathered logits.
+    """
+    if group is None:
+        return cross_entropy(local_logits, targets - vocab_start)
+    return _VocabParallelCE.apply(local_logits, targets, group, vocab_start)

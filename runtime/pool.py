@@ -1,0 +1,185 @@
+"""A pool of long-lived gloo worker processes that runs many small distributed jobs.
+
+Starting processes and importing torch costs seconds; a job on warm workers costs milliseconds.
+Tests and ``meshc verify`` therefore run every case on one pool.  A job that fails (or hangs past
+its timeout) takes the whole pool down, and the next job starts a fresh one: after a collective has
+failed a process group cannot be trusted again.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["RankContext", "WorkerPool", "PoolError"]
+
+
+class PoolError(RuntimeError):
+    """A job failed on some rank, timed out, or a worker died."""
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What a job function learns about where it runs."""
+
+    rank: int
+    n_ranks: int
+    world_size: int
+
+    def mesh(self, axes: Sequence[tuple[str, int]]) -> Any:
+        """A ``Mesh`` over the job's ranks 0 .. n_ranks - 1."""
+        from .mesh import Mesh
+
+        return Mesh.build(axes, ranks=range(self.n_ranks))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world: int, port: int, jobs: Any, results: Any, timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from .mesh import end_group_creation, serve_group_creation
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
+    results.put(("ready", rank, True, None))
+    while True:
+        job = jobs.get()
+        if job is None:
+            break
+        job_id, payload = job
+        fn, n_ranks, args = pickle.loads(payload)
+        if rank >= n_ranks:
+            # Ranks outside the job still take part in creating its process groups.
+            serve_group_creation()
+            continue
+        try:
+            out = fn(RankContext(rank, n_ranks, world), *args)
+            if n_ranks < world:
+                end_group_creation()
+            results.put((job_id, rank, True, pickle.dumps(out)))
+        except BaseException:
+            results.put((job_id, rank, False, traceback.format_exc()))
+            # Exit rather than carry on: peers blocked in a collective with this rank then fail at
+            # once (closed connection) instead of waiting for the gloo timeout.
+            results.close()
+            results.join_thread()
+            os._exit(1)
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``world_size`` gloo ranks on loopback, started lazily and restarted after any failure."""
+
+    def __init__(self, world_size: int = 8, timeout: float = 60.0, start_timeout: float = 120.0) -> None:
+        self.world_size = world_size
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self._procs: list[Any] = []
+        self._jobs: list[Any] = []
+        self._results: Any = None
+        self._next_id = 0
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self._results = ctx.Queue()
+        self._jobs = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self._jobs[r], self._results, self.timeout),
+                daemon=True,
+                name=f"meshllm-worker-{r}",
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+        ready = self._collect("ready", self.world_size, self.start_timeout)
+        assert len(ready) == self.world_size
+
+    def _collect(self, job_id: Any, n: int, timeout: float) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        got: dict[int, Any] = {}
+        while len(got) < n:
+            try:
+                jid, rank, ok, payload = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [p.name for p in self._procs if not p.is_alive()]
+                if dead:
+                    self._abort()
+                    raise PoolError(f"worker(s) died without reporting: {', '.join(dead)}") from None
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(n)) - set(got))
+                    self._abort()
+                    raise PoolError(f"job timed out after {timeout:.0f}s; ranks {missing} did not finish") from None
+                continue
+            if jid != job_id:
+                continue
+            if not ok:
+                self._abort()
+                raise PoolError(f"rank {rank} failed:\n{payload}")
+            got[rank] = payload
+        return [got[r] for r in range(n)]
+
+    def run(self, fn: Callable[..., Any], n_ranks: int, *args: Any, timeout: float | None = None) -> list[Any]:
+        """Run ``fn(RankContext, *args)`` on ranks 0 .. n_ranks - 1; return their results in rank order.
+
+        ``fn`` must be a picklable top-level function.  Raises ``PoolError`` with the traceback of
+        the first rank that failed.
+        """
+        if not 1 <= n_ranks <= self.world_size:
+            raise ValueError(f"n_ranks must be in 1..{self.world_size}, got {n_ranks}")
+        if not self._procs:
+            self._start()
+        self._next_id += 1
+        payload = pickle.dumps((fn, n_ranks, args))
+        for q in self._jobs:
+            q.put((self._next_id, payload))
+        raw = self._collect(self._next_id, n_ranks, self.timeout if timeout is None else timeout)
+        return [pickle.loads(r) for r in raw]
+
+    def _abort(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        self._procs, self._jobs, self._results = [], [], None
+
+    def close(self) -> None:
+        """Stop the workers (politely, then by force)."""
+        if not self._procs:
+            return
+        for q in self._jobs:
+            q.put(None)
+        for p in self._procs:
+            p.join(timeout=10)
+        self._abort()

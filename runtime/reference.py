@@ -1,0 +1,192 @@
+"""The unsharded reference model, built straight from the compiler's model description.
+
+Deliberately written independently of the sharded layers (only ``full_init`` is shared) so that
+equivalence tests compare two implementations, not one with itself.  Matches HF Llama / GPT-2.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .shards import full_init
+
+__all__ = ["build_reference", "ReferenceModel"]
+
+Layer = Mapping[str, Any]
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        h = x.to(torch.promote_types(dtype, torch.float32))
+        var = h.pow(2).mean(-1, keepdim=True)
+        return self.weight * (h * torch.rsqrt(var + self.eps)).to(dtype)
+
+
+def _norm(spec: Layer) -> nn.Module:
+    if spec["kind"] == "rmsnorm":
+        return _RMSNorm(spec["dim"], spec["eps"])
+    if spec["kind"] == "layernorm":
+        return nn.LayerNorm(spec["dim"], eps=spec["eps"])
+    raise ValueError(f"{spec['name']}: not a norm: {spec['kind']}")
+
+
+class _Attention(nn.Module):
+    def __init__(self, spec: Layer) -> None:
+        super().__init__()
+        self.h, self.kvh, self.d = spec["heads"], spec["kv_heads"], spec["head_dim"]
+        self.theta = spec.get("rope_theta")
+        self.fused = bool(spec.get("fused_qkv", False))
+        hid, qkv_bias = spec["hidden"], bool(spec.get("qkv_bias", False))
+        if self.fused:
+            self.qkv = nn.Linear(hid, (self.h + 2 * self.kvh) * self.d, bias=qkv_bias)
+        else:
+            self.q = nn.Linear(hid, self.h * self.d, bias=qkv_bias)
+            self.k = nn.Linear(hid, self.kvh * self.d, bias=qkv_bias)
+            self.v = nn.Linear(hid, self.kvh * self.d, bias=qkv_bias)
+        self.o = nn.Linear(self.h * self.d, hid, bias=bool(spec.get("o_bias", False)))
+
+    def _rope(self, x: Tensor) -> Tensor:
+        # x: [b, heads, s, d]; HF LlamaRotaryEmbedding + apply_rotary_pos_emb.
+        s, d = x.shape[2], self.d
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        if self.fused:
+            q, k, v = self.qkv(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
+        q = q.view(b, s, self.h, self.d).transpose(1, 2)
+        k = k.view(b, s, self.kvh, self.d).transpose(1, 2)
+        v = v.view(b, s, self.kvh, self.d).transpose(1, 2)
+        if self.theta is not None:
+            q, k = self._rope(q), self._rope(k)
+        rep = self.h // self.kvh
+        k = k[:, :, None].expand(b, self.kvh, rep, s, self.d).reshape(b, self.h, s, self.d)
+        v = v[:, :, None].expand(b, self.kvh, rep, s, self.d).reshape(b, self.h, s, self.d)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.d)
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        a = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(q.dtype) @ v
+        return self.o(a.transpose(1, 2).reshape(b, s, self.h * self.d))
+
+
+class _MLP(nn.Module):
+    def __init__(self, spec: Layer) -> None:
+        super().__init__()
+        hid, ffn, bias = spec["hidden"], spec["ffn"], bool(spec.get("bias", False))
+        self.act = spec["act"]
+        if self.act == "swiglu":
+            self.gate = nn.Linear(hid, ffn, bias=bias)
+        self.up = nn.Linear(hid, ffn, bias=bias)
+        self.down = nn.Linear(ffn, hid, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.act == "swiglu":
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        h = self.up(x)
+        if self.act == "gelu_tanh":
+            h = F.gelu(h, approximate="tanh")
+        elif self.act == "gelu":
+            h = F.gelu(h)
+        elif self.act == "relu":
+            h = F.relu(h)
+        elif self.act == "silu":
+            h = F.silu(h)
+        else:
+            raise ValueError(f"unknown activation {self.act!r}")
+        return self.down(h)
+
+
+class _Block(nn.Module):
+    """Pre-norm residual block: every norm is followed by its sublayer, x = x + sub(norm(x))."""
+
+    def __init__(self, body: list[Layer]) -> None:
+        super().__init__()
+        self.pairs: list[tuple[str, str]] = []
+        if len(body) % 2:
+            raise ValueError("a block body must alternate norm, sublayer")
+        for norm, sub in zip(body[::2], body[1::2]):
+            self.add_module(norm["name"], _norm(norm))
+            if sub["kind"] == "attention":
+                self.add_module(sub["name"], _Attention(sub))
+            elif sub["kind"] == "mlp":
+                self.add_module(sub["name"], _MLP(sub))
+            else:
+                raise ValueError(f"{sub['name']}: unsupported sublayer kind {sub['kind']!r}")
+            self.pairs.append((norm["name"], sub["name"]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for norm, sub in self.pairs:
+            x = x + getattr(self, sub)(getattr(self, norm)(x))
+        return x
+
+
+class ReferenceModel(nn.Module):
+    """tokens [b, s] -> logits [b, s, vocab]."""
+
+    def __init__(self, model: Mapping[str, Any]) -> None:
+        super().__init__()
+        self.order: list[tuple[str, str]] = []
+        self.ties: dict[str, str] = {}
+        for spec in model["layers"]:
+            name, kind = spec["name"], spec["kind"]
+            if kind in ("embedding", "positional"):
+                self.add_module(name, nn.Embedding(spec["num"], spec["dim"]))
+            elif kind == "repeat":
+                self.add_module(name, nn.ModuleList(_Block(list(spec["body"])) for _ in range(spec["count"])))
+            elif kind in ("rmsnorm", "layernorm"):
+                self.add_module(name, _norm(spec))
+            elif kind == "linear":
+                if spec.get("tie"):
+                    if spec.get("bias"):
+                        raise ValueError(f"{name}: a tied linear layer cannot have a bias")
+                    self.ties[name] = spec["tie"]
+                else:
+                    self.add_module(name, nn.Linear(spec["in"], spec["out"], bias=bool(spec.get("bias"))))
+            else:
+                raise ValueError(f"{name}: unsupported layer kind {kind!r}")
+            self.order.append((name, kind))
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        x: Tensor = tokens
+        for name, kind in self.order:
+            mod = getattr(self, name, None)
+            if kind == "embedding":
+                x = mod(tokens)
+            elif kind == "positional":
+                x = x + mod(torch.arange(tokens.shape[1]))
+            elif kind == "repeat":
+                for block in mod:
+                    x = block(x)
+            elif kind == "linear" and name in self.ties:
+                x = x @ getattr(self, self.ties[name]).weight.t()
+            else:
+                x = mod(x)
+        return x
+
+
+def build_reference(model: Mapping[str, Any], dtype: torch.dtype = torch.float32, seed: int = 0) -> ReferenceModel:
+    """The unsharded model with every parameter set by ``full_init(name, shape, seed)``."""
+    ref = ReferenceModel(model)
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_(full_init(name, p.shape, seed, torch.float32))
+    return ref.to(dtype)
