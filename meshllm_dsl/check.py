@@ -109,7 +109,7 @@ def check_declarations(decls: Declarations) -> CheckResult:
     plans: dict[str, PlanIR] = {}
     for name, decl in plan_decls.items():
         assert isinstance(decl, ast.PlanDecl)
-        r.check_identifier(decl.name, "plan")
+        name_ok = r.check_identifier(decl.name, "plan")
         mesh = meshes.get(decl.mesh.value)
         model = models.get(decl.model.value)
         if decl.mesh.value not in mesh_decls:
@@ -121,7 +121,7 @@ def check_declarations(decls: Declarations) -> CheckResult:
         if mesh is None or model is None:
             continue
         plan = PlanChecker(decl, mesh, model, diags).check()
-        if plan is not None:
+        if plan is not None and name_ok:
             plans[name] = plan
     return CheckResult(tuple(diags), plans, meshes, models, tuple(s.path for s in decls.sources))
 
