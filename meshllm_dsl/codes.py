@@ -103,6 +103,27 @@ CODES: dict[str, tuple[str, str]] = {
               "(p - 1) / (m + p - 1) is more than half of the step."),
     "W0704": ("unused mesh axis", "Every rank along an unused axis does identical work: the devices are "
               "wasted. Use it for data parallelism, sharding or the pipeline, or shrink the mesh."),
+    "W0801": ("plan does not fit in device memory", "`meshc plan` estimates the peak memory of every pipeline rank: "
+              "weights, gradients and optimizer states (16 bytes per parameter for mixed-precision AdamW, divided "
+              "per the ZeRO stage), plus the activations of the microbatches the schedule keeps in flight. The "
+              "peak exceeds the device profile's memory, so the job would run out of memory at its first step. "
+              "The note lists the parts; the help names the cheapest fix."),
+    "W0802": ("over-sharding", "A sharding axis whose last doubling costs more collective time per step than "
+              "the compute it removes: each device holds too few parameters for the all-reduces every "
+              "tensor-parallel layer issues. Halve the axis and give the devices to data parallelism if the plan "
+              "still fits in memory."),
+    "W0803": ("communication-dominated step", "The estimated communication per step (tensor all-reduces, "
+              "pipeline sends, data-parallel gradient reduction) exceeds the compute. Devices wait on links "
+              "most of the time; larger microbatches or less tensor parallelism raise compute per byte moved."),
+    "W0804": ("tensor axis over the inter-host link", "A tensor-parallel axis whose process groups span "
+              "hosts: its all-reduces, issued in every layer, run over the network at a fraction of NVLink "
+              "bandwidth. The warning states the time per step over the network and within a host."),
+    "W0805": ("large pipeline bubble", "The pipeline bubble (p - 1) / (m + p - 1) (divided by v when "
+              "interleaved) is above 20% of the step: devices idle while the pipeline fills and drains. Raise "
+              "the microbatch count or interleave virtual stages."),
+    "W0806": ("stage memory imbalance", "One pipeline rank needs more than 1.25x the memory of another. The "
+              "mesh must be sized for the largest, so the others waste memory. 1F1B keeps more microbatches of "
+              "activations on early stages: give them fewer blocks."),
 }
 
 

@@ -1,12 +1,26 @@
 """Device profiles the planner knows: memory, dense throughput and link bandwidths.
 
-Figures are vendor datasheet numbers (dense, no sparsity); links are per-direction bandwidth.
-A .mesh file can declare its own with `device NAME { memory = 80, tflops = 989, ... }`.
+Figures are vendor datasheet numbers (dense bf16/fp16 tensor-core throughput, no sparsity); links are
+per-direction bandwidth per device, which is what a ring collective's "bus bandwidth" is bounded by.
+A .mesh file can declare its own profile:
+
+    device h100_pcie { like = h100, memory = 80, tflops = 756, intra = 64 }
+
+Settings: `memory` (GiB), `tflops`, `intra` (GB/s within a host), `inter` (GB/s between hosts, per
+device), `per_host` (devices in one host), `like` (a known profile whose values the others default to).
+The checker accepts the name in `device = NAME`; `declared_profiles` turns the declaration into a
+profile, with diagnostics for settings that are missing or wrong.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
+
+from meshllm_dsl import ast
+from meshllm_dsl.diagnostics import Diagnostic
+from meshllm_dsl.names import did_you_mean
 
 
 @attrs.frozen
@@ -14,18 +28,106 @@ class DeviceProfile:
     name: str
     memory_gib: float  # usable accelerator memory
     tflops: float  # peak dense bf16/fp16 TFLOP/s
-    intra_gbps: float  # GB/s between devices of one host (NVLink)
-    inter_gbps: float  # GB/s between hosts (network, per device)
+    intra_gbps: float  # GB/s between devices of one host (NVLink), per direction
+    inter_gbps: float  # GB/s between hosts (network, per device), per direction
+    per_host: int = 8  # devices in one host: where the fast link ends
+
+    @property
+    def memory_bytes(self) -> int:
+        return int(self.memory_gib * 2**30)
 
 
 PROFILES: dict[str, DeviceProfile] = {
     p.name: p
     for p in (
+        # A100 SXM: 312 TFLOP/s bf16, NVLink 3 600 GB/s bidirectional = 300 per direction, HDR 200 Gb/s NIC.
         DeviceProfile("a100_40gb", 40.0, 312.0, 300.0, 25.0),
         DeviceProfile("a100", 80.0, 312.0, 300.0, 25.0),
         DeviceProfile("a100_80gb", 80.0, 312.0, 300.0, 25.0),
+        # H100 SXM: 989 TFLOP/s bf16 dense, NVLink 4 900 GB/s bidirectional, NDR 400 Gb/s NIC per GPU.
         DeviceProfile("h100", 80.0, 989.0, 450.0, 50.0),
+        DeviceProfile("h100_pcie", 80.0, 756.0, 64.0, 50.0),  # no NVLink switch: PCIe 5 x16
         DeviceProfile("h200", 141.0, 989.0, 450.0, 50.0),
-        DeviceProfile("cpu", 16.0, 1.0, 10.0, 1.0),
+        # B200: 2.25 PFLOP/s bf16 dense, NVLink 5 1.8 TB/s bidirectional.
+        DeviceProfile("b200", 180.0, 2250.0, 900.0, 50.0),
+        # MI300X: 1307 TFLOP/s bf16 dense, Infinity Fabric 7 x 64 GB/s per direction.
+        DeviceProfile("mi300x", 192.0, 1307.0, 448.0, 50.0),
+        DeviceProfile("l40s", 48.0, 362.0, 32.0, 25.0, per_host=4),
+        DeviceProfile("a10g", 24.0, 125.0, 32.0, 12.5, per_host=4),
+        # A laptop / CI CPU running gloo: order-of-magnitude figures, only so CPU plans get numbers.
+        DeviceProfile("cpu", 16.0, 1.0, 10.0, 1.0, per_host=64),
     )
 }
+
+DEFAULT_PROFILE = "h100"
+
+_SETTINGS = {"memory": "memory_gib", "tflops": "tflops", "intra": "intra_gbps", "inter": "inter_gbps",
+             "per_host": "per_host"}
+
+
+def _number(expr: ast.Expr) -> float | None:
+    """Literal numbers and simple arithmetic over them (`80 * 1`); device settings name no dims."""
+    if isinstance(expr, ast.IntLit):
+        return float(expr.value)
+    if isinstance(expr, ast.FloatLit):
+        return expr.value
+    if isinstance(expr, ast.Neg):
+        v = _number(expr.operand)
+        return None if v is None else -v
+    if isinstance(expr, ast.BinOp):
+        a, b = _number(expr.left), _number(expr.right)
+        if a is None or b is None:
+            return None
+        if expr.op == "/":
+            return None if b == 0 else a / b
+        return {"+": a + b, "-": a - b, "*": a * b}[expr.op]
+    return None
+
+
+def declared_profiles(decls: Iterable[ast.DeviceDecl]) -> tuple[dict[str, DeviceProfile], list[Diagnostic]]:
+    """Profiles from `device NAME { ... }` declarations, plus diagnostics for bad settings."""
+    out: dict[str, DeviceProfile] = {}
+    diags: list[Diagnostic] = []
+    for decl in decls:
+        values: dict[str, float] = {}
+        base: DeviceProfile | None = None
+        ok = True
+        for s in decl.settings:
+            key = s.name.value
+            if key == "like":
+                target = s.value.value if isinstance(s.value, ast.Name) else None
+                base = PROFILES.get(target or "") or out.get(target or "")
+                if base is None:
+                    diags.append(Diagnostic("E0202", f"unknown device profile `{target}`", s.value.span,
+                                            label="not a known device",
+                                            help=did_you_mean(str(target), [*PROFILES, *out])))
+                    ok = False
+                continue
+            if key not in _SETTINGS:
+                diags.append(Diagnostic("E0203", f"unknown device setting `{key}`", s.name.span,
+                                        label="not a device setting",
+                                        help=did_you_mean(key, [*_SETTINGS, "like"])))
+                ok = False
+                continue
+            v = _number(s.value)
+            if v is None or v <= 0:
+                diags.append(Diagnostic("E0303" if v is not None else "E0304", f"`{key}` must be a positive number",
+                                        s.value.span, label="not a positive number",
+                                        help=f"e.g. `{key} = {getattr(PROFILES[DEFAULT_PROFILE], _SETTINGS[key])}`"))
+                ok = False
+                continue
+            values[_SETTINGS[key]] = v
+        if not ok:
+            continue
+        missing = [k for k, field in _SETTINGS.items() if field not in values and k != "per_host"]
+        if base is None and missing:
+            diags.append(Diagnostic("E0205", f"device `{decl.name.value}` does not set {', '.join(f'`{m}`' for m in missing)}",
+                                    decl.name.span, label="incomplete profile",
+                                    help=f"set them, or start from a known profile with `like = {DEFAULT_PROFILE}`"))
+            continue
+        fields = attrs.asdict(base) if base is not None else {"per_host": 8}
+        fields.update(values)
+        fields["name"] = decl.name.value
+        fields["per_host"] = int(fields["per_host"])
+        out[decl.name.value] = DeviceProfile(**fields)
+    return out, diags

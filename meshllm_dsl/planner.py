@@ -1,0 +1,789 @@
+"""The static planner: memory per device, communication per step, pipeline bubble and step time.
+
+Everything here is computed from the checker's results (ir.PlanIR): the parameters of every layer with
+their global shapes, each layer's placement, the stage map and the collectives each unit issues
+(UnitFlow). Nothing is re-derived from the syntax tree, and nothing imports torch.
+
+Model of a training step, per device ("rank class" = one pipeline coordinate: every tensor and data
+rank at that coordinate holds the same amount, since the checker guarantees whole-unit shards):
+
+  memory   = weights + gradients + optimizer states (ZeRO over the plan's zero axes)
+             + activations of the microbatches in flight under the schedule
+  time     = (compute + exposed tensor / pipeline communication) x (1 + bubble)
+             + data-parallel gradient reduction
+  compute  = 6 x (parameters on the device) x (tokens per data replica) / (peak x MFU)
+
+The constants (MFU, collective latencies, activation bytes per element) are module-level names
+below so a reader can see and change every assumption in one place.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import attrs
+
+from meshllm_dsl.diagnostics import Diagnostic, Label
+from meshllm_dsl.devices import DEFAULT_PROFILE, PROFILES, DeviceProfile
+from meshllm_dsl.ir import DTYPES, REPLICATE, Leaf, Placement, PlanIR, Repeat, Stage, Tensor, Unit, UnitFlow
+from meshllm_dsl.source import Span
+
+# ---------------------------------------------------------------- assumptions
+
+# Fraction of peak dense flops the matmuls reach *before* communication and the bubble, which this
+# model charges separately. Megatron-LM reports 50-60% of peak for large GEMM-bound transformer layers
+# on A100 / H100 once communication is subtracted; end-to-end MFUs of 40-50% include the overheads we
+# add back. 0.5 is the middle of that range.
+MFU = 0.5
+
+# Per-collective launch + synchronisation latency (NCCL small-message latency is ~10 us within an
+# NVLink host and ~25 us across an InfiniBand network). Added once per collective call.
+LATENCY_INTRA_S = 10e-6
+LATENCY_INTER_S = 25e-6
+
+# Optimizer state bytes per parameter, beyond the weights and gradients in the training dtype.
+# Adam(W) in mixed precision (Rajbhandari et al. 2020, "ZeRO", section 3.1): fp32 master weights,
+# fp32 momentum and fp32 variance = K = 12 bytes, so 2 + 2 + 12 = 16 bytes per parameter.
+# In fp32 the weights are their own master copy: m and v only, K = 8 (4 + 4 + 8 = 16 again).
+FP32 = 4
+
+
+def optimizer_bytes_per_param(optimizer: str, dtype: str) -> int:
+    """ZeRO's K: bytes of optimizer state per parameter (excludes the weight and its gradient)."""
+    width = DTYPES[dtype]
+    master = FP32 if width < FP32 else 0  # mixed precision keeps an fp32 copy of every weight
+    moments = 2 * max(width, FP32) if optimizer in ("adam", "adamw") else 0  # m and v, at least fp32
+    return master + moments
+
+
+def zero_per_device(params: int, zero: int, shards: int, weight_bytes: int, grad_bytes: int,
+                    k: int) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer states) bytes per device under ZeRO stage `zero` over `shards`.
+
+    ZeRO paper, figure 1, with Psi parameters on the device and N_d = shards:
+      stage 0: (2 + 2 + K) Psi     stage 1: 2 Psi + 2 Psi + K Psi / N_d
+      stage 2: 2 Psi + (2 + K) Psi / N_d     stage 3: (2 + 2 + K) Psi / N_d
+    A sharded buffer is padded to a multiple of N_d (as DeepSpeed and FSDP pad the flat buffer), so
+    the per-device share is ceil(Psi / N_d).
+    """
+    part = -(-params // shards) if shards > 1 else params
+    w = weight_bytes * (part if zero >= 3 else params)
+    g = grad_bytes * (part if zero >= 2 else params)
+    o = k * (part if zero >= 1 else params)
+    return w, g, o
+
+
+def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
+    """Idle fraction of a pipelined step: (p - 1) / (m + p - 1), divided by v when interleaved.
+
+    GPipe and 1F1B have the same bubble (1F1B only lowers the activation memory); interleaving v
+    virtual stages per rank shrinks it v-fold (Narayanan et al. 2021, section 2.2).
+    """
+    if stages <= 1:
+        return 0.0
+    frac = (stages - 1) / (microbatches + stages - 1)
+    return frac / virtual if schedule == "interleaved_1f1b" else frac
+
+
+def kv_cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes: one token of KV cache for the whole model."""
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+def in_flight_microbatches(schedule: str, pipeline: int, coord: int, microbatches: int, virtual: int) -> int:
+    """How many (virtual-stage) forward passes a rank holds activations for at its peak.
+
+    GPipe runs every forward before any backward: all m microbatches. 1F1B lets rank r run
+    p - r forwards before its first backward (Narayanan et al. 2021). Interleaved 1F1B (Megatron's
+    warm-up) runs 2 (p - r - 1) + (v - 1) p + 1 chunk-forwards before the first backward, which is
+    the paper's "L (1 + (p - 1) / (p v)) layers" on rank 0. Without a pipeline, microbatches are
+    gradient accumulation: one at a time.
+    """
+    if pipeline <= 1:
+        return 1
+    if schedule == "gpipe":
+        return microbatches * virtual
+    if schedule == "interleaved_1f1b":
+        return min(microbatches * virtual, 2 * (pipeline - coord - 1) + (virtual - 1) * pipeline + 1)
+    return min(microbatches, pipeline - coord)
+
+
+# ---------------------------------------------------------------- what a stage holds
+
+
+@attrs.frozen
+class HeldUnit:
+    """A unit (or `count` identical blocks' copies of it) that a stage holds, with its placements."""
+
+    unit: Unit
+    prefix: str  # "blocks.0-3." for repeated units, "" at the top level
+    count: int  # blocks of this block class in the stage (1 for top-level units)
+    placements: tuple[tuple[str, Placement], ...]  # leaf path -> placement
+    flow: UnitFlow | None
+    tied_copy: bool = False  # the tied weight of a head, held here because the embedding is elsewhere
+    last: bool = False  # the model's output layer (logits feed the loss)
+
+    def placement(self, leaf: Leaf) -> Placement:
+        return dict(self.placements).get(".".join(leaf.path), REPLICATE)
+
+
+def held_units(plan: PlanIR, stage: Stage) -> Iterator[HeldUnit]:
+    model = plan.model
+    top = dict(plan.top_placements)
+    flows = dict(plan.top_flows)
+    last_item = model.items[-1].name
+    names_here = {pc.item for pc in stage.pieces}
+    for pc in stage.pieces:
+        item = model.item(pc.item)
+        if isinstance(item, Repeat):
+            blocks = set(range(pc.start or 0, pc.stop if pc.stop is not None else item.count))
+            for cls in plan.block_classes:
+                mine = sorted(blocks & set(cls.indices))
+                if not mine:
+                    continue
+                prefix = f"{item.name}.{_ranges(mine)}."
+                for unit in item.body:
+                    yield HeldUnit(unit, prefix, len(mine), cls.placements, dict(cls.flows).get(unit.name))
+        elif isinstance(item, Unit):
+            placements = tuple((".".join(leaf.path), top.get(".".join(leaf.path), REPLICATE)) for leaf in item.leaves)
+            yield HeldUnit(item, "", 1, placements, flows.get(item.name), last=item.name == last_item)
+            for leaf in item.leaves:
+                tied = model.item(leaf.tie) if leaf.tie else None
+                # A head tied to an embedding on another stage holds a synchronised copy of it there.
+                if isinstance(tied, Unit) and tied.name not in names_here:
+                    tp = tuple((".".join(lf.path), top.get(".".join(lf.path), REPLICATE)) for lf in tied.leaves)
+                    yield HeldUnit(tied, "", 1, tp, None, tied_copy=True)
+
+
+def _ranges(blocks: list[int]) -> str:
+    runs: list[str] = []
+    start = prev = blocks[0]
+    for b in [*blocks[1:], None]:
+        if b is not None and b == prev + 1:
+            prev = b
+            continue
+        runs.append(str(start) if start == prev else f"{start}-{prev}")
+        if b is not None:
+            start = prev = b
+    return ",".join(runs)
+
+
+def stage_label(plan: PlanIR, stage: Stage) -> str:
+    """`embed, pos, blocks 0-3` — what a stage holds, for tables and pictures."""
+    parts = []
+    for pc in stage.pieces:
+        if pc.start is not None and pc.stop is not None:
+            parts.append(f"{pc.item} {pc.start}-{pc.stop - 1}" if pc.stop - pc.start > 1 else f"{pc.item} {pc.start}")
+        else:
+            parts.append(pc.item)
+    return ", ".join(parts)
+
+
+def local_numel(plan: PlanIR, tensor: Tensor, placement: Placement) -> int:
+    return math.prod(plan.local_shape(tensor, placement))
+
+
+def unit_local_params(plan: PlanIR, hu: HeldUnit) -> tuple[int, int, int]:
+    """(global, local, replicated-local) parameters of one copy of the unit on one device."""
+    glob = local = repl = 0
+    for leaf in hu.unit.leaves:
+        p = hu.placement(leaf)
+        for t in leaf.params:
+            n = local_numel(plan, t, p)
+            glob += t.numel
+            local += n
+            if p.tensor_dim(t) is None:
+                repl += n
+    return glob, local, repl
+
+
+# ---------------------------------------------------------------- activations (Korthikanti et al. 2022)
+
+
+def _axes_size(plan: PlanIR, p: Placement) -> int:
+    return plan.mesh.size(*p.axes) if p.sharded else 1
+
+
+def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int,
+                          flash_attention: bool = True) -> int:
+    """Bytes one copy of the unit keeps for backward, for one microbatch of `tokens` = s x b tokens.
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", section
+    4.1) count, per GPT layer in 16-bit, sbh (34 + 5 a s / h): attention 11 sbh + 5 a s^2 b, MLP 19 sbh,
+    two LayerNorms 4 sbh; with t-way tensor parallelism sbh (10 + 24 / t + 5 a s / (h t)). We count the
+    same saved tensors tensor by tensor, for the layers this model really has, because Llama differs:
+      * no dropout (Llama and our runtime train without it): the paper's masks (sbh per sublayer and
+        a s^2 b in attention) and the dropout output (2 a s^2 b) disappear;
+      * fused attention (torch SDPA / FlashAttention, `flash_attention=True`): no s x s matrix is kept,
+        only q, k, v, the output and an fp32 log-sum-exp per head and token. This is the paper's
+        "selective recomputation" done by the kernel. With `flash_attention=False` the softmax
+        probabilities (a s^2 b elements per layer) are kept, as in the paper;
+      * GQA: k and v have kv_heads heads, so they cost 2 kv_heads head_dim instead of 2 h;
+      * SwiGLU keeps gate, up, silu(gate) and their product: 4 x ffn (the paper's GeLU keeps its input
+        and output: 2 x 4h = 8 sbh + 8 sbh); a plain activation keeps 2 x ffn;
+      * RMSNorm keeps its input and an fp32 reciprocal RMS per token (4 sb); LayerNorm an fp32 mean
+        and rstd (8 sb); the paper counts 2 sbh per norm (its input only).
+    Tensor-sharded tensors divide by the size of the axes they are split over; the norm inputs and
+    the inputs of column layers are replicated over the tensor axis (no sequence parallelism), which
+    is the paper's "10 sbh" term. Activation elements are in the plan's dtype.
+    """
+    unit = hu.unit
+    e = DTYPES[plan.dtype]  # bytes per activation element
+    kind = unit.kind
+    if kind == "rmsnorm":
+        return e * tokens * int(unit.attr("dim")) + FP32 * tokens  # type: ignore[arg-type]
+    if kind == "layernorm":
+        return e * tokens * int(unit.attr("dim")) + 2 * FP32 * tokens  # type: ignore[arg-type]
+    if kind == "positional":
+        return 0  # a lookup added to the residual stream: nothing saved but the position ids
+    if kind == "embedding":
+        return 8 * tokens  # the int64 token ids (and, vocab-parallel, a mask derived from them)
+    if kind == "attention":
+        hid, heads, kv, hd = (int(unit.attr(k)) for k in ("hidden", "heads", "kv_heads", "head_dim"))  # type: ignore[arg-type]
+        leaves = {leaf.name: leaf for leaf in unit.leaves}
+        if "qkv" in leaves:
+            tq = tk = _axes_size(plan, hu.placement(leaves["qkv"]))
+        else:
+            tq, tk = _axes_size(plan, hu.placement(leaves["q"])), _axes_size(plan, hu.placement(leaves["k"]))
+        hq, hk = heads // tq, kv // tk
+        saved = e * tokens * hid  # the normed input, shared by the q / k / v projections
+        saved += e * tokens * (hq + 2 * hk) * hd  # q, k, v (after rotary) for the attention core
+        saved += e * tokens * hq * hd  # the attention output: the core's result and o's input
+        if flash_attention:
+            saved += FP32 * tokens * hq  # log-sum-exp per head and token
+        else:
+            saved += e * micro * hq * seq * seq  # softmax probabilities
+        return saved
+    if kind == "mlp":
+        hid, ffn = int(unit.attr("hidden")), int(unit.attr("ffn"))  # type: ignore[arg-type]
+        up = next(leaf for leaf in unit.leaves if leaf.name == "up")
+        f = ffn // _axes_size(plan, hu.placement(up))
+        per_ffn = 4 if unit.attr("act") == "swiglu" else 2
+        return e * tokens * hid + per_ffn * e * tokens * f
+    if kind == "linear":
+        leaf = unit.leaves[0]
+        p = hu.placement(leaf)
+        n_in, n_out = int(unit.attr("in")), int(unit.attr("out"))  # type: ignore[arg-type]
+        saved = e * tokens * (n_in // _axes_size(plan, p) if p.rule == "row" and p.sharded else n_in)
+        if hu.last:
+            # Logits: the paper's output layer keeps them in fp32 for the cross entropy, 4 sbv / t.
+            v_local = n_out // _axes_size(plan, p) if p.rule == "column" and p.sharded else n_out
+            saved += FP32 * tokens * v_local
+        return saved
+    raise AssertionError(kind)
+
+
+# ---------------------------------------------------------------- communication
+
+
+@attrs.frozen
+class Comm:
+    """One kind of collective a device runs, summed over a training step."""
+
+    axis: str  # mesh axis (or axes, joined by " x ") it runs over
+    kind: str  # tensor | pipeline | data | tied | loss
+    op: str  # all_reduce | all_gather | reduce_scatter | send_recv
+    calls: int  # collective calls per step
+    payload_bytes: int  # sum of the tensors' sizes handed to the collective
+    wire_bytes: int  # bytes each device sends (ring algorithm)
+    seconds: float
+    crosses_hosts: bool
+    exposed: bool = True  # on the critical path (this model overlaps nothing; see step_time)
+
+
+def _wire(op: str, size: int, n: int) -> int:
+    """Bytes each member sends for one collective over `n` ranks, ring algorithm (NCCL's for large sizes)."""
+    if n <= 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1) * size // n
+    if op in ("all_gather", "reduce_scatter"):
+        return (n - 1) * size // n
+    return size  # send_recv
+
+
+def _link(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...]) -> tuple[float, float, bool]:
+    crosses = plan.mesh.hosts > 1 and plan.mesh.crosses_hosts(*axes)
+    if crosses:
+        return device.inter_gbps * 1e9, LATENCY_INTER_S, True
+    return device.intra_gbps * 1e9, LATENCY_INTRA_S, False
+
+
+def _comm(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], kind: str, op: str, calls: int,
+          size: int, group: int | None = None) -> Comm:
+    """`calls` collectives of `size` bytes each over the group along `axes`."""
+    n = group if group is not None else plan.mesh.size(*axes)
+    bw, lat, crosses = _link(plan, device, axes)
+    wire = calls * _wire(op, size, n)
+    seconds = wire / bw + calls * lat if n > 1 else 0.0
+    return Comm(" x ".join(axes), kind, op, calls, calls * size, wire, seconds, crosses)
+
+
+def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], str]]:
+    """(axes, op) per microbatch, forward and backward, for one copy of the unit.
+
+    Megatron's operators (ir.Collective): copy_to is identity forward / all-reduce backward,
+    reduce_from all-reduce forward / identity backward, split_to split forward / all-gather backward,
+    gather_from all-gather forward / split backward. Sizes are the full activation (act_bytes).
+    """
+    out: list[tuple[tuple[str, ...], str]] = []
+    if hu.flow is None:
+        return out
+    for c in hu.flow.collectives:
+        op = {"copy_to": "all_reduce", "reduce_from": "all_reduce", "split_to": "all_gather",
+              "gather_from": "all_gather"}[c.op]
+        out.append((c.axes, op))
+    return out
+
+
+# ---------------------------------------------------------------- the report
+
+
+@attrs.frozen
+class RankClass:
+    """Every device at one pipeline coordinate: what each of them holds and does in a step."""
+
+    coord: int
+    stages: tuple[int, ...]
+    label: str  # layers held
+    ranks: tuple[int, ...]
+    params_global: int  # parameters of the stages (tied copies counted where they live)
+    params_local: int  # parameters one device holds after tensor sharding (before ZeRO)
+    params_replicated: int  # of which replicated over the sharding axes (norms, row biases, ...)
+    weight_bytes: int  # after ZeRO-3
+    grad_bytes: int  # after ZeRO-2
+    optimizer_bytes: int  # after ZeRO-1
+    gather_buffer_bytes: int  # ZeRO-3: the largest unit's parameters, gathered for its forward
+    activation_bytes_per_microbatch: int
+    in_flight: int  # microbatches (chunk forwards when interleaved) whose activations are held
+    activation_bytes: int
+    kv_cache_bytes: int  # inference at the plan's batch and seq
+    comms: tuple[Comm, ...]
+    compute_s: float
+    dtype_bytes: int  # bytes per weight in the training dtype
+
+    @property
+    def training_bytes(self) -> int:
+        return (self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.gather_buffer_bytes
+                + self.activation_bytes)
+
+    @property
+    def inference_bytes(self) -> int:
+        # Inference keeps the weights in the training dtype and no optimizer: weights + KV cache.
+        return self.params_local_bytes + self.kv_cache_bytes
+
+    @property
+    def params_local_bytes(self) -> int:
+        return self.params_local * self.dtype_bytes
+
+    def comm_seconds(self, kinds: tuple[str, ...]) -> float:
+        return sum(c.seconds for c in self.comms if c.kind in kinds)
+
+
+@attrs.frozen
+class StepTime:
+    compute_s: float  # slowest rank's compute
+    tensor_s: float  # its exposed tensor-parallel communication
+    pipeline_s: float  # its pipeline send / recv (and tied-weight sync)
+    bubble_s: float
+    data_s: float  # data-parallel gradient reduction / ZeRO collectives (after the pipeline drains)
+    model_flops: float  # 6 x params x tokens
+    tokens: int
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.tensor_s + self.pipeline_s + self.bubble_s + self.data_s
+
+    @property
+    def comm_s(self) -> float:
+        return self.tensor_s + self.pipeline_s + self.data_s
+
+
+@attrs.frozen
+class PlanReport:
+    plan: PlanIR
+    device: DeviceProfile
+    device_assumed: bool  # the mesh names no device: the default profile was used
+    micro_batch: int  # sequences per microbatch per data replica
+    bubble: float
+    ranks: tuple[RankClass, ...]
+    step: StepTime
+    kv_bytes_per_token: int  # whole model, one sequence position
+    optimizer_k: int
+
+    @property
+    def peak_training_bytes(self) -> int:
+        return max(r.training_bytes for r in self.ranks)
+
+    @property
+    def peak_inference_bytes(self) -> int:
+        return max(r.inference_bytes for r in self.ranks)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_training_bytes <= self.device.memory_bytes
+
+    @property
+    def fits_inference(self) -> bool:
+        return self.peak_inference_bytes <= self.device.memory_bytes
+
+    @property
+    def mfu(self) -> float:
+        """Model flops utilisation of the whole estimated step (what a profiler would report)."""
+        peak = self.plan.mesh.devices * self.device.tflops * 1e12
+        return self.step.model_flops / (self.step.total_s * peak) if self.step.total_s else 0.0
+
+    def comm_by_axis(self) -> list[dict[str, Any]]:
+        """Per mesh axis and kind: bytes and seconds per step on the busiest rank class."""
+        rows: dict[tuple[str, str, str], dict[str, Any]] = {}
+        for rc in self.ranks:
+            for c in rc.comms:
+                key = (c.axis, c.kind, c.op)
+                row = rows.get(key)
+                if row is None or c.seconds > row["seconds"]:
+                    rows[key] = {"axis": c.axis, "kind": c.kind, "op": c.op, "calls": c.calls,
+                                 "payload_bytes": c.payload_bytes, "wire_bytes": c.wire_bytes,
+                                 "seconds": c.seconds, "crosses_hosts": c.crosses_hosts, "pipeline_coord": rc.coord}
+        return sorted(rows.values(), key=lambda r: -r["seconds"])
+
+
+def resolve_device(plan: PlanIR, extra: dict[str, DeviceProfile] | None = None,
+                   override: str | None = None) -> tuple[DeviceProfile, bool]:
+    profiles = {**PROFILES, **(extra or {})}
+    name = override or plan.mesh.device
+    if name is None:
+        return profiles[DEFAULT_PROFILE], True
+    return profiles[name], False
+
+
+def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed: bool = False,
+            flash_attention: bool = True) -> PlanReport:
+    """Memory, communication and time of one training step of `plan` on `device`."""
+    if device is None:
+        device, device_assumed = resolve_device(plan)
+    mesh = plan.mesh
+    model = plan.model
+    w = DTYPES[plan.dtype]
+    k = optimizer_bytes_per_param(plan.optimizer, plan.dtype)
+    dp = plan.data_size
+    zero_shards = mesh.size(*plan.zero_axes) if plan.zero and plan.zero_axes else 1
+    p_size = plan.pipeline_size
+    m, v = plan.microbatches, plan.virtual
+    micro_batch = plan.batch // (dp * m)
+    tokens_mb = micro_batch * plan.seq
+    hidden = _hidden(plan)
+
+    # Which ranks sit at each pipeline coordinate, and the stages they run.
+    coords = sorted({s.coord for s in plan.stages}) or [0]
+    stages_at = {c: [s for s in plan.stages if s.coord == c] for c in coords}
+    if plan.pipeline_axis:
+        rank_sets = {c: tuple(r for r in range(mesh.devices) if mesh.coords(r)[plan.pipeline_axis] == c) for c in coords}
+    else:
+        rank_sets = {0: tuple(range(mesh.devices))}
+
+    # KV cache: every attention unit's k / v heads on this device, at the plan's batch and seq.
+    inf_batch = plan.batch // dp
+    classes = []
+    for c in coords:
+        glob = local = repl = 0
+        act_mb = 0
+        kv_bytes = 0
+        largest_unit = 0
+        tensor_calls: dict[tuple[tuple[str, ...], str], int] = {}
+        holds_embed = holds_head = False
+        for stage in stages_at[c]:
+            for hu in held_units(plan, stage):
+                g, lo, re = unit_local_params(plan, hu)
+                glob += g * hu.count
+                local += lo * hu.count
+                repl += re * hu.count
+                largest_unit = max(largest_unit, lo)
+                if hu.tied_copy:
+                    continue  # a copy of weights: no activations or forward collectives of its own
+                act_mb += hu.count * unit_activation_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
+                if hu.unit.kind == "attention":
+                    kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
+                    kv_local = int(hu.unit.attr("kv_heads")) // _axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
+                    kv_bytes += hu.count * 2 * kv_local * int(hu.unit.attr("head_dim")) * plan.seq * inf_batch * w  # type: ignore[arg-type]
+                for axes, op in unit_collectives(hu):
+                    tensor_calls[(axes, op)] = tensor_calls.get((axes, op), 0) + hu.count
+                holds_embed |= hu.unit.kind == "embedding" and hu.prefix == ""
+                holds_head |= hu.last
+        weight_b, grad_b, opt_b = zero_per_device(local, plan.zero, zero_shards, w, w, k)
+        gather = w * largest_unit if plan.zero >= 3 and zero_shards > 1 else 0
+        in_flight = in_flight_microbatches(plan.schedule, p_size, c, m, v)
+        # Interleaved ranks hold v chunks; in-flight counts chunk forwards, so scale per chunk.
+        act = act_mb * in_flight // max(1, len(stages_at[c]))
+
+        comms: list[Comm] = []
+        act_size = w * tokens_mb * hidden
+        for (axes, op), calls in sorted(tensor_calls.items()):
+            comms.append(_comm(plan, device, axes, "tensor", op, calls * m, act_size))
+        if holds_head and plan.loss.sharded:
+            # Vocab-parallel cross entropy: all-reduce the per-token max, sum of exps and target logit (fp32).
+            comms.append(_comm(plan, device, plan.loss.axes, "loss", "all_reduce", 3 * m, FP32 * tokens_mb))
+        if plan.pipeline_axis and p_size > 1:
+            sends = sum((s.index < len(plan.stages) - 1) + (s.index > 0) for s in stages_at[c])
+            comms.append(_comm(plan, device, (plan.pipeline_axis,), "pipeline", "send_recv", sends * m, act_size, group=2))
+            tied = _tied_sync_numel(plan, stages_at[c])
+            if tied:
+                comms.append(_comm(plan, device, (plan.pipeline_axis,), "tied", "all_reduce", 1, w * tied, group=2))
+        if dp > 1:
+            data_axes = plan.batch_axes
+            if plan.zero >= 3:
+                # Parameters gathered for forward and again for backward, gradients reduce-scattered.
+                comms.append(_comm(plan, device, data_axes, "data", "all_gather", 2, w * local))
+                comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", 1, w * local))
+            elif plan.zero >= 1:
+                # Gradients reduce-scattered to their owners, updated weights all-gathered back.
+                comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", 1, w * local))
+                comms.append(_comm(plan, device, data_axes, "data", "all_gather", 1, w * local))
+            else:
+                comms.append(_comm(plan, device, data_axes, "data", "all_reduce", 1, w * local))
+        # Compute: 6 flops per parameter per token (2 forward, 4 backward), over this replica's tokens.
+        compute = 6 * local * (plan.batch // dp) * plan.seq / (device.tflops * 1e12 * MFU)
+        classes.append(RankClass(
+            coord=c, stages=tuple(s.index for s in stages_at[c]),
+            label="; ".join(stage_label(plan, s) for s in stages_at[c]), ranks=rank_sets[c],
+            params_global=glob, params_local=local, params_replicated=repl,
+            weight_bytes=weight_b, grad_bytes=grad_b, optimizer_bytes=opt_b, gather_buffer_bytes=gather,
+            activation_bytes_per_microbatch=act_mb, in_flight=in_flight, activation_bytes=act,
+            kv_cache_bytes=kv_bytes, comms=tuple(comms), compute_s=compute, dtype_bytes=w,
+        ))
+
+    bubble = bubble_fraction(plan.schedule, p_size, m, v)
+    # The pipeline advances at the pace of its slowest rank; its per-microbatch work (compute plus
+    # the tensor collectives inside it plus its sends) is what the bubble stretches: the bubble is
+    # (p - 1) / (v m) of the busy time. The data-parallel reduction runs once after the last
+    # backward; we assume no overlap (torch's explicit post-backward reduction, and an upper bound).
+    def busy(rc: RankClass) -> float:
+        return rc.compute_s + rc.comm_seconds(("tensor", "loss", "pipeline", "tied"))
+
+    slow = max(classes, key=busy)
+    scale = (p_size - 1) / (v * m) if p_size > 1 else 0.0
+    step = StepTime(
+        compute_s=slow.compute_s,
+        tensor_s=slow.comm_seconds(("tensor", "loss")),
+        pipeline_s=slow.comm_seconds(("pipeline", "tied")),
+        bubble_s=busy(slow) * scale,
+        data_s=max(rc.comm_seconds(("data",)) for rc in classes),
+        model_flops=6.0 * model.numel * plan.batch * plan.seq,
+        tokens=plan.batch * plan.seq,
+    )
+    return PlanReport(plan, device, device_assumed, micro_batch, bubble, tuple(classes), step,
+                      kv_bytes_per_token(plan), k)
+
+
+def _hidden(plan: PlanIR) -> int:
+    h = plan.model.value("hidden")
+    if isinstance(h, int):
+        return h
+    emb = next((u for u in plan.model.items if isinstance(u, Unit) and u.kind == "embedding"), None)
+    return int(emb.attr("dim")) if emb is not None else 0  # type: ignore[arg-type]
+
+
+def _tied_sync_numel(plan: PlanIR, stages: list[Stage]) -> int:
+    """Local parameters of tied weights held on two stages: their gradients are summed once per step."""
+    total = 0
+    for s in stages:
+        for hu in held_units(plan, s):
+            if hu.tied_copy or (hu.unit.kind == "embedding" and _is_tied_elsewhere(plan, hu.unit.name, s)):
+                total += unit_local_params(plan, hu)[1]
+    return total
+
+
+def _is_tied_elsewhere(plan: PlanIR, name: str, stage: Stage) -> bool:
+    for item in plan.model.items:
+        if isinstance(item, Unit) and any(lf.tie == name for lf in item.leaves):
+            return all(pc.item != item.name for pc in stage.pieces)
+    return False
+
+
+def kv_bytes_per_token(plan: PlanIR) -> int:
+    """KV cache bytes per token for the whole model in the plan's dtype (every attention unit)."""
+    total = 0
+    for item in plan.model.items:
+        units = item.body if isinstance(item, Repeat) else (item,)
+        count = item.count if isinstance(item, Repeat) else 1
+        for u in units:
+            if u.kind == "attention":
+                total += count * kv_cache_bytes_per_token(1, int(u.attr("kv_heads")), int(u.attr("head_dim")),  # type: ignore[arg-type]
+                                                          DTYPES[plan.dtype])
+    return total
+
+
+# ---------------------------------------------------------------- formatting helpers
+
+GB, GIB = 10**9, 2**30
+
+
+def fmt_bytes(n: float) -> str:
+    """Binary units, the way device memory is quoted (80 GB on the box is 80 GiB to torch)."""
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_count(n: int) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(n)
+
+
+def fmt_seconds(s: float) -> str:
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.1f} ms"
+    if s > 0:
+        return f"{s * 1e6:.0f} us"
+    return "0"
+
+
+Formatter = Callable[[float], str]
+
+
+# ---------------------------------------------------------------- warnings (the seed's pitfalls, with numbers)
+
+# Thresholds, each the point where the pitfall costs more than a typical plan tolerates.
+BUBBLE_WARN = 0.2  # more than a fifth of the step idle in the pipeline
+IMBALANCE_WARN = 1.25  # as the checker's W0701 for parameters: the busiest stage sets the pace
+
+
+def _find_span(span: Span | None, word: str) -> Span | None:
+    """The first `word` (as a whole word, outside comments) inside `span`, for pointing at a setting."""
+    if span is None:
+        return None
+    text = span.text
+    pos = 0
+    for line in text.splitlines(keepends=True):
+        code = line.split("#", 1)[0]
+        m = re.search(rf"\b{re.escape(word)}\b", code)
+        if m:
+            return span.source.span(span.start + pos + m.start(), span.start + pos + m.end())
+        pos += len(line)
+    return None
+
+
+def header_span(span: Span | None) -> Span | None:
+    """`plan NAME on MESH for MODEL` without its body: diagnostics point at a line, not a block."""
+    if span is None:
+        return None
+    brace = span.text.find("{")
+    head = span.text[:brace] if brace > 0 else span.text.splitlines()[0]
+    return span.source.span(span.start, span.start + len(head.rstrip()))
+
+
+def plan_warnings(report: PlanReport) -> list[Diagnostic]:
+    plan, dev = report.plan, report.device
+    out: list[Diagnostic] = []
+    head = header_span(plan.span)
+    mesh_dev = _find_span(plan.mesh.span, "device")
+    dev_label = (Label(mesh_dev, f"{dev.name}: {dev.memory_gib:g} GiB, {dev.tflops:g} TFLOP/s"),) if mesh_dev else ()
+    step = report.step
+
+    # W0801: does not fit.
+    worst = max(report.ranks, key=lambda r: r.training_bytes)
+    if not report.fits:
+        parts = {"weights": worst.weight_bytes, "gradients": worst.grad_bytes, "optimizer states": worst.optimizer_bytes,
+                 "activations": worst.activation_bytes, "ZeRO-3 gather buffer": worst.gather_buffer_bytes}
+        biggest = max(parts, key=lambda k: parts[k])
+        out.append(Diagnostic(
+            "W0801", f"plan `{plan.name}` needs {fmt_bytes(worst.training_bytes)} on pipeline rank {worst.coord}, "
+            f"more than the {fmt_bytes(dev.memory_bytes)} of a {dev.name}", head,
+            label="does not fit in device memory", secondary=dev_label,
+            note="per device: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v),
+            help=_fit_help(report, biggest)))
+
+    # W0802: over-sharding: the last doubling of a sharding axis costs more communication than it saves.
+    for axis, comm_s in _tensor_comm_by_axis(report).items():
+        size = plan.mesh.size(axis)
+        slow = max(report.ranks, key=lambda r: r.compute_s)
+        sharded = slow.params_local - slow.params_replicated
+        saved = 6 * sharded * (plan.batch // plan.data_size) * plan.seq / (dev.tflops * 1e12 * MFU)
+        half = size // 2
+        kept = comm_s * ((half - 1) / half) / ((size - 1) / size) if half > 1 else 0.0
+        if size > 1 and comm_s - kept > saved:
+            ax = plan.mesh.axis(axis)
+            out.append(Diagnostic(
+                "W0802", f"`{axis}` = {size} over-shards: {fmt_count(slow.params_local)} parameters per device cost "
+                f"{fmt_seconds(comm_s)} of collectives per step", ax.span if ax else head,
+                label=f"halving it would save {fmt_seconds(comm_s - kept)} of communication for {fmt_seconds(saved)} more compute",
+                help=f"use `{axis}` = {half} and give the devices to data parallelism, if it still fits in memory "
+                "(`meshc suggest` searches the alternatives)",
+                note="each tensor-parallel layer all-reduces its activations; below a few thousand columns per "
+                "device the matmul is too small to hide it"))
+
+    # W0803: communication-dominated step.
+    if step.comm_s > step.compute_s:
+        out.append(Diagnostic(
+            "W0803", f"communication ({fmt_seconds(step.comm_s)}) exceeds compute ({fmt_seconds(step.compute_s)}) per step",
+            head, label="communication-dominated",
+            note=f"tensor {fmt_seconds(step.tensor_s)}, pipeline {fmt_seconds(step.pipeline_s)}, data {fmt_seconds(step.data_s)}",
+            help="larger microbatches or fewer tensor-parallel devices raise the compute per byte moved"))
+
+    # W0804: tensor axis over the inter-host link, with its cost.
+    for axis, comm_s in _tensor_comm_by_axis(report).items():
+        if plan.mesh.hosts > 1 and plan.mesh.crosses_hosts(axis):
+            intra = comm_s * dev.inter_gbps / dev.intra_gbps
+            ax = plan.mesh.axis(axis)
+            out.append(Diagnostic(
+                "W0804", f"tensor-parallel axis `{axis}` runs its collectives over the network: "
+                f"{fmt_seconds(comm_s)} per step", ax.span if ax else head,
+                label=f"about {fmt_seconds(intra)} within a host ({dev.inter_gbps:g} vs {dev.intra_gbps:g} GB/s)",
+                help=f"put `{axis}` last in `axes` and keep it at most {plan.mesh.devices_per_host} (devices per host)"))
+
+    # W0805: large bubble.
+    if report.bubble > BUBBLE_WARN:
+        p, m = plan.pipeline_size, plan.microbatches
+        need = math.ceil(9 * (p - 1) / plan.virtual)  # (p - 1) / (v (m + p - 1)) <= 10%, roughly
+        where = _find_span(plan.span, "microbatches") or head
+        out.append(Diagnostic(
+            "W0805", f"the pipeline bubble is {report.bubble:.0%} of the step ({fmt_seconds(step.bubble_s)})", where,
+            label=f"{m} microbatches over {p} stages",
+            help=f"raise microbatches to about {need} or more (batch permitting) for a bubble near 10%"
+            + ("" if plan.schedule == "interleaved_1f1b" else ", or interleave: `stages over ... virtual 2` with `schedule interleaved_1f1b`"),
+            note=f"bubble = (p - 1) / (m + p - 1){' / v' if plan.virtual > 1 else ''} = {report.bubble:.3f}"))
+
+    # W0806: stage memory imbalance.
+    if len(report.ranks) > 1:
+        light = min(report.ranks, key=lambda r: r.training_bytes)
+        if light.training_bytes and worst.training_bytes > IMBALANCE_WARN * light.training_bytes:
+            where = _find_span(plan.span, "stages") or head
+            out.append(Diagnostic(
+                "W0806", f"pipeline rank {worst.coord} needs {worst.training_bytes / light.training_bytes:.2f}x the memory "
+                f"of rank {light.coord} ({fmt_bytes(worst.training_bytes)} vs {fmt_bytes(light.training_bytes)})", where,
+                label="stage memory imbalance",
+                note="per pipeline rank: " + ", ".join(f"{r.coord}: {fmt_bytes(r.training_bytes)}" for r in report.ranks),
+                help=f"move blocks off stage {worst.stages[0]}"
+                + (" (1F1B keeps p - r microbatches of activations on rank r, so early stages should hold fewer blocks)"
+                   if plan.schedule != "gpipe" and worst.coord < light.coord else "")))
+    return out
+
+
+def _tensor_comm_by_axis(report: PlanReport) -> dict[str, float]:
+    """Seconds per step of tensor-parallel collectives on the slowest rank, per sharding axis."""
+    slow = max(report.ranks, key=lambda r: r.compute_s + r.comm_seconds(("tensor", "loss")))
+    out: dict[str, float] = {}
+    for c in slow.comms:
+        if c.kind in ("tensor", "loss"):
+            for a in c.axis.split(" x "):
+                out[a] = out.get(a, 0.0) + c.seconds
+    return out
+
+
+def _fit_help(report: PlanReport, biggest: str) -> str:
+    plan = report.plan
+    if biggest == "optimizer states" and plan.data_size > 1 and plan.zero < 1:
+        return (f"shard the optimizer states over the data axes: `optimizer adamw {{ zero 1 over "
+                f"{' * '.join(plan.batch_axes)} }}` divides them by {plan.data_size}")
+    if biggest == "activations" and plan.batch // (plan.data_size * plan.microbatches) > 1:
+        return (f"more microbatches make each smaller: activations scale with the microbatch size "
+                f"({report.micro_batch} sequences now)")
+    return (f"shard over more devices (tensor or pipeline), or run `meshc suggest FILE --devices "
+            f"{plan.mesh.devices} --device {report.device.name}` to search the plans that fit")
