@@ -7,6 +7,7 @@ stage map, batch / schedule / optimizer constraints, and the pitfall warnings.
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -150,11 +151,16 @@ class PlanChecker(Resolver):
         self.model = model
         self.failed = False
         self.repeat = model.repeat
+        self.claimed: set[Leaf] = set()  # leaves matched by a rule that was rejected
+        self.ambiguous = False  # some leaf is matched by two rules (E0503): its layout is unknown
 
     def error(self, code: str, message: str, span: Span | None, **kw: object) -> None:
         if not code.startswith("W"):
             self.failed = True
         super().error(code, message, span, **kw)
+
+    def error_count(self) -> int:
+        return sum(d.is_error for d in self.diagnostics)
 
     def warn(self, code: str, message: str, span: Span | None, **kw: object) -> None:
         super().error(code, message, span, **kw)
@@ -301,9 +307,9 @@ class PlanChecker(Resolver):
             if not hits:
                 continue
             for leaf, blocks in hits:
-                if placement is None:
-                    continue
-                if not self.rule_fits(leaf, placement, stmt):
+                if placement is None or not self.rule_fits(leaf, placement, stmt):
+                    # The rule is wrong (reported); the leaf is not also "placed by no rule" (E0501).
+                    self.claimed.add(leaf)
                     continue
                 by_leaf.setdefault(leaf, []).append(_Match(placement, stmt.span, blocks, f"shard {stmt.path}"))
         return by_leaf
@@ -404,7 +410,7 @@ class PlanChecker(Resolver):
 
     # -- placements per leaf, coverage, overlap, divisibility
     def placements(self, by_leaf: dict[Leaf, list[_Match]]) -> tuple[dict[str, Placement], tuple[BlockClass, ...]]:
-        any_rules = bool(by_leaf)
+        any_rules = bool(by_leaf) or bool(self.claimed)
         top: dict[str, Placement] = {}
         per_leaf_default: dict[tuple[str, ...], Placement] = {}
         per_leaf_exceptions: dict[tuple[str, ...], dict[int, Placement]] = {}
@@ -421,16 +427,17 @@ class PlanChecker(Resolver):
                     if m.blocks is not None:
                         for b in m.blocks:
                             exceptions.setdefault(b, m.placement)
-                if default is None and any_rules and leaf.shardable:
+                if default is None and any_rules and leaf.shardable and leaf not in self.claimed:
                     missing = [b for b in range(item.count) if b not in exceptions]
                     if missing:
-                        self.uncovered(leaf, f"{item.name}.{_blocks_text(missing)}.{full}")
+                        pattern = f"{item.name}.{'*' if len(missing) == item.count else missing[0]}.{full}"
+                        self.uncovered(leaf, _unit, f"{item.name}.{_blocks_text(missing)}.{full}", pattern, by_leaf)
                 per_leaf_default[leaf.path] = default or REPLICATE
                 per_leaf_exceptions[leaf.path] = exceptions
                 placements = [default or REPLICATE, *exceptions.values()]
             else:
-                if not ms and any_rules and leaf.shardable:
-                    self.uncovered(leaf, full)
+                if not ms and any_rules and leaf.shardable and leaf not in self.claimed:
+                    self.uncovered(leaf, _unit, full, full, by_leaf)
                 top[full] = ms[0].placement if ms else REPLICATE
                 placements = [top[full]]
             for p in placements:
@@ -451,16 +458,35 @@ class PlanChecker(Resolver):
                 where = ".".join(leaf.path)
                 if isinstance(item, Repeat):
                     where = f"{item.name}.{'*' if a.blocks is None and b.blocks is None else _blocks_text(sorted((a.blocks or b.blocks or frozenset())))}.{where}"
+                self.ambiguous = True
                 self.error("E0503", f"`{where}` is matched by two rules", a.span, label=f"{a.text} also matches it",
                            secondary=(Label(b.span, f"first matched by {b.text}"),) if b.span else (),
                            help="make the patterns disjoint: every parameter must be placed by exactly one rule")
                 return
 
-    def uncovered(self, leaf: Leaf, where: str) -> None:
+    def uncovered(self, leaf: Leaf, unit: Unit, where: str, pattern: str, by_leaf: dict[Leaf, list[_Match]]) -> None:
+        # Suggest the rule that fits the leaf's role: the last projection of attention / mlp is row,
+        # the others column, an embedding vocab_parallel, over the axes the plan shards most over.
+        counts: dict[tuple[str, ...], int] = {}
+        for ms in by_leaf.values():
+            for m in ms:
+                if m.placement.sharded:
+                    counts[m.placement.axes] = counts.get(m.placement.axes, 0) + 1
+        if counts:
+            axes = ", ".join(max(counts, key=lambda a: counts[a]))
+            if leaf.kind == "embedding":
+                rule = f"vocab_parallel({axes})"
+            elif len(unit.leaves) > 1 and leaf is unit.leaves[-1]:
+                rule = f"row({axes})"
+            else:
+                rule = f"column({axes})"
+            fix = f"add `shard {pattern} {rule}` (or `replicate` to keep a full copy)"
+        else:
+            fix = f"add `shard {pattern} replicate`"
         self.error("E0501", f"`{where}` is not placed by any rule", self.decl.name.span,
                    label=f"plan `{self.decl.name.value}` leaves it out",
                    secondary=(Label(leaf.span, f"`{leaf.name}` declared here"),) if leaf.span else (),
-                   help=f"add `shard {where} replicate` or a sharding rule; a plan with rules must place every parameter")
+                   help=f"{fix}; a plan with rules must place every parameter")
 
     def divisibility(self, leaf: Leaf, p: Placement) -> None:
         if not p.sharded:
@@ -475,34 +501,43 @@ class PlanChecker(Resolver):
             if key in getattr(self, "_reported", set()):
                 continue
             self._reported = getattr(self, "_reported", set()) | {key}
+            # The help names the dims this rule splits, and the sizes that divide every dim the plan
+            # splits over these axes (so the suggestion does not just move the error elsewhere).
             all_units = self.units_over(p.axes)
-            common = math.gcd(*[c for _, c in all_units]) if all_units else count
-            listing = " and ".join(f"{c} {u}" for u, c in all_units) or f"{count} {unit_name}"
+            mine = {u: c for u, c, where in all_units if where == (p.span.start if p.span else None)}
+            mine.setdefault(unit_name, count)
+            others = {u: c for u, c, _ in all_units if u not in mine}
+            common = math.gcd(*mine.values(), *others.values())
+            listing = " and ".join(f"{c} {u}" for u, c in mine.items())
+            restrict = [f"{c} {u}" for u, c in others.items() if common != math.gcd(*mine.values())]
+            also = f" (and {', '.join(restrict)}, split over it by other rules)" if restrict else ""
             self.error(
                 "E0301",
                 f"`{unit_name}` ({count}) is not divisible by {axes_text} ({n})",
                 p.span,
                 label=f"splits {count} {unit_name} over {n} devices",
                 secondary=tuple(lab for a in p.axes for lab in self.axis_label(a)),
-                help=f"{axes_text} must divide {listing}: use {or_list(divisors(common))}",
+                help=f"{axes_text} must divide {listing}{also}: use {or_list(divisors(common))}"
+                + (f", or pad `{unit_name}` to {-(-count // n) * n} (a multiple of {n})" if unit_name == "vocab" else ""),
             )
 
-    def units_over(self, axes: tuple[str, ...]) -> list[tuple[str, int]]:
-        """Every (unit, count) this plan splits over exactly these axes, for a help line."""
-        seen: dict[str, int] = {}
+    def units_over(self, axes: tuple[str, ...]) -> list[tuple[str, int, int | None]]:
+        """Every (unit, count, rule start offset) this plan splits over exactly these axes, for a help line."""
+        seen: dict[str, tuple[str, int, int | None]] = {}
         for stmt in self.decl.body:
             if isinstance(stmt, ast.ShardStmt) and tuple(a.value for a in stmt.rule.axes) == axes:
+                where = stmt.rule.span.start if stmt.rule.span else None
                 for leaf, _ in self._quiet_match(stmt.path):
                     for u, c in (leaf.in_units if stmt.rule.name.value == "row" else leaf.out_units):
-                        seen.setdefault(u, c)
+                        seen.setdefault(u, (u, c, where))
             if isinstance(stmt, ast.LayoutStmt):
                 for e in stmt.entries:
                     if tuple(a.value for a in e.axes) == axes and e.dim.value != "batch":
                         for _, _, leaf in self.model.leaves():
                             for u, c in leaf.in_units + leaf.out_units:
                                 if u == e.dim.value:
-                                    seen.setdefault(u, c)
-        return list(seen.items())
+                                    seen.setdefault(u, (u, c, e.span.start if e.span else None))
+        return list(seen.values())
 
     def _quiet_match(self, path: ast.Path) -> list[tuple[Leaf, object]]:
         saved, self.diagnostics = self.diagnostics, []
@@ -522,7 +557,9 @@ class PlanChecker(Resolver):
                 self.error("E0408", f"`{leaf.name}` shares its weight with `{leaf.tie}` but is placed differently",
                            mine.span or leaf.span, label=f"{mine.rule}{'(' + ', '.join(mine.axes) + ')' if mine.axes else ''}",
                            secondary=(Label(theirs.span, f"`{leaf.tie}` is {theirs.rule}"),) if theirs.span else (),
-                           help=f"tied weights have one placement: shard both `{leaf.tie}` vocab_parallel(T) and `{leaf.name}` column(T) over the same axes, or replicate both")
+                           help=(f"make `{leaf.name}` `column({', '.join(theirs.axes)})` to split the same vocabulary rows as `{leaf.tie}`, or replicate both"
+                                 if theirs.sharded else
+                                 f"make `{leaf.tie}` `vocab_parallel({', '.join(mine.axes)})` to split the same vocabulary rows as `{leaf.name}`, or replicate both"))
 
     def block_classes(self, default: dict[tuple[str, ...], Placement], exceptions: dict[tuple[str, ...], dict[int, Placement]]) -> tuple[BlockClass, ...]:
         rep = self.repeat
@@ -539,7 +576,11 @@ class PlanChecker(Resolver):
             combos.setdefault(key, []).append(b)
         classes = []
         for key, idx in sorted(combos.items(), key=lambda kv: min(kv[1])):
-            flows = block_flows(rep, dict(key), self, f"{rep.name}.{_blocks_text(sorted(idx))}")
+            # With two rules on one parameter its placement is unknown: layout errors would be guesses.
+            reporter = _Silent() if self.ambiguous else self
+            # Diagnostics name the blocks as a pattern the user can paste: `blocks.*`, `blocks.3`, else `blocks.{0-3}`.
+            which = "*" if len(idx) == rep.count else str(idx[0]) if len(idx) == 1 else _blocks_text(sorted(idx))
+            flows = block_flows(rep, dict(key), reporter, f"{rep.name}.{which}")
             classes.append(BlockClass(tuple(sorted(idx)), key, tuple(flows)))
         return tuple(classes)
 
@@ -598,14 +639,35 @@ class PlanChecker(Resolver):
         rep = self.repeat
         if stmt.balanced:
             return self.balanced(stmt, axis, p, virtual), axis, virtual
+        # Stage-map errors point at the map's header (`stages over AXIS`) or at the entry involved,
+        # never at the whole multi-line map.
+        header_end = stmt.virtual.span.end if stmt.virtual is not None and stmt.virtual.span else stmt.axis.span.end  # type: ignore[union-attr]
+        header = stmt.span.source.span(stmt.span.start, header_end) if stmt.span else None
+        errors_before = self.error_count()
+        entries = list(stmt.entries)
+        indices = [e.index.value for e in entries]
+        if indices != list(range(len(entries))):
+            if sorted(indices) == list(range(len(entries))):
+                # Numbered 0..n-1 but listed out of order: one error, then check the map in stage order.
+                k, bad = next((k, e) for k, e in enumerate(entries) if e.index.value != k)
+                self.error("E0603", f"stage {bad.index.value} is listed where stage {k} belongs", bad.index.span,
+                           label=f"expected stage {k}",
+                           help=f"list the stages in order {', '.join(map(str, range(len(entries))))}: "
+                           "activations flow from stage i to stage i + 1")
+                entries.sort(key=lambda e: e.index.value)
+            else:
+                for k, e in enumerate(entries):
+                    if e.index.value != k:
+                        self.error("E0603", f"stage {e.index.value} is out of order", e.index.span,
+                                   label=f"expected stage {k}", help="number stages 0, 1, 2, ... in order")
         stages: list[Stage] = []
         seen_items: dict[str, ast.StageItem] = {}
+        last_item: dict[str, tuple[int, ast.StageItem]] = {}  # item -> (stage, its latest occurrence)
         order = {i.name: k for k, i in enumerate(model.items)}
         position = (-1, 0)  # (item order, next block) the next piece must start at
-        for k, entry in enumerate(stmt.entries):
-            if entry.index.value != k:
-                self.error("E0603", f"stage {entry.index.value} is out of order", entry.index.span,
-                           label=f"expected stage {k}", help="number stages 0, 1, 2, ... in order")
+        overlap_reported = False
+        bad_ranges: set[str] = set()
+        for k, entry in enumerate(entries):
             pieces: list[StagePiece] = []
             for it in entry.items:
                 name = it.name.value
@@ -618,6 +680,7 @@ class PlanChecker(Resolver):
                     start, stop = (it.start, it.stop) if it.start is not None else (0, item.count)
                     assert start is not None and stop is not None
                     if not (0 <= start < stop <= item.count):
+                        bad_ranges.add(name)  # coverage of this repeat is then unknown: no E0601 / E0602 guesses
                         self.error("E0609", f"`{name}[{start}:{stop}]` is not a valid block range", it.span,
                                    label=f"`{name}` has blocks 0 to {item.count - 1}",
                                    help=f"use a range within [0:{item.count}] with start < stop")
@@ -635,7 +698,15 @@ class PlanChecker(Resolver):
                         continue
                     seen_items[name] = it
                 here = (order[name], start or 0)
-                if here < position:
+                prev = last_item.get(name)
+                if (isinstance(item, Repeat) and prev is not None and position[0] == order[name]
+                        and start < position[1] and stop > (prev[1].start or 0)):
+                    self.error("E0602", f"blocks {_blocks_text(range(start, min(stop, position[1])))} of `{name}` are in two stages",
+                               it.span, label=f"starts at {start}",
+                               secondary=(Label(prev[1].span, f"stage {prev[0]} holds blocks up to {position[1] - 1}"),),  # type: ignore[arg-type]
+                               help=f"start this range at {position[1]}: every block belongs to exactly one stage")
+                    overlap_reported = True
+                elif here < position:
                     self.error("E0603", f"`{it.name.value}{'' if start is None else f'[{start}:{stop}]'}` is out of order",
                                it.span, label="comes before an earlier stage's layers",
                                help="stages must hold the model's layers contiguously and in order")
@@ -645,33 +716,59 @@ class PlanChecker(Resolver):
                 elif isinstance(item, Repeat) and position[0] < order[name] and start != 0:
                     self.error("E0601", f"blocks 0 to {start - 1} of `{name}` are in no stage", it.span,
                                label=f"starts at {start}", help=f"start the first range of `{name}` at 0")
-                position = (order[name], stop if stop is not None else 0) if isinstance(item, Repeat) else (order[name] + 1, 0)
+                position = max(position, (order[name], stop if stop is not None else 0) if isinstance(item, Repeat) else (order[name] + 1, 0))
+                last_item[name] = (k, it)
                 pieces.append(StagePiece(name, start, stop))
-            if not pieces:
+            if not pieces and not entry.items:
                 self.error("E0605", f"stage {k} holds no layers", entry.span, label="empty stage",
-                           help="every stage needs at least one layer; use fewer stages or move layers here")
+                           help=f"every stage needs at least one layer: move layers here or use fewer stages (and a smaller `{axis}` axis)")
             stages.append(Stage(k, k % p, tuple(pieces), self.stage_numel(pieces, top)))
         # coverage of every item and every block
-        for item in model.items:
-            if isinstance(item, Repeat):
-                covered = sorted(b for s in stages for pc in s.pieces if pc.item == item.name for b in range(pc.start or 0, pc.stop or 0))
-                if len(covered) != len(set(covered)):
-                    dup = sorted({b for b in covered if covered.count(b) > 1})
-                    self.error("E0602", f"blocks {_blocks_text(dup)} of `{item.name}` are in two stages", stmt.span,
+        for i, item in enumerate(model.items):
+            if isinstance(item, Repeat) and item.name not in bad_ranges:
+                counts = collections.Counter(
+                    b for s in stages for pc in s.pieces if pc.item == item.name for b in range(pc.start or 0, pc.stop or 0))
+                dup = sorted(b for b, c in counts.items() if c > 1)
+                if dup and not overlap_reported:
+                    self.error("E0602", f"blocks {_blocks_text(dup)} of `{item.name}` are in two stages", header,
                                label="overlapping ranges", help="block ranges of consecutive stages must not overlap")
-                missing = sorted(set(range(item.count)) - set(covered))
-                if missing and not self.failed:
-                    self.error("E0601", f"blocks {_blocks_text(missing)} of `{item.name}` are in no stage", stmt.span,
-                               label="stage map", help=f"the stages must cover `{item.name}[0:{item.count}]` exactly once")
-            elif item.name not in seen_items:
-                self.error("E0601", f"`{item.name}` is in no stage", stmt.span, label="stage map",
-                           help=f"add `{item.name}` to the {'first' if order[item.name] == 0 else 'stage that holds its neighbours'}")
+                # Gaps and a late first range are reported where they occur (above); here only the tail.
+                end = max(counts, default=-1) + 1
+                if end < item.count:
+                    where = last_item.get(item.name)
+                    if where is None:
+                        self.error("E0601", f"`{item.name}` (blocks 0-{item.count - 1}) is in no stage", header,
+                                   label="stage map", help=f"add `{item.name}[a:b]` ranges covering `{item.name}[0:{item.count}]`")
+                    else:
+                        k, it = where
+                        first = it.start if it.start is not None else 0
+                        self.error("E0601", f"blocks {_blocks_text(range(end, item.count))} of `{item.name}` are in no stage",
+                                   it.span, label=f"the last range stops at block {end - 1}",
+                                   help=f"extend it to `{item.name}[{first}:{item.count}]`, or add `{item.name}[{end}:{item.count}]` to the next stage")
+            elif not isinstance(item, Repeat) and item.name not in seen_items:
+                before = next((last_item[n.name] for n in reversed(model.items[:i]) if n.name in last_item), None)
+                after = next((last_item[n.name] for n in model.items[i + 1:] if n.name in last_item), None)
+                if before is not None:
+                    k, it = before
+                    self.error("E0601", f"`{item.name}` is in no stage", it.span, label=f"`{item.name}` comes after this",
+                               help=f"add `{item.name}` after `{it.span.text if it.span else it.name.value}` in stage {k}"
+                               + (f", or first in stage {k + 1}" if k + 1 < len(entries) else ""))
+                elif after is not None:
+                    k, it = after
+                    self.error("E0601", f"`{item.name}` is in no stage", it.span, label=f"`{item.name}` comes before this",
+                               help=f"add `{item.name}` before `{it.span.text if it.span else it.name.value}` in stage {k}")
+                else:
+                    self.error("E0601", f"`{item.name}` is in no stage", header, label="stage map",
+                               help=f"add `{item.name}` to the first stage")
         if len(stmt.entries) != count:
-            self.error("E0604", f"{len(stmt.entries)} stages for a pipeline of {count}", stmt.span,
-                       label=f"`{axis}` = {p}" + (f" x virtual {virtual}" if virtual > 1 else ""),
+            self.error("E0604", f"{len(stmt.entries)} stages for a pipeline of {count}", header,
+                       label=f"{len(stmt.entries)} stage{'s' if len(stmt.entries) != 1 else ''} listed, {count} needed",
                        secondary=self.axis_label(axis),
                        help=f"declare exactly {count} stages ({axis} size {p}" + (f" x {virtual} virtual" if virtual > 1 else "") + ")")
-        self.imbalance(stages, stmt)
+        if self.error_count() == errors_before:
+            # Balance is only meaningful for a valid stage map.
+            worst = max(range(len(stages)), key=lambda k: stages[k].numel, default=0)
+            self.imbalance(stages, entries[worst].span if entries else stmt.span)
         return tuple(stages), axis, virtual
 
     def balanced(self, stmt: ast.StagesStmt, axis: str, p: int, virtual: int) -> tuple[Stage, ...]:
@@ -701,7 +798,7 @@ class PlanChecker(Resolver):
             if k == count - 1:
                 pieces += [StagePiece(n) for n in order[ri + 1 :]]
             stages.append(Stage(k, k % p, tuple(pieces), self.stage_numel(pieces, top_placeholder)))
-        self.imbalance(stages, stmt)
+        self.imbalance(stages, stmt.span)
         return tuple(stages)
 
     def stage_numel(self, pieces: Iterable[StagePiece], top: dict[str, Placement]) -> int:
@@ -720,7 +817,7 @@ class PlanChecker(Resolver):
                             total += tied.numel
         return total
 
-    def imbalance(self, stages: Sequence[Stage], stmt: ast.StagesStmt) -> None:
+    def imbalance(self, stages: Sequence[Stage], span: Span | None) -> None:
         if len(stages) < 2:
             return
         sizes = [s.numel for s in stages]
@@ -729,7 +826,7 @@ class PlanChecker(Resolver):
         if mean and worst.numel > 1.25 * mean:
             listing = ", ".join(f"{_human(s.numel)}" for s in stages)
             self.warn("W0701", f"stage {worst.index} holds {worst.numel / mean:.2f}x the mean parameter count",
-                      stmt.span, label=f"parameters per stage: {listing}",
+                      span, label=f"parameters per stage: {listing}",
                       help="the slowest stage sets the pace of the pipeline: move blocks off stage "
                       f"{worst.index}, or give the embedding / head stages fewer blocks",
                       note="the pipeline waits for its slowest stage")
@@ -769,7 +866,8 @@ class PlanChecker(Resolver):
             where = ms.value.span if ms is not None else self.decl.name.span
             if schedule in ("1f1b", "interleaved_1f1b"):
                 self.error("E0606", f"`{schedule}` needs at least as many microbatches as pipeline stages ({micro} < {pipeline})",
-                           where, label=f"{micro} microbatches", help=f"use microbatches >= {pipeline} (and batch divisible by it)",
+                           where, label=f"{micro} microbatch{'es' if micro != 1 else ''}" if ms is not None else "`microbatches` is not set (so 1)",
+                           help=f"{'use' if ms is not None else 'set'} `microbatches = {pipeline}` or more (and batch divisible by it)",
                            note="with fewer microbatches than stages 1F1B cannot fill the pipeline and hangs in torch")
             else:
                 self.warn("W0703", f"{micro} microbatches for {pipeline} pipeline stages", where,
@@ -848,6 +946,11 @@ class PlanChecker(Resolver):
                 self.warn("W0704", f"mesh axis `{a.name}` is not used by plan `{self.decl.name.value}`", self.decl.name.span,
                           label="every rank along it does identical work", secondary=self.axis_label(a.name),
                           help=f"use it: `layout {{ batch -> {a.name} }}` for data parallelism, a `shard` rule, or `stages over {a.name}`")
+
+
+class _Silent:
+    def error(self, code: str, message: str, span: Span | None, **kw: object) -> None:
+        pass
 
 
 def _seg_matches(seg: ast.PathSegment, name: str) -> bool:

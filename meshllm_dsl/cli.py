@@ -123,7 +123,8 @@ def _load_extensions() -> None:
             if err.name != name:
                 raise
             continue
-        _EXTENSIONS.append(module.register)
+        if module.register not in _EXTENSIONS:  # main() may run many times in one process (tests, API)
+            _EXTENSIONS.append(module.register)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -29,6 +29,8 @@ def _rule_text(p: Placement) -> str:
 def _through(p: Placement, x: Layout, where: str, r: _Reporter, collectives: list[Collective]) -> Layout | None:
     """Layout after a linear with placement `p` whose input has layout `x`; None after an error."""
     if not p.sharded:
+        if x.kind == "S" and p.span is None:
+            return None  # placed by no rule at all: E0501 already names it; a layout error would be noise
         if x.kind == "S":
             r.error("E0402", f"`{where}` is replicated but its input is sharded over {' x '.join(x.axes)}", p.span,
                     label="needs the full input",

@@ -40,8 +40,10 @@ def stdlib_dir() -> Path:
 
 @functools.lru_cache(maxsize=1)
 def _prelude() -> tuple[ast.Item, ...]:
-    source = SourceFile.read(stdlib_dir() / PRELUDE)
-    return parse_source(source).items
+    # Shown as `<stdlib>/families.mesh` in diagnostics: the install location differs between machines
+    # and would make rendered diagnostics (and their goldens) depend on where meshllm is installed.
+    text = (stdlib_dir() / PRELUDE).read_bytes().decode("utf-8", errors="replace")
+    return parse_source(SourceFile(f"<stdlib>/{PRELUDE}", text)).items
 
 
 def load(path: str | Path, text: str | None = None) -> Declarations:

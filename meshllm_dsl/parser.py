@@ -246,7 +246,7 @@ class _ToAst(Transformer[Token, Any]):
     @v_args(meta=True)
     def stage_entry(self, meta: Any, c: list[Any]) -> ast.StageEntry:
         index = ast.IntLit(int(str(c[0]).replace("_", "")), self._tok(c[0]))
-        return ast.StageEntry(index, tuple(c[1:]), self._span(meta))
+        return ast.StageEntry(index, tuple(i for i in c[1:] if i is not None), self._span(meta))
 
     @v_args(meta=True)
     def stage_item(self, meta: Any, c: list[Any]) -> ast.StageItem:
@@ -315,13 +315,22 @@ def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
     if isinstance(err, UnexpectedCharacters):
         start = pos if pos is not None else 0
         ch = source.text[start : start + 1]
-        expected = sorted({_describe(t) for t in (err.allowed or ())})
+        # The lexer's "allowed" set is the state's terminals, which reads as nonsense next to a character
+        # that starts no token anywhere; say what tokens look like instead.
+        if ch == '"':
+            help_ = 'a string must end with `"` on the same line, e.g. `include "models.mesh"`'
+        elif ch.isprintable() and not ch.isspace():
+            help_ = ("names are ASCII letters, digits and `_`, numbers are decimal, comments start with `#`; "
+                     f"`{ch}` is not part of the language")
+        else:
+            help_ = "remove it: .mesh files are plain ASCII text"
+        shown = f"`{ch}`" if ch.isprintable() and ch != "`" else repr(ch)
         return Diagnostic(
             "E0102",
-            f"unexpected character {ch!r}",
+            f"unexpected character {shown}",
             source.span(start, start + 1),
             label="not valid here",
-            help=f"expected {_or_list(expected)}" if expected else None,
+            help=help_,
         )
     assert isinstance(err, UnexpectedEOF)
     expected = sorted({_describe(t) for t in err.expected})

@@ -94,7 +94,7 @@ class Resolver:
                     f"`{_text(expr)}` does not divide exactly: {left} / {right} = {left / right:.4g}",
                     expr.span,
                     label="must divide exactly",
-                    help=f"{left} is divisible by {or_list(_near_divisors(left, right))}",
+                    help=f"`{_text(expr.right)}` must divide {left}: e.g. {or_list(_near_divisors(left, right))}",
                     note="dims are integers; `/` in a dim expression must leave no remainder",
                 )
                 return None
@@ -125,15 +125,23 @@ class Resolver:
         if isinstance(v, Symbol):
             self.unknown_name(expr, "dim", env)
             return None
+        # A bad value that came through a name (`repeat(layers)` inside a family) is reported where
+        # the user wrote it (`layers = 2.5`), with the use as a secondary label.
+        span, secondary = expr.span, ()
+        origin = env.get(expr.value) if isinstance(expr, ast.Name) else None
+        if origin is not None and origin.span is not None and expr.span is not None:
+            span, secondary = origin.span, (Label(expr.span, f"`{expr.value}` used as {what} here"),)
         if isinstance(v, bool) or not isinstance(v, int):
-            self.error("E0304", f"{what} must be an integer", expr.span, label=f"is {_kind(v)}")
+            self.error("E0304", f"{what} must be an integer", span, label=f"is {_kind(v)}", secondary=secondary,
+                       help=f"use a whole number{f' such as {max(minimum, round(v))}' if isinstance(v, float) else ''}")
             return None
         if v < minimum:
             self.error(
                 "E0303",
                 f"{what} must be at least {minimum}, got {v}",
-                expr.span,
+                span,
                 label="too small",
+                secondary=secondary,
                 help=f"use a value >= {minimum}",
             )
             return None
@@ -232,7 +240,7 @@ def resolve_mesh(decl: ast.MeshDecl, r: Resolver, devices: Sequence[str]) -> Mes
                     f"mesh has {total} devices ({sizes}) but `devices = {n}`",
                     s.value.span,
                     label=f"expected {total}",
-                    help="the product of the axis sizes must equal the device count",
+                    help=f"the product of the axis sizes must equal the device count: write `devices = {total}`, or resize the axes",
                 )
                 ok = False
         elif key == "device":
@@ -308,9 +316,9 @@ class ModelResolver(Resolver):
         for s in decl.settings:
             if not self.check_identifier(s.name, "dim"):
                 continue
-            v = self.eval(s.value, env)
-            if v is not None:
-                env[s.name.value] = Binding(v, s.span)  # type: ignore[arg-type]
+            # A setting whose value failed (already reported) is bound to None, so its uses stay quiet
+            # instead of each reporting a second, misleading "unknown dim".
+            env[s.name.value] = Binding(self.eval(s.value, env), s.value.span)  # type: ignore[arg-type]
         body: tuple[ast.LayerStmt, ...] = decl.body
         if decl.family is not None:
             family = self.families.get(decl.family.value)
@@ -322,7 +330,7 @@ class ModelResolver(Resolver):
             body = family.body
         dtype = env.get("dtype")
         dtype_name = "bf16"
-        if dtype is not None:
+        if dtype is not None and dtype.value is not None:
             if str(dtype.value) not in DTYPES:
                 self.error("E0203", f"unknown dtype `{dtype.value}`", dtype.span, label="not a dtype",
                            help=f"use one of {or_list(DTYPES)}")
@@ -357,10 +365,9 @@ class ModelResolver(Resolver):
                     secondary=(Label(p.span, "parameter declared here"),) if p.span else (),  # type: ignore[arg-type]
                     help=f"add `{p.name.value} = ...` to the model",
                 )
+                env[p.name.value] = Binding(None, None)  # type: ignore[arg-type]  # reported: keep uses quiet
                 continue
-            v = self.eval(p.default, env)
-            if v is not None:
-                env[p.name.value] = Binding(v, p.span)  # type: ignore[arg-type]
+            env[p.name.value] = Binding(self.eval(p.default, env), p.default.span)  # type: ignore[arg-type]
         return env
 
     def _layers(self, body: Sequence[ast.LayerStmt], env: Env, top: bool) -> list[Unit | Repeat]:
