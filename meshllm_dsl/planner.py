@@ -787,3 +787,138 @@ def _fit_help(report: PlanReport, biggest: str) -> str:
                 f"({report.micro_batch} sequences now)")
     return (f"shard over more devices (tensor or pipeline), or run `meshc suggest FILE --devices "
             f"{plan.mesh.devices} --device {report.device.name}` to search the plans that fit")
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _table(header: list[str], rows: list[list[str]], right: set[int] | None = None) -> list[str]:
+    right = right if right is not None else set(range(1, len(header)))
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return [line(header), *(line(r) for r in rows)]
+
+
+def _ranks_text(ranks: tuple[int, ...]) -> str:
+    return _ranges(list(ranks)) if ranks else "-"
+
+
+def report_text(rep: PlanReport) -> str:
+    plan, dev, mesh, model = rep.plan, rep.device, rep.plan.mesh, rep.plan.model
+    w = DTYPES[plan.dtype]
+    axes = " x ".join(f"{a.name} {a.size}" for a in mesh.axes)
+    hosts = f", {mesh.hosts} hosts" if mesh.hosts > 1 else ""
+    lines = [
+        f"plan {plan.name}: {model.name} on {mesh.name} ({mesh.devices} x {dev.name}{' (assumed)' if rep.device_assumed else ''}: {axes}{hosts})",
+        f"  batch {plan.batch} x seq {plan.seq}; {plan.data_size} data replica{'s' if plan.data_size != 1 else ''} x "
+        f"{plan.microbatches} microbatch{'es' if plan.microbatches != 1 else ''} of {rep.micro_batch} sequence{'s' if rep.micro_batch != 1 else ''}; "
+        f"schedule {plan.schedule}{f' (virtual {plan.virtual})' if plan.virtual > 1 else ''}; "
+        f"{plan.optimizer}, ZeRO {plan.zero}{' over ' + ' x '.join(plan.zero_axes) if plan.zero else ''}",
+        "",
+        "model",
+        f"  parameters      {model.numel:,} ({fmt_count(model.numel)})",
+        f"  weights         {model.numel * w / GB:.2f} GB = {model.numel * w / GIB:.2f} GiB in {plan.dtype}",
+        f"  training state  {rep.optimizer_k + 2 * w} bytes per parameter ({w} weight + {w} gradient + {rep.optimizer_k} optimizer)"
+        f" = {fmt_bytes(model.numel * (rep.optimizer_k + 2 * w))} unsharded",
+        f"  KV cache        {rep.kv_bytes_per_token:,} bytes per token in {plan.dtype}; "
+        f"{fmt_bytes(rep.kv_bytes_per_token * plan.batch * plan.seq)} at batch {plan.batch} x seq {plan.seq}",
+        "",
+        "memory per device (a row per pipeline rank; the tensor and data ranks at it hold the same)",
+    ]
+    rows = []
+    for rc in rep.ranks:
+        rows.append([str(rc.coord), _ranks_text(rc.ranks), rc.label, fmt_count(rc.params_global), fmt_count(rc.params_local),
+                     fmt_bytes(rc.weight_bytes), fmt_bytes(rc.grad_bytes), fmt_bytes(rc.optimizer_bytes),
+                     f"{fmt_bytes(rc.activation_bytes)} ({rc.in_flight} mb)", fmt_bytes(rc.training_bytes),
+                     "yes" if rc.training_bytes <= dev.memory_bytes else "NO"])
+    lines += ["  " + x for x in _table(
+        ["pp", "ranks", "layers", "params", "on device", "weights", "grads", "optimizer", "activations", "total", "fits"],
+        rows, right={3, 4, 5, 6, 7, 8, 9})]
+    worst = max(rep.ranks, key=lambda r: r.training_bytes)
+    by_dtype: dict[str, int] = {plan.dtype: worst.weight_bytes + worst.grad_bytes + worst.activation_bytes + worst.gather_buffer_bytes}
+    by_dtype["fp32"] = by_dtype.get("fp32", 0) + worst.optimizer_bytes
+    lines += [
+        f"  by dtype on pipeline rank {worst.coord}: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in by_dtype.items())
+        + f"; replicated (norms, biases) {fmt_count(worst.params_replicated)} parameters",
+    ]
+    if worst.gather_buffer_bytes:
+        lines.append(f"  ZeRO-3 gather buffer (largest unit, gathered for its forward): {fmt_bytes(worst.gather_buffer_bytes)}")
+    lines += [
+        f"  activations per microbatch: " + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.activation_bytes_per_microbatch)}" for rc in rep.ranks),
+        f"  inference (weights + KV cache at batch {plan.batch} x seq {plan.seq}): "
+        + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.inference_bytes)}" for rc in rep.ranks)
+        + f" -> {'fits' if rep.fits_inference else 'does NOT fit'}",
+        "",
+        "communication per step (busiest pipeline rank per row; ring algorithm)",
+    ]
+    comm_rows = [[c["axis"], c["kind"], c["op"], f"{c['calls']:,}", fmt_bytes(c["payload_bytes"]), fmt_bytes(c["wire_bytes"]),
+                  fmt_seconds(c["seconds"]), "network" if c["crosses_hosts"] else "in host"] for c in rep.comm_by_axis()]
+    if comm_rows:
+        lines += ["  " + x for x in _table(["axis", "kind", "op", "calls", "payload", "sent", "time", "link"], comm_rows,
+                                           right={3, 4, 5, 6})]
+    else:
+        lines.append("  none (a single device)")
+    st = rep.step
+    p = plan.pipeline_size
+    lines += [
+        "",
+        f"pipeline bubble: {rep.bubble:.1%}" + (f" = (p - 1) / (m + p - 1){' / v' if plan.virtual > 1 else ''} with p = {p}, m = {plan.microbatches}"
+                                             + (f", v = {plan.virtual}" if plan.virtual > 1 else "") if p > 1 else " (no pipeline)"),
+        "",
+        f"step time (estimate; {dev.name} {dev.tflops:g} TFLOP/s at MFU {MFU:.0%} for the matmuls, links {dev.intra_gbps:g} / {dev.inter_gbps:g} GB/s)",
+        f"  compute          {fmt_seconds(st.compute_s)}   6 x params x tokens on the slowest pipeline rank",
+        f"  tensor comm      {fmt_seconds(st.tensor_s)}",
+        f"  pipeline comm    {fmt_seconds(st.pipeline_s)}",
+        f"  bubble           {fmt_seconds(st.bubble_s)}",
+        f"  data-parallel    {fmt_seconds(st.data_s)}",
+        f"  total            {fmt_seconds(st.total_s)}   {st.tokens / st.total_s:,.0f} tokens/s, model flops utilisation {rep.mfu:.0%}",
+        "",
+        f"peak memory {fmt_bytes(rep.peak_training_bytes)} of {fmt_bytes(dev.memory_bytes)} per device: "
+        + ("fits" if rep.fits else "does NOT fit"),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def report_json(rep: PlanReport) -> dict[str, Any]:
+    plan, model = rep.plan, rep.plan.model
+    w = DTYPES[plan.dtype]
+    st = rep.step
+    return {
+        "plan": plan.name,
+        "model": model.name,
+        "mesh": {"name": plan.mesh.name, "axes": {a.name: a.size for a in plan.mesh.axes}, "hosts": plan.mesh.hosts,
+                 "devices": plan.mesh.devices},
+        "device": {**attrs.asdict(rep.device), "assumed": rep.device_assumed},
+        "dtype": plan.dtype,
+        "batch": plan.batch, "seq": plan.seq, "microbatches": plan.microbatches, "micro_batch": rep.micro_batch,
+        "schedule": plan.schedule, "virtual": plan.virtual, "optimizer": plan.optimizer, "zero": plan.zero,
+        "zero_axes": list(plan.zero_axes),
+        "parameters": model.numel,
+        "weight_bytes": model.numel * w,
+        "optimizer_bytes_per_param": rep.optimizer_k,
+        "kv_cache_bytes_per_token": rep.kv_bytes_per_token,
+        "kv_cache_bytes": rep.kv_bytes_per_token * plan.batch * plan.seq,
+        "bubble": rep.bubble,
+        "ranks": [
+            {"pipeline_coord": rc.coord, "stages": list(rc.stages), "layers": rc.label, "ranks": list(rc.ranks),
+             "params": rc.params_global, "params_per_device": rc.params_local, "params_replicated": rc.params_replicated,
+             "weight_bytes": rc.weight_bytes, "grad_bytes": rc.grad_bytes, "optimizer_bytes": rc.optimizer_bytes,
+             "gather_buffer_bytes": rc.gather_buffer_bytes,
+             "activation_bytes_per_microbatch": rc.activation_bytes_per_microbatch, "in_flight": rc.in_flight,
+             "activation_bytes": rc.activation_bytes, "kv_cache_bytes": rc.kv_cache_bytes,
+             "training_bytes": rc.training_bytes, "inference_bytes": rc.inference_bytes, "compute_s": rc.compute_s,
+             "comms": [attrs.asdict(c) for c in rc.comms]}
+            for rc in rep.ranks
+        ],
+        "communication": rep.comm_by_axis(),
+        "step": {"compute_s": st.compute_s, "tensor_s": st.tensor_s, "pipeline_s": st.pipeline_s, "bubble_s": st.bubble_s,
+                 "data_s": st.data_s, "total_s": st.total_s, "model_flops": st.model_flops, "tokens": st.tokens,
+                 "tokens_per_s": st.tokens / st.total_s if st.total_s else None, "mfu": rep.mfu, "assumed_matmul_mfu": MFU},
+        "peak_training_bytes": rep.peak_training_bytes,
+        "peak_inference_bytes": rep.peak_inference_bytes,
+        "fits": rep.fits,
+        "fits_inference": rep.fits_inference,
+    }

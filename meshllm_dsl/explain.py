@@ -1,0 +1,164 @@
+"""`meshc explain`: where every rank sits and what it holds, read off the checked plan (ir.PlanIR).
+
+Three views: rank -> mesh coordinates -> pipeline stage, layers and shard index; the process group of
+every axis (MeshIR.groups, the same groups the runtime builds with init_device_mesh); and per layer
+the global and local shape of each parameter, its activation layouts and the collectives it issues.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from meshllm_dsl.ir import Collective, Placement, PlanIR, Repeat, Unit, UnitFlow
+from meshllm_dsl.planner import _ranges, _table, stage_label
+
+# What each of Megatron's operators does, forward and backward (ir.Collective.op).
+OPS = {
+    "copy_to": ("identity", "all-reduce"),
+    "reduce_from": ("all-reduce", "identity"),
+    "split_to": ("split", "all-gather"),
+    "gather_from": ("all-gather", "split"),
+}
+
+
+def shard_axes(plan: PlanIR) -> tuple[str, ...]:
+    """Mesh axes any parameter is split over, in mesh order."""
+    used = {a for _, p in plan.top_placements for a in p.axes}
+    used |= {a for cls in plan.block_classes for _, p in cls.placements for a in p.axes}
+    return tuple(a.name for a in plan.mesh.axes if a.name in used)
+
+
+def rank_rows(plan: PlanIR) -> list[dict[str, Any]]:
+    """One entry per global rank: coordinates, stages (with layers) and shard / replica indices."""
+    mesh = plan.mesh
+    sharding = shard_axes(plan)
+    rows = []
+    for rank in range(mesh.devices):
+        coords = mesh.coords(rank)
+        coord = coords[plan.pipeline_axis] if plan.pipeline_axis else 0
+        stages = [s for s in plan.stages if s.coord == coord] if plan.pipeline_axis else list(plan.stages)
+        shard = 0
+        for a in sharding:
+            shard = shard * mesh.size(a) + coords[a]
+        replica = 0
+        for a in plan.batch_axes:
+            replica = replica * mesh.size(a) + coords[a]
+        rows.append({
+            "rank": rank, "coords": coords, "stages": [s.index for s in stages],
+            "layers": "; ".join(stage_label(plan, s) for s in stages),
+            "shard": shard, "shards": mesh.size(*sharding) if sharding else 1,
+            "replica": replica, "replicas": plan.data_size,
+        })
+    return rows
+
+
+def _rule(p: Placement) -> str:
+    return f"{p.rule}({', '.join(p.axes)})" if p.sharded else "replicate"
+
+
+def _collective(c: Collective) -> str:
+    fwd, bwd = OPS[c.op]
+    return f"{c.op}({', '.join(c.axes)}) at {c.where}: {fwd} forward, {bwd} backward"
+
+
+def _unit_entries(plan: PlanIR, unit: Unit, placement: dict[str, Placement], flow: UnitFlow | None) -> dict[str, Any]:
+    params = []
+    for leaf in unit.leaves:
+        key = ".".join(leaf.path)
+        p = placement.get(key, Placement("replicate"))
+        if leaf.tie is not None:
+            params.append({"name": "weight" if leaf.name == unit.name else f"{leaf.name}.weight", "tied_to": leaf.tie, "rule": _rule(p), "global": None, "local": None})
+        for t in leaf.params:
+            dim = p.tensor_dim(t)
+            params.append({"name": f"{leaf.name}.{t.name}" if leaf.name != unit.name else t.name,
+                           "global": list(t.shape), "local": list(plan.local_shape(t, p)), "rule": _rule(p),
+                           "split_dim": dim})
+    return {
+        "name": unit.name, "kind": unit.kind, "params": params,
+        "input": str(flow.input) if flow else None, "output": str(flow.output) if flow else None,
+        "collectives": [_collective(c) for c in flow.collectives] if flow else [],
+    }
+
+
+def layer_entries(plan: PlanIR) -> list[dict[str, Any]]:
+    """Per top-level unit, and per block class of the repeat, its units with shapes, layouts, collectives."""
+    top = dict(plan.top_placements)
+    flows = dict(plan.top_flows)
+    out: list[dict[str, Any]] = []
+    for item in plan.model.items:
+        if isinstance(item, Repeat):
+            for cls in plan.block_classes:
+                out.append({
+                    "blocks": f"{item.name} {_ranges(list(cls.indices))}",
+                    "units": [_unit_entries(plan, u, dict(cls.placements), dict(cls.flows).get(u.name)) for u in item.body],
+                })
+        else:
+            out.append({"blocks": None, "units": [_unit_entries(plan, item, top, flows.get(item.name))]})
+    return out
+
+
+def explain_json(plan: PlanIR) -> dict[str, Any]:
+    return {
+        "plan": plan.name,
+        "mesh": {"name": plan.mesh.name, "axes": {a.name: a.size for a in plan.mesh.axes}, "hosts": plan.mesh.hosts},
+        "stages": [{"index": s.index, "pipeline_coord": s.coord, "layers": stage_label(plan, s), "params": s.numel}
+                   for s in plan.stages],
+        "ranks": rank_rows(plan),
+        "groups": {a.name: plan.mesh.groups(a.name) for a in plan.mesh.axes},
+        "layers": layer_entries(plan),
+        "loss": _rule(plan.loss) if plan.loss.sharded else "cross_entropy",
+    }
+
+
+def _shape(s: list[int] | None) -> str:
+    return "(" + ", ".join(str(x) for x in s) + ("," if s is not None and len(s) == 1 else "") + ")" if s is not None else "-"
+
+
+def explain_text(plan: PlanIR) -> str:
+    mesh = plan.mesh
+    axes = " x ".join(f"{a.name} {a.size}" for a in mesh.axes)
+    lines = [
+        f"plan {plan.name}: {plan.model.name} on {mesh.name} ({mesh.devices} devices: {axes}"
+        + (f", {mesh.hosts} hosts of {mesh.devices_per_host}" if mesh.hosts > 1 else "") + ")",
+        "  rank order: the last axis varies fastest",
+        "",
+        "stages",
+    ]
+    stage_rows = [[str(s.index), str(s.coord), stage_label(plan, s), f"{s.numel:,}"] for s in plan.stages]
+    lines += ["  " + x for x in _table(["stage", plan.pipeline_axis or "pipeline", "layers", "parameters"], stage_rows,
+                                       right={1, 3})]
+    lines += ["", "ranks"]
+    sharding = shard_axes(plan)
+    header = ["rank", *(a.name for a in mesh.axes), "stage", "layers", "shard", "replica"]
+    rows = []
+    for r in rank_rows(plan):
+        rows.append([str(r["rank"]), *(str(r["coords"][a.name]) for a in mesh.axes),
+                     ",".join(str(s) for s in r["stages"]), r["layers"],
+                     f"{r['shard']}/{r['shards']}" + (f" over {' x '.join(sharding)}" if sharding else ""),
+                     f"{r['replica']}/{r['replicas']}"])
+    lines += ["  " + x for x in _table(header, rows, right=set(range(len(mesh.axes) + 1)))]
+    lines += ["", "process groups (ranks that differ only along the axis)"]
+    width = max(len(a.name) for a in mesh.axes)
+    for a in mesh.axes:
+        groups = mesh.groups(a.name)
+        lines.append(f"  {a.name.ljust(width)}  " + " ".join("[" + ", ".join(map(str, g)) + "]" for g in groups))
+    lines += ["", "layers (global shape -> local shape on one device)"]
+    for entry in layer_entries(plan):
+        indent = "  "
+        if entry["blocks"] is not None:
+            lines.append(f"  {entry['blocks']} (every block alike)")
+            indent = "    "
+        for u in entry["units"]:
+            flow = f"  {u['input']} -> {u['output']}" if u["input"] is not None else ""
+            lines.append(f"{indent}{u['name']} ({u['kind']}){flow}")
+            prows = []
+            for p in u["params"]:
+                if p.get("tied_to"):
+                    prows.append([p["name"], f"tied to {p['tied_to']}", "", p["rule"]])
+                else:
+                    prows.append([p["name"], _shape(p["global"]), _shape(p["local"]), p["rule"]])
+            lines += [indent + "  " + x for x in _table(["param", "global", "local", "rule"], prows, right=set())[1:]]
+            for c in u["collectives"]:
+                lines.append(f"{indent}  collective: {c}")
+    lines += ["", f"loss: {'vocab-parallel cross entropy over ' + ' x '.join(plan.loss.axes) if plan.loss.sharded else 'cross entropy on full logits'}"]
+    return "\n".join(lines) + "\n"
