@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-__all__ = ["copy_to", "reduce_from", "gather_from", "split_to", "all_reduce_sum"]
+__all__ = ["all_reduce_sum", "copy_to", "gather_from", "reduce_from", "split_to"]
 
 
 def all_reduce_sum(x: Tensor, group: ProcessGroup | None) -> Tensor:
@@ -29,7 +29,10 @@ def all_reduce_sum(x: Tensor, group: ProcessGroup | None) -> Tensor:
 
 
 def _all_gather_cat(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
-    parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+    parts = [
+        torch.empty_like(x, memory_format=torch.contiguous_format)
+        for _ in range(dist.get_world_size(group))
+    ]
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 

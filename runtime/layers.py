@@ -15,15 +15,15 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 __all__ = [
-    "RMSNorm",
-    "LayerNorm",
-    "VocabParallelEmbedding",
     "KVCache",
-    "positions",
+    "LayerNorm",
+    "RMSNorm",
+    "VocabParallelEmbedding",
+    "activation",
     "apply_rotary",
     "attention",
-    "activation",
     "cross_entropy",
+    "positions",
     "vocab_parallel_cross_entropy",
 ]
 
@@ -102,7 +102,9 @@ def _rotate_half(x: Tensor) -> Tensor:
 def apply_rotary(q: Tensor, k: Tensor, pos: Tensor, theta: float) -> tuple[Tensor, Tensor]:
     """HF Llama rotary (rotate_half) on q, k shaped [b, s, heads, head_dim]; pos is [s] or [b, s]."""
     d = q.shape[-1]
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=q.device).float() / d))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=q.device).float() / d)
+    )
     # cos/sin are computed in float32 (as HF does) and only then cast to the activation dtype.
     freqs = pos.to(torch.float32).unsqueeze(-1) * inv_freq  # [.., s, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -132,7 +134,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache | None = None) 
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
     else:
         t = kh.shape[2]
-        allowed = torch.arange(t, device=q.device) <= (past + torch.arange(s, device=q.device))[:, None]
+        allowed = (
+            torch.arange(t, device=q.device) <= (past + torch.arange(s, device=q.device))[:, None]
+        )
         out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed)
     return out.transpose(1, 2).reshape(b, s, h * d)
 
@@ -150,7 +154,9 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
     try:
         return _ACTIVATIONS[name]
     except KeyError:
-        raise ValueError(f"unknown activation {name!r}; expected one of {sorted(_ACTIVATIONS)}") from None
+        raise ValueError(
+            f"unknown activation {name!r}; expected one of {sorted(_ACTIVATIONS)}"
+        ) from None
 
 
 def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
@@ -175,7 +181,9 @@ class _VocabParallelCE(torch.autograd.Function):
         outside = (local_t < 0) | (local_t >= n_local)
         local_t = local_t.masked_fill(outside, 0)
         # [N]: the target logit lives on exactly one rank; the others contribute zero.
-        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = (
+            shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        )
         exp = shifted.exp()
         sum_exp = exp.sum(dim=-1)
         # Two [N] all-reduces (sum) over the vocab axis; the logits themselves never move.

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["Mesh", "serve_group_creation", "end_group_creation"]
+__all__ = ["Mesh", "end_group_creation", "serve_group_creation"]
 
 # Rank tuple -> group (None on ranks outside it).  Every rank of the world creates every group, so
 # every rank holds the same keys and cache hits never desynchronise group creation.
@@ -94,6 +94,21 @@ class Mesh:
             groups = box[0]  # type: ignore[assignment]
         _create_groups(groups)
         return mesh
+
+    def make_groups(
+        self, groups: Sequence[tuple[int, ...]]
+    ) -> dict[tuple[int, ...], ProcessGroup | None]:
+        """Create extra groups (sorted global rank tuples) beyond the axis groups.
+
+        Collective over the mesh: every rank must pass the same list, including groups it is not
+        in, so that creation stays in step across the world.
+        """
+        if len(self.ranks) < dist.get_world_size():
+            box: list[object] = [list(groups)]
+            dist.broadcast_object_list(box, src=0)
+            groups = box[0]  # type: ignore[assignment]
+        _create_groups(groups)
+        return {g: _GROUPS[g] for g in groups}
 
     def _all_groups(self) -> list[tuple[int, ...]]:
         """Every group of every axis subset (mesh order), in an order all ranks agree on."""
@@ -179,6 +194,4 @@ class Mesh:
         if len(set(axes)) != len(axes):
             raise ValueError(f"axis listed twice in {tuple(axes)}")
         ranges = [range(self.size(a)) for a in axes]
-        return tuple(
-            self.rank_at(**dict(zip(axes, point))) for point in itertools.product(*ranges)
-        )
+        return tuple(self.rank_at(**dict(zip(axes, point))) for point in itertools.product(*ranges))

@@ -18,9 +18,12 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["RankContext", "WorkerPool", "PoolError"]
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self needs 3.11; only the type checker reads this
+
+__all__ = ["PoolError", "RankContext", "WorkerPool"]
 
 
 class PoolError(RuntimeError):
@@ -78,7 +81,7 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any, timeout_s
             if n_ranks < world:
                 end_group_creation()
             results.put((job_id, rank, True, pickle.dumps(out)))
-        except BaseException:
+        except BaseException:  # noqa: BLE001 - the worker boundary: report any failure, then exit
             results.put((job_id, rank, False, traceback.format_exc()))
             # Exit rather than carry on: peers blocked in a collective with this rank then fail at
             # once (closed connection) instead of waiting for the gloo timeout.
@@ -91,7 +94,9 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any, timeout_s
 class WorkerPool:
     """``world_size`` gloo ranks on loopback, started lazily and restarted after any failure."""
 
-    def __init__(self, world_size: int = 8, timeout: float = 60.0, start_timeout: float = 120.0) -> None:
+    def __init__(
+        self, world_size: int = 8, timeout: float = 60.0, start_timeout: float = 120.0
+    ) -> None:
         self.world_size = world_size
         self.timeout = timeout
         self.start_timeout = start_timeout
@@ -100,7 +105,7 @@ class WorkerPool:
         self._results: Any = None
         self._next_id = 0
 
-    def __enter__(self) -> WorkerPool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -135,11 +140,15 @@ class WorkerPool:
                 dead = [p.name for p in self._procs if not p.is_alive()]
                 if dead:
                     self._abort()
-                    raise PoolError(f"worker(s) died without reporting: {', '.join(dead)}") from None
+                    raise PoolError(
+                        f"worker(s) died without reporting: {', '.join(dead)}"
+                    ) from None
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(n)) - set(got))
                     self._abort()
-                    raise PoolError(f"job timed out after {timeout:.0f}s; ranks {missing} did not finish") from None
+                    raise PoolError(
+                        f"job timed out after {timeout:.0f}s; ranks {missing} did not finish"
+                    ) from None
                 continue
             if jid != job_id:
                 continue
@@ -149,7 +158,9 @@ class WorkerPool:
             got[rank] = payload
         return [got[r] for r in range(n)]
 
-    def run(self, fn: Callable[..., Any], n_ranks: int, *args: Any, timeout: float | None = None) -> list[Any]:
+    def run(
+        self, fn: Callable[..., Any], n_ranks: int, *args: Any, timeout: float | None = None
+    ) -> list[Any]:
         """Run ``fn(RankContext, *args)`` on ranks 0 .. n_ranks - 1; return their results in rank order.
 
         ``fn`` must be a picklable top-level function.  Raises ``PoolError`` with the traceback of

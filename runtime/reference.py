@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from .shards import full_init
 
-__all__ = ["build_reference", "ReferenceModel"]
+__all__ = ["ReferenceModel", "build_reference"]
 
 Layer = Mapping[str, Any]
 
@@ -84,7 +84,12 @@ class _Attention(nn.Module):
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.d)
         causal = torch.ones(s, s, dtype=torch.bool).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
-        a = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(q.dtype) @ v
+        a = (
+            torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(
+                q.dtype
+            )
+            @ v
+        )
         return self.o(a.transpose(1, 2).reshape(b, s, self.h * self.d))
 
 
@@ -151,7 +156,9 @@ class ReferenceModel(nn.Module):
             if kind in ("embedding", "positional"):
                 self.add_module(name, nn.Embedding(spec["num"], spec["dim"]))
             elif kind == "repeat":
-                self.add_module(name, nn.ModuleList(_Block(list(spec["body"])) for _ in range(spec["count"])))
+                self.add_module(
+                    name, nn.ModuleList(_Block(list(spec["body"])) for _ in range(spec["count"]))
+                )
             elif kind in ("rmsnorm", "layernorm"):
                 self.add_module(name, _norm(spec))
             elif kind == "linear":
@@ -160,7 +167,9 @@ class ReferenceModel(nn.Module):
                         raise ValueError(f"{name}: a tied linear layer cannot have a bias")
                     self.ties[name] = spec["tie"]
                 else:
-                    self.add_module(name, nn.Linear(spec["in"], spec["out"], bias=bool(spec.get("bias"))))
+                    self.add_module(
+                        name, nn.Linear(spec["in"], spec["out"], bias=bool(spec.get("bias")))
+                    )
             else:
                 raise ValueError(f"{name}: unsupported layer kind {kind!r}")
             self.order.append((name, kind))
@@ -183,7 +192,9 @@ class ReferenceModel(nn.Module):
         return x
 
 
-def build_reference(model: Mapping[str, Any], dtype: torch.dtype = torch.float32, seed: int = 0) -> ReferenceModel:
+def build_reference(
+    model: Mapping[str, Any], dtype: torch.dtype = torch.float32, seed: int = 0
+) -> ReferenceModel:
     """The unsharded model with every parameter set by ``full_init(name, shape, seed)``."""
     ref = ReferenceModel(model)
     with torch.no_grad():

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from .mesh import Mesh
 
-__all__ = ["ShardSpec", "full_init", "local_slice", "gather_full", "load_full", "gather_module"]
+__all__ = ["ShardSpec", "full_init", "gather_full", "gather_module", "load_full", "local_slice"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,9 @@ class ShardSpec:
     segments: tuple[int, ...] | None = field(default=None)
 
     def __post_init__(self) -> None:
-        if self.segments is not None and (not self.dims or sum(self.segments) != self.shape[self.dims[0][0]]):
+        if self.segments is not None and (
+            not self.dims or sum(self.segments) != self.shape[self.dims[0][0]]
+        ):
             raise ValueError(f"segments {self.segments} do not cover the sharded dim of {self}")
 
     def local_shape(self, mesh: Mesh) -> tuple[int, ...]:
@@ -48,7 +50,9 @@ def _seed_for(name: str, seed: int) -> int:
     return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
 
 
-def full_init(name: str, shape: Sequence[int], seed: int, dtype: torch.dtype = torch.float32) -> Tensor:
+def full_init(
+    name: str, shape: Sequence[int], seed: int, dtype: torch.dtype = torch.float32
+) -> Tensor:
     """Initial value of the full parameter ``name``; depends only on (name, shape, seed).
 
     Biases are zeros, other 1-D weights (norm scales) ones, matrices normal(0, 0.02).  Values are
@@ -70,7 +74,9 @@ def _parts(t: Tensor, dim: int, segments: tuple[int, ...] | None) -> list[Tensor
 def local_slice(full: Tensor, spec: ShardSpec, mesh: Mesh) -> Tensor:
     """This rank's shard of ``full`` (a contiguous copy)."""
     if tuple(full.shape) != spec.shape:
-        raise ValueError(f"{spec.local}: full tensor has shape {tuple(full.shape)}, expected {spec.shape}")
+        raise ValueError(
+            f"{spec.local}: full tensor has shape {tuple(full.shape)}, expected {spec.shape}"
+        )
     out = full
     for k, (dim, axes) in enumerate(spec.dims):
         n, i = mesh.size(*axes), mesh.index(*axes)
@@ -123,6 +129,10 @@ def gather_module(
     out: dict[str, Tensor] = {}
     for name, spec in specs.items():
         param = module.get_parameter(spec.local)
-        local = param if not grads else (param.grad if param.grad is not None else torch.zeros_like(param))
+        local = (
+            param
+            if not grads
+            else (param.grad if param.grad is not None else torch.zeros_like(param))
+        )
         out[name] = gather_full(local, spec, mesh)
     return out

@@ -5,12 +5,12 @@ Imported by the test modules and, through pickled job functions, by the pool's w
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import meshllm_dsl.runtime as rt
 import torch
 from torch import Tensor, nn
-
-import meshllm_dsl.runtime as rt
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, SEQ_MAX = 64, 32, 8, 4, 4, 64, 16
 
@@ -19,17 +19,44 @@ def llama_model(layers: int = 2, tie: bool = False) -> dict[str, Any]:
     return {
         "layers": [
             {"name": "embed", "kind": "embedding", "num": VOCAB, "dim": HIDDEN},
-            {"name": "blocks", "kind": "repeat", "count": layers, "body": [
-                {"name": "attn_norm", "kind": "rmsnorm", "dim": HIDDEN, "eps": 1e-5},
-                {"name": "attn", "kind": "attention", "hidden": HIDDEN, "heads": HEADS,
-                 "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "rope_theta": 10000.0,
-                 "qkv_bias": False, "o_bias": False, "fused_qkv": False},
-                {"name": "mlp_norm", "kind": "rmsnorm", "dim": HIDDEN, "eps": 1e-5},
-                {"name": "mlp", "kind": "mlp", "hidden": HIDDEN, "ffn": FFN, "act": "swiglu", "bias": False},
-            ]},
+            {
+                "name": "blocks",
+                "kind": "repeat",
+                "count": layers,
+                "body": [
+                    {"name": "attn_norm", "kind": "rmsnorm", "dim": HIDDEN, "eps": 1e-5},
+                    {
+                        "name": "attn",
+                        "kind": "attention",
+                        "hidden": HIDDEN,
+                        "heads": HEADS,
+                        "kv_heads": KV_HEADS,
+                        "head_dim": HEAD_DIM,
+                        "rope_theta": 10000.0,
+                        "qkv_bias": False,
+                        "o_bias": False,
+                        "fused_qkv": False,
+                    },
+                    {"name": "mlp_norm", "kind": "rmsnorm", "dim": HIDDEN, "eps": 1e-5},
+                    {
+                        "name": "mlp",
+                        "kind": "mlp",
+                        "hidden": HIDDEN,
+                        "ffn": FFN,
+                        "act": "swiglu",
+                        "bias": False,
+                    },
+                ],
+            },
             {"name": "norm", "kind": "rmsnorm", "dim": HIDDEN, "eps": 1e-5},
-            {"name": "lm_head", "kind": "linear", "in": HIDDEN, "out": VOCAB, "bias": False,
-             "tie": "embed" if tie else None},
+            {
+                "name": "lm_head",
+                "kind": "linear",
+                "in": HIDDEN,
+                "out": VOCAB,
+                "bias": False,
+                "tie": "embed" if tie else None,
+            },
         ]
     }
 
@@ -39,16 +66,44 @@ def gpt2_model(layers: int = 2) -> dict[str, Any]:
         "layers": [
             {"name": "embed", "kind": "embedding", "num": VOCAB, "dim": HIDDEN},
             {"name": "pos", "kind": "positional", "num": SEQ_MAX, "dim": HIDDEN},
-            {"name": "blocks", "kind": "repeat", "count": layers, "body": [
-                {"name": "attn_norm", "kind": "layernorm", "dim": HIDDEN, "eps": 1e-5},
-                {"name": "attn", "kind": "attention", "hidden": HIDDEN, "heads": HEADS,
-                 "kv_heads": HEADS, "head_dim": HEAD_DIM, "rope_theta": None,
-                 "qkv_bias": True, "o_bias": True, "fused_qkv": True},
-                {"name": "mlp_norm", "kind": "layernorm", "dim": HIDDEN, "eps": 1e-5},
-                {"name": "mlp", "kind": "mlp", "hidden": HIDDEN, "ffn": FFN, "act": "gelu_tanh", "bias": True},
-            ]},
+            {
+                "name": "blocks",
+                "kind": "repeat",
+                "count": layers,
+                "body": [
+                    {"name": "attn_norm", "kind": "layernorm", "dim": HIDDEN, "eps": 1e-5},
+                    {
+                        "name": "attn",
+                        "kind": "attention",
+                        "hidden": HIDDEN,
+                        "heads": HEADS,
+                        "kv_heads": HEADS,
+                        "head_dim": HEAD_DIM,
+                        "rope_theta": None,
+                        "qkv_bias": True,
+                        "o_bias": True,
+                        "fused_qkv": True,
+                    },
+                    {"name": "mlp_norm", "kind": "layernorm", "dim": HIDDEN, "eps": 1e-5},
+                    {
+                        "name": "mlp",
+                        "kind": "mlp",
+                        "hidden": HIDDEN,
+                        "ffn": FFN,
+                        "act": "gelu_tanh",
+                        "bias": True,
+                    },
+                ],
+            },
             {"name": "norm", "kind": "layernorm", "dim": HIDDEN, "eps": 1e-5},
-            {"name": "lm_head", "kind": "linear", "in": HIDDEN, "out": VOCAB, "bias": False, "tie": "embed"},
+            {
+                "name": "lm_head",
+                "kind": "linear",
+                "in": HIDDEN,
+                "out": VOCAB,
+                "bias": False,
+                "tie": "embed",
+            },
         ]
     }
 
@@ -119,10 +174,18 @@ def block_specs(kind: str, full: int, prefix: str) -> dict[str, rt.ShardSpec]:
     if kind == "llama":
         return {
             f"{t}.attn_norm.weight": rt.ShardSpec(f"{prefix}attn_norm.weight", (HIDDEN,)),
-            f"{t}.attn.q.weight": rt.ShardSpec(f"{prefix}attn_q.weight", (HEADS * HEAD_DIM, HIDDEN), col),
-            f"{t}.attn.k.weight": rt.ShardSpec(f"{prefix}attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN), col),
-            f"{t}.attn.v.weight": rt.ShardSpec(f"{prefix}attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN), col),
-            f"{t}.attn.o.weight": rt.ShardSpec(f"{prefix}attn_o.weight", (HIDDEN, HEADS * HEAD_DIM), row),
+            f"{t}.attn.q.weight": rt.ShardSpec(
+                f"{prefix}attn_q.weight", (HEADS * HEAD_DIM, HIDDEN), col
+            ),
+            f"{t}.attn.k.weight": rt.ShardSpec(
+                f"{prefix}attn_k.weight", (KV_HEADS * HEAD_DIM, HIDDEN), col
+            ),
+            f"{t}.attn.v.weight": rt.ShardSpec(
+                f"{prefix}attn_v.weight", (KV_HEADS * HEAD_DIM, HIDDEN), col
+            ),
+            f"{t}.attn.o.weight": rt.ShardSpec(
+                f"{prefix}attn_o.weight", (HIDDEN, HEADS * HEAD_DIM), row
+            ),
             f"{t}.mlp_norm.weight": rt.ShardSpec(f"{prefix}mlp_norm.weight", (HIDDEN,)),
             f"{t}.mlp.gate.weight": rt.ShardSpec(f"{prefix}mlp_gate.weight", (FFN, HIDDEN), col),
             f"{t}.mlp.up.weight": rt.ShardSpec(f"{prefix}mlp_up.weight", (FFN, HIDDEN), col),
@@ -132,9 +195,15 @@ def block_specs(kind: str, full: int, prefix: str) -> dict[str, rt.ShardSpec]:
     return {
         f"{t}.attn_norm.weight": rt.ShardSpec(f"{prefix}attn_norm.weight", (HIDDEN,)),
         f"{t}.attn_norm.bias": rt.ShardSpec(f"{prefix}attn_norm.bias", (HIDDEN,)),
-        f"{t}.attn.qkv.weight": rt.ShardSpec(f"{prefix}attn_qkv.weight", (3 * HEADS * HEAD_DIM, HIDDEN), col, qkv),
-        f"{t}.attn.qkv.bias": rt.ShardSpec(f"{prefix}attn_qkv.bias", (3 * HEADS * HEAD_DIM,), col, qkv),
-        f"{t}.attn.o.weight": rt.ShardSpec(f"{prefix}attn_o.weight", (HIDDEN, HEADS * HEAD_DIM), row),
+        f"{t}.attn.qkv.weight": rt.ShardSpec(
+            f"{prefix}attn_qkv.weight", (3 * HEADS * HEAD_DIM, HIDDEN), col, qkv
+        ),
+        f"{t}.attn.qkv.bias": rt.ShardSpec(
+            f"{prefix}attn_qkv.bias", (3 * HEADS * HEAD_DIM,), col, qkv
+        ),
+        f"{t}.attn.o.weight": rt.ShardSpec(
+            f"{prefix}attn_o.weight", (HIDDEN, HEADS * HEAD_DIM), row
+        ),
         f"{t}.attn.o.bias": rt.ShardSpec(f"{prefix}attn_o_bias", (HIDDEN,)),
         f"{t}.mlp_norm.weight": rt.ShardSpec(f"{prefix}mlp_norm.weight", (HIDDEN,)),
         f"{t}.mlp_norm.bias": rt.ShardSpec(f"{prefix}mlp_norm.bias", (HIDDEN,)),
@@ -152,19 +221,25 @@ class Stage(nn.Module):
     loss; a tied head multiplies by its own copy of the embedding shard.
     """
 
-    def __init__(self, mesh: rt.Mesh, kind: str, n_blocks: int, first: bool, last: bool, tie: bool) -> None:
+    def __init__(
+        self, mesh: rt.Mesh, kind: str, n_blocks: int, first: bool, last: bool, tie: bool
+    ) -> None:
         super().__init__()
         tp = mesh.size("tensor")
         self.tensor = mesh.group("tensor")
         self.first, self.last, self.tie, self.kind = first, last, tie, kind
         if first:
-            self.embed = rt.VocabParallelEmbedding(VOCAB // tp, HIDDEN, start=mesh.index("tensor") * (VOCAB // tp))
+            self.embed = rt.VocabParallelEmbedding(
+                VOCAB // tp, HIDDEN, start=mesh.index("tensor") * (VOCAB // tp)
+            )
             if kind == "gpt2":
                 self.pos = nn.Embedding(SEQ_MAX, HIDDEN)
         block = LlamaBlock if kind == "llama" else Gpt2Block
         self.blocks = nn.ModuleList(block(mesh) for _ in range(n_blocks))
         if last:
-            self.norm = rt.RMSNorm(HIDDEN, eps=1e-5) if kind == "llama" else nn.LayerNorm(HIDDEN, eps=1e-5)
+            self.norm = (
+                rt.RMSNorm(HIDDEN, eps=1e-5) if kind == "llama" else nn.LayerNorm(HIDDEN, eps=1e-5)
+            )
             if tie and not first:
                 self.lm_head_weight = nn.Parameter(torch.empty(VOCAB // tp, HIDDEN))
             elif not tie:
@@ -187,7 +262,9 @@ class Stage(nn.Module):
         return x
 
 
-def stage_specs(kind: str, blocks: range, first: bool, last: bool, tie: bool) -> dict[str, rt.ShardSpec]:
+def stage_specs(
+    kind: str, blocks: range, first: bool, last: bool, tie: bool
+) -> dict[str, rt.ShardSpec]:
     vocab = ((0, ("tensor",)),)
     specs: dict[str, rt.ShardSpec] = {}
     if first:
@@ -214,3 +291,28 @@ def vocab_loss(mesh: rt.Mesh) -> Any:
         return rt.vocab_parallel_cross_entropy(logits, targets, group, start)
 
     return loss
+
+
+@dataclass(frozen=True)
+class StageDef:
+    """Stands in for a generated stage class: ``StageDef(...)(mesh)`` and ``.params()``."""
+
+    kind: str
+    blocks: range
+    first: bool
+    last: bool
+    tie: bool = False
+
+    def __call__(self, mesh: rt.Mesh) -> nn.Module:
+        return Stage(mesh, self.kind, len(self.blocks), self.first, self.last, self.tie)
+
+    def params(self, prefix: str = "") -> dict[str, rt.ShardSpec]:
+        assert prefix == ""
+        return stage_specs(self.kind, self.blocks, self.first, self.last, self.tie)
+
+
+def split_stages(kind: str, layers: int, n: int, tie: bool = False) -> tuple[StageDef, ...]:
+    per = layers // n
+    return tuple(
+        StageDef(kind, range(i * per, (i + 1) * per), i == 0, i == n - 1, tie) for i in range(n)
+    )

@@ -4,15 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import meshllm_dsl.runtime as rt
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
-
-import meshllm_dsl.runtime as rt
 from meshllm_dsl.runtime.pool import RankContext, WorkerPool
 from meshllm_dsl.runtime.reference import build_reference
-from rt_models import HIDDEN, VOCAB, Gpt2Block, LlamaBlock, Stage, gpt2_model, llama_model, stage_specs, block_specs, vocab_loss
+from rt_models import (
+    HIDDEN,
+    VOCAB,
+    Gpt2Block,
+    LlamaBlock,
+    Stage,
+    block_specs,
+    gpt2_model,
+    llama_model,
+    stage_specs,
+    vocab_loss,
+)
+from torch import nn
 
 TOL = {"float32": 1e-5, "float64": 1e-10}
 
@@ -50,7 +60,11 @@ def _block_job(ctx: RankContext, kind: str, tp: int, dtype_name: str) -> dict[st
     out_tp = block(x_tp)
     (out_tp * w).sum().backward()
 
-    got = {"out": out_tp.detach(), "x.grad": x_tp.grad, **rt.gather_module(block, specs, mesh, grads=True)}
+    got = {
+        "out": out_tp.detach(),
+        "x.grad": x_tp.grad,
+        **rt.gather_module(block, specs, mesh, grads=True),
+    }
     want = {"out": out_ref.detach(), "x.grad": x_ref.grad}
     want.update({k: p.grad for k, p in ref.named_parameters() if k in specs})
     return _max_err(got, want)
@@ -59,14 +73,18 @@ def _block_job(ctx: RankContext, kind: str, tp: int, dtype_name: str) -> dict[st
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("kind", ["llama", "gpt2"])
-def test_block_outputs_and_grads_match_reference(pool: WorkerPool, kind: str, tp: int, dtype: str) -> None:
+def test_block_outputs_and_grads_match_reference(
+    pool: WorkerPool, kind: str, tp: int, dtype: str
+) -> None:
     for rank, errs in enumerate(pool.run(_block_job, tp, kind, tp, dtype)):
         bad = {k: v for k, v in errs.items() if not v <= TOL[dtype]}
         assert not bad, f"rank {rank}: {bad}"
         assert len(errs) > 8
 
 
-def _model_job(ctx: RankContext, kind: str, tp: int, dtype_name: str, tie: bool) -> dict[str, float]:
+def _model_job(
+    ctx: RankContext, kind: str, tp: int, dtype_name: str, tie: bool
+) -> dict[str, float]:
     """Embedding (vocab-parallel) + blocks + head (column) + vocab-parallel loss on one stage."""
     dtype = getattr(torch, dtype_name)
     mesh = ctx.mesh([("tensor", tp)])
@@ -86,14 +104,21 @@ def _model_job(ctx: RankContext, kind: str, tp: int, dtype_name: str, tie: bool)
     loss.backward()
     logits = rt.gather_from(local_logits.detach(), mesh.group("tensor"), dim=-1)
 
-    got = {"loss": loss.detach(), "logits": logits, **rt.gather_module(stage, specs, mesh, grads=True)}
+    got = {
+        "loss": loss.detach(),
+        "logits": logits,
+        **rt.gather_module(stage, specs, mesh, grads=True),
+    }
     want = {"loss": loss_ref.detach(), "logits": ref(tokens).detach()}
     want.update({k: p.grad for k, p in ref.named_parameters()})
     return _max_err(got, want)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-@pytest.mark.parametrize(("kind", "tp", "tie"), [("llama", 2, False), ("llama", 4, True), ("gpt2", 2, True), ("gpt2", 4, True)])
+@pytest.mark.parametrize(
+    ("kind", "tp", "tie"),
+    [("llama", 2, False), ("llama", 4, True), ("gpt2", 2, True), ("gpt2", 4, True)],
+)
 def test_full_model_with_vocab_parallel_embedding_and_loss(
     pool: WorkerPool, kind: str, tp: int, tie: bool, dtype: str
 ) -> None:
@@ -141,7 +166,9 @@ def _collectives_job(ctx: RankContext) -> dict[str, float]:
         back = rt.gather_from(part * (i + 1), g, dim=1)
         back.sum().backward()
         # d/dfull of sum_r (r+1) * chunk_r: every rank sees the whole (replicated) gradient.
-        expect = torch.cat([torch.full((2, 12 // n), float(r + 1)) for r in range(n)], dim=1).double()
+        expect = torch.cat(
+            [torch.full((2, 12 // n), float(r + 1)) for r in range(n)], dim=1
+        ).double()
         errs[f"grad{axes}"] = (full.grad - expect).abs().max().item()
     x = torch.ones(3, dtype=torch.float64, requires_grad=True)
     rt.copy_to(x, mesh.group("data", "tensor")).mul(mesh.rank + 1).sum().backward()

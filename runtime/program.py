@@ -1,0 +1,428 @@
+"""A compiled plan as something that trains: stages placed on the mesh, schedule, optimizer.
+
+``Program`` is what a generated module declares (``PROGRAM = rt.Program(...)``); ``Program.build``
+places it on a mesh and returns a ``Built`` that trains, runs forward and gathers full tensors.
+Semantics are those of the unsharded model on the whole global batch: the loss is the mean over
+every token, gradients are averaged over the batch axes, so any plan matches the reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .collectives import all_reduce_sum
+from .mesh import Mesh
+from .shards import ShardSpec, full_init, gather_full, load_full, local_slice
+
+__all__ = ["Built", "Program", "StageClass"]
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+class StageClass(Protocol):
+    """A generated stage: ``Stage(mesh)`` builds the local shard, ``Stage.params()`` maps names."""
+
+    def __call__(self, mesh: Mesh) -> nn.Module: ...
+
+    def params(self, prefix: str = "") -> dict[str, ShardSpec]: ...
+
+
+_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved1f1b": "ScheduleInterleaved1F1B",
+}
+
+
+def _schedule_name(name: str) -> str:
+    key = name.lower().replace("_", "").replace("-", "")
+    key = "interleaved1f1b" if key == "interleaved" else key
+    if key not in _SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; expected gpipe, 1f1b or interleaved_1f1b")
+    return key
+
+
+@dataclass(frozen=True)
+class Program:
+    """Everything a plan fixes.  ``stages[i]`` runs on pipeline coordinate ``i % p``."""
+
+    model: Mapping[str, Any]
+    axes: Sequence[tuple[str, int]]
+    stages: Sequence[StageClass]
+    loss: Callable[[Mesh], LossFn]
+    pipeline_axis: str | None = None
+    batch_axes: Sequence[str] = ()
+    schedule: str = "gpipe"
+    microbatches: int = 1
+    batch: int = 8
+    seq: int = 32
+    zero: int = 0
+    optimizer: Mapping[str, Any] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def vocab(self) -> int:
+        for layer in self.model["layers"]:
+            if layer["kind"] == "embedding":
+                return int(layer["num"])
+        raise ValueError("model has no embedding layer")
+
+    def build(self, mesh: Mesh | None = None, seed: int = 0) -> Built:
+        """Place the program on ``mesh`` (default: the whole world) with weights from ``seed``.
+
+        Collective: every rank of the mesh must call it.
+        """
+        mesh = Mesh.build(self.axes) if mesh is None else mesh
+        if tuple(mesh.axes) != tuple((a, int(s)) for a, s in self.axes):
+            raise ValueError(f"program wants mesh {tuple(self.axes)}, got {mesh.axes}")
+        return Built(self, mesh, seed)
+
+
+class Built:
+    """A program placed on this rank: its stage modules, optimizer and schedule."""
+
+    def __init__(self, program: Program, mesh: Mesh, seed: int) -> None:
+        self.program, self.mesh = program, mesh
+        pp_axis = program.pipeline_axis
+        self.pp = mesh.size(pp_axis) if pp_axis else 1
+        n = len(program.stages)
+        if n % self.pp:
+            raise ValueError(f"{n} stages do not divide over {self.pp} pipeline ranks")
+        coord = mesh.coord(pp_axis) if pp_axis else 0
+        self.stage_ids = [i for i in range(n) if i % self.pp == coord]
+        self.specs: dict[int, dict[str, ShardSpec]] = {
+            i: dict(program.stages[i].params()) for i in range(n)
+        }
+        self.modules: dict[int, nn.Module] = {}
+        for i in self.stage_ids:
+            module = program.stages[i](mesh).to(program.dtype)
+            with torch.no_grad():
+                for name, spec in self.specs[i].items():
+                    full = full_init(name, spec.shape, seed, program.dtype)
+                    module.get_parameter(spec.local).copy_(local_slice(full, spec, mesh))
+            self.modules[i] = module
+        self._check_coverage()
+        self.batch_axes = tuple(program.batch_axes)
+        self.dp = mesh.size(*self.batch_axes) if self.batch_axes else 1
+        self._tied = self._tied_groups()
+        self.loss_fn = program.loss(mesh)
+        self.optimizer = self._make_optimizer()
+        self._schedules: dict[tuple[int, int, bool], Any] = {}
+
+    # ------------------------------------------------------------------ set-up
+
+    def _check_coverage(self) -> None:
+        for i, module in self.modules.items():
+            mapped = {spec.local for spec in self.specs[i].values()}
+            owned = {name for name, _ in module.named_parameters()}
+            if mapped != owned:
+                raise ValueError(
+                    f"stage {i}: params() and the module disagree; only in params(): "
+                    f"{sorted(mapped - owned)}, only in the module: {sorted(owned - mapped)}"
+                )
+
+    def _tied_groups(self) -> list[tuple[str, list[int], dist.ProcessGroup | None]]:
+        """Full names held by more than one stage, with the group joining their pipeline ranks.
+
+        Like Megatron's embedding group: the copies start equal (same name, same init) and stay
+        equal because their gradients are summed before every step.
+        """
+        holders: dict[str, list[int]] = {}
+        for i in sorted(self.specs):
+            for name in self.specs[i]:
+                holders.setdefault(name, []).append(i)
+        tied = {name: ids for name, ids in sorted(holders.items()) if len(ids) > 1}
+        wanted: list[tuple[int, ...]] = []
+        by_name: dict[str, tuple[int, ...]] = {}
+        pp_axis = self.program.pipeline_axis
+        for name, ids in tied.items():
+            coords = sorted({i % self.pp for i in ids})
+            if len(coords) == 1 or pp_axis is None:
+                continue
+            others = [a for a in self.mesh.names if a != pp_axis]
+            # Every rank lists the groups of every position, so group creation stays in step.
+            for point in itertools.product(*(range(self.mesh.size(a)) for a in others)):
+                at = dict(zip(others, point))
+                members = tuple(sorted(self.mesh.rank_at(**at, **{pp_axis: c}) for c in coords))
+                if members not in wanted:
+                    wanted.append(members)
+            by_name[name] = tuple(sorted(self.mesh.rank_at(**{pp_axis: c}) for c in coords))
+        groups = self.mesh.make_groups(wanted)
+        return [
+            (name, ids, groups.get(by_name[name]) if name in by_name else None)
+            for name, ids in tied.items()
+        ]
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for i in self.stage_ids:
+            for p in self.modules[i].parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        kw = dict(self.program.optimizer)
+        kw.setdefault("lr", 1e-3)
+        if "betas" in kw:
+            kw["betas"] = tuple(kw["betas"])
+        params = self.parameters()
+        if self.program.zero >= 1 and self.dp > 1:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            # ZeRO-1: each rank of the batch axes keeps Adam state for a slice of the parameters,
+            # steps it, and broadcasts the updated values to the other replicas.
+            return ZeroRedundancyOptimizer(
+                params,
+                optimizer_class=torch.optim.AdamW,
+                process_group=self.mesh.group(*self.batch_axes),
+                **kw,
+            )
+        return torch.optim.AdamW(params, **kw)
+
+    def _pipeline(self, mb_shape: tuple[int, int], train: bool = True) -> Any:
+        """The schedule for microbatches of token shape ``mb_shape``, built on first use.
+
+        Forward-only runs get their own schedule without a loss: the multi-stage schedules compute
+        the loss on the last stage even under ``eval()``.
+        """
+        key = (*mb_shape, train)
+        if key in self._schedules:
+            return self._schedules[key]
+        from torch.distributed import pipelining as pl
+
+        p = self.program
+        assert p.pipeline_axis is not None
+        device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        example = self._example_activations(mb_shape, device)
+        stages = [
+            pl.PipelineStage(
+                self.modules[i],
+                stage_index=i,
+                num_stages=len(p.stages),
+                device=device,
+                input_args=example[i],
+                output_args=example[i + 1],
+                group=self.mesh.group(p.pipeline_axis),
+            )
+            for i in self.stage_ids
+        ]
+        kind = _schedule_name(p.schedule)
+        cls = getattr(pl, _SCHEDULES[kind])
+        loss_fn = self.loss_fn if train else None
+        # Microbatch losses are means, so the schedule divides gradients by the microbatch count.
+        if kind == "interleaved1f1b":
+            schedule = cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn, scale_grads=True)
+        else:
+            (stage,) = stages
+            schedule = cls(stage, n_microbatches=p.microbatches, loss_fn=loss_fn, scale_grads=True)
+        self._schedules[key] = schedule
+        return schedule
+
+    def _example_activations(
+        self, mb_shape: tuple[int, int], device: torch.device
+    ) -> dict[int, Tensor]:
+        """Inputs of every stage (and the last output) for one microbatch, all shapes static.
+
+        PipelineStage would otherwise infer shapes with object collectives; giving examples
+        up front avoids that round trip.  Boundaries are inferred from the model description:
+        the residual stream between stages, logits (last dim from the head's sharding) at the end.
+        """
+        hidden = next(
+            int(layer["dim"])
+            for layer in self.program.model["layers"]
+            if layer["kind"] == "embedding"
+        )
+        n = len(self.program.stages)
+        out: dict[int, Tensor] = {0: torch.zeros(mb_shape, dtype=torch.long, device=device)}
+        for i in range(1, n):
+            out[i] = torch.zeros(
+                *mb_shape, hidden, dtype=self.program.dtype, device=device, requires_grad=True
+            )
+        vocab_local = self.program.vocab // math.prod(
+            self.mesh.size(*axes) for _, axes in self._head_dims()
+        )
+        out[n] = torch.zeros(
+            *mb_shape, vocab_local, dtype=self.program.dtype, device=device, requires_grad=True
+        )
+        return out
+
+    def _head_dims(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
+        """How the logits are sharded: like the output rows of the last stage's head weight."""
+        last = self.specs[len(self.program.stages) - 1]
+        for name in ("lm_head.weight", "embed.weight"):
+            if name in last:
+                return last[name].dims
+        candidates = [
+            s for s in last.values() if len(s.shape) == 2 and s.shape[0] == self.program.vocab
+        ]
+        if not candidates:
+            raise ValueError("cannot find the head weight of the last stage")
+        return candidates[-1].dims
+
+    # ------------------------------------------------------------------ training
+
+    def _local_batch(self, t: Tensor) -> Tensor:
+        if t.shape[0] % self.dp:
+            raise ValueError(
+                f"batch {t.shape[0]} does not split over {self.dp} data-parallel ranks"
+            )
+        return t.chunk(self.dp, dim=0)[self.mesh.index(*self.batch_axes)] if self.dp > 1 else t
+
+    def train_step(self, tokens: Tensor, targets: Tensor) -> float:
+        """One optimizer step on the global batch ``tokens``/``targets`` [B, S] (same on every rank).
+
+        Returns the mean token loss over the whole global batch, on every rank.
+        """
+        self.optimizer.zero_grad(set_to_none=False)
+        local_loss = self._forward_backward(self._local_batch(tokens), self._local_batch(targets))
+        self._sync_grads()
+        self.optimizer.step()
+        return self._global_loss(local_loss)
+
+    def _forward_backward(self, tokens: Tensor, targets: Tensor) -> Tensor | None:
+        p = self.program
+        m = p.microbatches
+        if tokens.shape[0] % m:
+            raise ValueError(f"local batch {tokens.shape[0]} does not split into {m} microbatches")
+        if self.pp == 1:
+            losses = []
+            for tok, tgt in zip(tokens.chunk(m), targets.chunk(m)):
+                x = tok
+                for i in self.stage_ids:
+                    x = self.modules[i](x)
+                loss = self.loss_fn(x, tgt)
+                (loss / m).backward()
+                losses.append(loss.detach())
+            return torch.stack(losses).mean()
+        schedule = self._pipeline((tokens.shape[0] // m, tokens.shape[1]))
+        n = len(p.stages)
+        losses: list[Tensor] = []
+        args = (tokens,) if 0 in self.stage_ids else ()
+        target = targets if n - 1 in self.stage_ids else None
+        schedule.step(*args, target=target, losses=losses)
+        return torch.stack([l.detach() for l in losses]).mean() if losses else None
+
+    def _sync_grads(self) -> None:
+        for name, ids, group in self._tied:
+            local = [
+                self.modules[i].get_parameter(self.specs[i][name].local)
+                for i in ids
+                if i in self.modules
+            ]
+            if not local:
+                continue
+            total = sum((q.grad for q in local if q.grad is not None), torch.zeros_like(local[0]))
+            # [shard of the tied weight]: sum the copies' grads across the pipeline ranks holding it.
+            total = all_reduce_sum(total, group)
+            for q in local:
+                q.grad = total.clone()
+        if self.dp > 1:
+            group = self.mesh.group(*self.batch_axes)
+            for q in self.parameters():
+                if q.grad is not None:
+                    # [local shard]: mean over the data-parallel replicas.
+                    dist.all_reduce(q.grad, group=group)
+                    q.grad.div_(self.dp)
+
+    def _global_loss(self, local: Tensor | None) -> float:
+        """Mean of the per-replica losses, known to every rank (only last stages computed one)."""
+        value = (
+            torch.zeros((), dtype=torch.float64)
+            if local is None
+            else local.detach().to(torch.float64)
+        )
+        axes = tuple(
+            a for a in self.mesh.names if a == self.program.pipeline_axis or a in self.batch_axes
+        )
+        if axes:
+            group = self.mesh.group(*axes)
+            value = all_reduce_sum(value.reshape(1), group)[0]
+        return float(value) / self.dp
+
+    # ------------------------------------------------------------------ inspection
+
+    @torch.no_grad()
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Full logits [B, S, vocab] of the global batch, on every rank (for equivalence checks)."""
+        local = self._local_batch(tokens)
+        n = len(self.program.stages)
+        if self.pp == 1:
+            x = local
+            for i in self.stage_ids:
+                x = self.modules[i](x)
+            logits: Tensor | None = x
+        else:
+            schedule = self._pipeline(
+                (local.shape[0] // self.program.microbatches, local.shape[1]), train=False
+            )
+            out = schedule.eval(*((local,) if 0 in self.stage_ids else ()))
+            logits = out if n - 1 in self.stage_ids else None
+        vocab_local = self.program.vocab // math.prod(
+            self.mesh.size(*a) for _, a in self._head_dims()
+        )
+        if logits is None:
+            logits = torch.empty(*local.shape, vocab_local, dtype=self.program.dtype)
+        for _, axes in reversed(self._head_dims()):
+            group = self.mesh.group(*axes)
+            if group is not None:
+                parts = [torch.empty_like(logits) for _ in range(self.mesh.size(*axes))]
+                dist.all_gather(parts, logits.contiguous(), group=group)
+                logits = torch.cat(parts, dim=-1)
+        if self.pp > 1:
+            # [b_local, s, vocab] from the rank holding the last stage to its pipeline group.
+            src = self.mesh.rank_at(**{self.program.pipeline_axis: (n - 1) % self.pp})  # type: ignore[arg-type, dict-item]
+            logits = logits.contiguous()
+            dist.broadcast(logits, src=src, group=self.mesh.group(self.program.pipeline_axis))  # type: ignore[arg-type]
+        if self.dp > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.dp)]
+            dist.all_gather(parts, logits.contiguous(), group=self.mesh.group(*self.batch_axes))
+            logits = torch.cat(parts, dim=0)
+        return logits
+
+    def _gather(self, grads: bool) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        pp_group = (
+            self.mesh.group(self.program.pipeline_axis) if self.program.pipeline_axis else None
+        )
+        for i in range(len(self.program.stages)):
+            for name, spec in sorted(self.specs[i].items()):
+                if name in out:
+                    continue  # a tied copy: the first holder's tensor stands for all
+                if i in self.modules:
+                    param = self.modules[i].get_parameter(spec.local)
+                    local = param.grad if grads else param
+                    local = torch.zeros_like(param) if local is None else local
+                    full = gather_full(local, spec, self.mesh)
+                else:
+                    full = torch.empty(spec.shape, dtype=self.program.dtype)
+                if pp_group is not None:
+                    # [full shape]: from the pipeline rank that holds stage i to the others.
+                    src = self.mesh.rank_at(**{self.program.pipeline_axis: i % self.pp})  # type: ignore[arg-type, dict-item]
+                    dist.broadcast(full, src=src, group=pp_group)
+                out[name] = full
+        return out
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Every parameter at full shape keyed by full name, on every rank (collective)."""
+        return self._gather(grads=False)
+
+    def full_grads(self) -> dict[str, Tensor]:
+        """Gradients of the last step at full shape (after data-parallel averaging), on every rank."""
+        return self._gather(grads=True)
+
+    def load_full_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        """Load this rank's shards from full tensors keyed by full name (same on every rank)."""
+        for i in self.stage_ids:
+            load_full(self.modules[i], self.specs[i], self.mesh, state)
