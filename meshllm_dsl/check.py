@@ -497,7 +497,7 @@ class PlanChecker(Resolver):
         for unit_name, count in units:
             if count % n == 0:
                 continue
-            key = (p.span.start if p.span else 0, unit_name, axes_text)
+            key = (p.span.start if p.span else 0, axes_text)  # one error per rule, naming every dim it breaks
             if key in getattr(self, "_reported", set()):
                 continue
             self._reported = getattr(self, "_reported", set()) | {key}
@@ -509,11 +509,14 @@ class PlanChecker(Resolver):
             others = {u: c for u, c, _ in all_units if u not in mine}
             common = math.gcd(*mine.values(), *others.values())
             listing = " and ".join(f"{c} {u}" for u, c in mine.items())
-            restrict = [f"{c} {u}" for u, c in others.items() if common != math.gcd(*mine.values())]
+            mine_gcd = math.gcd(*mine.values())
+            restrict = [f"{c} {u}" for u, c in others.items() if math.gcd(mine_gcd, c) != mine_gcd]
             also = f" (and {', '.join(restrict)}, split over it by other rules)" if restrict else ""
+            failing = [(u, c) for u, c in mine.items() if c % n]
+            names = " and ".join(f"`{u}` ({c})" for u, c in failing)
             self.error(
                 "E0301",
-                f"`{unit_name}` ({count}) is not divisible by {axes_text} ({n})",
+                f"{names} {'is' if len(failing) == 1 else 'are'} not divisible by {axes_text} ({n})",
                 p.span,
                 label=f"splits {count} {unit_name} over {n} devices",
                 secondary=tuple(lab for a in p.axes for lab in self.axis_label(a)),
@@ -645,6 +648,7 @@ class PlanChecker(Resolver):
         header = stmt.span.source.span(stmt.span.start, header_end) if stmt.span else None
         errors_before = self.error_count()
         entries = list(stmt.entries)
+        order_of = {i.name: k for k, i in enumerate(model.items)}
         indices = [e.index.value for e in entries]
         if indices != list(range(len(entries))):
             if sorted(indices) == list(range(len(entries))):
@@ -654,7 +658,10 @@ class PlanChecker(Resolver):
                            label=f"expected stage {k}",
                            help=f"list the stages in order {', '.join(map(str, range(len(entries))))}: "
                            "activations flow from stage i to stage i + 1")
-                entries.sort(key=lambda e: e.index.value)
+                # Follow the numbering unless the listing is the one in layer order (then the numbers are the typo).
+                by_index = sorted(entries, key=lambda e: e.index.value)
+                if not _layer_ordered(entries, order_of) and _layer_ordered(by_index, order_of):
+                    entries = by_index
             else:
                 for k, e in enumerate(entries):
                     if e.index.value != k:
@@ -665,8 +672,14 @@ class PlanChecker(Resolver):
         last_item: dict[str, tuple[int, ast.StageItem]] = {}  # item -> (stage, its latest occurrence)
         order = {i.name: k for k, i in enumerate(model.items)}
         position = (-1, 0)  # (item order, next block) the next piece must start at
+        # Pieces out of layer order: those outside a longest run in order, so one misplaced layer is one
+        # error (not an error for every correct piece after it).
+        listed = [it for e in entries for it in e.items if it.name.value in order]
+        keep = _longest_ordered([(order[it.name.value], it.start or 0) for it in listed])
+        out_of_order = {id(it) for i, it in enumerate(listed) if i not in keep}
         overlap_reported = False
         bad_ranges: set[str] = set()
+        unknown_names = False
         for k, entry in enumerate(entries):
             pieces: list[StagePiece] = []
             for it in entry.items:
@@ -675,6 +688,7 @@ class PlanChecker(Resolver):
                 if item is None:
                     self.error("E0202", f"unknown layer `{name}` in the stage map", it.name.span, label="no such layer",
                                help=did_you_mean(name, [i.name for i in model.items]))
+                    unknown_names = True  # the layers "in no stage" are then most likely this one, misspelled
                     continue
                 if isinstance(item, Repeat):
                     start, stop = (it.start, it.stop) if it.start is not None else (0, item.count)
@@ -689,6 +703,7 @@ class PlanChecker(Resolver):
                     if it.start is not None:
                         self.error("E0609", f"`{name}` is a single layer and cannot be sliced", it.span,
                                    label="not a repeat", help=f"write `{name}` without a range")
+                        seen_items.setdefault(name, it)  # it is in this stage, only mis-written
                         continue
                     start = stop = None  # type: ignore[assignment]
                     if name in seen_items:
@@ -706,7 +721,7 @@ class PlanChecker(Resolver):
                                secondary=(Label(prev[1].span, f"stage {prev[0]} holds blocks up to {position[1] - 1}"),),  # type: ignore[arg-type]
                                help=f"start this range at {position[1]}: every block belongs to exactly one stage")
                     overlap_reported = True
-                elif here < position:
+                elif id(it) in out_of_order:
                     self.error("E0603", f"`{it.name.value}{'' if start is None else f'[{start}:{stop}]'}` is out of order",
                                it.span, label="comes before an earlier stage's layers",
                                help="stages must hold the model's layers contiguously and in order")
@@ -716,7 +731,8 @@ class PlanChecker(Resolver):
                 elif isinstance(item, Repeat) and position[0] < order[name] and start != 0:
                     self.error("E0601", f"blocks 0 to {start - 1} of `{name}` are in no stage", it.span,
                                label=f"starts at {start}", help=f"start the first range of `{name}` at 0")
-                position = max(position, (order[name], stop if stop is not None else 0) if isinstance(item, Repeat) else (order[name] + 1, 0))
+                if id(it) not in out_of_order:
+                    position = max(position, (order[name], stop if stop is not None else 0) if isinstance(item, Repeat) else (order[name] + 1, 0))
                 last_item[name] = (k, it)
                 pieces.append(StagePiece(name, start, stop))
             if not pieces and not entry.items:
@@ -745,7 +761,7 @@ class PlanChecker(Resolver):
                         self.error("E0601", f"blocks {_blocks_text(range(end, item.count))} of `{item.name}` are in no stage",
                                    it.span, label=f"the last range stops at block {end - 1}",
                                    help=f"extend it to `{item.name}[{first}:{item.count}]`, or add `{item.name}[{end}:{item.count}]` to the next stage")
-            elif not isinstance(item, Repeat) and item.name not in seen_items:
+            elif not isinstance(item, Repeat) and item.name not in seen_items and not unknown_names:
                 before = next((last_item[n.name] for n in reversed(model.items[:i]) if n.name in last_item), None)
                 after = next((last_item[n.name] for n in model.items[i + 1:] if n.name in last_item), None)
                 if before is not None:
@@ -941,11 +957,40 @@ class PlanChecker(Resolver):
                           help="put the tensor axis last in `axes` (last varies fastest) and keep its size within devices per host "
                           f"({self.mesh.devices_per_host})")
         used = set(shard_axes) | set(roles)
-        for a in self.mesh.axes:
+        # An axis looks unused when the rule or stage map using it was rejected: warn only on clean plans.
+        for a in (self.mesh.axes if not self.failed else ()):
             if a.name not in used and a.size > 1:
                 self.warn("W0704", f"mesh axis `{a.name}` is not used by plan `{self.decl.name.value}`", self.decl.name.span,
                           label="every rank along it does identical work", secondary=self.axis_label(a.name),
                           help=f"use it: `layout {{ batch -> {a.name} }}` for data parallelism, a `shard` rule, or `stages over {a.name}`")
+
+
+def _layer_ordered(entries: Sequence[ast.StageEntry], order: dict[str, int]) -> bool:
+    keys = [(order[e.items[0].name.value], e.items[0].start or 0) for e in entries if e.items and e.items[0].name.value in order]
+    return keys == sorted(keys)
+
+
+def _longest_ordered(keys: Sequence[tuple[int, int]]) -> set[int]:
+    """Indices of a longest non-decreasing subsequence of `keys` (patience sorting, O(n log n))."""
+    import bisect
+
+    tails: list[tuple[int, int]] = []
+    tail_index: list[int] = []
+    parent = [-1] * len(keys)
+    for i, key in enumerate(keys):
+        j = bisect.bisect_right(tails, key)
+        if j == len(tails):
+            tails.append(key)
+            tail_index.append(i)
+        else:
+            tails[j], tail_index[j] = key, i
+        parent[i] = tail_index[j - 1] if j else -1
+    out: set[int] = set()
+    i = tail_index[-1] if tail_index else -1
+    while i >= 0:
+        out.add(i)
+        i = parent[i]
+    return out
 
 
 class _Silent:

@@ -304,7 +304,16 @@ def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
         else:
             start, end = tok.start_pos or 0, tok.end_pos or 0
             found = f"`{tok}`"
-        expected = sorted({_describe(t) for t in err.expected})
+        # LALR merges lookaheads of states, so `err.expected` can list tokens that are not valid here
+        # (`)` after a mesh axis); the interactive parser replays each candidate and keeps the real ones.
+        candidates = set(err.expected)
+        ip = getattr(err, "interactive_parser", None)
+        if ip is not None:
+            try:
+                candidates = set(ip.accepts()) or candidates
+            except Exception:  # noqa: BLE001 - the precise set is a nicety; fall back to Lark's own
+                pass
+        expected = sorted({_describe(t) for t in candidates})
         return Diagnostic(
             "E0101",
             f"unexpected {found}",

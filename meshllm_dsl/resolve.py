@@ -33,6 +33,7 @@ class Resolver:
 
     def __init__(self, diagnostics: list[Diagnostic]) -> None:
         self.diagnostics = diagnostics
+        self._bad_origins: set[Span] = set()
 
     def error(self, code: str, message: str, span: Span | None, **kw: Any) -> None:
         self.diagnostics.append(Diagnostic(code, message, span, **kw))
@@ -131,6 +132,9 @@ class Resolver:
         origin = env.get(expr.value) if isinstance(expr, ast.Name) else None
         if origin is not None and origin.span is not None and expr.span is not None:
             span, secondary = origin.span, (Label(expr.span, f"`{expr.value}` used as {what} here"),)
+            if (isinstance(v, bool) or not isinstance(v, int) or v < minimum) and span in self._bad_origins:
+                return None  # this value is already reported (at its first use); one error per mistake
+            self._bad_origins.add(span)
         if isinstance(v, bool) or not isinstance(v, int):
             self.error("E0304", f"{what} must be an integer", span, label=f"is {_kind(v)}", secondary=secondary,
                        help=f"use a whole number{f' such as {max(minimum, round(v))}' if isinstance(v, float) else ''}")
@@ -191,6 +195,13 @@ def resolve_mesh(decl: ast.MeshDecl, r: Resolver, devices: Sequence[str]) -> Mes
     env: Env = {}
     for a in decl.axes:
         ok &= r.check_identifier(a.name, "axis")
+        if a.name.value in _MESH_SETTINGS:
+            # `axes a = 2, b = 4,` then `hosts = 2` on the next line: the trailing comma continues the
+            # axis list, so the setting silently became a third axis. Never let that pass.
+            r.error("E0204", f"`{a.name.value}` is a mesh setting, but here it is an axis", a.name.span,
+                    label="parsed as an axis", help=f"remove the comma before `{a.name.value}`: "
+                    "a comma after the last axis continues the axis list")
+            ok = False
         if a.name.value in seen:
             r.error(
                 "E0201",
