@@ -19,6 +19,7 @@ below so a reader can see and change every assumption in one place.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Iterator
@@ -28,7 +29,7 @@ import attrs
 
 from meshllm_dsl.diagnostics import Diagnostic, Label
 from meshllm_dsl.devices import DEFAULT_PROFILE, PROFILES, DeviceProfile
-from meshllm_dsl.ir import DTYPES, REPLICATE, Leaf, Placement, PlanIR, Repeat, Stage, Tensor, Unit, UnitFlow
+from meshllm_dsl.ir import DTYPES, REPLICATE, Leaf, MeshIR, Placement, PlanIR, Repeat, Stage, Tensor, Unit, UnitFlow
 from meshllm_dsl.source import Span
 
 # ---------------------------------------------------------------- assumptions
@@ -305,8 +306,14 @@ def _wire(op: str, size: int, n: int) -> int:
     return size  # send_recv
 
 
+@functools.lru_cache(maxsize=4096)
+def _crosses(mesh: MeshIR, axes: tuple[str, ...]) -> bool:
+    # MeshIR.groups enumerates every rank; the answer depends only on the mesh, so compute it once.
+    return mesh.hosts > 1 and mesh.crosses_hosts(*axes)
+
+
 def _link(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...]) -> tuple[float, float, bool]:
-    crosses = plan.mesh.hosts > 1 and plan.mesh.crosses_hosts(*axes)
+    crosses = _crosses(plan.mesh, axes)
     if crosses:
         return device.inter_gbps * 1e9, LATENCY_INTER_S, True
     return device.intra_gbps * 1e9, LATENCY_INTRA_S, False
