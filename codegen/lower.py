@@ -516,12 +516,26 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         Line(f"batch={plan.batch},"),
         Line(f"seq={plan.seq},"),
         Line(f"zero={plan.zero},"),
-        Line(f"optimizer={literal(dict(plan.optimizer_settings))},"),
+        Line(f"optimizer={literal(_adamw_kwargs(plan))},"),
         Line(f"dtype={TORCH_DTYPES[plan.dtype]},"),
     ]
     axes = "(" + ", ".join(f"({a.name!r}, {a.size})" for a in mesh.axes) + ("," if len(mesh.axes) == 1 else "") + ")"
     return ModuleContext(header, axes, literal(model_description(plan)), classes, [c.name for c in stage_classes],
                          loss, program)
+
+
+def _adamw_kwargs(plan: PlanIR) -> dict[str, Any]:
+    """The plan's optimizer settings as torch.optim.AdamW keyword arguments."""
+    given = dict(plan.optimizer_settings)
+    out: dict[str, Any] = {}
+    if "lr" in given:
+        out["lr"] = given["lr"]
+    if "beta1" in given or "beta2" in given:
+        out["betas"] = (given.get("beta1", 0.9), given.get("beta2", 0.999))
+    for key in ("weight_decay", "eps"):
+        if key in given:
+            out[key] = given[key]
+    return out
 
 
 def _loss_lines(plan: PlanIR) -> list[Line]:
