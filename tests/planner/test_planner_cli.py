@@ -1,0 +1,168 @@
+"""`meshc plan`, `meshc explain`, `meshc suggest` through the command line entry point (no torch)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from meshllm_dsl.check import check_text
+from meshllm_dsl.cli import main
+from meshllm_dsl.planner_suggest import _prelude_text, suggest
+from meshllm_dsl.devices import PROFILES
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    code = main(argv)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_plan_text_prints_the_reference_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["plan", str(EXAMPLES / "llama2_70b.mesh")], capsys)
+    assert code == 0  # warnings (it does not fit) do not fail the command
+    assert "68,976,648,192" in out
+    assert "137.95 GB = 128.48 GiB" in out
+    assert "327,680 bytes per token" in out
+    assert "warning[W0801]" in out
+    assert "bubble: 11.1%" in out
+
+
+def test_plan_json_parses(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["plan", str(EXAMPLES / "llama2_7b.mesh"), "--format", "json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    (plan,) = data["plans"]
+    assert plan["parameters"] == 6_738_415_616
+    assert plan["optimizer_bytes_per_param"] == 12
+    assert plan["fits"] is True
+    assert {c["axis"] for c in plan["communication"]} == {"tensor", "data"}
+    assert plan["ranks"][0]["optimizer_bytes"] == 12 * -(-plan["ranks"][0]["params_per_device"] // 2)
+    assert data["diagnostics"] == []
+
+
+def test_plan_every_example(capsys: pytest.CaptureFixture[str]) -> None:
+    for path in sorted(EXAMPLES.glob("*.mesh")):
+        code, out, _ = run(["plan", str(path), "--format", "json"], capsys)
+        assert code == 0, path
+        assert json.loads(out)["plans"], path
+
+
+def test_plan_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.mesh"
+    bad.write_text((EXAMPLES / "llama2_70b.mesh").read_text().replace("tensor = 4", "tensor = 3"))
+    code, _, err = run(["plan", str(bad)], capsys)
+    assert code == 1 and "E0301" in err
+    code, _, err = run(["plan", str(EXAMPLES / "llama2_70b.mesh"), "--plan", "nope"], capsys)
+    assert code == 2 and "no plan `nope`" in err
+
+
+def test_device_declaration(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (EXAMPLES / "llama2_7b.mesh").read_text().replace("device = a100", "device = small")
+    spec = tmp_path / "dev.mesh"
+    spec.write_text("device small { like = a100, memory = 24, tflops = 100 }\n" + text)
+    code, out, _ = run(["plan", str(spec), "--format", "json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    dev = data["plans"][0]["device"]
+    assert (dev["name"], dev["memory_gib"], dev["tflops"], dev["intra_gbps"]) == ("small", 24.0, 100.0, 300.0)
+    assert data["plans"][0]["fits"] is False
+    assert "W0801" in {d["code"] for d in data["diagnostics"]}
+    spec.write_text("device small { memry = 24 }\n" + text)
+    code, _, err = run(["plan", str(spec)], capsys)
+    assert code == 1 and "unknown device setting `memry`" in err
+
+
+def test_explain_seed_pipeline(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["explain", str(EXAMPLES / "seed_pipeline_12.mesh")], capsys)
+    assert code == 0
+    assert "embed, pos, blocks 0-3" in out
+    assert "blocks 4-7" in out
+    assert "blocks 8-11, norm, lm_head" in out
+    assert "pipeline  [0, 1, 2]" in out
+    assert "weight  tied to embed" in out
+
+
+def test_explain_groups_shapes_and_collectives(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["explain", str(EXAMPLES / "tiny_llama.mesh")], capsys)
+    assert code == 0
+    assert "data      [0, 4] [1, 5] [2, 6] [3, 7]" in out
+    assert "pipeline  [0, 2] [1, 3] [4, 6] [5, 7]" in out
+    assert "tensor    [0, 1] [2, 3] [4, 5] [6, 7]" in out
+    assert "q.weight  (64, 64)  (32, 64)  column(tensor)" in out
+    assert "o.weight  (64, 64)  (64, 32)  row(tensor)" in out
+    assert "copy_to(tensor) at input: identity forward, all-reduce backward" in out
+    # rank 5 = data 1, pipeline 0, tensor 1: stage 0, second tensor shard, second replica
+    assert "     5     1         0       1  0      embed, blocks 0-1          1/2 over tensor  1/2" in out
+
+
+def test_explain_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["explain", str(EXAMPLES / "seed_mesh_2d.mesh"), "--format", "json"], capsys)
+    assert code == 0
+    (plan,) = json.loads(out)["plans"]
+    assert plan["groups"]["tensor"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [s["layers"] for s in plan["stages"]] == ["embed, blocks 0-15", "blocks 16-31, norm, lm_head"]
+    assert plan["ranks"][6]["coords"] == {"pipeline": 1, "tensor": 2}
+
+
+def test_explain_svg(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["explain", str(EXAMPLES / "seed_pipeline_12.mesh"), "--svg", str(tmp_path)], capsys)
+    assert code == 0
+    mesh = tmp_path / "pipeline12_mesh.svg"
+    sched = tmp_path / "pipeline12_schedule.svg"
+    for f in (mesh, sched):
+        root = ET.parse(f).getroot()
+        assert root.tag == "{http://www.w3.org/2000/svg}svg"
+    texts = [t.text for t in ET.parse(mesh).getroot().iter("{http://www.w3.org/2000/svg}text")]
+    assert "rank 2" in texts and "blocks 4-7" in texts
+    sched_text = sched.read_text()
+    assert "bubble (p - 1) / (m + p - 1) = 25.0%" in sched_text
+    # 3 ranks x 6 microbatches x (forward + backward) boxes
+    assert sched_text.count("hsl(212") == 18 and sched_text.count("hsl(28") == 18
+
+
+def test_suggest_returns_plans_that_check_clean(capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(EXAMPLES / "tiny_llama.mesh")
+    res = suggest(path, "tiny_llama", devices=8, device=PROFILES["cpu"], batch=8, seq=32, top=3)
+    assert res.ranked
+    prelude = _prelude_text(path, "tiny_llama")
+    for r in res.ranked:
+        result = check_text(prelude + "\n" + r.text, path)
+        assert result.ok, (r.text, result.errors)
+        assert result.plans["suggested"].mesh.devices == 8
+        assert r.report.fits
+    times = [r.report.step.total_s for r in res.ranked]
+    assert times == sorted(times)
+    assert res.ranked[0].reason.startswith("fastest")
+
+
+def test_suggest_cli_70b(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["suggest", str(EXAMPLES / "llama2_70b.mesh"), "--devices", "32", "--device", "h100",
+                        "--batch", "64", "--seq", "4096", "--format", "json"], capsys)
+    assert code == 0
+    data = json.loads(out)
+    assert data["suggestions"]
+    for s in data["suggestions"]:
+        assert s["data"] * s["pipeline"] * s["tensor"] == 32
+        assert s["tensor"] <= 8  # within a host
+        assert s["peak_training_bytes"] <= 80 * 2**30
+
+
+def test_suggest_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["suggest", str(EXAMPLES / "llama2_70b.mesh"), "--devices", "2", "--device", "h100"], capsys)
+    assert code == 1
+    assert "no candidate checks clean and fits" in out
+
+
+def test_planner_does_not_import_torch() -> None:
+    import subprocess
+
+    code = ("import sys, meshllm_dsl.cli_plan, meshllm_dsl.planner, meshllm_dsl.planner_suggest, "
+            "meshllm_dsl.explain, meshllm_dsl.svg; from meshllm_dsl.cli import main; "
+            f"main(['plan', {str(EXAMPLES / 'tiny_llama.mesh')!r}]); assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
