@@ -82,6 +82,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def cmd_verify(args: argparse.Namespace) -> int:
+    from meshllm_dsl.verify import verify
+
+    result, plan_name = _checked(args.file, args.plan)
+    if not result.ok:
+        return 1
+    report, equal = verify(args.file, plan_name, args.dtype, args.seed)
+    print(report, end="")
+    return 0 if equal else 1
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     c = sub.add_parser("compile", help="write the generated torch.distributed package")
     c.add_argument("file", metavar="FILE")
@@ -99,3 +110,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--infer", action="store_true", help="greedy generation instead of training")
     r.add_argument("--tokens", type=int, default=16, help="tokens to generate with --infer")
     r.set_defaults(func=cmd_run)
+
+    v = sub.add_parser("verify", help="tiny-twin equivalence: sharded vs unsharded outputs and gradients on CPU")
+    v.add_argument("file", metavar="FILE")
+    v.add_argument("--plan", help="which plan (default: the first by name)")
+    v.add_argument("--dtype", choices=("float64", "float32"), default="float64")
+    v.add_argument("--seed", type=int, default=0)
+    v.set_defaults(func=cmd_verify)

@@ -115,3 +115,15 @@ def test_compiled_plan_matches_unsharded_reference(name: str, pool: WorkerPool, 
     for rank, errs in enumerate(per_rank):
         bad = {k: v for k, v in errs.items() if not v <= TOL}
         assert not bad, f"rank {rank}: {bad}"
+
+
+def test_meshc_verify_reports_equal_for_a_bundled_plan() -> None:
+    import subprocess
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshllm_dsl", "verify", str(ROOT / "examples" / "tiny_gpt2.mesh")],
+        capture_output=True, text=True, timeout=300, cwd="/",
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verdict: EQUAL" in proc.stdout
+    assert "tiny twin:" in proc.stdout
