@@ -10,6 +10,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
 import attrs
 
 from meshllm_dsl import ast

@@ -125,9 +125,8 @@ def declared_profiles(decls: Iterable[ast.DeviceDecl]) -> tuple[dict[str, Device
                                     decl.name.span, label="incomplete profile",
                                     help=f"set them, or start from a known profile with `like = {DEFAULT_PROFILE}`"))
             continue
-        fields = attrs.asdict(base) if base is not None else {"per_host": 8}
-        fields.update(values)
-        fields["name"] = decl.name.value
-        fields["per_host"] = int(fields["per_host"])
-        out[decl.name.value] = DeviceProfile(**fields)
+        start = base if base is not None else DeviceProfile(decl.name.value, 0.0, 0.0, 0.0, 0.0)
+        out[decl.name.value] = attrs.evolve(
+            start, name=decl.name.value,
+            **{k: (int(v) if k == "per_host" else v) for k, v in values.items()})  # type: ignore[arg-type]
     return out, diags

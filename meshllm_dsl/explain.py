@@ -62,7 +62,7 @@ def _collective(c: Collective) -> str:
 
 
 def _unit_entries(plan: PlanIR, unit: Unit, placement: dict[str, Placement], flow: UnitFlow | None) -> dict[str, Any]:
-    params = []
+    params: list[dict[str, Any]] = []
     for leaf in unit.leaves:
         key = ".".join(leaf.path)
         p = placement.get(key, Placement("replicate"))

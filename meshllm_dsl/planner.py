@@ -27,9 +27,21 @@ from typing import Any
 
 import attrs
 
-from meshllm_dsl.diagnostics import Diagnostic, Label
 from meshllm_dsl.devices import DEFAULT_PROFILE, PROFILES, DeviceProfile
-from meshllm_dsl.ir import DTYPES, REPLICATE, Leaf, MeshIR, Placement, PlanIR, Repeat, Stage, Tensor, Unit, UnitFlow
+from meshllm_dsl.diagnostics import Diagnostic, Label
+from meshllm_dsl.ir import (
+    DTYPES,
+    REPLICATE,
+    Leaf,
+    MeshIR,
+    Placement,
+    PlanIR,
+    Repeat,
+    Stage,
+    Tensor,
+    Unit,
+    UnitFlow,
+)
 from meshllm_dsl.source import Span
 
 # ---------------------------------------------------------------- assumptions
@@ -820,18 +832,18 @@ def report_text(rep: PlanReport) -> str:
     hosts = f", {mesh.hosts} hosts" if mesh.hosts > 1 else ""
     lines = [
         f"plan {plan.name}: {model.name} on {mesh.name} ({mesh.devices} x {dev.name}{' (assumed)' if rep.device_assumed else ''}: {axes}{hosts})",
-        f"  batch {plan.batch} x seq {plan.seq}; {plan.data_size} data replica{'s' if plan.data_size != 1 else ''} x "
+        (f"  batch {plan.batch} x seq {plan.seq}; {plan.data_size} data replica{'s' if plan.data_size != 1 else ''} x "
         f"{plan.microbatches} microbatch{'es' if plan.microbatches != 1 else ''} of {rep.micro_batch} sequence{'s' if rep.micro_batch != 1 else ''}; "
         f"schedule {plan.schedule}{f' (virtual {plan.virtual})' if plan.virtual > 1 else ''}; "
-        f"{plan.optimizer}, ZeRO {plan.zero}{' over ' + ' x '.join(plan.zero_axes) if plan.zero else ''}",
+        f"{plan.optimizer}, ZeRO {plan.zero}{' over ' + ' x '.join(plan.zero_axes) if plan.zero else ''}"),
         "",
         "model",
         f"  parameters      {model.numel:,} ({fmt_count(model.numel)})",
         f"  weights         {model.numel * w / GB:.2f} GB = {model.numel * w / GIB:.2f} GiB in {plan.dtype}",
-        f"  training state  {rep.optimizer_k + 2 * w} bytes per parameter ({w} weight + {w} gradient + {rep.optimizer_k} optimizer)"
-        f" = {fmt_bytes(model.numel * (rep.optimizer_k + 2 * w))} unsharded",
-        f"  KV cache        {rep.kv_bytes_per_token:,} bytes per token in {plan.dtype}; "
-        f"{fmt_bytes(rep.kv_bytes_per_token * plan.batch * plan.seq)} at batch {plan.batch} x seq {plan.seq}",
+        (f"  training state  {rep.optimizer_k + 2 * w} bytes per parameter ({w} weight + {w} gradient + {rep.optimizer_k} optimizer)"
+        f" = {fmt_bytes(model.numel * (rep.optimizer_k + 2 * w))} unsharded"),
+        (f"  KV cache        {rep.kv_bytes_per_token:,} bytes per token in {plan.dtype}; "
+        f"{fmt_bytes(rep.kv_bytes_per_token * plan.batch * plan.seq)} at batch {plan.batch} x seq {plan.seq}"),
         "",
         "memory per device (a row per pipeline rank; the tensor and data ranks at it hold the same)",
     ]
@@ -854,7 +866,7 @@ def report_text(rep: PlanReport) -> str:
     if worst.gather_buffer_bytes:
         lines.append(f"  ZeRO-3 gather buffer (largest unit, gathered for its forward): {fmt_bytes(worst.gather_buffer_bytes)}")
     lines += [
-        f"  activations per microbatch: " + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.activation_bytes_per_microbatch)}" for rc in rep.ranks),
+        "  activations per microbatch: " + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.activation_bytes_per_microbatch)}" for rc in rep.ranks),
         f"  inference (weights + KV cache at batch {plan.batch} x seq {plan.seq}): "
         + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.inference_bytes)}" for rc in rep.ranks)
         + f" -> {'fits' if rep.fits_inference else 'does NOT fit'}",

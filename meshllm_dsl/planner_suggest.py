@@ -221,6 +221,7 @@ def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, 
     for group in groups.values():
         _, rep_plan = check(group[0])
         for c in group:
+            plan: PlanIR | None
             if rep_plan is not None:
                 plan = attrs.evolve(rep_plan, microbatches=c.microbatches, zero=c.zero,
                                     zero_axes=rep_plan.batch_axes if c.zero else ())
@@ -236,10 +237,10 @@ def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, 
     for c, _ in fitting:
         if len(ranked) >= top:
             break
-        block, plan = check(c)
+        block, checked_plan = check(c)
         checked += 1
-        if plan is not None:
-            rep = analyze(plan, device)
+        if checked_plan is not None:
+            rep = analyze(checked_plan, device)
             if rep.fits:
                 ranked.append(Ranked(c, block, rep))
     ranked.sort(key=lambda r: (r.report.step.total_s, r.report.peak_training_bytes))
@@ -289,9 +290,9 @@ def _gain(deltas: dict[str, float], lose: str) -> str:
 def suggestion_text(res: SuggestResult) -> str:
     lines = [
         f"suggest: {res.model} on {res.devices} x {res.device.name} ({res.per_host} per host), batch {res.batch} x seq {res.seq}",
-        f"  {res.enumerated} candidates (data x pipeline x tensor, microbatches, schedule, ZeRO); "
+        (f"  {res.enumerated} candidates (data x pipeline x tensor, microbatches, schedule, ZeRO); "
         f"{res.fitting} estimated to fit in {fmt_bytes(res.device.memory_bytes)}; {res.checked} written out and run "
-        "through the checker; every plan below checks clean as printed",
+        "through the checker; every plan below checks clean as printed"),
         "",
     ]
     if not res.ranked:

@@ -135,9 +135,9 @@ class Op:
 def schedule_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[tuple[str, int, int]]:
     """(kind, microbatch, chunk) in the order rank `rank` runs them (torch / Megatron orders)."""
     if p <= 1 or schedule == "gpipe":
-        fwd = [("F", i, c) for c in range(v) for i in range(m)]
-        bwd = [("B", i, c) for c in reversed(range(v)) for i in range(m)]
-        return fwd + bwd
+        forwards = [("F", i, c) for c in range(v) for i in range(m)]
+        backwards = [("B", i, c) for c in reversed(range(v)) for i in range(m)]
+        return forwards + backwards
     total = m * v
 
     def fwd(k: int) -> tuple[str, int, int]:

@@ -11,8 +11,8 @@ import pytest
 
 from meshllm_dsl.check import check_text
 from meshllm_dsl.cli import main
-from meshllm_dsl.planner_suggest import _prelude_text, suggest
 from meshllm_dsl.devices import PROFILES
+from meshllm_dsl.planner_suggest import _prelude_text, suggest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -111,7 +111,7 @@ def test_explain_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_explain_svg(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run(["explain", str(EXAMPLES / "seed_pipeline_12.mesh"), "--svg", str(tmp_path)], capsys)
+    code, _, _ = run(["explain", str(EXAMPLES / "seed_pipeline_12.mesh"), "--svg", str(tmp_path)], capsys)
     assert code == 0
     mesh = tmp_path / "pipeline12_mesh.svg"
     sched = tmp_path / "pipeline12_schedule.svg"
