@@ -804,7 +804,8 @@ def _fit_help(report: PlanReport, biggest: str) -> str:
     if biggest == "activations" and plan.batch // (plan.data_size * plan.microbatches) > 1:
         return (f"more microbatches make each smaller: activations scale with the microbatch size "
                 f"({report.micro_batch} sequences now)")
-    return (f"shard over more devices (tensor or pipeline), or run `meshc suggest FILE --devices "
+    path = plan.span.file if plan.span is not None else "FILE"
+    return (f"shard over more devices (tensor or pipeline), or run `meshc suggest {path} --devices "
             f"{plan.mesh.devices} --device {report.device.name}` to search the plans that fit")
 
 
@@ -861,7 +862,7 @@ def report_text(rep: PlanReport) -> str:
     by_dtype["fp32"] = by_dtype.get("fp32", 0) + worst.optimizer_bytes
     lines += [
         f"  by dtype on pipeline rank {worst.coord}: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in by_dtype.items())
-        + f"; replicated (norms, biases) {fmt_count(worst.params_replicated)} parameters",
+        + f"; {fmt_count(worst.params_replicated)} parameters are whole copies on every device (norms, biases, unsharded layers)",
     ]
     if worst.gather_buffer_bytes:
         lines.append(f"  ZeRO-3 gather buffer (largest unit, gathered for its forward): {fmt_bytes(worst.gather_buffer_bytes)}")
