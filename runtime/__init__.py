@@ -3,8 +3,11 @@
 Depends only on torch, numpy and the standard library.
 """
 
+from . import launch
 from .collectives import copy_to, gather_from, reduce_from, split_to
+from .generate import greedy_generate
 from .layers import (
+    DecodeSession,
     KVCache,
     LayerNorm,
     RMSNorm,
@@ -22,6 +25,7 @@ from .shards import ShardSpec, full_init, gather_full, gather_module, load_full,
 
 __all__ = [
     "Built",
+    "DecodeSession",
     "KVCache",
     "LayerNorm",
     "Mesh",
@@ -38,6 +42,8 @@ __all__ = [
     "gather_from",
     "gather_full",
     "gather_module",
+    "greedy_generate",
+    "launch",
     "load_full",
     "local_slice",
     "positions",

@@ -5,7 +5,8 @@ Numerics follow HF ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` so their checkpoin
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 __all__ = [
+    "DecodeSession",
     "KVCache",
     "LayerNorm",
     "RMSNorm",
@@ -89,8 +91,46 @@ class KVCache:
         self.k = self.v = None
 
 
+class DecodeSession:
+    """KV caches of one rank's attention layers during incremental decoding.
+
+    Generated ``forward`` methods call ``attention(q, k, v)`` and ``positions(s, device)`` with no
+    cache argument; while a session step is active, attention call number i of the forward uses
+    cache i and positions start after the tokens already cached.  So any generated stage decodes
+    incrementally unchanged, and each rank caches only its own kv heads: the cache is sharded over
+    the tensor axis exactly like k and v.
+    """
+
+    def __init__(self) -> None:
+        self.caches: list[KVCache] = []
+        self.offset = 0
+        self._calls = 0
+
+    def next_cache(self) -> KVCache:
+        if self._calls == len(self.caches):
+            self.caches.append(KVCache())
+        self._calls += 1
+        return self.caches[self._calls - 1]
+
+    @contextlib.contextmanager
+    def step(self, seq: int) -> Iterator[None]:
+        """One forward over ``seq`` new tokens; afterwards they count as cached."""
+        global _ACTIVE
+        self._calls, _ACTIVE = 0, self
+        try:
+            yield
+        finally:
+            _ACTIVE = None
+        self.offset += seq
+
+
+_ACTIVE: DecodeSession | None = None
+
+
 def positions(seq: int, device: torch.device | str | None = None, offset: int = 0) -> Tensor:
-    """Token positions offset .. offset + seq - 1 (int64)."""
+    """Token positions offset .. offset + seq - 1 (int64), after any cached tokens when decoding."""
+    if _ACTIVE is not None:
+        offset += _ACTIVE.offset
     return torch.arange(offset, offset + seq, device=device, dtype=torch.long)
 
 
@@ -121,6 +161,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache | None = None) 
     every cached position and causally among themselves.
     """
     b, s, h, d = q.shape
+    if kv_cache is None and _ACTIVE is not None:
+        kv_cache = _ACTIVE.next_cache()
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     past = 0
     if kv_cache is not None:

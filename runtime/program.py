@@ -75,22 +75,31 @@ class Program:
                 return int(layer["num"])
         raise ValueError("model has no embedding layer")
 
-    def build(self, mesh: Mesh | None = None, seed: int = 0) -> Built:
+    def build(
+        self, mesh: Mesh | None = None, seed: int = 0, device: torch.device | None = None
+    ) -> Built:
         """Place the program on ``mesh`` (default: the whole world) with weights from ``seed``.
 
+        ``device`` defaults to the current CUDA device when there is one, else the CPU.
         Collective: every rank of the mesh must call it.
         """
         mesh = Mesh.build(self.axes) if mesh is None else mesh
         if tuple(mesh.axes) != tuple((a, int(s)) for a, s in self.axes):
             raise ValueError(f"program wants mesh {tuple(self.axes)}, got {mesh.axes}")
-        return Built(self, mesh, seed)
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
+        return Built(self, mesh, seed, device)
 
 
 class Built:
     """A program placed on this rank: its stage modules, optimizer and schedule."""
 
-    def __init__(self, program: Program, mesh: Mesh, seed: int) -> None:
-        self.program, self.mesh = program, mesh
+    def __init__(self, program: Program, mesh: Mesh, seed: int, device: torch.device) -> None:
+        self.program, self.mesh, self.device = program, mesh, device
         pp_axis = program.pipeline_axis
         self.pp = mesh.size(pp_axis) if pp_axis else 1
         n = len(program.stages)
@@ -103,13 +112,16 @@ class Built:
         }
         self.modules: dict[int, nn.Module] = {}
         for i in self.stage_ids:
-            module = program.stages[i](mesh).to(program.dtype)
+            module = program.stages[i](mesh).to(device=device, dtype=program.dtype)
             with torch.no_grad():
                 for name, spec in self.specs[i].items():
                     full = full_init(name, spec.shape, seed, program.dtype)
                     module.get_parameter(spec.local).copy_(local_slice(full, spec, mesh))
             self.modules[i] = module
         self._check_coverage()
+        self._hidden = next(
+            int(x["dim"]) for x in program.model["layers"] if x["kind"] == "embedding"
+        )
         self.batch_axes = tuple(program.batch_axes)
         self.dp = mesh.size(*self.batch_axes) if self.batch_axes else 1
         self._tied = self._tied_groups()
@@ -286,6 +298,7 @@ class Built:
         Returns the mean token loss over the whole global batch, on every rank.
         """
         self.optimizer.zero_grad(set_to_none=False)
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
         local_loss = self._forward_backward(self._local_batch(tokens), self._local_batch(targets))
         self._sync_grads()
         self.optimizer.step()
@@ -353,43 +366,73 @@ class Built:
 
     # ------------------------------------------------------------------ inspection
 
+    def run_stages(self, tokens: Tensor) -> Tensor | None:
+        """Run this rank's stages in order on one batch, without a schedule (forward, decoding).
+
+        Returns the local logits on ranks holding the last stage, else None.  Activations
+        [b, s, hidden] move to the next pipeline rank with point-to-point send / recv.
+        """
+        n, x = len(self.program.stages), tokens
+        for i in self.stage_ids:
+            if i > 0 and self.pp > 1:
+                x = torch.empty(
+                    *tokens.shape, self._hidden, dtype=self.program.dtype, device=self.device
+                )
+                dist.recv(x, src=self._pipeline_rank(i - 1))
+            x = self.modules[i](x)
+            if i < n - 1 and self.pp > 1:
+                dist.send(x.contiguous(), dst=self._pipeline_rank(i + 1))
+        return x if n - 1 in self.stage_ids else None
+
+    def gather_logits(self, local: Tensor | None, shape: tuple[int, int]) -> Tensor:
+        """Full logits [b, s, vocab] on every rank of a pipeline group from the last stage's shards."""
+        if local is not None:
+            for _, axes in reversed(self._head_dims()):
+                group = self.mesh.group(*axes)
+                if group is not None:
+                    parts = [torch.empty_like(local) for _ in range(self.mesh.size(*axes))]
+                    # [b, s, vocab / n] -> [b, s, vocab]: logits sharded like the head's rows.
+                    dist.all_gather(parts, local.contiguous(), group=group)
+                    local = torch.cat(parts, dim=-1)
+        if self.pp == 1:
+            assert local is not None
+            return local
+        full = (
+            local
+            if local is not None
+            else torch.empty(
+                *shape, self.program.vocab, dtype=self.program.dtype, device=self.device
+            )
+        )
+        full = full.contiguous()
+        # [b, s, vocab] from the rank holding the last stage to the rest of its pipeline group.
+        dist.broadcast(
+            full,
+            src=self._pipeline_rank(len(self.program.stages) - 1),
+            group=self.mesh.group(self._pp_axis),
+        )
+        return full
+
     @torch.no_grad()
     def forward(self, tokens: Tensor) -> Tensor:
         """Full logits [B, S, vocab] of the global batch, on every rank (for equivalence checks)."""
-        local = self._local_batch(tokens)
-        n = len(self.program.stages)
-        if self.pp == 1:
-            x = local
-            for i in self.stage_ids:
-                x = self.modules[i](x)
-            logits: Tensor | None = x
-        else:
-            schedule = self._pipeline(
-                (local.shape[0] // self.program.microbatches, local.shape[1]), train=False
-            )
-            out = schedule.eval(*((local,) if 0 in self.stage_ids else ()))
-            logits = out if n - 1 in self.stage_ids else None
-        vocab_local = self.program.vocab // math.prod(
-            self.mesh.size(*a) for _, a in self._head_dims()
-        )
-        if logits is None:
-            logits = torch.empty(*local.shape, vocab_local, dtype=self.program.dtype)
-        for _, axes in reversed(self._head_dims()):
-            group = self.mesh.group(*axes)
-            if group is not None:
-                parts = [torch.empty_like(logits) for _ in range(self.mesh.size(*axes))]
-                dist.all_gather(parts, logits.contiguous(), group=group)
-                logits = torch.cat(parts, dim=-1)
-        if self.pp > 1:
-            # [b_local, s, vocab] from the rank holding the last stage to its pipeline group.
-            src = self.mesh.rank_at(**{self.program.pipeline_axis: (n - 1) % self.pp})  # type: ignore[arg-type, dict-item]
-            logits = logits.contiguous()
-            dist.broadcast(logits, src=src, group=self.mesh.group(self.program.pipeline_axis))  # type: ignore[arg-type]
+        local = self._local_batch(tokens.to(self.device))
+        logits = self.gather_logits(self.run_stages(local), (local.shape[0], local.shape[1]))
         if self.dp > 1:
             parts = [torch.empty_like(logits) for _ in range(self.dp)]
-            dist.all_gather(parts, logits.contiguous(), group=self.mesh.group(*self.batch_axes))
+            # [B / dp, S, vocab] per replica -> [B, S, vocab].
+            dist.all_gather(parts, logits, group=self.mesh.group(*self.batch_axes))
             logits = torch.cat(parts, dim=0)
         return logits
+
+    @property
+    def _pp_axis(self) -> str:
+        assert self.program.pipeline_axis is not None
+        return self.program.pipeline_axis
+
+    def _pipeline_rank(self, stage: int) -> int:
+        """Global rank holding ``stage`` at this rank's other coordinates."""
+        return self.mesh.rank_at(**{self._pp_axis: stage % self.pp})
 
     def _gather(self, grads: bool) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
@@ -406,11 +449,10 @@ class Built:
                     local = torch.zeros_like(param) if local is None else local
                     full = gather_full(local, spec, self.mesh)
                 else:
-                    full = torch.empty(spec.shape, dtype=self.program.dtype)
+                    full = torch.empty(spec.shape, dtype=self.program.dtype, device=self.device)
                 if pp_group is not None:
                     # [full shape]: from the pipeline rank that holds stage i to the others.
-                    src = self.mesh.rank_at(**{self.program.pipeline_axis: i % self.pp})  # type: ignore[arg-type, dict-item]
-                    dist.broadcast(full, src=src, group=pp_group)
+                    dist.broadcast(full, src=self._pipeline_rank(i), group=pp_group)
                 out[name] = full
         return out
 

@@ -1,0 +1,38 @@
+"""Greedy generation with a KV cache sharded over the tensor axis (see ``layers.DecodeSession``)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .layers import DecodeSession
+
+__all__ = ["greedy_generate"]
+
+
+@torch.no_grad()
+def greedy_generate(built: object, prompt: Tensor, n_new: int) -> Tensor:
+    """Append ``n_new`` greedily chosen tokens to ``prompt`` [b, s]; the result is on every rank.
+
+    Every rank of the mesh passes the same prompt.  Data-parallel replicas all decode the whole
+    batch (inference has no gradients to average).  Stages run in order; activations move between
+    pipeline ranks with point-to-point send / recv.
+    """
+    from .program import Built
+
+    assert isinstance(built, Built)
+    for m in built.modules.values():
+        m.eval()
+    session = DecodeSession()
+    tokens = prompt.to(built.device)
+    step_in = tokens  # the whole prompt first (prefill), then one token at a time
+    for _ in range(n_new):
+        with session.step(step_in.shape[1]):
+            local = built.run_stages(step_in)
+        last = None if local is None else local[:, -1:]
+        logits = built.gather_logits(last, (step_in.shape[0], 1))  # [b, 1, vocab] on every rank
+        step_in = logits[:, -1].argmax(dim=-1, keepdim=True)  # [b, 1]
+        tokens = torch.cat([tokens, step_in], dim=1)
+    for m in built.modules.values():
+        m.train()
+    return tokens
