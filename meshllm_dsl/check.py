@@ -34,7 +34,7 @@ from meshllm_dsl.ir import (
 from meshllm_dsl.layouts import block_flows, top_flows
 from meshllm_dsl.load import Declarations, load
 from meshllm_dsl.names import did_you_mean, divisors, or_list
-from meshllm_dsl.resolve import ModelResolver, Resolver, resolve_mesh
+from meshllm_dsl.resolve import Binding, ModelResolver, Resolver, resolve_mesh
 from meshllm_dsl.source import Span
 
 
@@ -151,6 +151,7 @@ class PlanChecker(Resolver):
         self.model = model
         self.failed = False
         self.repeat = model.repeat
+        self.reported: set[tuple[int, str]] = set()  # divisibility errors already given, per rule
         self.claimed: set[Leaf] = set()  # leaves matched by a rule that was rejected
         self.ambiguous = False  # some leaf is matched by two rules (E0503): its layout is unknown
 
@@ -191,25 +192,27 @@ class PlanChecker(Resolver):
     # -- entry point
     def check(self) -> PlanIR | None:
         decl = self.decl
-        settings = {s.name.value: s for s in decl.body if isinstance(s, ast.Setting)}
-        env = {k: v for k, v in ()}  # plan settings are literals or simple arithmetic
+        settings: dict[str, ast.Setting] = {}
+        for stmt in decl.body:
+            if not isinstance(stmt, ast.Setting):
+                continue
+            if stmt.name.value in settings:
+                self.error("E0201", f"`{stmt.name.value}` is set twice", stmt.name.span, label="second setting",
+                           help="set each plan setting once")
+                continue
+            settings[stmt.name.value] = stmt
+        env: dict[str, Binding] = {}  # plan settings are literals or arithmetic on literals
         values: dict[str, int] = {}
         for key, s in settings.items():
             if key not in _PLAN_SETTINGS:
                 self.error("E0203", f"unknown plan setting `{key}`", s.name.span, label="not a plan setting",
                            help=did_you_mean(key, _PLAN_SETTINGS))
                 continue
-            if key == "dtype":
-                continue
-            if key == "lr":
+            if key in ("dtype", "lr"):
                 continue
             v = self.eval_int(s.value, env, key, minimum=0 if key == "seed" else 1)
             if v is not None:
                 values[key] = v
-        for stmt in decl.body:
-            if isinstance(stmt, ast.Setting) and sum(1 for x in decl.body if isinstance(x, ast.Setting) and x.name.value == stmt.name.value) > 1 and settings[stmt.name.value] is not stmt:
-                self.error("E0201", f"`{stmt.name.value}` is set twice", stmt.name.span, label="second setting",
-                           help="set each plan setting once")
         dtype = self.model.dtype
         if "dtype" in settings:
             v = settings["dtype"].value
@@ -451,10 +454,8 @@ class PlanChecker(Resolver):
             for b in ms[:i]:
                 if a.blocks is not None and b.blocks is not None and not (a.blocks & b.blocks):
                     continue
-                if a.blocks is not None and b.blocks is None or a.blocks is None and b.blocks is not None:
-                    # A rule for specific blocks refines a rule for all blocks only if it is explicit;
-                    # silently picking one would be the bug this checker exists to catch.
-                    pass
+                # A rule for all blocks and one for block 3 also overlap: letting the specific one
+                # win silently would make the plan's meaning depend on which rule a reader notices.
                 where = ".".join(leaf.path)
                 if isinstance(item, Repeat):
                     where = f"{item.name}.{'*' if a.blocks is None and b.blocks is None else _blocks_text(sorted((a.blocks or b.blocks or frozenset())))}.{where}"
@@ -498,9 +499,9 @@ class PlanChecker(Resolver):
             if count % n == 0:
                 continue
             key = (p.span.start if p.span else 0, axes_text)  # one error per rule, naming every dim it breaks
-            if key in getattr(self, "_reported", set()):
+            if key in self.reported:
                 continue
-            self._reported = getattr(self, "_reported", set()) | {key}
+            self.reported.add(key)
             # The help names the dims this rule splits, and the sizes that divide every dim the plan
             # splits over these axes (so the suggestion does not just move the error elsewhere).
             all_units = self.units_over(p.axes)
