@@ -450,20 +450,35 @@ class PlanChecker(Resolver):
         return top, classes
 
     def overlaps(self, leaf: Leaf, ms: list[_Match], item: object) -> None:
+        # One sweep, linear in the blocks the rules name (a plan may have a rule per block): for each
+        # rule, the earliest earlier rule that shares a block with it.
+        whole: int | None = None  # index of the first rule for every block
+        owner: dict[int, int] = {}  # block -> index of the first rule naming it
         for i, a in enumerate(ms):
-            for b in ms[:i]:
-                if a.blocks is not None and b.blocks is not None and not (a.blocks & b.blocks):
-                    continue
-                # A rule for all blocks and one for block 3 also overlap: letting the specific one
-                # win silently would make the plan's meaning depend on which rule a reader notices.
-                where = ".".join(leaf.path)
-                if isinstance(item, Repeat):
-                    where = f"{item.name}.{'*' if a.blocks is None and b.blocks is None else _blocks_text(sorted((a.blocks or b.blocks or frozenset())))}.{where}"
-                self.ambiguous = True
-                self.error("E0503", f"`{where}` is matched by two rules", a.span, label=f"{a.text} also matches it",
-                           secondary=(Label(b.span, f"first matched by {b.text}"),) if b.span else (),
-                           help="make the patterns disjoint: every parameter must be placed by exactly one rule")
-                return
+            if a.blocks is None:
+                j = 0 if i else None  # every earlier rule overlaps a rule for all blocks
+                whole = i if whole is None else whole
+            else:
+                hits = [owner[blk] for blk in a.blocks if blk in owner]
+                if whole is not None:
+                    hits.append(whole)
+                j = min(hits) if hits else None
+                for blk in a.blocks:
+                    owner.setdefault(blk, i)
+            if j is None:
+                continue
+            b = ms[j]
+            # A rule for all blocks and one for block 3 also overlap: letting the specific one
+            # win silently would make the plan's meaning depend on which rule a reader notices.
+            where = ".".join(leaf.path)
+            if isinstance(item, Repeat):
+                shared = a.blocks & b.blocks if a.blocks is not None and b.blocks is not None else (a.blocks or b.blocks)
+                where = f"{item.name}.{'*' if shared is None else _blocks_text(sorted(shared))}.{where}"
+            self.ambiguous = True
+            self.error("E0503", f"`{where}` is matched by two rules", a.span, label=f"{a.text} also matches it",
+                       secondary=(Label(b.span, f"first matched by {b.text}"),) if b.span else (),
+                       help="make the patterns disjoint: every parameter must be placed by exactly one rule")
+            return
 
     def uncovered(self, leaf: Leaf, unit: Unit, where: str, pattern: str, by_leaf: dict[Leaf, list[_Match]]) -> None:
         # Suggest the rule that fits the leaf's role: the last projection of attention / mlp is row,
@@ -572,7 +587,8 @@ class PlanChecker(Resolver):
         special = sorted({b for ex in exceptions.values() for b in ex})
         combos: dict[tuple[tuple[str, Placement], ...], list[int]] = {}
         base = tuple((".".join(p), pl) for p, pl in default.items())
-        rest = [b for b in range(rep.count) if b not in set(special)]
+        special_set = set(special)
+        rest = [b for b in range(rep.count) if b not in special_set]
         if rest:
             combos.setdefault(base, []).extend(rest)
         for b in special:

@@ -341,3 +341,25 @@ def test_examples_yield_plans_with_consistent_stage_maps(path) -> None:  # type:
         assert rep is None or covered == list(range(rep.count))
         assert sum(s.numel for s in plan.stages) >= plan.model.numel
         assert sorted(b for c in plan.block_classes for b in c.indices) == (list(range(rep.count)) if rep else [])
+
+
+@pytest.mark.parametrize(
+    "extra, where",
+    [
+        ("shard blocks.2.mlp.down replicate", "blocks.2.mlp.down"),  # a block rule under an all-blocks rule
+        ("shard blocks.*.mlp.down replicate", "blocks.*.mlp.down"),
+    ],
+)
+def test_overlap_names_the_shared_blocks(extra: str, where: str) -> None:
+    (d,) = check_text(tiny(MEGATRON + f"    {extra}\n")).errors
+    assert d.code == "E0503" and d.message == f"`{where}` is matched by two rules"
+    assert d.span is not None and d.span.text == extra
+    assert d.secondary[0].span.text == "shard blocks.*.mlp.down row(tensor)"
+
+
+def test_per_block_rules_overlap_only_where_they_share_blocks() -> None:
+    body = MEGATRON.replace("    shard blocks.*.mlp.down row(tensor)\n", "".join(
+        f"    shard blocks.{i}.mlp.down row(tensor)\n" for i in range(4)))
+    assert check_text(tiny(body)).ok  # four disjoint per-block rules cover the leaf exactly once
+    (d,) = check_text(tiny(body + "    shard blocks.1.mlp.down row(tensor)\n")).errors
+    assert d.code == "E0503" and "`blocks.1.mlp.down`" in d.message
