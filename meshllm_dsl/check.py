@@ -656,7 +656,6 @@ class PlanChecker(Resolver):
         if stmt.virtual is not None:
             virtual = self.eval_int(stmt.virtual, {}, "virtual stages") or 1
         count = p * virtual
-        rep = self.repeat
         if stmt.balanced:
             return self.balanced(stmt, axis, p, virtual), axis, virtual
         # Stage-map errors point at the map's header (`stages over AXIS`) or at the entry involved,

@@ -6,6 +6,7 @@ what the parser expected there; they never escape as Lark exceptions.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import sys
@@ -345,10 +346,9 @@ def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
         candidates = set(err.expected)
         ip = getattr(err, "interactive_parser", None)
         if ip is not None:
-            try:
+            # The precise set is a nicety: on any failure keep Lark's own.
+            with contextlib.suppress(Exception):
                 candidates = set(ip.accepts()) or candidates
-            except Exception:  # noqa: BLE001 - the precise set is a nicety; fall back to Lark's own
-                pass
         expected = sorted({_describe(t) for t in candidates})
         return Diagnostic(
             "E0101",

@@ -7,14 +7,13 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ERRORS, EXAMPLES, ROOT, meshc
 
 from meshllm_dsl.codes import CODES
 
-from helpers import ERRORS, EXAMPLES, ROOT, meshc
-
 
 def run(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, **kw)  # type: ignore[call-overload]
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False, **kw)  # type: ignore[call-overload]
 
 
 def test_exit_codes_in_process() -> None:
@@ -30,7 +29,7 @@ def test_exit_codes_in_process() -> None:
 
 
 def test_several_files_report_everything() -> None:
-    code, out, err = meshc("check", "examples/tiny_llama.mesh", "examples/errors/E0305_batch_not_divisible.mesh",
+    code, _, err = meshc("check", "examples/tiny_llama.mesh", "examples/errors/E0305_batch_not_divisible.mesh",
                            "examples/errors/E0304_float_dim.mesh")
     assert code == 1
     assert "E0305" in err and "E0304" in err and "2 errors found" in err

@@ -10,11 +10,10 @@ from __future__ import annotations
 import re
 
 import pytest
+from helpers import ERRORS, EXAMPLES, ROOT, meshc
 
 from meshllm_dsl.check import check_file
 from meshllm_dsl.codes import CODES
-
-from helpers import ERRORS, EXAMPLES, ROOT, meshc
 
 ERROR_FILES = sorted(ERRORS.glob("*.mesh"))
 EXAMPLE_FILES = sorted(EXAMPLES.glob("*.mesh"))
@@ -81,7 +80,7 @@ def test_every_code_has_a_golden() -> None:
     for p in ERROR_FILES:
         exp = p.with_suffix(".expected")
         if exp.exists():
-            covered |= set(re.findall(r"^(?:error|warning)\[(\w+)\]", exp.read_text(), re.M))
+            covered |= set(re.findall(r"^(?:error|warning)\[(\w+)\]", exp.read_text(), re.MULTILINE))
     missing = sorted(set(CHECK_CODES) - covered - set(UNREACHABLE))
     assert not missing, f"codes without a golden in examples/errors: {missing}"
     # Every file is named after a real code.

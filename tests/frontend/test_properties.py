@@ -16,6 +16,7 @@ import random
 import tempfile
 
 import pytest
+from helpers import EXAMPLES, ROOT, meshc
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.lark import from_lark
@@ -25,8 +26,6 @@ from meshllm_dsl.codes import CODES
 from meshllm_dsl.diagnostics import SpecError, render_all, to_json
 from meshllm_dsl.fmt import format_text
 from meshllm_dsl.parser import grammar, parse
-
-from helpers import EXAMPLES, ROOT, meshc
 
 # Fast by default (the whole front-end suite stays well under a minute on 2 cores); the `thorough`
 # profile (registered in tests/conftest.py, `pytest --hypothesis-profile=thorough`) runs 2000 each.

@@ -42,7 +42,7 @@ def test_llama_family_defaults() -> None:
     blocks = m.item("blocks")
     assert isinstance(blocks, Repeat) and blocks.count == 32
     attn = next(u for u in blocks.body if u.name == "attn")
-    q, k, v, o = attn.leaves
+    q, k, _v, o = attn.leaves
     assert q.params[0].shape == (4096, 4096) and k.params[0].shape == (4096, 4096)
     assert o.params[0].shape == (4096, 4096)
     mlp = next(u for u in blocks.body if u.name == "mlp")
@@ -54,7 +54,7 @@ def test_gqa_shapes_and_units() -> None:
     m = model_of(LLAMA.format(h=8192, l=2, a=64, kv="kv_heads = 8,", f=28672))
     blocks = m.repeat
     assert blocks is not None
-    q, k, v, o = next(u for u in blocks.body if u.name == "attn").leaves
+    q, k, _v, o = next(u for u in blocks.body if u.name == "attn").leaves
     assert k.params[0].shape == (1024, 8192)  # 8 kv heads x 128
     assert q.out_units == (("heads", 64),)
     assert k.out_units == (("kv_heads", 8),)
