@@ -45,6 +45,20 @@ class RankContext:
         return Mesh.build(axes, ranks=range(self.n_ranks))
 
 
+# Imported once in the fork server rather than in each worker (8 workers on 2 cores would import
+# DTensor / DCP / pipelining 8 times over on the first job that needs them).
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.pipelining",
+    "torch.distributed.optim",
+    "torch.distributed.checkpoint",
+    "torch.distributed.tensor",
+    "meshllm_dsl.runtime",
+    "meshllm_dsl.runtime.checkpoint",
+]
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -116,7 +130,7 @@ class WorkerPool:
         # well under a second instead of importing torch in every spawned process (~2 s each).
         # Plain fork is unsafe: the parent may already hold torch / gloo threads.
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "meshllm_dsl.runtime"])
+        ctx.set_forkserver_preload(_PRELOAD)
         port = _free_port()
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(self.world_size)]

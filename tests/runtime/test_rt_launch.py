@@ -8,11 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 HERE = Path(__file__).resolve().parent
 
-MODULE = '''
+MODULE = """
 import torch.distributed as dist
 
 import meshllm_dsl.runtime as rt
@@ -47,29 +45,42 @@ PROGRAM = rt.Program(
 
 if __name__ == "__main__":
     rt.launch.main(PROGRAM)
-'''
+"""
 
 
 def _torchrun(tmp_path: Path, *args: str, fail: bool = False) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "plan.py"
     script.write_text(MODULE.format(fail=fail))
     env = dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1", LOGLEVEL="WARNING")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node=2",
+        str(script),
+        *args,
+    ]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, check=False)
 
 
-def test_train_prints_progress_loss_throughput_and_memory(tmp_path: Path) -> None:
+def test_train_and_save_then_infer_from_the_checkpoint(tmp_path: Path) -> None:
     data = tmp_path / "corpus.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 20)
-    proc = _torchrun(tmp_path, "--steps", "3", "--data", str(data))
+    ckpt = tmp_path / "ckpt"
+    proc = _torchrun(tmp_path, "--steps", "3", "--data", str(data), "--save", str(ckpt))
     assert proc.returncode == 0, proc.stderr
     assert "step 3/3" in proc.stderr
     summary = [line for line in proc.stderr.splitlines() if line.startswith("done: loss")]
-    assert len(summary) == 1 and "tokens/s" in summary[0] and "r0=" in summary[0] and "r1=" in summary[0]
+    assert (
+        len(summary) == 1
+        and "tokens/s" in summary[0]
+        and "r0=" in summary[0]
+        and "r1=" in summary[0]
+    )
+    assert (ckpt / ".metadata").exists()
 
-
-def test_infer_generates_tokens(tmp_path: Path) -> None:
-    proc = _torchrun(tmp_path, "--infer", "--tokens", "4")
+    proc = _torchrun(tmp_path, "--infer", "--tokens", "4", "--load", str(ckpt))
     assert proc.returncode == 0, proc.stderr
     generated = [line for line in proc.stderr.splitlines() if line.startswith("generated")]
     assert len(generated) == 1 and len(generated[0].split(",")) == 4
