@@ -129,3 +129,30 @@ def test_three_adamw_steps_match_reference(pool: WorkerPool, name: str) -> None:
     for rank, errs in enumerate(pool.run(_train_job, n, plan)):
         bad = {k: v for k, v in errs.items() if not v <= 1e-5}
         assert not bad, f"rank {rank}: {bad} (all: {errs})"
+
+
+class _MissingNorm:
+    """A stage whose params() forgets a parameter the module has."""
+
+    def __init__(self) -> None:
+        self.inner = split_stages("llama", LAYERS, 1)[0]
+
+    def __call__(self, mesh: rt.Mesh) -> torch.nn.Module:
+        return self.inner(mesh)
+
+    def params(self, prefix: str = "") -> dict[str, rt.ShardSpec]:
+        specs = self.inner.params(prefix)
+        del specs["norm.weight"]
+        return specs
+
+
+def _coverage_job(ctx: RankContext) -> None:
+    program = rt.Program(
+        model=llama_model(LAYERS), axes=(("tensor", 1),), stages=(_MissingNorm(),), loss=vocab_loss
+    )
+    program.build(ctx.mesh(program.axes))
+
+
+def test_params_must_cover_the_module_exactly(pool: WorkerPool) -> None:
+    with pytest.raises(Exception, match=r"only in the module: \['norm.weight'\]"):
+        pool.run(_coverage_job, 1)
