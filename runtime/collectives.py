@@ -24,6 +24,7 @@ def all_reduce_sum(x: Tensor, group: ProcessGroup | None) -> Tensor:
     if group is None:
         return x
     out = x.contiguous().clone()
+    # [any shape] -> same shape, summed over the group.
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
     return out
 
@@ -33,6 +34,7 @@ def _all_gather_cat(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
         torch.empty_like(x, memory_format=torch.contiguous_format)
         for _ in range(dist.get_world_size(group))
     ]
+    # [.., n_local, ..] per rank -> [.., n_local * world, ..] along dim, in group-rank order.
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=dim)
 

@@ -129,6 +129,7 @@ def _summary(built: Built, text: str) -> None:
     """Rank 0 prints ``text`` and every rank's peak memory (collective)."""
     peak = torch.tensor([_peak_memory_mib(built.device)], dtype=torch.float64, device=built.device)
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
+    # [1] per rank -> world x [1] (the mesh is the whole world under torchrun).
     dist.all_gather(peaks, peak)
     if dist.get_rank() == 0:
         per_rank = " ".join(f"r{r}={v.item():.0f}" for r, v in enumerate(peaks))

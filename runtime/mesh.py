@@ -44,6 +44,7 @@ def serve_group_creation() -> None:
     """
     while True:
         box: list[object] = [None]
+        # A list of rank tuples (or None: done) from global rank 0, over the whole world.
         dist.broadcast_object_list(box, src=0)
         if box[0] is None:
             return

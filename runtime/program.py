@@ -309,8 +309,8 @@ class Built:
         m = p.microbatches
         if tokens.shape[0] % m:
             raise ValueError(f"local batch {tokens.shape[0]} does not split into {m} microbatches")
+        losses: list[Tensor] = []
         if self.pp == 1:
-            losses = []
             for tok, tgt in zip(tokens.chunk(m), targets.chunk(m)):
                 x = tok
                 for i in self.stage_ids:
@@ -321,11 +321,10 @@ class Built:
             return torch.stack(losses).mean()
         schedule = self._pipeline((tokens.shape[0] // m, tokens.shape[1]))
         n = len(p.stages)
-        losses: list[Tensor] = []
         args = (tokens,) if 0 in self.stage_ids else ()
         target = targets if n - 1 in self.stage_ids else None
         schedule.step(*args, target=target, losses=losses)
-        return torch.stack([l.detach() for l in losses]).mean() if losses else None
+        return torch.stack([x.detach() for x in losses]).mean() if losses else None
 
     def _sync_grads(self) -> None:
         for name, ids, group in self._tied:
@@ -358,9 +357,10 @@ class Built:
         )
         axes = tuple(
             a for a in self.mesh.names if a == self.program.pipeline_axis or a in self.batch_axes
-        )
+        )  # not tensor: its ranks computed the same vocab-parallel loss
         if axes:
             group = self.mesh.group(*axes)
+            # [1]: the last stages' losses, summed over pipeline (others add 0) and replicas.
             value = all_reduce_sum(value.reshape(1), group)[0]
         return float(value) / self.dp
 
@@ -378,9 +378,11 @@ class Built:
                 x = torch.empty(
                     *tokens.shape, self._hidden, dtype=self.program.dtype, device=self.device
                 )
+                # [b, s, hidden] residual stream from the previous stage's rank.
                 dist.recv(x, src=self._pipeline_rank(i - 1))
             x = self.modules[i](x)
             if i < n - 1 and self.pp > 1:
+                # [b, s, hidden] to the next stage's rank.
                 dist.send(x.contiguous(), dst=self._pipeline_rank(i + 1))
         return x if n - 1 in self.stage_ids else None
 

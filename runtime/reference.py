@@ -177,7 +177,10 @@ class ReferenceModel(nn.Module):
     def forward(self, tokens: Tensor) -> Tensor:
         x: Tensor = tokens
         for name, kind in self.order:
-            mod = getattr(self, name, None)
+            if kind == "linear" and name in self.ties:
+                x = x @ getattr(self, self.ties[name]).weight.t()
+                continue
+            mod: Any = getattr(self, name)
             if kind == "embedding":
                 x = mod(tokens)
             elif kind == "positional":
@@ -185,8 +188,6 @@ class ReferenceModel(nn.Module):
             elif kind == "repeat":
                 for block in mod:
                     x = block(x)
-            elif kind == "linear" and name in self.ties:
-                x = x @ getattr(self, self.ties[name]).weight.t()
             else:
                 x = mod(x)
         return x

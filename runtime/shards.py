@@ -95,6 +95,7 @@ def gather_full(local: Tensor, spec: ShardSpec, mesh: Mesh) -> Tensor:
             continue
         n = mesh.size(*axes)
         shards = [torch.empty_like(out) for _ in range(n)]
+        # [.., full / n, ..] per rank -> n shards of this dim, in group-rank == index order.
         dist.all_gather(shards, out, group=group)
         segments = spec.segments if k == 0 else None
         if segments:
