@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import sys
 from typing import Any
 
@@ -397,10 +398,31 @@ def _or_list(items: list[str]) -> str:
     return ", ".join(items[:-1]) + " or " + items[-1]
 
 
+_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _keyword_as_name(err: UnexpectedInput) -> bool:
+    """Resume a parse that stopped at a keyword used as a name, such as a dim called `zero`.
+
+    LALR merges the lookaheads of states with the same core, so after an expression the contextual
+    lexer also accepts keywords that may follow an expression elsewhere (`zero` in an optimizer
+    block, `shard` in a plan): `mesh m { axes a = 1  zero = 2 }` lexes `zero` as the keyword, although
+    `mesh m { zero = 2  axes a = 1 }` reads it as a name. Where the parser can take a NAME, feed the
+    keyword's text as one and go on; any other error ends the parse (the caller reports it).
+    """
+    if not isinstance(err, UnexpectedToken) or err.token is None or err.token.type in ("NAME", "$END"):
+        return False
+    tok = err.token
+    if not _NAME_RE.fullmatch(str(tok)) or "NAME" not in err.interactive_parser.choices():
+        return False
+    err.interactive_parser.feed_token(Token.new_borrow_pos("NAME", str(tok), tok))
+    return True
+
+
 def parse_source(source: SourceFile) -> ast.Module:
     """Parse one file; raises SpecError with a syntax diagnostic on bad input."""
     try:
-        tree: Tree[Token] = grammar().parse(source.text)
+        tree: Tree[Token] = grammar().parse(source.text, on_error=_keyword_as_name)
     except UnexpectedInput as err:
         raise SpecError([_syntax_diagnostic(source, err)]) from None
     module = _ToAst(source).transform(tree)
