@@ -95,6 +95,37 @@ class Program:
         return Built(self, mesh, seed, device)
 
 
+_BUCKET_ELEMENTS = 1 << 24
+
+
+def _all_reduce_mean(tensors: list[Tensor], group: dist.ProcessGroup | None, n: int) -> None:
+    """In-place mean over ``group`` of many tensors, coalesced into few flat all-reduces.
+
+    One collective per parameter is latency-bound (gloo especially); buckets of up to 16M
+    elements of one dtype keep the extra memory bounded.
+    """
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        start = 0
+        while start < len(same):
+            end, count = start, 0
+            while end < len(same) and (
+                end == start or count + same[end].numel() <= _BUCKET_ELEMENTS
+            ):
+                count += same[end].numel()
+                end += 1
+            bucket = same[start:end]
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            # [sum of bucket numels]: gradients of this rank's shards, summed over the replicas.
+            dist.all_reduce(flat, group=group)
+            flat.div_(n)
+            for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+                t.copy_(part.view_as(t))
+            start = end
+
+
 class Built:
     """A program placed on this rank: its stage modules, optimizer and schedule."""
 
@@ -341,12 +372,8 @@ class Built:
             for q in local:
                 q.grad = total.clone()
         if self.dp > 1:
-            group = self.mesh.group(*self.batch_axes)
-            for q in self.parameters():
-                if q.grad is not None:
-                    # [local shard]: mean over the data-parallel replicas.
-                    dist.all_reduce(q.grad, group=group)
-                    q.grad.div_(self.dp)
+            grads = [q.grad for q in self.parameters() if q.grad is not None]
+            _all_reduce_mean(grads, self.mesh.group(*self.batch_axes), self.dp)
 
     def _global_loss(self, local: Tensor | None) -> float:
         """Mean of the per-replica losses, known to every rank (only last stages computed one)."""
