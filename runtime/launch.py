@@ -27,6 +27,14 @@ from .program import Built, Program
 __all__ = ["infer", "main", "parse_args", "synthetic_batch", "text_batch", "train"]
 
 
+# How gloo / NCCL report that another rank went away.
+_PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "NCCL communicator was aborted",
+)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Train or decode a meshc-generated plan (run under torchrun)."
@@ -159,8 +167,15 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
 
             save(built, args.save)
     except BaseException as exc:  # noqa: BLE001 - every failure must end this process at once
-        print(f"\nrank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-        traceback.print_exc(file=sys.stderr)
+        if any(mark in str(exc) for mark in _PEER_LOST):
+            # A consequence, not a cause: keep the failing rank's traceback the one people read.
+            print(
+                f"\nrank {rank} stopped: a peer rank exited ({str(exc).splitlines()[0][:160]})",
+                file=sys.stderr,
+            )
+        else:
+            print(f"\nrank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
         sys.stderr.flush()
         # No clean shutdown: destroy_process_group could wait on peers that are stuck waiting
         # for this rank.  Exiting closes the connections so their collectives fail promptly.
