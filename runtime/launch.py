@@ -98,7 +98,7 @@ def train(built: Built, steps: int, seed: int, data: Path | None = None) -> floa
     corpus = (
         torch.frombuffer(bytearray(data.read_bytes()), dtype=torch.uint8).long() if data else None
     )
-    rank0 = dist.get_rank() == 0
+    rank0 = _first(built)
     loss, start = float("nan"), time.perf_counter()
     for step in range(steps):
         if corpus is None:
@@ -124,7 +124,7 @@ def infer(built: Built, n_new: int, seed: int) -> Tensor:
     start = time.perf_counter()
     out = greedy_generate(built, prompt, n_new)
     elapsed = time.perf_counter() - start
-    if dist.get_rank() == 0:
+    if _first(built):
         print(
             f"prompt    {prompt[0].tolist()}\ngenerated {out[0, prompt.shape[1] :].tolist()}",
             file=sys.stderr,
@@ -133,14 +133,21 @@ def infer(built: Built, n_new: int, seed: int) -> Tensor:
     return out
 
 
+def _first(built: Built) -> bool:
+    return built.mesh.rank == built.mesh.ranks[0]
+
+
 def _summary(built: Built, text: str) -> None:
-    """Rank 0 prints ``text`` and every rank's peak memory (collective)."""
+    """The mesh's first rank prints ``text`` and every rank's peak memory (collective)."""
     peak = torch.tensor([_peak_memory_mib(built.device)], dtype=torch.float64, device=built.device)
-    peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
-    # [1] per rank -> world x [1] (the mesh is the whole world under torchrun).
-    dist.all_gather(peaks, peak)
-    if dist.get_rank() == 0:
-        per_rank = " ".join(f"r{r}={v.item():.0f}" for r, v in enumerate(peaks))
+    group = built.mesh.group(*built.mesh.names)
+    peaks = [peak]
+    if group is not None:
+        peaks = [torch.zeros_like(peak) for _ in range(built.mesh.size())]
+        # [1] per rank -> mesh-size x [1], in mesh rank order.
+        dist.all_gather(peaks, peak, group=group)
+    if _first(built):
+        per_rank = " ".join(f"r{r}={v.item():.0f}" for r, v in zip(built.mesh.ranks, peaks))
         print(f"done: {text}  peak MiB per rank: {per_rank}", file=sys.stderr, flush=True)
 
 
