@@ -415,7 +415,8 @@ class Built:
 
     def gather_logits(self, local: Tensor | None, shape: tuple[int, int]) -> Tensor:
         """Full logits [b, s, vocab] on every rank of a pipeline group from the last stage's shards."""
-        if local is not None:
+        # A head whose stage already gathered its output returns the full vocab: nothing to do.
+        if local is not None and local.shape[-1] != self.program.vocab:
             for _, axes in reversed(self._head_dims()):
                 group = self.mesh.group(*axes)
                 if group is not None:
