@@ -66,9 +66,10 @@ class Mesh:
 
     @classmethod
     def build(cls, axes: Sequence[tuple[str, int]], ranks: Sequence[int] | None = None) -> Mesh:
-        """Build the mesh and eagerly create this rank's group for every subset of axes.
+        """Build the mesh and create the groups of every subset of its axes.
 
-        Must be called by every rank in ``ranks`` with the same arguments, before any collective.
+        Must be called by every rank in ``ranks`` with the same arguments (and, when the mesh is
+        smaller than the world, with the other ranks in ``serve_group_creation``).
         """
         axes_t = tuple((str(n), int(s)) for n, s in axes)
         names = [n for n, _ in axes_t]
@@ -113,16 +114,16 @@ class Mesh:
 
     def _all_groups(self) -> list[tuple[int, ...]]:
         """Every group of every axis subset (mesh order), in an order all ranks agree on."""
-        out: list[tuple[int, ...]] = []
+        out: dict[tuple[int, ...], None] = {}  # an ordered set
         for k in range(1, len(self.axes) + 1):
             for subset in itertools.combinations(self.names, k):
                 rest = [a for a in self.names if a not in subset]
                 for point in itertools.product(*(range(self.size(a)) for a in rest)):
                     at = Mesh(self.axes, self.ranks, self.rank_at(**dict(zip(rest, point))))
                     members = at._members(subset)
-                    if len(members) > 1 and members not in out:
-                        out.append(members)
-        return out
+                    if len(members) > 1:
+                        out[members] = None
+        return list(out)
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -84,13 +84,13 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any, timeout_s
         job = jobs.get()
         if job is None:
             break
-        job_id, payload = job
-        fn, n_ranks, args = pickle.loads(payload)
+        job_id, n_ranks, payload = job
         if rank >= n_ranks:
             # Ranks outside the job still take part in creating its process groups.
             serve_group_creation()
             continue
         try:
+            fn, args = pickle.loads(payload)  # may import the job's module: report its failure too
             out = fn(RankContext(rank, n_ranks, world), *args)
             if n_ranks < world:
                 end_group_creation()
@@ -189,9 +189,9 @@ class WorkerPool:
         if not self._procs:
             self._start()
         self._next_id += 1
-        payload = pickle.dumps((fn, n_ranks, args))
+        payload = pickle.dumps((fn, args))
         for q in self._jobs:
-            q.put((self._next_id, payload))
+            q.put((self._next_id, n_ranks, payload))
         raw = self._collect(self._next_id, n_ranks, self.timeout if timeout is None else timeout)
         return [pickle.loads(r) for r in raw]
 
