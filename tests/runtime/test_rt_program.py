@@ -156,3 +156,26 @@ def _coverage_job(ctx: RankContext) -> None:
 def test_params_must_cover_the_module_exactly(pool: WorkerPool) -> None:
     with pytest.raises(Exception, match=r"only in the module: \['norm.weight'\]"):
         pool.run(_coverage_job, 1)
+
+
+def _bf16_job(ctx: RankContext) -> list[float]:
+    losses = []
+    for dtype in (torch.float32, torch.bfloat16):
+        program = rt.Program(
+            model=llama_model(LAYERS),
+            axes=(("pipeline", 2), ("tensor", 2)),
+            stages=split_stages("llama", LAYERS, 2),
+            loss=vocab_loss,
+            pipeline_axis="pipeline",
+            microbatches=2,
+            optimizer=OPT,
+            dtype=dtype,
+        )
+        built = program.build(ctx.mesh(program.axes), seed=0)
+        losses += [built.train_step(tokens, targets) for tokens, targets in _batches(2)]
+    return losses
+
+
+def test_bfloat16_trains_close_to_float32(pool: WorkerPool) -> None:
+    f32a, f32b, bf16a, bf16b = pool.run(_bf16_job, 4)[0]
+    assert abs(bf16a - f32a) < 0.02 and abs(bf16b - f32b) < 0.02
