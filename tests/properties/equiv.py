@@ -1,0 +1,255 @@
+"""Sharded vs unsharded comparison run inside the worker pool, with optional planted faults.
+
+`compare` is the job function: every rank of the plan builds the compiled program and the
+unsharded reference from the same seed, and measures max |sharded - reference| over the forward
+logits, the loss of one training step, every gradient (gathered to full shape) and every parameter
+after one AdamW step. Every rank reports (not only rank 0): full tensors are gathered to all ranks,
+so a replica that drifted from the others is caught too.
+
+`FAULTS` plants known runtime bugs *inside the worker process* by patching attributes of
+`meshllm_dsl.runtime` (generated code looks `rt.reduce_from` etc. up at call time) or of the
+classes in runtime/program.py. Patches are undone when the job ends, because the workers are
+long-lived and run the next plan afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
+NOISE_GRAD = 1e-6  # float32 gradients below this are rounding noise for AdamW (see compare)
+
+
+def write_module(plan: Any, text: str, directory: Path) -> str:
+    """Render a checked plan to a module file named after its text (stable, unique per plan)."""
+    from meshllm_dsl.codegen.emit import render_plan
+
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    path = directory / f"plan_{digest}.py"
+    path.write_text(render_plan(plan, f"generated_{digest}.mesh", text))
+    return str(path)
+
+
+def _load(path: str) -> Any:
+    name = Path(path).stem
+    if name in sys.modules:  # the same plan again (hypothesis replays a failing example)
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------- planted faults
+
+
+class _Patches:
+    def __init__(self) -> None:
+        self.undo: list[tuple[Any, str, Any]] = []
+
+    def set(self, obj: Any, attr: str, value: Any) -> None:
+        self.undo.append((obj, attr, getattr(obj, attr)))
+        setattr(obj, attr, value)
+
+    def restore(self) -> None:
+        for obj, attr, value in reversed(self.undo):
+            setattr(obj, attr, value)
+
+
+def _naive_all_reduce(p: _Patches, info: dict[str, Any]) -> None:
+    """(i) torch.distributed.nn.functional.all_reduce as the g operator: its backward all-reduces
+    the gradient again, so everything upstream of a row layer gets tensor-size times the gradient."""
+    import torch.distributed.nn.functional as dnn
+
+    import meshllm_dsl.runtime as rt
+
+    p.set(rt, "reduce_from", lambda x, group: x if group is None else dnn.all_reduce(x, group=group))
+
+
+def _missing_all_reduce(p: _Patches, info: dict[str, Any]) -> None:
+    """(ii) reduce_from forgotten: each rank keeps its partial sum."""
+    import meshllm_dsl.runtime as rt
+
+    p.set(rt, "reduce_from", lambda x, group: x)
+
+
+class _NeighbourMesh:
+    """A mesh view whose coordinate 0 along any axis reads as 1: that rank loads its neighbour's chunk."""
+
+    def __init__(self, mesh: Any) -> None:
+        self._mesh = mesh
+
+    def index(self, *axes: str) -> int:
+        i = self._mesh.index(*axes)
+        return 1 if i == 0 and self._mesh.size(*axes) > 1 else i
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mesh, name)
+
+
+def _off_by_one_slice(p: _Patches, info: dict[str, Any]) -> None:
+    """(iii) the shard slice is off by one block on the first rank of each sharded axis."""
+    import meshllm_dsl.runtime.program as program
+    import meshllm_dsl.runtime.shards as shards
+
+    real = shards.local_slice
+    p.set(program, "local_slice", lambda full, spec, mesh: real(full, spec, _NeighbourMesh(mesh)))
+
+
+def _rotary_offset(p: _Patches, info: dict[str, Any]) -> None:
+    """(iv) positions shifted by one on odd tensor ranks."""
+    import meshllm_dsl.runtime as rt
+
+    real = rt.apply_rotary
+    odd = info["mesh"].index(info["tensor_axis"]) % 2 == 1
+
+    def shifted(q: Any, k: Any, pos: Any, theta: float) -> Any:
+        return real(q, k, pos + 1 if odd else pos, theta)
+
+    p.set(rt, "apply_rotary", shifted)
+
+
+def _loss_scaled_twice(p: _Patches, info: dict[str, Any]) -> None:
+    """(v) the loss divided by the microbatch count a second time (the runtime already divides once,
+    explicitly without a pipeline and through `scale_grads` in the pipeline schedules)."""
+    from meshllm_dsl.runtime.program import Built
+
+    real = Built.__init__
+
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        loss, m = self.loss_fn, self.program.microbatches
+        self.loss_fn = lambda logits, targets: loss(logits, targets) / m
+
+    p.set(Built, "__init__", init)
+
+
+def _dp_grads_summed(p: _Patches, info: dict[str, Any]) -> None:
+    """(vi) data-parallel gradients all-reduced (summed) but not divided by the replica count."""
+    import torch.distributed as dist
+
+    from meshllm_dsl.runtime.program import Built
+
+    real = Built._sync_grads
+
+    def sync(self: Any) -> None:
+        dp, self.dp = self.dp, 1  # the real code then syncs tied weights only
+        try:
+            real(self)
+        finally:
+            self.dp = dp
+        if dp > 1:
+            group = self.mesh.group(*self.batch_axes)
+            for q in self.parameters():
+                if q.grad is not None:
+                    dist.all_reduce(q.grad, group=group)  # summed, never averaged
+
+    p.set(Built, "_sync_grads", sync)
+
+
+FAULTS: dict[str, Callable[[_Patches, dict[str, Any]], None]] = {
+    "naive_all_reduce": _naive_all_reduce,
+    "missing_all_reduce": _missing_all_reduce,
+    "off_by_one_slice": _off_by_one_slice,
+    "rotary_offset": _rotary_offset,
+    "loss_scaled_twice": _loss_scaled_twice,
+    "dp_grads_summed": _dp_grads_summed,
+}
+
+
+@contextlib.contextmanager
+def planted(fault: str | None, info: dict[str, Any]) -> Iterator[None]:
+    patches = _Patches()
+    try:
+        if fault is not None:
+            FAULTS[fault](patches, info)
+        yield
+    finally:
+        patches.restore()
+
+
+# ---------------------------------------------------------------- the job
+
+
+def compare(
+    ctx: Any,
+    path: str,
+    dtypes: tuple[str, ...] = ("float64", "float32"),
+    seed: int = 0,
+    fault: str | None = None,
+    tensor_axis: str | None = None,
+) -> dict[str, dict[str, float]]:
+    """On each rank: {dtype: {"logits" | "loss" | "grad NAME" | "param NAME": max abs error}}."""
+    import torch
+
+    import meshllm_dsl.runtime as rt
+    from meshllm_dsl.runtime.reference import build_reference
+
+    base = _load(path).PROGRAM
+    mesh = ctx.mesh(base.axes)
+    out: dict[str, dict[str, float]] = {}
+    with planted(fault, {"mesh": mesh, "tensor_axis": tensor_axis}):
+        for dtype_name in dtypes:
+            dtype = getattr(torch, dtype_name)
+            program = dataclasses.replace(base, dtype=dtype)
+            built = program.build(mesh, seed=seed)
+            ref = build_reference(dict(program.model), dtype, seed=seed)
+            gen = torch.Generator().manual_seed(seed + 1)
+            tokens = torch.randint(0, program.vocab, (program.batch, program.seq), generator=gen)
+            targets = torch.randint(0, program.vocab, (program.batch, program.seq), generator=gen)
+            errs: dict[str, float] = {}
+            with torch.no_grad():
+                errs["logits"] = (built.forward(tokens) - ref(tokens)).abs().max().item()
+            ref_opt = torch.optim.AdamW(ref.parameters(), **{"lr": 1e-3, **dict(program.optimizer)})
+            loss = built.train_step(tokens, targets)
+            ref_loss = rt.cross_entropy(ref(tokens), targets)
+            ref_loss.backward()
+            errs["loss"] = abs(loss - ref_loss.item())
+            grads = built.full_grads()
+            ref_params = dict(ref.named_parameters())
+            if set(grads) != set(ref_params):
+                raise AssertionError(f"gradient names differ: {sorted(set(grads) ^ set(ref_params))}")
+            for name, q in ref_params.items():
+                errs[f"grad {name}"] = (grads[name] - q.grad).abs().max().item()
+            ref_opt.step()
+            state = built.full_state_dict()
+            if set(state) != set(ref_params):
+                raise AssertionError(f"parameter names differ: {sorted(set(state) ^ set(ref_params))}")
+            for name, q in ref_params.items():
+                diff = (state[name] - q.detach()).abs()
+                if dtype_name == "float32":
+                    # AdamW's first step moves each element by about lr * g / (|g| + eps). Where the
+                    # exact gradient is zero (e.g. the key bias: softmax ignores a shift of every
+                    # score), g is rounding noise of order 1e-9 in float32, comparable to eps, and
+                    # the step amplifies it to O(lr) in either implementation. Such elements are
+                    # compared in float64 (noise 1e-17, far below eps) but not here.
+                    diff = diff[q.grad.abs() > NOISE_GRAD]
+                errs[f"param {name}"] = diff.max().item() if diff.numel() else 0.0
+            out[dtype_name] = errs
+    return out
+
+
+def worst(per_rank: list[dict[str, dict[str, float]]], dtype: str, prefix: str = "") -> float:
+    """Largest error over ranks among entries whose key starts with `prefix` (NaN counts as inf)."""
+    vals = [v for r in per_rank for k, v in r[dtype].items() if k.startswith(prefix)]
+    return max((float("inf") if v != v else v for v in vals), default=0.0)
+
+
+def over_tolerance(per_rank: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """{dtype: {entry: worst error}} for every entry above its dtype's tolerance on some rank."""
+    bad: dict[str, dict[str, float]] = {}
+    for r in per_rank:
+        for dtype, errs in r.items():
+            for k, v in errs.items():
+                if not v <= TOLERANCE[dtype]:
+                    bad.setdefault(dtype, {})[k] = max(bad.get(dtype, {}).get(k, 0.0), v if v == v else float("inf"))
+    return bad
