@@ -185,7 +185,8 @@ class _UnitWriter:
         return [Line(f"{owner}.{leaf.name} = nn.Linear({in_f}, {out_f}, bias={has_bias})",
                      f"{how}: weight ({out_f}, {in_f}) of {full}".rstrip(" of") if p.sharded else how)]
 
-    def unit_init(self, attr: str, unit: Unit, placement: dict[str, Placement]) -> list[Line]:
+    def unit_init(self, attr: str, unit: Unit, placement: dict[str, Placement], tied_here: bool = False) -> list[Line]:
+        """__init__ lines for a unit; `tied_here`: a tied head whose weight's owner is on this stage."""
         a = dict(unit.attrs)
         if unit.kind == "rmsnorm":
             return [Line(f"self.{attr} = rt.RMSNorm({a['dim']}, eps={a['eps']!r})")]
@@ -206,10 +207,14 @@ class _UnitWriter:
             if unit.leaves[0].tie is not None:
                 w_shape = (a["out"], a["in"])
                 local = w_shape[0] // self.n(p.axes) if p.sharded else w_shape[0]
+                bias = [Line(f"self.{attr}.bias = nn.Parameter(torch.empty({local}))")] if a["bias"] else []
+                if tied_here:
+                    # the head reads the embedding's own weight: one parameter, no copy to keep in sync
+                    return [Line(f"self.{attr} = nn.Module()", f"uses {unit.leaves[0].tie}.weight"), *bias] if bias else []
                 return [Line(f"self.{attr} = nn.Module()"),
                         Line(f"self.{attr}.weight = nn.Parameter(torch.empty({local}, {a['in']}))",
-                             f"tied to {unit.leaves[0].tie}.weight (kept equal by the runtime)")] + (
-                    [Line(f"self.{attr}.bias = nn.Parameter(torch.empty({local}))")] if a["bias"] else [])
+                             f"tied to {unit.leaves[0].tie}.weight: a copy whose gradient the runtime sums "
+                             "with the first stage's")] + bias
             leaf = unit.leaves[0]
             w = leaf.params[0]
             out_f, in_f = self.plan.local_shape(w, p)
@@ -388,17 +393,25 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
         item = model.item(pc.item)
         if isinstance(item, Repeat):
             assert pc.start is not None and pc.stop is not None
-            entries = ", ".join(f'"{i}": {block_names[i]}(mesh)' for i in range(pc.start, pc.stop))
-            init.append(Line(f"self.{item.name} = nn.ModuleDict({{{entries}}})",
-                             f"blocks {pc.start} to {pc.stop - 1} of {item.count}"))
+            runs = _class_runs(block_names, pc.start, pc.stop)
+            if len(runs) == 1:
+                (cls_name, a, b), = runs
+                init.append(Line(f"self.{item.name} = nn.ModuleDict({{str(i): {cls_name}(mesh) for i in {_range(a, b)}}})",
+                                 f"blocks {a} to {b - 1} of {item.count}"))
+            else:
+                entries = ", ".join(f'"{i}": {block_names[i]}(mesh)' for i in range(pc.start, pc.stop))
+                init.append(Line(f"self.{item.name} = nn.ModuleDict({{{entries}}})",
+                                 f"blocks {pc.start} to {pc.stop - 1} of {item.count}"))
             forward.append(Line(f"for block in self.{item.name}.values():"))
-            forward.append(Line(f"    x = block(x)", f"[b, s, {hidden}]"))
-            for i in range(pc.start, pc.stop):
-                params.append(Line(f"**{block_names[i]}.params(prefix + {item.name + '.' + str(i) + '.'!r}),"))
+            forward.append(Line("    x = block(x)", f"[b, s, {hidden}]"))
+            for cls_name, a, b in runs:
+                params.append(Line(f"**{{k: v for i in {_range(a, b)} "
+                                   f"for k, v in {cls_name}.params(f\"{{prefix}}{item.name}.{{i}}.\").items()}},"))
             cur = "x"
             continue
         assert isinstance(item, Unit)
-        init += w.unit_init(item.name, item, top)
+        tie = item.leaves[0].tie if item.leaves else None
+        init += w.unit_init(item.name, item, top, tied_here=tie is not None and tie in held)
         flow = flows.get(item.name)
         p = top.get(item.name, REPLICATE)
         leaf = item.leaves[0] if item.leaves else None
@@ -437,7 +450,12 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
                 forward.append(Line(f"x = rt.copy_to(x, {w.group(p.axes)})",
                                     f"f: [b, s, {a['in']}] identity; backward all-reduces over {_axes_text(p.axes)}"))
             out_local = a["out"] // plan.mesh.size(*p.axes) if p.sharded and p.rule == "column" else a["out"]
-            call = f"F.linear(x, self.{item.name}.weight{', self.' + item.name + '.bias' if a['bias'] else ''})" if leaf and leaf.tie else f"self.{item.name}(x)"
+            if leaf is not None and leaf.tie is not None:
+                owner = leaf.tie if leaf.tie in held else item.name
+                bias = f", self.{item.name}.bias" if a["bias"] else ""
+                call = f"F.linear(x, self.{owner}.weight{bias})"
+            else:
+                call = f"self.{item.name}(x)"
             what = f"Shard(vocab) over {_axes_text(p.axes)}: {out_local} of {a['out']}" if p.sharded else "Replicate"
             forward.append(Line(f"{'logits' if is_head else 'x'} = {call}", f"[b, s, {out_local}] {what}"))
             if is_head:
@@ -453,6 +471,21 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
     doc = f"Stage {stage.index} ({where}): {pieces}."
     arg = "tokens: torch.Tensor" if first else "x: torch.Tensor"
     return ClassDef(f"Stage{stage.index}", doc, group_init + init, arg, forward, params)
+
+
+def _range(a: int, b: int) -> str:
+    return f"range({b})" if a == 0 else f"range({a}, {b})"
+
+
+def _class_runs(block_names: dict[int, str], start: int, stop: int) -> list[tuple[str, int, int]]:
+    """Maximal runs [a, b) of consecutive blocks generated by the same class."""
+    runs: list[tuple[str, int, int]] = []
+    for i in range(start, stop):
+        if runs and runs[-1][0] == block_names[i] and runs[-1][2] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1], i + 1)
+        else:
+            runs.append((block_names[i], i, i + 1))
+    return runs
 
 
 def _trim_shape_line(forward: list[Line]) -> list[Line]:

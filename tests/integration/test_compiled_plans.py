@@ -57,6 +57,9 @@ CASES: dict[str, str] = {
         "microbatches = 2\n layout { heads -> tensor, ffn -> tensor, vocab -> tensor }\n stages over pipeline balanced",
         GPT2,
     ),
+    "gpt2_tied_same_stage_tensor2": _spec(
+        "tensor = 2", "layout { heads -> tensor, ffn -> tensor, vocab -> tensor }", GPT2
+    ),
     "data2_pipeline2_tensor2": (ROOT / "examples" / "tiny_llama.mesh").read_text(),
 }
 
