@@ -106,14 +106,23 @@ def _off_by_one_slice(p: _Patches, info: dict[str, Any]) -> None:
 
 
 def _rotary_offset(p: _Patches, info: dict[str, Any]) -> None:
-    """(iv) positions shifted by one on odd tensor ranks."""
+    """(iv) a wrong rotary offset on odd tensor ranks: queries rotated one position ahead of keys.
+
+    Shifting q and k by the same offset would change nothing (rotary attention depends on
+    relative positions only, the property decoding with a KV cache relies on), so the planted bug
+    is the one that matters: the query offset disagrees with the keys' (as with a stale cache offset).
+    """
     import meshllm_dsl.runtime as rt
 
     real = rt.apply_rotary
     odd = info["mesh"].index(info["tensor_axis"]) % 2 == 1
 
     def shifted(q: Any, k: Any, pos: Any, theta: float) -> Any:
-        return real(q, k, pos + 1 if odd else pos, theta)
+        if not odd:
+            return real(q, k, pos, theta)
+        q_rot, _ = real(q, k, pos + 1, theta)
+        _, k_rot = real(q, k, pos, theta)
+        return q_rot, k_rot
 
     p.set(rt, "apply_rotary", shifted)
 

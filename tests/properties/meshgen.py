@@ -902,11 +902,11 @@ def _merge(pieces: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 def tied_head_in_embedding_stage(spec: Spec) -> bool:
     """GPT-2 with `lm_head` in the same pipeline stage as `embed` (no pipeline, one stage).
 
-    Codegen bug found by test_prop_equivalence: the stage declares its own uninitialised
-    `lm_head.weight` parameter instead of using `embed.weight`, params() does not map it, and
-    Program.build stops with "params() and the module disagree; only in the module:
-    ['lm_head.weight']". test_prop_known_bugs.py holds the failing regression test; the
-    equivalence property skips these plans (so it keeps finding other bugs) until it passes.
+    The first bug test_prop_equivalence found (codegen): such a stage declared its own
+    uninitialised `lm_head.weight` instead of using `embed.weight`, and Program.build stopped with
+    "params() and the module disagree; only in the module: ['lm_head.weight']". Kept as an event
+    label so `--hypothesis-show-statistics` shows these plans are drawn; test_prop_known_bugs.py
+    holds the regression test.
     """
     if spec.family != "gpt2":
         return False

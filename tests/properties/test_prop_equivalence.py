@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, assume, event, given, note, settings
+from hypothesis import HealthCheck, event, given, note, settings
 
 pytest.importorskip("torch")
 
@@ -71,10 +71,10 @@ def _features(spec: Spec) -> list[str]:
 @EQUIVALENCE
 @given(spec=plan_specs(valid_only=True))
 def test_accepted_plans_match_the_unsharded_model(spec: Spec, pool: WorkerPool, module_dir: Path) -> None:
-    # Known codegen bug with its own failing test (test_prop_known_bugs.py): skip, keep exploring.
-    assume(not tied_head_in_embedding_stage(spec))
     text = spec.text()
     note(text)
+    if tied_head_in_embedding_stage(spec):
+        event("gpt2 head tied in the embedding stage")  # the first bug this property found
     for f in _features(spec):
         event(f)
     result = check_text(text, "generated.mesh")

@@ -1,0 +1,107 @@
+"""The equivalence comparison catches known sharding bugs (the suite tests itself).
+
+Each fault is planted inside the worker processes (equiv.FAULTS: patched attributes of
+`meshllm_dsl.runtime` and runtime/program.py, undone after the job) and run on a plan that exercises
+it. The same plan without the fault must compare equal (so a difference is the fault's doing), and
+with it the comparison must report differences above tolerance, in the place the bug shows:
+
+(i)   naive `torch.distributed.nn.functional.all_reduce` as g: forward right, gradients x tensor size
+(ii)  missing all-reduce (reduce_from = identity): the forward already differs
+(iii) a shard slice off by one block (the first rank loads its neighbour's chunk): forward differs
+(iv)  rotary positions shifted on odd tensor ranks: forward differs
+(v)   loss divided by the microbatch count twice: gradients differ (with and without a pipeline)
+(vi)  data-parallel gradients summed instead of averaged: forward and loss right, gradients differ
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from equiv import TOLERANCE, compare, over_tolerance, worst, write_module  # noqa: E402
+from meshllm_dsl.check import check_text  # noqa: E402
+from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
+
+LLAMA = "model m = llama { vocab = 32, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 32, dtype = fp32 }"
+MEGATRON = """
+    shard blocks.*.attn.{q,k,v} column(tensor)
+    shard blocks.*.attn.o row(tensor)
+    shard blocks.*.mlp.{gate,up} column(tensor)
+    shard blocks.*.mlp.down row(tensor)
+    shard embed vocab_parallel(tensor)
+    shard lm_head column(tensor)
+"""
+
+
+def _plan(axes: str, body: str) -> str:
+    return f"mesh m {{ axes {axes} }}\n{LLAMA}\nplan p on m for m {{\n    batch = 4\n    seq = 6\n{body}\n}}\n"
+
+
+PLANS = {
+    "tensor2": _plan("tensor = 2", MEGATRON),
+    "pipeline2": _plan("pipeline = 2", "    microbatches = 2\n    stages over pipeline balanced\n    schedule gpipe"),
+    "microbatches2": _plan("tensor = 2", MEGATRON + "    microbatches = 2"),
+    "data2": _plan("data = 2", "    layout { batch -> data }\n    optimizer adamw { zero 1 }"),
+}
+
+# fault -> (plan, where the difference must show, where it must not)
+CASES = {
+    "naive_all_reduce": ("tensor2", "grad", "logits"),
+    "missing_all_reduce": ("tensor2", "logits", None),
+    "off_by_one_slice": ("tensor2", "logits", None),
+    "rotary_offset": ("tensor2", "logits", None),
+    "loss_scaled_twice": ("pipeline2", "grad", "logits"),
+    "loss_scaled_twice_no_pipeline": ("microbatches2", "grad", "logits"),
+    "dp_grads_summed": ("data2", "grad", "loss"),
+}
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[WorkerPool]:
+    with WorkerPool(world_size=8, timeout=180.0) as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def modules(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, int]]:
+    out = {}
+    directory = tmp_path_factory.mktemp("fault_plans")
+    for name, text in PLANS.items():
+        result = check_text(text, f"{name}.mesh")
+        assert result.ok, [d.message for d in result.errors]
+        (plan,) = result.plans.values()
+        out[name] = (write_module(plan, text, directory), plan.mesh.devices)
+    return out
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_plans_without_faults_compare_equal(plan: str, pool: WorkerPool, modules: dict[str, tuple[str, int]]) -> None:
+    path, n = modules[plan]
+    per_rank = pool.run(compare, n, path, ("float64",), 0, None, "tensor")
+    assert not over_tolerance(per_rank)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_planted_fault_is_caught(case: str, pool: WorkerPool, modules: dict[str, tuple[str, int]]) -> None:
+    plan, shows_in, clean_in = CASES[case]
+    fault = case.removesuffix("_no_pipeline")
+    path, n = modules[plan]
+    per_rank = pool.run(compare, n, path, ("float64",), 0, fault, "tensor")
+    tol = TOLERANCE["float64"]
+    # The comparison reports the fault ...
+    assert over_tolerance(per_rank), f"{fault} went unnoticed"
+    # ... in the place this bug shows (far above rounding), and not where it cannot.
+    assert worst(per_rank, "float64", shows_in) > 1e3 * tol, f"{fault}: {shows_in} error {worst(per_rank, 'float64', shows_in)}"
+    if clean_in is not None:
+        assert worst(per_rank, "float64", clean_in) <= tol, f"{fault} should leave {clean_in} exact"
+
+
+def test_faults_are_undone_after_the_job(pool: WorkerPool, modules: dict[str, tuple[str, int]]) -> None:
+    # Workers are long-lived: a fault planted in one job must not leak into the next.
+    path, n = modules["tensor2"]
+    pool.run(compare, n, path, ("float64",), 0, "missing_all_reduce", "tensor")
+    assert not over_tolerance(pool.run(compare, n, path, ("float64",), 0, None, "tensor"))
