@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib.util
+import math
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -68,9 +69,8 @@ class _Patches:
 def _naive_all_reduce(p: _Patches, info: dict[str, Any]) -> None:
     """(i) torch.distributed.nn.functional.all_reduce as the g operator: its backward all-reduces
     the gradient again, so everything upstream of a row layer gets tensor-size times the gradient."""
-    import torch.distributed.nn.functional as dnn
-
     import meshllm_dsl.runtime as rt
+    import torch.distributed.nn.functional as dnn
 
     p.set(rt, "reduce_from", lambda x, group: x if group is None else dnn.all_reduce(x, group=group))
 
@@ -98,8 +98,7 @@ class _NeighbourMesh:
 
 def _off_by_one_slice(p: _Patches, info: dict[str, Any]) -> None:
     """(iii) the shard slice is off by one block on the first rank of each sharded axis."""
-    import meshllm_dsl.runtime.program as program
-    import meshllm_dsl.runtime.shards as shards
+    from meshllm_dsl.runtime import program, shards
 
     real = shards.local_slice
     p.set(program, "local_slice", lambda full, spec, mesh: real(full, spec, _NeighbourMesh(mesh)))
@@ -145,7 +144,6 @@ def _loss_scaled_twice(p: _Patches, info: dict[str, Any]) -> None:
 def _dp_grads_summed(p: _Patches, info: dict[str, Any]) -> None:
     """(vi) data-parallel gradients all-reduced (summed) but not divided by the replica count."""
     import torch.distributed as dist
-
     from meshllm_dsl.runtime.program import Built
 
     real = Built._sync_grads
@@ -198,9 +196,8 @@ def compare(
     tensor_axis: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """On each rank: {dtype: {"logits" | "loss" | "grad NAME" | "param NAME": max abs error}}."""
-    import torch
-
     import meshllm_dsl.runtime as rt
+    import torch
     from meshllm_dsl.runtime.reference import build_reference
 
     base = _load(path).PROGRAM
@@ -250,7 +247,7 @@ def compare(
 def worst(per_rank: list[dict[str, dict[str, float]]], dtype: str, prefix: str = "") -> float:
     """Largest error over ranks among entries whose key starts with `prefix` (NaN counts as inf)."""
     vals = [v for r in per_rank for k, v in r[dtype].items() if k.startswith(prefix)]
-    return max((float("inf") if v != v else v for v in vals), default=0.0)
+    return max((math.inf if math.isnan(v) else v for v in vals), default=0.0)
 
 
 def over_tolerance(per_rank: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
@@ -260,5 +257,6 @@ def over_tolerance(per_rank: list[dict[str, dict[str, float]]]) -> dict[str, dic
         for dtype, errs in r.items():
             for k, v in errs.items():
                 if not v <= TOLERANCE[dtype]:
-                    bad.setdefault(dtype, {})[k] = max(bad.get(dtype, {}).get(k, 0.0), v if v == v else float("inf"))
+                    seen = bad.setdefault(dtype, {})
+                    seen[k] = max(seen.get(k, 0.0), math.inf if math.isnan(v) else v)
     return bad

@@ -16,6 +16,7 @@ violations as not *required*, but the plan stays invalid.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -737,9 +738,8 @@ def _tensor_rules(draw: Callable[..., Any], spec: Spec, tp: str, fault: str) -> 
 
     bad_unit = draw(st.sampled_from(["attn", "mlp"]))
     fault_style = fault if fault in ("column_column", "replicated_after_column", "mismatched_inputs", "row_inputs") else None
-    if fault_style == "mismatched_inputs":
-        if fam == "gpt2":
-            fault_style = "column_column"  # one input projection per unit: nothing to mismatch
+    if fault_style == "mismatched_inputs" and fam == "gpt2":
+        fault_style = "column_column"  # one input projection per unit: nothing to mismatch
     if how == "per_block":
         bad_block = draw(st.integers(0, spec.dims["layers"] - 1))
         for b in range(spec.dims["layers"]):
@@ -751,12 +751,11 @@ def _tensor_rules(draw: Callable[..., Any], spec: Spec, tp: str, fault: str) -> 
     elif how in ("shard", "mixed"):
         for u in ("attn", "mlp"):
             s_ = fault_style if fault_style and u == bad_unit else style[u]
-            if how == "mixed" and u == "attn" and not fault_style:
-                if s_ == "megatron":
-                    spec.layout["heads"] = ax
-                    if fam == "llama":
-                        spec.layout["kv_heads"] = ax
-                    continue
+            if how == "mixed" and u == "attn" and not fault_style and s_ == "megatron":
+                spec.layout["heads"] = ax  # attention placed by layout entries, the mlp by shard rules
+                if fam == "llama":
+                    spec.layout["kv_heads"] = ax
+                continue
             rules += unit_rules("*", u, s_)
     else:  # layout only: megatron everywhere the entries reach
         spec.layout["heads"] = ax
@@ -836,7 +835,7 @@ def _stage_map(draw: Callable[..., Any], family: str, layers: int, count: int, f
     count = min(count, n)
     cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=count - 1, max_size=count - 1, unique=True))) if count > 1 else []
     bounds = [0, *cuts, n]
-    stages = [_merge(items[a:b]) for a, b in zip(bounds, bounds[1:])]
+    stages = [_merge(items[a:b]) for a, b in itertools.pairwise(bounds)]
     if fault == "stage_count":
         if len(stages) > 1 and draw(st.booleans()):
             i = draw(st.integers(0, len(stages) - 2))

@@ -6,21 +6,24 @@ of them with a deliberate mistake. `Spec.verdict()` re-derives validity from the
 without calling the checker; the checker must agree on accept / reject, and for a rejected plan its
 diagnostics must include the code of every violation the oracle is sure the checker reports.
 
-Pure Python: 300 examples in the default profile, 2000 with `--hypothesis-profile=thorough`.
+Pure Python: 300 examples in the default profile (derandomized: the same plans every run), 2000
+fresh ones with `--hypothesis-profile=thorough`.
 """
 
 from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, event, given, settings
-
 from meshgen import Rule, Spec, plan_specs
+
 from meshllm_dsl.check import check_text
 
 THOROUGH = settings.get_current_profile_name() == "thorough"
 CHECKER = settings(
     max_examples=2000 if THOROUGH else 300,
     deadline=None,
+    derandomize=not THOROUGH,  # the same 300 plans every default run; thorough draws fresh ones
+    database=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 

@@ -21,10 +21,11 @@ from hypothesis import HealthCheck, event, given, note, settings
 
 pytest.importorskip("torch")
 
-from equiv import compare, over_tolerance, write_module  # noqa: E402
-from meshgen import Spec, plan_specs, tied_head_in_embedding_stage  # noqa: E402
-from meshllm_dsl.check import check_text  # noqa: E402
-from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
+from equiv import compare, over_tolerance, write_module
+from meshgen import Spec, plan_specs, tied_head_in_embedding_stage
+from meshllm_dsl.runtime.pool import WorkerPool
+
+from meshllm_dsl.check import check_text
 
 THOROUGH = settings.get_current_profile_name() == "thorough"
 N_PLANS = int(os.environ.get("MESHLLM_PROP_PLANS", "250" if THOROUGH else "12"))

@@ -16,15 +16,15 @@ with it the comparison must report differences above tolerance, in the place the
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 
-from equiv import TOLERANCE, compare, over_tolerance, worst, write_module  # noqa: E402
-from meshllm_dsl.check import check_text  # noqa: E402
-from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
+from equiv import TOLERANCE, compare, over_tolerance, worst, write_module
+from meshllm_dsl.runtime.pool import WorkerPool
+
+from meshllm_dsl.check import check_text
 
 LLAMA = "model m = llama { vocab = 32, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 32, dtype = fp32 }"
 MEGATRON = """
