@@ -11,7 +11,7 @@ from pathlib import Path
 import attrs
 import jinja2
 
-from meshllm_dsl.check import CheckResult
+from meshllm_dsl.checker import CheckResult
 from meshllm_dsl.codegen.lower import lower
 from meshllm_dsl.ir import PlanIR
 

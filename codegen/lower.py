@@ -19,10 +19,9 @@ import attrs
 from meshllm_dsl.ir import (
     REPLICATE,
     BlockClass,
-    Collective,
     Leaf,
-    PlanIR,
     Placement,
+    PlanIR,
     Repeat,
     Stage,
     Tensor,
@@ -377,7 +376,6 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
     flows = dict(plan.top_flows)
     model = plan.model
     first = stage.index == 0
-    last = stage.index == len(plan.stages) - 1
     init: list[Line] = []
     forward: list[Line] = []
     params: list[Line] = []
@@ -538,10 +536,10 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
     classes += stage_classes
     loss = _loss_lines(plan)
     program = [
-        Line(f"model=MODEL,"),
-        Line(f"axes=AXES,"),
+        Line("model=MODEL,"),
+        Line("axes=AXES,"),
         Line(f"stages=({', '.join(c.name for c in stage_classes)},),"),
-        Line(f"loss=make_loss,"),
+        Line("loss=make_loss,"),
         Line(f"pipeline_axis={plan.pipeline_axis!r},"),
         Line(f"batch_axes={_tuple(list(plan.batch_axes)) if plan.batch_axes else '()'},"),
         Line(f"schedule={plan.schedule!r},"),

@@ -1,14 +1,14 @@
 """meshllm: describe how a large language model is split over devices, check it, compile it.
 
 The pipeline, one module per stage: grammar/mesh.lark -> parser (text -> ast) -> load (includes)
--> resolve (names, dims, primitives) -> check (placements, layouts, stages: ir.PlanIR) -> codegen
+-> resolve (names, dims, primitives) -> checker (placements, layouts, stages: ir.PlanIR) -> codegen
 (templates) -> runtime (torch.distributed).
 """
 
 from __future__ import annotations
 
 from meshllm_dsl.ast import Module
-from meshllm_dsl.check import CheckResult, check_file, check_text
+from meshllm_dsl.checker import CheckResult, check_file, check_text
 from meshllm_dsl.diagnostics import Diagnostic, SpecError
 from meshllm_dsl.fmt import format_text
 from meshllm_dsl.ir import PlanIR
@@ -22,6 +22,7 @@ __all__ = [
     "SpecError",
     "check",
     "check_file",
+    "compile",
     "check_text",
     "format_text",
     "parse",
@@ -32,3 +33,21 @@ __version__ = "0.1.0"
 def check(path_or_text: str, *, text: bool = False) -> CheckResult:
     """Check a .mesh file (or, with text=True, .mesh source) and return diagnostics and plans."""
     return check_text(path_or_text) if text else check_file(path_or_text)
+
+
+def compile(path: str, out_dir: str | None = None) -> dict[str, str]:  # noqa: A001 - mirrors `meshc compile`
+    """Compile every plan of a .mesh file: file name -> generated source (written to out_dir if given).
+
+    Raises SpecError with every diagnostic when the spec has errors.
+    """
+    from pathlib import Path
+
+    from meshllm_dsl.codegen.emit import render_package, write_package
+
+    result = check_file(path)
+    if not result.ok:
+        raise SpecError(result.errors)
+    files = render_package(result, path, Path(path).read_text())
+    if out_dir is not None:
+        write_package(files, out_dir)
+    return files

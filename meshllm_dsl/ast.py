@@ -6,8 +6,6 @@ compares structure only.
 
 from __future__ import annotations
 
-from typing import Union
-
 import attrs
 
 from meshllm_dsl.source import Span
@@ -60,7 +58,7 @@ class Neg:
     span: Span | None = _span
 
 
-Expr = Union[Name, IntLit, FloatLit, StrLit, BinOp, Neg]
+Expr = Name | IntLit | FloatLit | StrLit | BinOp | Neg
 
 
 @attrs.frozen
@@ -121,7 +119,7 @@ class RepeatDecl:
     span: Span | None = _span
 
 
-LayerStmt = Union[LayerDecl, RepeatDecl]
+LayerStmt = LayerDecl | RepeatDecl
 
 
 @attrs.frozen
@@ -261,7 +259,7 @@ class OptimizerStmt:
     span: Span | None = _span
 
 
-PlanStmt = Union[Setting, ShardStmt, LossStmt, LayoutStmt, StagesStmt, ScheduleStmt, OptimizerStmt]
+PlanStmt = Setting | ShardStmt | LossStmt | LayoutStmt | StagesStmt | ScheduleStmt | OptimizerStmt
 
 
 @attrs.frozen
@@ -279,7 +277,7 @@ class Include:
     span: Span | None = _span
 
 
-Item = Union[Include, DeviceDecl, MeshDecl, FamilyDecl, ModelDecl, PlanDecl]
+Item = Include | DeviceDecl | MeshDecl | FamilyDecl | ModelDecl | PlanDecl
 
 
 @attrs.frozen

@@ -26,7 +26,7 @@ def _existing(paths: Sequence[str]) -> list[str]:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from meshllm_dsl.check import check_file
+    from meshllm_dsl.checker import check_file
 
     diags: list[Diagnostic] = []
     for path in _existing(args.files):

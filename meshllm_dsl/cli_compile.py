@@ -14,7 +14,7 @@ from meshllm_dsl.diagnostics import render_all
 
 
 def _checked(path: str, plan_name: str | None = None):  # type: ignore[no-untyped-def]
-    from meshllm_dsl.check import check_file
+    from meshllm_dsl.checker import check_file
     from meshllm_dsl.cli import UsageError
 
     if not Path(path).is_file():

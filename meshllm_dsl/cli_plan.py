@@ -14,7 +14,7 @@ from pathlib import Path
 import attrs
 
 from meshllm_dsl import ast
-from meshllm_dsl.check import CheckResult, check_declarations
+from meshllm_dsl.checker import CheckResult, check_declarations
 from meshllm_dsl.devices import PROFILES, DeviceProfile, declared_profiles
 from meshllm_dsl.diagnostics import Diagnostic, render_all
 from meshllm_dsl.ir import PlanIR

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Union
 
 import attrs
 
 from meshllm_dsl.source import Span
 
-Value = Union[int, float, str, bool]
+Value = int | float | str | bool
 
 # Rule names a `shard` statement may use.
 RULES = ("column", "row", "vocab_parallel", "replicate")
@@ -186,7 +185,7 @@ class Repeat:
         return sum(u.numel for u in self.body)
 
 
-Item = Union[Unit, Repeat]
+Item = Unit | Repeat
 
 
 @attrs.frozen

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from meshllm_dsl import ast
-from meshllm_dsl.check import check_text
+from meshllm_dsl.checker import check_text
 from meshllm_dsl.devices import DeviceProfile
 from meshllm_dsl.ir import ModelIR, PlanIR, Repeat
 from meshllm_dsl.load import load

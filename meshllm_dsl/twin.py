@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from meshllm_dsl import ast
-from meshllm_dsl.check import CheckResult, check_text
+from meshllm_dsl.checker import CheckResult, check_text
 from meshllm_dsl.fmt import format_module
 from meshllm_dsl.ir import PlanIR, Repeat
 from meshllm_dsl.load import load

@@ -61,7 +61,7 @@ def compare_job(ctx: Any, path: str, dtype_name: str, seed: int) -> dict[str, fl
 
 def verify(path: str, plan_name: str | None, dtype_name: str = "float64", seed: int = 0) -> tuple[str, bool]:
     """Report text and verdict for the tiny twin of a plan. Raises SpecError-free: caller checks."""
-    from meshllm_dsl.check import check_file
+    from meshllm_dsl.checker import check_file
     from meshllm_dsl.codegen.emit import render_plan
     from meshllm_dsl.runtime.pool import WorkerPool
     from meshllm_dsl.twin import make_twin, twin_values

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from meshllm_dsl.check import check_file, check_text
+from meshllm_dsl.checker import check_file, check_text
 from meshllm_dsl.codegen.emit import render_plan
 
 ROOT = Path(__file__).resolve().parents[2]

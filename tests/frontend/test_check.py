@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from helpers import EXAMPLES
 
-from meshllm_dsl.check import check_file, check_text
+from meshllm_dsl.checker import check_file, check_text
 from meshllm_dsl.ir import Collective, Layout, PlanIR, StagePiece
 
 TP = Collective  # shorthand

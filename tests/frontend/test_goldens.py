@@ -12,7 +12,7 @@ import re
 import pytest
 from helpers import ERRORS, EXAMPLES, ROOT, meshc
 
-from meshllm_dsl.check import check_file
+from meshllm_dsl.checker import check_file
 from meshllm_dsl.codes import CODES
 
 ERROR_FILES = sorted(ERRORS.glob("*.mesh"))

@@ -213,7 +213,7 @@ def test_empty_file_parses() -> None:
 def test_trailing_comma_after_axes_swallows_the_next_setting_and_is_rejected() -> None:
     # Newlines are not significant, so `axes a = 2, b = 4,` + `hosts = 2` parses `hosts` as a third
     # axis; the checker must reject it instead of building a 3-D mesh of 16 devices.
-    from meshllm_dsl.check import check_text
+    from meshllm_dsl.checker import check_text
 
     module = parse("mesh m {\n    axes a = 2, b = 4,\n    hosts = 2\n}\n")
     mesh = module.items[0]

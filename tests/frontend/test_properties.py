@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.lark import from_lark
 
-from meshllm_dsl.check import check_text
+from meshllm_dsl.checker import check_text
 from meshllm_dsl.codes import CODES
 from meshllm_dsl.diagnostics import SpecError, render_all, to_json
 from meshllm_dsl.fmt import format_text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from meshllm_dsl.check import check_text
+from meshllm_dsl.checker import check_text
 from meshllm_dsl.ir import ModelIR, Repeat, Unit
 
 
@@ -18,7 +18,7 @@ LLAMA = "model m = llama {{ vocab = 32000, hidden = {h}, layers = {l}, heads = {
 
 
 @pytest.mark.parametrize(
-    "h, l, a, kv, f, params",
+    "h, n, a, kv, f, params",
     [
         (4096, 32, 32, "", 11008, 6_738_415_616),  # Llama 2 7B
         (5120, 40, 40, "", 13824, 13_015_864_320),  # Llama 2 13B
@@ -26,8 +26,8 @@ LLAMA = "model m = llama {{ vocab = 32000, hidden = {h}, layers = {l}, heads = {
     ],
     ids=["7b", "13b", "70b"],
 )
-def test_llama2_parameter_counts(h: int, l: int, a: int, kv: str, f: int, params: int) -> None:
-    m = model_of(LLAMA.format(h=h, l=l, a=a, kv=kv, f=f))
+def test_llama2_parameter_counts(h: int, n: int, a: int, kv: str, f: int, params: int) -> None:
+    m = model_of(LLAMA.format(h=h, l=n, a=a, kv=kv, f=f))
     assert m.numel == params
 
 

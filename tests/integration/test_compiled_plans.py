@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import meshllm_dsl.runtime as rt  # noqa: E402
-from meshllm_dsl.check import check_text  # noqa: E402
+from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
 from meshllm_dsl.runtime.pool import RankContext, WorkerPool  # noqa: E402
 from meshllm_dsl.runtime.reference import build_reference  # noqa: E402

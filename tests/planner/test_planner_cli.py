@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshllm_dsl.check import check_text
+from meshllm_dsl.checker import check_text
 from meshllm_dsl.cli import main
 from meshllm_dsl.devices import PROFILES
 from meshllm_dsl.planner_suggest import _prelude_text, suggest

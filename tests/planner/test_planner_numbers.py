@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from meshllm_dsl.check import check_file, check_text
+from meshllm_dsl.checker import check_file, check_text
 from meshllm_dsl.devices import PROFILES
 from meshllm_dsl.ir import PlanIR
 from meshllm_dsl.planner import (

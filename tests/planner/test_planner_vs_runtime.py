@@ -17,11 +17,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from meshllm_dsl.codegen.emit import render_plan
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool
-
-from meshllm_dsl.check import check_text
-from meshllm_dsl.planner import analyze
+from meshllm_dsl.checker import check_text  # noqa: E402 - after the torch skip
+from meshllm_dsl.codegen.emit import render_plan  # noqa: E402 - after the torch skip
+from meshllm_dsl.planner import analyze  # noqa: E402 - after the torch skip
+from meshllm_dsl.runtime.pool import RankContext, WorkerPool  # noqa: E402 - after the torch skip
 
 ROOT = Path(__file__).resolve().parents[2]
 

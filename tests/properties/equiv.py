@@ -69,8 +69,9 @@ class _Patches:
 def _naive_all_reduce(p: _Patches, info: dict[str, Any]) -> None:
     """(i) torch.distributed.nn.functional.all_reduce as the g operator: its backward all-reduces
     the gradient again, so everything upstream of a row layer gets tensor-size times the gradient."""
-    import meshllm_dsl.runtime as rt
     import torch.distributed.nn.functional as dnn
+
+    import meshllm_dsl.runtime as rt
 
     p.set(rt, "reduce_from", lambda x, group: x if group is None else dnn.all_reduce(x, group=group))
 
@@ -144,6 +145,7 @@ def _loss_scaled_twice(p: _Patches, info: dict[str, Any]) -> None:
 def _dp_grads_summed(p: _Patches, info: dict[str, Any]) -> None:
     """(vi) data-parallel gradients all-reduced (summed) but not divided by the replica count."""
     import torch.distributed as dist
+
     from meshllm_dsl.runtime.program import Built
 
     real = Built._sync_grads
@@ -196,8 +198,9 @@ def compare(
     tensor_axis: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """On each rank: {dtype: {"logits" | "loss" | "grad NAME" | "param NAME": max abs error}}."""
-    import meshllm_dsl.runtime as rt
     import torch
+
+    import meshllm_dsl.runtime as rt
     from meshllm_dsl.runtime.reference import build_reference
 
     base = _load(path).PROGRAM

@@ -309,7 +309,7 @@ class _Oracle:
                     self.eff[(key, b)] = ("replicate", ())
         legal = not self.overlap
         # divisibility of every sharded placement
-        for (key, b), p in self.eff.items():
+        for (key, _b), p in self.eff.items():
             if p is None or p[0] == "replicate" or not p[1] or key[0] == "top" and key[1] in ("norm", "pos"):
                 continue
             rule, axes = p

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from meshgen import Rule, Spec, plan_specs
 
-from meshllm_dsl.check import check_text
+from meshllm_dsl.checker import check_text
 
 THOROUGH = settings.get_current_profile_name() == "thorough"
 CHECKER = settings(

@@ -22,9 +22,9 @@ import pytest
 pytest.importorskip("torch")
 
 from equiv import TOLERANCE, compare, over_tolerance, worst, write_module
-from meshllm_dsl.runtime.pool import WorkerPool
 
-from meshllm_dsl.check import check_text
+from meshllm_dsl.checker import check_text
+from meshllm_dsl.runtime.pool import WorkerPool
 
 LLAMA = "model m = llama { vocab = 32, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 32, dtype = fp32 }"
 MEGATRON = """

@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import meshllm_dsl.runtime as rt
 import torch
 from torch import Tensor, nn
+
+import meshllm_dsl.runtime as rt
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN, SEQ_MAX = 64, 32, 8, 4, 4, 64, 16
 

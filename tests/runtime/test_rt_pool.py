@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
+
 from meshllm_dsl.runtime.pool import PoolError, RankContext, WorkerPool
 
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 
-import meshllm_dsl.runtime as rt
 import pytest
 import torch
 import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import meshllm_dsl.runtime as rt
 from meshllm_dsl.runtime.pool import RankContext, WorkerPool
 
 

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import meshllm_dsl.runtime as rt
 import pytest
 import torch
 import torch.distributed as dist
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool
-from meshllm_dsl.runtime.reference import build_reference
 from rt_models import (
     HIDDEN,
     VOCAB,
@@ -23,6 +20,10 @@ from rt_models import (
     vocab_loss,
 )
 from torch import nn
+
+import meshllm_dsl.runtime as rt
+from meshllm_dsl.runtime.pool import RankContext, WorkerPool
+from meshllm_dsl.runtime.reference import build_reference
 
 TOL = {"float32": 1e-5, "float64": 1e-10}
 

@@ -401,7 +401,7 @@ class PlanChecker(Resolver):
                 return f"`{rep.name}` has {rep.count} blocks, numbered 0 to {rep.count - 1}"
         # A pattern naming a composite (attention, mlp): list its layers.
         text = str(path)
-        for item, unit, leaf in self.model.leaves():
+        for item, unit, _leaf in self.model.leaves():
             prefix = (f"{item.name}.*." if isinstance(item, Repeat) else "") + unit.name
             if text == prefix or text.endswith("." + unit.name) and len(unit.leaves) > 1:
                 names = ",".join(lf.name for lf in unit.leaves)
@@ -417,7 +417,6 @@ class PlanChecker(Resolver):
         top: dict[str, Placement] = {}
         per_leaf_default: dict[tuple[str, ...], Placement] = {}
         per_leaf_exceptions: dict[tuple[str, ...], dict[int, Placement]] = {}
-        units_needed: dict[tuple[tuple[str, ...], int], list[tuple[str, int, Placement]]] = {}
         for item, _unit, leaf in self.model.leaves():
             ms = by_leaf.get(leaf, [])
             in_repeat = isinstance(item, Repeat)
