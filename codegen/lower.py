@@ -28,6 +28,7 @@ from meshllm_dsl.ir import (
     Unit,
     UnitFlow,
 )
+from meshllm_dsl.names import ranges
 
 TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32", "fp64": "torch.float64"}
 
@@ -345,7 +346,7 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
     group_init = [Line(f"self.{attr} = mesh.group({', '.join(repr(a) for a in axes)})",
                        f"{_axes_text(axes)}: {plan.mesh.size(*axes)} ranks") for axes, attr in groups.items()]
     idx = cls.indices
-    doc = f"Blocks {_ranges(idx)} of `{rep.name}`: " + ", ".join(f"{u.name} ({u.kind})" for u in rep.body) + "."
+    doc = f"Blocks {ranges(idx, ', ')} of `{rep.name}`: " + ", ".join(f"{u.name} ({u.kind})" for u in rep.body) + "."
     return ClassDef(name, doc, group_init + init, "x: torch.Tensor", forward, params)
 
 
@@ -354,19 +355,6 @@ def _hidden(rep: Repeat) -> int:
         if u.kind in ("attention", "mlp"):
             return int(dict(u.attrs)["hidden"])
     return int(dict(rep.body[0].attrs).get("dim", 0))  # type: ignore[arg-type]
-
-
-def _ranges(idx: Sequence[int]) -> str:
-    runs = []
-    start = prev = idx[0]
-    for b in [*idx[1:], None]:
-        if b is not None and b == prev + 1:
-            prev = b
-            continue
-        runs.append(str(start) if start == prev else f"{start}-{prev}")
-        if b is not None:
-            start = prev = b
-    return ", ".join(runs)
 
 
 def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> ClassDef:

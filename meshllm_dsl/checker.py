@@ -33,7 +33,7 @@ from meshllm_dsl.ir import (
 )
 from meshllm_dsl.layouts import block_flows, top_flows
 from meshllm_dsl.load import Declarations, load
-from meshllm_dsl.names import did_you_mean, divisors, or_list
+from meshllm_dsl.names import did_you_mean, divisors, or_list, ranges
 from meshllm_dsl.resolve import Binding, ModelResolver, Resolver, resolve_mesh
 from meshllm_dsl.source import Span
 
@@ -1021,21 +1021,12 @@ def _seg_matches(seg: ast.PathSegment, name: str) -> bool:
     return False
 
 
-def _blocks_text(blocks: Sequence[int]) -> str:
-    if not blocks:
+def _blocks_text(blocks: Iterable[int]) -> str:
+    """Block indices as a path segment: `3` or `{0-3,5}`."""
+    xs = list(blocks)
+    if not xs:
         return "{}"
-    if len(blocks) == 1:
-        return str(blocks[0])
-    runs = []
-    start = prev = blocks[0]
-    for b in list(blocks[1:]) + [None]:  # type: ignore[list-item]
-        if b is not None and b == prev + 1:
-            prev = b
-            continue
-        runs.append(str(start) if start == prev else f"{start}-{prev}")
-        if b is not None:
-            start = prev = b
-    return "{" + ",".join(runs) + "}"
+    return str(xs[0]) if len(xs) == 1 else "{" + ranges(xs) + "}"
 
 
 def _human(n: int) -> str:

@@ -45,6 +45,17 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0] if n > 0 else []
 
 
+def ranges(indices: Iterable[int], sep: str = ",") -> str:
+    """Integers as runs: [0, 1, 2, 5] -> "0-2,5" (for block and rank lists)."""
+    runs: list[list[int]] = []
+    for x in sorted(set(indices)):
+        if runs and runs[-1][1] == x - 1:
+            runs[-1][1] = x
+        else:
+            runs.append([x, x])
+    return sep.join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def or_list(items: Iterable[object]) -> str:
     xs = [str(x) for x in items]
     if len(xs) > 12:

@@ -42,6 +42,7 @@ from meshllm_dsl.ir import (
     Unit,
     UnitFlow,
 )
+from meshllm_dsl.names import ranges
 from meshllm_dsl.source import Span
 
 # ---------------------------------------------------------------- assumptions
@@ -172,16 +173,7 @@ def held_units(plan: PlanIR, stage: Stage) -> Iterator[HeldUnit]:
 
 
 def _ranges(blocks: list[int]) -> str:
-    runs: list[str] = []
-    start = prev = blocks[0]
-    for b in [*blocks[1:], None]:
-        if b is not None and b == prev + 1:
-            prev = b
-            continue
-        runs.append(str(start) if start == prev else f"{start}-{prev}")
-        if b is not None:
-            start = prev = b
-    return ",".join(runs)
+    return ranges(blocks)
 
 
 def stage_label(plan: PlanIR, stage: Stage) -> str:

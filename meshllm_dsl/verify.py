@@ -16,7 +16,8 @@ from typing import Any
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
 
 
-def _load_module(path: str) -> Any:
+def load_generated(path: str) -> Any:
+    """Import a generated module from its file (each rank of a job imports it itself)."""
     spec = importlib.util.spec_from_file_location(Path(path).stem + "_twin", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -33,7 +34,7 @@ def compare_job(ctx: Any, path: str, dtype_name: str, seed: int) -> dict[str, fl
     from meshllm_dsl.runtime.reference import build_reference
 
     dtype = getattr(torch, dtype_name)
-    program = dataclasses.replace(_load_module(path).PROGRAM, dtype=dtype)
+    program = dataclasses.replace(load_generated(path).PROGRAM, dtype=dtype)
     built = program.build(ctx.mesh(program.axes), seed=seed)
     ref = build_reference(dict(program.model), dtype, seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)

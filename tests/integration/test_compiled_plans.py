@@ -7,7 +7,6 @@ process: forward logits, step-0 gradients, the loss at every step and every para
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,6 +20,7 @@ from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
 from meshllm_dsl.runtime.pool import RankContext, WorkerPool  # noqa: E402
 from meshllm_dsl.runtime.reference import build_reference  # noqa: E402
+from meshllm_dsl.verify import load_generated  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 TOL = 1e-5
@@ -64,17 +64,8 @@ CASES: dict[str, str] = {
 }
 
 
-def _load_module(path: str) -> Any:
-    spec = importlib.util.spec_from_file_location(Path(path).stem + "_generated", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 def _job(ctx: RankContext, path: str) -> dict[str, float]:
-    program = _load_module(path).PROGRAM
+    program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
     ref = build_reference(dict(program.model), torch.float32, seed=0)
     opt_kwargs = {"lr": 1e-3, **dict(program.optimizer)}
