@@ -111,6 +111,8 @@ def render(d: Diagnostic) -> str:
         lines.extend(_snippet(d.span, d.label, "^", gutter))
     for lab in d.secondary:
         if d.span is None or lab.span.file != d.span.file:
+            if d.span is not None:
+                lines.append(f"{pad} |")
             lines.append(f"{pad}::: {lab.span}")
         lines.append(f"{pad} |")
         lines.extend(_snippet(lab.span, lab.message, "-", gutter))

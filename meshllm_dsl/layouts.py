@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from meshllm_dsl.diagnostics import Label
 from meshllm_dsl.ir import REPLICATE, Collective, Layout, ModelIR, Placement, Repeat, Unit, UnitFlow
 from meshllm_dsl.source import Span
 
@@ -26,21 +27,30 @@ def _rule_text(p: Placement) -> str:
     return f"{p.rule}({', '.join(p.axes)})" if p.sharded else "replicate"
 
 
-def _through(p: Placement, x: Layout, where: str, r: _Reporter, collectives: list[Collective]) -> Layout | None:
-    """Layout after a linear with placement `p` whose input has layout `x`; None after an error."""
+def _through(p: Placement, x: Layout, where: str, r: _Reporter, collectives: list[Collective],
+             source: tuple[str, Placement] | None = None) -> Layout | None:
+    """Layout after a linear with placement `p` whose input has layout `x`; None after an error.
+
+    `source` names the layer that produced a sharded input, so errors can point at its rule too.
+    """
+    def producer() -> tuple[Label, ...]:
+        if source is None or source[1].span is None or source[1].span == p.span:
+            return ()
+        return (Label(source[1].span, f"`{source[0]}` shards its output here"),)
+
     if not p.sharded:
         if x.kind == "S" and p.span is None:
             return None  # placed by no rule at all: E0501 already names it; a layout error would be noise
         if x.kind == "S":
             r.error("E0402", f"`{where}` is replicated but its input is sharded over {' x '.join(x.axes)}", p.span,
-                    label="needs the full input",
+                    label="needs the full input", secondary=producer(),
                     help=f"make `{where}` `row({', '.join(x.axes)})`: a column layer pairs with a row layer")
             return None
         return R
     if p.rule == "column":
         if x.kind == "S":
             r.error("E0402", f"column layer `{where}` is fed an activation already sharded over {' x '.join(x.axes)}",
-                    p.span, label="column after column",
+                    p.span, label="column after column", secondary=producer(),
                     help=f"make `{where}` `row({', '.join(x.axes)})`: a column layer must be followed by a row layer")
             return None
         collectives.append(Collective("copy_to", p.axes, "input"))
@@ -49,7 +59,7 @@ def _through(p: Placement, x: Layout, where: str, r: _Reporter, collectives: lis
     if x.kind == "S":
         if x.axes != p.axes:
             r.error("E0402", f"row layer `{where}` splits over {' x '.join(p.axes)} but its input is sharded over "
-                    f"{' x '.join(x.axes)}", p.span, label="axes differ",
+                    f"{' x '.join(x.axes)}", p.span, label="axes differ", secondary=producer(),
                     help=f"use `row({', '.join(x.axes)})` to match the column layer before it")
             return None
     else:
@@ -114,7 +124,7 @@ def unit_flow(unit: Unit, prefix: str, placement: dict[str, Placement], r: _Repo
                 seen.add((c.op, c.axes))
                 unique.append(c)
         collectives = unique
-        y = _through(pl(out_leaf), layouts[first], name(out_leaf), r, collectives)
+        y = _through(pl(out_leaf), layouts[first], name(out_leaf), r, collectives, (name(first), pl(first)))
         if y is None:
             return None
         return _at_residual(y, name(out_leaf), pl(out_leaf), collectives, r)
