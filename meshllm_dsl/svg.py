@@ -199,7 +199,8 @@ def schedule_svg(plan: PlanIR) -> str:
     idle = 1 - busy / (span * p)
     label_w, top, row_h = 110, 78, 40
     unit = max(6.0, min(40.0, 1100 / span))
-    width = int(label_w + span * unit + 30)
+    # wide enough for the three caption lines (about 7 px per character at these sizes)
+    width = int(max(label_w + span * unit + 30, 660))
     height = top + p * (row_h + 8) + 70
     formula = bubble_fraction(plan.schedule, p, m, v)
     out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' viewBox='0 0 {width} {height}'>",
