@@ -7,21 +7,27 @@ expected; any larger difference is a bug in the plan's lowering or the runtime, 
 
 from __future__ import annotations
 
-import dataclasses
+import hashlib
 import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
 
-TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
-
 
 def load_generated(path: str) -> Any:
-    """Import a generated module from its file (each rank of a job imports it itself)."""
-    spec = importlib.util.spec_from_file_location(Path(path).stem + "_twin", path)
+    """Import a generated module from its file (each rank of a job imports it itself).
+
+    Named after its contents, so a long-lived worker that sees the same plan again reuses the
+    module and one that sees a different plan under the same file name does not.
+    """
+    text = Path(path).read_bytes()
+    name = "meshc_generated_" + hashlib.sha256(text).hexdigest()[:16]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
@@ -30,33 +36,10 @@ def compare_job(ctx: Any, path: str, dtype_name: str, seed: int) -> dict[str, fl
     """One rank's part of the comparison; rank 0 returns max |sharded - reference| per tensor."""
     import torch
 
-    import meshllm_dsl.runtime as rt
-    from meshllm_dsl.runtime.reference import build_reference
+    from meshllm_dsl.runtime.compare import compare_to_reference
 
-    dtype = getattr(torch, dtype_name)
-    program = dataclasses.replace(load_generated(path).PROGRAM, dtype=dtype)
-    built = program.build(ctx.mesh(program.axes), seed=seed)
-    ref = build_reference(dict(program.model), dtype, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    tokens = torch.randint(0, program.vocab, (program.batch, program.seq), generator=gen)
-    targets = torch.randint(0, program.vocab, (program.batch, program.seq), generator=gen)
-    errs: dict[str, float] = {}
-    logits = built.forward(tokens)
-    ref_logits = ref(tokens)
-    errs["logits"] = (logits.to(dtype) - ref_logits).abs().max().item()
-    opt = {"lr": 1e-3, **dict(program.optimizer)}
-    ref_opt = torch.optim.AdamW(ref.parameters(), **opt)
-    loss = built.train_step(tokens, targets)
-    ref_loss = rt.cross_entropy(ref(tokens), targets)
-    ref_loss.backward()
-    errs["loss"] = abs(loss - ref_loss.item())
-    grads = built.full_grads()
-    for name, p in ref.named_parameters():
-        errs[f"grad {name}"] = (grads[name] - p.grad).abs().max().item()
-    ref_opt.step()
-    state = built.full_state_dict()
-    for name, v in ref.state_dict().items():
-        errs[f"param {name}"] = (state[name] - v).abs().max().item()
+    program = load_generated(path).PROGRAM
+    errs = compare_to_reference(program, ctx.mesh(program.axes), dtype=getattr(torch, dtype_name), seed=seed)
     return errs if ctx.rank == 0 else None
 
 
@@ -64,6 +47,7 @@ def verify(path: str, plan_name: str | None, dtype_name: str = "float64", seed: 
     """Report text and verdict for the tiny twin of a plan. Raises SpecError-free: caller checks."""
     from meshllm_dsl.checker import check_file
     from meshllm_dsl.codegen.emit import render_plan
+    from meshllm_dsl.runtime.compare import TOLERANCE
     from meshllm_dsl.runtime.pool import WorkerPool
     from meshllm_dsl.twin import make_twin, twin_values
 
@@ -95,7 +79,7 @@ def verify(path: str, plan_name: str | None, dtype_name: str = "float64", seed: 
         "tiny twin: " + ", ".join(f"{k} {dict(plan.model.values)[k]} -> {v}" for k, v in values.items())
         + f"; batch {plan.batch} -> {twin.batch}, seq {plan.seq} -> {twin.seq}"
         + f" ({twin.model.numel:,} parameters)",
-        f"compared in {dtype_name} (tolerance {tol:g}): logits, loss, {sum(k.startswith('grad') for k in errs)} gradients,"
+        f"compared in {dtype_name} (tolerance {tol:g}): logits, loss, {sum(k.startswith('grad ') for k in errs)} gradients,"
         f" {sum(k.startswith('param') for k in errs)} parameters after one AdamW step",
         "",
         f"{'tensor':<44} {'max |sharded - unsharded|':>26}",

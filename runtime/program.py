@@ -42,6 +42,15 @@ _SCHEDULES = {
 }
 
 
+def adamw_kwargs(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A plan's optimizer settings as torch.optim.AdamW keyword arguments (lr defaults to 1e-3)."""
+    kw = dict(settings)
+    kw.setdefault("lr", 1e-3)
+    if "betas" in kw:
+        kw["betas"] = tuple(kw["betas"])
+    return kw
+
+
 def _schedule_name(name: str) -> str:
     key = name.lower().replace("_", "").replace("-", "")
     key = "interleaved1f1b" if key == "interleaved" else key
@@ -212,10 +221,7 @@ class Built:
         return list(seen.values())
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
-        kw = dict(self.program.optimizer)
-        kw.setdefault("lr", 1e-3)
-        if "betas" in kw:
-            kw["betas"] = tuple(kw["betas"])
+        kw = adamw_kwargs(self.program.optimizer)
         params = self.parameters()
         if self.program.zero >= 1 and self.dp > 1:
             from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -1,9 +1,8 @@
 """Sharded vs unsharded comparison run inside the worker pool, with optional planted faults.
 
-`compare` is the job function: every rank of the plan builds the compiled program and the
-unsharded reference from the same seed, and measures max |sharded - reference| over the forward
-logits, the loss of one training step, every gradient (gathered to full shape) and every parameter
-after one AdamW step. Every rank reports (not only rank 0): full tensors are gathered to all ranks,
+`compare` is the job function: every rank of the plan runs runtime.compare.compare_to_reference
+(max |sharded - reference| over the forward logits, the loss of one training step, every gradient
+gathered to full shape and every parameter after one AdamW step). Every rank reports (not only rank 0): full tensors are gathered to all ranks,
 so a replica that drifted from the others is caught too.
 
 `FAULTS` plants known runtime bugs *inside the worker process* by patching attributes of
@@ -15,17 +14,14 @@ long-lived and run the next plan afterwards.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
-import importlib.util
 import math
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
-NOISE_GRAD = 1e-6  # float32 gradients below this are rounding noise for AdamW (see compare)
+from meshllm_dsl.runtime.compare import TOLERANCE
+from meshllm_dsl.verify import load_generated
 
 
 def write_module(plan: Any, text: str, directory: Path) -> str:
@@ -36,18 +32,6 @@ def write_module(plan: Any, text: str, directory: Path) -> str:
     path = directory / f"plan_{digest}.py"
     path.write_text(render_plan(plan, f"generated_{digest}.mesh", text))
     return str(path)
-
-
-def _load(path: str) -> Any:
-    name = Path(path).stem
-    if name in sys.modules:  # the same plan again (hypothesis replays a failing example)
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------- planted faults
@@ -197,54 +181,18 @@ def compare(
     fault: str | None = None,
     tensor_axis: str | None = None,
 ) -> dict[str, dict[str, float]]:
-    """On each rank: {dtype: {"logits" | "loss" | "grad NAME" | "param NAME": max abs error}}."""
+    """On each rank: {dtype: {"logits" | "loss@0" | "grad NAME" | "param NAME": max abs error}}."""
     import torch
 
-    import meshllm_dsl.runtime as rt
-    from meshllm_dsl.runtime.reference import build_reference
+    from meshllm_dsl.runtime.compare import compare_to_reference
 
-    base = _load(path).PROGRAM
-    mesh = ctx.mesh(base.axes)
-    out: dict[str, dict[str, float]] = {}
+    program = load_generated(path).PROGRAM
+    mesh = ctx.mesh(program.axes)
     with planted(fault, {"mesh": mesh, "tensor_axis": tensor_axis}):
-        for dtype_name in dtypes:
-            dtype = getattr(torch, dtype_name)
-            program = dataclasses.replace(base, dtype=dtype)
-            built = program.build(mesh, seed=seed)
-            ref = build_reference(dict(program.model), dtype, seed=seed)
-            gen = torch.Generator().manual_seed(seed + 1)
-            tokens = torch.randint(0, program.vocab, (program.batch, program.seq), generator=gen)
-            targets = torch.randint(0, program.vocab, (program.batch, program.seq), generator=gen)
-            errs: dict[str, float] = {}
-            with torch.no_grad():
-                errs["logits"] = (built.forward(tokens) - ref(tokens)).abs().max().item()
-            ref_opt = torch.optim.AdamW(ref.parameters(), **{"lr": 1e-3, **dict(program.optimizer)})
-            loss = built.train_step(tokens, targets)
-            ref_loss = rt.cross_entropy(ref(tokens), targets)
-            ref_loss.backward()
-            errs["loss"] = abs(loss - ref_loss.item())
-            grads = built.full_grads()
-            ref_params = dict(ref.named_parameters())
-            if set(grads) != set(ref_params):
-                raise AssertionError(f"gradient names differ: {sorted(set(grads) ^ set(ref_params))}")
-            for name, q in ref_params.items():
-                errs[f"grad {name}"] = (grads[name] - q.grad).abs().max().item()
-            ref_opt.step()
-            state = built.full_state_dict()
-            if set(state) != set(ref_params):
-                raise AssertionError(f"parameter names differ: {sorted(set(state) ^ set(ref_params))}")
-            for name, q in ref_params.items():
-                diff = (state[name] - q.detach()).abs()
-                if dtype_name == "float32":
-                    # AdamW's first step moves each element by about lr * g / (|g| + eps). Where the
-                    # exact gradient is zero (e.g. the key bias: softmax ignores a shift of every
-                    # score), g is rounding noise of order 1e-9 in float32, comparable to eps, and
-                    # the step amplifies it to O(lr) in either implementation. Such elements are
-                    # compared in float64 (noise 1e-17, far below eps) but not here.
-                    diff = diff[q.grad.abs() > NOISE_GRAD]
-                errs[f"param {name}"] = diff.max().item() if diff.numel() else 0.0
-            out[dtype_name] = errs
-    return out
+        return {
+            name: compare_to_reference(program, mesh, dtype=getattr(torch, name), seed=seed)
+            for name in dtypes
+        }
 
 
 def worst(per_rank: list[dict[str, dict[str, float]]], dtype: str, prefix: str = "") -> float:
