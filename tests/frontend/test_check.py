@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import EXAMPLES
+from mesh_snippets import MEGATRON
 
 from meshllm_dsl.checker import check_file, check_text
 from meshllm_dsl.ir import Collective, Layout, PlanIR, StagePiece
@@ -27,14 +28,6 @@ model t = llama {{ vocab = 256, hidden = 64, layers = {layers}, heads = 4, kv_he
 plan p on m for t {{
 {body}
 }}
-"""
-MEGATRON = """
-    shard blocks.*.attn.{q,k,v} column(tensor)
-    shard blocks.*.attn.o row(tensor)
-    shard blocks.*.mlp.{gate,up} column(tensor)
-    shard blocks.*.mlp.down row(tensor)
-    shard embed vocab_parallel(tensor)
-    shard lm_head column(tensor)
 """
 
 

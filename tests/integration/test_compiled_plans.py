@@ -15,6 +15,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from mesh_snippets import MEGATRON  # noqa: E402
+
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
 from meshllm_dsl.runtime.compare import TOLERANCE, compare_to_reference  # noqa: E402
@@ -29,14 +31,6 @@ model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, 
 GPT2 = """
 model m = gpt2 { vocab = 64, hidden = 32, layers = 4, heads = 4, positions = 16 }
 """
-TP = """
-    shard blocks.*.attn.{q,k,v} column(tensor)
-    shard blocks.*.attn.o row(tensor)
-    shard blocks.*.mlp.{gate,up} column(tensor)
-    shard blocks.*.mlp.down row(tensor)
-    shard embed vocab_parallel(tensor)
-    shard lm_head column(tensor)
-"""
 
 
 def _spec(axes: str, body: str, model: str = LLAMA) -> str:
@@ -44,11 +38,11 @@ def _spec(axes: str, body: str, model: str = LLAMA) -> str:
 
 
 CASES: dict[str, str] = {
-    "tensor2": _spec("tensor = 2", TP),
+    "tensor2": _spec("tensor = 2", MEGATRON),
     "pipeline2_gpipe": _spec("pipeline = 2", "microbatches = 2\n stages over pipeline balanced\n schedule gpipe"),
     "pipeline2_1f1b": _spec("pipeline = 2", "microbatches = 4\n stages over pipeline balanced\n schedule 1f1b"),
     "data2_zero1": _spec("data = 2", "layout { batch -> data }\n optimizer adamw { zero 1 over data }"),
-    "pipeline2_tensor2": _spec("pipeline = 2, tensor = 2", TP + "microbatches = 2\n stages over pipeline balanced"),
+    "pipeline2_tensor2": _spec("pipeline = 2, tensor = 2", MEGATRON + "microbatches = 2\n stages over pipeline balanced"),
     "interleaved": _spec("pipeline = 2", "microbatches = 4\n stages over pipeline virtual 2 balanced\n schedule interleaved_1f1b"),
     "gpt2_tied_pipeline2_tensor2": _spec(
         "pipeline = 2, tensor = 2",

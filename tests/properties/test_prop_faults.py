@@ -22,19 +22,12 @@ import pytest
 pytest.importorskip("torch")
 
 from equiv import TOLERANCE, compare, over_tolerance, worst, write_module
+from mesh_snippets import MEGATRON
 
 from meshllm_dsl.checker import check_text
 from meshllm_dsl.runtime.pool import WorkerPool
 
 LLAMA = "model m = llama { vocab = 32, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 32, dtype = fp32 }"
-MEGATRON = """
-    shard blocks.*.attn.{q,k,v} column(tensor)
-    shard blocks.*.attn.o row(tensor)
-    shard blocks.*.mlp.{gate,up} column(tensor)
-    shard blocks.*.mlp.down row(tensor)
-    shard embed vocab_parallel(tensor)
-    shard lm_head column(tensor)
-"""
 
 
 def _plan(axes: str, body: str) -> str:
