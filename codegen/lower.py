@@ -176,15 +176,6 @@ class _UnitWriter:
     def n(self, axes: tuple[str, ...]) -> int:
         return self.plan.mesh.size(*axes) if axes else 1
 
-    def linear_init(self, owner: str, leaf: Leaf, p: Placement) -> list[Line]:
-        w = leaf.params[0]
-        out_f, in_f = self.plan.local_shape(w, p)
-        has_bias = len(leaf.params) > 1
-        how = f"{p.rule}({', '.join(p.axes)})" if p.sharded else "replicated"
-        full = f"full ({w.shape[0]}, {w.shape[1]})" if p.sharded else ""
-        return [Line(f"{owner}.{leaf.name} = nn.Linear({in_f}, {out_f}, bias={has_bias})",
-                     f"{how}: weight ({out_f}, {in_f}) of {full}".rstrip(" of") if p.sharded else how)]
-
     def unit_init(self, attr: str, unit: Unit, placement: dict[str, Placement], tied_here: bool = False) -> list[Line]:
         """__init__ lines for a unit; `tied_here`: a tied head whose weight's owner is on this stage."""
         a = dict(unit.attrs)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -151,9 +150,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(traceback.format_exc(limit=-3), file=sys.stderr)
         return EXIT_USAGE
 
-
-def _json_dump(obj: object) -> str:
-    return json.dumps(obj, indent=2, sort_keys=False)
 
 
 if __name__ == "__main__":

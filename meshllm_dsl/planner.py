@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import attrs
@@ -296,7 +296,6 @@ class Comm:
     wire_bytes: int  # bytes each device sends (ring algorithm)
     seconds: float
     crosses_hosts: bool
-    exposed: bool = True  # on the critical path (this model overlaps nothing; see step_time)
 
 
 def _wire(op: str, size: int, n: int) -> int:
@@ -504,7 +503,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         kv_bytes = 0
         largest_unit = 0
         tensor_calls: dict[tuple[tuple[str, ...], str], int] = {}
-        holds_embed = holds_head = False
+        holds_head = False
         for stage in stages_at[c]:
             for hu in held_units(plan, stage):
                 g, lo, re = unit_local_params(plan, hu)
@@ -521,7 +520,6 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     kv_bytes += hu.count * 2 * kv_local * int(hu.unit.attr("head_dim")) * plan.seq * inf_batch * w  # type: ignore[arg-type]
                 for axes, op in unit_collectives(hu):
                     tensor_calls[(axes, op)] = tensor_calls.get((axes, op), 0) + hu.count
-                holds_embed |= hu.unit.kind == "embedding" and hu.prefix == ""
                 holds_head |= hu.last
         weight_b, grad_b, opt_b = zero_per_device(local, plan.zero, zero_shards, w, w, k)
         gather = w * largest_unit if plan.zero >= 3 and zero_shards > 1 else 0
@@ -655,8 +653,6 @@ def fmt_seconds(s: float) -> str:
         return f"{s * 1e6:.0f} us"
     return "0"
 
-
-Formatter = Callable[[float], str]
 
 
 # ---------------------------------------------------------------- warnings (the seed's pitfalls, with numbers)

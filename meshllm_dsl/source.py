@@ -72,9 +72,5 @@ class Span:
     def text(self) -> str:
         return self.source.text[self.start : self.end]
 
-    def to(self, other: Span) -> Span:
-        """The span covering self through other (same file)."""
-        return Span(self.source, min(self.start, other.start), max(self.end, other.end))
-
     def __str__(self) -> str:
         return f"{self.file}:{self.line}:{self.column}"
