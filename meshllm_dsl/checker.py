@@ -173,7 +173,12 @@ class PlanChecker(Resolver):
         return (Label(axis.span, f"`{name}` = {axis.size} declared here"),)
 
     def check_axes(self, names: Sequence[ast.Name], what: str) -> tuple[str, ...] | None:
-        """Validate a list of axis names: each declared on the mesh, none twice."""
+        """Validate a list of axis names: each declared on the mesh, none twice.
+
+        The result is in mesh order, whatever order the spec lists them in: a tensor split over
+        several axes is chunked by the flattened mesh coordinate, and torch orders a group's
+        members by global rank, so only mesh order makes chunk index and group rank agree.
+        """
         out: list[str] = []
         ok = True
         for n in names:
@@ -187,7 +192,8 @@ class PlanChecker(Resolver):
                 ok = False
             else:
                 out.append(n.value)
-        return tuple(out) if ok else None
+        order = [a.name for a in self.mesh.axes]
+        return tuple(sorted(out, key=order.index)) if ok else None
 
     # -- entry point
     def check(self) -> PlanIR | None:

@@ -355,3 +355,13 @@ def test_per_block_rules_overlap_only_where_they_share_blocks() -> None:
     assert check_text(tiny(body)).ok  # four disjoint per-block rules cover the leaf exactly once
     (d,) = check_text(tiny(body + "    shard blocks.1.mlp.down row(tensor)\n")).errors
     assert d.code == "E0503" and "`blocks.1.mlp.down`" in d.message
+
+
+def test_multi_axis_rules_come_out_in_mesh_order() -> None:
+    # chunk index (mesh.index) and group rank (torch orders members by global rank) agree only
+    # in mesh order, so the checker normalises `column(b, a)` on a mesh `a, b` to (a, b)
+    body = MEGATRON.replace("mlp.{gate,up} column(tensor)", "mlp.{gate,up} column(tensor, data)")
+    body = body.replace("mlp.down row(tensor)", "mlp.down row(tensor, data)")
+    p = plan_of(tiny(body, axes="data = 2, tensor = 2"))
+    assert p.placement("blocks.0.mlp.up").axes == ("data", "tensor")
+    assert p.placement("blocks.0.mlp.down").axes == ("data", "tensor")

@@ -52,6 +52,10 @@ CASES: dict[str, str] = {
     "gpt2_tied_same_stage_tensor2": _spec(
         "tensor = 2", "layout { heads -> tensor, ffn -> tensor, vocab -> tensor }", GPT2
     ),
+    # one dim split over two axes, listed against mesh order: chunks follow the mesh order
+    "tensor_over_two_axes_out_of_order": _spec(
+        "a = 2, b = 2", MEGATRON.replace("(tensor)", "(b, a)"), LLAMA.replace("kv_heads = 2", "kv_heads = 4")
+    ),
     "data2_pipeline2_tensor2": (ROOT / "examples" / "tiny_llama.mesh").read_text(),
 }
 
