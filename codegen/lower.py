@@ -77,11 +77,6 @@ def _group_attr(axes: Sequence[str]) -> str:
     return "g_" + "_".join(axes)
 
 
-def _tuple(xs: Sequence[object]) -> str:
-    items = ", ".join(repr(x) if isinstance(x, str) else str(x) for x in xs)
-    return f"({items},)" if len(xs) == 1 else f"({items})"
-
-
 def literal(obj: Any, indent: int = 0) -> str:
     """A deterministic Python literal for plain data (dicts keep insertion order)."""
     pad = "    " * indent
@@ -153,10 +148,11 @@ def _shard_dims(t: Tensor, p: Placement) -> tuple[tuple[int, tuple[str, ...]], .
 
 def _spec(full_local: str, t: Tensor, p: Placement, local_expr: str | None = None) -> Line:
     dims = _shard_dims(t, p)
-    dims_text = "(" + ", ".join(f"({d}, {_tuple(list(axes))})" for d, axes in dims) + ("," if len(dims) == 1 else "") + ")"
-    seg = f", segments={_tuple(list(t.segments))}" if t.segments and dims and dims[0][0] == 0 else ""
+    # repr of tuples of ints and validated identifiers is exactly the Python literal we want
+    dims_text = repr(tuple((d, tuple(axes)) for d, axes in dims))
+    seg = f", segments={tuple(t.segments)!r}" if t.segments and dims and dims[0][0] == 0 else ""
     local = local_expr if local_expr is not None else "prefix + " + repr(full_local)
-    return Line(f"prefix + {full_local!r}: rt.ShardSpec({local}, {_tuple(list(t.shape))}, {dims_text}{seg}),")
+    return Line(f"prefix + {full_local!r}: rt.ShardSpec({local}, {tuple(t.shape)!r}, {dims_text}{seg}),")
 
 
 # ---------------------------------------------------------------- code for units
@@ -520,7 +516,7 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         Line(f"stages=({', '.join(c.name for c in stage_classes)},),"),
         Line("loss=make_loss,"),
         Line(f"pipeline_axis={plan.pipeline_axis!r},"),
-        Line(f"batch_axes={_tuple(list(plan.batch_axes)) if plan.batch_axes else '()'},"),
+        Line(f"batch_axes={tuple(plan.batch_axes)!r},"),
         Line(f"schedule={plan.schedule!r},"),
         Line(f"microbatches={plan.microbatches},"),
         Line(f"batch={plan.batch},"),
