@@ -169,6 +169,11 @@ class _UnitWriter:
         self.groups.setdefault(axes, _group_attr(axes))
         return "self." + self.groups[axes]
 
+    def group_lines(self) -> list[Line]:
+        """__init__ lines binding every process group the class's forward uses."""
+        return [Line(f"self.{attr} = mesh.group({', '.join(repr(a) for a in axes)})",
+                     f"{_axes_text(axes)}: {self.plan.mesh.size(*axes)} ranks") for axes, attr in self.groups.items()]
+
     def n(self, axes: tuple[str, ...]) -> int:
         return self.plan.mesh.size(*axes) if axes else 1
 
@@ -306,7 +311,7 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
     w = _UnitWriter(plan, groups)
     placement = dict(cls.placements)
     init: list[Line] = []
-    forward: list[Line] = [Line("b, s, _ = x.shape", f"x: [b, s, {_hidden(rep)}] Replicate (the residual stream)")]
+    forward: list[Line] = [Line("b, s, _ = x.shape", f"x: [b, s, {_model_hidden(plan)}] Replicate (the residual stream)")]
     params: list[Line] = []
     pending_norm: str | None = None
     for unit in rep.body:
@@ -330,18 +335,9 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
         forward.append(Line("x = h"))
     forward.append(Line("return x"))
     forward = _trim_shape_line(forward)
-    group_init = [Line(f"self.{attr} = mesh.group({', '.join(repr(a) for a in axes)})",
-                       f"{_axes_text(axes)}: {plan.mesh.size(*axes)} ranks") for axes, attr in groups.items()]
     idx = cls.indices
     doc = f"Blocks {ranges(idx, ', ')} of `{rep.name}`: " + ", ".join(f"{u.name} ({u.kind})" for u in rep.body) + "."
-    return ClassDef(name, doc, group_init + init, "x: torch.Tensor", forward, params)
-
-
-def _hidden(rep: Repeat) -> int:
-    for u in rep.body:
-        if u.kind in ("attention", "mlp"):
-            return int(dict(u.attrs)["hidden"])
-    return int(dict(rep.body[0].attrs).get("dim", 0))  # type: ignore[arg-type]
+    return ClassDef(name, doc, w.group_lines() + init, "x: torch.Tensor", forward, params)
 
 
 def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> ClassDef:
@@ -437,13 +433,11 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
             raise AssertionError(f"top-level {item.kind} is not supported by codegen")
     forward.append(Line(f"return {cur if cur != 'tokens' else 'x'}"))
     forward = _trim_shape_line(forward)
-    group_init = [Line(f"self.{attr} = mesh.group({', '.join(repr(a) for a in axes)})",
-                       f"{_axes_text(axes)}: {plan.mesh.size(*axes)} ranks") for axes, attr in groups.items()]
     pieces = ", ".join(pc.item + (f"[{pc.start}:{pc.stop}]" if pc.start is not None else "") for pc in stage.pieces)
     where = f"pipeline coordinate {stage.coord}" if plan.pipeline_axis else "every rank"
     doc = f"Stage {stage.index} ({where}): {pieces}."
     arg = "tokens: torch.Tensor" if first else "x: torch.Tensor"
-    return ClassDef(f"Stage{stage.index}", doc, group_init + init, arg, forward, params)
+    return ClassDef(f"Stage{stage.index}", doc, w.group_lines() + init, arg, forward, params)
 
 
 def _range(a: int, b: int) -> str:
