@@ -152,6 +152,7 @@ class PlanChecker(Resolver):
         self.failed = False
         self.repeat = model.repeat
         self.reported: set[tuple[int, str]] = set()  # divisibility errors already given, per rule
+        self.by_leaf: dict[Leaf, list[_Match]] = {}  # every rule's matches (set by placements)
         self.claimed: set[Leaf] = set()  # leaves matched by a rule that was rejected
         self.ambiguous = False  # some leaf is matched by two rules (E0503): its layout is unknown
 
@@ -419,6 +420,7 @@ class PlanChecker(Resolver):
 
     # -- placements per leaf, coverage, overlap, divisibility
     def placements(self, by_leaf: dict[Leaf, list[_Match]]) -> tuple[dict[str, Placement], tuple[BlockClass, ...]]:
+        self.by_leaf = by_leaf  # help lines look across rules (units_over)
         any_rules = bool(by_leaf) or bool(self.claimed)
         top: dict[str, Placement] = {}
         per_leaf_default: dict[tuple[str, ...], Placement] = {}
@@ -548,28 +550,14 @@ class PlanChecker(Resolver):
     def units_over(self, axes: tuple[str, ...]) -> list[tuple[str, int, int | None]]:
         """Every (unit, count, rule start offset) this plan splits over exactly these axes, for a help line."""
         seen: dict[str, tuple[str, int, int | None]] = {}
-        for stmt in self.decl.body:
-            if isinstance(stmt, ast.ShardStmt) and tuple(a.value for a in stmt.rule.axes) == axes:
-                where = stmt.rule.span.start if stmt.rule.span else None
-                for leaf, _ in self._quiet_match(stmt.path):
-                    for u, c in (leaf.in_units if stmt.rule.name.value == "row" else leaf.out_units):
-                        seen.setdefault(u, (u, c, where))
-            if isinstance(stmt, ast.LayoutStmt):
-                for e in stmt.entries:
-                    if tuple(a.value for a in e.axes) == axes and e.dim.value != "batch":
-                        for _, _, leaf in self.model.leaves():
-                            for u, c in leaf.in_units + leaf.out_units:
-                                if u == e.dim.value:
-                                    seen.setdefault(u, (u, c, e.span.start if e.span else None))
+        for leaf, matches in self.by_leaf.items():
+            for m in matches:
+                p = m.placement
+                if not p.sharded or p.axes != axes:
+                    continue
+                for u, c in leaf.in_units if p.rule == "row" else leaf.out_units:
+                    seen.setdefault(u, (u, c, p.span.start if p.span else None))
         return list(seen.values())
-
-    def _quiet_match(self, path: ast.Path) -> list[tuple[Leaf, object]]:
-        saved, self.diagnostics = self.diagnostics, []
-        failed = self.failed
-        try:
-            return self.match_path(path)  # type: ignore[return-value]
-        finally:
-            self.diagnostics, self.failed = saved, failed
 
     def tied(self, top: dict[str, Placement]) -> None:
         for _, _, leaf in self.model.leaves():
