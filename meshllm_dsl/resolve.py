@@ -337,6 +337,7 @@ class ModelResolver(Resolver):
                 self.error("E0202", f"unknown model family `{decl.family.value}`", decl.family.span,
                            label="no such family", help=did_you_mean(decl.family.value, self.families))
                 return None
+            family_start = len(self.diagnostics)
             env = self._bind_family(decl, family, env)
             body = family.body
         dtype = env.get("dtype")
@@ -348,6 +349,8 @@ class ModelResolver(Resolver):
             else:
                 dtype_name = str(dtype.value)
         items = self._layers(body, env, top=True)
+        if decl.family is not None:
+            self._point_into_model(decl, family_start)
         if len(self.diagnostics) > start and any(d.is_error for d in self.diagnostics[start:]):
             return None
         if not items:
@@ -356,6 +359,20 @@ class ModelResolver(Resolver):
             return None
         values = tuple((k, b.value) for k, b in env.items())
         return ModelIR(decl.name.value, values, tuple(items), dtype_name, decl.span)
+
+    def _point_into_model(self, decl: ast.ModelDecl, start: int) -> None:
+        """Errors found inside a family (its defaults, its layers) caused by this model's values
+        also point at the model, so a user whose spec uses a shipped family sees their own line."""
+        def inside(span: Span | None) -> bool:
+            return (span is not None and decl.span is not None and span.source is decl.span.source
+                    and decl.span.start <= span.start < decl.span.end)
+
+        for i in range(start, len(self.diagnostics)):
+            d = self.diagnostics[i]
+            if inside(d.span) or any(inside(lab.span) for lab in d.secondary) or decl.name.span is None:
+                continue
+            label = Label(decl.name.span, f"while building model `{decl.name.value}` from family `{decl.family.value}`")  # type: ignore[union-attr]
+            self.diagnostics[i] = attrs.evolve(d, secondary=(*d.secondary, label))
 
     def _bind_family(self, decl: ast.ModelDecl, family: ast.FamilyDecl, given: Env) -> Env:
         params = {p.name.value for p in family.params}
