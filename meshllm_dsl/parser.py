@@ -357,6 +357,7 @@ def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
             source.span(start, end),
             label="not expected here",
             help=f"expected {_or_list(expected)}" if expected else None,
+            note=_unclosed_block_note(source, start),
         )
     if isinstance(err, UnexpectedCharacters):
         start = pos if pos is not None else 0
@@ -388,6 +389,20 @@ def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
         label="file ends here",
         help=f"expected {_or_list(expected)}" if expected else None,
     )
+
+
+_DECLARATIONS = ("mesh", "model", "family", "plan", "device", "include")
+
+
+def _unclosed_block_note(source: SourceFile, start: int) -> str | None:
+    """When the parser stumbles right after a declaration keyword that sits inside a block, the
+    usual cause is a `}` missing above it: the keyword was read as a setting name."""
+    before = source.text[:start].rstrip()
+    word = before.rsplit(None, 1)[-1] if before.split() else ""
+    if word not in _DECLARATIONS or source.text.count("{", 0, start) <= source.text.count("}", 0, start):
+        return None
+    line = source.position(len(before) - len(word))[0]
+    return f"`{word}` on line {line} starts a new declaration, but a block above it is still open: is a `}}` missing?"
 
 
 def _or_list(items: list[str]) -> str:
