@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from meshllm_dsl.diagnostics import Diagnostic, SpecError, render_all, to_json
@@ -17,18 +17,28 @@ class UsageError(Exception):
     pass
 
 
-def _existing(paths: Sequence[str]) -> list[str]:
+def existing(*paths: str) -> list[str]:
+    """The paths, or a usage error naming those that are not files."""
     missing = [p for p in paths if not Path(p).is_file()]
     if missing:
         raise UsageError(f"no such file: {', '.join(missing)}")
     return list(paths)
 
 
+def select_plans(plans: Mapping[str, object], path: str, name: str | None) -> list[str]:
+    """Names of the plans a command acts on: `name`, or every plan of a spec that checked clean."""
+    if name is not None and name not in plans:
+        raise UsageError(f"{path} has no plan `{name}`; plans: {', '.join(sorted(plans)) or 'none'}")
+    if not plans:
+        raise UsageError(f"{path} declares no plan")
+    return [name] if name is not None else sorted(plans)
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from meshllm_dsl.checker import check_file
 
     diags: list[Diagnostic] = []
-    for path in _existing(args.files):
+    for path in existing(*args.files):
         diags.extend(check_file(path).diagnostics)
     if args.format == "json":
         print(to_json(diags))
@@ -47,7 +57,7 @@ def cmd_fmt(args: argparse.Namespace) -> int:
     from meshllm_dsl.fmt import format_text
 
     status = EXIT_OK
-    for path in _existing(args.files):
+    for path in existing(*args.files):
         text = Path(path).read_bytes().decode("utf-8", errors="replace")
         try:
             formatted = format_text(text, path)

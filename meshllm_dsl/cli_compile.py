@@ -15,20 +15,14 @@ from meshllm_dsl.diagnostics import render_all
 
 def _checked(path: str, plan_name: str | None = None):  # type: ignore[no-untyped-def]
     from meshllm_dsl.checker import check_file
-    from meshllm_dsl.cli import UsageError
+    from meshllm_dsl.cli import existing, select_plans
 
-    if not Path(path).is_file():
-        raise UsageError(f"no such file: {path}")
-    result = check_file(path)
+    result = check_file(existing(path)[0])
     if result.diagnostics:
         print(render_all(result.diagnostics), end="", file=sys.stderr)
     if not result.ok:
         return result, None
-    if plan_name is not None and plan_name not in result.plans:
-        raise UsageError(f"{path} has no plan `{plan_name}`; plans: {', '.join(sorted(result.plans)) or 'none'}")
-    if not result.plans:
-        raise UsageError(f"{path} declares no plan to compile")
-    return result, plan_name or sorted(result.plans)[0]
+    return result, select_plans(result.plans, path, plan_name)[0]
 
 
 def cmd_compile(args: argparse.Namespace) -> int:

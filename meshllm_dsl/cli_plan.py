@@ -43,23 +43,16 @@ def load_checked(path: str) -> Loaded:
 
 
 def _existing(path: str) -> str:
-    from meshllm_dsl.cli import UsageError
+    from meshllm_dsl.cli import existing
 
-    if not Path(path).is_file():
-        raise UsageError(f"no such file: {path}")
-    return path
+    return existing(path)[0]
 
 
 def _select(loaded: Loaded, name: str | None) -> list[PlanIR]:
-    from meshllm_dsl.cli import UsageError
+    from meshllm_dsl.cli import select_plans
 
     plans = loaded.result.plans
-    if name is None:
-        return list(plans.values())
-    if name not in plans:
-        known = ", ".join(plans) or "none checked clean"
-        raise UsageError(f"no plan `{name}` (plans: {known})")
-    return [plans[name]]
+    return [plans[n] for n in select_plans(plans, loaded.result.sources[0] if loaded.result.sources else "spec", name)]
 
 
 def _print_diags(diags: list[Diagnostic]) -> None:
