@@ -38,16 +38,16 @@ def check(path_or_text: str, *, text: bool = False) -> CheckResult:
 def compile(path: str, out_dir: str | None = None) -> dict[str, str]:  # noqa: A001 - mirrors `meshc compile`
     """Compile every plan of a .mesh file: file name -> generated source (written to out_dir if given).
 
-    Raises SpecError with every diagnostic when the spec has errors.
+    Raises SpecError with every diagnostic when the spec has errors, and meshllm_dsl.outputs.OutputError
+    (writing nothing) when out_dir holds files that meshc did not write, as `meshc compile -o` does.
     """
-    from pathlib import Path
-
-    from meshllm_dsl.codegen.emit import render_package, write_package
+    from meshllm_dsl.codegen.emit import render_package
+    from meshllm_dsl.outputs import write_generated
 
     result = check_file(path)
     if not result.ok:
         raise SpecError(result.errors)
-    files = render_package(result, path, Path(path).read_text())
+    files = render_package(result, path)
     if out_dir is not None:
-        write_package(files, out_dir)
+        write_generated(files, out_dir, protect=result.sources)
     return files

@@ -47,6 +47,7 @@ class CheckResult:
     meshes: dict[str, MeshIR]
     models: dict[str, ModelIR]
     sources: tuple[str, ...] = ()
+    text: str = ""  # the root spec as checked (normalized): what generated code is made from and hashes
 
     @property
     def ok(self) -> bool:
@@ -124,7 +125,8 @@ def check_declarations(decls: Declarations) -> CheckResult:
         plan = PlanChecker(decl, mesh, model, diags).check()
         if plan is not None and name_ok:
             plans[name] = plan
-    return CheckResult(tuple(diags), plans, meshes, models, tuple(s.path for s in decls.sources))
+    return CheckResult(tuple(diags), plans, meshes, models, tuple(s.path for s in decls.sources),
+                       decls.root.text if decls.root is not None else "")
 
 
 # ---------------------------------------------------------------- plan checking

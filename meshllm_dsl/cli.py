@@ -19,9 +19,22 @@ class UsageError(Exception):
 
 def existing(*paths: str) -> list[str]:
     """The paths, or a usage error naming those that are not files."""
-    missing = [p for p in paths if not Path(p).is_file()]
+    import os
+    import stat
+
+    missing, others = [], []
+    for p in paths:
+        try:
+            if not stat.S_ISREG(os.stat(p).st_mode):
+                others.append(p)
+        except FileNotFoundError:
+            missing.append(p)
+        except OSError as err:
+            raise UsageError(f"cannot read {p}: {err.strerror or err}") from None
     if missing:
         raise UsageError(f"no such file: {', '.join(missing)}")
+    if others:
+        raise UsageError(f"not a regular file: {', '.join(others)}")
     return list(paths)
 
 
@@ -55,23 +68,27 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_fmt(args: argparse.Namespace) -> int:
     from meshllm_dsl.fmt import format_text
+    from meshllm_dsl.load import read_spec
+    from meshllm_dsl.outputs import write_file_atomic
 
     status = EXIT_OK
     for path in existing(*args.files):
-        text = Path(path).read_bytes().decode("utf-8", errors="replace")
         try:
-            formatted = format_text(text, path)
+            source = read_spec(path)
+            formatted = format_text(source.text, path)
         except SpecError as err:
             print(render_all(err.diagnostics), end="", file=sys.stderr)
             status = EXIT_SPEC
             continue
+        # Compared with the bytes on disk: CRLF line endings or a BOM are a reformat too.
+        unchanged = formatted.encode() == Path(path).read_bytes()
         if args.check:
-            if formatted != text:
+            if not unchanged:
                 print(f"would reformat {path}")
                 status = EXIT_SPEC
         elif args.write:
-            if formatted != text:
-                Path(path).write_text(formatted)
+            if not unchanged:
+                write_file_atomic(Path(path), formatted.encode())
                 print(f"reformatted {path}")
         else:
             sys.stdout.write(formatted)
@@ -114,6 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     for register in _EXTENSIONS:
         register(sub)
+    for command in sub.choices.values():  # every command that reads specs resolves includes alike
+        if any(a.dest in ("file", "files") for a in command._actions):
+            command.add_argument("-I", dest="include_dirs", action="append", default=[], metavar="DIR",
+                                 help="also look for included .mesh files in DIR (after the including file's directory)")
     return p
 
 
@@ -143,6 +164,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    from meshllm_dsl.load import INCLUDE_DIRS
+
+    dirs = getattr(args, "include_dirs", [])
+    missing = [d for d in dirs if not Path(d).is_dir()]
+    if missing:
+        print(f"meshc: error: -I {missing[0]}: not a directory", file=sys.stderr)
+        return EXIT_USAGE
+    token = INCLUDE_DIRS.set(tuple(Path(d) for d in dirs))
     try:
         return int(args.func(args))
     except UsageError as err:
@@ -159,6 +188,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("meshc: internal error (please report it with the spec that caused it):", file=sys.stderr)
         print(traceback.format_exc(limit=-3), file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        INCLUDE_DIRS.reset(token)
 
 
 

@@ -26,23 +26,29 @@ def _checked(path: str, plan_name: str | None = None):  # type: ignore[no-untype
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from meshllm_dsl.codegen.emit import render_package, write_package
+    from meshllm_dsl.cli import UsageError
+    from meshllm_dsl.codegen.emit import render_package
+    from meshllm_dsl.outputs import OutputError, write_generated
 
     result, _ = _checked(args.file, args.plan)
     if not result.ok:
         return 1
-    source = Path(args.file).read_text()
-    files = render_package(result, args.file, source)
+    files = render_package(result, args.file)
     if args.plan:
         files = {k: v for k, v in files.items() if k in (f"{args.plan}.py", "__init__.py")}
-    written = write_package(files, args.output)
+    try:
+        # With --plan the other plans' files of an earlier run stay (they are still meshc's).
+        written = write_generated(files, args.output, force=args.force, protect=result.sources, prune=not args.plan)
+    except OutputError as err:
+        raise UsageError(str(err)) from None
     for path in written:
         print(f"wrote {path}")
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from meshllm_dsl.codegen.emit import render_package, write_package
+    from meshllm_dsl.codegen.emit import render_package
+    from meshllm_dsl.outputs import write_generated
 
     result, plan_name = _checked(args.file, args.plan)
     if not result.ok:
@@ -55,8 +61,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(f"plan `{plan_name}` needs {plan.mesh.devices} processes (its mesh size), not {nproc}")
     workdir = Path(tempfile.mkdtemp(prefix="meshc-run-"))
     try:
-        files = render_package(result, args.file, Path(args.file).read_text())
-        write_package(files, workdir / "generated")
+        write_generated(render_package(result, args.file), workdir / "generated")
         script = workdir / "generated" / f"{plan_name}.py"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
@@ -90,7 +95,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     c = sub.add_parser("compile", help="write the generated torch.distributed package")
     c.add_argument("file", metavar="FILE")
-    c.add_argument("-o", "--output", required=True, metavar="DIR")
+    c.add_argument("-o", "--output", required=True, metavar="DIR",
+                   help="the package directory: created if missing; refused if it holds files meshc did not write")
+    c.add_argument("--force", action="store_true",
+                   help="write into a directory meshc did not create, replacing files of the names it writes "
+                        "(never deleting anything else)")
     c.add_argument("--plan", help="only this plan (default: every plan in the file)")
     c.set_defaults(func=cmd_compile)
 

@@ -8,9 +8,15 @@ CODES: dict[str, tuple[str, str]] = {
               "syntax error of a file is reported, because everything after it would be guesswork."),
     "E0102": ("unexpected character", "A character that starts no token of the language, such as `@` or `$`. "
               "Names are ASCII identifiers, numbers are decimal, comments start with `#`."),
-    "E0103": ("include not found or cyclic", "An `include \"FILE\"` names a file that exists neither next to the "
-              "including file nor in the shipped standard library, or it includes a file that is already being "
-              "included (a cycle). Shared declarations belong in a third file that both include."),
+    "E0103": ("include not found, refused or cyclic", "An `include \"FILE\"` names a file that exists neither "
+              "next to the including file, nor in a directory given with `-I DIR`, nor in the shipped standard "
+              "library; or it is refused (an absolute path, or not a `.mesh` file: includes never read anything "
+              "but specs); or it includes a file that is already being included (a cycle). Shared declarations "
+              "belong in a third file that both include."),
+    "E0104": ("unreadable spec file", "A spec (or a file it includes) is not a regular file, is larger than the "
+              "size cap (4 MiB), is binary, or is not valid UTF-8 text. Specs are UTF-8 text; line endings may be "
+              "\\n, \\r\\n or \\r and a leading byte-order mark is ignored. A file that is not text is never "
+              "echoed in a diagnostic."),
     "E0201": ("duplicate name", "Two declarations of the same kind share a name: two meshes, models, plans or "
               "families, two axes of one mesh, two layers of one block, or one setting given twice. Names must be "
               "unique so that rules and references are unambiguous."),

@@ -70,7 +70,7 @@ def test_error_file_shows_its_code_first_class(path) -> None:  # type: ignore[no
 
 @pytest.mark.parametrize("path", ERROR_FILES, ids=lambda p: p.stem)
 def test_error_file_has_header_comment(path) -> None:  # type: ignore[no-untyped-def]
-    first = path.read_text().splitlines()[0]
+    first = path.read_bytes().decode("utf-8", errors="replace").splitlines()[0]  # E0104 is not UTF-8
     assert re.match(r"# (Mistake|Warning)( \(.*\))?: ", first), first
 
 
