@@ -133,6 +133,8 @@ def _unit_desc(u: Unit) -> dict[str, Any]:
     elif u.kind == "attention":
         d.update(hidden=a["hidden"], heads=a["heads"], kv_heads=a["kv_heads"], head_dim=a["head_dim"],
                  rope_theta=a["rope_theta"], qkv_bias=a["bias"], o_bias=a["out_bias"], fused_qkv=a["fused_qkv"])
+        if a.get("rope_scaling"):
+            d["rope_scaling"] = dict(a["rope_scaling"])
     elif u.kind == "mlp":
         d.update(hidden=a["hidden"], ffn=a["ffn"], act=a["act"], bias=a["bias"])
     return d
@@ -288,7 +290,14 @@ class _UnitWriter:
                 Line(f"k = self.{attr}.k({x}).view(b, s, {kv}, {hd})", f"[b, s, {kv} of {a['kv_heads']} kv heads, {hd}]"),
                 Line(f"v = self.{attr}.v({x}).view(b, s, {kv}, {hd})"),
             ]
-        if a["rope_theta"]:
+        if a["rope_theta"] and a.get("rope_scaling"):
+            sc = dict(a["rope_scaling"])
+            scaling = (float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"]),
+                       int(sc["original_max_position_embeddings"]))
+            lines.append(Line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(a['rope_theta'])!r}, "
+                              f"llama3_scaling={scaling!r})",
+                              "rope scaling (factor, low_freq_factor, high_freq_factor, original positions)"))
+        elif a["rope_theta"]:
             lines.append(Line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(a['rope_theta'])!r})"))
         lines.append(Line("a = rt.attention(q, k, v)", f"[b, s, {h * hd}] causal; q heads per kv head: {h // kv if kv else 0}"))
         return lines

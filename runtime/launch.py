@@ -49,6 +49,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--save", type=Path, help="write a sharded checkpoint here at the end")
     p.add_argument("--load", type=Path, help="start from this sharded checkpoint (any layout)")
+    p.add_argument(
+        "--weights", type=Path, help="start from this Hugging Face model directory (safetensors)"
+    )
+    p.add_argument(
+        "--export-hf", type=Path, help="write a Hugging Face model directory here at the end"
+    )
     return p.parse_args(argv)
 
 
@@ -166,7 +172,7 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
     rank = dist.get_rank()
     try:
-        built = program.build(seed=args.seed)
+        built = program.build(seed=args.seed, weights=args.weights)
         if args.load:
             from .checkpoint import load
 
@@ -179,6 +185,10 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
             from .checkpoint import save
 
             save(built, args.save)
+        if args.export_hf:
+            from .hf import export_hf
+
+            export_hf(built, args.export_hf, source=args.weights)
     except BaseException as exc:  # noqa: BLE001 - every failure must end this process at once
         if any(mark in str(exc) for mark in _PEER_LOST):
             # A consequence, not a cause: keep the failing rank's traceback the one people read.

@@ -6,6 +6,7 @@ Numerics follow HF ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` so their checkpoin
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = [
     "apply_rotary",
     "attention",
     "cross_entropy",
+    "llama3_inv_freq",
     "positions",
     "vocab_parallel_cross_entropy",
 ]
@@ -139,12 +141,38 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(q: Tensor, k: Tensor, pos: Tensor, theta: float) -> tuple[Tensor, Tensor]:
-    """HF Llama rotary (rotate_half) on q, k shaped [b, s, heads, head_dim]; pos is [s] or [b, s]."""
+def llama3_inv_freq(
+    inv_freq: Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original: int
+) -> Tensor:
+    """HF's ``rope_type="llama3"``: long wavelengths slowed by ``factor``, short ones kept, a
+    smooth blend between (``_compute_llama3_parameters``)."""
+    low_wavelen = original / low_freq_factor
+    high_wavelen = original / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rotary(
+    q: Tensor,
+    k: Tensor,
+    pos: Tensor,
+    theta: float,
+    llama3_scaling: tuple[float, float, float, int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """HF Llama rotary (rotate_half) on q, k shaped [b, s, heads, head_dim]; pos is [s] or [b, s].
+
+    ``llama3_scaling``: (factor, low_freq_factor, high_freq_factor, original positions).
+    """
     d = q.shape[-1]
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=q.device).float() / d)
     )
+    if llama3_scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, *llama3_scaling)
     # cos/sin are computed in float32 (as HF does) and only then cast to the activation dtype.
     freqs = pos.to(torch.float32).unsqueeze(-1) * inv_freq  # [.., s, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)

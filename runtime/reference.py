@@ -47,6 +47,7 @@ class _Attention(nn.Module):
         super().__init__()
         self.h, self.kvh, self.d = spec["heads"], spec["kv_heads"], spec["head_dim"]
         self.theta = spec.get("rope_theta")
+        self.scaling = spec.get("rope_scaling")
         self.fused = bool(spec.get("fused_qkv", False))
         hid, qkv_bias = spec["hidden"], bool(spec.get("qkv_bias", False))
         if self.fused:
@@ -57,10 +58,26 @@ class _Attention(nn.Module):
             self.v = nn.Linear(hid, self.kvh * self.d, bias=qkv_bias)
         self.o = nn.Linear(self.h * self.d, hid, bias=bool(spec.get("o_bias", False)))
 
+    def _llama3(self, f: float) -> float:
+        # Llama 3 rope scaling, one frequency at a time (written apart from the runtime's).
+        sc = self.scaling
+        assert sc is not None
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        orig = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / f
+        if wavelen < orig / hi:
+            return f
+        if wavelen > orig / lo:
+            return f / factor
+        t = (orig / wavelen - lo) / (hi - lo)
+        return (1 - t) * f / factor + t * f
+
     def _rope(self, x: Tensor) -> Tensor:
         # x: [b, heads, s, d]; HF LlamaRotaryEmbedding + apply_rotary_pos_emb.
         s, d = x.shape[2], self.d
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        if self.scaling:
+            inv_freq = torch.tensor([self._llama3(f) for f in inv_freq.tolist()], dtype=torch.float32)
         freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
