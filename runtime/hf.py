@@ -515,10 +515,6 @@ def plan_load(
     for name in sorted(full_shapes):
         key, transposed = keys[name]
         stored_key = ckpt.key(key)
-        if stored_key is None and name.startswith(lay.head["name"] + ".") and ckpt.config.get(
-            "tie_word_embeddings", lay.arch == "gpt2"
-        ):
-            stored_key = None
         if stored_key is None:
             files = sorted({p.name for p in ckpt.where.values()})
             raise WeightsError(
@@ -606,9 +602,10 @@ def export_hf(
     weight_map: dict[str, str] = {}
     if first:
         out_dir.mkdir(parents=True, exist_ok=True)
-    for k, names in enumerate(files):
+    stage_of = {n: s for s, n, _ in order}
+    for names in files:
         for name in names:
-            i = next(s for s, n, _ in order if n == name)
+            i = stage_of[name]
             spec = built.specs[i][name]
             if i in built.modules:
                 full = gather_full(built.modules[i].get_parameter(spec.local), spec, mesh)

@@ -107,3 +107,26 @@ def logits_job(ctx: Any, path: str, weights: str, tokens: Any, n_new: int = 0) -
     logits = built.forward(tokens)
     generated = greedy_generate(built, tokens[:1], n_new) if n_new else None
     return (logits, generated) if ctx.rank == 0 else None
+
+
+def export_job(ctx: Any, path: str, weights: str, out: str, max_shard_bytes: int) -> None:
+    """On every rank: load ``weights`` into the plan and export it again (--steps 0)."""
+    from meshllm_dsl.runtime.hf import export_hf
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), weights=weights)
+    export_hf(built, out, source=weights, max_shard_bytes=max_shard_bytes)
+
+
+def error_job(ctx: Any, path: str, weights: str) -> str:
+    """On every rank: the WeightsError that loading ``weights`` raises (or '' if it loads)."""
+    from meshllm_dsl.runtime.hf import WeightsError
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    try:
+        program.build(ctx.mesh(program.axes), weights=weights)
+    except WeightsError as err:
+        return str(err)
+    return ""
