@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 VOCAB = 64
+KINDS = ("llama", "llama3_tied", "mistral", "qwen2", "gpt2")
 
 
 def _config(kind: str) -> Any:
