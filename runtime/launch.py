@@ -8,6 +8,7 @@ the cause and exits at once, so its peers' collectives fail quickly and torchrun
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import sys
@@ -16,6 +17,7 @@ import traceback
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,7 @@ from torch import Tensor
 from .generate import greedy_generate
 from .program import Built, Program
 
-__all__ = ["infer", "main", "parse_args", "synthetic_batch", "text_batch", "train"]
+__all__ = ["evaluate", "infer", "main", "parse_args", "synthetic_batch", "text_batch", "train"]
 
 
 # How gloo / NCCL report that another rank went away.
@@ -54,6 +56,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--export-hf", type=Path, help="write a Hugging Face model directory here at the end"
+    )
+    p.add_argument(
+        "--tokenizer", type=Path, help="a Hugging Face tokenizer dir: --data is text, --prompt too"
+    )
+    p.add_argument("--prompt", help="with --infer: prompt text (needs --tokenizer)")
+    p.add_argument("--prompt-ids", help="with --infer: prompt token ids, e.g. 1,2,3")
+    p.add_argument(
+        "--eval", action="store_true", help="mean loss and perplexity on --data, no training"
     )
     return p.parse_args(argv)
 
@@ -104,12 +114,47 @@ def _progress(step: int, steps: int, loss: float, tok_s: float) -> None:
     )
 
 
-def train(built: Built, steps: int, seed: int, data: Path | None = None) -> float:
+def _corpus(built: Built, data: Path | None, tokenizer: Any = None) -> Tensor | None:
+    """Token ids of ``data``: tokenized text with a tokenizer, else its bytes mod vocab."""
+    if data is None:
+        return None
+    if tokenizer is None:
+        return torch.frombuffer(bytearray(data.read_bytes()), dtype=torch.uint8).long()
+    ids = tokenizer.corpus(data.read_text())
+    vocab = built.program.vocab
+    if ids.numel() and int(ids.max()) >= vocab:
+        raise ValueError(f"--tokenizer produces id {int(ids.max())}, past the model's vocab {vocab}")
+    return ids
+
+
+def evaluate(built: Built, ids: Tensor, limit: int) -> float:
+    """Mean token loss over up to ``limit`` held-out batches, without updating; rank 0 prints it."""
+    from .layers import cross_entropy
+    from .tokens import eval_batches
+
+    p = built.program
+    total, count = 0.0, 0
+    for tokens, targets in eval_batches(ids, p.batch, p.seq, limit):
+        logits = built.forward(tokens)
+        logits = logits[..., : _real_vocab(built)]
+        total += float(cross_entropy(logits, targets.to(logits.device))) * targets.numel()
+        count += targets.numel()
+    loss = total / count
+    _summary(built, f"eval loss {loss:.4f}  perplexity {math.exp(loss):.3f}  ({count} tokens)")
+    return loss
+
+
+def _real_vocab(built: Built) -> int:
+    return int(built.program.model.get("vocab_real", built.program.vocab))
+
+
+def train(
+    built: Built, steps: int, seed: int, data: Path | None = None, corpus: Tensor | None = None
+) -> float:
     """Train ``steps`` steps; rank 0 prints progress and a summary.  Returns the last loss."""
     p = built.program
-    corpus = (
-        torch.frombuffer(bytearray(data.read_bytes()), dtype=torch.uint8).long() if data else None
-    )
+    if corpus is None:
+        corpus = _corpus(built, data)
     rank0 = _first(built)
     loss, start = float("nan"), time.perf_counter()
     for step in range(steps):
@@ -129,18 +174,21 @@ def train(built: Built, steps: int, seed: int, data: Path | None = None) -> floa
     return loss
 
 
-def infer(built: Built, n_new: int, seed: int) -> Tensor:
-    """Decode ``n_new`` tokens greedily after a synthetic prompt; rank 0 prints the ids."""
+def infer(
+    built: Built, n_new: int, seed: int, prompt: Tensor | None = None, tokenizer: Any = None
+) -> Tensor:
+    """Decode ``n_new`` tokens greedily after ``prompt`` (default synthetic); rank 0 prints them."""
     p = built.program
-    prompt, _ = synthetic_batch(p.vocab, 1, min(8, p.seq), seed, 0)
+    if prompt is None:
+        prompt, _ = synthetic_batch(p.vocab, 1, min(8, p.seq), seed, 0)
     start = time.perf_counter()
     out = greedy_generate(built, prompt, n_new)
     elapsed = time.perf_counter() - start
     if _first(built):
-        print(
-            f"prompt    {prompt[0].tolist()}\ngenerated {out[0, prompt.shape[1] :].tolist()}",
-            file=sys.stderr,
-        )
+        new = out[0, prompt.shape[1] :].tolist()
+        print(f"prompt    {prompt[0].tolist()}\ngenerated {new}", file=sys.stderr)
+        if tokenizer is not None:
+            print(tokenizer.decode(out[0].tolist()), flush=True)
     _summary(built, f"{n_new} tokens  {n_new / max(elapsed, 1e-9):,.1f} tokens/s")
     return out
 
@@ -177,10 +225,29 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
             from .checkpoint import load
 
             load(built, args.load)
+        tokenizer = None
+        if args.tokenizer:
+            from .tokens import Tokenizer
+
+            tokenizer = Tokenizer(args.tokenizer)
+        corpus = _corpus(built, args.data, tokenizer)
         if args.infer:
-            infer(built, args.tokens, args.seed)
+            from .tokens import parse_ids
+
+            prompt = None
+            if args.prompt_ids is not None:
+                prompt = parse_ids(args.prompt_ids, _real_vocab(built))
+            elif args.prompt is not None:
+                if tokenizer is None:
+                    raise ValueError("--prompt TEXT needs --tokenizer DIR (or use --prompt-ids)")
+                prompt = parse_ids(",".join(map(str, tokenizer.encode(args.prompt))), program.vocab)
+            infer(built, args.tokens, args.seed, prompt, tokenizer)
+        elif args.eval:
+            if corpus is None:
+                raise ValueError("--eval needs --data FILE (held-out text)")
+            evaluate(built, corpus, max(args.steps, 1))
         else:
-            train(built, args.steps, args.seed, args.data)
+            train(built, args.steps, args.seed, corpus=corpus)
         if args.save:
             from .checkpoint import save
 
