@@ -58,26 +58,28 @@ class _Attention(nn.Module):
             self.v = nn.Linear(hid, self.kvh * self.d, bias=qkv_bias)
         self.o = nn.Linear(self.h * self.d, hid, bias=bool(spec.get("o_bias", False)))
 
-    def _llama3(self, f: float) -> float:
-        # Llama 3 rope scaling, one frequency at a time (written apart from the runtime's).
+    def _llama3(self, f: Tensor) -> Tensor:
+        # Llama 3 rope scaling in float32 as HF computes it: keep short wavelengths, divide long
+        # ones by the factor, blend in between.
         sc = self.scaling
         assert sc is not None
         factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
         orig = sc["original_max_position_embeddings"]
         wavelen = 2 * math.pi / f
-        if wavelen < orig / hi:
-            return f
-        if wavelen > orig / lo:
-            return f / factor
         t = (orig / wavelen - lo) / (hi - lo)
-        return (1 - t) * f / factor + t * f
+        out = f.clone()
+        long = wavelen > orig / lo
+        out[long] = f[long] / factor
+        mid = ~long & ~(wavelen < orig / hi)
+        out[mid] = (1 - t[mid]) * f[mid] / factor + t[mid] * f[mid]
+        return out
 
     def _rope(self, x: Tensor) -> Tensor:
         # x: [b, heads, s, d]; HF LlamaRotaryEmbedding + apply_rotary_pos_emb.
         s, d = x.shape[2], self.d
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
         if self.scaling:
-            inv_freq = torch.tensor([self._llama3(f) for f in inv_freq.tolist()], dtype=torch.float32)
+            inv_freq = self._llama3(inv_freq)
         freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)

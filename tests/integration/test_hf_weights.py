@@ -161,3 +161,92 @@ def test_pool_survives_a_failed_load(models: dict[str, Any], pool: WorkerPool, t
     path, n = _module("llama", "tensor2", tmp_path)
     with pytest.raises(PoolError):
         pool.run(logits_job, n, path, str(directory), _tokens(64))
+
+
+# ---------------------------------------------------------------- meshc import-hf
+
+
+def _import(directory: Path, out: Path, *extra: str) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    from meshllm_dsl.cli import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["import-hf", str(directory), "-o", str(out), *extra])
+    return code, err.getvalue()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_import_hf_spec_checks_and_loads_the_weights(
+    kind: str, models: dict[str, Any], pool: WorkerPool, tmp_path: Path
+) -> None:
+    directory, hf = models[kind]
+    out = tmp_path / f"{kind}.mesh"
+    code, err = _import(directory, out, "--devices", "4", "--batch", "4", "--seq", "8")
+    assert code == 0, err
+    text = out.read_text()
+    result = check_text(text, str(out))
+    assert result.ok, [d.message for d in result.diagnostics]
+    assert list(result.plans) == ["train"] and result.plans["train"].mesh.devices == 4
+    path = tmp_path / f"{kind}.py"
+    path.write_text(render_plan(result.plans["train"], str(out), text))
+    tokens = _tokens(hf.config.vocab_size)
+    logits, _ = pool.run(logits_job, 4, str(path), str(directory), tokens, 0)[0]
+    with torch.no_grad():
+        assert (logits - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"architectures": ["FalconForCausalLM"], "model_type": "falcon"}, "'FalconForCausalLM' is not supported"),
+        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096}, "`sliding_window` = 4096"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope scaling type 'yarn'"),
+        ({"hidden_act": "gelu"}, "`hidden_act` = 'gelu'"),
+        ({"mlp_bias": True}, "`mlp_bias` = True"),
+    ],
+)
+def test_import_hf_refuses_what_it_cannot_honour(
+    change: dict[str, Any], named: str, models: dict[str, Any], tmp_path: Path
+) -> None:
+    directory, _ = models["llama"]
+    d = tmp_path / "model"
+    d.mkdir()
+    cfg = json.loads((directory / "config.json").read_text())
+    cfg.update(change)
+    (d / "config.json").write_text(json.dumps(cfg))
+    code, err = _import(d, tmp_path / "x.mesh")
+    assert code == 1
+    assert named in err, err
+    assert not (tmp_path / "x.mesh").exists()
+
+
+def test_import_hf_without_a_config_is_a_clear_error(tmp_path: Path) -> None:
+    code, err = _import(tmp_path, tmp_path / "x.mesh")
+    assert code == 1 and "config.json: no such file" in err
+
+
+def test_meshc_run_weights_prompt_ids_and_export_end_to_end(models: dict[str, Any], tmp_path: Path) -> None:
+    """The user's path: import-hf, then `meshc run --weights --infer --prompt-ids --export-hf`."""
+    import subprocess
+    import sys
+
+    directory, hf = models["llama3_tied"]
+    spec_path = tmp_path / "m.mesh"
+    assert _import(directory, spec_path, "--devices", "2", "--batch", "2", "--seq", "8")[0] == 0
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshllm_dsl", "run", str(spec_path), "--weights", str(directory), "--infer",
+         "--prompt-ids", "1,2,3", "--tokens", "5", "--export-hf", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert f"generated {want[0, 3:].tolist()}" in proc.stderr
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    tokens = _tokens(64)
+    with torch.no_grad():
+        assert torch.equal(back(tokens).logits, hf(tokens).logits)
