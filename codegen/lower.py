@@ -126,6 +126,8 @@ def _unit_desc(u: Unit) -> dict[str, Any]:
     d: dict[str, Any] = {"name": u.name, "kind": u.kind}
     if u.kind in ("embedding", "positional"):
         d.update(num=a["num"], dim=a["dim"])
+        if a.get("used"):
+            d["used"] = a["used"]
     elif u.kind == "linear":
         d.update({"in": a["in"], "out": a["out"], "bias": a["bias"], "tie": a["tie"]})
     elif u.kind in ("rmsnorm", "layernorm"):
@@ -166,6 +168,7 @@ class _UnitWriter:
     def __init__(self, plan: PlanIR, groups: dict[tuple[str, ...], str]) -> None:
         self.plan = plan
         self.groups = groups  # axes -> attribute name holding the process group
+        self.indices: dict[tuple[str, ...], str] = {}  # axes -> attribute holding mesh.index(axes)
 
     def group(self, axes: tuple[str, ...]) -> str:
         self.groups.setdefault(axes, _group_attr(axes))
@@ -174,7 +177,15 @@ class _UnitWriter:
     def group_lines(self) -> list[Line]:
         """__init__ lines binding every process group the class's forward uses."""
         return [Line(f"self.{attr} = mesh.group({', '.join(repr(a) for a in axes)})",
-                     f"{_axes_text(axes)}: {self.plan.mesh.size(*axes)} ranks") for axes, attr in self.groups.items()]
+                     f"{_axes_text(axes)}: {self.plan.mesh.size(*axes)} ranks") for axes, attr in self.groups.items()] + [
+            Line(f"self.{attr} = mesh.index({', '.join(repr(a) for a in axes)})", "this rank's index over "
+                 + _axes_text(axes)) for axes, attr in self.indices.items()]
+
+    def group_index(self, axes: tuple[str, ...]) -> str:
+        """An __init__-bound attribute holding this rank's index over ``axes``."""
+        attr = "i_" + "_".join(axes)
+        self.indices[axes] = attr
+        return "self." + attr
 
     def n(self, axes: tuple[str, ...]) -> int:
         return self.plan.mesh.size(*axes) if axes else 1
@@ -438,6 +449,11 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
             forward.append(Line(f"{'logits' if is_head else 'x'} = {call}", f"[b, s, {out_local}] {what}"))
             if is_head:
                 cur = "logits"
+                used = _vocab_used(model)
+                if used is not None:
+                    start = (f"{w.group_index(p.axes)} * {out_local}" if p.sharded and p.rule == "column" else "0")
+                    forward.append(Line(f"logits = rt.mask_vocab(logits, {start}, {used})",
+                                        f"rows {used}.. of {a['out']} are padding: never a token, never predicted"))
         else:
             raise AssertionError(f"top-level {item.kind} is not supported by codegen")
     forward.append(Line(f"return {cur if cur != 'tokens' else 'x'}"))
@@ -447,6 +463,14 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
     doc = f"Stage {stage.index} ({where}): {pieces}."
     arg = "tokens: torch.Tensor" if first else "x: torch.Tensor"
     return ClassDef(f"Stage{stage.index}", doc, w.group_lines() + init, arg, forward, params)
+
+
+def _vocab_used(model: Any) -> int | None:
+    for item in model.items:
+        if isinstance(item, Unit) and item.kind == "embedding":
+            used = dict(item.attrs).get("used")
+            return int(used) if used else None
+    return None
 
 
 def _range(a: int, b: int) -> str:

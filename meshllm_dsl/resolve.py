@@ -289,7 +289,9 @@ def _const(v: Any) -> Callable[[dict[str, Any]], Any]:
 ACTIVATIONS = ("swiglu", "gelu_tanh", "gelu", "relu", "silu")
 
 PRIMITIVES: dict[str, tuple[Arg, ...]] = {
-    "embedding": (Arg("num", "dim"), Arg("dim", "dim")),
+    # `used`: rows that are real tokens when `num` is padded (e.g. 50257 of 50304): the head's logits
+    # past it are masked out of the softmax, the loss, the argmax and exported weights.
+    "embedding": (Arg("num", "dim"), Arg("dim", "dim"), Arg("used", "float", _const(None))),
     "positional": (Arg("num", "dim"), Arg("dim", "dim")),
     # `tie = embed` shares the embedding's weight; `tied = false` turns that off (a family parameter
     # can then choose: `linear(hidden, vocab, tie = embed, tied = tie_embeddings)`).
@@ -553,6 +555,13 @@ def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str,
         w = Tensor("weight", (b["num"], b["dim"]), ((unit("num"),), (unit("dim"),)))
         leaves.append(Leaf(name, (name,), kind, (w,), (unit("dim"),), (unit("num"),), span=span))
         attrs_ = {"num": b["num"], "dim": b["dim"]}
+        used = b.get("used")
+        if used is not None and used != b["num"]:
+            if not (float(used).is_integer() and 1 <= used < b["num"]):
+                r.error("E0304", f"`{name}`: used = {used} must be a whole number of rows in 1..{b['num']}",
+                        decl.call.span, label="padded rows past the real vocabulary")
+                return None
+            attrs_["used"] = int(used)
     elif kind == "linear":
         params: list[Tensor] = []
         tie = b["tie"] if b["tied"] else None

@@ -134,7 +134,8 @@ def model_arch(model: Mapping[str, Any]) -> str:
 def padded_vocab(model: Mapping[str, Any]) -> tuple[int, int]:
     """(rows of the embedding, real vocab): rows past the real vocab are padding."""
     lay = _layout(model)
-    return lay.vocab, int(model.get("vocab_real", lay.vocab))
+    embed = next(x for x in model["layers"] if x["kind"] == "embedding")
+    return lay.vocab, int(embed.get("used") or lay.vocab)
 
 
 _LLAMA_ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}

@@ -121,7 +121,7 @@ def _corpus(built: Built, data: Path | None, tokenizer: Any = None) -> Tensor | 
     if tokenizer is None:
         return torch.frombuffer(bytearray(data.read_bytes()), dtype=torch.uint8).long()
     ids = tokenizer.corpus(data.read_text())
-    vocab = built.program.vocab
+    vocab = _real_vocab(built)
     if ids.numel() and int(ids.max()) >= vocab:
         raise ValueError(f"--tokenizer produces id {int(ids.max())}, past the model's vocab {vocab}")
     return ids
@@ -145,7 +145,9 @@ def evaluate(built: Built, ids: Tensor, limit: int) -> float:
 
 
 def _real_vocab(built: Built) -> int:
-    return int(built.program.model.get("vocab_real", built.program.vocab))
+    """Rows of the vocab that are tokens (a padded vocab's embedding says how many)."""
+    embed = next(x for x in built.program.model["layers"] if x["kind"] == "embedding")
+    return int(embed.get("used") or built.program.vocab)
 
 
 def train(
@@ -159,9 +161,9 @@ def train(
     loss, start = float("nan"), time.perf_counter()
     for step in range(steps):
         if corpus is None:
-            tokens, targets = synthetic_batch(p.vocab, p.batch, p.seq, seed, step)
+            tokens, targets = synthetic_batch(_real_vocab(built), p.batch, p.seq, seed, step)
         else:
-            tokens, targets = text_batch(corpus, p.vocab, p.batch, p.seq, seed, step)
+            tokens, targets = text_batch(corpus, _real_vocab(built), p.batch, p.seq, seed, step)
         loss = built.train_step(tokens, targets)
         if rank0:
             _progress(
@@ -180,7 +182,7 @@ def infer(
     """Decode ``n_new`` tokens greedily after ``prompt`` (default synthetic); rank 0 prints them."""
     p = built.program
     if prompt is None:
-        prompt, _ = synthetic_batch(p.vocab, 1, min(8, p.seq), seed, 0)
+        prompt, _ = synthetic_batch(_real_vocab(built), 1, min(8, p.seq), seed, 0)
     start = time.perf_counter()
     out = greedy_generate(built, prompt, n_new)
     elapsed = time.perf_counter() - start
@@ -240,7 +242,7 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
             elif args.prompt is not None:
                 if tokenizer is None:
                     raise ValueError("--prompt TEXT needs --tokenizer DIR (or use --prompt-ids)")
-                prompt = parse_ids(",".join(map(str, tokenizer.encode(args.prompt))), program.vocab)
+                prompt = parse_ids(",".join(map(str, tokenizer.encode(args.prompt))), _real_vocab(built))
             infer(built, args.tokens, args.seed, prompt, tokenizer)
         elif args.eval:
             if corpus is None:

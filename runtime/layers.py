@@ -27,6 +27,7 @@ __all__ = [
     "attention",
     "cross_entropy",
     "llama3_inv_freq",
+    "mask_vocab",
     "positions",
     "vocab_parallel_cross_entropy",
 ]
@@ -286,3 +287,16 @@ def vocab_parallel_cross_entropy(
     if group is None:
         return cross_entropy(local_logits, targets - vocab_start)
     return _VocabParallelCE.apply(local_logits, targets, group, vocab_start)
+
+
+def mask_vocab(logits: Tensor, start: int, used: int) -> Tensor:
+    """Logits of padded vocab rows (global column >= ``used``) set to the dtype's lowest value.
+
+    ``logits`` holds columns [start, start + n) of the padded vocab.  Masked columns then take no
+    part in the softmax, the loss or the argmax, and receive no gradient.
+    """
+    n = logits.shape[-1]
+    if start + n <= used:
+        return logits
+    padded = torch.arange(start, start + n, device=logits.device) >= used
+    return logits.masked_fill(padded, torch.finfo(logits.dtype).min)

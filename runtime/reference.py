@@ -170,6 +170,7 @@ class ReferenceModel(nn.Module):
         super().__init__()
         self.order: list[tuple[str, str]] = []
         self.ties: dict[str, str] = {}
+        self.used = next((s.get("used") for s in model["layers"] if s["kind"] == "embedding"), None)
         for spec in model["layers"]:
             name, kind = spec["name"], spec["kind"]
             if kind in ("embedding", "positional"):
@@ -194,6 +195,13 @@ class ReferenceModel(nn.Module):
             self.order.append((name, kind))
 
     def forward(self, tokens: Tensor) -> Tensor:
+        x = self._forward(tokens)
+        if self.used is not None:  # padded vocab rows are never predicted
+            x = torch.cat([x[..., : self.used],
+                           torch.full_like(x[..., self.used :], torch.finfo(x.dtype).min)], dim=-1)
+        return x
+
+    def _forward(self, tokens: Tensor) -> Tensor:
         x: Tensor = tokens
         for name, kind in self.order:
             if kind == "linear" and name in self.ties:

@@ -75,6 +75,9 @@ SPEC_MODELS = {
     "qwen2": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
              " norm_eps = 1e-6, attn_bias = true, attn_out_bias = false, dtype = fp32 }",
     "gpt2": "model m = gpt2 { vocab = 67, hidden = 32, layers = 4, heads = 4, positions = 32 }",
+    # 67 rows padded to 68 so the tensor axis splits the vocabulary; row 67 is masked
+    "gpt2_padded": "model m = gpt2 { vocab = 68, vocab_used = 67, hidden = 32, layers = 4, heads = 4,"
+                   " positions = 32 }",
 }
 
 _TP = "heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor"
@@ -89,7 +92,9 @@ PLANS = {  # mesh axes, layout entries, other plan lines
 
 def spec(kind: str, plan: str) -> str:
     axes, layout, rest = PLANS[plan]
-    if kind == "gpt2" and layout:
+    if kind == "gpt2_padded" and layout:
+        layout = layout.replace("kv_heads -> tensor, ", "")
+    elif kind == "gpt2" and layout:
         # fused qkv has no separate kv heads; 67 rows do not split over 2
         layout = layout.replace("kv_heads -> tensor, ", "").replace(", vocab -> tensor", "")
         if "tensor" in layout:

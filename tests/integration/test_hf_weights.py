@@ -250,3 +250,45 @@ def test_meshc_run_weights_prompt_ids_and_export_end_to_end(models: dict[str, An
     tokens = _tokens(64)
     with torch.no_grad():
         assert torch.equal(back(tokens).logits, hf(tokens).logits)
+
+
+# ---------------------------------------------------------------- vocab padding
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_padded_vocab_rows_never_take_part(plan: str, models: dict[str, Any], pool: WorkerPool, tmp_path: Path) -> None:
+    directory, hf = models["gpt2"]  # vocab 67, the spec pads it to 68 (split over the tensor axis)
+    tokens = _tokens(67)
+    with torch.no_grad():
+        want = hf(tokens).logits
+        want_tokens = hf.generate(tokens[:1], max_new_tokens=N_NEW, do_sample=False, min_new_tokens=N_NEW)
+    path, n = _module("gpt2_padded", plan, tmp_path)
+    logits, generated = pool.run(logits_job, n, path, str(directory), tokens, N_NEW)[0]
+    assert logits.shape[-1] == 68
+    assert (logits[..., :67] - want).abs().max().item() <= 1e-4
+    assert (logits[..., 67:] == torch.finfo(torch.float32).min).all()
+    # the loss over the padded logits is the loss over the real ones
+    ce = torch.nn.functional.cross_entropy
+    assert abs(ce(logits.reshape(-1, 68), tokens.reshape(-1)).item() - ce(want.reshape(-1, 67), tokens.reshape(-1)).item()) < 1e-5
+    assert generated.tolist() == want_tokens.tolist()
+
+
+def test_padded_vocab_exports_the_real_rows(models: dict[str, Any], pool: WorkerPool, tmp_path: Path) -> None:
+    directory, _ = models["gpt2"]
+    path, n = _module("gpt2_padded", "pipeline2_tensor2", tmp_path)
+    out = tmp_path / "exported"
+    pool.run(export_job, n, path, str(directory), str(out), 10**9)
+    exported = safetensors_torch.load_file(str(out / "model.safetensors"))
+    original = safetensors_torch.load_file(str(directory / "model.safetensors"))
+    assert sorted(exported) == sorted(original)
+    assert all(torch.equal(exported[k], t) for k, t in original.items())
+    assert json.loads((out / "config.json").read_text())["vocab_size"] == 67
+
+
+def test_padded_vocab_plan_verifies_against_the_reference(tmp_path: Path) -> None:
+    from meshllm_dsl.verify import verify
+
+    path = tmp_path / "padded.mesh"
+    path.write_text(spec("gpt2_padded", "tensor2"))
+    report, equal = verify(str(path), None)
+    assert equal, report
