@@ -292,3 +292,71 @@ def test_padded_vocab_plan_verifies_against_the_reference(tmp_path: Path) -> Non
     path.write_text(spec("gpt2_padded", "tensor2"))
     report, equal = verify(str(path), None)
     assert equal, report
+
+
+# ---------------------------------------------------------------- text in and out
+
+
+WORDS = "the cat sat on a mat dog ran to park and too hello world this is tiny corpus".split()
+
+
+def _tokenizer(directory: Path) -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["<unk>", "<eos>"]))
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return tok
+
+
+def _run(*args: str, cwd: Path) -> Any:
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "meshllm_dsl", "run", *args], capture_output=True, text=True,
+                          timeout=300, cwd=cwd)
+
+
+def test_tokenizer_prompt_text_in_and_out(models: dict[str, Any], tmp_path: Path) -> None:
+    directory, hf = models["llama"]
+    tok = _tokenizer(tmp_path / "tok")
+    spec_path = tmp_path / "m.mesh"
+    spec_path.write_text(spec("llama", "single"))
+    proc = _run(str(spec_path), "--weights", str(directory), "--tokenizer", str(tmp_path / "tok"), "--infer",
+                "--prompt", "the cat sat on", "--tokens", "5", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ids = tok.encode("the cat sat on", add_special_tokens=False).ids
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=5, min_new_tokens=5, do_sample=False)[0].tolist()
+    assert f"generated {want[len(ids):]}" in proc.stderr
+    assert tok.decode(want, skip_special_tokens=False) in proc.stdout
+
+
+def test_eval_reports_transformers_loss_on_held_out_text(models: dict[str, Any], tmp_path: Path) -> None:
+    from meshllm_dsl.runtime.tokens import Tokenizer, eval_batches
+
+    directory, hf = models["llama"]
+    _tokenizer(tmp_path / "tok")
+    gen = torch.Generator().manual_seed(3)
+    docs = [" ".join(WORDS[int(i)] for i in torch.randint(0, len(WORDS), (30,), generator=gen)) for _ in range(4)]
+    data = tmp_path / "held_out.txt"
+    data.write_text("\n\n".join(docs) + "\n")
+    spec_path = tmp_path / "m.mesh"
+    spec_path.write_text(spec("llama", "tensor2"))
+    proc = _run(str(spec_path), "--weights", str(directory), "--tokenizer", str(tmp_path / "tok"), "--eval",
+                "--data", str(data), "--steps", "3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stderr.splitlines() if "eval loss" in x)
+    got = float(line.split("eval loss")[1].split()[0])
+    corpus = Tokenizer(tmp_path / "tok").corpus(data.read_text())
+    losses = []
+    with torch.no_grad():
+        for tokens, targets in eval_batches(corpus, 4, 8, 3):
+            logits = hf(tokens).logits
+            losses.append(torch.nn.functional.cross_entropy(logits.reshape(-1, 64), targets.reshape(-1)).item())
+    assert len(losses) == 3
+    assert abs(got - sum(losses) / len(losses)) < 1e-4  # printed with 4 decimals
+    assert "perplexity" in line
