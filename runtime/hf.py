@@ -18,10 +18,11 @@ safetensors files (sharded above ``max_shard_bytes``, with an index) that ``from
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -398,37 +399,40 @@ class HFCheckpoint:
             files = sorted(self.dir.glob("*.safetensors"))
             if not files:
                 raise WeightsError(f"--weights {self.dir}: no *.safetensors files (and no index)")
-        self._handles: dict[Path, Any] = {}
         self.where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.bytes_read = 0  # what this rank has read of the tensors (for tests and reports)
         for f in files:
             try:
-                handle = safe_open(str(f), framework="pt")
-                keys = list(handle.keys())
+                # Opened once to let safetensors validate the file, then closed: tensors are read
+                # later through a short-lived mapping each (see ``open``).
+                with safe_open(str(f), framework="pt") as handle:
+                    keys = list(handle.keys())
                 size = f.stat().st_size
             except FileNotFoundError:
                 raise WeightsError(f"{f}: listed in {index.name} but missing") from None
             except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
                 raise WeightsError(f"{f}: not a readable safetensors file ({err})") from None
-            self._check_size(f, handle, keys, size)
-            self._handles[f] = handle
+            header = self._header(f, keys, size)
             for k in keys:
                 self.where[k] = f
+                self.shapes[k] = tuple(header[k]["shape"])
 
     @staticmethod
-    def _check_size(f: Path, handle: Any, keys: list[str], size: int) -> None:
+    def _header(f: Path, keys: list[str], size: int) -> dict[str, Any]:
         # safetensors checks the header against the file length; double-check every tensor's end.
         import struct
 
         with open(f, "rb") as fh:
             (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"),
-                  default=0)
-        if 8 + n + end > size:
-            raise WeightsError(
-                f"{f}: truncated ({size} bytes, its header needs {8 + n + end}); "
-                f"tensor {keys[-1] if keys else '?'} cannot be read"
-            )
+            header: dict[str, Any] = json.loads(fh.read(n))
+        for k in keys:
+            end = header[k]["data_offsets"][1]
+            if 8 + n + end > size:
+                raise WeightsError(
+                    f"{f}: truncated ({size} bytes); tensor {k} needs bytes up to {8 + n + end}"
+                )
+        return header
 
     def key(self, key: str) -> str | None:
         """``key`` as stored: GPT-2 checkpoints from the hub omit the ``transformer.`` prefix."""
@@ -439,10 +443,16 @@ class HFCheckpoint:
         return None
 
     def shape(self, key: str) -> tuple[int, ...]:
-        return tuple(self._handles[self.where[key]].get_slice(key).get_shape())
+        return self.shapes[key]
 
-    def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
-        return self._handles[self.where[key]].get_slice(key)[index]
+    @contextlib.contextmanager
+    def open(self, key: str) -> Iterator[Any]:
+        """``get_slice(key)`` of a mapping that lives only while one tensor is read, so the file
+        pages a rank touches (all of them for a column slice) leave its memory straight after."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.where[key]), framework="pt") as handle:
+            yield handle.get_slice(key)
 
 
 def _runs(idx: Tensor) -> list[tuple[int, int]]:
@@ -486,16 +496,18 @@ def local_from_hf(
             pos += b - a
         per_dim.append(runs)
 
-    def visit(d: int, local: list[slice], full: list[slice]) -> None:
+    def visit(sl: Any, d: int, local: list[slice], full: list[slice]) -> None:
         if d == len(idx):
             index = tuple(reversed(full)) if transposed else tuple(full)
-            piece = ckpt.read(key, index)
+            piece = sl[index]
+            ckpt.bytes_read += piece.numel() * piece.element_size()
             out[tuple(local)] = (piece.t() if transposed else piece).to(dtype)
             return
         for pos, a, n in per_dim[d]:
-            visit(d + 1, [*local, slice(pos, pos + n)], [*full, slice(a, a + n)])
+            visit(sl, d + 1, [*local, slice(pos, pos + n)], [*full, slice(a, a + n)])
 
-    visit(0, [], [])
+    with ckpt.open(key) as sl:
+        visit(sl, 0, [], [])
     return out
 
 

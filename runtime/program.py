@@ -184,6 +184,8 @@ class Built:
                         local = local_slice(full, spec, mesh)
                     module.get_parameter(spec.local).copy_(local)
             self.modules[i] = module
+        # Bytes of checkpoint tensors this rank read (its slices only); 0 without --weights.
+        self.weights_bytes_read = ckpt.bytes_read if hf is not None else 0
         self._check_coverage()
         self._hidden = next(
             int(x["dim"]) for x in program.model["layers"] if x["kind"] == "embedding"

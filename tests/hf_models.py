@@ -136,3 +136,11 @@ def error_job(ctx: Any, path: str, weights: str) -> str:
     except WeightsError as err:
         return str(err)
     return ""
+
+
+def bytes_read_job(ctx: Any, path: str, weights: str) -> int:
+    """On every rank: bytes of checkpoint tensors this rank read while loading."""
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    return int(program.build(ctx.mesh(program.axes), weights=weights).weights_bytes_read)

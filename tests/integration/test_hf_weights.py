@@ -17,7 +17,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from hf_models import KINDS, build_hf, error_job, export_job, logits_job, spec  # noqa: E402
+from hf_models import KINDS, build_hf, bytes_read_job, error_job, export_job, logits_job, spec  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
@@ -92,6 +92,66 @@ def test_export_round_trip_is_exact_and_loads_in_transformers(
     tokens = _tokens(hf.config.vocab_size)
     with torch.no_grad():
         assert (back(tokens).logits - hf(tokens).logits).abs().max().item() == 0.0
+
+
+@pytest.mark.parametrize(("plan", "share"), [("single", 1.0), ("tensor2", 0.5), ("pipeline2_tensor2", 0.25)])
+def test_each_rank_reads_only_its_slices(
+    plan: str, share: float, models: dict[str, Any], pool: WorkerPool, tmp_path: Path
+) -> None:
+    directory, _ = models["llama"]
+    total = sum(t.numel() * t.element_size()
+                for t in safetensors_torch.load_file(str(directory / "model.safetensors")).values())
+    path, n = _module("llama", plan, tmp_path)
+    per_rank = pool.run(bytes_read_job, n, path, str(directory))
+    for got in per_rank:
+        # its share of the sharded matrices, plus the replicated norm weights (1 KiB here)
+        assert share * total * 0.9 <= got <= share * total + 4096, (per_rank, total)
+
+
+def test_sharded_checkpoint_with_index_loads(models: dict[str, Any], pool: WorkerPool, tmp_path: Path) -> None:
+    directory, hf = models["qwen2"]
+    path, n = _module("qwen2", "pipeline2_tensor2", tmp_path)
+    out = tmp_path / "sharded"
+    pool.run(export_job, n, path, str(directory), str(out), 30_000)
+    assert len(list(out.glob("model-*-of-*.safetensors"))) > 2
+    tokens = _tokens(64)
+    logits, _ = pool.run(logits_job, n, path, str(out), tokens, 0)[0]
+    with torch.no_grad():
+        assert (logits - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+def test_bf16_checkpoint_loads_into_an_fp32_plan_exactly(
+    models: dict[str, Any], pool: WorkerPool, tmp_path: Path
+) -> None:
+    directory, hf = models["llama"]
+    half = tmp_path / "bf16"
+    hf.to(torch.bfloat16).save_pretrained(half)
+    hf.to(torch.float32)
+    path, n = _module("llama", "tensor2", tmp_path)
+    out = tmp_path / "out"
+    pool.run(export_job, n, path, str(half), str(out), 10**9)
+    exported = safetensors_torch.load_file(str(out / "model.safetensors"))
+    for key, t in safetensors_torch.load_file(str(half / "model.safetensors")).items():
+        assert exported[key].dtype == torch.float32
+        assert torch.equal(exported[key], t.float()), key
+
+
+def test_gpt2_hub_names_without_the_transformer_prefix_load(
+    models: dict[str, Any], pool: WorkerPool, tmp_path: Path
+) -> None:
+    import shutil
+
+    directory, hf = models["gpt2"]
+    hub = tmp_path / "hub"
+    shutil.copytree(directory, hub)
+    state = safetensors_torch.load_file(str(hub / "model.safetensors"))
+    safetensors_torch.save_file({k.removeprefix("transformer."): v for k, v in state.items()},
+                                str(hub / "model.safetensors"), metadata={"format": "pt"})
+    path, n = _module("gpt2", "tensor2", tmp_path)
+    tokens = _tokens(67)
+    logits, _ = pool.run(logits_job, n, path, str(hub), tokens, 0)[0]
+    with torch.no_grad():
+        assert (logits - hf(tokens).logits).abs().max().item() <= 1e-4
 
 
 def _corrupt(directory: Path, target: Path, how: str) -> None:
