@@ -1,7 +1,10 @@
 """Entry point of a generated module under torchrun: ``rt.launch.main(PROGRAM)``.
 
-Trains for ``--steps`` on deterministic synthetic tokens (or a text file read as bytes) and prints
-progress on rank 0, or with ``--infer`` decodes greedily with a KV cache.  A rank that fails prints
+Trains for ``--steps`` on deterministic synthetic tokens (or a text file read as bytes, or as text
+with ``--tokenizer``) and prints progress on rank 0; with ``--infer`` decodes greedily with a KV
+cache after ``--prompt TEXT`` / ``--prompt-ids 1,2,3``; with ``--eval`` reports the mean loss and
+perplexity on ``--data``.  ``--weights DIR`` starts from a Hugging Face checkpoint and
+``--export-hf DIR`` writes one at the end (``runtime/hf.py``).  A rank that fails prints
 the cause and exits at once, so its peers' collectives fail quickly and torchrun stops the job.
 """
 
@@ -170,6 +173,9 @@ def train(
                 step + 1, steps, loss, (step + 1) * p.batch * p.seq / (time.perf_counter() - start)
             )
     elapsed = time.perf_counter() - start
+    if steps == 0:
+        _summary(built, "no training steps (--steps 0)")
+        return loss
     _summary(
         built, f"loss {loss:.4f}  {steps * p.batch * p.seq / max(elapsed, 1e-9):,.0f} tokens/s"
     )
