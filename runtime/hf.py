@@ -297,7 +297,7 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
             f"{where}: `{field}` is {got!r}, but model `{name}` has {what} = {want!r}"
         )
 
-    vocab_rows, vocab = padded_vocab(model)
+    _, vocab = padded_vocab(model)
     if lay.arch == "gpt2":
         if model_type != "gpt2":
             raise WeightsError(f"{where}: model_type {model_type!r}, but model `{name}` is GPT-2 shaped")
@@ -310,10 +310,10 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
             ("n_inner", inner, mlp["ffn"], "ffn"),
             ("layer_norm_epsilon", cfg.get("layer_norm_epsilon", 1e-5), lay.body[0]["eps"], "norm_eps"),
         ]
+        given = cfg.get("activation_function", "gelu_new")
         act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
-               "relu": "relu", "silu": "silu"}.get(cfg.get("activation_function", "gelu_new"))
-        wants.append(("activation_function", cfg.get("activation_function"), mlp["act"], "act")
-                     if act != mlp["act"] else ("", 0, 0, ""))
+               "relu": "relu", "silu": "silu"}.get(given, given)
+        wants.append(("activation_function", act, mlp["act"], "act"))
         pos = next(x for x in model["layers"] if x["kind"] == "positional")
         wants.append(("n_positions", cfg.get("n_positions"), pos["num"], "positions"))
         for flag, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
@@ -338,7 +338,7 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
             ("intermediate_size", cfg.get("intermediate_size"), mlp["ffn"], "ffn"),
             ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6), lay.norm["eps"], "norm_eps"),
             ("rope_theta", theta, attn["rope_theta"], "rope_theta"),
-            ("hidden_act", cfg.get("hidden_act", "silu"), "silu", "act (swiglu over)"),
+            ("hidden_act", cfg.get("hidden_act", "silu"), "silu", "SwiGLU's activation"),
         ]
         qkv_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
         o_bias = bool(cfg.get("attention_bias", False))
@@ -363,9 +363,8 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
     tied = bool(cfg.get("tie_word_embeddings", lay.arch == "gpt2"))
     wants.append(("tie_word_embeddings", tied, bool(lay.head.get("tie")), "a tied head"))
     for field, got, want, what in wants:
-        if field and not _close(got, want):
+        if not _close(got, want):
             raise bad(field, got, want, what)
-    del vocab_rows
 
 
 # ---------------------------------------------------------------- reading

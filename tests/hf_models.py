@@ -144,3 +144,15 @@ def bytes_read_job(ctx: Any, path: str, weights: str) -> int:
 
     program = load_generated(path).PROGRAM
     return int(program.build(ctx.mesh(program.axes), weights=weights).weights_bytes_read)
+
+
+def seeded_export_job(ctx: Any, path: str, out: str, tokens: Any) -> Any:
+    """On every rank: the seeded (random) plan's logits, exported without a source directory."""
+    from meshllm_dsl.runtime.hf import export_hf
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=3)
+    logits = built.forward(tokens)
+    export_hf(built, out)
+    return logits if ctx.rank == 0 else None

@@ -17,7 +17,16 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from hf_models import KINDS, build_hf, bytes_read_job, error_job, export_job, logits_job, spec  # noqa: E402
+from hf_models import (  # noqa: E402
+    KINDS,
+    build_hf,
+    bytes_read_job,
+    error_job,
+    export_job,
+    logits_job,
+    seeded_export_job,
+    spec,
+)
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
@@ -152,6 +161,22 @@ def test_gpt2_hub_names_without_the_transformer_prefix_load(
     logits, _ = pool.run(logits_job, n, path, str(hub), tokens, 0)[0]
     with torch.no_grad():
         assert (logits - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3_tied", "qwen2", "gpt2", "gpt2_padded"])
+def test_export_of_a_model_without_a_source_config_loads_in_transformers(
+    kind: str, pool: WorkerPool, tmp_path: Path
+) -> None:
+    """A model trained from the seed (no --weights): config.json is derived from the spec."""
+    path, n = _module(kind, "pipeline2_tensor2", tmp_path)
+    out = tmp_path / "exported"
+    tokens = _tokens(64)
+    logits = pool.run(seeded_export_job, n, path, str(out), tokens)[0]
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        want = back(tokens).logits
+    vocab = want.shape[-1]
+    assert (logits[..., :vocab] - want).abs().max().item() <= 1e-4
 
 
 def _corrupt(directory: Path, target: Path, how: str) -> None:
