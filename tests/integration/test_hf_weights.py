@@ -134,8 +134,9 @@ def test_bf16_checkpoint_loads_into_an_fp32_plan_exactly(
 ) -> None:
     directory, hf = models["llama"]
     half = tmp_path / "bf16"
-    hf.to(torch.bfloat16).save_pretrained(half)
-    hf.to(torch.float32)
+    import copy
+
+    copy.deepcopy(hf).to(torch.bfloat16).save_pretrained(half)  # the shared model stays float32
     path, n = _module("llama", "tensor2", tmp_path)
     out = tmp_path / "out"
     pool.run(export_job, n, path, str(half), str(out), 10**9)
