@@ -156,3 +156,14 @@ def seeded_export_job(ctx: Any, path: str, out: str, tokens: Any) -> Any:
     logits = built.forward(tokens)
     export_hf(built, out)
     return logits if ctx.rank == 0 else None
+
+
+def reference_job(ctx: Any, path: str) -> dict[str, float]:
+    """On every rank: max |sharded - unsharded reference| over 2 AdamW steps (float64)."""
+    import torch
+
+    from meshllm_dsl.runtime.compare import compare_to_reference
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    return compare_to_reference(program, ctx.mesh(program.axes), dtype=torch.float64, seed=0, steps=2)

@@ -24,6 +24,7 @@ from hf_models import (  # noqa: E402
     error_job,
     export_job,
     logits_job,
+    reference_job,
     seeded_export_job,
     spec,
 )
@@ -446,3 +447,18 @@ def test_eval_reports_transformers_loss_on_held_out_text(models: dict[str, Any],
     assert len(losses) == 3
     assert abs(got - sum(losses) / len(losses)) < 1e-4  # printed with 4 decimals
     assert "perplexity" in line
+
+
+@pytest.mark.parametrize(("kind", "plan"), [("llama3_tied", "pipeline2_tensor2"), ("qwen2", "data2_tensor2"),
+                                            ("gpt2_padded", "pipeline2_tensor2")])
+def test_new_family_features_train_like_the_unsharded_reference(
+    kind: str, plan: str, pool: WorkerPool, tmp_path: Path
+) -> None:
+    """Tied llama head across pipeline stages, llama3 rope scaling, q/k/v-only biases, padded vocab:
+    logits, gradients and parameters after AdamW steps equal the unsharded reference."""
+    from meshllm_dsl.runtime.compare import TOLERANCE
+
+    path, n = _module(kind, plan, tmp_path)
+    for rank, errs in enumerate(pool.run(reference_job, n, path)):
+        bad = {k: v for k, v in errs.items() if not v <= TOLERANCE["float64"]}
+        assert not bad, f"rank {rank}: {bad}"
