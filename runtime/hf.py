@@ -347,12 +347,6 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
             ("attention_bias (o)", o_bias, bool(attn.get("o_bias")), "attention out_bias"),
             ("mlp_bias", bool(cfg.get("mlp_bias", False)), bool(mlp.get("bias")), "mlp bias"),
         ]
-        ours = attn.get("rope_scaling")
-        if (scaling is None) != (ours is None) or (
-            scaling is not None
-            and any(not _close(scaling.get(k), v) for k, v in ours.items())  # type: ignore[union-attr]
-        ):
-            raise bad("rope_scaling", scaling, ours, "rope scaling")
         window = cfg.get("sliding_window")
         if window is not None and (model_type == "mistral" or cfg.get("use_sliding_window")):
             raise WeightsError(
@@ -365,6 +359,13 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
     for field, got, want, what in wants:
         if not _close(got, want):
             raise bad(field, got, want, what)
+    if lay.arch == "llama":
+        ours = attn.get("rope_scaling")
+        if (scaling is None) != (ours is None) or (
+            scaling is not None
+            and any(not _close(scaling.get(k), v) for k, v in ours.items())  # type: ignore[union-attr]
+        ):
+            raise bad("rope_scaling", scaling, ours, "rope scaling")
 
 
 # ---------------------------------------------------------------- reading

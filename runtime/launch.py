@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .generate import greedy_generate
+from .hf import WeightsError
 from .program import Built, Program
 
 __all__ = ["evaluate", "infer", "main", "parse_args", "synthetic_batch", "text_batch", "train"]
@@ -271,6 +272,9 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
                 f"\nrank {rank} stopped: a peer rank exited ({str(exc).splitlines()[0][:160]})",
                 file=sys.stderr,
             )
+        elif isinstance(exc, WeightsError):
+            # The checkpoint, not the program, is wrong: the message names the tensor and file.
+            print(f"rank {rank}: bad --weights: {exc}", file=sys.stderr)
         else:
             print(f"\nrank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
             traceback.print_exc(file=sys.stderr)
