@@ -81,8 +81,10 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
         raise refuse("hidden_act", "is not the SiLU of SwiGLU that the llama family uses")
     if cfg.get("mlp_bias"):
         raise refuse("mlp_bias", "adds MLP biases the llama family does not have")
-    if arch == "MistralForCausalLM" and cfg.get("sliding_window") is not None:
-        raise refuse("sliding_window", "limits attention to a window; meshllm computes full causal attention")
+    window = cfg.get("sliding_window")
+    if arch == "MistralForCausalLM" and window is not None and window < cfg.get("max_position_embeddings", 0):
+        raise refuse("sliding_window", "limits attention to a window shorter than max_position_embeddings; "
+                     "meshllm computes full causal attention")
     if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
         raise refuse("use_sliding_window", "limits attention to a window; meshllm computes full causal attention")
     for field in ("attn_logit_softcapping", "final_logit_softcapping", "logits_scaling"):

@@ -348,7 +348,8 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
             ("mlp_bias", bool(cfg.get("mlp_bias", False)), bool(mlp.get("bias")), "mlp bias"),
         ]
         window = cfg.get("sliding_window")
-        if window is not None and (model_type == "mistral" or cfg.get("use_sliding_window")):
+        binding = window is not None and window < int(cfg.get("max_position_embeddings", 0))
+        if binding and (model_type == "mistral" or cfg.get("use_sliding_window")):
             raise WeightsError(
                 f"{where}: `sliding_window` = {window} limits attention to a window; meshllm's"
                 " attention is full causal attention (set it to null only if every sequence is"

@@ -289,7 +289,8 @@ def test_import_hf_spec_checks_and_loads_the_weights(
     ("change", "named"),
     [
         ({"architectures": ["FalconForCausalLM"], "model_type": "falcon"}, "'FalconForCausalLM' is not supported"),
-        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096}, "`sliding_window` = 4096"),
+        ({"architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 4096,
+          "max_position_embeddings": 32768}, "`sliding_window` = 4096"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}}, "rope scaling type 'yarn'"),
         ({"hidden_act": "gelu"}, "`hidden_act` = 'gelu'"),
         ({"mlp_bias": True}, "`mlp_bias` = True"),
