@@ -37,12 +37,14 @@ from .shards import ShardSpec, gather_full
 __all__ = [
     "HFCheckpoint",
     "WeightsError",
+    "check_config",
     "export_hf",
     "hf_config",
     "hf_key_map",
     "local_from_hf",
     "model_arch",
     "padded_vocab",
+    "plan_load",
 ]
 
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
