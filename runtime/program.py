@@ -173,7 +173,10 @@ class Built:
             ckpt = hf.HFCheckpoint(weights)
             keys = hf.plan_load(ckpt, program.model, self.specs)
         for i in self.stage_ids:
-            module = program.stages[i](mesh).to(device=device, dtype=program.dtype)
+            if hf is not None:
+                module = self._empty_stage(i)
+            else:
+                module = program.stages[i](mesh).to(device=device, dtype=program.dtype)
             with torch.no_grad():
                 for name, spec in self.specs[i].items():
                     if hf is not None:
@@ -198,6 +201,19 @@ class Built:
         self._schedules: dict[tuple[int, int, bool], Any] = {}
 
     # ------------------------------------------------------------------ set-up
+
+    def _empty_stage(self, i: int) -> nn.Module:
+        """Stage ``i`` with uninitialised local storage, for weights that are read in right after.
+
+        Built on the meta device, so torch's default initialisation (wasted work, every
+        parameter is overwritten from the checkpoint and coverage is checked) never runs.
+        """
+        p = self.program
+        with torch.device("meta"):
+            module = p.stages[i](self.mesh).to(dtype=p.dtype)
+        if any(True for _ in module.buffers()):  # state that no checkpoint fills: build it normally
+            return p.stages[i](self.mesh).to(device=self.device, dtype=p.dtype)
+        return module.to_empty(device=self.device)
 
     def _check_coverage(self) -> None:
         for i, module in self.modules.items():
