@@ -37,8 +37,11 @@ def _config(kind: str) -> Any:
     raise ValueError(kind)
 
 
-def build_hf(kind: str, directory: Path, seed: int = 0) -> Any:
-    """Save a tiny random ``kind`` model (redrawn weights, float32) to ``directory``; return it."""
+def build_hf(kind: str, directory: Path, seed: int = 0, redraw: bool = True) -> Any:
+    """Save a tiny random ``kind`` model (redrawn weights, float32) to ``directory``; return it.
+
+    ``redraw=False`` keeps HF's own init (norms one, biases zero), which is what catches eps errors.
+    """
     import torch
     import transformers as tf
 
@@ -48,6 +51,9 @@ def build_hf(kind: str, directory: Path, seed: int = 0) -> Any:
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed + 1)
+    if not redraw:
+        model.save_pretrained(directory)
+        return model
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)

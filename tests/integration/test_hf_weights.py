@@ -80,6 +80,18 @@ def test_weights_give_transformers_logits_and_tokens(
     assert generated.tolist() == want_tokens.tolist()
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
+def test_hf_init_weights_also_match(kind: str, pool: WorkerPool, tmp_path: Path) -> None:
+    """HF's own init (norm weights one, biases zero): the case that exposes eps mistakes."""
+    hf = build_hf(kind, tmp_path / kind, redraw=False)
+    tokens = _tokens(hf.config.vocab_size)
+    with torch.no_grad():
+        want = hf(tokens).logits
+    path, n = _module(kind, "tensor2", tmp_path)
+    logits, _ = pool.run(logits_job, n, path, str(tmp_path / kind), tokens, 0)[0]
+    assert (logits - want).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_export_round_trip_is_exact_and_loads_in_transformers(
     kind: str, models: dict[str, Any], pool: WorkerPool, tmp_path: Path
