@@ -126,6 +126,8 @@ def _unit_desc(u: Unit) -> dict[str, Any]:
     d: dict[str, Any] = {"name": u.name, "kind": u.kind}
     if u.kind in ("embedding", "positional"):
         d.update(num=a["num"], dim=a["dim"])
+        if a.get("used"):
+            d["used"] = a["used"]
     elif u.kind == "linear":
         d.update({"in": a["in"], "out": a["out"], "bias": a["bias"], "tie": a["tie"]})
     elif u.kind in ("rmsnorm", "layernorm"):
@@ -133,6 +135,8 @@ def _unit_desc(u: Unit) -> dict[str, Any]:
     elif u.kind == "attention":
         d.update(hidden=a["hidden"], heads=a["heads"], kv_heads=a["kv_heads"], head_dim=a["head_dim"],
                  rope_theta=a["rope_theta"], qkv_bias=a["bias"], o_bias=a["out_bias"], fused_qkv=a["fused_qkv"])
+        if a.get("rope_scaling"):
+            d["rope_scaling"] = dict(a["rope_scaling"])
     elif u.kind == "mlp":
         d.update(hidden=a["hidden"], ffn=a["ffn"], act=a["act"], bias=a["bias"])
     return d
@@ -164,6 +168,7 @@ class _UnitWriter:
     def __init__(self, plan: PlanIR, groups: dict[tuple[str, ...], str]) -> None:
         self.plan = plan
         self.groups = groups  # axes -> attribute name holding the process group
+        self.indices: dict[tuple[str, ...], str] = {}  # axes -> attribute holding mesh.index(axes)
 
     def group(self, axes: tuple[str, ...]) -> str:
         self.groups.setdefault(axes, _group_attr(axes))
@@ -172,7 +177,15 @@ class _UnitWriter:
     def group_lines(self) -> list[Line]:
         """__init__ lines binding every process group the class's forward uses."""
         return [Line(f"self.{attr} = mesh.group({', '.join(repr(a) for a in axes)})",
-                     f"{_axes_text(axes)}: {self.plan.mesh.size(*axes)} ranks") for axes, attr in self.groups.items()]
+                     f"{_axes_text(axes)}: {self.plan.mesh.size(*axes)} ranks") for axes, attr in self.groups.items()] + [
+            Line(f"self.{attr} = mesh.index({', '.join(repr(a) for a in axes)})", "this rank's index over "
+                 + _axes_text(axes)) for axes, attr in self.indices.items()]
+
+    def group_index(self, axes: tuple[str, ...]) -> str:
+        """An __init__-bound attribute holding this rank's index over ``axes``."""
+        attr = "i_" + "_".join(axes)
+        self.indices[axes] = attr
+        return "self." + attr
 
     def n(self, axes: tuple[str, ...]) -> int:
         return self.plan.mesh.size(*axes) if axes else 1
@@ -288,7 +301,14 @@ class _UnitWriter:
                 Line(f"k = self.{attr}.k({x}).view(b, s, {kv}, {hd})", f"[b, s, {kv} of {a['kv_heads']} kv heads, {hd}]"),
                 Line(f"v = self.{attr}.v({x}).view(b, s, {kv}, {hd})"),
             ]
-        if a["rope_theta"]:
+        if a["rope_theta"] and a.get("rope_scaling"):
+            sc = dict(a["rope_scaling"])
+            scaling = (float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"]),
+                       int(sc["original_max_position_embeddings"]))
+            lines.append(Line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(a['rope_theta'])!r}, "
+                              f"llama3_scaling={scaling!r})",
+                              "rope scaling (factor, low_freq_factor, high_freq_factor, original positions)"))
+        elif a["rope_theta"]:
             lines.append(Line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(a['rope_theta'])!r})"))
         lines.append(Line("a = rt.attention(q, k, v)", f"[b, s, {h * hd}] causal; q heads per kv head: {h // kv if kv else 0}"))
         return lines
@@ -429,6 +449,11 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
             forward.append(Line(f"{'logits' if is_head else 'x'} = {call}", f"[b, s, {out_local}] {what}"))
             if is_head:
                 cur = "logits"
+                used = _vocab_used(model)
+                if used is not None:
+                    start = (f"{w.group_index(p.axes)} * {out_local}" if p.sharded and p.rule == "column" else "0")
+                    forward.append(Line(f"logits = rt.mask_vocab(logits, {start}, {used})",
+                                        f"rows {used}.. of {a['out']} are padding: never a token, never predicted"))
         else:
             raise AssertionError(f"top-level {item.kind} is not supported by codegen")
     forward.append(Line(f"return {cur if cur != 'tokens' else 'x'}"))
@@ -438,6 +463,14 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
     doc = f"Stage {stage.index} ({where}): {pieces}."
     arg = "tokens: torch.Tensor" if first else "x: torch.Tensor"
     return ClassDef(f"Stage{stage.index}", doc, w.group_lines() + init, arg, forward, params)
+
+
+def _vocab_used(model: Any) -> int | None:
+    for item in model.items:
+        if isinstance(item, Unit) and item.kind == "embedding":
+            used = dict(item.attrs).get("used")
+            return int(used) if used else None
+    return None
 
 
 def _range(a: int, b: int) -> str:

@@ -71,6 +71,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             cmd += ["--data", args.data]
         if args.infer:
             cmd += ["--infer", "--tokens", str(args.tokens)]
+        cmd += _hf_flags(args)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("LOGLEVEL", "WARNING")
@@ -79,6 +80,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0 if proc.returncode == 0 else 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _hf_flags(args: argparse.Namespace) -> list[str]:
+    """Real-model flags passed through to the generated module (paths made absolute)."""
+    out: list[str] = []
+    for flag in ("weights", "export_hf", "tokenizer"):
+        value = getattr(args, flag, None)
+        if value:
+            out += ["--" + flag.replace("_", "-"), str(Path(value).resolve())]
+    for flag in ("prompt", "prompt_ids"):
+        value = getattr(args, flag, None)
+        if value is not None:
+            out += ["--" + flag.replace("_", "-"), value]
+    if getattr(args, "eval", False):
+        out.append("--eval")
+    return out
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -112,6 +129,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--data", metavar="TEXTFILE", help="train on this text (bytes -> tokens) instead of synthetic tokens")
     r.add_argument("--infer", action="store_true", help="greedy generation instead of training")
     r.add_argument("--tokens", type=int, default=16, help="tokens to generate with --infer")
+    r.add_argument("--weights", metavar="DIR", help="start from a Hugging Face model directory (safetensors)")
+    r.add_argument("--export-hf", metavar="DIR", help="write a Hugging Face model directory at the end")
+    r.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face tokenizer: --data is text, --prompt is decoded")
+    r.add_argument("--prompt", metavar="TEXT", help="with --infer: the prompt text (needs --tokenizer)")
+    r.add_argument("--prompt-ids", metavar="IDS", help="with --infer: the prompt as token ids, e.g. 1,2,3")
+    r.add_argument("--eval", action="store_true", help="report mean loss and perplexity on --data without training")
     r.set_defaults(func=cmd_run)
 
     v = sub.add_parser("verify", help="tiny-twin equivalence: sharded vs unsharded outputs and gradients on CPU")

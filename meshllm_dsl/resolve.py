@@ -289,9 +289,14 @@ def _const(v: Any) -> Callable[[dict[str, Any]], Any]:
 ACTIVATIONS = ("swiglu", "gelu_tanh", "gelu", "relu", "silu")
 
 PRIMITIVES: dict[str, tuple[Arg, ...]] = {
-    "embedding": (Arg("num", "dim"), Arg("dim", "dim")),
+    # `used`: rows that are real tokens when `num` is padded (e.g. 50257 of 50304): the head's logits
+    # past it are masked out of the softmax, the loss, the argmax and exported weights.
+    "embedding": (Arg("num", "dim"), Arg("dim", "dim"), Arg("used", "float", _const(None))),
     "positional": (Arg("num", "dim"), Arg("dim", "dim")),
-    "linear": (Arg("in", "dim"), Arg("out", "dim"), Arg("bias", "bool", _const(False)), Arg("tie", "layer", _const(None))),
+    # `tie = embed` shares the embedding's weight; `tied = false` turns that off (a family parameter
+    # can then choose: `linear(hidden, vocab, tie = embed, tied = tie_embeddings)`).
+    "linear": (Arg("in", "dim"), Arg("out", "dim"), Arg("bias", "bool", _const(False)), Arg("tie", "layer", _const(None)),
+               Arg("tied", "bool", _const(True))),
     "rmsnorm": (Arg("dim", "dim"), Arg("eps", "float", _const(1e-5))),
     "layernorm": (Arg("dim", "dim"), Arg("eps", "float", _const(1e-5)), Arg("bias", "bool", _const(True))),
     "attention": (
@@ -303,6 +308,11 @@ PRIMITIVES: dict[str, tuple[Arg, ...]] = {
         Arg("bias", "bool", _const(False)),
         Arg("out_bias", "bool", lambda b: b["bias"]),
         Arg("fused_qkv", "bool", _const(False)),
+        # Llama 3 rope scaling (HF rope_type "llama3"); factor 1 leaves the frequencies unchanged.
+        Arg("rope_factor", "float", _const(1.0)),
+        Arg("rope_low_freq_factor", "float", _const(1.0)),
+        Arg("rope_high_freq_factor", "float", _const(4.0)),
+        Arg("rope_original_positions", "float", _const(8192.0)),
     ),
     "mlp": (
         Arg("hidden", "dim"),
@@ -545,9 +555,16 @@ def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str,
         w = Tensor("weight", (b["num"], b["dim"]), ((unit("num"),), (unit("dim"),)))
         leaves.append(Leaf(name, (name,), kind, (w,), (unit("dim"),), (unit("num"),), span=span))
         attrs_ = {"num": b["num"], "dim": b["dim"]}
+        used = b.get("used")
+        if used is not None and used != b["num"]:
+            if not (float(used).is_integer() and 1 <= used < b["num"]):
+                r.error("E0304", f"`{name}`: used = {used} must be a whole number of rows in 1..{b['num']}",
+                        decl.call.span, label="padded rows past the real vocabulary")
+                return None
+            attrs_["used"] = int(used)
     elif kind == "linear":
         params: list[Tensor] = []
-        tie = b["tie"]
+        tie = b["tie"] if b["tied"] else None
         if tie is not None:
             if tie.kind != "embedding" or tie.leaves[0].params[0].shape != (b["out"], b["in"]):
                 r.error("E0304", f"`{name}` cannot be tied to `{tie.name}`", decl.call.span,
@@ -593,8 +610,20 @@ def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str,
         if b["out_bias"]:
             o.append(Tensor("bias", (hid,), ((hidu,),)))
         leaves.append(Leaf("o", (name, "o"), "linear", tuple(o), (hu,), (hidu,), span=span))
+        scaling = None
+        if b["rope_factor"] != 1.0:
+            if b["rope_theta"] is None or b["rope_factor"] <= 0 or b["rope_original_positions"] < 1 \
+                    or b["rope_high_freq_factor"] <= b["rope_low_freq_factor"]:
+                r.error("E0304", f"`{name}`: rope scaling needs rope_theta, a positive rope_factor, "
+                        "rope_original_positions >= 1 and rope_high_freq_factor > rope_low_freq_factor",
+                        decl.call.span, label="invalid rope scaling")
+                return None
+            scaling = (("rope_type", "llama3"), ("factor", b["rope_factor"]),
+                       ("low_freq_factor", b["rope_low_freq_factor"]),
+                       ("high_freq_factor", b["rope_high_freq_factor"]),
+                       ("original_max_position_embeddings", int(b["rope_original_positions"])))
         attrs_ = {"hidden": hid, "heads": h, "kv_heads": kv, "head_dim": hd, "rope_theta": b["rope_theta"],
-                  "bias": b["bias"], "out_bias": b["out_bias"], "fused_qkv": b["fused_qkv"]}
+                  "bias": b["bias"], "out_bias": b["out_bias"], "fused_qkv": b["fused_qkv"], "rope_scaling": scaling}
     elif kind == "mlp":
         hid, ffn = b["hidden"], b["ffn"]
         fu, hidu = unit("ffn"), unit("hidden")

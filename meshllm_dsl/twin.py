@@ -59,6 +59,8 @@ def twin_values(plan: PlanIR) -> dict[str, int]:
     twin["ffn"] = FACTOR * 8 * split.get("ffn", 1)
     twin["vocab"] = 16 * split.get("vocab", 1)
     twin["positions"] = 32
+    if "vocab_used" in values and values["vocab_used"] != values.get("vocab"):
+        twin["vocab_used"] = twin["vocab"] - 1  # keep a padded (masked) row in the twin
     rep = model.repeat
     if rep is not None:
         twin["layers"] = len(plan.stages) * max(1, min(2, rep.count // max(1, len(plan.stages))))

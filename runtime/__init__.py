@@ -16,6 +16,7 @@ from .layers import (
     apply_rotary,
     attention,
     cross_entropy,
+    mask_vocab,
     positions,
     vocab_parallel_cross_entropy,
 )
@@ -45,6 +46,7 @@ __all__ = [
     "greedy_generate",
     "launch",
     "load_full",
+    "mask_vocab",
     "local_slice",
     "positions",
     "reduce_from",

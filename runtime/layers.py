@@ -6,6 +6,7 @@ Numerics follow HF ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` so their checkpoin
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,6 +26,8 @@ __all__ = [
     "apply_rotary",
     "attention",
     "cross_entropy",
+    "llama3_inv_freq",
+    "mask_vocab",
     "positions",
     "vocab_parallel_cross_entropy",
 ]
@@ -139,12 +142,38 @@ def _rotate_half(x: Tensor) -> Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rotary(q: Tensor, k: Tensor, pos: Tensor, theta: float) -> tuple[Tensor, Tensor]:
-    """HF Llama rotary (rotate_half) on q, k shaped [b, s, heads, head_dim]; pos is [s] or [b, s]."""
+def llama3_inv_freq(
+    inv_freq: Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original: int
+) -> Tensor:
+    """HF's ``rope_type="llama3"``: long wavelengths slowed by ``factor``, short ones kept, a
+    smooth blend between (``_compute_llama3_parameters``)."""
+    low_wavelen = original / low_freq_factor
+    high_wavelen = original / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def apply_rotary(
+    q: Tensor,
+    k: Tensor,
+    pos: Tensor,
+    theta: float,
+    llama3_scaling: tuple[float, float, float, int] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """HF Llama rotary (rotate_half) on q, k shaped [b, s, heads, head_dim]; pos is [s] or [b, s].
+
+    ``llama3_scaling``: (factor, low_freq_factor, high_freq_factor, original positions).
+    """
     d = q.shape[-1]
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=q.device).float() / d)
     )
+    if llama3_scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, *llama3_scaling)
     # cos/sin are computed in float32 (as HF does) and only then cast to the activation dtype.
     freqs = pos.to(torch.float32).unsqueeze(-1) * inv_freq  # [.., s, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -258,3 +287,16 @@ def vocab_parallel_cross_entropy(
     if group is None:
         return cross_entropy(local_logits, targets - vocab_start)
     return _VocabParallelCE.apply(local_logits, targets, group, vocab_start)
+
+
+def mask_vocab(logits: Tensor, start: int, used: int) -> Tensor:
+    """Logits of padded vocab rows (global column >= ``used``) set to the dtype's lowest value.
+
+    ``logits`` holds columns [start, start + n) of the padded vocab.  Masked columns then take no
+    part in the softmax, the loss or the argmax, and receive no gradient.
+    """
+    n = logits.shape[-1]
+    if start + n <= used:
+        return logits
+    padded = torch.arange(start, start + n, device=logits.device) >= used
+    return logits.masked_fill(padded, torch.finfo(logits.dtype).min)

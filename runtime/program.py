@@ -12,6 +12,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -85,11 +86,17 @@ class Program:
         raise ValueError("model has no embedding layer")
 
     def build(
-        self, mesh: Mesh | None = None, seed: int = 0, device: torch.device | None = None
+        self,
+        mesh: Mesh | None = None,
+        seed: int = 0,
+        device: torch.device | None = None,
+        weights: str | Path | None = None,
     ) -> Built:
         """Place the program on ``mesh`` (default: the whole world) with weights from ``seed``.
 
         ``device`` defaults to the current CUDA device when there is one, else the CPU.
+        ``weights``: a Hugging Face model directory; each rank reads only its own slices
+        (``runtime/hf.py``) instead of drawing the seeded initialisation.
         Collective: every rank of the mesh must call it.
         """
         mesh = Mesh.build(self.axes) if mesh is None else mesh
@@ -101,7 +108,7 @@ class Program:
                 if torch.cuda.is_available()
                 else torch.device("cpu")
             )
-        return Built(self, mesh, seed, device)
+        return Built(self, mesh, seed, device, weights)
 
 
 _BUCKET_ELEMENTS = 1 << 24
@@ -138,7 +145,14 @@ def _all_reduce_mean(tensors: list[Tensor], group: dist.ProcessGroup | None, n: 
 class Built:
     """A program placed on this rank: its stage modules, optimizer and schedule."""
 
-    def __init__(self, program: Program, mesh: Mesh, seed: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        program: Program,
+        mesh: Mesh,
+        seed: int,
+        device: torch.device,
+        weights: str | Path | None = None,
+    ) -> None:
         self.program, self.mesh, self.device = program, mesh, device
         pp_axis = program.pipeline_axis
         self.pp = mesh.size(pp_axis) if pp_axis else 1
@@ -151,13 +165,30 @@ class Built:
             i: dict(program.stages[i].params()) for i in range(n)
         }
         self.modules: dict[int, nn.Module] = {}
+        hf: Any = None
+        if weights is not None:
+            from . import hf
+
+            # Checked against every stage's parameters before anything is read, on every rank.
+            ckpt = hf.HFCheckpoint(weights)
+            keys = hf.plan_load(ckpt, program.model, self.specs)
         for i in self.stage_ids:
-            module = program.stages[i](mesh).to(device=device, dtype=program.dtype)
+            if hf is not None:
+                module = self._empty_stage(i)
+            else:
+                module = program.stages[i](mesh).to(device=device, dtype=program.dtype)
             with torch.no_grad():
                 for name, spec in self.specs[i].items():
-                    full = full_init(name, spec.shape, seed, program.dtype)
-                    module.get_parameter(spec.local).copy_(local_slice(full, spec, mesh))
+                    if hf is not None:
+                        # Only this rank's slice is read: no full tensor, no random init first.
+                        local = hf.local_from_hf(ckpt, *keys[name], spec, mesh, program.dtype)
+                    else:
+                        full = full_init(name, spec.shape, seed, program.dtype)
+                        local = local_slice(full, spec, mesh)
+                    module.get_parameter(spec.local).copy_(local)
             self.modules[i] = module
+        # Bytes of checkpoint tensors this rank read (its slices only); 0 without --weights.
+        self.weights_bytes_read = ckpt.bytes_read if hf is not None else 0
         self._check_coverage()
         self._hidden = next(
             int(x["dim"]) for x in program.model["layers"] if x["kind"] == "embedding"
@@ -170,6 +201,19 @@ class Built:
         self._schedules: dict[tuple[int, int, bool], Any] = {}
 
     # ------------------------------------------------------------------ set-up
+
+    def _empty_stage(self, i: int) -> nn.Module:
+        """Stage ``i`` with uninitialised local storage, for weights that are read in right after.
+
+        Built on the meta device, so torch's default initialisation (wasted work, every
+        parameter is overwritten from the checkpoint and coverage is checked) never runs.
+        """
+        p = self.program
+        with torch.device("meta"):
+            module = p.stages[i](self.mesh).to(dtype=p.dtype)
+        if any(True for _ in module.buffers()):  # state that no checkpoint fills: build it normally
+            return p.stages[i](self.mesh).to(device=self.device, dtype=p.dtype)
+        return module.to_empty(device=self.device)
 
     def _check_coverage(self) -> None:
         for i, module in self.modules.items():

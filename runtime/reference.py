@@ -47,6 +47,7 @@ class _Attention(nn.Module):
         super().__init__()
         self.h, self.kvh, self.d = spec["heads"], spec["kv_heads"], spec["head_dim"]
         self.theta = spec.get("rope_theta")
+        self.scaling = spec.get("rope_scaling")
         self.fused = bool(spec.get("fused_qkv", False))
         hid, qkv_bias = spec["hidden"], bool(spec.get("qkv_bias", False))
         if self.fused:
@@ -57,10 +58,28 @@ class _Attention(nn.Module):
             self.v = nn.Linear(hid, self.kvh * self.d, bias=qkv_bias)
         self.o = nn.Linear(self.h * self.d, hid, bias=bool(spec.get("o_bias", False)))
 
+    def _llama3(self, f: Tensor) -> Tensor:
+        # Llama 3 rope scaling in float32 as HF computes it: keep short wavelengths, divide long
+        # ones by the factor, blend in between.
+        sc = self.scaling
+        assert sc is not None
+        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
+        orig = sc["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / f
+        t = (orig / wavelen - lo) / (hi - lo)
+        out = f.clone()
+        long = wavelen > orig / lo
+        out[long] = f[long] / factor
+        mid = ~long & ~(wavelen < orig / hi)
+        out[mid] = (1 - t[mid]) * f[mid] / factor + t[mid] * f[mid]
+        return out
+
     def _rope(self, x: Tensor) -> Tensor:
         # x: [b, heads, s, d]; HF LlamaRotaryEmbedding + apply_rotary_pos_emb.
         s, d = x.shape[2], self.d
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        if self.scaling:
+            inv_freq = self._llama3(inv_freq)
         freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
@@ -151,6 +170,7 @@ class ReferenceModel(nn.Module):
         super().__init__()
         self.order: list[tuple[str, str]] = []
         self.ties: dict[str, str] = {}
+        self.used = next((s.get("used") for s in model["layers"] if s["kind"] == "embedding"), None)
         for spec in model["layers"]:
             name, kind = spec["name"], spec["kind"]
             if kind in ("embedding", "positional"):
@@ -175,6 +195,13 @@ class ReferenceModel(nn.Module):
             self.order.append((name, kind))
 
     def forward(self, tokens: Tensor) -> Tensor:
+        x = self._forward(tokens)
+        if self.used is not None:  # padded vocab rows are never predicted
+            x = torch.cat([x[..., : self.used],
+                           torch.full_like(x[..., self.used :], torch.finfo(x.dtype).min)], dim=-1)
+        return x
+
+    def _forward(self, tokens: Tensor) -> Tensor:
         x: Tensor = tokens
         for name, kind in self.order:
             if kind == "linear" and name in self.ties:

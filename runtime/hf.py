@@ -1,0 +1,660 @@
+"""Hugging Face checkpoints in and out: ``--weights DIR`` and ``--export-hf DIR``.
+
+Loading: every rank reads only its own slices of the safetensors files (``safe_open(..).get_slice``),
+straight into its local shards, so no rank ever holds a full tensor it does not own and no
+full-size random initialisation happens first.  Before reading anything, every rank checks the
+whole checkpoint against the program (config.json against the model, every tensor present with the
+expected shape, every file readable), so a bad checkpoint stops every rank with the same message,
+naming the tensor and the file.
+
+Names follow the model's structure, not the family's name: an embedding, optional learned
+positions, one repeat of [norm, attention, norm, mlp], a final norm and a head map onto HF's
+``LlamaForCausalLM`` layout (also Mistral and Qwen2), or, with learned positions and fused qkv,
+``GPT2LMHeadModel`` (Conv1D weights are stored [in, out] and transposed here).
+
+Exporting gathers one tensor at a time onto the mesh's first rank, which writes config.json and
+safetensors files (sharded above ``max_shard_bytes``, with an index) that ``from_pretrained`` loads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .mesh import Mesh
+from .shards import ShardSpec, gather_full
+
+__all__ = [
+    "HFCheckpoint",
+    "WeightsError",
+    "check_config",
+    "export_hf",
+    "hf_config",
+    "hf_key_map",
+    "local_from_hf",
+    "model_arch",
+    "padded_vocab",
+    "plan_load",
+]
+
+MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+class WeightsError(ValueError):
+    """A checkpoint that does not fit the program: names the tensor / field and the file."""
+
+
+# ---------------------------------------------------------------- the model's structure
+
+
+@dataclass(frozen=True)
+class _Layout:
+    arch: str  # "llama" (Llama / Mistral / Qwen2 names) or "gpt2"
+    embed: str
+    pos: str | None
+    repeat: str
+    count: int
+    body: tuple[Mapping[str, Any], ...]  # norm, attention, norm, mlp
+    norm: Mapping[str, Any]
+    head: Mapping[str, Any]
+    vocab: int
+    hidden: int
+
+
+def _layout(model: Mapping[str, Any]) -> _Layout:
+    layers = list(model["layers"])
+    kinds = [x["kind"] for x in layers]
+    name = model.get("name", "model")
+    if kinds not in (
+        ["embedding", "repeat", "rmsnorm", "linear"],
+        ["embedding", "positional", "repeat", "layernorm", "linear"],
+        ["embedding", "repeat", "layernorm", "linear"],
+        ["embedding", "positional", "repeat", "rmsnorm", "linear"],
+    ):
+        raise WeightsError(
+            f"model `{name}` ({', '.join(kinds)}) has no Hugging Face layout: expected an embedding,"
+            " optional positions, one repeat, a final norm and a head"
+        )
+    rep = next(x for x in layers if x["kind"] == "repeat")
+    body = tuple(rep["body"])
+    if [b["kind"] for b in body] not in (
+        ["rmsnorm", "attention", "rmsnorm", "mlp"],
+        ["layernorm", "attention", "layernorm", "mlp"],
+    ):
+        raise WeightsError(
+            f"model `{name}`: a block of `{rep['name']}` is "
+            f"{', '.join(b['kind'] for b in body)}; Hugging Face layouts need norm, attention, norm, mlp"
+        )
+    attn, mlp = body[1], body[3]
+    pos = next((x["name"] for x in layers if x["kind"] == "positional"), None)
+    gpt2 = pos is not None and bool(attn.get("fused_qkv")) and body[0]["kind"] == "layernorm"
+    llama = pos is None and not attn.get("fused_qkv") and body[0]["kind"] == "rmsnorm"
+    if not (gpt2 or llama) or (llama and mlp["act"] != "swiglu"):
+        raise WeightsError(
+            f"model `{name}` mixes conventions (positions {pos is not None}, fused qkv "
+            f"{bool(attn.get('fused_qkv'))}, {body[0]['kind']}, {mlp['act']}): neither the Llama nor"
+            " the GPT-2 checkpoint layout fits"
+        )
+    embed = layers[0]
+    return _Layout(
+        arch="gpt2" if gpt2 else "llama",
+        embed=embed["name"],
+        pos=pos,
+        repeat=rep["name"],
+        count=int(rep["count"]),
+        body=body,
+        norm=layers[-2],
+        head=layers[-1],
+        vocab=int(embed["num"]),
+        hidden=int(embed["dim"]),
+    )
+
+
+def model_arch(model: Mapping[str, Any]) -> str:
+    """``"llama"`` or ``"gpt2"``: which checkpoint layout the model reads and writes."""
+    return _layout(model).arch
+
+
+def padded_vocab(model: Mapping[str, Any]) -> tuple[int, int]:
+    """(rows of the embedding, real vocab): rows past the real vocab are padding."""
+    lay = _layout(model)
+    embed = next(x for x in model["layers"] if x["kind"] == "embedding")
+    return lay.vocab, int(embed.get("used") or lay.vocab)
+
+
+_LLAMA_ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+_LLAMA_MLP = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+_GPT2_ATTN = {"qkv": "c_attn", "o": "c_proj"}
+_GPT2_MLP = {"up": "c_fc", "down": "c_proj"}
+
+
+def hf_key_map(model: Mapping[str, Any], names: list[str]) -> dict[str, tuple[str, bool]]:
+    """Our full parameter name -> (HF tensor name, stored transposed) for every name in ``names``."""
+    lay = _layout(model)
+    out: dict[str, tuple[str, bool]] = {}
+    norm0, attn, norm1, mlp = (b["name"] for b in lay.body)
+    for name in names:
+        parts = name.split(".")
+        key: str | None = None
+        transposed = False
+        if lay.arch == "llama":
+            if parts[0] == lay.embed:
+                key = "model.embed_tokens." + parts[1]
+            elif parts[0] == lay.norm["name"]:
+                key = "model.norm." + parts[1]
+            elif parts[0] == lay.head["name"]:
+                key = "lm_head." + parts[1]
+            elif parts[0] == lay.repeat and len(parts) >= 4:
+                i, unit, rest = parts[1], parts[2], parts[3:]
+                base = f"model.layers.{i}."
+                if unit == norm0:
+                    key = base + "input_layernorm." + rest[0]
+                elif unit == norm1:
+                    key = base + "post_attention_layernorm." + rest[0]
+                elif unit == attn and rest[0] in _LLAMA_ATTN:
+                    key = base + f"self_attn.{_LLAMA_ATTN[rest[0]]}.{rest[1]}"
+                elif unit == mlp and rest[0] in _LLAMA_MLP:
+                    key = base + f"mlp.{_LLAMA_MLP[rest[0]]}.{rest[1]}"
+        else:
+            if parts[0] == lay.embed:
+                key = "transformer.wte." + parts[1]
+            elif parts[0] == lay.pos:
+                key = "transformer.wpe." + parts[1]
+            elif parts[0] == lay.norm["name"]:
+                key = "transformer.ln_f." + parts[1]
+            elif parts[0] == lay.head["name"]:
+                key = "lm_head." + parts[1]
+            elif parts[0] == lay.repeat and len(parts) >= 4:
+                i, unit, rest = parts[1], parts[2], parts[3:]
+                base = f"transformer.h.{i}."
+                if unit == norm0:
+                    key = base + "ln_1." + rest[0]
+                elif unit == norm1:
+                    key = base + "ln_2." + rest[0]
+                elif unit == attn and rest[0] in _GPT2_ATTN:
+                    key = base + f"attn.{_GPT2_ATTN[rest[0]]}.{rest[1]}"
+                elif unit == mlp and rest[0] in _GPT2_MLP:
+                    key = base + f"mlp.{_GPT2_MLP[rest[0]]}.{rest[1]}"
+                transposed = unit in (attn, mlp) and rest[-1] == "weight"
+        if key is None:
+            raise WeightsError(f"parameter {name} has no Hugging Face name")
+        out[name] = (key, transposed)
+    return out
+
+
+# ---------------------------------------------------------------- config.json
+
+
+def _rope(cfg: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
+    """(rope_theta, scaling or None) from a config of transformers 4 (rope_theta / rope_scaling)
+    or 5 (rope_parameters)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, Mapping):
+        theta = params.get("rope_theta", cfg.get("rope_theta"))
+        kind = params.get("rope_type", params.get("type", "default"))
+        scaling = None if kind == "default" else dict(params)
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        scaling = cfg.get("rope_scaling")
+        scaling = dict(scaling) if scaling else None
+    if scaling is not None:
+        scaling.pop("rope_theta", None)
+        scaling["rope_type"] = scaling.pop("type", scaling.get("rope_type"))
+    return (None if theta is None else float(theta)), scaling
+
+
+def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> dict[str, Any]:
+    """The config.json that describes ``model`` to transformers."""
+    lay = _layout(model)
+    attn, mlp = lay.body[1], lay.body[3]
+    vocab = padded_vocab(model)[1]
+    tied = bool(lay.head.get("tie"))
+    dtype_name = str(dtype).removeprefix("torch.")
+    if lay.arch == "gpt2":
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": vocab,
+            "n_embd": lay.hidden,
+            "n_layer": lay.count,
+            "n_head": int(attn["heads"]),
+            "n_positions": int(next(x for x in model["layers"] if x["kind"] == "positional")["num"]),
+            "n_inner": int(mlp["ffn"]),
+            "layer_norm_epsilon": float(lay.body[0]["eps"]),
+            "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
+                                    "silu": "silu"}[mlp["act"]],
+            "tie_word_embeddings": tied,
+            "torch_dtype": dtype_name,
+        }
+    qwen = bool(attn.get("qkv_bias")) and not attn.get("o_bias")
+    theta = float(attn["rope_theta"])
+    scaling = attn.get("rope_scaling")
+    rope: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
+    if scaling:
+        rope = {"rope_theta": theta, **scaling}
+    cfg: dict[str, Any] = {
+        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
+        "model_type": "qwen2" if qwen else "llama",
+        "vocab_size": vocab,
+        "hidden_size": lay.hidden,
+        "intermediate_size": int(mlp["ffn"]),
+        "num_hidden_layers": lay.count,
+        "num_attention_heads": int(attn["heads"]),
+        "num_key_value_heads": int(attn["kv_heads"]),
+        "head_dim": int(attn["head_dim"]),
+        "hidden_act": "silu",
+        "rms_norm_eps": float(lay.norm["eps"]),
+        "rope_theta": theta,
+        "rope_scaling": None if rope["rope_type"] == "default" else rope,
+        "rope_parameters": rope,
+        "max_position_embeddings": max(seq, int((scaling or {}).get("original_max_position_embeddings", 0))),
+        "tie_word_embeddings": tied,
+        "torch_dtype": dtype_name,
+    }
+    if qwen:
+        cfg["use_sliding_window"] = False
+    else:
+        cfg["attention_bias"] = bool(attn.get("qkv_bias"))
+        cfg["mlp_bias"] = False
+    return cfg
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+        except (TypeError, ValueError):
+            return False
+    return bool(a == b)
+
+
+def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -> None:
+    """Raise ``WeightsError`` naming the first config.json field the model disagrees with."""
+    lay = _layout(model)
+    attn, mlp = lay.body[1], lay.body[3]
+    model_type = cfg.get("model_type")
+    name = model.get("name", "model")
+
+    def bad(field: str, got: Any, want: Any, what: str) -> WeightsError:
+        return WeightsError(
+            f"{where}: `{field}` is {got!r}, but model `{name}` has {what} = {want!r}"
+        )
+
+    _, vocab = padded_vocab(model)
+    if lay.arch == "gpt2":
+        if model_type != "gpt2":
+            raise WeightsError(f"{where}: model_type {model_type!r}, but model `{name}` is GPT-2 shaped")
+        inner = cfg.get("n_inner") or 4 * int(cfg.get("n_embd", 0))
+        wants = [
+            ("vocab_size", cfg.get("vocab_size"), vocab, "vocab"),
+            ("n_embd", cfg.get("n_embd"), lay.hidden, "hidden"),
+            ("n_layer", cfg.get("n_layer"), lay.count, "layers"),
+            ("n_head", cfg.get("n_head"), attn["heads"], "heads"),
+            ("n_inner", inner, mlp["ffn"], "ffn"),
+            ("layer_norm_epsilon", cfg.get("layer_norm_epsilon", 1e-5), lay.body[0]["eps"], "norm_eps"),
+        ]
+        given = cfg.get("activation_function", "gelu_new")
+        act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
+               "relu": "relu", "silu": "silu"}.get(given, given)
+        wants.append(("activation_function", act, mlp["act"], "act"))
+        pos = next(x for x in model["layers"] if x["kind"] == "positional")
+        wants.append(("n_positions", cfg.get("n_positions"), pos["num"], "positions"))
+        for flag, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
+            if bool(cfg.get(flag, ok)) != ok:
+                raise WeightsError(f"{where}: `{flag}` = {cfg.get(flag)!r} changes the attention maths; "
+                                   "meshllm's gpt2 family does not support it")
+    else:
+        if model_type not in ("llama", "mistral", "qwen2"):
+            raise WeightsError(
+                f"{where}: model_type {model_type!r} is not supported (llama, mistral, qwen2, gpt2)"
+            )
+        theta, scaling = _rope(cfg)
+        heads = cfg.get("num_attention_heads")
+        head_dim = cfg.get("head_dim") or (int(cfg.get("hidden_size", 0)) // int(heads or 1))
+        wants = [
+            ("vocab_size", cfg.get("vocab_size"), vocab, "vocab"),
+            ("hidden_size", cfg.get("hidden_size"), lay.hidden, "hidden"),
+            ("num_hidden_layers", cfg.get("num_hidden_layers"), lay.count, "layers"),
+            ("num_attention_heads", heads, attn["heads"], "heads"),
+            ("num_key_value_heads", cfg.get("num_key_value_heads", heads), attn["kv_heads"], "kv_heads"),
+            ("head_dim", head_dim, attn["head_dim"], "head_dim"),
+            ("intermediate_size", cfg.get("intermediate_size"), mlp["ffn"], "ffn"),
+            ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6), lay.norm["eps"], "norm_eps"),
+            ("rope_theta", theta, attn["rope_theta"], "rope_theta"),
+            ("hidden_act", cfg.get("hidden_act", "silu"), "silu", "SwiGLU's activation"),
+        ]
+        qkv_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
+        o_bias = bool(cfg.get("attention_bias", False))
+        wants += [
+            ("attention_bias (q, k, v)", qkv_bias, bool(attn.get("qkv_bias")), "attention bias"),
+            ("attention_bias (o)", o_bias, bool(attn.get("o_bias")), "attention out_bias"),
+            ("mlp_bias", bool(cfg.get("mlp_bias", False)), bool(mlp.get("bias")), "mlp bias"),
+        ]
+        window = cfg.get("sliding_window")
+        binding = window is not None and window < int(cfg.get("max_position_embeddings", 0))
+        if binding and (model_type == "mistral" or cfg.get("use_sliding_window")):
+            raise WeightsError(
+                f"{where}: `sliding_window` = {window} limits attention to a window; meshllm's"
+                " attention is full causal attention (set it to null only if every sequence is"
+                f" shorter than {window})"
+            )
+    tied = bool(cfg.get("tie_word_embeddings", lay.arch == "gpt2"))
+    wants.append(("tie_word_embeddings", tied, bool(lay.head.get("tie")), "a tied head"))
+    for field, got, want, what in wants:
+        if not _close(got, want):
+            raise bad(field, got, want, what)
+    if lay.arch == "llama":
+        ours = attn.get("rope_scaling")
+        if (scaling is None) != (ours is None) or (
+            scaling is not None
+            and any(not _close(scaling.get(k), v) for k, v in ours.items())  # type: ignore[union-attr]
+        ):
+            raise bad("rope_scaling", scaling, ours, "rope scaling")
+
+
+# ---------------------------------------------------------------- reading
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise WeightsError(f"{path}: no such file") from None
+    except (OSError, ValueError) as err:
+        raise WeightsError(f"{path}: cannot read it as JSON ({err})") from None
+
+
+class HFCheckpoint:
+    """A Hugging Face model directory: config.json and its safetensors files, opened lazily."""
+
+    def __init__(self, directory: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise WeightsError(f"--weights {self.dir}: not a directory")
+        self.config: dict[str, Any] = _read_json(self.dir / "config.json")
+        index = self.dir / "model.safetensors.index.json"
+        files: list[Path]
+        if index.exists():
+            weight_map = _read_json(index).get("weight_map", {})
+            files = sorted({self.dir / f for f in weight_map.values()})
+        else:
+            files = sorted(self.dir.glob("*.safetensors"))
+            if not files:
+                raise WeightsError(f"--weights {self.dir}: no *.safetensors files (and no index)")
+        self.where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.bytes_read = 0  # what this rank has read of the tensors (for tests and reports)
+        for f in files:
+            try:
+                # Opened once to let safetensors validate the file, then closed: tensors are read
+                # later through a short-lived mapping each (see ``open``).
+                with safe_open(str(f), framework="pt") as handle:
+                    keys = list(handle.keys())
+                size = f.stat().st_size
+            except FileNotFoundError:
+                raise WeightsError(f"{f}: listed in {index.name} but missing") from None
+            except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+                raise WeightsError(f"{f}: not a readable safetensors file ({err})") from None
+            header = self._header(f, keys, size)
+            for k in keys:
+                self.where[k] = f
+                self.shapes[k] = tuple(header[k]["shape"])
+
+    @staticmethod
+    def _header(f: Path, keys: list[str], size: int) -> dict[str, Any]:
+        # safetensors checks the header against the file length; double-check every tensor's end.
+        import struct
+
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header: dict[str, Any] = json.loads(fh.read(n))
+        for k in keys:
+            end = header[k]["data_offsets"][1]
+            if 8 + n + end > size:
+                raise WeightsError(
+                    f"{f}: truncated ({size} bytes); tensor {k} needs bytes up to {8 + n + end}"
+                )
+        return header
+
+    def key(self, key: str) -> str | None:
+        """``key`` as stored: GPT-2 checkpoints from the hub omit the ``transformer.`` prefix."""
+        if key in self.where:
+            return key
+        if key.startswith("transformer.") and key[len("transformer."):] in self.where:
+            return key[len("transformer."):]
+        return None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.shapes[key]
+
+    @contextlib.contextmanager
+    def open(self, key: str) -> Iterator[Any]:
+        """``get_slice(key)`` of a mapping that lives only while one tensor is read, so the file
+        pages a rank touches (all of them for a column slice) leave its memory straight after."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.where[key]), framework="pt") as handle:
+            yield handle.get_slice(key)
+
+
+def _runs(idx: Tensor) -> list[tuple[int, int]]:
+    """Maximal runs [a, b) of consecutive values in the index list ``idx``."""
+    values = idx.tolist()
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and runs[-1][1] == v:
+            runs[-1] = (runs[-1][0], v + 1)
+        else:
+            runs.append((v, v + 1))
+    return runs
+
+
+def _local_indices(spec: ShardSpec, mesh: Mesh) -> list[Tensor]:
+    """Per dim, the full-tensor indices this rank's shard holds (mirrors ``local_slice``)."""
+    idx = [torch.arange(n) for n in spec.shape]
+    for k, (dim, axes) in enumerate(spec.dims):
+        n, i = mesh.size(*axes), mesh.index(*axes)
+        parts = list(idx[dim].split(list(spec.segments))) if (k == 0 and spec.segments) else [idx[dim]]
+        idx[dim] = torch.cat([p.chunk(n)[i] for p in parts])
+    return idx
+
+
+def local_from_hf(
+    ckpt: HFCheckpoint, key: str, transposed: bool, spec: ShardSpec, mesh: Mesh, dtype: torch.dtype
+) -> Tensor:
+    """This rank's shard of one HF tensor, read slice by slice (rows past the stored ones: zeros)."""
+    idx = _local_indices(spec, mesh)
+    stored = ckpt.shape(key)
+    stored_ours = tuple(reversed(stored)) if transposed else stored
+    out = torch.zeros([len(i) for i in idx], dtype=dtype)
+    # Which local positions come from which stored ranges, per dim (padding rows stay zero).
+    per_dim: list[list[tuple[int, int, int]]] = []  # (local start, full start, length)
+    for d, ix in enumerate(idx):
+        runs, pos = [], 0
+        for a, b in _runs(ix):
+            b2 = min(b, stored_ours[d])
+            if b2 > a:
+                runs.append((pos, a, b2 - a))
+            pos += b - a
+        per_dim.append(runs)
+
+    def visit(sl: Any, d: int, local: list[slice], full: list[slice]) -> None:
+        if d == len(idx):
+            index = tuple(reversed(full)) if transposed else tuple(full)
+            piece = sl[index]
+            ckpt.bytes_read += piece.numel() * piece.element_size()
+            out[tuple(local)] = (piece.t() if transposed else piece).to(dtype)
+            return
+        for pos, a, n in per_dim[d]:
+            visit(sl, d + 1, [*local, slice(pos, pos + n)], [*full, slice(a, a + n)])
+
+    with ckpt.open(key) as sl:
+        visit(sl, 0, [], [])
+    return out
+
+
+def plan_load(
+    ckpt: HFCheckpoint, model: Mapping[str, Any], specs: Mapping[int, Mapping[str, ShardSpec]]
+) -> dict[str, tuple[str, bool]]:
+    """Check the checkpoint against every parameter of every stage (not only this rank's), so
+    every rank finds the same first problem; return our name -> (stored key, transposed)."""
+    check_config(model, ckpt.config, str(ckpt.dir / "config.json"))
+    full_shapes: dict[str, tuple[int, ...]] = {}
+    for stage in specs.values():
+        for name, spec in stage.items():
+            full_shapes[name] = spec.shape
+    keys = hf_key_map(model, sorted(full_shapes))
+    rows, vocab = padded_vocab(model)
+    lay = _layout(model)
+    out: dict[str, tuple[str, bool]] = {}
+    for name in sorted(full_shapes):
+        key, transposed = keys[name]
+        stored_key = ckpt.key(key)
+        if stored_key is None:
+            files = sorted({p.name for p in ckpt.where.values()})
+            raise WeightsError(
+                f"tensor {key} (for {name}) is missing from {ckpt.dir} ({', '.join(files)})"
+            )
+        want = full_shapes[name]
+        if name.split(".")[0] in (lay.embed, lay.head["name"]) and rows != vocab:
+            want = (vocab, *want[1:])  # the checkpoint has the real vocab; padding rows are ours
+        want_stored = tuple(reversed(want)) if transposed else want
+        got = ckpt.shape(stored_key)
+        if got != want_stored:
+            raise WeightsError(
+                f"tensor {stored_key} in {ckpt.where[stored_key]} has shape {got}, but {name} "
+                f"needs {want_stored}" + (" (stored transposed, [in, out])" if transposed else "")
+            )
+        out[name] = (stored_key, transposed)
+    return out
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _stage_holder(built: Any, stage: int) -> int:
+    return built._pipeline_rank(stage) if built.program.pipeline_axis else built.mesh.rank
+
+
+@torch.no_grad()
+def export_hf(
+    built: Any,
+    directory: str | Path,
+    source: str | Path | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> None:
+    """Write ``built``'s weights as a Hugging Face model directory (collective; rank 0 writes).
+
+    One tensor at a time is gathered to full shape and handed to the mesh's first rank, so no
+    rank holds more than one full tensor beyond its shards.  ``source``: the --weights directory,
+    whose config.json (architecture, token ids, ...) and tokenizer files are carried over.
+    """
+    from safetensors.torch import save_file
+
+    program, mesh = built.program, built.mesh
+    model = program.model
+    first = mesh.rank == mesh.ranks[0]
+    out_dir = Path(directory)
+    rows, vocab = padded_vocab(model)
+    lay = _layout(model)
+    order: list[tuple[int, str, ShardSpec]] = []
+    seen: set[str] = set()
+    for i in range(len(program.stages)):
+        for name, spec in sorted(built.specs[i].items()):
+            if name not in seen:
+                seen.add(name)
+                order.append((i, name, spec))
+    keys = hf_key_map(model, [n for _, n, _ in order])
+    tied = bool(lay.head.get("tie"))
+    itemsize = torch.empty((), dtype=program.dtype).element_size()
+
+    def out_shape(name: str, spec: ShardSpec) -> tuple[int, ...]:
+        shape = spec.shape
+        if name.split(".")[0] == lay.embed and rows != vocab:
+            shape = (vocab, *shape[1:])
+        return tuple(reversed(shape)) if keys[name][1] else shape
+
+    # Shard files planned up front from shapes alone, so their names carry the count (-of-N).
+    files: list[list[str]] = [[]]
+    size = 0
+    total = 0
+    for _, name, spec in order:
+        nbytes = math.prod(out_shape(name, spec)) * itemsize
+        total += nbytes
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    n_files = len(files)
+    file_of = {
+        name: ("model.safetensors" if n_files == 1 else f"model-{k + 1:05d}-of-{n_files:05d}.safetensors")
+        for k, names in enumerate(files)
+        for name in names
+    }
+    pp_group = mesh.group(program.pipeline_axis) if program.pipeline_axis else None
+    pending: dict[str, Tensor] = {}
+    weight_map: dict[str, str] = {}
+    if first:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    stage_of = {n: s for s, n, _ in order}
+    for names in files:
+        for name in names:
+            i = stage_of[name]
+            spec = built.specs[i][name]
+            if i in built.modules:
+                full = gather_full(built.modules[i].get_parameter(spec.local), spec, mesh)
+            else:
+                full = torch.empty(spec.shape, dtype=program.dtype, device=built.device)
+            if pp_group is not None:
+                # [full shape]: from the pipeline rank holding stage i to the rest of its group.
+                dist.broadcast(full, src=_stage_holder(built, i), group=pp_group)
+            if first:
+                key, transposed = keys[name]
+                if name.split(".")[0] == lay.embed and rows != vocab:
+                    full = full[:vocab]
+                t = full.t() if transposed else full
+                pending[key] = t.detach().to("cpu").contiguous().clone()
+                weight_map[key] = file_of[name]
+        if first:
+            save_file(pending, str(out_dir / file_of[names[0]]), metadata={"format": "pt"})
+            pending = {}
+    if not first:
+        return
+    if n_files > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    cfg = hf_config(model, program.dtype, program.seq)
+    if source is not None:
+        src = Path(source)
+        src_cfg = _read_json(src / "config.json")
+        src_cfg["torch_dtype"] = cfg["torch_dtype"]
+        src_cfg.pop("dtype", None)
+        cfg = src_cfg
+        for name in _TOKENIZER_FILES:
+            if (src / name).is_file():
+                shutil.copyfile(src / name, out_dir / name)
+    if tied:
+        cfg["tie_word_embeddings"] = True
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")

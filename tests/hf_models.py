@@ -1,0 +1,175 @@
+"""Tiny random Hugging Face models, built offline, and .mesh specs that describe them.
+
+Weights are redrawn away from HF's init (norm weights away from 1, biases away from 0, attention
+peaked): HF's init hides convention errors such as swapped norms, dropped biases or a wrong GELU.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+VOCAB = 64
+KINDS = ("llama", "llama3_tied", "mistral", "qwen2", "gpt2")
+
+
+def _config(kind: str) -> Any:
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                  intermediate_size=64, rms_norm_eps=1e-6)
+    if kind == "llama":  # GQA, untied head
+        return tf.LlamaConfig(**common, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False)
+    if kind == "llama3_tied":  # tied head and llama3 rope scaling
+        return tf.LlamaConfig(
+            **common, num_key_value_heads=2, tie_word_embeddings=True, max_position_embeddings=128,
+            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+            rope_theta=500000.0,
+        )
+    if kind == "mistral":
+        return tf.MistralConfig(**common, num_key_value_heads=2, sliding_window=None, tie_word_embeddings=False)
+    if kind == "qwen2":  # q, k, v biases
+        return tf.Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=False)
+    if kind == "gpt2":  # odd vocab
+        return tf.GPT2Config(vocab_size=67, n_embd=32, n_layer=4, n_head=4, n_positions=32,
+                             bos_token_id=0, eos_token_id=0)
+    raise ValueError(kind)
+
+
+def build_hf(kind: str, directory: Path, seed: int = 0, redraw: bool = True) -> Any:
+    """Save a tiny random ``kind`` model (redrawn weights, float32) to ``directory``; return it.
+
+    ``redraw=False`` keeps HF's own init (norms one, biases zero), which is what catches eps errors.
+    """
+    import torch
+    import transformers as tf
+
+    cfg = _config(kind)
+    cls = {"gpt2": tf.GPT2LMHeadModel, "mistral": tf.MistralForCausalLM,
+           "qwen2": tf.Qwen2ForCausalLM}.get(kind, tf.LlamaForCausalLM)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    if not redraw:
+        model.save_pretrained(directory)
+        return model
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.dim() == 1 and ("norm" in name or "ln_" in name) and name.endswith("weight"):
+                p.copy_(1.0 + 0.3 * noise)
+            elif p.dim() == 1:
+                p.copy_(0.2 * noise)
+            elif "wpe" in name:
+                p.copy_(0.3 * noise)
+            else:
+                p.copy_(0.25 * noise)  # larger than HF's 0.02: peaked attention, big activations
+    model.save_pretrained(directory)
+    return model
+
+
+SPEC_MODELS = {
+    "llama": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
+             " norm_eps = 1e-6, dtype = fp32 }",
+    "llama3_tied": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
+                   " norm_eps = 1e-6, rope_theta = 500000.0, tie_embeddings = true, rope_factor = 8.0,"
+                   " rope_low_freq_factor = 1.0, rope_high_freq_factor = 4.0, rope_original_positions = 16,"
+                   " dtype = fp32 }",
+    "mistral": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
+               " norm_eps = 1e-6, dtype = fp32 }",
+    "qwen2": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
+             " norm_eps = 1e-6, attn_bias = true, attn_out_bias = false, dtype = fp32 }",
+    "gpt2": "model m = gpt2 { vocab = 67, hidden = 32, layers = 4, heads = 4, positions = 32 }",
+    # 67 rows padded to 68 so the tensor axis splits the vocabulary; row 67 is masked
+    "gpt2_padded": "model m = gpt2 { vocab = 68, vocab_used = 67, hidden = 32, layers = 4, heads = 4,"
+                   " positions = 32 }",
+}
+
+_TP = "heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor"
+
+PLANS = {  # mesh axes, layout entries, other plan lines
+    "single": ("one = 1", "", ""),
+    "tensor2": ("tensor = 2", _TP, ""),
+    "pipeline2_tensor2": ("pipeline = 2, tensor = 2", _TP, "    microbatches = 2\n    stages over pipeline balanced\n"),
+    "data2_tensor2": ("data = 2, tensor = 2", _TP + ", batch -> data", ""),
+}
+
+
+def spec(kind: str, plan: str) -> str:
+    axes, layout, rest = PLANS[plan]
+    if kind == "gpt2_padded" and layout:
+        layout = layout.replace("kv_heads -> tensor, ", "")
+    elif kind == "gpt2" and layout:
+        # fused qkv has no separate kv heads; 67 rows do not split over 2
+        layout = layout.replace("kv_heads -> tensor, ", "").replace(", vocab -> tensor", "")
+        if "tensor" in layout:
+            rest += "    shard embed replicate\n    shard lm_head replicate\n"
+    body = (f"    layout {{ {layout} }}\n" if layout else "") + rest
+    return f"mesh m {{ axes {axes} }}\n{SPEC_MODELS[kind]}\nplan p on m for m {{\n    batch = 4\n    seq = 8\n{body}}}\n"
+
+
+def logits_job(ctx: Any, path: str, weights: str, tokens: Any, n_new: int = 0) -> Any:
+    """On every rank: build the generated plan from ``weights``; full logits (and greedy tokens)."""
+    from meshllm_dsl.runtime import greedy_generate
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), weights=weights)
+    logits = built.forward(tokens)
+    generated = greedy_generate(built, tokens[:1], n_new) if n_new else None
+    return (logits, generated) if ctx.rank == 0 else None
+
+
+def export_job(ctx: Any, path: str, weights: str, out: str, max_shard_bytes: int) -> None:
+    """On every rank: load ``weights`` into the plan and export it again (--steps 0)."""
+    from meshllm_dsl.runtime.hf import export_hf
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), weights=weights)
+    export_hf(built, out, source=weights, max_shard_bytes=max_shard_bytes)
+
+
+def error_job(ctx: Any, path: str, weights: str) -> str:
+    """On every rank: the WeightsError that loading ``weights`` raises (or '' if it loads)."""
+    from meshllm_dsl.runtime.hf import WeightsError
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    try:
+        program.build(ctx.mesh(program.axes), weights=weights)
+    except WeightsError as err:
+        return str(err)
+    return ""
+
+
+def bytes_read_job(ctx: Any, path: str, weights: str) -> int:
+    """On every rank: bytes of checkpoint tensors this rank read while loading."""
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    return int(program.build(ctx.mesh(program.axes), weights=weights).weights_bytes_read)
+
+
+def seeded_export_job(ctx: Any, path: str, out: str, tokens: Any) -> Any:
+    """On every rank: the seeded (random) plan's logits, exported without a source directory."""
+    from meshllm_dsl.runtime.hf import export_hf
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=3)
+    logits = built.forward(tokens)
+    export_hf(built, out)
+    return logits if ctx.rank == 0 else None
+
+
+def reference_job(ctx: Any, path: str) -> dict[str, float]:
+    """On every rank: max |sharded - unsharded reference| over 2 AdamW steps (float64)."""
+    import torch
+
+    from meshllm_dsl.runtime.compare import compare_to_reference
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    return compare_to_reference(program, ctx.mesh(program.axes), dtype=torch.float64, seed=0, steps=2)
