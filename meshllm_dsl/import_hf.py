@@ -175,11 +175,17 @@ def spec_text(directory: str, devices: int = 1, device: str = "cpu", batch: int 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
     from meshllm_dsl.cli import UsageError
+    from meshllm_dsl.outputs import write_file_atomic
 
     if not Path(args.dir).is_dir():
         raise UsageError(f"no such directory: {args.dir}")
     if args.devices < 1:
         raise UsageError("--devices must be positive")
+    out = Path(args.output)
+    if out.is_dir():
+        raise UsageError(f"{out} is a directory; -o names the .mesh file to write")
+    if (out.exists() or out.is_symlink()) and not args.force:
+        raise UsageError(f"{out} exists; pass --force to replace it")
     try:
         text = spec_text(args.dir, args.devices, args.device, args.batch, args.seq)
     except ImportError_ as err:
@@ -187,8 +193,11 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
         return 1
     except ValueError as err:
         raise UsageError(str(err)) from None
-    Path(args.output).write_text(text)
-    print(f"wrote {args.output}")
+    try:
+        write_file_atomic(out, text.encode())
+    except OSError as err:
+        raise UsageError(f"cannot write {out}: {err.strerror or err}") from None
+    print(f"wrote {out}")
     return 0
 
 
@@ -196,6 +205,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("import-hf", help="a .mesh spec (model + plan `train`) from a Hugging Face model directory")
     p.add_argument("dir", metavar="DIR")
     p.add_argument("-o", "--output", required=True, metavar="FILE.mesh")
+    p.add_argument("--force", action="store_true", help="replace FILE.mesh if it exists")
     p.add_argument("--devices", type=int, default=1, help="devices of the plan (default 1)")
     p.add_argument("--device", default="cpu", help="device profile (default cpu)")
     p.add_argument("--batch", type=int, help="global batch (default max(8, devices))")

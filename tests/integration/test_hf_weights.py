@@ -277,6 +277,21 @@ def _import(directory: Path, out: Path, *extra: str) -> tuple[int, str]:
     return code, err.getvalue()
 
 
+def test_import_hf_never_replaces_a_file_unasked(models: dict[str, Any], tmp_path: Path) -> None:
+    directory, _ = models[KINDS[0]]
+    out = tmp_path / "mine.mesh"
+    out.write_text("# my spec\n")
+    code, err = _import(directory, out)
+    assert code == 2 and "exists" in err and "--force" in err
+    assert out.read_text() == "# my spec\n"
+    code, err = _import(directory, out, "--force")
+    assert code == 0, err
+    assert "model " in out.read_text()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine.mesh"]  # no temporary file left
+    code, err = _import(directory, tmp_path)
+    assert code == 2 and "is a directory" in err
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_import_hf_spec_checks_and_loads_the_weights(
     kind: str, models: dict[str, Any], pool: WorkerPool, tmp_path: Path
