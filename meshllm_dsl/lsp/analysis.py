@@ -10,6 +10,7 @@ testable and reusable; positions are 0-based lines and UTF-16 columns, as LSP co
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -18,9 +19,10 @@ import attrs
 
 from meshllm_dsl import ast
 from meshllm_dsl.checker import CheckResult, PlanChecker, check_declarations
-from meshllm_dsl.diagnostics import Diagnostic
+from meshllm_dsl.diagnostics import Diagnostic, SpecError
 from meshllm_dsl.ir import DTYPES, RULES, SCHEDULES, ModelIR, Placement, PlanIR, Repeat, Unit
 from meshllm_dsl.load import PRELUDE, Declarations, load, stdlib_dir
+from meshllm_dsl.parser import parse_source
 from meshllm_dsl.source import SourceFile, Span
 
 SYNTAX_CODES = ("E0101", "E0102")
@@ -304,6 +306,7 @@ class Analysis:
         self.syntax_error = next((d for d in self.diagnostics if d.code in SYNTAX_CODES and d.span is not None
                                   and d.span.file == path), None)
         decls, result = self.decls, self.result
+        blanked = None
         if self.syntax_error is not None:
             # Mid-edit: the file does not parse. Blank the declaration the error sits in (keeping every
             # offset) and analyse the rest, so outline, hover and completion keep working; the
@@ -316,7 +319,14 @@ class Analysis:
                 except RecursionError:
                     pass
         self.sem_decls, self.sem_result = decls, result
-        self.index = SymbolIndex(decls.items, decls.prelude)
+        # `load` consumes the include statements; parse the root again (only when it has any) to
+        # link them to their files.
+        self.includes: list[ast.Include] = []
+        if "include" in text:
+            with contextlib.suppress(SpecError, RecursionError):
+                self.includes = [it for it in parse_source(SourceFile(path, blanked or text)).items
+                                 if isinstance(it, ast.Include)]
+        self.index = SymbolIndex([*self.includes, *decls.items], decls.prelude)
 
     @property
     def usable(self) -> bool:
@@ -336,7 +346,8 @@ class Analysis:
     def symbols(self) -> list[tuple[str, str, Span, Span, list[tuple[str, str, Span, Span]]]]:
         """(kind, name, whole span, name span, children) for every declaration of this file."""
         out = []
-        for it in self.sem_decls.items:
+        items = sorted([*self.includes, *self.sem_decls.items], key=lambda it: it.span.start if it.span else 0)
+        for it in items:
             if it.span is None or it.span.file != self.path:
                 continue
             children: list[tuple[str, str, Span, Span]] = []

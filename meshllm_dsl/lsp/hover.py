@@ -39,8 +39,6 @@ def _groups(mesh: MeshIR, axis: str) -> str:
 
 def hover(a: Analysis, offset: int) -> tuple[str, Span] | None:
     hits = a.index.at(a.path, offset)
-    if not hits:
-        return None
     # On a shard rule's path, the rule's matches say more than the first segment's layer.
     plan = a.plan_decl_at(offset)
     if plan is not None:
@@ -49,6 +47,8 @@ def hover(a: Analysis, offset: int) -> tuple[str, Span] | None:
                 text = _shard(a, plan, s)
                 if text:
                     return text, s.path.span
+    if not hits:
+        return None
     occ = hits[0]
     text = _occ(a, occ)
     return (text, occ.span) if text else None

@@ -14,14 +14,16 @@ import logging
 import traceback
 from typing import Any
 
+import attrs
 from lsprotocol import types as lsp
 from pygls.lsp.server import LanguageServer
 from pygls.uris import from_fs_path, to_fs_path
 
 from meshllm_dsl import __version__
-from meshllm_dsl.diagnostics import Diagnostic
+from meshllm_dsl.diagnostics import Diagnostic, Label
 from meshllm_dsl.lsp import completion
 from meshllm_dsl.lsp.analysis import Analysis, Loc, span_loc
+from meshllm_dsl.load import PRELUDE
 
 DEBOUNCE_S = 0.15
 SOURCE = "meshc"
@@ -93,14 +95,18 @@ class MeshServer(LanguageServer):
     def publish(self, uri: str, a: Analysis) -> None:
         by_file = a.diagnostics_by_file()
         others: set[str] = set()
+        # An error found in the shipped prelude (a family default that does not divide for this
+        # model's dims) is this document's problem: show it where the document is involved.
+        moved = [rehome(d, a.path) for d in by_file.pop("<stdlib>/" + PRELUDE, [])]
+        by_file[a.path].extend(moved)
         for file, diags in by_file.items():
             target = uri if file == a.path else from_fs_path(file) or file
             if target != uri:
-                if target in self.analyses or file.startswith("<"):
-                    continue  # an open document publishes its own diagnostics; the prelude has none to fix
+                if target in self.analyses:
+                    continue  # an open document publishes its own diagnostics
                 others.add(target)
             self.text_document_publish_diagnostics(
-                lsp.PublishDiagnosticsParams(uri=target, diagnostics=[to_lsp(d) for d in diags]))
+                lsp.PublishDiagnosticsParams(uri=target, diagnostics=[to_lsp(d, d in moved) for d in diags]))
         for stale in self.published.get(uri, set()) - others:
             if stale not in self.analyses:
                 self.text_document_publish_diagnostics(lsp.PublishDiagnosticsParams(uri=stale, diagnostics=[]))
@@ -127,6 +133,16 @@ class MeshServer(LanguageServer):
         return self.understood.get(uri) or a
 
 
+def rehome(d: Diagnostic, path: str) -> Diagnostic:
+    """`d` moved onto its first label in `path`, its own place kept as a label (see `publish`)."""
+    here = next((lab for lab in d.secondary if lab.span.file == path), None)
+    if here is None or d.span is None:
+        return attrs.evolve(d, span=None)
+    rest = tuple(lab for lab in d.secondary if lab is not here)
+    return attrs.evolve(d, span=here.span, label=here.message,
+                        secondary=(Label(d.span, d.label or "here"), *rest))
+
+
 def to_range(loc: Loc) -> lsp.Range:
     return lsp.Range(start=lsp.Position(line=loc.start[0], character=loc.start[1]),
                      end=lsp.Position(line=loc.end[0], character=loc.end[1]))
@@ -136,7 +152,7 @@ def to_location(loc: Loc) -> lsp.Location:
     return lsp.Location(uri=from_fs_path(loc.file) or loc.file, range=to_range(loc))
 
 
-def to_lsp(d: Diagnostic) -> lsp.Diagnostic:
+def to_lsp(d: Diagnostic, moved: bool = False) -> lsp.Diagnostic:
     rng = to_range(span_loc(d.span)) if d.span is not None else lsp.Range(
         start=lsp.Position(line=0, character=0), end=lsp.Position(line=0, character=0))
     message = d.message
@@ -153,7 +169,8 @@ def to_lsp(d: Diagnostic) -> lsp.Diagnostic:
         severity=lsp.DiagnosticSeverity.Error if d.is_error else lsp.DiagnosticSeverity.Warning,
         related_information=related or None,
         code_description=None,
-        data={"help": d.help} if d.help else None,
+        # `moved`: found in the prelude, shown here (its own place is the first related location)
+        data={"help": d.help, "moved": moved} if d.help or moved else None,
     )
 
 
