@@ -21,9 +21,9 @@ from pygls.uris import from_fs_path, to_fs_path
 
 from meshllm_dsl import __version__
 from meshllm_dsl.diagnostics import Diagnostic, Label
+from meshllm_dsl.load import PRELUDE
 from meshllm_dsl.lsp import completion
 from meshllm_dsl.lsp.analysis import Analysis, Loc, span_loc
-from meshllm_dsl.load import PRELUDE
 
 DEBOUNCE_S = 0.15
 SOURCE = "meshc"
