@@ -467,16 +467,20 @@ def shard_matches(plan: PlanIR, decl: ast.PlanDecl, path: ast.Path) -> list[Matc
     for leaf, blocks in checker.match_path(path):
         item, unit = units[id(leaf)]
         if isinstance(item, Repeat):
-            idx = sorted(blocks) if blocks is not None else list(range(item.count))
-            # blocks with the same placement read as one row
+            # one row per block class (blocks sharing every placement), not per block: a repeat may
+            # have thousands of blocks
+            wanted = set(blocks) if blocks is not None else None
             groups: dict[tuple[Placement, tuple[str, ...]], list[int]] = {}
-            for i in idx:
-                cls = plan.block_class(i)
+            for cls in plan.block_classes:
+                ids = [i for i in cls.indices if wanted is None or i in wanted]
+                if not ids:
+                    continue
                 p = cls.placement(".".join(leaf.path))
                 flow = dict(cls.flows).get(unit.name)
                 colls = tuple(_collective(c) for c in flow.collectives) if flow else ()
-                groups.setdefault((p, colls), []).append(i)
+                groups.setdefault((p, colls), []).extend(ids)
             for (p, colls), ids in groups.items():
+                ids.sort()
                 seg = str(ids[0]) if len(ids) == 1 else "{" + ranges(ids) + "}"
                 name = f"{item.name}.{seg}." + ".".join(leaf.path)
                 out.append(Match(name, unit, _tensors(plan, leaf.params, p), p, colls))

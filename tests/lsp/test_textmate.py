@@ -130,3 +130,26 @@ def test_snippets_expand_to_specs_that_check() -> None:
         parts.append(text)
     result = check_text("\n".join(parts))
     assert result.ok, [d.message for d in result.diagnostics]
+
+
+def test_vscode_textmate_engine_reads_the_grammar_as_these_tests_do() -> None:
+    """With node and the extension's dev dependencies installed (`npm install` in editors/vscode),
+    tokenize every shipped file with VS Code's own engine (vscode-textmate, Oniguruma) and require
+    exactly the tokens the Python reading above produces. Skipped where node is not set up: CI
+    runs the Python checks only."""
+    import shutil
+    import subprocess
+
+    node = shutil.which("node")
+    if node is None or not (VSCODE / "node_modules" / "vscode-textmate").is_dir():
+        pytest.skip("node or editors/vscode/node_modules not installed")
+    out = subprocess.run([node, str(VSCODE / "scripts" / "tokenize.js"), *map(str, FILES)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout)
+    patterns = json.loads(GRAMMAR.read_text())["patterns"]
+    for path in FILES:
+        text = path.read_text(errors="replace")
+        want = []
+        for i, line in enumerate(text.split("\n")):
+            want += [[i, s, e, name] for s, e, name in sorted(_tokenize(line, patterns))]
+        assert got[str(path)] == want, path.name

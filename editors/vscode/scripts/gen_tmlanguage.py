@@ -42,7 +42,7 @@ def build(lark_text: str) -> dict:
     patterns = [
         {"name": "comment.line.number-sign.mesh", "match": r"#.*$"},
         {"name": "string.quoted.double.mesh", "match": r'"[^"\n\\]*"?'},
-        {"match": rf"\b(include)\b", "captures": {"1": {"name": "keyword.control.import.mesh"}}},
+        {"match": r"\b(include)\b", "captures": {"1": {"name": "keyword.control.import.mesh"}}},
         {"match": rf"\b({_alt(DECLARATIONS)})\b(?:\s+({word}))?",
          "captures": {"1": {"name": "storage.type.mesh"}, "2": {"name": "entity.name.type.mesh"}}},
         {"name": "keyword.other.mesh", "match": rf"\b({_alt(other)})\b"},
