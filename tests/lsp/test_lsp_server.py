@@ -319,3 +319,23 @@ def test_hostile_documents_get_a_diagnostic_not_a_dead_server(client: Client, tm
     assert client.request("textDocument/hover", {"textDocument": {"uri": u}, "position": {"line": 0, "character": 1}}) is None or True
     u2 = client.open(tmp_path / f"{kind}-after.mesh", "mesh m { axes a = 0 }\n")
     assert [d["code"] for d in client.wait_diagnostics(u2)] == ["E0303"]
+
+
+def test_mid_edit_one_syntax_diagnostic_and_the_rest_still_understood(client: Client, tmp_path: Path) -> None:
+    text = LLAMA.read_text().replace("    schedule 1f1b", "    schedule 1f1b\n    shard blocks.*.attn.o row(")
+    u = client.open(tmp_path / "mid.mesh", text)
+    [d] = client.wait_diagnostics(u)
+    assert d["code"] == "E0101"
+    # the mesh and the model still answer hover and the outline, although the plan does not parse
+    got = client.request("textDocument/hover", {"textDocument": {"uri": u}, "position": _pos(text, "tensor = 4")})
+    assert "size 4" in got["contents"]["value"]
+    syms = client.request("textDocument/documentSymbol", {"textDocument": {"uri": u}})
+    assert [s["name"] for s in syms] == ["node8", "llama2_70b"]
+
+
+def test_columns_are_utf16_code_units(client: Client, tmp_path: Path) -> None:
+    # the emoji is one code point (what `meshc check` counts) and two UTF-16 units (what LSP counts)
+    text = 'include "\U0001F600.mesh" include "x.mesh"\n'
+    u = client.open(tmp_path / "emoji.mesh", text)
+    diags = sorted(client.wait_diagnostics(u), key=lambda d: d["range"]["start"]["character"])
+    assert [d["range"]["start"]["character"] for d in diags] == [8, text.index('"x.mesh"') + 1]
