@@ -267,6 +267,7 @@ def test_two_hundred_incremental_edits_end_with_the_right_diagnostics(client: Cl
     tensor = _pos(src, "tensor = 4", 9)
     edits.append({"range": {"start": tensor, "end": {"line": tensor["line"], "character": tensor["character"] + 1}}, "text": "16"})
     assert len(edits) == 200
+    published_before = client.diag_count.get(u, 0)
     for e in edits:
         version += 1
         client.notify("textDocument/didChange", {"textDocument": {"uri": u, "version": version}, "contentChanges": [e]})
@@ -288,6 +289,8 @@ def test_two_hundred_incremental_edits_end_with_the_right_diagnostics(client: Cl
             break
         client.wait_diagnostics(u, after=n, timeout=max(0.1, deadline - time.monotonic()))
     assert got == want
+    # debounced: a burst of edits is analysed a few times, not 200 times
+    assert client.diag_count[u] - published_before < 50
     # the server's text is the client's text: formatting returns an edit over exactly that text
     from meshllm_dsl.fmt import format_text
 
@@ -339,3 +342,11 @@ def test_columns_are_utf16_code_units(client: Client, tmp_path: Path) -> None:
     u = client.open(tmp_path / "emoji.mesh", text)
     diags = sorted(client.wait_diagnostics(u), key=lambda d: d["range"]["start"]["character"])
     assert [d["range"]["start"]["character"] for d in diags] == [8, text.index('"x.mesh"') + 1]
+
+
+def test_the_server_imports_nothing_heavy() -> None:
+    code = ("import sys, meshllm_dsl.lsp.server, meshllm_dsl.lsp.hover, meshllm_dsl.lsp.completion, "
+            "meshllm_dsl.lsp.actions, meshllm_dsl.planner, meshllm_dsl.explain, meshllm_dsl.devices; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'jinja2')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
