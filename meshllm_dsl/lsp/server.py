@@ -112,6 +112,15 @@ class MeshServer(LanguageServer):
                 self.text_document_publish_diagnostics(lsp.PublishDiagnosticsParams(uri=stale, diagnostics=[]))
         self.published[uri] = others
 
+    def refresh_includers(self, path: str) -> None:
+        """Analyse again every open document that includes `path` (includes are read from disk)."""
+        import os
+
+        target = os.path.realpath(path)
+        for uri, a in list(self.analyses.items()):
+            if a.path != path and any(os.path.realpath(s.path) == target for s in a.decls.sources[1:]):
+                self.analyse(uri)
+
     def schedule(self, uri: str) -> None:
         old = self.timers.pop(uri, None)
         if old is not None:
@@ -194,6 +203,13 @@ def did_change(ls: MeshServer, params: lsp.DidChangeTextDocumentParams) -> None:
 @server.feature(lsp.TEXT_DOCUMENT_DID_SAVE)
 def did_save(ls: MeshServer, params: lsp.DidSaveTextDocumentParams) -> None:
     ls.analyse(params.text_document.uri)
+    ls.refresh_includers(to_fs_path(params.text_document.uri) or "")
+
+
+@server.feature(lsp.WORKSPACE_DID_CHANGE_WATCHED_FILES)
+def watched_files(ls: MeshServer, params: lsp.DidChangeWatchedFilesParams) -> None:
+    for change in params.changes:
+        ls.refresh_includers(to_fs_path(change.uri) or "")
 
 
 @server.feature(lsp.TEXT_DOCUMENT_DID_CLOSE)

@@ -235,6 +235,12 @@ def test_includes_get_their_diagnostics(client: Client, tmp_path: Path) -> None:
     assert [d["code"] for d in got] == ["E0103"]
     inc = uri(tmp_path / "meshes.mesh")
     assert [d["code"] for d in client.wait_diagnostics(inc)] == ["E0201"]
+    # fixing the included file on disk and saving it refreshes the including document too
+    (tmp_path / "meshes.mesh").write_text("mesh m {\n    axes tensor = 2\n}\n")
+    n_root, n_inc = client.diag_count[u], client.diag_count[inc]
+    client.notify("workspace/didChangeWatchedFiles", {"changes": [{"uri": inc, "type": 2}]})
+    client.wait_diagnostics(u, after=n_root)
+    assert client.wait_diagnostics(inc, after=n_inc) == []
     # go to the included file
     [loc] = client.request("textDocument/definition", {"textDocument": {"uri": u}, "position": {"line": 0, "character": 12}})
     assert loc["uri"] == inc
@@ -350,3 +356,43 @@ def test_the_server_imports_nothing_heavy() -> None:
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'jinja2')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+BASE = """mesh node4 {
+    axes data = 2, tensor = 2
+}
+model tiny = llama {
+    vocab = 256
+    hidden = 64
+    layers = 4
+    heads = 4
+    ffn = 128
+}
+"""
+
+
+@pytest.mark.parametrize(("snippet", "want", "unwanted"), [
+    ("plan p on node4 for tiny {\n    layout { batch -> | }\n}\n", {"data", "tensor"}, {"shard"}),
+    ("plan p on node4 for tiny {\n    layout { | }\n}\n", {"batch", "hidden", "vocab"}, {"data"}),
+    ("plan p on node4 for tiny {\n    stages over |\n}\n", {"data", "tensor"}, set()),
+    ("plan p on node4 for tiny {\n    optimizer adamw { zero 1 over | }\n}\n", {"data", "tensor"}, set()),
+    ("plan p on node4 for tiny {\n    shard embed vocab_parallel(|\n}\n", {"data", "tensor"}, {"column"}),
+    ("plan p on node4 for tiny {\n    shard embed |\n}\n", {"column", "row", "vocab_parallel", "replicate"}, {"data"}),
+    ("plan p on node4 for tiny {\n    shard |\n}\n", {"embed", "blocks.*.attn.q", "lm_head"}, {"column"}),
+    ("plan p on node4 for tiny {\n    schedule |\n}\n", {"gpipe", "1f1b", "interleaved_1f1b"}, set()),
+    ("plan p on node4 for tiny {\n    |\n}\n", {"shard", "layout", "stages", "schedule", "optimizer", "batch"}, {"mesh"}),
+    ("plan p on |", {"node4"}, {"tiny"}),
+    ("plan p on node4 for |", {"tiny"}, {"node4"}),
+    ("model t2 = llama {\n    vocab = 8\n    |\n}\n", {"hidden", "layers", "kv_heads", "dtype"}, {"vocab"}),
+    ("|", {"mesh", "model", "plan", "family", "include", "device"}, set()),
+])
+def test_completion_contexts(client: Client, tmp_path: Path, snippet: str, want: set, unwanted: set) -> None:
+    text = BASE + snippet
+    cursor = text.index("|")
+    text = text.replace("|", "")
+    u = client.open(tmp_path / "ctx.mesh", text)
+    client.wait_diagnostics(u)
+    pos = {"line": text.count("\n", 0, cursor), "character": cursor - (text.rfind("\n", 0, cursor) + 1)}
+    labels = set(_labels(client.request("textDocument/completion", {"textDocument": {"uri": u}, "position": pos})))
+    assert want <= labels, labels
+    assert not (unwanted & labels), labels
