@@ -20,8 +20,8 @@ import attrs
 from meshllm_dsl import ast
 from meshllm_dsl.checker import CheckResult, PlanChecker, check_declarations
 from meshllm_dsl.diagnostics import Diagnostic, SpecError
-from meshllm_dsl.ir import DTYPES, RULES, SCHEDULES, ModelIR, Placement, PlanIR, Repeat, Unit
-from meshllm_dsl.load import PRELUDE, Declarations, load, stdlib_dir
+from meshllm_dsl.ir import ModelIR, Placement, PlanIR, Repeat, Tensor, Unit
+from meshllm_dsl.load import Declarations, load, stdlib_dir
 from meshllm_dsl.parser import parse_source
 from meshllm_dsl.source import SourceFile, Span
 
@@ -356,11 +356,11 @@ class Analysis:
                 continue
             name = it.name
             if isinstance(it, ast.MeshDecl):
-                children = [("axis", a.name.value, a.span or a.name.span, a.name.span) for a in it.axes]  # type: ignore[misc]
+                children = [_child("axis", a.name, a.span) for a in it.axes]
             elif isinstance(it, ast.ModelDecl | ast.FamilyDecl):
-                children = [("layer", s.name.value, s.span or s.name.span, s.name.span) for s in it.body]  # type: ignore[misc]
+                children = [_child("layer", st.name, st.span) for st in it.body]
                 if isinstance(it, ast.FamilyDecl):
-                    children = [("param", p.name.value, p.span or p.name.span, p.name.span) for p in it.params] + children  # type: ignore[misc]
+                    children = [_child("param", p.name, p.span) for p in it.params] + children
             elif isinstance(it, ast.PlanDecl):
                 for s in it.body:
                     if isinstance(s, ast.ShardStmt) and s.span is not None:
@@ -416,6 +416,11 @@ class Analysis:
 
     def model_ir(self, name: str) -> ModelIR | None:
         return self.sem_result.models.get(name)
+
+
+def _child(kind: str, name: ast.Name, whole: Span | None) -> tuple[str, str, Span, Span]:
+    assert name.span is not None  # names always come from a token
+    return kind, name.value, whole or name.span, name.span
 
 
 def _include_target(path: str, name: str) -> Path | None:
@@ -492,8 +497,8 @@ def shard_matches(plan: PlanIR, decl: ast.PlanDecl, path: ast.Path) -> list[Matc
     return out
 
 
-def _tensors(plan: PlanIR, params: Sequence[object], p: Placement) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]:
-    return tuple((t.name, t.shape, plan.local_shape(t, p)) for t in params)  # type: ignore[attr-defined]
+def _tensors(plan: PlanIR, params: Sequence[Tensor], p: Placement) -> tuple[tuple[str, tuple[int, ...], tuple[int, ...]], ...]:
+    return tuple((t.name, t.shape, plan.local_shape(t, p)) for t in params)
 
 
 def leaf_paths(model: ModelIR) -> list[str]:
@@ -504,5 +509,5 @@ def leaf_paths(model: ModelIR) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-__all__ = ["DECL_KEYWORDS", "DTYPES", "RULES", "SCHEDULES", "PRELUDE", "Analysis", "LineIndex", "Loc", "Occ",
+__all__ = ["DECL_KEYWORDS", "Analysis", "LineIndex", "Loc", "Occ",
            "SymbolIndex", "leaf_paths", "shard_matches", "span_loc"]
