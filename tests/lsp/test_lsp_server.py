@@ -396,3 +396,22 @@ def test_completion_contexts(client: Client, tmp_path: Path, snippet: str, want:
     labels = set(_labels(client.request("textDocument/completion", {"textDocument": {"uri": u}, "position": pos})))
     assert want <= labels, labels
     assert not (unwanted & labels), labels
+
+
+def test_vscode_jsonrpc_talks_to_the_server() -> None:
+    """The JSON-RPC library inside vscode-languageclient, driving `meshc lsp` (skipped unless node and
+    editors/vscode/node_modules are installed: CI runs the Python client above only)."""
+    import shutil
+
+    from lsp_client import server_command
+
+    vscode = ROOT / "editors" / "vscode"
+    node = shutil.which("node")
+    if node is None or not (vscode / "node_modules" / "vscode-jsonrpc").is_dir():
+        pytest.skip("node or editors/vscode/node_modules not installed")
+    path = ROOT / "examples" / "errors" / "E0301_heads_not_divisible.mesh"
+    out = subprocess.run([node, str(vscode / "scripts" / "smoke.js"), str(path), "4", "10", *server_command()],
+                         capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout)
+    assert [d["code"] for d in got["diagnostics"]] == ["E0301"]
+    assert "size 16" in got["hover"]["contents"]["value"]
