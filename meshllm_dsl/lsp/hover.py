@@ -176,7 +176,7 @@ def _shard(a: Analysis, decl: ast.PlanDecl, s: ast.ShardStmt) -> str | None:
 
     plan = a.plan_ir(decl)
     if plan is None:
-        return None
+        return _shard_unchecked(a, decl, s)
     matches = shard_matches(plan, decl, s.path)
     if not matches:
         return f"`{s.path}` matches no layer"
@@ -190,6 +190,36 @@ def _shard(a: Analysis, decl: ast.PlanDecl, s: ast.ShardStmt) -> str | None:
             lines.append(f"  - collective: {c}")
     if len(matches) > 24:
         lines.append(f"- ... {len(matches) - 24} more")
+    return "\n".join(lines)
+
+
+def _shard_unchecked(a: Analysis, decl: ast.PlanDecl, s: ast.ShardStmt) -> str | None:
+    """A plan with errors has no placements yet: still list what the rule matches, with global shapes
+    and the split the rule asks for, so the hover helps while the errors are being fixed."""
+    from meshllm_dsl.checker import PlanChecker
+
+    mesh = a.sem_result.meshes.get(decl.mesh.value)
+    model = a.sem_result.models.get(decl.model.value)
+    if mesh is None or model is None:
+        return None
+    hits = PlanChecker(decl, mesh, model, []).match_path(s.path)
+    if not hits:
+        return f"`{s.path}` matches no layer"
+    axes = [n.value for n in s.rule.axes]
+    known = all(mesh.axis(x) is not None for x in axes)
+    n = mesh.size(*axes) if axes and known else 1
+    lines = [f"**`shard {s.path}`** matches {len(hits)} layer{'s' if len(hits) != 1 else ''} "
+             f"(plan `{decl.name.value}` has errors: global shapes only)", ""]
+    rep = model.repeat
+    in_repeat = {id(lf) for item, _unit, lf in model.leaves() if item is rep}
+    for leaf, blocks in hits[:24]:
+        where = ""
+        if rep is not None and id(leaf) in in_repeat:
+            where = f"{rep.name}.{'*' if blocks is None else ','.join(map(str, sorted(blocks)))}."
+        lines.append(f"- `{where}{'.'.join(leaf.path)}` {s.rule.name.value}({', '.join(axes)})"
+                     + (f", split {n} ways" if n > 1 else ""))
+        for t in leaf.params:
+            lines.append(f"  - `{t.name}` {_shape(t.shape)}")
     return "\n".join(lines)
 
 

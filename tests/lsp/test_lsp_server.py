@@ -415,3 +415,13 @@ def test_vscode_jsonrpc_talks_to_the_server() -> None:
     got = json.loads(out.stdout)
     assert [d["code"] for d in got["diagnostics"]] == ["E0301"]
     assert "size 16" in got["hover"]["contents"]["value"]
+
+
+def test_hover_on_a_rule_of_a_plan_with_errors_still_lists_its_matches(client: Client) -> None:
+    path = ROOT / "examples" / "errors" / "E0301_heads_not_divisible.mesh"
+    text = path.read_text()
+    u = client.open(path)
+    client.wait_diagnostics(u)
+    got = client.request("textDocument/hover", {"textDocument": {"uri": u}, "position": _pos(text, "blocks.*.attn.o", 3)})
+    value = got["contents"]["value"]
+    assert "has errors: global shapes only" in value and "[8,192, 8,192]" in value and "split 16 ways" in value
