@@ -2,8 +2,10 @@
 
 Each open document keeps its latest `Analysis` (what is published) and the latest one that
 understood the file's declarations (what completion falls back on while the text does not parse).
-Changes are debounced: typing schedules one analysis DEBOUNCE_S after the last keystroke; open and
-save analyse at once. Nothing a document contains may stop the server: any failure of the front end
+Changes are debounced: typing schedules one analysis a short pause after the last keystroke (twice
+the document's last analysis time, between DEBOUNCE_MIN_S and DEBOUNCE_MAX_S, so a spec that
+checks in 10 ms shows its diagnostics well under 100 ms while a huge one is not re-checked on every
+keystroke); open and save analyse at once. Nothing a document contains may stop the server: any failure of the front end
 becomes a diagnostic on the document.
 """
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import traceback
 from typing import Any
 
@@ -25,7 +28,7 @@ from meshllm_dsl.load import PRELUDE
 from meshllm_dsl.lsp import completion
 from meshllm_dsl.lsp.analysis import Analysis, Loc, span_loc
 
-DEBOUNCE_S = 0.15
+DEBOUNCE_MIN_S, DEBOUNCE_MAX_S = 0.03, 0.3
 SOURCE = "meshc"
 # Larger documents are not analysed: a .mesh spec is a few hundred lines; megabytes are a mistake
 # (a binary, a generated blob) that must not freeze the editor.
@@ -57,22 +60,29 @@ class MeshServer(LanguageServer):
         self.understood: dict[str, Analysis] = {}  # last analysis that saw the file's declarations
         self.timers: dict[str, asyncio.TimerHandle] = {}
         self.published: dict[str, set[str]] = {}  # root uri -> other uris it published to (includes)
+        self.cost: dict[str, float] = {}  # seconds the last analysis of each document took
 
     # -- analysis
-    def analyse(self, uri: str) -> None:
-        self.timers.pop(uri, None)
+    def analyse(self, uri: str, force: bool = False) -> None:
+        pending = self.timers.pop(uri, None)
+        if pending is not None:
+            pending.cancel()  # this analysis serves the pending one too
         try:
             doc = self.workspace.get_text_document(uri)
             text = doc.source
         except Exception:  # noqa: BLE001 - the document was closed meanwhile
             return
+        if not force and uri in self.analyses and self.analyses[uri].text == text:
+            return  # e.g. a save right after the debounced analysis of the same text
         path = to_fs_path(uri) or uri
         try:
             if len(text) > MAX_BYTES:
                 self.publish_failure(uri, f"the document is too large to analyse ({len(text) / 2**20:.0f} MiB; "
                                           f"the language server stops at {MAX_BYTES // 2**20} MiB)", text)
                 return
+            started = time.perf_counter()
             a = Analysis(path, text)
+            self.cost[uri] = time.perf_counter() - started
         except RecursionError:
             self.publish_failure(uri, "the document nests too deeply to analyse", text)
             return
@@ -119,13 +129,14 @@ class MeshServer(LanguageServer):
         target = os.path.realpath(path)
         for uri, a in list(self.analyses.items()):
             if a.path != path and any(os.path.realpath(s.path) == target for s in a.decls.sources[1:]):
-                self.analyse(uri)
+                self.analyse(uri, force=True)
 
     def schedule(self, uri: str) -> None:
         old = self.timers.pop(uri, None)
         if old is not None:
             old.cancel()
-        self.timers[uri] = asyncio.get_running_loop().call_later(DEBOUNCE_S, self.analyse, uri)
+        delay = min(DEBOUNCE_MAX_S, max(DEBOUNCE_MIN_S, 2 * self.cost.get(uri, DEBOUNCE_MAX_S)))
+        self.timers[uri] = asyncio.get_running_loop().call_later(delay, self.analyse, uri)
 
     def current(self, uri: str) -> Analysis | None:
         """The analysis of the document's text as it is now (run now if a debounced one is pending)."""
@@ -192,7 +203,7 @@ def _offset(a: Analysis, pos: lsp.Position) -> int:
 
 @server.feature(lsp.TEXT_DOCUMENT_DID_OPEN)
 def did_open(ls: MeshServer, params: lsp.DidOpenTextDocumentParams) -> None:
-    ls.analyse(params.text_document.uri)
+    ls.analyse(params.text_document.uri, force=True)
 
 
 @server.feature(lsp.TEXT_DOCUMENT_DID_CHANGE)
