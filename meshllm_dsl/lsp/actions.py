@@ -25,6 +25,11 @@ _USE_SETTING = re.compile(r"use `(\w+) = (\d+)`")
 _WRITE = re.compile(r"write `(zero [^`]+)`")
 _ADD_SHARD = re.compile(r"add `(shard [^`]+)`")
 _ADD_AFTER = re.compile(r"add `(\w+)` after `([^`]+)`")
+_MAKE_RULE = re.compile(r"make `[^`]+` `(\w+(?:\([^`]*\))?)`")
+_RULE_TEXT = re.compile(r"\w+(?:\s*\([^()]*\))?")
+_RULE_CHOICES = re.compile(r"^use ((?:`\w+`, )*`\w+`(?: or `\w+`)?)$")
+_WHOLE = re.compile(r"use a whole number such as (\d+)")
+_LOSS = re.compile(r"use `loss (\w+)`")
 _MISSING_BRACE = re.compile(r"`(\w+)` on line (\d+) starts a new declaration, but a block above it is still open")
 
 
@@ -51,6 +56,18 @@ def fixes(a: Analysis, d: Diagnostic) -> list[Fix]:
         if span.text == m[2]:
             end = span_loc(span).end
             out.append(Fix(f"Add `{m[1]}` to this stage", Loc(here.file, end, end), f", {m[1]}"))
+    # rule fixes: the primary span is the rule of the statement the help is about
+    if _RULE_TEXT.fullmatch(span.text):
+        if m := _MAKE_RULE.search(help_):
+            out.append(Fix(f"Make it `{m[1]}`", here, m[1]))
+        if "`replicate`" in help_ and span.text != "replicate" and d.code.startswith("E04") and d.code != "E0406":
+            out.append(Fix("Make it `replicate`", here, "replicate"))
+        if m := _LOSS.search(help_):
+            out.append(Fix(f"Use `loss {m[1]}`", here, m[1]))
+    if d.code == "E0406" and (m := _RULE_CHOICES.match(help_)):
+        out.extend(Fix(f"Use `{r}`", here, r) for r in re.findall(r"`(\w+)`", m[1]))
+    if (m := _WHOLE.search(help_)) and re.fullmatch(r"[0-9.eE+-]+", span.text):
+        out.append(Fix(f"Use {m[1]}", here, m[1]))
     if m := _ADD_SHARD.search(help_):
         out.extend(_add_shard(a, d, m[1]))
     if d.code.startswith("E03") and (m := _DIVISORS.search(help_)):
