@@ -176,8 +176,8 @@ def to_lsp(d: Diagnostic, moved: bool = False) -> lsp.Diagnostic:
     rng = to_range(span_loc(d.span)) if d.span is not None else lsp.Range(
         start=lsp.Position(line=0, character=0), end=lsp.Position(line=0, character=0))
     message = d.message
-    if d.label:
-        message += f" ({d.label})"
+    if d.label:  # the caret's label in `meshc check`; an editor has only the message to show it
+        message += f": {d.label}"
     if d.note:
         message += f"\nnote: {d.note}"
     if d.help:
@@ -298,7 +298,9 @@ def references(ls: MeshServer, params: lsp.ReferenceParams) -> list[lsp.Location
 
 
 @server.feature(lsp.TEXT_DOCUMENT_COMPLETION,
-                lsp.CompletionOptions(trigger_characters=[".", "(", " ", ",", "=", ">", ":"]))
+                # Word characters trigger completion anyway; these start a new context (a path
+                # segment, a rule's axes, the next axis). A space would pop the list at every word.
+                lsp.CompletionOptions(trigger_characters=[".", "(", ","]))
 def complete(ls: MeshServer, params: lsp.CompletionParams) -> lsp.CompletionList:
     uri = params.text_document.uri
     now = ls.current(uri)
