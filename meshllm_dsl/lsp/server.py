@@ -15,6 +15,7 @@ import asyncio
 import logging
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -53,6 +54,22 @@ _COMPLETION_KIND = {
 }
 
 
+def _run(path: str, text: str) -> tuple[Analysis | str, float]:
+    """Analyse a text (on the analysis thread or the loop): the analysis, or why there is none, and
+    the seconds it took. Nothing a document holds may escape as an exception."""
+    started = time.perf_counter()
+    try:
+        if len(text) > MAX_BYTES:
+            return (f"the document is too large to analyse ({len(text) / 2**20:.0f} MiB; "
+                    f"the language server stops at {MAX_BYTES // 2**20} MiB)"), 0.0
+        return Analysis(path, text), time.perf_counter() - started
+    except RecursionError:
+        return "the document nests too deeply to analyse", time.perf_counter() - started
+    except Exception as err:  # noqa: BLE001 - a spec must never take the server down
+        log.error("analysis failed: %s", traceback.format_exc())
+        return f"internal error in meshc ({type(err).__name__}: {err}); please report it", time.perf_counter() - started
+
+
 class MeshServer(LanguageServer):
     def __init__(self) -> None:
         super().__init__("meshc-lsp", __version__)
@@ -61,39 +78,56 @@ class MeshServer(LanguageServer):
         self.timers: dict[str, asyncio.TimerHandle] = {}
         self.published: dict[str, set[str]] = {}  # root uri -> other uris it published to (includes)
         self.cost: dict[str, float] = {}  # seconds the last analysis of each document took
+        self.open: set[str] = set()
+        # One analysis thread: the event loop keeps reading messages and answering requests about
+        # other documents while a large spec is checked (the analyses themselves run one at a time).
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshc-analysis")
+        self.jobs: dict[str, tuple[str, asyncio.Future[tuple[Analysis | str, float]]]] = {}
 
     # -- analysis
     def analyse(self, uri: str, force: bool = False) -> None:
+        """Start analysing the document's current text on the analysis thread; publish when done."""
         pending = self.timers.pop(uri, None)
         if pending is not None:
             pending.cancel()  # this analysis serves the pending one too
-        try:
-            doc = self.workspace.get_text_document(uri)
-            text = doc.source
-        except Exception:  # noqa: BLE001 - the document was closed meanwhile
+        text = self.text_of(uri)
+        if text is None:
             return
         if not force and uri in self.analyses and self.analyses[uri].text == text:
             return  # e.g. a save right after the debounced analysis of the same text
-        path = to_fs_path(uri) or uri
+        job = self.jobs.get(uri)
+        if job is not None and job[0] == text and not force:
+            return  # already under way
+        future = asyncio.get_running_loop().run_in_executor(self.executor, _run, to_fs_path(uri) or uri, text)
+        self.jobs[uri] = (text, future)
+        future.add_done_callback(lambda f: self.finish(uri, text, f, force))
+
+    def finish(self, uri: str, text: str, future: asyncio.Future[tuple[Analysis | str, float]], force: bool) -> None:
+        """Back on the event loop: keep and publish a finished analysis if its text is still current."""
+        if self.jobs.get(uri, (None, None))[1] is future:
+            del self.jobs[uri]
+        if future.cancelled() or uri not in self.open or self.text_of(uri) != text:
+            return  # closed or edited meanwhile: a newer analysis is scheduled
+        if not force and uri in self.analyses and self.analyses[uri].text == text:
+            return  # a request analysed this text first (`current`) and published it
+        result, cost = future.result()
+        self.cost[uri] = cost
+        self.accept(uri, text, result)
+
+    def accept(self, uri: str, text: str, result: Analysis | str) -> None:
+        if isinstance(result, str):
+            self.publish_failure(uri, result, text)
+            return
+        self.analyses[uri] = result
+        if result.usable:
+            self.understood[uri] = result
+        self.publish(uri, result)
+
+    def text_of(self, uri: str) -> str | None:
         try:
-            if len(text) > MAX_BYTES:
-                self.publish_failure(uri, f"the document is too large to analyse ({len(text) / 2**20:.0f} MiB; "
-                                          f"the language server stops at {MAX_BYTES // 2**20} MiB)", text)
-                return
-            started = time.perf_counter()
-            a = Analysis(path, text)
-            self.cost[uri] = time.perf_counter() - started
-        except RecursionError:
-            self.publish_failure(uri, "the document nests too deeply to analyse", text)
-            return
-        except Exception as err:  # noqa: BLE001 - a spec must never take the server down
-            log.error("analysis failed: %s", traceback.format_exc())
-            self.publish_failure(uri, f"internal error in meshc ({type(err).__name__}: {err}); please report it", text)
-            return
-        self.analyses[uri] = a
-        if a.usable:
-            self.understood[uri] = a
-        self.publish(uri, a)
+            return self.workspace.get_text_document(uri).source
+        except Exception:  # noqa: BLE001 - the document was closed meanwhile
+            return None
 
     def publish_failure(self, uri: str, message: str, text: str) -> None:
         self.analyses.pop(uri, None)
@@ -139,10 +173,18 @@ class MeshServer(LanguageServer):
         self.timers[uri] = asyncio.get_running_loop().call_later(delay, self.analyse, uri)
 
     def current(self, uri: str) -> Analysis | None:
-        """The analysis of the document's text as it is now (run now if a debounced one is pending)."""
-        if uri in self.timers:
-            self.timers.pop(uri).cancel()
-            self.analyse(uri)
+        """The analysis of the document's text as it is now: a request about a position needs the
+        text the client sees, so when the kept analysis is older it is redone here, at once."""
+        text = self.text_of(uri)
+        a = self.analyses.get(uri)
+        if text is None or (a is not None and a.text == text):
+            return a
+        timer = self.timers.pop(uri, None)
+        if timer is not None:
+            timer.cancel()
+        result, cost = _run(to_fs_path(uri) or uri, text)
+        self.cost[uri] = cost
+        self.accept(uri, text, result)
         return self.analyses.get(uri)
 
     def best(self, uri: str) -> Analysis | None:
@@ -203,6 +245,7 @@ def _offset(a: Analysis, pos: lsp.Position) -> int:
 
 @server.feature(lsp.TEXT_DOCUMENT_DID_OPEN)
 def did_open(ls: MeshServer, params: lsp.DidOpenTextDocumentParams) -> None:
+    ls.open.add(params.text_document.uri)
     ls.analyse(params.text_document.uri, force=True)
 
 
@@ -226,6 +269,7 @@ def watched_files(ls: MeshServer, params: lsp.DidChangeWatchedFilesParams) -> No
 @server.feature(lsp.TEXT_DOCUMENT_DID_CLOSE)
 def did_close(ls: MeshServer, params: lsp.DidCloseTextDocumentParams) -> None:
     uri = params.text_document.uri
+    ls.open.discard(uri)
     timer = ls.timers.pop(uri, None)
     if timer is not None:
         timer.cancel()

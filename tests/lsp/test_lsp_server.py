@@ -425,3 +425,17 @@ def test_hover_on_a_rule_of_a_plan_with_errors_still_lists_its_matches(client: C
     got = client.request("textDocument/hover", {"textDocument": {"uri": u}, "position": _pos(text, "blocks.*.attn.o", 3)})
     value = got["contents"]["value"]
     assert "has errors: global shapes only" in value and "[8,192, 8,192]" in value and "split 16 ways" in value
+
+
+def test_requests_are_answered_while_a_large_document_is_analysed(client: Client, tmp_path: Path) -> None:
+    """Analyses run on their own thread: a hover on one file does not wait for another file's check."""
+    text = LLAMA.read_text()
+    u = client.open(LLAMA)
+    client.wait_diagnostics(u)
+    big = text + "".join(f"mesh m{i} {{ axes a = {i % 8 + 1} }}\n" for i in range(10000))
+    ub = client.open(tmp_path / "big.mesh", big)
+    got = client.request("textDocument/hover", {"textDocument": {"uri": u}, "position": _pos(text, "tensor = 4")})
+    answered_first = ub not in client.diagnostics
+    assert "size 4" in got["contents"]["value"]
+    assert client.wait_diagnostics(ub, timeout=120) == []
+    assert answered_first
