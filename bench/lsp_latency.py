@@ -37,9 +37,18 @@ def _stats(xs: list[float]) -> str:
     return f"median {statistics.median(xs):8.1f} ms   p95 {p95:8.1f} ms"
 
 
-def diagnostics_after(c: Client, path: Path, text: str, edit_at: str, n: int, save: bool) -> list[float]:
+def _open(c: Client, path: Path, text: str) -> str:
+    """Open (or reopen) a document and wait for the diagnostics of this opening, not an earlier one."""
+    from lsp_client import uri
+
+    before = c.diag_count.get(uri(path), 0)
     u = c.open(path, text)
-    c.wait_diagnostics(u, timeout=300)
+    c.wait_diagnostics(u, after=before, timeout=300)
+    return u
+
+
+def diagnostics_after(c: Client, path: Path, text: str, edit_at: str, n: int, save: bool) -> list[float]:
+    u = _open(c, path, text)
     times = []
     version = 1
     pos = _pos(text, edit_at)
@@ -53,14 +62,13 @@ def diagnostics_after(c: Client, path: Path, text: str, edit_at: str, n: int, sa
         c.notify("textDocument/didChange", {"textDocument": {"uri": u, "version": version}, "contentChanges": [change]})
         if save:
             c.notify("textDocument/didSave", {"textDocument": {"uri": u}})
-        c.wait_diagnostics(u, after=count, timeout=300)
+        c.wait_diagnostics(u, after=count, timeout=float(__import__("os").environ.get("LSP_BENCH_TIMEOUT", "300")))
         times.append(time.perf_counter() - t)
     return times
 
 
 def requests(c: Client, path: Path, text: str, method: str, pos: dict[str, int], n: int) -> list[float]:
-    u = c.open(path, text)
-    c.wait_diagnostics(u, timeout=300)
+    u = _open(c, path, text)
     times = []
     for _ in range(n):
         t = time.perf_counter()

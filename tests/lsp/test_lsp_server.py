@@ -189,8 +189,8 @@ def test_code_actions_apply_the_help(client: Client, tmp_path: Path) -> None:
     [edit] = act["edit"]["changes"][u]
     fixed = _apply(src, edit)
     assert "axes tensor = 8" in fixed
-    client.notify("textDocument/didChange", {"textDocument": {"uri": u, "version": 2}, "contentChanges": [{"text": fixed}]})
     n = client.diag_count[u]
+    client.notify("textDocument/didChange", {"textDocument": {"uri": u, "version": 2}, "contentChanges": [{"text": fixed}]})
     assert client.wait_diagnostics(u, after=n) == []
     # a typo: "did you mean" becomes a replacement
     src2 = (ROOT / "examples" / "errors" / "E0202_unknown_axis.mesh").read_text()
