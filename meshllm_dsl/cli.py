@@ -105,6 +105,12 @@ def cmd_explain_error(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_lsp(args: argparse.Namespace) -> int:
+    from meshllm_dsl.lsp import main as lsp_main
+
+    return lsp_main()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="meshc",
@@ -128,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("explain-error", help="explain a diagnostic code, e.g. E0301")
     e.add_argument("code")
     e.set_defaults(func=cmd_explain_error)
+
+    ls = sub.add_parser("lsp", help="run the language server for editors (stdio; needs the [lsp] extra)")
+    ls.add_argument("--stdio", action="store_true", help="accepted for editors that pass it; stdio is the only transport")
+    ls.set_defaults(func=cmd_lsp)
 
     for register in _EXTENSIONS:
         register(sub)

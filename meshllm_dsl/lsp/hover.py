@@ -1,0 +1,246 @@
+"""Hover text: what `meshc explain` and `meshc plan` would say about the thing under the cursor."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshllm_dsl import ast
+from meshllm_dsl.ir import DTYPES, MeshIR, Repeat, Unit
+from meshllm_dsl.source import Span
+
+if TYPE_CHECKING:
+    from meshllm_dsl.lsp.analysis import Analysis, Occ
+
+GB, GIB = 1e9, 2**30
+
+RULE_DOCS = {
+    "column": "column-parallel: splits the output features (weight dim 0) over the axes; its output is sharded",
+    "row": "row-parallel: splits the input features (weight dim 1); its output is a partial sum, all-reduced",
+    "vocab_parallel": "vocab-parallel: splits the vocabulary rows of an embedding or head over the axes",
+    "replicate": "replicated: every device holds the whole parameter",
+    "cross_entropy": "plain cross-entropy on full logits",
+}
+SCHEDULE_DOCS = {
+    "gpipe": "GPipe: all forwards, then all backwards; bubble (p - 1) / (m + p - 1)",
+    "1f1b": "1F1B: one forward one backward; same bubble as GPipe, fewer activations in flight; needs microbatches >= stages",
+    "interleaved_1f1b": "interleaved 1F1B: `virtual` stages per rank; bubble divided by v",
+}
+
+
+def _shape(s: tuple[int, ...]) -> str:
+    return "[" + ", ".join(f"{x:,}" for x in s) + "]"
+
+
+def _groups(mesh: MeshIR, axis: str) -> str:
+    gs = mesh.groups(axis)
+    shown = " ".join("[" + ", ".join(map(str, g)) + "]" for g in gs[:8])
+    return shown + (f" ... ({len(gs)} groups)" if len(gs) > 8 else "")
+
+
+def hover(a: Analysis, offset: int) -> tuple[str, Span] | None:
+    hits = a.index.at(a.path, offset)
+    # On a shard rule's path, the rule's matches say more than the first segment's layer.
+    plan = a.plan_decl_at(offset)
+    if plan is not None:
+        for s in plan.body:
+            if isinstance(s, ast.ShardStmt) and s.path.span is not None and s.path.span.start <= offset <= s.path.span.end:
+                text = _shard(a, plan, s)
+                if text:
+                    return text, s.path.span
+    if not hits:
+        return None
+    occ = hits[0]
+    text = _occ(a, occ)
+    return (text, occ.span) if text else None
+
+
+def _occ(a: Analysis, occ: Occ) -> str | None:
+    kind, *rest = occ.key
+    res = a.sem_result
+    if kind == "mesh":
+        mesh = res.meshes.get(rest[0])
+        if mesh is None:
+            return f"mesh `{rest[0]}`"
+        axes = " x ".join(f"{x.name} {x.size}" for x in mesh.axes)
+        host = f", {mesh.hosts} hosts of {mesh.devices_per_host}" if mesh.hosts > 1 else ""
+        return f"**mesh `{mesh.name}`**: {mesh.devices} devices ({axes}{host}), device {mesh.device or 'not given'}\n\nrank order: the last axis varies fastest"
+    if kind == "axis":
+        mesh = res.meshes.get(rest[0])
+        if mesh is None or mesh.axis(rest[1]) is None:
+            return f"axis `{rest[1]}` of mesh `{rest[0]}`"
+        ax = mesh.axis(rest[1])
+        assert ax is not None
+        cross = " (crosses hosts)" if mesh.hosts > 1 and mesh.crosses_hosts(ax.name) else ""
+        return (f"**axis `{ax.name}`** of mesh `{mesh.name}`: size {ax.size}, rank stride {mesh.stride(ax.name)}{cross}\n\n"
+                f"process groups: {_groups(mesh, ax.name)}")
+    if kind == "model":
+        model = res.models.get(rest[0])
+        if model is None:
+            return f"model `{rest[0]}` (does not resolve; see its diagnostics)"
+        w = DTYPES.get(model.dtype, 2)
+        from meshllm_dsl.planner import fmt_count
+
+        lines = [f"**model `{model.name}`**: {model.numel:,} parameters ({fmt_count(model.numel)})",
+                 f"{model.dtype} weights: {model.numel * w / GB:.2f} GB = {model.numel * w / GIB:.2f} GiB"]
+        rep = model.repeat
+        if rep is not None:
+            lines.append(f"{rep.count} x `{rep.name}` of {rep.numel_per_block:,} parameters each")
+        return "\n\n".join(lines)
+    if kind == "plan":
+        return _plan(a, rest[0])
+    if kind == "family":
+        fam = a.index.families.get(rest[0])
+        if fam is None:
+            return f"family `{rest[0]}` (not declared)"
+        from meshllm_dsl.fmt import format_expr
+
+        params = ", ".join(p.name.value + (f" = {format_expr(p.default)}" if p.default is not None else "") for p in fam.params)
+        return f"**family `{fam.name.value}`**`({params})`"
+    if kind == "param":
+        fam = a.index.families.get(rest[0])
+        text = f"parameter `{rest[1]}` of family `{rest[0]}`"
+        if fam is not None:
+            p = next((p for p in fam.params if p.name.value == rest[1]), None)
+            if p is not None and p.default is not None:
+                from meshllm_dsl.fmt import format_expr
+
+                text += f" (default `{format_expr(p.default)}`)"
+        ctx = occ.context
+        model_name = ctx.name.value if isinstance(ctx, ast.ModelDecl) else ctx.model.value if isinstance(ctx, ast.PlanDecl) else None
+        model = res.models.get(model_name) if model_name else None
+        if model is not None and model.value(rest[1]) is not None:
+            text += f"\n\nin model `{model.name}`: `{rest[1]} = {model.value(rest[1])}`"
+        return text
+    if kind == "dim":
+        model = res.models.get(rest[0])
+        value = model.value(rest[1]) if model is not None else None
+        return f"dim `{rest[1]}` of model `{rest[0]}`" + (f" = {value}" if value is not None else "")
+    if kind == "layer":
+        return _layer(a, occ)
+    if kind == "device":
+        from meshllm_dsl.devices import PROFILES
+
+        prof = PROFILES.get(rest[0])
+        if prof is None:
+            return f"device `{rest[0]}`"
+        return f"**device `{prof.name}`**: {prof.memory_bytes / GIB:.0f} GiB" + (f", {prof.tflops} TFLOP/s" if getattr(prof, "tflops", None) else "")
+    if kind == "rule":
+        return RULE_DOCS.get(rest[0], f"`{rest[0]}` is not a rule")
+    if kind == "schedule":
+        return SCHEDULE_DOCS.get(rest[0], f"`{rest[0]}` is not a schedule")
+    if kind == "file":
+        from meshllm_dsl.lsp.analysis import _include_target
+
+        target = _include_target(a.path, rest[0])
+        return f"include `{target}`" if target else f"`{rest[0]}` not found"
+    if kind == "primitive":
+        return f"primitive `{rest[0]}`"
+    return None
+
+
+def _layer(a: Analysis, occ: Occ) -> str | None:
+    owner, path = occ.key[1], occ.key[2]
+    ctx = occ.context
+    model_name = None
+    if isinstance(ctx, ast.ModelDecl):
+        model_name = ctx.name.value
+    elif isinstance(ctx, ast.PlanDecl):
+        model_name = ctx.model.value
+    model = a.sem_result.models.get(model_name) if model_name else None
+    if model is None:
+        return f"layer `{path}` of {owner.replace(':', ' `')}`"
+    head, *tail = path.split(".")
+    item = model.item(head)
+    if item is None:
+        return f"layer `{path}`"
+    if isinstance(item, Repeat):
+        if not tail:
+            return f"**`{item.name}`**: repeat of {item.count} blocks, {item.numel_per_block:,} parameters each ({item.count * item.numel_per_block:,} in all)"
+        unit = next((u for u in item.body if u.name == tail[0]), None)
+        return _unit(unit, f"{item.name}.*.{tail[0]}") if unit else None
+    return _unit(item, item.name)
+
+
+def _unit(unit: Unit | None, name: str) -> str | None:
+    if unit is None:
+        return None
+    lines = [f"**`{name}`** ({unit.kind}): {unit.numel:,} parameters"]
+    for leaf in unit.leaves:
+        for t in leaf.params:
+            lines.append(f"- `{'.'.join(leaf.path)}.{t.name}` {_shape(t.shape)}")
+    return "\n".join(lines)
+
+
+def _shard(a: Analysis, decl: ast.PlanDecl, s: ast.ShardStmt) -> str | None:
+    from meshllm_dsl.lsp.analysis import shard_matches
+
+    plan = a.plan_ir(decl)
+    if plan is None:
+        return _shard_unchecked(a, decl, s)
+    matches = shard_matches(plan, decl, s.path)
+    if not matches:
+        return f"`{s.path}` matches no layer"
+    lines = [f"**`shard {s.path}`** matches {len(matches)} layer group{'s' if len(matches) != 1 else ''} (global -> local on one device)", ""]
+    for m in matches[:24]:
+        rule = f"{m.placement.rule}({', '.join(m.placement.axes)})" if m.placement.sharded else "replicate"
+        lines.append(f"- `{m.path}` {rule}")
+        for name, g, loc in m.tensors:
+            lines.append(f"  - `{name}` {_shape(g)} -> {_shape(loc)}")
+        for c in m.collectives:
+            lines.append(f"  - collective: {c}")
+    if len(matches) > 24:
+        lines.append(f"- ... {len(matches) - 24} more")
+    return "\n".join(lines)
+
+
+def _shard_unchecked(a: Analysis, decl: ast.PlanDecl, s: ast.ShardStmt) -> str | None:
+    """A plan with errors has no placements yet: still list what the rule matches, with global shapes
+    and the split the rule asks for, so the hover helps while the errors are being fixed."""
+    from meshllm_dsl.checker import PlanChecker
+
+    mesh = a.sem_result.meshes.get(decl.mesh.value)
+    model = a.sem_result.models.get(decl.model.value)
+    if mesh is None or model is None:
+        return None
+    hits = PlanChecker(decl, mesh, model, []).match_path(s.path)
+    if not hits:
+        return f"`{s.path}` matches no layer"
+    axes = [n.value for n in s.rule.axes]
+    known = all(mesh.axis(x) is not None for x in axes)
+    n = mesh.size(*axes) if axes and known else 1
+    lines = [f"**`shard {s.path}`** matches {len(hits)} layer{'s' if len(hits) != 1 else ''} "
+             f"(plan `{decl.name.value}` has errors: global shapes only)", ""]
+    rep = model.repeat
+    in_repeat = {id(lf) for item, _unit, lf in model.leaves() if item is rep}
+    for leaf, blocks in hits[:24]:
+        where = ""
+        if rep is not None and id(leaf) in in_repeat:
+            where = f"{rep.name}.{'*' if blocks is None else ','.join(map(str, sorted(blocks)))}."
+        lines.append(f"- `{where}{'.'.join(leaf.path)}` {s.rule.name.value}({', '.join(axes)})"
+                     + (f", split {n} ways" if n > 1 else ""))
+        for t in leaf.params:
+            lines.append(f"  - `{t.name}` {_shape(t.shape)}")
+    return "\n".join(lines)
+
+
+def _plan(a: Analysis, name: str) -> str:
+    plan = a.sem_result.plans.get(name)
+    if plan is None:
+        return f"plan `{name}` (has errors; see its diagnostics)"
+    try:
+        from meshllm_dsl.devices import declared_profiles
+        from meshllm_dsl.planner import analyze, fmt_bytes, resolve_device
+
+        devices, _ = declared_profiles(a.sem_decls.user(ast.DeviceDecl))
+        device, assumed = resolve_device(plan, devices)
+        rep = analyze(plan, device, device_assumed=assumed)
+    except Exception as err:  # noqa: BLE001 - a hover must never take the server down
+        return f"plan `{name}`: the planner failed ({type(err).__name__})"
+    worst = max(rep.ranks, key=lambda r: r.training_bytes)
+    per_rank = ", ".join(f"pp {rc.coord} {fmt_bytes(rc.training_bytes)}" for rc in rep.ranks)
+    fits = "fits" if rep.fits else "does NOT fit"
+    return (f"**plan `{plan.name}`**: {plan.model.name} on {plan.mesh.name} ({plan.mesh.devices} x {device.name}"
+            f"{' (assumed)' if assumed else ''})\n\n"
+            f"memory per device (training): {per_rank}; peak {fmt_bytes(worst.training_bytes)} of "
+            f"{fmt_bytes(device.memory_bytes)} -> {fits}\n\n"
+            f"bubble {rep.bubble:.1%}, schedule {plan.schedule}, {plan.microbatches} microbatches")

@@ -1,0 +1,44 @@
+"""Every quick fix the server offers on the shipped error files, applied, must leave a file that
+still parses and no longer has the diagnostic it fixes (same code on the same line)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshllm_dsl.lsp.analysis import Analysis, LineIndex
+
+ROOT = Path(__file__).resolve().parents[2]
+ERRORS = sorted((ROOT / "examples" / "errors").glob("*.mesh"))
+
+
+def _apply(text: str, fix) -> str:  # type: ignore[no-untyped-def]
+    index = LineIndex(text)
+    return text[: index.offset(fix.loc.start)] + fix.new_text + text[index.offset(fix.loc.end):]
+
+
+@pytest.mark.parametrize("path", ERRORS, ids=lambda p: p.name)
+def test_each_quick_fix_removes_its_diagnostic(path: Path) -> None:
+    text = path.read_text()
+    a = Analysis(str(path), text)
+    for d in a.diagnostics:
+        assert d.span is not None
+        for fix in a.fixes(d):
+            assert fix.loc.file == str(path)
+            fixed = Analysis(str(path), _apply(text, fix))
+            assert fixed.syntax_error is None, (fix.title, fixed.syntax_error)
+            still = [x for x in fixed.diagnostics if x.code == d.code and x.span is not None and x.span.line == d.span.line
+                     and x.message == d.message]
+            assert not still, (fix.title, still)
+
+
+def test_the_shipped_error_files_offer_fixes() -> None:
+    """A floor, so a reworded help that silently loses its quick fix is noticed."""
+    with_fixes = set()
+    for path in ERRORS:
+        a = Analysis(str(path), path.read_text())
+        if any(a.fixes(d) for d in a.diagnostics):
+            with_fixes.add(path.name.split("_")[0])
+    assert {"E0101", "E0202", "E0203", "E0204", "E0301", "E0304", "E0305", "E0402", "E0404", "E0405", "E0406",
+            "E0407", "E0501", "E0601", "E0602", "E0606"} <= with_fixes
