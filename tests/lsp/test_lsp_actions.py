@@ -10,7 +10,9 @@ import pytest
 from meshllm_dsl.lsp.analysis import Analysis, LineIndex
 
 ROOT = Path(__file__).resolve().parents[2]
-ERRORS = sorted((ROOT / "examples" / "errors").glob("*.mesh"))
+# An editor's buffer is text it already decoded: E0104 (a file that is not UTF-8) is about bytes on
+# disk, which `meshc check` reports and an editor shows as its own decoding problem.
+ERRORS = sorted(p for p in (ROOT / "examples" / "errors").glob("*.mesh") if not p.name.startswith("E0104"))
 
 
 def _apply(text: str, fix) -> str:  # type: ignore[no-untyped-def]

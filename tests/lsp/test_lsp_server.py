@@ -16,7 +16,9 @@ from lsp_client import Client, uri  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.mesh"))
-ERRORS = sorted((ROOT / "examples" / "errors").glob("*.mesh"))
+# An editor's buffer is text it already decoded: E0104 (a file that is not UTF-8) is about bytes on
+# disk, which `meshc check` reports and an editor shows as its own decoding problem.
+ERRORS = sorted(p for p in (ROOT / "examples" / "errors").glob("*.mesh") if not p.name.startswith("E0104"))
 LLAMA = ROOT / "examples" / "llama2_70b.mesh"
 
 
