@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import re
 import sys
@@ -17,7 +18,8 @@ from lark import Lark, Token, Transformer, Tree, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
 
 from meshllm_dsl import ast
-from meshllm_dsl.diagnostics import Diagnostic, SpecError
+from meshllm_dsl.diagnostics import Diagnostic, Label, SpecError
+from meshllm_dsl.limits import MAX_EXPR_DEPTH, MAX_INT_DIGITS
 from meshllm_dsl.source import SourceFile
 
 # Human names for the grammar's terminals, used in "expected ..." help lines.
@@ -107,6 +109,26 @@ class _ToAst(Transformer[Token, Any]):
     def __init__(self, source: SourceFile) -> None:
         super().__init__()
         self.source = source
+        self.diagnostics: list[Diagnostic] = []
+        self._depth: dict[int, int] = {}  # id(expression node) -> operators nested in it (BinOp / Neg only)
+
+    def _int(self, tok: Token) -> int:
+        """An integer literal, refused (located, not a ValueError) when it has too many digits."""
+        digits = str(tok).replace("_", "")
+        if len(digits.lstrip("0")) > MAX_INT_DIGITS:
+            self.diagnostics.append(Diagnostic(
+                "E0307", f"integer literal with {len(digits)} digits is out of range", self._tok(tok),
+                label=f"more than {MAX_INT_DIGITS} digits",
+                help="sizes, counts and dims in a spec are at most 2**40; write the value you mean"))
+            return 1
+        return int(digits)
+
+    def _nested(self, node: ast.Expr, *children: ast.Expr) -> ast.Expr:
+        depth = 1 + max((self._depth.get(id(c), 0) for c in children), default=0)
+        self._depth[id(node)] = depth
+        if depth == MAX_EXPR_DEPTH + 1:
+            self.diagnostics.append(_too_deep(node.span))
+        return node
 
     def _span(self, meta: Any) -> Any:
         if getattr(meta, "empty", True):
@@ -132,11 +154,18 @@ class _ToAst(Transformer[Token, Any]):
     # -- expressions
     @v_args(meta=True)
     def int_lit(self, meta: Any, c: list[Token]) -> ast.IntLit:
-        return ast.IntLit(int(str(c[0]).replace("_", "")), self._span(meta))
+        return ast.IntLit(self._int(c[0]), self._span(meta))
 
     @v_args(meta=True)
     def float_lit(self, meta: Any, c: list[Token]) -> ast.FloatLit:
-        return ast.FloatLit(str(c[0]), self._span(meta))
+        lit = ast.FloatLit(str(c[0]), self._span(meta))
+        if not math.isfinite(lit.value) or (lit.value == 0 and any(ch in "123456789" for ch in lit.text.split("e")[0].split("E")[0])):
+            self.diagnostics.append(Diagnostic(
+                "E0307", f"`{lit.text}` is out of range", lit.span,
+                label="overflows to infinity" if not math.isfinite(lit.value) else "underflows to 0",
+                help="numbers in a spec must be finite 64-bit floats: at most about 1e308 in size, and not so small they round to 0"))
+            return ast.FloatLit("1.0", lit.span)
+        return lit
 
     @v_args(meta=True)
     def str_lit(self, meta: Any, c: list[Token]) -> ast.StrLit:
@@ -148,12 +177,12 @@ class _ToAst(Transformer[Token, Any]):
 
     @v_args(meta=True)
     def neg(self, meta: Any, c: list[ast.Expr]) -> ast.Neg:
-        return ast.Neg(c[0], self._span(meta))
+        return self._nested(ast.Neg(c[0], self._span(meta)), c[0])  # type: ignore[return-value]
 
     def _bin(op: str):  # type: ignore[no-untyped-def]  # noqa: N805 - a builder of methods
         @v_args(meta=True)
         def build(self: _ToAst, meta: Any, c: list[ast.Expr]) -> ast.BinOp:
-            return ast.BinOp(op, c[0], c[1], self._span(meta))
+            return self._nested(ast.BinOp(op, c[0], c[1], self._span(meta)), c[0], c[1])  # type: ignore[return-value]
 
         return build
 
@@ -283,7 +312,7 @@ class _ToAst(Transformer[Token, Any]):
 
     @v_args(meta=True)
     def stage_entry(self, meta: Any, c: list[Any]) -> ast.StageEntry:
-        index = ast.IntLit(int(str(c[0]).replace("_", "")), self._tok(c[0]))
+        index = ast.IntLit(self._int(c[0]), self._tok(c[0]))
         return ast.StageEntry(index, tuple(i for i in c[1:] if i is not None), self._span(meta))
 
     @v_args(meta=True)
@@ -293,7 +322,7 @@ class _ToAst(Transformer[Token, Any]):
         return ast.StageItem(name, start, stop, self._span(meta))
 
     def slice(self, c: list[Token]) -> tuple[int, int]:
-        return int(str(c[0]).replace("_", "")), int(str(c[1]).replace("_", ""))
+        return self._int(c[0]), self._int(c[1])
 
     @v_args(meta=True)
     def schedule(self, meta: Any, c: list[Any]) -> ast.ScheduleStmt:
@@ -301,13 +330,19 @@ class _ToAst(Transformer[Token, Any]):
 
     @v_args(meta=True)
     def optimizer(self, meta: Any, c: list[Any]) -> ast.OptimizerStmt:
-        zero = next((s for s in c[1:] if isinstance(s, ast.ZeroStmt)), None)
+        zeros = [s for s in c[1:] if isinstance(s, ast.ZeroStmt)]
+        zero = zeros[0] if zeros else None
+        for extra in zeros[1:]:
+            self.diagnostics.append(Diagnostic(
+                "E0201", "`zero` is given twice in one optimizer", extra.span, label="second `zero`",
+                secondary=(Label(zeros[0].span, "first here"),) if zeros[0].span else (),  # type: ignore[arg-type]
+                help="give the ZeRO stage once"))
         settings = tuple(s for s in c[1:] if isinstance(s, ast.Setting))
         return ast.OptimizerStmt(c[0], zero, settings, self._span(meta))
 
     @v_args(meta=True)
     def zero(self, meta: Any, c: list[Any]) -> ast.ZeroStmt:
-        stage = ast.IntLit(int(str(c[0]).replace("_", "")), self._tok(c[0]))
+        stage = ast.IntLit(self._int(c[0]), self._tok(c[0]))
         return ast.ZeroStmt(stage, tuple(a for a in c[1:] if a is not None), self._span(meta))
 
     # -- paths
@@ -325,7 +360,7 @@ class _ToAst(Transformer[Token, Any]):
 
     @v_args(meta=True)
     def index_segment(self, meta: Any, c: list[Token]) -> ast.PathSegment:
-        return ast.PathSegment("index", index=int(str(c[0]).replace("_", "")), span=self._tok(c[0]))
+        return ast.PathSegment("index", index=self._int(c[0]), span=self._tok(c[0]))
 
     @v_args(meta=True)
     def alt_segment(self, meta: Any, c: list[ast.Name]) -> ast.PathSegment:
@@ -440,9 +475,45 @@ def parse_source(source: SourceFile) -> ast.Module:
         tree: Tree[Token] = grammar().parse(source.text, on_error=_keyword_as_name)
     except UnexpectedInput as err:
         raise SpecError([_syntax_diagnostic(source, err)]) from None
-    module = _ToAst(source).transform(tree)
+    builder = _ToAst(source)
+    try:
+        module = builder.transform(tree)
+    except RecursionError:
+        # Only expressions nest without bound (`1 + 1 + ...`, `- - 1`); find the one, iteratively.
+        raise SpecError([_too_deep(_deepest_expression(source, tree))]) from None
+    if builder.diagnostics:
+        raise SpecError(builder.diagnostics)
     assert isinstance(module, ast.Module)
     return module
+
+
+_EXPR_RULES = frozenset({"add", "sub", "mul", "div", "neg"})
+
+
+def _too_deep(span: Any) -> Diagnostic:
+    return Diagnostic(
+        "E0311", f"expression nests more than {MAX_EXPR_DEPTH} operators", span,
+        label="too deeply nested",
+        help="compute the value and write it as a number, or name parts of it as dims")
+
+
+def _deepest_expression(source: SourceFile, tree: Tree[Token]) -> Any:
+    """The span of the first expression node holding more than MAX_EXPR_DEPTH nested operators,
+    found without recursion (post-order over an explicit stack)."""
+    height: dict[int, int] = {}
+    stack: list[tuple[Tree[Token], bool]] = [(tree, False)]
+    while stack:
+        node, done = stack.pop()
+        kids = [k for k in node.children if isinstance(k, Tree)]
+        if not done:
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids)
+            continue
+        h = max((height[id(k)] for k in kids), default=0) + (node.data in _EXPR_RULES)
+        height[id(node)] = h
+        if h == MAX_EXPR_DEPTH + 1 and not getattr(node.meta, "empty", True):
+            return source.span(node.meta.start_pos, node.meta.end_pos)
+    return source.span(0, 0)
 
 
 def parse(text: str, path: str = "<string>") -> ast.Module:
