@@ -15,8 +15,8 @@ import attrs
 from meshllm_dsl import ast
 from meshllm_dsl.devices import PROFILES
 from meshllm_dsl.diagnostics import Diagnostic, Label
-from meshllm_dsl.limits import MAX_BLOCKS, MAX_DEVICES, MAX_INT
 from meshllm_dsl.ir import DTYPES, Axis, Leaf, MeshIR, ModelIR, Repeat, Symbol, Tensor, Unit, Value
+from meshllm_dsl.limits import MAX_BLOCKS, MAX_DEVICES, MAX_INT
 from meshllm_dsl.names import did_you_mean, divisors, identifier_problem, or_list, safe_variant
 from meshllm_dsl.source import Span
 
@@ -280,7 +280,7 @@ def resolve_mesh(decl: ast.MeshDecl, r: Resolver, devices: Sequence[str]) -> Mes
         total *= a.size
     if total > MAX_DEVICES:
         r.error("E0307", f"mesh `{decl.name.value}` has {_short(total)} devices, more than {_short(MAX_DEVICES)}",
-                decl.axes[-1].span if decl.axes else decl.name.span, label="product of the axis sizes",
+                decl.name.span, label=f"{_short(total)} devices: the product of its axis sizes",
                 secondary=tuple(Label(a.span, f"{a.name} = {a.size}") for a in axes if a.span is not None),
                 help=f"a mesh has at most {_short(MAX_DEVICES)} devices: shrink the axes")
         return None
