@@ -34,6 +34,7 @@ from meshllm_dsl.ir import (
 from meshllm_dsl.layouts import block_flows, top_flows
 from meshllm_dsl.load import Declarations, load
 from meshllm_dsl.names import did_you_mean, divisors, or_list, ranges
+from meshllm_dsl.parser import paused_gc
 from meshllm_dsl.resolve import Binding, ModelResolver, Resolver, resolve_mesh
 from meshllm_dsl.source import Span
 
@@ -70,6 +71,11 @@ def check_text(text: str, path: str = "<string>") -> CheckResult:
 
 
 def check_declarations(decls: Declarations) -> CheckResult:
+    with paused_gc():
+        return _check_declarations(decls)
+
+
+def _check_declarations(decls: Declarations) -> CheckResult:
     diags: list[Diagnostic] = list(decls.diagnostics)
     r = Resolver(diags)
 
