@@ -19,6 +19,7 @@ from typing import Any
 
 from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+from lark.lexer import ContextualLexer, Lexer
 
 from meshllm_dsl import ast
 from meshllm_dsl.diagnostics import Diagnostic, Label, SpecError
@@ -544,11 +545,120 @@ def _fast_parser() -> tuple[Lark, _Builder]:
         transformer=builder,
         cache=cache,
     )
+    frontend = parser.parser
+    if isinstance(frontend.lexer, ContextualLexer):
+        frontend.lexer = _FastLexer(frontend.lexer, parser.terminals, parser.lexer_conf.ignore)
     callbacks = parser._callbacks  # the dict the LALR parser calls into (shared, not copied)
     for rule in list(callbacks):
         if not isinstance(rule, str):  # rules, not lexer callbacks
             callbacks[rule] = builder._with_position(callbacks[rule])
     return parser, builder
+
+
+class _FastLexer(Lexer):
+    """Lark's contextual lexer with a fast path for the tokens a spec is made of.
+
+    Lark's contextual lexer matches each token with the regex of the parser state's acceptable
+    terminals; here one short regex per character class (word, number, string, punctuation) finds
+    the token, and the state's acceptable set decides its type exactly as Lark would: a keyword where
+    the state takes it, else a NAME where the state takes one. Anything else (a terminal this
+    path does not know, a token the state does not accept, the start of an error) goes to Lark's
+    own lexer at that position, so errors and unusual input behave exactly as before. Whitespace
+    and comments are the grammar's ignored terminals. tests/frontend/test_parser.py compares the
+    token streams of both lexers.
+    """
+
+    _SIMPLE = frozenset({"NAME", "INT", "FLOAT", "STRING"})
+
+    def __init__(self, contextual: ContextualLexer, terminals: Any, ignore: Any) -> None:
+        self.contextual = contextual
+        by_name = {t.name: t for t in terminals}
+        self.ignore = frozenset(ignore)
+        self.skip = re.compile("(?:" + "|".join(by_name[n].pattern.to_regexp() for n in sorted(self.ignore)) + ")*")
+        literals = {t.pattern.value: t.name for t in terminals if t.pattern.type == "str"}
+        self.keywords = {v: n for v, n in literals.items() if _NAME_RE.fullmatch(v)}
+        self.punct = {v: n for v, n in literals.items() if not _NAME_RE.fullmatch(v)}
+        self.punct_lengths = sorted({len(v) for v in self.punct}, reverse=True)
+        self.word = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+        self.regex = {n: re.compile(by_name[n].pattern.to_regexp()) for n in self._SIMPLE if n in by_name}
+        self.regex_terminals = frozenset(t.name for t in terminals if t.pattern.type == "re")
+        # Lark's scanner tries terminals in its sorted order, first match wins: numbers take the fast
+        # path only where it tries FLOAT before INT (so `1.5` is one FLOAT, as the fast path reads it).
+        order = [t.name for t in contextual.root_lexer.terminals]
+        self.float_first = "FLOAT" in order and "INT" in order and order.index("FLOAT") < order.index("INT")
+        self.accepts: dict[int, tuple[frozenset[str], bool]] = {}
+
+    def _accepts(self, parser_state: Any) -> tuple[frozenset[str], bool]:
+        state = parser_state.position
+        entry = self.accepts.get(state)
+        if entry is None:
+            acc = frozenset(parser_state.parse_conf.parse_table.states[state])
+            # The fast path is exact only where the state's regex terminals are the ones it knows.
+            entry = (acc, not ((acc & self.regex_terminals) - self._SIMPLE))
+            self.accepts[state] = entry
+        return entry
+
+    def _classify(self, text: str, pos: int, acc: frozenset[str]) -> tuple[str, int] | None:
+        ch = text[pos]
+        if ch.isalpha() or ch == "_":
+            m = self.word.match(text, pos)
+            if m is None:
+                return None
+            w = m.group()
+            kw = self.keywords.get(w)
+            if kw is not None and kw in acc:
+                return kw, m.end()
+            if "NAME" in acc and self.regex["NAME"].fullmatch(w):
+                return "NAME", m.end()
+            return None
+        if ch.isdigit():
+            if not self.float_first:
+                return None
+            fm = self.regex["FLOAT"].match(text, pos) if "FLOAT" in self.regex else None
+            if fm is not None:
+                return ("FLOAT", fm.end()) if "FLOAT" in acc else None
+            im = self.regex["INT"].match(text, pos) if "INT" in self.regex else None
+            return ("INT", im.end()) if im is not None and "INT" in acc else None
+        if ch == '"':
+            m = self.regex["STRING"].match(text, pos) if "STRING" in self.regex else None
+            return ("STRING", m.end()) if m is not None and "STRING" in acc else None
+        for n in self.punct_lengths:
+            typ = self.punct.get(text[pos : pos + n])
+            if typ is not None:
+                return (typ, pos + n) if typ in acc else None
+        return None
+
+    def lex(self, lexer_state: Any, parser_state: Any) -> Iterator[Token]:
+        text, end = lexer_state.text.text, lexer_state.text.end
+        line_ctr = lexer_state.line_ctr
+        skip = self.skip.match
+        slow = None
+        while True:
+            pos = line_ctr.char_pos
+            m = skip(text, pos, end)
+            if m is not None and m.end() > pos:
+                line_ctr.feed(m.group())
+                pos = line_ctr.char_pos
+            if pos >= end:
+                return
+            acc, fast = self._accepts(parser_state)
+            hit = self._classify(text, pos, acc) if fast else None
+            if hit is None:
+                # Lark's lexer for this one token (and its errors), from this position.
+                if slow is None:
+                    slow = self.contextual.lex(lexer_state, parser_state)
+                tok = next(slow, None)
+                if tok is None:
+                    return
+                yield tok
+                continue
+            typ, stop = hit
+            value = text[pos:stop]
+            tok = Token(typ, value, pos, line_ctr.line, line_ctr.column)
+            line_ctr.feed(value, False)
+            tok.end_line, tok.end_column, tok.end_pos = line_ctr.line, line_ctr.column, stop
+            lexer_state.last_token = tok
+            yield tok
 
 
 def _too_deep(span: Any) -> Diagnostic:
