@@ -42,7 +42,7 @@ CODES: dict[str, tuple[str, str]] = {
     "E0306": ("device count mismatch", "`devices = N` must equal the product of the axis sizes, and `hosts` must "
               "divide the device count so every host has the same number of devices."),
     "E0307": ("value out of range", "Every number in a spec has a range, checked where it is written: integers "
-              "(dims, sizes, counts) are at most 2**40 with at most 18 digits, a mesh has at most 2**20 devices "
+              "(dims, sizes, counts) are at most 2**40 with at most 18 digits, a mesh has at most 2**17 (131,072) devices "
               "and a repeat at most 100,000 blocks; floats are finite and each setting has its own bounds (a "
               "learning rate or eps above 0, Adam betas in [0, 1), rope_theta above 0). A value outside its range "
               "would otherwise reach generated code (as `inf` or `nan`) or make a later tool run out of time or "

@@ -12,8 +12,9 @@ from __future__ import annotations
 MAX_INT_DIGITS = 18
 # Any integer a spec computes (dims, sizes, counts): the largest tensor dim torch indexes comfortably.
 MAX_INT = 2**40
-# Devices in one mesh (the product of its axis sizes): `explain` and process-group layout enumerate ranks.
-MAX_DEVICES = 2**20
+# Devices in one mesh (the product of its axis sizes), above the largest clusters built (about 100,000
+# GPUs): `explain` lists every rank (2**17 ranks: a few seconds, 200 MB) and process groups enumerate them.
+MAX_DEVICES = 2**17
 # Blocks in one `repeat`: the checker, stage maps and generated code hold a record per block.
 MAX_BLOCKS = 100_000
 # Operators nested in one expression (`1 + 1 + ...`, `- - - 1`): the AST is walked recursively.

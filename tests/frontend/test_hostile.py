@@ -117,3 +117,35 @@ def test_hostile_case(name: str, tmp_path: Path, request: pytest.FixtureRequest)
 def test_no_orphan_hostile_goldens() -> None:
     orphans = sorted(p.stem for p in HERE.glob("*.expected") if p.stem not in CASES)
     assert not orphans, orphans
+
+
+# The largest spec the limits admit: every tool finishes, bounded in time and memory.
+LARGEST = """\
+mesh m {
+    axes data = 2048, tensor = 64
+}
+model t = llama {
+    vocab = 32768
+    hidden = 8192
+    layers = 100000
+    heads = 64
+    ffn = 28672
+}
+plan p on m for t {
+    batch = 2048
+    layout { batch -> data, heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }
+}
+"""
+
+
+@pytest.mark.parametrize(("command", "limit_s"), [("check", LIMIT_S), ("plan", LIMIT_S), ("explain", 60)])
+def test_largest_admitted_spec_is_bounded(command: str, limit_s: int, tmp_path: Path) -> None:
+    # explain lists each of the 131,072 ranks (about 3 CPU-seconds); its limit leaves room for a loaded machine.
+    path = tmp_path / "largest.mesh"
+    path.write_text(LARGEST)
+    proc = subprocess.run(
+        [sys.executable, "-P", "-m", "meshllm_dsl", command, path.name],
+        cwd=tmp_path, capture_output=True, text=True, timeout=limit_s, preexec_fn=_limits,
+    )
+    assert proc.returncode == 0, (proc.stderr + proc.stdout)[-2000:]
+    assert "Traceback" not in proc.stderr
