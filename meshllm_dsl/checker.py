@@ -101,6 +101,11 @@ def _check_declarations(decls: Declarations) -> CheckResult:
     user_families = named(ast.FamilyDecl, "family")
     for fam in user_families.values():
         r.check_identifier(fam.name, "family")  # type: ignore[attr-defined]
+        firsts: dict[str, ast.Param] = {}
+        for param in fam.params:  # type: ignore[attr-defined]
+            if param.name.value in firsts:
+                r.repeated(f"family parameter `{param.name.value}`", param.name.span, firsts[param.name.value].name.span)
+            firsts.setdefault(param.name.value, param)
     families.update(user_families)  # type: ignore[arg-type]
     model_decls = named(ast.ModelDecl, "model")
     plan_decls = named(ast.PlanDecl, "plan")

@@ -711,6 +711,10 @@ def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str,
     elif kind == "linear":
         params: list[Tensor] = []
         tie = b["tie"]
+        if tie is not None and b["bias"]:
+            r.error("E0309", f"a bias on the tied head `{name}` is not supported yet", decl.call.span,
+                    label="tie and bias", help=f"drop `bias = true`, or untie `{name}` (remove `tie = {tie.name}`)")
+            return None
         if tie is not None:
             if tie.kind != "embedding" or tie.leaves[0].params[0].shape != (b["out"], b["in"]):
                 r.error("E0304", f"`{name}` cannot be tied to `{tie.name}`", decl.call.span,

@@ -77,6 +77,11 @@ CASES: dict[str, tuple[str, set[str]]] = {
                                  "    attn = attention(hidden, 2)\n    head = linear(hidden, 16)\n}\n", {"E0309"}),
     "gpt2_seq_past_positions": (MESH + "model t = gpt2 {\n    hidden = 32\n    layers = 2\n    heads = 4\n"
                                 "    positions = 16\n}\n" + PLAN.format(body="    seq = 17\n"), {"E0310"}),
+    "tied_head_with_bias": (MESH + "model t {\n    hidden = 8\n    embed = embedding(16, hidden)\n"
+                            "    head = linear(hidden, 16, tie = embed, bias = true)\n}\n", {"E0309"}),
+    "family_parameter_twice": ("family f(a, a = 2) {\n    e = embedding(16, a)\n    h = linear(a, 16)\n}\n", {"E0201"}),
+    "layernorm_without_bias": (MESH + "model t {\n    hidden = 8\n    embed = embedding(16, hidden)\n"
+                               "    norm = layernorm(hidden, bias = false)\n    head = linear(hidden, 16)\n}\n", set()),
     "device_memory_zero": ("device d {\n    like = h100\n    memory = 0\n}\n" + _spec(), {"E0303"}),
     "device_per_host_fraction": ("device d {\n    like = h100\n    per_host = 2.5\n}\n" + _spec(), {"E0304"}),
 }
