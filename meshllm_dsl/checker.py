@@ -15,6 +15,7 @@ from pathlib import Path
 import attrs
 
 from meshllm_dsl import ast
+from meshllm_dsl.devices import DEFAULT_PROFILE, PROFILES, declared_profiles
 from meshllm_dsl.diagnostics import Diagnostic, Label
 from meshllm_dsl.ir import (
     REPLICATE,
@@ -92,8 +93,6 @@ def _check_declarations(decls: Declarations) -> CheckResult:
         return out
 
     devices = named(ast.DeviceDecl, "device")
-    from meshllm_dsl.devices import declared_profiles
-
     profiles, device_diags = declared_profiles(devices.values())  # type: ignore[arg-type]
     diags.extend(device_diags)
     mesh_decls = named(ast.MeshDecl, "mesh")
@@ -136,8 +135,6 @@ def _check_declarations(decls: Declarations) -> CheckResult:
                     help=did_you_mean(decl.model.value, model_decls))
         if mesh is None or model is None:
             continue
-        from meshllm_dsl.devices import DEFAULT_PROFILE, PROFILES
-
         profile = {**PROFILES, **profiles}.get(mesh.device or DEFAULT_PROFILE)
         per_host = profile.per_host if profile is not None else None
         plan = PlanChecker(decl, mesh, model, diags, per_host).check()
