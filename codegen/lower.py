@@ -130,8 +130,10 @@ def _unit_desc(u: Unit) -> dict[str, Any]:
             d["used"] = a["used"]
     elif u.kind == "linear":
         d.update({"in": a["in"], "out": a["out"], "bias": a["bias"], "tie": a["tie"]})
-    elif u.kind in ("rmsnorm", "layernorm"):
+    elif u.kind == "rmsnorm":
         d.update(dim=a["dim"], eps=a["eps"])
+    elif u.kind == "layernorm":
+        d.update(dim=a["dim"], eps=a["eps"], bias=a["bias"])
     elif u.kind == "attention":
         d.update(hidden=a["hidden"], heads=a["heads"], kv_heads=a["kv_heads"], head_dim=a["head_dim"],
                  rope_theta=a["rope_theta"], qkv_bias=a["bias"], o_bias=a["out_bias"], fused_qkv=a["fused_qkv"])

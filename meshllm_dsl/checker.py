@@ -15,6 +15,7 @@ from pathlib import Path
 import attrs
 
 from meshllm_dsl import ast
+from meshllm_dsl.devices import DEFAULT_PROFILE, PROFILES, declared_profiles
 from meshllm_dsl.diagnostics import Diagnostic, Label
 from meshllm_dsl.ir import (
     REPLICATE,
@@ -34,6 +35,7 @@ from meshllm_dsl.ir import (
 from meshllm_dsl.layouts import block_flows, top_flows
 from meshllm_dsl.load import Declarations, load
 from meshllm_dsl.names import did_you_mean, divisors, or_list, ranges
+from meshllm_dsl.parser import paused_gc
 from meshllm_dsl.resolve import Binding, ModelResolver, Resolver, resolve_mesh
 from meshllm_dsl.source import Span
 
@@ -71,6 +73,11 @@ def check_text(text: str, path: str = "<string>") -> CheckResult:
 
 
 def check_declarations(decls: Declarations) -> CheckResult:
+    with paused_gc():
+        return _check_declarations(decls)
+
+
+def _check_declarations(decls: Declarations) -> CheckResult:
     diags: list[Diagnostic] = list(decls.diagnostics)
     r = Resolver(diags)
 
@@ -81,17 +88,24 @@ def check_declarations(decls: Declarations) -> CheckResult:
             if name.value in out:
                 first = out[name.value].name  # type: ignore[attr-defined]
                 r.error("E0201", f"{what} `{name.value}` is declared twice", name.span, label="second declaration",
-                        secondary=(Label(first.span, "first declared here"),), help=f"rename one of the {what}s")
+                        secondary=(Label(first.span, "first declared here"),), help=f"rename one of the {_plural(what)}")
                 continue
             out[name.value] = item
         return out
 
     devices = named(ast.DeviceDecl, "device")
+    profiles, device_diags = declared_profiles(devices.values())  # type: ignore[arg-type]
+    diags.extend(device_diags)
     mesh_decls = named(ast.MeshDecl, "mesh")
     families: dict[str, ast.FamilyDecl] = {f.name.value: f for f in decls.prelude if isinstance(f, ast.FamilyDecl)}
     user_families = named(ast.FamilyDecl, "family")
     for fam in user_families.values():
         r.check_identifier(fam.name, "family")  # type: ignore[attr-defined]
+        firsts: dict[str, ast.Param] = {}
+        for param in fam.params:  # type: ignore[attr-defined]
+            if param.name.value in firsts:
+                r.repeated(f"family parameter `{param.name.value}`", param.name.span, firsts[param.name.value].name.span)
+            firsts.setdefault(param.name.value, param)
     families.update(user_families)  # type: ignore[arg-type]
     model_decls = named(ast.ModelDecl, "model")
     plan_decls = named(ast.PlanDecl, "plan")
@@ -122,7 +136,9 @@ def check_declarations(decls: Declarations) -> CheckResult:
                     help=did_you_mean(decl.model.value, model_decls))
         if mesh is None or model is None:
             continue
-        plan = PlanChecker(decl, mesh, model, diags).check()
+        profile = {**PROFILES, **profiles}.get(mesh.device or DEFAULT_PROFILE)
+        per_host = profile.per_host if profile is not None else None
+        plan = PlanChecker(decl, mesh, model, diags, per_host).check()
         if plan is not None and name_ok:
             plans[name] = plan
     return CheckResult(tuple(diags), plans, meshes, models, tuple(s.path for s in decls.sources),
@@ -131,8 +147,20 @@ def check_declarations(decls: Declarations) -> CheckResult:
 
 # ---------------------------------------------------------------- plan checking
 
-_PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "seed", "lr")
-_OPT_SETTINGS = ("lr", "weight_decay", "beta1", "beta2", "eps")
+_PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype")
+# Settings the language used to accept that nothing downstream reads: refused until they are honoured.
+_UNSUPPORTED_PLAN_SETTINGS = {
+    "seed": "the seed is chosen at launch: `meshc run FILE --seed N` (or `--seed N` on the generated module)",
+    "lr": "set the learning rate on the optimizer: `optimizer adamw { lr = 0.001 }`",
+}
+# Optimizer settings and their ranges (low, high, low_open, high_open), as torch.optim.AdamW takes them.
+_OPT_SETTINGS = {
+    "lr": (0.0, 1e3, True, False),
+    "weight_decay": (0.0, 1e3, False, False),
+    "beta1": (0.0, 1.0, False, True),
+    "beta2": (0.0, 1.0, False, True),
+    "eps": (0.0, 1.0, True, False),
+}
 
 
 @attrs.define
@@ -146,8 +174,10 @@ class _Match:
 
 
 class PlanChecker(Resolver):
-    def __init__(self, decl: ast.PlanDecl, mesh: MeshIR, model: ModelIR, diags: list[Diagnostic]) -> None:
+    def __init__(self, decl: ast.PlanDecl, mesh: MeshIR, model: ModelIR, diags: list[Diagnostic],
+                 per_host: int | None = None) -> None:
         super().__init__(diags)
+        self.per_host = per_host  # devices in one host of the mesh's device profile (None: unknown)
         self.decl = decl
         self.mesh = mesh
         self.model = model
@@ -198,6 +228,13 @@ class PlanChecker(Resolver):
         order = [a.name for a in self.mesh.axes]
         return tuple(sorted(out, key=order.index)) if ok else None
 
+    def single(self, kind: type, what: str):  # type: ignore[no-untyped-def]
+        """The plan's one statement of `kind` (or None); a repeat of it is an error pointing at both."""
+        stmts = [s for s in self.decl.body if isinstance(s, kind)]
+        for extra in stmts[1:]:
+            self.repeated(what, extra.span, stmts[0].span)
+        return stmts[0] if stmts else None
+
     # -- entry point
     def check(self) -> PlanIR | None:
         decl = self.decl
@@ -206,22 +243,28 @@ class PlanChecker(Resolver):
             if not isinstance(stmt, ast.Setting):
                 continue
             if stmt.name.value in settings:
-                self.error("E0201", f"`{stmt.name.value}` is set twice", stmt.name.span, label="second setting",
-                           help="set each plan setting once")
+                self.repeated(f"plan setting `{stmt.name.value}`", stmt.name.span, settings[stmt.name.value].name.span)
                 continue
             settings[stmt.name.value] = stmt
         env: dict[str, Binding] = {}  # plan settings are literals or arithmetic on literals
         values: dict[str, int] = {}
+        self.bad_settings: set[str] = set()  # given but rejected: checks that read them stay quiet
         for key, s in settings.items():
+            if key in _UNSUPPORTED_PLAN_SETTINGS:
+                self.error("E0309", f"plan setting `{key}` is not supported yet", s.name.span,
+                           label="would be ignored", help=_UNSUPPORTED_PLAN_SETTINGS[key])
+                continue
             if key not in _PLAN_SETTINGS:
                 self.error("E0203", f"unknown plan setting `{key}`", s.name.span, label="not a plan setting",
                            help=did_you_mean(key, _PLAN_SETTINGS))
                 continue
-            if key in ("dtype", "lr"):
+            if key == "dtype":
                 continue
-            v = self.eval_int(s.value, env, key, minimum=0 if key == "seed" else 1)
+            v = self.eval_int(s.value, env, key)
             if v is not None:
                 values[key] = v
+            else:
+                self.bad_settings.add(key)
         dtype = self.model.dtype
         if "dtype" in settings:
             v = settings["dtype"].value
@@ -240,10 +283,16 @@ class PlanChecker(Resolver):
         schedule = self.schedule(pipeline_axis, virtual)
         microbatches = values.get("microbatches", 1)
         batch = values.get("batch", max(1, microbatches) * (self.mesh.size(*batch_axes) if batch_axes else 1))
-        seq = values.get("seq", 128)
+        # Unset, seq is 128, or the positions a model with learned positions has when it has fewer.
+        limits = [int(i.attr("num")) for i in self.model.items if isinstance(i, Unit) and i.kind == "positional"]  # type: ignore[arg-type]
+        seq = values.get("seq", min([128, *limits]))
+        if "seq" not in self.bad_settings:
+            self.positions(seq, settings.get("seq"))
         self.batch_checks(batch, microbatches, batch_axes, settings, stages, schedule)
         optimizer, opt_settings, zero, zero_axes = self.optimizer(batch_axes)
         self.axis_usage(top, classes, pipeline_axis, batch_axes)
+        if not self.failed:
+            self.sharding_warnings(top, classes)
         if self.failed:
             return None
         return PlanIR(
@@ -254,6 +303,17 @@ class PlanChecker(Resolver):
             optimizer=optimizer, optimizer_settings=opt_settings, zero=zero, zero_axes=zero_axes,
             dtype=dtype, span=decl.span,
         )
+
+    def positions(self, seq: int, given: ast.Setting | None) -> None:
+        """Learned positions have a table of `num` rows: a longer sequence would index past it."""
+        for item in self.model.items:
+            if isinstance(item, Unit) and item.kind == "positional" and seq > int(item.attr("num")):  # type: ignore[arg-type]
+                num = item.attr("num")
+                self.error("E0310", f"seq {seq} is longer than the {num} positions of `{item.name}`",
+                           given.value.span if given is not None else self.decl.name.span,
+                           label=f"seq = {seq}" if given is not None else f"`seq` is not set (so {seq})",
+                           secondary=(Label(item.span, f"{num} learned positions"),) if item.span else (),
+                           help=f"{'use' if given is not None else 'set'} `seq = {num}` or less, or give the model more positions")
 
     # -- layout entries: logical dim -> mesh axes
     def layout(self) -> tuple[tuple[str, ...], list[tuple[Leaf, _Match]]]:
@@ -272,6 +332,9 @@ class PlanChecker(Resolver):
                 dims_seen[dim] = e
                 axes = self.check_axes(e.axes, f"the layout of `{dim}`")
                 if axes is None:
+                    # The entry is wrong (reported); what it names is not also "placed by no rule" (E0501).
+                    self.claimed.update(leaf for _, _, leaf in self.model.leaves() if leaf.shardable and any(
+                        u[0] == dim for u in (*leaf.out_units[:1], *leaf.in_units)))
                     continue
                 if dim == "batch":
                     batch_axes = axes
@@ -297,6 +360,7 @@ class PlanChecker(Resolver):
                 self.error("E0401", f"`{dim} -> {' * '.join(axes)}` would split both dims of `{'.'.join(leaf.path)}`",
                            e.span, label="both input and output are this dim",
                            help="shard this layer with an explicit `shard` rule instead")
+                self.claimed.add(leaf)
                 continue
             if out_hit:
                 rule = "vocab_parallel" if leaf.kind == "embedding" else "column"
@@ -605,7 +669,7 @@ class PlanChecker(Resolver):
         head = top.get(last.name) if isinstance(last, Unit) and last.kind == "linear" else None
         logits = head if head is not None else REPLICATE
         inferred = Placement("vocab_parallel", logits.axes) if logits.rule == "column" and logits.sharded else REPLICATE
-        stmt = next((s for s in self.decl.body if isinstance(s, ast.LossStmt)), None)
+        stmt = self.single(ast.LossStmt, "`loss`")
         if head is not None and head.rule == "row" and head.sharded:
             self.error("E0404", f"`{last.name}` is row-parallel, so its logits are partial sums entering the loss",
                        head.span, label="logits are Partial over " + " x ".join(head.axes),
@@ -859,7 +923,7 @@ class PlanChecker(Resolver):
                       note="the pipeline waits for its slowest stage")
 
     def schedule(self, pipeline_axis: str | None, virtual: int) -> str:
-        stmt = next((s for s in self.decl.body if isinstance(s, ast.ScheduleStmt)), None)
+        stmt = self.single(ast.ScheduleStmt, "`schedule`")
         default = "interleaved_1f1b" if virtual > 1 else ("1f1b" if pipeline_axis else "gpipe")
         if stmt is None:
             return default
@@ -880,6 +944,8 @@ class PlanChecker(Resolver):
                      stages: Sequence[Stage], schedule: str) -> None:
         dp = self.mesh.size(*batch_axes) if batch_axes else 1
         span = settings["batch"].value.span if "batch" in settings else self.decl.name.span
+        if self.bad_settings & {"batch", "microbatches"}:
+            return  # a rejected value (reported): checks on a default in its place would mislead
         if batch % (dp * micro):
             parts = " x ".join([*(f"{a} ({self.mesh.size(a)})" for a in batch_axes), f"microbatches ({micro})"])
             ok = [b for b in range(dp * micro, dp * micro * 5, dp * micro)]
@@ -907,29 +973,47 @@ class PlanChecker(Resolver):
                        help=f"use a multiple of {pipeline}")
 
     def optimizer(self, batch_axes: tuple[str, ...]) -> tuple[str, tuple[tuple[str, object], ...], int, tuple[str, ...]]:
-        stmt = next((s for s in self.decl.body if isinstance(s, ast.OptimizerStmt)), None)
-        if stmt is None:
+        stmts = [s for s in self.decl.body if isinstance(s, ast.OptimizerStmt)]
+        if not stmts:
             return "adamw", (), 0, ()
-        if stmt.name.value not in ("adamw", "adam", "sgd"):
+        stmt = stmts[0]
+        for extra in stmts[1:]:
+            self.repeated("`optimizer`", extra.span, stmt.span)
+        if stmt.name.value in ("adam", "sgd"):
+            self.error("E0309", f"optimizer `{stmt.name.value}` is not supported yet", stmt.name.span,
+                       label="the runtime builds AdamW", help="use `optimizer adamw { ... }` (with `weight_decay = 0` "
+                       "it is Adam with decoupled decay switched off)")
+        elif stmt.name.value != "adamw":
             self.error("E0203", f"unknown optimizer `{stmt.name.value}`", stmt.name.span, label="not an optimizer",
-                       help="use `adamw`, `adam` or `sgd`")
+                       help="use `adamw`")
         settings = []
+        seen: dict[str, ast.Setting] = {}
         for s in stmt.settings:
             if s.name.value not in _OPT_SETTINGS:
                 self.error("E0203", f"unknown optimizer setting `{s.name.value}`", s.name.span, label="not a setting",
                            help=did_you_mean(s.name.value, _OPT_SETTINGS))
                 continue
-            v = self.eval(s.value, {})
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                self.error("E0304", f"`{s.name.value}` must be a number", s.value.span)
+            if s.name.value in seen:
+                self.repeated(f"optimizer setting `{s.name.value}`", s.name.span, seen[s.name.value].name.span)
                 continue
-            settings.append((s.name.value, float(v)))
+            seen[s.name.value] = s
+            low, high, low_open, high_open = _OPT_SETTINGS[s.name.value]
+            v = self.eval_float(s.value, {}, f"`{s.name.value}`", low, high, low_open, high_open)
+            if v is not None:
+                settings.append((s.name.value, v))
         zero, zero_axes = 0, ()
         if stmt.zero is not None:
             zero = stmt.zero.stage.value
             if zero not in (0, 1, 2, 3):
                 self.error("E0203", f"ZeRO stage {zero} does not exist", stmt.zero.stage.span, label="not 0, 1, 2 or 3",
-                           help="zero 1 shards optimizer states, 2 also gradients, 3 also parameters")
+                           help="zero 1 shards optimizer states over the data-parallel axes (2 and 3, which also shard "
+                           "gradients and parameters, are not supported yet)")
+                zero = 0
+            elif zero in (2, 3):
+                self.error("E0309", f"ZeRO stage {zero} is not supported yet", stmt.zero.stage.span,
+                           label="the runtime shards optimizer states only (ZeRO-1)",
+                           help="use `zero 1`: it shards the optimizer states, the largest part (12 of 16 bytes per parameter)")
+                zero = 0
             axes = self.check_axes(stmt.zero.axes, "zero") if stmt.zero.axes else batch_axes
             if axes is not None:
                 zero_axes = axes
@@ -942,6 +1026,52 @@ class PlanChecker(Resolver):
                                stmt.zero.span, label="not the data-parallel axes",
                                help=f"write `zero {zero} over {' * '.join(batch_axes)}`: only ranks holding the same parameters can share their optimizer states")
         return stmt.name.value, tuple(settings), zero, zero_axes
+
+    def sharding_warnings(self, top: dict[str, Placement], classes: tuple[BlockClass, ...]) -> None:
+        """Pitfalls of a valid plan: a split that splits nothing (W0705), splits too fine (W0706), or a
+        sharding group larger than a host when the mesh does not say how many hosts (W0707)."""
+        placed: list[tuple[str, Leaf | None, Placement]] = [(k, self._top_leaf(k), p) for k, p in top.items()]
+        rep = self.repeat
+        for c in classes:
+            which = "*" if rep is not None and len(c.indices) == rep.count else _blocks_text(c.indices)
+            placed += [(f"{rep.name}.{which}.{path}", self._block_leaf(path), p) for path, p in c.placements]  # type: ignore[union-attr]
+        warned: set[tuple[str, object]] = set()
+        for path, leaf, p in placed:
+            if leaf is None or not p.sharded or not leaf.params:
+                continue
+            n = self.mesh.size(*p.axes)
+            axes = " x ".join(p.axes)
+            where = p.span.start if p.span is not None else None
+            if n == 1:
+                if ("W0705", p.axes) not in warned:
+                    warned.add(("W0705", p.axes))
+                    self.warn("W0705", f"`{path}` is split over {axes}, of size 1", p.span,
+                              label="splits nothing", secondary=tuple(lab for a in p.axes for lab in self.axis_label(a)),
+                              help="use `replicate`, or give the axis a size above 1")
+                continue
+            w = leaf.params[0]
+            full = w.shape[1] if p.rule == "row" and len(w.shape) > 1 else w.shape[0]
+            if full >= 1024 and full // n < 128 and ("W0706", where) not in warned:
+                warned.add(("W0706", where))
+                self.warn("W0706", f"`{path}` keeps {full // n} of {full} columns per device over {axes} ({n})", p.span,
+                          label="over-sharded", secondary=tuple(lab for a in p.axes for lab in self.axis_label(a)),
+                          help=f"use {axes} of at most {max(1, full // 128)} and give the devices to data parallelism "
+                          "(`meshc plan` shows the communication time)")
+            if (self.per_host is not None and self.mesh.hosts == 1 and n > self.per_host
+                    and ("W0707", p.axes) not in warned):
+                warned.add(("W0707", p.axes))
+                self.warn("W0707", f"`{path}` is split over {n} devices, more than the {self.per_host} of one "
+                          f"`{self.mesh.device or 'h100'}` host", p.span, label="collectives cross hosts",
+                          secondary=tuple(lab for a in p.axes for lab in self.axis_label(a)),
+                          help=f"declare `hosts` on mesh `{self.mesh.name}` and keep this axis within {self.per_host} devices")
+
+    def _top_leaf(self, path: str) -> Leaf | None:
+        return next((leaf for item, _, leaf in self.model.leaves() if not isinstance(item, Repeat)
+                     and ".".join(leaf.path) == path), None)
+
+    def _block_leaf(self, path: str) -> Leaf | None:
+        return next((leaf for item, _, leaf in self.model.leaves() if isinstance(item, Repeat)
+                     and ".".join(leaf.path) == path), None)
 
     def axis_usage(self, top: dict[str, Placement], classes: tuple[BlockClass, ...], pipeline_axis: str | None,
                    batch_axes: tuple[str, ...]) -> None:
@@ -961,7 +1091,7 @@ class PlanChecker(Resolver):
             if a in roles:
                 self.error("E0407", f"axis `{a}` is {roles[a]}; parameters cannot also be sharded over it", span,
                            label=f"shards over `{a}`",
-                           help="shard parameters over a separate tensor axis; to shard them over the data axis use `optimizer adamw { zero 3 }`")
+                           help="shard parameters over a separate tensor axis; to save memory on the data axis shard the optimizer states: `optimizer adamw { zero 1 }`")
             if self.mesh.hosts > 1 and self.mesh.crosses_hosts(a):
                 self.warn("W0702", f"tensor-parallel axis `{a}` spans hosts", span, label="collectives cross the network every layer",
                           secondary=self.axis_label(a),
@@ -1023,6 +1153,10 @@ def _blocks_text(blocks: Iterable[int]) -> str:
     if not xs:
         return "{}"
     return str(xs[0]) if len(xs) == 1 else "{" + ranges(xs) + "}"
+
+
+def _plural(word: str) -> str:
+    return word + ("es" if word.endswith(("s", "sh", "ch", "x")) else "s")
 
 
 def _human(n: int) -> str:

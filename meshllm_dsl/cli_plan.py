@@ -35,11 +35,11 @@ class Loaded:
 
 
 def load_checked(path: str) -> Loaded:
-    """Check a file and read its `device` declarations (the checker validates only their names)."""
+    """Check a file and read its `device` declarations (the checker reports what is wrong with them)."""
     decls = load(path)
     result = check_declarations(decls)
-    devices, diags = declared_profiles(decls.user(ast.DeviceDecl))
-    return Loaded(result, devices, (*result.diagnostics, *diags))
+    devices, _diags = declared_profiles(decls.user(ast.DeviceDecl))
+    return Loaded(result, devices, result.diagnostics)
 
 
 def _existing(path: str) -> str:

@@ -47,6 +47,26 @@ CODES: dict[str, tuple[str, str]] = {
               "into microbatches, so it must be a multiple of (data axes size) x microbatches."),
     "E0306": ("device count mismatch", "`devices = N` must equal the product of the axis sizes, and `hosts` must "
               "divide the device count so every host has the same number of devices."),
+    "E0307": ("value out of range", "Every number in a spec has a range, checked where it is written: integers "
+              "(dims, sizes, counts) are at most 2**40 with at most 18 digits, a mesh has at most 2**17 (131,072) devices "
+              "and a repeat at most 100,000 blocks; floats are finite and each setting has its own bounds (a "
+              "learning rate or eps above 0, Adam betas in [0, 1), rope_theta above 0). A value outside its range "
+              "would otherwise reach generated code (as `inf` or `nan`) or make a later tool run out of time or "
+              "memory."),
+    "E0308": ("layer shapes do not chain", "A model is a chain: the token embedding first, then layers that "
+              "keep the residual width (norms, attention, MLP), then the head. Every layer's input width must be "
+              "the width of what feeds it, a norm is not placed after the head, the head produces one logit per "
+              "vocabulary entry, and a block alternates norm and sublayer (x = x + sublayer(norm(x))). A model "
+              "that breaks the chain would be accepted here and fail to compile or run."),
+    "E0309": ("not supported yet", "The language admits this construct or setting, but the runtime does not "
+              "implement it end to end yet (checker, planner, generated code, runtime and `meshc verify` all "
+              "agree only on what is implemented). Rather than budget or accept something that would then be "
+              "silently ignored, meshc refuses it; the help line names what is supported."),
+    "E0310": ("sequence longer than the positions", "A model with learned positions (`positional(N, ...)`, "
+              "GPT-2's `positions`) has embeddings for N positions only: a plan whose `seq` exceeds N would index "
+              "past the table at run time."),
+    "E0311": ("expression too deeply nested", "An expression nests more than 100 operators (`1 + 1 + ...`, "
+              "`- - 1`). Spec expressions are small arithmetic over dims; compute the value or name its parts."),
     "E0401": ("axis used twice for one tensor", "A tensor dim can be split over a mesh axis once; listing an axis "
               "twice in one rule, or a layout that would split both dims of one weight over axes, is rejected."),
     "E0402": ("layout mismatch at a layer boundary", "Activations carry a layout (Replicate, Shard over axes, "
@@ -109,6 +129,15 @@ CODES: dict[str, tuple[str, str]] = {
               "(p - 1) / (m + p - 1) is more than half of the step."),
     "W0704": ("unused mesh axis", "Every rank along an unused axis does identical work: the devices are "
               "wasted. Use it for data parallelism, sharding or the pipeline, or shrink the mesh."),
+    "W0705": ("sharded over an axis of size 1", "A rule splits a tensor over mesh axes whose product is 1: "
+              "nothing is split, so the rule only adds collectives that move nothing. Use `replicate`, or give "
+              "the axis a size above 1."),
+    "W0706": ("over-sharding", "A rule leaves each device fewer than 128 columns of a dim of at least 1,024: "
+              "the per-layer all-reduces then cost more than the matrix products they split. Use a smaller "
+              "tensor axis and give the devices to data parallelism (`meshc plan` estimates the times)."),
+    "W0707": ("tensor axis larger than a host", "Without `hosts`, the mesh is assumed to fit the device "
+              "profile's devices per host; a sharding axis larger than that cannot stay within one host, so its "
+              "collectives cross the network every layer. Declare `hosts` and keep the tensor axis within a host."),
     "W0801": ("plan does not fit in device memory", "`meshc plan` estimates the peak memory of every pipeline rank: "
               "weights, gradients and optimizer states (16 bytes per parameter for mixed-precision AdamW, divided "
               "per the ZeRO stage), plus the activations of the microbatches the schedule keeps in flight. The "

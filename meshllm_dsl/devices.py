@@ -14,12 +14,14 @@ profile, with diagnostics for settings that are missing or wrong.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import attrs
 
 from meshllm_dsl import ast
-from meshllm_dsl.diagnostics import Diagnostic
+from meshllm_dsl.diagnostics import Diagnostic, Label
+from meshllm_dsl.limits import MAX_DEVICES
 from meshllm_dsl.names import did_you_mean
 
 
@@ -92,8 +94,18 @@ def declared_profiles(decls: Iterable[ast.DeviceDecl]) -> tuple[dict[str, Device
         values: dict[str, float] = {}
         base: DeviceProfile | None = None
         ok = True
+        seen: dict[str, ast.Setting] = {}
         for s in decl.settings:
             key = s.name.value
+            if key in seen:
+                first = seen[key].name.span
+                diags.append(Diagnostic("E0201", f"device setting `{key}` is given twice", s.name.span,
+                                        label="given again here",
+                                        secondary=(Label(first, "first given here"),) if first is not None else (),
+                                        help="keep one of them: a repeated setting would silently override the other"))
+                ok = False
+                continue
+            seen[key] = s
             if key == "like":
                 target = s.value.value if isinstance(s.value, ast.Name) else None
                 base = PROFILES.get(target or "") or out.get(target or "")
@@ -113,6 +125,18 @@ def declared_profiles(decls: Iterable[ast.DeviceDecl]) -> tuple[dict[str, Device
             if v is None or v <= 0:
                 diags.append(Diagnostic("E0303" if v is not None else "E0304", f"`{key}` must be a positive number",
                                         s.value.span, label="not a positive number",
+                                        help=f"e.g. `{key} = {getattr(PROFILES[DEFAULT_PROFILE], _SETTINGS[key])}`"))
+                ok = False
+                continue
+            if key == "per_host" and (v != int(v) or v > MAX_DEVICES):
+                diags.append(Diagnostic("E0304" if v != int(v) else "E0307", "`per_host` must be a whole number of devices"
+                                        + ("" if v != int(v) else f" up to {MAX_DEVICES}"),
+                                        s.value.span, label=f"is {v:g}",
+                                        help=f"e.g. `per_host = {max(1, min(int(v), MAX_DEVICES))}`"))
+                ok = False
+                continue
+            if not math.isfinite(v) or v > 1e9:
+                diags.append(Diagnostic("E0307", f"`{key}` is out of range: {v:g}", s.value.span, label="too large",
                                         help=f"e.g. `{key} = {getattr(PROFILES[DEFAULT_PROFILE], _SETTINGS[key])}`"))
                 ok = False
                 continue

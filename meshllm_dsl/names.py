@@ -4,32 +4,69 @@ from __future__ import annotations
 
 import difflib
 import keyword
+import sys
 from collections.abc import Iterable
 
-# Attribute names of torch.nn.Module and names the generated modules bind themselves: a layer or
-# axis with one of these names would shadow them.
-_GENERATED_RESERVED = frozenset(
-    """self torch nn rt F math forward training parameters buffers modules children state_dict
-    load_state_dict to cpu cuda eval train apply register_buffer register_parameter zero_grad
-    named_parameters named_modules half float double type mesh main""".split()
+from meshllm_dsl.limits import MAX_NAME
+
+# Public attributes of torch.nn.Module (`dir(nn.Module)` in torch 2.13; tests/frontend compare the
+# list with the installed torch) plus `training`: a layer with one of these names would shadow them.
+_NN_MODULE_ATTRS = frozenset(
+    """add_module apply bfloat16 buffers call_super_init children compile cpu cuda double dump_patches
+    eval extra_repr float forward get_buffer get_extra_state get_parameter get_submodule half ipu
+    load_state_dict modules mtia named_buffers named_children named_modules named_parameters parameters
+    register_backward_hook register_buffer register_forward_hook register_forward_pre_hook
+    register_full_backward_hook register_full_backward_pre_hook register_load_state_dict_post_hook
+    register_load_state_dict_pre_hook register_module register_parameter register_state_dict_post_hook
+    register_state_dict_pre_hook requires_grad_ set_extra_state set_submodule share_memory state_dict to
+    to_empty train type xpu zero_grad training T_destination""".split()
 )
+# Names the generated modules bind themselves: module-level imports and constants, the `params`
+# static method of every generated class, and process-group attributes, which are `g_AXES`.
+_GENERATED_NAMES = frozenset("self torch nn rt F math mesh main params AXES MODEL PROGRAM make_loss".split())
+GROUP_PREFIX = "g_"
+# A plan becomes the file `PLAN.py`, whose directory is first on sys.path when it runs: a plan named
+# after a module the generated code (or Python itself) imports would shadow that module.
+_MODULE_NAMES = frozenset(sys.stdlib_module_names) | {"torch", "numpy", "meshllm_dsl", "safetensors", "typing_extensions"}
 
 
-def identifier_problem(name: str, attribute: bool = False) -> str | None:
+def identifier_problem(name: str, attribute: bool = False, module: bool = False) -> str | None:
     """Why `name` cannot be used in a spec, or None when it is fine.
 
     `attribute`: the name becomes an attribute of a generated nn.Module (layers), so it must not
     shadow what nn.Module or the generated module already define.
+    `module`: the name becomes a Python module file (plans).
     """
     if not name.isidentifier() or not name.isascii():
         return "is not an identifier"
+    if len(name) > MAX_NAME:
+        return f"is longer than {MAX_NAME} characters"
     if keyword.iskeyword(name) or keyword.issoftkeyword(name):
         return "is a Python keyword"
     if name.startswith("__") or name.endswith("__"):
         return "starts or ends with a double underscore"
-    if attribute and name in _GENERATED_RESERVED:
+    if attribute and (name in _NN_MODULE_ATTRS or name in _GENERATED_NAMES):
         return "is reserved by the generated code"
+    if attribute and (name.startswith(GROUP_PREFIX) or name.startswith("_")):
+        return (f"starts with `{GROUP_PREFIX}`, which generated code uses for process groups" if name.startswith(GROUP_PREFIX)
+                else "starts with `_`, which torch.nn.Module uses for its own attributes")
+    if module and (name in _MODULE_NAMES or name in _GENERATED_NAMES):
+        return "is the name of a Python module, which the generated file would shadow"
     return None
+
+
+def safe_variant(name: str, attribute: bool = False, module: bool = False, kind: str = "name") -> str:
+    """A name close to `name` that passes identifier_problem with the same flags (for help lines)."""
+    cleaned = "".join(c if c.isascii() and (c.isalnum() or c == "_") else "_" for c in name).strip("_") or kind
+    if cleaned[0].isdigit():
+        cleaned = "n" + cleaned
+    if cleaned.startswith(GROUP_PREFIX):
+        cleaned = cleaned[len(GROUP_PREFIX):] or kind
+    cleaned = cleaned[: MAX_NAME - len(kind) - 2]
+    for candidate in (cleaned, f"{cleaned}_", f"{cleaned}_{kind}", f"my_{cleaned}"):
+        if identifier_problem(candidate, attribute=attribute, module=module) is None:
+            return candidate
+    return kind + "1"
 
 
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:

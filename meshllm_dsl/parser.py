@@ -8,16 +8,22 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
+import math
 import os
 import re
 import sys
+import threading
+from collections.abc import Iterator
 from typing import Any
 
-from lark import Lark, Token, Transformer, Tree, v_args
+from lark import Lark, Token, Tree
 from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+from lark.lexer import ContextualLexer, Lexer
 
 from meshllm_dsl import ast
-from meshllm_dsl.diagnostics import Diagnostic, SpecError
+from meshllm_dsl.diagnostics import Diagnostic, Label, SpecError
+from meshllm_dsl.limits import MAX_EXPR_DEPTH, MAX_INT_DIGITS
 from meshllm_dsl.source import SourceFile
 
 # Human names for the grammar's terminals, used in "expected ..." help lines.
@@ -101,17 +107,101 @@ def _describe(term: str) -> str:
     return term.lower()
 
 
-class _ToAst(Transformer[Token, Any]):
-    """Builds AST nodes bottom-up; every node gets the span of the text it came from."""
+class _Builder:
+    """Builds AST nodes bottom-up as the LALR parser reduces (an embedded transformer: no parse tree
+    is built, nothing is walked recursively); every node gets the span of the text it came from.
 
-    def __init__(self, source: SourceFile) -> None:
-        super().__init__()
+    Lark passes a rule's callback its children with anonymous tokens (keywords, punctuation) already
+    filtered out, so `_with_position` wraps every callback to see the raw children first: the node's
+    span runs from its first raw child to its last, as Lark's `propagate_positions` computes it
+    (an inlined `?rule` widens the "container" of the node it passes through, so `(a + b) * c`
+    spans its parentheses). One builder serves one parse at a time (`reset`).
+    """
+
+    def reset(self, source: SourceFile) -> None:
         self.source = source
+        self.diagnostics: list[Diagnostic] = []
+        # id(node) -> (node, ...): the node is held so its id cannot be reused during the parse.
+        # Cleared in place: the wrapped callbacks hold these dicts.
+        self._depth: dict[int, tuple[Any, int]] = getattr(self, "_depth", {})  # operators nested in an expression
+        self._container: dict[int, tuple[Any, int | None, int | None]] = getattr(self, "_container", {})
+        self._depth.clear()
+        self._container.clear()
+        self._pos: tuple[int | None, int | None] = (None, None)
 
-    def _span(self, meta: Any) -> Any:
-        if getattr(meta, "empty", True):
+    def __default__(self, data: str, children: list[Any], meta: Any) -> Any:
+        if data.startswith("_"):  # Lark's helper rules for `x*` / `x+`: the parent splices their children
+            return Tree(data, children)
+        raise AssertionError(f"grammar rule {data!r} has no AST builder")
+
+    def _bounds(self, children: list[Any]) -> tuple[int | None, int | None]:
+        start = end = None
+        for c in children:
+            if type(c) is Token:
+                start = c.start_pos
+                break
+            entry = self._container.get(id(c))
+            if entry is not None and entry[0] is c and entry[1] is not None:
+                start = entry[1]
+                break
+        for c in reversed(children):
+            if type(c) is Token:
+                end = c.end_pos
+                break
+            entry = self._container.get(id(c))
+            if entry is not None and entry[0] is c and entry[2] is not None:
+                end = entry[2]
+                break
+        return start, end
+
+    def _with_position(self, inner: Any) -> Any:
+        container, names = self._container, ("NAME", "SCHEDULE_NAME")
+
+        def callback(children: list[Any]) -> Any:
+            if len(children) == 1 and type(children[0]) is not Token:
+                # The common pass-through (`?expr: sum`): the one child's bounds are the node's.
+                entry = container.get(id(children[0]))
+                start, end = (entry[1], entry[2]) if entry is not None and entry[0] is children[0] else (None, None)
+            else:
+                start, end = self._bounds(children)
+                for i, c in enumerate(children):
+                    if type(c) is Token and c.type in names:
+                        children[i] = ast.Name(str(c), self.source.span(c.start_pos or 0, c.end_pos or 0))
+            self._pos = (start, end)
+            res = inner(children)
+            if res is not None:
+                container[id(res)] = (res, start, end)
+            return res
+
+        return callback
+
+    def _int(self, tok: Token) -> int:
+        """An integer literal, refused (located, not a ValueError) when it has too many digits."""
+        digits = str(tok).replace("_", "")
+        if len(digits.lstrip("0")) > MAX_INT_DIGITS:
+            self.diagnostics.append(Diagnostic(
+                "E0307", f"integer literal with {len(digits)} digits is out of range", self._tok(tok),
+                label=f"more than {MAX_INT_DIGITS} digits",
+                help="sizes, counts and dims in a spec are at most 2**40; write the value you mean"))
+            return 1
+        return int(digits)
+
+    def _nested(self, node: ast.Expr, *children: ast.Expr) -> ast.Expr:
+        depth = 1 + max((self._depth_of(c) for c in children), default=0)
+        self._depth[id(node)] = (node, depth)
+        if depth == MAX_EXPR_DEPTH + 1:
+            self.diagnostics.append(_too_deep(node.span))
+        return node
+
+    def _depth_of(self, node: Any) -> int:
+        entry = self._depth.get(id(node))
+        return entry[1] if entry is not None and entry[0] is node else 0
+
+    def _span(self) -> Any:
+        start, end = self._pos
+        if start is None or end is None:
             return None
-        return self.source.span(meta.start_pos, meta.end_pos)
+        return self.source.span(start, end)
 
     def _tok(self, tok: Token) -> Any:
         return self.source.span(tok.start_pos or 0, tok.end_pos or 0)
@@ -119,41 +209,32 @@ class _ToAst(Transformer[Token, Any]):
     def _name(self, tok: Token) -> ast.Name:
         return ast.Name(str(tok), self._tok(tok))
 
-    def __default__(self, data: str, children: list[Any], meta: Any) -> Any:
-        raise AssertionError(f"grammar rule {data!r} has no AST builder")
-
-    # -- terminals
-    def NAME(self, tok: Token) -> ast.Name:
-        return self._name(tok)
-
-    def SCHEDULE_NAME(self, tok: Token) -> ast.Name:
-        return self._name(tok)
-
     # -- expressions
-    @v_args(meta=True)
-    def int_lit(self, meta: Any, c: list[Token]) -> ast.IntLit:
-        return ast.IntLit(int(str(c[0]).replace("_", "")), self._span(meta))
+    def int_lit(self, c: list[Token]) -> ast.IntLit:
+        return ast.IntLit(self._int(c[0]), self._span())
 
-    @v_args(meta=True)
-    def float_lit(self, meta: Any, c: list[Token]) -> ast.FloatLit:
-        return ast.FloatLit(str(c[0]), self._span(meta))
+    def float_lit(self, c: list[Token]) -> ast.FloatLit:
+        lit = ast.FloatLit(str(c[0]), self._span())
+        if not math.isfinite(lit.value) or (lit.value == 0 and any(ch in "123456789" for ch in lit.text.split("e")[0].split("E")[0])):
+            self.diagnostics.append(Diagnostic(
+                "E0307", f"`{lit.text}` is out of range", lit.span,
+                label="overflows to infinity" if not math.isfinite(lit.value) else "underflows to 0",
+                help="numbers in a spec must be finite 64-bit floats: at most about 1e308 in size, and not so small they round to 0"))
+            return ast.FloatLit("1.0", lit.span)
+        return lit
 
-    @v_args(meta=True)
-    def str_lit(self, meta: Any, c: list[Token]) -> ast.StrLit:
-        return ast.StrLit(str(c[0])[1:-1], self._span(meta))
+    def str_lit(self, c: list[Token]) -> ast.StrLit:
+        return ast.StrLit(str(c[0])[1:-1], self._span())
 
-    @v_args(meta=True)
-    def name_ref(self, meta: Any, c: list[ast.Name]) -> ast.Name:
+    def name_ref(self, c: list[ast.Name]) -> ast.Name:
         return c[0]
 
-    @v_args(meta=True)
-    def neg(self, meta: Any, c: list[ast.Expr]) -> ast.Neg:
-        return ast.Neg(c[0], self._span(meta))
+    def neg(self, c: list[ast.Expr]) -> ast.Neg:
+        return self._nested(ast.Neg(c[0], self._span()), c[0])  # type: ignore[return-value]
 
     def _bin(op: str):  # type: ignore[no-untyped-def]  # noqa: N805 - a builder of methods
-        @v_args(meta=True)
-        def build(self: _ToAst, meta: Any, c: list[ast.Expr]) -> ast.BinOp:
-            return ast.BinOp(op, c[0], c[1], self._span(meta))
+        def build(self: _Builder, c: list[ast.Expr]) -> ast.BinOp:
+            return self._nested(ast.BinOp(op, c[0], c[1], self._span()), c[0], c[1])  # type: ignore[return-value]
 
         return build
 
@@ -162,29 +243,24 @@ class _ToAst(Transformer[Token, Any]):
     mul = _bin("*")
     div = _bin("/")
 
-    @v_args(meta=True)
-    def setting(self, meta: Any, c: list[Any]) -> ast.Setting:
-        return ast.Setting(c[0], c[1], self._span(meta))
+    def setting(self, c: list[Any]) -> ast.Setting:
+        return ast.Setting(c[0], c[1], self._span())
 
     def setting_list(self, c: list[ast.Setting]) -> tuple[ast.Setting, ...]:
         return tuple(c)
 
     # -- items
-    @v_args(meta=True)
-    def start(self, meta: Any, c: list[Any]) -> ast.Module:
-        return ast.Module(tuple(c), self._span(meta))
+    def start(self, c: list[Any]) -> ast.Module:
+        return ast.Module(tuple(c), self._span())
 
-    @v_args(meta=True)
-    def include(self, meta: Any, c: list[Token]) -> ast.Include:
+    def include(self, c: list[Token]) -> ast.Include:
         tok = c[0]
-        return ast.Include(ast.StrLit(str(tok)[1:-1], self._tok(tok)), self._span(meta))
+        return ast.Include(ast.StrLit(str(tok)[1:-1], self._tok(tok)), self._span())
 
-    @v_args(meta=True)
-    def device(self, meta: Any, c: list[Any]) -> ast.DeviceDecl:
-        return ast.DeviceDecl(c[0], c[1], self._span(meta))
+    def device(self, c: list[Any]) -> ast.DeviceDecl:
+        return ast.DeviceDecl(c[0], c[1], self._span())
 
-    @v_args(meta=True)
-    def mesh(self, meta: Any, c: list[Any]) -> ast.MeshDecl:
+    def mesh(self, c: list[Any]) -> ast.MeshDecl:
         axes: list[ast.AxisDecl] = []
         settings: list[ast.Setting] = []
         for stmt in c[1:]:
@@ -192,85 +268,70 @@ class _ToAst(Transformer[Token, Any]):
                 settings.append(stmt)
             else:
                 axes.extend(stmt)
-        return ast.MeshDecl(c[0], tuple(axes), tuple(settings), self._span(meta))
+        return ast.MeshDecl(c[0], tuple(axes), tuple(settings), self._span())
 
     def axes(self, c: list[ast.AxisDecl]) -> list[ast.AxisDecl]:
         return list(c)
 
-    @v_args(meta=True)
-    def axis(self, meta: Any, c: list[Any]) -> ast.AxisDecl:
-        return ast.AxisDecl(c[0], c[1], self._span(meta))
+    def axis(self, c: list[Any]) -> ast.AxisDecl:
+        return ast.AxisDecl(c[0], c[1], self._span())
 
-    @v_args(meta=True)
-    def family(self, meta: Any, c: list[Any]) -> ast.FamilyDecl:
+    def family(self, c: list[Any]) -> ast.FamilyDecl:
         params = tuple(p for p in c[1:] if isinstance(p, ast.Param))
         body = tuple(s for s in c[1:] if isinstance(s, (ast.LayerDecl, ast.RepeatDecl)))
-        return ast.FamilyDecl(c[0], params, body, self._span(meta))
+        return ast.FamilyDecl(c[0], params, body, self._span())
 
-    @v_args(meta=True)
-    def param(self, meta: Any, c: list[Any]) -> ast.Param:
-        return ast.Param(c[0], c[1], self._span(meta))
+    def param(self, c: list[Any]) -> ast.Param:
+        return ast.Param(c[0], c[1], self._span())
 
-    @v_args(meta=True)
-    def model_from_family(self, meta: Any, c: list[Any]) -> ast.ModelDecl:
-        return ast.ModelDecl(c[0], c[1], c[2], (), self._span(meta))
+    def model_from_family(self, c: list[Any]) -> ast.ModelDecl:
+        return ast.ModelDecl(c[0], c[1], c[2], (), self._span())
 
-    @v_args(meta=True)
-    def model_inline(self, meta: Any, c: list[Any]) -> ast.ModelDecl:
+    def model_inline(self, c: list[Any]) -> ast.ModelDecl:
         settings, body = c[1]
-        return ast.ModelDecl(c[0], None, settings, body, self._span(meta))
+        return ast.ModelDecl(c[0], None, settings, body, self._span())
 
     def model_body(self, c: list[Any]) -> tuple[tuple[ast.Setting, ...], tuple[ast.LayerStmt, ...]]:
         settings = tuple(s for s in c if isinstance(s, ast.Setting))
         body = tuple(s for s in c if not isinstance(s, ast.Setting))
         return settings, body
 
-    @v_args(meta=True)
-    def layer(self, meta: Any, c: list[Any]) -> ast.LayerDecl:
-        return ast.LayerDecl(c[0], c[1], self._span(meta))
+    def layer(self, c: list[Any]) -> ast.LayerDecl:
+        return ast.LayerDecl(c[0], c[1], self._span())
 
-    @v_args(meta=True)
-    def repeat(self, meta: Any, c: list[Any]) -> ast.RepeatDecl:
-        return ast.RepeatDecl(c[0], c[1], tuple(c[2:]), self._span(meta))
+    def repeat(self, c: list[Any]) -> ast.RepeatDecl:
+        return ast.RepeatDecl(c[0], c[1], tuple(c[2:]), self._span())
 
-    @v_args(meta=True)
-    def call(self, meta: Any, c: list[Any]) -> ast.Call:
+    def call(self, c: list[Any]) -> ast.Call:
         args = [a for a in c[1:] if a is not None]
         positional = tuple(a for a in args if not isinstance(a, ast.Setting))
         kwargs = tuple(a for a in args if isinstance(a, ast.Setting))
-        return ast.Call(c[0], positional, kwargs, self._span(meta))
+        return ast.Call(c[0], positional, kwargs, self._span())
 
     # -- plans
-    @v_args(meta=True)
-    def plan(self, meta: Any, c: list[Any]) -> ast.PlanDecl:
-        return ast.PlanDecl(c[0], c[1], c[2], tuple(c[3:]), self._span(meta))
+    def plan(self, c: list[Any]) -> ast.PlanDecl:
+        return ast.PlanDecl(c[0], c[1], c[2], tuple(c[3:]), self._span())
 
-    @v_args(meta=True)
-    def shard(self, meta: Any, c: list[Any]) -> ast.ShardStmt:
-        return ast.ShardStmt(c[0], c[1], self._span(meta))
+    def shard(self, c: list[Any]) -> ast.ShardStmt:
+        return ast.ShardStmt(c[0], c[1], self._span())
 
-    @v_args(meta=True)
-    def loss(self, meta: Any, c: list[Any]) -> ast.LossStmt:
-        return ast.LossStmt(c[0], self._span(meta))
+    def loss(self, c: list[Any]) -> ast.LossStmt:
+        return ast.LossStmt(c[0], self._span())
 
-    @v_args(meta=True)
-    def rule(self, meta: Any, c: list[Any]) -> ast.Rule:
-        return ast.Rule(c[0], tuple(a for a in c[1:] if a is not None), self._span(meta))
+    def rule(self, c: list[Any]) -> ast.Rule:
+        return ast.Rule(c[0], tuple(a for a in c[1:] if a is not None), self._span())
 
-    @v_args(meta=True)
-    def layout(self, meta: Any, c: list[Any]) -> ast.LayoutStmt:
-        return ast.LayoutStmt(tuple(e for e in c if e is not None), self._span(meta))
+    def layout(self, c: list[Any]) -> ast.LayoutStmt:
+        return ast.LayoutStmt(tuple(e for e in c if e is not None), self._span())
 
-    @v_args(meta=True)
-    def layout_entry(self, meta: Any, c: list[Any]) -> ast.LayoutEntry:
-        return ast.LayoutEntry(c[0], tuple(c[1:]), self._span(meta))
+    def layout_entry(self, c: list[Any]) -> ast.LayoutEntry:
+        return ast.LayoutEntry(c[0], tuple(c[1:]), self._span())
 
-    @v_args(meta=True)
-    def stages(self, meta: Any, c: list[Any]) -> ast.StagesStmt:
+    def stages(self, c: list[Any]) -> ast.StagesStmt:
         axis, virtual, body = c
         if body == "balanced":
-            return ast.StagesStmt(axis, virtual, True, (), self._span(meta))
-        return ast.StagesStmt(axis, virtual, False, tuple(body), self._span(meta))
+            return ast.StagesStmt(axis, virtual, True, (), self._span())
+        return ast.StagesStmt(axis, virtual, False, tuple(body), self._span())
 
     def virtual(self, c: list[Any]) -> ast.Expr:
         return c[0]  # type: ignore[no-any-return]
@@ -281,55 +342,51 @@ class _ToAst(Transformer[Token, Any]):
     def stage_map(self, c: list[ast.StageEntry]) -> list[ast.StageEntry]:
         return list(c)
 
-    @v_args(meta=True)
-    def stage_entry(self, meta: Any, c: list[Any]) -> ast.StageEntry:
-        index = ast.IntLit(int(str(c[0]).replace("_", "")), self._tok(c[0]))
-        return ast.StageEntry(index, tuple(i for i in c[1:] if i is not None), self._span(meta))
+    def stage_entry(self, c: list[Any]) -> ast.StageEntry:
+        index = ast.IntLit(self._int(c[0]), self._tok(c[0]))
+        return ast.StageEntry(index, tuple(i for i in c[1:] if i is not None), self._span())
 
-    @v_args(meta=True)
-    def stage_item(self, meta: Any, c: list[Any]) -> ast.StageItem:
+    def stage_item(self, c: list[Any]) -> ast.StageItem:
         name, bounds = c
         start, stop = bounds if bounds is not None else (None, None)
-        return ast.StageItem(name, start, stop, self._span(meta))
+        return ast.StageItem(name, start, stop, self._span())
 
     def slice(self, c: list[Token]) -> tuple[int, int]:
-        return int(str(c[0]).replace("_", "")), int(str(c[1]).replace("_", ""))
+        return self._int(c[0]), self._int(c[1])
 
-    @v_args(meta=True)
-    def schedule(self, meta: Any, c: list[Any]) -> ast.ScheduleStmt:
-        return ast.ScheduleStmt(c[0], self._span(meta))
+    def schedule(self, c: list[Any]) -> ast.ScheduleStmt:
+        return ast.ScheduleStmt(c[0], self._span())
 
-    @v_args(meta=True)
-    def optimizer(self, meta: Any, c: list[Any]) -> ast.OptimizerStmt:
-        zero = next((s for s in c[1:] if isinstance(s, ast.ZeroStmt)), None)
+    def optimizer(self, c: list[Any]) -> ast.OptimizerStmt:
+        zeros = [s for s in c[1:] if isinstance(s, ast.ZeroStmt)]
+        zero = zeros[0] if zeros else None
+        for extra in zeros[1:]:
+            self.diagnostics.append(Diagnostic(
+                "E0201", "`zero` is given twice in one optimizer", extra.span, label="second `zero`",
+                secondary=(Label(zeros[0].span, "first here"),) if zeros[0].span else (),  # type: ignore[arg-type]
+                help="give the ZeRO stage once"))
         settings = tuple(s for s in c[1:] if isinstance(s, ast.Setting))
-        return ast.OptimizerStmt(c[0], zero, settings, self._span(meta))
+        return ast.OptimizerStmt(c[0], zero, settings, self._span())
 
-    @v_args(meta=True)
-    def zero(self, meta: Any, c: list[Any]) -> ast.ZeroStmt:
-        stage = ast.IntLit(int(str(c[0]).replace("_", "")), self._tok(c[0]))
-        return ast.ZeroStmt(stage, tuple(a for a in c[1:] if a is not None), self._span(meta))
+    def zero(self, c: list[Any]) -> ast.ZeroStmt:
+        stage = ast.IntLit(self._int(c[0]), self._tok(c[0]))
+        return ast.ZeroStmt(stage, tuple(a for a in c[1:] if a is not None), self._span())
 
     # -- paths
-    @v_args(meta=True)
-    def path(self, meta: Any, c: list[ast.PathSegment]) -> ast.Path:
-        return ast.Path(tuple(c), self._span(meta))
+    def path(self, c: list[ast.PathSegment]) -> ast.Path:
+        return ast.Path(tuple(c), self._span())
 
-    @v_args(meta=True)
-    def name_segment(self, meta: Any, c: list[ast.Name]) -> ast.PathSegment:
+    def name_segment(self, c: list[ast.Name]) -> ast.PathSegment:
         return ast.PathSegment("name", (c[0].value,), span=c[0].span)
 
-    @v_args(meta=True)
-    def star_segment(self, meta: Any, c: list[Any]) -> ast.PathSegment:
-        return ast.PathSegment("star", span=self._span(meta))
+    def star_segment(self, c: list[Any]) -> ast.PathSegment:
+        return ast.PathSegment("star", span=self._span())
 
-    @v_args(meta=True)
-    def index_segment(self, meta: Any, c: list[Token]) -> ast.PathSegment:
-        return ast.PathSegment("index", index=int(str(c[0]).replace("_", "")), span=self._tok(c[0]))
+    def index_segment(self, c: list[Token]) -> ast.PathSegment:
+        return ast.PathSegment("index", index=self._int(c[0]), span=self._tok(c[0]))
 
-    @v_args(meta=True)
-    def alt_segment(self, meta: Any, c: list[ast.Name]) -> ast.PathSegment:
-        return ast.PathSegment("alt", tuple(n.value for n in c), span=self._span(meta))
+    def alt_segment(self, c: list[ast.Name]) -> ast.PathSegment:
+        return ast.PathSegment("alt", tuple(n.value for n in c), span=self._span())
 
 
 def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
@@ -434,15 +491,181 @@ def _keyword_as_name(err: UnexpectedInput) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def paused_gc() -> Iterator[None]:
+    """Pause the cyclic garbage collector while building a large acyclic structure (an AST, the
+    checked plans): each generation-2 pass would walk every node built so far, which cost 20-30% of
+    checking a large spec. Nothing built here forms cycles, so nothing is left for it to find."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def parse_source(source: SourceFile) -> ast.Module:
     """Parse one file; raises SpecError with a syntax diagnostic on bad input."""
-    try:
-        tree: Tree[Token] = grammar().parse(source.text, on_error=_keyword_as_name)
-    except UnexpectedInput as err:
-        raise SpecError([_syntax_diagnostic(source, err)]) from None
-    module = _ToAst(source).transform(tree)
+    parser, builder = _fast_parser()
+    with _PARSE_LOCK, paused_gc():
+        builder.reset(source)
+        try:
+            module = parser.parse(source.text, on_error=_keyword_as_name)
+        except UnexpectedInput as err:
+            raise SpecError([_syntax_diagnostic(source, err)]) from None
+        finally:
+            diagnostics = builder.diagnostics
+            builder.reset(_EMPTY)  # drop the references to this parse's nodes
+    if diagnostics:
+        raise SpecError(diagnostics)
     assert isinstance(module, ast.Module)
     return module
+
+
+_PARSE_LOCK = threading.Lock()
+_EMPTY = SourceFile("<none>", "")
+
+
+@functools.lru_cache(maxsize=1)
+def _fast_parser() -> tuple[Lark, _Builder]:
+    """The grammar with `_Builder` embedded: the parser builds the AST as it reduces.
+
+    Several times faster than building Lark's tree with positions and transforming it afterwards
+    (profiled: tree nodes, position propagation and the transform pass were over half the time)."""
+    builder = _Builder()
+    builder.reset(_EMPTY)
+    cache = _cache_path()
+    parser = Lark.open_from_package(
+        "meshllm_dsl.grammar",
+        "mesh.lark",
+        parser="lalr",
+        lexer="contextual",
+        maybe_placeholders=True,
+        transformer=builder,
+        cache=cache,
+    )
+    frontend = parser.parser
+    if isinstance(frontend.lexer, ContextualLexer):
+        frontend.lexer = _FastLexer(frontend.lexer, parser.terminals, parser.lexer_conf.ignore)
+    callbacks = parser._callbacks  # the dict the LALR parser calls into (shared, not copied)
+    for rule in list(callbacks):
+        if not isinstance(rule, str):  # rules, not lexer callbacks
+            callbacks[rule] = builder._with_position(callbacks[rule])
+    return parser, builder
+
+
+class _FastLexer(Lexer):
+    """Lark's contextual lexer with a fast path for the tokens a spec is made of.
+
+    Lark's contextual lexer matches each token with the regex of the parser state's acceptable
+    terminals; here one short regex per character class (word, number, string, punctuation) finds
+    the token, and the state's acceptable set decides its type exactly as Lark would: a keyword where
+    the state takes it, else a NAME where the state takes one. Anything else (a terminal this
+    path does not know, a token the state does not accept, the start of an error) goes to Lark's
+    own lexer at that position, so errors and unusual input behave exactly as before. Whitespace
+    and comments are the grammar's ignored terminals. tests/frontend/test_parser.py compares the
+    token streams of both lexers.
+    """
+
+    _SIMPLE = frozenset({"NAME", "INT", "FLOAT", "STRING"})
+
+    def __init__(self, contextual: ContextualLexer, terminals: Any, ignore: Any) -> None:
+        self.contextual = contextual
+        by_name = {t.name: t for t in terminals}
+        self.ignore = frozenset(ignore)
+        self.skip = re.compile("(?:" + "|".join(by_name[n].pattern.to_regexp() for n in sorted(self.ignore)) + ")*")
+        literals = {t.pattern.value: t.name for t in terminals if t.pattern.type == "str"}
+        self.keywords = {v: n for v, n in literals.items() if _NAME_RE.fullmatch(v)}
+        self.punct = {v: n for v, n in literals.items() if not _NAME_RE.fullmatch(v)}
+        self.punct_lengths = sorted({len(v) for v in self.punct}, reverse=True)
+        self.word = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+        self.regex = {n: re.compile(by_name[n].pattern.to_regexp()) for n in self._SIMPLE if n in by_name}
+        self.regex_terminals = frozenset(t.name for t in terminals if t.pattern.type == "re")
+        # Lark's scanner tries terminals in its sorted order, first match wins: numbers take the fast
+        # path only where it tries FLOAT before INT (so `1.5` is one FLOAT, as the fast path reads it).
+        order = [t.name for t in contextual.root_lexer.terminals]
+        self.float_first = "FLOAT" in order and "INT" in order and order.index("FLOAT") < order.index("INT")
+        self.accepts: dict[int, tuple[frozenset[str], bool]] = {}
+
+    def _accepts(self, parser_state: Any) -> tuple[frozenset[str], bool]:
+        state = parser_state.position
+        entry = self.accepts.get(state)
+        if entry is None:
+            acc = frozenset(parser_state.parse_conf.parse_table.states[state])
+            # The fast path is exact only where the state's regex terminals are the ones it knows.
+            entry = (acc, not ((acc & self.regex_terminals) - self._SIMPLE))
+            self.accepts[state] = entry
+        return entry
+
+    def _classify(self, text: str, pos: int, acc: frozenset[str]) -> tuple[str, int] | None:
+        ch = text[pos]
+        if ch.isalpha() or ch == "_":
+            m = self.word.match(text, pos)
+            if m is None:
+                return None
+            w = m.group()
+            kw = self.keywords.get(w)
+            if kw is not None and kw in acc:
+                return kw, m.end()
+            if "NAME" in acc and self.regex["NAME"].fullmatch(w):
+                return "NAME", m.end()
+            return None
+        if ch.isdigit():
+            if not self.float_first:
+                return None
+            fm = self.regex["FLOAT"].match(text, pos) if "FLOAT" in self.regex else None
+            if fm is not None:
+                return ("FLOAT", fm.end()) if "FLOAT" in acc else None
+            im = self.regex["INT"].match(text, pos) if "INT" in self.regex else None
+            return ("INT", im.end()) if im is not None and "INT" in acc else None
+        if ch == '"':
+            m = self.regex["STRING"].match(text, pos) if "STRING" in self.regex else None
+            return ("STRING", m.end()) if m is not None and "STRING" in acc else None
+        for n in self.punct_lengths:
+            typ = self.punct.get(text[pos : pos + n])
+            if typ is not None:
+                return (typ, pos + n) if typ in acc else None
+        return None
+
+    def lex(self, lexer_state: Any, parser_state: Any) -> Iterator[Token]:
+        text, end = lexer_state.text.text, lexer_state.text.end
+        line_ctr = lexer_state.line_ctr
+        skip = self.skip.match
+        slow = None
+        while True:
+            pos = line_ctr.char_pos
+            m = skip(text, pos, end)
+            if m is not None and m.end() > pos:
+                line_ctr.feed(m.group())
+                pos = line_ctr.char_pos
+            if pos >= end:
+                return
+            acc, fast = self._accepts(parser_state)
+            hit = self._classify(text, pos, acc) if fast else None
+            if hit is None:
+                # Lark's lexer for this one token (and its errors), from this position.
+                if slow is None:
+                    slow = self.contextual.lex(lexer_state, parser_state)
+                tok = next(slow, None)
+                if tok is None:
+                    return
+                yield tok
+                continue
+            typ, stop = hit
+            value = text[pos:stop]
+            tok = Token(typ, value, pos, line_ctr.line, line_ctr.column)
+            line_ctr.feed(value, False)
+            tok.end_line, tok.end_column, tok.end_pos = line_ctr.line, line_ctr.column, stop
+            lexer_state.last_token = tok
+            yield tok
+
+
+def _too_deep(span: Any) -> Diagnostic:
+    return Diagnostic(
+        "E0311", f"expression nests more than {MAX_EXPR_DEPTH} operators", span,
+        label="too deeply nested",
+        help="compute the value and write it as a number, or name parts of it as dims")
 
 
 def parse(text: str, path: str = "<string>") -> ast.Module:

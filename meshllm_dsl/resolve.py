@@ -6,6 +6,7 @@ a dim is a symbol (`swiglu`, `bf16`, `embed`), validated by whoever consumes it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,7 +16,8 @@ from meshllm_dsl import ast
 from meshllm_dsl.devices import PROFILES
 from meshllm_dsl.diagnostics import Diagnostic, Label
 from meshllm_dsl.ir import DTYPES, Axis, Leaf, MeshIR, ModelIR, Repeat, Symbol, Tensor, Unit, Value
-from meshllm_dsl.names import did_you_mean, divisors, identifier_problem, or_list
+from meshllm_dsl.limits import MAX_BLOCKS, MAX_DEVICES, MAX_INT
+from meshllm_dsl.names import did_you_mean, divisors, identifier_problem, or_list, safe_variant
 from meshllm_dsl.source import Span
 
 
@@ -39,18 +41,26 @@ class Resolver:
         self.diagnostics.append(Diagnostic(code, message, span, **kw))
 
     def check_identifier(self, name: ast.Name, what: str) -> bool:
-        problem = identifier_problem(name.value, attribute=what in ("layer", "axis"))
+        flags = {"attribute": what in ("layer", "axis"), "module": what == "plan"}
+        problem = identifier_problem(name.value, **flags)
         if problem is None:
             return True
+        shown = name.value if len(name.value) <= 40 else name.value[:37] + "..."
         self.error(
             "E0204",
-            f"{what} name `{name.value}` {problem}",
+            f"{what} name `{shown}` {problem}",
             name.span,
             label="not allowed as a name",
             help="names reach generated Python code: use a plain identifier such as "
-            f"`{_safe_variant(name.value)}`",
+            f"`{safe_variant(name.value, kind=what, **flags)}`",
         )
         return False
+
+    def repeated(self, what: str, again: Span | None, first: Span | None) -> None:
+        """E0201 for a statement given twice, pointing at both: nothing is silently overridden."""
+        self.error("E0201", f"{what} is given twice", again, label="given again here",
+                   secondary=(Label(first, "first given here"),) if first is not None else (),
+                   help="keep one of them: a repeated statement would silently override the other")
 
     # -- expressions
     def eval(self, expr: ast.Expr, env: Env) -> Value | Symbol | None:
@@ -119,7 +129,7 @@ class Resolver:
             help=did_you_mean(name, [k for k, b in env.items() if isinstance(b.value, int)]),
         )
 
-    def eval_int(self, expr: ast.Expr, env: Env, what: str, minimum: int = 1) -> int | None:
+    def eval_int(self, expr: ast.Expr, env: Env, what: str, minimum: int = 1, maximum: int = MAX_INT) -> int | None:
         v = self.eval(expr, env)
         if v is None:
             return None
@@ -149,13 +159,61 @@ class Resolver:
                 help=f"use a value >= {minimum}",
             )
             return None
+        if v > maximum:
+            self.error("E0307", f"{what} is out of range: {_short(v)} is above {_short(maximum)}", span,
+                       label="too large", secondary=secondary,
+                       help=f"use a value <= {_short(maximum)}")
+            return None
         return v
+
+    def eval_float(self, expr: ast.Expr, env: Env, what: str, low: float, high: float = 1e300,
+                   low_open: bool = True, high_open: bool = False) -> float | None:
+        """A number in a range (`low < v <= high` by default), or a located error."""
+        v = self.eval(expr, env)
+        if v is None:
+            return None
+        # A bad value that came through a name (a family parameter) is reported where it was written.
+        span, secondary = expr.span, ()
+        origin = env.get(expr.value) if isinstance(expr, ast.Name) else None
+        if origin is not None and origin.span is not None and expr.span is not None:
+            span, secondary = origin.span, (Label(expr.span, f"`{expr.value}` used as {what} here"),)
+        bad = isinstance(v, bool) or not isinstance(v, (int, float))
+        if not bad:
+            f = float(v)
+            bad = not math.isfinite(f) or (f <= low if low_open else f < low) or (f >= high if high_open else f > high)
+        if bad and origin is not None and span is origin.span:
+            if span in self._bad_origins:
+                return None  # reported at its first use: one error per mistake
+            self._bad_origins.add(span)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            words = str(v).lower() in ("nan", "inf", "infinity")
+            self.error("E0304", f"{what} must be a number", span, label=f"is {_kind(v)}", secondary=secondary,
+                       help="write a decimal number such as `1e-5`" + ("; `nan` and `inf` are not numbers in a spec" if words else ""))
+            return None
+        f = float(v)
+        too_low = f <= low if low_open else f < low
+        too_high = f >= high if high_open else f > high
+        if not math.isfinite(f) or too_low or too_high:
+            lo = f"{'>' if low_open else '>='} {low:g}"
+            hi = f"{'<' if high_open else '<='} {high:g}"
+            self.error("E0307", f"{what} is out of range: {f:g}", span, label=f"must be {lo} and {hi}",
+                       secondary=secondary, help=f"use a value {lo} and {hi}")
+            return None
+        return f
 
 
 def _text(expr: ast.Expr) -> str:
     from meshllm_dsl.fmt import format_expr
 
     return format_expr(expr)
+
+
+def _short(n: int) -> str:
+    """A large integer as a power of 2 or 10 when it is one, else its digits (at most 30 shown)."""
+    if n > 1 and n & (n - 1) == 0:
+        return f"2**{n.bit_length() - 1}"
+    text = str(n)
+    return text if len(text) <= 30 else f"a {len(text)}-digit number"
 
 
 def _kind(v: object) -> str:
@@ -174,13 +232,6 @@ def _near_divisors(n: int, near: int) -> list[int]:
     ds = divisors(n)
     ds.sort(key=lambda d: (abs(d - near), d))
     return sorted(ds[:6])
-
-
-def _safe_variant(name: str) -> str:
-    cleaned = "".join(c if c.isalnum() or c == "_" else "_" for c in name).strip("_") or "name"
-    if cleaned[0].isdigit():
-        cleaned = "n" + cleaned
-    return cleaned + "_" if identifier_problem(cleaned) else cleaned
 
 
 # ---------------------------------------------------------------- meshes
@@ -214,7 +265,7 @@ def resolve_mesh(decl: ast.MeshDecl, r: Resolver, devices: Sequence[str]) -> Mes
             ok = False
             continue
         seen[a.name.value] = a
-        size = r.eval_int(a.size, env, f"size of axis `{a.name.value}`")
+        size = r.eval_int(a.size, env, f"size of axis `{a.name.value}`", maximum=MAX_DEVICES)
         if size is None:
             ok = False
             continue
@@ -227,8 +278,20 @@ def resolve_mesh(decl: ast.MeshDecl, r: Resolver, devices: Sequence[str]) -> Mes
     total = 1
     for a in axes:
         total *= a.size
+    if total > MAX_DEVICES:
+        r.error("E0307", f"mesh `{decl.name.value}` has {_short(total)} devices, more than {_short(MAX_DEVICES)}",
+                decl.name.span, label=f"{_short(total)} devices: the product of its axis sizes",
+                secondary=tuple(Label(a.span, f"{a.name} = {a.size}") for a in axes if a.span is not None),
+                help=f"a mesh has at most {_short(MAX_DEVICES)} devices: shrink the axes")
+        return None
+    seen_settings: dict[str, ast.Setting] = {}
     for s in decl.settings:
         key = s.name.value
+        if key in seen_settings:
+            r.repeated(f"mesh setting `{key}`", s.name.span, seen_settings[key].name.span)
+            ok = False
+            continue
+        seen_settings[key] = s
         if key == "hosts":
             h = r.eval_int(s.value, env, "hosts")
             if h is not None and total % h:
@@ -323,6 +386,8 @@ PRIMITIVES: dict[str, tuple[Arg, ...]] = {
 }
 
 _MODEL_SETTINGS_NOT_DIMS = ("dtype",)
+# (low, high) of float arguments, exclusive below: a norm's eps inside the rsqrt, rotary's base.
+_FLOAT_RANGES = {"eps": (0.0, 1.0), "rope_theta": (0.0, 1e12)}
 
 
 class ModelResolver(Resolver):
@@ -334,9 +399,14 @@ class ModelResolver(Resolver):
         start = len(self.diagnostics)
         self.check_identifier(decl.name, "model")
         env: Env = {}
+        firsts: dict[str, ast.Setting] = {}
         for s in decl.settings:
             if not self.check_identifier(s.name, "dim"):
                 continue
+            if s.name.value in firsts:
+                self.repeated(f"`{s.name.value}`", s.name.span, firsts[s.name.value].name.span)
+                continue
+            firsts[s.name.value] = s
             # A setting whose value failed (already reported) is bound to None, so its uses stay quiet
             # instead of each reporting a second, misleading "unknown dim".
             env[s.name.value] = Binding(self.eval(s.value, env), s.value.span)  # type: ignore[arg-type]
@@ -367,8 +437,99 @@ class ModelResolver(Resolver):
             self.error("E0202", f"model `{decl.name.value}` has no layers", decl.name.span,
                        label="empty model", help="declare layers, or instantiate a family: `model m = llama { ... }`")
             return None
+        if not self._chain(decl, items):
+            return None
         values = tuple((k, b.value) for k, b in env.items())
         return ModelIR(decl.name.value, values, tuple(items), dtype_name, decl.span)
+
+    def _chain(self, decl: ast.ModelDecl, items: list[Unit | Repeat]) -> bool:
+        """Layer shapes chain: embedding, width-keeping layers and blocks, then the head (E0308), in
+        the shapes generated code and the runtime build (E0309 for the others)."""
+        start = self.error_count_all()
+        model = f"model `{decl.name.value}`"
+        first = items[0]
+        if not (isinstance(first, Unit) and first.kind == "embedding"):
+            self.error("E0308", f"{model} does not start with a token embedding", first.span or decl.name.span,
+                       label=f"`{first.name}` is the first layer", secondary=_model_label(decl),
+                       help="a model starts with `embed = embedding(vocab, hidden)`: it turns token ids into the residual stream")
+            return False
+        width, vocab = first.attr("dim"), first.attr("num")
+        last = items[-1]
+        head = last if isinstance(last, Unit) and last.kind == "linear" else None
+        if head is None:
+            after = next((i for i in items if isinstance(i, Unit) and i.kind == "linear"), None)
+            if after is not None:
+                self.error("E0308", f"`{last.name}` comes after the head `{after.name}`", last.span or decl.name.span,
+                           label="after the head", secondary=(Label(after.span, "the head (the last layer must be it)"),) if after.span else (),
+                           help=f"move `{last.name}` before `{after.name}`: the head produces the logits, nothing follows it")
+            else:
+                self.error("E0308", f"{model} has no head", last.span or decl.name.span, label="the last layer",
+                           secondary=_model_label(decl),
+                           help=f"end the model with `lm_head = linear({width}, {vocab})`: it produces one logit per token")
+        for item in items[1:]:
+            if isinstance(item, Repeat):
+                self._chain_block(item, width)
+                continue
+            a = dict(item.attrs)
+            if item.kind == "embedding":
+                self.error("E0309", f"a second token embedding `{item.name}` is not supported yet", item.span,
+                           label="second embedding", help=f"the model's embedding is `{first.name}`")
+            elif item.kind in ("attention", "mlp"):
+                self.error("E0309", f"{item.kind} `{item.name}` outside the `repeat` is not supported yet", item.span,
+                           label="top-level sublayer", help="put it in the repeated block, after a norm")
+            elif item.kind in ("positional", "rmsnorm", "layernorm") and a["dim"] != width:
+                self.error("E0308", f"`{item.name}` is {a['dim']} wide but the residual stream is {width} wide",
+                           item.span, label=f"{item.kind} of width {a['dim']}",
+                           secondary=(Label(first.span, f"width {width} set here"),) if first.span else (),
+                           help=f"use `{item.kind}({'..., ' if item.kind == 'positional' else ''}{width})`")
+            elif item.kind == "linear" and item is not last and head is not None:
+                self.error("E0309", f"linear layer `{item.name}` before the head is not supported yet", item.span,
+                           label="only the head may be a top-level linear",
+                           help="a model has one top-level linear layer: the head, last")
+            elif item.kind == "linear" and item is head:
+                if a["in"] != width:
+                    self.error("E0308", f"head `{item.name}` takes {a['in']} inputs but the residual stream is {width} wide",
+                               item.span, label=f"linear({a['in']}, {a['out']})",
+                               help=f"use `linear({width}, {vocab})`")
+                elif a["out"] != vocab:
+                    self.error("E0308", f"head `{item.name}` has {a['out']} outputs but the vocabulary has {vocab} tokens",
+                               item.span, label=f"linear({a['in']}, {a['out']})",
+                               secondary=(Label(first.span, f"{vocab} tokens here"),) if first.span else (),
+                               help=f"use `linear({width}, {vocab})`: one logit per vocabulary entry")
+        return self.error_count_all() == start
+
+    def _chain_block(self, rep: Repeat, width: Any) -> None:
+        body = rep.body
+        if not body:
+            self.error("E0308", f"repeat `{rep.name}` has no layers", rep.span, label="empty block",
+                       help="a block alternates a norm and a sublayer: `n = rmsnorm(hidden)  attn = attention(hidden, heads)`")
+            return
+        for k, unit in enumerate(body):
+            a = dict(unit.attrs)
+            want_norm = k % 2 == 0
+            if unit.kind in ("embedding", "positional", "linear"):
+                self.error("E0309", f"{unit.kind} `{unit.name}` inside a repeat is not supported yet", unit.span,
+                           label="not a block layer", help="a block alternates norms (rmsnorm, layernorm) and sublayers (attention, mlp)")
+                return
+            is_norm = unit.kind in ("rmsnorm", "layernorm")
+            if is_norm != want_norm:
+                prev = body[k - 1].name if k else None
+                self.error("E0308", f"`{unit.name}` ({unit.kind}) is out of place in `{rep.name}`: a block alternates norm and sublayer",
+                           unit.span, label="expected a norm here" if want_norm else "expected attention or mlp here",
+                           help=("every sublayer follows its own norm: x = x + sublayer(norm(x))"
+                                 + (f"; add a norm before `{unit.name}`" if want_norm else f"; remove `{unit.name}` or add a sublayer after `{prev}`")))
+                return
+            got = a["dim"] if is_norm else a["hidden"]
+            if got != width:
+                self.error("E0308", f"`{unit.name}` is {got} wide but the residual stream is {width} wide", unit.span,
+                           label=f"{unit.kind} of width {got}", help=f"use {width} (the embedding's dim)")
+        if len(body) % 2:
+            self.error("E0308", f"norm `{body[-1].name}` ends block `{rep.name}` without a sublayer", body[-1].span,
+                       label="a norm with nothing after it",
+                       help=f"add a sublayer after `{body[-1].name}` or remove it; a final norm belongs after the repeat")
+
+    def error_count_all(self) -> int:
+        return sum(d.is_error for d in self.diagnostics)
 
     def _point_into_model(self, decl: ast.ModelDecl, start: int) -> None:
         """Errors found inside a family (its defaults, its layers) caused by this model's values
@@ -430,7 +591,7 @@ class ModelResolver(Resolver):
                     self.error("E0203", "a model can have only one `repeat`", stmt.name.span,
                                label="second repeat", help="put every block layer in one repeat")
                     continue
-                count = self.eval_int(stmt.count, env, f"`{stmt.name.value}` repeat count")
+                count = self.eval_int(stmt.count, env, f"`{stmt.name.value}` repeat count", maximum=MAX_BLOCKS)
                 inner = self._layers(stmt.body, env, top=False)
                 if count is not None:
                     out.append(Repeat(stmt.name.value, count, tuple(u for u in inner if isinstance(u, Unit)), stmt.span))
@@ -478,14 +639,12 @@ class ModelResolver(Resolver):
                 bound[arg.name] = v
                 logical[arg.name] = expr.value if isinstance(expr, ast.Name) else arg.name
             elif arg.kind == "float":
-                v2 = self.eval(expr, env)
+                low, high = _FLOAT_RANGES.get(arg.name, (0.0, 1e300))
+                v2 = self.eval_float(expr, env, f"`{arg.name}` of `{decl.name.value}`", low, high)
                 if v2 is None:
                     ok = False
-                elif isinstance(v2, bool) or not isinstance(v2, (int, float)):
-                    self.error("E0304", f"`{arg.name}` must be a number", expr.span, label=f"is {_kind(v2)}")
-                    ok = False
                 else:
-                    bound[arg.name] = float(v2)
+                    bound[arg.name] = v2
             elif arg.kind == "bool":
                 v3 = self.eval(expr, env)
                 if not isinstance(v3, bool):
@@ -533,6 +692,10 @@ class ModelResolver(Resolver):
         return _build_unit(decl, call.func.value, bound, logical, self)
 
 
+def _model_label(decl: ast.ModelDecl) -> tuple[Label, ...]:
+    return (Label(decl.name.span, f"model `{decl.name.value}`"),) if decl.name.span is not None else ()
+
+
 def _default_logical(arg: str, logical: dict[str, str]) -> str:
     if arg == "kv_heads":
         return logical.get("heads", "heads")
@@ -565,6 +728,10 @@ def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str,
     elif kind == "linear":
         params: list[Tensor] = []
         tie = b["tie"] if b["tied"] else None
+        if tie is not None and b["bias"]:
+            r.error("E0309", f"a bias on the tied head `{name}` is not supported yet", decl.call.span,
+                    label="tie and bias", help=f"drop `bias = true`, or untie `{name}` (remove `tie = {tie.name}`)")
+            return None
         if tie is not None:
             if tie.kind != "embedding" or tie.leaves[0].params[0].shape != (b["out"], b["in"]):
                 r.error("E0304", f"`{name}` cannot be tied to `{tie.name}`", decl.call.span,

@@ -38,7 +38,7 @@ def _norm(spec: Layer) -> nn.Module:
     if spec["kind"] == "rmsnorm":
         return _RMSNorm(spec["dim"], spec["eps"])
     if spec["kind"] == "layernorm":
-        return nn.LayerNorm(spec["dim"], eps=spec["eps"])
+        return nn.LayerNorm(spec["dim"], eps=spec["eps"], bias=bool(spec.get("bias", True)))
     raise ValueError(f"{spec['name']}: not a norm: {spec['kind']}")
 
 

@@ -92,3 +92,41 @@ def test_unusual_but_valid_names_generate_code_that_compiles() -> None:
     result = check_text(HOSTILE.format(axis="Tensor_0", layer="emb0", plan="p_1"))
     assert result.ok, result.diagnostics
     compile(render_plan(result.plans["p_1"], "x.mesh", ""), "x", "exec")
+
+
+def test_reserved_layer_names_cover_nn_module() -> None:
+    """Every public attribute of the installed torch.nn.Module is reserved for layers (E0204)."""
+    from torch import nn
+
+    from meshllm_dsl.names import identifier_problem
+
+    missing = [n for n in dir(nn.Module) if not n.startswith("_") and identifier_problem(n, attribute=True) is None]
+    assert not missing, missing
+
+
+def test_suggested_names_are_valid() -> None:
+    from meshllm_dsl.names import identifier_problem, safe_variant
+
+    for name in ("self", "params", "g_tensor", "forward", "__import__", "_modules", "x" * 300, "torch", "os"):
+        for flags in ({"attribute": True}, {"module": True}, {}):
+            suggestion = safe_variant(name, **flags)
+            assert identifier_problem(suggestion, **flags) is None, (name, flags, suggestion)
+
+
+def test_layernorm_without_bias_reaches_the_model_description() -> None:
+    """`layernorm(bias = false)` is honoured end to end: the stages and the reference model agree."""
+    from meshllm_dsl.codegen.lower import model_description
+    from meshllm_dsl.runtime.reference import build_reference
+
+    result = check_text(
+        "mesh m { axes data = 1 }\n"
+        "model t { hidden = 8  embed = embedding(16, hidden)  norm = layernorm(hidden, bias = false)"
+        "  head = linear(hidden, 16) }\n"
+        "plan p on m for t { }\n"
+    )
+    assert result.ok, result.diagnostics
+    desc = model_description(result.plans["p"])
+    norm = next(layer for layer in desc["layers"] if layer["name"] == "norm")
+    assert norm["bias"] is False
+    ref = build_reference(desc)
+    assert "norm.bias" not in dict(ref.named_parameters())

@@ -26,7 +26,8 @@ from meshllm_dsl.codes import CODES
 from meshllm_dsl.diagnostics import SpecError, render_all, to_json
 from meshllm_dsl.fmt import format_text
 from meshllm_dsl.load import read_spec
-from meshllm_dsl.parser import grammar, parse
+from meshllm_dsl.parser import _keyword_as_name, grammar, parse
+from meshllm_dsl.source import SourceFile
 
 # Fast by default (the whole front-end suite stays well under a minute on 2 cores); the `thorough`
 # profile (registered in tests/conftest.py, `pytest --hypothesis-profile=thorough`) runs 2000 each.
@@ -199,3 +200,60 @@ def test_examples_round_trip_through_fmt(path) -> None:  # type: ignore[no-untyp
     assert format_text(formatted) == formatted
     assert _comment_count(formatted) == _comment_count(text)
     assert [d.code for d in check_text(formatted).diagnostics] == [d.code for d in check_text(text).diagnostics]
+
+
+# ---------------------------------------------------------------- (d) the fast lexer is Lark's lexer
+
+
+def _token_stream(lark_parser, text: str) -> tuple[list[tuple[object, ...]], str | None]:  # type: ignore[no-untyped-def]
+    """Every token the parser's lexer hands the parser, and how the parse ended."""
+    from meshllm_dsl.parser import _fast_parser
+
+    frontend = lark_parser.parser
+    inner = frontend.lexer
+    seen: list[tuple[object, ...]] = []
+
+    class Recording:
+        def lex(self, state, parser_state):  # type: ignore[no-untyped-def]
+            for tok in inner.lex(state, parser_state):
+                seen.append((tok.type, str(tok), tok.start_pos, tok.end_pos, tok.line, tok.column,
+                             tok.end_line, tok.end_column))
+                yield tok
+
+    frontend.lexer = Recording()
+    builder = _fast_parser()[1]
+    builder.reset(SourceFile("<t>", text))
+    try:
+        lark_parser.parse(text, on_error=_keyword_as_name)
+        outcome = None
+    except Exception as err:  # noqa: BLE001 - the kind and position of the failure are compared
+        outcome = f"{type(err).__name__} at {getattr(err, 'pos_in_stream', None)}"
+    finally:
+        frontend.lexer = inner
+    return seen, outcome
+
+
+def assert_same_tokens(text: str) -> None:
+    from meshllm_dsl.parser import _fast_parser
+
+    fast = _token_stream(_fast_parser()[0], text)
+    lark = _token_stream(grammar(), text)
+    assert fast == lark
+
+
+@FEW
+@given(GENERATED)
+def test_fast_lexer_matches_larks_on_generated_text(text: str) -> None:
+    assert_same_tokens(text)
+
+
+@FEW
+@given(GENERATED, st.integers(0, 10_000), st.sampled_from(["", "@", "1.", "1e", "ab1", "\"x", "-", "->", "1_0.5", "\n#"]))
+def test_fast_lexer_matches_larks_on_garbled_text(text: str, at: int, junk: str) -> None:
+    at = at % (len(text) + 1)
+    assert_same_tokens(text[:at] + junk + text[at:])
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.rglob("*.mesh")), ids=lambda p: p.stem)
+def test_fast_lexer_matches_larks_on_every_example(path) -> None:  # type: ignore[no-untyped-def]
+    assert_same_tokens(path.read_text())

@@ -76,11 +76,11 @@ def test_gpt2_family_defaults_and_tie() -> None:
 def test_dim_arithmetic() -> None:
     m = model_of(
         "model m { a = 6, b = a * 4 - 2, c = (a + 2) * 3, d = b / 11, e = -a + 10, "
-        "x = linear(c, d) }"
+        "tok = embedding(d, c)  x = linear(c, d) }"
     )
     values = dict(m.values)
     assert (values["b"], values["c"], values["d"], values["e"]) == (22, 24, 2, 4)
-    assert m.numel == 24 * 2
+    assert m.numel == 2 * 24 + 24 * 2
 
 
 @pytest.mark.parametrize(

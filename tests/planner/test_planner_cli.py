@@ -12,7 +12,7 @@ import pytest
 from meshllm_dsl.checker import check_text
 from meshllm_dsl.cli import main
 from meshllm_dsl.devices import PROFILES
-from meshllm_dsl.planner_suggest import _prelude_text, suggest
+from meshllm_dsl.planner_suggest import _prelude_text, candidates, suggest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -139,6 +139,21 @@ def test_suggest_returns_plans_that_check_clean(capsys: pytest.CaptureFixture[st
     times = [r.report.step.total_s for r in res.ranked]
     assert times == sorted(times)
     assert res.ranked[0].reason.startswith("fastest")
+
+
+def test_every_suggestion_checks_clean() -> None:
+    """Not only the best: a suggestion `check` would refuse (such as ZeRO 2 / 3, E0309) is never offered."""
+    path = str(EXAMPLES / "tiny_llama.mesh")
+    res = suggest(path, "tiny_llama", devices=8, device=PROFILES["cpu"], batch=8, seq=32, top=10_000)
+    prelude = _prelude_text(path, "tiny_llama")
+    assert len(res.ranked) > 3
+    for r in res.ranked:
+        result = check_text(prelude + "\n" + r.text, path)
+        assert result.ok, (r.text, [(d.code, d.message) for d in result.errors])
+    # ... and nothing unsupported is even estimated (it would crowd the ranking, then fail its re-check).
+    model = check_text(prelude, path).models["tiny_llama"]
+    zeros = {c.zero for c in candidates(model, 8, 8, 8)}
+    assert zeros == {0, 1}, zeros
 
 
 def test_suggest_cli_70b(capsys: pytest.CaptureFixture[str]) -> None:
