@@ -37,17 +37,16 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from .mesh import Mesh
 from .program import Built
 from .shards import ShardSpec
 
+# torch.distributed.checkpoint and DTensor are imported where used: they cost about a second per
+# process, and every generated module imports this file through the launcher.
+
 __all__ = [
-    "DEFAULT_KEEP",
     "CheckpointError",
     "check_save_root",
     "load",
@@ -59,7 +58,6 @@ __all__ = [
 FORMAT = "meshllm-checkpoint/1"
 MANIFEST = "manifest.json"
 LATEST = "latest"
-DEFAULT_KEEP = 3
 _STEP = re.compile(r"step-(\d{6,})")
 _TMP_PREFIX = ".tmp-"
 
@@ -299,12 +297,14 @@ def _split_dims(mesh: Mesh, spec: ShardSpec) -> list[tuple[int, tuple[str, ...]]
     return [(dim, axes) for dim, axes in spec.dims if mesh.size(*axes) > 1]
 
 
-def _device_mesh(mesh: Mesh, spec: ShardSpec, device_type: str) -> DeviceMesh:
+def _device_mesh(mesh: Mesh, spec: ShardSpec, device_type: str) -> Any:
     """A DeviceMesh over the split axes of ``spec`` (one mesh dim per split tensor dim).
 
     Built from the groups ``Mesh`` already has (``from_group`` creates none), which also works in
     the worker pool where the mesh is smaller than the world.
     """
+    from torch.distributed.device_mesh import DeviceMesh
+
     axes_per_dim = [axes for _, axes in _split_dims(mesh, spec)]
     groups = [mesh.group(*axes) for axes in axes_per_dim]
     sizes = [mesh.size(*axes) for axes in axes_per_dim]
@@ -384,6 +384,8 @@ def _product(lists: list[list[Any]]) -> list[tuple[Any, ...]]:
 
 def _dcp_value(mesh: Mesh, spec: ShardSpec, local: Tensor, device: torch.device) -> Any:
     """What DCP is given for a tensor laid out like ``spec`` whose local part is ``local``."""
+    from torch.distributed.tensor import DTensor, Shard
+
     dims = _split_dims(mesh, spec)
     if not dims:
         return local
@@ -403,6 +405,8 @@ def _dcp_value(mesh: Mesh, spec: ShardSpec, local: Tensor, device: torch.device)
 
 def _read_back(value: Any, local: Tensor) -> None:
     """Copy what DCP loaded into ``value`` into ``local`` (a no-op where they share storage)."""
+    from torch.distributed.tensor import DTensor
+
     if isinstance(value, DTensor):
         local.copy_(value.to_local())
     elif isinstance(value, Tensor) and not hasattr(value, "local_shards") and value is not local:
@@ -496,7 +500,7 @@ def save(
     root: str | Path,
     step: int = 0,
     state: Mapping[str, Any] | None = None,
-    keep: int | None = DEFAULT_KEEP,
+    keep: int | None = None,
     optimizer: bool = True,
 ) -> Path:
     """Write ``root/step-NNNNNN`` atomically and point ``root/latest`` at it (collective).
@@ -505,6 +509,8 @@ def save(
     ``state`` (JSON: step, data position, ...).  Keeps the newest ``keep`` steps (None: all).
     Raises ``CheckpointError`` on every rank if any rank fails to write.
     """
+    import torch.distributed.checkpoint as dcp
+
     root, mesh = Path(root), built.mesh
     tmp = root / f"{_TMP_PREFIX}{step_name(step)}"
     error = None
@@ -588,6 +594,8 @@ def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, A
     with one line on every rank.  With ``optimizer``, the optimizer state and step are restored
     too, and the RNG states when the layout is the same.
     """
+    import torch.distributed.checkpoint as dcp
+
     mesh = built.mesh
     found: tuple[str, dict[str, Any]] | str | None = None
     if _first(mesh):

@@ -8,23 +8,43 @@ the cause and exits at once, so its peers' collectives fail quickly and torchrun
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import os
 import resource
+import signal
+import socket
 import sys
 import time
 import traceback
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .checkpoint import CheckpointError, check_save_root, verify
+from .checkpoint import load as load_checkpoint
+from .checkpoint import save as save_checkpoint
 from .generate import greedy_generate
+from .mesh import set_group_timeout
 from .program import Built, Program
 
-__all__ = ["infer", "main", "parse_args", "synthetic_batch", "text_batch", "train"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "InputError",
+    "check_inputs",
+    "infer",
+    "main",
+    "parse_args",
+    "synthetic_batch",
+    "text_batch",
+    "train",
+]
 
 
 # How gloo / NCCL report that another rank went away.
@@ -35,21 +55,100 @@ _PEER_LOST = (
 )
 
 
+# A collective that waits this long for a peer ends the job.  Five minutes covers a slow first
+# step or a large checkpoint written by one rank while the others wait in the next collective;
+# a stopped rank then costs at most that.  Short CPU runs may pass --timeout 30.
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_KEEP = 3
+
+
+class InputError(Exception):
+    """A flag or input file is unusable; the message is one line naming it."""
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Train or decode a meshc-generated plan (run under torchrun)."
     )
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
-    p.add_argument("--seed", type=int, default=0, help="weights and synthetic data seed")
+    p.add_argument("--steps", type=int, default=10, help="train up to this many steps in total (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="weights and data sampling seed")
     p.add_argument("--data", type=Path, help="train on this file's bytes (token = byte mod vocab)")
     p.add_argument("--infer", action="store_true", help="greedy generation instead of training")
     p.add_argument("--tokens", type=int, default=16, help="tokens to generate with --infer")
     p.add_argument(
-        "--timeout", type=float, default=300.0, help="seconds before a stuck collective fails"
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help=f"seconds a collective may wait for a peer before the job stops (default {DEFAULT_TIMEOUT:.0f})",
     )
-    p.add_argument("--save", type=Path, help="write a sharded checkpoint here at the end")
-    p.add_argument("--load", type=Path, help="start from this sharded checkpoint (any layout)")
+    p.add_argument("--save", type=Path, help="checkpoint root: DIR/step-NNNNNN, DIR/latest")
+    p.add_argument(
+        "--save-every", type=int, default=0, metavar="N",
+        help="also checkpoint every N steps (default: only at the end)",
+    )
+    p.add_argument(
+        "--keep", type=int, default=DEFAULT_KEEP, metavar="K",
+        help=f"keep the newest K checkpoints (default {DEFAULT_KEEP})",
+    )
+    p.add_argument(
+        "--resume", metavar="DIR|latest",
+        help="continue training from a checkpoint (a root, a step directory, or `latest` of --save)",
+    )
+    p.add_argument("--load", type=Path, help="start from the weights of this checkpoint (any layout)")
+    p.add_argument("--debug", action="store_true", help="full tracebacks on failures")
     return p.parse_args(argv)
+
+
+def resume_path(args: argparse.Namespace) -> Path | None:
+    if args.resume is None:
+        return None
+    if args.resume == "latest":
+        if args.save is None:
+            raise InputError("--resume latest needs --save DIR (the root it is the latest of)")
+        return Path(args.save)
+    return Path(args.resume)
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Everything about the flags that can be known before any rank starts; ``InputError`` if not.
+
+    ``meshc run`` calls it before launching, and every rank again (a module may be started by
+    torchrun directly).  Only reads files.
+    """
+    if args.infer:
+        if args.tokens < 1:
+            raise InputError(f"--tokens must be at least 1, got {args.tokens}")
+    elif args.steps < 1:
+        raise InputError(f"--steps must be at least 1, got {args.steps}")
+    if not args.timeout > 0:
+        raise InputError(f"--timeout must be positive, got {args.timeout:g}")
+    if args.save_every < 0:
+        raise InputError(f"--save-every must be 0 (only at the end) or more, got {args.save_every}")
+    if args.keep < 1:
+        raise InputError(f"--keep must be at least 1, got {args.keep}")
+    if args.save_every and args.save is None:
+        raise InputError("--save-every needs --save DIR")
+    if args.resume is not None and args.load is not None:
+        raise InputError("--resume and --load exclude each other (--resume restores the weights too)")
+    if args.infer and (args.resume is not None or args.save is not None):
+        raise InputError("--infer takes --load CHECKPOINT, not --resume / --save")
+    if args.data is not None and not args.infer:
+        data = Path(args.data)
+        if not data.is_file():
+            raise InputError(f"--data {data}: no such file")
+        if data.stat().st_size == 0:
+            raise InputError(f"--data {data}: the file is empty")
+    try:
+        if args.save is not None:
+            check_save_root(args.save)
+        for flag, path in (("--resume", resume_path(args)), ("--load", args.load)):
+            if path is not None:
+                try:
+                    verify(path, checksums=False)
+                except CheckpointError as err:
+                    raise InputError(f"{flag}: {err}") from None
+    except CheckpointError as err:
+        raise InputError(str(err)) from None
 
 
 def synthetic_batch(
@@ -68,15 +167,37 @@ def synthetic_batch(
 
 
 def text_batch(
-    data: Tensor, vocab: int, batch: int, seq: int, seed: int, step: int
+    data: Any, vocab: int, batch: int, seq: int, seed: int, step: int
 ) -> tuple[Tensor, Tensor]:
-    """``batch`` windows of ``seq + 1`` bytes at deterministic offsets; ids are bytes mod vocab."""
-    if data.numel() < seq + 2:
-        raise ValueError(f"--data needs at least {seq + 2} bytes, got {data.numel()}")
+    """``batch`` windows of ``seq + 1`` bytes at deterministic offsets; ids are bytes mod vocab.
+
+    ``data`` is any 1-D uint8 sequence (a memory map of the file: only the windows are read).
+    A function of (seed, step) only, so the data position of a run is its step.
+    """
+    n = len(data)
+    if n < seq + 2:
+        raise InputError(f"--data needs at least {seq + 2} bytes for seq {seq}, got {n}")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
-    ids = torch.stack([data[s : s + seq + 1] for s in starts.tolist()]) % vocab
+    starts = torch.randint(0, n - seq - 1, (batch,), generator=gen)
+    ids = torch.stack(
+        [torch.as_tensor(np.asarray(data[s : s + seq + 1]), dtype=torch.long) for s in starts.tolist()]
+    ) % vocab
     return ids[:, :-1], ids[:, 1:]
+
+
+def open_data(path: Path) -> Any:
+    """The token file as a read-only memory map of bytes (rank memory stays O(batch))."""
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def data_identity(path: Path | None) -> dict[str, Any] | None:
+    """What a checkpoint records about ``--data`` to notice a different file on resume."""
+    if path is None:
+        return None
+    st = Path(path).stat()
+    with open(path, "rb") as f:
+        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
+    return {"path": str(path), "bytes": st.st_size, "sha256_first_mib": head}
 
 
 def _peak_memory_mib(device: torch.device) -> float:
@@ -98,27 +219,84 @@ def _progress(step: int, steps: int, loss: float, tok_s: float) -> None:
     )
 
 
-def train(built: Built, steps: int, seed: int, data: Path | None = None) -> float:
-    """Train ``steps`` steps; rank 0 prints progress and a summary.  Returns the last loss."""
+class Progress:
+    """Where each rank is, in the job's store, so a rank that times out can name the one that
+    stopped.  Under torchrun the store lives in the agent, so it outlives any worker."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        try:
+            self.store: Any = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError):
+            self.store = None
+        self.mark("start")
+        self._set(f"meshllm/pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
+
+    def _set(self, key: str, value: str) -> None:
+        if self.store is not None:
+            try:
+                self.store.set(key, value)
+            except Exception:  # noqa: BLE001 - progress is advisory; never fail a step over it
+                self.store = None
+
+    def mark(self, where: str) -> None:
+        self._set(f"meshllm/at/{self.rank}", f"{time.time():.3f} {where}")
+
+    def read(self, key: str) -> str | None:
+        if self.store is None:
+            return None
+        try:
+            if not self.store.check([key]):
+                return None
+            return bytes(self.store.get(key)).decode()
+        except Exception:  # noqa: BLE001 - the store may be gone with the job
+            return None
+
+
+def train(
+    built: Built,
+    steps: int,
+    seed: int,
+    data: Path | None = None,
+    *,
+    start: int = 0,
+    save: Path | None = None,
+    save_every: int = 0,
+    keep: int = DEFAULT_KEEP,
+    progress: Progress | None = None,
+) -> float:
+    """Train from step ``start`` up to ``steps``; rank 0 prints progress and a summary.
+
+    With ``save``, checkpoints every ``save_every`` steps and after the last step.  The batch of
+    step ``k`` depends only on (seed, k), so a resumed run sees the batches it would have seen.
+    Returns the last loss.
+    """
     p = built.program
-    corpus = (
-        torch.frombuffer(bytearray(data.read_bytes()), dtype=torch.uint8).long() if data else None
-    )
+    corpus = open_data(data) if data else None
+    identity = data_identity(data)
     rank0 = _first(built)
-    loss, start = float("nan"), time.perf_counter()
-    for step in range(steps):
+    loss, t0 = float("nan"), time.perf_counter()
+    for step in range(start, steps):
+        if progress:
+            progress.mark(f"step {step + 1}")
         if corpus is None:
             tokens, targets = synthetic_batch(p.vocab, p.batch, p.seq, seed, step)
         else:
             tokens, targets = text_batch(corpus, p.vocab, p.batch, p.seq, seed, step)
         loss = built.train_step(tokens, targets)
+        done = step + 1
         if rank0:
-            _progress(
-                step + 1, steps, loss, (step + 1) * p.batch * p.seq / (time.perf_counter() - start)
-            )
-    elapsed = time.perf_counter() - start
+            rate = (done - start) * p.batch * p.seq / (time.perf_counter() - t0)
+            _progress(done, steps, loss, rate)
+        if save is not None and (done == steps or (save_every and done % save_every == 0)):
+            if progress:
+                progress.mark(f"saving step {done}")
+            state = {"step": done, "seed": seed, "data": identity, "loss": loss}
+            save_checkpoint(built, save, step=done, state=state, keep=keep)
+    elapsed = time.perf_counter() - t0
+    trained = steps - start
     _summary(
-        built, f"loss {loss:.4f}  {steps * p.batch * p.seq / max(elapsed, 1e-9):,.0f} tokens/s"
+        built, f"loss {loss:.4f}  {trained * p.batch * p.seq / max(elapsed, 1e-9):,.0f} tokens/s"
     )
     return loss
 
@@ -157,39 +335,138 @@ def _summary(built: Built, text: str) -> None:
         print(f"done: {text}  peak MiB per rank: {per_rank}", file=sys.stderr, flush=True)
 
 
+def _resume(built: Built, args: argparse.Namespace) -> tuple[int, int]:
+    """Restore the whole training state; the step to start from and the data seed."""
+    path = resume_path(args)
+    assert path is not None
+    manifest = load_checkpoint(built, path, optimizer=True)
+    state = manifest.get("state", {})
+    step, seed = int(state.get("step", manifest["step"])), int(state.get("seed", args.seed))
+    if _first(built):
+        note = f"resumed from {manifest['path']} at step {step}"
+        if seed != args.seed:
+            note += f" (data seed {seed} from the checkpoint, not --seed {args.seed})"
+        saved, now = state.get("data"), data_identity(args.data)
+        if saved != now and (saved or now):
+            note += "; warning: --data is not the file the checkpoint was trained on"
+        print(note, file=sys.stderr, flush=True)
+    return step, seed
+
+
+def _cause(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+
+
+def _stopped_ranks(progress: Progress, world: int) -> str:
+    """The ranks whose last progress mark is oldest: what a timed-out rank was waiting for."""
+    marks: dict[int, tuple[float, str]] = {}
+    for r in range(world):
+        got = progress.read(f"meshllm/at/{r}")
+        if got:
+            t, _, where = got.partition(" ")
+            marks[r] = (float(t), where)
+    if not marks:
+        return ""
+    last = max(t for t, _ in marks.values())
+    behind = sorted(r for r, (t, _) in marks.items() if last - t > 1.0)
+    if not behind:
+        return ""
+    r = behind[0]
+    names = ", ".join(str(b) for b in behind)
+    return f"rank{'s' * (len(behind) > 1)} {names} stopped making progress (last: {marks[r][1]})"
+
+
+def _kill_stuck(progress: Progress, text: str) -> None:
+    """SIGKILL peers on this host that stopped (a SIGSTOPped rank ignores torchrun's SIGTERM for
+    its 30 s grace period); the registered pid is theirs, written by the rank at start."""
+    if not text.startswith("rank"):
+        return
+    ranks = text.split(" stopped")[0].split(" ", 1)[1]
+    for r in (int(x) for x in ranks.split(", ")):
+        got = progress.read(f"meshllm/pid/{r}")
+        if got:
+            host, _, pid = got.partition(" ")
+            if host == socket.gethostname():
+                with contextlib.suppress(OSError):
+                    os.kill(int(pid), signal.SIGKILL)
+
+
+def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool, progress: Progress | None) -> None:
+    """One line per failure: the cause on the rank that failed (or on the first rank when every
+    rank agrees on it), ``stopped because ...`` on the others.  Tracebacks only with ``debug``."""
+    text = str(exc)
+    if isinstance(exc, (InputError, CheckpointError)):
+        # Raised alike on every rank (inputs, checkpoint checks are collective): say it once.
+        if first:
+            print(f"error: {exc}", file=sys.stderr)
+    elif any(mark in text for mark in _PEER_LOST):
+        failed = progress.read("meshllm/failed") if progress else None
+        why = f"rank {failed}" if failed else "a peer rank exited"
+        print(f"rank {rank} stopped: {why}", file=sys.stderr)
+    elif "timed out" in text.lower() or "timeout" in text.lower():
+        stuck = _stopped_ranks(progress, world) if progress else ""
+        print(
+            f"error: rank {rank} timed out waiting for a collective"
+            + (f": {stuck}" if stuck else f" ({_cause(exc)})"),
+            file=sys.stderr,
+        )
+        if progress:
+            _kill_stuck(progress, stuck)
+    else:
+        cause = f"{rank} failed: {_cause(exc)}"
+        if progress is not None and progress.store is not None:
+            with contextlib.suppress(Exception):
+                progress.store.compare_set("meshllm/failed", "", cause)
+        print(f"error: rank {cause}", file=sys.stderr)
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    sys.stderr.flush()
+
+
 def main(program: Program, argv: Sequence[str] | None = None) -> None:
     """Run ``program`` under torchrun (or any launcher that sets RANK / WORLD_SIZE / MASTER_*)."""
     args = parse_args(argv)
+    try:
+        check_inputs(args)
+    except InputError as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
-    rank = dist.get_rank()
+    timeout = timedelta(seconds=args.timeout)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+    set_group_timeout(timeout)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    progress = Progress(rank)
+    first = rank == 0
     try:
         built = program.build(seed=args.seed)
-        if args.load:
-            from .checkpoint import load
-
-            load(built, args.load)
+        first = _first(built)
+        start, seed = 0, args.seed
+        if args.resume is not None:
+            start, seed = _resume(built, args)
+        elif args.load:
+            load_checkpoint(built, args.load)
         if args.infer:
             infer(built, args.tokens, args.seed)
+        elif start >= args.steps:
+            if first:
+                print(f"nothing to do: the checkpoint is at step {start}, --steps is {args.steps}",
+                      file=sys.stderr)
         else:
-            train(built, args.steps, args.seed, args.data)
-        if args.save:
-            from .checkpoint import save
-
-            save(built, args.save)
+            if args.data is not None and len(open_data(args.data)) < program.seq + 2:
+                raise InputError(
+                    f"--data {args.data}: needs at least {program.seq + 2} bytes for seq "
+                    f"{program.seq}, has {len(open_data(args.data))}"
+                )
+            train(built, args.steps, seed, args.data, start=start, save=args.save,
+                  save_every=args.save_every, keep=args.keep, progress=progress)
+        progress.mark("done")
     except BaseException as exc:  # noqa: BLE001 - every failure must end this process at once
-        if any(mark in str(exc) for mark in _PEER_LOST):
-            # A consequence, not a cause: keep the failing rank's traceback the one people read.
-            print(
-                f"\nrank {rank} stopped: a peer rank exited ({str(exc).splitlines()[0][:160]})",
-                file=sys.stderr,
-            )
-        else:
-            print(f"\nrank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-            traceback.print_exc(file=sys.stderr)
-        sys.stderr.flush()
+        _report(exc, rank, world, first, args.debug, progress)
         # No clean shutdown: destroy_process_group could wait on peers that are stuck waiting
         # for this rank.  Exiting closes the connections so their collectives fail promptly.
         os._exit(1)

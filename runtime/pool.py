@@ -69,7 +69,7 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any, timeout_s
     import torch
     import torch.distributed as dist
 
-    from .mesh import end_group_creation, serve_group_creation
+    from .mesh import end_group_creation, serve_group_creation, set_group_timeout
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -79,6 +79,7 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any, timeout_s
         world_size=world,
         timeout=timedelta(seconds=timeout_s),
     )
+    set_group_timeout(timedelta(seconds=timeout_s))
     results.put(("ready", rank, True, None))
     while True:
         job = jobs.get()
