@@ -17,6 +17,14 @@ class UsageError(Exception):
     pass
 
 
+class _Terminated(Exception):
+    """SIGTERM, turned into an exception so that cleanup (worker pools, temp dirs) runs."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
 def existing(*paths: str) -> list[str]:
     """The paths, or a usage error naming those that are not files."""
     missing = [p for p in paths if not Path(p).is_file()]
@@ -143,8 +151,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    import signal
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         return int(args.func(args))
+    except _Terminated:
+        return 143
     except UsageError as err:
         print(f"meshc: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -159,6 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("meshc: internal error (please report it with the spec that caused it):", file=sys.stderr)
         print(traceback.format_exc(limit=-3), file=sys.stderr)
         return EXIT_USAGE
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
 
 
 

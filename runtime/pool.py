@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -71,6 +72,9 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any, timeout_s
 
     from .mesh import end_group_creation, serve_group_creation, set_group_timeout
 
+    # Ctrl-C reaches the whole foreground process group: only the parent should act on it (and
+    # then close the pool), or the workers die first and the parent reports a broken pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
