@@ -69,22 +69,19 @@ class _Relay(threading.Thread):
         super().__init__(daemon=True)
         self.fd, self.debug = stream, debug
         self.saw_error = False
-        self.root: tuple[int, int] | None = None
+        self.exits: list[tuple[int, int]] = []  # (rank, exit code) from torchrun's failure table
+        self._rank: int | None = None
         self._muted = False
-        self._in_root = False
 
     def _line(self, line: bytes) -> None:
         if line.startswith(b"error: "):
             self.saw_error = True
-        if line.startswith(b"Root Cause"):
-            self._in_root = True
-        elif self._in_root:
-            rank, code = _ROOT_RANK.match(line), _ROOT_EXIT.match(line)
-            if rank:
-                self.root = (int(rank.group(1)), 0)
-            elif code and self.root is not None:
-                self.root = (self.root[0], int(code.group(1)))
-                self._in_root = False
+        rank, code = _ROOT_RANK.match(line), _ROOT_EXIT.match(line)
+        if rank:
+            self._rank = int(rank.group(1))
+        elif code and self._rank is not None:
+            self.exits.append((self._rank, int(code.group(1))))
+            self._rank = None
         if not self.debug:
             if line.startswith(b"Traceback (most recent call last)"):
                 self._muted = True  # the launcher's own traceback and failure table follow
@@ -169,9 +166,12 @@ def run_job(cmd: list[str], env: dict[str, str], marker: str, debug: bool = Fals
     if proc.returncode == 0:
         return 0
     if not relay.saw_error:
-        if relay.root is not None and relay.root[1] < 0:
-            name = signal.Signals(-relay.root[1]).name
-            print(f"error: rank {relay.root[0]} was killed ({name})", file=sys.stderr)
+        # A rank killed from outside printed nothing; torchrun's table knows it (its "Root Cause"
+        # may name a healthy rank that merely noticed first).
+        killed = [(r, c) for r, c in relay.exits if c < 0]
+        if killed:
+            rank, code = killed[0]
+            print(f"error: rank {rank} was killed ({signal.Signals(-code).name})", file=sys.stderr)
         else:
             print(f"error: the job failed (torchrun exit {proc.returncode}); rerun with --debug for details", file=sys.stderr)
     return 1

@@ -15,6 +15,7 @@ import resource
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -60,6 +61,7 @@ _PEER_LOST = (
 # a stopped rank then costs at most that.  Short CPU runs may pass --timeout 30.
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_KEEP = 3
+HEARTBEAT_S = 1.0
 
 
 class InputError(Exception):
@@ -231,6 +233,14 @@ class Progress:
             self.store = None
         self.mark("start")
         self._set(f"meshllm/pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
+        # A rank blocked in a collective still beats (the wait releases the GIL); a stopped or
+        # hung-in-C process does not: that tells a timed-out rank which peer to blame.
+        threading.Thread(target=self._beat, daemon=True, name="meshllm-heartbeat").start()
+
+    def _beat(self) -> None:
+        while self.store is not None:
+            self._set(f"meshllm/beat/{self.rank}", f"{time.time():.3f}")
+            time.sleep(HEARTBEAT_S)
 
     def _set(self, key: str, value: str) -> None:
         if self.store is not None:
@@ -359,22 +369,39 @@ def _cause(exc: BaseException) -> str:
 
 
 def _stopped_ranks(progress: Progress, world: int) -> str:
-    """The ranks whose last progress mark is oldest: what a timed-out rank was waiting for."""
-    marks: dict[int, tuple[float, str]] = {}
+    """The ranks whose heartbeat stopped: what a timed-out rank was waiting for."""
+    now = time.time()
+    silent: dict[int, float] = {}
     for r in range(world):
-        got = progress.read(f"meshllm/at/{r}")
+        beat = progress.read(f"meshllm/beat/{r}")
+        if beat is None or now - float(beat) > 3 * HEARTBEAT_S + 1:
+            silent[r] = now - float(beat) if beat else float("inf")
+    if not silent:
+        return ""
+    r = min(silent)
+    where = (progress.read(f"meshllm/at/{r}") or "? unknown").partition(" ")[2]
+    names = ", ".join(str(b) for b in sorted(silent))
+    quiet = f"silent for {silent[r]:.0f} s" if silent[r] != float("inf") else "never started"
+    return f"rank{'s' * (len(silent) > 1)} {names} stopped responding ({quiet}; last at {where})"
+
+
+def _alive(pid: int) -> bool:
+    try:  # a killed process stays a zombie until torchrun reaps it
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _gone_ranks(progress: Progress, world: int) -> list[int]:
+    """Ranks on this host whose process no longer exists."""
+    out = []
+    for r in range(world):
+        got = progress.read(f"meshllm/pid/{r}")
         if got:
-            t, _, where = got.partition(" ")
-            marks[r] = (float(t), where)
-    if not marks:
-        return ""
-    last = max(t for t, _ in marks.values())
-    behind = sorted(r for r, (t, _) in marks.items() if last - t > 1.0)
-    if not behind:
-        return ""
-    r = behind[0]
-    names = ", ".join(str(b) for b in behind)
-    return f"rank{'s' * (len(behind) > 1)} {names} stopped making progress (last: {marks[r][1]})"
+            host, _, pid = got.partition(" ")
+            if host == socket.gethostname() and not _alive(int(pid)):
+                out.append(r)
+    return out
 
 
 def _kill_stuck(progress: Progress, text: str) -> None:
@@ -396,13 +423,21 @@ def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool,
     """One line per failure: the cause on the rank that failed (or on the first rank when every
     rank agrees on it), ``stopped because ...`` on the others.  Tracebacks only with ``debug``."""
     text = str(exc)
+    if first:
+        print(file=sys.stderr)  # end the progress bar's line
     if isinstance(exc, (InputError, CheckpointError)):
         # Raised alike on every rank (inputs, checkpoint checks are collective): say it once.
         if first:
             print(f"error: {exc}", file=sys.stderr)
     elif any(mark in text for mark in _PEER_LOST):
         failed = progress.read("meshllm/failed") if progress else None
-        why = f"rank {failed}" if failed else "a peer rank exited"
+        gone = _gone_ranks(progress, world) if progress and not failed else []
+        if failed:
+            why = f"rank {failed}"
+        elif gone:
+            why = f"rank {', '.join(map(str, gone))} exited without a word (killed?)"
+        else:
+            why = "a peer rank exited"
         print(f"rank {rank} stopped: {why}", file=sys.stderr)
     elif "timed out" in text.lower() or "timeout" in text.lower():
         stuck = _stopped_ranks(progress, world) if progress else ""
@@ -437,12 +472,13 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     timeout = timedelta(seconds=args.timeout)
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
-    set_group_timeout(timeout)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    progress = Progress(rank)
-    first = rank == 0
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    first, progress = rank == 0, None
     try:
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        set_group_timeout(timeout)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        progress = Progress(rank)
         built = program.build(seed=args.seed)
         first = _first(built)
         start, seed = 0, args.seed
