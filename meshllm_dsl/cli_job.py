@@ -131,7 +131,9 @@ def run_job(cmd: list[str], env: dict[str, str], marker: str, debug: bool = Fals
             print("\nmeshc: interrupted; stopping the job", file=sys.stderr, flush=True)
         received.append(signum)
         if proc.poll() is None:
-            proc.send_signal(signum)
+            # SIGTERM either way: torchrun passes the signal on to the workers, and SIGINT would
+            # make each of them print a KeyboardInterrupt.
+            proc.send_signal(signal.SIGTERM)
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     seen: set[int] = set()

@@ -425,7 +425,10 @@ def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool,
     text = str(exc)
     if first:
         print(file=sys.stderr)  # end the progress bar's line
-    if isinstance(exc, (InputError, CheckpointError)):
+    if isinstance(exc, KeyboardInterrupt):
+        if first:
+            print("stopped: interrupted", file=sys.stderr)
+    elif isinstance(exc, (InputError, CheckpointError)):
         # Raised alike on every rank (inputs, checkpoint checks are collective): say it once.
         if first:
             print(f"error: {exc}", file=sys.stderr)
