@@ -45,6 +45,10 @@ def _run_inputs(args: argparse.Namespace, seq: int) -> list[str]:
     from meshllm_dsl.cli import UsageError
     from meshllm_dsl.runtime import launch
 
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if args.max_restarts and not args.save:
+        raise UsageError("--max-restarts needs --save DIR: a restart resumes from its latest checkpoint")
     flags = ["--steps", str(args.steps), "--seed", str(args.seed), "--timeout", f"{args.timeout:g}"]
     if args.data:
         flags += ["--data", args.data]
@@ -89,11 +93,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         script = workdir / "generated" / f"{plan_name}.py"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            str(script), *flags,
+            f"--max-restarts={args.max_restarts}", str(script), *flags,
         ]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("LOGLEVEL", "WARNING")
+        if args.max_restarts:
+            # torch shares the rendezvous store with the workers by default, and a restarted
+            # worker then reads its peers' addresses from the previous attempt (pytorch#135712).
+            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         print(f"meshc: launching {nproc} processes for plan `{plan_name}`", file=sys.stderr)
         from meshllm_dsl.cli_job import run_job
 
@@ -136,6 +144,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--keep", type=int, default=3, metavar="K", help="keep the newest K checkpoints (default 3)")
     r.add_argument("--resume", metavar="DIR|latest", help="continue from a checkpoint (whole training state) up to --steps in total")
     r.add_argument("--load", metavar="DIR", help="start from the weights of a checkpoint (any layout), at step 0")
+    r.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart the job up to N times after a failure, resuming from the latest --save checkpoint")
     r.add_argument("--debug", action="store_true", help="full tracebacks and launcher output on failures")
     r.set_defaults(func=cmd_run)
 

@@ -21,8 +21,9 @@ from pathlib import Path
 
 __all__ = ["run_job"]
 
-# How long torchrun gets to stop its workers after a forwarded signal before everything is killed.
-STOP_GRACE_S = 20.0
+# How long torchrun gets to stop its workers after a forwarded signal before everything is killed:
+# beyond torchrun's own 30 s SIGTERM grace, in which a rank finishes its step and checkpoints.
+STOP_GRACE_S = 40.0
 
 _LOG_LINE = re.compile(rb"^\[?[WEI]\d{4} \d\d:\d\d:\d\d")  # glog-style lines of torch.distributed.elastic
 _ROOT_RANK = re.compile(rb"^\s*rank\s*:\s*(\d+)")

@@ -263,6 +263,33 @@ class Progress:
             return None
 
 
+class Preempted(Exception):
+    """A SIGTERM arrived; the step finished and a checkpoint was written."""
+
+
+class Preemption:
+    """SIGTERM (what schedulers send before a kill) as a request to checkpoint and stop.
+
+    Ranks receive the signal at different moments, so after every step they agree on it with one
+    all-reduce of a flag ([1], MAX over the mesh): all of them then save the same step.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def agreed(self, built: Built) -> bool:
+        flag = torch.tensor([float(self.requested)], device=built.device)
+        group = built.mesh.group(*built.mesh.names) if built.mesh.size() > 1 else None
+        if group is not None:
+            # [1]: 1.0 on ranks that saw SIGTERM, MAX over the whole mesh.
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
+
+
 def train(
     built: Built,
     steps: int,
@@ -274,12 +301,14 @@ def train(
     save_every: int = 0,
     keep: int = DEFAULT_KEEP,
     progress: Progress | None = None,
+    preempt: Preemption | None = None,
 ) -> float:
     """Train from step ``start`` up to ``steps``; rank 0 prints progress and a summary.
 
-    With ``save``, checkpoints every ``save_every`` steps and after the last step.  The batch of
-    step ``k`` depends only on (seed, k), so a resumed run sees the batches it would have seen.
-    Returns the last loss.
+    With ``save``, checkpoints every ``save_every`` steps and after the last step, and, when
+    ``preempt`` saw a SIGTERM on any rank, after the current step before raising ``Preempted``.
+    The batch of step ``k`` depends only on (seed, k), so a resumed run sees the batches it would
+    have seen.  Returns the last loss.
     """
     p = built.program
     corpus = open_data(data) if data else None
@@ -298,11 +327,16 @@ def train(
         if rank0:
             rate = (done - start) * p.batch * p.seq / (time.perf_counter() - t0)
             _progress(done, steps, loss, rate)
-        if save is not None and (done == steps or (save_every and done % save_every == 0)):
+        stop = preempt is not None and preempt.agreed(built)
+        if save is not None and (
+            stop or done == steps or (save_every and done % save_every == 0)
+        ):
             if progress:
                 progress.mark(f"saving step {done}")
             state = {"step": done, "seed": seed, "data": identity, "loss": loss}
-            save_checkpoint(built, save, step=done, state=state, keep=keep)
+            path = save_checkpoint(built, save, step=done, state=state, keep=keep)
+            if stop:
+                raise Preempted(f"stopped by SIGTERM after step {done}; saved {path}")
     elapsed = time.perf_counter() - t0
     trained = steps - start
     _summary(
@@ -361,6 +395,14 @@ def _resume(built: Built, args: argparse.Namespace) -> tuple[int, int]:
             note += "; warning: --data is not the file the checkpoint was trained on"
         print(note, file=sys.stderr, flush=True)
     return step, seed
+
+
+def _restarted() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def _has_latest(root: Path) -> bool:
+    return (Path(root) / "latest").is_file()
 
 
 def _cause(exc: BaseException) -> str:
@@ -425,7 +467,10 @@ def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool,
     text = str(exc)
     if first:
         print(file=sys.stderr)  # end the progress bar's line
-    if isinstance(exc, KeyboardInterrupt):
+    if isinstance(exc, Preempted):
+        if first:
+            print(str(exc), file=sys.stderr)
+    elif isinstance(exc, KeyboardInterrupt):
         if first:
             print("stopped: interrupted", file=sys.stderr)
     elif isinstance(exc, (InputError, CheckpointError)):
@@ -485,6 +530,8 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
         built = program.build(seed=args.seed)
         first = _first(built)
         start, seed = 0, args.seed
+        if args.resume is None and _restarted() and args.save and _has_latest(args.save):
+            args.resume = "latest"  # torchrun restarted the job: go on from the last checkpoint
         if args.resume is not None:
             start, seed = _resume(built, args)
         elif args.load:
@@ -501,9 +548,15 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
                     f"--data {args.data}: needs at least {program.seq + 2} bytes for seq "
                     f"{program.seq}, has {len(open_data(args.data))}"
                 )
+            preempt = Preemption() if args.save is not None else None
             train(built, args.steps, seed, args.data, start=start, save=args.save,
-                  save_every=args.save_every, keep=args.keep, progress=progress)
+                  save_every=args.save_every, keep=args.keep, progress=progress,
+                  preempt=preempt)
         progress.mark("done")
+    except Preempted as exc:
+        _report(exc, rank, world, first, args.debug, progress)
+        sys.stderr.flush()
+        os._exit(143)  # 128 + SIGTERM: stopped on request, resumable
     except BaseException as exc:  # noqa: BLE001 - every failure must end this process at once
         _report(exc, rank, world, first, args.debug, progress)
         # No clean shutdown: destroy_process_group could wait on peers that are stuck waiting

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -80,13 +81,23 @@ def inject_faults() -> None:
             real_agree(mesh, error)
 
         launch.save_checkpoint, checkpoint._agree = save, agree  # type: ignore[assignment]
+    if os.environ.get("TEST_FAULT") == "kill -9 rank 1 at step 5, first attempt only":
+        real_mark = launch.Progress.mark
+
+        def mark(self: launch.Progress, where: str) -> None:
+            first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+            if where == "step 5" and self.rank == 1 and first_attempt:
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_mark(self, where)
+
+        launch.Progress.mark = mark  # type: ignore[method-assign]
 
 
-def _command(tmp_path: Path, *args: str, fail: bool = False) -> list[str]:
+def _command(tmp_path: Path, *args: str, fail: bool = False, restarts: int = 0) -> list[str]:
     script = tmp_path / "plan.py"
     script.write_text(MODULE.format(fail=fail))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    return [*cmd, str(script), *args]
+    return [*cmd, f"--max-restarts={restarts}", str(script), *args]
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -94,11 +105,14 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _torchrun(
-    tmp_path: Path, *args: str, fail: bool = False, fault: str = ""
+    tmp_path: Path, *args: str, fail: bool = False, fault: str = "", restarts: int = 0
 ) -> subprocess.CompletedProcess[str]:
+    # As `meshc run --max-restarts` does (pytorch#135712: restarted workers otherwise read their
+    # peers' addresses from the previous attempt in the shared rendezvous store).
+    share = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if restarts else {}
     return subprocess.run(
-        _command(tmp_path, *args, fail=fail),
-        env=_env(TEST_FAULT=fault),
+        _command(tmp_path, *args, fail=fail, restarts=restarts),
+        env=_env(TEST_FAULT=fault, **share),
         capture_output=True,
         text=True,
         timeout=180,
@@ -182,6 +196,16 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint_and_resume_is_exact(
     assert _shards(crash / "step-000006") == _shards(straight / "step-000006")
     assert not list(crash.glob(".tmp-*"))
 
+    # With torchrun's restarts a killed rank costs the steps since the last checkpoint, no more.
+    restart = tmp_path / "restart"
+    proc = _torchrun(
+        tmp_path, "--steps", "6", "--save", str(restart), "--save-every", "2",
+        fault="kill -9 rank 1 at step 5, first attempt only", restarts=1,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"resumed from {restart / 'step-000004'} at step 4" in proc.stderr
+    assert _shards(restart / "step-000006") == _shards(straight / "step-000006")
+
 
 def _rank_pids(parent: int) -> dict[int, int]:
     """Global rank -> pid of torchrun's workers (read from their environments)."""
@@ -236,3 +260,37 @@ def test_a_stopped_rank_ends_the_job_at_the_timeout_and_is_named(tmp_path: Path)
     assert took < timeout + 15, took
     for pid in pids.values():
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+def test_sigterm_finishes_the_step_checkpoints_and_stops(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        _command(tmp_path, "--steps", "1000000", "--save", str(root)), env=_env(),
+        stderr=subprocess.PIPE,
+    )
+    err = bytearray()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        while chunk := proc.stderr.read1(4096):  # type: ignore[attr-defined]
+            err.extend(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120
+        while b"step 3/" not in err:
+            assert proc.poll() is None and time.monotonic() < deadline, err.decode()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)  # torchrun passes it to every worker
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        reader.join(timeout=10)
+    text = err.decode()
+    match = re.search(r"stopped by SIGTERM after step (\d+); saved (\S+)", text)
+    assert match, text[-2000:]
+    manifest = checkpoint.verify(root)
+    assert manifest["step"] == int(match.group(1)) >= 3
+    assert Path(match.group(2)) == root / f"step-{manifest['step']:06d}"
