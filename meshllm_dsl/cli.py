@@ -17,8 +17,8 @@ class UsageError(Exception):
     pass
 
 
-class _Terminated(Exception):
-    """SIGTERM, turned into an exception so that cleanup (worker pools, temp dirs) runs."""
+class _Terminated(BaseException):
+    """SIGTERM as an exception (a BaseException, like KeyboardInterrupt) so cleanup runs."""
 
 
 def _on_sigterm(signum: int, frame: object) -> None:

@@ -148,8 +148,12 @@ class WorkerPool:
             )
             for r in range(self.world_size)
         ]
-        for p in self._procs:
-            p.start()
+        try:
+            for p in self._procs:
+                p.start()
+        except BaseException:  # interrupted while starting (Ctrl-C, SIGTERM): leave nothing behind
+            self._abort()
+            raise
         ready = self._collect("ready", self.world_size, self.start_timeout)
         assert len(ready) == self.world_size
 
@@ -201,10 +205,11 @@ class WorkerPool:
         return [pickle.loads(r) for r in raw]
 
     def _abort(self) -> None:
-        for p in self._procs:
+        started = [p for p in self._procs if p.pid is not None]
+        for p in started:
             if p.is_alive():
                 p.kill()
-        for p in self._procs:
+        for p in started:
             p.join(timeout=10)
         self._procs, self._jobs, self._results = [], [], None
 
@@ -215,5 +220,6 @@ class WorkerPool:
         for q in self._jobs:
             q.put(None)
         for p in self._procs:
-            p.join(timeout=10)
+            if p.pid is not None:
+                p.join(timeout=10)
         self._abort()
