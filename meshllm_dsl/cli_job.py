@@ -73,6 +73,7 @@ class _Relay(threading.Thread):
         self.exits: list[tuple[int, int]] = []  # (rank, exit code) from torchrun's failure table
         self._rank: int | None = None
         self._muted = False
+        self._open = False  # the last thing written was a partial line (the progress bar)
 
     def _line(self, line: bytes) -> None:
         if line.startswith(b"error: "):
@@ -88,12 +89,14 @@ class _Relay(threading.Thread):
                 self._muted = True  # the launcher's own traceback and failure table follow
             if self._muted or _LOG_LINE.match(line):
                 return
+        if not line and not self._open:
+            return  # ranks start their reports on a fresh line; no blank lines in between
         self._write(line + b"\n")
 
-    @staticmethod
-    def _write(data: bytes) -> None:
+    def _write(self, data: bytes) -> None:
         sys.stderr.buffer.write(data)
         sys.stderr.flush()
+        self._open = not data.endswith(b"\n")
 
     def run(self) -> None:
         pending = b""

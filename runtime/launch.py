@@ -461,22 +461,32 @@ def _kill_stuck(progress: Progress, text: str) -> None:
                     os.kill(int(pid), signal.SIGKILL)
 
 
+def _say(line: str) -> None:
+    """One report line in a single write, on a line of its own: ranks write concurrently and the
+    first rank's progress bar leaves its line open."""
+    sys.stderr.flush()
+    os.write(2, f"\n{line}\n".encode())
+
+
 def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool, progress: Progress | None) -> None:
     """One line per failure: the cause on the rank that failed (or on the first rank when every
     rank agrees on it), ``stopped because ...`` on the others.  Tracebacks only with ``debug``."""
-    text = str(exc)
-    if first:
-        print(file=sys.stderr)  # end the progress bar's line
+    # Wrappers such as pipelining's "[Stage 0] failed to run forward" say where, not why: judge
+    # and report by the innermost exception of the chain.
+    chain = [exc]
+    while (inner := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 20:
+        chain.append(inner)
+    text = "\n".join(str(e) for e in chain)
     if isinstance(exc, Preempted):
         if first:
-            print(str(exc), file=sys.stderr)
+            _say(str(exc))
     elif isinstance(exc, KeyboardInterrupt):
         if first:
-            print("stopped: interrupted", file=sys.stderr)
+            _say("stopped: interrupted")
     elif isinstance(exc, (InputError, CheckpointError)):
         # Raised alike on every rank (inputs, checkpoint checks are collective): say it once.
         if first:
-            print(f"error: {exc}", file=sys.stderr)
+            _say(f"error: {exc}")
     elif any(mark in text for mark in _PEER_LOST):
         failed = progress.read("meshllm/failed") if progress else None
         gone = _gone_ranks(progress, world) if progress and not failed else []
@@ -486,22 +496,29 @@ def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool,
             why = f"rank {', '.join(map(str, gone))} exited without a word (killed?)"
         else:
             why = "a peer rank exited"
-        print(f"rank {rank} stopped: {why}", file=sys.stderr)
+        _say(f"rank {rank} stopped: {why}")
     elif "timed out" in text.lower() or "timeout" in text.lower():
         stuck = _stopped_ranks(progress, world) if progress else ""
-        print(
-            f"error: rank {rank} timed out waiting for a collective"
-            + (f": {stuck}" if stuck else f" ({_cause(exc)})"),
-            file=sys.stderr,
-        )
+        detail = f": {stuck}" if stuck else f" ({_cause(chain[-1])})"
+        mine, first_report = f"{rank} timed out{detail}", True
+        if progress is not None and progress.store is not None:
+            # Before killing the stuck rank, so the others blame it and not "a peer exited"; and
+            # only the first rank to time out says it as an error.
+            with contextlib.suppress(Exception):
+                got = bytes(progress.store.compare_set("meshllm/failed", "", mine)).decode()
+                first_report = got == mine
+        if first_report:
+            _say(f"error: rank {rank} timed out waiting for a collective{detail}")
+        else:
+            _say(f"rank {rank} stopped: timed out too{detail}")
         if progress:
             _kill_stuck(progress, stuck)
     else:
-        cause = f"{rank} failed: {_cause(exc)}"
+        cause = f"{rank} failed: {_cause(chain[-1])}"
         if progress is not None and progress.store is not None:
             with contextlib.suppress(Exception):
                 progress.store.compare_set("meshllm/failed", "", cause)
-        print(f"error: rank {cause}", file=sys.stderr)
+        _say(f"error: rank {cause}")
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
     sys.stderr.flush()
