@@ -17,6 +17,14 @@ class UsageError(Exception):
     pass
 
 
+class _Terminated(BaseException):
+    """SIGTERM as an exception (a BaseException, like KeyboardInterrupt) so cleanup runs."""
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    raise _Terminated()
+
+
 def existing(*paths: str) -> list[str]:
     """The paths, or a usage error naming those that are not files."""
     import os
@@ -174,6 +182,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    import signal
+    import threading
+
     from meshllm_dsl.load import INCLUDE_DIRS
 
     dirs = getattr(args, "include_dirs", [])
@@ -182,8 +193,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"meshc: error: -I {missing[0]}: not a directory", file=sys.stderr)
         return EXIT_USAGE
     token = INCLUDE_DIRS.set(tuple(Path(d) for d in dirs))
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
     try:
         return int(args.func(args))
+    except _Terminated:
+        return 143
     except UsageError as err:
         print(f"meshc: error: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -199,6 +214,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(traceback.format_exc(limit=-3), file=sys.stderr)
         return EXIT_USAGE
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         INCLUDE_DIRS.reset(token)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -46,6 +45,40 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_inputs(args: argparse.Namespace, seq: int) -> list[str]:
+    """The flags passed to every rank, after the checks that need no rank (UsageError if bad)."""
+    from meshllm_dsl.cli import UsageError
+    from meshllm_dsl.runtime import launch
+
+    if args.max_restarts < 0:
+        raise UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
+    if args.max_restarts and not args.save:
+        raise UsageError("--max-restarts needs --save DIR: a restart resumes from its latest checkpoint")
+    flags = ["--steps", str(args.steps), "--seed", str(args.seed), "--timeout", f"{args.timeout:g}"]
+    if args.data:
+        flags += ["--data", args.data]
+    if args.infer:
+        flags += ["--infer", "--tokens", str(args.tokens)]
+    flags += ["--save-every", str(args.save_every), "--keep", str(args.keep)]
+    if args.save:
+        flags += ["--save", args.save]
+    if args.resume:
+        flags += ["--resume", args.resume]
+    if args.load:
+        flags += ["--load", args.load]
+    if args.debug:
+        flags += ["--debug"]
+    flags += _hf_flags(args)
+    ns = launch.parse_args(flags)
+    try:
+        launch.check_inputs(ns)
+    except launch.InputError as err:
+        raise UsageError(str(err)) from None
+    if args.data and not args.infer and Path(args.data).stat().st_size < seq + 2:
+        raise UsageError(f"--data {args.data}: needs at least {seq + 2} bytes for seq {seq}, has {Path(args.data).stat().st_size}")
+    return flags
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from meshllm_dsl.codegen.emit import render_package
     from meshllm_dsl.outputs import write_generated
@@ -59,25 +92,26 @@ def cmd_run(args: argparse.Namespace) -> int:
         from meshllm_dsl.cli import UsageError
 
         raise UsageError(f"plan `{plan_name}` needs {plan.mesh.devices} processes (its mesh size), not {nproc}")
+    flags = _run_inputs(args, plan.seq)
     workdir = Path(tempfile.mkdtemp(prefix="meshc-run-"))
     try:
         write_generated(render_package(result, args.file), workdir / "generated")
         script = workdir / "generated" / f"{plan_name}.py"
         cmd = [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            str(script), "--steps", str(args.steps), "--seed", str(args.seed),
+            f"--max-restarts={args.max_restarts}", str(script), *flags,
         ]
-        if args.data:
-            cmd += ["--data", args.data]
-        if args.infer:
-            cmd += ["--infer", "--tokens", str(args.tokens)]
-        cmd += _hf_flags(args)
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("LOGLEVEL", "WARNING")
+        if args.max_restarts:
+            # torch shares the rendezvous store with the workers by default, and a restarted
+            # worker then reads its peers' addresses from the previous attempt (pytorch#135712).
+            env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         print(f"meshc: launching {nproc} processes for plan `{plan_name}`", file=sys.stderr)
-        proc = subprocess.run(cmd, env=env, check=False)
-        return 0 if proc.returncode == 0 else 1
+        from meshllm_dsl.cli_job import run_job
+
+        return run_job(cmd, env, marker=str(workdir), debug=args.debug)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -129,6 +163,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--data", metavar="TEXTFILE", help="train on this text (bytes -> tokens) instead of synthetic tokens")
     r.add_argument("--infer", action="store_true", help="greedy generation instead of training")
     r.add_argument("--tokens", type=int, default=16, help="tokens to generate with --infer")
+    r.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="seconds a rank may wait for a peer before the job stops (default 300)")
+    r.add_argument("--save", metavar="DIR", help="checkpoint root: DIR/step-NNNNNN (atomic), DIR/latest")
+    r.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps (default: only at the end)")
+    r.add_argument("--keep", type=int, default=3, metavar="K", help="keep the newest K checkpoints (default 3)")
+    r.add_argument("--resume", metavar="DIR|latest", help="continue from a checkpoint (whole training state) up to --steps in total")
+    r.add_argument("--load", metavar="DIR", help="start from the weights of a checkpoint (any layout), at step 0")
+    r.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="restart the job up to N times after a failure, resuming from the latest --save checkpoint")
+    r.add_argument("--debug", action="store_true", help="full tracebacks and launcher output on failures")
     r.add_argument("--weights", metavar="DIR", help="start from a Hugging Face model directory (safetensors)")
     r.add_argument("--export-hf", metavar="DIR", help="write a Hugging Face model directory at the end")
     r.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face tokenizer: --data is text, --prompt is decoded")

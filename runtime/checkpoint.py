@@ -1,36 +1,310 @@
-"""Sharded checkpoints with ``torch.distributed.checkpoint`` that load into any other layout.
+"""Atomic, verified, sharded checkpoints of the whole training state, loadable into any layout.
 
-Each parameter is saved under its full name as a DTensor over the mesh axes it is sharded on
-(plain tensors when replicated), so DCP records which slice of the full tensor every shard holds
-and can reshard on load.  Copies on several ranks (data replicas, tied weights) are written once.
-Fused tensors with segments (qkv) are saved one segment per key, ``NAME@j``: a segment-wise
-chunking is not a single DTensor placement.  Only model weights are saved, not optimizer state.
+A checkpoint root ``DIR`` holds ``step-NNNNNN/`` directories and a ``latest`` file naming the
+newest complete one.  A step directory is written under a temporary sibling name, flushed to disk,
+given a ``manifest.json`` (every file with its size and sha256) and only then renamed into place;
+``latest`` is replaced atomically after that, and old steps are pruned last.  A crash at any point
+therefore leaves the previous checkpoint loadable and ``latest`` pointing at a complete one.
+
+Tensors go through ``torch.distributed.checkpoint`` (DCP) under layout-independent keys:
+``model/NAME`` for every parameter at its full name and ``optim/NAME/KEY`` for its optimizer state
+(AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``, ...).  A sharded tensor is given to DCP as a
+DTensor over the axes it is split on, so DCP records which slice of the full tensor each rank
+holds and reshards on load; copies on several ranks (data replicas, tied weights) are written once.
+A fused tensor chunked segment by segment (qkv rows [q | k | v] split over ``tensor``) is not one
+DTensor placement: it is described as a ShardedTensor with one local shard per segment, which
+still saves under the one key ``model/NAME``, so a plan that shards qkv and one that does not read
+each other's checkpoints.  With ZeRO each data rank writes the optimizer state of the parameters it
+owns and reads back those it owns in the new layout.
+
+DCP's ``get_state_dict`` helpers do not fit here: they expect FSDP / DTensor parameters, while a
+meshllm stage holds plain local tensors whose layout only its ``ShardSpec`` knows.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import math
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
+import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
 
 from .mesh import Mesh
 from .program import Built
 from .shards import ShardSpec
 
-__all__ = ["load", "save"]
+# torch.distributed.checkpoint and DTensor are imported where used: they cost about a second per
+# process, and every generated module imports this file through the launcher.
+
+__all__ = [
+    "CheckpointError",
+    "check_save_root",
+    "load",
+    "resolve",
+    "save",
+    "verify",
+]
+
+FORMAT = "meshllm-checkpoint/1"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+_STEP = re.compile(r"step-(\d{6,})")
+_TMP_PREFIX = ".tmp-"
 
 
-def _device_mesh(mesh: Mesh, spec: ShardSpec, device_type: str) -> DeviceMesh:
-    """A DeviceMesh over the sharded axes of ``spec`` (one mesh dim per sharded tensor dim).
+class CheckpointError(Exception):
+    """A checkpoint cannot be written or read; the message is one line naming what is wrong."""
+
+
+# ---------------------------------------------------------------------------- files (no torch)
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:06d}"
+
+
+def list_steps(root: Path) -> list[tuple[int, Path]]:
+    """Complete-looking step directories of ``root`` (renamed into place), oldest first."""
+    out = []
+    for p in root.iterdir() if root.is_dir() else ():
+        m = _STEP.fullmatch(p.name)
+        if m and p.is_dir():
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def _ours(entry: Path) -> bool:
+    """Whether ``entry`` of a checkpoint root is something ``save`` writes."""
+    name = entry.name
+    return name == LATEST or name.startswith(_TMP_PREFIX) or bool(_STEP.fullmatch(name))
+
+
+def check_save_root(root: str | Path) -> None:
+    """Raise ``CheckpointError`` unless ``root`` can be a checkpoint root: absent (and creatable),
+    empty, or holding only what ``save`` writes; and writable."""
+    root = Path(root)
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"--save {root}: exists and is not a directory")
+    if root.is_dir():
+        foreign = sorted(p.name for p in root.iterdir() if not _ours(p))
+        if foreign:
+            shown = ", ".join(foreign[:3]) + (" ..." if len(foreign) > 3 else "")
+            raise CheckpointError(
+                f"--save {root}: directory holds files that are not meshllm checkpoints "
+                f"({shown}); choose an empty or new directory"
+            )
+        probe = root
+    else:
+        probe = next((p for p in root.parents if p.exists()), Path("."))
+        if not probe.is_dir():
+            raise CheckpointError(f"--save {root}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise CheckpointError(f"--save {root}: {probe} is not writable")
+
+
+def resolve(path: str | Path) -> Path:
+    """The step directory ``path`` names: itself, or its root's ``latest``."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path}: no such directory")
+    if (path / MANIFEST).is_file():
+        return path
+    latest = path / LATEST
+    if latest.is_file():
+        name = latest.read_text().strip()
+        if not _STEP.fullmatch(name):
+            raise CheckpointError(f"checkpoint {path}: `latest` holds {name[:40]!r}, not a step")
+        if not (path / name).is_dir():
+            raise CheckpointError(f"checkpoint {path}: `latest` names {name}, which is missing")
+        return path / name
+    if (path / ".metadata").is_file():
+        raise CheckpointError(
+            f"checkpoint {path}: no {MANIFEST}: an incomplete save or not written by meshllm"
+        )
+    if list_steps(path):
+        raise CheckpointError(f"checkpoint {path}: has step directories but no `latest` file")
+    raise CheckpointError(f"checkpoint {path}: not a meshllm checkpoint (no {MANIFEST})")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+        os.fsync(f.fileno())  # the bytes hashed are the bytes on disk before the rename
+    return h.hexdigest()
+
+
+def _files(step_dir: Path) -> list[str]:
+    return sorted(
+        str(p.relative_to(step_dir))
+        for p in step_dir.rglob("*")
+        if p.is_file() and p.name != MANIFEST
+    )
+
+
+def verify(path: str | Path, checksums: bool = True) -> dict[str, Any]:
+    """The manifest of the checkpoint ``path`` names, after checking it is complete and intact.
+
+    Raises ``CheckpointError`` naming the first problem: no or unreadable manifest, another format,
+    a file missing, extra, of the wrong size or (with ``checksums``) with other contents.
+    """
+    step_dir = resolve(path)
+    try:
+        manifest = json.loads((step_dir / MANIFEST).read_text())
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint {step_dir}: unreadable {MANIFEST} ({err})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {step_dir}: {MANIFEST} is not a {FORMAT} manifest")
+    listed: dict[str, dict[str, Any]] = manifest["files"]
+    present = _files(step_dir)
+    extra = sorted(set(present) - set(listed))
+    if extra:
+        raise CheckpointError(f"checkpoint {step_dir}: file {extra[0]} is not in the manifest")
+    for name, info in sorted(listed.items()):
+        f = step_dir / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint {step_dir}: file {name} is missing")
+        size = f.stat().st_size
+        if size != info["size"]:
+            raise CheckpointError(
+                f"checkpoint {step_dir}: file {name} has {size} bytes, the manifest says "
+                f"{info['size']} (truncated or overwritten)"
+            )
+        if checksums and _sha256(f) != info["sha256"]:
+            raise CheckpointError(f"checkpoint {step_dir}: file {name} fails its sha256 check")
+    manifest["path"] = str(step_dir)
+    return manifest
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _commit(tmp: Path, root: Path, step: int, manifest: dict[str, Any], keep: int | None) -> Path:
+    """Manifest, rename, ``latest``, prune: the order that keeps every crash recoverable."""
+    files = {name: {"size": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+             for name in _files(tmp)}
+    manifest = {**manifest, "files": files}
+    with open(tmp / MANIFEST, "w") as f:
+        json.dump(manifest, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    final = root / step_name(step)
+    if final.exists():  # the same step saved again (a resumed run): swap, never a gap in between
+        aside = root / f"{_TMP_PREFIX}old-{final.name}"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(final, aside)
+        os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_atomic(root / LATEST, final.name + "\n")
+    if keep is not None and keep > 0:
+        for _, old in list_steps(root)[:-keep]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------------------- collectives
+
+
+def _group(mesh: Mesh) -> dist.ProcessGroup | None:
+    return mesh.group(*mesh.names) if mesh.size() > 1 else None
+
+
+def _first(mesh: Mesh) -> bool:
+    return mesh.rank == mesh.ranks[0]
+
+
+def _from_first(mesh: Mesh, obj: Any) -> Any:
+    """``obj`` as the mesh's first rank has it, on every rank (collective)."""
+    group = _group(mesh)
+    if group is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=mesh.ranks[0], group=group)
+    return box[0]
+
+
+def _raise_first(mesh: Mesh, error: str | None) -> None:
+    """Raise the mesh's first rank's ``error`` (if any) on every rank (collective)."""
+    error = _from_first(mesh, error)
+    if error is not None:
+        raise CheckpointError(error)
+
+
+def _agree(mesh: Mesh, error: str | None) -> None:
+    """Raise the first rank's error (in rank order) on every rank, or return if none failed."""
+    group = _group(mesh)
+    errors = [error]
+    if group is not None:
+        errors = [None] * mesh.size()
+        dist.all_gather_object(errors, error, group=group)
+    for rank, err in zip(mesh.ranks, errors):
+        if err is not None:
+            raise CheckpointError(err if rank == mesh.rank else f"rank {rank}: {err}")
+
+
+def _dist_kwargs(mesh: Mesh) -> dict[str, Any]:
+    # A one-rank mesh has no group; DCP's default would be the whole world (hang in the pool).
+    group = _group(mesh)
+    return {"no_dist": True} if group is None else {"process_group": group}
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    # DCP warns that ShardedTensor is deprecated and, with no_dist, that it runs on one process:
+    # neither helps a user reading a training log.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", UserWarning)
+        yield
+
+
+# ---------------------------------------------------------------------------- tensors
+
+
+def _split_dims(mesh: Mesh, spec: ShardSpec) -> list[tuple[int, tuple[str, ...]]]:
+    """The dims of ``spec`` that are really split on this mesh (axes of size 1 split nothing)."""
+    return [(dim, axes) for dim, axes in spec.dims if mesh.size(*axes) > 1]
+
+
+def _device_mesh(mesh: Mesh, spec: ShardSpec, device_type: str) -> Any:
+    """A DeviceMesh over the split axes of ``spec`` (one mesh dim per split tensor dim).
 
     Built from the groups ``Mesh`` already has (``from_group`` creates none), which also works in
     the worker pool where the mesh is smaller than the world.
     """
+    from torch.distributed.device_mesh import DeviceMesh
+
     axes_per_dim = [axes for _, axes in _split_dims(mesh, spec)]
     groups = [mesh.group(*axes) for axes in axes_per_dim]
     sizes = [mesh.size(*axes) for axes in axes_per_dim]
@@ -49,75 +323,354 @@ def _device_mesh(mesh: Mesh, spec: ShardSpec, device_type: str) -> DeviceMesh:
     return DeviceMesh.from_group(groups, device_type, ranks, mesh_dim_names=names)  # type: ignore[arg-type]
 
 
-def _split_dims(mesh: Mesh, spec: ShardSpec) -> list[tuple[int, tuple[str, ...]]]:
-    """The dims of ``spec`` that are really split on this mesh (axes of size 1 split nothing)."""
-    return [(dim, axes) for dim, axes in spec.dims if mesh.size(*axes) > 1]
+def _segmented(mesh: Mesh, spec: ShardSpec, local: Tensor, device: torch.device) -> Any:
+    """``local`` (a rank's segment-wise chunk of a fused tensor) as a ShardedTensor.
+
+    Every chunk of the full tensor is listed once in the global metadata (DCP only reads the
+    local shards' offsets; the placements are not used for I/O), and this rank's chunks are views
+    of ``local`` in segment order.
+    """
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard as StShard
+    from torch.distributed._shard.sharded_tensor import ShardedTensor, ShardedTensorMetadata
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    assert spec.segments is not None
+    dims = _split_dims(mesh, spec)
+    placement = f"rank:0/{device}"
+    # Per tensor dim: the (offset, size) chunks of the full dim, and which one this rank holds.
+    per_dim: list[list[tuple[int, int]]] = [[(0, n)] for n in spec.shape]
+    mine: list[list[int]] = [[0] for _ in spec.shape]
+    for k, (dim, axes) in enumerate(dims):
+        n, i = mesh.size(*axes), mesh.index(*axes)
+        parts = spec.segments if k == 0 and dim == spec.dims[0][0] else (spec.shape[dim],)
+        chunks, held, start = [], [], 0
+        for part in parts:
+            for j in range(n):
+                if j == i:
+                    held.append(len(chunks))
+                chunks.append((start + j * (part // n), part // n))
+            start += part
+        per_dim[dim], mine[dim] = chunks, held
+    everything = [
+        ShardMetadata([c[0] for c in combo], [c[1] for c in combo], placement)
+        for combo in _product(per_dim)
+    ]
+    local_shards = []
+    for combo in _product([[per_dim[d][j] for j in mine[d]] for d in range(len(spec.shape))]):
+        view, md = local, ShardMetadata([c[0] for c in combo], [c[1] for c in combo], placement)
+        for d, (offset, size) in enumerate(combo):
+            held_offsets = [per_dim[d][j][0] for j in mine[d]]
+            view = view.narrow(d, held_offsets.index(offset) * size, size)
+        local_shards.append(StShard(view, md))
+    meta = ShardedTensorMetadata(
+        everything, torch.Size(spec.shape), TensorProperties.create_from_tensor(local)
+    )
+    # The base constructor skips the per-rank placement validation, which would reject the
+    # same chunk held by several data replicas; DCP deduplicates those writes itself.
+    st = ShardedTensorBase._init_from_local_shards_and_global_metadata(local_shards, meta)
+    assert isinstance(st, ShardedTensor)
+    st._process_group = _group(mesh) or dist.group.WORLD  # read by DCP's load path
+    return st
 
 
-def _entries(built: Built) -> dict[str, tuple[Tensor, ShardSpec, int | None]]:
-    """Checkpoint key -> (this rank's local tensor (a view of the parameter), spec, segment)."""
-    out: dict[str, tuple[Tensor, ShardSpec, int | None]] = {}
-    for i in built.stage_ids:
-        for name, spec in built.specs[i].items():
-            param = built.modules[i].get_parameter(spec.local).detach()
-            if spec.segments is None:
-                out.setdefault(name, (param, spec, None))
-                continue
-            n = built.mesh.size(*spec.dims[0][1])
-            parts = param.split([s // n for s in spec.segments], dim=spec.dims[0][0])
-            for j, part in enumerate(parts):
-                out.setdefault(f"{name}@{j}", (part, spec, j))
+def _product(lists: list[list[Any]]) -> list[tuple[Any, ...]]:
+    out: list[tuple[Any, ...]] = [()]
+    for options in lists:
+        out = [prefix + (o,) for prefix in out for o in options]
     return out
 
 
-def _state(
-    built: Built, entries: dict[str, tuple[Tensor, ShardSpec, int | None]]
-) -> dict[str, Tensor]:
-    state: dict[str, Tensor] = {}
-    for key, (local, spec, seg) in entries.items():
-        local = local.clone()
-        dims = _split_dims(built.mesh, spec)
-        if not dims:
-            state[key] = local
-            continue
-        shape = list(spec.shape)
-        if seg is not None:
-            assert spec.segments is not None
-            shape[spec.dims[0][0]] = spec.segments[seg]
-        stride = [math.prod(shape[k + 1 :]) for k in range(len(shape))]
-        placements = [Shard(dim) for dim, _ in dims]
-        mesh = _device_mesh(built.mesh, spec, built.device.type)
-        state[key] = DTensor.from_local(
-            local, mesh, placements, run_check=False, shape=torch.Size(shape), stride=tuple(stride)
-        )
-    return state
+def _dcp_value(mesh: Mesh, spec: ShardSpec, local: Tensor, device: torch.device) -> Any:
+    """What DCP is given for a tensor laid out like ``spec`` whose local part is ``local``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    dims = _split_dims(mesh, spec)
+    if not dims:
+        return local
+    if spec.segments is not None and dims[0][0] == spec.dims[0][0]:
+        return _segmented(mesh, spec, local, device)
+    shape = list(spec.shape)
+    stride = [math.prod(shape[k + 1 :]) for k in range(len(shape))]
+    return DTensor.from_local(
+        local,
+        _device_mesh(mesh, spec, device.type),
+        [Shard(dim) for dim, _ in dims],
+        run_check=False,
+        shape=torch.Size(shape),
+        stride=tuple(stride),
+    )
 
 
-def _dist_kwargs(mesh: Mesh) -> dict[str, object]:
-    # A one-rank mesh has no group; DCP's default would be the whole world (hang in the pool).
-    group = mesh.group(*mesh.names)
-    return {"no_dist": True} if group is None else {"process_group": group}
+def _read_back(value: Any, local: Tensor) -> None:
+    """Copy what DCP loaded into ``value`` into ``local`` (a no-op where they share storage)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        local.copy_(value.to_local())
+    elif isinstance(value, Tensor) and not hasattr(value, "local_shards") and value is not local:
+        local.copy_(value)
+    # A ShardedTensor's local shards are views of ``local``: DCP already wrote into it.
 
 
-def save(built: Built, path: str | Path) -> None:
-    """Write the weights of every rank of ``built`` to the directory ``path`` (collective)."""
-    state = _state(built, _entries(built))
-    dcp.save(state, checkpoint_id=str(path), **_dist_kwargs(built.mesh))
+# ---------------------------------------------------------------------------- state
 
 
-@torch.no_grad()
-def load(built: Built, path: str | Path) -> None:
-    """Load weights saved by ``save`` from any layout into ``built`` (collective)."""
-    entries = _entries(built)
-    state = _state(built, entries)
-    dcp.load(state, checkpoint_id=str(path), **_dist_kwargs(built.mesh))
-    for key, (local, _, _) in entries.items():
-        value = state[key]
-        local.copy_(value.to_local() if isinstance(value, DTensor) else value)
-    # Tied copies beyond the first holder on this rank, and the parameters behind the views.
+def _holders(built: Built) -> dict[str, list[tuple[Tensor, ShardSpec]]]:
+    """Full name -> this rank's parameters holding it (several for tied copies), first first."""
+    out: dict[str, list[tuple[Tensor, ShardSpec]]] = {}
     for i in built.stage_ids:
         for name, spec in built.specs[i].items():
             param = built.modules[i].get_parameter(spec.local)
-            first = entries[name if spec.segments is None else f"{name}@0"][0]
-            if spec.segments is None and first.data_ptr() != param.data_ptr():
-                param.copy_(first)
+            if all(p is not param for p, _ in out.get(name, [])):
+                out.setdefault(name, []).append((param, spec))
+    return out
+
+
+def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds per-parameter state (ZeRO keeps a local one for its partition)."""
+    local = getattr(optimizer, "optim", None)
+    return local if isinstance(local, torch.optim.Optimizer) else optimizer
+
+
+def _owned(built: Built) -> set[int]:
+    inner = _inner(built.optimizer)
+    return {id(p) for group in inner.param_groups for p in group["params"]}
+
+
+def fingerprint(built: Built) -> str:
+    """A hash of every full parameter name and shape: equal for every plan of one model."""
+    shapes = sorted({(n, s.shape) for specs in built.specs.values() for n, s in specs.items()})
+    return hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
+
+
+def _param_groups(built: Built) -> list[dict[str, Any]]:
+    out = []
+    for group in built.optimizer.param_groups:
+        out.append(
+            {k: list(v) if isinstance(v, tuple) else v for k, v in group.items() if k != "params"}
+        )
+    return out
+
+
+def _set_param_groups(built: Built, saved: list[dict[str, Any]]) -> None:
+    targets = [built.optimizer.param_groups]
+    inner = _inner(built.optimizer)
+    if inner is not built.optimizer:
+        targets.append(inner.param_groups)
+    for groups in targets:
+        if len(groups) != len(saved):
+            raise CheckpointError(
+                f"checkpoint has {len(saved)} optimizer parameter groups, this run {len(groups)}"
+            )
+        for group, values in zip(groups, saved):
+            for k, v in values.items():
+                if k in group:
+                    group[k] = tuple(v) if isinstance(group[k], tuple) else v
+
+
+def _save_state(built: Built, optimizer: bool) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    owned = _owned(built) if optimizer else set()
+    inner = _inner(built.optimizer)
+    for name, holders in _holders(built).items():
+        param, spec = holders[0]
+        state[f"model/{name}"] = _dcp_value(built.mesh, spec, param.detach(), built.device)
+        if not optimizer:
+            continue
+        for p, _ in holders:
+            if id(p) in owned and inner.state.get(p):
+                for key, value in inner.state[p].items():
+                    state[f"optim/{name}/{key}"] = _optim_value(built, spec, p, key, value)
+                break
+    return state
+
+
+def _optim_value(built: Built, spec: ShardSpec, param: Tensor, key: str, value: Any) -> Any:
+    if isinstance(value, Tensor) and value.shape == param.shape:
+        return _dcp_value(built.mesh, spec, value.detach(), built.device)
+    if isinstance(value, Tensor) and value.dim() == 0:
+        return value.detach().clone()
+    raise CheckpointError(f"optimizer state {key!r} of a parameter has an unexpected shape")
+
+
+def save(
+    built: Built,
+    root: str | Path,
+    step: int = 0,
+    state: Mapping[str, Any] | None = None,
+    keep: int | None = None,
+    optimizer: bool = True,
+) -> Path:
+    """Write ``root/step-NNNNNN`` atomically and point ``root/latest`` at it (collective).
+
+    Holds every parameter, the optimizer state (with ``optimizer``), this rank's RNG states and
+    ``state`` (JSON: step, data position, ...).  Keeps the newest ``keep`` steps (None: all).
+    Raises ``CheckpointError`` on every rank if any rank fails to write.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    root, mesh = Path(root), built.mesh
+    tmp = root / f"{_TMP_PREFIX}{step_name(step)}"
+    error = None
+    if _first(mesh):
+        try:
+            check_save_root(root)
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.iterdir():
+                if stale.name.startswith(_TMP_PREFIX):  # left by a save that crashed
+                    shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+            tmp.mkdir()
+        except (OSError, CheckpointError) as err:
+            error = str(err) if isinstance(err, CheckpointError) else f"--save {root}: {err}"
+    _raise_first(mesh, error)
+    tensors = _save_state(built, optimizer)
+    with _quiet():
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True),
+                 **_dist_kwargs(mesh))
+    error = None
+    try:
+        rng = {"cpu": torch.get_rng_state()}
+        if built.device.type == "cuda":
+            rng["cuda"] = torch.cuda.get_rng_state(built.device)
+        with open(tmp / f"rng-{mesh.rank}.pt", "wb") as f:
+            torch.save(rng, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:
+        error = f"--save {root}: {err}"
+    _agree(mesh, error)
+    final = root / step_name(step)
+    if _first(mesh):
+        manifest = {
+            "format": FORMAT,
+            "step": step,
+            "model": fingerprint(built),
+            "layout": {"axes": [list(a) for a in mesh.axes], "ranks": list(mesh.ranks)},
+            "optimizer": optimizer,
+            "param_groups": _param_groups(built) if optimizer else [],
+            "state": dict(state or {}),
+        }
+        try:
+            final = _commit(tmp, root, step, manifest, keep)
+        except OSError as err:
+            error = f"--save {root}: {err}"
+    _raise_first(mesh, error)
+    return final
+
+
+def _check_keys(built: Built, metadata: Any, where: Path) -> None:
+    """Refuse a checkpoint whose parameters differ from this model's: missing, extra, shape."""
+    have = {
+        key[len("model/") :]: tuple(md.size)
+        for key, md in metadata.state_dict_metadata.items()
+        if key.startswith("model/")
+    }
+    want = {n: s.shape for specs in built.specs.values() for n, s in specs.items()}
+    missing = sorted(set(want) - set(have))
+    extra = sorted(set(have) - set(want))
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} missing ({', '.join(missing[:3])}{' ...' * (len(missing) > 3)})")
+    if extra:
+        problems.append(f"{len(extra)} unexpected ({', '.join(extra[:3])}{' ...' * (len(extra) > 3)})")
+    for name in sorted(set(want) & set(have)):
+        if want[name] != have[name]:
+            problems.append(f"{name} is {list(have[name])} there, {list(want[name])} here")
+            break
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {where} is of another model: tensors " + "; ".join(problems)
+        )
+
+
+@torch.no_grad()
+def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, Any]:
+    """Load a checkpoint from any layout into ``built`` (collective); return its manifest.
+
+    ``path`` is a step directory or a root (its ``latest``).  The checkpoint is verified first
+    (manifest, sizes, checksums, tensor names and shapes); any problem raises ``CheckpointError``
+    with one line on every rank.  With ``optimizer``, the optimizer state and step are restored
+    too, and the RNG states when the layout is the same.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    mesh = built.mesh
+    found: tuple[str, dict[str, Any]] | str | None = None
+    if _first(mesh):
+        try:
+            manifest = verify(path)
+            found = (manifest["path"], manifest)
+        except CheckpointError as err:
+            found = str(err)
+    found = _from_first(mesh, found)
+    if isinstance(found, str):
+        raise CheckpointError(found)
+    assert found is not None
+    step_dir, manifest = Path(found[0]), found[1]
+    reader = dcp.FileSystemReader(step_dir)
+    metadata = reader.read_metadata()
+    _check_keys(built, metadata, step_dir)
+    if optimizer and not manifest.get("optimizer"):
+        raise CheckpointError(f"checkpoint {step_dir} holds weights only; use --load to start from it")
+
+    holders = _holders(built)
+    tensors: dict[str, Any] = {}
+    targets: dict[str, Tensor] = {}
+    for name, held in holders.items():
+        param, spec = held[0]
+        targets[f"model/{name}"] = param.detach()
+        tensors[f"model/{name}"] = _dcp_value(mesh, spec, param.detach(), built.device)
+    if optimizer:
+        owned = _owned(built)
+        inner = _inner(built.optimizer)
+        by_name: dict[str, list[str]] = {}
+        for key in metadata.state_dict_metadata:
+            if key.startswith("optim/"):
+                name, _, sub = key[len("optim/") :].rpartition("/")
+                by_name.setdefault(name, []).append(sub)
+        for name, held in holders.items():
+            mine = [(p, spec) for p, spec in held if id(p) in owned]
+            if not mine:
+                continue
+            param, spec = mine[0]
+            group = next(g for g in inner.param_groups if any(q is param for q in g["params"]))
+            for sub in by_name.get(name, []):
+                md = metadata.state_dict_metadata[f"optim/{name}/{sub}"]
+                dtype = md.properties.dtype
+                if tuple(md.size) == spec.shape:
+                    local = torch.empty_like(param, dtype=dtype)
+                    value: Any = _dcp_value(mesh, spec, local, built.device)
+                elif len(md.size) == 0:
+                    # Where AdamW keeps its step: on the device only when capturable / fused.
+                    on = param.device if group.get("capturable") or group.get("fused") else "cpu"
+                    local = value = torch.empty((), dtype=dtype, device=on)
+                else:
+                    raise CheckpointError(f"checkpoint {step_dir}: optim/{name}/{sub} has shape {list(md.size)}")
+                tensors[f"optim/{name}/{sub}"], targets[f"optim/{name}/{sub}"] = value, local
+    with _quiet():
+        dcp.load(tensors, storage_reader=reader, **_dist_kwargs(mesh))
+    for key, value in tensors.items():
+        _read_back(value, targets[key])
+    # Tied copies beyond the first holder on this rank.
+    for held in holders.values():
+        for p, _ in held[1:]:
+            p.copy_(held[0][0])
+    if optimizer:
+        inner = _inner(built.optimizer)
+        owned = _owned(built)
+        for name, held in holders.items():
+            subs = {k.rpartition("/")[2]: v for k, v in targets.items() if k.startswith(f"optim/{name}/")}
+            for p, _ in held:
+                if id(p) in owned and subs:
+                    inner.state[p] = {k: v.clone() for k, v in subs.items()}
+        _set_param_groups(built, manifest.get("param_groups", []))
+        same = manifest["layout"] == {"axes": [list(a) for a in mesh.axes], "ranks": list(mesh.ranks)}
+        rng_file = step_dir / f"rng-{mesh.rank}.pt"
+        if same and rng_file.is_file():
+            rng = torch.load(rng_file, weights_only=True)
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and built.device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], built.device)
+    return manifest

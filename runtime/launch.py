@@ -11,10 +11,15 @@ the cause and exits at once, so its peers' collectives fail quickly and torchrun
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import math
 import os
 import resource
+import signal
+import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Sequence
@@ -22,15 +27,31 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .checkpoint import CheckpointError, check_save_root, verify
+from .checkpoint import load as load_checkpoint
+from .checkpoint import save as save_checkpoint
 from .generate import greedy_generate
 from .hf import WeightsError
+from .mesh import set_group_timeout
 from .program import Built, Program
 
-__all__ = ["evaluate", "infer", "main", "parse_args", "synthetic_batch", "text_batch", "train"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "InputError",
+    "check_inputs",
+    "evaluate",
+    "infer",
+    "main",
+    "parse_args",
+    "synthetic_batch",
+    "text_batch",
+    "train",
+]
 
 
 # How gloo / NCCL report that another rank went away.
@@ -41,20 +62,48 @@ _PEER_LOST = (
 )
 
 
+# A collective that waits this long for a peer ends the job.  Five minutes covers a slow first
+# step or a large checkpoint written by one rank while the others wait in the next collective;
+# a stopped rank then costs at most that.  Short CPU runs may pass --timeout 30.
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_KEEP = 3
+HEARTBEAT_S = 1.0
+
+
+class InputError(Exception):
+    """A flag or input file is unusable; the message is one line naming it."""
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="Train or decode a meshc-generated plan (run under torchrun)."
     )
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
-    p.add_argument("--seed", type=int, default=0, help="weights and synthetic data seed")
+    p.add_argument("--steps", type=int, default=10, help="train up to this many steps in total (default 10)")
+    p.add_argument("--seed", type=int, default=0, help="weights and data sampling seed")
     p.add_argument("--data", type=Path, help="train on this file's bytes (token = byte mod vocab)")
     p.add_argument("--infer", action="store_true", help="greedy generation instead of training")
     p.add_argument("--tokens", type=int, default=16, help="tokens to generate with --infer")
     p.add_argument(
-        "--timeout", type=float, default=300.0, help="seconds before a stuck collective fails"
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT,
+        help=f"seconds a collective may wait for a peer before the job stops (default {DEFAULT_TIMEOUT:.0f})",
     )
-    p.add_argument("--save", type=Path, help="write a sharded checkpoint here at the end")
-    p.add_argument("--load", type=Path, help="start from this sharded checkpoint (any layout)")
+    p.add_argument("--save", type=Path, help="checkpoint root: DIR/step-NNNNNN, DIR/latest")
+    p.add_argument(
+        "--save-every", type=int, default=0, metavar="N",
+        help="also checkpoint every N steps (default: only at the end)",
+    )
+    p.add_argument(
+        "--keep", type=int, default=DEFAULT_KEEP, metavar="K",
+        help=f"keep the newest K checkpoints (default {DEFAULT_KEEP})",
+    )
+    p.add_argument(
+        "--resume", metavar="DIR|latest",
+        help="continue training from a checkpoint (a root, a step directory, or `latest` of --save)",
+    )
+    p.add_argument("--load", type=Path, help="start from the weights of this checkpoint (any layout)")
+    p.add_argument("--debug", action="store_true", help="full tracebacks on failures")
     p.add_argument(
         "--weights", type=Path, help="start from this Hugging Face model directory (safetensors)"
     )
@@ -70,6 +119,66 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--eval", action="store_true", help="mean loss and perplexity on --data, no training"
     )
     return p.parse_args(argv)
+
+
+def resume_path(args: argparse.Namespace) -> Path | None:
+    if args.resume is None:
+        return None
+    if args.resume == "latest":
+        if args.save is None:
+            raise InputError("--resume latest needs --save DIR (the root it is the latest of)")
+        return Path(args.save)
+    return Path(args.resume)
+
+
+def check_inputs(args: argparse.Namespace) -> None:
+    """Everything about the flags that can be known before any rank starts; ``InputError`` if not.
+
+    ``meshc run`` calls it before launching, and every rank again (a module may be started by
+    torchrun directly).  Only reads files.
+    """
+    if args.infer:
+        if args.tokens < 1:
+            raise InputError(f"--tokens must be at least 1, got {args.tokens}")
+    elif args.steps < 0 or (args.steps == 0 and not (args.weights or args.load or args.export_hf)):
+        # --steps 0 only loads (and with --export-hf converts) a checkpoint.
+        raise InputError(f"--steps must be at least 1 (0 only with --weights / --load / --export-hf), got {args.steps}")
+    if args.eval and args.data is None:
+        raise InputError("--eval needs --data FILE (held-out text)")
+    if args.prompt is not None and args.tokenizer is None:
+        raise InputError("--prompt TEXT needs --tokenizer DIR (or use --prompt-ids)")
+    for flag, path in (("--weights", args.weights), ("--tokenizer", args.tokenizer)):
+        if path is not None and not Path(path).is_dir():
+            raise InputError(f"{flag} {path}: no such directory")
+    if not args.timeout > 0:
+        raise InputError(f"--timeout must be positive, got {args.timeout:g}")
+    if args.save_every < 0:
+        raise InputError(f"--save-every must be 0 (only at the end) or more, got {args.save_every}")
+    if args.keep < 1:
+        raise InputError(f"--keep must be at least 1, got {args.keep}")
+    if args.save_every and args.save is None:
+        raise InputError("--save-every needs --save DIR")
+    if args.resume is not None and args.load is not None:
+        raise InputError("--resume and --load exclude each other (--resume restores the weights too)")
+    if args.infer and (args.resume is not None or args.save is not None):
+        raise InputError("--infer takes --load CHECKPOINT, not --resume / --save")
+    if args.data is not None and not args.infer:
+        data = Path(args.data)
+        if not data.is_file():
+            raise InputError(f"--data {data}: no such file")
+        if data.stat().st_size == 0:
+            raise InputError(f"--data {data}: the file is empty")
+    try:
+        if args.save is not None:
+            check_save_root(args.save)
+        for flag, path in (("--resume", resume_path(args)), ("--load", args.load)):
+            if path is not None:
+                try:
+                    verify(path, checksums=False)
+                except CheckpointError as err:
+                    raise InputError(f"{flag}: {err}") from None
+    except CheckpointError as err:
+        raise InputError(str(err)) from None
 
 
 def synthetic_batch(
@@ -88,15 +197,37 @@ def synthetic_batch(
 
 
 def text_batch(
-    data: Tensor, vocab: int, batch: int, seq: int, seed: int, step: int
+    data: Any, vocab: int, batch: int, seq: int, seed: int, step: int
 ) -> tuple[Tensor, Tensor]:
-    """``batch`` windows of ``seq + 1`` bytes at deterministic offsets; ids are bytes mod vocab."""
-    if data.numel() < seq + 2:
-        raise ValueError(f"--data needs at least {seq + 2} bytes, got {data.numel()}")
+    """``batch`` windows of ``seq + 1`` bytes at deterministic offsets; ids are bytes mod vocab.
+
+    ``data`` is any 1-D uint8 sequence (a memory map of the file: only the windows are read).
+    A function of (seed, step) only, so the data position of a run is its step.
+    """
+    n = len(data)
+    if n < seq + 2:
+        raise InputError(f"--data needs at least {seq + 2} bytes for seq {seq}, got {n}")
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=gen)
-    ids = torch.stack([data[s : s + seq + 1] for s in starts.tolist()]) % vocab
+    starts = torch.randint(0, n - seq - 1, (batch,), generator=gen)
+    ids = torch.stack(
+        [torch.as_tensor(np.asarray(data[s : s + seq + 1]), dtype=torch.long) for s in starts.tolist()]
+    ) % vocab
     return ids[:, :-1], ids[:, 1:]
+
+
+def open_data(path: Path) -> Any:
+    """The token file as a read-only memory map of bytes (rank memory stays O(batch))."""
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def data_identity(path: Path | None) -> dict[str, Any] | None:
+    """What a checkpoint records about ``--data`` to notice a different file on resume."""
+    if path is None:
+        return None
+    st = Path(path).stat()
+    with open(path, "rb") as f:
+        head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
+    return {"path": str(path), "bytes": st.st_size, "sha256_first_mib": head}
 
 
 def _peak_memory_mib(device: torch.device) -> float:
@@ -116,6 +247,75 @@ def _progress(step: int, steps: int, loss: float, tok_s: float) -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+class Progress:
+    """Where each rank is, in the job's store, so a rank that times out can name the one that
+    stopped.  Under torchrun the store lives in the agent, so it outlives any worker."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        try:
+            self.store: Any = dist.distributed_c10d._get_default_store()
+        except (RuntimeError, ValueError):
+            self.store = None
+        self.mark("start")
+        self._set(f"meshllm/pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
+        # A rank blocked in a collective still beats (the wait releases the GIL); a stopped or
+        # hung-in-C process does not: that tells a timed-out rank which peer to blame.
+        threading.Thread(target=self._beat, daemon=True, name="meshllm-heartbeat").start()
+
+    def _beat(self) -> None:
+        while self.store is not None:
+            self._set(f"meshllm/beat/{self.rank}", f"{time.time():.3f}")
+            time.sleep(HEARTBEAT_S)
+
+    def _set(self, key: str, value: str) -> None:
+        if self.store is not None:
+            try:
+                self.store.set(key, value)
+            except Exception:  # noqa: BLE001 - progress is advisory; never fail a step over it
+                self.store = None
+
+    def mark(self, where: str) -> None:
+        self._set(f"meshllm/at/{self.rank}", f"{time.time():.3f} {where}")
+
+    def read(self, key: str) -> str | None:
+        if self.store is None:
+            return None
+        try:
+            if not self.store.check([key]):
+                return None
+            return bytes(self.store.get(key)).decode()
+        except Exception:  # noqa: BLE001 - the store may be gone with the job
+            return None
+
+
+class Preempted(Exception):
+    """A SIGTERM arrived; the step finished and a checkpoint was written."""
+
+
+class Preemption:
+    """SIGTERM (what schedulers send before a kill) as a request to checkpoint and stop.
+
+    Ranks receive the signal at different moments, so after every step they agree on it with one
+    all-reduce of a flag ([1], MAX over the mesh): all of them then save the same step.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        self.requested = True
+
+    def agreed(self, built: Built) -> bool:
+        flag = torch.tensor([float(self.requested)], device=built.device)
+        group = built.mesh.group(*built.mesh.names) if built.mesh.size() > 1 else None
+        if group is not None:
+            # [1]: 1.0 on ranks that saw SIGTERM, MAX over the whole mesh.
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        return bool(flag.item())
 
 
 def _corpus(built: Built, data: Path | None, tokenizer: Any = None) -> Tensor | None:
@@ -155,30 +355,58 @@ def _real_vocab(built: Built) -> int:
 
 
 def train(
-    built: Built, steps: int, seed: int, data: Path | None = None, corpus: Tensor | None = None
+    built: Built,
+    steps: int,
+    seed: int,
+    data: Path | None = None,
+    corpus: Any = None,
+    *,
+    start: int = 0,
+    save: Path | None = None,
+    save_every: int = 0,
+    keep: int = DEFAULT_KEEP,
+    progress: Progress | None = None,
+    preempt: Preemption | None = None,
 ) -> float:
-    """Train ``steps`` steps; rank 0 prints progress and a summary.  Returns the last loss."""
+    """Train from step ``start`` up to ``steps``; rank 0 prints progress and a summary.
+
+    With ``save``, checkpoints every ``save_every`` steps and after the last step, and, when
+    ``preempt`` saw a SIGTERM on any rank, after the current step before raising ``Preempted``.
+    The batch of step ``k`` depends only on (seed, k), so a resumed run sees the batches it would
+    have seen.  ``corpus`` (token ids) replaces reading ``data`` as bytes.  Returns the last loss.
+    """
     p = built.program
-    if corpus is None:
-        corpus = _corpus(built, data)
+    if corpus is None and data:
+        corpus = open_data(data)
+    identity = data_identity(data)
     rank0 = _first(built)
-    loss, start = float("nan"), time.perf_counter()
-    for step in range(steps):
+    loss, t0 = float("nan"), time.perf_counter()
+    for step in range(start, steps):
+        if progress:
+            progress.mark(f"step {step + 1}")
         if corpus is None:
             tokens, targets = synthetic_batch(_real_vocab(built), p.batch, p.seq, seed, step)
         else:
             tokens, targets = text_batch(corpus, _real_vocab(built), p.batch, p.seq, seed, step)
         loss = built.train_step(tokens, targets)
+        done = step + 1
         if rank0:
-            _progress(
-                step + 1, steps, loss, (step + 1) * p.batch * p.seq / (time.perf_counter() - start)
-            )
-    elapsed = time.perf_counter() - start
-    if steps == 0:
-        _summary(built, "no training steps (--steps 0)")
-        return loss
+            rate = (done - start) * p.batch * p.seq / (time.perf_counter() - t0)
+            _progress(done, steps, loss, rate)
+        stop = preempt is not None and preempt.agreed(built)
+        if save is not None and (
+            stop or done == steps or (save_every and done % save_every == 0)
+        ):
+            if progress:
+                progress.mark(f"saving step {done}")
+            state = {"step": done, "seed": seed, "data": identity, "loss": loss}
+            path = save_checkpoint(built, save, step=done, state=state, keep=keep)
+            if stop:
+                raise Preempted(f"stopped by SIGTERM after step {done}; saved {path}")
+    elapsed = time.perf_counter() - t0
+    trained = steps - start
     _summary(
-        built, f"loss {loss:.4f}  {steps * p.batch * p.seq / max(elapsed, 1e-9):,.0f} tokens/s"
+        built, f"loss {loss:.4f}  {trained * p.batch * p.seq / max(elapsed, 1e-9):,.0f} tokens/s"
     )
     return loss
 
@@ -220,26 +448,187 @@ def _summary(built: Built, text: str) -> None:
         print(f"done: {text}  peak MiB per rank: {per_rank}", file=sys.stderr, flush=True)
 
 
+def _resume(built: Built, args: argparse.Namespace) -> tuple[int, int]:
+    """Restore the whole training state; the step to start from and the data seed."""
+    path = resume_path(args)
+    assert path is not None
+    manifest = load_checkpoint(built, path, optimizer=True)
+    state = manifest.get("state", {})
+    step, seed = int(state.get("step", manifest["step"])), int(state.get("seed", args.seed))
+    if _first(built):
+        note = f"resumed from {manifest['path']} at step {step}"
+        if seed != args.seed:
+            note += f" (data seed {seed} from the checkpoint, not --seed {args.seed})"
+        saved, now = state.get("data"), data_identity(args.data)
+        if saved != now and (saved or now):
+            note += "; warning: --data is not the file the checkpoint was trained on"
+        print(note, file=sys.stderr, flush=True)
+    return step, seed
+
+
+def _restarted() -> bool:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+
+
+def _has_latest(root: Path) -> bool:
+    return (Path(root) / "latest").is_file()
+
+
+def _cause(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+
+
+def _stopped_ranks(progress: Progress, world: int) -> str:
+    """The ranks whose heartbeat stopped: what a timed-out rank was waiting for."""
+    now = time.time()
+    silent: dict[int, float] = {}
+    for r in range(world):
+        beat = progress.read(f"meshllm/beat/{r}")
+        if beat is None or now - float(beat) > 3 * HEARTBEAT_S + 1:
+            silent[r] = now - float(beat) if beat else float("inf")
+    if not silent:
+        return ""
+    r = min(silent)
+    where = (progress.read(f"meshllm/at/{r}") or "? unknown").partition(" ")[2]
+    names = ", ".join(str(b) for b in sorted(silent))
+    quiet = f"silent for {silent[r]:.0f} s" if silent[r] != float("inf") else "never started"
+    return f"rank{'s' * (len(silent) > 1)} {names} stopped responding ({quiet}; last at {where})"
+
+
+def _alive(pid: int) -> bool:
+    try:  # a killed process stays a zombie until torchrun reaps it
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _gone_ranks(progress: Progress, world: int) -> list[int]:
+    """Ranks on this host whose process no longer exists."""
+    out = []
+    for r in range(world):
+        got = progress.read(f"meshllm/pid/{r}")
+        if got:
+            host, _, pid = got.partition(" ")
+            if host == socket.gethostname() and not _alive(int(pid)):
+                out.append(r)
+    return out
+
+
+def _kill_stuck(progress: Progress, text: str) -> None:
+    """SIGKILL peers on this host that stopped (a SIGSTOPped rank ignores torchrun's SIGTERM for
+    its 30 s grace period); the registered pid is theirs, written by the rank at start."""
+    if not text.startswith("rank"):
+        return
+    ranks = text.split(" stopped")[0].split(" ", 1)[1]
+    for r in (int(x) for x in ranks.split(", ")):
+        got = progress.read(f"meshllm/pid/{r}")
+        if got:
+            host, _, pid = got.partition(" ")
+            if host == socket.gethostname():
+                with contextlib.suppress(OSError):
+                    os.kill(int(pid), signal.SIGKILL)
+
+
+def _say(line: str) -> None:
+    """One report line in a single write, on a line of its own: ranks write concurrently and the
+    first rank's progress bar leaves its line open."""
+    sys.stderr.flush()
+    os.write(2, f"\n{line}\n".encode())
+
+
+def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool, progress: Progress | None) -> None:
+    """One line per failure: the cause on the rank that failed (or on the first rank when every
+    rank agrees on it), ``stopped because ...`` on the others.  Tracebacks only with ``debug``."""
+    # Wrappers such as pipelining's "[Stage 0] failed to run forward" say where, not why: judge
+    # and report by the innermost exception of the chain.
+    chain = [exc]
+    while (inner := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 20:
+        chain.append(inner)
+    text = "\n".join(str(e) for e in chain)
+    if isinstance(exc, Preempted):
+        if first:
+            _say(str(exc))
+    elif isinstance(exc, KeyboardInterrupt):
+        if first:
+            _say("stopped: interrupted")
+    elif isinstance(exc, (InputError, CheckpointError, WeightsError)):
+        # Raised alike on every rank (inputs; checkpoint and --weights checks read the same files
+        # everywhere before any rank reads a tensor): say it once.
+        if first:
+            _say(f"error: {'bad --weights: ' if isinstance(exc, WeightsError) else ''}{exc}")
+    elif any(mark in text for mark in _PEER_LOST):
+        failed = progress.read("meshllm/failed") if progress else None
+        gone = _gone_ranks(progress, world) if progress and not failed else []
+        if failed:
+            why = f"rank {failed}"
+        elif gone:
+            why = f"rank {', '.join(map(str, gone))} exited without a word (killed?)"
+        else:
+            why = "a peer rank exited"
+        _say(f"rank {rank} stopped: {why}")
+    elif "timed out" in text.lower() or "timeout" in text.lower():
+        stuck = _stopped_ranks(progress, world) if progress else ""
+        detail = f": {stuck}" if stuck else f" ({_cause(chain[-1])})"
+        mine, first_report = f"{rank} timed out{detail}", True
+        if progress is not None and progress.store is not None:
+            # Before killing the stuck rank, so the others blame it and not "a peer exited"; and
+            # only the first rank to time out says it as an error.
+            with contextlib.suppress(Exception):
+                got = bytes(progress.store.compare_set("meshllm/failed", "", mine)).decode()
+                first_report = got == mine
+        if first_report:
+            _say(f"error: rank {rank} timed out waiting for a collective{detail}")
+        else:
+            _say(f"rank {rank} stopped: timed out too{detail}")
+        if progress:
+            _kill_stuck(progress, stuck)
+    else:
+        cause = f"{rank} failed: {_cause(chain[-1])}"
+        if progress is not None and progress.store is not None:
+            with contextlib.suppress(Exception):
+                progress.store.compare_set("meshllm/failed", "", cause)
+        _say(f"error: rank {cause}")
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    sys.stderr.flush()
+
+
 def main(program: Program, argv: Sequence[str] | None = None) -> None:
     """Run ``program`` under torchrun (or any launcher that sets RANK / WORLD_SIZE / MASTER_*)."""
     args = parse_args(argv)
+    try:
+        check_inputs(args)
+    except InputError as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout))
-    rank = dist.get_rank()
+    timeout = timedelta(seconds=args.timeout)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    first, progress = rank == 0, None
     try:
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
+        set_group_timeout(timeout)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        progress = Progress(rank)
         built = program.build(seed=args.seed, weights=args.weights)
-        if args.load:
-            from .checkpoint import load
-
-            load(built, args.load)
+        first = _first(built)
+        start, seed = 0, args.seed
+        if args.resume is None and _restarted() and args.save and _has_latest(args.save):
+            args.resume = "latest"  # torchrun restarted the job: go on from the last checkpoint
+        if args.resume is not None:
+            start, seed = _resume(built, args)
+        elif args.load:
+            load_checkpoint(built, args.load)
         tokenizer = None
         if args.tokenizer:
             from .tokens import Tokenizer
 
             tokenizer = Tokenizer(args.tokenizer)
-        corpus = _corpus(built, args.data, tokenizer)
+        corpus = _corpus(built, args.data, tokenizer) if tokenizer is not None else None
         if args.infer:
             from .tokens import parse_ids
 
@@ -247,38 +636,37 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
             if args.prompt_ids is not None:
                 prompt = parse_ids(args.prompt_ids, _real_vocab(built))
             elif args.prompt is not None:
-                if tokenizer is None:
-                    raise ValueError("--prompt TEXT needs --tokenizer DIR (or use --prompt-ids)")
                 prompt = parse_ids(",".join(map(str, tokenizer.encode(args.prompt))), _real_vocab(built))
             infer(built, args.tokens, args.seed, prompt, tokenizer)
         elif args.eval:
-            if corpus is None:
-                raise ValueError("--eval needs --data FILE (held-out text)")
-            evaluate(built, corpus, max(args.steps, 1))
+            evaluate(built, _corpus(built, args.data, tokenizer), max(args.steps, 1))
+        elif args.steps == 0:
+            _summary(built, "no training steps (--steps 0)")
+        elif start >= args.steps:
+            if first:
+                print(f"nothing to do: the checkpoint is at step {start}, --steps is {args.steps}",
+                      file=sys.stderr)
         else:
-            train(built, args.steps, args.seed, corpus=corpus)
-        if args.save:
-            from .checkpoint import save
-
-            save(built, args.save)
+            if args.data is not None and len(open_data(args.data)) < program.seq + 2:
+                raise InputError(
+                    f"--data {args.data}: needs at least {program.seq + 2} bytes for seq "
+                    f"{program.seq}, has {len(open_data(args.data))}"
+                )
+            preempt = Preemption() if args.save is not None else None
+            train(built, args.steps, seed, args.data, corpus, start=start, save=args.save,
+                  save_every=args.save_every, keep=args.keep, progress=progress,
+                  preempt=preempt)
         if args.export_hf:
             from .hf import export_hf
 
             export_hf(built, args.export_hf, source=args.weights)
-    except BaseException as exc:  # noqa: BLE001 - every failure must end this process at once
-        if any(mark in str(exc) for mark in _PEER_LOST):
-            # A consequence, not a cause: keep the failing rank's traceback the one people read.
-            print(
-                f"\nrank {rank} stopped: a peer rank exited ({str(exc).splitlines()[0][:160]})",
-                file=sys.stderr,
-            )
-        elif isinstance(exc, WeightsError):
-            # The checkpoint, not the program, is wrong: the message names the tensor and file.
-            print(f"rank {rank}: bad --weights: {exc}", file=sys.stderr)
-        else:
-            print(f"\nrank {rank} failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-            traceback.print_exc(file=sys.stderr)
+        progress.mark("done")
+    except Preempted as exc:
+        _report(exc, rank, world, first, args.debug, progress)
         sys.stderr.flush()
+        os._exit(143)  # 128 + SIGTERM: stopped on request, resumable
+    except BaseException as exc:  # noqa: BLE001 - every failure must end this process at once
+        _report(exc, rank, world, first, args.debug, progress)
         # No clean shutdown: destroy_process_group could wait on peers that are stuck waiting
         # for this rank.  Exiting closes the connections so their collectives fail promptly.
         os._exit(1)

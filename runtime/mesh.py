@@ -19,11 +19,23 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["Mesh", "end_group_creation", "serve_group_creation"]
+__all__ = ["Mesh", "end_group_creation", "serve_group_creation", "set_group_timeout"]
+
+# How long a collective on a group made here may wait for a peer.  ``new_group`` without a
+# timeout gives PyTorch's 30-minute default whatever ``init_process_group`` got, so a stopped rank
+# would hang the job that long; launchers set this to their ``--timeout`` (the pool to its own).
+_TIMEOUT = timedelta(seconds=300)
+
+
+def set_group_timeout(timeout: timedelta) -> None:
+    """Timeout of the groups created from now on (set it to the ``init_process_group`` one)."""
+    global _TIMEOUT
+    _TIMEOUT = timeout
 
 # Rank tuple -> group (None on ranks outside it).  Every rank of the world creates every group, so
 # every rank holds the same keys and cache hits never desynchronise group creation.
@@ -33,7 +45,7 @@ _GROUPS: dict[tuple[int, ...], ProcessGroup | None] = {}
 def _create_groups(all_ranks: Sequence[tuple[int, ...]]) -> None:
     for ranks in all_ranks:
         if ranks not in _GROUPS:
-            group = dist.new_group(list(ranks))
+            group = dist.new_group(list(ranks), timeout=_TIMEOUT)
             _GROUPS[ranks] = group if isinstance(group, ProcessGroup) else None
 
 

@@ -12,6 +12,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -69,8 +70,11 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any, timeout_s
     import torch
     import torch.distributed as dist
 
-    from .mesh import end_group_creation, serve_group_creation
+    from .mesh import end_group_creation, serve_group_creation, set_group_timeout
 
+    # Ctrl-C reaches the whole foreground process group: only the parent should act on it (and
+    # then close the pool), or the workers die first and the parent reports a broken pool.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo",
@@ -79,6 +83,7 @@ def _worker(rank: int, world: int, port: int, jobs: Any, results: Any, timeout_s
         world_size=world,
         timeout=timedelta(seconds=timeout_s),
     )
+    set_group_timeout(timedelta(seconds=timeout_s))
     results.put(("ready", rank, True, None))
     while True:
         job = jobs.get()
@@ -143,8 +148,12 @@ class WorkerPool:
             )
             for r in range(self.world_size)
         ]
-        for p in self._procs:
-            p.start()
+        try:
+            for p in self._procs:
+                p.start()
+        except BaseException:  # interrupted while starting (Ctrl-C, SIGTERM): leave nothing behind
+            self._abort()
+            raise
         ready = self._collect("ready", self.world_size, self.start_timeout)
         assert len(ready) == self.world_size
 
@@ -196,10 +205,11 @@ class WorkerPool:
         return [pickle.loads(r) for r in raw]
 
     def _abort(self) -> None:
-        for p in self._procs:
+        started = [p for p in self._procs if p.pid is not None]
+        for p in started:
             if p.is_alive():
                 p.kill()
-        for p in self._procs:
+        for p in started:
             p.join(timeout=10)
         self._procs, self._jobs, self._results = [], [], None
 
@@ -210,5 +220,6 @@ class WorkerPool:
         for q in self._jobs:
             q.put(None)
         for p in self._procs:
-            p.join(timeout=10)
+            if p.pid is not None:
+                p.join(timeout=10)
         self._abort()

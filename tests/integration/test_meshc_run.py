@@ -1,0 +1,146 @@
+"""`meshc run` as a user drives it: bad inputs refused before any rank starts, interrupts stop the
+whole job (no process or temporary directory left behind)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from meshllm_dsl import cli, cli_job  # noqa: E402
+
+SPEC = """
+mesh two { axes pipeline = 2 }
+model m = gpt2 { vocab = 64, hidden = 32, layers = 2, heads = 4, positions = 16 }
+plan train on two for m {
+    batch = 4
+    seq = 8
+    microbatches = 2
+    stages over pipeline balanced
+    schedule gpipe
+}
+"""
+
+
+@pytest.fixture
+def spec(tmp_path: Path) -> Path:
+    path = tmp_path / "two.mesh"
+    path.write_text(SPEC)
+    return path
+
+
+def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
+    (tmp / "empty.txt").write_bytes(b"")
+    (tmp / "short.txt").write_bytes(b"abc")
+    (tmp / "foreign").mkdir()
+    (tmp / "foreign" / "notes.txt").write_text("mine")
+    (tmp / "partial").mkdir()
+    (tmp / "partial" / ".metadata").write_bytes(b"x")
+    return {
+        "missing data": (["--data", str(tmp / "nope.txt")], "--data {t}/nope.txt: no such file"),
+        "empty data": (["--data", str(tmp / "empty.txt")], "--data {t}/empty.txt: the file is empty"),
+        "short data": (["--data", str(tmp / "short.txt")], "needs at least 10 bytes for seq 8, has 3"),
+        "steps 0": (["--steps", "0"], "--steps must be at least 1, got 0"),
+        "steps -1": (["--steps", "-1"], "--steps must be at least 1, got -1"),
+        "tokens -3": (["--infer", "--tokens", "-3"], "--tokens must be at least 1, got -3"),
+        "timeout 0": (["--timeout", "0"], "--timeout must be positive"),
+        "resume missing": (["--resume", str(tmp / "nope")], "--resume: checkpoint {t}/nope: no such directory"),
+        "resume partial": (["--resume", str(tmp / "partial")], "no manifest.json: an incomplete save"),
+        "resume latest without save": (["--resume", "latest"], "--resume latest needs --save DIR"),
+        "load foreign": (["--load", str(tmp / "foreign")], "not a meshllm checkpoint"),
+        "save over other files": (["--save", str(tmp / "foreign")], "holds files that are not meshllm checkpoints (notes.txt)"),
+        "save onto a file": (["--save", str(tmp / "empty.txt")], "exists and is not a directory"),
+        "save-every without save": (["--save-every", "5"], "--save-every needs --save DIR"),
+    }
+
+
+CASES = [
+    "missing data", "empty data", "short data", "steps 0", "steps -1", "tokens -3", "timeout 0",
+    "resume missing", "resume partial", "resume latest without save", "load foreign",
+    "save over other files", "save onto a file", "save-every without save",
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_inputs_fail_with_one_line_before_any_rank_starts(
+    case: str, spec: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_launch(*args: object, **kwargs: object) -> int:
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(cli_job, "run_job", no_launch)
+    flags, expected = _bad_inputs(tmp_path)[case]
+    assert cli.main(["run", str(spec), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("meshc: error: "), err
+    assert expected.format(t=tmp_path) in err, err
+
+
+def _descendants(pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop()}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            todo += [c for c in children if c not in out]
+            out.update(children)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupting_meshc_stops_the_whole_job(spec: Path, signum: int, code: int) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "meshllm_dsl", "run", str(spec), "--steps", "1000000"],
+        env=env, stderr=subprocess.PIPE,
+    )
+    err = bytearray()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        while chunk := proc.stderr.read1(4096):  # type: ignore[attr-defined]
+            err.extend(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    job: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while b"step 3/" not in err:
+            assert proc.poll() is None and time.monotonic() < deadline, err.decode()
+            time.sleep(0.1)
+        job = _descendants(proc.pid)
+        workdir = re.search(rb"/[^ \0]*meshc-run-[^/ \0]+", b" ".join(
+            Path(f"/proc/{p}/cmdline").read_bytes() for p in job if Path(f"/proc/{p}").exists()
+        ))
+        assert workdir, "no meshc-run directory in the job's command lines"
+        proc.send_signal(signum)
+        assert proc.wait(timeout=60) == code
+    finally:
+        for pid in job | {proc.pid}:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        reader.join(timeout=10)
+    text = err.decode()
+    assert not [p for p in job if _alive(p)], "job processes outlived meshc"
+    assert not Path(workdir.group().decode()).exists()
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-2000:]
+    assert "meshc: interrupted; stopping the job" in text
