@@ -49,8 +49,11 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "missing data": (["--data", str(tmp / "nope.txt")], "--data {t}/nope.txt: no such file"),
         "empty data": (["--data", str(tmp / "empty.txt")], "--data {t}/empty.txt: the file is empty"),
         "short data": (["--data", str(tmp / "short.txt")], "needs at least 10 bytes for seq 8, has 3"),
-        "steps 0": (["--steps", "0"], "--steps must be at least 1, got 0"),
-        "steps -1": (["--steps", "-1"], "--steps must be at least 1, got -1"),
+        "steps 0": (["--steps", "0"], "--steps must be at least 1 (0 only with --weights / --load / --export-hf), got 0"),
+        "steps -1": (["--steps", "-1"], "--steps must be at least 1 (0 only with --weights / --load / --export-hf), got -1"),
+        "eval without data": (["--eval"], "--eval needs --data FILE"),
+        "prompt without tokenizer": (["--infer", "--prompt", "hi"], "--prompt TEXT needs --tokenizer DIR"),
+        "weights missing": (["--weights", str(tmp / "nope")], "--weights"),
         "tokens -3": (["--infer", "--tokens", "-3"], "--tokens must be at least 1, got -3"),
         "timeout 0": (["--timeout", "0"], "--timeout must be positive"),
         "resume missing": (["--resume", str(tmp / "nope")], "--resume: checkpoint {t}/nope: no such directory"),
@@ -66,7 +69,8 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
 CASES = [
     "missing data", "empty data", "short data", "steps 0", "steps -1", "tokens -3", "timeout 0",
     "resume missing", "resume partial", "resume latest without save", "load foreign",
-    "save over other files", "save onto a file", "save-every without save",
+    "save over other files", "save onto a file", "save-every without save", "eval without data",
+    "prompt without tokenizer", "weights missing",
 ]
 
 
