@@ -353,6 +353,7 @@ class Built:
                 for i in self.stage_ids:
                     x = self.modules[i](x)
                 loss = self.loss_fn(x, tgt)
+                del x  # the logits: backward needs only what the loss saved, not them
                 (loss / m).backward()
                 losses.append(loss.detach())
             return torch.stack(losses).mean()
@@ -360,7 +361,9 @@ class Built:
         n = len(p.stages)
         args = (tokens,) if 0 in self.stage_ids else ()
         target = targets if n - 1 in self.stage_ids else None
-        schedule.step(*args, target=target, losses=losses)
+        # return_outputs=False: otherwise the last stage keeps every microbatch's logits
+        # ([mb, s, vocab / t] each) until the step ends, though training only needs the losses.
+        schedule.step(*args, target=target, losses=losses, return_outputs=False)
         return torch.stack([x.detach() for x in losses]).mean() if losses else None
 
     def _sync_grads(self) -> None:
