@@ -229,8 +229,9 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
       * GQA: k and v have kv_heads heads, so they cost 2 kv_heads head_dim instead of 2 h;
       * SwiGLU keeps gate, up, silu(gate) and their product: 4 x ffn (the paper's GeLU keeps its input
         and output: 2 x 4h = 8 sbh + 8 sbh); a plain activation keeps 2 x ffn;
-      * RMSNorm keeps its input and an fp32 reciprocal RMS per token (4 sb); LayerNorm an fp32 mean
-        and rstd (8 sb); the paper counts 2 sbh per norm (its input only).
+      * RMSNorm keeps only its input (the runtime recomputes the reciprocal RMS in backward, which
+        costs O(sbh) flops); LayerNorm its input and an fp32 mean and rstd (8 sb); the paper counts
+        2 sbh per norm (its input only).
     Tensor-sharded tensors divide by the size of the axes they are split over; the norm inputs and
     the inputs of column layers are replicated over the tensor axis (no sequence parallelism), which
     is the paper's "10 sbh" term. Activation elements are in the plan's dtype.
@@ -239,7 +240,7 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
     e = DTYPES[plan.dtype]  # bytes per activation element
     kind = unit.kind
     if kind == "rmsnorm":
-        return e * tokens * int(unit.attr("dim")) + FP32 * tokens  # type: ignore[arg-type]
+        return e * tokens * int(unit.attr("dim"))  # type: ignore[arg-type]
     if kind == "layernorm":
         return e * tokens * int(unit.attr("dim")) + 2 * FP32 * tokens  # type: ignore[arg-type]
     if kind == "positional":
@@ -279,6 +280,39 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
             saved += FP32 * tokens * v_local
         return saved
     raise AssertionError(kind)
+
+
+def unit_backward_bytes(plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
+    """Bytes of gradients one unit's backward allocates at once, for one microbatch (measured with
+    `bench/activation_memory.py`): the MLP holds the gradients of its ffn-wide tensors (4 for SwiGLU:
+    product, silu, gate, up; 2 for a plain activation); a loss over full (unsharded) logits the fp32
+    log-softmax gradient and the gradient of the logits; the vocab-parallel loss works in place."""
+    unit = hu.unit
+    e = DTYPES[plan.dtype]
+    if unit.kind == "mlp":
+        up = next(leaf for leaf in unit.leaves if leaf.name == "up")
+        f = int(unit.attr("ffn")) // _axes_size(plan, hu.placement(up))  # type: ignore[arg-type]
+        return (4 if unit.attr("act") == "swiglu" else 2) * e * tokens * f
+    if unit.kind == "linear" and hu.last and not plan.loss.sharded:
+        leaf = unit.leaves[0]
+        p = hu.placement(leaf)
+        n_out = int(unit.attr("out"))  # type: ignore[arg-type]
+        v_local = n_out // _axes_size(plan, p) if p.rule == "column" and p.sharded else n_out
+        return 2 * FP32 * tokens * v_local
+    return 0
+
+
+def _stage_output_bytes(plan: PlanIR, stage: Stage, tokens: int) -> int:
+    """One microbatch of a stage's output: the residual stream, or the last stage's logits."""
+    e = DTYPES[plan.dtype]
+    if stage.index < len(plan.stages) - 1:
+        return e * tokens * _hidden(plan)
+    for hu in held_units(plan, stage):
+        if hu.last and hu.unit.kind == "linear":
+            p = hu.placement(hu.unit.leaves[0])
+            n_out = int(hu.unit.attr("out"))  # type: ignore[arg-type]
+            return e * tokens * (n_out // _axes_size(plan, p) if p.rule == "column" and p.sharded else n_out)
+    return e * tokens * _hidden(plan)
 
 
 # ---------------------------------------------------------------- communication
@@ -370,6 +404,9 @@ class RankClass:
     activation_bytes_per_microbatch: int
     in_flight: int  # microbatches (chunk forwards when interleaved) whose activations are held
     activation_bytes: int
+    # Beyond the saved activations, at the step's peak: stage outputs the pipeline schedule keeps
+    # until their backward (logits on the last stage) and the backward working set of one unit.
+    transient_bytes: int
     kv_cache_bytes: int  # inference at the plan's batch and seq
     comms: tuple[Comm, ...]
     compute_s: float
@@ -378,7 +415,7 @@ class RankClass:
     @property
     def training_bytes(self) -> int:
         return (self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.gather_buffer_bytes
-                + self.activation_bytes)
+                + self.activation_bytes + self.transient_bytes)
 
     @property
     def inference_bytes(self) -> int:
@@ -504,6 +541,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         largest_unit = 0
         tensor_calls: dict[tuple[tuple[str, ...], str], int] = {}
         holds_head = False
+        working = 2 * w * tokens_mb * hidden  # gradients of a unit's input and output
         for stage in stages_at[c]:
             for hu in held_units(plan, stage):
                 g, lo, re = unit_local_params(plan, hu)
@@ -514,6 +552,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 if hu.tied_copy:
                     continue  # a copy of weights: no activations or forward collectives of its own
                 act_mb += hu.count * unit_activation_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
+                working = max(working, unit_backward_bytes(plan, hu, tokens_mb))
                 if hu.unit.kind == "attention":
                     kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
                     kv_local = int(hu.unit.attr("kv_heads")) // _axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
@@ -526,6 +565,12 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         in_flight = in_flight_microbatches(plan.schedule, p_size, c, m, v)
         # Interleaved ranks hold v chunks; in-flight counts chunk forwards, so scale per chunk.
         act = act_mb * in_flight // max(1, len(stages_at[c]))
+        transient = working
+        if p_size > 1:
+            # torch.distributed.pipelining keeps each in-flight forward's output (the residual
+            # stream, or the logits on the last stage) until that microbatch's backward.
+            kept = sum(_stage_output_bytes(plan, s, tokens_mb) for s in stages_at[c])
+            transient += kept * in_flight // max(1, len(stages_at[c]))
 
         comms: list[Comm] = []
         act_size = w * tokens_mb * hidden
@@ -560,6 +605,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             params_global=glob, params_local=local, params_replicated=repl,
             weight_bytes=weight_b, grad_bytes=grad_b, optimizer_bytes=opt_b, gather_buffer_bytes=gather,
             activation_bytes_per_microbatch=act_mb, in_flight=in_flight, activation_bytes=act,
+            transient_bytes=transient,
             kv_cache_bytes=kv_bytes, comms=tuple(comms), compute_s=compute, dtype_bytes=w,
         ))
 
@@ -916,7 +962,7 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
              "weight_bytes": rc.weight_bytes, "grad_bytes": rc.grad_bytes, "optimizer_bytes": rc.optimizer_bytes,
              "gather_buffer_bytes": rc.gather_buffer_bytes,
              "activation_bytes_per_microbatch": rc.activation_bytes_per_microbatch, "in_flight": rc.in_flight,
-             "activation_bytes": rc.activation_bytes, "kv_cache_bytes": rc.kv_cache_bytes,
+             "activation_bytes": rc.activation_bytes, "transient_bytes": rc.transient_bytes, "kv_cache_bytes": rc.kv_cache_bytes,
              "training_bytes": rc.training_bytes, "inference_bytes": rc.inference_bytes, "compute_s": rc.compute_s,
              "comms": [attrs.asdict(c) for c in rc.comms]}
             for rc in rep.ranks
