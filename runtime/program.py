@@ -224,16 +224,13 @@ class Built:
         kw = adamw_kwargs(self.program.optimizer)
         params = self.parameters()
         if self.program.zero >= 1 and self.dp > 1:
-            from torch.distributed.optim import ZeroRedundancyOptimizer
+            from .zero import ZeroAdamW
 
             # ZeRO-1: each rank of the batch axes keeps Adam state for a slice of the parameters,
-            # steps it, and broadcasts the updated values to the other replicas.
-            return ZeroRedundancyOptimizer(
-                params,
-                optimizer_class=torch.optim.AdamW,
-                process_group=self.mesh.group(*self.batch_axes),
-                **kw,
-            )
+            # steps it, and broadcasts the updated values to the other replicas, one flat bucket
+            # per owner (torch's ZeroRedundancyOptimizer without buckets broadcast once per
+            # parameter: 1.45x the step of no ZeRO here; importing it cost ~2.4 CPU-s per rank).
+            return ZeroAdamW(params, self.mesh.group(*self.batch_axes), **kw)
         return torch.optim.AdamW(params, **kw)
 
     def _pipeline(self, mb_shape: tuple[int, int], train: bool = True) -> Any:
