@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from meshllm_dsl.diagnostics import render_all
 
@@ -71,14 +73,28 @@ def cmd_run(args: argparse.Namespace) -> int:
             cmd += ["--data", args.data]
         if args.infer:
             cmd += ["--infer", "--tokens", str(args.tokens)]
+        if args.profile is not None:
+            cmd += ["--profile", str(workdir / "profile")]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("LOGLEVEL", "WARNING")
         print(f"meshc: launching {nproc} processes for plan `{plan_name}`", file=sys.stderr)
         proc = subprocess.run(cmd, env=env, check=False)
+        if proc.returncode == 0 and args.profile is not None:
+            _print_profile(plan, workdir / "profile", args.profile)
         return 0 if proc.returncode == 0 else 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _print_profile(plan: Any, directory: Path, json_path: str) -> None:
+    from meshllm_dsl.profile_report import compare, read_ranks, report_text
+
+    data = compare(plan, read_ranks(directory))
+    print(report_text(data), end="")
+    if json_path:
+        Path(json_path).write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {json_path}")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -112,6 +128,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--data", metavar="TEXTFILE", help="train on this text (bytes -> tokens) instead of synthetic tokens")
     r.add_argument("--infer", action="store_true", help="greedy generation instead of training")
     r.add_argument("--tokens", type=int, default=16, help="tokens to generate with --infer")
+    r.add_argument("--profile", nargs="?", const="", metavar="JSON",
+                   help="after training, measure 3 more steps per rank and print them next to `meshc plan` "
+                        "(memory by category, compute, collectives per mesh axis, pipeline waits); JSON: also write them there")
     r.set_defaults(func=cmd_run)
 
     v = sub.add_parser("verify", help="tiny-twin equivalence: sharded vs unsharded outputs and gradients on CPU")

@@ -49,6 +49,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--save", type=Path, help="write a sharded checkpoint here at the end")
     p.add_argument("--load", type=Path, help="start from this sharded checkpoint (any layout)")
+    p.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="after training, time and measure 1 + 3 more steps; each rank writes DIR/rankR.json",
+    )
     return p.parse_args(argv)
 
 
@@ -175,6 +181,12 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
             infer(built, args.tokens, args.seed)
         else:
             train(built, args.steps, args.seed, args.data)
+            if args.profile:
+                from .profile import profile_train
+
+                p = program
+                batches = [synthetic_batch(p.vocab, p.batch, p.seq, args.seed, i) for i in range(4)]
+                profile_train(built, batches, args.profile)
         if args.save:
             from .checkpoint import save
 
