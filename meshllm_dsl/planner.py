@@ -9,6 +9,8 @@ rank at that coordinate holds the same amount, since the checker guarantees whol
 
   memory   = weights + gradients + optimizer states (ZeRO over the plan's zero axes)
              + activations of the microbatches in flight under the schedule
+             + transients at the peak (stage outputs the pipeline keeps, one unit's backward
+               gradients); checked against the runtime by bench/activation_memory.py
   time     = (compute + exposed tensor / pipeline communication) x (1 + bubble)
              + data-parallel gradient reduction
   compute  = 6 x (parameters on the device) x (tokens per data replica) / (peak x MFU)
