@@ -81,16 +81,20 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"meshc: launching {nproc} processes for plan `{plan_name}`", file=sys.stderr)
         proc = subprocess.run(cmd, env=env, check=False)
         if proc.returncode == 0 and args.profile is not None:
-            _print_profile(plan, workdir / "profile", args.profile)
+            _print_profile(plan, args.file, workdir / "profile", args.profile)
         return 0 if proc.returncode == 0 else 1
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _print_profile(plan: Any, directory: Path, json_path: str) -> None:
+def _print_profile(plan: Any, spec: str, directory: Path, json_path: str) -> None:
+    from meshllm_dsl.cli_plan import load_checked
+    from meshllm_dsl.planner import analyze, resolve_device
     from meshllm_dsl.profile_report import compare, read_ranks, report_text
 
-    data = compare(plan, read_ranks(directory))
+    # The spec's own `device` declarations (e.g. from `meshc calibrate`) count, as in `meshc plan`.
+    device, assumed = resolve_device(plan, load_checked(spec).devices)
+    data = compare(plan, read_ranks(directory), analyze(plan, device, device_assumed=assumed))
     print(report_text(data), end="")
     if json_path:
         Path(json_path).write_text(json.dumps(data, indent=1) + "\n")

@@ -353,9 +353,10 @@ def _crosses(mesh: MeshIR, axes: tuple[str, ...]) -> bool:
 
 def _link(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...]) -> tuple[float, float, bool]:
     crosses = _crosses(plan.mesh, axes)
+    measured = device.latency_us * 1e-6 if device.latency_us is not None else None
     if crosses:
-        return device.inter_gbps * 1e9, LATENCY_INTER_S, True
-    return device.intra_gbps * 1e9, LATENCY_INTRA_S, False
+        return device.inter_gbps * 1e9, measured or LATENCY_INTER_S, True
+    return device.intra_gbps * 1e9, measured or LATENCY_INTRA_S, False
 
 
 def _comm(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], kind: str, op: str, calls: int,
@@ -600,7 +601,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             else:
                 comms.append(_comm(plan, device, data_axes, "data", "all_reduce", 1, w * local))
         # Compute: 6 flops per parameter per token (2 forward, 4 backward), over this replica's tokens.
-        compute = 6 * local * (plan.batch // dp) * plan.seq / (device.tflops * 1e12 * MFU)
+        compute = 6 * local * (plan.batch // dp) * plan.seq / (device.tflops * 1e12 * (device.mfu or MFU))
         classes.append(RankClass(
             coord=c, stages=tuple(s.index for s in stages_at[c]),
             label="; ".join(stage_label(plan, s) for s in stages_at[c]), ranks=rank_sets[c],
@@ -760,7 +761,7 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
         size = plan.mesh.size(axis)
         slow = max(report.ranks, key=lambda r: r.compute_s)
         sharded = slow.params_local - slow.params_replicated
-        saved = 6 * sharded * (plan.batch // plan.data_size) * plan.seq / (dev.tflops * 1e12 * MFU)
+        saved = 6 * sharded * (plan.batch // plan.data_size) * plan.seq / (dev.tflops * 1e12 * (dev.mfu or MFU))
         half = size // 2
         kept = comm_s * ((half - 1) / half) / ((size - 1) / size) if half > 1 else 0.0
         if size > 1 and comm_s - kept > saved:
@@ -924,7 +925,7 @@ def report_text(rep: PlanReport) -> str:
         f"pipeline bubble: {rep.bubble:.1%}" + (f" = (p - 1) / (m + p - 1){' / v' if plan.virtual > 1 else ''} with p = {p}, m = {plan.microbatches}"
                                              + (f", v = {plan.virtual}" if plan.virtual > 1 else "") if p > 1 else " (no pipeline)"),
         "",
-        f"step time (estimate; {dev.name} {dev.tflops:g} TFLOP/s at MFU {MFU:.0%} for the matmuls, links {dev.intra_gbps:g} / {dev.inter_gbps:g} GB/s)",
+        f"step time (estimate; {dev.name} {dev.tflops:g} TFLOP/s at MFU {(dev.mfu or MFU):.0%} for the matmuls, links {dev.intra_gbps:g} / {dev.inter_gbps:g} GB/s)",
         f"  compute          {fmt_seconds(st.compute_s)}   6 x params x tokens on the slowest pipeline rank",
         f"  tensor comm      {fmt_seconds(st.tensor_s)}",
         f"  pipeline comm    {fmt_seconds(st.pipeline_s)}",
@@ -972,7 +973,7 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
         "communication": rep.comm_by_axis(),
         "step": {"compute_s": st.compute_s, "tensor_s": st.tensor_s, "pipeline_s": st.pipeline_s, "bubble_s": st.bubble_s,
                  "data_s": st.data_s, "total_s": st.total_s, "model_flops": st.model_flops, "tokens": st.tokens,
-                 "tokens_per_s": st.tokens / st.total_s if st.total_s else None, "mfu": rep.mfu, "assumed_matmul_mfu": MFU},
+                 "tokens_per_s": st.tokens / st.total_s if st.total_s else None, "mfu": rep.mfu, "assumed_matmul_mfu": rep.device.mfu or MFU},
         "peak_training_bytes": rep.peak_training_bytes,
         "peak_inference_bytes": rep.peak_inference_bytes,
         "fits": rep.fits,
