@@ -231,9 +231,9 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
       * GQA: k and v have kv_heads heads, so they cost 2 kv_heads head_dim instead of 2 h;
       * SwiGLU keeps gate, up, silu(gate) and their product: 4 x ffn (the paper's GeLU keeps its input
         and output: 2 x 4h = 8 sbh + 8 sbh); a plain activation keeps 2 x ffn;
-      * RMSNorm keeps only its input (the runtime recomputes the reciprocal RMS in backward, which
-        costs O(sbh) flops); LayerNorm its input and an fp32 mean and rstd (8 sb); the paper counts
-        2 sbh per norm (its input only).
+      * RMSNorm keeps its input and an fp32 reciprocal RMS per token (4 sb; the runtime's own
+        autograd Function, which does not also keep the normalised tensor); LayerNorm its input and
+        an fp32 mean and rstd (8 sb); the paper counts 2 sbh per norm (its input only).
     Tensor-sharded tensors divide by the size of the axes they are split over; the norm inputs and
     the inputs of column layers are replicated over the tensor axis (no sequence parallelism), which
     is the paper's "10 sbh" term. Activation elements are in the plan's dtype.
@@ -242,7 +242,7 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
     e = DTYPES[plan.dtype]  # bytes per activation element
     kind = unit.kind
     if kind == "rmsnorm":
-        return e * tokens * int(unit.attr("dim"))  # type: ignore[arg-type]
+        return e * tokens * int(unit.attr("dim")) + FP32 * tokens  # type: ignore[arg-type]
     if kind == "layernorm":
         return e * tokens * int(unit.attr("dim")) + 2 * FP32 * tokens  # type: ignore[arg-type]
     if kind == "positional":

@@ -45,38 +45,43 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 class _RMSNormFn(torch.autograd.Function):
-    """RMSNorm that keeps only its input for backward and recomputes the rest there.
+    """RMSNorm that keeps only its input and the fp32 reciprocal RMS per token for backward.
 
-    Plain autograd over ``_rms_norm`` keeps the input, an fp32 copy of it (half precision), the
-    reciprocal RMS and the normalised tensor the weight multiplies: up to 3 x [tokens, dim] where
-    backward needs only the input.  Recomputing the norm costs O(tokens x dim) flops, nothing next
-    to the matmuls around it, and gives bit-identical gradients (the same graph, run again).
+    Plain autograd over ``_rms_norm`` also keeps an fp32 copy of the input (half precision) and
+    the normalised tensor the weight multiplies: up to 3 x [tokens, dim] where backward needs one.
+    The gradient is written out (d/dh of h r with r = rsqrt(mean(h^2) + eps)):
+    dh = r (dn - h r^2 mean(dn h)), in the same dtypes autograd would use.
     """
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return _rms_norm(x, weight, eps)
+        in_dtype = x.dtype
+        h = x.to(_compute_dtype(in_dtype))
+        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (h * rstd).to(in_dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
-        x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            xd = x.detach().requires_grad_(ctx.needs_input_grad[0])
-            wd = weight.detach().requires_grad_(ctx.needs_input_grad[1])
-            out = _rms_norm(xd, wd, ctx.eps)
-            wanted = [t for t in (xd, wd) if t.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad)) if wanted else iter(())
-        gx = next(grads) if xd.requires_grad else None
-        gw = next(grads) if wd.requires_grad else None
+        x, weight, rstd = ctx.saved_tensors
+        in_dtype = x.dtype
+        h = x.to(rstd.dtype)
+        gw = None
+        if ctx.needs_input_grad[1]:
+            n = (h * rstd).to(in_dtype)
+            gw = (grad * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            dn = (grad * weight).to(rstd.dtype)
+            dh = rstd * (dn - h * (rstd * rstd) * (dn * h).mean(-1, keepdim=True))
+            gx = dh.to(in_dtype)
         return gx, gw, None
 
 
 class RMSNorm(nn.Module):
     """Llama RMSNorm: normalise in float32, scale in the input dtype (as HF does).
 
-    When training, only the input is kept for backward (see ``_RMSNormFn``).
+    When training, only the input and the reciprocal RMS are kept for backward (``_RMSNormFn``).
     """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:

@@ -138,12 +138,12 @@ def test_llama_block_activations_per_microbatch() -> None:
     e, n, h, f, t = 4, 2 * 32, 64, 128, 2
     hq, hk, d = 4 // t, 2 // t, 16
     block = (
-        2 * e * n * h  # two RMSNorms: their input (the rstd is recomputed in backward)
+        2 * (e * n * h + 4 * n)  # two RMSNorms: input + fp32 rstd
         + e * n * h + e * n * (hq + 2 * hk) * d + e * n * hq * d + 4 * n * hq  # attention
         + e * n * h + 4 * e * n * f // t  # SwiGLU MLP
     )
     first = 8 * n + 2 * block  # token ids + blocks 0-1
-    last = 2 * block + e * n * h + e * n * h + 4 * n * 256 // t  # + final norm + head input + fp32 logits
+    last = 2 * block + (e * n * h + 4 * n) + e * n * h + 4 * n * 256 // t  # + final norm + head input + fp32 logits
     assert [rc.activation_bytes_per_microbatch for rc in rep.ranks] == [first, last]
     assert [rc.in_flight for rc in rep.ranks] == [2, 1]
 
