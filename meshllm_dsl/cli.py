@@ -164,7 +164,7 @@ _EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = []  # type: ig
 def _load_extensions() -> None:
     import importlib
 
-    for name in ("meshllm_dsl.cli_compile", "meshllm_dsl.cli_plan", "meshllm_dsl.import_hf"):
+    for name in ("meshllm_dsl.cli_compile", "meshllm_dsl.cli_plan", "meshllm_dsl.import_hf", "meshllm_dsl.calibrate"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as err:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from meshllm_dsl.diagnostics import render_all
 
@@ -69,7 +71,8 @@ def _run_inputs(args: argparse.Namespace, seq: int) -> list[str]:
     if args.debug:
         flags += ["--debug"]
     flags += _hf_flags(args)
-    ns = launch.parse_args(flags)
+    # --profile's directory is made per run; any path stands in for it to check the flags.
+    ns = launch.parse_args(flags + (["--profile", "profile"] if args.profile is not None else []))
     try:
         launch.check_inputs(ns)
     except launch.InputError as err:
@@ -101,6 +104,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             f"--max-restarts={args.max_restarts}", str(script), *flags,
         ]
+        if args.profile is not None:
+            cmd += ["--profile", str(workdir / "profile")]
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("LOGLEVEL", "WARNING")
@@ -111,7 +116,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"meshc: launching {nproc} processes for plan `{plan_name}`", file=sys.stderr)
         from meshllm_dsl.cli_job import run_job
 
-        return run_job(cmd, env, marker=str(workdir), debug=args.debug)
+        code = run_job(cmd, env, marker=str(workdir), debug=args.debug)
+        if code == 0 and args.profile is not None:
+            _print_profile(plan, args.file, workdir / "profile", args.profile)
+        return code
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -130,6 +138,20 @@ def _hf_flags(args: argparse.Namespace) -> list[str]:
     if getattr(args, "eval", False):
         out.append("--eval")
     return out
+
+
+def _print_profile(plan: Any, spec: str, directory: Path, json_path: str) -> None:
+    from meshllm_dsl.cli_plan import load_checked
+    from meshllm_dsl.planner import analyze, resolve_device
+    from meshllm_dsl.profile_report import compare, read_ranks, report_text
+
+    # The spec's own `device` declarations (e.g. from `meshc calibrate`) count, as in `meshc plan`.
+    device, assumed = resolve_device(plan, load_checked(spec).devices)
+    data = compare(plan, read_ranks(directory), analyze(plan, device, device_assumed=assumed))
+    print(report_text(data), end="")
+    if json_path:
+        Path(json_path).write_text(json.dumps(data, indent=1) + "\n")
+        print(f"wrote {json_path}")
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -179,6 +201,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--prompt", metavar="TEXT", help="with --infer: the prompt text (needs --tokenizer)")
     r.add_argument("--prompt-ids", metavar="IDS", help="with --infer: the prompt as token ids, e.g. 1,2,3")
     r.add_argument("--eval", action="store_true", help="report mean loss and perplexity on --data without training")
+    r.add_argument("--profile", nargs="?", const="", metavar="JSON",
+                   help="after training, measure 3 more steps per rank and print them next to `meshc plan` "
+                        "(memory by category, compute, collectives per mesh axis, pipeline waits); JSON: also write them there")
     r.set_defaults(func=cmd_run)
 
     v = sub.add_parser("verify", help="tiny-twin equivalence: sharded vs unsharded outputs and gradients on CPU")

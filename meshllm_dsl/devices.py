@@ -7,7 +7,9 @@ A .mesh file can declare its own profile:
     device h100_pcie { like = h100, memory = 80, tflops = 756, intra = 64 }
 
 Settings: `memory` (GiB), `tflops`, `intra` (GB/s within a host), `inter` (GB/s between hosts, per
-device), `per_host` (devices in one host), `like` (a known profile whose values the others default to).
+device), `per_host` (devices in one host), `like` (a known profile whose values the others default to),
+and, as `meshc calibrate` writes them, `mfu` (fraction of `tflops` the matmuls reach) and `latency`
+(microseconds per collective call).
 The checker accepts the name in `device = NAME`; `declared_profiles` turns the declaration into a
 profile, with diagnostics for settings that are missing or wrong.
 """
@@ -33,6 +35,9 @@ class DeviceProfile:
     intra_gbps: float  # GB/s between devices of one host (NVLink), per direction
     inter_gbps: float  # GB/s between hosts (network, per device), per direction
     per_host: int = 8  # devices in one host: where the fast link ends
+    # Measured by `meshc calibrate` (None: the planner's assumptions MFU / LATENCY_* apply).
+    mfu: float | None = None  # fraction of `tflops` the training matmuls reach
+    latency_us: float | None = None  # per-collective latency, microseconds
 
     @property
     def memory_bytes(self) -> int:
@@ -64,7 +69,9 @@ PROFILES: dict[str, DeviceProfile] = {
 DEFAULT_PROFILE = "h100"
 
 _SETTINGS = {"memory": "memory_gib", "tflops": "tflops", "intra": "intra_gbps", "inter": "inter_gbps",
-             "per_host": "per_host"}
+             "per_host": "per_host", "mfu": "mfu", "latency": "latency_us"}
+_OPTIONAL = {"per_host", "mfu", "latency"}
+_EXAMPLE = {"mfu": 0.5, "latency": 10}
 
 
 def _number(expr: ast.Expr) -> float | None:
@@ -125,7 +132,7 @@ def declared_profiles(decls: Iterable[ast.DeviceDecl]) -> tuple[dict[str, Device
             if v is None or v <= 0:
                 diags.append(Diagnostic("E0303" if v is not None else "E0304", f"`{key}` must be a positive number",
                                         s.value.span, label="not a positive number",
-                                        help=f"e.g. `{key} = {getattr(PROFILES[DEFAULT_PROFILE], _SETTINGS[key])}`"))
+                                        help=f"e.g. `{key} = {_EXAMPLE.get(key) or getattr(PROFILES[DEFAULT_PROFILE], _SETTINGS[key])}`"))
                 ok = False
                 continue
             if key == "per_host" and (v != int(v) or v > MAX_DEVICES):
@@ -143,7 +150,7 @@ def declared_profiles(decls: Iterable[ast.DeviceDecl]) -> tuple[dict[str, Device
             values[_SETTINGS[key]] = v
         if not ok:
             continue
-        missing = [k for k, field in _SETTINGS.items() if field not in values and k != "per_host"]
+        missing = [k for k, field in _SETTINGS.items() if field not in values and k not in _OPTIONAL]
         if base is None and missing:
             diags.append(Diagnostic("E0205", f"device `{decl.name.value}` does not set {', '.join(f'`{m}`' for m in missing)}",
                                     decl.name.span, label="incomplete profile",

@@ -9,6 +9,8 @@ rank at that coordinate holds the same amount, since the checker guarantees whol
 
   memory   = weights + gradients + optimizer states (ZeRO over the plan's zero axes)
              + activations of the microbatches in flight under the schedule
+             + transients at the peak (stage outputs the pipeline keeps, one unit's backward
+               gradients); checked against the runtime by bench/activation_memory.py
   time     = (compute + exposed tensor / pipeline communication) x (1 + bubble)
              + data-parallel gradient reduction
   compute  = 6 x (parameters on the device) x (tokens per data replica) / (peak x MFU)
@@ -229,8 +231,9 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
       * GQA: k and v have kv_heads heads, so they cost 2 kv_heads head_dim instead of 2 h;
       * SwiGLU keeps gate, up, silu(gate) and their product: 4 x ffn (the paper's GeLU keeps its input
         and output: 2 x 4h = 8 sbh + 8 sbh); a plain activation keeps 2 x ffn;
-      * RMSNorm keeps its input and an fp32 reciprocal RMS per token (4 sb); LayerNorm an fp32 mean
-        and rstd (8 sb); the paper counts 2 sbh per norm (its input only).
+      * RMSNorm keeps its input and an fp32 reciprocal RMS per token (4 sb; the runtime's own
+        autograd Function, which does not also keep the normalised tensor); LayerNorm its input and
+        an fp32 mean and rstd (8 sb); the paper counts 2 sbh per norm (its input only).
     Tensor-sharded tensors divide by the size of the axes they are split over; the norm inputs and
     the inputs of column layers are replicated over the tensor axis (no sequence parallelism), which
     is the paper's "10 sbh" term. Activation elements are in the plan's dtype.
@@ -281,6 +284,39 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
     raise AssertionError(kind)
 
 
+def unit_backward_bytes(plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
+    """Bytes of gradients one unit's backward allocates at once, for one microbatch (measured with
+    `bench/activation_memory.py`): the MLP holds the gradients of its ffn-wide tensors (4 for SwiGLU:
+    product, silu, gate, up; 2 for a plain activation); a loss over full (unsharded) logits the fp32
+    log-softmax gradient and the gradient of the logits; the vocab-parallel loss works in place."""
+    unit = hu.unit
+    e = DTYPES[plan.dtype]
+    if unit.kind == "mlp":
+        up = next(leaf for leaf in unit.leaves if leaf.name == "up")
+        f = int(unit.attr("ffn")) // _axes_size(plan, hu.placement(up))  # type: ignore[arg-type]
+        return (4 if unit.attr("act") == "swiglu" else 2) * e * tokens * f
+    if unit.kind == "linear" and hu.last and not plan.loss.sharded:
+        leaf = unit.leaves[0]
+        p = hu.placement(leaf)
+        n_out = int(unit.attr("out"))  # type: ignore[arg-type]
+        v_local = n_out // _axes_size(plan, p) if p.rule == "column" and p.sharded else n_out
+        return 2 * FP32 * tokens * v_local
+    return 0
+
+
+def _stage_output_bytes(plan: PlanIR, stage: Stage, tokens: int) -> int:
+    """One microbatch of a stage's output: the residual stream, or the last stage's logits."""
+    e = DTYPES[plan.dtype]
+    if stage.index < len(plan.stages) - 1:
+        return e * tokens * _hidden(plan)
+    for hu in held_units(plan, stage):
+        if hu.last and hu.unit.kind == "linear":
+            p = hu.placement(hu.unit.leaves[0])
+            n_out = int(hu.unit.attr("out"))  # type: ignore[arg-type]
+            return e * tokens * (n_out // _axes_size(plan, p) if p.rule == "column" and p.sharded else n_out)
+    return e * tokens * _hidden(plan)
+
+
 # ---------------------------------------------------------------- communication
 
 
@@ -317,9 +353,10 @@ def _crosses(mesh: MeshIR, axes: tuple[str, ...]) -> bool:
 
 def _link(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...]) -> tuple[float, float, bool]:
     crosses = _crosses(plan.mesh, axes)
+    measured = device.latency_us * 1e-6 if device.latency_us is not None else None
     if crosses:
-        return device.inter_gbps * 1e9, LATENCY_INTER_S, True
-    return device.intra_gbps * 1e9, LATENCY_INTRA_S, False
+        return device.inter_gbps * 1e9, measured or LATENCY_INTER_S, True
+    return device.intra_gbps * 1e9, measured or LATENCY_INTRA_S, False
 
 
 def _comm(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], kind: str, op: str, calls: int,
@@ -370,6 +407,9 @@ class RankClass:
     activation_bytes_per_microbatch: int
     in_flight: int  # microbatches (chunk forwards when interleaved) whose activations are held
     activation_bytes: int
+    # Beyond the saved activations, at the step's peak: stage outputs the pipeline schedule keeps
+    # until their backward (logits on the last stage) and the backward working set of one unit.
+    transient_bytes: int
     kv_cache_bytes: int  # inference at the plan's batch and seq
     comms: tuple[Comm, ...]
     compute_s: float
@@ -378,7 +418,7 @@ class RankClass:
     @property
     def training_bytes(self) -> int:
         return (self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.gather_buffer_bytes
-                + self.activation_bytes)
+                + self.activation_bytes + self.transient_bytes)
 
     @property
     def inference_bytes(self) -> int:
@@ -504,6 +544,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         largest_unit = 0
         tensor_calls: dict[tuple[tuple[str, ...], str], int] = {}
         holds_head = False
+        working = 2 * w * tokens_mb * hidden  # gradients of a unit's input and output
         for stage in stages_at[c]:
             for hu in held_units(plan, stage):
                 g, lo, re = unit_local_params(plan, hu)
@@ -514,6 +555,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 if hu.tied_copy:
                     continue  # a copy of weights: no activations or forward collectives of its own
                 act_mb += hu.count * unit_activation_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
+                working = max(working, unit_backward_bytes(plan, hu, tokens_mb))
                 if hu.unit.kind == "attention":
                     kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
                     kv_local = int(hu.unit.attr("kv_heads")) // _axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
@@ -526,6 +568,12 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         in_flight = in_flight_microbatches(plan.schedule, p_size, c, m, v)
         # Interleaved ranks hold v chunks; in-flight counts chunk forwards, so scale per chunk.
         act = act_mb * in_flight // max(1, len(stages_at[c]))
+        transient = working
+        if p_size > 1:
+            # torch.distributed.pipelining keeps each in-flight forward's output (the residual
+            # stream, or the logits on the last stage) until that microbatch's backward.
+            kept = sum(_stage_output_bytes(plan, s, tokens_mb) for s in stages_at[c])
+            transient += kept * in_flight // max(1, len(stages_at[c]))
 
         comms: list[Comm] = []
         act_size = w * tokens_mb * hidden
@@ -553,13 +601,14 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             else:
                 comms.append(_comm(plan, device, data_axes, "data", "all_reduce", 1, w * local))
         # Compute: 6 flops per parameter per token (2 forward, 4 backward), over this replica's tokens.
-        compute = 6 * local * (plan.batch // dp) * plan.seq / (device.tflops * 1e12 * MFU)
+        compute = 6 * local * (plan.batch // dp) * plan.seq / (device.tflops * 1e12 * (device.mfu or MFU))
         classes.append(RankClass(
             coord=c, stages=tuple(s.index for s in stages_at[c]),
             label="; ".join(stage_label(plan, s) for s in stages_at[c]), ranks=rank_sets[c],
             params_global=glob, params_local=local, params_replicated=repl,
             weight_bytes=weight_b, grad_bytes=grad_b, optimizer_bytes=opt_b, gather_buffer_bytes=gather,
             activation_bytes_per_microbatch=act_mb, in_flight=in_flight, activation_bytes=act,
+            transient_bytes=transient,
             kv_cache_bytes=kv_bytes, comms=tuple(comms), compute_s=compute, dtype_bytes=w,
         ))
 
@@ -712,7 +761,7 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
         size = plan.mesh.size(axis)
         slow = max(report.ranks, key=lambda r: r.compute_s)
         sharded = slow.params_local - slow.params_replicated
-        saved = 6 * sharded * (plan.batch // plan.data_size) * plan.seq / (dev.tflops * 1e12 * MFU)
+        saved = 6 * sharded * (plan.batch // plan.data_size) * plan.seq / (dev.tflops * 1e12 * (dev.mfu or MFU))
         half = size // 2
         kept = comm_s * ((half - 1) / half) / ((size - 1) / size) if half > 1 else 0.0
         if size > 1 and comm_s - kept > saved:
@@ -876,7 +925,7 @@ def report_text(rep: PlanReport) -> str:
         f"pipeline bubble: {rep.bubble:.1%}" + (f" = (p - 1) / (m + p - 1){' / v' if plan.virtual > 1 else ''} with p = {p}, m = {plan.microbatches}"
                                              + (f", v = {plan.virtual}" if plan.virtual > 1 else "") if p > 1 else " (no pipeline)"),
         "",
-        f"step time (estimate; {dev.name} {dev.tflops:g} TFLOP/s at MFU {MFU:.0%} for the matmuls, links {dev.intra_gbps:g} / {dev.inter_gbps:g} GB/s)",
+        f"step time (estimate; {dev.name} {dev.tflops:g} TFLOP/s at MFU {(dev.mfu or MFU):.0%} for the matmuls, links {dev.intra_gbps:g} / {dev.inter_gbps:g} GB/s)",
         f"  compute          {fmt_seconds(st.compute_s)}   6 x params x tokens on the slowest pipeline rank",
         f"  tensor comm      {fmt_seconds(st.tensor_s)}",
         f"  pipeline comm    {fmt_seconds(st.pipeline_s)}",
@@ -916,7 +965,7 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
              "weight_bytes": rc.weight_bytes, "grad_bytes": rc.grad_bytes, "optimizer_bytes": rc.optimizer_bytes,
              "gather_buffer_bytes": rc.gather_buffer_bytes,
              "activation_bytes_per_microbatch": rc.activation_bytes_per_microbatch, "in_flight": rc.in_flight,
-             "activation_bytes": rc.activation_bytes, "kv_cache_bytes": rc.kv_cache_bytes,
+             "activation_bytes": rc.activation_bytes, "transient_bytes": rc.transient_bytes, "kv_cache_bytes": rc.kv_cache_bytes,
              "training_bytes": rc.training_bytes, "inference_bytes": rc.inference_bytes, "compute_s": rc.compute_s,
              "comms": [attrs.asdict(c) for c in rc.comms]}
             for rc in rep.ranks
@@ -924,7 +973,7 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
         "communication": rep.comm_by_axis(),
         "step": {"compute_s": st.compute_s, "tensor_s": st.tensor_s, "pipeline_s": st.pipeline_s, "bubble_s": st.bubble_s,
                  "data_s": st.data_s, "total_s": st.total_s, "model_flops": st.model_flops, "tokens": st.tokens,
-                 "tokens_per_s": st.tokens / st.total_s if st.total_s else None, "mfu": rep.mfu, "assumed_matmul_mfu": MFU},
+                 "tokens_per_s": st.tokens / st.total_s if st.total_s else None, "mfu": rep.mfu, "assumed_matmul_mfu": rep.device.mfu or MFU},
         "peak_training_bytes": rep.peak_training_bytes,
         "peak_inference_bytes": rep.peak_inference_bytes,
         "fits": rep.fits,

@@ -32,22 +32,23 @@ def load_generated(path: str) -> Any:
     return module
 
 
-def compare_job(ctx: Any, path: str, dtype_name: str, seed: int) -> dict[str, float] | None:
-    """One rank's part of the comparison; rank 0 returns max |sharded - reference| per tensor."""
+def compare_job(ctx: Any, path: str, dtype_name: str, seed: int) -> tuple[dict[str, float], float] | None:
+    """One rank's part of the comparison; rank 0 returns max |sharded - reference| per tensor and
+    the tolerance for the dtype."""
     import torch
 
-    from meshllm_dsl.runtime.compare import compare_to_reference
+    from meshllm_dsl.runtime.compare import TOLERANCE, compare_to_reference
 
     program = load_generated(path).PROGRAM
     errs = compare_to_reference(program, ctx.mesh(program.axes), dtype=getattr(torch, dtype_name), seed=seed)
-    return errs if ctx.rank == 0 else None
+    # The tolerance travels back with the errors so the parent never imports torch.
+    return (errs, TOLERANCE[dtype_name]) if ctx.rank == 0 else None
 
 
 def verify(path: str, plan_name: str | None, dtype_name: str = "float64", seed: int = 0) -> tuple[str, bool]:
     """Report text and verdict for the tiny twin of a plan. Raises SpecError-free: caller checks."""
     from meshllm_dsl.checker import check_file
     from meshllm_dsl.codegen.emit import render_plan
-    from meshllm_dsl.runtime.compare import TOLERANCE
     from meshllm_dsl.runtime.pool import WorkerPool
     from meshllm_dsl.twin import make_twin, twin_values
 
@@ -65,11 +66,15 @@ def verify(path: str, plan_name: str | None, dtype_name: str = "float64", seed: 
     with tempfile.TemporaryDirectory(prefix="meshc-verify-") as tmp:
         module = Path(tmp) / f"{name}_twin.py"
         module.write_text(render_plan(twin, f"{path} (tiny twin)", twin_text))
-        with WorkerPool(world_size=twin.mesh.devices, timeout=300.0) as pool:
+        # Preload only what the job imports: pipelining (and DTensor, which it pulls in) only
+        # when the twin has a pipeline.
+        preload = ["torch", "torch.distributed", "meshllm_dsl.runtime.compare"]
+        if twin.pipeline_axis and twin.pipeline_size > 1:
+            preload.append("torch.distributed.pipelining")
+        with WorkerPool(world_size=twin.mesh.devices, timeout=300.0, preload=preload) as pool:
             per_rank = pool.run(compare_job, twin.mesh.devices, str(module), dtype_name, seed)
-    errs = per_rank[0]
-    assert errs is not None
-    tol = TOLERANCE[dtype_name]
+    assert per_rank[0] is not None
+    errs, tol = per_rank[0]
     worst = sorted(errs.items(), key=lambda kv: -kv[1] if kv[1] == kv[1] else float("-inf"))
     bad = [(k, v) for k, v in errs.items() if not v <= tol]
     values = twin_values(plan)

@@ -3,26 +3,77 @@
 Depends only on torch, numpy and the standard library.
 """
 
-from . import launch
-from .collectives import copy_to, gather_from, reduce_from, split_to
-from .generate import greedy_generate
-from .layers import (
-    DecodeSession,
-    KVCache,
-    LayerNorm,
-    RMSNorm,
-    VocabParallelEmbedding,
-    activation,
-    apply_rotary,
-    attention,
-    cross_entropy,
-    mask_vocab,
-    positions,
-    vocab_parallel_cross_entropy,
-)
-from .mesh import Mesh
-from .program import Built, Program
-from .shards import ShardSpec, full_init, gather_full, gather_module, load_full, local_slice
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from . import launch
+    from .collectives import copy_to, gather_from, reduce_from, split_to
+    from .generate import greedy_generate
+    from .layers import (
+        DecodeSession,
+        KVCache,
+        LayerNorm,
+        RMSNorm,
+        VocabParallelEmbedding,
+        activation,
+        apply_rotary,
+        attention,
+        cross_entropy,
+        mask_vocab,
+        positions,
+        vocab_parallel_cross_entropy,
+    )
+    from .mesh import Mesh
+    from .program import Built, Program
+    from .shards import ShardSpec, full_init, gather_full, gather_module, load_full, local_slice
+
+# Names resolve on first use (PEP 562), so ``import meshllm_dsl.runtime.pool`` (meshc verify's
+# parent process) does not import torch, and a rank imports launch / generate only if it uses them.
+_WHERE = {
+    "launch": "",
+    **dict.fromkeys(("copy_to", "gather_from", "reduce_from", "split_to"), "collectives"),
+    "greedy_generate": "generate",
+    **dict.fromkeys(
+        (
+            "DecodeSession",
+            "KVCache",
+            "LayerNorm",
+            "RMSNorm",
+            "VocabParallelEmbedding",
+            "activation",
+            "apply_rotary",
+            "attention",
+            "cross_entropy",
+            "mask_vocab",
+            "positions",
+            "vocab_parallel_cross_entropy",
+        ),
+        "layers",
+    ),
+    "Mesh": "mesh",
+    **dict.fromkeys(("Built", "Program"), "program"),
+    **dict.fromkeys(
+        ("ShardSpec", "full_init", "gather_full", "gather_module", "load_full", "local_slice"),
+        "shards",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = import_module(f"{__name__}.{where or name}")
+    if where:
+        value = getattr(value, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
+
 
 __all__ = [
     "Built",

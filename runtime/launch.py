@@ -118,6 +118,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--eval", action="store_true", help="mean loss and perplexity on --data, no training"
     )
+    p.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="after training, time and measure 1 + 3 more steps; each rank writes DIR/rankR.json",
+    )
     return p.parse_args(argv)
 
 
@@ -156,6 +162,10 @@ def check_inputs(args: argparse.Namespace) -> None:
         raise InputError(f"--save-every must be 0 (only at the end) or more, got {args.save_every}")
     if args.keep < 1:
         raise InputError(f"--keep must be at least 1, got {args.keep}")
+    if args.profile is not None and (args.save or args.export_hf or args.infer or args.eval or args.steps == 0):
+        # Measuring trains 4 more steps: the weights saved or exported would not be the trained ones.
+        raise InputError("--profile measures 4 extra training steps after --steps: it does not combine "
+                         "with --save, --export-hf, --infer, --eval or --steps 0")
     if args.save_every and args.save is None:
         raise InputError("--save-every needs --save DIR")
     if args.resume is not None and args.load is not None:
@@ -656,6 +666,12 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
             train(built, args.steps, seed, args.data, corpus, start=start, save=args.save,
                   save_every=args.save_every, keep=args.keep, progress=progress,
                   preempt=preempt)
+            if args.profile:
+                from .profile import profile_train
+
+                p = program
+                batches = [synthetic_batch(_real_vocab(built), p.batch, p.seq, args.seed, i) for i in range(4)]
+                profile_train(built, batches, args.profile)
         if args.export_hf:
             from .hf import export_hf
 

@@ -40,8 +40,52 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    in_dtype = x.dtype
+    h = x.to(_compute_dtype(in_dtype))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(in_dtype)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm that keeps only its input and the fp32 reciprocal RMS per token for backward.
+
+    Plain autograd over ``_rms_norm`` also keeps an fp32 copy of the input (half precision) and
+    the normalised tensor the weight multiplies: up to 3 x [tokens, dim] where backward needs one.
+    The gradient is written out (d/dh of h r with r = rsqrt(mean(h^2) + eps)):
+    dh = r (dn - h r^2 mean(dn h)), in the same dtypes autograd would use.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        in_dtype = x.dtype
+        h = x.to(_compute_dtype(in_dtype))
+        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (h * rstd).to(in_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, weight, rstd = ctx.saved_tensors
+        in_dtype = x.dtype
+        h = x.to(rstd.dtype)
+        gw = None
+        if ctx.needs_input_grad[1]:
+            n = (h * rstd).to(in_dtype)
+            gw = (grad * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            dn = (grad * weight).to(rstd.dtype)
+            dh = rstd * (dn - h * (rstd * rstd) * (dn * h).mean(-1, keepdim=True))
+            gx = dh.to(in_dtype)
+        return gx, gw, None
+
+
 class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in float32, scale in the input dtype (as HF does)."""
+    """Llama RMSNorm: normalise in float32, scale in the input dtype (as HF does).
+
+    When training, only the input and the reciprocal RMS are kept for backward (``_RMSNormFn``).
+    """
 
     def __init__(self, dim: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -49,10 +93,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        in_dtype = x.dtype
-        h = x.to(_compute_dtype(in_dtype))
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(in_dtype)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFn.apply(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -197,18 +240,17 @@ def attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache | None = None) 
     if kv_cache is not None:
         past = kv_cache.length
         kh, vh = kv_cache.update(kh, vh)
-    n_rep = h // kh.shape[1]
-    if n_rep > 1:
-        kh = kh.repeat_interleave(n_rep, dim=1)
-        vh = vh.repeat_interleave(n_rep, dim=1)
+    # enable_gqa: the kernel reads kv head j for query heads j*n_rep.. itself, so backward keeps
+    # k and v at kv_heads rather than copies repeated to every query head.
+    gqa = h != kh.shape[1]
     if past == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
     else:
         t = kh.shape[2]
         allowed = (
             torch.arange(t, device=q.device) <= (past + torch.arange(s, device=q.device))[:, None]
         )
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed)
+        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, enable_gqa=gqa)
     return out.transpose(1, 2).reshape(b, s, h * d)
 
 
@@ -255,7 +297,7 @@ class _VocabParallelCE(torch.autograd.Function):
         target_logit = (
             shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         )
-        exp = shifted.exp()
+        exp = shifted.exp_()  # in place: one [N, Vl] buffer becomes the saved softmax
         sum_exp = exp.sum(dim=-1)
         # Two [N] all-reduces (sum) over the vocab axis; the logits themselves never move.
         packed = torch.stack([target_logit, sum_exp])
@@ -269,7 +311,9 @@ class _VocabParallelCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         softmax, local_t, outside = ctx.saved_tensors
-        g = softmax.clone()
+        # In place, as Megatron does: the saved softmax becomes the gradient, so backward needs
+        # no second [N, Vl] buffer (this Function's graph is never run backward twice).
+        g = softmax
         rows = torch.arange(g.shape[0], device=g.device)
         g[rows, local_t] -= (~outside).to(g.dtype)
         g.mul_(grad / g.shape[0])

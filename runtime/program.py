@@ -268,14 +268,19 @@ class Built:
         kw = adamw_kwargs(self.program.optimizer)
         params = self.parameters()
         if self.program.zero >= 1 and self.dp > 1:
+            # Imported here, not at module level: it pulls in FSDP and DTensor (~2.4 CPU-s per
+            # rank), which only ZeRO plans should pay for.
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             # ZeRO-1: each rank of the batch axes keeps Adam state for a slice of the parameters,
-            # steps it, and broadcasts the updated values to the other replicas.
+            # steps it, and broadcasts the updated values to the other replicas. Bucket views make
+            # that one broadcast per owner instead of one per parameter (1.45x the step of no ZeRO
+            # without them, 0.86x with them, measured on 2 data ranks here).
             return ZeroRedundancyOptimizer(
                 params,
                 optimizer_class=torch.optim.AdamW,
                 process_group=self.mesh.group(*self.batch_axes),
+                parameters_as_bucket_view=True,
                 **kw,
             )
         return torch.optim.AdamW(params, **kw)
@@ -397,6 +402,7 @@ class Built:
                 for i in self.stage_ids:
                     x = self.modules[i](x)
                 loss = self.loss_fn(x, tgt)
+                del x  # the logits: backward needs only what the loss saved, not them
                 (loss / m).backward()
                 losses.append(loss.detach())
             return torch.stack(losses).mean()
@@ -404,7 +410,9 @@ class Built:
         n = len(p.stages)
         args = (tokens,) if 0 in self.stage_ids else ()
         target = targets if n - 1 in self.stage_ids else None
-        schedule.step(*args, target=target, losses=losses)
+        # return_outputs=False: otherwise the last stage keeps every microbatch's logits
+        # ([mb, s, vocab / t] each) until the step ends, though training only needs the losses.
+        schedule.step(*args, target=target, losses=losses, return_outputs=False)
         return torch.stack([x.detach() for x in losses]).mean() if losses else None
 
     def _sync_grads(self) -> None:

@@ -1,0 +1,144 @@
+"""Planner vs measured activation memory, per rank, for plans that run on this machine.
+
+Each plan is compiled by meshc, built on a pool of gloo workers, stepped once (so gradients and
+optimizer states exist), then stepped again while the runtime's ``LiveBytes`` counts every tensor
+the step allocates (activations, the pipeline's buffers, temporaries) and ``saved_bytes`` counts
+what autograd keeps for backward.  Printed next to `meshc plan`'s numbers:
+
+  saved/mb   bytes saved for backward per microbatch (planner: activations per microbatch)
+  held       saved x the microbatches in flight at the peak (planner: activations)
+  peak       the step's peak of live bytes beyond weights / grads / optimizer states
+             (planner: activations + its transient estimate)
+
+    python bench/activation_memory.py [--only NAME]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LLAMA = """
+mesh m {{ axes {axes} }}
+model l = llama {{ vocab = 512, hidden = 128, layers = 4, heads = 8, kv_heads = 2, ffn = 256, dtype = fp32 }}
+plan p on m for l {{
+    batch = {batch}
+    seq = 64
+    microbatches = {m}
+    {rules}
+}}
+"""
+TP_RULES = "layout { heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }"
+
+CASES: dict[str, str] = {
+    "tiny_llama (d2 p2 t2, 1f1b)": (ROOT / "examples" / "tiny_llama.mesh").read_text(),
+    "tiny_gpt2 (p2 t2, gpipe)": (ROOT / "examples" / "tiny_gpt2.mesh").read_text(),
+    "llama single": LLAMA.format(axes="tensor = 1", batch=4, m=1, rules=""),
+    "llama t2": LLAMA.format(axes="tensor = 2", batch=4, m=1, rules=TP_RULES),
+    "llama p2 t2 1f1b m4": LLAMA.format(
+        axes="pipeline = 2, tensor = 2",
+        batch=8,
+        m=4,
+        rules=TP_RULES + "\n    stages over pipeline balanced\n    schedule 1f1b",
+    ),
+}
+
+
+def _job(ctx: Any, path: str, m: int) -> dict[str, int]:
+    import torch
+
+    from meshllm_dsl.runtime.profile import LiveBytes, saved_bytes
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem + "_mem", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    program = module.PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, program.vocab, (program.batch, program.seq), generator=gen)
+    targets = torch.roll(tokens, -1, dims=1)
+    built.train_step(tokens, targets)  # warm-up: gradients, optimizer states, schedules exist
+    with saved_bytes(exclude=built.parameters()) as saved:
+        built.train_step(tokens, targets)
+    live = LiveBytes()
+    with live:
+        built.train_step(tokens, targets)
+    return {"saved_per_mb": saved["bytes"] // m, "peak": live.peak, "peak_op": live.peak_op}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="run the cases whose name contains this")
+    args = ap.parse_args()
+
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.codegen.emit import render_plan
+    from meshllm_dsl.planner import analyze, fmt_bytes
+    from meshllm_dsl.runtime.pool import WorkerPool
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp, WorkerPool(world_size=8, timeout=300) as pool:
+        for name, text in CASES.items():
+            if args.only and args.only not in name:
+                continue
+            result = check_text(text, "bench.mesh")
+            assert result.ok, [d.message for d in result.errors]
+            (plan,) = result.plans.values()
+            path = Path(tmp) / f"case{len(rows)}.py"
+            path.write_text(render_plan(plan, "bench.mesh", text))
+            measured = pool.run(_job, plan.mesh.devices, str(path), plan.microbatches)
+            rep = analyze(plan)
+            by_coord = {rc.coord: rc for rc in rep.ranks}
+            for coord, rc in sorted(by_coord.items()):
+                rank = rc.ranks[0]
+                got = measured[rank]
+                held = got["saved_per_mb"] * rc.in_flight // max(1, len(rc.stages))
+                predicted_peak = rc.activation_bytes + rc.transient_bytes
+                rows.append(
+                    (
+                        name,
+                        f"pp {coord} (rank {rank})",
+                        fmt_bytes(rc.activation_bytes_per_microbatch),
+                        fmt_bytes(got["saved_per_mb"]),
+                        f"{rc.activation_bytes_per_microbatch / max(1, got['saved_per_mb']):.2f}",
+                        fmt_bytes(rc.activation_bytes),
+                        fmt_bytes(held),
+                        fmt_bytes(predicted_peak),
+                        fmt_bytes(got["peak"]),
+                        f"{predicted_peak / max(1, got['peak']):.2f}",
+                        got["peak_op"],
+                    )
+                )
+    header = (
+        "plan",
+        "rank",
+        "plan saved/mb",
+        "measured",
+        "ratio",
+        "plan held",
+        "measured held",
+        "plan peak",
+        "measured peak",
+        "ratio",
+        "peak after",
+    )
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for r in [header, *rows]:
+        print(
+            "  ".join(
+                str(c).ljust(w) if i < 2 else str(c).rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths))
+            )
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""`meshc run --profile`: what the ranks measured, next to what `meshc plan` predicted.
+
+The runtime (``meshllm_dsl.runtime.profile.profile_train``) writes one JSON file per rank; this
+module reads them with the checked plan, runs the planner on it and prints, per rank, memory by
+category and time by kind (compute, collectives per mesh axis, pipeline waits), each with the
+ratio planned / measured.  No torch here: the parent `meshc` process only reads files.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from meshllm_dsl.ir import PlanIR
+from meshllm_dsl.planner import PlanReport, analyze, fmt_bytes, fmt_seconds
+
+
+def read_ranks(directory: str | Path) -> list[dict[str, Any]]:
+    files = sorted(Path(directory).glob("rank*.json"), key=lambda p: int(p.stem[4:]))
+    return [json.loads(p.read_text()) for p in files]
+
+
+def _ratio(planned: float, measured: float) -> str:
+    return f"{planned / measured:.2f}" if measured else "-"
+
+
+def compare(plan: PlanIR, ranks: list[dict[str, Any]], rep: PlanReport | None = None) -> dict[str, Any]:
+    """Planned and measured figures per rank (JSON-ready)."""
+    rep = rep or analyze(plan)
+    by_coord = {rc.coord: rc for rc in rep.ranks}
+    out = []
+    for r in ranks:
+        coord = r["coords"].get(plan.pipeline_axis, 0) if plan.pipeline_axis else 0
+        rc = by_coord[coord]
+        mem = r["memory"]
+        planned_comm: dict[str, dict[str, float]] = {}
+        for c in rc.comms:
+            if c.kind == "pipeline":
+                continue  # compared with the measured waits below, which include the bubble
+            e = planned_comm.setdefault(c.axis, {"bytes": 0.0, "seconds": 0.0})
+            e["bytes"] += c.payload_bytes
+            e["seconds"] += c.seconds
+        measured_comm: dict[str, dict[str, float]] = {}
+        for c in r["collectives"]:
+            if c["op"].endswith("(wait)"):
+                continue
+            e = measured_comm.setdefault(c["axes"], {"bytes": 0.0, "seconds": 0.0, "calls": 0.0})
+            for k in ("bytes", "seconds", "calls"):
+                e[k] += c[k]
+        pipe_planned = rc.comm_seconds(("pipeline",)) + (rep.step.bubble_s if plan.pipeline_size > 1 else 0.0)
+        out.append({
+            "rank": r["rank"], "coords": r["coords"], "stages": r["stages"],
+            "memory": {
+                "weights": {"planned": rc.weight_bytes, "measured": mem["weights"]},
+                "gradients": {"planned": rc.grad_bytes, "measured": mem["gradients"]},
+                "optimizer": {"planned": rc.optimizer_bytes, "measured": mem["optimizer"]},
+                "activations per microbatch": {"planned": rc.activation_bytes_per_microbatch,
+                                               "measured": mem["activations_per_microbatch"]},
+                "activations + temporaries peak": {"planned": rc.activation_bytes + rc.transient_bytes,
+                                                   "measured": mem["activations_and_temporaries_peak"]},
+            },
+            "time": {
+                "step": {"planned": rep.step.total_s, "measured": r["step_s"]},
+                "compute": {"planned": rc.compute_s, "measured": r["compute_s"]},
+                "pipeline wait (bubble + send / recv)": {"planned": pipe_planned, "measured": r["pipeline_wait_s"]},
+            },
+            "collectives": {
+                axes: {"planned": planned_comm.get(axes, {"bytes": 0, "seconds": 0.0}), "measured": measured_comm.get(axes)}
+                for axes in sorted(set(planned_comm) | set(measured_comm))
+            },
+        })
+    return {"plan": plan.name, "device": rep.device.name, "ranks": out}
+
+
+def report_text(data: dict[str, Any]) -> str:
+    lines = [f"profile of plan `{data['plan']}` (planner device profile `{data['device']}`); ratio = planned / measured"]
+    for r in data["ranks"]:
+        where = ", ".join(f"{a} {i}" for a, i in r["coords"].items())
+        lines.append(f"\nrank {r['rank']} ({where}; stages {', '.join(map(str, r['stages']))})")
+        rows = [("memory", "planned", "measured", "ratio")]
+        for k, v in r["memory"].items():
+            rows.append((k, fmt_bytes(v["planned"]), fmt_bytes(v["measured"]), _ratio(v["planned"], v["measured"])))
+        for k, v in r["time"].items():
+            rows.append((k, fmt_seconds(v["planned"]), fmt_seconds(v["measured"]), _ratio(v["planned"], v["measured"])))
+        for axes, v in r["collectives"].items():
+            m = v["measured"] or {"bytes": 0, "seconds": 0.0, "calls": 0}
+            p = v["planned"]
+            rows.append((f"collectives over {axes} ({m['calls']:.0f} calls)", f"{fmt_bytes(p['bytes'])} {fmt_seconds(p['seconds'])}",
+                         f"{fmt_bytes(m['bytes'])} {fmt_seconds(m['seconds'])}", _ratio(p["seconds"], m["seconds"])))
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
+        for row in rows:
+            lines.append("  " + row[0].ljust(widths[0]) + "".join("  " + c.rjust(w) for c, w in zip(row[1:], widths[1:])))
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,277 @@
+"""Measuring what a step really holds: live tensor bytes and their peak, saved activations.
+
+Works on any device, CPU included (where torch keeps no allocator statistics): a
+``TorchDispatchMode`` sees every tensor an operator creates, and a weak reference to its storage
+says when it is freed.  The peak is taken between operators, so it is exact up to the transient
+buffers inside one kernel.  Used by ``meshc run --profile`` and by ``bench/activation_memory.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["CollectiveLog", "LiveBytes", "profile_train", "saved_bytes"]
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of tensors created inside the ``with`` block and still alive; ``peak`` is the maximum.
+
+    Tensors that existed before the block (weights, gradients and optimizer states after a first
+    step) are not counted, so after a warm-up step the peak is activations plus temporaries.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak_op = ""  # the operator after which the peak was reached
+
+    def _sweep(self) -> None:
+        dead = [key for key, (ref, _) in self._refs.items() if ref.expired()]
+        for key in dead:
+            self.live -= self._refs.pop(key)[1]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        # Frees happen between calls: sweep first so the peak never counts a dead buffer.
+        self._sweep()
+        # An output sharing an input's storage (a view, an in-place op on a gradient that existed
+        # before the block) allocated nothing.
+        inputs = {
+            t.untyped_storage().data_ptr()
+            for t in tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor) and t.device.type != "meta"
+        }
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key == 0 or key in self._refs or key in inputs:
+                continue  # empty, already counted, or no new allocation
+            n = storage.nbytes()
+            self._refs[key] = (StorageWeakRef(storage), n)
+            self.live += n
+        if self.live > self.peak:
+            self.peak, self.peak_op = self.live, str(func)
+        return out
+
+
+@contextlib.contextmanager
+def saved_bytes(exclude: list[torch.Tensor] | None = None) -> Iterator[dict[str, int]]:
+    """Count the distinct storages autograd saves for backward inside the block.
+
+    ``exclude`` (the parameters) is not counted: a linear layer saves its weight, which is memory
+    the plan already charges as weights.  Yields a dict whose ``bytes`` fills in as the block runs.
+    """
+    skip = {t.untyped_storage().data_ptr() for t in exclude or ()}
+    seen: dict[int, StorageWeakRef] = {}
+    result = {"bytes": 0}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if torch._C._current_graph_task_id() != -1:
+            return t  # saved while running backward (a recomputation): freed within backward
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        old = seen.get(key)
+        # An address seen before counts again once its first storage is gone (the allocator
+        # reuses addresses across microbatches).
+        if key not in skip and (old is None or old.expired()):
+            seen[key] = StorageWeakRef(storage)
+            result["bytes"] += storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield result
+
+
+# ---------------------------------------------------------------- meshc run --profile
+
+_SYNC_OPS = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "send",
+    "recv",
+)
+
+
+def _nbytes(obj: Any) -> int:
+    return sum(
+        t.numel() * t.element_size() for t in tree_leaves(obj) if isinstance(t, torch.Tensor)
+    )
+
+
+class CollectiveLog:
+    """Wall time and bytes of every collective this rank issues, by mesh axes and kind.
+
+    Wraps the ``torch.distributed`` functions the runtime and ``torch.distributed.pipelining``
+    call (looked up at call time, so the wrappers see them) for the duration of the block.  Point
+    to point traffic of the pipeline schedule is timed at its wait: that time is the transfer plus
+    the wait for the peer stage, i.e. the bubble as this rank sees it.
+    """
+
+    def __init__(self, mesh: Any, pipeline_axis: str | None = None) -> None:
+        import torch.distributed as dist
+
+        self.pipeline_label = pipeline_axis or "pipeline"
+        self.dist = dist
+        self.labels: dict[tuple[int, ...], str] = {}
+        names = list(mesh.names)
+        for n in range(len(names), 0, -1):
+            for subset in itertools.combinations(names, n):
+                group = mesh.group(*subset)
+                if group is not None:
+                    self.labels[tuple(dist.get_process_group_ranks(group))] = " x ".join(subset)
+        self.stats: dict[tuple[str, str], list[float]] = {}  # (axes, op) -> [calls, bytes, s]
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def _label(self, group: Any) -> str:
+        if group is None:
+            return "world"
+        ranks = tuple(self.dist.get_process_group_ranks(group))
+        return self.labels.get(ranks, "ranks " + ",".join(map(str, ranks)))
+
+    def _add(self, axes: str, op: str, nbytes: int, seconds: float) -> None:
+        entry = self.stats.setdefault((axes, op), [0, 0, 0.0])
+        entry[0] += 1
+        entry[1] += nbytes
+        entry[2] += seconds
+
+    def _wrap(self, owner: Any, name: str, make: Any) -> None:
+        original = getattr(owner, name)
+        self._saved.append((owner, name, original))
+        setattr(owner, name, make(original))
+
+    def __enter__(self) -> CollectiveLog:
+        import torch.distributed as dist
+
+        for op in _SYNC_OPS:
+
+            def make(original: Any, op: str = op) -> Any:
+                def timed(*args: Any, **kwargs: Any) -> Any:
+                    group = kwargs.get("group")
+                    start = time.perf_counter()
+                    out = original(*args, **kwargs)
+                    self._add(
+                        self._label(group), op, _nbytes(args[:1]), time.perf_counter() - start
+                    )
+                    return out
+
+                return timed
+
+            self._wrap(dist, op, make)
+        schedules = sys.modules.get("torch.distributed.pipelining.schedules")
+        if schedules is not None:
+            pending: list[int] = [0]
+
+            def make_batch(original: Any) -> Any:
+                def counted(p2p_ops: Any, *args: Any, **kwargs: Any) -> Any:
+                    pending[0] += sum(_nbytes(o.tensor) for o in p2p_ops)
+                    return original(p2p_ops, *args, **kwargs)
+
+                return counted
+
+            def make_wait(original: Any) -> Any:
+                def timed(*args: Any, **kwargs: Any) -> Any:
+                    start = time.perf_counter()
+                    out = original(*args, **kwargs)
+                    nbytes, pending[0] = pending[0], 0
+                    self._add(
+                        self.pipeline_label, "send_recv (wait)", nbytes, time.perf_counter() - start
+                    )
+                    return out
+
+                return timed
+
+            self._wrap(schedules, "_batch_p2p", make_batch)
+            self._wrap(schedules, "_wait_batch_p2p", make_wait)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for owner, name, original in reversed(self._saved):
+            setattr(owner, name, original)
+        self._saved.clear()
+
+
+def _state_bytes(optimizer: Any) -> int:
+    inner = getattr(optimizer, "optim", optimizer)
+    return sum(
+        v.numel() * v.element_size()
+        for st in inner.state.values()
+        for v in st.values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+
+
+def profile_train(
+    built: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], out_dir: str | Path
+) -> dict[str, Any]:
+    """Time and measure ``len(batches)`` training steps on this rank; write ``rank{R}.json``.
+
+    Every rank of the job must call it (the steps are collective).  The first batch is a warm-up
+    (schedules built, gradients and optimizer states allocated) and is not reported.
+    """
+    tokens, targets = batches[0]
+    built.train_step(tokens, targets)
+    params = built.parameters()
+    log = CollectiveLog(built.mesh, built.program.pipeline_axis)
+    live = LiveBytes()
+    steps = []
+    with log:
+        for i, (tokens, targets) in enumerate(batches[1:]):
+            start = time.perf_counter()
+            if i == 0:
+                with saved_bytes(exclude=params) as saved, live:
+                    built.train_step(tokens, targets)
+            else:
+                built.train_step(tokens, targets)
+            steps.append(time.perf_counter() - start)
+    n = max(1, len(steps))
+    comm = [
+        {"axes": axes, "op": op, "calls": c / n, "bytes": b / n, "seconds": s / n}
+        for (axes, op), (c, b, s) in sorted(log.stats.items())
+    ]
+    step_s = sum(steps) / n
+    collectives_s = sum(c["seconds"] for c in comm if not c["op"].endswith("(wait)"))
+    wait_s = sum(c["seconds"] for c in comm if c["op"].endswith("(wait)"))
+    micro = built.program.microbatches
+    report = {
+        "rank": built.mesh.rank,
+        "coords": {a: built.mesh.coord(a) for a in built.mesh.names},
+        "stages": list(built.stage_ids),
+        "steps": len(steps),
+        "step_s": step_s,
+        "compute_s": max(0.0, step_s - collectives_s - wait_s),
+        "collectives_s": collectives_s,
+        "pipeline_wait_s": wait_s,
+        "collectives": comm,
+        "memory": {
+            "weights": sum(p.numel() * p.element_size() for p in params),
+            "gradients": sum(
+                p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None
+            ),
+            "optimizer": _state_bytes(built.optimizer),
+            "activations_per_microbatch": saved["bytes"] // micro if steps else 0,
+            "activations_and_temporaries_peak": live.peak,
+        },
+    }
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / f"rank{built.mesh.rank}.json").write_text(json.dumps(report, indent=1))
+    return report
