@@ -312,7 +312,12 @@ class _UnitWriter:
                               "rope scaling (factor, low_freq_factor, high_freq_factor, original positions)"))
         elif a["rope_theta"]:
             lines.append(Line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(a['rope_theta'])!r})"))
-        lines.append(Line("a = rt.attention(q, k, v)", f"[b, s, {h * hd}] causal; q heads per kv head: {h // kv if kv else 0}"))
+        what = f"[b, s, {h * hd}] causal; q heads per kv head: {h // kv if kv else 0}"
+        if self.plan.recompute == "attention":
+            # Selective recomputation: backward reruns only the attention core, from q, k, v.
+            lines.append(Line("a = rt.recompute(rt.attention, q, k, v)", what + "; recomputed in backward"))
+        else:
+            lines.append(Line("a = rt.attention(q, k, v)", what))
         return lines
 
     def _mlp(self, attr: str, unit: Unit, a: dict[str, Any], placement: dict[str, Placement], x: str) -> list[Line]:
@@ -394,7 +399,12 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
                 init.append(Line(f"self.{item.name} = nn.ModuleDict({{{entries}}})",
                                  f"blocks {pc.start} to {pc.stop - 1} of {item.count}"))
             forward.append(Line(f"for block in self.{item.name}.values():"))
-            forward.append(Line("    x = block(x)", f"[b, s, {hidden}]"))
+            if plan.recompute == "blocks":
+                # Full recomputation: each block keeps only its input; backward reruns its forward
+                # (tensor-parallel collectives included) before its own backward.
+                forward.append(Line("    x = rt.recompute(block, x)", f"[b, s, {hidden}]; recomputed in backward"))
+            else:
+                forward.append(Line("    x = block(x)", f"[b, s, {hidden}]"))
             for cls_name, a, b in runs:
                 params.append(Line(f"**{{k: v for i in {_range(a, b)} "
                                    f"for k, v in {cls_name}.params(f\"{{prefix}}{item.name}.{{i}}.\").items()}},"))

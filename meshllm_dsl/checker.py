@@ -147,7 +147,7 @@ def _check_declarations(decls: Declarations) -> CheckResult:
 
 # ---------------------------------------------------------------- plan checking
 
-_PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype")
+_PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute")
 # Settings the language used to accept that nothing downstream reads: refused until they are honoured.
 _UNSUPPORTED_PLAN_SETTINGS = {
     "seed": "the seed is chosen at launch: `meshc run FILE --seed N` (or `--seed N` on the generated module)",
@@ -258,7 +258,7 @@ class PlanChecker(Resolver):
                 self.error("E0203", f"unknown plan setting `{key}`", s.name.span, label="not a plan setting",
                            help=did_you_mean(key, _PLAN_SETTINGS))
                 continue
-            if key == "dtype":
+            if key in ("dtype", "recompute"):
                 continue
             v = self.eval_int(s.value, env, key)
             if v is not None:
@@ -274,6 +274,8 @@ class PlanChecker(Resolver):
                 dtype = v.value
             else:
                 self.error("E0203", "unknown dtype", v.span, label="not a dtype", help=f"use one of {or_list(DTYPES)}")
+
+        recompute = self.recompute(settings.get("recompute"))
 
         batch_axes, layout_matches = self.layout()
         matches = self.shard_rules(layout_matches)
@@ -301,8 +303,31 @@ class PlanChecker(Resolver):
             batch_axes=batch_axes, stages=stages, top_placements=tuple(top.items()),
             top_flows=tuple(top_flows(self.model, top, loss)), block_classes=classes, loss=loss,
             optimizer=optimizer, optimizer_settings=opt_settings, zero=zero, zero_axes=zero_axes,
-            dtype=dtype, span=decl.span,
+            dtype=dtype, recompute=recompute, span=decl.span,
         )
+
+    def recompute(self, given: ast.Setting | None) -> str:
+        """`recompute = none | blocks | attention`: which activations backward recomputes."""
+        from meshllm_dsl.ir import RECOMPUTE
+
+        if given is None:
+            return "none"
+        v = given.value
+        if not (isinstance(v, ast.Name) and v.value in RECOMPUTE):
+            self.error("E0203", "unknown recompute region", v.span, label="not a region",
+                       help=f"use one of {or_list(RECOMPUTE)}: `blocks` recomputes each block of the repeat in "
+                            "backward, `attention` only the attention core")
+            return "none"
+        region = v.value
+        rep = self.model.repeat
+        if region == "blocks" and rep is None:
+            self.error("E0409", "`recompute = blocks` needs a repeated block stack", v.span,
+                       label="no blocks to recompute", help=f"model `{self.model.name}` has no `repeat`: remove the setting")
+        elif region == "attention" and (rep is None or not any(u.kind == "attention" for u in rep.body)):
+            self.error("E0409", "`recompute = attention` needs attention inside the repeated blocks", v.span,
+                       label="no attention to recompute",
+                       help=f"model `{self.model.name}` has no attention in a `repeat`: use `recompute = blocks` or remove the setting")
+        return region
 
     def positions(self, seq: int, given: ast.Setting | None) -> None:
         """Learned positions have a table of `num` rows: a longer sequence would index past it."""

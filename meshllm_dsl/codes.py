@@ -95,6 +95,11 @@ CODES: dict[str, tuple[str, str]] = {
     "E0408": ("tied weights placed differently", "Layers that share one weight (a head tied to the embedding) "
               "must place it the same way: `vocab_parallel(T)` for the embedding with `column(T)` for the head "
               "split the same vocabulary rows."),
+    "E0409": ("nothing to recompute", "`recompute = blocks` wraps every block of the model's repeated stack in "
+              "activation checkpointing (torch.utils.checkpoint, non-reentrant) and `recompute = attention` only "
+              "the attention core inside each block. A model without a `repeat` (or whose blocks hold no "
+              "attention, for `attention`) has nothing the setting would apply to, so it is refused rather than "
+              "silently ignored."),
     "E0501": ("parameter not placed", "A plan that has any sharding rule must place every shardable parameter "
               "exactly once, by a `shard` rule or a layout entry; replicate it explicitly with `replicate` if "
               "that is what you mean. Silently replicating a forgotten layer is how plans run out of memory."),

@@ -19,6 +19,9 @@ Value = int | float | str | bool
 # Rule names a `shard` statement may use.
 RULES = ("column", "row", "vocab_parallel", "replicate")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+# Activation recomputation (`recompute = ...`): nothing, every block of the repeat (full, per block),
+# or only the attention core of each block (selective, Korthikanti et al. 2022).
+RECOMPUTE = ("none", "blocks", "attention")
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 
 
@@ -335,6 +338,7 @@ class PlanIR:
     zero: int
     zero_axes: tuple[str, ...]
     dtype: str
+    recompute: str = "none"  # one of RECOMPUTE
     span: Span | None = attrs.field(eq=False, default=None)
 
     @property

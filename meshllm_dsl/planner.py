@@ -260,6 +260,8 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
         saved = e * tokens * hid  # the normed input, shared by the q / k / v projections
         saved += e * tokens * (hq + 2 * hk) * hd  # q, k, v (after rotary) for the attention core
         saved += e * tokens * hq * hd  # the attention output: the core's result and o's input
+        if unit.attr("rope_theta"):
+            saved += 2 * e * seq * hd  # rotary cos and sin ([s, 1, head_dim] each), kept by q * cos, k * cos
         if flash_attention:
             saved += FP32 * tokens * hq  # log-sum-exp per head and token
         else:
@@ -282,6 +284,25 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
             saved += FP32 * tokens * v_local
         return saved
     raise AssertionError(kind)
+
+
+def _local_heads(plan: PlanIR, hu: HeldUnit) -> int:
+    leaves = {leaf.name: leaf for leaf in hu.unit.leaves}
+    q = leaves.get("qkv", leaves.get("q"))
+    assert q is not None
+    return int(hu.unit.attr("heads")) // _axes_size(plan, hu.placement(q))  # type: ignore[arg-type]
+
+
+def attention_core_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int,
+                         flash_attention: bool = True) -> int:
+    """What the attention core itself saves beyond q, k, v and its output, per microbatch: the fp32
+    log-sum-exp of a fused kernel, or the softmax probabilities (a s^2 b) without one. This is what
+    selective recomputation (`recompute = attention`) stops keeping: the core's inputs q, k, v stay
+    (the checkpoint holds them for the rerun) and its output is the o projection's saved input."""
+    hq = _local_heads(plan, hu)
+    if flash_attention:
+        return FP32 * tokens * hq
+    return DTYPES[plan.dtype] * micro * hq * seq * seq
 
 
 def unit_backward_bytes(plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
@@ -412,8 +433,9 @@ class RankClass:
     transient_bytes: int
     kv_cache_bytes: int  # inference at the plan's batch and seq
     comms: tuple[Comm, ...]
-    compute_s: float
+    compute_s: float  # recomputation included
     dtype_bytes: int  # bytes per weight in the training dtype
+    recompute_s: float = 0.0  # of compute_s: the forward passes `recompute` runs again in backward
 
     @property
     def training_bytes(self) -> int:
@@ -544,6 +566,9 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         largest_unit = 0
         tensor_calls: dict[tuple[tuple[str, ...], str], int] = {}
         holds_head = False
+        block_saved: dict[str, int] = {}  # recompute: what one block (or attention core) rebuilds in backward
+        block_local: dict[str, int] = {}  # recompute = blocks: parameters of the recomputed blocks
+        recompute_flops = 0
         working = 2 * w * tokens_mb * hidden  # gradients of a unit's input and output
         for stage in stages_at[c]:
             for hu in held_units(plan, stage):
@@ -554,7 +579,22 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 largest_unit = max(largest_unit, lo)
                 if hu.tied_copy:
                     continue  # a copy of weights: no activations or forward collectives of its own
-                act_mb += hu.count * unit_activation_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
+                saved = unit_activation_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
+                in_block = hu.prefix != ""
+                if in_block and plan.recompute == "blocks":
+                    # Kept: only each block's input (below); the block's own saved tensors exist
+                    # again while its backward runs (a transient, one block at a time).
+                    block_saved[hu.prefix] = block_saved.get(hu.prefix, 0) + saved
+                    block_local[hu.prefix] = block_local.get(hu.prefix, 0) + lo * hu.count
+                    saved = 0
+                elif in_block and plan.recompute == "attention" and hu.unit.kind == "attention":
+                    core = attention_core_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
+                    saved -= core
+                    block_saved[hu.prefix] = max(block_saved.get(hu.prefix, 0), core)
+                    hq = _local_heads(plan, hu)
+                    # The core's forward again: q k^T and p v, 2 x 2 s d flops per head and token, halved by the causal mask.
+                    recompute_flops += hu.count * 2 * plan.seq * hq * int(hu.unit.attr("head_dim")) * (plan.batch // dp) * plan.seq  # type: ignore[arg-type]
+                act_mb += hu.count * saved
                 working = max(working, unit_backward_bytes(plan, hu, tokens_mb))
                 if hu.unit.kind == "attention":
                     kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
@@ -563,12 +603,20 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 for axes, op in unit_collectives(hu):
                     tensor_calls[(axes, op)] = tensor_calls.get((axes, op), 0) + hu.count
                 holds_head |= hu.last
+        if plan.recompute == "blocks":
+            blocks_here = sum((pc.stop or 0) - (pc.start or 0) for st_ in stages_at[c] for pc in st_.pieces
+                              if isinstance(model.item(pc.item), Repeat))
+            act_mb += blocks_here * w * tokens_mb * hidden  # each checkpointed block keeps its input
+            # The forward of every block runs again in backward: 2 flops per parameter and token.
+            recompute_flops += 2 * sum(block_local.values()) * (plan.batch // dp) * plan.seq
+        # A block (or attention core) being recomputed holds its saved tensors until its backward is done.
+        recomputed = max(block_saved.values(), default=0)
         weight_b, grad_b, opt_b = zero_per_device(local, plan.zero, zero_shards, w, w, k)
         gather = w * largest_unit if plan.zero >= 3 and zero_shards > 1 else 0
         in_flight = in_flight_microbatches(plan.schedule, p_size, c, m, v)
         # Interleaved ranks hold v chunks; in-flight counts chunk forwards, so scale per chunk.
         act = act_mb * in_flight // max(1, len(stages_at[c]))
-        transient = working
+        transient = working + recomputed
         if p_size > 1:
             # torch.distributed.pipelining keeps each in-flight forward's output (the residual
             # stream, or the logits on the last stage) until that microbatch's backward.
@@ -601,7 +649,10 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             else:
                 comms.append(_comm(plan, device, data_axes, "data", "all_reduce", 1, w * local))
         # Compute: 6 flops per parameter per token (2 forward, 4 backward), over this replica's tokens.
-        compute = 6 * local * (plan.batch // dp) * plan.seq / (device.tflops * 1e12 * (device.mfu or MFU))
+        flops_per_s = device.tflops * 1e12 * (device.mfu or MFU)
+        compute = 6 * local * (plan.batch // dp) * plan.seq / flops_per_s
+        recompute_s = recompute_flops / flops_per_s
+        compute += recompute_s
         classes.append(RankClass(
             coord=c, stages=tuple(s.index for s in stages_at[c]),
             label="; ".join(stage_label(plan, s) for s in stages_at[c]), ranks=rank_sets[c],
@@ -610,6 +661,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             activation_bytes_per_microbatch=act_mb, in_flight=in_flight, activation_bytes=act,
             transient_bytes=transient,
             kv_cache_bytes=kv_bytes, comms=tuple(comms), compute_s=compute, dtype_bytes=w,
+            recompute_s=recompute_s,
         ))
 
     bubble = bubble_fraction(plan.schedule, p_size, m, v)

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     )
     from .mesh import Mesh
     from .program import Built, Program
+    from .remat import recompute
     from .shards import ShardSpec, full_init, gather_full, gather_module, load_full, local_slice
 
 # Names resolve on first use (PEP 562), so ``import meshllm_dsl.runtime.pool`` (meshc verify's
@@ -53,6 +54,7 @@ _WHERE = {
     ),
     "Mesh": "mesh",
     **dict.fromkeys(("Built", "Program"), "program"),
+    "recompute": "remat",
     **dict.fromkeys(
         ("ShardSpec", "full_init", "gather_full", "gather_module", "load_full", "local_slice"),
         "shards",
@@ -88,6 +90,7 @@ __all__ = [
     "activation",
     "apply_rotary",
     "attention",
+    "recompute",
     "copy_to",
     "cross_entropy",
     "full_init",

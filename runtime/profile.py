@@ -94,8 +94,14 @@ def saved_bytes(exclude: list[torch.Tensor] | None = None) -> Iterator[dict[str,
             result["bytes"] += storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        yield result
+    from . import remat
+
+    remat.HOLDERS.append(pack)  # a checkpoint's inputs: kept for its recomputation
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield result
+    finally:
+        remat.HOLDERS.remove(pack)
 
 
 # ---------------------------------------------------------------- meshc run --profile

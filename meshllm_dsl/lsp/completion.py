@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from meshllm_dsl import ast
-from meshllm_dsl.ir import DTYPES, RULES, SCHEDULES
+from meshllm_dsl.ir import DTYPES, RECOMPUTE, RULES, SCHEDULES
 from meshllm_dsl.lsp.analysis import DECL_KEYWORDS, leaf_paths
 
 if TYPE_CHECKING:
@@ -25,7 +25,7 @@ _PATH_TAIL = re.compile(r"[A-Za-z0-9_.*{},]*$")
 _WORD_TAIL = re.compile(r"[A-Za-z0-9_]*$")
 
 PLAN_KEYWORDS = ("shard", "layout", "stages", "schedule", "optimizer", "loss")
-PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "seed", "lr")
+PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute", "seed", "lr")
 MESH_WORDS = ("axes", "device", "hosts", "devices")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 OPT_SETTINGS = ("lr", "weight_decay", "beta1", "beta2", "eps")
@@ -221,6 +221,8 @@ def _plan(a: Analysis, header: list[str], inner: list[list[str]], line: list[str
         return [Item(o, "value", "optimizer") for o in OPTIMIZERS]
     if first == "dtype" and line[-1] == "=":
         return [Item(d, "value", "dtype") for d in DTYPES]
+    if first == "recompute" and line[-1] == "=":
+        return [Item(r, "value", "recompute") for r in RECOMPUTE]
     return []
 
 

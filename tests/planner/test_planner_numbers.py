@@ -140,6 +140,7 @@ def test_llama_block_activations_per_microbatch() -> None:
     block = (
         2 * (e * n * h + 4 * n)  # two RMSNorms: input + fp32 rstd
         + e * n * h + e * n * (hq + 2 * hk) * d + e * n * hq * d + 4 * n * hq  # attention
+        + 2 * e * 32 * d  # rotary cos and sin, [s, 1, d] each
         + e * n * h + 4 * e * n * f // t  # SwiGLU MLP
     )
     first = 8 * n + 2 * block  # token ids + blocks 0-1
@@ -223,3 +224,25 @@ plan p on two for m {
     assert any(c.crosses_hosts and c.kind == "tensor" for c in rep.ranks[0].comms)
     diags = [d for d in plan_warnings(rep) if d.code == "W0804"]
     assert len(diags) == 1 and diags[0].span is not None and diags[0].span.text.startswith("tensor")
+
+
+def test_recompute_keeps_block_inputs_and_adds_forward_compute() -> None:
+    """`recompute = blocks`: each block keeps its input only, one block's tensors are rebuilt at a time,
+    and the step does the blocks' forward again; `attention` drops the core's fp32 log-sum-exp."""
+    text = (EXAMPLES / "tiny_llama.mesh").read_text()
+    base = analyze(plan_of("tiny_llama.mesh"))
+    e, n, h, f, t = 4, 2 * 32, 64, 128, 2
+    hq, hk, d = 4 // t, 2 // t, 16
+    block = (2 * (e * n * h + 4 * n) + e * n * h + e * n * (hq + 2 * hk) * d + e * n * hq * d + 4 * n * hq
+             + 2 * e * 32 * d + e * n * h + 4 * e * n * f // t)
+    for mode in ("blocks", "attention"):
+        result = check_text(text.replace("    batch = 8", f"    batch = 8\n    recompute = {mode}"), "t.mesh")
+        assert result.ok, [d.message for d in result.errors]
+        rep = analyze(next(iter(result.plans.values())))
+        for before, after in zip(base.ranks, rep.ranks):
+            if mode == "attention":
+                assert before.activation_bytes_per_microbatch - after.activation_bytes_per_microbatch == 2 * 4 * n * (4 // 2)
+            else:
+                assert after.transient_bytes == before.transient_bytes + block
+                assert after.activation_bytes_per_microbatch == before.activation_bytes_per_microbatch - 2 * block + 2 * e * n * h
+            assert after.recompute_s > 0 and after.compute_s == pytest.approx(before.compute_s + after.recompute_s)

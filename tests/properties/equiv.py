@@ -149,7 +149,24 @@ def _dp_grads_summed(p: _Patches, info: dict[str, Any]) -> None:
     p.set(Built, "_sync_grads", sync)
 
 
+def _recompute_double_grad(p: _Patches, info: dict[str, Any]) -> None:
+    """(vii) a recomputation that keeps the first forward's graph too: the checkpointed region's
+    output carries the recomputed graph *and* the original one, so backward runs both (and the
+    region's tensor-parallel collectives twice) and every gradient upstream of it doubles."""
+    import meshllm_dsl.runtime as rt
+
+    real = rt.recompute
+
+    def double(fn: Any, *args: Any) -> Any:
+        kept = fn(*args)  # the forward's own graph, never freed
+        again = real(fn, *args)
+        return kept + (again - again.detach())
+
+    p.set(rt, "recompute", double)
+
+
 FAULTS: dict[str, Callable[[_Patches, dict[str, Any]], None]] = {
+    "recompute_double_grad": _recompute_double_grad,
     "naive_all_reduce": _naive_all_reduce,
     "missing_all_reduce": _missing_all_reduce,
     "off_by_one_slice": _off_by_one_slice,

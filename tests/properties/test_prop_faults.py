@@ -11,6 +11,8 @@ with it the comparison must report differences above tolerance, in the place the
 (iv)  rotary positions shifted on odd tensor ranks: forward differs
 (v)   loss divided by the microbatch count twice: gradients differ (with and without a pipeline)
 (vi)  data-parallel gradients summed instead of averaged: forward and loss right, gradients differ
+(vii) recomputation that also keeps the first forward's graph: forward right, gradients doubled
+      (`recompute = blocks` with tensor-parallel collectives inside, under a 1F1B pipeline)
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ PLANS = {
     "pipeline2": _plan("pipeline = 2", "    microbatches = 2\n    stages over pipeline balanced\n    schedule gpipe"),
     "microbatches2": _plan("tensor = 2", MEGATRON + "    microbatches = 2"),
     "data2": _plan("data = 2", "    layout { batch -> data }\n    optimizer adamw { zero 1 }"),
+    "recompute": _plan("pipeline = 2, tensor = 2", MEGATRON + "    microbatches = 2\n    recompute = blocks\n"
+                       "    stages over pipeline balanced\n    schedule 1f1b"),
 }
 
 # fault -> (plan, where the difference must show, where it must not)
@@ -50,6 +54,7 @@ CASES = {
     "loss_scaled_twice": ("pipeline2", "grad", "logits"),
     "loss_scaled_twice_no_pipeline": ("microbatches2", "grad", "logits"),
     "dp_grads_summed": ("data2", "grad", "loss"),
+    "recompute_double_grad": ("recompute", "grad", "logits"),
 }
 
 
