@@ -971,6 +971,7 @@ def report_text(rep: PlanReport) -> str:
     else:
         lines.append("  none (a single device)")
     st = rep.step
+    slow_recompute = next((rc.recompute_s for rc in rep.ranks if rc.compute_s == st.compute_s), 0.0)
     p = plan.pipeline_size
     lines += [
         "",
@@ -978,7 +979,9 @@ def report_text(rep: PlanReport) -> str:
                                              + (f", v = {plan.virtual}" if plan.virtual > 1 else "") if p > 1 else " (no pipeline)"),
         "",
         f"step time (estimate; {dev.name} {dev.tflops:g} TFLOP/s at MFU {(dev.mfu or MFU):.0%} for the matmuls, links {dev.intra_gbps:g} / {dev.inter_gbps:g} GB/s)",
-        f"  compute          {fmt_seconds(st.compute_s)}   6 x params x tokens on the slowest pipeline rank",
+        f"  compute          {fmt_seconds(st.compute_s)}   6 x params x tokens on the slowest pipeline rank"
+        + (f", of which {fmt_seconds(slow_recompute)} recomputes {'the blocks' if plan.recompute == 'blocks' else 'the attention core'} in backward"
+           if plan.recompute != "none" else ""),
         f"  tensor comm      {fmt_seconds(st.tensor_s)}",
         f"  pipeline comm    {fmt_seconds(st.pipeline_s)}",
         f"  bubble           {fmt_seconds(st.bubble_s)}",
@@ -1002,7 +1005,7 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
                  "devices": plan.mesh.devices},
         "device": {**attrs.asdict(rep.device), "assumed": rep.device_assumed},
         "dtype": plan.dtype,
-        "batch": plan.batch, "seq": plan.seq, "microbatches": plan.microbatches, "micro_batch": rep.micro_batch,
+        "batch": plan.batch, "seq": plan.seq, "microbatches": plan.microbatches, "micro_batch": rep.micro_batch, "recompute": plan.recompute,
         "schedule": plan.schedule, "virtual": plan.virtual, "optimizer": plan.optimizer, "zero": plan.zero,
         "zero_axes": list(plan.zero_axes),
         "parameters": model.numel,
@@ -1019,6 +1022,7 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
              "activation_bytes_per_microbatch": rc.activation_bytes_per_microbatch, "in_flight": rc.in_flight,
              "activation_bytes": rc.activation_bytes, "transient_bytes": rc.transient_bytes, "kv_cache_bytes": rc.kv_cache_bytes,
              "training_bytes": rc.training_bytes, "inference_bytes": rc.inference_bytes, "compute_s": rc.compute_s,
+             "recompute_s": rc.recompute_s,
              "comms": [attrs.asdict(c) for c in rc.comms]}
             for rc in rep.ranks
         ],

@@ -57,6 +57,25 @@ CASES: dict[str, str] = {
         "a = 2, b = 2", MEGATRON.replace("(tensor)", "(b, a)"), LLAMA.replace("kv_heads = 2", "kv_heads = 4")
     ),
     "data2_pipeline2_tensor2": (ROOT / "examples" / "tiny_llama.mesh").read_text(),
+    # Activation recomputation: the tensor-parallel f / g collectives run again inside the recomputed
+    # region, under pipeline schedules, with data parallelism and ZeRO-1; gradients must not double.
+    "recompute_blocks_pipeline2_tensor2_1f1b": _spec(
+        "pipeline = 2, tensor = 2", MEGATRON + "microbatches = 2\n recompute = blocks\n stages over pipeline balanced\n schedule 1f1b"
+    ),
+    "recompute_attention_pipeline2_tensor2_gpipe": _spec(
+        "pipeline = 2, tensor = 2", MEGATRON + "microbatches = 2\n recompute = attention\n stages over pipeline balanced\n schedule gpipe"
+    ),
+    "recompute_blocks_interleaved": _spec(
+        "pipeline = 2", "microbatches = 4\n recompute = blocks\n stages over pipeline virtual 2 balanced\n schedule interleaved_1f1b"
+    ),
+    "recompute_blocks_gpt2_data2_tensor2_zero1": _spec(
+        "data = 2, tensor = 2",
+        "recompute = blocks\n layout { batch -> data, heads -> tensor, ffn -> tensor, vocab -> tensor }\n optimizer adamw { zero 1 }",
+        GPT2,
+    ),
+    "recompute_tiny_llama_data2_pipeline2_tensor2": (ROOT / "examples" / "tiny_llama.mesh").read_text().replace(
+        "    batch = 8", "    batch = 8\n    recompute = blocks"
+    ),
 }
 
 

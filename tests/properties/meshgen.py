@@ -47,6 +47,8 @@ GPT2_BLOCK: dict[tuple[str, str], tuple[tuple[str, ...], tuple[str, ...]]] = {
 TOP_SHARDABLE = {"embed": (("vocab",), ("hidden",)), "lm_head": (("vocab",), ("hidden",))}
 BLOCK_NORMS = ("attn_norm", "mlp_norm")
 
+# `recompute = ...` regions, from the language's rules (README): nothing, whole blocks, attention core.
+RECOMPUTE = ("none", "blocks", "attention")
 ROLE_NAMES = {
     "data": ("data", "dp", "replica"),
     "pipeline": ("pipeline", "pp", "stage"),
@@ -96,6 +98,7 @@ class Spec:
     schedule: str | None = None
     zero: tuple[int, tuple[str, ...] | None] | None = None  # (stage, over axes or None)
     opt: dict[str, float] = field(default_factory=dict)
+    recompute: str | None = None  # `recompute = ...` (None: not set)
     hint: str = "clean"  # what the generator meant; never read by the oracle
 
     # -------------------------------------------------------------- rendering
@@ -131,6 +134,8 @@ class Spec:
         lines.append(f"    seq = {self.seq}")
         if self.microbatches is not None:
             lines.append(f"    microbatches = {self.microbatches}")
+        if self.recompute is not None:
+            lines.append(f"    recompute = {self.recompute}")
         entries = [f"batch -> {' * '.join(self.batch_axes)}"] if self.batch_axes else []
         entries += [f"{dim} -> {' * '.join(axes)}" for dim, axes in self.layout.items()]
         if entries:
@@ -217,6 +222,8 @@ class _Oracle:
             return Verdict(self.out)
         if s.family == "gpt2" and d["positions"] < s.seq:
             pass  # never generated (the runtime would index past the position table)
+        if s.recompute is not None and s.recompute not in RECOMPUTE:
+            self.bad("E0203", f"recompute = {s.recompute} is not a region")
         self.placements()
         pipeline_ok = self.pipeline()
         self.batch_and_schedule(pipeline_ok)
@@ -529,6 +536,7 @@ FAULTS = (
     "zero_without_data", "tied_mismatch", "stage_count", "stage_empty", "stage_gap", "stage_overlap",
     "stage_order", "stage_past_end", "balanced_uneven", "few_microbatches", "interleaved_indivisible",
     "interleaved_no_virtual", "virtual_not_interleaved", "devices_mismatch", "kv_not_dividing",
+    "recompute_unknown",
 )
 NEEDS_TENSOR = {
     "dims_free", "column_column", "replicated_after_column", "mismatched_inputs", "row_inputs",
@@ -693,6 +701,11 @@ def plan_specs(draw: Callable[..., Any], valid_only: bool = False) -> Spec:
         spec.devices = spec.n_devices + draw(st.sampled_from([-1, 1, 2])) if spec.n_devices > 1 else 2
     elif draw(st.integers(0, 5)) == 0:
         spec.devices = spec.n_devices
+    # -- activation recomputation: both families repeat blocks with attention, so every region applies
+    if fault == "recompute_unknown":
+        spec.recompute = draw(st.sampled_from(["full", "layers", "selective", "Blocks"]))
+    elif draw(st.integers(0, 2)) == 0:
+        spec.recompute = draw(st.sampled_from(RECOMPUTE))
     return spec
 
 

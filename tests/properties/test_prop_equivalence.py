@@ -66,6 +66,8 @@ def _features(spec: Spec) -> list[str]:
         out.append("layout")
     if any(isinstance(r.block, int) for r in spec.rules):
         out.append("per-block rules")
+    if spec.recompute not in (None, "none"):
+        out.append(f"recompute {spec.recompute}")
     return out
 
 
