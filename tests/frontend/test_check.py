@@ -365,3 +365,37 @@ def test_multi_axis_rules_come_out_in_mesh_order() -> None:
     p = plan_of(tiny(body, axes="data = 2, tensor = 2"))
     assert p.placement("blocks.0.mlp.up").axes == ("data", "tensor")
     assert p.placement("blocks.0.mlp.down").axes == ("data", "tensor")
+
+
+RECOMPUTE_PLAN = """
+mesh m { axes tensor = 2 }
+model l = llama { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64 }
+plan p on m for l {
+    recompute = REGION
+    layout { heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }
+}
+"""
+
+
+@pytest.mark.parametrize("region", ["none", "blocks", "attention"])
+def test_recompute_regions_check_format_and_reach_the_ir(region: str) -> None:
+    from meshllm_dsl.fmt import format_text
+    from meshllm_dsl.parser import parse
+
+    src = RECOMPUTE_PLAN.replace("REGION", region)
+    assert plan_of(src).recompute == region
+    assert parse(format_text(src)) == parse(src)
+    assert f"recompute = {region}" in format_text(src)
+
+
+def test_recompute_unset_is_none_and_bad_uses_are_refused() -> None:
+    assert plan_of(RECOMPUTE_PLAN.replace("    recompute = REGION\n", "")).recompute == "none"
+    assert codes(RECOMPUTE_PLAN.replace("REGION", "full")) == ["E0203"]
+    assert codes(RECOMPUTE_PLAN.replace("REGION", '"blocks"')) == ["E0203"]
+    inline = """
+mesh m { axes data = 1 }
+model x { hidden = 8  vocab = 16  embed = embedding(vocab, hidden)  lm_head = linear(hidden, vocab) }
+plan p on m for x { recompute = REGION }
+"""
+    assert codes(inline.replace("REGION", "blocks")) == ["E0409"]
+    assert codes(inline.replace("REGION", "attention")) == ["E0409"]
