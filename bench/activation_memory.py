@@ -31,6 +31,7 @@ plan p on m for l {{
     batch = {batch}
     seq = 64
     microbatches = {m}
+    recompute = {recompute}
     {rules}
 }}
 """
@@ -39,14 +40,32 @@ TP_RULES = "layout { heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -
 CASES: dict[str, str] = {
     "tiny_llama (d2 p2 t2, 1f1b)": (ROOT / "examples" / "tiny_llama.mesh").read_text(),
     "tiny_gpt2 (p2 t2, gpipe)": (ROOT / "examples" / "tiny_gpt2.mesh").read_text(),
-    "llama single": LLAMA.format(axes="tensor = 1", batch=4, m=1, rules=""),
-    "llama t2": LLAMA.format(axes="tensor = 2", batch=4, m=1, rules=TP_RULES),
+    "llama single": LLAMA.format(axes="tensor = 1", batch=4, m=1, rules="", recompute="none"),
+    "llama t2": LLAMA.format(axes="tensor = 2", batch=4, m=1, rules=TP_RULES, recompute="none"),
     "llama p2 t2 1f1b m4": LLAMA.format(
         axes="pipeline = 2, tensor = 2",
         batch=8,
         m=4,
         rules=TP_RULES + "\n    stages over pipeline balanced\n    schedule 1f1b",
+        recompute="none",
     ),
+    # Activation recomputation on and off (`recompute = blocks | attention`).
+    **{
+        f"llama t2 recompute {mode}": LLAMA.format(
+            axes="tensor = 2", batch=4, m=1, rules=TP_RULES, recompute=mode
+        )
+        for mode in ("blocks", "attention")
+    },
+    **{
+        f"llama p2 t2 1f1b m4 recompute {mode}": LLAMA.format(
+            axes="pipeline = 2, tensor = 2",
+            batch=8,
+            m=4,
+            rules=TP_RULES + "\n    stages over pipeline balanced\n    schedule 1f1b",
+            recompute=mode,
+        )
+        for mode in ("blocks", "attention")
+    },
 }
 
 

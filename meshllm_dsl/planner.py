@@ -616,7 +616,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         in_flight = in_flight_microbatches(plan.schedule, p_size, c, m, v)
         # Interleaved ranks hold v chunks; in-flight counts chunk forwards, so scale per chunk.
         act = act_mb * in_flight // max(1, len(stages_at[c]))
-        transient = working + recomputed
+        transient = working + recomputed  # an upper bound: the rerun block frees its tensors as its backward uses them
         if p_size > 1:
             # torch.distributed.pipelining keeps each in-flight forward's output (the residual
             # stream, or the logits on the last stage) until that microbatch's backward.
