@@ -164,7 +164,8 @@ _EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = []  # type: ig
 def _load_extensions() -> None:
     import importlib
 
-    for name in ("meshllm_dsl.cli_compile", "meshllm_dsl.cli_plan", "meshllm_dsl.import_hf", "meshllm_dsl.calibrate"):
+    for name in ("meshllm_dsl.cli_compile", "meshllm_dsl.cli_plan", "meshllm_dsl.import_hf", "meshllm_dsl.calibrate",
+                 "meshllm_dsl.cli_data"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as err:

@@ -209,9 +209,10 @@ def synthetic_batch(
 def text_batch(
     data: Any, vocab: int, batch: int, seq: int, seed: int, step: int
 ) -> tuple[Tensor, Tensor]:
-    """``batch`` windows of ``seq + 1`` bytes at deterministic offsets; ids are bytes mod vocab.
+    """``batch`` windows of ``seq + 1`` ids at deterministic offsets, mod vocab (for bytes).
 
-    ``data`` is any 1-D uint8 sequence (a memory map of the file: only the windows are read).
+    ``data`` is any 1-D sequence of ids: a memory map of a token file or of a text file's bytes,
+    so only the windows are read.
     A function of (seed, step) only, so the data position of a run is its step.
     """
     n = len(data)
@@ -220,14 +221,29 @@ def text_batch(
     gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
     starts = torch.randint(0, n - seq - 1, (batch,), generator=gen)
     ids = torch.stack(
-        [torch.as_tensor(np.asarray(data[s : s + seq + 1]), dtype=torch.long) for s in starts.tolist()]
+        # A copy of just the window, widened to int64 (the map is read-only, uint8 / 16 / 32).
+        [torch.from_numpy(np.array(data[s : s + seq + 1], dtype=np.int64)) for s in starts.tolist()]
     ) % vocab
     return ids[:, :-1], ids[:, 1:]
 
 
 def open_data(path: Path) -> Any:
-    """The token file as a read-only memory map of bytes (rank memory stays O(batch))."""
+    """``--data`` as a read-only memory map (rank memory stays O(batch)): the ids of a token file
+    (`meshc tokenize`), else the file's bytes."""
+    from .tokens import open_token_file, token_file_vocab
+
+    if token_file_vocab(path) is not None:
+        return open_token_file(path)
     return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def _check_token_vocab(path: Path | None, vocab: int) -> None:
+    """A token file written for a larger vocabulary would feed ids the model has no row for."""
+    from .tokens import token_file_vocab
+
+    wrote_for = token_file_vocab(path) if path is not None else None
+    if wrote_for is not None and wrote_for > vocab:
+        raise InputError(f"--data {path}: tokenized for a vocabulary of {wrote_for}, the model has {vocab}")
 
 
 def data_identity(path: Path | None) -> dict[str, Any] | None:
@@ -332,6 +348,10 @@ def _corpus(built: Built, data: Path | None, tokenizer: Any = None) -> Tensor | 
     """Token ids of ``data``: tokenized text with a tokenizer, else its bytes mod vocab."""
     if data is None:
         return None
+    from .tokens import open_token_file, token_file_vocab
+
+    if token_file_vocab(data) is not None:  # already ids (read whole: --eval walks all of it)
+        return torch.from_numpy(np.asarray(open_token_file(data), dtype=np.int64))
     if tokenizer is None:
         return torch.frombuffer(bytearray(data.read_bytes()), dtype=torch.uint8).long()
     ids = tokenizer.corpus(data.read_text())
@@ -638,7 +658,11 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
             from .tokens import Tokenizer
 
             tokenizer = Tokenizer(args.tokenizer)
-        corpus = _corpus(built, args.data, tokenizer) if tokenizer is not None else None
+        # Text with a tokenizer is tokenized here; a token file or raw bytes are memory-mapped.
+        from .tokens import token_file_vocab
+
+        text = args.data is not None and token_file_vocab(args.data) is None
+        corpus = _corpus(built, args.data, tokenizer) if tokenizer is not None and text else None
         if args.infer:
             from .tokens import parse_ids
 
@@ -657,6 +681,7 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
                 print(f"nothing to do: the checkpoint is at step {start}, --steps is {args.steps}",
                       file=sys.stderr)
         else:
+            _check_token_vocab(args.data, _real_vocab(built))
             if args.data is not None and len(open_data(args.data)) < program.seq + 2:
                 raise InputError(
                     f"--data {args.data}: needs at least {program.seq + 2} bytes for seq "

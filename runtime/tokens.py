@@ -9,7 +9,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["Tokenizer", "eval_batches", "parse_ids"]
+__all__ = [
+    "TOKEN_MAGIC",
+    "Tokenizer",
+    "eval_batches",
+    "open_token_file",
+    "parse_ids",
+    "token_file_vocab",
+    "write_token_file",
+]
+
+# A token file (`meshc tokenize`): this magic, then little-endian uint32 item size (2 or 4) and
+# uint32 vocabulary size, then the ids as flat little-endian uint16 / uint32, documents joined with
+# the end-of-text id -- nanoGPT's .bin with a header, so that a rank can memory-map it, read only
+# its windows, and refuse ids its model's vocabulary does not have.
+TOKEN_MAGIC = b"MESHTOK1"
+_HEADER = len(TOKEN_MAGIC) + 8
 
 
 class Tokenizer:
@@ -41,16 +56,95 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=False))
 
-    def corpus(self, text: str) -> Tensor:
-        """Documents (separated by blank lines) tokenized and joined with the end-of-text id."""
+    @property
+    def vocab(self) -> int:
+        return int(self.tok.get_vocab_size(with_added_tokens=True))
+
+    def documents(self, docs: list[str]) -> list[int]:
+        """``docs`` tokenized and joined, each followed by the end-of-text id."""
         ids: list[int] = []
-        for doc in (d.strip() for d in text.split("\n\n")):
-            if not doc:
-                continue
-            ids += self.encode(doc)
+        for enc in self.tok.encode_batch(docs, add_special_tokens=False):
+            ids += enc.ids
             if self.eos is not None:
                 ids.append(self.eos)
-        return torch.tensor(ids, dtype=torch.long)
+        return ids
+
+    def corpus(self, text: str) -> Tensor:
+        """Documents (separated by blank lines) tokenized and joined with the end-of-text id."""
+        docs = [d for d in (d.strip() for d in text.split("\n\n")) if d]
+        return torch.tensor(self.documents(docs), dtype=torch.long)
+
+
+def _documents(lines: Any) -> Any:
+    """Blank-line separated documents of a text stream, one at a time (the file is never whole)."""
+    doc: list[str] = []
+    for line in lines:
+        if line.strip():
+            doc.append(line)
+        elif doc:
+            yield "".join(doc).strip()
+            doc = []
+    if doc:
+        yield "".join(doc).strip()
+
+
+def write_token_file(text_path: str | Path, tokenizer: Tokenizer, out: str | Path, batch_docs: int = 256) -> int:
+    """Tokenize the text file into a token file at ``out`` (atomically); the number of tokens."""
+    import os
+    import tempfile
+
+    import numpy as np
+
+    vocab = tokenizer.vocab
+    dtype = np.dtype("<u2") if vocab <= 1 << 16 else np.dtype("<u4")
+    out = Path(out)
+    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    count = 0
+    try:
+        with os.fdopen(fd, "wb") as f, open(text_path, encoding="utf-8") as text:
+            f.write(TOKEN_MAGIC + np.array([dtype.itemsize, vocab], dtype="<u4").tobytes())
+            pending: list[str] = []
+            for doc in _documents(text):
+                pending.append(doc)
+                if len(pending) == batch_docs:
+                    count += _write_ids(f, tokenizer.documents(pending), dtype)
+                    pending = []
+            count += _write_ids(f, tokenizer.documents(pending), dtype)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return count
+
+
+def _write_ids(f: Any, ids: list[int], dtype: Any) -> int:
+    import numpy as np
+
+    np.asarray(ids, dtype=dtype).tofile(f)
+    return len(ids)
+
+
+def token_file_vocab(path: str | Path) -> int | None:
+    """The vocabulary size a token file was written for; None for any other file (bytes)."""
+    with open(path, "rb") as f:
+        head = f.read(_HEADER)
+    if len(head) < _HEADER or not head.startswith(TOKEN_MAGIC):
+        return None
+    return int.from_bytes(head[len(TOKEN_MAGIC) + 4 :], "little")
+
+
+def open_token_file(path: str | Path) -> Any:
+    """A read-only memory map of a token file's ids (only the windows read are paged in)."""
+    import numpy as np
+
+    with open(path, "rb") as f:
+        head = f.read(_HEADER)
+    itemsize = int.from_bytes(head[len(TOKEN_MAGIC) : len(TOKEN_MAGIC) + 4], "little")
+    if itemsize not in (2, 4):
+        raise ValueError(f"{path}: a token file with item size {itemsize} (expected 2 or 4)")
+    return np.memmap(path, dtype=np.dtype(f"<u{itemsize}"), mode="r", offset=_HEADER)
 
 
 def parse_ids(text: str, vocab: int) -> Tensor:
