@@ -577,16 +577,20 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
 
 
 def _adamw_kwargs(plan: PlanIR) -> dict[str, Any]:
-    """The plan's optimizer settings as torch.optim.AdamW keyword arguments."""
+    """The plan's optimizer settings: torch.optim.AdamW's keyword arguments, and the training loop's
+    (`clip`, `warmup`, `decay_steps`, `min_lr`: runtime/program.py LOOP_SETTINGS)."""
     given = dict(plan.optimizer_settings)
     out: dict[str, Any] = {}
     if "lr" in given:
         out["lr"] = given["lr"]
     if "beta1" in given or "beta2" in given:
         out["betas"] = (given.get("beta1", 0.9), given.get("beta2", 0.999))
-    for key in ("weight_decay", "eps"):
+    for key in ("weight_decay", "eps", "clip", "min_lr"):
         if key in given:
             out[key] = given[key]
+    for key in ("warmup", "decay_steps"):  # step counts: integers in generated code
+        if key in given:
+            out[key] = int(given[key])  # type: ignore[call-overload]
     return out
 
 

@@ -160,7 +160,13 @@ _OPT_SETTINGS = {
     "beta1": (0.0, 1.0, False, True),
     "beta2": (0.0, 1.0, False, True),
     "eps": (0.0, 1.0, True, False),
+    # The training loop's: clip the global gradient norm; linear warmup, then cosine decay to min_lr.
+    "clip": (0.0, 1e6, True, False),
+    "warmup": (0.0, 1e9, False, False),
+    "decay_steps": (0.0, 1e9, False, False),
+    "min_lr": (0.0, 1e3, False, False),
 }
+_OPT_STEP_COUNTS = ("warmup", "decay_steps")
 
 
 @attrs.define
@@ -1024,6 +1030,10 @@ class PlanChecker(Resolver):
             seen[s.name.value] = s
             low, high, low_open, high_open = _OPT_SETTINGS[s.name.value]
             v = self.eval_float(s.value, {}, f"`{s.name.value}`", low, high, low_open, high_open)
+            if v is not None and s.name.value in _OPT_STEP_COUNTS and not float(v).is_integer():
+                self.error("E0304", f"`{s.name.value}` is a number of steps, not {v}", s.value.span,
+                           label="not a whole number", help=f"write `{s.name.value} = {int(v)}`")
+                continue
             if v is not None:
                 settings.append((s.name.value, v))
         zero, zero_axes = 0, ()

@@ -666,6 +666,7 @@ def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, A
                 if id(p) in owned and subs:
                     inner.state[p] = {k: v.clone() for k, v in subs.items()}
         _set_param_groups(built, manifest.get("param_groups", []))
+        built.steps_done = int(manifest["step"])  # the learning-rate schedule's clock
         same = manifest["layout"] == {"axes": [list(a) for a in mesh.axes], "ranks": list(mesh.ranks)}
         rng_file = step_dir / f"rng-{mesh.rank}.pt"
         if same and rng_file.is_file():

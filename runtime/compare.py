@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .layers import cross_entropy
 from .mesh import Mesh
-from .program import Program, adamw_kwargs
+from .program import Program, adamw_kwargs, lr_at
 from .reference import build_reference
 
 __all__ = ["NOISE_GRAD", "TOLERANCE", "compare_to_reference", "reference_batches"]
@@ -38,9 +38,9 @@ def compare_to_reference(
 ) -> dict[str, float]:
     """Max |sharded - unsharded| per quantity, on this rank, after `steps` AdamW steps.
 
-    Keys: ``logits`` (before training), ``loss@K`` for every step, ``grad NAME`` for every
-    parameter at step 0 (gathered to full shape), ``param NAME`` for every parameter after the last
-    step. Must be called on every rank of ``mesh``.
+    Keys: ``logits`` (before training), ``loss@K`` for every step, ``grad_norm@K`` with a ``clip``
+    setting, ``grad NAME`` for every parameter at step 0 (gathered to full shape, after clipping),
+    ``param NAME`` for every parameter after the last step. Must be called on every rank of ``mesh``.
     """
     if dtype is not None:
         program = dataclasses.replace(program, dtype=dtype)
@@ -59,6 +59,10 @@ def compare_to_reference(
         ref_loss = cross_entropy(ref(tokens), targets)
         ref_loss.backward()
         errs[f"loss@{step}"] = abs(loss - ref_loss.item())
+        if "clip" in program.optimizer:
+            # torch's own clipping on the unsharded model: the norm the sharded run must reproduce.
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), float(program.optimizer["clip"]))
+            errs[f"grad_norm@{step}"] = abs(built.grad_norm - float(ref_norm))
         if step == 0:
             grads = built.full_grads()
             if set(grads) != set(ref_params):
@@ -68,6 +72,8 @@ def compare_to_reference(
         for name, p in ref_params.items():
             assert p.grad is not None
             smallest_grad[name] = torch.minimum(smallest_grad[name], p.grad.abs())
+        for group in ref_opt.param_groups:
+            group["lr"] = lr_at(program.optimizer, step)
         ref_opt.step()
     state = built.full_state_dict()
     if set(state) != set(ref_params):

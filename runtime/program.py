@@ -43,13 +43,32 @@ _SCHEDULES = {
 }
 
 
+# Optimizer settings that are the training loop's, not torch.optim.AdamW's.
+LOOP_SETTINGS = ("clip", "warmup", "decay_steps", "min_lr")
+
+
 def adamw_kwargs(settings: Mapping[str, Any]) -> dict[str, Any]:
     """A plan's optimizer settings as torch.optim.AdamW keyword arguments (lr defaults to 1e-3)."""
-    kw = dict(settings)
+    kw = {k: v for k, v in settings.items() if k not in LOOP_SETTINGS}
     kw.setdefault("lr", 1e-3)
     if "betas" in kw:
         kw["betas"] = tuple(kw["betas"])
     return kw
+
+
+def lr_at(settings: Mapping[str, Any], step: int) -> float:
+    """The learning rate of update ``step`` (0-based): linear warmup over ``warmup`` steps, then a
+    cosine decay to ``min_lr`` at ``decay_steps`` (torchtitan's and nanoGPT's shape); constant
+    ``lr`` without them. A function of the step only, so a resumed run needs nothing else saved."""
+    lr = float(settings.get("lr", 1e-3))
+    warmup, decay = int(settings.get("warmup", 0)), int(settings.get("decay_steps", 0))
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if not decay:
+        return lr
+    progress = min(1.0, (step - warmup) / max(1, decay - warmup))
+    low = float(settings.get("min_lr", 0.0))
+    return low + (lr - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def _schedule_name(name: str) -> str:
@@ -198,6 +217,8 @@ class Built:
         self._tied = self._tied_groups()
         self.loss_fn = program.loss(mesh)
         self.optimizer = self._make_optimizer()
+        self.steps_done = 0  # optimizer updates so far: the learning-rate schedule's clock
+        self.grad_norm = float("nan")  # the global gradient norm of the last step (with clip)
         self._schedules: dict[tuple[int, int, bool], Any] = {}
 
     # ------------------------------------------------------------------ set-up
@@ -387,8 +408,56 @@ class Built:
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         local_loss = self._forward_backward(self._local_batch(tokens), self._local_batch(targets))
         self._sync_grads()
+        settings = self.program.optimizer
+        if "clip" in settings:
+            self.grad_norm = self.clip_grads(float(settings["clip"]))
+        lr = lr_at(settings, self.steps_done)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.step()
+        self.steps_done += 1
         return self._global_loss(local_loss)
+
+    def grad_norm_sq(self) -> Tensor:
+        """This rank's share of the squared global gradient norm, so that the sum over the mesh
+        counts every element of every full gradient exactly once.
+
+        A shard counts on every rank that holds a different slice of it; a copy (replicated over
+        tensor or unused axes, averaged over data axes, tied on another stage) counts only on the
+        first holder: each pipeline stage's parameters, once; the tied weight, on its first stage.
+        """
+        first_stage = {name: min(ids) for name, ids, _ in self._tied}
+        seen: set[int] = set()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i in sorted(self.stage_ids):
+            for name, spec in self.specs[i].items():
+                param = self.modules[i].get_parameter(spec.local)
+                if id(param) in seen or param.grad is None:
+                    continue
+                seen.add(id(param))
+                if first_stage.get(name, i) != i:
+                    continue
+                split = {a for _, axes in spec.dims for a in axes}
+                copies = [a for a in self.mesh.names if a != self.program.pipeline_axis and a not in split]
+                if all(self.mesh.coord(a) == 0 for a in copies):
+                    total += param.grad.detach().to(torch.float64).pow(2).sum()
+        return total
+
+    def clip_grads(self, max_norm: float) -> float:
+        """Scale every gradient by min(1, max_norm / (norm + 1e-6)), with the norm over the whole
+        model as torch.nn.utils.clip_grad_norm_ computes it on the unsharded one; the norm."""
+        total = self.grad_norm_sq()
+        group = self.mesh.group(*self.mesh.names)
+        if group is not None:
+            # [1]: each rank's share of the squared norm, summed over the whole mesh.
+            total = all_reduce_sum(total.reshape(1), group)[0]
+        norm = float(total.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for q in self.parameters():
+                if q.grad is not None:
+                    q.grad.mul_(coef)
+        return norm
 
     def _forward_backward(self, tokens: Tensor, targets: Tensor) -> Tensor | None:
         p = self.program

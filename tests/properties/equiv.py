@@ -165,7 +165,22 @@ def _recompute_double_grad(p: _Patches, info: dict[str, Any]) -> None:
     p.set(rt, "recompute", double)
 
 
+def _clip_norm_counts_copies(p: _Patches, info: dict[str, Any]) -> None:
+    """(viii) the classic clipping bug: every rank adds the squares of all its local gradients, so
+    replicated parameters count once per tensor rank and data replicas once per replica."""
+    import torch
+
+    from meshllm_dsl.runtime.program import Built
+
+    def naive(self: Any) -> Any:
+        return sum((q.grad.double().pow(2).sum() for q in self.parameters() if q.grad is not None),
+                   torch.zeros((), dtype=torch.float64))
+
+    p.set(Built, "grad_norm_sq", naive)
+
+
 FAULTS: dict[str, Callable[[_Patches, dict[str, Any]], None]] = {
+    "clip_norm_counts_copies": _clip_norm_counts_copies,
     "recompute_double_grad": _recompute_double_grad,
     "naive_all_reduce": _naive_all_reduce,
     "missing_all_reduce": _missing_all_reduce,

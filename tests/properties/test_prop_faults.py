@@ -13,6 +13,8 @@ with it the comparison must report differences above tolerance, in the place the
 (vi)  data-parallel gradients summed instead of averaged: forward and loss right, gradients differ
 (vii) recomputation that also keeps the first forward's graph: forward right, gradients doubled
       (`recompute = blocks` with tensor-parallel collectives inside, under a 1F1B pipeline)
+(viii) gradient clipping whose norm counts copies (replicated over tensor, data replicas) on every
+      rank: forward right, clipped gradients differ (data x pipeline x tensor)
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ PLANS = {
     "data2": _plan("data = 2", "    layout { batch -> data }\n    optimizer adamw { zero 1 }"),
     "recompute": _plan("pipeline = 2, tensor = 2", MEGATRON + "    microbatches = 2\n    recompute = blocks\n"
                        "    stages over pipeline balanced\n    schedule 1f1b"),
+    "clip": _plan("data = 2, pipeline = 2, tensor = 2", MEGATRON + "    microbatches = 2\n    layout { batch -> data }\n"
+                  "    stages over pipeline balanced\n    schedule 1f1b\n"
+                  "    optimizer adamw { clip = 0.01, warmup = 2, decay_steps = 3 }"),
 }
 
 # fault -> (plan, where the difference must show, where it must not)
@@ -55,6 +60,7 @@ CASES = {
     "loss_scaled_twice_no_pipeline": ("microbatches2", "grad", "logits"),
     "dp_grads_summed": ("data2", "grad", "loss"),
     "recompute_double_grad": ("recompute", "grad", "logits"),
+    "clip_norm_counts_copies": ("clip", "grad", "logits"),
 }
 
 

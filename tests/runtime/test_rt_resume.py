@@ -22,7 +22,10 @@ from meshllm_dsl.runtime.launch import synthetic_batch
 from meshllm_dsl.runtime.pool import RankContext, WorkerPool
 
 LAYERS = 4
-OPT = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
+# With clipping that bites and a warmup + cosine schedule that spans the resume point, so a resumed
+# run must also restore the schedule's clock (the step) to stay bit for bit.
+OPT = {"lr": 3e-3, "betas": (0.9, 0.95), "weight_decay": 0.1, "clip": 0.05, "warmup": 2, "decay_steps": 6,
+       "min_lr": 3e-4}
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     "single": {"axes": (("tensor", 1),)},
