@@ -301,6 +301,66 @@ class Progress:
             return None
 
 
+class PlanMismatch(Exception):
+    """The nodes of a multi-node job run different plans, code or flags; one line, same on every node."""
+
+
+# Flags that may differ between nodes: --profile names a directory of each node's own.
+_NODE_LOCAL_FLAGS = ("profile",)
+
+
+def plan_digest() -> str:
+    """What every node must run identically: the generated module (which records the sha256 of its
+    .mesh source) and this runtime's code."""
+    h = hashlib.sha256()
+    main = getattr(sys.modules.get("__main__"), "__file__", None) or sys.argv[0]
+    for path in [Path(main), *sorted(Path(__file__).parent.glob("*.py"))]:
+        h.update(path.name.encode() + b"\0")
+        with contextlib.suppress(OSError):
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _flags_text(args: argparse.Namespace) -> dict[str, str]:
+    return {k: str(v) for k, v in sorted(vars(args).items()) if k not in _NODE_LOCAL_FLAGS}
+
+
+def check_same_plan(args: argparse.Namespace, rank: int, world: int, timeout: timedelta) -> None:
+    """Every rank of a multi-node job publishes its node, plan digest and flags in the job's store
+    and compares them with everyone's before any rank builds its part: two nodes started from
+    different .mesh files (or meshc versions, or flags) would otherwise deadlock or silently
+    train something else.  Raises ``PlanMismatch`` on every rank alike."""
+    import json
+
+    store = dist.distributed_c10d._get_default_store()
+    node = os.environ.get("GROUP_RANK", "0")
+    mine = {"node": node, "plan": plan_digest(), "flags": _flags_text(args)}
+    store.set(f"meshllm/same/{rank}", json.dumps(mine))
+    keys = [f"meshllm/same/{r}" for r in range(world)]
+    store.wait(keys, timeout)
+    everyone = [json.loads(bytes(store.get(k)).decode()) for k in keys]
+    # Read by all before anyone leaves: the store lives in one node's agent, which exits with it.
+    store.set(f"meshllm/same-read/{rank}", "1")
+    store.wait([f"meshllm/same-read/{r}" for r in range(world)], timeout)
+    first = everyone[0]
+    for other in everyone[1:]:
+        if other["plan"] != first["plan"]:
+            raise PlanMismatch(
+                f"node {first['node']} and node {other['node']} run different plans (spec or generated "
+                f"code {first['plan']} vs {other['plan']}): start every node from the same .mesh file "
+                "with the same meshc"
+            )
+        if other["flags"] != first["flags"]:
+            diff = [k for k in first["flags"] if first["flags"][k] != other["flags"].get(k)]
+            shown = ", ".join(
+                f"--{k.replace('_', '-')} {first['flags'][k]} vs {other['flags'].get(k)}" for k in diff[:3]
+            )
+            raise PlanMismatch(
+                f"node {first['node']} and node {other['node']} were started with different flags "
+                f"({shown}): every node runs the same command"
+            )
+
+
 class Preempted(Exception):
     """A SIGTERM arrived; the step finished and a checkpoint was written."""
 
@@ -562,6 +622,10 @@ def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool,
     elif isinstance(exc, KeyboardInterrupt):
         if first:
             _say("stopped: interrupted")
+    elif isinstance(exc, PlanMismatch):
+        # Raised alike on every rank of every node: each node's meshc says it once.
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            _say(f"error: {exc}")
     elif isinstance(exc, (InputError, CheckpointError, WeightsError)):
         # Raised alike on every rank (inputs; checkpoint and --weights checks read the same files
         # everywhere before any rank reads a tensor): say it once.
@@ -623,6 +687,8 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         set_group_timeout(timeout)
         rank, world = dist.get_rank(), dist.get_world_size()
+        if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+            check_same_plan(args, rank, world, timeout)
         progress = Progress(rank)
         built = program.build(seed=args.seed, weights=args.weights)
         first = _first(built)
