@@ -325,11 +325,43 @@ def _flags_text(args: argparse.Namespace) -> dict[str, str]:
     return {k: str(v) for k, v in sorted(vars(args).items()) if k not in _NODE_LOCAL_FLAGS}
 
 
-def check_same_plan(args: argparse.Namespace, rank: int, world: int, timeout: timedelta) -> None:
+def _axis_groups(axes: Sequence[tuple[str, int]], name: str) -> list[list[int]]:
+    """Ranks that differ only along axis ``name`` (rank order: the last axis varies fastest)."""
+    sizes = [int(n) for _, n in axes]
+    i = [a for a, _ in axes].index(name)
+    stride = math.prod(sizes[i + 1 :])
+    world = math.prod(sizes)
+    starts = [r for r in range(world) if (r // stride) % sizes[i] == 0]
+    return [[r + k * stride for k in range(sizes[i])] for r in starts]
+
+
+def node_warnings(axes: Sequence[tuple[str, int]], hosts: int, nodes: Sequence[str]) -> list[str]:
+    """One line per mesh axis whose groups the spec keeps inside a host (``hosts``, ranks
+    node-major) but that the job's ranks put on more than one node (``nodes[rank]``)."""
+    world = math.prod(int(n) for _, n in axes)
+    if hosts <= 1 or len(nodes) != world or world % hosts:
+        return []
+    per_host = world // hosts
+    out = []
+    for name, _ in axes:
+        groups = _axis_groups(axes, name)
+        if any(len({r // per_host for r in g}) > 1 for g in groups):
+            continue  # the spec itself spreads this axis over hosts (the planner says "network")
+        split = [g for g in groups if len({nodes[r] for r in g}) > 1]
+        if split:
+            g = split[0]
+            on = ", ".join(sorted({nodes[r] for r in g}))
+            more = f" (and {len(split) - 1} more group{'s' * (len(split) > 2)})" if len(split) > 1 else ""
+            out.append(f"warning: the `{name}` group {g}{more} spans nodes {on}, though the spec (hosts = {hosts}) "
+                       "keeps it in one host: its collectives cross the network")
+    return out
+
+
+def check_same_plan(args: argparse.Namespace, rank: int, world: int, timeout: timedelta) -> list[str]:
     """Every rank of a multi-node job publishes its node, plan digest and flags in the job's store
     and compares them with everyone's before any rank builds its part: two nodes started from
     different .mesh files (or meshc versions, or flags) would otherwise deadlock or silently
-    train something else.  Raises ``PlanMismatch`` on every rank alike."""
+    train something else.  Raises ``PlanMismatch`` on every rank alike; returns each rank's node."""
     import json
 
     store = dist.distributed_c10d._get_default_store()
@@ -359,6 +391,7 @@ def check_same_plan(args: argparse.Namespace, rank: int, world: int, timeout: ti
                 f"node {first['node']} and node {other['node']} were started with different flags "
                 f"({shown}): every node runs the same command"
             )
+    return [str(e["node"]) for e in everyone]
 
 
 class Preempted(Exception):
@@ -688,7 +721,10 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
         set_group_timeout(timeout)
         rank, world = dist.get_rank(), dist.get_world_size()
         if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
-            check_same_plan(args, rank, world, timeout)
+            nodes = check_same_plan(args, rank, world, timeout)
+            if rank == 0:
+                for line in node_warnings(program.axes, getattr(program, "hosts", 1), nodes):
+                    _say(line)
         progress = Progress(rank)
         built = program.build(seed=args.seed, weights=args.weights)
         first = _first(built)

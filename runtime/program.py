@@ -77,6 +77,7 @@ class Program:
     zero: int = 0
     optimizer: Mapping[str, Any] = field(default_factory=dict)
     dtype: torch.dtype = torch.float32
+    hosts: int = 1  # the spec's `hosts`: axes whose groups stay inside one host (ranks node-major)
 
     @property
     def vocab(self) -> int:

@@ -55,3 +55,28 @@ def test_a_node_with_other_flags_says_which(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_profile_directories_may_differ(monkeypatch: pytest.MonkeyPatch) -> None:
     _run(monkeypatch, _mine("--profile", "/elsewhere"))
+
+
+AXES = (("data", 2), ("tensor", 2))
+
+
+def test_check_same_plan_returns_every_ranks_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    args = launch.parse_args(["--steps", "3"])
+    store = FakeStore({"meshllm/same/1": json.dumps(_mine())})
+    monkeypatch.setattr(launch.dist.distributed_c10d, "_get_default_store", lambda: store)
+    monkeypatch.setenv("GROUP_RANK", "0")
+    assert launch.check_same_plan(args, 0, 2, timedelta(seconds=1)) == ["0", "1"]
+
+
+def test_groups_kept_in_a_host_on_one_node_give_no_warning() -> None:
+    assert launch.node_warnings(AXES, 2, ["0", "0", "1", "1"]) == []
+    assert launch.node_warnings(AXES, 1, ["0", "1", "0", "1"]) == []  # no hosts: nothing promised
+
+
+def test_a_tensor_group_split_over_nodes_is_named() -> None:
+    # Ranks interleaved over two nodes: the tensor groups [0, 1] and [2, 3] each span both; the
+    # data groups cross hosts in the spec already, so they are not reported.
+    assert launch.node_warnings(AXES, 2, ["0", "1", "0", "1"]) == [
+        "warning: the `tensor` group [0, 1] (and 1 more group) spans nodes 0, 1, though the spec (hosts = 2) "
+        "keeps it in one host: its collectives cross the network"
+    ]
