@@ -35,8 +35,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if not result.ok:
         return 1
     files = render_package(result, args.file)
+    if args.slurm:
+        from meshllm_dsl.slurm import sbatch_script
+
+        # Through the same manifest as the package: replaced only while meshc's own.
+        for name, plan in result.plans.items():
+            files[f"{name}.sbatch"] = sbatch_script(plan, args.output, args.file)
     if args.plan:
-        files = {k: v for k, v in files.items() if k in (f"{args.plan}.py", "__init__.py")}
+        files = {k: v for k, v in files.items() if k in (f"{args.plan}.py", f"{args.plan}.sbatch", "__init__.py")}
     try:
         # With --plan the other plans' files of an earlier run stay (they are still meshc's).
         written = write_generated(files, args.output, force=args.force, protect=result.sources, prune=not args.plan)
@@ -223,6 +229,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="write into a directory meshc did not create, replacing files of the names it writes "
                         "(never deleting anything else)")
     c.add_argument("--plan", help="only this plan (default: every plan in the file)")
+    c.add_argument("--slurm", action="store_true",
+                   help="also write PLAN.sbatch per plan: nodes from `hosts`, srun torchrun with the rendezvous on the first node")
     c.set_defaults(func=cmd_compile)
 
     r = sub.add_parser("run", help="compile and launch with torchrun (this machine, or --nnodes N nodes)")
