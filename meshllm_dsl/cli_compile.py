@@ -128,6 +128,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("LOGLEVEL", "WARNING")
+        if plan.mesh.device == "cpu":
+            env.setdefault("MESHLLM_DEVICE", "cpu")  # the spec says CPUs: gloo even where CUDA is present
         if args.max_restarts:
             # torch shares the rendezvous store with the workers by default, and a restarted
             # worker then reads its peers' addresses from the previous attempt (pytorch#135712).

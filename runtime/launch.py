@@ -45,6 +45,7 @@ __all__ = [
     "InputError",
     "check_inputs",
     "evaluate",
+    "select_device",
     "infer",
     "main",
     "parse_args",
@@ -701,6 +702,23 @@ def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool,
     sys.stderr.flush()
 
 
+def select_device() -> bool:
+    """This process's device: GPU ``LOCAL_RANK`` of its node when CUDA is present (NCCL then), else
+    the CPU (gloo).  ``MESHLLM_DEVICE=cpu`` keeps a CPU plan on the CPU of a GPU machine (`meshc
+    run` sets it for a spec whose device is `cpu`).  True for CUDA; ``InputError`` when the node
+    runs more processes than it has GPUs (NCCL refuses two ranks on one GPU, much later)."""
+    if os.environ.get("MESHLLM_DEVICE", "").lower() == "cpu" or not torch.cuda.is_available():
+        return False
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local >= count:
+        raise InputError(
+            f"local rank {local} has no GPU: this node has {count}, so it can run at most {count} "
+            "processes (MESHLLM_DEVICE=cpu runs on the CPU instead)"
+        )
+    torch.cuda.set_device(local)
+    return True
+
+
 def main(program: Program, argv: Sequence[str] | None = None) -> None:
     """Run ``program`` under torchrun (or any launcher that sets RANK / WORLD_SIZE / MASTER_*)."""
     args = parse_args(argv)
@@ -710,9 +728,12 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        cuda = select_device()
+    except InputError as err:
+        if os.environ.get("LOCAL_RANK", "0") == str(torch.cuda.device_count()):  # the first without a GPU
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     timeout = timedelta(seconds=args.timeout)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     first, progress = rank == 0, None
@@ -726,7 +747,7 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
                 for line in node_warnings(program.axes, getattr(program, "hosts", 1), nodes):
                     _say(line)
         progress = Progress(rank)
-        built = program.build(seed=args.seed, weights=args.weights)
+        built = program.build(seed=args.seed, weights=args.weights, device=None if cuda else torch.device("cpu"))
         first = _first(built)
         start, seed = 0, args.seed
         if args.resume is None and _restarted() and args.save and _has_latest(args.save):

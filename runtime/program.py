@@ -299,11 +299,8 @@ class Built:
 
         p = self.program
         assert p.pipeline_axis is not None
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
+        # The stages' own device: a CPU plan on a machine with CUDA stays on the CPU.
+        device = self.device
         example = self._example_activations(mb_shape, device)
         stages = [
             pl.PipelineStage(

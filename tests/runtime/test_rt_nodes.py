@@ -1,5 +1,6 @@
-"""``launch.check_same_plan``: the nodes of a job compare plan digest and flags through the job's
-store before building anything (a fake store stands in for torchrun's here)."""
+"""Nodes and devices: ``launch.check_same_plan`` (nodes compare plan digest and flags through the
+job's store before building anything; a fake store stands in for torchrun's), ``node_warnings``
+(groups kept in a host that span nodes), ``select_device`` (GPU from LOCAL_RANK; a fake torch.cuda)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,39 @@ def test_a_tensor_group_split_over_nodes_is_named() -> None:
         "warning: the `tensor` group [0, 1] (and 1 more group) spans nodes 0, 1, though the spec (hosts = 2) "
         "keeps it in one host: its collectives cross the network"
     ]
+
+
+class FakeCuda:
+    def __init__(self, count: int) -> None:
+        self.count = count
+        self.selected: list[int] = []
+
+    def is_available(self) -> bool:
+        return self.count > 0
+
+    def device_count(self) -> int:
+        return self.count
+
+    def set_device(self, index: int) -> None:
+        self.selected.append(index)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "local", "env", "expected"),
+    [(0, "0", "", False), (2, "1", "", True), (2, "1", "cpu", False)],
+)
+def test_device_from_local_rank(monkeypatch: pytest.MonkeyPatch, gpus: int, local: str, env: str, expected: bool) -> None:
+    cuda = FakeCuda(gpus)
+    monkeypatch.setattr(launch.torch, "cuda", cuda)
+    monkeypatch.setenv("LOCAL_RANK", local)
+    monkeypatch.setenv("MESHLLM_DEVICE", env)
+    assert launch.select_device() is expected
+    assert cuda.selected == ([int(local)] if expected else [])
+
+
+def test_more_processes_than_gpus_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch.torch, "cuda", FakeCuda(1))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.delenv("MESHLLM_DEVICE", raising=False)
+    with pytest.raises(launch.InputError, match=r"^local rank 1 has no GPU: this node has 1, so it can run at most 1 processes"):
+        launch.select_device()
