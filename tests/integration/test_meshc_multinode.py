@@ -172,3 +172,17 @@ def test_nnodes_without_hosts_is_refused(tmp_path: Path, capsys: pytest.CaptureF
     spec.write_text(_spec(tmp_path).read_text().replace("    hosts = 2\n", ""))
     assert cli.main(["run", str(spec), "--nnodes", "2", "--rdzv-endpoint", "h:1"]) == 2
     assert "declares no `hosts` (one node); run on 1 node or set `hosts = 2`" in capsys.readouterr().err
+
+
+def test_a_node_with_a_wrong_nnodes_stops_at_once_and_the_other_at_the_timeout(tmp_path: Path) -> None:
+    spec, port = _spec(tmp_path), _port()
+    good, bad = _nodes(
+        [_meshc(str(spec), "--timeout", "5", "--nnodes", n, "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}")
+         for n in ("2", "3")],
+        budget=90,
+    )
+    assert bad[0] == 2 and _errors(bad[1]) == [
+        "meshc: error: --nnodes 3 disagrees with the spec: mesh `nodes2` of plan `train` declares `hosts = 2`; "
+        "run on 2 nodes or set `hosts = 3`"
+    ], bad[1]
+    assert good[0] == 1 and len(_errors(good[1])) == 1 and "timed out after 5 s" in good[1], good[1]
