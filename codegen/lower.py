@@ -571,6 +571,9 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         Line(f"optimizer={literal(_adamw_kwargs(plan))},"),
         Line(f"dtype={TORCH_DTYPES[plan.dtype]},"),
     ]
+    if mesh.hosts > 1:
+        # The runtime checks at start-up that each group the planner keeps in a host is on one node.
+        program.append(Line(f"hosts={mesh.hosts},"))
     axes = "(" + ", ".join(f"({a.name!r}, {a.size})" for a in mesh.axes) + ("," if len(mesh.axes) == 1 else "") + ")"
     return ModuleContext(header, axes, literal(model_description(plan)), classes, [c.name for c in stage_classes],
                          loss, program)

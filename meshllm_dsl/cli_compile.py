@@ -35,8 +35,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     if not result.ok:
         return 1
     files = render_package(result, args.file)
+    if args.slurm:
+        from meshllm_dsl.slurm import sbatch_script
+
+        # Through the same manifest as the package: replaced only while meshc's own.
+        for name, plan in result.plans.items():
+            files[f"{name}.sbatch"] = sbatch_script(plan, args.output, args.file)
     if args.plan:
-        files = {k: v for k, v in files.items() if k in (f"{args.plan}.py", "__init__.py")}
+        files = {k: v for k, v in files.items() if k in (f"{args.plan}.py", f"{args.plan}.sbatch", "__init__.py")}
     try:
         # With --plan the other plans' files of an earlier run stay (they are still meshc's).
         written = write_generated(files, args.output, force=args.force, protect=result.sources, prune=not args.plan)
@@ -90,18 +96,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not result.ok:
         return 1
     plan = result.plans[plan_name]
-    nproc = args.nproc or plan.mesh.devices
-    if nproc != plan.mesh.devices:
+    nodes = _nodes(args, plan_name, plan.mesh)
+    nproc = args.nproc or plan.mesh.devices // nodes
+    if nproc * nodes != plan.mesh.devices:
         from meshllm_dsl.cli import UsageError
 
-        raise UsageError(f"plan `{plan_name}` needs {plan.mesh.devices} processes (its mesh size), not {nproc}")
+        per = f" per node ({plan.mesh.devices} over {nodes} nodes)" if nodes > 1 else " (its mesh size)"
+        raise UsageError(f"plan `{plan_name}` needs {plan.mesh.devices // nodes} processes{per}, not {nproc}")
     flags = _run_inputs(args, plan.seq)
     workdir = Path(tempfile.mkdtemp(prefix="meshc-run-"))
     try:
         write_generated(render_package(result, args.file), workdir / "generated")
         script = workdir / "generated" / f"{plan_name}.py"
+        if nodes > 1:
+            # torchrun's own c10d rendezvous: every node runs this same command; the node that
+            # owns the endpoint hosts the store.  A node that never arrives ends the others after
+            # --timeout (join_timeout), not torchrun's default 600 s.
+            where = [
+                f"--nnodes={nodes}", "--rdzv-backend=c10d",
+                f"--rdzv-endpoint={args.rdzv_endpoint}", f"--rdzv-id={args.rdzv_id or 'meshc-' + plan_name}",
+                f"--rdzv-conf=join_timeout={args.timeout:g}",
+            ]
+        else:
+            where = ["--standalone"]
         cmd = [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}",
             f"--max-restarts={args.max_restarts}", str(script), *flags,
         ]
         if args.profile is not None:
@@ -109,19 +128,57 @@ def cmd_run(args: argparse.Namespace) -> int:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("LOGLEVEL", "WARNING")
+        if plan.mesh.device == "cpu":
+            env.setdefault("MESHLLM_DEVICE", "cpu")  # the spec says CPUs: gloo even where CUDA is present
         if args.max_restarts:
             # torch shares the rendezvous store with the workers by default, and a restarted
             # worker then reads its peers' addresses from the previous attempt (pytorch#135712).
             env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-        print(f"meshc: launching {nproc} processes for plan `{plan_name}`", file=sys.stderr)
+        on = f" on this node, one of {nodes} (rendezvous {args.rdzv_endpoint})" if nodes > 1 else ""
+        print(f"meshc: launching {nproc} processes for plan `{plan_name}`{on}", file=sys.stderr)
         from meshllm_dsl.cli_job import run_job
 
-        code = run_job(cmd, env, marker=str(workdir), debug=args.debug)
+        code = run_job(cmd, env, marker=str(workdir), debug=args.debug,
+                       rendezvous=(args.rdzv_endpoint, nodes, args.timeout) if nodes > 1 else None)
         if code == 0 and args.profile is not None:
             _print_profile(plan, args.file, workdir / "profile", args.profile)
         return code
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _nodes(args: argparse.Namespace, plan_name: str, mesh: Any) -> int:
+    """How many nodes the job spans (1 without --nnodes); UsageError for flags that disagree with
+    each other or with the mesh's `hosts`, before anything starts on any node."""
+    from meshllm_dsl.cli import UsageError
+
+    multi = [f for f, v in (("--node-rank", args.node_rank), ("--rdzv-endpoint", args.rdzv_endpoint),
+                            ("--rdzv-id", args.rdzv_id)) if v is not None]
+    if args.nnodes is None:
+        if multi:
+            raise UsageError(f"{multi[0]} needs --nnodes N (the job's node count)")
+        return 1
+    nodes = args.nnodes
+    if nodes < 1:
+        raise UsageError(f"--nnodes must be at least 1, got {nodes}")
+    if nodes != mesh.hosts:
+        declared = f"declares `hosts = {mesh.hosts}`" if mesh.hosts > 1 else "declares no `hosts` (one node)"
+        raise UsageError(f"--nnodes {nodes} disagrees with the spec: mesh `{mesh.name}` of plan `{plan_name}` "
+                         f"{declared}; run on {mesh.hosts} node{'s' * (mesh.hosts > 1)} or set `hosts = {nodes}`")
+    if nodes == 1:
+        return 1
+    if args.rdzv_endpoint is None:
+        raise UsageError("--nnodes needs --rdzv-endpoint HOST:PORT (the first node's address)")
+    # As in torchrun's c10d rendezvous, --node-rank is checked but not binding: the rendezvous
+    # numbers the nodes, and every node's ranks are a contiguous block of the mesh's rank order.
+    if args.node_rank is not None and not 0 <= args.node_rank < nodes:
+        raise UsageError(f"--node-rank must be 0 to {nodes - 1} for {nodes} nodes, got {args.node_rank}")
+    host, _, port = args.rdzv_endpoint.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--rdzv-endpoint {args.rdzv_endpoint}: expected HOST:PORT, e.g. node001:29500")
+    if args.profile is not None:
+        raise UsageError("--profile reads every rank's measurements on this machine: it runs on one node only")
+    return nodes
 
 
 def _hf_flags(args: argparse.Namespace) -> list[str]:
@@ -174,14 +231,23 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="write into a directory meshc did not create, replacing files of the names it writes "
                         "(never deleting anything else)")
     c.add_argument("--plan", help="only this plan (default: every plan in the file)")
+    c.add_argument("--slurm", action="store_true",
+                   help="also write PLAN.sbatch per plan: nodes from `hosts`, srun torchrun with the rendezvous on the first node")
     c.set_defaults(func=cmd_compile)
 
-    r = sub.add_parser("run", help="compile and launch with torchrun on this machine")
+    r = sub.add_parser("run", help="compile and launch with torchrun (this machine, or --nnodes N nodes)")
     r.add_argument("file", metavar="FILE")
     r.add_argument("--plan", help="which plan (default: the first by name)")
     r.add_argument("--steps", type=int, default=10)
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--nproc", type=int, help="processes (default and only valid value: the mesh size)")
+    r.add_argument("--nproc", type=int, help="processes on this node (default and only valid value: the mesh size / nodes)")
+    r.add_argument("--nnodes", type=int, metavar="N",
+                   help="nodes of the job (must equal the mesh's `hosts`); every node runs the same command")
+    r.add_argument("--node-rank", type=int, metavar="R", help="with --nnodes: this node's number, 0 to N-1 (checked; as in torchrun's c10d "
+                        "rendezvous, the rendezvous decides which block of ranks each node gets)")
+    r.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                   help="with --nnodes: torchrun's c10d rendezvous, on the first node (e.g. node001:29500)")
+    r.add_argument("--rdzv-id", metavar="ID", help="with --nnodes: the job id at the rendezvous (default meshc-PLAN)")
     r.add_argument("--data", metavar="TEXTFILE", help="train on this text (bytes -> tokens) instead of synthetic tokens")
     r.add_argument("--infer", action="store_true", help="greedy generation instead of training")
     r.add_argument("--tokens", type=int, default=16, help="tokens to generate with --infer")

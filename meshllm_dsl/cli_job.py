@@ -74,10 +74,15 @@ class _Relay(threading.Thread):
         self._rank: int | None = None
         self._muted = False
         self._open = False  # the last thing written was a partial line (the progress bar)
+        self.rdzv_failure: str | None = None  # "timeout" / "connection": torchrun's rendezvous failed
 
     def _line(self, line: bytes) -> None:
         if line.startswith(b"error: "):
             self.saw_error = True
+        if b"RendezvousTimeoutError" in line:
+            self.rdzv_failure = "timeout"
+        elif b"RendezvousConnectionError" in line and self.rdzv_failure is None:
+            self.rdzv_failure = "connection"
         rank, code = _ROOT_RANK.match(line), _ROOT_EXIT.match(line)
         if rank:
             self._rank = int(rank.group(1))
@@ -118,10 +123,14 @@ class _Relay(threading.Thread):
             self._line(pending)
 
 
-def run_job(cmd: list[str], env: dict[str, str], marker: str, debug: bool = False) -> int:
+def run_job(
+    cmd: list[str], env: dict[str, str], marker: str, debug: bool = False,
+    rendezvous: tuple[str, int, float] | None = None,
+) -> int:
     """Run ``cmd`` (torchrun) to the end; 0 ok, 1 failed, 130 / 143 when interrupted.
 
     ``marker`` is a string in every job process's command line (the job's temporary directory).
+    ``rendezvous`` (endpoint, nodes, timeout) names a multi-node job's rendezvous in its failures.
     """
     read_fd, write_fd = os.pipe()
     proc = subprocess.Popen(cmd, env=env, stderr=write_fd, start_new_session=True)
@@ -171,7 +180,16 @@ def run_job(cmd: list[str], env: dict[str, str], marker: str, debug: bool = Fals
         return 128 + received[0]
     if proc.returncode == 0:
         return 0
-    if not relay.saw_error:
+    if not relay.saw_error and rendezvous is not None and relay.rdzv_failure is not None:
+        endpoint, nodes, timeout = rendezvous
+        if relay.rdzv_failure == "timeout":
+            print(f"error: rendezvous at {endpoint} timed out after {timeout:g} s: not all {nodes} nodes "
+                  "arrived (is `meshc run` started on every node with the same --rdzv-endpoint and --rdzv-id?)",
+                  file=sys.stderr)
+        else:
+            print(f"error: cannot reach the rendezvous at {endpoint} (is node 0 up, and the address right?)",
+                  file=sys.stderr)
+    elif not relay.saw_error:
         # A rank killed from outside printed nothing; torchrun's table knows it (its "Root Cause"
         # may name a healthy rank that merely noticed first).
         killed = [(r, c) for r, c in relay.exits if c < 0]

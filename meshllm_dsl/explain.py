@@ -43,8 +43,12 @@ def rank_rows(plan: PlanIR) -> list[dict[str, Any]]:
         replica = 0
         for a in plan.batch_axes:
             replica = replica * mesh.size(a) + coords[a]
+        where = {}
+        if mesh.hosts > 1:
+            # torchrun numbers ranks node-major: node n holds ranks n*P .. n*P+P-1 (P per host).
+            where = {"node": rank // mesh.devices_per_host, "local_rank": rank % mesh.devices_per_host}
         rows.append({
-            "rank": rank, "coords": coords, "stages": [s.index for s in stages],
+            "rank": rank, **where, "coords": coords, "stages": [s.index for s in stages],
             "layers": "; ".join(stage_label(plan, s) for s in stages),
             "shard": shard, "shards": mesh.size(*sharding) if sharding else 1,
             "replica": replica, "replicas": plan.data_size,
@@ -129,19 +133,22 @@ def explain_text(plan: PlanIR) -> str:
                                        right={1, 3})]
     lines += ["", "ranks"]
     sharding = shard_axes(plan)
-    header = ["rank", *(a.name for a in mesh.axes), "stage", "layers", "shard", "replica"]
+    nodes = ["node", "local"] if mesh.hosts > 1 else []
+    header = ["rank", *nodes, *(a.name for a in mesh.axes), "stage", "layers", "shard", "replica"]
     rows = []
     for r in rank_rows(plan):
-        rows.append([str(r["rank"]), *(str(r["coords"][a.name]) for a in mesh.axes),
+        rows.append([str(r["rank"]), *([str(r["node"]), str(r["local_rank"])] if nodes else []),
+                     *(str(r["coords"][a.name]) for a in mesh.axes),
                      ",".join(str(s) for s in r["stages"]), r["layers"],
                      f"{r['shard']}/{r['shards']}" + (f" over {' x '.join(sharding)}" if sharding else ""),
                      f"{r['replica']}/{r['replicas']}"])
-    lines += ["  " + x for x in _table(header, rows, right=set(range(len(mesh.axes) + 1)))]
+    lines += ["  " + x for x in _table(header, rows, right=set(range(len(mesh.axes) + len(nodes) + 1)))]
     lines += ["", "process groups (ranks that differ only along the axis)"]
     width = max(len(a.name) for a in mesh.axes)
     for a in mesh.axes:
         groups = mesh.groups(a.name)
-        lines.append(f"  {a.name.ljust(width)}  " + " ".join("[" + ", ".join(map(str, g)) + "]" for g in groups))
+        where = ("  (across nodes)" if mesh.crosses_hosts(a.name) else "  (in host)") if mesh.hosts > 1 else ""
+        lines.append(f"  {a.name.ljust(width)}  " + " ".join("[" + ", ".join(map(str, g)) + "]" for g in groups) + where)
     lines += ["", "layers (global shape -> local shape on one device)"]
     for entry in layer_entries(plan):
         indent = "  "

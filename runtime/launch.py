@@ -45,6 +45,7 @@ __all__ = [
     "InputError",
     "check_inputs",
     "evaluate",
+    "select_device",
     "infer",
     "main",
     "parse_args",
@@ -317,6 +318,99 @@ class Progress:
             return None
 
 
+class PlanMismatch(Exception):
+    """The nodes of a multi-node job run different plans, code or flags; one line, same on every node."""
+
+
+# Flags that may differ between nodes: --profile names a directory of each node's own.
+_NODE_LOCAL_FLAGS = ("profile",)
+
+
+def plan_digest() -> str:
+    """What every node must run identically: the generated module (which records the sha256 of its
+    .mesh source) and this runtime's code."""
+    h = hashlib.sha256()
+    main = getattr(sys.modules.get("__main__"), "__file__", None) or sys.argv[0]
+    for path in [Path(main), *sorted(Path(__file__).parent.glob("*.py"))]:
+        h.update(path.name.encode() + b"\0")
+        with contextlib.suppress(OSError):
+            h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def _flags_text(args: argparse.Namespace) -> dict[str, str]:
+    return {k: str(v) for k, v in sorted(vars(args).items()) if k not in _NODE_LOCAL_FLAGS}
+
+
+def _axis_groups(axes: Sequence[tuple[str, int]], name: str) -> list[list[int]]:
+    """Ranks that differ only along axis ``name`` (rank order: the last axis varies fastest)."""
+    sizes = [int(n) for _, n in axes]
+    i = [a for a, _ in axes].index(name)
+    stride = math.prod(sizes[i + 1 :])
+    world = math.prod(sizes)
+    starts = [r for r in range(world) if (r // stride) % sizes[i] == 0]
+    return [[r + k * stride for k in range(sizes[i])] for r in starts]
+
+
+def node_warnings(axes: Sequence[tuple[str, int]], hosts: int, nodes: Sequence[str]) -> list[str]:
+    """One line per mesh axis whose groups the spec keeps inside a host (``hosts``, ranks
+    node-major) but that the job's ranks put on more than one node (``nodes[rank]``)."""
+    world = math.prod(int(n) for _, n in axes)
+    if hosts <= 1 or len(nodes) != world or world % hosts:
+        return []
+    per_host = world // hosts
+    out = []
+    for name, _ in axes:
+        groups = _axis_groups(axes, name)
+        if any(len({r // per_host for r in g}) > 1 for g in groups):
+            continue  # the spec itself spreads this axis over hosts (the planner says "network")
+        split = [g for g in groups if len({nodes[r] for r in g}) > 1]
+        if split:
+            g = split[0]
+            on = ", ".join(sorted({nodes[r] for r in g}))
+            more = f" (and {len(split) - 1} more group{'s' * (len(split) > 2)})" if len(split) > 1 else ""
+            out.append(f"warning: the `{name}` group {g}{more} spans nodes {on}, though the spec (hosts = {hosts}) "
+                       "keeps it in one host: its collectives cross the network")
+    return out
+
+
+def check_same_plan(args: argparse.Namespace, rank: int, world: int, timeout: timedelta) -> list[str]:
+    """Every rank of a multi-node job publishes its node, plan digest and flags in the job's store
+    and compares them with everyone's before any rank builds its part: two nodes started from
+    different .mesh files (or meshc versions, or flags) would otherwise deadlock or silently
+    train something else.  Raises ``PlanMismatch`` on every rank alike; returns each rank's node."""
+    import json
+
+    store = dist.distributed_c10d._get_default_store()
+    node = os.environ.get("GROUP_RANK", "0")
+    mine = {"node": node, "plan": plan_digest(), "flags": _flags_text(args)}
+    store.set(f"meshllm/same/{rank}", json.dumps(mine))
+    keys = [f"meshllm/same/{r}" for r in range(world)]
+    store.wait(keys, timeout)
+    everyone = [json.loads(bytes(store.get(k)).decode()) for k in keys]
+    # Read by all before anyone leaves: the store lives in one node's agent, which exits with it.
+    store.set(f"meshllm/same-read/{rank}", "1")
+    store.wait([f"meshllm/same-read/{r}" for r in range(world)], timeout)
+    first = everyone[0]
+    for other in everyone[1:]:
+        if other["plan"] != first["plan"]:
+            raise PlanMismatch(
+                f"node {first['node']} and node {other['node']} run different plans (spec or generated "
+                f"code {first['plan']} vs {other['plan']}): start every node from the same .mesh file "
+                "with the same meshc"
+            )
+        if other["flags"] != first["flags"]:
+            diff = [k for k in first["flags"] if first["flags"][k] != other["flags"].get(k)]
+            shown = ", ".join(
+                f"--{k.replace('_', '-')} {first['flags'][k]} vs {other['flags'].get(k)}" for k in diff[:3]
+            )
+            raise PlanMismatch(
+                f"node {first['node']} and node {other['node']} were started with different flags "
+                f"({shown}): every node runs the same command"
+            )
+    return [str(e["node"]) for e in everyone]
+
+
 class Preempted(Exception):
     """A SIGTERM arrived; the step finished and a checkpoint was written."""
 
@@ -582,6 +676,10 @@ def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool,
     elif isinstance(exc, KeyboardInterrupt):
         if first:
             _say("stopped: interrupted")
+    elif isinstance(exc, PlanMismatch):
+        # Raised alike on every rank of every node: each node's meshc says it once.
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            _say(f"error: {exc}")
     elif isinstance(exc, (InputError, CheckpointError, WeightsError)):
         # Raised alike on every rank (inputs; checkpoint and --weights checks read the same files
         # everywhere before any rank reads a tensor): say it once.
@@ -624,6 +722,23 @@ def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool,
     sys.stderr.flush()
 
 
+def select_device() -> bool:
+    """This process's device: GPU ``LOCAL_RANK`` of its node when CUDA is present (NCCL then), else
+    the CPU (gloo).  ``MESHLLM_DEVICE=cpu`` keeps a CPU plan on the CPU of a GPU machine (`meshc
+    run` sets it for a spec whose device is `cpu`).  True for CUDA; ``InputError`` when the node
+    runs more processes than it has GPUs (NCCL refuses two ranks on one GPU, much later)."""
+    if os.environ.get("MESHLLM_DEVICE", "").lower() == "cpu" or not torch.cuda.is_available():
+        return False
+    local, count = int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()
+    if local >= count:
+        raise InputError(
+            f"local rank {local} has no GPU: this node has {count}, so it can run at most {count} "
+            "processes (MESHLLM_DEVICE=cpu runs on the CPU instead)"
+        )
+    torch.cuda.set_device(local)
+    return True
+
+
 def main(program: Program, argv: Sequence[str] | None = None) -> None:
     """Run ``program`` under torchrun (or any launcher that sets RANK / WORLD_SIZE / MASTER_*)."""
     args = parse_args(argv)
@@ -633,9 +748,12 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    try:
+        cuda = select_device()
+    except InputError as err:
+        if os.environ.get("LOCAL_RANK", "0") == str(torch.cuda.device_count()):  # the first without a GPU
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     timeout = timedelta(seconds=args.timeout)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     first, progress = rank == 0, None
@@ -643,8 +761,13 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         set_group_timeout(timeout)
         rank, world = dist.get_rank(), dist.get_world_size()
+        if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
+            nodes = check_same_plan(args, rank, world, timeout)
+            if rank == 0:
+                for line in node_warnings(program.axes, getattr(program, "hosts", 1), nodes):
+                    _say(line)
         progress = Progress(rank)
-        built = program.build(seed=args.seed, weights=args.weights)
+        built = program.build(seed=args.seed, weights=args.weights, device=None if cuda else torch.device("cpu"))
         first = _first(built)
         start, seed = 0, args.seed
         if args.resume is None and _restarted() and args.save and _has_latest(args.save):

@@ -96,6 +96,7 @@ class Program:
     zero: int = 0
     optimizer: Mapping[str, Any] = field(default_factory=dict)
     dtype: torch.dtype = torch.float32
+    hosts: int = 1  # the spec's `hosts`: axes whose groups stay inside one host (ranks node-major)
 
     @property
     def vocab(self) -> int:
@@ -319,11 +320,8 @@ class Built:
 
         p = self.program
         assert p.pipeline_axis is not None
-        device = (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
+        # The stages' own device: a CPU plan on a machine with CUDA stays on the CPU.
+        device = self.device
         example = self._example_activations(mb_shape, device)
         stages = [
             pl.PipelineStage(

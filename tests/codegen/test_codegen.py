@@ -130,3 +130,9 @@ def test_layernorm_without_bias_reaches_the_model_description() -> None:
     assert norm["bias"] is False
     ref = build_reference(desc)
     assert "norm.bias" not in dict(ref.named_parameters())
+
+
+def test_hosts_reach_the_program_only_when_declared() -> None:
+    # The runtime checks that groups kept in a host are on one node; without `hosts` nothing changes.
+    assert "    hosts=2,\n" in _render("llama2_70b_2x8")
+    assert "hosts=" not in _render("tiny_llama")

@@ -181,3 +181,21 @@ def test_planner_does_not_import_torch() -> None:
             "meshllm_dsl.explain, meshllm_dsl.svg; from meshllm_dsl.cli import main; "
             f"main(['plan', {str(EXAMPLES / 'tiny_llama.mesh')!r}]); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_explain_shows_node_and_local_rank_with_hosts(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["explain", str(EXAMPLES / "llama2_70b_2x8.mesh")], capsys)
+    assert code == 0
+    assert "  rank  node  local  data  pipeline  tensor  stage" in out
+    # rank 9: the second node's local rank 1 (ranks node-major, 8 per host)
+    assert "     9     1      1     1         0       1  0" in out
+    assert "tensor    [0, 1, 2, 3] [4, 5, 6, 7] [8, 9, 10, 11] [12, 13, 14, 15]  (in host)" in out
+    assert "(across nodes)" in out.split("  data      ")[1].splitlines()[0]
+    code, out, _ = run(["explain", str(EXAMPLES / "llama2_70b_2x8.mesh"), "--format", "json"], capsys)
+    (plan,) = json.loads(out)["plans"]
+    assert {k: plan["ranks"][9][k] for k in ("rank", "node", "local_rank")} == {"rank": 9, "node": 1, "local_rank": 1}
+
+
+def test_explain_without_hosts_has_no_node_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(["explain", str(EXAMPLES / "tiny_llama.mesh")], capsys)
+    assert code == 0 and " node " not in out and "(in host)" not in out
