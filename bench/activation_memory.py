@@ -16,8 +16,6 @@ what autograd keeps for backward.  Printed next to `meshc plan`'s numbers:
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -73,13 +71,9 @@ def _job(ctx: Any, path: str, m: int) -> dict[str, int]:
     import torch
 
     from meshllm_dsl.runtime.profile import LiveBytes, saved_bytes
+    from meshllm_dsl.verify import load_generated
 
-    spec = importlib.util.spec_from_file_location(Path(path).stem + "_mem", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    program = module.PROGRAM
+    program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, program.vocab, (program.batch, program.seq), generator=gen)

@@ -7,8 +7,6 @@ The planner must predict them from the checked plan alone.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,12 +48,9 @@ plan p on m for l {
 
 
 def _job(ctx: RankContext, path: str) -> dict[str, int]:
-    spec = importlib.util.spec_from_file_location(Path(path).stem + "_planned", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    program = module.PROGRAM
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, program.vocab, (program.batch, program.seq), generator=gen)

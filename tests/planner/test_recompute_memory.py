@@ -9,8 +9,6 @@ that no mode changes), and recomputing must keep less.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,13 +44,9 @@ MODES = ("none", "blocks", "attention")
 
 def _job(ctx: RankContext, path: str, m: int) -> int:
     from meshllm_dsl.runtime.profile import saved_bytes
+    from meshllm_dsl.verify import load_generated
 
-    spec = importlib.util.spec_from_file_location(Path(path).stem + "_recompute", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    program = module.PROGRAM
+    program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, program.vocab, (program.batch, program.seq), generator=gen)
