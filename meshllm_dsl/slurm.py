@@ -45,7 +45,9 @@ def sbatch_script(plan: PlanIR, package: str, spec: str) -> str:
         "set -euo pipefail",
         "",
         "# The rendezvous (torchrun's c10d store) runs on the job's first node.",
-        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        # sed reads every line: `| head -n 1` would close the pipe early, and under pipefail
+        # scontrol's SIGPIPE (exit 141) would stop the job on a large node list.
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
         f"rdzv_port=${{MESHC_RDZV_PORT:-{RDZV_PORT}}}",
         "",
         "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",

@@ -43,7 +43,9 @@ def test_sbatch_runs_one_torchrun_per_node_at_the_first_nodes_rendezvous(tmp_pat
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     stand_ins = {
-        "scontrol": 'printf "gpu017\\ngpu018\\n"',
+        # A long node list: a script that read only its first line through `| head` under
+        # pipefail would die of scontrol's SIGPIPE (exit 141), as it did here once.
+        "scontrol": 'printf "gpu017\\ngpu018\\n"; seq 100000 | sed "s/^/gpu9/"',
         "srun": 'echo "srun $1" >> "$LOG"; shift; exec "$@"',
         "torchrun": 'echo "torchrun $*" >> "$LOG"',
     }
