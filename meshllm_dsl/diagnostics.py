@@ -76,6 +76,23 @@ class SpecError(Exception):
         super().__init__(render_all(self.diagnostics))
 
 
+# A snippet shows at most this many characters of a line and this many lines of a span, as rustc
+# does: a 5,000-digit literal or a span over a whole model must not flood the terminal.
+_WIDTH = 160
+_LINES = 6
+
+
+def _window(text: str, start: int, end: int) -> tuple[str, int]:
+    """`text` cut to _WIDTH characters around the 1-based columns [start, end), and the number of
+    columns the cut moved them left by ("..." marks each cut side)."""
+    if len(text) <= _WIDTH:
+        return text, 0
+    left = max(0, min(start - 1 - 20, len(text) - _WIDTH))
+    prefix = "..." if left > 0 else ""
+    suffix = "..." if left + _WIDTH < len(text) else ""
+    return prefix + text[left : left + _WIDTH] + suffix, left - len(prefix)
+
+
 def _snippet(span: Span, label: str, mark: str, gutter: int) -> list[str]:
     """Source lines under `span` with `mark` characters under the exact columns."""
     source = span.source
@@ -83,14 +100,22 @@ def _snippet(span: Span, label: str, mark: str, gutter: int) -> list[str]:
     last_line, last_col = source.position(max(span.start, span.end - 1) if span.end > span.start else span.start)
     pad = " " * gutter
     out: list[str] = []
-    for line in range(first_line, last_line + 1):
+    lines = list(range(first_line, last_line + 1))
+    if len(lines) > _LINES:  # the first lines and the last: where the span starts and ends
+        lines = lines[: _LINES - 2] + [0] + lines[-1:]
+    for line in lines:
+        if line == 0:
+            out.append(f"{pad} | ...")
+            continue
         text = source.line_text(line).replace("\t", " ")
-        out.append(f"{str(line).rjust(gutter)} | {text}")
         start = first_col if line == first_line else 1
         if line == last_line:
             end = last_col + (1 if span.end > span.start else 0)
         else:
             end = len(text) + 1
+        text, shift = _window(text, start, end)
+        start, end = max(1, start - shift), min(end - shift, len(text) + 1)
+        out.append(f"{str(line).rjust(gutter)} | {text}")
         width = max(1, end - start)
         marks = " " * (start - 1) + mark * width
         if line == last_line and label:

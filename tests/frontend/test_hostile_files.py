@@ -170,3 +170,21 @@ def test_not_utf8_is_one_diagnostic_in_every_command(tmp_path: Path) -> None:
         assert "E0104" in err and "not valid UTF-8" in err and "Traceback" not in err
     assert path.read_bytes() == data  # fmt --write did not "fix" it into replacement characters
     assert not (tmp_path / "gen").exists()
+
+
+def test_long_lines_and_long_spans_are_cut_around_the_caret(tmp_path: Path) -> None:
+    # An error at column ~3,000: the snippet shows a window of the line with the caret under the value.
+    text = SPEC.replace("microbatches = 2", "microbatches = " + " " * 3000 + "3")
+    path = tmp_path / "wide.mesh"
+    path.write_text(text)
+    code, _, err = meshc("check", str(path))
+    assert code == 1 and "3000" not in err
+    lines = err.splitlines()
+    assert max(len(x) for x in lines) < 200
+    i = next(k for k, x in enumerate(lines) if x.rstrip().endswith("3") and "| ..." in x)
+    source, marks = lines[i], lines[i + 1]
+    assert source.startswith("21 | ...") and source.rstrip().endswith("3")
+    start = source.index(" | ") + 3
+    mark_col = next(k for k in range(start, len(marks)) if marks[k] in "^-")
+    assert mark_col == len(source.rstrip()) - 1  # the mark sits under the 3
+
