@@ -188,3 +188,16 @@ def test_long_lines_and_long_spans_are_cut_around_the_caret(tmp_path: Path) -> N
     mark_col = next(k for k in range(start, len(marks)) if marks[k] in "^-")
     assert mark_col == len(source.rstrip()) - 1  # the mark sits under the 3
 
+
+
+def test_a_span_over_many_lines_shows_its_first_and_last_lines() -> None:
+    from meshllm_dsl.diagnostics import Diagnostic, render
+    from meshllm_dsl.source import SourceFile
+
+    source = SourceFile("x.mesh", "".join(f"line {k}\n" for k in range(1, 21)))
+    start = source.text.index("line 2")
+    end = source.text.index("line 18") + len("line 18")
+    text = render(Diagnostic("E0308", "a long span", source.span(start, end), label="here"))
+    shown = [x for x in text.splitlines() if "| line" in x]
+    assert [x.split("| ")[1] for x in shown] == ["line 2", "line 3", "line 4", "line 5", "line 18"]
+    assert " | ..." in text and "^^^^^^^ here" in text  # the label under the last line
