@@ -173,3 +173,19 @@ def reference_job(ctx: Any, path: str) -> dict[str, float]:
 
     program = load_generated(path).PROGRAM
     return compare_to_reference(program, ctx.mesh(program.axes), dtype=torch.float64, seed=0, steps=2)
+
+
+def word_tokenizer(directory: Path, words: list[str]) -> Any:
+    """A Hugging Face word-level tokenizer over ``words`` (plus <unk> and <eos>), trained offline and
+    saved in ``directory`` with the end-of-text token named in tokenizer_config.json."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator([" ".join(words)], trainers.WordLevelTrainer(special_tokens=["<unk>", "<eos>"]))
+    directory.mkdir()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return tok

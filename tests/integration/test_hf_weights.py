@@ -27,6 +27,7 @@ from hf_models import (  # noqa: E402
     reference_job,
     seeded_export_job,
     spec,
+    word_tokenizer,
 )
 
 from meshllm_dsl.checker import check_text  # noqa: E402
@@ -416,15 +417,7 @@ WORDS = "the cat sat on a mat dog ran to park and too hello world this is tiny c
 
 
 def _tokenizer(directory: Path) -> Any:
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["<unk>", "<eos>"]))
-    directory.mkdir()
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
-    return tok
+    return word_tokenizer(directory, WORDS)
 
 
 def _run(*args: str, cwd: Path) -> Any:

@@ -8,11 +8,10 @@ import re
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
+from processes import StderrReader
 
 pytest.importorskip("torch")
 
@@ -116,21 +115,10 @@ def test_interrupting_meshc_stops_the_whole_job(spec: Path, signum: int, code: i
         [sys.executable, "-m", "meshllm_dsl", "run", str(spec), "--steps", "1000000"],
         env=env, stderr=subprocess.PIPE,
     )
-    err = bytearray()
-
-    def read() -> None:
-        assert proc.stderr is not None
-        while chunk := proc.stderr.read1(4096):  # type: ignore[attr-defined]
-            err.extend(chunk)
-
-    reader = threading.Thread(target=read)
-    reader.start()
+    err = StderrReader(proc)
     job: set[int] = set()
     try:
-        deadline = time.monotonic() + 120
-        while b"step 3/" not in err:
-            assert proc.poll() is None and time.monotonic() < deadline, err.decode()
-            time.sleep(0.1)
+        err.wait_for(b"step 3/")
         job = _descendants(proc.pid)
         workdir = re.search(rb"/[^ \0]*meshc-run-[^/ \0]+", b" ".join(
             Path(f"/proc/{p}/cmdline").read_bytes() for p in job if Path(f"/proc/{p}").exists()
@@ -142,8 +130,7 @@ def test_interrupting_meshc_stops_the_whole_job(spec: Path, signum: int, code: i
         for pid in job | {proc.pid}:
             if _alive(pid):
                 os.kill(pid, signal.SIGKILL)
-        reader.join(timeout=10)
-    text = err.decode()
+    text = err.text()
     assert not [p for p in job if _alive(p)], "job processes outlived meshc"
     assert not Path(workdir.group().decode()).exists()
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-2000:]

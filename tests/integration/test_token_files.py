@@ -7,7 +7,6 @@ vocabulary than the model's is refused before any step.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,8 @@ import numpy as np
 import pytest
 
 pytest.importorskip("tokenizers")
+
+from hf_models import word_tokenizer  # noqa: E402
 
 from meshllm_dsl.cli import main  # noqa: E402
 from meshllm_dsl.runtime import launch  # noqa: E402
@@ -34,15 +35,7 @@ plan train on one for m {
 
 
 def _tokenizer(directory: Path) -> Tokenizer:
-    from tokenizers import Tokenizer as Tok
-    from tokenizers import models, pre_tokenizers, trainers
-
-    tok = Tok(models.WordLevel(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.train_from_iterator([" ".join(WORDS)], trainers.WordLevelTrainer(special_tokens=["<unk>", "<eos>"]))
-    directory.mkdir()
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    word_tokenizer(directory, WORDS)
     return Tokenizer(directory)
 
 

@@ -9,12 +9,12 @@ import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from processes import StderrReader
 from rt_models import llama_model, split_stages, vocab_loss
 
 import meshllm_dsl.runtime as rt
@@ -101,7 +101,10 @@ def _command(tmp_path: Path, *args: str, fail: bool = False, restarts: int = 0) 
 
 
 def _env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, PYTHONPATH=str(HERE), OMP_NUM_THREADS="1", LOGLEVEL="WARNING", **extra)
+    # The ranks import this module (its stage classes), so they need what it imports: tests/runtime
+    # and tests/ (processes.py).
+    path = os.pathsep.join([str(HERE), str(HERE.parent)])
+    return dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", LOGLEVEL="WARNING", **extra)
 
 
 def _torchrun(
@@ -225,21 +228,10 @@ def test_a_stopped_rank_ends_the_job_at_the_timeout_and_is_named(tmp_path: Path)
         env=_env(),
         stderr=subprocess.PIPE,
     )
-    err = bytearray()
-
-    def read() -> None:
-        assert proc.stderr is not None
-        while chunk := proc.stderr.read1(4096):  # type: ignore[attr-defined]
-            err.extend(chunk)
-
-    reader = threading.Thread(target=read)
-    reader.start()
+    err = StderrReader(proc)
     pids: dict[int, int] = {}
     try:
-        deadline = time.monotonic() + 120
-        while b"step 3/" not in err:
-            assert proc.poll() is None and time.monotonic() < deadline, err.decode()
-            time.sleep(0.1)
+        err.wait_for(b"step 3/")
         pids = _rank_pids(proc.pid)
         os.kill(pids[1], signal.SIGSTOP)
         stopped = time.monotonic()
@@ -251,8 +243,7 @@ def test_a_stopped_rank_ends_the_job_at_the_timeout_and_is_named(tmp_path: Path)
                 os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
-        reader.join(timeout=10)
-    text = err.decode()
+    text = err.text()
     assert proc.returncode != 0
     assert "rank 1 stopped responding" in text, text[-2000:]
     # The timeout plus heartbeat staleness and start-up noise of a loaded machine; the 30 s
@@ -268,27 +259,15 @@ def test_sigterm_finishes_the_step_checkpoints_and_stops(tmp_path: Path) -> None
         _command(tmp_path, "--steps", "1000000", "--save", str(root)), env=_env(),
         stderr=subprocess.PIPE,
     )
-    err = bytearray()
-
-    def read() -> None:
-        assert proc.stderr is not None
-        while chunk := proc.stderr.read1(4096):  # type: ignore[attr-defined]
-            err.extend(chunk)
-
-    reader = threading.Thread(target=read)
-    reader.start()
+    err = StderrReader(proc)
     try:
-        deadline = time.monotonic() + 120
-        while b"step 3/" not in err:
-            assert proc.poll() is None and time.monotonic() < deadline, err.decode()
-            time.sleep(0.1)
+        err.wait_for(b"step 3/")
         proc.send_signal(signal.SIGTERM)  # torchrun passes it to every worker
         proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-        reader.join(timeout=10)
-    text = err.decode()
+    text = err.text()
     match = re.search(r"stopped by SIGTERM after step (\d+); saved (\S+)", text)
     assert match, text[-2000:]
     manifest = checkpoint.verify(root)
