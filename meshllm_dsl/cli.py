@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from meshllm_dsl.diagnostics import Diagnostic, SpecError, render_all, to_json
+from meshllm_dsl.outputs import OutputError
 
 EXIT_OK, EXIT_SPEC, EXIT_USAGE = 0, 1, 2
 
@@ -200,7 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args))
     except _Terminated:
         return 143
-    except UsageError as err:
+    except (UsageError, OutputError) as err:
+        # OutputError: an output path that cannot be written without destroying something.
         print(f"meshc: error: {err}", file=sys.stderr)
         return EXIT_USAGE
     except SpecError as err:

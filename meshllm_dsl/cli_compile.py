@@ -27,9 +27,8 @@ def _checked(path: str, plan_name: str | None = None):  # type: ignore[no-untype
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from meshllm_dsl.cli import UsageError
     from meshllm_dsl.codegen.emit import render_package
-    from meshllm_dsl.outputs import OutputError, write_generated
+    from meshllm_dsl.outputs import write_generated
 
     result, _ = _checked(args.file, args.plan)
     if not result.ok:
@@ -43,11 +42,8 @@ def cmd_compile(args: argparse.Namespace) -> int:
             files[f"{name}.sbatch"] = sbatch_script(plan, args.output, args.file)
     if args.plan:
         files = {k: v for k, v in files.items() if k in (f"{args.plan}.py", f"{args.plan}.sbatch", "__init__.py")}
-    try:
-        # With --plan the other plans' files of an earlier run stay (they are still meshc's).
-        written = write_generated(files, args.output, force=args.force, protect=result.sources, prune=not args.plan)
-    except OutputError as err:
-        raise UsageError(str(err)) from None
+    # With --plan the other plans' files of an earlier run stay (they are still meshc's).
+    written = write_generated(files, args.output, force=args.force, protect=result.sources, prune=not args.plan)
     for path in written:
         print(f"wrote {path}")
     return 0

@@ -9,18 +9,14 @@ from pathlib import Path
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from meshllm_dsl.cli import UsageError
+    from meshllm_dsl.outputs import OutputError, check_new_file
 
     text, out = Path(args.text), Path(args.output)
     if not text.is_file():
         raise UsageError(f"no such file: {text}")
     if not Path(args.tokenizer).is_dir() and not Path(args.tokenizer).is_file():
         raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")
-    if out.is_dir():
-        raise UsageError(f"{out} is a directory; -o names the token file to write")
-    if (out.exists() or out.is_symlink()) and not args.force:
-        raise UsageError(f"{out} exists; pass --force to replace it")
-    if not out.parent.is_dir():
-        raise UsageError(f"cannot write {out}: no directory {out.parent}")
+    check_new_file(out, "token file", args.force)
     from meshllm_dsl.runtime.tokens import Tokenizer, write_token_file
 
     try:
@@ -32,7 +28,7 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     except UnicodeDecodeError as err:
         raise UsageError(f"{text} is not UTF-8 text (byte offset {err.start})") from None
     except OSError as err:
-        raise UsageError(f"cannot write {out}: {err.strerror or err}") from None
+        raise OutputError(f"cannot write {out}: {err.strerror or err}") from None
     eos = "" if tokenizer.eos is None else f", documents ended by id {tokenizer.eos}"
     print(f"wrote {out}: {count:,} tokens (vocabulary {tokenizer.vocab:,}{eos})", file=sys.stderr)
     return 0

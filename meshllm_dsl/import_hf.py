@@ -175,17 +175,14 @@ def spec_text(directory: str, devices: int = 1, device: str = "cpu", batch: int 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
     from meshllm_dsl.cli import UsageError
-    from meshllm_dsl.outputs import write_file_atomic
+    from meshllm_dsl.outputs import check_new_file, write_output
 
     if not Path(args.dir).is_dir():
         raise UsageError(f"no such directory: {args.dir}")
     if args.devices < 1:
         raise UsageError("--devices must be positive")
     out = Path(args.output)
-    if out.is_dir():
-        raise UsageError(f"{out} is a directory; -o names the .mesh file to write")
-    if (out.exists() or out.is_symlink()) and not args.force:
-        raise UsageError(f"{out} exists; pass --force to replace it")
+    check_new_file(out, ".mesh file", args.force)
     try:
         text = spec_text(args.dir, args.devices, args.device, args.batch, args.seq)
     except ImportError_ as err:
@@ -193,10 +190,7 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
         return 1
     except ValueError as err:
         raise UsageError(str(err)) from None
-    try:
-        write_file_atomic(out, text.encode())
-    except OSError as err:
-        raise UsageError(f"cannot write {out}: {err.strerror or err}") from None
+    write_output(out, text.encode())
     print(f"wrote {out}")
     return 0
 

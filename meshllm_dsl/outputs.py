@@ -30,6 +30,25 @@ class OutputError(Exception):
     """The output path cannot be written without destroying something; nothing was written."""
 
 
+def check_new_file(path: Path, what: str, force: bool = False) -> None:
+    """Refuse, before any work, to write the single file ``path`` (`-o FILE`) over something the
+    user did not ask to replace: a directory always, an existing file without ``force``."""
+    if path.is_dir():
+        raise OutputError(f"{path} is a directory; -o names the {what} to write")
+    if (path.exists() or path.is_symlink()) and not force:
+        raise OutputError(f"{path} exists; pass --force to replace it")
+    if not path.parent.is_dir():
+        raise OutputError(f"cannot write {path}: no directory {path.parent}")
+
+
+def write_output(path: Path, data: bytes) -> None:
+    """write_file_atomic for a file the user named: a failure is an OutputError naming it."""
+    try:
+        write_file_atomic(path, data)
+    except OSError as err:
+        raise OutputError(f"cannot write {path}: {err.strerror or err}") from None
+
+
 def write_file_atomic(path: Path, data: bytes) -> None:
     """Replace `path` with `data`: a crash leaves the old file or the new one, never a mix.
 
