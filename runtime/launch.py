@@ -290,12 +290,21 @@ class Progress:
         self._set(f"meshllm/pid/{rank}", f"{socket.gethostname()} {os.getpid()}")
         # A rank blocked in a collective still beats (the wait releases the GIL); a stopped or
         # hung-in-C process does not: that tells a timed-out rank which peer to blame.
-        threading.Thread(target=self._beat, daemon=True, name="meshllm-heartbeat").start()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True, name="meshllm-heartbeat")
+        self._thread.start()
 
     def _beat(self) -> None:
-        while self.store is not None:
+        while self.store is not None and not self._stopped.is_set():
             self._set(f"meshllm/beat/{self.rank}", f"{time.time():.3f}")
-            time.sleep(HEARTBEAT_S)
+            self._stopped.wait(HEARTBEAT_S)
+
+    def stop(self) -> None:
+        """End the heartbeat before the process group goes: a thread still inside a store call
+        while torch tears the store down aborted a finished rank ("terminate called without an
+        active exception", exit -6) now and then on a loaded machine."""
+        self._stopped.set()
+        self._thread.join(timeout=5)
 
     def _set(self, key: str, value: str) -> None:
         if self.store is not None:
@@ -834,4 +843,5 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
         # No clean shutdown: destroy_process_group could wait on peers that are stuck waiting
         # for this rank.  Exiting closes the connections so their collectives fail promptly.
         os._exit(1)
+    progress.stop()
     dist.destroy_process_group()
