@@ -141,60 +141,63 @@ def padded_vocab(model: Mapping[str, Any]) -> tuple[int, int]:
     return lay.vocab, int(embed.get("used") or lay.vocab)
 
 
-_LLAMA_ATTN = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
-_LLAMA_MLP = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-_GPT2_ATTN = {"qkv": "c_attn", "o": "c_proj"}
-_GPT2_MLP = {"up": "c_fc", "down": "c_proj"}
+@dataclass(frozen=True)
+class _HFNames:
+    """How one checkpoint layout names things: the top-level layers, the block list, and per block
+    the two norms and the attention / MLP submodules with our projection -> theirs."""
+
+    top: Mapping[str, str]  # our role (embed, pos, norm, head) -> HF module
+    blocks: str
+    norm0: str
+    norm1: str
+    attn: tuple[str, Mapping[str, str]]
+    mlp: tuple[str, Mapping[str, str]]
+    transposed: bool  # GPT-2's Conv1D stores attention / MLP weights [in, out]
+
+
+_HF_NAMES = {
+    "llama": _HFNames(
+        top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
+        blocks="model.layers", norm0="input_layernorm", norm1="post_attention_layernorm",
+        attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
+        mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+        transposed=False,
+    ),
+    "gpt2": _HFNames(
+        top={"embed": "transformer.wte", "pos": "transformer.wpe", "norm": "transformer.ln_f", "head": "lm_head"},
+        blocks="transformer.h", norm0="ln_1", norm1="ln_2",
+        attn=("attn", {"qkv": "c_attn", "o": "c_proj"}),
+        mlp=("mlp", {"up": "c_fc", "down": "c_proj"}),
+        transposed=True,
+    ),
+}
 
 
 def hf_key_map(model: Mapping[str, Any], names: list[str]) -> dict[str, tuple[str, bool]]:
     """Our full parameter name -> (HF tensor name, stored transposed) for every name in ``names``."""
     lay = _layout(model)
-    out: dict[str, tuple[str, bool]] = {}
+    hf = _HF_NAMES[lay.arch]
+    ours = {"embed": lay.embed, "pos": lay.pos, "norm": lay.norm["name"], "head": lay.head["name"]}
+    top = {ours[role]: module for role, module in hf.top.items()}
     norm0, attn, norm1, mlp = (b["name"] for b in lay.body)
+    units: dict[str, tuple[str, Mapping[str, str] | None]] = {
+        norm0: (hf.norm0, None), norm1: (hf.norm1, None), attn: hf.attn, mlp: hf.mlp
+    }
+    out: dict[str, tuple[str, bool]] = {}
     for name in names:
         parts = name.split(".")
         key: str | None = None
         transposed = False
-        if lay.arch == "llama":
-            if parts[0] == lay.embed:
-                key = "model.embed_tokens." + parts[1]
-            elif parts[0] == lay.norm["name"]:
-                key = "model.norm." + parts[1]
-            elif parts[0] == lay.head["name"]:
-                key = "lm_head." + parts[1]
-            elif parts[0] == lay.repeat and len(parts) >= 4:
-                i, unit, rest = parts[1], parts[2], parts[3:]
-                base = f"model.layers.{i}."
-                if unit == norm0:
-                    key = base + "input_layernorm." + rest[0]
-                elif unit == norm1:
-                    key = base + "post_attention_layernorm." + rest[0]
-                elif unit == attn and rest[0] in _LLAMA_ATTN:
-                    key = base + f"self_attn.{_LLAMA_ATTN[rest[0]]}.{rest[1]}"
-                elif unit == mlp and rest[0] in _LLAMA_MLP:
-                    key = base + f"mlp.{_LLAMA_MLP[rest[0]]}.{rest[1]}"
-        else:
-            if parts[0] == lay.embed:
-                key = "transformer.wte." + parts[1]
-            elif parts[0] == lay.pos:
-                key = "transformer.wpe." + parts[1]
-            elif parts[0] == lay.norm["name"]:
-                key = "transformer.ln_f." + parts[1]
-            elif parts[0] == lay.head["name"]:
-                key = "lm_head." + parts[1]
-            elif parts[0] == lay.repeat and len(parts) >= 4:
-                i, unit, rest = parts[1], parts[2], parts[3:]
-                base = f"transformer.h.{i}."
-                if unit == norm0:
-                    key = base + "ln_1." + rest[0]
-                elif unit == norm1:
-                    key = base + "ln_2." + rest[0]
-                elif unit == attn and rest[0] in _GPT2_ATTN:
-                    key = base + f"attn.{_GPT2_ATTN[rest[0]]}.{rest[1]}"
-                elif unit == mlp and rest[0] in _GPT2_MLP:
-                    key = base + f"mlp.{_GPT2_MLP[rest[0]]}.{rest[1]}"
-                transposed = unit in (attn, mlp) and rest[-1] == "weight"
+        if parts[0] in top:
+            key = f"{top[parts[0]]}.{parts[1]}"
+        elif parts[0] == lay.repeat and len(parts) >= 4 and parts[2] in units:
+            i, unit, rest = parts[1], parts[2], parts[3:]
+            module, projections = units[unit]
+            if projections is None:  # a norm: its parameters directly
+                key = f"{hf.blocks}.{i}.{module}.{rest[0]}"
+            elif rest[0] in projections:
+                key = f"{hf.blocks}.{i}.{module}.{projections[rest[0]]}.{rest[1]}"
+            transposed = hf.transposed and projections is not None and rest[-1] == "weight"
         if key is None:
             raise WeightsError(f"parameter {name} has no Hugging Face name")
         out[name] = (key, transposed)
