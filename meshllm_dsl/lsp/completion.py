@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 import attrs
 
 from meshllm_dsl import ast
+from meshllm_dsl.checker.optimizer import OPT_SETTINGS
+from meshllm_dsl.checker.plan import PLAN_SETTINGS
 from meshllm_dsl.ir import DTYPES, RECOMPUTE, RULES, SCHEDULES
 from meshllm_dsl.lsp.analysis import DECL_KEYWORDS, leaf_paths
 
@@ -25,10 +27,8 @@ _PATH_TAIL = re.compile(r"[A-Za-z0-9_.*{},]*$")
 _WORD_TAIL = re.compile(r"[A-Za-z0-9_]*$")
 
 PLAN_KEYWORDS = ("shard", "layout", "stages", "schedule", "optimizer", "loss")
-PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute", "seed", "lr")
 MESH_WORDS = ("axes", "device", "hosts", "devices")
-OPTIMIZERS = ("adamw", "adam", "sgd")
-OPT_SETTINGS = ("lr", "weight_decay", "beta1", "beta2", "eps")
+OPTIMIZERS = ("adamw",)  # the ones the runtime builds: `adam` and `sgd` are E0309
 
 
 @attrs.frozen

@@ -1,0 +1,77 @@
+"""Batch, sequence and schedule: batch splits over the data axes and microbatches (E0305), the schedule
+fits the stage map (E0606, E0607, W0703), seq within learned positions (E0310)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from meshllm_dsl import ast
+from meshllm_dsl.checker.context import (
+    PlanContext,
+)
+from meshllm_dsl.diagnostics import Label
+from meshllm_dsl.ir import SCHEDULES, Stage, Unit
+from meshllm_dsl.names import or_list
+
+
+class BatchRules(PlanContext):
+    def schedule(self, pipeline_axis: str | None, virtual: int) -> str:
+        stmt = self.single(ast.ScheduleStmt, "`schedule`")
+        default = "interleaved_1f1b" if virtual > 1 else ("1f1b" if pipeline_axis else "gpipe")
+        if stmt is None:
+            return default
+        name = stmt.name.value
+        if name not in SCHEDULES:
+            self.error("E0607", f"unknown schedule `{name}`", stmt.name.span, label="not a schedule",
+                       help=f"use {or_list(f'`{s}`' for s in SCHEDULES)}")
+            return default
+        if name == "interleaved_1f1b" and virtual < 2:
+            self.error("E0607", "`interleaved_1f1b` needs virtual stages", stmt.name.span, label="no `virtual N` on the stages",
+                       help="write `stages over AXIS virtual 2 ...` (each rank then runs 2 stages)")
+        if name != "interleaved_1f1b" and virtual > 1:
+            self.error("E0607", f"virtual stages need the `interleaved_1f1b` schedule, not `{name}`", stmt.name.span,
+                       label="does not interleave", help="use `schedule interleaved_1f1b`, or drop `virtual`")
+        return name
+
+    def batch_checks(self, batch: int, micro: int, batch_axes: tuple[str, ...], settings: dict[str, ast.Setting],
+                     stages: Sequence[Stage], schedule: str) -> None:
+        dp = self.mesh.size(*batch_axes) if batch_axes else 1
+        span = settings["batch"].value.span if "batch" in settings else self.decl.name.span
+        if self.bad_settings & {"batch", "microbatches"}:
+            return  # a rejected value (reported): checks on a default in its place would mislead
+        if batch % (dp * micro):
+            parts = " x ".join([*(f"{a} ({self.mesh.size(a)})" for a in batch_axes), f"microbatches ({micro})"])
+            ok = [b for b in range(dp * micro, dp * micro * 5, dp * micro)]
+            self.error("E0305", f"batch {batch} does not split into {parts}", span,
+                       label=f"not a multiple of {dp * micro}",
+                       secondary=(Label(settings["microbatches"].value.span, "microbatches here"),) if "microbatches" in settings and settings["microbatches"].value.span else (),  # type: ignore[arg-type]
+                       help=f"batch must be a multiple of {dp * micro}: e.g. {or_list(ok)}")
+        pipeline = len({s.coord for s in stages})
+        if pipeline > 1 and micro < pipeline:
+            ms = settings.get("microbatches")
+            where = ms.value.span if ms is not None else self.decl.name.span
+            if schedule in ("1f1b", "interleaved_1f1b"):
+                self.error("E0606", f"`{schedule}` needs at least as many microbatches as pipeline stages ({micro} < {pipeline})",
+                           where, label=f"{micro} microbatch{'es' if micro != 1 else ''}" if ms is not None else "`microbatches` is not set (so 1)",
+                           help=f"{'use' if ms is not None else 'set'} `microbatches = {pipeline}` or more (and batch divisible by it)",
+                           note="with fewer microbatches than stages 1F1B cannot fill the pipeline and hangs in torch")
+            else:
+                self.warn("W0703", f"{micro} microbatches for {pipeline} pipeline stages", where,
+                          label="fewer microbatches than stages",
+                          help=f"use at least {pipeline} (bubble is (p - 1) / (m + p - 1) = {(pipeline - 1) / (micro + pipeline - 1):.0%} now)")
+        if schedule == "interleaved_1f1b" and pipeline > 1 and micro % pipeline:
+            ms = settings.get("microbatches")
+            self.error("E0606", f"`interleaved_1f1b` needs microbatches divisible by the pipeline size ({micro} % {pipeline} != 0)",
+                       ms.value.span if ms is not None else self.decl.name.span, label=f"{micro} microbatches",
+                       help=f"use a multiple of {pipeline}")
+
+    def positions(self, seq: int, given: ast.Setting | None) -> None:
+        """Learned positions have a table of `num` rows: a longer sequence would index past it."""
+        for item in self.model.items:
+            if isinstance(item, Unit) and item.kind == "positional" and seq > int(item.attr("num")):  # type: ignore[arg-type]
+                num = item.attr("num")
+                self.error("E0310", f"seq {seq} is longer than the {num} positions of `{item.name}`",
+                           given.value.span if given is not None else self.decl.name.span,
+                           label=f"seq = {seq}" if given is not None else f"`seq` is not set (so {seq})",
+                           secondary=(Label(item.span, f"{num} learned positions"),) if item.span else (),
+                           help=f"{'use' if given is not None else 'set'} `seq = {num}` or less, or give the model more positions")

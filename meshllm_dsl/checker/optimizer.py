@@ -1,0 +1,85 @@
+"""The optimizer statement: its name and settings with their ranges (E0203, E0304, E0309) and ZeRO
+over the data-parallel axes (E0407)."""
+
+from __future__ import annotations
+
+from meshllm_dsl import ast
+from meshllm_dsl.checker.context import (
+    PlanContext,
+)
+from meshllm_dsl.names import did_you_mean
+
+OPT_SETTINGS = {
+    "lr": (0.0, 1e3, True, False),
+    "weight_decay": (0.0, 1e3, False, False),
+    "beta1": (0.0, 1.0, False, True),
+    "beta2": (0.0, 1.0, False, True),
+    "eps": (0.0, 1.0, True, False),
+    # The training loop's: clip the global gradient norm; linear warmup, then cosine decay to min_lr.
+    "clip": (0.0, 1e6, True, False),
+    "warmup": (0.0, 1e9, False, False),
+    "decay_steps": (0.0, 1e9, False, False),
+    "min_lr": (0.0, 1e3, False, False),
+}
+OPT_STEP_COUNTS = ("warmup", "decay_steps")
+
+
+class OptimizerRules(PlanContext):
+    def optimizer(self, batch_axes: tuple[str, ...]) -> tuple[str, tuple[tuple[str, object], ...], int, tuple[str, ...]]:
+        stmts = [s for s in self.decl.body if isinstance(s, ast.OptimizerStmt)]
+        if not stmts:
+            return "adamw", (), 0, ()
+        stmt = stmts[0]
+        for extra in stmts[1:]:
+            self.repeated("`optimizer`", extra.span, stmt.span)
+        if stmt.name.value in ("adam", "sgd"):
+            self.error("E0309", f"optimizer `{stmt.name.value}` is not supported yet", stmt.name.span,
+                       label="the runtime builds AdamW", help="use `optimizer adamw { ... }` (with `weight_decay = 0` "
+                       "it is Adam with decoupled decay switched off)")
+        elif stmt.name.value != "adamw":
+            self.error("E0203", f"unknown optimizer `{stmt.name.value}`", stmt.name.span, label="not an optimizer",
+                       help="use `adamw`")
+        settings = []
+        seen: dict[str, ast.Setting] = {}
+        for s in stmt.settings:
+            if s.name.value not in OPT_SETTINGS:
+                self.error("E0203", f"unknown optimizer setting `{s.name.value}`", s.name.span, label="not a setting",
+                           help=did_you_mean(s.name.value, OPT_SETTINGS))
+                continue
+            if s.name.value in seen:
+                self.repeated(f"optimizer setting `{s.name.value}`", s.name.span, seen[s.name.value].name.span)
+                continue
+            seen[s.name.value] = s
+            low, high, low_open, high_open = OPT_SETTINGS[s.name.value]
+            v = self.eval_float(s.value, {}, f"`{s.name.value}`", low, high, low_open, high_open)
+            if v is not None and s.name.value in OPT_STEP_COUNTS and not float(v).is_integer():
+                self.error("E0304", f"`{s.name.value}` is a number of steps, not {v}", s.value.span,
+                           label="not a whole number", help=f"write `{s.name.value} = {int(v)}`")
+                continue
+            if v is not None:
+                settings.append((s.name.value, v))
+        zero, zero_axes = 0, ()
+        if stmt.zero is not None:
+            zero = stmt.zero.stage.value
+            if zero not in (0, 1, 2, 3):
+                self.error("E0203", f"ZeRO stage {zero} does not exist", stmt.zero.stage.span, label="not 0, 1, 2 or 3",
+                           help="zero 1 shards optimizer states over the data-parallel axes (2 and 3, which also shard "
+                           "gradients and parameters, are not supported yet)")
+                zero = 0
+            elif zero in (2, 3):
+                self.error("E0309", f"ZeRO stage {zero} is not supported yet", stmt.zero.stage.span,
+                           label="the runtime shards optimizer states only (ZeRO-1)",
+                           help="use `zero 1`: it shards the optimizer states, the largest part (12 of 16 bytes per parameter)")
+                zero = 0
+            axes = self.check_axes(stmt.zero.axes, "zero") if stmt.zero.axes else batch_axes
+            if axes is not None:
+                zero_axes = axes
+                if not batch_axes and zero:
+                    self.error("E0407", "ZeRO shards over the data-parallel axes, but this plan has none",
+                               stmt.zero.span, label=f"zero {zero}",
+                               help="add `layout { batch -> data }` so the batch (and the optimizer states) split over an axis")
+                elif set(axes) != set(batch_axes) and zero:
+                    self.error("E0407", f"ZeRO must shard over the batch axes ({' x '.join(batch_axes)}), not {' x '.join(axes)}",
+                               stmt.zero.span, label="not the data-parallel axes",
+                               help=f"write `zero {zero} over {' * '.join(batch_axes)}`: only ranks holding the same parameters can share their optimizer states")
+        return stmt.name.value, tuple(settings), zero, zero_axes

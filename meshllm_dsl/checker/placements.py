@@ -1,0 +1,403 @@
+"""Shard rules and layout entries -> one placement per parameter: coverage (E0501), overlap (E0503),
+rule fit (E0405 / E0406), divisibility (E0301), tied weights (E0408), block classes with their activation
+layouts (layouts.py), and the loss's layout (E0404)."""
+
+from __future__ import annotations
+
+import math
+
+from meshllm_dsl import ast
+from meshllm_dsl.checker.context import (
+    PlanContext,
+    _blocks_text,
+    _Match,
+    _seg_matches,
+    _Silent,
+)
+from meshllm_dsl.diagnostics import Label
+from meshllm_dsl.ir import REPLICATE, RULES, BlockClass, Leaf, Placement, Repeat, Unit
+from meshllm_dsl.layouts import block_flows
+from meshllm_dsl.names import did_you_mean, divisors, or_list
+
+
+class PlacementRules(PlanContext):
+    # -- layout entries: logical dim -> mesh axes
+    def layout(self) -> tuple[tuple[str, ...], list[tuple[Leaf, _Match]]]:
+        batch_axes: tuple[str, ...] = ()
+        out: list[tuple[Leaf, _Match]] = []
+        dims_seen: dict[str, ast.LayoutEntry] = {}
+        for stmt in self.decl.body:
+            if not isinstance(stmt, ast.LayoutStmt):
+                continue
+            for e in stmt.entries:
+                dim = e.dim.value
+                if dim in dims_seen:
+                    self.error("E0201", f"`{dim}` is laid out twice", e.dim.span, label="second entry",
+                               secondary=(Label(dims_seen[dim].span, "first here"),), help="map each dim once")  # type: ignore[arg-type]
+                    continue
+                dims_seen[dim] = e
+                axes = self.check_axes(e.axes, f"the layout of `{dim}`")
+                if axes is None:
+                    # The entry is wrong (reported); what it names is not also "placed by no rule" (E0501).
+                    self.claimed.update(leaf for _, _, leaf in self.model.leaves() if leaf.shardable and any(
+                        u[0] == dim for u in (*leaf.out_units[:1], *leaf.in_units)))
+                    continue
+                if dim == "batch":
+                    batch_axes = axes
+                    continue
+                hits = self.layout_leaves(dim, axes, e)
+                if not hits:
+                    known = sorted({u[0] for _, _, leaf in self.model.leaves() if leaf.shardable for u in leaf.in_units + leaf.out_units} | {"batch"})
+                    self.error("E0502", f"layout entry `{dim}` matches no parameter", e.dim.span,
+                               label="no layer has this dim", help=did_you_mean(dim, known))
+                out.extend(hits)
+        return batch_axes, out
+
+    def layout_leaves(self, dim: str, axes: tuple[str, ...], e: ast.LayoutEntry) -> list[tuple[Leaf, _Match]]:
+        hits = []
+        for _, _, leaf in self.model.leaves():
+            if not leaf.shardable:
+                continue
+            out_hit = any(u[0] == dim for u in leaf.out_units[:1])
+            in_hit = any(u[0] == dim for u in leaf.in_units)
+            if not (out_hit or in_hit):
+                continue
+            if out_hit and in_hit:
+                self.error("E0401", f"`{dim} -> {' * '.join(axes)}` would split both dims of `{'.'.join(leaf.path)}`",
+                           e.span, label="both input and output are this dim",
+                           help="shard this layer with an explicit `shard` rule instead")
+                self.claimed.add(leaf)
+                continue
+            if out_hit:
+                rule = "vocab_parallel" if leaf.kind == "embedding" else "column"
+            else:
+                rule = "row"
+            text = f"layout {dim} -> {' * '.join(axes)}"
+            hits.append((leaf, _Match(Placement(rule, axes, e.span), e.span, None, text)))
+        return hits
+
+    # -- shard rules
+    def shard_rules(self, matches: list[tuple[Leaf, _Match]]) -> dict[Leaf, list[_Match]]:
+        by_leaf: dict[Leaf, list[_Match]] = {}
+        for leaf, m in matches:
+            by_leaf.setdefault(leaf, []).append(m)
+        for stmt in self.decl.body:
+            if not isinstance(stmt, ast.ShardStmt):
+                continue
+            placement = self.rule(stmt.rule)
+            hits = self.match_path(stmt.path)
+            if not hits:
+                continue
+            for leaf, blocks in hits:
+                if placement is None or not self.rule_fits(leaf, placement, stmt):
+                    # The rule is wrong (reported); the leaf is not also "placed by no rule" (E0501).
+                    self.claimed.add(leaf)
+                    continue
+                by_leaf.setdefault(leaf, []).append(_Match(placement, stmt.span, blocks, f"shard {stmt.path}"))
+        return by_leaf
+
+    def rule(self, rule: ast.Rule) -> Placement | None:
+        name = rule.name.value
+        if name not in RULES:
+            self.error("E0406", f"unknown sharding rule `{name}`", rule.name.span, label="not a rule",
+                       help=f"use {or_list(f'`{r}`' for r in RULES)}")
+            return None
+        if name == "replicate":
+            if rule.axes:
+                self.error("E0406", "`replicate` takes no axes", rule.span, label="remove the axes",
+                           help="`replicate` keeps a full copy on every device")
+                return None
+            return Placement("replicate", (), rule.span)
+        if not rule.axes:
+            self.error("E0406", f"`{name}` needs the mesh axes to shard over", rule.span, label="no axes given",
+                       help=f"e.g. `{name}({next((a.name for a in self.mesh.axes if a.name == 'tensor'), self.mesh.axes[-1].name)})`")
+            return None
+        axes = self.check_axes(rule.axes, f"`{name}`")
+        if axes is None:
+            return None
+        return Placement(name, axes, rule.span)
+
+    def rule_fits(self, leaf: Leaf, p: Placement, stmt: ast.ShardStmt) -> bool:
+        path = ".".join(leaf.path)
+        if p.rule == "replicate":
+            return True
+        if not leaf.shardable:
+            self.error("E0405", f"`{path}` is a {leaf.kind}; it cannot be sharded with `{p.rule}`", stmt.rule.span,
+                       label="not shardable", help=f"{leaf.kind} parameters are small and stay replicated: use `replicate` or remove the rule")
+            return False
+        if leaf.kind == "embedding" and p.rule != "vocab_parallel":
+            self.error("E0405", f"embedding `{path}` can only be `vocab_parallel` or `replicate`", stmt.rule.span,
+                       label=f"`{p.rule}` is not supported for embeddings",
+                       help=f"use `vocab_parallel({', '.join(p.axes)})`: it splits the vocabulary rows")
+            return False
+        if leaf.kind == "linear" and p.rule == "vocab_parallel":
+            self.error("E0405", f"`vocab_parallel` applies to embeddings; `{path}` is a linear layer", stmt.rule.span,
+                       label="not an embedding",
+                       help=f"use `column({', '.join(p.axes)})`: for an output projection it splits the vocabulary")
+            return False
+        return True
+
+    def match_path(self, path: ast.Path) -> list[tuple[Leaf, frozenset[int] | None]]:
+        """Leaves a pattern matches, with the blocks it covers for leaves inside the repeat."""
+        segs = path.segments
+        hits: list[tuple[Leaf, frozenset[int] | None]] = []
+        for item, _unit, leaf in self.model.leaves():
+            if isinstance(item, Repeat):
+                if len(segs) != len(leaf.path) + 2 or not _seg_matches(segs[0], item.name):
+                    continue
+                idx = segs[1]
+                if idx.kind == "star":
+                    blocks = None
+                elif idx.kind == "index":
+                    if idx.index >= item.count:
+                        continue
+                    blocks = frozenset([idx.index])
+                else:
+                    continue
+                if all(_seg_matches(s, n) for s, n in zip(segs[2:], leaf.path)):
+                    hits.append((leaf, blocks))
+            elif len(segs) == len(leaf.path) and all(_seg_matches(s, n) for s, n in zip(segs, leaf.path)):
+                hits.append((leaf, None))
+        if hits:
+            # every alternative in `{a,b}` must name something, or the rule silently matches less
+            for s in segs:
+                if s.kind == "alt":
+                    for n in s.names:
+                        if not any(n in (leaf.path) or (isinstance(item, Repeat) and n == item.name)
+                                   for item, _, leaf in self.model.leaves()):
+                            self.error("E0502", f"`{n}` in `{path}` matches no layer", s.span, label=f"no layer `{n}`",
+                                       help=did_you_mean(n, {p for _, _, lf in self.model.leaves() for p in lf.path}))
+            return hits
+        self.error("E0502", f"rule `{path}` matches no layer", path.span, label="matches nothing",
+                   help=self.path_help(path))
+        return []
+
+    def path_help(self, path: ast.Path) -> str:
+        segs = path.segments
+        rep = self.repeat
+        if rep is not None and segs and _seg_matches(segs[0], rep.name) and len(segs) > 1 and segs[1].kind == "index":
+            if segs[1].index >= rep.count:
+                return f"`{rep.name}` has {rep.count} blocks, numbered 0 to {rep.count - 1}"
+        # A pattern naming a composite (attention, mlp): list its layers.
+        text = str(path)
+        for item, unit, _leaf in self.model.leaves():
+            prefix = (f"{item.name}.*." if isinstance(item, Repeat) else "") + unit.name
+            if text == prefix or text.endswith("." + unit.name) and len(unit.leaves) > 1:
+                names = ",".join(lf.name for lf in unit.leaves)
+                return f"`{unit.name}` is a {unit.kind}; its layers are {{{names}}}: e.g. `{prefix}.{{{names}}}`"
+        paths = []
+        for item, _, leaf in self.model.leaves():
+            paths.append((f"{item.name}.*." if isinstance(item, Repeat) else "") + ".".join(leaf.path))
+        return "layers are " + ", ".join(dict.fromkeys(paths))
+
+    # -- placements per leaf, coverage, overlap, divisibility
+    def placements(self, by_leaf: dict[Leaf, list[_Match]]) -> tuple[dict[str, Placement], tuple[BlockClass, ...]]:
+        self.by_leaf = by_leaf  # help lines look across rules (units_over)
+        any_rules = bool(by_leaf) or bool(self.claimed)
+        top: dict[str, Placement] = {}
+        per_leaf_default: dict[tuple[str, ...], Placement] = {}
+        per_leaf_exceptions: dict[tuple[str, ...], dict[int, Placement]] = {}
+        for item, _unit, leaf in self.model.leaves():
+            ms = by_leaf.get(leaf, [])
+            in_repeat = isinstance(item, Repeat)
+            self.overlaps(leaf, ms, item)
+            full = ".".join(leaf.path)
+            if in_repeat:
+                default = next((m.placement for m in ms if m.blocks is None), None)
+                exceptions: dict[int, Placement] = {}
+                for m in ms:
+                    if m.blocks is not None:
+                        for b in m.blocks:
+                            exceptions.setdefault(b, m.placement)
+                if default is None and any_rules and leaf.shardable and leaf not in self.claimed:
+                    missing = [b for b in range(item.count) if b not in exceptions]
+                    if missing:
+                        pattern = f"{item.name}.{'*' if len(missing) == item.count else missing[0]}.{full}"
+                        self.uncovered(leaf, _unit, f"{item.name}.{_blocks_text(missing)}.{full}", pattern, by_leaf)
+                per_leaf_default[leaf.path] = default or REPLICATE
+                per_leaf_exceptions[leaf.path] = exceptions
+                placements = [default or REPLICATE, *exceptions.values()]
+            else:
+                if not ms and any_rules and leaf.shardable and leaf not in self.claimed:
+                    self.uncovered(leaf, _unit, full, full, by_leaf)
+                top[full] = ms[0].placement if ms else REPLICATE
+                placements = [top[full]]
+            for p in placements:
+                self.divisibility(leaf, p)
+        self.tied(top)
+        classes = self.block_classes(per_leaf_default, per_leaf_exceptions)
+        return top, classes
+
+    def overlaps(self, leaf: Leaf, ms: list[_Match], item: object) -> None:
+        # One sweep, linear in the blocks the rules name (a plan may have a rule per block): for each
+        # rule, the earliest earlier rule that shares a block with it.
+        whole: int | None = None  # index of the first rule for every block
+        owner: dict[int, int] = {}  # block -> index of the first rule naming it
+        for i, a in enumerate(ms):
+            if a.blocks is None:
+                j = 0 if i else None  # every earlier rule overlaps a rule for all blocks
+                whole = i if whole is None else whole
+            else:
+                hits = [owner[blk] for blk in a.blocks if blk in owner]
+                if whole is not None:
+                    hits.append(whole)
+                j = min(hits) if hits else None
+                for blk in a.blocks:
+                    owner.setdefault(blk, i)
+            if j is None:
+                continue
+            b = ms[j]
+            # A rule for all blocks and one for block 3 also overlap: letting the specific one
+            # win silently would make the plan's meaning depend on which rule a reader notices.
+            where = ".".join(leaf.path)
+            if isinstance(item, Repeat):
+                shared = a.blocks & b.blocks if a.blocks is not None and b.blocks is not None else (a.blocks or b.blocks)
+                where = f"{item.name}.{'*' if shared is None else _blocks_text(sorted(shared))}.{where}"
+            self.ambiguous = True
+            self.error("E0503", f"`{where}` is matched by two rules", a.span, label=f"{a.text} also matches it",
+                       secondary=(Label(b.span, f"first matched by {b.text}"),) if b.span else (),
+                       help="make the patterns disjoint: every parameter must be placed by exactly one rule")
+            return
+
+    def uncovered(self, leaf: Leaf, unit: Unit, where: str, pattern: str, by_leaf: dict[Leaf, list[_Match]]) -> None:
+        # Suggest the rule that fits the leaf's role: the last projection of attention / mlp is row,
+        # the others column, an embedding vocab_parallel, over the axes the plan shards most over.
+        counts: dict[tuple[str, ...], int] = {}
+        for ms in by_leaf.values():
+            for m in ms:
+                if m.placement.sharded:
+                    counts[m.placement.axes] = counts.get(m.placement.axes, 0) + 1
+        if counts:
+            axes = ", ".join(max(counts, key=lambda a: counts[a]))
+            if leaf.kind == "embedding":
+                rule = f"vocab_parallel({axes})"
+            elif len(unit.leaves) > 1 and leaf is unit.leaves[-1]:
+                rule = f"row({axes})"
+            else:
+                rule = f"column({axes})"
+            fix = f"add `shard {pattern} {rule}` (or `replicate` to keep a full copy)"
+        else:
+            fix = f"add `shard {pattern} replicate`"
+        self.error("E0501", f"`{where}` is not placed by any rule", self.decl.name.span,
+                   label=f"plan `{self.decl.name.value}` leaves it out",
+                   secondary=(Label(leaf.span, f"`{leaf.name}` declared here"),) if leaf.span else (),
+                   help=f"{fix}; a plan with rules must place every parameter")
+
+    def divisibility(self, leaf: Leaf, p: Placement) -> None:
+        if not p.sharded:
+            return
+        n = self.mesh.size(*p.axes)
+        units = leaf.in_units if p.rule == "row" else leaf.out_units
+        axes_text = " x ".join(p.axes)
+        for unit_name, count in units:
+            if count % n == 0:
+                continue
+            key = (p.span.start if p.span else 0, axes_text)  # one error per rule, naming every dim it breaks
+            if key in self.reported:
+                continue
+            self.reported.add(key)
+            # The help names the dims this rule splits, and the sizes that divide every dim the plan
+            # splits over these axes (so the suggestion does not just move the error elsewhere).
+            all_units = self.units_over(p.axes)
+            mine = {u: c for u, c, where in all_units if where == (p.span.start if p.span else None)}
+            mine.setdefault(unit_name, count)
+            others = {u: c for u, c, _ in all_units if u not in mine}
+            common = math.gcd(*mine.values(), *others.values())
+            listing = " and ".join(f"{c} {u}" for u, c in mine.items())
+            mine_gcd = math.gcd(*mine.values())
+            restrict = [f"{c} {u}" for u, c in others.items() if math.gcd(mine_gcd, c) != mine_gcd]
+            also = f" (and {', '.join(restrict)}, split over it by other rules)" if restrict else ""
+            failing = [(u, c) for u, c in mine.items() if c % n]
+            names = " and ".join(f"`{u}` ({c})" for u, c in failing)
+            self.error(
+                "E0301",
+                f"{names} {'is' if len(failing) == 1 else 'are'} not divisible by {axes_text} ({n})",
+                p.span,
+                label=f"splits {count} {unit_name} over {n} devices",
+                secondary=tuple(lab for a in p.axes for lab in self.axis_label(a)),
+                help=f"{axes_text} must divide {listing}{also}: use {or_list(divisors(common))}"
+                + (f", or pad `{unit_name}` to {-(-count // n) * n} (a multiple of {n})" if unit_name == "vocab" else ""),
+            )
+
+    def units_over(self, axes: tuple[str, ...]) -> list[tuple[str, int, int | None]]:
+        """Every (unit, count, rule start offset) this plan splits over exactly these axes, for a help line."""
+        seen: dict[str, tuple[str, int, int | None]] = {}
+        for leaf, matches in self.by_leaf.items():
+            for m in matches:
+                p = m.placement
+                if not p.sharded or p.axes != axes:
+                    continue
+                for u, c in leaf.in_units if p.rule == "row" else leaf.out_units:
+                    seen.setdefault(u, (u, c, p.span.start if p.span else None))
+        return list(seen.values())
+
+    def tied(self, top: dict[str, Placement]) -> None:
+        for _, _, leaf in self.model.leaves():
+            if leaf.tie is None:
+                continue
+            mine, theirs = top.get(".".join(leaf.path), REPLICATE), top.get(leaf.tie, REPLICATE)
+            same = (mine.sharded, mine.axes) == (theirs.sharded, theirs.axes)
+            if not same:
+                self.error("E0408", f"`{leaf.name}` shares its weight with `{leaf.tie}` but is placed differently",
+                           mine.span or leaf.span, label=f"{mine.rule}{'(' + ', '.join(mine.axes) + ')' if mine.axes else ''}",
+                           secondary=(Label(theirs.span, f"`{leaf.tie}` is {theirs.rule}"),) if theirs.span else (),
+                           help=(f"make `{leaf.name}` `column({', '.join(theirs.axes)})` to split the same vocabulary rows as `{leaf.tie}`, or replicate both"
+                                 if theirs.sharded else
+                                 f"make `{leaf.tie}` `vocab_parallel({', '.join(mine.axes)})` to split the same vocabulary rows as `{leaf.name}`, or replicate both"))
+
+    def block_classes(self, default: dict[tuple[str, ...], Placement], exceptions: dict[tuple[str, ...], dict[int, Placement]]) -> tuple[BlockClass, ...]:
+        rep = self.repeat
+        if rep is None:
+            return ()
+        special = sorted({b for ex in exceptions.values() for b in ex})
+        combos: dict[tuple[tuple[str, Placement], ...], list[int]] = {}
+        base = tuple((".".join(p), pl) for p, pl in default.items())
+        special_set = set(special)
+        rest = [b for b in range(rep.count) if b not in special_set]
+        if rest:
+            combos.setdefault(base, []).extend(rest)
+        for b in special:
+            key = tuple((".".join(p), exceptions[p].get(b, pl)) for p, pl in default.items())
+            combos.setdefault(key, []).append(b)
+        classes = []
+        for key, idx in sorted(combos.items(), key=lambda kv: min(kv[1])):
+            # With two rules on one parameter its placement is unknown: layout errors would be guesses.
+            reporter = _Silent() if self.ambiguous else self
+            # Diagnostics name the blocks as a pattern the user can paste: `blocks.*`, `blocks.3`, else `blocks.{0-3}`.
+            which = "*" if len(idx) == rep.count else str(idx[0]) if len(idx) == 1 else _blocks_text(sorted(idx))
+            flows = block_flows(rep, dict(key), reporter, f"{rep.name}.{which}")
+            classes.append(BlockClass(tuple(sorted(idx)), key, tuple(flows)))
+        return tuple(classes)
+
+    # -- loss
+    def loss(self, top: dict[str, Placement]) -> Placement:
+        last = self.model.items[-1]
+        head = top.get(last.name) if isinstance(last, Unit) and last.kind == "linear" else None
+        logits = head if head is not None else REPLICATE
+        inferred = Placement("vocab_parallel", logits.axes) if logits.rule == "column" and logits.sharded else REPLICATE
+        stmt = self.single(ast.LossStmt, "`loss`")
+        if head is not None and head.rule == "row" and head.sharded:
+            self.error("E0404", f"`{last.name}` is row-parallel, so its logits are partial sums entering the loss",
+                       head.span, label="logits are Partial over " + " x ".join(head.axes),
+                       help=f"make `{last.name}` `column({', '.join(head.axes)})` with a vocab-parallel loss, or `replicate`")
+            return inferred
+        if stmt is None:
+            return inferred
+        name = stmt.rule.name.value
+        if name not in ("cross_entropy", "vocab_parallel"):
+            self.error("E0406", f"unknown loss `{name}`", stmt.rule.name.span, label="not a loss",
+                       help="use `cross_entropy` or `vocab_parallel(AXIS)`")
+            return inferred
+        axes = self.check_axes(stmt.rule.axes, "the loss") if name == "vocab_parallel" else ()
+        if axes is None:
+            return inferred
+        if name == "vocab_parallel" and inferred.axes != axes:
+            got = "replicated (gathered)" if not inferred.sharded else f"sharded over {' x '.join(inferred.axes)}"
+            self.error("E0404", f"the loss expects logits sharded over {' x '.join(axes) or 'nothing'} but they are {got}",
+                       stmt.rule.span, label="loss layout", secondary=(Label(head.span, "logits placed here"),) if head and head.span else (),
+                       help=f"shard `{last.name}` with `column({', '.join(axes)})`, or use `loss cross_entropy`")
+        if name == "cross_entropy" and inferred.sharded:
+            self.error("E0404", f"`cross_entropy` needs full logits but `{last.name}` shards them over {' x '.join(inferred.axes)}",
+                       stmt.rule.span, label="expects replicated logits",
+                       help=f"use `loss vocab_parallel({', '.join(inferred.axes)})`: it never gathers the logits")
+        return inferred

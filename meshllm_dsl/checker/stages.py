@@ -1,0 +1,274 @@
+"""The pipeline stage map: every layer and block in exactly one stage, in order (E0601-E0605, E0608, E0609),
+and the balance of parameters across stages (W0701)."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Sequence
+
+from meshllm_dsl import ast
+from meshllm_dsl.checker.context import (
+    PlanContext,
+    _blocks_text,
+    _human,
+)
+from meshllm_dsl.diagnostics import Label
+from meshllm_dsl.ir import BlockClass, Placement, Repeat, Stage, StagePiece
+from meshllm_dsl.names import did_you_mean, divisors, or_list
+from meshllm_dsl.source import Span
+
+
+class StageRules(PlanContext):
+    # -- pipeline
+    def stages(self, top: dict[str, Placement], classes: tuple[BlockClass, ...]) -> tuple[tuple[Stage, ...], str | None, int]:
+        stmts = [s for s in self.decl.body if isinstance(s, ast.StagesStmt)]
+        model = self.model
+        if not stmts:
+            return (Stage(0, 0, tuple(StagePiece(i.name, 0 if isinstance(i, Repeat) else None, i.count if isinstance(i, Repeat) else None) for i in model.items), model.numel),), None, 1
+        stmt = stmts[0]
+        for extra in stmts[1:]:
+            self.error("E0201", "`stages` is declared twice", extra.span, label="second declaration",
+                       secondary=(Label(stmt.span, "first here"),), help="declare the stage map once")  # type: ignore[arg-type]
+        axes = self.check_axes([stmt.axis], "stages")
+        if axes is None:
+            return (), None, 1
+        axis = axes[0]
+        p = self.mesh.size(axis)
+        virtual = 1
+        if stmt.virtual is not None:
+            virtual = self.eval_int(stmt.virtual, {}, "virtual stages") or 1
+        count = p * virtual
+        if stmt.balanced:
+            return self.balanced(stmt, axis, p, virtual), axis, virtual
+        # Stage-map errors point at the map's header (`stages over AXIS`) or at the entry involved,
+        # never at the whole multi-line map.
+        header_end = stmt.virtual.span.end if stmt.virtual is not None and stmt.virtual.span else stmt.axis.span.end  # type: ignore[union-attr]
+        header = stmt.span.source.span(stmt.span.start, header_end) if stmt.span else None
+        errors_before = self.error_count()
+        entries = list(stmt.entries)
+        order_of = {i.name: k for k, i in enumerate(model.items)}
+        indices = [e.index.value for e in entries]
+        if indices != list(range(len(entries))):
+            if sorted(indices) == list(range(len(entries))):
+                # Numbered 0..n-1 but listed out of order: one error, then check the map in stage order.
+                k, bad = next((k, e) for k, e in enumerate(entries) if e.index.value != k)
+                self.error("E0603", f"stage {bad.index.value} is listed where stage {k} belongs", bad.index.span,
+                           label=f"expected stage {k}",
+                           help=f"list the stages in order {', '.join(map(str, range(len(entries))))}: "
+                           "activations flow from stage i to stage i + 1")
+                # Follow the numbering unless the listing is the one in layer order (then the numbers are the typo).
+                by_index = sorted(entries, key=lambda e: e.index.value)
+                if not _layer_ordered(entries, order_of) and _layer_ordered(by_index, order_of):
+                    entries = by_index
+            else:
+                for k, e in enumerate(entries):
+                    if e.index.value != k:
+                        self.error("E0603", f"stage {e.index.value} is out of order", e.index.span,
+                                   label=f"expected stage {k}", help="number stages 0, 1, 2, ... in order")
+        stages: list[Stage] = []
+        seen_items: dict[str, ast.StageItem] = {}
+        last_item: dict[str, tuple[int, ast.StageItem]] = {}  # item -> (stage, its latest occurrence)
+        order = {i.name: k for k, i in enumerate(model.items)}
+        position = (-1, 0)  # (item order, next block) the next piece must start at
+        # Pieces out of layer order: those outside a longest run in order, so one misplaced layer is one
+        # error (not an error for every correct piece after it).
+        listed = [it for e in entries for it in e.items if it.name.value in order]
+        keep = _longest_ordered([(order[it.name.value], it.start or 0) for it in listed])
+        out_of_order = {id(it) for i, it in enumerate(listed) if i not in keep}
+        overlap_reported = False
+        bad_ranges: set[str] = set()
+        unknown_names = False
+        for k, entry in enumerate(entries):
+            pieces: list[StagePiece] = []
+            for it in entry.items:
+                name = it.name.value
+                item = model.item(name)
+                if item is None:
+                    self.error("E0202", f"unknown layer `{name}` in the stage map", it.name.span, label="no such layer",
+                               help=did_you_mean(name, [i.name for i in model.items]))
+                    unknown_names = True  # the layers "in no stage" are then most likely this one, misspelled
+                    continue
+                if isinstance(item, Repeat):
+                    start, stop = (it.start, it.stop) if it.start is not None else (0, item.count)
+                    assert start is not None and stop is not None
+                    if not (0 <= start < stop <= item.count):
+                        bad_ranges.add(name)  # coverage of this repeat is then unknown: no E0601 / E0602 guesses
+                        self.error("E0609", f"`{name}[{start}:{stop}]` is not a valid block range", it.span,
+                                   label=f"`{name}` has blocks 0 to {item.count - 1}",
+                                   help=f"use a range within [0:{item.count}] with start < stop")
+                        continue
+                else:
+                    if it.start is not None:
+                        self.error("E0609", f"`{name}` is a single layer and cannot be sliced", it.span,
+                                   label="not a repeat", help=f"write `{name}` without a range")
+                        seen_items.setdefault(name, it)  # it is in this stage, only mis-written
+                        continue
+                    start = stop = None  # type: ignore[assignment]
+                    if name in seen_items:
+                        self.error("E0602", f"`{name}` is in two stages", it.span, label="again here",
+                                   secondary=(Label(seen_items[name].span, "first here"),),  # type: ignore[arg-type]
+                                   help="every layer belongs to exactly one stage")
+                        continue
+                    seen_items[name] = it
+                here = (order[name], start or 0)
+                prev = last_item.get(name)
+                if (isinstance(item, Repeat) and prev is not None and position[0] == order[name]
+                        and start < position[1] and stop > (prev[1].start or 0)):
+                    self.error("E0602", f"blocks {_blocks_text(range(start, min(stop, position[1])))} of `{name}` are in two stages",
+                               it.span, label=f"starts at {start}",
+                               secondary=(Label(prev[1].span, f"stage {prev[0]} holds blocks up to {position[1] - 1}"),),  # type: ignore[arg-type]
+                               help=f"start this range at {position[1]}: every block belongs to exactly one stage")
+                    overlap_reported = True
+                elif id(it) in out_of_order:
+                    self.error("E0603", f"`{it.name.value}{'' if start is None else f'[{start}:{stop}]'}` is out of order",
+                               it.span, label="comes before an earlier stage's layers",
+                               help="stages must hold the model's layers contiguously and in order")
+                elif isinstance(item, Repeat) and here > position and position[0] == order[name]:
+                    self.error("E0601", f"blocks {position[1]} to {start - 1} of `{name}` are in no stage", it.span,
+                               label=f"starts at {start}", help=f"start this range at {position[1]}")
+                elif isinstance(item, Repeat) and position[0] < order[name] and start != 0:
+                    self.error("E0601", f"blocks 0 to {start - 1} of `{name}` are in no stage", it.span,
+                               label=f"starts at {start}", help=f"start the first range of `{name}` at 0")
+                if id(it) not in out_of_order:
+                    position = max(position, (order[name], stop if stop is not None else 0) if isinstance(item, Repeat) else (order[name] + 1, 0))
+                last_item[name] = (k, it)
+                pieces.append(StagePiece(name, start, stop))
+            if not pieces and not entry.items:
+                self.error("E0605", f"stage {k} holds no layers", entry.span, label="empty stage",
+                           help=f"every stage needs at least one layer: move layers here or use fewer stages (and a smaller `{axis}` axis)")
+            stages.append(Stage(k, k % p, tuple(pieces), self.stage_numel(pieces, top)))
+        # coverage of every item and every block
+        for i, item in enumerate(model.items):
+            if isinstance(item, Repeat) and item.name not in bad_ranges:
+                counts = collections.Counter(
+                    b for s in stages for pc in s.pieces if pc.item == item.name for b in range(pc.start or 0, pc.stop or 0))
+                dup = sorted(b for b, c in counts.items() if c > 1)
+                if dup and not overlap_reported:
+                    self.error("E0602", f"blocks {_blocks_text(dup)} of `{item.name}` are in two stages", header,
+                               label="overlapping ranges", help="block ranges of consecutive stages must not overlap")
+                # Gaps and a late first range are reported where they occur (above); here only the tail.
+                end = max(counts, default=-1) + 1
+                if end < item.count:
+                    where = last_item.get(item.name)
+                    if where is None:
+                        self.error("E0601", f"`{item.name}` (blocks 0-{item.count - 1}) is in no stage", header,
+                                   label="stage map", help=f"add `{item.name}[a:b]` ranges covering `{item.name}[0:{item.count}]`")
+                    else:
+                        k, it = where
+                        first = it.start if it.start is not None else 0
+                        self.error("E0601", f"blocks {_blocks_text(range(end, item.count))} of `{item.name}` are in no stage",
+                                   it.span, label=f"the last range stops at block {end - 1}",
+                                   help=f"extend it to `{item.name}[{first}:{item.count}]`, or add `{item.name}[{end}:{item.count}]` to the next stage")
+            elif not isinstance(item, Repeat) and item.name not in seen_items and not unknown_names:
+                before = next((last_item[n.name] for n in reversed(model.items[:i]) if n.name in last_item), None)
+                after = next((last_item[n.name] for n in model.items[i + 1:] if n.name in last_item), None)
+                if before is not None:
+                    k, it = before
+                    self.error("E0601", f"`{item.name}` is in no stage", it.span, label=f"`{item.name}` comes after this",
+                               help=f"add `{item.name}` after `{it.span.text if it.span else it.name.value}` in stage {k}"
+                               + (f", or first in stage {k + 1}" if k + 1 < len(entries) else ""))
+                elif after is not None:
+                    k, it = after
+                    self.error("E0601", f"`{item.name}` is in no stage", it.span, label=f"`{item.name}` comes before this",
+                               help=f"add `{item.name}` before `{it.span.text if it.span else it.name.value}` in stage {k}")
+                else:
+                    self.error("E0601", f"`{item.name}` is in no stage", header, label="stage map",
+                               help=f"add `{item.name}` to the first stage")
+        if len(stmt.entries) != count:
+            self.error("E0604", f"{len(stmt.entries)} stages for a pipeline of {count}", header,
+                       label=f"{len(stmt.entries)} stage{'s' if len(stmt.entries) != 1 else ''} listed, {count} needed",
+                       secondary=self.axis_label(axis),
+                       help=f"declare exactly {count} stages ({axis} size {p}" + (f" x {virtual} virtual" if virtual > 1 else "") + ")")
+        if self.error_count() == errors_before:
+            # Balance is only meaningful for a valid stage map.
+            worst = max(range(len(stages)), key=lambda k: stages[k].numel, default=0)
+            self.imbalance(stages, entries[worst].span if entries else stmt.span)
+        return tuple(stages), axis, virtual
+
+    def balanced(self, stmt: ast.StagesStmt, axis: str, p: int, virtual: int) -> tuple[Stage, ...]:
+        count = p * virtual
+        rep = self.repeat
+        if rep is None:
+            self.error("E0608", "`balanced` needs a repeated block stack to split", stmt.span,
+                       label="no repeat in this model", help="list the stages explicitly")
+            return ()
+        if rep.count % count:
+            fits = [d for d in divisors(rep.count)]
+            self.error("E0608", f"{rep.count} blocks cannot be split evenly over {count} stages", stmt.span,
+                       label=f"{axis} = {p}" + (f" x virtual {virtual}" if virtual > 1 else ""),
+                       secondary=self.axis_label(axis),
+                       help=f"stage count ({axis} x virtual) must divide {rep.count}: use {or_list(fits)}, or list the stages explicitly")
+            return ()
+        per = rep.count // count
+        order = [i.name for i in self.model.items]
+        ri = order.index(rep.name)
+        stages = []
+        top_placeholder: dict[str, Placement] = {}
+        for k in range(count):
+            pieces = []
+            if k == 0:
+                pieces += [StagePiece(n) for n in order[:ri]]
+            pieces.append(StagePiece(rep.name, k * per, (k + 1) * per))
+            if k == count - 1:
+                pieces += [StagePiece(n) for n in order[ri + 1 :]]
+            stages.append(Stage(k, k % p, tuple(pieces), self.stage_numel(pieces, top_placeholder)))
+        self.imbalance(stages, stmt.span)
+        return tuple(stages)
+
+    def stage_numel(self, pieces: Iterable[StagePiece], top: dict[str, Placement]) -> int:
+        total = 0
+        for pc in pieces:
+            item = self.model.item(pc.item)
+            if isinstance(item, Repeat):
+                total += (pc.stop - pc.start) * item.numel_per_block  # type: ignore[operator]
+            elif item is not None:
+                total += item.numel
+                for leaf in item.leaves:
+                    if leaf.tie is not None:
+                        tied = self.model.item(leaf.tie)
+                        # A tied weight on another stage is held there too (a synchronised copy).
+                        if tied is not None and all(q.item != leaf.tie for q in pieces):
+                            total += tied.numel
+        return total
+
+    def imbalance(self, stages: Sequence[Stage], span: Span | None) -> None:
+        if len(stages) < 2:
+            return
+        sizes = [s.numel for s in stages]
+        mean = sum(sizes) / len(sizes)
+        worst = max(stages, key=lambda s: s.numel)
+        if mean and worst.numel > 1.25 * mean:
+            listing = ", ".join(f"{_human(s.numel)}" for s in stages)
+            self.warn("W0701", f"stage {worst.index} holds {worst.numel / mean:.2f}x the mean parameter count",
+                      span, label=f"parameters per stage: {listing}",
+                      help="the slowest stage sets the pace of the pipeline: move blocks off stage "
+                      f"{worst.index}, or give the embedding / head stages fewer blocks",
+                      note="the pipeline waits for its slowest stage")
+
+
+def _layer_ordered(entries: Sequence[ast.StageEntry], order: dict[str, int]) -> bool:
+    keys = [(order[e.items[0].name.value], e.items[0].start or 0) for e in entries if e.items and e.items[0].name.value in order]
+    return keys == sorted(keys)
+
+
+def _longest_ordered(keys: Sequence[tuple[int, int]]) -> set[int]:
+    """Indices of a longest non-decreasing subsequence of `keys` (patience sorting, O(n log n))."""
+    import bisect
+
+    tails: list[tuple[int, int]] = []
+    tail_index: list[int] = []
+    parent = [-1] * len(keys)
+    for i, key in enumerate(keys):
+        j = bisect.bisect_right(tails, key)
+        if j == len(tails):
+            tails.append(key)
+            tail_index.append(i)
+        else:
+            tails[j], tail_index[j] = key, i
+        parent[i] = tail_index[j - 1] if j else -1
+    out: set[int] = set()
+    i = tail_index[-1] if tail_index else -1
+    while i >= 0:
+        out.add(i)
+        i = parent[i]
+    return out
