@@ -1,7 +1,7 @@
 """`meshc suggest`: search the plans for a model on N devices and rank them by estimated step time.
 
 The search enumerates data x pipeline x tensor factorizations of the device count (tensor within a
-host), microbatch counts, ZeRO stages and schedules. Every candidate is written out as .mesh text
+host), microbatch counts, ZeRO stages, schedules and activation recomputation. Every candidate is written out as .mesh text
 (the model's own declarations plus a generated mesh and plan) and checked with `check_text`: the
 checker, not this module, decides what is valid. Candidates that check clean are analysed by the
 planner; those that fit in device memory are ranked by estimated step time.
@@ -37,11 +37,13 @@ class Candidate:
     virtual: int
     zero: int
     hosts: int
+    recompute: str = "none"
 
     def key(self) -> str:
         sched = "" if self.schedule == "none" else f" {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else "")
+        remat = "" if self.recompute == "none" else f", recompute {self.recompute}"
         return (f"data {self.data} x pipeline {self.pipeline} x tensor {self.tensor}, {self.microbatches} microbatches"
-                f"{sched}, ZeRO {self.zero}")
+                f"{sched}, ZeRO {self.zero}{remat}")
 
 
 @attrs.frozen
@@ -118,6 +120,8 @@ def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -
     mesh += [f"    device = {device}", "}"]
     plan = [f"plan {PLAN_NAME} on {MESH_NAME} for {model.name} {{", f"    batch = {batch}", f"    seq = {seq}",
             f"    microbatches = {c.microbatches}"]
+    if c.recompute != "none":
+        plan.append(f"    recompute = {c.recompute}")
     layout = (["batch -> data"] if c.data > 1 else []) + ([f"{d} -> tensor" for d in _sharded_dims(model)] if c.tensor > 1 else [])
     if layout:
         plan.append("    layout { " + ", ".join(layout) + " }")
@@ -155,6 +159,10 @@ def candidates(model: ModelIR, devices: int, batch: int, per_host: int) -> Itera
     dims = _dim_sizes(model)
     sharded = [dims[d] for d in _sharded_dims(model) if d in dims]
     layers = model.repeat.count if model.repeat is not None else 1
+    # Recomputation trades a forward pass of the blocks (or of the attention core) for their activations.
+    remats = ["none"]
+    if model.repeat is not None:
+        remats += (["attention"] if any(u.kind == "attention" for u in model.repeat.body) else []) + ["blocks"]
     hosts = 1
     if devices > per_host:
         hosts = next(h for h in divisors(devices) if h >= devices / per_host)
@@ -182,7 +190,8 @@ def candidates(model: ModelIR, devices: int, batch: int, per_host: int) -> Itera
                         continue
                     # ZeRO 2 / 3 are refused by `check` until the runtime implements them (E0309).
                     for z in (0, 1) if d > 1 else (0,):
-                        yield Candidate(d, p, t, m, sched, v, z, hosts)
+                        for r in remats:
+                            yield Candidate(d, p, t, m, sched, v, z, hosts, r)
 
 
 def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, batch: int, seq: int,
@@ -190,9 +199,9 @@ def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, 
     """Enumerate, estimate, then re-check the winners exactly.
 
     Parsing dominates the cost (about 10 ms a candidate for Llama 2 70B), and candidates that differ
-    only in microbatches or ZeRO stage share everything the checker derives except those two plain
-    fields. So each structure (data, pipeline, tensor, schedule) is checked once as text, its
-    variants are estimated from that checked PlanIR with the two fields replaced, and then every
+    only in microbatches, ZeRO stage or recomputation share everything the checker derives except
+    those plain fields. So each structure (data, pipeline, tensor, schedule) is checked once as text,
+    its variants are estimated from that checked PlanIR with those fields replaced, and then every
     variant that fits is written out and checked with `check_text` in order of estimated step time
     until `top` of them pass: nothing is suggested that the checker has not passed as written.
     """
@@ -225,7 +234,7 @@ def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, 
             plan: PlanIR | None
             if rep_plan is not None:
                 plan = attrs.evolve(rep_plan, microbatches=c.microbatches, zero=c.zero,
-                                    zero_axes=rep_plan.batch_axes if c.zero else ())
+                                    zero_axes=rep_plan.batch_axes if c.zero else (), recompute=c.recompute)
             else:
                 plan = check(c)[1]  # the structure failed: judge each variant on its own
                 if plan is None:
@@ -251,7 +260,7 @@ def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, 
                          len(fitting), tuple(best), tuple(rejected))
 
 
-_PARTS = (("compute_s", "compute"), ("tensor_s", "tensor-parallel communication"), ("pipeline_s", "pipeline sends"),
+_PARTS = (("compute_s", "compute (recomputation included)"), ("tensor_s", "tensor-parallel communication"), ("pipeline_s", "pipeline sends"),
           ("bubble_s", "pipeline bubble"), ("data_s", "data-parallel gradient reduction"))
 
 
@@ -291,7 +300,7 @@ def _gain(deltas: dict[str, float], lose: str) -> str:
 def suggestion_text(res: SuggestResult) -> str:
     lines = [
         f"suggest: {res.model} on {res.devices} x {res.device.name} ({res.per_host} per host), batch {res.batch} x seq {res.seq}",
-        (f"  {res.enumerated} candidates (data x pipeline x tensor, microbatches, schedule, ZeRO); "
+        (f"  {res.enumerated} candidates (data x pipeline x tensor, microbatches, schedule, ZeRO, recompute); "
         f"{res.fitting} estimated to fit in {fmt_bytes(res.device.memory_bytes)}; {res.checked} written out and run "
         "through the checker; every plan below checks clean as printed"),
         "",

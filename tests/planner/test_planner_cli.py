@@ -156,6 +156,23 @@ def test_every_suggestion_checks_clean() -> None:
     assert zeros == {0, 1}, zeros
 
 
+def test_suggest_searches_recomputation() -> None:
+    """Every recompute region the model allows is a candidate; each suggested one checks clean and is
+    estimated with the plan's own setting (the variant's PlanIR, not the structure's, is analysed)."""
+    path = str(EXAMPLES / "tiny_llama.mesh")
+    prelude = _prelude_text(path, "tiny_llama")
+    model = check_text(prelude, path).models["tiny_llama"]
+    assert {c.recompute for c in candidates(model, 8, 8, 8)} == {"none", "attention", "blocks"}
+    res = suggest(path, "tiny_llama", devices=8, device=PROFILES["cpu"], batch=8, seq=32, top=10_000)
+    remat = [r for r in res.ranked if r.candidate.recompute != "none"]
+    assert remat
+    for r in remat:
+        result = check_text(prelude + "\n" + r.text, path)
+        assert result.ok and result.plans["suggested"].recompute == r.candidate.recompute
+        assert r.report.plan.recompute == r.candidate.recompute
+        assert f"recompute = {r.candidate.recompute}" in r.text
+
+
 def test_suggest_cli_70b(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["suggest", str(EXAMPLES / "llama2_70b.mesh"), "--devices", "32", "--device", "h100",
                         "--batch", "64", "--seq", "4096", "--format", "json"], capsys)
