@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from meshllm_dsl import ast, parse_tables
 from meshllm_dsl.diagnostics import Diagnostic, Label, SpecError
 from meshllm_dsl.limits import MAX_EXPR_DEPTH, MAX_INT_DIGITS
-from meshllm_dsl.source import SourceFile
+from meshllm_dsl.source import SourceFile, Span
 
 if TYPE_CHECKING:  # Lark is imported only when the fast path hands a parse over (errors, rare input)
     from lark import Lark, Token
@@ -113,45 +113,44 @@ class _Builder:
         self._container.clear()
         self._pos: tuple[int | None, int | None] = (None, None)
 
-    def _bounds(self, children: list[Any]) -> tuple[int | None, int | None]:
-        start = end = None
+    def _start(self, children: list[Any]) -> int | None:
         for c in children:
             if type(c) is _Tok:
-                start = c[2]
-                break
+                return c[2]  # type: ignore[no-any-return]
             entry = self._container.get(id(c))
             if entry is not None and entry[0] is c and entry[1] is not None:
-                start = entry[1]
-                break
+                return entry[1]
+        return None
+
+    def _end(self, children: list[Any]) -> int | None:
         for c in reversed(children):
             if type(c) is _Tok:
-                end = c[3]
-                break
+                return c[3]  # type: ignore[no-any-return]
             entry = self._container.get(id(c))
             if entry is not None and entry[0] is c and entry[2] is not None:
-                end = entry[2]
-                break
-        return start, end
+                return entry[2]
+        return None
 
-    def reducer(self, rule: Rule) -> Callable[[list[Any]], Any]:
+    def reducer(self, rule: Rule, signature: tuple[str, tuple[str, ...]]) -> Callable[[list[Any]], Any]:
         _origin, _size, name, expand1, keep, append_none = rule
         method = getattr(self, name, None)
         if method is None:
             # Lark's helper rules for `x*` / `x+` give a list that the parent splices; any other rule
             # without a method is a `?rule` that always passes its one child through.
             method = _helper if name.startswith("_") else functools.partial(_no_builder, name)
-        container, bounds, names, Name = self._container, self._bounds, _NAMES, ast.Name  # noqa: N806
+        expansion = signature[1]
+        # Terminals sit where the rule has them (a `?rule` converts a NAME before passing it up).
+        first_is_token = bool(expansion) and expansion[0].isupper()
+        last_is_token = bool(expansion) and expansion[-1].isupper()
+        names_at = tuple(i for i, sym in enumerate(expansion) if sym in _NAMES)
+        container, first, last, Name = self._container, self._start, self._end, ast.Name  # noqa: N806
 
         def reduce(children: list[Any]) -> Any:
-            if len(children) == 1 and type(children[0]) is not _Tok:
-                # The common pass-through (`?expr: sum`): the one child's bounds are the node's.
-                entry = container.get(id(children[0]))
-                start, end = (entry[1], entry[2]) if entry is not None and entry[0] is children[0] else (None, None)
-            else:
-                start, end = bounds(children)
-                for i, c in enumerate(children):
-                    if type(c) is _Tok and c[0] in names:
-                        children[i] = Name(c[1], self.span(c[2] or 0, c[3] or 0))
+            start = children[0][2] if first_is_token else first(children)
+            end = children[-1][3] if last_is_token else last(children)
+            for i in names_at:
+                c = children[i]
+                children[i] = Name(c[1], Span(self.source, c[2] or 0, c[3] or 0))
             self._pos = (start, end)
             if keep is None:
                 kept = children
@@ -556,7 +555,7 @@ def _tables() -> parse_tables.Tables:
 def _fast_parser() -> tuple[_FastParser | None, _Builder]:
     builder = _Builder()
     tables = _tables()
-    reducers = [builder.reducer(rule) for rule in tables["rules"]]
+    reducers = [builder.reducer(rule, sig) for rule, sig in zip(tables["rules"], tables["signatures"], strict=True)]
     return _FastParser.create(tables, reducers), builder
 
 
@@ -580,7 +579,7 @@ def _lark_parser() -> tuple[Lark, _Builder]:
     for rule in list(callbacks):
         if not isinstance(rule, str):  # rules, not lexer callbacks
             signature = (rule.origin.name, tuple(sym.name for sym in rule.expansion))
-            callbacks[rule] = _from_lark(builder.reducer(tables["rules"][by_rule[signature]]))
+            callbacks[rule] = _from_lark(builder.reducer(tables["rules"][by_rule[signature]], signature))
     return parser, builder
 
 
@@ -595,6 +594,12 @@ def _from_lark(reduce: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]
         return reduce(children)
 
     return callback
+
+
+def _passes_through(rule: Rule, signature: tuple[str, tuple[str, ...]]) -> bool:
+    _origin, size, _name, expand1, keep, append_none = rule
+    return (size == 1 and expand1 and not append_none and keep in (None, ((0, False, 0),))
+            and not signature[1][0].isupper())
 
 
 def _helper(children: list[Any]) -> list[Any]:
@@ -632,7 +637,12 @@ class _FastParser:
         self.schedule = re.compile(f"{skip}(?P<SCHEDULE_NAME>{pats['SCHEDULE_NAME']})?") if "SCHEDULE_NAME" in pats else None
         self.keywords, self.punct = tables["keywords"], tables["punct"]
         self.actions, self.start, self.end = tables["actions"], tables["start"], tables["end"]
-        self.rules = [(origin, size, reducers[i]) for i, (origin, size, *_rest) in enumerate(tables["rules"])]
+        # A `?rule` with one nonterminal child passes it through untouched (its bounds are the
+        # child's): such a reduction only changes the parser's state, so no reducer runs for it.
+        self.rules = [
+            (rule[0], rule[1], None if _passes_through(rule, signature) else reduce)
+            for rule, signature, reduce in zip(tables["rules"], tables["signatures"], reducers, strict=True)
+        ]
         # Per state, the lexer to use: self.token, self.schedule, or None (hand the file over).
         regex_terminals = frozenset(pats)
         self.lexers: list[Any] = []
@@ -694,6 +704,14 @@ class _FastParser:
                     values.append(tok)
                     break
                 origin, size, reduce = rules[~action]
+                if reduce is None:
+                    del states[-1]
+                    target = actions[states[-1]][origin]
+                    states.append(target)
+                    if tok is None and target == end_state:
+                        return values[-1]
+                    acts = actions[target]
+                    continue
                 if size:
                     children = values[-size:]
                     del states[-size:]
