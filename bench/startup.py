@@ -12,7 +12,13 @@ the command and its children: less disturbed by a loaded machine).  Absolute sec
 machine and on its load; compare ratios.  With --against DIR (a checkout of another commit), `meshc
 check` of that tree runs in the same rounds, for a before / after ratio.
 
-    python bench/startup.py [--runs 3] [--only check,run,verify] [--against DIR]
+By default modules are compiled as the environment says: a checkout run with PYTHONDONTWRITEBYTECODE
+(as on the shared machines) compiles every meshllm_dsl module from source at each start, while Lark
+and the standard library come precompiled.  --compiled measures what an installed meshllm starts in
+(pip writes bytecode at install): every command reads bytecode from a private PYTHONPYCACHEPREFIX,
+written by one warm-up run of each command.
+
+    python bench/startup.py [--runs 3] [--only check,run,verify] [--against DIR] [--compiled]
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--only", default="check,run,verify")
     ap.add_argument("--against", type=Path, help="another checkout whose `meshc check` runs alongside")
+    ap.add_argument("--compiled", action="store_true", help="with bytecode for every module, as installed")
     args = ap.parse_args()
     wanted = set(args.only.split(","))
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,6 +92,12 @@ def main() -> None:
             ]
         if "verify" in wanted:
             commands["meshc verify llama2_70b"] = [*MESHC, "verify", "examples/llama2_70b.mesh"]
+        if args.compiled:
+            cache = {"PYTHONPYCACHEPREFIX": str(Path(tmp) / "pycache")}
+            for name in commands:
+                env = {k: v for k, v in envs.get(name, os.environ).items() if k != "PYTHONDONTWRITEBYTECODE"}
+                envs[name] = {**env, **cache}
+                _time(commands[name], cwds.get(name, ROOT), envs[name])  # writes the bytecode
         times: dict[str, list[float]] = {k: [] for k in commands}
         cpus: dict[str, list[float]] = {k: [] for k in commands}
         env_note = f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
@@ -95,7 +108,9 @@ def main() -> None:
                 cpus[name].append(cpu)
     med = {k: statistics.median(v) for k, v in times.items()}
     cpu_med = {k: statistics.median(v) for k, v in cpus.items()}
-    print(f"median of {args.runs} interleaved rounds ({env_note} at start)")
+    mode = "all bytecode precompiled" if args.compiled else (
+        "meshllm_dsl compiled from source at each start" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "bytecode as found")
+    print(f"median of {args.runs} interleaved rounds ({env_note} at start; {mode})")
     print(f"  {'':<42} {'wall':>7}   {'CPU':>7}")
     for name, t in med.items():
         print(f"  {name:<42} {t:7.2f} s {cpu_med[name]:7.2f} s")

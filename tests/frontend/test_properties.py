@@ -264,16 +264,15 @@ def test_fast_lexer_matches_larks_on_every_example(path) -> None:  # type: ignor
 
 def _with_spans(node: object) -> object:
     """The AST as nested tuples that include every span (AST equality leaves spans out)."""
-    import attrs
-
     from meshllm_dsl.source import Span
 
     if isinstance(node, Span):
         return ("span", node.start, node.end)
     if isinstance(node, tuple):
         return tuple(_with_spans(n) for n in node)
-    if attrs.has(type(node)):
-        return (type(node).__name__, *(_with_spans(getattr(node, f.name)) for f in attrs.fields(type(node))))
+    fields = getattr(type(node), "_fields", None)  # an AST node
+    if fields is not None:
+        return (type(node).__name__, *(_with_spans(getattr(node, f)) for f in fields))
     return node
 
 
