@@ -135,21 +135,22 @@ def _meshc_check(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedPro
     spec.write_text(SPEC)
     code = (
         "import sys; from meshllm_dsl.cli import main; rc = main(['check', sys.argv[1]]);"
-        "print('lark imported' if 'lark' in sys.modules else 'no lark'); sys.exit(rc)"
+        "print('lark imported' if 'lark' in sys.modules else 'no lark');"
+        "print('later stages imported' if 'meshllm_dsl.cli_compile' in sys.modules else 'front end only'); sys.exit(rc)"
     )
     full = {k: v for k, v in os.environ.items() if k != "MESHLLM_NO_CACHE"}
     return subprocess.run([sys.executable, "-c", code, str(spec)], cwd=ROOT, env={**full, **env},
                           capture_output=True, text=True, timeout=120)
 
 
-def test_meshc_check_with_a_warm_cache_does_not_import_lark(tmp_path: Path) -> None:
+def test_meshc_check_with_a_warm_cache_imports_neither_lark_nor_later_stages(tmp_path: Path) -> None:
     env = {"XDG_CACHE_HOME": str(tmp_path / "cache")}
     first = _meshc_check(tmp_path, env)
     assert first.returncode == 0, first.stderr
     assert "ok: 1 file checked" in first.stdout and "lark imported" in first.stdout  # built the tables
     second = _meshc_check(tmp_path, env)
     assert second.returncode == 0, second.stderr
-    assert second.stdout == "ok: 1 file checked\nno lark\n"
+    assert second.stdout == "ok: 1 file checked\nno lark\nfront end only\n"
 
 
 def test_no_usable_cache_dir_parses_without_a_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
