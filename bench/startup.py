@@ -7,10 +7,18 @@
                                                                                         goal <= 10 s
 
 Each round runs every command once, in turn, so a busy neighbour on this shared machine slows all
-of them alike; the table prints medians over rounds.  Absolute seconds depend on the machine and on
-its load; compare ratios.
+of them alike; the table prints medians over rounds, of wall time and of CPU time (user + system of
+the command and its children: less disturbed by a loaded machine).  Absolute seconds depend on the
+machine and on its load; compare ratios.  With --against DIR (a checkout of another commit), `meshc
+check` of that tree runs in the same rounds, for a before / after ratio.
 
-    python bench/startup.py [--runs 3] [--only check,run,verify]
+By default modules are compiled as the environment says: a checkout run with PYTHONDONTWRITEBYTECODE
+(as on the shared machines) compiles every meshllm_dsl module from source at each start, while Lark
+and the standard library come precompiled.  --compiled measures what an installed meshllm starts in
+(pip writes bytecode at install): every command reads bytecode from a private PYTHONPYCACHEPREFIX,
+written by one warm-up run of each command.
+
+    python bench/startup.py [--runs 3] [--only check,run,verify] [--against DIR] [--compiled]
 """
 
 from __future__ import annotations
@@ -29,38 +37,51 @@ PY = sys.executable
 MESHC = [PY, "-m", "meshllm_dsl"]
 
 
-def _time(cmd: list[str]) -> float:
+def _time(cmd: list[str], cwd: Path = ROOT, env: dict[str, str] | None = None) -> tuple[float, float]:
+    """(wall, CPU) seconds of one run."""
+    before = os.times()
     start = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     took = time.perf_counter() - start
+    after = os.times()
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout}{proc.stderr}")
-    return took
+    return took, (after.children_user - before.children_user) + (after.children_system - before.children_system)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--only", default="check,run,verify")
+    ap.add_argument("--against", type=Path, help="another checkout whose `meshc check` runs alongside")
+    ap.add_argument("--compiled", action="store_true", help="with bytecode for every module, as installed")
     args = ap.parse_args()
     wanted = set(args.only.split(","))
     with tempfile.TemporaryDirectory() as tmp:
         bare = Path(tmp) / "bare.py"
         bare.write_text("import torch.distributed\n")
-        commands = {
-            "import lark": [PY, "-c", "import lark"],
-            "import torch": [PY, "-c", "import torch"],
-            "torchrun 8 x import torch.distributed": [
+        # Only the baselines the wanted ratios need (torchrun of 8 processes alone takes ~20 s).
+        commands = {"import lark": [PY, "-c", "import lark"]}
+        if "verify" in wanted:
+            commands["import torch"] = [PY, "-c", "import torch"]
+        if "run" in wanted:
+            commands["torchrun 8 x import torch.distributed"] = [
                 PY,
                 "-m",
                 "torch.distributed.run",
                 "--nproc-per-node",
                 "8",
                 str(bare),
-            ],
-        }
+            ]
+        envs: dict[str, dict[str, str]] = {}
+        cwds: dict[str, Path] = {}
         if "check" in wanted:
             commands["meshc check llama2_70b"] = [*MESHC, "check", "examples/llama2_70b.mesh"]
+            if args.against is not None:  # run from that tree: `-m` puts the working directory first
+                against = args.against.resolve()
+                commands["meshc check llama2_70b (against)"] = commands["meshc check llama2_70b"]
+                envs["meshc check llama2_70b (against)"] = {**os.environ, "PYTHONPATH": str(against)}
+                cwds["meshc check llama2_70b (against)"] = against
         if "run" in wanted:
             commands["meshc run tiny_llama --steps 1"] = [
                 *MESHC,
@@ -71,21 +92,39 @@ def main() -> None:
             ]
         if "verify" in wanted:
             commands["meshc verify llama2_70b"] = [*MESHC, "verify", "examples/llama2_70b.mesh"]
+        if args.compiled:
+            cache = {"PYTHONPYCACHEPREFIX": str(Path(tmp) / "pycache")}
+            for name in commands:
+                env = {k: v for k, v in envs.get(name, os.environ).items() if k != "PYTHONDONTWRITEBYTECODE"}
+                envs[name] = {**env, **cache}
+                _time(commands[name], cwds.get(name, ROOT), envs[name])  # writes the bytecode
         times: dict[str, list[float]] = {k: [] for k in commands}
+        cpus: dict[str, list[float]] = {k: [] for k in commands}
         env_note = f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
         for _ in range(args.runs):
             for name, cmd in commands.items():
-                times[name].append(_time(cmd))
+                wall, cpu = _time(cmd, cwds.get(name, ROOT), envs.get(name))
+                times[name].append(wall)
+                cpus[name].append(cpu)
     med = {k: statistics.median(v) for k, v in times.items()}
-    print(f"median of {args.runs} interleaved rounds ({env_note} at start)")
+    cpu_med = {k: statistics.median(v) for k, v in cpus.items()}
+    mode = "all bytecode precompiled" if args.compiled else (
+        "meshllm_dsl compiled from source at each start" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "bytecode as found")
+    print(f"median of {args.runs} interleaved rounds ({env_note} at start; {mode})")
+    print(f"  {'':<42} {'wall':>7}   {'CPU':>7}")
     for name, t in med.items():
-        print(f"  {name:<42} {t:7.2f} s")
-    print("ratios")
+        print(f"  {name:<42} {t:7.2f} s {cpu_med[name]:7.2f} s")
+    print(f"ratios{'':<37} {'wall':>7}   {'CPU':>7}")
     if "check" in wanted:
-        print(
-            f"  check / import lark                        {med['meshc check llama2_70b'] / med['import lark']:7.2f}"
-            "   (goal <= 1.3)"
-        )
+        c, lark = "meshc check llama2_70b", "import lark"
+        print(f"  check / import lark                        {med[c] / med[lark]:7.2f}   "
+              f"{cpu_med[c] / max(cpu_med[lark], 1e-9):7.2f}   (goal <= 1.3)")
+        if args.against is not None:
+            a = "meshc check llama2_70b (against)"
+            print(f"  check (against) / import lark              {med[a] / med[lark]:7.2f}   "
+                  f"{cpu_med[a] / max(cpu_med[lark], 1e-9):7.2f}")
+            print(f"  check / check (against)                    {med[c] / med[a]:7.2f}   "
+                  f"{cpu_med[c] / max(cpu_med[a], 1e-9):7.2f}")
     if "run" in wanted:
         r = med["meshc run tiny_llama --steps 1"] / med["torchrun 8 x import torch.distributed"]
         print(f"  run 1 step / torchrun bare                 {r:7.2f}   (goal <= 2)")

@@ -7,12 +7,40 @@ The pipeline, one module per stage: grammar/mesh.lark -> parser (text -> ast) ->
 
 from __future__ import annotations
 
-from meshllm_dsl.ast import Module
-from meshllm_dsl.checker import CheckResult, check_file, check_text
-from meshllm_dsl.diagnostics import Diagnostic, SpecError
-from meshllm_dsl.fmt import format_text
-from meshllm_dsl.ir import PlanIR
-from meshllm_dsl.parser import parse
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshllm_dsl.ast import Module
+    from meshllm_dsl.checker import CheckResult, check_file, check_text
+    from meshllm_dsl.diagnostics import Diagnostic, SpecError
+    from meshllm_dsl.fmt import format_text
+    from meshllm_dsl.ir import PlanIR
+    from meshllm_dsl.parser import parse
+
+# Imported on first use: every `meshllm_dsl.x` import runs this file first, and importing the whole
+# pipeline here made `meshc check` pay for the formatter, the IR and the checker's class creation
+# before it even parsed its arguments (issue 12).
+_LAZY = {
+    "Module": "meshllm_dsl.ast",
+    "CheckResult": "meshllm_dsl.checker",
+    "check_file": "meshllm_dsl.checker",
+    "check_text": "meshllm_dsl.checker",
+    "Diagnostic": "meshllm_dsl.diagnostics",
+    "SpecError": "meshllm_dsl.diagnostics",
+    "format_text": "meshllm_dsl.fmt",
+    "PlanIR": "meshllm_dsl.ir",
+    "parse": "meshllm_dsl.parser",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'meshllm_dsl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 __all__ = [
     "CheckResult",
@@ -32,6 +60,8 @@ __version__ = "0.1.0"
 
 def check(path_or_text: str, *, text: bool = False) -> CheckResult:
     """Check a .mesh file (or, with text=True, .mesh source) and return diagnostics and plans."""
+    from meshllm_dsl.checker import check_file, check_text
+
     return check_text(path_or_text) if text else check_file(path_or_text)
 
 
@@ -41,7 +71,9 @@ def compile(path: str, out_dir: str | None = None) -> dict[str, str]:  # noqa: A
     Raises SpecError with every diagnostic when the spec has errors, and meshllm_dsl.outputs.OutputError
     (writing nothing) when out_dir holds files that meshc did not write, as `meshc compile -o` does.
     """
+    from meshllm_dsl.checker import check_file
     from meshllm_dsl.codegen.emit import render_package
+    from meshllm_dsl.diagnostics import SpecError
     from meshllm_dsl.outputs import write_generated
 
     result = check_file(path)

@@ -1,34 +1,116 @@
 """The typed syntax tree of a .mesh file.
 
-Nodes are frozen attrs classes. Spans do not take part in equality, so `parse(fmt(x)) == parse(x)`
+Nodes are frozen records. Spans do not take part in equality, so `parse(fmt(x)) == parse(x)`
 compares structure only.
+
+They are made by `_node` rather than attrs: attrs builds each class at import (1-2 ms apiece, 32
+classes, paid by every `meshc` start: issue 12), while `_node` compiles the constructors, `==` and
+`hash` of all of them in one go at the end of this module. Type checkers see attrs classes.
 """
 
 from __future__ import annotations
 
-import attrs
+from typing import TYPE_CHECKING, Any
+
+from attrs.exceptions import FrozenInstanceError
 
 from meshllm_dsl.source import Span
 
-_span = attrs.field(eq=False, repr=False, default=None)
+if TYPE_CHECKING:
+    import attrs
+
+    node = attrs.frozen
+    _span = attrs.field(eq=False, repr=False, default=None)
+else:
+    _span = None
+
+
+class _Node:
+    """A frozen record: positional or keyword fields, `span` left out of `==`, `hash` and `repr`."""
+
+    __slots__ = ()
+    _fields: tuple[str, ...] = ()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenInstanceError()
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenInstanceError()
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f}={getattr(self, f)!r}" for f in self._fields if f != "span")
+        return f"{type(self).__name__}({shown})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), tuple(getattr(self, f) for f in self._fields)
+
+
+_PENDING: list[tuple[type, tuple[str, ...], dict[str, Any]]] = []
+
+
+def _node(cls: type) -> type:
+    fields = tuple(cls.__annotations__)
+    defaults = {f: cls.__dict__[f] for f in fields if f in cls.__dict__}
+    namespace = {k: v for k, v in cls.__dict__.items() if k not in fields and k not in ("__dict__", "__weakref__")}
+    namespace.update(__slots__=fields, _fields=fields, __match_args__=fields)
+    made = type(cls.__name__, (_Node,), namespace)
+    _PENDING.append((made, fields, defaults))
+    return made
+
+
+def _define_methods() -> None:
+    """`__init__`, `__eq__` and `__hash__` of every node class, compiled as one module."""
+    lines: list[str] = []
+    values: dict[str, Any] = {"_set": object.__setattr__}
+    for i, (_cls, fields, defaults) in enumerate(_PENDING):
+        params = []
+        for f in fields:
+            if f in defaults:
+                values[f"_d{i}_{f}"] = defaults[f]
+                params.append(f"{f}=_d{i}_{f}")
+            else:
+                params.append(f)
+        compared = [f for f in fields if f != "span"]
+        mine = "".join(f"self.{f}, " for f in compared)
+        theirs = "".join(f"other.{f}, " for f in compared)
+        lines += [
+            f"def _init{i}(self, {', '.join(params)}):",
+            *(f"    _set(self, {f!r}, {f})" for f in fields),
+            f"def _eq{i}(self, other):",
+            "    if other.__class__ is not self.__class__:",
+            "        return NotImplemented",
+            f"    return ({mine}) == ({theirs})",
+            f"def _hash{i}(self):",
+            f"    return hash(({i}, {mine}))",
+        ]
+    exec(compile("\n".join(lines), "<meshllm_dsl.ast nodes>", "exec"), values)  # noqa: S102 - our own text
+    for i, (cls, _fields, _defaults) in enumerate(_PENDING):
+        type.__setattr__(cls, "__init__", values[f"_init{i}"])
+        type.__setattr__(cls, "__eq__", values[f"_eq{i}"])
+        type.__setattr__(cls, "__hash__", values[f"_hash{i}"])
+    _PENDING.clear()
+
+
+if not TYPE_CHECKING:
+    node = _node
 
 
 # ---------------------------------------------------------------- expressions
 
 
-@attrs.frozen
+@node
 class Name:
     value: str
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class IntLit:
     value: int
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class FloatLit:
     text: str  # kept as written so formatting round-trips exactly
     span: Span | None = _span
@@ -38,13 +120,13 @@ class FloatLit:
         return float(self.text)
 
 
-@attrs.frozen
+@node
 class StrLit:
     value: str
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class BinOp:
     op: str  # one of + - * /
     left: Expr
@@ -52,7 +134,7 @@ class BinOp:
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class Neg:
     operand: Expr
     span: Span | None = _span
@@ -61,7 +143,7 @@ class Neg:
 Expr = Name | IntLit | FloatLit | StrLit | BinOp | Neg
 
 
-@attrs.frozen
+@node
 class Setting:
     name: Name
     value: Expr
@@ -71,21 +153,21 @@ class Setting:
 # ---------------------------------------------------------------- devices and meshes
 
 
-@attrs.frozen
+@node
 class DeviceDecl:
     name: Name
     settings: tuple[Setting, ...]
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class AxisDecl:
     name: Name
     size: Expr
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class MeshDecl:
     name: Name
     axes: tuple[AxisDecl, ...]
@@ -96,7 +178,7 @@ class MeshDecl:
 # ---------------------------------------------------------------- models
 
 
-@attrs.frozen
+@node
 class Call:
     func: Name
     args: tuple[Expr, ...]
@@ -104,14 +186,14 @@ class Call:
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class LayerDecl:
     name: Name
     call: Call
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class RepeatDecl:
     name: Name
     count: Expr
@@ -122,14 +204,14 @@ class RepeatDecl:
 LayerStmt = LayerDecl | RepeatDecl
 
 
-@attrs.frozen
+@node
 class Param:
     name: Name
     default: Expr | None
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class FamilyDecl:
     name: Name
     params: tuple[Param, ...]
@@ -137,7 +219,7 @@ class FamilyDecl:
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class ModelDecl:
     """`model NAME = FAMILY { args }` (family set) or `model NAME { dims and layers }`."""
 
@@ -151,7 +233,7 @@ class ModelDecl:
 # ---------------------------------------------------------------- plans
 
 
-@attrs.frozen
+@node
 class PathSegment:
     """One segment of a layer path pattern: a name, `*`, an index or `{a,b}`."""
 
@@ -170,7 +252,7 @@ class PathSegment:
         return self.names[0]
 
 
-@attrs.frozen
+@node
 class Path:
     segments: tuple[PathSegment, ...]
     span: Span | None = _span
@@ -179,7 +261,7 @@ class Path:
         return ".".join(str(s) for s in self.segments)
 
 
-@attrs.frozen
+@node
 class Rule:
     """`column(tensor)`, `row(tensor)`, `vocab_parallel(tensor)`, `replicate`."""
 
@@ -188,33 +270,33 @@ class Rule:
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class ShardStmt:
     path: Path
     rule: Rule
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class LossStmt:
     rule: Rule
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class LayoutEntry:
     dim: Name
     axes: tuple[Name, ...]
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class LayoutStmt:
     entries: tuple[LayoutEntry, ...]
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class StageItem:
     name: Name
     start: int | None
@@ -222,14 +304,14 @@ class StageItem:
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class StageEntry:
     index: IntLit
     items: tuple[StageItem, ...]
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class StagesStmt:
     axis: Name
     virtual: Expr | None
@@ -238,20 +320,20 @@ class StagesStmt:
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class ScheduleStmt:
     name: Name
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class ZeroStmt:
     stage: IntLit
     axes: tuple[Name, ...]
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class OptimizerStmt:
     name: Name
     zero: ZeroStmt | None
@@ -262,7 +344,7 @@ class OptimizerStmt:
 PlanStmt = Setting | ShardStmt | LossStmt | LayoutStmt | StagesStmt | ScheduleStmt | OptimizerStmt
 
 
-@attrs.frozen
+@node
 class PlanDecl:
     name: Name
     mesh: Name
@@ -271,7 +353,7 @@ class PlanDecl:
     span: Span | None = _span
 
 
-@attrs.frozen
+@node
 class Include:
     path: StrLit
     span: Span | None = _span
@@ -280,7 +362,10 @@ class Include:
 Item = Include | DeviceDecl | MeshDecl | FamilyDecl | ModelDecl | PlanDecl
 
 
-@attrs.frozen
+@node
 class Module:
     items: tuple[Item, ...]
     span: Span | None = _span
+
+
+_define_methods()

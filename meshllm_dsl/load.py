@@ -13,7 +13,6 @@ import contextvars
 import functools
 import os
 from collections.abc import Sequence
-from importlib import resources
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 import attrs
@@ -46,7 +45,9 @@ class Declarations:
 
 
 def stdlib_dir() -> Path:
-    return Path(str(resources.files("meshllm_dsl") / "stdlib"))
+    # Beside this file (what importlib.resources.files gives for an installed package, without
+    # importing importlib.resources and zipfile at every start).
+    return Path(__file__).with_name("stdlib")
 
 
 @functools.lru_cache(maxsize=1)

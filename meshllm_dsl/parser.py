@@ -10,21 +10,20 @@ import contextlib
 import functools
 import gc
 import math
-import os
 import re
-import sys
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
-from lark import Lark, Token, Tree
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
-from lark.lexer import ContextualLexer, Lexer
-
-from meshllm_dsl import ast
+from meshllm_dsl import ast, parse_tables
 from meshllm_dsl.diagnostics import Diagnostic, Label, SpecError
 from meshllm_dsl.limits import MAX_EXPR_DEPTH, MAX_INT_DIGITS
-from meshllm_dsl.source import SourceFile
+from meshllm_dsl.source import SourceFile, Span
+
+if TYPE_CHECKING:  # Lark is imported only when the fast path hands a parse over (errors, rare input)
+    from lark import Lark, Token
+    from lark.exceptions import UnexpectedInput
+    from lark.lexer import ContextualLexer
 
 # Human names for the grammar's terminals, used in "expected ..." help lines.
 _TERMINAL_NAMES = {
@@ -54,130 +53,131 @@ _TERMINAL_NAMES = {
 
 @functools.lru_cache(maxsize=1)
 def grammar() -> Lark:
-    cache = _cache_path()
+    """The grammar as a plain Lark parser (parse trees, `.grammar`), for tools and tests such as
+    hypothesis.extra.lark; meshc itself parses with the tables of meshllm_dsl.parse_tables."""
+    from lark import Lark
+
     return Lark.open_from_package(
-        "meshllm_dsl.grammar",
-        "mesh.lark",
-        parser="lalr",
-        lexer="contextual",
-        propagate_positions=True,
-        maybe_placeholders=True,
-        cache=cache,
-        cache_grammar=bool(cache),  # keep `.grammar`, which tools such as hypothesis.extra.lark read
+        "meshllm_dsl.grammar", "mesh.lark", propagate_positions=True,
+        **parse_tables.lark_options(),
     )
-
-
-def _cache_path() -> str | bool:
-    """Where Lark keeps the built LALR tables between runs, or False to build them every time.
-
-    Building the tables is most of `meshc check`'s time beyond Python start-up (0.2-0.5 s, against
-    0.02 s to load them). The cache is a pickle, so it lives only in a directory private to this
-    user (never the shared temp dir Lark uses by default, where another user could plant one), and
-    its name carries a hash of the grammar, Lark's version and Python's, so versions never collide.
-    Lark also checks the grammar's hash inside the file and rebuilds (and rewrites) a stale or
-    corrupt cache. Set MESHLLM_NO_CACHE=1 to turn it off.
-    """
-    if os.environ.get("MESHLLM_NO_CACHE"):
-        return False
-    try:
-        import hashlib
-        from importlib import resources
-
-        import lark
-
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        folder = os.path.join(base, "meshllm")
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        info = os.stat(folder)
-        if hasattr(os, "getuid") and (info.st_uid != os.getuid() or info.st_mode & 0o022):
-            return False
-        text = resources.files("meshllm_dsl.grammar").joinpath("mesh.lark").read_bytes()
-        key = hashlib.sha256(text + lark.__version__.encode()).hexdigest()[:16]
-        return os.path.join(folder, f"mesh-lalr-g-{key}-py{sys.version_info[0]}{sys.version_info[1]}.pickle")
-    except Exception:  # noqa: BLE001 - no writable home, odd permissions: build without a cache
-        return False
 
 
 def _describe(term: str) -> str:
     if term in _TERMINAL_NAMES:
         return _TERMINAL_NAMES[term]
-    pattern = grammar().get_terminal(term).pattern
+    pattern = _lark_parser()[0].get_terminal(term).pattern
     if pattern.type == "str":
         return f"`{pattern.value}`"
     return term.lower()
 
 
-class _Builder:
-    """Builds AST nodes bottom-up as the LALR parser reduces (an embedded transformer: no parse tree
-    is built, nothing is walked recursively); every node gets the span of the text it came from.
+class _Tok(tuple):  # type: ignore[type-arg]
+    """A token as the AST builder sees it: (type, text, start offset, end offset). A tuple is several
+    times cheaper to make than Lark's Token (a str subclass built in Python)."""
 
-    Lark passes a rule's callback its children with anonymous tokens (keywords, punctuation) already
-    filtered out, so `_with_position` wraps every callback to see the raw children first: the node's
-    span runs from its first raw child to its last, as Lark's `propagate_positions` computes it
-    (an inlined `?rule` widens the "container" of the node it passes through, so `(a + b) * c`
-    spans its parentheses). One builder serves one parse at a time (`reset`).
+    __slots__ = ()
+
+
+_NAMES = frozenset({"NAME", "SCHEDULE_NAME"})
+
+# One rule of the tables (meshllm_dsl.parse_tables): origin, length, builder method, `?rule` pass-through,
+# kept children (index, splice a helper rule's list, Nones before it) or None for all, Nones after.
+Rule = tuple[str, int, str, bool, "tuple[tuple[int, bool, int], ...] | None", int]
+
+
+class _Builder:
+    """Builds AST nodes bottom-up as the LALR parser reduces (nothing is walked recursively, no parse
+    tree is built); every node gets the span of the text it came from.
+
+    `reducer` makes one rule's reduction: it sees the rule's raw children (keywords and punctuation
+    included) to bound the node from its first raw child to its last, as Lark's `propagate_positions`
+    computes it (an inlined `?rule` widens the "container" of the node it passes through, so
+    `(a + b) * c` spans its parentheses), then shapes the children as Lark's tree builder would and
+    calls the rule's method. Both the fast path and Lark's parser run these reductions, so both build
+    the same AST. One builder serves one parse at a time (`reset`).
     """
+
+    def __init__(self) -> None:
+        # id(node) -> (node, ...): the node is held so its id cannot be reused during the parse.
+        # Cleared in place: the reducers hold these dicts.
+        self._depth: dict[int, tuple[Any, int]] = {}  # operators nested in an expression
+        self._container: dict[int, tuple[Any, int | None, int | None]] = {}
+        self.reset(_EMPTY)
 
     def reset(self, source: SourceFile) -> None:
         self.source = source
+        self.span = source.span
         self.diagnostics: list[Diagnostic] = []
-        # id(node) -> (node, ...): the node is held so its id cannot be reused during the parse.
-        # Cleared in place: the wrapped callbacks hold these dicts.
-        self._depth: dict[int, tuple[Any, int]] = getattr(self, "_depth", {})  # operators nested in an expression
-        self._container: dict[int, tuple[Any, int | None, int | None]] = getattr(self, "_container", {})
         self._depth.clear()
         self._container.clear()
         self._pos: tuple[int | None, int | None] = (None, None)
 
-    def __default__(self, data: str, children: list[Any], meta: Any) -> Any:
-        if data.startswith("_"):  # Lark's helper rules for `x*` / `x+`: the parent splices their children
-            return Tree(data, children)
-        raise AssertionError(f"grammar rule {data!r} has no AST builder")
-
-    def _bounds(self, children: list[Any]) -> tuple[int | None, int | None]:
-        start = end = None
+    def _start(self, children: list[Any]) -> int | None:
         for c in children:
-            if type(c) is Token:
-                start = c.start_pos
-                break
+            if type(c) is _Tok:
+                return c[2]  # type: ignore[no-any-return]
             entry = self._container.get(id(c))
             if entry is not None and entry[0] is c and entry[1] is not None:
-                start = entry[1]
-                break
+                return entry[1]
+        return None
+
+    def _end(self, children: list[Any]) -> int | None:
         for c in reversed(children):
-            if type(c) is Token:
-                end = c.end_pos
-                break
+            if type(c) is _Tok:
+                return c[3]  # type: ignore[no-any-return]
             entry = self._container.get(id(c))
             if entry is not None and entry[0] is c and entry[2] is not None:
-                end = entry[2]
-                break
-        return start, end
+                return entry[2]
+        return None
 
-    def _with_position(self, inner: Any) -> Any:
-        container, names = self._container, ("NAME", "SCHEDULE_NAME")
+    def reducer(self, rule: Rule, signature: tuple[str, tuple[str, ...]]) -> Callable[[list[Any]], Any]:
+        _origin, _size, name, expand1, keep, append_none = rule
+        method = getattr(self, name, None)
+        if method is None:
+            # Lark's helper rules for `x*` / `x+` give a list that the parent splices; any other rule
+            # without a method is a `?rule` that always passes its one child through.
+            method = _helper if name.startswith("_") else functools.partial(_no_builder, name)
+        expansion = signature[1]
+        # Terminals sit where the rule has them (a `?rule` converts a NAME before passing it up).
+        first_is_token = bool(expansion) and expansion[0].isupper()
+        last_is_token = bool(expansion) and expansion[-1].isupper()
+        names_at = tuple(i for i, sym in enumerate(expansion) if sym in _NAMES)
+        container, first, last, Name = self._container, self._start, self._end, ast.Name  # noqa: N806
 
-        def callback(children: list[Any]) -> Any:
-            if len(children) == 1 and type(children[0]) is not Token:
-                # The common pass-through (`?expr: sum`): the one child's bounds are the node's.
-                entry = container.get(id(children[0]))
-                start, end = (entry[1], entry[2]) if entry is not None and entry[0] is children[0] else (None, None)
-            else:
-                start, end = self._bounds(children)
-                for i, c in enumerate(children):
-                    if type(c) is Token and c.type in names:
-                        children[i] = ast.Name(str(c), self.source.span(c.start_pos or 0, c.end_pos or 0))
+        def reduce(children: list[Any]) -> Any:
+            start = children[0][2] if first_is_token else first(children)
+            end = children[-1][3] if last_is_token else last(children)
+            for i in names_at:
+                c = children[i]
+                children[i] = Name(c[1], Span(self.source, c[2] or 0, c[3] or 0))
             self._pos = (start, end)
-            res = inner(children)
+            if keep is None:
+                kept = children
+            else:  # as Lark's ChildFilterLALR
+                kept = []
+                for i, splice, nones in keep:
+                    if nones:
+                        kept += [None] * nones
+                    if splice:
+                        if kept:
+                            kept += children[i]
+                        else:
+                            kept = children[i]
+                    else:
+                        kept.append(children[i])
+                if append_none:
+                    kept += [None] * append_none
+            res = kept[0] if expand1 and len(kept) == 1 else method(kept)
             if res is not None:
                 container[id(res)] = (res, start, end)
             return res
 
-        return callback
+        return reduce
 
-    def _int(self, tok: Token) -> int:
+    def _int(self, tok: _Tok) -> int:
         """An integer literal, refused (located, not a ValueError) when it has too many digits."""
-        digits = str(tok).replace("_", "")
+        digits = tok[1].replace("_", "")
         if len(digits.lstrip("0")) > MAX_INT_DIGITS:
             self.diagnostics.append(Diagnostic(
                 "E0307", f"integer literal with {len(digits)} digits is out of range", self._tok(tok),
@@ -201,20 +201,17 @@ class _Builder:
         start, end = self._pos
         if start is None or end is None:
             return None
-        return self.source.span(start, end)
+        return self.span(start, end)
 
-    def _tok(self, tok: Token) -> Any:
-        return self.source.span(tok.start_pos or 0, tok.end_pos or 0)
-
-    def _name(self, tok: Token) -> ast.Name:
-        return ast.Name(str(tok), self._tok(tok))
+    def _tok(self, tok: _Tok) -> Any:
+        return self.span(tok[2] or 0, tok[3] or 0)
 
     # -- expressions
-    def int_lit(self, c: list[Token]) -> ast.IntLit:
+    def int_lit(self, c: list[_Tok]) -> ast.IntLit:
         return ast.IntLit(self._int(c[0]), self._span())
 
-    def float_lit(self, c: list[Token]) -> ast.FloatLit:
-        lit = ast.FloatLit(str(c[0]), self._span())
+    def float_lit(self, c: list[_Tok]) -> ast.FloatLit:
+        lit = ast.FloatLit(c[0][1], self._span())
         if not math.isfinite(lit.value) or (lit.value == 0 and any(ch in "123456789" for ch in lit.text.split("e")[0].split("E")[0])):
             self.diagnostics.append(Diagnostic(
                 "E0307", f"`{lit.text}` is out of range", lit.span,
@@ -223,8 +220,8 @@ class _Builder:
             return ast.FloatLit("1.0", lit.span)
         return lit
 
-    def str_lit(self, c: list[Token]) -> ast.StrLit:
-        return ast.StrLit(str(c[0])[1:-1], self._span())
+    def str_lit(self, c: list[_Tok]) -> ast.StrLit:
+        return ast.StrLit(c[0][1][1:-1], self._span())
 
     def name_ref(self, c: list[ast.Name]) -> ast.Name:
         return c[0]
@@ -253,9 +250,9 @@ class _Builder:
     def start(self, c: list[Any]) -> ast.Module:
         return ast.Module(tuple(c), self._span())
 
-    def include(self, c: list[Token]) -> ast.Include:
+    def include(self, c: list[_Tok]) -> ast.Include:
         tok = c[0]
-        return ast.Include(ast.StrLit(str(tok)[1:-1], self._tok(tok)), self._span())
+        return ast.Include(ast.StrLit(tok[1][1:-1], self._tok(tok)), self._span())
 
     def device(self, c: list[Any]) -> ast.DeviceDecl:
         return ast.DeviceDecl(c[0], c[1], self._span())
@@ -351,7 +348,7 @@ class _Builder:
         start, stop = bounds if bounds is not None else (None, None)
         return ast.StageItem(name, start, stop, self._span())
 
-    def slice(self, c: list[Token]) -> tuple[int, int]:
+    def slice(self, c: list[_Tok]) -> tuple[int, int]:
         return self._int(c[0]), self._int(c[1])
 
     def schedule(self, c: list[Any]) -> ast.ScheduleStmt:
@@ -382,7 +379,7 @@ class _Builder:
     def star_segment(self, c: list[Any]) -> ast.PathSegment:
         return ast.PathSegment("star", span=self._span())
 
-    def index_segment(self, c: list[Token]) -> ast.PathSegment:
+    def index_segment(self, c: list[_Tok]) -> ast.PathSegment:
         return ast.PathSegment("index", index=self._int(c[0]), span=self._tok(c[0]))
 
     def alt_segment(self, c: list[ast.Name]) -> ast.PathSegment:
@@ -390,6 +387,8 @@ class _Builder:
 
 
 def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
+    from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedToken
+
     pos = getattr(err, "pos_in_stream", None)
     if isinstance(err, UnexpectedToken) and err.token is not None:
         tok = err.token
@@ -482,6 +481,9 @@ def _keyword_as_name(err: UnexpectedInput) -> bool:
     `mesh m { zero = 2  axes a = 1 }` reads it as a name. Where the parser can take a NAME, feed the
     keyword's text as one and go on; any other error ends the parse (the caller reports it).
     """
+    from lark import Token
+    from lark.exceptions import UnexpectedToken
+
     if not isinstance(err, UnexpectedToken) or err.token is None or err.token.type in ("NAME", "$END"):
         return False
     tok = err.token
@@ -506,14 +508,20 @@ def paused_gc() -> Iterator[None]:
 
 
 def parse_source(source: SourceFile) -> ast.Module:
-    """Parse one file; raises SpecError with a syntax diagnostic on bad input."""
-    parser, builder = _fast_parser()
+    """Parse one file; raises SpecError with a syntax diagnostic on bad input.
+
+    The fast path (`_FastParser`) parses what it can; a file with a syntax error or unusual input is
+    parsed again from the start by Lark's own parser, which reports the error or recovers from it."""
+    fast, builder = _fast_parser()
     with _PARSE_LOCK, paused_gc():
-        builder.reset(source)
         try:
-            module = parser.parse(source.text, on_error=_keyword_as_name)
-        except UnexpectedInput as err:
-            raise SpecError([_syntax_diagnostic(source, err)]) from None
+            builder.reset(source)
+            module: Any = _HANDED_OVER
+            if fast is not None:
+                module = fast.parse(source.text)
+            if module is _HANDED_OVER:
+                builder.reset(source)
+                module = _lark_parse(source)
         finally:
             diagnostics = builder.diagnostics
             builder.reset(_EMPTY)  # drop the references to this parse's nodes
@@ -523,39 +531,203 @@ def parse_source(source: SourceFile) -> ast.Module:
     return module
 
 
+def _lark_parse(source: SourceFile) -> Any:
+    from lark.exceptions import UnexpectedInput
+
+    parser = _lark_parser()[0]
+    try:
+        return parser.parse(source.text, on_error=_keyword_as_name)
+    except UnexpectedInput as err:
+        raise SpecError([_syntax_diagnostic(source, err)]) from None
+
+
 _PARSE_LOCK = threading.Lock()
 _EMPTY = SourceFile("<none>", "")
+_HANDED_OVER = object()
 
 
 @functools.lru_cache(maxsize=1)
-def _fast_parser() -> tuple[Lark, _Builder]:
-    """The grammar with `_Builder` embedded: the parser builds the AST as it reduces.
+def _tables() -> parse_tables.Tables:
+    return parse_tables.load_tables()
 
-    Several times faster than building Lark's tree with positions and transforming it afterwards
-    (profiled: tree nodes, position propagation and the transform pass were over half the time)."""
+
+@functools.lru_cache(maxsize=1)
+def _fast_parser() -> tuple[_FastParser | None, _Builder]:
     builder = _Builder()
-    builder.reset(_EMPTY)
-    cache = _cache_path()
-    parser = Lark.open_from_package(
-        "meshllm_dsl.grammar",
-        "mesh.lark",
-        parser="lalr",
-        lexer="contextual",
-        maybe_placeholders=True,
-        transformer=builder,
-        cache=cache,
-    )
+    tables = _tables()
+    reducers = [builder.reducer(rule, sig) for rule, sig in zip(tables["rules"], tables["signatures"], strict=True)]
+    return _FastParser.create(tables, reducers), builder
+
+
+@functools.lru_cache(maxsize=1)
+def _lark_parser() -> tuple[Lark, _Builder]:
+    """Lark's parser from the cached tables, reducing with the fast path's builder (so both build
+    the same AST), with `_FastLexer` in front of its contextual lexer."""
+    import io
+
+    from lark import Lark
+    from lark.lexer import ContextualLexer
+
+    tables = _tables()
+    fast, builder = _fast_parser()
+    parser = Lark.load(io.BytesIO(tables["lark"]))
     frontend = parser.parser
     if isinstance(frontend.lexer, ContextualLexer):
         frontend.lexer = _FastLexer(frontend.lexer, parser.terminals, parser.lexer_conf.ignore)
+    by_rule = {rule: i for i, rule in enumerate(tables["signatures"])}
     callbacks = parser._callbacks  # the dict the LALR parser calls into (shared, not copied)
     for rule in list(callbacks):
         if not isinstance(rule, str):  # rules, not lexer callbacks
-            callbacks[rule] = builder._with_position(callbacks[rule])
+            signature = (rule.origin.name, tuple(sym.name for sym in rule.expansion))
+            callbacks[rule] = _from_lark(builder.reducer(tables["rules"][by_rule[signature]], signature))
     return parser, builder
 
 
-class _FastLexer(Lexer):
+def _from_lark(reduce: Callable[[list[Any]], Any]) -> Callable[[list[Any]], Any]:
+    """A reduction that takes Lark's tokens (the builder reads `_Tok`s)."""
+    from lark import Token
+
+    def callback(children: list[Any]) -> Any:
+        for i, c in enumerate(children):
+            if isinstance(c, Token):
+                children[i] = _Tok((c.type, str(c), c.start_pos, c.end_pos))
+        return reduce(children)
+
+    return callback
+
+
+def _passes_through(rule: Rule, signature: tuple[str, tuple[str, ...]]) -> bool:
+    _origin, size, _name, expand1, keep, append_none = rule
+    return (size == 1 and expand1 and not append_none and keep in (None, ((0, False, 0),))
+            and not signature[1][0].isupper())
+
+
+def _helper(children: list[Any]) -> list[Any]:
+    return children
+
+
+def _no_builder(name: str, children: list[Any]) -> Any:
+    raise AssertionError(f"grammar rule {name!r} has no AST builder")
+
+
+class _FastParser:
+    """An LALR driver over the cached tables with its lexer inline: Lark's parse loop and contextual
+    lexer, less their per-token objects and calls (a tuple per token, one regex match that skips
+    whitespace and comments and finds the token).
+
+    The lexer types a token as Lark's contextual lexer would: by its first character it can only be
+    a word (a keyword where the parser state takes it, else a NAME), a number (FLOAT tried before
+    INT, as Lark orders them), a string or punctuation (longest first), and it is kept only where the
+    state takes that type. Anything else -- a token the state does not take, a character no token
+    starts with, a state whose terminals it does not know -- hands the whole file over to Lark
+    (`_HANDED_OVER`), which reports the error or recovers. tests/frontend/test_properties.py checks
+    that both build the same AST with the same spans.
+    """
+
+    _SIMPLE = frozenset({"NAME", "INT", "FLOAT", "STRING"})
+    _WORD = r"[A-Za-z_][A-Za-z0-9_]*"
+
+    def __init__(self, tables: parse_tables.Tables, reducers: list[Callable[[list[Any]], Any]]) -> None:
+        pats = tables["patterns"]
+        skip = "(?:" + "|".join(tables["ignore"]) + ")*"
+        punct = "|".join(re.escape(p) for p in sorted(tables["punct"], key=lambda p: (-len(p), p)))
+        self.token = re.compile(
+            f"{skip}(?:(?P<w>{self._WORD})|(?P<FLOAT>{pats['FLOAT']})|(?P<INT>{pats['INT']})"
+            f"|(?P<STRING>{pats['STRING']})|(?P<p>{punct}))?")
+        self.schedule = re.compile(f"{skip}(?P<SCHEDULE_NAME>{pats['SCHEDULE_NAME']})?") if "SCHEDULE_NAME" in pats else None
+        self.keywords, self.punct = tables["keywords"], tables["punct"]
+        self.actions, self.start, self.end = tables["actions"], tables["start"], tables["end"]
+        # A `?rule` with one nonterminal child passes it through untouched (its bounds are the
+        # child's): such a reduction only changes the parser's state, so no reducer runs for it.
+        self.rules = [
+            (rule[0], rule[1], None if _passes_through(rule, signature) else reduce)
+            for rule, signature, reduce in zip(tables["rules"], tables["signatures"], reducers, strict=True)
+        ]
+        # Per state, the lexer to use: self.token, self.schedule, or None (hand the file over).
+        regex_terminals = frozenset(pats)
+        self.lexers: list[Any] = []
+        for acts in self.actions:
+            acc = {sym for sym in acts if sym.isupper()}
+            if not (acc & regex_terminals) - self._SIMPLE:
+                self.lexers.append(self.token)
+            elif acc == {"SCHEDULE_NAME"}:
+                self.lexers.append(self.schedule)
+            else:
+                self.lexers.append(None)
+
+    @classmethod
+    def create(cls, tables: parse_tables.Tables, reducers: list[Callable[[list[Any]], Any]]) -> _FastParser | None:
+        """The fast path, or None where the grammar has moved beyond what it knows."""
+        pats = tables["patterns"]
+        if not tables["float_first"] or pats.get("NAME") != cls._WORD or not cls._SIMPLE <= set(pats):
+            return None
+        return cls(tables, reducers)
+
+    def parse(self, text: str) -> Any:
+        actions, lexers, rules, keywords, punct = self.actions, self.lexers, self.rules, self.keywords, self.punct
+        end_state = self.end
+        states = [self.start]
+        values: list[Any] = []
+        pos, n = 0, len(text)
+        while True:
+            state = states[-1]
+            lexer = lexers[state]
+            if lexer is None:
+                return _HANDED_OVER
+            m = lexer.match(text, pos)
+            kind = m.lastgroup
+            if kind is None:
+                if m.end() != n:
+                    return _HANDED_OVER
+                typ, tok = "$END", None
+            else:
+                start, pos = m.span(kind)
+                value = text[start:pos]
+                if kind == "w":
+                    typ = keywords.get(value, "NAME")
+                    if typ not in actions[state]:
+                        typ = "NAME"
+                elif kind == "p":
+                    typ = punct[value]
+                else:
+                    typ = kind
+                tok = _Tok((typ, value, start, pos))
+            acts = actions[state]
+            while True:
+                action = acts.get(typ)
+                if action is None:
+                    return _HANDED_OVER
+                if action >= 0:
+                    if tok is None:
+                        return _HANDED_OVER
+                    states.append(action)
+                    values.append(tok)
+                    break
+                origin, size, reduce = rules[~action]
+                if reduce is None:
+                    del states[-1]
+                    target = actions[states[-1]][origin]
+                    states.append(target)
+                    if tok is None and target == end_state:
+                        return values[-1]
+                    acts = actions[target]
+                    continue
+                if size:
+                    children = values[-size:]
+                    del states[-size:]
+                    del values[-size:]
+                else:
+                    children = []
+                value = reduce(children)
+                target = actions[states[-1]][origin]
+                states.append(target)
+                values.append(value)
+                if tok is None and target == end_state:
+                    return value
+                acts = actions[target]
+
+
+class _FastLexer:
     """Lark's contextual lexer with a fast path for the tokens a spec is made of.
 
     Lark's contextual lexer matches each token with the regex of the parser state's acceptable
@@ -571,6 +743,9 @@ class _FastLexer(Lexer):
     _SIMPLE = frozenset({"NAME", "INT", "FLOAT", "STRING"})
 
     def __init__(self, contextual: ContextualLexer, terminals: Any, ignore: Any) -> None:
+        from lark import Token
+
+        self.Token = Token
         self.contextual = contextual
         by_name = {t.name: t for t in terminals}
         self.ignore = frozenset(ignore)
@@ -623,9 +798,10 @@ class _FastLexer(Lexer):
             m = self.regex["STRING"].match(text, pos) if "STRING" in self.regex else None
             return ("STRING", m.end()) if m is not None and "STRING" in acc else None
         for n in self.punct_lengths:
-            typ = self.punct.get(text[pos : pos + n])
-            if typ is not None:
-                return (typ, pos + n) if typ in acc else None
+            word = text[pos : pos + n]
+            typ = self.punct.get(word)
+            if typ is not None:  # len(word), not n: at the end of the text `}` is all a 2-wide slice holds
+                return (typ, pos + len(word)) if typ in acc else None
         return None
 
     def lex(self, lexer_state: Any, parser_state: Any) -> Iterator[Token]:
@@ -654,7 +830,7 @@ class _FastLexer(Lexer):
                 continue
             typ, stop = hit
             value = text[pos:stop]
-            tok = Token(typ, value, pos, line_ctr.line, line_ctr.column)
+            tok = self.Token(typ, value, pos, line_ctr.line, line_ctr.column)
             line_ctr.feed(value, False)
             tok.end_line, tok.end_column, tok.end_pos = line_ctr.line, line_ctr.column, stop
             lexer_state.last_token = tok

@@ -47,7 +47,7 @@ def test_exit_codes_and_entry_point_in_subprocess() -> None:
 def test_module_help() -> None:
     r = run("-m", "meshllm_dsl", "--help")
     assert r.returncode == 0
-    for command in ("check", "fmt", "explain-error"):
+    for command in ("check", "fmt", "explain-error", "compile", "run"):  # later stages too
         assert command in r.stdout
 
 

@@ -207,7 +207,7 @@ def test_examples_round_trip_through_fmt(path) -> None:  # type: ignore[no-untyp
 
 def _token_stream(lark_parser, text: str) -> tuple[list[tuple[object, ...]], str | None]:  # type: ignore[no-untyped-def]
     """Every token the parser's lexer hands the parser, and how the parse ended."""
-    from meshllm_dsl.parser import _fast_parser
+    from meshllm_dsl.parser import _lark_parser
 
     frontend = lark_parser.parser
     inner = frontend.lexer
@@ -221,7 +221,7 @@ def _token_stream(lark_parser, text: str) -> tuple[list[tuple[object, ...]], str
                 yield tok
 
     frontend.lexer = Recording()
-    builder = _fast_parser()[1]
+    builder = _lark_parser()[1]
     builder.reset(SourceFile("<t>", text))
     try:
         lark_parser.parse(text, on_error=_keyword_as_name)
@@ -234,9 +234,9 @@ def _token_stream(lark_parser, text: str) -> tuple[list[tuple[object, ...]], str
 
 
 def assert_same_tokens(text: str) -> None:
-    from meshllm_dsl.parser import _fast_parser
+    from meshllm_dsl.parser import _lark_parser
 
-    fast = _token_stream(_fast_parser()[0], text)
+    fast = _token_stream(_lark_parser()[0], text)
     lark = _token_stream(grammar(), text)
     assert fast == lark
 
@@ -257,3 +257,82 @@ def test_fast_lexer_matches_larks_on_garbled_text(text: str, at: int, junk: str)
 @pytest.mark.parametrize("path", sorted(EXAMPLES.rglob("*.mesh")), ids=lambda p: p.stem)
 def test_fast_lexer_matches_larks_on_every_example(path) -> None:  # type: ignore[no-untyped-def]
     assert_same_tokens(path.read_bytes().decode("utf-8", errors="replace"))  # E0104_not_utf8 is Latin-1
+
+
+# ---------------------------------------------------------------- (e) the fast parser builds what Lark's builds
+
+
+def _with_spans(node: object) -> object:
+    """The AST as nested tuples that include every span (AST equality leaves spans out)."""
+    from meshllm_dsl.source import Span
+
+    if isinstance(node, Span):
+        return ("span", node.start, node.end)
+    if isinstance(node, tuple):
+        return tuple(_with_spans(n) for n in node)
+    fields = getattr(type(node), "_fields", None)  # an AST node
+    if fields is not None:
+        return (type(node).__name__, *(_with_spans(getattr(node, f)) for f in fields))
+    return node
+
+
+def _both_parsers(text: str) -> tuple[object, object]:
+    """What the fast path builds (or that it hands the file over), and what Lark's parser builds."""
+    from meshllm_dsl.parser import _HANDED_OVER, _fast_parser, _lark_parse
+
+    fast, builder = _fast_parser()
+    assert fast is not None
+    source = SourceFile("<t>", text)
+    outcomes: list[object] = []
+    for run in (fast.parse, lambda _text: _lark_parse(source)):
+        builder.reset(source)
+        try:
+            result = run(source.text)
+            outcomes.append("handed over" if result is _HANDED_OVER else _with_spans(result))
+        except SpecError as err:
+            outcomes.append(render_all(err.diagnostics))
+        outcomes.append([d.code for d in builder.diagnostics])
+    return outcomes[0:2], outcomes[2:4]
+
+
+def assert_same_ast(text: str) -> tuple[object, object]:
+    fast, lark = _both_parsers(text)
+    if fast[0] != "handed over":  # else parse_source asks Lark, which then decides
+        assert fast == lark
+    return fast, lark
+
+
+@FEW
+@given(GENERATED)
+def test_fast_parser_builds_larks_ast_on_generated_text(text: str) -> None:
+    assert_same_ast(text)
+
+
+@FEW
+@given(GENERATED, st.integers(0, 10_000), st.sampled_from(["", "@", "1.", "1e", "ab1", "\"x", "-", "->", "1_0.5", "\n#", "}"]))
+def test_fast_parser_builds_larks_ast_on_garbled_text(text: str, at: int, junk: str) -> None:
+    at = at % (len(text) + 1)
+    assert_same_ast(text[:at] + junk + text[at:])
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.rglob("*.mesh")), ids=lambda p: p.stem)
+def test_fast_parser_builds_larks_ast_on_every_example(path) -> None:  # type: ignore[no-untyped-def]
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    fast, lark = assert_same_ast(text)
+    if isinstance(lark[0], tuple) and "zero" not in text:
+        assert fast[0] != "handed over"  # every example that parses takes the fast path
+
+
+def test_fast_parser_hands_over_what_it_does_not_know() -> None:
+    # A keyword read as a name after an expression is Lark's recovery (`_keyword_as_name`).
+    src = "mesh m { axes a = 1  zero = 2 }"
+    fast, lark = assert_same_ast(src)
+    assert fast[0] == "handed over" and isinstance(lark[0], tuple)
+    assert parse(src).items[0].settings[0].name.value == "zero"  # type: ignore[union-attr]
+
+
+def test_spans_end_at_the_end_of_the_text() -> None:
+    # Lark's path once read a closing `}` at the very end of a file as two characters wide.
+    text = "mesh m { axes a = 1 }"
+    fast, lark = assert_same_ast(text)
+    assert fast == lark and fast[0][-1] == ("span", 0, len(text))  # type: ignore[index]
