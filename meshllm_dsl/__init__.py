@@ -7,12 +7,40 @@ The pipeline, one module per stage: grammar/mesh.lark -> parser (text -> ast) ->
 
 from __future__ import annotations
 
-from meshllm_dsl.ast import Module
-from meshllm_dsl.checker import CheckResult, check_file, check_text
-from meshllm_dsl.diagnostics import Diagnostic, SpecError
-from meshllm_dsl.fmt import format_text
-from meshllm_dsl.ir import PlanIR
-from meshllm_dsl.parser import parse
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshllm_dsl.ast import Module
+    from meshllm_dsl.checker import CheckResult, check_file, check_text
+    from meshllm_dsl.diagnostics import Diagnostic, SpecError
+    from meshllm_dsl.fmt import format_text
+    from meshllm_dsl.ir import PlanIR
+    from meshllm_dsl.parser import parse
+
+# Names resolve on first use (PEP 562): every rank of a job imports this package on its way to
+# meshllm_dsl.runtime, and the front end (Lark, the checker) costs each of them about 0.3 CPU-s.
+_WHERE = {
+    "Module": "ast",
+    **dict.fromkeys(("CheckResult", "check_file", "check_text"), "checker"),
+    **dict.fromkeys(("Diagnostic", "SpecError"), "diagnostics"),
+    "format_text": "fmt",
+    "PlanIR": "ir",
+    "parse": "parser",
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{where}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
 
 __all__ = [
     "CheckResult",
@@ -32,6 +60,8 @@ __version__ = "0.1.0"
 
 def check(path_or_text: str, *, text: bool = False) -> CheckResult:
     """Check a .mesh file (or, with text=True, .mesh source) and return diagnostics and plans."""
+    from meshllm_dsl.checker import check_file, check_text
+
     return check_text(path_or_text) if text else check_file(path_or_text)
 
 
@@ -41,7 +71,9 @@ def compile(path: str, out_dir: str | None = None) -> dict[str, str]:  # noqa: A
     Raises SpecError with every diagnostic when the spec has errors, and meshllm_dsl.outputs.OutputError
     (writing nothing) when out_dir holds files that meshc did not write, as `meshc compile -o` does.
     """
+    from meshllm_dsl.checker import check_file
     from meshllm_dsl.codegen.emit import render_package
+    from meshllm_dsl.diagnostics import SpecError
     from meshllm_dsl.outputs import write_generated
 
     result = check_file(path)
