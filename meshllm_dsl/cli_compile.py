@@ -213,7 +213,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     result, plan_name = _checked(args.file, args.plan)
     if not result.ok:
         return 1
-    report, equal = verify(args.file, plan_name, args.dtype, args.seed)
+    report, equal = verify(args.file, plan_name, args.dtype, args.seed, result)
     print(report, end="")
     return 0 if equal else 1
 
