@@ -74,11 +74,15 @@ def verify(
         result = check_file(path)
     name = plan_name or sorted(result.plans)[0]
     plan = result.plans[name]
-    # Preload only what the job imports: pipelining (and DTensor, which it pulls in) only when the
-    # plan pipelines (its twin keeps the mesh and the stage map).
-    preload = ["torch", "torch.distributed", "meshllm_dsl.runtime.compare"]
+    # Import in the fork server, once, what every worker's job imports (the twin keeps the plan's
+    # mesh, stage map and optimizer): torch._dynamo, which constructing any torch optimizer imports
+    # (about 1.3 CPU-s; the 8 workers of a plan would each pay it), ZeRO's optimizer, and pipelining
+    # (DTensor) only when the plan uses them.
+    preload = ["torch", "torch.distributed", "torch._dynamo", "meshllm_dsl.runtime.compare"]
     if plan.pipeline_axis and plan.pipeline_size > 1:
         preload.append("torch.distributed.pipelining")
+    if plan.zero:
+        preload.append("torch.distributed.optim")
     main = sys.modules.get("__main__")
     if getattr(main, "__spec__", None) is None and "meshllm_dsl.cli" in sys.modules:
         # Run as the `meshc` script: multiprocessing re-runs a script __main__ in every worker
