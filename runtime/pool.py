@@ -144,7 +144,7 @@ class WorkerPool:
         # forkserver, with torch imported once in the server: a (re)start forks ready workers in
         # well under a second instead of importing torch in every spawned process (~2 s each).
         # Plain fork is unsafe: the parent may already hold torch / gloo threads.
-        mp.get_context("forkserver").set_forkserver_preload(self.preload)
+        mp.get_context("forkserver").set_forkserver_preload([*self.preload, f"{__package__}._prefork"])
         forkserver.ensure_running()
 
     def _start(self) -> None:
