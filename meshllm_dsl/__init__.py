@@ -7,7 +7,7 @@ The pipeline, one module per stage: grammar/mesh.lark -> parser (text -> ast) ->
 
 from __future__ import annotations
 
-import importlib
+from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -18,29 +18,30 @@ if TYPE_CHECKING:
     from meshllm_dsl.ir import PlanIR
     from meshllm_dsl.parser import parse
 
-# Imported on first use: every `meshllm_dsl.x` import runs this file first, and importing the whole
-# pipeline here made `meshc check` pay for the formatter, the IR and the checker's class creation
-# before it even parsed its arguments (issue 12).
-_LAZY = {
-    "Module": "meshllm_dsl.ast",
-    "CheckResult": "meshllm_dsl.checker",
-    "check_file": "meshllm_dsl.checker",
-    "check_text": "meshllm_dsl.checker",
-    "Diagnostic": "meshllm_dsl.diagnostics",
-    "SpecError": "meshllm_dsl.diagnostics",
-    "format_text": "meshllm_dsl.fmt",
-    "PlanIR": "meshllm_dsl.ir",
-    "parse": "meshllm_dsl.parser",
+# Names resolve on first use (PEP 562): every `meshllm_dsl.x` import runs this file first, so an eager
+# import here made `meshc check` pay for the whole pipeline before parsing its arguments, and every
+# rank of a job (on its way to meshllm_dsl.runtime) about 0.3 CPU-s for the front end (issue 12).
+_WHERE = {
+    "Module": "ast",
+    **dict.fromkeys(("CheckResult", "check_file", "check_text"), "checker"),
+    **dict.fromkeys(("Diagnostic", "SpecError"), "diagnostics"),
+    "format_text": "fmt",
+    "PlanIR": "ir",
+    "parse": "parser",
 }
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'meshllm_dsl' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    where = _WHERE.get(name)
+    if where is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{where}"), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))
 
 __all__ = [
     "CheckResult",

@@ -72,6 +72,8 @@ def _run_inputs(args: argparse.Namespace, seq: int) -> list[str]:
         flags += ["--load", args.load]
     if args.debug:
         flags += ["--debug"]
+    if args.profile_trace is not None:
+        flags += ["--profile-trace", str(Path(args.profile_trace).resolve())]
     flags += _hf_flags(args)
     # --profile's directory is made per run; any path stands in for it to check the flags.
     ns = launch.parse_args(flags + (["--profile", "profile"] if args.profile is not None else []))
@@ -213,7 +215,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     result, plan_name = _checked(args.file, args.plan)
     if not result.ok:
         return 1
-    report, equal = verify(args.file, plan_name, args.dtype, args.seed)
+    report, equal = verify(args.file, plan_name, args.dtype, args.seed, result)
     print(report, end="")
     return 0 if equal else 1
 
@@ -266,6 +268,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--profile", nargs="?", const="", metavar="JSON",
                    help="after training, measure 3 more steps per rank and print them next to `meshc plan` "
                         "(memory by category, compute, collectives per mesh axis, pipeline waits); JSON: also write them there")
+    r.add_argument("--profile-trace", metavar="DIR",
+                   help="after training (and --profile), 1 warm-up step then 1 step under torch.profiler: "
+                        "a Chrome trace per rank, DIR/rankR.json (chrome://tracing, ui.perfetto.dev)")
     r.set_defaults(func=cmd_run)
 
     v = sub.add_parser("verify", help="tiny-twin equivalence: sharded vs unsharded outputs and gradients on CPU")

@@ -11,7 +11,10 @@ import hashlib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshllm_dsl.checker import CheckResult
 
 
 def load_generated(path: str) -> Any:
@@ -32,9 +35,9 @@ def load_generated(path: str) -> Any:
     return module
 
 
-def compare_job(ctx: Any, path: str, dtype_name: str, seed: int) -> tuple[dict[str, float], float] | None:
-    """One rank's part of the comparison; rank 0 returns max |sharded - reference| per tensor and
-    the tolerance for the dtype."""
+def compare_job(ctx: Any, path: str, dtype_name: str, seed: int) -> tuple[dict[str, float], float]:
+    """One rank's part of the comparison: max |sharded - reference| per tensor as this rank sees
+    it (every rank gathers the full tensors and runs the reference), and the dtype's tolerance."""
     import torch
 
     from meshllm_dsl.runtime.compare import TOLERANCE, compare_to_reference
@@ -42,39 +45,72 @@ def compare_job(ctx: Any, path: str, dtype_name: str, seed: int) -> tuple[dict[s
     program = load_generated(path).PROGRAM
     errs = compare_to_reference(program, ctx.mesh(program.axes), dtype=getattr(torch, dtype_name), seed=seed)
     # The tolerance travels back with the errors so the parent never imports torch.
-    return (errs, TOLERANCE[dtype_name]) if ctx.rank == 0 else None
+    return errs, TOLERANCE[dtype_name]
 
 
-def verify(path: str, plan_name: str | None, dtype_name: str = "float64", seed: int = 0) -> tuple[str, bool]:
-    """Report text and verdict for the tiny twin of a plan. Raises SpecError-free: caller checks."""
-    from meshllm_dsl.checker import check_file
+def _worst(a: float, b: float) -> float:
+    """The larger difference, NaN counting as the largest."""
+    return a if a != a or (b == b and a > b) else b
+
+
+def verify(
+    path: str,
+    plan_name: str | None,
+    dtype_name: str = "float64",
+    seed: int = 0,
+    result: CheckResult | None = None,
+) -> tuple[str, bool]:
+    """Report text and verdict for the tiny twin of a plan. Raises SpecError-free: caller checks.
+
+    ``result``: the file's check result when the caller already has it.
+    """
     from meshllm_dsl.codegen.emit import render_plan
     from meshllm_dsl.runtime.pool import WorkerPool
     from meshllm_dsl.twin import make_twin, twin_values
 
-    result = check_file(path)
+    if result is None:
+        from meshllm_dsl.checker import check_file
+
+        result = check_file(path)
     name = plan_name or sorted(result.plans)[0]
     plan = result.plans[name]
-    twin_text, twin_result = make_twin(result, name, path)
-    if not twin_result.ok:
-        from meshllm_dsl.diagnostics import render_all
-
-        raise RuntimeError("the tiny twin does not check:\n" + render_all(twin_result.diagnostics) + twin_text)
-    twin = twin_result.plans[name]
+    # Import in the fork server, once, what every worker's job imports (the twin keeps the plan's
+    # mesh, stage map and optimizer): torch._dynamo, which constructing any torch optimizer imports
+    # (about 1.3 CPU-s; the 8 workers of a plan would each pay it), ZeRO's optimizer, and pipelining
+    # (DTensor) only when the plan uses them.
+    preload = ["torch", "torch.distributed", "torch._dynamo", "meshllm_dsl.runtime.compare"]
+    if plan.pipeline_axis and plan.pipeline_size > 1:
+        preload.append("torch.distributed.pipelining")
+    if plan.zero:
+        preload.append("torch.distributed.optim")
+    main = sys.modules.get("__main__")
+    if getattr(main, "__spec__", None) is None and "meshllm_dsl.cli" in sys.modules:
+        # Run as the `meshc` script: multiprocessing re-runs a script __main__ in every worker
+        # (Python 3.11's fork server ignores "__main__" in its preload). Importing the CLI once
+        # in the server makes those re-runs find it loaded, instead of 8 imports of the front end.
+        preload.append("meshllm_dsl.cli")
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="meshc-verify-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="meshc-verify-") as tmp, WorkerPool(
+        world_size=plan.mesh.devices, timeout=300.0, preload=preload
+    ) as pool:
+        # The server imports torch (seconds) while this process builds and renders the twin.
+        pool.prestart()
+        twin_text, twin_result = make_twin(result, name, path)
+        if not twin_result.ok:
+            from meshllm_dsl.diagnostics import render_all
+
+            raise RuntimeError("the tiny twin does not check:\n" + render_all(twin_result.diagnostics) + twin_text)
+        twin = twin_result.plans[name]
         module = Path(tmp) / f"{name}_twin.py"
         module.write_text(render_plan(twin, f"{path} (tiny twin)", twin_text))
-        # Preload only what the job imports: pipelining (and DTensor, which it pulls in) only
-        # when the twin has a pipeline.
-        preload = ["torch", "torch.distributed", "meshllm_dsl.runtime.compare"]
-        if twin.pipeline_axis and twin.pipeline_size > 1:
-            preload.append("torch.distributed.pipelining")
-        with WorkerPool(world_size=twin.mesh.devices, timeout=300.0, preload=preload) as pool:
-            per_rank = pool.run(compare_job, twin.mesh.devices, str(module), dtype_name, seed)
-    assert per_rank[0] is not None
-    errs, tol = per_rank[0]
+        per_rank = pool.run(compare_job, twin.mesh.devices, str(module), dtype_name, seed)
+    # Every rank's view counts: a replica whose gathered copy differs is a bug rank 0 cannot see.
+    tol = per_rank[0][1]
+    errs = dict(per_rank[0][0])
+    for rank_errs, _ in per_rank[1:]:
+        for k, v in rank_errs.items():
+            errs[k] = _worst(errs[k], v)
     worst = sorted(errs.items(), key=lambda kv: -kv[1] if kv[1] == kv[1] else float("-inf"))
     bad = [(k, v) for k, v in errs.items() if not v <= tol]
     values = twin_values(plan)
@@ -84,7 +120,7 @@ def verify(path: str, plan_name: str | None, dtype_name: str = "float64", seed: 
         "tiny twin: " + ", ".join(f"{k} {dict(plan.model.values)[k]} -> {v}" for k, v in values.items())
         + f"; batch {plan.batch} -> {twin.batch}, seq {plan.seq} -> {twin.seq}"
         + f" ({twin.model.numel:,} parameters)",
-        f"compared in {dtype_name} (tolerance {tol:g}): logits, loss, {sum(k.startswith('grad ') for k in errs)} gradients,"
+        f"compared in {dtype_name} (tolerance {tol:g}) on all {len(per_rank)} ranks: logits, loss, {sum(k.startswith('grad ') for k in errs)} gradients,"
         f" {sum(k.startswith('param') for k in errs)} parameters after one AdamW step",
         "",
         f"{'tensor':<44} {'max |sharded - unsharded|':>26}",

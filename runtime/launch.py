@@ -125,6 +125,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="DIR",
         help="after training, time and measure 1 + 3 more steps; each rank writes DIR/rankR.json",
     )
+    p.add_argument(
+        "--profile-trace",
+        type=Path,
+        metavar="DIR",
+        help="after training (and --profile), 1 warm-up step then 1 step under torch.profiler; "
+        "each rank writes a Chrome trace DIR/rankR.json",
+    )
     return p.parse_args(argv)
 
 
@@ -167,6 +174,13 @@ def check_inputs(args: argparse.Namespace) -> None:
         # Measuring trains 4 more steps: the weights saved or exported would not be the trained ones.
         raise InputError("--profile measures 4 extra training steps after --steps: it does not combine "
                          "with --save, --export-hf, --infer, --eval or --steps 0")
+    if args.profile_trace is not None:
+        if args.save or args.export_hf or args.infer or args.eval or args.steps == 0:
+            # As --profile: the traced steps train the model further.
+            raise InputError("--profile-trace traces 2 extra training steps after --steps: it does not combine "
+                             "with --save, --export-hf, --infer, --eval or --steps 0")
+        if Path(args.profile_trace).exists() and not Path(args.profile_trace).is_dir():
+            raise InputError(f"--profile-trace {args.profile_trace}: exists and is not a directory")
     if args.save_every and args.save is None:
         raise InputError("--save-every needs --save DIR")
     if args.resume is not None and args.load is not None:
@@ -329,8 +343,9 @@ class PlanMismatch(Exception):
     """The nodes of a multi-node job run different plans, code or flags; one line, same on every node."""
 
 
-# Flags that may differ between nodes: --profile names a directory of each node's own.
-_NODE_LOCAL_FLAGS = ("profile",)
+# Flags that may differ between nodes: --profile and --profile-trace name a directory of each
+# node's own.
+_NODE_LOCAL_FLAGS = ("profile", "profile_trace")
 
 
 def plan_digest() -> str:
@@ -827,6 +842,15 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
                 p = program
                 batches = [synthetic_batch(_real_vocab(built), p.batch, p.seq, args.seed, i) for i in range(4)]
                 profile_train(built, batches, args.profile)
+            if args.profile_trace:
+                from .profile import trace_train
+
+                p = program
+                batches = [synthetic_batch(_real_vocab(built), p.batch, p.seq, args.seed, i) for i in range(2)]
+                trace_train(built, batches, args.profile_trace)
+                if first:
+                    print(f"Chrome traces of one step: {args.profile_trace}/rank*.json "
+                          "(chrome://tracing or ui.perfetto.dev)", file=sys.stderr)
         if args.export_hf:
             from .hf import export_hf
 

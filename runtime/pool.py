@@ -19,6 +19,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from multiprocessing import forkserver
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -137,12 +138,18 @@ class WorkerPool:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _start(self) -> None:
+    def prestart(self) -> None:
+        """Start the fork server now, without waiting: it imports ``preload`` (seconds) while the
+        caller goes on with its own work; the first ``run`` then forks the workers from it."""
         # forkserver, with torch imported once in the server: a (re)start forks ready workers in
         # well under a second instead of importing torch in every spawned process (~2 s each).
         # Plain fork is unsafe: the parent may already hold torch / gloo threads.
+        mp.get_context("forkserver").set_forkserver_preload([*self.preload, f"{__package__}._prefork"])
+        forkserver.ensure_running()
+
+    def _start(self) -> None:
+        self.prestart()
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(self.preload)
         port = _free_port()
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(self.world_size)]

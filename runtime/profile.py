@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["CollectiveLog", "LiveBytes", "profile_train", "saved_bytes"]
+__all__ = ["CollectiveLog", "LiveBytes", "profile_train", "saved_bytes", "trace_train"]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -281,3 +282,29 @@ def profile_train(
     path.mkdir(parents=True, exist_ok=True)
     (path / f"rank{built.mesh.rank}.json").write_text(json.dumps(report, indent=1))
     return report
+
+
+def trace_train(
+    built: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], out_dir: str | Path
+) -> Path:
+    """A warm-up step on ``batches[0]``, then ``batches[1]`` under ``torch.profiler``: this rank's
+    Chrome trace ``rank{R}.json`` in ``out_dir`` (operators with input shapes, autograd, and
+    every collective, e.g. ``gloo:all_reduce``). Every rank of the job must call it.
+
+    The file appears under its final name only once complete (written aside, then renamed).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    built.train_step(*batches[0])  # schedules built, optimizer states allocated: not traced
+    activities = [ProfilerActivity.CPU]
+    if built.device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, record_shapes=True) as prof:
+        built.train_step(*batches[1])
+    path = Path(out_dir)
+    path.mkdir(parents=True, exist_ok=True)
+    final = path / f"rank{built.mesh.rank}.json"
+    partial = path / f".rank{built.mesh.rank}.json.partial"
+    prof.export_chrome_trace(str(partial))
+    os.replace(partial, final)
+    return final

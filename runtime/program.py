@@ -591,9 +591,7 @@ class Built:
 
     def _gather(self, grads: bool) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
-        pp_group = (
-            self.mesh.group(self.program.pipeline_axis) if self.program.pipeline_axis else None
-        )
+        from_stage: dict[int, list[Tensor]] = {}
         for i in range(len(self.program.stages)):
             for name, spec in sorted(self.specs[i].items()):
                 if name in out:
@@ -605,10 +603,17 @@ class Built:
                     full = gather_full(local, spec, self.mesh)
                 else:
                     full = torch.empty(spec.shape, dtype=self.program.dtype, device=self.device)
-                if pp_group is not None:
-                    # [full shape]: from the pipeline rank that holds stage i to the others.
-                    dist.broadcast(full, src=self._pipeline_rank(i), group=pp_group)
                 out[name] = full
+                from_stage.setdefault(i % self.pp, []).append(full)
+        if self.pp > 1:
+            group = self.mesh.group(self._pp_axis)
+            for index, tensors in sorted(from_stage.items()):
+                # Every full tensor of the stages at pipeline index `index`, from the rank holding
+                # them to the rest of the pipeline group: a few coalesced broadcasts, not one per
+                # tensor (latency-bound on gloo).
+                # (the C++ helper DDP syncs its modules with; src is a group rank, here the index).
+                bucket_bytes = _BUCKET_ELEMENTS * tensors[0].element_size()
+                dist._broadcast_coalesced(group, tensors, bucket_bytes, index)
         return out
 
     def full_state_dict(self) -> dict[str, Tensor]:

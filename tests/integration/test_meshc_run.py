@@ -62,6 +62,12 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "save over other files": (["--save", str(tmp / "foreign")], "holds files that are not meshllm checkpoints (notes.txt)"),
         "save onto a file": (["--save", str(tmp / "empty.txt")], "exists and is not a directory"),
         "save-every without save": (["--save-every", "5"], "--save-every needs --save DIR"),
+        "trace with steps 0": (["--steps", "0", "--export-hf", str(tmp / "hf"), "--profile-trace", str(tmp / "t")],
+                               "--profile-trace traces 2 extra training steps after --steps"),
+        "trace with save": (["--save", str(tmp / "ck"), "--profile-trace", str(tmp / "t")],
+                            "--profile-trace traces 2 extra training steps"),
+        "trace onto a file": (["--profile-trace", str(tmp / "empty.txt")],
+                              "--profile-trace {t}/empty.txt: exists and is not a directory"),
     }
 
 
@@ -69,7 +75,7 @@ CASES = [
     "missing data", "empty data", "short data", "steps 0", "steps -1", "tokens -3", "timeout 0",
     "resume missing", "resume partial", "resume latest without save", "load foreign",
     "save over other files", "save onto a file", "save-every without save", "eval without data",
-    "prompt without tokenizer", "weights missing",
+    "prompt without tokenizer", "weights missing", "trace with steps 0", "trace with save", "trace onto a file",
 ]
 
 
@@ -135,3 +141,38 @@ def test_interrupting_meshc_stops_the_whole_job(spec: Path, signum: int, code: i
     assert not Path(workdir.group().decode()).exists()
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-2000:]
     assert "meshc: interrupted; stopping the job" in text
+
+
+TENSOR_SPEC = """
+mesh two { axes tensor = 2 }
+model m = gpt2 { vocab = 64, hidden = 32, layers = 2, heads = 4, positions = 16 }
+plan train on two for m {
+    batch = 2
+    seq = 8
+    layout { heads -> tensor, ffn -> tensor, vocab -> tensor }
+}
+"""
+
+
+def test_profile_trace_writes_a_chrome_trace_per_rank_with_the_collectives(tmp_path: Path) -> None:
+    import json
+
+    spec = tmp_path / "tp.mesh"
+    spec.write_text(TENSOR_SPEC)
+    out = tmp_path / "trace"
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshllm_dsl", "run", str(spec), "--steps", "1", "--timeout", "120",
+         "--profile-trace", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"{out}/rank*.json" in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["rank0.json", "rank1.json"]  # no partial file left
+    for rank in range(2):
+        events = json.loads((out / f"rank{rank}.json").read_text())["traceEvents"]
+        names = {e.get("name") for e in events}
+        # The row-parallel layers' all-reduces (forward and backward) as gloo ran them.
+        assert "gloo:all_reduce" in names, sorted(n for n in names if n and "gloo" in n)
+        assert any("aten::mm" in str(n) or "aten::addmm" in str(n) for n in names)
+        # record_shapes: operators carry their input shapes.
+        assert any("Input Dims" in e.get("args", {}) for e in events)
