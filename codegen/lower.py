@@ -152,13 +152,28 @@ def _shard_dims(t: Tensor, p: Placement) -> tuple[tuple[int, tuple[str, ...]], .
     return () if dim is None else ((dim, p.axes),)
 
 
-def _spec(full_local: str, t: Tensor, p: Placement, local_expr: str | None = None) -> Line:
+def _spec(full_local: str, t: Tensor, p: Placement, local_expr: str | None = None,
+          partial_grad: tuple[str, ...] = ()) -> Line:
     dims = _shard_dims(t, p)
     # repr of tuples of ints and validated identifiers is exactly the Python literal we want
     dims_text = repr(tuple((d, tuple(axes)) for d, axes in dims))
     seg = f", segments={tuple(t.segments)!r}" if t.segments and dims and dims[0][0] == 0 else ""
+    if partial_grad:
+        seg += f", partial_grad={tuple(partial_grad)!r}"
     local = local_expr if local_expr is not None else "prefix + " + repr(full_local)
     return Line(f"prefix + {full_local!r}: rt.ShardSpec({local}, {tuple(t.shape)!r}, {dims_text}{seg}),")
+
+
+def _seq_partial(plan: PlanIR, unit: Unit, leaf: Leaf, t: Tensor) -> tuple[str, ...]:
+    """Axes over which `t`'s gradient is a partial sum under sequence parallelism: norms, and a row
+    layer's bias (added after the reduce-scatter), see only this rank's slice of the sequence."""
+    if not plan.seq_axes:
+        return ()
+    if unit.kind in ("rmsnorm", "layernorm"):
+        return plan.seq_axes
+    if unit.kind in ("attention", "mlp") and leaf is unit.leaves[-1] and len(t.shape) == 1:
+        return plan.seq_axes
+    return ()
 
 
 # ---------------------------------------------------------------- code for units
@@ -257,8 +272,15 @@ class _UnitWriter:
             if c.where == "input" and c.op == "copy_to":
                 lines.append(Line(f"{x} = rt.copy_to({x}, {self.group(c.axes)})",
                                   f"f: [b, s, {hidden}] identity; backward all-reduces over {_axes_text(c.axes)} ({self.n(c.axes)})"))
+            elif c.where == "input" and c.op == "gather_seq":
+                n = self.n(c.axes)
+                lines.append(Line(f"{x} = rt.gather_seq({x}, {self.group(c.axes)})",
+                                  f"[b, s/{n}, {hidden}] -> [b, s, {hidden}]: all-gather over {_axes_text(c.axes)} ({n}); "
+                                  "backward reduce-scatters"))
+                if unit.kind == "attention":
+                    lines.append(Line(f"b, s, _ = {x}.shape", "the whole sequence"))
         split = next((c for c in flow.collectives if c.where == "input" and c.op == "split_to"), None)
-        reduce = next((c for c in flow.collectives if c.where == "output" and c.op == "reduce_from"), None)
+        reduce = next((c for c in flow.collectives if c.where == "output" and c.op in ("reduce_from", "reduce_scatter_seq")), None)
         if unit.kind == "attention":
             lines += self._attention(attr, unit, a, placement, x)
         else:
@@ -275,8 +297,14 @@ class _UnitWriter:
             lines.append(Line(f"out = F.linear({src}, self.{attr}.{out_leaf.name}.weight)",
                               f"[b, s, {hidden}] Partial over {_axes_text(reduce.axes)}"))
             bias = f" + self.{attr}.{out_leaf.name}.bias" if has_bias else ""
-            lines.append(Line(f"out = rt.reduce_from(out, {self.group(reduce.axes)}){bias}",
-                              f"g: all-reduce over {_axes_text(reduce.axes)} ({self.n(reduce.axes)}) -> [b, s, {hidden}]"))
+            n = self.n(reduce.axes)
+            if reduce.op == "reduce_scatter_seq":
+                lines.append(Line(f"out = rt.reduce_scatter_seq(out, {self.group(reduce.axes)}){bias}",
+                                  f"reduce-scatter over {_axes_text(reduce.axes)} ({n}) -> [b, s/{n}, {hidden}]; "
+                                  "backward all-gathers"))
+            else:
+                lines.append(Line(f"out = rt.reduce_from(out, {self.group(reduce.axes)}){bias}",
+                                  f"g: all-reduce over {_axes_text(reduce.axes)} ({n}) -> [b, s, {hidden}]"))
         else:
             lines.append(Line(f"out = self.{attr}.{out_leaf.name}({src})", f"[b, s, {hidden}]"))
         return lines
@@ -338,7 +366,13 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
     w = _UnitWriter(plan, groups)
     placement = dict(cls.placements)
     init: list[Line] = []
-    forward: list[Line] = [Line("b, s, _ = x.shape", f"x: [b, s, {_model_hidden(plan)}] Replicate (the residual stream)")]
+    sp = plan.seq_axes
+    residual = f"Shard(seq) over {_axes_text(sp)}" if sp else "Replicate"
+    if sp:
+        # b and s are bound after the attention's gather: the whole sequence, not this rank's slice.
+        forward: list[Line] = [Line("", f"x: [b, s/{plan.mesh.size(*sp)}, {_model_hidden(plan)}] {residual} (the residual stream)")]
+    else:
+        forward = [Line("b, s, _ = x.shape", f"x: [b, s, {_model_hidden(plan)}] Replicate (the residual stream)")]
     params: list[Line] = []
     pending_norm: str | None = None
     for unit in rep.body:
@@ -347,21 +381,21 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
             p = placement.get(".".join(leaf.path[0:]) if len(leaf.path) == 1 else f"{unit.name}.{leaf.name}", REPLICATE)
             local_base = leaf.path[0] if len(leaf.path) == 1 else f"{unit.name}.{leaf.name}"
             for t in leaf.params:
-                params.append(_spec(f"{local_base}.{t.name}", t, p))
+                params.append(_spec(f"{local_base}.{t.name}", t, p, partial_grad=_seq_partial(plan, unit, leaf, t)))
         if unit.kind in ("rmsnorm", "layernorm"):
             forward.append(Line(f"h = self.{unit.name}(x)"))
             pending_norm = unit.name
         elif unit.kind in ("attention", "mlp"):
             src = "h" if pending_norm else "x"
             forward += w.sublayer(unit.name, unit, cls.flow(unit.name), placement, src)
-            forward.append(Line("x = x + out", "residual add: Replicate"))
+            forward.append(Line("x = x + out", f"residual add: {residual}"))
             pending_norm = None
         else:
             raise AssertionError(f"{unit.kind} inside a repeat")
     if pending_norm:
         forward.append(Line("x = h"))
     forward.append(Line("return x"))
-    forward = _trim_shape_line(forward)
+    forward = forward if sp else _trim_shape_line(forward)
     idx = cls.indices
     doc = f"Blocks {ranges(idx, ', ')} of `{rep.name}`: " + ", ".join(f"{u.name} ({u.kind})" for u in rep.body) + "."
     return ClassDef(name, doc, w.group_lines() + init, "x: torch.Tensor", forward, params)
@@ -382,7 +416,8 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
         forward.append(Line("b, s = tokens.shape", "tokens: [b, s] int64"))
         cur = "tokens"
     else:
-        forward.append(Line("b, s, _ = x.shape", f"x: [b, s, {hidden}] from the previous stage"))
+        sp_in = f"[b, s/{plan.mesh.size(*plan.seq_axes)}, {hidden}] Shard(seq)" if plan.seq_axes else f"[b, s, {hidden}]"
+        forward.append(Line("b, s, _ = x.shape", f"x: {sp_in} from the previous stage"))
         cur = "x"
     held = {pc.item for pc in stage.pieces}
     for pc in stage.pieces:
@@ -399,12 +434,13 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
                 init.append(Line(f"self.{item.name} = nn.ModuleDict({{{entries}}})",
                                  f"blocks {pc.start} to {pc.stop - 1} of {item.count}"))
             forward.append(Line(f"for block in self.{item.name}.values():"))
+            stream = f"[b, s/{plan.mesh.size(*plan.seq_axes)}, {hidden}] Shard(seq)" if plan.seq_axes else f"[b, s, {hidden}]"
             if plan.recompute == "blocks":
                 # Full recomputation: each block keeps only its input; backward reruns its forward
                 # (tensor-parallel collectives included) before its own backward.
-                forward.append(Line("    x = rt.recompute(block, x)", f"[b, s, {hidden}]; recomputed in backward"))
+                forward.append(Line("    x = rt.recompute(block, x)", f"{stream}; recomputed in backward"))
             else:
-                forward.append(Line("    x = block(x)", f"[b, s, {hidden}]"))
+                forward.append(Line("    x = block(x)", stream))
             for cls_name, a, b in runs:
                 params.append(Line(f"**{{k: v for i in {_range(a, b)} "
                                    f"for k, v in {cls_name}.params(f\"{{prefix}}{item.name}.{{i}}.\").items()}},"))
@@ -430,24 +466,26 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
                 for lf in item.leaves:
                     for t in lf.params:
                         base = lf.path[0] if len(lf.path) == 1 else f"{item.name}.{lf.name}"
-                        params.append(_spec(f"{base}.{t.name}", t, p))
+                        params.append(_spec(f"{base}.{t.name}", t, p, partial_grad=_seq_partial(plan, item, lf, t)))
         a = dict(item.attrs)
         if item.kind == "embedding":
             forward.append(Line(f"x = self.{item.name}({cur})",
                                 f"[b, s, {a['dim']}]" + (f" Partial over {_axes_text(p.axes)}" if p.sharded else "")))
             if flow is not None:
-                for c in flow.collectives:
-                    if c.op == "reduce_from":
-                        forward.append(Line(f"x = rt.reduce_from(x, {w.group(c.axes)})",
-                                            f"g: all-reduce over {_axes_text(c.axes)} ({plan.mesh.size(*c.axes)}) -> [b, s, {a['dim']}]"))
+                forward += _seq_lines(w, flow, a["dim"])
             cur = "x"
         elif item.kind == "positional":
             forward.append(Line(f"x = x + self.{item.name}(rt.positions(s, x.device))", f"[b, s, {a['dim']}]"))
+            if flow is not None:
+                forward += _seq_lines(w, flow, a["dim"])
         elif item.kind in ("rmsnorm", "layernorm"):
-            forward.append(Line(f"x = self.{item.name}(x)", f"[b, s, {a['dim']}]"))
+            shape = f"[b, s/{plan.mesh.size(*plan.seq_axes)}, {a['dim']}] Shard(seq)" if plan.seq_axes else f"[b, s, {a['dim']}]"
+            forward.append(Line(f"x = self.{item.name}(x)", shape))
         elif item.kind == "linear":
             is_head = item is model.items[-1]
-            if p.sharded and p.rule == "column":
+            if plan.seq_axes and flow is not None:
+                forward += _seq_lines(w, flow, a["in"])
+            elif p.sharded and p.rule == "column":
                 forward.append(Line(f"x = rt.copy_to(x, {w.group(p.axes)})",
                                     f"f: [b, s, {a['in']}] identity; backward all-reduces over {_axes_text(p.axes)}"))
             out_local = a["out"] // plan.mesh.size(*p.axes) if p.sharded and p.rule == "column" else a["out"]
@@ -475,6 +513,33 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
     doc = f"Stage {stage.index} ({where}): {pieces}."
     arg = "tokens: torch.Tensor" if first else "x: torch.Tensor"
     return ClassDef(f"Stage{stage.index}", doc, w.group_lines() + init, arg, forward, params)
+
+
+def _seq_lines(w: _UnitWriter, flow: UnitFlow, dim: int) -> list[Line]:
+    """The collectives of a top-level unit's flow (embedding sums, sequence parallelism's scatter
+    after the embedding and gather before the head), in order."""
+    lines = []
+    for c in flow.collectives:
+        n, axes, g = w.n(c.axes), _axes_text(c.axes), w.group(c.axes)
+        if c.op == "reduce_from":
+            lines.append(Line(f"x = rt.reduce_from(x, {g})", f"g: all-reduce over {axes} ({n}) -> [b, s, {dim}]"))
+        elif c.op == "reduce_scatter_seq":
+            lines.append(Line(f"x = rt.reduce_scatter_seq(x, {g})",
+                              f"reduce-scatter over {axes} ({n}) -> [b, s/{n}, {dim}] Shard(seq); backward all-gathers"))
+        elif c.op == "split_seq":
+            lines.append(Line(f"x = rt.split_seq(x, {g})",
+                              f"[b, s/{n}, {dim}] this rank's slice of the sequence; backward all-gathers over {axes}"))
+        elif c.op == "gather_seq":
+            lines.append(Line(f"x = rt.gather_seq(x, {g})",
+                              f"[b, s/{n}, {dim}] -> [b, s, {dim}]: all-gather over {axes} ({n}); backward reduce-scatters"))
+        elif c.op == "gather_seq_split":
+            lines.append(Line(f"x = rt.gather_seq(x, {g}, partial_grad=False)",
+                              f"[b, s/{n}, {dim}] -> [b, s, {dim}]: all-gather over {axes} ({n}); backward keeps this rank's slice"))
+        elif c.op == "copy_to":
+            lines.append(Line(f"x = rt.copy_to(x, {g})", f"f: [b, s, {dim}] identity; backward all-reduces over {axes}"))
+        else:
+            raise AssertionError(c.op)
+    return lines
 
 
 def _vocab_used(model: Any) -> int | None:
@@ -568,6 +633,7 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         Line(f"batch={plan.batch},"),
         Line(f"seq={plan.seq},"),
         Line(f"zero={plan.zero},"),
+        *([Line(f"seq_axes={tuple(plan.seq_axes)!r},")] if plan.seq_axes else []),
         Line(f"optimizer={literal(_adamw_kwargs(plan))},"),
         Line(f"dtype={TORCH_DTYPES[plan.dtype]},"),
     ]

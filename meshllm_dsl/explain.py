@@ -18,6 +18,11 @@ OPS = {
     "reduce_from": ("all-reduce", "identity"),
     "split_to": ("split", "all-gather"),
     "gather_from": ("all-gather", "split"),
+    # sequence parallelism (Megatron-LM's sequence-parallel mappings), along the sequence dim
+    "gather_seq": ("all-gather(seq)", "reduce-scatter(seq)"),
+    "reduce_scatter_seq": ("reduce-scatter(seq)", "all-gather(seq)"),
+    "split_seq": ("split(seq)", "all-gather(seq)"),
+    "gather_seq_split": ("all-gather(seq)", "split(seq)"),
 }
 
 

@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import launch
-    from .collectives import copy_to, gather_from, reduce_from, split_to
+    from .collectives import (
+        copy_to,
+        gather_from,
+        gather_seq,
+        reduce_from,
+        reduce_scatter_seq,
+        split_seq,
+        split_to,
+    )
     from .generate import greedy_generate
     from .layers import (
         DecodeSession,
@@ -33,7 +41,18 @@ if TYPE_CHECKING:
 # parent process) does not import torch, and a rank imports launch / generate only if it uses them.
 _WHERE = {
     "launch": "",
-    **dict.fromkeys(("copy_to", "gather_from", "reduce_from", "split_to"), "collectives"),
+    **dict.fromkeys(
+        (
+            "copy_to",
+            "gather_from",
+            "gather_seq",
+            "reduce_from",
+            "reduce_scatter_seq",
+            "split_seq",
+            "split_to",
+        ),
+        "collectives",
+    ),
     "greedy_generate": "generate",
     **dict.fromkeys(
         (
@@ -95,6 +114,7 @@ __all__ = [
     "cross_entropy",
     "full_init",
     "gather_from",
+    "gather_seq",
     "gather_full",
     "gather_module",
     "greedy_generate",
@@ -104,6 +124,8 @@ __all__ = [
     "local_slice",
     "positions",
     "reduce_from",
+    "reduce_scatter_seq",
+    "split_seq",
     "split_to",
     "vocab_parallel_cross_entropy",
 ]
