@@ -186,6 +186,7 @@ class _UnitWriter:
         self.plan = plan
         self.groups = groups  # axes -> attribute name holding the process group
         self.indices: dict[tuple[str, ...], str] = {}  # axes -> attribute holding mesh.index(axes)
+        self.projected: set[str] = set()  # column layers of the current sublayer already applied
 
     def group(self, axes: tuple[str, ...]) -> str:
         self.groups.setdefault(axes, _group_attr(axes))
@@ -273,18 +274,25 @@ class _UnitWriter:
                 lines.append(Line(f"{x} = rt.copy_to({x}, {self.group(c.axes)})",
                                   f"f: [b, s, {hidden}] identity; backward all-reduces over {_axes_text(c.axes)} ({self.n(c.axes)})"))
             elif c.where == "input" and c.op == "gather_seq":
+                # The column layers run inside the gather, which keeps only this rank's slice of
+                # their shared input for backward: a name per layer output for the code below.
                 n = self.n(c.axes)
-                lines.append(Line(f"{x} = rt.gather_seq({x}, {self.group(c.axes)})",
-                                  f"[b, s/{n}, {hidden}] -> [b, s, {hidden}]: all-gather over {_axes_text(c.axes)} ({n}); "
-                                  "backward reduce-scatters"))
+                names = [leaf.name for leaf in unit.leaves[:-1]]
+                layers = ", ".join(f"self.{attr}.{name}" for name in names)
+                target = names[0] + "," if len(names) == 1 else ", ".join(names)
+                lines.append(Line(f"{target} = rt.gather_seq_linear({x}, {self.group(c.axes)}, {layers})",
+                                  f"[b, s/{n}, {hidden}] all-gathered over {_axes_text(c.axes)} ({n}) into the column layers; "
+                                  "backward gathers again and reduce-scatters"))
+                self.projected = set(names)
                 if unit.kind == "attention":
-                    lines.append(Line(f"b, s, _ = {x}.shape", "the whole sequence"))
+                    lines.append(Line(f"b, s, _ = {names[0]}.shape", "the whole sequence"))
         split = next((c for c in flow.collectives if c.where == "input" and c.op == "split_to"), None)
         reduce = next((c for c in flow.collectives if c.where == "output" and c.op in ("reduce_from", "reduce_scatter_seq")), None)
         if unit.kind == "attention":
             lines += self._attention(attr, unit, a, placement, x)
         else:
             lines += self._mlp(attr, unit, a, placement, x)
+        self.projected = set()
         out_leaf = unit.leaves[-1]
         p_out = placement.get(f"{unit.name}.{out_leaf.name}", REPLICATE)
         src = "a"
@@ -309,6 +317,10 @@ class _UnitWriter:
             lines.append(Line(f"out = self.{attr}.{out_leaf.name}({src})", f"[b, s, {hidden}]"))
         return lines
 
+    def _proj(self, attr: str, name: str, x: str) -> str:
+        """Column layer `name` applied to `x`, or the name of its output computed already."""
+        return name if name in self.projected else f"self.{attr}.{name}({x})"
+
     def _local_heads(self, unit: Unit, leaf_name: str, count: int, placement: dict[str, Placement]) -> int:
         p = placement.get(f"{unit.name}.{leaf_name}", REPLICATE)
         return count // self.n(p.axes) if p.sharded else count
@@ -319,7 +331,7 @@ class _UnitWriter:
         if a["fused_qkv"]:
             h = self._local_heads(unit, "qkv", a["heads"], placement)
             kv = self._local_heads(unit, "qkv", a["kv_heads"], placement)
-            lines.append(Line(f"q, k, v = self.{attr}.qkv({x}).split([{h * hd}, {kv * hd}, {kv * hd}], dim=-1)",
+            lines.append(Line(f"q, k, v = {self._proj(attr, 'qkv', x)}.split([{h * hd}, {kv * hd}, {kv * hd}], dim=-1)",
                               f"[b, s, {h}*{hd}], [b, s, {kv}*{hd}] x 2"))
             lines += [Line(f"q = q.view(b, s, {h}, {hd})"), Line(f"k = k.view(b, s, {kv}, {hd})"),
                       Line(f"v = v.view(b, s, {kv}, {hd})")]
@@ -327,9 +339,9 @@ class _UnitWriter:
             h = self._local_heads(unit, "q", a["heads"], placement)
             kv = self._local_heads(unit, "k", a["kv_heads"], placement)
             lines += [
-                Line(f"q = self.{attr}.q({x}).view(b, s, {h}, {hd})", f"[b, s, {h} of {a['heads']} heads, {hd}]"),
-                Line(f"k = self.{attr}.k({x}).view(b, s, {kv}, {hd})", f"[b, s, {kv} of {a['kv_heads']} kv heads, {hd}]"),
-                Line(f"v = self.{attr}.v({x}).view(b, s, {kv}, {hd})"),
+                Line(f"q = {self._proj(attr, 'q', x)}.view(b, s, {h}, {hd})", f"[b, s, {h} of {a['heads']} heads, {hd}]"),
+                Line(f"k = {self._proj(attr, 'k', x)}.view(b, s, {kv}, {hd})", f"[b, s, {kv} of {a['kv_heads']} kv heads, {hd}]"),
+                Line(f"v = {self._proj(attr, 'v', x)}.view(b, s, {kv}, {hd})"),
             ]
         if a["rope_theta"] and a.get("rope_scaling"):
             sc = dict(a["rope_scaling"])
@@ -352,10 +364,10 @@ class _UnitWriter:
         p_up = placement.get(f"{unit.name}.up", REPLICATE)
         f_local = a["ffn"] // self.n(p_up.axes) if p_up.sharded and p_up.rule == "column" else a["ffn"]
         if a["act"] == "swiglu":
-            return [Line(f"a = F.silu(self.{attr}.gate({x})) * self.{attr}.up({x})", f"[b, s, {f_local}] SwiGLU")]
+            return [Line(f"a = F.silu({self._proj(attr, 'gate', x)}) * {self._proj(attr, 'up', x)}", f"[b, s, {f_local}] SwiGLU")]
         act = {"gelu_tanh": "F.gelu({}, approximate=\"tanh\")", "gelu": "F.gelu({})", "relu": "F.relu({})",
                "silu": "F.silu({})"}[a["act"]]
-        return [Line("a = " + act.format(f"self.{attr}.up({x})"), f"[b, s, {f_local}] {a['act']}")]
+        return [Line("a = " + act.format(self._proj(attr, "up", x)), f"[b, s, {f_local}] {a['act']}")]
 
 
 # ---------------------------------------------------------------- classes
@@ -483,8 +495,14 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
             forward.append(Line(f"x = self.{item.name}(x)", shape))
         elif item.kind == "linear":
             is_head = item is model.items[-1]
+            fused = False
             if plan.seq_axes and flow is not None:
-                forward += _seq_lines(w, flow, a["in"])
+                ops = [c.op for c in flow.collectives]
+                # Gather and head in one step (keeps this rank's slice for backward), unless a tied
+                # head has a bias of its own: the two tensors then live on different modules.
+                fused = ops == ["gather_seq"] and not (leaf is not None and leaf.tie is not None and a["bias"])
+                if not fused:
+                    forward += _seq_lines(w, flow, a["in"])
             elif p.sharded and p.rule == "column":
                 forward.append(Line(f"x = rt.copy_to(x, {w.group(p.axes)})",
                                     f"f: [b, s, {a['in']}] identity; backward all-reduces over {_axes_text(p.axes)}"))
@@ -496,7 +514,15 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
             else:
                 call = f"self.{item.name}(x)"
             what = f"Shard(vocab) over {_axes_text(p.axes)}: {out_local} of {a['out']}" if p.sharded else "Replicate"
-            forward.append(Line(f"{'logits' if is_head else 'x'} = {call}", f"[b, s, {out_local}] {what}"))
+            if fused:
+                (c,) = flow.collectives  # type: ignore[union-attr]
+                owner = leaf.tie if leaf is not None and leaf.tie is not None and leaf.tie in held else item.name
+                n = w.n(c.axes)
+                forward.append(Line(f"{'logits' if is_head else 'x'}, = rt.gather_seq_linear(x, {w.group(c.axes)}, self.{owner})",
+                                    f"[b, s/{n}, {a['in']}] all-gathered over {_axes_text(c.axes)} ({n}) -> "
+                                    f"[b, s, {out_local}] {what}; backward gathers again and reduce-scatters"))
+            else:
+                forward.append(Line(f"{'logits' if is_head else 'x'} = {call}", f"[b, s, {out_local}] {what}"))
             if is_head:
                 cur = "logits"
                 used = _vocab_used(model)

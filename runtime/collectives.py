@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "copy_to",
     "gather_from",
     "gather_seq",
+    "gather_seq_linear",
     "reduce_from",
     "reduce_scatter_seq",
     "sequence_sharded",
@@ -210,3 +212,49 @@ def split_seq(x: Tensor, group: ProcessGroup | None) -> Tensor:
     if group is None or not sequence_sharded():
         return x
     return _SplitTo.apply(x, group, SEQ_DIM)
+
+
+class _GatherSeqLinear(torch.autograd.Function):
+    """All-gather x along the sequence, then column layers on the whole sequence; for backward keep
+    only this rank's slice of x and gather it again there (Megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` with sequence parallelism), so the layers'
+    shared input costs [b, s / t, h] of activation memory, not [b, s, h]."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: ProcessGroup, *params: Tensor | None) -> tuple[Tensor, ...]:
+        full = _all_gather_cat(x, group, SEQ_DIM)
+        weights, biases = params[0::2], params[1::2]
+        ctx.group, ctx.has_bias = group, tuple(b is not None for b in biases)
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        # [b, s / t, h] -> [b, s, h] again: the weight gradients need the whole sequence.
+        full = _all_gather_cat(x, ctx.group, SEQ_DIM)
+        flat = full.reshape(-1, full.shape[-1])
+        gx = torch.zeros_like(full)
+        out: list[Tensor | None] = []
+        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+            if g is None:
+                out += [None, None]
+                continue
+            gx = gx + g @ w
+            g2 = g.reshape(-1, g.shape[-1])
+            out += [g2.t() @ flat, g2.sum(0) if has_bias else None]
+        # Each rank's input gradient is a partial sum over the tensor group: reduce-scatter it.
+        return (_reduce_scatter(gx, ctx.group, SEQ_DIM), None, *out)
+
+
+def gather_seq_linear(x: Tensor, group: ProcessGroup | None, *layers: nn.Module) -> tuple[Tensor, ...]:
+    """Shard(seq) x [b, s / t, h] -> each column layer applied to the whole sequence [b, s, h]:
+    ``gather_seq`` followed by the layers, keeping only x's slice for backward (``_GatherSeqLinear``).
+    Layers are anything with ``weight`` (and optionally ``bias``)."""
+    if group is None or not sequence_sharded():
+        h = x if group is None else copy_to(x, group)
+        return tuple(F.linear(h, m.weight, getattr(m, "bias", None)) for m in layers)
+    params: list[Tensor | None] = []
+    for m in layers:
+        params += [m.weight, getattr(m, "bias", None)]
+    return _GatherSeqLinear.apply(x, group, *params)

@@ -97,7 +97,7 @@ def test_sequence_parallel_plan_matches_unsharded_reference(name: str, pool: Wor
     assert plan.seq_axes == ("tensor",)
     path = tmp_path / f"{name}.py"
     text = render_plan(plan, f"{name}.mesh", CASES[name])
-    assert "rt.reduce_scatter_seq(" in text and "rt.gather_seq(" in text
+    assert "rt.reduce_scatter_seq(" in text and "rt.gather_seq_linear(" in text
     assert "partial_grad=('tensor',)" in text
     path.write_text(text)
     per_rank = pool.run(_job, plan.mesh.devices, str(path))
