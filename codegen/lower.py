@@ -28,6 +28,7 @@ from meshllm_dsl.ir import (
     Unit,
     UnitFlow,
 )
+from meshllm_dsl.layouts import seq_partial_grad
 from meshllm_dsl.names import ranges
 
 TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32", "fp64": "torch.float64"}
@@ -162,18 +163,6 @@ def _spec(full_local: str, t: Tensor, p: Placement, local_expr: str | None = Non
         seg += f", partial_grad={tuple(partial_grad)!r}"
     local = local_expr if local_expr is not None else "prefix + " + repr(full_local)
     return Line(f"prefix + {full_local!r}: rt.ShardSpec({local}, {tuple(t.shape)!r}, {dims_text}{seg}),")
-
-
-def _seq_partial(plan: PlanIR, unit: Unit, leaf: Leaf, t: Tensor) -> tuple[str, ...]:
-    """Axes over which `t`'s gradient is a partial sum under sequence parallelism: norms, and a row
-    layer's bias (added after the reduce-scatter), see only this rank's slice of the sequence."""
-    if not plan.seq_axes:
-        return ()
-    if unit.kind in ("rmsnorm", "layernorm"):
-        return plan.seq_axes
-    if unit.kind in ("attention", "mlp") and leaf is unit.leaves[-1] and len(t.shape) == 1:
-        return plan.seq_axes
-    return ()
 
 
 # ---------------------------------------------------------------- code for units
@@ -393,7 +382,7 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
             p = placement.get(".".join(leaf.path[0:]) if len(leaf.path) == 1 else f"{unit.name}.{leaf.name}", REPLICATE)
             local_base = leaf.path[0] if len(leaf.path) == 1 else f"{unit.name}.{leaf.name}"
             for t in leaf.params:
-                params.append(_spec(f"{local_base}.{t.name}", t, p, partial_grad=_seq_partial(plan, unit, leaf, t)))
+                params.append(_spec(f"{local_base}.{t.name}", t, p, partial_grad=seq_partial_grad(plan, unit, leaf, t)))
         if unit.kind in ("rmsnorm", "layernorm"):
             forward.append(Line(f"h = self.{unit.name}(x)"))
             pending_norm = unit.name
@@ -478,7 +467,7 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
                 for lf in item.leaves:
                     for t in lf.params:
                         base = lf.path[0] if len(lf.path) == 1 else f"{item.name}.{lf.name}"
-                        params.append(_spec(f"{base}.{t.name}", t, p, partial_grad=_seq_partial(plan, item, lf, t)))
+                        params.append(_spec(f"{base}.{t.name}", t, p, partial_grad=seq_partial_grad(plan, item, lf, t)))
         a = dict(item.attrs)
         if item.kind == "embedding":
             forward.append(Line(f"x = self.{item.name}({cur})",

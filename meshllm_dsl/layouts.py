@@ -20,7 +20,19 @@ from __future__ import annotations
 from typing import Protocol
 
 from meshllm_dsl.diagnostics import Label
-from meshllm_dsl.ir import REPLICATE, Collective, Layout, ModelIR, Placement, Repeat, Unit, UnitFlow
+from meshllm_dsl.ir import (
+    REPLICATE,
+    Collective,
+    Layout,
+    Leaf,
+    ModelIR,
+    Placement,
+    PlanIR,
+    Repeat,
+    Tensor,
+    Unit,
+    UnitFlow,
+)
 from meshllm_dsl.source import Span
 
 R = Layout("R")
@@ -160,7 +172,7 @@ def _at_residual(y: Layout, where: str, p: Placement, collectives: list[Collecti
 
 
 def _seq_block_flow(unit: Unit, flow: UnitFlow, prefix: str, placement: dict[str, Placement],
-                    seq: tuple[str, ...], seq_span: Span | None, r: _Reporter) -> UnitFlow | None:
+                    seq: tuple[str, ...], seq_span: Span | None, r: _Reporter, quiet: bool = False) -> UnitFlow | None:
     """A block unit's flow under sequence parallelism over `seq`; None after an error (E0410)."""
     q = Layout("Q", seq)
     if unit.kind in ("rmsnorm", "layernorm"):
@@ -182,7 +194,7 @@ def _seq_block_flow(unit: Unit, flow: UnitFlow, prefix: str, placement: dict[str
                 label=f"{first.rule}({', '.join(first.axes)}) here",
                 secondary=(Label(seq_span, "sequence parallelism asked for here"),) if seq_span else (),
                 help=fix, note=note)
-    else:
+    elif not quiet:  # (quiet: a sublayer before this one was refused already, at the same span)
         r.error("E0410", f"sequence parallelism over {axes} needs `{where}` tensor-parallel over {axes}", seq_span,
                 label=f"`{where}` is replicated", help=fix, note=note)
     return None
@@ -191,10 +203,12 @@ def _seq_block_flow(unit: Unit, flow: UnitFlow, prefix: str, placement: dict[str
 def block_flows(rep: Repeat, placement: dict[str, Placement], r: _Reporter, prefix: str,
                 seq: tuple[str, ...] = (), seq_span: Span | None = None) -> list[tuple[str, UnitFlow]]:
     out = []
+    refused = False
     for unit in rep.body:
         flow = unit_flow(unit, prefix + ".", placement, r)
         if flow is not None and seq:
-            flow = _seq_block_flow(unit, flow, prefix + ".", placement, seq, seq_span, r)
+            flow = _seq_block_flow(unit, flow, prefix + ".", placement, seq, seq_span, r, refused)
+            refused |= flow is None and unit.kind in ("attention", "mlp")
         if flow is not None:
             out.append((unit.name, flow))
     return out
@@ -240,3 +254,15 @@ def top_flows(model: ModelIR, top: dict[str, Placement], loss: Placement,
             if flow is not None:
                 out.append((item.name, flow))
     return out
+
+
+def seq_partial_grad(plan: PlanIR, unit: Unit, leaf: Leaf, t: Tensor) -> tuple[str, ...]:
+    """Axes over which `t`'s gradient is a partial sum under sequence parallelism: norms, and a row
+    layer's bias (added after the reduce-scatter), see only this rank's slice of the sequence."""
+    if not plan.seq_axes:
+        return ()
+    if unit.kind in ("rmsnorm", "layernorm"):
+        return plan.seq_axes
+    if unit.kind in ("attention", "mlp") and leaf is unit.leaves[-1] and len(t.shape) == 1:
+        return plan.seq_axes
+    return ()
