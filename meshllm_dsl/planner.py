@@ -318,10 +318,22 @@ def unit_backward_bytes(plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
     log-softmax gradient and the gradient of the logits; the vocab-parallel loss works in place."""
     unit = hu.unit
     e = DTYPES[plan.dtype]
+    # Sequence parallelism: the backward of the gathered column layers (rt.gather_seq_linear) holds
+    # their output gradients, the re-gathered input, its gradient and that gradient's copy laid out
+    # for the reduce-scatter: 3 x [tokens, hidden] beyond the output gradients.
+    regather = 3 * e * tokens * _hidden(plan) if plan.seq_axes else 0
     if unit.kind == "mlp":
         up = next(leaf for leaf in unit.leaves if leaf.name == "up")
         f = int(unit.attr("ffn")) // _axes_size(plan, hu.placement(up))  # type: ignore[arg-type]
-        return (4 if unit.attr("act") == "swiglu" else 2) * e * tokens * f
+        swiglu = unit.attr("act") == "swiglu"
+        own = (4 if swiglu else 2) * e * tokens * f
+        return max(own, (2 if swiglu else 1) * e * tokens * f + regather) if regather else own
+    if unit.kind == "attention" and regather:
+        hq, hd = _local_heads(plan, hu), int(unit.attr("head_dim"))  # type: ignore[arg-type]
+        hk = int(unit.attr("kv_heads")) * hq // int(unit.attr("heads"))  # type: ignore[arg-type]
+        return e * tokens * (hq + 2 * hk) * hd + regather
+    if unit.kind == "linear" and hu.last and plan.loss.sharded and regather:
+        return regather  # the logits' gradient is the loss's saved softmax, rewritten in place
     if unit.kind == "linear" and hu.last and not plan.loss.sharded:
         leaf = unit.leaves[0]
         p = hu.placement(leaf)

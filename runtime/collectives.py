@@ -234,17 +234,18 @@ class _GatherSeqLinear(torch.autograd.Function):
         # [b, s / t, h] -> [b, s, h] again: the weight gradients need the whole sequence.
         full = _all_gather_cat(x, ctx.group, SEQ_DIM)
         flat = full.reshape(-1, full.shape[-1])
-        gx = torch.zeros_like(full)
+        gx: Tensor | None = None  # [tokens, h], accumulated in place (no temporary per layer)
         out: list[Tensor | None] = []
         for g, w, has_bias in zip(grads, weights, ctx.has_bias):
             if g is None:
                 out += [None, None]
                 continue
-            gx = gx + g @ w
             g2 = g.reshape(-1, g.shape[-1])
+            gx = g2 @ w if gx is None else gx.addmm_(g2, w)
             out += [g2.t() @ flat, g2.sum(0) if has_bias else None]
+        gx = torch.zeros_like(flat) if gx is None else gx
         # Each rank's input gradient is a partial sum over the tensor group: reduce-scatter it.
-        return (_reduce_scatter(gx, ctx.group, SEQ_DIM), None, *out)
+        return (_reduce_scatter(gx.view_as(full), ctx.group, SEQ_DIM), None, *out)
 
 
 def gather_seq_linear(x: Tensor, group: ProcessGroup | None, *layers: nn.Module) -> tuple[Tensor, ...]:
