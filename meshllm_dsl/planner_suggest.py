@@ -37,11 +37,12 @@ class Candidate:
     virtual: int
     zero: int
     hosts: int
+    seq_parallel: bool = False  # `seq -> tensor`: Megatron sequence parallelism over the tensor axis
 
     def key(self) -> str:
         sched = "" if self.schedule == "none" else f" {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else "")
         return (f"data {self.data} x pipeline {self.pipeline} x tensor {self.tensor}, {self.microbatches} microbatches"
-                f"{sched}, ZeRO {self.zero}")
+                f"{sched}, ZeRO {self.zero}" + (", sequence parallel" if self.seq_parallel else ""))
 
 
 @attrs.frozen
@@ -119,6 +120,7 @@ def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -
     plan = [f"plan {PLAN_NAME} on {MESH_NAME} for {model.name} {{", f"    batch = {batch}", f"    seq = {seq}",
             f"    microbatches = {c.microbatches}"]
     layout = (["batch -> data"] if c.data > 1 else []) + ([f"{d} -> tensor" for d in _sharded_dims(model)] if c.tensor > 1 else [])
+    layout += ["seq -> tensor"] if c.seq_parallel else []
     if layout:
         plan.append("    layout { " + ", ".join(layout) + " }")
     if c.pipeline > 1:
@@ -214,9 +216,11 @@ def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, 
             return block, None
         return block, plan
 
-    groups: dict[tuple[int, int, int, str, int], list[Candidate]] = {}
+    groups: dict[tuple[int, int, int, str, int, bool], list[Candidate]] = {}
     for c in candidates(model, devices, batch, host):
-        groups.setdefault((c.data, c.pipeline, c.tensor, c.schedule, c.virtual), []).append(c)
+        # Each tensor-parallel candidate also with sequence parallelism, where seq splits over it.
+        for v in (c, attrs.evolve(c, seq_parallel=True)) if c.tensor > 1 and seq % c.tensor == 0 else (c,):
+            groups.setdefault((v.data, v.pipeline, v.tensor, v.schedule, v.virtual, v.seq_parallel), []).append(v)
     enumerated = sum(len(g) for g in groups.values())
     estimates: list[tuple[Candidate, PlanReport]] = []
     for group in groups.values():
@@ -291,7 +295,7 @@ def _gain(deltas: dict[str, float], lose: str) -> str:
 def suggestion_text(res: SuggestResult) -> str:
     lines = [
         f"suggest: {res.model} on {res.devices} x {res.device.name} ({res.per_host} per host), batch {res.batch} x seq {res.seq}",
-        (f"  {res.enumerated} candidates (data x pipeline x tensor, microbatches, schedule, ZeRO); "
+        (f"  {res.enumerated} candidates (data x pipeline x tensor, microbatches, schedule, ZeRO, sequence parallelism); "
         f"{res.fitting} estimated to fit in {fmt_bytes(res.device.memory_bytes)}; {res.checked} written out and run "
         "through the checker; every plan below checks clean as printed"),
         "",
