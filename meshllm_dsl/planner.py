@@ -44,6 +44,7 @@ from meshllm_dsl.ir import (
     Unit,
     UnitFlow,
 )
+from meshllm_dsl.layouts import seq_partial_grad
 from meshllm_dsl.names import ranges
 from meshllm_dsl.source import Span
 
@@ -593,6 +594,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         kv_bytes = 0
         largest_unit = 0
         tensor_calls: dict[tuple[tuple[str, ...], str], int] = {}
+        seq_grads = 0  # sequence parallelism: gradient elements summed over the tensor axes once a step
         holds_head = False
         block_saved: dict[str, int] = {}  # recompute: what one block (or attention core) rebuilds in backward
         block_local: dict[str, int] = {}  # recompute = blocks: parameters of the recomputed blocks
@@ -630,6 +632,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     kv_bytes += hu.count * 2 * kv_local * int(hu.unit.attr("head_dim")) * plan.seq * inf_batch * w  # type: ignore[arg-type]
                 for axes, op in unit_collectives(hu):
                     tensor_calls[(axes, op)] = tensor_calls.get((axes, op), 0) + hu.count
+                seq_grads += hu.count * sum(t.numel for lf in hu.unit.leaves for t in lf.params
+                                            if seq_partial_grad(plan, hu.unit, lf, t))
                 holds_head |= hu.last
         if plan.recompute == "blocks":
             blocks_here = sum((pc.stop or 0) - (pc.start or 0) for st_ in stages_at[c] for pc in st_.pieces
@@ -655,6 +659,9 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         act_size = w * tokens_mb * hidden
         for (axes, op), calls in sorted(tensor_calls.items()):
             comms.append(_comm(plan, device, axes, "tensor", op, calls * m, act_size))
+        if seq_grads:
+            # The norms' (and row biases') partial gradients, coalesced into one all-reduce per step.
+            comms.append(_comm(plan, device, plan.seq_axes, "tensor", "all_reduce", 1, w * seq_grads))
         if holds_head and plan.loss.sharded:
             # Vocab-parallel cross entropy: all-reduce the per-token max, sum of exps and target logit (fp32).
             comms.append(_comm(plan, device, plan.loss.axes, "loss", "all_reduce", 3 * m, FP32 * tokens_mb))
