@@ -64,6 +64,20 @@ CASES: dict[str, str] = {
         )
         for mode in ("blocks", "attention")
     },
+    # Sequence parallelism (`layout { seq -> tensor }`): norms, block inputs and column inputs / t.
+    "llama t2 seqpar": LLAMA.format(
+        axes="tensor = 2", batch=4, m=1, rules=TP_RULES.replace(" }", ", seq -> tensor }"), recompute="none"
+    ),
+    "llama t2 seqpar recompute blocks": LLAMA.format(
+        axes="tensor = 2", batch=4, m=1, rules=TP_RULES.replace(" }", ", seq -> tensor }"), recompute="blocks"
+    ),
+    "llama p2 t2 1f1b m4 seqpar": LLAMA.format(
+        axes="pipeline = 2, tensor = 2",
+        batch=8,
+        m=4,
+        rules=TP_RULES.replace(" }", ", seq -> tensor }") + "\n    stages over pipeline balanced\n    schedule 1f1b",
+        recompute="none",
+    ),
 }
 
 

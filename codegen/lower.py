@@ -28,6 +28,7 @@ from meshllm_dsl.ir import (
     Unit,
     UnitFlow,
 )
+from meshllm_dsl.layouts import seq_partial_grad
 from meshllm_dsl.names import ranges
 
 TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32", "fp64": "torch.float64"}
@@ -152,11 +153,14 @@ def _shard_dims(t: Tensor, p: Placement) -> tuple[tuple[int, tuple[str, ...]], .
     return () if dim is None else ((dim, p.axes),)
 
 
-def _spec(full_local: str, t: Tensor, p: Placement, local_expr: str | None = None) -> Line:
+def _spec(full_local: str, t: Tensor, p: Placement, local_expr: str | None = None,
+          partial_grad: tuple[str, ...] = ()) -> Line:
     dims = _shard_dims(t, p)
     # repr of tuples of ints and validated identifiers is exactly the Python literal we want
     dims_text = repr(tuple((d, tuple(axes)) for d, axes in dims))
     seg = f", segments={tuple(t.segments)!r}" if t.segments and dims and dims[0][0] == 0 else ""
+    if partial_grad:
+        seg += f", partial_grad={tuple(partial_grad)!r}"
     local = local_expr if local_expr is not None else "prefix + " + repr(full_local)
     return Line(f"prefix + {full_local!r}: rt.ShardSpec({local}, {tuple(t.shape)!r}, {dims_text}{seg}),")
 
@@ -171,6 +175,7 @@ class _UnitWriter:
         self.plan = plan
         self.groups = groups  # axes -> attribute name holding the process group
         self.indices: dict[tuple[str, ...], str] = {}  # axes -> attribute holding mesh.index(axes)
+        self.projected: set[str] = set()  # column layers of the current sublayer already applied
 
     def group(self, axes: tuple[str, ...]) -> str:
         self.groups.setdefault(axes, _group_attr(axes))
@@ -257,12 +262,26 @@ class _UnitWriter:
             if c.where == "input" and c.op == "copy_to":
                 lines.append(Line(f"{x} = rt.copy_to({x}, {self.group(c.axes)})",
                                   f"f: [b, s, {hidden}] identity; backward all-reduces over {_axes_text(c.axes)} ({self.n(c.axes)})"))
+            elif c.where == "input" and c.op == "gather_seq":
+                # The column layers run inside the gather, which keeps only this rank's slice of
+                # their shared input for backward: a name per layer output for the code below.
+                n = self.n(c.axes)
+                names = [leaf.name for leaf in unit.leaves[:-1]]
+                layers = ", ".join(f"self.{attr}.{name}" for name in names)
+                target = names[0] + "," if len(names) == 1 else ", ".join(names)
+                lines.append(Line(f"{target} = rt.gather_seq_linear({x}, {self.group(c.axes)}, {layers})",
+                                  f"[b, s/{n}, {hidden}] all-gathered over {_axes_text(c.axes)} ({n}) into the column layers; "
+                                  "backward gathers again and reduce-scatters"))
+                self.projected = set(names)
+                if unit.kind == "attention":
+                    lines.append(Line(f"b, s, _ = {names[0]}.shape", "the whole sequence"))
         split = next((c for c in flow.collectives if c.where == "input" and c.op == "split_to"), None)
-        reduce = next((c for c in flow.collectives if c.where == "output" and c.op == "reduce_from"), None)
+        reduce = next((c for c in flow.collectives if c.where == "output" and c.op in ("reduce_from", "reduce_scatter_seq")), None)
         if unit.kind == "attention":
             lines += self._attention(attr, unit, a, placement, x)
         else:
             lines += self._mlp(attr, unit, a, placement, x)
+        self.projected = set()
         out_leaf = unit.leaves[-1]
         p_out = placement.get(f"{unit.name}.{out_leaf.name}", REPLICATE)
         src = "a"
@@ -275,11 +294,21 @@ class _UnitWriter:
             lines.append(Line(f"out = F.linear({src}, self.{attr}.{out_leaf.name}.weight)",
                               f"[b, s, {hidden}] Partial over {_axes_text(reduce.axes)}"))
             bias = f" + self.{attr}.{out_leaf.name}.bias" if has_bias else ""
-            lines.append(Line(f"out = rt.reduce_from(out, {self.group(reduce.axes)}){bias}",
-                              f"g: all-reduce over {_axes_text(reduce.axes)} ({self.n(reduce.axes)}) -> [b, s, {hidden}]"))
+            n = self.n(reduce.axes)
+            if reduce.op == "reduce_scatter_seq":
+                lines.append(Line(f"out = rt.reduce_scatter_seq(out, {self.group(reduce.axes)}){bias}",
+                                  f"reduce-scatter over {_axes_text(reduce.axes)} ({n}) -> [b, s/{n}, {hidden}]; "
+                                  "backward all-gathers"))
+            else:
+                lines.append(Line(f"out = rt.reduce_from(out, {self.group(reduce.axes)}){bias}",
+                                  f"g: all-reduce over {_axes_text(reduce.axes)} ({n}) -> [b, s, {hidden}]"))
         else:
             lines.append(Line(f"out = self.{attr}.{out_leaf.name}({src})", f"[b, s, {hidden}]"))
         return lines
+
+    def _proj(self, attr: str, name: str, x: str) -> str:
+        """Column layer `name` applied to `x`, or the name of its output computed already."""
+        return name if name in self.projected else f"self.{attr}.{name}({x})"
 
     def _local_heads(self, unit: Unit, leaf_name: str, count: int, placement: dict[str, Placement]) -> int:
         p = placement.get(f"{unit.name}.{leaf_name}", REPLICATE)
@@ -291,7 +320,7 @@ class _UnitWriter:
         if a["fused_qkv"]:
             h = self._local_heads(unit, "qkv", a["heads"], placement)
             kv = self._local_heads(unit, "qkv", a["kv_heads"], placement)
-            lines.append(Line(f"q, k, v = self.{attr}.qkv({x}).split([{h * hd}, {kv * hd}, {kv * hd}], dim=-1)",
+            lines.append(Line(f"q, k, v = {self._proj(attr, 'qkv', x)}.split([{h * hd}, {kv * hd}, {kv * hd}], dim=-1)",
                               f"[b, s, {h}*{hd}], [b, s, {kv}*{hd}] x 2"))
             lines += [Line(f"q = q.view(b, s, {h}, {hd})"), Line(f"k = k.view(b, s, {kv}, {hd})"),
                       Line(f"v = v.view(b, s, {kv}, {hd})")]
@@ -299,9 +328,9 @@ class _UnitWriter:
             h = self._local_heads(unit, "q", a["heads"], placement)
             kv = self._local_heads(unit, "k", a["kv_heads"], placement)
             lines += [
-                Line(f"q = self.{attr}.q({x}).view(b, s, {h}, {hd})", f"[b, s, {h} of {a['heads']} heads, {hd}]"),
-                Line(f"k = self.{attr}.k({x}).view(b, s, {kv}, {hd})", f"[b, s, {kv} of {a['kv_heads']} kv heads, {hd}]"),
-                Line(f"v = self.{attr}.v({x}).view(b, s, {kv}, {hd})"),
+                Line(f"q = {self._proj(attr, 'q', x)}.view(b, s, {h}, {hd})", f"[b, s, {h} of {a['heads']} heads, {hd}]"),
+                Line(f"k = {self._proj(attr, 'k', x)}.view(b, s, {kv}, {hd})", f"[b, s, {kv} of {a['kv_heads']} kv heads, {hd}]"),
+                Line(f"v = {self._proj(attr, 'v', x)}.view(b, s, {kv}, {hd})"),
             ]
         if a["rope_theta"] and a.get("rope_scaling"):
             sc = dict(a["rope_scaling"])
@@ -324,10 +353,10 @@ class _UnitWriter:
         p_up = placement.get(f"{unit.name}.up", REPLICATE)
         f_local = a["ffn"] // self.n(p_up.axes) if p_up.sharded and p_up.rule == "column" else a["ffn"]
         if a["act"] == "swiglu":
-            return [Line(f"a = F.silu(self.{attr}.gate({x})) * self.{attr}.up({x})", f"[b, s, {f_local}] SwiGLU")]
+            return [Line(f"a = F.silu({self._proj(attr, 'gate', x)}) * {self._proj(attr, 'up', x)}", f"[b, s, {f_local}] SwiGLU")]
         act = {"gelu_tanh": "F.gelu({}, approximate=\"tanh\")", "gelu": "F.gelu({})", "relu": "F.relu({})",
                "silu": "F.silu({})"}[a["act"]]
-        return [Line("a = " + act.format(f"self.{attr}.up({x})"), f"[b, s, {f_local}] {a['act']}")]
+        return [Line("a = " + act.format(self._proj(attr, "up", x)), f"[b, s, {f_local}] {a['act']}")]
 
 
 # ---------------------------------------------------------------- classes
@@ -338,7 +367,13 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
     w = _UnitWriter(plan, groups)
     placement = dict(cls.placements)
     init: list[Line] = []
-    forward: list[Line] = [Line("b, s, _ = x.shape", f"x: [b, s, {_model_hidden(plan)}] Replicate (the residual stream)")]
+    sp = plan.seq_axes
+    residual = f"Shard(seq) over {_axes_text(sp)}" if sp else "Replicate"
+    if sp:
+        # b and s are bound after the attention's gather: the whole sequence, not this rank's slice.
+        forward: list[Line] = [Line("", f"x: [b, s/{plan.mesh.size(*sp)}, {_model_hidden(plan)}] {residual} (the residual stream)")]
+    else:
+        forward = [Line("b, s, _ = x.shape", f"x: [b, s, {_model_hidden(plan)}] Replicate (the residual stream)")]
     params: list[Line] = []
     pending_norm: str | None = None
     for unit in rep.body:
@@ -347,21 +382,21 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
             p = placement.get(".".join(leaf.path[0:]) if len(leaf.path) == 1 else f"{unit.name}.{leaf.name}", REPLICATE)
             local_base = leaf.path[0] if len(leaf.path) == 1 else f"{unit.name}.{leaf.name}"
             for t in leaf.params:
-                params.append(_spec(f"{local_base}.{t.name}", t, p))
+                params.append(_spec(f"{local_base}.{t.name}", t, p, partial_grad=seq_partial_grad(plan, unit, leaf, t)))
         if unit.kind in ("rmsnorm", "layernorm"):
             forward.append(Line(f"h = self.{unit.name}(x)"))
             pending_norm = unit.name
         elif unit.kind in ("attention", "mlp"):
             src = "h" if pending_norm else "x"
             forward += w.sublayer(unit.name, unit, cls.flow(unit.name), placement, src)
-            forward.append(Line("x = x + out", "residual add: Replicate"))
+            forward.append(Line("x = x + out", f"residual add: {residual}"))
             pending_norm = None
         else:
             raise AssertionError(f"{unit.kind} inside a repeat")
     if pending_norm:
         forward.append(Line("x = h"))
     forward.append(Line("return x"))
-    forward = _trim_shape_line(forward)
+    forward = forward if sp else _trim_shape_line(forward)
     idx = cls.indices
     doc = f"Blocks {ranges(idx, ', ')} of `{rep.name}`: " + ", ".join(f"{u.name} ({u.kind})" for u in rep.body) + "."
     return ClassDef(name, doc, w.group_lines() + init, "x: torch.Tensor", forward, params)
@@ -382,7 +417,8 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
         forward.append(Line("b, s = tokens.shape", "tokens: [b, s] int64"))
         cur = "tokens"
     else:
-        forward.append(Line("b, s, _ = x.shape", f"x: [b, s, {hidden}] from the previous stage"))
+        sp_in = f"[b, s/{plan.mesh.size(*plan.seq_axes)}, {hidden}] Shard(seq)" if plan.seq_axes else f"[b, s, {hidden}]"
+        forward.append(Line("b, s, _ = x.shape", f"x: {sp_in} from the previous stage"))
         cur = "x"
     held = {pc.item for pc in stage.pieces}
     for pc in stage.pieces:
@@ -399,12 +435,13 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
                 init.append(Line(f"self.{item.name} = nn.ModuleDict({{{entries}}})",
                                  f"blocks {pc.start} to {pc.stop - 1} of {item.count}"))
             forward.append(Line(f"for block in self.{item.name}.values():"))
+            stream = f"[b, s/{plan.mesh.size(*plan.seq_axes)}, {hidden}] Shard(seq)" if plan.seq_axes else f"[b, s, {hidden}]"
             if plan.recompute == "blocks":
                 # Full recomputation: each block keeps only its input; backward reruns its forward
                 # (tensor-parallel collectives included) before its own backward.
-                forward.append(Line("    x = rt.recompute(block, x)", f"[b, s, {hidden}]; recomputed in backward"))
+                forward.append(Line("    x = rt.recompute(block, x)", f"{stream}; recomputed in backward"))
             else:
-                forward.append(Line("    x = block(x)", f"[b, s, {hidden}]"))
+                forward.append(Line("    x = block(x)", stream))
             for cls_name, a, b in runs:
                 params.append(Line(f"**{{k: v for i in {_range(a, b)} "
                                    f"for k, v in {cls_name}.params(f\"{{prefix}}{item.name}.{{i}}.\").items()}},"))
@@ -430,24 +467,32 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
                 for lf in item.leaves:
                     for t in lf.params:
                         base = lf.path[0] if len(lf.path) == 1 else f"{item.name}.{lf.name}"
-                        params.append(_spec(f"{base}.{t.name}", t, p))
+                        params.append(_spec(f"{base}.{t.name}", t, p, partial_grad=seq_partial_grad(plan, item, lf, t)))
         a = dict(item.attrs)
         if item.kind == "embedding":
             forward.append(Line(f"x = self.{item.name}({cur})",
                                 f"[b, s, {a['dim']}]" + (f" Partial over {_axes_text(p.axes)}" if p.sharded else "")))
             if flow is not None:
-                for c in flow.collectives:
-                    if c.op == "reduce_from":
-                        forward.append(Line(f"x = rt.reduce_from(x, {w.group(c.axes)})",
-                                            f"g: all-reduce over {_axes_text(c.axes)} ({plan.mesh.size(*c.axes)}) -> [b, s, {a['dim']}]"))
+                forward += _seq_lines(w, flow, a["dim"])
             cur = "x"
         elif item.kind == "positional":
             forward.append(Line(f"x = x + self.{item.name}(rt.positions(s, x.device))", f"[b, s, {a['dim']}]"))
+            if flow is not None:
+                forward += _seq_lines(w, flow, a["dim"])
         elif item.kind in ("rmsnorm", "layernorm"):
-            forward.append(Line(f"x = self.{item.name}(x)", f"[b, s, {a['dim']}]"))
+            shape = f"[b, s/{plan.mesh.size(*plan.seq_axes)}, {a['dim']}] Shard(seq)" if plan.seq_axes else f"[b, s, {a['dim']}]"
+            forward.append(Line(f"x = self.{item.name}(x)", shape))
         elif item.kind == "linear":
             is_head = item is model.items[-1]
-            if p.sharded and p.rule == "column":
+            fused = False
+            if plan.seq_axes and flow is not None:
+                ops = [c.op for c in flow.collectives]
+                # Gather and head in one step (keeps this rank's slice for backward), unless a tied
+                # head has a bias of its own: the two tensors then live on different modules.
+                fused = ops == ["gather_seq"] and not (leaf is not None and leaf.tie is not None and a["bias"])
+                if not fused:
+                    forward += _seq_lines(w, flow, a["in"])
+            elif p.sharded and p.rule == "column":
                 forward.append(Line(f"x = rt.copy_to(x, {w.group(p.axes)})",
                                     f"f: [b, s, {a['in']}] identity; backward all-reduces over {_axes_text(p.axes)}"))
             out_local = a["out"] // plan.mesh.size(*p.axes) if p.sharded and p.rule == "column" else a["out"]
@@ -458,7 +503,15 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
             else:
                 call = f"self.{item.name}(x)"
             what = f"Shard(vocab) over {_axes_text(p.axes)}: {out_local} of {a['out']}" if p.sharded else "Replicate"
-            forward.append(Line(f"{'logits' if is_head else 'x'} = {call}", f"[b, s, {out_local}] {what}"))
+            if fused:
+                (c,) = flow.collectives  # type: ignore[union-attr]
+                owner = leaf.tie if leaf is not None and leaf.tie is not None and leaf.tie in held else item.name
+                n = w.n(c.axes)
+                forward.append(Line(f"{'logits' if is_head else 'x'}, = rt.gather_seq_linear(x, {w.group(c.axes)}, self.{owner})",
+                                    f"[b, s/{n}, {a['in']}] all-gathered over {_axes_text(c.axes)} ({n}) -> "
+                                    f"[b, s, {out_local}] {what}; backward gathers again and reduce-scatters"))
+            else:
+                forward.append(Line(f"{'logits' if is_head else 'x'} = {call}", f"[b, s, {out_local}] {what}"))
             if is_head:
                 cur = "logits"
                 used = _vocab_used(model)
@@ -475,6 +528,33 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
     doc = f"Stage {stage.index} ({where}): {pieces}."
     arg = "tokens: torch.Tensor" if first else "x: torch.Tensor"
     return ClassDef(f"Stage{stage.index}", doc, w.group_lines() + init, arg, forward, params)
+
+
+def _seq_lines(w: _UnitWriter, flow: UnitFlow, dim: int) -> list[Line]:
+    """The collectives of a top-level unit's flow (embedding sums, sequence parallelism's scatter
+    after the embedding and gather before the head), in order."""
+    lines = []
+    for c in flow.collectives:
+        n, axes, g = w.n(c.axes), _axes_text(c.axes), w.group(c.axes)
+        if c.op == "reduce_from":
+            lines.append(Line(f"x = rt.reduce_from(x, {g})", f"g: all-reduce over {axes} ({n}) -> [b, s, {dim}]"))
+        elif c.op == "reduce_scatter_seq":
+            lines.append(Line(f"x = rt.reduce_scatter_seq(x, {g})",
+                              f"reduce-scatter over {axes} ({n}) -> [b, s/{n}, {dim}] Shard(seq); backward all-gathers"))
+        elif c.op == "split_seq":
+            lines.append(Line(f"x = rt.split_seq(x, {g})",
+                              f"[b, s/{n}, {dim}] this rank's slice of the sequence; backward all-gathers over {axes}"))
+        elif c.op == "gather_seq":
+            lines.append(Line(f"x = rt.gather_seq(x, {g})",
+                              f"[b, s/{n}, {dim}] -> [b, s, {dim}]: all-gather over {axes} ({n}); backward reduce-scatters"))
+        elif c.op == "gather_seq_split":
+            lines.append(Line(f"x = rt.gather_seq(x, {g}, partial_grad=False)",
+                              f"[b, s/{n}, {dim}] -> [b, s, {dim}]: all-gather over {axes} ({n}); backward keeps this rank's slice"))
+        elif c.op == "copy_to":
+            lines.append(Line(f"x = rt.copy_to(x, {g})", f"f: [b, s, {dim}] identity; backward all-reduces over {axes}"))
+        else:
+            raise AssertionError(c.op)
+    return lines
 
 
 def _vocab_used(model: Any) -> int | None:
@@ -568,6 +648,7 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         Line(f"batch={plan.batch},"),
         Line(f"seq={plan.seq},"),
         Line(f"zero={plan.zero},"),
+        *([Line(f"seq_axes={tuple(plan.seq_axes)!r},")] if plan.seq_axes else []),
         Line(f"optimizer={literal(_adamw_kwargs(plan))},"),
         Line(f"dtype={TORCH_DTYPES[plan.dtype]},"),
     ]

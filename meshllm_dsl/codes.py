@@ -100,6 +100,13 @@ CODES: dict[str, tuple[str, str]] = {
               "the attention core inside each block. A model without a `repeat` (or whose blocks hold no "
               "attention, for `attention`) has nothing the setting would apply to, so it is refused rather than "
               "silently ignored."),
+    "E0410": ("sequence parallelism does not fit the plan", "`layout { seq -> tensor }` asks for Megatron-LM "
+              "sequence parallelism over the tensor axes: the norms and the residual stream between sublayers "
+              "hold [b, s / t, hidden], each attention / mlp gathers the sequence in front of its column layers "
+              "and reduce-scatters it after its row layer. So every sublayer of the blocks must be "
+              "tensor-parallel (column -> row) over exactly those axes, and the model needs such blocks; a plan "
+              "without tensor parallelism, or one whose blocks split over another axis, is refused. `seq` must "
+              "also divide by the axes' size (E0301)."),
     "E0501": ("parameter not placed", "A plan that has any sharding rule must place every shardable parameter "
               "exactly once, by a `shard` rule or a layout entry; replicate it explicitly with `replicate` if "
               "that is what you mean. Silently replicating a forgotten layer is how plans run out of memory."),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshllm_dsl.ir import Collective, Placement, PlanIR, Repeat, Unit, UnitFlow
+from meshllm_dsl.layouts import seq_partial_grad
 from meshllm_dsl.planner import _ranges, _table, stage_label
 
 # What each of Megatron's operators does, forward and backward (ir.Collective.op).
@@ -18,6 +19,11 @@ OPS = {
     "reduce_from": ("all-reduce", "identity"),
     "split_to": ("split", "all-gather"),
     "gather_from": ("all-gather", "split"),
+    # sequence parallelism (Megatron-LM's sequence-parallel mappings), along the sequence dim
+    "gather_seq": ("all-gather(seq)", "all-gather(seq) again and reduce-scatter(seq)"),
+    "reduce_scatter_seq": ("reduce-scatter(seq)", "all-gather(seq)"),
+    "split_seq": ("split(seq)", "all-gather(seq)"),
+    "gather_seq_split": ("all-gather(seq)", "split(seq)"),
 }
 
 
@@ -74,9 +80,15 @@ def _unit_entries(plan: PlanIR, unit: Unit, placement: dict[str, Placement], flo
             params.append({"name": "weight" if leaf.name == unit.name else f"{leaf.name}.weight", "tied_to": leaf.tie, "rule": _rule(p), "global": None, "local": None})
         for t in leaf.params:
             dim = p.tensor_dim(t)
-            params.append({"name": f"{leaf.name}.{t.name}" if leaf.name != unit.name else t.name,
-                           "global": list(t.shape), "local": list(plan.local_shape(t, p)), "rule": _rule(p),
-                           "split_dim": dim})
+            entry = {"name": f"{leaf.name}.{t.name}" if leaf.name != unit.name else t.name,
+                     "global": list(t.shape), "local": list(plan.local_shape(t, p)), "rule": _rule(p),
+                     "split_dim": dim}
+            summed = seq_partial_grad(plan, unit, leaf, t)
+            if summed:
+                # Sequence parallelism: each rank's gradient covers its slice of the sequence only.
+                entry["grad_summed_over"] = list(summed)
+                entry["rule"] += f"; gradient summed over {' x '.join(summed)}"
+            params.append(entry)
     return {
         "name": unit.name, "kind": unit.kind, "params": params,
         "input": str(flow.input) if flow else None, "output": str(flow.output) if flow else None,

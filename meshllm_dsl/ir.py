@@ -256,15 +256,16 @@ REPLICATE = Placement("replicate")
 
 @attrs.frozen
 class Layout:
-    """An activation's layout over the mesh: Replicate, Shard (last dim) or Partial (pending sum)."""
+    """An activation's layout over the mesh: Replicate, Shard (last dim), Partial (pending sum) or,
+    under sequence parallelism, Shard(seq) ([b, s / t, hidden] between sublayers)."""
 
-    kind: str  # "R" | "S" | "P"
+    kind: str  # "R" | "S" | "P" | "Q" (Shard(seq))
     axes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         if self.kind == "R" or not self.axes:
             return "Replicate"
-        name = {"S": "Shard(-1)", "P": "Partial"}[self.kind]
+        name = {"S": "Shard(-1)", "P": "Partial", "Q": "Shard(seq)"}[self.kind]
         return f"{name} over {' x '.join(self.axes)}"
 
 
@@ -272,7 +273,9 @@ class Layout:
 class Collective:
     """A collective the generated forward issues (Megatron's f / g and friends)."""
 
-    op: str  # copy_to | reduce_from | split_to | gather_from
+    # copy_to | reduce_from | split_to | gather_from, and sequence parallelism's gather_seq |
+    # reduce_scatter_seq | split_seq | gather_seq_split (explain.OPS says what each does)
+    op: str
     axes: tuple[str, ...]
     where: str  # "input" of the unit, or "output" (at the residual add)
 
@@ -339,6 +342,7 @@ class PlanIR:
     zero_axes: tuple[str, ...]
     dtype: str
     recompute: str = "none"  # one of RECOMPUTE
+    seq_axes: tuple[str, ...] = ()  # sequence parallelism (`layout { seq -> tensor }`) over these axes
     span: Span | None = attrs.field(eq=False, default=None)
 
     @property

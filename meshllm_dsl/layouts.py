@@ -6,6 +6,13 @@ that Shard and gives Partial, which the g operator `reduce_from` sums at the res
 else is a typed error at the boundary where it happens: a column layer fed a sharded activation,
 a partial sum reaching a non-linearity, the attention core fed q / k / v laid out differently, a
 sharded activation reaching the residual stream.
+
+Under sequence parallelism over the tensor axes T (Megatron-LM, Korthikanti et al. 2022) the residual
+stream and the norms are Shard(seq) over T instead: each tensor-parallel sublayer's f / g pair becomes
+an all-gather along the sequence in front (reduce-scatter in backward) and a reduce-scatter after the
+row layer (all-gather in backward), the vocab-parallel embedding's sum becomes a reduce-scatter, and
+the head's input is all-gathered along the sequence. Every sublayer of the blocks must then be
+tensor-parallel over exactly T (E0410).
 """
 
 from __future__ import annotations
@@ -13,10 +20,24 @@ from __future__ import annotations
 from typing import Protocol
 
 from meshllm_dsl.diagnostics import Label
-from meshllm_dsl.ir import REPLICATE, Collective, Layout, ModelIR, Placement, Repeat, Unit, UnitFlow
+from meshllm_dsl.ir import (
+    REPLICATE,
+    Collective,
+    Layout,
+    Leaf,
+    ModelIR,
+    Placement,
+    PlanIR,
+    Repeat,
+    Tensor,
+    Unit,
+    UnitFlow,
+)
 from meshllm_dsl.source import Span
 
 R = Layout("R")
+# Megatron's f / g over T, and what sequence parallelism turns them into.
+_SEQ_OPS = {"copy_to": "gather_seq", "reduce_from": "reduce_scatter_seq"}
 
 
 class _Reporter(Protocol):
@@ -150,16 +171,74 @@ def _at_residual(y: Layout, where: str, p: Placement, collectives: list[Collecti
     return UnitFlow(R, R, tuple(collectives))
 
 
-def block_flows(rep: Repeat, placement: dict[str, Placement], r: _Reporter, prefix: str) -> list[tuple[str, UnitFlow]]:
+def _seq_block_flow(unit: Unit, flow: UnitFlow, prefix: str, placement: dict[str, Placement],
+                    seq: tuple[str, ...], seq_span: Span | None, r: _Reporter, quiet: bool = False) -> UnitFlow | None:
+    """A block unit's flow under sequence parallelism over `seq`; None after an error (E0410)."""
+    q = Layout("Q", seq)
+    if unit.kind in ("rmsnorm", "layernorm"):
+        return UnitFlow(q, q, ())
+    ops = [(c.op, c.axes, c.where) for c in flow.collectives]
+    if ops == [("copy_to", seq, "input"), ("reduce_from", seq, "output")]:
+        return UnitFlow(q, q, tuple(Collective(_SEQ_OPS[c.op], c.axes, c.where) for c in flow.collectives))
+    axes = " x ".join(seq)
+    where = f"{prefix}{unit.name}"
+    leaves = [lf.name for lf in unit.leaves]
+    first = placement.get(f"{unit.name}.{leaves[0]}", REPLICATE)
+    fix = (f"shard `{where}.{{{','.join(leaves[:-1])}}}` column({', '.join(seq)}) and `{where}.{leaves[-1]}` "
+           f"row({', '.join(seq)}), or remove `seq -> {' * '.join(seq)}`")
+    note = ("sequence parallelism shards the norms and the residual stream along the sequence between "
+            "tensor-parallel sublayers: each sublayer gathers the sequence in front of its column layers "
+            "and reduce-scatters it after its row layer")
+    if first.sharded and first.span is not None:
+        r.error("E0410", f"sequence parallelism over {axes} needs `{where}` tensor-parallel over {axes}", first.span,
+                label=f"{first.rule}({', '.join(first.axes)}) here",
+                secondary=(Label(seq_span, "sequence parallelism asked for here"),) if seq_span else (),
+                help=fix, note=note)
+    elif not quiet:  # (quiet: a sublayer before this one was refused already, at the same span)
+        r.error("E0410", f"sequence parallelism over {axes} needs `{where}` tensor-parallel over {axes}", seq_span,
+                label=f"`{where}` is replicated", help=fix, note=note)
+    return None
+
+
+def block_flows(rep: Repeat, placement: dict[str, Placement], r: _Reporter, prefix: str,
+                seq: tuple[str, ...] = (), seq_span: Span | None = None) -> list[tuple[str, UnitFlow]]:
     out = []
+    refused = False
     for unit in rep.body:
         flow = unit_flow(unit, prefix + ".", placement, r)
+        if flow is not None and seq:
+            flow = _seq_block_flow(unit, flow, prefix + ".", placement, seq, seq_span, r, refused)
+            refused |= flow is None and unit.kind in ("attention", "mlp")
         if flow is not None:
             out.append((unit.name, flow))
     return out
 
 
-def top_flows(model: ModelIR, top: dict[str, Placement], loss: Placement) -> list[tuple[str, UnitFlow]]:
+def _seq_top_flow(item: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool, then: str | None) -> UnitFlow:
+    """A top-level unit's flow under sequence parallelism over `seq` (Megatron's embedding and head)."""
+    q = Layout("Q", seq)
+    if item.kind == "embedding":
+        if then == "positional":
+            return flow  # summed in full; the positions are added, then the sum is split (Megatron too)
+        ops = list(flow.collectives)
+        if ops and ops[-1].op == "reduce_from" and ops[-1].axes == seq:
+            return UnitFlow(R, q, (*ops[:-1], Collective("reduce_scatter_seq", seq, "output")))
+        return UnitFlow(R, q, (*ops, Collective("split_seq", seq, "output")))
+    if item.kind == "positional":
+        return UnitFlow(R, q, (Collective("split_seq", seq, "output"),))
+    if item.kind in ("rmsnorm", "layernorm"):
+        return UnitFlow(q, q, ())
+    if item.kind == "linear" and last:
+        ops = list(flow.collectives)
+        if ops and ops[0].op == "copy_to" and ops[0].axes == seq:
+            return UnitFlow(q, flow.output, (Collective("gather_seq", seq, "input"), *ops[1:]))
+        # The head is not split over `seq`: its input gradient is whole on every rank of `seq`.
+        return UnitFlow(q, flow.output, (Collective("gather_seq_split", seq, "input"), *ops))
+    return flow  # a top-level linear between blocks: refused by the checker (E0410)
+
+
+def top_flows(model: ModelIR, top: dict[str, Placement], loss: Placement,
+              seq: tuple[str, ...] = ()) -> list[tuple[str, UnitFlow]]:
     class _Silent:
         def error(self, code: str, message: str, span: Span | None, **kw: object) -> None:
             pass  # top-level units are checked where their placements are chosen (loss, tied)
@@ -167,7 +246,23 @@ def top_flows(model: ModelIR, top: dict[str, Placement], loss: Placement) -> lis
     out = []
     for i, item in enumerate(model.items):
         if isinstance(item, Unit):
-            flow = unit_flow(item, "", top, _Silent(), last=i == len(model.items) - 1)
+            last = i == len(model.items) - 1
+            flow = unit_flow(item, "", top, _Silent(), last=last)
+            if flow is not None and seq:
+                then = model.items[i + 1] if i + 1 < len(model.items) else None
+                flow = _seq_top_flow(item, flow, seq, last, then.kind if isinstance(then, Unit) else None)
             if flow is not None:
                 out.append((item.name, flow))
     return out
+
+
+def seq_partial_grad(plan: PlanIR, unit: Unit, leaf: Leaf, t: Tensor) -> tuple[str, ...]:
+    """Axes over which `t`'s gradient is a partial sum under sequence parallelism: norms, and a row
+    layer's bias (added after the reduce-scatter), see only this rank's slice of the sequence."""
+    if not plan.seq_axes:
+        return ()
+    if unit.kind in ("rmsnorm", "layernorm"):
+        return plan.seq_axes
+    if unit.kind in ("attention", "mlp") and leaf is unit.leaves[-1] and len(t.shape) == 1:
+        return plan.seq_axes
+    return ()

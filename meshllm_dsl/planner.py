@@ -44,6 +44,7 @@ from meshllm_dsl.ir import (
     Unit,
     UnitFlow,
 )
+from meshllm_dsl.layouts import seq_partial_grad
 from meshllm_dsl.names import ranges
 from meshllm_dsl.source import Span
 
@@ -234,17 +235,22 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
       * RMSNorm keeps its input and an fp32 reciprocal RMS per token (4 sb; the runtime's own
         autograd Function, which does not also keep the normalised tensor); LayerNorm its input and
         an fp32 mean and rstd (8 sb); the paper counts 2 sbh per norm (its input only).
-    Tensor-sharded tensors divide by the size of the axes they are split over; the norm inputs and
-    the inputs of column layers are replicated over the tensor axis (no sequence parallelism), which
-    is the paper's "10 sbh" term. Activation elements are in the plan's dtype.
+    Tensor-sharded tensors divide by the size of the axes they are split over; without sequence
+    parallelism the norm inputs and the inputs of column layers are replicated over the tensor axis,
+    the paper's "10 sbh" term. With it (section 4.2.2, `layout { seq -> tensor }`) that term is
+    divided by t too: norms see [b, s / t, h], and the column layers keep only their rank's slice of
+    the input they all-gather (`rt.gather_seq_linear`); the head's input likewise, when it is
+    column-parallel over the same axes. Activation elements are in the plan's dtype.
     """
     unit = hu.unit
     e = DTYPES[plan.dtype]  # bytes per activation element
     kind = unit.kind
+    sp = plan.mesh.size(*plan.seq_axes) if plan.seq_axes else 1
+    local = tokens // sp  # tokens of the sequence-sharded stream (norms, sublayer inputs)
     if kind == "rmsnorm":
-        return e * tokens * int(unit.attr("dim")) + FP32 * tokens  # type: ignore[arg-type]
+        return e * local * int(unit.attr("dim")) + FP32 * local  # type: ignore[arg-type]
     if kind == "layernorm":
-        return e * tokens * int(unit.attr("dim")) + 2 * FP32 * tokens  # type: ignore[arg-type]
+        return e * local * int(unit.attr("dim")) + 2 * FP32 * local  # type: ignore[arg-type]
     if kind == "positional":
         return 0  # a lookup added to the residual stream: nothing saved but the position ids
     if kind == "embedding":
@@ -257,7 +263,7 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
         else:
             tq, tk = _axes_size(plan, hu.placement(leaves["q"])), _axes_size(plan, hu.placement(leaves["k"]))
         hq, hk = heads // tq, kv // tk
-        saved = e * tokens * hid  # the normed input, shared by the q / k / v projections
+        saved = e * local * hid  # the normed input, shared by the q / k / v projections
         saved += e * tokens * (hq + 2 * hk) * hd  # q, k, v (after rotary) for the attention core
         saved += e * tokens * hq * hd  # the attention output: the core's result and o's input
         if unit.attr("rope_theta"):
@@ -272,12 +278,13 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
         up = next(leaf for leaf in unit.leaves if leaf.name == "up")
         f = ffn // _axes_size(plan, hu.placement(up))
         per_ffn = 4 if unit.attr("act") == "swiglu" else 2
-        return e * tokens * hid + per_ffn * e * tokens * f
+        return e * local * hid + per_ffn * e * tokens * f
     if kind == "linear":
         leaf = unit.leaves[0]
         p = hu.placement(leaf)
         n_in, n_out = int(unit.attr("in")), int(unit.attr("out"))  # type: ignore[arg-type]
-        saved = e * tokens * (n_in // _axes_size(plan, p) if p.rule == "row" and p.sharded else n_in)
+        gathered_here = sp > 1 and p.rule == "column" and p.axes == plan.seq_axes  # else saved whole
+        saved = e * (local if gathered_here else tokens) * (n_in // _axes_size(plan, p) if p.rule == "row" and p.sharded else n_in)
         if hu.last:
             # Logits: the paper's output layer keeps them in fp32 for the cross entropy, 4 sbv / t.
             v_local = n_out // _axes_size(plan, p) if p.rule == "column" and p.sharded else n_out
@@ -312,10 +319,22 @@ def unit_backward_bytes(plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
     log-softmax gradient and the gradient of the logits; the vocab-parallel loss works in place."""
     unit = hu.unit
     e = DTYPES[plan.dtype]
+    # Sequence parallelism: the backward of the gathered column layers (rt.gather_seq_linear) holds
+    # their output gradients, the re-gathered input, its gradient and that gradient's copy laid out
+    # for the reduce-scatter: 3 x [tokens, hidden] beyond the output gradients.
+    regather = 3 * e * tokens * _hidden(plan) if plan.seq_axes else 0
     if unit.kind == "mlp":
         up = next(leaf for leaf in unit.leaves if leaf.name == "up")
         f = int(unit.attr("ffn")) // _axes_size(plan, hu.placement(up))  # type: ignore[arg-type]
-        return (4 if unit.attr("act") == "swiglu" else 2) * e * tokens * f
+        swiglu = unit.attr("act") == "swiglu"
+        own = (4 if swiglu else 2) * e * tokens * f
+        return max(own, (2 if swiglu else 1) * e * tokens * f + regather) if regather else own
+    if unit.kind == "attention" and regather:
+        hq, hd = _local_heads(plan, hu), int(unit.attr("head_dim"))  # type: ignore[arg-type]
+        hk = int(unit.attr("kv_heads")) * hq // int(unit.attr("heads"))  # type: ignore[arg-type]
+        return e * tokens * (hq + 2 * hk) * hd + regather
+    if unit.kind == "linear" and hu.last and plan.loss.sharded and regather:
+        return regather  # the logits' gradient is the loss's saved softmax, rewritten in place
     if unit.kind == "linear" and hu.last and not plan.loss.sharded:
         leaf = unit.leaves[0]
         p = hu.placement(leaf)
@@ -325,11 +344,16 @@ def unit_backward_bytes(plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
     return 0
 
 
+def _seq_size(plan: PlanIR) -> int:
+    """How many ways sequence parallelism splits the residual stream (1 without it)."""
+    return plan.mesh.size(*plan.seq_axes) if plan.seq_axes else 1
+
+
 def _stage_output_bytes(plan: PlanIR, stage: Stage, tokens: int) -> int:
     """One microbatch of a stage's output: the residual stream, or the last stage's logits."""
     e = DTYPES[plan.dtype]
     if stage.index < len(plan.stages) - 1:
-        return e * tokens * _hidden(plan)
+        return e * (tokens // _seq_size(plan)) * _hidden(plan)  # [mb, s / t, h] under sequence parallelism
     for hu in held_units(plan, stage):
         if hu.last and hu.unit.kind == "linear":
             p = hu.placement(hu.unit.leaves[0])
@@ -395,15 +419,20 @@ def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], str]]:
 
     Megatron's operators (ir.Collective): copy_to is identity forward / all-reduce backward,
     reduce_from all-reduce forward / identity backward, split_to split forward / all-gather backward,
-    gather_from all-gather forward / split backward. Sizes are the full activation (act_bytes).
+    gather_from all-gather forward / split backward. Sequence parallelism's: gather_seq all-gathers
+    forward, and in backward all-gathers the kept slice again and reduce-scatters the input gradient;
+    reduce_scatter_seq reduce-scatters forward, all-gathers backward; split_seq and gather_seq_split
+    move data in one direction only. Sizes are the full activation (act_bytes).
     """
     out: list[tuple[tuple[str, ...], str]] = []
     if hu.flow is None:
         return out
     for c in hu.flow.collectives:
-        op = {"copy_to": "all_reduce", "reduce_from": "all_reduce", "split_to": "all_gather",
-              "gather_from": "all_gather"}[c.op]
-        out.append((c.axes, op))
+        ops = {"copy_to": ("all_reduce",), "reduce_from": ("all_reduce",), "split_to": ("all_gather",),
+               "gather_from": ("all_gather",), "gather_seq": ("all_gather", "all_gather", "reduce_scatter"),
+               "reduce_scatter_seq": ("reduce_scatter", "all_gather"), "split_seq": ("all_gather",),
+               "gather_seq_split": ("all_gather",)}[c.op]
+        out += [(c.axes, op) for op in ops]
     return out
 
 
@@ -565,6 +594,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         kv_bytes = 0
         largest_unit = 0
         tensor_calls: dict[tuple[tuple[str, ...], str], int] = {}
+        seq_grads = 0  # sequence parallelism: gradient elements summed over the tensor axes once a step
         holds_head = False
         block_saved: dict[str, int] = {}  # recompute: what one block (or attention core) rebuilds in backward
         block_local: dict[str, int] = {}  # recompute = blocks: parameters of the recomputed blocks
@@ -602,11 +632,13 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     kv_bytes += hu.count * 2 * kv_local * int(hu.unit.attr("head_dim")) * plan.seq * inf_batch * w  # type: ignore[arg-type]
                 for axes, op in unit_collectives(hu):
                     tensor_calls[(axes, op)] = tensor_calls.get((axes, op), 0) + hu.count
+                seq_grads += hu.count * sum(t.numel for lf in hu.unit.leaves for t in lf.params
+                                            if seq_partial_grad(plan, hu.unit, lf, t))
                 holds_head |= hu.last
         if plan.recompute == "blocks":
             blocks_here = sum((pc.stop or 0) - (pc.start or 0) for st_ in stages_at[c] for pc in st_.pieces
                               if isinstance(model.item(pc.item), Repeat))
-            act_mb += blocks_here * w * tokens_mb * hidden  # each checkpointed block keeps its input
+            act_mb += blocks_here * w * (tokens_mb // _seq_size(plan)) * hidden  # each checkpointed block keeps its input
             # The forward of every block runs again in backward: 2 flops per parameter and token.
             recompute_flops += 2 * sum(block_local.values()) * (plan.batch // dp) * plan.seq
         # A block (or attention core) being recomputed holds its saved tensors until its backward is done.
@@ -627,12 +659,16 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         act_size = w * tokens_mb * hidden
         for (axes, op), calls in sorted(tensor_calls.items()):
             comms.append(_comm(plan, device, axes, "tensor", op, calls * m, act_size))
+        if seq_grads:
+            # The norms' (and row biases') partial gradients, coalesced into one all-reduce per step.
+            comms.append(_comm(plan, device, plan.seq_axes, "tensor", "all_reduce", 1, w * seq_grads))
         if holds_head and plan.loss.sharded:
             # Vocab-parallel cross entropy: all-reduce the per-token max, sum of exps and target logit (fp32).
             comms.append(_comm(plan, device, plan.loss.axes, "loss", "all_reduce", 3 * m, FP32 * tokens_mb))
         if plan.pipeline_axis and p_size > 1:
             sends = sum((s.index < len(plan.stages) - 1) + (s.index > 0) for s in stages_at[c])
-            comms.append(_comm(plan, device, (plan.pipeline_axis,), "pipeline", "send_recv", sends * m, act_size, group=2))
+            comms.append(_comm(plan, device, (plan.pipeline_axis,), "pipeline", "send_recv", sends * m,
+                               act_size // _seq_size(plan), group=2))
             tied = _tied_sync_numel(plan, stages_at[c])
             if tied:
                 comms.append(_comm(plan, device, (plan.pipeline_axis,), "tied", "all_reduce", 1, w * tied, group=2))

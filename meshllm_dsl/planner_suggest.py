@@ -38,12 +38,13 @@ class Candidate:
     zero: int
     hosts: int
     recompute: str = "none"
+    seq_parallel: bool = False  # `seq -> tensor`: Megatron sequence parallelism over the tensor axis
 
     def key(self) -> str:
         sched = "" if self.schedule == "none" else f" {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else "")
         remat = "" if self.recompute == "none" else f", recompute {self.recompute}"
         return (f"data {self.data} x pipeline {self.pipeline} x tensor {self.tensor}, {self.microbatches} microbatches"
-                f"{sched}, ZeRO {self.zero}{remat}")
+                f"{sched}, ZeRO {self.zero}{remat}" + (", sequence parallel" if self.seq_parallel else ""))
 
 
 @attrs.frozen
@@ -123,6 +124,7 @@ def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -
     if c.recompute != "none":
         plan.append(f"    recompute = {c.recompute}")
     layout = (["batch -> data"] if c.data > 1 else []) + ([f"{d} -> tensor" for d in _sharded_dims(model)] if c.tensor > 1 else [])
+    layout += ["seq -> tensor"] if c.seq_parallel else []
     if layout:
         plan.append("    layout { " + ", ".join(layout) + " }")
     if c.pipeline > 1:
@@ -223,9 +225,11 @@ def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, 
             return block, None
         return block, plan
 
-    groups: dict[tuple[int, int, int, str, int], list[Candidate]] = {}
+    groups: dict[tuple[int, int, int, str, int, bool], list[Candidate]] = {}
     for c in candidates(model, devices, batch, host):
-        groups.setdefault((c.data, c.pipeline, c.tensor, c.schedule, c.virtual), []).append(c)
+        # Each tensor-parallel candidate also with sequence parallelism, where seq splits over it.
+        for v in (c, attrs.evolve(c, seq_parallel=True)) if c.tensor > 1 and seq % c.tensor == 0 else (c,):
+            groups.setdefault((v.data, v.pipeline, v.tensor, v.schedule, v.virtual, v.seq_parallel), []).append(v)
     enumerated = sum(len(g) for g in groups.values())
     estimates: list[tuple[Candidate, PlanReport]] = []
     for group in groups.values():
@@ -300,7 +304,8 @@ def _gain(deltas: dict[str, float], lose: str) -> str:
 def suggestion_text(res: SuggestResult) -> str:
     lines = [
         f"suggest: {res.model} on {res.devices} x {res.device.name} ({res.per_host} per host), batch {res.batch} x seq {res.seq}",
-        (f"  {res.enumerated} candidates (data x pipeline x tensor, microbatches, schedule, ZeRO, recompute); "
+        (f"  {res.enumerated} candidates (data x pipeline x tensor, microbatches, schedule, ZeRO, recompute, "
+         "sequence parallelism); "
         f"{res.fitting} estimated to fit in {fmt_bytes(res.device.memory_bytes)}; {res.checked} written out and run "
         "through the checker; every plan below checks clean as printed"),
         "",

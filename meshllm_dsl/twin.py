@@ -91,6 +91,11 @@ def make_twin(result: CheckResult, plan_name: str, path: str) -> tuple[str, Chec
     return text, check_text(text, f"{path} (tiny twin)")
 
 
+def _twin_seq(plan: PlanIR) -> int:
+    """8 tokens, or a multiple of the sequence-parallel axes' size that splits over them."""
+    return math.lcm(8, plan.mesh.size(*plan.seq_axes)) if plan.seq_axes else 8
+
+
 def _twin_plan(decl: ast.PlanDecl, plan: PlanIR, per_stage: int) -> ast.PlanDecl:
     body: list[ast.PlanStmt] = []
     data = plan.data_size
@@ -98,7 +103,7 @@ def _twin_plan(decl: ast.PlanDecl, plan: PlanIR, per_stage: int) -> ast.PlanDecl
         if isinstance(s, ast.Setting) and s.name.value == "batch":
             body.append(ast.Setting(s.name, ast.IntLit(data * plan.microbatches)))
         elif isinstance(s, ast.Setting) and s.name.value == "seq":
-            body.append(ast.Setting(s.name, ast.IntLit(8)))
+            body.append(ast.Setting(s.name, ast.IntLit(_twin_seq(plan))))
         elif isinstance(s, ast.ShardStmt) and any(seg.kind == "index" for seg in s.path.segments):
             body.append(s)  # per-block rules keep their block index (checked again on the twin)
         elif isinstance(s, ast.StagesStmt) and not s.balanced:
@@ -117,7 +122,7 @@ def _twin_plan(decl: ast.PlanDecl, plan: PlanIR, per_stage: int) -> ast.PlanDecl
         else:
             body.append(s)
     if not any(isinstance(s, ast.Setting) and s.name.value == "seq" for s in body):
-        body.append(ast.Setting(ast.Name("seq"), ast.IntLit(8)))
+        body.append(ast.Setting(ast.Name("seq"), ast.IntLit(_twin_seq(plan))))
     if not any(isinstance(s, ast.Setting) and s.name.value == "batch" for s in body):
         body.append(ast.Setting(ast.Name("batch"), ast.IntLit(data * plan.microbatches)))
     return ast.PlanDecl(decl.name, decl.mesh, decl.model, tuple(body))

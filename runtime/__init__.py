@@ -8,7 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from . import launch
-    from .collectives import copy_to, gather_from, reduce_from, split_to
+    from .collectives import (
+        copy_to,
+        gather_from,
+        gather_seq,
+        gather_seq_linear,
+        reduce_from,
+        reduce_scatter_seq,
+        split_seq,
+        split_to,
+    )
     from .generate import greedy_generate
     from .layers import (
         DecodeSession,
@@ -33,7 +42,19 @@ if TYPE_CHECKING:
 # parent process) does not import torch, and a rank imports launch / generate only if it uses them.
 _WHERE = {
     "launch": "",
-    **dict.fromkeys(("copy_to", "gather_from", "reduce_from", "split_to"), "collectives"),
+    **dict.fromkeys(
+        (
+            "copy_to",
+            "gather_from",
+            "gather_seq",
+            "gather_seq_linear",
+            "reduce_from",
+            "reduce_scatter_seq",
+            "split_seq",
+            "split_to",
+        ),
+        "collectives",
+    ),
     "greedy_generate": "generate",
     **dict.fromkeys(
         (
@@ -95,6 +116,8 @@ __all__ = [
     "cross_entropy",
     "full_init",
     "gather_from",
+    "gather_seq",
+    "gather_seq_linear",
     "gather_full",
     "gather_module",
     "greedy_generate",
@@ -104,6 +127,8 @@ __all__ = [
     "local_slice",
     "positions",
     "reduce_from",
+    "reduce_scatter_seq",
+    "split_seq",
     "split_to",
     "vocab_parallel_cross_entropy",
 ]

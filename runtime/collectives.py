@@ -13,10 +13,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+import torch.nn.functional as F
+from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-__all__ = ["all_reduce_sum", "copy_to", "gather_from", "reduce_from", "split_to"]
+__all__ = [
+    "all_reduce_sum",
+    "copy_to",
+    "gather_from",
+    "gather_seq",
+    "gather_seq_linear",
+    "reduce_from",
+    "reduce_scatter_seq",
+    "sequence_sharded",
+    "split_seq",
+    "split_to",
+]
+
+# The sequence dim of the [b, s, hidden] activations sequence parallelism shards.
+SEQ_DIM = 1
 
 
 def all_reduce_sum(x: Tensor, group: ProcessGroup | None) -> Tensor:
@@ -44,6 +59,19 @@ def _own_chunk(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
     if x.shape[dim] % n:
         raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split over {n} ranks")
     return x.chunk(n, dim=dim)[dist.get_rank(group)].contiguous()
+
+
+def _reduce_scatter(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
+    n = dist.get_world_size(group)
+    if x.shape[dim] % n:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split over {n} ranks")
+    # reduce_scatter_single splits dim 0: bring `dim` to the front (Megatron keeps [s, b, h] for this).
+    full = x.movedim(dim, 0).contiguous()
+    out = torch.empty((full.shape[0] // n, *full.shape[1:]), dtype=x.dtype, device=x.device)
+    # [.., s, ..] per rank -> [.., s / n, ..]: the sum over the group of this rank's chunk along dim.
+    dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
+    # Contiguous again: the result is the residual stream, which pipeline stages send as is.
+    return out.movedim(0, dim).contiguous()
 
 
 class _CopyTo(torch.autograd.Function):
@@ -89,6 +117,28 @@ class _SplitTo(torch.autograd.Function):
         return _all_gather_cat(grad, ctx.group, ctx.dim), None, None
 
 
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _all_gather_cat(x, group, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _reduce_scatter(grad, ctx.group, SEQ_DIM), None
+
+
+class _ReduceScatterSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: ProcessGroup) -> Tensor:
+        ctx.group = group
+        return _reduce_scatter(x, group, SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        return _all_gather_cat(grad, ctx.group, SEQ_DIM), None
+
+
 def copy_to(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """f: identity forward; all-reduce (sum) of the gradient over ``group`` backward.
 
@@ -114,3 +164,98 @@ def gather_from(x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
 def split_to(x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
     """Keep own chunk along ``dim`` forward; all-gather backward.  Replicate -> Shard(dim)."""
     return x if group is None else _SplitTo.apply(x, group, dim)
+
+
+# ---------------------------------------------------------------- sequence parallelism
+# Megatron-LM's sequence-parallel mappings (Korthikanti et al. 2022) over [b, s, hidden]: between
+# tensor-parallel sublayers the activations are Shard(seq), [b, s / t, hidden].  While a
+# DecodeSession is active (incremental decoding feeds one token at a time, which does not split)
+# the sequence stays whole and each operator acts as its tensor-parallel counterpart instead.
+
+
+def sequence_sharded() -> bool:
+    """Whether activations between sublayers are sharded along the sequence now (not decoding)."""
+    from . import layers
+
+    return layers._ACTIVE is None
+
+
+def gather_seq(x: Tensor, group: ProcessGroup | None, partial_grad: bool = True) -> Tensor:
+    """Shard(seq) -> Replicate: all-gather along the sequence forward.
+
+    Backward: reduce-scatter when the consumer is tensor-parallel (each rank's gradient is a
+    partial sum: Megatron's ``gather_from_sequence_parallel_region``), else keep own chunk
+    (``partial_grad=False``: a replicated consumer's gradient is already whole on every rank).
+    """
+    if group is None:
+        return x
+    if not sequence_sharded():
+        return copy_to(x, group) if partial_grad else x
+    if not partial_grad:
+        return _GatherFrom.apply(x, group, SEQ_DIM)
+    return _GatherSeq.apply(x, group)
+
+
+def reduce_scatter_seq(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """Partial -> Shard(seq): reduce-scatter along the sequence forward, all-gather backward
+    (Megatron's ``reduce_scatter_to_sequence_parallel_region``)."""
+    if group is None:
+        return x
+    if not sequence_sharded():
+        return reduce_from(x, group)
+    return _ReduceScatterSeq.apply(x, group)
+
+
+def split_seq(x: Tensor, group: ProcessGroup | None) -> Tensor:
+    """Replicate -> Shard(seq): keep own chunk of the sequence forward, all-gather backward
+    (Megatron's ``scatter_to_sequence_parallel_region``)."""
+    if group is None or not sequence_sharded():
+        return x
+    return _SplitTo.apply(x, group, SEQ_DIM)
+
+
+class _GatherSeqLinear(torch.autograd.Function):
+    """All-gather x along the sequence, then column layers on the whole sequence; for backward keep
+    only this rank's slice of x and gather it again there (Megatron's
+    ``LinearWithGradAccumulationAndAsyncCommunication`` with sequence parallelism), so the layers'
+    shared input costs [b, s / t, h] of activation memory, not [b, s, h]."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: ProcessGroup, *params: Tensor | None) -> tuple[Tensor, ...]:
+        full = _all_gather_cat(x, group, SEQ_DIM)
+        weights, biases = params[0::2], params[1::2]
+        ctx.group, ctx.has_bias = group, tuple(b is not None for b in biases)
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        # [b, s / t, h] -> [b, s, h] again: the weight gradients need the whole sequence.
+        full = _all_gather_cat(x, ctx.group, SEQ_DIM)
+        flat = full.reshape(-1, full.shape[-1])
+        gx: Tensor | None = None  # [tokens, h], accumulated in place (no temporary per layer)
+        out: list[Tensor | None] = []
+        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
+            if g is None:
+                out += [None, None]
+                continue
+            g2 = g.reshape(-1, g.shape[-1])
+            gx = g2 @ w if gx is None else gx.addmm_(g2, w)
+            out += [g2.t() @ flat, g2.sum(0) if has_bias else None]
+        gx = torch.zeros_like(flat) if gx is None else gx
+        # Each rank's input gradient is a partial sum over the tensor group: reduce-scatter it.
+        return (_reduce_scatter(gx.view_as(full), ctx.group, SEQ_DIM), None, *out)
+
+
+def gather_seq_linear(x: Tensor, group: ProcessGroup | None, *layers: nn.Module) -> tuple[Tensor, ...]:
+    """Shard(seq) x [b, s / t, h] -> each column layer applied to the whole sequence [b, s, h]:
+    ``gather_seq`` followed by the layers, keeping only x's slice for backward (``_GatherSeqLinear``).
+    Layers are anything with ``weight`` (and optionally ``bias``)."""
+    if group is None or not sequence_sharded():
+        h = x if group is None else copy_to(x, group)
+        return tuple(F.linear(h, m.weight, getattr(m, "bias", None)) for m in layers)
+    params: list[Tensor | None] = []
+    for m in layers:
+        params += [m.weight, getattr(m, "bias", None)]
+    return _GatherSeqLinear.apply(x, group, *params)

@@ -113,6 +113,7 @@ _SYNC_OPS = (
     "all_gather",
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",  # sequence parallelism (runtime/collectives.py)
     "send",
     "recv",
 )

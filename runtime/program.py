@@ -97,6 +97,9 @@ class Program:
     optimizer: Mapping[str, Any] = field(default_factory=dict)
     dtype: torch.dtype = torch.float32
     hosts: int = 1  # the spec's `hosts`: axes whose groups stay inside one host (ranks node-major)
+    # Sequence parallelism: the axes the residual stream is sharded over along the sequence
+    # between sublayers (and so between pipeline stages), [b, s / t, hidden].
+    seq_axes: Sequence[str] = ()
 
     @property
     def vocab(self) -> int:
@@ -363,9 +366,10 @@ class Built:
         )
         n = len(self.program.stages)
         out: dict[int, Tensor] = {0: torch.zeros(mb_shape, dtype=torch.long, device=device)}
+        between = (mb_shape[0], self._seq_local(mb_shape[1]), hidden)
         for i in range(1, n):
             out[i] = torch.zeros(
-                *mb_shape, hidden, dtype=self.program.dtype, device=device, requires_grad=True
+                *between, dtype=self.program.dtype, device=device, requires_grad=True
             )
         vocab_local = self.program.vocab // math.prod(
             self.mesh.size(*axes) for _, axes in self._head_dims()
@@ -374,6 +378,14 @@ class Built:
             *mb_shape, vocab_local, dtype=self.program.dtype, device=device, requires_grad=True
         )
         return out
+
+    def _seq_local(self, seq: int) -> int:
+        """Sequence length of the residual stream between stages: s / t under sequence parallelism."""
+        from .collectives import sequence_sharded
+
+        if not self.program.seq_axes or not sequence_sharded():
+            return seq
+        return seq // self.mesh.size(*self.program.seq_axes)
 
     def _head_dims(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
         """How the logits are sharded: like the output rows of the last stage's head weight."""
@@ -482,7 +494,22 @@ class Built:
         schedule.step(*args, target=target, losses=losses, return_outputs=False)
         return torch.stack([x.detach() for x in losses]).mean() if losses else None
 
+    def _sum_partial_grads(self) -> None:
+        """Sum the gradients that are partial over some axes (``ShardSpec.partial_grad``: norms
+        under sequence parallelism) over those axes, coalesced per set of axes."""
+        by_axes: dict[tuple[str, ...], list[Tensor]] = {}
+        for i in self.stage_ids:
+            for spec in self.specs[i].values():
+                param = self.modules[i].get_parameter(spec.local)
+                if spec.partial_grad and param.grad is not None:
+                    by_axes.setdefault(tuple(spec.partial_grad), []).append(param.grad)
+        for axes, grads in by_axes.items():
+            group = self.mesh.group(*axes)
+            if group is not None:
+                _all_reduce_mean(grads, group, 1)  # n = 1: a sum
+
     def _sync_grads(self) -> None:
+        self._sum_partial_grads()
         for name, ids, group in self._tied:
             local = [
                 self.modules[i].get_parameter(self.specs[i][name].local)
@@ -527,8 +554,9 @@ class Built:
         n, x = len(self.program.stages), tokens
         for i in self.stage_ids:
             if i > 0 and self.pp > 1:
+                b, s = tokens.shape
                 x = torch.empty(
-                    *tokens.shape, self._hidden, dtype=self.program.dtype, device=self.device
+                    b, self._seq_local(s), self._hidden, dtype=self.program.dtype, device=self.device
                 )
                 # [b, s, hidden] residual stream from the previous stage's rank.
                 dist.recv(x, src=self._pipeline_rank(i - 1))

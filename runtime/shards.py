@@ -25,12 +25,17 @@ class ShardSpec:
     ``segments``: sizes along the first sharded dim of independently chunked parts of a fused
     tensor (e.g. qkv rows [q | k | v]): each part is split over the axes separately and a rank's
     shard is the concatenation of its chunk of every part.
+    ``partial_grad``: mesh axes over which each rank's gradient is only a partial sum, though the
+    parameter is replicated over them: under sequence parallelism a norm (or a row layer's bias)
+    sees only its rank's slice of the sequence.  The runtime sums these gradients over the axes
+    after backward (Megatron's ``allreduce_sequence_parallel_grad``).
     """
 
     local: str
     shape: tuple[int, ...]
     dims: tuple[tuple[int, tuple[str, ...]], ...] = ()
     segments: tuple[int, ...] | None = field(default=None)
+    partial_grad: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.segments is not None and (

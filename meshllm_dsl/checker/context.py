@@ -39,6 +39,8 @@ class PlanContext(Resolver):
         self.claimed: set[Leaf] = set()  # leaves matched by a rule that was rejected
         self.ambiguous = False  # some leaf is matched by two rules (E0503): its layout is unknown
         self.bad_settings: set[str] = set()  # plan settings given but rejected: checks that read them stay quiet
+        self.seq_axes: tuple[str, ...] = ()  # sequence parallelism over these axes (`layout { seq -> T }`)
+        self.seq_entry: ast.LayoutEntry | None = None
 
     def error(self, code: str, message: str, span: Span | None, **kw: object) -> None:
         if not code.startswith("W"):

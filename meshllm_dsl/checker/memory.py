@@ -1,4 +1,5 @@
-"""Memory techniques a plan asks for: activation recomputation (E0409)."""
+"""Memory techniques a plan asks for: activation recomputation (E0409), sequence parallelism (E0410,
+E0301 for seq)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ from meshllm_dsl import ast
 from meshllm_dsl.checker.context import (
     PlanContext,
 )
+from meshllm_dsl.diagnostics import Label
+from meshllm_dsl.ir import Unit
 from meshllm_dsl.names import or_list
 
 
@@ -32,3 +35,37 @@ class MemoryRules(PlanContext):
                        label="no attention to recompute",
                        help=f"model `{self.model.name}` has no attention in a `repeat`: use `recompute = blocks` or remove the setting")
         return region
+
+    def sequence_parallel(self, seq: int, seq_setting: ast.Setting | None) -> None:
+        """`layout { seq -> T }`: Megatron sequence parallelism over the tensor axes T.
+
+        The sublayers' fit (tensor-parallel over exactly T, E0410) is checked with the activation
+        layouts (layouts.py); here: a model it applies to, and seq splitting over T (E0301).
+        """
+        entry = self.seq_entry
+        if entry is None:
+            return
+        axes, text = self.seq_axes, " x ".join(self.seq_axes)
+        rep = self.model.repeat
+        if rep is None or not any(u.kind in ("attention", "mlp") for u in rep.body):
+            self.error("E0410", "sequence parallelism needs tensor-parallel blocks", entry.span,
+                       label="no blocks to shard along the sequence",
+                       help=f"model `{self.model.name}` has no attention or mlp in a `repeat`: remove `seq -> {' * '.join(axes)}`")
+            return
+        items = self.model.items
+        for item in items[:-1]:
+            if isinstance(item, Unit) and item.kind == "linear":
+                self.error("E0410", f"sequence parallelism does not support the top-level linear `{item.name}`",
+                           entry.span, label="sequence parallelism asked for here",
+                           secondary=(Label(item.span, "a linear between the blocks and the head"),) if item.span else (),
+                           help=f"remove `seq -> {' * '.join(axes)}`")
+        n = self.mesh.size(*axes)
+        if "seq" not in self.bad_settings and seq % n:
+            span = seq_setting.value.span if seq_setting is not None else entry.span
+            ok = [k * n for k in range(max(1, seq // n), max(1, seq // n) + 3)]
+            self.error("E0301", f"`seq` ({seq}) is not divisible by {text} ({n})", span,
+                       label=f"{seq} tokens do not split over {n} devices",
+                       secondary=(Label(entry.span, f"sequence parallelism over {text}"),)
+                       + tuple(lab for a in axes for lab in self.axis_label(a)),
+                       help=f"sequence parallelism gives each of the {n} ranks of {text} an equal slice of every "
+                            f"sequence: use seq = {or_list(ok)}")

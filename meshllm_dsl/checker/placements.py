@@ -45,9 +45,12 @@ class PlacementRules(PlanContext):
                 if dim == "batch":
                     batch_axes = axes
                     continue
+                if dim == "seq":  # sequence parallelism (checker/memory.py)
+                    self.seq_axes, self.seq_entry = axes, e
+                    continue
                 hits = self.layout_leaves(dim, axes, e)
                 if not hits:
-                    known = sorted({u[0] for _, _, leaf in self.model.leaves() if leaf.shardable for u in leaf.in_units + leaf.out_units} | {"batch"})
+                    known = sorted({u[0] for _, _, leaf in self.model.leaves() if leaf.shardable for u in leaf.in_units + leaf.out_units} | {"batch", "seq"})
                     self.error("E0502", f"layout entry `{dim}` matches no parameter", e.dim.span,
                                label="no layer has this dim", help=did_you_mean(dim, known))
                 out.extend(hits)
@@ -365,7 +368,8 @@ class PlacementRules(PlanContext):
             reporter = _Silent() if self.ambiguous else self
             # Diagnostics name the blocks as a pattern the user can paste: `blocks.*`, `blocks.3`, else `blocks.{0-3}`.
             which = "*" if len(idx) == rep.count else str(idx[0]) if len(idx) == 1 else _blocks_text(sorted(idx))
-            flows = block_flows(rep, dict(key), reporter, f"{rep.name}.{which}")
+            flows = block_flows(rep, dict(key), reporter, f"{rep.name}.{which}", self.seq_axes,
+                                self.seq_entry.span if self.seq_entry else None)
             classes.append(BlockClass(tuple(sorted(idx)), key, tuple(flows)))
         return tuple(classes)
 

@@ -79,6 +79,7 @@ class PlanChecker(PlacementRules, StageRules, BatchRules, OptimizerRules, Memory
         if "seq" not in self.bad_settings:
             self.positions(seq, settings.get("seq"))
         self.batch_checks(batch, microbatches, batch_axes, settings, stages, schedule)
+        self.sequence_parallel(seq, settings.get("seq"))
         optimizer, opt_settings, zero, zero_axes = self.optimizer(batch_axes)
         self.axis_usage(top, classes, pipeline_axis, batch_axes)
         if not self.failed:
@@ -89,7 +90,7 @@ class PlanChecker(PlacementRules, StageRules, BatchRules, OptimizerRules, Memory
             name=decl.name.value, mesh=self.mesh, model=self.model, batch=batch, seq=seq,
             microbatches=microbatches, schedule=schedule, virtual=virtual, pipeline_axis=pipeline_axis,
             batch_axes=batch_axes, stages=stages, top_placements=tuple(top.items()),
-            top_flows=tuple(top_flows(self.model, top, loss)), block_classes=classes, loss=loss,
+            top_flows=tuple(top_flows(self.model, top, loss, self.seq_axes)), block_classes=classes, loss=loss,
             optimizer=optimizer, optimizer_settings=opt_settings, zero=zero, zero_axes=zero_axes,
-            dtype=dtype, recompute=recompute, span=decl.span,
+            dtype=dtype, recompute=recompute, seq_axes=self.seq_axes, span=decl.span,
         )

@@ -178,8 +178,10 @@ def _plan(a: Analysis, header: list[str], inner: list[list[str]], line: list[str
                 return _axes(a, mesh)
             if not line or line[-1] == ",":
                 dims = [k for k, v in model.values if isinstance(v, int)] if model else []
-                # `batch` is the plan's own dim (data parallelism lays it out), the others the model's
-                return [Item("batch", "dim", "plan dim")] + [Item(d, "dim", "model dim") for d in dims if d != "batch"]
+                # `batch` and `seq` are the plan's own dims (data parallelism lays out the batch,
+                # sequence parallelism the sequence), the others the model's
+                return [Item("batch", "dim", "plan dim"), Item("seq", "dim", "plan dim: sequence parallelism")] + [
+                    Item(d, "dim", "model dim") for d in dims if d not in ("batch", "seq")]
             return []
         if block == "stages":
             if line and line[-1] in (":", ","):

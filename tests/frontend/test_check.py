@@ -58,6 +58,48 @@ def test_megatron_plan_placements_and_collectives() -> None:
     assert p.placement("lm_head").rule == "column"
 
 
+def test_sequence_parallel_plan_flows_and_explain() -> None:
+    from meshllm_dsl.explain import explain_json
+
+    p = plan_of(tiny(MEGATRON + "    layout { seq -> tensor }\n    seq = 16"))
+    assert p.seq_axes == ("tensor",)
+    (cls,) = p.block_classes
+    sp = Layout("Q", ("tensor",))
+    assert str(sp) == "Shard(seq) over tensor"
+    # f / g become all-gather / reduce-scatter along the sequence; norms and the stream are Shard(seq)
+    for unit in ("attn", "mlp"):
+        flow = cls.flow(unit)
+        assert flow.collectives == (TP("gather_seq", ("tensor",), "input"), TP("reduce_scatter_seq", ("tensor",), "output"))
+        assert flow.input == flow.output == sp
+    assert cls.flow("attn_norm").input == sp
+    top = dict(p.top_flows)
+    assert top["embed"].collectives == (TP("reduce_scatter_seq", ("tensor",), "output"),)
+    assert top["norm"].input == sp
+    assert top["lm_head"].collectives == (TP("gather_seq", ("tensor",), "input"),)
+    assert top["lm_head"].output == Layout("S", ("tensor",))
+    units = {u["name"]: u for e in explain_json(p)["layers"] for u in e["units"]}
+    assert units["attn_norm"]["params"][0]["grad_summed_over"] == ["tensor"]
+    assert "grad_summed_over" not in units["attn"]["params"][0]
+    assert any("reduce-scatter(seq) forward" in c for c in units["mlp"]["collectives"])
+
+
+def test_sequence_parallel_without_sequence_parallel_plan_is_unchanged() -> None:
+    assert plan_of(tiny(MEGATRON)).seq_axes == ()
+
+
+@pytest.mark.parametrize(("body", "code"), [
+    (MEGATRON + "    layout { seq -> tensor }\n    seq = 15", "E0301"),
+    ("    layout { seq -> tensor }", "E0410"),
+    (MEGATRON.replace("mlp.down row(tensor)", "mlp.down replicate").replace("mlp.{gate,up} column(tensor)",
+                                                                             "mlp.{gate,up} replicate")
+     + "    layout { seq -> tensor }", "E0410"),
+    (MEGATRON + "    layout { seq -> tensor }\n    layout { batch -> data }", None),
+])
+def test_sequence_parallel_errors(body: str, code: str | None) -> None:
+    got = codes(tiny(body, axes="data = 2, tensor = 2"))
+    assert got == ([code] if code else []), got
+
+
 def test_row_layer_fed_replicated_input_splits_it() -> None:
     # A row layer after a replicated layer scatters its input (split_to) and sums its output.
     body = MEGATRON.replace("shard blocks.*.mlp.{gate,up} column(tensor)", "shard blocks.*.mlp.{gate,up} replicate")

@@ -34,10 +34,14 @@ plan p on m for l {{
 }}
 """
 TP = "    layout { heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }"
+TP_SP = TP.replace(" }", ", seq -> tensor }")
 SHAPES = {
     "single": ("tensor = 1", 1, ""),
     "tensor2": ("tensor = 2", 2, TP),
     "pipeline2_tensor2_1f1b": ("pipeline = 2, tensor = 2", 2, TP + "\n    stages over pipeline balanced\n    schedule 1f1b"),
+    # Sequence parallelism: norms, block inputs and the column layers' kept inputs are [b, s / t, h].
+    "tensor2_sp": ("tensor = 2", 2, TP_SP),
+    "pipeline2_tensor2_1f1b_sp": ("pipeline = 2, tensor = 2", 2, TP_SP + "\n    stages over pipeline balanced\n    schedule 1f1b"),
 }
 MODES = ("none", "blocks", "attention")
 
@@ -92,3 +96,20 @@ def test_planner_activations_match_runtime_with_and_without_recompute(shape: str
         for mode in ("blocks", "attention"):
             assert measured[mode][rank] - planned[mode][rank] == residual, (mode, rank, measured, planned)
         assert measured["blocks"][rank] < measured["attention"][rank] < measured["none"][rank], measured
+
+
+@pytest.mark.parametrize("shape", ["tensor2", "pipeline2_tensor2_1f1b"])
+def test_sequence_parallelism_saves_what_the_planner_predicts(shape: str, pool: WorkerPool, tmp_path: Path) -> None:
+    # Same plan with and without `seq -> tensor`: the runtime keeps less under sequence parallelism,
+    # and the planner predicts the saving to the byte (norm inputs, block inputs and the column
+    # layers' inputs divided by the tensor size).
+    saved: dict[str, tuple[list[int], list[int]]] = {}
+    for key in (shape, shape + "_sp"):
+        plan, got = _measure(pool, tmp_path, key, "none")
+        by_coord = {rc.coord: rc for rc in analyze(plan).ranks}
+        coords = [plan.mesh.coords(r)[plan.pipeline_axis] if plan.pipeline_axis else 0 for r in range(len(got))]
+        saved[key] = (got, [by_coord[c].activation_bytes_per_microbatch for c in coords])
+    (m_tp, p_tp), (m_sp, p_sp) = saved[shape], saved[shape + "_sp"]
+    for rank in range(len(m_tp)):
+        assert m_sp[rank] < m_tp[rank], (rank, m_sp, m_tp)
+        assert m_tp[rank] - m_sp[rank] == p_tp[rank] - p_sp[rank], (rank, m_tp, m_sp, p_tp, p_sp)

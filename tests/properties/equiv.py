@@ -179,7 +179,26 @@ def _clip_norm_counts_copies(p: _Patches, info: dict[str, Any]) -> None:
     p.set(Built, "grad_norm_sq", naive)
 
 
+def _sp_norm_grad_not_summed(p: _Patches, info: dict[str, Any]) -> None:
+    """(ix) the classic sequence-parallel bug: norm weights are replicated but each rank saw only
+    its slice of the sequence, and nobody sums their gradients over the tensor axis (Megatron's
+    `allreduce_sequence_parallel_grad` forgotten): forward right, norm gradients partial."""
+    from meshllm_dsl.runtime.program import Built
+
+    p.set(Built, "_sum_partial_grads", lambda self: None)
+
+
+def _sp_missing_reduce_scatter(p: _Patches, info: dict[str, Any]) -> None:
+    """(x) sequence parallelism whose reduce-scatter after the row layer only splits: each rank
+    keeps its slice of its own partial sum."""
+    import meshllm_dsl.runtime as rt
+
+    p.set(rt, "reduce_scatter_seq", lambda x, group: rt.split_seq(x, group))
+
+
 FAULTS: dict[str, Callable[[_Patches, dict[str, Any]], None]] = {
+    "sp_norm_grad_not_summed": _sp_norm_grad_not_summed,
+    "sp_missing_reduce_scatter": _sp_missing_reduce_scatter,
     "clip_norm_counts_copies": _clip_norm_counts_copies,
     "recompute_double_grad": _recompute_double_grad,
     "naive_all_reduce": _naive_all_reduce,

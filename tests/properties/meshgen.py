@@ -247,6 +247,8 @@ class _Oracle:
             if len(set(axes)) != len(axes):
                 self.bad("E0401", f"layout {dim} lists an axis twice")
                 continue
+            if dim == "seq":
+                continue  # sequence parallelism: no parameter, checked by sequence_parallel()
             hit = False
             for (u, lf), (outs, ins) in self.blocks.items():
                 o, i = outs[0] == dim, dim in ins
@@ -327,6 +329,7 @@ class _Oracle:
                     self.bad("E0301", f"{key}: {unit} ({self.counts[unit]}) over {axes} ({n})", required=legal)
         self.flows(legal)
         self.loss_and_ties(legal)
+        self.sequence_parallel(legal)
 
     @property
     def axis_names(self) -> set[str]:
@@ -376,6 +379,27 @@ class _Oracle:
                 if err:
                     # Only certain when every placement in the unit is known and unambiguous.
                     self.bad(err, f"block {b} {unit}: {[p for p in ps]}", required=legal and known)
+
+    def sequence_parallel(self, legal: bool) -> None:
+        """`seq -> A` (Megatron SP): every attention / mlp of every block column -> row over exactly A
+        (E0410, where its layouts are otherwise fine), and seq divisible by A's size (E0301)."""
+        s = self.s
+        axes = s.layout.get("seq")
+        if axes is None or len(set(axes)) != len(axes):
+            return
+        if s.seq % s.size(*axes):
+            self.bad("E0301", f"seq {s.seq} over {axes}")
+        for b in range(self.L):
+            for unit in ("attn", "mlp"):
+                leaves = [lf for u, lf in self.blocks if u == unit]
+                ps = [self.eff[(("blk", unit, lf), b)] for lf in leaves]
+                known = all(p is not None for p in ps) and not any(("blk", unit, lf) in self.rejected for lf in leaves)
+                if _unit_flow([p or ("replicate", ()) for p in ps]):
+                    continue  # a layout error already: the checker says that instead
+                *ins, out = [p or ("replicate", ()) for p in ps]
+                paired = all(p == ("column", tuple(axes)) for p in ins) and out == ("row", tuple(axes))
+                if not paired:
+                    self.bad("E0410", f"block {b} {unit} is not column -> row over {axes}", required=legal and known)
 
     def loss_and_ties(self, legal: bool) -> None:
         s = self.s
@@ -536,7 +560,7 @@ FAULTS = (
     "zero_without_data", "tied_mismatch", "stage_count", "stage_empty", "stage_gap", "stage_overlap",
     "stage_order", "stage_past_end", "balanced_uneven", "few_microbatches", "interleaved_indivisible",
     "interleaved_no_virtual", "virtual_not_interleaved", "devices_mismatch", "kv_not_dividing",
-    "recompute_unknown",
+    "recompute_unknown", "seq_indivisible", "seq_unpaired",
 )
 NEEDS_TENSOR = {
     "dims_free", "column_column", "replicated_after_column", "mismatched_inputs", "row_inputs",
@@ -571,13 +595,15 @@ def plan_specs(draw: Callable[..., Any], valid_only: bool = False) -> Spec:
     roles = set(draw(st.lists(st.sampled_from(["data", "pipeline", "tensor", "spare"]), min_size=1, max_size=3, unique=True)))
     roles |= ({"tensor"} if fault in NEEDS_TENSOR else set()) | ({"pipeline"} if fault in NEEDS_PIPELINE else set())
     roles |= {"data"} if fault in NEEDS_DATA else set()
-    needed = ({"tensor"} if fault in NEEDS_TENSOR else set()) | ({"pipeline"} if fault in NEEDS_PIPELINE else set())
+    roles |= {"tensor"} if fault in ("seq_indivisible", "seq_unpaired") else set()
+    needed = ({"tensor"} if fault in NEEDS_TENSOR | {"seq_indivisible", "seq_unpaired"} else set()) | (
+        {"pipeline"} if fault in NEEDS_PIPELINE else set())
     needed |= {"data"} if fault in NEEDS_DATA else set()
     while len(roles) > 3:
         roles.discard(next(r for r in ("spare", "data", "pipeline", "tensor") if r in roles - needed))
     roles_l = draw(st.permutations(sorted(roles)))
     # Mistakes that only show with an axis of size > 1 force one.
-    need2 = {"tensor"} if fault == "dims_free" else set()
+    need2 = {"tensor"} if fault in ("dims_free", "seq_indivisible") else set()
     if fault in ("few_microbatches", "interleaved_indivisible", "balanced_uneven", "stage_order"):
         need2.add("pipeline")
     sizes: dict[str, int] = {}
@@ -679,8 +705,8 @@ def plan_specs(draw: Callable[..., Any], valid_only: bool = False) -> Spec:
                 batch_axes=batch_axes, schedule=schedule, hint=fault)
 
     # -- tensor rules: a style per unit, shard rules and/or layout entries
-    if "tensor" in roles and (fault in NEEDS_TENSOR or draw(st.integers(0, 4)) > 0):
-        _tensor_rules(draw, spec, name["tensor"], fault)
+    if "tensor" in roles and fault != "seq_unpaired" and (fault in NEEDS_TENSOR | {"seq_indivisible"} or draw(st.integers(0, 4)) > 0):
+        _tensor_rules(draw, spec, name["tensor"], "clean" if fault == "seq_indivisible" else fault)
 
     # -- stages
     if use_pipe:
@@ -706,6 +732,17 @@ def plan_specs(draw: Callable[..., Any], valid_only: bool = False) -> Spec:
         spec.recompute = draw(st.sampled_from(["full", "layers", "selective", "Blocks"]))
     elif draw(st.integers(0, 2)) == 0:
         spec.recompute = draw(st.sampled_from(RECOMPUTE))
+    # -- sequence parallelism over the tensor axis, with seq a multiple of its size (or not)
+    if "tensor" in roles and (fault in ("seq_indivisible", "seq_unpaired") or draw(st.integers(0, 3)) == 0):
+        spec.layout["seq"] = (name["tensor"],)
+        if fault == "seq_indivisible":
+            spec.seq = draw(st.sampled_from([k for k in range(3, 9) if k % t]))
+        elif fault != "seq_unpaired":
+            spec.seq = _mult(draw, t, 4, 8)
+        if family == "gpt2":
+            dims["positions"] = max(dims["positions"], spec.seq)
+        if valid_only and not spec.verdict().valid:
+            del spec.layout["seq"]  # the drawn blocks are not all tensor-parallel: no SP for them
     return spec
 
 

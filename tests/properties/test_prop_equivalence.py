@@ -68,6 +68,8 @@ def _features(spec: Spec) -> list[str]:
         out.append("per-block rules")
     if spec.recompute not in (None, "none"):
         out.append(f"recompute {spec.recompute}")
+    if "seq" in spec.layout:
+        out.append("sequence parallel")
     return out
 
 

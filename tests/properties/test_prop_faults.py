@@ -15,6 +15,9 @@ with it the comparison must report differences above tolerance, in the place the
       (`recompute = blocks` with tensor-parallel collectives inside, under a 1F1B pipeline)
 (viii) gradient clipping whose norm counts copies (replicated over tensor, data replicas) on every
       rank: forward right, clipped gradients differ (data x pipeline x tensor)
+(ix)  sequence parallelism without summing the norms' partial gradients over the tensor axis:
+      forward right, gradients differ (data x tensor, with recomputation)
+(x)   sequence parallelism whose reduce-scatter only splits (the sum is missing): forward differs
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ PLANS = {
     "clip": _plan("data = 2, pipeline = 2, tensor = 2", MEGATRON + "    microbatches = 2\n    layout { batch -> data }\n"
                   "    stages over pipeline balanced\n    schedule 1f1b\n"
                   "    optimizer adamw { clip = 0.01, warmup = 2, decay_steps = 3 }"),
+    "seqpar": _plan("data = 2, tensor = 2", MEGATRON + "    layout { batch -> data, seq -> tensor }\n    recompute = blocks"),
 }
 
 # fault -> (plan, where the difference must show, where it must not)
@@ -61,6 +65,8 @@ CASES = {
     "dp_grads_summed": ("data2", "grad", "loss"),
     "recompute_double_grad": ("recompute", "grad", "logits"),
     "clip_norm_counts_copies": ("clip", "grad", "logits"),
+    "sp_norm_grad_not_summed": ("seqpar", "grad", "logits"),
+    "sp_missing_reduce_scatter": ("seqpar", "logits", None),
 }
 
 
