@@ -1,5 +1,5 @@
 """The optimizer statement: its name and settings with their ranges (E0203, E0304, E0309) and ZeRO
-over the data-parallel axes (E0407)."""
+over the data-parallel axes (E0407): stage 1 is torch's ZeroRedundancyOptimizer, 2 and 3 FSDP2."""
 
 from __future__ import annotations
 
@@ -63,13 +63,8 @@ class OptimizerRules(PlanContext):
             zero = stmt.zero.stage.value
             if zero not in (0, 1, 2, 3):
                 self.error("E0203", f"ZeRO stage {zero} does not exist", stmt.zero.stage.span, label="not 0, 1, 2 or 3",
-                           help="zero 1 shards optimizer states over the data-parallel axes (2 and 3, which also shard "
-                           "gradients and parameters, are not supported yet)")
-                zero = 0
-            elif zero in (2, 3):
-                self.error("E0309", f"ZeRO stage {zero} is not supported yet", stmt.zero.stage.span,
-                           label="the runtime shards optimizer states only (ZeRO-1)",
-                           help="use `zero 1`: it shards the optimizer states, the largest part (12 of 16 bytes per parameter)")
+                           help="zero 1 shards optimizer states over the data-parallel axes, zero 2 gradients too, "
+                           "zero 3 parameters too")
                 zero = 0
             axes = self.check_axes(stmt.zero.axes, "zero") if stmt.zero.axes else batch_axes
             if axes is not None:
