@@ -259,7 +259,13 @@ class OptimizerStmt:
     span: Span | None = _span
 
 
-PlanStmt = Setting | ShardStmt | LossStmt | LayoutStmt | StagesStmt | ScheduleStmt | OptimizerStmt
+@attrs.frozen
+class PrecisionStmt:
+    settings: tuple[Setting, ...]
+    span: Span | None = _span
+
+
+PlanStmt = Setting | ShardStmt | LossStmt | LayoutStmt | StagesStmt | ScheduleStmt | OptimizerStmt | PrecisionStmt
 
 
 @attrs.frozen

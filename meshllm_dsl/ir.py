@@ -339,6 +339,10 @@ class PlanIR:
     zero_axes: tuple[str, ...]
     dtype: str
     recompute: str = "none"  # one of RECOMPUTE
+    # `precision`: `dtype` is the compute dtype; master weights and optimizer states are kept in
+    # master_dtype and gradients reduced in reduce_dtype (None: no `precision`, all in `dtype`).
+    master_dtype: str | None = None
+    reduce_dtype: str | None = None
     span: Span | None = attrs.field(eq=False, default=None)
 
     @property

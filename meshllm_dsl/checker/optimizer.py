@@ -7,7 +7,8 @@ from meshllm_dsl import ast
 from meshllm_dsl.checker.context import (
     PlanContext,
 )
-from meshllm_dsl.names import did_you_mean
+from meshllm_dsl.ir import DTYPES
+from meshllm_dsl.names import did_you_mean, or_list
 
 OPT_SETTINGS = {
     "lr": (0.0, 1e3, True, False),
@@ -22,6 +23,9 @@ OPT_SETTINGS = {
     "min_lr": (0.0, 1e3, False, False),
 }
 OPT_STEP_COUNTS = ("warmup", "decay_steps")
+# `precision { params = bf16, master = fp32, reduce = fp32 }`: compute, master weights (and
+# optimizer states), gradient reduction.
+PRECISION_KEYS = ("params", "master", "reduce")
 
 
 class OptimizerRules(PlanContext):
@@ -78,3 +82,41 @@ class OptimizerRules(PlanContext):
                                stmt.zero.span, label="not the data-parallel axes",
                                help=f"write `zero {zero} over {' * '.join(batch_axes)}`: only ranks holding the same parameters can share their optimizer states")
         return stmt.name.value, tuple(settings), zero, zero_axes
+
+    def precision(self, dtype: str, zero: int, dtype_given: bool) -> tuple[str, str | None, str | None]:
+        """The `precision { params, master, reduce }` statement: (compute dtype, master dtype,
+        gradient-reduction dtype); None where the plan keeps one dtype for everything."""
+        stmt = self.single(ast.PrecisionStmt, "`precision`")
+        if stmt is None:
+            return dtype, None, None
+        seen: dict[str, ast.Setting] = {}
+        values: dict[str, str] = {}
+        for s in stmt.settings:
+            key = s.name.value
+            if key not in PRECISION_KEYS:
+                self.error("E0203", f"unknown precision setting `{key}`", s.name.span, label="not a precision setting",
+                           help=did_you_mean(key, PRECISION_KEYS))
+                continue
+            if key in seen:
+                self.repeated(f"precision setting `{key}`", s.name.span, seen[key].name.span)
+                continue
+            seen[key] = s
+            if isinstance(s.value, ast.Name) and s.value.value in DTYPES:
+                values[key] = s.value.value
+            else:
+                self.error("E0203", "unknown dtype", s.value.span, label="not a dtype", help=f"use one of {or_list(DTYPES)}")
+        if "params" in values and dtype_given and values["params"] != dtype:
+            self.error("E0203", f"`params = {values['params']}` contradicts the plan's `dtype = {dtype}`",
+                       seen["params"].value.span, label="computes in another dtype",
+                       help="give the compute dtype once: drop the plan's `dtype` or make them equal")
+        compute = values.get("params", dtype)
+        master, reduce = values.get("master", compute), values.get("reduce", compute)
+        if DTYPES[master] < DTYPES[compute] and "master" in seen:
+            self.error("E0203", f"master weights in {master} are narrower than the compute dtype {compute}",
+                       seen["master"].value.span, label="would round every update more than the forward",
+                       help=f"keep master weights at least as wide: `master = fp32` (or `params = {master}`)")
+        if zero not in (2, 3):
+            self.error("E0309", "`precision` needs ZeRO stage 2 or 3", stmt.span,
+                       label="mixed precision is applied by FSDP2, which only zero 2 / 3 use",
+                       help="add `zero 2` (or `zero 3`) to the optimizer: `optimizer adamw { zero 2 }`")
+        return compute, master, reduce
