@@ -44,10 +44,36 @@ plan p on m for l {
     layout { batch -> data, heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }
 }
 """,
+    # ZeRO 2 / 3 by FSDP2: parameters, gradients and moments sliced over data in the master dtype.
+    "llama_data2_tensor2_zero3": """
+mesh m { axes data = 2, tensor = 2 }
+model l = llama { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64, dtype = fp32 }
+plan p on m for l {
+    batch = 4
+    seq = 8
+    layout { batch -> data, heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }
+    optimizer adamw { zero 3 }
+}
+""",
+    "gpt2_data2_pipeline2_zero2_precision": """
+mesh m { axes data = 2, pipeline = 2 }
+model g = gpt2 { vocab = 64, hidden = 32, layers = 4, heads = 4, positions = 16 }
+plan p on m for g {
+    batch = 4
+    seq = 8
+    microbatches = 2
+    layout { batch -> data }
+    stages over pipeline balanced
+    precision { params = bf16, master = fp32, reduce = fp32 }
+    optimizer adamw { zero 2 }
+}
+""",
+    "tiny_llama_fsdp": (ROOT / "examples" / "tiny_llama_fsdp.mesh").read_text(),
 }
 
 
 def _job(ctx: RankContext, path: str) -> dict[str, int]:
+    from meshllm_dsl.runtime.fsdp import data_local
     from meshllm_dsl.verify import load_generated
 
     program = load_generated(path).PROGRAM
@@ -62,9 +88,11 @@ def _job(ctx: RankContext, path: str) -> dict[str, int]:
     for p, st in inner.state.items():
         for v in st.values():
             if isinstance(v, torch.Tensor) and v.shape == p.shape:  # exp_avg, exp_avg_sq; not `step`
-                state_bytes += v.numel() * v.element_size()
+                state_bytes += data_local(v).numel() * v.element_size()
+    # What this rank stores: with ZeRO 2 / 3 its slice of each (DTensor) parameter and gradient.
     return {
-        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "param_bytes": sum(data_local(p).numel() * p.element_size() for p in params),
+        "grad_bytes": sum(data_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None),
         "optimizer_bytes": state_bytes,
         "largest_param": max(p.numel() for p in params),
     }
@@ -91,7 +119,8 @@ def test_planner_bytes_match_runtime(name: str, pool: WorkerPool, tmp_path: Path
         coord = plan.mesh.coords(rank)[plan.pipeline_axis] if plan.pipeline_axis else 0
         rc = by_coord[coord]
         assert got["param_bytes"] == rc.weight_bytes, (rank, got, rc)
-        if plan.zero == 0:
+        assert got["grad_bytes"] == rc.grad_bytes or plan.zero == 1, (rank, got, rc)
+        if plan.zero in (0, 2, 3):
             assert got["optimizer_bytes"] == rc.optimizer_bytes, (rank, got, rc)
         else:
             # torch's ZeroRedundancyOptimizer partitions whole parameters, so a rank's share differs
