@@ -91,6 +91,14 @@ CASES: dict[str, str] = {
         "data = 2, tensor = 2",
         MEGATRON + "layout { batch -> data }\n precision { params = bf16, master = fp32, reduce = fp32 }\n optimizer adamw { zero 3 }",
     ),
+    # One data rank: FSDP2 over a group of one, so `precision` still applies.
+    "precision_data1_tensor2_zero3": _spec(
+        "data = 1, tensor = 2", MEGATRON + "layout { batch -> data }\n precision { params = bf16, master = fp32 }\n optimizer adamw { zero 3 }"
+    ),
+    # Recomputation reruns a block's forward in backward: FSDP2 gathers its weights again.
+    "recompute_blocks_data2_tensor2_zero3": _spec(
+        "data = 2, tensor = 2", MEGATRON + "microbatches = 2\n recompute = blocks\n layout { batch -> data }\n optimizer adamw { zero 3 }"
+    ),
     "tiny_llama_zero3_interleaved": (ROOT / "examples" / "tiny_llama.mesh").read_text().replace(
         "zero 1", "zero 3").replace("stages over pipeline balanced", "stages over pipeline virtual 2 balanced").replace(
         "schedule 1f1b", "schedule interleaved_1f1b"),
