@@ -15,6 +15,8 @@ with it the comparison must report differences above tolerance, in the place the
       (`recompute = blocks` with tensor-parallel collectives inside, under a 1F1B pipeline)
 (viii) gradient clipping whose norm counts copies (replicated over tensor, data replicas) on every
       rank: forward right, clipped gradients differ (data x pipeline x tensor)
+(ix)  ZeRO-3 (FSDP2) that sums the data replicas' gradients instead of averaging: gradients differ
+(x)   ZeRO-3 sharded over the tensor axis instead of data: parameters gathered from the wrong shards
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ PLANS = {
     "clip": _plan("data = 2, pipeline = 2, tensor = 2", MEGATRON + "    microbatches = 2\n    layout { batch -> data }\n"
                   "    stages over pipeline balanced\n    schedule 1f1b\n"
                   "    optimizer adamw { clip = 0.01, warmup = 2, decay_steps = 3 }"),
+    "zero3": _plan("data = 2, tensor = 2", MEGATRON + "    layout { batch -> data }\n    optimizer adamw { zero 3 }"),
 }
 
 # fault -> (plan, where the difference must show, where it must not)
@@ -61,6 +64,8 @@ CASES = {
     "dp_grads_summed": ("data2", "grad", "loss"),
     "recompute_double_grad": ("recompute", "grad", "logits"),
     "clip_norm_counts_copies": ("clip", "grad", "logits"),
+    "zero3_grads_summed": ("zero3", "grad", "loss"),
+    "zero3_over_tensor": ("zero3", "logits", None),
 }
 
 
