@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .mesh import Mesh
 
-__all__ = ["data_mesh", "is_sharded", "shard_stage", "store_tp_local", "tp_local", "data_local"]
+__all__ = ["data_local", "data_mesh", "is_sharded", "like_sharded", "shard_stage", "store_tp_local", "tp_local"]
 
 
 def data_mesh(mesh: Mesh, batch_axes: tuple[str, ...], device_type: str) -> Any:
