@@ -131,3 +131,32 @@ def test_planner_bytes_match_runtime(name: str, pool: WorkerPool, tmp_path: Path
             total = sum(measured[r]["optimizer_bytes"] for r in group)
             coord = plan.mesh.coords(group[0])[plan.pipeline_axis] if plan.pipeline_axis else 0
             assert total == k * by_coord[coord].params_local
+
+
+def _profile_job(ctx: RankContext, path: str, out: str) -> dict[str, Any]:
+    from meshllm_dsl.runtime.launch import synthetic_batch
+    from meshllm_dsl.runtime.profile import profile_train
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    batches = [synthetic_batch(program.vocab, program.batch, program.seq, 0, s) for s in range(3)]
+    return profile_train(built, batches, out)
+
+
+def test_profile_measures_zero3_ranks_as_the_planner_predicts(pool: WorkerPool, tmp_path: Path) -> None:
+    # `meshc run --profile` on FSDP2's DTensors: its memory probes see each rank's slices, and the
+    # data-parallel all-gathers / reduce-scatters are logged.
+    name = "gpt2_data2_pipeline2_zero2_precision"
+    (plan,) = check_text(CASES[name], f"{name}.mesh").plans.values()
+    path = tmp_path / f"{name}.py"
+    path.write_text(render_plan(plan, f"{name}.mesh", CASES[name]))
+    reports = pool.run(_profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
+    by_coord = {rc.coord: rc for rc in analyze(plan).ranks}
+    for rank, rep in enumerate(reports):
+        rc = by_coord[plan.mesh.coords(rank)["pipeline"]]
+        mem = rep["memory"]
+        assert (mem["weights"], mem["gradients"], mem["optimizer"]) == (rc.weight_bytes, rc.grad_bytes, rc.optimizer_bytes)
+        assert 0 < mem["activations_per_microbatch"] and 0 < mem["activations_and_temporaries_peak"]
+        ops = {c["op"] for c in rep["collectives"] if c["axes"] == "data"}
+        assert {"all_gather_single", "reduce_scatter_single"} <= ops, rep["collectives"]
