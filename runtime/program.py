@@ -247,8 +247,6 @@ class Built:
     def _fully_shard(self) -> None:
         """ZeRO-3 (parameters resharded after each forward) or ZeRO-2 (kept until backward) by FSDP2
         over the data ranks; gradients and optimizer states are sharded either way."""
-        from . import fsdp
-
         dmesh = fsdp.data_mesh(self.mesh, self.batch_axes, self.device.type)
         for i in self.stage_ids:
             fsdp.shard_stage(
