@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLES = {"tiny_llama": 8, "tiny_gpt2": 4}
+EXAMPLES = {"tiny_llama": 8, "tiny_gpt2": 4, "tiny_llama_fsdp": 8}
 
 
 def main() -> None:

@@ -621,6 +621,8 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         f"Pipeline: {len(plan.stages)} stage(s)" + (f" over `{plan.pipeline_axis}`, schedule {plan.schedule}, "
                                                    f"{plan.microbatches} microbatches" if plan.pipeline_axis else "") + ".",
         f"Data parallel over: {_axes_text(plan.batch_axes) or 'none'}; ZeRO stage {plan.zero}.",
+        *([f"Precision: compute in {plan.dtype}, master weights and optimizer states in {plan.master_dtype}, "
+           f"gradients reduced in {plan.reduce_dtype} (FSDP2 MixedPrecisionPolicy)."] if plan.master_dtype else []),
         "",
         f"Run: torchrun --nproc-per-node {mesh.devices} THIS_FILE --steps 10",
     ]
@@ -650,8 +652,12 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         Line(f"zero={plan.zero},"),
         *([Line(f"seq_axes={tuple(plan.seq_axes)!r},")] if plan.seq_axes else []),
         Line(f"optimizer={literal(_adamw_kwargs(plan))},"),
-        Line(f"dtype={TORCH_DTYPES[plan.dtype]},"),
+        # With `precision` the parameters the runtime keeps are the master weights.
+        Line(f"dtype={TORCH_DTYPES[plan.master_dtype or plan.dtype]},"),
     ]
+    if plan.master_dtype is not None:
+        program.append(Line(f"param_dtype={TORCH_DTYPES[plan.dtype]},"))
+        program.append(Line(f"reduce_dtype={TORCH_DTYPES[plan.reduce_dtype or plan.dtype]},"))
     if mesh.hosts > 1:
         # The runtime checks at start-up that each group the planner keeps in a host is on one node.
         program.append(Line(f"hosts={mesh.hosts},"))

@@ -341,7 +341,13 @@ class OptimizerStmt:
     span: Span | None = _span
 
 
-PlanStmt = Setting | ShardStmt | LossStmt | LayoutStmt | StagesStmt | ScheduleStmt | OptimizerStmt
+@node
+class PrecisionStmt:
+    settings: tuple[Setting, ...]
+    span: Span | None = _span
+
+
+PlanStmt = Setting | ShardStmt | LossStmt | LayoutStmt | StagesStmt | ScheduleStmt | OptimizerStmt | PrecisionStmt
 
 
 @node

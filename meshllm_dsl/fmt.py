@@ -188,6 +188,8 @@ class _Printer:
             self.close(1, s)
         elif isinstance(s, ast.ScheduleStmt):
             self.line(1, f"schedule {s.name.value}", s)
+        elif isinstance(s, ast.PrecisionStmt):
+            self.line(1, f"precision {{ {', '.join(_setting(st) for st in s.settings)} }}", s)
         else:
             assert isinstance(s, ast.OptimizerStmt)
             if s.zero is None and not s.settings:

@@ -343,6 +343,10 @@ class PlanIR:
     dtype: str
     recompute: str = "none"  # one of RECOMPUTE
     seq_axes: tuple[str, ...] = ()  # sequence parallelism (`layout { seq -> tensor }`) over these axes
+    # `precision`: `dtype` is the compute dtype; master weights and optimizer states are kept in
+    # master_dtype and gradients reduced in reduce_dtype (None: no `precision`, all in `dtype`).
+    master_dtype: str | None = None
+    reduce_dtype: str | None = None
     span: Span | None = attrs.field(eq=False, default=None)
 
     @property

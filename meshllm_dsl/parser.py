@@ -365,6 +365,9 @@ class _Builder:
         settings = tuple(s for s in c[1:] if isinstance(s, ast.Setting))
         return ast.OptimizerStmt(c[0], zero, settings, self._span())
 
+    def precision(self, c: list[Any]) -> ast.PrecisionStmt:
+        return ast.PrecisionStmt(c[0], self._span())
+
     def zero(self, c: list[Any]) -> ast.ZeroStmt:
         stage = ast.IntLit(self._int(c[0]), self._tok(c[0]))
         return ast.ZeroStmt(stage, tuple(a for a in c[1:] if a is not None), self._span())

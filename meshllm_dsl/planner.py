@@ -93,6 +93,28 @@ def zero_per_device(params: int, zero: int, shards: int, weight_bytes: int, grad
     return w, g, o
 
 
+def fsdp_per_device(params: int, shards: int, master_bytes: int) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer states) bytes per device at rest under ZeRO 2 / 3 as the runtime
+    runs them (FSDP2): every parameter is stored sharded over the data ranks in the master dtype
+    (the plan's dtype without `precision`), its gradient too, and AdamW's two moments are shaped
+    like it. With `precision { params = bf16, master = fp32 }` that is 4 + 4 + 8 bytes per parameter
+    / N_d, plus the bf16 compute copy FSDP2 all-gathers (``fsdp_gather_bytes``): 18 in all.
+    FSDP2 chunks each parameter along dim 0, so the share is Psi / N_d when those dims divide.
+    """
+    part = -(-params // shards) if shards > 1 else params
+    return master_bytes * part, master_bytes * part, 2 * master_bytes * part
+
+
+def fsdp_gather_bytes(zero: int, compute_bytes: int, local: int, top: int, largest_block: int) -> int:
+    """The compute-dtype copy FSDP2 all-gathers at the peak: ZeRO-2 keeps every unit gathered from its
+    forward to its backward (all ``local`` parameters); ZeRO-3 frees each block after its forward,
+    so the stage root (``top``: embedding, final norm, head, kept for backward) and two blocks (the
+    one running and the one prefetched) are gathered at once."""
+    if zero == 2:
+        return compute_bytes * local
+    return compute_bytes * (top + 2 * largest_block)
+
+
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
     """Idle fraction of a pipelined step: (p - 1) / (m + p - 1), divided by v when interleaved.
 
@@ -453,7 +475,7 @@ class RankClass:
     weight_bytes: int  # after ZeRO-3
     grad_bytes: int  # after ZeRO-2
     optimizer_bytes: int  # after ZeRO-1
-    gather_buffer_bytes: int  # ZeRO-3: the largest unit's parameters, gathered for its forward
+    gather_buffer_bytes: int  # ZeRO 2 / 3 (FSDP2): the compute-dtype copy all-gathered at the peak
     activation_bytes_per_microbatch: int
     in_flight: int  # microbatches (chunk forwards when interleaved) whose activations are held
     activation_bytes: int
@@ -569,6 +591,10 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     model = plan.model
     w = DTYPES[plan.dtype]
     k = optimizer_bytes_per_param(plan.optimizer, plan.dtype)
+    fsdp = plan.zero >= 2  # the runtime's ZeRO 2 / 3 is FSDP2: master dtype at rest, no extra fp32 copy
+    master = DTYPES[plan.master_dtype or plan.dtype]
+    if fsdp:
+        k = 2 * master  # AdamW's moments, shaped and typed like the stored (master) parameter
     dp = plan.data_size
     zero_shards = mesh.size(*plan.zero_axes) if plan.zero and plan.zero_axes else 1
     p_size = plan.pipeline_size
@@ -593,6 +619,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         act_mb = 0
         kv_bytes = 0
         largest_unit = 0
+        top_local = 0  # parameters outside the repeated blocks (FSDP2's stage root)
+        block_params: dict[str, int] = {}  # per block class: the parameters of one block
         tensor_calls: dict[tuple[tuple[str, ...], str], int] = {}
         seq_grads = 0  # sequence parallelism: gradient elements summed over the tensor axes once a step
         holds_head = False
@@ -607,6 +635,10 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 local += lo * hu.count
                 repl += re * hu.count
                 largest_unit = max(largest_unit, lo)
+                if hu.prefix:
+                    block_params[hu.prefix] = block_params.get(hu.prefix, 0) + lo
+                else:
+                    top_local += lo * hu.count
                 if hu.tied_copy:
                     continue  # a copy of weights: no activations or forward collectives of its own
                 saved = unit_activation_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
@@ -643,8 +675,12 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             recompute_flops += 2 * sum(block_local.values()) * (plan.batch // dp) * plan.seq
         # A block (or attention core) being recomputed holds its saved tensors until its backward is done.
         recomputed = max(block_saved.values(), default=0)
-        weight_b, grad_b, opt_b = zero_per_device(local, plan.zero, zero_shards, w, w, k)
-        gather = w * largest_unit if plan.zero >= 3 and zero_shards > 1 else 0
+        if fsdp:
+            weight_b, grad_b, opt_b = fsdp_per_device(local, zero_shards, master)
+            gather = fsdp_gather_bytes(plan.zero, w, local, top_local, max(block_params.values(), default=0))
+        else:
+            weight_b, grad_b, opt_b = zero_per_device(local, plan.zero, zero_shards, w, w, k)
+            gather = 0
         in_flight = in_flight_microbatches(plan.schedule, p_size, c, m, v)
         # Interleaved ranks hold v chunks; in-flight counts chunk forwards, so scale per chunk.
         act = act_mb * in_flight // max(1, len(stages_at[c]))
@@ -674,10 +710,12 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 comms.append(_comm(plan, device, (plan.pipeline_axis,), "tied", "all_reduce", 1, w * tied, group=2))
         if dp > 1:
             data_axes = plan.batch_axes
-            if plan.zero >= 3:
-                # Parameters gathered for forward and again for backward, gradients reduce-scattered.
-                comms.append(_comm(plan, device, data_axes, "data", "all_gather", 2, w * local))
-                comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", 1, w * local))
+            reduce_w = DTYPES[plan.reduce_dtype or plan.dtype]
+            if plan.zero >= 2:
+                # FSDP2: parameters gathered (in the compute dtype) for forward, and with ZeRO-3 again
+                # for backward; gradients reduce-scattered in the reduce dtype.
+                comms.append(_comm(plan, device, data_axes, "data", "all_gather", 2 if plan.zero >= 3 else 1, w * local))
+                comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", 1, reduce_w * local))
             elif plan.zero >= 1:
                 # Gradients reduce-scattered to their owners, updated weights all-gathered back.
                 comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", 1, w * local))
@@ -721,6 +759,17 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     )
     return PlanReport(plan, device, device_assumed, micro_batch, bubble, tuple(classes), step,
                       kv_bytes_per_token(plan), k)
+
+
+def _training_state_line(plan: PlanIR, k: int, numel: int) -> str:
+    w = DTYPES[plan.dtype]
+    if plan.zero < 2:
+        return (f"  training state  {k + 2 * w} bytes per parameter ({w} weight + {w} gradient + {k} optimizer)"
+                f" = {fmt_bytes(numel * (k + 2 * w))} unsharded")
+    m = DTYPES[plan.master_dtype or plan.dtype]
+    total = w + 2 * m + k
+    return (f"  training state  {total} bytes per parameter ({w} {plan.dtype} compute copy + {m} master weight + {m} gradient"
+            f" + {k} optimizer) = {fmt_bytes(numel * total)} before ZeRO-{plan.zero} shards all but the compute copy")
 
 
 def _hidden(plan: PlanIR) -> int:
@@ -966,8 +1015,7 @@ def report_text(rep: PlanReport) -> str:
         "model",
         f"  parameters      {model.numel:,} ({fmt_count(model.numel)})",
         f"  weights         {model.numel * w / GB:.2f} GB = {model.numel * w / GIB:.2f} GiB in {plan.dtype}",
-        (f"  training state  {rep.optimizer_k + 2 * w} bytes per parameter ({w} weight + {w} gradient + {rep.optimizer_k} optimizer)"
-        f" = {fmt_bytes(model.numel * (rep.optimizer_k + 2 * w))} unsharded"),
+        _training_state_line(plan, rep.optimizer_k, model.numel),
         (f"  KV cache        {rep.kv_bytes_per_token:,} bytes per token in {plan.dtype}; "
         f"{fmt_bytes(rep.kv_bytes_per_token * plan.batch * plan.seq)} at batch {plan.batch} x seq {plan.seq}"),
         "",
@@ -983,14 +1031,21 @@ def report_text(rep: PlanReport) -> str:
         ["pp", "ranks", "layers", "params", "on device", "weights", "grads", "optimizer", "activations", "total", "fits"],
         rows, right={3, 4, 5, 6, 7, 8, 9})]
     worst = max(rep.ranks, key=lambda r: r.training_bytes)
-    by_dtype: dict[str, int] = {plan.dtype: worst.weight_bytes + worst.grad_bytes + worst.activation_bytes + worst.gather_buffer_bytes}
-    by_dtype["fp32"] = by_dtype.get("fp32", 0) + worst.optimizer_bytes
+    if plan.zero >= 2:  # FSDP2: weights, gradients and moments in the master dtype
+        by_dtype = {plan.dtype: worst.activation_bytes + worst.gather_buffer_bytes}
+        held = plan.master_dtype or plan.dtype
+        by_dtype[held] = by_dtype.get(held, 0) + worst.weight_bytes + worst.grad_bytes + worst.optimizer_bytes
+    else:
+        by_dtype = {plan.dtype: worst.weight_bytes + worst.grad_bytes + worst.activation_bytes + worst.gather_buffer_bytes}
+        by_dtype["fp32"] = by_dtype.get("fp32", 0) + worst.optimizer_bytes
     lines += [
         f"  by dtype on pipeline rank {worst.coord}: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in by_dtype.items())
         + f"; {fmt_count(worst.params_replicated)} parameters are whole copies on every device (norms, biases, unsharded layers)",
     ]
     if worst.gather_buffer_bytes:
-        lines.append(f"  ZeRO-3 gather buffer (largest unit, gathered for its forward): {fmt_bytes(worst.gather_buffer_bytes)}")
+        what = ("every unit, kept from its forward to its backward" if plan.zero == 2
+                else "the stage root and two blocks, gathered for their forward and backward")
+        lines.append(f"  ZeRO-{plan.zero} gather buffer ({what}): {fmt_bytes(worst.gather_buffer_bytes)}")
     lines += [
         "  activations per microbatch: " + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.activation_bytes_per_microbatch)}" for rc in rep.ranks),
         f"  inference (weights + KV cache at batch {plan.batch} x seq {plan.seq}): "

@@ -190,8 +190,8 @@ def candidates(model: ModelIR, devices: int, batch: int, per_host: int) -> Itera
                         continue
                     if sched == "interleaved_1f1b" and m % p:
                         continue
-                    # ZeRO 2 / 3 are refused by `check` until the runtime implements them (E0309).
-                    for z in (0, 1) if d > 1 else (0,):
+                    # ZeRO 2 / 3 are FSDP2 in the runtime (without `precision`: in the plan's dtype).
+                    for z in (0, 1, 2, 3) if d > 1 else (0,):
                         for r in remats:
                             yield Candidate(d, p, t, m, sched, v, z, hosts, r)
 

@@ -57,7 +57,9 @@ def compare(plan: PlanIR, ranks: list[dict[str, Any]], rep: PlanReport | None = 
                 "optimizer": {"planned": rc.optimizer_bytes, "measured": mem["optimizer"]},
                 "activations per microbatch": {"planned": rc.activation_bytes_per_microbatch,
                                                "measured": mem["activations_per_microbatch"]},
-                "activations + temporaries peak": {"planned": rc.activation_bytes + rc.transient_bytes,
+                # With ZeRO 2 / 3 the parameters FSDP2 gathers for compute are temporaries too.
+                "activations + temporaries peak": {"planned": rc.activation_bytes + rc.transient_bytes
+                                                   + rc.gather_buffer_bytes,
                                                    "measured": mem["activations_and_temporaries_peak"]},
             },
             "time": {

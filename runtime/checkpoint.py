@@ -15,7 +15,9 @@ A fused tensor chunked segment by segment (qkv rows [q | k | v] split over ``ten
 DTensor placement: it is described as a ShardedTensor with one local shard per segment, which
 still saves under the one key ``model/NAME``, so a plan that shards qkv and one that does not read
 each other's checkpoints.  With ZeRO each data rank writes the optimizer state of the parameters it
-owns and reads back those it owns in the new layout.
+owns and reads back those it owns in the new layout.  With ZeRO 2 / 3 (FSDP2's DTensors sharded
+over the data ranks) each tensor is gathered over the data ranks one at a time and written like an
+unsharded one, and each data rank keeps its own slice of what it reads: same keys, any layout.
 
 DCP's ``get_state_dict`` helpers do not fit here: they expect FSDP / DTensor parameters, while a
 meshllm stage holds plain local tensors whose layout only its ``ShardSpec`` knows.
@@ -39,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .fsdp import is_sharded, like_sharded, store_tp_local, tp_local
 from .mesh import Mesh
 from .program import Built
 from .shards import ShardSpec
@@ -476,7 +479,7 @@ def _save_state(built: Built, optimizer: bool) -> dict[str, Any]:
     inner = _inner(built.optimizer)
     for name, holders in _holders(built).items():
         param, spec = holders[0]
-        state[f"model/{name}"] = _dcp_value(built.mesh, spec, param.detach(), built.device)
+        state[f"model/{name}"] = _dcp_value(built.mesh, spec, tp_local(param.detach()), built.device)
         if not optimizer:
             continue
         for p, _ in holders:
@@ -489,7 +492,7 @@ def _save_state(built: Built, optimizer: bool) -> dict[str, Any]:
 
 def _optim_value(built: Built, spec: ShardSpec, param: Tensor, key: str, value: Any) -> Any:
     if isinstance(value, Tensor) and value.shape == param.shape:
-        return _dcp_value(built.mesh, spec, value.detach(), built.device)
+        return _dcp_value(built.mesh, spec, tp_local(value.detach()), built.device)
     if isinstance(value, Tensor) and value.dim() == 0:
         return value.detach().clone()
     raise CheckpointError(f"optimizer state {key!r} of a parameter has an unexpected shape")
@@ -620,8 +623,10 @@ def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, A
     targets: dict[str, Tensor] = {}
     for name, held in holders.items():
         param, spec = held[0]
-        targets[f"model/{name}"] = param.detach()
-        tensors[f"model/{name}"] = _dcp_value(mesh, spec, param.detach(), built.device)
+        # ZeRO 2 / 3: read the whole tensor-parallel shard, then keep this data rank's slice.
+        target = torch.empty(param.shape, dtype=param.dtype, device=built.device) if is_sharded(param) else param.detach()
+        targets[f"model/{name}"] = target
+        tensors[f"model/{name}"] = _dcp_value(mesh, spec, target, built.device)
     if optimizer:
         owned = _owned(built)
         inner = _inner(built.optimizer)
@@ -640,7 +645,7 @@ def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, A
                 md = metadata.state_dict_metadata[f"optim/{name}/{sub}"]
                 dtype = md.properties.dtype
                 if tuple(md.size) == spec.shape:
-                    local = torch.empty_like(param, dtype=dtype)
+                    local = torch.empty(param.shape, dtype=dtype, device=built.device)
                     value: Any = _dcp_value(mesh, spec, local, built.device)
                 elif len(md.size) == 0:
                     # Where AdamW keeps its step: on the device only when capturable / fused.
@@ -653,6 +658,9 @@ def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, A
         dcp.load(tensors, storage_reader=reader, **_dist_kwargs(mesh))
     for key, value in tensors.items():
         _read_back(value, targets[key])
+    for name, held in holders.items():
+        if is_sharded(held[0][0]):
+            store_tp_local(held[0][0], targets[f"model/{name}"])
     # Tied copies beyond the first holder on this rank.
     for held in holders.values():
         for p, _ in held[1:]:
@@ -664,7 +672,10 @@ def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, A
             subs = {k.rpartition("/")[2]: v for k, v in targets.items() if k.startswith(f"optim/{name}/")}
             for p, _ in held:
                 if id(p) in owned and subs:
-                    inner.state[p] = {k: v.clone() for k, v in subs.items()}
+                    inner.state[p] = {
+                        k: like_sharded(p, v) if is_sharded(p) and v.shape == p.shape else v.clone()
+                        for k, v in subs.items()
+                    }
         _set_param_groups(built, manifest.get("param_groups", []))
         built.steps_done = int(manifest["step"])  # the learning-rate schedule's clock
         same = manifest["layout"] == {"axes": [list(a) for a in mesh.axes], "ranks": list(mesh.ranks)}

@@ -43,7 +43,14 @@ def compare_to_reference(
     ``param NAME`` for every parameter after the last step. Must be called on every rank of ``mesh``.
     """
     if dtype is not None:
-        program = dataclasses.replace(program, dtype=dtype)
+        # Every dtype of a mixed-precision plan too, so its FSDP2 MixedPrecisionPolicy path runs
+        # (casts, reduction dtype) while the comparison stays exact.
+        program = dataclasses.replace(
+            program,
+            dtype=dtype,
+            param_dtype=dtype if program.param_dtype is not None else None,
+            reduce_dtype=dtype if program.reduce_dtype is not None else None,
+        )
     built = program.build(mesh, seed=seed)
     ref = build_reference(dict(program.model), program.dtype, seed=seed)
     ref_params = dict(ref.named_parameters())

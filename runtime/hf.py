@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from .fsdp import tp_local
 from .mesh import Mesh
 from .shards import ShardSpec, gather_full
 
@@ -627,7 +628,7 @@ def export_hf(
             i = stage_of[name]
             spec = built.specs[i][name]
             if i in built.modules:
-                full = gather_full(built.modules[i].get_parameter(spec.local), spec, mesh)
+                full = gather_full(tp_local(built.modules[i].get_parameter(spec.local).detach()), spec, mesh)
             else:
                 full = torch.empty(spec.shape, dtype=program.dtype, device=built.device)
             if pp_group is not None:

@@ -23,6 +23,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from .fsdp import data_local
+
 __all__ = ["CollectiveLog", "LiveBytes", "profile_train", "saved_bytes", "trace_train"]
 
 
@@ -51,15 +53,16 @@ class LiveBytes(TorchDispatchMode):
         self._sweep()
         # An output sharing an input's storage (a view, an in-place op on a gradient that existed
         # before the block) allocated nothing.
+        # (A DTensor of ZeRO 2 / 3 reaches the mode as itself: its storage is its local part's.)
         inputs = {
-            t.untyped_storage().data_ptr()
+            data_local(t).untyped_storage().data_ptr()
             for t in tree_leaves((args, kwargs))
             if isinstance(t, torch.Tensor) and t.device.type != "meta"
         }
         for t in tree_leaves(out):
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":
                 continue
-            storage = t.untyped_storage()
+            storage = data_local(t).untyped_storage()
             key = storage.data_ptr()
             if key == 0 or key in self._refs or key in inputs:
                 continue  # empty, already counted, or no new allocation
@@ -78,14 +81,16 @@ def saved_bytes(exclude: list[torch.Tensor] | None = None) -> Iterator[dict[str,
     ``exclude`` (the parameters) is not counted: a linear layer saves its weight, which is memory
     the plan already charges as weights.  Yields a dict whose ``bytes`` fills in as the block runs.
     """
-    skip = {t.untyped_storage().data_ptr() for t in exclude or ()}
+    skip = {data_local(t).untyped_storage().data_ptr() for t in exclude or ()}
     seen: dict[int, StorageWeakRef] = {}
     result = {"bytes": 0}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         if torch._C._current_graph_task_id() != -1:
             return t  # saved while running backward (a recomputation): freed within backward
-        storage = t.untyped_storage()
+        if isinstance(t, torch.nn.Parameter):
+            return t  # ZeRO 2 / 3: FSDP2's gathered parameter, charged as its gather buffer
+        storage = data_local(t).untyped_storage()
         key = storage.data_ptr()
         old = seen.get(key)
         # An address seen before counts again once its first storage is gone (the allocator
@@ -113,7 +118,8 @@ _SYNC_OPS = (
     "all_gather",
     "all_gather_into_tensor",
     "reduce_scatter_tensor",
-    "reduce_scatter_single",  # sequence parallelism (runtime/collectives.py)
+    "all_gather_single",  # FSDP2's (ZeRO 2 / 3) in torch 2.13
+    "reduce_scatter_single",  # FSDP2's, and sequence parallelism's (runtime/collectives.py)
     "send",
     "recv",
 )
@@ -169,7 +175,7 @@ class CollectiveLog:
     def __enter__(self) -> CollectiveLog:
         import torch.distributed as dist
 
-        for op in _SYNC_OPS:
+        for op in (op for op in _SYNC_OPS if hasattr(dist, op)):
 
             def make(original: Any, op: str = op) -> Any:
                 def timed(*args: Any, **kwargs: Any) -> Any:
@@ -220,7 +226,7 @@ class CollectiveLog:
 def _state_bytes(optimizer: Any) -> int:
     inner = getattr(optimizer, "optim", optimizer)
     return sum(
-        v.numel() * v.element_size()
+        data_local(v).numel() * v.element_size()
         for st in inner.state.values()
         for v in st.values()
         if isinstance(v, torch.Tensor) and v.dim() > 0
@@ -270,9 +276,10 @@ def profile_train(
         "pipeline_wait_s": wait_s,
         "collectives": comm,
         "memory": {
-            "weights": sum(p.numel() * p.element_size() for p in params),
+            # This rank's own bytes: with ZeRO 2 / 3 its slice of each (DTensor) parameter.
+            "weights": sum(data_local(p).numel() * p.element_size() for p in params),
             "gradients": sum(
-                p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None
+                data_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None
             ),
             "optimizer": _state_bytes(built.optimizer),
             "activations_per_microbatch": saved["bytes"] // micro if steps else 0,

@@ -19,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from . import fsdp
 from .collectives import all_reduce_sum
 from .mesh import Mesh
-from .shards import ShardSpec, full_init, gather_full, load_full, local_slice
+from .shards import ShardSpec, full_init, gather_full, local_slice
 
 __all__ = ["Built", "Program", "StageClass"]
 
@@ -95,7 +96,11 @@ class Program:
     seq: int = 32
     zero: int = 0
     optimizer: Mapping[str, Any] = field(default_factory=dict)
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # the parameters' (with `precision`: the master weights')
+    # A plan's `precision`: compute in param_dtype and reduce gradients in reduce_dtype (FSDP2's
+    # MixedPrecisionPolicy, so only with zero 2 / 3); None: in ``dtype``.
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
     hosts: int = 1  # the spec's `hosts`: axes whose groups stay inside one host (ranks node-major)
     # Sequence parallelism: the axes the residual stream is sharded over along the sequence
     # between sublayers (and so between pipeline stages), [b, s / t, hidden].
@@ -219,6 +224,8 @@ class Built:
         self.batch_axes = tuple(program.batch_axes)
         self.dp = mesh.size(*self.batch_axes) if self.batch_axes else 1
         self._tied = self._tied_groups()
+        if program.zero >= 2:
+            self._fully_shard()
         self.loss_fn = program.loss(mesh)
         self.optimizer = self._make_optimizer()
         self.steps_done = 0  # optimizer updates so far: the learning-rate schedule's clock
@@ -239,6 +246,24 @@ class Built:
         if any(True for _ in module.buffers()):  # state that no checkpoint fills: build it normally
             return p.stages[i](self.mesh).to(device=self.device, dtype=p.dtype)
         return module.to_empty(device=self.device)
+
+    def _fully_shard(self) -> None:
+        """ZeRO-3 (parameters resharded after each forward) or ZeRO-2 (kept until backward) by FSDP2
+        over the data ranks; gradients and optimizer states are sharded either way."""
+        dmesh = fsdp.data_mesh(self.mesh, self.batch_axes, self.device.type)
+        for i in self.stage_ids:
+            fsdp.shard_stage(
+                self.modules[i],
+                dmesh,
+                reshard_after_forward=self.program.zero == 3,
+                param_dtype=self.program.param_dtype,
+                reduce_dtype=self.program.reduce_dtype,
+            )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of activations: ``param_dtype`` under mixed precision, else ``dtype``."""
+        return self.program.param_dtype or self.program.dtype
 
     def _check_coverage(self) -> None:
         for i, module in self.modules.items():
@@ -292,7 +317,9 @@ class Built:
     def _make_optimizer(self) -> torch.optim.Optimizer:
         kw = adamw_kwargs(self.program.optimizer)
         params = self.parameters()
-        if self.program.zero >= 1 and self.dp > 1:
+        # ZeRO-2 / 3: the parameters are FSDP2's DTensors, each rank holding a slice, so plain
+        # AdamW keeps (and steps) state for that slice only.
+        if self.program.zero == 1 and self.dp > 1:
             # Imported here, not at module level: it pulls in FSDP and DTensor (~2.4 CPU-s per
             # rank), which only ZeRO plans should pay for.
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -369,13 +396,13 @@ class Built:
         between = (mb_shape[0], self._seq_local(mb_shape[1]), hidden)
         for i in range(1, n):
             out[i] = torch.zeros(
-                *between, dtype=self.program.dtype, device=device, requires_grad=True
+                *between, dtype=self.compute_dtype, device=device, requires_grad=True
             )
         vocab_local = self.program.vocab // math.prod(
             self.mesh.size(*axes) for _, axes in self._head_dims()
         )
         out[n] = torch.zeros(
-            *mb_shape, vocab_local, dtype=self.program.dtype, device=device, requires_grad=True
+            *mb_shape, vocab_local, dtype=self.compute_dtype, device=device, requires_grad=True
         )
         return out
 
@@ -448,9 +475,12 @@ class Built:
                 if first_stage.get(name, i) != i:
                     continue
                 split = {a for _, axes in spec.dims for a in axes}
+                if fsdp.is_sharded(param.grad):
+                    split |= set(self.batch_axes)  # each data rank holds its own slice of it
                 copies = [a for a in self.mesh.names if a != self.program.pipeline_axis and a not in split]
                 if all(self.mesh.coord(a) == 0 for a in copies):
-                    total += param.grad.detach().to(torch.float64).pow(2).sum()
+                    grad = fsdp.data_local(param.grad.detach())
+                    total += grad.to(torch.float64).pow(2).sum()
         return total
 
     def clip_grads(self, max_norm: float) -> float:
@@ -518,13 +548,20 @@ class Built:
             ]
             if not local:
                 continue
-            total = sum((q.grad for q in local if q.grad is not None), torch.zeros_like(local[0]))
-            # [shard of the tied weight]: sum the copies' grads across the pipeline ranks holding it.
+            grads = [fsdp.data_local(q.grad) for q in local if q.grad is not None]
+            total = sum(grads, torch.zeros_like(fsdp.data_local(local[0].detach())))
+            # [shard of the tied weight]: sum the copies' grads across the pipeline ranks holding it
+            # (with ZeRO 2 / 3, this data rank's slice of it: the copies are sliced alike).
             total = all_reduce_sum(total, group)
             for q in local:
-                q.grad = total.clone()
+                if fsdp.is_sharded(q):
+                    assert q.grad is not None
+                    fsdp.data_local(q.grad).copy_(total)
+                else:
+                    q.grad = total.clone()
         if self.dp > 1:
-            grads = [q.grad for q in self.parameters() if q.grad is not None]
+            # FSDP2 already averaged its (DTensor) gradients over the data ranks.
+            grads = [q.grad for q in self.parameters() if q.grad is not None and not fsdp.is_sharded(q.grad)]
             _all_reduce_mean(grads, self.mesh.group(*self.batch_axes), self.dp)
 
     def _global_loss(self, local: Tensor | None) -> float:
@@ -556,7 +593,7 @@ class Built:
             if i > 0 and self.pp > 1:
                 b, s = tokens.shape
                 x = torch.empty(
-                    b, self._seq_local(s), self._hidden, dtype=self.program.dtype, device=self.device
+                    b, self._seq_local(s), self._hidden, dtype=self.compute_dtype, device=self.device
                 )
                 # [b, s, hidden] residual stream from the previous stage's rank.
                 dist.recv(x, src=self._pipeline_rank(i - 1))
@@ -584,7 +621,7 @@ class Built:
             local
             if local is not None
             else torch.empty(
-                *shape, self.program.vocab, dtype=self.program.dtype, device=self.device
+                *shape, self.program.vocab, dtype=self.compute_dtype, device=self.device
             )
         )
         full = full.contiguous()
@@ -628,7 +665,7 @@ class Built:
                     param = self.modules[i].get_parameter(spec.local)
                     local = param.grad if grads else param
                     local = torch.zeros_like(param) if local is None else local
-                    full = gather_full(local, spec, self.mesh)
+                    full = gather_full(fsdp.tp_local(local.detach()), spec, self.mesh)
                 else:
                     full = torch.empty(spec.shape, dtype=self.program.dtype, device=self.device)
                 out[name] = full
@@ -654,5 +691,10 @@ class Built:
 
     def load_full_state_dict(self, state: Mapping[str, Tensor]) -> None:
         """Load this rank's shards from full tensors keyed by full name (same on every rank)."""
-        for i in self.stage_ids:
-            load_full(self.modules[i], self.specs[i], self.mesh, state)
+        with torch.no_grad():
+            for i in self.stage_ids:
+                for name, spec in self.specs[i].items():
+                    if name not in state:
+                        raise KeyError(f"full state dict has no {name!r}")
+                    param = self.modules[i].get_parameter(spec.local)
+                    fsdp.store_tp_local(param, local_slice(state[name].to(param.dtype), spec, self.mesh))

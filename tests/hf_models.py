@@ -93,6 +93,8 @@ PLANS = {  # mesh axes, layout entries, other plan lines
     "tensor2": ("tensor = 2", _TP, ""),
     "pipeline2_tensor2": ("pipeline = 2, tensor = 2", _TP, "    microbatches = 2\n    stages over pipeline balanced\n"),
     "data2_tensor2": ("data = 2, tensor = 2", _TP + ", batch -> data", ""),
+    # ZeRO-3: FSDP2 shards the loaded tensor-parallel slices over data; export gathers them back.
+    "data2_tensor2_zero3": ("data = 2, tensor = 2", _TP + ", batch -> data", "    optimizer adamw { zero 3 }\n"),
 }
 
 

@@ -1,5 +1,5 @@
 """The optimizer statement: its name and settings with their ranges (E0203, E0304, E0309) and ZeRO
-over the data-parallel axes (E0407)."""
+over the data-parallel axes (E0407): stage 1 is torch's ZeroRedundancyOptimizer, 2 and 3 FSDP2."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from meshllm_dsl import ast
 from meshllm_dsl.checker.context import (
     PlanContext,
 )
-from meshllm_dsl.names import did_you_mean
+from meshllm_dsl.ir import DTYPES
+from meshllm_dsl.names import did_you_mean, or_list
 
 OPT_SETTINGS = {
     "lr": (0.0, 1e3, True, False),
@@ -22,6 +23,9 @@ OPT_SETTINGS = {
     "min_lr": (0.0, 1e3, False, False),
 }
 OPT_STEP_COUNTS = ("warmup", "decay_steps")
+# `precision { params = bf16, master = fp32, reduce = fp32 }`: compute, master weights (and
+# optimizer states), gradient reduction.
+PRECISION_KEYS = ("params", "master", "reduce")
 
 
 class OptimizerRules(PlanContext):
@@ -63,13 +67,8 @@ class OptimizerRules(PlanContext):
             zero = stmt.zero.stage.value
             if zero not in (0, 1, 2, 3):
                 self.error("E0203", f"ZeRO stage {zero} does not exist", stmt.zero.stage.span, label="not 0, 1, 2 or 3",
-                           help="zero 1 shards optimizer states over the data-parallel axes (2 and 3, which also shard "
-                           "gradients and parameters, are not supported yet)")
-                zero = 0
-            elif zero in (2, 3):
-                self.error("E0309", f"ZeRO stage {zero} is not supported yet", stmt.zero.stage.span,
-                           label="the runtime shards optimizer states only (ZeRO-1)",
-                           help="use `zero 1`: it shards the optimizer states, the largest part (12 of 16 bytes per parameter)")
+                           help="zero 1 shards optimizer states over the data-parallel axes, zero 2 gradients too, "
+                           "zero 3 parameters too")
                 zero = 0
             axes = self.check_axes(stmt.zero.axes, "zero") if stmt.zero.axes else batch_axes
             if axes is not None:
@@ -83,3 +82,41 @@ class OptimizerRules(PlanContext):
                                stmt.zero.span, label="not the data-parallel axes",
                                help=f"write `zero {zero} over {' * '.join(batch_axes)}`: only ranks holding the same parameters can share their optimizer states")
         return stmt.name.value, tuple(settings), zero, zero_axes
+
+    def precision(self, dtype: str, zero: int, dtype_given: bool) -> tuple[str, str | None, str | None]:
+        """The `precision { params, master, reduce }` statement: (compute dtype, master dtype,
+        gradient-reduction dtype); None where the plan keeps one dtype for everything."""
+        stmt = self.single(ast.PrecisionStmt, "`precision`")
+        if stmt is None:
+            return dtype, None, None
+        seen: dict[str, ast.Setting] = {}
+        values: dict[str, str] = {}
+        for s in stmt.settings:
+            key = s.name.value
+            if key not in PRECISION_KEYS:
+                self.error("E0203", f"unknown precision setting `{key}`", s.name.span, label="not a precision setting",
+                           help=did_you_mean(key, PRECISION_KEYS))
+                continue
+            if key in seen:
+                self.repeated(f"precision setting `{key}`", s.name.span, seen[key].name.span)
+                continue
+            seen[key] = s
+            if isinstance(s.value, ast.Name) and s.value.value in DTYPES:
+                values[key] = s.value.value
+            else:
+                self.error("E0203", "unknown dtype", s.value.span, label="not a dtype", help=f"use one of {or_list(DTYPES)}")
+        if "params" in values and dtype_given and values["params"] != dtype:
+            self.error("E0203", f"`params = {values['params']}` contradicts the plan's `dtype = {dtype}`",
+                       seen["params"].value.span, label="computes in another dtype",
+                       help="give the compute dtype once: drop the plan's `dtype` or make them equal")
+        compute = values.get("params", dtype)
+        master, reduce = values.get("master", compute), values.get("reduce", compute)
+        if DTYPES[master] < DTYPES[compute] and "master" in seen:
+            self.error("E0203", f"master weights in {master} are narrower than the compute dtype {compute}",
+                       seen["master"].value.span, label="would round every update more than the forward",
+                       help=f"keep master weights at least as wide: `master = fp32` (or `params = {master}`)")
+        if zero not in (2, 3):
+            self.error("E0309", "`precision` needs ZeRO stage 2 or 3", stmt.span,
+                       label="mixed precision is applied by FSDP2, which only zero 2 / 3 use",
+                       help="add `zero 2` (or `zero 3`) to the optimizer: `optimizer adamw { zero 2 }`")
+        return compute, master, reduce

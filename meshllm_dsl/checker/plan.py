@@ -81,6 +81,7 @@ class PlanChecker(PlacementRules, StageRules, BatchRules, OptimizerRules, Memory
         self.batch_checks(batch, microbatches, batch_axes, settings, stages, schedule)
         self.sequence_parallel(seq, settings.get("seq"))
         optimizer, opt_settings, zero, zero_axes = self.optimizer(batch_axes)
+        dtype, master_dtype, reduce_dtype = self.precision(dtype, zero, "dtype" in settings)
         self.axis_usage(top, classes, pipeline_axis, batch_axes)
         if not self.failed:
             self.sharding_warnings(top, classes)
@@ -92,5 +93,6 @@ class PlanChecker(PlacementRules, StageRules, BatchRules, OptimizerRules, Memory
             batch_axes=batch_axes, stages=stages, top_placements=tuple(top.items()),
             top_flows=tuple(top_flows(self.model, top, loss, self.seq_axes)), block_classes=classes, loss=loss,
             optimizer=optimizer, optimizer_settings=opt_settings, zero=zero, zero_axes=zero_axes,
-            dtype=dtype, recompute=recompute, seq_axes=self.seq_axes, span=decl.span,
+            dtype=dtype, master_dtype=master_dtype, reduce_dtype=reduce_dtype, recompute=recompute,
+            seq_axes=self.seq_axes, span=decl.span,
         )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from meshllm_dsl import ast
-from meshllm_dsl.checker.optimizer import OPT_SETTINGS
+from meshllm_dsl.checker.optimizer import OPT_SETTINGS, PRECISION_KEYS
 from meshllm_dsl.checker.plan import PLAN_SETTINGS
 from meshllm_dsl.ir import DTYPES, RECOMPUTE, RULES, SCHEDULES
 from meshllm_dsl.lsp.analysis import DECL_KEYWORDS, leaf_paths
@@ -26,7 +26,7 @@ _TOKEN = re.compile(r'#[^\n]*|"[^"\n]*"?|[A-Za-z_][A-Za-z0-9_]*|\d[\d_]*|->|\n|\
 _PATH_TAIL = re.compile(r"[A-Za-z0-9_.*{},]*$")
 _WORD_TAIL = re.compile(r"[A-Za-z0-9_]*$")
 
-PLAN_KEYWORDS = ("shard", "layout", "stages", "schedule", "optimizer", "loss")
+PLAN_KEYWORDS = ("shard", "layout", "stages", "schedule", "optimizer", "loss", "precision")
 MESH_WORDS = ("axes", "device", "hosts", "devices")
 OPTIMIZERS = ("adamw",)  # the ones the runtime builds: `adam` and `sgd` are E0309
 
@@ -192,6 +192,12 @@ def _plan(a: Analysis, header: list[str], inner: list[list[str]], line: list[str
                 return _axes(a, mesh)
             if not line:
                 return [Item("zero", "keyword")] + [Item(s, "param", "optimizer setting", f"{s} = ") for s in OPT_SETTINGS]
+            return []
+        if block == "precision":
+            if line and line[-1] == "=":
+                return [Item(d, "value", "dtype") for d in DTYPES]
+            if not line or line[-1] == ",":
+                return [Item(k, "param", "precision setting", f"{k} = ") for k in PRECISION_KEYS]
             return []
         return []
     if not line:

@@ -7,6 +7,7 @@ process: forward logits, step-0 gradients, the loss at every step and every para
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,34 @@ CASES: dict[str, str] = {
         "recompute = blocks\n layout { batch -> data, heads -> tensor, ffn -> tensor, vocab -> tensor }\n optimizer adamw { zero 1 }",
         GPT2,
     ),
+    # ZeRO 2 / 3 by FSDP2 over the data ranks, composed with the hand-written tensor parallelism,
+    # pipeline schedules, tied weights across stages and gradient clipping.
+    "data2_tensor2_zero3_clip": _spec(
+        "data = 2, tensor = 2", MEGATRON + "microbatches = 2\n layout { batch -> data }\n optimizer adamw { zero 3\n clip = 0.01 }"
+    ),
+    "gpt2_tied_data2_pipeline2_tensor2_zero2_1f1b": _spec(
+        "data = 2, pipeline = 2, tensor = 2",
+        "microbatches = 2\n layout { batch -> data, heads -> tensor, ffn -> tensor, vocab -> tensor }\n"
+        " stages over pipeline balanced\n schedule 1f1b\n optimizer adamw { zero 2\n clip = 0.05 }",
+        GPT2,
+    ),
+    # `precision`: compared with every dtype set to float32 / float64, so FSDP2's
+    # MixedPrecisionPolicy casts and reduction dtype run while the comparison stays exact.
+    "precision_data2_tensor2_zero3": _spec(
+        "data = 2, tensor = 2",
+        MEGATRON + "layout { batch -> data }\n precision { params = bf16, master = fp32, reduce = fp32 }\n optimizer adamw { zero 3 }",
+    ),
+    # One data rank: FSDP2 over a group of one, so `precision` still applies.
+    "precision_data1_tensor2_zero3": _spec(
+        "data = 1, tensor = 2", MEGATRON + "layout { batch -> data }\n precision { params = bf16, master = fp32 }\n optimizer adamw { zero 3 }"
+    ),
+    # Recomputation reruns a block's forward in backward: FSDP2 gathers its weights again.
+    "recompute_blocks_data2_tensor2_zero3": _spec(
+        "data = 2, tensor = 2", MEGATRON + "microbatches = 2\n recompute = blocks\n layout { batch -> data }\n optimizer adamw { zero 3 }"
+    ),
+    "tiny_llama_zero3_interleaved": (ROOT / "examples" / "tiny_llama.mesh").read_text().replace(
+        "zero 1", "zero 3").replace("stages over pipeline balanced", "stages over pipeline virtual 2 balanced").replace(
+        "schedule 1f1b", "schedule interleaved_1f1b"),
     "recompute_tiny_llama_data2_pipeline2_tensor2": (ROOT / "examples" / "tiny_llama.mesh").read_text().replace(
         "    batch = 8", "    batch = 8\n    recompute = blocks"
     ),
@@ -118,3 +147,30 @@ def test_meshc_verify_reports_equal_for_a_bundled_plan() -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "verdict: EQUAL" in proc.stdout
     assert "tiny twin:" in proc.stdout
+
+
+def _precision_job(ctx: RankContext, path: str) -> dict[str, Any]:
+    from meshllm_dsl.runtime.launch import synthetic_batch
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    losses = [built.train_step(*synthetic_batch(program.vocab, program.batch, program.seq, 7, s)) for s in range(2)]
+    params = built.parameters()
+    state = built.optimizer.state[params[0]]
+    return {
+        "param": {str(p.dtype) for p in params},
+        "optim": {str(v.dtype) for k, v in state.items() if k != "step"},
+        "logits": str(built.run_stages(torch.zeros(2, 8, dtype=torch.long)).dtype),
+        "losses": losses,
+    }
+
+
+def test_precision_keeps_fp32_master_weights_and_computes_in_bf16(pool: WorkerPool, tmp_path: Path) -> None:
+    text = CASES["precision_data2_tensor2_zero3"]
+    (plan,) = check_text(text, "p.mesh").plans.values()
+    path = tmp_path / "p.py"
+    path.write_text(render_plan(plan, "p.mesh", text))
+    got = pool.run(_precision_job, plan.mesh.devices, str(path))[0]
+    assert got["param"] == {"torch.float32"} and got["optim"] == {"torch.float32"}
+    assert got["logits"] == "torch.bfloat16"
+    assert all(math.isfinite(x) for x in got["losses"]) and got["losses"][1] < got["losses"][0]

@@ -34,7 +34,7 @@ from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
 from meshllm_dsl.runtime.pool import PoolError, WorkerPool  # noqa: E402
 
-PLANS = ("single", "tensor2", "pipeline2_tensor2", "data2_tensor2")
+PLANS = ("single", "tensor2", "pipeline2_tensor2", "data2_tensor2", "data2_tensor2_zero3")
 N_NEW = 6
 
 
@@ -93,12 +93,13 @@ def test_hf_init_weights_also_match(kind: str, pool: WorkerPool, tmp_path: Path)
     assert (logits - want).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("plan", ["pipeline2_tensor2", "data2_tensor2_zero3"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_export_round_trip_is_exact_and_loads_in_transformers(
-    kind: str, models: dict[str, Any], pool: WorkerPool, tmp_path: Path
+    kind: str, plan: str, models: dict[str, Any], pool: WorkerPool, tmp_path: Path
 ) -> None:
     directory, hf = models[kind]
-    path, n = _module(kind, "pipeline2_tensor2", tmp_path)
+    path, n = _module(kind, plan, tmp_path)
     out = tmp_path / "exported"
     # A small shard limit: the export is split over several files with an index.
     pool.run(export_job, n, path, str(directory), str(out), 40_000)

@@ -44,10 +44,36 @@ plan p on m for l {
     layout { batch -> data, heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }
 }
 """,
+    # ZeRO 2 / 3 by FSDP2: parameters, gradients and moments sliced over data in the master dtype.
+    "llama_data2_tensor2_zero3": """
+mesh m { axes data = 2, tensor = 2 }
+model l = llama { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64, dtype = fp32 }
+plan p on m for l {
+    batch = 4
+    seq = 8
+    layout { batch -> data, heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }
+    optimizer adamw { zero 3 }
+}
+""",
+    "gpt2_data2_pipeline2_zero2_precision": """
+mesh m { axes data = 2, pipeline = 2 }
+model g = gpt2 { vocab = 64, hidden = 32, layers = 4, heads = 4, positions = 16 }
+plan p on m for g {
+    batch = 4
+    seq = 8
+    microbatches = 2
+    layout { batch -> data }
+    stages over pipeline balanced
+    precision { params = bf16, master = fp32, reduce = fp32 }
+    optimizer adamw { zero 2 }
+}
+""",
+    "tiny_llama_fsdp": (ROOT / "examples" / "tiny_llama_fsdp.mesh").read_text(),
 }
 
 
 def _job(ctx: RankContext, path: str) -> dict[str, int]:
+    from meshllm_dsl.runtime.fsdp import data_local
     from meshllm_dsl.verify import load_generated
 
     program = load_generated(path).PROGRAM
@@ -62,9 +88,11 @@ def _job(ctx: RankContext, path: str) -> dict[str, int]:
     for p, st in inner.state.items():
         for v in st.values():
             if isinstance(v, torch.Tensor) and v.shape == p.shape:  # exp_avg, exp_avg_sq; not `step`
-                state_bytes += v.numel() * v.element_size()
+                state_bytes += data_local(v).numel() * v.element_size()
+    # What this rank stores: with ZeRO 2 / 3 its slice of each (DTensor) parameter and gradient.
     return {
-        "param_bytes": sum(p.numel() * p.element_size() for p in params),
+        "param_bytes": sum(data_local(p).numel() * p.element_size() for p in params),
+        "grad_bytes": sum(data_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None),
         "optimizer_bytes": state_bytes,
         "largest_param": max(p.numel() for p in params),
     }
@@ -91,7 +119,8 @@ def test_planner_bytes_match_runtime(name: str, pool: WorkerPool, tmp_path: Path
         coord = plan.mesh.coords(rank)[plan.pipeline_axis] if plan.pipeline_axis else 0
         rc = by_coord[coord]
         assert got["param_bytes"] == rc.weight_bytes, (rank, got, rc)
-        if plan.zero == 0:
+        assert got["grad_bytes"] == rc.grad_bytes or plan.zero == 1, (rank, got, rc)
+        if plan.zero in (0, 2, 3):
             assert got["optimizer_bytes"] == rc.optimizer_bytes, (rank, got, rc)
         else:
             # torch's ZeroRedundancyOptimizer partitions whole parameters, so a rank's share differs
@@ -102,3 +131,32 @@ def test_planner_bytes_match_runtime(name: str, pool: WorkerPool, tmp_path: Path
             total = sum(measured[r]["optimizer_bytes"] for r in group)
             coord = plan.mesh.coords(group[0])[plan.pipeline_axis] if plan.pipeline_axis else 0
             assert total == k * by_coord[coord].params_local
+
+
+def _profile_job(ctx: RankContext, path: str, out: str) -> dict[str, Any]:
+    from meshllm_dsl.runtime.launch import synthetic_batch
+    from meshllm_dsl.runtime.profile import profile_train
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    batches = [synthetic_batch(program.vocab, program.batch, program.seq, 0, s) for s in range(3)]
+    return profile_train(built, batches, out)
+
+
+def test_profile_measures_zero3_ranks_as_the_planner_predicts(pool: WorkerPool, tmp_path: Path) -> None:
+    # `meshc run --profile` on FSDP2's DTensors: its memory probes see each rank's slices, and the
+    # data-parallel all-gathers / reduce-scatters are logged.
+    name = "gpt2_data2_pipeline2_zero2_precision"
+    (plan,) = check_text(CASES[name], f"{name}.mesh").plans.values()
+    path = tmp_path / f"{name}.py"
+    path.write_text(render_plan(plan, f"{name}.mesh", CASES[name]))
+    reports = pool.run(_profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
+    by_coord = {rc.coord: rc for rc in analyze(plan).ranks}
+    for rank, rep in enumerate(reports):
+        rc = by_coord[plan.mesh.coords(rank)["pipeline"]]
+        mem = rep["memory"]
+        assert (mem["weights"], mem["gradients"], mem["optimizer"]) == (rc.weight_bytes, rc.grad_bytes, rc.optimizer_bytes)
+        assert 0 < mem["activations_per_microbatch"] and 0 < mem["activations_and_temporaries_peak"]
+        ops = {c["op"] for c in rep["collectives"] if c["axes"] == "data"}
+        assert {"all_gather_single", "reduce_scatter_single"} <= ops, rep["collectives"]

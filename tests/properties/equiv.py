@@ -196,9 +196,39 @@ def _sp_missing_reduce_scatter(p: _Patches, info: dict[str, Any]) -> None:
     p.set(rt, "reduce_scatter_seq", lambda x, group: rt.split_seq(x, group))
 
 
+def _zero3_grads_summed(p: _Patches, info: dict[str, Any]) -> None:
+    """(xi) ZeRO-3 whose reduce-scatter sums the data replicas' gradients without averaging them
+    (FSDP2's divide factor 1): forward and loss right, gradients x data size."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from meshllm_dsl.runtime import fsdp
+
+    real = fsdp.shard_stage
+
+    def summed(module: Any, *args: Any, **kwargs: Any) -> None:
+        real(module, *args, **kwargs)
+        for m in module.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)
+
+    p.set(fsdp, "shard_stage", summed)
+
+
+def _zero3_over_tensor(p: _Patches, info: dict[str, Any]) -> None:
+    """(xii) ZeRO-3 over the tensor ranks instead of the data ranks: FSDP2 takes the tensor ranks'
+    different shards for copies of one tensor, so the all-gather before each forward assembles a
+    parameter from pieces of different shards: the forward already differs."""
+    from meshllm_dsl.runtime import fsdp
+
+    real = fsdp.data_mesh
+    p.set(fsdp, "data_mesh", lambda mesh, batch_axes, device_type: real(mesh, ("tensor",), device_type))
+
+
 FAULTS: dict[str, Callable[[_Patches, dict[str, Any]], None]] = {
     "sp_norm_grad_not_summed": _sp_norm_grad_not_summed,
     "sp_missing_reduce_scatter": _sp_missing_reduce_scatter,
+    "zero3_grads_summed": _zero3_grads_summed,
+    "zero3_over_tensor": _zero3_over_tensor,
     "clip_norm_counts_copies": _clip_norm_counts_copies,
     "recompute_double_grad": _recompute_double_grad,
     "naive_all_reduce": _naive_all_reduce,

@@ -99,6 +99,7 @@ class Spec:
     zero: tuple[int, tuple[str, ...] | None] | None = None  # (stage, over axes or None)
     opt: dict[str, float] = field(default_factory=dict)
     recompute: str | None = None  # `recompute = ...` (None: not set)
+    precision: dict[str, str] | None = None  # `precision { key = dtype, ... }` (None: not set)
     hint: str = "clean"  # what the generator meant; never read by the oracle
 
     # -------------------------------------------------------------- rendering
@@ -156,6 +157,8 @@ class Spec:
                 lines.append("    }")
         if self.schedule is not None:
             lines.append(f"    schedule {self.schedule}")
+        if self.precision is not None:
+            lines.append("    precision { " + ", ".join(f"{k} = {v}" for k, v in self.precision.items()) + " }")
         if self.zero is not None or self.opt:
             lines.append("    optimizer adamw {")
             if self.zero is not None:
@@ -224,11 +227,31 @@ class _Oracle:
             pass  # never generated (the runtime would index past the position table)
         if s.recompute is not None and s.recompute not in RECOMPUTE:
             self.bad("E0203", f"recompute = {s.recompute} is not a region")
+        self.precision()
         self.placements()
         pipeline_ok = self.pipeline()
         self.batch_and_schedule(pipeline_ok)
         self.roles()
         return Verdict(self.out)
+
+    def precision(self) -> None:
+        """Known keys and dtypes, master at least as wide as compute (the models are fp32), and only
+        with ZeRO 2 / 3, whose FSDP2 applies it."""
+        p = self.s.precision
+        if p is None:
+            return
+        widths = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
+        for k, v in p.items():
+            if k not in ("params", "master", "reduce"):
+                self.bad("E0203", f"precision key {k}")
+            elif v not in widths:
+                self.bad("E0203", f"precision {k} = {v} is not a dtype")
+        compute = p.get("params", "fp32") if p.get("params") in widths else "fp32"
+        if p.get("master") in widths and widths[p["master"]] < widths[compute]:
+            self.bad("E0203", "master narrower than compute")
+        stage = self.s.zero[0] if self.s.zero is not None else 0
+        if stage not in (2, 3):
+            self.bad("E0309", "precision without zero 2 / 3")
 
     # -- rules -> placement per (leaf, block)
     def leaf_keys(self) -> list[tuple[str, ...]]:
@@ -561,6 +584,7 @@ FAULTS = (
     "stage_order", "stage_past_end", "balanced_uneven", "few_microbatches", "interleaved_indivisible",
     "interleaved_no_virtual", "virtual_not_interleaved", "devices_mismatch", "kv_not_dividing",
     "recompute_unknown", "seq_indivisible", "seq_unpaired",
+    "precision_without_zero", "precision_unknown", "precision_master_narrower",
 )
 NEEDS_TENSOR = {
     "dims_free", "column_column", "replicated_after_column", "mismatched_inputs", "row_inputs",
@@ -572,7 +596,7 @@ NEEDS_PIPELINE = {
     "stage_past_end", "balanced_uneven", "few_microbatches", "interleaved_indivisible",
     "virtual_not_interleaved",
 }
-NEEDS_DATA = {"shard_over_batch_axis"}
+NEEDS_DATA = {"shard_over_batch_axis", "precision_without_zero", "precision_unknown", "precision_master_narrower"}
 
 
 def _mult(draw: Callable[..., Any], base: int, lo: int, hi: int) -> int:
@@ -718,9 +742,24 @@ def plan_specs(draw: Callable[..., Any], valid_only: bool = False) -> Spec:
 
     # -- optimizer
     if batch_axes and draw(st.booleans()):
-        spec.zero = (draw(st.sampled_from([0, 1, 1])), draw(st.sampled_from([None, batch_axes])))
+        spec.zero = (draw(st.sampled_from([2, 3, 1, 0])), draw(st.sampled_from([None, batch_axes])))
     if fault == "zero_without_data":
         spec.zero = (1, None)
+    # -- precision: FSDP2's, so with zero 2 / 3 over the batch axes
+    if fault.startswith("precision_"):
+        stage = draw(st.sampled_from([0, 1])) if fault == "precision_without_zero" else draw(st.sampled_from([2, 3]))
+        spec.zero = (stage, None)
+        spec.precision = {"params": "bf16", "master": "fp32"}
+        if fault == "precision_unknown":
+            spec.precision[draw(st.sampled_from(["reduce", "mastr", "param"]))] = draw(st.sampled_from(["int8", "fp8", "fp32"]))
+            if spec.precision.get("reduce") == "fp32":
+                spec.precision["reduce"] = "int8"
+        if fault == "precision_master_narrower":
+            spec.precision = {"params": "fp32", "master": draw(st.sampled_from(["bf16", "fp16"]))}
+    elif spec.zero is not None and spec.zero[0] >= 2 and draw(st.booleans()):
+        spec.precision = draw(st.sampled_from([
+            {"params": "bf16", "master": "fp32", "reduce": "fp32"}, {"params": "bf16", "master": "fp32"},
+            {"master": "fp64"}, {"reduce": "bf16"}]))
     if draw(st.integers(0, 3)) == 0:
         spec.opt = {"lr": draw(st.sampled_from([0.01, 0.003])), "weight_decay": draw(st.sampled_from([0.0, 0.1]))}
     if fault == "devices_mismatch":

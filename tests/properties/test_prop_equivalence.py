@@ -61,7 +61,9 @@ def _features(spec: Spec) -> list[str]:
     if spec.schedule:
         out.append(spec.schedule)
     if spec.zero and spec.zero[0]:
-        out.append("zero1")
+        out.append(f"zero{spec.zero[0]}")
+    if spec.precision:
+        out.append("precision")
     if spec.layout:
         out.append("layout")
     if any(isinstance(r.block, int) for r in spec.rules):

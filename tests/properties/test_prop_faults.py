@@ -18,6 +18,8 @@ with it the comparison must report differences above tolerance, in the place the
 (ix)  sequence parallelism without summing the norms' partial gradients over the tensor axis:
       forward right, gradients differ (data x tensor, with recomputation)
 (x)   sequence parallelism whose reduce-scatter only splits (the sum is missing): forward differs
+(xi)  ZeRO-3 (FSDP2) that sums the data replicas' gradients instead of averaging: gradients differ
+(xii) ZeRO-3 sharded over the tensor axis instead of data: parameters gathered from the wrong shards
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ PLANS = {
                   "    stages over pipeline balanced\n    schedule 1f1b\n"
                   "    optimizer adamw { clip = 0.01, warmup = 2, decay_steps = 3 }"),
     "seqpar": _plan("data = 2, tensor = 2", MEGATRON + "    layout { batch -> data, seq -> tensor }\n    recompute = blocks"),
+    "zero3": _plan("data = 2, tensor = 2", MEGATRON + "    layout { batch -> data }\n    optimizer adamw { zero 3 }"),
 }
 
 # fault -> (plan, where the difference must show, where it must not)
@@ -67,6 +70,8 @@ CASES = {
     "clip_norm_counts_copies": ("clip", "grad", "logits"),
     "sp_norm_grad_not_summed": ("seqpar", "grad", "logits"),
     "sp_missing_reduce_scatter": ("seqpar", "logits", None),
+    "zero3_grads_summed": ("zero3", "grad", "loss"),
+    "zero3_over_tensor": ("zero3", "logits", None),
 }
 
 

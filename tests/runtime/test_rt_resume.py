@@ -49,6 +49,21 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "schedule": "interleaved_1f1b",
         "zero": 1,
     },
+    # ZeRO-3 / ZeRO-2 (FSDP2): parameters, gradients and optimizer states are DTensors sliced
+    # over data; a checkpoint holds the same keys as any other layout's.
+    "data2xtensor2-zero3": {
+        "axes": (("data", 2), ("tensor", 2)),
+        "batch_axes": ("data",),
+        "zero": 3,
+    },
+    "data2xpipeline2xtensor2-zero2": {
+        "axes": (("data", 2), ("pipeline", 2), ("tensor", 2)),
+        "pipeline_axis": "pipeline",
+        "batch_axes": ("data",),
+        "stages": 4,
+        "schedule": "interleaved_1f1b",
+        "zero": 2,
+    },
 }
 
 
@@ -139,7 +154,9 @@ def _weights_only_job(
 
 
 @pytest.mark.parametrize(
-    ("kind", "layout"), [("llama", "data2xtensor2-zero1"), ("gpt2", "pipeline2xtensor2")]
+    ("kind", "layout"),
+    [("llama", "data2xtensor2-zero1"), ("gpt2", "pipeline2xtensor2"), ("llama", "data2xtensor2-zero3"),
+     ("gpt2", "data2xpipeline2xtensor2-zero2")],
 )
 def test_resume_on_the_same_layout_is_bit_for_bit(
     pool: WorkerPool, tmp_path: Path, kind: str, layout: str
@@ -155,17 +172,23 @@ def test_resume_on_the_same_layout_is_bit_for_bit(
         assert torch.equal(resumed[name], value), name
 
 
+@pytest.mark.parametrize(
+    ("source", "targets"),
+    [("data2xpipeline2xtensor2-zero1", ("tensor2", "single", "data2xtensor2-zero3")),
+     ("data2xpipeline2xtensor2-zero2", ("tensor2", "single")),
+     ("data2xtensor2-zero3", ("pipeline2xtensor2", "data2xpipeline2xtensor2-zero1"))],
+)
 def test_resume_on_other_layouts_matches_within_float_tolerance(
-    pool: WorkerPool, tmp_path: Path
+    pool: WorkerPool, tmp_path: Path, source: str, targets: tuple[str, ...]
 ) -> None:
-    # Saved on data 2 x pipeline 2 x tensor 2 with ZeRO-1 (optimizer state sharded over data),
-    # resumed on tensor 2 and on one process.  In float64: in float32 AdamW amplifies the rounding
+    # Saved with the optimizer state sharded over data (ZeRO-1; ZeRO 2 / 3: parameters and
+    # gradients too), resumed on other layouts.  In float64: in float32 AdamW amplifies the rounding
     # noise of gradients that are exactly zero in theory (the key bias) to O(lr), in any two
     # layouts alike (see runtime/compare.py), which would hide nothing but blur the check.
-    kind, source, f64 = "gpt2", "data2xpipeline2xtensor2-zero1", "float64"
-    losses, final = pool.run(_straight_job, 8, kind, source, 4, f64)[0]
-    pool.run(_first_half_job, 8, kind, source, 2, str(tmp_path), f64)
-    for target in ("tensor2", "single"):
+    kind, f64 = "gpt2", "float64"
+    losses, final = pool.run(_straight_job, _ranks(source), kind, source, 4, f64)[0]
+    pool.run(_first_half_job, _ranks(source), kind, source, 2, str(tmp_path), f64)
+    for target in targets:
         second, resumed, _ = pool.run(
             _second_half_job, _ranks(target), kind, target, 4, str(tmp_path), f64
         )[0]

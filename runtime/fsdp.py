@@ -1,0 +1,108 @@
+"""ZeRO-2 / ZeRO-3 and mixed precision with master weights, by PyTorch's FSDP2 (``fully_shard``).
+
+A stage holds plain local tensors (its tensor-parallel shards, laid out by ``ShardSpec``); FSDP2
+shards each of them again along dim 0 over the data-parallel ranks, as torchtitan composes FSDP2
+with tensor parallelism: every block of the repeat is one unit (all-gathered before its forward,
+resharded after it with ZeRO-3, kept gathered until backward with ZeRO-2), then the stage root
+holds the rest. Gradients are reduce-scattered and averaged over the data ranks by FSDP2 itself,
+so the hand-written data all-reduce skips these parameters.
+
+Parameters become DTensors over a 1-D data mesh whose local part is this rank's ``torch.chunk`` of
+the tensor-parallel shard. The helpers below turn them back into that shard (``tp_local``) and
+store one into them (``store_tp_local``), so checkpoints, verification and export keep working on
+the tensor-parallel layout they already know.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .mesh import Mesh
+
+__all__ = ["data_local", "data_mesh", "is_sharded", "like_sharded", "shard_stage", "store_tp_local", "tp_local"]
+
+
+def data_mesh(mesh: Mesh, batch_axes: tuple[str, ...], device_type: str) -> Any:
+    """A 1-D DeviceMesh over this rank's data-parallel group (the batch axes flattened).
+
+    Built from the group ``Mesh`` already made (``from_group`` creates none), which also works in
+    the worker pool whose mesh is smaller than the world. With one data rank (no batch axes, or
+    axes of size 1) it is a group of this rank alone, so mixed precision still applies.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    group = mesh.group(*batch_axes) if batch_axes else None
+    if group is None:
+        singles = mesh.make_groups([(r,) for r in mesh.ranks])
+        group = singles[(mesh.rank,)]
+        ranks = [mesh.rank]
+    else:
+        ranks = list(mesh.ranks_along(*batch_axes))
+    name = "x".join(batch_axes) or "data"
+    return DeviceMesh.from_group(group, device_type, torch.tensor(ranks), mesh_dim_names=(name,))
+
+
+def shard_stage(
+    module: nn.Module,
+    dmesh: Any,
+    reshard_after_forward: bool,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+) -> None:
+    """``fully_shard`` every block of ``module`` and then ``module`` itself, in place."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    # Compute in param_dtype, reduce gradients in reduce_dtype; the parameters FSDP2 keeps (and
+    # the optimizer steps) stay in the dtype the module was built in: the master weights.
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = getattr(module, "blocks", None)
+    if isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
+        for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
+            fully_shard(block, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+    fully_shard(module, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+
+
+def is_sharded(t: Tensor | None) -> bool:
+    # Without ZeRO 2 / 3 nothing imported DTensor, and importing it costs about a second.
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
+def data_local(t: Tensor) -> Tensor:
+    """This rank's own elements: a DTensor's data shard, a plain tensor itself."""
+    return t.to_local() if is_sharded(t) else t  # type: ignore[attr-defined]
+
+
+def tp_local(t: Tensor) -> Tensor:
+    """The tensor-parallel shard: a DTensor all-gathered over the data ranks (collective)."""
+    return t.full_tensor() if is_sharded(t) else t  # type: ignore[attr-defined]
+
+
+def _chunk(full: Tensor, dtensor: Any) -> Tensor:
+    """This rank's dim-0 chunk of ``full``, as FSDP2 cuts it (``torch.chunk``; empty past the end)."""
+    n, i = dtensor.device_mesh.size(), dtensor.device_mesh.get_local_rank()
+    chunks = full.chunk(n, dim=0)
+    return chunks[i] if i < len(chunks) else full[0:0]
+
+
+@torch.no_grad()
+def store_tp_local(target: Tensor, full: Tensor) -> None:
+    """Copy the tensor-parallel shard ``full`` into ``target`` (its data chunk if a DTensor)."""
+    if is_sharded(target):
+        data_local(target).copy_(_chunk(full, target))
+    else:
+        target.copy_(full)
+
+
+def like_sharded(param: Any, full: Tensor) -> Tensor:
+    """``full`` (shaped like the tensor-parallel shard) as a DTensor sharded like ``param``."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        _chunk(full, param).clone(), param.device_mesh, param.placements, run_check=False,
+        shape=param.shape, stride=param.stride(),
+    )
