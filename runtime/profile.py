@@ -38,6 +38,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self._refs: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak_op = ""  # the operator after which the peak was reached
+        self.ops = 0  # operators dispatched: the kernels the step launched
 
     def _sweep(self) -> None:
         dead = [key for key, (ref, _) in self._refs.items() if ref.expired()]
@@ -46,6 +47,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self.ops += 1
         # Frees happen between calls: sweep first so the peak never counts a dead buffer.
         self._sweep()
         # An output sharing an input's storage (a view, an in-place op on a gradient that existed
@@ -228,27 +230,30 @@ def _state_bytes(optimizer: Any) -> int:
 def profile_train(
     built: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], out_dir: str | Path
 ) -> dict[str, Any]:
-    """Time and measure ``len(batches)`` training steps on this rank; write ``rank{R}.json``.
+    """Measure training steps on this rank; write ``rank{R}.json``.
 
     Every rank of the job must call it (the steps are collective).  The first batch is a warm-up
-    (schedules built, gradients and optimizer states allocated) and is not reported.
+    (schedules built, gradients and optimizer states allocated), the second is measured for memory
+    and kernels (the dispatch mode and saved-tensor hooks slow it several-fold, so it is not timed),
+    the rest are timed: wall and CPU seconds (all of the process's threads, gloo's included).
     """
-    tokens, targets = batches[0]
-    built.train_step(tokens, targets)
+    if len(batches) < 3:
+        raise ValueError("profile_train needs a warm-up, a memory step and at least one timed step")
+    built.train_step(*batches[0])
     params = built.parameters()
-    log = CollectiveLog(built.mesh, built.program.pipeline_axis)
     live = LiveBytes()
+    with saved_bytes(exclude=params) as saved, live:
+        built.train_step(*batches[1])
+    log = CollectiveLog(built.mesh, built.program.pipeline_axis)
     steps = []
+    cpu = 0.0
     with log:
-        for i, (tokens, targets) in enumerate(batches[1:]):
-            start = time.perf_counter()
-            if i == 0:
-                with saved_bytes(exclude=params) as saved, live:
-                    built.train_step(tokens, targets)
-            else:
-                built.train_step(tokens, targets)
+        for tokens, targets in batches[2:]:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            built.train_step(tokens, targets)
             steps.append(time.perf_counter() - start)
-    n = max(1, len(steps))
+            cpu += time.process_time() - cpu_start
+    n = len(steps)
     comm = [
         {"axes": axes, "op": op, "calls": c / n, "bytes": b / n, "seconds": s / n}
         for (axes, op), (c, b, s) in sorted(log.stats.items())
@@ -261,8 +266,10 @@ def profile_train(
         "rank": built.mesh.rank,
         "coords": {a: built.mesh.coord(a) for a in built.mesh.names},
         "stages": list(built.stage_ids),
-        "steps": len(steps),
+        "steps": n,
         "step_s": step_s,
+        "cpu_s": cpu / n,
+        "kernels": live.ops,
         "compute_s": max(0.0, step_s - collectives_s - wait_s),
         "collectives_s": collectives_s,
         "pipeline_wait_s": wait_s,
@@ -273,7 +280,7 @@ def profile_train(
                 p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None
             ),
             "optimizer": _state_bytes(built.optimizer),
-            "activations_per_microbatch": saved["bytes"] // micro if steps else 0,
+            "activations_per_microbatch": saved["bytes"] // micro,
             "activations_and_temporaries_peak": live.peak,
         },
     }
