@@ -50,7 +50,7 @@ def compare(plan: PlanIR, ranks: list[dict[str, Any]], rep: PlanReport | None = 
                 e[k] += c[k]
         pipe_planned = rc.comm_seconds(("pipeline",)) + (rep.step.bubble_s if plan.pipeline_size > 1 else 0.0)
         out.append({
-            "rank": r["rank"], "coords": r["coords"], "stages": r["stages"],
+            "rank": r["rank"], "coords": r["coords"], "stages": r["stages"], "raw": r,
             "memory": {
                 "weights": {"planned": rc.weight_bytes, "measured": mem["weights"]},
                 "gradients": {"planned": rc.grad_bytes, "measured": mem["gradients"]},

@@ -146,7 +146,7 @@ class CollectiveLog:
                 group = mesh.group(*subset)
                 if group is not None:
                     self.labels[tuple(dist.get_process_group_ranks(group))] = " x ".join(subset)
-        self.stats: dict[tuple[str, str], list[float]] = {}  # (axes, op) -> [calls, bytes, s]
+        self.stats: dict[tuple[str, str], list[float]] = {}  # (axes, op) -> [calls, bytes, s, cpu s]
         self._saved: list[tuple[Any, str, Any]] = []
 
     def _label(self, group: Any) -> str:
@@ -155,11 +155,12 @@ class CollectiveLog:
         ranks = tuple(self.dist.get_process_group_ranks(group))
         return self.labels.get(ranks, "ranks " + ",".join(map(str, ranks)))
 
-    def _add(self, axes: str, op: str, nbytes: int, seconds: float) -> None:
-        entry = self.stats.setdefault((axes, op), [0, 0, 0.0])
+    def _add(self, axes: str, op: str, nbytes: int, seconds: float, cpu: float) -> None:
+        entry = self.stats.setdefault((axes, op), [0, 0, 0.0, 0.0])
         entry[0] += 1
         entry[1] += nbytes
         entry[2] += seconds
+        entry[3] += cpu
 
     def _wrap(self, owner: Any, name: str, make: Any) -> None:
         original = getattr(owner, name)
@@ -174,10 +175,11 @@ class CollectiveLog:
             def make(original: Any, op: str = op) -> Any:
                 def timed(*args: Any, **kwargs: Any) -> Any:
                     group = kwargs.get("group")
-                    start = time.perf_counter()
+                    start, cpu = time.perf_counter(), time.process_time()
                     out = original(*args, **kwargs)
                     self._add(
-                        self._label(group), op, _nbytes(args[:1]), time.perf_counter() - start
+                        self._label(group), op, _nbytes(args[:1]), time.perf_counter() - start,
+                        time.process_time() - cpu,
                     )
                     return out
 
@@ -197,11 +199,12 @@ class CollectiveLog:
 
             def make_wait(original: Any) -> Any:
                 def timed(*args: Any, **kwargs: Any) -> Any:
-                    start = time.perf_counter()
+                    start, cpu = time.perf_counter(), time.process_time()
                     out = original(*args, **kwargs)
                     nbytes, pending[0] = pending[0], 0
                     self._add(
-                        self.pipeline_label, "send_recv (wait)", nbytes, time.perf_counter() - start
+                        self.pipeline_label, "send_recv (wait)", nbytes,
+                        time.perf_counter() - start, time.process_time() - cpu,
                     )
                     return out
 
@@ -255,8 +258,8 @@ def profile_train(
             cpu += time.process_time() - cpu_start
     n = len(steps)
     comm = [
-        {"axes": axes, "op": op, "calls": c / n, "bytes": b / n, "seconds": s / n}
-        for (axes, op), (c, b, s) in sorted(log.stats.items())
+        {"axes": axes, "op": op, "calls": c / n, "bytes": b / n, "seconds": s / n, "cpu_s": cpu / n}
+        for (axes, op), (c, b, s, cpu) in sorted(log.stats.items())
     ]
     step_s = sum(steps) / n
     collectives_s = sum(c["seconds"] for c in comm if not c["op"].endswith("(wait)"))
