@@ -4,13 +4,14 @@ Runs on a pool of gloo (CPU) worker processes, each with one thread as under tor
 those of one rank running alone (the others wait at a barrier); `cores` says how they share the
 machine (other users' work included, as it is when the job runs):
 
-  tflops          dense fp32 matmul throughput, median over sizes 256 and 512
+  tflops          dense fp32 matmul throughput per CPU second, median over sizes 256 and 512
   mfu             1: `tflops` is already what a matmul reaches, not a datasheet peak
   kernel          host CPU time per framework kernel (microseconds): a tiny Llama block's forward
                   and backward and an AdamW step on 8 x 32 tensors (no arithmetic to speak of),
                   divided by the kernels it dispatched (counted by runtime.profile.LiveBytes)
-  cores           how many ranks' work the machine gets through at once: processes x the loop's CPU
-                  time alone / its wall time with every process running it together
+  cores           how many ranks' work the machine gets through at once: processes x the mini
+                  step's CPU time alone / its wall time with every process running it together for
+                  a second (other users' work on the machine counts against it, as in a run)
   latency         median wall time of an 8-byte all-reduce between two processes (microseconds)
   collective_cpu  median CPU time (all threads) one such call costs its process when its peer comes
                   5 ms late
@@ -98,17 +99,24 @@ def _job(ctx: Any) -> dict[str, float]:
         for size in (256, 512):
             a, b = torch.randn(size, size), torch.randn(size, size)
             a @ b  # warm-up
-            flops.append(2 * size**3 / _seconds(lambda: a @ b, max(3, int(2e8 / (2 * size**3)))))
+            flops.append(2 * size**3 / _seconds(lambda a=a, b=b: a @ b, max(3, int(2e8 / (2 * size**3))), time.process_time))
         out["flops"] = statistics.median(flops)
-        # CPU time, not wall: what the kernels cost whatever else the machine runs; how much of
-        # the machine the ranks get is `cores`.
+        # CPU time, not wall (the matmuls above too): what the work costs whatever else the
+        # machine runs; how much of the machine the ranks get is `cores`.
         out["alone_s"] = statistics.median(_seconds(step, 10, time.process_time) for _ in range(5))
-    dist.barrier(group=world)
-    out["all_s"] = statistics.median(_seconds(step, 10) for _ in range(5))  # every process at once
+
+    # Every process at once, for about a second of wall time: long enough to average over the
+    # bursts of other work on the machine.
+    done, start = 0, time.perf_counter()
+    while time.perf_counter() - start < 1.0:
+        step()
+        done += 1
+    out["all_s"] = (time.perf_counter() - start) / done
+    pairs = [dist.new_group([i, i + 1]) for i in range(0, n - 1, 2)] if n > 1 else []  # collective
     dist.barrier(group=world)
 
     if n > 1 and rank < 2:
-        pair = dist.new_group([0, 1])
+        pair = pairs[0]
         small, big = torch.ones(2), torch.ones(1 << 20)
         dist.all_reduce(small, group=pair)  # warm-up: connections made
         dist.all_reduce(big, group=pair)
@@ -116,7 +124,6 @@ def _job(ctx: Any) -> dict[str, float]:
         for i in range(12):
             for _ in range(3):
                 step()  # between kernels, as in a training step: gloo's threads go cold
-            dist.barrier(group=pair)
             if rank == i % 2:
                 c0 = time.process_time()
                 dist.all_reduce(small, group=pair)
@@ -137,8 +144,6 @@ def _job(ctx: Any) -> dict[str, float]:
             dist.all_reduce(big, group=pair)
             wall_big.append(time.perf_counter() - w0)
         out.update(cpu_s=statistics.median(cpu), small_s=statistics.median(wall), big_s=statistics.median(wall_big))
-    elif n > 1:
-        dist.new_group([0, 1])  # new_group is collective over the whole world
     dist.barrier(group=world)
     return out
 
@@ -153,10 +158,11 @@ def calibrate(name: str, ranks: int) -> str:
     kernels = first["kernels"]
     kernel_us = first["alone_s"] / kernels * 1e6
     all_s = statistics.median(r["all_s"] for r in per_rank)
-    # Every process running the loop at once gets through ranks x alone_s of one process's CPU work
-    # in all_s of wall time: that many cores' worth, fewer than the CPUs when other work shares
-    # the machine or the processes evict each other's caches. Never more than the processes, nor the CPUs.
-    cores = min(ranks, os.cpu_count() or ranks, ranks * first["alone_s"] / all_s)
+    # Every process running the loop at once gets through ranks x alone_s of CPU work in all_s of
+    # wall time: that many cores' worth, fewer than the CPUs when other work shares the machine or
+    # the processes evict each other's caches. Never more than the processes, nor the CPUs.
+    share = ranks * first["alone_s"] / all_s
+    cores = min(ranks, os.cpu_count() or ranks, share)
     tflops = first["flops"] / 1e12
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / ranks
     lines = [
@@ -164,7 +170,7 @@ def calibrate(name: str, ranks: int) -> str:
         f"({os.cpu_count()} CPUs, gloo, 1 thread per process).",
         f"# One process alone: fp32 matmul {tflops * 1e3:.2f} GFLOP/s; a training step's kernels "
         f"{kernel_us:.1f} us of CPU each ({kernels} per mini step); {ranks} processes at once get "
-        f"{ranks * first['alone_s'] / all_s:.2f} cores' worth of work done.",
+        f"{share:.2f} cores' worth of work done.",
     ]
     settings = [f"memory = {mem_gib:.1f}", f"tflops = {tflops:.6f}", "mfu = 1", f"kernel = {kernel_us:.2f}",
                 f"cores = {cores:.2f}", f"per_host = {max(64, ranks)}"]
