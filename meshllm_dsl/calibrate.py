@@ -10,8 +10,8 @@ machine (other users' work included, as it is when the job runs):
                   and backward and an AdamW step on 8 x 32 tensors (no arithmetic to speak of),
                   divided by the kernels it dispatched (counted by runtime.profile.LiveBytes)
   cores           how many ranks' work the machine gets through at once: processes x the mini
-                  step's CPU time alone / its wall time with every process running it together for
-                  a second (other users' work on the machine counts against it, as in a run)
+                  step's CPU time alone / its wall time with every process running it together
+                  (median of 5 windows of 0.4 s; other users' work counts against it, as in a run)
   latency         median wall time of an 8-byte all-reduce between two processes (microseconds)
   collective_cpu  median CPU time (all threads) one such call costs its process when its peer comes
                   5 ms late
@@ -105,13 +105,16 @@ def _job(ctx: Any) -> dict[str, float]:
         # machine runs; how much of the machine the ranks get is `cores`.
         out["alone_s"] = statistics.median(_seconds(step, 10, time.process_time) for _ in range(5))
 
-    # Every process at once, for about a second of wall time: long enough to average over the
-    # bursts of other work on the machine.
-    done, start = 0, time.perf_counter()
-    while time.perf_counter() - start < 1.0:
-        step()
-        done += 1
-    out["all_s"] = (time.perf_counter() - start) / done
+    # Every process at once, in 5 windows of 0.4 s: the median window discounts a burst of other
+    # work on the machine.
+    windows = []
+    for _ in range(5):
+        done, start = 0, time.perf_counter()
+        while time.perf_counter() - start < 0.4:
+            step()
+            done += 1
+        windows.append((time.perf_counter() - start) / done)
+    out["all_s"] = statistics.median(windows)
     pairs = [dist.new_group([i, i + 1]) for i in range(0, n - 1, 2)] if n > 1 else []  # collective
     dist.barrier(group=world)
 

@@ -376,6 +376,9 @@ KERNELS = {
 KERNELS_ZERO_GRAD = 1
 KERNELS_ADAMW = 10
 KERNELS_GRAD_SYNC = 4
+# Per step: the microbatch losses stacked and averaged, the global loss reduced, the schedule's
+# bookkeeping (19 in a single-rank step, 23-33 on pipelined ranks).
+KERNELS_STEP = 20
 
 
 def _leaf_tensors(hu: HeldUnit) -> int:
@@ -740,7 +743,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         # Kernels: every microbatch's forward and backward, then per parameter tensor the gradient
         # zeroing, the data-parallel sync and AdamW's update (of this rank's share under ZeRO).
         optim_tensors = -(-tensors // zero_shards) if plan.zero >= 1 else tensors
-        kernels = ((kernels_mb + recompute_kernels) * m + tensors * KERNELS_ZERO_GRAD
+        kernels = ((kernels_mb + recompute_kernels) * m + KERNELS_STEP + tensors * KERNELS_ZERO_GRAD
                    + (tensors * KERNELS_GRAD_SYNC if dp > 1 else 0) + optim_tensors * KERNELS_ADAMW)
         kernel_s = kernels * (device.kernel_us or 0.0) * 1e-6
         recompute_s = recompute_flops / flops_per_s + recompute_kernels * m * (device.kernel_us or 0.0) * 1e-6

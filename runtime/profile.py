@@ -236,22 +236,26 @@ def profile_train(
     """Measure training steps on this rank; write ``rank{R}.json``.
 
     Every rank of the job must call it (the steps are collective).  The first batch is a warm-up
-    (schedules built, gradients and optimizer states allocated), the second is measured for memory
-    and kernels (the dispatch mode and saved-tensor hooks slow it several-fold, so it is not timed),
-    the rest are timed: wall and CPU seconds (all of the process's threads, gloo's included).
+    (schedules built, gradients and optimizer states allocated), the second is measured for memory,
+    the third counts the kernels dispatched (the dispatch mode and hooks slow them several-fold, so
+    they are not timed), the rest are timed: wall and CPU seconds (all of the process's threads,
+    gloo's included).
     """
-    if len(batches) < 3:
-        raise ValueError("profile_train needs a warm-up, a memory step and at least one timed step")
+    if len(batches) < 4:
+        raise ValueError("profile_train needs a warm-up, a memory step, a kernel count and a timed step")
     built.train_step(*batches[0])
     params = built.parameters()
     live = LiveBytes()
     with saved_bytes(exclude=params) as saved, live:
         built.train_step(*batches[1])
+    # Counted without the saved-tensor hooks, under which autograd dispatches extra operators.
+    with LiveBytes() as counted:
+        built.train_step(*batches[2])
     log = CollectiveLog(built.mesh, built.program.pipeline_axis)
     steps = []
     cpu = 0.0
     with log:
-        for tokens, targets in batches[2:]:
+        for tokens, targets in batches[3:]:
             start, cpu_start = time.perf_counter(), time.process_time()
             built.train_step(tokens, targets)
             steps.append(time.perf_counter() - start)
@@ -272,7 +276,7 @@ def profile_train(
         "steps": n,
         "step_s": step_s,
         "cpu_s": cpu / n,
-        "kernels": live.ops,
+        "kernels": counted.ops,
         "compute_s": max(0.0, step_s - collectives_s - wait_s),
         "collectives_s": collectives_s,
         "pipeline_wait_s": wait_s,

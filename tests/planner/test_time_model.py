@@ -85,7 +85,7 @@ def test_step_kernels_add_the_per_tensor_work() -> None:
     rc = analyze(plan, PROFILES["cpu"]).ranks[0]
     per_mb = sum(unit_kernels(plan, hu) * hu.count for st in plan.stages for hu in held_units(plan, st))
     tensors = 1 + 2 * 9 + 2  # embed, 9 per block, final norm and head
-    assert rc.kernels == 2 * per_mb + tensors * (1 + 10)  # zero_grad and AdamW per tensor, no data sync
+    assert rc.kernels == 2 * per_mb + 20 + tensors * (1 + 10)  # zero_grad and AdamW per tensor, no data sync
 
 
 def test_gpu_profiles_have_no_host_terms() -> None:
@@ -131,20 +131,20 @@ def test_host_terms_in_the_report(tmp_path: Path) -> None:
     assert data["step"]["shared_s"] == rep.step.shared_s and data["ranks"][0]["kernels"] == rep.ranks[0].kernels
 
 
-def _count_job(ctx, path: str) -> int:  # type: ignore[no-untyped-def]
+def _profile_job(ctx, path: str, out: str):  # type: ignore[no-untyped-def]
     import torch
 
-    from meshllm_dsl.runtime.profile import LiveBytes
+    from meshllm_dsl.runtime.profile import profile_train
     from meshllm_dsl.verify import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
-    tokens = torch.randint(0, program.vocab, (program.batch, program.seq), generator=torch.Generator().manual_seed(0))
-    targets = torch.roll(tokens, -1, dims=1)
-    built.train_step(tokens, targets)
-    with LiveBytes() as live:
-        built.train_step(tokens, targets)
-    return live.ops
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(4):
+        tokens = torch.randint(0, program.vocab, (program.batch, program.seq), generator=gen)
+        batches.append((tokens, torch.roll(tokens, -1, dims=1)))
+    return profile_train(built, batches, out)
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +165,9 @@ def test_planned_kernels_match_the_runtime(name: str, pool, tmp_path: Path) -> N
     path = tmp_path / "gen.py"
     path.write_text(render_plan(plan, "t.mesh", text))
     rep = analyze(plan, PROFILES["cpu"])
-    counted = pool.run(_count_job, plan.mesh.devices, str(path))
-    for rank, ops in enumerate(counted):
+    reports = pool.run(_profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
+    for rank, got in enumerate(reports):
         coord = plan.mesh.coords(rank).get(plan.pipeline_axis, 0) if plan.pipeline_axis else 0
         planned = next(rc.kernels for rc in rep.ranks if rc.coord == coord)
-        assert planned == pytest.approx(ops, rel=0.1), (rank, planned, ops)
+        assert planned == pytest.approx(got["kernels"], rel=0.1), (rank, planned, got["kernels"])
+        assert got["steps"] == 1 and got["cpu_s"] > 0 and (tmp_path / "profile" / f"rank{rank}.json").exists()
