@@ -668,6 +668,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 kernels_mb += unit_kernels(plan, hu) * hu.count
                 if hu.prefix and plan.recompute == "blocks":
                     recompute_kernels += round(FORWARD_KERNEL_SHARE * unit_kernels(plan, hu)) * hu.count
+                elif hu.prefix and plan.recompute == "attention" and hu.unit.kind == "attention":
+                    recompute_kernels += KERNELS["attention_core"] // 2 * hu.count  # the core's forward again
                 saved = unit_activation_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
                 in_block = hu.prefix != ""
                 if in_block and plan.recompute == "blocks":

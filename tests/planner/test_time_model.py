@@ -171,3 +171,15 @@ def test_planned_kernels_match_the_runtime(name: str, pool, tmp_path: Path) -> N
         planned = next(rc.kernels for rc in rep.ranks if rc.coord == coord)
         assert planned == pytest.approx(got["kernels"], rel=0.1), (rank, planned, got["kernels"])
         assert got["steps"] == 1 and got["cpu_s"] > 0 and (tmp_path / "profile" / f"rank{rank}.json").exists()
+
+
+def test_recomputation_launches_the_forward_kernels_again() -> None:
+    from meshllm_dsl.planner import FORWARD_KERNEL_SHARE
+
+    base = analyze(_plan(SINGLE), PROFILES["cpu"]).ranks[0].kernels
+    blocks_plan = _plan(SINGLE.replace("microbatches = 2", "microbatches = 2\n    recompute = blocks"))
+    per_block = sum(round(FORWARD_KERNEL_SHARE * unit_kernels(blocks_plan, hu))
+                    for st in blocks_plan.stages for hu in held_units(blocks_plan, st) if hu.prefix)
+    assert analyze(blocks_plan, PROFILES["cpu"]).ranks[0].kernels == base + 2 * 2 * per_block  # 2 blocks, 2 microbatches
+    attn = _plan(SINGLE.replace("microbatches = 2", "microbatches = 2\n    recompute = attention"))
+    assert analyze(attn, PROFILES["cpu"]).ranks[0].kernels == base + 2 * 2 * KERNELS["attention_core"] // 2
