@@ -719,8 +719,9 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         for (axes, op), calls in sorted(tensor_calls.items()):
             comms.append(_comm(plan, device, axes, "tensor", op, calls * m, act_size))
         if holds_head and plan.loss.sharded:
-            # Vocab-parallel cross entropy: all-reduce the per-token max, sum of exps and target logit (fp32).
-            comms.append(_comm(plan, device, plan.loss.axes, "loss", "all_reduce", 3 * m, FP32 * tokens_mb))
+            # Vocab-parallel cross entropy: all-reduce the per-token max, then the sum of exps and the
+            # target logit packed into one call: 2 calls and 3 fp32 per token per microbatch.
+            comms.append(_comm(plan, device, plan.loss.axes, "loss", "all_reduce", 2 * m, 3 * FP32 * tokens_mb // 2))
         if plan.pipeline_axis and p_size > 1:
             sends = sum((s.index < len(plan.stages) - 1) + (s.index > 0) for s in stages_at[c])
             comms.append(_comm(plan, device, (plan.pipeline_axis,), "pipeline", "send_recv", sends * m, act_size, group=2))
