@@ -8,8 +8,12 @@ A .mesh file can declare its own profile:
 
 Settings: `memory` (GiB), `tflops`, `intra` (GB/s within a host), `inter` (GB/s between hosts, per
 device), `per_host` (devices in one host), `like` (a known profile whose values the others default to),
-and, as `meshc calibrate` writes them, `mfu` (fraction of `tflops` the matmuls reach) and `latency`
-(microseconds per collective call).
+and, as `meshc calibrate` writes them, `mfu` (fraction of `tflops` the matmuls reach), `latency`
+(microseconds per collective call), and for hosts whose CPU cores are the devices: `kernel`
+(microseconds of host time per framework kernel: dispatch, autograd and Python around each operator,
+which dominates small models), `collective_cpu` (microseconds of host time each collective call
+takes from its rank's core) and `cores` (how many ranks of one host run at full speed at once, fractional when other work
+shares the machine; more ranks time-share them). Rates are those of one rank running alone; `cores` says how they share.
 The checker accepts the name in `device = NAME`; `declared_profiles` turns the declaration into a
 profile, with diagnostics for settings that are missing or wrong.
 """
@@ -38,6 +42,11 @@ class DeviceProfile:
     # Measured by `meshc calibrate` (None: the planner's assumptions MFU / LATENCY_* apply).
     mfu: float | None = None  # fraction of `tflops` the training matmuls reach
     latency_us: float | None = None  # per-collective latency, microseconds
+    # Host-bound execution (CPU ranks; None: not modelled, as for GPUs, whose kernel launches are
+    # asynchronous and overlap the device's work).
+    kernel_us: float | None = None  # host time per framework kernel (operator), one rank alone
+    collective_cpu_us: float | None = None  # host time per collective call, taken from the rank's core
+    cores: float | None = None  # ranks of one host that run at full speed at once (fewer when shared)
 
     @property
     def memory_bytes(self) -> int:
@@ -69,9 +78,11 @@ PROFILES: dict[str, DeviceProfile] = {
 DEFAULT_PROFILE = "h100"
 
 _SETTINGS = {"memory": "memory_gib", "tflops": "tflops", "intra": "intra_gbps", "inter": "inter_gbps",
-             "per_host": "per_host", "mfu": "mfu", "latency": "latency_us"}
-_OPTIONAL = {"per_host", "mfu", "latency"}
-_EXAMPLE = {"mfu": 0.5, "latency": 10}
+             "per_host": "per_host", "mfu": "mfu", "latency": "latency_us", "kernel": "kernel_us",
+             "collective_cpu": "collective_cpu_us", "cores": "cores"}
+_OPTIONAL = {"per_host", "mfu", "latency", "kernel", "collective_cpu", "cores"}
+_WHOLE = {"per_host"}  # a count of devices
+_EXAMPLE = {"mfu": 0.5, "latency": 10, "kernel": 8, "collective_cpu": 200, "cores": 2}
 
 
 def _number(expr: ast.Expr) -> float | None:
@@ -135,11 +146,21 @@ def declared_profiles(decls: Iterable[ast.DeviceDecl]) -> tuple[dict[str, Device
                                         help=f"e.g. `{key} = {_EXAMPLE.get(key) or getattr(PROFILES[DEFAULT_PROFILE], _SETTINGS[key])}`"))
                 ok = False
                 continue
-            if key == "per_host" and (v != int(v) or v > MAX_DEVICES):
-                diags.append(Diagnostic("E0304" if v != int(v) else "E0307", "`per_host` must be a whole number of devices"
+            if key in _WHOLE and (v != int(v) or v > MAX_DEVICES):
+                diags.append(Diagnostic("E0304" if v != int(v) else "E0307", f"`{key}` must be a whole number of devices"
                                         + ("" if v != int(v) else f" up to {MAX_DEVICES}"),
                                         s.value.span, label=f"is {v:g}",
-                                        help=f"e.g. `per_host = {max(1, min(int(v), MAX_DEVICES))}`"))
+                                        help=f"e.g. `{key} = {max(1, min(int(v), MAX_DEVICES))}`"))
+                ok = False
+                continue
+            if key == "cores" and v > MAX_DEVICES:
+                diags.append(Diagnostic("E0307", f"`cores` is out of range: {v:g}", s.value.span, label=f"more than {MAX_DEVICES}",
+                                        help="e.g. `cores = 2`: the CPU cores the ranks of one host share"))
+                ok = False
+                continue
+            if key == "mfu" and v > 1:
+                diags.append(Diagnostic("E0307", f"`mfu` is a fraction of peak throughput, at most 1: {v:g}", s.value.span,
+                                        label="more than the peak", help="e.g. `mfu = 0.5`"))
                 ok = False
                 continue
             if not math.isfinite(v) or v > 1e9:

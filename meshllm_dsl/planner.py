@@ -56,6 +56,10 @@ from meshllm_dsl.source import Span
 # add back. 0.5 is the middle of that range.
 MFU = 0.5
 
+# Of a unit's kernels, the share its forward launches (what `recompute = blocks` runs again):
+# 756 of 1782 in a single-rank tiny Llama step, counted with runtime.profile.LiveBytes.
+FORWARD_KERNEL_SHARE = 0.42
+
 # Per-collective launch + synchronisation latency (NCCL small-message latency is ~10 us within an
 # NVLink host and ~25 us across an InfiniBand network). Added once per collective call.
 LATENCY_INTRA_S = 10e-6
@@ -384,6 +388,73 @@ def _stage_output_bytes(plan: PlanIR, stage: Stage, tokens: int) -> int:
     return e * tokens * _hidden(plan)
 
 
+# ---------------------------------------------------------------- kernels (host time)
+
+# Framework kernels (operators dispatched, views included) the runtime launches per microbatch,
+# forward + backward, by piece of a unit; counted with runtime.profile.LiveBytes on the runtime's own
+# layers (tests/planner/test_time_model.py checks whole steps against the count). On a host whose
+# cores run the model (CPU ranks), each kernel costs its dispatch, autograd and Python time whatever
+# its size, which is what small models spend their step on; `device { kernel = US }` prices them.
+KERNELS = {
+    "linear": 13,  # forward t, mm, view; backward two mm with their transposes, the grad accumulation
+    "bias": 3,  # the add; backward its reduction over tokens and the accumulation
+    "split_qkv": 2,  # a fused qkv projection split into q, k and v
+    "heads": 2,  # q, k or v viewed as heads, and back in backward
+    "rotary": 41,  # positions, cos / sin, rotate_half of q and k, forward and backward
+    "attention_core": 14,  # SDPA with its layout transposes, forward and backward
+    "residual": 1,  # the residual add (its backward passes the gradient through)
+    "rmsnorm": 21,  # the runtime's autograd Function: 7 forward, 14 backward
+    "layernorm": 5,  # one fused kernel forward, its backward and the accumulations
+    "swiglu": 6,  # silu(gate) * up
+    "activation": 2,  # gelu / relu / silu of a plain MLP
+    "embedding": 3,
+    "vocab_parallel_embedding": 11,  # mask the ids outside the shard, look up, zero the masked rows
+    "positional": 7,  # position ids, lookup, add
+    "cross_entropy": 10,
+    "vocab_parallel_cross_entropy": 36,  # max, exp-sum and target logit reduced over the shards
+    "copy_to": 3,  # Megatron's operators around the tensor-parallel collective
+    "reduce_from": 2,
+    "split_to": 3,
+    "gather_from": 3,
+}
+# Per parameter tensor and step: zero its gradient; AdamW's single-tensor update (lerp, mul,
+# addcmul, sqrt, div, addcdiv, ...); on data-parallel ranks its share of the flattened all-reduce.
+KERNELS_ZERO_GRAD = 1
+KERNELS_ADAMW = 10
+KERNELS_GRAD_SYNC = 4
+# Per step: the microbatch losses stacked and averaged, the global loss reduced, the schedule's
+# bookkeeping (19 in a single-rank step, 23-33 on pipelined ranks).
+KERNELS_STEP = 20
+
+
+def _leaf_tensors(hu: HeldUnit) -> int:
+    return sum(len(leaf.params) for leaf in hu.unit.leaves)
+
+
+def unit_kernels(plan: PlanIR, hu: HeldUnit) -> int:
+    """Kernels one copy of the unit launches per microbatch, forward and backward."""
+    unit, k = hu.unit, KERNELS
+    linears = sum(1 for leaf in unit.leaves if leaf.kind == "linear")
+    biases = sum(1 for leaf in unit.leaves if leaf.kind == "linear" and any(t.name == "bias" for t in leaf.params))
+    n = linears * k["linear"] + biases * k["bias"]
+    if unit.kind in ("rmsnorm", "layernorm", "positional"):
+        n = k[unit.kind]
+    elif unit.kind == "embedding":
+        sharded = any(hu.placement(leaf).sharded for leaf in unit.leaves)
+        n = k["vocab_parallel_embedding" if sharded else "embedding"]
+    elif unit.kind == "attention":
+        n += 3 * k["heads"] + k["attention_core"] + k["residual"]
+        n += k["split_qkv"] if unit.attr("fused_qkv") else 0
+        n += k["rotary"] if unit.attr("rope_theta") else 0
+    elif unit.kind == "mlp":
+        n += (k["swiglu"] if unit.attr("act") == "swiglu" else k["activation"]) + k["residual"]
+    if hu.flow is not None:
+        n += sum(k[c.op] for c in hu.flow.collectives)
+    if hu.last:
+        n += k["vocab_parallel_cross_entropy" if plan.loss.sharded else "cross_entropy"]
+    return n
+
+
 # ---------------------------------------------------------------- communication
 
 
@@ -487,6 +558,9 @@ class RankClass:
     compute_s: float  # recomputation included
     dtype_bytes: int  # bytes per weight in the training dtype
     recompute_s: float = 0.0  # of compute_s: the forward passes `recompute` runs again in backward
+    kernels: int = 0  # framework kernels per step (forward, backward, gradient sync, optimizer)
+    kernel_s: float = 0.0  # of compute_s: their host time (`kernel` of the device; 0 when not given)
+    host_s: float = 0.0  # time the rank occupies its host core: compute_s plus its collectives' host time
 
     @property
     def training_bytes(self) -> int:
@@ -515,10 +589,18 @@ class StepTime:
     data_s: float  # data-parallel gradient reduction / ZeRO collectives (after the pipeline drains)
     model_flops: float  # 6 x params x tokens
     tokens: int
+    # Ranks time-sharing fewer cores (a device with `cores`): the host's work over its cores, a lower
+    # bound on the step however the ranks wait for each other; 0 when every rank has its own device.
+    shared_s: float = 0.0
+
+    @property
+    def critical_s(self) -> float:
+        """The step with a device per rank: the slowest rank's work, stretched by the bubble."""
+        return self.compute_s + self.tensor_s + self.pipeline_s + self.bubble_s + self.data_s
 
     @property
     def total_s(self) -> float:
-        return self.compute_s + self.tensor_s + self.pipeline_s + self.bubble_s + self.data_s
+        return max(self.critical_s, self.shared_s)
 
     @property
     def comm_s(self) -> float:
@@ -627,6 +709,9 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         block_saved: dict[str, int] = {}  # recompute: what one block (or attention core) rebuilds in backward
         block_local: dict[str, int] = {}  # recompute = blocks: parameters of the recomputed blocks
         recompute_flops = 0
+        kernels_mb = 0  # per microbatch
+        recompute_kernels = 0
+        tensors = 0  # parameter tensors held (zero_grad, optimizer and sync kernels are per tensor)
         working = 2 * w * tokens_mb * hidden  # gradients of a unit's input and output
         for stage in stages_at[c]:
             for hu in held_units(plan, stage):
@@ -639,8 +724,14 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     block_params[hu.prefix] = block_params.get(hu.prefix, 0) + lo
                 else:
                     top_local += lo * hu.count
+                tensors += _leaf_tensors(hu) * hu.count
                 if hu.tied_copy:
                     continue  # a copy of weights: no activations or forward collectives of its own
+                kernels_mb += unit_kernels(plan, hu) * hu.count
+                if hu.prefix and plan.recompute == "blocks":
+                    recompute_kernels += round(FORWARD_KERNEL_SHARE * unit_kernels(plan, hu)) * hu.count
+                elif hu.prefix and plan.recompute == "attention" and hu.unit.kind == "attention":
+                    recompute_kernels += KERNELS["attention_core"] // 2 * hu.count  # the core's forward again
                 saved = unit_activation_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
                 in_block = hu.prefix != ""
                 if in_block and plan.recompute == "blocks":
@@ -699,8 +790,9 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             # The norms' (and row biases') partial gradients, coalesced into one all-reduce per step.
             comms.append(_comm(plan, device, plan.seq_axes, "tensor", "all_reduce", 1, w * seq_grads))
         if holds_head and plan.loss.sharded:
-            # Vocab-parallel cross entropy: all-reduce the per-token max, sum of exps and target logit (fp32).
-            comms.append(_comm(plan, device, plan.loss.axes, "loss", "all_reduce", 3 * m, FP32 * tokens_mb))
+            # Vocab-parallel cross entropy: all-reduce the per-token max, then the sum of exps and the
+            # target logit packed into one call: 2 calls and 3 fp32 per token per microbatch.
+            comms.append(_comm(plan, device, plan.loss.axes, "loss", "all_reduce", 2 * m, 3 * FP32 * tokens_mb // 2))
         if plan.pipeline_axis and p_size > 1:
             sends = sum((s.index < len(plan.stages) - 1) + (s.index > 0) for s in stages_at[c])
             comms.append(_comm(plan, device, (plan.pipeline_axis,), "pipeline", "send_recv", sends * m,
@@ -725,8 +817,15 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         # Compute: 6 flops per parameter per token (2 forward, 4 backward), over this replica's tokens.
         flops_per_s = device.tflops * 1e12 * (device.mfu or MFU)
         compute = 6 * local * (plan.batch // dp) * plan.seq / flops_per_s
-        recompute_s = recompute_flops / flops_per_s
-        compute += recompute_s
+        # Kernels: every microbatch's forward and backward, then per parameter tensor the gradient
+        # zeroing, the data-parallel sync and AdamW's update (of this rank's share under ZeRO).
+        optim_tensors = -(-tensors // zero_shards) if plan.zero >= 1 else tensors
+        kernels = ((kernels_mb + recompute_kernels) * m + KERNELS_STEP + tensors * KERNELS_ZERO_GRAD
+                   + (tensors * KERNELS_GRAD_SYNC if dp > 1 else 0) + optim_tensors * KERNELS_ADAMW)
+        kernel_s = kernels * (device.kernel_us or 0.0) * 1e-6
+        recompute_s = recompute_flops / flops_per_s + recompute_kernels * m * (device.kernel_us or 0.0) * 1e-6
+        compute += recompute_flops / flops_per_s + kernel_s
+        host = compute + sum(c.calls * (device.collective_cpu_us or 0.0) * 1e-6 for c in comms)
         classes.append(RankClass(
             coord=c, stages=tuple(s.index for s in stages_at[c]),
             label="; ".join(stage_label(plan, s) for s in stages_at[c]), ranks=rank_sets[c],
@@ -735,7 +834,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             activation_bytes_per_microbatch=act_mb, in_flight=in_flight, activation_bytes=act,
             transient_bytes=transient,
             kv_cache_bytes=kv_bytes, comms=tuple(comms), compute_s=compute, dtype_bytes=w,
-            recompute_s=recompute_s,
+            recompute_s=recompute_s, kernels=kernels, kernel_s=kernel_s, host_s=host,
         ))
 
     bubble = bubble_fraction(plan.schedule, p_size, m, v)
@@ -756,6 +855,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         data_s=max(rc.comm_seconds(("data",)) for rc in classes),
         model_flops=6.0 * model.numel * plan.batch * plan.seq,
         tokens=plan.batch * plan.seq,
+        shared_s=shared_host_seconds(plan, device, classes),
     )
     return PlanReport(plan, device, device_assumed, micro_batch, bubble, tuple(classes), step,
                       kv_bytes_per_token(plan), k)
@@ -770,6 +870,14 @@ def _training_state_line(plan: PlanIR, k: int, numel: int) -> str:
     total = w + 2 * m + k
     return (f"  training state  {total} bytes per parameter ({w} {plan.dtype} compute copy + {m} master weight + {m} gradient"
             f" + {k} optimizer) = {fmt_bytes(numel * total)} before ZeRO-{plan.zero} shards all but the compute copy")
+def shared_host_seconds(plan: PlanIR, device: DeviceProfile, classes: list[RankClass]) -> float:
+    """The step's lower bound when a host's ranks outnumber its cores: the host time of all its
+    ranks (compute, kernels, collective calls) over its cores. A rank waiting in a collective or in
+    the bubble leaves its core to the others, so this bound holds however the ranks interleave.
+    0 without `cores` or when every rank has a core of its own."""
+    if device.cores is None or plan.mesh.devices_per_host <= device.cores:
+        return 0.0
+    return sum(rc.host_s * len(rc.ranks) for rc in classes) / (plan.mesh.hosts * device.cores)
 
 
 def _hidden(plan: PlanIR) -> int:
@@ -1062,7 +1170,8 @@ def report_text(rep: PlanReport) -> str:
     else:
         lines.append("  none (a single device)")
     st = rep.step
-    slow_recompute = next((rc.recompute_s for rc in rep.ranks if rc.compute_s == st.compute_s), 0.0)
+    slow = next((rc for rc in rep.ranks if rc.compute_s == st.compute_s), rep.ranks[0])
+    slow_recompute = slow.recompute_s
     p = plan.pipeline_size
     lines += [
         "",
@@ -1071,12 +1180,20 @@ def report_text(rep: PlanReport) -> str:
         "",
         f"step time (estimate; {dev.name} {dev.tflops:g} TFLOP/s at MFU {(dev.mfu or MFU):.0%} for the matmuls, links {dev.intra_gbps:g} / {dev.inter_gbps:g} GB/s)",
         f"  compute          {fmt_seconds(st.compute_s)}   6 x params x tokens on the slowest pipeline rank"
+        + (f" + {slow.kernels:,} kernels x {dev.kernel_us:g} us" if dev.kernel_us else "")
         + (f", of which {fmt_seconds(slow_recompute)} recomputes {'the blocks' if plan.recompute == 'blocks' else 'the attention core'} in backward"
            if plan.recompute != "none" else ""),
         f"  tensor comm      {fmt_seconds(st.tensor_s)}",
         f"  pipeline comm    {fmt_seconds(st.pipeline_s)}",
         f"  bubble           {fmt_seconds(st.bubble_s)}",
         f"  data-parallel    {fmt_seconds(st.data_s)}",
+    ]
+    if st.shared_s:
+        per_host = mesh.devices_per_host
+        lines.append(f"  shared cores     {fmt_seconds(st.shared_s)}   {per_host} ranks per host on {dev.cores:g} cores: their host time "
+                     f"(compute, {dev.collective_cpu_us or 0:g} us per collective call) / cores; "
+                     f"a device per rank would take {fmt_seconds(st.critical_s)}")
+    lines += [
         f"  total            {fmt_seconds(st.total_s)}   {st.tokens / st.total_s:,.0f} tokens/s, model flops utilisation {rep.mfu:.0%}",
         "",
         f"peak memory {fmt_bytes(rep.peak_training_bytes)} of {fmt_bytes(dev.memory_bytes)} per device: "
@@ -1113,13 +1230,13 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
              "activation_bytes_per_microbatch": rc.activation_bytes_per_microbatch, "in_flight": rc.in_flight,
              "activation_bytes": rc.activation_bytes, "transient_bytes": rc.transient_bytes, "kv_cache_bytes": rc.kv_cache_bytes,
              "training_bytes": rc.training_bytes, "inference_bytes": rc.inference_bytes, "compute_s": rc.compute_s,
-             "recompute_s": rc.recompute_s,
+             "recompute_s": rc.recompute_s, "kernels": rc.kernels, "kernel_s": rc.kernel_s, "host_s": rc.host_s,
              "comms": [attrs.asdict(c) for c in rc.comms]}
             for rc in rep.ranks
         ],
         "communication": rep.comm_by_axis(),
         "step": {"compute_s": st.compute_s, "tensor_s": st.tensor_s, "pipeline_s": st.pipeline_s, "bubble_s": st.bubble_s,
-                 "data_s": st.data_s, "total_s": st.total_s, "model_flops": st.model_flops, "tokens": st.tokens,
+                 "data_s": st.data_s, "shared_s": st.shared_s, "critical_s": st.critical_s, "total_s": st.total_s, "model_flops": st.model_flops, "tokens": st.tokens,
                  "tokens_per_s": st.tokens / st.total_s if st.total_s else None, "mfu": rep.mfu, "assumed_matmul_mfu": rep.device.mfu or MFU},
         "peak_training_bytes": rep.peak_training_bytes,
         "peak_inference_bytes": rep.peak_inference_bytes,

@@ -45,9 +45,9 @@ def compare(plan: PlanIR, ranks: list[dict[str, Any]], rep: PlanReport | None = 
         for c in r["collectives"]:
             if c["op"].endswith("(wait)"):
                 continue
-            e = measured_comm.setdefault(c["axes"], {"bytes": 0.0, "seconds": 0.0, "calls": 0.0})
-            for k in ("bytes", "seconds", "calls"):
-                e[k] += c[k]
+            e = measured_comm.setdefault(c["axes"], {"bytes": 0.0, "seconds": 0.0, "calls": 0.0, "cpu_s": 0.0})
+            for k in ("bytes", "seconds", "calls", "cpu_s"):
+                e[k] += c.get(k, 0.0)
         pipe_planned = rc.comm_seconds(("pipeline",)) + (rep.step.bubble_s if plan.pipeline_size > 1 else 0.0)
         out.append({
             "rank": r["rank"], "coords": r["coords"], "stages": r["stages"],
@@ -66,7 +66,11 @@ def compare(plan: PlanIR, ranks: list[dict[str, Any]], rep: PlanReport | None = 
                 "step": {"planned": rep.step.total_s, "measured": r["step_s"]},
                 "compute": {"planned": rc.compute_s, "measured": r["compute_s"]},
                 "pipeline wait (bubble + send / recv)": {"planned": pipe_planned, "measured": r["pipeline_wait_s"]},
+                # CPU seconds of the rank's process (all threads) vs the planner's host time at the
+                # device's rates alone; ranks time-sharing cores each run slower than alone.
+                "host CPU": {"planned": rc.host_s, "measured": r.get("cpu_s", 0.0)},
             },
+            "kernels": {"planned": rc.kernels, "measured": r.get("kernels", 0)},
             "collectives": {
                 axes: {"planned": planned_comm.get(axes, {"bytes": 0, "seconds": 0.0}), "measured": measured_comm.get(axes)}
                 for axes in sorted(set(planned_comm) | set(measured_comm))
@@ -85,6 +89,8 @@ def report_text(data: dict[str, Any]) -> str:
             rows.append((k, fmt_bytes(v["planned"]), fmt_bytes(v["measured"]), _ratio(v["planned"], v["measured"])))
         for k, v in r["time"].items():
             rows.append((k, fmt_seconds(v["planned"]), fmt_seconds(v["measured"]), _ratio(v["planned"], v["measured"])))
+        k = r["kernels"]
+        rows.append(("kernels per step", f"{k['planned']:,}", f"{k['measured']:,}", _ratio(k["planned"], k["measured"])))
         for axes, v in r["collectives"].items():
             m = v["measured"] or {"bytes": 0, "seconds": 0.0, "calls": 0}
             p = v["planned"]

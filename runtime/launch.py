@@ -123,7 +123,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--profile",
         type=Path,
         metavar="DIR",
-        help="after training, time and measure 1 + 3 more steps; each rank writes DIR/rankR.json",
+        help="after training, a warm-up step, a step measured for memory, one for kernels and 4 timed steps; each rank writes DIR/rankR.json",
     )
     p.add_argument(
         "--profile-trace",
@@ -171,8 +171,8 @@ def check_inputs(args: argparse.Namespace) -> None:
     if args.keep < 1:
         raise InputError(f"--keep must be at least 1, got {args.keep}")
     if args.profile is not None and (args.save or args.export_hf or args.infer or args.eval or args.steps == 0):
-        # Measuring trains 4 more steps: the weights saved or exported would not be the trained ones.
-        raise InputError("--profile measures 4 extra training steps after --steps: it does not combine "
+        # Measuring trains 7 more steps: the weights saved or exported would not be the trained ones.
+        raise InputError("--profile measures 7 extra training steps after --steps: it does not combine "
                          "with --save, --export-hf, --infer, --eval or --steps 0")
     if args.profile_trace is not None:
         if args.save or args.export_hf or args.infer or args.eval or args.steps == 0:
@@ -840,7 +840,7 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
                 from .profile import profile_train
 
                 p = program
-                batches = [synthetic_batch(_real_vocab(built), p.batch, p.seq, args.seed, i) for i in range(4)]
+                batches = [synthetic_batch(_real_vocab(built), p.batch, p.seq, args.seed, i) for i in range(7)]
                 profile_train(built, batches, args.profile)
             if args.profile_trace:
                 from .profile import trace_train

@@ -41,6 +41,7 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self._refs: dict[int, tuple[StorageWeakRef, int]] = {}
         self.peak_op = ""  # the operator after which the peak was reached
+        self.ops = 0  # operators dispatched: the kernels the step launched
 
     def _sweep(self) -> None:
         dead = [key for key, (ref, _) in self._refs.items() if ref.expired()]
@@ -49,6 +50,7 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self.ops += 1
         # Frees happen between calls: sweep first so the peak never counts a dead buffer.
         self._sweep()
         # An output sharing an input's storage (a view, an in-place op on a gradient that existed
@@ -152,7 +154,7 @@ class CollectiveLog:
                 group = mesh.group(*subset)
                 if group is not None:
                     self.labels[tuple(dist.get_process_group_ranks(group))] = " x ".join(subset)
-        self.stats: dict[tuple[str, str], list[float]] = {}  # (axes, op) -> [calls, bytes, s]
+        self.stats: dict[tuple[str, str], list[float]] = {}  # (axes, op) -> [calls, bytes, s, cpu s]
         self._saved: list[tuple[Any, str, Any]] = []
 
     def _label(self, group: Any) -> str:
@@ -161,11 +163,12 @@ class CollectiveLog:
         ranks = tuple(self.dist.get_process_group_ranks(group))
         return self.labels.get(ranks, "ranks " + ",".join(map(str, ranks)))
 
-    def _add(self, axes: str, op: str, nbytes: int, seconds: float) -> None:
-        entry = self.stats.setdefault((axes, op), [0, 0, 0.0])
+    def _add(self, axes: str, op: str, nbytes: int, seconds: float, cpu: float) -> None:
+        entry = self.stats.setdefault((axes, op), [0, 0, 0.0, 0.0])
         entry[0] += 1
         entry[1] += nbytes
         entry[2] += seconds
+        entry[3] += cpu
 
     def _wrap(self, owner: Any, name: str, make: Any) -> None:
         original = getattr(owner, name)
@@ -180,10 +183,11 @@ class CollectiveLog:
             def make(original: Any, op: str = op) -> Any:
                 def timed(*args: Any, **kwargs: Any) -> Any:
                     group = kwargs.get("group")
-                    start = time.perf_counter()
+                    start, cpu = time.perf_counter(), time.process_time()
                     out = original(*args, **kwargs)
                     self._add(
-                        self._label(group), op, _nbytes(args[:1]), time.perf_counter() - start
+                        self._label(group), op, _nbytes(args[:1]), time.perf_counter() - start,
+                        time.process_time() - cpu,
                     )
                     return out
 
@@ -203,11 +207,12 @@ class CollectiveLog:
 
             def make_wait(original: Any) -> Any:
                 def timed(*args: Any, **kwargs: Any) -> Any:
-                    start = time.perf_counter()
+                    start, cpu = time.perf_counter(), time.process_time()
                     out = original(*args, **kwargs)
                     nbytes, pending[0] = pending[0], 0
                     self._add(
-                        self.pipeline_label, "send_recv (wait)", nbytes, time.perf_counter() - start
+                        self.pipeline_label, "send_recv (wait)", nbytes,
+                        time.perf_counter() - start, time.process_time() - cpu,
                     )
                     return out
 
@@ -236,30 +241,37 @@ def _state_bytes(optimizer: Any) -> int:
 def profile_train(
     built: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], out_dir: str | Path
 ) -> dict[str, Any]:
-    """Time and measure ``len(batches)`` training steps on this rank; write ``rank{R}.json``.
+    """Measure training steps on this rank; write ``rank{R}.json``.
 
     Every rank of the job must call it (the steps are collective).  The first batch is a warm-up
-    (schedules built, gradients and optimizer states allocated) and is not reported.
+    (schedules built, gradients and optimizer states allocated), the second is measured for memory,
+    the third counts the kernels dispatched (the dispatch mode and hooks slow them several-fold, so
+    they are not timed), the rest are timed: wall and CPU seconds (all of the process's threads,
+    gloo's included).
     """
-    tokens, targets = batches[0]
-    built.train_step(tokens, targets)
+    if len(batches) < 4:
+        raise ValueError("profile_train needs a warm-up, a memory step, a kernel count and a timed step")
+    built.train_step(*batches[0])
     params = built.parameters()
-    log = CollectiveLog(built.mesh, built.program.pipeline_axis)
     live = LiveBytes()
+    with saved_bytes(exclude=params) as saved, live:
+        built.train_step(*batches[1])
+    # Counted without the saved-tensor hooks, under which autograd dispatches extra operators.
+    with LiveBytes() as counted:
+        built.train_step(*batches[2])
+    log = CollectiveLog(built.mesh, built.program.pipeline_axis)
     steps = []
+    cpu = 0.0
     with log:
-        for i, (tokens, targets) in enumerate(batches[1:]):
-            start = time.perf_counter()
-            if i == 0:
-                with saved_bytes(exclude=params) as saved, live:
-                    built.train_step(tokens, targets)
-            else:
-                built.train_step(tokens, targets)
+        for tokens, targets in batches[3:]:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            built.train_step(tokens, targets)
             steps.append(time.perf_counter() - start)
-    n = max(1, len(steps))
+            cpu += time.process_time() - cpu_start
+    n = len(steps)
     comm = [
-        {"axes": axes, "op": op, "calls": c / n, "bytes": b / n, "seconds": s / n}
-        for (axes, op), (c, b, s) in sorted(log.stats.items())
+        {"axes": axes, "op": op, "calls": c / n, "bytes": b / n, "seconds": s / n, "cpu_s": cpu / n}
+        for (axes, op), (c, b, s, cpu) in sorted(log.stats.items())
     ]
     step_s = sum(steps) / n
     collectives_s = sum(c["seconds"] for c in comm if not c["op"].endswith("(wait)"))
@@ -269,8 +281,10 @@ def profile_train(
         "rank": built.mesh.rank,
         "coords": {a: built.mesh.coord(a) for a in built.mesh.names},
         "stages": list(built.stage_ids),
-        "steps": len(steps),
+        "steps": n,
         "step_s": step_s,
+        "cpu_s": cpu / n,
+        "kernels": counted.ops,
         "compute_s": max(0.0, step_s - collectives_s - wait_s),
         "collectives_s": collectives_s,
         "pipeline_wait_s": wait_s,
@@ -282,7 +296,7 @@ def profile_train(
                 data_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None
             ),
             "optimizer": _state_bytes(built.optimizer),
-            "activations_per_microbatch": saved["bytes"] // micro if steps else 0,
+            "activations_per_microbatch": saved["bytes"] // micro,
             "activations_and_temporaries_peak": live.peak,
         },
     }

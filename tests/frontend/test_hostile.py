@@ -90,6 +90,11 @@ CASES: dict[str, tuple[str, set[str]]] = {
                                "    norm = layernorm(hidden, bias = false)\n    head = linear(hidden, 16)\n}\n", set()),
     "device_memory_zero": ("device d {\n    like = h100\n    memory = 0\n}\n" + _spec(), {"E0303"}),
     "device_per_host_fraction": ("device d {\n    like = h100\n    per_host = 2.5\n}\n" + _spec(), {"E0304"}),
+    "device_cores_zero": ("device d {\n    like = cpu\n    cores = 0\n}\n" + _spec(), {"E0303"}),
+    "device_cores_huge": ("device d {\n    like = cpu\n    cores = 1e12\n}\n" + _spec(), {"E0307"}),
+    "device_kernel_negative": ("device d {\n    like = cpu\n    kernel = -8\n}\n" + _spec(), {"E0303"}),
+    "device_collective_cpu_named": ("device d {\n    like = cpu\n    collective_cpu = fast\n}\n" + _spec(), {"E0304"}),
+    "device_mfu_above_one": ("device d {\n    like = h100\n    mfu = 1.5\n}\n" + _spec(), {"E0307"}),
 }
 
 

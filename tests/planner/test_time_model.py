@@ -1,0 +1,185 @@
+"""The planner's step-time model for host-bound ranks: kernels, collective host time, shared cores.
+
+The kernel table must match what the runtime dispatches (counted with runtime.profile.LiveBytes on
+real training steps), and the device settings `kernel`, `collective_cpu` and `cores` must reach the
+step time exactly as documented; GPU profiles, which set none of them, keep their old estimates.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import pytest
+
+from meshllm_dsl.checker import check_file, check_text
+from meshllm_dsl.cli_plan import load_checked
+from meshllm_dsl.devices import PROFILES
+from meshllm_dsl.planner import KERNELS, analyze, held_units, resolve_device, unit_kernels
+
+ROOT = Path(__file__).resolve().parents[2]
+
+SINGLE = """
+mesh one { axes data = 1 }
+model l = llama { vocab = 256, hidden = 64, layers = 2, heads = 4, kv_heads = 2, ffn = 128, dtype = fp32 }
+plan p on one for l {
+    batch = 4
+    seq = 32
+    microbatches = 2
+}
+"""
+
+CPU = """
+device box {
+    like = cpu
+    tflops = 0.05
+    mfu = 1
+    kernel = 8
+    collective_cpu = 300
+    cores = 2
+    latency = 150
+}
+mesh m { axes pipeline = 2, tensor = 2
+    device = box }
+model g = gpt2 { vocab = 256, hidden = 64, layers = 4, heads = 4, positions = 64 }
+plan p on m for g {
+    batch = 4
+    seq = 32
+    microbatches = 2
+    layout { heads -> tensor, ffn -> tensor, vocab -> tensor }
+    stages over pipeline balanced
+}
+"""
+
+
+def _plan(text: str):  # type: ignore[no-untyped-def]
+    result = check_text(text, "t.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    (plan,) = result.plans.values()
+    return plan
+
+
+def _loaded(tmp_path: Path, text: str):  # type: ignore[no-untyped-def]
+    path = tmp_path / "t.mesh"
+    path.write_text(text)
+    loaded = load_checked(str(path))
+    assert loaded.ok, [d.message for d in loaded.diagnostics]
+    (plan,) = loaded.result.plans.values()
+    return plan, resolve_device(plan, loaded.devices)[0]
+
+
+def test_unit_kernels_of_a_llama_block() -> None:
+    plan = _plan(SINGLE)
+    counts = {hu.unit.name: unit_kernels(plan, hu) for st in plan.stages for hu in held_units(plan, st)}
+    k = KERNELS
+    assert counts["attn_norm"] == k["rmsnorm"] == 21
+    # q, k, v, o projections, q / k / v as heads, SDPA, rotary and the residual add.
+    assert counts["attn"] == 4 * k["linear"] + 3 * k["heads"] + k["attention_core"] + k["rotary"] + k["residual"]
+    assert counts["mlp"] == 3 * k["linear"] + k["swiglu"] + k["residual"]
+    assert counts["embed"] == k["embedding"]
+    assert counts["lm_head"] == k["linear"] + k["cross_entropy"]  # the last unit carries the loss
+
+
+def test_step_kernels_add_the_per_tensor_work() -> None:
+    plan = _plan(SINGLE)
+    rc = analyze(plan, PROFILES["cpu"]).ranks[0]
+    per_mb = sum(unit_kernels(plan, hu) * hu.count for st in plan.stages for hu in held_units(plan, st))
+    tensors = 1 + 2 * 9 + 2  # embed, 9 per block, final norm and head
+    assert rc.kernels == 2 * per_mb + 20 + tensors * (1 + 10)  # zero_grad and AdamW per tensor, no data sync
+
+
+def test_gpu_profiles_have_no_host_terms() -> None:
+    (plan,) = check_file(str(ROOT / "examples" / "tiny_llama.mesh")).plans.values()
+    rep = analyze(plan, PROFILES["h100"])
+    assert rep.step.shared_s == 0 and all(rc.kernel_s == 0 for rc in rep.ranks)
+    assert rep.step.total_s == rep.step.critical_s
+
+
+def test_kernel_time_enters_compute(tmp_path: Path) -> None:
+    plan, dev = _loaded(tmp_path, CPU)
+    assert (dev.kernel_us, dev.collective_cpu_us, dev.cores) == (8, 300, 2)
+    for rc in analyze(plan, dev).ranks:
+        flops_s = 6 * rc.params_local * plan.batch * plan.seq / 0.05e12
+        assert rc.kernel_s == pytest.approx(rc.kernels * 8e-6)
+        assert rc.compute_s == pytest.approx(flops_s + rc.kernel_s)
+        calls = sum(c.calls for c in rc.comms)
+        assert rc.host_s == pytest.approx(rc.compute_s + calls * 300e-6)
+
+
+def test_ranks_time_sharing_cores_bound_the_step(tmp_path: Path) -> None:
+    plan, dev = _loaded(tmp_path, CPU)
+    rep = analyze(plan, dev)
+    # 4 ranks on 2 cores: the host's work over its cores, which here exceeds the critical path.
+    assert rep.step.shared_s == pytest.approx(sum(rc.host_s * len(rc.ranks) for rc in rep.ranks) / 2)
+    assert rep.step.total_s == max(rep.step.shared_s, rep.step.critical_s) == rep.step.shared_s
+    # A core per rank: nothing is shared, the critical path alone.
+    own = analyze(plan, attrs.evolve(dev, cores=4.0))
+    assert own.step.shared_s == 0 and own.step.total_s == own.step.critical_s == rep.step.critical_s
+    # Fewer cores, longer step, in proportion.
+    half = analyze(plan, attrs.evolve(dev, cores=1.0))
+    assert half.step.shared_s == pytest.approx(2 * rep.step.shared_s)
+
+
+def test_host_terms_in_the_report(tmp_path: Path) -> None:
+    from meshllm_dsl.planner import report_json, report_text
+
+    plan, dev = _loaded(tmp_path, CPU)
+    rep = analyze(plan, dev)
+    text = report_text(rep)
+    assert "kernels x 8 us" in text and "4 ranks per host on 2 cores" in text
+    data = report_json(rep)
+    assert data["step"]["shared_s"] == rep.step.shared_s and data["ranks"][0]["kernels"] == rep.ranks[0].kernels
+
+
+def _profile_job(ctx, path: str, out: str):  # type: ignore[no-untyped-def]
+    import torch
+
+    from meshllm_dsl.runtime.profile import profile_train
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    gen = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(4):
+        tokens = torch.randint(0, program.vocab, (program.batch, program.seq), generator=gen)
+        batches.append((tokens, torch.roll(tokens, -1, dims=1)))
+    return profile_train(built, batches, out)
+
+
+@pytest.fixture(scope="module")
+def pool():  # type: ignore[no-untyped-def]
+    pytest.importorskip("torch")
+    from meshllm_dsl.runtime.pool import WorkerPool
+
+    with WorkerPool(world_size=8) as p:
+        yield p
+
+
+@pytest.mark.parametrize("name", ["single_llama", "tiny_gpt2", "tiny_llama"])
+def test_planned_kernels_match_the_runtime(name: str, pool, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from meshllm_dsl.codegen.emit import render_plan
+
+    text = SINGLE if name == "single_llama" else (ROOT / "examples" / f"{name}.mesh").read_text()
+    plan = _plan(text)
+    path = tmp_path / "gen.py"
+    path.write_text(render_plan(plan, "t.mesh", text))
+    rep = analyze(plan, PROFILES["cpu"])
+    reports = pool.run(_profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
+    for rank, got in enumerate(reports):
+        coord = plan.mesh.coords(rank).get(plan.pipeline_axis, 0) if plan.pipeline_axis else 0
+        planned = next(rc.kernels for rc in rep.ranks if rc.coord == coord)
+        assert planned == pytest.approx(got["kernels"], rel=0.1), (rank, planned, got["kernels"])
+        assert got["steps"] == 1 and got["cpu_s"] > 0 and (tmp_path / "profile" / f"rank{rank}.json").exists()
+
+
+def test_recomputation_launches_the_forward_kernels_again() -> None:
+    from meshllm_dsl.planner import FORWARD_KERNEL_SHARE
+
+    base = analyze(_plan(SINGLE), PROFILES["cpu"]).ranks[0].kernels
+    blocks_plan = _plan(SINGLE.replace("microbatches = 2", "microbatches = 2\n    recompute = blocks"))
+    per_block = sum(round(FORWARD_KERNEL_SHARE * unit_kernels(blocks_plan, hu))
+                    for st in blocks_plan.stages for hu in held_units(blocks_plan, st) if hu.prefix)
+    assert analyze(blocks_plan, PROFILES["cpu"]).ranks[0].kernels == base + 2 * 2 * per_block  # 2 blocks, 2 microbatches
+    attn = _plan(SINGLE.replace("microbatches = 2", "microbatches = 2\n    recompute = attention"))
+    assert analyze(attn, PROFILES["cpu"]).ranks[0].kernels == base + 2 * 2 * KERNELS["attention_core"] // 2
