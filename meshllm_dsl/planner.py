@@ -870,6 +870,8 @@ def _training_state_line(plan: PlanIR, k: int, numel: int) -> str:
     total = w + 2 * m + k
     return (f"  training state  {total} bytes per parameter ({w} {plan.dtype} compute copy + {m} master weight + {m} gradient"
             f" + {k} optimizer) = {fmt_bytes(numel * total)} before ZeRO-{plan.zero} shards all but the compute copy")
+
+
 def shared_host_seconds(plan: PlanIR, device: DeviceProfile, classes: list[RankClass]) -> float:
     """The step's lower bound when a host's ranks outnumber its cores: the host time of all its
     ranks (compute, kernels, collective calls) over its cores. A rank waiting in a collective or in
