@@ -416,6 +416,13 @@ KERNELS = {
     "reduce_from": 2,
     "split_to": 3,
     "gather_from": 3,
+    # Sequence parallelism's (runtime/collectives.py), fitted to counts on tiny_gpt2's ranks with and
+    # without `seq -> tensor`: gather_seq runs the column layers inside its gather (buffers, views)
+    # and gathers its kept slice again in backward; reduce_scatter_seq pads, scatters and re-gathers.
+    "gather_seq": 14,
+    "reduce_scatter_seq": 14,
+    "split_seq": 3,
+    "gather_seq_split": 3,
 }
 # Per parameter tensor and step: zero its gradient; AdamW's single-tensor update (lerp, mul,
 # addcmul, sqrt, div, addcdiv, ...); on data-parallel ranks its share of the flattened all-reduce.
