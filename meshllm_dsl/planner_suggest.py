@@ -137,8 +137,17 @@ def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -
         plan.append(f"    schedule {c.schedule}")
     if c.zero:
         plan += ["    optimizer adamw {", f"        zero {c.zero} over data", "    }"]
+    if _master_weights(c, model):
+        plan.append(f"    precision {{ params = {model.dtype}, master = fp32, reduce = fp32 }}")
     plan.append("}")
     return "\n".join(mesh) + "\n\n" + "\n".join(plan) + "\n"
+
+
+def _master_weights(c: Candidate, model: ModelIR) -> bool:
+    """16-bit models train with fp32 master weights and reductions (Megatron's and torchtitan's
+    default), wherever the runtime has them: FSDP2, so ZeRO 2 / 3. In 16 bits AdamW's small updates
+    round away (bench/master_weights.py)."""
+    return c.zero >= 2 and model.dtype in ("bf16", "fp16")
 
 
 def _explicit_stages(model: ModelIR, p: int) -> list[str]:
@@ -190,7 +199,7 @@ def candidates(model: ModelIR, devices: int, batch: int, per_host: int) -> Itera
                         continue
                     if sched == "interleaved_1f1b" and m % p:
                         continue
-                    # ZeRO 2 / 3 are FSDP2 in the runtime (without `precision`: in the plan's dtype).
+                    # ZeRO 2 / 3 are FSDP2 in the runtime (16-bit models with fp32 master weights: _master_weights).
                     for z in (0, 1, 2, 3) if d > 1 else (0,):
                         for r in remats:
                             yield Candidate(d, p, t, m, sched, v, z, hosts, r)
@@ -237,8 +246,10 @@ def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, 
         for c in group:
             plan: PlanIR | None
             if rep_plan is not None:
+                master = _master_weights(c, model)
                 plan = attrs.evolve(rep_plan, microbatches=c.microbatches, zero=c.zero,
-                                    zero_axes=rep_plan.batch_axes if c.zero else (), recompute=c.recompute)
+                                    zero_axes=rep_plan.batch_axes if c.zero else (), recompute=c.recompute,
+                                    master_dtype="fp32" if master else None, reduce_dtype="fp32" if master else None)
             else:
                 plan = check(c)[1]  # the structure failed: judge each variant on its own
                 if plan is None:

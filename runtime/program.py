@@ -526,13 +526,17 @@ class Built:
 
     def _sum_partial_grads(self) -> None:
         """Sum the gradients that are partial over some axes (``ShardSpec.partial_grad``: norms
-        under sequence parallelism) over those axes, coalesced per set of axes."""
+        under sequence parallelism) over those axes, coalesced per set of axes.
+
+        Under ZeRO 2 / 3 a gradient is FSDP2's DTensor over the data ranks: the ranks of a tensor
+        group sit at one data coordinate and hold the same slice of it, so their local slices are
+        summed (sum over tensor and FSDP's mean over data commute)."""
         by_axes: dict[tuple[str, ...], list[Tensor]] = {}
         for i in self.stage_ids:
             for spec in self.specs[i].values():
                 param = self.modules[i].get_parameter(spec.local)
                 if spec.partial_grad and param.grad is not None:
-                    by_axes.setdefault(tuple(spec.partial_grad), []).append(param.grad)
+                    by_axes.setdefault(tuple(spec.partial_grad), []).append(fsdp.data_local(param.grad))
         for axes, grads in by_axes.items():
             group = self.mesh.group(*axes)
             if group is not None:

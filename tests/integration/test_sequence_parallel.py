@@ -71,6 +71,19 @@ CASES: dict[str, str] = {
         "data = 2, pipeline = 2, tensor = 2",
         MEGATRON + "layout { batch -> data, seq -> tensor }\n microbatches = 2\n stages over pipeline balanced",
     ),
+    # With ZeRO 2 / 3 (FSDP2) the norms' partial gradients are DTensors over the data ranks: their
+    # local slices are summed over tensor (an all-reduce on the DTensor itself has no sharding rule).
+    "data2_tensor2_zero3_precision": _spec(
+        "data = 2, tensor = 2",
+        MEGATRON + "layout { batch -> data, seq -> tensor }\n optimizer adamw { zero 3 }\n"
+        " precision { params = fp32, master = fp32, reduce = fp32 }",
+    ),
+    "gpt2_data2_pipeline2_tensor2_zero2": _spec(
+        "data = 2, pipeline = 2, tensor = 2",
+        "layout { batch -> data, heads -> tensor, ffn -> tensor, vocab -> tensor, seq -> tensor }\n microbatches = 2\n"
+        " stages over pipeline balanced\n optimizer adamw { zero 2 }",
+        GPT2,
+    ),
     # A replicated head (gathered with a split backward) and a replicated embedding (split after it).
     "replicated_head_and_embedding": _spec(
         "tensor = 2",
