@@ -140,7 +140,7 @@ def _profile_job(ctx: RankContext, path: str, out: str) -> dict[str, Any]:
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
-    batches = [synthetic_batch(program.vocab, program.batch, program.seq, 0, s) for s in range(3)]
+    batches = [synthetic_batch(program.vocab, program.batch, program.seq, 0, s) for s in range(4)]  # warm-up, memory, kernel count, timed
     return profile_train(built, batches, out)
 
 
