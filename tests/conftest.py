@@ -1,8 +1,14 @@
-"""Shared pytest options."""
+"""Shared pytest options, and the pool of gloo ranks the distributed tests share."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
 import pytest
+
+if TYPE_CHECKING:
+    from meshllm_dsl.runtime.pool import WorkerPool
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -22,3 +28,14 @@ def _register_hypothesis_profiles() -> None:
 
 
 _register_hypothesis_profiles()
+
+
+@pytest.fixture(scope="session")
+def pool() -> Iterator[WorkerPool]:
+    """Eight gloo ranks shared by the whole session: starting them costs seconds, a job milliseconds.
+    A module that plants faults in its workers keeps a pool of its own (tests/properties)."""
+    pytest.importorskip("torch")
+    from meshllm_dsl.runtime.pool import WorkerPool
+
+    with WorkerPool(world_size=8, timeout=180.0) as p:
+        yield p

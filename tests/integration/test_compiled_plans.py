@@ -17,10 +17,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mesh_snippets import MEGATRON  # noqa: E402
+from reference_jobs import compare_job  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
-from meshllm_dsl.runtime.compare import TOLERANCE, compare_to_reference  # noqa: E402
+from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
 from meshllm_dsl.runtime.pool import RankContext, WorkerPool  # noqa: E402
 from meshllm_dsl.verify import load_generated  # noqa: E402
 
@@ -108,19 +109,7 @@ CASES: dict[str, str] = {
 }
 
 
-def _job(ctx: RankContext, path: str) -> dict[str, dict[str, float]]:
-    # float32 as the plans run; float64 as well, because float32 skips the few elements whose
-    # gradient is rounding noise (see runtime/compare.py) and float64 checks those too.
-    program = load_generated(path).PROGRAM
-    mesh = ctx.mesh(program.axes)
-    return {name: compare_to_reference(program, mesh, dtype=getattr(torch, name), seed=0, steps=3)
-            for name in ("float32", "float64")}
 
-
-@pytest.fixture(scope="module")
-def pool() -> Any:
-    with WorkerPool(world_size=8) as p:
-        yield p
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -130,7 +119,7 @@ def test_compiled_plan_matches_unsharded_reference(name: str, pool: WorkerPool, 
     (plan,) = result.plans.values()
     path = tmp_path / f"{name}.py"
     path.write_text(render_plan(plan, f"{name}.mesh", CASES[name]))
-    per_rank = pool.run(_job, plan.mesh.devices, str(path))
+    per_rank = pool.run(compare_job, plan.mesh.devices, str(path))
     for rank, errs in enumerate(per_rank):
         for dtype, by_key in errs.items():
             bad = {k: v for k, v in by_key.items() if not v <= TOLERANCE[dtype]}

@@ -9,17 +9,17 @@ afterwards must match the reference model trained in one process.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
 
 from mesh_snippets import MEGATRON  # noqa: E402
+from reference_jobs import compare_job  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
-from meshllm_dsl.runtime.compare import TOLERANCE, compare_to_reference  # noqa: E402
+from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
 from meshllm_dsl.runtime.pool import RankContext, WorkerPool  # noqa: E402
 from meshllm_dsl.verify import load_generated  # noqa: E402
 
@@ -92,17 +92,7 @@ CASES: dict[str, str] = {
 }
 
 
-def _job(ctx: RankContext, path: str) -> dict[str, dict[str, float]]:
-    program = load_generated(path).PROGRAM
-    mesh = ctx.mesh(program.axes)
-    return {name: compare_to_reference(program, mesh, dtype=getattr(torch, name), seed=0, steps=3)
-            for name in ("float32", "float64")}
 
-
-@pytest.fixture(scope="module")
-def pool() -> Any:
-    with WorkerPool(world_size=8) as p:
-        yield p
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -116,7 +106,7 @@ def test_sequence_parallel_plan_matches_unsharded_reference(name: str, pool: Wor
     assert "rt.reduce_scatter_seq(" in text and "rt.gather_seq_linear(" in text
     assert f"partial_grad={plan.seq_axes!r}" in text
     path.write_text(text)
-    per_rank = pool.run(_job, plan.mesh.devices, str(path))
+    per_rank = pool.run(compare_job, plan.mesh.devices, str(path))
     for rank, errs in enumerate(per_rank):
         for dtype, by_key in errs.items():
             assert any(k.startswith("grad ") and "norm" in k for k in by_key), "norm gradients are compared"

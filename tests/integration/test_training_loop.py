@@ -9,7 +9,6 @@ data x pipeline x tensor (ZeRO-1) and on a tied GPT-2 over pipeline x tensor, in
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,11 +43,6 @@ PLANS = {
     ),
 }
 
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[WorkerPool]:
-    with WorkerPool(world_size=8, timeout=180.0) as p:
-        yield p
 
 
 def _compare_job(ctx: Any, path: str, steps: int) -> tuple[dict[str, float], list[float]]:

@@ -7,7 +7,6 @@ The planner must predict them from the checked plan alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,11 +96,6 @@ def _job(ctx: RankContext, path: str) -> dict[str, int]:
         "largest_param": max(p.numel() for p in params),
     }
 
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[WorkerPool]:
-    with WorkerPool(world_size=8) as p:
-        yield p
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -147,14 +147,6 @@ def _profile_job(ctx, path: str, out: str):  # type: ignore[no-untyped-def]
     return profile_train(built, batches, out)
 
 
-@pytest.fixture(scope="module")
-def pool():  # type: ignore[no-untyped-def]
-    pytest.importorskip("torch")
-    from meshllm_dsl.runtime.pool import WorkerPool
-
-    with WorkerPool(world_size=8) as p:
-        yield p
-
 
 @pytest.mark.parametrize("name", ["single_llama", "tiny_gpt2", "tiny_llama"])
 def test_planned_kernels_match_the_runtime(name: str, pool, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
