@@ -142,8 +142,9 @@ class Program:
 _BUCKET_ELEMENTS = 1 << 24
 
 
-def _all_reduce_mean(tensors: list[Tensor], group: dist.ProcessGroup | None, n: int) -> None:
-    """In-place mean over ``group`` of many tensors, coalesced into few flat all-reduces.
+def _all_reduce_coalesced(tensors: list[Tensor], group: dist.ProcessGroup | None, divide_by: int = 1) -> None:
+    """In-place sum over ``group`` of many tensors (a mean with ``divide_by`` = the group's size),
+    coalesced into few flat all-reduces.
 
     One collective per parameter is latency-bound (gloo especially); buckets of up to 16M
     elements of one dtype keep the extra memory bounded.
@@ -164,7 +165,8 @@ def _all_reduce_mean(tensors: list[Tensor], group: dist.ProcessGroup | None, n: 
             flat = torch.cat([t.reshape(-1) for t in bucket])
             # [sum of bucket numels]: gradients of this rank's shards, summed over the replicas.
             dist.all_reduce(flat, group=group)
-            flat.div_(n)
+            if divide_by != 1:
+                flat.div_(divide_by)
             for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
                 t.copy_(part.view_as(t))
             start = end
@@ -540,7 +542,7 @@ class Built:
         for axes, grads in by_axes.items():
             group = self.mesh.group(*axes)
             if group is not None:
-                _all_reduce_mean(grads, group, 1)  # n = 1: a sum
+                _all_reduce_coalesced(grads, group)
 
     def _sync_grads(self) -> None:
         self._sum_partial_grads()
@@ -566,7 +568,7 @@ class Built:
         if self.dp > 1:
             # FSDP2 already averaged its (DTensor) gradients over the data ranks.
             grads = [q.grad for q in self.parameters() if q.grad is not None and not fsdp.is_sharded(q.grad)]
-            _all_reduce_mean(grads, self.mesh.group(*self.batch_axes), self.dp)
+            _all_reduce_coalesced(grads, self.mesh.group(*self.batch_axes), divide_by=self.dp)
 
     def _global_loss(self, local: Tensor | None) -> float:
         """Mean of the per-replica losses, known to every rank (only last stages computed one)."""
