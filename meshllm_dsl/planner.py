@@ -514,6 +514,20 @@ def _comm(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], kind: str,
     return Comm(" x ".join(axes), kind, op, calls, calls * size, wire, seconds, crosses)
 
 
+# What each of the runtime's collective operators (ir.Collective.op) puts on the wire per microbatch,
+# forward then backward; unit_collectives says why.
+_WIRE_OPS = {
+    "copy_to": ("all_reduce",),
+    "reduce_from": ("all_reduce",),
+    "split_to": ("all_gather",),
+    "gather_from": ("all_gather",),
+    "gather_seq": ("all_gather", "all_gather", "reduce_scatter"),
+    "reduce_scatter_seq": ("reduce_scatter", "all_gather"),
+    "split_seq": ("all_gather",),
+    "gather_seq_split": ("all_gather",),
+}
+
+
 def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], str]]:
     """(axes, op) per microbatch, forward and backward, for one copy of the unit.
 
@@ -528,11 +542,7 @@ def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], str]]:
     if hu.flow is None:
         return out
     for c in hu.flow.collectives:
-        ops = {"copy_to": ("all_reduce",), "reduce_from": ("all_reduce",), "split_to": ("all_gather",),
-               "gather_from": ("all_gather",), "gather_seq": ("all_gather", "all_gather", "reduce_scatter"),
-               "reduce_scatter_seq": ("reduce_scatter", "all_gather"), "split_seq": ("all_gather",),
-               "gather_seq_split": ("all_gather",)}[c.op]
-        out += [(c.axes, op) for op in ops]
+        out += [(c.axes, op) for op in _WIRE_OPS[c.op]]
     return out
 
 
