@@ -1,21 +1,25 @@
 """`meshc calibrate`: measure this machine and write a `device NAME { ... }` declaration.
 
-Runs on a pool of gloo (CPU) worker processes, each with one thread as under torchrun. Rates are
-those of one rank running alone (the others wait at a barrier); `cores` says how they share the
-machine (other users' work included, as it is when the job runs):
+Runs on a pool of gloo (CPU) worker processes, each with one thread as under torchrun. The matmul
+rate is one rank's alone (the others wait at a barrier); host times are measured with all of them
+running meshc's runtime together; `cores` says how much of the machine they get (other users'
+work included, as it is when the job runs):
 
   tflops          dense fp32 matmul throughput per CPU second, median over sizes 256 and 512
   mfu             1: `tflops` is already what a matmul reaches, not a datasheet peak
-  kernel          host CPU time per framework kernel (microseconds): a tiny Llama block's forward
-                  and backward and an AdamW step on 8 x 32 tensors (no arithmetic to speak of),
-                  divided by the kernels it dispatched (counted by runtime.profile.LiveBytes)
-  cores           how many ranks' work the machine gets through at once: processes x the mini
-                  step's CPU time alone / its wall time with every process running it together
-                  (median of 5 windows of 0.4 s; other users' work counts against it, as in a run)
+  kernel          host CPU time per framework kernel (microseconds) of meshc's own runtime with every
+                  process training at once, as in a job (time-sharing makes each kernel dearer: cold
+                  caches after every wake-up): a tiny Llama (2 blocks, hidden 32) over data x tensor,
+                  CPU time (all threads) less its collective calls, over the kernels it dispatched
+                  (counted by runtime.profile.LiveBytes); median over the ranks
+  collective_cpu  CPU time one collective call of that run costs its process (runtime.profile.CollectiveLog)
+  stage_cpu       the same plan pipelined (1F1B over 2 stages): the host time beyond kernels and
+                  collective calls, per stage forward or backward of a microbatch
+  fsdp_cpu        the same plan with ZeRO-3 (FSDP2): that host time per unit all-gather or reduce-scatter
+  cores           how many cores' worth of CPU time the processes get at once: their summed CPU time
+                  over the wall time while all of them run a mini step (median of 5 windows of 0.4 s;
+                  other users' work counts against it, as in a run)
   latency         median wall time of an 8-byte all-reduce between two processes (microseconds)
-  collective_cpu  median CPU time (all threads) one such call costs its process when its peer comes
-                  5 ms late
-                  after 3 mini steps, as in a step on time-shared cores (the call sleeps and is woken)
   intra           all-reduce bus bandwidth (GB/s) of two processes: 4 MiB over the time it takes
                   beyond the latency; `inter` is set to the same (one host)
   memory          physical memory / processes (GiB): what each rank may use
@@ -71,6 +75,96 @@ def _mini_model() -> Any:
     return step
 
 
+_CALIBRATION_SPEC = """
+mesh m {{ axes {axes} }}
+model l = llama {{ vocab = 128, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64, dtype = fp32 }}
+plan p on m for l {{
+    batch = {batch}
+    seq = 16
+    microbatches = 2
+    layout {{ {layout} }}
+    {extra}
+}}
+"""
+
+
+def calibration_specs(ranks: int) -> dict[str, str]:
+    """The plans whose runs price the runtime's host time on ``ranks`` processes: `base` (kernels and
+    collective calls), `pipeline` (the schedule's work per action), `fsdp` (FSDP2's per collective)."""
+    tensor = 2 if ranks % 2 == 0 else 1
+    data = ranks // tensor
+    layout = ["heads -> tensor", "kv_heads -> tensor", "ffn -> tensor", "vocab -> tensor"] if tensor > 1 else []
+
+    def spec(axes: list[str], extra: str = "") -> str:
+        d = next((int(a.split(" = ")[1]) for a in axes if a.startswith("data")), 1)
+        lay = (["batch -> data"] if d > 1 else []) + (layout if any(a.startswith("tensor") for a in axes) else [])
+        return _CALIBRATION_SPEC.format(axes=", ".join(axes), batch=4 * d, layout=", ".join(lay), extra=extra)
+
+    t = [f"tensor = {tensor}"] if tensor > 1 else []
+    specs = {"base": spec([f"data = {data}", *t])}
+    if ranks % 2 == 0:
+        specs["pipeline"] = spec(([f"data = {ranks // 2}"] if ranks > 2 else []) + ["pipeline = 2"],
+                                 "stages over pipeline balanced\n    schedule 1f1b")
+    if ranks > 1:
+        zero3 = "optimizer adamw { zero 3 over data }"
+        specs["fsdp"] = spec([f"data = {data}", *t], zero3) if data > 1 else spec([f"data = {ranks}"], zero3)
+    return specs
+
+
+def _render(specs: dict[str, str], directory: Path) -> dict[str, str]:
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.codegen.emit import render_plan
+
+    paths = {}
+    for name, text in specs.items():
+        result = check_text(text, f"calibrate_{name}.mesh")
+        if not result.ok:  # a bug here, not the user's: the specs are ours
+            raise RuntimeError(f"calibration plan {name}: " + "; ".join(d.message for d in result.errors))
+        (plan,) = result.plans.values()
+        path = directory / f"calibrate_{name}.py"
+        path.write_text(render_plan(plan, f"calibrate_{name}.mesh", text))
+        paths[name] = str(path)
+    return paths
+
+
+def _runtime_host_time(ctx: Any, path: str) -> dict[str, float]:
+    """This rank's CPU time, kernels and collective calls per training step of a compiled plan."""
+    import importlib.util
+
+    import torch.distributed as dist
+
+    from meshllm_dsl.runtime.launch import synthetic_batch
+    from meshllm_dsl.runtime.profile import CollectiveLog, LiveBytes
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    program = module.PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    batches = [synthetic_batch(program.vocab, program.batch, program.seq, 0, i) for i in range(8)]
+    built.train_step(*batches[0])  # warm-up: schedules built, optimizer states allocated
+    with LiveBytes() as counted:
+        built.train_step(*batches[1])
+    log = CollectiveLog(built.mesh, program.pipeline_axis)
+    dist.barrier()
+    cpu = 0.0
+    with log:
+        for tokens, targets in batches[2:]:
+            c0 = time.process_time()
+            built.train_step(tokens, targets)
+            cpu += time.process_time() - c0
+    steps = len(batches) - 2
+    stats = log.stats.values()
+    p2p = [v for (axes, op), v in log.stats.items() if op.endswith("(wait)")]
+    return {
+        "cpu": cpu / steps, "kernels": counted.ops,
+        "calls": sum(v[0] for v in stats) / steps, "collective_cpu": sum(v[3] for v in stats) / steps,
+        "p2p_calls": sum(v[0] for v in p2p) / steps,
+        "fsdp_calls": sum(v[0] for (axes, op), v in log.stats.items() if op.endswith("_single")) / steps,
+    }
+
+
 def _seconds(fn: Any, reps: int, clock: Any = time.perf_counter) -> float:
     start = clock()
     for _ in range(reps):
@@ -82,7 +176,6 @@ def _job(ctx: Any) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from meshllm_dsl.runtime.profile import LiveBytes
 
     rank, n = dist.get_rank(), ctx.n_ranks
     world = dist.new_group(list(range(n))) if n < ctx.world_size else None
@@ -90,9 +183,6 @@ def _job(ctx: Any) -> dict[str, float]:
 
     step = _mini_model()
     step()  # warm-up: optimizer state allocated
-    with LiveBytes() as live:
-        step()
-    out["kernels"] = live.ops
     dist.barrier(group=world)
     if rank == 0:
         flops = []
@@ -101,20 +191,16 @@ def _job(ctx: Any) -> dict[str, float]:
             a @ b  # warm-up
             flops.append(2 * size**3 / _seconds(lambda a=a, b=b: a @ b, max(3, int(2e8 / (2 * size**3))), time.process_time))
         out["flops"] = statistics.median(flops)
-        # CPU time, not wall (the matmuls above too): what the work costs whatever else the
-        # machine runs; how much of the machine the ranks get is `cores`.
-        out["alone_s"] = statistics.median(_seconds(step, 10, time.process_time) for _ in range(5))
 
-    # Every process at once, in 5 windows of 0.4 s: the median window discounts a burst of other
-    # work on the machine.
-    windows = []
+    # Every process at once, in 5 windows of 0.4 s: the share of a core each gets (its CPU time
+    # over the window); the median window discounts a burst of other work on the machine.
+    shares = []
     for _ in range(5):
-        done, start = 0, time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         while time.perf_counter() - start < 0.4:
             step()
-            done += 1
-        windows.append((time.perf_counter() - start) / done)
-    out["all_s"] = statistics.median(windows)
+        shares.append((time.process_time() - cpu) / (time.perf_counter() - start))
+    out["core_share"] = statistics.median(shares)
     pairs = [dist.new_group([i, i + 1]) for i in range(0, n - 1, 2)] if n > 1 else []  # collective
     dist.barrier(group=world)
 
@@ -123,19 +209,8 @@ def _job(ctx: Any) -> dict[str, float]:
         small, big = torch.ones(2), torch.ones(1 << 20)
         dist.all_reduce(small, group=pair)  # warm-up: connections made
         dist.all_reduce(big, group=pair)
-        cpu, wall, wall_big = [], [], []
-        for i in range(12):
-            for _ in range(3):
-                step()  # between kernels, as in a training step: gloo's threads go cold
-            if rank == i % 2:
-                c0 = time.process_time()
-                dist.all_reduce(small, group=pair)
-                cpu.append(time.process_time() - c0)
-            else:
-                # The peer comes late, as peers do when ranks time-share cores: the call sleeps
-                # and is woken, which is most of what it costs a host.
-                time.sleep(0.005)
-                dist.all_reduce(small, group=pair)
+        wall, wall_big = [], []
+        for _ in range(12):
             dist.barrier(group=pair)  # both arrive together: the wall time is the call's own
             w0 = time.perf_counter()
             dist.all_reduce(small, group=pair)
@@ -146,44 +221,72 @@ def _job(ctx: Any) -> dict[str, float]:
             # [1M fp32]: timing only.
             dist.all_reduce(big, group=pair)
             wall_big.append(time.perf_counter() - w0)
-        out.update(cpu_s=statistics.median(cpu), small_s=statistics.median(wall), big_s=statistics.median(wall_big))
+        out.update(small_s=statistics.median(wall), big_s=statistics.median(wall_big))
     dist.barrier(group=world)
+    return out
+
+
+def _host_costs(runs: dict[str, list[dict[str, float]]]) -> dict[str, float]:
+    """`kernel`, `collective_cpu`, `stage_cpu` and `fsdp_cpu` (us) from the calibration plans' runs:
+    what the planner's host-time model (planner.analyze) needs to reproduce each run's CPU time."""
+    base = runs["base"]
+    calls = sum(r["calls"] for r in base)
+    collective_us = 1e6 * sum(r["collective_cpu"] for r in base) / calls if calls else 0.0
+    kernel_us = statistics.median(1e6 * (r["cpu"] - r["collective_cpu"]) / r["kernels"] for r in base)
+    out = {"kernel": kernel_us}
+    if calls:
+        out["collective_cpu"] = collective_us
+
+    def beyond(r: dict[str, float], charged_calls: float) -> float:
+        """Host time (us) beyond the kernels and collective calls the planner charges for."""
+        return 1e6 * r["cpu"] - r["kernels"] * kernel_us - charged_calls * collective_us
+
+    if "pipeline" in runs:
+        # Two stages, 2 microbatches: 4 actions per rank; the planner charges one send / recv call per
+        # microbatch (one neighbour) and the other collectives as measured.
+        out["stage_cpu"] = max(0.0, statistics.median(
+            beyond(r, r["calls"] - r["p2p_calls"] + 2) / 4 for r in runs["pipeline"]))
+    if "fsdp" in runs:
+        out["fsdp_cpu"] = max(0.0, statistics.median(
+            beyond(r, r["calls"]) / r["fsdp_calls"] for r in runs["fsdp"] if r["fsdp_calls"]))
     return out
 
 
 def calibrate(name: str, ranks: int) -> str:
     """The declaration text for this machine measured with ``ranks`` processes."""
+    import tempfile
+
     from meshllm_dsl.runtime.pool import WorkerPool
 
-    with WorkerPool(world_size=ranks, timeout=600.0, preload=["torch", "torch.distributed"]) as pool:
-        per_rank = pool.run(_job, ranks)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = _render(calibration_specs(ranks), Path(tmp))
+        with WorkerPool(world_size=ranks, timeout=600.0, preload=["torch", "torch.distributed"]) as pool:
+            per_rank = pool.run(_job, ranks)
+            runs = {k: pool.run(_runtime_host_time, ranks, path) for k, path in paths.items()}
     first = per_rank[0]
-    kernels = first["kernels"]
-    kernel_us = first["alone_s"] / kernels * 1e6
-    all_s = statistics.median(r["all_s"] for r in per_rank)
-    # Every process running the loop at once gets through ranks x alone_s of CPU work in all_s of
-    # wall time: that many cores' worth, fewer than the CPUs when other work shares the machine or
-    # the processes evict each other's caches. Never more than the processes, nor the CPUs.
-    share = ranks * first["alone_s"] / all_s
+    host = _host_costs(runs)
+    # Never more than the processes, nor the CPUs.
+    share = sum(r["core_share"] for r in per_rank)
     cores = min(ranks, os.cpu_count() or ranks, share)
     tflops = first["flops"] / 1e12
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / ranks
     lines = [
         f"# Written by `meshc calibrate --device {name} --ranks {ranks}` on this machine "
         f"({os.cpu_count()} CPUs, gloo, 1 thread per process).",
-        f"# One process alone: fp32 matmul {tflops * 1e3:.2f} GFLOP/s; a training step's kernels "
-        f"{kernel_us:.1f} us of CPU each ({kernels} per mini step); {ranks} processes at once get "
-        f"{share:.2f} cores' worth of work done.",
+        f"# One process alone: fp32 matmul {tflops * 1e3:.2f} GFLOP/s. {ranks} processes at once get "
+        f"{share:.2f} cores' worth of CPU time; running meshc's runtime together, each kernel costs "
+        f"{host['kernel']:.1f} us of CPU" + (f", each collective call {host['collective_cpu']:.0f} us"
+                                            if "collective_cpu" in host else "") + ".",
     ]
-    settings = [f"memory = {mem_gib:.1f}", f"tflops = {tflops:.6f}", "mfu = 1", f"kernel = {kernel_us:.2f}",
+    settings = [f"memory = {mem_gib:.1f}", f"tflops = {tflops:.6f}", "mfu = 1", f"kernel = {host['kernel']:.2f}",
                 f"cores = {cores:.2f}", f"per_host = {max(64, ranks)}"]
     if ranks > 1:
-        small, big, cpu = first["small_s"], first["big_s"], first["cpu_s"]
+        small, big = first["small_s"], first["big_s"]
         gbps = 4 * (1 << 20) / max(big - small, 1e-9) / 1e9
-        lines.append(f"# All-reduce between two processes: 8 bytes {small * 1e6:.0f} us "
-                     f"({cpu * 1e6:.0f} us of CPU when waiting for a late peer), 4 MiB {big * 1e3:.1f} ms.")
-        settings += [f"intra = {gbps:.3f}", f"inter = {gbps:.3f}", f"latency = {small * 1e6:.1f}",
-                     f"collective_cpu = {cpu * 1e6:.1f}"]
+        lines.append(f"# All-reduce between two processes: 8 bytes {small * 1e6:.0f} us, 4 MiB {big * 1e3:.1f} ms.")
+        settings += [f"intra = {gbps:.3f}", f"inter = {gbps:.3f}", f"latency = {small * 1e6:.1f}"]
+        # Settings are positive: a cost too small to measure is written as 0.01 us.
+        settings += [f"{k} = {max(host[k], 0.01):.2f}" for k in ("collective_cpu", "stage_cpu", "fsdp_cpu") if k in host]
     else:
         settings += ["intra = 1", "inter = 1"]  # one process: no collective is ever timed
     return "\n".join(lines) + f"\ndevice {name} {{\n" + "".join(f"    {x}\n" for x in settings) + "}\n"

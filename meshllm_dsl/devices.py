@@ -12,8 +12,12 @@ and, as `meshc calibrate` writes them, `mfu` (fraction of `tflops` the matmuls r
 (microseconds per collective call), and for hosts whose CPU cores are the devices: `kernel`
 (microseconds of host time per framework kernel: dispatch, autograd and Python around each operator,
 which dominates small models), `collective_cpu` (microseconds of host time each collective call
-takes from its rank's core) and `cores` (how many ranks of one host run at full speed at once, fractional when other work
-shares the machine; more ranks time-share them). Rates are those of one rank running alone; `cores` says how they share.
+takes from its rank's core), `stage_cpu` (microseconds of host time the pipeline schedule spends per
+stage forward or backward of a microbatch, beyond its kernels), `fsdp_cpu` (the same per FSDP2
+all-gather or reduce-scatter of a unit: hooks, DTensor bookkeeping) and `cores` (how many cores' worth
+of CPU time the ranks of one host get at once, fractional when other work shares the machine; more
+ranks time-share them). `meshc calibrate` measures the host times with its ranks running together,
+as in a job: time-sharing makes each kernel dearer (cold caches after every wake-up).
 The checker accepts the name in `device = NAME`; `declared_profiles` turns the declaration into a
 profile, with diagnostics for settings that are missing or wrong.
 """
@@ -47,6 +51,9 @@ class DeviceProfile:
     kernel_us: float | None = None  # host time per framework kernel (operator), one rank alone
     collective_cpu_us: float | None = None  # host time per collective call, taken from the rank's core
     cores: float | None = None  # ranks of one host that run at full speed at once (fewer when shared)
+    # The framework's own host time beyond its kernels and collective calls:
+    stage_cpu_us: float | None = None  # per pipeline action (a stage's forward or backward of a microbatch)
+    fsdp_cpu_us: float | None = None  # per FSDP2 all-gather or reduce-scatter of a unit (hooks, DTensor, copies)
 
     @property
     def memory_bytes(self) -> int:
@@ -79,10 +86,12 @@ DEFAULT_PROFILE = "h100"
 
 _SETTINGS = {"memory": "memory_gib", "tflops": "tflops", "intra": "intra_gbps", "inter": "inter_gbps",
              "per_host": "per_host", "mfu": "mfu", "latency": "latency_us", "kernel": "kernel_us",
-             "collective_cpu": "collective_cpu_us", "cores": "cores"}
-_OPTIONAL = {"per_host", "mfu", "latency", "kernel", "collective_cpu", "cores"}
+             "collective_cpu": "collective_cpu_us", "cores": "cores", "stage_cpu": "stage_cpu_us",
+             "fsdp_cpu": "fsdp_cpu_us"}
+_OPTIONAL = {"per_host", "mfu", "latency", "kernel", "collective_cpu", "cores", "stage_cpu", "fsdp_cpu"}
 _WHOLE = {"per_host"}  # a count of devices
-_EXAMPLE = {"mfu": 0.5, "latency": 10, "kernel": 8, "collective_cpu": 200, "cores": 2}
+_EXAMPLE = {"mfu": 0.5, "latency": 10, "kernel": 8, "collective_cpu": 200, "cores": 2, "stage_cpu": 500,
+            "fsdp_cpu": 500}
 
 
 def _number(expr: ast.Expr) -> float | None:

@@ -154,6 +154,43 @@ def in_flight_microbatches(schedule: str, pipeline: int, coord: int, microbatche
     return min(microbatches, pipeline - coord)
 
 
+def stage_actions(schedule: str, stages: int, index: int, microbatches: int) -> str:
+    """The order in which a pipeline stage runs its microbatches' forwards (F) and backwards (B).
+
+    GPipe: every forward, then every backward. 1F1B (torch's Schedule1F1B): stage i runs
+    min(m, n - i) forwards, then alternates backward and forward, then drains. Interleaved 1F1B is
+    approximated as 1F1B over the n = p v virtual stages (torch interleaves chunks in rounds)."""
+    m = microbatches
+    if schedule == "gpipe":
+        return "F" * m + "B" * m
+    warmup = min(m, stages - index)
+    return "F" * warmup + "BF" * (m - warmup) + "B" * warmup
+
+
+def fsdp_unit_collectives(zero: int, actions: str | None, microbatches: int) -> tuple[int, int]:
+    """All-gathers and reduce-scatters FSDP2 runs per unit (a block, or a stage's root) in a step.
+
+    Without a pipeline the runtime's microbatch loop runs forward and backward per microbatch, and
+    FSDP2 gathers for each forward, again for each backward with ZeRO-3 (reshard after forward), and
+    reduce-scatters after each backward. Under a pipeline schedule (`actions`), torch's PipelineStage
+    keeps units gathered after every backward but the last and reduce-scatters once; a forward
+    gathers only what ZeRO-3's reshard-after-forward released. Counted on gloo ranks:
+    tests/planner/test_time_model.py."""
+    if actions is None:
+        return (2 if zero >= 3 else 1) * microbatches, microbatches
+    gathers, gathered = 0, False
+    last = actions.rindex("B")
+    for i, action in enumerate(actions):
+        if not gathered:
+            gathers += 1
+            gathered = True
+        if action == "F":
+            gathered = zero < 3
+        elif i == last:
+            gathered = False
+    return gathers, 1
+
+
 # ---------------------------------------------------------------- what a stage holds
 
 
@@ -429,6 +466,10 @@ KERNELS = {
 KERNELS_ZERO_GRAD = 1
 KERNELS_ADAMW = 10
 KERNELS_GRAD_SYNC = 4
+# Per FSDP2 all-gather or reduce-scatter of a unit: its copy-in / copy-out, casts and views (24 per
+# event on a 4-block Llama over data 2, ZeRO-3, microbatches 1 vs 2; 22 with ZeRO-2); FSDP2 then
+# needs no flattened gradient all-reduce (KERNELS_GRAD_SYNC).
+KERNELS_FSDP = 24
 # Per step: the microbatch losses stacked and averaged, the global loss reduced, the schedule's
 # bookkeeping (19 in a single-rank step, 23-33 on pipelined ranks).
 KERNELS_STEP = 20
@@ -730,11 +771,15 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         recompute_kernels = 0
         tensors = 0  # parameter tensors held (zero_grad, optimizer and sync kernels are per tensor)
         working = 2 * w * tokens_mb * hidden  # gradients of a unit's input and output
+        fsdp_units: list[tuple[Stage, int, int]] = []  # per stage: FSDP2 units, their local parameters
         for stage in stages_at[c]:
+            stage_top = stage_local = 0
             for hu in held_units(plan, stage):
                 g, lo, re = unit_local_params(plan, hu)
                 glob += g * hu.count
                 local += lo * hu.count
+                stage_local += lo * hu.count
+                stage_top += 0 if hu.prefix else lo
                 repl += re * hu.count
                 largest_unit = max(largest_unit, lo)
                 if hu.prefix:
@@ -775,6 +820,10 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 seq_grads += hu.count * sum(t.numel for lf in hu.unit.leaves for t in lf.params
                                             if seq_partial_grad(plan, hu.unit, lf, t))
                 holds_head |= hu.last
+            # runtime/fsdp.py: each block is a unit, then the stage itself (if it has parameters of its own).
+            blocks_in_stage = sum((pc.stop or 0) - (pc.start or 0) for pc in stage.pieces
+                                  if isinstance(model.item(pc.item), Repeat))
+            fsdp_units.append((stage, blocks_in_stage + (stage_top > 0), stage_local))
         if plan.recompute == "blocks":
             blocks_here = sum((pc.stop or 0) - (pc.start or 0) for st_ in stages_at[c] for pc in st_.pieces
                               if isinstance(model.item(pc.item), Repeat))
@@ -821,14 +870,24 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             tied = _tied_sync_numel(plan, stages_at[c])
             if tied:
                 comms.append(_comm(plan, device, (plan.pipeline_axis,), "tied", "all_reduce", 1, w * tied, group=2))
+        fsdp_events = 0  # FSDP2 all-gathers and reduce-scatters of units
         if dp > 1:
             data_axes = plan.batch_axes
             reduce_w = DTYPES[plan.reduce_dtype or plan.dtype]
             if plan.zero >= 2:
-                # FSDP2: parameters gathered (in the compute dtype) for forward, and with ZeRO-3 again
-                # for backward; gradients reduce-scattered in the reduce dtype.
-                comms.append(_comm(plan, device, data_axes, "data", "all_gather", 2 if plan.zero >= 3 else 1, w * local))
-                comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", 1, reduce_w * local))
+                # FSDP2, unit by unit: parameters gathered in the compute dtype, gradients
+                # reduce-scattered in the reduce dtype, as often as fsdp_unit_collectives says.
+                gathers = gathered_b = scatters = scattered_b = 0
+                for stage, units, numel in fsdp_units:
+                    actions = (stage_actions(plan.schedule, len(plan.stages), stage.index, m)
+                               if p_size > 1 else None)
+                    g, r = fsdp_unit_collectives(plan.zero, actions, m)
+                    gathers, gathered_b = gathers + g * units, gathered_b + g * w * numel
+                    scatters, scattered_b = scatters + r * units, scattered_b + r * reduce_w * numel
+                fsdp_events = gathers + scatters
+                comms.append(_comm(plan, device, data_axes, "data", "all_gather", gathers, gathered_b // max(1, gathers)))
+                comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", scatters,
+                                   scattered_b // max(1, scatters)))
             elif plan.zero >= 1:
                 # Gradients reduce-scattered to their owners, updated weights all-gathered back.
                 comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", 1, w * local))
@@ -840,12 +899,19 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         compute = 6 * local * (plan.batch // dp) * plan.seq / flops_per_s
         # Kernels: every microbatch's forward and backward, then per parameter tensor the gradient
         # zeroing, the data-parallel sync and AdamW's update (of this rank's share under ZeRO).
-        optim_tensors = -(-tensors // zero_shards) if plan.zero >= 1 else tensors
+        # ZeRO-1 (ZeroRedundancyOptimizer) updates whole tensors, a share of them per rank; FSDP2's
+        # optimizer updates every tensor's local shard.
+        optim_tensors = -(-tensors // zero_shards) if plan.zero == 1 else tensors
         kernels = ((kernels_mb + recompute_kernels) * m + KERNELS_STEP + tensors * KERNELS_ZERO_GRAD
-                   + (tensors * KERNELS_GRAD_SYNC if dp > 1 else 0) + optim_tensors * KERNELS_ADAMW)
+                   + (tensors * KERNELS_GRAD_SYNC if dp > 1 and not fsdp else 0) + fsdp_events * KERNELS_FSDP
+                   + optim_tensors * KERNELS_ADAMW)
         kernel_s = kernels * (device.kernel_us or 0.0) * 1e-6
         recompute_s = recompute_flops / flops_per_s + recompute_kernels * m * (device.kernel_us or 0.0) * 1e-6
-        compute += recompute_flops / flops_per_s + kernel_s
+        # The framework's Python beyond its kernels: the schedule's per-action work (p2p set-up,
+        # stage bookkeeping, its backward call) and FSDP2's hooks around each collective.
+        actions = 2 * m * len(stages_at[c]) if p_size > 1 else 0
+        framework_s = (actions * (device.stage_cpu_us or 0.0) + fsdp_events * (device.fsdp_cpu_us or 0.0)) * 1e-6
+        compute += recompute_flops / flops_per_s + kernel_s + framework_s
         host = compute + sum(c.calls * (device.collective_cpu_us or 0.0) * 1e-6 for c in comms)
         classes.append(RankClass(
             coord=c, stages=tuple(s.index for s in stages_at[c]),
@@ -876,7 +942,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         data_s=max(rc.comm_seconds(("data",)) for rc in classes),
         model_flops=6.0 * model.numel * plan.batch * plan.seq,
         tokens=plan.batch * plan.seq,
-        shared_s=shared_host_seconds(plan, device, classes),
+        shared_s=shared_host_seconds(plan, device, classes, scale),
     )
     return PlanReport(plan, device, device_assumed, micro_batch, bubble, tuple(classes), step,
                       kv_bytes_per_token(plan), k)
@@ -893,14 +959,18 @@ def _training_state_line(plan: PlanIR, k: int, numel: int) -> str:
             f" + {k} optimizer) = {fmt_bytes(numel * total)} before ZeRO-{plan.zero} shards all but the compute copy")
 
 
-def shared_host_seconds(plan: PlanIR, device: DeviceProfile, classes: list[RankClass]) -> float:
-    """The step's lower bound when a host's ranks outnumber its cores: the host time of all its
-    ranks (compute, kernels, collective calls) over its cores. A rank waiting in a collective or in
-    the bubble leaves its core to the others, so this bound holds however the ranks interleave.
-    0 without `cores` or when every rank has a core of its own."""
+def shared_host_seconds(plan: PlanIR, device: DeviceProfile, classes: list[RankClass], scale: float = 0.0) -> float:
+    """The step when a host's ranks outnumber its cores: the host time of all its ranks (compute,
+    kernels, framework, collective calls) over its cores, since a rank waiting in a collective
+    leaves its core to the others; then the pipeline's fill and drain, `scale` (the bubble over the
+    busy time) of the slowest rank's host time, in which only about half the ranks have work (one
+    stage of two; on average p / 2 of p), so they time-share the cores less. Measured on gloo:
+    bench/planner_vs_run.py. 0 without `cores` or when every rank has a core of its own."""
     if device.cores is None or plan.mesh.devices_per_host <= device.cores:
         return 0.0
-    return sum(rc.host_s * len(rc.ranks) for rc in classes) / (plan.mesh.hosts * device.cores)
+    work = sum(rc.host_s * len(rc.ranks) for rc in classes) / (plan.mesh.hosts * device.cores)
+    fill = scale * max(rc.host_s for rc in classes) * max(1.0, plan.mesh.devices_per_host / 2 / device.cores)
+    return work + fill
 
 
 def _hidden(plan: PlanIR) -> int:
@@ -1214,9 +1284,13 @@ def report_text(rep: PlanReport) -> str:
     ]
     if st.shared_s:
         per_host = mesh.devices_per_host
+        framework = ", ".join(f"{v:g} us per {what}" for v, what in (
+            (dev.collective_cpu_us, "collective call"), (dev.stage_cpu_us, "pipeline action"),
+            (dev.fsdp_cpu_us, "FSDP2 collective")) if v)
         lines.append(f"  shared cores     {fmt_seconds(st.shared_s)}   {per_host} ranks per host on {dev.cores:g} cores: their host time "
-                     f"(compute, {dev.collective_cpu_us or 0:g} us per collective call) / cores; "
-                     f"a device per rank would take {fmt_seconds(st.critical_s)}")
+                     f"(compute{', ' + framework if framework else ''}) / cores"
+                     + (", then the pipeline's fill and drain" if rep.bubble else "")
+                     + f"; a device per rank would take {fmt_seconds(st.critical_s)}")
     lines += [
         f"  total            {fmt_seconds(st.total_s)}   {st.tokens / st.total_s:,.0f} tokens/s, model flops utilisation {rep.mfu:.0%}",
         "",

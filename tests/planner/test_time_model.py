@@ -109,8 +109,11 @@ def test_kernel_time_enters_compute(tmp_path: Path) -> None:
 def test_ranks_time_sharing_cores_bound_the_step(tmp_path: Path) -> None:
     plan, dev = _loaded(tmp_path, CPU)
     rep = analyze(plan, dev)
-    # 4 ranks on 2 cores: the host's work over its cores, which here exceeds the critical path.
-    assert rep.step.shared_s == pytest.approx(sum(rc.host_s * len(rc.ranks) for rc in rep.ranks) / 2)
+    # 4 ranks on 2 cores: the host's work over its cores, then the pipeline's fill and drain (GPipe,
+    # p = 2, m = 2: half the busy time), in which the two ranks of one stage have a core each.
+    work = sum(rc.host_s * len(rc.ranks) for rc in rep.ranks) / 2
+    fill = (2 - 1) / 2 * max(rc.host_s for rc in rep.ranks)
+    assert rep.step.shared_s == pytest.approx(work + fill)
     assert rep.step.total_s == max(rep.step.shared_s, rep.step.critical_s) == rep.step.shared_s
     # A core per rank: nothing is shared, the critical path alone.
     own = analyze(plan, attrs.evolve(dev, cores=4.0))
@@ -175,3 +178,80 @@ def test_recomputation_launches_the_forward_kernels_again() -> None:
     assert analyze(blocks_plan, PROFILES["cpu"]).ranks[0].kernels == base + 2 * 2 * per_block  # 2 blocks, 2 microbatches
     attn = _plan(SINGLE.replace("microbatches = 2", "microbatches = 2\n    recompute = attention"))
     assert analyze(attn, PROFILES["cpu"]).ranks[0].kernels == base + 2 * 2 * KERNELS["attention_core"] // 2
+
+
+FSDP = """
+mesh m {{ axes {axes} }}
+model l = llama {{ vocab = 128, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64, dtype = fp32 }}
+plan p on m for l {{
+    batch = 8
+    seq = 16
+    microbatches = {m}
+    layout {{ batch -> data }}
+    {pipeline}
+    optimizer adamw {{ zero {zero} over data }}
+}}
+"""
+PIPELINED = "stages over pipeline {}balanced\n    schedule {}"
+
+
+@pytest.mark.parametrize(("zero", "schedule", "m"), [
+    (3, None, 2), (2, None, 2), (3, "gpipe", 2), (3, "1f1b", 4), (2, "1f1b", 4), (3, "gpipe", 1), (3, "interleaved_1f1b", 4),
+])
+def test_planned_fsdp_collectives_match_the_runtime(zero: int, schedule: str | None, m: int, pool,  # type: ignore[no-untyped-def]
+                                                     tmp_path: Path) -> None:
+    """FSDP2 gathers and reduce-scatters unit by unit, as often as the schedule makes it: the
+    planner's calls per step (and kernels) are what the runtime issues on real gloo ranks."""
+    from meshllm_dsl.codegen.emit import render_plan
+
+    text = FSDP.format(axes="data = 2, pipeline = 2" if schedule else "data = 2", m=m, zero=zero,
+                       pipeline=PIPELINED.format("virtual 2 " if schedule == "interleaved_1f1b" else "", schedule)
+                       if schedule else "")
+    plan = _plan(text)
+    path = tmp_path / "gen.py"
+    path.write_text(render_plan(plan, "t.mesh", text))
+    rep = analyze(plan, PROFILES["cpu"])
+    reports = pool.run(_profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
+    for rank, got in enumerate(reports):
+        coord = plan.mesh.coords(rank).get(plan.pipeline_axis, 0) if plan.pipeline_axis else 0
+        rc = next(rc for rc in rep.ranks if rc.coord == coord)
+        planned = {c.op: c.calls for c in rc.comms if c.kind == "data"}
+        measured = {c["op"]: c["calls"] for c in got["collectives"] if c["op"].endswith("_single")}
+        assert measured == {"all_gather_single": planned["all_gather"],
+                            "reduce_scatter_single": planned["reduce_scatter"]}, (rank, planned, measured)
+        assert rc.kernels == pytest.approx(got["kernels"], rel=0.1), (rank, rc.kernels, got["kernels"])
+
+
+def test_schedule_actions_and_fsdp_counts() -> None:
+    from meshllm_dsl.planner import fsdp_unit_collectives, stage_actions
+
+    assert stage_actions("gpipe", 2, 0, 2) == "FFBB"
+    assert stage_actions("1f1b", 2, 0, 4) == "FFBFBFBB"  # torch's Schedule1F1B: p - i forwards first
+    assert stage_actions("1f1b", 2, 1, 4) == "FBFBFBFB"
+    assert stage_actions("1f1b", 4, 0, 2) == "FFBB"
+    # ZeRO-3 reshards after each forward; the pipeline keeps units gathered from a backward on.
+    assert fsdp_unit_collectives(3, "FFBFBFBB", 4) == (5, 1)
+    assert fsdp_unit_collectives(3, "FFBB", 2) == (3, 1)
+    assert fsdp_unit_collectives(2, "FFBFBFBB", 4) == (1, 1)
+    # The runtime's own microbatch loop: every microbatch gathers and reduce-scatters.
+    assert fsdp_unit_collectives(3, None, 4) == (8, 4)
+    assert fsdp_unit_collectives(2, None, 4) == (4, 4)
+
+
+def test_framework_host_time_enters_compute(tmp_path: Path) -> None:
+    """`stage_cpu` per pipeline action (2 per microbatch and stage) and `fsdp_cpu` per FSDP2
+    collective reach each rank's compute and host time exactly; a zero-cost device adds nothing."""
+    text = CPU.replace("    cores = 2\n", "    cores = 2\n    stage_cpu = 500\n    fsdp_cpu = 700\n")
+    plan, dev = _loaded(tmp_path, text)
+    assert (dev.stage_cpu_us, dev.fsdp_cpu_us) == (500, 700)
+    without = analyze(plan, attrs.evolve(dev, stage_cpu_us=None, fsdp_cpu_us=None))
+    for rc, base in zip(analyze(plan, dev).ranks, without.ranks):
+        assert rc.compute_s - base.compute_s == pytest.approx(2 * 2 * 500e-6)  # m = 2, one stage per rank
+    fsdp = FSDP.format(axes="data = 2", m=2, zero=3, pipeline="")
+    plan, dev = _loaded(tmp_path, fsdp.replace("mesh m {", "device box { like = cpu, fsdp_cpu = 700, stage_cpu = 500 }\nmesh m {")
+                        .replace("axes data = 2 }", "axes data = 2\n    device = box }"))
+    (rc,) = analyze(plan, dev).ranks
+    (base,) = analyze(plan, attrs.evolve(dev, fsdp_cpu_us=None)).ranks
+    events = sum(c.calls for c in rc.comms if c.kind == "data")
+    assert events == 5 * 2 * 3  # 4 blocks + the root, 2 microbatches, gather x 2 + reduce-scatter
+    assert rc.compute_s - base.compute_s == pytest.approx(events * 700e-6)
