@@ -9,7 +9,7 @@ work included, as it is when the job runs):
   mfu             1: `tflops` is already what a matmul reaches, not a datasheet peak
   kernel          host CPU time per framework kernel (microseconds) of meshc's own runtime with every
                   process training at once, as in a job (time-sharing makes each kernel dearer: cold
-                  caches after every wake-up): a tiny Llama (2 blocks, hidden 32) over data x tensor,
+                  caches after every wake-up): a tiny Llama (2 blocks, hidden 64, seq 32) over data x tensor,
                   CPU time (all threads) less its collective calls, over the kernels it dispatched
                   (counted by runtime.profile.LiveBytes); median over the ranks
   collective_cpu  CPU time one collective call of that run costs its process (runtime.profile.CollectiveLog)
@@ -77,10 +77,10 @@ def _mini_model() -> Any:
 
 _CALIBRATION_SPEC = """
 mesh m {{ axes {axes} }}
-model l = llama {{ vocab = 128, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64, dtype = fp32 }}
+model l = llama {{ vocab = 256, hidden = 64, layers = 2, heads = 4, kv_heads = 2, ffn = 128, dtype = fp32 }}
 plan p on m for l {{
     batch = {batch}
-    seq = 16
+    seq = 32
     microbatches = 2
     layout {{ {layout} }}
     {extra}
@@ -98,7 +98,7 @@ def calibration_specs(ranks: int) -> dict[str, str]:
     def spec(axes: list[str], extra: str = "") -> str:
         d = next((int(a.split(" = ")[1]) for a in axes if a.startswith("data")), 1)
         lay = (["batch -> data"] if d > 1 else []) + (layout if any(a.startswith("tensor") for a in axes) else [])
-        return _CALIBRATION_SPEC.format(axes=", ".join(axes), batch=4 * d, layout=", ".join(lay), extra=extra)
+        return _CALIBRATION_SPEC.format(axes=", ".join(axes), batch=8 * d, layout=", ".join(lay), extra=extra)
 
     t = [f"tensor = {tensor}"] if tensor > 1 else []
     specs = {"base": spec([f"data = {data}", *t])}

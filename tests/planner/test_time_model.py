@@ -255,3 +255,24 @@ def test_framework_host_time_enters_compute(tmp_path: Path) -> None:
     events = sum(c.calls for c in rc.comms if c.kind == "data")
     assert events == 5 * 2 * 3  # 4 blocks + the root, 2 microbatches, gather x 2 + reduce-scatter
     assert rc.compute_s - base.compute_s == pytest.approx(events * 700e-6)
+
+
+def test_fsdp_collectives_overlap_compute_on_gpus_only(tmp_path: Path) -> None:
+    """On a GPU, FSDP2's per-unit collectives run beside the compute: only their excess is on the
+    critical path. Host-bound ranks and ZeRO-1's post-backward collectives overlap nothing."""
+    from meshllm_dsl.planner import exposed_data_seconds
+
+    text = FSDP.format(axes="data = 2", m=2, zero=3, pipeline="")
+    plan = _plan(text)
+    for device in (PROFILES["h100"], attrs.evolve(PROFILES["h100"], intra_gbps=1e-4, inter_gbps=1e-4)):
+        rep = analyze(plan, device)
+        (rc,) = rep.ranks
+        data = rc.comm_seconds(("data",))
+        assert rep.step.data_s == exposed_data_seconds(plan, device, rc) == max(0.0, data - rc.compute_s)
+    slow_links = analyze(plan, attrs.evolve(PROFILES["h100"], intra_gbps=1e-4, inter_gbps=1e-4))
+    assert slow_links.step.data_s > 0  # links slow enough that the gathers outlast the compute
+    host = analyze(plan, attrs.evolve(PROFILES["h100"], kernel_us=8.0))
+    assert host.step.data_s == host.ranks[0].comm_seconds(("data",))
+    zero1 = _plan(text.replace("zero 3", "zero 1"))
+    rep = analyze(zero1, PROFILES["h100"])
+    assert rep.step.data_s == rep.ranks[0].comm_seconds(("data",)) > 0
