@@ -47,6 +47,7 @@ class LiveBytes(TorchDispatchMode):
         self._grown: dict[int, tuple[StorageWeakRef, int]] = {}  # resized storages: net bytes added
         self.peak_op = ""  # the operator after which the peak was reached
         self.ops = 0  # operators dispatched: the kernels the step launched
+        self._outer: Any = None  # the resize hook of a LiveBytes around this one
 
     def _sweep(self) -> None:
         for refs in (self._refs, self._grown):
@@ -56,7 +57,7 @@ class LiveBytes(TorchDispatchMode):
 
     def _resize(self, storage: Any, size: int) -> Any:
         before = storage.nbytes()
-        out = torch._C.StorageBase.resize_(storage, size)
+        out = (self._outer or torch._C.StorageBase.resize_)(storage, size)
         key = storage._cdata
         grown = self._grown[key][1] if key in self._grown else 0
         self._grown[key] = (StorageWeakRef(storage), grown + storage.nbytes() - before)
