@@ -824,8 +824,13 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     # The core's forward again: q k^T and p v, 2 x 2 s d flops per head and token, halved by the causal mask.
                     recompute_flops += hu.count * 2 * plan.seq * hq * int(hu.unit.attr("head_dim")) * (plan.batch // dp) * plan.seq  # type: ignore[arg-type]
                 act_mb += hu.count * saved
-                walk.append((hu.prefix, hu.count, saved, max(floor, unit_backward_bytes(plan, hu, tokens_mb)),
-                             w * lo if fsdp and p_size > 1 else 0))
+                work = max(floor, unit_backward_bytes(plan, hu, tokens_mb))
+                if not (fsdp and p_size > 1 and upcast):  # (there the unit's gradients are all counted)
+                    # Autograd makes each weight's gradient before adding it into the one the step
+                    # holds: the unit's largest, e.g. a vocab-parallel head's [vocab / t, hidden].
+                    work += w * max((local_numel(plan, t, hu.placement(leaf)) for leaf in hu.unit.leaves
+                                     for t in leaf.params), default=0)
+                walk.append((hu.prefix, hu.count, saved, work, w * lo if fsdp and p_size > 1 else 0))
                 if hu.unit.kind == "attention":
                     kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
                     kv_local = int(hu.unit.attr("kv_heads")) // _axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
