@@ -745,11 +745,13 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     mesh = plan.mesh
     model = plan.model
     w = DTYPES[plan.dtype]
-    k = optimizer_bytes_per_param(plan.optimizer, plan.dtype)
     fsdp = plan.zero >= 2  # the runtime's ZeRO 2 / 3 is FSDP2: master dtype at rest, no extra fp32 copy
     master = DTYPES[plan.master_dtype or plan.dtype]
-    if fsdp:
-        k = 2 * master  # AdamW's moments, shaped and typed like the stored (master) parameter
+    # What the runtime's AdamW holds: two moments shaped and typed like the parameter it steps, the
+    # stored (master) one under ZeRO 2 / 3. Without `precision` (always so at ZeRO 0 / 1) a bf16
+    # plan has no fp32 copy anywhere: 2 + 2 + 4 = 8 bytes per parameter, not the ZeRO paper's mixed
+    # precision K = 12 (``optimizer_bytes_per_param``), which `precision { master = fp32 }` gives.
+    k = 2 * master
     dp = plan.data_size
     zero_shards = mesh.size(*plan.zero_axes) if plan.zero and plan.zero_axes else 1
     p_size = plan.pipeline_size

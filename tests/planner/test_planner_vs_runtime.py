@@ -68,6 +68,18 @@ plan p on m for g {
 }
 """,
     "tiny_llama_fsdp": (ROOT / "examples" / "tiny_llama_fsdp.mesh").read_text(),
+    # bf16 without `precision` (ZeRO 0 / 1 cannot have it): bf16 weights, gradients and AdamW
+    # moments, 8 bytes per parameter, not the ZeRO paper's mixed-precision 16.
+    "llama_bf16_data2_tensor2_zero1": """
+mesh m { axes data = 2, tensor = 2 }
+model l = llama { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64, dtype = bf16 }
+plan p on m for l {
+    batch = 4
+    seq = 8
+    layout { batch -> data, heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }
+    optimizer adamw { zero 1 }
+}
+""",
 }
 
 
