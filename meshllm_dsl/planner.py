@@ -113,10 +113,10 @@ def fsdp_gather_bytes(zero: int, compute_bytes: int, local: int, top: int, large
     """The compute-dtype copy FSDP2 all-gathers at the peak: ZeRO-2 keeps every unit gathered from its
     forward to its backward (all ``local`` parameters); ZeRO-3 frees each block after its forward,
     so the stage root (``top``: embedding, final norm, head, kept for backward) and two blocks (the
-    one running and the one prefetched) are gathered at once."""
+    one running and the one prefetched) are gathered at once (no more than the stage has)."""
     if zero == 2:
         return compute_bytes * local
-    return compute_bytes * (top + 2 * largest_block)
+    return compute_bytes * min(local, top + 2 * largest_block)
 
 
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
@@ -386,6 +386,12 @@ def unit_backward_bytes(plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
     # their output gradients, the re-gathered input, its gradient and that gradient's copy laid out
     # for the reduce-scatter: 3 x [tokens, hidden] beyond the output gradients.
     regather = 3 * e * tokens * _hidden(plan) if plan.seq_axes else 0
+    if unit.kind == "rmsnorm":
+        # The runtime's RMSNorm backward (`_RMSNormFn`) computes in fp32 at least: beside the output
+        # gradient, its upcast and one product of it, and in half precision the upcast input too
+        # (an fp32 input is used as it is): 14 bytes per element in a bf16 model, 7x its dtype.
+        wide = max(e, FP32)
+        return (e + (2 if e >= FP32 else 3) * wide) * (tokens // _seq_size(plan)) * int(unit.attr("dim"))  # type: ignore[arg-type]
     if unit.kind == "mlp":
         up = next(leaf for leaf in unit.leaves if leaf.name == "up")
         f = int(unit.attr("ffn")) // _axes_size(plan, hu.placement(up))  # type: ignore[arg-type]
@@ -405,6 +411,54 @@ def unit_backward_bytes(plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
         v_local = n_out // _axes_size(plan, p) if p.rule == "column" and p.sharded else n_out
         return 2 * FP32 * tokens * v_local
     return 0
+
+
+def backward_rise(walk: list[tuple[str, int, int, int, int]], first: bool = False, upcast: bool = False) -> int:
+    """How far memory rises above one microbatch's saved activations while its backward runs.
+
+    ``walk`` lists a stage's units in forward order as (block prefix, copies, bytes saved, bytes its
+    backward allocates, bytes of its parameters' gradients that backward allocates); a block
+    class's units come together and stand for `copies` blocks. Backward visits the units in
+    reverse, and each frees what it saved once done: while a unit runs, the units before it still
+    hold theirs. So the peak is the largest backward working set plus what precedes it, e.g. a bf16
+    norm's fp32 backward in the last block once the head (and its fp32 softmax) has freed its
+    tensors, not that working set on top of the whole microbatch.
+
+    The last field is for pipelined ZeRO 2 / 3, whose FSDP2 units keep unsharded gradients between
+    microbatches (``accum_bytes``). With a wider reduce dtype (``upcast``), each backward's
+    compute-dtype gradients live until their unit's post-backward folds them into the accumulators:
+    a block's until the block is done, the stage root's (head, final norm, embedding) until the
+    stage's backward is. In the step's ``first`` backward the accumulators are made as it goes
+    (upcast at each post-backward, or the gradients themselves), and stay.
+    """
+    order: list[tuple[int, int, int, int]] = []  # (block number or -1 for the root, saved, work, grads)
+    blocks = 0
+    i = 0
+    while i < len(walk):
+        j = i + 1
+        while j < len(walk) and walk[i][0] and walk[j][0] == walk[i][0]:
+            j += 1
+        for _ in range(walk[i][1] if walk[i][0] else 1):
+            block = blocks if walk[i][0] else -1
+            blocks += bool(walk[i][0])
+            order += [(block, saved, work, grads) for _, _, saved, work, grads in walk[i:j]]
+        i = j
+    total = held = sum(saved for _, saved, _, _ in order)
+    rise = root_grads = block_grads = made = 0  # made: accumulators of the blocks done so far
+    current = -2
+    for block, saved, work, grads in reversed(order):
+        if block != current and block >= 0:
+            made += block_grads * (2 if upcast else 1) if first else 0  # the previous block's
+            block_grads, current = 0, block
+        if not upcast and not first:
+            grads = 0  # accumulated in place into the existing (unsharded) gradient
+        if block < 0:
+            root_grads += grads
+        else:
+            block_grads += grads
+        rise = max(rise, held + work + root_grads + (block_grads if block >= 0 else 0) + made - total)
+        held -= saved
+    return rise
 
 
 def _seq_size(plan: PlanIR) -> int:
@@ -606,7 +660,7 @@ class RankClass:
     optimizer_bytes: int  # after ZeRO-1
     gather_buffer_bytes: int  # ZeRO 2 / 3 (FSDP2): the compute-dtype copy all-gathered at the peak
     activation_bytes_per_microbatch: int
-    in_flight: int  # microbatches (chunk forwards when interleaved) whose activations are held
+    in_flight: int  # microbatches (chunk forwards when interleaved) whose activations are held at the peak
     activation_bytes: int
     # Beyond the saved activations, at the step's peak: stage outputs the pipeline schedule keeps
     # until their backward (logits on the last stage) and the backward working set of one unit.
@@ -619,11 +673,13 @@ class RankClass:
     kernels: int = 0  # framework kernels per step (forward, backward, gradient sync, optimizer)
     kernel_s: float = 0.0  # of compute_s: their host time (`kernel` of the device; 0 when not given)
     host_s: float = 0.0  # time the rank occupies its host core: compute_s plus its collectives' host time
+    # Pipelined ZeRO 2 / 3: FSDP2's unsharded gradients accumulated between microbatches, at the peak.
+    grad_accum_bytes: int = 0
 
     @property
     def training_bytes(self) -> int:
         return (self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.gather_buffer_bytes
-                + self.activation_bytes + self.transient_bytes)
+                + self.activation_bytes + self.transient_bytes + self.grad_accum_bytes)
 
     @property
     def inference_bytes(self) -> int:
@@ -730,11 +786,13 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     mesh = plan.mesh
     model = plan.model
     w = DTYPES[plan.dtype]
-    k = optimizer_bytes_per_param(plan.optimizer, plan.dtype)
     fsdp = plan.zero >= 2  # the runtime's ZeRO 2 / 3 is FSDP2: master dtype at rest, no extra fp32 copy
     master = DTYPES[plan.master_dtype or plan.dtype]
-    if fsdp:
-        k = 2 * master  # AdamW's moments, shaped and typed like the stored (master) parameter
+    # What the runtime's AdamW holds: two moments shaped and typed like the parameter it steps, the
+    # stored (master) one under ZeRO 2 / 3. Without `precision` (always so at ZeRO 0 / 1) a bf16
+    # plan has no fp32 copy anywhere: 2 + 2 + 4 = 8 bytes per parameter, not the ZeRO paper's mixed
+    # precision K = 12 (``optimizer_bytes_per_param``), which `precision { master = fp32 }` gives.
+    k = 2 * master
     dp = plan.data_size
     zero_shards = mesh.size(*plan.zero_axes) if plan.zero and plan.zero_axes else 1
     p_size = plan.pipeline_size
@@ -770,9 +828,12 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         kernels_mb = 0  # per microbatch
         recompute_kernels = 0
         tensors = 0  # parameter tensors held (zero_grad, optimizer and sync kernels are per tensor)
-        working = 2 * w * tokens_mb * hidden  # gradients of a unit's input and output
+        floor = 2 * w * tokens_mb * hidden  # any unit's backward: the gradients of its input and output
+        rise = rise_first = 0  # the most one microbatch's backward holds beyond its saved activations
+        upcast = DTYPES[plan.reduce_dtype or plan.dtype] > w
         fsdp_units: list[tuple[Stage, int, int]] = []  # per stage: FSDP2 units, their local parameters
         for stage in stages_at[c]:
+            walk: list[tuple[str, int, int, int, int]] = []  # the stage's units, for backward_rise
             stage_top = stage_local = 0
             for hu in held_units(plan, stage):
                 g, lo, re = unit_local_params(plan, hu)
@@ -810,7 +871,13 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     # The core's forward again: q k^T and p v, 2 x 2 s d flops per head and token, halved by the causal mask.
                     recompute_flops += hu.count * 2 * plan.seq * hq * int(hu.unit.attr("head_dim")) * (plan.batch // dp) * plan.seq  # type: ignore[arg-type]
                 act_mb += hu.count * saved
-                working = max(working, unit_backward_bytes(plan, hu, tokens_mb))
+                work = max(floor, unit_backward_bytes(plan, hu, tokens_mb))
+                if not (fsdp and p_size > 1 and upcast):  # (there the unit's gradients are all counted)
+                    # Autograd makes each weight's gradient before adding it into the one the step
+                    # holds: the unit's largest, e.g. a vocab-parallel head's [vocab / t, hidden].
+                    work += w * max((local_numel(plan, t, hu.placement(leaf)) for leaf in hu.unit.leaves
+                                     for t in leaf.params), default=0)
+                walk.append((hu.prefix, hu.count, saved, work, w * lo if fsdp and p_size > 1 else 0))
                 if hu.unit.kind == "attention":
                     kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
                     kv_local = int(hu.unit.attr("kv_heads")) // _axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
@@ -824,6 +891,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             blocks_in_stage = sum((pc.stop or 0) - (pc.start or 0) for pc in stage.pieces
                                   if isinstance(model.item(pc.item), Repeat))
             fsdp_units.append((stage, blocks_in_stage + (stage_top > 0), stage_local))
+            rise = max(rise, backward_rise(walk, upcast=upcast))
+            rise_first = max(rise_first, backward_rise(walk, first=True, upcast=upcast))
         if plan.recompute == "blocks":
             blocks_here = sum((pc.stop or 0) - (pc.start or 0) for st_ in stages_at[c] for pc in st_.pieces
                               if isinstance(model.item(pc.item), Repeat))
@@ -832,25 +901,42 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             recompute_flops += 2 * sum(block_local.values()) * (plan.batch // dp) * plan.seq
         # A block (or attention core) being recomputed holds its saved tensors until its backward is done.
         recomputed = max(block_saved.values(), default=0)
+        gather = accum = 0
         if fsdp:
             weight_b, grad_b, opt_b = fsdp_per_device(local, zero_shards, master)
-            # torch's PipelineStage keeps FSDP2's units gathered between microbatches (no reshard after
-            # a backward until the last): a pipelined ZeRO-3 stage holds all of them, as ZeRO-2 does
-            # (measured: 24.7 MiB beyond the state vs 12.7 planned with root + two blocks; 26.2 now).
-            gather = fsdp_gather_bytes(2 if plan.pipeline_axis else plan.zero, w, local, top_local,
-                                       max(block_params.values(), default=0))
+            gather = fsdp_gather_bytes(plan.zero, w, local, top_local, max(block_params.values(), default=0))
+            if p_size > 1:
+                # torch's PipelineStage runs every backward but the step's last without gradient sync
+                # or reshard: FSDP2 accumulates each unit's unsharded (tensor-local) gradient between
+                # microbatches, upcast to the reduce dtype (`to_accumulated_grad_if_needed`), on top
+                # of the sharded gradient it reduce-scatters into at the end of the step.
+                accum = DTYPES[plan.reduce_dtype or plan.dtype] * local
         else:
             weight_b, grad_b, opt_b = zero_per_device(local, plan.zero, zero_shards, w, w, k)
-            gather = 0
+        chunks = max(1, len(stages_at[c]))
+        # torch.distributed.pipelining keeps each in-flight forward's output (the residual stream,
+        # or the logits on the last stage) until that microbatch's backward.
+        kept = sum(_stage_output_bytes(plan, s, tokens_mb) for s in stages_at[c]) if p_size > 1 else 0
+
         in_flight = in_flight_microbatches(plan.schedule, p_size, c, m, v)
-        # Interleaved ranks hold v chunks; in-flight counts chunk forwards, so scale per chunk.
-        act = act_mb * in_flight // max(1, len(stages_at[c]))
-        transient = working + recomputed  # an upper bound: the rerun block frees its tensors as its backward uses them
-        if p_size > 1:
-            # torch.distributed.pipelining keeps each in-flight forward's output (the residual
-            # stream, or the logits on the last stage) until that microbatch's backward.
-            kept = sum(_stage_output_bytes(plan, s, tokens_mb) for s in stages_at[c])
-            transient += kept * in_flight // max(1, len(stages_at[c]))
+        # The peak is while a backward runs. Right after a forward: every in-flight microbatch's
+        # activations, the units that forward left gathered, and (once a backward ran before it)
+        # the gradient accumulators. Right after another backward (the schedule's drain, pipelined
+        # ZeRO 2 / 3 only): one microbatch fewer, but every unit stays gathered from the backward
+        # before (no reshard until the step's last), and the accumulators are all there.
+        moments = [(in_flight, gather, accum if m * v > in_flight else 0)]
+        if accum and in_flight >= 2:
+            moments.append((in_flight - 1, w * local, accum))
+        best = None
+        for held, gathered, accumulated in moments:
+            act_b = act_mb * held // chunks  # in-flight counts chunk forwards: scaled per chunk
+            # An upper bound: the rerun block frees its tensors as its backward uses them.
+            trans = (rise if accumulated or not accum else rise_first) + recomputed + kept * held // chunks
+            total = act_b + trans + gathered + accumulated
+            if best is None or total > best[0]:
+                best = (total, held, act_b, trans, gathered, accumulated)
+        assert best is not None
+        _, in_flight, act, transient, gather, accum = best
 
         comms: list[Comm] = []
         act_size = w * tokens_mb * hidden
@@ -919,7 +1005,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             params_global=glob, params_local=local, params_replicated=repl,
             weight_bytes=weight_b, grad_bytes=grad_b, optimizer_bytes=opt_b, gather_buffer_bytes=gather,
             activation_bytes_per_microbatch=act_mb, in_flight=in_flight, activation_bytes=act,
-            transient_bytes=transient,
+            transient_bytes=transient, grad_accum_bytes=accum,
             kv_cache_bytes=kv_bytes, comms=tuple(comms), compute_s=compute, dtype_bytes=w,
             recompute_s=recompute_s, kernels=kernels, kernel_s=kernel_s, host_s=host,
         ))
@@ -1104,7 +1190,8 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
     worst = max(report.ranks, key=lambda r: r.training_bytes)
     if not report.fits:
         parts = {"weights": worst.weight_bytes, "gradients": worst.grad_bytes, "optimizer states": worst.optimizer_bytes,
-                 "activations": worst.activation_bytes, "ZeRO-3 gather buffer": worst.gather_buffer_bytes}
+                 "activations": worst.activation_bytes, "ZeRO-3 gather buffer": worst.gather_buffer_bytes,
+                 "gradient accumulators": worst.grad_accum_bytes}
         biggest = max(parts, key=lambda k: parts[k])
         out.append(Diagnostic(
             "W0801", f"plan `{plan.name}` needs {fmt_bytes(worst.training_bytes)} on pipeline rank {worst.coord}, "
@@ -1255,6 +1342,8 @@ def report_text(rep: PlanReport) -> str:
         by_dtype = {plan.dtype: worst.activation_bytes + worst.gather_buffer_bytes}
         held = plan.master_dtype or plan.dtype
         by_dtype[held] = by_dtype.get(held, 0) + worst.weight_bytes + worst.grad_bytes + worst.optimizer_bytes
+        accum_dtype = plan.reduce_dtype or plan.dtype
+        by_dtype[accum_dtype] = by_dtype.get(accum_dtype, 0) + worst.grad_accum_bytes
     else:
         by_dtype = {plan.dtype: worst.weight_bytes + worst.grad_bytes + worst.activation_bytes + worst.gather_buffer_bytes}
         by_dtype["fp32"] = by_dtype.get("fp32", 0) + worst.optimizer_bytes
@@ -1264,9 +1353,13 @@ def report_text(rep: PlanReport) -> str:
     ]
     if worst.gather_buffer_bytes:
         what = ("every unit, kept from its forward to its backward" if plan.zero == 2
-                else "every unit: the pipeline schedule keeps them gathered between microbatches" if plan.pipeline_axis
+                else "every unit: the pipeline schedule keeps them gathered between backwards"
+                if plan.pipeline_axis and worst.gather_buffer_bytes == worst.params_local * worst.dtype_bytes
                 else "the stage root and two blocks, gathered for their forward and backward")
         lines.append(f"  ZeRO-{plan.zero} gather buffer ({what}): {fmt_bytes(worst.gather_buffer_bytes)}")
+    if worst.grad_accum_bytes:
+        lines.append(f"  gradient accumulators (FSDP2's unsharded gradients in {plan.reduce_dtype or plan.dtype}, kept between"
+                     f" microbatches by the pipeline schedule): {fmt_bytes(worst.grad_accum_bytes)}")
     lines += [
         "  activations per microbatch: " + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.activation_bytes_per_microbatch)}" for rc in rep.ranks),
         f"  inference (weights + KV cache at batch {plan.batch} x seq {plan.seq}): "
@@ -1346,6 +1439,7 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
              "gather_buffer_bytes": rc.gather_buffer_bytes,
              "activation_bytes_per_microbatch": rc.activation_bytes_per_microbatch, "in_flight": rc.in_flight,
              "activation_bytes": rc.activation_bytes, "transient_bytes": rc.transient_bytes, "kv_cache_bytes": rc.kv_cache_bytes,
+             "grad_accum_bytes": rc.grad_accum_bytes,
              "training_bytes": rc.training_bytes, "inference_bytes": rc.inference_bytes, "compute_s": rc.compute_s,
              "recompute_s": rc.recompute_s, "kernels": rc.kernels, "kernel_s": rc.kernel_s, "host_s": rc.host_s,
              "comms": [attrs.asdict(c) for c in rc.comms]}

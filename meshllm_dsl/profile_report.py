@@ -57,9 +57,10 @@ def compare(plan: PlanIR, ranks: list[dict[str, Any]], rep: PlanReport | None = 
                 "optimizer": {"planned": rc.optimizer_bytes, "measured": mem["optimizer"]},
                 "activations per microbatch": {"planned": rc.activation_bytes_per_microbatch,
                                                "measured": mem["activations_per_microbatch"]},
-                # With ZeRO 2 / 3 the parameters FSDP2 gathers for compute are temporaries too.
+                # With ZeRO 2 / 3 the parameters FSDP2 gathers for compute are temporaries too, and
+                # pipelined, the unsharded gradients it accumulates between microbatches.
                 "activations + temporaries peak": {"planned": rc.activation_bytes + rc.transient_bytes
-                                                   + rc.gather_buffer_bytes,
+                                                   + rc.gather_buffer_bytes + rc.grad_accum_bytes,
                                                    "measured": mem["activations_and_temporaries_peak"]},
             },
             "time": {

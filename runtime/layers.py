@@ -76,8 +76,14 @@ class _RMSNormFn(torch.autograd.Function):
         gx = None
         if ctx.needs_input_grad[0]:
             dn = (grad * weight).to(rstd.dtype)
-            dh = rstd * (dn - h * (rstd * rstd) * (dn * h).mean(-1, keepdim=True))
-            gx = dh.to(in_dtype)
+            c = (dn * h).mean(-1, keepdim=True)
+            # dh = rstd (dn - h r^2 c) with the products in place, in the order that expression
+            # takes them (so bit for bit): three [tokens, dim] buffers in the compute dtype at
+            # once (h, dn and one), not the expression's five.
+            t = h * (rstd * rstd)
+            dn.sub_(t.mul_(c)).mul_(rstd)
+            del t
+            gx = dn.to(in_dtype)
         return gx, gw, None
 
 

@@ -33,6 +33,10 @@ class LiveBytes(TorchDispatchMode):
 
     Tensors that existed before the block (weights, gradients and optimizer states after a first
     step) are not counted, so after a warm-up step the peak is activations plus temporaries.
+
+    Storages resized in the block count by how much they grew: FSDP2 (ZeRO 2 / 3) allocates
+    its all-gathered parameters by ``storage.resize_`` on buffers made in the first step, and frees
+    them by resizing to 0, which no operator (so no dispatch mode) sees.
     """
 
     def __init__(self) -> None:
@@ -40,13 +44,39 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._refs: dict[int, tuple[StorageWeakRef, int]] = {}
+        self._grown: dict[int, tuple[StorageWeakRef, int]] = {}  # resized storages: net bytes added
         self.peak_op = ""  # the operator after which the peak was reached
         self.ops = 0  # operators dispatched: the kernels the step launched
+        self._outer: Any = None  # the resize hook of a LiveBytes around this one
 
     def _sweep(self) -> None:
-        dead = [key for key, (ref, _) in self._refs.items() if ref.expired()]
-        for key in dead:
-            self.live -= self._refs.pop(key)[1]
+        for refs in (self._refs, self._grown):
+            dead = [key for key, (ref, _) in refs.items() if ref.expired()]
+            for key in dead:
+                self.live -= refs.pop(key)[1]
+
+    def _resize(self, storage: Any, size: int) -> Any:
+        before = storage.nbytes()
+        out = (self._outer or torch._C.StorageBase.resize_)(storage, size)
+        key = storage._cdata
+        grown = self._grown[key][1] if key in self._grown else 0
+        self._grown[key] = (StorageWeakRef(storage), grown + storage.nbytes() - before)
+        self.live += storage.nbytes() - before
+        if self.live > self.peak:
+            self.peak, self.peak_op = self.live, "storage resize"
+        return out
+
+    def __enter__(self) -> LiveBytes:
+        self._outer = torch.UntypedStorage.__dict__.get("resize_")  # another LiveBytes around this one
+        torch.UntypedStorage.resize_ = lambda storage, size: self._resize(storage, size)  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._outer is None:
+            del torch.UntypedStorage.resize_  # torch._C.StorageBase's own again
+        else:
+            torch.UntypedStorage.resize_ = self._outer  # type: ignore[method-assign]
+        super().__exit__(*exc)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -90,8 +120,10 @@ def saved_bytes(exclude: list[torch.Tensor] | None = None) -> Iterator[dict[str,
     def pack(t: torch.Tensor) -> torch.Tensor:
         if torch._C._current_graph_task_id() != -1:
             return t  # saved while running backward (a recomputation): freed within backward
-        if isinstance(t, torch.nn.Parameter):
-            return t  # ZeRO 2 / 3: FSDP2's gathered parameter, charged as its gather buffer
+        if isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter):
+            # ZeRO 2 / 3: FSDP2's gathered parameter, or a view of it (a linear layer saves its
+            # weight transposed), charged as its gather buffer
+            return t
         storage = data_local(t).untyped_storage()
         key = storage.data_ptr()
         old = seen.get(key)

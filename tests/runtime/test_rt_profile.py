@@ -35,6 +35,34 @@ def test_saved_bytes_counts_what_backward_keeps_once() -> None:
     y.sum().backward()
 
 
+def test_live_bytes_counts_storages_resized_in_the_block() -> None:
+    # FSDP2 (ZeRO 2 / 3) all-gathers parameters into buffers made in the first step, grown and
+    # freed by storage.resize_, which no operator dispatch shows.
+    buf = torch.empty(1000)
+    buf.untyped_storage().resize_(0)
+    with LiveBytes() as outer:
+        with LiveBytes() as live:
+            buf.untyped_storage().resize_(4000)
+            a = torch.ones(1000)
+            buf.untyped_storage().resize_(0)
+        del a
+        buf.untyped_storage().resize_(2000)
+    assert (live.peak, live.live) == (8000, 4000)
+    assert (outer.peak, outer.live) == (8000, 6000)
+    assert "resize_" not in torch.UntypedStorage.__dict__  # torch's own method again
+
+
+def test_saved_bytes_skips_views_of_parameters() -> None:
+    # A linear layer keeps its weight transposed: a view of a parameter (under ZeRO 2 / 3 of
+    # FSDP2's gathered one, whose storage is not the sharded parameter's), charged as weights.
+    w = torch.nn.Parameter(torch.randn(16, 8))
+    x = torch.randn(4, 8, requires_grad=True)
+    with saved_bytes() as saved:
+        y = x @ w.t()
+    assert saved["bytes"] == 4 * 8 * 4  # x only
+    y.sum().backward()
+
+
 def test_profile_report_puts_planned_next_to_measured() -> None:
     from meshllm_dsl.checker import check_file
     from meshllm_dsl.profile_report import compare, report_text
