@@ -54,19 +54,23 @@ def main() -> None:
         for i in range(args.rounds):
             for name in names:
                 runs[name].append(_round(meshc, Path(tmp), name, EXAMPLES[name], i))
-    rows = [("plan", "rank", "step plan", "step run", "ratio", "range", "peak plan", "peak run", "ratio")]
+    rows = [("plan", "rank", "step plan", "step run", "ratio", "range", "host CPU ratio", "peak plan", "peak run",
+             "ratio")]
     keys = ("weights", "gradients", "optimizer", "activations + temporaries peak")
     for name in names:
         for r, per_rank in enumerate(zip(*runs[name])):
             planned = [x["time"]["step"]["planned"] for x in per_rank]
             measured = [x["time"]["step"]["measured"] for x in per_rank]
             ratios = [p / m for p, m in zip(planned, measured)]
+            # What the model must get right before the cores are shared: one rank's host time.
+            host = statistics.median(x["time"]["host CPU"]["planned"] / x["time"]["host CPU"]["measured"]
+                                     for x in per_rank)
             mem = per_rank[-1]["memory"]
             peak_p = sum(mem[k]["planned"] for k in keys)
             peak_m = sum(mem[k]["measured"] for k in keys)
             rows.append((name, str(r), f"{statistics.median(planned) * 1e3:.1f} ms",
                          f"{statistics.median(measured) * 1e3:.1f} ms", f"{statistics.median(ratios):.2f}",
-                         f"{min(ratios):.2f}-{max(ratios):.2f}", f"{peak_p / 2**10:.0f} KiB",
+                         f"{min(ratios):.2f}-{max(ratios):.2f}", f"{host:.2f}", f"{peak_p / 2**10:.0f} KiB",
                          f"{peak_m / 2**10:.0f} KiB", f"{peak_p / peak_m:.2f}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
