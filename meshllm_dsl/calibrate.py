@@ -273,7 +273,7 @@ def calibrate(name: str, ranks: int) -> str:
     lines = [
         f"# Written by `meshc calibrate --device {name} --ranks {ranks}` on this machine "
         f"({os.cpu_count()} CPUs, gloo, 1 thread per process).",
-        f"# One process alone: fp32 matmul {tflops * 1e3:.2f} GFLOP/s. {ranks} processes at once get "
+        f"# One process alone: fp32 matmul {tflops * 1e3:.2f} GFLOP/s. {ranks} process{'es' if ranks > 1 else ''} at once get "
         f"{share:.2f} cores' worth of CPU time; running meshc's runtime together, each kernel costs "
         f"{host['kernel']:.1f} us of CPU" + (f", each collective call {host['collective_cpu']:.0f} us"
                                             if "collective_cpu" in host else "") + ".",
