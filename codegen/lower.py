@@ -260,8 +260,15 @@ class _UnitWriter:
         hidden = a["hidden"]
         for c in flow.collectives:
             if c.where == "input" and c.op == "copy_to":
-                lines.append(Line(f"{x} = rt.copy_to({x}, {self.group(c.axes)})",
-                                  f"f: [b, s, {hidden}] identity; backward all-reduces over {_axes_text(c.axes)} ({self.n(c.axes)})"))
+                # f and the column layers in one call, so that backward can all-reduce the input
+                # gradient while it computes their weight gradients: a name per layer output.
+                names = [leaf.name for leaf in unit.leaves[:-1]]
+                layers = ", ".join(f"self.{attr}.{name}" for name in names)
+                target = names[0] + "," if len(names) == 1 else ", ".join(names)
+                lines.append(Line(f"{target} = rt.copy_to_linear({x}, {self.group(c.axes)}, {layers})",
+                                  f"f: [b, s, {hidden}] into the column layers; backward all-reduces over "
+                                  f"{_axes_text(c.axes)} ({self.n(c.axes)}) during their weight gradients"))
+                self.projected = set(names)
             elif c.where == "input" and c.op == "gather_seq":
                 # The column layers run inside the gather, which keeps only this rank's slice of
                 # their shared input for backward: a name per layer output for the code below.
@@ -484,7 +491,8 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
             forward.append(Line(f"x = self.{item.name}(x)", shape))
         elif item.kind == "linear":
             is_head = item is model.items[-1]
-            fused = False
+            fused = False  # the head inside rt.gather_seq_linear
+            fused_f = False  # the head inside rt.copy_to_linear
             if plan.seq_axes and flow is not None:
                 ops = [c.op for c in flow.collectives]
                 # Gather and head in one step (keeps this rank's slice for backward), unless a tied
@@ -493,8 +501,12 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
                 if not fused:
                     forward += _seq_lines(w, flow, a["in"])
             elif p.sharded and p.rule == "column":
-                forward.append(Line(f"x = rt.copy_to(x, {w.group(p.axes)})",
-                                    f"f: [b, s, {a['in']}] identity; backward all-reduces over {_axes_text(p.axes)}"))
+                # f and the layer in one call (backward overlaps the all-reduce with the weight
+                # gradient), unless a tied head has a bias of its own on another module.
+                fused_f = not (leaf is not None and leaf.tie is not None and a["bias"])
+                if not fused_f:
+                    forward.append(Line(f"x = rt.copy_to(x, {w.group(p.axes)})",
+                                        f"f: [b, s, {a['in']}] identity; backward all-reduces over {_axes_text(p.axes)}"))
             out_local = a["out"] // plan.mesh.size(*p.axes) if p.sharded and p.rule == "column" else a["out"]
             if leaf is not None and leaf.tie is not None:
                 owner = leaf.tie if leaf.tie in held else item.name
@@ -510,6 +522,11 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
                 forward.append(Line(f"{'logits' if is_head else 'x'}, = rt.gather_seq_linear(x, {w.group(c.axes)}, self.{owner})",
                                     f"[b, s/{n}, {a['in']}] all-gathered over {_axes_text(c.axes)} ({n}) -> "
                                     f"[b, s, {out_local}] {what}; backward gathers again and reduce-scatters"))
+            elif fused_f:
+                owner = leaf.tie if leaf is not None and leaf.tie is not None and leaf.tie in held else item.name
+                forward.append(Line(f"{'logits' if is_head else 'x'}, = rt.copy_to_linear(x, {w.group(p.axes)}, self.{owner})",
+                                    f"f: [b, s, {a['in']}] -> [b, s, {out_local}] {what}; backward all-reduces over "
+                                    f"{_axes_text(p.axes)} during the weight gradient"))
             else:
                 forward.append(Line(f"{'logits' if is_head else 'x'} = {call}", f"[b, s, {out_local}] {what}"))
             if is_head:

@@ -10,6 +10,7 @@ if TYPE_CHECKING:
     from . import launch
     from .collectives import (
         copy_to,
+        copy_to_linear,
         gather_from,
         gather_seq,
         gather_seq_linear,
@@ -45,6 +46,7 @@ _WHERE = {
     **dict.fromkeys(
         (
             "copy_to",
+            "copy_to_linear",
             "gather_from",
             "gather_seq",
             "gather_seq_linear",
@@ -113,6 +115,7 @@ __all__ = [
     "attention",
     "recompute",
     "copy_to",
+    "copy_to_linear",
     "cross_entropy",
     "full_init",
     "gather_from",

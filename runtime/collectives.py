@@ -20,6 +20,7 @@ from torch.distributed import ProcessGroup
 __all__ = [
     "all_reduce_sum",
     "copy_to",
+    "copy_to_linear",
     "gather_from",
     "gather_seq",
     "gather_seq_linear",
@@ -248,13 +249,62 @@ class _GatherSeqLinear(torch.autograd.Function):
         return (_reduce_scatter(gx.view_as(full), ctx.group, SEQ_DIM), None, *out)
 
 
+class _CopyToLinear(torch.autograd.Function):
+    """f, then the column layers that share its output, as one Function: backward launches the
+    all-reduce of the input gradient and computes the weight gradients while it is in flight
+    (Megatron's ``LinearWithGradAccumulationAndAsyncCommunication``).  As ``copy_to`` followed by
+    the layers, autograd computes every weight gradient first and only then all-reduces, so each
+    rank waits out the collective (and the other rank's lag) doing nothing."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, group: ProcessGroup, *params: Tensor | None) -> tuple[Tensor, ...]:
+        weights, biases = params[0::2], params[1::2]
+        ctx.group, ctx.has_bias = group, tuple(b is not None for b in biases)
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        flat = x.reshape(-1, x.shape[-1])  # [b*s, h]
+        # [b*s, out_local] per layer (autograd passes zeros, not None, for an unused output).
+        g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
+        gx, work = None, None
+        if ctx.needs_input_grad[0]:
+            gx = g2s[0] @ weights[0]  # this rank's partial sum of x's gradient, accumulated in place
+            for g2, w in zip(g2s[1:], weights[1:]):
+                gx.addmm_(g2, w)
+            # [b*s, h] all-reduce over tensor, in flight while the weight gradients are computed.
+            work = dist.all_reduce(gx, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True)
+        out: list[Tensor | None] = []
+        for i, (g2, has_bias) in enumerate(zip(g2s, ctx.has_bias)):
+            wants_weight, wants_bias = ctx.needs_input_grad[2 + 2 * i : 4 + 2 * i]
+            out.append(g2.t() @ flat if wants_weight else None)  # [out_local, h]
+            out.append(g2.sum(0) if has_bias and wants_bias else None)
+        if work is not None:
+            work.wait()
+        return (None if gx is None else gx.view_as(x), None, *out)
+
+
+def copy_to_linear(x: Tensor, group: ProcessGroup | None, *layers: nn.Module) -> tuple[Tensor, ...]:
+    """``copy_to`` followed by each column layer applied to x: [b, s, h] Replicate -> one
+    [b, s, out_local] per layer; backward all-reduces x's gradient while the layers' weight
+    gradients are computed (``_CopyToLinear``).  Layers are anything with ``weight`` (and
+    optionally ``bias``)."""
+    if group is None:
+        return tuple(F.linear(x, m.weight, getattr(m, "bias", None)) for m in layers)
+    params: list[Tensor | None] = []
+    for m in layers:
+        params += [m.weight, getattr(m, "bias", None)]
+    return _CopyToLinear.apply(x, group, *params)
+
+
 def gather_seq_linear(x: Tensor, group: ProcessGroup | None, *layers: nn.Module) -> tuple[Tensor, ...]:
     """Shard(seq) x [b, s / t, h] -> each column layer applied to the whole sequence [b, s, h]:
     ``gather_seq`` followed by the layers, keeping only x's slice for backward (``_GatherSeqLinear``).
     Layers are anything with ``weight`` (and optionally ``bias``)."""
     if group is None or not sequence_sharded():
-        h = x if group is None else copy_to(x, group)
-        return tuple(F.linear(h, m.weight, getattr(m, "bias", None)) for m in layers)
+        return copy_to_linear(x, group, *layers)
     params: list[Tensor | None] = []
     for m in layers:
         params += [m.weight, getattr(m, "bias", None)]

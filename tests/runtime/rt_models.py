@@ -129,15 +129,15 @@ class LlamaBlock(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x: [b, s, HIDDEN] Replicate
         b, s, _ = x.shape
-        h = rt.copy_to(self.attn_norm(x), self.tensor)
-        q = self.attn_q(h).view(b, s, self.heads, HEAD_DIM)
-        k = self.attn_k(h).view(b, s, self.kv_heads, HEAD_DIM)
-        v = self.attn_v(h).view(b, s, self.kv_heads, HEAD_DIM)
+        q, k, v = rt.copy_to_linear(self.attn_norm(x), self.tensor, self.attn_q, self.attn_k, self.attn_v)
+        q = q.view(b, s, self.heads, HEAD_DIM)
+        k = k.view(b, s, self.kv_heads, HEAD_DIM)
+        v = v.view(b, s, self.kv_heads, HEAD_DIM)
         q, k = rt.apply_rotary(q, k, rt.positions(s, x.device), theta=10000.0)
         a = rt.attention(q, k, v)  # [b, s, heads_local * HEAD_DIM]
         x = x + rt.reduce_from(self.attn_o(a), self.tensor)  # Partial(tensor) -> [b, s, HIDDEN]
-        h = rt.copy_to(self.mlp_norm(x), self.tensor)
-        h = torch.nn.functional.silu(self.mlp_gate(h)) * self.mlp_up(h)  # [b, s, FFN / tp]
+        gate, up = rt.copy_to_linear(self.mlp_norm(x), self.tensor, self.mlp_gate, self.mlp_up)
+        h = torch.nn.functional.silu(gate) * up  # [b, s, FFN / tp]
         return x + rt.reduce_from(self.mlp_down(h), self.tensor)
 
 
@@ -160,12 +160,12 @@ class Gpt2Block(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:  # x: [b, s, HIDDEN] Replicate
         b, s, _ = x.shape
-        h = rt.copy_to(self.attn_norm(x), self.tensor)
-        q, k, v = self.attn_qkv(h).view(b, s, 3, self.heads, HEAD_DIM).unbind(2)
+        (qkv,) = rt.copy_to_linear(self.attn_norm(x), self.tensor, self.attn_qkv)
+        q, k, v = qkv.view(b, s, 3, self.heads, HEAD_DIM).unbind(2)
         a = rt.attention(q, k, v)  # [b, s, heads_local * HEAD_DIM]
         x = x + rt.reduce_from(self.attn_o(a), self.tensor) + self.attn_o_bias
-        h = rt.copy_to(self.mlp_norm(x), self.tensor)
-        h = rt.activation("gelu_tanh")(self.mlp_up(h))  # [b, s, FFN / tp]
+        (up,) = rt.copy_to_linear(self.mlp_norm(x), self.tensor, self.mlp_up)
+        h = rt.activation("gelu_tanh")(up)  # [b, s, FFN / tp]
         return x + rt.reduce_from(self.mlp_down(h), self.tensor) + self.mlp_down_bias
 
 
@@ -255,11 +255,11 @@ class Stage(nn.Module):
         for blk in self.blocks:
             x = blk(x)
         if self.last:
-            h = rt.copy_to(self.norm(x), self.tensor)
             if self.tie:
+                h = rt.copy_to(self.norm(x), self.tensor)
                 w = self.embed.weight if self.first else self.lm_head_weight
                 return h @ w.t()  # [b, s, VOCAB / tp] Shard(-1)
-            return self.lm_head(h)  # [b, s, VOCAB / tp] Shard(-1)
+            return rt.copy_to_linear(self.norm(x), self.tensor, self.lm_head)[0]  # [b, s, VOCAB / tp] Shard(-1)
         return x
 
 

@@ -22,6 +22,7 @@ from rt_models import (
 from torch import nn
 
 import meshllm_dsl.runtime as rt
+from meshllm_dsl.runtime.collectives import all_reduce_sum
 from meshllm_dsl.runtime.pool import RankContext, WorkerPool
 from meshllm_dsl.runtime.reference import build_reference
 
@@ -182,6 +183,59 @@ def _collectives_job(ctx: RankContext) -> dict[str, float]:
 def test_collectives_round_trip(pool: WorkerPool) -> None:
     for errs in pool.run(_collectives_job, 4):
         assert max(errs.values()) == 0.0, errs
+
+
+def _copy_to_linear_job(ctx: RankContext) -> dict[str, float]:
+    """copy_to_linear (f and the column layers in one Function, the input gradient all-reduced while
+    the weight gradients are computed) vs copy_to followed by the layers, on a 2 x 2 mesh: each rank
+    holds different column weights and sees different output gradients, so x's gradient is a sum."""
+    mesh = ctx.mesh([("data", 2), ("tensor", 2)])
+    group = mesh.group("data", "tensor")
+    gen = torch.Generator().manual_seed(11 + mesh.rank)
+    x = torch.randn(3, 5, 6, generator=gen, dtype=torch.float64)
+    x = all_reduce_sum(x, group)  # replicated, as f's input is
+    layers = [nn.Linear(6, n, bias=b, dtype=torch.float64) for n, b in ((4, False), (2, True), (3, True))]
+    with torch.no_grad():
+        for p in (q for m in layers for q in m.parameters()):
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64))
+    out_grads = [torch.randn(3, 5, m.out_features, generator=gen, dtype=torch.float64) for m in layers]
+    errs: dict[str, float] = {}
+    # "frozen": the last layer's weight needs no gradient; "x_frozen": nor does x.
+    for case, x_grad in (("all", True), ("frozen", True), ("x_frozen", False)):
+        layers[2].weight.requires_grad_(case == "all")
+        results = []
+        for fused in (True, False):
+            for m in layers:
+                m.zero_grad()
+            xi = x.clone().requires_grad_(x_grad)
+            if fused:
+                outs = rt.copy_to_linear(xi, group, *layers)
+            else:
+                h = rt.copy_to(xi, group)
+                outs = tuple(m(h) for m in layers)
+            sum((o * g).sum() for o, g in zip(outs, out_grads)).backward()
+            grads = [xi.grad] + [q.grad for m in layers for q in m.parameters()]
+            results.append((outs, grads))
+        (outs, grads), (want_outs, want_grads) = results
+        errs[f"{case} out"] = max((o - w).abs().max().item() for o, w in zip(outs, want_outs))
+        for i, (g, w) in enumerate(zip(grads, want_grads)):
+            assert (g is None) == (w is None), (case, i)
+            if g is not None:
+                errs[f"{case} grad {i}"] = (g - w).abs().max().item()
+    # x's gradient is the sum over the 4 ranks of each rank's partial sum (weights differ by rank).
+    xi = x.clone().requires_grad_()
+    (out,) = rt.copy_to_linear(xi, group, layers[0])
+    out.sum().backward()
+    local = layers[0].weight.sum(0).expand_as(x)
+    errs["x.grad is the sum"] = (xi.grad - all_reduce_sum(local, group)).abs().max().item()
+    return errs
+
+
+def test_copy_to_linear_matches_copy_to_and_layers(pool: WorkerPool) -> None:
+    for rank, errs in enumerate(pool.run(_copy_to_linear_job, 4)):
+        bad = {k: v for k, v in errs.items() if not v <= 1e-12}
+        assert not bad, f"rank {rank}: {bad}"
+        assert len(errs) == 3 * 7 - 3 + 1  # 3 cases x (output + 6 gradients), 3 not wanted; the sum
 
 
 def _vocab_ce_job(ctx: RankContext, tp: int) -> tuple[float, float]:
