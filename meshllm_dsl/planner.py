@@ -515,10 +515,10 @@ KERNELS = {
     "split_seq": 3,
     "gather_seq_split": 3,
 }
-# Per parameter tensor and step: zero its gradient; AdamW's single-tensor update (lerp, mul,
-# addcmul, sqrt, div, addcdiv, ...); on data-parallel ranks its share of the flattened all-reduce.
+# Per parameter tensor and step: zero its gradient; AdamW's update (torch's fused kernel); on
+# data-parallel ranks its share of the flattened all-reduce.
 KERNELS_ZERO_GRAD = 1
-KERNELS_ADAMW = 10
+KERNELS_ADAMW = 1  # fused AdamW (runtime/program.py): one kernel per tensor
 KERNELS_GRAD_SYNC = 4
 # Per FSDP2 all-gather or reduce-scatter of a unit: its copy-in / copy-out, casts and views (24 per
 # event on a 4-block Llama over data 2, ZeRO-3, microbatches 1 vs 2; 22 with ZeRO-2); FSDP2 then
@@ -531,6 +531,20 @@ KERNELS_STEP = 20
 
 def _leaf_tensors(hu: HeldUnit) -> int:
     return sum(len(leaf.params) for leaf in hu.unit.leaves)
+
+
+def _copy_to_linear_saving(unit: Unit) -> int:
+    """Kernels `rt.copy_to_linear` saves against Megatron's f then the column layers one by one: it
+    runs them as one Function, 5 fewer per layer and 1 fewer per bias, less one (counted per
+    microbatch on gloo ranks). Codegen fuses every f with the column layers that follow it, except
+    a tied head with a bias of its own."""
+    columns = [leaf for leaf in unit.leaves if leaf.kind == "linear"]
+    if unit.kind != "linear":
+        columns = columns[:-1]  # the row layer that closes the unit runs after
+    biased = sum(1 for leaf in columns if any(t.name == "bias" for t in leaf.params))
+    if unit.kind == "linear" and biased and any(leaf.tie is not None for leaf in columns):
+        return 0
+    return 5 * len(columns) - 1 + biased if columns else 0
 
 
 def unit_kernels(plan: PlanIR, hu: HeldUnit) -> int:
@@ -552,6 +566,8 @@ def unit_kernels(plan: PlanIR, hu: HeldUnit) -> int:
         n += (k["swiglu"] if unit.attr("act") == "swiglu" else k["activation"]) + k["residual"]
     if hu.flow is not None:
         n += sum(k[c.op] for c in hu.flow.collectives)
+        if any(c.op == "copy_to" and c.where == "input" for c in hu.flow.collectives):
+            n -= _copy_to_linear_saving(unit)
     if hu.last:
         n += k["vocab_parallel_cross_entropy" if plan.loss.sharded else "cross_entropy"]
     return n

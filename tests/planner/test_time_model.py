@@ -85,7 +85,10 @@ def test_step_kernels_add_the_per_tensor_work() -> None:
     rc = analyze(plan, PROFILES["cpu"]).ranks[0]
     per_mb = sum(unit_kernels(plan, hu) * hu.count for st in plan.stages for hu in held_units(plan, st))
     tensors = 1 + 2 * 9 + 2  # embed, 9 per block, final norm and head
-    assert rc.kernels == 2 * per_mb + 20 + tensors * (1 + 10)  # zero_grad and AdamW per tensor, no data sync
+    from meshllm_dsl.planner import KERNELS_ADAMW, KERNELS_STEP, KERNELS_ZERO_GRAD
+
+    # zero_grad and fused AdamW per tensor, no data sync
+    assert rc.kernels == 2 * per_mb + KERNELS_STEP + tensors * (KERNELS_ZERO_GRAD + KERNELS_ADAMW) == 2 * per_mb + 20 + tensors * 2
 
 
 def test_gpu_profiles_have_no_host_terms() -> None:
