@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize("ranks", range(1, 9))
 def test_calibration_plans_check_for_every_rank_count(ranks: int) -> None:
     specs = calibration_specs(ranks)
-    assert "base" in specs
+    assert "base" in specs and "base_gpt2" in specs
     assert ("pipeline" in specs) == (ranks % 2 == 0) and ("fsdp" in specs) == (ranks > 1)
     for name, text in specs.items():
         result = check_text(text, f"{name}.mesh")
@@ -29,6 +29,7 @@ def test_calibration_plans_check_for_every_rank_count(ranks: int) -> None:
         (plan,) = result.plans.values()
         assert plan.mesh.devices == ranks
         assert (plan.pipeline_size > 1) == (name == "pipeline") and (plan.zero == 3) == (name == "fsdp")
+        assert (plan.model.value("positions") is not None) == (name == "base_gpt2")  # GPT-2's learned positions
 
 
 def test_host_costs_invert_the_model() -> None:
@@ -49,6 +50,11 @@ def test_host_costs_invert_the_model() -> None:
     }
     costs = _host_costs(runs)
     assert costs == pytest.approx({"kernel": 10, "collective_cpu": 400, "stage_cpu": 700, "fsdp_cpu": 1500})
+    # A GPT-2 base whose kernels cost 14 us: `kernel` is the two families' mean, the calls pooled.
+    gpt2 = [dict(r, cpu=r["cpu"] + 4e-6 * r["kernels"]) for r in runs["base"]]
+    costs = _host_costs({**runs, "base_gpt2": gpt2})
+    assert costs["kernel"] == pytest.approx(12) and costs["collective_cpu"] == pytest.approx(400)
+    assert (costs["kernel_llama"], costs["kernel_gpt2"]) == pytest.approx((10, 14))
 
 
 def test_calibrate_writes_a_device_the_planner_uses(tmp_path: Path) -> None:
