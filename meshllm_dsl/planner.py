@@ -524,6 +524,10 @@ KERNELS_GRAD_SYNC = 4
 # event on a 4-block Llama over data 2, ZeRO-3, microbatches 1 vs 2; 22 with ZeRO-2); FSDP2 then
 # needs no flattened gradient all-reduce (KERNELS_GRAD_SYNC).
 KERNELS_FSDP = 24
+# Per pipeline action (a stage's forward or backward of a microbatch) of an FSDP2 stage root: its
+# hooks' casts and views, whatever the root holds (7-12 measured on 1F1B and interleaved stages,
+# pipeline 2 and 4).
+KERNELS_FSDP_ACTION = 9
 # Per step: the microbatch losses stacked and averaged, the global loss reduced, the schedule's
 # bookkeeping (19 in a single-rank step, 23-33 on pipelined ranks).
 KERNELS_STEP = 20
@@ -1004,14 +1008,14 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         # ZeRO-1 (ZeroRedundancyOptimizer) updates whole tensors, a share of them per rank; FSDP2's
         # optimizer updates every tensor's local shard.
         optim_tensors = -(-tensors // zero_shards) if plan.zero == 1 else tensors
+        actions = 2 * m * len(stages_at[c]) if p_size > 1 else 0  # stage forwards and backwards
         kernels = ((kernels_mb + recompute_kernels) * m + KERNELS_STEP + tensors * KERNELS_ZERO_GRAD
                    + (tensors * KERNELS_GRAD_SYNC if dp > 1 and not fsdp else 0) + fsdp_events * KERNELS_FSDP
-                   + optim_tensors * KERNELS_ADAMW)
+                   + (actions * KERNELS_FSDP_ACTION if fsdp_events else 0) + optim_tensors * KERNELS_ADAMW)
         kernel_s = kernels * (device.kernel_us or 0.0) * 1e-6
         recompute_s = recompute_flops / flops_per_s + recompute_kernels * m * (device.kernel_us or 0.0) * 1e-6
         # The framework's Python beyond its kernels: the schedule's per-action work (p2p set-up,
         # stage bookkeeping, its backward call) and FSDP2's hooks around each collective.
-        actions = 2 * m * len(stages_at[c]) if p_size > 1 else 0
         framework_s = (actions * (device.stage_cpu_us or 0.0) + fsdp_events * (device.fsdp_cpu_us or 0.0)) * 1e-6
         compute += recompute_flops / flops_per_s + kernel_s + framework_s
         host = compute + sum(c.calls * (device.collective_cpu_us or 0.0) * 1e-6 for c in comms)
