@@ -28,7 +28,7 @@ from meshllm_dsl.ir import (
     Unit,
     UnitFlow,
 )
-from meshllm_dsl.layouts import seq_partial_grad
+from meshllm_dsl.layouts import seq_partial_grad, tied_head_with_own_bias
 from meshllm_dsl.names import ranges
 
 TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32", "fp64": "torch.float64"}
@@ -259,27 +259,24 @@ class _UnitWriter:
         lines: list[Line] = []
         hidden = a["hidden"]
         for c in flow.collectives:
-            if c.where == "input" and c.op == "copy_to":
-                # f and the column layers in one call, so that backward can all-reduce the input
-                # gradient while it computes their weight gradients: a name per layer output.
-                names = [leaf.name for leaf in unit.leaves[:-1]]
-                layers = ", ".join(f"self.{attr}.{name}" for name in names)
-                target = names[0] + "," if len(names) == 1 else ", ".join(names)
+            if c.where != "input" or c.op not in ("copy_to", "gather_seq"):
+                continue
+            # The column layers run inside the collective's call: a name per layer output for the
+            # code below. copy_to_linear all-reduces the input gradient while backward computes the
+            # weight gradients; gather_seq_linear keeps only this rank's slice of the shared input.
+            n = self.n(c.axes)
+            names = [leaf.name for leaf in unit.leaves[:-1]]
+            layers = ", ".join(f"self.{attr}.{name}" for name in names)
+            target = names[0] + "," if len(names) == 1 else ", ".join(names)
+            self.projected = set(names)
+            if c.op == "copy_to":
                 lines.append(Line(f"{target} = rt.copy_to_linear({x}, {self.group(c.axes)}, {layers})",
                                   f"f: [b, s, {hidden}] into the column layers; backward all-reduces over "
-                                  f"{_axes_text(c.axes)} ({self.n(c.axes)}) during their weight gradients"))
-                self.projected = set(names)
-            elif c.where == "input" and c.op == "gather_seq":
-                # The column layers run inside the gather, which keeps only this rank's slice of
-                # their shared input for backward: a name per layer output for the code below.
-                n = self.n(c.axes)
-                names = [leaf.name for leaf in unit.leaves[:-1]]
-                layers = ", ".join(f"self.{attr}.{name}" for name in names)
-                target = names[0] + "," if len(names) == 1 else ", ".join(names)
+                                  f"{_axes_text(c.axes)} ({n}) during their weight gradients"))
+            else:
                 lines.append(Line(f"{target} = rt.gather_seq_linear({x}, {self.group(c.axes)}, {layers})",
                                   f"[b, s/{n}, {hidden}] all-gathered over {_axes_text(c.axes)} ({n}) into the column layers; "
                                   "backward gathers again and reduce-scatters"))
-                self.projected = set(names)
                 if unit.kind == "attention":
                     lines.append(Line(f"b, s, _ = {names[0]}.shape", "the whole sequence"))
         split = next((c for c in flow.collectives if c.where == "input" and c.op == "split_to"), None)
@@ -493,23 +490,22 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
             is_head = item is model.items[-1]
             fused = False  # the head inside rt.gather_seq_linear
             fused_f = False  # the head inside rt.copy_to_linear
+            whole = not tied_head_with_own_bias(item)  # a fused call can take the layer
             if plan.seq_axes and flow is not None:
-                ops = [c.op for c in flow.collectives]
-                # Gather and head in one step (keeps this rank's slice for backward), unless a tied
-                # head has a bias of its own: the two tensors then live on different modules.
-                fused = ops == ["gather_seq"] and not (leaf is not None and leaf.tie is not None and a["bias"])
+                # Gather and head in one step (keeps this rank's slice for backward).
+                fused = [c.op for c in flow.collectives] == ["gather_seq"] and whole
                 if not fused:
                     forward += _seq_lines(w, flow, a["in"])
             elif p.sharded and p.rule == "column":
-                # f and the layer in one call (backward overlaps the all-reduce with the weight
-                # gradient), unless a tied head has a bias of its own on another module.
-                fused_f = not (leaf is not None and leaf.tie is not None and a["bias"])
+                # f and the layer in one call (backward overlaps the all-reduce with the weight gradient).
+                fused_f = whole
                 if not fused_f:
                     forward.append(Line(f"x = rt.copy_to(x, {w.group(p.axes)})",
                                         f"f: [b, s, {a['in']}] identity; backward all-reduces over {_axes_text(p.axes)}"))
             out_local = a["out"] // plan.mesh.size(*p.axes) if p.sharded and p.rule == "column" else a["out"]
+            # A tied head uses the embedding's module where this stage holds it.
+            owner = leaf.tie if leaf is not None and leaf.tie is not None and leaf.tie in held else item.name
             if leaf is not None and leaf.tie is not None:
-                owner = leaf.tie if leaf.tie in held else item.name
                 bias = f", self.{item.name}.bias" if a["bias"] else ""
                 call = f"F.linear(x, self.{owner}.weight{bias})"
             else:
@@ -517,13 +513,11 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
             what = f"Shard(vocab) over {_axes_text(p.axes)}: {out_local} of {a['out']}" if p.sharded else "Replicate"
             if fused:
                 (c,) = flow.collectives  # type: ignore[union-attr]
-                owner = leaf.tie if leaf is not None and leaf.tie is not None and leaf.tie in held else item.name
                 n = w.n(c.axes)
                 forward.append(Line(f"{'logits' if is_head else 'x'}, = rt.gather_seq_linear(x, {w.group(c.axes)}, self.{owner})",
                                     f"[b, s/{n}, {a['in']}] all-gathered over {_axes_text(c.axes)} ({n}) -> "
                                     f"[b, s, {out_local}] {what}; backward gathers again and reduce-scatters"))
             elif fused_f:
-                owner = leaf.tie if leaf is not None and leaf.tie is not None and leaf.tie in held else item.name
                 forward.append(Line(f"{'logits' if is_head else 'x'}, = rt.copy_to_linear(x, {w.group(p.axes)}, self.{owner})",
                                     f"f: [b, s, {a['in']}] -> [b, s, {out_local}] {what}; backward all-reduces over "
                                     f"{_axes_text(p.axes)} during the weight gradient"))

@@ -139,41 +139,24 @@ def _render(specs: dict[str, str], directory: Path) -> dict[str, str]:
     return paths
 
 
-def _runtime_host_time(ctx: Any, path: str) -> dict[str, float]:
-    """This rank's CPU time, kernels and collective calls per training step of a compiled plan."""
-    import importlib.util
-
-    import torch.distributed as dist
-
+def _runtime_host_time(ctx: Any, path: str, out_dir: str) -> dict[str, float]:
+    """This rank's CPU time, kernels and collective calls per training step of a compiled plan, as
+    `meshc run --profile` measures them (runtime.profile.profile_train)."""
     from meshllm_dsl.runtime.launch import synthetic_batch
-    from meshllm_dsl.runtime.profile import CollectiveLog, LiveBytes
+    from meshllm_dsl.runtime.profile import profile_train
+    from meshllm_dsl.verify import load_generated
 
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    program = module.PROGRAM
+    program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
+    # Warm-up, memory step, kernel count, then 5 timed steps.
     batches = [synthetic_batch(program.vocab, program.batch, program.seq, 0, i) for i in range(8)]
-    built.train_step(*batches[0])  # warm-up: schedules built, optimizer states allocated
-    with LiveBytes() as counted:
-        built.train_step(*batches[1])
-    log = CollectiveLog(built.mesh, program.pipeline_axis)
-    dist.barrier()
-    cpu = 0.0
-    with log:
-        for tokens, targets in batches[2:]:
-            c0 = time.process_time()
-            built.train_step(tokens, targets)
-            cpu += time.process_time() - c0
-    steps = len(batches) - 2
-    stats = log.stats.values()
-    p2p = [v for (axes, op), v in log.stats.items() if op.endswith("(wait)")]
+    report = profile_train(built, batches, out_dir)
+    comm = report["collectives"]  # per step
     return {
-        "cpu": cpu / steps, "kernels": counted.ops,
-        "calls": sum(v[0] for v in stats) / steps, "collective_cpu": sum(v[3] for v in stats) / steps,
-        "p2p_calls": sum(v[0] for v in p2p) / steps,
-        "fsdp_calls": sum(v[0] for (axes, op), v in log.stats.items() if op.endswith("_single")) / steps,
+        "cpu": report["cpu_s"], "kernels": report["kernels"],
+        "calls": sum(c["calls"] for c in comm), "collective_cpu": sum(c["cpu_s"] for c in comm),
+        "p2p_calls": sum(c["calls"] for c in comm if c["op"].endswith("(wait)")),
+        "fsdp_calls": sum(c["calls"] for c in comm if c["op"].endswith("_single")),
     }
 
 
@@ -279,7 +262,7 @@ def calibrate(name: str, ranks: int) -> str:
         paths = _render(calibration_specs(ranks), Path(tmp))
         with WorkerPool(world_size=ranks, timeout=600.0, preload=["torch", "torch.distributed"]) as pool:
             per_rank = pool.run(_job, ranks)
-            runs = {k: pool.run(_runtime_host_time, ranks, path) for k, path in paths.items()}
+            runs = {k: pool.run(_runtime_host_time, ranks, path, str(Path(tmp) / k)) for k, path in paths.items()}
     first = per_rank[0]
     host = _host_costs(runs)
     # Never more than the processes, nor the CPUs.

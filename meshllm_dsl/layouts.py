@@ -266,3 +266,11 @@ def seq_partial_grad(plan: PlanIR, unit: Unit, leaf: Leaf, t: Tensor) -> tuple[s
     if unit.kind in ("attention", "mlp") and leaf is unit.leaves[-1] and len(t.shape) == 1:
         return plan.seq_axes
     return ()
+
+
+def tied_head_with_own_bias(unit: Unit) -> bool:
+    """A linear tied to another unit's weight that keeps a bias of its own. Weight and bias then live
+    on different modules, so no fused column call (rt.copy_to_linear, rt.gather_seq_linear) takes
+    the layer whole: codegen issues the collective and the layer apart, and the planner counts that."""
+    return unit.kind == "linear" and any(
+        leaf.tie is not None and any(t.name == "bias" for t in leaf.params) for leaf in unit.leaves)

@@ -44,7 +44,7 @@ from meshllm_dsl.ir import (
     Unit,
     UnitFlow,
 )
-from meshllm_dsl.layouts import seq_partial_grad
+from meshllm_dsl.layouts import seq_partial_grad, tied_head_with_own_bias
 from meshllm_dsl.names import ranges
 from meshllm_dsl.source import Span
 
@@ -540,14 +540,14 @@ def _leaf_tensors(hu: HeldUnit) -> int:
 def _copy_to_linear_saving(unit: Unit) -> int:
     """Kernels `rt.copy_to_linear` saves against Megatron's f then the column layers one by one: it
     runs them as one Function, 5 fewer per layer and 1 fewer per bias, less one (counted per
-    microbatch on gloo ranks). Codegen fuses every f with the column layers that follow it, except
-    a tied head with a bias of its own."""
+    microbatch on gloo ranks). Codegen fuses every f with the column layers that follow it, unless
+    no fused call can take the layer (layouts.tied_head_with_own_bias)."""
+    if tied_head_with_own_bias(unit):
+        return 0
     columns = [leaf for leaf in unit.leaves if leaf.kind == "linear"]
     if unit.kind != "linear":
         columns = columns[:-1]  # the row layer that closes the unit runs after
     biased = sum(1 for leaf in columns if any(t.name == "bias" for t in leaf.params))
-    if unit.kind == "linear" and biased and any(leaf.tie is not None for leaf in columns):
-        return 0
     return 5 * len(columns) - 1 + biased if columns else 0
 
 
@@ -851,7 +851,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         floor = 2 * w * tokens_mb * hidden  # any unit's backward: the gradients of its input and output
         rise = rise_first = 0  # the most one microbatch's backward holds beyond its saved activations
         upcast = DTYPES[plan.reduce_dtype or plan.dtype] > w
-        fsdp_units: list[tuple[Stage, int, int]] = []  # per stage: FSDP2 units, their local parameters
+        # Per stage: its blocks, its local parameters, and those outside the blocks (the stage root's).
+        stage_parts: list[tuple[Stage, int, int, int]] = []
         for stage in stages_at[c]:
             walk: list[tuple[str, int, int, int, int]] = []  # the stage's units, for backward_rise
             stage_top = stage_local = 0
@@ -907,15 +908,13 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 seq_grads += hu.count * sum(t.numel for lf in hu.unit.leaves for t in lf.params
                                             if seq_partial_grad(plan, hu.unit, lf, t))
                 holds_head |= hu.last
-            # runtime/fsdp.py: each block is a unit, then the stage itself (if it has parameters of its own).
             blocks_in_stage = sum((pc.stop or 0) - (pc.start or 0) for pc in stage.pieces
                                   if isinstance(model.item(pc.item), Repeat))
-            fsdp_units.append((stage, blocks_in_stage + (stage_top > 0), stage_local))
+            stage_parts.append((stage, blocks_in_stage, stage_local, stage_top))
             rise = max(rise, backward_rise(walk, upcast=upcast))
             rise_first = max(rise_first, backward_rise(walk, first=True, upcast=upcast))
         if plan.recompute == "blocks":
-            blocks_here = sum((pc.stop or 0) - (pc.start or 0) for st_ in stages_at[c] for pc in st_.pieces
-                              if isinstance(model.item(pc.item), Repeat))
+            blocks_here = sum(blocks for _, blocks, _, _ in stage_parts)
             act_mb += blocks_here * w * (tokens_mb // _seq_size(plan)) * hidden  # each checkpointed block keeps its input
             # The forward of every block runs again in backward: 2 flops per parameter and token.
             recompute_flops += 2 * sum(block_local.values()) * (plan.batch // dp) * plan.seq
@@ -984,7 +983,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 # FSDP2, unit by unit: parameters gathered in the compute dtype, gradients
                 # reduce-scattered in the reduce dtype, as often as fsdp_unit_collectives says.
                 gathers = gathered_b = scatters = scattered_b = 0
-                for stage, units, numel in fsdp_units:
+                for stage, blocks, numel, top in stage_parts:
+                    units = blocks + (top > 0)  # runtime/fsdp.py: each block, then the stage root if it holds parameters
                     actions = (stage_actions(plan.schedule, len(plan.stages), stage.index, m)
                                if p_size > 1 else None)
                     g, r = fsdp_unit_collectives(plan.zero, actions, m)
@@ -1061,13 +1061,16 @@ def exposed_data_seconds(plan: PlanIR, device: DeviceProfile, rc: RankClass) -> 
     and FSDP2 prefetches the next unit's gather (torchtitan relies on this), so only what exceeds the
     rank's compute is exposed. Host-bound ranks (a device with `kernel`) overlap nothing."""
     data = rc.comm_seconds(("data",))
-    if plan.zero < 2 or device.kernel_us is not None:
-        return data
-    return max(0.0, data - rc.compute_s)
+    return max(0.0, data - rc.compute_s) if fsdp_overlaps_compute(plan, device) else data
+
+
+def fsdp_overlaps_compute(plan: PlanIR, device: DeviceProfile) -> bool:
+    """FSDP2 (ZeRO 2 / 3) on a device that runs its collectives beside the compute (not host-bound)."""
+    return plan.zero >= 2 and device.kernel_us is None
 
 
 def _overlap_note(rep: PlanReport) -> str:
-    if rep.plan.zero < 2 or rep.device.kernel_us is not None:
+    if not fsdp_overlaps_compute(rep.plan, rep.device):
         return ""
     total = max(rc.comm_seconds(("data",)) for rc in rep.ranks)
     return f"   exposed of FSDP2's {fmt_seconds(total)}, which overlap the compute unit by unit" if total else ""

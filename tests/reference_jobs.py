@@ -20,3 +20,16 @@ def compare_job(ctx: Any, path: str, steps: int = 3) -> dict[str, dict[str, floa
     mesh = ctx.mesh(program.axes)
     return {name: compare_to_reference(program, mesh, dtype=getattr(torch, name), seed=0, steps=steps)
             for name in ("float32", "float64")}
+
+
+def profile_job(ctx: Any, path: str, out: str) -> dict[str, Any]:
+    """On each rank: `meshc run --profile`'s report (runtime.profile.profile_train) for the generated
+    module at `path`, over 4 synthetic batches: warm-up, memory step, kernel count, one timed step."""
+    from meshllm_dsl.runtime.launch import synthetic_batch
+    from meshllm_dsl.runtime.profile import profile_train
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    batches = [synthetic_batch(program.vocab, program.batch, program.seq, 0, s) for s in range(4)]
+    return profile_train(built, batches, out)

@@ -14,6 +14,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from reference_jobs import profile_job  # noqa: E402 - after the torch skip
+
 from meshllm_dsl.checker import check_text  # noqa: E402 - after the torch skip
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402 - after the torch skip
 from meshllm_dsl.planner import analyze  # noqa: E402 - after the torch skip
@@ -139,17 +141,6 @@ def test_planner_bytes_match_runtime(name: str, pool: WorkerPool, tmp_path: Path
             assert total == k * by_coord[coord].params_local
 
 
-def _profile_job(ctx: RankContext, path: str, out: str) -> dict[str, Any]:
-    from meshllm_dsl.runtime.launch import synthetic_batch
-    from meshllm_dsl.runtime.profile import profile_train
-    from meshllm_dsl.verify import load_generated
-
-    program = load_generated(path).PROGRAM
-    built = program.build(ctx.mesh(program.axes), seed=0)
-    batches = [synthetic_batch(program.vocab, program.batch, program.seq, 0, s) for s in range(4)]  # warm-up, memory, kernel count, timed
-    return profile_train(built, batches, out)
-
-
 def test_profile_measures_zero3_ranks_as_the_planner_predicts(pool: WorkerPool, tmp_path: Path) -> None:
     # `meshc run --profile` on FSDP2's DTensors: its memory probes see each rank's slices, and the
     # data-parallel all-gathers / reduce-scatters are logged.
@@ -157,7 +148,7 @@ def test_profile_measures_zero3_ranks_as_the_planner_predicts(pool: WorkerPool, 
     (plan,) = check_text(CASES[name], f"{name}.mesh").plans.values()
     path = tmp_path / f"{name}.py"
     path.write_text(render_plan(plan, f"{name}.mesh", CASES[name]))
-    reports = pool.run(_profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
+    reports = pool.run(profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
     by_coord = {rc.coord: rc for rc in analyze(plan).ranks}
     for rank, rep in enumerate(reports):
         rc = by_coord[plan.mesh.coords(rank)["pipeline"]]
@@ -195,7 +186,7 @@ def test_pipelined_fsdp_peak_matches_runtime(name: str, pool: WorkerPool, tmp_pa
     (plan,) = check_text(text, f"{name}.mesh").plans.values()
     path = tmp_path / f"{name}.py"
     path.write_text(render_plan(plan, f"{name}.mesh", text))
-    reports = pool.run(_profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
+    reports = pool.run(profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
     by_coord = {rc.coord: rc for rc in analyze(plan).ranks}
     accum_bytes = 4  # fp32 in both: `reduce = fp32`, or an fp32 model
     for rank, rep in enumerate(reports):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import attrs
 import pytest
+from reference_jobs import profile_job
 
 from meshllm_dsl.checker import check_file, check_text
 from meshllm_dsl.cli_plan import load_checked
@@ -137,23 +138,6 @@ def test_host_terms_in_the_report(tmp_path: Path) -> None:
     assert data["step"]["shared_s"] == rep.step.shared_s and data["ranks"][0]["kernels"] == rep.ranks[0].kernels
 
 
-def _profile_job(ctx, path: str, out: str):  # type: ignore[no-untyped-def]
-    import torch
-
-    from meshllm_dsl.runtime.profile import profile_train
-    from meshllm_dsl.verify import load_generated
-
-    program = load_generated(path).PROGRAM
-    built = program.build(ctx.mesh(program.axes), seed=0)
-    gen = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(4):
-        tokens = torch.randint(0, program.vocab, (program.batch, program.seq), generator=gen)
-        batches.append((tokens, torch.roll(tokens, -1, dims=1)))
-    return profile_train(built, batches, out)
-
-
-
 @pytest.mark.parametrize("name", ["single_llama", "tiny_gpt2", "tiny_llama"])
 def test_planned_kernels_match_the_runtime(name: str, pool, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     from meshllm_dsl.codegen.emit import render_plan
@@ -163,7 +147,7 @@ def test_planned_kernels_match_the_runtime(name: str, pool, tmp_path: Path) -> N
     path = tmp_path / "gen.py"
     path.write_text(render_plan(plan, "t.mesh", text))
     rep = analyze(plan, PROFILES["cpu"])
-    reports = pool.run(_profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
+    reports = pool.run(profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
     for rank, got in enumerate(reports):
         coord = plan.mesh.coords(rank).get(plan.pipeline_axis, 0) if plan.pipeline_axis else 0
         planned = next(rc.kernels for rc in rep.ranks if rc.coord == coord)
@@ -215,7 +199,7 @@ def test_planned_fsdp_collectives_match_the_runtime(zero: int, schedule: str | N
     path = tmp_path / "gen.py"
     path.write_text(render_plan(plan, "t.mesh", text))
     rep = analyze(plan, PROFILES["cpu"])
-    reports = pool.run(_profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
+    reports = pool.run(profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
     for rank, got in enumerate(reports):
         coord = plan.mesh.coords(rank).get(plan.pipeline_axis, 0) if plan.pipeline_axis else 0
         rc = next(rc for rc in rep.ranks if rc.coord == coord)
