@@ -215,6 +215,36 @@ def split_seq(x: Tensor, group: ProcessGroup | None) -> Tensor:
     return _SplitTo.apply(x, group, SEQ_DIM)
 
 
+def _column_forward(ctx: Any, x: Tensor, inp: Tensor, group: ProcessGroup, params: tuple[Tensor | None, ...]) -> tuple[Tensor, ...]:
+    """Column layers (weight, bias pairs in ``params``) applied to ``inp``; ``x`` and the weights
+    saved for backward, one [b, s, out_local] output per layer."""
+    weights, biases = params[0::2], params[1::2]
+    ctx.group, ctx.has_bias = group, tuple(b is not None for b in biases)
+    ctx.save_for_backward(x, *weights)
+    return tuple(F.linear(inp, w, b) for w, b in zip(weights, biases))
+
+
+def _column_input_grad(g2s: list[Tensor | None], weights: list[Tensor]) -> Tensor | None:
+    """This rank's partial sum of the shared input's gradient, [tokens, h], accumulated in place
+    (no temporary per layer); None when no output has a gradient."""
+    gx: Tensor | None = None
+    for g2, w in zip(g2s, weights):
+        if g2 is not None:
+            gx = g2 @ w if gx is None else gx.addmm_(g2, w)
+    return gx
+
+
+def _column_param_grads(ctx: Any, g2s: list[Tensor | None], flat: Tensor) -> list[Tensor | None]:
+    """Each layer's weight gradient [out_local, h] (from the input ``flat`` [tokens, h]) and bias
+    gradient, where autograd wants them."""
+    out: list[Tensor | None] = []
+    for i, (g2, has_bias) in enumerate(zip(g2s, ctx.has_bias)):
+        wants_weight, wants_bias = ctx.needs_input_grad[2 + 2 * i : 4 + 2 * i]
+        out.append(g2.t() @ flat if g2 is not None and wants_weight else None)
+        out.append(g2.sum(0) if g2 is not None and has_bias and wants_bias else None)
+    return out
+
+
 class _GatherSeqLinear(torch.autograd.Function):
     """All-gather x along the sequence, then column layers on the whole sequence; for backward keep
     only this rank's slice of x and gather it again there (Megatron's
@@ -223,11 +253,7 @@ class _GatherSeqLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: ProcessGroup, *params: Tensor | None) -> tuple[Tensor, ...]:
-        full = _all_gather_cat(x, group, SEQ_DIM)
-        weights, biases = params[0::2], params[1::2]
-        ctx.group, ctx.has_bias = group, tuple(b is not None for b in biases)
-        ctx.save_for_backward(x, *weights)
-        return tuple(F.linear(full, w, b) for w, b in zip(weights, biases))
+        return _column_forward(ctx, x, _all_gather_cat(x, group, SEQ_DIM), group, params)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -235,16 +261,10 @@ class _GatherSeqLinear(torch.autograd.Function):
         # [b, s / t, h] -> [b, s, h] again: the weight gradients need the whole sequence.
         full = _all_gather_cat(x, ctx.group, SEQ_DIM)
         flat = full.reshape(-1, full.shape[-1])
-        gx: Tensor | None = None  # [tokens, h], accumulated in place (no temporary per layer)
-        out: list[Tensor | None] = []
-        for g, w, has_bias in zip(grads, weights, ctx.has_bias):
-            if g is None:
-                out += [None, None]
-                continue
-            g2 = g.reshape(-1, g.shape[-1])
-            gx = g2 @ w if gx is None else gx.addmm_(g2, w)
-            out += [g2.t() @ flat, g2.sum(0) if has_bias else None]
+        g2s = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grads]
+        gx = _column_input_grad(g2s, weights)
         gx = torch.zeros_like(flat) if gx is None else gx
+        out = _column_param_grads(ctx, g2s, flat)
         # Each rank's input gradient is a partial sum over the tensor group: reduce-scatter it.
         return (_reduce_scatter(gx.view_as(full), ctx.group, SEQ_DIM), None, *out)
 
@@ -258,29 +278,22 @@ class _CopyToLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: ProcessGroup, *params: Tensor | None) -> tuple[Tensor, ...]:
-        weights, biases = params[0::2], params[1::2]
-        ctx.group, ctx.has_bias = group, tuple(b is not None for b in biases)
-        ctx.save_for_backward(x, *weights)
-        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+        return _column_forward(ctx, x, x, group, params)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
         flat = x.reshape(-1, x.shape[-1])  # [b*s, h]
         # [b*s, out_local] per layer (autograd passes zeros, not None, for an unused output).
-        g2s = [g.reshape(-1, g.shape[-1]) for g in grads]
+        g2s = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grads]
         gx, work = None, None
         if ctx.needs_input_grad[0]:
-            gx = g2s[0] @ weights[0]  # this rank's partial sum of x's gradient, accumulated in place
-            for g2, w in zip(g2s[1:], weights[1:]):
-                gx.addmm_(g2, w)
+            gx = _column_input_grad(g2s, weights)
+            if gx is None:
+                gx = torch.zeros_like(flat)
             # [b*s, h] all-reduce over tensor, in flight while the weight gradients are computed.
             work = dist.all_reduce(gx, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True)
-        out: list[Tensor | None] = []
-        for i, (g2, has_bias) in enumerate(zip(g2s, ctx.has_bias)):
-            wants_weight, wants_bias = ctx.needs_input_grad[2 + 2 * i : 4 + 2 * i]
-            out.append(g2.t() @ flat if wants_weight else None)  # [out_local, h]
-            out.append(g2.sum(0) if has_bias and wants_bias else None)
+        out = _column_param_grads(ctx, g2s, flat)
         if work is not None:
             work.wait()
         return (None if gx is None else gx.view_as(x), None, *out)
