@@ -9,6 +9,8 @@ call them unconditionally.
 
 from __future__ import annotations
 
+import os
+import time
 from typing import Any
 
 import torch
@@ -19,6 +21,9 @@ from torch.distributed import ProcessGroup
 
 __all__ = [
     "all_reduce_sum",
+    "all_reduce_",
+    "polls",
+    "wait",
     "copy_to",
     "copy_to_linear",
     "gather_from",
@@ -35,14 +40,57 @@ __all__ = [
 SEQ_DIM = 1
 
 
+# CPUs this process may run on (its affinity, not the machine's count).
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def polls(x: Tensor) -> bool:
+    """Whether to wait for a collective on ``x`` by polling it rather than blocking.
+
+    Only gloo (CPU tensors) and only while this host runs no more ranks than it has cores.  A
+    blocked rank sleeps, its core idles, and waking it when gloo's threads finish costs far more
+    than the transfer on a virtual machine: a 512 KiB all-reduce right after compute took 1-9 ms
+    blocked against ~0.5-0.8 ms polled, and the tensor-parallel step of bench/vs_dtensor.py went
+    from 131-136 ms to 109-118 ms.  With more ranks than cores a polling rank takes CPU from a
+    rank with work: tiny_llama on 8 ranks over 2 cores ran 6-7x slower polled, so it blocks.
+    """
+    if x.device.type != "cpu":
+        return False  # NCCL's wait only orders streams; polling would block the host on the GPU
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    ranks = int(local) if local.isdigit() else dist.get_world_size()
+    return ranks <= _CORES
+
+
+# Past this, a wait blocks after all: a peer that lags this long costs more than one wake-up, and
+# a Work that never reports completion (gloo's reduce_scatter_single does not, hence it is never
+# polled) cannot spin forever.
+_POLL_SECONDS = 0.05
+
+
+def wait(work: Any, x: Tensor) -> None:
+    """Wait for ``work``, an all-reduce or all-gather of ``x`` started with ``async_op=True``
+    (their gloo Work reports ``is_completed``); raises what it raised (a peer that died, the
+    group's timeout)."""
+    if polls(x):
+        deadline = time.perf_counter() + _POLL_SECONDS
+        # sched_yield: gloo's own threads, which do the transfer, get this core at once.
+        while not work.is_completed() and time.perf_counter() < deadline:
+            os.sched_yield()
+    work.wait()
+
+
+def all_reduce_(x: Tensor, group: ProcessGroup, op: Any = dist.ReduceOp.SUM) -> Tensor:
+    """In-place all-reduce of ``x`` over ``group`` (waited for as ``wait`` says); returns x."""
+    wait(dist.all_reduce(x, op=op, group=group, async_op=True), x)
+    return x
+
+
 def all_reduce_sum(x: Tensor, group: ProcessGroup | None) -> Tensor:
     """Out-of-place sum over ``group`` without autograd."""
     if group is None:
         return x
-    out = x.contiguous().clone()
     # [any shape] -> same shape, summed over the group.
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
+    return all_reduce_(x.contiguous().clone(), group)
 
 
 def _all_gather_cat(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
@@ -51,7 +99,7 @@ def _all_gather_cat(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
         for _ in range(dist.get_world_size(group))
     ]
     # [.., n_local, ..] per rank -> [.., n_local * world, ..] along dim, in group-rank order.
-    dist.all_gather(parts, x.contiguous(), group=group)
+    wait(dist.all_gather(parts, x.contiguous(), group=group, async_op=True), x)
     return torch.cat(parts, dim=dim)
 
 
@@ -70,7 +118,7 @@ def _reduce_scatter(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
     full = x.movedim(dim, 0).contiguous()
     out = torch.empty((full.shape[0] // n, *full.shape[1:]), dtype=x.dtype, device=x.device)
     # [.., s, ..] per rank -> [.., s / n, ..]: the sum over the group of this rank's chunk along dim.
-    dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)
+    dist.reduce_scatter_single(out, full, op=dist.ReduceOp.SUM, group=group)  # blocks: see wait
     # Contiguous again: the result is the residual stream, which pipeline stages send as is.
     return out.movedim(0, dim).contiguous()
 
@@ -295,7 +343,7 @@ class _CopyToLinear(torch.autograd.Function):
             work = dist.all_reduce(gx, op=dist.ReduceOp.SUM, group=ctx.group, async_op=True)
         out = _column_param_grads(ctx, g2s, flat)
         if work is not None:
-            work.wait()
+            wait(work, gx)
         return (None if gx is None else gx.view_as(x), None, *out)
 
 

@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from .collectives import all_reduce_
+
 __all__ = [
     "DecodeSession",
     "KVCache",
@@ -294,7 +296,7 @@ class _VocabParallelCE(torch.autograd.Function):
         n_local = x.shape[-1]
         # [N, Vl] -> [N]: global max over the vocab axis, for a stable log-sum-exp.
         gmax = x.max(dim=-1).values
-        dist.all_reduce(gmax, op=dist.ReduceOp.MAX, group=group)
+        all_reduce_(gmax, group, dist.ReduceOp.MAX)
         shifted = x - gmax.unsqueeze(-1)
         local_t = t - vocab_start
         outside = (local_t < 0) | (local_t >= n_local)
@@ -307,7 +309,7 @@ class _VocabParallelCE(torch.autograd.Function):
         sum_exp = exp.sum(dim=-1)
         # Two [N] all-reduces (sum) over the vocab axis; the logits themselves never move.
         packed = torch.stack([target_logit, sum_exp])
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=group)
+        all_reduce_(packed, group)
         target_logit, sum_exp = packed[0], packed[1]
         loss = (sum_exp.log() - target_logit).mean()
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, outside)

@@ -187,6 +187,7 @@ class CollectiveLog:
                 if group is not None:
                     self.labels[tuple(dist.get_process_group_ranks(group))] = " x ".join(subset)
         self.stats: dict[tuple[str, str], list[float]] = {}  # (axes, op) -> [calls, bytes, s, cpu s]
+        self._pending: dict[int, tuple[str, str]] = {}  # id(async work) -> its stats key
         self._saved: list[tuple[Any, str, Any]] = []
 
     def _label(self, group: Any) -> str:
@@ -195,9 +196,9 @@ class CollectiveLog:
         ranks = tuple(self.dist.get_process_group_ranks(group))
         return self.labels.get(ranks, "ranks " + ",".join(map(str, ranks)))
 
-    def _add(self, axes: str, op: str, nbytes: int, seconds: float, cpu: float) -> None:
+    def _add(self, axes: str, op: str, nbytes: int, seconds: float, cpu: float, calls: int = 1) -> None:
         entry = self.stats.setdefault((axes, op), [0, 0, 0.0, 0.0])
-        entry[0] += 1
+        entry[0] += calls
         entry[1] += nbytes
         entry[2] += seconds
         entry[3] += cpu
@@ -210,22 +211,39 @@ class CollectiveLog:
     def __enter__(self) -> CollectiveLog:
         import torch.distributed as dist
 
+        from . import collectives
+
         for op in (op for op in _SYNC_OPS if hasattr(dist, op)):
 
             def make(original: Any, op: str = op) -> Any:
                 def timed(*args: Any, **kwargs: Any) -> Any:
-                    group = kwargs.get("group")
+                    key = (self._label(kwargs.get("group")), op)
                     start, cpu = time.perf_counter(), time.process_time()
                     out = original(*args, **kwargs)
-                    self._add(
-                        self._label(group), op, _nbytes(args[:1]), time.perf_counter() - start,
-                        time.process_time() - cpu,
-                    )
+                    self._add(*key, _nbytes(args[:1]), time.perf_counter() - start, time.process_time() - cpu)
+                    if kwargs.get("async_op") and out is not None:
+                        self._pending[id(out)] = key  # its wait, if the runtime's, counts too
                     return out
 
                 return timed
 
             self._wrap(dist, op, make)
+
+        def make_own_wait(original: Any) -> Any:
+            def timed(work: Any, *args: Any) -> Any:
+                key = self._pending.pop(id(work), None)
+                start, cpu = time.perf_counter(), time.process_time()
+                out = original(work, *args)
+                if key is not None:
+                    self._add(*key, 0, time.perf_counter() - start, time.process_time() - cpu, calls=0)
+                return out
+
+            return timed
+
+        # The runtime's own collectives start async and wait in collectives.wait (polling or
+        # blocking): a call's time is its launch plus that wait.  Others' async work (FSDP2's)
+        # is timed at launch only, as before.
+        self._wrap(collectives, "wait", make_own_wait)
         schedules = sys.modules.get("torch.distributed.pipelining.schedules")
         if schedules is not None:
             pending: list[int] = [0]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from . import fsdp
-from .collectives import all_reduce_sum
+from .collectives import all_reduce_, all_reduce_sum
 from .mesh import Mesh
 from .shards import ShardSpec, full_init, gather_full, local_slice
 
@@ -164,7 +164,7 @@ def _all_reduce_coalesced(tensors: list[Tensor], group: dist.ProcessGroup | None
             bucket = same[start:end]
             flat = torch.cat([t.reshape(-1) for t in bucket])
             # [sum of bucket numels]: gradients of this rank's shards, summed over the replicas.
-            dist.all_reduce(flat, group=group)
+            all_reduce_(flat, group)
             if divide_by != 1:
                 flat.div_(divide_by)
             for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
