@@ -502,7 +502,7 @@ KERNELS = {
     "vocab_parallel_embedding": 11,  # mask the ids outside the shard, look up, zero the masked rows
     "positional": 7,  # position ids, lookup, add
     "cross_entropy": 10,
-    "vocab_parallel_cross_entropy": 36,  # max, exp-sum and target logit reduced over the shards
+    "vocab_parallel_cross_entropy": 44,  # each shard's log-sum-exp and target logit, one all-gather, combined
     "copy_to": 3,  # Megatron's operators around the tensor-parallel collective
     "reduce_from": 2,
     "split_to": 3,
@@ -965,9 +965,10 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             # The norms' (and row biases') partial gradients, coalesced into one all-reduce per step.
             comms.append(_comm(plan, device, plan.seq_axes, "tensor", "all_reduce", 1, w * seq_grads))
         if holds_head and plan.loss.sharded:
-            # Vocab-parallel cross entropy: all-reduce the per-token max, then the sum of exps and the
-            # target logit packed into one call: 2 calls and 3 fp32 per token per microbatch.
-            comms.append(_comm(plan, device, plan.loss.axes, "loss", "all_reduce", 2 * m, 3 * FP32 * tokens_mb // 2))
+            # Vocab-parallel cross entropy: one all-gather per microbatch of each shard's log-sum-exp
+            # and target logit, 2 fp32 per token from each of the loss group's ranks.
+            n_loss = plan.mesh.size(*plan.loss.axes)
+            comms.append(_comm(plan, device, plan.loss.axes, "loss", "all_gather", m, n_loss * 2 * FP32 * tokens_mb))
         if plan.pipeline_axis and p_size > 1:
             sends = sum((s.index < len(plan.stages) - 1) + (s.index > 0) for s in stages_at[c])
             comms.append(_comm(plan, device, (plan.pipeline_axis,), "pipeline", "send_recv", sends * m,

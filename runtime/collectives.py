@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
 __all__ = [
+    "all_gather_cat",
     "all_reduce_sum",
     "all_reduce_",
     "polls",
@@ -93,7 +94,7 @@ def all_reduce_sum(x: Tensor, group: ProcessGroup | None) -> Tensor:
     return all_reduce_(x.contiguous().clone(), group)
 
 
-def _all_gather_cat(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
+def all_gather_cat(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
     parts = [
         torch.empty_like(x, memory_format=torch.contiguous_format)
         for _ in range(dist.get_world_size(group))
@@ -148,7 +149,7 @@ class _GatherFrom(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
         ctx.group, ctx.dim = group, dim
-        return _all_gather_cat(x, group, dim)
+        return all_gather_cat(x, group, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
@@ -163,14 +164,14 @@ class _SplitTo(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        return _all_gather_cat(grad, ctx.group, ctx.dim), None, None
+        return all_gather_cat(grad, ctx.group, ctx.dim), None, None
 
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: ProcessGroup) -> Tensor:
         ctx.group = group
-        return _all_gather_cat(x, group, SEQ_DIM)
+        return all_gather_cat(x, group, SEQ_DIM)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
@@ -185,7 +186,7 @@ class _ReduceScatterSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return _all_gather_cat(grad, ctx.group, SEQ_DIM), None
+        return all_gather_cat(grad, ctx.group, SEQ_DIM), None
 
 
 def copy_to(x: Tensor, group: ProcessGroup | None) -> Tensor:
@@ -301,13 +302,13 @@ class _GatherSeqLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, group: ProcessGroup, *params: Tensor | None) -> tuple[Tensor, ...]:
-        return _column_forward(ctx, x, _all_gather_cat(x, group, SEQ_DIM), group, params)
+        return _column_forward(ctx, x, all_gather_cat(x, group, SEQ_DIM), group, params)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
         x, *weights = ctx.saved_tensors
         # [b, s / t, h] -> [b, s, h] again: the weight gradients need the whole sequence.
-        full = _all_gather_cat(x, ctx.group, SEQ_DIM)
+        full = all_gather_cat(x, ctx.group, SEQ_DIM)
         flat = full.reshape(-1, full.shape[-1])
         g2s = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grads]
         gx = _column_input_grad(g2s, weights)

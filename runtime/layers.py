@@ -11,12 +11,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from .collectives import all_reduce_
+from .collectives import all_gather_cat
 
 __all__ = [
     "DecodeSession",
@@ -294,25 +293,22 @@ class _VocabParallelCE(torch.autograd.Function):
         x = logits.reshape(-1, logits.shape[-1]).to(_compute_dtype(logits.dtype))
         t = targets.reshape(-1)
         n_local = x.shape[-1]
-        # [N, Vl] -> [N]: global max over the vocab axis, for a stable log-sum-exp.
-        gmax = x.max(dim=-1).values
-        all_reduce_(gmax, group, dist.ReduceOp.MAX)
-        shifted = x - gmax.unsqueeze(-1)
         local_t = t - vocab_start
         outside = (local_t < 0) | (local_t >= n_local)
         local_t = local_t.masked_fill(outside, 0)
+        # Each shard's own log-sum-exp, stable against its own max; the global one combines them.
+        local_max = x.max(dim=-1).values  # [N]
+        exp = (x - local_max.unsqueeze(-1)).exp_()  # in place: one [N, Vl] buffer, the saved softmax
+        local_lse = exp.sum(dim=-1).log_().add_(local_max)
         # [N]: the target logit lives on exactly one rank; the others contribute zero.
-        target_logit = (
-            shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
-        )
-        exp = shifted.exp_()  # in place: one [N, Vl] buffer becomes the saved softmax
-        sum_exp = exp.sum(dim=-1)
-        # Two [N] all-reduces (sum) over the vocab axis; the logits themselves never move.
-        packed = torch.stack([target_logit, sum_exp])
-        all_reduce_(packed, group)
-        target_logit, sum_exp = packed[0], packed[1]
-        loss = (sum_exp.log() - target_logit).mean()
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, outside)
+        target_logit = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        # [1, 2, N] per rank -> [t, 2, N]: one all-gather over the vocab axis (not an all-reduce of
+        # the max and then one of the sums, so one wait per step); the logits themselves never move.
+        shards = all_gather_cat(torch.stack([local_lse, target_logit]).unsqueeze(0), group, 0)
+        lse = torch.logsumexp(shards[:, 0], dim=0)
+        loss = (lse - shards[:, 1].sum(0)).mean()
+        # exp(x - max) * exp(max - lse) = softmax, in place.
+        ctx.save_for_backward(exp.mul_((local_max - lse).exp_().unsqueeze(-1)), local_t, outside)
         ctx.shape, ctx.dtype = logits.shape, logits.dtype
         return loss
 

@@ -260,3 +260,25 @@ def _vocab_ce_job(ctx: RankContext, tp: int) -> tuple[float, float]:
 def test_vocab_parallel_cross_entropy_matches_unsharded(pool: WorkerPool, tp: int) -> None:
     for loss_err, grad_err in pool.run(_vocab_ce_job, tp, tp):
         assert loss_err <= 1e-10 and grad_err <= 1e-12
+
+
+def _padded_vocab_ce_job(ctx: RankContext) -> tuple[float, float]:
+    """Vocab 5 padded to 8 over 4 ranks: rank 3's shard is all padding, rank 2's half. Its
+    log-sum-exp is the dtype's lowest value and must vanish from the global one."""
+    mesh = ctx.mesh([("tensor", 4)])
+    group, i = mesh.group("tensor"), mesh.index("tensor")
+    gen = torch.Generator().manual_seed(9)
+    full = (30.0 * torch.randn(2, 3, 8, generator=gen, dtype=torch.float64)).requires_grad_()
+    targets = torch.randint(0, 5, (2, 3), generator=gen)
+    want = torch.nn.functional.cross_entropy(full[..., :5].reshape(-1, 5), targets.view(-1))
+    want.backward()
+    local = rt.split_to(full.detach(), group, dim=-1).requires_grad_()
+    got = rt.vocab_parallel_cross_entropy(rt.mask_vocab(local, 2 * i, 5), targets, group, 2 * i)
+    got.backward()
+    grad = rt.gather_from(local.grad, group, dim=-1)
+    return abs(got.item() - want.item()), (grad - full.grad).abs().max().item()
+
+
+def test_vocab_parallel_cross_entropy_with_a_shard_of_padding_only(pool: WorkerPool) -> None:
+    for loss_err, grad_err in pool.run(_padded_vocab_ce_job, 4):
+        assert loss_err <= 1e-12 and grad_err <= 1e-14
