@@ -182,20 +182,23 @@ plan p on m for l {{
 PIPELINED = "stages over pipeline {}balanced\n    schedule {}"
 
 
-@pytest.mark.parametrize(("zero", "schedule", "m", "p"), [
-    (3, None, 2, 1), (2, None, 2, 1), (3, "gpipe", 2, 2), (3, "1f1b", 4, 2), (2, "1f1b", 4, 2), (3, "gpipe", 1, 2),
-    (3, "interleaved_1f1b", 4, 2), (3, "interleaved_1f1b", 4, 4), (3, "1f1b", 4, 4),
+@pytest.mark.parametrize(("zero", "schedule", "m", "p", "v"), [
+    (3, None, 2, 1, 1), (2, None, 2, 1, 1), (3, "gpipe", 2, 2, 1), (3, "1f1b", 4, 2, 1), (2, "1f1b", 4, 2, 1),
+    (3, "gpipe", 1, 2, 1), (3, "1f1b", 4, 4, 1),
+    (3, "interleaved_1f1b", 4, 2, 2), (3, "interleaved_1f1b", 4, 4, 2), (3, "interleaved_1f1b", 4, 2, 3),
+    (2, "interleaved_1f1b", 4, 2, 3), (3, "interleaved_1f1b", 2, 2, 4),
 ])
-def test_planned_fsdp_collectives_match_the_runtime(zero: int, schedule: str | None, m: int, p: int, pool,  # type: ignore[no-untyped-def]
-                                                     tmp_path: Path) -> None:
+def test_planned_fsdp_collectives_match_the_runtime(zero: int, schedule: str | None, m: int, p: int, v: int,  # type: ignore[no-untyped-def]
+                                                     pool, tmp_path: Path) -> None:
     """FSDP2 gathers and reduce-scatters unit by unit, as often as the schedule makes it: the
     planner's calls per step (and kernels) are what the runtime issues on real gloo ranks."""
     from meshllm_dsl.codegen.emit import render_plan
 
     text = FSDP.format(axes=f"data = 2, pipeline = {p}" if schedule else "data = 2", m=m, zero=zero,
-                       pipeline=PIPELINED.format("virtual 2 " if schedule == "interleaved_1f1b" else "", schedule)
+                       pipeline=PIPELINED.format(f"virtual {v} " if v > 1 else "", schedule)
                        if schedule else "")
-    plan = _plan(text.replace("layers = 4", f"layers = {4 * p // 2 if p > 2 else 4}"))
+    # At least one block per (virtual) stage.
+    plan = _plan(text.replace("layers = 4", f"layers = {max(4 if p <= 2 else 2 * p, p * v)}"))
     path = tmp_path / "gen.py"
     path.write_text(render_plan(plan, "t.mesh", text))
     rep = analyze(plan, PROFILES["cpu"])
