@@ -35,6 +35,7 @@ from torch import Tensor
 from .checkpoint import CheckpointError, check_save_root, verify
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
+from .collectives import all_reduce_
 from .generate import greedy_generate
 from .hf import WeightsError
 from .mesh import set_group_timeout
@@ -456,7 +457,7 @@ class Preemption:
         group = built.mesh.group(*built.mesh.names) if built.mesh.size() > 1 else None
         if group is not None:
             # [1]: 1.0 on ranks that saw SIGTERM, MAX over the whole mesh.
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+            all_reduce_(flag, group, dist.ReduceOp.MAX)
         return bool(flag.item())
 
 
