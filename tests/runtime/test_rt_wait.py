@@ -6,9 +6,11 @@ dies, and ``meshc run --profile`` still charging the wait to the collective.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -85,20 +87,27 @@ def _run_collectives(mesh: Any) -> list[torch.Tensor]:
     return [*out, loss.detach(), logits.grad]
 
 
-def _polled_vs_blocked_job(ctx: RankContext) -> tuple[list[bool], list[float]]:
-    mesh = ctx.mesh([("tensor", 2)])
-    results, polled = [], []
+@contextlib.contextmanager
+def _local_ranks(n: int) -> Iterator[None]:
+    """LOCAL_WORLD_SIZE = n for the block, then as before: the pool's workers outlive a job."""
     before = os.environ.get("LOCAL_WORLD_SIZE")
+    os.environ["LOCAL_WORLD_SIZE"] = str(n)
     try:
-        for local in ("1", "1000000"):  # a core for each rank; far more ranks than cores
-            os.environ["LOCAL_WORLD_SIZE"] = local
-            polled.append(collectives.polls(torch.zeros(1)))
-            results.append(_run_collectives(mesh))
-    finally:  # the pool's workers outlive the job
+        yield
+    finally:
         if before is None:
             os.environ.pop("LOCAL_WORLD_SIZE", None)
         else:
             os.environ["LOCAL_WORLD_SIZE"] = before
+
+
+def _polled_vs_blocked_job(ctx: RankContext) -> tuple[list[bool], list[float]]:
+    mesh = ctx.mesh([("tensor", 2)])
+    results, polled = [], []
+    for local in (1, 1_000_000):  # a core for each rank; far more ranks than cores
+        with _local_ranks(local):
+            polled.append(collectives.polls(torch.zeros(1)))
+            results.append(_run_collectives(mesh))
     polled_out, blocked_out = results
     return polled, [(p - q).abs().max().item() for p, q in zip(polled_out, blocked_out)]
 
@@ -114,18 +123,10 @@ def _profiled_wait_job(ctx: RankContext) -> tuple[float, float]:
 
     mesh = ctx.mesh([("tensor", 2)])
     group = mesh.group("tensor")
-    before = os.environ.get("LOCAL_WORLD_SIZE")
-    os.environ["LOCAL_WORLD_SIZE"] = "1"
-    try:
-        with CollectiveLog(mesh) as log:
-            if mesh.rank == 1:
-                time.sleep(0.3)  # rank 0 polls for this long inside its all-reduce
-            collectives.all_reduce_sum(torch.ones(4), group)
-    finally:
-        if before is None:
-            os.environ.pop("LOCAL_WORLD_SIZE", None)
-        else:
-            os.environ["LOCAL_WORLD_SIZE"] = before
+    with _local_ranks(1), CollectiveLog(mesh) as log:
+        if mesh.rank == 1:
+            time.sleep(0.3)  # rank 0 polls for this long inside its all-reduce
+        collectives.all_reduce_sum(torch.ones(4), group)
     calls, _, seconds, _ = log.stats[("tensor", "all_reduce")]
     return calls, seconds
 
