@@ -491,7 +491,7 @@ KERNELS = {
     "bias": 3,  # the add; backward its reduction over tokens and the accumulation
     "split_qkv": 2,  # a fused qkv projection split into q, k and v
     "heads": 2,  # q, k or v viewed as heads, and back in backward
-    "rotary": 41,  # positions, cos / sin, rotate_half of q and k, forward and backward
+    "rotary": 29,  # positions, cos / sin, x cos + roll(x) sin of q and k (one Function), forward and backward
     "attention_core": 14,  # SDPA with its layout transposes, forward and backward
     "residual": 1,  # the residual add (its backward passes the gradient through)
     "rmsnorm": 21,  # the runtime's autograd Function: 7 forward, 14 backward

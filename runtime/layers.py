@@ -6,6 +6,7 @@ Numerics follow HF ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` so their checkpoin
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -187,11 +188,6 @@ def positions(seq: int, device: torch.device | str | None = None, offset: int = 
     return torch.arange(offset, offset + seq, device=device, dtype=torch.long)
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def llama3_inv_freq(
     inv_freq: Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original: int
 ) -> Tensor:
@@ -207,6 +203,44 @@ def llama3_inv_freq(
     return torch.where(medium, smoothed, scaled)
 
 
+@functools.lru_cache(maxsize=64)
+def _inv_freq(
+    d: int, theta: float, llama3_scaling: tuple[float, float, float, int] | None, device: torch.device
+) -> Tensor:
+    # [d / 2], the same for every block and step: computed once (never written to afterwards).
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
+    if llama3_scaling is not None:
+        inv_freq = llama3_inv_freq(inv_freq, *llama3_scaling)
+    return inv_freq
+
+
+class _Rotary(torch.autograd.Function):
+    """x cos + rotate_half(x) sin for q and k as one Function.
+
+    rotate_half(x) sin = roll(x, d / 2) sin_signed, with sin_signed = (-sin_1, sin_2) over the two
+    halves, so forward is 4 kernels per tensor and backward, dx = g cos + roll(g sin_signed, d / 2)
+    (a half-roll is its own inverse), 4 more; autograd over rotate_half's chunk / neg / cat took
+    about twice as many.  Bit for bit the same values: only signs move between factors.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, cos: Tensor, sin_signed: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(cos, sin_signed)
+        half = q.shape[-1] // 2
+        return (
+            q * cos + q.roll(half, -1) * sin_signed,
+            k * cos + k.roll(half, -1) * sin_signed,
+        )
+
+    @staticmethod
+    def backward(ctx: Any, gq: Tensor, gk: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        cos, sin_signed = ctx.saved_tensors
+        half = cos.shape[-1] // 2
+        dq = gq * cos + (gq * sin_signed).roll(half, -1) if ctx.needs_input_grad[0] else None
+        dk = gk * cos + (gk * sin_signed).roll(half, -1) if ctx.needs_input_grad[1] else None
+        return dq, dk, None, None
+
+
 def apply_rotary(
     q: Tensor,
     k: Tensor,
@@ -219,17 +253,17 @@ def apply_rotary(
     ``llama3_scaling``: (factor, low_freq_factor, high_freq_factor, original positions).
     """
     d = q.shape[-1]
-    inv_freq = 1.0 / (
-        theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=q.device).float() / d)
-    )
-    if llama3_scaling is not None:
-        inv_freq = llama3_inv_freq(inv_freq, *llama3_scaling)
+    inv_freq = _inv_freq(d, float(theta), llama3_scaling, q.device)
     # cos/sin are computed in float32 (as HF does) and only then cast to the activation dtype.
     freqs = pos.to(torch.float32).unsqueeze(-1) * inv_freq  # [.., s, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    sin_signed = torch.cat((-sin[..., : d // 2], sin[..., d // 2 :]), dim=-1)
+    cos, sin_signed = cos.unsqueeze(-2), sin_signed.unsqueeze(-2)  # broadcast over heads
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _Rotary.apply(q, k, cos, sin_signed)
+    half = d // 2
+    return q * cos + q.roll(half, -1) * sin_signed, k * cos + k.roll(half, -1) * sin_signed
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache | None = None) -> Tensor:
