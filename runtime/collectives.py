@@ -57,6 +57,12 @@ def polls(x: Tensor) -> bool:
     """
     if x.device.type != "cpu":
         return False  # NCCL's wait only orders streams; polling would block the host on the GPU
+    # The rule sees only this job's ranks: with other jobs on the same cores, MESHLLM_GLOO_WAIT=block.
+    choice = os.environ.get("MESHLLM_GLOO_WAIT", "auto")
+    if choice not in ("auto", "poll", "block"):
+        raise ValueError(f"MESHLLM_GLOO_WAIT must be auto, poll or block, not {choice!r}")
+    if choice != "auto":
+        return choice == "poll"
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     ranks = int(local) if local.isdigit() else dist.get_world_size()
     return ranks <= _CORES

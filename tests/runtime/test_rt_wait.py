@@ -58,6 +58,22 @@ def test_a_wait_blocks_after_a_bounded_poll(monkeypatch: pytest.MonkeyPatch) -> 
     assert collectives._POLL_SECONDS <= time.perf_counter() - start < 10 * collectives._POLL_SECONDS + 1
 
 
+def test_gloo_wait_can_be_chosen(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(collectives, "_CORES", 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    x = torch.zeros(2)
+    for choice, want in (("auto", True), ("block", False), ("poll", True)):
+        monkeypatch.setenv("MESHLLM_GLOO_WAIT", choice)
+        assert collectives.polls(x) is want, choice
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "64")
+    assert collectives.polls(x) is True  # poll: even with more ranks than cores, as asked
+    monkeypatch.setenv("MESHLLM_GLOO_WAIT", "spin")
+    with pytest.raises(ValueError, match="MESHLLM_GLOO_WAIT must be auto, poll or block, not 'spin'"):
+        collectives.polls(x)
+    monkeypatch.setenv("MESHLLM_GLOO_WAIT", "poll")
+    assert collectives.polls(torch.zeros(2, device="meta")) is False  # never on a GPU tensor
+
+
 def _run_collectives(mesh: Any) -> list[torch.Tensor]:
     """Every collective the runtime issues itself, forward and backward, on fixed inputs."""
     group = mesh.group("tensor")
