@@ -54,6 +54,7 @@ def polls(x: Tensor) -> bool:
     blocked against ~0.5-0.8 ms polled, and the tensor-parallel step of bench/vs_dtensor.py went
     from 131-136 ms to 109-118 ms.  With more ranks than cores a polling rank takes CPU from a
     rank with work: tiny_llama on 8 ranks over 2 cores ran 6-7x slower polled, so it blocks.
+    ``MESHLLM_GLOO_WAIT`` = ``poll`` or ``block`` overrides the rule (``auto``, the default).
     """
     if x.device.type != "cpu":
         return False  # NCCL's wait only orders streams; polling would block the host on the GPU
@@ -101,6 +102,7 @@ def all_reduce_sum(x: Tensor, group: ProcessGroup | None) -> Tensor:
 
 
 def all_gather_cat(x: Tensor, group: ProcessGroup, dim: int) -> Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in group-rank order, without autograd."""
     parts = [
         torch.empty_like(x, memory_format=torch.contiguous_format)
         for _ in range(dist.get_world_size(group))
