@@ -48,7 +48,8 @@ _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else o
 def polls(x: Tensor) -> bool:
     """Whether to wait for a collective on ``x`` by polling it rather than blocking.
 
-    Only gloo (CPU tensors) and only while this host runs no more ranks than it has cores.  A
+    Only gloo (CPU tensors) and only while this host runs no more of the job's ranks than this
+    process may use cores (``_ranks_on_this_host``).  A
     blocked rank sleeps, its core idles, and waking it when gloo's threads finish costs far more
     than the transfer on a virtual machine: a 512 KiB all-reduce right after compute took 1-9 ms
     blocked against ~0.5-0.8 ms polled, and the tensor-parallel step of bench/vs_dtensor.py went
@@ -64,9 +65,18 @@ def polls(x: Tensor) -> bool:
         raise ValueError(f"MESHLLM_GLOO_WAIT must be auto, poll or block, not {choice!r}")
     if choice != "auto":
         return choice == "poll"
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    ranks = int(local) if local.isdigit() else dist.get_world_size()
-    return ranks <= _CORES
+    return _ranks_on_this_host() <= _CORES
+
+
+def _ranks_on_this_host() -> int:
+    env = os.environ
+    world, local = env.get("WORLD_SIZE", ""), env.get("LOCAL_WORLD_SIZE", "")
+    master = env.get("MASTER_ADDR", "")
+    if world.isdigit() and (master in ("localhost", "::1") or master.startswith("127.")):
+        # A rendezvous at a loopback address: every node that joined it is this machine (as when
+        # `meshc run --nnodes 2` is tried on one host), so all the job's ranks share its cores.
+        return int(world)
+    return int(local) if local.isdigit() else dist.get_world_size()
 
 
 # Past this, a wait blocks after all: a peer that lags this long costs more than one wake-up, and

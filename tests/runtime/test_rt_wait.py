@@ -25,12 +25,30 @@ from meshllm_dsl.runtime import collectives  # noqa: E402
 from meshllm_dsl.runtime.pool import RankContext, WorkerPool  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _no_launcher_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a launcher around pytest may have set must not decide these tests."""
+    for name in ("MESHLLM_GLOO_WAIT", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def test_polls_only_on_cpu_while_each_local_rank_has_a_core(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(collectives, "_CORES", 4)
     x = torch.zeros(2)
     for ranks, want in (("1", True), ("4", True), ("5", False), ("64", False)):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
         assert collectives.polls(x) is want, ranks
+    # Two nodes of 2 ranks: on other machines, each rank has a core; both on this one (a
+    # rendezvous at a loopback address), 4 ranks share 4 cores, then 8 share them.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    for master, want in (("node001", True), ("localhost", True), ("127.0.0.1", True)):
+        monkeypatch.setenv("MASTER_ADDR", master)
+        assert collectives.polls(x) is want, master
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    for master, want in (("node001", True), ("localhost", False), ("127.0.0.1", False), ("::1", False)):
+        monkeypatch.setenv("MASTER_ADDR", master)
+        assert collectives.polls(x) is want, master
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
     # Not a CPU tensor (as a CUDA one under NCCL): never polled, whatever the core count.
     assert collectives.polls(torch.zeros(2, device="meta")) is False
