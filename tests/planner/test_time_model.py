@@ -138,20 +138,25 @@ def test_host_terms_in_the_report(tmp_path: Path) -> None:
     assert data["step"]["shared_s"] == rep.step.shared_s and data["ranks"][0]["kernels"] == rep.ranks[0].kernels
 
 
-@pytest.mark.parametrize("name", ["single_llama", "tiny_gpt2", "tiny_llama"])
-def test_planned_kernels_match_the_runtime(name: str, pool, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def _planned_and_profiled(text: str, plan, pool, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """(rank, its planned RankClass, its `meshc run --profile` report) for every rank of `plan`,
+    compiled from `text` and run once on the pool's gloo ranks."""
     from meshllm_dsl.codegen.emit import render_plan
 
-    text = SINGLE if name == "single_llama" else (ROOT / "examples" / f"{name}.mesh").read_text()
-    plan = _plan(text)
     path = tmp_path / "gen.py"
     path.write_text(render_plan(plan, "t.mesh", text))
     rep = analyze(plan, PROFILES["cpu"])
     reports = pool.run(profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
     for rank, got in enumerate(reports):
         coord = plan.mesh.coords(rank).get(plan.pipeline_axis, 0) if plan.pipeline_axis else 0
-        planned = next(rc.kernels for rc in rep.ranks if rc.coord == coord)
-        assert planned == pytest.approx(got["kernels"], rel=0.1), (rank, planned, got["kernels"])
+        yield rank, next(rc for rc in rep.ranks if rc.coord == coord), got
+
+
+@pytest.mark.parametrize("name", ["single_llama", "tiny_gpt2", "tiny_llama"])
+def test_planned_kernels_match_the_runtime(name: str, pool, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    text = SINGLE if name == "single_llama" else (ROOT / "examples" / f"{name}.mesh").read_text()
+    for rank, rc, got in _planned_and_profiled(text, _plan(text), pool, tmp_path):
+        assert rc.kernels == pytest.approx(got["kernels"], rel=0.1), (rank, rc.kernels, got["kernels"])
         assert got["steps"] == 1 and got["cpu_s"] > 0 and (tmp_path / "profile" / f"rank{rank}.json").exists()
 
 
@@ -192,20 +197,12 @@ def test_planned_fsdp_collectives_match_the_runtime(zero: int, schedule: str | N
                                                      pool, tmp_path: Path) -> None:
     """FSDP2 gathers and reduce-scatters unit by unit, as often as the schedule makes it: the
     planner's calls per step (and kernels) are what the runtime issues on real gloo ranks."""
-    from meshllm_dsl.codegen.emit import render_plan
-
     text = FSDP.format(axes=f"data = 2, pipeline = {p}" if schedule else "data = 2", m=m, zero=zero,
                        pipeline=PIPELINED.format(f"virtual {v} " if v > 1 else "", schedule)
                        if schedule else "")
     # At least one block per (virtual) stage.
     plan = _plan(text.replace("layers = 4", f"layers = {max(4 if p <= 2 else 2 * p, p * v)}"))
-    path = tmp_path / "gen.py"
-    path.write_text(render_plan(plan, "t.mesh", text))
-    rep = analyze(plan, PROFILES["cpu"])
-    reports = pool.run(profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
-    for rank, got in enumerate(reports):
-        coord = plan.mesh.coords(rank).get(plan.pipeline_axis, 0) if plan.pipeline_axis else 0
-        rc = next(rc for rc in rep.ranks if rc.coord == coord)
+    for rank, rc, got in _planned_and_profiled(text, plan, pool, tmp_path):
         planned = {c.op: c.calls for c in rc.comms if c.kind == "data"}
         measured = {c["op"]: c["calls"] for c in got["collectives"] if c["op"].endswith("_single")}
         assert measured == {"all_gather_single": planned["all_gather"],
