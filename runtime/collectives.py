@@ -366,6 +366,11 @@ class _CopyToLinear(torch.autograd.Function):
         return (None if gx is None else gx.view_as(x), None, *out)
 
 
+def _layer_params(layers: tuple[nn.Module, ...]) -> list[Tensor | None]:
+    """weight, bias (None without one) of each layer, flat: the fused Functions' parameter inputs."""
+    return [t for m in layers for t in (m.weight, getattr(m, "bias", None))]
+
+
 def copy_to_linear(x: Tensor, group: ProcessGroup | None, *layers: nn.Module) -> tuple[Tensor, ...]:
     """``copy_to`` followed by each column layer applied to x: [b, s, h] Replicate -> one
     [b, s, out_local] per layer; backward all-reduces x's gradient while the layers' weight
@@ -373,10 +378,7 @@ def copy_to_linear(x: Tensor, group: ProcessGroup | None, *layers: nn.Module) ->
     optionally ``bias``)."""
     if group is None:
         return tuple(F.linear(x, m.weight, getattr(m, "bias", None)) for m in layers)
-    params: list[Tensor | None] = []
-    for m in layers:
-        params += [m.weight, getattr(m, "bias", None)]
-    return _CopyToLinear.apply(x, group, *params)
+    return _CopyToLinear.apply(x, group, *_layer_params(layers))
 
 
 def gather_seq_linear(x: Tensor, group: ProcessGroup | None, *layers: nn.Module) -> tuple[Tensor, ...]:
@@ -385,7 +387,4 @@ def gather_seq_linear(x: Tensor, group: ProcessGroup | None, *layers: nn.Module)
     Layers are anything with ``weight`` (and optionally ``bias``)."""
     if group is None or not sequence_sharded():
         return copy_to_linear(x, group, *layers)
-    params: list[Tensor | None] = []
-    for m in layers:
-        params += [m.weight, getattr(m, "bias", None)]
-    return _GatherSeqLinear.apply(x, group, *params)
+    return _GatherSeqLinear.apply(x, group, *_layer_params(layers))

@@ -214,6 +214,11 @@ def _inv_freq(
     return inv_freq
 
 
+def _rotate(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """x cos + rotate_half(x) sin, as roll(x, d / 2) sin_signed: [.., head_dim] in and out."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
 class _Rotary(torch.autograd.Function):
     """x cos + rotate_half(x) sin for q and k as one Function.
 
@@ -226,11 +231,7 @@ class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, cos: Tensor, sin_signed: Tensor) -> tuple[Tensor, Tensor]:
         ctx.save_for_backward(cos, sin_signed)
-        half = q.shape[-1] // 2
-        return (
-            q * cos + q.roll(half, -1) * sin_signed,
-            k * cos + k.roll(half, -1) * sin_signed,
-        )
+        return _rotate(q, cos, sin_signed), _rotate(k, cos, sin_signed)
 
     @staticmethod
     def backward(ctx: Any, gq: Tensor, gk: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
@@ -262,8 +263,7 @@ def apply_rotary(
     cos, sin_signed = cos.unsqueeze(-2), sin_signed.unsqueeze(-2)  # broadcast over heads
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return _Rotary.apply(q, k, cos, sin_signed)
-    half = d // 2
-    return q * cos + q.roll(half, -1) * sin_signed, k * cos + k.roll(half, -1) * sin_signed
+    return _rotate(q, cos, sin_signed), _rotate(k, cos, sin_signed)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache | None = None) -> Tensor:
