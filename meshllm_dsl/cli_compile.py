@@ -30,6 +30,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from meshllm_dsl.codegen.emit import render_package
     from meshllm_dsl.outputs import write_generated
 
+    if args.slurm:
+        from meshllm_dsl.cli import UsageError
+        from meshllm_dsl.slurm import check_script_values
+
+        try:  # before the spec is read: a name the script cannot hold is refused whatever the spec says
+            check_script_values(args.output, args.file)
+        except ValueError as err:
+            raise UsageError(str(err)) from None
     result, _ = _checked(args.file, args.plan)
     if not result.ok:
         return 1
