@@ -47,7 +47,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
         # Through the same manifest as the package: replaced only while meshc's own.
         for name, plan in result.plans.items():
-            files[f"{name}.sbatch"] = sbatch_script(plan, args.output, args.file)
+            files[f"{name}.sbatch"] = sbatch_script(plan, args.output, args.file, result.profiles)
     if args.plan:
         files = {k: v for k, v in files.items() if k in (f"{args.plan}.py", f"{args.plan}.sbatch", "__init__.py")}
     # With --plan the other plans' files of an earlier run stay (they are still meshc's).

@@ -67,6 +67,12 @@ CODES: dict[str, tuple[str, str]] = {
               "past the table at run time."),
     "E0311": ("expression too deeply nested", "An expression nests more than 100 operators (`1 + 1 + ...`, "
               "`- - 1`). Spec expressions are small arithmetic over dims; compute the value or name its parts."),
+    "E0312": ("more devices per host than the device holds", "`hosts = H` spreads the mesh's devices evenly over H "
+              "hosts, so each host holds devices / H of them; the device profile's `per_host` (8 for the GPU profiles, "
+              "4 for `l40s` and `a10g`, or the `per_host` of a declared `device`) is how many one host has. More per "
+              "host than that cannot run (a SLURM job would ask every node for GPUs it does not have), and the "
+              "planner would price collectives between them as in-host. Raise `hosts`, or declare a device profile "
+              "whose hosts hold more."),
     "E0401": ("axis used twice for one tensor", "A tensor dim can be split over a mesh axis once; listing an axis "
               "twice in one rule, or a layout that would split both dims of one weight over axes, is rejected."),
     "E0402": ("layout mismatch at a layer boundary", "Activations carry a layout (Replicate, Shard over axes, "
@@ -147,9 +153,15 @@ CODES: dict[str, tuple[str, str]] = {
     "W0706": ("over-sharding", "A rule leaves each device fewer than 128 columns of a dim of at least 1,024: "
               "the per-layer all-reduces then cost more than the matrix products they split. Use a smaller "
               "tensor axis and give the devices to data parallelism (`meshc plan` estimates the times)."),
-    "W0707": ("tensor axis larger than a host", "Without `hosts`, the mesh is assumed to fit the device "
-              "profile's devices per host; a sharding axis larger than that cannot stay within one host, so its "
-              "collectives cross the network every layer. Declare `hosts` and keep the tensor axis within a host."),
+    "W0707": ("tensor axis larger than a host", "The mesh declares no `hosts`, and a sharding axis is larger than "
+              "the device profile's devices per host (`per_host`): it cannot stay within one host, so its "
+              "collectives cross the network every layer (the planner assumes the fewest hosts that hold the mesh, "
+              "W0708). Declare `hosts` and keep the tensor axis within a host."),
+    "W0708": ("hosts omitted for a mesh larger than a host", "A mesh without `hosts` has more devices than one "
+              "host of its device profile holds (`per_host`). It cannot be one host, so `meshc plan` and "
+              "`meshc compile --slurm` take it as the fewest hosts that hold it evenly (the warning names how many): "
+              "collectives between those hosts are priced at the network's bandwidth, not the in-host link's, and "
+              "the SLURM script asks for that many nodes. Declare `hosts` to say what the cluster really is."),
     "W0801": ("plan does not fit in device memory", "`meshc plan` estimates the peak memory of every pipeline rank: "
               "weights, gradients and optimizer states (16 bytes per parameter for mixed-precision AdamW, divided "
               "per the ZeRO stage), plus the activations of the microbatches the schedule keeps in flight. The "
@@ -171,6 +183,33 @@ CODES: dict[str, tuple[str, str]] = {
     "W0806": ("stage memory imbalance", "One pipeline rank needs more than 1.25x the memory of another. The "
               "mesh must be sized for the largest, so the others waste memory. 1F1B keeps more microbatches of "
               "activations on early stages: give them fewer blocks."),
+    "E1201": ("export: pipeline", "`meshc export` writes what torch's parallelize_module / fully_shard or a "
+              "transformers tp_plan apply to one whole model; neither splits a model into pipeline stages "
+              "(torch.distributed.pipelining does, outside them). Export a plan without `stages`."),
+    "E1202": ("export: ZeRO 1", "fully_shard (FSDP2) shards gradients with the optimizer states: ZeRO 2 is "
+              "reshard_after_forward=False, ZeRO 3 reshard_after_forward=True. It has no mode that shards only "
+              "the optimizer states, so a `zero 1` plan is not exported; use `zero 2` or `zero 3`."),
+    "E1203": ("export: sequence parallelism", "`layout { seq -> AXIS }` keeps activations Shard(seq) between "
+              "sublayers. A transformers model computes its positions and causal mask from the local shape of its "
+              "activations, which that changes, and a tp_plan's column styles take replicated inputs only, so "
+              "`meshc export` does not write it. Drop `seq -> ...` to export the tensor-parallel plan."),
+    "E1204": ("export: no transformers module", "The model must have the module layout of a transformers "
+              "class (the `llama` family: LlamaForCausalLM, also Mistral / Qwen2 names; `gpt2`: GPT2LMHeadModel), "
+              "and a sharded layer must be an nn.Linear or nn.Embedding there: GPT-2's projections are Conv1D, "
+              "which neither torch's parallel styles nor a tp_plan shard."),
+    "E1205": ("export: layout the target lacks", "Each sharded layer becomes one parallel style over one mesh "
+              "dimension: column -> ColwiseParallel / `colwise`, row -> RowwiseParallel / `rowwise`, "
+              "vocab_parallel embedding -> RowwiseParallel(input_layouts=Replicate()) / `embedding_rowwise`. A "
+              "layer split over several axes at once, a rule no style matches, or (for a tp_plan, which has one "
+              "tensor mesh) layers sharded over different axes cannot be exported."),
+    "E1206": ("export: not exported", "A part of the plan the export does not write, which would otherwise be "
+              "dropped silently: activation recomputation, data parallelism without ZeRO 2 / 3 (wrap the model in "
+              "DistributedDataParallel yourself), or ZeRO over other axes than the batch's (hybrid sharding)."),
+    "W1201": ("tp_plan gathers the logits", "transformers computes its loss on full logits, so a head that "
+              "meshc keeps vocab-sharded for a vocab-parallel loss is exported as `colwise_gather_output`: the "
+              "same loss, with each rank holding the full logits. `--to dtensor` keeps them sharded."),
+    "W1202": ("tp_plan leaves data parallelism out", "A tp_plan describes tensor parallelism only; the plan's "
+              "data axes (and ZeRO) go to transformers' DistributedConfig or the launcher."),
 }
 
 

@@ -31,6 +31,7 @@ import attrs
 
 from meshllm_dsl import ast
 from meshllm_dsl.diagnostics import Diagnostic, Label
+from meshllm_dsl.ir import MeshIR
 from meshllm_dsl.limits import MAX_DEVICES
 from meshllm_dsl.names import did_you_mean
 
@@ -191,3 +192,64 @@ def declared_profiles(decls: Iterable[ast.DeviceDecl]) -> tuple[dict[str, Device
             start, name=decl.name.value,
             **{k: (int(v) if k == "per_host" else v) for k, v in values.items()})  # type: ignore[arg-type]
     return out, diags
+
+
+def hosts_needed(devices: int, per_host: int) -> int:
+    """The fewest hosts of at most `per_host` devices that hold `devices` evenly (every host the same)."""
+    return next(h for h in range(-(-devices // per_host), devices + 1) if devices % h == 0)
+
+
+def host_diagnostics(decl: ast.MeshDecl, devices: int, hosts: int, profile: DeviceProfile | None) -> list[Diagnostic]:
+    """A mesh's devices per host against its profile's `per_host`: an error where `hosts` puts more on
+    one host than it holds (E0312), a warning where `hosts` is omitted for more than one host holds
+    (W0708: the planner then assumes `hosts_needed` hosts, see `assumed_hosts`)."""
+    if profile is None or devices <= profile.per_host:
+        return []
+    name, per = profile.name, profile.per_host
+    setting = next((s for s in decl.settings if s.name.value == "hosts"), None)
+    if setting is None:
+        need = hosts_needed(devices, per)
+        return [Diagnostic(
+            "W0708", f"mesh `{decl.name.value}` has {devices} `{name}` devices, more than one host holds ({per}), "
+            "and no `hosts`", decl.name.span, label=f"assumed: {need} hosts of {devices // need}",
+            note=f"`meshc plan` and `meshc compile --slurm` take the mesh as {need} hosts of {devices // need} (ranks "
+            f"0-{devices // need - 1} on the first, {devices // need}-{2 * (devices // need) - 1} on the next, ...), "
+            f"never as one host of {devices}",
+            help=f"declare the hosts: `hosts = {need}`")]
+    if devices // hosts <= per:
+        return []
+    need = hosts_needed(devices, per)
+    return [Diagnostic(
+        "E0312", f"{devices // hosts} devices per host, but a `{name}` host holds {per}", setting.value.span,
+        label=f"{devices} devices over {hosts} host{'s' * (hosts > 1)}",
+        help=f"use `hosts = {need}` or more ({devices // need} per host), or a device profile with "
+        f"`per_host = {devices // hosts}`: `device {name}_{devices // hosts} {{ like = {name}, per_host = {devices // hosts} }}`")]
+
+
+def assumed_hosts(mesh: MeshIR, device: DeviceProfile) -> MeshIR:
+    """The mesh the planner prices: one without `hosts` but more devices than a host of `device`
+    holds is taken as the fewest hosts that hold it (W0708 says so), never as one host, which
+    would price its cross-host collectives at in-host bandwidth."""
+    if mesh.hosts > 1 or mesh.devices <= device.per_host:
+        return mesh
+    return attrs.evolve(mesh, hosts=hosts_needed(mesh.devices, device.per_host))
+
+
+def group_crosses_hosts(mesh: MeshIR, axes: tuple[str, ...]) -> bool:
+    """MeshIR.crosses_hosts without listing every rank (an assumed 16,384 hosts must stay cheap).
+
+    Hosts hold consecutive ranks, so a group is inside one host exactly when its lowest rank (the
+    group's base: every axis of `axes` at 0) and its highest (base + the span of `axes`) share a host.
+    """
+    if mesh.hosts <= 1:
+        return False
+    per_host = mesh.devices_per_host
+    span = sum((a.size - 1) * mesh.stride(a.name) for a in mesh.axes if a.name in axes)
+    if span >= per_host:
+        return True
+    bases = [0]
+    for a in mesh.axes:
+        if a.name not in axes:
+            stride = mesh.stride(a.name)
+            bases = [b + c * stride for b in bases for c in range(a.size)]
+    return any(b % per_host + span >= per_host for b in bases)

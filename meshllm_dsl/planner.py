@@ -29,7 +29,13 @@ from typing import Any
 
 import attrs
 
-from meshllm_dsl.devices import DEFAULT_PROFILE, PROFILES, DeviceProfile
+from meshllm_dsl.devices import (
+    DEFAULT_PROFILE,
+    PROFILES,
+    DeviceProfile,
+    assumed_hosts,
+    group_crosses_hosts,
+)
 from meshllm_dsl.diagnostics import Diagnostic, Label
 from meshllm_dsl.ir import (
     DTYPES,
@@ -607,8 +613,8 @@ def _wire(op: str, size: int, n: int) -> int:
 
 @functools.lru_cache(maxsize=4096)
 def _crosses(mesh: MeshIR, axes: tuple[str, ...]) -> bool:
-    # MeshIR.groups enumerates every rank; the answer depends only on the mesh, so compute it once.
-    return mesh.hosts > 1 and mesh.crosses_hosts(*axes)
+    # The answer depends only on the mesh, so compute it once.
+    return group_crosses_hosts(mesh, axes)
 
 
 def _link(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...]) -> tuple[float, float, bool]:
@@ -752,6 +758,7 @@ class PlanReport:
     step: StepTime
     kv_bytes_per_token: int  # whole model, one sequence position
     optimizer_k: int
+    hosts_assumed: bool = False  # the mesh has no `hosts` and more devices than one host holds (W0708)
 
     @property
     def peak_training_bytes(self) -> int:
@@ -803,6 +810,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     """Memory, communication and time of one training step of `plan` on `device`."""
     if device is None:
         device, device_assumed = resolve_device(plan)
+    hosts_assumed = assumed_hosts(plan.mesh, device) != plan.mesh
+    plan = attrs.evolve(plan, mesh=assumed_hosts(plan.mesh, device))
     mesh = plan.mesh
     model = plan.model
     w = DTYPES[plan.dtype]
@@ -1052,7 +1061,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         shared_s=shared_host_seconds(plan, device, classes, scale),
     )
     return PlanReport(plan, device, device_assumed, micro_batch, bubble, tuple(classes), step,
-                      kv_bytes_per_token(plan), k)
+                      kv_bytes_per_token(plan), k, hosts_assumed)
 
 
 def exposed_data_seconds(plan: PlanIR, device: DeviceProfile, rc: RankClass) -> float:
@@ -1253,7 +1262,7 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
 
     # W0804: tensor axis over the inter-host link, with its cost.
     for axis, comm_s in _tensor_comm_by_axis(report).items():
-        if plan.mesh.hosts > 1 and plan.mesh.crosses_hosts(axis):
+        if _crosses(plan.mesh, (axis,)):
             intra = comm_s * dev.inter_gbps / dev.intra_gbps
             ax = plan.mesh.axis(axis)
             out.append(Diagnostic(
@@ -1335,7 +1344,7 @@ def report_text(rep: PlanReport) -> str:
     plan, dev, mesh, model = rep.plan, rep.device, rep.plan.mesh, rep.plan.model
     w = DTYPES[plan.dtype]
     axes = " x ".join(f"{a.name} {a.size}" for a in mesh.axes)
-    hosts = f", {mesh.hosts} hosts" if mesh.hosts > 1 else ""
+    hosts = f", {mesh.hosts} hosts{' assumed' if rep.hosts_assumed else ''}" if mesh.hosts > 1 else ""
     lines = [
         f"plan {plan.name}: {model.name} on {mesh.name} ({mesh.devices} x {dev.name}{' (assumed)' if rep.device_assumed else ''}: {axes}{hosts})",
         (f"  batch {plan.batch} x seq {plan.seq}; {plan.data_size} data replica{'s' if plan.data_size != 1 else ''} x "
@@ -1444,7 +1453,7 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
         "plan": plan.name,
         "model": model.name,
         "mesh": {"name": plan.mesh.name, "axes": {a.name: a.size for a in plan.mesh.axes}, "hosts": plan.mesh.hosts,
-                 "devices": plan.mesh.devices},
+                 "hosts_assumed": rep.hosts_assumed, "devices": plan.mesh.devices},
         "device": {**attrs.asdict(rep.device), "assumed": rep.device_assumed},
         "dtype": plan.dtype,
         "batch": plan.batch, "seq": plan.seq, "microbatches": plan.microbatches, "micro_batch": rep.micro_batch, "recompute": plan.recompute,

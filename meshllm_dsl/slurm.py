@@ -22,6 +22,7 @@ import os
 import shlex
 import unicodedata
 
+from meshllm_dsl.devices import DEFAULT_PROFILE, PROFILES, DeviceProfile, assumed_hosts
 from meshllm_dsl.ir import PlanIR
 
 RDZV_PORT = 29500
@@ -54,11 +55,12 @@ def _command_word(path: str) -> str:
     return shlex.quote("./" + path if path.startswith("-") else path)
 
 
-def sbatch_script(plan: PlanIR, package: str, spec: str) -> str:
+def sbatch_script(plan: PlanIR, package: str, spec: str, profiles: dict[str, DeviceProfile] | None = None) -> str:
     check_script_values(package, spec)
     if not plan.name.isidentifier():  # pragma: no cover - the checker refuses such plan names
         raise ValueError(f"plan name {plan.name!r} is not an identifier")
-    mesh = plan.mesh
+    # A mesh without `hosts` that one host cannot hold runs on the hosts the planner assumes (W0708).
+    mesh = assumed_hosts(plan.mesh, {**PROFILES, **(profiles or {})}[plan.mesh.device or DEFAULT_PROFILE])
     per_node = mesh.devices_per_host
     gpu = (mesh.device or "h100") != "cpu"  # the planner assumes h100 when no device is given
     module = _command_word(os.path.join(package, f"{plan.name}.py"))

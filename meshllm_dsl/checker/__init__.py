@@ -18,7 +18,13 @@ from pathlib import Path
 import attrs
 
 from meshllm_dsl import ast
-from meshllm_dsl.devices import DEFAULT_PROFILE, PROFILES, declared_profiles
+from meshllm_dsl.devices import (
+    DEFAULT_PROFILE,
+    PROFILES,
+    DeviceProfile,
+    declared_profiles,
+    host_diagnostics,
+)
 from meshllm_dsl.diagnostics import Diagnostic, Label
 from meshllm_dsl.ir import MeshIR, ModelIR, PlanIR
 from meshllm_dsl.load import Declarations, load
@@ -37,6 +43,7 @@ class CheckResult:
     models: dict[str, ModelIR]
     sources: tuple[str, ...] = ()
     text: str = ""  # the root spec as checked (normalized): what generated code is made from and hashes
+    profiles: dict[str, DeviceProfile] = attrs.field(factory=dict)  # the spec's own `device` declarations
 
     @property
     def ok(self) -> bool:
@@ -100,7 +107,12 @@ def _check_declarations(decls: Declarations) -> CheckResult:
     meshes: dict[str, MeshIR] = {}
     for name, decl in mesh_decls.items():
         mesh = resolve_mesh(decl, r, list(devices))  # type: ignore[arg-type]
-        if mesh is not None:
+        if mesh is None:
+            continue
+        host_diags = host_diagnostics(decl, mesh.devices, mesh.hosts,  # type: ignore[arg-type]
+                                      {**PROFILES, **profiles}.get(mesh.device or DEFAULT_PROFILE))
+        diags.extend(host_diags)
+        if not any(d.is_error for d in host_diags):
             meshes[name] = mesh
     models: dict[str, ModelIR] = {}
     mr = ModelResolver(diags, families)
@@ -129,7 +141,7 @@ def _check_declarations(decls: Declarations) -> CheckResult:
         if plan is not None and name_ok:
             plans[name] = plan
     return CheckResult(tuple(diags), plans, meshes, models, tuple(s.path for s in decls.sources),
-                       decls.root.text if decls.root is not None else "")
+                       decls.root.text if decls.root is not None else "", profiles)
 
 
 
