@@ -164,7 +164,7 @@ def _load_extensions() -> None:
     import importlib
 
     for name in ("meshllm_dsl.cli_compile", "meshllm_dsl.cli_plan", "meshllm_dsl.import_hf", "meshllm_dsl.calibrate",
-                 "meshllm_dsl.cli_data"):
+                 "meshllm_dsl.cli_data", "meshllm_dsl.cli_export"):
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as err:

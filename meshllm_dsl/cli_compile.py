@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from meshllm_dsl.diagnostics import render_all
+from meshllm_dsl.runtime.profile_steps import PROFILE_STEPS_TEXT, TRACE_STEPS_TEXT
 
 
 def _checked(path: str, plan_name: str | None = None):  # type: ignore[no-untyped-def]
@@ -57,9 +58,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_inputs(args: argparse.Namespace, seq: int) -> list[str]:
+def _run_inputs(args: argparse.Namespace, seq: int, plan: Any = None) -> list[str]:
     """The flags passed to every rank, after the checks that need no rank (UsageError if bad)."""
     from meshllm_dsl.cli import UsageError
+    from meshllm_dsl.codegen.lower import model_description
     from meshllm_dsl.runtime import launch
 
     if args.max_restarts < 0:
@@ -86,7 +88,7 @@ def _run_inputs(args: argparse.Namespace, seq: int) -> list[str]:
     # --profile's directory is made per run; any path stands in for it to check the flags.
     ns = launch.parse_args(flags + (["--profile", "profile"] if args.profile is not None else []))
     try:
-        launch.check_inputs(ns)
+        launch.check_inputs(ns, model_description(plan) if plan is not None else None, seq)
     except launch.InputError as err:
         raise UsageError(str(err)) from None
     if args.data and not args.infer and Path(args.data).stat().st_size < seq + 2:
@@ -109,7 +111,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         per = f" per node ({plan.mesh.devices} over {nodes} nodes)" if nodes > 1 else " (its mesh size)"
         raise UsageError(f"plan `{plan_name}` needs {plan.mesh.devices // nodes} processes{per}, not {nproc}")
-    flags = _run_inputs(args, plan.seq)
+    flags = _run_inputs(args, plan.seq, plan)
     workdir = Path(tempfile.mkdtemp(prefix="meshc-run-"))
     try:
         write_generated(render_package(result, args.file), workdir / "generated")
@@ -274,10 +276,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--prompt-ids", metavar="IDS", help="with --infer: the prompt as token ids, e.g. 1,2,3")
     r.add_argument("--eval", action="store_true", help="report mean loss and perplexity on --data without training")
     r.add_argument("--profile", nargs="?", const="", metavar="JSON",
-                   help="after training, measure 3 more steps per rank and print them next to `meshc plan` "
+                   help=f"after training, measure {PROFILE_STEPS_TEXT} on every rank and print them next to `meshc plan` "
                         "(memory by category, compute, collectives per mesh axis, pipeline waits); JSON: also write them there")
     r.add_argument("--profile-trace", metavar="DIR",
-                   help="after training (and --profile), 1 warm-up step then 1 step under torch.profiler: "
+                   help=f"after training (and --profile), {TRACE_STEPS_TEXT}: "
                         "a Chrome trace per rank, DIR/rankR.json (chrome://tracing, ui.perfetto.dev)")
     r.set_defaults(func=cmd_run)
 

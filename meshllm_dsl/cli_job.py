@@ -19,6 +19,9 @@ import threading
 import time
 from pathlib import Path
 
+from meshllm_dsl.runtime.startup import ENV as STARTUP_ENV
+from meshllm_dsl.runtime.startup import StartupLine
+
 __all__ = ["run_job"]
 
 # How long torchrun gets to stop its workers after a forwarded signal before everything is killed:
@@ -66,9 +69,11 @@ def _is_ours(pid: int, marker: str) -> bool:
 class _Relay(threading.Thread):
     """Copies the job's stderr to ours, dropping launcher noise unless ``debug``."""
 
-    def __init__(self, stream: int, debug: bool) -> None:
+    def __init__(self, stream: int, debug: bool, tty: bool | None = None) -> None:
         super().__init__(daemon=True)
         self.fd, self.debug = stream, debug
+        # The ranks' start-up markers become one line redrawn in place, on a terminal only.
+        self.startup = StartupLine(sys.stderr.isatty() if tty is None else tty)
         self.saw_error = False
         self.exits: list[tuple[int, int]] = []  # (rank, exit code) from torchrun's failure table
         self._rank: int | None = None
@@ -77,6 +82,8 @@ class _Relay(threading.Thread):
         self.rdzv_failure: str | None = None  # "timeout" / "connection": torchrun's rendezvous failed
 
     def _line(self, line: bytes) -> None:
+        if self.startup.take(line):
+            return
         if line.startswith(b"error: "):
             self.saw_error = True
         if b"RendezvousTimeoutError" in line:
@@ -99,11 +106,15 @@ class _Relay(threading.Thread):
         self._write(line + b"\n")
 
     def _write(self, data: bytes) -> None:
-        sys.stderr.buffer.write(data)
-        sys.stderr.flush()
+        self.startup.write(data)
         self._open = not data.endswith(b"\n")
 
     def run(self) -> None:
+        self.startup.start()
+        self._run()
+        self.startup.close()
+
+    def _run(self) -> None:
         pending = b""
         while True:
             try:
@@ -133,6 +144,7 @@ def run_job(
     ``rendezvous`` (endpoint, nodes, timeout) names a multi-node job's rendezvous in its failures.
     """
     read_fd, write_fd = os.pipe()
+    env = {**env, STARTUP_ENV: "1"}  # ranks report their start-up phases to the relay
     proc = subprocess.Popen(cmd, env=env, stderr=write_fd, start_new_session=True)
     os.close(write_fd)
     relay = _Relay(read_fd, debug)

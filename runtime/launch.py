@@ -39,7 +39,9 @@ from .collectives import all_reduce_
 from .generate import greedy_generate
 from .hf import WeightsError
 from .mesh import set_group_timeout
+from .profile_steps import PROFILE_STEPS, PROFILE_STEPS_TEXT, TRACE_STEPS, TRACE_STEPS_TEXT
 from .program import Built, Program
+from .tokens import DataError
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -124,13 +126,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--profile",
         type=Path,
         metavar="DIR",
-        help="after training, a warm-up step, a step measured for memory, one for kernels and 4 timed steps; each rank writes DIR/rankR.json",
+        help=f"after training, {PROFILE_STEPS_TEXT}; each rank writes DIR/rankR.json",
     )
     p.add_argument(
         "--profile-trace",
         type=Path,
         metavar="DIR",
-        help="after training (and --profile), 1 warm-up step then 1 step under torch.profiler; "
+        help=f"after training (and --profile), {TRACE_STEPS_TEXT}; "
         "each rank writes a Chrome trace DIR/rankR.json",
     )
     return p.parse_args(argv)
@@ -146,11 +148,13 @@ def resume_path(args: argparse.Namespace) -> Path | None:
     return Path(args.resume)
 
 
-def check_inputs(args: argparse.Namespace) -> None:
+def check_inputs(args: argparse.Namespace, model: Any = None, seq: int = 0) -> None:
     """Everything about the flags that can be known before any rank starts; ``InputError`` if not.
 
     ``meshc run`` calls it before launching, and every rank again (a module may be started by
-    torchrun directly).  Only reads files.
+    torchrun directly).  Only reads files.  With ``model`` (the plan's model description, as
+    ``Program.model``) and ``seq``, also what depends on the model: token ids against its
+    vocabulary, a prompt and ``--tokens`` against its learned positions.
     """
     if args.infer:
         if args.tokens < 1:
@@ -172,13 +176,13 @@ def check_inputs(args: argparse.Namespace) -> None:
     if args.keep < 1:
         raise InputError(f"--keep must be at least 1, got {args.keep}")
     if args.profile is not None and (args.save or args.export_hf or args.infer or args.eval or args.steps == 0):
-        # Measuring trains 7 more steps: the weights saved or exported would not be the trained ones.
-        raise InputError("--profile measures 7 extra training steps after --steps: it does not combine "
+        # Measuring trains further: the weights saved or exported would not be the trained ones.
+        raise InputError(f"--profile trains {PROFILE_STEPS_TEXT} after --steps: it does not combine "
                          "with --save, --export-hf, --infer, --eval or --steps 0")
     if args.profile_trace is not None:
         if args.save or args.export_hf or args.infer or args.eval or args.steps == 0:
             # As --profile: the traced steps train the model further.
-            raise InputError("--profile-trace traces 2 extra training steps after --steps: it does not combine "
+            raise InputError(f"--profile-trace trains {TRACE_STEPS_TEXT} after --steps: it does not combine "
                              "with --save, --export-hf, --infer, --eval or --steps 0")
         if Path(args.profile_trace).exists() and not Path(args.profile_trace).is_dir():
             raise InputError(f"--profile-trace {args.profile_trace}: exists and is not a directory")
@@ -195,6 +199,12 @@ def check_inputs(args: argparse.Namespace) -> None:
         if data.stat().st_size == 0:
             raise InputError(f"--data {data}: the file is empty")
     try:
+        _check_text_inputs(args)
+        if model is not None:
+            _check_model_inputs(args, model, seq)
+    except DataError as err:
+        raise InputError(str(err)) from None
+    try:
         if args.save is not None:
             check_save_root(args.save)
         for flag, path in (("--resume", resume_path(args)), ("--load", args.load)):
@@ -205,6 +215,71 @@ def check_inputs(args: argparse.Namespace) -> None:
                     raise InputError(f"{flag}: {err}") from None
     except CheckpointError as err:
         raise InputError(str(err)) from None
+
+
+def _check_text_inputs(args: argparse.Namespace) -> None:
+    """Token files whole, text UTF-8 where a tokenizer reads it, the tokenizer loadable, prompts
+    well-formed; ``DataError`` if not."""
+    from .tokens import (
+        check_prompt_text,
+        check_utf8_file,
+        load_tokenizer,
+        parse_id_list,
+        token_file_header,
+    )
+
+    if args.data is not None and not args.infer:
+        if token_file_header(args.data) is None and args.tokenizer is not None:
+            check_utf8_file(args.data)
+    if args.tokenizer is not None:
+        load_tokenizer(Path(args.tokenizer))
+    if args.prompt is not None:
+        check_prompt_text(args.prompt)
+    if args.prompt_ids is not None:
+        parse_id_list(args.prompt_ids)
+
+
+# --infer without a prompt decodes after this many synthetic tokens (fewer if seq is shorter).
+SYNTHETIC_PROMPT = 8
+
+
+def model_vocab(model: Any) -> int:
+    """Token ids the model has: a padded vocabulary's embedding says how many rows are tokens."""
+    embed = next(x for x in model["layers"] if x["kind"] == "embedding")
+    return int(embed.get("used") or embed["num"])
+
+
+def model_positions(model: Any) -> int | None:
+    """Positions a model with learned position embeddings has rows for; None for rotary (any)."""
+    return next((int(x["num"]) for x in model["layers"] if x["kind"] == "positional"), None)
+
+
+def _check_model_inputs(args: argparse.Namespace, model: Any, seq: int) -> None:
+    from .tokens import check_token_ids, load_tokenizer, parse_ids
+
+    vocab = model_vocab(model)
+    if args.data is not None and not args.infer:
+        check_token_ids(args.data, vocab)  # one pass over the memory map
+    if not args.infer:
+        return
+    if args.prompt_ids is not None:
+        length, what = parse_ids(args.prompt_ids, vocab).shape[1], "--prompt-ids"
+    elif args.prompt is not None:
+        ids = load_tokenizer(Path(args.tokenizer)).encode(args.prompt)
+        if not ids:
+            raise DataError("--prompt: the tokenizer makes no tokens of it (expected some text)")
+        if max(ids) >= vocab:
+            raise DataError(f"--prompt: the tokenizer makes id {max(ids)}, past the model's vocabulary of {vocab}")
+        length, what = len(ids), "--prompt"
+    else:
+        length, what = min(SYNTHETIC_PROMPT, seq or SYNTHETIC_PROMPT), "the synthetic prompt"
+    positions = model_positions(model)
+    # Decoding feeds the prompt, then each new token but the last: length + tokens - 1 positions.
+    if positions is not None and length + args.tokens - 1 > positions:
+        if length > positions:
+            raise DataError(f"{what}: {length} tokens, past the model's {positions} learned positions")
+        raise DataError(f"--tokens {args.tokens}: after {what} of {length} tokens the model's {positions} learned "
+                        f"positions allow at most {positions - length + 1}")
 
 
 def synthetic_batch(
@@ -251,15 +326,6 @@ def open_data(path: Path) -> Any:
     if token_file_vocab(path) is not None:
         return open_token_file(path)
     return np.memmap(path, dtype=np.uint8, mode="r")
-
-
-def _check_token_vocab(path: Path | None, vocab: int) -> None:
-    """A token file written for a larger vocabulary would feed ids the model has no row for."""
-    from .tokens import token_file_vocab
-
-    wrote_for = token_file_vocab(path) if path is not None else None
-    if wrote_for is not None and wrote_for > vocab:
-        raise InputError(f"--data {path}: tokenized for a vocabulary of {wrote_for}, the model has {vocab}")
 
 
 def data_identity(path: Path | None) -> dict[str, Any] | None:
@@ -471,10 +537,13 @@ def _corpus(built: Built, data: Path | None, tokenizer: Any = None) -> Tensor | 
         return torch.from_numpy(np.asarray(open_token_file(data), dtype=np.int64))
     if tokenizer is None:
         return torch.frombuffer(bytearray(data.read_bytes()), dtype=torch.uint8).long()
-    ids = tokenizer.corpus(data.read_text())
+    try:
+        ids = tokenizer.corpus(data.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise DataError(f"--data {data}: not UTF-8 text (byte {err.start:,}); with --tokenizer it is read as text") from None
     vocab = _real_vocab(built)
     if ids.numel() and int(ids.max()) >= vocab:
-        raise ValueError(f"--tokenizer produces id {int(ids.max())}, past the model's vocab {vocab}")
+        raise DataError(f"--data {data}: the tokenizer makes id {int(ids.max())}, past the model's vocabulary of {vocab}")
     return ids
 
 
@@ -497,8 +566,7 @@ def evaluate(built: Built, ids: Tensor, limit: int) -> float:
 
 def _real_vocab(built: Built) -> int:
     """Rows of the vocab that are tokens (a padded vocab's embedding says how many)."""
-    embed = next(x for x in built.program.model["layers"] if x["kind"] == "embedding")
-    return int(embed.get("used") or built.program.vocab)
+    return model_vocab(built.program.model)
 
 
 def train(
@@ -564,7 +632,7 @@ def infer(
     """Decode ``n_new`` tokens greedily after ``prompt`` (default synthetic); rank 0 prints them."""
     p = built.program
     if prompt is None:
-        prompt, _ = synthetic_batch(_real_vocab(built), 1, min(8, p.seq), seed, 0)
+        prompt, _ = synthetic_batch(_real_vocab(built), 1, min(SYNTHETIC_PROMPT, p.seq), seed, 0)
     start = time.perf_counter()
     out = greedy_generate(built, prompt, n_new)
     elapsed = time.perf_counter() - start
@@ -689,8 +757,14 @@ def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool,
     rank agrees on it), ``stopped because ...`` on the others.  Tracebacks only with ``debug``."""
     # Wrappers such as pipelining's "[Stage 0] failed to run forward" say where, not why: judge
     # and report by the innermost exception of the chain.
+    # `raise X from None` means X says it all: stop there, as Python's own traceback does.
     chain = [exc]
-    while (inner := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 20:
+    while len(chain) < 20:
+        last = chain[-1]
+        inner = last.__cause__ if last.__cause__ is not None else (
+            None if last.__suppress_context__ else last.__context__)
+        if inner is None:
+            break
         chain.append(inner)
     text = "\n".join(str(e) for e in chain)
     if isinstance(exc, Preempted):
@@ -703,7 +777,7 @@ def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool,
         # Raised alike on every rank of every node: each node's meshc says it once.
         if os.environ.get("LOCAL_RANK", "0") == "0":
             _say(f"error: {exc}")
-    elif isinstance(exc, (InputError, CheckpointError, WeightsError)):
+    elif isinstance(exc, (InputError, DataError, CheckpointError, WeightsError)):
         # Raised alike on every rank (inputs; checkpoint and --weights checks read the same files
         # everywhere before any rank reads a tensor): say it once.
         if first:
@@ -764,9 +838,12 @@ def select_device() -> bool:
 
 def main(program: Program, argv: Sequence[str] | None = None) -> None:
     """Run ``program`` under torchrun (or any launcher that sets RANK / WORLD_SIZE / MASTER_*)."""
+    from . import startup
+
+    startup.report("up")
     args = parse_args(argv)
     try:
-        check_inputs(args)
+        check_inputs(args, program.model, program.seq)
     except InputError as err:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {err}", file=sys.stderr)
@@ -784,6 +861,7 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timeout)
         set_group_timeout(timeout)
         rank, world = dist.get_rank(), dist.get_world_size()
+        startup.report("joined")
         if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
             nodes = check_same_plan(args, rank, world, timeout)
             if rank == 0:
@@ -792,6 +870,7 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
         progress = Progress(rank)
         built = program.build(seed=args.seed, weights=args.weights, device=None if cuda else torch.device("cpu"))
         first = _first(built)
+        startup.report("built")
         start, seed = 0, args.seed
         if args.resume is None and _restarted() and args.save and _has_latest(args.save):
             args.resume = "latest"  # torchrun restarted the job: go on from the last checkpoint
@@ -801,9 +880,9 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
             load_checkpoint(built, args.load)
         tokenizer = None
         if args.tokenizer:
-            from .tokens import Tokenizer
+            from .tokens import load_tokenizer
 
-            tokenizer = Tokenizer(args.tokenizer)
+            tokenizer = load_tokenizer(Path(args.tokenizer))
         # Text with a tokenizer is tokenized here; a token file or raw bytes are memory-mapped.
         from .tokens import token_file_vocab
 
@@ -827,7 +906,6 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
                 print(f"nothing to do: the checkpoint is at step {start}, --steps is {args.steps}",
                       file=sys.stderr)
         else:
-            _check_token_vocab(args.data, _real_vocab(built))
             if args.data is not None and len(open_data(args.data)) < program.seq + 2:
                 raise InputError(
                     f"--data {args.data}: needs at least {program.seq + 2} bytes for seq "
@@ -841,13 +919,13 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
                 from .profile import profile_train
 
                 p = program
-                batches = [synthetic_batch(_real_vocab(built), p.batch, p.seq, args.seed, i) for i in range(7)]
+                batches = [synthetic_batch(_real_vocab(built), p.batch, p.seq, args.seed, i) for i in range(PROFILE_STEPS)]
                 profile_train(built, batches, args.profile)
             if args.profile_trace:
                 from .profile import trace_train
 
                 p = program
-                batches = [synthetic_batch(_real_vocab(built), p.batch, p.seq, args.seed, i) for i in range(2)]
+                batches = [synthetic_batch(_real_vocab(built), p.batch, p.seq, args.seed, i) for i in range(TRACE_STEPS)]
                 trace_train(built, batches, args.profile_trace)
                 if first:
                     print(f"Chrome traces of one step: {args.profile_trace}/rank*.json "

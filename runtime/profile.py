@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .fsdp import data_local
+from .profile_steps import PROFILE_UNTIMED
 
 __all__ = ["CollectiveLog", "LiveBytes", "profile_train", "saved_bytes", "trace_train"]
 
@@ -299,8 +300,8 @@ def profile_train(
     they are not timed), the rest are timed: wall and CPU seconds (all of the process's threads,
     gloo's included).
     """
-    if len(batches) < 4:
-        raise ValueError("profile_train needs a warm-up, a memory step, a kernel count and a timed step")
+    if len(batches) < len(PROFILE_UNTIMED) + 1:
+        raise ValueError(f"profile_train needs {', '.join(PROFILE_UNTIMED)} and a timed step")
     built.train_step(*batches[0])
     params = built.parameters()
     live = LiveBytes()
@@ -313,7 +314,7 @@ def profile_train(
     steps = []
     cpu = 0.0
     with log:
-        for tokens, targets in batches[3:]:
+        for tokens, targets in batches[len(PROFILE_UNTIMED) :]:
             start, cpu_start = time.perf_counter(), time.process_time()
             built.train_step(tokens, targets)
             steps.append(time.perf_counter() - start)

@@ -20,7 +20,13 @@ from hf_models import word_tokenizer  # noqa: E402
 
 from meshllm_dsl.cli import main  # noqa: E402
 from meshllm_dsl.runtime import launch  # noqa: E402
-from meshllm_dsl.runtime.tokens import Tokenizer, open_token_file, token_file_vocab  # noqa: E402
+from meshllm_dsl.runtime.tokens import (  # noqa: E402
+    DataError,
+    Tokenizer,
+    check_token_ids,
+    open_token_file,
+    token_file_vocab,
+)
 
 WORDS = "the cat sat on a mat and then it ran far away from home to see big red dog".split()
 
@@ -96,10 +102,12 @@ def test_tokenize_refuses_what_it_should(tmp_path: Path) -> None:
 def test_a_token_file_for_a_larger_vocabulary_is_refused(tmp_path: Path) -> None:
     big = tmp_path / "big.tokens"
     big.write_bytes(b"MESHTOK1" + np.array([4, 100_000], dtype="<u4").tobytes() + np.zeros(64, "<u4").tobytes())
+    with pytest.raises(DataError, match="vocabulary of 100000, the model has 64"):
+        check_token_ids(big, 64)
+    check_token_ids(big, 100_000)
+    model = {"layers": [{"kind": "embedding", "num": 64, "dim": 8}]}
     with pytest.raises(launch.InputError, match="vocabulary of 100000, the model has 64"):
-        launch._check_token_vocab(big, 64)
-    launch._check_token_vocab(big, 100_000)
-    launch._check_token_vocab(None, 64)
+        launch.check_inputs(launch.parse_args(["--data", str(big)]), model)
 
 
 def test_meshc_run_trains_on_a_token_file(tmp_path: Path) -> None:

@@ -273,3 +273,172 @@ def test_sigterm_finishes_the_step_checkpoints_and_stops(tmp_path: Path) -> None
     manifest = checkpoint.verify(root)
     assert manifest["step"] == int(match.group(1)) >= 3
     assert Path(match.group(2)) == root / f"step-{manifest['step']:06d}"
+
+
+# ---------------------------------------------------------------- reports, start-up line, --profile steps
+
+
+def test_a_failure_raised_from_none_is_reported_by_its_own_message(capfd: Any) -> None:
+    """`raise X from None` is the project saying what went wrong: the report must not dig out the
+    exception it replaced (``--prompt-ids 1,,x`` used to print int()'s "invalid literal")."""
+    def failing() -> None:
+        try:
+            int("x")
+        except ValueError:
+            raise RuntimeError("--prompt-ids '1,,x': expected token ids") from None
+
+    with contextlib.suppress(RuntimeError):
+        failing()
+    try:
+        failing()
+    except RuntimeError as exc:
+        launch._report(exc, 0, 1, True, False, None)
+    err = capfd.readouterr().err
+    assert err.strip() == "error: rank 0 failed: RuntimeError: --prompt-ids '1,,x': expected token ids", err
+    # Without `from None` the innermost cause is still the one reported (pipelining's wrappers).
+    try:
+        try:
+            int("x")
+        except ValueError as inner:
+            raise RuntimeError("[Stage 0] failed to run forward") from inner
+    except RuntimeError as exc:
+        launch._report(exc, 0, 1, True, False, None)
+    assert "invalid literal for int()" in capfd.readouterr().err
+
+
+def test_a_bad_prompt_from_a_rank_is_said_once_as_an_input_error(capfd: Any) -> None:
+    from meshllm_dsl.runtime.tokens import DataError, parse_ids
+
+    try:
+        parse_ids("1,,x", 64)
+    except DataError as exc:
+        launch._report(exc, 3, 4, False, False, None)  # not the first rank: silent
+        launch._report(exc, 0, 4, True, False, None)
+    assert capfd.readouterr().err.strip() == (
+        "error: --prompt-ids '1,,x': item 2 is empty, expected comma-separated token ids, e.g. 1,2,3")
+
+
+def _relay_output(chunks: list[bytes], tty: bool) -> bytes:
+    """What `meshc run`'s relay writes for the job output ``chunks`` (a pipe, read to its end)."""
+    import io
+
+    from meshllm_dsl import cli_job
+    from meshllm_dsl.runtime.startup import StartupLine
+
+    read_fd, write_fd = os.pipe()
+    relay = cli_job._Relay(read_fd, debug=False, tty=tty)
+    out = io.BytesIO()
+    clock = iter(range(100))
+    relay.startup = StartupLine(tty, clock=lambda: float(next(clock)), tick=0, out=out)
+    for chunk in chunks:
+        os.write(write_fd, chunk)
+    os.close(write_fd)
+    relay.run()
+    os.close(read_fd)
+    return out.getvalue()
+
+
+def _marker(rank: int, phase: str) -> bytes:
+    return f"meshllm-startup {rank} 2 {phase} 1.0\n".encode()
+
+
+START = [_marker(0, "up"), _marker(1, "up"), _marker(1, "joined"), _marker(0, "joined"),
+         b"warning: something a rank says early\n", _marker(0, "built"), _marker(1, "built")]
+BAR = [b"\r[####....] step 1/2  loss 5.0", b"\r[########] step 2/2  loss 4.0\n", b"done: loss 4.0\n"]
+
+
+def test_the_start_up_line_on_a_terminal() -> None:
+    out = _relay_output(START + BAR, tty=True)
+    lines = out.split(b"\r\x1b[K")
+    shown = [x for x in lines if x.startswith(b"starting")]
+    assert shown[0] == b"starting (1 s): torchrun is starting the ranks (each imports torch)"
+    assert b"starting (2 s): 1/2 ranks up (importing torch)" in shown
+    assert b"starting (4 s): 2/2 ranks up, 1/2 joined the process group" in shown
+    assert b"starting (7 s): 2/2 ranks in the process group, 1/2 built their stages" in shown
+    assert shown[-1] == b"starting (8 s): 2/2 ranks ready, first step"
+    # Other output erases the line, then it is drawn again; the bar erases it for good.
+    assert b"\r\x1b[Kwarning: something a rank says early\n\r\x1b[Kstarting" in out
+    assert out.endswith(b"\r\x1b[K\r[####....] step 1/2  loss 5.0\r[########] step 2/2  loss 4.0\ndone: loss 4.0\n")
+    assert b"meshllm-startup" not in out
+
+
+def test_the_start_up_line_is_quiet_when_stderr_is_not_a_terminal() -> None:
+    out = _relay_output(START + BAR, tty=False)
+    assert out == b"warning: something a rank says early\n" + b"".join(BAR)
+
+
+def test_ranks_mark_their_start_up_only_under_meshc_run(capfd: Any, monkeypatch: Any) -> None:
+    from meshllm_dsl.runtime import startup
+
+    monkeypatch.delenv(startup.ENV, raising=False)
+    startup.report("up")
+    assert capfd.readouterr().err == ""
+    monkeypatch.setenv(startup.ENV, "1")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    startup.report("joined")
+    got = startup.parse(capfd.readouterr().err.encode().rstrip(b"\n"))
+    assert got is not None and got[:3] == (3, 8, "joined")
+
+
+def test_meshc_run_shows_the_start_up_line_on_a_terminal(tmp_path: Path) -> None:
+    """A real `meshc run` (one rank) under a pseudo-terminal: the ranks' markers arrive and are drawn."""
+    import pty
+
+    spec = tmp_path / "one.mesh"
+    spec.write_text("mesh one { axes data = 1 }\nmodel m = gpt2 { vocab = 64, hidden = 32, layers = 2, heads = 4, "
+                    "positions = 16 }\nplan train on one for m {\n    batch = 2\n    seq = 8\n}\n")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: meshc with the terminal as its stderr
+        os.execv(sys.executable, [sys.executable, "-m", "meshllm_dsl", "run", str(spec), "--steps", "2"])
+    out = b""
+    with contextlib.suppress(OSError):  # EIO once the child has exited
+        while chunk := os.read(fd, 65536):
+            out += chunk
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, out[-2000:]
+    assert b"starting (" in out and b"1/1 ranks ready, first step" in out, out[-2000:]
+    assert b"step 2/2" in out and b"meshllm-startup" not in out
+
+
+def test_profile_steps_are_one_number_in_help_error_and_readme() -> None:
+    """`--profile`'s extra steps come from runtime/profile_steps.py: `meshc run --help`, the
+    generated module's --help, the error refusing --profile with --save and the README agree."""
+    from meshllm_dsl import cli
+    from meshllm_dsl.runtime.profile_steps import (
+        PROFILE_STEPS,
+        PROFILE_STEPS_TEXT,
+        PROFILE_TIMED,
+        PROFILE_UNTIMED,
+        TRACE_STEPS,
+        TRACE_STEPS_TEXT,
+    )
+
+    assert PROFILE_STEPS == len(PROFILE_UNTIMED) + PROFILE_TIMED == 7
+
+    def flat(text: str) -> str:  # argparse wraps lines, also after a hyphen
+        return " ".join(re.sub(r"-\n\s*", "-", text).split())
+
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+        cli.main(["run", "--help"])
+    assert f"measure {PROFILE_STEPS_TEXT} on every rank" in flat(buf.getvalue())
+    assert TRACE_STEPS_TEXT in flat(buf.getvalue())
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+        launch.parse_args(["--help"])
+    assert f"after training, {PROFILE_STEPS_TEXT};" in flat(buf.getvalue())
+    for flag, text in (("--profile", PROFILE_STEPS_TEXT), ("--profile-trace", TRACE_STEPS_TEXT)):
+        try:
+            launch.check_inputs(launch.parse_args([flag, "out", "--save", "ckpt"]))
+        except launch.InputError as err:
+            assert f"{flag} trains {text} after --steps" in str(err)
+        else:
+            raise AssertionError(f"{flag} with --save was accepted")
+    assert "2 more steps (1 warm-up, then 1 under torch.profiler)" == TRACE_STEPS_TEXT and TRACE_STEPS == 2
+    readme = flat((HERE.parents[1] / "README.md").read_text())
+    assert (f"trains {PROFILE_STEPS} more steps after `--steps` (`runtime/profile_steps.py`): a warm-up, "
+            f"a step measured for memory and one counting kernels (none of them timed: instrumentation slows "
+            f"them 2-3x), then {PROFILE_TIMED} timed steps") in readme
