@@ -70,6 +70,7 @@ _PEER_LOST = (
 # step or a large checkpoint written by one rank while the others wait in the next collective;
 # a stopped rank then costs at most that.  Short CPU runs may pass --timeout 30.
 DEFAULT_TIMEOUT = 300.0
+MAX_TIMEOUT = 1e7  # seconds (115 days); collectives take it in milliseconds
 DEFAULT_KEEP = 3
 HEARTBEAT_S = 1.0
 
@@ -169,8 +170,10 @@ def check_inputs(args: argparse.Namespace, model: Any = None, seq: int = 0) -> N
     for flag, path in (("--weights", args.weights), ("--tokenizer", args.tokenizer)):
         if path is not None and not Path(path).is_dir():
             raise InputError(f"{flag} {path}: no such directory")
-    if not args.timeout > 0:
-        raise InputError(f"--timeout must be positive, got {args.timeout:g}")
+    if not 0 < args.timeout <= MAX_TIMEOUT:  # nan and inf too: a timedelta of them raises on every rank
+        raise InputError(f"--timeout must be positive seconds, at most {MAX_TIMEOUT:g}, got {args.timeout:g}")
+    if not 0 <= args.seed < 2**32:  # seed * 1_000_003 + step seeds a torch.Generator (int64)
+        raise InputError(f"--seed must be 0 to {2**32 - 1}, got {args.seed}")
     if args.save_every < 0:
         raise InputError(f"--save-every must be 0 (only at the end) or more, got {args.save_every}")
     if args.keep < 1:
@@ -220,6 +223,13 @@ def check_inputs(args: argparse.Namespace, model: Any = None, seq: int = 0) -> N
 def _check_text_inputs(args: argparse.Namespace) -> None:
     """Token files whole, text UTF-8 where a tokenizer reads it, the tokenizer loadable, prompts
     well-formed; ``DataError`` if not."""
+    try:
+        _check_text_files(args)
+    except OSError as err:
+        raise DataError(f"{err.filename or args.data}: cannot read it ({err.strerror or err})") from None
+
+
+def _check_text_files(args: argparse.Namespace) -> None:
     from .tokens import (
         check_prompt_text,
         check_utf8_file,
@@ -535,8 +545,8 @@ def _corpus(built: Built, data: Path | None, tokenizer: Any = None) -> Tensor | 
 
     if token_file_vocab(data) is not None:  # already ids (read whole: --eval walks all of it)
         return torch.from_numpy(np.asarray(open_token_file(data), dtype=np.int64))
-    if tokenizer is None:
-        return torch.frombuffer(bytearray(data.read_bytes()), dtype=torch.uint8).long()
+    if tokenizer is None:  # bytes mod vocab, as training reads them (a vocab under 256 has no row for some)
+        return torch.frombuffer(bytearray(data.read_bytes()), dtype=torch.uint8).long() % _real_vocab(built)
     try:
         ids = tokenizer.corpus(data.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:

@@ -123,6 +123,11 @@ HOSTILE: dict[str, tuple[Case, str]] = {
     "a prompt longer than the positions": (
         lambda t: ["--infer", "--prompt-ids", ",".join(["1"] * 17), "--tokens", "1"],
         "--prompt-ids: 17 tokens, past the model's 16 learned positions"),
+    # Flags whose values used to fail on every rank (timedelta(inf), an int64 generator seed).
+    "--timeout inf": (lambda t: ["--timeout", "inf"], "--timeout must be positive seconds, at most 1e+07, got inf"),
+    "--timeout nan": (lambda t: ["--timeout", "nan"], "got nan"),
+    "--seed past int64": (lambda t: ["--seed", str(10**20)], f"--seed must be 0 to {2**32 - 1}, got {10**20}"),
+    "--seed negative": (lambda t: ["--seed", "-1"], "got -1"),
     # Tokenizer directories.
     "garbled tokenizer.json": (
         _tok(tokenizer__json=b'{"version": "1.0", "model": '),
@@ -210,3 +215,14 @@ def test_a_generated_module_started_without_meshc_refuses_ids_past_the_vocabular
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr == f"error: --data {data}: holds token id 59,999, past the model's vocabulary of 64 (ids 0..63)\n"
+
+
+def test_eval_reads_a_text_file_as_bytes_mod_vocab_as_training_does(tmp_path: Path) -> None:
+    """With vocab 64, bytes 64..255 have no embedding row: --eval used to index past it."""
+    from types import SimpleNamespace
+
+    model = {"layers": [{"kind": "embedding", "num": 64, "dim": 8}]}
+    built = SimpleNamespace(program=SimpleNamespace(model=model))
+    text = tmp_path / "t.txt"
+    text.write_bytes(bytes(range(256)))
+    assert launch._corpus(built, text).tolist() == [b % 64 for b in range(256)]
