@@ -16,9 +16,11 @@ from typing import Any
 
 import attrs
 
+from meshllm_dsl.collectives import spec
 from meshllm_dsl.ir import (
     REPLICATE,
     BlockClass,
+    Collective,
     Leaf,
     Placement,
     PlanIR,
@@ -259,28 +261,23 @@ class _UnitWriter:
         lines: list[Line] = []
         hidden = a["hidden"]
         for c in flow.collectives:
-            if c.where != "input" or c.op not in ("copy_to", "gather_seq"):
+            fused = spec(c.op).fused
+            if c.where != "input" or fused is None:
                 continue
             # The column layers run inside the collective's call: a name per layer output for the
             # code below. copy_to_linear all-reduces the input gradient while backward computes the
             # weight gradients; gather_seq_linear keeps only this rank's slice of the shared input.
-            n = self.n(c.axes)
             names = [leaf.name for leaf in unit.leaves[:-1]]
             layers = ", ".join(f"self.{attr}.{name}" for name in names)
             target = names[0] + "," if len(names) == 1 else ", ".join(names)
             self.projected = set(names)
-            if c.op == "copy_to":
-                lines.append(Line(f"{target} = rt.copy_to_linear({x}, {self.group(c.axes)}, {layers})",
-                                  f"f: [b, s, {hidden}] into the column layers; backward all-reduces over "
-                                  f"{_axes_text(c.axes)} ({n}) during their weight gradients"))
-            else:
-                lines.append(Line(f"{target} = rt.gather_seq_linear({x}, {self.group(c.axes)}, {layers})",
-                                  f"[b, s/{n}, {hidden}] all-gathered over {_axes_text(c.axes)} ({n}) into the column layers; "
-                                  "backward gathers again and reduce-scatters"))
-                if unit.kind == "attention":
-                    lines.append(Line(f"b, s, _ = {names[0]}.shape", "the whole sequence"))
-        split = next((c for c in flow.collectives if c.where == "input" and c.op == "split_to"), None)
-        reduce = next((c for c in flow.collectives if c.where == "output" and c.op in ("reduce_from", "reduce_scatter_seq")), None)
+            lines.append(Line(f"{target} = rt.{fused.runtime}({x}, {self.group(c.axes)}, {layers})",
+                              fused.columns.format(dim=hidden, n=self.n(c.axes), axes=_axes_text(c.axes))))
+            if fused.gathers_sequence and unit.kind == "attention":
+                lines.append(Line(f"b, s, _ = {names[0]}.shape", "the whole sequence"))
+        # In front of a row layer fed a replicated input, this rank's slice of it.
+        split = next((c for c in flow.collectives if c.where == "input" and spec(c.op).fused is None), None)
+        reduce = next((c for c in flow.collectives if c.where == "output"), None)  # the row layer's sum
         if unit.kind == "attention":
             lines += self._attention(attr, unit, a, placement, x)
         else:
@@ -290,22 +287,17 @@ class _UnitWriter:
         p_out = placement.get(f"{unit.name}.{out_leaf.name}", REPLICATE)
         src = "a"
         if split is not None and p_out.rule == "row":
-            n = self.n(split.axes)
-            lines.append(Line(f"a = rt.split_to(a, {self.group(split.axes)}, dim=-1)",
-                              f"[b, s, {out_leaf.params[0].shape[1] // n}]: this rank's slice over {_axes_text(split.axes)}"))
+            lines.append(_collective_line(self, split, out_leaf.params[0].shape[1], "a"))
         has_bias = len(out_leaf.params) > 1
         if reduce is not None:
             lines.append(Line(f"out = F.linear({src}, self.{attr}.{out_leaf.name}.weight)",
                               f"[b, s, {hidden}] Partial over {_axes_text(reduce.axes)}"))
             bias = f" + self.{attr}.{out_leaf.name}.bias" if has_bias else ""
-            n = self.n(reduce.axes)
-            if reduce.op == "reduce_scatter_seq":
-                lines.append(Line(f"out = rt.reduce_scatter_seq(out, {self.group(reduce.axes)}){bias}",
-                                  f"reduce-scatter over {_axes_text(reduce.axes)} ({n}) -> [b, s/{n}, {hidden}]; "
-                                  "backward all-gathers"))
-            else:
-                lines.append(Line(f"out = rt.reduce_from(out, {self.group(reduce.axes)}){bias}",
-                                  f"g: all-reduce over {_axes_text(reduce.axes)} ({n}) -> [b, s, {hidden}]"))
+            summed, n = spec(reduce.op), self.n(reduce.axes)
+            if summed.closes_row is None:
+                raise AssertionError(f"{reduce.op} does not sum a row layer's output (collectives.py: closes_row)")
+            lines.append(Line(f"out = {summed.call('out', self.group(reduce.axes))}{bias}",
+                              summed.closes_row.format(dim=hidden, local=hidden // n, n=n, axes=_axes_text(reduce.axes))))
         else:
             lines.append(Line(f"out = self.{attr}.{out_leaf.name}({src})", f"[b, s, {hidden}]"))
         return lines
@@ -493,15 +485,14 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
             whole = not tied_head_with_own_bias(item)  # a fused call can take the layer
             if plan.seq_axes and flow is not None:
                 # Gather and head in one step (keeps this rank's slice for backward).
-                fused = [c.op for c in flow.collectives] == ["gather_seq"] and whole
+                fused = len(flow.collectives) == 1 and spec(flow.collectives[0].op).fused is not None and whole
                 if not fused:
                     forward += _seq_lines(w, flow, a["in"])
             elif p.sharded and p.rule == "column":
                 # f and the layer in one call (backward overlaps the all-reduce with the weight gradient).
                 fused_f = whole
                 if not fused_f:
-                    forward.append(Line(f"x = rt.copy_to(x, {w.group(p.axes)})",
-                                        f"f: [b, s, {a['in']}] identity; backward all-reduces over {_axes_text(p.axes)}"))
+                    forward.append(_collective_line(w, Collective("copy_to", p.axes, "input"), a["in"]))
             out_local = a["out"] // plan.mesh.size(*p.axes) if p.sharded and p.rule == "column" else a["out"]
             # A tied head uses the embedding's module where this stage holds it.
             owner = leaf.tie if leaf is not None and leaf.tie is not None and leaf.tie in held else item.name
@@ -511,16 +502,14 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
             else:
                 call = f"self.{item.name}(x)"
             what = f"Shard(vocab) over {_axes_text(p.axes)}: {out_local} of {a['out']}" if p.sharded else "Replicate"
-            if fused:
-                (c,) = flow.collectives  # type: ignore[union-attr]
-                n = w.n(c.axes)
-                forward.append(Line(f"{'logits' if is_head else 'x'}, = rt.gather_seq_linear(x, {w.group(c.axes)}, self.{owner})",
-                                    f"[b, s/{n}, {a['in']}] all-gathered over {_axes_text(c.axes)} ({n}) -> "
-                                    f"[b, s, {out_local}] {what}; backward gathers again and reduce-scatters"))
-            elif fused_f:
-                forward.append(Line(f"{'logits' if is_head else 'x'}, = rt.copy_to_linear(x, {w.group(p.axes)}, self.{owner})",
-                                    f"f: [b, s, {a['in']}] -> [b, s, {out_local}] {what}; backward all-reduces over "
-                                    f"{_axes_text(p.axes)} during the weight gradient"))
+            if fused or fused_f:
+                # The collective in front of the layer, with the layer inside its call.
+                c = flow.collectives[0] if fused else Collective("copy_to", p.axes, "input")  # type: ignore[union-attr]
+                f = spec(c.op).fused
+                assert f is not None
+                forward.append(Line(f"{'logits' if is_head else 'x'}, = rt.{f.runtime}(x, {w.group(c.axes)}, self.{owner})",
+                                    f.head.format(dim=a["in"], out=out_local, what=what, n=w.n(c.axes),
+                                                  axes=_axes_text(c.axes))))
             else:
                 forward.append(Line(f"{'logits' if is_head else 'x'} = {call}", f"[b, s, {out_local}] {what}"))
             if is_head:
@@ -541,31 +530,16 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
     return ClassDef(f"Stage{stage.index}", doc, w.group_lines() + init, arg, forward, params)
 
 
+def _collective_line(w: _UnitWriter, c: Collective, dim: int, x: str = "x") -> Line:
+    """`x = rt.<op>(x, group)` for collective `c` on an activation `dim` wide."""
+    s, n = spec(c.op), w.n(c.axes)
+    return Line(f"{x} = {s.call(x, w.group(c.axes))}", s.line.format(dim=dim, local=dim // n, n=n, axes=_axes_text(c.axes)))
+
+
 def _seq_lines(w: _UnitWriter, flow: UnitFlow, dim: int) -> list[Line]:
     """The collectives of a top-level unit's flow (embedding sums, sequence parallelism's scatter
     after the embedding and gather before the head), in order."""
-    lines = []
-    for c in flow.collectives:
-        n, axes, g = w.n(c.axes), _axes_text(c.axes), w.group(c.axes)
-        if c.op == "reduce_from":
-            lines.append(Line(f"x = rt.reduce_from(x, {g})", f"g: all-reduce over {axes} ({n}) -> [b, s, {dim}]"))
-        elif c.op == "reduce_scatter_seq":
-            lines.append(Line(f"x = rt.reduce_scatter_seq(x, {g})",
-                              f"reduce-scatter over {axes} ({n}) -> [b, s/{n}, {dim}] Shard(seq); backward all-gathers"))
-        elif c.op == "split_seq":
-            lines.append(Line(f"x = rt.split_seq(x, {g})",
-                              f"[b, s/{n}, {dim}] this rank's slice of the sequence; backward all-gathers over {axes}"))
-        elif c.op == "gather_seq":
-            lines.append(Line(f"x = rt.gather_seq(x, {g})",
-                              f"[b, s/{n}, {dim}] -> [b, s, {dim}]: all-gather over {axes} ({n}); backward reduce-scatters"))
-        elif c.op == "gather_seq_split":
-            lines.append(Line(f"x = rt.gather_seq(x, {g}, partial_grad=False)",
-                              f"[b, s/{n}, {dim}] -> [b, s, {dim}]: all-gather over {axes} ({n}); backward keeps this rank's slice"))
-        elif c.op == "copy_to":
-            lines.append(Line(f"x = rt.copy_to(x, {g})", f"f: [b, s, {dim}] identity; backward all-reduces over {axes}"))
-        else:
-            raise AssertionError(c.op)
-    return lines
+    return [_collective_line(w, c, dim) for c in flow.collectives]
 
 
 def _vocab_used(model: Any) -> int | None:

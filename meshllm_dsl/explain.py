@@ -9,22 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshllm_dsl.collectives import spec
 from meshllm_dsl.ir import Collective, Placement, PlanIR, Repeat, Unit, UnitFlow
 from meshllm_dsl.layouts import seq_partial_grad
 from meshllm_dsl.planner import _ranges, _table, stage_label
-
-# What each of Megatron's operators does, forward and backward (ir.Collective.op).
-OPS = {
-    "copy_to": ("identity", "all-reduce"),
-    "reduce_from": ("all-reduce", "identity"),
-    "split_to": ("split", "all-gather"),
-    "gather_from": ("all-gather", "split"),
-    # sequence parallelism (Megatron-LM's sequence-parallel mappings), along the sequence dim
-    "gather_seq": ("all-gather(seq)", "all-gather(seq) again and reduce-scatter(seq)"),
-    "reduce_scatter_seq": ("reduce-scatter(seq)", "all-gather(seq)"),
-    "split_seq": ("split(seq)", "all-gather(seq)"),
-    "gather_seq_split": ("all-gather(seq)", "split(seq)"),
-}
 
 
 def shard_axes(plan: PlanIR) -> tuple[str, ...]:
@@ -67,8 +55,8 @@ def _rule(p: Placement) -> str:
 
 
 def _collective(c: Collective) -> str:
-    fwd, bwd = OPS[c.op]
-    return f"{c.op}({', '.join(c.axes)}) at {c.where}: {fwd} forward, {bwd} backward"
+    s = spec(c.op)
+    return f"{c.op}({', '.join(c.axes)}) at {c.where}: {s.forward} forward, {s.backward} backward"
 
 
 def _unit_entries(plan: PlanIR, unit: Unit, placement: dict[str, Placement], flow: UnitFlow | None) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from meshllm_dsl.collectives import spec
 from meshllm_dsl.diagnostics import Label
 from meshllm_dsl.ir import (
     REPLICATE,
@@ -36,8 +37,6 @@ from meshllm_dsl.ir import (
 from meshllm_dsl.source import Span
 
 R = Layout("R")
-# Megatron's f / g over T, and what sequence parallelism turns them into.
-_SEQ_OPS = {"copy_to": "gather_seq", "reduce_from": "reduce_scatter_seq"}
 
 
 class _Reporter(Protocol):
@@ -171,15 +170,23 @@ def _at_residual(y: Layout, where: str, p: Placement, collectives: list[Collecti
     return UnitFlow(R, R, tuple(collectives))
 
 
+def _under_seq(c: Collective, seq: tuple[str, ...]) -> Collective | None:
+    """What sequence parallelism over `seq` turns `c` into (Megatron's f / g over the tensor axes
+    become their sequence forms); None where it has none, or runs over other axes."""
+    op = spec(c.op).under_seq
+    return Collective(op, c.axes, c.where) if op is not None and c.axes == seq else None
+
+
 def _seq_block_flow(unit: Unit, flow: UnitFlow, prefix: str, placement: dict[str, Placement],
                     seq: tuple[str, ...], seq_span: Span | None, r: _Reporter, quiet: bool = False) -> UnitFlow | None:
     """A block unit's flow under sequence parallelism over `seq`; None after an error (E0410)."""
     q = Layout("Q", seq)
     if unit.kind in ("rmsnorm", "layernorm"):
         return UnitFlow(q, q, ())
-    ops = [(c.op, c.axes, c.where) for c in flow.collectives]
-    if ops == [("copy_to", seq, "input"), ("reduce_from", seq, "output")]:
-        return UnitFlow(q, q, tuple(Collective(_SEQ_OPS[c.op], c.axes, c.where) for c in flow.collectives))
+    # Tensor-parallel over exactly `seq`: f in front of the column layers and g after the row layer.
+    seq_ops = [_under_seq(c, seq) for c in flow.collectives]
+    if [c.where for c in flow.collectives] == ["input", "output"] and None not in seq_ops:
+        return UnitFlow(q, q, tuple(c for c in seq_ops if c is not None))
     axes = " x ".join(seq)
     where = f"{prefix}{unit.name}"
     leaves = [lf.name for lf in unit.leaves]
@@ -221,8 +228,9 @@ def _seq_top_flow(item: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool, 
         if then == "positional":
             return flow  # summed in full; the positions are added, then the sum is split (Megatron too)
         ops = list(flow.collectives)
-        if ops and ops[-1].op == "reduce_from" and ops[-1].axes == seq:
-            return UnitFlow(R, q, (*ops[:-1], Collective("reduce_scatter_seq", seq, "output")))
+        summed = _under_seq(ops[-1], seq) if ops else None  # a vocab-parallel sum over `seq`
+        if summed is not None:
+            return UnitFlow(R, q, (*ops[:-1], summed))
         return UnitFlow(R, q, (*ops, Collective("split_seq", seq, "output")))
     if item.kind == "positional":
         return UnitFlow(R, q, (Collective("split_seq", seq, "output"),))
@@ -230,8 +238,9 @@ def _seq_top_flow(item: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool, 
         return UnitFlow(q, q, ())
     if item.kind == "linear" and last:
         ops = list(flow.collectives)
-        if ops and ops[0].op == "copy_to" and ops[0].axes == seq:
-            return UnitFlow(q, flow.output, (Collective("gather_seq", seq, "input"), *ops[1:]))
+        gathered = _under_seq(ops[0], seq) if ops else None  # a head split over `seq`: its f
+        if gathered is not None:
+            return UnitFlow(q, flow.output, (gathered, *ops[1:]))
         # The head is not split over `seq`: its input gradient is whole on every rank of `seq`.
         return UnitFlow(q, flow.output, (Collective("gather_seq_split", seq, "input"), *ops))
     return flow  # a top-level linear between blocks: refused by the checker (E0410)

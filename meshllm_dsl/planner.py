@@ -29,6 +29,7 @@ from typing import Any
 
 import attrs
 
+from meshllm_dsl.collectives import WirePrimitive, ring_bytes, spec
 from meshllm_dsl.devices import (
     DEFAULT_PROFILE,
     PROFILES,
@@ -40,6 +41,7 @@ from meshllm_dsl.diagnostics import Diagnostic, Label
 from meshllm_dsl.ir import (
     DTYPES,
     REPLICATE,
+    Collective,
     Leaf,
     MeshIR,
     Placement,
@@ -492,6 +494,7 @@ def _stage_output_bytes(plan: PlanIR, stage: Stage, tokens: int) -> int:
 # layers (tests/planner/test_time_model.py checks whole steps against the count). On a host whose
 # cores run the model (CPU ranks), each kernel costs its dispatch, autograd and Python time whatever
 # its size, which is what small models spend their step on; `device { kernel = US }` prices them.
+# A collective's own count is its record's (meshllm_dsl/collectives.py).
 KERNELS = {
     "linear": 13,  # forward t, mm, view; backward two mm with their transposes, the grad accumulation
     "bias": 3,  # the add; backward its reduction over tokens and the accumulation
@@ -509,17 +512,6 @@ KERNELS = {
     "positional": 7,  # position ids, lookup, add
     "cross_entropy": 10,
     "vocab_parallel_cross_entropy": 44,  # each shard's log-sum-exp and target logit, one all-gather, combined
-    "copy_to": 3,  # Megatron's operators around the tensor-parallel collective
-    "reduce_from": 2,
-    "split_to": 3,
-    "gather_from": 3,
-    # Sequence parallelism's (runtime/collectives.py), fitted to counts on tiny_gpt2's ranks with and
-    # without `seq -> tensor`: gather_seq runs the column layers inside its gather (buffers, views)
-    # and gathers its kept slice again in backward; reduce_scatter_seq pads, scatters and re-gathers.
-    "gather_seq": 14,
-    "reduce_scatter_seq": 14,
-    "split_seq": 3,
-    "gather_seq_split": 3,
 }
 # Per parameter tensor and step: zero its gradient; AdamW's update (torch's fused kernel); on
 # data-parallel ranks its share of the flattened all-reduce.
@@ -543,18 +535,18 @@ def _leaf_tensors(hu: HeldUnit) -> int:
     return sum(len(leaf.params) for leaf in hu.unit.leaves)
 
 
-def _copy_to_linear_saving(unit: Unit) -> int:
-    """Kernels `rt.copy_to_linear` saves against Megatron's f then the column layers one by one: it
-    runs them as one Function, 5 fewer per layer and 1 fewer per bias, less one (counted per
-    microbatch on gloo ranks). Codegen fuses every f with the column layers that follow it, unless
-    no fused call can take the layer (layouts.tied_head_with_own_bias)."""
-    if tied_head_with_own_bias(unit):
+def _fused_saving(unit: Unit, c: Collective) -> int:
+    """Kernels a fused call (collectives.Fused, e.g. `rt.copy_to_linear`) saves against collective
+    `c` then the column layers one by one. Codegen fuses `c` with the column layers that follow it,
+    unless no fused call can take the layer (layouts.tied_head_with_own_bias)."""
+    fused = spec(c.op).fused
+    if c.where != "input" or fused is None or fused.kernels_saved is None or tied_head_with_own_bias(unit):
         return 0
     columns = [leaf for leaf in unit.leaves if leaf.kind == "linear"]
     if unit.kind != "linear":
         columns = columns[:-1]  # the row layer that closes the unit runs after
     biased = sum(1 for leaf in columns if any(t.name == "bias" for t in leaf.params))
-    return 5 * len(columns) - 1 + biased if columns else 0
+    return fused.kernels_saved(len(columns), biased)
 
 
 def unit_kernels(plan: PlanIR, hu: HeldUnit) -> int:
@@ -575,9 +567,7 @@ def unit_kernels(plan: PlanIR, hu: HeldUnit) -> int:
     elif unit.kind == "mlp":
         n += (k["swiglu"] if unit.attr("act") == "swiglu" else k["activation"]) + k["residual"]
     if hu.flow is not None:
-        n += sum(k[c.op] for c in hu.flow.collectives)
-        if any(c.op == "copy_to" and c.where == "input" for c in hu.flow.collectives):
-            n -= _copy_to_linear_saving(unit)
+        n += sum(spec(c.op).kernels - _fused_saving(unit, c) for c in hu.flow.collectives)
     if hu.last:
         n += k["vocab_parallel_cross_entropy" if plan.loss.sharded else "cross_entropy"]
     return n
@@ -592,23 +582,12 @@ class Comm:
 
     axis: str  # mesh axis (or axes, joined by " x ") it runs over
     kind: str  # tensor | pipeline | data | tied | loss
-    op: str  # all_reduce | all_gather | reduce_scatter | send_recv
+    op: WirePrimitive
     calls: int  # collective calls per step
     payload_bytes: int  # sum of the tensors' sizes handed to the collective
     wire_bytes: int  # bytes each device sends (ring algorithm)
     seconds: float
     crosses_hosts: bool
-
-
-def _wire(op: str, size: int, n: int) -> int:
-    """Bytes each member sends for one collective over `n` ranks, ring algorithm (NCCL's for large sizes)."""
-    if n <= 1:
-        return 0
-    if op == "all_reduce":
-        return 2 * (n - 1) * size // n
-    if op in ("all_gather", "reduce_scatter"):
-        return (n - 1) * size // n
-    return size  # send_recv
 
 
 @functools.lru_cache(maxsize=4096)
@@ -625,31 +604,17 @@ def _link(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...]) -> tuple[f
     return device.intra_gbps * 1e9, measured or LATENCY_INTRA_S, False
 
 
-def _comm(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], kind: str, op: str, calls: int,
+def _comm(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], kind: str, op: WirePrimitive, calls: int,
           size: int, group: int | None = None) -> Comm:
     """`calls` collectives of `size` bytes each over the group along `axes`."""
     n = group if group is not None else plan.mesh.size(*axes)
     bw, lat, crosses = _link(plan, device, axes)
-    wire = calls * _wire(op, size, n)
+    wire = calls * ring_bytes(op, size, n)
     seconds = wire / bw + calls * lat if n > 1 else 0.0
     return Comm(" x ".join(axes), kind, op, calls, calls * size, wire, seconds, crosses)
 
 
-# What each of the runtime's collective operators (ir.Collective.op) puts on the wire per microbatch,
-# forward then backward; unit_collectives says why.
-_WIRE_OPS = {
-    "copy_to": ("all_reduce",),
-    "reduce_from": ("all_reduce",),
-    "split_to": ("all_gather",),
-    "gather_from": ("all_gather",),
-    "gather_seq": ("all_gather", "all_gather", "reduce_scatter"),
-    "reduce_scatter_seq": ("reduce_scatter", "all_gather"),
-    "split_seq": ("all_gather",),
-    "gather_seq_split": ("all_gather",),
-}
-
-
-def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], str]]:
+def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], WirePrimitive]]:
     """(axes, op) per microbatch, forward and backward, for one copy of the unit.
 
     Megatron's operators (ir.Collective): copy_to is identity forward / all-reduce backward,
@@ -657,13 +622,14 @@ def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], str]]:
     gather_from all-gather forward / split backward. Sequence parallelism's: gather_seq all-gathers
     forward, and in backward all-gathers the kept slice again and reduce-scatters the input gradient;
     reduce_scatter_seq reduce-scatters forward, all-gathers backward; split_seq and gather_seq_split
-    move data in one direction only. Sizes are the full activation (act_bytes).
+    move data in one direction only (collectives.CollectiveSpec.wire). Sizes are the full
+    activation (act_bytes).
     """
-    out: list[tuple[tuple[str, ...], str]] = []
+    out: list[tuple[tuple[str, ...], WirePrimitive]] = []
     if hu.flow is None:
         return out
     for c in hu.flow.collectives:
-        out += [(c.axes, op) for op in _WIRE_OPS[c.op]]
+        out += [(c.axes, op) for op in spec(c.op).wire]
     return out
 
 
@@ -848,7 +814,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         largest_unit = 0
         top_local = 0  # parameters outside the repeated blocks (FSDP2's stage root)
         block_params: dict[str, int] = {}  # per block class: the parameters of one block
-        tensor_calls: dict[tuple[tuple[str, ...], str], int] = {}
+        tensor_calls: dict[tuple[tuple[str, ...], WirePrimitive], int] = {}
         seq_grads = 0  # sequence parallelism: gradient elements summed over the tensor axes once a step
         holds_head = False
         block_saved: dict[str, int] = {}  # recompute: what one block (or attention core) rebuilds in backward
