@@ -37,6 +37,10 @@ class PlanContext(Resolver):
         self.reported: set[tuple[int, str]] = set()  # divisibility errors already given, per rule
         self.by_leaf: dict[Leaf, list[_Match]] = {}  # every rule's matches (set by placements)
         self.claimed: set[Leaf] = set()  # leaves matched by a rule that was rejected
+        # Leaves a misspelt rule was meant to place -> the index of its E0502 in `diagnostics`: their
+        # "placed by no rule" follows from that typo, so it is a note there, not an E0501 of its own.
+        self.folded: dict[Leaf, int] = {}
+        self.unplaced = False  # some parameter is placed by no rule (E0501): its layout is unknown
         self.ambiguous = False  # some leaf is matched by two rules (E0503): its layout is unknown
         self.bad_settings: set[str] = set()  # plan settings given but rejected: checks that read them stay quiet
         self.seq_axes: tuple[str, ...] = ()  # sequence parallelism over these axes (`layout { seq -> T }`)

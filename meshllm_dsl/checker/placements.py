@@ -4,7 +4,11 @@ layouts (layouts.py), and the loss's layout (E0404)."""
 
 from __future__ import annotations
 
+import difflib
 import math
+from collections.abc import Iterable
+
+import attrs
 
 from meshllm_dsl import ast
 from meshllm_dsl.checker.context import (
@@ -143,6 +147,63 @@ class PlacementRules(PlanContext):
     def match_path(self, path: ast.Path) -> list[tuple[Leaf, frozenset[int] | None]]:
         """Leaves a pattern matches, with the blocks it covers for leaves inside the repeat."""
         segs = path.segments
+        hits = self.path_hits(segs)
+        if hits:
+            # every alternative in `{a,b}` must name something, or the rule silently matches less
+            for s in segs:
+                if s.kind == "alt":
+                    for n in s.names:
+                        if not any(n in (leaf.path) or (isinstance(item, Repeat) and n == item.name)
+                                   for item, _, leaf in self.model.leaves()):
+                            self.error("E0502", f"`{n}` in `{path}` matches no layer", s.span, label=f"no layer `{n}`",
+                                       help=did_you_mean(n, {p for _, _, lf in self.model.leaves() for p in lf.path}))
+            return hits
+        corrected = self.corrected_path(segs)
+        if corrected is not None:
+            fixed, meant = corrected
+            typos = [n for s, f in zip(segs, fixed) for n in s.names if n not in f.names]
+            self.error("E0502", f"rule `{path}` matches no layer", path.span,
+                       label=f"no layer {_and_list(f'`{n}`' for n in typos)} here",
+                       help=f"did you mean `{'.'.join(str(s) for s in fixed)}`?")
+            # What the rule was meant to place is not also "placed by no rule" (E0501): that follows
+            # from this typo alone, so it becomes a note here (placements() fills it in).
+            for leaf, _blocks in meant:
+                self.folded.setdefault(leaf, len(self.diagnostics) - 1)
+            return []
+        self.error("E0502", f"rule `{path}` matches no layer", path.span, label="matches nothing",
+                   help=self.path_help(path))
+        return []
+
+    def corrected_path(self, segs: tuple[ast.PathSegment, ...]):  # type: ignore[no-untyped-def]
+        """The pattern with each name no layer has at its place replaced by the closest one that
+        is there, and what that matches; None when no such correction matches anything."""
+        names_at: dict[int, set[str]] = {}
+        for item, _, leaf in self.model.leaves():
+            full = (item.name, "*", *leaf.path) if isinstance(item, Repeat) else leaf.path
+            if len(full) == len(segs):
+                for i, n in enumerate(full):
+                    names_at.setdefault(i, set()).add(n)
+        fixed = list(segs)
+        changed = False
+        for i, seg in enumerate(segs):
+            if seg.kind not in ("name", "alt"):
+                continue
+            names = []
+            for n in seg.names:
+                known = names_at.get(i, set())
+                if n not in known:
+                    close = difflib.get_close_matches(n, sorted(known), n=1, cutoff=0.6)
+                    if not close:
+                        return None
+                    n, changed = close[0], True
+                names.append(n)
+            fixed[i] = ast.PathSegment(seg.kind, tuple(names), seg.index, seg.span)
+        if not changed:
+            return None
+        meant = self.path_hits(tuple(fixed))
+        return (fixed, meant) if meant else None
+
+    def path_hits(self, segs: tuple[ast.PathSegment, ...]) -> list[tuple[Leaf, frozenset[int] | None]]:
         hits: list[tuple[Leaf, frozenset[int] | None]] = []
         for item, _unit, leaf in self.model.leaves():
             if isinstance(item, Repeat):
@@ -161,19 +222,7 @@ class PlacementRules(PlanContext):
                     hits.append((leaf, blocks))
             elif len(segs) == len(leaf.path) and all(_seg_matches(s, n) for s, n in zip(segs, leaf.path)):
                 hits.append((leaf, None))
-        if hits:
-            # every alternative in `{a,b}` must name something, or the rule silently matches less
-            for s in segs:
-                if s.kind == "alt":
-                    for n in s.names:
-                        if not any(n in (leaf.path) or (isinstance(item, Repeat) and n == item.name)
-                                   for item, _, leaf in self.model.leaves()):
-                            self.error("E0502", f"`{n}` in `{path}` matches no layer", s.span, label=f"no layer `{n}`",
-                                       help=did_you_mean(n, {p for _, _, lf in self.model.leaves() for p in lf.path}))
-            return hits
-        self.error("E0502", f"rule `{path}` matches no layer", path.span, label="matches nothing",
-                   help=self.path_help(path))
-        return []
+        return hits
 
     def path_help(self, path: ast.Path) -> str:
         segs = path.segments
@@ -198,6 +247,7 @@ class PlacementRules(PlanContext):
         self.by_leaf = by_leaf  # help lines look across rules (units_over)
         any_rules = bool(by_leaf) or bool(self.claimed)
         top: dict[str, Placement] = {}
+        missing_rules: list[tuple[Leaf, Unit, str, str]] = []
         per_leaf_default: dict[tuple[str, ...], Placement] = {}
         per_leaf_exceptions: dict[tuple[str, ...], dict[int, Placement]] = {}
         for item, _unit, leaf in self.model.leaves():
@@ -216,17 +266,19 @@ class PlacementRules(PlanContext):
                     missing = [b for b in range(item.count) if b not in exceptions]
                     if missing:
                         pattern = f"{item.name}.{'*' if len(missing) == item.count else missing[0]}.{full}"
-                        self.uncovered(leaf, _unit, f"{item.name}.{_blocks_text(missing)}.{full}", pattern, by_leaf)
+                        missing_rules.append((leaf, _unit, f"{item.name}.{_blocks_text(missing)}.{full}", pattern))
                 per_leaf_default[leaf.path] = default or REPLICATE
                 per_leaf_exceptions[leaf.path] = exceptions
                 placements = [default or REPLICATE, *exceptions.values()]
             else:
                 if not ms and any_rules and leaf.shardable and leaf not in self.claimed:
-                    self.uncovered(leaf, _unit, full, full, by_leaf)
+                    missing_rules.append((leaf, _unit, full, full))
                 top[full] = ms[0].placement if ms else REPLICATE
                 placements = [top[full]]
             for p in placements:
                 self.divisibility(leaf, p)
+        self.uncovered(missing_rules, by_leaf)
+        self.unplaced = bool(missing_rules)
         self.tied(top)
         classes = self.block_classes(per_leaf_default, per_leaf_exceptions)
         return top, classes
@@ -262,29 +314,88 @@ class PlacementRules(PlanContext):
                        help="make the patterns disjoint: every parameter must be placed by exactly one rule")
             return
 
-    def uncovered(self, leaf: Leaf, unit: Unit, where: str, pattern: str, by_leaf: dict[Leaf, list[_Match]]) -> None:
-        # Suggest the rule that fits the leaf's role: the last projection of attention / mlp is row,
+    def uncovered(self, missing: list[tuple[Leaf, Unit, str, str]], by_leaf: dict[Leaf, list[_Match]]) -> None:
+        """E0501 for the parameters no rule places: a note on the misspelt rule that was meant to
+        place them, else one diagnostic (all of them, with the layout keys or rules that place them)."""
+        by_root: dict[int, list[str]] = {}
+        rest = []
+        for leaf, unit, where, pattern in missing:
+            if leaf in self.folded:
+                by_root.setdefault(self.folded[leaf], []).append(where)
+            else:
+                rest.append((leaf, unit, where, pattern))
+        for index, wheres in by_root.items():
+            root = self.diagnostics[index]
+            self.diagnostics[index] = attrs.evolve(root, note=(
+                f"so {_and_list(f'`{w}`' for w in wheres)} {'is' if len(wheres) == 1 else 'are'} placed by no rule "
+                "(E0501): the corrected pattern places them"))
+        if not rest:
+            return
+        # Suggest the rule that fits each leaf's role: the last projection of attention / mlp is row,
         # the others column, an embedding vocab_parallel, over the axes the plan shards most over.
         counts: dict[tuple[str, ...], int] = {}
         for ms in by_leaf.values():
             for m in ms:
                 if m.placement.sharded:
                     counts[m.placement.axes] = counts.get(m.placement.axes, 0) + 1
-        if counts:
-            axes = ", ".join(max(counts, key=lambda a: counts[a]))
-            if leaf.kind == "embedding":
-                rule = f"vocab_parallel({axes})"
+        axes = ", ".join(max(counts, key=lambda a: counts[a])) if counts else None
+        rules = {}
+        for leaf, unit, _where, pattern in rest:
+            if axes is None:
+                rules[pattern] = "replicate"
+            elif leaf.kind == "embedding":
+                rules[pattern] = f"vocab_parallel({axes})"
             elif len(unit.leaves) > 1 and leaf is unit.leaves[-1]:
-                rule = f"row({axes})"
+                rules[pattern] = f"row({axes})"
             else:
-                rule = f"column({axes})"
-            fix = f"add `shard {pattern} {rule}` (or `replicate` to keep a full copy)"
+                rules[pattern] = f"column({axes})"
+        if len(rest) == 1:
+            leaf, _unit, where, pattern = rest[0]
+            fix = (f"add `shard {pattern} {rules[pattern]}` (or `replicate` to keep a full copy)" if axes is not None
+                   else f"add `shard {pattern} replicate`")
+            self.error("E0501", f"`{where}` is not placed by any rule", self.decl.name.span,
+                       label=f"plan `{self.decl.name.value}` leaves it out",
+                       secondary=(Label(leaf.span, f"`{leaf.name}` declared here"),) if leaf.span else (),
+                       help=f"{fix}; a plan with rules must place every parameter")
+            return
+        keys = self.layout_keys(rest) if axes is not None and "," not in axes else None
+        if keys is not None:
+            fix = (f"add {', '.join(f'`{k} -> {axes}`' for k in keys)} to the layout (or a `shard` rule, or "
+                   "`replicate`, for each)")
         else:
-            fix = f"add `shard {pattern} replicate`"
-        self.error("E0501", f"`{where}` is not placed by any rule", self.decl.name.span,
-                   label=f"plan `{self.decl.name.value}` leaves it out",
-                   secondary=(Label(leaf.span, f"`{leaf.name}` declared here"),) if leaf.span else (),
+            fix = "add " + "; ".join(f"`shard {pattern} {rule}`" for pattern, rule in rules.items()) + (
+                " (or `replicate` to keep a full copy)" if axes is not None else "")
+        layout = self.single_layout()
+        self.error("E0501", f"{len(rest)} parameters are not placed by any rule", self.decl.name.span,
+                   label=f"plan `{self.decl.name.value}` leaves them out",
+                   secondary=(Label(layout.span, "places only the dims it names"),) if layout is not None and layout.span else (),
+                   note="not placed: " + ", ".join(f"`{where}`" for _, _, where, _ in rest),
                    help=f"{fix}; a plan with rules must place every parameter")
+
+    def single_layout(self) -> ast.LayoutStmt | None:
+        return next((s for s in self.decl.body if isinstance(s, ast.LayoutStmt)), None)
+
+    def layout_keys(self, rest: list[tuple[Leaf, Unit, str, str]]) -> list[str] | None:
+        """The layout entries that would place every leaf of `rest` (None when some leaf has none, or
+        the plan has no layout to add them to): a column / vocab-parallel leaf is placed by its output
+        dim, the row layer closing a unit by its input dim."""
+        layout = self.single_layout()
+        if layout is None:
+            return None
+        given = {e.dim.value for e in layout.entries}
+        keys: list[str] = []
+        for leaf, unit, _where, _pattern in rest:
+            row = leaf.kind != "embedding" and len(unit.leaves) > 1 and leaf is unit.leaves[-1]
+            units = leaf.in_units if row else leaf.out_units[:1]
+            if not units or units[0][0] in given:
+                return None
+            dim = units[0][0]
+            other = leaf.out_units[:1] if row else leaf.in_units
+            if any(u[0] == dim for u in other):  # both dims: a layout entry cannot place it (E0401)
+                return None
+            if dim not in keys:
+                keys.append(dim)
+        return keys
 
     def divisibility(self, leaf: Leaf, p: Placement) -> None:
         if not p.sharded:
@@ -365,7 +476,8 @@ class PlacementRules(PlanContext):
         classes = []
         for key, idx in sorted(combos.items(), key=lambda kv: min(kv[1])):
             # With two rules on one parameter its placement is unknown: layout errors would be guesses.
-            reporter = _Silent() if self.ambiguous else self
+            # So too with a parameter no rule places (E0501): the plan has not said its layout yet.
+            reporter = _Silent() if self.ambiguous or self.unplaced else self
             # Diagnostics name the blocks as a pattern the user can paste: `blocks.*`, `blocks.3`, else `blocks.{0-3}`.
             which = "*" if len(idx) == rep.count else str(idx[0]) if len(idx) == 1 else _blocks_text(sorted(idx))
             flows = block_flows(rep, dict(key), reporter, f"{rep.name}.{which}", self.seq_axes,
@@ -405,3 +517,8 @@ class PlacementRules(PlanContext):
                        stmt.rule.span, label="expects replicated logits",
                        help=f"use `loss vocab_parallel({', '.join(inferred.axes)})`: it never gathers the logits")
         return inferred
+
+
+def _and_list(items: Iterable[str]) -> str:
+    xs = list(items)
+    return xs[0] if len(xs) == 1 else ", ".join(xs[:-1]) + " and " + xs[-1]
