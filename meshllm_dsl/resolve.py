@@ -7,7 +7,7 @@ a dim is a symbol (`swiglu`, `bf16`, `embed`), validated by whoever consumes it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -808,3 +808,102 @@ def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str,
     else:  # pragma: no cover - PRIMITIVES and this function list the same kinds
         raise AssertionError(kind)
     return Unit(name, kind, tuple(attrs_.items()), tuple(leaves), span)
+
+
+# ---------------------------------------------------------------- families on their own
+
+
+def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
+    """A family's body checked without a model: what needs no values (primitives, their arguments
+    and choices, names of dims and layers, the one repeat), so a family no model uses yet is checked
+    too. Values (divisibility, shapes) are checked for each model built from it."""
+    params = {p.name.value for p in family.params}
+    where = f"family `{family.name.value}`"
+
+    def names(expr: ast.Expr) -> Iterator[ast.Name]:
+        if isinstance(expr, ast.Name):
+            yield expr
+        elif isinstance(expr, ast.Neg):
+            yield from names(expr.operand)
+        elif isinstance(expr, ast.BinOp):
+            yield from names(expr.left)
+            yield from names(expr.right)
+
+    def dims(expr: ast.Expr) -> None:
+        for n in names(expr):
+            if n.value not in params:
+                r.error("E0202", f"unknown dim `{n.value}` in {where}", n.span, label="not a parameter of the family",
+                        help=did_you_mean(n.value, params))
+
+    def layers(body: Sequence[ast.LayerStmt], top: bool, seen_repeat: list[bool]) -> None:
+        earlier: dict[str, ast.Name] = {}
+        units: set[str] = set()  # what `tie = NAME` may name: layers declared before, not the repeat
+        for stmt in body:
+            if not r.check_identifier(stmt.name, "layer"):
+                continue
+            if stmt.name.value in earlier:
+                r.error("E0201", f"layer `{stmt.name.value}` is declared twice", stmt.name.span, label="second declaration",
+                        secondary=(Label(earlier[stmt.name.value].span, "first declared here"),),  # type: ignore[arg-type]
+                        help="give every layer in a block a distinct name")
+                continue
+            if isinstance(stmt, ast.RepeatDecl):
+                if not top:
+                    r.error("E0203", "`repeat` cannot be nested", stmt.name.span, label="inside another repeat",
+                            help="a model has one stack of repeated blocks")
+                elif seen_repeat:
+                    r.error("E0203", "a model can have only one `repeat`", stmt.name.span,
+                            label="second repeat", help="put every block layer in one repeat")
+                else:
+                    seen_repeat.append(True)
+                    dims(stmt.count)
+                    layers(stmt.body, False, seen_repeat)
+                earlier[stmt.name.value] = stmt.name
+                continue
+            call(stmt, units)
+            earlier[stmt.name.value] = stmt.name
+            units.add(stmt.name.value)
+
+    def call(decl: ast.LayerDecl, earlier: set[str]) -> None:
+        c = decl.call
+        spec = PRIMITIVES.get(c.func.value)
+        if spec is None:
+            r.error("E0202", f"unknown layer primitive `{c.func.value}`", c.func.span, label="not a primitive",
+                    help=did_you_mean(c.func.value, PRIMITIVES))
+            return
+        if len(c.args) > len(spec):
+            r.error("E0203", f"`{c.func.value}` takes at most {len(spec)} arguments", c.args[len(spec)].span,
+                    label="extra argument", help=f"`{c.func.value}({', '.join(a.name for a in spec)})`")
+            return
+        given: list[tuple[Arg, ast.Expr]] = list(zip(spec, c.args))
+        for kw in c.kwargs:
+            arg = next((a for a in spec if a.name == kw.name.value), None)
+            if arg is None:
+                r.error("E0203", f"`{c.func.value}` has no argument `{kw.name.value}`", kw.name.span,
+                        label="unknown argument", help=did_you_mean(kw.name.value, [a.name for a in spec]))
+                continue
+            if any(a.name == arg.name for a, _ in given):
+                r.error("E0201", f"argument `{arg.name}` is given twice", kw.name.span, label="again here",
+                        help="give each argument once")
+                continue
+            given.append((arg, kw.value))
+        for arg, expr in given:
+            symbolic = isinstance(expr, ast.Name) and expr.value in params  # the model's value decides
+            if arg.kind in ("dim", "float"):
+                dims(expr)
+            elif arg.kind == "choice" and not symbolic and isinstance(expr, ast.Name | ast.StrLit) \
+                    and expr.value not in arg.choices:
+                r.error("E0203", f"unknown {arg.name} `{expr.value}`", expr.span, label=f"not a known {arg.name}",
+                        help=f"use one of {or_list(arg.choices)}")
+            elif arg.kind == "bool" and not symbolic and not (isinstance(expr, ast.Name) and expr.value in ("true", "false")):
+                r.error("E0304", f"`{arg.name}` must be true or false", expr.span, label="not true or false",
+                        help=f"`{arg.name} = true`, or a family parameter")
+            elif arg.kind == "layer" and isinstance(expr, ast.Name) and expr.value not in earlier:
+                r.error("E0202", f"unknown layer `{expr.value}`", expr.span, label="not declared before this layer",
+                        help=did_you_mean(expr.value, earlier))
+        named = {a.name for a, _ in given}
+        missing = [a.name for a in spec if a.default is None and a.name not in named]
+        if missing:
+            r.error("E0205", f"`{c.func.value}` needs `{missing[0]}`", c.span, label=f"missing `{missing[0]}`",
+                    help=f"`{c.func.value}({', '.join(a.name for a in spec)})`")
+
+    layers(family.body, True, [])

@@ -30,7 +30,7 @@ from meshllm_dsl.ir import MeshIR, ModelIR, PlanIR
 from meshllm_dsl.load import Declarations, load
 from meshllm_dsl.names import did_you_mean
 from meshllm_dsl.parser import paused_gc
-from meshllm_dsl.resolve import ModelResolver, Resolver, resolve_mesh
+from meshllm_dsl.resolve import ModelResolver, Resolver, check_family, resolve_mesh
 
 
 @attrs.frozen
@@ -102,6 +102,11 @@ def _check_declarations(decls: Declarations) -> CheckResult:
             firsts.setdefault(param.name.value, param)
     families.update(user_families)  # type: ignore[arg-type]
     model_decls = named(ast.ModelDecl, "model")
+    # A family no model uses is never built, so its body is checked on its own (what needs no values).
+    used = {m.family.value for m in model_decls.values() if m.family is not None}  # type: ignore[attr-defined]
+    for fam in user_families.values():
+        if fam.name.value not in used:  # type: ignore[attr-defined]
+            check_family(fam, r)  # type: ignore[arg-type]
     plan_decls = named(ast.PlanDecl, "plan")
 
     meshes: dict[str, MeshIR] = {}
