@@ -6,7 +6,9 @@ Changes are debounced: typing schedules one analysis a short pause after the las
 the document's last analysis time, between DEBOUNCE_MIN_S and DEBOUNCE_MAX_S, so a spec that
 checks in 10 ms shows its diagnostics well under 100 ms while a huge one is not re-checked on every
 keystroke); open and save analyse at once. Nothing a document contains may stop the server: any failure of the front end
-becomes a diagnostic on the document.
+becomes a diagnostic on the document. Nothing a client sends may stop it either: `transport` frames,
+decodes and checks every message (pygls' own stdio loop is not used), a request about a document
+that is not open gets an empty result, and the server exits when its stdin closes.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NoReturn
 
 import attrs
 from lsprotocol import types as lsp
@@ -124,10 +126,21 @@ class MeshServer(LanguageServer):
         self.publish(uri, result)
 
     def text_of(self, uri: str) -> str | None:
+        """The open document's text; None for a document that is not open (pygls would read a file
+        of that name from disk, or raise FileNotFoundError into the reply)."""
+        if uri not in self.open:
+            return None
         try:
             return self.workspace.get_text_document(uri).source
         except Exception:  # noqa: BLE001 - the document was closed meanwhile
             return None
+
+    def is_open(self, uri: str, method: str) -> bool:
+        """Whether a request is about an open document; one that is not gets an empty result."""
+        if uri in self.open:
+            return True
+        log.warning("%s about %s, which is not open: empty result", method, uri[:200])
+        return False
 
     def publish_failure(self, uri: str, message: str, text: str) -> None:
         self.analyses.pop(uri, None)
@@ -243,6 +256,10 @@ def _offset(a: Analysis, pos: lsp.Position) -> int:
     return a.lines.offset((pos.line, pos.character))
 
 
+def _position(pos: tuple[int, int]) -> lsp.Position:
+    return lsp.Position(line=pos[0], character=pos[1])
+
+
 @server.feature(lsp.TEXT_DOCUMENT_DID_OPEN)
 def did_open(ls: MeshServer, params: lsp.DidOpenTextDocumentParams) -> None:
     ls.open.add(params.text_document.uri)
@@ -281,6 +298,8 @@ def did_close(ls: MeshServer, params: lsp.DidCloseTextDocumentParams) -> None:
 
 @server.feature(lsp.TEXT_DOCUMENT_DOCUMENT_SYMBOL)
 def document_symbol(ls: MeshServer, params: lsp.DocumentSymbolParams) -> list[lsp.DocumentSymbol]:
+    if not ls.is_open(params.text_document.uri, lsp.TEXT_DOCUMENT_DOCUMENT_SYMBOL):
+        return []
     a = ls.best(params.text_document.uri)
     if a is None:
         return []
@@ -300,10 +319,12 @@ def formatting(ls: MeshServer, params: lsp.DocumentFormattingParams) -> list[lsp
     from meshllm_dsl.diagnostics import SpecError
     from meshllm_dsl.fmt import format_text
 
-    doc = ls.workspace.get_text_document(params.text_document.uri)
-    text = doc.source
+    uri = params.text_document.uri
+    text = ls.text_of(uri) if ls.is_open(uri, lsp.TEXT_DOCUMENT_FORMATTING) else None
+    if text is None:
+        return None
     try:
-        formatted = format_text(text, to_fs_path(doc.uri) or doc.uri)
+        formatted = format_text(text, to_fs_path(uri) or uri)
     except (SpecError, RecursionError):
         return None  # a file that does not parse is left as it is; its diagnostic says why
     if formatted == text:
@@ -315,6 +336,8 @@ def formatting(ls: MeshServer, params: lsp.DocumentFormattingParams) -> list[lsp
 
 @server.feature(lsp.TEXT_DOCUMENT_HOVER)
 def hover(ls: MeshServer, params: lsp.HoverParams) -> lsp.Hover | None:
+    if not ls.is_open(params.text_document.uri, lsp.TEXT_DOCUMENT_HOVER):
+        return None
     a = ls.current(params.text_document.uri)
     if a is None:
         return None
@@ -327,6 +350,8 @@ def hover(ls: MeshServer, params: lsp.HoverParams) -> lsp.Hover | None:
 
 @server.feature(lsp.TEXT_DOCUMENT_DEFINITION)
 def definition(ls: MeshServer, params: lsp.DefinitionParams) -> list[lsp.Location]:
+    if not ls.is_open(params.text_document.uri, lsp.TEXT_DOCUMENT_DEFINITION):
+        return []
     a = ls.current(params.text_document.uri)
     if a is None:
         return []
@@ -335,6 +360,8 @@ def definition(ls: MeshServer, params: lsp.DefinitionParams) -> list[lsp.Locatio
 
 @server.feature(lsp.TEXT_DOCUMENT_REFERENCES)
 def references(ls: MeshServer, params: lsp.ReferenceParams) -> list[lsp.Location]:
+    if not ls.is_open(params.text_document.uri, lsp.TEXT_DOCUMENT_REFERENCES):
+        return []
     a = ls.current(params.text_document.uri)
     if a is None:
         return []
@@ -347,20 +374,21 @@ def references(ls: MeshServer, params: lsp.ReferenceParams) -> list[lsp.Location
                 lsp.CompletionOptions(trigger_characters=[".", "(", ","]))
 def complete(ls: MeshServer, params: lsp.CompletionParams) -> lsp.CompletionList:
     uri = params.text_document.uri
-    now = ls.current(uri)
-    known = ls.best(uri)
+    now = ls.current(uri) if ls.is_open(uri, lsp.TEXT_DOCUMENT_COMPLETION) else None
+    known = ls.best(uri) if now is not None else None
     if now is None or known is None:
         return lsp.CompletionList(is_incomplete=False, items=[])
     # The context is the text as it is now; the candidates come from the last analysis that understood it.
     offset = _offset(now, params.position)
+    # a position past the end of its line or of the document counts as that end (as LSP says)
+    cursor = _position(now.lines.position(offset))
     view = _View(known, now.text)
     items = []
     for it in completion.complete(view, offset):  # type: ignore[arg-type]
         edit = None
         if it.replace_from is not None:
-            start = now.lines.position(it.replace_from)
-            edit = lsp.TextEdit(range=lsp.Range(start=lsp.Position(line=start[0], character=start[1]),
-                                                end=params.position), new_text=it.insert or it.label)
+            edit = lsp.TextEdit(range=lsp.Range(start=_position(now.lines.position(it.replace_from)), end=cursor),
+                                new_text=it.insert or it.label)
         items.append(lsp.CompletionItem(
             label=it.label, kind=_COMPLETION_KIND.get(it.kind, lsp.CompletionItemKind.Text), detail=it.detail or None,
             insert_text=None if edit else it.insert, text_edit=edit,
@@ -383,7 +411,7 @@ class _View:
                 lsp.CodeActionOptions(code_action_kinds=[lsp.CodeActionKind.QuickFix]))
 def code_action(ls: MeshServer, params: lsp.CodeActionParams) -> list[lsp.CodeAction]:
     uri = params.text_document.uri
-    a = ls.current(uri)
+    a = ls.current(uri) if ls.is_open(uri, lsp.TEXT_DOCUMENT_CODE_ACTION) else None
     if a is None:
         return []
     lo = _offset(a, params.range.start)
@@ -400,6 +428,28 @@ def code_action(ls: MeshServer, params: lsp.CodeActionParams) -> list[lsp.CodeAc
     return out
 
 
-def serve() -> None:
+_EDITS = (lsp.TEXT_DOCUMENT_DID_CHANGE, lsp.TEXT_DOCUMENT_DID_SAVE, lsp.TEXT_DOCUMENT_DID_CLOSE)
+
+
+def _screen(method: str, params: Any) -> str | None:
+    """Each message before pygls handles it (see `transport.Dispatcher`)."""
+    if method == lsp.INITIALIZE and params.capabilities.general is not None:
+        # Every column here is counted in UTF-16 units (analysis.LineIndex); pygls would agree to
+        # the client's first choice (Neovim offers UTF-8 first) and every column past a non-ASCII
+        # character would be off. UTF-16 is what every client must support.
+        params.capabilities.general.position_encodings = None
+    # An edit, save or close of a document that was never opened makes pygls raise (KeyError)
+    # and show the client an error popup: dropped with a line in the log.
+    if method in _EDITS and params.text_document.uri not in server.open:
+        return f"{params.text_document.uri[:200]} is not open"
+    if (method == lsp.NOTEBOOK_DOCUMENT_DID_CHANGE
+            and server.workspace.get_notebook_document(notebook_uri=params.notebook_document.uri) is None):
+        return f"notebook {params.notebook_document.uri[:200]} is not open"
+    return None
+
+
+def serve() -> NoReturn:
+    from meshllm_dsl.lsp.transport import serve_stdio
+
     logging.basicConfig(level=logging.WARNING)  # to stderr: stdout carries the protocol
-    server.start_io()
+    serve_stdio(server.protocol, _screen)

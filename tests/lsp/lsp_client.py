@@ -28,7 +28,7 @@ def uri(path: str | Path) -> str:
 
 
 class Client:
-    def __init__(self, cwd: str | Path | None = None) -> None:
+    def __init__(self, cwd: str | Path | None = None, initialize: bool = True) -> None:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(server_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.PIPE, cwd=cwd, env=env)
@@ -38,12 +38,18 @@ class Client:
         self.diagnostics: dict[str, list[dict[str, Any]]] = {}
         self.diag_count: dict[str, int] = {}
         self.notes: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.unaddressed: list[dict[str, Any]] = []  # error responses with id null (unreadable messages)
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
         self.stderr: list[bytes] = []
         threading.Thread(target=self._drain, daemon=True).start()
-        self.request("initialize", {"processId": os.getpid(), "rootUri": None, "capabilities": {}})
+        if initialize:
+            self.initialize()
+
+    def initialize(self, capabilities: dict[str, Any] | None = None) -> Any:
+        got = self.request("initialize", {"processId": os.getpid(), "rootUri": None, "capabilities": capabilities or {}})
         self.notify("initialized", {})
+        return got
 
     def _drain(self) -> None:
         assert self.proc.stderr is not None
@@ -68,7 +74,9 @@ class Client:
                 headers[k.strip().lower()] = v.strip()
             body = json.loads(out.read(int(headers["content-length"])))
             with self.cond:
-                if "id" in body and "method" not in body:
+                if body.get("id") is None and "error" in body:
+                    self.unaddressed.append(body)
+                elif "id" in body and "method" not in body:
                     self.responses[body["id"]] = body
                 elif body.get("method") == "textDocument/publishDiagnostics":
                     u = body["params"]["uri"]
@@ -82,18 +90,21 @@ class Client:
 
     def _send(self, msg: dict[str, Any]) -> None:
         data = json.dumps(msg).encode()
+        self.send_raw(b"Content-Length: %d\r\n\r\n" % len(data) + data)
+
+    def send_raw(self, data: bytes) -> None:
+        """Bytes onto the server's stdin as they are (framing included, or not)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        self.proc.stdin.write(data)
         self.proc.stdin.flush()
 
-    def notify(self, method: str, params: Any) -> None:
-        self._send({"jsonrpc": "2.0", "method": method, "params": params})
-
-    def request(self, method: str, params: Any, timeout: float = 60) -> Any:
+    def new_id(self) -> int:
         with self.cond:
             self.next_id += 1
-            rid = self.next_id
-        self._send({"jsonrpc": "2.0", "id": rid, "method": method, "params": params})
+            return self.next_id
+
+    def wait_response(self, rid: int | str, timeout: float = 60) -> dict[str, Any]:
+        """The whole response to request `rid` (a result or an error)."""
         deadline = time.monotonic() + timeout
         with self.cond:
             while rid not in self.responses:
@@ -101,9 +112,21 @@ class Client:
                     raise RuntimeError(f"server exited ({self.proc.returncode}): {b''.join(self.stderr).decode()[-2000:]}")
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(method)
+                    raise TimeoutError(f"no response to request {rid!r}")
                 self.cond.wait(left)
-            body = self.responses.pop(rid)
+            return self.responses.pop(rid)
+
+    def call(self, method: str, params: Any, timeout: float = 60) -> dict[str, Any]:
+        """Send a request and return its whole response, an error response included."""
+        rid = self.new_id()
+        self._send({"jsonrpc": "2.0", "id": rid, "method": method, "params": params})
+        return self.wait_response(rid, timeout)
+
+    def notify(self, method: str, params: Any) -> None:
+        self._send({"jsonrpc": "2.0", "method": method, "params": params})
+
+    def request(self, method: str, params: Any, timeout: float = 60) -> Any:
+        body = self.call(method, params, timeout)
         if "error" in body:
             raise RuntimeError(f"{method}: {body['error']}")
         return body["result"]
