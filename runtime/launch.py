@@ -265,11 +265,14 @@ def model_positions(model: Any) -> int | None:
 
 
 def _check_model_inputs(args: argparse.Namespace, model: Any, seq: int) -> None:
-    from .tokens import check_token_ids, load_tokenizer, parse_ids
+    from .tokens import check_token_ids, load_tokenizer, parse_ids, token_file_count
 
     vocab = model_vocab(model)
     if args.data is not None and not args.infer:
         check_token_ids(args.data, vocab)  # one pass over the memory map
+        count = token_file_count(args.data)
+        if count is not None and seq and not args.eval and count < seq + 2:
+            raise DataError(f"--data {args.data}: {count} token ids, training at seq {seq} needs at least {seq + 2}")
     if not args.infer:
         return
     if args.prompt_ids is not None:

@@ -24,6 +24,7 @@ __all__ = [
     "open_token_file",
     "parse_id_list",
     "parse_ids",
+    "token_file_count",
     "token_file_header",
     "token_file_max",
     "token_file_vocab",
@@ -212,6 +213,12 @@ def open_token_file(path: str | Path) -> Any:
     if header is None:
         raise DataError(f"--data {path}: not a token file (no {TOKEN_MAGIC.decode()} header)")
     return np.memmap(path, dtype=np.dtype(f"<u{header[0]}"), mode="r", offset=_HEADER)
+
+
+def token_file_count(path: str | Path) -> int | None:
+    """How many ids a token file holds (from its length); None for a file read as bytes."""
+    header = token_file_header(path)
+    return None if header is None else (os.stat(path).st_size - _HEADER) // header[0]
 
 
 def token_file_max(path: str | Path) -> int:

@@ -92,6 +92,9 @@ HOSTILE: dict[str, tuple[Case, str]] = {
     "item size 3": (
         _data(lambda t: _token_file(t / "d.tokens", [1] * 40, itemsize=3)),
         "a token file with item size 3, expected 2 or 4"),
+    "fewer ids than a window": (
+        _data(lambda t: _token_file(t / "d.tokens", [1] * 9)),
+        "--data {tmp}/d.tokens: 9 token ids, training at seq 8 needs at least 10"),
     "header and no ids": (
         _data(lambda t: _token_file(t / "d.tokens", [])),
         "a token file with no ids"),

@@ -63,9 +63,9 @@ def _bad_inputs(tmp: Path) -> dict[str, tuple[list[str], str]]:
         "save onto a file": (["--save", str(tmp / "empty.txt")], "exists and is not a directory"),
         "save-every without save": (["--save-every", "5"], "--save-every needs --save DIR"),
         "trace with steps 0": (["--steps", "0", "--export-hf", str(tmp / "hf"), "--profile-trace", str(tmp / "t")],
-                               "--profile-trace traces 2 extra training steps after --steps"),
+                               "--profile-trace trains 2 more steps (1 warm-up, then 1 under torch.profiler) after --steps"),
         "trace with save": (["--save", str(tmp / "ck"), "--profile-trace", str(tmp / "t")],
-                            "--profile-trace traces 2 extra training steps"),
+                            "--profile-trace trains 2 more steps"),
         "trace onto a file": (["--profile-trace", str(tmp / "empty.txt")],
                               "--profile-trace {t}/empty.txt: exists and is not a directory"),
     }
