@@ -22,6 +22,7 @@ from meshllm_dsl.ir import ModelIR, PlanIR, Repeat
 from meshllm_dsl.load import load
 from meshllm_dsl.names import divisors
 from meshllm_dsl.planner import PlanReport, analyze, fmt_bytes, fmt_seconds
+from meshllm_dsl.progress import StatusLine
 
 MESH_NAME, PLAN_NAME = "suggested_mesh", "suggested"
 MAX_MICROBATCHES = 64  # beyond this the per-microbatch collectives' latency dominates any memory saving
@@ -206,7 +207,7 @@ def candidates(model: ModelIR, devices: int, batch: int, per_host: int) -> Itera
 
 
 def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, batch: int, seq: int,
-            per_host: int | None = None, top: int = 3) -> SuggestResult:
+            per_host: int | None = None, top: int = 3, status: StatusLine | None = None) -> SuggestResult:
     """Enumerate, estimate, then re-check the winners exactly.
 
     Parsing dominates the cost (about 10 ms a candidate for Llama 2 70B), and candidates that differ
@@ -215,7 +216,14 @@ def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, 
     its variants are estimated from that checked PlanIR with those fields replaced, and then every
     variant that fits is written out and checked with `check_text` in order of estimated step time
     until `top` of them pass: nothing is suggested that the checker has not passed as written.
+    ``status``: where to say how far it is (default: a line on stderr while it is a terminal).
     """
+    with status or StatusLine("meshc suggest") as line:
+        return _suggest(path, model_name, devices, device, batch, seq, per_host, top, line)
+
+
+def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, batch: int, seq: int,
+             per_host: int | None, top: int, line: StatusLine) -> SuggestResult:
     prelude = _prelude_text(path, model_name)
     base = check_text(prelude, str(Path(path)))
     model = base.models[model_name]
@@ -241,7 +249,8 @@ def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, 
             groups.setdefault((v.data, v.pipeline, v.tensor, v.schedule, v.virtual, v.seq_parallel), []).append(v)
     enumerated = sum(len(g) for g in groups.values())
     estimates: list[tuple[Candidate, PlanReport]] = []
-    for group in groups.values():
+    for i, group in enumerate(groups.values()):
+        line.update(f"checking layout {i + 1} of {len(groups)} ({enumerated} candidates)")
         _, rep_plan = check(group[0])
         for c in group:
             plan: PlanIR | None
@@ -262,6 +271,7 @@ def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, 
     for c, _ in fitting:
         if len(ranked) >= top:
             break
+        line.update(f"re-checking the fastest of {len(fitting)} fitting plans as written ({len(ranked)} of {top} passed)")
         block, checked_plan = check(c)
         checked += 1
         if checked_plan is not None:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from meshllm_dsl.progress import StatusLine
+
 if TYPE_CHECKING:
     from meshllm_dsl.checker import CheckResult
 
@@ -59,10 +61,12 @@ def verify(
     dtype_name: str = "float64",
     seed: int = 0,
     result: CheckResult | None = None,
+    status: StatusLine | None = None,
 ) -> tuple[str, bool]:
     """Report text and verdict for the tiny twin of a plan. Raises SpecError-free: caller checks.
 
-    ``result``: the file's check result when the caller already has it.
+    ``result``: the file's check result when the caller already has it. ``status``: where to say
+    what it is doing (default: a line on stderr while it is a terminal).
     """
     from meshllm_dsl.codegen.emit import render_plan
     from meshllm_dsl.runtime.pool import WorkerPool
@@ -91,10 +95,11 @@ def verify(
         preload.append("meshllm_dsl.cli")
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="meshc-verify-") as tmp, WorkerPool(
-        world_size=plan.mesh.devices, timeout=300.0, preload=preload
-    ) as pool:
+    n = plan.mesh.devices
+    with status or StatusLine("meshc verify") as line, tempfile.TemporaryDirectory(prefix="meshc-verify-") as tmp, \
+            WorkerPool(world_size=n, timeout=300.0, preload=preload) as pool:
         # The server imports torch (seconds) while this process builds and renders the twin.
+        line.update(f"starting {n} processes, building the tiny twin")
         pool.prestart()
         twin_text, twin_result = make_twin(result, name, path)
         if not twin_result.ok:
@@ -104,6 +109,7 @@ def verify(
         twin = twin_result.plans[name]
         module = Path(tmp) / f"{name}_twin.py"
         module.write_text(render_plan(twin, f"{path} (tiny twin)", twin_text))
+        line.update(f"comparing the twin sharded on {n} processes with it unsharded (logits, gradients, one step)")
         per_rank = pool.run(compare_job, twin.mesh.devices, str(module), dtype_name, seed)
     # Every rank's view counts: a replica whose gathered copy differs is a bug rank 0 cannot see.
     tol = per_rank[0][1]
