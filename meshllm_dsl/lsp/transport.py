@@ -211,9 +211,10 @@ class FrameReader:
 # JSON-RPC 2.0 and LSP error codes
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
 SERVER_NOT_INITIALIZED = -32002
-# After the client closes stdin the server exits at once when idle; a request being answered (an
-# analysis on the event loop) gets this long before the process goes without it.
-EXIT_GRACE_S = 0.5
+# After the client closes stdin the server still answers what it had read (a client may send its
+# requests and close stdin before reading the answers), but no one message gets longer than
+# EXIT_GRACE_S (an analysis on the event loop), nor all of them together longer than EXIT_LIMIT_S.
+EXIT_GRACE_S, EXIT_LIMIT_S = 0.5, 2.0
 
 log = logging.getLogger("meshllm.lsp")
 
@@ -394,9 +395,12 @@ def serve_stdio(protocol: JsonRPCProtocol, screen: Callable[[str, Any], str | No
         if not done.done():
             done.set_result(code)
 
+    in_hand: list[float] = []  # when the message being handled was taken up (empty: none)
+
     def handle(event: Body | Problem) -> None:
         if done.done():
             return
+        in_hand.append(time.monotonic())
         try:
             if isinstance(event, Problem):
                 dispatcher.problem(event)
@@ -404,11 +408,14 @@ def serve_stdio(protocol: JsonRPCProtocol, screen: Callable[[str, Any], str | No
                 dispatcher.body(event)
         except SystemExit as stop:  # pygls' `exit` handler
             finish(stop.code if isinstance(stop.code, int) else 1)
-        except (BrokenPipeError, ValueError) as err:  # stdout closed (ValueError: written after close)
-            log.warning("the client stopped reading (%s); exiting", err)
-            finish(1)
-        except Exception:  # noqa: BLE001 - no message may take the server down
-            log.exception("a message could not be handled")
+        except Exception as err:  # noqa: BLE001 - no message may take the server down
+            if isinstance(err, BrokenPipeError) or sys.stdout.buffer.closed:  # (ValueError once closed)
+                log.warning("the client stopped reading (%s); exiting", err)
+                finish(1)
+            else:
+                log.exception("a message could not be handled")
+        finally:
+            in_hand.clear()
 
     def read() -> None:
         frames = FrameReader()
@@ -424,8 +431,14 @@ def serve_stdio(protocol: JsonRPCProtocol, screen: Callable[[str, Any], str | No
         code = 0 if protocol._shutdown else 1
         log.info("the client closed stdin; exiting")
         loop.call_soon_threadsafe(finish, code)
-        time.sleep(EXIT_GRACE_S)  # the loop did not get to `finish`: it is busy, do not wait on it
-        _exit(code)
+        closed = time.monotonic()
+        while True:  # the loop gets to `finish` unless one message holds it: do not wait on that one
+            time.sleep(0.05)
+            now = time.monotonic()
+            taken = in_hand[:1]  # a copy: the loop clears the list
+            started = taken[0] if taken else now
+            if now - started > EXIT_GRACE_S or now - closed > EXIT_LIMIT_S:
+                _exit(code)
 
     threading.Thread(target=read, name="meshc-lsp-stdin", daemon=True).start()
     _exit(loop.run_until_complete(done))

@@ -353,12 +353,17 @@ def test_requests_before_initialize_and_after_shutdown_get_errors_and_stdin_clos
         starts = sorted(d["range"]["start"]["character"] for d in c.wait_diagnostics(u))
         assert starts == [8, text.index('"x.mesh"') + 1]
         assert c.request("shutdown", None) is None
-        got = c.call("textDocument/documentSymbol", {"textDocument": {"uri": NOT_OPEN}})
-        assert got["error"]["code"] == -32600 and "shutting down" in got["error"]["message"]
+        # requests sent just before the client closes stdin are still answered (here: refused)
+        ids = [c.new_id() for _ in range(20)]
+        c.send_raw(b"".join(frame(request(i, params={"textDocument": {"uri": NOT_OPEN}})) for i in ids))
         # the client goes without `exit`: after a shutdown request that is a clean end (0)
         assert c.proc.stdin is not None
         c.proc.stdin.close()
         assert c.proc.wait(timeout=10) == 0
+        c.reader.join(timeout=10)
+        for i in ids:
+            got = c.responses[i]
+            assert got["error"]["code"] == -32600 and "shutting down" in got["error"]["message"]
     finally:
         if c.proc.poll() is None:
             c.proc.kill()
