@@ -410,13 +410,29 @@ def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
             with contextlib.suppress(Exception):
                 candidates = set(ip.accepts()) or candidates
         expected = sorted({_describe(t) for t in candidates})
+        unclosed = _unclosed_block_note(source, start)
+        if unclosed is not None:
+            note, opened = unclosed
+            # What the parser would accept (`=`, a setting's value) only misleads: the keyword was
+            # never meant as a setting.
+            return Diagnostic("E0101", f"unexpected {found}", source.span(start, end), label="not expected here",
+                              note=note, help=f"add `}}` to close the block opened on line {opened}")
+        missing = _missing_close(source, start, {t for t in candidates})
+        if missing is not None:
+            at, close, opened_line = missing
+            line = source.position(at)[0]
+            return Diagnostic(
+                "E0101", f"missing `{close}` at the end of line {line}", source.span(at, at),
+                label=f"expected `{close}` here",
+                note=f"the `{_OPENERS[close]}` on line {opened_line} is still open, and line {source.position(start)[0]} "
+                f"starts with {found}, which cannot continue it",
+                help=f"add `{close}` at the end of line {line}")
         return Diagnostic(
             "E0101",
             f"unexpected {found}",
             source.span(start, end),
             label="not expected here",
             help=f"expected {_or_list(expected)}" if expected else None,
-            note=_unclosed_block_note(source, start),
         )
     if isinstance(err, UnexpectedCharacters):
         start = pos if pos is not None else 0
@@ -453,15 +469,63 @@ def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
 _DECLARATIONS = ("mesh", "model", "family", "plan", "device", "include")
 
 
-def _unclosed_block_note(source: SourceFile, start: int) -> str | None:
+def _unclosed_block_note(source: SourceFile, start: int) -> tuple[str, int] | None:
     """When the parser stumbles right after a declaration keyword that sits inside a block, the
-    usual cause is a `}` missing above it: the keyword was read as a setting name."""
+    usual cause is a `}` missing above it: the keyword was read as a setting name. The note, and
+    the line of the block's `{` that is still open."""
     before = source.text[:start].rstrip()
     word = before.rsplit(None, 1)[-1] if before.split() else ""
-    if word not in _DECLARATIONS or source.text.count("{", 0, start) <= source.text.count("}", 0, start):
+    if word not in _DECLARATIONS:
+        return None
+    opened = [p for p, ch in _open_brackets(source.text[: len(before) - len(word)]) if ch == "{"]
+    if not opened:
         return None
     line = source.position(len(before) - len(word))[0]
-    return f"`{word}` on line {line} starts a new declaration, but a block above it is still open: is a `}}` missing?"
+    return (f"`{word}` on line {line} starts a new declaration, but a block above it is still open: is a `}}` missing?",
+            source.position(opened[-1])[0])
+
+
+_OPENERS = {")": "(", "}": "{", "]": "["}
+_CLOSE_TOKENS = {"RPAR": ")", "RBRACE": "}", "RSQB": "]"}
+
+
+def _open_brackets(text: str) -> list[tuple[int, str]]:
+    """Positions and characters of the brackets in `text` still open at its end (comments and
+    strings skipped)."""
+    stack: list[tuple[int, str]] = []
+    i, n = 0, len(text)
+    while i < n:
+        ch = text[i]
+        if ch == "#":
+            nl = text.find("\n", i)
+            i = n if nl < 0 else nl
+            continue
+        if ch == '"':
+            end = text.find('"', i + 1)
+            i = n if end < 0 else end + 1
+            continue
+        if ch in "({[":
+            stack.append((i, ch))
+        elif ch in ")}]" and stack and stack[-1][1] == _OPENERS[ch]:
+            stack.pop()
+        i += 1
+    return stack
+
+
+def _missing_close(source: SourceFile, start: int, expected: set[str]) -> tuple[int, str, int] | None:
+    """A `)` (or `]`) missing at the end of a line: the parser only stumbles on the next line's
+    first token, which is where Lark reports it. Where the bracket belongs (the end of the last
+    token before), which one, and the line its opener is on; None unless that is what happened."""
+    before = source.text[:start].rstrip()
+    if not before or source.position(len(before))[0] == source.position(start)[0]:
+        return None  # the unexpected token continues the same line: not a bracket left open
+    stack = _open_brackets(before)
+    if not stack or stack[-1][1] not in "([":
+        return None
+    close = {"(": ")", "[": "]"}[stack[-1][1]]
+    if close not in {_CLOSE_TOKENS.get(t, t) for t in expected}:
+        return None
+    return len(before), close, source.position(stack[-1][0])[0]
 
 
 def _or_list(items: list[str]) -> str:
