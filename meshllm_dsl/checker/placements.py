@@ -430,8 +430,19 @@ class PlacementRules(PlanContext):
                 label=f"splits {count} {unit_name} over {n} devices",
                 secondary=tuple(lab for a in p.axes for lab in self.axis_label(a)),
                 help=f"{axes_text} must divide {listing}{also}: use {or_list(divisors(common))}"
-                + (f", or pad `{unit_name}` to {-(-count // n) * n} (a multiple of {n})" if unit_name == "vocab" else ""),
+                + (self.vocab_padding(count, n) if unit_name == "vocab" else ""),
             )
+
+    def vocab_padding(self, count: int, n: int) -> str:
+        """The padding that makes the vocabulary split: the model keeps its real size as `vocab_used`
+        (the stdlib families' parameter; `used` of `embedding` otherwise), so the padded rows are
+        never a token (masked out of the softmax, the loss and the argmax)."""
+        padded = -(-count // n) * n
+        if "vocab_used" in dict(self.model.values):
+            how = f"`vocab = {padded}, vocab_used = {count}` in the model"
+        else:
+            how = f"`embedding({padded}, ..., used = {count})`"
+        return f", or pad `vocab` to {padded} (a multiple of {n}) and keep the real size: {how}; padded rows are never a token"
 
     def units_over(self, axes: tuple[str, ...]) -> list[tuple[str, int, int | None]]:
         """Every (unit, count, rule start offset) this plan splits over exactly these axes, for a help line."""

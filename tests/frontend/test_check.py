@@ -214,7 +214,9 @@ def test_divisibility_of_vocab_suggests_padding() -> None:
     src = src.replace("kv_heads = 2", "kv_heads = 4")
     errors = check_text(src).errors
     assert {d.code for d in errors} == {"E0301"}
-    assert any("pad `vocab` to 252" in (d.help or "") for d in errors)
+    assert any("pad `vocab` to 252" in (d.help or "") and "`vocab = 252, vocab_used = 250`" in (d.help or "") for d in errors)
+    # and the padding the help names checks clean
+    assert check_text(src.replace("vocab = 250", "vocab = 252, vocab_used = 250")).ok
 
 
 def test_tied_weights() -> None:
