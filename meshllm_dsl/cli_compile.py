@@ -76,6 +76,10 @@ def _run_inputs(args: argparse.Namespace, seq: int, plan: Any = None) -> list[st
     flags += ["--save-every", str(args.save_every), "--keep", str(args.keep)]
     if args.save:
         flags += ["--save", args.save]
+    if args.save_over:
+        flags += ["--save-over"]
+    if args.weights_extra != "error":
+        flags += ["--weights-extra", args.weights_extra]
     if args.resume:
         flags += ["--resume", args.resume]
     if args.load:
@@ -116,6 +120,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         write_generated(render_package(result, args.file), workdir / "generated")
         script = workdir / "generated" / f"{plan_name}.py"
+        if args.weights:
+            _check_weights(args, script)
         if nodes > 1:
             # torchrun's own c10d rendezvous: every node runs this same command; the node that
             # owns the endpoint hosts the store.  A node that never arrives ends the others after
@@ -153,6 +159,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         return code
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _check_weights(args: argparse.Namespace, script: Path) -> None:
+    """--weights against the generated program (config, index, tensor headers), before launching."""
+    from meshllm_dsl.cli import UsageError
+    from meshllm_dsl.runtime.hf import WeightsError, check_weights
+    from meshllm_dsl.verify import load_generated
+
+    try:
+        check_weights(args.weights, load_generated(str(script)).PROGRAM, args.weights_extra)
+    except WeightsError as err:
+        raise UsageError(f"bad --weights: {err}") from None
 
 
 def _nodes(args: argparse.Namespace, plan_name: str, mesh: Any) -> int:
@@ -265,12 +283,18 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--save-every", type=int, default=0, metavar="N", help="also checkpoint every N steps (default: only at the end)")
     r.add_argument("--keep", type=int, default=3, metavar="K", help="keep the newest K checkpoints (default 3)")
     r.add_argument("--resume", metavar="DIR|latest", help="continue from a checkpoint (whole training state) up to --steps in total")
+    r.add_argument("--save-over", action="store_true",
+                   help="let this run write into a --save root holding another run's checkpoints (never "
+                        "pruned; replaced only at the steps this run saves; `latest` then names this run's)")
     r.add_argument("--load", metavar="DIR", help="start from the weights of a checkpoint (any layout), at step 0")
     r.add_argument("--max-restarts", type=int, default=0, metavar="N",
                    help="restart the job up to N times after a failure, resuming from the latest --save checkpoint")
     r.add_argument("--debug", action="store_true", help="full tracebacks and launcher output on failures")
     r.add_argument("--weights", metavar="DIR", help="start from a Hugging Face model directory (safetensors)")
-    r.add_argument("--export-hf", metavar="DIR", help="write a Hugging Face model directory at the end")
+    r.add_argument("--export-hf", metavar="DIR", help="write a Hugging Face model directory at the end "
+                   "(a new or empty directory, or one meshc exported to before)")
+    r.add_argument("--weights-extra", choices=("error", "ignore"), default="error",
+                   help="tensors of --weights the model has no place for: an error (default), or ignored with a warning")
     r.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face tokenizer: --data is text, --prompt is decoded")
     r.add_argument("--prompt", metavar="TEXT", help="with --infer: the prompt text (needs --tokenizer)")
     r.add_argument("--prompt-ids", metavar="IDS", help="with --infer: the prompt as token ids, e.g. 1,2,3")

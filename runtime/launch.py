@@ -32,12 +32,19 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .checkpoint import CheckpointError, check_save_root, verify
+from .checkpoint import CheckpointError, check_save_root, start_lineage, verify
 from .checkpoint import load as load_checkpoint
 from .checkpoint import save as save_checkpoint
 from .collectives import all_reduce_
 from .generate import greedy_generate
-from .hf import WeightsError
+from .hf import (
+    EXTRA_POLICIES,
+    ExportError,
+    WeightsError,
+    check_export_dir,
+    check_weights,
+    extras_note,
+)
 from .mesh import set_group_timeout
 from .profile_steps import PROFILE_STEPS, PROFILE_STEPS_TEXT, TRACE_STEPS, TRACE_STEPS_TEXT
 from .program import Built, Program
@@ -107,6 +114,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--resume", metavar="DIR|latest",
         help="continue training from a checkpoint (a root, a step directory, or `latest` of --save)",
     )
+    p.add_argument(
+        "--save-over", action="store_true",
+        help="let this run write into a --save root holding another run's checkpoints (never pruned; "
+        "replaced only at the steps this run saves; `latest` then names this run's)",
+    )
     p.add_argument("--load", type=Path, help="start from the weights of this checkpoint (any layout)")
     p.add_argument("--debug", action="store_true", help="full tracebacks on failures")
     p.add_argument(
@@ -114,6 +126,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--export-hf", type=Path, help="write a Hugging Face model directory here at the end"
+    )
+    p.add_argument(
+        "--weights-extra", choices=EXTRA_POLICIES, default="error",
+        help="tensors of --weights the model has no place for: an error (default), or ignore them with a warning",
     )
     p.add_argument(
         "--tokenizer", type=Path, help="a Hugging Face tokenizer dir: --data is text, --prompt too"
@@ -209,14 +225,16 @@ def check_inputs(args: argparse.Namespace, model: Any = None, seq: int = 0) -> N
         raise InputError(str(err)) from None
     try:
         if args.save is not None:
-            check_save_root(args.save)
+            check_save_root(args.save, resume_path(args), args.save_over)
+        if args.export_hf is not None:
+            check_export_dir(args.export_hf, args.weights)
         for flag, path in (("--resume", resume_path(args)), ("--load", args.load)):
             if path is not None:
                 try:
                     verify(path, checksums=False)
                 except CheckpointError as err:
                     raise InputError(f"{flag}: {err}") from None
-    except CheckpointError as err:
+    except (CheckpointError, ExportError) as err:
         raise InputError(str(err)) from None
 
 
@@ -855,12 +873,24 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
 
     startup.report("up")
     args = parse_args(argv)
+    auto_resume = args.resume is None and _restarted() and args.save is not None and _has_latest(args.save)
+    if auto_resume:
+        args.resume = "latest"  # torchrun restarted the job: go on from the last checkpoint
     try:
         check_inputs(args, program.model, program.seq)
     except InputError as err:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    if args.weights is not None:
+        try:  # config, index and tensor headers against the program, before any rank reads a tensor
+            ignored = check_weights(args.weights, program, args.weights_extra)
+        except WeightsError as err:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: bad --weights: {err}", file=sys.stderr)
+            sys.exit(2)
+        if ignored and os.environ.get("RANK", "0") == "0":
+            print(f"warning: {extras_note(args.weights, ignored)}", file=sys.stderr)
     try:
         cuda = select_device()
     except InputError as err:
@@ -885,12 +915,12 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
         first = _first(built)
         startup.report("built")
         start, seed = 0, args.seed
-        if args.resume is None and _restarted() and args.save and _has_latest(args.save):
-            args.resume = "latest"  # torchrun restarted the job: go on from the last checkpoint
         if args.resume is not None:
             start, seed = _resume(built, args)
         elif args.load:
             load_checkpoint(built, args.load)
+        if args.save_over and not auto_resume:
+            start_lineage(built)  # --save-over starts a lineage of its own, even from --resume
         tokenizer = None
         if args.tokenizer:
             from .tokens import load_tokenizer

@@ -13,7 +13,9 @@ resynchronises on the next header instead:
 - a message announced larger than MAX_BODY_BYTES is skipped up to the next header.
 
 Every problem is one line on stderr (stdout carries the protocol). `FrameReader` is the framing
-alone (bytes in, bodies and problems out), so it can be tested without a process.
+alone (bytes in, bodies and problems out), so it can be tested without a process. `Dispatcher`
+decodes and type-checks each body before pygls handles it, so that every request is answered;
+`serve_stdio` runs both and exits when stdin closes, without waiting on a running analysis.
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ class FrameReader:
 
 
 # JSON-RPC 2.0 and LSP error codes
-PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
+PARSE_ERROR, INVALID_REQUEST, INVALID_PARAMS = -32700, -32600, -32602
 SERVER_NOT_INITIALIZED = -32002
 # After the client closes stdin the server still answers what it had read (a client may send its
 # requests and close stdin before reading the answers), but no one message gets longer than
