@@ -32,7 +32,9 @@ import math
 import os
 import re
 import shutil
+import uuid
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -52,9 +54,11 @@ from .shards import ShardSpec
 __all__ = [
     "CheckpointError",
     "check_save_root",
+    "lineage",
     "load",
     "resolve",
     "save",
+    "start_lineage",
     "verify",
 ]
 
@@ -92,19 +96,17 @@ def _ours(entry: Path) -> bool:
     return name == LATEST or name.startswith(_TMP_PREFIX) or bool(_STEP.fullmatch(name))
 
 
-def check_save_root(root: str | Path) -> None:
+def _check_root_files(root: Path) -> None:
     """Raise ``CheckpointError`` unless ``root`` can be a checkpoint root: absent (and creatable),
     empty, or holding only what ``save`` writes; and writable."""
-    root = Path(root)
     if root.exists() and not root.is_dir():
         raise CheckpointError(f"--save {root}: exists and is not a directory")
     if root.is_dir():
         foreign = sorted(p.name for p in root.iterdir() if not _ours(p))
         if foreign:
-            shown = ", ".join(foreign[:3]) + (" ..." if len(foreign) > 3 else "")
             raise CheckpointError(
                 f"--save {root}: directory holds files that are not meshllm checkpoints "
-                f"({shown}); choose an empty or new directory"
+                f"({_some(foreign)}); choose an empty or new directory"
             )
         probe = root
     else:
@@ -113,6 +115,82 @@ def check_save_root(root: str | Path) -> None:
             raise CheckpointError(f"--save {root}: {probe} is not a directory")
     if not os.access(probe, os.W_OK | os.X_OK):
         raise CheckpointError(f"--save {root}: {probe} is not writable")
+
+
+def _some(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def run_of(step_dir: Path) -> str | None:
+    """The run (lineage) id the manifest of ``step_dir`` records; None if it records none."""
+    try:
+        manifest = json.loads((step_dir / MANIFEST).read_bytes())
+    except (OSError, ValueError, RecursionError):
+        return None
+    run = manifest.get("run") if isinstance(manifest, dict) else None
+    return run if isinstance(run, str) and run else None
+
+
+def _latest_name(root: Path) -> str | None:
+    try:
+        name = (root / LATEST).read_bytes().decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    return name if _STEP.fullmatch(name) else None
+
+
+def check_save_root(root: str | Path, resume: str | Path | None = None, save_over: bool = False) -> None:
+    """Before the first step: raise ``CheckpointError`` unless a run may write checkpoints into
+    ``root`` (see ``_check_root_files``) without replacing, pruning or going back behind another
+    run's: a root with checkpoints is only continued by a run that ``--resume``s their lineage
+    from no earlier than its ``latest``, or taken over with ``save_over`` (``--save-over``)."""
+    root = Path(root)
+    _check_root_files(root)
+    steps = list_steps(root)
+    if not steps or save_over:
+        return
+    latest = _latest_name(root)
+    span = steps[0][1].name + (f" .. {steps[-1][1].name}" if len(steps) > 1 else "")
+    held = f"{len(steps)} checkpoint{'s' * (len(steps) > 1)} ({span}{f', latest {latest}' if latest else ''})"
+    choices = (f"--resume {root} continues them, --save-over starts this run over in it (it replaces"
+               " theirs only at the steps it saves and prunes none), or choose a new directory")
+    if resume is None:
+        raise CheckpointError(f"--save {root}: holds {held} that this new run did not write; {choices}")
+    try:
+        manifest = verify(resume, checksums=False)
+    except CheckpointError as err:
+        raise CheckpointError(f"--resume: {err}") from None
+    run = manifest.get("run")
+    foreign = [p.name for _, p in steps if run is None or run_of(p) != run]
+    if foreign:
+        raise CheckpointError(
+            f"--save {root}: holds {held}, of which {_some(foreign)} were not written by the run that"
+            f" --resume {resume} continues; {choices}"
+        )
+    if latest is not None and int(latest.split("-")[1]) > int(manifest["step"]):
+        raise CheckpointError(
+            f"--save {root}: its latest is {latest}, later than step {manifest['step']} that --resume"
+            f" {resume} continues from, and this run would move `latest` back; --resume {root}"
+            " continues from its latest, --save-over branches off from there"
+        )
+
+
+# One lineage id per run, recorded in every checkpoint it writes and inherited by the runs that
+# resume from them: `--keep` prunes only checkpoints of the saving run's lineage.
+_LINEAGE: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def lineage(built: Built) -> str:
+    """The run id ``built``'s checkpoints carry: inherited from a resumed checkpoint, else new."""
+    if built not in _LINEAGE:
+        _LINEAGE[built] = uuid.uuid4().hex
+    return _LINEAGE[built]
+
+
+def start_lineage(built: Built) -> str:
+    """A new run id for ``built`` (``--save-over``: this run starts over, even when resumed)."""
+    _LINEAGE[built] = uuid.uuid4().hex
+    return _LINEAGE[built]
 
 
 def resolve(path: str | Path) -> Path:
@@ -124,7 +202,7 @@ def resolve(path: str | Path) -> Path:
         return path
     latest = path / LATEST
     if latest.is_file():
-        name = latest.read_text().strip()
+        name = latest.read_bytes().decode("utf-8", "replace").strip()
         if not _STEP.fullmatch(name):
             raise CheckpointError(f"checkpoint {path}: `latest` holds {name[:40]!r}, not a step")
         if not (path / name).is_dir():
@@ -164,11 +242,12 @@ def verify(path: str | Path, checksums: bool = True) -> dict[str, Any]:
     """
     step_dir = resolve(path)
     try:
-        manifest = json.loads((step_dir / MANIFEST).read_text())
-    except (OSError, ValueError) as err:
+        manifest = json.loads((step_dir / MANIFEST).read_bytes())
+    except (OSError, ValueError, RecursionError) as err:
         raise CheckpointError(f"checkpoint {step_dir}: unreadable {MANIFEST} ({err})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {step_dir}: {MANIFEST} is not a {FORMAT} manifest")
+    _check_manifest(manifest, step_dir / MANIFEST)
     listed: dict[str, dict[str, Any]] = manifest["files"]
     present = _files(step_dir)
     extra = sorted(set(present) - set(listed))
@@ -188,6 +267,61 @@ def verify(path: str | Path, checksums: bool = True) -> dict[str, Any]:
             raise CheckpointError(f"checkpoint {step_dir}: file {name} fails its sha256 check")
     manifest["path"] = str(step_dir)
     return manifest
+
+
+def _is_int(v: Any, least: int = 0) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= least
+
+
+def _inside(name: Any) -> bool:
+    """A relative path that stays inside the step directory."""
+    if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
+        return False
+    parts = name.split("/")
+    return not name.startswith("/") and all(p not in ("", ".", "..") for p in parts)
+
+
+def _check_manifest(manifest: Mapping[str, Any], where: Path) -> None:
+    """Every field ``verify`` / ``load`` / ``--resume`` read, of the type they read it as."""
+    from .hf import describe
+
+    def bad(field: str, value: Any, expected: str) -> CheckpointError:
+        got = "missing" if value is _MISSING else f"{describe(value)}"
+        return CheckpointError(f"checkpoint {where}: `{field}` is {got}; expected {expected}")
+
+    files = manifest.get("files", _MISSING)
+    if not isinstance(files, dict):
+        raise bad("files", files, "an object of file name -> {size, sha256}")
+    for name, info in files.items():
+        if not _inside(name):
+            raise bad("files", name, "names of files inside the step directory (a key is not)")
+        if not isinstance(info, dict):
+            raise bad(f"files.{name}", info, "an object {size, sha256}")
+        if not _is_int(info.get("size", _MISSING)):
+            raise bad(f"files.{name}.size", info.get("size", _MISSING), "a byte count (an integer >= 0)")
+        sha = info.get("sha256", _MISSING)
+        if not (isinstance(sha, str) and re.fullmatch(r"[0-9a-f]{64}", sha)):
+            raise bad(f"files.{name}.sha256", sha, "64 hexadecimal digits")
+    checks: list[tuple[str, bool, Any, str]] = [
+        ("step", True, _is_int, "the step it was saved at (an integer >= 0)"),
+        ("layout", True, lambda v: isinstance(v, dict), "an object {axes, ranks}"),
+        ("optimizer", False, lambda v: isinstance(v, bool), "true or false"),
+        ("param_groups", False, lambda v: isinstance(v, list) and all(isinstance(g, dict) for g in v),
+         "a list of objects"),
+        ("state", False, lambda v: isinstance(v, dict), "an object"),
+        ("run", False, lambda v: isinstance(v, str), "a run id (a string)"),
+    ]
+    for field, required, ok, expected in checks:
+        value = manifest.get(field, _MISSING)
+        if (value is _MISSING and required) or (value is not _MISSING and not ok(value)):
+            raise bad(field, value, expected)
+    state = manifest.get("state", {})
+    for field in ("step", "seed"):
+        if field in state and not _is_int(state[field], least=0 if field == "step" else -(2**63)):
+            raise bad(f"state.{field}", state[field], "an integer")
+
+
+_MISSING: Any = object()
 
 
 def _fsync_dir(path: Path) -> None:
@@ -230,7 +364,10 @@ def _commit(tmp: Path, root: Path, step: int, manifest: dict[str, Any], keep: in
     _fsync_dir(root)
     _write_atomic(root / LATEST, final.name + "\n")
     if keep is not None and keep > 0:
-        for _, old in list_steps(root)[:-keep]:
+        # Only this run's lineage: another run's checkpoints in the root are never pruned.
+        run = manifest.get("run")
+        own = [p for _, p in list_steps(root) if run is not None and run_of(p) == run]
+        for old in own[:-keep]:
             if old != final:
                 shutil.rmtree(old, ignore_errors=True)
     return final
@@ -519,7 +656,7 @@ def save(
     error = None
     if _first(mesh):
         try:
-            check_save_root(root)
+            _check_root_files(root)
             root.mkdir(parents=True, exist_ok=True)
             for stale in root.iterdir():
                 if stale.name.startswith(_TMP_PREFIX):  # left by a save that crashed
@@ -550,6 +687,7 @@ def save(
             "format": FORMAT,
             "step": step,
             "model": fingerprint(built),
+            "run": lineage(built),
             "layout": {"axes": [list(a) for a in mesh.axes], "ranks": list(mesh.ranks)},
             "optimizer": optimizer,
             "param_groups": _param_groups(built) if optimizer else [],
@@ -677,6 +815,8 @@ def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, A
                         for k, v in subs.items()
                     }
         _set_param_groups(built, manifest.get("param_groups", []))
+        if manifest.get("run"):
+            _LINEAGE[built] = manifest["run"]  # a resumed run continues the lineage
         built.steps_done = int(manifest["step"])  # the learning-rate schedule's clock
         same = manifest["layout"] == {"axes": [list(a) for a in mesh.axes], "ranks": list(mesh.ranks)}
         rng_file = step_dir / f"rng-{mesh.rank}.pt"

@@ -19,10 +19,14 @@ safetensors files (sharded above ``max_shard_bytes``, with an index) that ``from
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
-import shutil
-from collections.abc import Iterator, Mapping
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +43,10 @@ __all__ = [
     "HFCheckpoint",
     "WeightsError",
     "check_config",
+    "check_export_dir",
+    "check_weights",
     "export_hf",
+    "extras_note",
     "hf_config",
     "hf_key_map",
     "local_from_hf",
@@ -58,6 +65,10 @@ _TOKENIZER_FILES = (
     "merges.txt",
     "tokenizer.model",
 )
+
+
+# safetensors' names of the dtypes a parameter can be read from (converted to the plan's dtype).
+_FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
 
 
 class WeightsError(ValueError):
@@ -205,6 +216,165 @@ def hf_key_map(model: Mapping[str, Any], names: list[str]) -> dict[str, tuple[st
     return out
 
 
+# ---------------------------------------------------------------- files from outside
+
+# Every file read from a --weights directory is named by the directory plus a plain name, and a
+# symbolic link among them is followed only where it stays inside the directory or, for a
+# snapshot of the Hugging Face cache (whose files all link to ../../blobs/<sha>), inside that
+# repository's blobs/.  Anything else would read (and an export would disclose) a file the
+# user never named.
+
+
+def describe(value: Any) -> str:
+    """``value`` as JSON shows it, with its JSON type: for one-line messages."""
+    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+    text = json.dumps(value, default=str)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return "null" if value is None else f"{text} ({kind})"
+
+
+def _plain_name(name: Any) -> bool:
+    """A file name directly inside a directory: no separators, no ``..``, no NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..")
+            and not any(c in name for c in "/\\\0"))
+
+
+def _hf_blobs(model_dir: Path) -> Path | None:
+    """``blobs/`` of the Hugging Face cache repository whose snapshot ``model_dir`` (resolved) is."""
+    snapshots, repo = model_dir.parent, model_dir.parent.parent
+    if snapshots.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
+        return Path(os.path.realpath(repo / "blobs"))
+    return None
+
+
+def _link_escapes(path: Path, model_dir: Path) -> str | None:
+    """Where ``path`` (a plain name in ``model_dir``) leads when it is a link to a file outside
+    the directory (and outside its cache repository's blobs/), else None."""
+    if not path.is_symlink():
+        return None
+    target = Path(os.path.realpath(path))  # realpath, not resolve: a link loop is a path here
+    root = Path(os.path.realpath(model_dir))
+    blobs = _hf_blobs(root)
+    if target.is_relative_to(root) or (blobs is not None and target.is_relative_to(blobs)):
+        return None
+    return str(target)
+
+
+def _source_file(model_dir: Path, name: str) -> Path:
+    """``model_dir / name`` for reading; ``WeightsError`` if it is a link leading outside."""
+    path = model_dir / name
+    outside = _link_escapes(path, model_dir)
+    if outside is not None:
+        raise WeightsError(
+            f"{path}: a symbolic link to {outside}, outside {model_dir}; expected a file of the model"
+            " directory (or of its Hugging Face cache repository)"
+        )
+    return path
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise WeightsError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise WeightsError(f"{path}: is a directory; expected a JSON file") from None
+    except UnicodeDecodeError as err:
+        raise WeightsError(f"{path}: not UTF-8 text (byte {err.start}); expected a JSON file") from None
+    except OSError as err:
+        raise WeightsError(f"{path}: cannot read it ({err.strerror or err})") from None
+    except ValueError as err:
+        raise WeightsError(f"{path}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise WeightsError(f"{path}: JSON nested too deeply to read") from None
+
+
+def _read_object(path: Path) -> dict[str, Any]:
+    doc = _read_json(path)
+    if not isinstance(doc, dict):
+        raise WeightsError(f"{path}: holds {describe(doc)}; expected a JSON object")
+    return doc
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _positive_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _token_ids(v: Any) -> bool:
+    one = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+    return one(v) or (isinstance(v, list) and bool(v) and all(one(x) for x in v))
+
+
+_CONFIG_INTS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "max_position_embeddings", "sliding_window",
+    "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "n_ctx",
+)
+_CONFIG_NUMBERS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
+_CONFIG_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+                 "scale_attn_weights", "scale_attn_by_inverse_layer_idx")
+_CONFIG_TEXT = ("model_type", "hidden_act", "activation_function", "torch_dtype")
+_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# What each rope type needs besides rope_theta (transformers' rope initialisers read these).
+_ROPE_NEEDS = {
+    "default": (), "linear": ("factor",), "dynamic": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+_ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "rope_theta", "attention_factor",
+                 "beta_fast", "beta_slow")
+
+
+def _check_fields(doc: Mapping[str, Any], where: str, checks: list[tuple[tuple[str, ...], Callable[[Any], bool], str]]) -> None:
+    for fields, ok, expected in checks:
+        for field in fields:
+            if field in doc and doc[field] is not None and not ok(doc[field]):
+                raise WeightsError(f"{where}: `{field}` is {describe(doc[field])}; expected {expected}")
+
+
+def _check_rope(value: Any, where: str, field: str) -> None:
+    if not isinstance(value, dict):
+        raise WeightsError(f"{where}: `{field}` is {describe(value)}; expected an object (or null)")
+    kind = value.get("rope_type", value.get("type", "default"))
+    if not isinstance(kind, str):
+        raise WeightsError(f"{where}: `{field}.rope_type` is {describe(kind)}; expected a string such as \"llama3\"")
+    for k in _ROPE_NEEDS.get(kind, ("factor",)):
+        if value.get(k) is None:
+            expected = "a positive integer" if k == "original_max_position_embeddings" else "a positive number"
+            raise WeightsError(f"{where}: `{field}` of type {kind!r} has no `{k}`; expected {expected}")
+    _check_fields(value, f"{where}: `{field}`", [
+        (_ROPE_NUMBERS, _positive_number, "a positive number"),
+        (("original_max_position_embeddings",), _positive_int, "a positive integer"),
+    ])
+
+
+def _checked_config(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``cfg`` with every field meshllm reads type-checked and nulls dropped (null: the default)."""
+    _check_fields(cfg, where, [
+        (_CONFIG_INTS, _positive_int, "a positive integer"),
+        (_CONFIG_NUMBERS, _positive_number, "a positive number"),
+        (_CONFIG_BOOLS, lambda v: isinstance(v, bool), "true or false"),
+        (_CONFIG_TEXT, lambda v: isinstance(v, str), "a string"),
+        (_TOKEN_ID_FIELDS, _token_ids, "a token id (an integer >= 0) or a list of them"),
+        (("architectures",), lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v),
+         "a list of class names such as [\"LlamaForCausalLM\"]"),
+    ])
+    for field in ("rope_scaling", "rope_parameters"):
+        if cfg.get(field) is not None:
+            _check_rope(cfg[field], where, field)
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """``model_dir/config.json``: a JSON object, every field meshllm reads of the right type."""
+    path = _source_file(model_dir, "config.json")
+    return _checked_config(_read_object(path), str(path))
+
+
 # ---------------------------------------------------------------- config.json
 
 
@@ -295,10 +465,15 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
     """Raise ``WeightsError`` naming the first config.json field the model disagrees with."""
     lay = _layout(model)
     attn, mlp = lay.body[1], lay.body[3]
+    cfg = _checked_config(cfg, where)
     model_type = cfg.get("model_type")
     name = model.get("name", "model")
+    if model_type is None:
+        raise WeightsError(f"{where}: `model_type` is missing; expected one of llama, mistral, qwen2, gpt2")
 
     def bad(field: str, got: Any, want: Any, what: str) -> WeightsError:
+        if got is None:
+            return WeightsError(f"{where}: `{field}` is missing; model `{name}` has {what} = {want!r}")
         return WeightsError(
             f"{where}: `{field}` is {got!r}, but model `{name}` has {what} = {want!r}"
         )
@@ -378,15 +553,6 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
 # ---------------------------------------------------------------- reading
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise WeightsError(f"{path}: no such file") from None
-    except (OSError, ValueError) as err:
-        raise WeightsError(f"{path}: cannot read it as JSON ({err})") from None
-
-
 class HFCheckpoint:
     """A Hugging Face model directory: config.json and its safetensors files, opened lazily."""
 
@@ -396,18 +562,18 @@ class HFCheckpoint:
         self.dir = Path(directory)
         if not self.dir.is_dir():
             raise WeightsError(f"--weights {self.dir}: not a directory")
-        self.config: dict[str, Any] = _read_json(self.dir / "config.json")
+        self.config: dict[str, Any] = read_config(self.dir)
         index = self.dir / "model.safetensors.index.json"
         files: list[Path]
-        if index.exists():
-            weight_map = _read_json(index).get("weight_map", {})
-            files = sorted({self.dir / f for f in weight_map.values()})
+        if index.exists() or index.is_symlink():
+            files = self._indexed(_source_file(self.dir, index.name))
         else:
-            files = sorted(self.dir.glob("*.safetensors"))
+            files = [_source_file(self.dir, f.name) for f in sorted(self.dir.glob("*.safetensors"))]
             if not files:
                 raise WeightsError(f"--weights {self.dir}: no *.safetensors files (and no index)")
         self.where: dict[str, Path] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}  # safetensors' names: F32, BF16, I32, BOOL, ...
         self.bytes_read = 0  # what this rank has read of the tensors (for tests and reports)
         for f in files:
             try:
@@ -422,8 +588,29 @@ class HFCheckpoint:
                 raise WeightsError(f"{f}: not a readable safetensors file ({err})") from None
             header = self._header(f, keys, size)
             for k in keys:
+                if k in self.where:
+                    raise WeightsError(f"tensor {k} is stored twice: in {self.where[k]} and in {f}")
                 self.where[k] = f
                 self.shapes[k] = tuple(header[k]["shape"])
+                self.dtypes[k] = str(header[k]["dtype"])
+
+    def _indexed(self, index: Path) -> list[Path]:
+        """The files ``model.safetensors.index.json`` names: plain names of this directory only."""
+        weight_map = _read_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise WeightsError(
+                f"{index}: `weight_map` is {describe(weight_map) if weight_map is not None else 'missing'};"
+                " expected an object of tensor name -> safetensors file name"
+            )
+        files: set[Path] = set()
+        for key, name in weight_map.items():
+            if not _plain_name(name):
+                raise WeightsError(
+                    f"{index}: the entry for {key} names {describe(name)}; expected the name of a file"
+                    f" in {self.dir} (no directories, no ..)"
+                )
+            files.add(_source_file(self.dir, name))
+        return sorted(files)
 
     @staticmethod
     def _header(f: Path, keys: list[str], size: int) -> dict[str, Any]:
@@ -540,6 +727,12 @@ def plan_load(
             raise WeightsError(
                 f"tensor {key} (for {name}) is missing from {ckpt.dir} ({', '.join(files)})"
             )
+        dtype = ckpt.dtypes.get(stored_key)
+        if dtype not in _FLOATING:
+            raise WeightsError(
+                f"tensor {stored_key} in {ckpt.where[stored_key]} is stored as {dtype}, but {name} is a"
+                f" floating-point parameter; expected one of {', '.join(sorted(_FLOATING))}"
+            )
         want = full_shapes[name]
         if name.split(".")[0] in (lay.embed, lay.head["name"]) and rows != vocab:
             want = (vocab, *want[1:])  # the checkpoint has the real vocab; padding rows are ours
@@ -554,7 +747,222 @@ def plan_load(
     return out
 
 
+# Stored tensors that hold no parameter: buffers older transformers versions saved (GPT-2's causal
+# mask, Llama's rotary frequencies), which transformers itself skips on load.
+_BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+EXTRA_POLICIES = ("error", "ignore")
+
+
+def check_weights(directory: str | Path, program: Any, extra: str = "error") -> list[str]:
+    """Everything about ``--weights DIR`` that can be known before any rank starts (reads only
+    config.json, the index and the safetensors headers): ``WeightsError`` naming the first problem.
+
+    Tensors the model has no place for (a layer it does not have, a bias it does not use) are an
+    error, or with ``extra="ignore"`` returned so the caller can warn about them.
+    """
+    ckpt = HFCheckpoint(directory)
+    specs = {i: dict(stage.params()) for i, stage in enumerate(program.stages)}
+    used = {key for key, _ in plan_load(ckpt, program.model, specs).values()}
+    tied = bool(_layout(program.model).head.get("tie"))
+    extras = sorted(
+        k for k in ckpt.where
+        if k not in used and not _BUFFERS.search(k) and not (tied and k.endswith("lm_head.weight"))
+    )
+    if extras and extra != "ignore":
+        raise WeightsError(
+            f"{ckpt.dir}: {len(extras)} tensor{'s' * (len(extras) > 1)} that model "
+            f"`{program.model.get('name', 'model')}` has no place for ({_some(extras)}); "
+            "pass --weights-extra ignore to load the rest anyway"
+        )
+    return extras
+
+
+def extras_note(directory: str | Path, extras: list[str]) -> str:
+    """The warning for tensors ``--weights-extra ignore`` let through."""
+    return (f"--weights {directory}: ignoring {len(extras)} tensor{'s' * (len(extras) > 1)} the model has"
+            f" no place for ({_some(extras)})")
+
+
+def _some(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
 # ---------------------------------------------------------------- writing
+
+
+# `meshc compile -o` and `--export-hf` share one rule for output directories (meshllm_dsl/outputs.py):
+# a new or empty directory, or one whose marker file says meshc wrote it; only meshc's own, unedited
+# files of the names it writes are ever replaced (each atomically), and nothing else is touched.
+_EXPORT_NAMES = re.compile(r"config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+
+
+class ExportError(Exception):
+    """``--export-hf DIR`` cannot be written without replacing something; nothing was written."""
+
+
+def _export_name(name: str) -> bool:
+    return bool(_EXPORT_NAMES.fullmatch(name)) or name in _TOKENIZER_FILES
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _export_state(out: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """(files, pending) of the meshc manifest of the existing directory ``out``: what an export
+    may replace there.  ``ExportError`` when anything of a name it writes is not its own."""
+    from meshllm_dsl.outputs import MANIFEST, _read_manifest
+
+    flag = f"--export-hf {out}"
+    entries = sorted(out.iterdir())
+    if not entries:
+        return {}, {}
+    manifest = _read_manifest(out)
+    if manifest is None:
+        raise ExportError(
+            f"{flag}: the directory is not empty and meshc did not write it (no {MANIFEST}); expected a"
+            " new or empty directory, or one meshc exported to before"
+        )
+    owned, pending = manifest
+    foreign = sorted(n for n in {**owned, **pending} if not _export_name(n))
+    if foreign:
+        raise ExportError(f"{flag}: holds meshc's generated files ({_some(foreign)}), not an export;"
+                          " choose another directory")
+    for entry in entries:
+        if entry.name == MANIFEST or not _export_name(entry.name):
+            continue  # never written, never touched
+        if entry.is_symlink() or not entry.is_file():
+            why = "is not a regular file meshc wrote"
+        elif entry.name not in owned and entry.name not in pending:
+            why = "exists and was not written by meshc"
+        elif _file_sha256(entry) not in (owned.get(entry.name), pending.get(entry.name)):
+            why = "was changed since meshc wrote it"
+        else:
+            continue
+        raise ExportError(f"{flag}: {entry.name} {why}; nothing was written (move it, or choose another directory)")
+    return owned, pending
+
+
+def check_export_dir(out: str | Path, weights: str | Path | None = None) -> None:
+    """Before any training: ``ExportError`` unless ``--export-hf out`` can be written without
+    replacing anything that is not meshc's own export (see ``_export_state``), or ``weights``."""
+    out = Path(out)
+    flag = f"--export-hf {out}"
+    if out.is_symlink() and not out.exists():
+        raise ExportError(f"{flag}: a dangling symbolic link; expected a new or empty directory")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{flag}: exists and is not a directory; expected a new or empty directory, "
+                          "or one meshc exported to before")
+    if weights is not None:
+        real_out, real_in = Path(os.path.realpath(out)), Path(os.path.realpath(weights))
+        if real_out.is_relative_to(real_in):
+            where = "is" if real_out == real_in else "is inside"
+            raise ExportError(f"{flag}: {where} the --weights directory {weights}; the export would"
+                              " overwrite the model it was read from; choose another directory")
+        _check_source_files(Path(weights))
+    if out.is_dir():
+        _export_state(out)
+        probe = out
+    else:
+        probe = next((q for q in out.absolute().parents if q.exists()), Path("/"))
+        if not probe.is_dir():
+            raise ExportError(f"{flag}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ExportError(f"{flag}: {probe} is not writable")
+
+
+def _check_source_files(src: Path) -> None:
+    """The JSON files an export copies from ``src`` verbatim, as transformers will read them back:
+    objects, and generation_config.json's token ids token ids (a link leading outside is skipped
+    at export, so not read here either)."""
+    for name in ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "tokenizer.json", "vocab.json"):
+        path = src / name
+        if path.is_file() and _link_escapes(path, src) is None:
+            doc = _read_object(path)
+            if name == "generation_config.json":
+                _check_fields(doc, str(path), [
+                    (_TOKEN_ID_FIELDS + ("decoder_start_token_id",), _token_ids,
+                     "a token id (an integer >= 0) or a list of them"),
+                    (("max_new_tokens", "max_length"), _positive_int, "a positive integer"),
+                ])
+
+
+class _ExportWriter:
+    """Writes an export directory file by file: a new directory appears whole (a temporary sibling
+    renamed into place); in one meshc exported to before, each file is replaced atomically, with
+    the manifest naming old and new hashes (`pending`) in between, and stale files of the earlier
+    export (a shard count that changed) are removed if unedited."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.fresh = out, not out.exists()
+        if self.fresh:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            self.dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+            self.owned: dict[str, str] = {}
+            self.pending: dict[str, str] = {}
+        else:
+            self.dir = out
+            owned, self.pending = _export_state(out)
+            self.owned = {n: h for n, h in owned.items() if (out / n).is_file()}
+        self.written: dict[str, str] = {}
+        self.umask = os.umask(0)
+        os.umask(self.umask)
+
+    def _manifest(self, files: Mapping[str, str], pending: Mapping[str, str]) -> None:
+        from meshllm_dsl.outputs import MANIFEST, _manifest_bytes, write_file_atomic
+
+        write_file_atomic(self.dir / MANIFEST, _manifest_bytes(files, pending))
+
+    def put(self, name: str, write: Callable[[Path], None]) -> None:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.dir)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            write(tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            self.written[name] = _file_sha256(tmp)
+            if not self.fresh:
+                self._manifest(self.owned, {**self.pending, **self.written})
+            os.chmod(tmp, 0o666 & ~self.umask)
+            os.replace(tmp, self.dir / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def finish(self) -> None:
+        for name, digest in self.owned.items():
+            if name not in self.written and _file_sha256(self.dir / name) == digest:
+                (self.dir / name).unlink()
+        kept = {n: h for n, h in self.owned.items() if n not in self.written and (self.dir / n).is_file()}
+        self._manifest({**kept, **self.written}, {})
+        if self.fresh:
+            os.chmod(self.dir, 0o777 & ~self.umask)
+            os.rename(self.dir, self.out)  # not replace: a directory that appeared meanwhile is not ours
+
+    def abandon(self) -> None:
+        if self.fresh:
+            import shutil
+
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _copy_source_files(src: Path, writer: _ExportWriter) -> None:
+    """The tokenizer files of the --weights directory, into the export (links: see _link_escapes)."""
+    for name in _TOKENIZER_FILES:
+        path = src / name
+        outside = _link_escapes(path, src)
+        if outside is not None:
+            print(f"--export-hf: not copying {path}: a symbolic link to {outside}, outside the model"
+                  " directory", file=sys.stderr, flush=True)
+        elif path.is_file():
+            data = path.read_bytes()
+            writer.put(name, lambda tmp, data=data: tmp.write_bytes(data))  # type: ignore[misc]
 
 
 def _stage_holder(built: Any, stage: int) -> int:
@@ -620,45 +1028,54 @@ def export_hf(
     pp_group = mesh.group(program.pipeline_axis) if program.pipeline_axis else None
     pending: dict[str, Tensor] = {}
     weight_map: dict[str, str] = {}
-    if first:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    stage_of = {n: s for s, n, _ in order}
-    for names in files:
-        for name in names:
-            i = stage_of[name]
-            spec = built.specs[i][name]
-            if i in built.modules:
-                full = gather_full(tp_local(built.modules[i].get_parameter(spec.local).detach()), spec, mesh)
-            else:
-                full = torch.empty(spec.shape, dtype=program.dtype, device=built.device)
-            if pp_group is not None:
-                # [full shape]: from the pipeline rank holding stage i to the rest of its group.
-                dist.broadcast(full, src=_stage_holder(built, i), group=pp_group)
-            if first:
-                key, transposed = keys[name]
-                if name.split(".")[0] == lay.embed and rows != vocab:
-                    full = full[:vocab]
-                t = full.t() if transposed else full
-                pending[key] = t.detach().to("cpu").contiguous().clone()
-                weight_map[key] = file_of[name]
-        if first:
-            save_file(pending, str(out_dir / file_of[names[0]]), metadata={"format": "pt"})
-            pending = {}
-    if not first:
-        return
-    if n_files > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    cfg = hf_config(model, program.dtype, program.seq)
-    if source is not None:
-        src = Path(source)
-        src_cfg = _read_json(src / "config.json")
-        src_cfg["torch_dtype"] = cfg["torch_dtype"]
-        src_cfg.pop("dtype", None)
-        cfg = src_cfg
-        for name in _TOKENIZER_FILES:
-            if (src / name).is_file():
-                shutil.copyfile(src / name, out_dir / name)
-    if tied:
-        cfg["tie_word_embeddings"] = True
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    writer = _ExportWriter(out_dir) if first else None
+    try:
+        stage_of = {n: s for s, n, _ in order}
+        for names in files:
+            for name in names:
+                i = stage_of[name]
+                spec = built.specs[i][name]
+                if i in built.modules:
+                    full = gather_full(tp_local(built.modules[i].get_parameter(spec.local).detach()), spec, mesh)
+                else:
+                    full = torch.empty(spec.shape, dtype=program.dtype, device=built.device)
+                if pp_group is not None:
+                    # [full shape]: from the pipeline rank holding stage i to the rest of its group.
+                    dist.broadcast(full, src=_stage_holder(built, i), group=pp_group)
+                if writer is not None:
+                    key, transposed = keys[name]
+                    if name.split(".")[0] == lay.embed and rows != vocab:
+                        full = full[:vocab]
+                    t = full.t() if transposed else full
+                    pending[key] = t.detach().to("cpu").contiguous().clone()
+                    weight_map[key] = file_of[name]
+            if writer is not None:
+                tensors, pending = pending, {}
+                writer.put(file_of[names[0]],
+                           lambda tmp, t=tensors: save_file(t, str(tmp), metadata={"format": "pt"}))  # type: ignore[misc]
+        if writer is None:
+            return
+        if n_files > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            writer.put("model.safetensors.index.json", _text(json.dumps(index, indent=2) + "\n"))
+        cfg = hf_config(model, program.dtype, program.seq)
+        if source is not None:
+            src = Path(source)
+            # Nulls kept as they are: for some fields (Mistral's sliding_window) null is not the default.
+            src_cfg = _read_object(_source_file(src, "config.json"))
+            src_cfg["torch_dtype"] = cfg["torch_dtype"]
+            src_cfg.pop("dtype", None)
+            cfg = src_cfg
+            _copy_source_files(src, writer)
+        if tied:
+            cfg["tie_word_embeddings"] = True
+        writer.put("config.json", _text(json.dumps(cfg, indent=2, sort_keys=True) + "\n"))
+        writer.finish()
+    except BaseException:
+        if writer is not None:
+            writer.abandon()
+        raise
+
+
+def _text(text: str) -> Callable[[Path], None]:
+    return lambda tmp: tmp.write_text(text, encoding="utf-8")  # type: ignore[func-returns-value]

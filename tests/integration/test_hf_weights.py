@@ -486,14 +486,15 @@ def test_new_family_features_train_like_the_unsharded_reference(
         assert not bad, f"rank {rank}: {bad}"
 
 
-def test_meshc_run_with_a_missing_tensor_exits_non_zero_naming_it(models: dict[str, Any], tmp_path: Path) -> None:
+def test_meshc_run_with_a_missing_tensor_exits_2_naming_it_before_launching(models: dict[str, Any], tmp_path: Path) -> None:
     directory, _ = models["llama"]
     bad = tmp_path / "bad"
     _corrupt(directory, bad, "missing")
     spec_path = tmp_path / "m.mesh"
     spec_path.write_text(spec("llama", "tensor2"))
     proc = _run(str(spec_path), "--weights", str(bad), "--steps", "0", cwd=tmp_path)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
+    assert "launching" not in proc.stderr  # found before any rank starts
     lines = [x for x in proc.stderr.splitlines() if "bad --weights" in x]
-    assert len(lines) == 1, proc.stderr[-3000:]  # every rank finds it; the first rank says it once
+    assert len(lines) == 1, proc.stderr[-3000:]
     assert all(BAD["missing"] in x and str(bad) in x for x in lines)
