@@ -11,7 +11,7 @@ from meshllm_dsl.checker.context import (
 )
 from meshllm_dsl.diagnostics import Label
 from meshllm_dsl.ir import SCHEDULES, Stage, Unit
-from meshllm_dsl.names import or_list
+from meshllm_dsl.names import did_you_mean, or_list
 
 
 class BatchRules(PlanContext):
@@ -23,7 +23,9 @@ class BatchRules(PlanContext):
         name = stmt.name.value
         if name not in SCHEDULES:
             self.error("E0607", f"unknown schedule `{name}`", stmt.name.span, label="not a schedule",
-                       help=f"use {or_list(f'`{s}`' for s in SCHEDULES)}")
+                       help=did_you_mean(name, SCHEDULES))
+            # The checks that read the schedule would judge the default in its place, not the plan.
+            self.bad_settings.add("schedule")
             return default
         if name == "interleaved_1f1b" and virtual < 2:
             self.error("E0607", "`interleaved_1f1b` needs virtual stages", stmt.name.span, label="no `virtual N` on the stages",
@@ -47,6 +49,8 @@ class BatchRules(PlanContext):
                        secondary=(Label(settings["microbatches"].value.span, "microbatches here"),) if "microbatches" in settings and settings["microbatches"].value.span else (),  # type: ignore[arg-type]
                        help=f"batch must be a multiple of {dp * micro}: e.g. {or_list(ok)}")
         pipeline = len({s.coord for s in stages})
+        if "schedule" in self.bad_settings:
+            return
         if pipeline > 1 and micro < pipeline:
             ms = settings.get("microbatches")
             where = ms.value.span if ms is not None else self.decl.name.span
