@@ -13,7 +13,13 @@ positions, one repeat of [norm, attention, norm, mlp], a final norm and a head m
 ``GPT2LMHeadModel`` (Conv1D weights are stored [in, out] and transposed here).
 
 Exporting gathers one tensor at a time onto the mesh's first rank, which writes config.json and
-safetensors files (sharded above ``max_shard_bytes``, with an index) that ``from_pretrained`` loads.
+safetensors files (sharded above ``max_shard_bytes``, with an index) that ``from_pretrained`` loads,
+under ``meshc compile -o``'s rule for output directories (``_ExportWriter``).
+
+What can be known from the files alone is checked before any rank starts (``check_weights``,
+``check_export_dir``): every file of --weights is a plain name of its directory (links: see
+``_link_escapes``), every config field meshllm reads has its type, every tensor a floating dtype,
+and none is left over.
 """
 
 from __future__ import annotations
