@@ -1315,7 +1315,7 @@ def report_text(rep: PlanReport) -> str:
         f"plan {plan.name}: {model.name} on {mesh.name} ({mesh.devices} x {dev.name}{' (assumed)' if rep.device_assumed else ''}: {axes}{hosts})",
         (f"  batch {plan.batch} x seq {plan.seq}; {plan.data_size} data replica{'s' if plan.data_size != 1 else ''} x "
         f"{plan.microbatches} microbatch{'es' if plan.microbatches != 1 else ''} of {rep.micro_batch} sequence{'s' if rep.micro_batch != 1 else ''}; "
-        f"schedule {plan.schedule}{f' (virtual {plan.virtual})' if plan.virtual > 1 else ''}; "
+        f"{f'schedule {plan.schedule}' if plan.pipeline_size > 1 else 'no pipeline'}{f' (virtual {plan.virtual})' if plan.virtual > 1 else ''}; "
         f"{plan.optimizer}, ZeRO {plan.zero}{' over ' + ' x '.join(plan.zero_axes) if plan.zero else ''}"),
         "",
         "model",

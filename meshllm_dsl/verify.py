@@ -122,7 +122,8 @@ def verify(
     values = twin_values(plan)
     lines = [
         f"plan `{name}` of {path}: mesh {' x '.join(f'{a.name} {a.size}' for a in plan.mesh.axes)}"
-        f" ({plan.mesh.devices} processes), schedule {twin.schedule}, {len(twin.stages)} stage(s)",
+        f" ({plan.mesh.devices} processes), "
+        + (f"schedule {twin.schedule}, {len(twin.stages)} stages" if len(twin.stages) > 1 else "no pipeline"),
         "tiny twin: " + ", ".join(f"{k} {dict(plan.model.values)[k]} -> {v}" for k, v in values.items())
         + f"; batch {plan.batch} -> {twin.batch}, seq {plan.seq} -> {twin.seq}"
         + f" ({twin.model.numel:,} parameters)",

@@ -73,6 +73,7 @@ def test_verify_says_what_it_is_doing(tmp_path) -> None:  # type: ignore[no-unty
     stream = io.StringIO()
     report, equal = verify(str(spec), None, status=StatusLine("meshc verify", stream, tty=True, tick=0))
     assert equal, report
+    assert "no pipeline" in report.splitlines()[0] and "schedule" not in report.splitlines()[0]
     shown = stream.getvalue()
     assert "meshc verify: starting 2 processes" in shown
     assert "meshc verify: comparing the twin sharded on 2 processes" in shown

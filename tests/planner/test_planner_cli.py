@@ -216,3 +216,13 @@ def test_explain_shows_node_and_local_rank_with_hosts(capsys: pytest.CaptureFixt
 def test_explain_without_hosts_has_no_node_columns(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(["explain", str(EXAMPLES / "tiny_llama.mesh")], capsys)
     assert code == 0 and " node " not in out and "(in host)" not in out
+
+
+def test_plan_without_pipeline_names_no_schedule(capsys: pytest.CaptureFixture[str]) -> None:
+    # The schedule is a pipeline's; a plan without one has none to print (it said `schedule gpipe`).
+    code, out, _ = run(["plan", str(EXAMPLES / "errors" / "W0708_hosts_omitted.mesh")], capsys)
+    assert code == 0
+    second = out.splitlines()[1]
+    assert "no pipeline" in second and "schedule" not in second
+    code, out, _ = run(["plan", str(EXAMPLES / "tiny_llama.mesh")], capsys)
+    assert "; schedule 1f1b;" in out.splitlines()[1]
