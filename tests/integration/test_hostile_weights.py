@@ -127,11 +127,12 @@ def _moved_out(d: Path, name: str) -> str:
 
 
 def _entry(value: Callable[[Path], str]) -> Callable[[Path], Any]:
-    """An index where the first tensor's entry is ``value(d)``."""
+    """An index whose entries for a.safetensors' tensors all say ``value(d)`` instead (where the
+    file then is, so that only the check stops the load)."""
     def entries(d: Path) -> Any:
         def doc(weight_map: dict[str, str]) -> dict[str, Any]:
-            first = sorted(weight_map)[0]
-            return {"weight_map": {**weight_map, first: value(d)}}
+            name = value(d)
+            return {"weight_map": {k: name if f == "a.safetensors" else f for k, f in weight_map.items()}}
         return doc
     return entries
 
@@ -201,7 +202,7 @@ HOSTILE: dict[str, tuple[Callable[[Path], None], str]] = {
     "eos a string": (lambda d: _config(d, lambda c: c.update(eos_token_id="</s>")),
                      '`eos_token_id` is "</s>" (a string); expected a token id'),
     # model.safetensors.index.json (item 4)
-    "index entry ../": (_index(_entry(lambda d: "../" + d.name + "-elsewhere/a.safetensors")),
+    "index entry ../": (_index(_entry(lambda d: f"../{Path(_moved_out(d, 'a.safetensors')).parent.name}/a.safetensors")),
                         "names \"../"),
     "index entry absolute": (_index(_entry(lambda d: _moved_out(d, "a.safetensors"))), "no directories, no .."),
     "index entry in a subdirectory": (_index(_entry(_sub)), '"sub/a.safetensors" (a string); expected the name of a file'),
