@@ -70,10 +70,15 @@ def test_every_example_and_error_file_gets_exactly_meshc_checks_diagnostics(clie
             assert code in {c for c, _ in got}, path.name
 
 
+def _errors(diags: list[dict]) -> list[dict]:
+    """The errors among `diags` (a mesh of more devices than a host holds also gets a warning)."""
+    return [d for d in diags if d["severity"] == 1]
+
+
 def test_diagnostic_carries_code_help_and_related_information(client: Client) -> None:
     path = ROOT / "examples" / "errors" / "E0301_heads_not_divisible.mesh"
     u = client.open(path)
-    [d] = client.wait_diagnostics(u)
+    [d] = _errors(client.wait_diagnostics(u))
     assert d["code"] == "E0301" and d["severity"] == 1 and d["source"] == "meshc"
     assert "help: tensor must divide 64 heads and 8 kv_heads: use 1, 2, 4 or 8" in d["message"]
     [rel] = d["relatedInformation"]
@@ -182,7 +187,7 @@ def test_code_actions_apply_the_help(client: Client, tmp_path: Path) -> None:
     src = (ROOT / "examples" / "errors" / "E0301_heads_not_divisible.mesh").read_text()
     p = tmp_path / "fix.mesh"
     u = client.open(p, src)
-    [d] = client.wait_diagnostics(u)
+    [d] = _errors(client.wait_diagnostics(u))
     actions = client.request("textDocument/codeAction", {"textDocument": {"uri": u}, "range": d["range"],
                                                           "context": {"diagnostics": [d]}})
     titles = [a["title"] for a in actions]
@@ -284,7 +289,7 @@ def test_two_hundred_incremental_edits_end_with_the_right_diagnostics(client: Cl
     out = subprocess.run([sys.executable, "-m", "meshllm_dsl", "check", "--format", "json", str(tmp_path / "final.mesh")],
                          capture_output=True, text=True)
     want = sorted((d["code"], d["span"]["line"] - 1, d["span"]["column"] - 1) for d in json.loads(out.stdout))
-    assert [c for c, _, _ in want] == ["E0301"]  # 16 does not divide 8 kv heads
+    assert [c for c, _, _ in want if c.startswith("E")] == ["E0301"]  # 16 does not divide 8 kv heads
     # The debounced analysis publishes once the edits stop; an earlier publication (if the edits took
     # longer than the debounce) may come first, so wait for the one that matches, with a deadline.
     deadline = time.monotonic() + 30
@@ -325,7 +330,7 @@ def test_hostile_documents_get_a_diagnostic_not_a_dead_server(client: Client, tm
     diags = client.wait_diagnostics(u, timeout=120)
     assert diags, kind
     if kind == "huge":
-        assert [d["code"] for d in diags] == ["E0303"]
+        assert [d["code"] for d in _errors(diags)] == ["E0303"]
     # still alive
     assert client.request("textDocument/hover", {"textDocument": {"uri": u}, "position": {"line": 0, "character": 1}}) is None or True
     u2 = client.open(tmp_path / f"{kind}-after.mesh", "mesh m { axes a = 0 }\n")
