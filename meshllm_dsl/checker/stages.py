@@ -182,7 +182,7 @@ class StageRules(PlanContext):
         if self.error_count() == errors_before:
             # Balance is only meaningful for a valid stage map.
             worst = max(range(len(stages)), key=lambda k: stages[k].numel, default=0)
-            self.imbalance(stages, entries[worst].span if entries else stmt.span)
+            self.imbalance(stages, entries[worst].span if entries else stmt.span, axis)
         return tuple(stages), axis, virtual
 
     def balanced(self, stmt: ast.StagesStmt, axis: str, p: int, virtual: int) -> tuple[Stage, ...]:
@@ -212,7 +212,7 @@ class StageRules(PlanContext):
             if k == count - 1:
                 pieces += [StagePiece(n) for n in order[ri + 1 :]]
             stages.append(Stage(k, k % p, tuple(pieces), self.stage_numel(pieces, top_placeholder)))
-        self.imbalance(stages, stmt.span)
+        self.imbalance(stages, stmt.span, axis, balanced=True)
         return tuple(stages)
 
     def stage_numel(self, pieces: Iterable[StagePiece], top: dict[str, Placement]) -> int:
@@ -231,19 +231,100 @@ class StageRules(PlanContext):
                             total += tied.numel
         return total
 
-    def imbalance(self, stages: Sequence[Stage], span: Span | None) -> None:
+    def imbalance(self, stages: Sequence[Stage], span: Span | None, axis: str, balanced: bool = False) -> None:
         if len(stages) < 2:
             return
         sizes = [s.numel for s in stages]
         mean = sum(sizes) / len(sizes)
         worst = max(stages, key=lambda s: s.numel)
-        if mean and worst.numel > 1.25 * mean:
-            listing = ", ".join(f"{_human(s.numel)}" for s in stages)
-            self.warn("W0701", f"stage {worst.index} holds {worst.numel / mean:.2f}x the mean parameter count",
-                      span, label=f"parameters per stage: {listing}",
-                      help="the slowest stage sets the pace of the pipeline: move blocks off stage "
-                      f"{worst.index}, or give the embedding / head stages fewer blocks",
-                      note="the pipeline waits for its slowest stage")
+        if not (mean and worst.numel > 1.25 * mean):
+            return
+        listing = ", ".join(f"{_human(s.numel)}" for s in stages)
+        best = self.best_split(stages)
+        if best is not None and best[0] < worst.numel:
+            load, counts = best
+            lead = ("`balanced` gives every stage the same number of blocks, whatever the embedding and head add"
+                    if balanced else f"move blocks off stage {worst.index}")
+            help_ = (f"{lead}; the best map of whole blocks holds at most {load / mean:.2f}x the mean: "
+                     f"`stages over {axis} {{ {self.stage_map_text(counts)} }}`")
+        elif best is not None:
+            help_ = (f"no map of whole blocks does better on {len(stages)} stages: the layers outside the blocks "
+                     "(embedding, head) outweigh them; use fewer pipeline stages, or a model with more blocks")
+        else:
+            help_ = (f"the slowest stage sets the pace of the pipeline: move blocks off stage {worst.index}, or "
+                     "give the embedding / head stages fewer blocks")
+        self.warn("W0701", f"stage {worst.index} holds {worst.numel / mean:.2f}x the mean parameter count",
+                  span, label=f"parameters per stage: {listing}", help=help_,
+                  note="the pipeline waits for its slowest stage")
+
+    def best_split(self, stages: Sequence[Stage]) -> tuple[int, list[int]] | None:
+        """The smallest largest-stage parameter count any map of whole blocks reaches (the layers
+        before the repeat on the first stage, those after it on the last, as every valid map has
+        them), and the blocks per stage that reach it; None where that model does not apply (no
+        repeat, interleaved stages, layers outside the blocks split across stages)."""
+        rep = self.repeat
+        if rep is None or len({s.coord for s in stages}) != len(stages):
+            return None
+        order = [i.name for i in self.model.items]
+        ri = order.index(rep.name)
+        blocks = []
+        for k, st in enumerate(stages):
+            names = {pc.item for pc in st.pieces if pc.item != rep.name}
+            if names != set(order[:ri] if k == 0 else ()) | set(order[ri + 1 :] if k == len(stages) - 1 else ()):
+                return None
+            blocks.append(sum((pc.stop or 0) - (pc.start or 0) for pc in st.pieces if pc.item == rep.name))
+        b = rep.numel_per_block
+        if not b:
+            return None
+        pre, post = stages[0].numel - blocks[0] * b, stages[-1].numel - blocks[-1] * b
+        n, total = len(stages), rep.count
+        low = (1 if pre == 0 else 0, 1, 1 if post == 0 else 0)  # every stage holds some layer (E0605)
+
+        def caps(t: int) -> list[int] | None:
+            c = [(t - pre) // b if t >= pre else -1, *([t // b] * (n - 2)), (t - post) // b if t >= post else -1]
+            mins = [low[0], *([low[1]] * (n - 2)), low[2]]
+            if any(x < m for x, m in zip(c, mins)) or sum(c) < total:
+                return None
+            return c
+
+        lo, hi = 0, max(s.numel for s in stages)
+        while lo < hi:  # the smallest load a split reaches
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if caps(mid) is not None else (mid + 1, hi)
+        counts = caps(lo)
+        if counts is None:
+            return None
+        extra = [pre, *([0] * (n - 2)), post]
+        mins = [low[0], *([low[1]] * (n - 2)), low[2]]
+        # Level the stages below that load too: the lowest level each stage can be cut down to while
+        # the blocks still fit, then the few left over one at a time off the most loaded stage.
+        def level(t: int) -> list[int]:
+            return [min(c, max(m, (t - e) // b)) for c, m, e in zip(counts, mins, extra)]
+
+        a, z = 0, lo
+        while a < z:
+            mid = (a + z) // 2
+            a, z = (a, mid) if sum(level(mid)) >= total else (mid + 1, z)
+        counts = level(a)
+        for _ in range(sum(counts) - total):
+            k = max((k for k in range(n) if counts[k] > mins[k]), key=lambda k: counts[k] * b + extra[k])
+            counts[k] -= 1
+        return max(c * b + e for c, e in zip(counts, extra)), counts
+
+    def stage_map_text(self, counts: list[int]) -> str:
+        rep = self.repeat
+        assert rep is not None
+        order = [i.name for i in self.model.items]
+        ri = order.index(rep.name)
+        parts, start = [], 0
+        for k, c in enumerate(counts):
+            names = list(order[:ri] if k == 0 else ())
+            if c:
+                names.append(f"{rep.name}[{start}:{start + c}]")
+            names += order[ri + 1 :] if k == len(counts) - 1 else ()
+            start += c
+            parts.append(f"{k}: {', '.join(names)}")
+        return "  ".join(parts)
 
 
 def _layer_ordered(entries: Sequence[ast.StageEntry], order: dict[str, int]) -> bool:
