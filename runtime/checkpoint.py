@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import json
 import math
 import os
+import pickle
 import re
 import shutil
 import uuid
@@ -701,6 +703,58 @@ def save(
     return final
 
 
+# What DCP's `.metadata` (a pickle) holds: its own metadata classes, torch sizes, dtypes, layouts
+# and memory formats, and paths.  Anything else in it would be code run on load, not metadata.
+_METADATA_GLOBALS = frozenset({
+    ("torch", "Size"), ("torch.serialization", "_get_layout"), ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
+    ("builtins", "set"), ("builtins", "frozenset"),
+})
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if "." not in name:  # a dotted name would walk attributes: os.system through a module's `os`
+            if (module, name) in _METADATA_GLOBALS:
+                return super().find_class(module, name)
+            value = getattr(torch, name, None) if module == "torch" else None
+            if isinstance(value, (torch.dtype, torch.layout, torch.memory_format)):
+                return value
+            if module.startswith("torch.distributed.checkpoint."):
+                found = getattr(importlib.import_module(module), name, None)
+                if isinstance(found, type) and found.__module__ == module:
+                    return found
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def _read_metadata(step_dir: Path) -> Any:
+    """DCP's metadata of ``step_dir``, unpickled with only what DCP writes allowed, and holding
+    tensors only (DCP reads any other entry with ``torch.load(weights_only=False)``)."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    path = step_dir / ".metadata"
+    try:
+        with open(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"checkpoint {step_dir}: .metadata refers to {err}, which DCP metadata never holds; not loading"
+            " it (unpickling it could run code)"
+        ) from None
+    except Exception as err:  # noqa: BLE001 - a damaged pickle raises anything
+        raise CheckpointError(f"checkpoint {step_dir}: unreadable .metadata ({type(err).__name__}: {err})") from None
+    entries = getattr(metadata, "state_dict_metadata", None)
+    if not isinstance(metadata, Metadata) or not isinstance(entries, dict):
+        raise CheckpointError(f"checkpoint {step_dir}: .metadata is not torch.distributed.checkpoint metadata")
+    for key, md in entries.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(
+                f"checkpoint {step_dir}: .metadata entry {str(key)[:80]} is {type(md).__name__}, not a tensor;"
+                " meshllm checkpoints hold tensors only"
+            )
+    return metadata
+
+
 def _check_keys(built: Built, metadata: Any, where: Path) -> None:
     """Refuse a checkpoint whose parameters differ from this model's: missing, extra, shape."""
     have = {
@@ -751,7 +805,7 @@ def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, A
     assert found is not None
     step_dir, manifest = Path(found[0]), found[1]
     reader = dcp.FileSystemReader(step_dir)
-    metadata = reader.read_metadata()
+    metadata = _read_metadata(step_dir)  # before DCP unpickles it without restriction
     _check_keys(built, metadata, step_dir)
     if optimizer and not manifest.get("optimizer"):
         raise CheckpointError(f"checkpoint {step_dir} holds weights only; use --load to start from it")

@@ -239,3 +239,63 @@ def test_meshc_run_refuses_a_new_run_into_a_root_of_checkpoints_and_save_over_ke
     assert checkpoint.run_of(root / "step-000002") not in (None, "a")
     assert (root / "step-000001" / checkpoint.MANIFEST).read_bytes() == before[str(root / "step-000001" / "manifest.json")]
     assert (root / "step-000010" / checkpoint.MANIFEST).read_bytes() == before[str(root / "step-000010" / "manifest.json")]
+
+
+# ---------------------------------------------------------------- DCP's .metadata is a pickle
+
+
+class _Touch:
+    """Unpickles as a call of os.system: what a hostile `.metadata` would hold."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _bytes_entry(metadata: Any) -> Any:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    key = sorted(metadata.state_dict_metadata)[0]
+    metadata.state_dict_metadata[key] = BytesStorageMetadata()
+    return metadata
+
+
+def _load_job(ctx: RankContext, path: str) -> str:
+    built = _tp2(ctx)
+    try:
+        checkpoint.load(built, path, optimizer=True)
+    except checkpoint.CheckpointError as err:
+        return str(err)
+    return "loaded"
+
+
+def _rewrite_metadata(step_dir: Path, data: bytes) -> None:
+    """Replace .metadata and update the manifest to match, as whoever wrote a hostile one would."""
+    import hashlib
+
+    (step_dir / ".metadata").write_bytes(data)
+    m = json.loads((step_dir / checkpoint.MANIFEST).read_text())
+    m["files"][".metadata"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (step_dir / checkpoint.MANIFEST).write_text(json.dumps(m))
+
+
+def test_a_metadata_pickle_that_would_run_code_or_read_bytes_is_refused(pool: WorkerPool, tmp_path: Path) -> None:
+    import pickle
+
+    root = tmp_path / "ckpt"
+    pool.run(_run_job, 2, str(root), [1], 1, False)
+    step = root / "step-000001"
+    assert pool.run(_load_job, 2, str(root))[0] == "loaded"  # what DCP writes is allowed
+    original = (step / ".metadata").read_bytes()
+    marker = tmp_path / "ran"
+    _rewrite_metadata(step, pickle.dumps(_Touch(marker)))
+    errors = pool.run(_load_job, 2, str(root))
+    assert errors[0] == errors[1] and "refers to posix.system" in errors[0] and "\n" not in errors[0], errors
+    assert not marker.exists()
+    _rewrite_metadata(step, pickle.dumps(_bytes_entry(pickle.loads(original))))
+    error = pool.run(_load_job, 2, str(root))[0]
+    assert "is BytesStorageMetadata, not a tensor" in error, error
