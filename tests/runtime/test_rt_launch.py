@@ -391,11 +391,19 @@ def test_meshc_run_shows_the_start_up_line_on_a_terminal(tmp_path: Path) -> None
     pid, fd = pty.fork()
     if pid == 0:  # the child: meshc with the terminal as its stderr
         os.execv(sys.executable, [sys.executable, "-m", "meshllm_dsl", "run", str(spec), "--steps", "2"])
-    out = b""
+    import select
+
+    out, deadline = b"", time.monotonic() + 300
     with contextlib.suppress(OSError):  # EIO once the child has exited
-        while chunk := os.read(fd, 65536):
+        while select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
             out += chunk
+    if time.monotonic() > deadline:
+        os.kill(pid, signal.SIGKILL)
     _, status = os.waitpid(pid, 0)
+    os.close(fd)
     assert os.waitstatus_to_exitcode(status) == 0, out[-2000:]
     assert b"starting (" in out and b"1/1 ranks ready, first step" in out, out[-2000:]
     assert b"step 2/2" in out and b"meshllm-startup" not in out
