@@ -73,6 +73,15 @@ class _Printer:
             return "  " + text
         return ""
 
+    def _comment_within(self, node: object) -> bool:
+        """A comment not yet printed lies inside `node`: print it over several lines, so each
+        comment stays at the line it was written on instead of moving before or after it."""
+        span = getattr(node, "span", None)
+        return span is not None and self._comment_between(span.start, span.end)
+
+    def _comment_between(self, start: int, end: int) -> bool:
+        return any(start <= off < end for off, _, _ in self.comments[self.next_comment:])
+
     def line(self, indent: int, text: str, node: object) -> None:
         span = getattr(node, "span", None)
         if span is not None:
@@ -121,18 +130,27 @@ class _Printer:
         elif isinstance(item, ast.MeshDecl):
             self.open(0, f"mesh {item.name.value}", item)
             if item.axes:
-                axes = ", ".join(f"{a.name.value} = {format_expr(a.size)}" for a in item.axes)
-                self.line(1, f"axes {axes}", item.axes[0])
+                axes = [f"{a.name.value} = {format_expr(a.size)}" for a in item.axes]
+                first, last = item.axes[0].span, item.axes[-1].span
+                if first is not None and last is not None and self._comment_between(first.start, last.start):
+                    for k, (a, text) in enumerate(zip(item.axes, axes)):
+                        last = k == len(axes) - 1
+                        self.line(1 if k == 0 else 2, ("axes " if k == 0 else "") + text + ("" if last else ","), a)
+                else:
+                    self.line(1, f"axes {', '.join(axes)}", item.axes[0])
             for s in item.settings:
                 self.line(1, _setting(s), s)
             self.close(0, item)
         elif isinstance(item, ast.FamilyDecl):
             params = [p.name.value + (f" = {format_expr(p.default)}" if p.default is not None else "") for p in item.params]
             head = f"family {item.name.value}({', '.join(params)})"
-            if len(head) > 96:
+            spans = [p.span for p in item.params if p.span is not None]
+            close = self.source.text.find(")", spans[-1].end) if spans and self.source is not None else -1
+            if len(head) > 96 or (close >= 0 and self._comment_between(spans[0].start, close)):
+                self._flush_comments(item.span.start if item.span else 0, 0)
                 self.lines.append(f"family {item.name.value}(")
-                for p in params:
-                    self.lines.append(f"    {p},")
+                for p, text in zip(item.params, params):
+                    self.line(1, f"{text},", p)
                 head = ")"
             self.open(0, head, item)
             self.layers(item.body, 1)
@@ -170,8 +188,14 @@ class _Printer:
         elif isinstance(s, ast.LossStmt):
             self.line(1, f"loss {_rule(s.rule)}", s)
         elif isinstance(s, ast.LayoutStmt):
-            entries = ", ".join(f"{e.dim.value} -> {' * '.join(a.value for a in e.axes)}" for e in s.entries)
-            self.line(1, f"layout {{ {entries} }}" if entries else "layout {}", s)
+            texts = [f"{e.dim.value} -> {' * '.join(a.value for a in e.axes)}" for e in s.entries]
+            if texts and self._comment_within(s):
+                self.open(1, "layout", s)
+                for k, (e, text) in enumerate(zip(s.entries, texts)):
+                    self.line(2, text + ("," if k < len(texts) - 1 else ""), e)
+                self.close(1, s)
+            else:
+                self.line(1, f"layout {{ {', '.join(texts)} }}" if texts else "layout {}", s)
         elif isinstance(s, ast.StagesStmt):
             head = f"stages over {s.axis.value}"
             if s.virtual is not None:
@@ -196,11 +220,14 @@ class _Printer:
                 self.line(1, f"optimizer {s.name.value}", s)
                 return
             self.open(1, f"optimizer {s.name.value}", s)
+            members: list[tuple[int, str, object]] = [
+                (st.span.start if st.span else 0, _setting(st), st) for st in s.settings]
             if s.zero is not None:
                 over = f" over {' * '.join(a.value for a in s.zero.axes)}" if s.zero.axes else ""
-                self.line(2, f"zero {s.zero.stage.value}{over}", s.zero)
-            for st in s.settings:
-                self.line(2, _setting(st), st)
+                members.append((s.zero.span.start if s.zero.span else -1, f"zero {s.zero.stage.value}{over}", s.zero))
+            # In the order written: the comments between them belong to the line they were on.
+            for _, text, node in sorted(members, key=lambda m: m[0]):
+                self.line(2, text, node)
             self.close(1, s)
 
 
