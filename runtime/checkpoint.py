@@ -596,7 +596,7 @@ def _param_groups(built: Built) -> list[dict[str, Any]]:
     return out
 
 
-def _set_param_groups(built: Built, saved: list[dict[str, Any]]) -> None:
+def _set_param_groups(built: Built, saved: list[dict[str, Any]], where: str = "") -> None:
     targets = [built.optimizer.param_groups]
     inner = _inner(built.optimizer)
     if inner is not built.optimizer:
@@ -606,10 +606,31 @@ def _set_param_groups(built: Built, saved: list[dict[str, Any]]) -> None:
             raise CheckpointError(
                 f"checkpoint has {len(saved)} optimizer parameter groups, this run {len(groups)}"
             )
-        for group, values in zip(groups, saved):
+        for i, (group, values) in enumerate(zip(groups, saved)):
             for k, v in values.items():
                 if k in group:
+                    if not _same_kind(group[k], v):
+                        from .hf import describe
+
+                        raise CheckpointError(
+                            f"checkpoint {where}: `param_groups[{i}].{k}` is {describe(v)}; this run's is"
+                            f" {describe(group[k])}"
+                        )
                     group[k] = tuple(v) if isinstance(group[k], tuple) else v
+
+
+def _same_kind(ours: Any, saved: Any) -> bool:
+    """Whether an optimizer setting read from a manifest can stand where ``ours`` is."""
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if isinstance(ours, bool) or ours is None:
+        return isinstance(saved, bool) or saved is None
+    if number(ours):
+        return number(saved)
+    if isinstance(ours, (tuple, list)):
+        return isinstance(saved, list) and len(saved) == len(ours) and all(map(_same_kind, ours, saved))
+    return isinstance(saved, type(ours))
 
 
 def _save_state(built: Built, optimizer: bool) -> dict[str, Any]:
@@ -868,7 +889,7 @@ def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, A
                         k: like_sharded(p, v) if is_sharded(p) and v.shape == p.shape else v.clone()
                         for k, v in subs.items()
                     }
-        _set_param_groups(built, manifest.get("param_groups", []))
+        _set_param_groups(built, manifest.get("param_groups", []), str(step_dir))
         if manifest.get("run"):
             _LINEAGE[built] = manifest["run"]  # a resumed run continues the lineage
         built.steps_done = int(manifest["step"])  # the learning-rate schedule's clock

@@ -283,7 +283,7 @@ def _rewrite_metadata(step_dir: Path, data: bytes) -> None:
     (step_dir / checkpoint.MANIFEST).write_text(json.dumps(m))
 
 
-def test_a_metadata_pickle_that_would_run_code_or_read_bytes_is_refused(pool: WorkerPool, tmp_path: Path) -> None:
+def test_a_metadata_pickle_that_would_run_code_or_a_setting_of_another_type_is_refused(pool: WorkerPool, tmp_path: Path) -> None:
     import pickle
 
     root = tmp_path / "ckpt"
@@ -299,3 +299,10 @@ def test_a_metadata_pickle_that_would_run_code_or_read_bytes_is_refused(pool: Wo
     _rewrite_metadata(step, pickle.dumps(_bytes_entry(pickle.loads(original))))
     error = pool.run(_load_job, 2, str(root))[0]
     assert "is BytesStorageMetadata, not a tensor" in error, error
+    # An optimizer setting of another type would fail inside the first step instead.
+    _rewrite_metadata(step, original)
+    m = json.loads((step / checkpoint.MANIFEST).read_text())
+    m["param_groups"][0]["lr"] = "fast"
+    (step / checkpoint.MANIFEST).write_text(json.dumps(m))
+    error = pool.run(_load_job, 2, str(root))[0]
+    assert f"checkpoint {step}: `param_groups[0].lr` is \"fast\" (a string); this run's is" in error, error
