@@ -40,6 +40,35 @@ def _short(s: str, n: int) -> str:
     return s if len(s) <= n else s[: n - 1] + "\u2026"
 
 
+def _wrap(s: str, n: int) -> list[str]:
+    """`s` over lines of at most about `n` characters, broken after spaces (a word longer than a line
+    keeps its own line): a cell shows all of its text, however many axes or layer ranges it has."""
+    lines: list[str] = []
+    parts = s.split("; ")
+    for i, part in enumerate(parts):  # a `;` (between a rank's stages) always ends a line
+        start = len(lines)
+        for word in (part + (";" if i < len(parts) - 1 else "")).split(" "):
+            if len(lines) > start and len(lines[-1]) + 1 + len(word) <= n:
+                lines[-1] += " " + word
+            else:
+                lines.append(word)
+    return lines or [""]
+
+
+def _cell_lines(plan: PlanIR, rank: int, info: dict, host: int) -> list[tuple[str, int, str, str]]:  # type: ignore[type-arg]
+    """A device cell's text, line by line: (text, font size, weight, colour)."""
+    st = ",".join(str(s) for s in info["stages"])
+    shard = f"shard {info['shard']}/{info['shards']}" if info["shards"] > 1 else "full copy"
+    rep = f"  replica {info['replica']}" if info["replicas"] > 1 else ""
+    return [
+        (f"rank {rank}", 13, "bold", "#111"),
+        *((t, 10, "normal", "#333") for t in _wrap(" ".join(f"{k}={v}" for k, v in info["coords"].items()), 28)),
+        (f"stage {st}" + (f", host {host}" if plan.mesh.hosts > 1 else ""), 11, "normal", "#111"),
+        *((t, 10, "normal", "#111") for t in _wrap(info["layers"], 28)),
+        (shard + rep, 10, "normal", "#333"),
+    ]
+
+
 def mesh_svg(plan: PlanIR) -> str:
     mesh = plan.mesh
     axes = mesh.axes
@@ -52,7 +81,10 @@ def mesh_svg(plan: PlanIR) -> str:
     for a in lead:
         panels *= a.size
     per_line = max(1, min(panels, 4 if n_cols <= 4 else 2))
-    cw, ch, gap, pad = 176, 92, 10, 28
+    rows = rank_rows(plan)
+    cells = {rank: _cell_lines(plan, rank, rows[rank], rank // mesh.devices_per_host) for rank in range(mesh.devices)}
+    cw, gap, pad = 176, 10, 28
+    ch = 12 + 16 * max(len(lines) for lines in cells.values())  # every cell as tall as the fullest
     panel_w = n_cols * (cw + gap) - gap + 2 * pad
     panel_h = n_rows * (ch + gap) - gap + 2 * pad + 18
     lines_of_panels = -(-panels // per_line)
@@ -61,7 +93,6 @@ def mesh_svg(plan: PlanIR) -> str:
     legend_h = 22 * ((stage_count + 1) // 2) + 30
     width = max(per_line * panel_w + 20, 560)
     height = top + lines_of_panels * (panel_h + 12) + legend_h
-    rows = rank_rows(plan)
     sharding = shard_axes(plan)
     out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' viewBox='0 0 {width} {height}'>",
            f"<rect width='{width}' height='{height}' fill='white'/>",
@@ -95,17 +126,10 @@ def mesh_svg(plan: PlanIR) -> str:
                 stage = info["stages"][0] if info["stages"] else 0
                 x = px + pad + c * (cw + gap)
                 y = py + pad + 6 + r * (ch + gap)
-                host = rank // mesh.devices_per_host
                 out.append(f"<rect x='{x}' y='{y}' width='{cw}' height='{ch}' rx='6' "
                            f"fill='{_fill(stage, info['shard'], info['shards'])}' stroke='#333' stroke-width='1.2'/>")
-                out.append(_text(x + cw / 2, y + 17, f"rank {rank}", 13, weight="bold"))
-                out.append(_text(x + cw / 2, y + 33, _short(" ".join(f"{k}={v}" for k, v in info["coords"].items()), 32), 10, fill="#333"))
-                st = ",".join(str(s) for s in info["stages"])
-                out.append(_text(x + cw / 2, y + 50, f"stage {st}" + (f", host {host}" if mesh.hosts > 1 else ""), 11))
-                out.append(_text(x + cw / 2, y + 65, _short(info["layers"], 30), 10))
-                shard = f"shard {info['shard']}/{info['shards']}" if info["shards"] > 1 else "full copy"
-                rep = f"  replica {info['replica']}" if info["replicas"] > 1 else ""
-                out.append(_text(x + cw / 2, y + 81, shard + rep, 10, fill="#333"))
+                for k, (text, size, weight, fill) in enumerate(cells[rank]):
+                    out.append(_text(x + cw / 2, y + 17 + 16 * k, text, size, weight=weight, fill=fill))
     ly = top + lines_of_panels * (panel_h + 12) + 8
     out.append(_text(10, ly + 12, "stages", 12, "start", "bold"))
     from meshllm_dsl.planner import stage_label
@@ -114,7 +138,9 @@ def mesh_svg(plan: PlanIR) -> str:
         x = 10 + (i % 2) * (width // 2)
         y = ly + 22 + (i // 2) * 22
         out.append(f"<rect x='{x}' y='{y}' width='16' height='14' fill='{_fill(s.index, 0, 1)}' stroke='#333'/>")
-        out.append(_text(x + 22, y + 12, _short(f"stage {s.index} ({plan.pipeline_axis or 'all'} {s.coord}): {stage_label(plan, s)}", 60), 11, "start"))
+        # about 6 px a character at this size: as much of the label as its half of the picture holds
+        out.append(_text(x + 22, y + 12, _short(f"stage {s.index} ({plan.pipeline_axis or 'all'} {s.coord}): {stage_label(plan, s)}",
+                                                max(60, (width // 2 - 30) // 6)), 11, "start"))
     out.append("</svg>")
     return "\n".join(out) + "\n"
 

@@ -226,3 +226,34 @@ def test_plan_without_pipeline_names_no_schedule(capsys: pytest.CaptureFixture[s
     assert "no pipeline" in second and "schedule" not in second
     code, out, _ = run(["plan", str(EXAMPLES / "tiny_llama.mesh")], capsys)
     assert "; schedule 1f1b;" in out.splitlines()[1]
+
+
+def test_mesh_svg_of_64_ranks_shows_every_cell_text_whole(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Interleaved stages give each rank two block ranges, and long axis names long coordinates:
+    # both were cut off with an ellipsis at 30 characters; they now wrap inside a taller cell.
+    spec = tmp_path / "r64.mesh"
+    spec.write_text("""\
+mesh cluster {
+    axes data_parallel = 2, pipeline_stage = 4, tensor_parallel = 8
+    hosts = 8
+}
+model m = llama { vocab = 32000, hidden = 8192, layers = 80, heads = 64, kv_heads = 8, ffn = 28672 }
+plan train on cluster for m {
+    batch = 16
+    microbatches = 8
+    layout { batch -> data_parallel, heads -> tensor_parallel, kv_heads -> tensor_parallel, ffn -> tensor_parallel,
+             vocab -> tensor_parallel }
+    stages over pipeline_stage virtual 2 balanced
+    schedule interleaved_1f1b
+}
+""")
+    code, _, _ = run(["explain", str(spec), "--svg", str(tmp_path / "svg")], capsys)
+    assert code == 0
+    svg = (tmp_path / "svg" / "train_mesh.svg").read_text()
+    assert "\u2026" not in svg
+    texts = [t.text or "" for t in ET.fromstring(svg).iter("{http://www.w3.org/2000/svg}text")]
+    assert texts.count("data_parallel=1") == 32 and texts.count("pipeline_stage=3") == 16
+    assert texts.count("tensor_parallel=7") == 8
+    assert texts.count("embed, blocks 0-9;") == 16 and texts.count("blocks 40-49") == 16
+    assert texts.count("blocks 70-79, norm, lm_head") == 16
+    assert max(len(t) for t in texts if not t.startswith(("plan ", "stage ", "\u2193", "data_parallel 2"))) <= 28
