@@ -11,11 +11,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import re
+import shlex
+import stat
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from meshllm_dsl.limits import MAX_BLOCKS, MAX_DEVICES, MAX_INT, MAX_NAME
+from meshllm_dsl.names import identifier_problem
+from meshllm_dsl.slurm import script_value_problem
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -27,6 +35,98 @@ class ImportError_(Exception):
     """The directory describes a model meshllm cannot reproduce exactly (exit 1)."""
 
 
+class ConfigError(Exception):
+    """config.json is not a description of a model at all: unreadable, not a JSON object, a field
+    missing or of the wrong type or range (an input error: exit 2)."""
+
+
+# A config.json is a few KB; this bounds what a link to a device or a huge file costs to refuse.
+MAX_CONFIG_BYTES = 16 * 2**20
+_NO_DEFAULT: Any = object()
+
+
+def _describe(value: Any) -> str:
+    """``value`` as JSON writes it, with its JSON type (as runtime/hf.py words it)."""
+    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
+            list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+    text = json.dumps(value, default=str)
+    text = text if len(text) <= 40 else text[:37] + "..."
+    return "null" if value is None else f"{text} ({kind})"
+
+
+class _Fields:
+    """Typed reads of one JSON object of config.json: each raises ConfigError naming the file, the
+    field and what was expected.  ``null`` is the default, as transformers reads a config; a
+    field without a default is required.  Integers are JSON integers (64.0 is refused: transformers
+    keeps it a float, and torch refuses a float size), booleans JSON booleans (never the string
+    "false", which is truthy), numbers finite."""
+
+    def __init__(self, doc: dict[str, Any], where: str, prefix: str = "") -> None:
+        self.doc, self.where, self.prefix = doc, where, prefix
+
+    def error(self, field: str, expected: str) -> ConfigError:
+        if self.doc.get(field) is None:
+            return ConfigError(f"{self.where}: no `{self.prefix}{field}`; expected {expected}")
+        return ConfigError(f"{self.where}: `{self.prefix}{field}` is {_describe(self.doc[field])}; expected {expected}")
+
+    def _get(self, field: str, default: Any, expected: str) -> Any:
+        value = self.doc.get(field)
+        if value is None and default is _NO_DEFAULT:
+            raise self.error(field, expected)
+        return value
+
+    def int(self, field: str, default: Any = _NO_DEFAULT, maximum: int = MAX_INT) -> Any:
+        expected = f"a positive integer (at most {maximum:,})"
+        value = self._get(field, default, expected)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+            raise self.error(field, expected)
+        return value
+
+    def number(self, field: str, default: Any = _NO_DEFAULT) -> Any:
+        value = self._get(field, default, "a positive number")
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise self.error(field, "a positive number")
+        return float(value)
+
+    def flag(self, field: str, default: bool) -> bool:
+        value = self.doc.get(field)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.error(field, "true or false")
+        return value
+
+    def text(self, field: str, default: Any = _NO_DEFAULT, expected: str = "a string") -> Any:
+        value = self._get(field, default, expected)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise self.error(field, expected)
+        return value
+
+    def obj(self, field: str) -> _Fields | None:
+        value = self.doc.get(field)
+        if value is None:
+            return None
+        if not isinstance(value, dict):
+            raise self.error(field, "an object (or null)")
+        return _Fields(value, self.where, f"{self.prefix}{field}.")
+
+    def off(self, field: str, why: str) -> None:
+        """A number that must be absent, null or 0: anything else changes the maths (exit 1)."""
+        value = self.doc.get(field)
+        if value is None:
+            return
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.error(field, "a number (or null)")
+        if value:
+            raise ImportError_(f"{self.where}: `{self.prefix}{field}` = {value!r} {why}")
+
+
 def _num(x: Any) -> str:
     if isinstance(x, bool):
         return "true" if x else "false"
@@ -36,124 +136,246 @@ def _num(x: Any) -> str:
     return text if ("." in text or "e" in text) else text + ".0"
 
 
-def _rope(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    params = cfg.get("rope_parameters")
-    if isinstance(params, dict):
-        theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = None if params.get("rope_type", params.get("type", "default")) == "default" else dict(params)
-    else:
-        theta = cfg.get("rope_theta", 10000.0)
-        scaling = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else None
-    return float(theta), scaling
+def _architecture(f: _Fields) -> str:
+    archs = f.doc.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise f.error("architectures", 'a list of class names such as ["LlamaForCausalLM"]')
+    model_type = f.text("model_type", None)
+    arch = archs[0] if archs else _MODEL_TYPES.get(model_type or "")
+    if arch not in SUPPORTED:
+        shown = arch if arch is not None else model_type
+        raise ImportError_(f"{f.where}: architecture {shown!r} is not supported; supported: {', '.join(SUPPORTED)}")
+    return arch
 
 
-def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str, Any]]]:
-    """(family, settings) for a config.json; raises ImportError_ naming what cannot be honoured."""
+def _dtype(f: _Fields) -> str:
+    field = "torch_dtype" if f.doc.get("torch_dtype") is not None else "dtype"
+    name = f.text(field, "float32")
+    if name not in _DTYPES:
+        raise ImportError_(f"{f.where}: `{field}` = {name!r} is not a dtype meshllm computes in; "
+                           f"expected one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+# Keys of a rope object whose value changes the maths and that the llama family has no setting for.
+_ROPE_UNSUPPORTED = ("partial_rotary_factor",)
+
+
+def _rope(f: _Fields) -> tuple[float, _Fields | None]:
+    """(rope_theta, the scaling object or None when rope is unscaled)."""
+    theta = f.number("rope_theta", 10000.0)
+    params = f.obj("rope_parameters")  # transformers >= 5 writes this; older configs rope_scaling
+    rope = params if params is not None else f.obj("rope_scaling")
+    if rope is None:
+        return theta, None
+    nested = next((k for k, v in rope.doc.items() if isinstance(v, dict)), None)
+    if nested is not None:  # one rope per layer type (e.g. {"full_attention": {...}})
+        raise ImportError_(f"{f.where}: `{rope.prefix}{nested}` is a rope per layer type; the llama family "
+                           "has one rope for every layer")
+    if params is not None:
+        theta = params.number("rope_theta", theta)
+    kind = rope.text("rope_type", None) or rope.text("type", "default")
+    return theta, (None if kind == "default" else rope)
+
+
+def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str, Any, str]], int]:
+    """(family, [(setting, value, the config.json fields it comes from)], positions) for a config.json
+    object; positions: the context it was trained for (the default sequence length).
+
+    Raises ConfigError for a field of the wrong type or range, ImportError_ for a well-formed
+    setting the families cannot honour; either names the field."""
+    f = _Fields(cfg, where)
     if cfg.get("quantization_config"):
         raise ImportError_(f"{where}: `quantization_config` is set; meshllm loads unquantized weights only")
-    archs = cfg.get("architectures") or ([_MODEL_TYPES[cfg["model_type"]]] if cfg.get("model_type") in _MODEL_TYPES else [])
-    arch = archs[0] if archs else None
-    if arch not in SUPPORTED:
-        raise ImportError_(f"{where}: architecture {arch or cfg.get('model_type')!r} is not supported; "
-                           f"supported: {', '.join(SUPPORTED)}")
-    dtype = _DTYPES.get(str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), "fp32")
+    arch = _architecture(f)
+    dtype = _dtype(f)
 
     def refuse(field: str, why: str) -> ImportError_:
         return ImportError_(f"{where}: `{field}` = {cfg.get(field)!r} {why}")
 
     if arch == "GPT2LMHeadModel":
-        act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}.get(cfg.get("activation_function", "gelu_new"))
-        if act is None:
+        act = f.text("activation_function", "gelu_new")
+        if act not in ("gelu_new", "gelu_pytorch_tanh"):
             raise refuse("activation_function", "is not the tanh GELU the gpt2 family uses")
-        if cfg.get("scale_attn_by_inverse_layer_idx"):
+        if f.flag("scale_attn_by_inverse_layer_idx", False):
             raise refuse("scale_attn_by_inverse_layer_idx", "changes the attention maths (not supported)")
-        if cfg.get("scale_attn_weights", True) is not True:
+        if not f.flag("scale_attn_weights", True):
             raise refuse("scale_attn_weights", "changes the attention maths (not supported)")
-        hidden = int(cfg["n_embd"])
-        settings: list[tuple[str, Any]] = [
-            ("vocab", int(cfg["vocab_size"])), ("hidden", hidden), ("layers", int(cfg["n_layer"])),
-            ("heads", int(cfg["n_head"])), ("ffn", int(cfg.get("n_inner") or 4 * hidden)),
-            ("positions", int(cfg["n_positions"])), ("norm_eps", float(cfg.get("layer_norm_epsilon", 1e-5))),
-            ("tie_embeddings", bool(cfg.get("tie_word_embeddings", True))), ("dtype", dtype),
-        ]
-        return "gpt2", settings
-    if cfg.get("hidden_act", "silu") != "silu":
+        if f.flag("add_cross_attention", False):
+            raise refuse("add_cross_attention", "adds cross-attention layers (not supported)")
+        hidden = f.int("n_embd")
+        positions = f.int("n_positions")
+        return "gpt2", [
+            ("vocab", f.int("vocab_size"), "`vocab_size`"), ("hidden", hidden, "`n_embd`"),
+            ("layers", f.int("n_layer", maximum=MAX_BLOCKS), "`n_layer`"), ("heads", f.int("n_head"), "`n_head`"),
+            ("ffn", f.int("n_inner", 4 * hidden), "`n_inner` (or 4 x `n_embd`)"),
+            ("positions", positions, "`n_positions`"),
+            ("norm_eps", f.number("layer_norm_epsilon", 1e-5), "`layer_norm_epsilon`"),
+            ("tie_embeddings", f.flag("tie_word_embeddings", True), "`tie_word_embeddings`"),
+            ("dtype", dtype, "`torch_dtype`"),
+        ], positions
+    if f.text("hidden_act", "silu") != "silu":
         raise refuse("hidden_act", "is not the SiLU of SwiGLU that the llama family uses")
-    if cfg.get("mlp_bias"):
+    if f.flag("mlp_bias", False):
         raise refuse("mlp_bias", "adds MLP biases the llama family does not have")
-    window = cfg.get("sliding_window")
-    if arch == "MistralForCausalLM" and window is not None and window < cfg.get("max_position_embeddings", 0):
+    positions = f.int("max_position_embeddings", _DEFAULT_POSITIONS[arch])
+    window = f.int("sliding_window", None)
+    if arch == "MistralForCausalLM" and window is not None and window < positions:
         raise refuse("sliding_window", "limits attention to a window shorter than max_position_embeddings; "
                      "meshllm computes full causal attention")
-    if arch == "Qwen2ForCausalLM" and cfg.get("use_sliding_window"):
+    if arch == "Qwen2ForCausalLM" and f.flag("use_sliding_window", False):
         raise refuse("use_sliding_window", "limits attention to a window; meshllm computes full causal attention")
     for field in ("attn_logit_softcapping", "final_logit_softcapping", "logits_scaling"):
-        if cfg.get(field):
-            raise refuse(field, "changes the logits (not supported)")
-    theta, scaling = _rope(cfg)
-    heads = int(cfg["num_attention_heads"])
-    hidden = int(cfg["hidden_size"])
+        f.off(field, "changes the logits (not supported)")
+    theta, scaling = _rope(f)
+    for rope in (f, scaling):
+        for field in _ROPE_UNSUPPORTED:
+            if rope is not None and rope.doc.get(field) is not None and rope.number(field) != 1.0:
+                raise ImportError_(f"{where}: `{rope.prefix}{field}` = {rope.doc[field]!r} rotates only part of "
+                                   "each head (not supported)")
+    heads = f.int("num_attention_heads")
+    hidden = f.int("hidden_size")
+    head_dim = f.int("head_dim", None)
+    if head_dim is None and hidden < heads:  # transformers' default hidden // heads would be 0
+        raise ConfigError(f"{where}: `hidden_size` {hidden} is smaller than `num_attention_heads` {heads} "
+                          "and there is no `head_dim`; expected hidden_size >= num_attention_heads")
     settings = [
-        ("vocab", int(cfg["vocab_size"])), ("hidden", hidden), ("layers", int(cfg["num_hidden_layers"])),
-        ("heads", heads), ("kv_heads", int(cfg.get("num_key_value_heads") or heads)),
-        ("head_dim", int(cfg.get("head_dim") or hidden // heads)), ("ffn", int(cfg["intermediate_size"])),
-        ("norm_eps", float(cfg.get("rms_norm_eps", 1e-6))), ("rope_theta", theta),
+        ("vocab", f.int("vocab_size"), "`vocab_size`"), ("hidden", hidden, "`hidden_size`"),
+        ("layers", f.int("num_hidden_layers", maximum=MAX_BLOCKS), "`num_hidden_layers`"),
+        ("heads", heads, "`num_attention_heads`"),
+        ("kv_heads", f.int("num_key_value_heads", heads), "`num_key_value_heads`"),
+        # transformers' own default when head_dim is absent: floor division
+        ("head_dim", head_dim or hidden // heads, "`head_dim`" if head_dim else "`hidden_size` // `num_attention_heads`"),
+        ("ffn", f.int("intermediate_size"), "`intermediate_size`"),
+        ("norm_eps", f.number("rms_norm_eps", 1e-6), "`rms_norm_eps`"),
+        ("rope_theta", theta, "`rope_theta`"),
     ]
     if scaling is not None:
-        kind = scaling.get("rope_type", scaling.get("type"))
+        kind = scaling.text("rope_type", None) or scaling.text("type")
         if kind != "llama3":
             raise ImportError_(f"{where}: rope scaling type {kind!r} is not supported (only 'llama3')")
-        settings += [("rope_factor", float(scaling["factor"])),
-                     ("rope_low_freq_factor", float(scaling.get("low_freq_factor", 1.0))),
-                     ("rope_high_freq_factor", float(scaling.get("high_freq_factor", 4.0))),
-                     ("rope_original_positions", int(scaling["original_max_position_embeddings"]))]
+        p = scaling.prefix
+        settings += [("rope_factor", scaling.number("factor"), f"`{p}factor`"),
+                     ("rope_low_freq_factor", scaling.number("low_freq_factor", 1.0), f"`{p}low_freq_factor`"),
+                     ("rope_high_freq_factor", scaling.number("high_freq_factor", 4.0), f"`{p}high_freq_factor`"),
+                     ("rope_original_positions", scaling.int("original_max_position_embeddings"),
+                      f"`{p}original_max_position_embeddings`")]
     if arch == "Qwen2ForCausalLM":
-        settings += [("attn_bias", True), ("attn_out_bias", False)]
-    elif cfg.get("attention_bias"):
-        settings += [("attn_bias", True)]
-    settings += [("tie_embeddings", bool(cfg.get("tie_word_embeddings", False))), ("dtype", dtype)]
-    return "llama", settings
+        settings += [("attn_bias", True, "the architecture"), ("attn_out_bias", False, "the architecture")]
+    elif f.flag("attention_bias", False):
+        settings += [("attn_bias", True, "`attention_bias`")]
+    settings += [("tie_embeddings", f.flag("tie_word_embeddings", False), "`tie_word_embeddings`"),
+                 ("dtype", dtype, "`torch_dtype`")]
+    return "llama", settings, positions
+
+
+# transformers' defaults for max_position_embeddings where a config leaves it out.
+_DEFAULT_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768}
+
+
+def read_config(directory: Path) -> dict[str, Any]:
+    """``directory/config.json`` as a JSON object; ConfigError (one line naming it) otherwise."""
+    path = directory / "config.json"
+    try:
+        st = path.stat()  # follows links; a loop is ELOOP
+        if stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{path}: is a directory; expected a JSON file")
+        if not stat.S_ISREG(st.st_mode):  # a FIFO would block, a device never end
+            raise ConfigError(f"{path}: is not a regular file; expected a JSON file")
+        if st.st_size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: is {st.st_size:,} bytes; a config.json is at most {MAX_CONFIG_BYTES:,}")
+        with open(path, "rb") as fh:
+            data = fh.read(MAX_CONFIG_BYTES + 1)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file (is {directory} a Hugging Face model directory?)") from None
+    except OSError as err:
+        raise ConfigError(f"{path}: cannot read it ({err.strerror or err})") from None
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}); expected a JSON file") from None
+    except ValueError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: JSON nested too deeply to read") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"{path}: holds {_describe(doc)}; expected a JSON object")
+    return doc
 
 
 def _identifier(name: str) -> str:
-    ident = re.sub(r"[^A-Za-z0-9_]", "_", name).strip("_").lower() or "model"
-    return "m_" + ident if ident[0].isdigit() else ident
+    """A model name from a directory name: deterministic, and an identifier a spec accepts whatever
+    the directory is called (leaving room for the mesh's `_mesh`)."""
+    ident = re.sub(r"[^A-Za-z0-9_]", "_", name).strip("_").lower()[: MAX_NAME - len("_mesh")].rstrip("_") or "model"
+    ident = "m_" + ident if ident[0].isdigit() else ident
+    return ident if identifier_problem(ident) is None else ident[: MAX_NAME - len("_model_mesh")] + "_model"
+
+
+def _shell_word(path: str) -> str:
+    """``path`` as one shell word on one line, for a comment a user copies into a shell: quoted as
+    is where every character shows, else bash's $'...' with each other byte as \\xHH (a newline in a
+    directory name must not end the comment and start a line of spec)."""
+    if script_value_problem(path) is None:
+        return shlex.quote(path)
+    return "$'" + "".join(chr(b) if 0x20 <= b < 0x7F and b not in b"\\'" else f"\\x{b:02x}"
+                          for b in os.fsencode(path)) + "'"
 
 
 def spec_text(directory: str, devices: int = 1, device: str = "cpu", batch: int | None = None,
               seq: int | None = None) -> str:
     """The .mesh text for the model in ``directory`` with a plan `train` on ``devices`` x ``device``."""
+    return _generate(directory, devices, device, batch, seq)[0]
+
+
+def _refused_by_checker(diag: Any, settings: list[tuple[str, Any, str]], first_line: int, where: str) -> ImportError_:
+    """The checker's first error on the imported model, as one line naming the config.json field."""
+    index = diag.span.line - first_line if diag.span is not None else -1
+    label = f" ({diag.label})" if diag.label else ""
+    if 0 <= index < len(settings):
+        key, value, source = settings[index]
+        return ImportError_(f"{where}: {source} = {value if key == 'dtype' else _num(value)}: {diag.message}{label} "
+                            f"[{diag.code}]")
+    # A rule between settings (heads a multiple of kv_heads): name the fields behind the names it uses.
+    named = [f"{key} = {source} {_num(value)}" for key, value, source in settings
+             if key != "dtype" and re.search(rf"\b{key}\b", diag.message)]
+    fields = f"; from config.json: {', '.join(named)}" if named else ""
+    return ImportError_(f"{where}: the model it describes does not check: {diag.message}{label} [{diag.code}]{fields}")
+
+
+def _generate(directory: str, devices: int, device: str, batch: int | None, seq: int | None) -> tuple[str, bool]:
+    """(the .mesh text, whether its plan fits the device's memory)."""
     from meshllm_dsl.checker import check_text
     from meshllm_dsl.devices import PROFILES
     from meshllm_dsl.fmt import format_text
     from meshllm_dsl.planner_suggest import MESH_NAME, PLAN_NAME, candidates, plan_text, suggest
 
-    d = Path(directory)
-    cfg_path = d / "config.json"
-    try:
-        cfg = json.loads(cfg_path.read_text())
-    except FileNotFoundError:
-        raise ImportError_(f"{cfg_path}: no such file (is {d} a Hugging Face model directory?)") from None
-    except ValueError as err:
-        raise ImportError_(f"{cfg_path}: not JSON ({err})") from None
-    family, settings = model_settings(cfg, str(cfg_path))
     if device not in PROFILES:
         raise ValueError(f"unknown device `{device}` (known: {', '.join(sorted(PROFILES))})")
-    name = _identifier(d.resolve().name)
-    arch = (cfg.get("architectures") or [_MODEL_TYPES.get(cfg.get("model_type", ""), "?")])[0]
-    body = "\n".join(f"    {k} = {v if k == 'dtype' else _num(v)}" for k, v in settings)
-    model = (f"# {arch} imported from {d.resolve().name} by `meshc import-hf`.\n"
-             f"# Load its weights with: meshc run THIS_FILE --weights {d}\n"
-             f"model {name} = {family} {{\n{body}\n}}\n")
-    positions = int(cfg.get("n_positions") or cfg.get("max_position_embeddings") or 2048)
-    seq = seq or min(2048, positions)
-    batch = batch or max(8, devices)
+    d = Path(directory)
+    cfg_path = d / "config.json"
+    cfg = read_config(d)
+    family, settings, positions = model_settings(cfg, str(cfg_path))
+    seq = min(2048, positions) if seq is None else seq
+    batch = max(8, devices) if batch is None else batch
+    if family == "gpt2" and seq > positions:
+        raise ValueError(f"--seq {seq} is longer than the {positions} positions of the model's position table "
+                         f"(`n_positions` in {cfg_path})")
+    dir_name = d.resolve().name
+    name = _identifier(dir_name)
+    arch = _architecture(_Fields(cfg, str(cfg_path)))
+    # The two comment lines are the only place a path reaches the spec: one shell word each, so no
+    # character of a directory name can end the comment.
+    header = (f"# {arch} imported from {_shell_word(dir_name)} by `meshc import-hf`.\n"
+              f"# Load its weights with: meshc run THIS_FILE --weights {_shell_word(str(d))}\n")
+    body = [f"    {k} = {v if k == 'dtype' else _num(v)}" for k, v, _ in settings]
+    model = header + f"model {name} = {family} {{\n" + "\n".join(body) + "\n}\n"
+    first_setting_line = header.count("\n") + 2
     with tempfile.TemporaryDirectory(prefix="meshc-import-") as tmp:
         path = Path(tmp) / f"{name}.mesh"
         path.write_text(model)
         base = check_text(model, str(path))
-        if not base.ok:  # pragma: no cover - the settings above always check
-            raise ImportError_("the imported model does not check:\n" + "\n".join(e.message for e in base.errors))
+        if not base.ok:  # a value in range for its type that the checker refuses (e.g. rope_theta 1e300)
+            raise _refused_by_checker(next(iter(base.errors)), settings, first_setting_line, str(cfg_path))
         result = suggest(str(path), name, devices=devices, device=PROFILES[device], batch=batch, seq=seq, top=1)
         block = result.best.text if result.best else None
         if block is None:  # nothing fits the device's memory: the first layout the checker accepts
@@ -164,13 +386,32 @@ def spec_text(directory: str, devices: int = 1, device: str = "cpu", batch: int 
                     block = text
                     break
         if block is None:
-            raise ImportError_(f"no plan for {devices} x {device} passes the checker (try another --devices)")
-    block = block.replace(f"plan {PLAN_NAME} on {MESH_NAME}", f"plan train on {name}_mesh")
-    block = block.replace(f"mesh {MESH_NAME} ", f"mesh {name}_mesh ")
+            why = f": {result.rejected[0][1]}" if result.rejected else ""
+            raise ImportError_(f"no plan for {devices} x {device} at batch {batch} x seq {seq} passes the checker{why} "
+                               "(try other --devices, --batch or --seq)")
+    block = block.replace(f"plan {PLAN_NAME} on {MESH_NAME}", f"plan train on {name}_mesh", 1)
+    block = block.replace(f"mesh {MESH_NAME} ", f"mesh {name}_mesh ", 1)
     if result.best is None:
         block = "# Nothing fits the device's memory (see `meshc plan`): the first layout that checks.\n" + block
-    text = model + "\n" + block
-    return format_text(text, str(path))
+    return format_text(model + "\n" + block, str(path)), result.best is not None
+
+
+def _flag(value: int | None, flag: str, maximum: int) -> None:
+    from meshllm_dsl.cli import UsageError
+
+    if value is not None and not 1 <= value <= maximum:
+        raise UsageError(f"{flag} must be a positive integer (at most {maximum:,}), got {value}")
+
+
+def _fit_warnings(text: str, out: Path, device: str) -> str:
+    """W0801 for the plan written to ``out``, rendered against it (as `meshc plan` would)."""
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.devices import PROFILES
+    from meshllm_dsl.diagnostics import render_all
+    from meshllm_dsl.planner import analyze, plan_warnings
+
+    plan = check_text(text, str(out)).plans["train"]
+    return render_all([w for w in plan_warnings(analyze(plan, PROFILES[device])) if w.code == "W0801"])
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
@@ -179,19 +420,28 @@ def cmd_import_hf(args: argparse.Namespace) -> int:
 
     if not Path(args.dir).is_dir():
         raise UsageError(f"no such directory: {args.dir}")
-    if args.devices < 1:
-        raise UsageError("--devices must be positive")
+    _flag(args.devices, "--devices", MAX_DEVICES)
+    _flag(args.batch, "--batch", MAX_INT)
+    _flag(args.seq, "--seq", MAX_INT)
     out = Path(args.output)
     check_new_file(out, ".mesh file", args.force)
+    config = Path(args.dir) / "config.json"
+    if out.exists() and config.exists() and os.path.samefile(out, config):
+        raise UsageError(f"-o {out} is the input {config}; name a new .mesh file")
     try:
-        text = spec_text(args.dir, args.devices, args.device, args.batch, args.seq)
+        text, fits = _generate(args.dir, args.devices, args.device, args.batch, args.seq)
     except ImportError_ as err:
         print(f"meshc: error: {err}", file=sys.stderr)
         return 1
+    except ConfigError as err:
+        print(f"meshc: error: {err}", file=sys.stderr)
+        return 2
     except ValueError as err:
         raise UsageError(str(err)) from None
     write_output(out, text.encode())
     print(f"wrote {out}")
+    if not fits:
+        print(_fit_warnings(text, out, args.device), end="", file=sys.stderr)
     return 0
 
 
