@@ -207,6 +207,8 @@ def check_inputs(args: argparse.Namespace, model: Any = None, seq: int = 0) -> N
             raise InputError(f"--profile-trace {args.profile_trace}: exists and is not a directory")
     if args.save_every and args.save is None:
         raise InputError("--save-every needs --save DIR")
+    if args.save_over and args.save is None:
+        raise InputError("--save-over needs --save DIR (the root to start over in)")
     if args.resume is not None and args.load is not None:
         raise InputError("--resume and --load exclude each other (--resume restores the weights too)")
     if args.infer and (args.resume is not None or args.save is not None):

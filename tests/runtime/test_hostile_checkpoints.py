@@ -306,3 +306,15 @@ def test_a_metadata_pickle_that_would_run_code_or_a_setting_of_another_type_is_r
     (step / checkpoint.MANIFEST).write_text(json.dumps(m))
     error = pool.run(_load_job, 2, str(root))[0]
     assert f"checkpoint {step}: `param_groups[0].lr` is \"fast\" (a string); this run's is" in error, error
+
+
+def test_save_over_needs_a_save_root_and_the_flags_check_the_root(tmp_path: Path) -> None:
+    from meshllm_dsl.runtime import launch
+
+    with pytest.raises(launch.InputError, match="--save-over needs --save DIR"):
+        launch.check_inputs(launch.parse_args(["--save-over"]))
+    root = _root(tmp_path, [(1, "a")])
+    with pytest.raises(launch.InputError, match=f"--save {root}: holds 1 checkpoint"):
+        launch.check_inputs(launch.parse_args(["--save", str(root)]))
+    launch.check_inputs(launch.parse_args(["--save", str(root), "--save-over"]))
+    launch.check_inputs(launch.parse_args(["--save", str(root), "--resume", "latest"]))
