@@ -227,6 +227,14 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
         raise refuse("use_sliding_window", "limits attention to a window; meshllm computes full causal attention")
     for field in ("attn_logit_softcapping", "final_logit_softcapping", "logits_scaling"):
         f.off(field, "changes the logits (not supported)")
+    layer_types = cfg.get("layer_types")  # transformers >= 5: which layers attend to a window
+    if layer_types is not None:
+        if not (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)):
+            raise f.error("layer_types", 'a list of attention types such as ["full_attention", ...]')
+        other = next((t for t in layer_types if t != "full_attention"), None)
+        if other is not None:
+            raise ImportError_(f"{where}: `layer_types` holds {other!r}; meshllm computes full causal attention "
+                               "in every layer")
     theta, scaling = _rope(f)
     for rope in (f, scaling):
         for field in _ROPE_UNSUPPORTED:
@@ -255,6 +263,12 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
         if kind != "llama3":
             raise ImportError_(f"{where}: rope scaling type {kind!r} is not supported (only 'llama3')")
         p = scaling.prefix
+        # transformers prefers a top-level original_max_position_embeddings to the rope object's
+        outer = f.int("original_max_position_embeddings", None)
+        inner = scaling.int("original_max_position_embeddings")
+        if outer is not None and outer != inner:
+            raise ImportError_(f"{where}: `original_max_position_embeddings` {outer} and `{p}original_max_position_"
+                               f"embeddings` {inner} disagree; transformers would use {outer}")
         settings += [("rope_factor", scaling.number("factor"), f"`{p}factor`"),
                      ("rope_low_freq_factor", scaling.number("low_freq_factor", 1.0), f"`{p}low_freq_factor`"),
                      ("rope_high_freq_factor", scaling.number("high_freq_factor", 4.0), f"`{p}high_freq_factor`"),

@@ -182,6 +182,11 @@ CASES: list[tuple[str, Callable[[Path], None], int, tuple[str, ...]]] = [
     ("rope-parameters-per-layer-type", _llama(rope_parameters={"full_attention": LLAMA3_ROPE}), 1,
      ("`rope_parameters.full_attention` is a rope per layer type",)),
     ("rope-parameters-list", _llama(rope_parameters=[1]), 2, ("`rope_parameters` is [1] (a list)",)),
+    ("rope-original-twice", _llama(rope_scaling=LLAMA3_ROPE, original_max_position_embeddings=32), 1,
+     ("`original_max_position_embeddings` 32 and `rope_scaling.original_max_position_embeddings` 16 disagree",)),
+    ("layer-types-sliding", _llama(architectures=["Qwen2ForCausalLM"], layer_types=["full_attention"] * 3
+                                   + ["sliding_attention"]), 1, ("`layer_types` holds 'sliding_attention'",)),
+    ("layer-types-string", _llama(layer_types="full_attention"), 2, ('`layer_types` is "full_attention" (a string)',)),
     ("partial-rotary", _llama(partial_rotary_factor=0.5), 1, ("`partial_rotary_factor` = 0.5 rotates only part",)),
     # text fields
     ("dtype-number", _llama(torch_dtype=16), 2, ("`torch_dtype` is 16 (an integer); expected a string",)),
@@ -222,7 +227,10 @@ def test_hostile_config(tmp_path: Path, write: Callable[[Path], None], code: int
     assert not out.exists()
 
 
-@pytest.mark.parametrize("base", [LLAMA, {**LLAMA, "rope_scaling": LLAMA3_ROPE}, GPT2], ids=["llama", "llama3", "gpt2"])
+@pytest.mark.parametrize("base", [
+    LLAMA, {**LLAMA, "rope_scaling": LLAMA3_ROPE, "original_max_position_embeddings": 16},
+    {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "layer_types": ["full_attention"] * 4}, GPT2,
+], ids=["llama", "llama3", "qwen2", "gpt2"])
 def test_the_base_configs_import(tmp_path: Path, base: dict[str, Any]) -> None:
     """The table's configs are valid: each case above fails for its one change."""
     (tmp_path / "config.json").write_text(json.dumps(base))
