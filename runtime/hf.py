@@ -328,9 +328,9 @@ _CONFIG_TEXT = ("model_type", "hidden_act", "activation_function", "torch_dtype"
 _TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 # What each rope type needs besides rope_theta (transformers' rope initialisers read these).
 _ROPE_NEEDS = {
-    "default": (), "linear": ("factor",), "dynamic": ("factor",),
+    "default": (), "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
+}  # other types: refused by the comparison with the spec, whatever they hold
 _ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "rope_theta", "attention_factor",
                  "beta_fast", "beta_slow")
 
@@ -348,7 +348,7 @@ def _check_rope(value: Any, where: str, field: str) -> None:
     kind = value.get("rope_type", value.get("type", "default"))
     if not isinstance(kind, str):
         raise WeightsError(f"{where}: `{field}.rope_type` is {describe(kind)}; expected a string such as \"llama3\"")
-    for k in _ROPE_NEEDS.get(kind, ("factor",)):
+    for k in _ROPE_NEEDS.get(kind, ()):
         if value.get(k) is None:
             expected = "a positive integer" if k == "original_max_position_embeddings" else "a positive number"
             raise WeightsError(f"{where}: `{field}` of type {kind!r} has no `{k}`; expected {expected}")

@@ -409,3 +409,26 @@ def test_meshc_run_refuses_an_export_onto_a_file_before_training(llama: Path, tm
     (line,) = [x for x in proc.stderr.splitlines() if x.strip()]
     assert f"--export-hf {target}: exists and is not a directory" in line
     assert target.read_text() == "my notes"
+
+
+def test_a_tokenizer_link_leading_outside_is_skipped_with_one_line_naming_it(
+    llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    secret = tmp_path / "id_rsa"
+    secret.write_text("PRIVATE KEY")
+    weights = tmp_path / "w"
+    shutil.copytree(llama, weights)
+    os.symlink(secret, weights / "tokenizer.model")
+    os.symlink("tokenizer.json", weights / "vocab.json")  # a link inside the directory is followed
+
+    class Collect:
+        names: list[str] = []
+
+        def put(self, name: str, write: Callable[[Path], None]) -> None:
+            self.names.append(name)
+
+    hf._copy_source_files(weights, Collect())  # type: ignore[arg-type]
+    assert sorted(Collect.names) == ["generation_config.json", "tokenizer.json", "tokenizer_config.json", "vocab.json"]
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line == (f"--export-hf: not copying {weights / 'tokenizer.model'}: a symbolic link to {secret},"
+                    " outside the model directory")
