@@ -1,4 +1,4 @@
-"""Render lowered plans through the Jinja templates (writing them is meshllm_dsl.outputs' job)."""
+"""Render lowered plans through the Jinja templates (writing them is meshllm_dsl.runtime.outputs' job)."""
 
 from __future__ import annotations
 

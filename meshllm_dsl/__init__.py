@@ -69,13 +69,13 @@ def check(path_or_text: str, *, text: bool = False) -> CheckResult:
 def compile(path: str, out_dir: str | None = None) -> dict[str, str]:  # noqa: A001 - mirrors `meshc compile`
     """Compile every plan of a .mesh file: file name -> generated source (written to out_dir if given).
 
-    Raises SpecError with every diagnostic when the spec has errors, and meshllm_dsl.outputs.OutputError
+    Raises SpecError with every diagnostic when the spec has errors, and meshllm_dsl.runtime.outputs.OutputError
     (writing nothing) when out_dir holds files that meshc did not write, as `meshc compile -o` does.
     """
     from meshllm_dsl.checker import check_file
     from meshllm_dsl.codegen.emit import render_package
     from meshllm_dsl.diagnostics import SpecError
-    from meshllm_dsl.outputs import write_generated
+    from meshllm_dsl.runtime.outputs import write_generated
 
     result = check_file(path)
     if not result.ok:

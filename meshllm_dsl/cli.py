@@ -76,7 +76,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 def cmd_fmt(args: argparse.Namespace) -> int:
     from meshllm_dsl.fmt import format_text
     from meshllm_dsl.load import read_spec
-    from meshllm_dsl.outputs import write_file_atomic
+    from meshllm_dsl.runtime.outputs import write_file_atomic
 
     status = EXIT_OK
     for path in existing(*args.files):
@@ -226,8 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     except Exception as err:  # noqa: BLE001 - the contract: internal errors exit 2 with a report, not a raw traceback
         # OutputError: an output path that cannot be written without destroying something. Only a
-        # command that imported meshllm_dsl.outputs can raise it; the others need not import it.
-        outputs = sys.modules.get("meshllm_dsl.outputs")
+        # command that imported meshllm_dsl.runtime.outputs can raise it; the others need not import it.
+        outputs = sys.modules.get("meshllm_dsl.runtime.outputs")
         if outputs is not None and isinstance(err, outputs.OutputError):
             print(f"meshc: error: {err}", file=sys.stderr)
             return EXIT_USAGE

@@ -29,7 +29,7 @@ def _checked(path: str, plan_name: str | None = None):  # type: ignore[no-untype
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from meshllm_dsl.codegen.emit import render_package
-    from meshllm_dsl.outputs import write_generated
+    from meshllm_dsl.runtime.outputs import write_generated
 
     if args.slurm:
         from meshllm_dsl.cli import UsageError
@@ -102,7 +102,7 @@ def _run_inputs(args: argparse.Namespace, seq: int, plan: Any = None) -> list[st
 
 def cmd_run(args: argparse.Namespace) -> int:
     from meshllm_dsl.codegen.emit import render_package
-    from meshllm_dsl.outputs import write_generated
+    from meshllm_dsl.runtime.outputs import write_generated
 
     result, plan_name = _checked(args.file, args.plan)
     if not result.ok:

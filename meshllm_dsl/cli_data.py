@@ -9,7 +9,7 @@ from pathlib import Path
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from meshllm_dsl.cli import UsageError
-    from meshllm_dsl.outputs import OutputError, check_new_file
+    from meshllm_dsl.runtime.outputs import OutputError, check_new_file
 
     text, out = Path(args.text), Path(args.output)
     if not text.is_file():

@@ -22,7 +22,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from meshllm_dsl.cli import existing, select_plans
     from meshllm_dsl.export import export_plan
     from meshllm_dsl.load import load
-    from meshllm_dsl.outputs import check_new_file, write_output
+    from meshllm_dsl.runtime.outputs import check_new_file, write_output
 
     path = existing(args.file)[0]
     out = Path(args.output)

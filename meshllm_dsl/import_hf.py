@@ -430,7 +430,7 @@ def _fit_warnings(text: str, out: Path, device: str) -> str:
 
 def cmd_import_hf(args: argparse.Namespace) -> int:
     from meshllm_dsl.cli import UsageError
-    from meshllm_dsl.outputs import check_new_file, write_output
+    from meshllm_dsl.runtime.outputs import check_new_file, write_output
 
     if not Path(args.dir).is_dir():
         raise UsageError(f"no such directory: {args.dir}")

@@ -43,6 +43,7 @@ from torch import Tensor
 
 from .fsdp import tp_local
 from .mesh import Mesh
+from .outputs import MANIFEST, manifest_bytes, read_manifest, write_file_atomic
 from .shards import ShardSpec, gather_full
 
 __all__ = [
@@ -796,7 +797,7 @@ def _some(names: list[str], n: int = 3) -> str:
 # ---------------------------------------------------------------- writing
 
 
-# `meshc compile -o` and `--export-hf` share one rule for output directories (meshllm_dsl/outputs.py):
+# `meshc compile -o` and `--export-hf` share one rule for output directories (runtime/outputs.py):
 # a new or empty directory, or one whose marker file says meshc wrote it; only meshc's own, unedited
 # files of the names it writes are ever replaced (each atomically), and nothing else is touched.
 _EXPORT_NAMES = re.compile(r"config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
@@ -821,13 +822,11 @@ def _file_sha256(path: Path) -> str:
 def _export_state(out: Path) -> tuple[dict[str, str], dict[str, str]]:
     """(files, pending) of the meshc manifest of the existing directory ``out``: what an export
     may replace there.  ``ExportError`` when anything of a name it writes is not its own."""
-    from meshllm_dsl.outputs import MANIFEST, _read_manifest
-
     flag = f"--export-hf {out}"
     entries = sorted(out.iterdir())
     if not entries:
         return {}, {}
-    manifest = _read_manifest(out)
+    manifest = read_manifest(out)
     if manifest is None:
         raise ExportError(
             f"{flag}: the directory is not empty and meshc did not write it (no {MANIFEST}); expected a"
@@ -920,9 +919,7 @@ class _ExportWriter:
         os.umask(self.umask)
 
     def _manifest(self, files: Mapping[str, str], pending: Mapping[str, str]) -> None:
-        from meshllm_dsl.outputs import MANIFEST, _manifest_bytes, write_file_atomic
-
-        write_file_atomic(self.dir / MANIFEST, _manifest_bytes(files, pending))
+        write_file_atomic(self.dir / MANIFEST, manifest_bytes(files, pending))
 
     def put(self, name: str, write: Callable[[Path], None]) -> None:
         fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.dir)

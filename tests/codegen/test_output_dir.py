@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from meshllm_dsl.cli import main
-from meshllm_dsl.outputs import MANIFEST, OutputError, write_generated
+from meshllm_dsl.runtime.outputs import MANIFEST, OutputError, write_generated
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = (ROOT / "examples" / "tiny_llama.mesh").read_text()
@@ -209,7 +209,7 @@ def test_plan_flag_keeps_other_plans(tmp_path: Path) -> None:
 def test_crash_during_an_update_leaves_a_directory_the_next_run_owns(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     out = tmp_path / "gen"
     write_generated({"a.py": "A = 1\n", "b.py": "B = 1\n"}, out)
-    import meshllm_dsl.outputs as outputs
+    import meshllm_dsl.runtime.outputs as outputs
 
     real = outputs.write_file_atomic
     calls = []

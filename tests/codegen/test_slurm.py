@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from meshllm_dsl.cli import main
-from meshllm_dsl.outputs import MANIFEST
+from meshllm_dsl.runtime.outputs import MANIFEST
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"

@@ -26,8 +26,8 @@ from hf_models import build_hf, export_job, spec, word_tokenizer  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
-from meshllm_dsl.outputs import MANIFEST  # noqa: E402
 from meshllm_dsl.runtime import hf  # noqa: E402
+from meshllm_dsl.runtime.outputs import MANIFEST  # noqa: E402
 from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
 from meshllm_dsl.verify import load_generated  # noqa: E402
 
@@ -290,27 +290,27 @@ def _foreign_model(out: Path, llama: Path) -> None:
 
 
 def _compile_package(out: Path, llama: Path) -> None:
-    from meshllm_dsl.outputs import write_generated
+    from meshllm_dsl.runtime.outputs import write_generated
 
     write_generated({"p.py": "x = 1\n"}, out)
 
 
 def _exported_then_edited(out: Path, llama: Path) -> None:
-    from meshllm_dsl.outputs import _manifest_bytes
+    from meshllm_dsl.runtime.outputs import manifest_bytes
 
     out.mkdir()
     (out / "config.json").write_text("{}\n")
     import hashlib
 
-    (out / MANIFEST).write_bytes(_manifest_bytes({"config.json": hashlib.sha256(b"{}\n").hexdigest()}, {}))
+    (out / MANIFEST).write_bytes(manifest_bytes({"config.json": hashlib.sha256(b"{}\n").hexdigest()}, {}))
     (out / "config.json").write_text('{"edited": true}\n')
 
 
 def _exported_then_added(out: Path, llama: Path) -> None:
-    from meshllm_dsl.outputs import _manifest_bytes
+    from meshllm_dsl.runtime.outputs import manifest_bytes
 
     out.mkdir()
-    (out / MANIFEST).write_bytes(_manifest_bytes({}, {}))
+    (out / MANIFEST).write_bytes(manifest_bytes({}, {}))
     shutil.copyfile(llama / "model.safetensors", out / "model.safetensors")
 
 

@@ -1,5 +1,8 @@
 """Writing what meshc generates without ever losing a user's file.
 
+In the runtime (torch-free, standard library only) because `--export-hf` writes by the same rule
+as `meshc compile -o`, and the runtime never imports the compiler.
+
 `meshc compile -o DIR` owns exactly the files it wrote there, recorded in `DIR/.meshc-manifest.json`
 with their hashes. It creates a missing directory whole (a temporary sibling renamed into place),
 writes into an empty one, and in a directory it wrote before replaces only its own files, each
@@ -92,14 +95,14 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _manifest_bytes(files: Mapping[str, str], pending: Mapping[str, str]) -> bytes:
+def manifest_bytes(files: Mapping[str, str], pending: Mapping[str, str]) -> bytes:
     doc: dict[str, object] = {"generator": _GENERATOR, "version": 1, "files": dict(sorted(files.items()))}
     if pending:
         doc["pending"] = dict(sorted(pending.items()))
     return (json.dumps(doc, indent=2) + "\n").encode()
 
 
-def _read_manifest(out: Path) -> tuple[dict[str, str], dict[str, str]] | None:
+def read_manifest(out: Path) -> tuple[dict[str, str], dict[str, str]] | None:
     """(files, pending): name -> hash of meshc's own files; None when `out` is not meshc's."""
     try:
         doc = json.loads((out / MANIFEST).read_bytes())
@@ -169,7 +172,7 @@ def _write_fresh(out: Path, data: Mapping[str, bytes], digests: Mapping[str, str
     try:
         for name, b in data.items():
             (tmp / name).write_bytes(b)
-        (tmp / MANIFEST).write_bytes(_manifest_bytes(digests, {}))
+        (tmp / MANIFEST).write_bytes(manifest_bytes(digests, {}))
         tmp.chmod(0o777 & ~_umask())
         os.rename(tmp, out)  # not replace: a directory that appeared meanwhile is not ours to take
     except BaseException:
@@ -188,7 +191,7 @@ def _umask() -> int:
 def _write_into(
     out: Path, data: Mapping[str, bytes], digests: Mapping[str, str], *, force: bool, prune: bool
 ) -> list[Path]:
-    manifest = _read_manifest(out)
+    manifest = read_manifest(out)
     if manifest is None and any(out.iterdir()) and not force:
         raise OutputError(
             f"`{out}` is not empty and was not written by meshc (it has no {MANIFEST}); refusing to write into it."
@@ -220,12 +223,12 @@ def _write_into(
     stale = [n for n in on_disk if n not in data] if prune else []
     # The old hashes stay in the manifest until every file is replaced, next to the new ones as
     # `pending`: a crash in between leaves a directory the next run still recognises as its own.
-    write_file_atomic(out / MANIFEST, _manifest_bytes(on_disk, digests))
+    write_file_atomic(out / MANIFEST, manifest_bytes(on_disk, digests))
     for name, b in data.items():
         write_file_atomic(out / name, b)
     for name in stale:
         if untouched(name):  # an edited file of a plan that is gone stays: its edits are the user's
             (out / name).unlink()
     kept = {n: h for n, h in on_disk.items() if n not in data and n not in stale}  # other plans (--plan)
-    write_file_atomic(out / MANIFEST, _manifest_bytes({**kept, **digests}, {}))
+    write_file_atomic(out / MANIFEST, manifest_bytes({**kept, **digests}, {}))
     return [out / name for name in data]
