@@ -332,6 +332,8 @@ def test_a_request_about_a_document_not_open_gets_an_empty_result(client: Client
         got = client.call(method, _params(method, u, _pos(0, 1) if method != "textDocument/formatting" else _pos(4)))
         assert "error" not in got, got
         assert got["result"] in (None, [], {"isIncomplete": False, "items": []}), (u, got)
+    # nor is the file on disk analysed (diagnostics published for a document the editor never opened)
+    assert uri(on_disk) not in client.diagnostics
     assert not [line for line in client.stderr if b"Traceback" in line or b"FileNotFoundError" in line]
 
 
