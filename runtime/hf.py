@@ -978,8 +978,10 @@ def export_hf(
     directory: str | Path,
     source: str | Path | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
-) -> None:
+) -> str | None:
     """Write ``built``'s weights as a Hugging Face model directory (collective; rank 0 writes).
+
+    Returns, on the rank that wrote, the line that says what was written (None elsewhere).
 
     One tensor at a time is gathered to full shape and handed to the mesh's first rank, so no
     rank holds more than one full tensor beyond its shards.  ``source``: the --weights directory,
@@ -1057,7 +1059,7 @@ def export_hf(
                 writer.put(file_of[names[0]],
                            lambda tmp, t=tensors: save_file(t, str(tmp), metadata={"format": "pt"}))  # type: ignore[misc]
         if writer is None:
-            return
+            return None
         if n_files > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             writer.put("model.safetensors.index.json", _text(json.dumps(index, indent=2) + "\n"))
@@ -1074,6 +1076,8 @@ def export_hf(
             cfg["tie_word_embeddings"] = True
         writer.put("config.json", _text(json.dumps(cfg, indent=2, sort_keys=True) + "\n"))
         writer.finish()
+        return (f"exported {len(order)} tensors ({total / 2**20:,.1f} MiB {cfg['torch_dtype']}, "
+                f"{n_files} safetensors file{'s' * (n_files > 1)}) to {out_dir}")
     except BaseException:
         if writer is not None:
             writer.abandon()

@@ -920,7 +920,10 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
         if args.resume is not None:
             start, seed = _resume(built, args)
         elif args.load:
-            load_checkpoint(built, args.load)
+            loaded = load_checkpoint(built, args.load)
+            if first:
+                saved = " x ".join(f"{name} {size}" for name, size in loaded["layout"]["axes"]) or "1 rank"
+                _say(f"loaded the weights of {loaded['path']} (step {loaded['step']}, saved on {saved})")
         if args.save_over and not auto_resume:
             start_lineage(built)  # --save-over starts a lineage of its own, even from --resume
         tokenizer = None
@@ -978,7 +981,9 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
         if args.export_hf:
             from .hf import export_hf
 
-            export_hf(built, args.export_hf, source=args.weights)
+            written = export_hf(built, args.export_hf, source=args.weights)
+            if written is not None:
+                _say(written)
         progress.mark("done")
     except Preempted as exc:
         _report(exc, rank, world, first, args.debug, progress)

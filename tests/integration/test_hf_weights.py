@@ -363,6 +363,8 @@ def test_meshc_run_weights_prompt_ids_and_export_end_to_end(models: dict[str, An
     with torch.no_grad():
         want = hf.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=5, min_new_tokens=5, do_sample=False)
     assert f"generated {want[0, 3:].tolist()}" in proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith("exported ")]
+    assert len(said) == 1 and said[0].endswith(f"1 safetensors file) to {out}"), proc.stderr
     back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     tokens = _tokens(64)
     with torch.no_grad():

@@ -150,6 +150,11 @@ def test_train_and_save_then_decode_from_the_checkpoint(tmp_path: Path, pool: Wo
     assert "tokens/s" in summary[0] and "r0=" in summary[0] and "r1=" in summary[0]
     for got, want in pool.run(_infer_job, 2, str(ckpt)):
         assert got == want
+    # What --load read is said once, naming the step directory and the layout it was saved on.
+    proc = _torchrun(tmp_path, "--infer", "--load", str(ckpt), "--tokens", "2")
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if line.startswith("loaded the weights of ")]
+    assert said == [f"loaded the weights of {ckpt / 'step-000003'} (step 3, saved on pipeline 2 x tensor 1)"], proc.stderr
 
 
 def test_a_failing_rank_stops_the_job_promptly_and_names_the_cause(tmp_path: Path) -> None:
