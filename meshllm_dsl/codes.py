@@ -1,6 +1,13 @@
-"""Every diagnostic code with a one-paragraph explanation (`meshc explain-error CODE`)."""
+"""Every diagnostic code with a one-paragraph explanation (`meshc explain-error CODE`), and a constant
+per code that every emission site uses (`from meshllm_dsl.codes import E0301`): a mistyped code is an
+ImportError when its module is imported, and a code without an explanation fails this module's import.
+"""
 
 from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from typing import Final
 
 CODES: dict[str, tuple[str, str]] = {
     "E0101": ("unexpected token", "The parser met a token that cannot appear at this point of the grammar "
@@ -211,6 +218,87 @@ CODES: dict[str, tuple[str, str]] = {
     "W1202": ("tp_plan leaves data parallelism out", "A tp_plan describes tensor parallelism only; the plan's "
               "data axes (and ZeRO) go to transformers' DistributedConfig or the launcher."),
 }
+
+
+# One constant per code; `check_registry` below keeps this list and CODES the same set.
+E0101: Final = "E0101"
+E0102: Final = "E0102"
+E0103: Final = "E0103"
+E0104: Final = "E0104"
+E0201: Final = "E0201"
+E0202: Final = "E0202"
+E0203: Final = "E0203"
+E0204: Final = "E0204"
+E0205: Final = "E0205"
+E0301: Final = "E0301"
+E0302: Final = "E0302"
+E0303: Final = "E0303"
+E0304: Final = "E0304"
+E0305: Final = "E0305"
+E0306: Final = "E0306"
+E0307: Final = "E0307"
+E0308: Final = "E0308"
+E0309: Final = "E0309"
+E0310: Final = "E0310"
+E0311: Final = "E0311"
+E0312: Final = "E0312"
+E0401: Final = "E0401"
+E0402: Final = "E0402"
+E0403: Final = "E0403"
+E0404: Final = "E0404"
+E0405: Final = "E0405"
+E0406: Final = "E0406"
+E0407: Final = "E0407"
+E0408: Final = "E0408"
+E0409: Final = "E0409"
+E0410: Final = "E0410"
+E0501: Final = "E0501"
+E0502: Final = "E0502"
+E0503: Final = "E0503"
+E0601: Final = "E0601"
+E0602: Final = "E0602"
+E0603: Final = "E0603"
+E0604: Final = "E0604"
+E0605: Final = "E0605"
+E0606: Final = "E0606"
+E0607: Final = "E0607"
+E0608: Final = "E0608"
+E0609: Final = "E0609"
+W0701: Final = "W0701"
+W0702: Final = "W0702"
+W0703: Final = "W0703"
+W0704: Final = "W0704"
+W0705: Final = "W0705"
+W0706: Final = "W0706"
+W0707: Final = "W0707"
+W0708: Final = "W0708"
+W0801: Final = "W0801"
+W0802: Final = "W0802"
+W0803: Final = "W0803"
+W0804: Final = "W0804"
+W0805: Final = "W0805"
+W0806: Final = "W0806"
+E1201: Final = "E1201"
+E1202: Final = "E1202"
+E1203: Final = "E1203"
+E1204: Final = "E1204"
+E1205: Final = "E1205"
+E1206: Final = "E1206"
+W1201: Final = "W1201"
+W1202: Final = "W1202"
+
+
+def check_registry(names: Iterable[str], explained: Mapping[str, object]) -> None:
+    """Every code constant among `names` has an explanation and every explanation a constant."""
+    constants = {n for n in names if re.fullmatch(r"[EW]\d{4}", n)}
+    if constants != set(explained):
+        missing = sorted(constants - set(explained))
+        unused = sorted(set(explained) - constants)
+        raise ImportError(f"diagnostic codes out of step: constants without an explanation {missing}, "
+                          f"explanations without a constant {unused}")
+
+
+check_registry(globals(), CODES)
 
 
 def explain(code: str) -> str | None:

@@ -18,6 +18,7 @@ from pathlib import Path
 import attrs
 
 from meshllm_dsl import ast
+from meshllm_dsl.codes import E0201, E0202
 from meshllm_dsl.devices import (
     DEFAULT_PROFILE,
     PROFILES,
@@ -81,7 +82,7 @@ def _check_declarations(decls: Declarations) -> CheckResult:
             name = item.name  # type: ignore[attr-defined]
             if name.value in out:
                 first = out[name.value].name  # type: ignore[attr-defined]
-                r.error("E0201", f"{what} `{name.value}` is declared twice", name.span, label="second declaration",
+                r.error(E0201, f"{what} `{name.value}` is declared twice", name.span, label="second declaration",
                         secondary=(Label(first.span, "first declared here"),), help=f"rename one of the {_plural(what)}")
                 continue
             out[name.value] = item
@@ -133,10 +134,10 @@ def _check_declarations(decls: Declarations) -> CheckResult:
         mesh = meshes.get(decl.mesh.value)
         model = models.get(decl.model.value)
         if decl.mesh.value not in mesh_decls:
-            r.error("E0202", f"unknown mesh `{decl.mesh.value}`", decl.mesh.span, label="no such mesh",
+            r.error(E0202, f"unknown mesh `{decl.mesh.value}`", decl.mesh.span, label="no such mesh",
                     help=did_you_mean(decl.mesh.value, mesh_decls))
         if decl.model.value not in model_decls:
-            r.error("E0202", f"unknown model `{decl.model.value}`", decl.model.span, label="no such model",
+            r.error(E0202, f"unknown model `{decl.model.value}`", decl.model.span, label="no such model",
                     help=did_you_mean(decl.model.value, model_decls))
         if mesh is None or model is None:
             continue

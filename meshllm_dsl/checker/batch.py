@@ -9,6 +9,7 @@ from meshllm_dsl import ast
 from meshllm_dsl.checker.context import (
     PlanContext,
 )
+from meshllm_dsl.codes import E0305, E0310, E0606, E0607, W0703
 from meshllm_dsl.diagnostics import Label
 from meshllm_dsl.ir import SCHEDULES, Stage, Unit
 from meshllm_dsl.names import did_you_mean, or_list
@@ -22,16 +23,16 @@ class BatchRules(PlanContext):
             return default
         name = stmt.name.value
         if name not in SCHEDULES:
-            self.error("E0607", f"unknown schedule `{name}`", stmt.name.span, label="not a schedule",
+            self.error(E0607, f"unknown schedule `{name}`", stmt.name.span, label="not a schedule",
                        help=did_you_mean(name, SCHEDULES))
             # The checks that read the schedule would judge the default in its place, not the plan.
             self.bad_settings.add("schedule")
             return default
         if name == "interleaved_1f1b" and virtual < 2:
-            self.error("E0607", "`interleaved_1f1b` needs virtual stages", stmt.name.span, label="no `virtual N` on the stages",
+            self.error(E0607, "`interleaved_1f1b` needs virtual stages", stmt.name.span, label="no `virtual N` on the stages",
                        help="write `stages over AXIS virtual 2 ...` (each rank then runs 2 stages)")
         if name != "interleaved_1f1b" and virtual > 1:
-            self.error("E0607", f"virtual stages need the `interleaved_1f1b` schedule, not `{name}`", stmt.name.span,
+            self.error(E0607, f"virtual stages need the `interleaved_1f1b` schedule, not `{name}`", stmt.name.span,
                        label="does not interleave", help="use `schedule interleaved_1f1b`, or drop `virtual`")
         return name
 
@@ -44,7 +45,7 @@ class BatchRules(PlanContext):
         if batch % (dp * micro):
             parts = " x ".join([*(f"{a} ({self.mesh.size(a)})" for a in batch_axes), f"microbatches ({micro})"])
             ok = [b for b in range(dp * micro, dp * micro * 5, dp * micro)]
-            self.error("E0305", f"batch {batch} does not split into {parts}", span,
+            self.error(E0305, f"batch {batch} does not split into {parts}", span,
                        label=f"not a multiple of {dp * micro}",
                        secondary=(Label(settings["microbatches"].value.span, "microbatches here"),) if "microbatches" in settings and settings["microbatches"].value.span else (),  # type: ignore[arg-type]
                        help=f"batch must be a multiple of {dp * micro}: e.g. {or_list(ok)}")
@@ -55,17 +56,17 @@ class BatchRules(PlanContext):
             ms = settings.get("microbatches")
             where = ms.value.span if ms is not None else self.decl.name.span
             if schedule in ("1f1b", "interleaved_1f1b"):
-                self.error("E0606", f"`{schedule}` needs at least as many microbatches as pipeline stages ({micro} < {pipeline})",
+                self.error(E0606, f"`{schedule}` needs at least as many microbatches as pipeline stages ({micro} < {pipeline})",
                            where, label=f"{micro} microbatch{'es' if micro != 1 else ''}" if ms is not None else "`microbatches` is not set (so 1)",
                            help=f"{'use' if ms is not None else 'set'} `microbatches = {pipeline}` or more (and batch divisible by it)",
                            note="with fewer microbatches than stages 1F1B cannot fill the pipeline and hangs in torch")
             else:
-                self.warn("W0703", f"{micro} microbatches for {pipeline} pipeline stages", where,
+                self.warn(W0703, f"{micro} microbatches for {pipeline} pipeline stages", where,
                           label="fewer microbatches than stages",
                           help=f"use at least {pipeline} (bubble is (p - 1) / (m + p - 1) = {(pipeline - 1) / (micro + pipeline - 1):.0%} now)")
         if schedule == "interleaved_1f1b" and pipeline > 1 and micro % pipeline:
             ms = settings.get("microbatches")
-            self.error("E0606", f"`interleaved_1f1b` needs microbatches divisible by the pipeline size ({micro} % {pipeline} != 0)",
+            self.error(E0606, f"`interleaved_1f1b` needs microbatches divisible by the pipeline size ({micro} % {pipeline} != 0)",
                        ms.value.span if ms is not None else self.decl.name.span, label=f"{micro} microbatches",
                        help=f"use a multiple of {pipeline}")
 
@@ -74,7 +75,7 @@ class BatchRules(PlanContext):
         for item in self.model.items:
             if isinstance(item, Unit) and item.kind == "positional" and seq > int(item.attr("num")):  # type: ignore[arg-type]
                 num = item.attr("num")
-                self.error("E0310", f"seq {seq} is longer than the {num} positions of `{item.name}`",
+                self.error(E0310, f"seq {seq} is longer than the {num} positions of `{item.name}`",
                            given.value.span if given is not None else self.decl.name.span,
                            label=f"seq = {seq}" if given is not None else f"`seq` is not set (so {seq})",
                            secondary=(Label(item.span, f"{num} learned positions"),) if item.span else (),

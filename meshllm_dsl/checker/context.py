@@ -7,6 +7,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 from meshllm_dsl import ast
+from meshllm_dsl.codes import E0202, E0401
 from meshllm_dsl.diagnostics import Diagnostic, Label
 from meshllm_dsl.ir import Leaf, MeshIR, ModelIR, Placement
 from meshllm_dsl.names import did_you_mean, ranges
@@ -74,11 +75,11 @@ class PlanContext(Resolver):
         ok = True
         for n in names:
             if self.mesh.axis(n.value) is None:
-                self.error("E0202", f"unknown mesh axis `{n.value}`", n.span, label=f"not an axis of `{self.mesh.name}`",
+                self.error(E0202, f"unknown mesh axis `{n.value}`", n.span, label=f"not an axis of `{self.mesh.name}`",
                            help=did_you_mean(n.value, [a.name for a in self.mesh.axes]))
                 ok = False
             elif n.value in out:
-                self.error("E0401", f"mesh axis `{n.value}` is used twice in {what}", n.span, label="used again",
+                self.error(E0401, f"mesh axis `{n.value}` is used twice in {what}", n.span, label="used again",
                            help="a tensor dim can be split over an axis once; list each axis once")
                 ok = False
             else:

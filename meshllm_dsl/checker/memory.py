@@ -7,6 +7,7 @@ from meshllm_dsl import ast
 from meshllm_dsl.checker.context import (
     PlanContext,
 )
+from meshllm_dsl.codes import E0203, E0301, E0409, E0410
 from meshllm_dsl.diagnostics import Label
 from meshllm_dsl.ir import Unit
 from meshllm_dsl.names import or_list
@@ -21,17 +22,17 @@ class MemoryRules(PlanContext):
             return "none"
         v = given.value
         if not (isinstance(v, ast.Name) and v.value in RECOMPUTE):
-            self.error("E0203", "unknown recompute region", v.span, label="not a region",
+            self.error(E0203, "unknown recompute region", v.span, label="not a region",
                        help=f"use one of {or_list(RECOMPUTE)}: `blocks` recomputes each block of the repeat in "
                             "backward, `attention` only the attention core")
             return "none"
         region = v.value
         rep = self.model.repeat
         if region == "blocks" and rep is None:
-            self.error("E0409", "`recompute = blocks` needs a repeated block stack", v.span,
+            self.error(E0409, "`recompute = blocks` needs a repeated block stack", v.span,
                        label="no blocks to recompute", help=f"model `{self.model.name}` has no `repeat`: remove the setting")
         elif region == "attention" and (rep is None or not any(u.kind == "attention" for u in rep.body)):
-            self.error("E0409", "`recompute = attention` needs attention inside the repeated blocks", v.span,
+            self.error(E0409, "`recompute = attention` needs attention inside the repeated blocks", v.span,
                        label="no attention to recompute",
                        help=f"model `{self.model.name}` has no attention in a `repeat`: use `recompute = blocks` or remove the setting")
         return region
@@ -48,14 +49,14 @@ class MemoryRules(PlanContext):
         axes, text = self.seq_axes, " x ".join(self.seq_axes)
         rep = self.model.repeat
         if rep is None or not any(u.kind in ("attention", "mlp") for u in rep.body):
-            self.error("E0410", "sequence parallelism needs tensor-parallel blocks", entry.span,
+            self.error(E0410, "sequence parallelism needs tensor-parallel blocks", entry.span,
                        label="no blocks to shard along the sequence",
                        help=f"model `{self.model.name}` has no attention or mlp in a `repeat`: remove `seq -> {' * '.join(axes)}`")
             return
         items = self.model.items
         for item in items[:-1]:
             if isinstance(item, Unit) and item.kind == "linear":
-                self.error("E0410", f"sequence parallelism does not support the top-level linear `{item.name}`",
+                self.error(E0410, f"sequence parallelism does not support the top-level linear `{item.name}`",
                            entry.span, label="sequence parallelism asked for here",
                            secondary=(Label(item.span, "a linear between the blocks and the head"),) if item.span else (),
                            help=f"remove `seq -> {' * '.join(axes)}`")
@@ -63,7 +64,7 @@ class MemoryRules(PlanContext):
         if "seq" not in self.bad_settings and seq % n:
             span = seq_setting.value.span if seq_setting is not None else entry.span
             ok = [k * n for k in range(max(1, seq // n), max(1, seq // n) + 3)]
-            self.error("E0301", f"`seq` ({seq}) is not divisible by {text} ({n})", span,
+            self.error(E0301, f"`seq` ({seq}) is not divisible by {text} ({n})", span,
                        label=f"{seq} tokens do not split over {n} devices",
                        secondary=(Label(entry.span, f"sequence parallelism over {text}"),)
                        + tuple(lab for a in axes for lab in self.axis_label(a)),

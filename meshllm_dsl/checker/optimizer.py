@@ -7,6 +7,7 @@ from meshllm_dsl import ast
 from meshllm_dsl.checker.context import (
     PlanContext,
 )
+from meshllm_dsl.codes import E0203, E0304, E0309, E0407
 from meshllm_dsl.ir import DTYPES
 from meshllm_dsl.names import did_you_mean, or_list
 
@@ -37,17 +38,17 @@ class OptimizerRules(PlanContext):
         for extra in stmts[1:]:
             self.repeated("`optimizer`", extra.span, stmt.span)
         if stmt.name.value in ("adam", "sgd"):
-            self.error("E0309", f"optimizer `{stmt.name.value}` is not supported yet", stmt.name.span,
+            self.error(E0309, f"optimizer `{stmt.name.value}` is not supported yet", stmt.name.span,
                        label="the runtime builds AdamW", help="use `optimizer adamw { ... }` (with `weight_decay = 0` "
                        "it is Adam with decoupled decay switched off)")
         elif stmt.name.value != "adamw":
-            self.error("E0203", f"unknown optimizer `{stmt.name.value}`", stmt.name.span, label="not an optimizer",
+            self.error(E0203, f"unknown optimizer `{stmt.name.value}`", stmt.name.span, label="not an optimizer",
                        help="use `adamw`")
         settings = []
         seen: dict[str, ast.Setting] = {}
         for s in stmt.settings:
             if s.name.value not in OPT_SETTINGS:
-                self.error("E0203", f"unknown optimizer setting `{s.name.value}`", s.name.span, label="not a setting",
+                self.error(E0203, f"unknown optimizer setting `{s.name.value}`", s.name.span, label="not a setting",
                            help=did_you_mean(s.name.value, OPT_SETTINGS))
                 continue
             if s.name.value in seen:
@@ -57,7 +58,7 @@ class OptimizerRules(PlanContext):
             low, high, low_open, high_open = OPT_SETTINGS[s.name.value]
             v = self.eval_float(s.value, {}, f"`{s.name.value}`", low, high, low_open, high_open)
             if v is not None and s.name.value in OPT_STEP_COUNTS and not float(v).is_integer():
-                self.error("E0304", f"`{s.name.value}` is a number of steps, not {v}", s.value.span,
+                self.error(E0304, f"`{s.name.value}` is a number of steps, not {v}", s.value.span,
                            label="not a whole number", help=f"write `{s.name.value} = {int(v)}`")
                 continue
             if v is not None:
@@ -66,7 +67,7 @@ class OptimizerRules(PlanContext):
         if stmt.zero is not None:
             zero = stmt.zero.stage.value
             if zero not in (0, 1, 2, 3):
-                self.error("E0203", f"ZeRO stage {zero} does not exist", stmt.zero.stage.span, label="not 0, 1, 2 or 3",
+                self.error(E0203, f"ZeRO stage {zero} does not exist", stmt.zero.stage.span, label="not 0, 1, 2 or 3",
                            help="zero 1 shards optimizer states over the data-parallel axes, zero 2 gradients too, "
                            "zero 3 parameters too")
                 zero = 0
@@ -74,11 +75,11 @@ class OptimizerRules(PlanContext):
             if axes is not None:
                 zero_axes = axes
                 if not batch_axes and zero:
-                    self.error("E0407", "ZeRO shards over the data-parallel axes, but this plan has none",
+                    self.error(E0407, "ZeRO shards over the data-parallel axes, but this plan has none",
                                stmt.zero.span, label=f"zero {zero}",
                                help="add `layout { batch -> data }` so the batch (and the optimizer states) split over an axis")
                 elif set(axes) != set(batch_axes) and zero:
-                    self.error("E0407", f"ZeRO must shard over the batch axes ({' x '.join(batch_axes)}), not {' x '.join(axes)}",
+                    self.error(E0407, f"ZeRO must shard over the batch axes ({' x '.join(batch_axes)}), not {' x '.join(axes)}",
                                stmt.zero.span, label="not the data-parallel axes",
                                help=f"write `zero {zero} over {' * '.join(batch_axes)}`: only ranks holding the same parameters can share their optimizer states")
         return stmt.name.value, tuple(settings), zero, zero_axes
@@ -94,7 +95,7 @@ class OptimizerRules(PlanContext):
         for s in stmt.settings:
             key = s.name.value
             if key not in PRECISION_KEYS:
-                self.error("E0203", f"unknown precision setting `{key}`", s.name.span, label="not a precision setting",
+                self.error(E0203, f"unknown precision setting `{key}`", s.name.span, label="not a precision setting",
                            help=did_you_mean(key, PRECISION_KEYS))
                 continue
             if key in seen:
@@ -104,19 +105,19 @@ class OptimizerRules(PlanContext):
             if isinstance(s.value, ast.Name) and s.value.value in DTYPES:
                 values[key] = s.value.value
             else:
-                self.error("E0203", "unknown dtype", s.value.span, label="not a dtype", help=f"use one of {or_list(DTYPES)}")
+                self.error(E0203, "unknown dtype", s.value.span, label="not a dtype", help=f"use one of {or_list(DTYPES)}")
         if "params" in values and dtype_given and values["params"] != dtype:
-            self.error("E0203", f"`params = {values['params']}` contradicts the plan's `dtype = {dtype}`",
+            self.error(E0203, f"`params = {values['params']}` contradicts the plan's `dtype = {dtype}`",
                        seen["params"].value.span, label="computes in another dtype",
                        help="give the compute dtype once: drop the plan's `dtype` or make them equal")
         compute = values.get("params", dtype)
         master, reduce = values.get("master", compute), values.get("reduce", compute)
         if DTYPES[master] < DTYPES[compute] and "master" in seen:
-            self.error("E0203", f"master weights in {master} are narrower than the compute dtype {compute}",
+            self.error(E0203, f"master weights in {master} are narrower than the compute dtype {compute}",
                        seen["master"].value.span, label="would round every update more than the forward",
                        help=f"keep master weights at least as wide: `master = fp32` (or `params = {master}`)")
         if zero not in (2, 3):
-            self.error("E0309", "`precision` needs ZeRO stage 2 or 3", stmt.span,
+            self.error(E0309, "`precision` needs ZeRO stage 2 or 3", stmt.span,
                        label="mixed precision is applied by FSDP2, which only zero 2 / 3 use",
                        help="add `zero 2` (or `zero 3`) to the optimizer: `optimizer adamw { zero 2 }`")
         return compute, master, reduce

@@ -18,6 +18,7 @@ from meshllm_dsl.checker.context import (
     _seg_matches,
     _Silent,
 )
+from meshllm_dsl.codes import E0201, E0301, E0401, E0404, E0405, E0406, E0408, E0501, E0502, E0503
 from meshllm_dsl.diagnostics import Label
 from meshllm_dsl.ir import REPLICATE, RULES, BlockClass, Leaf, Placement, Repeat, Unit
 from meshllm_dsl.layouts import block_flows
@@ -36,7 +37,7 @@ class PlacementRules(PlanContext):
             for e in stmt.entries:
                 dim = e.dim.value
                 if dim in dims_seen:
-                    self.error("E0201", f"`{dim}` is laid out twice", e.dim.span, label="second entry",
+                    self.error(E0201, f"`{dim}` is laid out twice", e.dim.span, label="second entry",
                                secondary=(Label(dims_seen[dim].span, "first here"),), help="map each dim once")  # type: ignore[arg-type]
                     continue
                 dims_seen[dim] = e
@@ -55,7 +56,7 @@ class PlacementRules(PlanContext):
                 hits = self.layout_leaves(dim, axes, e)
                 if not hits:
                     known = sorted({u[0] for _, _, leaf in self.model.leaves() if leaf.shardable for u in leaf.in_units + leaf.out_units} | {"batch", "seq"})
-                    self.error("E0502", f"layout entry `{dim}` matches no parameter", e.dim.span,
+                    self.error(E0502, f"layout entry `{dim}` matches no parameter", e.dim.span,
                                label="no layer has this dim", help=did_you_mean(dim, known))
                 out.extend(hits)
         return batch_axes, out
@@ -70,7 +71,7 @@ class PlacementRules(PlanContext):
             if not (out_hit or in_hit):
                 continue
             if out_hit and in_hit:
-                self.error("E0401", f"`{dim} -> {' * '.join(axes)}` would split both dims of `{'.'.join(leaf.path)}`",
+                self.error(E0401, f"`{dim} -> {' * '.join(axes)}` would split both dims of `{'.'.join(leaf.path)}`",
                            e.span, label="both input and output are this dim",
                            help="shard this layer with an explicit `shard` rule instead")
                 self.claimed.add(leaf)
@@ -106,17 +107,17 @@ class PlacementRules(PlanContext):
     def rule(self, rule: ast.Rule) -> Placement | None:
         name = rule.name.value
         if name not in RULES:
-            self.error("E0406", f"unknown sharding rule `{name}`", rule.name.span, label="not a rule",
+            self.error(E0406, f"unknown sharding rule `{name}`", rule.name.span, label="not a rule",
                        help=f"use {or_list(f'`{r}`' for r in RULES)}")
             return None
         if name == "replicate":
             if rule.axes:
-                self.error("E0406", "`replicate` takes no axes", rule.span, label="remove the axes",
+                self.error(E0406, "`replicate` takes no axes", rule.span, label="remove the axes",
                            help="`replicate` keeps a full copy on every device")
                 return None
             return Placement("replicate", (), rule.span)
         if not rule.axes:
-            self.error("E0406", f"`{name}` needs the mesh axes to shard over", rule.span, label="no axes given",
+            self.error(E0406, f"`{name}` needs the mesh axes to shard over", rule.span, label="no axes given",
                        help=f"e.g. `{name}({next((a.name for a in self.mesh.axes if a.name == 'tensor'), self.mesh.axes[-1].name)})`")
             return None
         axes = self.check_axes(rule.axes, f"`{name}`")
@@ -129,16 +130,16 @@ class PlacementRules(PlanContext):
         if p.rule == "replicate":
             return True
         if not leaf.shardable:
-            self.error("E0405", f"`{path}` is a {leaf.kind}; it cannot be sharded with `{p.rule}`", stmt.rule.span,
+            self.error(E0405, f"`{path}` is a {leaf.kind}; it cannot be sharded with `{p.rule}`", stmt.rule.span,
                        label="not shardable", help=f"{leaf.kind} parameters are small and stay replicated: use `replicate` or remove the rule")
             return False
         if leaf.kind == "embedding" and p.rule != "vocab_parallel":
-            self.error("E0405", f"embedding `{path}` can only be `vocab_parallel` or `replicate`", stmt.rule.span,
+            self.error(E0405, f"embedding `{path}` can only be `vocab_parallel` or `replicate`", stmt.rule.span,
                        label=f"`{p.rule}` is not supported for embeddings",
                        help=f"use `vocab_parallel({', '.join(p.axes)})`: it splits the vocabulary rows")
             return False
         if leaf.kind == "linear" and p.rule == "vocab_parallel":
-            self.error("E0405", f"`vocab_parallel` applies to embeddings; `{path}` is a linear layer", stmt.rule.span,
+            self.error(E0405, f"`vocab_parallel` applies to embeddings; `{path}` is a linear layer", stmt.rule.span,
                        label="not an embedding",
                        help=f"use `column({', '.join(p.axes)})`: for an output projection it splits the vocabulary")
             return False
@@ -155,14 +156,14 @@ class PlacementRules(PlanContext):
                     for n in s.names:
                         if not any(n in (leaf.path) or (isinstance(item, Repeat) and n == item.name)
                                    for item, _, leaf in self.model.leaves()):
-                            self.error("E0502", f"`{n}` in `{path}` matches no layer", s.span, label=f"no layer `{n}`",
+                            self.error(E0502, f"`{n}` in `{path}` matches no layer", s.span, label=f"no layer `{n}`",
                                        help=did_you_mean(n, {p for _, _, lf in self.model.leaves() for p in lf.path}))
             return hits
         corrected = self.corrected_path(segs)
         if corrected is not None:
             fixed, meant = corrected
             typos = [n for s, f in zip(segs, fixed) for n in s.names if n not in f.names]
-            self.error("E0502", f"rule `{path}` matches no layer", path.span,
+            self.error(E0502, f"rule `{path}` matches no layer", path.span,
                        label=f"no layer {_and_list(f'`{n}`' for n in typos)} here",
                        help=f"did you mean `{'.'.join(str(s) for s in fixed)}`?")
             # What the rule was meant to place is not also "placed by no rule" (E0501): that follows
@@ -170,7 +171,7 @@ class PlacementRules(PlanContext):
             for leaf, _blocks in meant:
                 self.folded.setdefault(leaf, len(self.diagnostics) - 1)
             return []
-        self.error("E0502", f"rule `{path}` matches no layer", path.span, label="matches nothing",
+        self.error(E0502, f"rule `{path}` matches no layer", path.span, label="matches nothing",
                    help=self.path_help(path))
         return []
 
@@ -309,7 +310,7 @@ class PlacementRules(PlanContext):
                 shared = a.blocks & b.blocks if a.blocks is not None and b.blocks is not None else (a.blocks or b.blocks)
                 where = f"{item.name}.{'*' if shared is None else _blocks_text(sorted(shared))}.{where}"
             self.ambiguous = True
-            self.error("E0503", f"`{where}` is matched by two rules", a.span, label=f"{a.text} also matches it",
+            self.error(E0503, f"`{where}` is matched by two rules", a.span, label=f"{a.text} also matches it",
                        secondary=(Label(b.span, f"first matched by {b.text}"),) if b.span else (),
                        help="make the patterns disjoint: every parameter must be placed by exactly one rule")
             return
@@ -353,7 +354,7 @@ class PlacementRules(PlanContext):
             leaf, _unit, where, pattern = rest[0]
             fix = (f"add `shard {pattern} {rules[pattern]}` (or `replicate` to keep a full copy)" if axes is not None
                    else f"add `shard {pattern} replicate`")
-            self.error("E0501", f"`{where}` is not placed by any rule", self.decl.name.span,
+            self.error(E0501, f"`{where}` is not placed by any rule", self.decl.name.span,
                        label=f"plan `{self.decl.name.value}` leaves it out",
                        secondary=(Label(leaf.span, f"`{leaf.name}` declared here"),) if leaf.span else (),
                        help=f"{fix}; a plan with rules must place every parameter")
@@ -366,7 +367,7 @@ class PlacementRules(PlanContext):
             fix = "add " + "; ".join(f"`shard {pattern} {rule}`" for pattern, rule in rules.items()) + (
                 " (or `replicate` to keep a full copy)" if axes is not None else "")
         layout = self.single_layout()
-        self.error("E0501", f"{len(rest)} parameters are not placed by any rule", self.decl.name.span,
+        self.error(E0501, f"{len(rest)} parameters are not placed by any rule", self.decl.name.span,
                    label=f"plan `{self.decl.name.value}` leaves them out",
                    secondary=(Label(layout.span, "places only the dims it names"),) if layout is not None and layout.span else (),
                    note="not placed: " + ", ".join(f"`{where}`" for _, _, where, _ in rest),
@@ -424,7 +425,7 @@ class PlacementRules(PlanContext):
             failing = [(u, c) for u, c in mine.items() if c % n]
             names = " and ".join(f"`{u}` ({c})" for u, c in failing)
             self.error(
-                "E0301",
+                E0301,
                 f"{names} {'is' if len(failing) == 1 else 'are'} not divisible by {axes_text} ({n})",
                 p.span,
                 label=f"splits {count} {unit_name} over {n} devices",
@@ -463,7 +464,7 @@ class PlacementRules(PlanContext):
             mine, theirs = top.get(".".join(leaf.path), REPLICATE), top.get(leaf.tie, REPLICATE)
             same = (mine.sharded, mine.axes) == (theirs.sharded, theirs.axes)
             if not same:
-                self.error("E0408", f"`{leaf.name}` shares its weight with `{leaf.tie}` but is placed differently",
+                self.error(E0408, f"`{leaf.name}` shares its weight with `{leaf.tie}` but is placed differently",
                            mine.span or leaf.span, label=f"{mine.rule}{'(' + ', '.join(mine.axes) + ')' if mine.axes else ''}",
                            secondary=(Label(theirs.span, f"`{leaf.tie}` is {theirs.rule}"),) if theirs.span else (),
                            help=(f"make `{leaf.name}` `column({', '.join(theirs.axes)})` to split the same vocabulary rows as `{leaf.tie}`, or replicate both"
@@ -504,7 +505,7 @@ class PlacementRules(PlanContext):
         inferred = Placement("vocab_parallel", logits.axes) if logits.rule == "column" and logits.sharded else REPLICATE
         stmt = self.single(ast.LossStmt, "`loss`")
         if head is not None and head.rule == "row" and head.sharded:
-            self.error("E0404", f"`{last.name}` is row-parallel, so its logits are partial sums entering the loss",
+            self.error(E0404, f"`{last.name}` is row-parallel, so its logits are partial sums entering the loss",
                        head.span, label="logits are Partial over " + " x ".join(head.axes),
                        help=f"make `{last.name}` `column({', '.join(head.axes)})` with a vocab-parallel loss, or `replicate`")
             return inferred
@@ -512,7 +513,7 @@ class PlacementRules(PlanContext):
             return inferred
         name = stmt.rule.name.value
         if name not in ("cross_entropy", "vocab_parallel"):
-            self.error("E0406", f"unknown loss `{name}`", stmt.rule.name.span, label="not a loss",
+            self.error(E0406, f"unknown loss `{name}`", stmt.rule.name.span, label="not a loss",
                        help="use `cross_entropy` or `vocab_parallel(AXIS)`")
             return inferred
         axes = self.check_axes(stmt.rule.axes, "the loss") if name == "vocab_parallel" else ()
@@ -520,11 +521,11 @@ class PlacementRules(PlanContext):
             return inferred
         if name == "vocab_parallel" and inferred.axes != axes:
             got = "replicated (gathered)" if not inferred.sharded else f"sharded over {' x '.join(inferred.axes)}"
-            self.error("E0404", f"the loss expects logits sharded over {' x '.join(axes) or 'nothing'} but they are {got}",
+            self.error(E0404, f"the loss expects logits sharded over {' x '.join(axes) or 'nothing'} but they are {got}",
                        stmt.rule.span, label="loss layout", secondary=(Label(head.span, "logits placed here"),) if head and head.span else (),
                        help=f"shard `{last.name}` with `column({', '.join(axes)})`, or use `loss cross_entropy`")
         if name == "cross_entropy" and inferred.sharded:
-            self.error("E0404", f"`cross_entropy` needs full logits but `{last.name}` shards them over {' x '.join(inferred.axes)}",
+            self.error(E0404, f"`cross_entropy` needs full logits but `{last.name}` shards them over {' x '.join(inferred.axes)}",
                        stmt.rule.span, label="expects replicated logits",
                        help=f"use `loss vocab_parallel({', '.join(inferred.axes)})`: it never gathers the logits")
         return inferred

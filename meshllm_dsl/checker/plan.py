@@ -10,6 +10,7 @@ from meshllm_dsl.checker.optimizer import OptimizerRules
 from meshllm_dsl.checker.pitfalls import PitfallRules
 from meshllm_dsl.checker.placements import PlacementRules
 from meshllm_dsl.checker.stages import StageRules
+from meshllm_dsl.codes import E0203, E0309
 from meshllm_dsl.ir import PlanIR, Unit
 from meshllm_dsl.layouts import top_flows
 from meshllm_dsl.names import did_you_mean, or_list
@@ -39,11 +40,11 @@ class PlanChecker(PlacementRules, StageRules, BatchRules, OptimizerRules, Memory
         values: dict[str, int] = {}
         for key, s in settings.items():
             if key in UNSUPPORTEDPLAN_SETTINGS:
-                self.error("E0309", f"plan setting `{key}` is not supported yet", s.name.span,
+                self.error(E0309, f"plan setting `{key}` is not supported yet", s.name.span,
                            label="would be ignored", help=UNSUPPORTEDPLAN_SETTINGS[key])
                 continue
             if key not in PLAN_SETTINGS:
-                self.error("E0203", f"unknown plan setting `{key}`", s.name.span, label="not a plan setting",
+                self.error(E0203, f"unknown plan setting `{key}`", s.name.span, label="not a plan setting",
                            help=did_you_mean(key, PLAN_SETTINGS))
                 continue
             if key in ("dtype", "recompute"):
@@ -61,7 +62,7 @@ class PlanChecker(PlacementRules, StageRules, BatchRules, OptimizerRules, Memory
             if isinstance(v, ast.Name) and v.value in DTYPES:
                 dtype = v.value
             else:
-                self.error("E0203", "unknown dtype", v.span, label="not a dtype", help=f"use one of {or_list(DTYPES)}")
+                self.error(E0203, "unknown dtype", v.span, label="not a dtype", help=f"use one of {or_list(DTYPES)}")
 
         recompute = self.recompute(settings.get("recompute"))
 

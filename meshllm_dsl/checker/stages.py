@@ -12,6 +12,7 @@ from meshllm_dsl.checker.context import (
     _blocks_text,
     _human,
 )
+from meshllm_dsl.codes import E0201, E0202, E0601, E0602, E0603, E0604, E0605, E0608, E0609, W0701
 from meshllm_dsl.diagnostics import Label
 from meshllm_dsl.ir import BlockClass, Placement, Repeat, Stage, StagePiece
 from meshllm_dsl.names import did_you_mean, divisors, or_list
@@ -27,7 +28,7 @@ class StageRules(PlanContext):
             return (Stage(0, 0, tuple(StagePiece(i.name, 0 if isinstance(i, Repeat) else None, i.count if isinstance(i, Repeat) else None) for i in model.items), model.numel),), None, 1
         stmt = stmts[0]
         for extra in stmts[1:]:
-            self.error("E0201", "`stages` is declared twice", extra.span, label="second declaration",
+            self.error(E0201, "`stages` is declared twice", extra.span, label="second declaration",
                        secondary=(Label(stmt.span, "first here"),), help="declare the stage map once")  # type: ignore[arg-type]
         axes = self.check_axes([stmt.axis], "stages")
         if axes is None:
@@ -52,7 +53,7 @@ class StageRules(PlanContext):
             if sorted(indices) == list(range(len(entries))):
                 # Numbered 0..n-1 but listed out of order: one error, then check the map in stage order.
                 k, bad = next((k, e) for k, e in enumerate(entries) if e.index.value != k)
-                self.error("E0603", f"stage {bad.index.value} is listed where stage {k} belongs", bad.index.span,
+                self.error(E0603, f"stage {bad.index.value} is listed where stage {k} belongs", bad.index.span,
                            label=f"expected stage {k}",
                            help=f"list the stages in order {', '.join(map(str, range(len(entries))))}: "
                            "activations flow from stage i to stage i + 1")
@@ -63,7 +64,7 @@ class StageRules(PlanContext):
             else:
                 for k, e in enumerate(entries):
                     if e.index.value != k:
-                        self.error("E0603", f"stage {e.index.value} is out of order", e.index.span,
+                        self.error(E0603, f"stage {e.index.value} is out of order", e.index.span,
                                    label=f"expected stage {k}", help="number stages 0, 1, 2, ... in order")
         stages: list[Stage] = []
         seen_items: dict[str, ast.StageItem] = {}
@@ -84,7 +85,7 @@ class StageRules(PlanContext):
                 name = it.name.value
                 item = model.item(name)
                 if item is None:
-                    self.error("E0202", f"unknown layer `{name}` in the stage map", it.name.span, label="no such layer",
+                    self.error(E0202, f"unknown layer `{name}` in the stage map", it.name.span, label="no such layer",
                                help=did_you_mean(name, [i.name for i in model.items]))
                     unknown_names = True  # the layers "in no stage" are then most likely this one, misspelled
                     continue
@@ -93,19 +94,19 @@ class StageRules(PlanContext):
                     assert start is not None and stop is not None
                     if not (0 <= start < stop <= item.count):
                         bad_ranges.add(name)  # coverage of this repeat is then unknown: no E0601 / E0602 guesses
-                        self.error("E0609", f"`{name}[{start}:{stop}]` is not a valid block range", it.span,
+                        self.error(E0609, f"`{name}[{start}:{stop}]` is not a valid block range", it.span,
                                    label=f"`{name}` has blocks 0 to {item.count - 1}",
                                    help=f"use a range within [0:{item.count}] with start < stop")
                         continue
                 else:
                     if it.start is not None:
-                        self.error("E0609", f"`{name}` is a single layer and cannot be sliced", it.span,
+                        self.error(E0609, f"`{name}` is a single layer and cannot be sliced", it.span,
                                    label="not a repeat", help=f"write `{name}` without a range")
                         seen_items.setdefault(name, it)  # it is in this stage, only mis-written
                         continue
                     start = stop = None  # type: ignore[assignment]
                     if name in seen_items:
-                        self.error("E0602", f"`{name}` is in two stages", it.span, label="again here",
+                        self.error(E0602, f"`{name}` is in two stages", it.span, label="again here",
                                    secondary=(Label(seen_items[name].span, "first here"),),  # type: ignore[arg-type]
                                    help="every layer belongs to exactly one stage")
                         continue
@@ -114,27 +115,27 @@ class StageRules(PlanContext):
                 prev = last_item.get(name)
                 if (isinstance(item, Repeat) and prev is not None and position[0] == order[name]
                         and start < position[1] and stop > (prev[1].start or 0)):
-                    self.error("E0602", f"blocks {_blocks_text(range(start, min(stop, position[1])))} of `{name}` are in two stages",
+                    self.error(E0602, f"blocks {_blocks_text(range(start, min(stop, position[1])))} of `{name}` are in two stages",
                                it.span, label=f"starts at {start}",
                                secondary=(Label(prev[1].span, f"stage {prev[0]} holds blocks up to {position[1] - 1}"),),  # type: ignore[arg-type]
                                help=f"start this range at {position[1]}: every block belongs to exactly one stage")
                     overlap_reported = True
                 elif id(it) in out_of_order:
-                    self.error("E0603", f"`{it.name.value}{'' if start is None else f'[{start}:{stop}]'}` is out of order",
+                    self.error(E0603, f"`{it.name.value}{'' if start is None else f'[{start}:{stop}]'}` is out of order",
                                it.span, label="comes before an earlier stage's layers",
                                help="stages must hold the model's layers contiguously and in order")
                 elif isinstance(item, Repeat) and here > position and position[0] == order[name]:
-                    self.error("E0601", f"blocks {position[1]} to {start - 1} of `{name}` are in no stage", it.span,
+                    self.error(E0601, f"blocks {position[1]} to {start - 1} of `{name}` are in no stage", it.span,
                                label=f"starts at {start}", help=f"start this range at {position[1]}")
                 elif isinstance(item, Repeat) and position[0] < order[name] and start != 0:
-                    self.error("E0601", f"blocks 0 to {start - 1} of `{name}` are in no stage", it.span,
+                    self.error(E0601, f"blocks 0 to {start - 1} of `{name}` are in no stage", it.span,
                                label=f"starts at {start}", help=f"start the first range of `{name}` at 0")
                 if id(it) not in out_of_order:
                     position = max(position, (order[name], stop if stop is not None else 0) if isinstance(item, Repeat) else (order[name] + 1, 0))
                 last_item[name] = (k, it)
                 pieces.append(StagePiece(name, start, stop))
             if not pieces and not entry.items:
-                self.error("E0605", f"stage {k} holds no layers", entry.span, label="empty stage",
+                self.error(E0605, f"stage {k} holds no layers", entry.span, label="empty stage",
                            help=f"every stage needs at least one layer: move layers here or use fewer stages (and a smaller `{axis}` axis)")
             stages.append(Stage(k, k % p, tuple(pieces), self.stage_numel(pieces, top)))
         # coverage of every item and every block
@@ -144,19 +145,19 @@ class StageRules(PlanContext):
                     b for s in stages for pc in s.pieces if pc.item == item.name for b in range(pc.start or 0, pc.stop or 0))
                 dup = sorted(b for b, c in counts.items() if c > 1)
                 if dup and not overlap_reported:
-                    self.error("E0602", f"blocks {_blocks_text(dup)} of `{item.name}` are in two stages", header,
+                    self.error(E0602, f"blocks {_blocks_text(dup)} of `{item.name}` are in two stages", header,
                                label="overlapping ranges", help="block ranges of consecutive stages must not overlap")
                 # Gaps and a late first range are reported where they occur (above); here only the tail.
                 end = max(counts, default=-1) + 1
                 if end < item.count:
                     where = last_item.get(item.name)
                     if where is None:
-                        self.error("E0601", f"`{item.name}` (blocks 0-{item.count - 1}) is in no stage", header,
+                        self.error(E0601, f"`{item.name}` (blocks 0-{item.count - 1}) is in no stage", header,
                                    label="stage map", help=f"add `{item.name}[a:b]` ranges covering `{item.name}[0:{item.count}]`")
                     else:
                         k, it = where
                         first = it.start if it.start is not None else 0
-                        self.error("E0601", f"blocks {_blocks_text(range(end, item.count))} of `{item.name}` are in no stage",
+                        self.error(E0601, f"blocks {_blocks_text(range(end, item.count))} of `{item.name}` are in no stage",
                                    it.span, label=f"the last range stops at block {end - 1}",
                                    help=f"extend it to `{item.name}[{first}:{item.count}]`, or add `{item.name}[{end}:{item.count}]` to the next stage")
             elif not isinstance(item, Repeat) and item.name not in seen_items and not unknown_names:
@@ -164,18 +165,18 @@ class StageRules(PlanContext):
                 after = next((last_item[n.name] for n in model.items[i + 1:] if n.name in last_item), None)
                 if before is not None:
                     k, it = before
-                    self.error("E0601", f"`{item.name}` is in no stage", it.span, label=f"`{item.name}` comes after this",
+                    self.error(E0601, f"`{item.name}` is in no stage", it.span, label=f"`{item.name}` comes after this",
                                help=f"add `{item.name}` after `{it.span.text if it.span else it.name.value}` in stage {k}"
                                + (f", or first in stage {k + 1}" if k + 1 < len(entries) else ""))
                 elif after is not None:
                     k, it = after
-                    self.error("E0601", f"`{item.name}` is in no stage", it.span, label=f"`{item.name}` comes before this",
+                    self.error(E0601, f"`{item.name}` is in no stage", it.span, label=f"`{item.name}` comes before this",
                                help=f"add `{item.name}` before `{it.span.text if it.span else it.name.value}` in stage {k}")
                 else:
-                    self.error("E0601", f"`{item.name}` is in no stage", header, label="stage map",
+                    self.error(E0601, f"`{item.name}` is in no stage", header, label="stage map",
                                help=f"add `{item.name}` to the first stage")
         if len(stmt.entries) != count:
-            self.error("E0604", f"{len(stmt.entries)} stages for a pipeline of {count}", header,
+            self.error(E0604, f"{len(stmt.entries)} stages for a pipeline of {count}", header,
                        label=f"{len(stmt.entries)} stage{'s' if len(stmt.entries) != 1 else ''} listed, {count} needed",
                        secondary=self.axis_label(axis),
                        help=f"declare exactly {count} stages ({axis} size {p}" + (f" x {virtual} virtual" if virtual > 1 else "") + ")")
@@ -189,12 +190,12 @@ class StageRules(PlanContext):
         count = p * virtual
         rep = self.repeat
         if rep is None:
-            self.error("E0608", "`balanced` needs a repeated block stack to split", stmt.span,
+            self.error(E0608, "`balanced` needs a repeated block stack to split", stmt.span,
                        label="no repeat in this model", help="list the stages explicitly")
             return ()
         if rep.count % count:
             fits = [d for d in divisors(rep.count)]
-            self.error("E0608", f"{rep.count} blocks cannot be split evenly over {count} stages", stmt.span,
+            self.error(E0608, f"{rep.count} blocks cannot be split evenly over {count} stages", stmt.span,
                        label=f"{axis} = {p}" + (f" x virtual {virtual}" if virtual > 1 else ""),
                        secondary=self.axis_label(axis),
                        help=f"stage count ({axis} x virtual) must divide {rep.count}: use {or_list(fits)}, or list the stages explicitly")
@@ -253,7 +254,7 @@ class StageRules(PlanContext):
         else:
             help_ = (f"the slowest stage sets the pace of the pipeline: move blocks off stage {worst.index}, or "
                      "give the embedding / head stages fewer blocks")
-        self.warn("W0701", f"stage {worst.index} holds {worst.numel / mean:.2f}x the mean parameter count",
+        self.warn(W0701, f"stage {worst.index} holds {worst.numel / mean:.2f}x the mean parameter count",
                   span, label=f"parameters per stage: {listing}", help=help_,
                   note="the pipeline waits for its slowest stage")
 
