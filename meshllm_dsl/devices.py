@@ -30,6 +30,7 @@ from collections.abc import Iterable
 import attrs
 
 from meshllm_dsl import ast
+from meshllm_dsl.codes import E0201, E0202, E0203, E0205, E0303, E0304, E0307, E0312, W0708
 from meshllm_dsl.diagnostics import Diagnostic, Label
 from meshllm_dsl.ir import MeshIR
 from meshllm_dsl.limits import MAX_DEVICES
@@ -127,7 +128,7 @@ def declared_profiles(decls: Iterable[ast.DeviceDecl]) -> tuple[dict[str, Device
             key = s.name.value
             if key in seen:
                 first = seen[key].name.span
-                diags.append(Diagnostic("E0201", f"device setting `{key}` is given twice", s.name.span,
+                diags.append(Diagnostic(E0201, f"device setting `{key}` is given twice", s.name.span,
                                         label="given again here",
                                         secondary=(Label(first, "first given here"),) if first is not None else (),
                                         help="keep one of them: a repeated setting would silently override the other"))
@@ -138,43 +139,43 @@ def declared_profiles(decls: Iterable[ast.DeviceDecl]) -> tuple[dict[str, Device
                 target = s.value.value if isinstance(s.value, ast.Name) else None
                 base = PROFILES.get(target or "") or out.get(target or "")
                 if base is None:
-                    diags.append(Diagnostic("E0202", f"unknown device profile `{target}`", s.value.span,
+                    diags.append(Diagnostic(E0202, f"unknown device profile `{target}`", s.value.span,
                                             label="not a known device",
                                             help=did_you_mean(str(target), [*PROFILES, *out])))
                     ok = False
                 continue
             if key not in _SETTINGS:
-                diags.append(Diagnostic("E0203", f"unknown device setting `{key}`", s.name.span,
+                diags.append(Diagnostic(E0203, f"unknown device setting `{key}`", s.name.span,
                                         label="not a device setting",
                                         help=did_you_mean(key, [*_SETTINGS, "like"])))
                 ok = False
                 continue
             v = _number(s.value)
             if v is None or v <= 0:
-                diags.append(Diagnostic("E0303" if v is not None else "E0304", f"`{key}` must be a positive number",
+                diags.append(Diagnostic(E0303 if v is not None else E0304, f"`{key}` must be a positive number",
                                         s.value.span, label="not a positive number",
                                         help=f"e.g. `{key} = {_EXAMPLE.get(key) or getattr(PROFILES[DEFAULT_PROFILE], _SETTINGS[key])}`"))
                 ok = False
                 continue
             if key in _WHOLE and (v != int(v) or v > MAX_DEVICES):
-                diags.append(Diagnostic("E0304" if v != int(v) else "E0307", f"`{key}` must be a whole number of devices"
+                diags.append(Diagnostic(E0304 if v != int(v) else E0307, f"`{key}` must be a whole number of devices"
                                         + ("" if v != int(v) else f" up to {MAX_DEVICES}"),
                                         s.value.span, label=f"is {v:g}",
                                         help=f"e.g. `{key} = {max(1, min(int(v), MAX_DEVICES))}`"))
                 ok = False
                 continue
             if key == "cores" and v > MAX_DEVICES:
-                diags.append(Diagnostic("E0307", f"`cores` is out of range: {v:g}", s.value.span, label=f"more than {MAX_DEVICES}",
+                diags.append(Diagnostic(E0307, f"`cores` is out of range: {v:g}", s.value.span, label=f"more than {MAX_DEVICES}",
                                         help="e.g. `cores = 2`: the CPU cores the ranks of one host share"))
                 ok = False
                 continue
             if key == "mfu" and v > 1:
-                diags.append(Diagnostic("E0307", f"`mfu` is a fraction of peak throughput, at most 1: {v:g}", s.value.span,
+                diags.append(Diagnostic(E0307, f"`mfu` is a fraction of peak throughput, at most 1: {v:g}", s.value.span,
                                         label="more than the peak", help="e.g. `mfu = 0.5`"))
                 ok = False
                 continue
             if not math.isfinite(v) or v > 1e9:
-                diags.append(Diagnostic("E0307", f"`{key}` is out of range: {v:g}", s.value.span, label="too large",
+                diags.append(Diagnostic(E0307, f"`{key}` is out of range: {v:g}", s.value.span, label="too large",
                                         help=f"e.g. `{key} = {getattr(PROFILES[DEFAULT_PROFILE], _SETTINGS[key])}`"))
                 ok = False
                 continue
@@ -183,7 +184,7 @@ def declared_profiles(decls: Iterable[ast.DeviceDecl]) -> tuple[dict[str, Device
             continue
         missing = [k for k, field in _SETTINGS.items() if field not in values and k not in _OPTIONAL]
         if base is None and missing:
-            diags.append(Diagnostic("E0205", f"device `{decl.name.value}` does not set {', '.join(f'`{m}`' for m in missing)}",
+            diags.append(Diagnostic(E0205, f"device `{decl.name.value}` does not set {', '.join(f'`{m}`' for m in missing)}",
                                     decl.name.span, label="incomplete profile",
                                     help=f"set them, or start from a known profile with `like = {DEFAULT_PROFILE}`"))
             continue
@@ -210,7 +211,7 @@ def host_diagnostics(decl: ast.MeshDecl, devices: int, hosts: int, profile: Devi
     if setting is None:
         need = hosts_needed(devices, per)
         return [Diagnostic(
-            "W0708", f"mesh `{decl.name.value}` has {devices} `{name}` devices, more than one host holds ({per}), "
+            W0708, f"mesh `{decl.name.value}` has {devices} `{name}` devices, more than one host holds ({per}), "
             "and no `hosts`", decl.name.span, label=f"assumed: {need} hosts of {devices // need}",
             note=f"`meshc plan` and `meshc compile --slurm` take the mesh as {need} hosts of {devices // need} (ranks "
             f"0-{devices // need - 1} on the first, {devices // need}-{2 * (devices // need) - 1} on the next, ...), "
@@ -220,7 +221,7 @@ def host_diagnostics(decl: ast.MeshDecl, devices: int, hosts: int, profile: Devi
         return []
     need = hosts_needed(devices, per)
     return [Diagnostic(
-        "E0312", f"{devices // hosts} devices per host, but a `{name}` host holds {per}", setting.value.span,
+        E0312, f"{devices // hosts} devices per host, but a `{name}` host holds {per}", setting.value.span,
         label=f"{devices} devices over {hosts} host{'s' * (hosts > 1)}",
         help=f"use `hosts = {need}` or more ({devices // need} per host), or a device profile with "
         f"`per_host = {devices // hosts}`: `device {name}_{devices // hosts} {{ like = {name}, per_host = {devices // hosts} }}`")]

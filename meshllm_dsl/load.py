@@ -18,6 +18,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 import attrs
 
 from meshllm_dsl import ast
+from meshllm_dsl.codes import E0103, E0104
 from meshllm_dsl.diagnostics import Diagnostic, Label, SpecError
 from meshllm_dsl.parser import parse_source
 from meshllm_dsl.source import SourceFile, Span, UnreadableSpec
@@ -91,11 +92,11 @@ def _read(path: str | Path, decls: Declarations, span: Span | None = None) -> So
 
 def _unreadable(err: UnreadableSpec, included_at: Span | None) -> Diagnostic:
     if err.source is None:  # nothing of the file is shown: it may not be a spec at all
-        return Diagnostic("E0104", err.message, included_at, label="included here" if included_at else "", help=err.help)
+        return Diagnostic(E0104, err.message, included_at, label="included here" if included_at else "", help=err.help)
     # Text with one bad byte: point at it, and at the include that brought the file in.
     secondary = () if included_at is None else (Label(included_at, "included here"),)
     where = err.source.span(err.offset, err.offset + 1)
-    return Diagnostic("E0104", err.message, where, label="not UTF-8", secondary=secondary, help=err.help)
+    return Diagnostic(E0104, err.message, where, label="not UTF-8", secondary=secondary, help=err.help)
 
 
 def _load_into(source: SourceFile, decls: Declarations, stack: list[str], dirs: tuple[Path, ...]) -> None:
@@ -113,7 +114,7 @@ def _load_into(source: SourceFile, decls: Declarations, stack: list[str], dirs: 
             continue
         refused = _refuse_include(item.path.value)
         if refused is not None:
-            decls.diagnostics.append(Diagnostic("E0103", refused[0], item.path.span, label="refused", help=refused[1]))
+            decls.diagnostics.append(Diagnostic(E0103, refused[0], item.path.span, label="refused", help=refused[1]))
             continue
         places = _include_places(source, dirs)
         target = _resolve_include(places, item.path.value)
@@ -122,7 +123,7 @@ def _load_into(source: SourceFile, decls: Declarations, stack: list[str], dirs: 
             where = ", ".join(str(p) for p in places[:-1])
             decls.diagnostics.append(
                 Diagnostic(
-                    "E0103",
+                    E0103,
                     f"included file `{item.path.value}` not found",
                     item.path.span,
                     label="no such file",
@@ -136,13 +137,13 @@ def _load_into(source: SourceFile, decls: Declarations, stack: list[str], dirs: 
             real = target
         if real.suffix != ".mesh":  # a symlink named x.mesh must lead to a spec too
             decls.diagnostics.append(Diagnostic(
-                "E0103", f"`{item.path.value}` leads to `{real}`, which is not a .mesh file",
+                E0103, f"`{item.path.value}` leads to `{real}`, which is not a .mesh file",
                 item.path.span, label="refused", help="only .mesh specs can be included"))
             continue
         if str(real) in stack:
             decls.diagnostics.append(
                 Diagnostic(
-                    "E0103",
+                    E0103,
                     f"include cycle: `{item.path.value}` includes this file again",
                     item.path.span,
                     label="cycle closes here",

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from meshllm_dsl import ast, parse_tables
+from meshllm_dsl.codes import E0101, E0102, E0201, E0307, E0311
 from meshllm_dsl.diagnostics import Diagnostic, Label, SpecError
 from meshllm_dsl.limits import MAX_EXPR_DEPTH, MAX_INT_DIGITS
 from meshllm_dsl.source import SourceFile, Span
@@ -180,7 +181,7 @@ class _Builder:
         digits = tok[1].replace("_", "")
         if len(digits.lstrip("0")) > MAX_INT_DIGITS:
             self.diagnostics.append(Diagnostic(
-                "E0307", f"integer literal with {len(digits)} digits is out of range", self._tok(tok),
+                E0307, f"integer literal with {len(digits)} digits is out of range", self._tok(tok),
                 label=f"more than {MAX_INT_DIGITS} digits",
                 help="sizes, counts and dims in a spec are at most 2**40; write the value you mean"))
             return 1
@@ -214,7 +215,7 @@ class _Builder:
         lit = ast.FloatLit(c[0][1], self._span())
         if not math.isfinite(lit.value) or (lit.value == 0 and any(ch in "123456789" for ch in lit.text.split("e")[0].split("E")[0])):
             self.diagnostics.append(Diagnostic(
-                "E0307", f"`{lit.text}` is out of range", lit.span,
+                E0307, f"`{lit.text}` is out of range", lit.span,
                 label="overflows to infinity" if not math.isfinite(lit.value) else "underflows to 0",
                 help="numbers in a spec must be finite 64-bit floats: at most about 1e308 in size, and not so small they round to 0"))
             return ast.FloatLit("1.0", lit.span)
@@ -359,7 +360,7 @@ class _Builder:
         zero = zeros[0] if zeros else None
         for extra in zeros[1:]:
             self.diagnostics.append(Diagnostic(
-                "E0201", "`zero` is given twice in one optimizer", extra.span, label="second `zero`",
+                E0201, "`zero` is given twice in one optimizer", extra.span, label="second `zero`",
                 secondary=(Label(zeros[0].span, "first here"),) if zeros[0].span else (),  # type: ignore[arg-type]
                 help="give the ZeRO stage once"))
         settings = tuple(s for s in c[1:] if isinstance(s, ast.Setting))
@@ -415,20 +416,20 @@ def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
             note, opened = unclosed
             # What the parser would accept (`=`, a setting's value) only misleads: the keyword was
             # never meant as a setting.
-            return Diagnostic("E0101", f"unexpected {found}", source.span(start, end), label="not expected here",
+            return Diagnostic(E0101, f"unexpected {found}", source.span(start, end), label="not expected here",
                               note=note, help=f"add `}}` to close the block opened on line {opened}")
         missing = _missing_close(source, start, {t for t in candidates})
         if missing is not None:
             at, close, opened_line = missing
             line = source.position(at)[0]
             return Diagnostic(
-                "E0101", f"missing `{close}` at the end of line {line}", source.span(at, at),
+                E0101, f"missing `{close}` at the end of line {line}", source.span(at, at),
                 label=f"expected `{close}` here",
                 note=f"the `{_OPENERS[close]}` on line {opened_line} is still open, and line {source.position(start)[0]} "
                 f"starts with {found}, which cannot continue it",
                 help=f"add `{close}` at the end of line {line}")
         return Diagnostic(
-            "E0101",
+            E0101,
             f"unexpected {found}",
             source.span(start, end),
             label="not expected here",
@@ -448,7 +449,7 @@ def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
             help_ = "remove it: .mesh files are plain ASCII text"
         shown = f"`{ch}`" if ch.isprintable() and ch != "`" else repr(ch)
         return Diagnostic(
-            "E0102",
+            E0102,
             f"unexpected character {shown}",
             source.span(start, start + 1),
             label="not valid here",
@@ -458,7 +459,7 @@ def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
     expected = sorted({_describe(t) for t in err.expected})
     end = len(source.text)
     return Diagnostic(
-        "E0101",
+        E0101,
         "unexpected end of file",
         source.span(end, end),
         label="file ends here",
@@ -906,7 +907,7 @@ class _FastLexer:
 
 def _too_deep(span: Any) -> Diagnostic:
     return Diagnostic(
-        "E0311", f"expression nests more than {MAX_EXPR_DEPTH} operators", span,
+        E0311, f"expression nests more than {MAX_EXPR_DEPTH} operators", span,
         label="too deeply nested",
         help="compute the value and write it as a number, or name parts of it as dims")
 

@@ -13,6 +13,20 @@ from typing import Any
 import attrs
 
 from meshllm_dsl import ast
+from meshllm_dsl.codes import (
+    E0201,
+    E0202,
+    E0203,
+    E0204,
+    E0205,
+    E0302,
+    E0303,
+    E0304,
+    E0306,
+    E0307,
+    E0308,
+    E0309,
+)
 from meshllm_dsl.devices import PROFILES
 from meshllm_dsl.diagnostics import Diagnostic, Label
 from meshllm_dsl.ir import DTYPES, Axis, Leaf, MeshIR, ModelIR, Repeat, Symbol, Tensor, Unit, Value
@@ -47,7 +61,7 @@ class Resolver:
             return True
         shown = name.value if len(name.value) <= 40 else name.value[:37] + "..."
         self.error(
-            "E0204",
+            E0204,
             f"{what} name `{shown}` {problem}",
             name.span,
             label="not allowed as a name",
@@ -58,7 +72,7 @@ class Resolver:
 
     def repeated(self, what: str, again: Span | None, first: Span | None) -> None:
         """E0201 for a statement given twice, pointing at both: nothing is silently overridden."""
-        self.error("E0201", f"{what} is given twice", again, label="given again here",
+        self.error(E0201, f"{what} is given twice", again, label="given again here",
                    secondary=(Label(first, "first given here"),) if first is not None else (),
                    help="keep one of them: a repeated statement would silently override the other")
 
@@ -96,12 +110,12 @@ class Resolver:
         if expr.op == "*":
             return left * right
         if right == 0:
-            self.error("E0302", "division by zero", expr.span, label=f"`{_text(expr.right)}` is 0")
+            self.error(E0302, "division by zero", expr.span, label=f"`{_text(expr.right)}` is 0")
             return None
         if isinstance(left, int) and isinstance(right, int):
             if left % right:
                 self.error(
-                    "E0302",
+                    E0302,
                     f"`{_text(expr)}` does not divide exactly: {left} / {right} = {left / right:.4g}",
                     expr.span,
                     label="must divide exactly",
@@ -116,13 +130,13 @@ class Resolver:
         if isinstance(v, Symbol):
             self.unknown_name(expr, "dim", env)
         elif v is not None:
-            self.error("E0304", f"`{_text(expr)}` is not a number", expr.span, label=f"is {_kind(v)}")
+            self.error(E0304, f"`{_text(expr)}` is not a number", expr.span, label=f"is {_kind(v)}")
         return None
 
     def unknown_name(self, expr: ast.Expr, what: str, env: Env) -> None:
         name = expr.value if isinstance(expr, ast.Name) else _text(expr)
         self.error(
-            "E0202",
+            E0202,
             f"unknown {what} `{name}`",
             expr.span,
             label="not declared",
@@ -146,12 +160,12 @@ class Resolver:
                 return None  # this value is already reported (at its first use); one error per mistake
             self._bad_origins.add(span)
         if isinstance(v, bool) or not isinstance(v, int):
-            self.error("E0304", f"{what} must be an integer", span, label=f"is {_kind(v)}", secondary=secondary,
+            self.error(E0304, f"{what} must be an integer", span, label=f"is {_kind(v)}", secondary=secondary,
                        help=f"use a whole number{f' such as {max(minimum, round(v))}' if isinstance(v, float) else ''}")
             return None
         if v < minimum:
             self.error(
-                "E0303",
+                E0303,
                 f"{what} must be at least {minimum}, got {v}",
                 span,
                 label="too small",
@@ -160,7 +174,7 @@ class Resolver:
             )
             return None
         if v > maximum:
-            self.error("E0307", f"{what} is out of range: {_short(v)} is above {_short(maximum)}", span,
+            self.error(E0307, f"{what} is out of range: {_short(v)} is above {_short(maximum)}", span,
                        label="too large", secondary=secondary,
                        help=f"use a value <= {_short(maximum)}")
             return None
@@ -187,7 +201,7 @@ class Resolver:
             self._bad_origins.add(span)
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             words = str(v).lower() in ("nan", "inf", "infinity")
-            self.error("E0304", f"{what} must be a number", span, label=f"is {_kind(v)}", secondary=secondary,
+            self.error(E0304, f"{what} must be a number", span, label=f"is {_kind(v)}", secondary=secondary,
                        help="write a decimal number such as `1e-5`" + ("; `nan` and `inf` are not numbers in a spec" if words else ""))
             return None
         f = float(v)
@@ -196,7 +210,7 @@ class Resolver:
         if not math.isfinite(f) or too_low or too_high:
             lo = f"{'>' if low_open else '>='} {low:g}"
             hi = f"{'<' if high_open else '<='} {high:g}"
-            self.error("E0307", f"{what} is out of range: {f:g}", span, label=f"must be {lo} and {hi}",
+            self.error(E0307, f"{what} is out of range: {f:g}", span, label=f"must be {lo} and {hi}",
                        secondary=secondary, help=f"use a value {lo} and {hi}")
             return None
         return f
@@ -249,13 +263,13 @@ def resolve_mesh(decl: ast.MeshDecl, r: Resolver, devices: Sequence[str]) -> Mes
         if a.name.value in _MESH_SETTINGS:
             # `axes a = 2, b = 4,` then `hosts = 2` on the next line: the trailing comma continues the
             # axis list, so the setting silently became a third axis. Never let that pass.
-            r.error("E0204", f"`{a.name.value}` is a mesh setting, but here it is an axis", a.name.span,
+            r.error(E0204, f"`{a.name.value}` is a mesh setting, but here it is an axis", a.name.span,
                     label="parsed as an axis", help=f"remove the comma before `{a.name.value}`: "
                     "a comma after the last axis continues the axis list")
             ok = False
         if a.name.value in seen:
             r.error(
-                "E0201",
+                E0201,
                 f"axis `{a.name.value}` is declared twice",
                 a.name.span,
                 label="second declaration",
@@ -271,7 +285,7 @@ def resolve_mesh(decl: ast.MeshDecl, r: Resolver, devices: Sequence[str]) -> Mes
             continue
         axes.append(Axis(a.name.value, size, a.span))
     if not decl.axes:
-        r.error("E0303", f"mesh `{decl.name.value}` has no axes", decl.name.span,
+        r.error(E0303, f"mesh `{decl.name.value}` has no axes", decl.name.span,
                 label="needs `axes NAME = SIZE, ...`", help="e.g. `axes data = 2, tensor = 4`")
         return None
     hosts, device = 1, None
@@ -279,7 +293,7 @@ def resolve_mesh(decl: ast.MeshDecl, r: Resolver, devices: Sequence[str]) -> Mes
     for a in axes:
         total *= a.size
     if total > MAX_DEVICES:
-        r.error("E0307", f"mesh `{decl.name.value}` has {_short(total)} devices, more than {_short(MAX_DEVICES)}",
+        r.error(E0307, f"mesh `{decl.name.value}` has {_short(total)} devices, more than {_short(MAX_DEVICES)}",
                 decl.name.span, label=f"{_short(total)} devices: the product of its axis sizes",
                 secondary=tuple(Label(a.span, f"{a.name} = {a.size}") for a in axes if a.span is not None),
                 help=f"a mesh has at most {_short(MAX_DEVICES)} devices: shrink the axes")
@@ -296,7 +310,7 @@ def resolve_mesh(decl: ast.MeshDecl, r: Resolver, devices: Sequence[str]) -> Mes
             h = r.eval_int(s.value, env, "hosts")
             if h is not None and total % h:
                 r.error(
-                    "E0306",
+                    E0306,
                     f"{total} devices cannot be spread evenly over {h} hosts",
                     s.value.span,
                     label="does not divide the device count",
@@ -310,7 +324,7 @@ def resolve_mesh(decl: ast.MeshDecl, r: Resolver, devices: Sequence[str]) -> Mes
             if n is not None and n != total:
                 sizes = " x ".join(f"{a.name} {a.size}" for a in axes)
                 r.error(
-                    "E0306",
+                    E0306,
                     f"mesh has {total} devices ({sizes}) but `devices = {n}`",
                     s.value.span,
                     label=f"expected {total}",
@@ -320,14 +334,14 @@ def resolve_mesh(decl: ast.MeshDecl, r: Resolver, devices: Sequence[str]) -> Mes
         elif key == "device":
             v = s.value
             if not isinstance(v, ast.Name):
-                r.error("E0304", "device must be a profile name", v.span, help=f"known: {', '.join(sorted(set(PROFILES) | set(devices)))}")
+                r.error(E0304, "device must be a profile name", v.span, help=f"known: {', '.join(sorted(set(PROFILES) | set(devices)))}")
             elif v.value not in PROFILES and v.value not in devices:
-                r.error("E0202", f"unknown device profile `{v.value}`", v.span, label="not a known device",
+                r.error(E0202, f"unknown device profile `{v.value}`", v.span, label="not a known device",
                         help=did_you_mean(v.value, [*PROFILES, *devices]))
             else:
                 device = v.value
         else:
-            r.error("E0203", f"unknown mesh setting `{key}`", s.name.span, label="not a mesh setting",
+            r.error(E0203, f"unknown mesh setting `{key}`", s.name.span, label="not a mesh setting",
                     help=did_you_mean(key, _MESH_SETTINGS))
     if not ok or len(axes) != len(decl.axes):
         return None
@@ -414,7 +428,7 @@ class ModelResolver(Resolver):
         if decl.family is not None:
             family = self.families.get(decl.family.value)
             if family is None:
-                self.error("E0202", f"unknown model family `{decl.family.value}`", decl.family.span,
+                self.error(E0202, f"unknown model family `{decl.family.value}`", decl.family.span,
                            label="no such family", help=did_you_mean(decl.family.value, self.families))
                 return None
             family_start = len(self.diagnostics)
@@ -424,7 +438,7 @@ class ModelResolver(Resolver):
         dtype_name = "bf16"
         if dtype is not None and dtype.value is not None:
             if str(dtype.value) not in DTYPES:
-                self.error("E0203", f"unknown dtype `{dtype.value}`", dtype.span, label="not a dtype",
+                self.error(E0203, f"unknown dtype `{dtype.value}`", dtype.span, label="not a dtype",
                            help=f"use one of {or_list(DTYPES)}")
             else:
                 dtype_name = str(dtype.value)
@@ -434,7 +448,7 @@ class ModelResolver(Resolver):
         if len(self.diagnostics) > start and any(d.is_error for d in self.diagnostics[start:]):
             return None
         if not items:
-            self.error("E0202", f"model `{decl.name.value}` has no layers", decl.name.span,
+            self.error(E0202, f"model `{decl.name.value}` has no layers", decl.name.span,
                        label="empty model", help="declare layers, or instantiate a family: `model m = llama { ... }`")
             return None
         if not self._chain(decl, items):
@@ -449,7 +463,7 @@ class ModelResolver(Resolver):
         model = f"model `{decl.name.value}`"
         first = items[0]
         if not (isinstance(first, Unit) and first.kind == "embedding"):
-            self.error("E0308", f"{model} does not start with a token embedding", first.span or decl.name.span,
+            self.error(E0308, f"{model} does not start with a token embedding", first.span or decl.name.span,
                        label=f"`{first.name}` is the first layer", secondary=_model_label(decl),
                        help="a model starts with `embed = embedding(vocab, hidden)`: it turns token ids into the residual stream")
             return False
@@ -459,11 +473,11 @@ class ModelResolver(Resolver):
         if head is None:
             after = next((i for i in items if isinstance(i, Unit) and i.kind == "linear"), None)
             if after is not None:
-                self.error("E0308", f"`{last.name}` comes after the head `{after.name}`", last.span or decl.name.span,
+                self.error(E0308, f"`{last.name}` comes after the head `{after.name}`", last.span or decl.name.span,
                            label="after the head", secondary=(Label(after.span, "the head (the last layer must be it)"),) if after.span else (),
                            help=f"move `{last.name}` before `{after.name}`: the head produces the logits, nothing follows it")
             else:
-                self.error("E0308", f"{model} has no head", last.span or decl.name.span, label="the last layer",
+                self.error(E0308, f"{model} has no head", last.span or decl.name.span, label="the last layer",
                            secondary=_model_label(decl),
                            help=f"end the model with `lm_head = linear({width}, {vocab})`: it produces one logit per token")
         for item in items[1:]:
@@ -472,27 +486,27 @@ class ModelResolver(Resolver):
                 continue
             a = dict(item.attrs)
             if item.kind == "embedding":
-                self.error("E0309", f"a second token embedding `{item.name}` is not supported yet", item.span,
+                self.error(E0309, f"a second token embedding `{item.name}` is not supported yet", item.span,
                            label="second embedding", help=f"the model's embedding is `{first.name}`")
             elif item.kind in ("attention", "mlp"):
-                self.error("E0309", f"{item.kind} `{item.name}` outside the `repeat` is not supported yet", item.span,
+                self.error(E0309, f"{item.kind} `{item.name}` outside the `repeat` is not supported yet", item.span,
                            label="top-level sublayer", help="put it in the repeated block, after a norm")
             elif item.kind in ("positional", "rmsnorm", "layernorm") and a["dim"] != width:
-                self.error("E0308", f"`{item.name}` is {a['dim']} wide but the residual stream is {width} wide",
+                self.error(E0308, f"`{item.name}` is {a['dim']} wide but the residual stream is {width} wide",
                            item.span, label=f"{item.kind} of width {a['dim']}",
                            secondary=(Label(first.span, f"width {width} set here"),) if first.span else (),
                            help=f"use `{item.kind}({'..., ' if item.kind == 'positional' else ''}{width})`")
             elif item.kind == "linear" and item is not last and head is not None:
-                self.error("E0309", f"linear layer `{item.name}` before the head is not supported yet", item.span,
+                self.error(E0309, f"linear layer `{item.name}` before the head is not supported yet", item.span,
                            label="only the head may be a top-level linear",
                            help="a model has one top-level linear layer: the head, last")
             elif item.kind == "linear" and item is head:
                 if a["in"] != width:
-                    self.error("E0308", f"head `{item.name}` takes {a['in']} inputs but the residual stream is {width} wide",
+                    self.error(E0308, f"head `{item.name}` takes {a['in']} inputs but the residual stream is {width} wide",
                                item.span, label=f"linear({a['in']}, {a['out']})",
                                help=f"use `linear({width}, {vocab})`")
                 elif a["out"] != vocab:
-                    self.error("E0308", f"head `{item.name}` has {a['out']} outputs but the vocabulary has {vocab} tokens",
+                    self.error(E0308, f"head `{item.name}` has {a['out']} outputs but the vocabulary has {vocab} tokens",
                                item.span, label=f"linear({a['in']}, {a['out']})",
                                secondary=(Label(first.span, f"{vocab} tokens here"),) if first.span else (),
                                help=f"use `linear({width}, {vocab})`: one logit per vocabulary entry")
@@ -501,30 +515,30 @@ class ModelResolver(Resolver):
     def _chain_block(self, rep: Repeat, width: Any) -> None:
         body = rep.body
         if not body:
-            self.error("E0308", f"repeat `{rep.name}` has no layers", rep.span, label="empty block",
+            self.error(E0308, f"repeat `{rep.name}` has no layers", rep.span, label="empty block",
                        help="a block alternates a norm and a sublayer: `n = rmsnorm(hidden)  attn = attention(hidden, heads)`")
             return
         for k, unit in enumerate(body):
             a = dict(unit.attrs)
             want_norm = k % 2 == 0
             if unit.kind in ("embedding", "positional", "linear"):
-                self.error("E0309", f"{unit.kind} `{unit.name}` inside a repeat is not supported yet", unit.span,
+                self.error(E0309, f"{unit.kind} `{unit.name}` inside a repeat is not supported yet", unit.span,
                            label="not a block layer", help="a block alternates norms (rmsnorm, layernorm) and sublayers (attention, mlp)")
                 return
             is_norm = unit.kind in ("rmsnorm", "layernorm")
             if is_norm != want_norm:
                 prev = body[k - 1].name if k else None
-                self.error("E0308", f"`{unit.name}` ({unit.kind}) is out of place in `{rep.name}`: a block alternates norm and sublayer",
+                self.error(E0308, f"`{unit.name}` ({unit.kind}) is out of place in `{rep.name}`: a block alternates norm and sublayer",
                            unit.span, label="expected a norm here" if want_norm else "expected attention or mlp here",
                            help=("every sublayer follows its own norm: x = x + sublayer(norm(x))"
                                  + (f"; add a norm before `{unit.name}`" if want_norm else f"; remove `{unit.name}` or add a sublayer after `{prev}`")))
                 return
             got = a["dim"] if is_norm else a["hidden"]
             if got != width:
-                self.error("E0308", f"`{unit.name}` is {got} wide but the residual stream is {width} wide", unit.span,
+                self.error(E0308, f"`{unit.name}` is {got} wide but the residual stream is {width} wide", unit.span,
                            label=f"{unit.kind} of width {got}", help=f"use {width} (the embedding's dim)")
         if len(body) % 2:
-            self.error("E0308", f"norm `{body[-1].name}` ends block `{rep.name}` without a sublayer", body[-1].span,
+            self.error(E0308, f"norm `{body[-1].name}` ends block `{rep.name}` without a sublayer", body[-1].span,
                        label="a norm with nothing after it",
                        help=f"add a sublayer after `{body[-1].name}` or remove it; a final norm belongs after the repeat")
 
@@ -549,7 +563,7 @@ class ModelResolver(Resolver):
         params = {p.name.value for p in family.params}
         for s in decl.settings:
             if s.name.value not in params and s.name.value in given:
-                self.error("E0203", f"family `{family.name.value}` has no parameter `{s.name.value}`", s.name.span,
+                self.error(E0203, f"family `{family.name.value}` has no parameter `{s.name.value}`", s.name.span,
                            label="unknown parameter", help=did_you_mean(s.name.value, params))
         env: Env = dict(given)
         for p in family.params:
@@ -557,7 +571,7 @@ class ModelResolver(Resolver):
                 continue
             if p.default is None:
                 self.error(
-                    "E0205",
+                    E0205,
                     f"model `{decl.name.value}` does not set `{p.name.value}`, which family `{family.name.value}` requires",
                     decl.name.span,
                     label=f"missing `{p.name.value}`",
@@ -576,7 +590,7 @@ class ModelResolver(Resolver):
             if not self.check_identifier(stmt.name, "layer"):
                 continue
             if stmt.name.value in seen:
-                self.error("E0201", f"layer `{stmt.name.value}` is declared twice", stmt.name.span,
+                self.error(E0201, f"layer `{stmt.name.value}` is declared twice", stmt.name.span,
                            label="second declaration",
                            secondary=(Label(seen[stmt.name.value].span, "first declared here"),),  # type: ignore[arg-type]
                            help="give every layer in a block a distinct name")
@@ -584,11 +598,11 @@ class ModelResolver(Resolver):
             seen[stmt.name.value] = stmt.name
             if isinstance(stmt, ast.RepeatDecl):
                 if not top:
-                    self.error("E0203", "`repeat` cannot be nested", stmt.name.span, label="inside another repeat",
+                    self.error(E0203, "`repeat` cannot be nested", stmt.name.span, label="inside another repeat",
                                help="a model has one stack of repeated blocks")
                     continue
                 if any(isinstance(i, Repeat) for i in out):
-                    self.error("E0203", "a model can have only one `repeat`", stmt.name.span,
+                    self.error(E0203, "a model can have only one `repeat`", stmt.name.span,
                                label="second repeat", help="put every block layer in one repeat")
                     continue
                 count = self.eval_int(stmt.count, env, f"`{stmt.name.value}` repeat count", maximum=MAX_BLOCKS)
@@ -605,14 +619,14 @@ class ModelResolver(Resolver):
         call = decl.call
         spec = PRIMITIVES.get(call.func.value)
         if spec is None:
-            self.error("E0202", f"unknown layer primitive `{call.func.value}`", call.func.span,
+            self.error(E0202, f"unknown layer primitive `{call.func.value}`", call.func.span,
                        label="not a primitive", help=did_you_mean(call.func.value, PRIMITIVES))
             return None
         bound: dict[str, Any] = {}
         logical: dict[str, str] = {}
         spans: dict[str, Span | None] = {}
         if len(call.args) > len(spec):
-            self.error("E0203", f"`{call.func.value}` takes at most {len(spec)} arguments", call.args[len(spec)].span,
+            self.error(E0203, f"`{call.func.value}` takes at most {len(spec)} arguments", call.args[len(spec)].span,
                        label="extra argument", help=f"`{call.func.value}({', '.join(a.name for a in spec)})`")
             return None
         given: list[tuple[Arg, ast.Expr]] = list(zip(spec, call.args))
@@ -620,11 +634,11 @@ class ModelResolver(Resolver):
         for kw in call.kwargs:
             arg = next((a for a in spec if a.name == kw.name.value), None)
             if arg is None:
-                self.error("E0203", f"`{call.func.value}` has no argument `{kw.name.value}`", kw.name.span,
+                self.error(E0203, f"`{call.func.value}` has no argument `{kw.name.value}`", kw.name.span,
                            label="unknown argument", help=did_you_mean(kw.name.value, names))
                 return None
             if any(a.name == arg.name for a, _ in given):
-                self.error("E0201", f"argument `{arg.name}` is given twice", kw.name.span, label="again here",
+                self.error(E0201, f"argument `{arg.name}` is given twice", kw.name.span, label="again here",
                            help="give each argument once")
                 return None
             given.append((arg, kw.value))
@@ -648,26 +662,26 @@ class ModelResolver(Resolver):
             elif arg.kind == "bool":
                 v3 = self.eval(expr, env)
                 if not isinstance(v3, bool):
-                    self.error("E0304", f"`{arg.name}` must be true or false", expr.span, label=f"is {_kind(v3)}")
+                    self.error(E0304, f"`{arg.name}` must be true or false", expr.span, label=f"is {_kind(v3)}")
                     ok = False
                 else:
                     bound[arg.name] = v3
             elif arg.kind == "choice":
                 v4 = self.eval(expr, env)
                 if str(v4) not in arg.choices:
-                    self.error("E0203", f"unknown {arg.name} `{v4}`", expr.span, label=f"not a known {arg.name}",
+                    self.error(E0203, f"unknown {arg.name} `{v4}`", expr.span, label=f"not a known {arg.name}",
                                help=f"use one of {or_list(arg.choices)}")
                     ok = False
                 else:
                     bound[arg.name] = str(v4)
             else:  # layer reference
                 if not isinstance(expr, ast.Name):
-                    self.error("E0304", f"`{arg.name}` must name a layer", expr.span)
+                    self.error(E0304, f"`{arg.name}` must name a layer", expr.span)
                     ok = False
                     continue
                 target = next((u for u in earlier if isinstance(u, Unit) and u.name == expr.value), None)
                 if target is None:
-                    self.error("E0202", f"unknown layer `{expr.value}`", expr.span, label="not declared before this layer",
+                    self.error(E0202, f"unknown layer `{expr.value}`", expr.span, label="not declared before this layer",
                                help=did_you_mean(expr.value, [u.name for u in earlier if isinstance(u, Unit)]))
                     ok = False
                     continue
@@ -678,12 +692,12 @@ class ModelResolver(Resolver):
             if arg.name in bound:
                 continue
             if arg.default is None:
-                self.error("E0205", f"`{call.func.value}` needs `{arg.name}`", call.span, label=f"missing `{arg.name}`",
+                self.error(E0205, f"`{call.func.value}` needs `{arg.name}`", call.span, label=f"missing `{arg.name}`",
                            help=f"`{call.func.value}({', '.join(a.name for a in spec)})`")
                 return None
             value = arg.default(bound)
             if value is None and arg.name == "head_dim":
-                self.error("E0302", f"hidden ({bound['hidden']}) is not divisible by heads ({bound['heads']})",
+                self.error(E0302, f"hidden ({bound['hidden']}) is not divisible by heads ({bound['heads']})",
                            call.span, label="head_dim cannot be derived",
                            help=f"give head_dim explicitly or use heads in {or_list(divisors(bound['hidden'])[-8:])}")
                 return None
@@ -721,7 +735,7 @@ def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str,
         used = b.get("used")
         if used is not None and used != b["num"]:
             if not (float(used).is_integer() and 1 <= used < b["num"]):
-                r.error("E0304", f"`{name}`: used = {used} must be a whole number of rows in 1..{b['num']}",
+                r.error(E0304, f"`{name}`: used = {used} must be a whole number of rows in 1..{b['num']}",
                         decl.call.span, label="padded rows past the real vocabulary")
                 return None
             attrs_["used"] = int(used)
@@ -729,12 +743,12 @@ def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str,
         params: list[Tensor] = []
         tie = b["tie"] if b["tied"] else None
         if tie is not None and b["bias"]:
-            r.error("E0309", f"a bias on the tied head `{name}` is not supported yet", decl.call.span,
+            r.error(E0309, f"a bias on the tied head `{name}` is not supported yet", decl.call.span,
                     label="tie and bias", help=f"drop `bias = true`, or untie `{name}` (remove `tie = {tie.name}`)")
             return None
         if tie is not None:
             if tie.kind != "embedding" or tie.leaves[0].params[0].shape != (b["out"], b["in"]):
-                r.error("E0304", f"`{name}` cannot be tied to `{tie.name}`", decl.call.span,
+                r.error(E0304, f"`{name}` cannot be tied to `{tie.name}`", decl.call.span,
                         label=f"a ({b['out']}, {b['in']}) weight",
                         help=f"tie needs an embedding of shape ({b['out']}, {b['in']}); `{tie.name}` is a {tie.kind}"
                         f" of shape {tie.leaves[0].params[0].shape}")
@@ -757,7 +771,7 @@ def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str,
     elif kind == "attention":
         hid, h, kv, hd = b["hidden"], b["heads"], b["kv_heads"], b["head_dim"]
         if h % kv:
-            r.error("E0302", f"heads ({h}) is not a multiple of kv_heads ({kv})", decl.call.span,
+            r.error(E0302, f"heads ({h}) is not a multiple of kv_heads ({kv})", decl.call.span,
                     label="grouped-query attention needs whole groups",
                     help=f"kv_heads must divide {h}: use {or_list(divisors(h))}")
             return None
@@ -781,7 +795,7 @@ def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str,
         if b["rope_factor"] != 1.0:
             if b["rope_theta"] is None or b["rope_factor"] <= 0 or b["rope_original_positions"] < 1 \
                     or b["rope_high_freq_factor"] <= b["rope_low_freq_factor"]:
-                r.error("E0304", f"`{name}`: rope scaling needs rope_theta, a positive rope_factor, "
+                r.error(E0304, f"`{name}`: rope scaling needs rope_theta, a positive rope_factor, "
                         "rope_original_positions >= 1 and rope_high_freq_factor > rope_low_freq_factor",
                         decl.call.span, label="invalid rope scaling")
                 return None
@@ -832,7 +846,7 @@ def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
     def dims(expr: ast.Expr) -> None:
         for n in names(expr):
             if n.value not in params:
-                r.error("E0202", f"unknown dim `{n.value}` in {where}", n.span, label="not a parameter of the family",
+                r.error(E0202, f"unknown dim `{n.value}` in {where}", n.span, label="not a parameter of the family",
                         help=did_you_mean(n.value, params))
 
     def layers(body: Sequence[ast.LayerStmt], top: bool, seen_repeat: list[bool]) -> None:
@@ -842,16 +856,16 @@ def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
             if not r.check_identifier(stmt.name, "layer"):
                 continue
             if stmt.name.value in earlier:
-                r.error("E0201", f"layer `{stmt.name.value}` is declared twice", stmt.name.span, label="second declaration",
+                r.error(E0201, f"layer `{stmt.name.value}` is declared twice", stmt.name.span, label="second declaration",
                         secondary=(Label(earlier[stmt.name.value].span, "first declared here"),),  # type: ignore[arg-type]
                         help="give every layer in a block a distinct name")
                 continue
             if isinstance(stmt, ast.RepeatDecl):
                 if not top:
-                    r.error("E0203", "`repeat` cannot be nested", stmt.name.span, label="inside another repeat",
+                    r.error(E0203, "`repeat` cannot be nested", stmt.name.span, label="inside another repeat",
                             help="a model has one stack of repeated blocks")
                 elif seen_repeat:
-                    r.error("E0203", "a model can have only one `repeat`", stmt.name.span,
+                    r.error(E0203, "a model can have only one `repeat`", stmt.name.span,
                             label="second repeat", help="put every block layer in one repeat")
                 else:
                     seen_repeat.append(True)
@@ -867,22 +881,22 @@ def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
         c = decl.call
         spec = PRIMITIVES.get(c.func.value)
         if spec is None:
-            r.error("E0202", f"unknown layer primitive `{c.func.value}`", c.func.span, label="not a primitive",
+            r.error(E0202, f"unknown layer primitive `{c.func.value}`", c.func.span, label="not a primitive",
                     help=did_you_mean(c.func.value, PRIMITIVES))
             return
         if len(c.args) > len(spec):
-            r.error("E0203", f"`{c.func.value}` takes at most {len(spec)} arguments", c.args[len(spec)].span,
+            r.error(E0203, f"`{c.func.value}` takes at most {len(spec)} arguments", c.args[len(spec)].span,
                     label="extra argument", help=f"`{c.func.value}({', '.join(a.name for a in spec)})`")
             return
         given: list[tuple[Arg, ast.Expr]] = list(zip(spec, c.args))
         for kw in c.kwargs:
             arg = next((a for a in spec if a.name == kw.name.value), None)
             if arg is None:
-                r.error("E0203", f"`{c.func.value}` has no argument `{kw.name.value}`", kw.name.span,
+                r.error(E0203, f"`{c.func.value}` has no argument `{kw.name.value}`", kw.name.span,
                         label="unknown argument", help=did_you_mean(kw.name.value, [a.name for a in spec]))
                 continue
             if any(a.name == arg.name for a, _ in given):
-                r.error("E0201", f"argument `{arg.name}` is given twice", kw.name.span, label="again here",
+                r.error(E0201, f"argument `{arg.name}` is given twice", kw.name.span, label="again here",
                         help="give each argument once")
                 continue
             given.append((arg, kw.value))
@@ -892,18 +906,18 @@ def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
                 dims(expr)
             elif arg.kind == "choice" and not symbolic and isinstance(expr, ast.Name | ast.StrLit) \
                     and expr.value not in arg.choices:
-                r.error("E0203", f"unknown {arg.name} `{expr.value}`", expr.span, label=f"not a known {arg.name}",
+                r.error(E0203, f"unknown {arg.name} `{expr.value}`", expr.span, label=f"not a known {arg.name}",
                         help=f"use one of {or_list(arg.choices)}")
             elif arg.kind == "bool" and not symbolic and not (isinstance(expr, ast.Name) and expr.value in ("true", "false")):
-                r.error("E0304", f"`{arg.name}` must be true or false", expr.span, label="not true or false",
+                r.error(E0304, f"`{arg.name}` must be true or false", expr.span, label="not true or false",
                         help=f"`{arg.name} = true`, or a family parameter")
             elif arg.kind == "layer" and isinstance(expr, ast.Name) and expr.value not in earlier:
-                r.error("E0202", f"unknown layer `{expr.value}`", expr.span, label="not declared before this layer",
+                r.error(E0202, f"unknown layer `{expr.value}`", expr.span, label="not declared before this layer",
                         help=did_you_mean(expr.value, earlier))
         named = {a.name for a, _ in given}
         missing = [a.name for a in spec if a.default is None and a.name not in named]
         if missing:
-            r.error("E0205", f"`{c.func.value}` needs `{missing[0]}`", c.span, label=f"missing `{missing[0]}`",
+            r.error(E0205, f"`{c.func.value}` needs `{missing[0]}`", c.span, label=f"missing `{missing[0]}`",
                     help=f"`{c.func.value}({', '.join(a.name for a in spec)})`")
 
     layers(family.body, True, [])
