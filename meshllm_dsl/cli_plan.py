@@ -15,6 +15,7 @@ import attrs
 
 from meshllm_dsl import ast
 from meshllm_dsl.checker import CheckResult, check_declarations
+from meshllm_dsl.codes import W0702, W0804
 from meshllm_dsl.devices import PROFILES, DeviceProfile, declared_profiles
 from meshllm_dsl.diagnostics import Diagnostic, render_all
 from meshllm_dsl.ir import PlanIR
@@ -79,8 +80,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         reports.append(rep)
         mine = plan_warnings(rep)
         # W0804 states what the checker's W0702 does, with the seconds it costs: keep the richer one.
-        covered = {d.span.start for d in mine if d.code == "W0804" and d.span is not None}
-        warns = [d for d in warns if not (d.code == "W0702" and any(
+        covered = {d.span.start for d in mine if d.code == W0804 and d.span is not None}
+        warns = [d for d in warns if not (d.code == W0702 and any(
             lab.span.start in covered for lab in d.secondary))]
         warns.extend(mine)
     if args.format == "json":

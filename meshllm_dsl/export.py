@@ -18,6 +18,7 @@ import attrs
 
 from meshllm_dsl import ast
 from meshllm_dsl.codegen.lower import _adamw_kwargs, docstring_text, literal, model_description
+from meshllm_dsl.codes import E1201, E1202, E1203, E1204, E1205, E1206, W1201, W1202
 from meshllm_dsl.diagnostics import Diagnostic, SpecError
 from meshllm_dsl.ir import Leaf, Placement, PlanIR, Repeat, Unit
 from meshllm_dsl.load import Declarations
@@ -138,52 +139,52 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
         arch = model_arch(desc)
     except WeightsError as err:
         raise SpecError([Diagnostic(
-            "E1204", f"model `{plan.model.name}` has no transformers module layout to export to",
+            E1204, f"model `{plan.model.name}` has no transformers module layout to export to",
             plan.model.span or plan.span, label="no Hugging Face model has these modules",
             note=str(err), help="export models of the `llama` (Llama, Mistral, Qwen2) or `gpt2` family",
         )]) from None
 
     if plan.pipeline_axis is not None:
-        refuse("E1201", f"{where} cannot express the pipeline over `{plan.pipeline_axis}`",
+        refuse(E1201, f"{where} cannot express the pipeline over `{plan.pipeline_axis}`",
                _stmt_span(decl, ast.StagesStmt, plan.span), label="pipeline stages",
                help="export a plan without `stages` (tensor and data parallelism); torch.distributed.pipelining "
                     "splits a model into stages outside parallelize_module")
     if plan.seq_axes:
-        refuse("E1203", f"sequence parallelism over {' x '.join(plan.seq_axes)} is not exported to {where}",
+        refuse(E1203, f"sequence parallelism over {' x '.join(plan.seq_axes)} is not exported to {where}",
                _seq_span(decl, plan.span), label="Shard(seq) between sublayers",
                help="drop `seq -> ...` from the layout to export the tensor-parallel plan: a transformers model "
                     "computes its positions and mask from the activations' local shape, which Shard(seq) changes")
     if plan.recompute != "none":
-        refuse("E1206", f"`recompute = {plan.recompute}` is not exported to {where}",
+        refuse(E1206, f"`recompute = {plan.recompute}` is not exported to {where}",
                _setting_span(decl, "recompute", plan.span), label="activation recomputation",
                help="drop `recompute` for the export and wrap the blocks with torch.utils.checkpoint "
                     "(or `model.gradient_checkpointing_enable()`) yourself")
     zero_axis: str | None = None
     if target == "dtensor":
         if plan.zero == 1:
-            refuse("E1202", "ZeRO 1 (optimizer states sharded, weights and gradients whole) has no counterpart "
+            refuse(E1202, "ZeRO 1 (optimizer states sharded, weights and gradients whole) has no counterpart "
                    "in fully_shard", _zero_span(decl, plan.span), label="ZeRO stage 1",
                    help="use `zero 2` (fully_shard with reshard_after_forward=False) or `zero 3` "
                         "(reshard_after_forward=True): FSDP2 shards gradients with the optimizer states")
         elif plan.zero in (2, 3) and len(plan.zero_axes) != 1:
-            refuse("E1206", f"ZeRO {plan.zero} over {' x '.join(plan.zero_axes)}: the export shards over one "
+            refuse(E1206, f"ZeRO {plan.zero} over {' x '.join(plan.zero_axes)}: the export shards over one "
                    "mesh axis", _zero_span(decl, plan.span), label="several data axes",
                    help="shard over one data axis (`zero 3 over data`)")
         elif plan.zero in (2, 3) and tuple(plan.zero_axes) != tuple(plan.batch_axes):
-            refuse("E1206", f"ZeRO {plan.zero} over {' x '.join(plan.zero_axes)} but the batch is split over "
+            refuse(E1206, f"ZeRO {plan.zero} over {' x '.join(plan.zero_axes)} but the batch is split over "
                    f"{' x '.join(plan.batch_axes)}: hybrid sharding is not exported",
                    _zero_span(decl, plan.span), label="zero axes differ from the batch axes",
                    help="shard over the batch axis itself")
         elif plan.zero in (2, 3):
             zero_axis = plan.zero_axes[0]
         elif plan.batch_axes:
-            refuse("E1206", f"data parallelism over {' x '.join(plan.batch_axes)} without ZeRO is not exported "
+            refuse(E1206, f"data parallelism over {' x '.join(plan.batch_axes)} without ZeRO is not exported "
                    "to DTensor", plan.span, label="gradients averaged over the data axes",
                    help="add `zero 2` or `zero 3` to the optimizer (fully_shard averages the gradients), "
                         "or wrap the parallelized model in DistributedDataParallel yourself")
     elif plan.batch_axes:
         warnings.append(Diagnostic(
-            "W1202", f"a tp_plan holds tensor parallelism only: data parallelism over "
+            W1202, f"a tp_plan holds tensor parallelism only: data parallelism over "
             f"{' x '.join(plan.batch_axes)} (ZeRO {plan.zero}) is left out", _zero_span(decl, plan.span),
             label="not in the tp_plan",
             help="give the data axes to transformers' DistributedConfig (dp / fsdp sizes) when loading"))
@@ -226,14 +227,14 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
             if not p.sharded:
                 continue
             if conv1d:
-                refuse("E1204", f"`{'.'.join(leaf.path)}` is a transformers Conv1D ({module}), which "
+                refuse(E1204, f"`{'.'.join(leaf.path)}` is a transformers Conv1D ({module}), which "
                        f"{where} cannot shard", p.span, label=f"{p.rule}({', '.join(p.axes)}) on a Conv1D layer",
                        help="GPT-2 stores its projections as Conv1D ([in, out]): export GPT-2 plans with these "
                             "layers replicated (ZeRO 2 / 3 still shards them), or use `meshc compile`")
                 continue
             style = _style(leaf, p, leaf.path[-1] == head_name, loss_parallel, target)
             if isinstance(style, str):
-                refuse("E1205", f"{where} cannot express the placement of `{'.'.join(leaf.path)}`: {style}",
+                refuse(E1205, f"{where} cannot express the placement of `{'.'.join(leaf.path)}`: {style}",
                        p.span, label=f"{p.rule}({', '.join(p.axes)})",
                        help="place it with `column`, `row` or `vocab_parallel` over one axis, or `replicate`")
                 continue
@@ -242,7 +243,7 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
             entries.append(Entry(path, p.axes[0], style[0], style[1], f"{'.'.join(leaf.path)}: {p.rule}({p.axes[0]})"))
             if leaf.path[-1] == head_name and loss_parallel and target == "hf-tp-plan":
                 warnings.append(Diagnostic(
-                    "W1201", f"`{head_name}`'s logits are gathered in the tp_plan: transformers has no "
+                    W1201, f"`{head_name}`'s logits are gathered in the tp_plan: transformers has no "
                     "vocab-parallel loss", p.span, label="exported as colwise_gather_output",
                     help="the loss is the same; each rank then holds the full logits. `--to dtensor` keeps "
                          "them sharded (loss_parallel)"))
@@ -252,7 +253,7 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
                 ties.append((module, modules[leaf.tie]))
     if target == "hf-tp-plan" and len(tp_axes) > 1:
         second = list(tp_axes)[1]
-        refuse("E1205", f"a tp_plan shards over one mesh axis, but this plan shards over {' and '.join(tp_axes)}",
+        refuse(E1205, f"a tp_plan shards over one mesh axis, but this plan shards over {' and '.join(tp_axes)}",
                tp_axes[second], label=f"sharded over `{second}`",
                help=f"shard every layer over one axis (`{next(iter(tp_axes))}`) to export a tp_plan")
     if errors:

@@ -21,6 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from meshllm_dsl.codes import W0801
 from meshllm_dsl.limits import MAX_BLOCKS, MAX_DEVICES, MAX_INT, MAX_NAME
 from meshllm_dsl.names import identifier_problem
 from meshllm_dsl.slurm import script_value_problem
@@ -425,7 +426,7 @@ def _fit_warnings(text: str, out: Path, device: str) -> str:
     from meshllm_dsl.planner import analyze, plan_warnings
 
     plan = check_text(text, str(out)).plans["train"]
-    return render_all([w for w in plan_warnings(analyze(plan, PROFILES[device])) if w.code == "W0801"])
+    return render_all([w for w in plan_warnings(analyze(plan, PROFILES[device])) if w.code == W0801])
 
 
 def cmd_import_hf(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from meshllm_dsl.codes import E0402, E0403, E0410
 from meshllm_dsl.collectives import spec
 from meshllm_dsl.diagnostics import Label
 from meshllm_dsl.ir import (
@@ -62,14 +63,14 @@ def _through(p: Placement, x: Layout, where: str, r: _Reporter, collectives: lis
         if x.kind == "S" and p.span is None:
             return None  # placed by no rule at all: E0501 already names it; a layout error would be noise
         if x.kind == "S":
-            r.error("E0402", f"`{where}` is replicated but its input is sharded over {' x '.join(x.axes)}", p.span,
+            r.error(E0402, f"`{where}` is replicated but its input is sharded over {' x '.join(x.axes)}", p.span,
                     label="needs the full input", secondary=producer(),
                     help=f"make `{where}` `row({', '.join(x.axes)})`: a column layer pairs with a row layer")
             return None
         return R
     if p.rule == "column":
         if x.kind == "S":
-            r.error("E0402", f"column layer `{where}` is fed an activation already sharded over {' x '.join(x.axes)}",
+            r.error(E0402, f"column layer `{where}` is fed an activation already sharded over {' x '.join(x.axes)}",
                     p.span, label="column after column", secondary=producer(),
                     help=f"make `{where}` `row({', '.join(x.axes)})`: a column layer must be followed by a row layer")
             return None
@@ -78,7 +79,7 @@ def _through(p: Placement, x: Layout, where: str, r: _Reporter, collectives: lis
     # row
     if x.kind == "S":
         if x.axes != p.axes:
-            r.error("E0402", f"row layer `{where}` splits over {' x '.join(p.axes)} but its input is sharded over "
+            r.error(E0402, f"row layer `{where}` splits over {' x '.join(p.axes)} but its input is sharded over "
                     f"{' x '.join(x.axes)}", p.span, label="axes differ", secondary=producer(),
                     help=f"use `row({', '.join(x.axes)})` to match the column layer before it")
             return None
@@ -88,7 +89,7 @@ def _through(p: Placement, x: Layout, where: str, r: _Reporter, collectives: lis
 
 
 def _partial_error(x: Layout, what: str, span: Span | None, r: _Reporter, producer: str) -> None:
-    r.error("E0403", f"a partial sum over {' x '.join(x.axes)} reaches {what}", span,
+    r.error(E0403, f"a partial sum over {' x '.join(x.axes)} reaches {what}", span,
             label=f"`{producer}` is row-parallel here",
             help=f"make `{producer}` `column({', '.join(x.axes)})` so its output is sharded, not partial; "
             "row layers belong at the end of a sublayer, before the residual add",
@@ -131,7 +132,7 @@ def unit_flow(unit: Unit, prefix: str, placement: dict[str, Placement], r: _Repo
             if layouts[leaf] != layouts[first]:
                 a, b = layouts[first], layouts[leaf]
                 what = "attention" if unit.kind == "attention" else "the gated product"
-                r.error("E0402", f"{what} combines `{name(first)}` ({a}) with `{name(leaf)}` ({b})",
+                r.error(E0402, f"{what} combines `{name(first)}` ({a}) with `{name(leaf)}` ({b})",
                         pl(leaf).span or pl(first).span, label="layouts differ",
                         help=f"give {', '.join(f'`{name(x)}`' for x in inputs)} the same rule, e.g. "
                         f"`shard {prefix}{unit.name}.{{{','.join(inputs)}}} {_rule_text(pl(first) if a.kind == 'S' else pl(leaf))}`")
@@ -161,7 +162,7 @@ def unit_flow(unit: Unit, prefix: str, placement: dict[str, Placement], r: _Repo
 
 def _at_residual(y: Layout, where: str, p: Placement, collectives: list[Collective], r: _Reporter) -> UnitFlow | None:
     if y.kind == "S":
-        r.error("E0402", f"`{where}` leaves its output sharded over {' x '.join(y.axes)} at the residual add", p.span,
+        r.error(E0402, f"`{where}` leaves its output sharded over {' x '.join(y.axes)} at the residual add", p.span,
                 label="the residual stream must be replicated",
                 help=f"make `{where}` `row({', '.join(y.axes)})` (its output is then summed), or `replicate`")
         return None
@@ -197,12 +198,12 @@ def _seq_block_flow(unit: Unit, flow: UnitFlow, prefix: str, placement: dict[str
             "tensor-parallel sublayers: each sublayer gathers the sequence in front of its column layers "
             "and reduce-scatters it after its row layer")
     if first.sharded and first.span is not None:
-        r.error("E0410", f"sequence parallelism over {axes} needs `{where}` tensor-parallel over {axes}", first.span,
+        r.error(E0410, f"sequence parallelism over {axes} needs `{where}` tensor-parallel over {axes}", first.span,
                 label=f"{first.rule}({', '.join(first.axes)}) here",
                 secondary=(Label(seq_span, "sequence parallelism asked for here"),) if seq_span else (),
                 help=fix, note=note)
     elif not quiet:  # (quiet: a sublayer before this one was refused already, at the same span)
-        r.error("E0410", f"sequence parallelism over {axes} needs `{where}` tensor-parallel over {axes}", seq_span,
+        r.error(E0410, f"sequence parallelism over {axes} needs `{where}` tensor-parallel over {axes}", seq_span,
                 label=f"`{where}` is replicated", help=fix, note=note)
     return None
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import attrs
 
+from meshllm_dsl.codes import W0801, W0802, W0803, W0804, W0805, W0806
 from meshllm_dsl.collectives import WirePrimitive, ring_bytes, spec
 from meshllm_dsl.devices import (
     DEFAULT_PROFILE,
@@ -1193,7 +1194,7 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
                  "gradient accumulators": worst.grad_accum_bytes}
         biggest = max(parts, key=lambda k: parts[k])
         out.append(Diagnostic(
-            "W0801", f"plan `{plan.name}` needs {fmt_bytes(worst.training_bytes)} on pipeline rank {worst.coord}, "
+            W0801, f"plan `{plan.name}` needs {fmt_bytes(worst.training_bytes)} on pipeline rank {worst.coord}, "
             f"more than the {fmt_bytes(dev.memory_bytes)} of a {dev.name}", head,
             label="does not fit in device memory", secondary=dev_label,
             note="per device: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v),
@@ -1210,7 +1211,7 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
         if size > 1 and comm_s - kept > saved:
             ax = plan.mesh.axis(axis)
             out.append(Diagnostic(
-                "W0802", f"`{axis}` = {size} over-shards: {fmt_count(slow.params_local)} parameters per device cost "
+                W0802, f"`{axis}` = {size} over-shards: {fmt_count(slow.params_local)} parameters per device cost "
                 f"{fmt_seconds(comm_s)} of collectives per step", ax.span if ax else head,
                 label=f"halving it would save {fmt_seconds(comm_s - kept)} of communication for {fmt_seconds(saved)} more compute",
                 help=f"use `{axis}` = {half} and give the devices to data parallelism, if it still fits in memory "
@@ -1221,7 +1222,7 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
     # W0803: communication-dominated step.
     if step.comm_s > step.compute_s:
         out.append(Diagnostic(
-            "W0803", f"communication ({fmt_seconds(step.comm_s)}) exceeds compute ({fmt_seconds(step.compute_s)}) per step",
+            W0803, f"communication ({fmt_seconds(step.comm_s)}) exceeds compute ({fmt_seconds(step.compute_s)}) per step",
             head, label="communication-dominated",
             note=f"tensor {fmt_seconds(step.tensor_s)}, pipeline {fmt_seconds(step.pipeline_s)}, data {fmt_seconds(step.data_s)}",
             help="larger microbatches or fewer tensor-parallel devices raise the compute per byte moved"))
@@ -1232,7 +1233,7 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
             intra = comm_s * dev.inter_gbps / dev.intra_gbps
             ax = plan.mesh.axis(axis)
             out.append(Diagnostic(
-                "W0804", f"tensor-parallel axis `{axis}` runs its collectives over the network: "
+                W0804, f"tensor-parallel axis `{axis}` runs its collectives over the network: "
                 f"{fmt_seconds(comm_s)} per step", ax.span if ax else head,
                 label=f"about {fmt_seconds(intra)} within a host ({dev.inter_gbps:g} vs {dev.intra_gbps:g} GB/s)",
                 help=f"put `{axis}` last in `axes` and keep it at most {plan.mesh.devices_per_host} (devices per host)"))
@@ -1243,7 +1244,7 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
         need = math.ceil(9 * (p - 1) / plan.virtual)  # (p - 1) / (v (m + p - 1)) <= 10%, roughly
         where = _find_span(plan.span, "microbatches") or head
         out.append(Diagnostic(
-            "W0805", f"the pipeline bubble is {report.bubble:.0%} of the step ({fmt_seconds(step.bubble_s)})", where,
+            W0805, f"the pipeline bubble is {report.bubble:.0%} of the step ({fmt_seconds(step.bubble_s)})", where,
             label=f"{m} microbatches over {p} stages",
             help=f"raise microbatches to about {need} or more (batch permitting) for a bubble near 10%"
             + ("" if plan.schedule == "interleaved_1f1b" else ", or interleave: `stages over ... virtual 2` with `schedule interleaved_1f1b`"),
@@ -1255,7 +1256,7 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
         if light.training_bytes and worst.training_bytes > IMBALANCE_WARN * light.training_bytes:
             where = _find_span(plan.span, "stages") or head
             out.append(Diagnostic(
-                "W0806", f"pipeline rank {worst.coord} needs {worst.training_bytes / light.training_bytes:.2f}x the memory "
+                W0806, f"pipeline rank {worst.coord} needs {worst.training_bytes / light.training_bytes:.2f}x the memory "
                 f"of rank {light.coord} ({fmt_bytes(worst.training_bytes)} vs {fmt_bytes(light.training_bytes)})", where,
                 label="stage memory imbalance",
                 note="per pipeline rank: " + ", ".join(f"{r.coord}: {fmt_bytes(r.training_bytes)}" for r in report.ranks),

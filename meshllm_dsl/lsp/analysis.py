@@ -19,13 +19,14 @@ import attrs
 
 from meshllm_dsl import ast
 from meshllm_dsl.checker import CheckResult, PlanChecker, check_declarations
+from meshllm_dsl.codes import E0101, E0102
 from meshllm_dsl.diagnostics import Diagnostic, SpecError
 from meshllm_dsl.ir import ModelIR, Placement, PlanIR, Repeat, Tensor, Unit
 from meshllm_dsl.load import Declarations, load, stdlib_dir
 from meshllm_dsl.parser import parse_source
 from meshllm_dsl.source import SourceFile, Span
 
-SYNTAX_CODES = ("E0101", "E0102")
+SYNTAX_CODES = (E0101, E0102)
 DECL_KEYWORDS = ("include", "mesh", "family", "model", "plan", "device")
 _TOP_DECL = re.compile(r"^(?:include|mesh|family|model|plan|device)\b", re.MULTILINE)
 
