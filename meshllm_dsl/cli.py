@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -46,12 +47,19 @@ def existing(*paths: str) -> list[str]:
 
 
 def select_plans(plans: Mapping[str, object], path: str, name: str | None) -> list[str]:
-    """Names of the plans a command acts on: `name`, or every plan of a spec that checked clean."""
+    """Names of the plans a command acts on: `name`, or every plan the file itself declares (the
+    plans of files it includes only when it declares none: `meshc plan train.mesh` must not plan,
+    nor `run` pick, the plan of the model file it includes)."""
     if name is not None and name not in plans:
         raise UsageError(f"{path} has no plan `{name}`; plans: {', '.join(sorted(plans)) or 'none'}")
     if not plans:
         raise UsageError(f"{path} declares no plan")
-    return [name] if name is not None else sorted(plans)
+    if name is not None:
+        return [name]
+    here = os.path.realpath(path)
+    own = [n for n, plan in plans.items()
+           if (span := getattr(plan, "span", None)) is None or os.path.realpath(span.file) == here]
+    return sorted(own or plans)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -257,3 +257,26 @@ plan train on cluster for m {
     assert texts.count("embed, blocks 0-9;") == 16 and texts.count("blocks 40-49") == 16
     assert texts.count("blocks 70-79, norm, lm_head") == 16
     assert max(len(t) for t in texts if not t.startswith(("plan ", "stage ", "\u2193", "data_parallel 2"))) <= 28
+
+
+def test_commands_act_on_the_plans_of_the_file_not_of_its_includes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # llama2_70b_train.mesh includes llama2_70b.mesh and its plan `train`, which sorts before the
+    # file's own `train_64`: planning the file showed `train` (which does not fit) first, and
+    # `meshc run` / `verify` without --plan took it.
+    from meshllm_dsl.cli_compile import _checked
+
+    path = str(EXAMPLES / "llama2_70b_train.mesh")
+    code, out, _ = run(["plan", path, "--format", "json"], capsys)
+    assert code == 0 and [p["plan"] for p in json.loads(out)["plans"]] == ["train_64"]
+    code, out, _ = run(["plan", path, "--plan", "train", "--format", "json"], capsys)
+    assert code == 0 and [p["plan"] for p in json.loads(out)["plans"]] == ["train"]
+    assert _checked(path)[1] == "train_64"
+    # A file that declares no plan of its own acts on the plans it includes.
+    (tmp_path / "model.mesh").write_text((EXAMPLES / "llama2_70b.mesh").read_text())
+    only = tmp_path / "only.mesh"
+    only.write_text('include "model.mesh"\n')
+    code, out, _ = run(["plan", str(only), "--format", "json"], capsys)
+    assert code == 0 and [p["plan"] for p in json.loads(out)["plans"]] == ["train"]
+    assert _checked(str(only))[1] == "train"
