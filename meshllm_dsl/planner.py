@@ -1178,6 +1178,19 @@ def header_span(span: Span | None) -> Span | None:
     return span.source.span(span.start, span.start + len(head.rstrip()))
 
 
+def _comm_help(step: StepTime) -> str:
+    """W0803's help: what raises the compute per byte moved, for the collectives the step has,
+    the largest first (a plan without a tensor axis is never told to shrink one)."""
+    remedies = {
+        "tensor": "fewer tensor-parallel devices or larger microbatches",
+        "pipeline": "larger microbatches (fewer, bigger pipeline transfers) or fewer pipeline stages",
+        "data": "more sequences per data replica (a larger batch or fewer replicas)",
+    }
+    parts = sorted(((step.tensor_s, "tensor"), (step.pipeline_s, "pipeline"), (step.data_s, "data")), reverse=True)
+    named = [remedies[kind] for seconds, kind in parts if seconds > 0]
+    return f"{'; or '.join(named) or 'larger microbatches'} raise the compute per byte moved"
+
+
 def plan_warnings(report: PlanReport) -> list[Diagnostic]:
     plan, dev = report.plan, report.device
     out: list[Diagnostic] = []
@@ -1225,7 +1238,7 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
             W0803, f"communication ({fmt_seconds(step.comm_s)}) exceeds compute ({fmt_seconds(step.compute_s)}) per step",
             head, label="communication-dominated",
             note=f"tensor {fmt_seconds(step.tensor_s)}, pipeline {fmt_seconds(step.pipeline_s)}, data {fmt_seconds(step.data_s)}",
-            help="larger microbatches or fewer tensor-parallel devices raise the compute per byte moved"))
+            help=_comm_help(step)))
 
     # W0804: tensor axis over the inter-host link, with its cost.
     for axis, comm_s in _tensor_comm_by_axis(report).items():
@@ -1349,7 +1362,10 @@ def report_text(rep: PlanReport) -> str:
         by_dtype["fp32"] = by_dtype.get("fp32", 0) + worst.optimizer_bytes
     lines += [
         f"  by dtype on pipeline rank {worst.coord}: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in by_dtype.items())
-        + f"; {fmt_count(worst.params_replicated)} parameters are whole copies on every device (norms, biases, unsharded layers)",
+        + (f"; {fmt_count(worst.params_replicated)} parameters are whole copies on every device (norms, biases, unsharded layers)"
+           if plan.zero < 2 or not plan.zero_axes else
+           f"; {fmt_count(worst.params_replicated)} parameters are not split by the layout (norms, biases, unsharded layers), "
+           f"ZeRO-{plan.zero} shards them over {' x '.join(plan.zero_axes)} like the rest"),
     ]
     if worst.gather_buffer_bytes:
         what = ("every unit, kept from its forward to its backward" if plan.zero == 2

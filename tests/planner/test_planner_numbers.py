@@ -263,5 +263,36 @@ def test_70b_trains_on_64_h100s() -> None:
     rep = analyze(plan, PROFILES["h100"])
     assert rep.fits and rep.peak_training_bytes <= 80 * 2**30
     assert "18 bytes per parameter" in report_text(rep)
-    plain = analyze(attrs.evolve(plan, zero=1, seq_axes=(), master_dtype=None, reduce_dtype=None), PROFILES["h100"])
+    plain = analyze(attrs.evolve(plan, zero=1, roles=attrs.evolve(plan.roles, sequence=()), master_dtype=None, reduce_dtype=None), PROFILES["h100"])
     assert plain.peak_training_bytes > rep.peak_training_bytes
+
+
+def test_texts_name_only_what_the_plan_has() -> None:
+    """W0803's help names the collectives the step has (a data-parallel plan is not told to use fewer
+    tensor-parallel devices), and parameters ZeRO 3 shards are not called whole copies."""
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.planner import report_text
+
+    text = """
+mesh dp {
+    axes data = 64
+    hosts = 8
+    device = h100
+}
+model m = llama { vocab = 256, hidden = 64, layers = 2, heads = 4, kv_heads = 2, ffn = 128 }
+plan p on dp for m {
+    batch = 64
+    seq = 16
+    layout { batch -> data }
+    optimizer adamw { zero 3 over data }
+}
+"""
+    result = check_text(text)
+    assert result.ok, result.diagnostics
+    report = analyze(result.plans["p"])
+    (w,) = [d for d in plan_warnings(report) if d.code == "W0803"]
+    assert "tensor" not in (w.help or "") and "data replica" in (w.help or "")
+    out = report_text(report)
+    assert "whole copies" not in out and "ZeRO-3 shards them over data" in out
+    tiny = [d for d in plan_warnings(analyze(plan_of("tiny_llama.mesh"))) if d.code == "W0803"]
+    assert tiny and "tensor-parallel" in (tiny[0].help or "")
