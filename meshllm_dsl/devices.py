@@ -31,10 +31,9 @@ import attrs
 
 from meshllm_dsl import ast
 from meshllm_dsl.codes import E0201, E0202, E0203, E0205, E0303, E0304, E0307, E0312, W0708
-from meshllm_dsl.diagnostics import Diagnostic, Label
+from meshllm_dsl.diagnostics import Diagnostic, Label, replace, typo
 from meshllm_dsl.ir import MeshIR
 from meshllm_dsl.limits import MAX_DEVICES
-from meshllm_dsl.names import did_you_mean
 
 
 @attrs.frozen
@@ -141,13 +140,13 @@ def declared_profiles(decls: Iterable[ast.DeviceDecl]) -> tuple[dict[str, Device
                 if base is None:
                     diags.append(Diagnostic(E0202, f"unknown device profile `{target}`", s.value.span,
                                             label="not a known device",
-                                            help=did_you_mean(str(target), [*PROFILES, *out])))
+                                            **typo(s.value.span, str(target), [*PROFILES, *out])))
                     ok = False
                 continue
             if key not in _SETTINGS:
                 diags.append(Diagnostic(E0203, f"unknown device setting `{key}`", s.name.span,
                                         label="not a device setting",
-                                        help=did_you_mean(key, [*_SETTINGS, "like"])))
+                                        **typo(s.name.span, key, [*_SETTINGS, "like"])))
                 ok = False
                 continue
             v = _number(s.value)
@@ -224,7 +223,8 @@ def host_diagnostics(decl: ast.MeshDecl, devices: int, hosts: int, profile: Devi
         E0312, f"{devices // hosts} devices per host, but a `{name}` host holds {per}", setting.value.span,
         label=f"{devices} devices over {hosts} host{'s' * (hosts > 1)}",
         help=f"use `hosts = {need}` or more ({devices // need} per host), or a device profile with "
-        f"`per_host = {devices // hosts}`: `device {name}_{devices // hosts} {{ like = {name}, per_host = {devices // hosts} }}`")]
+        f"`per_host = {devices // hosts}`: `device {name}_{devices // hosts} {{ like = {name}, per_host = {devices // hosts} }}`",
+        suggestions=replace(setting.value.span, str(need), f"Use `hosts = {need}`"))]
 
 
 def assumed_hosts(mesh: MeshIR, device: DeviceProfile) -> MeshIR:

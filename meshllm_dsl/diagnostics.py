@@ -2,17 +2,21 @@
 
 Every problem the front end finds is a `Diagnostic` with a stable code, a primary span, optional
 secondary labels (a second place involved, such as where an axis was declared) and a `help` line
-that names concrete valid alternatives. Rendering is separate from finding, so tools can ask for JSON.
+that names concrete valid alternatives. Where the help proposes a concrete change, the diagnostic also
+carries it as data (`suggestions`, as rustc's): editors apply those edits and never parse the help.
+Rendering is separate from finding, so tools can ask for JSON.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import re
 from collections.abc import Iterable, Sequence
 
 import attrs
 
+from meshllm_dsl.names import closest, did_you_mean
 from meshllm_dsl.source import Span
 
 
@@ -27,6 +31,71 @@ class Label:
     message: str
 
 
+class Applicability(enum.Enum):
+    """How sure a suggestion is, with rustc's names: a tool may apply MachineApplicable ones unasked."""
+
+    MACHINE_APPLICABLE = "MachineApplicable"  # the fix, and it removes the diagnostic
+    MAYBE_INCORRECT = "MaybeIncorrect"  # a plausible fix (a guessed name, one size of several)
+    HAS_PLACEHOLDERS = "HasPlaceholders"  # the edit holds text the user must fill in
+    UNSPECIFIED = "Unspecified"
+
+
+@attrs.frozen
+class Edit:
+    """Replace the text under `span` with `text`; an empty span inserts."""
+
+    span: Span
+    text: str
+
+
+@attrs.frozen
+class Suggestion:
+    message: str  # what applying it does, as an editor's action title: "Replace `tensr` with `tensor`"
+    edits: tuple[Edit, ...]
+    applicability: Applicability = Applicability.MAYBE_INCORRECT
+
+    def apply(self, text: str) -> str:
+        """`text` (the text of the edits' file) with every edit applied."""
+        for e in sorted(self.edits, key=lambda e: (e.span.start, e.span.end), reverse=True):
+            text = text[: e.span.start] + e.text + text[e.span.end :]
+        return text
+
+
+def replace(span: Span | None, text: str, message: str | None = None,
+            applicability: Applicability = Applicability.MAYBE_INCORRECT) -> tuple[Suggestion, ...]:
+    """The one suggestion that puts `text` where `span` is (none without a span, or when it is there)."""
+    if span is None or span.text == text:
+        return ()
+    return (Suggestion(message or f"Replace `{span.text}` with `{text}`", (Edit(span, text),), applicability),)
+
+
+def insert(span: Span | None, at_end: bool, text: str, message: str,
+           applicability: Applicability = Applicability.MAYBE_INCORRECT) -> tuple[Suggestion, ...]:
+    """The one suggestion that inserts `text` at the start or end of `span`."""
+    if span is None:
+        return ()
+    at = span.end if at_end else span.start
+    return (Suggestion(message, (Edit(span.source.span(at, at), text),), applicability),)
+
+
+def make_rule(span: Span | None, rule: str,
+              applicability: Applicability = Applicability.MAYBE_INCORRECT) -> tuple[Suggestion, ...]:
+    """Rewriting the sharding rule written at `span` (`row(tensor)`) as `rule`. A placement that
+    came from a layout entry (`ffn -> tensor`) has that entry's span, which no rule replaces."""
+    if span is None or not re.fullmatch(r"\w+\s*(\([^()]*\))?", span.text):
+        return ()
+    return replace(span, rule, f"Make it `{rule}`", applicability)
+
+
+def typo(span: Span | None, name: str, candidates: Iterable[str]) -> dict[str, object]:
+    """`help=` and `suggestions=` for a misspelt name at `span`: the did-you-mean line, and replacing
+    the name with the closest candidate."""
+    options = list(candidates)
+    meant = closest(name, options)
+    return {"help": did_you_mean(name, options),
+            "suggestions": replace(span, meant) if meant is not None and span is not None and span.text == name else ()}
+
+
 @attrs.frozen
 class Diagnostic:
     code: str
@@ -36,6 +105,7 @@ class Diagnostic:
     secondary: tuple[Label, ...] = ()
     help: str | None = None
     note: str | None = None
+    suggestions: tuple[Suggestion, ...] = ()
 
     @property
     def severity(self) -> Severity:
@@ -65,6 +135,11 @@ class Diagnostic:
             "secondary": [{"message": s.message, **where(s.span)} for s in self.secondary],
             "help": self.help,
             "note": self.note,
+            "suggestions": [
+                {"message": s.message, "applicability": s.applicability.value,
+                 "edits": [{**where(e.span), "replacement": e.text} for e in s.edits]}
+                for s in self.suggestions
+            ],
         }
 
 

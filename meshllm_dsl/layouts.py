@@ -21,7 +21,7 @@ from typing import Protocol
 
 from meshllm_dsl.codes import E0402, E0403, E0410
 from meshllm_dsl.collectives import spec
-from meshllm_dsl.diagnostics import Label
+from meshllm_dsl.diagnostics import Label, make_rule
 from meshllm_dsl.ir import (
     REPLICATE,
     Collective,
@@ -65,14 +65,16 @@ def _through(p: Placement, x: Layout, where: str, r: _Reporter, collectives: lis
         if x.kind == "S":
             r.error(E0402, f"`{where}` is replicated but its input is sharded over {' x '.join(x.axes)}", p.span,
                     label="needs the full input", secondary=producer(),
-                    help=f"make `{where}` `row({', '.join(x.axes)})`: a column layer pairs with a row layer")
+                    help=f"make `{where}` `row({', '.join(x.axes)})`: a column layer pairs with a row layer",
+                    suggestions=make_rule(p.span, f"row({', '.join(x.axes)})"))
             return None
         return R
     if p.rule == "column":
         if x.kind == "S":
             r.error(E0402, f"column layer `{where}` is fed an activation already sharded over {' x '.join(x.axes)}",
                     p.span, label="column after column", secondary=producer(),
-                    help=f"make `{where}` `row({', '.join(x.axes)})`: a column layer must be followed by a row layer")
+                    help=f"make `{where}` `row({', '.join(x.axes)})`: a column layer must be followed by a row layer",
+                    suggestions=make_rule(p.span, f"row({', '.join(x.axes)})"))
             return None
         collectives.append(Collective("copy_to", p.axes, "input"))
         return Layout("S", p.axes)
@@ -81,7 +83,8 @@ def _through(p: Placement, x: Layout, where: str, r: _Reporter, collectives: lis
         if x.axes != p.axes:
             r.error(E0402, f"row layer `{where}` splits over {' x '.join(p.axes)} but its input is sharded over "
                     f"{' x '.join(x.axes)}", p.span, label="axes differ", secondary=producer(),
-                    help=f"use `row({', '.join(x.axes)})` to match the column layer before it")
+                    help=f"use `row({', '.join(x.axes)})` to match the column layer before it",
+                    suggestions=make_rule(p.span, f"row({', '.join(x.axes)})"))
             return None
     else:
         collectives.append(Collective("split_to", p.axes, "input"))
@@ -93,6 +96,7 @@ def _partial_error(x: Layout, what: str, span: Span | None, r: _Reporter, produc
             label=f"`{producer}` is row-parallel here",
             help=f"make `{producer}` `column({', '.join(x.axes)})` so its output is sharded, not partial; "
             "row layers belong at the end of a sublayer, before the residual add",
+            suggestions=make_rule(span, f"column({', '.join(x.axes)})"),
             note=f"{what} is not linear: applying it to each rank's partial sum and then adding is not the same as applying it to the sum")
 
 
@@ -164,7 +168,8 @@ def _at_residual(y: Layout, where: str, p: Placement, collectives: list[Collecti
     if y.kind == "S":
         r.error(E0402, f"`{where}` leaves its output sharded over {' x '.join(y.axes)} at the residual add", p.span,
                 label="the residual stream must be replicated",
-                help=f"make `{where}` `row({', '.join(y.axes)})` (its output is then summed), or `replicate`")
+                help=f"make `{where}` `row({', '.join(y.axes)})` (its output is then summed), or `replicate`",
+                suggestions=make_rule(p.span, f"row({', '.join(y.axes)})") + make_rule(p.span, "replicate"))
         return None
     if y.kind == "P":
         collectives.append(Collective("reduce_from", y.axes, "output"))

@@ -69,6 +69,12 @@ def safe_variant(name: str, attribute: bool = False, module: bool = False, kind:
     return kind + "1"
 
 
+def closest(name: str, candidates: Iterable[str]) -> str | None:
+    """The candidate a misspelt `name` most likely meant (what `did_you_mean` proposes), if any."""
+    close = difflib.get_close_matches(name, sorted(set(candidates)), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
 def did_you_mean(name: str, candidates: Iterable[str]) -> str:
     options = sorted(set(candidates))
     close = difflib.get_close_matches(name, options, n=1, cutoff=0.6)

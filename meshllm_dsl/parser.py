@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from meshllm_dsl import ast, parse_tables
 from meshllm_dsl.codes import E0101, E0102, E0201, E0307, E0311
-from meshllm_dsl.diagnostics import Diagnostic, Label, SpecError
+from meshllm_dsl.diagnostics import Diagnostic, Label, SpecError, insert
 from meshllm_dsl.limits import MAX_EXPR_DEPTH, MAX_INT_DIGITS
 from meshllm_dsl.source import SourceFile, Span
 
@@ -413,11 +413,12 @@ def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
         expected = sorted({_describe(t) for t in candidates})
         unclosed = _unclosed_block_note(source, start)
         if unclosed is not None:
-            note, opened = unclosed
+            note, opened, at = unclosed
             # What the parser would accept (`=`, a setting's value) only misleads: the keyword was
             # never meant as a setting.
             return Diagnostic(E0101, f"unexpected {found}", source.span(start, end), label="not expected here",
-                              note=note, help=f"add `}}` to close the block opened on line {opened}")
+                              note=note, help=f"add `}}` to close the block opened on line {opened}",
+                              suggestions=insert(source.span(at, at), False, "}\n\n", "Insert the missing `}`"))
         missing = _missing_close(source, start, {t for t in candidates})
         if missing is not None:
             at, close, opened_line = missing
@@ -427,7 +428,8 @@ def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
                 label=f"expected `{close}` here",
                 note=f"the `{_OPENERS[close]}` on line {opened_line} is still open, and line {source.position(start)[0]} "
                 f"starts with {found}, which cannot continue it",
-                help=f"add `{close}` at the end of line {line}")
+                help=f"add `{close}` at the end of line {line}",
+                suggestions=insert(source.span(at, at), False, close, f"Insert the missing `{close}`"))
         return Diagnostic(
             E0101,
             f"unexpected {found}",
@@ -470,10 +472,10 @@ def _syntax_diagnostic(source: SourceFile, err: UnexpectedInput) -> Diagnostic:
 _DECLARATIONS = ("mesh", "model", "family", "plan", "device", "include")
 
 
-def _unclosed_block_note(source: SourceFile, start: int) -> tuple[str, int] | None:
+def _unclosed_block_note(source: SourceFile, start: int) -> tuple[str, int, int] | None:
     """When the parser stumbles right after a declaration keyword that sits inside a block, the
-    usual cause is a `}` missing above it: the keyword was read as a setting name. The note, and
-    the line of the block's `{` that is still open."""
+    usual cause is a `}` missing above it: the keyword was read as a setting name. The note, the
+    line of the block's `{` that is still open, and the start of the keyword's line (where the `}` goes)."""
     before = source.text[:start].rstrip()
     word = before.rsplit(None, 1)[-1] if before.split() else ""
     if word not in _DECLARATIONS:
@@ -483,7 +485,7 @@ def _unclosed_block_note(source: SourceFile, start: int) -> tuple[str, int] | No
         return None
     line = source.position(len(before) - len(word))[0]
     return (f"`{word}` on line {line} starts a new declaration, but a block above it is still open: is a `}}` missing?",
-            source.position(opened[-1])[0])
+            source.position(opened[-1])[0], source.text.rfind("\n", 0, len(before) - len(word)) + 1)
 
 
 _OPENERS = {")": "(", "}": "{", "]": "["}

@@ -28,10 +28,10 @@ from meshllm_dsl.codes import (
     E0309,
 )
 from meshllm_dsl.devices import PROFILES
-from meshllm_dsl.diagnostics import Diagnostic, Label
+from meshllm_dsl.diagnostics import Diagnostic, Label, replace, typo
 from meshllm_dsl.ir import DTYPES, Axis, Leaf, MeshIR, ModelIR, Repeat, Symbol, Tensor, Unit, Value
 from meshllm_dsl.limits import MAX_BLOCKS, MAX_DEVICES, MAX_INT
-from meshllm_dsl.names import did_you_mean, divisors, identifier_problem, or_list, safe_variant
+from meshllm_dsl.names import divisors, identifier_problem, or_list, safe_variant
 from meshllm_dsl.source import Span
 
 
@@ -60,13 +60,14 @@ class Resolver:
         if problem is None:
             return True
         shown = name.value if len(name.value) <= 40 else name.value[:37] + "..."
+        variant = safe_variant(name.value, kind=what, **flags)
         self.error(
             E0204,
             f"{what} name `{shown}` {problem}",
             name.span,
             label="not allowed as a name",
-            help="names reach generated Python code: use a plain identifier such as "
-            f"`{safe_variant(name.value, kind=what, **flags)}`",
+            help=f"names reach generated Python code: use a plain identifier such as `{variant}`",
+            suggestions=replace(name.span, variant, f"Rename to `{variant}`"),
         )
         return False
 
@@ -140,7 +141,7 @@ class Resolver:
             f"unknown {what} `{name}`",
             expr.span,
             label="not declared",
-            help=did_you_mean(name, [k for k, b in env.items() if isinstance(b.value, int)]),
+            **typo(expr.span, name, [k for k, b in env.items() if isinstance(b.value, int)]),
         )
 
     def eval_int(self, expr: ast.Expr, env: Env, what: str, minimum: int = 1, maximum: int = MAX_INT) -> int | None:
@@ -160,8 +161,10 @@ class Resolver:
                 return None  # this value is already reported (at its first use); one error per mistake
             self._bad_origins.add(span)
         if isinstance(v, bool) or not isinstance(v, int):
+            whole = max(minimum, round(v)) if isinstance(v, float) else None
             self.error(E0304, f"{what} must be an integer", span, label=f"is {_kind(v)}", secondary=secondary,
-                       help=f"use a whole number{f' such as {max(minimum, round(v))}' if isinstance(v, float) else ''}")
+                       help=f"use a whole number{f' such as {whole}' if whole is not None else ''}",
+                       suggestions=replace(span, str(whole), f"Use {whole}") if whole is not None and _is_number(span) else ())
             return None
         if v < minimum:
             self.error(
@@ -337,12 +340,12 @@ def resolve_mesh(decl: ast.MeshDecl, r: Resolver, devices: Sequence[str]) -> Mes
                 r.error(E0304, "device must be a profile name", v.span, help=f"known: {', '.join(sorted(set(PROFILES) | set(devices)))}")
             elif v.value not in PROFILES and v.value not in devices:
                 r.error(E0202, f"unknown device profile `{v.value}`", v.span, label="not a known device",
-                        help=did_you_mean(v.value, [*PROFILES, *devices]))
+                        **typo(v.span, v.value, [*PROFILES, *devices]))
             else:
                 device = v.value
         else:
             r.error(E0203, f"unknown mesh setting `{key}`", s.name.span, label="not a mesh setting",
-                    help=did_you_mean(key, _MESH_SETTINGS))
+                    **typo(s.name.span, key, _MESH_SETTINGS))
     if not ok or len(axes) != len(decl.axes):
         return None
     return MeshIR(decl.name.value, tuple(axes), hosts, device, decl.span)
@@ -429,7 +432,7 @@ class ModelResolver(Resolver):
             family = self.families.get(decl.family.value)
             if family is None:
                 self.error(E0202, f"unknown model family `{decl.family.value}`", decl.family.span,
-                           label="no such family", help=did_you_mean(decl.family.value, self.families))
+                           label="no such family", **typo(decl.family.span, decl.family.value, self.families))
                 return None
             family_start = len(self.diagnostics)
             env = self._bind_family(decl, family, env)
@@ -564,7 +567,7 @@ class ModelResolver(Resolver):
         for s in decl.settings:
             if s.name.value not in params and s.name.value in given:
                 self.error(E0203, f"family `{family.name.value}` has no parameter `{s.name.value}`", s.name.span,
-                           label="unknown parameter", help=did_you_mean(s.name.value, params))
+                           label="unknown parameter", **typo(s.name.span, s.name.value, params))
         env: Env = dict(given)
         for p in family.params:
             if p.name.value in given:
@@ -620,7 +623,7 @@ class ModelResolver(Resolver):
         spec = PRIMITIVES.get(call.func.value)
         if spec is None:
             self.error(E0202, f"unknown layer primitive `{call.func.value}`", call.func.span,
-                       label="not a primitive", help=did_you_mean(call.func.value, PRIMITIVES))
+                       label="not a primitive", **typo(call.func.span, call.func.value, PRIMITIVES))
             return None
         bound: dict[str, Any] = {}
         logical: dict[str, str] = {}
@@ -635,7 +638,7 @@ class ModelResolver(Resolver):
             arg = next((a for a in spec if a.name == kw.name.value), None)
             if arg is None:
                 self.error(E0203, f"`{call.func.value}` has no argument `{kw.name.value}`", kw.name.span,
-                           label="unknown argument", help=did_you_mean(kw.name.value, names))
+                           label="unknown argument", **typo(kw.name.span, kw.name.value, names))
                 return None
             if any(a.name == arg.name for a, _ in given):
                 self.error(E0201, f"argument `{arg.name}` is given twice", kw.name.span, label="again here",
@@ -682,7 +685,7 @@ class ModelResolver(Resolver):
                 target = next((u for u in earlier if isinstance(u, Unit) and u.name == expr.value), None)
                 if target is None:
                     self.error(E0202, f"unknown layer `{expr.value}`", expr.span, label="not declared before this layer",
-                               help=did_you_mean(expr.value, [u.name for u in earlier if isinstance(u, Unit)]))
+                               **typo(expr.span, expr.value, [u.name for u in earlier if isinstance(u, Unit)]))
                     ok = False
                     continue
                 bound[arg.name] = target
@@ -847,7 +850,7 @@ def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
         for n in names(expr):
             if n.value not in params:
                 r.error(E0202, f"unknown dim `{n.value}` in {where}", n.span, label="not a parameter of the family",
-                        help=did_you_mean(n.value, params))
+                        **typo(n.span, n.value, params))
 
     def layers(body: Sequence[ast.LayerStmt], top: bool, seen_repeat: list[bool]) -> None:
         earlier: dict[str, ast.Name] = {}
@@ -882,7 +885,7 @@ def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
         spec = PRIMITIVES.get(c.func.value)
         if spec is None:
             r.error(E0202, f"unknown layer primitive `{c.func.value}`", c.func.span, label="not a primitive",
-                    help=did_you_mean(c.func.value, PRIMITIVES))
+                    **typo(c.func.span, c.func.value, PRIMITIVES))
             return
         if len(c.args) > len(spec):
             r.error(E0203, f"`{c.func.value}` takes at most {len(spec)} arguments", c.args[len(spec)].span,
@@ -893,7 +896,7 @@ def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
             arg = next((a for a in spec if a.name == kw.name.value), None)
             if arg is None:
                 r.error(E0203, f"`{c.func.value}` has no argument `{kw.name.value}`", kw.name.span,
-                        label="unknown argument", help=did_you_mean(kw.name.value, [a.name for a in spec]))
+                        label="unknown argument", **typo(kw.name.span, kw.name.value, [a.name for a in spec]))
                 continue
             if any(a.name == arg.name for a, _ in given):
                 r.error(E0201, f"argument `{arg.name}` is given twice", kw.name.span, label="again here",
@@ -913,7 +916,7 @@ def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
                         help=f"`{arg.name} = true`, or a family parameter")
             elif arg.kind == "layer" and isinstance(expr, ast.Name) and expr.value not in earlier:
                 r.error(E0202, f"unknown layer `{expr.value}`", expr.span, label="not declared before this layer",
-                        help=did_you_mean(expr.value, earlier))
+                        **typo(expr.span, expr.value, earlier))
         named = {a.name for a, _ in given}
         missing = [a.name for a in spec if a.default is None and a.name not in named]
         if missing:
@@ -921,3 +924,11 @@ def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
                     help=f"`{c.func.value}({', '.join(a.name for a in spec)})`")
 
     layers(family.body, True, [])
+
+
+def _is_number(span: Span | None) -> bool:
+    """`span` is a number literal as written (not a name bound to one, nor a whole setting)."""
+    try:
+        return span is not None and float(span.text) is not None
+    except ValueError:
+        return False

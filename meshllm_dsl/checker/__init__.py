@@ -26,10 +26,9 @@ from meshllm_dsl.devices import (
     declared_profiles,
     host_diagnostics,
 )
-from meshllm_dsl.diagnostics import Diagnostic, Label
+from meshllm_dsl.diagnostics import Diagnostic, Label, typo
 from meshllm_dsl.ir import MeshIR, ModelIR, PlanIR
 from meshllm_dsl.load import Declarations, load
-from meshllm_dsl.names import did_you_mean
 from meshllm_dsl.parser import paused_gc
 from meshllm_dsl.resolve import ModelResolver, Resolver, check_family, resolve_mesh
 
@@ -135,10 +134,10 @@ def _check_declarations(decls: Declarations) -> CheckResult:
         model = models.get(decl.model.value)
         if decl.mesh.value not in mesh_decls:
             r.error(E0202, f"unknown mesh `{decl.mesh.value}`", decl.mesh.span, label="no such mesh",
-                    help=did_you_mean(decl.mesh.value, mesh_decls))
+                    **typo(decl.mesh.span, decl.mesh.value, mesh_decls))
         if decl.model.value not in model_decls:
             r.error(E0202, f"unknown model `{decl.model.value}`", decl.model.span, label="no such model",
-                    help=did_you_mean(decl.model.value, model_decls))
+                    **typo(decl.model.span, decl.model.value, model_decls))
         if mesh is None or model is None:
             continue
         profile = {**PROFILES, **profiles}.get(mesh.device or DEFAULT_PROFILE)

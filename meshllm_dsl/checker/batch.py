@@ -10,9 +10,9 @@ from meshllm_dsl.checker.context import (
     PlanContext,
 )
 from meshllm_dsl.codes import E0305, E0310, E0606, E0607, W0703
-from meshllm_dsl.diagnostics import Label
+from meshllm_dsl.diagnostics import Label, Suggestion, replace, typo
 from meshllm_dsl.ir import SCHEDULES, Stage, Unit
-from meshllm_dsl.names import did_you_mean, or_list
+from meshllm_dsl.names import or_list
 
 
 class BatchRules(PlanContext):
@@ -24,7 +24,7 @@ class BatchRules(PlanContext):
         name = stmt.name.value
         if name not in SCHEDULES:
             self.error(E0607, f"unknown schedule `{name}`", stmt.name.span, label="not a schedule",
-                       help=did_you_mean(name, SCHEDULES))
+                       **typo(stmt.name.span, name, SCHEDULES))
             # The checks that read the schedule would judge the default in its place, not the plan.
             self.bad_settings.add("schedule")
             return default
@@ -48,7 +48,8 @@ class BatchRules(PlanContext):
             self.error(E0305, f"batch {batch} does not split into {parts}", span,
                        label=f"not a multiple of {dp * micro}",
                        secondary=(Label(settings["microbatches"].value.span, "microbatches here"),) if "microbatches" in settings and settings["microbatches"].value.span else (),  # type: ignore[arg-type]
-                       help=f"batch must be a multiple of {dp * micro}: e.g. {or_list(ok)}")
+                       help=f"batch must be a multiple of {dp * micro}: e.g. {or_list(ok)}",
+                       suggestions=_values(settings.get("batch"), ok))
         pipeline = len({s.coord for s in stages})
         if "schedule" in self.bad_settings:
             return
@@ -59,6 +60,7 @@ class BatchRules(PlanContext):
                 self.error(E0606, f"`{schedule}` needs at least as many microbatches as pipeline stages ({micro} < {pipeline})",
                            where, label=f"{micro} microbatch{'es' if micro != 1 else ''}" if ms is not None else "`microbatches` is not set (so 1)",
                            help=f"{'use' if ms is not None else 'set'} `microbatches = {pipeline}` or more (and batch divisible by it)",
+                           suggestions=_values(ms, [pipeline], "microbatches"),
                            note="with fewer microbatches than stages 1F1B cannot fill the pipeline and hangs in torch")
             else:
                 self.warn(W0703, f"{micro} microbatches for {pipeline} pipeline stages", where,
@@ -79,4 +81,14 @@ class BatchRules(PlanContext):
                            given.value.span if given is not None else self.decl.name.span,
                            label=f"seq = {seq}" if given is not None else f"`seq` is not set (so {seq})",
                            secondary=(Label(item.span, f"{num} learned positions"),) if item.span else (),
-                           help=f"{'use' if given is not None else 'set'} `seq = {num}` or less, or give the model more positions")
+                           help=f"{'use' if given is not None else 'set'} `seq = {num}` or less, or give the model more positions",
+                           suggestions=_values(given, [int(num)], "seq"))
+
+
+def _values(given: ast.Setting | None, values: Sequence[int], name: str | None = None) -> tuple[Suggestion, ...]:
+    """Setting a written value to each of `values` (nothing for a setting left unset: where to add
+    it is a choice the plan's author makes)."""
+    if given is None:
+        return ()
+    return tuple(s for v in values
+                 for s in replace(given.value.span, str(v), f"Use `{name} = {v}`" if name else f"Use {v}"))

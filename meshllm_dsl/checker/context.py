@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Sequence
 
 import attrs
 
 from meshllm_dsl import ast
 from meshllm_dsl.codes import E0202, E0401
-from meshllm_dsl.diagnostics import Diagnostic, Label
+from meshllm_dsl.diagnostics import Diagnostic, Label, Suggestion, insert, replace, typo
 from meshllm_dsl.ir import Leaf, MeshIR, ModelIR, Placement
-from meshllm_dsl.names import did_you_mean, ranges
+from meshllm_dsl.names import ranges
 from meshllm_dsl.resolve import Resolver
 from meshllm_dsl.source import Span
 
@@ -76,7 +77,7 @@ class PlanContext(Resolver):
         for n in names:
             if self.mesh.axis(n.value) is None:
                 self.error(E0202, f"unknown mesh axis `{n.value}`", n.span, label=f"not an axis of `{self.mesh.name}`",
-                           help=did_you_mean(n.value, [a.name for a in self.mesh.axes]))
+                           **typo(n.span, n.value, [a.name for a in self.mesh.axes]))
                 ok = False
             elif n.value in out:
                 self.error(E0401, f"mesh axis `{n.value}` is used twice in {what}", n.span, label="used again",
@@ -86,6 +87,31 @@ class PlanContext(Resolver):
                 out.append(n.value)
         order = [a.name for a in self.mesh.axes]
         return tuple(sorted(out, key=order.index)) if ok else None
+
+    def add_statement(self, stmt: str) -> tuple[Suggestion, ...]:
+        """Inserting `stmt` on a line of its own after the plan's last `shard` rule (none without one:
+        where a plan's first rule goes is the author's choice)."""
+        shards = [s for s in self.decl.body if isinstance(s, ast.ShardStmt) and s.span is not None]
+        if not shards:
+            return ()
+        anchor = shards[-1].span
+        assert anchor is not None
+        line = anchor.source.line_text(anchor.line)
+        indent = line[: len(line) - len(line.lstrip())]
+        return insert(anchor, True, f"\n{indent}{stmt}", f"Add `{stmt}`")
+
+    def resize_axis(self, axes: Sequence[str], sizes: Sequence[int]) -> tuple[Suggestion, ...]:
+        """Setting the one mesh axis `axes` names to each of `sizes`, at its declaration (`tensor = 8`).
+        A split over several axes has no single size to change."""
+        axis = self.mesh.axis(axes[0]) if len(axes) == 1 else None
+        if axis is None or axis.span is None:
+            return ()
+        m = re.fullmatch(r"(\s*\w+\s*=\s*)(\d+)\s*", axis.span.text)
+        if m is None:
+            return ()
+        start = axis.span.start + len(m[1])
+        number = axis.span.source.span(start, start + len(m[2]))
+        return tuple(s for v in sizes for s in replace(number, str(v), f"Set `{axis.name} = {v}`"))
 
     def single(self, kind: type, what: str):  # type: ignore[no-untyped-def]
         """The plan's one statement of `kind` (or None); a repeat of it is an error pointing at both."""

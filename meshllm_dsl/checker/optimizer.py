@@ -8,8 +8,9 @@ from meshllm_dsl.checker.context import (
     PlanContext,
 )
 from meshllm_dsl.codes import E0203, E0304, E0309, E0407
+from meshllm_dsl.diagnostics import replace, typo
 from meshllm_dsl.ir import DTYPES
-from meshllm_dsl.names import did_you_mean, or_list
+from meshllm_dsl.names import or_list
 
 OPT_SETTINGS = {
     "lr": (0.0, 1e3, True, False),
@@ -49,7 +50,7 @@ class OptimizerRules(PlanContext):
         for s in stmt.settings:
             if s.name.value not in OPT_SETTINGS:
                 self.error(E0203, f"unknown optimizer setting `{s.name.value}`", s.name.span, label="not a setting",
-                           help=did_you_mean(s.name.value, OPT_SETTINGS))
+                           **typo(s.name.span, s.name.value, OPT_SETTINGS))
                 continue
             if s.name.value in seen:
                 self.repeated(f"optimizer setting `{s.name.value}`", s.name.span, seen[s.name.value].name.span)
@@ -81,7 +82,9 @@ class OptimizerRules(PlanContext):
                 elif set(axes) != set(batch_axes) and zero:
                     self.error(E0407, f"ZeRO must shard over the batch axes ({' x '.join(batch_axes)}), not {' x '.join(axes)}",
                                stmt.zero.span, label="not the data-parallel axes",
-                               help=f"write `zero {zero} over {' * '.join(batch_axes)}`: only ranks holding the same parameters can share their optimizer states")
+                               help=f"write `zero {zero} over {' * '.join(batch_axes)}`: only ranks holding the same parameters can share their optimizer states",
+                               suggestions=replace(stmt.zero.span, f"zero {zero} over {' * '.join(batch_axes)}",
+                                                   f"Write `zero {zero} over {' * '.join(batch_axes)}`"))
         return stmt.name.value, tuple(settings), zero, zero_axes
 
     def precision(self, dtype: str, zero: int, dtype_given: bool) -> tuple[str, str | None, str | None]:
@@ -96,7 +99,7 @@ class OptimizerRules(PlanContext):
             key = s.name.value
             if key not in PRECISION_KEYS:
                 self.error(E0203, f"unknown precision setting `{key}`", s.name.span, label="not a precision setting",
-                           help=did_you_mean(key, PRECISION_KEYS))
+                           **typo(s.name.span, key, PRECISION_KEYS))
                 continue
             if key in seen:
                 self.repeated(f"precision setting `{key}`", s.name.span, seen[key].name.span)

@@ -19,7 +19,7 @@ from meshllm_dsl.checker.context import (
     _Silent,
 )
 from meshllm_dsl.codes import E0201, E0301, E0401, E0404, E0405, E0406, E0408, E0501, E0502, E0503
-from meshllm_dsl.diagnostics import Label
+from meshllm_dsl.diagnostics import Label, Suggestion, make_rule, replace, typo
 from meshllm_dsl.ir import REPLICATE, RULES, BlockClass, Leaf, Placement, Repeat, Unit
 from meshllm_dsl.layouts import block_flows
 from meshllm_dsl.names import did_you_mean, divisors, or_list
@@ -57,7 +57,7 @@ class PlacementRules(PlanContext):
                 if not hits:
                     known = sorted({u[0] for _, _, leaf in self.model.leaves() if leaf.shardable for u in leaf.in_units + leaf.out_units} | {"batch", "seq"})
                     self.error(E0502, f"layout entry `{dim}` matches no parameter", e.dim.span,
-                               label="no layer has this dim", help=did_you_mean(dim, known))
+                               label="no layer has this dim", **typo(e.dim.span, dim, known))
                 out.extend(hits)
         return batch_axes, out
 
@@ -108,7 +108,9 @@ class PlacementRules(PlanContext):
         name = rule.name.value
         if name not in RULES:
             self.error(E0406, f"unknown sharding rule `{name}`", rule.name.span, label="not a rule",
-                       help=f"use {or_list(f'`{r}`' for r in RULES)}")
+                       help=f"use {or_list(f'`{r}`' for r in RULES)}",
+                       suggestions=tuple(s for r in RULES for s in (
+                           replace(rule.span, r, f"Use `{r}`") if r == "replicate" else replace(rule.name.span, r, f"Use `{r}`"))))
             return None
         if name == "replicate":
             if rule.axes:
@@ -131,17 +133,20 @@ class PlacementRules(PlanContext):
             return True
         if not leaf.shardable:
             self.error(E0405, f"`{path}` is a {leaf.kind}; it cannot be sharded with `{p.rule}`", stmt.rule.span,
-                       label="not shardable", help=f"{leaf.kind} parameters are small and stay replicated: use `replicate` or remove the rule")
+                       label="not shardable", help=f"{leaf.kind} parameters are small and stay replicated: use `replicate` or remove the rule",
+                       suggestions=make_rule(stmt.rule.span, "replicate"))
             return False
         if leaf.kind == "embedding" and p.rule != "vocab_parallel":
             self.error(E0405, f"embedding `{path}` can only be `vocab_parallel` or `replicate`", stmt.rule.span,
                        label=f"`{p.rule}` is not supported for embeddings",
-                       help=f"use `vocab_parallel({', '.join(p.axes)})`: it splits the vocabulary rows")
+                       help=f"use `vocab_parallel({', '.join(p.axes)})`: it splits the vocabulary rows",
+                       suggestions=make_rule(stmt.rule.span, f"vocab_parallel({', '.join(p.axes)})"))
             return False
         if leaf.kind == "linear" and p.rule == "vocab_parallel":
             self.error(E0405, f"`vocab_parallel` applies to embeddings; `{path}` is a linear layer", stmt.rule.span,
                        label="not an embedding",
-                       help=f"use `column({', '.join(p.axes)})`: for an output projection it splits the vocabulary")
+                       help=f"use `column({', '.join(p.axes)})`: for an output projection it splits the vocabulary",
+                       suggestions=make_rule(stmt.rule.span, f"column({', '.join(p.axes)})"))
             return False
         return True
 
@@ -165,7 +170,8 @@ class PlacementRules(PlanContext):
             typos = [n for s, f in zip(segs, fixed) for n in s.names if n not in f.names]
             self.error(E0502, f"rule `{path}` matches no layer", path.span,
                        label=f"no layer {_and_list(f'`{n}`' for n in typos)} here",
-                       help=f"did you mean `{'.'.join(str(s) for s in fixed)}`?")
+                       help=f"did you mean `{'.'.join(str(s) for s in fixed)}`?",
+                       suggestions=replace(path.span, '.'.join(str(s) for s in fixed)))
             # What the rule was meant to place is not also "placed by no rule" (E0501): that follows
             # from this typo alone, so it becomes a note here (placements() fills it in).
             for leaf, _blocks in meant:
@@ -357,7 +363,8 @@ class PlacementRules(PlanContext):
             self.error(E0501, f"`{where}` is not placed by any rule", self.decl.name.span,
                        label=f"plan `{self.decl.name.value}` leaves it out",
                        secondary=(Label(leaf.span, f"`{leaf.name}` declared here"),) if leaf.span else (),
-                       help=f"{fix}; a plan with rules must place every parameter")
+                       help=f"{fix}; a plan with rules must place every parameter",
+                       suggestions=self.add_statement(f"shard {pattern} {rules[pattern]}"))
             return
         keys = self.layout_keys(rest) if axes is not None and "," not in axes else None
         if keys is not None:
@@ -432,6 +439,7 @@ class PlacementRules(PlanContext):
                 secondary=tuple(lab for a in p.axes for lab in self.axis_label(a)),
                 help=f"{axes_text} must divide {listing}{also}: use {or_list(divisors(common))}"
                 + (self.vocab_padding(count, n) if unit_name == "vocab" else ""),
+                suggestions=self.resize_axis(p.axes, divisors(common)),
             )
 
     def vocab_padding(self, count: int, n: int) -> str:
@@ -469,7 +477,8 @@ class PlacementRules(PlanContext):
                            secondary=(Label(theirs.span, f"`{leaf.tie}` is {theirs.rule}"),) if theirs.span else (),
                            help=(f"make `{leaf.name}` `column({', '.join(theirs.axes)})` to split the same vocabulary rows as `{leaf.tie}`, or replicate both"
                                  if theirs.sharded else
-                                 f"make `{leaf.tie}` `vocab_parallel({', '.join(mine.axes)})` to split the same vocabulary rows as `{leaf.name}`, or replicate both"))
+                                 f"make `{leaf.tie}` `vocab_parallel({', '.join(mine.axes)})` to split the same vocabulary rows as `{leaf.name}`, or replicate both"),
+                           suggestions=_tie_fixes(mine, theirs))
 
     def block_classes(self, default: dict[tuple[str, ...], Placement], exceptions: dict[tuple[str, ...], dict[int, Placement]]) -> tuple[BlockClass, ...]:
         rep = self.repeat
@@ -507,7 +516,8 @@ class PlacementRules(PlanContext):
         if head is not None and head.rule == "row" and head.sharded:
             self.error(E0404, f"`{last.name}` is row-parallel, so its logits are partial sums entering the loss",
                        head.span, label="logits are Partial over " + " x ".join(head.axes),
-                       help=f"make `{last.name}` `column({', '.join(head.axes)})` with a vocab-parallel loss, or `replicate`")
+                       help=f"make `{last.name}` `column({', '.join(head.axes)})` with a vocab-parallel loss, or `replicate`",
+                       suggestions=make_rule(head.span, f"column({', '.join(head.axes)})") + make_rule(head.span, "replicate"))
             return inferred
         if stmt is None:
             return inferred
@@ -523,12 +533,27 @@ class PlacementRules(PlanContext):
             got = "replicated (gathered)" if not inferred.sharded else f"sharded over {' x '.join(inferred.axes)}"
             self.error(E0404, f"the loss expects logits sharded over {' x '.join(axes) or 'nothing'} but they are {got}",
                        stmt.rule.span, label="loss layout", secondary=(Label(head.span, "logits placed here"),) if head and head.span else (),
-                       help=f"shard `{last.name}` with `column({', '.join(axes)})`, or use `loss cross_entropy`")
+                       help=f"shard `{last.name}` with `column({', '.join(axes)})`, or use `loss cross_entropy`",
+                       suggestions=replace(stmt.rule.span, "cross_entropy", "Use `loss cross_entropy`"))
         if name == "cross_entropy" and inferred.sharded:
             self.error(E0404, f"`cross_entropy` needs full logits but `{last.name}` shards them over {' x '.join(inferred.axes)}",
                        stmt.rule.span, label="expects replicated logits",
-                       help=f"use `loss vocab_parallel({', '.join(inferred.axes)})`: it never gathers the logits")
+                       help=f"use `loss vocab_parallel({', '.join(inferred.axes)})`: it never gathers the logits",
+                       suggestions=replace(stmt.rule.span, f"vocab_parallel({', '.join(inferred.axes)})",
+                                           f"Use `loss vocab_parallel({', '.join(inferred.axes)})`"))
         return inferred
+
+
+def _tie_fixes(mine: Placement, theirs: Placement) -> tuple[Suggestion, ...]:
+    """E0408's two ways out: split the tied pair alike (edit the one rule that differs), or
+    replicate both (one suggestion editing both rules)."""
+    if theirs.sharded:
+        alike = make_rule(mine.span, f"column({', '.join(theirs.axes)})")
+    else:
+        alike = make_rule(theirs.span, f"vocab_parallel({', '.join(mine.axes)})")
+    edits = tuple(e for p in (mine, theirs) if p.sharded for s in make_rule(p.span, "replicate") for e in s.edits)
+    both = (Suggestion("Replicate both", edits),) if edits and all(p.span is not None for p in (mine, theirs) if p.sharded) else ()
+    return alike + both
 
 
 def _and_list(items: Iterable[str]) -> str:

@@ -11,9 +11,10 @@ from meshllm_dsl.checker.pitfalls import PitfallRules
 from meshllm_dsl.checker.placements import PlacementRules
 from meshllm_dsl.checker.stages import StageRules
 from meshllm_dsl.codes import E0203, E0309
+from meshllm_dsl.diagnostics import typo
 from meshllm_dsl.ir import PlanIR, Unit
 from meshllm_dsl.layouts import top_flows
-from meshllm_dsl.names import did_you_mean, or_list
+from meshllm_dsl.names import or_list
 from meshllm_dsl.resolve import Binding
 
 PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute")
@@ -45,7 +46,7 @@ class PlanChecker(PlacementRules, StageRules, BatchRules, OptimizerRules, Memory
                 continue
             if key not in PLAN_SETTINGS:
                 self.error(E0203, f"unknown plan setting `{key}`", s.name.span, label="not a plan setting",
-                           help=did_you_mean(key, PLAN_SETTINGS))
+                           **typo(s.name.span, key, PLAN_SETTINGS))
                 continue
             if key in ("dtype", "recompute"):
                 continue

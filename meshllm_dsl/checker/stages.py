@@ -13,9 +13,9 @@ from meshllm_dsl.checker.context import (
     _human,
 )
 from meshllm_dsl.codes import E0201, E0202, E0601, E0602, E0603, E0604, E0605, E0608, E0609, W0701
-from meshllm_dsl.diagnostics import Label
+from meshllm_dsl.diagnostics import Label, insert, replace, typo
 from meshllm_dsl.ir import BlockClass, Placement, Repeat, Stage, StagePiece
-from meshllm_dsl.names import did_you_mean, divisors, or_list
+from meshllm_dsl.names import divisors, or_list
 from meshllm_dsl.source import Span
 
 
@@ -86,7 +86,7 @@ class StageRules(PlanContext):
                 item = model.item(name)
                 if item is None:
                     self.error(E0202, f"unknown layer `{name}` in the stage map", it.name.span, label="no such layer",
-                               help=did_you_mean(name, [i.name for i in model.items]))
+                               **typo(it.name.span, name, [i.name for i in model.items]))
                     unknown_names = True  # the layers "in no stage" are then most likely this one, misspelled
                     continue
                 if isinstance(item, Repeat):
@@ -118,7 +118,8 @@ class StageRules(PlanContext):
                     self.error(E0602, f"blocks {_blocks_text(range(start, min(stop, position[1])))} of `{name}` are in two stages",
                                it.span, label=f"starts at {start}",
                                secondary=(Label(prev[1].span, f"stage {prev[0]} holds blocks up to {position[1] - 1}"),),  # type: ignore[arg-type]
-                               help=f"start this range at {position[1]}: every block belongs to exactly one stage")
+                               help=f"start this range at {position[1]}: every block belongs to exactly one stage",
+                               suggestions=replace(it.span, f"{name}[{position[1]}:{stop}]", f"Start at {position[1]}"))
                     overlap_reported = True
                 elif id(it) in out_of_order:
                     self.error(E0603, f"`{it.name.value}{'' if start is None else f'[{start}:{stop}]'}` is out of order",
@@ -126,7 +127,8 @@ class StageRules(PlanContext):
                                help="stages must hold the model's layers contiguously and in order")
                 elif isinstance(item, Repeat) and here > position and position[0] == order[name]:
                     self.error(E0601, f"blocks {position[1]} to {start - 1} of `{name}` are in no stage", it.span,
-                               label=f"starts at {start}", help=f"start this range at {position[1]}")
+                               label=f"starts at {start}", help=f"start this range at {position[1]}",
+                               suggestions=replace(it.span, f"{name}[{position[1]}:{stop}]", f"Start at {position[1]}"))
                 elif isinstance(item, Repeat) and position[0] < order[name] and start != 0:
                     self.error(E0601, f"blocks 0 to {start - 1} of `{name}` are in no stage", it.span,
                                label=f"starts at {start}", help=f"start the first range of `{name}` at 0")
@@ -159,7 +161,9 @@ class StageRules(PlanContext):
                         first = it.start if it.start is not None else 0
                         self.error(E0601, f"blocks {_blocks_text(range(end, item.count))} of `{item.name}` are in no stage",
                                    it.span, label=f"the last range stops at block {end - 1}",
-                                   help=f"extend it to `{item.name}[{first}:{item.count}]`, or add `{item.name}[{end}:{item.count}]` to the next stage")
+                                   help=f"extend it to `{item.name}[{first}:{item.count}]`, or add `{item.name}[{end}:{item.count}]` to the next stage",
+                                   suggestions=replace(it.span, f"{item.name}[{first}:{item.count}]",
+                                                       f"Extend to `{item.name}[{first}:{item.count}]`"))
             elif not isinstance(item, Repeat) and item.name not in seen_items and not unknown_names:
                 before = next((last_item[n.name] for n in reversed(model.items[:i]) if n.name in last_item), None)
                 after = next((last_item[n.name] for n in model.items[i + 1:] if n.name in last_item), None)
@@ -167,11 +171,13 @@ class StageRules(PlanContext):
                     k, it = before
                     self.error(E0601, f"`{item.name}` is in no stage", it.span, label=f"`{item.name}` comes after this",
                                help=f"add `{item.name}` after `{it.span.text if it.span else it.name.value}` in stage {k}"
-                               + (f", or first in stage {k + 1}" if k + 1 < len(entries) else ""))
+                               + (f", or first in stage {k + 1}" if k + 1 < len(entries) else ""),
+                               suggestions=insert(it.span, True, f", {item.name}", f"Add `{item.name}` to this stage"))
                 elif after is not None:
                     k, it = after
                     self.error(E0601, f"`{item.name}` is in no stage", it.span, label=f"`{item.name}` comes before this",
-                               help=f"add `{item.name}` before `{it.span.text if it.span else it.name.value}` in stage {k}")
+                               help=f"add `{item.name}` before `{it.span.text if it.span else it.name.value}` in stage {k}",
+                               suggestions=insert(it.span, False, f"{item.name}, ", f"Add `{item.name}` to this stage"))
                 else:
                     self.error(E0601, f"`{item.name}` is in no stage", header, label="stage map",
                                help=f"add `{item.name}` to the first stage")

@@ -289,9 +289,11 @@ class SymbolIndex:
 
 @attrs.frozen
 class Fix:
+    """A code action: a diagnostic's suggestion with its edits as LSP locations."""
+
     title: str
-    loc: Loc
-    new_text: str
+    edits: tuple[tuple[Loc, str], ...]  # (where, new text), applied together
+    preferred: bool = False  # machine-applicable: the one fix an editor may apply unasked
 
 
 class Analysis:

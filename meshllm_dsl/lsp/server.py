@@ -421,10 +421,13 @@ def code_action(ls: MeshServer, params: lsp.CodeActionParams) -> list[lsp.CodeAc
         if d.span is None or d.span.file != a.path or d.span.end < lo or d.span.start > hi:
             continue
         for fix in a.fixes(d):
-            edit = lsp.TextEdit(range=to_range(fix.loc), new_text=fix.new_text)
+            changes: dict[str, list[lsp.TextEdit]] = {}
+            for loc, text in fix.edits:
+                changes.setdefault(from_fs_path(loc.file) or loc.file, []).append(
+                    lsp.TextEdit(range=to_range(loc), new_text=text))
             out.append(lsp.CodeAction(
                 title=fix.title, kind=lsp.CodeActionKind.QuickFix, diagnostics=[to_lsp(d)],
-                edit=lsp.WorkspaceEdit(changes={from_fs_path(fix.loc.file) or fix.loc.file: [edit]})))
+                is_preferred=fix.preferred or None, edit=lsp.WorkspaceEdit(changes=changes)))
     return out
 
 

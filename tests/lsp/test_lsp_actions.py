@@ -17,7 +17,9 @@ ERRORS = sorted(p for p in (ROOT / "examples" / "errors").glob("*.mesh") if not 
 
 def _apply(text: str, fix) -> str:  # type: ignore[no-untyped-def]
     index = LineIndex(text)
-    return text[: index.offset(fix.loc.start)] + fix.new_text + text[index.offset(fix.loc.end):]
+    for loc, new_text in sorted(fix.edits, key=lambda e: index.offset(e[0].start), reverse=True):
+        text = text[: index.offset(loc.start)] + new_text + text[index.offset(loc.end):]
+    return text
 
 
 @pytest.mark.parametrize("path", ERRORS, ids=lambda p: p.name)
@@ -27,7 +29,7 @@ def test_each_quick_fix_removes_its_diagnostic(path: Path) -> None:
     for d in a.diagnostics:
         assert d.span is not None
         for fix in a.fixes(d):
-            assert fix.loc.file == str(path)
+            assert all(loc.file == str(path) for loc, _ in fix.edits)
             fixed = Analysis(str(path), _apply(text, fix))
             assert fixed.syntax_error is None, (fix.title, fixed.syntax_error)
             still = [x for x in fixed.diagnostics if x.code == d.code and x.span is not None and x.span.line == d.span.line
