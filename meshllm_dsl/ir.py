@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import attrs
 
+from meshllm_dsl.roles import ParallelRoles
 from meshllm_dsl.source import Span
 
 Value = int | float | str | bool
@@ -329,33 +330,68 @@ class PlanIR:
     microbatches: int
     schedule: str
     virtual: int
-    pipeline_axis: str | None
-    batch_axes: tuple[str, ...]
+    roles: ParallelRoles  # which mesh axes are pipeline, batch, tensor, sequence and loss axes
     stages: tuple[Stage, ...]
     top_placements: tuple[tuple[str, Placement], ...]  # top-level leaf path -> placement
     top_flows: tuple[tuple[str, UnitFlow], ...]
     block_classes: tuple[BlockClass, ...]
-    loss: Placement  # replicate = plain cross-entropy; vocab_parallel over axes
     optimizer: str
     optimizer_settings: tuple[tuple[str, Value], ...]
-    zero: int
-    zero_axes: tuple[str, ...]
+    zero: int  # ZeRO stage; the axes it shards over are `roles.batch_shard`
     dtype: str
     recompute: str = "none"  # one of RECOMPUTE
-    seq_axes: tuple[str, ...] = ()  # sequence parallelism (`layout { seq -> tensor }`) over these axes
     # `precision`: `dtype` is the compute dtype; master weights and optimizer states are kept in
     # master_dtype and gradients reduced in reduce_dtype (None: no `precision`, all in `dtype`).
     master_dtype: str | None = None
     reduce_dtype: str | None = None
     span: Span | None = attrs.field(eq=False, default=None)
 
+    def __attrs_post_init__(self) -> None:
+        self.roles.validate(self.mesh)
+        if (self.zero > 0) != self.roles.zero_enabled:
+            raise ValueError(f"ZeRO stage {self.zero} with batch_shard axes {self.roles.batch_shard}: "
+                             "ZeRO >= 1 shards over batch axes, ZeRO 0 over none")
+
+    # Sizes of the roles' axis groups (1 for a role no axis plays).
     @property
     def pipeline_size(self) -> int:
-        return self.mesh.size(self.pipeline_axis) if self.pipeline_axis else 1
+        return self.mesh.size(self.roles.pipeline) if self.roles.pipeline else 1
 
     @property
     def data_size(self) -> int:
-        return self.mesh.size(*self.batch_axes) if self.batch_axes else 1
+        """Data-parallel replicas of the model: ranks the batch is split over."""
+        return self.mesh.size(*self.roles.batch)
+
+    @property
+    def zero_size(self) -> int:
+        """Ranks ZeRO shards each optimizer state over (1 without ZeRO)."""
+        return self.mesh.size(*self.roles.batch_shard)
+
+    @property
+    def sequence_size(self) -> int:
+        """Ranks the sequence is split over between sublayers (1 without sequence parallelism)."""
+        return self.mesh.size(*self.roles.sequence)
+
+    # Deprecated: the loose fields `roles` replaced, kept read-only while consumers move over.
+    @property
+    def pipeline_axis(self) -> str | None:
+        return self.roles.pipeline
+
+    @property
+    def batch_axes(self) -> tuple[str, ...]:
+        return self.roles.batch
+
+    @property
+    def zero_axes(self) -> tuple[str, ...]:
+        return self.roles.batch_shard
+
+    @property
+    def seq_axes(self) -> tuple[str, ...]:
+        return self.roles.sequence
+
+    @property
+    def loss(self) -> Placement:
+        return Placement("vocab_parallel", self.roles.loss) if self.roles.loss else REPLICATE
 
     def block_class(self, index: int) -> BlockClass:
         for cls in self.block_classes:

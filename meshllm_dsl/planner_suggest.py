@@ -257,7 +257,7 @@ def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, ba
             if rep_plan is not None:
                 master = _master_weights(c, model)
                 plan = attrs.evolve(rep_plan, microbatches=c.microbatches, zero=c.zero,
-                                    zero_axes=rep_plan.batch_axes if c.zero else (), recompute=c.recompute,
+                                    roles=attrs.evolve(rep_plan.roles, batch_shard=rep_plan.roles.batch if c.zero else ()), recompute=c.recompute,
                                     master_dtype="fp32" if master else None, reduce_dtype="fp32" if master else None)
             else:
                 plan = check(c)[1]  # the structure failed: judge each variant on its own

@@ -16,6 +16,7 @@ from meshllm_dsl.ir import PlanIR, Unit
 from meshllm_dsl.layouts import top_flows
 from meshllm_dsl.names import or_list
 from meshllm_dsl.resolve import Binding
+from meshllm_dsl.roles import ParallelRoles, split_axes
 
 PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute")
 # Settings the language used to accept that nothing downstream reads: refused until they are honoured.
@@ -89,12 +90,17 @@ class PlanChecker(PlacementRules, StageRules, BatchRules, OptimizerRules, Memory
             self.sharding_warnings(top, classes)
         if self.failed:
             return None
+        roles = ParallelRoles(
+            pipeline=pipeline_axis, batch=batch_axes, batch_shard=zero_axes if zero else (),
+            tensor=split_axes(self.mesh, [*top.values(), *(p for c in classes for _, p in c.placements)]),
+            sequence=self.seq_axes, loss=loss.axes if loss.sharded else (),
+        )
         return PlanIR(
             name=decl.name.value, mesh=self.mesh, model=self.model, batch=batch, seq=seq,
-            microbatches=microbatches, schedule=schedule, virtual=virtual, pipeline_axis=pipeline_axis,
-            batch_axes=batch_axes, stages=stages, top_placements=tuple(top.items()),
-            top_flows=tuple(top_flows(self.model, top, loss, self.seq_axes)), block_classes=classes, loss=loss,
-            optimizer=optimizer, optimizer_settings=opt_settings, zero=zero, zero_axes=zero_axes,
+            microbatches=microbatches, schedule=schedule, virtual=virtual, roles=roles,
+            stages=stages, top_placements=tuple(top.items()),
+            top_flows=tuple(top_flows(self.model, top, loss, self.seq_axes)), block_classes=classes,
+            optimizer=optimizer, optimizer_settings=opt_settings, zero=zero,
             dtype=dtype, master_dtype=master_dtype, reduce_dtype=reduce_dtype, recompute=recompute,
-            seq_axes=self.seq_axes, span=decl.span,
+            span=decl.span,
         )
