@@ -8,7 +8,7 @@ from meshllm_dsl.checker.context import (
     PlanContext,
 )
 from meshllm_dsl.codes import E0203, E0304, E0309, E0407
-from meshllm_dsl.diagnostics import replace, typo
+from meshllm_dsl.diagnostics import Applicability, replace, typo
 from meshllm_dsl.ir import DTYPES
 from meshllm_dsl.names import or_list
 
@@ -84,7 +84,8 @@ class OptimizerRules(PlanContext):
                                stmt.zero.span, label="not the data-parallel axes",
                                help=f"write `zero {zero} over {' * '.join(batch_axes)}`: only ranks holding the same parameters can share their optimizer states",
                                suggestions=replace(stmt.zero.span, f"zero {zero} over {' * '.join(batch_axes)}",
-                                                   f"Write `zero {zero} over {' * '.join(batch_axes)}`"))
+                                                   f"Write `zero {zero} over {' * '.join(batch_axes)}`",
+                                                   Applicability.MACHINE_APPLICABLE))
         return stmt.name.value, tuple(settings), zero, zero_axes
 
     def precision(self, dtype: str, zero: int, dtype_given: bool) -> tuple[str, str | None, str | None]:

@@ -13,7 +13,7 @@ from meshllm_dsl.checker.context import (
     _human,
 )
 from meshllm_dsl.codes import E0201, E0202, E0601, E0602, E0603, E0604, E0605, E0608, E0609, W0701
-from meshllm_dsl.diagnostics import Label, insert, replace, typo
+from meshllm_dsl.diagnostics import Applicability, Label, insert, replace, typo
 from meshllm_dsl.ir import BlockClass, Placement, Repeat, Stage, StagePiece
 from meshllm_dsl.names import divisors, or_list
 from meshllm_dsl.source import Span
@@ -119,7 +119,8 @@ class StageRules(PlanContext):
                                it.span, label=f"starts at {start}",
                                secondary=(Label(prev[1].span, f"stage {prev[0]} holds blocks up to {position[1] - 1}"),),  # type: ignore[arg-type]
                                help=f"start this range at {position[1]}: every block belongs to exactly one stage",
-                               suggestions=replace(it.span, f"{name}[{position[1]}:{stop}]", f"Start at {position[1]}"))
+                               suggestions=replace(it.span, f"{name}[{position[1]}:{stop}]", f"Start at {position[1]}",
+                                                   Applicability.MACHINE_APPLICABLE))
                     overlap_reported = True
                 elif id(it) in out_of_order:
                     self.error(E0603, f"`{it.name.value}{'' if start is None else f'[{start}:{stop}]'}` is out of order",

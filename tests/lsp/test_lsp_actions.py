@@ -46,3 +46,31 @@ def test_the_shipped_error_files_offer_fixes() -> None:
             with_fixes.add(path.name.split("_")[0])
     assert {"E0101", "E0202", "E0203", "E0204", "E0301", "E0304", "E0305", "E0402", "E0404", "E0405", "E0406",
             "E0407", "E0501", "E0601", "E0602", "E0606"} <= with_fixes
+
+
+def test_a_reworded_help_keeps_its_quick_fixes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quick fixes come from the diagnostics' suggestions, never from their help text: with every
+    help line reworded, every shipped error file offers exactly the same fixes."""
+    from meshllm_dsl.diagnostics import Diagnostic
+
+    def offered() -> dict[str, list[tuple[str, object]]]:
+        out = {}
+        for path in ERRORS:
+            a = Analysis(str(path), path.read_text())
+            out[path.name] = [(d.code, f) for d in a.diagnostics for f in a.fixes(d)]
+        return out
+
+    before = offered()
+    assert sum(map(len, before.values())) >= 40
+    init = Diagnostic.__init__
+
+    def reworded(self, *args, **kw) -> None:  # type: ignore[no-untyped-def]
+        init(self, *args, **kw)
+        if self.help is not None:
+            object.__setattr__(self, "help", "something else entirely")
+
+    monkeypatch.setattr(Diagnostic, "__init__", reworded)
+    after = offered()
+    helps = [d.help for path in ERRORS[:5] for d in Analysis(str(path), path.read_text()).diagnostics]
+    assert helps and set(helps) <= {"something else entirely", None}
+    assert after == before
