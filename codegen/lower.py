@@ -363,7 +363,7 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
     w = _UnitWriter(plan, groups)
     placement = dict(cls.placements)
     init: list[Line] = []
-    sp = plan.seq_axes
+    sp = plan.roles.sequence
     residual = f"Shard(seq) over {_axes_text(sp)}" if sp else "Replicate"
     if sp:
         # b and s are bound after the attention's gather: the whole sequence, not this rank's slice.
@@ -413,7 +413,7 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
         forward.append(Line("b, s = tokens.shape", "tokens: [b, s] int64"))
         cur = "tokens"
     else:
-        sp_in = f"[b, s/{plan.mesh.size(*plan.seq_axes)}, {hidden}] Shard(seq)" if plan.seq_axes else f"[b, s, {hidden}]"
+        sp_in = f"[b, s/{plan.sequence_size}, {hidden}] Shard(seq)" if plan.roles.sequence else f"[b, s, {hidden}]"
         forward.append(Line("b, s, _ = x.shape", f"x: {sp_in} from the previous stage"))
         cur = "x"
     held = {pc.item for pc in stage.pieces}
@@ -431,7 +431,7 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
                 init.append(Line(f"self.{item.name} = nn.ModuleDict({{{entries}}})",
                                  f"blocks {pc.start} to {pc.stop - 1} of {item.count}"))
             forward.append(Line(f"for block in self.{item.name}.values():"))
-            stream = f"[b, s/{plan.mesh.size(*plan.seq_axes)}, {hidden}] Shard(seq)" if plan.seq_axes else f"[b, s, {hidden}]"
+            stream = f"[b, s/{plan.sequence_size}, {hidden}] Shard(seq)" if plan.roles.sequence else f"[b, s, {hidden}]"
             if plan.recompute == "blocks":
                 # Full recomputation: each block keeps only its input; backward reruns its forward
                 # (tensor-parallel collectives included) before its own backward.
@@ -476,14 +476,14 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
             if flow is not None:
                 forward += _seq_lines(w, flow, a["dim"])
         elif item.kind in ("rmsnorm", "layernorm"):
-            shape = f"[b, s/{plan.mesh.size(*plan.seq_axes)}, {a['dim']}] Shard(seq)" if plan.seq_axes else f"[b, s, {a['dim']}]"
+            shape = f"[b, s/{plan.sequence_size}, {a['dim']}] Shard(seq)" if plan.roles.sequence else f"[b, s, {a['dim']}]"
             forward.append(Line(f"x = self.{item.name}(x)", shape))
         elif item.kind == "linear":
             is_head = item is model.items[-1]
             fused = False  # the head inside rt.gather_seq_linear
             fused_f = False  # the head inside rt.copy_to_linear
             whole = not tied_head_with_own_bias(item)  # a fused call can take the layer
-            if plan.seq_axes and flow is not None:
+            if plan.roles.sequence and flow is not None:
                 # Gather and head in one step (keeps this rank's slice for backward).
                 fused = len(flow.collectives) == 1 and spec(flow.collectives[0].op).fused is not None and whole
                 if not fused:
@@ -524,7 +524,7 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
     forward.append(Line(f"return {cur if cur != 'tokens' else 'x'}"))
     forward = _trim_shape_line(forward)
     pieces = ", ".join(pc.item + (f"[{pc.start}:{pc.stop}]" if pc.start is not None else "") for pc in stage.pieces)
-    where = f"pipeline coordinate {stage.coord}" if plan.pipeline_axis else "every rank"
+    where = f"pipeline coordinate {stage.coord}" if plan.roles.pipeline else "every rank"
     doc = f"Stage {stage.index} ({where}): {pieces}."
     arg = "tokens: torch.Tensor" if first else "x: torch.Tensor"
     return ClassDef(f"Stage{stage.index}", doc, w.group_lines() + init, arg, forward, params)
@@ -603,9 +603,9 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         f"Mesh `{mesh.name}`: {' x '.join(f'{a.name} {a.size}' for a in mesh.axes)} = {mesh.devices} ranks"
         " (rank order: last axis varies fastest).",
         f"Model `{plan.model.name}`: {plan.model.numel:,} parameters.",
-        f"Pipeline: {len(plan.stages)} stage(s)" + (f" over `{plan.pipeline_axis}`, schedule {plan.schedule}, "
-                                                   f"{plan.microbatches} microbatches" if plan.pipeline_axis else "") + ".",
-        f"Data parallel over: {_axes_text(plan.batch_axes) or 'none'}; ZeRO stage {plan.zero}.",
+        f"Pipeline: {len(plan.stages)} stage(s)" + (f" over `{plan.roles.pipeline}`, schedule {plan.schedule}, "
+                                                   f"{plan.microbatches} microbatches" if plan.roles.pipeline else "") + ".",
+        f"Data parallel over: {_axes_text(plan.roles.batch) or 'none'}; ZeRO stage {plan.zero}.",
         *([f"Precision: compute in {plan.dtype}, master weights and optimizer states in {plan.master_dtype}, "
            f"gradients reduced in {plan.reduce_dtype} (FSDP2 MixedPrecisionPolicy)."] if plan.master_dtype else []),
         "",
@@ -628,14 +628,14 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         Line("axes=AXES,"),
         Line(f"stages=({', '.join(c.name for c in stage_classes)},),"),
         Line("loss=make_loss,"),
-        Line(f"pipeline_axis={plan.pipeline_axis!r},"),
-        Line(f"batch_axes={tuple(plan.batch_axes)!r},"),
+        Line(f"pipeline_axis={plan.roles.pipeline!r},"),
+        Line(f"batch_axes={tuple(plan.roles.batch)!r},"),
         Line(f"schedule={plan.schedule!r},"),
         Line(f"microbatches={plan.microbatches},"),
         Line(f"batch={plan.batch},"),
         Line(f"seq={plan.seq},"),
         Line(f"zero={plan.zero},"),
-        *([Line(f"seq_axes={tuple(plan.seq_axes)!r},")] if plan.seq_axes else []),
+        *([Line(f"seq_axes={tuple(plan.roles.sequence)!r},")] if plan.roles.sequence else []),
         Line(f"optimizer={literal(_adamw_kwargs(plan))},"),
         # With `precision` the parameters the runtime keeps are the master weights.
         Line(f"dtype={TORCH_DTYPES[plan.master_dtype or plan.dtype]},"),
@@ -670,8 +670,8 @@ def _adamw_kwargs(plan: PlanIR) -> dict[str, Any]:
 
 
 def _loss_lines(plan: PlanIR) -> list[Line]:
-    if plan.loss.sharded:
-        axes = plan.loss.axes
+    if plan.roles.loss_parallel:
+        axes = plan.roles.loss
         head = plan.model.items[-1]
         vocab = int(dict(head.attrs)["out"]) if isinstance(head, Unit) else 0  # type: ignore[arg-type]
         local = vocab // plan.mesh.size(*axes)

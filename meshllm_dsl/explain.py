@@ -29,13 +29,13 @@ def rank_rows(plan: PlanIR) -> list[dict[str, Any]]:
     rows = []
     for rank in range(mesh.devices):
         coords = mesh.coords(rank)
-        coord = coords[plan.pipeline_axis] if plan.pipeline_axis else 0
-        stages = [s for s in plan.stages if s.coord == coord] if plan.pipeline_axis else list(plan.stages)
+        coord = coords[plan.roles.pipeline] if plan.roles.pipeline else 0
+        stages = [s for s in plan.stages if s.coord == coord] if plan.roles.pipeline else list(plan.stages)
         shard = 0
         for a in sharding:
             shard = shard * mesh.size(a) + coords[a]
         replica = 0
-        for a in plan.batch_axes:
+        for a in plan.roles.batch:
             replica = replica * mesh.size(a) + coords[a]
         where = {}
         if mesh.hosts > 1:
@@ -110,7 +110,7 @@ def explain_json(plan: PlanIR) -> dict[str, Any]:
         "ranks": rank_rows(plan),
         "groups": {a.name: plan.mesh.groups(a.name) for a in plan.mesh.axes},
         "layers": layer_entries(plan),
-        "loss": _rule(plan.loss) if plan.loss.sharded else "cross_entropy",
+        "loss": f"vocab_parallel({', '.join(plan.roles.loss)})" if plan.roles.loss_parallel else "cross_entropy",
     }
 
 
@@ -129,7 +129,7 @@ def explain_text(plan: PlanIR) -> str:
         "stages",
     ]
     stage_rows = [[str(s.index), str(s.coord), stage_label(plan, s), f"{s.numel:,}"] for s in plan.stages]
-    lines += ["  " + x for x in _table(["stage", plan.pipeline_axis or "pipeline", "layers", "parameters"], stage_rows,
+    lines += ["  " + x for x in _table(["stage", plan.roles.pipeline or "pipeline", "layers", "parameters"], stage_rows,
                                        right={1, 3})]
     lines += ["", "ranks"]
     sharding = shard_axes(plan)
@@ -167,5 +167,5 @@ def explain_text(plan: PlanIR) -> str:
             lines += [indent + "  " + x for x in _table(["param", "global", "local", "rule"], prows, right=set())[1:]]
             for c in u["collectives"]:
                 lines.append(f"{indent}  collective: {c}")
-    lines += ["", f"loss: {'vocab-parallel cross entropy over ' + ' x '.join(plan.loss.axes) if plan.loss.sharded else 'cross entropy on full logits'}"]
+    lines += ["", f"loss: {'vocab-parallel cross entropy over ' + ' x '.join(plan.roles.loss) if plan.roles.loss_parallel else 'cross entropy on full logits'}"]
     return "\n".join(lines) + "\n"

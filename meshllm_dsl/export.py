@@ -144,13 +144,13 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
             note=str(err), help="export models of the `llama` (Llama, Mistral, Qwen2) or `gpt2` family",
         )]) from None
 
-    if plan.pipeline_axis is not None:
-        refuse(E1201, f"{where} cannot express the pipeline over `{plan.pipeline_axis}`",
+    if plan.roles.pipeline is not None:
+        refuse(E1201, f"{where} cannot express the pipeline over `{plan.roles.pipeline}`",
                _stmt_span(decl, ast.StagesStmt, plan.span), label="pipeline stages",
                help="export a plan without `stages` (tensor and data parallelism); torch.distributed.pipelining "
                     "splits a model into stages outside parallelize_module")
-    if plan.seq_axes:
-        refuse(E1203, f"sequence parallelism over {' x '.join(plan.seq_axes)} is not exported to {where}",
+    if plan.roles.sequence:
+        refuse(E1203, f"sequence parallelism over {' x '.join(plan.roles.sequence)} is not exported to {where}",
                _seq_span(decl, plan.span), label="Shard(seq) between sublayers",
                help="drop `seq -> ...` from the layout to export the tensor-parallel plan: a transformers model "
                     "computes its positions and mask from the activations' local shape, which Shard(seq) changes")
@@ -166,30 +166,30 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
                    "in fully_shard", _zero_span(decl, plan.span), label="ZeRO stage 1",
                    help="use `zero 2` (fully_shard with reshard_after_forward=False) or `zero 3` "
                         "(reshard_after_forward=True): FSDP2 shards gradients with the optimizer states")
-        elif plan.zero in (2, 3) and len(plan.zero_axes) != 1:
-            refuse(E1206, f"ZeRO {plan.zero} over {' x '.join(plan.zero_axes)}: the export shards over one "
+        elif plan.zero in (2, 3) and len(plan.roles.batch_shard) != 1:
+            refuse(E1206, f"ZeRO {plan.zero} over {' x '.join(plan.roles.batch_shard)}: the export shards over one "
                    "mesh axis", _zero_span(decl, plan.span), label="several data axes",
                    help="shard over one data axis (`zero 3 over data`)")
-        elif plan.zero in (2, 3) and tuple(plan.zero_axes) != tuple(plan.batch_axes):
-            refuse(E1206, f"ZeRO {plan.zero} over {' x '.join(plan.zero_axes)} but the batch is split over "
-                   f"{' x '.join(plan.batch_axes)}: hybrid sharding is not exported",
+        elif plan.zero in (2, 3) and plan.roles.batch_shard != plan.roles.batch:
+            refuse(E1206, f"ZeRO {plan.zero} over {' x '.join(plan.roles.batch_shard)} but the batch is split over "
+                   f"{' x '.join(plan.roles.batch)}: hybrid sharding is not exported",
                    _zero_span(decl, plan.span), label="zero axes differ from the batch axes",
                    help="shard over the batch axis itself")
         elif plan.zero in (2, 3):
-            zero_axis = plan.zero_axes[0]
-        elif plan.batch_axes:
-            refuse(E1206, f"data parallelism over {' x '.join(plan.batch_axes)} without ZeRO is not exported "
+            zero_axis = plan.roles.batch_shard[0]
+        elif plan.roles.batch:
+            refuse(E1206, f"data parallelism over {' x '.join(plan.roles.batch)} without ZeRO is not exported "
                    "to DTensor", plan.span, label="gradients averaged over the data axes",
                    help="add `zero 2` or `zero 3` to the optimizer (fully_shard averages the gradients), "
                         "or wrap the parallelized model in DistributedDataParallel yourself")
-    elif plan.batch_axes:
+    elif plan.roles.batch:
         warnings.append(Diagnostic(
             W1202, f"a tp_plan holds tensor parallelism only: data parallelism over "
-            f"{' x '.join(plan.batch_axes)} (ZeRO {plan.zero}) is left out", _zero_span(decl, plan.span),
+            f"{' x '.join(plan.roles.batch)} (ZeRO {plan.zero}) is left out", _zero_span(decl, plan.span),
             label="not in the tp_plan",
             help="give the data axes to transformers' DistributedConfig (dp / fsdp sizes) when loading"))
 
-    loss_parallel = plan.loss.sharded
+    loss_parallel = plan.roles.loss_parallel
     last = plan.model.items[-1]
     head_name = last.name if isinstance(last, Unit) and last.kind == "linear" else None
     entries: list[Entry] = []
@@ -290,7 +290,7 @@ def render_dtensor(exp: Export, source_path: str, source_text: str) -> str:
         f"Model `{plan.model.name}`: {plan.model.numel:,} parameters, as transformers' {HF_CLASSES[exp.arch]} "
         "names its modules.",
         f"Tensor parallel over: {' x '.join(tp) or 'none'} (parallelize_module). Data parallel over: "
-        f"{' x '.join(plan.batch_axes) or 'none'}; ZeRO stage {plan.zero}"
+        f"{' x '.join(plan.roles.batch) or 'none'}; ZeRO stage {plan.zero}"
         + (" (fully_shard)." if exp.zero_axis else "."),
         "Loss: " + ("vocab-parallel cross-entropy (loss_parallel): the logits stay sharded."
                     if exp.loss_parallel else "cross-entropy on replicated logits."),

@@ -274,12 +274,12 @@ def top_flows(model: ModelIR, top: dict[str, Placement], loss: Placement,
 def seq_partial_grad(plan: PlanIR, unit: Unit, leaf: Leaf, t: Tensor) -> tuple[str, ...]:
     """Axes over which `t`'s gradient is a partial sum under sequence parallelism: norms, and a row
     layer's bias (added after the reduce-scatter), see only this rank's slice of the sequence."""
-    if not plan.seq_axes:
+    if not plan.roles.sequence:
         return ()
     if unit.kind in ("rmsnorm", "layernorm"):
-        return plan.seq_axes
+        return plan.roles.sequence
     if unit.kind in ("attention", "mlp") and leaf is unit.leaves[-1] and len(t.shape) == 1:
-        return plan.seq_axes
+        return plan.roles.sequence
     return ()
 
 

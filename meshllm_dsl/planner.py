@@ -317,7 +317,7 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
     unit = hu.unit
     e = DTYPES[plan.dtype]  # bytes per activation element
     kind = unit.kind
-    sp = plan.mesh.size(*plan.seq_axes) if plan.seq_axes else 1
+    sp = plan.sequence_size
     local = tokens // sp  # tokens of the sequence-sharded stream (norms, sublayer inputs)
     if kind == "rmsnorm":
         return e * local * int(unit.attr("dim")) + FP32 * local  # type: ignore[arg-type]
@@ -355,7 +355,7 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
         leaf = unit.leaves[0]
         p = hu.placement(leaf)
         n_in, n_out = int(unit.attr("in")), int(unit.attr("out"))  # type: ignore[arg-type]
-        gathered_here = sp > 1 and p.rule == "column" and p.axes == plan.seq_axes  # else saved whole
+        gathered_here = sp > 1 and p.rule == "column" and p.axes == plan.roles.sequence  # else saved whole
         saved = e * (local if gathered_here else tokens) * (n_in // _axes_size(plan, p) if p.rule == "row" and p.sharded else n_in)
         if hu.last:
             # Logits: the paper's output layer keeps them in fp32 for the cross entropy, 4 sbv / t.
@@ -394,7 +394,7 @@ def unit_backward_bytes(plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
     # Sequence parallelism: the backward of the gathered column layers (rt.gather_seq_linear) holds
     # their output gradients, the re-gathered input, its gradient and that gradient's copy laid out
     # for the reduce-scatter: 3 x [tokens, hidden] beyond the output gradients.
-    regather = 3 * e * tokens * _hidden(plan) if plan.seq_axes else 0
+    regather = 3 * e * tokens * _hidden(plan) if plan.roles.sequence else 0
     if unit.kind == "rmsnorm":
         # The runtime's RMSNorm backward (`_RMSNormFn`) computes in fp32 at least: beside the output
         # gradient, its upcast and one product of it, and in half precision the upcast input too
@@ -411,9 +411,9 @@ def unit_backward_bytes(plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
         hq, hd = _local_heads(plan, hu), int(unit.attr("head_dim"))  # type: ignore[arg-type]
         hk = int(unit.attr("kv_heads")) * hq // int(unit.attr("heads"))  # type: ignore[arg-type]
         return e * tokens * (hq + 2 * hk) * hd + regather
-    if unit.kind == "linear" and hu.last and plan.loss.sharded and regather:
+    if unit.kind == "linear" and hu.last and plan.roles.loss_parallel and regather:
         return regather  # the logits' gradient is the loss's saved softmax, rewritten in place
-    if unit.kind == "linear" and hu.last and not plan.loss.sharded:
+    if unit.kind == "linear" and hu.last and not plan.roles.loss_parallel:
         leaf = unit.leaves[0]
         p = hu.placement(leaf)
         n_out = int(unit.attr("out"))  # type: ignore[arg-type]
@@ -472,7 +472,7 @@ def backward_rise(walk: list[tuple[str, int, int, int, int]], first: bool = Fals
 
 def _seq_size(plan: PlanIR) -> int:
     """How many ways sequence parallelism splits the residual stream (1 without it)."""
-    return plan.mesh.size(*plan.seq_axes) if plan.seq_axes else 1
+    return plan.sequence_size
 
 
 def _stage_output_bytes(plan: PlanIR, stage: Stage, tokens: int) -> int:
@@ -570,7 +570,7 @@ def unit_kernels(plan: PlanIR, hu: HeldUnit) -> int:
     if hu.flow is not None:
         n += sum(spec(c.op).kernels - _fused_saving(unit, c) for c in hu.flow.collectives)
     if hu.last:
-        n += k["vocab_parallel_cross_entropy" if plan.loss.sharded else "cross_entropy"]
+        n += k["vocab_parallel_cross_entropy" if plan.roles.loss_parallel else "cross_entropy"]
     return n
 
 
@@ -790,7 +790,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     # precision K = 12 (``optimizer_bytes_per_param``), which `precision { master = fp32 }` gives.
     k = 2 * master
     dp = plan.data_size
-    zero_shards = mesh.size(*plan.zero_axes) if plan.zero and plan.zero_axes else 1
+    zero_shards = plan.zero_size
     p_size = plan.pipeline_size
     m, v = plan.microbatches, plan.virtual
     micro_batch = plan.batch // (dp * m)
@@ -800,8 +800,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     # Which ranks sit at each pipeline coordinate, and the stages they run.
     coords = sorted({s.coord for s in plan.stages}) or [0]
     stages_at = {c: [s for s in plan.stages if s.coord == c] for c in coords}
-    if plan.pipeline_axis:
-        rank_sets = {c: tuple(r for r in range(mesh.devices) if mesh.coords(r)[plan.pipeline_axis] == c) for c in coords}
+    if plan.roles.pipeline:
+        rank_sets = {c: tuple(r for r in range(mesh.devices) if mesh.coords(r)[plan.roles.pipeline] == c) for c in coords}
     else:
         rank_sets = {0: tuple(range(mesh.devices))}
 
@@ -939,22 +939,22 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             comms.append(_comm(plan, device, axes, "tensor", op, calls * m, act_size))
         if seq_grads:
             # The norms' (and row biases') partial gradients, coalesced into one all-reduce per step.
-            comms.append(_comm(plan, device, plan.seq_axes, "tensor", "all_reduce", 1, w * seq_grads))
-        if holds_head and plan.loss.sharded:
+            comms.append(_comm(plan, device, plan.roles.sequence, "tensor", "all_reduce", 1, w * seq_grads))
+        if holds_head and plan.roles.loss_parallel:
             # Vocab-parallel cross entropy: one all-gather per microbatch of each shard's log-sum-exp
             # and target logit, 2 fp32 per token from each of the loss group's ranks.
-            n_loss = plan.mesh.size(*plan.loss.axes)
-            comms.append(_comm(plan, device, plan.loss.axes, "loss", "all_gather", m, n_loss * 2 * FP32 * tokens_mb))
-        if plan.pipeline_axis and p_size > 1:
+            n_loss = plan.mesh.size(*plan.roles.loss)
+            comms.append(_comm(plan, device, plan.roles.loss, "loss", "all_gather", m, n_loss * 2 * FP32 * tokens_mb))
+        if plan.roles.pipeline and p_size > 1:
             sends = sum((s.index < len(plan.stages) - 1) + (s.index > 0) for s in stages_at[c])
-            comms.append(_comm(plan, device, (plan.pipeline_axis,), "pipeline", "send_recv", sends * m,
+            comms.append(_comm(plan, device, (plan.roles.pipeline,), "pipeline", "send_recv", sends * m,
                                act_size // _seq_size(plan), group=2))
             tied = _tied_sync_numel(plan, stages_at[c])
             if tied:
-                comms.append(_comm(plan, device, (plan.pipeline_axis,), "tied", "all_reduce", 1, w * tied, group=2))
+                comms.append(_comm(plan, device, (plan.roles.pipeline,), "tied", "all_reduce", 1, w * tied, group=2))
         fsdp_events = 0  # FSDP2 all-gathers and reduce-scatters of units
         if dp > 1:
-            data_axes = plan.batch_axes
+            data_axes = plan.roles.batch
             reduce_w = DTYPES[plan.reduce_dtype or plan.dtype]
             if plan.zero >= 2:
                 # FSDP2, unit by unit: parameters gathered in the compute dtype, gradients
@@ -1294,7 +1294,7 @@ def _fit_help(report: PlanReport, biggest: str) -> str:
     plan = report.plan
     if biggest == "optimizer states" and plan.data_size > 1 and plan.zero < 1:
         return (f"shard the optimizer states over the data axes: `optimizer adamw {{ zero 1 over "
-                f"{' * '.join(plan.batch_axes)} }}` divides them by {plan.data_size}")
+                f"{' * '.join(plan.roles.batch)} }}` divides them by {plan.data_size}")
     if biggest == "activations" and plan.batch // (plan.data_size * plan.microbatches) > 1:
         return (f"more microbatches make each smaller: activations scale with the microbatch size "
                 f"({report.micro_batch} sequences now)")
@@ -1330,7 +1330,7 @@ def report_text(rep: PlanReport) -> str:
         (f"  batch {plan.batch} x seq {plan.seq}; {plan.data_size} data replica{'s' if plan.data_size != 1 else ''} x "
         f"{plan.microbatches} microbatch{'es' if plan.microbatches != 1 else ''} of {rep.micro_batch} sequence{'s' if rep.micro_batch != 1 else ''}; "
         f"{f'schedule {plan.schedule}' if plan.pipeline_size > 1 else 'no pipeline'}{f' (virtual {plan.virtual})' if plan.virtual > 1 else ''}; "
-        f"{plan.optimizer}, ZeRO {plan.zero}{' over ' + ' x '.join(plan.zero_axes) if plan.zero else ''}"),
+        f"{plan.optimizer}, ZeRO {plan.zero}{' over ' + ' x '.join(plan.roles.batch_shard) if plan.zero else ''}"),
         "",
         "model",
         f"  parameters      {model.numel:,} ({fmt_count(model.numel)})",
@@ -1363,14 +1363,14 @@ def report_text(rep: PlanReport) -> str:
     lines += [
         f"  by dtype on pipeline rank {worst.coord}: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in by_dtype.items())
         + (f"; {fmt_count(worst.params_replicated)} parameters are whole copies on every device (norms, biases, unsharded layers)"
-           if plan.zero < 2 or not plan.zero_axes else
+           if plan.zero < 2 or not plan.roles.batch_shard else
            f"; {fmt_count(worst.params_replicated)} parameters are not split by the layout (norms, biases, unsharded layers), "
-           f"ZeRO-{plan.zero} shards them over {' x '.join(plan.zero_axes)} like the rest"),
+           f"ZeRO-{plan.zero} shards them over {' x '.join(plan.roles.batch_shard)} like the rest"),
     ]
     if worst.gather_buffer_bytes:
         what = ("every unit, kept from its forward to its backward" if plan.zero == 2
                 else "every unit: the pipeline schedule keeps them gathered between backwards"
-                if plan.pipeline_axis and worst.gather_buffer_bytes == worst.params_local * worst.dtype_bytes
+                if plan.roles.pipeline and worst.gather_buffer_bytes == worst.params_local * worst.dtype_bytes
                 else "the stage root and two blocks, gathered for their forward and backward")
         lines.append(f"  ZeRO-{plan.zero} gather buffer ({what}): {fmt_bytes(worst.gather_buffer_bytes)}")
     if worst.grad_accum_bytes:
@@ -1441,7 +1441,7 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
         "dtype": plan.dtype,
         "batch": plan.batch, "seq": plan.seq, "microbatches": plan.microbatches, "micro_batch": rep.micro_batch, "recompute": plan.recompute,
         "schedule": plan.schedule, "virtual": plan.virtual, "optimizer": plan.optimizer, "zero": plan.zero,
-        "zero_axes": list(plan.zero_axes),
+        "zero_axes": list(plan.roles.batch_shard),
         "parameters": model.numel,
         "weight_bytes": model.numel * w,
         "optimizer_bytes_per_param": rep.optimizer_k,

@@ -31,7 +31,7 @@ def compare(plan: PlanIR, ranks: list[dict[str, Any]], rep: PlanReport | None = 
     by_coord = {rc.coord: rc for rc in rep.ranks}
     out = []
     for r in ranks:
-        coord = r["coords"].get(plan.pipeline_axis, 0) if plan.pipeline_axis else 0
+        coord = r["coords"].get(plan.roles.pipeline, 0) if plan.roles.pipeline else 0
         rc = by_coord[coord]
         mem = r["memory"]
         planned_comm: dict[str, dict[str, float]] = {}

@@ -139,7 +139,7 @@ def mesh_svg(plan: PlanIR) -> str:
         y = ly + 22 + (i // 2) * 22
         out.append(f"<rect x='{x}' y='{y}' width='16' height='14' fill='{_fill(s.index, 0, 1)}' stroke='#333'/>")
         # about 6 px a character at this size: as much of the label as its half of the picture holds
-        out.append(_text(x + 22, y + 12, _short(f"stage {s.index} ({plan.pipeline_axis or 'all'} {s.coord}): {stage_label(plan, s)}",
+        out.append(_text(x + 22, y + 12, _short(f"stage {s.index} ({plan.roles.pipeline or 'all'} {s.coord}): {stage_label(plan, s)}",
                                                 max(60, (width // 2 - 30) // 6)), 11, "start"))
     out.append("</svg>")
     return "\n".join(out) + "\n"
@@ -239,7 +239,7 @@ def schedule_svg(plan: PlanIR) -> str:
                  + ("; lighter = later virtual stage" if v > 1 else "") + "; grey = idle (the bubble)", 11, "start", fill="#444")]
     for r in range(p):
         y = top + r * (row_h + 8)
-        out.append(_text(label_w - 10, y + row_h / 2 + 4, f"{plan.pipeline_axis or 'rank'} {r}", 12, "end", "bold"))
+        out.append(_text(label_w - 10, y + row_h / 2 + 4, f"{plan.roles.pipeline or 'rank'} {r}", 12, "end", "bold"))
         out.append(f"<rect x='{label_w}' y='{y}' width='{span * unit:.1f}' height='{row_h}' fill='#d9d9d9'/>")
     for o in ops:
         y = top + o.rank * (row_h + 8)

@@ -93,7 +93,7 @@ def make_twin(result: CheckResult, plan_name: str, path: str) -> tuple[str, Chec
 
 def _twin_seq(plan: PlanIR) -> int:
     """8 tokens, or a multiple of the sequence-parallel axes' size that splits over them."""
-    return math.lcm(8, plan.mesh.size(*plan.seq_axes)) if plan.seq_axes else 8
+    return math.lcm(8, plan.sequence_size)
 
 
 def _twin_plan(decl: ast.PlanDecl, plan: PlanIR, per_stage: int) -> ast.PlanDecl:

@@ -83,7 +83,7 @@ def verify(
     # (about 1.3 CPU-s; the 8 workers of a plan would each pay it), ZeRO's optimizer, and pipelining
     # (DTensor) only when the plan uses them.
     preload = ["torch", "torch.distributed", "torch._dynamo", "meshllm_dsl.runtime.compare"]
-    if plan.pipeline_axis and plan.pipeline_size > 1:
+    if plan.roles.pipeline and plan.pipeline_size > 1:
         preload.append("torch.distributed.pipelining")
     if plan.zero:
         preload.append("torch.distributed.optim")

@@ -53,7 +53,7 @@ def test_megatron_plan_placements_and_collectives() -> None:
     top = dict(p.top_flows)
     assert top["embed"].collectives == (TP("reduce_from", ("tensor",), "output"),)
     assert top["lm_head"].output == Layout("S", ("tensor",))  # logits stay sharded over the vocabulary
-    assert p.loss.rule == "vocab_parallel" and p.loss.axes == ("tensor",)
+    assert p.roles.loss == ("tensor",)
     assert p.placement("blocks.3.mlp.down").rule == "row"
     assert p.placement("lm_head").rule == "column"
 
@@ -62,7 +62,7 @@ def test_sequence_parallel_plan_flows_and_explain() -> None:
     from meshllm_dsl.explain import explain_json
 
     p = plan_of(tiny(MEGATRON + "    layout { seq -> tensor }\n    seq = 16"))
-    assert p.seq_axes == ("tensor",)
+    assert p.roles.sequence == ("tensor",)
     (cls,) = p.block_classes
     sp = Layout("Q", ("tensor",))
     assert str(sp) == "Shard(seq) over tensor"
@@ -84,7 +84,7 @@ def test_sequence_parallel_plan_flows_and_explain() -> None:
 
 
 def test_sequence_parallel_without_sequence_parallel_plan_is_unchanged() -> None:
-    assert plan_of(tiny(MEGATRON)).seq_axes == ()
+    assert plan_of(tiny(MEGATRON)).roles.sequence == ()
 
 
 @pytest.mark.parametrize(("body", "code"), [
@@ -113,7 +113,7 @@ def test_row_layer_fed_replicated_input_splits_it() -> None:
 def test_replicated_plan_has_no_collectives() -> None:
     p = plan_of(tiny("    batch = 4", axes="data = 1"))
     assert all(f.collectives == () for c in p.block_classes for _, f in c.flows)
-    assert p.loss.rule == "replicate"
+    assert p.roles.loss == ()
 
 
 def test_block_exceptions_make_block_classes() -> None:
@@ -248,7 +248,7 @@ def test_seed_twelve_layers_on_three_stages() -> None:
     assert [s.coord for s in plan.stages] == [0, 1, 2]
     assert plan.stages[0].pieces[:2] == (StagePiece("embed"), StagePiece("pos"))
     assert [pc.item for pc in plan.stages[2].pieces] == ["blocks", "norm", "lm_head"]
-    assert plan.pipeline_axis == "pipeline" and plan.pipeline_size == 3 and plan.schedule == "gpipe"
+    assert plan.roles.pipeline == "pipeline" and plan.pipeline_size == 3 and plan.schedule == "gpipe"
 
 
 def test_balanced_stages_and_interleaving() -> None:

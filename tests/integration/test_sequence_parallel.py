@@ -100,11 +100,11 @@ def test_sequence_parallel_plan_matches_unsharded_reference(name: str, pool: Wor
     result = check_text(CASES[name], f"{name}.mesh")
     assert result.ok, [str(d.message) for d in result.errors]
     (plan,) = result.plans.values()
-    assert plan.seq_axes in (("tensor",), ("a", "b"))
+    assert plan.roles.sequence in (("tensor",), ("a", "b"))
     path = tmp_path / f"{name}.py"
     text = render_plan(plan, f"{name}.mesh", CASES[name])
     assert "rt.reduce_scatter_seq(" in text and "rt.gather_seq_linear(" in text
-    assert f"partial_grad={plan.seq_axes!r}" in text
+    assert f"partial_grad={plan.roles.sequence!r}" in text
     path.write_text(text)
     per_rank = pool.run(compare_job, plan.mesh.devices, str(path))
     for rank, errs in enumerate(per_rank):

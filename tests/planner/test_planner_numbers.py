@@ -259,7 +259,7 @@ def test_70b_trains_on_64_h100s() -> None:
     assert result.ok, [d.message for d in result.errors]
     plan = result.plans["train_64"]
     assert (plan.mesh.devices, plan.batch, plan.seq) == (64, 256, 4096)
-    assert (plan.zero, plan.master_dtype, plan.seq_axes) == (3, "fp32", ("tensor",))
+    assert (plan.zero, plan.master_dtype, plan.roles.sequence) == (3, "fp32", ("tensor",))
     rep = analyze(plan, PROFILES["h100"])
     assert rep.fits and rep.peak_training_bytes <= 80 * 2**30
     assert "18 bytes per parameter" in report_text(rep)

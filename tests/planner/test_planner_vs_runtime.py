@@ -124,7 +124,7 @@ def test_planner_bytes_match_runtime(name: str, pool: WorkerPool, tmp_path: Path
     by_coord = {rc.coord: rc for rc in rep.ranks}
     k = rep.optimizer_k
     for rank, got in enumerate(measured):
-        coord = plan.mesh.coords(rank)[plan.pipeline_axis] if plan.pipeline_axis else 0
+        coord = plan.mesh.coords(rank)[plan.roles.pipeline] if plan.roles.pipeline else 0
         rc = by_coord[coord]
         assert got["param_bytes"] == rc.weight_bytes, (rank, got, rc)
         assert got["grad_bytes"] == rc.grad_bytes or plan.zero == 1, (rank, got, rc)
@@ -135,9 +135,9 @@ def test_planner_bytes_match_runtime(name: str, pool: WorkerPool, tmp_path: Path
             # from the evenly padded ceil(Psi / N_d) by less than one parameter's state.
             assert abs(got["optimizer_bytes"] - rc.optimizer_bytes) <= k * got["largest_param"], (rank, got, rc)
     if plan.zero:
-        for group in plan.mesh.groups(*plan.zero_axes):
+        for group in plan.mesh.groups(*plan.roles.batch_shard):
             total = sum(measured[r]["optimizer_bytes"] for r in group)
-            coord = plan.mesh.coords(group[0])[plan.pipeline_axis] if plan.pipeline_axis else 0
+            coord = plan.mesh.coords(group[0])[plan.roles.pipeline] if plan.roles.pipeline else 0
             assert total == k * by_coord[coord].params_local
 
 

@@ -85,7 +85,7 @@ def test_planner_activations_match_runtime_with_and_without_recompute(shape: str
     for mode in MODES:
         plan, got = _measure(pool, tmp_path, shape, mode)
         by_coord = {rc.coord: rc for rc in analyze(plan).ranks}
-        coords = [plan.mesh.coords(r)[plan.pipeline_axis] if plan.pipeline_axis else 0 for r in range(len(got))]
+        coords = [plan.mesh.coords(r)[plan.roles.pipeline] if plan.roles.pipeline else 0 for r in range(len(got))]
         measured[mode] = got
         planned[mode] = [by_coord[c].activation_bytes_per_microbatch for c in coords]
     for rank in range(len(measured["none"])):
@@ -107,7 +107,7 @@ def test_sequence_parallelism_saves_what_the_planner_predicts(shape: str, pool: 
     for key in (shape, shape + "_sp"):
         plan, got = _measure(pool, tmp_path, key, "none")
         by_coord = {rc.coord: rc for rc in analyze(plan).ranks}
-        coords = [plan.mesh.coords(r)[plan.pipeline_axis] if plan.pipeline_axis else 0 for r in range(len(got))]
+        coords = [plan.mesh.coords(r)[plan.roles.pipeline] if plan.roles.pipeline else 0 for r in range(len(got))]
         saved[key] = (got, [by_coord[c].activation_bytes_per_microbatch for c in coords])
     (m_tp, p_tp), (m_sp, p_sp) = saved[shape], saved[shape + "_sp"]
     for rank in range(len(m_tp)):

@@ -148,7 +148,7 @@ def _planned_and_profiled(text: str, plan, pool, tmp_path: Path):  # type: ignor
     rep = analyze(plan, PROFILES["cpu"])
     reports = pool.run(profile_job, plan.mesh.devices, str(path), str(tmp_path / "profile"))
     for rank, got in enumerate(reports):
-        coord = plan.mesh.coords(rank).get(plan.pipeline_axis, 0) if plan.pipeline_axis else 0
+        coord = plan.mesh.coords(rank).get(plan.roles.pipeline, 0) if plan.roles.pipeline else 0
         yield rank, next(rc for rc in rep.ranks if rc.coord == coord), got
 
 
