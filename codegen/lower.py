@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
 
+from meshllm_dsl import primitives
 from meshllm_dsl.collectives import spec
 from meshllm_dsl.ir import (
     REPLICATE,
@@ -30,8 +31,9 @@ from meshllm_dsl.ir import (
     Unit,
     UnitFlow,
 )
-from meshllm_dsl.layouts import seq_partial_grad, tied_head_with_own_bias
+from meshllm_dsl.layouts import seq_partial_grad
 from meshllm_dsl.names import ranges
+from meshllm_dsl.primitives.embedding import EMBEDDING
 
 TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32", "fp64": "torch.float64"}
 
@@ -125,26 +127,7 @@ def model_description(plan: PlanIR) -> dict[str, Any]:
 
 
 def _unit_desc(u: Unit) -> dict[str, Any]:
-    a = dict(u.attrs)
-    d: dict[str, Any] = {"name": u.name, "kind": u.kind}
-    if u.kind in ("embedding", "positional"):
-        d.update(num=a["num"], dim=a["dim"])
-        if a.get("used"):
-            d["used"] = a["used"]
-    elif u.kind == "linear":
-        d.update({"in": a["in"], "out": a["out"], "bias": a["bias"], "tie": a["tie"]})
-    elif u.kind == "rmsnorm":
-        d.update(dim=a["dim"], eps=a["eps"])
-    elif u.kind == "layernorm":
-        d.update(dim=a["dim"], eps=a["eps"], bias=a["bias"])
-    elif u.kind == "attention":
-        d.update(hidden=a["hidden"], heads=a["heads"], kv_heads=a["kv_heads"], head_dim=a["head_dim"],
-                 rope_theta=a["rope_theta"], qkv_bias=a["bias"], o_bias=a["out_bias"], fused_qkv=a["fused_qkv"])
-        if a.get("rope_scaling"):
-            d["rope_scaling"] = dict(a["rope_scaling"])
-    elif u.kind == "mlp":
-        d.update(hidden=a["hidden"], ffn=a["ffn"], act=a["act"], bias=a["bias"])
-    return d
+    return {"name": u.name, "kind": u.kind, **primitives.of(u).describe(dict(u.attrs))}
 
 
 # ---------------------------------------------------------------- parameters
@@ -199,42 +182,27 @@ class _UnitWriter:
     def n(self, axes: tuple[str, ...]) -> int:
         return self.plan.mesh.size(*axes) if axes else 1
 
+    def line(self, code: str, comment: str = "") -> Line:
+        return Line(code, comment)
+
+    def axes_text(self, axes: Sequence[str]) -> str:
+        return _axes_text(axes)
+
+    def collective_line(self, c: Collective, dim: int, x: str = "x") -> Line:
+        return _collective_line(self, c, dim, x)
+
+    def seq_lines(self, flow: UnitFlow, dim: int) -> list[Line]:
+        return _seq_lines(self, flow, dim)
+
+    def vocab_used(self) -> int | None:
+        return _vocab_used(self.plan.model)
+
     def unit_init(self, attr: str, unit: Unit, placement: dict[str, Placement], tied_here: bool = False) -> list[Line]:
         """__init__ lines for a unit; `tied_here`: a tied head whose weight's owner is on this stage."""
-        a = dict(unit.attrs)
-        if unit.kind == "rmsnorm":
-            return [Line(f"self.{attr} = rt.RMSNorm({a['dim']}, eps={a['eps']!r})")]
-        if unit.kind == "layernorm":
-            return [Line(f"self.{attr} = nn.LayerNorm({a['dim']}, eps={a['eps']!r}, bias={a['bias']})")]
-        if unit.kind == "positional":
-            return [Line(f"self.{attr} = nn.Embedding({a['num']}, {a['dim']})", "learned positions, replicated")]
-        if unit.kind == "embedding":
-            p = placement.get(unit.name, REPLICATE)
-            if p.sharded:
-                local = a["num"] // self.n(p.axes)
-                idx = "mesh.index(" + ", ".join(repr(x) for x in p.axes) + ")"
-                return [Line(f"self.{attr} = rt.VocabParallelEmbedding({local}, {a['dim']}, start={idx} * {local})",
-                             f"vocab_parallel({', '.join(p.axes)}): rows [start, start + {local}) of {a['num']}")]
-            return [Line(f"self.{attr} = nn.Embedding({a['num']}, {a['dim']})", "replicated")]
-        if unit.kind == "linear":
-            p = placement.get(unit.name, REPLICATE)
-            if unit.leaves[0].tie is not None:
-                w_shape = (a["out"], a["in"])
-                local = w_shape[0] // self.n(p.axes) if p.sharded else w_shape[0]
-                bias = [Line(f"self.{attr}.bias = nn.Parameter(torch.empty({local}))")] if a["bias"] else []
-                if tied_here:
-                    # the head reads the embedding's own weight: one parameter, no copy to keep in sync
-                    return [Line(f"self.{attr} = nn.Module()", f"uses {unit.leaves[0].tie}.weight"), *bias] if bias else []
-                return [Line(f"self.{attr} = nn.Module()"),
-                        Line(f"self.{attr}.weight = nn.Parameter(torch.empty({local}, {a['in']}))",
-                             f"tied to {unit.leaves[0].tie}.weight: a copy whose gradient the runtime sums "
-                             "with the first stage's")] + bias
-            leaf = unit.leaves[0]
-            w = leaf.params[0]
-            out_f, in_f = self.plan.local_shape(w, p)
-            how = f"{p.rule}({', '.join(p.axes)})" if p.sharded else "replicated"
-            return [Line(f"self.{attr} = nn.Linear({in_f}, {out_f}, bias={a['bias']})", how)]
-        # composites: a plain container module so parameter names read attn.q.weight
+        return primitives.of(unit).init_lines(self, attr, unit, placement, tied_here)
+
+    def composite_init(self, attr: str, unit: Unit, placement: Mapping[str, Placement]) -> list[Line]:
+        """A plain container module holding the unit's linear layers, so parameter names read attn.q.weight."""
         lines = [Line(f"self.{attr} = nn.Module()")]
         for leaf in unit.leaves:
             p = placement.get(f"{unit.name}.{leaf.name}", REPLICATE)
@@ -273,15 +241,12 @@ class _UnitWriter:
             self.projected = set(names)
             lines.append(Line(f"{target} = rt.{fused.runtime}({x}, {self.group(c.axes)}, {layers})",
                               fused.columns.format(dim=hidden, n=self.n(c.axes), axes=_axes_text(c.axes))))
-            if fused.gathers_sequence and unit.kind == "attention":
+            if fused.gathers_sequence and primitives.of(unit).reads_sequence:
                 lines.append(Line(f"b, s, _ = {names[0]}.shape", "the whole sequence"))
         # In front of a row layer fed a replicated input, this rank's slice of it.
         split = next((c for c in flow.collectives if c.where == "input" and spec(c.op).fused is None), None)
         reduce = next((c for c in flow.collectives if c.where == "output"), None)  # the row layer's sum
-        if unit.kind == "attention":
-            lines += self._attention(attr, unit, a, placement, x)
-        else:
-            lines += self._mlp(attr, unit, a, placement, x)
+        lines += primitives.of(unit).core_lines(self, attr, unit, a, placement, x)
         self.projected = set()
         out_leaf = unit.leaves[-1]
         p_out = placement.get(f"{unit.name}.{out_leaf.name}", REPLICATE)
@@ -302,57 +267,13 @@ class _UnitWriter:
             lines.append(Line(f"out = self.{attr}.{out_leaf.name}({src})", f"[b, s, {hidden}]"))
         return lines
 
-    def _proj(self, attr: str, name: str, x: str) -> str:
+    def proj(self, attr: str, name: str, x: str) -> str:
         """Column layer `name` applied to `x`, or the name of its output computed already."""
         return name if name in self.projected else f"self.{attr}.{name}({x})"
 
-    def _local_heads(self, unit: Unit, leaf_name: str, count: int, placement: dict[str, Placement]) -> int:
+    def local_heads(self, unit: Unit, leaf_name: str, count: int, placement: Mapping[str, Placement]) -> int:
         p = placement.get(f"{unit.name}.{leaf_name}", REPLICATE)
         return count // self.n(p.axes) if p.sharded else count
-
-    def _attention(self, attr: str, unit: Unit, a: dict[str, Any], placement: dict[str, Placement], x: str) -> list[Line]:
-        hd = a["head_dim"]
-        lines: list[Line] = []
-        if a["fused_qkv"]:
-            h = self._local_heads(unit, "qkv", a["heads"], placement)
-            kv = self._local_heads(unit, "qkv", a["kv_heads"], placement)
-            lines.append(Line(f"q, k, v = {self._proj(attr, 'qkv', x)}.split([{h * hd}, {kv * hd}, {kv * hd}], dim=-1)",
-                              f"[b, s, {h}*{hd}], [b, s, {kv}*{hd}] x 2"))
-            lines += [Line(f"q = q.view(b, s, {h}, {hd})"), Line(f"k = k.view(b, s, {kv}, {hd})"),
-                      Line(f"v = v.view(b, s, {kv}, {hd})")]
-        else:
-            h = self._local_heads(unit, "q", a["heads"], placement)
-            kv = self._local_heads(unit, "k", a["kv_heads"], placement)
-            lines += [
-                Line(f"q = {self._proj(attr, 'q', x)}.view(b, s, {h}, {hd})", f"[b, s, {h} of {a['heads']} heads, {hd}]"),
-                Line(f"k = {self._proj(attr, 'k', x)}.view(b, s, {kv}, {hd})", f"[b, s, {kv} of {a['kv_heads']} kv heads, {hd}]"),
-                Line(f"v = {self._proj(attr, 'v', x)}.view(b, s, {kv}, {hd})"),
-            ]
-        if a["rope_theta"] and a.get("rope_scaling"):
-            sc = dict(a["rope_scaling"])
-            scaling = (float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"]),
-                       int(sc["original_max_position_embeddings"]))
-            lines.append(Line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(a['rope_theta'])!r}, "
-                              f"llama3_scaling={scaling!r})",
-                              "rope scaling (factor, low_freq_factor, high_freq_factor, original positions)"))
-        elif a["rope_theta"]:
-            lines.append(Line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(a['rope_theta'])!r})"))
-        what = f"[b, s, {h * hd}] causal; q heads per kv head: {h // kv if kv else 0}"
-        if self.plan.recompute == "attention":
-            # Selective recomputation: backward reruns only the attention core, from q, k, v.
-            lines.append(Line("a = rt.recompute(rt.attention, q, k, v)", what + "; recomputed in backward"))
-        else:
-            lines.append(Line("a = rt.attention(q, k, v)", what))
-        return lines
-
-    def _mlp(self, attr: str, unit: Unit, a: dict[str, Any], placement: dict[str, Placement], x: str) -> list[Line]:
-        p_up = placement.get(f"{unit.name}.up", REPLICATE)
-        f_local = a["ffn"] // self.n(p_up.axes) if p_up.sharded and p_up.rule == "column" else a["ffn"]
-        if a["act"] == "swiglu":
-            return [Line(f"a = F.silu({self._proj(attr, 'gate', x)}) * {self._proj(attr, 'up', x)}", f"[b, s, {f_local}] SwiGLU")]
-        act = {"gelu_tanh": "F.gelu({}, approximate=\"tanh\")", "gelu": "F.gelu({})", "relu": "F.relu({})",
-               "silu": "F.silu({})"}[a["act"]]
-        return [Line("a = " + act.format(self._proj(attr, "up", x)), f"[b, s, {f_local}] {a['act']}")]
 
 
 # ---------------------------------------------------------------- classes
@@ -379,10 +300,11 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
             local_base = leaf.path[0] if len(leaf.path) == 1 else f"{unit.name}.{leaf.name}"
             for t in leaf.params:
                 params.append(_spec(f"{local_base}.{t.name}", t, p, partial_grad=seq_partial_grad(plan, unit, leaf, t)))
-        if unit.kind in ("rmsnorm", "layernorm"):
+        prim = primitives.of(unit)
+        if prim.norm:
             forward.append(Line(f"h = self.{unit.name}(x)"))
             pending_norm = unit.name
-        elif unit.kind in ("attention", "mlp"):
+        elif prim.sublayer:
             src = "h" if pending_norm else "x"
             forward += w.sublayer(unit.name, unit, cls.flow(unit.name), placement, src)
             forward.append(Line("x = x + out", f"residual add: {residual}"))
@@ -464,63 +386,8 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
                     for t in lf.params:
                         base = lf.path[0] if len(lf.path) == 1 else f"{item.name}.{lf.name}"
                         params.append(_spec(f"{base}.{t.name}", t, p, partial_grad=seq_partial_grad(plan, item, lf, t)))
-        a = dict(item.attrs)
-        if item.kind == "embedding":
-            forward.append(Line(f"x = self.{item.name}({cur})",
-                                f"[b, s, {a['dim']}]" + (f" Partial over {_axes_text(p.axes)}" if p.sharded else "")))
-            if flow is not None:
-                forward += _seq_lines(w, flow, a["dim"])
-            cur = "x"
-        elif item.kind == "positional":
-            forward.append(Line(f"x = x + self.{item.name}(rt.positions(s, x.device))", f"[b, s, {a['dim']}]"))
-            if flow is not None:
-                forward += _seq_lines(w, flow, a["dim"])
-        elif item.kind in ("rmsnorm", "layernorm"):
-            shape = f"[b, s/{plan.sequence_size}, {a['dim']}] Shard(seq)" if plan.roles.sequence else f"[b, s, {a['dim']}]"
-            forward.append(Line(f"x = self.{item.name}(x)", shape))
-        elif item.kind == "linear":
-            is_head = item is model.items[-1]
-            fused = False  # the head inside rt.gather_seq_linear
-            fused_f = False  # the head inside rt.copy_to_linear
-            whole = not tied_head_with_own_bias(item)  # a fused call can take the layer
-            if plan.roles.sequence and flow is not None:
-                # Gather and head in one step (keeps this rank's slice for backward).
-                fused = len(flow.collectives) == 1 and spec(flow.collectives[0].op).fused is not None and whole
-                if not fused:
-                    forward += _seq_lines(w, flow, a["in"])
-            elif p.sharded and p.rule == "column":
-                # f and the layer in one call (backward overlaps the all-reduce with the weight gradient).
-                fused_f = whole
-                if not fused_f:
-                    forward.append(_collective_line(w, Collective("copy_to", p.axes, "input"), a["in"]))
-            out_local = a["out"] // plan.mesh.size(*p.axes) if p.sharded and p.rule == "column" else a["out"]
-            # A tied head uses the embedding's module where this stage holds it.
-            owner = leaf.tie if leaf is not None and leaf.tie is not None and leaf.tie in held else item.name
-            if leaf is not None and leaf.tie is not None:
-                bias = f", self.{item.name}.bias" if a["bias"] else ""
-                call = f"F.linear(x, self.{owner}.weight{bias})"
-            else:
-                call = f"self.{item.name}(x)"
-            what = f"Shard(vocab) over {_axes_text(p.axes)}: {out_local} of {a['out']}" if p.sharded else "Replicate"
-            if fused or fused_f:
-                # The collective in front of the layer, with the layer inside its call.
-                c = flow.collectives[0] if fused else Collective("copy_to", p.axes, "input")  # type: ignore[union-attr]
-                f = spec(c.op).fused
-                assert f is not None
-                forward.append(Line(f"{'logits' if is_head else 'x'}, = rt.{f.runtime}(x, {w.group(c.axes)}, self.{owner})",
-                                    f.head.format(dim=a["in"], out=out_local, what=what, n=w.n(c.axes),
-                                                  axes=_axes_text(c.axes))))
-            else:
-                forward.append(Line(f"{'logits' if is_head else 'x'} = {call}", f"[b, s, {out_local}] {what}"))
-            if is_head:
-                cur = "logits"
-                used = _vocab_used(model)
-                if used is not None:
-                    start = (f"{w.group_index(p.axes)} * {out_local}" if p.sharded and p.rule == "column" else "0")
-                    forward.append(Line(f"logits = rt.mask_vocab(logits, {start}, {used})",
-                                        f"rows {used}.. of {a['out']} are padding: never a token, never predicted"))
-        else:
-            raise AssertionError(f"top-level {item.kind} is not supported by codegen")
+        lines, cur = primitives.of(item).top_lines(w, primitives.TopSite(plan, item, flow, p, cur, frozenset(held)))
+        forward += lines
     forward.append(Line(f"return {cur if cur != 'tokens' else 'x'}"))
     forward = _trim_shape_line(forward)
     pieces = ", ".join(pc.item + (f"[{pc.start}:{pc.stop}]" if pc.start is not None else "") for pc in stage.pieces)
@@ -544,7 +411,7 @@ def _seq_lines(w: _UnitWriter, flow: UnitFlow, dim: int) -> list[Line]:
 
 def _vocab_used(model: Any) -> int | None:
     for item in model.items:
-        if isinstance(item, Unit) and item.kind == "embedding":
+        if isinstance(item, Unit) and primitives.of(item) is EMBEDDING:
             used = dict(item.attrs).get("used")
             return int(used) if used else None
     return None
@@ -582,7 +449,7 @@ def _trim_shape_line(forward: list[Line]) -> list[Line]:
 
 def _model_hidden(plan: PlanIR) -> int:
     for item in plan.model.items:
-        if isinstance(item, Unit) and item.kind == "embedding":
+        if isinstance(item, Unit) and primitives.of(item) is EMBEDDING:
             return int(dict(item.attrs)["dim"])  # type: ignore[arg-type]
     return 0
 

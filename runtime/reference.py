@@ -7,7 +7,7 @@ equivalence tests compare two implementations, not one with itself.  Matches HF 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -34,12 +34,17 @@ class _RMSNorm(nn.Module):
         return self.weight * (h * torch.rsqrt(var + self.eps)).to(dtype)
 
 
+_NORMS: dict[str, Callable[[Layer], nn.Module]] = {
+    "rmsnorm": lambda spec: _RMSNorm(spec["dim"], spec["eps"]),
+    "layernorm": lambda spec: nn.LayerNorm(spec["dim"], eps=spec["eps"], bias=bool(spec.get("bias", True))),
+}
+
+
 def _norm(spec: Layer) -> nn.Module:
-    if spec["kind"] == "rmsnorm":
-        return _RMSNorm(spec["dim"], spec["eps"])
-    if spec["kind"] == "layernorm":
-        return nn.LayerNorm(spec["dim"], eps=spec["eps"], bias=bool(spec.get("bias", True)))
-    raise ValueError(f"{spec['name']}: not a norm: {spec['kind']}")
+    build = _NORMS.get(spec["kind"])
+    if build is None:
+        raise ValueError(f"{spec['name']}: not a norm: {spec['kind']}")
+    return build(spec)
 
 
 class _Attention(nn.Module):
@@ -149,18 +154,48 @@ class _Block(nn.Module):
             raise ValueError("a block body must alternate norm, sublayer")
         for norm, sub in zip(body[::2], body[1::2]):
             self.add_module(norm["name"], _norm(norm))
-            if sub["kind"] == "attention":
-                self.add_module(sub["name"], _Attention(sub))
-            elif sub["kind"] == "mlp":
-                self.add_module(sub["name"], _MLP(sub))
-            else:
+            build = _SUBLAYERS.get(sub["kind"])
+            if build is None:
                 raise ValueError(f"{sub['name']}: unsupported sublayer kind {sub['kind']!r}")
+            self.add_module(sub["name"], build(sub))
             self.pairs.append((norm["name"], sub["name"]))
 
     def forward(self, x: Tensor) -> Tensor:
         for norm, sub in self.pairs:
             x = x + getattr(self, sub)(getattr(self, norm)(x))
         return x
+
+
+_SUBLAYERS: dict[str, Callable[[Layer], nn.Module]] = {"attention": _Attention, "mlp": _MLP}
+
+# Top-level layers: the module each kind builds (None: it owns no module, a tied linear) and how it
+# applies to the stream `x` given the token ids.
+_Apply = Callable[[nn.Module, Tensor, Tensor], Tensor]
+
+
+def _linear(spec: Layer) -> nn.Module | None:
+    if spec.get("tie"):
+        if spec.get("bias"):
+            raise ValueError(f"{spec['name']}: a tied linear layer cannot have a bias")
+        return None
+    return nn.Linear(spec["in"], spec["out"], bias=bool(spec.get("bias")))
+
+
+def _on_stream(mod: nn.Module, x: Tensor, tokens: Tensor) -> Tensor:
+    return mod(x)
+
+
+_TOP: dict[str, tuple[Callable[[Layer], nn.Module | None], _Apply]] = {
+    "embedding": (lambda spec: nn.Embedding(spec["num"], spec["dim"]), lambda mod, x, tokens: mod(tokens)),
+    "positional": (lambda spec: nn.Embedding(spec["num"], spec["dim"]),
+                   lambda mod, x, tokens: x + mod(torch.arange(tokens.shape[1]))),
+    **{kind: (build, _on_stream) for kind, build in _NORMS.items()},
+    "linear": (_linear, _on_stream),
+}
+
+# Every layer kind of the compiler's MODEL description (meshllm_dsl/primitives: the runtime cannot
+# import the compiler; tests/frontend/test_primitive_registry.py keeps the two in step).
+LAYER_KINDS = frozenset(_TOP) | frozenset(_SUBLAYERS)
 
 
 class ReferenceModel(nn.Module):
@@ -173,23 +208,16 @@ class ReferenceModel(nn.Module):
         self.used = next((s.get("used") for s in model["layers"] if s["kind"] == "embedding"), None)
         for spec in model["layers"]:
             name, kind = spec["name"], spec["kind"]
-            if kind in ("embedding", "positional"):
-                self.add_module(name, nn.Embedding(spec["num"], spec["dim"]))
-            elif kind == "repeat":
+            if kind == "repeat":
                 self.add_module(
                     name, nn.ModuleList(_Block(list(spec["body"])) for _ in range(spec["count"]))
                 )
-            elif kind in ("rmsnorm", "layernorm"):
-                self.add_module(name, _norm(spec))
-            elif kind == "linear":
-                if spec.get("tie"):
-                    if spec.get("bias"):
-                        raise ValueError(f"{name}: a tied linear layer cannot have a bias")
+            elif kind in _TOP:
+                mod = _TOP[kind][0](spec)
+                if mod is None:
                     self.ties[name] = spec["tie"]
                 else:
-                    self.add_module(
-                        name, nn.Linear(spec["in"], spec["out"], bias=bool(spec.get("bias")))
-                    )
+                    self.add_module(name, mod)
             else:
                 raise ValueError(f"{name}: unsupported layer kind {kind!r}")
             self.order.append((name, kind))
@@ -204,19 +232,15 @@ class ReferenceModel(nn.Module):
     def _forward(self, tokens: Tensor) -> Tensor:
         x: Tensor = tokens
         for name, kind in self.order:
-            if kind == "linear" and name in self.ties:
+            if name in self.ties:
                 x = x @ getattr(self, self.ties[name]).weight.t()
                 continue
             mod: Any = getattr(self, name)
-            if kind == "embedding":
-                x = mod(tokens)
-            elif kind == "positional":
-                x = x + mod(torch.arange(tokens.shape[1]))
-            elif kind == "repeat":
+            if kind == "repeat":
                 for block in mod:
                     x = block(x)
             else:
-                x = mod(x)
+                x = _TOP[kind][1](mod, x, tokens)
         return x
 
 

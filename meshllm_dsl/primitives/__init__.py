@@ -1,0 +1,110 @@
+"""Every layer kind a model can declare (ir.Unit.kind), each one module of this package.
+
+A kind's module holds what the compiler knows about it: the fields of its entry in the generated
+`MODEL` description (what the runtime's reference model and Hugging Face adapters read), the lines
+codegen prints for it, its activation flow across the mesh axes, and what the planner charges for
+it. Lowering, layouts and the planner look the record up here instead of comparing kind strings,
+so a kind one of them does not handle is an error at import (`_registry`), never a silent
+fallthrough to another kind's code. The runtime cannot import the compiler and keeps its own table
+keyed by kind (runtime/reference.py LAYERS); tests/frontend/test_primitive_registry.py keeps the
+two in step.
+
+Adding a kind: its module here (a `Primitive` subclass and its record in `_PRIMITIVES`), its
+`UnitKind` name, its runtime layer and the goldens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import attrs
+
+if TYPE_CHECKING:
+    from meshllm_dsl.ir import Placement, PlanIR, Unit, UnitFlow
+
+UnitKind = Literal["embedding", "positional", "linear", "rmsnorm", "layernorm", "attention", "mlp"]
+# The layers that own parameters (ir.Leaf.kind): a unit's leaves are of these kinds.
+LeafKind = Literal["linear", "embedding", "positional", "rmsnorm", "layernorm"]
+
+
+@attrs.frozen
+class TopSite:
+    """What a top-level unit's forward lines depend on: the plan, the unit, its flow and placement,
+    the variable holding its input, and the top-level units this stage holds."""
+
+    plan: PlanIR
+    unit: Unit
+    flow: UnitFlow | None
+    placement: Placement
+    cur: str
+    held: frozenset[str]
+
+
+@attrs.frozen
+class Primitive:
+    """One layer kind. Subclasses (one per module) override what their kind does differently.
+
+    `w` in the codegen methods is codegen/lower.py's _UnitWriter: it makes lines (`w.line`), names
+    process groups and sizes mesh axes; the methods only choose what to print."""
+
+    kind: UnitKind
+    # A norm: in a block it normalises the input of the sublayer after it; sequence parallelism
+    # keeps it on this rank's slice of the sequence.
+    norm: bool = False
+    # A residual branch of a block: column layers read its input, a row layer closes it.
+    sublayer: bool = False
+    # Its forward reads the sequence length `s` (attention's views): where a fused gather brings in
+    # the whole sequence, codegen binds `s` again from the gathered output.
+    reads_sequence: bool = False
+
+    def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
+        """Its entry of the generated MODEL description, beyond name and kind (`a`: the unit's attrs)."""
+        raise NotImplementedError(self.kind)
+
+    def init_lines(self, w: Any, attr: str, unit: Unit, placement: Mapping[str, Placement],
+                   tied_here: bool) -> list[Any]:
+        """__init__ lines building the unit as attribute `attr`; `tied_here`: a tied layer whose
+        weight's owner is on this stage."""
+        return w.composite_init(attr, unit, placement)
+
+    def core_lines(self, w: Any, attr: str, unit: Unit, a: Mapping[str, Any],
+                   placement: Mapping[str, Placement], x: str) -> list[Any]:
+        """A sublayer's forward between its column layers and its row layer, ending in `a`."""
+        raise AssertionError(f"{self.kind} is not a sublayer")
+
+    def top_lines(self, w: Any, site: TopSite) -> tuple[list[Any], str]:
+        """A top-level unit's forward lines and the variable holding its output."""
+        raise AssertionError(f"top-level {self.kind} is not supported by codegen")
+
+
+def _registry(prims: tuple[Primitive, ...]) -> Mapping[UnitKind, Primitive]:
+    """The registry keyed by kind; refuses (at import) a kind of UnitKind without a record, a record
+    for a kind UnitKind lacks, or one named twice."""
+    kinds = [p.kind for p in prims]
+    declared = set(get_args(UnitKind))
+    missing, unknown = declared - set(kinds), set(kinds) - declared
+    twice = {k for k in kinds if kinds.count(k) > 1}
+    if missing or unknown or twice:
+        raise ValueError(f"primitive registry: no record for {sorted(missing)}, records for undeclared kinds "
+                         f"{sorted(unknown)}, records named twice {sorted(twice)}")
+    leaf_kinds = set(get_args(LeafKind))
+    if not leaf_kinds <= declared:
+        raise ValueError(f"primitive registry: leaf kinds {sorted(leaf_kinds - declared)} are no layer kind")
+    return {p.kind: p for p in prims}
+
+
+from meshllm_dsl.primitives import attention, embedding, linear, mlp, norm  # noqa: E402
+
+REGISTRY: Mapping[UnitKind, Primitive] = _registry((
+    embedding.EMBEDDING, embedding.POSITIONAL, linear.LINEAR, norm.RMSNORM, norm.LAYERNORM,
+    attention.ATTENTION, mlp.MLP,
+))
+
+
+def of(unit: Unit) -> Primitive:
+    """The record of `unit`'s kind; a kind nobody registered is a compiler bug, named as one."""
+    found = REGISTRY.get(unit.kind)  # type: ignore[call-overload]
+    if found is None:
+        raise KeyError(f"layer kind {unit.kind!r} has no record in meshllm_dsl/primitives (known: {', '.join(REGISTRY)})")
+    return found

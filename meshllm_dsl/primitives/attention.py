@@ -1,0 +1,62 @@
+"""`attention(hidden, heads, kv_heads, head_dim, ...)`: causal self-attention with grouped kv heads
+and rotary positions, a block's sublayer: q, k, v (or one fused qkv) column layers, o the row layer."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from meshllm_dsl.ir import Placement, Unit
+from meshllm_dsl.primitives import Primitive
+
+
+@attrs.frozen
+class Attention(Primitive):
+    def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
+        d: dict[str, Any] = dict(
+            hidden=a["hidden"], heads=a["heads"], kv_heads=a["kv_heads"], head_dim=a["head_dim"],
+            rope_theta=a["rope_theta"], qkv_bias=a["bias"], o_bias=a["out_bias"], fused_qkv=a["fused_qkv"])
+        if a.get("rope_scaling"):
+            d["rope_scaling"] = dict(a["rope_scaling"])
+        return d
+
+    def core_lines(self, w: Any, attr: str, unit: Unit, a: Mapping[str, Any],
+                   placement: Mapping[str, Placement], x: str) -> list[Any]:
+        hd = a["head_dim"]
+        lines: list[Any] = []
+        if a["fused_qkv"]:
+            h = w.local_heads(unit, "qkv", a["heads"], placement)
+            kv = w.local_heads(unit, "qkv", a["kv_heads"], placement)
+            lines.append(w.line(f"q, k, v = {w.proj(attr, 'qkv', x)}.split([{h * hd}, {kv * hd}, {kv * hd}], dim=-1)",
+                                f"[b, s, {h}*{hd}], [b, s, {kv}*{hd}] x 2"))
+            lines += [w.line(f"q = q.view(b, s, {h}, {hd})"), w.line(f"k = k.view(b, s, {kv}, {hd})"),
+                      w.line(f"v = v.view(b, s, {kv}, {hd})")]
+        else:
+            h = w.local_heads(unit, "q", a["heads"], placement)
+            kv = w.local_heads(unit, "k", a["kv_heads"], placement)
+            lines += [
+                w.line(f"q = {w.proj(attr, 'q', x)}.view(b, s, {h}, {hd})", f"[b, s, {h} of {a['heads']} heads, {hd}]"),
+                w.line(f"k = {w.proj(attr, 'k', x)}.view(b, s, {kv}, {hd})", f"[b, s, {kv} of {a['kv_heads']} kv heads, {hd}]"),
+                w.line(f"v = {w.proj(attr, 'v', x)}.view(b, s, {kv}, {hd})"),
+            ]
+        if a["rope_theta"] and a.get("rope_scaling"):
+            sc = dict(a["rope_scaling"])
+            scaling = (float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"]),
+                       int(sc["original_max_position_embeddings"]))
+            lines.append(w.line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(a['rope_theta'])!r}, "
+                                f"llama3_scaling={scaling!r})",
+                                "rope scaling (factor, low_freq_factor, high_freq_factor, original positions)"))
+        elif a["rope_theta"]:
+            lines.append(w.line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(a['rope_theta'])!r})"))
+        what = f"[b, s, {h * hd}] causal; q heads per kv head: {h // kv if kv else 0}"
+        if w.plan.recompute == "attention":
+            # Selective recomputation: backward reruns only the attention core, from q, k, v.
+            lines.append(w.line("a = rt.recompute(rt.attention, q, k, v)", what + "; recomputed in backward"))
+        else:
+            lines.append(w.line("a = rt.attention(q, k, v)", what))
+        return lines
+
+
+ATTENTION = Attention("attention", sublayer=True, reads_sequence=True)

@@ -1,0 +1,67 @@
+"""`embedding(num, dim)`: token ids -> [b, s, dim] rows of a table, optionally vocab-parallel (each
+rank holds a slice of the rows, looks up the ids it owns and the ranks sum); and `positional(num,
+dim)`, GPT-2's learned position table added to the residual stream, always replicated."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from meshllm_dsl.ir import REPLICATE, Placement, Unit
+from meshllm_dsl.primitives import Primitive, TopSite
+
+
+def _table(a: Mapping[str, Any]) -> dict[str, Any]:
+    d: dict[str, Any] = {"num": a["num"], "dim": a["dim"]}
+    if a.get("used"):
+        d["used"] = a["used"]
+    return d
+
+
+@attrs.frozen
+class Embedding(Primitive):
+    def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
+        return _table(a)
+
+    def init_lines(self, w: Any, attr: str, unit: Unit, placement: Mapping[str, Placement],
+                   tied_here: bool) -> list[Any]:
+        a = dict(unit.attrs)
+        p = placement.get(unit.name, REPLICATE)
+        if p.sharded:
+            local = a["num"] // w.n(p.axes)
+            idx = "mesh.index(" + ", ".join(repr(x) for x in p.axes) + ")"
+            return [w.line(f"self.{attr} = rt.VocabParallelEmbedding({local}, {a['dim']}, start={idx} * {local})",
+                           f"vocab_parallel({', '.join(p.axes)}): rows [start, start + {local}) of {a['num']}")]
+        return [w.line(f"self.{attr} = nn.Embedding({a['num']}, {a['dim']})", "replicated")]
+
+    def top_lines(self, w: Any, site: TopSite) -> tuple[list[Any], str]:
+        a, p = dict(site.unit.attrs), site.placement
+        lines = [w.line(f"x = self.{site.unit.name}({site.cur})",
+                        f"[b, s, {a['dim']}]" + (f" Partial over {w.axes_text(p.axes)}" if p.sharded else ""))]
+        if site.flow is not None:
+            lines += w.seq_lines(site.flow, a["dim"])
+        return lines, "x"
+
+
+@attrs.frozen
+class Positional(Primitive):
+    def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
+        return _table(a)
+
+    def init_lines(self, w: Any, attr: str, unit: Unit, placement: Mapping[str, Placement],
+                   tied_here: bool) -> list[Any]:
+        a = dict(unit.attrs)
+        return [w.line(f"self.{attr} = nn.Embedding({a['num']}, {a['dim']})", "learned positions, replicated")]
+
+    def top_lines(self, w: Any, site: TopSite) -> tuple[list[Any], str]:
+        a = dict(site.unit.attrs)
+        lines = [w.line(f"x = x + self.{site.unit.name}(rt.positions(s, x.device))", f"[b, s, {a['dim']}]")]
+        if site.flow is not None:
+            lines += w.seq_lines(site.flow, a["dim"])
+        return lines, site.cur
+
+
+EMBEDDING = Embedding("embedding")
+POSITIONAL = Positional("positional")

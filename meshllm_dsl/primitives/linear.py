@@ -1,0 +1,95 @@
+"""`linear(in, out, bias, tie)`: a top-level projection, in practice the language-model head; may
+be tied to an embedding's weight (then it reads that table, one parameter)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from meshllm_dsl.collectives import spec
+from meshllm_dsl.ir import REPLICATE, Collective, Placement, Unit
+from meshllm_dsl.primitives import Primitive, TopSite
+
+
+def tied_with_own_bias(unit: Unit) -> bool:
+    """A linear tied to another unit's weight that keeps a bias of its own. Weight and bias then live
+    on different modules, so no fused column call (rt.copy_to_linear, rt.gather_seq_linear) takes
+    the layer whole: codegen issues the collective and the layer apart, and the planner counts that."""
+    return any(leaf.tie is not None and any(t.name == "bias" for t in leaf.params) for leaf in unit.leaves)
+
+
+@attrs.frozen
+class Linear(Primitive):
+    def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
+        return {"in": a["in"], "out": a["out"], "bias": a["bias"], "tie": a["tie"]}
+
+    def init_lines(self, w: Any, attr: str, unit: Unit, placement: Mapping[str, Placement],
+                   tied_here: bool) -> list[Any]:
+        a = dict(unit.attrs)
+        p = placement.get(unit.name, REPLICATE)
+        if unit.leaves[0].tie is not None:
+            w_shape = (a["out"], a["in"])
+            local = w_shape[0] // w.n(p.axes) if p.sharded else w_shape[0]
+            bias = [w.line(f"self.{attr}.bias = nn.Parameter(torch.empty({local}))")] if a["bias"] else []
+            if tied_here:
+                # the head reads the embedding's own weight: one parameter, no copy to keep in sync
+                return [w.line(f"self.{attr} = nn.Module()", f"uses {unit.leaves[0].tie}.weight"), *bias] if bias else []
+            return [w.line(f"self.{attr} = nn.Module()"),
+                    w.line(f"self.{attr}.weight = nn.Parameter(torch.empty({local}, {a['in']}))",
+                           f"tied to {unit.leaves[0].tie}.weight: a copy whose gradient the runtime sums "
+                           "with the first stage's")] + bias
+        out_f, in_f = w.plan.local_shape(unit.leaves[0].params[0], p)
+        how = f"{p.rule}({', '.join(p.axes)})" if p.sharded else "replicated"
+        return [w.line(f"self.{attr} = nn.Linear({in_f}, {out_f}, bias={a['bias']})", how)]
+
+    def top_lines(self, w: Any, site: TopSite) -> tuple[list[Any], str]:
+        plan, item, flow, p, held = site.plan, site.unit, site.flow, site.placement, site.held
+        a = dict(item.attrs)
+        leaf = item.leaves[0] if item.leaves else None
+        lines: list[Any] = []
+        is_head = item is plan.model.items[-1]
+        fused = False  # the head inside rt.gather_seq_linear
+        fused_f = False  # the head inside rt.copy_to_linear
+        whole = not tied_with_own_bias(item)  # a fused call can take the layer
+        if plan.seq_axes and flow is not None:
+            # Gather and head in one step (keeps this rank's slice for backward).
+            fused = len(flow.collectives) == 1 and spec(flow.collectives[0].op).fused is not None and whole
+            if not fused:
+                lines += w.seq_lines(flow, a["in"])
+        elif p.sharded and p.rule == "column":
+            # f and the layer in one call (backward overlaps the all-reduce with the weight gradient).
+            fused_f = whole
+            if not fused_f:
+                lines.append(w.collective_line(Collective("copy_to", p.axes, "input"), a["in"]))
+        out_local = a["out"] // plan.mesh.size(*p.axes) if p.sharded and p.rule == "column" else a["out"]
+        # A tied head uses the embedding's module where this stage holds it.
+        owner = leaf.tie if leaf is not None and leaf.tie is not None and leaf.tie in held else item.name
+        if leaf is not None and leaf.tie is not None:
+            bias = f", self.{item.name}.bias" if a["bias"] else ""
+            call = f"F.linear(x, self.{owner}.weight{bias})"
+        else:
+            call = f"self.{item.name}(x)"
+        what = f"Shard(vocab) over {w.axes_text(p.axes)}: {out_local} of {a['out']}" if p.sharded else "Replicate"
+        if fused or fused_f:
+            # The collective in front of the layer, with the layer inside its call.
+            c = flow.collectives[0] if fused else Collective("copy_to", p.axes, "input")  # type: ignore[union-attr]
+            f = spec(c.op).fused
+            assert f is not None
+            lines.append(w.line(f"{'logits' if is_head else 'x'}, = rt.{f.runtime}(x, {w.group(c.axes)}, self.{owner})",
+                                f.head.format(dim=a["in"], out=out_local, what=what, n=w.n(c.axes),
+                                              axes=w.axes_text(c.axes))))
+        else:
+            lines.append(w.line(f"{'logits' if is_head else 'x'} = {call}", f"[b, s, {out_local}] {what}"))
+        if not is_head:
+            return lines, site.cur
+        used = w.vocab_used()
+        if used is not None:
+            start = (f"{w.group_index(p.axes)} * {out_local}" if p.sharded and p.rule == "column" else "0")
+            lines.append(w.line(f"logits = rt.mask_vocab(logits, {start}, {used})",
+                                f"rows {used}.. of {a['out']} are padding: never a token, never predicted"))
+        return lines, "logits"
+
+
+LINEAR = Linear("linear")

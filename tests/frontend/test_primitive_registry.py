@@ -1,0 +1,61 @@
+"""The layer-kind registry (meshllm_dsl/primitives): complete at import, the one place lowering
+dispatches on a kind, and in step with the runtime's own table (runtime/ never imports the compiler)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import get_args
+
+import pytest
+import torch
+
+from meshllm_dsl import primitives
+from meshllm_dsl.checker import check_file
+from meshllm_dsl.codegen.lower import model_description
+from meshllm_dsl.ir import Unit
+from meshllm_dsl.primitives import REGISTRY, UnitKind, _registry
+from meshllm_dsl.runtime import reference
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_registry_holds_exactly_the_declared_kinds() -> None:
+    assert set(REGISTRY) == set(get_args(UnitKind))
+    assert all(REGISTRY[k].kind == k for k in REGISTRY)
+
+
+def test_registry_refuses_a_missing_or_doubled_record() -> None:
+    records = tuple(REGISTRY.values())
+    with pytest.raises(ValueError, match=r"no record for \['mlp'\]"):
+        _registry(tuple(r for r in records if r.kind != "mlp"))
+    with pytest.raises(ValueError, match=r"named twice \['linear'\]"):
+        _registry((*records, REGISTRY["linear"]))
+
+
+def test_runtime_reference_builds_exactly_the_registry_kinds() -> None:
+    assert reference.LAYER_KINDS == set(REGISTRY)
+    # Norms and sublayers are what a block body alternates; the runtime's split agrees.
+    assert set(reference._SUBLAYERS) == {k for k, p in REGISTRY.items() if p.sublayer}
+    assert set(reference._NORMS) == {k for k, p in REGISTRY.items() if p.norm}
+
+
+def test_an_unregistered_kind_is_refused_by_name_not_lowered_as_another() -> None:
+    # Lowering once sent every block sublayer that was not attention down the mlp's code.
+    with pytest.raises(KeyError, match="'moe' has no record in meshllm_dsl/primitives"):
+        primitives.of(Unit("experts", "moe", (), ()))
+
+
+def test_every_kind_of_the_examples_reaches_the_reference_model() -> None:
+    """The MODEL description codegen writes (each kind's `describe`) is what the runtime builds the
+    unsharded model from: every kind of the registry appears in an example and builds there."""
+    seen: set[str] = set()
+    for path in sorted(EXAMPLES.glob("*.mesh")):
+        result = check_file(path)
+        for plan in list(result.plans.values())[:1]:
+            desc = model_description(plan)
+            with torch.device("meta"):  # the examples' real sizes: shapes only, no memory
+                reference.ReferenceModel(desc)
+            for layer in desc["layers"]:
+                for x in layer.get("body", [layer]):
+                    seen.add(x["kind"])
+    assert seen - {"repeat"} == set(REGISTRY)
