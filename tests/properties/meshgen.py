@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from hypothesis import strategies as st
+
+from meshllm_dsl.roles import ParallelRoles
 
 # ---------------------------------------------------------------- the two families, as the oracle sees them
 
@@ -181,6 +183,7 @@ def _piece_text(p: tuple[Any, ...]) -> str:
 @dataclass
 class Verdict:
     violations: list[tuple[str, str, bool]]  # (code, why, required)
+    roles: ParallelRoles | None = None  # a valid plan's parallel roles, derived from the spec
 
     @property
     def valid(self) -> bool:
@@ -232,7 +235,7 @@ class _Oracle:
         pipeline_ok = self.pipeline()
         self.batch_and_schedule(pipeline_ok)
         self.roles()
-        return Verdict(self.out)
+        return Verdict(self.out, None if self.out else self.parallel_roles())
 
     def precision(self) -> None:
         """Known keys and dtypes, master at least as wide as compute (the models are fp32), and only
@@ -522,6 +525,24 @@ class _Oracle:
                 self.bad("E0606", f"{effective} with {micro} microbatches < {p} pipeline ranks")
             if effective == "interleaved_1f1b" and micro % p:
                 self.bad("E0606", f"interleaved_1f1b with {micro} microbatches not a multiple of {p}")
+
+    def parallel_roles(self) -> ParallelRoles:
+        """A valid spec's roles: the stages' axis, its batch axes (all ZeRO-sharded from stage 1), the
+        axes any parameter is split over, the `seq` layout's and the column head's (the loss's)."""
+        s = self.s
+
+        def ordered(axes: Iterable[str]) -> tuple[str, ...]:  # the checker keeps axes in mesh order
+            names = set(axes)
+            return tuple(n for n, _, _ in s.axes if n in names)
+
+        split = [p[1] for p in self.eff.values() if p is not None and p[0] != "replicate"]
+        head = self.eff[(("top", "lm_head"), None)] or ("replicate", ())
+        zero = s.zero is not None and s.zero[0] > 0
+        return ParallelRoles(
+            pipeline=s.stages["axis"] if s.stages else None, batch=ordered(s.batch_axes),
+            batch_shard=ordered(s.batch_axes) if zero else (), tensor=ordered(a for axes in split for a in axes),
+            sequence=ordered(s.layout.get("seq", ())), loss=ordered(head[1]) if head[0] == "column" else (),
+        )
 
     def roles(self) -> None:
         """Each axis one role: pipeline, batch, or parameter sharding; ZeRO over exactly the batch axes."""

@@ -55,6 +55,7 @@ def test_checker_accepts_exactly_the_valid_plans(spec: Spec) -> None:
         (plan,) = result.plans.values()
         assert plan.mesh.devices == spec.n_devices
         assert plan.batch == spec.batch
+        assert plan.roles == verdict.roles, _explain(spec, codes, messages)
 
 
 # ---------------------------------------------------------------- the oracle itself, on known cases
