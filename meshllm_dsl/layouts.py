@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from meshllm_dsl import primitives
 from meshllm_dsl.codes import E0402, E0403, E0410
 from meshllm_dsl.collectives import spec
 from meshllm_dsl.diagnostics import Label, make_rule
@@ -100,68 +101,77 @@ def _partial_error(x: Layout, what: str, span: Span | None, r: _Reporter, produc
             note=f"{what} is not linear: applying it to each rank's partial sum and then adding is not the same as applying it to the sum")
 
 
+class FlowSite:
+    """One unit whose flow is asked for: its leaves' placements (keyed by leaf path), where it sits
+    (`prefix`, for messages), whether it is the model's last unit, and where errors go. A kind's
+    record (meshllm_dsl/primitives) computes its flow from it with the helpers below."""
+
+    def __init__(self, unit: Unit, prefix: str, placement: dict[str, Placement], r: _Reporter, last: bool) -> None:
+        self.unit, self.prefix, self.placement, self.r, self.last = unit, prefix, placement, r, last
+
+    def pl(self, leaf: str) -> Placement:
+        return self.placement.get(f"{self.unit.name}.{leaf}" if leaf != self.unit.name else self.unit.name, REPLICATE)
+
+    def name(self, leaf: str) -> str:
+        u = self.unit.name
+        return f"{self.prefix}{u}.{leaf}" if leaf != u else f"{self.prefix}{u}"
+
+
 def unit_flow(unit: Unit, prefix: str, placement: dict[str, Placement], r: _Reporter, last: bool = False) -> UnitFlow | None:
     """The flow through one unit, given the placement of each of its leaves (keyed by leaf path)."""
+    return primitives.of(unit).flow(FlowSite(unit, prefix, placement, r, last))
+
+
+def sublayer_flow(site: FlowSite, nonlinear: str, combined: str) -> UnitFlow | None:
+    """A block sublayer's flow: column layers on the residual stream, combined by `combined` (e.g.
+    attention) through a non-linearity (`nonlinear`), and a row layer closing it."""
+    unit, r, pl, name, prefix = site.unit, site.r, site.pl, site.name, site.prefix
     collectives: list[Collective] = []
-
-    def pl(leaf: str) -> Placement:
-        return placement.get(f"{unit.name}.{leaf}" if leaf != unit.name else unit.name, REPLICATE)
-
-    def name(leaf: str) -> str:
-        return f"{prefix}{unit.name}.{leaf}" if leaf != unit.name else f"{prefix}{unit.name}"
-
-    if unit.kind in ("rmsnorm", "layernorm", "positional"):
-        return UnitFlow(R, R, ())
-    if unit.kind == "embedding":
-        p = pl(unit.name)
-        if p.sharded:
-            return UnitFlow(R, R, (Collective("reduce_from", p.axes, "output"),))
-        return UnitFlow(R, R, ())
-    if unit.kind in ("attention", "mlp"):
-        inputs = [leaf.name for leaf in unit.leaves[:-1]]
-        out_leaf = unit.leaves[-1].name
-        layouts: dict[str, Layout] = {}
-        for leaf in inputs:
-            y = _through(pl(leaf), R, name(leaf), r, collectives)
-            if y is None:
-                return None
-            layouts[leaf] = y
-        for leaf, y in layouts.items():
-            if y.kind == "P":
-                what = "the attention softmax" if unit.kind == "attention" else f"the {unit.attr('act')} activation"
-                _partial_error(y, what, pl(leaf).span, r, name(leaf))
-                return None
-        first = inputs[0]
-        for leaf in inputs[1:]:
-            if layouts[leaf] != layouts[first]:
-                a, b = layouts[first], layouts[leaf]
-                what = "attention" if unit.kind == "attention" else "the gated product"
-                r.error(E0402, f"{what} combines `{name(first)}` ({a}) with `{name(leaf)}` ({b})",
-                        pl(leaf).span or pl(first).span, label="layouts differ",
-                        help=f"give {', '.join(f'`{name(x)}`' for x in inputs)} the same rule, e.g. "
-                        f"`shard {prefix}{unit.name}.{{{','.join(inputs)}}} {_rule_text(pl(first) if a.kind == 'S' else pl(leaf))}`")
-                return None
-        # copy_to once for the whole unit: all input projections read the same normed activation
-        seen: set[tuple[str, tuple[str, ...]]] = set()
-        unique = []
-        for c in collectives:
-            if (c.op, c.axes) not in seen:
-                seen.add((c.op, c.axes))
-                unique.append(c)
-        collectives = unique
-        y = _through(pl(out_leaf), layouts[first], name(out_leaf), r, collectives, (name(first), pl(first)))
+    inputs = [leaf.name for leaf in unit.leaves[:-1]]
+    out_leaf = unit.leaves[-1].name
+    layouts: dict[str, Layout] = {}
+    for leaf in inputs:
+        y = _through(pl(leaf), R, name(leaf), r, collectives)
         if y is None:
             return None
-        return _at_residual(y, name(out_leaf), pl(out_leaf), collectives, r)
-    if unit.kind == "linear":
-        p = pl(unit.name)
-        y = _through(p, R, name(unit.name), r, collectives)
-        if y is None:
+        layouts[leaf] = y
+    for leaf, y in layouts.items():
+        if y.kind == "P":
+            _partial_error(y, nonlinear, pl(leaf).span, r, name(leaf))
             return None
-        if last:
-            return UnitFlow(R, y, tuple(collectives))  # logits: the loss consumes them (checked there)
-        return _at_residual(y, name(unit.name), p, collectives, r)
-    raise AssertionError(unit.kind)
+    first = inputs[0]
+    for leaf in inputs[1:]:
+        if layouts[leaf] != layouts[first]:
+            a, b = layouts[first], layouts[leaf]
+            r.error(E0402, f"{combined} combines `{name(first)}` ({a}) with `{name(leaf)}` ({b})",
+                    pl(leaf).span or pl(first).span, label="layouts differ",
+                    help=f"give {', '.join(f'`{name(x)}`' for x in inputs)} the same rule, e.g. "
+                    f"`shard {prefix}{unit.name}.{{{','.join(inputs)}}} {_rule_text(pl(first) if a.kind == 'S' else pl(leaf))}`")
+            return None
+    # copy_to once for the whole unit: all input projections read the same normed activation
+    seen: set[tuple[str, tuple[str, ...]]] = set()
+    unique = []
+    for c in collectives:
+        if (c.op, c.axes) not in seen:
+            seen.add((c.op, c.axes))
+            unique.append(c)
+    collectives = unique
+    y = _through(pl(out_leaf), layouts[first], name(out_leaf), r, collectives, (name(first), pl(first)))
+    if y is None:
+        return None
+    return _at_residual(y, name(out_leaf), pl(out_leaf), collectives, r)
+
+
+def linear_flow(site: FlowSite) -> UnitFlow | None:
+    """A top-level linear's flow: on the residual stream, or (the head) giving the logits."""
+    collectives: list[Collective] = []
+    p = site.pl(site.unit.name)
+    y = _through(p, R, site.name(site.unit.name), site.r, collectives)
+    if y is None:
+        return None
+    if site.last:
+        return UnitFlow(R, y, tuple(collectives))  # logits: the loss consumes them (checked there)
+    return _at_residual(y, site.name(site.unit.name), p, collectives, site.r)
 
 
 def _at_residual(y: Layout, where: str, p: Placement, collectives: list[Collective], r: _Reporter) -> UnitFlow | None:
@@ -176,7 +186,7 @@ def _at_residual(y: Layout, where: str, p: Placement, collectives: list[Collecti
     return UnitFlow(R, R, tuple(collectives))
 
 
-def _under_seq(c: Collective, seq: tuple[str, ...]) -> Collective | None:
+def under_seq(c: Collective, seq: tuple[str, ...]) -> Collective | None:
     """What sequence parallelism over `seq` turns `c` into (Megatron's f / g over the tensor axes
     become their sequence forms); None where it has none, or runs over other axes."""
     op = spec(c.op).under_seq
@@ -187,10 +197,10 @@ def _seq_block_flow(unit: Unit, flow: UnitFlow, prefix: str, placement: dict[str
                     seq: tuple[str, ...], seq_span: Span | None, r: _Reporter, quiet: bool = False) -> UnitFlow | None:
     """A block unit's flow under sequence parallelism over `seq`; None after an error (E0410)."""
     q = Layout("Q", seq)
-    if unit.kind in ("rmsnorm", "layernorm"):
+    if primitives.of(unit).norm:
         return UnitFlow(q, q, ())
     # Tensor-parallel over exactly `seq`: f in front of the column layers and g after the row layer.
-    seq_ops = [_under_seq(c, seq) for c in flow.collectives]
+    seq_ops = [under_seq(c, seq) for c in flow.collectives]
     if [c.where for c in flow.collectives] == ["input", "output"] and None not in seq_ops:
         return UnitFlow(q, q, tuple(c for c in seq_ops if c is not None))
     axes = " x ".join(seq)
@@ -221,35 +231,10 @@ def block_flows(rep: Repeat, placement: dict[str, Placement], r: _Reporter, pref
         flow = unit_flow(unit, prefix + ".", placement, r)
         if flow is not None and seq:
             flow = _seq_block_flow(unit, flow, prefix + ".", placement, seq, seq_span, r, refused)
-            refused |= flow is None and unit.kind in ("attention", "mlp")
+            refused |= flow is None and primitives.of(unit).sublayer
         if flow is not None:
             out.append((unit.name, flow))
     return out
-
-
-def _seq_top_flow(item: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool, then: str | None) -> UnitFlow:
-    """A top-level unit's flow under sequence parallelism over `seq` (Megatron's embedding and head)."""
-    q = Layout("Q", seq)
-    if item.kind == "embedding":
-        if then == "positional":
-            return flow  # summed in full; the positions are added, then the sum is split (Megatron too)
-        ops = list(flow.collectives)
-        summed = _under_seq(ops[-1], seq) if ops else None  # a vocab-parallel sum over `seq`
-        if summed is not None:
-            return UnitFlow(R, q, (*ops[:-1], summed))
-        return UnitFlow(R, q, (*ops, Collective("split_seq", seq, "output")))
-    if item.kind == "positional":
-        return UnitFlow(R, q, (Collective("split_seq", seq, "output"),))
-    if item.kind in ("rmsnorm", "layernorm"):
-        return UnitFlow(q, q, ())
-    if item.kind == "linear" and last:
-        ops = list(flow.collectives)
-        gathered = _under_seq(ops[0], seq) if ops else None  # a head split over `seq`: its f
-        if gathered is not None:
-            return UnitFlow(q, flow.output, (gathered, *ops[1:]))
-        # The head is not split over `seq`: its input gradient is whole on every rank of `seq`.
-        return UnitFlow(q, flow.output, (Collective("gather_seq_split", seq, "input"), *ops))
-    return flow  # a top-level linear between blocks: refused by the checker (E0410)
 
 
 def top_flows(model: ModelIR, top: dict[str, Placement], loss: Placement,
@@ -265,7 +250,7 @@ def top_flows(model: ModelIR, top: dict[str, Placement], loss: Placement,
             flow = unit_flow(item, "", top, _Silent(), last=last)
             if flow is not None and seq:
                 then = model.items[i + 1] if i + 1 < len(model.items) else None
-                flow = _seq_top_flow(item, flow, seq, last, then.kind if isinstance(then, Unit) else None)
+                flow = primitives.of(item).seq_top_flow(item, flow, seq, last, then if isinstance(then, Unit) else None)
             if flow is not None:
                 out.append((item.name, flow))
     return out
@@ -276,16 +261,14 @@ def seq_partial_grad(plan: PlanIR, unit: Unit, leaf: Leaf, t: Tensor) -> tuple[s
     layer's bias (added after the reduce-scatter), see only this rank's slice of the sequence."""
     if not plan.roles.sequence:
         return ()
-    if unit.kind in ("rmsnorm", "layernorm"):
+    prim = primitives.of(unit)
+    if prim.norm:
         return plan.roles.sequence
-    if unit.kind in ("attention", "mlp") and leaf is unit.leaves[-1] and len(t.shape) == 1:
+    if prim.sublayer and leaf is unit.leaves[-1] and len(t.shape) == 1:
         return plan.roles.sequence
     return ()
 
 
 def tied_head_with_own_bias(unit: Unit) -> bool:
-    """A linear tied to another unit's weight that keeps a bias of its own. Weight and bias then live
-    on different modules, so no fused column call (rt.copy_to_linear, rt.gather_seq_linear) takes
-    the layer whole: codegen issues the collective and the layer apart, and the planner counts that."""
-    return unit.kind == "linear" and any(
-        leaf.tie is not None and any(t.name == "bias" for t in leaf.params) for leaf in unit.leaves)
+    """A tied linear keeping a bias of its own (primitives/linear.py tied_with_own_bias)."""
+    return primitives.of(unit) is primitives.linear.LINEAR and primitives.linear.tied_with_own_bias(unit)

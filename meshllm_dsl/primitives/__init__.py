@@ -22,6 +22,7 @@ import attrs
 
 if TYPE_CHECKING:
     from meshllm_dsl.ir import Placement, PlanIR, Unit, UnitFlow
+    from meshllm_dsl.layouts import FlowSite
 
 UnitKind = Literal["embedding", "positional", "linear", "rmsnorm", "layernorm", "attention", "mlp"]
 # The layers that own parameters (ir.Leaf.kind): a unit's leaves are of these kinds.
@@ -58,6 +59,19 @@ class Primitive:
     # the whole sequence, codegen binds `s` again from the gathered output.
     reads_sequence: bool = False
 
+    # -- activation flow (meshllm_dsl/layouts.py holds the layout algebra the records use)
+    def flow(self, site: FlowSite) -> UnitFlow | None:
+        """Layouts in and out and the collectives between, given its leaves' placements; None after
+        an error reported to `site.r`."""
+        raise NotImplementedError(self.kind)
+
+    def seq_top_flow(self, unit: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool,
+                     then: Unit | None) -> UnitFlow:
+        """A top-level unit's flow under sequence parallelism over `seq` (`then`: the next unit).
+        Unchanged by default: a top-level linear between blocks, refused by the checker (E0410)."""
+        return flow
+
+    # -- codegen
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         """Its entry of the generated MODEL description, beyond name and kind (`a`: the unit's attrs)."""
         raise NotImplementedError(self.kind)

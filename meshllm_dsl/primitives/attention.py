@@ -8,12 +8,16 @@ from typing import Any
 
 import attrs
 
-from meshllm_dsl.ir import Placement, Unit
+from meshllm_dsl import layouts
+from meshllm_dsl.ir import Placement, Unit, UnitFlow
 from meshllm_dsl.primitives import Primitive
 
 
 @attrs.frozen
 class Attention(Primitive):
+    def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
+        return layouts.sublayer_flow(site, "the attention softmax", "attention")
+
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         d: dict[str, Any] = dict(
             hidden=a["hidden"], heads=a["heads"], kv_heads=a["kv_heads"], head_dim=a["head_dim"],

@@ -9,7 +9,8 @@ from typing import Any
 
 import attrs
 
-from meshllm_dsl.ir import REPLICATE, Placement, Unit
+from meshllm_dsl import layouts, primitives
+from meshllm_dsl.ir import REPLICATE, Collective, Layout, Placement, Unit, UnitFlow
 from meshllm_dsl.primitives import Primitive, TopSite
 
 
@@ -22,6 +23,23 @@ def _table(a: Mapping[str, Any]) -> dict[str, Any]:
 
 @attrs.frozen
 class Embedding(Primitive):
+    def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
+        p = site.pl(site.unit.name)
+        if p.sharded:  # each rank looks up the ids it holds rows for, zeros elsewhere: the ranks sum
+            return UnitFlow(layouts.R, layouts.R, (Collective("reduce_from", p.axes, "output"),))
+        return UnitFlow(layouts.R, layouts.R, ())
+
+    def seq_top_flow(self, unit: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool,
+                     then: Unit | None) -> UnitFlow:
+        if then is not None and isinstance(primitives.of(then), Positional):
+            return flow  # summed in full; the positions are added, then the sum is split (Megatron too)
+        q = Layout("Q", seq)
+        ops = list(flow.collectives)
+        summed = layouts.under_seq(ops[-1], seq) if ops else None  # a vocab-parallel sum over `seq`
+        if summed is not None:
+            return UnitFlow(layouts.R, q, (*ops[:-1], summed))
+        return UnitFlow(layouts.R, q, (*ops, Collective("split_seq", seq, "output")))
+
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         return _table(a)
 
@@ -47,6 +65,13 @@ class Embedding(Primitive):
 
 @attrs.frozen
 class Positional(Primitive):
+    def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
+        return UnitFlow(layouts.R, layouts.R, ())  # replicated table added to the stream
+
+    def seq_top_flow(self, unit: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool,
+                     then: Unit | None) -> UnitFlow:
+        return UnitFlow(layouts.R, Layout("Q", seq), (Collective("split_seq", seq, "output"),))
+
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         return _table(a)
 

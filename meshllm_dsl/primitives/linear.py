@@ -8,8 +8,9 @@ from typing import Any
 
 import attrs
 
+from meshllm_dsl import layouts
 from meshllm_dsl.collectives import spec
-from meshllm_dsl.ir import REPLICATE, Collective, Placement, Unit
+from meshllm_dsl.ir import REPLICATE, Collective, Layout, Placement, Unit, UnitFlow
 from meshllm_dsl.primitives import Primitive, TopSite
 
 
@@ -22,6 +23,21 @@ def tied_with_own_bias(unit: Unit) -> bool:
 
 @attrs.frozen
 class Linear(Primitive):
+    def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
+        return layouts.linear_flow(site)
+
+    def seq_top_flow(self, unit: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool,
+                     then: Unit | None) -> UnitFlow:
+        if not last:
+            return flow  # a top-level linear between blocks: refused by the checker (E0410)
+        q = Layout("Q", seq)
+        ops = list(flow.collectives)
+        gathered = layouts.under_seq(ops[0], seq) if ops else None  # a head split over `seq`: its f
+        if gathered is not None:
+            return UnitFlow(q, flow.output, (gathered, *ops[1:]))
+        # The head is not split over `seq`: its input gradient is whole on every rank of `seq`.
+        return UnitFlow(q, flow.output, (Collective("gather_seq_split", seq, "input"), *ops))
+
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         return {"in": a["in"], "out": a["out"], "bias": a["bias"], "tie": a["tie"]}
 

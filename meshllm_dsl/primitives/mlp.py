@@ -8,7 +8,8 @@ from typing import Any
 
 import attrs
 
-from meshllm_dsl.ir import REPLICATE, Placement, Unit
+from meshllm_dsl import layouts
+from meshllm_dsl.ir import REPLICATE, Placement, Unit, UnitFlow
 from meshllm_dsl.primitives import Primitive
 
 # The activation of a non-gated mlp, as generated code calls it.
@@ -18,6 +19,9 @@ ACTIVATIONS = {"gelu_tanh": "F.gelu({}, approximate=\"tanh\")", "gelu": "F.gelu(
 
 @attrs.frozen
 class Mlp(Primitive):
+    def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
+        return layouts.sublayer_flow(site, f"the {site.unit.attr('act')} activation", "the gated product")
+
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         return dict(hidden=a["hidden"], ffn=a["ffn"], act=a["act"], bias=a["bias"])
 

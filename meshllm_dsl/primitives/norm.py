@@ -8,12 +8,21 @@ from typing import Any
 
 import attrs
 
-from meshllm_dsl.ir import Placement, Unit
+from meshllm_dsl import layouts
+from meshllm_dsl.ir import Layout, Placement, Unit, UnitFlow
 from meshllm_dsl.primitives import Primitive, TopSite
 
 
 @attrs.frozen
 class Norm(Primitive):
+    def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
+        return UnitFlow(layouts.R, layouts.R, ())  # weights replicated, applied token by token
+
+    def seq_top_flow(self, unit: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool,
+                     then: Unit | None) -> UnitFlow:
+        q = Layout("Q", seq)
+        return UnitFlow(q, q, ())
+
     def top_lines(self, w: Any, site: TopSite) -> tuple[list[Any], str]:
         dim, plan = dict(site.unit.attrs)["dim"], site.plan
         shape = f"[b, s/{plan.mesh.size(*plan.seq_axes)}, {dim}] Shard(seq)" if plan.seq_axes else f"[b, s, {dim}]"
