@@ -1,0 +1,150 @@
+"""meshllm_dsl.schedule_order against torch's own pipeline schedules: the same action order (torch's
+schedule code run without a process group) and the same microbatches held per virtual stage
+(forwards minus backwards counted on real gloo ranks running the real schedule)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from meshllm_dsl.planner import bubble_fraction
+from meshllm_dsl.schedule_order import rank_order, schedule_cost
+
+torch = pytest.importorskip("torch")
+schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+
+
+def _plain(action: Any) -> tuple[str, int, int] | None:
+    if action is None:
+        return None
+    kind = {schedules.FORWARD: "F", schedules.FULL_BACKWARD: "B"}[action.computation_type]
+    return (kind, action.stage_index, action.microbatch_index)
+
+
+INTERLEAVED_GRID = [(p, v, m) for p, v, m in itertools.product((2, 3, 4, 8), (2, 3, 4), (1, 2, 3, 4, 6, 8, 12, 16))
+                    if m % max(1, m // p) == 0]
+
+
+@pytest.mark.parametrize(("p", "v", "m"), INTERLEAVED_GRID)
+def test_interleaved_order_is_torchs_pipeline_order(p: int, v: int, m: int) -> None:
+    # ScheduleInterleaved1F1B's constructor wants real stages and a process group; the order comes
+    # from _calculate_single_rank_operations, which reads only these four attributes.
+    sched = schedules.ScheduleInterleaved1F1B.__new__(schedules.ScheduleInterleaved1F1B)
+    sched.pp_group_size, sched.n_local_stages, sched._n_microbatches = p, v, m
+    sched.microbatches_per_round = m // max(1, m // p)
+    for rank in range(p):
+        theirs = [_plain(a) for a in sched._calculate_single_rank_operations(rank)]
+        assert rank_order("interleaved_1f1b", p, v, m, rank) == theirs
+
+
+class _RecordingStage:
+    """What PipelineScheduleSingle._step_microbatches touches on its stage, recording the compute."""
+
+    def __init__(self, index: int, stages: int, log: list[tuple[str, int, int]]) -> None:
+        self.stage_index, self.num_stages, self.log = index, stages, log
+        self.is_first, self.is_last = index == 0, index == stages - 1
+
+    def forward_one_chunk(self, mb: int, *args: Any, **kwargs: Any) -> None:
+        self.log.append(("F", self.stage_index, mb))
+
+    def backward_one_chunk(self, mb: int, **kwargs: Any) -> None:
+        self.log.append(("B", self.stage_index, mb))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("get_") and name.endswith("_ops"):
+            return lambda *a, **k: []  # no communication: _batch_p2p of [] does nothing
+        if name == "perform_reduce_grad":
+            return lambda *a, **k: None
+        raise AttributeError(name)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize(("p", "m"), [(p, m) for p in (2, 3, 4, 8) for m in (p, p + 1, 2 * p, 3 * p + 1)])
+def test_single_stage_order_is_torchs_step(schedule: str, p: int, m: int) -> None:
+    cls = schedules.ScheduleGPipe if schedule == "gpipe" else schedules.Schedule1F1B
+    for rank in range(p):
+        log: list[tuple[str, int, int]] = []
+        sched = cls.__new__(cls)
+        sched._stage, sched._n_microbatches, sched._num_stages = _RecordingStage(rank, p, log), m, p
+        sched._loss_fn, sched._has_backward, sched._internal_losses, sched.scale_grads = None, True, [], True
+        sched._check_inputs = lambda a, k, t, losses: ([()] * m, [{}] * m)
+        sched._initialize_stage = lambda *a, **k: None
+        sched._step_microbatches()  # torch's own step logic, on the recording stage
+        assert rank_order(schedule, p, 1, m, rank) == log
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 2), (4, 4), (4, 8), (8, 9), (16, 32)])
+def test_1f1b_holds_min_m_p_minus_rank_and_the_closed_form_bubble(p: int, m: int) -> None:
+    for schedule in ("1f1b", "gpipe"):
+        cost = schedule_cost(schedule, p, 1, m)
+        expect = [(min(m, p - r),) if schedule == "1f1b" else (m,) for r in range(p)]
+        assert list(cost.max_held) == expect
+        assert cost.bubble == pytest.approx(bubble_fraction(schedule, p, m))
+        assert cost.bubble_over_busy == pytest.approx((p - 1) / m)
+
+
+def test_interleaved_holds_fewer_on_the_later_chunks() -> None:
+    # torch warms up a whole round of chunk 0 before chunk 1, so chunk 0 of rank 0 holds every
+    # microbatch and the head's chunk (stage 15 on rank 7) one: not an even spread over chunks.
+    cost = schedule_cost("interleaved_1f1b", 8, 2, 16)
+    assert cost.max_held[0] == (16, 8)
+    assert cost.max_held[7] == (9, 1)
+    # With m a multiple of p the order reaches Megatron's (p - 1) / (v m) idle over busy exactly.
+    assert cost.bubble_over_busy == pytest.approx(7 / 32)
+
+
+# --- the real schedule on gloo ranks ---------------------------------------------------------------
+
+def _held_on_gloo(ctx: Any, schedule: str, p: int, v: int, m: int) -> dict[int, int]:
+    """Run one training step of torch's schedule over tiny Linear stages; per stage on this rank,
+    the most microbatches forwarded but not yet backwarded at any moment."""
+    from torch import nn
+    from torch.distributed import pipelining as pl
+
+    torch.manual_seed(0)
+    mesh = ctx.mesh((("pipeline", p),))
+    group = mesh.group("pipeline")
+    n = p * v
+    ids = [ctx.rank + k * p for k in range(v)]
+    stages = [pl.PipelineStage(nn.Linear(4, 4), stage_index=i, num_stages=n, device=torch.device("cpu"),
+                               input_args=torch.zeros(2, 4, requires_grad=i > 0),
+                               output_args=torch.zeros(2, 4, requires_grad=True), group=group)
+              for i in ids]
+    held = dict.fromkeys(ids, 0)
+    peak = dict.fromkeys(ids, 0)
+    for st in stages:
+        fwd, bwd = st.forward_one_chunk, st.backward_one_chunk
+
+        def forward(*a: Any, _i: int = st.stage_index, _f: Any = fwd, **k: Any) -> Any:
+            held[_i] += 1
+            peak[_i] = max(peak[_i], held[_i])
+            return _f(*a, **k)
+
+        def backward(*a: Any, _i: int = st.stage_index, _b: Any = bwd, **k: Any) -> Any:
+            out = _b(*a, **k)
+            held[_i] -= 1
+            return out
+
+        st.forward_one_chunk, st.backward_one_chunk = forward, backward
+    cls = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B, "interleaved_1f1b": pl.ScheduleInterleaved1F1B}[schedule]
+    sched = cls(stages if v > 1 else stages[0], n_microbatches=m, loss_fn=lambda y, t: (y - t).pow(2).mean())
+    x = torch.randn(2 * m, 4)
+    if ctx.rank == 0:
+        sched.step(x, target=x) if ctx.rank == (n - 1) % p else sched.step(x)
+    else:
+        sched.step(target=x) if ctx.rank == (n - 1) % p else sched.step()
+    assert all(h == 0 for h in held.values())
+    return peak
+
+
+@pytest.mark.parametrize(("schedule", "p", "v", "m"), [
+    ("interleaved_1f1b", 2, 2, 4), ("interleaved_1f1b", 2, 2, 8), ("1f1b", 4, 1, 4), ("1f1b", 4, 1, 8),
+    ("gpipe", 4, 1, 4), ("interleaved_1f1b", 4, 2, 8),
+])
+def test_held_per_virtual_stage_matches_gloo_ranks(pool: Any, schedule: str, p: int, v: int, m: int) -> None:
+    measured = pool.run(_held_on_gloo, p, schedule, p, v, m)
+    cost = schedule_cost(schedule, p, v, m)
+    for rank, peak in enumerate(measured):
+        assert tuple(peak[rank + k * p] for k in range(v)) == cost.max_held[rank]
