@@ -1,14 +1,18 @@
 """The checker: declarations -> checked plans (PlanIR) plus every diagnostic, all at once.
 
-One pass per module, in the order a plan is checked:
-  resolve.py            names and values of meshes, models and plan settings
+resolve.py gives the names and values of meshes and models; then each plan goes through the passes
+of checker/passes.py (`PASSES`, in order: settings, recompute, placements, loss, stages, schedule,
+batch, sequence_parallel, optimizer, precision, axis_roles, pitfalls), pure functions over a frozen
+`PassContext` that return their results. Their rules live one area per module:
   checker/placements.py shard rules and layout entries -> placements; coverage, divisibility, activation layouts
+  checker/paths.py      which layers a path pattern matches (`match_path`, also the LSP's)
   checker/stages.py     the pipeline stage map
   checker/batch.py      batch, microbatches, sequence and schedule
   checker/optimizer.py  optimizer settings and ZeRO
-  checker/memory.py     memory techniques (recomputation)
+  checker/memory.py     memory techniques (recomputation, sequence parallelism)
   checker/pitfalls.py   axis roles and the warnings of a valid plan
-checker/plan.py runs them for one plan (PlanChecker); checker/context.py is what they share.
+checker/plan.py runs the passes for one plan and builds its PlanIR; checker/context.py is what the
+rule modules share.
 """
 
 from __future__ import annotations
@@ -154,6 +158,9 @@ def _plural(word: str) -> str:
     return word + ("es" if word.endswith(("s", "sh", "ch", "x")) else "s")
 
 
-from meshllm_dsl.checker.plan import PlanChecker  # noqa: E402 - after CheckResult, which the passes do not need
+from meshllm_dsl.checker.passes import PASSES, PassContext, PassResult  # noqa: E402 - after CheckResult
+from meshllm_dsl.checker.paths import match_path  # noqa: E402
+from meshllm_dsl.checker.plan import PlanChecker  # noqa: E402
 
-__all__ = ["CheckResult", "PlanChecker", "check_declarations", "check_file", "check_text"]
+__all__ = ["PASSES", "CheckResult", "PassContext", "PassResult", "PlanChecker", "check_declarations", "check_file",
+           "check_text", "match_path"]

@@ -18,6 +18,7 @@ from meshllm_dsl.checker.context import (
     _seg_matches,
     _Silent,
 )
+from meshllm_dsl.checker.paths import match_path
 from meshllm_dsl.codes import E0201, E0301, E0401, E0404, E0405, E0406, E0408, E0501, E0502, E0503
 from meshllm_dsl.diagnostics import Label, Suggestion, make_rule, replace, typo
 from meshllm_dsl.ir import REPLICATE, RULES, BlockClass, Leaf, Placement, Repeat, Unit
@@ -93,7 +94,7 @@ class PlacementRules(PlanContext):
             if not isinstance(stmt, ast.ShardStmt):
                 continue
             placement = self.rule(stmt.rule)
-            hits = self.match_path(stmt.path)
+            hits = self.rule_matches(stmt.path)
             if not hits:
                 continue
             for leaf, blocks in hits:
@@ -150,7 +151,7 @@ class PlacementRules(PlanContext):
             return False
         return True
 
-    def match_path(self, path: ast.Path) -> list[tuple[Leaf, frozenset[int] | None]]:
+    def rule_matches(self, path: ast.Path) -> list[tuple[Leaf, frozenset[int] | None]]:
         """Leaves a pattern matches, with the blocks it covers for leaves inside the repeat."""
         segs = path.segments
         hits = self.path_hits(segs)
@@ -211,25 +212,7 @@ class PlacementRules(PlanContext):
         return (fixed, meant) if meant else None
 
     def path_hits(self, segs: tuple[ast.PathSegment, ...]) -> list[tuple[Leaf, frozenset[int] | None]]:
-        hits: list[tuple[Leaf, frozenset[int] | None]] = []
-        for item, _unit, leaf in self.model.leaves():
-            if isinstance(item, Repeat):
-                if len(segs) != len(leaf.path) + 2 or not _seg_matches(segs[0], item.name):
-                    continue
-                idx = segs[1]
-                if idx.kind == "star":
-                    blocks = None
-                elif idx.kind == "index":
-                    if idx.index >= item.count:
-                        continue
-                    blocks = frozenset([idx.index])
-                else:
-                    continue
-                if all(_seg_matches(s, n) for s, n in zip(segs[2:], leaf.path)):
-                    hits.append((leaf, blocks))
-            elif len(segs) == len(leaf.path) and all(_seg_matches(s, n) for s, n in zip(segs, leaf.path)):
-                hits.append((leaf, None))
-        return hits
+        return match_path(segs, self.model)
 
     def path_help(self, path: ast.Path) -> str:
         segs = path.segments

@@ -18,7 +18,8 @@ from pathlib import Path
 import attrs
 
 from meshllm_dsl import ast
-from meshllm_dsl.checker import CheckResult, PlanChecker, check_declarations
+from meshllm_dsl.checker import CheckResult, check_declarations
+from meshllm_dsl.checker.paths import match_path
 from meshllm_dsl.codes import E0101, E0102
 from meshllm_dsl.diagnostics import Diagnostic, SpecError
 from meshllm_dsl.ir import ModelIR, Placement, PlanIR, Repeat, Tensor, Unit
@@ -469,10 +470,9 @@ def shard_matches(plan: PlanIR, decl: ast.PlanDecl, path: ast.Path) -> list[Matc
     from meshllm_dsl.explain import _collective
     from meshllm_dsl.names import ranges
 
-    checker = PlanChecker(decl, plan.mesh, plan.model, [])  # its diagnostics are the checker's, already given
     units = {id(leaf): (item, unit) for item, unit, leaf in plan.model.leaves()}
     out: list[Match] = []
-    for leaf, blocks in checker.match_path(path):
+    for leaf, blocks in match_path(path, plan.model):
         item, unit = units[id(leaf)]
         if isinstance(item, Repeat):
             # one row per block class (blocks sharing every placement), not per block: a repeat may

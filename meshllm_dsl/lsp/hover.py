@@ -196,13 +196,13 @@ def _shard(a: Analysis, decl: ast.PlanDecl, s: ast.ShardStmt) -> str | None:
 def _shard_unchecked(a: Analysis, decl: ast.PlanDecl, s: ast.ShardStmt) -> str | None:
     """A plan with errors has no placements yet: still list what the rule matches, with global shapes
     and the split the rule asks for, so the hover helps while the errors are being fixed."""
-    from meshllm_dsl.checker import PlanChecker
+    from meshllm_dsl.checker.paths import match_path
 
     mesh = a.sem_result.meshes.get(decl.mesh.value)
     model = a.sem_result.models.get(decl.model.value)
     if mesh is None or model is None:
         return None
-    hits = PlanChecker(decl, mesh, model, []).match_path(s.path)
+    hits = match_path(s.path, model)
     if not hits:
         return f"`{s.path}` matches no layer"
     axes = [n.value for n in s.rule.axes]

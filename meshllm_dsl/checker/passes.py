@@ -1,0 +1,244 @@
+"""The plan checker as an ordered tuple of passes (as sqlglot's optimizer `RULES`).
+
+Each pass is a function from a frozen `PassContext` (the plan declaration, its mesh and model, and the
+results of the passes before it) to a `PassResult` (the values it derives and the diagnostics it
+found). A pass sets no flag anywhere: what a later pass needs from it is a value of its result, and
+`run_passes` threads the results in the order of `PASSES`, so the diagnostics come out in that
+order. The rules themselves are the methods of the checker modules (placements.py, stages.py, ...);
+a pass runs them on a worker of its own, seeded from the context, and keeps nothing of it.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+
+from meshllm_dsl import ast
+from meshllm_dsl.checker.batch import BatchRules
+from meshllm_dsl.checker.memory import MemoryRules
+from meshllm_dsl.checker.optimizer import OptimizerRules
+from meshllm_dsl.checker.pitfalls import PitfallRules
+from meshllm_dsl.checker.placements import PlacementRules
+from meshllm_dsl.checker.stages import StageRules
+from meshllm_dsl.codes import E0203, E0309
+from meshllm_dsl.diagnostics import Diagnostic, typo
+from meshllm_dsl.ir import DTYPES, MeshIR, ModelIR, Unit
+from meshllm_dsl.names import or_list
+from meshllm_dsl.resolve import Binding
+
+PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute")
+# Settings the language used to accept that nothing downstream reads: refused until they are honoured.
+UNSUPPORTEDPLAN_SETTINGS = {
+    "seed": "the seed is chosen at launch: `meshc run FILE --seed N` (or `--seed N` on the generated module)",
+    "lr": "set the learning rate on the optimizer: `optimizer adamw { lr = 0.001 }`",
+}
+
+
+def _frozen(values: Mapping[str, Any]) -> Mapping[str, Any]:
+    return types.MappingProxyType(dict(values))
+
+
+@attrs.frozen
+class PassResult:
+    """What one pass derived (read-only) and the diagnostics it found, in the order found."""
+
+    values: Mapping[str, Any] = attrs.field(factory=dict, converter=_frozen)
+    diagnostics: tuple[Diagnostic, ...] = ()
+
+    @property
+    def failed(self) -> bool:
+        return any(d.is_error for d in self.diagnostics)
+
+
+@attrs.frozen
+class PassContext:
+    """What a pass may read: the plan, its mesh and model, and every earlier pass's result."""
+
+    decl: ast.PlanDecl
+    mesh: MeshIR
+    model: ModelIR
+    per_host: int | None = None  # devices in one host of the mesh's device profile (None: unknown)
+    results: tuple[tuple[str, PassResult], ...] = ()
+
+    def __getitem__(self, key: str) -> Any:
+        """The value `key` as the latest pass that derived it left it."""
+        for _name, r in reversed(self.results):
+            if key in r.values:
+                return r.values[key]
+        raise KeyError(f"no pass before this one derives `{key}`")
+
+    @property
+    def failed(self) -> bool:
+        """Some earlier pass reported an error for this plan."""
+        return any(r.failed for _, r in self.results)
+
+    def then(self, name: str, result: PassResult) -> PassContext:
+        return attrs.evolve(self, results=(*self.results, (name, result)))
+
+
+class _Worker(PlacementRules, StageRules, BatchRules, OptimizerRules, MemoryRules, PitfallRules):
+    """The rule methods over one pass's own state: made for a pass call and dropped after it."""
+
+    @classmethod
+    def of(cls, ctx: PassContext) -> _Worker:
+        w = cls(ctx.decl, ctx.mesh, ctx.model, [], ctx.per_host)
+        w.failed = ctx.failed
+        if ctx.results:
+            w.bad_settings = set(ctx["bad_settings"])
+        return w
+
+    def result(self, **values: Any) -> PassResult:
+        return PassResult(values, tuple(self.diagnostics))
+
+
+# -- the passes, in order
+
+
+def settings(ctx: PassContext) -> PassResult:
+    """The plan's `key = value` settings: known, given once, integers where they must be; dtype."""
+    w = _Worker.of(ctx)
+    given: dict[str, ast.Setting] = {}
+    for stmt in ctx.decl.body:
+        if not isinstance(stmt, ast.Setting):
+            continue
+        if stmt.name.value in given:
+            w.repeated(f"plan setting `{stmt.name.value}`", stmt.name.span, given[stmt.name.value].name.span)
+            continue
+        given[stmt.name.value] = stmt
+    env: dict[str, Binding] = {}  # plan settings are literals or arithmetic on literals
+    values: dict[str, int] = {}
+    for key, s in given.items():
+        if key in UNSUPPORTEDPLAN_SETTINGS:
+            w.error(E0309, f"plan setting `{key}` is not supported yet", s.name.span,
+                    label="would be ignored", help=UNSUPPORTEDPLAN_SETTINGS[key])
+            continue
+        if key not in PLAN_SETTINGS:
+            w.error(E0203, f"unknown plan setting `{key}`", s.name.span, label="not a plan setting",
+                    **typo(s.name.span, key, PLAN_SETTINGS))
+            continue
+        if key in ("dtype", "recompute"):
+            continue
+        v = w.eval_int(s.value, env, key)
+        if v is not None:
+            values[key] = v
+        else:
+            w.bad_settings.add(key)
+    dtype = ctx.model.dtype
+    if "dtype" in given:
+        v = given["dtype"].value
+        if isinstance(v, ast.Name) and v.value in DTYPES:
+            dtype = v.value
+        else:
+            w.error(E0203, "unknown dtype", v.span, label="not a dtype", help=f"use one of {or_list(DTYPES)}")
+    return w.result(settings=given, setting_values=values, bad_settings=frozenset(w.bad_settings), dtype=dtype)
+
+
+def recompute(ctx: PassContext) -> PassResult:
+    w = _Worker.of(ctx)
+    return w.result(recompute=w.recompute(ctx["settings"].get("recompute")))
+
+
+def placements(ctx: PassContext) -> PassResult:
+    """Layout entries and shard rules -> one placement per parameter, block classes and their flows.
+    One pass: a misspelt rule's E0502 gets a note when coverage is computed (its `folded` leaves)."""
+    w = _Worker.of(ctx)
+    batch_axes, layout_matches = w.layout()
+    matches = w.shard_rules(layout_matches)
+    top, classes = w.placements(matches)
+    return w.result(batch_axes=batch_axes, seq_axes=w.seq_axes, seq_entry=w.seq_entry, top=top, classes=classes)
+
+
+def loss(ctx: PassContext) -> PassResult:
+    w = _Worker.of(ctx)
+    return w.result(loss=w.loss(ctx["top"]))
+
+
+def stages(ctx: PassContext) -> PassResult:
+    w = _Worker.of(ctx)
+    stage_map, pipeline_axis, virtual = w.stages(ctx["top"], ctx["classes"])
+    return w.result(stages=stage_map, pipeline_axis=pipeline_axis, virtual=virtual)
+
+
+def schedule(ctx: PassContext) -> PassResult:
+    w = _Worker.of(ctx)
+    chosen = w.schedule(ctx["pipeline_axis"], ctx["virtual"])
+    return w.result(schedule=chosen, bad_settings=frozenset(w.bad_settings))
+
+
+def batch(ctx: PassContext) -> PassResult:
+    """Batch, microbatches and seq with their defaults; learned positions; the batch split."""
+    w = _Worker.of(ctx)
+    values, given, batch_axes = ctx["setting_values"], ctx["settings"], ctx["batch_axes"]
+    microbatches = values.get("microbatches", 1)
+    size = values.get("batch", max(1, microbatches) * (ctx.mesh.size(*batch_axes) if batch_axes else 1))
+    # Unset, seq is 128, or the positions a model with learned positions has when it has fewer.
+    limits = [int(i.attr("num")) for i in ctx.model.items if isinstance(i, Unit) and i.kind == "positional"]  # type: ignore[arg-type]
+    seq = values.get("seq", min([128, *limits]))
+    if "seq" not in w.bad_settings:
+        w.positions(seq, given.get("seq"))
+    w.batch_checks(size, microbatches, batch_axes, given, ctx["stages"], ctx["schedule"])
+    return w.result(batch=size, microbatches=microbatches, seq=seq)
+
+
+def sequence_parallel(ctx: PassContext) -> PassResult:
+    w = _Worker.of(ctx)
+    w.seq_axes, w.seq_entry = ctx["seq_axes"], ctx["seq_entry"]
+    w.sequence_parallel(ctx["seq"], ctx["settings"].get("seq"))
+    return w.result()
+
+
+def optimizer(ctx: PassContext) -> PassResult:
+    w = _Worker.of(ctx)
+    name, opt_settings, zero, zero_axes = w.optimizer(ctx["batch_axes"])
+    return w.result(optimizer=name, optimizer_settings=opt_settings, zero=zero, zero_axes=zero_axes)
+
+
+def precision(ctx: PassContext) -> PassResult:
+    w = _Worker.of(ctx)
+    dtype, master, reduce = w.precision(ctx["dtype"], ctx["zero"], "dtype" in ctx["settings"])
+    return w.result(dtype=dtype, master_dtype=master, reduce_dtype=reduce)
+
+
+def axis_roles(ctx: PassContext) -> PassResult:
+    """One role per mesh axis (E0407), tensor axes within a host (W0702), no axis unused (W0704)."""
+    w = _Worker.of(ctx)
+    w.axis_usage(ctx["top"], ctx["classes"], ctx["pipeline_axis"], ctx["batch_axes"])
+    return w.result()
+
+
+def pitfalls(ctx: PassContext) -> PassResult:
+    """The sharding pitfalls of a plan that checked clean (W0705-W0707); none for a failed plan,
+    whose placements may be guesses."""
+    if ctx.failed:
+        return PassResult()
+    w = _Worker.of(ctx)
+    w.sharding_warnings(ctx["top"], ctx["classes"])
+    return w.result()
+
+
+Pass = Callable[[PassContext], PassResult]
+
+PASSES: tuple[Pass, ...] = (
+    settings,
+    recompute,
+    placements,
+    loss,
+    stages,
+    schedule,
+    batch,
+    sequence_parallel,
+    optimizer,
+    precision,
+    axis_roles,
+    pitfalls,
+)
+
+
+def run_passes(ctx: PassContext, passes: tuple[Pass, ...] = PASSES) -> PassContext:
+    """Every pass in order, each seeing the results before it; the context with all their results."""
+    for p in passes:
+        ctx = ctx.then(p.__name__, p(ctx))
+    return ctx

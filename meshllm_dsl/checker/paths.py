@@ -1,0 +1,37 @@
+"""Which layers a `shard` path pattern names: a function of the pattern and the model alone, so the
+language server asks it directly (hover, completion) without building a checker."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from meshllm_dsl import ast
+from meshllm_dsl.checker.context import _seg_matches
+from meshllm_dsl.ir import Leaf, ModelIR, Repeat
+
+Matches = list[tuple[Leaf, frozenset[int] | None]]
+
+
+def match_path(pattern: ast.Path | Sequence[ast.PathSegment], model: ModelIR) -> Matches:
+    """Every leaf `pattern` matches, with the blocks it covers for leaves inside the repeat (None:
+    every block, or a top-level leaf). A block index past the repeat matches nothing."""
+    segs = tuple(pattern.segments if isinstance(pattern, ast.Path) else pattern)
+    hits: Matches = []
+    for item, _unit, leaf in model.leaves():
+        if isinstance(item, Repeat):
+            if len(segs) != len(leaf.path) + 2 or not _seg_matches(segs[0], item.name):
+                continue
+            idx = segs[1]
+            if idx.kind == "star":
+                blocks = None
+            elif idx.kind == "index":
+                if idx.index >= item.count:
+                    continue
+                blocks = frozenset([idx.index])
+            else:
+                continue
+            if all(_seg_matches(s, n) for s, n in zip(segs[2:], leaf.path)):
+                hits.append((leaf, blocks))
+        elif len(segs) == len(leaf.path) and all(_seg_matches(s, n) for s, n in zip(segs, leaf.path)):
+            hits.append((leaf, None))
+    return hits
