@@ -372,27 +372,6 @@ class PlanIR:
         """Ranks the sequence is split over between sublayers (1 without sequence parallelism)."""
         return self.mesh.size(*self.roles.sequence)
 
-    # Deprecated: the loose fields `roles` replaced, kept read-only while consumers move over.
-    @property
-    def pipeline_axis(self) -> str | None:
-        return self.roles.pipeline
-
-    @property
-    def batch_axes(self) -> tuple[str, ...]:
-        return self.roles.batch
-
-    @property
-    def zero_axes(self) -> tuple[str, ...]:
-        return self.roles.batch_shard
-
-    @property
-    def seq_axes(self) -> tuple[str, ...]:
-        return self.roles.sequence
-
-    @property
-    def loss(self) -> Placement:
-        return Placement("vocab_parallel", self.roles.loss) if self.roles.loss else REPLICATE
-
     def block_class(self, index: int) -> BlockClass:
         for cls in self.block_classes:
             if index in cls.indices:

@@ -69,7 +69,7 @@ class Linear(Primitive):
         fused = False  # the head inside rt.gather_seq_linear
         fused_f = False  # the head inside rt.copy_to_linear
         whole = not tied_with_own_bias(item)  # a fused call can take the layer
-        if plan.seq_axes and flow is not None:
+        if plan.roles.sequence and flow is not None:
             # Gather and head in one step (keeps this rank's slice for backward).
             fused = len(flow.collectives) == 1 and spec(flow.collectives[0].op).fused is not None and whole
             if not fused:

@@ -25,7 +25,7 @@ class Norm(Primitive):
 
     def top_lines(self, w: Any, site: TopSite) -> tuple[list[Any], str]:
         dim, plan = dict(site.unit.attrs)["dim"], site.plan
-        shape = f"[b, s/{plan.mesh.size(*plan.seq_axes)}, {dim}] Shard(seq)" if plan.seq_axes else f"[b, s, {dim}]"
+        shape = f"[b, s/{plan.sequence_size}, {dim}] Shard(seq)" if plan.roles.sequence else f"[b, s, {dim}]"
         return [w.line(f"x = self.{site.unit.name}(x)", shape)], site.cur
 
 
