@@ -29,6 +29,7 @@ from typing import Any
 
 import attrs
 
+from meshllm_dsl import layouts, primitives
 from meshllm_dsl.codes import W0801, W0802, W0803, W0804, W0805, W0806
 from meshllm_dsl.collectives import WirePrimitive, ring_bytes, spec
 from meshllm_dsl.devices import (
@@ -53,7 +54,6 @@ from meshllm_dsl.ir import (
     Unit,
     UnitFlow,
 )
-from meshllm_dsl.layouts import seq_partial_grad, tied_head_with_own_bias
 from meshllm_dsl.names import ranges
 from meshllm_dsl.source import Span
 
@@ -283,7 +283,7 @@ def unit_local_params(plan: PlanIR, hu: HeldUnit) -> tuple[int, int, int]:
 # ---------------------------------------------------------------- activations (Korthikanti et al. 2022)
 
 
-def _axes_size(plan: PlanIR, p: Placement) -> int:
+def axes_size(plan: PlanIR, p: Placement) -> int:
     return plan.mesh.size(*p.axes) if p.sharded else 1
 
 
@@ -314,62 +314,16 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
     the input they all-gather (`rt.gather_seq_linear`); the head's input likewise, when it is
     column-parallel over the same axes. Activation elements are in the plan's dtype.
     """
-    unit = hu.unit
-    e = DTYPES[plan.dtype]  # bytes per activation element
-    kind = unit.kind
     sp = plan.sequence_size
     local = tokens // sp  # tokens of the sequence-sharded stream (norms, sublayer inputs)
-    if kind == "rmsnorm":
-        return e * local * int(unit.attr("dim")) + FP32 * local  # type: ignore[arg-type]
-    if kind == "layernorm":
-        return e * local * int(unit.attr("dim")) + 2 * FP32 * local  # type: ignore[arg-type]
-    if kind == "positional":
-        return 0  # a lookup added to the residual stream: nothing saved but the position ids
-    if kind == "embedding":
-        return 8 * tokens  # the int64 token ids (and, vocab-parallel, a mask derived from them)
-    if kind == "attention":
-        hid, heads, kv, hd = (int(unit.attr(k)) for k in ("hidden", "heads", "kv_heads", "head_dim"))  # type: ignore[arg-type]
-        leaves = {leaf.name: leaf for leaf in unit.leaves}
-        if "qkv" in leaves:
-            tq = tk = _axes_size(plan, hu.placement(leaves["qkv"]))
-        else:
-            tq, tk = _axes_size(plan, hu.placement(leaves["q"])), _axes_size(plan, hu.placement(leaves["k"]))
-        hq, hk = heads // tq, kv // tk
-        saved = e * local * hid  # the normed input, shared by the q / k / v projections
-        saved += e * tokens * (hq + 2 * hk) * hd  # q, k, v (after rotary) for the attention core
-        saved += e * tokens * hq * hd  # the attention output: the core's result and o's input
-        if unit.attr("rope_theta"):
-            saved += 2 * e * seq * hd  # rotary cos and sin ([s, 1, head_dim] each), kept by q * cos, k * cos
-        if flash_attention:
-            saved += FP32 * tokens * hq  # log-sum-exp per head and token
-        else:
-            saved += e * micro * hq * seq * seq  # softmax probabilities
-        return saved
-    if kind == "mlp":
-        hid, ffn = int(unit.attr("hidden")), int(unit.attr("ffn"))  # type: ignore[arg-type]
-        up = next(leaf for leaf in unit.leaves if leaf.name == "up")
-        f = ffn // _axes_size(plan, hu.placement(up))
-        per_ffn = 4 if unit.attr("act") == "swiglu" else 2
-        return e * local * hid + per_ffn * e * tokens * f
-    if kind == "linear":
-        leaf = unit.leaves[0]
-        p = hu.placement(leaf)
-        n_in, n_out = int(unit.attr("in")), int(unit.attr("out"))  # type: ignore[arg-type]
-        gathered_here = sp > 1 and p.rule == "column" and p.axes == plan.roles.sequence  # else saved whole
-        saved = e * (local if gathered_here else tokens) * (n_in // _axes_size(plan, p) if p.rule == "row" and p.sharded else n_in)
-        if hu.last:
-            # Logits: the paper's output layer keeps them in fp32 for the cross entropy, 4 sbv / t.
-            v_local = n_out // _axes_size(plan, p) if p.rule == "column" and p.sharded else n_out
-            saved += FP32 * tokens * v_local
-        return saved
-    raise AssertionError(kind)
+    return primitives.of(hu.unit).saved_bytes(plan, hu, tokens, local, seq, micro, flash_attention)
 
 
-def _local_heads(plan: PlanIR, hu: HeldUnit) -> int:
+def local_heads(plan: PlanIR, hu: HeldUnit) -> int:
     leaves = {leaf.name: leaf for leaf in hu.unit.leaves}
     q = leaves.get("qkv", leaves.get("q"))
     assert q is not None
-    return int(hu.unit.attr("heads")) // _axes_size(plan, hu.placement(q))  # type: ignore[arg-type]
+    return int(hu.unit.attr("heads")) // axes_size(plan, hu.placement(q))  # type: ignore[arg-type]
 
 
 def attention_core_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int,
@@ -378,7 +332,7 @@ def attention_core_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micr
     log-sum-exp of a fused kernel, or the softmax probabilities (a s^2 b) without one. This is what
     selective recomputation (`recompute = attention`) stops keeping: the core's inputs q, k, v stay
     (the checkpoint holds them for the rerun) and its output is the o projection's saved input."""
-    hq = _local_heads(plan, hu)
+    hq = local_heads(plan, hu)
     if flash_attention:
         return FP32 * tokens * hq
     return DTYPES[plan.dtype] * micro * hq * seq * seq
@@ -394,32 +348,8 @@ def unit_backward_bytes(plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
     # Sequence parallelism: the backward of the gathered column layers (rt.gather_seq_linear) holds
     # their output gradients, the re-gathered input, its gradient and that gradient's copy laid out
     # for the reduce-scatter: 3 x [tokens, hidden] beyond the output gradients.
-    regather = 3 * e * tokens * _hidden(plan) if plan.roles.sequence else 0
-    if unit.kind == "rmsnorm":
-        # The runtime's RMSNorm backward (`_RMSNormFn`) computes in fp32 at least: beside the output
-        # gradient, its upcast and one product of it, and in half precision the upcast input too
-        # (an fp32 input is used as it is): 14 bytes per element in a bf16 model, 7x its dtype.
-        wide = max(e, FP32)
-        return (e + (2 if e >= FP32 else 3) * wide) * (tokens // _seq_size(plan)) * int(unit.attr("dim"))  # type: ignore[arg-type]
-    if unit.kind == "mlp":
-        up = next(leaf for leaf in unit.leaves if leaf.name == "up")
-        f = int(unit.attr("ffn")) // _axes_size(plan, hu.placement(up))  # type: ignore[arg-type]
-        swiglu = unit.attr("act") == "swiglu"
-        own = (4 if swiglu else 2) * e * tokens * f
-        return max(own, (2 if swiglu else 1) * e * tokens * f + regather) if regather else own
-    if unit.kind == "attention" and regather:
-        hq, hd = _local_heads(plan, hu), int(unit.attr("head_dim"))  # type: ignore[arg-type]
-        hk = int(unit.attr("kv_heads")) * hq // int(unit.attr("heads"))  # type: ignore[arg-type]
-        return e * tokens * (hq + 2 * hk) * hd + regather
-    if unit.kind == "linear" and hu.last and plan.roles.loss_parallel and regather:
-        return regather  # the logits' gradient is the loss's saved softmax, rewritten in place
-    if unit.kind == "linear" and hu.last and not plan.roles.loss_parallel:
-        leaf = unit.leaves[0]
-        p = hu.placement(leaf)
-        n_out = int(unit.attr("out"))  # type: ignore[arg-type]
-        v_local = n_out // _axes_size(plan, p) if p.rule == "column" and p.sharded else n_out
-        return 2 * FP32 * tokens * v_local
-    return 0
+    regather = 3 * e * tokens * hidden_width(plan) if plan.roles.sequence else 0
+    return primitives.of(unit).backward_bytes(plan, hu, tokens, regather)
 
 
 def backward_rise(walk: list[tuple[str, int, int, int, int]], first: bool = False, upcast: bool = False) -> int:
@@ -470,7 +400,7 @@ def backward_rise(walk: list[tuple[str, int, int, int, int]], first: bool = Fals
     return rise
 
 
-def _seq_size(plan: PlanIR) -> int:
+def seq_size(plan: PlanIR) -> int:
     """How many ways sequence parallelism splits the residual stream (1 without it)."""
     return plan.sequence_size
 
@@ -479,13 +409,13 @@ def _stage_output_bytes(plan: PlanIR, stage: Stage, tokens: int) -> int:
     """One microbatch of a stage's output: the residual stream, or the last stage's logits."""
     e = DTYPES[plan.dtype]
     if stage.index < len(plan.stages) - 1:
-        return e * (tokens // _seq_size(plan)) * _hidden(plan)  # [mb, s / t, h] under sequence parallelism
+        return e * (tokens // seq_size(plan)) * hidden_width(plan)  # [mb, s / t, h] under sequence parallelism
     for hu in held_units(plan, stage):
-        if hu.last and hu.unit.kind == "linear":
+        if hu.last and primitives.of(hu.unit) is primitives.linear.LINEAR:
             p = hu.placement(hu.unit.leaves[0])
             n_out = int(hu.unit.attr("out"))  # type: ignore[arg-type]
-            return e * tokens * (n_out // _axes_size(plan, p) if p.rule == "column" and p.sharded else n_out)
-    return e * tokens * _hidden(plan)
+            return e * tokens * (n_out // axes_size(plan, p) if p.rule == "column" and p.sharded else n_out)
+    return e * tokens * hidden_width(plan)
 
 
 # ---------------------------------------------------------------- kernels (host time)
@@ -541,10 +471,10 @@ def _fused_saving(unit: Unit, c: Collective) -> int:
     `c` then the column layers one by one. Codegen fuses `c` with the column layers that follow it,
     unless no fused call can take the layer (layouts.tied_head_with_own_bias)."""
     fused = spec(c.op).fused
-    if c.where != "input" or fused is None or fused.kernels_saved is None or tied_head_with_own_bias(unit):
+    if c.where != "input" or fused is None or fused.kernels_saved is None or layouts.tied_head_with_own_bias(unit):
         return 0
     columns = [leaf for leaf in unit.leaves if leaf.kind == "linear"]
-    if unit.kind != "linear":
+    if primitives.of(unit).sublayer:
         columns = columns[:-1]  # the row layer that closes the unit runs after
     biased = sum(1 for leaf in columns if any(t.name == "bias" for t in leaf.params))
     return fused.kernels_saved(len(columns), biased)
@@ -555,18 +485,7 @@ def unit_kernels(plan: PlanIR, hu: HeldUnit) -> int:
     unit, k = hu.unit, KERNELS
     linears = sum(1 for leaf in unit.leaves if leaf.kind == "linear")
     biases = sum(1 for leaf in unit.leaves if leaf.kind == "linear" and any(t.name == "bias" for t in leaf.params))
-    n = linears * k["linear"] + biases * k["bias"]
-    if unit.kind in ("rmsnorm", "layernorm", "positional"):
-        n = k[unit.kind]
-    elif unit.kind == "embedding":
-        sharded = any(hu.placement(leaf).sharded for leaf in unit.leaves)
-        n = k["vocab_parallel_embedding" if sharded else "embedding"]
-    elif unit.kind == "attention":
-        n += 3 * k["heads"] + k["attention_core"] + k["residual"]
-        n += k["split_qkv"] if unit.attr("fused_qkv") else 0
-        n += k["rotary"] if unit.attr("rope_theta") else 0
-    elif unit.kind == "mlp":
-        n += (k["swiglu"] if unit.attr("act") == "swiglu" else k["activation"]) + k["residual"]
+    n = primitives.of(unit).kernels(hu, k, linears * k["linear"] + biases * k["bias"])
     if hu.flow is not None:
         n += sum(spec(c.op).kernels - _fused_saving(unit, c) for c in hu.flow.collectives)
     if hu.last:
@@ -795,7 +714,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     m, v = plan.microbatches, plan.virtual
     micro_batch = plan.batch // (dp * m)
     tokens_mb = micro_batch * plan.seq
-    hidden = _hidden(plan)
+    hidden = hidden_width(plan)
 
     # Which ranks sit at each pipeline coordinate, and the stages they run.
     coords = sorted({s.coord for s in plan.stages}) or [0]
@@ -850,7 +769,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 kernels_mb += unit_kernels(plan, hu) * hu.count
                 if hu.prefix and plan.recompute == "blocks":
                     recompute_kernels += round(FORWARD_KERNEL_SHARE * unit_kernels(plan, hu)) * hu.count
-                elif hu.prefix and plan.recompute == "attention" and hu.unit.kind == "attention":
+                elif hu.prefix and plan.recompute == "attention" and primitives.of(hu.unit).recomputed_core:
                     recompute_kernels += KERNELS["attention_core"] // 2 * hu.count  # the core's forward again
                 saved = unit_activation_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
                 in_block = hu.prefix != ""
@@ -860,11 +779,11 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     block_saved[hu.prefix] = block_saved.get(hu.prefix, 0) + saved
                     block_local[hu.prefix] = block_local.get(hu.prefix, 0) + lo * hu.count
                     saved = 0
-                elif in_block and plan.recompute == "attention" and hu.unit.kind == "attention":
+                elif in_block and plan.recompute == "attention" and primitives.of(hu.unit).recomputed_core:
                     core = attention_core_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
                     saved -= core
                     block_saved[hu.prefix] = max(block_saved.get(hu.prefix, 0), core)
-                    hq = _local_heads(plan, hu)
+                    hq = local_heads(plan, hu)
                     # The core's forward again: q k^T and p v, 2 x 2 s d flops per head and token, halved by the causal mask.
                     recompute_flops += hu.count * 2 * plan.seq * hq * int(hu.unit.attr("head_dim")) * (plan.batch // dp) * plan.seq  # type: ignore[arg-type]
                 act_mb += hu.count * saved
@@ -875,14 +794,14 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     work += w * max((local_numel(plan, t, hu.placement(leaf)) for leaf in hu.unit.leaves
                                      for t in leaf.params), default=0)
                 walk.append((hu.prefix, hu.count, saved, work, w * lo if fsdp and p_size > 1 else 0))
-                if hu.unit.kind == "attention":
+                if primitives.of(hu.unit).caches_kv:
                     kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
-                    kv_local = int(hu.unit.attr("kv_heads")) // _axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
+                    kv_local = int(hu.unit.attr("kv_heads")) // axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
                     kv_bytes += hu.count * 2 * kv_local * int(hu.unit.attr("head_dim")) * plan.seq * inf_batch * w  # type: ignore[arg-type]
                 for axes, op in unit_collectives(hu):
                     tensor_calls[(axes, op)] = tensor_calls.get((axes, op), 0) + hu.count
                 seq_grads += hu.count * sum(t.numel for lf in hu.unit.leaves for t in lf.params
-                                            if seq_partial_grad(plan, hu.unit, lf, t))
+                                            if layouts.seq_partial_grad(plan, hu.unit, lf, t))
                 holds_head |= hu.last
             blocks_in_stage = sum((pc.stop or 0) - (pc.start or 0) for pc in stage.pieces
                                   if isinstance(model.item(pc.item), Repeat))
@@ -891,7 +810,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             rise_first = max(rise_first, backward_rise(walk, first=True, upcast=upcast))
         if plan.recompute == "blocks":
             blocks_here = sum(blocks for _, blocks, _, _ in stage_parts)
-            act_mb += blocks_here * w * (tokens_mb // _seq_size(plan)) * hidden  # each checkpointed block keeps its input
+            act_mb += blocks_here * w * (tokens_mb // seq_size(plan)) * hidden  # each checkpointed block keeps its input
             # The forward of every block runs again in backward: 2 flops per parameter and token.
             recompute_flops += 2 * sum(block_local.values()) * (plan.batch // dp) * plan.seq
         # A block (or attention core) being recomputed holds its saved tensors until its backward is done.
@@ -948,7 +867,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         if plan.roles.pipeline and p_size > 1:
             sends = sum((s.index < len(plan.stages) - 1) + (s.index > 0) for s in stages_at[c])
             comms.append(_comm(plan, device, (plan.roles.pipeline,), "pipeline", "send_recv", sends * m,
-                               act_size // _seq_size(plan), group=2))
+                               act_size // seq_size(plan), group=2))
             tied = _tied_sync_numel(plan, stages_at[c])
             if tied:
                 comms.append(_comm(plan, device, (plan.roles.pipeline,), "tied", "all_reduce", 1, w * tied, group=2))
@@ -1078,11 +997,11 @@ def shared_host_seconds(plan: PlanIR, device: DeviceProfile, classes: list[RankC
     return work + fill
 
 
-def _hidden(plan: PlanIR) -> int:
+def hidden_width(plan: PlanIR) -> int:
     h = plan.model.value("hidden")
     if isinstance(h, int):
         return h
-    emb = next((u for u in plan.model.items if isinstance(u, Unit) and u.kind == "embedding"), None)
+    emb = next((u for u in plan.model.items if isinstance(u, Unit) and primitives.of(u) is primitives.embedding.EMBEDDING), None)
     return int(emb.attr("dim")) if emb is not None else 0  # type: ignore[arg-type]
 
 
@@ -1091,7 +1010,7 @@ def _tied_sync_numel(plan: PlanIR, stages: list[Stage]) -> int:
     total = 0
     for s in stages:
         for hu in held_units(plan, s):
-            if hu.tied_copy or (hu.unit.kind == "embedding" and _is_tied_elsewhere(plan, hu.unit.name, s)):
+            if hu.tied_copy or (primitives.of(hu.unit) is primitives.embedding.EMBEDDING and _is_tied_elsewhere(plan, hu.unit.name, s)):
                 total += unit_local_params(plan, hu)[1]
     return total
 
@@ -1110,7 +1029,7 @@ def kv_bytes_per_token(plan: PlanIR) -> int:
         units = item.body if isinstance(item, Repeat) else (item,)
         count = item.count if isinstance(item, Repeat) else 1
         for u in units:
-            if u.kind == "attention":
+            if primitives.of(u).caches_kv:
                 total += count * kv_cache_bytes_per_token(1, int(u.attr("kv_heads")), int(u.attr("head_dim")),  # type: ignore[arg-type]
                                                           DTYPES[plan.dtype])
     return total

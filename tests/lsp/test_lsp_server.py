@@ -218,6 +218,28 @@ def test_code_actions_apply_the_help(client: Client, tmp_path: Path) -> None:
     assert all(x["code"] != "E0101" for x in client.wait_diagnostics(u4))
 
 
+def test_a_machine_applicable_suggestion_is_the_preferred_action(client: Client, tmp_path: Path) -> None:
+    """Code actions are the diagnostics' suggestions: their titles, their edits, and `isPreferred`
+    where the checker marks the fix machine-applicable (ZeRO over the batch axes is the only fix)."""
+    src = (ROOT / "examples" / "errors" / "E0407_zero_over_tensor_axis.mesh").read_text()
+    u = client.open(tmp_path / "zero.mesh", src)
+    [d] = [x for x in client.wait_diagnostics(u) if x["code"] == "E0407"]
+    actions = client.request("textDocument/codeAction", {"textDocument": {"uri": u}, "range": d["range"],
+                                                          "context": {"diagnostics": [d]}})
+    [act] = actions
+    assert act["title"] == "Write `zero 1 over data`" and act["isPreferred"] is True
+    fixed = _apply(src, act["edit"]["changes"][u][0])
+    n = client.diag_count[u]
+    client.notify("textDocument/didChange", {"textDocument": {"uri": u, "version": 2}, "contentChanges": [{"text": fixed}]})
+    assert all(x["code"] != "E0407" for x in client.wait_diagnostics(u, after=n))
+    # a guess (a did-you-mean) is offered but not preferred
+    u2 = client.open(tmp_path / "typo.mesh", (ROOT / "examples" / "errors" / "E0202_unknown_axis.mesh").read_text())
+    [d2] = client.wait_diagnostics(u2)
+    [act2] = client.request("textDocument/codeAction", {"textDocument": {"uri": u2}, "range": d2["range"],
+                                                         "context": {"diagnostics": [d2]}})
+    assert "isPreferred" not in act2 or act2["isPreferred"] is not True
+
+
 def test_symbols_and_formatting(client: Client, tmp_path: Path) -> None:
     u = client.open(LLAMA)
     client.wait_diagnostics(u)
