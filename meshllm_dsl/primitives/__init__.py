@@ -23,6 +23,7 @@ import attrs
 if TYPE_CHECKING:
     from meshllm_dsl.ir import Placement, PlanIR, Unit, UnitFlow
     from meshllm_dsl.layouts import FlowSite
+    from meshllm_dsl.planner import HeldUnit
 
 UnitKind = Literal["embedding", "positional", "linear", "rmsnorm", "layernorm", "attention", "mlp"]
 # The layers that own parameters (ir.Leaf.kind): a unit's leaves are of these kinds.
@@ -58,6 +59,10 @@ class Primitive:
     # Its forward reads the sequence length `s` (attention's views): where a fused gather brings in
     # the whole sequence, codegen binds `s` again from the gathered output.
     reads_sequence: bool = False
+    # It keeps keys and values per token when generating (the planner's KV cache).
+    caches_kv: bool = False
+    # Selective recomputation (`recompute = attention`) reruns its core in backward.
+    recomputed_core: bool = False
 
     # -- activation flow (meshllm_dsl/layouts.py holds the layout algebra the records use)
     def flow(self, site: FlowSite) -> UnitFlow | None:
@@ -70,6 +75,22 @@ class Primitive:
         """A top-level unit's flow under sequence parallelism over `seq` (`then`: the next unit).
         Unchanged by default: a top-level linear between blocks, refused by the checker (E0410)."""
         return flow
+
+    # -- costs, per copy of the unit and microbatch (meshllm_dsl/planner.py holds the model they use)
+    def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
+                    flash_attention: bool) -> int:
+        """Bytes it keeps for backward (`local`: the tokens of a sequence-sharded stream)."""
+        raise NotImplementedError(self.kind)
+
+    def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
+        """Bytes its backward allocates at once (`regather`: what sequence parallelism's gathered
+        column layers hold beyond their output gradients, 0 without it)."""
+        raise NotImplementedError(self.kind)
+
+    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+        """Framework kernels it launches forward and backward, collectives and loss aside
+        (`k`: planner.KERNELS; `linears`: what its linear layers and their biases launch)."""
+        raise NotImplementedError(self.kind)
 
     # -- codegen
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:

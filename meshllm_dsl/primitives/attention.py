@@ -4,17 +4,55 @@ and rotary positions, a block's sublayer: q, k, v (or one fused qkv) column laye
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from meshllm_dsl import layouts
+from meshllm_dsl import layouts, planner
 from meshllm_dsl.ir import Placement, Unit, UnitFlow
 from meshllm_dsl.primitives import Primitive
+
+if TYPE_CHECKING:
+    from meshllm_dsl.ir import PlanIR
+    from meshllm_dsl.planner import HeldUnit
 
 
 @attrs.frozen
 class Attention(Primitive):
+    def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
+                    flash_attention: bool) -> int:
+        unit, e, fp32 = hu.unit, planner.DTYPES[plan.dtype], planner.FP32
+        hid, heads, kv, hd = (int(unit.attr(k)) for k in ("hidden", "heads", "kv_heads", "head_dim"))  # type: ignore[arg-type]
+        leaves = {leaf.name: leaf for leaf in unit.leaves}
+        if "qkv" in leaves:
+            tq = tk = planner.axes_size(plan, hu.placement(leaves["qkv"]))
+        else:
+            tq, tk = planner.axes_size(plan, hu.placement(leaves["q"])), planner.axes_size(plan, hu.placement(leaves["k"]))
+        hq, hk = heads // tq, kv // tk
+        saved = e * local * hid  # the normed input, shared by the q / k / v projections
+        saved += e * tokens * (hq + 2 * hk) * hd  # q, k, v (after rotary) for the attention core
+        saved += e * tokens * hq * hd  # the attention output: the core's result and o's input
+        if unit.attr("rope_theta"):
+            saved += 2 * e * seq * hd  # rotary cos and sin ([s, 1, head_dim] each), kept by q * cos, k * cos
+        if flash_attention:
+            saved += fp32 * tokens * hq  # log-sum-exp per head and token
+        else:
+            saved += e * micro * hq * seq * seq  # softmax probabilities
+        return saved
+
+    def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
+        if not regather:
+            return 0  # nothing measured beyond what it saved
+        unit = hu.unit
+        hq, hd = planner.local_heads(plan, hu), int(unit.attr("head_dim"))  # type: ignore[arg-type]
+        hk = int(unit.attr("kv_heads")) * hq // int(unit.attr("heads"))  # type: ignore[arg-type]
+        return planner.DTYPES[plan.dtype] * tokens * (hq + 2 * hk) * hd + regather
+
+    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+        n = linears + 3 * k["heads"] + k["attention_core"] + k["residual"]
+        n += k["split_qkv"] if hu.unit.attr("fused_qkv") else 0
+        return n + (k["rotary"] if hu.unit.attr("rope_theta") else 0)
+
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
         return layouts.sublayer_flow(site, "the attention softmax", "attention")
 
@@ -63,4 +101,4 @@ class Attention(Primitive):
         return lines
 
 
-ATTENTION = Attention("attention", sublayer=True, reads_sequence=True)
+ATTENTION = Attention("attention", sublayer=True, reads_sequence=True, caches_kv=True, recomputed_core=True)

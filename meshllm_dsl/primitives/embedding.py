@@ -5,7 +5,7 @@ dim)`, GPT-2's learned position table added to the residual stream, always repli
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -20,9 +20,24 @@ def _table(a: Mapping[str, Any]) -> dict[str, Any]:
         d["used"] = a["used"]
     return d
 
+if TYPE_CHECKING:
+    from meshllm_dsl.ir import PlanIR
+    from meshllm_dsl.planner import HeldUnit
+
 
 @attrs.frozen
 class Embedding(Primitive):
+    def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
+                    flash_attention: bool) -> int:
+        return 8 * tokens  # the int64 token ids (and, vocab-parallel, a mask derived from them)
+
+    def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
+        return 0  # nothing measured beyond what it saved
+
+    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+        sharded = any(hu.placement(leaf).sharded for leaf in hu.unit.leaves)
+        return k["vocab_parallel_embedding" if sharded else "embedding"]
+
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
         p = site.pl(site.unit.name)
         if p.sharded:  # each rank looks up the ids it holds rows for, zeros elsewhere: the ranks sum
@@ -65,6 +80,16 @@ class Embedding(Primitive):
 
 @attrs.frozen
 class Positional(Primitive):
+    def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
+                    flash_attention: bool) -> int:
+        return 0  # a lookup added to the residual stream: nothing saved but the position ids
+
+    def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
+        return 0  # nothing measured beyond what it saved
+
+    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+        return k["positional"]
+
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
         return UnitFlow(layouts.R, layouts.R, ())  # replicated table added to the stream
 

@@ -4,11 +4,11 @@ be tied to an embedding's weight (then it reads that table, one parameter)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from meshllm_dsl import layouts
+from meshllm_dsl import layouts, planner
 from meshllm_dsl.collectives import spec
 from meshllm_dsl.ir import REPLICATE, Collective, Layout, Placement, Unit, UnitFlow
 from meshllm_dsl.primitives import Primitive, TopSite
@@ -20,9 +20,40 @@ def tied_with_own_bias(unit: Unit) -> bool:
     the layer whole: codegen issues the collective and the layer apart, and the planner counts that."""
     return any(leaf.tie is not None and any(t.name == "bias" for t in leaf.params) for leaf in unit.leaves)
 
+if TYPE_CHECKING:
+    from meshllm_dsl.ir import PlanIR
+    from meshllm_dsl.planner import HeldUnit
+
 
 @attrs.frozen
 class Linear(Primitive):
+    def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
+                    flash_attention: bool) -> int:
+        unit = hu.unit
+        e = planner.DTYPES[plan.dtype]
+        p = hu.placement(unit.leaves[0])
+        n_in, n_out = int(unit.attr("in")), int(unit.attr("out"))  # type: ignore[arg-type]
+        gathered_here = plan.sequence_size > 1 and p.rule == "column" and p.axes == plan.roles.sequence  # else saved whole
+        saved = e * (local if gathered_here else tokens) * (n_in // planner.axes_size(plan, p) if p.rule == "row" and p.sharded else n_in)
+        if hu.last:
+            # Logits: the paper's output layer keeps them in fp32 for the cross entropy, 4 sbv / t.
+            v_local = n_out // planner.axes_size(plan, p) if p.rule == "column" and p.sharded else n_out
+            saved += planner.FP32 * tokens * v_local
+        return saved
+
+    def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
+        if hu.last and plan.roles.loss_parallel and regather:
+            return regather  # the logits' gradient is the loss's saved softmax, rewritten in place
+        if hu.last and not plan.roles.loss_parallel:
+            p = hu.placement(hu.unit.leaves[0])
+            n_out = int(hu.unit.attr("out"))  # type: ignore[arg-type]
+            v_local = n_out // planner.axes_size(plan, p) if p.rule == "column" and p.sharded else n_out
+            return 2 * planner.FP32 * tokens * v_local
+        return 0  # nothing measured beyond what it saved
+
+    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+        return linears
+
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
         return layouts.linear_flow(site)
 

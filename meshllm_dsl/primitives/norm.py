@@ -4,17 +4,24 @@ weights over the hidden width, applied to the residual stream as it is laid out.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from meshllm_dsl import layouts
+from meshllm_dsl import layouts, planner
 from meshllm_dsl.ir import Layout, Placement, Unit, UnitFlow
 from meshllm_dsl.primitives import Primitive, TopSite
+
+if TYPE_CHECKING:
+    from meshllm_dsl.ir import PlanIR
+    from meshllm_dsl.planner import HeldUnit
 
 
 @attrs.frozen
 class Norm(Primitive):
+    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+        return k[self.kind]
+
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
         return UnitFlow(layouts.R, layouts.R, ())  # weights replicated, applied token by token
 
@@ -31,6 +38,19 @@ class Norm(Primitive):
 
 @attrs.frozen
 class RMSNorm(Norm):
+    def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
+                    flash_attention: bool) -> int:
+        # its input, and an fp32 reciprocal RMS per token
+        return planner.DTYPES[plan.dtype] * local * int(hu.unit.attr("dim")) + planner.FP32 * local  # type: ignore[arg-type]
+
+    def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
+        # The runtime's RMSNorm backward (`_RMSNormFn`) computes in fp32 at least: beside the output
+        # gradient, its upcast and one product of it, and in half precision the upcast input too
+        # (an fp32 input is used as it is): 14 bytes per element in a bf16 model, 7x its dtype.
+        e = planner.DTYPES[plan.dtype]
+        wide = max(e, planner.FP32)
+        return (e + (2 if e >= planner.FP32 else 3) * wide) * (tokens // planner.seq_size(plan)) * int(hu.unit.attr("dim"))  # type: ignore[arg-type]
+
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         return {"dim": a["dim"], "eps": a["eps"]}
 
@@ -42,6 +62,14 @@ class RMSNorm(Norm):
 
 @attrs.frozen
 class LayerNorm(Norm):
+    def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
+                    flash_attention: bool) -> int:
+        # its input, and an fp32 mean and rstd per token
+        return planner.DTYPES[plan.dtype] * local * int(hu.unit.attr("dim")) + 2 * planner.FP32 * local  # type: ignore[arg-type]
+
+    def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
+        return 0  # nothing measured beyond what it saved
+
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         return {"dim": a["dim"], "eps": a["eps"], "bias": a["bias"]}
 
