@@ -20,7 +20,7 @@ from meshllm_dsl.checker.context import (
 )
 from meshllm_dsl.checker.paths import match_path
 from meshllm_dsl.codes import E0201, E0301, E0401, E0404, E0405, E0406, E0408, E0501, E0502, E0503
-from meshllm_dsl.diagnostics import Label, Suggestion, make_rule, replace, typo
+from meshllm_dsl.diagnostics import Applicability, Label, Suggestion, make_rule, replace, typo
 from meshllm_dsl.ir import REPLICATE, RULES, BlockClass, Leaf, Placement, Repeat, Unit
 from meshllm_dsl.layouts import block_flows
 from meshllm_dsl.names import did_you_mean, divisors, or_list
@@ -116,7 +116,8 @@ class PlacementRules(PlanContext):
         if name == "replicate":
             if rule.axes:
                 self.error(E0406, "`replicate` takes no axes", rule.span, label="remove the axes",
-                           help="`replicate` keeps a full copy on every device")
+                           help="`replicate` keeps a full copy on every device",
+                           suggestions=replace(rule.span, "replicate", "Remove the axes", Applicability.MACHINE_APPLICABLE))
                 return None
             return Placement("replicate", (), rule.span)
         if not rule.axes:

@@ -96,12 +96,15 @@ class StageRules(PlanContext):
                         bad_ranges.add(name)  # coverage of this repeat is then unknown: no E0601 / E0602 guesses
                         self.error(E0609, f"`{name}[{start}:{stop}]` is not a valid block range", it.span,
                                    label=f"`{name}` has blocks 0 to {item.count - 1}",
-                                   help=f"use a range within [0:{item.count}] with start < stop")
+                                   help=f"use a range within [0:{item.count}] with start < stop",
+                                   suggestions=replace(it.span, f"{name}[{start}:{item.count}]", f"End at {item.count}")
+                                   if 0 <= start < item.count < stop else ())
                         continue
                 else:
                     if it.start is not None:
                         self.error(E0609, f"`{name}` is a single layer and cannot be sliced", it.span,
-                                   label="not a repeat", help=f"write `{name}` without a range")
+                                   label="not a repeat", help=f"write `{name}` without a range",
+                                   suggestions=replace(it.span, name, f"Write `{name}`", Applicability.MACHINE_APPLICABLE))
                         seen_items.setdefault(name, it)  # it is in this stage, only mis-written
                         continue
                     start = stop = None  # type: ignore[assignment]

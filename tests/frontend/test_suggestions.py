@@ -33,6 +33,28 @@ def test_each_suggestion_applied_removes_its_diagnostic(path) -> None:  # type: 
             assert not [x for x in fixed.diagnostics if _same(x, d)], (path.name, s.message)
 
 
+# Mistakes no shipped error file makes, written into valid examples:
+# (file, text there, the mistake in its place, the suggestion's title, the text it writes back).
+MISTAKES = [
+    ("tiny_llama.mesh", "shard lm_head column(tensor)", "shard lm_head replicate(tensor)", "Remove the axes",
+     "shard lm_head replicate"),
+    ("llama2_70b.mesh", ", norm,", ", norm[0:1],", "Write `norm`", ", norm,"),
+]
+
+
+@pytest.mark.parametrize("name,right,wrong,title,fixed", MISTAKES, ids=[m[3] for m in MISTAKES])
+def test_a_machine_applicable_suggestion_makes_the_spec_check(name, right, wrong, title, fixed) -> None:  # type: ignore[no-untyped-def]
+    path = ERRORS.parent / name
+    text = path.read_text()
+    assert right in text
+    [d] = check_text(text.replace(right, wrong), str(path)).diagnostics
+    [s] = d.suggestions
+    assert (s.message, s.applicability) == (title, Applicability.MACHINE_APPLICABLE)
+    after = s.apply(d.span.source.text)  # type: ignore[union-attr]
+    assert after == text.replace(right, fixed)
+    assert check_text(after, str(path)).ok
+
+
 def test_the_shipped_error_files_carry_suggestions() -> None:
     """A floor: every kind of fix the checker offered when this was written still comes."""
     codes = set()
@@ -41,7 +63,7 @@ def test_the_shipped_error_files_carry_suggestions() -> None:
             codes.add(path.name.split("_")[0])
     assert {"E0101", "E0202", "E0203", "E0204", "E0301", "E0304", "E0305", "E0310", "E0312", "E0402", "E0403",
             "E0404", "E0405", "E0406", "E0407", "E0408", "E0501", "E0502", "E0601", "E0602", "E0606",
-            "E0607"} <= codes
+            "E0607", "E0609"} <= codes
 
 
 def test_a_suggestion_with_several_edits_applies_them_together() -> None:
