@@ -8,7 +8,9 @@ from helpers import EXAMPLES
 from mesh_snippets import MEGATRON
 
 from meshllm_dsl.checker import check_file, check_text
+from meshllm_dsl.devices import PROFILES
 from meshllm_dsl.ir import Axis, MeshIR
+from meshllm_dsl.planner import analyze, report_json
 from meshllm_dsl.roles import ParallelRoles
 
 R = ParallelRoles
@@ -58,8 +60,12 @@ def test_zero_0_over_the_batch_axes_shards_nothing() -> None:
            + "    optimizer adamw { zero 0 over data }\n}\n")
     result = check_text(src)
     assert result.ok, [d.message for d in result.errors]
-    roles = result.plans["p"].roles
+    plan = result.plans["p"]
+    roles = plan.roles
     assert roles.batch == ("data",) and roles.batch_shard == () and roles.batch_replicate == ("data",)
+    # `meshc plan --json` names the axes ZeRO shards over: none at stage 0 (it printed the batch axes).
+    report = report_json(analyze(plan, PROFILES["h100"]))
+    assert (report["zero"], report["zero_axes"]) == (0, [])
 
 
 def test_tensor_axes_are_in_mesh_order_whatever_order_the_rules_name_them() -> None:
