@@ -55,6 +55,7 @@ from meshllm_dsl.ir import (
     UnitFlow,
 )
 from meshllm_dsl.names import ranges
+from meshllm_dsl.schedule_order import rank_moments, schedule_cost
 from meshllm_dsl.source import Span
 
 # ---------------------------------------------------------------- assumptions
@@ -748,7 +749,9 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         upcast = DTYPES[plan.reduce_dtype or plan.dtype] > w
         # Per stage: its blocks, its local parameters, and those outside the blocks (the stage root's).
         stage_parts: list[tuple[Stage, int, int, int]] = []
+        stage_act: list[int] = []  # per stage (virtual stage) of this rank: act_mb's share
         for stage in stages_at[c]:
+            act_at_start = act_mb
             walk: list[tuple[str, int, int, int, int]] = []  # the stage's units, for backward_rise
             stage_top = stage_local = 0
             for hu in held_units(plan, stage):
@@ -806,11 +809,14 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             blocks_in_stage = sum((pc.stop or 0) - (pc.start or 0) for pc in stage.pieces
                                   if isinstance(model.item(pc.item), Repeat))
             stage_parts.append((stage, blocks_in_stage, stage_local, stage_top))
+            stage_act.append(act_mb - act_at_start)
             rise = max(rise, backward_rise(walk, upcast=upcast))
             rise_first = max(rise_first, backward_rise(walk, first=True, upcast=upcast))
         if plan.recompute == "blocks":
             blocks_here = sum(blocks for _, blocks, _, _ in stage_parts)
             act_mb += blocks_here * w * (tokens_mb // seq_size(plan)) * hidden  # each checkpointed block keeps its input
+            extra = act_mb - sum(stage_act)  # the kept block inputs, shared out by each stage's blocks
+            stage_act = [a + extra * blocks // max(1, blocks_here) for a, (_, blocks, _, _) in zip(stage_act, stage_parts)]
             # The forward of every block runs again in backward: 2 flops per parameter and token.
             recompute_flops += 2 * sum(block_local.values()) * (plan.batch // dp) * plan.seq
         # A block (or attention core) being recomputed holds its saved tensors until its backward is done.
@@ -830,22 +836,25 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         chunks = max(1, len(stages_at[c]))
         # torch.distributed.pipelining keeps each in-flight forward's output (the residual stream,
         # or the logits on the last stage) until that microbatch's backward.
-        kept = sum(_stage_output_bytes(plan, s, tokens_mb) for s in stages_at[c]) if p_size > 1 else 0
+        stage_kept = [_stage_output_bytes(plan, s, tokens_mb) if p_size > 1 else 0 for s in stages_at[c]]
+        if p_size <= 1:  # no pipeline: the stages' activations all belong to the one microbatch running
+            stage_act, stage_kept = [act_mb // chunks], [sum(stage_kept) // chunks]
 
-        in_flight = in_flight_microbatches(plan.schedule, p_size, c, m, v)
-        # The peak is while a backward runs. Right after a forward: every in-flight microbatch's
-        # activations, the units that forward left gathered, and (once a backward ran before it)
-        # the gradient accumulators. Right after another backward (the schedule's drain, pipelined
-        # ZeRO 2 / 3 only): one microbatch fewer, but every unit stays gathered from the backward
-        # before (no reshard until the step's last), and the accumulators are all there.
-        moments = [(in_flight, gather, accum if m * v > in_flight else 0)]
-        if accum and in_flight >= 2:
-            moments.append((in_flight - 1, w * local, accum))
+        # The peak is while a backward runs: at the start of each backward of the rank, in torch's
+        # own order (schedule_order), every stage's held microbatches times that stage's bytes (an
+        # interleaved rank's chunks hold very different counts), the units the forward before left
+        # gathered, and (once a backward ran before it) the gradient accumulators. A backward that
+        # follows a backward (the drain, pipelined ZeRO 2 / 3) finds every unit still gathered (no
+        # reshard until the step's last) and the accumulators all there.
         best = None
-        for held, gathered, accumulated in moments:
-            act_b = act_mb * held // chunks  # in-flight counts chunk forwards: scaled per chunk
+        for moment in rank_moments(plan.schedule, p_size, v, m, c):
+            held = sum(moment.held)
+            gathered = w * local if accum and moment.follows_backward else gather
+            accumulated = accum if moment.backward_before else 0
+            act_b = sum(h * a for h, a in zip(moment.held, stage_act))
             # An upper bound: the rerun block frees its tensors as its backward uses them.
-            trans = (rise if accumulated or not accum else rise_first) + recomputed + kept * held // chunks
+            trans = ((rise if accumulated or not accum else rise_first) + recomputed
+                     + sum(h * k for h, k in zip(moment.held, stage_kept)))
             total = act_b + trans + gathered + accumulated
             if best is None or total > best[0]:
                 best = (total, held, act_b, trans, gathered, accumulated)
@@ -926,7 +935,11 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             recompute_s=recompute_s, kernels=kernels, kernel_s=kernel_s, host_s=host,
         ))
 
-    bubble = bubble_fraction(plan.schedule, p_size, m, v)
+    # The bubble of torch's own action order, simulated with unit-cost forwards and backwards of
+    # twice that; bubble_fraction's closed form is printed beside it as the reference. They agree for
+    # GPipe and 1F1B; for interleaved the closed form divides the fraction, not the idle time, by v.
+    order = schedule_cost(plan.schedule, p_size, v, m) if p_size > 1 else None
+    bubble = order.bubble if order else 0.0
     # The pipeline advances at the pace of its slowest rank; its per-microbatch work (compute plus
     # the tensor collectives inside it plus its sends) is what the bubble stretches: the bubble is
     # (p - 1) / (v m) of the busy time. The data-parallel reduction runs once after the last
@@ -935,7 +948,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         return rc.compute_s + rc.comm_seconds(("tensor", "loss", "pipeline", "tied"))
 
     slow = max(classes, key=busy)
-    scale = (p_size - 1) / (v * m) if p_size > 1 else 0.0
+    scale = order.bubble_over_busy if order else 0.0  # (p - 1) / (v m) when m is a multiple of p
     step = StepTime(
         compute_s=slow.compute_s,
         tensor_s=slow.comm_seconds(("tensor", "loss")),
@@ -1180,7 +1193,8 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
             label=f"{m} microbatches over {p} stages",
             help=f"raise microbatches to about {need} or more (batch permitting) for a bubble near 10%"
             + ("" if plan.schedule == "interleaved_1f1b" else ", or interleave: `stages over ... virtual 2` with `schedule interleaved_1f1b`"),
-            note=f"bubble = (p - 1) / (m + p - 1){' / v' if plan.virtual > 1 else ''} = {report.bubble:.3f}"))
+            note=f"bubble = {report.bubble:.3f} in the schedule's order; (p - 1) / (m + p - 1){' / v' if plan.virtual > 1 else ''}"
+                 f" = {bubble_fraction(plan.schedule, p, m, plan.virtual):.3f}"))
 
     # W0806: stage memory imbalance.
     if len(report.ranks) > 1:
@@ -1316,8 +1330,7 @@ def report_text(rep: PlanReport) -> str:
     p = plan.pipeline_size
     lines += [
         "",
-        f"pipeline bubble: {rep.bubble:.1%}" + (f" = (p - 1) / (m + p - 1){' / v' if plan.virtual > 1 else ''} with p = {p}, m = {plan.microbatches}"
-                                             + (f", v = {plan.virtual}" if plan.virtual > 1 else "") if p > 1 else " (no pipeline)"),
+        f"pipeline bubble: {rep.bubble:.1%}" + (_bubble_formula(plan, rep.bubble) if p > 1 else " (no pipeline)"),
         "",
         f"step time (estimate; {dev.name} {dev.tflops:g} TFLOP/s at MFU {(dev.mfu or MFU):.0%} for the matmuls, links {dev.intra_gbps:g} / {dev.inter_gbps:g} GB/s)",
         f"  compute          {fmt_seconds(st.compute_s)}   6 x params x tokens on the slowest pipeline rank"
@@ -1389,3 +1402,14 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
         "fits": rep.fits,
         "fits_inference": rep.fits_inference,
     }
+
+
+def _bubble_formula(plan: PlanIR, bubble: float) -> str:
+    """How `plan report` explains the bubble: the closed form, and where torch's order (which the
+    number comes from) differs from it, the closed form's value as the reference."""
+    p, m, v = plan.pipeline_size, plan.microbatches, plan.virtual
+    closed = bubble_fraction(plan.schedule, p, m, v)
+    formula = f"(p - 1) / (m + p - 1){' / v' if v > 1 else ''} with p = {p}, m = {m}" + (f", v = {v}" if v > 1 else "")
+    if abs(closed - bubble) < 5e-4:
+        return f" = {formula}"
+    return f" in torch's {plan.schedule} order (the closed form {formula} gives {closed:.1%})"

@@ -116,12 +116,12 @@ class ScheduleCost:
     @property
     def bubble(self) -> float:
         """Idle fraction of the step: idle / makespan, (p - 1) / (m + p - 1) for GPipe and 1F1B."""
-        return 1.0 - self.busy / self.makespan if self.makespan else 0.0
+        return (self.makespan - self.busy) / self.makespan if self.makespan else 0.0
 
     @property
     def bubble_over_busy(self) -> float:
         """Idle time over work time: (p - 1) / m for GPipe and 1F1B, what stretches the busy time."""
-        return self.makespan / self.busy - 1.0 if self.busy else 0.0
+        return (self.makespan - self.busy) / self.busy if self.busy else 0.0
 
 
 def _simulate(orders: list[list[Action]], stages: int) -> float:
@@ -180,3 +180,11 @@ def schedule_cost(schedule: str, pipeline: int, virtual: int, microbatches: int)
     busy = m * v * (FORWARD_COST + BACKWARD_COST)
     return ScheduleCost(tuple(tuple(o) for o in orders), tuple(max_held), tuple(moments),
                         _simulate(orders, p * v) if p > 1 else busy, busy)
+
+
+def rank_moments(schedule: str, pipeline: int, virtual: int, microbatches: int, rank: int) -> tuple[Moment, ...]:
+    """The states of pipeline rank `rank` at the start of each of its backwards (deduplicated).
+    Without a pipeline the microbatches are gradient accumulation: one held at a time."""
+    if pipeline <= 1:
+        return (Moment((1,), microbatches > 1, False),)
+    return schedule_cost(schedule, pipeline, virtual, microbatches).moments[rank]

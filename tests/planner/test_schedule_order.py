@@ -148,3 +148,23 @@ def test_held_per_virtual_stage_matches_gloo_ranks(pool: Any, schedule: str, p: 
     cost = schedule_cost(schedule, p, v, m)
     for rank, peak in enumerate(measured):
         assert tuple(peak[rank + k * p] for k in range(v)) == cost.max_held[rank]
+
+
+# --- the planner reads the order ------------------------------------------------------------------
+
+def test_planner_activations_are_held_counts_times_each_chunks_bytes() -> None:
+    from pathlib import Path
+
+    from meshllm_dsl.checker import check_file
+    from meshllm_dsl.planner import analyze
+
+    result = check_file(Path(__file__).parents[2] / "examples" / "llama2_70b_train.mesh")
+    rep = analyze(result.plans["train_64"])  # pipeline 2 x virtual 2, 32 microbatches, ZeRO-3
+    head_rank = rep.ranks[1]  # stages 1 and 3 (blocks 20-39; blocks 60-79, norm, lm_head)
+    # Its heaviest moment is the drain, holding two microbatches of stage 1 and none of the head's
+    # stage 3; the even spread charged one of each (the whole per-microbatch sum).
+    assert schedule_cost("interleaved_1f1b", 2, 2, 32).moments[1][3].held == (2, 0)
+    assert head_rank.in_flight == 2
+    assert head_rank.activation_bytes < head_rank.activation_bytes_per_microbatch
+    # torch's order idles (p - 1) slots of v m: 1 / 65, not the closed form's 1 / 66.
+    assert rep.bubble == pytest.approx(1 / 65)
