@@ -7,12 +7,12 @@ a dim is a symbol (`swiglu`, `bf16`, `embed`), validated by whoever consumes it.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
 
-from meshllm_dsl import ast
+from meshllm_dsl import ast, primitives
 from meshllm_dsl.codes import (
     E0201,
     E0202,
@@ -29,9 +29,10 @@ from meshllm_dsl.codes import (
 )
 from meshllm_dsl.devices import PROFILES
 from meshllm_dsl.diagnostics import Diagnostic, Label, replace, typo
-from meshllm_dsl.ir import DTYPES, Axis, Leaf, MeshIR, ModelIR, Repeat, Symbol, Tensor, Unit, Value
+from meshllm_dsl.ir import DTYPES, Axis, MeshIR, ModelIR, Repeat, Symbol, Tensor, Unit, Value
 from meshllm_dsl.limits import MAX_BLOCKS, MAX_DEVICES, MAX_INT
 from meshllm_dsl.names import divisors, identifier_problem, or_list, safe_variant
+from meshllm_dsl.primitives.args import Arg
 from meshllm_dsl.source import Span
 
 
@@ -354,53 +355,8 @@ def resolve_mesh(decl: ast.MeshDecl, r: Resolver, devices: Sequence[str]) -> Mes
 # ---------------------------------------------------------------- models
 
 
-@attrs.frozen
-class Arg:
-    name: str
-    kind: str  # dim | float | bool | choice | layer
-    default: Callable[[dict[str, Any]], Any] | None = None
-    choices: tuple[str, ...] = ()
-
-
-def _const(v: Any) -> Callable[[dict[str, Any]], Any]:
-    return lambda _bound: v
-
-
-ACTIVATIONS = ("swiglu", "gelu_tanh", "gelu", "relu", "silu")
-
-PRIMITIVES: dict[str, tuple[Arg, ...]] = {
-    # `used`: rows that are real tokens when `num` is padded (e.g. 50257 of 50304): the head's logits
-    # past it are masked out of the softmax, the loss, the argmax and exported weights.
-    "embedding": (Arg("num", "dim"), Arg("dim", "dim"), Arg("used", "float", _const(None))),
-    "positional": (Arg("num", "dim"), Arg("dim", "dim")),
-    # `tie = embed` shares the embedding's weight; `tied = false` turns that off (a family parameter
-    # can then choose: `linear(hidden, vocab, tie = embed, tied = tie_embeddings)`).
-    "linear": (Arg("in", "dim"), Arg("out", "dim"), Arg("bias", "bool", _const(False)), Arg("tie", "layer", _const(None)),
-               Arg("tied", "bool", _const(True))),
-    "rmsnorm": (Arg("dim", "dim"), Arg("eps", "float", _const(1e-5))),
-    "layernorm": (Arg("dim", "dim"), Arg("eps", "float", _const(1e-5)), Arg("bias", "bool", _const(True))),
-    "attention": (
-        Arg("hidden", "dim"),
-        Arg("heads", "dim"),
-        Arg("kv_heads", "dim", lambda b: b["heads"]),
-        Arg("head_dim", "dim", lambda b: b["hidden"] // b["heads"] if b["hidden"] % b["heads"] == 0 else None),
-        Arg("rope_theta", "float", _const(None)),
-        Arg("bias", "bool", _const(False)),
-        Arg("out_bias", "bool", lambda b: b["bias"]),
-        Arg("fused_qkv", "bool", _const(False)),
-        # Llama 3 rope scaling (HF rope_type "llama3"); factor 1 leaves the frequencies unchanged.
-        Arg("rope_factor", "float", _const(1.0)),
-        Arg("rope_low_freq_factor", "float", _const(1.0)),
-        Arg("rope_high_freq_factor", "float", _const(4.0)),
-        Arg("rope_original_positions", "float", _const(8192.0)),
-    ),
-    "mlp": (
-        Arg("hidden", "dim"),
-        Arg("ffn", "dim"),
-        Arg("act", "choice", _const("swiglu"), ACTIVATIONS),
-        Arg("bias", "bool", _const(False)),
-    ),
-}
+# Each layer kind's argument table (its record's, meshllm_dsl/primitives), in the registry's order.
+PRIMITIVES: dict[str, tuple[Arg, ...]] = {kind: p.args for kind, p in primitives.REGISTRY.items()}
 
 _MODEL_SETTINGS_NOT_DIMS = ("dtype",)
 # (low, high) of float arguments, exclusive below: a norm's eps inside the rsqrt, rotary's base.
@@ -719,112 +675,28 @@ def _default_logical(arg: str, logical: dict[str, str]) -> str:
     return arg
 
 
+class UnitSite:
+    """A layer declaration being built into its ir.Unit by its kind's record: the bound arguments
+    `b`, the logical dim each names (`lg`, for shard units) and where errors go."""
+
+    def __init__(self, decl: ast.LayerDecl, b: dict[str, Any], lg: dict[str, str], r: Resolver) -> None:
+        self.decl, self.b, self.lg, self.r = decl, b, lg, r
+        self.name, self.span = decl.name.value, decl.span
+
+    def unit(self, dim: str) -> tuple[str, int]:
+        """The shard unit of argument `dim`: its logical dim and size."""
+        return (self.lg.get(dim, dim), self.b[dim])
+
+    def vec(self, n: str, size_arg: str) -> Tensor:
+        return Tensor(n, (self.b[size_arg],), ((self.unit(size_arg),),))
+
+
 def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str, str], r: Resolver) -> Unit | None:
-    name = decl.name.value
-    span = decl.span
-
-    def unit(dim: str) -> tuple[str, int]:
-        return (lg.get(dim, dim), b[dim])
-
-    def vec(n: str, size_arg: str) -> Tensor:
-        return Tensor(n, (b[size_arg],), ((unit(size_arg),),))
-
-    attrs_: dict[str, Any] = {}
-    leaves: list[Leaf] = []
-    if kind in ("embedding", "positional"):
-        w = Tensor("weight", (b["num"], b["dim"]), ((unit("num"),), (unit("dim"),)))
-        leaves.append(Leaf(name, (name,), kind, (w,), (unit("dim"),), (unit("num"),), span=span))
-        attrs_ = {"num": b["num"], "dim": b["dim"]}
-        used = b.get("used")
-        if used is not None and used != b["num"]:
-            if not (float(used).is_integer() and 1 <= used < b["num"]):
-                r.error(E0304, f"`{name}`: used = {used} must be a whole number of rows in 1..{b['num']}",
-                        decl.call.span, label="padded rows past the real vocabulary")
-                return None
-            attrs_["used"] = int(used)
-    elif kind == "linear":
-        params: list[Tensor] = []
-        tie = b["tie"] if b["tied"] else None
-        if tie is not None and b["bias"]:
-            r.error(E0309, f"a bias on the tied head `{name}` is not supported yet", decl.call.span,
-                    label="tie and bias", help=f"drop `bias = true`, or untie `{name}` (remove `tie = {tie.name}`)")
-            return None
-        if tie is not None:
-            if tie.kind != "embedding" or tie.leaves[0].params[0].shape != (b["out"], b["in"]):
-                r.error(E0304, f"`{name}` cannot be tied to `{tie.name}`", decl.call.span,
-                        label=f"a ({b['out']}, {b['in']}) weight",
-                        help=f"tie needs an embedding of shape ({b['out']}, {b['in']}); `{tie.name}` is a {tie.kind}"
-                        f" of shape {tie.leaves[0].params[0].shape}")
-                return None
-        else:
-            params.append(Tensor("weight", (b["out"], b["in"]), ((unit("out"),), (unit("in"),))))
-        if b["bias"]:
-            params.append(vec("bias", "out"))
-        leaves.append(Leaf(name, (name,), kind, tuple(params), (unit("in"),), (unit("out"),),
-                           tie=tie.name if tie is not None else None, span=span))
-        attrs_ = {"in": b["in"], "out": b["out"], "bias": b["bias"], "tie": tie.name if tie else None}
-    elif kind in ("rmsnorm", "layernorm"):
-        params = [vec("weight", "dim")]
-        if kind == "layernorm" and b["bias"]:
-            params.append(vec("bias", "dim"))
-        leaves.append(Leaf(name, (name,), kind, tuple(params), span=span))
-        attrs_ = {"dim": b["dim"], "eps": b["eps"]}
-        if kind == "layernorm":
-            attrs_["bias"] = b["bias"]
-    elif kind == "attention":
-        hid, h, kv, hd = b["hidden"], b["heads"], b["kv_heads"], b["head_dim"]
-        if h % kv:
-            r.error(E0302, f"heads ({h}) is not a multiple of kv_heads ({kv})", decl.call.span,
-                    label="grouped-query attention needs whole groups",
-                    help=f"kv_heads must divide {h}: use {or_list(divisors(h))}")
-            return None
-        hu, kvu, hidu = (lg.get("heads", "heads"), h), (lg.get("kv_heads", "kv_heads"), kv), unit("hidden")
-
-        def proj(n: str, rows: int, units: tuple[tuple[str, int], ...], segments: tuple[int, ...] = ()) -> Leaf:
-            ps = [Tensor("weight", (rows, hid), (units, (hidu,)), segments)]
-            if b["bias"]:
-                ps.append(Tensor("bias", (rows,), (units,), segments))
-            return Leaf(n, (name, n), "linear", tuple(ps), (hidu,), units, span=span)
-
-        if b["fused_qkv"]:
-            leaves.append(proj("qkv", (h + 2 * kv) * hd, (hu, kvu), (h * hd, kv * hd, kv * hd)))
-        else:
-            leaves += [proj("q", h * hd, (hu,)), proj("k", kv * hd, (kvu,)), proj("v", kv * hd, (kvu,))]
-        o = [Tensor("weight", (hid, h * hd), ((hidu,), (hu,)))]
-        if b["out_bias"]:
-            o.append(Tensor("bias", (hid,), ((hidu,),)))
-        leaves.append(Leaf("o", (name, "o"), "linear", tuple(o), (hu,), (hidu,), span=span))
-        scaling = None
-        if b["rope_factor"] != 1.0:
-            if b["rope_theta"] is None or b["rope_factor"] <= 0 or b["rope_original_positions"] < 1 \
-                    or b["rope_high_freq_factor"] <= b["rope_low_freq_factor"]:
-                r.error(E0304, f"`{name}`: rope scaling needs rope_theta, a positive rope_factor, "
-                        "rope_original_positions >= 1 and rope_high_freq_factor > rope_low_freq_factor",
-                        decl.call.span, label="invalid rope scaling")
-                return None
-            scaling = (("rope_type", "llama3"), ("factor", b["rope_factor"]),
-                       ("low_freq_factor", b["rope_low_freq_factor"]),
-                       ("high_freq_factor", b["rope_high_freq_factor"]),
-                       ("original_max_position_embeddings", int(b["rope_original_positions"])))
-        attrs_ = {"hidden": hid, "heads": h, "kv_heads": kv, "head_dim": hd, "rope_theta": b["rope_theta"],
-                  "bias": b["bias"], "out_bias": b["out_bias"], "fused_qkv": b["fused_qkv"], "rope_scaling": scaling}
-    elif kind == "mlp":
-        hid, ffn = b["hidden"], b["ffn"]
-        fu, hidu = unit("ffn"), unit("hidden")
-
-        def lin(n: str, rows: int, cols: int, ru: tuple[str, int], cu: tuple[str, int]) -> Leaf:
-            ps = [Tensor("weight", (rows, cols), ((ru,), (cu,)))]
-            if b["bias"]:
-                ps.append(Tensor("bias", (rows,), ((ru,),)))
-            return Leaf(n, (name, n), "linear", tuple(ps), (cu,), (ru,), span=span)
-
-        if b["act"] == "swiglu":
-            leaves.append(lin("gate", ffn, hid, fu, hidu))
-        leaves += [lin("up", ffn, hid, fu, hidu), lin("down", hid, ffn, hidu, fu)]
-        attrs_ = {"hidden": hid, "ffn": ffn, "act": b["act"], "bias": b["bias"]}
-    else:  # pragma: no cover - PRIMITIVES and this function list the same kinds
-        raise AssertionError(kind)
-    return Unit(name, kind, tuple(attrs_.items()), tuple(leaves), span)
+    built = primitives.REGISTRY[kind].build(UnitSite(decl, b, lg, r))  # type: ignore[index]  # kind: a PRIMITIVES key
+    if built is None:
+        return None
+    attrs_, leaves = built
+    return Unit(decl.name.value, kind, tuple(attrs_.items()), tuple(leaves), decl.span)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- families on their own

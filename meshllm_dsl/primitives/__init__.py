@@ -20,10 +20,16 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import attrs
 
+from meshllm_dsl.primitives.args import Arg
+
 if TYPE_CHECKING:
-    from meshllm_dsl.ir import Placement, PlanIR, Unit, UnitFlow
+    from meshllm_dsl.ir import Leaf, Placement, PlanIR, Unit, UnitFlow
     from meshllm_dsl.layouts import FlowSite
     from meshllm_dsl.planner import HeldUnit
+    from meshllm_dsl.resolve import UnitSite
+
+# What a kind's build gives: the unit's attributes and its leaves.
+Built = tuple[dict[str, Any], list["Leaf"]]
 
 UnitKind = Literal["embedding", "positional", "linear", "rmsnorm", "layernorm", "attention", "mlp"]
 # The layers that own parameters (ir.Leaf.kind): a unit's leaves are of these kinds.
@@ -63,6 +69,13 @@ class Primitive:
     caches_kv: bool = False
     # Selective recomputation (`recompute = attention`) reruns its core in backward.
     recomputed_core: bool = False
+    # Its arguments as a spec writes them, in order (resolve.py binds calls against them).
+    args: tuple[Arg, ...] = ()
+
+    # -- building the IR unit (meshllm_dsl/resolve.py binds the arguments first)
+    def build(self, site: UnitSite) -> Built | None:
+        """Its parameters (leaves) and attributes from the bound arguments; None after an error."""
+        raise NotImplementedError(self.kind)
 
     # -- activation flow (meshllm_dsl/layouts.py holds the layout algebra the records use)
     def flow(self, site: FlowSite) -> UnitFlow | None:

@@ -9,16 +9,63 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from meshllm_dsl import layouts, planner
-from meshllm_dsl.ir import Placement, Unit, UnitFlow
-from meshllm_dsl.primitives import Primitive
+from meshllm_dsl.codes import E0302, E0304
+from meshllm_dsl.ir import Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.names import divisors, or_list
+from meshllm_dsl.primitives import Built, Primitive
+from meshllm_dsl.primitives.args import Arg, const
 
 if TYPE_CHECKING:
     from meshllm_dsl.ir import PlanIR
     from meshllm_dsl.planner import HeldUnit
+    from meshllm_dsl.resolve import UnitSite
 
 
 @attrs.frozen
 class Attention(Primitive):
+    def build(self, site: UnitSite) -> Built | None:
+        """Its parameters (leaves) and attributes from the bound arguments; None after an error."""
+        b, name, span, unit, r, decl = site.b, site.name, site.span, site.unit, site.r, site.decl
+        lg = site.lg
+        leaves: list[Leaf] = []
+        hid, h, kv, hd = b["hidden"], b["heads"], b["kv_heads"], b["head_dim"]
+        if h % kv:
+            r.error(E0302, f"heads ({h}) is not a multiple of kv_heads ({kv})", decl.call.span,
+                    label="grouped-query attention needs whole groups",
+                    help=f"kv_heads must divide {h}: use {or_list(divisors(h))}")
+            return None
+        hu, kvu, hidu = (lg.get("heads", "heads"), h), (lg.get("kv_heads", "kv_heads"), kv), unit("hidden")
+
+        def proj(n: str, rows: int, units: tuple[tuple[str, int], ...], segments: tuple[int, ...] = ()) -> Leaf:
+            ps = [Tensor("weight", (rows, hid), (units, (hidu,)), segments)]
+            if b["bias"]:
+                ps.append(Tensor("bias", (rows,), (units,), segments))
+            return Leaf(n, (name, n), "linear", tuple(ps), (hidu,), units, span=span)
+
+        if b["fused_qkv"]:
+            leaves.append(proj("qkv", (h + 2 * kv) * hd, (hu, kvu), (h * hd, kv * hd, kv * hd)))
+        else:
+            leaves += [proj("q", h * hd, (hu,)), proj("k", kv * hd, (kvu,)), proj("v", kv * hd, (kvu,))]
+        o = [Tensor("weight", (hid, h * hd), ((hidu,), (hu,)))]
+        if b["out_bias"]:
+            o.append(Tensor("bias", (hid,), ((hidu,),)))
+        leaves.append(Leaf("o", (name, "o"), "linear", tuple(o), (hu,), (hidu,), span=span))
+        scaling = None
+        if b["rope_factor"] != 1.0:
+            if b["rope_theta"] is None or b["rope_factor"] <= 0 or b["rope_original_positions"] < 1 \
+                    or b["rope_high_freq_factor"] <= b["rope_low_freq_factor"]:
+                r.error(E0304, f"`{name}`: rope scaling needs rope_theta, a positive rope_factor, "
+                        "rope_original_positions >= 1 and rope_high_freq_factor > rope_low_freq_factor",
+                        decl.call.span, label="invalid rope scaling")
+                return None
+            scaling = (("rope_type", "llama3"), ("factor", b["rope_factor"]),
+                       ("low_freq_factor", b["rope_low_freq_factor"]),
+                       ("high_freq_factor", b["rope_high_freq_factor"]),
+                       ("original_max_position_embeddings", int(b["rope_original_positions"])))
+        attrs_ = {"hidden": hid, "heads": h, "kv_heads": kv, "head_dim": hd, "rope_theta": b["rope_theta"],
+                  "bias": b["bias"], "out_bias": b["out_bias"], "fused_qkv": b["fused_qkv"], "rope_scaling": scaling}
+        return attrs_, leaves
+
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         unit, e, fp32 = hu.unit, planner.DTYPES[plan.dtype], planner.FP32
@@ -101,4 +148,18 @@ class Attention(Primitive):
         return lines
 
 
-ATTENTION = Attention("attention", sublayer=True, reads_sequence=True, caches_kv=True, recomputed_core=True)
+ATTENTION = Attention("attention", sublayer=True, reads_sequence=True, caches_kv=True, recomputed_core=True, args=(
+    Arg("hidden", "dim"),
+    Arg("heads", "dim"),
+    Arg("kv_heads", "dim", lambda b: b["heads"]),
+    Arg("head_dim", "dim", lambda b: b["hidden"] // b["heads"] if b["hidden"] % b["heads"] == 0 else None),
+    Arg("rope_theta", "float", const(None)),
+    Arg("bias", "bool", const(False)),
+    Arg("out_bias", "bool", lambda b: b["bias"]),
+    Arg("fused_qkv", "bool", const(False)),
+    # Llama 3 rope scaling (HF rope_type "llama3"); factor 1 leaves the frequencies unchanged.
+    Arg("rope_factor", "float", const(1.0)),
+    Arg("rope_low_freq_factor", "float", const(1.0)),
+    Arg("rope_high_freq_factor", "float", const(4.0)),
+    Arg("rope_original_positions", "float", const(8192.0)),
+))

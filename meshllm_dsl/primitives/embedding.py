@@ -10,8 +10,10 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from meshllm_dsl import layouts, primitives
-from meshllm_dsl.ir import REPLICATE, Collective, Layout, Placement, Unit, UnitFlow
-from meshllm_dsl.primitives import Primitive, TopSite
+from meshllm_dsl.codes import E0304
+from meshllm_dsl.ir import REPLICATE, Collective, Layout, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.primitives import Built, LeafKind, Primitive, TopSite
+from meshllm_dsl.primitives.args import Arg, const
 
 
 def _table(a: Mapping[str, Any]) -> dict[str, Any]:
@@ -23,10 +25,30 @@ def _table(a: Mapping[str, Any]) -> dict[str, Any]:
 if TYPE_CHECKING:
     from meshllm_dsl.ir import PlanIR
     from meshllm_dsl.planner import HeldUnit
+    from meshllm_dsl.resolve import UnitSite
+
+
+def _table_leaf(site: UnitSite, kind: LeafKind) -> tuple[list[Leaf], dict[str, Any]]:
+    b, name, unit = site.b, site.name, site.unit
+    w = Tensor("weight", (b["num"], b["dim"]), ((unit("num"),), (unit("dim"),)))
+    return [Leaf(name, (name,), kind, (w,), (unit("dim"),), (unit("num"),), span=site.span)], {"num": b["num"], "dim": b["dim"]}
 
 
 @attrs.frozen
 class Embedding(Primitive):
+    def build(self, site: UnitSite) -> Built | None:
+        """Its parameters (leaves) and attributes from the bound arguments; None after an error."""
+        b, name, r, decl = site.b, site.name, site.r, site.decl
+        leaves, attrs_ = _table_leaf(site, self.kind)
+        used = b.get("used")
+        if used is not None and used != b["num"]:
+            if not (float(used).is_integer() and 1 <= used < b["num"]):
+                r.error(E0304, f"`{name}`: used = {used} must be a whole number of rows in 1..{b['num']}",
+                        decl.call.span, label="padded rows past the real vocabulary")
+                return None
+            attrs_["used"] = int(used)
+        return attrs_, leaves
+
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         return 8 * tokens  # the int64 token ids (and, vocab-parallel, a mask derived from them)
@@ -80,6 +102,10 @@ class Embedding(Primitive):
 
 @attrs.frozen
 class Positional(Primitive):
+    def build(self, site: UnitSite) -> Built | None:
+        leaves, attrs_ = _table_leaf(site, self.kind)
+        return attrs_, leaves
+
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         return 0  # a lookup added to the residual stream: nothing saved but the position ids
@@ -113,5 +139,8 @@ class Positional(Primitive):
         return lines, site.cur
 
 
-EMBEDDING = Embedding("embedding")
-POSITIONAL = Positional("positional")
+EMBEDDING = Embedding("embedding", args=(
+    # `used`: rows that are real tokens when `num` is padded (e.g. 50257 of 50304): the head's logits
+    # past it are masked out of the softmax, the loss, the argmax and exported weights.
+    Arg("num", "dim"), Arg("dim", "dim"), Arg("used", "float", const(None))))
+POSITIONAL = Positional("positional", args=(Arg("num", "dim"), Arg("dim", "dim")))

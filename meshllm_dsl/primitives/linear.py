@@ -8,10 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from meshllm_dsl import layouts, planner
+from meshllm_dsl import layouts, planner, primitives
+from meshllm_dsl.codes import E0304, E0309
 from meshllm_dsl.collectives import spec
-from meshllm_dsl.ir import REPLICATE, Collective, Layout, Placement, Unit, UnitFlow
-from meshllm_dsl.primitives import Primitive, TopSite
+from meshllm_dsl.ir import REPLICATE, Collective, Layout, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.primitives import Built, Primitive, TopSite
+from meshllm_dsl.primitives.args import Arg, const
+from meshllm_dsl.primitives.embedding import EMBEDDING
 
 
 def tied_with_own_bias(unit: Unit) -> bool:
@@ -23,10 +26,35 @@ def tied_with_own_bias(unit: Unit) -> bool:
 if TYPE_CHECKING:
     from meshllm_dsl.ir import PlanIR
     from meshllm_dsl.planner import HeldUnit
+    from meshllm_dsl.resolve import UnitSite
 
 
 @attrs.frozen
 class Linear(Primitive):
+    def build(self, site: UnitSite) -> Built | None:
+        """Its parameters (leaves) and attributes from the bound arguments; None after an error."""
+        b, name, span, unit, r, decl = site.b, site.name, site.span, site.unit, site.r, site.decl
+        params: list[Tensor] = []
+        tie = b["tie"] if b["tied"] else None
+        if tie is not None and b["bias"]:
+            r.error(E0309, f"a bias on the tied head `{name}` is not supported yet", decl.call.span,
+                    label="tie and bias", help=f"drop `bias = true`, or untie `{name}` (remove `tie = {tie.name}`)")
+            return None
+        if tie is not None:
+            if primitives.of(tie) is not EMBEDDING or tie.leaves[0].params[0].shape != (b["out"], b["in"]):
+                r.error(E0304, f"`{name}` cannot be tied to `{tie.name}`", decl.call.span,
+                        label=f"a ({b['out']}, {b['in']}) weight",
+                        help=f"tie needs an embedding of shape ({b['out']}, {b['in']}); `{tie.name}` is a {tie.kind}"
+                        f" of shape {tie.leaves[0].params[0].shape}")
+                return None
+        else:
+            params.append(Tensor("weight", (b["out"], b["in"]), ((unit("out"),), (unit("in"),))))
+        if b["bias"]:
+            params.append(site.vec("bias", "out"))
+        leaves = [Leaf(name, (name,), "linear", tuple(params), (unit("in"),), (unit("out"),),
+                       tie=tie.name if tie is not None else None, span=span)]
+        return {"in": b["in"], "out": b["out"], "bias": b["bias"], "tie": tie.name if tie else None}, leaves
+
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         unit = hu.unit
@@ -139,4 +167,8 @@ class Linear(Primitive):
         return lines, "logits"
 
 
-LINEAR = Linear("linear")
+LINEAR = Linear("linear", args=(
+    # `tie = embed` shares the embedding's weight; `tied = false` turns that off (a family parameter
+    # can then choose: `linear(hidden, vocab, tie = embed, tied = tie_embeddings)`).
+    Arg("in", "dim"), Arg("out", "dim"), Arg("bias", "bool", const(False)), Arg("tie", "layer", const(None)),
+    Arg("tied", "bool", const(True))))

@@ -9,20 +9,39 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from meshllm_dsl import layouts, planner
-from meshllm_dsl.ir import REPLICATE, Placement, Unit, UnitFlow
-from meshllm_dsl.primitives import Primitive
+from meshllm_dsl.ir import REPLICATE, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.primitives import Built, Primitive
+from meshllm_dsl.primitives.args import Arg, const
 
+ACTIVATIONS = ("swiglu", "gelu_tanh", "gelu", "relu", "silu")
 # The activation of a non-gated mlp, as generated code calls it.
-ACTIVATIONS = {"gelu_tanh": "F.gelu({}, approximate=\"tanh\")", "gelu": "F.gelu({})", "relu": "F.relu({})",
+_CALLS = {"gelu_tanh": "F.gelu({}, approximate=\"tanh\")", "gelu": "F.gelu({})", "relu": "F.relu({})",
                "silu": "F.silu({})"}
 
 if TYPE_CHECKING:
     from meshllm_dsl.ir import PlanIR
     from meshllm_dsl.planner import HeldUnit
+    from meshllm_dsl.resolve import UnitSite
 
 
 @attrs.frozen
 class Mlp(Primitive):
+    def build(self, site: UnitSite) -> Built | None:
+        """Its parameters (leaves) and attributes from the bound arguments; None after an error."""
+        b, name, span, unit = site.b, site.name, site.span, site.unit
+        hid, ffn = b["hidden"], b["ffn"]
+        fu, hidu = unit("ffn"), unit("hidden")
+
+        def lin(n: str, rows: int, cols: int, ru: tuple[str, int], cu: tuple[str, int]) -> Leaf:
+            ps = [Tensor("weight", (rows, cols), ((ru,), (cu,)))]
+            if b["bias"]:
+                ps.append(Tensor("bias", (rows,), ((ru,),)))
+            return Leaf(n, (name, n), "linear", tuple(ps), (cu,), (ru,), span=span)
+
+        leaves = [lin("gate", ffn, hid, fu, hidu)] if b["act"] == "swiglu" else []
+        leaves += [lin("up", ffn, hid, fu, hidu), lin("down", hid, ffn, hidu, fu)]
+        return {"hidden": hid, "ffn": ffn, "act": b["act"], "bias": b["bias"]}, leaves
+
     def _ffn_local(self, plan: PlanIR, hu: HeldUnit) -> int:
         up = next(leaf for leaf in hu.unit.leaves if leaf.name == "up")
         return int(hu.unit.attr("ffn")) // planner.axes_size(plan, hu.placement(up))  # type: ignore[arg-type]
@@ -54,7 +73,12 @@ class Mlp(Primitive):
         f_local = a["ffn"] // w.n(p_up.axes) if p_up.sharded and p_up.rule == "column" else a["ffn"]
         if a["act"] == "swiglu":
             return [w.line(f"a = F.silu({w.proj(attr, 'gate', x)}) * {w.proj(attr, 'up', x)}", f"[b, s, {f_local}] SwiGLU")]
-        return [w.line("a = " + ACTIVATIONS[a["act"]].format(w.proj(attr, "up", x)), f"[b, s, {f_local}] {a['act']}")]
+        return [w.line("a = " + _CALLS[a["act"]].format(w.proj(attr, "up", x)), f"[b, s, {f_local}] {a['act']}")]
 
 
-MLP = Mlp("mlp", sublayer=True)
+MLP = Mlp("mlp", sublayer=True, args=(
+    Arg("hidden", "dim"),
+    Arg("ffn", "dim"),
+    Arg("act", "choice", const("swiglu"), ACTIVATIONS),
+    Arg("bias", "bool", const(False)),
+))

@@ -9,12 +9,14 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from meshllm_dsl import layouts, planner
-from meshllm_dsl.ir import Layout, Placement, Unit, UnitFlow
-from meshllm_dsl.primitives import Primitive, TopSite
+from meshllm_dsl.ir import Layout, Leaf, Placement, Unit, UnitFlow
+from meshllm_dsl.primitives import Built, Primitive, TopSite
+from meshllm_dsl.primitives.args import Arg, const
 
 if TYPE_CHECKING:
     from meshllm_dsl.ir import PlanIR
     from meshllm_dsl.planner import HeldUnit
+    from meshllm_dsl.resolve import UnitSite
 
 
 @attrs.frozen
@@ -38,6 +40,10 @@ class Norm(Primitive):
 
 @attrs.frozen
 class RMSNorm(Norm):
+    def build(self, site: UnitSite) -> Built | None:
+        leaf = Leaf(site.name, (site.name,), "rmsnorm", (site.vec("weight", "dim"),), span=site.span)
+        return {"dim": site.b["dim"], "eps": site.b["eps"]}, [leaf]
+
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         # its input, and an fp32 reciprocal RMS per token
@@ -62,6 +68,12 @@ class RMSNorm(Norm):
 
 @attrs.frozen
 class LayerNorm(Norm):
+    def build(self, site: UnitSite) -> Built | None:
+        b = site.b
+        params = [site.vec("weight", "dim")] + ([site.vec("bias", "dim")] if b["bias"] else [])
+        leaf = Leaf(site.name, (site.name,), "layernorm", tuple(params), span=site.span)
+        return {"dim": b["dim"], "eps": b["eps"], "bias": b["bias"]}, [leaf]
+
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         # its input, and an fp32 mean and rstd per token
@@ -79,5 +91,6 @@ class LayerNorm(Norm):
         return [w.line(f"self.{attr} = nn.LayerNorm({a['dim']}, eps={a['eps']!r}, bias={a['bias']})")]
 
 
-RMSNORM = RMSNorm("rmsnorm", norm=True)
-LAYERNORM = LayerNorm("layernorm", norm=True)
+RMSNORM = RMSNorm("rmsnorm", norm=True, args=(Arg("dim", "dim"), Arg("eps", "float", const(1e-5))))
+LAYERNORM = LayerNorm("layernorm", norm=True, args=(
+    Arg("dim", "dim"), Arg("eps", "float", const(1e-5)), Arg("bias", "bool", const(True))))

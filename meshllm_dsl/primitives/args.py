@@ -1,0 +1,21 @@
+"""A layer kind's arguments as a spec writes them (`attention(hidden, heads, kv_heads = 8)`): the
+resolver binds a call against its kind's table (resolve.ModelResolver), the LSP completes from it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen
+class Arg:
+    name: str
+    kind: str  # dim | float | bool | choice | layer
+    default: Callable[[dict[str, Any]], Any] | None = None
+    choices: tuple[str, ...] = ()
+
+
+def const(v: Any) -> Callable[[dict[str, Any]], Any]:
+    return lambda _bound: v
