@@ -33,6 +33,8 @@ from meshllm_dsl.ir import DTYPES, Axis, MeshIR, ModelIR, Repeat, Symbol, Tensor
 from meshllm_dsl.limits import MAX_BLOCKS, MAX_DEVICES, MAX_INT
 from meshllm_dsl.names import divisors, identifier_problem, or_list, safe_variant
 from meshllm_dsl.primitives.args import Arg
+from meshllm_dsl.primitives.embedding import EMBEDDING
+from meshllm_dsl.primitives.linear import LINEAR
 from meshllm_dsl.source import Span
 
 
@@ -421,16 +423,16 @@ class ModelResolver(Resolver):
         start = self.error_count_all()
         model = f"model `{decl.name.value}`"
         first = items[0]
-        if not (isinstance(first, Unit) and first.kind == "embedding"):
+        if not (isinstance(first, Unit) and primitives.of(first) is EMBEDDING):
             self.error(E0308, f"{model} does not start with a token embedding", first.span or decl.name.span,
                        label=f"`{first.name}` is the first layer", secondary=_model_label(decl),
                        help="a model starts with `embed = embedding(vocab, hidden)`: it turns token ids into the residual stream")
             return False
         width, vocab = first.attr("dim"), first.attr("num")
         last = items[-1]
-        head = last if isinstance(last, Unit) and last.kind == "linear" else None
+        head = last if isinstance(last, Unit) and primitives.of(last) is LINEAR else None
         if head is None:
-            after = next((i for i in items if isinstance(i, Unit) and i.kind == "linear"), None)
+            after = next((i for i in items if isinstance(i, Unit) and primitives.of(i) is LINEAR), None)
             if after is not None:
                 self.error(E0308, f"`{last.name}` comes after the head `{after.name}`", last.span or decl.name.span,
                            label="after the head", secondary=(Label(after.span, "the head (the last layer must be it)"),) if after.span else (),
@@ -443,23 +445,23 @@ class ModelResolver(Resolver):
             if isinstance(item, Repeat):
                 self._chain_block(item, width)
                 continue
-            a = dict(item.attrs)
-            if item.kind == "embedding":
+            a, prim = dict(item.attrs), primitives.of(item)
+            if prim is EMBEDDING:
                 self.error(E0309, f"a second token embedding `{item.name}` is not supported yet", item.span,
                            label="second embedding", help=f"the model's embedding is `{first.name}`")
-            elif item.kind in ("attention", "mlp"):
+            elif prim.sublayer:
                 self.error(E0309, f"{item.kind} `{item.name}` outside the `repeat` is not supported yet", item.span,
                            label="top-level sublayer", help="put it in the repeated block, after a norm")
-            elif item.kind in ("positional", "rmsnorm", "layernorm") and a["dim"] != width:
+            elif prim is not LINEAR and a[prim.width_arg] != width:
                 self.error(E0308, f"`{item.name}` is {a['dim']} wide but the residual stream is {width} wide",
                            item.span, label=f"{item.kind} of width {a['dim']}",
                            secondary=(Label(first.span, f"width {width} set here"),) if first.span else (),
-                           help=f"use `{item.kind}({'..., ' if item.kind == 'positional' else ''}{width})`")
-            elif item.kind == "linear" and item is not last and head is not None:
+                           help=f"use `{item.kind}({'..., ' if prim.args[0].name != prim.width_arg else ''}{width})`")
+            elif prim is LINEAR and item is not last and head is not None:
                 self.error(E0309, f"linear layer `{item.name}` before the head is not supported yet", item.span,
                            label="only the head may be a top-level linear",
                            help="a model has one top-level linear layer: the head, last")
-            elif item.kind == "linear" and item is head:
+            elif prim is LINEAR and item is head:
                 if a["in"] != width:
                     self.error(E0308, f"head `{item.name}` takes {a['in']} inputs but the residual stream is {width} wide",
                                item.span, label=f"linear({a['in']}, {a['out']})",
@@ -478,13 +480,13 @@ class ModelResolver(Resolver):
                        help="a block alternates a norm and a sublayer: `n = rmsnorm(hidden)  attn = attention(hidden, heads)`")
             return
         for k, unit in enumerate(body):
-            a = dict(unit.attrs)
+            a, prim = dict(unit.attrs), primitives.of(unit)
             want_norm = k % 2 == 0
-            if unit.kind in ("embedding", "positional", "linear"):
+            if not (prim.norm or prim.sublayer):
                 self.error(E0309, f"{unit.kind} `{unit.name}` inside a repeat is not supported yet", unit.span,
                            label="not a block layer", help="a block alternates norms (rmsnorm, layernorm) and sublayers (attention, mlp)")
                 return
-            is_norm = unit.kind in ("rmsnorm", "layernorm")
+            is_norm = prim.norm
             if is_norm != want_norm:
                 prev = body[k - 1].name if k else None
                 self.error(E0308, f"`{unit.name}` ({unit.kind}) is out of place in `{rep.name}`: a block alternates norm and sublayer",
@@ -492,7 +494,7 @@ class ModelResolver(Resolver):
                            help=("every sublayer follows its own norm: x = x + sublayer(norm(x))"
                                  + (f"; add a norm before `{unit.name}`" if want_norm else f"; remove `{unit.name}` or add a sublayer after `{prev}`")))
                 return
-            got = a["dim"] if is_norm else a["hidden"]
+            got = a[prim.width_arg]
             if got != width:
                 self.error(E0308, f"`{unit.name}` is {got} wide but the residual stream is {width} wide", unit.span,
                            label=f"{unit.kind} of width {got}", help=f"use {width} (the embedding's dim)")

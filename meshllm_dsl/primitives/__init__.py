@@ -69,6 +69,8 @@ class Primitive:
     caches_kv: bool = False
     # Selective recomputation (`recompute = attention`) reruns its core in backward.
     recomputed_core: bool = False
+    # The argument giving the width of the residual stream it reads (a model's chain must agree).
+    width_arg: str = "dim"
     # Its arguments as a spec writes them, in order (resolve.py binds calls against them).
     args: tuple[Arg, ...] = ()
 

@@ -148,7 +148,7 @@ class Attention(Primitive):
         return lines
 
 
-ATTENTION = Attention("attention", sublayer=True, reads_sequence=True, caches_kv=True, recomputed_core=True, args=(
+ATTENTION = Attention("attention", sublayer=True, reads_sequence=True, caches_kv=True, recomputed_core=True, width_arg="hidden", args=(
     Arg("hidden", "dim"),
     Arg("heads", "dim"),
     Arg("kv_heads", "dim", lambda b: b["heads"]),

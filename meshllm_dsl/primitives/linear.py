@@ -167,7 +167,7 @@ class Linear(Primitive):
         return lines, "logits"
 
 
-LINEAR = Linear("linear", args=(
+LINEAR = Linear("linear", width_arg="in", args=(
     # `tie = embed` shares the embedding's weight; `tied = false` turns that off (a family parameter
     # can then choose: `linear(hidden, vocab, tie = embed, tied = tie_embeddings)`).
     Arg("in", "dim"), Arg("out", "dim"), Arg("bias", "bool", const(False)), Arg("tie", "layer", const(None)),
