@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
+from meshllm_dsl.codes import CODES
 from meshllm_dsl.names import closest, did_you_mean
 from meshllm_dsl.source import Span
 
@@ -96,9 +97,15 @@ def typo(span: Span | None, name: str, candidates: Iterable[str]) -> dict[str, o
             "suggestions": replace(span, meant) if meant is not None and span is not None and span.text == name else ()}
 
 
+def _registered(_d: object, _a: object, code: str) -> None:
+    # The emission sites use the constants of codes.py; a code made any other way must still be one.
+    if code not in CODES:
+        raise ValueError(f"diagnostic code {code!r} is not in meshllm_dsl.codes.CODES")
+
+
 @attrs.frozen
 class Diagnostic:
-    code: str
+    code: str = attrs.field(validator=_registered)
     message: str
     span: Span | None
     label: str = ""

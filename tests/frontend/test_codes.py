@@ -32,6 +32,14 @@ def test_a_mistyped_code_fails_at_import() -> None:
         exec("from meshllm_dsl.codes import E0399", {})
 
 
+def test_a_diagnostic_needs_a_registered_code() -> None:
+    from meshllm_dsl.diagnostics import Diagnostic
+
+    assert Diagnostic(codes.E0301, "ok", None).code == "E0301"
+    with pytest.raises(ValueError, match="E0399"):
+        Diagnostic("E0399", "a code nobody explains", None)
+
+
 def test_no_emission_site_spells_a_code_as_a_string() -> None:
     """Codes reach Diagnostic through the constants only (the LSP's own E0000 is not a spec code)."""
     literal = re.compile(r'(?<![\w.])"[EW]\d{4}"')
