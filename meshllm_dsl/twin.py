@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 
-from meshllm_dsl import ast
+from meshllm_dsl import ast, primitives
 from meshllm_dsl.checker import CheckResult, check_text
 from meshllm_dsl.fmt import format_module
 from meshllm_dsl.ir import PlanIR, Repeat
@@ -42,7 +42,7 @@ def twin_values(plan: PlanIR) -> dict[str, int]:
     model = plan.model
     values = dict(model.values)
     attn = next((u for item in model.items for u in (item.body if isinstance(item, Repeat) else (item,))
-                 if u.kind == "attention"), None)
+                 if primitives.of(u).caches_kv), None)  # the unit with (kv) heads
     twin: dict[str, int] = {}
     if attn is not None:
         a = dict(attn.attrs)

@@ -3,7 +3,7 @@ E0301 for seq)."""
 
 from __future__ import annotations
 
-from meshllm_dsl import ast
+from meshllm_dsl import ast, primitives
 from meshllm_dsl.checker.context import (
     PlanContext,
 )
@@ -31,7 +31,7 @@ class MemoryRules(PlanContext):
         if region == "blocks" and rep is None:
             self.error(E0409, "`recompute = blocks` needs a repeated block stack", v.span,
                        label="no blocks to recompute", help=f"model `{self.model.name}` has no `repeat`: remove the setting")
-        elif region == "attention" and (rep is None or not any(u.kind == "attention" for u in rep.body)):
+        elif region == "attention" and (rep is None or not any(primitives.of(u).recomputed_core for u in rep.body)):
             self.error(E0409, "`recompute = attention` needs attention inside the repeated blocks", v.span,
                        label="no attention to recompute",
                        help=f"model `{self.model.name}` has no attention in a `repeat`: use `recompute = blocks` or remove the setting")
@@ -48,14 +48,14 @@ class MemoryRules(PlanContext):
             return
         axes, text = self.seq_axes, " x ".join(self.seq_axes)
         rep = self.model.repeat
-        if rep is None or not any(u.kind in ("attention", "mlp") for u in rep.body):
+        if rep is None or not any(primitives.of(u).sublayer for u in rep.body):
             self.error(E0410, "sequence parallelism needs tensor-parallel blocks", entry.span,
                        label="no blocks to shard along the sequence",
                        help=f"model `{self.model.name}` has no attention or mlp in a `repeat`: remove `seq -> {' * '.join(axes)}`")
             return
         items = self.model.items
         for item in items[:-1]:
-            if isinstance(item, Unit) and item.kind == "linear":
+            if isinstance(item, Unit) and primitives.of(item) is primitives.linear.LINEAR:
                 self.error(E0410, f"sequence parallelism does not support the top-level linear `{item.name}`",
                            entry.span, label="sequence parallelism asked for here",
                            secondary=(Label(item.span, "a linear between the blocks and the head"),) if item.span else (),

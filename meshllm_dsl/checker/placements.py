@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from meshllm_dsl import ast
+from meshllm_dsl import ast, primitives
 from meshllm_dsl.checker.context import (
     PlanContext,
     _blocks_text,
@@ -493,7 +493,7 @@ class PlacementRules(PlanContext):
     # -- loss
     def loss(self, top: dict[str, Placement]) -> Placement:
         last = self.model.items[-1]
-        head = top.get(last.name) if isinstance(last, Unit) and last.kind == "linear" else None
+        head = top.get(last.name) if isinstance(last, Unit) and primitives.of(last) is primitives.linear.LINEAR else None
         logits = head if head is not None else REPLICATE
         inferred = Placement("vocab_parallel", logits.axes) if logits.rule == "column" and logits.sharded else REPLICATE
         stmt = self.single(ast.LossStmt, "`loss`")
