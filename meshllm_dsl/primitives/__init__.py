@@ -3,14 +3,14 @@
 A kind's module holds what the compiler knows about it: the fields of its entry in the generated
 `MODEL` description (what the runtime's reference model and Hugging Face adapters read), the lines
 codegen prints for it, its activation flow across the mesh axes, and what the planner charges for
-it. Lowering, layouts and the planner look the record up here instead of comparing kind strings,
-so a kind one of them does not handle is an error at import (`_registry`), never a silent
-fallthrough to another kind's code. The runtime cannot import the compiler and keeps its own table
-keyed by kind (runtime/reference.py LAYERS); tests/frontend/test_primitive_registry.py keeps the
-two in step.
+it, its arguments and how resolve builds its IR unit. Resolve, layouts, lowering and the planner
+look the record up here instead of comparing kind strings, so a kind without a record, or whose
+record lacks one of those parts, is an error at import (`_registry`), never a silent fallthrough to
+another kind's code. The runtime cannot import the compiler and keeps its own table keyed by kind
+(runtime/reference.py LAYER_KINDS); tests/frontend/test_primitive_registry.py keeps the two in step.
 
-Adding a kind: its module here (a `Primitive` subclass and its record in `_PRIMITIVES`), its
-`UnitKind` name, its runtime layer and the goldens.
+Adding a kind: its module here (a `Primitive` subclass and its record in REGISTRY), its `UnitKind`
+name, its runtime layer (runtime/reference.py, runtime/layers.py) and the goldens.
 """
 
 from __future__ import annotations
@@ -128,6 +128,12 @@ class Primitive:
         raise AssertionError(f"top-level {self.kind} is not supported by codegen")
 
 
+# What every record defines itself, and what only a block sublayer or only a top-level kind does.
+_REQUIRED = ("build", "flow", "saved_bytes", "backward_bytes", "kernels", "describe")
+_SUBLAYER = ("core_lines",)
+_TOP_LEVEL = ("top_lines",)
+
+
 def _registry(prims: tuple[Primitive, ...]) -> Mapping[UnitKind, Primitive]:
     """The registry keyed by kind; refuses (at import) a kind of UnitKind without a record, a record
     for a kind UnitKind lacks, or one named twice."""
@@ -138,6 +144,11 @@ def _registry(prims: tuple[Primitive, ...]) -> Mapping[UnitKind, Primitive]:
     if missing or unknown or twice:
         raise ValueError(f"primitive registry: no record for {sorted(missing)}, records for undeclared kinds "
                          f"{sorted(unknown)}, records named twice {sorted(twice)}")
+    lacking = {p.kind: [m for m in _REQUIRED + (_SUBLAYER if p.sublayer else _TOP_LEVEL)
+                        if getattr(type(p), m) is getattr(Primitive, m)] for p in prims}
+    lacking = {k: ms for k, ms in lacking.items() if ms}
+    if lacking:
+        raise ValueError(f"primitive registry: records without their own {lacking}")
     leaf_kinds = set(get_args(LeafKind))
     if not leaf_kinds <= declared:
         raise ValueError(f"primitive registry: leaf kinds {sorted(leaf_kinds - declared)} are no layer kind")

@@ -3,9 +3,11 @@ dispatches on a kind, and in step with the runtime's own table (runtime/ never i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import get_args
+from typing import Any, get_args
 
+import attrs
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from meshllm_dsl import primitives
 from meshllm_dsl.checker import check_file
 from meshllm_dsl.codegen.lower import model_description
 from meshllm_dsl.ir import Unit
-from meshllm_dsl.primitives import REGISTRY, UnitKind, _registry
+from meshllm_dsl.primitives import REGISTRY, Primitive, UnitKind, _registry
 from meshllm_dsl.runtime import reference
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -30,6 +32,18 @@ def test_registry_refuses_a_missing_or_doubled_record() -> None:
         _registry(tuple(r for r in records if r.kind != "mlp"))
     with pytest.raises(ValueError, match=r"named twice \['linear'\]"):
         _registry((*records, REGISTRY["linear"]))
+
+
+def test_registry_refuses_a_record_that_leaves_a_part_to_the_default() -> None:
+    @attrs.frozen
+    class Bare(Primitive):  # a kind that would fall through: it says nothing of its costs, flow, ...
+        def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
+            return {}
+
+    records = tuple(r for r in REGISTRY.values() if r.kind != "mlp")
+    with pytest.raises(ValueError, match=r"records without their own \{'mlp': \['build', 'flow', 'saved_bytes', "
+                                         r"'backward_bytes', 'kernels', 'core_lines'\]\}"):
+        _registry((*records, Bare("mlp", sublayer=True)))
 
 
 def test_runtime_reference_builds_exactly_the_registry_kinds() -> None:
