@@ -210,10 +210,7 @@ def axis_roles(ctx: PassContext) -> PassResult:
 
 
 def pitfalls(ctx: PassContext) -> PassResult:
-    """The sharding pitfalls of a plan that checked clean (W0705-W0707); none for a failed plan,
-    whose placements may be guesses."""
-    if ctx.failed:
-        return PassResult()
+    """The sharding pitfalls of a plan that checked clean (W0705-W0707)."""
     w = _Worker.of(ctx)
     w.sharding_warnings(ctx["top"], ctx["classes"])
     return w.result()
@@ -237,8 +234,13 @@ PASSES: tuple[Pass, ...] = (
 )
 
 
+# Passes that judge what only a plan without errors has (its placements may be guesses otherwise):
+# after an error the driver gives them an empty result instead of running them.
+CLEAN_ONLY: frozenset[Pass] = frozenset({pitfalls})
+
+
 def run_passes(ctx: PassContext, passes: tuple[Pass, ...] = PASSES) -> PassContext:
     """Every pass in order, each seeing the results before it; the context with all their results."""
     for p in passes:
-        ctx = ctx.then(p.__name__, p(ctx))
+        ctx = ctx.then(p.__name__, PassResult() if p in CLEAN_ONLY and ctx.failed else p(ctx))
     return ctx

@@ -9,8 +9,8 @@ import pytest
 from helpers import ERRORS, EXAMPLES
 
 from meshllm_dsl import ast
-from meshllm_dsl.checker import check_file
-from meshllm_dsl.checker.passes import PASSES, PassContext, PassResult, run_passes
+from meshllm_dsl.checker import check_file, check_text
+from meshllm_dsl.checker.passes import CLEAN_ONLY, PASSES, PassContext, PassResult, run_passes
 from meshllm_dsl.checker.paths import match_path
 from meshllm_dsl.load import load
 
@@ -71,12 +71,20 @@ def test_the_context_and_results_are_frozen() -> None:
         ctx["schedule"]
 
 
-def test_a_failed_plan_gets_no_pitfall_warnings() -> None:
-    """`pitfalls` judges placements of a clean plan only, as it did before it was a pass."""
-    ctx = next(_contexts(ERRORS / "E0606_too_few_microbatches_1f1b.mesh"))
-    done = run_passes(ctx, PASSES[:-1])
-    assert done.failed
-    assert PASSES[-1](done) == PassResult()
+def test_the_driver_runs_no_clean_only_pass_after_an_error() -> None:
+    """`pitfalls` judges the placements of a clean plan only: after an error the driver skips it."""
+    # too few microbatches (E0606), and the ffn split over an axis of size 1 (a W0705 on a clean plan)
+    text = (ERRORS / "E0606_too_few_microbatches_1f1b.mesh").read_text()
+    text = text.replace("axes pipeline = 3", "axes pipeline = 3, tensor = 1").replace(
+        "    schedule 1f1b\n", "    schedule 1f1b\n    layout { ffn -> tensor }\n")
+    result = check_text(text, "x.mesh")
+    [decl] = load("x.mesh", text).user(ast.PlanDecl)
+    ctx = PassContext(decl, result.meshes["line3"], result.models["twelve"])
+    before = run_passes(ctx, PASSES[:-1])
+    assert before.failed and PASSES[-1] in CLEAN_ONLY
+    assert [d.code for d in PASSES[-1](before).diagnostics] == ["W0705"]  # what running it would say
+    assert dict(run_passes(ctx).results)["pitfalls"] == PassResult()
+    assert "W0705" not in [d.code for d in result.diagnostics]
 
 
 def test_match_path_needs_no_checker() -> None:
