@@ -12,8 +12,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from meshllm_dsl.devices import uncalibrated
 from meshllm_dsl.ir import PlanIR
 from meshllm_dsl.planner import PlanReport, analyze, fmt_bytes, fmt_seconds
+
+# Said where the times are planned with the built-in `cpu` profile's defaults (another machine's).
+UNCALIBRATED = ("note: the cpu profile is not calibrated for this machine: run `meshc calibrate --device cpu -o devices.mesh` "
+                "and `include \"devices.mesh\"` in the spec (its `device cpu` replaces the built-in defaults, "
+                "host times measured on another machine)")
 
 
 def read_ranks(directory: str | Path) -> list[dict[str, Any]]:
@@ -77,11 +83,13 @@ def compare(plan: PlanIR, ranks: list[dict[str, Any]], rep: PlanReport | None = 
                 for axes in sorted(set(planned_comm) | set(measured_comm))
             },
         })
-    return {"plan": plan.name, "device": rep.device.name, "ranks": out}
+    return {"plan": plan.name, "device": rep.device.name, "calibrated": not uncalibrated(rep.device), "ranks": out}
 
 
 def report_text(data: dict[str, Any]) -> str:
     lines = [f"profile of plan `{data['plan']}` (planner device profile `{data['device']}`); ratio = planned / measured"]
+    if not data.get("calibrated", True):
+        lines.append(UNCALIBRATED)
     for r in data["ranks"]:
         where = ", ".join(f"{a} {i}" for a, i in r["coords"].items())
         lines.append(f"\nrank {r['rank']} ({where}; stages {', '.join(map(str, r['stages']))})")
