@@ -103,31 +103,25 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
     layers = list(model["layers"])
     kinds = [x["kind"] for x in layers]
     name = model.get("name", "model")
-    if kinds not in (
-        ["embedding", "repeat", "rmsnorm", "linear"],
-        ["embedding", "positional", "repeat", "layernorm", "linear"],
-        ["embedding", "repeat", "layernorm", "linear"],
-        ["embedding", "positional", "repeat", "rmsnorm", "linear"],
-    ):
+    norms = sorted({a.norm for a in _HF_NAMES.values()})
+    if not (len(kinds) >= 4 and kinds[0] == "embedding" and kinds[1:-2] in (["repeat"], ["positional", "repeat"])
+            and kinds[-2] in norms and kinds[-1] == "linear"):
         raise WeightsError(
             f"model `{name}` ({', '.join(kinds)}) has no Hugging Face layout: expected an embedding,"
             " optional positions, one repeat, a final norm and a head"
         )
     rep = next(x for x in layers if x["kind"] == "repeat")
     body = tuple(rep["body"])
-    if [b["kind"] for b in body] not in (
-        ["rmsnorm", "attention", "rmsnorm", "mlp"],
-        ["layernorm", "attention", "layernorm", "mlp"],
-    ):
+    if [b["kind"] for b in body] not in ([n, "attention", n, "mlp"] for n in norms):
         raise WeightsError(
             f"model `{name}`: a block of `{rep['name']}` is "
             f"{', '.join(b['kind'] for b in body)}; Hugging Face layouts need norm, attention, norm, mlp"
         )
     attn, mlp = body[1], body[3]
     pos = next((x["name"] for x in layers if x["kind"] == "positional"), None)
-    gpt2 = pos is not None and bool(attn.get("fused_qkv")) and body[0]["kind"] == "layernorm"
-    llama = pos is None and not attn.get("fused_qkv") and body[0]["kind"] == "rmsnorm"
-    if not (gpt2 or llama) or (llama and mlp["act"] != "swiglu"):
+    arch = next((arch for arch, a in _HF_NAMES.items() if a.positions == (pos is not None)
+                 and a.fused_qkv == bool(attn.get("fused_qkv")) and a.norm == body[0]["kind"]), None)
+    if arch is None or _HF_NAMES[arch].act not in (None, mlp["act"]):
         raise WeightsError(
             f"model `{name}` mixes conventions (positions {pos is not None}, fused qkv "
             f"{bool(attn.get('fused_qkv'))}, {body[0]['kind']}, {mlp['act']}): neither the Llama nor"
@@ -135,7 +129,7 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
         )
     embed = layers[0]
     return _Layout(
-        arch="gpt2" if gpt2 else "llama",
+        arch=arch,
         embed=embed["name"],
         pos=pos,
         repeat=rep["name"],
@@ -162,8 +156,10 @@ def padded_vocab(model: Mapping[str, Any]) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class _HFNames:
-    """How one checkpoint layout names things: the top-level layers, the block list, and per block
-    the two norms and the attention / MLP submodules with our projection -> theirs."""
+    """One checkpoint layout (a family's adapter, as torchtitan's state_dict_adapter): which models
+    it fits (positions, fused qkv, the norm kind, the activation it needs) and how it names things:
+    the top-level layers, the block list, and per block the two norms and the attention / MLP
+    submodules with our projection -> theirs."""
 
     top: Mapping[str, str]  # our role (embed, pos, norm, head) -> HF module
     blocks: str
@@ -172,6 +168,10 @@ class _HFNames:
     attn: tuple[str, Mapping[str, str]]
     mlp: tuple[str, Mapping[str, str]]
     transposed: bool  # GPT-2's Conv1D stores attention / MLP weights [in, out]
+    positions: bool  # learned positions (a `positional` layer) after the embedding
+    fused_qkv: bool
+    norm: str  # the norm kind of its blocks and the final norm
+    act: str | None  # the mlp activation it needs (None: any the checkpoint's config names)
 
 
 _HF_NAMES = {
@@ -180,16 +180,23 @@ _HF_NAMES = {
         blocks="model.layers", norm0="input_layernorm", norm1="post_attention_layernorm",
         attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
         mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-        transposed=False,
+        transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="swiglu",
     ),
     "gpt2": _HFNames(
         top={"embed": "transformer.wte", "pos": "transformer.wpe", "norm": "transformer.ln_f", "head": "lm_head"},
         blocks="transformer.h", norm0="ln_1", norm1="ln_2",
         attn=("attn", {"qkv": "c_attn", "o": "c_proj"}),
         mlp=("mlp", {"up": "c_fc", "down": "c_proj"}),
-        transposed=True,
+        transposed=True, positions=True, fused_qkv=True, norm="layernorm", act=None,
     ),
 }
+
+
+# Every layer kind some checkpoint layout holds (runtime/ cannot import the compiler's registry;
+# tests/frontend/test_primitive_registry.py checks this against it).
+ADAPTER_KINDS = frozenset({"embedding", "linear", "attention", "mlp"}
+                          | {a.norm for a in _HF_NAMES.values()}
+                          | ({"positional"} if any(a.positions for a in _HF_NAMES.values()) else set()))
 
 
 def hf_key_map(model: Mapping[str, Any], names: list[str]) -> dict[str, tuple[str, bool]]:

@@ -3,6 +3,7 @@ dispatches on a kind, and in step with the runtime's own table (runtime/ never i
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, get_args
@@ -16,7 +17,7 @@ from meshllm_dsl.checker import check_file
 from meshllm_dsl.codegen.lower import model_description
 from meshllm_dsl.ir import Unit
 from meshllm_dsl.primitives import REGISTRY, Primitive, UnitKind, _registry
-from meshllm_dsl.runtime import reference
+from meshllm_dsl.runtime import hf, reference
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -51,6 +52,33 @@ def test_runtime_reference_builds_exactly_the_registry_kinds() -> None:
     # Norms and sublayers are what a block body alternates; the runtime's split agrees.
     assert set(reference._SUBLAYERS) == {k for k, p in REGISTRY.items() if p.sublayer}
     assert set(reference._NORMS) == {k for k, p in REGISTRY.items() if p.norm}
+
+
+def test_hugging_face_adapters_hold_every_registry_kind() -> None:
+    # A kind no family's checkpoint layout names could not be loaded from or exported to HF.
+    assert hf.ADAPTER_KINDS == set(REGISTRY)
+
+
+def _description(example: str) -> dict[str, Any]:
+    result = check_file(EXAMPLES / example)
+    return copy.deepcopy(model_description(next(iter(result.plans.values()))))
+
+
+def test_the_adapter_is_chosen_by_the_models_layers_and_a_misfit_is_named() -> None:
+    assert hf.model_arch(_description("tiny_llama.mesh")) == "llama"
+    assert hf.model_arch(_description("tiny_gpt2.mesh")) == "gpt2"
+    gelu_llama = _description("tiny_llama.mesh")
+    block = next(x for x in gelu_llama["layers"] if x["kind"] == "repeat")["body"]
+    block[3]["act"] = "gelu"
+    with pytest.raises(hf.WeightsError, match=r"mixes conventions \(positions False, fused qkv False, rmsnorm, gelu\)"):
+        hf.model_arch(gelu_llama)
+    block[1], block[3] = block[3], block[1]
+    with pytest.raises(hf.WeightsError, match="is rmsnorm, mlp, rmsnorm, attention; Hugging Face layouts need norm"):
+        hf.model_arch(gelu_llama)
+    headless = _description("tiny_gpt2.mesh")
+    headless["layers"].pop()
+    with pytest.raises(hf.WeightsError, match=r"\(embedding, positional, repeat, layernorm\) has no Hugging Face layout"):
+        hf.model_arch(headless)
 
 
 def test_an_unregistered_kind_is_refused_by_name_not_lowered_as_another() -> None:
