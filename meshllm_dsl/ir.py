@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import attrs
 
 from meshllm_dsl.roles import ParallelRoles
 from meshllm_dsl.source import Span
+
+if TYPE_CHECKING:  # the registry's modules import this one
+    from meshllm_dsl.primitives import LeafKind, UnitKind
 
 Value = int | float | str | bool
 
@@ -143,7 +147,7 @@ class Leaf:
 
     name: str  # path inside its unit: "q", or the unit name itself for a single-layer unit
     path: tuple[str, ...]  # path template inside its repeat (or top level), e.g. ("attn", "q")
-    kind: str  # linear | embedding | positional | rmsnorm | layernorm
+    kind: LeafKind
     params: tuple[Tensor, ...]
     in_units: tuple[ShardUnit, ...] = ()  # what a row rule splits
     out_units: tuple[ShardUnit, ...] = ()  # what a column / vocab_parallel rule splits
@@ -164,7 +168,7 @@ class Unit:
     """A primitive as declared: embedding, positional, linear, a norm, attention or mlp."""
 
     name: str
-    kind: str
+    kind: UnitKind  # its record: meshllm_dsl.primitives.REGISTRY[kind]
     attrs: tuple[tuple[str, Value | None], ...]
     leaves: tuple[Leaf, ...]
     span: Span | None = attrs.field(eq=False, default=None)

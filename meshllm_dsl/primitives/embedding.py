@@ -39,7 +39,7 @@ class Embedding(Primitive):
     def build(self, site: UnitSite) -> Built | None:
         """Its parameters (leaves) and attributes from the bound arguments; None after an error."""
         b, name, r, decl = site.b, site.name, site.r, site.decl
-        leaves, attrs_ = _table_leaf(site, self.kind)
+        leaves, attrs_ = _table_leaf(site, "embedding")
         used = b.get("used")
         if used is not None and used != b["num"]:
             if not (float(used).is_integer() and 1 <= used < b["num"]):
@@ -103,7 +103,7 @@ class Embedding(Primitive):
 @attrs.frozen
 class Positional(Primitive):
     def build(self, site: UnitSite) -> Built | None:
-        leaves, attrs_ = _table_leaf(site, self.kind)
+        leaves, attrs_ = _table_leaf(site, "positional")
         return attrs_, leaves
 
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
