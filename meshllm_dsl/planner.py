@@ -1193,8 +1193,7 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
             label=f"{m} microbatches over {p} stages",
             help=f"raise microbatches to about {need} or more (batch permitting) for a bubble near 10%"
             + ("" if plan.schedule == "interleaved_1f1b" else ", or interleave: `stages over ... virtual 2` with `schedule interleaved_1f1b`"),
-            note=f"bubble = {report.bubble:.3f} in the schedule's order; (p - 1) / (m + p - 1){' / v' if plan.virtual > 1 else ''}"
-                 f" = {bubble_fraction(plan.schedule, p, m, plan.virtual):.3f}"))
+            note=f"bubble = {report.bubble:.3f}" + _bubble_formula(plan, report.bubble)))
 
     # W0806: stage memory imbalance.
     if len(report.ranks) > 1:

@@ -202,8 +202,13 @@ def test_warnings() -> None:
     assert "W0801" in codes  # 70B with full AdamW states does not fit 8 x 80 GB
     codes = {d.code for d in plan_warnings(analyze(plan_of("seed_pipeline_12.mesh", "pipeline12")))}
     assert {"W0805", "W0806"} <= codes
+    # 64-wide layers on 2-way tensor parallelism: on a GPU communication dominates the step; on the
+    # built-in cpu profile (host time per kernel, ranks sharing 2 cores) the collectives are 10 ms of
+    # 370, so only the over-sharding (W0802) is left to say.
+    codes = {d.code for d in plan_warnings(analyze(plan_of("tiny_llama.mesh"), PROFILES["h100"]))}
+    assert {"W0802", "W0803"} <= codes
     codes = {d.code for d in plan_warnings(analyze(plan_of("tiny_llama.mesh")))}
-    assert {"W0802", "W0803"} <= codes  # 64-wide layers on 2-way tensor parallelism
+    assert "W0802" in codes and "W0803" not in codes
     assert not plan_warnings(analyze(plan_of("llama2_7b.mesh")))
 
 
@@ -294,5 +299,5 @@ plan p on dp for m {
     assert "tensor" not in (w.help or "") and "data replica" in (w.help or "")
     out = report_text(report)
     assert "whole copies" not in out and "ZeRO-3 shards them over data" in out
-    tiny = [d for d in plan_warnings(analyze(plan_of("tiny_llama.mesh"))) if d.code == "W0803"]
+    tiny = [d for d in plan_warnings(analyze(plan_of("tiny_llama.mesh"), PROFILES["h100"])) if d.code == "W0803"]
     assert tiny and "tensor-parallel" in (tiny[0].help or "")
