@@ -34,7 +34,8 @@ def _alt(words: list[str] | tuple[str, ...]) -> str:
 
 def build(lark_text: str) -> dict:
     from meshllm_dsl.ir import DTYPES, RULES, SCHEDULES
-    from meshllm_dsl.resolve import ACTIVATIONS, PRIMITIVES
+    from meshllm_dsl.primitives.mlp import ACTIVATIONS
+    from meshllm_dsl.resolve import PRIMITIVES
 
     keywords = lark_keywords(lark_text)
     other = [k for k in keywords if k not in DECLARATIONS and k != "include"]
@@ -45,6 +46,12 @@ def build(lark_text: str) -> dict:
         {"match": r"\b(include)\b", "captures": {"1": {"name": "keyword.control.import.mesh"}}},
         {"match": rf"\b({_alt(DECLARATIONS)})\b(?:\s+({word}))?",
          "captures": {"1": {"name": "storage.type.mesh"}, "2": {"name": "entity.name.type.mesh"}}},
+        # A schedule's name may start with a digit (`1f1b`), so a misspelt one (`1f1f`) is still a
+        # name there, as the grammar's SCHEDULE_NAME reads it, not an invalid number.
+        {"match": rf"\b(schedule)\s+({_alt(SCHEDULES)})\b",
+         "captures": {"1": {"name": "keyword.other.mesh"}, "2": {"name": "constant.language.schedule.mesh"}}},
+        {"match": r"\b(schedule)\s+([A-Za-z0-9_]+)",
+         "captures": {"1": {"name": "keyword.other.mesh"}, "2": {"name": "variable.other.mesh"}}},
         {"name": "keyword.other.mesh", "match": rf"\b({_alt(other)})\b"},
         {"name": "support.function.rule.mesh", "match": rf"\b({_alt(RULES)}|cross_entropy)\b"},
         {"name": "support.function.primitive.mesh", "match": rf"\b({_alt(list(PRIMITIVES))})\b(?=\s*\()"},
