@@ -168,3 +168,31 @@ def test_planner_activations_are_held_counts_times_each_chunks_bytes() -> None:
     assert head_rank.activation_bytes < head_rank.activation_bytes_per_microbatch
     # torch's order idles (p - 1) slots of v m: 1 / 65, not the closed form's 1 / 66.
     assert rep.bubble == pytest.approx(1 / 65)
+
+
+def test_interleaved_plan_prints_the_orders_bubble_and_the_closed_form() -> None:
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.planner import analyze, report_text
+
+    result = check_text("""
+mesh m {
+    axes pipeline = 4
+    device = h100
+}
+model l = llama { vocab = 256, hidden = 64, layers = 8, heads = 4, kv_heads = 2, ffn = 128 }
+plan p on m for l {
+    batch = 4
+    seq = 16
+    microbatches = 4
+    stages over pipeline virtual 2 balanced
+    schedule interleaved_1f1b
+}
+""")
+    assert result.ok, result.diagnostics
+    rep = analyze(result.plans["p"])
+    # p = 4, v = 2, m = 4: torch's order idles 3 of 11 slots' worth, the closed form says 3 / 14.
+    assert rep.bubble == pytest.approx(3 / 11)
+    assert "27.3% in torch's interleaved_1f1b order (the closed form (p - 1) / (m + p - 1) / v" in report_text(rep)
+    last = rep.ranks[3]  # stages 3 and 7 (the head): 4 microbatches of stage 3, 1 of stage 7 at once
+    assert last.in_flight == 5 and schedule_cost("interleaved_1f1b", 4, 2, 4).max_held[3] == (4, 1)
+    assert last.activation_bytes < last.activation_bytes_per_microbatch * 5 // 2  # less than the even spread
