@@ -151,6 +151,8 @@ class _Printer:
                 self.lines.append(f"family {item.name.value}(")
                 for p, text in zip(item.params, params):
                     self.line(1, f"{text},", p)
+                if close >= 0:  # comments after the last parameter stay inside the parentheses
+                    self._flush_comments(close, 1)
                 head = ")"
             self.open(0, head, item)
             self.layers(item.body, 1)

@@ -22,6 +22,14 @@ family f(
     lm_head = linear(hidden, vocab)
 }
 """,
+    "family parameters, a comment after the last": """\
+family f(
+    vocab,
+    # the last one is the width
+) {
+    norm = rmsnorm(vocab)
+}
+""",
     "layout": """\
 plan p on m for t {
     layout {
