@@ -55,7 +55,7 @@ from meshllm_dsl.ir import (
     UnitFlow,
 )
 from meshllm_dsl.names import ranges
-from meshllm_dsl.schedule_order import rank_moments, schedule_cost
+from meshllm_dsl.schedule_order import rank_moments, rank_order, schedule_cost
 from meshllm_dsl.source import Span
 
 # ---------------------------------------------------------------- assumptions
@@ -164,17 +164,15 @@ def in_flight_microbatches(schedule: str, pipeline: int, coord: int, microbatche
     return min(microbatches, pipeline - coord)
 
 
-def stage_actions(schedule: str, stages: int, index: int, microbatches: int) -> str:
-    """The order in which a pipeline stage runs its microbatches' forwards (F) and backwards (B).
-
-    GPipe: every forward, then every backward. 1F1B (torch's Schedule1F1B): stage i runs
-    min(m, n - i) forwards, then alternates backward and forward, then drains. Interleaved 1F1B is
-    approximated as 1F1B over the n = p v virtual stages (torch interleaves chunks in rounds)."""
-    m = microbatches
-    if schedule == "gpipe":
-        return "F" * m + "B" * m
-    warmup = min(m, stages - index)
-    return "F" * warmup + "BF" * (m - warmup) + "B" * warmup
+def stage_actions(schedule: str, stages: int, index: int, microbatches: int, pipeline: int | None = None) -> str:
+    """The order in which pipeline stage `index` of `stages` (on `pipeline` ranks, one stage each
+    when not given) runs its microbatches' forwards (F) and backwards (B): torch's own, from
+    schedule_order (GPipe: every forward, then every backward; 1F1B: min(m, n - i) forwards, then
+    alternating, then the drain; interleaved: whole rounds of one chunk, so a rank's first chunk
+    runs FFBB where 1F1B would run FBFB)."""
+    p = pipeline or stages
+    order = rank_order(schedule, p, stages // p, microbatches, index % p)
+    return "".join(a[0] for a in order if a is not None and a[1] == index)
 
 
 def fsdp_unit_collectives(zero: int, actions: str | None, microbatches: int) -> tuple[int, int]:
@@ -890,7 +888,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 gathers = gathered_b = scatters = scattered_b = 0
                 for stage, blocks, numel, top in stage_parts:
                     units = blocks + (top > 0)  # runtime/fsdp.py: each block, then the stage root if it holds parameters
-                    actions = (stage_actions(plan.schedule, len(plan.stages), stage.index, m)
+                    actions = (stage_actions(plan.schedule, len(plan.stages), stage.index, m, p_size)
                                if p_size > 1 else None)
                     g, r = fsdp_unit_collectives(plan.zero, actions, m)
                     gathers, gathered_b = gathers + g * units, gathered_b + g * w * numel

@@ -196,3 +196,14 @@ plan p on m for l {
     last = rep.ranks[3]  # stages 3 and 7 (the head): 4 microbatches of stage 3, 1 of stage 7 at once
     assert last.in_flight == 5 and schedule_cost("interleaved_1f1b", 4, 2, 4).max_held[3] == (4, 1)
     assert last.activation_bytes < last.activation_bytes_per_microbatch * 5 // 2  # less than the even spread
+
+
+def test_fsdp_stage_actions_are_torchs_interleaved_rounds() -> None:
+    from meshllm_dsl.planner import stage_actions
+
+    # What FSDP2's gathers are counted over. Pipeline 2 x virtual 2, 4 microbatches: stage 2 (rank
+    # 0's second chunk) runs a round of two forwards, then their backwards; 1F1B over the 4 virtual
+    # stages, the old approximation, said FFBFBFBB.
+    assert [stage_actions("interleaved_1f1b", 4, i, 4, 2) for i in range(4)] == [
+        "FFFFBBBB", "FFFBFBBB", "FFBBFFBB", "FBFBFBFB"]
+    assert stage_actions("1f1b", 4, 1, 6) == "FFFBFBFBFBBB"  # single-stage schedules unchanged
