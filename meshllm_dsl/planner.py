@@ -146,24 +146,6 @@ def kv_cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_by
     return 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
-def in_flight_microbatches(schedule: str, pipeline: int, coord: int, microbatches: int, virtual: int) -> int:
-    """How many (virtual-stage) forward passes a rank holds activations for at its peak.
-
-    GPipe runs every forward before any backward: all m microbatches. 1F1B lets rank r run
-    p - r forwards before its first backward (Narayanan et al. 2021). Interleaved 1F1B (Megatron's
-    warm-up) runs 2 (p - r - 1) + (v - 1) p + 1 chunk-forwards before the first backward, which is
-    the paper's "L (1 + (p - 1) / (p v)) layers" on rank 0. Without a pipeline, microbatches are
-    gradient accumulation: one at a time.
-    """
-    if pipeline <= 1:
-        return 1
-    if schedule == "gpipe":
-        return microbatches * virtual
-    if schedule == "interleaved_1f1b":
-        return min(microbatches * virtual, 2 * (pipeline - coord - 1) + (virtual - 1) * pipeline + 1)
-    return min(microbatches, pipeline - coord)
-
-
 def stage_actions(schedule: str, stages: int, index: int, microbatches: int, pipeline: int | None = None) -> str:
     """The order in which pipeline stage `index` of `stages` (on `pipeline` ranks, one stage each
     when not given) runs its microbatches' forwards (F) and backwards (B): torch's own, from

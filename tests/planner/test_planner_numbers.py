@@ -13,13 +13,13 @@ from meshllm_dsl.ir import PlanIR
 from meshllm_dsl.planner import (
     analyze,
     bubble_fraction,
-    in_flight_microbatches,
     kv_bytes_per_token,
     optimizer_bytes_per_param,
     plan_warnings,
     report_text,
     zero_per_device,
 )
+from meshllm_dsl.schedule_order import rank_moments
 from meshllm_dsl.svg import simulated_idle
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -127,11 +127,16 @@ def test_interleaving_shrinks_the_simulated_bubble() -> None:
 
 
 def test_in_flight_microbatches() -> None:
-    assert [in_flight_microbatches("1f1b", 4, r, 8, 1) for r in range(4)] == [4, 3, 2, 1]
-    assert in_flight_microbatches("gpipe", 4, 0, 8, 1) == 8
-    # Interleaved, rank 0: 2 (p - 1) + (v - 1) p + 1 chunk forwards = L (1 + (p - 1) / (p v)) layers' worth.
-    assert in_flight_microbatches("interleaved_1f1b", 4, 0, 8, 2) == 6 + 4 + 1
-    assert in_flight_microbatches("gpipe", 1, 0, 8, 1) == 1
+    """The most (chunk) forwards a rank holds, from torch's order: the closed forms' totals."""
+    def most(schedule: str, p: int, r: int, m: int, v: int) -> int:
+        return max(sum(mo.held) for mo in rank_moments(schedule, p, v, m, r))
+
+    assert [most("1f1b", 4, r, 8, 1) for r in range(4)] == [4, 3, 2, 1]  # min(m, p - r)
+    assert most("gpipe", 4, 0, 8, 1) == 8
+    # Interleaved: 2 (p - r - 1) + (v - 1) p + 1 chunk forwards = L (1 + (p - 1) / (p v)) layers' worth,
+    # but not spread evenly: rank 0 holds 7 of stage 0 and 4 of stage 4 (tests/planner/test_schedule_order.py).
+    assert [most("interleaved_1f1b", 4, r, 8, 2) for r in range(4)] == [6 + 4 + 1, 9, 7, 5]
+    assert most("gpipe", 1, 0, 8, 1) == 1
 
 
 def test_llama_block_activations_per_microbatch() -> None:
