@@ -16,9 +16,11 @@ for a row layer fed a replicated input and the converse. Sequence parallelism's 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Literal, NoReturn, get_args
+from typing import Literal
 
 import attrs
+
+from meshllm_dsl.registry import assert_never, keyed
 
 CollectiveOp = Literal[
     "copy_to",
@@ -32,12 +34,6 @@ CollectiveOp = Literal[
 ]
 # What a device puts on the wire for one call (the planner's Comm.op); send_recv is the pipeline's.
 WirePrimitive = Literal["all_reduce", "all_gather", "reduce_scatter", "send_recv"]
-
-
-def assert_never(value: NoReturn) -> NoReturn:
-    """The end of an exhaustive dispatch over a Literal: a type checker proves it unreachable, and
-    at run time it names the value nobody handled (typing.assert_never, from Python 3.11 on)."""
-    raise AssertionError(f"unhandled value {value!r}")
 
 
 def ring_bytes(primitive: WirePrimitive, size: int, n: int) -> int:
@@ -168,14 +164,8 @@ _SPECS = (
 def _registry(specs: tuple[CollectiveSpec, ...]) -> Mapping[CollectiveOp, CollectiveSpec]:
     """The registry keyed by op; refuses (at import) an op of CollectiveOp without a record, a
     record for an op CollectiveOp lacks, or one named twice."""
-    ops = [s.op for s in specs]
-    declared = set(get_args(CollectiveOp))
-    missing, unknown = declared - set(ops), set(ops) - declared
-    twice = {op for op in ops if ops.count(op) > 1}
-    if missing or unknown or twice:
-        raise ValueError(f"collective registry: no record for {sorted(missing)}, records for undeclared ops "
-                         f"{sorted(unknown)}, records named twice {sorted(twice)}")
-    registry = {s.op: s for s in specs}
+    registry: dict[CollectiveOp, CollectiveSpec] = keyed(  # type: ignore[assignment]
+        specs, lambda s: s.op, CollectiveOp, "collective", "op")
     bad = [s.op for s in specs if s.under_seq is not None and s.under_seq not in registry]
     if bad:
         raise ValueError(f"collective registry: {bad} turn into unregistered ops under sequence parallelism")

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 import attrs
 
 from meshllm_dsl.primitives.args import Arg
+from meshllm_dsl.registry import keyed
 
 if TYPE_CHECKING:
     from meshllm_dsl.ir import Leaf, Placement, PlanIR, Unit, UnitFlow
@@ -137,22 +138,17 @@ _TOP_LEVEL = ("top_lines",)
 def _registry(prims: tuple[Primitive, ...]) -> Mapping[UnitKind, Primitive]:
     """The registry keyed by kind; refuses (at import) a kind of UnitKind without a record, a record
     for a kind UnitKind lacks, or one named twice."""
-    kinds = [p.kind for p in prims]
-    declared = set(get_args(UnitKind))
-    missing, unknown = declared - set(kinds), set(kinds) - declared
-    twice = {k for k in kinds if kinds.count(k) > 1}
-    if missing or unknown or twice:
-        raise ValueError(f"primitive registry: no record for {sorted(missing)}, records for undeclared kinds "
-                         f"{sorted(unknown)}, records named twice {sorted(twice)}")
+    registry: dict[UnitKind, Primitive] = keyed(  # type: ignore[assignment]
+        prims, lambda p: p.kind, UnitKind, "primitive", "kind")
     lacking = {p.kind: [m for m in _REQUIRED + (_SUBLAYER if p.sublayer else _TOP_LEVEL)
                         if getattr(type(p), m) is getattr(Primitive, m)] for p in prims}
     lacking = {k: ms for k, ms in lacking.items() if ms}
     if lacking:
         raise ValueError(f"primitive registry: records without their own {lacking}")
     leaf_kinds = set(get_args(LeafKind))
-    if not leaf_kinds <= declared:
-        raise ValueError(f"primitive registry: leaf kinds {sorted(leaf_kinds - declared)} are no layer kind")
-    return {p.kind: p for p in prims}
+    if not leaf_kinds <= set(registry):
+        raise ValueError(f"primitive registry: leaf kinds {sorted(leaf_kinds - set(registry))} are no layer kind")
+    return registry
 
 
 from meshllm_dsl.primitives import attention, embedding, linear, mlp, norm  # noqa: E402
