@@ -24,6 +24,7 @@ from typing import Any
 from meshllm_dsl.codes import W0801
 from meshllm_dsl.limits import MAX_BLOCKS, MAX_DEVICES, MAX_INT, MAX_NAME
 from meshllm_dsl.names import identifier_problem
+from meshllm_dsl.runtime.json_values import describe
 from meshllm_dsl.slurm import script_value_problem
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
@@ -46,15 +47,6 @@ MAX_CONFIG_BYTES = 16 * 2**20
 _NO_DEFAULT: Any = object()
 
 
-def _describe(value: Any) -> str:
-    """``value`` as JSON writes it, with its JSON type (as runtime/hf.py words it)."""
-    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-            list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
-    text = json.dumps(value, default=str)
-    text = text if len(text) <= 40 else text[:37] + "..."
-    return "null" if value is None else f"{text} ({kind})"
-
-
 class _Fields:
     """Typed reads of one JSON object of config.json: each raises ConfigError naming the file, the
     field and what was expected.  ``null`` is the default, as transformers reads a config; a
@@ -68,7 +60,7 @@ class _Fields:
     def error(self, field: str, expected: str) -> ConfigError:
         if self.doc.get(field) is None:
             return ConfigError(f"{self.where}: no `{self.prefix}{field}`; expected {expected}")
-        return ConfigError(f"{self.where}: `{self.prefix}{field}` is {_describe(self.doc[field])}; expected {expected}")
+        return ConfigError(f"{self.where}: `{self.prefix}{field}` is {describe(self.doc[field])}; expected {expected}")
 
     def _get(self, field: str, default: Any, expected: str) -> Any:
         value = self.doc.get(field)
@@ -314,7 +306,7 @@ def read_config(directory: Path) -> dict[str, Any]:
     except RecursionError:
         raise ConfigError(f"{path}: JSON nested too deeply to read") from None
     if not isinstance(doc, dict):
-        raise ConfigError(f"{path}: holds {_describe(doc)}; expected a JSON object")
+        raise ConfigError(f"{path}: holds {describe(doc)}; expected a JSON object")
     return doc
 
 

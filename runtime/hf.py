@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .fsdp import tp_local
+from .json_values import describe
 from .mesh import Mesh
 from .outputs import MANIFEST, manifest_bytes, read_manifest, write_file_atomic
 from .shards import ShardSpec, gather_full
@@ -237,15 +238,6 @@ def hf_key_map(model: Mapping[str, Any], names: list[str]) -> dict[str, tuple[st
 # snapshot of the Hugging Face cache (whose files all link to ../../blobs/<sha>), inside that
 # repository's blobs/.  Anything else would read (and an export would disclose) a file the
 # user never named.
-
-
-def describe(value: Any) -> str:
-    """``value`` as JSON shows it, with its JSON type: for one-line messages."""
-    kind = {bool: "true or false", int: "an integer", float: "a number", str: "a string",
-            list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
-    text = json.dumps(value, default=str)
-    text = text if len(text) <= 40 else text[:37] + "..."
-    return "null" if value is None else f"{text} ({kind})"
 
 
 def _plain_name(name: Any) -> bool:
