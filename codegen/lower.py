@@ -472,7 +472,9 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         f"Model `{plan.model.name}`: {plan.model.numel:,} parameters.",
         f"Pipeline: {len(plan.stages)} stage(s)" + (f" over `{plan.roles.pipeline}`, schedule {plan.schedule}, "
                                                    f"{plan.microbatches} microbatches" if plan.roles.pipeline else "") + ".",
-        f"Data parallel over: {_axes_text(plan.roles.batch) or 'none'}; ZeRO stage {plan.zero}.",
+        f"Data parallel over: {_axes_text(plan.roles.batch) or 'none'}; ZeRO stage {plan.zero}"
+        + (f" over {_axes_text(plan.roles.batch_shard)}, replicated over {_axes_text(plan.roles.batch_replicate)} (HSDP)"
+           if plan.zero and plan.roles.batch_replicate else "") + ".",
         *([f"Precision: compute in {plan.dtype}, master weights and optimizer states in {plan.master_dtype}, "
            f"gradients reduced in {plan.reduce_dtype} (FSDP2 MixedPrecisionPolicy)."] if plan.master_dtype else []),
         "",
@@ -524,6 +526,8 @@ def _adamw_kwargs(plan: PlanIR) -> dict[str, Any]:
     given = dict(plan.optimizer_settings)
     out: dict[str, Any] = {}
     if "lr" in given:
+        # HSDP: ZeRO shards over these batch axes only and replicates over the others.
+        *([Line(f"zero_axes={tuple(plan.roles.batch_shard)!r},")] if plan.roles.batch_replicate and plan.zero else []),
         out["lr"] = given["lr"]
     if "beta1" in given or "beta2" in given:
         out["betas"] = (given.get("beta1", 0.9), given.get("beta2", 0.999))

@@ -103,8 +103,8 @@ CODES: dict[str, tuple[str, str]] = {
     "E0406": ("unknown rule", "The sharding rules are `column(AXES)`, `row(AXES)`, `vocab_parallel(AXES)` and "
               "`replicate`; losses are `cross_entropy` and `vocab_parallel(AXES)`."),
     "E0407": ("axis has two roles", "A mesh axis is the pipeline axis, a batch (data-parallel) axis, or an axis "
-              "parameters are sharded over; not two of these. ZeRO shards optimizer state over exactly the batch "
-              "axes."),
+              "parameters are sharded over; not two of these. ZeRO shards optimizer state over the batch "
+              "axes, or over some of them and replicates over the rest (HSDP)."),
     "E0408": ("tied weights placed differently", "Layers that share one weight (a head tied to the embedding) "
               "must place it the same way: `vocab_parallel(T)` for the embedding with `column(T)` for the head "
               "split the same vocabulary rows."),

@@ -505,6 +505,15 @@ def _link(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...]) -> tuple[f
     return device.intra_gbps * 1e9, measured or LATENCY_INTRA_S, False
 
 
+def hsdp_replica_comm(plan: PlanIR, device: DeviceProfile, calls: int, size: int) -> list[Comm]:
+    """HSDP's all-reduce across replicas of each reduce-scattered gradient shard (`size` bytes
+    before the scatter over the shard group, so size / shards per call); none without replicas."""
+    replicas = plan.roles.batch_replicate if plan.zero else ()
+    if not replicas or plan.mesh.size(*replicas) == 1:
+        return []
+    return [_comm(plan, device, replicas, "data", "all_reduce", calls, size // plan.zero_size)]
+
+
 def _comm(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], kind: str, op: WirePrimitive, calls: int,
           size: int, group: int | None = None) -> Comm:
     """`calls` collectives of `size` bytes each over the group along `axes`."""
@@ -862,7 +871,9 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 comms.append(_comm(plan, device, (plan.roles.pipeline,), "tied", "all_reduce", 1, w * tied, group=2))
         fsdp_events = 0  # FSDP2 all-gathers and reduce-scatters of units
         if dp > 1:
-            data_axes = plan.roles.batch
+            # ZeRO's collectives run within a shard group; with HSDP the shards' gradients are then
+            # all-reduced across the replicas (hsdp_replica_comm).
+            data_axes = plan.roles.batch_shard if plan.zero else plan.roles.batch
             reduce_w = DTYPES[plan.reduce_dtype or plan.dtype]
             if plan.zero >= 2:
                 # FSDP2, unit by unit: parameters gathered in the compute dtype, gradients
@@ -879,9 +890,11 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 comms.append(_comm(plan, device, data_axes, "data", "all_gather", gathers, gathered_b // max(1, gathers)))
                 comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", scatters,
                                    scattered_b // max(1, scatters)))
+                comms += hsdp_replica_comm(plan, device, scatters, scattered_b // max(1, scatters))
             elif plan.zero >= 1:
                 # Gradients reduce-scattered to their owners, updated weights all-gathered back.
                 comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", 1, w * local))
+                comms += hsdp_replica_comm(plan, device, 1, w * local)
                 comms.append(_comm(plan, device, data_axes, "data", "all_gather", 1, w * local))
             else:
                 comms.append(_comm(plan, device, data_axes, "data", "all_reduce", 1, w * local))

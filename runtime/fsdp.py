@@ -1,4 +1,5 @@
-"""ZeRO-2 / ZeRO-3 and mixed precision with master weights, by PyTorch's FSDP2 (``fully_shard``).
+"""ZeRO-2 / ZeRO-3 (also hybrid-sharded, HSDP) and mixed precision with master weights, by
+PyTorch's FSDP2 (``fully_shard``).
 
 A stage holds plain local tensors (its tensor-parallel shards, laid out by ``ShardSpec``); FSDP2
 shards each of them again along dim 0 over the data-parallel ranks, as torchtitan composes FSDP2
@@ -26,8 +27,23 @@ from .mesh import Mesh
 __all__ = ["data_local", "data_mesh", "is_sharded", "like_sharded", "shard_stage", "store_tp_local", "tp_local"]
 
 
-def data_mesh(mesh: Mesh, batch_axes: tuple[str, ...], device_type: str) -> Any:
-    """A 1-D DeviceMesh over this rank's data-parallel group (the batch axes flattened).
+def _axis_group(mesh: Mesh, axes: tuple[str, ...]) -> tuple[Any, list[int]]:
+    """The group over ``axes`` holding this rank and its ranks; a group of this rank alone when
+    ``axes`` is empty or spans one rank (``Mesh.group`` gives None there)."""
+    group = mesh.group(*axes) if axes else None
+    if group is None:
+        singles = mesh.make_groups([(r,) for r in mesh.ranks])
+        return singles[(mesh.rank,)], [mesh.rank]
+    return group, list(mesh.ranks_along(*axes))
+
+
+def data_mesh(
+    mesh: Mesh, batch_axes: tuple[str, ...], device_type: str, shard_axes: tuple[str, ...] | None = None
+) -> Any:
+    """The DeviceMesh FSDP2 shards over: 1-D over the batch axes flattened, or with HSDP
+    (``shard_axes`` a strict subset of ``batch_axes``) 2-D ``(replicate, shard)``, torchtitan's
+    ``dp_replicate x dp_shard``: parameters sharded over the shard axes and replicated over the
+    rest, gradients reduce-scattered within a shard group and then all-reduced across replicas.
 
     Built from the group ``Mesh`` already made (``from_group`` creates none), which also works in
     the worker pool whose mesh is smaller than the world. With one data rank (no batch axes, or
@@ -35,15 +51,29 @@ def data_mesh(mesh: Mesh, batch_axes: tuple[str, ...], device_type: str) -> Any:
     """
     from torch.distributed.device_mesh import DeviceMesh
 
-    group = mesh.group(*batch_axes) if batch_axes else None
-    if group is None:
-        singles = mesh.make_groups([(r,) for r in mesh.ranks])
-        group = singles[(mesh.rank,)]
-        ranks = [mesh.rank]
-    else:
-        ranks = list(mesh.ranks_along(*batch_axes))
-    name = "x".join(batch_axes) or "data"
-    return DeviceMesh.from_group(group, device_type, torch.tensor(ranks), mesh_dim_names=(name,))
+    order = mesh.names  # Mesh.group wants its axes in mesh order
+    shard = tuple(a for a in order if a in (batch_axes if shard_axes is None else shard_axes))
+    replicate = tuple(a for a in order if a in batch_axes and a not in shard)
+    if not replicate or mesh.size(*replicate) == 1:
+        group, ranks = _axis_group(mesh, shard)
+        name = "x".join(shard) or "data"
+        return DeviceMesh.from_group(group, device_type, torch.tensor(ranks), mesh_dim_names=(name,))
+    (rgroup, _), (sgroup, _) = _axis_group(mesh, replicate), _axis_group(mesh, shard)
+    # [replicate, shard]: the global rank at each pair of flattened coordinates.
+    layout = [[_rank_at(mesh, replicate, r, shard, s) for s in range(mesh.size(*shard))]
+              for r in range(mesh.size(*replicate))]
+    return DeviceMesh.from_group([rgroup, sgroup], device_type, torch.tensor(layout),
+                                 mesh_dim_names=("x".join(replicate), "x".join(shard)))
+
+
+def _rank_at(mesh: Mesh, replicate: tuple[str, ...], r: int, shard: tuple[str, ...], s: int) -> int:
+    """The global rank at flattened coordinate ``r`` over ``replicate`` and ``s`` over ``shard``
+    (the other axes at this rank's coordinates)."""
+    coords: dict[str, int] = {}
+    for axes, flat in ((replicate, r), (shard, s)):
+        for a in reversed(axes):
+            coords[a], flat = flat % mesh.size(a), flat // mesh.size(a)
+    return mesh.rank_at(**coords)
 
 
 def shard_stage(
@@ -84,7 +114,9 @@ def tp_local(t: Tensor) -> Tensor:
 
 def _chunk(full: Tensor, dtensor: Any) -> Tensor:
     """This rank's dim-0 chunk of ``full``, as FSDP2 cuts it (``torch.chunk``; empty past the end)."""
-    n, i = dtensor.device_mesh.size(), dtensor.device_mesh.get_local_rank()
+    # The mesh dim FSDP2 shards over: the only one of a 1-D mesh, the last (shard) one with HSDP.
+    dim = dtensor.device_mesh.ndim - 1
+    n, i = dtensor.device_mesh.size(dim), dtensor.device_mesh.get_local_rank(dim)
     chunks = full.chunk(n, dim=0)
     return chunks[i] if i < len(chunks) else full[0:0]
 

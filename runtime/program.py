@@ -95,6 +95,8 @@ class Program:
     batch: int = 8
     seq: int = 32
     zero: int = 0
+    # The batch axes ZeRO shards over; the other batch axes hold replicas (HSDP). Empty: all of them.
+    zero_axes: Sequence[str] = ()
     optimizer: Mapping[str, Any] = field(default_factory=dict)
     dtype: torch.dtype = torch.float32  # the parameters' (with `precision`: the master weights')
     # A plan's `precision`: compute in param_dtype and reduce gradients in reduce_dtype (FSDP2's
@@ -225,6 +227,7 @@ class Built:
         )
         self.batch_axes = tuple(program.batch_axes)
         self.dp = mesh.size(*self.batch_axes) if self.batch_axes else 1
+        self.zero_axes = tuple(a for a in mesh.names if a in (program.zero_axes or self.batch_axes))
         self._tied = self._tied_groups()
         if program.zero >= 2:
             self._fully_shard()
@@ -252,7 +255,7 @@ class Built:
     def _fully_shard(self) -> None:
         """ZeRO-3 (parameters resharded after each forward) or ZeRO-2 (kept until backward) by FSDP2
         over the data ranks; gradients and optimizer states are sharded either way."""
-        dmesh = fsdp.data_mesh(self.mesh, self.batch_axes, self.device.type)
+        dmesh = fsdp.data_mesh(self.mesh, self.batch_axes, self.device.type, self.zero_axes)
         for i in self.stage_ids:
             fsdp.shard_stage(
                 self.modules[i],
@@ -324,7 +327,7 @@ class Built:
         params = self.parameters()
         # ZeRO-2 / 3: the parameters are FSDP2's DTensors, each rank holding a slice, so plain
         # AdamW keeps (and steps) state for that slice only.
-        if self.program.zero == 1 and self.dp > 1:
+        if self.program.zero == 1 and self.zero_axes and self.mesh.size(*self.zero_axes) > 1:
             # Imported here, not at module level: it pulls in FSDP and DTensor (~2.4 CPU-s per
             # rank), which only ZeRO plans should pay for.
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -336,7 +339,9 @@ class Built:
             return ZeroRedundancyOptimizer(
                 params,
                 optimizer_class=torch.optim.AdamW,
-                process_group=self.mesh.group(*self.batch_axes),
+                # With HSDP each replica group steps the same partition alike: the gradients were
+                # already averaged over every batch axis.
+                process_group=self.mesh.group(*self.zero_axes),
                 parameters_as_bucket_view=True,
                 **kw,
             )
@@ -481,7 +486,7 @@ class Built:
                     continue
                 split = {a for _, axes in spec.dims for a in axes}
                 if fsdp.is_sharded(param.grad):
-                    split |= set(self.batch_axes)  # each data rank holds its own slice of it
+                    split |= set(self.zero_axes)  # each shard rank holds its own slice of it (HSDP: replicas repeat it)
                 copies = [a for a in self.mesh.names if a != self.program.pipeline_axis and a not in split]
                 if all(self.mesh.coord(a) == 0 for a in copies):
                     grad = fsdp.data_local(param.grad.detach())

@@ -1,5 +1,6 @@
 """The optimizer statement: its name and settings with their ranges (E0203, E0304, E0309) and ZeRO
-over the data-parallel axes (E0407): stage 1 is torch's ZeroRedundancyOptimizer, 2 and 3 FSDP2."""
+over the data-parallel axes or a subset of them (E0407; a subset is HSDP, replicated over the rest):
+stage 1 is torch's ZeroRedundancyOptimizer, 2 and 3 FSDP2."""
 
 from __future__ import annotations
 
@@ -79,7 +80,8 @@ class OptimizerRules(PlanContext):
                     self.error(E0407, "ZeRO shards over the data-parallel axes, but this plan has none",
                                stmt.zero.span, label=f"zero {zero}",
                                help="add `layout { batch -> data }` so the batch (and the optimizer states) split over an axis")
-                elif set(axes) != set(batch_axes) and zero:
+                elif not set(axes) <= set(batch_axes) and zero:
+                    # A strict subset is HSDP: sharded within, replicated across the other batch axes.
                     self.error(E0407, f"ZeRO must shard over the batch axes ({' x '.join(batch_axes)}), not {' x '.join(axes)}",
                                stmt.zero.span, label="not the data-parallel axes",
                                help=f"write `zero {zero} over {' * '.join(batch_axes)}`: only ranks holding the same parameters can share their optimizer states",

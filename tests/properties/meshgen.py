@@ -560,7 +560,7 @@ class _Oracle:
             axes = over if over else s.batch_axes
             if stage and not s.batch_axes:
                 self.bad("E0407", "ZeRO without batch axes")
-            elif stage and set(axes) != set(s.batch_axes):
+            elif stage and not set(axes) <= set(s.batch_axes):  # a subset is HSDP
                 self.bad("E0407", "ZeRO over axes other than the batch axes")
 
 
