@@ -474,12 +474,13 @@ def test_eval_reports_transformers_loss_on_held_out_text(models: dict[str, Any],
 
 
 @pytest.mark.parametrize(("kind", "plan"), [("llama3_tied", "pipeline2_tensor2"), ("qwen2", "data2_tensor2"),
-                                            ("gpt2_padded", "pipeline2_tensor2")])
+                                            ("gpt2_padded", "pipeline2_tensor2"), ("qwen3", "pipeline2_tensor2")])
 def test_new_family_features_train_like_the_unsharded_reference(
     kind: str, plan: str, pool: WorkerPool, tmp_path: Path
 ) -> None:
-    """Tied llama head across pipeline stages, llama3 rope scaling, q/k/v-only biases, padded vocab:
-    logits, gradients and parameters after AdamW steps equal the unsharded reference."""
+    """Tied llama head across pipeline stages, llama3 rope scaling, q/k/v-only biases, padded vocab,
+    q / k norms per head (their scale's gradient summed over the heads' ranks): logits, gradients and
+    parameters after AdamW steps equal the unsharded reference."""
     from meshllm_dsl.runtime.compare import TOLERANCE
 
     path, n = _module(kind, plan, tmp_path)
@@ -488,15 +489,23 @@ def test_new_family_features_train_like_the_unsharded_reference(
         assert not bad, f"rank {rank}: {bad}"
 
 
-def test_meshc_run_with_a_missing_tensor_exits_2_naming_it_before_launching(models: dict[str, Any], tmp_path: Path) -> None:
+def test_meshc_run_with_a_missing_tensor_exits_2_naming_it_before_launching(
+    models: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshllm_dsl import cli, cli_job
+
+    def no_launch(*args: object, **kwargs: object) -> int:
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(cli_job, "run_job", no_launch)
     directory, _ = models["llama"]
     bad = tmp_path / "bad"
     _corrupt(directory, bad, "missing")
     spec_path = tmp_path / "m.mesh"
     spec_path.write_text(spec("llama", "tensor2"))
-    proc = _run(str(spec_path), "--weights", str(bad), "--steps", "0", cwd=tmp_path)
-    assert proc.returncode == 2
-    assert "launching" not in proc.stderr  # found before any rank starts
-    lines = [x for x in proc.stderr.splitlines() if "bad --weights" in x]
-    assert len(lines) == 1, proc.stderr[-3000:]
+    assert cli.main(["run", str(spec_path), "--weights", str(bad), "--steps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "launching" not in err  # found before any rank starts
+    lines = [x for x in err.splitlines() if "bad --weights" in x]
+    assert len(lines) == 1, err[-3000:]
     assert all(BAD["missing"] in x and str(bad) in x for x in lines)

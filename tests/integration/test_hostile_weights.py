@@ -3,7 +3,7 @@
 Each case mutates a copy of a tiny real Llama saved by transformers (tests/hf_models.py) and calls
 the checks `meshc run` and every rank make before anything starts (`hf.check_weights`,
 `hf.check_export_dir`), in-process: they only read files.  A few cases go end to end through
-`meshc run` (exit 2, nothing launched) and through an export on the worker pool.
+`meshc run`'s main (exit 2, nothing launched) and through an export on the worker pool.
 """
 
 from __future__ import annotations
@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -392,21 +390,24 @@ def test_export_writes_like_compile_and_copies_only_links_that_stay_inside(
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
 
 
-def _meshc_run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "meshllm_dsl", "run", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+def test_meshc_run_refuses_an_export_onto_a_file_before_training(
+    llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshllm_dsl import cli, cli_job
 
+    def no_launch(*args: object, **kwargs: object) -> int:
+        raise AssertionError("a rank was started")
 
-def test_meshc_run_refuses_an_export_onto_a_file_before_training(llama: Path, tmp_path: Path) -> None:
+    monkeypatch.setattr(cli_job, "run_job", no_launch)
     spec_path = tmp_path / "m.mesh"
     spec_path.write_text(spec("llama", "single"))
     target = tmp_path / "trained"
     target.write_text("my notes")
-    proc = _meshc_run(str(spec_path), "--weights", str(llama), "--steps", "3", "--export-hf", str(target),
-                      cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "launching" not in proc.stderr
-    (line,) = [x for x in proc.stderr.splitlines() if x.strip()]
+    code = cli.main(["run", str(spec_path), "--weights", str(llama), "--steps", "3", "--export-hf", str(target)])
+    err = capsys.readouterr().err
+    assert code == 2, err[-2000:]
+    assert "launching" not in err
+    (line,) = [x for x in err.splitlines() if x.strip()]
     assert f"--export-hf {target}: exists and is not a directory" in line
     assert target.read_text() == "my notes"
 

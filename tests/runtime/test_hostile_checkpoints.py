@@ -221,14 +221,24 @@ plan p on m for m {
 """
 
 
-def test_meshc_run_refuses_a_new_run_into_a_root_of_checkpoints_and_save_over_keeps_them(tmp_path: Path) -> None:
+def test_meshc_run_refuses_a_new_run_into_a_root_of_checkpoints_and_save_over_keeps_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from meshllm_dsl import cli, cli_job
+
     spec = tmp_path / "m.mesh"
     spec.write_text(SPEC)
     root = _root(tmp_path, [(1, "a"), (2, "a"), (10, "a")])
     before = {str(p): p.read_bytes() for p in root.rglob("*") if p.is_file()}
-    proc = _meshc_run(str(spec), "--steps", "2", "--save", str(root), "--keep", "1", cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr[-2000:]
-    (line,) = [x for x in proc.stderr.splitlines() if x.strip()]
+
+    def no_launch(*args: object, **kwargs: object) -> int:
+        raise AssertionError("a rank was started")
+
+    # The refusal comes before any rank starts, so meshc's own main runs it in-process.
+    with monkeypatch.context() as m:
+        m.setattr(cli_job, "run_job", no_launch)
+        assert cli.main(["run", str(spec), "--steps", "2", "--save", str(root), "--keep", "1"]) == 2
+    (line,) = [x for x in capsys.readouterr().err.splitlines() if x.strip()]
     assert f"--save {root}: holds 3 checkpoints" in line and "--save-over" in line and "--resume" in line
     assert {str(p): p.read_bytes() for p in root.rglob("*") if p.is_file()} == before
     # --save-over: the other run's checkpoints are kept (never pruned), `latest` names this run's.
