@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from processes import StderrReader
 from rt_models import llama_model, split_stages, vocab_loss
@@ -138,13 +139,27 @@ def _infer_job(ctx: RankContext, ckpt: str) -> tuple[list[int], list[int]]:
     return out[0].tolist(), tokens[0].tolist()
 
 
-def test_train_and_save_then_decode_from_the_checkpoint(tmp_path: Path, pool: WorkerPool) -> None:
-    data = tmp_path / "corpus.txt"
-    data.write_text("the quick brown fox jumps over the lazy dog. " * 20)
-    ckpt = tmp_path / "ckpt"
-    proc = _torchrun(tmp_path, "--steps", "3", "--data", str(data), "--save", str(ckpt))
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess[str]]:
+    """One uninterrupted run that two tests read: 6 steps on a text file, a checkpoint every 2.
+    (The directory holding the corpus, the run's output.)"""
+    tmp = tmp_path_factory.mktemp("straight")
+    (tmp / "corpus.txt").write_text("the quick brown fox jumps over the lazy dog. " * 20)
+    proc = _torchrun(tmp, "--steps", "6", *_data(tmp), "--save", str(tmp / "ckpt"), "--save-every", "2")
+    return tmp, proc
+
+
+def _data(tmp: Path) -> tuple[str, str]:
+    return "--data", str(tmp / "corpus.txt")
+
+
+def test_train_and_save_then_decode_from_the_checkpoint(
+    straight: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path, pool: WorkerPool
+) -> None:
+    tmp, proc = straight
+    ckpt = tmp / "ckpt"
     assert proc.returncode == 0, proc.stderr
-    assert "step 3/3" in proc.stderr
+    assert "step 6/6" in proc.stderr
     summary = [line for line in proc.stderr.splitlines() if line.startswith("done: loss")]
     assert len(summary) == 1, proc.stderr
     assert "tokens/s" in summary[0] and "r0=" in summary[0] and "r1=" in summary[0]
@@ -154,7 +169,7 @@ def test_train_and_save_then_decode_from_the_checkpoint(tmp_path: Path, pool: Wo
     proc = _torchrun(tmp_path, "--infer", "--load", str(ckpt), "--tokens", "2")
     assert proc.returncode == 0, proc.stderr
     said = [line for line in proc.stderr.splitlines() if line.startswith("loaded the weights of ")]
-    assert said == [f"loaded the weights of {ckpt / 'step-000003'} (step 3, saved on pipeline 2 x tensor 1)"], proc.stderr
+    assert said == [f"loaded the weights of {ckpt / 'step-000006'} (step 6, saved on pipeline 2 x tensor 1)"], proc.stderr
 
 
 def test_a_failing_rank_stops_the_job_promptly_and_names_the_cause(tmp_path: Path) -> None:
@@ -172,15 +187,16 @@ def _shards(step_dir: Path) -> dict[str, bytes]:
 
 
 def test_kill_9_during_a_save_keeps_the_previous_checkpoint_and_resume_is_exact(
-    tmp_path: Path,
+    straight: tuple[Path, subprocess.CompletedProcess[str]], tmp_path: Path
 ) -> None:
-    straight, crash = tmp_path / "straight", tmp_path / "crash"
-    proc = _torchrun(tmp_path, "--steps", "6", "--save", str(straight), "--save-every", "2")
+    # `straight`'s training (the same data) with faults: it must end in the same bytes.
+    shared, proc = straight
+    straight_root, crash = shared / "ckpt", tmp_path / "crash"
     assert proc.returncode == 0, proc.stderr
     want_loss = [ln for ln in proc.stderr.splitlines() if ln.startswith("done: loss")][0][:16]
 
     proc = _torchrun(
-        tmp_path, "--steps", "6", "--save", str(crash), "--save-every", "2",
+        tmp_path, "--steps", "6", *_data(shared), "--save", str(crash), "--save-every", "2",
         fault="kill -9 rank 1 while saving step 4",
     )
     assert proc.returncode != 0
@@ -191,28 +207,28 @@ def test_kill_9_during_a_save_keeps_the_previous_checkpoint_and_resume_is_exact(
     assert (crash / ".tmp-step-000004").is_dir()
     assert not (crash / "step-000004").exists()
     checkpoint.verify(crash)
-    assert _shards(crash / "step-000002") == _shards(straight / "step-000002")
+    assert _shards(crash / "step-000002") == _shards(straight_root / "step-000002")
 
     proc = _torchrun(
-        tmp_path, "--steps", "6", "--resume", "latest", "--save", str(crash), "--save-every", "2"
+        tmp_path, "--steps", "6", *_data(shared), "--resume", "latest", "--save", str(crash), "--save-every", "2"
     )
     assert proc.returncode == 0, proc.stderr
     assert f"resumed from {crash / 'step-000002'} at step 2" in proc.stderr
     assert "step 6/6" in proc.stderr and "step 2/6" not in proc.stderr
     assert [ln for ln in proc.stderr.splitlines() if ln.startswith("done: loss")][0][:16] == want_loss
     # 2 steps + crash + resume + 4 steps == 6 steps, bit for bit.
-    assert _shards(crash / "step-000006") == _shards(straight / "step-000006")
+    assert _shards(crash / "step-000006") == _shards(straight_root / "step-000006")
     assert not list(crash.glob(".tmp-*"))
 
     # With torchrun's restarts a killed rank costs the steps since the last checkpoint, no more.
     restart = tmp_path / "restart"
     proc = _torchrun(
-        tmp_path, "--steps", "6", "--save", str(restart), "--save-every", "2",
+        tmp_path, "--steps", "6", *_data(shared), "--save", str(restart), "--save-every", "2",
         fault="kill -9 rank 1 at step 5, first attempt only", restarts=1,
     )
     assert proc.returncode == 0, proc.stderr
     assert f"resumed from {restart / 'step-000004'} at step 4" in proc.stderr
-    assert _shards(restart / "step-000006") == _shards(straight / "step-000006")
+    assert _shards(restart / "step-000006") == _shards(straight_root / "step-000006")
 
 
 def _rank_pids(parent: int) -> dict[int, int]:
