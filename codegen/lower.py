@@ -31,7 +31,7 @@ from meshllm_dsl.ir import (
     Unit,
     UnitFlow,
 )
-from meshllm_dsl.layouts import seq_partial_grad
+from meshllm_dsl.layouts import column_partial_grad, seq_partial_grad
 from meshllm_dsl.names import ranges
 from meshllm_dsl.primitives.embedding import EMBEDDING
 
@@ -208,13 +208,18 @@ class _UnitWriter:
             p = placement.get(f"{unit.name}.{leaf.name}", REPLICATE)
             w = leaf.params[0]
             out_f, in_f = self.plan.local_shape(w, p)
-            has_bias = len(leaf.params) > 1
+            has_bias = any(t.name == "bias" for t in leaf.params)
             if p.sharded:
                 what = self._unit_words(unit, leaf, p)
                 comment = f"{p.rule}({', '.join(p.axes)}): {what}"
             else:
                 comment = "replicated"
             lines.append(Line(f"self.{attr}.{leaf.name} = nn.Linear({in_f}, {out_f}, bias={has_bias})", comment))
+            for t in (t for t in leaf.params[1:] if t.name != "bias"):
+                # a scale applied to the layer's output (attention's q / k norm)
+                n = self.plan.local_shape(t, p)[0]
+                lines.append(Line(f"self.{attr}.{leaf.name}.{t.name} = nn.Parameter(torch.ones({n}))",
+                                  "split with the layer" if p.tensor_dim(t) is not None else "replicated"))
         return lines
 
     def _unit_words(self, unit: Unit, leaf: Leaf, p: Placement) -> str:
@@ -299,7 +304,8 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
             p = placement.get(".".join(leaf.path[0:]) if len(leaf.path) == 1 else f"{unit.name}.{leaf.name}", REPLICATE)
             local_base = leaf.path[0] if len(leaf.path) == 1 else f"{unit.name}.{leaf.name}"
             for t in leaf.params:
-                params.append(_spec(f"{local_base}.{t.name}", t, p, partial_grad=seq_partial_grad(plan, unit, leaf, t)))
+                partial = seq_partial_grad(plan, unit, leaf, t) + column_partial_grad(p, t)
+                params.append(_spec(f"{local_base}.{t.name}", t, p, partial_grad=partial))
         prim = primitives.of(unit)
         if prim.norm:
             forward.append(Line(f"h = self.{unit.name}(x)"))

@@ -27,9 +27,9 @@ from meshllm_dsl.names import identifier_problem
 from meshllm_dsl.runtime.json_values import describe
 from meshllm_dsl.slurm import script_value_problem
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GPT2LMHeadModel")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "gpt2": "GPT2LMHeadModel"}
+                "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
@@ -121,6 +121,8 @@ class _Fields:
 
 
 def _num(x: Any) -> str:
+    if isinstance(x, str):  # a choice (qk_norm = head)
+        return x
     if isinstance(x, bool):
         return "true" if x else "false"
     if isinstance(x, int):
@@ -216,7 +218,7 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
     if arch == "MistralForCausalLM" and window is not None and window < positions:
         raise refuse("sliding_window", "limits attention to a window shorter than max_position_embeddings; "
                      "meshllm computes full causal attention")
-    if arch == "Qwen2ForCausalLM" and f.flag("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and f.flag("use_sliding_window", False):
         raise refuse("use_sliding_window", "limits attention to a window; meshllm computes full causal attention")
     for field in ("attn_logit_softcapping", "final_logit_softcapping", "logits_scaling"):
         f.off(field, "changes the logits (not supported)")
@@ -271,13 +273,16 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
         settings += [("attn_bias", True, "the architecture"), ("attn_out_bias", False, "the architecture")]
     elif f.flag("attention_bias", False):
         settings += [("attn_bias", True, "`attention_bias`")]
+    if arch == "Qwen3ForCausalLM":  # q and k normalised per head, with rms_norm_eps
+        settings += [("qk_norm", "head", "the architecture")]
     settings += [("tie_embeddings", f.flag("tie_word_embeddings", False), "`tie_word_embeddings`"),
                  ("dtype", dtype, "`torch_dtype`")]
     return "llama", settings, positions
 
 
 # transformers' defaults for max_position_embeddings where a config leaves it out.
-_DEFAULT_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768}
+_DEFAULT_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768,
+                      "Qwen3ForCausalLM": 32768}
 
 
 def read_config(directory: Path) -> dict[str, Any]:

@@ -250,7 +250,8 @@ class Placement:
         if not self.sharded:
             return None
         if self.rule in ("column", "vocab_parallel"):
-            return 0
+            # A dim made of no shard unit repeats per unit (a per-head norm scale): never split.
+            return 0 if tensor.units[0] else None
         if self.rule == "row":
             return 1 if len(tensor.shape) == 2 else None  # a row layer's bias stays whole
         return None

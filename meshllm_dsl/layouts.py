@@ -269,6 +269,14 @@ def seq_partial_grad(plan: PlanIR, unit: Unit, leaf: Leaf, t: Tensor) -> tuple[s
     return ()
 
 
+def column_partial_grad(p: Placement, t: Tensor) -> tuple[str, ...]:
+    """Axes over which `t`'s gradient is a partial sum because `t` stays whole in a column layer split
+    over them (a q / k norm scale shared by every head): each rank sees only its own heads' part."""
+    if p.rule == "column" and p.sharded and p.tensor_dim(t) is None:
+        return tuple(p.axes)
+    return ()
+
+
 def tied_head_with_own_bias(unit: Unit) -> bool:
     """A tied linear keeping a bias of its own (primitives/linear.py tied_with_own_bias)."""
     return primitives.of(unit) is primitives.linear.LINEAR and primitives.linear.tied_with_own_bias(unit)

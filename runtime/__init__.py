@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         vocab_parallel_cross_entropy,
     )
     from .mesh import Mesh
+    from .qk_norm import rms_norm, split_rms_norm
     from .program import Built, Program
     from .remat import recompute
     from .shards import ShardSpec, full_init, gather_full, gather_module, load_full, local_slice
@@ -76,6 +77,7 @@ _WHERE = {
         "layers",
     ),
     "Mesh": "mesh",
+    **dict.fromkeys(("rms_norm", "split_rms_norm"), "qk_norm"),
     **dict.fromkeys(("Built", "Program"), "program"),
     "recompute": "remat",
     **dict.fromkeys(
@@ -131,6 +133,8 @@ __all__ = [
     "positions",
     "reduce_from",
     "reduce_scatter_seq",
+    "rms_norm",
+    "split_rms_norm",
     "split_seq",
     "split_to",
     "vocab_parallel_cross_entropy",

@@ -222,6 +222,8 @@ def hf_key_map(model: Mapping[str, Any], names: list[str]) -> dict[str, tuple[st
             module, projections = units[unit]
             if projections is None:  # a norm: its parameters directly
                 key = f"{hf.blocks}.{i}.{module}.{rest[0]}"
+            elif rest[0] in projections and rest[1:] == ["norm"]:  # attention's q / k norm scale
+                key = f"{hf.blocks}.{i}.{module}.{rest[0]}_norm.weight"
             elif rest[0] in projections:
                 key = f"{hf.blocks}.{i}.{module}.{projections[rest[0]]}.{rest[1]}"
             transposed = hf.transposed and projections is not None and rest[-1] == "weight"
@@ -426,14 +428,17 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
             "torch_dtype": dtype_name,
         }
     qwen = bool(attn.get("qkv_bias")) and not attn.get("o_bias")
+    qk_norm = attn.get("qk_norm", "none")
+    arch, model_type = (("Qwen3ForCausalLM", "qwen3") if qk_norm == "head" else
+                        ("Qwen2ForCausalLM", "qwen2") if qwen else ("LlamaForCausalLM", "llama"))
     theta = float(attn["rope_theta"])
     scaling = attn.get("rope_scaling")
     rope: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
     if scaling:
         rope = {"rope_theta": theta, **scaling}
     cfg: dict[str, Any] = {
-        "architectures": ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"],
-        "model_type": "qwen2" if qwen else "llama",
+        "architectures": [arch],
+        "model_type": model_type,
         "vocab_size": vocab,
         "hidden_size": lay.hidden,
         "intermediate_size": int(mlp["ffn"]),
@@ -450,9 +455,9 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
         "tie_word_embeddings": tied,
         "torch_dtype": dtype_name,
     }
-    if qwen:
+    if model_type in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
-    else:
+    if model_type != "qwen2":  # Qwen2's q, k, v biases are the architecture's, not a field
         cfg["attention_bias"] = bool(attn.get("qkv_bias"))
         cfg["mlp_bias"] = False
     return cfg
@@ -467,6 +472,10 @@ def _close(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+# The model types of the llama layout, and the q / k norm of each (attention's qk_norm).
+_QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head"}
+
+
 def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -> None:
     """Raise ``WeightsError`` naming the first config.json field the model disagrees with."""
     lay = _layout(model)
@@ -475,7 +484,7 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
     model_type = cfg.get("model_type")
     name = model.get("name", "model")
     if model_type is None:
-        raise WeightsError(f"{where}: `model_type` is missing; expected one of llama, mistral, qwen2, gpt2")
+        raise WeightsError(f"{where}: `model_type` is missing; expected one of {', '.join(_QK_NORM)}, gpt2")
 
     def bad(field: str, got: Any, want: Any, what: str) -> WeightsError:
         if got is None:
@@ -508,9 +517,9 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
                 raise WeightsError(f"{where}: `{flag}` = {cfg.get(flag)!r} changes the attention maths; "
                                    "meshllm's gpt2 family does not support it")
     else:
-        if model_type not in ("llama", "mistral", "qwen2"):
+        if model_type not in _QK_NORM:
             raise WeightsError(
-                f"{where}: model_type {model_type!r} is not supported (llama, mistral, qwen2, gpt2)"
+                f"{where}: model_type {model_type!r} is not supported ({', '.join(_QK_NORM)}, gpt2)"
             )
         theta, scaling = _rope(cfg)
         heads = cfg.get("num_attention_heads")
@@ -526,6 +535,7 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
             ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6), lay.norm["eps"], "norm_eps"),
             ("rope_theta", theta, attn["rope_theta"], "rope_theta"),
             ("hidden_act", cfg.get("hidden_act", "silu"), "silu", "SwiGLU's activation"),
+            (f"model_type ({model_type}'s q / k norm)", _QK_NORM[model_type], attn.get("qk_norm", "none"), "qk_norm"),
         ]
         qkv_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
         o_bias = bool(cfg.get("attention_bias", False))

@@ -62,6 +62,12 @@ class _Attention(nn.Module):
             self.k = nn.Linear(hid, self.kvh * self.d, bias=qkv_bias)
             self.v = nn.Linear(hid, self.kvh * self.d, bias=qkv_bias)
         self.o = nn.Linear(self.h * self.d, hid, bias=bool(spec.get("o_bias", False)))
+        # q / k RMSNorm before rotary: per head over head_dim (Qwen3) or over the whole projection (OLMo 2).
+        self.qk_norm, self.qk_eps = spec.get("qk_norm", "none"), spec.get("qk_norm_eps", 1e-6)
+        if self.qk_norm != "none":
+            for proj, heads in ((self.q, self.h), (self.k, self.kvh)):
+                width = self.d if self.qk_norm == "head" else heads * self.d
+                proj.register_parameter("norm", nn.Parameter(torch.ones(width)))
 
     def _llama3(self, f: Tensor) -> Tensor:
         # Llama 3 rope scaling in float32 as HF computes it: keep short wavelengths, divide long
@@ -78,6 +84,12 @@ class _Attention(nn.Module):
         mid = ~long & ~(wavelen < orig / hi)
         out[mid] = (1 - t[mid]) * f[mid] / factor + t[mid] * f[mid]
         return out
+
+    def _qk_rms(self, x: Tensor, weight: Tensor) -> Tensor:
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.qk_eps)
+        # OLMo 2 scales before casting back, Qwen3 after (the same in fp32 and fp64)
+        return (weight * h).to(x.dtype) if self.qk_norm == "full" else weight * h.to(x.dtype)
 
     def _rope(self, x: Tensor) -> Tensor:
         # x: [b, heads, s, d]; HF LlamaRotaryEmbedding + apply_rotary_pos_emb.
@@ -97,8 +109,12 @@ class _Attention(nn.Module):
             q, k, v = self.qkv(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
         else:
             q, k, v = self.q(x), self.k(x), self.v(x)
+        if self.qk_norm == "full":
+            q, k = self._qk_rms(q, self.q.norm), self._qk_rms(k, self.k.norm)
         q = q.view(b, s, self.h, self.d).transpose(1, 2)
         k = k.view(b, s, self.kvh, self.d).transpose(1, 2)
+        if self.qk_norm == "head":
+            q, k = self._qk_rms(q, self.q.norm), self._qk_rms(k, self.k.norm)
         v = v.view(b, s, self.kvh, self.d).transpose(1, 2)
         if self.theta is not None:
             q, k = self._rope(q), self._rope(k)

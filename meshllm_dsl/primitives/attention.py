@@ -36,10 +36,23 @@ class Attention(Primitive):
             return None
         hu, kvu, hidu = (lg.get("heads", "heads"), h), (lg.get("kv_heads", "kv_heads"), kv), unit("hidden")
 
+        qk_norm = b["qk_norm"]
+        if qk_norm != "none" and b["fused_qkv"]:
+            r.error(E0304, f"`{name}`: qk_norm = {qk_norm} needs separate q and k projections", decl.call.span,
+                    label="fused_qkv = true", help="use fused_qkv = false with qk_norm, or qk_norm = none")
+            return None
+
         def proj(n: str, rows: int, units: tuple[tuple[str, int], ...], segments: tuple[int, ...] = ()) -> Leaf:
             ps = [Tensor("weight", (rows, hid), (units, (hidu,)), segments)]
             if b["bias"]:
                 ps.append(Tensor("bias", (rows,), (units,), segments))
+            if n in ("q", "k") and qk_norm == "head":
+                # One scale of head_dim shared by every head: made of no shard unit, so it stays
+                # whole where the projection is split by heads.
+                ps.append(Tensor("norm", (hd,), ((),)))
+            elif n in ("q", "k") and qk_norm == "full":
+                # A scale per output of the projection: split with it.
+                ps.append(Tensor("norm", (rows,), (units,)))
             return Leaf(n, (name, n), "linear", tuple(ps), (hidu,), units, span=span)
 
         if b["fused_qkv"]:
@@ -63,7 +76,8 @@ class Attention(Primitive):
                        ("high_freq_factor", b["rope_high_freq_factor"]),
                        ("original_max_position_embeddings", int(b["rope_original_positions"])))
         attrs_ = {"hidden": hid, "heads": h, "kv_heads": kv, "head_dim": hd, "rope_theta": b["rope_theta"],
-                  "bias": b["bias"], "out_bias": b["out_bias"], "fused_qkv": b["fused_qkv"], "rope_scaling": scaling}
+                  "bias": b["bias"], "out_bias": b["out_bias"], "fused_qkv": b["fused_qkv"], "rope_scaling": scaling,
+                  "qk_norm": qk_norm, "qk_norm_eps": b["qk_norm_eps"]}
         return attrs_, leaves
 
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
@@ -109,6 +123,8 @@ class Attention(Primitive):
             rope_theta=a["rope_theta"], qkv_bias=a["bias"], o_bias=a["out_bias"], fused_qkv=a["fused_qkv"])
         if a.get("rope_scaling"):
             d["rope_scaling"] = dict(a["rope_scaling"])
+        if a.get("qk_norm", "none") != "none":
+            d["qk_norm"], d["qk_norm_eps"] = a["qk_norm"], a["qk_norm_eps"]
         return d
 
     def core_lines(self, w: Any, attr: str, unit: Unit, a: Mapping[str, Any],
@@ -125,11 +141,21 @@ class Attention(Primitive):
         else:
             h = w.local_heads(unit, "q", a["heads"], placement)
             kv = w.local_heads(unit, "k", a["kv_heads"], placement)
+            qk = a.get("qk_norm", "none")
+            if qk == "full":
+                lines += _full_qk_norm_lines(w, attr, unit, a, placement, x)
+                q_in, k_in = "q", "k"
+            else:
+                q_in, k_in = w.proj(attr, 'q', x), w.proj(attr, 'k', x)
             lines += [
-                w.line(f"q = {w.proj(attr, 'q', x)}.view(b, s, {h}, {hd})", f"[b, s, {h} of {a['heads']} heads, {hd}]"),
-                w.line(f"k = {w.proj(attr, 'k', x)}.view(b, s, {kv}, {hd})", f"[b, s, {kv} of {a['kv_heads']} kv heads, {hd}]"),
+                w.line(f"q = {q_in}.view(b, s, {h}, {hd})", f"[b, s, {h} of {a['heads']} heads, {hd}]"),
+                w.line(f"k = {k_in}.view(b, s, {kv}, {hd})", f"[b, s, {kv} of {a['kv_heads']} kv heads, {hd}]"),
                 w.line(f"v = {w.proj(attr, 'v', x)}.view(b, s, {kv}, {hd})"),
             ]
+            if qk == "head":
+                eps = float(a["qk_norm_eps"])
+                lines += [w.line(f"q = rt.rms_norm(q, self.{attr}.q.norm, {eps!r})", f"RMSNorm per head: [{hd}] scale, every head"),
+                          w.line(f"k = rt.rms_norm(k, self.{attr}.k.norm, {eps!r})")]
         if a["rope_theta"] and a.get("rope_scaling"):
             sc = dict(a["rope_scaling"])
             scaling = (float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"]),
@@ -148,6 +174,22 @@ class Attention(Primitive):
         return lines
 
 
+def _full_qk_norm_lines(w: Any, attr: str, unit: Unit, a: Mapping[str, Any],
+                        placement: Mapping[str, Placement], x: str) -> list[Any]:
+    """q and k projected, then RMSNorm over each whole projection (OLMo 2). Split by heads, a rank
+    holds part of each token's row: the sum of squares is all-reduced over the projection's axes."""
+    eps, hd = float(a["qk_norm_eps"]), a["head_dim"]
+    lines = []
+    for n, count in (("q", a["heads"]), ("k", a["kv_heads"])):
+        p = placement.get(f"{unit.name}.{n}")
+        group = w.group(p.axes) if p is not None and p.sharded else "None"
+        local = w.local_heads(unit, n, count, placement) * hd
+        lines.append(w.line(f"{n} = rt.split_rms_norm({w.proj(attr, n, x)}, self.{attr}.{n}.norm, {eps!r}, {group}, {count * hd})",
+                            f"[b, s, {local} of {count * hd}]; sum of squares over the whole row"
+                            + (f" (all-reduced over {w.axes_text(p.axes)})" if group != "None" else "")))
+    return lines
+
+
 ATTENTION = Attention("attention", sublayer=True, reads_sequence=True, caches_kv=True, recomputed_core=True, width_arg="hidden", args=(
     Arg("hidden", "dim"),
     Arg("heads", "dim"),
@@ -162,4 +204,8 @@ ATTENTION = Attention("attention", sublayer=True, reads_sequence=True, caches_kv
     Arg("rope_low_freq_factor", "float", const(1.0)),
     Arg("rope_high_freq_factor", "float", const(4.0)),
     Arg("rope_original_positions", "float", const(8192.0)),
+    # RMSNorm of q and k before rotary: `head` over each head with one head_dim scale (Qwen3),
+    # `full` over the whole projection with a scale per output (OLMo 2).
+    Arg("qk_norm", "choice", const("none"), ("none", "head", "full")),
+    Arg("qk_norm_eps", "float", const(1e-6)),
 ))
