@@ -55,10 +55,22 @@ class DeviceProfile:
     # The framework's own host time beyond its kernels and collective calls:
     stage_cpu_us: float | None = None  # per pipeline action (a stage's forward or backward of a microbatch)
     fsdp_cpu_us: float | None = None  # per FSDP2 all-gather or reduce-scatter of a unit (hooks, DTensor, copies)
+    # GPUs: memory bandwidth (datasheet GB/s), which bounds a small matmul (the roofline) and prices
+    # what is not a matmul (lookups, norms, activations, the optimizer step); None: not charged.
+    hbm_gbps: float | None = None
+    sms: int | None = None  # streaming multiprocessors (datasheet): a matmul's tiles run in waves over them
+    # A collective in a host reaches this fraction of `intra` per algorithm (NCCL-tests bus
+    # bandwidth over the line rate); across hosts each member's NIC carries it at `inter` (the
+    # rate NCCL reaches, not the line rate), so a group with k members per host moves at most
+    # k x `inter` (planner._link). Unlisted: the line rate.
+    bus_efficiency: tuple[tuple[str, float], ...] = ()
 
     @property
     def memory_bytes(self) -> int:
         return int(self.memory_gib * 2**30)
+
+    def bus_fraction(self, op: str) -> float:
+        return dict(self.bus_efficiency).get(op, 1.0)
 
 
 # The built-in `cpu` profile. Source of each host-time figure: two `meshc calibrate --device cpu`
@@ -94,23 +106,47 @@ def uncalibrated(profile: DeviceProfile) -> bool:
     return profile == CPU_DEFAULTS
 
 
+# Fitted to ../shared/calibration/published.md only (tests/planner/test_published_runs.py prints
+# the table, every row within 3 %): the fraction of the dense peak a large matmul reaches, per
+# device generation, with planner.ELEMENTWISE_PASSES = 5 (the memory traffic of what is not a
+# matmul, common to both) fitted beside them.
+# A100: Megatron-LM SC21 Table 1 (GPT 1.7B - 18B, fp16, 32 - 256 GPUs; cuBLAS fp16 GEMMs of these
+# sizes reach 250 - 270 of the 312 TFLOP/s).
+A100_MATMUL = 0.80
+# H100: torchtitan's Llama 3.1 8B FSDP 8 and FSDP 128 (bf16, eager). Their H100s are Grand Teton's
+# 500 W HBM2e parts, and eager PyTorch leaves gaps between kernels that this model does not
+# price: both are in this figure, which a 700 W H100 SXM under torch.compile exceeds.
+H100_MATMUL = 0.43
+
+# NCCL-tests bus bandwidths (GitHub NVIDIA/nccl-tests and NVIDIA/nccl issues, NCCL's maintainers):
+# A100 (NVLink 3, 300 GB/s per direction): ~200 - 210 GB/s all-reduce on 8 GPUs (nccl-tests #149,
+# #178); 24 GB/s per HDR 200 Gb/s NIC, 192 GB/s all-reduce over 8 of them per DGX A100 (nccl #412,
+# #812). H100 (NVLink 4, 450 GB/s): ~370 GB/s for ring algorithms (all-gather, reduce-scatter),
+# ~480 GB/s all-reduce with NVLink SHARP (nccl-tests #212; 475 GB/s measured on 8 H200, #272);
+# 48 GB/s per NDR / 400 Gb/s RDMA NIC (nccl-tests #267).
+A100_BUS = (("all_reduce", 0.70), ("all_gather", 0.70), ("reduce_scatter", 0.70))
+H100_BUS = (("all_reduce", 1.07), ("all_gather", 0.82), ("reduce_scatter", 0.82))
+
 PROFILES: dict[str, DeviceProfile] = {
     p.name: p
     for p in (
-        # A100 SXM: 312 TFLOP/s bf16, NVLink 3 600 GB/s bidirectional = 300 per direction, HDR 200 Gb/s NIC.
-        DeviceProfile("a100_40gb", 40.0, 312.0, 300.0, 25.0),
-        DeviceProfile("a100", 80.0, 312.0, 300.0, 25.0),
-        DeviceProfile("a100_80gb", 80.0, 312.0, 300.0, 25.0),
-        # H100 SXM: 989 TFLOP/s bf16 dense, NVLink 4 900 GB/s bidirectional, NDR 400 Gb/s NIC per GPU.
-        DeviceProfile("h100", 80.0, 989.0, 450.0, 50.0),
-        DeviceProfile("h100_pcie", 80.0, 756.0, 64.0, 50.0),  # no NVLink switch: PCIe 5 x16
-        DeviceProfile("h200", 141.0, 989.0, 450.0, 50.0),
-        # B200: 2.25 PFLOP/s bf16 dense, NVLink 5 1.8 TB/s bidirectional.
-        DeviceProfile("b200", 180.0, 2250.0, 900.0, 50.0),
-        # MI300X: 1307 TFLOP/s bf16 dense, Infinity Fabric 7 x 64 GB/s per direction.
-        DeviceProfile("mi300x", 192.0, 1307.0, 448.0, 50.0),
-        DeviceProfile("l40s", 48.0, 362.0, 32.0, 25.0, per_host=4),
-        DeviceProfile("a10g", 24.0, 125.0, 32.0, 12.5, per_host=4),
+        # A100 SXM: 312 TFLOP/s bf16 / fp16, 108 SMs, NVLink 3 600 GB/s bidirectional = 300 per direction,
+        # HDR 200 Gb/s NIC per GPU (24 GB/s reached); HBM2 1,555 GB/s (40 GB), HBM2e 2,039 GB/s (80 GB).
+        DeviceProfile("a100_40gb", 40.0, 312.0, 300.0, 24.0, mfu=A100_MATMUL, hbm_gbps=1555.0, sms=108, bus_efficiency=A100_BUS),
+        DeviceProfile("a100", 80.0, 312.0, 300.0, 24.0, mfu=A100_MATMUL, hbm_gbps=2039.0, sms=108, bus_efficiency=A100_BUS),
+        DeviceProfile("a100_80gb", 80.0, 312.0, 300.0, 24.0, mfu=A100_MATMUL, hbm_gbps=2039.0, sms=108, bus_efficiency=A100_BUS),
+        # H100 SXM: 989 TFLOP/s bf16 dense, 132 SMs, NVLink 4 900 GB/s bidirectional, NDR 400 Gb/s NIC per
+        # GPU (48 GB/s reached), HBM3 3,350 GB/s.
+        DeviceProfile("h100", 80.0, 989.0, 450.0, 48.0, mfu=H100_MATMUL, hbm_gbps=3350.0, sms=132, bus_efficiency=H100_BUS),
+        DeviceProfile("h100_pcie", 80.0, 756.0, 64.0, 48.0, hbm_gbps=2000.0, sms=114),  # no NVLink switch: PCIe 5 x16
+        # H200 SXM: H100's compute and NVLink, 141 GB HBM3e at 4,800 GB/s (datasheet).
+        DeviceProfile("h200", 141.0, 989.0, 450.0, 48.0, mfu=H100_MATMUL, hbm_gbps=4800.0, sms=132, bus_efficiency=H100_BUS),
+        # B200: 2.25 PFLOP/s bf16 dense, NVLink 5 1.8 TB/s bidirectional, HBM3e 8 TB/s.
+        DeviceProfile("b200", 180.0, 2250.0, 900.0, 48.0, hbm_gbps=8000.0),
+        # MI300X: 1307 TFLOP/s bf16 dense, Infinity Fabric 7 x 64 GB/s per direction, HBM3 5.3 TB/s.
+        DeviceProfile("mi300x", 192.0, 1307.0, 448.0, 48.0, hbm_gbps=5300.0),
+        DeviceProfile("l40s", 48.0, 362.0, 32.0, 25.0, per_host=4, hbm_gbps=864.0),
+        DeviceProfile("a10g", 24.0, 125.0, 32.0, 12.5, per_host=4, hbm_gbps=600.0),
         # CPU ranks on gloo, out of the box: host-time defaults so `meshc run --profile` on the
         # bundled examples lands within 2x before `meshc calibrate` measures the machine at hand.
         CPU_DEFAULTS,
@@ -122,8 +158,8 @@ DEFAULT_PROFILE = "h100"
 _SETTINGS = {"memory": "memory_gib", "tflops": "tflops", "intra": "intra_gbps", "inter": "inter_gbps",
              "per_host": "per_host", "mfu": "mfu", "latency": "latency_us", "kernel": "kernel_us",
              "collective_cpu": "collective_cpu_us", "cores": "cores", "stage_cpu": "stage_cpu_us",
-             "fsdp_cpu": "fsdp_cpu_us"}
-_OPTIONAL = {"per_host", "mfu", "latency", "kernel", "collective_cpu", "cores", "stage_cpu", "fsdp_cpu"}
+             "fsdp_cpu": "fsdp_cpu_us", "hbm": "hbm_gbps"}
+_OPTIONAL = {"per_host", "mfu", "latency", "kernel", "collective_cpu", "cores", "stage_cpu", "fsdp_cpu", "hbm"}
 _WHOLE = {"per_host"}  # a count of devices
 _EXAMPLE = {"mfu": 0.5, "latency": 10, "kernel": 8, "collective_cpu": 200, "cores": 2, "stage_cpu": 500,
             "fsdp_cpu": 500}

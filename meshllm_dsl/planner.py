@@ -13,10 +13,16 @@ rank at that coordinate holds the same amount, since the checker guarantees whol
                gradients); checked against the runtime by bench/activation_memory.py
   time     = (compute + exposed tensor / pipeline communication) x (1 + bubble)
              + data-parallel gradient reduction
-  compute  = 6 x (parameters on the device) x (tokens per data replica) / (peak x MFU)
+  compute  = per microbatch, each unit's forward x 3 (backward is twice the forward), plus what
+             `recompute` runs again: every matmul (primitives' Work) on a roofline, the slower of
+             its flops at the device's matmul rate (less a last wave's idle SMs) and its bytes
+             through memory; lookups and elementwise work as memory traffic
+  MFU      = the standard 6 (N - N_embedding) + 12 l h q t flops per token (model_flops_per_token)
+             over the step time and the devices' peak
 
-The constants (MFU, collective latencies, activation bytes per element) are module-level names
-below so a reader can see and change every assumption in one place.
+The constants (MFU, collective latencies, activation bytes per element, memory passes) are
+module-level names below so a reader can see and change every assumption in one place; the GPU
+profiles' fitted figures and their sources are in devices.py.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from meshllm_dsl.ir import (
     UnitFlow,
 )
 from meshllm_dsl.names import ranges
+from meshllm_dsl.primitives import Matmul, Work
 from meshllm_dsl.schedule_order import rank_moments, rank_order, schedule_cost
 from meshllm_dsl.source import Span
 
@@ -70,10 +77,25 @@ MFU = 0.5
 # 756 of 1782 in a single-rank tiny Llama step, counted with runtime.profile.LiveBytes.
 FORWARD_KERNEL_SHARE = 0.42
 
-# Per-collective launch + synchronisation latency (NCCL small-message latency is ~10 us within an
-# NVLink host and ~25 us across an InfiniBand network). Added once per collective call.
-LATENCY_INTRA_S = 10e-6
-LATENCY_INTER_S = 25e-6
+# Per-collective launch + synchronisation latency of a ring, per step of it (an all-reduce takes
+# 2 (n - 1) steps, an all-gather or reduce-scatter n - 1): NCCL-tests' small-message all-reduce is
+# ~10 us on 8 NVLink GPUs (14 steps) and ~25 us across an InfiniBand network of as many.
+LATENCY_INTRA_S = 10e-6 / 14
+LATENCY_INTER_S = 25e-6 / 14
+
+# What is not a matmul (norms, activations, rotary, residual adds, softmax without a fused kernel,
+# the casts around them) is bound by memory bandwidth: a unit's forward moves the tensors it
+# produces (its saved bytes, unit_activation_bytes) this many times through device memory, and its
+# backward twice as many, like its matmuls. Fitted with the devices' matmul efficiencies
+# (devices.A100_MATMUL, H100_MATMUL) to ../shared/calibration/published.md; nominally 2 (each
+# tensor written once and read once), eager PyTorch moves more (upcasts, copies, masks).
+ELEMENTWISE_PASSES = 5.0
+
+# A matmul's output is computed in tiles of TILE x TILE (cuBLAS / CUTLASS's usual 128 x 128 for
+# large bf16 / fp16 products), one wave of them per `sms` at a time: a product with too few
+# tiles leaves SMs idle in its last wave (NVIDIA's "wave quantization", Matrix Multiplication
+# Background User's Guide). The efficiency that grows with the size of the product.
+TILE = 128
 
 # Optimizer state bytes per parameter, beyond the weights and gradients in the training dtype.
 # Adam(W) in mixed precision (Rajbhandari et al. 2020, "ZeRO", section 3.1): fp32 master weights,
@@ -474,6 +496,99 @@ def unit_kernels(plan: PlanIR, hu: HeldUnit) -> int:
     return n
 
 
+# ---------------------------------------------------------------- compute time (a roofline per matmul)
+
+
+def linear_matmuls(plan: PlanIR, hu: HeldUnit, tokens: int) -> tuple[Matmul, ...]:
+    """[tokens, in] x [in, out] for each linear layer of the unit, in this device's shard of it (a
+    tied head's from the table it multiplies by, split as the head's placement says). Sequence
+    parallelism gathers the sequence before a column layer and after a row layer's product, so
+    each runs over all the microbatch's tokens."""
+    out = []
+    for leaf in hu.unit.leaves:
+        if leaf.kind != "linear":
+            continue
+        p = hu.placement(leaf)
+        weight = next((t for t in leaf.params if t.name == "weight"), None)
+        if weight is not None:
+            rows, cols = plan.local_shape(weight, p)
+        else:
+            rows, cols = int(hu.unit.attr("out")), int(hu.unit.attr("in"))  # type: ignore[arg-type]
+            if p.sharded and p.rule in ("column", "vocab_parallel"):
+                rows //= axes_size(plan, p)
+            elif p.sharded and p.rule == "row":
+                cols //= axes_size(plan, p)
+        out.append(Matmul(tokens, rows, cols))
+    return tuple(out)
+
+
+def matmul_seconds(device: DeviceProfile, mm: Matmul, dtype_bytes: int) -> float:
+    """The roofline of one product: the slower of its flops at the device's matmul rate (peak x
+    `mfu`, less the SMs its last wave of tiles leaves idle) and its operands and result through
+    memory (`hbm`). Large products are compute-bound; thin ones (few tokens, a narrow shard) and
+    an unfused attention's scores are bound by memory."""
+    rate = device.tflops * 1e12 * (device.mfu or MFU)
+    if device.sms:
+        tiles = mm.count * -(-mm.m // TILE) * -(-mm.n // TILE)
+        waves = -(-tiles // device.sms)
+        rate *= tiles / (waves * device.sms)
+    seconds = mm.flops / rate
+    if device.hbm_gbps:
+        seconds = max(seconds, dtype_bytes * mm.elements / (device.hbm_gbps * 1e9))
+    return seconds
+
+
+@attrs.frozen
+class UnitTime:
+    forward_s: float  # one copy's forward for one microbatch
+    core_s: float  # of which the attention core's products (what `recompute = attention` reruns)
+
+
+def unit_forward_time(plan: PlanIR, device: DeviceProfile, hu: HeldUnit, tokens: int, seq: int, micro: int,
+                      flash_attention: bool = True) -> UnitTime:
+    """A unit's forward on one device: its matmuls (matmul_seconds), its lookups and the memory
+    traffic of what it computes without a matmul, ELEMENTWISE_PASSES over the tensors it produces."""
+    record = primitives.of(hu.unit)
+    work: Work = record.work(plan, hu, tokens, seq, micro, flash_attention)
+    e = DTYPES[plan.dtype]
+    times = [matmul_seconds(device, mm, e) for mm in work.matmuls]
+    memory = 0.0
+    if device.hbm_gbps:
+        produced = record.saved_bytes(plan, hu, tokens, tokens // plan.sequence_size, seq, micro, flash_attention)
+        memory = (work.lookup_bytes + ELEMENTWISE_PASSES * produced) / (device.hbm_gbps * 1e9)
+    core = sum(t for t, mm in zip(times, work.matmuls) if mm.core)
+    return UnitTime(sum(times) + memory, core)
+
+
+def model_flops_per_token(plan: PlanIR) -> float:
+    """Training flops per token by the standard count: 6 (N - N_embedding) + 12 l h q t (PaLM,
+    Chowdhery et al. 2022, appendix B; torchtitan's get_num_flop_per_token; Megatron's
+    96 B s l h^2 (1 + s / 6h + V / 16 l h) with its recomputation taken out), three times the
+    forward's matrix products of the whole model: every linear layer's 2 flops per weight and
+    token (a tied head's too, as Megatron counts its logit layer), the attention core's 4 s d per
+    head and token over every key position, with no halving for the causal mask. Lookups (the
+    embedding, positions) are not matmuls; biases and norm weights, which 6 N includes, are a few
+    in ten thousand of N and are not counted. Recomputation is not counted either: MFU by this
+    convention compares with torchtitan's and PaLM's."""
+    seq, total = plan.seq, 0
+    for item in plan.model.items:
+        units, count = (item.body, item.count) if isinstance(item, Repeat) else ((item,), 1)
+        for unit in units:
+            whole = HeldUnit(unit, "", 1, (), None)  # unsharded: the whole layer's products
+            work = primitives.of(unit).work(plan, whole, seq, seq, 1, True)
+            total += count * sum(mm.flops for mm in work.matmuls)
+    return 3 * total / seq
+
+
+def forward_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], WirePrimitive]]:
+    """What of unit_collectives runs in the forward (listed first in its spec's wire, when its
+    forward moves data): what recomputing the unit's forward issues again."""
+    if hu.flow is None:
+        return []
+    return [(c.axes, spec(c.op).wire[0]) for c in hu.flow.collectives
+            if spec(c.op).wire and spec(c.op).forward not in ("identity", "split", "split(seq)")]
+
+
 # ---------------------------------------------------------------- communication
 
 
@@ -497,12 +612,36 @@ def _crosses(mesh: MeshIR, axes: tuple[str, ...]) -> bool:
     return group_crosses_hosts(mesh, axes)
 
 
-def _link(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...]) -> tuple[float, float, bool]:
+def _members_per_host(mesh: MeshIR, axes: tuple[str, ...]) -> int:
+    """How many ranks of a group along `axes` share a host (hosts hold consecutive ranks): along
+    each axis, the coordinates whose offset stays inside the host, multiplied over the axes."""
+    per_host = mesh.devices_per_host
+    return max(1, math.prod(min(a.size, -(-per_host // mesh.stride(a.name))) for a in mesh.axes if a.name in axes))
+
+
+def _link(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], op: WirePrimitive = "all_reduce",
+          n: int | None = None) -> tuple[float, float, bool]:
+    """(bus bandwidth in bytes/s, latency in s, crosses hosts) of one `op` over the group along `axes`.
+
+    In a host the ring reaches the device's fraction of its link for that algorithm
+    (DeviceProfile.bus_efficiency). Across hosts NCCL runs a ring per NIC, so a group with k
+    members in each host moves k NICs' worth (NVIDIA's DGX A100: 8 x 24 = 192 GB/s all-reduce),
+    but never more than the ring inside the host; a group of one rank per host has one NIC. A
+    measured `latency` (meshc calibrate) is per call; otherwise each of the ring's steps costs
+    LATENCY_INTRA_S / LATENCY_INTER_S."""
     crosses = _crosses(plan.mesh, axes)
-    measured = device.latency_us * 1e-6 if device.latency_us is not None else None
-    if crosses:
-        return device.inter_gbps * 1e9, measured or LATENCY_INTER_S, True
-    return device.intra_gbps * 1e9, measured or LATENCY_INTRA_S, False
+    n = n if n is not None else plan.mesh.size(*axes)
+    if op == "send_recv":  # one peer: its link (a pipeline send), one NIC across hosts
+        bandwidth = (device.inter_gbps if crosses else device.intra_gbps) * 1e9
+    elif crosses:
+        ring = device.intra_gbps * 1e9 * device.bus_fraction("all_gather")  # no NVLink SHARP across hosts
+        bandwidth = min(ring, _members_per_host(plan.mesh, axes) * device.inter_gbps * 1e9)
+    else:
+        bandwidth = device.intra_gbps * 1e9 * device.bus_fraction(op)
+    if device.latency_us is not None:
+        return bandwidth, device.latency_us * 1e-6, crosses
+    steps = 2 * (n - 1) if op == "all_reduce" else (n - 1) if op in ("all_gather", "reduce_scatter") else 1
+    return bandwidth, steps * (LATENCY_INTER_S if crosses else LATENCY_INTRA_S), crosses
 
 
 def hsdp_replica_comm(plan: PlanIR, device: DeviceProfile, calls: int, size: int) -> list[Comm]:
@@ -518,7 +657,7 @@ def _comm(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], kind: str,
           size: int, group: int | None = None) -> Comm:
     """`calls` collectives of `size` bytes each over the group along `axes`."""
     n = group if group is not None else plan.mesh.size(*axes)
-    bw, lat, crosses = _link(plan, device, axes)
+    bw, lat, crosses = _link(plan, device, axes, op, n)
     wire = calls * ring_bytes(op, size, n)
     seconds = wire / bw + calls * lat if n > 1 else 0.0
     return Comm(" x ".join(axes), kind, op, calls, calls * size, wire, seconds, crosses)
@@ -603,7 +742,7 @@ class StepTime:
     pipeline_s: float  # its pipeline send / recv (and tied-weight sync)
     bubble_s: float
     data_s: float  # data-parallel gradient reduction / ZeRO collectives (after the pipeline drains)
-    model_flops: float  # 6 x params x tokens
+    model_flops: float  # the standard count: model_flops_per_token x tokens
     tokens: int
     # Ranks time-sharing fewer cores (a device with `cores`): the host's work over its cores, a lower
     # bound on the step however the ranks wait for each other; 0 when every rank has its own device.
@@ -732,8 +871,9 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         seq_grads = 0  # sequence parallelism: gradient elements summed over the tensor axes once a step
         holds_head = False
         block_saved: dict[str, int] = {}  # recompute: what one block (or attention core) rebuilds in backward
-        block_local: dict[str, int] = {}  # recompute = blocks: parameters of the recomputed blocks
-        recompute_flops = 0
+        forward_s = 0.0  # one microbatch's forward on this rank (matmuls, lookups, memory traffic)
+        recompute_fwd_s = 0.0  # what backward runs of it again under `recompute`
+        recompute_calls: dict[tuple[tuple[str, ...], WirePrimitive], int] = {}  # and its forward collectives
         kernels_mb = 0  # per microbatch
         recompute_kernels = 0
         tensors = 0  # parameter tensors held (zero_grad, optimizer and sync kernels are per tensor)
@@ -763,6 +903,14 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 if hu.tied_copy:
                     continue  # a copy of weights: no activations or forward collectives of its own
                 kernels_mb += unit_kernels(plan, hu) * hu.count
+                unit_time = unit_forward_time(plan, device, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
+                forward_s += hu.count * unit_time.forward_s
+                if hu.prefix and plan.recompute == "blocks":
+                    recompute_fwd_s += hu.count * unit_time.forward_s
+                    for axes, op in forward_collectives(hu):
+                        recompute_calls[(axes, op)] = recompute_calls.get((axes, op), 0) + hu.count
+                elif hu.prefix and plan.recompute == "attention" and primitives.of(hu.unit).recomputed_core:
+                    recompute_fwd_s += hu.count * unit_time.core_s
                 if hu.prefix and plan.recompute == "blocks":
                     recompute_kernels += round(FORWARD_KERNEL_SHARE * unit_kernels(plan, hu)) * hu.count
                 elif hu.prefix and plan.recompute == "attention" and primitives.of(hu.unit).recomputed_core:
@@ -773,15 +921,11 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     # Kept: only each block's input (below); the block's own saved tensors exist
                     # again while its backward runs (a transient, one block at a time).
                     block_saved[hu.prefix] = block_saved.get(hu.prefix, 0) + saved
-                    block_local[hu.prefix] = block_local.get(hu.prefix, 0) + lo * hu.count
                     saved = 0
                 elif in_block and plan.recompute == "attention" and primitives.of(hu.unit).recomputed_core:
                     core = attention_core_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
                     saved -= core
                     block_saved[hu.prefix] = max(block_saved.get(hu.prefix, 0), core)
-                    hq = local_heads(plan, hu)
-                    # The core's forward again: q k^T and p v, 2 x 2 s d flops per head and token, halved by the causal mask.
-                    recompute_flops += hu.count * 2 * plan.seq * hq * int(hu.unit.attr("head_dim")) * (plan.batch // dp) * plan.seq  # type: ignore[arg-type]
                 act_mb += hu.count * saved
                 work = max(floor, unit_backward_bytes(plan, hu, tokens_mb))
                 if not (fsdp and p_size > 1 and upcast):  # (there the unit's gradients are all counted)
@@ -810,8 +954,6 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             act_mb += blocks_here * w * (tokens_mb // seq_size(plan)) * hidden  # each checkpointed block keeps its input
             extra = act_mb - sum(stage_act)  # the kept block inputs, shared out by each stage's blocks
             stage_act = [a + extra * blocks // max(1, blocks_here) for a, (_, blocks, _, _) in zip(stage_act, stage_parts)]
-            # The forward of every block runs again in backward: 2 flops per parameter and token.
-            recompute_flops += 2 * sum(block_local.values()) * (plan.batch // dp) * plan.seq
         # A block (or attention core) being recomputed holds its saved tensors until its backward is done.
         recomputed = max(block_saved.values(), default=0)
         gather = accum = 0
@@ -857,6 +999,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         comms: list[Comm] = []
         act_size = w * tokens_mb * hidden
         for (axes, op), calls in sorted(tensor_calls.items()):
+            # A recomputed block's forward runs its forward collectives again (Megatron's full recomputation).
+            calls += recompute_calls.get((axes, op), 0)
             comms.append(_comm(plan, device, axes, "tensor", op, calls * m, act_size))
         if seq_grads:
             # The norms' (and row biases') partial gradients, coalesced into one all-reduce per step.
@@ -902,9 +1046,12 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 comms.append(_comm(plan, device, data_axes, "data", "all_gather", 1, w * local))
             else:
                 comms.append(_comm(plan, device, data_axes, "data", "all_reduce", 1, w * local))
-        # Compute: 6 flops per parameter per token (2 forward, 4 backward), over this replica's tokens.
-        flops_per_s = device.tflops * 1e12 * (device.mfu or MFU)
-        compute = 6 * local * (plan.batch // dp) * plan.seq / flops_per_s
+        # Compute: every microbatch's forward, and its backward at twice the forward (the gradients
+        # of both operands of every product: 6 flops per parameter and token in all), the forwards
+        # `recompute` runs again, and the optimizer step reading and writing its states once.
+        compute = (3 * forward_s + recompute_fwd_s) * m
+        if device.hbm_gbps:
+            compute += 2 * (weight_b + grad_b + opt_b) / (device.hbm_gbps * 1e9)
         # Kernels: every microbatch's forward and backward, then per parameter tensor the gradient
         # zeroing, the data-parallel sync and AdamW's update (of this rank's share under ZeRO).
         # ZeRO-1 (ZeroRedundancyOptimizer) updates whole tensors, a share of them per rank; FSDP2's
@@ -915,11 +1062,11 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                    + (tensors * KERNELS_GRAD_SYNC if dp > 1 and not fsdp else 0) + fsdp_events * KERNELS_FSDP
                    + (actions * KERNELS_FSDP_ACTION if fsdp_events else 0) + optim_tensors * KERNELS_ADAMW)
         kernel_s = kernels * (device.kernel_us or 0.0) * 1e-6
-        recompute_s = recompute_flops / flops_per_s + recompute_kernels * m * (device.kernel_us or 0.0) * 1e-6
+        recompute_s = recompute_fwd_s * m + recompute_kernels * m * (device.kernel_us or 0.0) * 1e-6
         # The framework's Python beyond its kernels: the schedule's per-action work (p2p set-up,
         # stage bookkeeping, its backward call) and FSDP2's hooks around each collective.
         framework_s = (actions * (device.stage_cpu_us or 0.0) + fsdp_events * (device.fsdp_cpu_us or 0.0)) * 1e-6
-        compute += recompute_flops / flops_per_s + kernel_s + framework_s
+        compute += kernel_s + framework_s
         host = compute + sum(c.calls * (device.collective_cpu_us or 0.0) * 1e-6 for c in comms)
         classes.append(RankClass(
             coord=c, stages=tuple(s.index for s in stages_at[c]),
@@ -952,7 +1099,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         pipeline_s=slow.comm_seconds(("pipeline", "tied")),
         bubble_s=busy(slow) * scale,
         data_s=max(exposed_data_seconds(plan, device, rc) for rc in classes),
-        model_flops=6.0 * model.numel * plan.batch * plan.seq,
+        model_flops=model_flops_per_token(plan) * plan.batch * plan.seq,
         tokens=plan.batch * plan.seq,
         shared_s=shared_host_seconds(plan, device, classes, scale),
     )
@@ -1328,8 +1475,10 @@ def report_text(rep: PlanReport) -> str:
         "",
         f"pipeline bubble: {rep.bubble:.1%}" + (_bubble_formula(plan, rep.bubble) if p > 1 else " (no pipeline)"),
         "",
-        f"step time (estimate; {dev.name} {dev.tflops:g} TFLOP/s at MFU {(dev.mfu or MFU):.0%} for the matmuls, links {dev.intra_gbps:g} / {dev.inter_gbps:g} GB/s)",
-        f"  compute          {fmt_seconds(st.compute_s)}   6 x params x tokens on the slowest pipeline rank"
+        f"step time (estimate; {dev.name} {dev.tflops:g} TFLOP/s, large matmuls at {(dev.mfu or MFU):.0%} of it"
+        + (f", memory {dev.hbm_gbps:g} GB/s" if dev.hbm_gbps else "") + f", links {dev.intra_gbps:g} / {dev.inter_gbps:g} GB/s)",
+        f"  compute          {fmt_seconds(st.compute_s)}   matmuls" + (" (roofline) and memory traffic" if dev.hbm_gbps else "")
+        + " on the slowest pipeline rank"
         + (f" + {slow.kernels:,} kernels x {dev.kernel_us:g} us" if dev.kernel_us else "")
         + (f", of which {fmt_seconds(slow_recompute)} recomputes {'the blocks' if plan.recompute == 'blocks' else 'the attention core'} in backward"
            if plan.recompute != "none" else ""),
@@ -1348,7 +1497,8 @@ def report_text(rep: PlanReport) -> str:
                      + (", then the pipeline's fill and drain" if rep.bubble else "")
                      + f"; a device per rank would take {fmt_seconds(st.critical_s)}")
     lines += [
-        f"  total            {fmt_seconds(st.total_s)}   {st.tokens / st.total_s:,.0f} tokens/s, model flops utilisation {rep.mfu:.0%}",
+        f"  total            {fmt_seconds(st.total_s)}   {st.tokens / st.total_s:,.0f} tokens/s, model flops utilisation {rep.mfu:.0%}"
+        f" ({st.model_flops / st.tokens / 1e9:,.3g} GFLOP per token: 6 (N - N_embedding) + 12 l h q t)",
         "",
         f"peak memory {fmt_bytes(rep.peak_training_bytes)} of {fmt_bytes(dev.memory_bytes)} per device: "
         + ("fits" if rep.fits else "does NOT fit"),

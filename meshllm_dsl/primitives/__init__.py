@@ -51,6 +51,42 @@ class TopSite:
 
 
 @attrs.frozen
+class Matmul:
+    """One matrix product a unit's forward runs on one device: [m, k] x [k, n], `count` times (once
+    per head and sequence for the attention core). Its backward runs two of the same size (the
+    input's gradient and the weight's, or for the core the gradients of both operands)."""
+
+    m: int
+    n: int
+    k: int
+    count: int = 1
+    core: bool = False  # the attention core (q k^T, p v): what `recompute = attention` runs again
+    # Elements read and written per product where they are not its operands and result (a fused
+    # attention kernel keeps its s x s scores on chip: q, k, v and the output only); None: m k + k n + m n.
+    io: int | None = None
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k * self.count
+
+    @property
+    def elements(self) -> int:
+        """Elements it moves to and from memory, all `count` products."""
+        one = self.io if self.io is not None else self.m * self.k + self.k * self.n + self.m * self.n
+        return one * self.count
+
+
+@attrs.frozen
+class Work:
+    """What a unit's forward does on one device per microbatch, for the planner's time model
+    (planner.unit_forward_seconds): its matrix products, and the bytes of table rows it reads
+    without one (an embedding lookup is memory traffic, not a matmul)."""
+
+    matmuls: tuple[Matmul, ...] = ()
+    lookup_bytes: int = 0
+
+
+@attrs.frozen
 class Primitive:
     """One layer kind. Subclasses (one per module) override what their kind does differently.
 
@@ -108,6 +144,11 @@ class Primitive:
         (`k`: planner.KERNELS; `linears`: what its linear layers and their biases launch)."""
         raise NotImplementedError(self.kind)
 
+    def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
+        """Its forward's matrix products and lookups on one device for one microbatch of `tokens`
+        = `micro` sequences of `seq` (planner.linear_matmuls gives a unit's linear layers')."""
+        raise NotImplementedError(self.kind)
+
     # -- codegen
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         """Its entry of the generated MODEL description, beyond name and kind (`a`: the unit's attrs)."""
@@ -130,7 +171,7 @@ class Primitive:
 
 
 # What every record defines itself, and what only a block sublayer or only a top-level kind does.
-_REQUIRED = ("build", "flow", "saved_bytes", "backward_bytes", "kernels", "describe")
+_REQUIRED = ("build", "flow", "saved_bytes", "backward_bytes", "kernels", "work", "describe")
 _SUBLAYER = ("core_lines",)
 _TOP_LEVEL = ("top_lines",)
 

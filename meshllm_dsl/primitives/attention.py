@@ -12,7 +12,7 @@ from meshllm_dsl import layouts, planner
 from meshllm_dsl.codes import E0302, E0304
 from meshllm_dsl.ir import Leaf, Placement, Tensor, Unit, UnitFlow
 from meshllm_dsl.names import divisors, or_list
-from meshllm_dsl.primitives import Built, Primitive
+from meshllm_dsl.primitives import Built, Matmul, Primitive, Work
 from meshllm_dsl.primitives.args import Arg, const
 
 if TYPE_CHECKING:
@@ -113,6 +113,16 @@ class Attention(Primitive):
         n = linears + 3 * k["heads"] + k["attention_core"] + k["residual"]
         n += k["split_qkv"] if hu.unit.attr("fused_qkv") else 0
         return n + (k["rotary"] if hu.unit.attr("rope_theta") else 0)
+
+    def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
+        # The core, per local head and sequence: scores q k^T ([s, d] x [d, s]) and p v ([s, s] x
+        # [s, d]), over every key position: 4 s d flops per head and token forward, the standard
+        # count's 12 l h q t with its backward (torchtitan get_num_flop_per_token, PaLM appendix B:
+        # no halving for the causal mask). A fused kernel keeps the scores on chip.
+        hq, hd = planner.local_heads(plan, hu), int(hu.unit.attr("head_dim"))  # type: ignore[arg-type]
+        io = 2 * seq * hd if flash_attention else None
+        core = (Matmul(seq, seq, hd, micro * hq, core=True, io=io), Matmul(seq, hd, seq, micro * hq, core=True, io=io))
+        return Work(planner.linear_matmuls(plan, hu, tokens) + core)
 
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
         return layouts.sublayer_flow(site, "the attention softmax", "attention")

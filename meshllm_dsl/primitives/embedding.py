@@ -9,10 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from meshllm_dsl import layouts, primitives
+from meshllm_dsl import layouts, planner, primitives
 from meshllm_dsl.codes import E0304
 from meshllm_dsl.ir import REPLICATE, Collective, Layout, Leaf, Placement, Tensor, Unit, UnitFlow
-from meshllm_dsl.primitives import Built, LeafKind, Primitive, TopSite
+from meshllm_dsl.primitives import Built, LeafKind, Primitive, TopSite, Work
 from meshllm_dsl.primitives.args import Arg, const
 
 
@@ -59,6 +59,11 @@ class Embedding(Primitive):
     def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         sharded = any(hu.placement(leaf).sharded for leaf in hu.unit.leaves)
         return k["vocab_parallel_embedding" if sharded else "embedding"]
+
+    def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
+        # A lookup, not a matmul (6 N counts no embedding parameters): each token's row read, the
+        # [tokens, dim] output written.
+        return Work(lookup_bytes=2 * planner.DTYPES[plan.dtype] * tokens * int(hu.unit.attr("dim")))  # type: ignore[arg-type]
 
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
         p = site.pl(site.unit.name)
@@ -115,6 +120,10 @@ class Positional(Primitive):
 
     def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         return k["positional"]
+
+    def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
+        # Each position's row read, added to the stream: read and written.
+        return Work(lookup_bytes=3 * planner.DTYPES[plan.dtype] * tokens * int(hu.unit.attr("dim")))  # type: ignore[arg-type]
 
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
         return UnitFlow(layouts.R, layouts.R, ())  # replicated table added to the stream

@@ -12,7 +12,7 @@ from meshllm_dsl import layouts, planner, primitives
 from meshllm_dsl.codes import E0304, E0309
 from meshllm_dsl.collectives import spec
 from meshllm_dsl.ir import REPLICATE, Collective, Layout, Leaf, Placement, Tensor, Unit, UnitFlow
-from meshllm_dsl.primitives import Built, Primitive, TopSite
+from meshllm_dsl.primitives import Built, Primitive, TopSite, Work
 from meshllm_dsl.primitives.args import Arg, const
 from meshllm_dsl.primitives.embedding import EMBEDDING
 
@@ -81,6 +81,9 @@ class Linear(Primitive):
 
     def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         return linears
+
+    def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
+        return Work(planner.linear_matmuls(plan, hu, tokens))  # a tied head multiplies by the table it reads
 
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
         return layouts.linear_flow(site)

@@ -10,7 +10,7 @@ import attrs
 
 from meshllm_dsl import layouts, planner
 from meshllm_dsl.ir import REPLICATE, Leaf, Placement, Tensor, Unit, UnitFlow
-from meshllm_dsl.primitives import Built, Primitive
+from meshllm_dsl.primitives import Built, Primitive, Work
 from meshllm_dsl.primitives.args import Arg, const
 
 ACTIVATIONS = ("swiglu", "gelu_tanh", "gelu", "relu", "silu")
@@ -60,6 +60,9 @@ class Mlp(Primitive):
 
     def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         return linears + (k["swiglu"] if hu.unit.attr("act") == "swiglu" else k["activation"]) + k["residual"]
+
+    def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
+        return Work(planner.linear_matmuls(plan, hu, tokens))
 
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
         return layouts.sublayer_flow(site, f"the {site.unit.attr('act')} activation", "the gated product")

@@ -10,7 +10,7 @@ import attrs
 
 from meshllm_dsl import layouts, planner
 from meshllm_dsl.ir import Layout, Leaf, Placement, Unit, UnitFlow
-from meshllm_dsl.primitives import Built, Primitive, TopSite
+from meshllm_dsl.primitives import Built, Primitive, TopSite, Work
 from meshllm_dsl.primitives.args import Arg, const
 
 if TYPE_CHECKING:
@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 class Norm(Primitive):
     def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         return k[self.kind]
+
+    def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
+        return Work()  # elementwise: the planner charges it as memory traffic (its saved bytes)
 
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
         return UnitFlow(layouts.R, layouts.R, ())  # weights replicated, applied token by token

@@ -42,7 +42,11 @@ def test_measured_mfu_and_latency_are_used(tmp_path: Path) -> None:
     assert not assumed and device.mfu == 1 and device.latency_us == 900.5
     rep = analyze(plan, device)
     rc = rep.ranks[0]
-    assert rc.compute_s == 6 * rc.params_local * plan.batch * plan.seq / (0.0275e12 * 1)
+    # Per token and device (tensor 2): 6 flops per linear weight (q, k, v, o, gate, up, down and
+    # the head; the embedding is a lookup) and the attention core's 12 s d per local head.
+    linear = 2 * (32 * 32 + 2 * 16 * 32 + 32 * 32 + 3 * 64 * 32) // 2 + 64 * 32 // 2
+    core = 2 * 12 * 8 * 8 * 2
+    assert rc.compute_s == pytest.approx((6 * linear + core) * plan.batch * plan.seq / (0.0275e12 * 1), rel=1e-12)
     ar = next(c for c in rc.comms if c.kind == "tensor" and c.op == "all_reduce")
     assert ar.seconds >= ar.calls * 900.5e-6
 

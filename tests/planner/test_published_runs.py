@@ -1,0 +1,104 @@
+"""The planner against published training runs (../shared/calibration/published.md), the only
+figures the device profiles and the time model's constants are fitted to (devices.A100_MATMUL,
+H100_MATMUL, planner.ELEMENTWISE_PASSES): every row within 10 %.
+
+Megatron-LM SC21 Table 1 reports model TFLOP/s per GPU counted as F = 96 B s l h^2 (1 + s / 6h +
+V / 16 l h) per iteration, recomputation included, so its iteration time is F / (TFLOP/s x GPUs);
+those runs predate fused (flash) attention, so they are planned with the softmax probabilities in
+memory (`flash_attention=False`). torchtitan reports tokens per second per GPU (eager) and the
+memory it logs per GPU, which is compared and printed, not fitted.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from meshllm_dsl.cli_plan import load_checked
+from meshllm_dsl.planner import GIB, PlanReport, analyze, model_flops_per_token, resolve_device
+
+HERE = Path(__file__).resolve().parent / "published"
+
+# (spec, layers, hidden, GPUs, global batch, published TFLOP/s per GPU)
+MEGATRON = [
+    ("megatron_sc21_1p7b.mesh", 24, 2304, 32, 512, 137),
+    ("megatron_sc21_3p6b.mesh", 30, 3072, 64, 512, 138),
+    ("megatron_sc21_7p5b.mesh", 36, 4096, 128, 512, 142),
+    ("megatron_sc21_18b.mesh", 40, 6144, 256, 1024, 135),
+]
+# (spec, GPUs, published tokens/s per GPU in eager mode, published memory per GPU in GiB)
+TORCHTITAN = [
+    ("torchtitan_llama3_8b_fsdp8.mesh", 8, 5762, 82.4),
+    ("torchtitan_llama3_8b_fsdp128.mesh", 128, 5605, 67.0),
+]
+SEQ, VOCAB = 2048, 51200
+
+
+def _report(name: str, flash_attention: bool = True) -> PlanReport:
+    loaded = load_checked(str(HERE / name))
+    assert loaded.ok, [d.message for d in loaded.diagnostics]
+    (plan,) = loaded.result.plans.values()
+    device, _ = resolve_device(plan, loaded.devices)
+    return analyze(plan, device, flash_attention=flash_attention)
+
+
+def megatron_iteration_s(layers: int, hidden: int, gpus: int, batch: int, tflops: float) -> float:
+    f = 96 * batch * SEQ * layers * hidden**2 * (1 + SEQ / (6 * hidden) + VOCAB / (16 * layers * hidden))
+    return f / (tflops * 1e12 * gpus)
+
+
+def rows() -> list[tuple[str, float, float]]:
+    """(run, published, planned): Megatron's iteration seconds, torchtitan's tokens/s per GPU."""
+    out = []
+    for name, layers, hidden, gpus, batch, tflops in MEGATRON:
+        rep = _report(name, flash_attention=False)
+        out.append((name, megatron_iteration_s(layers, hidden, gpus, batch, tflops), rep.step.total_s))
+    for name, gpus, tokens_s, _ in TORCHTITAN:
+        rep = _report(name)
+        out.append((name, tokens_s, rep.step.tokens / rep.step.total_s / gpus))
+    return out
+
+
+def test_published_runs_within_ten_percent(capsys: pytest.CaptureFixture[str]) -> None:
+    table = rows()
+    with capsys.disabled():
+        print(f"\n{'run':36} {'published':>10} {'planned':>10} {'ratio':>6}")
+        for name, published, planned in table:
+            print(f"{name.removesuffix('.mesh'):36} {published:10.3f} {planned:10.3f} {planned / published:6.3f}")
+    off = [(n, round(planned / published, 3)) for n, published, planned in table if abs(planned / published - 1) > 0.10]
+    assert not off, off
+
+
+def test_memory_of_the_torchtitan_rows_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
+    # Compared, not fitted: torchtitan logs one figure whose meaning (reserved or active) its
+    # benchmark does not give, and the language says `recompute = attention` where torchtitan
+    # checkpoints at op level (which keeps every other matmul's output, not all of them), so the
+    # planner's activations are above torchtitan's. What FSDP 128 saves over FSDP 8 (the states
+    # sharded 16x finer) is no recomputation matter, and that agrees within 10 %.
+    planned = {}
+    with capsys.disabled():
+        for name, _, _, published in TORCHTITAN:
+            planned[name] = _report(name).peak_training_bytes / GIB
+            print(f"{name.removesuffix('.mesh'):36} memory per GPU: published {published:.1f} GiB, planned {planned[name]:.1f} GiB")
+    (small, _, _, small_pub), (large, _, _, large_pub) = TORCHTITAN
+    assert planned[small] - planned[large] == pytest.approx(small_pub - large_pub, rel=0.10)
+
+
+def test_standard_flops_per_token() -> None:
+    # torchtitan's get_num_flop_per_token for Llama 3.1 8B at seq 8,192: 6 (N - N_emb) + 12 l h q t.
+    rep = _report("torchtitan_llama3_8b_fsdp8.mesh")
+    model, plan = rep.plan.model, rep.plan
+    n_emb = 128256 * 4096
+    norms = 4096 * (2 * 32 + 1)  # 6 N counts them, the planner does not (not matmuls)
+    standard = 6 * (model.numel - n_emb - norms) + 12 * 32 * 32 * 128 * 8192
+    assert model_flops_per_token(plan) == standard
+    assert rep.step.model_flops == standard * plan.batch * plan.seq
+    # Megatron's count without its recomputation: the tied logit layer is counted, biases and
+    # norms are not.
+    for name, layers, hidden, *_ in MEGATRON:
+        plan = _report(name, flash_attention=False).plan
+        # Per token: 96 -> 72 for the layers, whose recomputed forward it counts; the logit layer
+        # (its V / 16 l h term, 6 V h per token) is not recomputed.
+        megatron = 72 * layers * hidden**2 * (1 + SEQ / (6 * hidden)) + 6 * VOCAB * hidden
+        assert model_flops_per_token(plan) == pytest.approx(megatron, rel=1e-12)
