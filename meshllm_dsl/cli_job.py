@@ -176,6 +176,8 @@ def _start(cmd: list[str], env: dict[str, str], stderr: int, close: int) -> subp
         os.dup2(stderr, 2)
         os.close(stderr)
         os.close(close)
+        # A fresh stream on fd 2, as a new interpreter has: sys.stderr may have been replaced (pytest).
+        sys.stderr = open(2, "w", buffering=1, errors="backslashreplace", closefd=False)  # noqa: SIM115
         os.environ.clear()
         os.environ.update(env)
         sys.argv = [cmd[0], *cmd[3:]]

@@ -471,3 +471,35 @@ def test_profile_steps_are_one_number_in_help_error_and_readme() -> None:
     assert (f"trains {PROFILE_STEPS} more steps after `--steps` (`runtime/profile_steps.py`): a warm-up, "
             f"a step measured for memory and one counting kernels (none of them timed: instrumentation slows "
             f"them 2-3x), then {PROFILE_TIMED} timed steps") in readme
+
+
+def _started(cmd: list[str]) -> tuple[Any, int, str]:
+    """`meshc run`'s launcher start for ``cmd``: (the process handle, its exit code, its stderr)."""
+    from meshllm_dsl import cli_job
+
+    read_fd, write_fd = os.pipe()
+    proc = cli_job._start(cmd, dict(os.environ), write_fd, close=read_fd)
+    os.close(write_fd)
+    out = b""
+    while chunk := os.read(read_fd, 65536):
+        out += chunk
+    os.close(read_fd)
+    while proc.poll() is None:
+        time.sleep(0.01)
+    return proc, proc.returncode, out.decode()
+
+
+def test_torchrun_starts_in_a_fork_of_meshc_that_has_torch_and_keeps_its_exit_codes() -> None:
+    """No second interpreter importing torch before the ranks start; torchrun's own exits (argparse
+    usage errors, a failed job) still reach the relay as they would from `python -m`."""
+    from meshllm_dsl import cli_job
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    proc, code, err = _started([*torchrun, "--standalone"])
+    assert isinstance(proc, cli_job._Forked)
+    assert code == 2 and "the following arguments are required: training_script" in err, err
+    _, code, err = _started([*torchrun, "--standalone", "--nproc-per-node=1", "-m", "no_such_module_anywhere"])
+    assert code == 1 and "No module named no_such_module_anywhere" in err, err
+    # Anything else is a plain subprocess.
+    proc, code, _ = _started([sys.executable, "-c", "import sys; sys.exit(3)"])
+    assert not isinstance(proc, cli_job._Forked) and code == 3
