@@ -326,6 +326,26 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
     return ClassDef(name, doc, w.group_lines() + init, "x: torch.Tensor", forward, params)
 
 
+def _block_loop(plan: PlanIR, name: str, stream: str) -> list[Line]:
+    """The stage's loop over its blocks, each wrapped in `rt.recompute` (full recomputation: the
+    block keeps only its input, backward reruns its forward, tensor-parallel collectives included)
+    or `rt.recompute_ops` (torchtitan's selective op: it also keeps its matmul and attention
+    outputs) where the plan recomputes it: every block, or with `every N` blocks N - 1, 2 N - 1, ..."""
+    wrap = {"blocks": "rt.recompute", "ops": "rt.recompute_ops"}.get(plan.recompute)
+    if wrap is None:
+        return [Line(f"for block in self.{name}.values():"), Line("    x = block(x)", stream)]
+    recomputed = f"    x = {wrap}(block, x)"
+    what = "recomputed in backward" if plan.recompute == "blocks" else "all but its matmul and attention outputs recomputed"
+    n = plan.recompute_every
+    if n == 1:
+        return [Line(f"for block in self.{name}.values():"), Line(recomputed, f"{stream}; {what}")]
+    return [Line(f"for i, block in self.{name}.items():"),
+            Line(f"    if (int(i) + 1) % {n} == 0:", f"blocks {n - 1}, {2 * n - 1}, ... (every {n}): {what}"),
+            Line("    " + recomputed, stream),
+            Line("    else:"),
+            Line("        x = block(x)", stream)]
+
+
 def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> ClassDef:
     groups: dict[tuple[str, ...], str] = {}
     w = _UnitWriter(plan, groups)
@@ -358,14 +378,8 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
                 entries = ", ".join(f'"{i}": {block_names[i]}(mesh)' for i in range(pc.start, pc.stop))
                 init.append(Line(f"self.{item.name} = nn.ModuleDict({{{entries}}})",
                                  f"blocks {pc.start} to {pc.stop - 1} of {item.count}"))
-            forward.append(Line(f"for block in self.{item.name}.values():"))
             stream = f"[b, s/{plan.sequence_size}, {hidden}] Shard(seq)" if plan.roles.sequence else f"[b, s, {hidden}]"
-            if plan.recompute == "blocks":
-                # Full recomputation: each block keeps only its input; backward reruns its forward
-                # (tensor-parallel collectives included) before its own backward.
-                forward.append(Line("    x = rt.recompute(block, x)", f"{stream}; recomputed in backward"))
-            else:
-                forward.append(Line("    x = block(x)", stream))
+            forward += _block_loop(plan, item.name, stream)
             for cls_name, a, b in runs:
                 params.append(Line(f"**{{k: v for i in {_range(a, b)} "
                                    f"for k, v in {cls_name}.params(f\"{{prefix}}{item.name}.{{i}}.\").items()}},"))

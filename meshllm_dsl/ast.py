@@ -148,6 +148,7 @@ class Setting:
     name: Name
     value: Expr
     span: Span | None = _span
+    every: Expr | None = None  # `recompute = blocks every N` (plans only)
 
 
 # ---------------------------------------------------------------- devices and meshes

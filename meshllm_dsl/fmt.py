@@ -33,7 +33,8 @@ def format_expr(e: ast.Expr, parent: int = 0, right: bool = False) -> str:
 
 
 def _setting(s: ast.Setting) -> str:
-    return f"{s.name.value} = {format_expr(s.value)}"
+    every = f" every {format_expr(s.every)}" if s.every is not None else ""
+    return f"{s.name.value} = {format_expr(s.value)}{every}"
 
 
 def _rule(r: ast.Rule) -> str:

@@ -26,7 +26,7 @@ RULES = ("column", "row", "vocab_parallel", "replicate")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # Activation recomputation (`recompute = ...`): nothing, every block of the repeat (full, per block),
 # or only the attention core of each block (selective, Korthikanti et al. 2022).
-RECOMPUTE = ("none", "blocks", "attention")
+RECOMPUTE = ("none", "blocks", "attention", "ops")
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 
 
@@ -345,6 +345,7 @@ class PlanIR:
     zero: int  # ZeRO stage; the axes it shards over are `roles.batch_shard`
     dtype: str
     recompute: str = "none"  # one of RECOMPUTE
+    recompute_every: int = 1  # `recompute = blocks every N`: only blocks N - 1, 2 N - 1, ... (blocks, ops)
     # `precision`: `dtype` is the compute dtype; master weights and optimizer states are kept in
     # master_dtype and gradients reduced in reduce_dtype (None: no `precision`, all in `dtype`).
     master_dtype: str | None = None

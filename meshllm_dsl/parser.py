@@ -244,6 +244,9 @@ class _Builder:
     def setting(self, c: list[Any]) -> ast.Setting:
         return ast.Setting(c[0], c[1], self._span())
 
+    def every_setting(self, c: list[Any]) -> ast.Setting:
+        return ast.Setting(c[0], c[1], self._span(), every=c[2])
+
     def setting_list(self, c: list[ast.Setting]) -> tuple[ast.Setting, ...]:
         return tuple(c)
 

@@ -61,6 +61,14 @@ from meshllm_dsl.ir import (
     UnitFlow,
 )
 from meshllm_dsl.names import ranges
+from meshllm_dsl.planner_recompute import (
+    BLOCKWISE,
+    kept_bytes,
+    recomputed_copies,
+    recomputed_in,
+    recomputed_text,
+    rerun_seconds,
+)
 from meshllm_dsl.primitives import Matmul, Work
 from meshllm_dsl.schedule_order import rank_moments, rank_order, schedule_cost
 from meshllm_dsl.source import Span
@@ -905,23 +913,27 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 kernels_mb += unit_kernels(plan, hu) * hu.count
                 unit_time = unit_forward_time(plan, device, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
                 forward_s += hu.count * unit_time.forward_s
-                if hu.prefix and plan.recompute == "blocks":
-                    recompute_fwd_s += hu.count * unit_time.forward_s
+                rc = recomputed_copies(plan, hu)  # `blocks` / `ops` [every N]: copies rerun in backward
+                if rc:
+                    recompute_fwd_s += rc * rerun_seconds(plan, device, hu, unit_time.forward_s, tokens_mb, plan.seq,
+                                                          micro_batch, flash_attention)
                     for axes, op in forward_collectives(hu):
-                        recompute_calls[(axes, op)] = recompute_calls.get((axes, op), 0) + hu.count
+                        recompute_calls[(axes, op)] = recompute_calls.get((axes, op), 0) + rc
                 elif hu.prefix and plan.recompute == "attention" and primitives.of(hu.unit).recomputed_core:
                     recompute_fwd_s += hu.count * unit_time.core_s
-                if hu.prefix and plan.recompute == "blocks":
-                    recompute_kernels += round(FORWARD_KERNEL_SHARE * unit_kernels(plan, hu)) * hu.count
+                if rc:
+                    recompute_kernels += round(FORWARD_KERNEL_SHARE * unit_kernels(plan, hu)) * rc
                 elif hu.prefix and plan.recompute == "attention" and primitives.of(hu.unit).recomputed_core:
                     recompute_kernels += KERNELS["attention_core"] // 2 * hu.count  # the core's forward again
                 saved = unit_activation_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
                 in_block = hu.prefix != ""
-                if in_block and plan.recompute == "blocks":
-                    # Kept: only each block's input (below); the block's own saved tensors exist
-                    # again while its backward runs (a transient, one block at a time).
+                if rc:
+                    # Kept: only each block's input (below) and under `ops` its matmul and attention
+                    # outputs; the block's own saved tensors exist again while its backward runs (a
+                    # transient, one block at a time). Blocks `every N` skips save as usual.
                     block_saved[hu.prefix] = block_saved.get(hu.prefix, 0) + saved
-                    saved = 0
+                    kept = kept_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
+                    saved = (rc * kept + (hu.count - rc) * saved) // hu.count
                 elif in_block and plan.recompute == "attention" and primitives.of(hu.unit).recomputed_core:
                     core = attention_core_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
                     saved -= core
@@ -949,11 +961,12 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             stage_act.append(act_mb - act_at_start)
             rise = max(rise, backward_rise(walk, upcast=upcast))
             rise_first = max(rise_first, backward_rise(walk, first=True, upcast=upcast))
-        if plan.recompute == "blocks":
-            blocks_here = sum(blocks for _, blocks, _, _ in stage_parts)
+        if plan.recompute in BLOCKWISE:
+            rec = [recomputed_in(plan, stage) for stage, _, _, _ in stage_parts]
+            blocks_here = sum(rec)
             act_mb += blocks_here * w * (tokens_mb // seq_size(plan)) * hidden  # each checkpointed block keeps its input
             extra = act_mb - sum(stage_act)  # the kept block inputs, shared out by each stage's blocks
-            stage_act = [a + extra * blocks // max(1, blocks_here) for a, (_, blocks, _, _) in zip(stage_act, stage_parts)]
+            stage_act = [a + extra * blocks // max(1, blocks_here) for a, blocks in zip(stage_act, rec)]
         # A block (or attention core) being recomputed holds its saved tensors until its backward is done.
         recomputed = max(block_saved.values(), default=0)
         gather = accum = 0
@@ -1480,7 +1493,7 @@ def report_text(rep: PlanReport) -> str:
         f"  compute          {fmt_seconds(st.compute_s)}   matmuls" + (" (roofline) and memory traffic" if dev.hbm_gbps else "")
         + " on the slowest pipeline rank"
         + (f" + {slow.kernels:,} kernels x {dev.kernel_us:g} us" if dev.kernel_us else "")
-        + (f", of which {fmt_seconds(slow_recompute)} recomputes {'the blocks' if plan.recompute == 'blocks' else 'the attention core'} in backward"
+        + (f", of which {fmt_seconds(slow_recompute)} recomputes {recomputed_text(plan)} in backward"
            if plan.recompute != "none" else ""),
         f"  tensor comm      {fmt_seconds(st.tensor_s)}",
         f"  pipeline comm    {fmt_seconds(st.pipeline_s)}",

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from .mesh import Mesh
     from .qk_norm import rms_norm, split_rms_norm
     from .program import Built, Program
-    from .remat import recompute
+    from .remat import recompute, recompute_ops
     from .shards import ShardSpec, full_init, gather_full, gather_module, load_full, local_slice
 
 # Names resolve on first use (PEP 562), so ``import meshllm_dsl.runtime.pool`` (meshc verify's
@@ -82,6 +82,7 @@ _WHERE = {
     "recompute": "remat",
     **dict.fromkeys(
         ("ShardSpec", "full_init", "gather_full", "gather_module", "load_full", "local_slice"),
+    "recompute_ops": "remat",
         "shards",
     ),
 }
@@ -119,6 +120,7 @@ __all__ = [
     "copy_to",
     "copy_to_linear",
     "cross_entropy",
+    "recompute_ops",
     "full_init",
     "gather_from",
     "gather_seq",

@@ -14,28 +14,49 @@ from meshllm_dsl.names import or_list
 
 
 class MemoryRules(PlanContext):
-    def recompute(self, given: ast.Setting | None) -> str:
-        """`recompute = none | blocks | attention`: which activations backward recomputes."""
+    def recompute(self, given: ast.Setting | None) -> tuple[str, int]:
+        """`recompute = none | blocks | attention | ops [every N]`: which activations backward
+        recomputes, and in which blocks (every N-th: blocks N - 1, 2 N - 1, ...)."""
         from meshllm_dsl.ir import RECOMPUTE
 
         if given is None:
-            return "none"
+            return "none", 1
         v = given.value
         if not (isinstance(v, ast.Name) and v.value in RECOMPUTE):
             self.error(E0203, "unknown recompute region", v.span, label="not a region",
                        help=f"use one of {or_list(RECOMPUTE)}: `blocks` recomputes each block of the repeat in "
-                            "backward, `attention` only the attention core")
-            return "none"
+                            "backward, `attention` only the attention core, `ops` all but the matmul and "
+                            "attention outputs")
+            return "none", 1
         region = v.value
         rep = self.model.repeat
-        if region == "blocks" and rep is None:
-            self.error(E0409, "`recompute = blocks` needs a repeated block stack", v.span,
+        every = self._recompute_every(given, region)
+        if region in ("blocks", "ops") and rep is None:
+            self.error(E0409, f"`recompute = {region}` needs a repeated block stack", v.span,
                        label="no blocks to recompute", help=f"model `{self.model.name}` has no `repeat`: remove the setting")
+        elif rep is not None and every > rep.count:
+            assert given.every is not None
+            self.error(E0409, f"`every {every}` recomputes none of the {rep.count} blocks", given.every.span,
+                       label=f"more than the {rep.count} blocks",
+                       help=f"recompute every block with `recompute = {region}`, or every n-th with n from 1 to {rep.count}")
         elif region == "attention" and (rep is None or not any(primitives.of(u).recomputed_core for u in rep.body)):
             self.error(E0409, "`recompute = attention` needs attention inside the repeated blocks", v.span,
                        label="no attention to recompute",
                        help=f"model `{self.model.name}` has no attention in a `repeat`: use `recompute = blocks` or remove the setting")
-        return region
+        return region, every
+
+    def _recompute_every(self, given: ast.Setting, region: str) -> int:
+        """`every N` of `recompute = blocks every N` (torchtitan's `ac_freq`): a whole number >= 1,
+        only for the regions wrapped block by block."""
+        if given.every is None:
+            return 1
+        if region not in ("blocks", "ops"):
+            self.error(E0203, f"`every` does not apply to `recompute = {region}`", given.every.span,
+                       label="only blocks and ops are recomputed block by block",
+                       help="write `recompute = blocks every N` or `recompute = ops every N`, or drop `every`")
+            return 1
+        n = self.eval_int(given.every, {}, "`every`")
+        return n if n is not None else 1
 
     def sequence_parallel(self, seq: int, seq_setting: ast.Setting | None) -> None:
         """`layout { seq -> T }`: Megatron sequence parallelism over the tensor axes T.

@@ -119,6 +119,9 @@ def settings(ctx: PassContext) -> PassResult:
             w.error(E0203, f"unknown plan setting `{key}`", s.name.span, label="not a plan setting",
                     **typo(s.name.span, key, PLAN_SETTINGS))
             continue
+        if s.every is not None and key != "recompute":
+            w.error(E0203, f"`every` does not apply to `{key}`", s.every.span, label="not a per-block setting",
+                    help="`every N` picks the blocks `recompute` applies to: drop it here")
         if key in ("dtype", "recompute"):
             continue
         v = w.eval_int(s.value, env, key)
@@ -138,7 +141,8 @@ def settings(ctx: PassContext) -> PassResult:
 
 def recompute(ctx: PassContext) -> PassResult:
     w = _Worker.of(ctx)
-    return w.result(recompute=w.recompute(ctx["settings"].get("recompute")))
+    region, every = w.recompute(ctx["settings"].get("recompute"))
+    return w.result(recompute=region, recompute_every=every)
 
 
 def placements(ctx: PassContext) -> PassResult:

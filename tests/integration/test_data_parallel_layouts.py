@@ -34,6 +34,17 @@ CASES: dict[str, str] = {
         "data = 2, replica = 2, tensor = 2", MEGATRON + "microbatches = 2\n" + HSDP + "optimizer adamw { zero 2 over data }"),
     # ZeRO-1 over a subset: ZeroRedundancyOptimizer over the shard group, replicas step alike.
     "hsdp_zero1": _spec("replica = 2, data = 2", HSDP + "optimizer adamw { zero 1 over data }"),
+    # Selective op recomputation: the tensor-parallel collectives rerun inside the recomputed block.
+    "recompute_ops_tensor2": _spec("tensor = 2", MEGATRON + "recompute = ops"),
+    "recompute_ops_pipeline2_tensor2_1f1b": _spec(
+        "pipeline = 2, tensor = 2", MEGATRON + "microbatches = 2\n recompute = ops\n stages over pipeline balanced\n schedule 1f1b"),
+    "recompute_ops_sequence_parallel": _spec(
+        "tensor = 2", MEGATRON + "recompute = ops\n layout { seq -> tensor }"),
+    # Every 2nd block (1 and 3): one recomputed, one not on each pipeline stage.
+    "recompute_blocks_every2_pipeline2_tensor2": _spec(
+        "pipeline = 2, tensor = 2", MEGATRON + "microbatches = 2\n recompute = blocks every 2\n stages over pipeline balanced"),
+    "recompute_ops_every3_data2_zero3": _spec(
+        "data = 2", "microbatches = 2\n recompute = ops every 3\n layout { batch -> data }\n optimizer adamw { zero 3 }"),
 }
 
 
