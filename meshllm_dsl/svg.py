@@ -5,8 +5,9 @@ axes as side-by-side panels), coloured by pipeline stage, darker per shard index
 rank, coordinates, layers and shard.
 
 `schedule_svg`: one timeline row per pipeline rank with the forward and backward pass of every
-microbatch placed by simulating the schedule (gpipe, 1f1b or interleaved 1f1b) with backward = 2 x
-forward; the grey between the boxes is the bubble.
+microbatch placed by simulating torch's own action order for the schedule (schedule_order: gpipe,
+1f1b or interleaved 1f1b) with backward = 2 x forward; the grey between the boxes is the bubble, the
+one `meshc plan` prints.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import attrs
 from meshllm_dsl.explain import rank_rows, shard_axes
 from meshllm_dsl.ir import PlanIR
 from meshllm_dsl.planner import bubble_fraction
+from meshllm_dsl.schedule_order import BACKWARD_COST, FORWARD_COST, rank_order, schedule_cost
 
 # Stage hues: distinct, colour-blind-friendly-ish (Okabe-Ito order, as HSL hues).
 HUES = (210, 30, 150, 330, 50, 270, 190, 0, 100, 240, 300, 80)
@@ -158,37 +160,14 @@ class Op:
     end: int
 
 
-def schedule_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[tuple[str, int, int]]:
-    """(kind, microbatch, chunk) in the order rank `rank` runs them (torch / Megatron orders)."""
-    if p <= 1 or schedule == "gpipe":
-        forwards = [("F", i, c) for c in range(v) for i in range(m)]
-        backwards = [("B", i, c) for c in reversed(range(v)) for i in range(m)]
-        return forwards + backwards
-    total = m * v
-
-    def fwd(k: int) -> tuple[str, int, int]:
-        return ("F", (k // (p * v)) * p + k % p, (k // p) % v)
-
-    def bwd(k: int) -> tuple[str, int, int]:
-        return ("B", (k // (p * v)) * p + k % p, v - 1 - (k // p) % v)
-
-    if schedule == "interleaved_1f1b":
-        warm = min(total, 2 * (p - rank - 1) + (v - 1) * p)
-    else:
-        warm = min(total, p - rank - 1)
-    order = [fwd(k) for k in range(warm)]
-    for i in range(total - warm):
-        order += [fwd(warm + i), bwd(i)]
-    order += [bwd(k) for k in range(total - warm, total)]
-    return order
-
-
-def simulate(schedule: str, p: int, m: int, v: int, forward: int = 1, backward: int = 2) -> list[Op]:
-    """Place every op: each rank runs its order sequentially, an op starting when its input is ready."""
+def simulate(schedule: str, p: int, m: int, v: int) -> list[Op]:
+    """Place every action of torch's own order (schedule_order.rank_order, the one the planner's
+    memory and bubble come from): each rank runs its actions in turn, each starting when its input
+    is ready, a backward costing twice a forward (schedule_order's unit costs)."""
     stages = p * v
-    orders = [schedule_order(schedule, p, m, v, r) for r in range(p)]
-    done: dict[tuple[str, int, int], int] = {}  # (kind, stage, micro) -> end time
-    free = [0] * p
+    orders = [[a for a in rank_order(schedule, p, v, m, r) if a is not None] for r in range(p)]
+    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro) -> end time
+    free = [0.0] * p
     nxt = [0] * p
     ops: list[Op] = []
     while any(nxt[r] < len(orders[r]) for r in range(p)):
@@ -196,22 +175,21 @@ def simulate(schedule: str, p: int, m: int, v: int, forward: int = 1, backward: 
         for r in range(p):
             if nxt[r] >= len(orders[r]):
                 continue
-            kind, mb, chunk = orders[r][nxt[r]]
-            stage = chunk * p + r
+            kind, stage, mb = orders[r][nxt[r]]
             if kind == "F":
                 dep = ("F", stage - 1, mb) if stage > 0 else None
             else:
                 dep = ("B", stage + 1, mb) if stage < stages - 1 else ("F", stage, mb)
             if dep is not None and dep not in done:
                 continue
-            start = max(free[r], done[dep] if dep is not None else 0)
-            end = start + (forward if kind == "F" else backward)
+            start = max(free[r], done[dep] if dep is not None else 0.0)
+            end = start + (FORWARD_COST if kind == "F" else BACKWARD_COST)
             done[(kind, stage, mb)] = end
             free[r] = end
             nxt[r] += 1
-            ops.append(Op(r, kind, mb, chunk, start, end))
+            ops.append(Op(r, kind, mb, stage // p, int(start), int(end)))
             progressed = True
-        if not progressed:  # pragma: no cover - the orders above never deadlock
+        if not progressed:  # pragma: no cover - torch's orders never deadlock (schedule_order's tests)
             raise RuntimeError(f"schedule {schedule} deadlocked at p={p} m={m} v={v}")
     return ops
 
@@ -221,20 +199,22 @@ def schedule_svg(plan: PlanIR) -> str:
     m, v = plan.microbatches, plan.virtual
     ops = simulate(plan.schedule, p, m, v)
     span = max(o.end for o in ops)
-    busy = sum(o.end - o.start for o in ops)
-    idle = 1 - busy / (span * p)
     label_w, top, row_h = 110, 78, 40
     unit = max(6.0, min(40.0, 1100 / span))
     # wide enough for the three caption lines (about 7 px per character at these sizes)
     width = int(max(label_w + span * unit + 30, 660))
     height = top + p * (row_h + 8) + 70
-    formula = bubble_fraction(plan.schedule, p, m, v)
+    closed = bubble_fraction(plan.schedule, p, m, v)
+    bubble = schedule_cost(plan.schedule, p, v, m).bubble if p > 1 else 0.0
+    # The planner's bubble is this order's; the closed form is shown where it differs (interleaved).
+    formula = f"(p - 1) / (m + p - 1){' / v' if v > 1 else ''}"
+    caption = (f"bubble in torch's {plan.schedule} order (backward = 2 x forward): {bubble:.1%}"
+               + (f" = {formula}" if abs(bubble - closed) < 5e-4 else f"; the closed form {formula} gives {closed:.1%}"))
     out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' viewBox='0 0 {width} {height}'>",
            f"<rect width='{width}' height='{height}' fill='white'/>",
            _text(10, 24, f"plan {plan.name}: schedule {plan.schedule}, {p} pipeline rank{'s' if p != 1 else ''}, "
                  f"{m} microbatches" + (f", {v} virtual stages per rank" if v > 1 else ""), 16, "start", "bold"),
-           _text(10, 46, f"bubble (p - 1) / (m + p - 1){' / v' if v > 1 else ''} = {formula:.1%}; "
-                 f"idle in this simulation (backward = 2 x forward): {idle:.1%}", 12, "start"),
+           _text(10, 46, caption, 12, "start"),
            _text(10, 64, "blue: forward, orange: backward; the number is the microbatch"
                  + ("; lighter = later virtual stage" if v > 1 else "") + "; grey = idle (the bubble)", 11, "start", fill="#444")]
     for r in range(p):
