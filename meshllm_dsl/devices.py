@@ -1,14 +1,18 @@
 """Device profiles the planner knows: memory, dense throughput and link bandwidths.
 
-Figures are vendor datasheet numbers (dense bf16/fp16 tensor-core throughput, no sparsity); links are
-per-direction bandwidth per device, which is what a ring collective's "bus bandwidth" is bounded by.
+Figures are vendor datasheet numbers (dense bf16/fp16 tensor-core throughput, no sparsity, memory
+bandwidth, SMs); `intra` is the per-direction NVLink bandwidth per device, which NCCL's ring reaches a
+fraction of per algorithm (`bus_efficiency`, NCCL-tests), `inter` what NCCL reaches per NIC. The
+matmul efficiency of the a100 / h100 / h200 profiles is fitted to published runs (A100_MATMUL,
+H100_MATMUL below).
 A .mesh file can declare its own profile:
 
     device h100_pcie { like = h100, memory = 80, tflops = 756, intra = 64 }
 
 Settings: `memory` (GiB), `tflops`, `intra` (GB/s within a host), `inter` (GB/s between hosts, per
-device), `per_host` (devices in one host), `like` (a known profile whose values the others default to),
-and, as `meshc calibrate` writes them, `mfu` (fraction of `tflops` the matmuls reach), `latency`
+device), `per_host` (devices in one host), `hbm` (GB/s of device memory: the roofline of a thin
+matmul, and what lookups and elementwise work cost), `like` (a known profile whose values the others
+default to), and, as `meshc calibrate` writes them, `mfu` (fraction of `tflops` large matmuls reach), `latency`
 (microseconds per collective call), and for hosts whose CPU cores are the devices: `kernel`
 (microseconds of host time per framework kernel: dispatch, autograd and Python around each operator,
 which dominates small models), `collective_cpu` (microseconds of host time each collective call
