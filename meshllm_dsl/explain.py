@@ -3,6 +3,8 @@
 Three views: rank -> mesh coordinates -> pipeline stage, layers and shard index; the process group of
 every axis (MeshIR.groups, the same groups the runtime builds with init_device_mesh); and per layer
 the global and local shape of each parameter, its activation layouts and the collectives it issues.
+Layouts are placements in DTensor's terms (placements.py), printed as torch prints a DTensor's, one
+per axis of the mesh a stage's DTensors live on (the mesh without its pipeline axis).
 """
 
 from __future__ import annotations
@@ -10,8 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 from meshllm_dsl.collectives import spec
-from meshllm_dsl.ir import Collective, Placement, PlanIR, Repeat, Unit, UnitFlow
+from meshllm_dsl.ir import Collective, Placement, PlanIR, Repeat, Unit, UnitFlow, param_dims
 from meshllm_dsl.layouts import seq_partial_grad
+from meshllm_dsl.placements import (
+    Layout,
+    activation_dims,
+    activation_layout,
+    dtensor_placements,
+    dtensor_text,
+    fsdp_axes,
+    spmd_mesh,
+)
 from meshllm_dsl.planner import _ranges, _table, stage_label
 
 
@@ -59,8 +70,22 @@ def _collective(c: Collective) -> str:
     return f"{c.op}({', '.join(c.axes)}) at {c.where}: {s.forward} forward, {s.backward} backward"
 
 
+def _activation(plan: PlanIR, layout: Layout) -> dict[str, Any]:
+    """An activation boundary: its placements as DTensor prints them, and which dims they split."""
+    whole = activation_layout(plan, layout)
+    return {"placements": list(dtensor_placements(whole, spmd_mesh(plan), activation_dims(whole.feature()))),
+            "layout": str(whole)}
+
+
+def _boundaries(plan: PlanIR, flow: UnitFlow) -> list[dict[str, Any]]:
+    """The unit's input, the layout after each of its leaves, and its output."""
+    return [{"at": at, **_activation(plan, layout)}
+            for at, layout in (("input", flow.input), *flow.inside, ("output", flow.output))]
+
+
 def _unit_entries(plan: PlanIR, unit: Unit, placement: dict[str, Placement], flow: UnitFlow | None) -> dict[str, Any]:
     params: list[dict[str, Any]] = []
+    mesh, fsdp = spmd_mesh(plan), fsdp_axes(plan)
     for leaf in unit.leaves:
         key = ".".join(leaf.path)
         p = placement.get(key, Placement("replicate"))
@@ -68,9 +93,11 @@ def _unit_entries(plan: PlanIR, unit: Unit, placement: dict[str, Placement], flo
             params.append({"name": "weight" if leaf.name == unit.name else f"{leaf.name}.weight", "tied_to": leaf.tie, "rule": _rule(p), "global": None, "local": None})
         for t in leaf.params:
             dim = p.tensor_dim(t)
+            laid = p.layout(t, fsdp)
             entry = {"name": f"{leaf.name}.{t.name}" if leaf.name != unit.name else t.name,
                      "global": list(t.shape), "local": list(plan.local_shape(t, p)), "rule": _rule(p),
-                     "split_dim": dim}
+                     "split_dim": dim, "placements": list(dtensor_placements(laid, mesh, param_dims(t))),
+                     "layout": str(laid)}
             summed = seq_partial_grad(plan, unit, leaf, t)
             if summed:
                 # Sequence parallelism: each rank's gradient covers its slice of the sequence only.
@@ -80,6 +107,7 @@ def _unit_entries(plan: PlanIR, unit: Unit, placement: dict[str, Placement], flo
     return {
         "name": unit.name, "kind": unit.kind, "params": params,
         "input": str(flow.input) if flow else None, "output": str(flow.output) if flow else None,
+        "activations": _boundaries(plan, flow) if flow else [],
         "collectives": [_collective(c) for c in flow.collectives] if flow else [],
     }
 
@@ -109,6 +137,7 @@ def explain_json(plan: PlanIR) -> dict[str, Any]:
                    for s in plan.stages],
         "ranks": rank_rows(plan),
         "groups": {a.name: plan.mesh.groups(a.name) for a in plan.mesh.axes},
+        "dtensor_mesh": [a for a, _ in spmd_mesh(plan)],
         "layers": layer_entries(plan),
         "loss": f"vocab_parallel({', '.join(plan.roles.loss)})" if plan.roles.loss_parallel else "cross_entropy",
     }
@@ -149,22 +178,27 @@ def explain_text(plan: PlanIR) -> str:
         groups = mesh.groups(a.name)
         where = ("  (across nodes)" if mesh.crosses_hosts(a.name) else "  (in host)") if mesh.hosts > 1 else ""
         lines.append(f"  {a.name.ljust(width)}  " + " ".join("[" + ", ".join(map(str, g)) + "]" for g in groups) + where)
-    lines += ["", "layers (global shape -> local shape on one device)"]
+    stage_mesh = ", ".join(a for a, _ in spmd_mesh(plan))
+    lines += ["", "layers (global shape -> local shape on one device; placements as DTensor's over "
+              f"({stage_mesh}){', the mesh of one stage' if plan.roles.pipeline else ''})"]
     for entry in layer_entries(plan):
         indent = "  "
         if entry["blocks"] is not None:
             lines.append(f"  {entry['blocks']} (every block alike)")
             indent = "    "
         for u in entry["units"]:
-            flow = f"  {u['input']} -> {u['output']}" if u["input"] is not None else ""
-            lines.append(f"{indent}{u['name']} ({u['kind']}){flow}")
+            lines.append(f"{indent}{u['name']} ({u['kind']})")
+            arows = [[a["at"], dtensor_text(a["placements"]), f"# {a['layout']}"] for a in u["activations"]]
+            lines += [indent + "  " + x for x in _table(["at", "placements", "layout"], arows, right=set())[1:]]
             prows = []
             for p in u["params"]:
                 if p.get("tied_to"):
-                    prows.append([p["name"], f"tied to {p['tied_to']}", "", p["rule"]])
+                    prows.append([p["name"], f"tied to {p['tied_to']}", "", p["rule"], "", ""])
                 else:
-                    prows.append([p["name"], _shape(p["global"]), _shape(p["local"]), p["rule"]])
-            lines += [indent + "  " + x for x in _table(["param", "global", "local", "rule"], prows, right=set())[1:]]
+                    prows.append([p["name"], _shape(p["global"]), _shape(p["local"]), p["rule"],
+                                  dtensor_text(p["placements"]), f"# {p['layout']}"])
+            lines += [indent + "  " + x for x in _table(["param", "global", "local", "rule", "placements", "layout"],
+                                                        prows, right=set())[1:]]
             for c in u["collectives"]:
                 lines.append(f"{indent}  collective: {c}")
     lines += ["", f"loss: {'vocab-parallel cross entropy over ' + ' x '.join(plan.roles.loss) if plan.roles.loss_parallel else 'cross entropy on full logits'}"]

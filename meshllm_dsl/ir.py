@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from meshllm_dsl.placements import Layout
 from meshllm_dsl.roles import ParallelRoles
 from meshllm_dsl.source import Span
 
@@ -256,23 +257,27 @@ class Placement:
             return 1 if len(tensor.shape) == 2 else None  # a row layer's bias stays whole
         return None
 
+    def layout(self, tensor: Tensor, fsdp: tuple[str, ...] = ()) -> Layout:
+        """`tensor`'s placement per mesh axis: Shard of the dim this rule splits over its axes (a
+        column or vocab-parallel weight's dim 0, a row weight's `in` dim, a row bias whole), then FSDP2's
+        Shard(dim 0) over `fsdp` (the ZeRO 2 / 3 axes, placements.fsdp_axes), inside that split."""
+        dims = param_dims(tensor)
+        dim = self.tensor_dim(tensor)
+        own = Layout.shard(dims[dim], self.axes) if dim is not None else Layout()
+        return own.then(Layout.shard(dims[0], fsdp))
+
+
+def param_dims(tensor: Tensor) -> tuple[str, ...]:
+    """The logical name of each of `tensor`'s dims, from its shard units (a fused qkv's rows:
+    `heads+kv_heads`), unique per tensor."""
+    names = ["+".join(dict.fromkeys(name for name, _ in units)) or f"dim {i}" for i, units in enumerate(tensor.units)]
+    # A square weight's dims may share a name (hidden, hidden): a Shard must still say which one.
+    return tuple(n if names.count(n) == 1 else f"{n} (dim {i})" for i, n in enumerate(names))
+
+
+
 
 REPLICATE = Placement("replicate")
-
-
-@attrs.frozen
-class Layout:
-    """An activation's layout over the mesh: Replicate, Shard (last dim), Partial (pending sum) or,
-    under sequence parallelism, Shard(seq) ([b, s / t, hidden] between sublayers)."""
-
-    kind: str  # "R" | "S" | "P" | "Q" (Shard(seq))
-    axes: tuple[str, ...] = ()
-
-    def __str__(self) -> str:
-        if self.kind == "R" or not self.axes:
-            return "Replicate"
-        name = {"S": "Shard(-1)", "P": "Partial", "Q": "Shard(seq)"}[self.kind]
-        return f"{name} over {' x '.join(self.axes)}"
 
 
 @attrs.frozen
@@ -293,6 +298,9 @@ class UnitFlow:
     input: Layout
     output: Layout
     collectives: tuple[Collective, ...]
+    # Inside a sublayer: the layout after each of its leaves (q -> Shard(heads), o -> Partial(sum)),
+    # before the collective at its output; () where the unit has no boundary inside.
+    inside: tuple[tuple[str, Layout], ...] = ()
 
 
 @attrs.frozen

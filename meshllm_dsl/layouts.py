@@ -1,8 +1,9 @@
-"""Activation layouts across layer boundaries: Replicate / Shard(-1) / Partial, per unit.
+"""Activation layouts across layer boundaries, per mesh axis in DTensor's terms (placements.py).
 
 The residual stream is always Replicate. Inside a sublayer the layouts follow Megatron's pairing:
-a column layer takes Replicate (the f operator `copy_to` in front) and gives Shard; a row layer takes
-that Shard and gives Partial, which the g operator `reduce_from` sums at the residual add. Anything
+a column layer takes Replicate (the f operator `copy_to` in front) and gives Shard of its output
+feature (heads, ffn, vocab) over its axes; a row layer takes that Shard and gives Partial, which the
+g operator `reduce_from` sums at the residual add. Anything
 else is a typed error at the boundary where it happens: a column layer fed a sharded activation,
 a partial sum reaching a non-linearity, the attention core fed q / k / v laid out differently, a
 sharded activation reaching the residual stream.
@@ -26,7 +27,6 @@ from meshllm_dsl.diagnostics import Label, make_rule
 from meshllm_dsl.ir import (
     REPLICATE,
     Collective,
-    Layout,
     Leaf,
     ModelIR,
     Placement,
@@ -36,9 +36,15 @@ from meshllm_dsl.ir import (
     Unit,
     UnitFlow,
 )
+from meshllm_dsl.placements import Layout
 from meshllm_dsl.source import Span
 
-R = Layout("R")
+R = Layout()  # the residual stream, and anything whole on every rank
+
+
+def seq_layout(seq: tuple[str, ...]) -> Layout:
+    """Sequence parallelism's residual stream: [b, s / t, hidden], Shard(seq) over `seq`."""
+    return Layout.shard("seq", seq)
 
 
 class _Reporter(Protocol):
@@ -50,54 +56,57 @@ def _rule_text(p: Placement) -> str:
 
 
 def _through(p: Placement, x: Layout, where: str, r: _Reporter, collectives: list[Collective],
-             source: tuple[str, Placement] | None = None) -> Layout | None:
+             source: tuple[str, Placement] | None = None, out: str = "hidden") -> Layout | None:
     """Layout after a linear with placement `p` whose input has layout `x`; None after an error.
 
-    `source` names the layer that produced a sharded input, so errors can point at its rule too.
+    `out` names the feature a column layer's output holds (heads, ffn, vocab). `source` names the
+    layer that produced a sharded input, so errors can point at its rule too.
     """
     def producer() -> tuple[Label, ...]:
         if source is None or source[1].span is None or source[1].span == p.span:
             return ()
         return (Label(source[1].span, f"`{source[0]}` shards its output here"),)
 
+    split = x.feature_axes()  # the feature a column layer before this one sharded
     if not p.sharded:
-        if x.kind == "S" and p.span is None:
+        if split and p.span is None:
             return None  # placed by no rule at all: E0501 already names it; a layout error would be noise
-        if x.kind == "S":
-            r.error(E0402, f"`{where}` is replicated but its input is sharded over {' x '.join(x.axes)}", p.span,
+        if split:
+            r.error(E0402, f"`{where}` is replicated but its input is sharded over {' x '.join(split)}", p.span,
                     label="needs the full input", secondary=producer(),
-                    help=f"make `{where}` `row({', '.join(x.axes)})`: a column layer pairs with a row layer",
-                    suggestions=make_rule(p.span, f"row({', '.join(x.axes)})"))
+                    help=f"make `{where}` `row({', '.join(split)})`: a column layer pairs with a row layer",
+                    suggestions=make_rule(p.span, f"row({', '.join(split)})"))
             return None
         return R
     if p.rule == "column":
-        if x.kind == "S":
-            r.error(E0402, f"column layer `{where}` is fed an activation already sharded over {' x '.join(x.axes)}",
+        if split:
+            r.error(E0402, f"column layer `{where}` is fed an activation already sharded over {' x '.join(split)}",
                     p.span, label="column after column", secondary=producer(),
-                    help=f"make `{where}` `row({', '.join(x.axes)})`: a column layer must be followed by a row layer",
-                    suggestions=make_rule(p.span, f"row({', '.join(x.axes)})"))
+                    help=f"make `{where}` `row({', '.join(split)})`: a column layer must be followed by a row layer",
+                    suggestions=make_rule(p.span, f"row({', '.join(split)})"))
             return None
         collectives.append(Collective("copy_to", p.axes, "input"))
-        return Layout("S", p.axes)
+        return Layout.shard(out, p.axes)
     # row
-    if x.kind == "S":
-        if x.axes != p.axes:
+    if split:
+        if split != p.axes:
             r.error(E0402, f"row layer `{where}` splits over {' x '.join(p.axes)} but its input is sharded over "
-                    f"{' x '.join(x.axes)}", p.span, label="axes differ", secondary=producer(),
-                    help=f"use `row({', '.join(x.axes)})` to match the column layer before it",
-                    suggestions=make_rule(p.span, f"row({', '.join(x.axes)})"))
+                    f"{' x '.join(split)}", p.span, label="axes differ", secondary=producer(),
+                    help=f"use `row({', '.join(split)})` to match the column layer before it",
+                    suggestions=make_rule(p.span, f"row({', '.join(split)})"))
             return None
     else:
         collectives.append(Collective("split_to", p.axes, "input"))
-    return Layout("P", p.axes)
+    return Layout.partial(p.axes)
 
 
 def _partial_error(x: Layout, what: str, span: Span | None, r: _Reporter, producer: str) -> None:
-    r.error(E0403, f"a partial sum over {' x '.join(x.axes)} reaches {what}", span,
+    axes = x.partial_axes()
+    r.error(E0403, f"a partial sum over {' x '.join(axes)} reaches {what}", span,
             label=f"`{producer}` is row-parallel here",
-            help=f"make `{producer}` `column({', '.join(x.axes)})` so its output is sharded, not partial; "
+            help=f"make `{producer}` `column({', '.join(axes)})` so its output is sharded, not partial; "
             "row layers belong at the end of a sublayer, before the residual add",
-            suggestions=make_rule(span, f"column({', '.join(x.axes)})"),
+            suggestions=make_rule(span, f"column({', '.join(axes)})"),
             note=f"{what} is not linear: applying it to each rank's partial sum and then adding is not the same as applying it to the sum")
 
 
@@ -122,21 +131,22 @@ def unit_flow(unit: Unit, prefix: str, placement: dict[str, Placement], r: _Repo
     return primitives.of(unit).flow(FlowSite(unit, prefix, placement, r, last))
 
 
-def sublayer_flow(site: FlowSite, nonlinear: str, combined: str) -> UnitFlow | None:
-    """A block sublayer's flow: column layers on the residual stream, combined by `combined` (e.g.
-    attention) through a non-linearity (`nonlinear`), and a row layer closing it."""
+def sublayer_flow(site: FlowSite, nonlinear: str, combined: str, inner: str) -> UnitFlow | None:
+    """A block sublayer's flow: column layers on the residual stream giving the feature `inner`
+    (heads, ffn), combined by `combined` (e.g. attention) through a non-linearity (`nonlinear`), and a
+    row layer closing it."""
     unit, r, pl, name, prefix = site.unit, site.r, site.pl, site.name, site.prefix
     collectives: list[Collective] = []
     inputs = [leaf.name for leaf in unit.leaves[:-1]]
     out_leaf = unit.leaves[-1].name
     layouts: dict[str, Layout] = {}
     for leaf in inputs:
-        y = _through(pl(leaf), R, name(leaf), r, collectives)
+        y = _through(pl(leaf), R, name(leaf), r, collectives, out=inner)
         if y is None:
             return None
         layouts[leaf] = y
     for leaf, y in layouts.items():
-        if y.kind == "P":
+        if y.partial_axes():
             _partial_error(y, nonlinear, pl(leaf).span, r, name(leaf))
             return None
     first = inputs[0]
@@ -146,7 +156,7 @@ def sublayer_flow(site: FlowSite, nonlinear: str, combined: str) -> UnitFlow | N
             r.error(E0402, f"{combined} combines `{name(first)}` ({a}) with `{name(leaf)}` ({b})",
                     pl(leaf).span or pl(first).span, label="layouts differ",
                     help=f"give {', '.join(f'`{name(x)}`' for x in inputs)} the same rule, e.g. "
-                    f"`shard {prefix}{unit.name}.{{{','.join(inputs)}}} {_rule_text(pl(first) if a.kind == 'S' else pl(leaf))}`")
+                    f"`shard {prefix}{unit.name}.{{{','.join(inputs)}}} {_rule_text(pl(first) if a.feature_axes() else pl(leaf))}`")
             return None
     # copy_to once for the whole unit: all input projections read the same normed activation
     seen: set[tuple[str, tuple[str, ...]]] = set()
@@ -159,31 +169,34 @@ def sublayer_flow(site: FlowSite, nonlinear: str, combined: str) -> UnitFlow | N
     y = _through(pl(out_leaf), layouts[first], name(out_leaf), r, collectives, (name(first), pl(first)))
     if y is None:
         return None
-    return _at_residual(y, name(out_leaf), pl(out_leaf), collectives, r)
+    inside = (*((leaf, layouts[leaf]) for leaf in inputs), (out_leaf, y))
+    return _at_residual(y, name(out_leaf), pl(out_leaf), collectives, r, inside)
 
 
 def linear_flow(site: FlowSite) -> UnitFlow | None:
     """A top-level linear's flow: on the residual stream, or (the head) giving the logits."""
     collectives: list[Collective] = []
     p = site.pl(site.unit.name)
-    y = _through(p, R, site.name(site.unit.name), site.r, collectives)
+    y = _through(p, R, site.name(site.unit.name), site.r, collectives, out="vocab" if site.last else "hidden")
     if y is None:
         return None
     if site.last:
         return UnitFlow(R, y, tuple(collectives))  # logits: the loss consumes them (checked there)
-    return _at_residual(y, site.name(site.unit.name), p, collectives, site.r)
+    return _at_residual(y, site.name(site.unit.name), p, collectives, site.r, ((site.unit.name, y),))
 
 
-def _at_residual(y: Layout, where: str, p: Placement, collectives: list[Collective], r: _Reporter) -> UnitFlow | None:
-    if y.kind == "S":
-        r.error(E0402, f"`{where}` leaves its output sharded over {' x '.join(y.axes)} at the residual add", p.span,
+def _at_residual(y: Layout, where: str, p: Placement, collectives: list[Collective], r: _Reporter,
+                 inside: tuple[tuple[str, Layout], ...] = ()) -> UnitFlow | None:
+    split = y.feature_axes()
+    if split:
+        r.error(E0402, f"`{where}` leaves its output sharded over {' x '.join(split)} at the residual add", p.span,
                 label="the residual stream must be replicated",
-                help=f"make `{where}` `row({', '.join(y.axes)})` (its output is then summed), or `replicate`",
-                suggestions=make_rule(p.span, f"row({', '.join(y.axes)})") + make_rule(p.span, "replicate"))
+                help=f"make `{where}` `row({', '.join(split)})` (its output is then summed), or `replicate`",
+                suggestions=make_rule(p.span, f"row({', '.join(split)})") + make_rule(p.span, "replicate"))
         return None
-    if y.kind == "P":
-        collectives.append(Collective("reduce_from", y.axes, "output"))
-    return UnitFlow(R, R, tuple(collectives))
+    if y.partial_axes():
+        collectives.append(Collective("reduce_from", y.partial_axes(), "output"))
+    return UnitFlow(R, R, tuple(collectives), inside)
 
 
 def under_seq(c: Collective, seq: tuple[str, ...]) -> Collective | None:
@@ -196,13 +209,14 @@ def under_seq(c: Collective, seq: tuple[str, ...]) -> Collective | None:
 def _seq_block_flow(unit: Unit, flow: UnitFlow, prefix: str, placement: dict[str, Placement],
                     seq: tuple[str, ...], seq_span: Span | None, r: _Reporter, quiet: bool = False) -> UnitFlow | None:
     """A block unit's flow under sequence parallelism over `seq`; None after an error (E0410)."""
-    q = Layout("Q", seq)
+    q = seq_layout(seq)
     if primitives.of(unit).norm:
         return UnitFlow(q, q, ())
-    # Tensor-parallel over exactly `seq`: f in front of the column layers and g after the row layer.
+    # Tensor-parallel over exactly `seq`: f in front of the column layers and g after the row layer
+    # (inside, the column layers see the whole sequence again: the same layouts as without it).
     seq_ops = [under_seq(c, seq) for c in flow.collectives]
     if [c.where for c in flow.collectives] == ["input", "output"] and None not in seq_ops:
-        return UnitFlow(q, q, tuple(c for c in seq_ops if c is not None))
+        return UnitFlow(q, q, tuple(c for c in seq_ops if c is not None), flow.inside)
     axes = " x ".join(seq)
     where = f"{prefix}{unit.name}"
     leaves = [lf.name for lf in unit.leaves]

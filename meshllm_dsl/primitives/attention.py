@@ -125,7 +125,7 @@ class Attention(Primitive):
         return Work(planner.linear_matmuls(plan, hu, tokens) + core)
 
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
-        return layouts.sublayer_flow(site, "the attention softmax", "attention")
+        return layouts.sublayer_flow(site, "the attention softmax", "attention", "heads")
 
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         d: dict[str, Any] = dict(

@@ -11,7 +11,8 @@ import attrs
 
 from meshllm_dsl import layouts, planner, primitives
 from meshllm_dsl.codes import E0304
-from meshllm_dsl.ir import REPLICATE, Collective, Layout, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.ir import REPLICATE, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.placements import Layout
 from meshllm_dsl.primitives import Built, LeafKind, Primitive, TopSite, Work
 from meshllm_dsl.primitives.args import Arg, const
 
@@ -68,19 +69,20 @@ class Embedding(Primitive):
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
         p = site.pl(site.unit.name)
         if p.sharded:  # each rank looks up the ids it holds rows for, zeros elsewhere: the ranks sum
-            return UnitFlow(layouts.R, layouts.R, (Collective("reduce_from", p.axes, "output"),))
+            return UnitFlow(layouts.R, layouts.R, (Collective("reduce_from", p.axes, "output"),),
+                            ((site.unit.name, Layout.partial(p.axes)),))
         return UnitFlow(layouts.R, layouts.R, ())
 
     def seq_top_flow(self, unit: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool,
                      then: Unit | None) -> UnitFlow:
         if then is not None and isinstance(primitives.of(then), Positional):
             return flow  # summed in full; the positions are added, then the sum is split (Megatron too)
-        q = Layout("Q", seq)
+        q = layouts.seq_layout(seq)
         ops = list(flow.collectives)
         summed = layouts.under_seq(ops[-1], seq) if ops else None  # a vocab-parallel sum over `seq`
         if summed is not None:
-            return UnitFlow(layouts.R, q, (*ops[:-1], summed))
-        return UnitFlow(layouts.R, q, (*ops, Collective("split_seq", seq, "output")))
+            return UnitFlow(layouts.R, q, (*ops[:-1], summed), flow.inside)
+        return UnitFlow(layouts.R, q, (*ops, Collective("split_seq", seq, "output")), flow.inside)
 
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         return _table(a)
@@ -130,7 +132,7 @@ class Positional(Primitive):
 
     def seq_top_flow(self, unit: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool,
                      then: Unit | None) -> UnitFlow:
-        return UnitFlow(layouts.R, Layout("Q", seq), (Collective("split_seq", seq, "output"),))
+        return UnitFlow(layouts.R, layouts.seq_layout(seq), (Collective("split_seq", seq, "output"),))
 
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         return _table(a)

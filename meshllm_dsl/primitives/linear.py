@@ -11,7 +11,7 @@ import attrs
 from meshllm_dsl import layouts, planner, primitives
 from meshllm_dsl.codes import E0304, E0309
 from meshllm_dsl.collectives import spec
-from meshllm_dsl.ir import REPLICATE, Collective, Layout, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.ir import REPLICATE, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
 from meshllm_dsl.primitives import Built, Primitive, TopSite, Work
 from meshllm_dsl.primitives.args import Arg, const
 from meshllm_dsl.primitives.embedding import EMBEDDING
@@ -92,7 +92,7 @@ class Linear(Primitive):
                      then: Unit | None) -> UnitFlow:
         if not last:
             return flow  # a top-level linear between blocks: refused by the checker (E0410)
-        q = Layout("Q", seq)
+        q = layouts.seq_layout(seq)
         ops = list(flow.collectives)
         gathered = layouts.under_seq(ops[0], seq) if ops else None  # a head split over `seq`: its f
         if gathered is not None:

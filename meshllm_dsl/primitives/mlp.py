@@ -65,7 +65,7 @@ class Mlp(Primitive):
         return Work(planner.linear_matmuls(plan, hu, tokens))
 
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
-        return layouts.sublayer_flow(site, f"the {site.unit.attr('act')} activation", "the gated product")
+        return layouts.sublayer_flow(site, f"the {site.unit.attr('act')} activation", "the gated product", "ffn")
 
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         return dict(hidden=a["hidden"], ffn=a["ffn"], act=a["act"], bias=a["bias"])

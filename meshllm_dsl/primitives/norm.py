@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from meshllm_dsl import layouts, planner
-from meshllm_dsl.ir import Layout, Leaf, Placement, Unit, UnitFlow
+from meshllm_dsl.ir import Leaf, Placement, Unit, UnitFlow
 from meshllm_dsl.primitives import Built, Primitive, TopSite, Work
 from meshllm_dsl.primitives.args import Arg, const
 
@@ -32,7 +32,7 @@ class Norm(Primitive):
 
     def seq_top_flow(self, unit: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool,
                      then: Unit | None) -> UnitFlow:
-        q = Layout("Q", seq)
+        q = layouts.seq_layout(seq)
         return UnitFlow(q, q, ())
 
     def top_lines(self, w: Any, site: TopSite) -> tuple[list[Any], str]:

@@ -7,7 +7,8 @@ from helpers import EXAMPLES
 from mesh_snippets import MEGATRON
 
 from meshllm_dsl.checker import check_file, check_text
-from meshllm_dsl.ir import Collective, Layout, PlanIR, StagePiece
+from meshllm_dsl.ir import Collective, PlanIR, StagePiece
+from meshllm_dsl.placements import Layout, Partial, Replicate, Shard
 
 TP = Collective  # shorthand
 
@@ -48,11 +49,15 @@ def test_megatron_plan_placements_and_collectives() -> None:
     attn = cls.flow("attn")
     # Megatron f before the column layers, g after the row layer; the residual stream stays replicated
     assert attn.collectives == (TP("copy_to", ("tensor",), "input"), TP("reduce_from", ("tensor",), "output"))
-    assert attn.input == attn.output == Layout("R")
+    assert attn.input == attn.output == Layout()
+    # inside: q / k / v shard the heads over tensor, o leaves a partial sum that reduce_from adds up
+    assert dict(attn.inside) == {**{x: Layout.shard("heads", ("tensor",)) for x in "qkv"}, "o": Layout.partial(("tensor",))}
+    assert dict(cls.flow("mlp").inside)["up"] == Layout((("tensor", Shard("ffn")),))
+    assert dict(attn.inside)["o"].on("tensor") == Partial() and attn.output.on("tensor") == Replicate()
     assert cls.flow("attn_norm").collectives == ()
     top = dict(p.top_flows)
     assert top["embed"].collectives == (TP("reduce_from", ("tensor",), "output"),)
-    assert top["lm_head"].output == Layout("S", ("tensor",))  # logits stay sharded over the vocabulary
+    assert top["lm_head"].output == Layout.shard("vocab", ("tensor",))  # logits stay sharded over the vocabulary
     assert p.roles.loss == ("tensor",)
     assert p.placement("blocks.3.mlp.down").rule == "row"
     assert p.placement("lm_head").rule == "column"
@@ -64,7 +69,7 @@ def test_sequence_parallel_plan_flows_and_explain() -> None:
     p = plan_of(tiny(MEGATRON + "    layout { seq -> tensor }\n    seq = 16"))
     assert p.roles.sequence == ("tensor",)
     (cls,) = p.block_classes
-    sp = Layout("Q", ("tensor",))
+    sp = Layout.shard("seq", ("tensor",))
     assert str(sp) == "Shard(seq) over tensor"
     # f / g become all-gather / reduce-scatter along the sequence; norms and the stream are Shard(seq)
     for unit in ("attn", "mlp"):
@@ -76,7 +81,7 @@ def test_sequence_parallel_plan_flows_and_explain() -> None:
     assert top["embed"].collectives == (TP("reduce_scatter_seq", ("tensor",), "output"),)
     assert top["norm"].input == sp
     assert top["lm_head"].collectives == (TP("gather_seq", ("tensor",), "input"),)
-    assert top["lm_head"].output == Layout("S", ("tensor",))
+    assert top["lm_head"].output == Layout.shard("vocab", ("tensor",))
     units = {u["name"]: u for e in explain_json(p)["layers"] for u in e["units"]}
     assert units["attn_norm"]["params"][0]["grad_summed_over"] == ["tensor"]
     assert "grad_summed_over" not in units["attn"]["params"][0]
