@@ -111,7 +111,7 @@ def uncalibrated(profile: DeviceProfile) -> bool:
 
 
 # Fitted to ../shared/calibration/published.md only (tests/planner/test_published_runs.py prints
-# the table, every row within 3 %): the fraction of the dense peak a large matmul reaches, per
+# the table, every row within 2.5 %): the fraction of the dense peak a large matmul reaches, per
 # device generation, with planner.ELEMENTWISE_PASSES = 5 (the memory traffic of what is not a
 # matmul, common to both) fitted beside them.
 # A100: Megatron-LM SC21 Table 1 (GPT 1.7B - 18B, fp16, 32 - 256 GPUs; cuBLAS fp16 GEMMs of these
@@ -120,7 +120,7 @@ A100_MATMUL = 0.80
 # H100: torchtitan's Llama 3.1 8B FSDP 8 and FSDP 128 (bf16, eager). Their H100s are Grand Teton's
 # 500 W HBM2e parts, and eager PyTorch leaves gaps between kernels that this model does not
 # price: both are in this figure, which a 700 W H100 SXM under torch.compile exceeds.
-H100_MATMUL = 0.43
+H100_MATMUL = 0.42
 
 # NCCL-tests bus bandwidths (GitHub NVIDIA/nccl-tests and NVIDIA/nccl issues, NCCL's maintainers):
 # A100 (NVLink 3, 300 GB/s per direction): ~200 - 210 GB/s all-reduce on 8 GPUs (nccl-tests #149,

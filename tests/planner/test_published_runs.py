@@ -6,7 +6,8 @@ Megatron-LM SC21 Table 1 reports model TFLOP/s per GPU counted as F = 96 B s l h
 V / 16 l h) per iteration, recomputation included, so its iteration time is F / (TFLOP/s x GPUs);
 those runs predate fused (flash) attention, so they are planned with the softmax probabilities in
 memory (`flash_attention=False`). torchtitan reports tokens per second per GPU (eager) and the
-memory it logs per GPU, which is compared and printed, not fitted.
+memory it logs per GPU, which is compared and printed, not fitted; its op-level selective
+checkpointing is `recompute = ops`.
 """
 
 from __future__ import annotations
@@ -72,10 +73,8 @@ def test_published_runs_within_ten_percent(capsys: pytest.CaptureFixture[str]) -
 
 def test_memory_of_the_torchtitan_rows_is_reported(capsys: pytest.CaptureFixture[str]) -> None:
     # Compared, not fitted: torchtitan logs one figure whose meaning (reserved or active) its
-    # benchmark does not give, and the language says `recompute = attention` where torchtitan
-    # checkpoints at op level (which keeps every other matmul's output, not all of them), so the
-    # planner's activations are above torchtitan's. What FSDP 128 saves over FSDP 8 (the states
-    # sharded 16x finer) is no recomputation matter, and that agrees within 10 %.
+    # benchmark does not give. What FSDP 128 saves over FSDP 8 (the states sharded 16x finer) is
+    # no allocator matter, and that agrees within 10 %; the totals within 25 %.
     planned = {}
     with capsys.disabled():
         for name, _, _, published in TORCHTITAN:
@@ -83,6 +82,7 @@ def test_memory_of_the_torchtitan_rows_is_reported(capsys: pytest.CaptureFixture
             print(f"{name.removesuffix('.mesh'):36} memory per GPU: published {published:.1f} GiB, planned {planned[name]:.1f} GiB")
     (small, _, _, small_pub), (large, _, _, large_pub) = TORCHTITAN
     assert planned[small] - planned[large] == pytest.approx(small_pub - large_pub, rel=0.10)
+    assert planned[small] == pytest.approx(small_pub, rel=0.25) and planned[large] == pytest.approx(large_pub, rel=0.25)
 
 
 def test_standard_flops_per_token() -> None:
