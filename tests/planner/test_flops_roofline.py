@@ -91,3 +91,13 @@ def test_collective_bandwidth_per_algorithm_and_link() -> None:
     h100 = PROFILES["h100"]
     assert _link(inside, h100, ("data",), "all_reduce")[0] == pytest.approx(1.07 * 450e9)
     assert _link(inside, h100, ("data",), "all_gather")[0] == pytest.approx(0.82 * 450e9)
+
+
+def test_h200_is_h100_compute_with_more_and_faster_memory() -> None:
+    h100, h200 = PROFILES["h100"], PROFILES["h200"]
+    assert (h200.tflops, h200.mfu, h200.sms, h200.intra_gbps, h200.bus_efficiency) == \
+        (h100.tflops, h100.mfu, h100.sms, h100.intra_gbps, h100.bus_efficiency)
+    assert (h200.memory_gib, h200.hbm_gbps) == (141.0, 4800.0)
+    big, thin = Matmul(132 * 128, 8192, 8192), Matmul(8, 8192, 8192)
+    assert matmul_seconds(h200, big, 2) == matmul_seconds(h100, big, 2)  # compute-bound: the same
+    assert matmul_seconds(h200, thin, 2) == pytest.approx(matmul_seconds(h100, thin, 2) * 3350 / 4800)
