@@ -496,7 +496,8 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         + (f" over {_axes_text(plan.roles.batch_shard)}, replicated over {_axes_text(plan.roles.batch_replicate)} (HSDP)"
            if plan.zero and plan.roles.batch_replicate else "") + ".",
         *([f"Precision: compute in {plan.dtype}, master weights and optimizer states in {plan.master_dtype}, "
-           f"gradients reduced in {plan.reduce_dtype} (FSDP2 MixedPrecisionPolicy)."] if plan.master_dtype else []),
+           f"gradients reduced in {plan.reduce_dtype} ("
+           + ("FSDP2 MixedPrecisionPolicy" if plan.zero >= 2 else "torch.autocast, fp32 parameters") + ")."] if plan.master_dtype else []),
         "",
         f"Run: torchrun --nproc-per-node {mesh.devices} THIS_FILE --steps 10",
     ]

@@ -159,6 +159,11 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
                _setting_span(decl, "recompute", plan.span), label="activation recomputation",
                help="drop `recompute` for the export and wrap the blocks with torch.utils.checkpoint "
                     "(or `model.gradient_checkpointing_enable()`) yourself")
+    if plan.master_dtype is not None and plan.zero < 2:
+        refuse(E1206, f"`precision` at ZeRO {plan.zero} (fp32 parameters under torch.autocast) is not exported to {where}",
+               _stmt_span(decl, ast.PrecisionStmt, plan.span), label="mixed precision by autocast",
+               help=f"run the exported model under `torch.autocast(device, dtype=torch.{'bfloat16' if plan.dtype == 'bf16' else 'float16'})` "
+                    "yourself, or use `zero 2` / `zero 3` (fully_shard's MixedPrecisionPolicy)")
     zero_axis: str | None = None
     if target == "dtensor":
         if plan.zero == 1:

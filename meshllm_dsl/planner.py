@@ -980,7 +980,12 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 # of the sharded gradient it reduce-scatters into at the end of the step.
                 accum = DTYPES[plan.reduce_dtype or plan.dtype] * local
         else:
-            weight_b, grad_b, opt_b = zero_per_device(local, plan.zero, zero_shards, w, w, k)
+            # With `precision` (runtime/amp.py: autocast) the parameters and their gradients are the
+            # master dtype's, and each weight's cast to the compute dtype lives from its forward to
+            # its backward, as FSDP2's gathered copy does.
+            state_w = master if plan.master_dtype else w
+            weight_b, grad_b, opt_b = zero_per_device(local, plan.zero, zero_shards, state_w, state_w, k)
+            gather = w * local if plan.master_dtype and master > w else 0
         chunks = max(1, len(stages_at[c]))
         # torch.distributed.pipelining keeps each in-flight forward's output (the residual stream,
         # or the logits on the last stage) until that microbatch's backward.
@@ -1054,11 +1059,11 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 comms += hsdp_replica_comm(plan, device, scatters, scattered_b // max(1, scatters))
             elif plan.zero >= 1:
                 # Gradients reduce-scattered to their owners, updated weights all-gathered back.
-                comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", 1, w * local))
-                comms += hsdp_replica_comm(plan, device, 1, w * local)
-                comms.append(_comm(plan, device, data_axes, "data", "all_gather", 1, w * local))
+                comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", 1, reduce_w * local))
+                comms += hsdp_replica_comm(plan, device, 1, reduce_w * local)
+                comms.append(_comm(plan, device, data_axes, "data", "all_gather", 1, reduce_w * local))
             else:
-                comms.append(_comm(plan, device, data_axes, "data", "all_reduce", 1, w * local))
+                comms.append(_comm(plan, device, data_axes, "data", "all_reduce", 1, reduce_w * local))
         # Compute: every microbatch's forward, and its backward at twice the forward (the gradients
         # of both operands of every product: 6 flops per parameter and token in all), the forwards
         # `recompute` runs again, and the optimizer step reading and writing its states once.

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import fsdp
+from . import amp, fsdp
 from .collectives import all_reduce_, all_reduce_sum
 from .mesh import Mesh
 from .shards import ShardSpec, full_init, gather_full, local_slice
@@ -100,7 +100,7 @@ class Program:
     optimizer: Mapping[str, Any] = field(default_factory=dict)
     dtype: torch.dtype = torch.float32  # the parameters' (with `precision`: the master weights')
     # A plan's `precision`: compute in param_dtype and reduce gradients in reduce_dtype (FSDP2's
-    # MixedPrecisionPolicy, so only with zero 2 / 3); None: in ``dtype``.
+    # MixedPrecisionPolicy with zero 2 / 3, torch.autocast with zero 0 / 1: runtime/amp.py); None: in ``dtype``.
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
     hosts: int = 1  # the spec's `hosts`: axes whose groups stay inside one host (ranks node-major)
@@ -231,6 +231,10 @@ class Built:
         self._tied = self._tied_groups()
         if program.zero >= 2:
             self._fully_shard()
+        elif amp.uses_autocast(program.zero, program.dtype, program.param_dtype):
+            assert program.param_dtype is not None
+            for module in self.modules.values():
+                amp.autocast_forward(module, self.device.type, program.param_dtype)
         self.loss_fn = program.loss(mesh)
         self.optimizer = self._make_optimizer()
         self.steps_done = 0  # optimizer updates so far: the learning-rate schedule's clock
@@ -267,8 +271,10 @@ class Built:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype of activations: ``param_dtype`` under mixed precision, else ``dtype``."""
-        return self.program.param_dtype or self.program.dtype
+        """The dtype of activations: ``param_dtype`` under mixed precision, else ``dtype``. Under
+        autocast (ZeRO 0 / 1) the residual stream stays in the master dtype: only products narrow."""
+        p = self.program
+        return p.dtype if amp.uses_autocast(p.zero, p.dtype, p.param_dtype) else p.param_dtype or p.dtype
 
     def _check_coverage(self) -> None:
         for i, module in self.modules.items():

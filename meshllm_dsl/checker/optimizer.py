@@ -117,13 +117,17 @@ class OptimizerRules(PlanContext):
                        seen["params"].value.span, label="computes in another dtype",
                        help="give the compute dtype once: drop the plan's `dtype` or make them equal")
         compute = values.get("params", dtype)
-        master, reduce = values.get("master", compute), values.get("reduce", compute)
+        master = values.get("master", compute)
+        reduce = values.get("reduce", compute if zero in (2, 3) else master)
         if DTYPES[master] < DTYPES[compute] and "master" in seen:
             self.error(E0203, f"master weights in {master} are narrower than the compute dtype {compute}",
                        seen["master"].value.span, label="would round every update more than the forward",
                        help=f"keep master weights at least as wide: `master = fp32` (or `params = {master}`)")
-        if zero not in (2, 3):
-            self.error(E0309, "`precision` needs ZeRO stage 2 or 3", stmt.span,
-                       label="mixed precision is applied by FSDP2, which only zero 2 / 3 use",
-                       help="add `zero 2` (or `zero 3`) to the optimizer: `optimizer adamw { zero 2 }`")
+        if zero not in (2, 3) and reduce != master:
+            # ZeRO 0 / 1 keep the master weights as the parameters (runtime/amp.py: autocast), so
+            # their gradients, and the all-reduce of them, are in the master dtype.
+            self.error(E0309, f"`reduce = {reduce}` with ZeRO {zero}: gradients are reduced in the master dtype {master}",
+                       seen["reduce"].value.span if "reduce" in seen else stmt.span,
+                       label="only FSDP2 (zero 2 / 3) reduces in another dtype",
+                       help=f"write `reduce = {master}` (or leave it out), or shard with `zero 2` / `zero 3`")
         return compute, master, reduce

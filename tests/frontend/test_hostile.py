@@ -48,7 +48,7 @@ CASES: dict[str, tuple[str, set[str]]] = {
     "minus_1000_times": (_spec(layers="-" * 1000 + "2"), {"E0311"}),
     "parens_1000_deep": (_spec(layers="(" * 1000 + "2" + ")" * 1000), set()),
     "zero_4": (_spec("    optimizer adamw { zero 4 }\n"), {"E0203"}),
-    "precision_without_zero": (_spec("    precision { params = bf16, master = fp32 }\n"), {"E0309"}),
+    "precision_without_zero": (_spec("    precision { params = bf16, master = fp32, reduce = bf16 }\n"), {"E0309"}),
     "precision_bad_settings": (_spec("    layout { batch -> data }\n    dtype = fp16\n"
                                      "    precision { params = bf16, mastr = fp32, reduce = int8, params = fp32 }\n"
                                      "    precision { master = fp16 }\n    optimizer adamw { zero 3 }\n"), {"E0203", "E0201"}),

@@ -26,6 +26,10 @@ def _spec(axes: str, body: str) -> str:
 
 
 HSDP = "layout { batch -> replica * data }\n"
+# The distributed optimizer at ZeRO 0 / 1: bf16 products under autocast, fp32 master weights (the
+# parameters), fp32 gradients, reduction and moments (runtime/amp.py). Compared in fp32 / fp64,
+# where every dtype is the same; the bf16 run itself is checked below.
+PRECISION = "precision { params = bf16, master = fp32 }\n"
 CASES: dict[str, str] = {
     # HSDP: FSDP2 over a 2-D (replicate, shard) mesh; sharded over `data`, replicated over `replica`.
     "hsdp_zero3": _spec("replica = 2, data = 2", HSDP + "optimizer adamw { zero 3 over data\n clip = 0.01 }"),
@@ -45,6 +49,11 @@ CASES: dict[str, str] = {
         "pipeline = 2, tensor = 2", MEGATRON + "microbatches = 2\n recompute = blocks every 2\n stages over pipeline balanced"),
     "recompute_ops_every3_data2_zero3": _spec(
         "data = 2", "microbatches = 2\n recompute = ops every 3\n layout { batch -> data }\n optimizer adamw { zero 3 }"),
+    "precision_zero1_data2_tensor2": _spec(
+        "data = 2, tensor = 2", MEGATRON + "layout { batch -> data }\n" + PRECISION + "optimizer adamw { zero 1 }"),
+    "precision_zero0_pipeline2_data2_1f1b": _spec(
+        "data = 2, pipeline = 2", "microbatches = 2\n layout { batch -> data }\n stages over pipeline balanced\n"
+        " schedule 1f1b\n" + PRECISION),
 }
 
 
@@ -89,3 +98,51 @@ def test_hsdp_shards_over_the_zero_axes_and_replicates_over_the_rest(pool: Worke
     assert got[0] == {"mesh": [[0, 2], [1, 3]], "names": ("replica", "data"), "placements": ["R", "S(0)"],
                       "local_rows": 32, "rows": 64}
     assert [g["mesh"] for g in got] == [[[0, 2], [1, 3]]] * 4
+
+
+def _master_job(ctx, path: str) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    from meshllm_dsl.runtime.launch import synthetic_batch
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    params = built.parameters()
+    before = [p.detach().clone() for p in params]
+    losses = [built.train_step(*synthetic_batch(program.vocab, program.batch, program.seq, 7, s)) for s in range(2)]
+    inner = getattr(built.optimizer, "optim", built.optimizer)  # ZeRO-1: its local AdamW
+    states = [v for st in inner.state.values() for k, v in st.items() if k != "step"]
+    moved = sum(int((p.detach() != b).sum()) for p, b in zip(params, before))
+    out = built.run_stages(torch.zeros(2, 8, dtype=torch.long))
+    return {"param": {str(p.dtype) for p in params}, "grad": {str(p.grad.dtype) for p in params if p.grad is not None},
+            "optim": {str(v.dtype) for v in states}, "logits": None if out is None else str(out.dtype),
+            "losses": losses, "moved": moved / sum(p.numel() for p in params)}
+
+
+@pytest.mark.parametrize("zero", [0, 1])
+def test_master_weights_at_zero_0_and_1_keep_updates_bf16_would_round_away(zero: int, pool: WorkerPool,
+                                                                           tmp_path: Path) -> None:
+    # lr 1e-5 moves each weight by about 1e-5, under half a bf16 ulp of most of them: in bf16
+    # (`dtype = bf16`) the step leaves them as they were, with fp32 master weights it does not.
+    moved = {}
+    for name, body in (("master", PRECISION), ("bf16", "dtype = bf16\n")):
+        text = _spec("data = 2", f"layout {{ batch -> data }}\n{body} optimizer adamw {{ zero {zero}\n lr = 1e-5 }}")
+        (plan,) = check_text(text, f"{name}.mesh").plans.values()
+        path = tmp_path / f"{name}.py"
+        path.write_text(render_plan(plan, f"{name}.mesh", text))
+        got = pool.run(_master_job, 2, str(path))[0]
+        moved[name] = got["moved"]
+        if name == "master":
+            assert got["param"] == got["grad"] == got["optim"] == {"torch.float32"}, got
+            assert got["logits"] == "torch.bfloat16", got  # the head's product ran in bf16
+    assert moved["master"] > 0.9 and moved["bf16"] < 0.5, moved
+
+
+def test_master_weights_train_in_bf16_through_a_pipeline(pool: WorkerPool, tmp_path: Path) -> None:
+    # The stages pass fp32 activations (autocast narrows only the products), as their examples say.
+    text = CASES["precision_zero0_pipeline2_data2_1f1b"]
+    (plan,) = check_text(text, "pp.mesh").plans.values()
+    path = tmp_path / "pp.py"
+    path.write_text(render_plan(plan, "pp.mesh", text))
+    got = pool.run(_master_job, 4, str(path))
+    assert {g["logits"] for g in got} == {None, "torch.bfloat16"}
+    assert all(g["param"] == {"torch.float32"} and all(x == x for x in g["losses"]) for g in got), got

@@ -41,3 +41,18 @@ def test_hsdp_zero1_reduces_within_the_shard_group_and_across_replicas() -> None
     ops = {(c.axis, c.op): c.payload_bytes for c in r.comms if c.kind == "data"}
     grads = 2 * plan.model.numel
     assert ops == {("data", "reduce_scatter"): grads, ("replica", "all_reduce"): grads // 2, ("data", "all_gather"): grads}
+
+
+def test_master_weights_at_zero_1_are_the_fp32_parameters_with_moments_sharded() -> None:
+    body = "layout { batch -> data }\n precision { params = bf16, master = fp32 }\n optimizer adamw { zero 1 }"
+    plan = _plan("data = 4", body)
+    assert (plan.dtype, plan.master_dtype, plan.reduce_dtype) == ("bf16", "fp32", "fp32")
+    (r,) = analyze(plan).ranks
+    numel = plan.model.numel
+    # runtime/amp.py: fp32 parameters and gradients, fp32 moments over 4 ranks, bf16 casts in flight.
+    assert (r.weight_bytes, r.grad_bytes, r.optimizer_bytes) == (4 * numel, 4 * numel, 8 * -(-numel // 4))
+    assert r.gather_buffer_bytes == 2 * numel
+    assert {c.op: c.payload_bytes for c in r.comms if c.kind == "data"} == {"reduce_scatter": 4 * numel,
+                                                                          "all_gather": 4 * numel}
+    (bf16,) = analyze(_plan("data = 4", "layout { batch -> data }\n optimizer adamw { zero 1 }")).ranks
+    assert (bf16.weight_bytes, bf16.grad_bytes, bf16.gather_buffer_bytes) == (2 * numel, 2 * numel, 0)

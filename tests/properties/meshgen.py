@@ -253,8 +253,10 @@ class _Oracle:
         if p.get("master") in widths and widths[p["master"]] < widths[compute]:
             self.bad("E0203", "master narrower than compute")
         stage = self.s.zero[0] if self.s.zero is not None else 0
-        if stage not in (2, 3):
-            self.bad("E0309", "precision without zero 2 / 3")
+        master = p.get("master", compute) if p.get("master") in widths else compute
+        reduce = p.get("reduce", compute if stage in (2, 3) else master)
+        if stage not in (2, 3) and reduce != master and reduce in widths:
+            self.bad("E0309", "precision reducing in another dtype without zero 2 / 3")
 
     # -- rules -> placement per (leaf, block)
     def leaf_keys(self) -> list[tuple[str, ...]]:
@@ -771,6 +773,8 @@ def plan_specs(draw: Callable[..., Any], valid_only: bool = False) -> Spec:
         stage = draw(st.sampled_from([0, 1])) if fault == "precision_without_zero" else draw(st.sampled_from([2, 3]))
         spec.zero = (stage, None)
         spec.precision = {"params": "bf16", "master": "fp32"}
+        if fault == "precision_without_zero":  # autocast (ZeRO 0 / 1) reduces in the master dtype only
+            spec.precision["reduce"] = "bf16"
         if fault == "precision_unknown":
             spec.precision[draw(st.sampled_from(["reduce", "mastr", "param"]))] = draw(st.sampled_from(["int8", "fp8", "fp32"]))
             if spec.precision.get("reduce") == "fp32":
