@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -155,13 +156,27 @@ def cmd_suggest(args: argparse.Namespace) -> int:
     seq = args.seq or (first_plan.seq if first_plan else 2048)
     if args.devices < 1 or batch < 1 or seq < 1:
         raise UsageError("--devices, --batch and --seq must be positive")
-    result = suggest(path, model.name, devices=args.devices, device=profiles[args.device], batch=batch, seq=seq,
-                     per_host=args.per_host, top=args.top)
+    device = profiles[args.device]
+    headroom = headroom_bytes(args.headroom, device)
+    result = suggest(path, model.name, devices=args.devices, device=device, batch=batch, seq=seq,
+                     per_host=args.per_host, top=args.top, headroom_bytes=headroom)
     if args.format == "json":
         print(json.dumps(suggestion_json(result), indent=2))
     else:
         print(suggestion_text(result), end="")
     return EXIT_OK if result.best else EXIT_SPEC
+
+
+def headroom_bytes(gib: float | None, device: DeviceProfile) -> int | None:
+    """--headroom in GiB as bytes (None: planner_suggest's default share of the device)."""
+    from meshllm_dsl.cli import UsageError
+
+    if gib is None:
+        return None
+    total = device.memory_bytes / 2**30
+    if not math.isfinite(gib) or not 0 <= gib < total:
+        raise UsageError(f"--headroom: expected GiB from 0 to less than {device.name}'s {total:g} GiB, got {gib:g}")
+    return int(gib * 2**30)
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -188,5 +203,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--seq", type=int, help="sequence length (default: the file's plan, else 2048)")
     s.add_argument("--per-host", type=int, help="devices per host (default: the profile's)")
     s.add_argument("--top", type=int, default=3, help="how many plans to print (default 3)")
+    s.add_argument("--headroom", type=float, metavar="GiB",
+                   # planner_suggest.DEFAULT_HEADROOM (not imported here: every command would load the planner)
+                   help="memory every suggested plan leaves free on a device (default 5 %% of the device's: the CUDA "
+                   "context, NCCL's buffers and the allocator's fragmentation, which the planner does not count)")
     s.add_argument("--format", choices=("text", "json"), default="text")
     s.set_defaults(func=cmd_suggest)

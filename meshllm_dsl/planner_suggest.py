@@ -9,6 +9,7 @@ planner; those that fit in device memory are ranked by estimated step time.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,11 +22,16 @@ from meshllm_dsl.devices import DeviceProfile
 from meshllm_dsl.ir import ModelIR, PlanIR, Repeat
 from meshllm_dsl.load import load
 from meshllm_dsl.names import divisors
-from meshllm_dsl.planner import PlanReport, analyze, fmt_bytes, fmt_seconds
+from meshllm_dsl.planner import MFU, PlanReport, analyze, fmt_bytes, fmt_seconds
 from meshllm_dsl.progress import StatusLine
+from meshllm_dsl.schedule_order import schedule_cost
 
 MESH_NAME, PLAN_NAME = "suggested_mesh", "suggested"
 MAX_MICROBATCHES = 64  # beyond this the per-microbatch collectives' latency dominates any memory saving
+# The share of a device's memory a suggested plan leaves free by default (`--headroom`): what the
+# planner does not count, the CUDA context (about 0.5 - 1 GiB a process), NCCL's buffers (a few
+# hundred MiB per communicator) and the caching allocator's fragmentation.
+DEFAULT_HEADROOM = 0.05
 
 
 @attrs.frozen
@@ -66,9 +72,11 @@ class SuggestResult:
     per_host: int
     enumerated: int
     checked: int  # .mesh texts run through check_text
-    fitting: int  # candidates estimated to fit in memory
+    fitting: int  # candidates analysed and estimated to fit in memory (with the headroom)
     ranked: tuple[Ranked, ...]
     rejected: tuple[tuple[str, str], ...]  # (candidate, first checker error) for a few, to show why
+    headroom_bytes: int = 0  # what every ranked plan leaves free of the device's memory
+    analysed: int = 0  # candidates the planner analysed (the others a lower bound ruled out)
 
     @property
     def best(self) -> Ranked | None:
@@ -146,9 +154,10 @@ def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -
 
 def _master_weights(c: Candidate, model: ModelIR) -> bool:
     """16-bit models train with fp32 master weights and reductions (Megatron's and torchtitan's
-    default), wherever the runtime has them: FSDP2, so ZeRO 2 / 3. In 16 bits AdamW's small updates
-    round away (bench/master_weights.py)."""
-    return c.zero >= 2 and model.dtype in ("bf16", "fp16")
+    default) at every ZeRO stage: FSDP2's MixedPrecisionPolicy at 2 / 3, autocast over fp32
+    parameters at 0 / 1 (runtime/amp.py). In 16 bits AdamW's small updates round away
+    (bench/master_weights.py)."""
+    return model.dtype in ("bf16", "fp16")
 
 
 def _explicit_stages(model: ModelIR, p: int) -> list[str]:
@@ -200,14 +209,15 @@ def candidates(model: ModelIR, devices: int, batch: int, per_host: int) -> Itera
                         continue
                     if sched == "interleaved_1f1b" and m % p:
                         continue
-                    # ZeRO 2 / 3 are FSDP2 in the runtime (16-bit models with fp32 master weights: _master_weights).
+                    # ZeRO 2 / 3 are FSDP2 in the runtime (16-bit models with fp32 master weights at every stage: _master_weights).
                     for z in (0, 1, 2, 3) if d > 1 else (0,):
                         for r in remats:
                             yield Candidate(d, p, t, m, sched, v, z, hosts, r)
 
 
 def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, batch: int, seq: int,
-            per_host: int | None = None, top: int = 3, status: StatusLine | None = None) -> SuggestResult:
+            per_host: int | None = None, top: int = 3, status: StatusLine | None = None,
+            headroom_bytes: int | None = None, prune: bool = True) -> SuggestResult:
     """Enumerate, estimate, then re-check the winners exactly.
 
     Parsing dominates the cost (about 10 ms a candidate for Llama 2 70B), and candidates that differ
@@ -216,14 +226,61 @@ def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, 
     its variants are estimated from that checked PlanIR with those fields replaced, and then every
     variant that fits is written out and checked with `check_text` in order of estimated step time
     until `top` of them pass: nothing is suggested that the checker has not passed as written.
+    A plan fits when its peak leaves ``headroom_bytes`` of the device free (default
+    DEFAULT_HEADROOM of its memory).
+    ``prune``: skip the analysis of candidates a lower bound already rules out (``StateBound``); the
+    answer is the same either way (tests/planner/test_suggest_scale.py compares them).
     ``status``: where to say how far it is (default: a line on stderr while it is a terminal).
     """
+    if headroom_bytes is None:
+        headroom_bytes = int(DEFAULT_HEADROOM * device.memory_bytes)
     with status or StatusLine("meshc suggest") as line:
-        return _suggest(path, model_name, devices, device, batch, seq, per_host, top, line)
+        return _suggest(path, model_name, devices, device, batch, seq, per_host, top, line,
+                        device.memory_bytes - headroom_bytes, prune)
+
+
+class StateBound:
+    """Weights, gradients and optimizer states per device are a lower bound on a plan's peak (the
+    peak adds activations, buffers and transients, none negative), and they depend on the
+    structure and the ZeRO stage (with the master dtype it implies), not on the microbatches or
+    recomputation. So once one variant of a (structure, ZeRO stage) is analysed, its states say
+    for every other variant whether it can fit; the planner's own numbers decide, none restated
+    here."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.states: dict[int, int] = {}  # ZeRO stage -> the largest rank's
+
+    def record(self, c: Candidate, report: PlanReport) -> None:
+        self.states.setdefault(c.zero, max(r.weight_bytes + r.grad_bytes + r.optimizer_bytes for r in report.ranks))
+
+    def rules_out(self, c: Candidate) -> bool:
+        known = self.states.get(c.zero)
+        return known is not None and known > self.limit
+
+
+def bubble_scale(c: Candidate) -> float:
+    """The pipeline bubble over the busy time (what analyze stretches the slowest rank's work by):
+    (p - 1) / m for GPipe and 1F1B, whose torch orders take exactly m + p - 1 slots; interleaved
+    from torch's own order (schedule_order)."""
+    if c.pipeline <= 1:
+        return 0.0
+    if c.schedule in ("gpipe", "1f1b"):
+        return (c.pipeline - 1) / c.microbatches
+    return schedule_cost(c.schedule, c.pipeline, c.virtual, c.microbatches).bubble_over_busy
+
+
+def compute_floor_s(report: PlanReport) -> float:
+    """No plan of this model, batch and devices computes faster than its matmul flops spread
+    evenly over every device at the device's best matmul rate: the slowest rank computes at least
+    the average share, and no product runs above peak x MFU (the planner's roofline only slows one
+    down). The same for every candidate; times (1 + bubble_scale), a lower bound on its step."""
+    rate = report.device.tflops * 1e12 * (report.device.mfu or MFU)
+    return report.step.model_flops / (report.plan.mesh.devices * rate)
 
 
 def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, batch: int, seq: int,
-             per_host: int | None, top: int, line: StatusLine) -> SuggestResult:
+             per_host: int | None, top: int, line: StatusLine, limit: int, prune: bool) -> SuggestResult:
     prelude = _prelude_text(path, model_name)
     base = check_text(prelude, str(Path(path)))
     model = base.models[model_name]
@@ -247,42 +304,104 @@ def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, ba
         # Each tensor-parallel candidate also with sequence parallelism, where seq splits over it.
         for v in (c, attrs.evolve(c, seq_parallel=True)) if c.tensor > 1 and seq % c.tensor == 0 else (c,):
             groups.setdefault((v.data, v.pipeline, v.tensor, v.schedule, v.virtual, v.seq_parallel), []).append(v)
-    enumerated = sum(len(g) for g in groups.values())
-    estimates: list[tuple[Candidate, PlanReport]] = []
-    for i, group in enumerate(groups.values()):
-        line.update(f"checking layout {i + 1} of {len(groups)} ({enumerated} candidates)")
-        _, rep_plan = check(group[0])
-        for c in group:
-            plan: PlanIR | None
-            if rep_plan is not None:
-                master = _master_weights(c, model)
-                plan = attrs.evolve(rep_plan, microbatches=c.microbatches, zero=c.zero,
-                                    roles=attrs.evolve(rep_plan.roles, batch_shard=rep_plan.roles.batch if c.zero else ()), recompute=c.recompute,
-                                    master_dtype="fp32" if master else None, reduce_dtype="fp32" if master else None)
-            else:
-                plan = check(c)[1]  # the structure failed: judge each variant on its own
-                if plan is None:
-                    continue
-            estimates.append((c, analyze(plan, device)))
-    fitting = [(c, r) for c, r in estimates if r.fits]
-    fitting.sort(key=lambda cr: (cr[1].step.total_s, cr[1].peak_training_bytes))
+    everything = [(key, c) for key, group in groups.items() for c in group]
+    enumerated = len(everything)
+    index = {c: i for i, (_, c) in enumerate(everything)}
+    # Branch and bound: candidates in order of their lower bound on step time (the bubble's share:
+    # compute_floor_s is common to all), analysed until the fastest that fit are known for certain.
+    scales = {c: bubble_scale(c) for _, c in everything} if prune else {}
+    if prune:
+        everything.sort(key=lambda kc: scales[kc[1]])
+    progress = _Progress(line, enumerated)
+    structures: dict[tuple[int, int, int, str, int, bool], PlanIR | None] = {}
+    bounds: dict[tuple[int, int, int, str, int, bool], StateBound] = {}
+    fitting: list[tuple[Candidate, PlanReport]] = []
+    analysed = 0
+    floor: float | None = None
     ranked: list[Ranked] = []
-    checked = 0
-    for c, _ in fitting:
-        if len(ranked) >= top:
+    rechecked = checked = 0
+
+    def recheck_below(bound_s: float) -> bool:
+        """Re-check, fastest first, the fitting plans no unanalysed candidate can beat (step under
+        ``bound_s``); True once `top` pass and the runner-up after them is known too."""
+        nonlocal rechecked, checked
+        certain = bisect.bisect_left(fitting, bound_s, key=lambda cr: cr[1].step.total_s)
+        while len(ranked) < top and rechecked < certain:
+            c = fitting[rechecked][0]
+            rechecked += 1
+            line.update(f"re-checking the fastest fitting plans as written ({len(ranked)} of {top} passed)")
+            block, checked_plan = check(c)
+            checked += 1
+            if checked_plan is not None:
+                rep = analyze(checked_plan, device)
+                if rep.peak_training_bytes <= limit:
+                    ranked.append(Ranked(c, block, rep))
+        return len(ranked) >= top and certain >= top + 1
+
+    for key, c in everything:
+        # (less a rounding margin: the bound and the step are sums taken in different orders)
+        if prune and floor is not None and recheck_below(floor * (1 + scales[c]) * (1 - 1e-9)):
             break
-        line.update(f"re-checking the fastest of {len(fitting)} fitting plans as written ({len(ranked)} of {top} passed)")
-        block, checked_plan = check(c)
-        checked += 1
-        if checked_plan is not None:
-            rep = analyze(checked_plan, device)
-            if rep.fits:
-                ranked.append(Ranked(c, block, rep))
+        progress.tried()
+        if key not in structures:
+            structures[key] = check(groups[key][0])[1]
+            checked += 1
+            bounds[key] = StateBound(limit)
+        rep_plan, bound = structures[key], bounds[key]
+        plan: PlanIR | None
+        if rep_plan is not None:
+            if prune and bound.rules_out(c):
+                continue
+            master = _master_weights(c, model)
+            plan = attrs.evolve(rep_plan, microbatches=c.microbatches, zero=c.zero,
+                                roles=attrs.evolve(rep_plan.roles, batch_shard=rep_plan.roles.batch if c.zero else ()), recompute=c.recompute,
+                                master_dtype="fp32" if master else None, reduce_dtype="fp32" if master else None)
+        else:
+            plan = check(c)[1]  # the structure failed: judge each variant on its own
+            checked += 1
+            if plan is None:
+                continue
+        report = analyze(plan, device)
+        analysed += 1
+        floor = compute_floor_s(report) if floor is None else floor
+        if rep_plan is not None:
+            bound.record(c, report)
+        if report.peak_training_bytes <= limit:
+            # Ties in time and memory go to the earlier candidate in enumeration order, as the full search's do.
+            bisect.insort(fitting, (c, report), key=lambda cr: (cr[1].step.total_s, cr[1].peak_training_bytes, index[cr[0]]))
+            progress.fits(c, report)
+    recheck_below(float("inf"))
     ranked.sort(key=lambda r: (r.report.step.total_s, r.report.peak_training_bytes))
     runner = [Ranked(c, "", r) for c, r in fitting[: top + 1]]
     best = [attrs.evolve(r, reason=_reason(i, r, ranked if len(ranked) > 1 else runner)) for i, r in enumerate(ranked)]
-    return SuggestResult(model_name, devices, device, batch, seq, host, enumerated, len(groups) + checked,
-                         len(fitting), tuple(best), tuple(rejected))
+    return SuggestResult(model_name, devices, device, batch, seq, host, enumerated, checked,
+                         len(fitting), tuple(best), tuple(rejected), device.memory_bytes - limit, analysed)
+
+
+class _Progress:
+    """The status line while the search runs: candidates tried of all and the fastest fitting plan
+    so far. Redrawn at most every tenth of a second (there are thousands of candidates)."""
+
+    def __init__(self, line: StatusLine, total: int) -> None:
+        self.line, self.total = line, total
+        self.done = 0
+        self.best: tuple[float, str] | None = None
+        self.shown: float | None = None
+
+    def tried(self) -> None:
+        self.done += 1
+        if not self.line.tty:
+            return
+        now = self.line.clock()
+        if self.shown is not None and now - self.shown < 0.1:
+            return
+        self.shown = now
+        best = f"; best so far {fmt_seconds(self.best[0])} per step: {self.best[1]}" if self.best else ""
+        self.line.update(f"searching: candidate {self.done} of {self.total}{best}")
+
+    def fits(self, c: Candidate, report: PlanReport) -> None:
+        if self.best is None or report.step.total_s < self.best[0]:
+            self.best = (report.step.total_s, c.key())
 
 
 _PARTS = (("compute_s", "compute (recomputation included)"), ("tensor_s", "tensor-parallel communication"), ("pipeline_s", "pipeline sends"),
@@ -327,12 +446,16 @@ def suggestion_text(res: SuggestResult) -> str:
         f"suggest: {res.model} on {res.devices} x {res.device.name} ({res.per_host} per host), batch {res.batch} x seq {res.seq}",
         (f"  {res.enumerated} candidates (data x pipeline x tensor, microbatches, schedule, ZeRO, recompute, "
          "sequence parallelism); "
-        f"{res.fitting} estimated to fit in {fmt_bytes(res.device.memory_bytes)}; {res.checked} written out and run "
+         + (f"{res.analysed} analysed (a lower bound on step time or memory rules out the others), "
+            if res.analysed < res.enumerated else "every one analysed, ")
+         + f"{res.fitting} of them estimated to fit in {fmt_bytes(res.device.memory_bytes)} with "
+         f"{fmt_bytes(res.headroom_bytes)} free; {res.checked} written out and run "
         "through the checker; every plan below checks clean as printed"),
         "",
     ]
     if not res.ranked:
-        lines.append("no candidate checks clean and fits in memory: more devices, a smaller batch or seq, or a larger device")
+        lines.append(f"no candidate checks clean and fits in memory with {fmt_bytes(res.headroom_bytes)} free: more "
+                     "devices, a smaller batch or seq, a larger device or a smaller --headroom")
         for key, why in res.rejected:
             lines.append(f"  rejected {key}: {why}")
         return "\n".join(lines) + "\n"
@@ -346,7 +469,8 @@ def suggestion_text(res: SuggestResult) -> str:
 def suggestion_json(res: SuggestResult) -> dict[str, Any]:
     return {
         "model": res.model, "devices": res.devices, "device": res.device.name, "batch": res.batch, "seq": res.seq,
-        "per_host": res.per_host, "enumerated": res.enumerated, "checked": res.checked, "fitting": res.fitting,
+        "per_host": res.per_host, "enumerated": res.enumerated, "analysed": res.analysed, "checked": res.checked,
+        "fitting": res.fitting, "headroom_bytes": res.headroom_bytes,
         "suggestions": [
             {"rank": i + 1, **attrs.asdict(r.candidate), "text": r.text, "reason": r.reason,
              "step_s": r.report.step.total_s, "peak_training_bytes": r.report.peak_training_bytes,

@@ -44,7 +44,7 @@ def _run_on_pty(argv: list[str]) -> tuple[int, str, str]:
 def test_suggest_shows_progress_on_a_terminal_only() -> None:
     code, out, shown = _run_on_pty(SUGGEST)
     assert code == 0 and "#1" in out
-    assert "meshc suggest: checking layout 1 of" in shown
+    assert "meshc suggest: searching: candidate 1 of" in shown
     assert shown.endswith("\r\x1b[K")  # erased before the result is printed: nothing left on the line
     piped = subprocess.run(SUGGEST, cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert piped.returncode == 0 and piped.stdout == out
