@@ -173,6 +173,50 @@ def _rope(f: _Fields) -> tuple[float, _Fields | None]:
     return theta, (None if kind == "default" else rope)
 
 
+_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
+
+
+def _rope_settings(f: _Fields, scaling: _Fields, positions: int) -> list[tuple[str, Any, str]]:
+    """The llama family's rope settings for a rope scaling object, as transformers reads it
+    (modeling_rope_utils: the fields each type's initialiser takes and their defaults)."""
+    where, p = f.where, scaling.prefix
+    kind = scaling.text("rope_type", None) or scaling.text("type")
+    if kind not in _ROPE_TYPES:
+        raise ImportError_(f"{where}: rope scaling type {kind!r} is not supported ({', '.join(map(repr, _ROPE_TYPES))})")
+    settings: list[tuple[str, Any, str]] = [("rope_type", kind, f"`{p}rope_type`"),
+                                            ("rope_factor", scaling.number("factor"), f"`{p}factor`")]
+    if kind == "dynamic":  # NTK scales from the config's max_position_embeddings
+        return settings + [("rope_original_positions", positions, "`max_position_embeddings`")]
+    if kind == "linear":
+        return settings
+    # transformers prefers a top-level original_max_position_embeddings to the rope object's
+    outer = f.int("original_max_position_embeddings", None)
+    inner = scaling.int("original_max_position_embeddings", None if kind == "yarn" else _NO_DEFAULT)
+    if outer is not None and inner is not None and outer != inner:
+        raise ImportError_(f"{where}: `original_max_position_embeddings` {outer} and `{p}original_max_position_"
+                           f"embeddings` {inner} disagree; transformers would use {outer}")
+    if kind == "llama3":
+        return settings + [
+            ("rope_low_freq_factor", scaling.number("low_freq_factor", 1.0), f"`{p}low_freq_factor`"),
+            ("rope_high_freq_factor", scaling.number("high_freq_factor", 4.0), f"`{p}high_freq_factor`"),
+            ("rope_original_positions", inner, f"`{p}original_max_position_embeddings`")]
+    for field in ("mscale", "mscale_all_dim"):  # DeepSeek's variant of yarn's attention factor
+        scaling.off(field, "changes yarn's attention factor (not supported)")
+    original = outer or inner
+    settings.append(("rope_original_positions", original or positions,
+                     f"`{p}original_max_position_embeddings`" if original else "`max_position_embeddings`"))
+    attention = scaling.number("attention_factor", None)
+    if attention is not None:
+        settings.append(("rope_attention_factor", attention, f"`{p}attention_factor`"))
+    # transformers: `beta_fast or 32`, `beta_slow or 1` (0 is the default too)
+    for key, field in (("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow")):
+        if scaling.doc.get(field) not in (None, 0):
+            settings.append((key, scaling.number(field), f"`{p}{field}`"))
+    if not scaling.flag("truncate", True):
+        settings.append(("rope_truncate", False, f"`{p}truncate`"))
+    return settings
+
+
 def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str, Any, str]], int]:
     """(family, [(setting, value, the config.json fields it comes from)], positions) for a config.json
     object; positions: the context it was trained for (the default sequence length).
@@ -254,21 +298,7 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
         ("rope_theta", theta, "`rope_theta`"),
     ]
     if scaling is not None:
-        kind = scaling.text("rope_type", None) or scaling.text("type")
-        if kind != "llama3":
-            raise ImportError_(f"{where}: rope scaling type {kind!r} is not supported (only 'llama3')")
-        p = scaling.prefix
-        # transformers prefers a top-level original_max_position_embeddings to the rope object's
-        outer = f.int("original_max_position_embeddings", None)
-        inner = scaling.int("original_max_position_embeddings")
-        if outer is not None and outer != inner:
-            raise ImportError_(f"{where}: `original_max_position_embeddings` {outer} and `{p}original_max_position_"
-                               f"embeddings` {inner} disagree; transformers would use {outer}")
-        settings += [("rope_factor", scaling.number("factor"), f"`{p}factor`"),
-                     ("rope_low_freq_factor", scaling.number("low_freq_factor", 1.0), f"`{p}low_freq_factor`"),
-                     ("rope_high_freq_factor", scaling.number("high_freq_factor", 4.0), f"`{p}high_freq_factor`"),
-                     ("rope_original_positions", scaling.int("original_max_position_embeddings"),
-                      f"`{p}original_max_position_embeddings`")]
+        settings += _rope_settings(f, scaling, positions)
     if arch == "Qwen2ForCausalLM":
         settings += [("attn_bias", True, "the architecture"), ("attn_out_bias", False, "the architecture")]
     elif f.flag("attention_bias", False):

@@ -363,6 +363,7 @@ PRIMITIVES: dict[str, tuple[Arg, ...]] = {kind: p.args for kind, p in primitives
 _MODEL_SETTINGS_NOT_DIMS = ("dtype",)
 # (low, high) of float arguments, exclusive below: a norm's eps inside the rsqrt, rotary's base.
 _FLOAT_RANGES = {"eps": (0.0, 1.0), "rope_theta": (0.0, 1e12)}
+_FLOAT_ZERO_MEANS_DEFAULT = frozenset({"rope_attention_factor"})  # 0: the value transformers computes
 
 
 class ModelResolver(Resolver):
@@ -615,7 +616,8 @@ class ModelResolver(Resolver):
                 logical[arg.name] = expr.value if isinstance(expr, ast.Name) else arg.name
             elif arg.kind == "float":
                 low, high = _FLOAT_RANGES.get(arg.name, (0.0, 1e300))
-                v2 = self.eval_float(expr, env, f"`{arg.name}` of `{decl.name.value}`", low, high)
+                v2 = self.eval_float(expr, env, f"`{arg.name}` of `{decl.name.value}`", low, high,
+                                     low_open=arg.name not in _FLOAT_ZERO_MEANS_DEFAULT)
                 if v2 is None:
                     ok = False
                 else:

@@ -434,8 +434,11 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
     theta = float(attn["rope_theta"])
     scaling = attn.get("rope_scaling")
     rope: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
+    positions = max(seq, int((scaling or {}).get("original_max_position_embeddings", 0)))
     if scaling:
         rope = {"rope_theta": theta, **scaling}
+        if scaling["rope_type"] == "dynamic":  # NTK scales from max_position_embeddings itself
+            positions = int(rope.pop("original_max_position_embeddings"))
     cfg: dict[str, Any] = {
         "architectures": [arch],
         "model_type": model_type,
@@ -451,7 +454,7 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
         "rope_theta": theta,
         "rope_scaling": None if rope["rope_type"] == "default" else rope,
         "rope_parameters": rope,
-        "max_position_embeddings": max(seq, int((scaling or {}).get("original_max_position_embeddings", 0))),
+        "max_position_embeddings": positions,
         "tie_word_embeddings": tied,
         "torch_dtype": dtype_name,
     }
@@ -559,11 +562,45 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
             raise bad(field, got, want, what)
     if lay.arch == "llama":
         ours = attn.get("rope_scaling")
-        if (scaling is None) != (ours is None) or (
-            scaling is not None
-            and any(not _close(scaling.get(k), v) for k, v in ours.items())  # type: ignore[union-attr]
+        theirs = None if scaling is None else _rope_as_read(scaling, cfg)
+        if (theirs is None) != (ours is None) or (
+            theirs is not None
+            and (set(theirs) != set(ours) or any(not _close(theirs[k], v) for k, v in ours.items()))  # type: ignore[union-attr]
         ):
             raise bad("rope_scaling", scaling, ours, "rope scaling")
+
+
+# The fields of each rope type transformers reads, with its defaults where a config leaves them out
+# (None: the config's max_position_embeddings); the attention's rope_scaling holds the same.
+_ROPE_READS: dict[str, dict[str, Any]] = {
+    "linear": {"factor": None},
+    "dynamic": {"factor": None},
+    "yarn": {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32, "beta_slow": 1,
+             "truncate": True},
+    "llama3": {"factor": None, "low_freq_factor": None, "high_freq_factor": None, "original_max_position_embeddings": None},
+}
+
+
+def _rope_as_read(scaling: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A config's rope scaling as transformers uses it: its type's fields, defaults filled in, and
+    for dynamic the length its formula scales from (max_position_embeddings) under the name the
+    attention keeps it (original_max_position_embeddings)."""
+    kind = scaling.get("rope_type")
+    reads = _ROPE_READS.get(kind)  # type: ignore[arg-type]
+    if reads is None:
+        return dict(scaling)  # a type meshllm lacks: never equal to the model's
+    positions = cfg.get("max_position_embeddings")
+    out: dict[str, Any] = {"rope_type": kind}
+    for k, default in reads.items():
+        v = scaling.get(k)
+        if v is None:
+            v = positions if k == "original_max_position_embeddings" else default
+        out[k] = v
+    if kind == "yarn" and scaling.get("attention_factor") is not None:
+        out["attention_factor"] = scaling["attention_factor"]
+    if kind == "dynamic":
+        out["original_max_position_embeddings"] = positions
+    return out
 
 
 # ---------------------------------------------------------------- reading

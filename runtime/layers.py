@@ -6,8 +6,6 @@ Numerics follow HF ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` so their checkpoin
 from __future__ import annotations
 
 import contextlib
-import functools
-import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from . import rope
 from .collectives import all_gather_cat
 
 __all__ = [
@@ -28,7 +27,6 @@ __all__ = [
     "apply_rotary",
     "attention",
     "cross_entropy",
-    "llama3_inv_freq",
     "mask_vocab",
     "positions",
     "vocab_parallel_cross_entropy",
@@ -188,32 +186,6 @@ def positions(seq: int, device: torch.device | str | None = None, offset: int = 
     return torch.arange(offset, offset + seq, device=device, dtype=torch.long)
 
 
-def llama3_inv_freq(
-    inv_freq: Tensor, factor: float, low_freq_factor: float, high_freq_factor: float, original: int
-) -> Tensor:
-    """HF's ``rope_type="llama3"``: long wavelengths slowed by ``factor``, short ones kept, a
-    smooth blend between (``_compute_llama3_parameters``)."""
-    low_wavelen = original / low_freq_factor
-    high_wavelen = original / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (original / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(medium, smoothed, scaled)
-
-
-@functools.lru_cache(maxsize=64)
-def _inv_freq(
-    d: int, theta: float, llama3_scaling: tuple[float, float, float, int] | None, device: torch.device
-) -> Tensor:
-    # [d / 2], the same for every block and step: computed once (never written to afterwards).
-    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d))
-    if llama3_scaling is not None:
-        inv_freq = llama3_inv_freq(inv_freq, *llama3_scaling)
-    return inv_freq
-
-
 def _rotate(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
     """x cos + rotate_half(x) sin, as roll(x, d / 2) sin_signed: [.., head_dim] in and out."""
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
@@ -247,18 +219,24 @@ def apply_rotary(
     k: Tensor,
     pos: Tensor,
     theta: float,
-    llama3_scaling: tuple[float, float, float, int] | None = None,
+    scaling: tuple[tuple[str, Any], ...] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """HF Llama rotary (rotate_half) on q, k shaped [b, s, heads, head_dim]; pos is [s] or [b, s].
 
-    ``llama3_scaling``: (factor, low_freq_factor, high_freq_factor, original positions).
+    ``scaling``: the rope scaling's (field, value) pairs, HF's names (runtime/rope.py).
     """
     d = q.shape[-1]
-    inv_freq = _inv_freq(d, float(theta), llama3_scaling, q.device)
-    # cos/sin are computed in float32 (as HF does) and only then cast to the activation dtype.
+    # dynamic and longrope read the largest position + 1 (a host sync only for them)
+    seq_len = int(pos.max()) + 1 if rope.depends_on_length(scaling) else 0
+    inv_freq, attention_factor = rope.inv_freq(d, float(theta), scaling, seq_len, q.device)
+    # cos/sin are computed in float32 (as HF does), scaled by yarn's / longrope's attention factor,
+    # and only then cast to the activation dtype.
     freqs = pos.to(torch.float32).unsqueeze(-1) * inv_freq  # [.., s, d/2]
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos().to(q.dtype), emb.sin().to(q.dtype)
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
     sin_signed = torch.cat((-sin[..., : d // 2], sin[..., d // 2 :]), dim=-1)
     cos, sin_signed = cos.unsqueeze(-2), sin_signed.unsqueeze(-2)  # broadcast over heads
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):

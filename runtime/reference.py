@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import rope
 from .shards import full_init
 
 __all__ = ["ReferenceModel", "build_reference"]
@@ -69,22 +70,6 @@ class _Attention(nn.Module):
                 width = self.d if self.qk_norm == "head" else heads * self.d
                 proj.register_parameter("norm", nn.Parameter(torch.ones(width)))
 
-    def _llama3(self, f: Tensor) -> Tensor:
-        # Llama 3 rope scaling in float32 as HF computes it: keep short wavelengths, divide long
-        # ones by the factor, blend in between.
-        sc = self.scaling
-        assert sc is not None
-        factor, lo, hi = sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"]
-        orig = sc["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / f
-        t = (orig / wavelen - lo) / (hi - lo)
-        out = f.clone()
-        long = wavelen > orig / lo
-        out[long] = f[long] / factor
-        mid = ~long & ~(wavelen < orig / hi)
-        out[mid] = (1 - t[mid]) * f[mid] / factor + t[mid] * f[mid]
-        return out
-
     def _qk_rms(self, x: Tensor, weight: Tensor) -> Tensor:
         h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.qk_eps)
@@ -94,12 +79,11 @@ class _Attention(nn.Module):
     def _rope(self, x: Tensor) -> Tensor:
         # x: [b, heads, s, d]; HF LlamaRotaryEmbedding + apply_rotary_pos_emb.
         s, d = x.shape[2], self.d
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
-        if self.scaling:
-            inv_freq = self._llama3(inv_freq)
+        # the frequencies (and yarn's / longrope's factor on cos and sin) of this length: runtime/rope.py
+        inv_freq, factor = rope.inv_freq(d, self.theta, self.scaling, s)
         freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = (emb.cos() * factor).to(x.dtype), (emb.sin() * factor).to(x.dtype)
         x1, x2 = x[..., : d // 2], x[..., d // 2 :]
         return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 

@@ -10,6 +10,9 @@ from pathlib import Path
 from typing import Any
 
 VOCAB = 64
+# Llama with each rope scaling transformers computes (runtime/rope.py); dynamic's 6 positions are
+# fewer than the tests' 8 tokens, so its frequencies grow with the sequence.
+ROPE_KINDS = ("llama_linear", "llama_dynamic", "llama_yarn")
 KINDS = ("llama", "llama3_tied", "mistral", "qwen2", "gpt2", "qwen3")
 
 
@@ -18,6 +21,13 @@ def _config(kind: str) -> Any:
 
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
                   intermediate_size=64, rms_norm_eps=1e-6)
+    rope = {"llama_linear": ({"rope_type": "linear", "factor": 2.0}, 128),
+            "llama_dynamic": ({"rope_type": "dynamic", "factor": 2.0}, 6),
+            "llama_yarn": ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}, 8192)}
+    if kind in rope:
+        params, positions = rope[kind]
+        return tf.LlamaConfig(**common, num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=positions,
+                              rope_parameters={"rope_theta": 10000.0, **params})
     if kind == "llama":  # GQA, untied head
         return tf.LlamaConfig(**common, num_key_value_heads=2, rope_theta=10000.0, tie_word_embeddings=False)
     if kind == "llama3_tied":  # tied head and llama3 rope scaling
@@ -78,6 +88,14 @@ SPEC_MODELS = {
                    " norm_eps = 1e-6, rope_theta = 500000.0, tie_embeddings = true, rope_factor = 8.0,"
                    " rope_low_freq_factor = 1.0, rope_high_freq_factor = 4.0, rope_original_positions = 16,"
                    " dtype = fp32 }",
+    "llama_linear": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
+                    " norm_eps = 1e-6, rope_type = linear, rope_factor = 2.0, dtype = fp32 }",
+    "llama_dynamic": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
+                     " norm_eps = 1e-6, rope_type = dynamic, rope_factor = 2.0, rope_original_positions = 6,"
+                     " dtype = fp32 }",
+    "llama_yarn": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
+                  " norm_eps = 1e-6, rope_type = yarn, rope_factor = 4.0, rope_original_positions = 2048,"
+                  " dtype = fp32 }",
     "mistral": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
                " norm_eps = 1e-6, dtype = fp32 }",
     "qwen2": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
@@ -135,6 +153,15 @@ def export_job(ctx: Any, path: str, weights: str, out: str, max_shard_bytes: int
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), weights=weights)
     export_hf(built, out, source=weights, max_shard_bytes=max_shard_bytes)
+
+
+def own_config_export_job(ctx: Any, path: str, weights: str, out: str) -> None:
+    """On every rank: load ``weights`` and export with meshllm's own config.json (no source given)."""
+    from meshllm_dsl.runtime.hf import export_hf
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    export_hf(program.build(ctx.mesh(program.axes), weights=weights), out)
 
 
 def error_job(ctx: Any, path: str, weights: str) -> str:

@@ -7,9 +7,11 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import meshllm_dsl.runtime as rt  # noqa: E402 - after the torch skip
-from meshllm_dsl.runtime.layers import llama3_inv_freq  # noqa: E402
+from meshllm_dsl.runtime.rope import llama3_inv_freq  # noqa: E402
 
-LLAMA3 = (8.0, 1.0, 4.0, 8192)
+# The attention's rope_scaling as generated code passes it: transformers' field names.
+LLAMA3 = (("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),
+          ("original_max_position_embeddings", 8192))
 
 
 def _hf_rotary(q, k, pos, theta, scaling=None):  # type: ignore[no-untyped-def]
@@ -17,7 +19,9 @@ def _hf_rotary(q, k, pos, theta, scaling=None):  # type: ignore[no-untyped-def]
     d = q.shape[-1]
     inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
     if scaling is not None:
-        inv_freq = llama3_inv_freq(inv_freq, *scaling)
+        sc = dict(scaling)
+        inv_freq = llama3_inv_freq(inv_freq, sc["factor"], sc["low_freq_factor"], sc["high_freq_factor"],
+                                   sc["original_max_position_embeddings"])
     emb = torch.cat([pos.float().unsqueeze(-1) * inv_freq] * 2, dim=-1)
     cos, sin = emb.cos().to(q.dtype).unsqueeze(-2), emb.sin().to(q.dtype).unsqueeze(-2)
 
