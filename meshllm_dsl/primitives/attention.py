@@ -64,17 +64,16 @@ class Attention(Primitive):
             o.append(Tensor("bias", (hid,), ((hidu,),)))
         leaves.append(Leaf("o", (name, "o"), "linear", tuple(o), (hu,), (hidu,), span=span))
         scaling = None
-        if b["rope_factor"] != 1.0:
-            if b["rope_theta"] is None or b["rope_factor"] <= 0 or b["rope_original_positions"] < 1 \
-                    or b["rope_high_freq_factor"] <= b["rope_low_freq_factor"]:
-                r.error(E0304, f"`{name}`: rope scaling needs rope_theta, a positive rope_factor, "
-                        "rope_original_positions >= 1 and rope_high_freq_factor > rope_low_freq_factor",
-                        decl.call.span, label="invalid rope scaling")
+        kind = b["rope_type"]
+        # llama3 is the type a bare rope_factor has always meant; at factor 1 it leaves rope unchanged
+        if kind != "default" and (kind != "llama3" or b["rope_factor"] != 1.0):
+            if b["rope_theta"] is None or b["rope_original_positions"] < 1 \
+                    or (kind == "llama3" and b["rope_high_freq_factor"] <= b["rope_low_freq_factor"]):
+                r.error(E0304, f"`{name}`: rope scaling needs rope_theta, rope_original_positions >= 1"
+                        + (" and rope_high_freq_factor > rope_low_freq_factor" if kind == "llama3" else ""),
+                        decl.call.span, label=f"invalid {kind} rope scaling")
                 return None
-            scaling = (("rope_type", "llama3"), ("factor", b["rope_factor"]),
-                       ("low_freq_factor", b["rope_low_freq_factor"]),
-                       ("high_freq_factor", b["rope_high_freq_factor"]),
-                       ("original_max_position_embeddings", int(b["rope_original_positions"])))
+            scaling = _rope_scaling(kind, b)
         attrs_ = {"hidden": hid, "heads": h, "kv_heads": kv, "head_dim": hd, "rope_theta": b["rope_theta"],
                   "bias": b["bias"], "out_bias": b["out_bias"], "fused_qkv": b["fused_qkv"], "rope_scaling": scaling,
                   "qk_norm": qk_norm, "qk_norm_eps": b["qk_norm_eps"]}
@@ -167,12 +166,9 @@ class Attention(Primitive):
                 lines += [w.line(f"q = rt.rms_norm(q, self.{attr}.q.norm, {eps!r})", f"RMSNorm per head: [{hd}] scale, every head"),
                           w.line(f"k = rt.rms_norm(k, self.{attr}.k.norm, {eps!r})")]
         if a["rope_theta"] and a.get("rope_scaling"):
-            sc = dict(a["rope_scaling"])
-            scaling = (float(sc["factor"]), float(sc["low_freq_factor"]), float(sc["high_freq_factor"]),
-                       int(sc["original_max_position_embeddings"]))
+            scaling = tuple(a["rope_scaling"])
             lines.append(w.line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(a['rope_theta'])!r}, "
-                                f"llama3_scaling={scaling!r})",
-                                "rope scaling (factor, low_freq_factor, high_freq_factor, original positions)"))
+                                f"scaling={scaling!r})", f"{dict(scaling)['rope_type']} rope scaling (runtime/rope.py)"))
         elif a["rope_theta"]:
             lines.append(w.line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(a['rope_theta'])!r})"))
         what = f"[b, s, {h * hd}] causal; q heads per kv head: {h // kv if kv else 0}"
@@ -182,6 +178,22 @@ class Attention(Primitive):
         else:
             lines.append(w.line("a = rt.attention(q, k, v)", what))
         return lines
+
+
+def _rope_scaling(kind: str, b: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The rope scaling's fields under transformers' names (rope_parameters), those `kind` reads."""
+    factor, original = ("factor", b["rope_factor"]), ("original_max_position_embeddings", int(b["rope_original_positions"]))
+    fields: tuple[tuple[str, Any], ...] = (("rope_type", kind), factor)
+    if kind == "llama3":
+        fields += (("low_freq_factor", b["rope_low_freq_factor"]), ("high_freq_factor", b["rope_high_freq_factor"]), original)
+    elif kind == "dynamic":
+        fields += (original,)  # the length the NTK formula scales from: config's max_position_embeddings
+    elif kind == "yarn":
+        fields += (original, ("beta_fast", b["rope_beta_fast"]), ("beta_slow", b["rope_beta_slow"]),
+                   ("truncate", b["rope_truncate"]))
+        if b["rope_attention_factor"]:  # 0: transformers' default, 0.1 ln(factor) + 1
+            fields += (("attention_factor", b["rope_attention_factor"]),)
+    return fields
 
 
 def _full_qk_norm_lines(w: Any, attr: str, unit: Unit, a: Mapping[str, Any],
@@ -209,11 +221,18 @@ ATTENTION = Attention("attention", sublayer=True, reads_sequence=True, caches_kv
     Arg("bias", "bool", const(False)),
     Arg("out_bias", "bool", lambda b: b["bias"]),
     Arg("fused_qkv", "bool", const(False)),
-    # Llama 3 rope scaling (HF rope_type "llama3"); factor 1 leaves the frequencies unchanged.
+    # Rope scaling as transformers' rope_type computes it (runtime/rope.py): linear, dynamic (NTK:
+    # rope_original_positions is the config's max_position_embeddings), yarn, llama3 (the default
+    # type; with factor 1 the frequencies are unchanged).
     Arg("rope_factor", "float", const(1.0)),
     Arg("rope_low_freq_factor", "float", const(1.0)),
     Arg("rope_high_freq_factor", "float", const(4.0)),
     Arg("rope_original_positions", "float", const(8192.0)),
+    Arg("rope_type", "choice", const("llama3"), ("default", "linear", "dynamic", "yarn", "llama3")),
+    Arg("rope_attention_factor", "float", const(0.0)),  # yarn: 0 is transformers' default for the factor
+    Arg("rope_beta_fast", "float", const(32.0)),
+    Arg("rope_beta_slow", "float", const(1.0)),
+    Arg("rope_truncate", "bool", const(True)),
     # RMSNorm of q and k before rotary: `head` over each head with one head_dim scale (Qwen3),
     # `full` over the whole projection with a scale per output (OLMo 2).
     Arg("qk_norm", "choice", const("none"), ("none", "head", "full")),
