@@ -102,3 +102,15 @@ def test_reprs_are_torchs() -> None:
     assert dtensor_placements(layout, mesh, ("w", "x")) == tuple(
         repr(p) for p in (tensor.Replicate(), tensor.Partial(), _StridedShard(1, split_factor=2), tensor.Shard(1)))
     assert dtensor_text(("Shard(dim=2)",)) == f"placements={(tensor.Shard(2),)!r}"
+
+
+def test_explain_text_prints_placements_in_mesh_order() -> None:
+    from meshllm_dsl.explain import explain_text
+
+    text = explain_text(check_text(TWO_D.format(body=MEGATRON + "    layout { seq -> tensor }", zero=3)).plans["p"])
+    assert "placements as DTensor's over (data, tensor))" in text
+    assert "input   placements=(Shard(dim=0), Shard(dim=1))  # Shard(batch) over data, Shard(seq) over tensor" in text
+    assert "q       placements=(Shard(dim=0), Shard(dim=2))  # Shard(batch) over data, Shard(heads) over tensor" in text
+    assert "o       placements=(Shard(dim=0), Partial(sum))  # Shard(batch) over data, Partial(sum) over tensor" in text
+    assert ("q.weight  (64, 64)  (32, 64)  column(tensor)  placements=(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+            "  # Shard(heads) over tensor x data") in text
