@@ -56,3 +56,16 @@ def test_master_weights_at_zero_1_are_the_fp32_parameters_with_moments_sharded()
                                                                           "all_gather": 4 * numel}
     (bf16,) = analyze(_plan("data = 4", "layout { batch -> data }\n optimizer adamw { zero 1 }")).ranks
     assert (bf16.weight_bytes, bf16.grad_bytes, bf16.gather_buffer_bytes) == (2 * numel, 2 * numel, 0)
+
+
+def test_suggest_writes_fp32_master_weights_at_zero_0_and_1() -> None:
+    from meshllm_dsl.planner_suggest import Candidate, plan_text
+
+    model = check_text(MODEL + "\n", "m.mesh").models["m"]
+    for zero in (0, 1):
+        c = Candidate(data=2, pipeline=1, tensor=1, microbatches=1, schedule="none", virtual=1, zero=zero, hosts=1)
+        text = plan_text(c, model, "h100", 32, 2048)
+        result = check_text(MODEL + "\n" + text, "s.mesh")
+        assert result.ok, [d.message for d in result.errors]
+        plan = result.plans["suggested"]
+        assert (plan.zero, plan.dtype, plan.master_dtype, plan.reduce_dtype) == (zero, "bf16", "fp32", "fp32")
