@@ -119,7 +119,9 @@ def uncalibrated(profile: DeviceProfile) -> bool:
 A100_MATMUL = 0.80
 # H100: torchtitan's Llama 3.1 8B FSDP 8 and FSDP 128 (bf16, eager). Their H100s are Grand Teton's
 # 500 W HBM2e parts, and eager PyTorch leaves gaps between kernels that this model does not
-# price: both are in this figure, which a 700 W H100 SXM under torch.compile exceeds.
+# price: both are in this figure, which a 700 W H100 SXM under torch.compile exceeds. So is
+# torchtitan's rerun of every second matmul in backward, which `recompute = ops` (all kept) does
+# not plan: about 7 of its 65 GFLOP per token.
 H100_MATMUL = 0.42
 
 # NCCL-tests bus bandwidths (GitHub NVIDIA/nccl-tests and NVIDIA/nccl issues, NCCL's maintainers):
