@@ -179,8 +179,11 @@ def explain_text(plan: PlanIR) -> str:
         where = ("  (across nodes)" if mesh.crosses_hosts(a.name) else "  (in host)") if mesh.hosts > 1 else ""
         lines.append(f"  {a.name.ljust(width)}  " + " ".join("[" + ", ".join(map(str, g)) + "]" for g in groups) + where)
     stage_mesh = ", ".join(a for a, _ in spmd_mesh(plan))
-    lines += ["", "layers (global shape -> local shape on one device; placements as DTensor's over "
-              f"({stage_mesh}){', the mesh of one stage' if plan.roles.pipeline else ''})"]
+    # A mesh of only a pipeline axis leaves DTensor no axis: every tensor is whole on its stage.
+    placed = bool(stage_mesh)
+    where = (f"placements as DTensor's over ({stage_mesh}){', the mesh of one stage' if plan.roles.pipeline else ''}"
+             if placed else "every tensor whole on its stage")
+    lines += ["", f"layers (global shape -> local shape on one device; {where})"]
     for entry in layer_entries(plan):
         indent = "  "
         if entry["blocks"] is not None:
@@ -188,7 +191,7 @@ def explain_text(plan: PlanIR) -> str:
             indent = "    "
         for u in entry["units"]:
             lines.append(f"{indent}{u['name']} ({u['kind']})")
-            arows = [[a["at"], dtensor_text(a["placements"]), f"# {a['layout']}"] for a in u["activations"]]
+            arows = [[a["at"], dtensor_text(a["placements"]), f"# {a['layout']}"] for a in u["activations"] if placed]
             lines += [indent + "  " + x for x in _table(["at", "placements", "layout"], arows, right=set())[1:]]
             prows = []
             for p in u["params"]:
@@ -196,7 +199,7 @@ def explain_text(plan: PlanIR) -> str:
                     prows.append([p["name"], f"tied to {p['tied_to']}", "", p["rule"], "", ""])
                 else:
                     prows.append([p["name"], _shape(p["global"]), _shape(p["local"]), p["rule"],
-                                  dtensor_text(p["placements"]), f"# {p['layout']}"])
+                                  *((dtensor_text(p["placements"]), f"# {p['layout']}") if placed else ("", ""))])
             lines += [indent + "  " + x for x in _table(["param", "global", "local", "rule", "placements", "layout"],
                                                         prows, right=set())[1:]]
             for c in u["collectives"]:

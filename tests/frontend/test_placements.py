@@ -114,3 +114,14 @@ def test_explain_text_prints_placements_in_mesh_order() -> None:
     assert "o       placements=(Shard(dim=0), Partial(sum))  # Shard(batch) over data, Partial(sum) over tensor" in text
     assert ("q.weight  (64, 64)  (32, 64)  column(tensor)  placements=(_StridedShard(dim=0, sf=2), Shard(dim=0))"
             "  # Shard(heads) over tensor x data") in text
+
+
+def test_explain_of_a_pipeline_only_mesh_prints_no_placements() -> None:
+    from helpers import EXAMPLES
+
+    from meshllm_dsl.checker import check_file
+    from meshllm_dsl.explain import explain_text
+
+    (plan,) = check_file(EXAMPLES / "seed_pipeline_12.mesh").plans.values()
+    text = explain_text(plan)
+    assert "every tensor whole on its stage" in text and "placements=" not in text
