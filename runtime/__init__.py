@@ -80,9 +80,9 @@ _WHERE = {
     **dict.fromkeys(("rms_norm", "split_rms_norm"), "qk_norm"),
     **dict.fromkeys(("Built", "Program"), "program"),
     "recompute": "remat",
+    "recompute_ops": "remat",
     **dict.fromkeys(
         ("ShardSpec", "full_init", "gather_full", "gather_module", "load_full", "local_slice"),
-    "recompute_ops": "remat",
         "shards",
     ),
 }
