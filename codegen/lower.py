@@ -312,7 +312,7 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
             pending_norm = unit.name
         elif prim.sublayer:
             src = "h" if pending_norm else "x"
-            forward += w.sublayer(unit.name, unit, cls.flow(unit.name), placement, src)
+            forward += prim.sublayer_lines(w, unit.name, unit, cls.flow(unit.name), placement, src)
             forward.append(Line("x = x + out", f"residual add: {residual}"))
             pending_norm = None
         else:

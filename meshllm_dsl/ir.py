@@ -254,7 +254,8 @@ class Placement:
             # A dim made of no shard unit repeats per unit (a per-head norm scale): never split.
             return 0 if tensor.units[0] else None
         if self.rule == "row":
-            return 1 if len(tensor.shape) == 2 else None  # a row layer's bias stays whole
+            # the last dim: a weight's `in` ([out, in], or [out, experts, in] stacked); a bias stays whole
+            return len(tensor.shape) - 1 if len(tensor.shape) >= 2 else None
         return None
 
     def layout(self, tensor: Tensor, fsdp: tuple[str, ...] = ()) -> Layout:

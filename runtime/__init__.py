@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         vocab_parallel_cross_entropy,
     )
     from .mesh import Mesh
+    from .moe import StackedLinear, moe_experts, moe_route
     from .qk_norm import rms_norm, split_rms_norm
     from .program import Built, Program
     from .remat import recompute, recompute_ops
@@ -77,6 +78,7 @@ _WHERE = {
         "layers",
     ),
     "Mesh": "mesh",
+    **dict.fromkeys(("StackedLinear", "moe_experts", "moe_route"), "moe"),
     **dict.fromkeys(("rms_norm", "split_rms_norm"), "qk_norm"),
     **dict.fromkeys(("Built", "Program"), "program"),
     "recompute": "remat",
@@ -112,6 +114,7 @@ __all__ = [
     "Program",
     "RMSNorm",
     "ShardSpec",
+    "StackedLinear",
     "VocabParallelEmbedding",
     "activation",
     "apply_rotary",
@@ -132,6 +135,8 @@ __all__ = [
     "load_full",
     "mask_vocab",
     "local_slice",
+    "moe_experts",
+    "moe_route",
     "positions",
     "reduce_from",
     "reduce_scatter_seq",

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import hf_moe
 from .fsdp import tp_local
 from .json_values import describe
 from .mesh import Mesh
@@ -112,7 +113,7 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
             " optional positions, one repeat, a final norm and a head"
         )
     rep = next(x for x in layers if x["kind"] == "repeat")
-    body = tuple(rep["body"])
+    body = tuple(hf_moe.as_mlp(b) for b in rep["body"])  # a moe layer stands where the MLP does
     if [b["kind"] for b in body] not in ([n, "attention", n, "mlp"] for n in norms):
         raise WeightsError(
             f"model `{name}`: a block of `{rep['name']}` is "
@@ -195,7 +196,7 @@ _HF_NAMES = {
 
 # Every layer kind some checkpoint layout holds (runtime/ cannot import the compiler's registry;
 # tests/frontend/test_primitive_registry.py checks this against it).
-ADAPTER_KINDS = frozenset({"embedding", "linear", "attention", "mlp"}
+ADAPTER_KINDS = frozenset({"embedding", "linear", "attention", "mlp", "moe"}
                           | {a.norm for a in _HF_NAMES.values()}
                           | ({"positional"} if any(a.positions for a in _HF_NAMES.values()) else set()))
 
@@ -213,6 +214,10 @@ def hf_key_map(model: Mapping[str, Any], names: list[str]) -> dict[str, tuple[st
     out: dict[str, tuple[str, bool]] = {}
     for name in names:
         parts = name.split(".")
+        moe_key = hf_moe.key(hf.blocks, lay, parts, WeightsError)
+        if moe_key is not None:  # a mixture of experts: runtime/hf_moe.py
+            out[name] = (moe_key, False)
+            continue
         key: str | None = None
         transposed = False
         if parts[0] in top:
@@ -362,6 +367,8 @@ def _check_rope(value: Any, where: str, field: str) -> None:
 
 def _checked_config(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``cfg`` with every field meshllm reads type-checked and nulls dropped (null: the default)."""
+    if cfg.get("sliding_window") == 0 and cfg.get("use_sliding_window") is False:
+        cfg = {**cfg, "sliding_window": None}  # how transformers writes "no window" (Qwen2-MoE)
     _check_fields(cfg, where, [
         (_CONFIG_INTS, _positive_int, "a positive integer"),
         (_CONFIG_NUMBERS, _positive_number, "a positive number"),
@@ -463,7 +470,7 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
     if model_type != "qwen2":  # Qwen2's q, k, v biases are the architecture's, not a field
         cfg["attention_bias"] = bool(attn.get("qkv_bias"))
         cfg["mlp_bias"] = False
-    return cfg
+    return hf_moe.hf_config(model, lay, cfg, WeightsError) if hf_moe.is_moe(lay.body) else cfg
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -484,6 +491,9 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
     lay = _layout(model)
     attn, mlp = lay.body[1], lay.body[3]
     cfg = _checked_config(cfg, where)
+    moe_wants: list[tuple[str, Any, Any, str]] = []
+    if hf_moe.is_moe(lay.body):  # checked as the family its attention comes from, and its experts
+        cfg, moe_wants = hf_moe.as_attention_config(model, lay, cfg, where, WeightsError)
     model_type = cfg.get("model_type")
     name = model.get("name", "model")
     if model_type is None:
@@ -557,6 +567,7 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
             )
     tied = bool(cfg.get("tie_word_embeddings", lay.arch == "gpt2"))
     wants.append(("tie_word_embeddings", tied, bool(lay.head.get("tie")), "a tied head"))
+    wants += moe_wants
     for field, got, want, what in wants:
         if not _close(got, want):
             raise bad(field, got, want, what)
@@ -728,6 +739,8 @@ def local_from_hf(
     ckpt: HFCheckpoint, key: str, transposed: bool, spec: ShardSpec, mesh: Mesh, dtype: torch.dtype
 ) -> Tensor:
     """This rank's shard of one HF tensor, read slice by slice (rows past the stored ones: zeros)."""
+    if hf_moe.is_stacked(key):  # one stored tensor per expert
+        return hf_moe.local_stacked(ckpt, key, spec, mesh, dtype, local_from_hf)
     idx = _local_indices(spec, mesh)
     stored = ckpt.shape(key)
     stored_ours = tuple(reversed(stored)) if transposed else stored
@@ -774,6 +787,10 @@ def plan_load(
     out: dict[str, tuple[str, bool]] = {}
     for name in sorted(full_shapes):
         key, transposed = keys[name]
+        if hf_moe.is_stacked(key):
+            hf_moe.check_stacked(ckpt, key, full_shapes[name], name, _FLOATING, WeightsError)
+            out[name] = (key, False)
+            continue
         stored_key = ckpt.key(key)
         if stored_key is None:
             files = sorted({p.name for p in ckpt.where.values()})
@@ -815,7 +832,9 @@ def check_weights(directory: str | Path, program: Any, extra: str = "error") -> 
     """
     ckpt = HFCheckpoint(directory)
     specs = {i: dict(stage.params()) for i, stage in enumerate(program.stages)}
-    used = {key for key, _ in plan_load(ckpt, program.model, specs).values()}
+    shapes = {name: spec.shape for stage in specs.values() for name, spec in stage.items()}
+    used = {ckpt.key(k) or k for name, (key, _) in plan_load(ckpt, program.model, specs).items()
+            for k in hf_moe.stored(key, shapes[name])}
     tied = bool(_layout(program.model).head.get("tie"))
     extras = sorted(
         k for k in ckpt.where
@@ -1095,6 +1114,10 @@ def export_hf(
                     dist.broadcast(full, src=_stage_holder(built, i), group=pp_group)
                 if writer is not None:
                     key, transposed = keys[name]
+                    if hf_moe.is_stacked(key):  # one stored tensor per expert
+                        for one, part in hf_moe.split_stacked(key, full).items():
+                            pending[one], weight_map[one] = part.to("cpu").contiguous().clone(), file_of[name]
+                        continue
                     if name.split(".")[0] == lay.embed and rows != vocab:
                         full = full[:vocab]
                     t = full.t() if transposed else full

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import rope
+from .moe import ReferenceMoE
 from .shards import full_init
 
 __all__ = ["ReferenceModel", "build_reference"]
@@ -167,6 +168,7 @@ class _Block(nn.Module):
 
 
 _SUBLAYERS: dict[str, Callable[[Layer], nn.Module]] = {"attention": _Attention, "mlp": _MLP}
+_SUBLAYERS["moe"] = ReferenceMoE  # mixture of experts: runtime/moe.py
 
 # Top-level layers: the module each kind builds (None: it owns no module, a tied linear) and how it
 # applies to the stream `x` given the token ids.

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 # What a kind's build gives: the unit's attributes and its leaves.
 Built = tuple[dict[str, Any], list["Leaf"]]
 
-UnitKind = Literal["embedding", "positional", "linear", "rmsnorm", "layernorm", "attention", "mlp"]
+UnitKind = Literal["embedding", "positional", "linear", "rmsnorm", "layernorm", "attention", "mlp", "moe"]
 # The layers that own parameters (ir.Leaf.kind): a unit's leaves are of these kinds.
 LeafKind = Literal["linear", "embedding", "positional", "rmsnorm", "layernorm"]
 
@@ -165,6 +165,12 @@ class Primitive:
         """A sublayer's forward between its column layers and its row layer, ending in `a`."""
         raise AssertionError(f"{self.kind} is not a sublayer")
 
+    def sublayer_lines(self, w: Any, attr: str, unit: Unit, flow: UnitFlow, placement: dict[str, Placement],
+                       x: str) -> list[Any]:
+        """A sublayer's whole forward on its normed input `x`, result in `out`: column layers,
+        `core_lines`, the row layer (a kind that is not that shape, as moe, writes its own)."""
+        return w.sublayer(attr, unit, flow, placement, x)
+
     def top_lines(self, w: Any, site: TopSite) -> tuple[list[Any], str]:
         """A top-level unit's forward lines and the variable holding its output."""
         raise AssertionError(f"top-level {self.kind} is not supported by codegen")
@@ -192,11 +198,11 @@ def _registry(prims: tuple[Primitive, ...]) -> Mapping[UnitKind, Primitive]:
     return registry
 
 
-from meshllm_dsl.primitives import attention, embedding, linear, mlp, norm  # noqa: E402
+from meshllm_dsl.primitives import attention, embedding, linear, mlp, moe, norm  # noqa: E402
 
 REGISTRY: Mapping[UnitKind, Primitive] = _registry((
     embedding.EMBEDDING, embedding.POSITIONAL, linear.LINEAR, norm.RMSNORM, norm.LAYERNORM,
-    attention.ATTENTION, mlp.MLP,
+    attention.ATTENTION, mlp.MLP, moe.MOE,
 ))
 
 

@@ -83,8 +83,8 @@ def test_the_adapter_is_chosen_by_the_models_layers_and_a_misfit_is_named() -> N
 
 def test_an_unregistered_kind_is_refused_by_name_not_lowered_as_another() -> None:
     # Lowering once sent every block sublayer that was not attention down the mlp's code.
-    with pytest.raises(KeyError, match="'moe' has no record in meshllm_dsl/primitives"):
-        primitives.of(Unit("experts", "moe", (), ()))
+    with pytest.raises(KeyError, match="'mamba' has no record in meshllm_dsl/primitives"):
+        primitives.of(Unit("mixer", "mamba", (), ()))  # type: ignore[arg-type]
 
 
 def test_every_kind_of_the_examples_reaches_the_reference_model() -> None:

@@ -1,0 +1,269 @@
+"""`moe(hidden, ffn, experts, top_k, ...)`: a block's mixture-of-experts feed-forward sublayer
+(Mixtral, Qwen2-MoE, Qwen3-MoE).
+
+A router linear without bias scores the experts; softmax then top-k picks `top_k` of them per token,
+optionally renormalising the chosen weights (`norm_topk_prob`); `experts` SwiGLU experts run on the
+tokens routed to them, dropless. Qwen2-MoE adds a shared SwiGLU expert every token passes through,
+scaled by a sigmoid gate (`shared_expert = true`, `shared_ffn`).
+
+Parameters: `router` [experts, hidden]; the experts stacked as `gate` / `up` [ffn, experts, hidden]
+and `down` [hidden, experts, ffn], the experts dim in the middle so a column rule splits dim 0 (ffn
+of every expert) and a row rule the last dim, as for a plain linear; the shared expert's
+`shared_gate` / `shared_up` / `shared_down` and its gate `shared_router` [1, hidden].
+
+Tensor parallelism inside the experts is the dense MLP's (`ffn -> tensor`: gate / up column, down
+row); the router and the routing are replicated, so every rank picks the same experts. Splitting
+the experts themselves over an axis (`experts -> AXIS`, expert parallelism) is refused until the
+runtime does it (E0309).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from meshllm_dsl import layouts, planner
+from meshllm_dsl.codes import E0307, E0309, E0402
+from meshllm_dsl.ir import REPLICATE, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.primitives import Built, Primitive
+from meshllm_dsl.primitives.args import Arg, const
+
+if TYPE_CHECKING:
+    from meshllm_dsl.ir import PlanIR
+    from meshllm_dsl.planner import HeldUnit
+    from meshllm_dsl.resolve import UnitSite
+
+_EXPERTS = ("gate", "up", "down")
+_SHARED = ("shared_gate", "shared_up", "shared_down")
+
+
+@attrs.frozen
+class Moe(Primitive):
+    def build(self, site: UnitSite) -> Built | None:
+        b, name, span, unit, r = site.b, site.name, site.span, site.unit, site.r
+        hid, ffn, n_exp, k = b["hidden"], b["ffn"], b["experts"], b["top_k"]
+        if k > n_exp:
+            r.error(E0307, f"`{name}`: top_k ({k}) is more than its {n_exp} experts", site.decl.call.span,
+                    label="each token picks top_k distinct experts",
+                    help=f"top_k must be at most experts ({n_exp}): use top_k = {min(2, n_exp)}, or more experts")
+            return None
+        coef = b["aux_loss_coef"]
+        if coef != 0.0:
+            # transformers adds coef x load_balancing_loss_func to the training loss; the runtime's
+            # loss does not add it yet, and a coefficient silently dropped would train another model.
+            r.error(E0309, f"`{name}`: the load-balancing loss (aux_loss_coef = {coef:g}) is not added to "
+                    "the training loss yet", site.decl.call.span, label="not honoured yet",
+                    help="use aux_loss_coef = 0.0 (inference and conversion compute the same without it)")
+            return None
+        hidu, fu, eu = unit("hidden"), unit("ffn"), unit("experts")
+
+        def lin(n: str, rows: int, cols: int, ru: tuple[str, int] | None, cu: tuple[str, int]) -> Leaf:
+            units = ((ru,) if ru else (), (cu,))
+            return Leaf(n, (name, n), "linear", (Tensor("weight", (rows, cols), units),), (cu,),
+                        (ru,) if ru else (), span=span)
+
+        def stacked(n: str, rows: int, cols: int, ru: tuple[str, int], cu: tuple[str, int]) -> Leaf:
+            t = Tensor("weight", (rows, n_exp, cols), ((ru,), (eu,), (cu,)))
+            return Leaf(n, (name, n), "linear", (t,), (cu,), (ru,), span=span)
+
+        leaves = [lin("router", n_exp, hid, eu, hidu), stacked("gate", ffn, hid, fu, hidu),
+                  stacked("up", ffn, hid, fu, hidu), stacked("down", hid, ffn, hidu, fu)]
+        shared = b["shared_expert"]
+        if shared:
+            su = unit("shared_ffn")
+            sf = b["shared_ffn"]
+            leaves += [lin("shared_gate", sf, hid, su, hidu), lin("shared_up", sf, hid, su, hidu),
+                       lin("shared_down", hid, sf, hidu, su), lin("shared_router", 1, hid, None, hidu)]
+        return {"hidden": hid, "ffn": ffn, "experts": n_exp, "top_k": k, "norm_topk_prob": b["norm_topk_prob"],
+                "weights_fp32": b["weights_fp32"], "shared_expert": shared,
+                "shared_ffn": b["shared_ffn"] if shared else None}, leaves
+
+    # -- flow
+    def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
+        unit, r, pl, name = site.unit, site.r, site.pl, site.name
+        for leaf in ("router", "shared_router"):
+            if leaf not in {lf.name for lf in unit.leaves}:
+                continue
+            p = pl(leaf)
+            if p.sharded:
+                what = "expert parallelism (the experts split over " + " x ".join(p.axes) + ")" if leaf == "router" \
+                    else "a split shared-expert gate"
+                r.error(E0309, f"`{name(leaf)}`: {what} is not supported yet", p.span,
+                        label="the router must be whole on every rank",
+                        help=f"make `{name(leaf)}` replicated (remove `experts -> {', '.join(p.axes)}`); the experts' "
+                        "ffn may be split instead: `ffn -> AXIS`")
+                return None
+        collectives: list[Collective] = []
+        groups = [_EXPERTS] + ([_SHARED] if unit.attr("shared_expert") else [])
+        outs: list[tuple[str, Any]] = []  # (row layer, the layout of its output)
+        for gate, up, down in groups:
+            y_gate = layouts._through(pl(gate), layouts.R, name(gate), r, collectives)
+            y_up = layouts._through(pl(up), layouts.R, name(up), r, collectives)
+            if y_gate is None or y_up is None:
+                return None
+            if y_gate != y_up:
+                r.error(E0402, f"the SwiGLU product combines `{name(gate)}` ({y_gate}) with `{name(up)}` ({y_up})",
+                        pl(up).span or pl(gate).span, label="layouts differ",
+                        help=f"give `{name(gate)}` and `{name(up)}` the same rule")
+                return None
+            if pl(gate).rule == "row":  # its output is a partial sum
+                layouts._partial_error(y_gate, "the SwiGLU activation", pl(gate).span, r, name(gate))
+                return None
+            p_down = pl(down)
+            if y_gate == layouts.R and p_down.sharded:
+                r.error(E0402, f"`{name(down)}` is row-parallel over {' x '.join(p_down.axes)} but `{name(gate)}` "
+                        f"and `{name(up)}` are replicated", p_down.span, label="row without its column layers",
+                        help=f"split `{name(gate)}` and `{name(up)}` column({', '.join(p_down.axes)}) too, or make "
+                        f"`{name(down)}` replicated")
+                return None
+            y = layouts._through(p_down, y_gate, name(down), r, collectives, (name(gate), pl(gate)))
+            if y is None:
+                return None
+            outs.append((down, y))
+        if len(outs) == 2 and outs[0][1] != outs[1][1]:
+            (d0, y0), (d1, y1) = outs
+            r.error(E0402, f"the experts' output ({y0}) and the shared expert's ({y1}) are added, but their "
+                    "layouts differ", pl(d1).span or pl(d0).span, label="layouts differ",
+                    help="split the shared expert's ffn over the same axes as the experts' "
+                    "(`shared_ffn -> AXIS` beside `ffn -> AXIS`), or neither")
+            return None
+        unique = list(dict.fromkeys(collectives))
+        return layouts._at_residual(outs[0][1], name("down"), pl("down"), unique, r)
+
+    # -- costs
+    def _ffn_local(self, plan: PlanIR, hu: HeldUnit, leaf_name: str, size: str) -> int:
+        leaf = next(lf for lf in hu.unit.leaves if lf.name == leaf_name)
+        return int(hu.unit.attr(size)) // planner.axes_size(plan, hu.placement(leaf))  # type: ignore[arg-type]
+
+    def _routed(self, hu: HeldUnit, tokens: int) -> int:
+        return tokens * int(hu.unit.attr("top_k"))  # type: ignore[arg-type]
+
+    def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
+                    flash_attention: bool) -> int:
+        e, fp32 = planner.DTYPES[plan.dtype], planner.FP32
+        hid, n_exp = int(hu.unit.attr("hidden")), int(hu.unit.attr("experts"))  # type: ignore[arg-type]
+        routed = self._routed(hu, tokens)
+        saved = e * local * hid  # the normed input (router and experts)
+        saved += fp32 * tokens * n_exp  # router probabilities (softmax backward)
+        saved += e * routed * hid  # each (token, choice) pair's gathered input
+        saved += 4 * e * routed * self._ffn_local(plan, hu, "gate", "ffn")  # gate, up, silu(gate), product
+        saved += e * routed * hid  # expert outputs before the weighting
+        if hu.unit.attr("shared_expert"):
+            saved += 4 * e * tokens * self._ffn_local(plan, hu, "shared_gate", "shared_ffn")
+        return saved
+
+    def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
+        e = planner.DTYPES[plan.dtype]
+        return 4 * e * self._routed(hu, tokens) * self._ffn_local(plan, hu, "gate", "ffn")
+
+    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+        # Routing (softmax, top-k, sort) and per expert its three matmuls and the SwiGLU.
+        n_exp = int(hu.unit.attr("experts"))  # type: ignore[arg-type]
+        return linears + n_exp * k["swiglu"] + 3 * k["heads"] + k["residual"]
+
+    def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Any:
+        """Active work only: the router on every token, and each token's top_k experts (not all of
+        them), plus the shared expert on every token."""
+        from meshllm_dsl.primitives import Matmul, Work  # the planner's time model
+
+        hid, n_exp = int(hu.unit.attr("hidden")), int(hu.unit.attr("experts"))  # type: ignore[arg-type]
+        routed, f = self._routed(hu, tokens), self._ffn_local(plan, hu, "gate", "ffn")
+        mm = [Matmul(tokens, n_exp, hid), Matmul(routed, f, hid, 2), Matmul(routed, hid, f)]
+        if hu.unit.attr("shared_expert"):
+            s = self._ffn_local(plan, hu, "shared_gate", "shared_ffn")
+            mm += [Matmul(tokens, s, hid, 2), Matmul(tokens, hid, s), Matmul(tokens, 1, hid)]
+        return Work(tuple(mm))
+
+    def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
+        d = dict(hidden=a["hidden"], ffn=a["ffn"], experts=a["experts"], top_k=a["top_k"],
+                 norm_topk_prob=a["norm_topk_prob"], weights_fp32=a["weights_fp32"])
+        if a["shared_expert"]:
+            d["shared_ffn"] = a["shared_ffn"]
+        return d
+
+    # -- codegen
+    def init_lines(self, w: Any, attr: str, unit: Unit, placement: Mapping[str, Placement],
+                   tied_here: bool) -> list[Any]:
+        a = dict(unit.attrs)
+        lines = [w.line(f"self.{attr} = nn.Module()")]
+        for leaf in unit.leaves:
+            p = placement.get(f"{unit.name}.{leaf.name}", REPLICATE)
+            shape = w.plan.local_shape(leaf.params[0], p)
+            rule = f"{p.rule}({', '.join(p.axes)})" if p.sharded else "replicated"
+            if len(shape) == 3:
+                out_f, n_exp, in_f = shape
+                lines.append(w.line(f"self.{attr}.{leaf.name} = rt.StackedLinear({n_exp}, {in_f}, {out_f})",
+                                    f"{rule}: [{out_f}, {n_exp} experts, {in_f}]"))
+            else:
+                out_f, in_f = shape
+                why = {"router": "every rank routes every token", "shared_router": "the shared expert's gate"}
+                lines.append(w.line(f"self.{attr}.{leaf.name} = nn.Linear({in_f}, {out_f}, bias=False)",
+                                    f"{rule}: {why[leaf.name]}" if leaf.name in why else rule))
+        del a
+        return lines
+
+    def sublayer_lines(self, w: Any, attr: str, unit: Unit, flow: UnitFlow, placement: dict[str, Placement],
+                       x: str) -> list[Any]:
+        a = dict(unit.attrs)
+        hid, n_exp, k = a["hidden"], a["experts"], a["top_k"]
+        m = f"self.{attr}"
+        copy = next((c for c in flow.collectives if c.where == "input"), None)
+        reduce = next((c for c in flow.collectives if c.where == "output"), None)
+        if (copy is not None and copy.op != "copy_to") or (reduce is not None and reduce.op != "reduce_from"):
+            raise AssertionError(f"moe: {copy} / {reduce} (sequence parallelism) are refused by the checker")
+        f_local = self._local(w, unit, placement, "gate", a["ffn"])
+        lines = [
+            w.line(f"t = {x}.reshape(-1, {hid})", f"[b*s, {hid}] one row per token"),
+            w.line(f"weights, chosen, _ = rt.moe_route(t, {m}.router.weight, top_k={k}, "
+                   f"renormalize={a['norm_topk_prob']}, weights_fp32={a['weights_fp32']})",
+                   f"[b*s, {k}] weights and ids of each token's experts, of {n_exp}; the same on every rank"),
+        ]
+        xt = "t"
+        if copy is not None:
+            g, n = w.group(copy.axes), w.n(copy.axes)
+            axes = w.axes_text(copy.axes)
+            lines += [w.line(f"xt = rt.copy_to(t, {g})", f"f: identity; backward all-reduces the experts' input gradient over {axes} ({n})"),
+                      w.line(f"weights = rt.copy_to(weights, {g})",
+                             f"f: each rank's ffn slice gives part of the weights' gradient; backward sums it over {axes}")]
+            xt = "xt"
+        part = f" Partial over {w.axes_text(reduce.axes)}" if reduce is not None else ""
+        lines.append(w.line(f"out = rt.moe_experts({xt}, chosen, weights, {m}.gate.weight, {m}.up.weight, {m}.down.weight)",
+                            f"[b*s, {hid}]{part}: {f_local} of {a['ffn']} ffn of each expert, dropless"))
+        if a["shared_expert"]:
+            s_local = self._local(w, unit, placement, "shared_gate", a["shared_ffn"])
+            scale = f"torch.sigmoid({m}.shared_router(t))"
+            if copy is not None:
+                lines.append(w.line(f"scale = rt.copy_to({scale}, {w.group(copy.axes)})",
+                                    "[b*s, 1] the shared expert's gate; backward sums its gradient like the weights'"))
+                scale = "scale"
+            lines.append(w.line(f"out = out + {scale} * {m}.shared_down(F.silu({m}.shared_gate({xt})) * {m}.shared_up({xt}))",
+                                f"[b*s, {hid}]{part}: the shared expert, {s_local} of {a['shared_ffn']} ffn"))
+        if reduce is not None:
+            lines.append(w.line(f"out = rt.reduce_from(out, {w.group(reduce.axes)})",
+                                f"g: all-reduce over {w.axes_text(reduce.axes)} ({w.n(reduce.axes)}) -> [b*s, {hid}]"))
+        lines.append(w.line(f"out = out.view_as({x})", f"[b, s, {hid}]"))
+        return lines
+
+    def _local(self, w: Any, unit: Unit, placement: Mapping[str, Placement], leaf: str, size: int) -> int:
+        p = placement.get(f"{unit.name}.{leaf}", REPLICATE)
+        return size // w.n(p.axes) if p.sharded else size
+
+    def core_lines(self, w: Any, attr: str, unit: Unit, a: Mapping[str, Any],
+                   placement: Mapping[str, Placement], x: str) -> list[Any]:
+        raise AssertionError("moe writes its whole forward (sublayer_lines); it has no core between projections")
+
+
+MOE = Moe("moe", sublayer=True, width_arg="hidden", args=(
+    Arg("hidden", "dim"),
+    Arg("ffn", "dim"),
+    Arg("experts", "dim"),
+    Arg("top_k", "dim"),
+    Arg("norm_topk_prob", "bool", const(True)),
+    # Mixtral keeps the chosen weights in float32; Qwen2-MoE / Qwen3-MoE cast them to the activations'.
+    Arg("weights_fp32", "bool", const(True)),
+    Arg("shared_expert", "bool", const(False)),
+    Arg("shared_ffn", "dim", lambda bound: bound["ffn"]),
+    Arg("aux_loss_coef", "float", const(0.0)),
+))
