@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from meshllm_dsl import primitives
-from meshllm_dsl.codes import E0402, E0403, E0410
+from meshllm_dsl.codes import E0309, E0402, E0403, E0410
 from meshllm_dsl.collectives import spec
 from meshllm_dsl.diagnostics import Label, make_rule
 from meshllm_dsl.ir import (
@@ -212,6 +212,11 @@ def _seq_block_flow(unit: Unit, flow: UnitFlow, prefix: str, placement: dict[str
     q = seq_layout(seq)
     if primitives.of(unit).norm:
         return UnitFlow(q, q, ())
+    if not primitives.of(unit).sequence_parallel:
+        r.error(E0309, f"sequence parallelism over {' x '.join(seq)} with the {unit.kind} layer `{prefix}{unit.name}` "
+                "is not supported yet", seq_span, label="sequence parallelism asked for here",
+                help=f"remove `seq -> {' * '.join(seq)}`; the {unit.kind} layer's tensor parallelism works without it")
+        return None
     # Tensor-parallel over exactly `seq`: f in front of the column layers and g after the row layer
     # (inside, the column layers see the whole sequence again: the same layouts as without it).
     seq_ops = [under_seq(c, seq) for c in flow.collectives]

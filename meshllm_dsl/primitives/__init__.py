@@ -106,6 +106,9 @@ class Primitive:
     caches_kv: bool = False
     # Selective recomputation (`recompute = attention`) reruns its core in backward.
     recomputed_core: bool = False
+    # Sequence parallelism may shard its input and output along the sequence (f / g become an
+    # all-gather and a reduce-scatter); False: refused (E0309) until its forward is written for it.
+    sequence_parallel: bool = True
     # The argument giving the width of the residual stream it reads (a model's chain must agree).
     width_arg: str = "dim"
     # Its arguments as a spec writes them, in order (resolve.py binds calls against them).
