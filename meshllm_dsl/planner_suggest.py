@@ -51,12 +51,20 @@ class Candidate:
     hosts: int
     recompute: str = "none"
     seq_parallel: bool = False  # `seq -> tensor`: Megatron sequence parallelism over the tensor axis
+    # HSDP: ZeRO shards over a `data` axis of this many ranks inside a host, a `replica` axis holds
+    # the data / zero_shard copies across hosts (torchtitan's dp_shard x dp_replicate); 0: no HSDP.
+    zero_shard: int = 0
+    # fp32 master weights at ZeRO 0 / 1 for a 16-bit model (autocast, runtime/amp.py): searched beside
+    # the pure 16-bit plan, which needs half the state. ZeRO 2 / 3 always have them (_master_weights).
+    master: bool = False
 
     def key(self) -> str:
         sched = "" if self.schedule == "none" else f" {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else "")
         remat = "" if self.recompute == "none" else f", recompute {self.recompute}"
         return (f"data {self.data} x pipeline {self.pipeline} x tensor {self.tensor}, {self.microbatches} microbatches"
-                f"{sched}, ZeRO {self.zero}{remat}" + (", sequence parallel" if self.seq_parallel else ""))
+                f"{sched}, ZeRO {self.zero}{remat}" + (", sequence parallel" if self.seq_parallel else "")
+                + (f", HSDP sharded over {self.zero_shard}" if self.zero_shard else "")
+                + (", fp32 master weights" if self.master else ""))
 
 
 @attrs.frozen
@@ -128,7 +136,8 @@ def _dim_sizes(model: ModelIR) -> dict[str, int]:
 
 
 def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -> str:
-    axes = [(n, s) for n, s in (("data", c.data), ("pipeline", c.pipeline), ("tensor", c.tensor)) if s > 1] or [("data", 1)]
+    data = [("replica", c.data // c.zero_shard), ("data", c.zero_shard)] if c.zero_shard else [("data", c.data)]
+    axes = [(n, s) for n, s in (*data, ("pipeline", c.pipeline), ("tensor", c.tensor)) if s > 1] or [("data", 1)]
     mesh = [f"mesh {MESH_NAME} {{", "    axes " + ", ".join(f"{n} = {s}" for n, s in axes)]
     if c.hosts > 1:
         mesh.append(f"    hosts = {c.hosts}")
@@ -137,7 +146,7 @@ def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -
             f"    microbatches = {c.microbatches}"]
     if c.recompute != "none":
         plan.append(f"    recompute = {c.recompute}")
-    layout = (["batch -> data"] if c.data > 1 else []) + ([f"{d} -> tensor" for d in _sharded_dims(model)] if c.tensor > 1 else [])
+    layout = (["batch -> replica * data" if c.zero_shard else "batch -> data"] if c.data > 1 else []) + ([f"{d} -> tensor" for d in _sharded_dims(model)] if c.tensor > 1 else [])
     layout += ["seq -> tensor"] if c.seq_parallel else []
     if layout:
         plan.append("    layout { " + ", ".join(layout) + " }")
@@ -159,10 +168,10 @@ def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -
 
 def _master_weights(c: Candidate, model: ModelIR) -> bool:
     """16-bit models train with fp32 master weights and reductions (Megatron's and torchtitan's
-    default) at every ZeRO stage: FSDP2's MixedPrecisionPolicy at 2 / 3, autocast over fp32
-    parameters at 0 / 1 (runtime/amp.py). In 16 bits AdamW's small updates round away
-    (bench/master_weights.py)."""
-    return model.dtype in ("bf16", "fp16")
+    default): always under FSDP2's MixedPrecisionPolicy (ZeRO 2 / 3); at ZeRO 0 / 1 (autocast over
+    fp32 parameters, runtime/amp.py) where the candidate asks, as the pure 16-bit plan is also
+    searched. In 16 bits AdamW's small updates round away (bench/master_weights.py)."""
+    return model.dtype in ("bf16", "fp16") and (c.zero >= 2 or c.master)
 
 
 def _explicit_stages(model: ModelIR, p: int) -> list[str]:
@@ -218,6 +227,13 @@ def candidates(model: ModelIR, devices: int, batch: int, per_host: int) -> Itera
                     for z in (0, 1, 2, 3) if d > 1 else (0,):
                         for r in remats:
                             yield Candidate(d, p, t, m, sched, v, z, hosts, r)
+                            if z < 2 and model.dtype in ("bf16", "fp16"):
+                                yield Candidate(d, p, t, m, sched, v, z, hosts, r, master=True)
+                    # HSDP (FSDP2 only): sharded within a host, replicated across hosts.
+                    shard = max((s for s in divisors(d) if 1 < s < d and s * p * t <= per_host), default=0)
+                    for z in (2, 3) if shard else ():
+                        for r in remats:
+                            yield Candidate(d, p, t, m, sched, v, z, hosts, r, zero_shard=shard)
 
 
 def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, batch: int, seq: int,
@@ -254,13 +270,13 @@ class StateBound:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.states: dict[int, int] = {}  # ZeRO stage -> the largest rank's
+        self.states: dict[tuple[int, bool], int] = {}  # (ZeRO stage, master weights) -> the largest rank's
 
     def record(self, c: Candidate, report: PlanReport) -> None:
-        self.states.setdefault(c.zero, max(r.weight_bytes + r.grad_bytes + r.optimizer_bytes for r in report.ranks))
+        self.states.setdefault((c.zero, c.master), max(r.weight_bytes + r.grad_bytes + r.optimizer_bytes for r in report.ranks))
 
     def rules_out(self, c: Candidate) -> bool:
-        known = self.states.get(c.zero)
+        known = self.states.get((c.zero, c.master))
         return known is not None and known > self.limit
 
 
@@ -304,11 +320,12 @@ def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, ba
             return block, None
         return block, plan
 
-    groups: dict[tuple[int, int, int, str, int, bool], list[Candidate]] = {}
+    groups: dict[tuple[int, int, int, str, int, bool, int], list[Candidate]] = {}
     for c in candidates(model, devices, batch, host):
         # Each tensor-parallel candidate also with sequence parallelism, where seq splits over it.
         for v in (c, attrs.evolve(c, seq_parallel=True)) if c.tensor > 1 and seq % c.tensor == 0 else (c,):
-            groups.setdefault((v.data, v.pipeline, v.tensor, v.schedule, v.virtual, v.seq_parallel), []).append(v)
+            groups.setdefault((v.data, v.pipeline, v.tensor, v.schedule, v.virtual, v.seq_parallel, v.zero_shard),
+                              []).append(v)
     everything = [(key, c) for key, group in groups.items() for c in group]
     enumerated = len(everything)
     index = {c: i for i, (_, c) in enumerate(everything)}
@@ -359,7 +376,7 @@ def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, ba
                 continue
             master = _master_weights(c, model)
             plan = attrs.evolve(rep_plan, microbatches=c.microbatches, zero=c.zero,
-                                roles=attrs.evolve(rep_plan.roles, batch_shard=rep_plan.roles.batch if c.zero else ()), recompute=c.recompute,
+                                roles=attrs.evolve(rep_plan.roles, batch_shard=(("data",) if c.zero_shard else rep_plan.roles.batch) if c.zero else ()), recompute=c.recompute,
                                 master_dtype="fp32" if master else None, reduce_dtype="fp32" if master else None)
         else:
             plan = check(c)[1]  # the structure failed: judge each variant on its own

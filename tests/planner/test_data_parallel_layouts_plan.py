@@ -61,11 +61,32 @@ def test_master_weights_at_zero_1_are_the_fp32_parameters_with_moments_sharded()
 def test_suggest_writes_fp32_master_weights_at_zero_0_and_1() -> None:
     from meshllm_dsl.planner_suggest import Candidate, plan_text
 
+    from meshllm_dsl.planner_suggest import candidates
+
     model = check_text(MODEL + "\n", "m.mesh").models["m"]
+    # Both are searched at ZeRO 0 / 1: pure bf16 (half the state) and bf16 with fp32 master weights.
+    found = {(c.zero, c.master) for c in candidates(model, 2, 32, 8)}
+    assert {(0, False), (0, True), (1, False), (1, True), (2, False), (3, False)} <= found
     for zero in (0, 1):
-        c = Candidate(data=2, pipeline=1, tensor=1, microbatches=1, schedule="none", virtual=1, zero=zero, hosts=1)
+        c = Candidate(data=2, pipeline=1, tensor=1, microbatches=1, schedule="none", virtual=1, zero=zero, hosts=1,
+                      master=True)
         text = plan_text(c, model, "h100", 32, 2048)
         result = check_text(MODEL + "\n" + text, "s.mesh")
         assert result.ok, [d.message for d in result.errors]
         plan = result.plans["suggested"]
         assert (plan.zero, plan.dtype, plan.master_dtype, plan.reduce_dtype) == (zero, "bf16", "fp32", "fp32")
+
+
+def test_suggest_searches_hsdp_sharded_within_a_host() -> None:
+    from meshllm_dsl.planner_suggest import candidates, plan_text
+
+    model = check_text(MODEL + "\n", "m.mesh").models["m"]
+    hsdp = [c for c in candidates(model, 16, 64, 8) if c.zero_shard]
+    # Data 16 over 2 hosts of 8: ZeRO 2 / 3 sharded over the 8 ranks of a host, 2 replicas.
+    assert hsdp and {(c.data, c.zero_shard, c.zero) for c in hsdp if c.tensor == c.pipeline == 1} == {(16, 8, 2), (16, 8, 3)}
+    assert all(c.zero_shard * c.pipeline * c.tensor <= 8 and c.zero in (2, 3) for c in hsdp)
+    c = next(c for c in hsdp if c.tensor == c.pipeline == 1)
+    result = check_text(MODEL + "\n" + plan_text(c, model, "h100", 64, 2048), "s.mesh")
+    assert result.ok, [d.message for d in result.errors]
+    plan = result.plans["suggested"]
+    assert (plan.roles.batch_shard, plan.roles.batch_replicate, plan.zero_size) == (("data",), ("replica",), 8)

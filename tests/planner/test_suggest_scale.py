@@ -82,7 +82,7 @@ def test_pruned_search_finds_what_the_full_search_finds(spec, monkeypatch: pytes
                                       plan.schedule if plan.pipeline_size > 1 else "none", plan.virtual, plan.zero, 1)
         assert compute_floor_s(rep) == pytest.approx(floor)
         assert rep.step.total_s >= floor * (1 + bubble_scale(c)) * (1 - 1e-9), plan
-        key = (plan.mesh.axes, plan.schedule, plan.virtual, plan.roles.sequence, plan.zero)
+        key = (plan.mesh.axes, plan.schedule, plan.virtual, plan.roles.sequence, plan.zero, plan.master_dtype)
         held = max(r.weight_bytes + r.grad_bytes + r.optimizer_bytes for r in rep.ranks)
         assert states.setdefault(key, held) == held, plan
 
