@@ -27,9 +27,10 @@ from meshllm_dsl.names import identifier_problem
 from meshllm_dsl.runtime.json_values import describe
 from meshllm_dsl.slurm import script_value_problem
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GPT2LMHeadModel")
+SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
+             "GPT2LMHeadModel")
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 
 
@@ -258,6 +259,10 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
     if f.flag("mlp_bias", False):
         raise refuse("mlp_bias", "adds MLP biases the llama family does not have")
     positions = f.int("max_position_embeddings", _DEFAULT_POSITIONS[arch])
+    phi3_window = f.int("sliding_window", None) if arch == "Phi3ForCausalLM" else None
+    if phi3_window is not None and phi3_window < positions:
+        raise refuse("sliding_window", "limits Phi-3's attention to a window shorter than max_position_embeddings "
+                     "(not supported)")
     window = f.int("sliding_window", None)
     if arch == "MistralForCausalLM" and window is not None and window < positions:
         raise refuse("sliding_window", "limits attention to a window shorter than max_position_embeddings; "
@@ -312,7 +317,7 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
 
 # transformers' defaults for max_position_embeddings where a config leaves it out.
 _DEFAULT_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768,
-                      "Qwen3ForCausalLM": 32768}
+                      "Qwen3ForCausalLM": 32768, "Phi3ForCausalLM": 4096}
 
 
 def read_config(directory: Path) -> dict[str, Any]:

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import hf_moe
+from . import hf_fused, hf_moe
 from .fsdp import tp_local
 from .json_values import describe
 from .mesh import Mesh
@@ -483,7 +483,7 @@ def _close(a: Any, b: Any) -> bool:
 
 
 # The model types of the llama layout, and the q / k norm of each (attention's qk_norm).
-_QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head"}
+_QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head", "phi3": "none"}
 
 
 def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -> None:
@@ -559,7 +559,7 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
         ]
         window = cfg.get("sliding_window")
         binding = window is not None and window < int(cfg.get("max_position_embeddings", 0))
-        if binding and (model_type == "mistral" or cfg.get("use_sliding_window")):
+        if binding and (model_type in ("mistral", "phi3") or cfg.get("use_sliding_window")):
             raise WeightsError(
                 f"{where}: `sliding_window` = {window} limits attention to a window; meshllm's"
                 " attention is full causal attention (set it to null only if every sequence is"
@@ -741,6 +741,8 @@ def local_from_hf(
     """This rank's shard of one HF tensor, read slice by slice (rows past the stored ones: zeros)."""
     if hf_moe.is_stacked(key):  # one stored tensor per expert
         return hf_moe.local_stacked(ckpt, key, spec, mesh, dtype, local_from_hf)
+    if hf_fused.rows(key) is not None:  # a part of a fused tensor (Phi-3's qkv_proj, gate_up_proj)
+        return hf_fused.local_rows(ckpt, key, _local_indices(spec, mesh), dtype)
     idx = _local_indices(spec, mesh)
     stored = ckpt.shape(key)
     stored_ours = tuple(reversed(stored)) if transposed else stored
@@ -782,6 +784,9 @@ def plan_load(
         for name, spec in stage.items():
             full_shapes[name] = spec.shape
     keys = hf_key_map(model, sorted(full_shapes))
+    model_type = ckpt.config.get("model_type")
+    if model_type in hf_fused.MODEL_TYPES:  # Phi-3: q / k / v and gate / up stored as one tensor each
+        keys = hf_fused.fuse_keys(keys, full_shapes, model_type)
     rows, vocab = padded_vocab(model)
     lay = _layout(model)
     out: dict[str, tuple[str, bool]] = {}
@@ -791,7 +796,7 @@ def plan_load(
             hf_moe.check_stacked(ckpt, key, full_shapes[name], name, _FLOATING, WeightsError)
             out[name] = (key, False)
             continue
-        stored_key = ckpt.key(key)
+        stored_key = ckpt.key(hf_fused.base(key))
         if stored_key is None:
             files = sorted({p.name for p in ckpt.where.values()})
             raise WeightsError(
@@ -806,14 +811,14 @@ def plan_load(
         want = full_shapes[name]
         if name.split(".")[0] in (lay.embed, lay.head["name"]) and rows != vocab:
             want = (vocab, *want[1:])  # the checkpoint has the real vocab; padding rows are ours
-        want_stored = tuple(reversed(want)) if transposed else want
+        want_stored = hf_fused.stored_shape(key, tuple(reversed(want)) if transposed else want)
         got = ckpt.shape(stored_key)
         if got != want_stored:
             raise WeightsError(
                 f"tensor {stored_key} in {ckpt.where[stored_key]} has shape {got}, but {name} "
                 f"needs {want_stored}" + (" (stored transposed, [in, out])" if transposed else "")
             )
-        out[name] = (stored_key, transposed)
+        out[name] = (hf_fused.rekey(key, stored_key), transposed)
     return out
 
 
@@ -833,7 +838,7 @@ def check_weights(directory: str | Path, program: Any, extra: str = "error") -> 
     ckpt = HFCheckpoint(directory)
     specs = {i: dict(stage.params()) for i, stage in enumerate(program.stages)}
     shapes = {name: spec.shape for stage in specs.values() for name, spec in stage.items()}
-    used = {ckpt.key(k) or k for name, (key, _) in plan_load(ckpt, program.model, specs).items()
+    used = {ckpt.key(hf_fused.base(k)) or k for name, (key, _) in plan_load(ckpt, program.model, specs).items()
             for k in hf_moe.stored(key, shapes[name])}
     tied = bool(_layout(program.model).head.get("tie"))
     extras = sorted(
@@ -1068,6 +1073,9 @@ def export_hf(
                 seen.add(name)
                 order.append((i, name, spec))
     keys = hf_key_map(model, [n for _, n, _ in order])
+    source_type = _read_object(_source_file(Path(source), "config.json")).get("model_type") if source is not None else None
+    if source_type in hf_fused.MODEL_TYPES:  # written fused, as the source stores them (Phi-3)
+        keys = hf_fused.fuse_keys(keys, {n: spec.shape for _, n, spec in order}, source_type)
     tied = bool(lay.head.get("tie"))
     itemsize = torch.empty((), dtype=program.dtype).element_size()
 
@@ -1097,6 +1105,7 @@ def export_hf(
     }
     pp_group = mesh.group(program.pipeline_axis) if program.pipeline_axis else None
     pending: dict[str, Tensor] = {}
+    fusing: dict[str, dict[int, Tensor]] = {}  # fused tensors' parts gathered so far
     weight_map: dict[str, str] = {}
     writer = _ExportWriter(out_dir) if first else None
     try:
@@ -1121,8 +1130,7 @@ def export_hf(
                     if name.split(".")[0] == lay.embed and rows != vocab:
                         full = full[:vocab]
                     t = full.t() if transposed else full
-                    pending[key] = t.detach().to("cpu").contiguous().clone()
-                    weight_map[key] = file_of[name]
+                    hf_fused.put(pending, weight_map, fusing, key, t.detach().to("cpu").contiguous().clone(), file_of[name])
             if writer is not None:
                 tensors, pending = pending, {}
                 writer.put(file_of[names[0]],

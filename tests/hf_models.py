@@ -13,7 +13,7 @@ VOCAB = 64
 # Llama with each rope scaling transformers computes (runtime/rope.py); dynamic's 6 positions are
 # fewer than the tests' 8 tokens, so its frequencies grow with the sequence.
 ROPE_KINDS = ("llama_linear", "llama_dynamic", "llama_yarn")
-KINDS = ("llama", "llama3_tied", "mistral", "qwen2", "gpt2", "qwen3")
+KINDS = ("llama", "llama3_tied", "mistral", "qwen2", "gpt2", "qwen3", "phi3")
 
 
 def _config(kind: str) -> Any:
@@ -43,6 +43,9 @@ def _config(kind: str) -> Any:
         return tf.Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=False)
     if kind == "qwen3":  # q / k RMSNorm per head; head_dim 16, not hidden / heads
         return tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    if kind == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint; no end token in the vocab
+        return tf.Phi3Config(**common, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=None,
+                             bos_token_id=None, eos_token_id=None)
     if kind == "gpt2":  # odd vocab
         return tf.GPT2Config(vocab_size=67, n_embd=32, n_layer=4, n_head=4, n_positions=32,
                              bos_token_id=0, eos_token_id=0)
@@ -59,7 +62,7 @@ def build_hf(kind: str, directory: Path, seed: int = 0, redraw: bool = True) -> 
 
     cfg = _config(kind)
     cls = {"gpt2": tf.GPT2LMHeadModel, "mistral": tf.MistralForCausalLM,
-           "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM}.get(kind, tf.LlamaForCausalLM)
+           "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "phi3": tf.Phi3ForCausalLM}.get(kind, tf.LlamaForCausalLM)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -102,6 +105,8 @@ SPEC_MODELS = {
              " norm_eps = 1e-6, attn_bias = true, attn_out_bias = false, dtype = fp32 }",
     "qwen3": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, head_dim = 16,"
              " ffn = 64, norm_eps = 1e-6, qk_norm = head, dtype = fp32 }",
+    "phi3": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
+            " norm_eps = 1e-6, dtype = fp32 }",
     "gpt2": "model m = gpt2 { vocab = 67, hidden = 32, layers = 4, heads = 4, positions = 32 }",
     # 67 rows padded to 68 so the tensor axis splits the vocabulary; row 67 is masked
     "gpt2_padded": "model m = gpt2 { vocab = 68, vocab_used = 67, hidden = 32, layers = 4, heads = 4,"

@@ -132,6 +132,17 @@ def test_each_rank_reads_only_its_slices(
         assert share * total * 0.9 <= got <= share * total + 4096, (per_rank, total)
 
 
+def test_phi3_fused_tensors_are_read_slice_by_slice(models: dict[str, Any], pool: WorkerPool, tmp_path: Path) -> None:
+    """Each tensor-parallel rank reads only its heads' rows of qkv_proj and its half of each of gate
+    and up in gate_up_proj, never the whole fused tensor."""
+    directory, _ = models["phi3"]
+    total = sum(t.numel() * t.element_size()
+                for t in safetensors_torch.load_file(str(directory / "model.safetensors")).values())
+    path, n = _module("phi3", "tensor2", tmp_path)
+    for got in pool.run(bytes_read_job, n, path, str(directory)):
+        assert 0.5 * total * 0.9 <= got <= 0.5 * total + 4096, (got, total)
+
+
 def test_sharded_checkpoint_with_index_loads(models: dict[str, Any], pool: WorkerPool, tmp_path: Path) -> None:
     directory, hf = models["qwen2"]
     path, n = _module("qwen2", "pipeline2_tensor2", tmp_path)
