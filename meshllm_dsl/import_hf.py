@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from meshllm_dsl.codes import W0801
+from meshllm_dsl.import_hf_moe import MODEL_TYPES as MOE_TYPES
+from meshllm_dsl.import_hf_moe import MOE, moe_settings
 from meshllm_dsl.limits import MAX_BLOCKS, MAX_DEVICES, MAX_INT, MAX_NAME
 from meshllm_dsl.names import identifier_problem
 from meshllm_dsl.runtime.json_values import describe
@@ -32,6 +34,9 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+# Mixture-of-experts architectures (meshllm_dsl/import_hf_moe.py).
+SUPPORTED = (*SUPPORTED, *MOE)
+_MODEL_TYPES.update(MOE_TYPES)
 
 
 class ImportError_(Exception):
@@ -233,6 +238,8 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
     def refuse(field: str, why: str) -> ImportError_:
         return ImportError_(f"{where}: `{field}` = {cfg.get(field)!r} {why}")
 
+    if arch in MOE:
+        return moe_settings(cfg, where, arch)
     if arch == "GPT2LMHeadModel":
         act = f.text("activation_function", "gelu_new")
         if act not in ("gelu_new", "gelu_pytorch_tanh"):

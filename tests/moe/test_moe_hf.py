@@ -108,3 +108,37 @@ def test_a_checkpoint_with_other_experts_is_refused_in_one_line(models: Any, poo
     (other / "config.json").write_text(json.dumps(cfg))
     (msg,) = set(pool.run(error_job, n, text_path, str(other)))
     assert "`num_experts_per_tok` is 1, but model `m` has top_k = 2" in msg, msg
+
+
+@pytest.mark.parametrize("model", ["mixtral", "qwen2_moe"])
+def test_import_hf_writes_a_spec_whose_weights_give_transformers_logits(model: str, models: Any, pool: Any,
+                                                                        tmp_path: Path) -> None:
+    from meshllm_dsl.checker import check_file
+    from meshllm_dsl.cli import main
+    from meshllm_dsl.codegen.emit import render_plan
+
+    directory, hf = models[model]
+    out = tmp_path / "imported.mesh"
+    assert main(["import-hf", str(directory), "-o", str(out)]) == 0
+    text = out.read_text()
+    assert f"= {model} {{" in text and "top_k = " in text
+    result = check_file(str(out))
+    assert result.ok, [d.message for d in result.diagnostics]
+    (plan,) = result.plans.values()
+    path = tmp_path / "imported.py"
+    path.write_text(render_plan(plan, out.name, text))
+    tokens = _tokens()
+    logits, _ = pool.run(logits_job, 1, str(path), str(directory), tokens, 0)[0]
+    with torch.no_grad():
+        assert (logits - hf(tokens).logits).abs().max().item() <= 1e-4
+
+
+def test_import_hf_refuses_dense_qwen2_moe_layers_by_name(models: Any, tmp_path: Path) -> None:
+    import json
+
+    from meshllm_dsl.import_hf import ImportError_, model_settings
+
+    cfg = json.loads((models["qwen2_moe"][0] / "config.json").read_text())
+    cfg["mlp_only_layers"] = [0]
+    with pytest.raises(ImportError_, match=r"`mlp_only_layers` = \[0\]: some layers are dense"):
+        model_settings(cfg, "config.json")
