@@ -38,6 +38,8 @@ def moe_settings(cfg: dict[str, Any], where: str, arch: str) -> tuple[str, list[
         name, _, source = next(s for s in llama if s[0] == extra[0])
         raise ImportError_(f"{where}: {source} gives `{name}`, which the {family} family does not have (not supported)")
     settings = [s for s in llama if s[0] in _KEPT]
+    if qwen:  # its `ffn` is the experts' width
+        settings = [(n, v, "`moe_intermediate_size`" if n == "ffn" else src) for n, v, src in settings]
     if qwen:
         step, dense = f.int("decoder_sparse_step", 1), cfg.get("mlp_only_layers") or []
         if step != 1 or dense:
