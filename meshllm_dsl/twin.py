@@ -63,7 +63,12 @@ def twin_values(plan: PlanIR) -> dict[str, int]:
         twin["vocab_used"] = twin["vocab"] - 1  # keep a padded (masked) row in the twin
     rep = model.repeat
     if rep is not None:
-        twin["layers"] = len(plan.stages) * max(1, min(2, rep.count // max(1, len(plan.stages))))
+        stages = max(1, len(plan.stages))
+        per_stage = max(1, min(2, rep.count // stages))
+        if plan.recompute_every > 1:
+            # `recompute = ... every N` needs N blocks for one to be recomputed (and N - 1 not).
+            per_stage = max(per_stage, min(rep.count // stages, -(-plan.recompute_every // stages)))
+        twin["layers"] = stages * per_stage
     return {k: v for k, v in twin.items() if k in values}
 
 

@@ -52,3 +52,14 @@ def test_every_where_it_means_nothing_is_a_located_error(setting: str, code: str
     assert [d.code for d in result.errors] == [code]
     (err,) = result.errors
     assert err.span is not None and text[err.span.start:err.span.end] in setting.split("every")[1]
+
+
+def test_the_tiny_twin_keeps_enough_blocks_for_every_n() -> None:
+    # The twin has 2 blocks per stage; `every 4` would then recompute none of them (E0409 in the twin).
+    from meshllm_dsl.twin import twin_values
+
+    text = SPEC.format(setting="recompute = ops every 4").replace("layers = 4", "layers = 32")
+    (plan,) = check_text(text, "p.mesh").plans.values()
+    assert twin_values(plan)["layers"] == 4
+    (plain,) = check_text(text.replace(" every 4", ""), "p.mesh").plans.values()
+    assert twin_values(plain)["layers"] == 2
