@@ -99,6 +99,10 @@ SPEC_MODELS = {
     "llama_yarn": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
                   " norm_eps = 1e-6, rope_type = yarn, rope_factor = 4.0, rope_original_positions = 2048,"
                   " dtype = fp32 }",
+    # OLMo 2's q / k norm over the whole projection (no HF model here: the olmo2 family needs norms
+    # after the sublayers); split by heads, its sum of squares is all-reduced over the tensor axis.
+    "llama_qk_full": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
+                     " norm_eps = 1e-6, qk_norm = full, dtype = fp32 }",
     "mistral": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
                " norm_eps = 1e-6, dtype = fp32 }",
     "qwen2": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"

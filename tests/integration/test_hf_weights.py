@@ -486,13 +486,15 @@ def test_eval_reports_transformers_loss_on_held_out_text(models: dict[str, Any],
 
 
 @pytest.mark.parametrize(("kind", "plan"), [("llama3_tied", "pipeline2_tensor2"), ("qwen2", "data2_tensor2"),
-                                            ("gpt2_padded", "pipeline2_tensor2"), ("qwen3", "pipeline2_tensor2")])
+                                            ("gpt2_padded", "pipeline2_tensor2"), ("qwen3", "pipeline2_tensor2"),
+                                            ("llama_qk_full", "tensor2"), ("llama_qk_full", "pipeline2_tensor2")])
 def test_new_family_features_train_like_the_unsharded_reference(
     kind: str, plan: str, pool: WorkerPool, tmp_path: Path
 ) -> None:
     """Tied llama head across pipeline stages, llama3 rope scaling, q/k/v-only biases, padded vocab,
-    q / k norms per head (their scale's gradient summed over the heads' ranks): logits, gradients and
-    parameters after AdamW steps equal the unsharded reference."""
+    q / k norms per head (their scale's gradient summed over the heads' ranks) and over the whole
+    projection (the sum of squares all-reduced over the heads' ranks, both ways): logits, gradients
+    and parameters after AdamW steps equal the unsharded reference."""
     from meshllm_dsl.runtime.compare import TOLERANCE
 
     path, n = _module(kind, plan, tmp_path)
