@@ -112,7 +112,7 @@ CODES: dict[str, tuple[str, str]] = {
               "activation checkpointing (torch.utils.checkpoint, non-reentrant) and `recompute = attention` only "
               "the attention core inside each block. A model without a `repeat` (or whose blocks hold no "
               "attention, for `attention`) has nothing the setting would apply to, so it is refused rather than "
-              "silently ignored."),
+              "silently ignored; so is `every N` with N above the number of blocks."),
     "E0410": ("sequence parallelism does not fit the plan", "`layout { seq -> tensor }` asks for Megatron-LM "
               "sequence parallelism over the tensor axes: the norms and the residual stream between sublayers "
               "hold [b, s / t, hidden], each attention / mlp gathers the sequence in front of its column layers "
