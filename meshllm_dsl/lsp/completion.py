@@ -231,6 +231,8 @@ def _plan(a: Analysis, header: list[str], inner: list[list[str]], line: list[str
         return [Item(d, "value", "dtype") for d in DTYPES]
     if first == "recompute" and line[-1] == "=":
         return [Item(r, "value", "recompute") for r in RECOMPUTE]
+    if first == "recompute" and len(line) == 3 and line[2] in ("blocks", "ops") and prefix.endswith((" ", "\t")):
+        return [Item("every", "keyword", "recompute every N-th block", "every ")]
     return []
 
 

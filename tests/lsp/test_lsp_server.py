@@ -411,6 +411,8 @@ model tiny = llama {
     ("plan p on node4 for tiny {\n    shard embed |\n}\n", {"column", "row", "vocab_parallel", "replicate"}, {"data"}),
     ("plan p on node4 for tiny {\n    shard |\n}\n", {"embed", "blocks.*.attn.q", "lm_head"}, {"column"}),
     ("plan p on node4 for tiny {\n    schedule |\n}\n", {"gpipe", "1f1b", "interleaved_1f1b"}, set()),
+    ("plan p on node4 for tiny {\n    recompute = |\n}\n", {"blocks", "attention", "ops"}, {"every"}),
+    ("plan p on node4 for tiny {\n    recompute = ops |\n}\n", {"every"}, {"blocks"}),
     ("plan p on node4 for tiny {\n    |\n}\n", {"shard", "layout", "stages", "schedule", "optimizer", "precision", "batch"},
      {"mesh"}),
     ("plan p on |", {"node4"}, {"tiny"}),
