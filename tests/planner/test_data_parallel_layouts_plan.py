@@ -59,9 +59,7 @@ def test_master_weights_at_zero_1_are_the_fp32_parameters_with_moments_sharded()
 
 
 def test_suggest_writes_fp32_master_weights_at_zero_0_and_1() -> None:
-    from meshllm_dsl.planner_suggest import Candidate, plan_text
-
-    from meshllm_dsl.planner_suggest import candidates
+    from meshllm_dsl.planner_suggest import Candidate, candidates, plan_text
 
     model = check_text(MODEL + "\n", "m.mesh").models["m"]
     # Both are searched at ZeRO 0 / 1: pure bf16 (half the state) and bf16 with fp32 master weights.
