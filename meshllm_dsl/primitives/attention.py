@@ -94,6 +94,11 @@ class Attention(Primitive):
         saved += e * tokens * hq * hd  # the attention output: the core's result and o's input
         if unit.attr("rope_theta"):
             saved += 2 * e * seq * hd  # rotary cos and sin ([s, 1, head_dim] each), kept by q * cos, k * cos
+        qk = unit.attr("qk_norm")
+        if qk == "head":  # the runtime's RMSNorm Function: q and k before it, an fp32 reciprocal RMS per head
+            saved += e * tokens * (hq + hk) * hd + fp32 * tokens * (hq + hk)
+        elif qk == "full":  # plain autograd: the inputs, the normalised rows the scale multiplies, fp32 RMS per token
+            saved += 2 * e * tokens * (hq + hk) * hd + 2 * fp32 * tokens
         if flash_attention:
             saved += fp32 * tokens * hq  # log-sum-exp per head and token
         else:
@@ -111,6 +116,7 @@ class Attention(Primitive):
     def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         n = linears + 3 * k["heads"] + k["attention_core"] + k["residual"]
         n += k["split_qkv"] if hu.unit.attr("fused_qkv") else 0
+        n += 2 * k["rmsnorm"] if hu.unit.attr("qk_norm") in ("head", "full") else 0  # q's and k's
         return n + (k["rotary"] if hu.unit.attr("rope_theta") else 0)
 
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:

@@ -69,6 +69,28 @@ plan p on m for g {
     optimizer adamw { zero 2 }
 }
 """,
+    # q / k norms: per head one replicated head_dim scale (Qwen3), over the projection a scale split
+    # with it (OLMo 2), under ZeRO 3 sliced over data too.
+    "qwen3_data2_tensor2_zero3": """
+mesh m { axes data = 2, tensor = 2 }
+model l = llama { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, head_dim = 16, ffn = 64,
+                  qk_norm = head, dtype = fp32 }
+plan p on m for l {
+    batch = 4
+    seq = 8
+    layout { batch -> data, heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }
+    optimizer adamw { zero 3 }
+}
+""",
+    "qk_full_tensor2": """
+mesh m { axes tensor = 2 }
+model l = llama { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64, qk_norm = full, dtype = fp32 }
+plan p on m for l {
+    batch = 4
+    seq = 8
+    layout { heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }
+}
+""",
     "tiny_llama_fsdp": (ROOT / "examples" / "tiny_llama_fsdp.mesh").read_text(),
     # bf16 without `precision` (ZeRO 0 / 1 cannot have it): bf16 weights, gradients and AdamW
     # moments, 8 bytes per parameter, not the ZeRO paper's mixed-precision 16.
