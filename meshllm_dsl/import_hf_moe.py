@@ -1,7 +1,7 @@
-"""`meshc import-hf` for mixture-of-experts checkpoints: Mixtral (`mixtral` family) and Qwen2-MoE
-(`qwen2_moe`), from config.json (meshllm_dsl/import_hf.py holds the reading and everything shared).
+"""`meshc import-hf` for mixture-of-experts checkpoints: Mixtral (`mixtral` family), Qwen2-MoE
+(`qwen2_moe`) and Qwen3-MoE (`qwen3_moe`), from config.json (meshllm_dsl/import_hf.py holds the reading and everything shared).
 
-Their attention is Mistral's and Qwen2's, so the shared llama reading runs on the config as that
+Their attention is Mistral's, Qwen2's and Qwen3's, so the shared llama reading runs on the config as that
 architecture's and its settings are kept where the MoE family has them; the experts' settings are
 added. A setting the families cannot honour is refused, naming the field.
 """
@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-MOE = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe"}
-MODEL_TYPES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+MOE = {"MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}
+MODEL_TYPES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 # The architecture whose attention each one has, and the llama settings its family takes.
-_ATTENTION = {"MixtralForCausalLM": ("MistralForCausalLM", "mistral"), "Qwen2MoeForCausalLM": ("Qwen2ForCausalLM", "qwen2")}
+_ATTENTION = {"MixtralForCausalLM": ("MistralForCausalLM", "mistral"), "Qwen2MoeForCausalLM": ("Qwen2ForCausalLM", "qwen2"),
+              "Qwen3MoeForCausalLM": ("Qwen3ForCausalLM", "qwen3")}
 _KEPT = ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "norm_eps", "rope_theta",
          "tie_embeddings", "dtype")
-_BUILT_IN = ("attn_bias", "attn_out_bias")  # Qwen2-MoE's q / k / v biases are in its family
+# Settings the MoE family has built in: Qwen2-MoE's q / k / v biases, Qwen3-MoE's q / k norms.
+_BUILT_IN = {"qwen2_moe": ("attn_bias", "attn_out_bias"), "qwen3_moe": ("qk_norm",), "mixtral": ()}
 
 
 def moe_settings(cfg: dict[str, Any], where: str, arch: str) -> tuple[str, list[tuple[str, Any, str]], int]:
@@ -26,14 +28,14 @@ def moe_settings(cfg: dict[str, Any], where: str, arch: str) -> tuple[str, list[
     f = _Fields(cfg, where)
     family = MOE[arch]
     as_arch, as_type = _ATTENTION[arch]
-    qwen = family == "qwen2_moe"
+    qwen = family != "mixtral"
     attention = {**cfg, "architectures": [as_arch], "model_type": as_type}
     if qwen:
         attention["intermediate_size"] = f.int("moe_intermediate_size")  # the experts' width
         if not f.flag("use_sliding_window", False):
             attention.pop("sliding_window", None)  # transformers writes 0 there for "no window"
     _, llama, positions = model_settings(attention, where)
-    extra = [name for name, _, _ in llama if name not in _KEPT and name not in (_BUILT_IN if qwen else ())]
+    extra = [name for name, _, _ in llama if name not in _KEPT and name not in _BUILT_IN[family]]
     if extra:
         name, _, source = next(s for s in llama if s[0] == extra[0])
         raise ImportError_(f"{where}: {source} gives `{name}`, which the {family} family does not have (not supported)")
@@ -45,9 +47,11 @@ def moe_settings(cfg: dict[str, Any], where: str, arch: str) -> tuple[str, list[
         if step != 1 or dense:
             raise ImportError_(f"{where}: `decoder_sparse_step` = {step}, `mlp_only_layers` = {dense!r}: some layers "
                                "are dense; the qwen2_moe family has a mixture of experts in every layer")
-        settings += [("experts", f.int("num_experts"), "`num_experts`"),
-                     ("shared_ffn", f.int("shared_expert_intermediate_size"), "`shared_expert_intermediate_size`"),
+        n_field = "num_local_experts" if cfg.get("num_local_experts") is not None else "num_experts"  # Qwen3-MoE, transformers 5
+        settings += [("experts", f.int(n_field), f"`{n_field}`"),
                      ("norm_topk_prob", f.flag("norm_topk_prob", False), "`norm_topk_prob`")]
+        if family == "qwen2_moe":
+            settings.append(("shared_ffn", f.int("shared_expert_intermediate_size"), "`shared_expert_intermediate_size`"))
     else:
         if cfg.get("router_jitter_noise") not in (None, 0, 0.0):
             raise ImportError_(f"{where}: `router_jitter_noise` = {cfg.get('router_jitter_noise')!r} scales the "

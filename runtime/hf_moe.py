@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints of mixture-of-experts models (Mixtral, Qwen2-MoE) for runtime/hf.py.
+"""Hugging Face checkpoints of mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) for runtime/hf.py.
 
 transformers 5.24 keeps each expert's projections as tensors of their own on disk
 (``block_sparse_moe.experts.E.w1.weight`` [ffn, hidden], ``mlp.experts.E.gate_proj.weight``) and
@@ -39,6 +39,8 @@ QWEN2_MOE = _MoeLayout("Qwen2MoeForCausalLM", "qwen2_moe", "mlp", {
     "router": "gate", "gate": "experts.{e}.gate_proj", "up": "experts.{e}.up_proj", "down": "experts.{e}.down_proj",
     "shared_gate": "shared_expert.gate_proj", "shared_up": "shared_expert.up_proj",
     "shared_down": "shared_expert.down_proj", "shared_router": "shared_expert_gate"})
+QWEN3_MOE = _MoeLayout("Qwen3MoeForCausalLM", "qwen3_moe", "mlp", {
+    "router": "gate", "gate": "experts.{e}.gate_proj", "up": "experts.{e}.up_proj", "down": "experts.{e}.down_proj"})
 
 
 def as_mlp(layer: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -59,10 +61,12 @@ def moe_layout(moe: Mapping[str, Any], name: str, error: type[Exception]) -> _Mo
         return QWEN2_MOE
     if not shared and moe["weights_fp32"] and moe["norm_topk_prob"]:
         return MIXTRAL
+    if not shared and not moe["weights_fp32"]:
+        return QWEN3_MOE
     raise error(f"model `{name}`: a moe layer with shared expert {shared}, weights_fp32 {moe['weights_fp32']}, "
                 f"norm_topk_prob {moe['norm_topk_prob']} has no Hugging Face layout; expected Mixtral's "
-                "(no shared expert, fp32 weights, renormalised) or Qwen2-MoE's (a shared expert, weights in "
-                "the activations' dtype)")
+                "(no shared expert, fp32 weights, renormalised), Qwen2-MoE's (a shared expert, weights in "
+                "the activations' dtype) or Qwen3-MoE's (no shared expert, weights in the activations' dtype)")
 
 
 def key(blocks: str, lay: Any, parts: list[str], error: type[Exception]) -> str | None:
@@ -143,6 +147,10 @@ def hf_config(model: Mapping[str, Any], lay: Any, base: Mapping[str, Any], error
                output_router_logits=False, router_aux_loss_coef=0.0)
     if fam is MIXTRAL:
         cfg.update(intermediate_size=int(moe["ffn"]), num_local_experts=int(moe["experts"]), router_jitter_noise=0.0)
+    elif fam is QWEN3_MOE:
+        cfg.update(moe_intermediate_size=int(moe["ffn"]), num_local_experts=int(moe["experts"]),
+                   norm_topk_prob=bool(moe["norm_topk_prob"]), decoder_sparse_step=1, mlp_only_layers=[],
+                   use_sliding_window=False)
     else:
         cfg.update(moe_intermediate_size=int(moe["ffn"]), shared_expert_intermediate_size=int(moe["shared_ffn"]),
                    intermediate_size=int(moe["shared_ffn"]), num_experts=int(moe["experts"]),
@@ -166,18 +174,22 @@ def as_attention_config(model: Mapping[str, Any], lay: Any, cfg: Mapping[str, An
         wants = [("num_local_experts", cfg.get("num_local_experts"), moe["experts"], "experts"),
                  ("router_jitter_noise", cfg.get("router_jitter_noise", 0.0), 0.0, "router jitter (none)")]
         attention = {**cfg, "model_type": "mistral"}
-    else:
+    else:  # Qwen2-MoE, Qwen3-MoE
         sparse_step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers", [])
         if sparse_step != 1 or dense:
             raise error(f"{where}: `decoder_sparse_step` = {sparse_step!r}, `mlp_only_layers` = {dense!r}: some "
                         "layers are dense; meshllm's qwen2_moe family has a mixture of experts in every layer "
                         "(expected 1 and [])")
-        wants = [("num_experts", cfg.get("num_experts"), moe["experts"], "experts"),
-                 ("shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"), moe["shared_ffn"],
-                  "shared_ffn"),
+        # Qwen3-MoE's config names it num_local_experts in transformers 5 (num_experts before)
+        n_field = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+        wants = [(n_field, cfg.get(n_field), moe["experts"], "experts"),
                  ("norm_topk_prob", bool(cfg.get("norm_topk_prob", False)), moe["norm_topk_prob"], "norm_topk_prob")]
+        if fam is QWEN2_MOE:
+            wants.append(("shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"),
+                          moe["shared_ffn"], "shared_ffn"))
         # intermediate_size is the width of dense layers, which this model has none of
-        attention = {**cfg, "model_type": "qwen2", "intermediate_size": cfg.get("moe_intermediate_size")}
+        attention = {**cfg, "model_type": "qwen2" if fam is QWEN2_MOE else "qwen3",
+                     "intermediate_size": cfg.get("moe_intermediate_size")}
     wants.append(("num_experts_per_tok", cfg.get("num_experts_per_tok"), moe["top_k"], "top_k"))
     if cfg.get("output_router_logits") and float(cfg.get("router_aux_loss_coef") or 0.0):
         # transformers then adds coef x the load-balancing loss to the training loss; meshllm does not yet.

@@ -1,4 +1,4 @@
-"""Mixtral and Qwen2-MoE checkpoints in (--weights) and out (--export-hf), against transformers.
+"""Mixtral, Qwen2-MoE and Qwen3-MoE checkpoints in (--weights) and out (--export-hf), against transformers.
 
 Tiny random transformers models are built offline with weights redrawn away from HF's init (router
 included, so routing is peaked and a wrong expert order or weighting shows), loaded into sharded
@@ -20,6 +20,7 @@ from hf_models import error_job, export_job, logits_job  # noqa: E402
 from test_moe_plans import compiled  # noqa: E402
 
 N_NEW = 5
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _config(model: str) -> Any:
@@ -27,13 +28,16 @@ def _config(model: str) -> Any:
     if model == "mixtral":
         return tf.MixtralConfig(**common, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
                                 rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False)
+    if model == "qwen3_moe":
+        return tf.Qwen3MoeConfig(**common, head_dim=8, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2,
+                                 norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
     return tf.Qwen2MoeConfig(**common, moe_intermediate_size=24, shared_expert_intermediate_size=40,
                              intermediate_size=40, num_experts=6, num_experts_per_tok=3, norm_topk_prob=False,
                              rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=False)
 
 
 def build_moe(model: str, directory: Path, seed: int = 0) -> Any:
-    cls = tf.MixtralForCausalLM if model == "mixtral" else tf.Qwen2MoeForCausalLM
+    cls = {"mixtral": tf.MixtralForCausalLM, "qwen2_moe": tf.Qwen2MoeForCausalLM, "qwen3_moe": tf.Qwen3MoeForCausalLM}[model]
     torch.manual_seed(seed)
     hf = cls(_config(model)).eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -53,7 +57,7 @@ def build_moe(model: str, directory: Path, seed: int = 0) -> Any:
 @pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
     root = tmp_path_factory.mktemp("moe_hf")
-    return {m: (root / m, build_moe(m, root / m)) for m in ("mixtral", "qwen2_moe")}
+    return {m: (root / m, build_moe(m, root / m)) for m in FAMILIES}
 
 
 def _tokens() -> Any:
@@ -61,7 +65,7 @@ def _tokens() -> Any:
 
 
 @pytest.mark.parametrize("plan", ["single", "tensor2"])
-@pytest.mark.parametrize("model", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("model", FAMILIES)
 def test_weights_give_transformers_logits_and_tokens(model: str, plan: str, models: Any, pool: Any,
                                                       tmp_path: Path) -> None:
     directory, hf = models[model]
@@ -75,7 +79,7 @@ def test_weights_give_transformers_logits_and_tokens(model: str, plan: str, mode
     assert generated.tolist() == want_tokens.tolist()
 
 
-@pytest.mark.parametrize("model", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("model", FAMILIES)
 def test_export_round_trips_through_transformers(model: str, models: Any, pool: Any, tmp_path: Path) -> None:
     directory, hf = models[model]
     path, n, _ = compiled(model, "tensor2", tmp_path)
@@ -90,7 +94,7 @@ def test_export_round_trips_through_transformers(model: str, models: Any, pool: 
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         names = set(f.keys())
     expert = ("model.layers.1.block_sparse_moe.experts.3.w2.weight" if model == "mixtral"
-              else "model.layers.1.mlp.experts.5.down_proj.weight")
+              else "model.layers.1.mlp.experts.3.down_proj.weight")
     assert expert in names  # the hub's per-expert layout, as transformers saves it
 
 
@@ -110,7 +114,7 @@ def test_a_checkpoint_with_other_experts_is_refused_in_one_line(models: Any, poo
     assert "`num_experts_per_tok` is 1, but model `m` has top_k = 2" in msg, msg
 
 
-@pytest.mark.parametrize("model", ["mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("model", FAMILIES)
 def test_import_hf_writes_a_spec_whose_weights_give_transformers_logits(model: str, models: Any, pool: Any,
                                                                         tmp_path: Path) -> None:
     from meshllm_dsl.checker import check_file

@@ -21,6 +21,8 @@ MODELS = {
                " experts = 4, top_k = 2, dtype = fp32 }",
     "qwen2_moe": "model m = qwen2_moe { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 24,"
                  " shared_ffn = 40, experts = 6, top_k = 3, dtype = fp32 }",
+    "qwen3_moe": "model m = qwen3_moe { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 24,"
+                 " experts = 4, top_k = 2, dtype = fp32 }",
 }
 _TP = "heads -> tensor, kv_heads -> tensor, ffn -> tensor, shared_ffn -> tensor, vocab -> tensor"
 PLANS = {  # mesh axes, layout, other lines
@@ -33,7 +35,7 @@ PLANS = {  # mesh axes, layout, other lines
 
 def moe_spec(model: str, plan: str) -> str:
     axes, layout, rest = PLANS[plan]
-    if layout and model == "mixtral":
+    if layout and model != "qwen2_moe":
         layout = layout.replace("shared_ffn -> tensor, ", "")
     if layout:
         routers = "blocks.*.mlp.{router,shared_router}" if model == "qwen2_moe" else "blocks.*.mlp.router"
