@@ -161,6 +161,7 @@ class _UnitWriter:
         self.groups = groups  # axes -> attribute name holding the process group
         self.indices: dict[tuple[str, ...], str] = {}  # axes -> attribute holding mesh.index(axes)
         self.projected: set[str] = set()  # column layers of the current sublayer already applied
+        self.block_index = 0  # the first block of the class being written (its per-block settings)
 
     def group(self, axes: tuple[str, ...]) -> str:
         self.groups.setdefault(axes, _group_attr(axes))
@@ -287,6 +288,7 @@ class _UnitWriter:
 def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> ClassDef:
     groups: dict[tuple[str, ...], str] = {}
     w = _UnitWriter(plan, groups)
+    w.block_index = cls.indices[0]
     placement = dict(cls.placements)
     init: list[Line] = []
     sp = plan.roles.sequence
@@ -307,7 +309,12 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
                 partial = seq_partial_grad(plan, unit, leaf, t) + column_partial_grad(p, t)
                 params.append(_spec(f"{local_base}.{t.name}", t, p, partial_grad=partial))
         prim = primitives.of(unit)
-        if prim.norm:
+        if prim.norm and dict(unit.attrs).get("post"):
+            # a post norm: the sublayer's output, before the residual add (Gemma)
+            if not forward or forward[-1].code != "x = x + out":
+                raise AssertionError(f"post norm {unit.name} follows no sublayer")
+            forward.insert(len(forward) - 1, Line(f"out = self.{unit.name}(out)", "post norm"))
+        elif prim.norm:
             forward.append(Line(f"h = self.{unit.name}(x)"))
             pending_norm = unit.name
         elif prim.sublayer:
@@ -324,6 +331,19 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
     idx = cls.indices
     doc = f"Blocks {ranges(idx, ', ')} of `{rep.name}`: " + ", ".join(f"{u.name} ({u.kind})" for u in rep.body) + "."
     return ClassDef(name, doc, w.group_lines() + init, "x: torch.Tensor", forward, params)
+
+
+def _per_block_variants(rep: Repeat, classes: tuple[BlockClass, ...]) -> list[BlockClass]:
+    """The block classes split where blocks of one class print differently (a sliding window on
+    some blocks only, Gemma's alternation: a record's block_variant), in block order."""
+    out: list[BlockClass] = []
+    for cls in classes:
+        groups: dict[tuple[object, ...], list[int]] = {}
+        for i in cls.indices:
+            key = tuple(primitives.of(u).block_variant(u, i) for u in rep.body)
+            groups.setdefault(key, []).append(i)
+        out += [attrs.evolve(cls, indices=tuple(idx)) for idx in groups.values()]
+    return sorted(out, key=lambda c: c.indices[0])
 
 
 def _block_loop(plan: PlanIR, name: str, stream: str) -> list[Line]:
@@ -505,8 +525,9 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
     block_names: dict[int, str] = {}
     rep = plan.model.repeat
     if rep is not None:
-        for k, cls in enumerate(plan.block_classes):
-            name = f"Block{k}" if len(plan.block_classes) > 1 else "Block"
+        block_classes = _per_block_variants(rep, plan.block_classes)
+        for k, cls in enumerate(block_classes):
+            name = f"Block{k}" if len(block_classes) > 1 else "Block"
             classes.append(_block_class(plan, rep, cls, name))
             for i in cls.indices:
                 block_names[i] = name

@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from meshllm_dsl.codes import W0801
+from meshllm_dsl.import_hf_gemma import GEMMA, gemma_settings
+from meshllm_dsl.import_hf_gemma import MODEL_TYPES as GEMMA_TYPES
 from meshllm_dsl.import_hf_moe import MODEL_TYPES as MOE_TYPES
 from meshllm_dsl.import_hf_moe import MOE, moe_settings
 from meshllm_dsl.limits import MAX_BLOCKS, MAX_DEVICES, MAX_INT, MAX_NAME
@@ -30,9 +32,10 @@ from meshllm_dsl.runtime.json_values import describe
 from meshllm_dsl.slurm import script_value_problem
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-             "GPT2LMHeadModel")
+             "GPT2LMHeadModel",
+             *GEMMA)
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel"}
+                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel", **GEMMA_TYPES}
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 # Mixture-of-experts architectures (meshllm_dsl/import_hf_moe.py).
 SUPPORTED = (*SUPPORTED, *MOE)
@@ -238,6 +241,8 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
     def refuse(field: str, why: str) -> ImportError_:
         return ImportError_(f"{where}: `{field}` = {cfg.get(field)!r} {why}")
 
+    if arch in GEMMA:
+        return gemma_settings(f, arch, dtype)
     if arch in MOE:
         return moe_settings(cfg, where, arch)
     if arch == "GPT2LMHeadModel":
@@ -271,9 +276,9 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
         raise refuse("sliding_window", "limits Phi-3's attention to a window shorter than max_position_embeddings "
                      "(not supported)")
     window = f.int("sliding_window", None)
-    if arch == "MistralForCausalLM" and window is not None and window < positions:
-        raise refuse("sliding_window", "limits attention to a window shorter than max_position_embeddings; "
-                     "meshllm computes full causal attention")
+    # Mistral attends within sliding_window whenever it is set (a window no shorter than the
+    # positions changes nothing, and is left out).
+    window = window if arch == "MistralForCausalLM" and window is not None and window < positions else None
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and f.flag("use_sliding_window", False):
         raise refuse("use_sliding_window", "limits attention to a window; meshllm computes full causal attention")
     for field in ("attn_logit_softcapping", "final_logit_softcapping", "logits_scaling"):
@@ -317,6 +322,8 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
         settings += [("attn_bias", True, "`attention_bias`")]
     if arch == "Qwen3ForCausalLM":  # q and k normalised per head, with rms_norm_eps
         settings += [("qk_norm", "head", "the architecture")]
+    if window is not None:
+        settings += [("window", window, "`sliding_window`")]
     settings += [("tie_embeddings", f.flag("tie_word_embeddings", False), "`tie_word_embeddings`"),
                  ("dtype", dtype, "`torch_dtype`")]
     return "llama", settings, positions

@@ -225,6 +225,7 @@ class HeldUnit:
     flow: UnitFlow | None
     tied_copy: bool = False  # the tied weight of a head, held here because the embedding is elsewhere
     last: bool = False  # the model's output layer (logits feed the loss)
+    indices: tuple[int, ...] = ()  # the blocks of the repeat these copies are (per-block settings: a window)
 
     def placement(self, leaf: Leaf) -> Placement:
         return dict(self.placements).get(".".join(leaf.path), REPLICATE)
@@ -246,7 +247,8 @@ def held_units(plan: PlanIR, stage: Stage) -> Iterator[HeldUnit]:
                     continue
                 prefix = f"{item.name}.{_ranges(mine)}."
                 for unit in item.body:
-                    yield HeldUnit(unit, prefix, len(mine), cls.placements, dict(cls.flows).get(unit.name))
+                    yield HeldUnit(unit, prefix, len(mine), cls.placements, dict(cls.flows).get(unit.name),
+                                   indices=tuple(mine))
         elif isinstance(item, Unit):
             placements = tuple((".".join(leaf.path), top.get(".".join(leaf.path), REPLICATE)) for leaf in item.leaves)
             yield HeldUnit(item, "", 1, placements, flows.get(item.name), last=item.name == last_item)
@@ -949,7 +951,9 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 if primitives.of(hu.unit).caches_kv:
                     kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
                     kv_local = int(hu.unit.attr("kv_heads")) // axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
-                    kv_bytes += hu.count * 2 * kv_local * int(hu.unit.attr("head_dim")) * plan.seq * inf_batch * w  # type: ignore[arg-type]
+                    # a sliding-window layer caches at most its window (primitives' cached_positions)
+                    positions = sum(primitives.of(hu.unit).cached_positions(hu.unit, i, plan.seq) for i in hu.indices or (0,))
+                    kv_bytes += (positions if hu.indices else hu.count * positions) * 2 * kv_local * int(hu.unit.attr("head_dim")) * inf_batch * w  # type: ignore[arg-type]
                 for axes, op in unit_collectives(hu):
                     tensor_calls[(axes, op)] = tensor_calls.get((axes, op), 0) + hu.count
                 seq_grads += hu.count * sum(t.numel for lf in hu.unit.leaves for t in lf.params
@@ -1210,6 +1214,21 @@ def kv_bytes_per_token(plan: PlanIR) -> int:
     return total
 
 
+def kv_cache_bytes(plan: PlanIR, seq: int) -> int:
+    """KV cache bytes of one sequence of `seq` positions, whole model, in the plan's dtype: a
+    sliding-window layer holds no more than its window, the others every position."""
+    total = 0
+    for item in plan.model.items:
+        units = item.body if isinstance(item, Repeat) else (item,)
+        indices = range(item.count) if isinstance(item, Repeat) else range(1)
+        for u in units:
+            if primitives.of(u).caches_kv:
+                positions = sum(primitives.of(u).cached_positions(u, i, seq) for i in indices)
+                total += kv_cache_bytes_per_token(1, int(u.attr("kv_heads")), int(u.attr("head_dim")),  # type: ignore[arg-type]
+                                                  DTYPES[plan.dtype]) * positions
+    return total
+
+
 # ---------------------------------------------------------------- formatting helpers
 
 GB, GIB = 10**9, 2**30
@@ -1431,7 +1450,8 @@ def report_text(rep: PlanReport) -> str:
         f"  weights         {model.numel * w / GB:.2f} GB = {model.numel * w / GIB:.2f} GiB in {plan.dtype}",
         _training_state_line(plan, rep.optimizer_k, model.numel),
         (f"  KV cache        {rep.kv_bytes_per_token:,} bytes per token in {plan.dtype}; "
-        f"{fmt_bytes(rep.kv_bytes_per_token * plan.batch * plan.seq)} at batch {plan.batch} x seq {plan.seq}"),
+        f"{fmt_bytes(kv_cache_bytes(plan, plan.seq) * plan.batch)} at batch {plan.batch} x seq {plan.seq}"
+        + (" (sliding-window layers hold their window only)" if kv_cache_bytes(plan, plan.seq) < rep.kv_bytes_per_token * plan.seq else "")),
         "",
         "memory per device (a row per pipeline rank; the tensor and data ranks at it hold the same)",
     ]
@@ -1542,7 +1562,7 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
         "weight_bytes": model.numel * w,
         "optimizer_bytes_per_param": rep.optimizer_k,
         "kv_cache_bytes_per_token": rep.kv_bytes_per_token,
-        "kv_cache_bytes": rep.kv_bytes_per_token * plan.batch * plan.seq,
+        "kv_cache_bytes": kv_cache_bytes(plan, plan.seq) * plan.batch,
         "bubble": rep.bubble,
         "ranks": [
             {"pipeline_coord": rc.coord, "stages": list(rc.stages), "layers": rc.label, "ranks": list(rc.ranks),

@@ -480,26 +480,39 @@ class ModelResolver(Resolver):
             self.error(E0308, f"repeat `{rep.name}` has no layers", rep.span, label="empty block",
                        help="a block alternates a norm and a sublayer: `n = rmsnorm(hidden)  attn = attention(hidden, heads)`")
             return
+        # Each sublayer follows its own norm (pre) and may be followed by a `post` norm (Gemma:
+        # x = x + post(sublayer(pre(x)))); a sublayer with a post norm may go without a pre norm.
+        want_norm = True  # the next unit must be a norm (or a sublayer with a post norm after it)
         for k, unit in enumerate(body):
             a, prim = dict(unit.attrs), primitives.of(unit)
-            want_norm = k % 2 == 0
             if not (prim.norm or prim.sublayer):
                 self.error(E0309, f"{unit.kind} `{unit.name}` inside a repeat is not supported yet", unit.span,
                            label="not a block layer", help="a block alternates norms (rmsnorm, layernorm) and sublayers (attention, mlp)")
                 return
-            is_norm = prim.norm
-            if is_norm != want_norm:
+            post = prim.norm and bool(a.get("post"))
+            after_sublayer = k > 0 and primitives.of(body[k - 1]).sublayer
+            then = body[k + 1] if k + 1 < len(body) else None
+            if post and not after_sublayer:
+                self.error(E0308, f"post norm `{unit.name}` follows no sublayer in `{rep.name}`", unit.span,
+                           label="`post = true` normalises the output of the sublayer before it",
+                           help=f"move `{unit.name}` after an attention or mlp, or drop `post = true`")
+                return
+            if prim.sublayer and want_norm and then is not None and primitives.of(then).norm and dict(then.attrs).get("post"):
+                want_norm = False  # its post norm stands in for the pre norm (OLMo 2)
+            if not post and prim.norm != want_norm:
                 prev = body[k - 1].name if k else None
                 self.error(E0308, f"`{unit.name}` ({unit.kind}) is out of place in `{rep.name}`: a block alternates norm and sublayer",
                            unit.span, label="expected a norm here" if want_norm else "expected attention or mlp here",
                            help=("every sublayer follows its own norm: x = x + sublayer(norm(x))"
                                  + (f"; add a norm before `{unit.name}`" if want_norm else f"; remove `{unit.name}` or add a sublayer after `{prev}`")))
                 return
+            if not post:
+                want_norm = not prim.norm
             got = a[prim.width_arg]
             if got != width:
                 self.error(E0308, f"`{unit.name}` is {got} wide but the residual stream is {width} wide", unit.span,
                            label=f"{unit.kind} of width {got}", help=f"use {width} (the embedding's dim)")
-        if len(body) % 2:
+        if not want_norm:
             self.error(E0308, f"norm `{body[-1].name}` ends block `{rep.name}` without a sublayer", body[-1].span,
                        label="a norm with nothing after it",
                        help=f"add a sublayer after `{body[-1].name}` or remove it; a final norm belongs after the repeat")
@@ -608,7 +621,7 @@ class ModelResolver(Resolver):
         for arg, expr in given:
             spans[arg.name] = expr.span
             if arg.kind == "dim":
-                v = self.eval_int(expr, env, f"`{arg.name}` of `{decl.name.value}`")
+                v = self.eval_int(expr, env, f"`{arg.name}` of `{decl.name.value}`", arg.minimum)
                 if v is None:
                     ok = False
                     continue

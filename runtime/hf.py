@@ -43,6 +43,7 @@ from torch import Tensor
 
 from . import hf_fused, hf_moe
 from .fsdp import tp_local
+from .hf_gemma import check_gemma_config, gemma_config
 from .json_values import describe
 from .mesh import Mesh
 from .outputs import MANIFEST, manifest_bytes, read_manifest, write_file_atomic
@@ -94,11 +95,45 @@ class _Layout:
     pos: str | None
     repeat: str
     count: int
-    body: tuple[Mapping[str, Any], ...]  # norm, attention, norm, mlp
+    body: tuple[Mapping[str, Any], ...]  # norm, attention, norm, mlp (Gemma: a post norm after each)
     norm: Mapping[str, Any]
     head: Mapping[str, Any]
     vocab: int
     hidden: int
+    norms: Mapping[str, Mapping[str, Any]]  # a block's norms by role: attn_pre, attn_post, mlp_pre, mlp_post
+
+    @property
+    def attn(self) -> Mapping[str, Any]:
+        return next(b for b in self.body if b["kind"] == "attention")
+
+    @property
+    def mlp(self) -> Mapping[str, Any]:
+        return next(b for b in self.body if b["kind"] == "mlp")
+
+
+def _block_norms(body: tuple[Mapping[str, Any], ...]) -> dict[str, Mapping[str, Any]] | None:
+    """The norms of a [pre norm] attention [post norm] [pre norm] mlp [post norm] block by role, or
+    None for any other block."""
+    roles: dict[str, Mapping[str, Any]] = {}
+    subs = iter(("attn", "mlp"))
+    pending: Mapping[str, Any] | None = None
+    last = None
+    for b in body:
+        if b["kind"] in ("attention", "mlp"):
+            last = next(subs, None)
+            if last != ("attn" if b["kind"] == "attention" else "mlp"):
+                return None
+            if pending is not None:
+                roles[f"{last}_pre"], pending = pending, None
+        elif b.get("post"):
+            if last is None or f"{last}_post" in roles:
+                return None
+            roles[f"{last}_post"] = b
+        elif pending is None:
+            pending = b
+        else:
+            return None
+    return roles if last == "mlp" and pending is None else None
 
 
 def _layout(model: Mapping[str, Any]) -> _Layout:
@@ -114,20 +149,25 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
         )
     rep = next(x for x in layers if x["kind"] == "repeat")
     body = tuple(hf_moe.as_mlp(b) for b in rep["body"])  # a moe layer stands where the MLP does
-    if [b["kind"] for b in body] not in ([n, "attention", n, "mlp"] for n in norms):
+    roles = _block_norms(body)
+    if roles is None or any(b["kind"] not in norms for b in roles.values()):
         raise WeightsError(
             f"model `{name}`: a block of `{rep['name']}` is "
             f"{', '.join(b['kind'] for b in body)}; Hugging Face layouts need norm, attention, norm, mlp"
+            " (Gemma: a post norm after each sublayer)"
         )
-    attn, mlp = body[1], body[3]
+    attn, mlp = next(b for b in body if b["kind"] == "attention"), next(b for b in body if b["kind"] == "mlp")
     pos = next((x["name"] for x in layers if x["kind"] == "positional"), None)
+    kind = next(iter(roles.values()))["kind"]
+    offset = float(layers[-2].get("offset") or 0.0)
     arch = next((arch for arch, a in _HF_NAMES.items() if a.positions == (pos is not None)
-                 and a.fused_qkv == bool(attn.get("fused_qkv")) and a.norm == body[0]["kind"]), None)
+                 and a.fused_qkv == bool(attn.get("fused_qkv")) and a.norm == kind
+                 and set(a.norms) == set(roles) and a.norm_offset == offset), None)
     if arch is None or _HF_NAMES[arch].act not in (None, mlp["act"]):
         raise WeightsError(
             f"model `{name}` mixes conventions (positions {pos is not None}, fused qkv "
-            f"{bool(attn.get('fused_qkv'))}, {body[0]['kind']}, {mlp['act']}): neither the Llama nor"
-            " the GPT-2 checkpoint layout fits"
+            f"{bool(attn.get('fused_qkv'))}, {kind} {'/'.join(roles)} with offset {offset}, {mlp['act']}):"
+            " no checkpoint layout (Llama, GPT-2, Gemma 2 / 3) fits"
         )
     embed = layers[0]
     return _Layout(
@@ -141,6 +181,7 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
         head=layers[-1],
         vocab=int(embed["num"]),
         hidden=int(embed["dim"]),
+        norms=roles,
     )
 
 
@@ -165,8 +206,7 @@ class _HFNames:
 
     top: Mapping[str, str]  # our role (embed, pos, norm, head) -> HF module
     blocks: str
-    norm0: str
-    norm1: str
+    norms: Mapping[str, str]  # a block's norms: role (attn_pre, attn_post, mlp_pre, mlp_post) -> HF module
     attn: tuple[str, Mapping[str, str]]
     mlp: tuple[str, Mapping[str, str]]
     transposed: bool  # GPT-2's Conv1D stores attention / MLP weights [in, out]
@@ -174,22 +214,32 @@ class _HFNames:
     fused_qkv: bool
     norm: str  # the norm kind of its blocks and the final norm
     act: str | None  # the mlp activation it needs (None: any the checkpoint's config names)
+    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
 
 
 _HF_NAMES = {
     "llama": _HFNames(
         top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
-        blocks="model.layers", norm0="input_layernorm", norm1="post_attention_layernorm",
+        blocks="model.layers", norms={"attn_pre": "input_layernorm", "mlp_pre": "post_attention_layernorm"},
         attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
         mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
         transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="swiglu",
     ),
     "gpt2": _HFNames(
         top={"embed": "transformer.wte", "pos": "transformer.wpe", "norm": "transformer.ln_f", "head": "lm_head"},
-        blocks="transformer.h", norm0="ln_1", norm1="ln_2",
+        blocks="transformer.h", norms={"attn_pre": "ln_1", "mlp_pre": "ln_2"},
         attn=("attn", {"qkv": "c_attn", "o": "c_proj"}),
         mlp=("mlp", {"up": "c_fc", "down": "c_proj"}),
         transposed=True, positions=True, fused_qkv=True, norm="layernorm", act=None,
+    ),
+    # Gemma 2 and Gemma 3 (text): Llama's names, a norm before and after each sublayer, (1 + weight) norms.
+    "gemma": _HFNames(
+        top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
+        blocks="model.layers", norms={"attn_pre": "input_layernorm", "attn_post": "post_attention_layernorm",
+                                      "mlp_pre": "pre_feedforward_layernorm", "mlp_post": "post_feedforward_layernorm"},
+        attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
+        mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+        transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="geglu_tanh", norm_offset=1.0,
     ),
 }
 
@@ -207,9 +257,9 @@ def hf_key_map(model: Mapping[str, Any], names: list[str]) -> dict[str, tuple[st
     hf = _HF_NAMES[lay.arch]
     ours = {"embed": lay.embed, "pos": lay.pos, "norm": lay.norm["name"], "head": lay.head["name"]}
     top = {ours[role]: module for role, module in hf.top.items()}
-    norm0, attn, norm1, mlp = (b["name"] for b in lay.body)
     units: dict[str, tuple[str, Mapping[str, str] | None]] = {
-        norm0: (hf.norm0, None), norm1: (hf.norm1, None), attn: hf.attn, mlp: hf.mlp
+        lay.attn["name"]: hf.attn, lay.mlp["name"]: hf.mlp,
+        **{b["name"]: (hf.norms[role], None) for role, b in lay.norms.items()},
     }
     out: dict[str, tuple[str, bool]] = {}
     for name in names:
@@ -414,10 +464,12 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
 def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> dict[str, Any]:
     """The config.json that describes ``model`` to transformers."""
     lay = _layout(model)
-    attn, mlp = lay.body[1], lay.body[3]
+    attn, mlp = lay.attn, lay.mlp
     vocab = padded_vocab(model)[1]
     tied = bool(lay.head.get("tie"))
     dtype_name = str(dtype).removeprefix("torch.")
+    if lay.arch == "gemma":
+        return gemma_config(attn, mlp, lay.norm, lay.head, vocab, lay.hidden, lay.count, dtype_name, seq)
     if lay.arch == "gpt2":
         return {
             "architectures": ["GPT2LMHeadModel"],
@@ -438,6 +490,13 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
     qk_norm = attn.get("qk_norm", "none")
     arch, model_type = (("Qwen3ForCausalLM", "qwen3") if qk_norm == "head" else
                         ("Qwen2ForCausalLM", "qwen2") if qwen else ("LlamaForCausalLM", "llama"))
+    window = int(attn.get("window") or 0)
+    if window and (model_type != "llama" or attn.get("global_every")):
+        raise WeightsError(f"model `{model.get('name', 'model')}`: a sliding window "
+                           + ("on some layers only" if attn.get("global_every") else f"in {arch}'s layout")
+                           + " has no Llama-family config.json; expected a window on every layer (Mistral)")
+    if window:
+        arch, model_type = "MistralForCausalLM", "mistral"
     theta = float(attn["rope_theta"])
     scaling = attn.get("rope_scaling")
     rope: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
@@ -467,6 +526,8 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
     }
     if model_type in ("qwen2", "qwen3"):
         cfg["use_sliding_window"] = False
+    if window:
+        cfg["sliding_window"] = window
     if model_type != "qwen2":  # Qwen2's q, k, v biases are the architecture's, not a field
         cfg["attention_bias"] = bool(attn.get("qkv_bias"))
         cfg["mlp_bias"] = False
@@ -489,13 +550,16 @@ _QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head"
 def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -> None:
     """Raise ``WeightsError`` naming the first config.json field the model disagrees with."""
     lay = _layout(model)
-    attn, mlp = lay.body[1], lay.body[3]
+    attn, mlp = lay.attn, lay.mlp
     cfg = _checked_config(cfg, where)
     moe_wants: list[tuple[str, Any, Any, str]] = []
     if hf_moe.is_moe(lay.body):  # checked as the family its attention comes from, and its experts
         cfg, moe_wants = hf_moe.as_attention_config(model, lay, cfg, where, WeightsError)
     model_type = cfg.get("model_type")
     name = model.get("name", "model")
+    if lay.arch == "gemma":
+        return check_gemma_config(attn, mlp, lay.norm, lay.head, padded_vocab(model)[1], lay.hidden, lay.count,
+                                  name, cfg, where, WeightsError)
     if model_type is None:
         raise WeightsError(f"{where}: `model_type` is missing; expected one of {', '.join(_QK_NORM)}, gpt2")
 
@@ -559,12 +623,17 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
         ]
         window = cfg.get("sliding_window")
         binding = window is not None and window < int(cfg.get("max_position_embeddings", 0))
-        if binding and (model_type in ("mistral", "phi3") or cfg.get("use_sliding_window")):
+        if binding and (model_type == "phi3" or (model_type != "mistral" and cfg.get("use_sliding_window"))):
             raise WeightsError(
-                f"{where}: `sliding_window` = {window} limits attention to a window; meshllm's"
-                " attention is full causal attention (set it to null only if every sequence is"
-                f" shorter than {window})"
+                f"{where}: `sliding_window` = {window} limits {model_type}'s attention to a window; meshllm's"
+                " llama family windows Mistral's attention only"
             )
+        # Mistral attends within the window whenever one is set: the model must have the same one
+        # (or none where the window is no shorter than any position).
+        theirs = int(window) if model_type == "mistral" and window is not None else 0
+        ours = int(attn.get("window") or 0)
+        if ours != theirs and (ours or binding):
+            raise bad("sliding_window", window, ours, "window")
     tied = bool(cfg.get("tie_word_embeddings", lay.arch == "gpt2"))
     wants.append(("tie_word_embeddings", tied, bool(lay.head.get("tie")), "a tied head"))
     wants += moe_wants

@@ -6,6 +6,7 @@ Numerics follow HF ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` so their checkpoin
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -45,6 +46,14 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     h = x.to(_compute_dtype(in_dtype))
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(in_dtype)
+
+
+def offset_rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+    """Gemma's RMSNorm: x normalised and scaled by (offset + weight), both in fp32, then cast to
+    x's dtype (HF ``Gemma2RMSNorm``: the weight is stored as its difference from one)."""
+    h = x.to(_compute_dtype(x.dtype))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (offset + weight.to(h.dtype))).to(x.dtype)
 
 
 class _RMSNormFn(torch.autograd.Function):
@@ -93,12 +102,15 @@ class RMSNorm(nn.Module):
     When training, only the input and the reciprocal RMS are kept for backward (``_RMSNormFn``).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.offset:
+            return offset_rms_norm(x, self.weight, self.eps, self.offset)
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _RMSNormFn.apply(x, self.weight, self.eps)
         return _rms_norm(x, self.weight, self.eps)
@@ -124,23 +136,34 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class KVCache:
-    """Keys and values of one attention layer seen so far, [b, kv_heads_local, t, head_dim]."""
+    """Keys and values of one attention layer seen so far, [b, kv_heads_local, t, head_dim].
+
+    With a sliding window only the last ``window - 1`` positions stay after a step: the next token
+    attends to itself and those, never further back, so a windowed layer's cache never grows past
+    the window however long the generation runs."""
 
     def __init__(self) -> None:
         self.k: Tensor | None = None
         self.v: Tensor | None = None
+        self.seen = 0  # positions this cache has been given (the held ones are the last `length`)
 
     @property
     def length(self) -> int:
         return 0 if self.k is None else self.k.shape[2]
 
-    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        return self.k, self.v
+    def update(self, k: Tensor, v: Tensor, window: int = 0) -> tuple[Tensor, Tensor]:
+        """The held keys / values followed by the new ones (what this step attends to); keeps at most
+        ``window - 1`` of them for the next step when ``window`` is set."""
+        full_k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        full_v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        self.seen += k.shape[2]
+        keep = full_k.shape[2] if not window else min(full_k.shape[2], window - 1)
+        self.k, self.v = full_k[:, :, full_k.shape[2] - keep:], full_v[:, :, full_v.shape[2] - keep:]
+        return full_k, full_v
 
     def reset(self) -> None:
         self.k = self.v = None
+        self.seen = 0
 
 
 class DecodeSession:
@@ -244,32 +267,68 @@ def apply_rotary(
     return _rotate(q, cos, sin_signed), _rotate(k, cos, sin_signed)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, kv_cache: KVCache | None = None) -> Tensor:
+def _allowed(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
+    """[s, t] True where query position q_pos[i] may attend to key position k_pos[j]: causal, and
+    within the last ``window`` positions (itself included) when a window is set (HF's
+    ``sliding_window_overlay``: kv_idx > q_idx - window)."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    return allowed
+
+
+def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, softcap: float) -> Tensor:
+    """Attention with logits soft-capped (tanh(x / cap) * cap) before the mask, softmax in fp32 (as
+    HF's eager attention, which Gemma needs: SDPA has no soft-capping). q [b, h, s, d], k / v
+    [b, kvh, t, d] -> [b, h, s, d]."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=_compute_dtype(q.dtype)).to(q.dtype) @ v
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: KVCache | None = None,
+    window: int = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
+) -> Tensor:
     """Causal GQA attention: q [b, s, h, d], k/v [b, s, kvh, d] -> [b, s, h * d].
 
     KV head j serves query heads j*n_rep .. (j+1)*n_rep - 1 (HF ``repeat_kv``), which is also what
     makes column-sharding q, k, v by heads consistent.  With a cache, the new tokens attend to
-    every cached position and causally among themselves.
+    every cached position and causally among themselves.  ``window``: each token attends to the
+    last ``window`` positions only (itself included; Mistral / Gemma sliding-window layers), and a
+    decoding cache holds no more than that.  ``scale``: the logit scale (default 1 / sqrt(d));
+    ``softcap``: logits become tanh(x / softcap) * softcap (Gemma 2).
     """
     b, s, h, d = q.shape
     if kv_cache is None and _ACTIVE is not None:
         kv_cache = _ACTIVE.next_cache()
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    past = 0
+    past = held = 0
     if kv_cache is not None:
-        past = kv_cache.length
-        kh, vh = kv_cache.update(kh, vh)
+        held, past = kv_cache.length, kv_cache.seen
+        kh, vh = kv_cache.update(kh, vh, window)
     # enable_gqa: the kernel reads kv head j for query heads j*n_rep.. itself, so backward keeps
     # k and v at kv_heads rather than copies repeated to every query head.
     gqa = h != kh.shape[1]
-    if past == 0:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa)
+    if past == 0 and not window and not softcap:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa, scale=scale)
     else:
-        t = kh.shape[2]
-        allowed = (
-            torch.arange(t, device=q.device) <= (past + torch.arange(s, device=q.device))[:, None]
-        )
-        out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, enable_gqa=gqa)
+        q_pos = past + torch.arange(s, device=q.device)
+        k_pos = past - held + torch.arange(kh.shape[2], device=q.device)
+        allowed = _allowed(q_pos, k_pos, window)
+        if softcap:
+            out = _softcapped_attention(qh, kh, vh, allowed, 1.0 / math.sqrt(d) if scale is None else scale, softcap)
+        else:
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, enable_gqa=gqa, scale=scale)
     return out.transpose(1, 2).reshape(b, s, h * d)
 
 

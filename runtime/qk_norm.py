@@ -14,14 +14,17 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from .collectives import copy_to, reduce_from
-from .layers import _compute_dtype, _rms_norm, _RMSNormFn
+from .layers import _compute_dtype, _rms_norm, _RMSNormFn, offset_rms_norm
 
 __all__ = ["rms_norm", "split_rms_norm"]
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
     """RMSNorm over the last dim of ``x`` (here [b, s, heads, head_dim] with ``weight`` [head_dim]),
-    the runtime's RMSNorm maths (HF Llama's: normalise in fp32, scale in the input dtype)."""
+    the runtime's RMSNorm maths (HF Llama's: normalise in fp32, scale in the input dtype; with an
+    ``offset``, Gemma 3's: scale by (offset + weight) in fp32, then cast)."""
+    if offset:
+        return offset_rms_norm(x, weight, eps, offset)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNormFn.apply(x, weight, eps)
     return _rms_norm(x, weight, eps)

@@ -6,7 +6,6 @@ equivalence tests compare two implementations, not one with itself.  Matches HF 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,20 +23,23 @@ Layer = Mapping[str, Any]
 
 
 class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.offset = offset
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         h = x.to(torch.promote_types(dtype, torch.float32))
         var = h.pow(2).mean(-1, keepdim=True)
+        if self.offset:  # Gemma: (offset + weight) applied in fp32, then the cast
+            return (h * torch.rsqrt(var + self.eps) * (self.offset + self.weight.to(h.dtype))).to(dtype)
         return self.weight * (h * torch.rsqrt(var + self.eps)).to(dtype)
 
 
 _NORMS: dict[str, Callable[[Layer], nn.Module]] = {
-    "rmsnorm": lambda spec: _RMSNorm(spec["dim"], spec["eps"]),
+    "rmsnorm": lambda spec: _RMSNorm(spec["dim"], spec["eps"], float(spec.get("offset") or 0.0)),
     "layernorm": lambda spec: nn.LayerNorm(spec["dim"], eps=spec["eps"], bias=bool(spec.get("bias", True))),
 }
 
@@ -53,7 +55,16 @@ class _Attention(nn.Module):
     def __init__(self, spec: Layer) -> None:
         super().__init__()
         self.h, self.kvh, self.d = spec["heads"], spec["kv_heads"], spec["head_dim"]
+        index = int(spec.get("block", 0))
         self.theta = spec.get("rope_theta")
+        # Block `index` of its repeat: windowed unless every `global_every`-th (HF's
+        # sliding_window_pattern; layer_types "sliding_attention" / "full_attention").
+        every = spec.get("global_every") or 0
+        self.window = 0 if every and (index + 1) % every == 0 else int(spec.get("window") or 0)
+        if self.window and spec.get("local_rope_theta") is not None:
+            self.theta = spec["local_rope_theta"]
+        self.softcap = spec.get("softcap")
+        self.scale = float(spec.get("scale_dim") or self.d) ** -0.5
         self.scaling = spec.get("rope_scaling")
         self.fused = bool(spec.get("fused_qkv", False))
         hid, qkv_bias = spec["hidden"], bool(spec.get("qkv_bias", False))
@@ -66,6 +77,7 @@ class _Attention(nn.Module):
         self.o = nn.Linear(self.h * self.d, hid, bias=bool(spec.get("o_bias", False)))
         # q / k RMSNorm before rotary: per head over head_dim (Qwen3) or over the whole projection (OLMo 2).
         self.qk_norm, self.qk_eps = spec.get("qk_norm", "none"), spec.get("qk_norm_eps", 1e-6)
+        self.qk_offset = float(spec.get("qk_norm_offset") or 0.0)
         if self.qk_norm != "none":
             for proj, heads in ((self.q, self.h), (self.k, self.kvh)):
                 width = self.d if self.qk_norm == "head" else heads * self.d
@@ -74,6 +86,8 @@ class _Attention(nn.Module):
     def _qk_rms(self, x: Tensor, weight: Tensor) -> Tensor:
         h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.qk_eps)
+        if self.qk_offset:  # Gemma 3: (offset + weight) in fp32, then the cast
+            return (h * (self.qk_offset + weight.to(h.dtype))).to(x.dtype)
         # OLMo 2 scales before casting back, Qwen3 after (the same in fp32 and fp64)
         return (weight * h).to(x.dtype) if self.qk_norm == "full" else weight * h.to(x.dtype)
 
@@ -106,8 +120,12 @@ class _Attention(nn.Module):
         rep = self.h // self.kvh
         k = k[:, :, None].expand(b, self.kvh, rep, s, self.d).reshape(b, self.h, s, self.d)
         v = v[:, :, None].expand(b, self.kvh, rep, s, self.d).reshape(b, self.h, s, self.d)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.d)
+        scores = (q @ k.transpose(-1, -2)) * self.scale
+        if self.softcap:
+            scores = torch.tanh(scores / self.softcap) * self.softcap
         causal = torch.ones(s, s, dtype=torch.bool).tril()
+        if self.window:  # query i sees keys i - window + 1 .. i
+            causal &= ~torch.ones(s, s, dtype=torch.bool).tril(-self.window)
         scores = scores.masked_fill(~causal, float("-inf"))
         a = (
             torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(
@@ -123,7 +141,7 @@ class _MLP(nn.Module):
         super().__init__()
         hid, ffn, bias = spec["hidden"], spec["ffn"], bool(spec.get("bias", False))
         self.act = spec["act"]
-        if self.act == "swiglu":
+        if self.act in ("swiglu", "geglu_tanh"):
             self.gate = nn.Linear(hid, ffn, bias=bias)
         self.up = nn.Linear(hid, ffn, bias=bias)
         self.down = nn.Linear(ffn, hid, bias=bias)
@@ -131,6 +149,8 @@ class _MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.act == "swiglu":
             return self.down(F.silu(self.gate(x)) * self.up(x))
+        if self.act == "geglu_tanh":  # Gemma: gelu_pytorch_tanh on the gate
+            return self.down(F.gelu(self.gate(x), approximate="tanh") * self.up(x))
         h = self.up(x)
         if self.act == "gelu_tanh":
             h = F.gelu(h, approximate="tanh")
@@ -146,24 +166,39 @@ class _MLP(nn.Module):
 
 
 class _Block(nn.Module):
-    """Pre-norm residual block: every norm is followed by its sublayer, x = x + sub(norm(x))."""
+    """Residual block: each sublayer with the norm before it (pre) and / or a `post` norm after it,
+    x = x + post(sub(pre(x))); Llama / GPT-2 have pre norms only, Gemma both."""
 
-    def __init__(self, body: list[Layer]) -> None:
+    def __init__(self, body: list[Layer], index: int = 0) -> None:
         super().__init__()
-        self.pairs: list[tuple[str, str]] = []
-        if len(body) % 2:
-            raise ValueError("a block body must alternate norm, sublayer")
-        for norm, sub in zip(body[::2], body[1::2]):
-            self.add_module(norm["name"], _norm(norm))
-            build = _SUBLAYERS.get(sub["kind"])
+        self.steps: list[tuple[str | None, str, str | None]] = []  # (pre norm, sublayer, post norm)
+        pre: str | None = None
+        for spec in body:
+            if spec["kind"] in _NORMS:
+                self.add_module(spec["name"], _norm(spec))
+                if spec.get("post"):
+                    if not self.steps or self.steps[-1][2] is not None or pre is not None:
+                        raise ValueError(f"{spec['name']}: a post norm must follow a sublayer")
+                    self.steps[-1] = (*self.steps[-1][:2], spec["name"])
+                elif pre is not None:
+                    raise ValueError(f"{spec['name']}: two norms before a sublayer")
+                else:
+                    pre = spec["name"]
+                continue
+            build = _SUBLAYERS.get(spec["kind"])
             if build is None:
-                raise ValueError(f"{sub['name']}: unsupported sublayer kind {sub['kind']!r}")
-            self.add_module(sub["name"], build(sub))
-            self.pairs.append((norm["name"], sub["name"]))
+                raise ValueError(f"{spec['name']}: unsupported sublayer kind {spec['kind']!r}")
+            # attention's sliding window depends on the block (Gemma alternates)
+            self.add_module(spec["name"], build({**spec, "block": index} if spec["kind"] == "attention" else spec))
+            self.steps.append((pre, spec["name"], None))
+            pre = None
+        if pre is not None:
+            raise ValueError(f"{pre}: a norm with no sublayer after it")
 
     def forward(self, x: Tensor) -> Tensor:
-        for norm, sub in self.pairs:
-            x = x + getattr(self, sub)(getattr(self, norm)(x))
+        for pre, sub, post in self.steps:
+            h = getattr(self, sub)(x if pre is None else getattr(self, pre)(x))
+            x = x + (h if post is None else getattr(self, post)(h))
         return x
 
 
@@ -173,6 +208,19 @@ _SUBLAYERS["moe"] = ReferenceMoE  # mixture of experts: runtime/moe.py
 # Top-level layers: the module each kind builds (None: it owns no module, a tied linear) and how it
 # applies to the stream `x` given the token ids.
 _Apply = Callable[[nn.Module, Tensor, Tensor], Tensor]
+
+
+class _Embedding(nn.Embedding):
+    """A token table; `scaled` (Gemma): rows times sqrt(dim), that factor rounded to float32 and
+    then to the table's dtype as HF's Gemma2TextScaledWordEmbedding does."""
+
+    def __init__(self, num: int, dim: int, scaled: bool) -> None:
+        super().__init__(num, dim)
+        self.factor = dim**0.5 if scaled else None
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        out = super().forward(tokens)
+        return out if self.factor is None else out * torch.tensor(self.factor).to(out.dtype)
 
 
 def _linear(spec: Layer) -> nn.Module | None:
@@ -188,7 +236,8 @@ def _on_stream(mod: nn.Module, x: Tensor, tokens: Tensor) -> Tensor:
 
 
 _TOP: dict[str, tuple[Callable[[Layer], nn.Module | None], _Apply]] = {
-    "embedding": (lambda spec: nn.Embedding(spec["num"], spec["dim"]), lambda mod, x, tokens: mod(tokens)),
+    "embedding": (lambda spec: _Embedding(spec["num"], spec["dim"], bool(spec.get("scaled"))),
+                  lambda mod, x, tokens: mod(tokens)),
     "positional": (lambda spec: nn.Embedding(spec["num"], spec["dim"]),
                    lambda mod, x, tokens: x + mod(torch.arange(tokens.shape[1]))),
     **{kind: (build, _on_stream) for kind, build in _NORMS.items()},
@@ -208,11 +257,12 @@ class ReferenceModel(nn.Module):
         self.order: list[tuple[str, str]] = []
         self.ties: dict[str, str] = {}
         self.used = next((s.get("used") for s in model["layers"] if s["kind"] == "embedding"), None)
+        self.softcap = model["layers"][-1].get("softcap")  # the head's (Gemma 2's final_logit_softcapping)
         for spec in model["layers"]:
             name, kind = spec["name"], spec["kind"]
             if kind == "repeat":
                 self.add_module(
-                    name, nn.ModuleList(_Block(list(spec["body"])) for _ in range(spec["count"]))
+                    name, nn.ModuleList(_Block(list(spec["body"]), i) for i in range(spec["count"]))
                 )
             elif kind in _TOP:
                 mod = _TOP[kind][0](spec)
@@ -226,6 +276,8 @@ class ReferenceModel(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         x = self._forward(tokens)
+        if self.softcap:
+            x = torch.tanh(x / self.softcap) * self.softcap
         if self.used is not None:  # padded vocab rows are never predicted
             x = torch.cat([x[..., : self.used],
                            torch.full_like(x[..., self.used :], torch.finfo(x.dtype).min)], dim=-1)

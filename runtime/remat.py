@@ -37,15 +37,16 @@ __all__ = ["recompute", "recompute_ops"]
 HOLDERS: list[Callable[[torch.Tensor], Any]] = []
 
 
-def recompute(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``, recomputed in backward instead of keeping what it saves."""
+def recompute(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, recomputed in backward instead of keeping what it saves (keyword
+    arguments are settings such as attention's window, never tensors to hold)."""
     if not torch.is_grad_enabled():
-        return fn(*args)
+        return fn(*args, **kwargs)
     for hold in HOLDERS:
         for a in args:
             if isinstance(a, torch.Tensor):
                 hold(a)
-    return _torch_checkpoint(fn, *args, use_reentrant=False)
+    return _torch_checkpoint(fn, *args, use_reentrant=False, **kwargs)
 
 
 def _kept_ops() -> frozenset[Any]:

@@ -43,6 +43,15 @@ def _config(kind: str) -> Any:
         return tf.Qwen2Config(**common, num_key_value_heads=2, tie_word_embeddings=False)
     if kind == "qwen3":  # q / k RMSNorm per head; head_dim 16, not hidden / heads
         return tf.Qwen3Config(**common, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False)
+    if kind == "mistral_window":  # a sliding window of 3, shorter than the tests' sequences
+        return tf.MistralConfig(**common, num_key_value_heads=2, sliding_window=3, tie_word_embeddings=False)
+    if kind == "gemma2":  # window 3 on blocks 0 and 2; caps small enough to bite; scale 1/sqrt(24)
+        return tf.Gemma2Config(**common, num_key_value_heads=2, head_dim=16, sliding_window=3,
+                               query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=10.0,
+                               max_position_embeddings=64)
+    if kind == "gemma3":  # block 2 global (pattern 3), rope bases 1e6 global / 1e4 local, q / k norms
+        return tf.Gemma3TextConfig(**common, num_key_value_heads=2, head_dim=16, sliding_window=3,
+                                   sliding_window_pattern=3, query_pre_attn_scalar=24, max_position_embeddings=64)
     if kind == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint; no end token in the vocab
         return tf.Phi3Config(**common, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=None,
                              bos_token_id=None, eos_token_id=None)
@@ -61,7 +70,8 @@ def build_hf(kind: str, directory: Path, seed: int = 0, redraw: bool = True) -> 
     import transformers as tf
 
     cfg = _config(kind)
-    cls = {"gpt2": tf.GPT2LMHeadModel, "mistral": tf.MistralForCausalLM,
+    cls = {"gpt2": tf.GPT2LMHeadModel, "mistral": tf.MistralForCausalLM, "mistral_window": tf.MistralForCausalLM,
+           "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
            "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "phi3": tf.Phi3ForCausalLM}.get(kind, tf.LlamaForCausalLM)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
@@ -109,6 +119,13 @@ SPEC_MODELS = {
              " norm_eps = 1e-6, attn_bias = true, attn_out_bias = false, dtype = fp32 }",
     "qwen3": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, head_dim = 16,"
              " ffn = 64, norm_eps = 1e-6, qk_norm = head, dtype = fp32 }",
+    "mistral_window": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
+                      " norm_eps = 1e-6, window = 3, dtype = fp32 }",
+    "gemma2": "model m = gemma2 { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, head_dim = 16,"
+              " ffn = 64, window = 3, query_pre_attn_scalar = 24, attn_softcap = 5.0, final_softcap = 10.0,"
+              " dtype = fp32 }",
+    "gemma3": "model m = gemma3 { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, head_dim = 16,"
+              " ffn = 64, window = 3, global_every = 3, query_pre_attn_scalar = 24, dtype = fp32 }",
     "phi3": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
             " norm_eps = 1e-6, dtype = fp32 }",
     "gpt2": "model m = gpt2 { vocab = 67, hidden = 32, layers = 4, heads = 4, positions = 32 }",

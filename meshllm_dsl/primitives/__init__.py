@@ -131,6 +131,15 @@ class Primitive:
         Unchanged by default: a top-level linear between blocks, refused by the checker (E0410)."""
         return flow
 
+    def block_variant(self, unit: Unit, index: int) -> tuple[Any, ...]:
+        """What differs between blocks of a repeat for this unit (attention's sliding window on some
+        blocks only): blocks whose variants differ get generated classes of their own."""
+        return ()
+
+    def cached_positions(self, unit: Unit, index: int, seq: int) -> int:
+        """Positions its KV cache holds in block `index` after `seq` tokens (kinds that cache)."""
+        return seq
+
     # -- costs, per copy of the unit and microbatch (meshllm_dsl/planner.py holds the model they use)
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:

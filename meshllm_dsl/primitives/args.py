@@ -15,6 +15,7 @@ class Arg:
     kind: str  # dim | float | bool | choice | layer
     default: Callable[[dict[str, Any]], Any] | None = None
     choices: tuple[str, ...] = ()
+    minimum: int = 1  # the least a `dim` takes (0 where 0 means "off", as attention's window)
 
 
 def const(v: Any) -> Callable[[dict[str, Any]], Any]:

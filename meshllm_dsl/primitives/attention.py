@@ -76,7 +76,14 @@ class Attention(Primitive):
             scaling = _rope_scaling(kind, b)
         attrs_ = {"hidden": hid, "heads": h, "kv_heads": kv, "head_dim": hd, "rope_theta": b["rope_theta"],
                   "bias": b["bias"], "out_bias": b["out_bias"], "fused_qkv": b["fused_qkv"], "rope_scaling": scaling,
-                  "qk_norm": qk_norm, "qk_norm_eps": b["qk_norm_eps"]}
+                  "qk_norm": qk_norm, "qk_norm_eps": b["qk_norm_eps"], "qk_norm_offset": b["qk_norm_offset"],
+                  "window": b["window"], "global_every": b["global_every"], "local_rope_theta": b["local_rope_theta"],
+                  "softcap": b["softcap"], "scale_dim": b["scale_dim"]}
+        if b["global_every"] and not b["window"]:
+            r.error(E0304, f"`{name}`: global_every = {b['global_every']} without a window", decl.call.span,
+                    label="every layer already attends to the whole sequence",
+                    help="give `window = N` (the sliding window of the other layers), or drop global_every")
+            return None
         return attrs_, leaves
 
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
@@ -94,11 +101,6 @@ class Attention(Primitive):
         saved += e * tokens * hq * hd  # the attention output: the core's result and o's input
         if unit.attr("rope_theta"):
             saved += 2 * e * seq * hd  # rotary cos and sin ([s, 1, head_dim] each), kept by q * cos, k * cos
-        qk = unit.attr("qk_norm")
-        if qk == "head":  # the runtime's RMSNorm Function: q and k before it, an fp32 reciprocal RMS per head
-            saved += e * tokens * (hq + hk) * hd + fp32 * tokens * (hq + hk)
-        elif qk == "full":  # plain autograd: the inputs, the normalised rows the scale multiplies, fp32 RMS per token
-            saved += 2 * e * tokens * (hq + hk) * hd + 2 * fp32 * tokens
         if flash_attention:
             saved += fp32 * tokens * hq  # log-sum-exp per head and token
         else:
@@ -116,7 +118,6 @@ class Attention(Primitive):
     def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         n = linears + 3 * k["heads"] + k["attention_core"] + k["residual"]
         n += k["split_qkv"] if hu.unit.attr("fused_qkv") else 0
-        n += 2 * k["rmsnorm"] if hu.unit.attr("qk_norm") in ("head", "full") else 0  # q's and k's
         return n + (k["rotary"] if hu.unit.attr("rope_theta") else 0)
 
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
@@ -132,6 +133,14 @@ class Attention(Primitive):
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
         return layouts.sublayer_flow(site, "the attention softmax", "attention", "heads")
 
+    def cached_positions(self, unit: Unit, index: int, seq: int) -> int:
+        window = layer_window(dict(unit.attrs), index)
+        return min(seq, window) if window else seq
+
+    def block_variant(self, unit: Unit, index: int) -> tuple[Any, ...]:
+        a = dict(unit.attrs)
+        return layer_window(a, index), layer_rope_theta(a, index)
+
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         d: dict[str, Any] = dict(
             hidden=a["hidden"], heads=a["heads"], kv_heads=a["kv_heads"], head_dim=a["head_dim"],
@@ -140,6 +149,17 @@ class Attention(Primitive):
             d["rope_scaling"] = dict(a["rope_scaling"])
         if a.get("qk_norm", "none") != "none":
             d["qk_norm"], d["qk_norm_eps"] = a["qk_norm"], a["qk_norm_eps"]
+            if a.get("qk_norm_offset"):
+                d["qk_norm_offset"] = a["qk_norm_offset"]
+        # Written only where set, so a description without them reads as before.
+        if a.get("window"):
+            d.update(window=a["window"], global_every=a["global_every"])
+            if a["local_rope_theta"] != a["rope_theta"]:
+                d["local_rope_theta"] = a["local_rope_theta"]
+        if a.get("softcap"):
+            d["softcap"] = a["softcap"]
+        if a.get("scale_dim") not in (None, a["head_dim"]):
+            d["scale_dim"] = a["scale_dim"]
         return d
 
     def core_lines(self, w: Any, attr: str, unit: Unit, a: Mapping[str, Any],
@@ -169,21 +189,51 @@ class Attention(Primitive):
             ]
             if qk == "head":
                 eps = float(a["qk_norm_eps"])
-                lines += [w.line(f"q = rt.rms_norm(q, self.{attr}.q.norm, {eps!r})", f"RMSNorm per head: [{hd}] scale, every head"),
-                          w.line(f"k = rt.rms_norm(k, self.{attr}.k.norm, {eps!r})")]
-        if a["rope_theta"] and a.get("rope_scaling"):
+                # Gemma 3: x * (1 + scale), in fp32
+                off = f", offset={float(a['qk_norm_offset'])!r}" if a.get("qk_norm_offset") else ""
+                lines += [w.line(f"q = rt.rms_norm(q, self.{attr}.q.norm, {eps!r}{off})", f"RMSNorm per head: [{hd}] scale, every head"),
+                          w.line(f"k = rt.rms_norm(k, self.{attr}.k.norm, {eps!r}{off})")]
+        # The block class's blocks share a window (codegen/lower.py splits classes where they differ).
+        window = layer_window(a, w.block_index)
+        theta = layer_rope_theta(a, w.block_index)
+        if theta and a.get("rope_scaling"):
             scaling = tuple(a["rope_scaling"])
-            lines.append(w.line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(a['rope_theta'])!r}, "
+            lines.append(w.line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(theta)!r}, "
                                 f"scaling={scaling!r})", f"{dict(scaling)['rope_type']} rope scaling (runtime/rope.py)"))
-        elif a["rope_theta"]:
-            lines.append(w.line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(a['rope_theta'])!r})"))
+        elif theta:
+            lines.append(w.line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(theta)!r})"))
         what = f"[b, s, {h * hd}] causal; q heads per kv head: {h // kv if kv else 0}"
+        extra = ""
+        if window:
+            extra += f", window={window}"
+            what += f"; each token sees the last {window} positions"
+        if a.get("scale_dim") not in (None, hd):
+            extra += f", scale={float(a['scale_dim']) ** -0.5!r}"
+            what += f"; logits scaled by 1/sqrt({a['scale_dim']})"
+        if a.get("softcap"):
+            extra += f", softcap={float(a['softcap'])!r}"
+            what += f"; logits soft-capped at {a['softcap']}"
         if w.plan.recompute == "attention":
             # Selective recomputation: backward reruns only the attention core, from q, k, v.
-            lines.append(w.line("a = rt.recompute(rt.attention, q, k, v)", what + "; recomputed in backward"))
+            call = f"rt.recompute(rt.attention, q, k, v{extra})"
+            lines.append(w.line(f"a = {call}", what + "; recomputed in backward"))
         else:
-            lines.append(w.line("a = rt.attention(q, k, v)", what))
+            lines.append(w.line(f"a = rt.attention(q, k, v{extra})", what))
         return lines
+
+
+def layer_window(a: Mapping[str, Any], index: int) -> int:
+    """The sliding window of block `index` (0: it attends to the whole causal prefix). With
+    `global_every = K` every K-th block (1-based, HF's sliding_window_pattern) is global."""
+    window, every = a.get("window") or 0, a.get("global_every") or 0
+    return 0 if not window or (every and (index + 1) % every == 0) else int(window)
+
+
+def layer_rope_theta(a: Mapping[str, Any], index: int) -> Any:
+    """The rope base of block `index`: `local_rope_theta` in a windowed block (Gemma 3), else rope_theta."""
+    return a.get("local_rope_theta") if layer_window(a, index) else a["rope_theta"]
+
+
 
 
 def _rope_scaling(kind: str, b: Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
@@ -243,4 +293,12 @@ ATTENTION = Attention("attention", sublayer=True, reads_sequence=True, caches_kv
     # `full` over the whole projection with a scale per output (OLMo 2).
     Arg("qk_norm", "choice", const("none"), ("none", "head", "full")),
     Arg("qk_norm_eps", "float", const(1e-6)),
+    Arg("qk_norm_offset", "float", const(0.0)),  # Gemma 3: the q / k norms scale by (1 + weight), as rmsnorm's offset
+    # Sliding-window attention (Mistral, Gemma): each token attends to the last `window` positions
+    # (0: the whole causal prefix); with global_every = K every K-th block attends to everything.
+    Arg("window", "dim", const(0), minimum=0),
+    Arg("global_every", "dim", const(0), minimum=0),
+    Arg("local_rope_theta", "float", lambda b: b["rope_theta"]),  # the rope base of windowed blocks
+    Arg("softcap", "float", const(None)),  # logits tanh(x / softcap) * softcap (Gemma 2)
+    Arg("scale_dim", "dim", lambda b: b["head_dim"]),  # logits / sqrt(scale_dim) (query_pre_attn_scalar)
 ))

@@ -21,6 +21,8 @@ def _table(a: Mapping[str, Any]) -> dict[str, Any]:
     d: dict[str, Any] = {"num": a["num"], "dim": a["dim"]}
     if a.get("used"):
         d["used"] = a["used"]
+    if a.get("scaled"):
+        d["scaled"] = True
     return d
 
 if TYPE_CHECKING:
@@ -48,6 +50,7 @@ class Embedding(Primitive):
                         decl.call.span, label="padded rows past the real vocabulary")
                 return None
             attrs_["used"] = int(used)
+        attrs_["scaled"] = b["scaled"]
         return attrs_, leaves
 
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
@@ -102,6 +105,9 @@ class Embedding(Primitive):
         a, p = dict(site.unit.attrs), site.placement
         lines = [w.line(f"x = self.{site.unit.name}({site.cur})",
                         f"[b, s, {a['dim']}]" + (f" Partial over {w.axes_text(p.axes)}" if p.sharded else ""))]
+        if a.get("scaled"):
+            lines.append(w.line(f"x = x * torch.tensor({a['dim'] ** 0.5!r}).to(x.dtype)",
+                                f"times sqrt({a['dim']}) rounded to the model dtype (Gemma)"))
         if site.flow is not None:
             lines += w.seq_lines(site.flow, a["dim"])
         return lines, "x"
@@ -153,5 +159,7 @@ class Positional(Primitive):
 EMBEDDING = Embedding("embedding", args=(
     # `used`: rows that are real tokens when `num` is padded (e.g. 50257 of 50304): the head's logits
     # past it are masked out of the softmax, the loss, the argmax and exported weights.
-    Arg("num", "dim"), Arg("dim", "dim"), Arg("used", "float", const(None))))
+    Arg("num", "dim"), Arg("dim", "dim"), Arg("used", "float", const(None)),
+    # Gemma: rows times sqrt(dim), that factor rounded to the model dtype first (as HF does).
+    Arg("scaled", "bool", const(False))))
 POSITIONAL = Positional("positional", args=(Arg("num", "dim"), Arg("dim", "dim")))

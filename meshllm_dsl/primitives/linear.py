@@ -53,7 +53,8 @@ class Linear(Primitive):
             params.append(site.vec("bias", "out"))
         leaves = [Leaf(name, (name,), "linear", tuple(params), (unit("in"),), (unit("out"),),
                        tie=tie.name if tie is not None else None, span=span)]
-        return {"in": b["in"], "out": b["out"], "bias": b["bias"], "tie": tie.name if tie else None}, leaves
+        return {"in": b["in"], "out": b["out"], "bias": b["bias"], "tie": tie.name if tie else None,
+                "softcap": b["softcap"]}, leaves
 
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
@@ -67,6 +68,8 @@ class Linear(Primitive):
             # Logits: the paper's output layer keeps them in fp32 for the cross entropy, 4 sbv / t.
             v_local = n_out // planner.axes_size(plan, p) if p.rule == "column" and p.sharded else n_out
             saved += planner.FP32 * tokens * v_local
+            if unit.attr("softcap"):  # tanh keeps its output, the logits before the cap too
+                saved += 2 * e * tokens * v_local
         return saved
 
     def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
@@ -101,7 +104,10 @@ class Linear(Primitive):
         return UnitFlow(q, flow.output, (Collective("gather_seq_split", seq, "input"), *ops))
 
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
-        return {"in": a["in"], "out": a["out"], "bias": a["bias"], "tie": a["tie"]}
+        d = {"in": a["in"], "out": a["out"], "bias": a["bias"], "tie": a["tie"]}
+        if a.get("softcap"):
+            d["softcap"] = a["softcap"]
+        return d
 
     def init_lines(self, w: Any, attr: str, unit: Unit, placement: Mapping[str, Placement],
                    tied_here: bool) -> list[Any]:
@@ -162,6 +168,9 @@ class Linear(Primitive):
             lines.append(w.line(f"{'logits' if is_head else 'x'} = {call}", f"[b, s, {out_local}] {what}"))
         if not is_head:
             return lines, site.cur
+        if a.get("softcap"):  # before the padding mask: a masked logit must stay the lowest value
+            cap = float(a["softcap"])
+            lines.append(w.line(f"logits = torch.tanh(logits / {cap!r}) * {cap!r}", f"final logits soft-capped at {a['softcap']}"))
         used = w.vocab_used()
         if used is not None:
             start = (f"{w.group_index(p.axes)} * {out_local}" if p.sharded and p.rule == "column" else "0")
@@ -174,4 +183,6 @@ LINEAR = Linear("linear", width_arg="in", args=(
     # `tie = embed` shares the embedding's weight; `tied = false` turns that off (a family parameter
     # can then choose: `linear(hidden, vocab, tie = embed, tied = tie_embeddings)`).
     Arg("in", "dim"), Arg("out", "dim"), Arg("bias", "bool", const(False)), Arg("tie", "layer", const(None)),
-    Arg("tied", "bool", const(True))))
+    Arg("tied", "bool", const(True)),
+    # The model's head only: logits become tanh(x / softcap) * softcap (Gemma 2's final_logit_softcapping).
+    Arg("softcap", "float", const(None))))

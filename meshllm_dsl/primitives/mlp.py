@@ -13,7 +13,9 @@ from meshllm_dsl.ir import REPLICATE, Leaf, Placement, Tensor, Unit, UnitFlow
 from meshllm_dsl.primitives import Built, Primitive, Work
 from meshllm_dsl.primitives.args import Arg, const
 
-ACTIVATIONS = ("swiglu", "gelu_tanh", "gelu", "relu", "silu")
+ACTIVATIONS = ("swiglu", "geglu_tanh", "gelu_tanh", "gelu", "relu", "silu")
+# Gated activations: act(gate(x)) * up(x), as generated code calls act (GeGLU with tanh GELU: Gemma).
+GATED = {"swiglu": "F.silu({})", "geglu_tanh": "F.gelu({}, approximate=\"tanh\")"}
 # The activation of a non-gated mlp, as generated code calls it.
 _CALLS = {"gelu_tanh": "F.gelu({}, approximate=\"tanh\")", "gelu": "F.gelu({})", "relu": "F.relu({})",
                "silu": "F.silu({})"}
@@ -38,7 +40,7 @@ class Mlp(Primitive):
                 ps.append(Tensor("bias", (rows,), ((ru,),)))
             return Leaf(n, (name, n), "linear", tuple(ps), (cu,), (ru,), span=span)
 
-        leaves = [lin("gate", ffn, hid, fu, hidu)] if b["act"] == "swiglu" else []
+        leaves = [lin("gate", ffn, hid, fu, hidu)] if b["act"] in GATED else []
         leaves += [lin("up", ffn, hid, fu, hidu), lin("down", hid, ffn, hidu, fu)]
         return {"hidden": hid, "ffn": ffn, "act": b["act"], "bias": b["bias"]}, leaves
 
@@ -49,17 +51,17 @@ class Mlp(Primitive):
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         e, f = planner.DTYPES[plan.dtype], self._ffn_local(plan, hu)
-        per_ffn = 4 if hu.unit.attr("act") == "swiglu" else 2
+        per_ffn = 4 if hu.unit.attr("act") in GATED else 2
         return e * local * int(hu.unit.attr("hidden")) + per_ffn * e * tokens * f  # type: ignore[arg-type]
 
     def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
         e, f = planner.DTYPES[plan.dtype], self._ffn_local(plan, hu)
-        swiglu = hu.unit.attr("act") == "swiglu"
+        swiglu = hu.unit.attr("act") in GATED
         own = (4 if swiglu else 2) * e * tokens * f
         return max(own, (2 if swiglu else 1) * e * tokens * f + regather) if regather else own
 
     def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
-        return linears + (k["swiglu"] if hu.unit.attr("act") == "swiglu" else k["activation"]) + k["residual"]
+        return linears + (k["swiglu"] if hu.unit.attr("act") in GATED else k["activation"]) + k["residual"]
 
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
         return Work(planner.linear_matmuls(plan, hu, tokens))
@@ -74,8 +76,10 @@ class Mlp(Primitive):
                    placement: Mapping[str, Placement], x: str) -> list[Any]:
         p_up = placement.get(f"{unit.name}.up", REPLICATE)
         f_local = a["ffn"] // w.n(p_up.axes) if p_up.sharded and p_up.rule == "column" else a["ffn"]
-        if a["act"] == "swiglu":
-            return [w.line(f"a = F.silu({w.proj(attr, 'gate', x)}) * {w.proj(attr, 'up', x)}", f"[b, s, {f_local}] SwiGLU")]
+        if a["act"] in GATED:
+            what = "SwiGLU" if a["act"] == "swiglu" else "GeGLU (tanh GELU)"
+            gate = GATED[a["act"]].format(w.proj(attr, "gate", x))
+            return [w.line(f"a = {gate} * {w.proj(attr, 'up', x)}", f"[b, s, {f_local}] {what}")]
         return [w.line("a = " + _CALLS[a["act"]].format(w.proj(attr, "up", x)), f"[b, s, {f_local}] {a['act']}")]
 
 

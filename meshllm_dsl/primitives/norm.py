@@ -45,7 +45,7 @@ class Norm(Primitive):
 class RMSNorm(Norm):
     def build(self, site: UnitSite) -> Built | None:
         leaf = Leaf(site.name, (site.name,), "rmsnorm", (site.vec("weight", "dim"),), span=site.span)
-        return {"dim": site.b["dim"], "eps": site.b["eps"]}, [leaf]
+        return {"dim": site.b["dim"], "eps": site.b["eps"], "offset": site.b["offset"], "post": site.b["post"]}, [leaf]
 
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
@@ -61,12 +61,19 @@ class RMSNorm(Norm):
         return (e + (2 if e >= planner.FP32 else 3) * wide) * (tokens // planner.seq_size(plan)) * int(hu.unit.attr("dim"))  # type: ignore[arg-type]
 
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
-        return {"dim": a["dim"], "eps": a["eps"]}
+        d = {"dim": a["dim"], "eps": a["eps"]}
+        if a.get("offset"):
+            d["offset"] = a["offset"]
+        if a.get("post"):
+            d["post"] = True
+        return d
 
     def init_lines(self, w: Any, attr: str, unit: Unit, placement: Mapping[str, Placement],
                    tied_here: bool) -> list[Any]:
         a = dict(unit.attrs)
-        return [w.line(f"self.{attr} = rt.RMSNorm({a['dim']}, eps={a['eps']!r})")]
+        offset = f", offset={float(a['offset'])!r}" if a.get("offset") else ""
+        what = f"x * ({float(a['offset'])!r} + weight) in fp32" if offset else ""
+        return [w.line(f"self.{attr} = rt.RMSNorm({a['dim']}, eps={a['eps']!r}{offset})", what)]
 
 
 @attrs.frozen
@@ -94,6 +101,13 @@ class LayerNorm(Norm):
         return [w.line(f"self.{attr} = nn.LayerNorm({a['dim']}, eps={a['eps']!r}, bias={a['bias']})")]
 
 
-RMSNORM = RMSNorm("rmsnorm", norm=True, args=(Arg("dim", "dim"), Arg("eps", "float", const(1e-5))))
+RMSNORM = RMSNorm("rmsnorm", norm=True, args=(
+    Arg("dim", "dim"), Arg("eps", "float", const(1e-5)),
+    # Gemma: x * (1 + weight), the product in fp32 before the cast (offset = 1.0).
+    Arg("offset", "float", const(0.0)),
+    # In a block: normalises the output of the sublayer before it, ahead of the residual add
+    # (x = x + post(sublayer(pre(x))), Gemma 2 / 3); otherwise the input of the sublayer after it.
+    Arg("post", "bool", const(False)),
+))
 LAYERNORM = LayerNorm("layernorm", norm=True, args=(
     Arg("dim", "dim"), Arg("eps", "float", const(1e-5)), Arg("bias", "bool", const(True))))

@@ -45,11 +45,11 @@ def test_parameters_stand_for_the_model_values() -> None:
 
 
 def test_an_unused_family_reports_every_mistake_with_its_place() -> None:
-    text = BODY.format(mlp="mamba(hidden, ffn)").replace("bias = use_bias", "window = 4096, bias = maybe") \
+    text = BODY.format(mlp="mamba(hidden, ffn)").replace("bias = use_bias", "sliding = 4096, bias = maybe") \
         .replace("norm = rmsnorm(hidden)\n    lm_head", "norm = rmsnorm(hiddn)\n    lm_head").replace("tie = embed", "tie = blocks")
     ds = check_text(text, "f.mesh").diagnostics
     found = sorted((d.code, d.span.text if d.span else None) for d in ds)
-    assert found == sorted([("E0203", "window"), ("E0304", "maybe"), ("E0202", "mamba"), ("E0202", "hiddn"),
+    assert found == sorted([("E0203", "sliding"), ("E0304", "maybe"), ("E0202", "mamba"), ("E0202", "hiddn"),
                             ("E0202", "blocks")])
     assert next(d for d in ds if d.span and d.span.text == "hiddn").help.startswith("did you mean `hidden`?")
 

@@ -70,7 +70,7 @@ def test_the_adapter_is_chosen_by_the_models_layers_and_a_misfit_is_named() -> N
     gelu_llama = _description("tiny_llama.mesh")
     block = next(x for x in gelu_llama["layers"] if x["kind"] == "repeat")["body"]
     block[3]["act"] = "gelu"
-    with pytest.raises(hf.WeightsError, match=r"mixes conventions \(positions False, fused qkv False, rmsnorm, gelu\)"):
+    with pytest.raises(hf.WeightsError, match=r"mixes conventions \(positions False, fused qkv False, rmsnorm attn_pre/mlp_pre with offset 0.0, gelu\)"):
         hf.model_arch(gelu_llama)
     block[1], block[3] = block[3], block[1]
     with pytest.raises(hf.WeightsError, match="is rmsnorm, mlp, rmsnorm, attention; Hugging Face layouts need norm"):
