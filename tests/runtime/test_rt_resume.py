@@ -56,6 +56,14 @@ LAYOUTS: dict[str, dict[str, Any]] = {
         "batch_axes": ("data",),
         "zero": 3,
     },
+    # HSDP: ZeRO over `data`, replicated over `replica` (FSDP2's 2-D mesh; ZeRO-1 over the shard group).
+    "replica2xdata2-hsdp3": {"axes": (("replica", 2), ("data", 2), ("tensor", 1)), "batch_axes": ("replica", "data"), "zero": 3, "batch": 8,
+                             "zero_axes": ("data",)},
+    "replica2xdata2-hsdp1": {"axes": (("replica", 2), ("data", 2), ("tensor", 1)), "batch_axes": ("replica", "data"), "zero": 1, "batch": 8,
+                             "zero_axes": ("data",)},
+    # bf16 products over fp32 master parameters (autocast) with ZeRO-1.
+    "data2-bf16-master-zero1": {"axes": (("data", 2), ("tensor", 1)), "batch_axes": ("data",), "zero": 1,
+                                "param_dtype": torch.bfloat16},
     "data2xpipeline2xtensor2-zero2": {
         "axes": (("data", 2), ("pipeline", 2), ("tensor", 2)),
         "pipeline_axis": "pipeline",
@@ -105,9 +113,11 @@ def _build(
         batch_axes=spec.get("batch_axes", ()),
         schedule=spec.get("schedule", "gpipe"),
         microbatches=2,
-        batch=4,
+        batch=spec.get("batch", 4),
         seq=8,
         zero=spec.get("zero", 0),
+        zero_axes=spec.get("zero_axes", ()),
+        param_dtype=spec.get("param_dtype"),
         optimizer=OPT,
         dtype=dtype,
     )
@@ -156,7 +166,8 @@ def _weights_only_job(
 @pytest.mark.parametrize(
     ("kind", "layout"),
     [("llama", "data2xtensor2-zero1"), ("gpt2", "pipeline2xtensor2"), ("llama", "data2xtensor2-zero3"),
-     ("gpt2", "data2xpipeline2xtensor2-zero2")],
+     ("gpt2", "data2xpipeline2xtensor2-zero2"), ("llama", "replica2xdata2-hsdp3"), ("llama", "replica2xdata2-hsdp1"),
+     ("llama", "data2-bf16-master-zero1")],
 )
 def test_resume_on_the_same_layout_is_bit_for_bit(
     pool: WorkerPool, tmp_path: Path, kind: str, layout: str
