@@ -231,6 +231,13 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
         for idx, p in placements(item, leaf):
             if not p.sharded:
                 continue
+            if len(leaf.params[0].shape) == 3:
+                refuse(E1205, f"{where} cannot express the placement of `{'.'.join(leaf.path)}`: the experts of a moe "
+                       "layer are one stacked weight [out, experts, in] here and no parallel style splits it",
+                       p.span, label=f"{p.rule}({', '.join(p.axes)}) on stacked experts",
+                       help="keep the experts' ffn whole to export (no `ffn -> AXIS` for a moe layer), or use "
+                            "`meshc compile`")
+                continue
             if conv1d:
                 refuse(E1204, f"`{'.'.join(leaf.path)}` is a transformers Conv1D ({module}), which "
                        f"{where} cannot shard", p.span, label=f"{p.rule}({', '.join(p.axes)}) on a Conv1D layer",
