@@ -346,6 +346,10 @@ def attention_core_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micr
     selective recomputation (`recompute = attention`) stops keeping: the core's inputs q, k, v stay
     (the checkpoint holds them for the rerun) and its output is the o projection's saved input."""
     hq = local_heads(plan, hu)
+    if dict(hu.unit.attrs).get("softcap"):
+        # Soft-capped logits (Gemma 2) run as plain autograd, never a fused kernel: per head the
+        # tanh output, the fp32 softmax and the probabilities, s x s each.
+        return (2 * DTYPES[plan.dtype] + FP32) * micro * hq * seq * seq
     if flash_attention:
         return FP32 * tokens * hq
     return DTYPES[plan.dtype] * micro * hq * seq * seq
@@ -843,7 +847,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     fsdp = plan.zero >= 2  # the runtime's ZeRO 2 / 3 is FSDP2: master dtype at rest, no extra fp32 copy
     master = DTYPES[plan.master_dtype or plan.dtype]
     # What the runtime's AdamW holds: two moments shaped and typed like the parameter it steps, the
-    # stored (master) one under ZeRO 2 / 3. Without `precision` (always so at ZeRO 0 / 1) a bf16
+    # stored (master) one: FSDP2's sharded parameter at ZeRO 2 / 3, the fp32 parameter autocast
+    # computes from at ZeRO 0 / 1 (runtime/amp.py). Without `precision` a bf16
     # plan has no fp32 copy anywhere: 2 + 2 + 4 = 8 bytes per parameter, not the ZeRO paper's mixed
     # precision K = 12 (``optimizer_bytes_per_param``), which `precision { master = fp32 }` gives.
     k = 2 * master
