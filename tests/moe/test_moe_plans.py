@@ -30,6 +30,9 @@ PLANS = {  # mesh axes, layout, other lines
     "tensor2": ("tensor = 2", _TP, ""),
     "pipeline2_tensor2": ("pipeline = 2, tensor = 2", _TP, "    microbatches = 2\n    stages over pipeline balanced\n"),
     "data2_tensor2": ("data = 2, tensor = 2", _TP + ", batch -> data", ""),
+    # FSDP2 shards the stacked experts' dim 0 (ffn) over data inside the tensor split
+    "data2_tensor2_zero3_recompute": ("data = 2, tensor = 2", _TP + ", batch -> data",
+                                      "    recompute = blocks\n    optimizer adamw { zero 3 }\n"),
 }
 
 
