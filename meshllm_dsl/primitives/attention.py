@@ -101,10 +101,18 @@ class Attention(Primitive):
         saved += e * tokens * hq * hd  # the attention output: the core's result and o's input
         if unit.attr("rope_theta"):
             saved += 2 * e * seq * hd  # rotary cos and sin ([s, 1, head_dim] each), kept by q * cos, k * cos
-        if flash_attention:
-            saved += fp32 * tokens * hq  # log-sum-exp per head and token
-        else:
-            saved += e * micro * hq * seq * seq  # softmax probabilities
+        qk = unit.attr("qk_norm")
+        if qk == "head":  # the runtime's RMSNorm Function: q and k before it, an fp32 reciprocal RMS per head
+            saved += e * tokens * (hq + hk) * hd + fp32 * tokens * (hq + hk)
+        elif qk == "full":  # plain autograd: the inputs, the normalised rows the scale multiplies, fp32 RMS per token
+            saved += 2 * e * tokens * (hq + hk) * hd + 2 * fp32 * tokens
+        saved += planner.attention_core_bytes(plan, hu, tokens, seq, micro, flash_attention)
+        a = dict(unit.attrs)
+        if a.get("softcap") and hq > hk:
+            saved += 2 * e * tokens * hq * hd  # the soft-capped core's k and v repeated to every query head
+        blocks = hu.indices or (0,)
+        windowed = sum(1 for i in blocks if layer_window(a, i))
+        saved += seq * seq * windowed // len(blocks)  # a window's [s, s] boolean mask, kept by the masked kernel (per copy)
         return saved
 
     def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:

@@ -93,3 +93,23 @@ def test_a_post_norm_must_follow_a_sublayer() -> None:
     # pre and post norms around each sublayer (Gemma) check clean
     assert _codes("        a = rmsnorm(32)\n        attn = attention(32, 4)\n        b = rmsnorm(32, post = true)\n"
                   "        c = rmsnorm(32)\n        mlp = mlp(32, 64)\n        d = rmsnorm(32, post = true)") == []
+
+
+def test_planner_activations_count_the_window_mask_and_the_soft_capped_core() -> None:
+    from meshllm_dsl.planner import analyze
+
+    windowed, full = _plan(WINDOW), _plan(0)
+    # 4 windowed blocks on each rank, one [8, 8] boolean mask each, per microbatch
+    assert [a.activation_bytes - b.activation_bytes for a, b in zip(analyze(windowed).ranks, analyze(full).ranks)] \
+        == [4 * 8 * 8] * len(analyze(full).ranks)
+    text = ("mesh m { axes one = 1 }\n"
+            "model m = gemma2 { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64, window = 3,"
+            " dtype = fp32 }\nplan p on m for m { batch = 1  seq = 8 }\n")
+
+    def act(t: str) -> int:
+        return analyze(check_text(t, "g.mesh").plans["p"]).ranks[0].activation_bytes
+
+    alternating, all_global = act(text), act(text.replace("window = 3,", "window = 3, global_every = 1,"))
+    assert alternating - all_global == 8 * 8  # block 0 windowed (one mask), block 1 global
+    # the soft-capped core keeps tanh output, fp32 softmax and probabilities per head: 12 bytes x 4 x 8 x 8 per block
+    assert all_global > 2 * 12 * 4 * 8 * 8
