@@ -334,6 +334,8 @@ class PlacementRules(PlanContext):
         for leaf, unit, _where, pattern in rest:
             if axes is None:
                 rules[pattern] = "replicate"
+            elif leaf.name in primitives.of(unit).whole:
+                rules[pattern] = "replicate"
             elif leaf.kind == "embedding":
                 rules[pattern] = f"vocab_parallel({axes})"
             elif len(unit.leaves) > 1 and leaf is unit.leaves[-1]:
@@ -342,7 +344,8 @@ class PlacementRules(PlanContext):
                 rules[pattern] = f"column({axes})"
         if len(rest) == 1:
             leaf, _unit, where, pattern = rest[0]
-            fix = (f"add `shard {pattern} {rules[pattern]}` (or `replicate` to keep a full copy)" if axes is not None
+            fix = (f"add `shard {pattern} {rules[pattern]}` (or `replicate` to keep a full copy)"
+                   if axes is not None and rules[pattern] != "replicate"
                    else f"add `shard {pattern} replicate`")
             self.error(E0501, f"`{where}` is not placed by any rule", self.decl.name.span,
                        label=f"plan `{self.decl.name.value}` leaves it out",
@@ -350,7 +353,9 @@ class PlacementRules(PlanContext):
                        help=f"{fix}; a plan with rules must place every parameter",
                        suggestions=self.add_statement(f"shard {pattern} {rules[pattern]}"))
             return
-        keys = self.layout_keys(rest) if axes is not None and "," not in axes else None
+        # (not where a leaf must stay whole: its dim in the layout would split it)
+        whole = any(leaf.name in primitives.of(unit).whole for leaf, unit, _, _ in rest)
+        keys = self.layout_keys(rest) if axes is not None and "," not in axes and not whole else None
         if keys is not None:
             fix = (f"add {', '.join(f'`{k} -> {axes}`' for k in keys)} to the layout (or a `shard` rule, or "
                    "`replicate`, for each)")

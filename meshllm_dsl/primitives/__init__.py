@@ -109,6 +109,9 @@ class Primitive:
     # Sequence parallelism may shard its input and output along the sequence (f / g become an
     # all-gather and a reduce-scatter); False: refused (E0309) until its forward is written for it.
     sequence_parallel: bool = True
+    # Leaves that must stay whole on every rank (a moe layer's routers): the checker suggests
+    # `replicate` for them where a plan leaves them out.
+    whole: tuple[str, ...] = ()
     # The argument giving the width of the residual stream it reads (a model's chain must agree).
     width_arg: str = "dim"
     # Its arguments as a spec writes them, in order (resolve.py binds calls against them).
