@@ -546,6 +546,8 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         Line(f"batch={plan.batch},"),
         Line(f"seq={plan.seq},"),
         Line(f"zero={plan.zero},"),
+        # HSDP: ZeRO shards over these batch axes only and replicates over the others.
+        *([Line(f"zero_axes={tuple(plan.roles.batch_shard)!r},")] if plan.roles.batch_replicate and plan.zero else []),
         *([Line(f"seq_axes={tuple(plan.roles.sequence)!r},")] if plan.roles.sequence else []),
         Line(f"optimizer={literal(_adamw_kwargs(plan))},"),
         # With `precision` the parameters the runtime keeps are the master weights.
@@ -568,8 +570,6 @@ def _adamw_kwargs(plan: PlanIR) -> dict[str, Any]:
     given = dict(plan.optimizer_settings)
     out: dict[str, Any] = {}
     if "lr" in given:
-        # HSDP: ZeRO shards over these batch axes only and replicates over the others.
-        *([Line(f"zero_axes={tuple(plan.roles.batch_shard)!r},")] if plan.roles.batch_replicate and plan.zero else []),
         out["lr"] = given["lr"]
     if "beta1" in given or "beta2" in given:
         out["betas"] = (given.get("beta1", 0.9), given.get("beta2", 0.999))

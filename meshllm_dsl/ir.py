@@ -276,8 +276,6 @@ def param_dims(tensor: Tensor) -> tuple[str, ...]:
     return tuple(n if names.count(n) == 1 else f"{n} (dim {i})" for i, n in enumerate(names))
 
 
-
-
 REPLICATE = Placement("replicate")
 
 

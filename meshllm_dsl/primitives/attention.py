@@ -126,6 +126,7 @@ class Attention(Primitive):
     def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         n = linears + 3 * k["heads"] + k["attention_core"] + k["residual"]
         n += k["split_qkv"] if hu.unit.attr("fused_qkv") else 0
+        n += 2 * k["rmsnorm"] if hu.unit.attr("qk_norm") in ("head", "full") else 0  # q's and k's
         return n + (k["rotary"] if hu.unit.attr("rope_theta") else 0)
 
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
