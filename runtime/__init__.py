@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     )
     from .mesh import Mesh
     from .moe import StackedLinear, moe_experts, moe_route
-    from .qk_norm import rms_norm, split_rms_norm
     from .program import Built, Program
+    from .qk_norm import rms_norm, split_rms_norm
     from .remat import recompute, recompute_ops
     from .shards import ShardSpec, full_init, gather_full, gather_module, load_full, local_slice
 
