@@ -102,14 +102,15 @@ class RMSNorm(nn.Module):
     When training, only the input and the reciprocal RMS are kept for backward (``_RMSNormFn``).
     """
 
-    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0, scale_fp32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.offset = offset
+        self.scale_fp32 = scale_fp32  # OLMo 2: weight * x in fp32, then the cast (offset 0 below)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.offset:
+        if self.offset or self.scale_fp32:
             return offset_rms_norm(x, self.weight, self.eps, self.offset)
         if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
             return _RMSNormFn.apply(x, self.weight, self.eps)

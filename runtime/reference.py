@@ -23,11 +23,12 @@ Layer = Mapping[str, Any]
 
 
 class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, scale_fp32: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.offset = offset
+        self.scale_fp32 = scale_fp32
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
@@ -35,11 +36,14 @@ class _RMSNorm(nn.Module):
         var = h.pow(2).mean(-1, keepdim=True)
         if self.offset:  # Gemma: (offset + weight) applied in fp32, then the cast
             return (h * torch.rsqrt(var + self.eps) * (self.offset + self.weight.to(h.dtype))).to(dtype)
+        if self.scale_fp32:  # OLMo 2: weight applied in fp32, then the cast
+            return (self.weight.to(h.dtype) * (h * torch.rsqrt(var + self.eps))).to(dtype)
         return self.weight * (h * torch.rsqrt(var + self.eps)).to(dtype)
 
 
 _NORMS: dict[str, Callable[[Layer], nn.Module]] = {
-    "rmsnorm": lambda spec: _RMSNorm(spec["dim"], spec["eps"], float(spec.get("offset") or 0.0)),
+    "rmsnorm": lambda spec: _RMSNorm(spec["dim"], spec["eps"], float(spec.get("offset") or 0.0),
+                                     bool(spec.get("scale_fp32"))),
     "layernorm": lambda spec: nn.LayerNorm(spec["dim"], eps=spec["eps"], bias=bool(spec.get("bias", True))),
 }
 

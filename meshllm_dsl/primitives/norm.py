@@ -45,7 +45,8 @@ class Norm(Primitive):
 class RMSNorm(Norm):
     def build(self, site: UnitSite) -> Built | None:
         leaf = Leaf(site.name, (site.name,), "rmsnorm", (site.vec("weight", "dim"),), span=site.span)
-        return {"dim": site.b["dim"], "eps": site.b["eps"], "offset": site.b["offset"], "post": site.b["post"]}, [leaf]
+        return {"dim": site.b["dim"], "eps": site.b["eps"], "offset": site.b["offset"], "post": site.b["post"],
+                "scale_fp32": site.b["scale_fp32"]}, [leaf]
 
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
@@ -66,6 +67,8 @@ class RMSNorm(Norm):
             d["offset"] = a["offset"]
         if a.get("post"):
             d["post"] = True
+        if a.get("scale_fp32"):
+            d["scale_fp32"] = True
         return d
 
     def init_lines(self, w: Any, attr: str, unit: Unit, placement: Mapping[str, Placement],
@@ -73,6 +76,8 @@ class RMSNorm(Norm):
         a = dict(unit.attrs)
         offset = f", offset={float(a['offset'])!r}" if a.get("offset") else ""
         what = f"x * ({float(a['offset'])!r} + weight) in fp32" if offset else ""
+        if a.get("scale_fp32") and not offset:  # an offset norm scales in fp32 already
+            offset, what = ", scale_fp32=True", "x * weight in fp32"
         return [w.line(f"self.{attr} = rt.RMSNorm({a['dim']}, eps={a['eps']!r}{offset})", what)]
 
 
@@ -108,6 +113,9 @@ RMSNORM = RMSNorm("rmsnorm", norm=True, args=(
     # In a block: normalises the output of the sublayer before it, ahead of the residual add
     # (x = x + post(sublayer(pre(x))), Gemma 2 / 3); otherwise the input of the sublayer after it.
     Arg("post", "bool", const(False)),
+    # OLMo 2 (Olmo2RMSNorm): the scale applied in fp32 before the cast back, not after it as Llama's;
+    # the same numbers in an fp32 model, a rounding apart in bf16 / fp16.
+    Arg("scale_fp32", "bool", const(False)),
 ))
 LAYERNORM = LayerNorm("layernorm", norm=True, args=(
     Arg("dim", "dim"), Arg("eps", "float", const(1e-5)), Arg("bias", "bool", const(True))))
