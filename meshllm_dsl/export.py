@@ -27,7 +27,7 @@ from meshllm_dsl.source import Span
 TARGETS = ("dtensor", "hf-tp-plan")
 
 # transformers' class per checkpoint layout (runtime/hf.py's `arch`): the names below are its modules.
-HF_CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}
+HF_CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "olmo2": "Olmo2ForCausalLM"}
 
 
 @attrs.frozen
@@ -230,6 +230,14 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
             modules[leaf.path[-1]] = module
         for idx, p in placements(item, leaf):
             if not p.sharded:
+                continue
+            if _unit.kind == "attention" and dict(_unit.attrs).get("qk_norm") == "full" and leaf.path[-1] in ("q", "k"):
+                # transformers' Olmo2RMSNorm would normalise each rank's columns on their own: another model
+                refuse(E1205, f"{where} cannot express the placement of `{'.'.join(leaf.path)}`: its RMSNorm spans the "
+                       "whole projection (qk_norm = full, OLMo 2), and split by heads each rank would normalise "
+                       "only its own part", p.span, label=f"{p.rule}({', '.join(p.axes)}) under a whole-projection norm",
+                       help="keep the attention heads whole to export (no `heads -> AXIS` / `kv_heads -> AXIS`), or use "
+                            "`meshc compile`, whose code all-reduces the norm's sum of squares")
                 continue
             if len(leaf.params[0].shape) == 3:
                 refuse(E1205, f"{where} cannot express the placement of `{'.'.join(leaf.path)}`: the experts of a moe "
