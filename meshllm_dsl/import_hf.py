@@ -1,10 +1,11 @@
 """`meshc import-hf DIR -o FILE.mesh`: a .mesh spec (the model and one plan) from a Hugging Face model.
 
-Reads config.json only (no torch): the architecture picks the family (`llama` for Llama, Mistral and
-Qwen2, `gpt2` for GPT-2) and every setting that changes the maths is written out; a setting the
-families cannot honour is an error naming it, never a silently different model.  The plan `train`
-for N devices of a kind is the one `meshc suggest` ranks first (or, when nothing fits the device's
-memory, the first layout the checker accepts).  Weights then load with `meshc run FILE --weights DIR`.
+Reads config.json only (no torch): the architecture picks the family (`llama` for Llama, Mistral,
+Qwen2 / 3 and Phi-3, `olmo2` for OLMo 2, `gpt2` for GPT-2, ...) and every setting that changes the
+maths is written out; a setting the families cannot honour is an error naming it, never a silently
+different model.  The plan `train` for N devices of a kind is the one `meshc suggest` ranks first
+(or, when nothing fits the device's memory, the first layout the checker accepts).  Weights then
+load with `meshc run FILE --weights DIR`.
 """
 
 from __future__ import annotations
@@ -32,10 +33,11 @@ from meshllm_dsl.runtime.json_values import describe
 from meshllm_dsl.slurm import script_value_problem
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-             "GPT2LMHeadModel",
+             "Olmo2ForCausalLM", "GPT2LMHeadModel",
              *GEMMA)
 _MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel", **GEMMA_TYPES}
+                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
+                "gpt2": "GPT2LMHeadModel", **GEMMA_TYPES}
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
 # Mixture-of-experts architectures (meshllm_dsl/import_hf_moe.py).
 SUPPORTED = (*SUPPORTED, *MOE)
@@ -266,9 +268,11 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
             ("tie_embeddings", f.flag("tie_word_embeddings", True), "`tie_word_embeddings`"),
             ("dtype", dtype, "`torch_dtype`"),
         ], positions
+    olmo2 = arch == "Olmo2ForCausalLM"
+    family = "olmo2" if olmo2 else "llama"
     if f.text("hidden_act", "silu") != "silu":
-        raise refuse("hidden_act", "is not the SiLU of SwiGLU that the llama family uses")
-    if f.flag("mlp_bias", False):
+        raise refuse("hidden_act", f"is not the SiLU of SwiGLU that the {family} family uses")
+    if not olmo2 and f.flag("mlp_bias", False):  # Olmo2MLP has no bias whatever the config says
         raise refuse("mlp_bias", "adds MLP biases the llama family does not have")
     positions = f.int("max_position_embeddings", _DEFAULT_POSITIONS[arch])
     phi3_window = f.int("sliding_window", None) if arch == "Phi3ForCausalLM" else None
@@ -311,7 +315,8 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
         # transformers' own default when head_dim is absent: floor division
         ("head_dim", head_dim or hidden // heads, "`head_dim`" if head_dim else "`hidden_size` // `num_attention_heads`"),
         ("ffn", f.int("intermediate_size"), "`intermediate_size`"),
-        ("norm_eps", f.number("rms_norm_eps", 1e-6), "`rms_norm_eps`"),
+        # transformers' defaults: Olmo2Config's eps is 1e-5, the others' 1e-6
+        ("norm_eps", f.number("rms_norm_eps", 1e-5 if olmo2 else 1e-6), "`rms_norm_eps`"),
         ("rope_theta", theta, "`rope_theta`"),
     ]
     if scaling is not None:
@@ -326,12 +331,14 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
         settings += [("window", window, "`sliding_window`")]
     settings += [("tie_embeddings", f.flag("tie_word_embeddings", False), "`tie_word_embeddings`"),
                  ("dtype", dtype, "`torch_dtype`")]
-    return "llama", settings, positions
+    # OLMo 2 is Llama's config with norms after the sublayers and q / k normalised over the whole
+    # projection: both are the olmo2 family's block itself, so no setting says them.
+    return family, settings, positions
 
 
 # transformers' defaults for max_position_embeddings where a config leaves it out.
 _DEFAULT_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768,
-                      "Qwen3ForCausalLM": 32768, "Phi3ForCausalLM": 4096}
+                      "Qwen3ForCausalLM": 32768, "Phi3ForCausalLM": 4096, "Olmo2ForCausalLM": 2048}
 
 
 def read_config(directory: Path) -> dict[str, Any]:

@@ -10,7 +10,9 @@ naming the tensor and the file.
 Names follow the model's structure, not the family's name: an embedding, optional learned
 positions, one repeat of [norm, attention, norm, mlp], a final norm and a head map onto HF's
 ``LlamaForCausalLM`` layout (also Mistral and Qwen2), or, with learned positions and fused qkv,
-``GPT2LMHeadModel`` (Conv1D weights are stored [in, out] and transposed here).
+``GPT2LMHeadModel`` (Conv1D weights are stored [in, out] and transposed here); with a norm before
+and after each sublayer onto Gemma 2 / 3's, with one after each and none before onto
+``Olmo2ForCausalLM``'s.
 
 Exporting gathers one tensor at a time onto the mesh's first rank, which writes config.json and
 safetensors files (sharded above ``max_shard_bytes``, with an index) that ``from_pretrained`` loads,
@@ -154,7 +156,7 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
         raise WeightsError(
             f"model `{name}`: a block of `{rep['name']}` is "
             f"{', '.join(b['kind'] for b in body)}; Hugging Face layouts need norm, attention, norm, mlp"
-            " (Gemma: a post norm after each sublayer)"
+            " (Gemma: a post norm after each sublayer; OLMo 2: attention, post norm, mlp, post norm)"
         )
     attn, mlp = next(b for b in body if b["kind"] == "attention"), next(b for b in body if b["kind"] == "mlp")
     pos = next((x["name"] for x in layers if x["kind"] == "positional"), None)
@@ -167,7 +169,7 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
         raise WeightsError(
             f"model `{name}` mixes conventions (positions {pos is not None}, fused qkv "
             f"{bool(attn.get('fused_qkv'))}, {kind} {'/'.join(roles)} with offset {offset}, {mlp['act']}):"
-            " no checkpoint layout (Llama, GPT-2, Gemma 2 / 3) fits"
+            " no checkpoint layout (Llama, GPT-2, Gemma 2 / 3, OLMo 2) fits"
         )
     embed = layers[0]
     return _Layout(
@@ -186,7 +188,7 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
 
 
 def model_arch(model: Mapping[str, Any]) -> str:
-    """``"llama"`` or ``"gpt2"``: which checkpoint layout the model reads and writes."""
+    """``"llama"``, ``"gpt2"``, ``"gemma"`` or ``"olmo2"``: which checkpoint layout the model reads and writes."""
     return _layout(model).arch
 
 
@@ -240,6 +242,15 @@ _HF_NAMES = {
         attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
         mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
         transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="geglu_tanh", norm_offset=1.0,
+    ),
+    # OLMo 2: Llama's names, a norm after each sublayer and none before; its q / k norms (over the
+    # whole projection) are self_attn.{q,k}_norm as Qwen3's are.
+    "olmo2": _HFNames(
+        top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
+        blocks="model.layers", norms={"attn_post": "post_attention_layernorm", "mlp_post": "post_feedforward_layernorm"},
+        attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
+        mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+        transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="swiglu",
     ),
 }
 
@@ -488,7 +499,9 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
         }
     qwen = bool(attn.get("qkv_bias")) and not attn.get("o_bias")
     qk_norm = attn.get("qk_norm", "none")
-    arch, model_type = (("Qwen3ForCausalLM", "qwen3") if qk_norm == "head" else
+    _refuse_olmo2_mismatch(model, lay)
+    arch, model_type = (("Olmo2ForCausalLM", "olmo2") if lay.arch == "olmo2" else
+                        ("Qwen3ForCausalLM", "qwen3") if qk_norm == "head" else
                         ("Qwen2ForCausalLM", "qwen2") if qwen else ("LlamaForCausalLM", "llama"))
     window = int(attn.get("window") or 0)
     if window and (model_type != "llama" or attn.get("global_every")):
@@ -530,8 +543,31 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
         cfg["sliding_window"] = window
     if model_type != "qwen2":  # Qwen2's q, k, v biases are the architecture's, not a field
         cfg["attention_bias"] = bool(attn.get("qkv_bias"))
+    if model_type not in ("qwen2", "olmo2"):  # OLMo 2's MLP has no bias field: never biased
         cfg["mlp_bias"] = False
     return hf_moe.hf_config(model, lay, cfg, WeightsError) if hf_moe.is_moe(lay.body) else cfg
+
+
+def _refuse_olmo2_mismatch(model: Mapping[str, Any], lay: _Layout) -> None:
+    """OLMo 2's checkpoints are its exact block: norms after the sublayers with q / k normalised over
+    the whole projection, q, k, v and o biased alike, a dense MLP without bias. ``WeightsError``
+    for a model that has one without the other, which no transformers architecture computes."""
+    attn, name = lay.attn, model.get("name", "model")
+    qk_norm = attn.get("qk_norm", "none")
+    if lay.arch != "olmo2":
+        if qk_norm == "full":
+            raise WeightsError(f"model `{name}`: qk_norm = full (over the whole projection) in a norm-before-"
+                               "sublayer block has no Hugging Face architecture; OLMo 2 (family olmo2) has it "
+                               "with norms after the sublayers")
+        return
+    why = ("its q / k norm is not over the whole projection (qk_norm = full)" if qk_norm != "full" else
+           "q, k, v and o are not biased alike (attention_bias covers all four)"
+           if bool(attn.get("qkv_bias")) != bool(attn.get("o_bias")) else
+           "its MLP has a bias" if lay.mlp.get("bias") else
+           "its MLP is a mixture of experts" if hf_moe.is_moe(lay.body) else None)
+    if why is not None:
+        raise WeightsError(f"model `{name}` has OLMo 2's norms after the sublayers, but {why}; "
+                           "Olmo2ForCausalLM cannot hold it")
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -543,8 +579,8 @@ def _close(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-# The model types of the llama layout, and the q / k norm of each (attention's qk_norm).
-_QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head", "phi3": "none"}
+# The model types of the llama and olmo2 layouts, and the q / k norm of each (attention's qk_norm).
+_QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head", "phi3": "none", "olmo2": "full"}
 
 
 def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -> None:
@@ -562,6 +598,12 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
                                   name, cfg, where, WeightsError)
     if model_type is None:
         raise WeightsError(f"{where}: `model_type` is missing; expected one of {', '.join(_QK_NORM)}, gpt2")
+    if (model_type == "olmo2") != (lay.arch == "olmo2"):
+        shape = ("OLMo 2 shaped (norms after the sublayers)" if lay.arch == "olmo2"
+                 else "not OLMo 2 shaped (OLMo 2 has norms after the sublayers, none before)")
+        raise WeightsError(f"{where}: `model_type` is {model_type!r}, but model `{name}` is {shape}")
+    if lay.arch == "olmo2":
+        _refuse_olmo2_mismatch(model, lay)
 
     def bad(field: str, got: Any, want: Any, what: str) -> WeightsError:
         if got is None:
@@ -609,7 +651,9 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
             ("num_key_value_heads", cfg.get("num_key_value_heads", heads), attn["kv_heads"], "kv_heads"),
             ("head_dim", head_dim, attn["head_dim"], "head_dim"),
             ("intermediate_size", cfg.get("intermediate_size"), mlp["ffn"], "ffn"),
-            ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-6), lay.norm["eps"], "norm_eps"),
+            # transformers' default eps where a config leaves it out: 1e-5 for OLMo 2, 1e-6 for the rest
+            ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-5 if model_type == "olmo2" else 1e-6), lay.norm["eps"],
+             "norm_eps"),
             ("rope_theta", theta, attn["rope_theta"], "rope_theta"),
             ("hidden_act", cfg.get("hidden_act", "silu"), "silu", "SwiGLU's activation"),
             (f"model_type ({model_type}'s q / k norm)", _QK_NORM[model_type], attn.get("qk_norm", "none"), "qk_norm"),
@@ -619,7 +663,8 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
         wants += [
             ("attention_bias (q, k, v)", qkv_bias, bool(attn.get("qkv_bias")), "attention bias"),
             ("attention_bias (o)", o_bias, bool(attn.get("o_bias")), "attention out_bias"),
-            ("mlp_bias", bool(cfg.get("mlp_bias", False)), bool(mlp.get("bias")), "mlp bias"),
+            # Olmo2MLP is never biased: transformers ignores an mlp_bias in its config
+            ("mlp_bias", model_type != "olmo2" and bool(cfg.get("mlp_bias", False)), bool(mlp.get("bias")), "mlp bias"),
         ]
         window = cfg.get("sliding_window")
         binding = window is not None and window < int(cfg.get("max_position_embeddings", 0))
@@ -640,7 +685,7 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
     for field, got, want, what in wants:
         if not _close(got, want):
             raise bad(field, got, want, what)
-    if lay.arch == "llama":
+    if lay.arch in ("llama", "olmo2"):
         ours = attn.get("rope_scaling")
         theirs = None if scaling is None else _rope_as_read(scaling, cfg)
         if (theirs is None) != (ours is None) or (

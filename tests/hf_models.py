@@ -55,6 +55,9 @@ def _config(kind: str) -> Any:
     if kind == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint; no end token in the vocab
         return tf.Phi3Config(**common, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=None,
                              bos_token_id=None, eos_token_id=None)
+    if kind == "olmo2":  # norms after the sublayers, q / k norms over the whole projection; no end token
+        return tf.Olmo2Config(**common, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=None,
+                              bos_token_id=None, eos_token_id=None)
     if kind == "gpt2":  # odd vocab
         return tf.GPT2Config(vocab_size=67, n_embd=32, n_layer=4, n_head=4, n_positions=32,
                              bos_token_id=0, eos_token_id=0)
@@ -72,7 +75,8 @@ def build_hf(kind: str, directory: Path, seed: int = 0, redraw: bool = True) -> 
     cfg = _config(kind)
     cls = {"gpt2": tf.GPT2LMHeadModel, "mistral": tf.MistralForCausalLM, "mistral_window": tf.MistralForCausalLM,
            "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
-           "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "phi3": tf.Phi3ForCausalLM}.get(kind, tf.LlamaForCausalLM)
+           "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "phi3": tf.Phi3ForCausalLM,
+           "olmo2": tf.Olmo2ForCausalLM}.get(kind, tf.LlamaForCausalLM)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -109,7 +113,7 @@ SPEC_MODELS = {
     "llama_yarn": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
                   " norm_eps = 1e-6, rope_type = yarn, rope_factor = 4.0, rope_original_positions = 2048,"
                   " dtype = fp32 }",
-    # OLMo 2's q / k norm over the whole projection (no HF model here: the olmo2 family needs norms
+    # OLMo 2's q / k norm over the whole projection in a Llama block (the olmo2 family has it with norms
     # after the sublayers); split by heads, its sum of squares is all-reduced over the tensor axis.
     "llama_qk_full": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
                      " norm_eps = 1e-6, qk_norm = full, dtype = fp32 }",
@@ -126,6 +130,8 @@ SPEC_MODELS = {
               " dtype = fp32 }",
     "gemma3": "model m = gemma3 { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, head_dim = 16,"
               " ffn = 64, window = 3, global_every = 3, query_pre_attn_scalar = 24, dtype = fp32 }",
+    "olmo2": "model m = olmo2 { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
+             " norm_eps = 1e-6, rope_theta = 10000.0, dtype = fp32 }",
     "phi3": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
             " norm_eps = 1e-6, dtype = fp32 }",
     "gpt2": "model m = gpt2 { vocab = 67, hidden = 32, layers = 4, heads = 4, positions = 32 }",
