@@ -195,3 +195,22 @@ def test_tp_plan_export_refuses_splitting_the_whole_projection_norm() -> None:
     messages = [d.message for d in err.value.diagnostics]
     assert {d.code for d in err.value.diagnostics} == {"E1205"}
     assert any("`attn.q`" in m and "qk_norm = full" in m for m in messages)
+
+
+def test_planner_counts_transformers_parameters(olmo2: tuple[Path, Any]) -> None:
+    """The post norms and the whole-projection q / k norm scales ([heads x head_dim], [kv_heads x
+    head_dim]) are counted as transformers holds them."""
+    _, hf = olmo2
+    (plan,) = check_text(spec("olmo2", "tensor2"), "olmo2.mesh").plans.values()
+    assert plan.model.numel == sum(p.numel() for p in hf.parameters())
+
+
+def test_a_whole_projection_qk_norm_before_the_sublayers_has_no_config_json() -> None:
+    """A llama block with qk_norm = full is no transformers architecture: exporting it is refused in
+    one line pointing to the olmo2 family, never written as a LlamaForCausalLM that drops the norms."""
+    from meshllm_dsl.codegen.lower import model_description
+    from meshllm_dsl.runtime.hf import WeightsError, hf_config
+
+    (plan,) = check_text(spec("llama_qk_full", "single"), "m.mesh").plans.values()
+    with pytest.raises(WeightsError, match=r"qk_norm = full .* \(family olmo2\)"):
+        hf_config(model_description(plan), torch.float32)
