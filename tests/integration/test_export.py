@@ -321,3 +321,38 @@ def test_tp_plan_is_accepted_and_applied_by_transformers(
     logits = pool.run(tp_plan_job, 2, str(plan_path), str(directory), tokens)[0]
     with torch.no_grad():
         torch.testing.assert_close(logits, hf(tokens).logits, rtol=0, atol=2e-5)
+
+
+_GEMMA2 = """
+mesh m {
+    axes tensor = 2
+    device = cpu
+}
+model g = gemma2 {
+    vocab = 64
+    hidden = 32
+    layers = 2
+    heads = 4
+    kv_heads = 2
+    ffn = 64
+    dtype = fp32
+}
+plan p on m for g {
+    batch = 2
+    seq = 8
+    layout { heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }
+}
+"""
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_a_family_without_a_proven_export_is_refused_with_e1204(
+    target: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Gemma's layout had no class to name: the DTensor export raised a KeyError (an internal error).
+    path = tmp_path / "g.mesh"
+    path.write_text(_GEMMA2)
+    assert main(["export", str(path), "--to", target, "-o", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "error[E1204]" in err and "the gemma checkpoint layout" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
