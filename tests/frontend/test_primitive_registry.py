@@ -43,7 +43,7 @@ def test_registry_refuses_a_record_that_leaves_a_part_to_the_default() -> None:
 
     records = tuple(r for r in REGISTRY.values() if r.kind != "mlp")
     with pytest.raises(ValueError, match=r"records without their own \{'mlp': \['build', 'flow', 'saved_bytes', "
-                                         r"'backward_bytes', 'kernels', 'core_lines'\]\}"):
+                                         r"'backward_bytes', 'kernels', 'work', 'core_lines'\]\}"):
         _registry((*records, Bare("mlp", sublayer=True)))
 
 
