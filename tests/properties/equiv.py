@@ -221,7 +221,7 @@ def _zero3_over_tensor(p: _Patches, info: dict[str, Any]) -> None:
     from meshllm_dsl.runtime import fsdp
 
     real = fsdp.data_mesh
-    p.set(fsdp, "data_mesh", lambda mesh, batch_axes, device_type: real(mesh, ("tensor",), device_type))
+    p.set(fsdp, "data_mesh", lambda mesh, batch_axes, device_type, shard_axes=None: real(mesh, ("tensor",), device_type))
 
 
 FAULTS: dict[str, Callable[[_Patches, dict[str, Any]], None]] = {
