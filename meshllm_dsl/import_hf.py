@@ -275,14 +275,10 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
     if not olmo2 and f.flag("mlp_bias", False):  # Olmo2MLP has no bias whatever the config says
         raise refuse("mlp_bias", "adds MLP biases the llama family does not have")
     positions = f.int("max_position_embeddings", _DEFAULT_POSITIONS[arch])
-    phi3_window = f.int("sliding_window", None) if arch == "Phi3ForCausalLM" else None
-    if phi3_window is not None and phi3_window < positions:
-        raise refuse("sliding_window", "limits Phi-3's attention to a window shorter than max_position_embeddings "
-                     "(not supported)")
     window = f.int("sliding_window", None)
-    # Mistral attends within sliding_window whenever it is set (a window no shorter than the
-    # positions changes nothing, and is left out).
-    window = window if arch == "MistralForCausalLM" and window is not None and window < positions else None
+    # Mistral and Phi-3 attend within sliding_window whenever it is set (a window no shorter than
+    # the positions changes nothing, and is left out).
+    window = window if arch in ("MistralForCausalLM", "Phi3ForCausalLM") and window is not None and window < positions else None
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and f.flag("use_sliding_window", False):
         raise refuse("use_sliding_window", "limits attention to a window; meshllm computes full causal attention")
     for field in ("attn_logit_softcapping", "final_logit_softcapping", "logits_scaling"):

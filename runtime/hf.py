@@ -668,14 +668,14 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
         ]
         window = cfg.get("sliding_window")
         binding = window is not None and window < int(cfg.get("max_position_embeddings", 0))
-        if binding and (model_type == "phi3" or (model_type != "mistral" and cfg.get("use_sliding_window"))):
+        if binding and model_type not in ("mistral", "phi3") and cfg.get("use_sliding_window"):
             raise WeightsError(
                 f"{where}: `sliding_window` = {window} limits {model_type}'s attention to a window; meshllm's"
-                " llama family windows Mistral's attention only"
+                " llama family windows Mistral's and Phi-3's attention only"
             )
-        # Mistral attends within the window whenever one is set: the model must have the same one
+        # Mistral and Phi-3 attend within the window whenever one is set: the model must have the same one
         # (or none where the window is no shorter than any position).
-        theirs = int(window) if model_type == "mistral" and window is not None else 0
+        theirs = int(window) if model_type in ("mistral", "phi3") and window is not None else 0
         ours = int(attn.get("window") or 0)
         if ours != theirs and (ours or binding):
             raise bad("sliding_window", window, ours, "window")

@@ -55,6 +55,9 @@ def _config(kind: str) -> Any:
     if kind == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint; no end token in the vocab
         return tf.Phi3Config(**common, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=None,
                              bos_token_id=None, eos_token_id=None)
+    if kind == "phi3_window":  # Phi-3 attends within sliding_window exactly as Mistral does
+        return tf.Phi3Config(**common, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=None,
+                             bos_token_id=None, eos_token_id=None, sliding_window=3)
     if kind == "olmo2":  # norms after the sublayers, q / k norms over the whole projection; no end token
         return tf.Olmo2Config(**common, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=None,
                               bos_token_id=None, eos_token_id=None)
@@ -75,7 +78,7 @@ def build_hf(kind: str, directory: Path, seed: int = 0, redraw: bool = True) -> 
     cfg = _config(kind)
     cls = {"gpt2": tf.GPT2LMHeadModel, "mistral": tf.MistralForCausalLM, "mistral_window": tf.MistralForCausalLM,
            "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
-           "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "phi3": tf.Phi3ForCausalLM,
+           "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "phi3": tf.Phi3ForCausalLM, "phi3_window": tf.Phi3ForCausalLM,
            "olmo2": tf.Olmo2ForCausalLM}.get(kind, tf.LlamaForCausalLM)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
@@ -134,6 +137,8 @@ SPEC_MODELS = {
              " norm_eps = 1e-6, rope_theta = 10000.0, dtype = fp32 }",
     "phi3": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
             " norm_eps = 1e-6, dtype = fp32 }",
+    "phi3_window": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
+                   " norm_eps = 1e-6, window = 3, dtype = fp32 }",
     "gpt2": "model m = gpt2 { vocab = 67, hidden = 32, layers = 4, heads = 4, positions = 32 }",
     # 67 rows padded to 68 so the tensor axis splits the vocabulary; row 67 is masked
     "gpt2_padded": "model m = gpt2 { vocab = 68, vocab_used = 67, hidden = 32, layers = 4, heads = 4,"

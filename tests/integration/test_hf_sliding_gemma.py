@@ -25,7 +25,7 @@ from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
 from meshllm_dsl.import_hf import spec_text  # noqa: E402
 from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
 
-KINDS = ("mistral_window", "gemma2", "gemma3")
+KINDS = ("mistral_window", "phi3_window", "gemma2", "gemma3")
 N_NEW = 6
 
 

@@ -329,9 +329,9 @@ def test_import_hf_spec_checks_and_loads_the_weights(
     ("change", "named"),
     [
         ({"architectures": ["FalconForCausalLM"], "model_type": "falcon"}, "'FalconForCausalLM' is not supported"),
-        # Mistral's window is honoured now (tests/integration/test_hf_sliding_gemma.py); Phi-3's is not yet.
-        ({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "sliding_window": 4096,
-          "max_position_embeddings": 32768}, "`sliding_window` = 4096"),
+        # Mistral's and Phi-3's windows are honoured (tests/integration/test_hf_sliding_gemma.py); Qwen2's is not yet.
+        ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True,
+          "sliding_window": 4096, "max_position_embeddings": 32768}, "`use_sliding_window`"),
         ({"rope_parameters": {"rope_type": "proportional", "factor": 4.0, "rope_theta": 1e4}},
          "rope scaling type 'proportional'"),
         ({"hidden_act": "gelu"}, "`hidden_act` = 'gelu'"),
