@@ -37,16 +37,22 @@ __all__ = ["recompute", "recompute_ops"]
 HOLDERS: list[Callable[[torch.Tensor], Any]] = []
 
 
-def recompute(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)``, recomputed in backward instead of keeping what it saves (keyword
-    arguments are settings such as attention's window, never tensors to hold)."""
+def _checkpoint(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], **how: Any) -> Any:
+    """torch's non-reentrant checkpoint of ``fn``, reporting the inputs it keeps to the active
+    counters (``how``: torch's own options, e.g. a selective ``context_fn``)."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     for hold in HOLDERS:
         for a in args:
             if isinstance(a, torch.Tensor):
                 hold(a)
-    return _torch_checkpoint(fn, *args, use_reentrant=False, **kwargs)
+    return _torch_checkpoint(fn, *args, use_reentrant=False, **how, **kwargs)
+
+
+def recompute(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)``, recomputed in backward instead of keeping what it saves (keyword
+    arguments are settings such as attention's window, never tensors to hold)."""
+    return _checkpoint(fn, args, kwargs)
 
 
 def _kept_ops() -> frozenset[Any]:
@@ -81,11 +87,4 @@ def _policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
 def recompute_ops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)`` keeping only its inputs and its matmul and attention outputs for
     backward, which recomputes the rest (torchtitan's `selective op`)."""
-    if not torch.is_grad_enabled():
-        return fn(*args, **kwargs)
-    for hold in HOLDERS:
-        for a in args:
-            if isinstance(a, torch.Tensor):
-                hold(a)
-    return _torch_checkpoint(fn, *args, use_reentrant=False,
-                             context_fn=functools.partial(create_selective_checkpoint_contexts, _policy), **kwargs)
+    return _checkpoint(fn, args, kwargs, context_fn=functools.partial(create_selective_checkpoint_contexts, _policy))
