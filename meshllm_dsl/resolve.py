@@ -370,9 +370,13 @@ class ModelResolver(Resolver):
     def __init__(self, diagnostics: list[Diagnostic], families: dict[str, ast.FamilyDecl]) -> None:
         super().__init__(diagnostics)
         self.families = families
+        # Layers declared but not built (their own error is reported): a reference to one is not
+        # a second mistake, so it is not reported again (`tie = embed` after `embed` failed).
+        self.unbuilt: set[str] = set()
 
     def resolve(self, decl: ast.ModelDecl) -> ModelIR | None:
         start = len(self.diagnostics)
+        self.unbuilt = set()  # layer names are per model
         self.check_identifier(decl.name, "model")
         env: Env = {}
         firsts: dict[str, ast.Setting] = {}
@@ -588,6 +592,8 @@ class ModelResolver(Resolver):
             unit = self._unit(stmt, env, out)
             if unit is not None:
                 out.append(unit)
+            else:
+                self.unbuilt.add(stmt.name.value)
         return out
 
     def _unit(self, decl: ast.LayerDecl, env: Env, earlier: list[Unit | Repeat]) -> Unit | None:
@@ -656,6 +662,9 @@ class ModelResolver(Resolver):
                     ok = False
                     continue
                 target = next((u for u in earlier if isinstance(u, Unit) and u.name == expr.value), None)
+                if target is None and expr.value in self.unbuilt:
+                    ok = False  # the layer it names failed to build, and said why
+                    continue
                 if target is None:
                     self.error(E0202, f"unknown layer `{expr.value}`", expr.span, label="not declared before this layer",
                                **typo(expr.span, expr.value, [u.name for u in earlier if isinstance(u, Unit)]))

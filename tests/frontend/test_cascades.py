@@ -58,3 +58,16 @@ def test_shard_rules_left_out_are_one_error_naming_each_rule() -> None:
     assert rules == ["shard embed vocab_parallel(tensor)", "shard blocks.*.mlp.down row(tensor)"]
     fixed = text.replace("    shard lm_head", "".join(f"    {r}\n" for r in rules) + "    shard lm_head")
     assert check_text(fixed, "t.mesh").diagnostics == ()
+
+
+def test_a_layer_that_failed_to_build_is_not_reported_again_where_it_is_referenced() -> None:
+    # `embed` cannot be built without `hidden`; the head's `tie = embed` is no second mistake.
+    text = "mesh m {\n    axes data = 2\n    device = cpu\n}\nmodel x = llama { vocab = 64, hiden = 32 }\n"
+    ds = check_text(text, "t.mesh").diagnostics
+    assert "E0202" not in {d.code for d in ds}
+    typo = next(d for d in ds if d.code == "E0203")
+    assert typo.help is not None and typo.help.startswith("did you mean `hidden`?")
+    # A reference to a layer that is truly missing is still reported.
+    bad = "mesh m {\n    axes data = 2\n    device = cpu\n}\nfamily f(v, h) {\n    head = linear(h, v, tie = nope)\n}\n" \
+          "model x = f { v = 8, h = 4 }\n"
+    assert "E0202" in {d.code for d in check_text(bad, "t.mesh").diagnostics}
