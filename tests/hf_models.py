@@ -170,6 +170,20 @@ def spec(kind: str, plan: str) -> str:
     return f"mesh m {{ axes {axes} }}\n{SPEC_MODELS[kind]}\nplan p on m for m {{\n    batch = 4\n    seq = 8\n{body}}}\n"
 
 
+def compiled_module(text: str, name: str, directory: Path) -> tuple[str, int]:
+    """Check `text` (one plan), write its generated module to `directory`/`name`.py; return the
+    module's path and the plan's device count."""
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.codegen.emit import render_plan
+
+    result = check_text(text, f"{name}.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    (p,) = result.plans.values()
+    path = directory / f"{name}.py"
+    path.write_text(render_plan(p, f"{name}.mesh", text))
+    return str(path), p.mesh.devices
+
+
 def logits_job(ctx: Any, path: str, weights: str, tokens: Any, n_new: int = 0) -> Any:
     """On every rank: build the generated plan from ``weights``; full logits (and greedy tokens)."""
     from meshllm_dsl.runtime import greedy_generate

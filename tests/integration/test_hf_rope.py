@@ -21,9 +21,8 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from hf_models import ROPE_KINDS, build_hf, logits_job, own_config_export_job, spec  # noqa: E402
+from hf_models import compiled_module as _module  # noqa: E402
 
-from meshllm_dsl.checker import check_text  # noqa: E402
-from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
 from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
 
 N_NEW = 6
@@ -39,15 +38,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 def _fresh(directory: Path) -> Any:
     return transformers.AutoModelForCausalLM.from_pretrained(directory).eval()
-
-
-def _module(text: str, name: str, tmp_path: Path) -> tuple[str, int]:
-    result = check_text(text, f"{name}.mesh")
-    assert result.ok, [d.message for d in result.diagnostics]
-    (p,) = result.plans.values()
-    path = tmp_path / f"{name}.py"
-    path.write_text(render_plan(p, f"{name}.mesh", text))
-    return str(path), p.mesh.devices
 
 
 def _tokens() -> Any:

@@ -19,9 +19,8 @@ transformers = pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from hf_models import build_hf, export_job, logits_job, reference_job, spec  # noqa: E402
+from hf_models import compiled_module as _module  # noqa: E402
 
-from meshllm_dsl.checker import check_text  # noqa: E402
-from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
 from meshllm_dsl.import_hf import spec_text  # noqa: E402
 from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
 
@@ -33,15 +32,6 @@ N_NEW = 6
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
     root = tmp_path_factory.mktemp("hf_window")
     return {kind: (root / kind, build_hf(kind, root / kind)) for kind in KINDS}
-
-
-def _module(text: str, name: str, tmp_path: Path) -> tuple[str, int]:
-    result = check_text(text, f"{name}.mesh")
-    assert result.ok, [d.message for d in result.diagnostics]
-    (p,) = result.plans.values()
-    path = tmp_path / f"{name}.py"
-    path.write_text(render_plan(p, f"{name}.mesh", text))
-    return str(path), p.mesh.devices
 
 
 def _tokens(vocab: int) -> Any:

@@ -21,6 +21,7 @@ from hf_models import (  # noqa: E402
     KINDS,
     build_hf,
     bytes_read_job,
+    compiled_module,
     error_job,
     export_job,
     logits_job,
@@ -51,13 +52,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, An
 
 
 def _module(kind: str, plan: str, tmp_path: Path) -> tuple[str, int]:
-    text = spec(kind, plan)
-    result = check_text(text, f"{kind}_{plan}.mesh")
-    assert result.ok, [d.message for d in result.diagnostics]
-    (p,) = result.plans.values()
-    path = tmp_path / f"{kind}_{plan}.py"
-    path.write_text(render_plan(p, f"{kind}_{plan}.mesh", text))
-    return str(path), p.mesh.devices
+    return compiled_module(spec(kind, plan), f"{kind}_{plan}", tmp_path)
 
 
 def _tokens(vocab: int) -> Any:
