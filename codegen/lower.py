@@ -349,13 +349,14 @@ def _per_block_variants(rep: Repeat, classes: tuple[BlockClass, ...]) -> list[Bl
 def _block_loop(plan: PlanIR, name: str, stream: str) -> list[Line]:
     """The stage's loop over its blocks, each wrapped in `rt.recompute` (full recomputation: the
     block keeps only its input, backward reruns its forward, tensor-parallel collectives included)
-    or `rt.recompute_ops` (torchtitan's selective op: it also keeps its matmul and attention
-    outputs) where the plan recomputes it: every block, or with `every N` blocks N - 1, 2 N - 1, ..."""
+    or `rt.recompute_ops` (torchtitan's selective op: it also keeps its attention outputs and
+    every other matmul output) where the plan recomputes it: every block, or with `every N`
+    blocks N - 1, 2 N - 1, ..."""
     wrap = {"blocks": "rt.recompute", "ops": "rt.recompute_ops"}.get(plan.recompute)
     if wrap is None:
         return [Line(f"for block in self.{name}.values():"), Line("    x = block(x)", stream)]
     recomputed = f"    x = {wrap}(block, x)"
-    what = "recomputed in backward" if plan.recompute == "blocks" else "all but its matmul and attention outputs recomputed"
+    what = "recomputed in backward" if plan.recompute == "blocks" else "all but its attention and every other matmul output recomputed"
     n = plan.recompute_every
     if n == 1:
         return [Line(f"for block in self.{name}.values():"), Line(recomputed, f"{stream}; {what}")]

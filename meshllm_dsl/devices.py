@@ -119,10 +119,10 @@ def uncalibrated(profile: DeviceProfile) -> bool:
 A100_MATMUL = 0.80
 # H100: torchtitan's Llama 3.1 8B FSDP 8 and FSDP 128 (bf16, eager). Their H100s are Grand Teton's
 # 500 W HBM2e parts, and eager PyTorch leaves gaps between kernels that this model does not
-# price: both are in this figure, which a 700 W H100 SXM under torch.compile exceeds. So is
-# torchtitan's rerun of every second matmul in backward, which `recompute = ops` (all kept) does
-# not plan: about 7 of its 65 GFLOP per token.
-H100_MATMUL = 0.42
+# price: both are in this figure, which a 700 W H100 SXM under torch.compile exceeds. Its
+# selective op checkpointing reruns every second matmul in backward (k, o and up of each block:
+# about 7 of its 65 GFLOP per token), which `recompute = ops` plans as such (planner_recompute).
+H100_MATMUL = 0.46
 
 # NCCL-tests bus bandwidths (GitHub NVIDIA/nccl-tests and NVIDIA/nccl issues, NCCL's maintainers):
 # A100 (NVLink 3, 300 GB/s per direction): ~200 - 210 GB/s all-reduce on 8 GPUs (nccl-tests #149,

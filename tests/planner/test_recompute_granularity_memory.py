@@ -47,3 +47,40 @@ def test_planner_activations_match_runtime_for_selective_and_every_n(shape: str,
         # Keeping matmul outputs costs more than full recomputation and less than none; recomputing
         # every 2nd block lies between all and none of them.
         assert got[4] < got[1] < got[0] and got[4] < got[2] < got[0] and got[1] < got[3] < got[0], got
+
+
+def test_selective_op_keeps_the_odd_products_as_torchtitan_does() -> None:
+    # torchtitan's `selective` `op` policy (`_get_custom_policy`, `mm_count % 2`): the 1st, 3rd,
+    # 5th product of a checkpointed region are kept, the 2nd and 4th recomputed. Each product has
+    # its own output width, so the kept outputs name themselves; one is biased (aten.addmm) and
+    # counts as a product like aten.mm. Gradients equal the plain function's.
+    import torch.nn.functional as F
+
+    from meshllm_dsl.runtime import remat
+
+    gen = torch.Generator().manual_seed(0)
+    widths = (3, 5, 7, 11, 13)
+    ws = [torch.randn(n, k, generator=gen, requires_grad=True) for k, n in zip((2, *widths), widths)]
+    bias = torch.randn(widths[2], generator=gen, requires_grad=True)
+    x = torch.randn(4, 2, generator=gen, requires_grad=True)
+
+    def chain(x: torch.Tensor, bias: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
+        for i, w in enumerate(ws):
+            x = torch.tanh(F.linear(x, w, bias if i == 2 else None))
+        return x
+
+    kept: list[torch.Tensor] = []
+    remat.HOLDERS.append(kept.append)
+    try:
+        out = remat.recompute_ops(chain, x, bias, *ws)
+    finally:
+        remat.HOLDERS.remove(kept.append)
+    inputs = 2 + len(ws)  # the checkpoint reports its inputs first
+    assert [tuple(t.shape) for t in kept[inputs:]] == [(4, 3), (4, 7), (4, 13)]
+    out.square().sum().backward()
+    got = [t.grad.clone() for t in (x, bias, *ws)]
+    for t in (x, bias, *ws):
+        t.grad = None
+    chain(x, bias, *ws).square().sum().backward()
+    for g, t in zip(got, (x, bias, *ws)):
+        torch.testing.assert_close(g, t.grad, rtol=0, atol=0)
