@@ -144,9 +144,21 @@ Expr = Name | IntLit | FloatLit | StrLit | BinOp | Neg
 
 
 @node
+class ListLit:
+    """`[1.0, 1.5, 2.0]`: a list of expressions, the value of a model setting, family parameter or
+    layer argument (never an operand: lists take no arithmetic)."""
+
+    items: tuple[Expr, ...]
+    span: Span | None = _span
+
+
+Value = Expr | ListLit
+
+
+@node
 class Setting:
     name: Name
-    value: Expr
+    value: Value
     span: Span | None = _span
     every: Expr | None = None  # `recompute = blocks every N` (plans only)
 
@@ -182,7 +194,7 @@ class MeshDecl:
 @node
 class Call:
     func: Name
-    args: tuple[Expr, ...]
+    args: tuple[Value, ...]
     kwargs: tuple[Setting, ...]
     span: Span | None = _span
 
@@ -208,7 +220,7 @@ LayerStmt = LayerDecl | RepeatDecl
 @node
 class Param:
     name: Name
-    default: Expr | None
+    default: Value | None
     span: Span | None = _span
 
 

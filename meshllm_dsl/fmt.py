@@ -13,7 +13,9 @@ from meshllm_dsl.source import SourceFile
 _PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
 
 
-def format_expr(e: ast.Expr, parent: int = 0, right: bool = False) -> str:
+def format_expr(e: ast.Value, parent: int = 0, right: bool = False) -> str:
+    if isinstance(e, ast.ListLit):
+        return f"[{', '.join(format_expr(x) for x in e.items)}]"
     if isinstance(e, ast.IntLit):
         return str(e.value)
     if isinstance(e, ast.FloatLit):
@@ -32,9 +34,25 @@ def format_expr(e: ast.Expr, parent: int = 0, right: bool = False) -> str:
     return text
 
 
-def _setting(s: ast.Setting) -> str:
+# A list setting longer than this (with its indent) is printed one row of items per line.
+_WIDTH = 100
+
+
+def _setting(s: ast.Setting, indent: int = 0) -> str:
     every = f" every {format_expr(s.every)}" if s.every is not None else ""
-    return f"{s.name.value} = {format_expr(s.value)}{every}"
+    text = f"{s.name.value} = {format_expr(s.value)}{every}"
+    if not isinstance(s.value, ast.ListLit) or 4 * indent + len(text) <= _WIDTH or indent == 0:
+        return text
+    # Phi-3's 48 rope factors: rows of items under the name, the bracket closed on its own line
+    pad = "    " * (indent + 1)
+    rows, row = [], ""
+    for item in (format_expr(x) + "," for x in s.value.items):
+        if row and len(pad) + len(row) + 1 + len(item) > _WIDTH:
+            rows.append(row)
+            row = ""
+        row = f"{row} {item}" if row else item
+    rows.append(row)
+    return f"{s.name.value} = [\n" + "\n".join(pad + r for r in rows) + "\n" + "    " * indent + "]"
 
 
 def _rule(r: ast.Rule) -> str:
@@ -164,7 +182,7 @@ class _Printer:
             else:
                 self.open(0, f"model {item.name.value}", item)
             for s in item.settings:
-                self.line(1, _setting(s), s)
+                self.line(1, _setting(s, 1), s)
             self.layers(item.body, 1)
             self.close(0, item)
         else:

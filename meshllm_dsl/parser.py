@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from meshllm_dsl import ast, parse_tables
-from meshllm_dsl.codes import E0101, E0102, E0201, E0307, E0311
+from meshllm_dsl.codes import E0101, E0102, E0201, E0304, E0307, E0311
 from meshllm_dsl.diagnostics import Diagnostic, Label, SpecError, insert
 from meshllm_dsl.limits import MAX_EXPR_DEPTH, MAX_INT_DIGITS
 from meshllm_dsl.source import SourceFile, Span
@@ -241,8 +241,21 @@ class _Builder:
     mul = _bin("*")
     div = _bin("/")
 
+    def list_lit(self, c: list[Any]) -> ast.ListLit:
+        return ast.ListLit(tuple(e for e in c if e is not None), self._span())
+
     def setting(self, c: list[Any]) -> ast.Setting:
         return ast.Setting(c[0], c[1], self._span())
+
+    def _scalars(self, settings: Any, where: str) -> None:
+        """Lists are values of a model's settings and a layer's arguments only: a list in a mesh,
+        device, plan, optimizer or precision setting is refused here, where it was written."""
+        for s in settings:
+            if isinstance(s, ast.Setting) and isinstance(s.value, ast.ListLit):
+                self.diagnostics.append(Diagnostic(
+                    E0304, f"`{s.name.value}` in {where} takes one value, not a list", s.value.span,
+                    label="a list", help="lists are values of model settings and layer arguments only "
+                    "(such as longrope's rope_short_factor); give a single number or name here"))
 
     def every_setting(self, c: list[Any]) -> ast.Setting:
         return ast.Setting(c[0], c[1], self._span(), every=c[2])
@@ -259,6 +272,7 @@ class _Builder:
         return ast.Include(ast.StrLit(tok[1][1:-1], self._tok(tok)), self._span())
 
     def device(self, c: list[Any]) -> ast.DeviceDecl:
+        self._scalars(c[1], "a device")
         return ast.DeviceDecl(c[0], c[1], self._span())
 
     def mesh(self, c: list[Any]) -> ast.MeshDecl:
@@ -269,6 +283,7 @@ class _Builder:
                 settings.append(stmt)
             else:
                 axes.extend(stmt)
+        self._scalars(settings, "a mesh")
         return ast.MeshDecl(c[0], tuple(axes), tuple(settings), self._span())
 
     def axes(self, c: list[ast.AxisDecl]) -> list[ast.AxisDecl]:
@@ -311,6 +326,7 @@ class _Builder:
 
     # -- plans
     def plan(self, c: list[Any]) -> ast.PlanDecl:
+        self._scalars(c[3:], "a plan")
         return ast.PlanDecl(c[0], c[1], c[2], tuple(c[3:]), self._span())
 
     def shard(self, c: list[Any]) -> ast.ShardStmt:
@@ -367,9 +383,11 @@ class _Builder:
                 secondary=(Label(zeros[0].span, "first here"),) if zeros[0].span else (),  # type: ignore[arg-type]
                 help="give the ZeRO stage once"))
         settings = tuple(s for s in c[1:] if isinstance(s, ast.Setting))
+        self._scalars(settings, "an optimizer")
         return ast.OptimizerStmt(c[0], zero, settings, self._span())
 
     def precision(self, c: list[Any]) -> ast.PrecisionStmt:
+        self._scalars(c[0], "precision")
         return ast.PrecisionStmt(c[0], self._span())
 
     def zero(self, c: list[Any]) -> ast.ZeroStmt:

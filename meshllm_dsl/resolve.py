@@ -53,6 +53,7 @@ class Resolver:
     def __init__(self, diagnostics: list[Diagnostic]) -> None:
         self.diagnostics = diagnostics
         self._bad_origins: set[Span] = set()
+        self._lists: dict[Span, ast.ListLit] = {}  # each list as written, by its span: its items' spans
 
     def error(self, code: str, message: str, span: Span | None, **kw: Any) -> None:
         self.diagnostics.append(Diagnostic(code, message, span, **kw))
@@ -81,7 +82,9 @@ class Resolver:
                    help="keep one of them: a repeated statement would silently override the other")
 
     # -- expressions
-    def eval(self, expr: ast.Expr, env: Env) -> Value | Symbol | None:
+    def eval(self, expr: ast.Value, env: Env) -> Value | Symbol | None:
+        if isinstance(expr, ast.ListLit):
+            return self._eval_list(expr, env)
         if isinstance(expr, ast.IntLit):
             return expr.value
         if isinstance(expr, ast.FloatLit):
@@ -129,6 +132,70 @@ class Resolver:
                 return None
             return left // right
         return left / right
+
+    def _eval_list(self, expr: ast.ListLit, env: Env) -> tuple[float, ...] | None:
+        """A list of numbers (its items may be expressions), as floats; None after a located error."""
+        if expr.span is not None:
+            self._lists[expr.span] = expr
+        out: list[float] = []
+        for item in expr.items:
+            v = self.eval(item, env)
+            if v is None:
+                return None
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                if isinstance(v, Symbol):
+                    self.unknown_name(item, "dim", env)
+                else:
+                    self.error(E0304, f"`{_text(item)}` in a list is not a number", item.span, label=f"is {_kind(v)}",
+                               help="a list holds numbers only, such as `[1.0, 1.25, 1.5]`")
+                return None
+            if not math.isfinite(float(v)):
+                self.error(E0307, f"`{_text(item)}` is out of range", item.span, label="not finite",
+                           help="numbers in a spec are finite 64-bit floats")
+                return None
+            out.append(float(v))
+        return tuple(out)
+
+    def _origin(self, expr: ast.Value, env: Env, what: str) -> tuple[Span | None, tuple[Label, ...], Binding | None]:
+        """Where a value was written: the use itself, or (through a name, such as a family
+        parameter) its definition, with the use as a secondary label."""
+        origin = env.get(expr.value) if isinstance(expr, ast.Name) else None
+        if origin is not None and origin.span is not None and expr.span is not None:
+            return origin.span, (Label(expr.span, f"`{expr.value}` used as {what} here"),), origin
+        return expr.span, (), None
+
+    def eval_floats(self, expr: ast.Value, env: Env, what: str, length: int | None, length_why: str
+                    ) -> tuple[float, ...] | None:
+        """A list of positive numbers, `length` long when not empty (`length_why` says why); or a
+        located error: at the list as written, or at the item that is wrong."""
+        v = self.eval(expr, env)
+        if v is None:
+            return None
+        span, secondary, origin = self._origin(expr, env, what)
+        if origin is not None:
+            if span in self._bad_origins:
+                return None  # reported at its first use: one error per mistake
+        if not isinstance(v, tuple):
+            self.error(E0304, f"{what} must be a list of numbers", span, label=f"is {_kind(v)}", secondary=secondary,
+                       help="write the numbers in brackets, such as `[1.0, 1.25]`")
+            self._bad_origins.add(span)  # type: ignore[arg-type]
+            return None
+        written = self._lists.get(span) if span is not None else None
+        for i, x in enumerate(v):
+            if x <= 0:
+                at = written.items[i].span if written is not None and i < len(written.items) else span
+                self.error(E0307, f"{what}: item {i + 1} is out of range: {x:g}", at, label="must be > 0",
+                           secondary=secondary, help="every factor is a positive number")
+                self._bad_origins.add(span)  # type: ignore[arg-type]
+                return None
+        if v and length is not None and len(v) != length:
+            self.error(E0304, f"{what} has {len(v)} numbers; expected {length} ({length_why})", span,
+                       label=f"{len(v)} numbers", secondary=secondary,
+                       help=f"give {length} numbers, one per rotary frequency" if "head_dim" in length_why
+                       else f"give {length} numbers")
+            self._bad_origins.add(span)  # type: ignore[arg-type]
+            return None
+        return v
 
     def _not_number(self, expr: ast.Expr, v: object, env: Env) -> None:
         if isinstance(v, Symbol):
@@ -245,6 +312,8 @@ def _kind(v: object) -> str:
         return "a number"
     if isinstance(v, Symbol):
         return f"the name `{v}`"
+    if isinstance(v, tuple):
+        return f"a list of {len(v)} number{'' if len(v) == 1 else 's'}"
     return "a string"
 
 
@@ -403,8 +472,9 @@ class ModelResolver(Resolver):
         dtype = env.get("dtype")
         dtype_name = "bf16"
         if dtype is not None and dtype.value is not None:
-            if str(dtype.value) not in DTYPES:
-                self.error(E0203, f"unknown dtype `{dtype.value}`", dtype.span, label="not a dtype",
+            if isinstance(dtype.value, tuple) or str(dtype.value) not in DTYPES:
+                shown = _kind(dtype.value) if isinstance(dtype.value, tuple) else f"`{dtype.value}`"
+                self.error(E0203, f"unknown dtype {shown}", dtype.span, label="not a dtype",
                            help=f"use one of {or_list(DTYPES)}")
             else:
                 dtype_name = str(dtype.value)
@@ -610,7 +680,7 @@ class ModelResolver(Resolver):
             self.error(E0203, f"`{call.func.value}` takes at most {len(spec)} arguments", call.args[len(spec)].span,
                        label="extra argument", help=f"`{call.func.value}({', '.join(a.name for a in spec)})`")
             return None
-        given: list[tuple[Arg, ast.Expr]] = list(zip(spec, call.args))
+        given: list[tuple[Arg, ast.Value]] = list(zip(spec, call.args))
         names = [a.name for a in spec]
         for kw in call.kwargs:
             arg = next((a for a in spec if a.name == kw.name.value), None)
@@ -624,8 +694,9 @@ class ModelResolver(Resolver):
                 return None
             given.append((arg, kw.value))
         ok = True
+        pending: list[tuple[Arg, ast.Value]] = []
         for arg, expr in given:
-            spans[arg.name] = expr.span
+            spans[arg.name] = self._origin(expr, env, "")[0]  # where the value was written
             if arg.kind == "dim":
                 v = self.eval_int(expr, env, f"`{arg.name}` of `{decl.name.value}`", arg.minimum)
                 if v is None:
@@ -641,6 +712,8 @@ class ModelResolver(Resolver):
                     ok = False
                 else:
                     bound[arg.name] = v2
+            elif arg.kind == "floats":
+                pending.append((arg, expr))  # its length depends on arguments bound after it (head_dim)
             elif arg.kind == "bool":
                 v3 = self.eval(expr, env)
                 if not isinstance(v3, bool):
@@ -650,7 +723,11 @@ class ModelResolver(Resolver):
                     bound[arg.name] = v3
             elif arg.kind == "choice":
                 v4 = self.eval(expr, env)
-                if str(v4) not in arg.choices:
+                if isinstance(v4, tuple):
+                    self.error(E0304, f"`{arg.name}` takes one of its choices, not a list", expr.span,
+                               label=f"is {_kind(v4)}", help=f"use one of {or_list(arg.choices)}")
+                    ok = False
+                elif str(v4) not in arg.choices:
                     self.error(E0203, f"unknown {arg.name} `{v4}`", expr.span, label=f"not a known {arg.name}",
                                help=f"use one of {or_list(arg.choices)}")
                     ok = False
@@ -674,7 +751,7 @@ class ModelResolver(Resolver):
         if not ok:
             return None
         for arg in spec:
-            if arg.name in bound:
+            if arg.name in bound or any(a is arg for a, _ in pending):
                 continue
             if arg.default is None:
                 self.error(E0205, f"`{call.func.value}` needs `{arg.name}`", call.span, label=f"missing `{arg.name}`",
@@ -688,7 +765,13 @@ class ModelResolver(Resolver):
                 return None
             bound[arg.name] = value
             logical.setdefault(arg.name, _default_logical(arg.name, logical))
-        return _build_unit(decl, call.func.value, bound, logical, self)
+        for arg, expr in pending:
+            v5 = self.eval_floats(expr, env, f"`{arg.name}` of `{decl.name.value}`",
+                                  arg.length(bound) if arg.length is not None else None, arg.length_why)
+            if v5 is None:
+                return None
+            bound[arg.name] = v5
+        return _build_unit(decl, call.func.value, bound, logical, self, spans)
 
 
 def _model_label(decl: ast.ModelDecl) -> tuple[Label, ...]:
@@ -705,9 +788,15 @@ class UnitSite:
     """A layer declaration being built into its ir.Unit by its kind's record: the bound arguments
     `b`, the logical dim each names (`lg`, for shard units) and where errors go."""
 
-    def __init__(self, decl: ast.LayerDecl, b: dict[str, Any], lg: dict[str, str], r: Resolver) -> None:
+    def __init__(self, decl: ast.LayerDecl, b: dict[str, Any], lg: dict[str, str], r: Resolver,
+                 spans: dict[str, Span | None] | None = None) -> None:
         self.decl, self.b, self.lg, self.r = decl, b, lg, r
         self.name, self.span = decl.name.value, decl.span
+        self.spans = spans or {}  # argument -> where its value was written (a model's setting, through a family)
+
+    def arg_span(self, arg: str) -> Span | None:
+        """Where argument `arg`'s value was written, else the call."""
+        return self.spans.get(arg) or self.decl.call.span
 
     def unit(self, dim: str) -> tuple[str, int]:
         """The shard unit of argument `dim`: its logical dim and size."""
@@ -717,8 +806,9 @@ class UnitSite:
         return Tensor(n, (self.b[size_arg],), ((self.unit(size_arg),),))
 
 
-def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str, str], r: Resolver) -> Unit | None:
-    built = primitives.REGISTRY[kind].build(UnitSite(decl, b, lg, r))  # type: ignore[index]  # kind: a PRIMITIVES key
+def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str, str], r: Resolver,
+                spans: dict[str, Span | None] | None = None) -> Unit | None:
+    built = primitives.REGISTRY[kind].build(UnitSite(decl, b, lg, r, spans))  # type: ignore[index]  # kind: a PRIMITIVES key
     if built is None:
         return None
     attrs_, leaves = built
@@ -735,16 +825,19 @@ def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
     params = {p.name.value for p in family.params}
     where = f"family `{family.name.value}`"
 
-    def names(expr: ast.Expr) -> Iterator[ast.Name]:
+    def names(expr: ast.Value) -> Iterator[ast.Name]:
         if isinstance(expr, ast.Name):
             yield expr
+        elif isinstance(expr, ast.ListLit):
+            for item in expr.items:
+                yield from names(item)
         elif isinstance(expr, ast.Neg):
             yield from names(expr.operand)
         elif isinstance(expr, ast.BinOp):
             yield from names(expr.left)
             yield from names(expr.right)
 
-    def dims(expr: ast.Expr) -> None:
+    def dims(expr: ast.Value) -> None:
         for n in names(expr):
             if n.value not in params:
                 r.error(E0202, f"unknown dim `{n.value}` in {where}", n.span, label="not a parameter of the family",
@@ -789,7 +882,7 @@ def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
             r.error(E0203, f"`{c.func.value}` takes at most {len(spec)} arguments", c.args[len(spec)].span,
                     label="extra argument", help=f"`{c.func.value}({', '.join(a.name for a in spec)})`")
             return
-        given: list[tuple[Arg, ast.Expr]] = list(zip(spec, c.args))
+        given: list[tuple[Arg, ast.Value]] = list(zip(spec, c.args))
         for kw in c.kwargs:
             arg = next((a for a in spec if a.name == kw.name.value), None)
             if arg is None:
@@ -803,7 +896,7 @@ def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
             given.append((arg, kw.value))
         for arg, expr in given:
             symbolic = isinstance(expr, ast.Name) and expr.value in params  # the model's value decides
-            if arg.kind in ("dim", "float"):
+            if arg.kind in ("dim", "float", "floats"):
                 dims(expr)
             elif arg.kind == "choice" and not symbolic and isinstance(expr, ast.Name | ast.StrLit) \
                     and expr.value not in arg.choices:

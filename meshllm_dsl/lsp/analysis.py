@@ -117,9 +117,12 @@ class Occ:
     context: object = attrs.field(default=None, eq=False)  # the declaration it sits in
 
 
-def _expr_names(e: ast.Expr | None) -> Iterator[ast.Name]:
+def _expr_names(e: ast.Value | None) -> Iterator[ast.Name]:
     if isinstance(e, ast.Name):
         yield e
+    elif isinstance(e, ast.ListLit):
+        for item in e.items:
+            yield from _expr_names(item)
     elif isinstance(e, ast.BinOp):
         yield from _expr_names(e.left)
         yield from _expr_names(e.right)

@@ -109,12 +109,12 @@ def _occ(a: Analysis, occ: Occ) -> str | None:
         model_name = ctx.name.value if isinstance(ctx, ast.ModelDecl) else ctx.model.value if isinstance(ctx, ast.PlanDecl) else None
         model = res.models.get(model_name) if model_name else None
         if model is not None and model.value(rest[1]) is not None:
-            text += f"\n\nin model `{model.name}`: `{rest[1]} = {model.value(rest[1])}`"
+            text += f"\n\nin model `{model.name}`: `{rest[1]} = {_value(model.value(rest[1]))}`"
         return text
     if kind == "dim":
         model = res.models.get(rest[0])
         value = model.value(rest[1]) if model is not None else None
-        return f"dim `{rest[1]}` of model `{rest[0]}`" + (f" = {value}" if value is not None else "")
+        return f"dim `{rest[1]}` of model `{rest[0]}`" + (f" = {_value(value)}" if value is not None else "")
     if kind == "layer":
         return _layer(a, occ)
     if kind == "device":
@@ -159,6 +159,15 @@ def _layer(a: Analysis, occ: Occ) -> str | None:
         unit = next((u for u in item.body if u.name == tail[0]), None)
         return _unit(unit, f"{item.name}.*.{tail[0]}") if unit else None
     return _unit(item, item.name)
+
+
+def _value(v: object) -> str:
+    """A model's value as the language writes it: a list (longrope's factors) in brackets, its
+    first items only when long."""
+    if not isinstance(v, tuple):
+        return str(v)
+    shown = ", ".join(repr(x) for x in v[:6])
+    return f"[{shown}, ...] ({len(v)} numbers)" if len(v) > 6 else f"[{shown}]"
 
 
 def _unit(unit: Unit | None, name: str) -> str | None:

@@ -12,10 +12,14 @@ import attrs
 @attrs.frozen
 class Arg:
     name: str
-    kind: str  # dim | float | bool | choice | layer
+    kind: str  # dim | float | floats (a list of positive numbers) | bool | choice | layer
     default: Callable[[dict[str, Any]], Any] | None = None
     choices: tuple[str, ...] = ()
     minimum: int = 1  # the least a `dim` takes (0 where 0 means "off", as attention's window)
+    # `floats`: the length a non-empty list must have, from the other bound arguments, and why
+    # (longrope's factors: one per rotary frequency, head_dim / 2); empty means "not given".
+    length: Callable[[dict[str, Any]], int] | None = None
+    length_why: str = ""
 
 
 def const(v: Any) -> Callable[[dict[str, Any]], Any]:
