@@ -162,6 +162,7 @@ class _UnitWriter:
         self.indices: dict[tuple[str, ...], str] = {}  # axes -> attribute holding mesh.index(axes)
         self.projected: set[str] = set()  # column layers of the current sublayer already applied
         self.block_index = 0  # the first block of the class being written (its per-block settings)
+        self.context_used = False  # forward reads this rank's part of the sequence (`self.ctx`)
 
     def group(self, axes: tuple[str, ...]) -> str:
         self.groups.setdefault(axes, _group_attr(axes))
@@ -172,7 +173,29 @@ class _UnitWriter:
         return [Line(f"self.{attr} = mesh.group({', '.join(repr(a) for a in axes)})",
                      f"{_axes_text(axes)}: {self.plan.mesh.size(*axes)} ranks") for axes, attr in self.groups.items()] + [
             Line(f"self.{attr} = mesh.index({', '.join(repr(a) for a in axes)})", "this rank's index over "
-                 + _axes_text(axes)) for axes, attr in self.indices.items()]
+                 + _axes_text(axes)) for axes, attr in self.indices.items()] + self._context_lines()
+
+    def _context_lines(self) -> list[Line]:
+        cp = self.plan.roles.context
+        if not self.context_used:
+            return []
+        n = self.plan.mesh.size(*cp)
+        return [Line(f"self.ctx = rt.ContextShard(mesh, {tuple(cp)!r})",
+                     f"context parallel over {_axes_text(cp)}: sequence chunks i and {2 * n - 1} - i of {2 * n}")]
+
+    def positions(self, x: str) -> str:
+        """The call giving the positions of this rank's `s` tokens of `x`: global ones under context parallelism."""
+        if self.plan.roles.context:
+            self.context_used = True
+            return f"self.ctx.positions(s, {x}.device)"
+        return f"rt.positions(s, {x}.device)"
+
+    def attention(self) -> str:
+        """The attention function: over every context rank's keys and values under context parallelism."""
+        if self.plan.roles.context:
+            self.context_used = True
+            return "self.ctx.attention"
+        return "rt.attention"
 
     def group_index(self, axes: tuple[str, ...]) -> str:
         """An __init__-bound attribute holding this rank's index over ``axes``."""
@@ -516,6 +539,9 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         f"Data parallel over: {_axes_text(plan.roles.batch) or 'none'}; ZeRO stage {plan.zero}"
         + (f" over {_axes_text(plan.roles.batch_shard)}, replicated over {_axes_text(plan.roles.batch_replicate)} (HSDP)"
            if plan.zero and plan.roles.batch_replicate else "") + ".",
+        *([f"Context parallel over: {_axes_text(plan.roles.context)}: each rank holds sequence chunks i and "
+           f"{2 * mesh.size(*plan.roles.context) - 1} - i of {2 * mesh.size(*plan.roles.context)} (causal load balance), "
+           "keys and values all-gathered in attention."] if plan.roles.context else []),
         *([f"Precision: compute in {plan.dtype}, master weights and optimizer states in {plan.master_dtype}, "
            f"gradients reduced in {plan.reduce_dtype} ("
            + ("FSDP2 MixedPrecisionPolicy" if plan.zero >= 2 else "torch.autocast, fp32 parameters") + ")."] if plan.master_dtype else []),
@@ -548,8 +574,10 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         Line(f"seq={plan.seq},"),
         Line(f"zero={plan.zero},"),
         # HSDP: ZeRO shards over these batch axes only and replicates over the others.
-        *([Line(f"zero_axes={tuple(plan.roles.batch_shard)!r},")] if plan.roles.batch_replicate and plan.zero else []),
+        *([Line(f"zero_axes={tuple(plan.roles.batch_shard)!r},")]
+          if plan.zero and (plan.roles.batch_replicate or plan.roles.batch_shard != plan.roles.batch) else []),
         *([Line(f"seq_axes={tuple(plan.roles.sequence)!r},")] if plan.roles.sequence else []),
+        *([Line(f"context_axes={tuple(plan.roles.context)!r},")] if plan.roles.context else []),
         Line(f"optimizer={literal(_adamw_kwargs(plan))},"),
         # With `precision` the parameters the runtime keeps are the master weights.
         Line(f"dtype={TORCH_DTYPES[plan.master_dtype or plan.dtype]},"),

@@ -120,6 +120,14 @@ CODES: dict[str, tuple[str, str]] = {
               "tensor-parallel (column -> row) over exactly those axes, and the model needs such blocks; a plan "
               "without tensor parallelism, or one whose blocks split over another axis, is refused. `seq` must "
               "also divide by the axes' size (E0301)."),
+    "E0411": ("context parallelism does not fit the plan", "`layout { seq -> AXIS }` over an axis that splits "
+              "no weight is context parallelism: every rank of AXIS holds two of the 2 x |AXIS| equal chunks of "
+              "each sequence (chunks i and 2 |AXIS| - 1 - i, so the causal work is balanced) through the whole "
+              "model, and attention all-gathers keys and values over AXIS. AXIS must be an axis of its own (not "
+              "the pipeline or a batch axis), `seq` must divide by 2 x |AXIS| (E0301), and the axes of one "
+              "`seq` entry either all split weights (Megatron sequence parallelism, E0410) or none does. What "
+              "does not compose with it yet (mixture-of-experts layers, sequence parallelism in the same plan, "
+              "a tensor-parallel export) is refused here rather than run wrong."),
     "E0501": ("parameter not placed", "A plan that has any sharding rule must place every shardable parameter "
               "exactly once, by a `shard` rule or a layout entry; replicate it explicitly with `replicate` if "
               "that is what you mean. Silently replicating a forgotten layer is how plans run out of memory."),
@@ -252,6 +260,7 @@ E0407: Final = "E0407"
 E0408: Final = "E0408"
 E0409: Final = "E0409"
 E0410: Final = "E0410"
+E0411: Final = "E0411"
 E0501: Final = "E0501"
 E0502: Final = "E0502"
 E0503: Final = "E0503"

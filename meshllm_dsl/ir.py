@@ -385,6 +385,11 @@ class PlanIR:
         """Ranks the sequence is split over between sublayers (1 without sequence parallelism)."""
         return self.mesh.size(*self.roles.sequence)
 
+    @property
+    def context_size(self) -> int:
+        """Ranks every sequence is split over through the whole model (1 without context parallelism)."""
+        return self.mesh.size(*self.roles.context)
+
     def block_class(self, index: int) -> BlockClass:
         for cls in self.block_classes:
             if index in cls.indices:

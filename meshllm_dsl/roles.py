@@ -6,8 +6,8 @@ over batch axes, sequence parallelism runs over tensor axes) are checked where t
 
 The checker reports a spec's conflicts as located diagnostics before it builds a plan, so a
 `ValueError` from here is a compiler bug (or a test building a bad record), never a user's error.
-Context and expert parallelism have their fields so consumers can be written against them, but no
-plan may carry them until the runtime honours them: a non-empty one is refused.
+Expert parallelism has its field so consumers can be written against it, but no plan may carry it
+until the runtime honours it: a non-empty one is refused.
 """
 
 from __future__ import annotations
@@ -35,29 +35,32 @@ class ParallelRoles:
     tensor: tuple[str, ...] = attrs.field(default=(), converter=_axes)  # axes some parameter is split over
     sequence: tuple[str, ...] = attrs.field(default=(), converter=_axes)  # Megatron SP (`layout { seq -> T }`)
     loss: tuple[str, ...] = attrs.field(default=(), converter=_axes)  # vocab-parallel cross entropy over these
-    context: tuple[str, ...] = attrs.field(default=(), converter=_axes)  # reserved: not supported yet
+    # `layout { seq -> C }` over axes that split no weight: every sequence split over them (runtime/context.py)
+    context: tuple[str, ...] = attrs.field(default=(), converter=_axes)
     expert: tuple[str, ...] = attrs.field(default=(), converter=_axes)  # reserved: not supported yet
 
     def __attrs_post_init__(self) -> None:
-        for role in ("context", "expert"):
+        for role in ("expert",):
             if getattr(self, role):
                 raise ValueError(f"{role} parallelism (over {' x '.join(getattr(self, role))}) is not supported yet")
-        for role in ("batch", "batch_shard", "tensor", "sequence", "loss"):
+        for role in ("batch", "batch_shard", "tensor", "sequence", "loss", "context"):
             axes = getattr(self, role)
             twice = sorted({a for a in axes if axes.count(a) > 1})
             if twice:
                 raise ValueError(f"{role} axes name {', '.join(twice)} twice")
         if self.pipeline is not None:
-            for role in ("batch", "tensor"):
+            for role in ("batch", "tensor", "context"):
                 if self.pipeline in getattr(self, role):
                     raise ValueError(f"axis `{self.pipeline}` is both the pipeline and a {role} axis")
-        shared = sorted(set(self.batch) & set(self.tensor))
-        if shared:
-            raise ValueError(f"axes {', '.join(shared)} are both batch and tensor axes")
-        for role, within in (("batch_shard", "batch"), ("sequence", "tensor"), ("loss", "tensor")):
+        for one, other in (("batch", "tensor"), ("context", "tensor"), ("context", "batch")):
+            shared = sorted(set(getattr(self, one)) & set(getattr(self, other)))
+            if shared:
+                raise ValueError(f"axes {', '.join(shared)} are both {one} and {other} axes")
+        for role, within, what in (("batch_shard", "replicas", "batch or context"), ("sequence", "tensor", "tensor"),
+                                   ("loss", "tensor", "tensor")):
             outside = [a for a in getattr(self, role) if a not in getattr(self, within)]
             if outside:
-                raise ValueError(f"{role} axes {', '.join(outside)} are not {within} axes")
+                raise ValueError(f"{role} axes {', '.join(outside)} are not {what} axes")
 
     def validate(self, mesh: MeshIR) -> None:
         """Every axis a role names is an axis of `mesh`."""
@@ -73,9 +76,18 @@ class ParallelRoles:
                 ("loss", self.loss), ("context", self.context), ("expert", self.expert))
 
     @property
+    def replicas(self) -> tuple[str, ...]:
+        """The axes the parameters are replicated over and their gradients averaged over: batch, then context."""
+        return (*self.batch, *self.context)
+
+    @property
     def batch_replicate(self) -> tuple[str, ...]:
-        """The batch axes that hold full replicas of the (optimizer) state: those ZeRO does not shard."""
-        return tuple(a for a in self.batch if a not in self.batch_shard)
+        """The batch (and context) axes that hold full replicas of the (optimizer) state: those ZeRO does not shard."""
+        return tuple(a for a in self.replicas if a not in self.batch_shard)
+
+    @property
+    def context_parallel(self) -> bool:
+        return bool(self.context)
 
     @property
     def zero_enabled(self) -> bool:

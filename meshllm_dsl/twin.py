@@ -97,8 +97,9 @@ def make_twin(result: CheckResult, plan_name: str, path: str) -> tuple[str, Chec
 
 
 def _twin_seq(plan: PlanIR) -> int:
-    """8 tokens, or a multiple of the sequence-parallel axes' size that splits over them."""
-    return math.lcm(8, plan.sequence_size)
+    """8 tokens, or a multiple that splits over the sequence-parallel axes and into the 2 x |C|
+    balanced chunks of the context axes C."""
+    return math.lcm(8, plan.sequence_size, 2 * plan.context_size)
 
 
 def _twin_plan(decl: ast.PlanDecl, plan: PlanIR, per_stage: int) -> ast.PlanDecl:

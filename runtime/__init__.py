@@ -19,6 +19,7 @@ if TYPE_CHECKING:
         split_seq,
         split_to,
     )
+    from .context import ContextShard
     from .generate import greedy_generate
     from .layers import (
         DecodeSession,
@@ -59,6 +60,7 @@ _WHERE = {
         ),
         "collectives",
     ),
+    "ContextShard": "context",
     "greedy_generate": "generate",
     **dict.fromkeys(
         (
@@ -107,6 +109,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "Built",
+    "ContextShard",
     "DecodeSession",
     "KVCache",
     "LayerNorm",

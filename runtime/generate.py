@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import context
 from .layers import DecodeSession
 
 __all__ = ["greedy_generate"]
@@ -26,9 +27,20 @@ def greedy_generate(built: object, prompt: Tensor, n_new: int) -> Tensor:
     session = DecodeSession()
     tokens = prompt.to(built.device)
     step_in = tokens  # the whole prompt first (prefill), then one token at a time
-    for _ in range(n_new):
-        with session.step(step_in.shape[1]):
-            local = built.run_stages(step_in)
+    # Context parallelism: a prompt that splits into the balanced chunks is prefilled split over the
+    # context axes (each rank's caches then hold every rank's keys and values); else whole on each.
+    cp = built.context
+    split = cp is not None and cp.group is not None and tokens.shape[1] % (2 * cp.size) == 0
+    for i in range(n_new):
+        if i == 0 and split:
+            assert cp is not None
+            with session.step(step_in.shape[1]), context.split_prefill():
+                local = built.run_stages(cp.local(step_in))
+            # [b, s / n, vocab / t] per context rank -> [b, s, vocab / t] in position order.
+            local = None if local is None else cp.unshard(local)
+        else:
+            with session.step(step_in.shape[1]):
+                local = built.run_stages(step_in)
         last = None if local is None else local[:, -1:]
         logits = built.gather_logits(last, (step_in.shape[0], 1))  # [b, 1, vocab] on every rank
         step_in = logits[:, -1].argmax(dim=-1, keepdim=True)  # [b, 1]

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from . import amp, fsdp
 from .collectives import all_reduce_, all_reduce_sum
+from .context import ContextShard
 from .mesh import Mesh
 from .shards import ShardSpec, full_init, gather_full, local_slice
 
@@ -107,6 +108,9 @@ class Program:
     # Sequence parallelism: the axes the residual stream is sharded over along the sequence
     # between sublayers (and so between pipeline stages), [b, s / t, hidden].
     seq_axes: Sequence[str] = ()
+    # Context parallelism: the axes every sequence is split over through the whole model
+    # (runtime/context.py); the parameters are replicated over them and their gradients averaged.
+    context_axes: Sequence[str] = ()
 
     @property
     def vocab(self) -> int:
@@ -227,6 +231,11 @@ class Built:
         )
         self.batch_axes = tuple(program.batch_axes)
         self.dp = mesh.size(*self.batch_axes) if self.batch_axes else 1
+        self.context = ContextShard(mesh, tuple(program.context_axes)) if program.context_axes else None
+        # The axes the parameters are replicated over and their gradients averaged over: the batch
+        # axes and the context axes (each context rank's loss is the mean over an equal share of tokens).
+        self.grad_axes = tuple(a for a in mesh.names if a in self.batch_axes or a in program.context_axes)
+        self.replicas = mesh.size(*self.grad_axes) if self.grad_axes else 1
         self.zero_axes = tuple(a for a in mesh.names if a in (program.zero_axes or self.batch_axes))
         self._tied = self._tied_groups()
         if program.zero >= 2:
@@ -259,7 +268,7 @@ class Built:
     def _fully_shard(self) -> None:
         """ZeRO-3 (parameters resharded after each forward) or ZeRO-2 (kept until backward) by FSDP2
         over the data ranks; gradients and optimizer states are sharded either way."""
-        dmesh = fsdp.data_mesh(self.mesh, self.batch_axes, self.device.type, self.zero_axes)
+        dmesh = fsdp.data_mesh(self.mesh, self.grad_axes, self.device.type, self.zero_axes)
         for i in self.stage_ids:
             fsdp.shard_stage(
                 self.modules[i],
@@ -446,11 +455,14 @@ class Built:
     # ------------------------------------------------------------------ training
 
     def _local_batch(self, t: Tensor) -> Tensor:
+        """This rank's rows of the global [B, S] ``t`` and, with context parallelism, its chunks of
+        each sequence."""
         if t.shape[0] % self.dp:
             raise ValueError(
                 f"batch {t.shape[0]} does not split over {self.dp} data-parallel ranks"
             )
-        return t.chunk(self.dp, dim=0)[self.mesh.index(*self.batch_axes)] if self.dp > 1 else t
+        t = t.chunk(self.dp, dim=0)[self.mesh.index(*self.batch_axes)] if self.dp > 1 else t
+        return self.context.local(t) if self.context is not None else t
 
     def train_step(self, tokens: Tensor, targets: Tensor) -> float:
         """One optimizer step on the global batch ``tokens``/``targets`` [B, S] (same on every rank).
@@ -579,10 +591,10 @@ class Built:
                     fsdp.data_local(q.grad).copy_(total)
                 else:
                     q.grad = total.clone()
-        if self.dp > 1:
-            # FSDP2 already averaged its (DTensor) gradients over the data ranks.
+        if self.replicas > 1:
+            # FSDP2 already averaged its (DTensor) gradients over the data (and context) ranks.
             grads = [q.grad for q in self.parameters() if q.grad is not None and not fsdp.is_sharded(q.grad)]
-            _all_reduce_coalesced(grads, self.mesh.group(*self.batch_axes), divide_by=self.dp)
+            _all_reduce_coalesced(grads, self.mesh.group(*self.grad_axes), divide_by=self.replicas)
 
     def _global_loss(self, local: Tensor | None) -> float:
         """Mean of the per-replica losses, known to every rank (only last stages computed one)."""
@@ -592,13 +604,14 @@ class Built:
             else local.detach().to(torch.float64)
         )
         axes = tuple(
-            a for a in self.mesh.names if a == self.program.pipeline_axis or a in self.batch_axes
+            a for a in self.mesh.names if a == self.program.pipeline_axis or a in self.grad_axes
         )  # not tensor: its ranks computed the same vocab-parallel loss
         if axes:
             group = self.mesh.group(*axes)
-            # [1]: the last stages' losses, summed over pipeline (others add 0) and replicas.
+            # [1]: the last stages' losses, summed over pipeline (others add 0), replicas and
+            # context ranks (each the mean over an equal share of the tokens).
             value = all_reduce_sum(value.reshape(1), group)[0]
-        return float(value) / self.dp
+        return float(value) / self.replicas
 
     # ------------------------------------------------------------------ inspection
 
@@ -658,6 +671,9 @@ class Built:
         """Full logits [B, S, vocab] of the global batch, on every rank (for equivalence checks)."""
         local = self._local_batch(tokens.to(self.device))
         logits = self.gather_logits(self.run_stages(local), (local.shape[0], local.shape[1]))
+        if self.context is not None:
+            # [B / dp, S / cp, vocab] per context rank -> [B / dp, S, vocab] in position order.
+            logits = self.context.unshard(logits)
         if self.dp > 1:
             parts = [torch.empty_like(logits) for _ in range(self.dp)]
             # [B / dp, S, vocab] per replica -> [B, S, vocab].

@@ -47,6 +47,8 @@ class PlanContext(Resolver):
         self.bad_settings: set[str] = set()  # plan settings given but rejected: checks that read them stay quiet
         self.seq_axes: tuple[str, ...] = ()  # sequence parallelism over these axes (`layout { seq -> T }`)
         self.seq_entry: ast.LayoutEntry | None = None
+        # Context parallelism over these axes (`layout { seq -> C }`, C splitting no weight): checker/memory.py
+        self.context_axes: tuple[str, ...] = ()
 
     def error(self, code: str, message: str, span: Span | None, **kw: object) -> None:
         if not code.startswith("W"):

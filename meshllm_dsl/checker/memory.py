@@ -1,5 +1,5 @@
 """Memory techniques a plan asks for: activation recomputation (E0409), sequence parallelism (E0410,
-E0301 for seq)."""
+E0301 for seq), context parallelism (E0411, E0301 for seq)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from meshllm_dsl import ast, primitives
 from meshllm_dsl.checker.context import (
     PlanContext,
 )
-from meshllm_dsl.codes import E0203, E0301, E0409, E0410
+from meshllm_dsl.codes import E0203, E0301, E0409, E0410, E0411
 from meshllm_dsl.diagnostics import Label
 from meshllm_dsl.ir import Unit
 from meshllm_dsl.names import or_list
@@ -65,7 +65,7 @@ class MemoryRules(PlanContext):
         layouts (layouts.py); here: a model it applies to, and seq splitting over T (E0301).
         """
         entry = self.seq_entry
-        if entry is None:
+        if entry is None or not self.seq_axes:  # (context parallelism, or a refused mix: E0411)
             return
         axes, text = self.seq_axes, " x ".join(self.seq_axes)
         rep = self.model.repeat
@@ -91,3 +91,39 @@ class MemoryRules(PlanContext):
                        + tuple(lab for a in axes for lab in self.axis_label(a)),
                        help=f"sequence parallelism gives each of the {n} ranks of {text} an equal slice of every "
                             f"sequence: use seq = {or_list(ok)}")
+
+    def context_parallel(self, seq: int, seq_setting: ast.Setting | None, pipeline_axis: str | None,
+                         batch_axes: tuple[str, ...]) -> None:
+        """`layout { seq -> C }` over axes C that split no weight: context parallelism (runtime/context.py).
+
+        C has no other role (E0411), the model has nothing the runtime does not yet split along the
+        sequence (E0411), and seq divides into 2 |C| equal chunks for the head-tail balance (E0301).
+        """
+        entry, axes = self.seq_entry, self.context_axes
+        if entry is None or not axes:
+            return
+        text = " x ".join(axes)
+        for a in axes:
+            role = "the pipeline axis" if a == pipeline_axis else "a batch axis" if a in batch_axes else None
+            if role is not None:
+                self.error(E0411, f"axis `{a}` is {role}; the sequence cannot also be split over it", entry.span,
+                           label=f"context parallelism over `{a}`", secondary=self.axis_label(a),
+                           help="context parallelism needs a mesh axis of its own: add one (`axes data = 2, cp = 2`) "
+                                f"and write `seq -> cp`, or remove `seq -> {' * '.join(axes)}`")
+                return
+        moe = [u for u in (self.model.repeat.body if self.model.repeat else ()) if u.kind == "moe"]
+        if moe:
+            self.error(E0411, f"context parallelism with the moe layer `{moe[0].name}` is not supported yet",
+                       entry.span, label=f"context parallelism over {text}",
+                       secondary=(Label(moe[0].span, "a mixture-of-experts layer"),) if moe[0].span else (),
+                       help=f"remove `seq -> {' * '.join(axes)}`: the experts' routing over a split sequence is not proven yet")
+        n = 2 * self.mesh.size(*axes)
+        if "seq" not in self.bad_settings and seq % n:
+            span = seq_setting.value.span if seq_setting is not None else entry.span
+            ok = [k * n for k in range(max(1, seq // n), max(1, seq // n) + 3)]
+            self.error(E0301, f"`seq` ({seq}) is not divisible by 2 x {text} (2 x {n // 2} = {n})", span,
+                       label=f"{seq} tokens do not split into {n} equal chunks",
+                       secondary=(Label(entry.span, f"context parallelism over {text}"),)
+                       + tuple(lab for a in axes for lab in self.axis_label(a)),
+                       help=f"each of the {n // 2} ranks of {text} holds chunks i and {n - 1} - i of {n} equal ones "
+                            f"(the causal work balanced): use seq = {or_list(ok)}")

@@ -32,7 +32,11 @@ PRECISION_KEYS = ("params", "master", "reduce")
 
 
 class OptimizerRules(PlanContext):
-    def optimizer(self, batch_axes: tuple[str, ...]) -> tuple[str, tuple[tuple[str, object], ...], int, tuple[str, ...]]:
+    def optimizer(self, batch_axes: tuple[str, ...], context_axes: tuple[str, ...] = ()
+                  ) -> tuple[str, tuple[tuple[str, object], ...], int, tuple[str, ...]]:
+        # Parameters are replicated over the batch axes and the context axes alike: ZeRO may shard
+        # over any of them (torchtitan's FSDP over data x cp); by default over the batch axes.
+        replica_axes = tuple(a.name for a in self.mesh.axes if a.name in batch_axes or a.name in context_axes)
         stmts = [s for s in self.decl.body if isinstance(s, ast.OptimizerStmt)]
         if not stmts:
             return "adamw", (), 0, ()
@@ -73,20 +77,21 @@ class OptimizerRules(PlanContext):
                            help="zero 1 shards optimizer states over the data-parallel axes, zero 2 gradients too, "
                            "zero 3 parameters too")
                 zero = 0
-            axes = self.check_axes(stmt.zero.axes, "zero") if stmt.zero.axes else batch_axes
+            axes = self.check_axes(stmt.zero.axes, "zero") if stmt.zero.axes else (batch_axes or replica_axes)
             if axes is not None:
                 zero_axes = axes
-                if not batch_axes and zero:
+                if not replica_axes and zero:
                     self.error(E0407, "ZeRO shards over the data-parallel axes, but this plan has none",
                                stmt.zero.span, label=f"zero {zero}",
                                help="add `layout { batch -> data }` so the batch (and the optimizer states) split over an axis")
-                elif not set(axes) <= set(batch_axes) and zero:
+                elif not set(axes) <= set(replica_axes) and zero:
                     # A strict subset is HSDP: sharded within, replicated across the other batch axes.
-                    self.error(E0407, f"ZeRO must shard over the batch axes ({' x '.join(batch_axes)}), not {' x '.join(axes)}",
+                    what = "batch and context axes" if context_axes else "batch axes"
+                    self.error(E0407, f"ZeRO must shard over the {what} ({' x '.join(replica_axes)}), not {' x '.join(axes)}",
                                stmt.zero.span, label="not the data-parallel axes",
-                               help=f"write `zero {zero} over {' * '.join(batch_axes)}`: only ranks holding the same parameters can share their optimizer states",
-                               suggestions=replace(stmt.zero.span, f"zero {zero} over {' * '.join(batch_axes)}",
-                                                   f"Write `zero {zero} over {' * '.join(batch_axes)}`",
+                               help=f"write `zero {zero} over {' * '.join(replica_axes)}`: only ranks holding the same parameters can share their optimizer states",
+                               suggestions=replace(stmt.zero.span, f"zero {zero} over {' * '.join(replica_axes)}",
+                                                   f"Write `zero {zero} over {' * '.join(replica_axes)}`",
                                                    Applicability.MACHINE_APPLICABLE))
         return stmt.name.value, tuple(settings), zero, zero_axes
 

@@ -152,7 +152,8 @@ def placements(ctx: PassContext) -> PassResult:
     batch_axes, layout_matches = w.layout()
     matches = w.shard_rules(layout_matches)
     top, classes = w.placements(matches)
-    return w.result(batch_axes=batch_axes, seq_axes=w.seq_axes, seq_entry=w.seq_entry, top=top, classes=classes)
+    return w.result(batch_axes=batch_axes, seq_axes=w.seq_axes, seq_entry=w.seq_entry, context_axes=w.context_axes,
+                    top=top, classes=classes)
 
 
 def loss(ctx: PassContext) -> PassResult:
@@ -194,9 +195,16 @@ def sequence_parallel(ctx: PassContext) -> PassResult:
     return w.result()
 
 
+def context_parallel(ctx: PassContext) -> PassResult:
+    w = _Worker.of(ctx)
+    w.seq_entry, w.context_axes = ctx["seq_entry"], ctx["context_axes"]
+    w.context_parallel(ctx["seq"], ctx["settings"].get("seq"), ctx["pipeline_axis"], ctx["batch_axes"])
+    return w.result()
+
+
 def optimizer(ctx: PassContext) -> PassResult:
     w = _Worker.of(ctx)
-    name, opt_settings, zero, zero_axes = w.optimizer(ctx["batch_axes"])
+    name, opt_settings, zero, zero_axes = w.optimizer(ctx["batch_axes"], ctx["context_axes"])
     return w.result(optimizer=name, optimizer_settings=opt_settings, zero=zero, zero_axes=zero_axes)
 
 
@@ -209,7 +217,7 @@ def precision(ctx: PassContext) -> PassResult:
 def axis_roles(ctx: PassContext) -> PassResult:
     """One role per mesh axis (E0407), tensor axes within a host (W0702), no axis unused (W0704)."""
     w = _Worker.of(ctx)
-    w.axis_usage(ctx["top"], ctx["classes"], ctx["pipeline_axis"], ctx["batch_axes"])
+    w.axis_usage(ctx["top"], ctx["classes"], ctx["pipeline_axis"], ctx["batch_axes"], ctx["context_axes"])
     return w.result()
 
 
@@ -231,6 +239,7 @@ PASSES: tuple[Pass, ...] = (
     schedule,
     batch,
     sequence_parallel,
+    context_parallel,
     optimizer,
     precision,
     axis_roles,

@@ -60,7 +60,7 @@ class PitfallRules(PlanContext):
                      and ".".join(leaf.path) == path), None)
 
     def axis_usage(self, top: dict[str, Placement], classes: tuple[BlockClass, ...], pipeline_axis: str | None,
-                   batch_axes: tuple[str, ...]) -> None:
+                   batch_axes: tuple[str, ...], context_axes: tuple[str, ...] = ()) -> None:
         shard_axes: dict[str, Span | None] = {}
         for p in [*top.values(), *(pl for c in classes for _, pl in c.placements)]:
             for a in p.axes:
@@ -73,6 +73,8 @@ class PitfallRules(PlanContext):
                 self.error(E0407, f"axis `{a}` is both {roles[a]} and a batch axis", self.decl.name.span,
                            label=f"plan `{self.decl.name.value}`", help="give each mesh axis one role")
             roles.setdefault(a, "a batch axis")
+        for a in context_axes:  # (a context axis that is also the pipeline or a batch axis: E0411)
+            roles.setdefault(a, "the context-parallel axis")
         for a, span in shard_axes.items():
             if a in roles:
                 self.error(E0407, f"axis `{a}` is {roles[a]}; parameters cannot also be sharded over it", span,

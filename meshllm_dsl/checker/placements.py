@@ -19,7 +19,19 @@ from meshllm_dsl.checker.context import (
     _Silent,
 )
 from meshllm_dsl.checker.paths import match_path
-from meshllm_dsl.codes import E0201, E0301, E0401, E0404, E0405, E0406, E0408, E0501, E0502, E0503
+from meshllm_dsl.codes import (
+    E0201,
+    E0301,
+    E0401,
+    E0404,
+    E0405,
+    E0406,
+    E0408,
+    E0411,
+    E0501,
+    E0502,
+    E0503,
+)
 from meshllm_dsl.diagnostics import Applicability, Label, Suggestion, make_rule, replace, typo
 from meshllm_dsl.ir import REPLICATE, RULES, BlockClass, Leaf, Placement, Repeat, Unit
 from meshllm_dsl.layouts import block_flows
@@ -60,7 +72,29 @@ class PlacementRules(PlanContext):
                     self.error(E0502, f"layout entry `{dim}` matches no parameter", e.dim.span,
                                label="no layer has this dim", **typo(e.dim.span, dim, known))
                 out.extend(hits)
+        self._context_or_sequence()
         return batch_axes, out
+
+    def _context_or_sequence(self) -> None:
+        """`seq -> AXES`: Megatron sequence parallelism when the axes split weights (they are tensor
+        axes), context parallelism when none does; a mix of the two is refused (E0411)."""
+        e = self.seq_entry
+        if e is None:
+            return
+        weight_axes = {a.value for stmt in self.decl.body if isinstance(stmt, ast.ShardStmt) for a in stmt.rule.axes}
+        weight_axes |= {a.value for stmt in self.decl.body if isinstance(stmt, ast.LayoutStmt)
+                        for x in stmt.entries if x.dim.value not in ("batch", "seq") for a in x.axes}
+        split = [a for a in self.seq_axes if a in weight_axes]
+        if not split:
+            self.context_axes, self.seq_axes = self.seq_axes, ()
+        elif len(split) < len(self.seq_axes):
+            free = [a for a in self.seq_axes if a not in weight_axes]
+            self.error(E0411, f"`seq -> {' * '.join(a.value for a in e.axes)}` mixes tensor axes ({', '.join(split)}) with "
+                       f"axes that split no weight ({', '.join(free)})", e.span,
+                       label="sequence parallelism and context parallelism in one entry",
+                       help=f"write `seq -> {' * '.join(free)}` for context parallelism; sequence parallelism over "
+                            f"{' x '.join(split)} in the same plan is not supported yet")
+            self.seq_axes = ()
 
     def layout_leaves(self, dim: str, axes: tuple[str, ...], e: ast.LayoutEntry) -> list[tuple[Leaf, _Match]]:
         hits = []

@@ -207,11 +207,16 @@ class Attention(Primitive):
         theta = layer_rope_theta(a, w.block_index)
         if theta and a.get("rope_scaling"):
             scaling = tuple(a["rope_scaling"])
-            lines.append(w.line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(theta)!r}, "
+            lines.append(w.line(f"q, k = rt.apply_rotary(q, k, {w.positions('q')}, theta={float(theta)!r}, "
                                 f"scaling={scaling!r})", f"{dict(scaling)['rope_type']} rope scaling (runtime/rope.py)"))
         elif theta:
-            lines.append(w.line(f"q, k = rt.apply_rotary(q, k, rt.positions(s, q.device), theta={float(theta)!r})"))
+            lines.append(w.line(f"q, k = rt.apply_rotary(q, k, {w.positions('q')}, theta={float(theta)!r})"))
         what = f"[b, s, {h * hd}] causal; q heads per kv head: {h // kv if kv else 0}"
+        if w.plan.roles.context:
+            n = w.plan.mesh.size(*w.plan.roles.context)
+            what = (f"[b, s, {h * hd}] causal over the whole sequence: k, v [b, s, {kv}, {hd}] all-gathered over "
+                    f"{w.axes_text(w.plan.roles.context)} ({n}) to [b, {n} s, {kv}, {hd}] (backward reduce-scatters them); "
+                    f"q heads per kv head: {h // kv if kv else 0}")
         extra = ""
         if window:
             extra += f", window={window}"
@@ -224,10 +229,10 @@ class Attention(Primitive):
             what += f"; logits soft-capped at {a['softcap']}"
         if w.plan.recompute == "attention":
             # Selective recomputation: backward reruns only the attention core, from q, k, v.
-            call = f"rt.recompute(rt.attention, q, k, v{extra})"
+            call = f"rt.recompute({w.attention()}, q, k, v{extra})"
             lines.append(w.line(f"a = {call}", what + "; recomputed in backward"))
         else:
-            lines.append(w.line(f"a = rt.attention(q, k, v{extra})", what))
+            lines.append(w.line(f"a = {w.attention()}(q, k, v{extra})", what))
         return lines
 
 

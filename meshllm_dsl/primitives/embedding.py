@@ -150,7 +150,7 @@ class Positional(Primitive):
 
     def top_lines(self, w: Any, site: TopSite) -> tuple[list[Any], str]:
         a = dict(site.unit.attrs)
-        lines = [w.line(f"x = x + self.{site.unit.name}(rt.positions(s, x.device))", f"[b, s, {a['dim']}]")]
+        lines = [w.line(f"x = x + self.{site.unit.name}({w.positions('x')})", f"[b, s, {a['dim']}]")]
         if site.flow is not None:
             lines += w.seq_lines(site.flow, a["dim"])
         return lines, site.cur

@@ -84,12 +84,14 @@ plan p on m for t {
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(context=("cp",)), "context parallelism (over cp) is not supported yet"),
+    (dict(context=("t",), tensor=("t",)), "axes t are both context and tensor axes"),
+    (dict(context=("d",), batch=("d",)), "axes d are both context and batch axes"),
+    (dict(pipeline="p", context=("p",)), "axis `p` is both the pipeline and a context axis"),
     (dict(expert=("ep",)), "expert parallelism (over ep) is not supported yet"),
     (dict(pipeline="p", batch=("p",)), "axis `p` is both the pipeline and a batch axis"),
     (dict(pipeline="p", tensor=("p",)), "axis `p` is both the pipeline and a tensor axis"),
     (dict(batch=("d", "t"), tensor=("t",)), "axes t are both batch and tensor axes"),
-    (dict(batch=("d",), batch_shard=("e",)), "batch_shard axes e are not batch axes"),
+    (dict(batch=("d",), batch_shard=("e",)), "batch_shard axes e are not batch or context axes"),
     (dict(tensor=("t",), sequence=("s",)), "sequence axes s are not tensor axes"),
     (dict(tensor=("t",), loss=("u",)), "loss axes u are not tensor axes"),
     (dict(batch=("d", "d")), "batch axes name d twice"),

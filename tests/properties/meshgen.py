@@ -408,12 +408,38 @@ class _Oracle:
                     # Only certain when every placement in the unit is known and unambiguous.
                     self.bad(err, f"block {b} {unit}: {[p for p in ps]}", required=legal and known)
 
+    def weight_axes(self) -> set[str]:
+        """The axes the spec's shard rules and (non-seq) layout entries name: the ones that split weights."""
+        s = self.s
+        return {a for r in s.rules for a in r.axes} | {a for d, axes in s.layout.items() if d != "seq" for a in axes}
+
+    def seq_role(self) -> str | None:
+        """What `seq -> A` is: "sequence" (A splits weights), "context" (A splits none), "mixed", None."""
+        axes = self.s.layout.get("seq")
+        if axes is None or len(set(axes)) != len(axes):
+            return None
+        split = [a for a in axes if a in self.weight_axes()]
+        return "context" if not split else "sequence" if len(split) == len(axes) else "mixed"
+
     def sequence_parallel(self, legal: bool) -> None:
         """`seq -> A` (Megatron SP): every attention / mlp of every block column -> row over exactly A
-        (E0410, where its layouts are otherwise fine), and seq divisible by A's size (E0301)."""
+        (E0410, where its layouts are otherwise fine), and seq divisible by A's size (E0301). Over
+        axes that split no weight it is context parallelism: A no batch or pipeline axis (E0411),
+        seq divisible by 2 |A| (E0301); a mix of the two kinds of axes is refused (E0411)."""
         s = self.s
         axes = s.layout.get("seq")
-        if axes is None or len(set(axes)) != len(axes):
+        role = self.seq_role()
+        if axes is None or role is None:
+            return
+        if role == "mixed":
+            self.bad("E0411", f"seq over {axes} mixes tensor axes with others")
+            return
+        if role == "context":
+            pipe = s.stages["axis"] if s.stages else None
+            if set(axes) & {*s.batch_axes, pipe}:
+                self.bad("E0411", f"context parallelism over {axes}, an axis with another role")
+            elif all(a in self.axis_names for a in axes) and s.seq % (2 * s.size(*axes)):
+                self.bad("E0301", f"seq {s.seq} into 2 x {axes} chunks")
             return
         if s.seq % s.size(*axes):
             self.bad("E0301", f"seq {s.seq} over {axes}")
@@ -543,7 +569,9 @@ class _Oracle:
         return ParallelRoles(
             pipeline=s.stages["axis"] if s.stages else None, batch=ordered(s.batch_axes),
             batch_shard=ordered(s.batch_axes) if zero else (), tensor=ordered(a for axes in split for a in axes),
-            sequence=ordered(s.layout.get("seq", ())), loss=ordered(head[1]) if head[0] == "column" else (),
+            sequence=ordered(s.layout.get("seq", ())) if self.seq_role() == "sequence" else (),
+            context=ordered(s.layout.get("seq", ())) if self.seq_role() == "context" else (),
+            loss=ordered(head[1]) if head[0] == "column" else (),
         )
 
     def roles(self) -> None:
@@ -559,10 +587,12 @@ class _Oracle:
                 break
         if s.zero is not None:
             stage, over = s.zero
-            axes = over if over else s.batch_axes
-            if stage and not s.batch_axes:
+            context = set(s.layout.get("seq", ())) if self.seq_role() == "context" else set()
+            replicas = [n for n, _, _ in s.axes if n in s.batch_axes or n in context]
+            axes = over if over else (s.batch_axes or tuple(replicas))
+            if stage and not replicas:
                 self.bad("E0407", "ZeRO without batch axes")
-            elif stage and not set(axes) <= set(s.batch_axes):  # a subset is HSDP
+            elif stage and not set(axes) <= set(replicas):  # a subset is HSDP
                 self.bad("E0407", "ZeRO over axes other than the batch axes")
 
 

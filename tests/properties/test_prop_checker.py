@@ -98,7 +98,9 @@ KNOWN: dict[str, tuple[Spec, set[str]]] = {
     "batch": (_base(rules=list(MEGATRON), batch=3, microbatches=2), {"E0305"}),
     "sequence_parallel": (_base(rules=list(MEGATRON), layout={"seq": ("tp",)}), set()),
     "sequence_parallel_seq_indivisible": (_base(rules=list(MEGATRON), layout={"seq": ("tp",)}, seq=3), {"E0301"}),
-    "sequence_parallel_without_tensor_parallel": (_base(layout={"seq": ("tp",)}), {"E0410"}),
+    # Over an axis that splits no weight, `seq -> tp` is context parallelism: seq into 2 x 2 chunks.
+    "context_parallel": (_base(layout={"seq": ("tp",)}), set()),
+    "context_parallel_seq_indivisible": (_base(layout={"seq": ("tp",)}, seq=6), {"E0301"}),
     "few_microbatches": (
         _base(axes=[("pp", "pipeline", 2)], dims={"vocab": 32, "hidden": 16, "heads": 4, "kv_heads": 2, "ffn": 32, "layers": 2},
               stages={"axis": "pp", "virtual": 1, "balanced": True}, schedule="1f1b", microbatches=1),

@@ -1,0 +1,208 @@
+"""Context parallelism (`layout { seq -> C }` over axes C that split no weight) end to end.
+
+The checker's reading of a `seq` entry (context vs sequence parallelism) and its refusals run in
+process. Every plan kind is compiled by meshc and trained for 3 AdamW steps on the shared gloo
+pool (tests/conftest.py), in float32 and float64: logits, every gradient, the loss at each step and
+every parameter afterwards equal the unsharded reference trained in one process. Decoding (the
+prompt's prefill split over C, then a gathered cache) gives the reference's greedy tokens, and a
+tiny random transformers Llama's logits and tokens.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshllm_dsl.checker import check_text
+
+MEGATRON = """
+    shard blocks.*.attn.{q,k,v} column(tensor)
+    shard blocks.*.attn.o row(tensor)
+    shard blocks.*.mlp.{gate,up} column(tensor)
+    shard blocks.*.mlp.down row(tensor)
+    shard embed vocab_parallel(tensor)
+    shard lm_head column(tensor)
+"""
+LLAMA = "model m = llama { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64, dtype = fp32 }"
+# GPT-2: learned positions (each rank adds the rows of its tokens' global positions), a tied head.
+GPT2 = "model m = gpt2 { vocab = 64, hidden = 32, layers = 2, heads = 4, positions = 16 }"
+# Gemma 2: a sliding window on every other block and soft-capped logits, masked by global positions.
+GEMMA2 = ("model m = gemma2 { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, head_dim = 8, "
+          "ffn = 64, window = 3, dtype = fp32 }")
+
+
+def _spec(axes: str, body: str, model: str = LLAMA, seq: int = 8, batch: int = 4) -> str:
+    return f"mesh m {{ axes {axes} }}\n{model}\nplan p on m for m {{\n    batch = {batch}\n    seq = {seq}\n{body}\n}}\n"
+
+
+def _codes(text: str) -> list[str]:
+    return [d.code for d in check_text(text, "t.mesh").diagnostics]
+
+
+# -- the checker
+
+
+def test_seq_over_an_axis_splitting_no_weight_is_context_parallelism() -> None:
+    result = check_text(_spec("tensor = 2, cp = 2", MEGATRON + "    layout { seq -> cp }"), "t.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    roles = result.plans["p"].roles
+    assert roles.context == ("cp",) and roles.sequence == () and roles.tensor == ("tensor",)
+    # Over the tensor axis it stays Megatron sequence parallelism.
+    sp = check_text(_spec("tensor = 2", MEGATRON + "    layout { seq -> tensor }"), "t.mesh").plans["p"].roles
+    assert sp.sequence == ("tensor",) and sp.context == ()
+
+
+@pytest.mark.parametrize(("axes", "body", "code"), [
+    # seq into 2 x |cp| equal chunks: 12 tokens into 8 do not go.
+    ("cp = 4", "    layout { seq -> cp }", "E0301"),
+    ("data = 2", "    layout { batch -> data, seq -> data }", "E0411"),
+    ("pipeline = 2, cp = 2", "    layout { seq -> pipeline }\n    microbatches = 2\n    stages over pipeline balanced", "E0411"),
+    ("tensor = 2, cp = 2", MEGATRON + "    layout { seq -> tensor * cp }", "E0411"),
+    # ZeRO over an axis that holds no replica (tensor) is still refused; over data x cp it is not.
+    ("data = 2, cp = 2, tensor = 2", MEGATRON + "    layout { batch -> data, seq -> cp }\n"
+     "    optimizer adamw { zero 1 over data * tensor }", "E0407"),
+    ("data = 2, cp = 2", "    layout { batch -> data, seq -> cp }\n    optimizer adamw { zero 3 over data * cp }", None),
+    ("cp = 2", "    layout { seq -> cp }\n    optimizer adamw { zero 1 }", None),
+])
+def test_context_parallel_checks(axes: str, body: str, code: str | None) -> None:
+    got = _codes(_spec(axes, body, seq=12))
+    assert got == ([code] if code else []), got
+
+
+def test_zero_over_data_and_context_shards_over_both() -> None:
+    text = _spec("data = 2, cp = 2", "    layout { batch -> data, seq -> cp }\n    optimizer adamw { zero 3 over data * cp }")
+    roles = check_text(text, "t.mesh").plans["p"].roles
+    assert roles.batch_shard == ("data", "cp") and roles.batch_replicate == ()
+    hsdp = check_text(text.replace("over data * cp", "over data"), "t.mesh").plans["p"].roles
+    assert hsdp.batch_shard == ("data",) and hsdp.batch_replicate == ("cp",)
+
+
+def test_the_generated_attention_gathers_keys_and_values_with_a_shape_comment() -> None:
+    from meshllm_dsl.codegen.emit import render_plan
+
+    text = _spec("cp = 2", "    layout { seq -> cp }")
+    (plan,) = check_text(text, "t.mesh").plans.values()
+    code = render_plan(plan, "t.mesh", text)
+    assert "self.ctx = rt.ContextShard(mesh, ('cp',))" in code
+    assert "self.ctx.positions(s, q.device)" in code and "rt.positions(" not in code
+    assert ("a = self.ctx.attention(q, k, v)  # [b, s, 32] causal over the whole sequence: k, v [b, s, 2, 8] "
+            "all-gathered over cp (2) to [b, 2 s, 2, 8] (backward reduce-scatters them)") in code
+    assert "context_axes=('cp',)," in code
+
+
+# -- on gloo ranks against the unsharded reference
+
+CASES: dict[str, str] = {
+    "cp2": _spec("cp = 2", "    layout { seq -> cp }"),
+    # The loss is averaged over data x cp; clipping's global norm counts each replica once.
+    "data2_cp2_zero1_clip": _spec("data = 2, cp = 2", "    layout { batch -> data, seq -> cp }\n"
+                                  "    optimizer adamw { zero 1 over data * cp, clip = 0.01 }"),
+    "tensor2_cp2": _spec("tensor = 2, cp = 2", MEGATRON + "    layout { seq -> cp }"),
+    # Between stages the residual stream is [mb, s / cp, hidden]; every stage reads global positions.
+    "pipeline2_cp2_1f1b": _spec("pipeline = 2, cp = 2", "    layout { seq -> cp }\n    microbatches = 2\n"
+                                "    stages over pipeline balanced\n    schedule 1f1b"),
+    # FSDP2 over data x cp (torchtitan), and HSDP: sharded over data, replicated over cp.
+    "data2_cp2_zero3": _spec("data = 2, cp = 2", "    layout { batch -> data, seq -> cp }\n"
+                             "    optimizer adamw { zero 3 over data * cp }"),
+    "data2_cp2_zero2_over_data": _spec("data = 2, cp = 2", "    layout { batch -> data, seq -> cp }\n"
+                                       "    optimizer adamw { zero 2 over data }"),
+    # 8 chunks of 2 tokens; one kv head for four query heads; a window across the chunks; the
+    # gathers run again when backward recomputes the blocks.
+    "cp4_gqa_window_recompute": _spec("cp = 4", "    layout { seq -> cp }\n    recompute = blocks",
+                                      LLAMA.replace("kv_heads = 2", "kv_heads = 1").replace("}", ", window = 5 }"),
+                                      seq=16),
+    "gpt2_cp2_recompute_attention": _spec("cp = 2", "    layout { seq -> cp }\n    recompute = attention", GPT2),
+    "gemma2_cp2": _spec("cp = 2", "    layout { seq -> cp }", GEMMA2),
+}
+
+
+def _module(name: str, tmp_path: Path) -> tuple[str, int]:
+    from meshllm_dsl.codegen.emit import render_plan
+
+    result = check_text(CASES[name], f"{name}.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    (plan,) = result.plans.values()
+    assert plan.roles.context and not plan.roles.sequence
+    path = tmp_path / f"{name}.py"
+    path.write_text(render_plan(plan, f"{name}.mesh", CASES[name]))
+    return str(path), plan.mesh.devices
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_context_parallel_plan_matches_unsharded_reference(name: str, pool: Any, tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    from reference_jobs import compare_job
+
+    from meshllm_dsl.runtime.compare import TOLERANCE
+
+    path, n = _module(name, tmp_path)
+    for rank, errs in enumerate(pool.run(compare_job, n, path)):
+        for dtype, by_key in errs.items():
+            assert any(k.startswith("grad ") and ("attn.k" in k or "attn.qkv" in k) for k in by_key), by_key
+            bad = {k: v for k, v in by_key.items() if not v <= TOLERANCE[dtype]}
+            assert not bad, f"rank {rank}, {dtype}: {bad}"
+
+
+def _generate_job(ctx: Any, path: str, prompt_len: int) -> list[list[int]]:
+    import torch
+
+    from meshllm_dsl.runtime import context
+    from meshllm_dsl.runtime.generate import greedy_generate
+    from meshllm_dsl.runtime.reference import build_reference
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=5)
+    prompt = torch.randint(0, 64, (2, prompt_len), generator=torch.Generator().manual_seed(1))
+    split = []
+    entered = context.split_prefill
+
+    def spy() -> Any:  # records that the prefill ran split over the context axis
+        split.append(True)
+        return entered()
+
+    context.split_prefill = spy
+    try:
+        out = greedy_generate(built, prompt, 6)
+    finally:
+        context.split_prefill = entered
+    assert split == ([True] if prompt_len % (2 * built.context.size) == 0 else []), split
+    ref = build_reference(program.model, torch.float32, seed=5)
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(6):
+            tokens = torch.cat([tokens, ref(tokens)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out, tokens), (out.tolist(), tokens.tolist())
+    return out.tolist()
+
+
+@pytest.mark.parametrize(("name", "prompt_len"), [("tensor2_cp2", 8), ("pipeline2_cp2_1f1b", 8), ("cp2", 5)])
+def test_context_parallel_plan_decodes_like_the_reference(name: str, prompt_len: int, pool: Any, tmp_path: Path) -> None:
+    """A prompt of 8 is prefilled split over cp (chunks of 2); one of 5 does not split and is
+    prefilled whole on every rank. Either way the next tokens decode against whole caches."""
+    pytest.importorskip("torch")
+    path, n = _module(name, tmp_path)
+    outs = pool.run(_generate_job, n, path, prompt_len)
+    assert all(o == outs[0] for o in outs)
+
+
+def test_context_parallel_plan_gives_transformers_logits_and_tokens(pool: Any, tmp_path: Path) -> None:
+    """A tiny random Llama (weights redrawn away from HF's init) loaded into tensor 2 x context 2:
+    the full logits and greedy tokens (prefill split over cp) equal LlamaForCausalLM's."""
+    torch = pytest.importorskip("torch")
+    from hf_models import _TP, SPEC_MODELS, build_hf, compiled_module, logits_job
+
+    hf = build_hf("llama", tmp_path / "hf")
+    text = (f"mesh m {{ axes tensor = 2, cp = 2 }}\n{SPEC_MODELS['llama']}\nplan p on m for m {{\n    batch = 4\n"
+            f"    seq = 8\n    layout {{ {_TP}, seq -> cp }}\n}}\n")
+    path, n = compiled_module(text, "llama_cp", tmp_path)
+    tokens = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(tokens).logits
+        want_tokens = hf.generate(tokens[:1], attention_mask=torch.ones_like(tokens[:1]), max_new_tokens=6,
+                                  do_sample=False, min_new_tokens=6)
+    logits, generated = pool.run(logits_job, n, path, str(tmp_path / "hf"), tokens, 6)[0]
+    assert (logits - want).abs().max().item() <= 1e-4
+    assert generated.tolist() == want_tokens.tolist()
