@@ -207,7 +207,8 @@ CODES: dict[str, tuple[str, str]] = {
     "E1203": ("export: sequence parallelism", "`layout { seq -> AXIS }` keeps activations Shard(seq) between "
               "sublayers. A transformers model computes its positions and causal mask from the local shape of its "
               "activations, which that changes, and a tp_plan's column styles take replicated inputs only, so "
-              "`meshc export` does not write it. Drop `seq -> ...` to export the tensor-parallel plan."),
+              "`meshc export` does not write it; nor context parallelism (`seq -> AXIS` over an axis that splits no "
+              "weight: every sequence split over AXIS). Drop `seq -> ...` to export the tensor-parallel plan."),
     "E1204": ("export: no transformers module", "The model must have the module layout of a transformers "
               "class (the `llama` family: LlamaForCausalLM, also Mistral / Qwen2 names; `gpt2`: GPT2LMHeadModel), "
               "and a sharded layer must be an nn.Linear or nn.Embedding there: GPT-2's projections are Conv1D, "

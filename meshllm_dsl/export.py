@@ -166,6 +166,11 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
                _seq_span(decl, plan.span), label="Shard(seq) between sublayers",
                help="drop `seq -> ...` from the layout to export the tensor-parallel plan: a transformers model "
                     "computes its positions and mask from the activations' local shape, which Shard(seq) changes")
+    if plan.roles.context:
+        refuse(E1203, f"context parallelism over {' x '.join(plan.roles.context)} is not exported to {where}",
+               _seq_span(decl, plan.span), label="every sequence split over the context axes",
+               help="drop `seq -> ...` from the layout to export the plan; torch's context_parallel (ring "
+                    "attention over DTensor) shards a transformers model's sequence outside parallelize_module")
     if plan.recompute != "none":
         refuse(E1206, f"`recompute = {plan.recompute}` is not exported to {where}",
                _setting_span(decl, "recompute", plan.span), label="activation recomputation",

@@ -203,6 +203,11 @@ REFUSALS = [
      "seq -> tensor"),
     (_edit("llama", "tensor2", "vocab -> tensor", "vocab -> tensor, seq -> tensor"), "hf-tp-plan", "E1203",
      "seq -> tensor"),
+    # Context parallelism: every sequence split over `cp`, which splits no weight.
+    (_edit("llama", "tensor2", "axes tensor = 2", "axes tensor = 2, cp = 2").replace(
+        "vocab -> tensor", "vocab -> tensor, seq -> cp"), "dtensor", "E1203", "seq -> cp"),
+    (_edit("llama", "tensor2", "axes tensor = 2", "axes tensor = 2, cp = 2").replace(
+        "vocab -> tensor", "vocab -> tensor, seq -> cp"), "hf-tp-plan", "E1203", "seq -> cp"),
     (spec("gpt2", "tensor2"), "dtensor", "E1204", "heads -> tensor"),
     (spec("gpt2", "tensor2"), "hf-tp-plan", "E1204", "heads -> tensor"),
     (_edit("llama", "tensor2", "axes tensor = 2", "axes data = 2, tensor = 2").replace(
