@@ -134,8 +134,7 @@ def _unit_desc(u: Unit) -> dict[str, Any]:
 
 
 def _shard_dims(t: Tensor, p: Placement) -> tuple[tuple[int, tuple[str, ...]], ...]:
-    dim = p.tensor_dim(t)
-    return () if dim is None else ((dim, p.axes),)
+    return p.split_dims(t)
 
 
 def _spec(full_local: str, t: Tensor, p: Placement, local_expr: str | None = None,

@@ -128,6 +128,12 @@ CODES: dict[str, tuple[str, str]] = {
               "`seq` entry either all split weights (Megatron sequence parallelism, E0410) or none does. What "
               "does not compose with it yet (mixture-of-experts layers, sequence parallelism in the same plan, "
               "a tensor-parallel export) is refused here rather than run wrong."),
+    "E0412": ("expert parallelism does not fit the plan", "`layout { experts -> D }` splits every moe layer's "
+              "experts over the mesh axes D, as DeepSpeed-MoE, Megatron-Core and torchtitan do: each rank holds "
+              "experts / |D| of them and tokens travel to their experts' ranks and back by all-to-all. The "
+              "tokens differ only along batch axes, so D must be batch axes of the plan (`batch -> D` or a "
+              "superset); the model needs moe layers, and `experts` must divide by D's size (E0301). What the "
+              "runtime does not yet do with expert parallelism is refused here too."),
     "E0501": ("parameter not placed", "A plan that has any sharding rule must place every shardable parameter "
               "exactly once, by a `shard` rule or a layout entry; replicate it explicitly with `replicate` if "
               "that is what you mean. Silently replicating a forgotten layer is how plans run out of memory."),
@@ -262,6 +268,7 @@ E0408: Final = "E0408"
 E0409: Final = "E0409"
 E0410: Final = "E0410"
 E0411: Final = "E0411"
+E0412: Final = "E0412"
 E0501: Final = "E0501"
 E0502: Final = "E0502"
 E0503: Final = "E0503"

@@ -33,7 +33,8 @@ CollectiveOp = Literal[
     "gather_seq_split",
 ]
 # What a device puts on the wire for one call (the planner's Comm.op); send_recv is the pipeline's.
-WirePrimitive = Literal["all_reduce", "all_gather", "reduce_scatter", "send_recv"]
+# all_to_all is expert parallelism's token dispatch and combine (runtime/moe_dispatch.py).
+WirePrimitive = Literal["all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all"]
 
 
 def ring_bytes(primitive: WirePrimitive, size: int, n: int) -> int:
@@ -43,7 +44,8 @@ def ring_bytes(primitive: WirePrimitive, size: int, n: int) -> int:
         return 0
     if primitive == "all_reduce":
         return 2 * (n - 1) * size // n
-    if primitive in ("all_gather", "reduce_scatter"):
+    if primitive in ("all_gather", "reduce_scatter", "all_to_all"):
+        # an all-to-all keeps its own 1 / n of `size` (routing spread evenly) and sends the rest
         return (n - 1) * size // n
     if primitive == "send_recv":
         return size

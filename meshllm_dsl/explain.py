@@ -12,7 +12,16 @@ from __future__ import annotations
 from typing import Any
 
 from meshllm_dsl.collectives import spec
-from meshllm_dsl.ir import Collective, Placement, PlanIR, Repeat, Unit, UnitFlow, param_dims
+from meshllm_dsl.ir import (
+    REPLICATE,
+    Collective,
+    Placement,
+    PlanIR,
+    Repeat,
+    Unit,
+    UnitFlow,
+    param_dims,
+)
 from meshllm_dsl.layouts import seq_partial_grad
 from meshllm_dsl.placements import (
     Layout,
@@ -103,12 +112,21 @@ def _unit_entries(plan: PlanIR, unit: Unit, placement: dict[str, Placement], flo
                 # Sequence parallelism: each rank's gradient covers its slice of the sequence only.
                 entry["grad_summed_over"] = list(summed)
                 entry["rule"] += f"; gradient summed over {' x '.join(summed)}"
+            if p.expert_dim(t) is not None:
+                entry["rule"] += f"; experts over {' x '.join(p.experts)}"
             params.append(entry)
+    collectives = [_collective(c) for c in flow.collectives] if flow else []
+    experts = next((p.experts for lf in unit.leaves for p in [placement.get(".".join(lf.path), REPLICATE)]
+                    if p.experts), ())
+    if experts:
+        # Expert parallelism's token dispatch and combine (runtime/moe_dispatch.py), inside the unit.
+        collectives.append(f"all_to_all({', '.join(experts)}) inside: (token, choice) rows to their experts' ranks "
+                           "and back, uneven splits; backward the reverse all-to-alls")
     return {
         "name": unit.name, "kind": unit.kind, "params": params,
         "input": str(flow.input) if flow else None, "output": str(flow.output) if flow else None,
         "activations": _boundaries(plan, flow) if flow else [],
-        "collectives": [_collective(c) for c in flow.collectives] if flow else [],
+        "collectives": collectives,
     }
 
 

@@ -241,6 +241,9 @@ class Placement:
     rule: str  # column | row | vocab_parallel | replicate
     axes: tuple[str, ...] = ()
     span: Span | None = attrs.field(eq=False, default=None)  # the rule (or layout entry) that chose it
+    # Expert parallelism (`layout { experts -> D }`): the batch axes a moe layer's stacked experts
+    # ([out, experts, in]) are split over along their experts dim, beside the rule's own split.
+    experts: tuple[str, ...] = ()
 
     @property
     def sharded(self) -> bool:
@@ -258,13 +261,27 @@ class Placement:
             return len(tensor.shape) - 1 if len(tensor.shape) >= 2 else None
         return None
 
+    def expert_dim(self, tensor: Tensor) -> int | None:
+        """Which dim of `tensor` the expert axes split: a stacked experts weight's middle dim."""
+        if not self.experts or len(tensor.units) != 3 or not any(u[0] == "experts" for u in tensor.units[1]):
+            return None
+        return 1
+
+    def split_dims(self, tensor: Tensor) -> tuple[tuple[int, tuple[str, ...]], ...]:
+        """(tensor dim, mesh axes) for every split of `tensor`: the rule's, then the experts'."""
+        rule, experts = self.tensor_dim(tensor), self.expert_dim(tensor)
+        return ((((rule, self.axes),) if rule is not None else ())
+                + (((experts, self.experts),) if experts is not None else ()))
+
     def layout(self, tensor: Tensor, fsdp: tuple[str, ...] = ()) -> Layout:
         """`tensor`'s placement per mesh axis: Shard of the dim this rule splits over its axes (a
-        column or vocab-parallel weight's dim 0, a row weight's `in` dim, a row bias whole), then FSDP2's
-        Shard(dim 0) over `fsdp` (the ZeRO 2 / 3 axes, placements.fsdp_axes), inside that split."""
+        column or vocab-parallel weight's dim 0, a row weight's `in` dim, a row bias whole), Shard(experts)
+        over the expert axes, then FSDP2's Shard(dim 0) over `fsdp` (the ZeRO 2 / 3 axes,
+        placements.fsdp_axes), inside that split."""
         dims = param_dims(tensor)
-        dim = self.tensor_dim(tensor)
-        own = Layout.shard(dims[dim], self.axes) if dim is not None else Layout()
+        own = Layout()
+        for dim, axes in self.split_dims(tensor):
+            own = own.then(Layout.shard(dims[dim], axes))
         return own.then(Layout.shard(dims[0], fsdp))
 
 
@@ -408,9 +425,7 @@ class PlanIR:
         raise KeyError(path)
 
     def local_shape(self, tensor: Tensor, placement: Placement) -> tuple[int, ...]:
-        dim = placement.tensor_dim(tensor)
-        if dim is None:
-            return tensor.shape
         shape = list(tensor.shape)
-        shape[dim] //= self.mesh.size(*placement.axes)
+        for dim, axes in placement.split_dims(tensor):
+            shape[dim] //= self.mesh.size(*axes)
         return tuple(shape)

@@ -288,7 +288,7 @@ def unit_local_params(plan: PlanIR, hu: HeldUnit) -> tuple[int, int, int]:
             n = local_numel(plan, t, p)
             glob += t.numel
             local += n
-            if p.tensor_dim(t) is None:
+            if not p.split_dims(t):
                 repl += n
     return glob, local, repl
 
@@ -654,7 +654,7 @@ def _link(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], op: WirePr
         bandwidth = device.intra_gbps * 1e9 * device.bus_fraction(op)
     if device.latency_us is not None:
         return bandwidth, device.latency_us * 1e-6, crosses
-    steps = 2 * (n - 1) if op == "all_reduce" else (n - 1) if op in ("all_gather", "reduce_scatter") else 1
+    steps = 2 * (n - 1) if op == "all_reduce" else (n - 1) if op in ("all_gather", "reduce_scatter", "all_to_all") else 1
     return bandwidth, steps * (LATENCY_INTER_S if crosses else LATENCY_INTRA_S), crosses
 
 
@@ -675,6 +675,55 @@ def _comm(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], kind: str,
     wire = calls * ring_bytes(op, size, n)
     seconds = wire / bw + calls * lat if n > 1 else 0.0
     return Comm(" x ".join(axes), kind, op, calls, calls * size, wire, seconds, crosses)
+
+
+def expert_all_to_all(plan: PlanIR, hu: HeldUnit, tokens: int) -> tuple[tuple[str, ...], int] | None:
+    """A moe unit under expert parallelism: (expert axes, bytes of one all-to-all's input) for
+    `tokens` of this rank, each of its top_k (token, choice) rows a hidden vector; None otherwise.
+    Dispatch, combine and their backwards each move that much (runtime/moe_dispatch.py); the
+    [experts] count exchange before the dispatch is negligible and not counted."""
+    if hu.unit.kind != "moe" or not plan.roles.expert:
+        return None
+    gate = next(lf for lf in hu.unit.leaves if lf.name == "gate")
+    axes = hu.placement(gate).experts
+    if not axes:
+        return None
+    return axes, DTYPES[plan.dtype] * tokens * int(hu.unit.attr("top_k")) * int(hu.unit.attr("hidden"))  # type: ignore[arg-type]
+
+
+def expert_split_params(plan: PlanIR, hu: HeldUnit) -> int:
+    """Parameters of one copy of the unit on one device that expert axes split (its local experts)."""
+    return sum(local_numel(plan, t, hu.placement(leaf)) for leaf in hu.unit.leaves for t in leaf.params
+               if hu.placement(leaf).expert_dim(t) is not None)
+
+
+def expert_layer_comm(rep: PlanReport) -> dict[str, Any] | None:
+    """Per moe layer and microbatch on one device: the all-to-all's input bytes, what it sends, and
+    its time, for one call and for the four of a training step (dispatch + combine, forward +
+    backward); None without expert parallelism."""
+    plan = rep.plan
+    if not plan.roles.expert:
+        return None
+    for stage in plan.stages:
+        for hu in held_units(plan, stage):
+            a2a = expert_all_to_all(plan, hu, plan.batch // plan.data_size // plan.microbatches * plan.seq)
+            if a2a is None:
+                continue
+            axes, size = a2a
+            one = _comm(plan, rep.device, axes, "expert", "all_to_all", 1, size)
+            return {"axes": list(axes), "ranks": plan.mesh.size(*axes), "payload_bytes": size,
+                    "wire_bytes": one.wire_bytes, "seconds": one.seconds, "calls_per_step": 4,
+                    "step_wire_bytes": 4 * one.wire_bytes, "step_seconds": 4 * one.seconds}
+    return None
+
+
+def _expert_note(rep: PlanReport) -> str:
+    per = expert_layer_comm(rep)
+    if per is None:
+        return ""
+    return (f"per moe layer and microbatch: 4 all-to-alls over {' x '.join(per['axes'])} (dispatch + combine, "
+            f"forward + backward) of {fmt_bytes(per['payload_bytes'])}, each sending {fmt_bytes(per['wire_bytes'])} "
+            f"in {fmt_seconds(per['seconds'])}")
 
 
 def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], WirePrimitive]]:
@@ -761,11 +810,12 @@ class StepTime:
     # Ranks time-sharing fewer cores (a device with `cores`): the host's work over its cores, a lower
     # bound on the step however the ranks wait for each other; 0 when every rank has its own device.
     shared_s: float = 0.0
+    expert_s: float = 0.0  # its expert-parallel all-to-alls (moe layers' token dispatch and combine)
 
     @property
     def critical_s(self) -> float:
         """The step with a device per rank: the slowest rank's work, stretched by the bubble."""
-        return self.compute_s + self.tensor_s + self.pipeline_s + self.bubble_s + self.data_s
+        return self.compute_s + self.tensor_s + self.expert_s + self.pipeline_s + self.bubble_s + self.data_s
 
     @property
     def total_s(self) -> float:
@@ -773,7 +823,7 @@ class StepTime:
 
     @property
     def comm_s(self) -> float:
-        return self.tensor_s + self.pipeline_s + self.data_s
+        return self.tensor_s + self.expert_s + self.pipeline_s + self.data_s
 
 
 @attrs.frozen
@@ -883,6 +933,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         top_local = 0  # parameters outside the repeated blocks (FSDP2's stage root)
         block_params: dict[str, int] = {}  # per block class: the parameters of one block
         tensor_calls: dict[tuple[tuple[str, ...], WirePrimitive], int] = {}
+        expert_calls: dict[tuple[tuple[str, ...], int], int] = {}  # (expert axes, bytes per call): calls per microbatch
+        expert_local = 0  # parameters split over expert axes: their gradients skip those axes' reduction
         seq_grads = 0  # sequence parallelism: gradient elements summed over the tensor axes once a step
         holds_head = False
         block_saved: dict[str, int] = {}  # recompute: what one block (or attention core) rebuilds in backward
@@ -961,6 +1013,13 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     kv_bytes += (positions if hu.indices else hu.count * positions) * 2 * kv_local * int(hu.unit.attr("head_dim")) * inf_batch * w  # type: ignore[arg-type]
                 for axes, op in unit_collectives(hu):
                     tensor_calls[(axes, op)] = tensor_calls.get((axes, op), 0) + hu.count
+                a2a = expert_all_to_all(plan, hu, tokens_mb)
+                if a2a is not None:
+                    axes, size = a2a
+                    # dispatch and combine, each again in backward; rerun with the block's forward
+                    calls = 4 * hu.count + 2 * recomputed_copies(plan, hu)
+                    expert_calls[(axes, size)] = expert_calls.get((axes, size), 0) + calls
+                expert_local += hu.count * expert_split_params(plan, hu)
                 seq_grads += hu.count * sum(t.numel for lf in hu.unit.leaves for t in lf.params
                                             if layouts.seq_partial_grad(plan, hu.unit, lf, t))
                 holds_head |= hu.last
@@ -1029,6 +1088,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             # A recomputed block's forward runs its forward collectives again (Megatron's full recomputation).
             calls += recompute_calls.get((axes, op), 0)
             comms.append(_comm(plan, device, axes, "tensor", op, calls * m, act_size))
+        for (axes, size), calls in sorted(expert_calls.items()):
+            comms.append(_comm(plan, device, axes, "expert", "all_to_all", calls * m, size))
         if seq_grads:
             # The norms' (and row biases') partial gradients, coalesced into one all-reduce per step.
             comms.append(_comm(plan, device, plan.roles.sequence, "tensor", "all_reduce", 1, w * seq_grads))
@@ -1072,7 +1133,11 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 comms += hsdp_replica_comm(plan, device, 1, reduce_w * local)
                 comms.append(_comm(plan, device, data_axes, "data", "all_gather", 1, reduce_w * local))
             else:
-                comms.append(_comm(plan, device, data_axes, "data", "all_reduce", 1, reduce_w * local))
+                comms.append(_comm(plan, device, data_axes, "data", "all_reduce", 1, reduce_w * (local - expert_local)))
+                rest = tuple(a for a in data_axes if a not in plan.roles.expert)
+                if expert_local and rest:
+                    # the experts' gradients, reduced only over the batch axes that replicate them
+                    comms.append(_comm(plan, device, rest, "data", "all_reduce", 1, reduce_w * expert_local))
         # Compute: every microbatch's forward, and its backward at twice the forward (the gradients
         # of both operands of every product: 6 flops per parameter and token in all), the forwards
         # `recompute` runs again, and the optimizer step reading and writing its states once.
@@ -1116,13 +1181,14 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     # (p - 1) / (v m) of the busy time. The data-parallel reduction runs once after the last
     # backward; we assume no overlap (torch's explicit post-backward reduction, and an upper bound).
     def busy(rc: RankClass) -> float:
-        return rc.compute_s + rc.comm_seconds(("tensor", "loss", "pipeline", "tied"))
+        return rc.compute_s + rc.comm_seconds(("tensor", "expert", "loss", "pipeline", "tied"))
 
     slow = max(classes, key=busy)
     scale = order.bubble_over_busy if order else 0.0  # (p - 1) / (v m) when m is a multiple of p
     step = StepTime(
         compute_s=slow.compute_s,
         tensor_s=slow.comm_seconds(("tensor", "loss")),
+        expert_s=slow.comm_seconds(("expert",)),
         pipeline_s=slow.comm_seconds(("pipeline", "tied")),
         bubble_s=busy(slow) * scale,
         data_s=max(exposed_data_seconds(plan, device, rc) for rc in classes),
@@ -1303,8 +1369,10 @@ def _comm_help(step: StepTime) -> str:
         "tensor": "fewer tensor-parallel devices or larger microbatches",
         "pipeline": "larger microbatches (fewer, bigger pipeline transfers) or fewer pipeline stages",
         "data": "more sequences per data replica (a larger batch or fewer replicas)",
+        "expert": "fewer expert-parallel ranks (the all-to-all moves top_k rows per token whatever the batch)",
     }
-    parts = sorted(((step.tensor_s, "tensor"), (step.pipeline_s, "pipeline"), (step.data_s, "data")), reverse=True)
+    parts = sorted(((step.tensor_s, "tensor"), (step.expert_s, "expert"), (step.pipeline_s, "pipeline"),
+                    (step.data_s, "data")), reverse=True)
     named = [remedies[kind] for seconds, kind in parts if seconds > 0]
     return f"{'; or '.join(named) or 'larger microbatches'} raise the compute per byte moved"
 
@@ -1355,7 +1423,9 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
         out.append(Diagnostic(
             W0803, f"communication ({fmt_seconds(step.comm_s)}) exceeds compute ({fmt_seconds(step.compute_s)}) per step",
             head, label="communication-dominated",
-            note=f"tensor {fmt_seconds(step.tensor_s)}, pipeline {fmt_seconds(step.pipeline_s)}, data {fmt_seconds(step.data_s)}",
+            note=f"tensor {fmt_seconds(step.tensor_s)}, "
+            + (f"expert {fmt_seconds(step.expert_s)}, " if step.expert_s else "")
+            + f"pipeline {fmt_seconds(step.pipeline_s)}, data {fmt_seconds(step.data_s)}",
             help=_comm_help(step)))
 
     # W0804: tensor axis over the inter-host link, with its cost.
@@ -1526,6 +1596,7 @@ def report_text(rep: PlanReport) -> str:
         + (f", of which {fmt_seconds(slow_recompute)} recomputes {recomputed_text(plan)} in backward"
            if plan.recompute != "none" else ""),
         f"  tensor comm      {fmt_seconds(st.tensor_s)}",
+        *([f"  expert comm      {fmt_seconds(st.expert_s)}   " + _expert_note(rep)] if plan.roles.expert else []),
         f"  pipeline comm    {fmt_seconds(st.pipeline_s)}",
         f"  bubble           {fmt_seconds(st.bubble_s)}",
         f"  data-parallel    {fmt_seconds(st.data_s)}" + _overlap_note(rep),
@@ -1583,7 +1654,8 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
             for rc in rep.ranks
         ],
         "communication": rep.comm_by_axis(),
-        "step": {"compute_s": st.compute_s, "tensor_s": st.tensor_s, "pipeline_s": st.pipeline_s, "bubble_s": st.bubble_s,
+        "expert_all_to_all": expert_layer_comm(rep),
+        "step": {"compute_s": st.compute_s, "tensor_s": st.tensor_s, "expert_s": st.expert_s, "pipeline_s": st.pipeline_s, "bubble_s": st.bubble_s,
                  "data_s": st.data_s, "shared_s": st.shared_s, "critical_s": st.critical_s, "total_s": st.total_s, "model_flops": st.model_flops, "tokens": st.tokens,
                  "tokens_per_s": st.tokens / st.total_s if st.total_s else None, "mfu": rep.mfu, "assumed_matmul_mfu": rep.device.mfu or MFU},
         "peak_training_bytes": rep.peak_training_bytes,

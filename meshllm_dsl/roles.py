@@ -6,8 +6,7 @@ over batch axes, sequence parallelism runs over tensor axes) are checked where t
 
 The checker reports a spec's conflicts as located diagnostics before it builds a plan, so a
 `ValueError` from here is a compiler bug (or a test building a bad record), never a user's error.
-Expert parallelism has its field so consumers can be written against it, but no plan may carry it
-until the runtime honours it: a non-empty one is refused.
+Context parallelism runs over axes that split no weight; expert parallelism over batch axes.
 """
 
 from __future__ import annotations
@@ -37,13 +36,11 @@ class ParallelRoles:
     loss: tuple[str, ...] = attrs.field(default=(), converter=_axes)  # vocab-parallel cross entropy over these
     # `layout { seq -> C }` over axes that split no weight: every sequence split over them (runtime/context.py)
     context: tuple[str, ...] = attrs.field(default=(), converter=_axes)
-    expert: tuple[str, ...] = attrs.field(default=(), converter=_axes)  # reserved: not supported yet
+    # `layout { experts -> D }`: the batch axes moe layers split their experts over (tokens travel by all-to-all)
+    expert: tuple[str, ...] = attrs.field(default=(), converter=_axes)
 
     def __attrs_post_init__(self) -> None:
-        for role in ("expert",):
-            if getattr(self, role):
-                raise ValueError(f"{role} parallelism (over {' x '.join(getattr(self, role))}) is not supported yet")
-        for role in ("batch", "batch_shard", "tensor", "sequence", "loss", "context"):
+        for role in ("batch", "batch_shard", "tensor", "sequence", "loss", "context", "expert"):
             axes = getattr(self, role)
             twice = sorted({a for a in axes if axes.count(a) > 1})
             if twice:
@@ -57,7 +54,7 @@ class ParallelRoles:
             if shared:
                 raise ValueError(f"axes {', '.join(shared)} are both {one} and {other} axes")
         for role, within, what in (("batch_shard", "replicas", "batch or context"), ("sequence", "tensor", "tensor"),
-                                   ("loss", "tensor", "tensor")):
+                                   ("loss", "tensor", "tensor"), ("expert", "batch", "batch")):
             outside = [a for a in getattr(self, role) if a not in getattr(self, within)]
             if outside:
                 raise ValueError(f"{role} axes {', '.join(outside)} are not {what} axes")

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     )
     from .mesh import Mesh
     from .moe import StackedLinear, moe_experts, moe_route
+    from .moe_dispatch import experts_parallel
     from .program import Built, Program
     from .qk_norm import rms_norm, split_rms_norm
     from .remat import recompute, recompute_ops
@@ -81,6 +82,7 @@ _WHERE = {
     ),
     "Mesh": "mesh",
     **dict.fromkeys(("StackedLinear", "moe_experts", "moe_route"), "moe"),
+    "experts_parallel": "moe_dispatch",
     **dict.fromkeys(("rms_norm", "split_rms_norm"), "qk_norm"),
     **dict.fromkeys(("Built", "Program"), "program"),
     "recompute": "remat",
@@ -127,6 +129,7 @@ __all__ = [
     "copy_to",
     "copy_to_linear",
     "cross_entropy",
+    "experts_parallel",
     "full_init",
     "gather_from",
     "gather_seq",

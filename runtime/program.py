@@ -592,9 +592,27 @@ class Built:
                 else:
                     q.grad = total.clone()
         if self.replicas > 1:
-            # FSDP2 already averaged its (DTensor) gradients over the data (and context) ranks.
-            grads = [q.grad for q in self.parameters() if q.grad is not None and not fsdp.is_sharded(q.grad)]
-            _all_reduce_coalesced(grads, self.mesh.group(*self.grad_axes), divide_by=self.replicas)
+            # FSDP2 already averaged its (DTensor) gradients over the data (and context) ranks. A
+            # parameter split over batch axes (expert parallelism: each rank holds other experts) is
+            # summed only over the batch (and context) axes that replicate it: its gradient already
+            # holds every token of the axes that split it (the all-to-all's backward brought them), so
+            # it is only divided there.
+            by_axes: dict[tuple[str, ...], list[Tensor]] = {}
+            seen: set[int] = set()
+            for i in self.stage_ids:
+                for spec in self.specs[i].values():
+                    q = self.modules[i].get_parameter(spec.local)
+                    if id(q) in seen or q.grad is None or fsdp.is_sharded(q.grad):
+                        continue
+                    seen.add(id(q))
+                    split = {a for _, axes in spec.dims for a in axes}
+                    over = tuple(a for a in self.grad_axes if a not in split)
+                    by_axes.setdefault(over, []).append(q.grad)
+            for over, grads in by_axes.items():
+                if over and self.mesh.size(*over) > 1:
+                    _all_reduce_coalesced(grads, self.mesh.group(*over), divide_by=self.replicas)
+                else:
+                    torch._foreach_div_(grads, self.replicas)
 
     def _global_loss(self, local: Tensor | None) -> float:
         """Mean of the per-replica losses, known to every rank (only last stages computed one)."""

@@ -23,7 +23,7 @@ from meshllm_dsl.checker.optimizer import OptimizerRules
 from meshllm_dsl.checker.pitfalls import PitfallRules
 from meshllm_dsl.checker.placements import PlacementRules
 from meshllm_dsl.checker.stages import StageRules
-from meshllm_dsl.codes import E0203, E0309
+from meshllm_dsl.codes import E0203, E0309, E0412
 from meshllm_dsl.diagnostics import Diagnostic, typo
 from meshllm_dsl.ir import DTYPES, MeshIR, ModelIR, Unit
 from meshllm_dsl.names import or_list
@@ -153,7 +153,7 @@ def placements(ctx: PassContext) -> PassResult:
     matches = w.shard_rules(layout_matches)
     top, classes = w.placements(matches)
     return w.result(batch_axes=batch_axes, seq_axes=w.seq_axes, seq_entry=w.seq_entry, context_axes=w.context_axes,
-                    top=top, classes=classes)
+                    expert_axes=w.expert_axes, expert_entry=w.expert_entry, top=top, classes=classes)
 
 
 def loss(ctx: PassContext) -> PassResult:
@@ -205,6 +205,13 @@ def context_parallel(ctx: PassContext) -> PassResult:
 def optimizer(ctx: PassContext) -> PassResult:
     w = _Worker.of(ctx)
     name, opt_settings, zero, zero_axes = w.optimizer(ctx["batch_axes"], ctx["context_axes"])
+    entry = ctx["expert_entry"]
+    if zero and entry is not None:
+        # ZeroRedundancyOptimizer / FSDP2 over the batch axes would mix ranks holding other experts.
+        w.error(E0412, f"ZeRO {zero} with expert parallelism over {' x '.join(ctx['expert_axes'])} is not supported yet",
+                entry.span, label="the experts differ along these batch axes",
+                help="drop the `zero` stage (optimizer states are then replicated over the batch axes), or "
+                "drop `experts -> ...` and split the experts' ffn instead: `ffn -> AXIS`")
     return w.result(optimizer=name, optimizer_settings=opt_settings, zero=zero, zero_axes=zero_axes)
 
 

@@ -28,6 +28,7 @@ from meshllm_dsl.codes import (
     E0406,
     E0408,
     E0411,
+    E0412,
     E0501,
     E0502,
     E0503,
@@ -66,6 +67,11 @@ class PlacementRules(PlanContext):
                 if dim == "seq":  # sequence parallelism (checker/memory.py)
                     self.seq_axes, self.seq_entry = axes, e
                     continue
+                if dim == "experts" and self.stacked_experts():
+                    # Expert parallelism: the stacked experts split along their experts dim; the
+                    # router (whose rows are the experts too) stays whole on every rank.
+                    self.expert_axes, self.expert_entry = axes, e
+                    continue
                 hits = self.layout_leaves(dim, axes, e)
                 if not hits:
                     known = sorted({u[0] for _, _, leaf in self.model.leaves() if leaf.shardable for u in leaf.in_units + leaf.out_units} | {"batch", "seq"})
@@ -73,6 +79,7 @@ class PlacementRules(PlanContext):
                                label="no layer has this dim", **typo(e.dim.span, dim, known))
                 out.extend(hits)
         self._context_or_sequence()
+        self.expert_parallel(batch_axes)
         return batch_axes, out
 
     def _context_or_sequence(self) -> None:
@@ -95,6 +102,34 @@ class PlacementRules(PlanContext):
                        help=f"write `seq -> {' * '.join(free)}` for context parallelism; sequence parallelism over "
                             f"{' x '.join(split)} in the same plan is not supported yet")
             self.seq_axes = ()
+
+    def stacked_experts(self) -> list[Leaf]:
+        """The model's stacked experts weights ([out, experts, in]): what `experts -> D` splits."""
+        return [leaf for _, _, leaf in self.model.leaves() if any(
+            len(t.units) == 3 and any(u[0] == "experts" for u in t.units[1]) for t in leaf.params)]
+
+    def expert_parallel(self, batch_axes: tuple[str, ...]) -> None:
+        """`experts -> D`: D among the batch axes (tokens differ only along them, so only there can
+        they travel to other ranks' experts), and the experts dividing over D."""
+        e, axes = self.expert_entry, self.expert_axes
+        if e is None:
+            return
+        outside = [a for a in axes if a not in batch_axes]
+        if outside:
+            self.error(E0412, f"expert parallelism over {' x '.join(outside)}, which {'is not a batch axis' if len(outside) == 1 else 'are not batch axes'}",
+                       e.span, label="tokens do not differ along it",
+                       help=f"split the experts over batch axes ({', '.join(batch_axes) or 'none yet'}): "
+                       + (f"`experts -> {', '.join(batch_axes)}`" if batch_axes else f"add `batch -> {', '.join(axes)}` to the layout")
+                       + "; to split each expert's ffn over a tensor axis use `ffn -> AXIS`")
+        n = self.mesh.size(*axes)
+        counts = sorted({c for leaf in self.stacked_experts() for t in leaf.params for _, c in t.units[1]})
+        bad = [c for c in counts if c % n]
+        if bad:
+            self.error(E0301, f"`experts` ({bad[0]}) is not divisible by {' x '.join(axes)} ({n})", e.span,
+                       label=f"splits {bad[0]} experts over {n} devices",
+                       secondary=tuple(lab for a in axes for lab in self.axis_label(a)),
+                       help=f"{' x '.join(axes)} must divide the experts: use {or_list(divisors(math.gcd(*counts)))}",
+                       suggestions=self.resize_axis(axes, divisors(math.gcd(*counts))))
 
     def layout_leaves(self, dim: str, axes: tuple[str, ...], e: ast.LayoutEntry) -> list[tuple[Leaf, _Match]]:
         hits = []
@@ -271,6 +306,13 @@ class PlacementRules(PlanContext):
     def placements(self, by_leaf: dict[Leaf, list[_Match]]) -> tuple[dict[str, Placement], tuple[BlockClass, ...]]:
         self.by_leaf = by_leaf  # help lines look across rules (units_over)
         any_rules = bool(by_leaf) or bool(self.claimed)
+        expert_leaves = set(self.stacked_experts()) if self.expert_entry is not None else set()
+
+        def ep(leaf: Leaf, p: Placement | None) -> Placement | None:
+            # `experts -> D` adds its split to whatever rule (or none) places the stacked weight.
+            if p is None and leaf in expert_leaves:
+                p = attrs.evolve(REPLICATE, span=self.expert_entry.span)  # type: ignore[union-attr]
+            return attrs.evolve(p, experts=self.expert_axes) if p is not None and leaf in expert_leaves else p
         top: dict[str, Placement] = {}
         missing_rules: list[tuple[Leaf, Unit, str, str]] = []
         per_leaf_default: dict[tuple[str, ...], Placement] = {}
@@ -281,12 +323,12 @@ class PlacementRules(PlanContext):
             self.overlaps(leaf, ms, item)
             full = ".".join(leaf.path)
             if in_repeat:
-                default = next((m.placement for m in ms if m.blocks is None), None)
+                default = ep(leaf, next((m.placement for m in ms if m.blocks is None), None))
                 exceptions: dict[int, Placement] = {}
                 for m in ms:
                     if m.blocks is not None:
                         for b in m.blocks:
-                            exceptions.setdefault(b, m.placement)
+                            exceptions.setdefault(b, ep(leaf, m.placement))  # type: ignore[arg-type]
                 if default is None and any_rules and leaf.shardable and leaf not in self.claimed:
                     missing = [b for b in range(item.count) if b not in exceptions]
                     if missing:
@@ -296,9 +338,9 @@ class PlacementRules(PlanContext):
                 per_leaf_exceptions[leaf.path] = exceptions
                 placements = [default or REPLICATE, *exceptions.values()]
             else:
-                if not ms and any_rules and leaf.shardable and leaf not in self.claimed:
+                if not ms and any_rules and leaf.shardable and leaf not in self.claimed and leaf not in expert_leaves:
                     missing_rules.append((leaf, _unit, full, full))
-                top[full] = ms[0].placement if ms else REPLICATE
+                top[full] = ep(leaf, ms[0].placement if ms else REPLICATE)  # type: ignore[assignment]
                 placements = [top[full]]
             for p in placements:
                 self.divisibility(leaf, p)

@@ -39,6 +39,7 @@ def plan_ir(ctx: PassContext) -> PlanIR:
         pipeline=ctx["pipeline_axis"], batch=ctx["batch_axes"], batch_shard=ctx["zero_axes"] if zero else (),
         tensor=split_axes(ctx.mesh, [*top.values(), *(p for c in classes for _, p in c.placements)]),
         sequence=ctx["seq_axes"], loss=loss.axes if loss.sharded else (), context=ctx["context_axes"],
+        expert=ctx["expert_axes"],
     )
     return PlanIR(
         name=ctx.decl.name.value, mesh=ctx.mesh, model=ctx.model, batch=ctx["batch"], seq=ctx["seq"],

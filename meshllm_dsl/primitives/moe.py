@@ -13,8 +13,9 @@ of every expert) and a row rule the last dim, as for a plain linear; the shared 
 
 Tensor parallelism inside the experts is the dense MLP's (`ffn -> tensor`: gate / up column, down
 row); the router and the routing are replicated, so every rank picks the same experts. Splitting
-the experts themselves over an axis (`experts -> AXIS`, expert parallelism) is refused until the
-runtime does it (E0309).
+the experts themselves over batch axes (`experts -> D`, expert parallelism) gives each rank
+experts / |D| of them; tokens travel to their experts' ranks and back by all-to-all
+(runtime/moe_dispatch.py), and the router stays whole on every rank.
 """
 
 from __future__ import annotations
@@ -92,8 +93,8 @@ class Moe(Primitive):
                     else "a split shared-expert gate"
                 r.error(E0309, f"`{name(leaf)}`: {what} is not supported yet", p.span,
                         label="the router must be whole on every rank",
-                        help=f"make `{name(leaf)}` replicated (remove `experts -> {', '.join(p.axes)}`); the experts' "
-                        "ffn may be split instead: `ffn -> AXIS`")
+                        help=f"make `{name(leaf)}` replicated; to split the experts over ranks use `experts -> D` "
+                        "in the layout (D batch axes), or split the experts' ffn: `ffn -> AXIS`")
                 return None
         collectives: list[Collective] = []
         groups = [_EXPERTS] + ([_SHARED] if unit.attr("shared_expert") else [])
@@ -192,6 +193,8 @@ class Moe(Primitive):
             p = placement.get(f"{unit.name}.{leaf.name}", REPLICATE)
             shape = w.plan.local_shape(leaf.params[0], p)
             rule = f"{p.rule}({', '.join(p.axes)})" if p.sharded else "replicated"
+            if p.experts and len(shape) == 3:
+                rule = (f"{rule}, " if p.sharded else "") + f"experts over {', '.join(p.experts)}"
             if len(shape) == 3:
                 out_f, n_exp, in_f = shape
                 lines.append(w.line(f"self.{attr}.{leaf.name} = rt.StackedLinear({n_exp}, {in_f}, {out_f})",
@@ -229,8 +232,17 @@ class Moe(Primitive):
                              f"f: each rank's ffn slice gives part of the weights' gradient; backward sums it over {axes}")]
             xt = "xt"
         part = f" Partial over {w.axes_text(reduce.axes)}" if reduce is not None else ""
-        lines.append(w.line(f"out = rt.moe_experts({xt}, chosen, weights, {m}.gate.weight, {m}.up.weight, {m}.down.weight)",
-                            f"[b*s, {hid}]{part}: {f_local} of {a['ffn']} ffn of each expert, dropless"))
+        experts = placement.get(f"{unit.name}.gate", REPLICATE).experts
+        weights_args = f"{m}.gate.weight, {m}.up.weight, {m}.down.weight"
+        if experts:
+            n = w.n(experts)
+            lines.append(w.line(f"out = rt.experts_parallel({xt}, chosen, weights, {weights_args}, {w.group(experts)})",
+                                f"[b*s, {hid}]{part}: all-to-all over {w.axes_text(experts)} ({n}) sends the [b*s*{k}, {hid}] "
+                                f"(token, choice) rows to their experts' ranks, uneven splits, and back; {n_exp // n} of "
+                                f"{n_exp} experts here, {f_local} of {a['ffn']} ffn of each, dropless"))
+        else:
+            lines.append(w.line(f"out = rt.moe_experts({xt}, chosen, weights, {weights_args})",
+                                f"[b*s, {hid}]{part}: {f_local} of {a['ffn']} ffn of each expert, dropless"))
         if a["shared_expert"]:
             s_local = self._local(w, unit, placement, "shared_gate", a["shared_ffn"])
             scale = f"torch.sigmoid({m}.shared_router(t))"

@@ -31,6 +31,7 @@ EXAMPLE_ROLES = {
     ("tiny_llama.mesh", "train"): R(**DATA_PIPE_TP, batch_shard=("data",)),
     ("tiny_llama_fsdp.mesh", "train"): R(**DATA_PIPE_TP, batch_shard=("data",)),
     ("tiny_mixtral.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",)),
+    ("tiny_mixtral_experts.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",), expert=("data",)),
 }
 
 
@@ -87,7 +88,7 @@ plan p on m for t {
     (dict(context=("t",), tensor=("t",)), "axes t are both context and tensor axes"),
     (dict(context=("d",), batch=("d",)), "axes d are both context and batch axes"),
     (dict(pipeline="p", context=("p",)), "axis `p` is both the pipeline and a context axis"),
-    (dict(expert=("ep",)), "expert parallelism (over ep) is not supported yet"),
+    (dict(batch=("d",), expert=("ep",)), "expert axes ep are not batch axes"),
     (dict(pipeline="p", batch=("p",)), "axis `p` is both the pipeline and a batch axis"),
     (dict(pipeline="p", tensor=("p",)), "axis `p` is both the pipeline and a tensor axis"),
     (dict(batch=("d", "t"), tensor=("t",)), "axes t are both batch and tensor axes"),

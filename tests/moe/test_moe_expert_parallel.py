@@ -1,0 +1,150 @@
+"""Expert parallelism (`layout { experts -> D }`): each rank holds experts / |D| of every moe layer
+and tokens travel to them by all-to-all. Sharded runs against the unsharded reference (outputs,
+gradients, parameters after AdamW steps) on the shared pool of gloo ranks; the generated code;
+the checker's refusals; the dispatcher itself in process against the single-rank experts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from reference_jobs import compare_job  # noqa: E402
+from test_moe_plans import MODELS  # noqa: E402
+
+from meshllm_dsl.checker import check_text  # noqa: E402
+from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
+from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
+
+_TP = "heads -> tensor, kv_heads -> tensor, ffn -> tensor, shared_ffn -> tensor, vocab -> tensor"
+PLANS = {  # mesh axes, layout, other lines
+    # the dense layers replicated, data-parallel; the experts split over data
+    "ep2": ("data = 2", "batch -> data, experts -> data", ""),
+    # four ranks, one expert each
+    "ep4": ("data = 4", "batch -> data, experts -> data", ""),
+    # EP over a subset of the batch axes: expert grads still all-reduce over `replica`
+    "replica2_ep2": ("replica = 2, data = 2", "batch -> replica * data, experts -> data", ""),
+    # tensor parallelism inside the experts (their ffn) and in attention
+    "ep2_tensor2": ("data = 2, tensor = 2", _TP + ", batch -> data, experts -> data", ""),
+    "pipeline2_ep2": ("pipeline = 2, data = 2", "batch -> data, experts -> data",
+                      "    microbatches = 2\n    stages over pipeline balanced\n    schedule 1f1b\n"),
+}
+
+
+def ep_spec(model: str, plan: str) -> str:
+    axes, layout, rest = PLANS[plan]
+    if model != "qwen2_moe":
+        layout = layout.replace("shared_ffn -> tensor, ", "")
+    if "tensor" in layout:
+        routers = "blocks.*.mlp.{router,shared_router}" if model == "qwen2_moe" else "blocks.*.mlp.router"
+        rest = f"    shard {routers} replicate\n" + rest
+    return (f"mesh m {{ axes {axes} }}\n{MODELS[model]}\nplan p on m for m {{\n    batch = 8\n    seq = 8\n"
+            f"    layout {{ {layout} }}\n{rest}}}\n")
+
+
+def compiled(model: str, plan: str, tmp_path: Path) -> tuple[str, int, str]:
+    text = ep_spec(model, plan)
+    result = check_text(text, f"{model}_{plan}.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    (p,) = result.plans.values()
+    code = render_plan(p, f"{model}_{plan}.mesh", text)
+    path = tmp_path / f"{model}_{plan}.py"
+    path.write_text(code)
+    return str(path), p.mesh.devices, code
+
+
+CASES = [("mixtral", "ep2"), ("qwen3_moe", "ep4"), ("qwen2_moe", "replica2_ep2"), ("mixtral", "ep2_tensor2"),
+         ("qwen2_moe", "ep2_tensor2"), ("mixtral", "pipeline2_ep2")]
+
+
+@pytest.mark.parametrize(("model", "plan"), CASES)
+def test_expert_parallel_moe_equals_the_reference(model: str, plan: str, pool: Any, tmp_path: Path) -> None:
+    path, n, _ = compiled(model, plan, tmp_path)
+    for rank_errs in pool.run(compare_job, n, path, 2):
+        for dtype, errs in rank_errs.items():
+            worst = max(errs, key=errs.__getitem__)
+            assert errs[worst] <= TOLERANCE[dtype], (dtype, worst, errs[worst])
+
+
+def _checked(text: str):  # type: ignore[no-untyped-def]
+    return check_text(text, "ep.mesh")
+
+
+def _codes(text: str) -> set[str]:
+    return {d.code for d in _checked(text).errors}
+
+
+def test_each_rank_builds_and_holds_only_its_experts(tmp_path: Path) -> None:
+    _, _, code = compiled("qwen2_moe", "replica2_ep2", tmp_path)
+    # 3 of 6 experts per rank, every ffn; the spec says the experts dim is split over data
+    assert "self.mlp.gate = rt.StackedLinear(3, 32, 24)  # experts over data: [24, 3 experts, 32]" in code
+    assert "rt.ShardSpec(prefix + 'mlp.down.weight', (32, 6, 24), ((1, ('data',)),))" in code
+    assert code.count("out = rt.experts_parallel(t, chosen, weights,") == 1
+    assert "rt.moe_experts(" not in code
+    _, _, code = compiled("qwen2_moe", "ep2_tensor2", tmp_path)
+    # tensor inside the experts: the ffn over tensor, the experts over data, in that order
+    assert "rt.ShardSpec(prefix + 'mlp.gate.weight', (24, 6, 32), ((0, ('tensor',)), (1, ('data',))))" in code
+    assert "self.mlp.gate = rt.StackedLinear(3, 32, 12)  # column(tensor), experts over data" in code
+    assert "out = rt.experts_parallel(xt, chosen, weights," in code
+
+
+def test_the_plan_records_expert_parallelism_and_the_local_experts() -> None:
+    (plan,) = _checked(ep_spec("mixtral", "replica2_ep2")).plans.values()
+    assert plan.roles.expert == ("data",) and plan.roles.tensor == ()  # data stays a batch axis, no tensor axis
+    gate = plan.placement("blocks.0.mlp.gate")
+    (t,) = next(lf for _, _, lf in plan.model.leaves() if lf.name == "gate").params
+    assert plan.local_shape(t, gate) == (48, 2, 32)
+    assert str(gate.layout(t)) == "Shard(experts) over data"
+    assert not plan.placement("blocks.0.mlp.router").sharded
+
+
+@pytest.mark.parametrize(("layout", "rest", "code"), [
+    ("batch -> data, experts -> tensor", "", "E0412"),  # tensor ranks hold the same tokens
+    ("experts -> data", "", "E0412"),  # no data parallelism: the tokens are the same everywhere
+    ("batch -> data, experts -> data", "    optimizer adamw { zero 1 }\n", "E0412"),  # not yet
+    ("batch -> data, experts -> data, ffn -> data", "", "E0407"),  # one axis, two roles in one tensor
+])
+def test_expert_parallelism_that_does_not_fit_is_refused(layout: str, rest: str, code: str) -> None:
+    text = (f"mesh m {{ axes data = 2, tensor = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = 8\n"
+            f"    layout {{ {layout} }}\n{rest}}}\n")
+    assert code in _codes(text)
+
+
+def test_experts_that_do_not_divide_over_the_axis_are_refused() -> None:
+    text = ep_spec("qwen2_moe", "ep4")  # 6 experts over 4 ranks
+    diags = _checked(text).errors
+    assert [d.code for d in diags] == ["E0301"] and "`experts` (6) is not divisible by data (4)" in diags[0].message
+
+
+def test_a_model_without_experts_has_nothing_to_split() -> None:
+    text = ("mesh m { axes data = 2 }\nmodel t = llama { vocab = 64, hidden = 32, layers = 2, heads = 4, ffn = 64 }\n"
+            "plan p on m for t {\n    layout { batch -> data, experts -> data }\n}\n")
+    assert "E0502" in _codes(text)
+
+
+def test_the_planner_counts_local_experts_and_the_all_to_alls() -> None:
+    from meshllm_dsl import planner
+
+    (ep,) = _checked(ep_spec("mixtral", "ep2")).plans.values()
+    (dp,) = _checked(ep_spec("mixtral", "ep2").replace(", experts -> data", "")).plans.values()
+    rep_ep, rep_dp = planner.analyze(ep), planner.analyze(dp)
+    h, f, e, layers = 32, 48, 4, 2
+    # each rank holds 2 of the 4 experts of each layer
+    assert rep_dp.ranks[0].params_local - rep_ep.ranks[0].params_local == layers * 3 * (e // 2) * f * h
+    a2a = [c for c in rep_ep.ranks[0].comms if c.kind == "expert"]
+    tokens = 8 // 2 * 8  # this rank's batch x seq
+    (c,) = a2a
+    assert (c.op, c.axis, c.calls) == ("all_to_all", "data", layers * 4)  # dispatch + combine, fwd + bwd
+    assert c.payload_bytes == layers * 4 * tokens * 2 * h * 4  # top_k rows of hidden fp32 per token
+    assert c.wire_bytes == c.payload_bytes // 2  # half the rows stay on this rank (of 2)
+    assert not [c for c in rep_dp.ranks[0].comms if c.kind == "expert"]
+    # the experts' gradients are not all-reduced over data: only the dense parameters are
+    (red_ep,) = [c for c in rep_ep.ranks[0].comms if c.kind == "data"]
+    (red_dp,) = [c for c in rep_dp.ranks[0].comms if c.kind == "data"]
+    assert red_dp.payload_bytes - red_ep.payload_bytes == 4 * layers * 3 * e * f * h
+    assert rep_ep.step.expert_s == c.seconds > 0
+    per = planner.expert_layer_comm(rep_ep)
+    assert per is not None and per["payload_bytes"] == tokens * 2 * h * 4 and per["calls_per_step"] == 4
