@@ -43,6 +43,11 @@ def _expert_major(counts: Tensor) -> Tensor:
     return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long, device=counts.device)
 
 
+def _inverse(perm: Tensor) -> Tensor:
+    """The permutation undoing ``perm`` (expert-major back to source-major)."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+
+
 def experts_parallel(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,
                      group: dist.ProcessGroup) -> Tensor:
     """Dropless SwiGLU experts split over ``group``: x [T, H] this rank's tokens, idx / weights
@@ -75,7 +80,7 @@ def experts_parallel(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: 
         outs.append(F.linear(F.silu(F.linear(he, gate[:, e])) * F.linear(he, up[:, e]), down[:, e]))  # [m, H]
         start += m
     y = torch.cat(outs) if outs else h
-    back = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))  # inverse of perm
+    back = _inverse(perm)
     # combine: [sum recv, H] source-major, recv[s] rows back to each source s -> [T k, H] in this
     # rank's sorted pair order
     ret = _all_to_all(y[back], send, recv, group)

@@ -605,14 +605,18 @@ class Built:
                     if id(q) in seen or q.grad is None or fsdp.is_sharded(q.grad):
                         continue
                     seen.add(id(q))
-                    split = {a for _, axes in spec.dims for a in axes}
-                    over = tuple(a for a in self.grad_axes if a not in split)
-                    by_axes.setdefault(over, []).append(q.grad)
+                    by_axes.setdefault(self._replica_axes(spec), []).append(q.grad)
             for over, grads in by_axes.items():
                 if over and self.mesh.size(*over) > 1:
                     _all_reduce_coalesced(grads, self.mesh.group(*over), divide_by=self.replicas)
                 else:
                     torch._foreach_div_(grads, self.replicas)
+
+    def _replica_axes(self, spec: ShardSpec) -> tuple[str, ...]:
+        """The batch and context axes (in mesh order) over which ranks hold the same shard of
+        ``spec``'s parameter, so its gradient is averaged over them: all of them but those that split it."""
+        split = {a for _, axes in spec.dims for a in axes}
+        return tuple(a for a in self.grad_axes if a not in split)
 
     def _global_loss(self, local: Tensor | None) -> float:
         """Mean of the per-replica losses, known to every rank (only last stages computed one)."""

@@ -224,7 +224,28 @@ def _zero3_over_tensor(p: _Patches, info: dict[str, Any]) -> None:
     p.set(fsdp, "data_mesh", lambda mesh, batch_axes, device_type, shard_axes=None: real(mesh, ("tensor",), device_type))
 
 
+def _ep_combine_unpermuted(p: _Patches, info: dict[str, Any]) -> None:
+    """Expert parallelism whose combine sends the experts' outputs back in expert-major order
+    without undoing the dispatch's permutation: each token gets another token's expert output."""
+    import torch
+
+    from meshllm_dsl.runtime import moe_dispatch
+
+    p.set(moe_dispatch, "_inverse", lambda perm: torch.arange(perm.numel(), device=perm.device))
+
+
+def _ep_expert_grads_averaged(p: _Patches, info: dict[str, Any]) -> None:
+    """Expert parallelism whose gradient sync treats the experts like dense parameters: averaged
+    over the data ranks, though each rank holds other experts (the sum of different experts'
+    gradients): forward right, expert gradients differ."""
+    from meshllm_dsl.runtime.program import Built
+
+    p.set(Built, "_replica_axes", lambda self, spec: tuple(a for a in self.mesh.names if a in self.batch_axes))
+
+
 FAULTS: dict[str, Callable[[_Patches, dict[str, Any]], None]] = {
+    "ep_combine_unpermuted": _ep_combine_unpermuted,
+    "ep_expert_grads_averaged": _ep_expert_grads_averaged,
     "sp_norm_grad_not_summed": _sp_norm_grad_not_summed,
     "sp_missing_reduce_scatter": _sp_missing_reduce_scatter,
     "zero3_grads_summed": _zero3_grads_summed,

@@ -20,6 +20,10 @@ with it the comparison must report differences above tolerance, in the place the
 (x)   sequence parallelism whose reduce-scatter only splits (the sum is missing): forward differs
 (xi)  ZeRO-3 (FSDP2) that sums the data replicas' gradients instead of averaging: gradients differ
 (xii) ZeRO-3 sharded over the tensor axis instead of data: parameters gathered from the wrong shards
+(xiii) expert parallelism whose combine skips the inverse permutation: tokens get other tokens'
+      expert outputs, forward differs (2 experts per rank, so the permutation is not the identity)
+(xiv) expert parallelism averaging the experts' gradients over data like the dense ones': forward
+      right, gradients differ
 """
 
 from __future__ import annotations
@@ -37,10 +41,12 @@ from meshllm_dsl.checker import check_text
 from meshllm_dsl.runtime.pool import WorkerPool
 
 LLAMA = "model m = llama { vocab = 32, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 32, dtype = fp32 }"
+MIXTRAL = ("model m = mixtral { vocab = 32, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 24, experts = 4,"
+           " top_k = 2, dtype = fp32 }")
 
 
-def _plan(axes: str, body: str) -> str:
-    return f"mesh m {{ axes {axes} }}\n{LLAMA}\nplan p on m for m {{\n    batch = 4\n    seq = 6\n{body}\n}}\n"
+def _plan(axes: str, body: str, model: str = LLAMA) -> str:
+    return f"mesh m {{ axes {axes} }}\n{model}\nplan p on m for m {{\n    batch = 4\n    seq = 6\n{body}\n}}\n"
 
 
 PLANS = {
@@ -55,6 +61,7 @@ PLANS = {
                   "    optimizer adamw { clip = 0.01, warmup = 2, decay_steps = 3 }"),
     "seqpar": _plan("data = 2, tensor = 2", MEGATRON + "    layout { batch -> data, seq -> tensor }\n    recompute = blocks"),
     "zero3": _plan("data = 2, tensor = 2", MEGATRON + "    layout { batch -> data }\n    optimizer adamw { zero 3 }"),
+    "experts": _plan("data = 2", "    layout { batch -> data, experts -> data }", MIXTRAL),
 }
 
 # fault -> (plan, where the difference must show, where it must not)
@@ -72,6 +79,8 @@ CASES = {
     "sp_missing_reduce_scatter": ("seqpar", "logits", None),
     "zero3_grads_summed": ("zero3", "grad", "loss"),
     "zero3_over_tensor": ("zero3", "logits", None),
+    "ep_combine_unpermuted": ("experts", "logits", None),
+    "ep_expert_grads_averaged": ("experts", "grad", "logits"),
 }
 
 
