@@ -59,7 +59,6 @@ def moe_settings(cfg: dict[str, Any], where: str, arch: str) -> tuple[str, list[
         settings += [("experts", f.int("num_local_experts"), "`num_local_experts`")]
     settings.append(("top_k", f.int("num_experts_per_tok"), "`num_experts_per_tok`"))
     if f.flag("output_router_logits", False) and cfg.get("router_aux_loss_coef") not in (None, 0, 0.0):
-        raise ImportError_(f"{where}: `output_router_logits` with `router_aux_loss_coef` = "
-                           f"{cfg.get('router_aux_loss_coef')!r} adds the load-balancing loss to training "
-                           "(not supported yet)")
+        # transformers adds router_aux_loss_coef x the load-balancing loss only with output_router_logits.
+        settings.append(("aux_loss_coef", f.number("router_aux_loss_coef"), "`router_aux_loss_coef`"))
     return family, settings, positions

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .layers import cross_entropy
 from .mesh import Mesh
+from .moe_routing import RouterLosses, recording, routing_layers
 from .program import Program, adamw_kwargs, lr_at
 from .reference import build_reference
 
@@ -31,6 +32,37 @@ def reference_batches(vocab: int, batch: int, seq: int, steps: int, seed: int) -
         (torch.randint(0, vocab, (batch, seq), generator=gen), torch.randint(0, vocab, (batch, seq), generator=gen))
         for _ in range(steps)
     ]
+
+
+def _forwards(program: Program, mesh: Mesh, train: bool) -> int:
+    """Into how many forwards (consecutive groups of sequences) the plan splits a batch, where that
+    changes a moe model's result (a capacity factor, router losses: per forward's tokens): one per
+    data-parallel rank, and in training one per microbatch of each."""
+    moes = [s for s in routing_layers(program.model) if s["kind"] == "moe"]
+    if not any(s.get("capacity") or s.get("aux_loss_coef") or s.get("z_loss_coef") for s in moes):
+        return 1
+    dp = mesh.size(*program.batch_axes) if program.batch_axes else 1
+    return dp * (program.microbatches if train else 1)
+
+
+def _reference_logits(ref: torch.nn.Module, tokens: Tensor, program: Program, mesh: Mesh) -> Tensor:
+    return torch.cat([ref(tok) for tok in tokens.chunk(_forwards(program, mesh, train=False))])
+
+
+def _reference_loss(ref: torch.nn.Module, tokens: Tensor, targets: Tensor, program: Program, mesh: Mesh) -> Tensor:
+    """The unsharded model's training loss: the mean token cross-entropy, plus a moe model's router
+    losses over the tokens of each forward the plan runs (one microbatch of one data-parallel rank:
+    the batch in data ranks x microbatches consecutive groups), averaged like the cross-entropy."""
+    losses = RouterLosses.of(program.model)
+    groups = _forwards(program, mesh, train=True)
+    if groups == 1 and losses is None:
+        return cross_entropy(ref(tokens), targets)
+    total = torch.zeros((), dtype=program.dtype)
+    for tok, tgt in zip(tokens.chunk(groups), targets.chunk(groups)):
+        with recording() as routing:
+            logits = ref(tok)
+        total = total + cross_entropy(logits, tgt) + (losses(routing) if losses is not None else 0.0)
+    return total / groups
 
 
 def compare_to_reference(
@@ -58,12 +90,12 @@ def compare_to_reference(
     batches = reference_batches(program.vocab, program.batch, program.seq, steps, seed)
     errs: dict[str, float] = {}
     with torch.no_grad():
-        errs["logits"] = (built.forward(batches[0][0]) - ref(batches[0][0])).abs().max().item()
+        errs["logits"] = (built.forward(batches[0][0]) - _reference_logits(ref, batches[0][0], program, mesh)).abs().max().item()
     smallest_grad = {name: torch.full_like(p, torch.inf) for name, p in ref_params.items()}
     for step, (tokens, targets) in enumerate(batches):
         loss = built.train_step(tokens, targets)
         ref_opt.zero_grad()
-        ref_loss = cross_entropy(ref(tokens), targets)
+        ref_loss = _reference_loss(ref, tokens, targets, program, mesh)
         ref_loss.backward()
         errs[f"loss@{step}"] = abs(loss - ref_loss.item())
         if "clip" in program.optimizer:

@@ -143,8 +143,12 @@ def hf_config(model: Mapping[str, Any], lay: Any, base: Mapping[str, Any], error
     moe = _moe(lay)
     fam = moe_layout(moe, model.get("name", "model"), error)
     cfg = {k: v for k, v in base.items() if k not in ("attention_bias", "mlp_bias", "use_sliding_window")}
+    if moe.get("capacity"):
+        raise error(f"model `{model.get('name', 'model')}` drops tokens past capacity = {moe['capacity']:g}; "
+                    f"transformers' {fam.arch} is dropless and would compute another model: expected capacity = 0")
+    coef = float(moe.get("aux_loss_coef") or 0.0)  # the z-loss has no transformers field: training only
     cfg.update(architectures=[fam.arch], model_type=fam.model_type, num_experts_per_tok=int(moe["top_k"]),
-               output_router_logits=False, router_aux_loss_coef=0.0)
+               output_router_logits=bool(coef), router_aux_loss_coef=coef)
     if fam is MIXTRAL:
         cfg.update(intermediate_size=int(moe["ffn"]), num_local_experts=int(moe["experts"]), router_jitter_noise=0.0)
     elif fam is QWEN3_MOE:
@@ -191,9 +195,8 @@ def as_attention_config(model: Mapping[str, Any], lay: Any, cfg: Mapping[str, An
         attention = {**cfg, "model_type": "qwen2" if fam is QWEN2_MOE else "qwen3",
                      "intermediate_size": cfg.get("moe_intermediate_size")}
     wants.append(("num_experts_per_tok", cfg.get("num_experts_per_tok"), moe["top_k"], "top_k"))
-    if cfg.get("output_router_logits") and float(cfg.get("router_aux_loss_coef") or 0.0):
-        # transformers then adds coef x the load-balancing loss to the training loss; meshllm does not yet.
-        raise error(f"{where}: `output_router_logits` is true with `router_aux_loss_coef` = "
-                    f"{cfg.get('router_aux_loss_coef')!r}: the load-balancing loss is not supported yet; expected "
-                    "output_router_logits false")
+    # transformers adds coef x the load-balancing loss to the training loss only with output_router_logits.
+    theirs = float(cfg.get("router_aux_loss_coef") or 0.0) if cfg.get("output_router_logits") else 0.0
+    wants.append(("router_aux_loss_coef", theirs, float(moe.get("aux_loss_coef") or 0.0),
+                  "aux_loss_coef (with output_router_logits)"))
     return attention, wants

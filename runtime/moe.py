@@ -3,7 +3,8 @@
 Numerics follow transformers' Mixtral / Qwen2-MoE / Qwen3-MoE (``*TopKRouter``, ``*Experts``,
 ``load_balancing_loss_func``): softmax of the router logits in float32, top-k of the
 probabilities, optional renormalisation of the chosen k, and the chosen weights kept in float32
-(Mixtral) or cast back to the activation dtype (Qwen). Dropless: every token reaches all k experts.
+(Mixtral) or cast back to the activation dtype (Qwen). Routing itself (top-k, capacity, the router
+losses) lives in runtime/moe_routing.py; dropless unless the layer sets a capacity factor.
 
 Used by both the unsharded reference model (runtime/reference.py) and generated stages; the
 experts' ffn may be split over a tensor axis like the dense MLP's (gate / up column, down row).
@@ -18,6 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .moe_routing import capacity_of as _capacity_of
+from .moe_routing import compute_dtype, keep_within_capacity, load_balancing_loss, record, route
+
 __all__ = ["ReferenceMoE", "StackedLinear", "experts_swiglu", "load_balancing_loss", "moe_experts", "moe_route", "route"]
 
 
@@ -28,28 +32,6 @@ class StackedLinear(nn.Module):
     def __init__(self, experts: int, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, experts, in_features).normal_(0.0, 0.02))
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    # float32 as transformers does; float64 (exactness tests) stays float64.
-    return torch.promote_types(dtype, torch.float32)
-
-
-def route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool,
-          weights_fp32: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Router of one MoE layer: x [T, H], weight [E, H] -> (chosen weights [T, k], chosen expert
-    ids [T, k] int64, router logits [T, E]).
-
-    ``weights_fp32``: keep the chosen weights in float32 (Mixtral) instead of casting them to the
-    logits' dtype (Qwen2-MoE / Qwen3-MoE)."""
-    logits = F.linear(x, weight)  # [T, E]
-    probs = torch.softmax(logits, dim=-1, dtype=_compute_dtype(logits.dtype))
-    top, idx = torch.topk(probs, top_k, dim=-1)  # [T, k]; ties go to the lower expert id, as in HF
-    if renormalize:
-        top = top / top.sum(dim=-1, keepdim=True)
-    if not weights_fp32:
-        top = top.to(logits.dtype)
-    return top, idx, logits
 
 
 def experts_swiglu(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,
@@ -84,26 +66,10 @@ def experts_swiglu(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Te
     return out
 
 
-def load_balancing_loss(logits: list[Tensor], experts: int, top_k: int) -> Tensor:
-    """transformers' ``load_balancing_loss_func`` without an attention mask: over every layer's
-    router logits [T, E] together, experts * sum_e f_e P_e with f_e the share of (token, choice)
-    assignments per row and P_e the mean router probability, both summed over the layers before
-    the product (not a mean of per-layer losses)."""
-    tokens_per_expert = torch.zeros(experts, dtype=torch.float32, device=logits[0].device)
-    prob_sum = torch.zeros(experts, dtype=torch.float32, device=logits[0].device)
-    rows = 0
-    for layer in logits:
-        probs = torch.softmax(layer, dim=-1)
-        _, chosen = torch.topk(probs, top_k, dim=-1)
-        tokens_per_expert = tokens_per_expert + torch.bincount(chosen.reshape(-1), minlength=experts).float()
-        prob_sum = prob_sum + probs.float().sum(dim=0)
-        rows += layer.shape[0]
-    return (tokens_per_expert / rows * (prob_sum / rows)).sum() * experts
-
-
-def moe_route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """``route`` as generated code calls it (keywords)."""
-    return route(x, weight, top_k, renormalize, weights_fp32)
+def moe_route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32: bool,
+              capacity: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+    """``route`` (runtime/moe_routing.py) as generated code calls it (keywords)."""
+    return route(x, weight, top_k, renormalize, weights_fp32, capacity)
 
 
 def moe_experts(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,
@@ -124,6 +90,7 @@ class ReferenceMoE(nn.Module):
         hid, ffn, n_exp = spec["hidden"], spec["ffn"], spec["experts"]
         self.hidden, self.experts, self.top_k = hid, n_exp, spec["top_k"]
         self.renormalize, self.weights_fp32 = bool(spec["norm_topk_prob"]), bool(spec["weights_fp32"])
+        self.capacity = float(spec.get("capacity") or 0.0)
         self.router = nn.Linear(hid, n_exp, bias=False)
         self.gate, self.up = StackedLinear(n_exp, hid, ffn), StackedLinear(n_exp, hid, ffn)
         self.down = StackedLinear(n_exp, ffn, hid)
@@ -137,12 +104,17 @@ class ReferenceMoE(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         t = x.reshape(-1, self.hidden)
         logits = self.router(t)
-        probs = torch.softmax(logits.to(_compute_dtype(logits.dtype)), dim=-1)
+        probs = torch.softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)
         top, idx = probs.topk(self.top_k, dim=-1)
         if self.renormalize:
             top = top / top.sum(-1, keepdim=True)
         if not self.weights_fp32:
             top = top.to(logits.dtype)
+        limit = _capacity_of(self.capacity, t.shape[0], self.top_k, self.experts)
+        keep = None if limit is None else keep_within_capacity(idx, self.experts, limit)
+        if keep is not None:
+            top = top * keep  # a dropped pair weighs 0
+        record(logits, idx if keep is None else torch.where(keep, idx, -1))
         dense = torch.zeros(t.shape[0], self.experts, dtype=top.dtype).scatter(1, idx, top)  # [T, E]
         g = torch.einsum("th,feh->tef", t, self.gate.weight)
         u = torch.einsum("th,feh->tef", t, self.up.weight)

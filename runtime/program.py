@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from . import amp, fsdp
+from . import amp, fsdp, moe_routing
 from .collectives import all_reduce_, all_reduce_sum
 from .context import ContextShard
 from .mesh import Mesh
@@ -245,6 +245,10 @@ class Built:
             for module in self.modules.values():
                 amp.autocast_forward(module, self.device.type, program.param_dtype)
         self.loss_fn = program.loss(mesh)
+        # A moe model's load-balancing / z-loss terms, added to each microbatch's loss (moe_routing.py).
+        self.router_losses = moe_routing.RouterLosses.of(program.model)
+        if self.router_losses is not None and self.pp > 1:
+            raise ValueError("the router losses with pipeline stages are not supported (the checker refuses them)")
         self.optimizer = self._make_optimizer()
         self.steps_done = 0  # optimizer updates so far: the learning-rate schedule's clock
         self.grad_norm = float("nan")  # the global gradient norm of the last step (with clip)
@@ -536,9 +540,13 @@ class Built:
         if self.pp == 1:
             for tok, tgt in zip(tokens.chunk(m), targets.chunk(m)):
                 x = tok
-                for i in self.stage_ids:
-                    x = self.modules[i](x)
+                with moe_routing.recording(self.router_losses is not None) as routing:
+                    for i in self.stage_ids:
+                        x = self.modules[i](x)
                 loss = self.loss_fn(x, tgt)
+                if self.router_losses is not None:
+                    # Over this microbatch's tokens on this replica, as transformers per forward.
+                    loss = loss + self.router_losses(routing)
                 del x  # the logits: backward needs only what the loss saved, not them
                 (loss / m).backward()
                 losses.append(loss.detach())

@@ -25,7 +25,7 @@ from meshllm_dsl.checker.placements import PlacementRules
 from meshllm_dsl.checker.stages import StageRules
 from meshllm_dsl.codes import E0203, E0309, E0412
 from meshllm_dsl.diagnostics import Diagnostic, typo
-from meshllm_dsl.ir import DTYPES, MeshIR, ModelIR, Unit
+from meshllm_dsl.ir import DTYPES, MeshIR, ModelIR, Repeat, Unit
 from meshllm_dsl.names import or_list
 from meshllm_dsl.resolve import Binding
 
@@ -167,6 +167,24 @@ def stages(ctx: PassContext) -> PassResult:
     return w.result(stages=stage_map, pipeline_axis=pipeline_axis, virtual=virtual)
 
 
+def moe_routing(ctx: PassContext) -> PassResult:
+    """The router losses of a moe layer need every layer's routing of one forward on one rank
+    (transformers' load-balancing loss is a product of sums over all layers): refused with a pipeline."""
+    w = _Worker.of(ctx)
+    if ctx["pipeline_axis"] is None:
+        return w.result()
+    units = [u for item in ctx.model.items for u in (item.body if isinstance(item, Repeat) else (item,))]
+    asking = [(u, c) for u in units if u.kind == "moe" for c in ("aux_loss_coef", "z_loss_coef") if u.attr(c)]
+    if asking:
+        unit, coef = asking[0]
+        where = next((s.span for s in ctx.decl.body if isinstance(s, ast.StagesStmt)), ctx.decl.name.span)
+        w.error(E0309, f"`{unit.name}`'s {coef} = {unit.attr(coef):g}: the router losses with pipeline stages are not "
+                "supported yet", where, label="stages split the moe layers of one forward",
+                help=f"set {coef} = 0.0 on model `{ctx.model.name}` to pipeline it, or train without `stages` "
+                "(data and tensor parallelism and ZeRO add the router losses)")
+    return w.result()
+
+
 def schedule(ctx: PassContext) -> PassResult:
     w = _Worker.of(ctx)
     chosen = w.schedule(ctx["pipeline_axis"], ctx["virtual"])
@@ -243,6 +261,7 @@ PASSES: tuple[Pass, ...] = (
     placements,
     loss,
     stages,
+    moe_routing,
     schedule,
     batch,
     sequence_parallel,

@@ -16,6 +16,11 @@ row); the router and the routing are replicated, so every rank picks the same ex
 the experts themselves over batch axes (`experts -> D`, expert parallelism) gives each rank
 experts / |D| of them; tokens travel to their experts' ranks and back by all-to-all
 (runtime/moe_dispatch.py), and the router stays whole on every rank.
+
+Routing settings (runtime/moe_routing.py, where the semantics are written down): `aux_loss_coef`
+(transformers' load-balancing loss in the training loss), `z_loss_coef` (ST-MoE's router z-loss)
+and `capacity` (a capacity factor; 0 is dropless). The checker validates their ranges here and
+refuses the router losses with a pipeline (checker/passes.py `moe_routing`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ if TYPE_CHECKING:
     from meshllm_dsl.resolve import UnitSite
 
 _EXPERTS = ("gate", "up", "down")
+ROUTING = ("aux_loss_coef", "z_loss_coef", "capacity")  # the layer's routing settings (runtime/moe_routing.py)
 _SHARED = ("shared_gate", "shared_up", "shared_down")
 
 
@@ -50,13 +56,7 @@ class Moe(Primitive):
                     label="each token picks top_k distinct experts",
                     help=f"top_k must be at most experts ({n_exp}): use top_k = {min(2, n_exp)}, or more experts")
             return None
-        coef = b["aux_loss_coef"]
-        if coef != 0.0:
-            # transformers adds coef x load_balancing_loss_func to the training loss; the runtime's
-            # loss does not add it yet, and a coefficient silently dropped would train another model.
-            r.error(E0309, f"`{name}`: the load-balancing loss (aux_loss_coef = {coef:g}) is not added to "
-                    "the training loss yet", site.decl.call.span, label="not honoured yet",
-                    help="use aux_loss_coef = 0.0 (inference and conversion compute the same without it)")
+        if not self._routing_in_range(site, b, n_exp, k):
             return None
         hidu, fu, eu = unit("hidden"), unit("ffn"), unit("experts")
 
@@ -79,7 +79,20 @@ class Moe(Primitive):
                        lin("shared_down", hid, sf, hidu, su), lin("shared_router", 1, hid, None, hidu)]
         return {"hidden": hid, "ffn": ffn, "experts": n_exp, "top_k": k, "norm_topk_prob": b["norm_topk_prob"],
                 "weights_fp32": b["weights_fp32"], "shared_expert": shared,
-                "shared_ffn": b["shared_ffn"] if shared else None}, leaves
+                "shared_ffn": b["shared_ffn"] if shared else None, **{a: float(b[a]) for a in ROUTING}}, leaves
+
+    def _routing_in_range(self, site: UnitSite, b: Mapping[str, Any], n_exp: int, k: int) -> bool:
+        """The capacity factor's range (the resolver refuses negative routing settings): 0 (dropless)
+        or one that can drop something (runtime/moe_routing.py)."""
+        cap, most = b["capacity"], n_exp / k
+        if cap > most:
+            site.r.error(E0307, f"`{site.name}`: capacity = {cap:g} is more than experts / top_k = {most:g}: every "
+                         "expert could take every token, so nothing is ever dropped", site.decl.call.span,
+                         label="capacity factor out of range",
+                         help=f"use 0 < capacity <= {most:g} (each expert takes ceil(capacity x tokens x top_k / "
+                         "experts) tokens), or capacity = 0 for dropless routing")
+            return False
+        return True
 
     # -- flow
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
@@ -182,6 +195,8 @@ class Moe(Primitive):
                  norm_topk_prob=a["norm_topk_prob"], weights_fp32=a["weights_fp32"])
         if a["shared_expert"]:
             d["shared_ffn"] = a["shared_ffn"]
+        # Only when set, so the MODEL of a dropless model without router losses reads as before.
+        d.update({r: a[r] for r in ROUTING if a.get(r)})
         return d
 
     # -- codegen
@@ -217,11 +232,14 @@ class Moe(Primitive):
         if (copy is not None and copy.op != "copy_to") or (reduce is not None and reduce.op != "reduce_from"):
             raise AssertionError(f"moe: {copy} / {reduce} (sequence parallelism) are refused by the checker")
         f_local = self._local(w, unit, placement, "gate", a["ffn"])
+        cap = f", capacity={a['capacity']!r}" if a.get("capacity") else ""
+        drop = (f"; past ceil({a['capacity']:g} x b*s x {k} / {n_exp}) per expert, id -1 (dropped)"
+                if a.get("capacity") else "")
         lines = [
             w.line(f"t = {x}.reshape(-1, {hid})", f"[b*s, {hid}] one row per token"),
             w.line(f"weights, chosen, _ = rt.moe_route(t, {m}.router.weight, top_k={k}, "
-                   f"renormalize={a['norm_topk_prob']}, weights_fp32={a['weights_fp32']})",
-                   f"[b*s, {k}] weights and ids of each token's experts, of {n_exp}; the same on every rank"),
+                   f"renormalize={a['norm_topk_prob']}, weights_fp32={a['weights_fp32']}{cap})",
+                   f"[b*s, {k}] weights and ids of each token's experts, of {n_exp}; the same on every rank{drop}"),
         ]
         xt = "t"
         if copy is not None:
@@ -239,10 +257,12 @@ class Moe(Primitive):
             lines.append(w.line(f"out = rt.experts_parallel({xt}, chosen, weights, {weights_args}, {w.group(experts)})",
                                 f"[b*s, {hid}]{part}: all-to-all over {w.axes_text(experts)} ({n}) sends the [b*s*{k}, {hid}] "
                                 f"(token, choice) rows to their experts' ranks, uneven splits, and back; {n_exp // n} of "
-                                f"{n_exp} experts here, {f_local} of {a['ffn']} ffn of each, dropless"))
+                                f"{n_exp} experts here, {f_local} of {a['ffn']} ffn of each"
+                                f"{', dropless' if not a.get('capacity') else ''}"))
         else:
             lines.append(w.line(f"out = rt.moe_experts({xt}, chosen, weights, {weights_args})",
-                                f"[b*s, {hid}]{part}: {f_local} of {a['ffn']} ffn of each expert, dropless"))
+                                f"[b*s, {hid}]{part}: {f_local} of {a['ffn']} ffn of each expert"
+                                f"{', dropless' if not a.get('capacity') else ''}"))
         if a["shared_expert"]:
             s_local = self._local(w, unit, placement, "shared_gate", a["shared_ffn"])
             scale = f"torch.sigmoid({m}.shared_router(t))"
@@ -277,5 +297,9 @@ MOE = Moe("moe", sublayer=True, width_arg="hidden", sequence_parallel=False, who
     Arg("weights_fp32", "bool", const(True)),
     Arg("shared_expert", "bool", const(False)),
     Arg("shared_ffn", "dim", lambda bound: bound["ffn"]),
+    # Routing (runtime/moe_routing.py): the load-balancing loss's and router z-loss's coefficients in
+    # the training loss, and the capacity factor (0: dropless).
     Arg("aux_loss_coef", "float", const(0.0)),
+    Arg("z_loss_coef", "float", const(0.0)),
+    Arg("capacity", "float", const(0.0)),
 ))

@@ -1,0 +1,193 @@
+"""Routing of the `moe` layer (runtime/moe_routing.py): the load-balancing loss and router z-loss
+added to the training loss, capacity dropping, and the checks on both.
+
+Against transformers: a tiny Mixtral with output_router_logits (its own forward's aux_loss and its
+router_aux_loss_coef) gives our loss and every gradient. On gloo ranks: tensor, data x microbatches
+and ZeRO-3 plans with the router losses and a capacity factor equal the unsharded reference (which
+routes densely, and adds the router losses per forward the plan runs: microbatch x data rank).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
+
+from hf_models import error_job  # noqa: E402
+from reference_jobs import compare_job  # noqa: E402
+from test_moe_hf import build_moe  # noqa: E402
+from test_moe_plans import MODELS, PLANS  # noqa: E402
+
+from meshllm_dsl.checker import check_text  # noqa: E402
+from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
+from meshllm_dsl.runtime import moe_routing  # noqa: E402
+from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
+
+COEF, Z_COEF = 0.05, 0.01
+
+
+def _spec(model: str, plan: str, routing: str, rest: str = "") -> str:
+    axes, layout, plan_rest = PLANS[plan]
+    if layout and model != "qwen2_moe":
+        layout = layout.replace("shared_ffn -> tensor, ", "")
+    if layout:
+        routers = "blocks.*.mlp.{router,shared_router}" if model == "qwen2_moe" else "blocks.*.mlp.router"
+        plan_rest = f"    layout {{ {layout} }}\n    shard {routers} replicate\n" + plan_rest
+    text = MODELS[model].replace(" dtype = fp32 }", f" dtype = fp32, {routing} }}")
+    return f"mesh m {{ axes {axes} }}\n{text}\nplan p on m for m {{\n    batch = 8\n    seq = 8\n{rest}{plan_rest}}}\n"
+
+
+def _compiled(text: str, name: str, tmp_path: Path) -> tuple[str, int]:
+    result = check_text(text, f"{name}.mesh")
+    assert result.ok, [d.render() if hasattr(d, "render") else d.message for d in result.diagnostics]
+    (p,) = result.plans.values()
+    path = tmp_path / f"{name}.py"
+    path.write_text(render_plan(p, f"{name}.mesh", text))
+    return str(path), p.mesh.devices
+
+
+# -- in process: the functions against transformers and their definitions
+
+
+def test_load_balancing_loss_with_an_attention_mask_matches_transformers() -> None:
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    gen = torch.Generator().manual_seed(5)
+    layers = [torch.randn(3 * 5, 6, generator=gen, requires_grad=True) for _ in range(3)]
+    mask = (torch.rand(3, 5, generator=gen) > 0.3).long()
+    want = load_balancing_loss_func(tuple(layers), 6, 2, mask)
+    got = moe_routing.load_balancing_loss(layers, 6, 2, mask)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for a, b in zip(torch.autograd.grad(got, layers), torch.autograd.grad(want, layers)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+
+
+def test_z_loss_is_st_moe_summed_over_layers() -> None:
+    gen = torch.Generator().manual_seed(6)
+    layers = [torch.randn(7, 4, generator=gen, dtype=torch.float64) for _ in range(2)]
+    want = sum(sum(math.log(sum(math.exp(v) for v in row)) ** 2 for row in layer.tolist()) / 7 for layer in layers)
+    assert abs(moe_routing.z_loss(layers).item() - want) < 1e-12
+
+
+def test_capacity_drops_pairs_past_each_expert_in_token_order() -> None:
+    gen = torch.Generator().manual_seed(7)
+    t, e, k, factor = 13, 4, 2, 0.75
+    x, w = torch.randn(t, 8, generator=gen), torch.randn(e, 8, generator=gen)
+    full_w, full_idx, _ = moe_routing.route(x, w, k, True, True)
+    weights, idx, _ = moe_routing.route(x, w, k, True, True, capacity=factor)
+    limit = math.ceil(factor * t * k / e)
+    assert limit == moe_routing.capacity_of(factor, t, k, e) == 5
+    taken = [0] * e
+    for tok in range(t):  # by token position, then choice rank: the documented order
+        for c in range(k):
+            ex = int(full_idx[tok, c])
+            if taken[ex] < limit:
+                taken[ex] += 1
+                assert int(idx[tok, c]) == ex and weights[tok, c] == full_w[tok, c]
+            else:
+                assert int(idx[tok, c]) == moe_routing.DROPPED and weights[tok, c] == 0
+    assert max(taken) == limit and (idx == moe_routing.DROPPED).any()  # something was dropped
+    # dropless by default: the same ids as without a capacity
+    assert torch.equal(moe_routing.route(x, w, k, True, True, capacity=0.0)[1], full_idx)
+
+
+def test_router_losses_with_pipeline_stages_are_refused_located() -> None:
+    text = _spec("mixtral", "single", f"aux_loss_coef = {COEF}").replace("axes one = 1", "axes pipeline = 2")
+    text = text.replace("    seq = 8\n", "    seq = 8\n    microbatches = 2\n    stages over pipeline balanced\n")
+    result = check_text(text, "pp.mesh")
+    (d,) = [d for d in result.diagnostics if d.is_error]
+    assert d.code == "E0309" and "router losses with pipeline stages" in d.message
+    assert text[d.span.start:d.span.end].startswith("stages over pipeline")
+    assert "aux_loss_coef = 0.0" in d.help
+
+
+def test_capacity_above_experts_over_top_k_is_refused() -> None:
+    result = check_text(_spec("mixtral", "single", "capacity = 2.5"), "cap.mesh")
+    (d,) = [d for d in result.diagnostics if d.is_error]
+    assert d.code == "E0307" and "capacity = 2.5 is more than experts / top_k = 2" in d.message
+    assert check_text(_spec("mixtral", "single", "capacity = 2"), "ok.mesh").ok
+
+
+# -- transformers' Mixtral with output_router_logits: loss and gradients
+
+
+def hf_loss_job(ctx: Any, path: str, weights: str, tokens: Any, targets: Any) -> Any:
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), weights=weights)
+    loss = built.train_step(tokens, targets)
+    return loss, built.full_grads()
+
+
+def test_mixtral_router_loss_and_gradients_match_transformers(pool: Any, tmp_path: Path) -> None:
+    directory = tmp_path / "hf"
+    hf = build_moe("mixtral", directory)
+    hf.config.output_router_logits, hf.config.router_aux_loss_coef = True, COEF
+    hf.router_aux_loss_coef = COEF
+    hf.config.save_pretrained(directory)
+    gen = torch.Generator().manual_seed(3)
+    tokens, targets = torch.randint(0, 64, (8, 8), generator=gen), torch.randint(0, 64, (8, 8), generator=gen)
+    hf.train()
+    out = hf(tokens, output_router_logits=True)
+    want = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 64), targets.reshape(-1)) + COEF * out.aux_loss
+    want.backward()
+    text = _spec("mixtral", "single", f"aux_loss_coef = {COEF}").replace("vocab = 64, hidden = 32", "vocab = 64, hidden = 32")
+    path, n = _compiled(text, "mixtral_hf_aux", tmp_path)
+    loss, grads = pool.run(hf_loss_job, n, path, str(directory), tokens, targets)[0]
+    assert abs(loss - want.item()) < 1e-5
+    assert out.aux_loss.item() > 1.0  # the term is there to be seen (its minimum is 1: balanced)
+    hp = dict(hf.named_parameters())
+    for i in range(2):
+        pre = f"model.layers.{i}.mlp"
+        router = hp[f"{pre}.gate.weight"].grad
+        torch.testing.assert_close(grads[f"blocks.{i}.mlp.router.weight"], router, rtol=0, atol=1e-5)
+        gate, up = hp[f"{pre}.experts.gate_up_proj"].grad.chunk(2, dim=1)  # [E, F, H] each
+        torch.testing.assert_close(grads[f"blocks.{i}.mlp.gate.weight"], gate.transpose(0, 1), rtol=0, atol=1e-5)
+        torch.testing.assert_close(grads[f"blocks.{i}.mlp.up.weight"], up.transpose(0, 1), rtol=0, atol=1e-5)
+        down = hp[f"{pre}.experts.down_proj"].grad  # [E, H, F]
+        torch.testing.assert_close(grads[f"blocks.{i}.mlp.down.weight"], down.transpose(0, 1), rtol=0, atol=1e-5)
+    torch.testing.assert_close(grads["embed.weight"], hp["model.embed_tokens.weight"].grad, rtol=0, atol=1e-5)
+    # Without the aux term the router gradients differ by far more than the tolerance.
+    plain = hf(tokens).logits
+    hf.zero_grad()
+    torch.nn.functional.cross_entropy(plain.reshape(-1, 64), targets.reshape(-1)).backward()
+    gap = (grads["blocks.0.mlp.router.weight"] - hp["model.layers.0.mlp.gate.weight"].grad).abs().max().item()
+    assert gap > 1e-3
+    # import-hf reads the coefficient (transformers adds it only with output_router_logits) ...
+    from meshllm_dsl.import_hf import model_settings
+
+    cfg = json.loads((directory / "config.json").read_text())
+    assert ("aux_loss_coef", COEF) in [(name, v) for name, v, _ in model_settings(cfg, "config.json")[1]]
+    cfg["output_router_logits"] = False
+    assert "aux_loss_coef" not in [name for name, _, _ in model_settings(cfg, "config.json")[1]]
+    # ... and --weights refuses a model whose coefficient differs from the checkpoint's
+    other, _ = _compiled(_spec("mixtral", "single", "aux_loss_coef = 0.0"), "mixtral_no_aux", tmp_path)
+    (msg,) = set(pool.run(error_job, 1, other, str(directory)))
+    assert "router_aux_loss_coef" in msg and "0.05" in msg, msg
+
+
+# -- gloo ranks against the unsharded reference
+
+CASES = {  # model, plan, extra plan lines
+    "mixtral_data2_tensor2_micro2": ("mixtral", "data2_tensor2", "    microbatches = 2\n"),
+    "qwen2_moe_tensor2": ("qwen2_moe", "tensor2", ""),
+    "qwen3_moe_zero3_recompute": ("qwen3_moe", "data2_tensor2_zero3_recompute", ""),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_router_losses_and_capacity_equal_the_reference(case: str, pool: Any, tmp_path: Path) -> None:
+    model, plan, rest = CASES[case]
+    routing = f"aux_loss_coef = {COEF}, z_loss_coef = {Z_COEF}, capacity = 1.0"
+    path, n = _compiled(_spec(model, plan, routing, rest), case, tmp_path)
+    for rank_errs in pool.run(compare_job, n, path, 2):
+        for dtype, errs in rank_errs.items():
+            worst = max(errs, key=errs.__getitem__)
+            assert errs[worst] <= TOLERANCE[dtype], (dtype, worst, errs[worst])
