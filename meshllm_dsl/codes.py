@@ -49,7 +49,9 @@ CODES: dict[str, tuple[str, str]] = {
     "E0303": ("size must be positive", "Mesh axis sizes, dims, repeat counts and plan sizes must be positive "
               "integers."),
     "E0304": ("wrong kind of value", "A value of the wrong type: a number where a name is needed, a float where a "
-              "dim must be an integer, a non-boolean for a flag, or a tie between layers of different shapes."),
+              "dim must be an integer, a non-boolean for a flag, or a tie between layers of different shapes; a list "
+              "where one value goes, a list item that is not a number, or a list of the wrong length (longrope's "
+              "factors: head_dim / 2 each)."),
     "E0305": ("batch does not split", "The global batch is divided over the batch (data-parallel) axes and then "
               "into microbatches, so it must be a multiple of (data axes size) x microbatches."),
     "E0306": ("device count mismatch", "`devices = N` must equal the product of the axis sizes, and `hosts` must "

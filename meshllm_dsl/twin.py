@@ -72,20 +72,51 @@ def twin_values(plan: PlanIR) -> dict[str, int]:
     return {k: v for k, v in twin.items() if k in values}
 
 
+def _head_dim(plan: PlanIR) -> int | None:
+    attn = next((u for item in plan.model.items for u in (item.body if isinstance(item, Repeat) else (item,))
+                 if primitives.of(u).caches_kv), None)
+    return int(dict(attn.attrs)["head_dim"]) if attn is not None else None  # type: ignore[call-overload]
+
+
+def _per_frequency(value: ast.Value, head_dim: int | None) -> ast.Value:
+    """A list with one number per rotary frequency (longrope's factors, head_dim / 2 of them) cut
+    to the twin's HEAD_DIM / 2: evenly spaced picks, the first and the last kept."""
+    if not isinstance(value, ast.ListLit) or head_dim is None or len(value.items) != head_dim // 2 \
+            or len(value.items) <= HEAD_DIM // 2:
+        return value
+    n, m = len(value.items), HEAD_DIM // 2
+    return ast.ListLit(tuple(value.items[round(i * (n - 1) / (m - 1))] for i in range(m)))
+
+
+def _twin_body(body: tuple[ast.LayerStmt, ...], head_dim: int | None) -> tuple[ast.LayerStmt, ...]:
+    out: list[ast.LayerStmt] = []
+    for stmt in body:
+        if isinstance(stmt, ast.RepeatDecl):
+            out.append(ast.RepeatDecl(stmt.name, stmt.count, _twin_body(stmt.body, head_dim), stmt.span))
+        else:
+            c = stmt.call
+            kwargs = tuple(ast.Setting(k.name, _per_frequency(k.value, head_dim), k.span) for k in c.kwargs)
+            out.append(ast.LayerDecl(stmt.name, ast.Call(c.func, c.args, kwargs, c.span), stmt.span))
+    return tuple(out)
+
+
 def make_twin(result: CheckResult, plan_name: str, path: str) -> tuple[str, CheckResult]:
     """The twin of `plan_name` in the file at `path` as .mesh text, and its check result."""
     plan = result.plans[plan_name]
     values = twin_values(plan)
+    head_dim = _head_dim(plan)  # the twin's is HEAD_DIM (twin_values)
     decls = load(path)
     items: list[ast.Item] = []
     per_stage = values.get("layers", 0) // max(1, len(plan.stages))
     for item in [*decls.items]:
         if isinstance(item, ast.ModelDecl) and item.name.value == plan.model.name:
             given = {s.name.value for s in item.settings}
-            settings = [ast.Setting(s.name, ast.IntLit(values[s.name.value])) if s.name.value in values else s
+            settings = [ast.Setting(s.name, ast.IntLit(values[s.name.value])) if s.name.value in values
+                        else ast.Setting(s.name, _per_frequency(s.value, head_dim), s.span, s.every)
                         for s in item.settings]
             settings += [ast.Setting(ast.Name(k), ast.IntLit(v)) for k, v in values.items() if k not in given]
-            items.append(ast.ModelDecl(item.name, item.family, tuple(settings), item.body, item.span))
+            items.append(ast.ModelDecl(item.name, item.family, tuple(settings), _twin_body(item.body, head_dim),
+                                       item.span))
         elif isinstance(item, ast.PlanDecl) and item.name.value == plan_name:
             items.append(_twin_plan(item, plan, per_stage))
         elif isinstance(item, (ast.ModelDecl, ast.PlanDecl)):

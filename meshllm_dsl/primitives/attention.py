@@ -65,6 +65,19 @@ class Attention(Primitive):
         leaves.append(Leaf("o", (name, "o"), "linear", tuple(o), (hu,), (hidu,), span=span))
         scaling = None
         kind = b["rope_type"]
+        factors = [n for n in ("rope_short_factor", "rope_long_factor") if b[n]]
+        if kind == "longrope" and len(factors) < 2:
+            missing = " and ".join(f"`{n}`" for n in ("rope_short_factor", "rope_long_factor") if n not in factors)
+            r.error(E0304, f"`{name}`: longrope rope scaling needs {missing}", site.arg_span("rope_type"),
+                    label="rope_type = longrope",
+                    help=f"give rope_short_factor and rope_long_factor: lists of head_dim / 2 = {hd // 2} numbers each "
+                    "(Phi-3's rope_scaling short_factor and long_factor)")
+            return None
+        if kind != "longrope" and factors:
+            r.error(E0304, f"`{name}`: `{factors[0]}` is given but rope_type is {kind}", site.arg_span(factors[0]),
+                    label="only rope_type = longrope reads this list",
+                    help="use rope_type = longrope, or drop rope_short_factor and rope_long_factor")
+            return None
         # llama3 is the type a bare rope_factor has always meant; at factor 1 it leaves rope unchanged
         if kind != "default" and (kind != "llama3" or b["rope_factor"] != 1.0):
             if b["rope_theta"] is None or b["rope_original_positions"] < 1 \
@@ -263,6 +276,12 @@ def _rope_scaling(kind: str, b: Mapping[str, Any]) -> tuple[tuple[str, Any], ...
                    ("truncate", b["rope_truncate"]))
         if b["rope_attention_factor"]:  # 0: transformers' default, 0.1 ln(factor) + 1
             fields += (("attention_factor", b["rope_attention_factor"]),)
+    elif kind == "longrope":
+        # the short factors up to rope_original_positions, the long ones beyond (runtime/rope.py)
+        fields += (original, ("short_factor", tuple(b["rope_short_factor"])),
+                   ("long_factor", tuple(b["rope_long_factor"])))
+        if b["rope_attention_factor"]:  # 0: transformers' default, sqrt(1 + ln(factor) / ln(original))
+            fields += (("attention_factor", b["rope_attention_factor"]),)
     return fields
 
 
@@ -292,17 +311,21 @@ ATTENTION = Attention("attention", sublayer=True, reads_sequence=True, caches_kv
     Arg("out_bias", "bool", lambda b: b["bias"]),
     Arg("fused_qkv", "bool", const(False)),
     # Rope scaling as transformers' rope_type computes it (runtime/rope.py): linear, dynamic (NTK:
-    # rope_original_positions is the config's max_position_embeddings), yarn, llama3 (the default
-    # type; with factor 1 the frequencies are unchanged).
+    # rope_original_positions is the config's max_position_embeddings), yarn, longrope, llama3 (the
+    # default type; with factor 1 the frequencies are unchanged).
     Arg("rope_factor", "float", const(1.0)),
     Arg("rope_low_freq_factor", "float", const(1.0)),
     Arg("rope_high_freq_factor", "float", const(4.0)),
     Arg("rope_original_positions", "float", const(8192.0)),
-    Arg("rope_type", "choice", const("llama3"), ("default", "linear", "dynamic", "yarn", "llama3")),
-    Arg("rope_attention_factor", "float", const(0.0)),  # yarn: 0 is transformers' default for the factor
+    Arg("rope_type", "choice", const("llama3"), ("default", "linear", "dynamic", "yarn", "longrope", "llama3")),
+    Arg("rope_attention_factor", "float", const(0.0)),  # yarn, longrope: 0 is transformers' default for the factor
     Arg("rope_beta_fast", "float", const(32.0)),
     Arg("rope_beta_slow", "float", const(1.0)),
     Arg("rope_truncate", "bool", const(True)),
+    # longrope (Phi-3): per-frequency divisors, one per rotary frequency (head_dim / 2), the short
+    # ones while the sequence is within rope_original_positions, the long ones beyond it.
+    Arg("rope_short_factor", "floats", const(()), length=lambda b: b["head_dim"] // 2, length_why="head_dim / 2"),
+    Arg("rope_long_factor", "floats", const(()), length=lambda b: b["head_dim"] // 2, length_why="head_dim / 2"),
     # RMSNorm of q and k before rotary: `head` over each head with one head_dim scale (Qwen3),
     # `full` over the whole projection with a scale per output (OLMo 2).
     Arg("qk_norm", "choice", const("none"), ("none", "head", "full")),

@@ -35,6 +35,20 @@ CASES: dict[str, tuple[str, set[str]]] = {
     "lr_overflows": (_spec("    optimizer adamw { lr = 1e999 }\n"), {"E0307"}),
     "lr_underflows": (_spec("    optimizer adamw { lr = 1e-999 }\n"), {"E0307"}),
     "rope_theta_nan": (_spec(extra="\n    rope_theta = nan"), {"E0304"}),
+    # Lists (longrope's factors): a list where one value goes, items that are not numbers, a wrong length
+    "list_in_plan": (_spec("    batch = [4, 4]\n"), {"E0304"}),
+    "list_as_dim": (_spec(layers="[2]"), {"E0304"}),
+    "list_as_number": (_spec(extra="\n    norm_eps = [1e-6]"), {"E0304"}),
+    "list_item_string": (_spec(extra='\n    rope_type = longrope\n    rope_short_factor = [1.0, "x", 1.0, 1.0]'
+                                     "\n    rope_long_factor = [1.0, 1.0, 1.0, 1.0]"), {"E0304"}),
+    "list_item_zero": (_spec(extra="\n    rope_type = longrope\n    rope_short_factor = [1.0, 1.0, 0.0, 1.0]"
+                                   "\n    rope_long_factor = [1.0, 1.0, 1.0, 1.0]"), {"E0307"}),
+    "list_wrong_length": (_spec(extra="\n    rope_type = longrope\n    rope_short_factor = [1.0, 1.0, 1.0, 1.0]"
+                                      "\n    rope_long_factor = [1.0, 1.0,\n        1.0]"), {"E0304"}),
+    "list_20k_items": (_spec(extra="\n    rope_type = longrope\n    rope_short_factor = [1.0, 1.0, 1.0, 1.0]"
+                                    "\n    rope_long_factor = [" + "1.0, " * 20_000 + "]"), {"E0304"}),
+    "longrope_without_factors": (_spec(extra="\n    rope_type = longrope"), {"E0304"}),
+    "factors_without_longrope": (_spec(extra="\n    rope_short_factor = [1.0, 1.0, 1.0, 1.0]"), {"E0304"}),
     "norm_eps_zero": (_spec(extra="\n    norm_eps = 0"), {"E0307"}),
     "beta1_negative": (_spec("    optimizer adamw { beta1 = -5 }\n"), {"E0307"}),
     "beta2_one": (_spec("    optimizer adamw { beta2 = 1 }\n"), {"E0307"}),

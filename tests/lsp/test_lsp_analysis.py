@@ -37,3 +37,41 @@ def test_every_prefix_of_an_example_is_analysed_without_raising() -> None:
         completion.complete(a, cut)
         for d in a.diagnostics:
             a.fixes(d)
+
+
+LONGROPE = """mesh m { axes tensor = 2 }
+model phi = llama {
+    vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64, dtype = fp32
+    rope_type = longrope, rope_factor = 4.0, rope_original_positions = 6
+    rope_short_factor = [1.0, 1.25,
+        1.5, ffn / 32]
+    rope_long_factor = [1.0, 2.0, 4.0, 8.0]
+}
+plan p on m for phi {
+    batch = 4, seq = 8
+    layout { heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }
+}
+"""
+
+
+def test_a_spec_with_lists_answers_at_every_position_and_prefix() -> None:
+    """Lists (longrope's factors, spanning lines, with a dim inside): every position and every prefix
+    answers without raising; hover shows a list as the language writes it, and a dim used inside a
+    list is a reference to it."""
+    a = Analysis("phi.mesh", LONGROPE)
+    assert not [d for d in a.diagnostics if d.is_error]
+    for off in range(len(LONGROPE) + 1):
+        a.hover(off)
+        a.definition(off)
+        a.references(off)
+        completion.complete(a, off)
+    for end in range(len(LONGROPE) + 1):
+        b = Analysis("phi.mesh", LONGROPE[:end])
+        completion.complete(b, end)
+        b.hover(max(0, end - 1))
+    hovered = a.hover(LONGROPE.index("rope_short_factor"))
+    assert hovered is not None and "[1.0, 1.25, 1.5, 2.0]" in hovered[0], hovered
+    inside = LONGROPE.index("ffn / 32")
+    used = a.hover(inside)
+    assert used is not None and "parameter `ffn`" in used[0], used
+    assert a.definition(inside)
