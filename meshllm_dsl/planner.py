@@ -841,6 +841,9 @@ class PlanReport:
 
     @property
     def peak_training_bytes(self) -> int:
+        """The most bytes of tensors any rank holds at once in a step: what
+        torch.cuda.max_memory_allocated reports (and `meshc run --profile` prints), not the caching
+        allocator's reserved memory, which is at least as much (torchtitan logs that one)."""
         return max(r.training_bytes for r in self.ranks)
 
     @property
@@ -1614,7 +1617,8 @@ def report_text(rep: PlanReport) -> str:
         f"  total            {fmt_seconds(st.total_s)}   {st.tokens / st.total_s:,.0f} tokens/s, model flops utilisation {rep.mfu:.0%}"
         f" ({st.model_flops / st.tokens / 1e9:,.3g} GFLOP per token: 6 (N - N_embedding) + 12 l h q t)",
         "",
-        f"peak memory {fmt_bytes(rep.peak_training_bytes)} of {fmt_bytes(dev.memory_bytes)} per device: "
+        f"peak memory {fmt_bytes(rep.peak_training_bytes)} of {fmt_bytes(dev.memory_bytes)} per device"
+        " (tensors allocated, as torch.cuda.max_memory_allocated counts them): "
         + ("fits" if rep.fits else "does NOT fit"),
     ]
     return "\n".join(lines) + "\n"
