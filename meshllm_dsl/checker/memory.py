@@ -25,8 +25,8 @@ class MemoryRules(PlanContext):
         if not (isinstance(v, ast.Name) and v.value in RECOMPUTE):
             self.error(E0203, "unknown recompute region", v.span, label="not a region",
                        help=f"use one of {or_list(RECOMPUTE)}: `blocks` recomputes each block of the repeat in "
-                            "backward, `attention` only the attention core, `ops` all but the matmul and "
-                            "attention outputs")
+                            "backward, `attention` only the attention core, `ops` all but the attention "
+                            "outputs and every other matmul output (torchtitan's selective op)")
             return "none", 1
         region = v.value
         rep = self.model.repeat
