@@ -8,10 +8,11 @@ the rest, the even products (k, o, up) included. With `every N` only blocks N - 
 are recomputed; the others keep what they save.
 
 The products are counted from each unit's `work` (its linear layers in forward order, as the
-generated code calls them); a unit whose `Matmul` stands for `count` products of one shape
-(the routed experts' gate and up) is counted as that many in a row, which is exact for dense
-blocks and, for experts whose tokens the router spreads unevenly, the planner's usual balanced
-routing.
+generated code calls them), a `Matmul` of `count` products as that many in a row: exact for dense
+blocks (tests/planner/test_recompute_granularity_memory.py matches gloo ranks to the byte). Routed
+experts are approximate: `work` gives all experts' gate, up and down products as one each, while
+the runtime runs gate, up, down expert after expert, so which of them the policy keeps alternates
+from one expert to the next.
 """
 
 from __future__ import annotations
