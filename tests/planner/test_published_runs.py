@@ -94,6 +94,20 @@ def test_torchtitan_fsdp128_saves_the_states_fsdp8_keeps() -> None:
     assert planned == pytest.approx(small_pub - large_pub, rel=0.10)
 
 
+def test_torchtitan_blocks_keep_what_its_selective_policy_keeps() -> None:
+    # Per block and microbatch (2 x 8,192 tokens, bf16): the block's input, the outputs of its
+    # 1st, 3rd, 5th and 7th products (q 4,096 wide, v 1,024, gate 14,336, down 4,096; k, o and up are
+    # recomputed) and the attention kernel's output with its fp32 log-sum-exp per head: 994 MiB.
+    # Outside the blocks: the token ids, the final norm's input and fp32 rstd, the head's input and
+    # the fp32 log-softmax. (Keeping every product, as before, was 1,602 MiB a block.)
+    r = _report("torchtitan_llama3_8b_fsdp8.mesh").ranks[0]
+    t, e, h = 2 * 8192, 2, 4096
+    block = e * t * (h + h + 1024 + h + 14336 + h) + 4 * t * 32
+    assert block == 994 * 2**20
+    top = 8 * t + (e * t * h + 4 * t) + e * t * h + 4 * t * 128256
+    assert r.activation_bytes_per_microbatch == 32 * block + top
+
+
 def test_standard_flops_per_token() -> None:
     # torchtitan's get_num_flop_per_token for Llama 3.1 8B at seq 8,192: 6 (N - N_emb) + 12 l h q t.
     rep = _report("torchtitan_llama3_8b_fsdp8.mesh")
