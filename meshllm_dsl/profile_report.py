@@ -82,6 +82,7 @@ def compare(plan: PlanIR, ranks: list[dict[str, Any]], rep: PlanReport | None = 
                 axes: {"planned": planned_comm.get(axes, {"bytes": 0, "seconds": 0.0}), "measured": measured_comm.get(axes)}
                 for axes in sorted(set(planned_comm) | set(measured_comm))
             },
+            "routing": r.get("routing", []),
         })
     return {"plan": plan.name, "device": rep.device.name, "calibrated": not uncalibrated(rep.device), "ranks": out}
 
@@ -108,4 +109,19 @@ def report_text(data: dict[str, Any]) -> str:
         widths = [max(len(row[i]) for row in rows) for i in range(4)]
         for row in rows:
             lines.append("  " + row[0].ljust(widths[0]) + "".join("  " + c.rjust(w) for c, w in zip(row[1:], widths[1:])))
+        lines += routing_lines(r.get("routing", []))
     return "\n".join(lines) + "\n"
+
+
+def routing_lines(layers: list[dict[str, Any]]) -> list[str]:
+    """Tokens per expert per moe layer (one step on this rank), with the measured max / mean load
+    and the busiest expert's share: the `skew = F` a plan can be given to check the next run."""
+    if not layers:
+        return []
+    lines = ["  moe routing (tokens per expert, one step; busiest share = a plan's `skew`)"]
+    width = max(len(x["layer"]) for x in layers)
+    for x in layers:
+        drop = f", {x['dropped']:,} dropped" if x["dropped"] else ""
+        lines.append(f"    {x['layer'].ljust(width)}  [{', '.join(f'{c:,}' for c in x['tokens_per_expert'])}]  "
+                     f"max / mean {x['max_over_mean']:.2f}, busiest share {x['busiest_share']:.3f}{drop}")
+    return lines

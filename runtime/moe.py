@@ -114,7 +114,7 @@ class ReferenceMoE(nn.Module):
         keep = None if limit is None else keep_within_capacity(idx, self.experts, limit)
         if keep is not None:
             top = top * keep  # a dropped pair weighs 0
-        record(logits, idx if keep is None else torch.where(keep, idx, -1))
+        record(logits, idx if keep is None else torch.where(keep, idx, -1), self.router.weight)
         dense = torch.zeros(t.shape[0], self.experts, dtype=top.dtype).scatter(1, idx, top)  # [T, E]
         g = torch.einsum("th,feh->tef", t, self.gate.weight)
         u = torch.einsum("th,feh->tef", t, self.up.weight)

@@ -66,24 +66,43 @@ def keep_within_capacity(idx: Tensor, experts: int, limit: int) -> Tensor:
 
 @dataclass
 class RouterLog:
-    """Each moe layer's routing in one forward, in call order: logits [T, E] (with autograd, for the
-    router losses) and chosen ids [T, k] after capacity (for the profile's token counts)."""
+    """Each moe layer's routing in the forwards recorded, in call order: logits [T, E] with autograd
+    (for the router losses; only with ``keep_logits``) and chosen ids [T, k] after capacity; and,
+    for the profile, the pairs each expert received per layer (keyed by the router weight, in the
+    order layers were first seen, which is this rank's layer order under every schedule)."""
 
+    keep_logits: bool = True
     logits: list[Tensor] = field(default_factory=list)
     chosen: list[Tensor] = field(default_factory=list)
+    counts: dict[int, list[int]] = field(default_factory=dict)  # id(router weight) -> pairs per expert
+    dropped: dict[int, int] = field(default_factory=dict)  # id(router weight) -> pairs dropped for capacity
 
-    def tokens_per_expert(self, experts: int) -> list[list[int]]:
-        """Pairs each expert received per layer call (dropped pairs not counted)."""
-        return [torch.bincount(c.reshape(-1)[c.reshape(-1) >= 0], minlength=experts).tolist() for c in self.chosen]
+    def add(self, logits: Tensor, chosen: Tensor, weight: Tensor | None) -> None:
+        if self.keep_logits:
+            self.logits.append(logits)
+            self.chosen.append(chosen.detach())
+            return
+        flat = chosen.detach().reshape(-1)
+        got = torch.bincount(flat[flat >= 0], minlength=logits.shape[-1]).tolist()
+        key = id(weight)
+        prev = self.counts.setdefault(key, [0] * len(got))
+        self.counts[key] = [a + b for a, b in zip(prev, got)]
+        self.dropped[key] = self.dropped.get(key, 0) + int((flat < 0).sum())
+
+    def per_layer(self) -> list[tuple[list[int], int]]:
+        """(pairs per expert, pairs dropped) of each layer seen, in this rank's layer order."""
+        return [(c, self.dropped[k]) for k, c in self.counts.items()]
 
 
 _ACTIVE: list[RouterLog] = []
 
 
 @contextmanager
-def recording(active: bool = True) -> Iterator[RouterLog]:
-    """Collect every ``route`` call of the forwards inside (a fresh log; nothing when not active)."""
-    log = RouterLog()
+def recording(active: bool = True, keep_logits: bool = True) -> Iterator[RouterLog]:
+    """Collect every ``route`` call of the forwards inside (a fresh log; nothing when not active).
+    Calls made while autograd runs a backward (recompute of a checkpointed block) are not forwards
+    of the batch and are left out."""
+    log = RouterLog(keep_logits)
     if not active:
         yield log
         return
@@ -114,15 +133,16 @@ def route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32
         keep = keep_within_capacity(idx, weight.shape[0], limit)
         idx = torch.where(keep, idx, torch.full_like(idx, DROPPED))
         top = top * keep
-    record(logits, idx)
+    record(logits, idx, weight)
     return top, idx, logits
 
 
-def record(logits: Tensor, chosen: Tensor) -> None:
-    """Note one layer's routing in the logs being recorded (``recording``)."""
+def record(logits: Tensor, chosen: Tensor, weight: Tensor | None = None) -> None:
+    """Note one layer's routing (``weight``: its router's, naming the layer) in the logs being recorded."""
+    if not _ACTIVE or torch._C._current_graph_task_id() != -1:  # none, or a recompute inside backward
+        return
     for log in _ACTIVE:
-        log.logits.append(logits)
-        log.chosen.append(chosen.detach())
+        log.add(logits, chosen, weight)
 
 
 def load_balancing_loss(logits: Sequence[Tensor], experts: int, top_k: int,

@@ -23,6 +23,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from . import moe_routing
 from .fsdp import data_local
 from .profile_steps import PROFILE_UNTIMED
 
@@ -289,6 +290,20 @@ def _state_bytes(optimizer: Any) -> int:
     )
 
 
+def _routing(built: Any, log: moe_routing.RouterLog) -> list[dict[str, Any]]:
+    """Per moe layer on this rank: the (token, choice) pairs each expert received in one step (this
+    rank's tokens, every microbatch), the pairs dropped for capacity, and max / mean load."""
+    routers = [name for i in sorted(built.stage_ids) for name in built.specs[i] if name.endswith(".router.weight")]
+    out = []
+    for name, (counts, dropped) in zip(routers, log.per_layer()):
+        total = sum(counts)
+        mean = total / len(counts) if counts else 0.0
+        out.append({"layer": name[: -len(".router.weight")], "tokens_per_expert": counts, "dropped": dropped,
+                    "max_over_mean": max(counts) / mean if mean else 0.0,
+                    "busiest_share": max(counts) / total if total else 0.0})
+    return out
+
+
 def profile_train(
     built: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], out_dir: str | Path
 ) -> dict[str, Any]:
@@ -302,7 +317,9 @@ def profile_train(
     """
     if len(batches) < len(PROFILE_UNTIMED) + 1:
         raise ValueError(f"profile_train needs {', '.join(PROFILE_UNTIMED)} and a timed step")
-    built.train_step(*batches[0])
+    # The warm-up step also counts each moe layer's tokens per expert (kept out of the measured steps).
+    with moe_routing.recording(keep_logits=False) as routing:
+        built.train_step(*batches[0])
     params = built.parameters()
     live = LiveBytes()
     with saved_bytes(exclude=params) as saved, live:
@@ -340,6 +357,7 @@ def profile_train(
         "collectives_s": collectives_s,
         "pipeline_wait_s": wait_s,
         "collectives": comm,
+        "routing": _routing(built, routing),
         "memory": {
             # This rank's own bytes: with ZeRO 2 / 3 its slice of each (DTensor) parameter.
             "weights": sum(data_local(p).numel() * p.element_size() for p in params),

@@ -191,3 +191,45 @@ def test_router_losses_and_capacity_equal_the_reference(case: str, pool: Any, tm
         for dtype, errs in rank_errs.items():
             worst = max(errs, key=errs.__getitem__)
             assert errs[worst] <= TOLERANCE[dtype], (dtype, worst, errs[worst])
+
+
+# -- meshc run --profile: tokens per expert per layer
+
+
+def profile_counts_job(ctx: Any, path: str, out: str) -> Any:
+    """profile_train's routing report, and the unsharded reference's own routing of the warm-up batch."""
+    from meshllm_dsl.runtime.launch import synthetic_batch
+    from meshllm_dsl.runtime.profile import profile_train
+    from meshllm_dsl.runtime.reference import build_reference
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    batches = [synthetic_batch(program.vocab, program.batch, program.seq, 0, s) for s in range(4)]
+    ref = build_reference(dict(program.model), program.dtype, seed=0)
+    with moe_routing.recording(keep_logits=False) as log, torch.no_grad():
+        ref(batches[0][0])
+    return profile_train(built, batches, out)["routing"], [counts for counts, _ in log.per_layer()]
+
+
+def test_profile_counts_tokens_per_expert_per_layer(pool: Any, tmp_path: Path) -> None:
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.profile_report import compare, read_ranks, report_text
+
+    # recompute = blocks: the blocks' forwards run again in backward; those routings are not counted
+    text = _spec("mixtral", "tensor2", "capacity = 1.0", "    recompute = blocks\n")
+    path, n = _compiled(text, "profiled", tmp_path)
+    runs = pool.run(profile_counts_job, n, path, str(tmp_path / "profile"))
+    (routing, want), other = runs
+    assert other[0] == routing  # tensor ranks route the same tokens alike
+    assert [x["layer"] for x in routing] == ["blocks.0.mlp", "blocks.1.mlp"]
+    limit = math.ceil(1.0 * 64 * 2 / 4)  # batch 8 x seq 8 tokens, top 2 of 4 experts
+    for x, reference in zip(routing, want):
+        assert x["tokens_per_expert"] == reference  # the reference routes with the same drops
+        assert sum(x["tokens_per_expert"]) + x["dropped"] == 64 * 2 and max(x["tokens_per_expert"]) <= limit
+        assert x["max_over_mean"] == max(reference) / (sum(reference) / 4)
+    (plan,) = check_text(text, "profiled.mesh").plans.values()
+    report = report_text(compare(plan, read_ranks(tmp_path / "profile")))
+    first = routing[0]
+    assert (f"blocks.0.mlp  [{', '.join(map(str, first['tokens_per_expert']))}]  max / mean "
+            f"{first['max_over_mean']:.2f}, busiest share {first['busiest_share']:.3f}") in report
