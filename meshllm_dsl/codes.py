@@ -206,6 +206,13 @@ CODES: dict[str, tuple[str, str]] = {
     "W0806": ("stage memory imbalance", "One pipeline rank needs more than 1.25x the memory of another. The "
               "mesh must be sized for the largest, so the others waste memory. 1F1B keeps more microbatches of "
               "activations on early stages: give them fewer blocks."),
+    "W0807": ("expert load skew", "With `skew = F` in a plan, the planner gives each moe layer's busiest expert a "
+              "share F of the layer's routed tokens (the rest shared evenly) and plans every expert-parallel rank "
+              "under it: the rank holding the busiest expert saves more activations and computes longer, the others "
+              "wait for it at each layer. Warned when that rank no longer fits in device memory, or the others wait "
+              "more than 10% of the step; the message says by how much. A capacity factor (`capacity` on the model) "
+              "bounds an expert's tokens, the load-balancing loss (`aux_loss_coef`) evens them out; `meshc run "
+              "--profile` measures the busiest share of a real run."),
     "E1201": ("export: pipeline", "`meshc export` writes what torch's parallelize_module / fully_shard or a "
               "transformers tp_plan apply to one whole model; neither splits a model into pipeline stages "
               "(torch.distributed.pipelining does, outside them). Export a plan without `stages`."),
@@ -297,6 +304,7 @@ W0803: Final = "W0803"
 W0804: Final = "W0804"
 W0805: Final = "W0805"
 W0806: Final = "W0806"
+W0807: Final = "W0807"
 E1201: Final = "E1201"
 E1202: Final = "E1202"
 E1203: Final = "E1203"

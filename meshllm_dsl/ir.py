@@ -374,6 +374,9 @@ class PlanIR:
     # master_dtype and gradients reduced in reduce_dtype (None: no `precision`, all in `dtype`).
     master_dtype: str | None = None
     reduce_dtype: str | None = None
+    # `skew = F`: the share of a moe layer's routed tokens its busiest expert receives, for the
+    # planner (meshllm_dsl/planner_moe.py); None: balanced routing.
+    skew: float | None = None
     span: Span | None = attrs.field(eq=False, default=None)
 
     def __attrs_post_init__(self) -> None:

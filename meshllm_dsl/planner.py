@@ -1467,6 +1467,9 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
                 help=f"move blocks off stage {worst.stages[0]}"
                 + (" (1F1B keeps p - r microbatches of activations on rank r, so early stages should hold fewer blocks)"
                    if plan.schedule != "gpipe" and worst.coord < light.coord else "")))
+    from meshllm_dsl import planner_moe
+
+    out += planner_moe.skew_warnings(report)  # W0807
     return out
 
 
@@ -1525,6 +1528,7 @@ def report_text(rep: PlanReport) -> str:
         "",
         "model",
         f"  parameters      {model.numel:,} ({fmt_count(model.numel)})",
+        *_active_lines(plan),
         f"  weights         {model.numel * w / GB:.2f} GB = {model.numel * w / GIB:.2f} GiB in {plan.dtype}",
         _training_state_line(plan, rep.optimizer_k, model.numel),
         (f"  KV cache        {rep.kv_bytes_per_token:,} bytes per token in {plan.dtype}; "
@@ -1621,7 +1625,20 @@ def report_text(rep: PlanReport) -> str:
         " (tensors allocated, as torch.cuda.max_memory_allocated counts them): "
         + ("fits" if rep.fits else "does NOT fit"),
     ]
+    from meshllm_dsl import planner_moe
+
+    lines += planner_moe.skew_lines(rep)
     return "\n".join(lines) + "\n"
+
+
+def _active_lines(plan: PlanIR) -> list[str]:
+    """A moe model's parameters one token uses (planner_moe.active_parameters)."""
+    from meshllm_dsl import planner_moe
+
+    if not any(planner_moe.moe_units(plan)):
+        return []
+    active = planner_moe.active_parameters(plan)
+    return [f"  active          {active:,} ({fmt_count(active)}) per token: top_k of the experts, router and shared experts"]
 
 
 def report_json(rep: PlanReport) -> dict[str, Any]:

@@ -23,13 +23,13 @@ from meshllm_dsl.checker.optimizer import OptimizerRules
 from meshllm_dsl.checker.pitfalls import PitfallRules
 from meshllm_dsl.checker.placements import PlacementRules
 from meshllm_dsl.checker.stages import StageRules
-from meshllm_dsl.codes import E0203, E0309, E0412
+from meshllm_dsl.codes import E0203, E0307, E0309, E0412
 from meshllm_dsl.diagnostics import Diagnostic, typo
 from meshllm_dsl.ir import DTYPES, MeshIR, ModelIR, Repeat, Unit
 from meshllm_dsl.names import or_list
 from meshllm_dsl.resolve import Binding
 
-PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute")
+PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute", "skew")
 # Settings the language used to accept that nothing downstream reads: refused until they are honoured.
 UNSUPPORTEDPLAN_SETTINGS = {
     "seed": "the seed is chosen at launch: `meshc run FILE --seed N` (or `--seed N` on the generated module)",
@@ -122,7 +122,7 @@ def settings(ctx: PassContext) -> PassResult:
         if s.every is not None and key != "recompute":
             w.error(E0203, f"`every` does not apply to `{key}`", s.every.span, label="not a per-block setting",
                     help="`every N` picks the blocks `recompute` applies to: drop it here")
-        if key in ("dtype", "recompute"):
+        if key in ("dtype", "recompute", "skew"):  # not integers: read by their own passes
             continue
         v = w.eval_int(s.value, env, key)
         if v is not None:
@@ -168,21 +168,37 @@ def stages(ctx: PassContext) -> PassResult:
 
 
 def moe_routing(ctx: PassContext) -> PassResult:
-    """The router losses of a moe layer need every layer's routing of one forward on one rank
-    (transformers' load-balancing loss is a product of sums over all layers): refused with a pipeline."""
+    """A moe model's routing in this plan. The router losses need every layer's routing of one
+    forward on one rank (transformers' load-balancing loss is a product of sums over all layers):
+    refused with a pipeline. `skew = F` (the planner's routing skew, planner_moe.py): the share of
+    a layer's routed tokens its busiest expert gets, 1 / experts (balanced) <= F <= 1."""
     w = _Worker.of(ctx)
-    if ctx["pipeline_axis"] is None:
-        return w.result()
     units = [u for item in ctx.model.items for u in (item.body if isinstance(item, Repeat) else (item,))]
-    asking = [(u, c) for u in units if u.kind == "moe" for c in ("aux_loss_coef", "z_loss_coef") if u.attr(c)]
-    if asking:
+    moes = [u for u in units if u.kind == "moe"]
+    asking = [(u, c) for u in moes for c in ("aux_loss_coef", "z_loss_coef") if u.attr(c)]
+    if asking and ctx["pipeline_axis"] is not None:
         unit, coef = asking[0]
         where = next((s.span for s in ctx.decl.body if isinstance(s, ast.StagesStmt)), ctx.decl.name.span)
         w.error(E0309, f"`{unit.name}`'s {coef} = {unit.attr(coef):g}: the router losses with pipeline stages are not "
                 "supported yet", where, label="stages split the moe layers of one forward",
                 help=f"set {coef} = 0.0 on model `{ctx.model.name}` to pipeline it, or train without `stages` "
                 "(data and tensor parallelism and ZeRO add the router losses)")
-    return w.result()
+    given = ctx["settings"].get("skew")
+    skew = None
+    if given is not None:
+        if not moes:
+            w.error(E0203, f"`skew` applies to a model with moe layers; `{ctx.model.name}` has none", given.name.span,
+                    label="no experts to skew", help="remove `skew`")
+        else:
+            experts = min(int(u.attr("experts")) for u in moes)  # type: ignore[arg-type]
+            skew = w.eval_float(given.value, {}, "`skew`", 0.0, 1.0)
+            if skew is not None and skew < 1 / experts:
+                w.error(E0307, f"`skew` = {skew:g} is less than 1 / experts = {1 / experts:.4g}", given.value.span,
+                        label="the busiest expert gets at least an even share",
+                        help=f"use 1 / {experts} <= skew <= 1: the share of a layer's routed tokens its busiest expert "
+                        f"receives ({1 / experts:.4g} is balanced routing, 1 sends every token to one expert)")
+                skew = None
+    return w.result(skew=skew)
 
 
 def schedule(ctx: PassContext) -> PassResult:

@@ -48,5 +48,5 @@ def plan_ir(ctx: PassContext) -> PlanIR:
         top_flows=tuple(top_flows(ctx.model, top, loss, ctx["seq_axes"])), block_classes=classes,
         optimizer=ctx["optimizer"], optimizer_settings=ctx["optimizer_settings"], zero=zero,
         dtype=ctx["dtype"], master_dtype=ctx["master_dtype"], reduce_dtype=ctx["reduce_dtype"],
-        recompute=ctx["recompute"], recompute_every=ctx["recompute_every"], span=ctx.decl.span,
+        recompute=ctx["recompute"], recompute_every=ctx["recompute_every"], skew=ctx["skew"], span=ctx.decl.span,
     )

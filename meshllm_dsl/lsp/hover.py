@@ -25,6 +25,20 @@ SCHEDULE_DOCS = {
     "1f1b": "1F1B: one forward one backward; same bubble as GPipe, fewer activations in flight; needs microbatches >= stages",
     "interleaved_1f1b": "interleaved 1F1B: `virtual` stages per rank; bubble divided by v",
 }
+# The moe families' routing settings (runtime/moe_routing.py) and the planner's `skew`.
+PARAM_DOCS = {
+    "aux_loss_coef": "adds this x transformers' load-balancing loss (over every moe layer's router logits of a "
+                     "forward) to the training loss; 0: none",
+    "z_loss_coef": "adds this x ST-MoE's router z-loss (per layer mean logsumexp(logits)^2, summed) to the training "
+                   "loss; 0: none",
+    "capacity": "capacity factor: each expert takes at most ceil(capacity x tokens x top_k / experts) (token, choice) "
+                "pairs of a forward, kept by token position; 0: dropless",
+}
+SETTING_DOCS = {
+    "skew": "planner only: the busiest expert of each moe layer receives this share of its routed tokens; "
+            "`meshc plan` gives each expert-parallel rank's memory and step under it (W0807); "
+            "`meshc run --profile` measures it",
+}
 
 
 def _shape(s: tuple[int, ...]) -> str:
@@ -105,6 +119,8 @@ def _occ(a: Analysis, occ: Occ) -> str | None:
                 from meshllm_dsl.fmt import format_expr
 
                 text += f" (default `{format_expr(p.default)}`)"
+        if rest[1] in PARAM_DOCS:
+            text += f"\n\n{PARAM_DOCS[rest[1]]}"
         ctx = occ.context
         model_name = ctx.name.value if isinstance(ctx, ast.ModelDecl) else ctx.model.value if isinstance(ctx, ast.PlanDecl) else None
         model = res.models.get(model_name) if model_name else None
@@ -135,6 +151,8 @@ def _occ(a: Analysis, occ: Occ) -> str | None:
         return f"include `{target}`" if target else f"`{rest[0]}` not found"
     if kind == "primitive":
         return f"primitive `{rest[0]}`"
+    if kind == "setting" and rest[0] == "plan" and rest[1] in SETTING_DOCS:
+        return f"plan setting `{rest[1]}`: {SETTING_DOCS[rest[1]]}"
     return None
 
 

@@ -152,7 +152,12 @@ class Moe(Primitive):
         return int(hu.unit.attr(size)) // planner.axes_size(plan, hu.placement(leaf))  # type: ignore[arg-type]
 
     def _routed(self, hu: HeldUnit, tokens: int) -> int:
-        return tokens * int(hu.unit.attr("top_k"))  # type: ignore[arg-type]
+        """(token, choice) pairs the experts compute: all of them dropless, at most each expert's
+        capacity with a capacity factor (activations at capacity; balanced routing)."""
+        from meshllm_dsl.planner_moe import routed_pairs
+
+        a = hu.unit.attr
+        return routed_pairs(tokens, int(a("top_k")), int(a("experts")), float(a("capacity") or 0.0))  # type: ignore[arg-type]
 
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:

@@ -31,7 +31,7 @@ def _contexts(path):  # type: ignore[no-untyped-def]
 
 def test_the_passes_run_in_this_order() -> None:
     assert [p.__name__ for p in PASSES] == [
-        "settings", "recompute", "placements", "loss", "stages", "schedule", "batch", "sequence_parallel",
+        "settings", "recompute", "placements", "loss", "stages", "moe_routing", "schedule", "batch", "sequence_parallel",
         "context_parallel", "optimizer", "precision", "axis_roles", "pitfalls"]
 
 

@@ -1,0 +1,150 @@
+"""The planner's mixture-of-experts model (meshllm_dsl/planner_moe.py): active parameters, routed
+pairs at capacity, and `skew = F` per expert-parallel rank, with the checker's range checks."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import attrs
+import pytest
+
+from meshllm_dsl import planner, planner_moe
+from meshllm_dsl.checker import check_file, check_text
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _example() -> planner.PlanReport:
+    (plan,) = check_file(str(ROOT / "examples" / "mixtral_8x7b.mesh")).plans.values()
+    return planner.analyze(plan)
+
+
+def test_mixtral_8x7b_parameters_and_active_parameters() -> None:
+    rep = _example()
+    plan = rep.plan
+    assert plan.model.numel == 46_702_792_704  # Mixtral 8x7B's 46.7B
+    per_expert = 3 * 4096 * 14336
+    assert planner_moe.active_parameters(plan) == 46_702_792_704 - 32 * (8 - 2) * per_expert == 12_879_925_248
+    text = planner.report_text(rep)
+    assert "active          12,879,925,248 (12.88B) per token" in text
+
+
+def test_skew_shares_per_expert_parallel_degree() -> None:
+    # degree 1: the one rank holds every expert and gets every pair whatever the skew
+    for f in (1 / 8, 0.4, 1.0):
+        assert planner_moe.rank_shares(f, 8, 1) == pytest.approx((1.0, 0.0))
+    # degree 4 (2 experts per rank): balanced 1 / 4 each; skewed, the busiest rank's share grows
+    assert planner_moe.rank_shares(1 / 8, 8, 4) == pytest.approx((0.25, 0.25))
+    busiest, other = planner_moe.rank_shares(0.4, 8, 4)
+    assert busiest == pytest.approx(0.4 + 0.6 / 7) and other == pytest.approx(2 * 0.6 / 7)
+    assert busiest + 3 * other == pytest.approx(1.0)
+    # pairs with a capacity: each expert capped at degree x its per-source-rank capacity
+    b, o = planner_moe.rank_pairs(0.4, 8, 4, 1000, 150)
+    assert b == pytest.approx(600 + 4000 * 0.6 / 7) and o == pytest.approx(2 * 4000 * 0.6 / 7)
+
+
+def test_routed_pairs_at_capacity() -> None:
+    assert planner_moe.routed_pairs(1000, 2, 8, 0.0) == 2000  # dropless
+    assert planner_moe.routed_pairs(1000, 2, 8, 1.25) == 2000  # room for the balanced load
+    assert planner_moe.routed_pairs(1000, 2, 8, 0.5) == 8 * math.ceil(0.5 * 2000 / 8) == 1000
+
+
+def test_activations_at_capacity_in_the_planner() -> None:
+    text = (ROOT / "examples" / "mixtral_8x7b.mesh").read_text().replace("    recompute = blocks\n", "")
+    full = planner.analyze(next(iter(check_text(text.replace("capacity = 1.25", "capacity = 0"), "a.mesh").plans.values())))
+    half = planner.analyze(next(iter(check_text(text.replace("capacity = 1.25", "capacity = 0.5"), "b.mesh").plans.values())))
+    # without recompute every block's routed activations, at 2 x 4096 tokens x top 2 per microbatch
+    pairs = 2 * 4096 * 2
+    per_pair = 2 * (2 * 4096 + 4 * 14336 // 8)  # bf16: gathered input + output, gate / up / silu / product
+    saved_full = full.ranks[0].activation_bytes_per_microbatch
+    saved_half = half.ranks[0].activation_bytes_per_microbatch
+    assert saved_full - saved_half == 32 * (pairs - pairs // 2) * per_pair  # each of the 32 blocks, at half capacity
+
+
+def test_skew_in_the_example_report() -> None:
+    rep = _example()
+    sk = planner_moe.skew_report(rep)
+    assert sk is not None and sk.degree == 1 and sk.experts == 8
+    pairs = 2 * 4096 * 2  # per layer and microbatch on a rank
+    cap = math.ceil(1.25 * 2 * 4096 * 2 / 8)
+    kept = min(0.4 * pairs, cap) + 7 * min(0.6 * pairs / 7, cap)
+    assert sk.dropped_share == pytest.approx(1 - kept / pairs)
+    (row,) = sk.ranks
+    assert row.pairs == pytest.approx(kept) and row.wait_s == 0
+    text = planner.report_text(rep)
+    assert "expert-parallel degree 1" in text and "moves no work between ranks" in text
+    assert f"capacity drops {sk.dropped_share:.1%}" in text
+    assert not [d for d in planner.plan_warnings(rep) if d.code == "W0807"]  # degree 1: nobody waits
+
+
+def test_skew_with_expert_parallel_ranks_warns_by_how_much(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The skew math once experts are split (degree 2 here, as expert parallelism will plan it)."""
+    text = (ROOT / "examples" / "mixtral_8x7b.mesh").read_text().replace("capacity = 1.25", "capacity = 0")
+    text = text.replace("skew = 0.4", "skew = 0.9")
+    (plan,) = check_text(text, "ep.mesh").plans.values()
+    monkeypatch.setattr(planner_moe, "expert_degree", lambda plan, hu: 2)
+    rep = planner.analyze(plan)
+    sk = planner_moe.skew_report(rep)
+    assert sk is not None and sk.degree == 2
+    busiest, others = sk.ranks
+    pairs = 2 * 4096 * 2
+    assert busiest.pairs == pytest.approx(2 * pairs * (0.9 + 3 * 0.1 / 7))
+    assert others.pairs == pytest.approx(2 * pairs * 4 * 0.1 / 7)
+    assert busiest.peak_bytes > rep.ranks[0].training_bytes > others.peak_bytes
+    assert others.wait_s == pytest.approx(busiest.step_s - others.step_s) and others.wait_s > 0
+    (w,) = [d for d in planner.plan_warnings(rep) if d.code == "W0807"]
+    assert f"wait {planner.fmt_seconds(others.wait_s)} per step" in w.message
+    assert f"{sk.wait_share:.0%} of the" in w.message and sk.wait_share > planner_moe.SKEW_WAIT_WARN
+    assert text[w.span.start:w.span.end].startswith("skew")
+    # and a rank that no longer fits is told by how much
+    small = attrs.evolve(rep.device, memory_gib=rep.ranks[0].training_bytes / 2**30 * 1.01)
+    rep2 = planner.analyze(plan, small)
+    (fit,) = [d for d in planner.plan_warnings(rep2) if d.code == "W0807" and "more than the" in d.message]
+    sk2 = planner_moe.skew_report(rep2)
+    over = sk2.ranks[0].peak_bytes - small.memory_bytes
+    assert f"{planner.fmt_bytes(over)} more than" in fit.message
+
+
+@pytest.mark.parametrize("value, code, words", [
+    ("0.1", "E0307", "less than 1 / experts = 0.125"),
+    ("1.5", "E0307", "out of range"),
+    ("0", "E0307", "out of range"),
+])
+def test_skew_range_is_checked(value: str, code: str, words: str) -> None:
+    text = (ROOT / "examples" / "mixtral_8x7b.mesh").read_text().replace("skew = 0.4", f"skew = {value}")
+    (d,) = [d for d in check_text(text, "s.mesh").diagnostics if d.is_error]
+    assert d.code == code and words in d.message
+    assert text[d.span.start:d.span.end] == value
+
+
+def test_skew_needs_moe_layers() -> None:
+    text = (ROOT / "examples" / "tiny_llama.mesh").read_text()
+    text = text.replace("    batch = ", "    skew = 0.5\n    batch = ", 1)
+    (d,) = [d for d in check_text(text, "l.mesh").diagnostics if d.is_error]
+    assert d.code == "E0203" and "`skew` applies to a model with moe layers" in d.message
+
+
+def test_lsp_hover_and_completion_know_the_routing_settings() -> None:
+    from meshllm_dsl.lsp import completion
+    from meshllm_dsl.lsp.analysis import Analysis
+
+    path = ROOT / "examples" / "mixtral_8x7b.mesh"
+    text = path.read_text()
+    a = Analysis(str(path), text)
+
+    def hover_at(word: str) -> str:
+        got = a.hover(text.index(word) + len(word) - len(word.lstrip()) + 1)
+        assert got is not None, word
+        return got[0]
+
+    assert "load-balancing loss" in hover_at("aux_loss_coef = 0.02")
+    assert "capacity factor" in hover_at("capacity = 1.25") and "(default `0.0`)" in hover_at("capacity = 1.25")
+    assert "busiest expert" in hover_at("\n    skew = 0.4")
+    # a plan setting being typed offers `skew`; a mixtral model's settings offer the routing ones
+    at = text.index("    skew = 0.4")
+    plan_items = {i.label for i in completion.complete(Analysis(str(path), text[:at] + "    sk\n" + text[at:]), at + 6)}
+    assert "skew" in plan_items
+    at = text.index("    capacity = 1.25")
+    model_items = {i.label for i in completion.complete(Analysis(str(path), text[:at] + "    z\n" + text[at:]), at + 5)}
+    assert "z_loss_coef" in model_items and "aux_loss_coef" not in model_items  # given already
