@@ -33,6 +33,7 @@ from meshllm_dsl.ir import (
 )
 from meshllm_dsl.layouts import column_partial_grad, seq_partial_grad
 from meshllm_dsl.names import ranges
+from meshllm_dsl.placements import runs_fsdp
 from meshllm_dsl.primitives.embedding import EMBEDDING
 
 TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32", "fp64": "torch.float64"}
@@ -543,7 +544,7 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
            "keys and values all-gathered in attention."] if plan.roles.context else []),
         *([f"Precision: compute in {plan.dtype}, master weights and optimizer states in {plan.master_dtype}, "
            f"gradients reduced in {plan.reduce_dtype} ("
-           + ("FSDP2 MixedPrecisionPolicy" if plan.zero >= 2 else "torch.autocast, fp32 parameters") + ")."] if plan.master_dtype else []),
+           + ("FSDP2 MixedPrecisionPolicy" if runs_fsdp(plan) else "torch.autocast, fp32 parameters") + ")."] if plan.master_dtype else []),
         "",
         f"Run: torchrun --nproc-per-node {mesh.devices} THIS_FILE --steps 10",
     ]

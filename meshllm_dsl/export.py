@@ -176,7 +176,12 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
                _setting_span(decl, "recompute", plan.span), label="activation recomputation",
                help="drop `recompute` for the export and wrap the blocks with torch.utils.checkpoint "
                     "(or `model.gradient_checkpointing_enable()`) yourself")
-    if plan.master_dtype is not None and plan.zero < 2:
+    if plan.master_dtype is not None and plan.zero == 1:
+        refuse(E1206, f"`precision` at ZeRO 1 (the distributed optimizer: FSDP2 reducing gradients once a step) is not "
+               f"exported to {where}", _stmt_span(decl, ast.PrecisionStmt, plan.span), label="sharded master weights",
+               help="use `zero 2` for the export: fully_shard with reshard_after_forward=False and MixedPrecisionPolicy "
+                    "holds the same state, and reduce-scatters every microbatch's gradients")
+    elif plan.master_dtype is not None and plan.zero == 0:
         refuse(E1206, f"`precision` at ZeRO {plan.zero} (fp32 parameters under torch.autocast) is not exported to {where}",
                _stmt_span(decl, ast.PrecisionStmt, plan.span), label="mixed precision by autocast",
                help=f"run the exported model under `torch.autocast(device, dtype=torch.{'bfloat16' if plan.dtype == 'bf16' else 'float16'})` "

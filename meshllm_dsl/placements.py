@@ -176,10 +176,24 @@ def spmd_mesh(plan: PlanIR) -> tuple[tuple[str, int], ...]:
     return tuple((a.name, a.size) for a in plan.mesh.axes if a.name != plan.roles.pipeline)
 
 
+def runs_fsdp(plan: PlanIR) -> bool:
+    """Whether the runtime holds the plan's parameters as FSDP2's (runtime/fsdp.py's ``uses_fsdp``):
+    ZeRO 2 / 3, and ZeRO 1 with `precision` (Megatron's distributed optimizer, the fp32 master
+    weights sharded with the moments)."""
+    return plan.zero >= 2 or (plan.zero == 1 and plan.master_dtype is not None)
+
+
+def defers_grad_sync(plan: PlanIR) -> bool:
+    """ZeRO 1 with master weights reduce-scatters once a step, after the last microbatch, with
+    whole gradients accumulated in the reduce dtype before it (runtime/fsdp.py's ``defers_grad_sync``)."""
+    return plan.zero == 1 and plan.master_dtype is not None
+
+
 def fsdp_axes(plan: PlanIR) -> tuple[str, ...]:
-    """The axes FSDP2 shards parameters over along dim 0 (ZeRO 2 and 3, runtime/fsdp.py); ZeRO 1
-    shards only optimizer states, so its parameters stay Replicate there."""
-    return plan.roles.batch_shard if plan.zero >= 2 else ()
+    """The axes FSDP2 shards parameters over along dim 0 (ZeRO 2 and 3, and ZeRO 1 with master
+    weights: runtime/fsdp.py); plain ZeRO 1 shards only optimizer states, so its parameters stay
+    Replicate there."""
+    return plan.roles.batch_shard if runs_fsdp(plan) else ()
 
 
 def activation_layout(plan: PlanIR, layout: Layout) -> Layout:

@@ -1,18 +1,18 @@
-"""Mixed precision with fp32 master weights at ZeRO 0 / 1 (`precision { params = bf16, master = fp32 }`
-without FSDP2), as torchtitan does when data parallelism is not FSDP: ``torch.autocast``.
+"""Mixed precision with fp32 master weights at ZeRO 0 (`precision { params = bf16, master = fp32 }`
+without FSDP2), as torchtitan does when data parallelism is not FSDP, and Megatron without
+``--use-distributed-optimizer``: ``torch.autocast``.
 
-The parameters stay in the master dtype, so they are the master weights: AdamW (or ZeRO-1's
-ZeroRedundancyOptimizer, which shards its moments over the data axes) steps them and its moments in
-fp32, gradients arrive in fp32 (autocast's cast is differentiated back to the parameter's dtype) and
-the data-parallel all-reduce sums them in fp32, the `reduce` dtype. Each stage's forward runs under
+The parameters stay in the master dtype, so they are the master weights, whole on every rank:
+AdamW steps them and its moments in fp32, gradients arrive in fp32 (autocast's cast is
+differentiated back to the parameter's dtype) and the data-parallel all-reduce sums them in fp32,
+the `reduce` dtype. Each stage's forward runs under
 autocast, so the matrix products (linear layers, attention) compute in the `params` dtype while
 norms, softmax and the loss keep fp32 as the layers already ask. Checkpoints, verification and
 export see plain fp32 parameters.
+The bf16 casts of a stage's weights live while its forward and backward run.
 
-Not Megatron's distributed optimizer, which keeps bf16 weights and an fp32 master copy sharded
-over the data ranks: torch's ZeroRedundancyOptimizer shards only the optimizer's own state, so with
-it the fp32 weights are whole on every rank (4 + 4 bytes per parameter, moments 8 / data ranks),
-and the bf16 casts of a stage's weights live while its forward and backward run.
+ZeRO 1 with `precision` is Megatron's distributed optimizer instead (fp32 master weights sharded
+with the moments over the data ranks): FSDP2, ``runtime/fsdp.py``'s ``uses_fsdp``.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ __all__ = ["autocast_forward", "uses_autocast"]
 
 
 def uses_autocast(zero: int, dtype: torch.dtype, param_dtype: torch.dtype | None) -> bool:
-    """Whether a plan computes in a narrower dtype than its master weights without FSDP2. With
-    every dtype equal (verification runs the plan in fp32 / fp64) there is nothing to cast."""
-    return zero < 2 and param_dtype is not None and param_dtype != dtype
+    """Whether a plan computes in a narrower dtype than its master weights without FSDP2 (ZeRO 0).
+    With every dtype equal (verification runs the plan in fp32 / fp64) there is nothing to cast."""
+    return zero == 0 and param_dtype is not None and param_dtype != dtype
 
 
 def _run(forward: Callable[..., Any], device_type: str, dtype: torch.dtype, *args: Any, **kwargs: Any) -> Any:

@@ -1,11 +1,11 @@
-"""ZeRO-2 / ZeRO-3 (also hybrid-sharded, HSDP) and mixed precision with master weights, by
-PyTorch's FSDP2 (``fully_shard``).
+"""ZeRO-2 / ZeRO-3 (also hybrid-sharded, HSDP), ZeRO-1 with sharded master weights (Megatron's
+distributed optimizer) and mixed precision with master weights, by PyTorch's FSDP2 (``fully_shard``).
 
 A stage holds plain local tensors (its tensor-parallel shards, laid out by ``ShardSpec``); FSDP2
 shards each of them again along dim 0 over the data-parallel ranks, as torchtitan composes FSDP2
 with tensor parallelism: every block of the repeat is one unit (all-gathered before its forward,
-resharded after it with ZeRO-3, kept gathered until backward with ZeRO-2), then the stage root
-holds the rest. Gradients are reduce-scattered and averaged over the data ranks by FSDP2 itself,
+resharded after it with ZeRO-3, kept gathered until backward with ZeRO-2 and ZeRO-1), then the
+stage root holds the rest. Gradients are reduce-scattered and averaged over the data ranks by FSDP2 itself,
 so the hand-written data all-reduce skips these parameters.
 
 Parameters become DTensors over a 1-D data mesh whose local part is this rank's ``torch.chunk`` of
@@ -24,7 +24,25 @@ from torch import Tensor, nn
 
 from .mesh import Mesh
 
-__all__ = ["data_local", "data_mesh", "is_sharded", "like_sharded", "shard_stage", "store_tp_local", "tp_local"]
+__all__ = [
+    "data_local", "data_mesh", "defers_grad_sync", "is_sharded", "like_sharded", "shard_stage", "store_tp_local",
+    "tp_local", "uses_fsdp",
+]
+
+
+def uses_fsdp(zero: int, param_dtype: torch.dtype | None) -> bool:
+    """Whether a plan's parameters are FSDP2's: ZeRO 2 / 3, and ZeRO 1 with `precision` (Megatron's
+    distributed optimizer: the fp32 master weights are sharded with the moments, so they cannot be
+    the module's whole parameters as ZeroRedundancyOptimizer would keep them)."""
+    return zero >= 2 or (zero == 1 and param_dtype is not None)
+
+
+def defers_grad_sync(zero: int, param_dtype: torch.dtype | None) -> bool:
+    """ZeRO 1 with master weights reduces gradients once a step, as Megatron's distributed optimizer
+    does: between a step's microbatches FSDP2 keeps every unit gathered in the compute dtype and
+    accumulates its whole gradient in the reduce dtype (Megatron's fp32 grad buffer), and only the
+    last backward reduce-scatters. ZeRO 2 reduce-scatters every microbatch's gradients."""
+    return zero == 1 and param_dtype is not None
 
 
 def _axis_group(mesh: Mesh, axes: tuple[str, ...]) -> tuple[Any, list[int]]:

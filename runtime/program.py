@@ -238,7 +238,7 @@ class Built:
         self.replicas = mesh.size(*self.grad_axes) if self.grad_axes else 1
         self.zero_axes = tuple(a for a in mesh.names if a in (program.zero_axes or self.batch_axes))
         self._tied = self._tied_groups()
-        if program.zero >= 2:
+        if fsdp.uses_fsdp(program.zero, program.param_dtype):
             self._fully_shard()
         elif amp.uses_autocast(program.zero, program.dtype, program.param_dtype):
             assert program.param_dtype is not None
@@ -270,8 +270,9 @@ class Built:
         return module.to_empty(device=self.device)
 
     def _fully_shard(self) -> None:
-        """ZeRO-3 (parameters resharded after each forward) or ZeRO-2 (kept until backward) by FSDP2
-        over the data ranks; gradients and optimizer states are sharded either way."""
+        """ZeRO-3 (parameters resharded after each forward) or ZeRO-2 and ZeRO-1 with master weights
+        (kept until backward) by FSDP2 over the data (and context) ranks; master weights, gradients
+        and optimizer states are sharded either way."""
         dmesh = fsdp.data_mesh(self.mesh, self.grad_axes, self.device.type, self.zero_axes)
         for i in self.stage_ids:
             fsdp.shard_stage(
@@ -285,7 +286,7 @@ class Built:
     @property
     def compute_dtype(self) -> torch.dtype:
         """The dtype of activations: ``param_dtype`` under mixed precision, else ``dtype``. Under
-        autocast (ZeRO 0 / 1) the residual stream stays in the master dtype: only products narrow."""
+        autocast (ZeRO 0) the residual stream stays in the master dtype: only products narrow."""
         p = self.program
         return p.dtype if amp.uses_autocast(p.zero, p.dtype, p.param_dtype) else p.param_dtype or p.dtype
 
@@ -344,9 +345,10 @@ class Built:
         # the loop); the same update, rounded differently only.
         kw = {**adamw_kwargs(self.program.optimizer), "fused": True}
         params = self.parameters()
-        # ZeRO-2 / 3: the parameters are FSDP2's DTensors, each rank holding a slice, so plain
-        # AdamW keeps (and steps) state for that slice only.
-        if self.program.zero == 1 and self.zero_axes and self.mesh.size(*self.zero_axes) > 1:
+        # ZeRO-2 / 3 and ZeRO-1 with master weights: the parameters are FSDP2's DTensors, each rank
+        # holding a slice, so plain AdamW keeps (and steps) state for that slice only.
+        if (self.program.zero == 1 and not fsdp.uses_fsdp(self.program.zero, self.program.param_dtype)
+                and self.zero_axes and self.mesh.size(*self.zero_axes) > 1):
             # Imported here, not at module level: it pulls in FSDP and DTensor (~2.4 CPU-s per
             # rank), which only ZeRO plans should pay for.
             from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -538,7 +540,14 @@ class Built:
             raise ValueError(f"local batch {tokens.shape[0]} does not split into {m} microbatches")
         losses: list[Tensor] = []
         if self.pp == 1:
-            for tok, tgt in zip(tokens.chunk(m), targets.chunk(m)):
+            defer = fsdp.defers_grad_sync(p.zero, p.param_dtype)
+            for j, (tok, tgt) in enumerate(zip(tokens.chunk(m), targets.chunk(m))):
+                if defer:
+                    # ZeRO 1 (Megatron's distributed optimizer): one gather and one reduce-scatter a
+                    # step; the microbatches before the last accumulate whole fp32 gradients.
+                    for i in self.stage_ids:
+                        self.modules[i].set_requires_gradient_sync(j == m - 1)  # type: ignore[operator]
+                        self.modules[i].set_reshard_after_backward(j == m - 1)  # type: ignore[operator]
                 x = tok
                 with moe_routing.recording(self.router_losses is not None) as routing:
                     for i in self.stage_ids:

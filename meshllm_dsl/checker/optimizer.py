@@ -128,11 +128,11 @@ class OptimizerRules(PlanContext):
             self.error(E0203, f"master weights in {master} are narrower than the compute dtype {compute}",
                        seen["master"].value.span, label="would round every update more than the forward",
                        help=f"keep master weights at least as wide: `master = fp32` (or `params = {master}`)")
-        if zero not in (2, 3) and reduce != master:
-            # ZeRO 0 / 1 keep the master weights as the parameters (runtime/amp.py: autocast), so
+        if zero == 0 and reduce != master:
+            # ZeRO 0 keeps the master weights as the parameters (runtime/amp.py: autocast), so
             # their gradients, and the all-reduce of them, are in the master dtype.
             self.error(E0309, f"`reduce = {reduce}` with ZeRO {zero}: gradients are reduced in the master dtype {master}",
                        seen["reduce"].value.span if "reduce" in seen else stmt.span,
-                       label="only FSDP2 (zero 2 / 3) reduces in another dtype",
-                       help=f"write `reduce = {master}` (or leave it out), or shard with `zero 2` / `zero 3`")
+                       label="only FSDP2 (zero 1 / 2 / 3 with master weights) reduces in another dtype",
+                       help=f"write `reduce = {master}` (or leave it out), or shard with `zero 1`, `zero 2` or `zero 3`")
         return compute, master, reduce

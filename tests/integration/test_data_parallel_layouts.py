@@ -26,9 +26,10 @@ def _spec(axes: str, body: str) -> str:
 
 
 HSDP = "layout { batch -> replica * data }\n"
-# The distributed optimizer at ZeRO 0 / 1: bf16 products under autocast, fp32 master weights (the
-# parameters), fp32 gradients, reduction and moments (runtime/amp.py). Compared in fp32 / fp64,
-# where every dtype is the same; the bf16 run itself is checked below.
+# Master weights at ZeRO 0: bf16 products under autocast, fp32 master weights (the parameters), fp32
+# gradients, reduction and moments (runtime/amp.py); at ZeRO 1 the distributed optimizer (FSDP2 with
+# the master weights sharded). Compared in fp32 / fp64, where every dtype is the same; the bf16 run
+# itself is checked below.
 PRECISION = "precision { params = bf16, master = fp32 }\n"
 CASES: dict[str, str] = {
     # HSDP: FSDP2 over a 2-D (replicate, shard) mesh; sharded over `data`, replicated over `replica`.
@@ -49,8 +50,14 @@ CASES: dict[str, str] = {
         "pipeline = 2, tensor = 2", MEGATRON + "microbatches = 2\n recompute = blocks every 2\n stages over pipeline balanced"),
     "recompute_ops_every3_data2_zero3": _spec(
         "data = 2", "microbatches = 2\n recompute = ops every 3\n layout { batch -> data }\n optimizer adamw { zero 3 }"),
+    # ZeRO 1 with master weights is Megatron's distributed optimizer (FSDP2, runtime/fsdp.py): with
+    # microbatches the gradients are accumulated whole and reduce-scattered once, at the last.
     "precision_zero1_data2_tensor2": _spec(
-        "data = 2, tensor = 2", MEGATRON + "layout { batch -> data }\n" + PRECISION + "optimizer adamw { zero 1 }"),
+        "data = 2, tensor = 2", MEGATRON + "microbatches = 2\n layout { batch -> data }\n" + PRECISION
+        + "optimizer adamw { zero 1\n clip = 0.01 }"),
+    "precision_zero1_hsdp_pipeline2_1f1b": _spec(
+        "replica = 2, data = 2, pipeline = 2", "microbatches = 2\n" + HSDP + " stages over pipeline balanced\n"
+        " schedule 1f1b\n" + PRECISION + "optimizer adamw { zero 1 over data }"),
     "precision_zero0_pipeline2_data2_1f1b": _spec(
         "data = 2, pipeline = 2", "microbatches = 2\n layout { batch -> data }\n stages over pipeline balanced\n"
         " schedule 1f1b\n" + PRECISION),
@@ -101,19 +108,22 @@ def test_hsdp_shards_over_the_zero_axes_and_replicates_over_the_rest(pool: Worke
 
 
 def _master_job(ctx, path: str) -> dict[str, object]:  # type: ignore[no-untyped-def]
+    from meshllm_dsl.runtime.fsdp import data_local
     from meshllm_dsl.runtime.launch import synthetic_batch
     from meshllm_dsl.verify import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
-    params = built.parameters()
+    # ZeRO 1 with master weights: FSDP2's DTensors, this rank's shard of each.
+    params = [data_local(p) for p in built.parameters()]
     before = [p.detach().clone() for p in params]
     losses = [built.train_step(*synthetic_batch(program.vocab, program.batch, program.seq, 7, s)) for s in range(2)]
     inner = getattr(built.optimizer, "optim", built.optimizer)  # ZeRO-1: its local AdamW
     states = [v for st in inner.state.values() for k, v in st.items() if k != "step"]
     moved = sum(int((p.detach() != b).sum()) for p, b in zip(params, before))
+    grads = [p.grad for p in built.parameters() if p.grad is not None]  # (FSDP2 swaps in gathered ones to run)
     out = built.run_stages(torch.zeros(2, 8, dtype=torch.long))
-    return {"param": {str(p.dtype) for p in params}, "grad": {str(p.grad.dtype) for p in params if p.grad is not None},
+    return {"param": {str(p.dtype) for p in params}, "grad": {str(g.dtype) for g in grads},
             "optim": {str(v.dtype) for v in states}, "logits": None if out is None else str(out.dtype),
             "losses": losses, "moved": moved / sum(p.numel() for p in params)}
 

@@ -61,8 +61,14 @@ LAYOUTS: dict[str, dict[str, Any]] = {
                              "zero_axes": ("data",)},
     "replica2xdata2-hsdp1": {"axes": (("replica", 2), ("data", 2), ("tensor", 1)), "batch_axes": ("replica", "data"), "zero": 1, "batch": 8,
                              "zero_axes": ("data",)},
-    # bf16 products over fp32 master parameters (autocast) with ZeRO-1.
+    # bf16 compute, fp32 master weights sharded with the moments over data (ZeRO-1 with master
+    # weights, Megatron's distributed optimizer: FSDP2), alone and with tensor parallelism.
     "data2-bf16-master-zero1": {"axes": (("data", 2), ("tensor", 1)), "batch_axes": ("data",), "zero": 1,
+                                "param_dtype": torch.bfloat16},
+    "data2xtensor2-bf16-master-zero1": {"axes": (("data", 2), ("tensor", 2)), "batch_axes": ("data",), "zero": 1,
+                                        "param_dtype": torch.bfloat16},
+    # and at ZeRO 0, the whole fp32 parameters under autocast
+    "data2-bf16-master-zero0": {"axes": (("data", 2), ("tensor", 1)), "batch_axes": ("data",),
                                 "param_dtype": torch.bfloat16},
     "data2xpipeline2xtensor2-zero2": {
         "axes": (("data", 2), ("pipeline", 2), ("tensor", 2)),
@@ -167,7 +173,7 @@ def _weights_only_job(
     ("kind", "layout"),
     [("llama", "data2xtensor2-zero1"), ("gpt2", "pipeline2xtensor2"), ("llama", "data2xtensor2-zero3"),
      ("gpt2", "data2xpipeline2xtensor2-zero2"), ("llama", "replica2xdata2-hsdp3"), ("llama", "replica2xdata2-hsdp1"),
-     ("llama", "data2-bf16-master-zero1")],
+     ("llama", "data2-bf16-master-zero1"), ("gpt2", "data2xtensor2-bf16-master-zero1"), ("llama", "data2-bf16-master-zero0")],
 )
 def test_resume_on_the_same_layout_is_bit_for_bit(
     pool: WorkerPool, tmp_path: Path, kind: str, layout: str
