@@ -53,6 +53,7 @@ class Export:
     zero_axis: str | None  # fully_shard over this axis (ZeRO 2 / 3), else None
     loss_parallel: bool
     warnings: tuple[Diagnostic, ...]
+    hf_class: str  # transformers' class of the checkpoint (Qwen3ForCausalLM, not LlamaForCausalLM, for q / k norms)
 
 
 # ---------------------------------------------------------------- analysis
@@ -293,7 +294,22 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
                help=f"shard every layer over one axis (`{next(iter(tp_axes))}`) to export a tp_plan")
     if errors:
         raise SpecError(errors)
-    return Export(plan, arch, blocks, tuple(entries), tuple(ties), zero_axis, loss_parallel, tuple(warnings))
+    return Export(plan, arch, blocks, tuple(entries), tuple(ties), zero_axis, loss_parallel, tuple(warnings),
+                  _hf_class(desc, arch))
+
+
+def _hf_class(desc: dict[str, object], arch: str) -> str:
+    """The class the model's own config.json names (runtime/hf.py hf_config, what `--export-hf`
+    writes): the llama layout alone is Llama, Mistral (a window), Qwen2 (q, k, v biases) or Qwen3
+    (q / k norms), and loading a Qwen3 checkpoint as LlamaForCausalLM would drop its norms."""
+    import torch
+
+    from meshllm_dsl.runtime.hf import WeightsError, hf_config
+
+    try:
+        return str(hf_config(desc, torch.float32)["architectures"][0])
+    except WeightsError:  # no config.json of its own (checked by the caller where it matters)
+        return HF_CLASSES[arch]
 
 
 # ---------------------------------------------------------------- printing
@@ -322,7 +338,7 @@ def render_dtensor(exp: Export, source_path: str, source_text: str) -> str:
         "",
         f"Mesh `{mesh.name}`: {' x '.join(f'{a.name} {a.size}' for a in mesh.axes)} = {mesh.devices} ranks"
         " (rank order: last axis varies fastest).",
-        f"Model `{plan.model.name}`: {plan.model.numel:,} parameters, as transformers' {HF_CLASSES[exp.arch]} "
+        f"Model `{plan.model.name}`: {plan.model.numel:,} parameters, as transformers' {exp.hf_class} "
         "names its modules.",
         f"Tensor parallel over: {' x '.join(tp) or 'none'} (parallelize_module). Data parallel over: "
         f"{' x '.join(plan.roles.batch) or 'none'}; ZeRO stage {plan.zero}"
@@ -356,7 +372,7 @@ def render_dtensor(exp: Export, source_path: str, source_text: str) -> str:
         "axes": literal(tuple(zip(names, sizes))),
         "names": literal(names),
         "sizes": literal(sizes),
-        "hf_class": HF_CLASSES[exp.arch],
+        "hf_class": exp.hf_class,
         "layers": plan.model.repeat.count if plan.model.repeat else 0,
         "blocks": repr(exp.blocks) if exp.blocks else None,
         "batch": plan.batch,

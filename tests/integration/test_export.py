@@ -361,3 +361,19 @@ def test_a_family_without_a_proven_export_is_refused_with_e1204(
     err = capsys.readouterr().err
     assert "error[E1204]" in err and "the gemma checkpoint layout" in err and "Traceback" not in err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("kind", "hf_class"), [("qwen3", "Qwen3ForCausalLM"), ("qwen2", "Qwen2ForCausalLM"),
+                                                ("llama", "LlamaForCausalLM")])
+def test_dtensor_export_names_the_class_of_the_models_checkpoint(kind: str, hf_class: str, tmp_path: Path) -> None:
+    """The llama layout is several transformers classes: loading a Qwen3 checkpoint as
+    LlamaForCausalLM (as the export once told its user to) would drop its q / k norms."""
+    from hf_models import spec
+
+    path = tmp_path / f"{kind}.mesh"
+    path.write_text(spec(kind, "tensor2"))
+    out = tmp_path / f"{kind}.py"
+    assert main(["export", str(path), "--to", "dtensor", "-o", str(out)]) == 0
+    text = out.read_text()
+    assert f"parallelize({hf_class}.from_pretrained(DIR), mesh)" in text
+    assert f"as transformers' {hf_class} names its modules" in text
