@@ -134,6 +134,8 @@ class _Fields:
 def _num(x: Any) -> str:
     if isinstance(x, str):  # a choice (qk_norm = head)
         return x
+    if isinstance(x, tuple):  # longrope's factors: on one line here (the settings map to lines), fmt wraps them
+        return "[" + ", ".join(_num(float(v)) for v in x) + "]"
     if isinstance(x, bool):
         return "true" if x else "false"
     if isinstance(x, int):
@@ -184,16 +186,66 @@ def _rope(f: _Fields) -> tuple[float, _Fields | None]:
     return theta, (None if kind == "default" else rope)
 
 
-_ROPE_TYPES = ("linear", "dynamic", "yarn", "llama3")
+_ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
 
 
-def _rope_settings(f: _Fields, scaling: _Fields, positions: int) -> list[tuple[str, Any, str]]:
+def _factors(scaling: _Fields, field: str, rotary: int) -> tuple[float, ...]:
+    """longrope's `short_factor` / `long_factor`: a list of `rotary` / 2 positive numbers."""
+    value, where = scaling.doc.get(field), f"`{scaling.prefix}{field}`"
+    if not isinstance(value, list):
+        raise scaling.error(field, f"a list of {rotary // 2} positive numbers (head_dim / 2)")
+    for i, x in enumerate(value):
+        if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x > 0):
+            raise ConfigError(f"{scaling.where}: {where} item {i} is {describe(x)}; expected a positive number")
+    if len(value) != rotary // 2:
+        raise ConfigError(f"{scaling.where}: {where} has {len(value)} numbers; expected {rotary // 2} "
+                          f"(head_dim {rotary} / 2, one per rotary frequency)")
+    return tuple(float(x) for x in value)
+
+
+def _longrope_settings(f: _Fields, scaling: _Fields, positions: int, head_dim: int) -> list[tuple[str, Any, str]]:
+    """Phi-3's longrope as transformers reads it (_compute_longrope_parameters after
+    standardize_rope_params): the trained length from a top-level original_max_position_embeddings
+    first (Phi3Config's own default is 4096), the factor `max_position_embeddings / original` where
+    the rope object gives none."""
+    where, p = f.where, scaling.prefix
+    outer = f.int("original_max_position_embeddings", None)
+    inner = scaling.int("original_max_position_embeddings", None)
+    if outer is not None and inner is not None and outer != inner:
+        raise ImportError_(f"{where}: `original_max_position_embeddings` {outer} and `{p}original_max_position_"
+                           f"embeddings` {inner} disagree; transformers would use {outer}")
+    phi3 = _architecture(f) == "Phi3ForCausalLM"
+    original = outer or (4096 if phi3 else inner or positions)
+    origin = ("`original_max_position_embeddings`" if outer else "Phi3Config's default" if phi3
+              else f"`{p}original_max_position_embeddings`" if inner else "`max_position_embeddings`")
+    factor = scaling.number("factor", None)
+    settings: list[tuple[str, Any, str]] = [
+        ("rope_type", "longrope", f"`{p}type`" if scaling.doc.get("rope_type") is None else f"`{p}rope_type`"),
+        ("rope_factor", factor if factor is not None else positions / original,
+         f"`{p}factor`" if factor is not None else "`max_position_embeddings` / `original_max_position_embeddings`"),
+        ("rope_original_positions", original, origin),
+    ]
+    attention = scaling.number("attention_factor", None)
+    if attention is not None:
+        settings.append(("rope_attention_factor", attention, f"`{p}attention_factor`"))
+    return settings + [("rope_short_factor", _factors(scaling, "short_factor", head_dim), f"`{p}short_factor`"),
+                       ("rope_long_factor", _factors(scaling, "long_factor", head_dim), f"`{p}long_factor`")]
+
+
+def _rope_settings(f: _Fields, scaling: _Fields, positions: int, head_dim: int) -> list[tuple[str, Any, str]]:
     """The llama family's rope settings for a rope scaling object, as transformers reads it
     (modeling_rope_utils: the fields each type's initialiser takes and their defaults)."""
     where, p = f.where, scaling.prefix
     kind = scaling.text("rope_type", None) or scaling.text("type")
+    if _architecture(f) == "Phi3ForCausalLM":
+        if kind in ("su", "yarn"):  # Phi3Config reads its older names as longrope
+            kind = "longrope"
+        elif kind != "longrope":  # Phi3Config raises for any other type
+            raise ImportError_(f"{where}: `{p}rope_type` = {kind!r}; Phi-3's config takes longrope only")
     if kind not in _ROPE_TYPES:
         raise ImportError_(f"{where}: rope scaling type {kind!r} is not supported ({', '.join(map(repr, _ROPE_TYPES))})")
+    if kind == "longrope":
+        return _longrope_settings(f, scaling, positions, head_dim)
     settings: list[tuple[str, Any, str]] = [("rope_type", kind, f"`{p}rope_type`"),
                                             ("rope_factor", scaling.number("factor"), f"`{p}factor`")]
     if kind == "dynamic":  # NTK scales from the config's max_position_embeddings
@@ -316,7 +368,7 @@ def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str
         ("rope_theta", theta, "`rope_theta`"),
     ]
     if scaling is not None:
-        settings += _rope_settings(f, scaling, positions)
+        settings += _rope_settings(f, scaling, positions, head_dim or hidden // heads)
     if arch == "Qwen2ForCausalLM":
         settings += [("attn_bias", True, "the architecture"), ("attn_out_bias", False, "the architecture")]
     elif f.flag("attention_bias", False):

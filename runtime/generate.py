@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import context
+from . import context, rope
 from .layers import DecodeSession
 
 __all__ = ["greedy_generate"]
@@ -31,7 +31,12 @@ def greedy_generate(built: object, prompt: Tensor, n_new: int) -> Tensor:
     # context axes (each rank's caches then hold every rank's keys and values); else whole on each.
     cp = built.context
     split = cp is not None and cp.group is not None and tokens.shape[1] % (2 * cp.size) == 0
+    reset = rope.cache_reset_length(built.program.model)
     for i in range(n_new):
+        if reset is not None and session.offset <= reset < tokens.shape[1]:
+            # longrope: the cached keys were rotated with the short factors; rerun the whole
+            # sequence with the long ones, once, as transformers' Phi-3 does
+            session, step_in = DecodeSession(), tokens
         if i == 0 and split:
             assert cp is not None
             with session.step(step_in.shape[1]), context.split_prefill():

@@ -386,7 +386,7 @@ def _token_ids(v: Any) -> bool:
 
 _CONFIG_INTS = (
     "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "intermediate_size", "max_position_embeddings", "sliding_window",
+    "head_dim", "intermediate_size", "max_position_embeddings", "original_max_position_embeddings", "sliding_window",
     "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "n_ctx",
 )
 _CONFIG_NUMBERS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
@@ -398,7 +398,9 @@ _TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
 _ROPE_NEEDS = {
     "default": (), "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor"),
 }  # other types: refused by the comparison with the spec, whatever they hold
+_ROPE_LISTS = ("short_factor", "long_factor")  # longrope's: one positive number per rotary frequency
 _ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "rope_theta", "attention_factor",
                  "beta_fast", "beta_slow")
 
@@ -418,9 +420,12 @@ def _check_rope(value: Any, where: str, field: str) -> None:
         raise WeightsError(f"{where}: `{field}.rope_type` is {describe(kind)}; expected a string such as \"llama3\"")
     for k in _ROPE_NEEDS.get(kind, ()):
         if value.get(k) is None:
-            expected = "a positive integer" if k == "original_max_position_embeddings" else "a positive number"
+            expected = ("a positive integer" if k == "original_max_position_embeddings" else
+                        "a list of positive numbers" if k in _ROPE_LISTS else "a positive number")
             raise WeightsError(f"{where}: `{field}` of type {kind!r} has no `{k}`; expected {expected}")
     _check_fields(value, f"{where}: `{field}`", [
+        (_ROPE_LISTS, lambda v: isinstance(v, list) and bool(v) and all(_positive_number(x) for x in v),
+         "a list of positive numbers"),
         (_ROPE_NUMBERS, _positive_number, "a positive number"),
         (("original_max_position_embeddings",), _positive_int, "a positive integer"),
     ])
@@ -469,6 +474,8 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
     if scaling is not None:
         scaling.pop("rope_theta", None)
         scaling["rope_type"] = scaling.pop("type", scaling.get("rope_type"))
+        if cfg.get("model_type") == "phi3" and scaling["rope_type"] in ("su", "yarn"):
+            scaling["rope_type"] = "longrope"  # Phi3Config reads its older names as longrope
     return (None if theta is None else float(theta)), scaling
 
 
@@ -571,6 +578,8 @@ def _refuse_olmo2_mismatch(model: Mapping[str, Any], lay: _Layout) -> None:
 
 
 def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):  # longrope's factors
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
     if isinstance(a, float) or isinstance(b, float):
         try:
             return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
@@ -711,10 +720,12 @@ def _rope_as_read(scaling: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[st
     for dynamic the length its formula scales from (max_position_embeddings) under the name the
     attention keeps it (original_max_position_embeddings)."""
     kind = scaling.get("rope_type")
+    positions = cfg.get("max_position_embeddings")
+    if kind == "longrope":
+        return _longrope_as_read(scaling, cfg)
     reads = _ROPE_READS.get(kind)  # type: ignore[arg-type]
     if reads is None:
         return dict(scaling)  # a type meshllm lacks: never equal to the model's
-    positions = cfg.get("max_position_embeddings")
     out: dict[str, Any] = {"rope_type": kind}
     for k, default in reads.items():
         v = scaling.get(k)
@@ -725,6 +736,28 @@ def _rope_as_read(scaling: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[st
         out["attention_factor"] = scaling["attention_factor"]
     if kind == "dynamic":
         out["original_max_position_embeddings"] = positions
+    return out
+
+
+def longrope_original(scaling: Mapping[str, Any], cfg: Mapping[str, Any]) -> Any:
+    """The trained length longrope switches factors at, as transformers' standardize_rope_params
+    finds it: a top-level original_max_position_embeddings first (Phi3Config has one, 4096 unless
+    the config says otherwise), then the rope object's, then max_position_embeddings."""
+    top = cfg.get("original_max_position_embeddings")
+    if top is None and cfg.get("model_type") == "phi3":
+        top = 4096
+    return top if top is not None else scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+
+
+def _longrope_as_read(scaling: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:
+    original = longrope_original(scaling, cfg)
+    factor = scaling.get("factor")
+    if factor is None and original:  # transformers: max_position_embeddings / original
+        factor = cfg.get("max_position_embeddings", 0) / original
+    out = {"rope_type": "longrope", "factor": factor, "original_max_position_embeddings": original,
+           "short_factor": scaling.get("short_factor"), "long_factor": scaling.get("long_factor")}
+    if scaling.get("attention_factor") is not None:
+        out["attention_factor"] = scaling["attention_factor"]
     return out
 
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["ROPE_TYPES", "inv_freq", "llama3_inv_freq"]
+__all__ = ["ROPE_TYPES", "cache_reset_length", "inv_freq", "llama3_inv_freq"]
 
 # What each rope type reads of the scaling besides rope_type (all but `factor` optional here).
 ROPE_TYPES: Mapping[str, tuple[str, ...]] = {
@@ -144,6 +144,28 @@ def depends_on_length(scaling: Mapping[str, Any] | tuple[tuple[str, Any], ...] |
     """Whether the frequencies change with the sequence length (dynamic, longrope)."""
     key = _key(scaling)
     return key is not None and dict(key).get("rope_type") in ("dynamic", "longrope")
+
+
+def cache_reset_length(model: Any) -> int | None:
+    """Where greedy decoding recomputes its KV cache: a longrope model's trained positions (the least
+    over its attention layers), else None.  Keys cached while the sequence was within them were
+    rotated with the short factors; once it grows past them transformers' Phi-3 drops its cache and
+    reruns the whole sequence with the long ones (``Phi3ForCausalLM.prepare_inputs_for_generation``)."""
+    found: list[int] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, Mapping):
+            scaling = node.get("rope_scaling")
+            if isinstance(scaling, Mapping) and scaling.get("rope_type") == "longrope":
+                found.append(int(scaling["original_max_position_embeddings"]))
+            for v in node.values():
+                walk(v)
+        elif isinstance(node, (list, tuple)):
+            for v in node:
+                walk(v)
+
+    walk(model)
+    return min(found) if found else None
 
 
 def inv_freq(d: int, theta: float, scaling: Mapping[str, Any] | tuple[tuple[str, Any], ...] | None = None,

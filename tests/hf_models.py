@@ -14,6 +14,11 @@ VOCAB = 64
 # fewer than the tests' 8 tokens, so its frequencies grow with the sequence.
 ROPE_KINDS = ("llama_linear", "llama_dynamic", "llama_yarn")
 KINDS = ("llama", "llama3_tied", "mistral", "qwen2", "gpt2", "qwen3", "phi3")
+# Phi-3's longrope (phi3_longrope): one factor per rotary frequency (head_dim 16 / 2), short ones up to
+# 6 positions, long ones (far apart from the short) beyond.
+LONGROPE_ORIGINAL = 6
+LONGROPE_SHORT = (1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6)
+LONGROPE_LONG = (1.0, 1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 12.0)
 
 
 def _config(kind: str) -> Any:
@@ -55,6 +60,12 @@ def _config(kind: str) -> Any:
     if kind == "phi3":  # fused qkv_proj and gate_up_proj in the checkpoint; no end token in the vocab
         return tf.Phi3Config(**common, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=None,
                              bos_token_id=None, eos_token_id=None)
+    if kind == "phi3_longrope":  # longrope: short factors within 6 positions, long ones beyond; head_dim 16
+        return tf.Phi3Config(**{**common, "hidden_size": 64}, num_key_value_heads=2, tie_word_embeddings=False,
+                             pad_token_id=None, bos_token_id=None, eos_token_id=None, max_position_embeddings=24,
+                             original_max_position_embeddings=LONGROPE_ORIGINAL,
+                             rope_scaling={"type": "longrope", "short_factor": list(LONGROPE_SHORT),
+                                           "long_factor": list(LONGROPE_LONG)})
     if kind == "phi3_window":  # Phi-3 attends within sliding_window exactly as Mistral does
         return tf.Phi3Config(**common, num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=None,
                              bos_token_id=None, eos_token_id=None, sliding_window=3)
@@ -79,6 +90,7 @@ def build_hf(kind: str, directory: Path, seed: int = 0, redraw: bool = True) -> 
     cls = {"gpt2": tf.GPT2LMHeadModel, "mistral": tf.MistralForCausalLM, "mistral_window": tf.MistralForCausalLM,
            "gemma2": tf.Gemma2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
            "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "phi3": tf.Phi3ForCausalLM, "phi3_window": tf.Phi3ForCausalLM,
+           "phi3_longrope": tf.Phi3ForCausalLM,
            "olmo2": tf.Olmo2ForCausalLM}.get(kind, tf.LlamaForCausalLM)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
@@ -137,6 +149,12 @@ SPEC_MODELS = {
              " norm_eps = 1e-6, rope_theta = 10000.0, dtype = fp32 }",
     "phi3": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
             " norm_eps = 1e-6, dtype = fp32 }",
+    # factor 24 / 6 = max_position_embeddings / original_max_position_embeddings, as transformers computes it
+    "phi3_longrope": "model m = llama { vocab = 64, hidden = 64, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
+                     " norm_eps = 1e-6, rope_type = longrope, rope_factor = 4.0,"
+                     f" rope_original_positions = {LONGROPE_ORIGINAL},"
+                     f" rope_short_factor = [{', '.join(map(str, LONGROPE_SHORT))}],"
+                     f" rope_long_factor = [{', '.join(map(str, LONGROPE_LONG))}], dtype = fp32 }}",
     "phi3_window": "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64,"
                    " norm_eps = 1e-6, window = 3, dtype = fp32 }",
     "gpt2": "model m = gpt2 { vocab = 67, hidden = 32, layers = 4, heads = 4, positions = 32 }",

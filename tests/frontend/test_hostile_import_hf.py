@@ -43,6 +43,11 @@ GPT2: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 DROP = object()  # the field is left out of config.json
+# Phi-3.5 / Phi-4-mini style: longrope under the old `type` key, no factor (transformers derives
+# max_position_embeddings / original_max_position_embeddings), the trained length at the top level.
+PHI3: dict[str, Any] = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "max_position_embeddings": 256,
+                        "original_max_position_embeddings": 16}
+PHI3_ROPE = {"type": "longrope", "short_factor": [1.0, 1.25, 1.5, 2.0], "long_factor": [1.0, 2.0, 4.0, 8.0]}
 
 
 def meshc(*argv: str) -> tuple[int, str, str]:
@@ -181,9 +186,21 @@ CASES: list[tuple[str, Callable[[Path], None], int, tuple[str, ...]]] = [
      ("`rope_scaling.mscale` = 0.7 changes yarn's attention factor",)),
     ("rope-scaling-yarn-no-factor", _llama(rope_scaling={"rope_type": "yarn"}), 2,
      ("`rope_scaling.factor`",)),
-    ("phi3-longrope", _llama(architectures=["Phi3ForCausalLM"], model_type="phi3",
-                             rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}),
-     1, ("rope scaling type 'longrope' is not supported",)),
+    # Phi-3's longrope: head_dim 8, so 4 factors of each kind
+    ("phi3-longrope-short-length", _llama(**PHI3, rope_scaling={**PHI3_ROPE, "short_factor": [1.0] * 3}), 2,
+     ("`rope_scaling.short_factor` has 3 numbers; expected 4 (head_dim 8 / 2",)),
+    ("phi3-longrope-item-string", _llama(**PHI3, rope_scaling={**PHI3_ROPE, "long_factor": [1.0, "2", 1.0, 1.0]}), 2,
+     ('`rope_scaling.long_factor` item 1 is "2" (a string); expected a positive number',)),
+    ("phi3-longrope-item-zero", _llama(**PHI3, rope_scaling={**PHI3_ROPE, "long_factor": [1.0, 0.0, 1.0, 1.0]}), 2,
+     ("`rope_scaling.long_factor` item 1 is 0.0",)),
+    ("phi3-longrope-not-a-list", _llama(**PHI3, rope_scaling={**PHI3_ROPE, "short_factor": 1.0}), 2,
+     ("`rope_scaling.short_factor` is 1.0", "expected a list of 4 positive numbers")),
+    ("phi3-longrope-no-long-factor", _llama(**PHI3, rope_scaling={**PHI3_ROPE, "long_factor": None}), 2,
+     ("no `rope_scaling.long_factor`",)),
+    ("phi3-rope-linear", _llama(**PHI3, rope_scaling={"rope_type": "linear", "factor": 2.0}), 1,
+     ("`rope_scaling.rope_type` = 'linear'; Phi-3's config takes longrope only",)),
+    ("phi3-longrope-partial-rotary", _llama(**PHI3, partial_rotary_factor=0.75, rope_scaling=PHI3_ROPE), 1,
+     ("`partial_rotary_factor` = 0.75 rotates only part of each head",)),
     ("rope-scaling-low-equals-high", _llama(rope_scaling={**LLAMA3_ROPE, "low_freq_factor": 4.0}), 1,
      ("does not check", "rope_high_freq_factor > rope_low_freq_factor", "`rope_scaling.low_freq_factor` 4.0")),
     ("rope-parameters-per-layer-type", _llama(rope_parameters={"full_attention": LLAMA3_ROPE}), 1,
@@ -237,7 +254,8 @@ def test_hostile_config(tmp_path: Path, write: Callable[[Path], None], code: int
 @pytest.mark.parametrize("base", [
     LLAMA, {**LLAMA, "rope_scaling": LLAMA3_ROPE, "original_max_position_embeddings": 16},
     {**LLAMA, "architectures": ["Qwen2ForCausalLM"], "layer_types": ["full_attention"] * 4}, GPT2,
-], ids=["llama", "llama3", "qwen2", "gpt2"])
+    {**LLAMA, **PHI3, "rope_scaling": PHI3_ROPE},
+], ids=["llama", "llama3", "qwen2", "gpt2", "phi3-longrope"])
 def test_the_base_configs_import(tmp_path: Path, base: dict[str, Any]) -> None:
     """The table's configs are valid: each case above fails for its one change."""
     (tmp_path / "config.json").write_text(json.dumps(base))
@@ -356,3 +374,32 @@ def test_the_output_is_never_the_input_config(tmp_path: Path) -> None:
     code, _, err = meshc("import-hf", str(tmp_path), "-o", str(config), "--force")
     assert code == 2 and "is the input" in err, err
     assert json.loads(config.read_text()) == LLAMA
+
+
+@pytest.mark.parametrize(("change", "want"), [
+    # Phi-3.5-mini / Phi-4-mini: `type`, the factor derived, the top-level trained length
+    ({**PHI3, "rope_scaling": PHI3_ROPE}, {"rope_factor": 16.0, "rope_original_positions": 16}),
+    # Phi-3-mini-128k's first configs said "su" (Phi3Config reads it as longrope), with a factor
+    ({**PHI3, "rope_scaling": {**PHI3_ROPE, "type": "su", "factor": 2.0}}, {"rope_factor": 2.0}),
+    # Phi3Config's own default trained length, 4096, when the config has none at the top level
+    ({**PHI3, "max_position_embeddings": 8192, "original_max_position_embeddings": DROP, "rope_scaling": PHI3_ROPE},
+     {"rope_factor": 2.0, "rope_original_positions": 4096}),
+    # transformers 5's rope_parameters, with an attention factor; a Llama reads the rope object's length
+    ({"rope_theta": DROP, "rope_parameters": {**PHI3_ROPE, "rope_type": "longrope", "rope_theta": 500.0,
+      "original_max_position_embeddings": 32, "attention_factor": 1.5}},
+     {"rope_factor": 4.0, "rope_original_positions": 32, "rope_attention_factor": 1.5, "rope_theta": 500.0}),
+], ids=["phi35", "su", "phi3-default-original", "llama-rope-parameters"])
+def test_longrope_imports_as_transformers_reads_it(tmp_path: Path, change: dict[str, Any], want: dict[str, Any]) -> None:
+    from meshllm_dsl.import_hf import model_settings
+
+    cfg = json.loads(_config(LLAMA, **change))
+    family, settings, _ = model_settings(cfg, "config.json")
+    got = {k: v for k, v, _ in settings}
+    assert family == "llama" and got["rope_type"] == "longrope"
+    assert got["rope_short_factor"] == (1.0, 1.25, 1.5, 2.0) and got["rope_long_factor"] == (1.0, 2.0, 4.0, 8.0)
+    assert {k: got.get(k) for k in want} == want
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    code, _, err = meshc("import-hf", str(tmp_path), "-o", str(tmp_path / "m.mesh"), "--batch", "2", "--seq", "8")
+    assert code == 0 and err == "", err
+    text = (tmp_path / "m.mesh").read_text()
+    assert "rope_short_factor = [1.0, 1.25, 1.5, 2.0]" in text and check_file(tmp_path / "m.mesh").ok

@@ -117,3 +117,153 @@ def test_a_rope_type_meshllm_lacks_is_refused_naming_it(models: dict[str, Path],
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         assert main(["import-hf", str(d), "-o", str(tmp_path / "x.mesh")]) == 1
     assert "`rope_parameters.mscale` = 0.7" in err.getvalue()
+
+
+# ---------------------------------------------------------------- Phi-3's longrope
+
+LONGROPE = "phi3_longrope"
+
+
+@pytest.fixture(scope="module")
+def phi3_longrope(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("hf_longrope") / LONGROPE
+    build_hf(LONGROPE, directory)
+    return directory
+
+
+def _longrope_tokens() -> tuple[Any, Any]:
+    """4 x 5 tokens (within the 6 trained positions: short factors) and 4 x 8 (past them: long)."""
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, 64, (4, 5), generator=gen), torch.randint(0, 64, (4, 8), generator=gen)
+
+
+def longrope_job(ctx: Any, path: str, weights: str, short: Any, long: Any, n_new: int) -> Any:
+    """On every rank: the plan built once from ``weights``; logits of both lengths, and greedy tokens
+    from the short prompt's first row, whose decoding crosses the trained positions."""
+    from meshllm_dsl.runtime import greedy_generate
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), weights=weights)
+    out = (built.forward(short), built.forward(long), greedy_generate(built, short[:1], n_new))
+    return out if ctx.rank == 0 else None
+
+
+def test_longrope_switches_factors_where_transformers_does(phi3_longrope: Path) -> None:
+    """The cases below are not passing by accident: transformers' logits past the 6 trained positions
+    use the long factors (a prefix of a long sequence is not the short sequence's logits), and the
+    runtime's frequencies switch between 6 and 7 positions."""
+    from hf_models import LONGROPE_LONG, LONGROPE_SHORT
+
+    from meshllm_dsl.runtime import rope
+
+    _, long = _longrope_tokens()
+    with torch.no_grad():
+        hf = _fresh(phi3_longrope)
+        assert (hf(long).logits[:, :5] - hf(long[:, :5]).logits).abs().max().item() > 1e-2
+    scaling = {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 6,
+               "short_factor": LONGROPE_SHORT, "long_factor": LONGROPE_LONG}
+    at6, at7 = rope.inv_freq(16, 10000.0, scaling, 6), rope.inv_freq(16, 10000.0, scaling, 7)
+    assert not torch.equal(at6[0], at7[0]) and at6[1] == at7[1] > 1.0  # sqrt(1 + ln 4 / ln 6)
+
+
+@pytest.fixture(scope="module")
+def longrope_want(phi3_longrope: Path) -> tuple[Any, Any, Any]:
+    """transformers' logits for both lengths and its greedy tokens, each from a fresh model."""
+    short, long = _longrope_tokens()
+    with torch.no_grad():
+        want_short, want_long = _fresh(phi3_longrope)(short).logits, _fresh(phi3_longrope)(long).logits
+        model = _fresh(phi3_longrope)
+        model.generation_config.eos_token_id = None
+        # 5 prompt tokens and 6 new: the step to position 6 is past the trained positions, where
+        # transformers' Phi-3 drops its cache and recomputes the whole sequence with the long factors
+        want_tokens = model.generate(short[:1], max_new_tokens=N_NEW, do_sample=False)
+    return want_short, want_long, want_tokens
+
+
+@pytest.mark.parametrize("plan", ["single", "tensor2", "pipeline2_tensor2"])
+def test_longrope_gives_transformers_logits_and_tokens(
+    plan: str, phi3_longrope: Path, longrope_want: tuple[Any, Any, Any], pool: WorkerPool, tmp_path: Path
+) -> None:
+    short, long = _longrope_tokens()
+    want_short, want_long, want_tokens = longrope_want
+    path, n = _module(spec(LONGROPE, plan), f"longrope_{plan}", tmp_path)
+    got_short, got_long, generated = pool.run(longrope_job, n, path, str(phi3_longrope), short, long, N_NEW)[0]
+    assert (got_short - want_short).abs().max().item() <= 1e-4
+    assert (got_long - want_long).abs().max().item() <= 1e-4
+    assert generated.tolist() == want_tokens.tolist()
+
+
+def test_import_hf_writes_longrope_and_exports_it_back(
+    phi3_longrope: Path, longrope_want: tuple[Any, Any, Any], pool: WorkerPool, tmp_path: Path
+) -> None:
+    """import-hf writes the factor lists (and the factor transformers derives); the spec loads the
+    checkpoint (its config compared with the spec's longrope), its tiny twin is what `meshc verify`
+    finds EQUAL, and exported with meshllm's own config.json it gives the same logits."""
+    from meshllm_dsl.checker import check_file
+    from meshllm_dsl.cli import main
+    from meshllm_dsl.codegen.emit import render_plan
+    from meshllm_dsl.runtime.compare import TOLERANCE
+    from meshllm_dsl.twin import make_twin
+    from meshllm_dsl.verify import compare_job
+
+    out = tmp_path / "phi3.mesh"
+    assert main(["import-hf", str(phi3_longrope), "-o", str(out), "--devices", "4", "--batch", "4", "--seq", "8"]) == 0
+    text = out.read_text()
+    assert "rope_type = longrope" in text and "rope_factor = 4.0" in text and "rope_original_positions = 6" in text
+    assert "rope_short_factor = [1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6]" in text
+    assert "rope_long_factor = [1.0, 1.5, 2.0, 3.0, 4.5, 6.0, 8.0, 12.0]" in text
+    result = check_file(out)
+    (plan,) = result.plans.values()
+    assert plan.mesh.devices == 4  # the plan import-hf suggests shards the model over 4 ranks
+    path, n = _module(text, "phi3_imported", tmp_path)
+    short, long = _longrope_tokens()
+    got_short, got_long, _ = pool.run(longrope_job, n, path, str(phi3_longrope), short, long, 1)[0]
+    want_short, want_long, _ = longrope_want
+    assert (got_short - want_short).abs().max().item() <= 1e-4
+    assert (got_long - want_long).abs().max().item() <= 1e-4
+    # `meshc verify`'s comparison of the plan's tiny twin (head_dim 8: 4 factors each), on the pool
+    twin_text, twin = make_twin(result, plan.name, str(out))
+    assert twin.ok and "rope_short_factor = [1.0, 1.1, 1.4, 1.6]" in twin_text
+    module = tmp_path / "phi3_twin.py"
+    module.write_text(render_plan(twin.plans[plan.name], f"{out} (tiny twin)", twin_text))
+    for errs, tol in pool.run(compare_job, n, str(module), "float64", 0):
+        assert not {k: v for k, v in errs.items() if not v <= tol}
+        assert tol == TOLERANCE["float64"]
+    # Exported without the source config: the longrope in config.json is meshllm's own.
+    exported = tmp_path / "exported"
+    pool.run(own_config_export_job, n, path, str(phi3_longrope), str(exported))
+    cfg = json.loads((exported / "config.json").read_text())
+    assert cfg["rope_parameters"]["rope_type"] == "longrope"
+    assert cfg["rope_parameters"]["short_factor"] == [1.0, 1.05, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6]
+    with torch.no_grad():
+        back = _fresh(exported)
+        assert (back(short).logits - want_short).abs().max().item() <= 1e-5
+        assert (back(long).logits - want_long).abs().max().item() <= 1e-5
+
+
+def test_weights_whose_longrope_differs_from_the_spec_are_refused_naming_the_field(phi3_longrope: Path) -> None:
+    """--weights compares config.json's longrope (as transformers reads it: Phi-3's top-level
+    trained length, the derived factor) with the spec's, and refuses bad factor lists in one line."""
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.codegen.lower import model_description
+    from meshllm_dsl.runtime.hf import WeightsError, check_config
+
+    (plan,) = check_text(spec(LONGROPE, "single"), "phi3.mesh").plans.values()
+    model = model_description(plan)
+    cfg = json.loads((phi3_longrope / "config.json").read_text())
+    check_config(model, cfg, "config.json")  # as saved by transformers: equal
+    changes = {
+        "long factors": ({"long_factor": [1.0] * 8}, "`rope_scaling` is"),
+        "the trained length": ({}, "`rope_scaling` is"),
+        "a factor list of strings": ({"short_factor": ["1.0"] * 8}, "expected a list of positive numbers"),
+        "no long factors": ({"long_factor": None}, "has no `long_factor`; expected a list of positive numbers"),
+    }
+    for what, (rope, says) in changes.items():
+        bad = json.loads(json.dumps(cfg))
+        bad["rope_parameters"].update(rope)
+        if what == "the trained length":
+            bad["original_max_position_embeddings"] = 7
+        with pytest.raises(WeightsError) as err:
+            check_config(model, bad, "config.json")
+        assert says in str(err.value) and "\n" not in str(err.value), (what, str(err.value))
