@@ -182,7 +182,10 @@ class _Printer:
             else:
                 self.open(0, f"model {item.name.value}", item)
             for s in item.settings:
-                self.line(1, _setting(s, 1), s)
+                if isinstance(s.value, ast.ListLit) and s.value.items and self._comment_within(s.value):
+                    self.list_setting(s, 1)
+                else:
+                    self.line(1, _setting(s, 1), s)
             self.layers(item.body, 1)
             self.close(0, item)
         else:
@@ -191,6 +194,19 @@ class _Printer:
             for stmt in item.body:
                 self.plan_stmt(stmt)
             self.close(0, item)
+
+    def list_setting(self, s: ast.Setting, indent: int) -> None:
+        """A list with comments among its items: one item per line, so each comment stays on the
+        line of the item it was written after (or before)."""
+        assert isinstance(s.value, ast.ListLit)
+        if s.span is not None:
+            self._flush_comments(s.span.start, indent)
+        self.lines.append("    " * indent + f"{s.name.value} = [")
+        for x in s.value.items:
+            self.line(indent + 1, format_expr(x) + ",", x)
+        if s.value.span is not None:
+            self._flush_comments(s.value.span.end - 1, indent + 1)  # those before the `]`
+        self.lines.append("    " * indent + "]" + (self._trailing(s.span.end) if s.span is not None else ""))
 
     def layers(self, body: tuple[ast.LayerStmt, ...], indent: int) -> None:
         for stmt in body:

@@ -98,3 +98,12 @@ def test_the_tiny_twin_cuts_the_factors_to_its_head_dim(tmp_path: Path) -> None:
     # evenly spaced picks of the 8, first and last kept
     assert scaling["short_factor"] == (1.0, 0.25, 1.5, 2.0)
     assert scaling["long_factor"] == (1.0, 4.0, 10.0, 12.0)
+
+
+def test_comments_among_a_lists_items_stay_on_their_lines() -> None:
+    text = ("model m = llama {\n    a = [1.0,  # first\n         # before the second\n         2.0,\n"
+            "   # last\n    ]  # after\n    b = 1\n}\n")
+    formatted = format_text(text)
+    assert formatted == ("model m = llama {\n    a = [\n        1.0,  # first\n        # before the second\n"
+                         "        2.0,\n        # last\n    ]  # after\n    b = 1\n}\n")
+    assert parse(formatted) == parse(text) and format_text(formatted) == formatted
