@@ -8,9 +8,9 @@ holding the busiest expert gets F + (E / d - 1) (1 - F) / (E - 1) of the group's
 every other rank E / d x (1 - F) / (E - 1), against 1 / d each when balanced; a capacity factor caps
 each expert at d x ceil(capacity x T x k / E) (runtime/moe_routing.py counts it per source rank).
 The experts' saved activations and matmuls scale with a rank's pairs; the other ranks wait for the
-busiest at each layer's combine. With d = 1 (every rank holds every expert, as every plan does until
-expert parallelism lands) a rank gets all of its pairs whatever F, so skew changes no rank's memory
-or step; only a capacity then drops pairs the busiest expert cannot take.
+busiest at each layer's combine (the all-to-all's uneven volume is not modelled yet). With d = 1
+(no `experts -> AXIS`: every rank holds every expert) a rank gets all of its pairs whatever F, so
+skew changes no rank's memory or step; only a capacity then drops pairs the busiest expert cannot take.
 """
 
 from __future__ import annotations
@@ -59,8 +59,7 @@ def rank_pairs(skew: float, experts: int, degree: int, pairs: int, capacity_each
 
 
 def expert_degree(plan: PlanIR, hu: planner.HeldUnit) -> int:
-    """Ranks the layer's experts are split over (its stacked weights' experts dim): 1 until expert
-    parallelism is planned (the checker refuses `experts -> AXIS` for now, E0309)."""
+    """Ranks the layer's experts are split over (`experts -> AXIS`: its stacked weights' experts dim)."""
     leaf = next(lf for lf in hu.unit.leaves if lf.name == "gate")
     return int(hu.unit.attr("experts")) // plan.local_shape(leaf.params[0], hu.placement(leaf))[1]  # type: ignore[arg-type]
 

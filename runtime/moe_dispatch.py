@@ -50,7 +50,7 @@ def _inverse(perm: Tensor) -> Tensor:
 
 def experts_parallel(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,
                      group: dist.ProcessGroup) -> Tensor:
-    """Dropless SwiGLU experts split over ``group``: x [T, H] this rank's tokens, idx / weights
+    """SwiGLU experts split over ``group`` (dropless, or less the pairs routing dropped): x [T, H] this rank's tokens, idx / weights
     [T, k] their experts (global ids) and routing weights -> sum_k weights * expert_idx(x), [T, H].
 
     ``gate`` / ``up`` [F_local, E_local, H] and ``down`` [H, E_local, F_local] (``StackedLinear``)
@@ -59,9 +59,14 @@ def experts_parallel(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: 
     n, e_local = dist.get_world_size(group), gate.shape[1]
     t, k = idx.shape
     flat = idx.reshape(-1)  # [T k] global expert of each (token, choice) pair
-    order = torch.argsort(flat, stable=True)  # pairs by (expert, token, choice): by destination rank too
+    # A pair dropped for capacity (id -1, runtime/moe_routing.py) goes to no rank and adds nothing.
+    if bool((flat < 0).any()):
+        kept = (flat >= 0).nonzero().squeeze(1)
+        order = kept[torch.argsort(flat[kept], stable=True)]
+    else:  # pairs by (expert, token, choice): by destination rank too
+        order = torch.argsort(flat, stable=True)
     rows = order // k  # [T k] token of each sorted pair
-    per_expert = torch.bincount(flat, minlength=n * e_local)  # [E] pairs this rank sends each expert
+    per_expert = torch.bincount(flat[order], minlength=n * e_local)  # [E] pairs this rank sends each expert
     counts = torch.empty_like(per_expert)
     # [n * E_local] -> [n * E_local] int64: pairs per (destination rank's local expert), exchanged so
     # each rank receives per (source rank, local expert).

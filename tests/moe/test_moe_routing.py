@@ -233,3 +233,16 @@ def test_profile_counts_tokens_per_expert_per_layer(pool: Any, tmp_path: Path) -
     first = routing[0]
     assert (f"blocks.0.mlp  [{', '.join(map(str, first['tokens_per_expert']))}]  max / mean "
             f"{first['max_over_mean']:.2f}, busiest share {first['busiest_share']:.3f}") in report
+
+
+def test_expert_parallel_with_capacity_and_router_losses_equals_the_reference(pool: Any, tmp_path: Path) -> None:
+    """Dropped pairs (id -1) travel to no expert rank; capacity counts each source rank's tokens."""
+    from test_moe_expert_parallel import ep_spec
+
+    text = ep_spec("mixtral", "ep2_tensor2").replace(
+        " dtype = fp32 }", f" dtype = fp32, aux_loss_coef = {COEF}, z_loss_coef = {Z_COEF}, capacity = 0.75 }}")
+    path, n = _compiled(text, "ep_capacity", tmp_path)
+    for rank_errs in pool.run(compare_job, n, path, 2):
+        for dtype, errs in rank_errs.items():
+            worst = max(errs, key=errs.__getitem__)
+            assert errs[worst] <= TOLERANCE[dtype], (dtype, worst, errs[worst])

@@ -78,31 +78,43 @@ def test_skew_in_the_example_report() -> None:
     assert not [d for d in planner.plan_warnings(rep) if d.code == "W0807"]  # degree 1: nobody waits
 
 
-def test_skew_with_expert_parallel_ranks_warns_by_how_much(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The skew math once experts are split (degree 2 here, as expert parallelism will plan it)."""
-    text = (ROOT / "examples" / "mixtral_8x7b.mesh").read_text().replace("capacity = 1.25", "capacity = 0")
-    text = text.replace("skew = 0.4", "skew = 0.9")
+def _expert_parallel(capacity: str, skew: str) -> str:
+    """The example with its experts split over `data` (4 ranks, 2 experts each; EP takes no ZeRO yet)."""
+    text = (ROOT / "examples" / "mixtral_8x7b.mesh").read_text()
+    return (text.replace("batch -> data, heads", "batch -> data, experts -> data, heads")
+            .replace("        zero 3 over data\n", "").replace("capacity = 1.25", f"capacity = {capacity}")
+            .replace("skew = 0.4", f"skew = {skew}"))
+
+
+def test_skew_with_expert_parallel_ranks_warns_by_how_much() -> None:
+    text = _expert_parallel("0", "0.4")
     (plan,) = check_text(text, "ep.mesh").plans.values()
-    monkeypatch.setattr(planner_moe, "expert_degree", lambda plan, hu: 2)
     rep = planner.analyze(plan)
     sk = planner_moe.skew_report(rep)
-    assert sk is not None and sk.degree == 2
+    assert sk is not None and sk.degree == 4
     busiest, others = sk.ranks
-    pairs = 2 * 4096 * 2
-    assert busiest.pairs == pytest.approx(2 * pairs * (0.9 + 3 * 0.1 / 7))
-    assert others.pairs == pytest.approx(2 * pairs * 4 * 0.1 / 7)
+    pairs = 2 * 4096 * 2  # per layer and microbatch on a rank; the group of 4 routes 4x that
+    assert busiest.pairs == pytest.approx(4 * pairs * (0.4 + 0.6 / 7))
+    assert others.pairs == pytest.approx(4 * pairs * 2 * 0.6 / 7)
     assert busiest.peak_bytes > rep.ranks[0].training_bytes > others.peak_bytes
     assert others.wait_s == pytest.approx(busiest.step_s - others.step_s) and others.wait_s > 0
     (w,) = [d for d in planner.plan_warnings(rep) if d.code == "W0807"]
     assert f"wait {planner.fmt_seconds(others.wait_s)} per step" in w.message
     assert f"{sk.wait_share:.0%} of the" in w.message and sk.wait_share > planner_moe.SKEW_WAIT_WARN
     assert text[w.span.start:w.span.end].startswith("skew")
+    # balanced routing: every rank alike, nobody waits
+    (even,) = check_text(_expert_parallel("0", "0.125"), "even.mesh").plans.values()
+    sk_even = planner_moe.skew_report(planner.analyze(even))
+    assert sk_even is not None and all(r.pairs == pytest.approx(pairs) and r.wait_s == pytest.approx(0) for r in sk_even.ranks)
+    # a capacity caps the busiest expert at 4 source ranks x its capacity
+    (capped,) = check_text(_expert_parallel("1.25", "0.4"), "cap.mesh").plans.values()
+    b, _ = planner_moe.skew_report(planner.analyze(capped)).ranks
+    assert b.pairs == pytest.approx(4 * math.ceil(1.25 * pairs / 8) + 4 * pairs * 0.6 / 7)
     # and a rank that no longer fits is told by how much
     small = attrs.evolve(rep.device, memory_gib=rep.ranks[0].training_bytes / 2**30 * 1.01)
     rep2 = planner.analyze(plan, small)
     (fit,) = [d for d in planner.plan_warnings(rep2) if d.code == "W0807" and "more than the" in d.message]
-    sk2 = planner_moe.skew_report(rep2)
-    over = sk2.ranks[0].peak_bytes - small.memory_bytes
+    over = planner_moe.skew_report(rep2).ranks[0].peak_bytes - small.memory_bytes
     assert f"{planner.fmt_bytes(over)} more than" in fit.message
 
 
