@@ -1683,7 +1683,19 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
         "peak_inference_bytes": rep.peak_inference_bytes,
         "fits": rep.fits,
         "fits_inference": rep.fits_inference,
+        **_moe_json(rep),
     }
+
+
+def _moe_json(rep: PlanReport) -> dict[str, Any]:
+    """A moe model's active parameters and, with `skew`, its per expert-parallel rank figures."""
+    from meshllm_dsl import planner_moe
+
+    if not any(planner_moe.moe_units(rep.plan)):
+        return {}
+    sk = planner_moe.skew_report(rep)
+    return {"active_parameters": planner_moe.active_parameters(rep.plan),
+            "skew": None if sk is None else {**attrs.asdict(sk, recurse=True), "wait_share": sk.wait_share}}
 
 
 def _bubble_formula(plan: PlanIR, bubble: float) -> str:

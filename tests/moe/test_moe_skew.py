@@ -160,3 +160,9 @@ def test_lsp_hover_and_completion_know_the_routing_settings() -> None:
     at = text.index("    capacity = 1.25")
     model_items = {i.label for i in completion.complete(Analysis(str(path), text[:at] + "    z\n" + text[at:]), at + 5)}
     assert "z_loss_coef" in model_items and "aux_loss_coef" not in model_items  # given already
+
+
+def test_plan_json_carries_active_parameters_and_the_skew() -> None:
+    d = planner.report_json(_example())
+    assert d["active_parameters"] == 12_879_925_248
+    assert d["skew"]["skew"] == 0.4 and d["skew"]["degree"] == 1 and d["skew"]["ranks"][0]["role"] == "busiest"
