@@ -246,3 +246,18 @@ def test_expert_parallel_with_capacity_and_router_losses_equals_the_reference(po
         for dtype, errs in rank_errs.items():
             worst = max(errs, key=errs.__getitem__)
             assert errs[worst] <= TOLERANCE[dtype], (dtype, worst, errs[worst])
+
+
+def test_export_config_carries_the_aux_coefficient_and_refuses_a_capacity(tmp_path: Path) -> None:
+    """--export-hf's config.json: transformers' fields for the load-balancing loss; a capacity factor
+    (transformers' MoE models are dropless) is refused in one line."""
+    from meshllm_dsl.runtime.hf import WeightsError, hf_config
+    from meshllm_dsl.verify import load_generated
+
+    path, _ = _compiled(_spec("mixtral", "single", f"aux_loss_coef = {COEF}"), "export_aux", tmp_path)
+    cfg = hf_config(load_generated(path).PROGRAM.model, torch.float32)
+    assert cfg["output_router_logits"] is True and cfg["router_aux_loss_coef"] == COEF
+    path, _ = _compiled(_spec("mixtral", "single", "capacity = 1.0"), "export_cap", tmp_path)
+    with pytest.raises(WeightsError, match=r"drops tokens past capacity = 1; transformers' MixtralForCausalLM is "
+                                           r"dropless .* expected capacity = 0"):
+        hf_config(load_generated(path).PROGRAM.model, torch.float32)
