@@ -61,6 +61,7 @@ from meshllm_dsl.ir import (
     UnitFlow,
 )
 from meshllm_dsl.names import ranges
+from meshllm_dsl.placements import defers_grad_sync, runs_fsdp
 from meshllm_dsl.planner_recompute import (
     BLOCKWISE,
     kept_bytes,
@@ -150,11 +151,11 @@ def fsdp_per_device(params: int, shards: int, master_bytes: int) -> tuple[int, i
 
 
 def fsdp_gather_bytes(zero: int, compute_bytes: int, local: int, top: int, largest_block: int) -> int:
-    """The compute-dtype copy FSDP2 all-gathers at the peak: ZeRO-2 keeps every unit gathered from its
-    forward to its backward (all ``local`` parameters); ZeRO-3 frees each block after its forward,
+    """The compute-dtype copy FSDP2 all-gathers at the peak: ZeRO-2 (and ZeRO-1 with master weights)
+    keeps every unit gathered from its forward to its backward (all ``local`` parameters); ZeRO-3 frees each block after its forward,
     so the stage root (``top``: embedding, final norm, head, kept for backward) and two blocks (the
     one running and the one prefetched) are gathered at once (no more than the stage has)."""
-    if zero == 2:
+    if zero in (1, 2):
         return compute_bytes * local
     return compute_bytes * min(local, top + 2 * largest_block)
 
@@ -187,15 +188,18 @@ def stage_actions(schedule: str, stages: int, index: int, microbatches: int, pip
     return "".join(a[0] for a in order if a is not None and a[1] == index)
 
 
-def fsdp_unit_collectives(zero: int, actions: str | None, microbatches: int) -> tuple[int, int]:
+def fsdp_unit_collectives(zero: int, actions: str | None, microbatches: int, defer: bool = False) -> tuple[int, int]:
     """All-gathers and reduce-scatters FSDP2 runs per unit (a block, or a stage's root) in a step.
 
     Without a pipeline the runtime's microbatch loop runs forward and backward per microbatch, and
     FSDP2 gathers for each forward, again for each backward with ZeRO-3 (reshard after forward), and
     reduce-scatters after each backward. Under a pipeline schedule (`actions`), torch's PipelineStage
     keeps units gathered after every backward but the last and reduce-scatters once; a forward
-    gathers only what ZeRO-3's reshard-after-forward released. Counted on gloo ranks:
-    tests/planner/test_time_model.py."""
+    gathers only what ZeRO-3's reshard-after-forward released. ZeRO 1 with master weights (``defer``)
+    does the same in the runtime's own loop: once a step. Counted on gloo ranks:
+    tests/planner/test_time_model.py, tests/integration/test_distributed_optimizer.py."""
+    if actions is None and defer:
+        return 1, 1
     if actions is None:
         return (2 if zero >= 3 else 1) * microbatches, microbatches
     gathers, gathered = 0, False
@@ -897,11 +901,13 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     mesh = plan.mesh
     model = plan.model
     w = DTYPES[plan.dtype]
-    fsdp = plan.zero >= 2  # the runtime's ZeRO 2 / 3 is FSDP2: master dtype at rest, no extra fp32 copy
+    # The runtime's ZeRO 2 / 3, and ZeRO 1 with master weights, are FSDP2: master dtype at rest, no
+    # extra fp32 copy.
+    fsdp = runs_fsdp(plan)
     master = DTYPES[plan.master_dtype or plan.dtype]
     # What the runtime's AdamW holds: two moments shaped and typed like the parameter it steps, the
-    # stored (master) one: FSDP2's sharded parameter at ZeRO 2 / 3, the fp32 parameter autocast
-    # computes from at ZeRO 0 / 1 (runtime/amp.py). Without `precision` a bf16
+    # stored (master) one: FSDP2's sharded parameter at ZeRO 2 / 3 (and 1 with `precision`), the fp32
+    # parameter autocast computes from at ZeRO 0 (runtime/amp.py). Without `precision` a bf16
     # plan has no fp32 copy anywhere: 2 + 2 + 4 = 8 bytes per parameter, not the ZeRO paper's mixed
     # precision K = 12 (``optimizer_bytes_per_param``), which `precision { master = fp32 }` gives.
     k = 2 * master
@@ -909,6 +915,9 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     zero_shards = plan.zero_size
     p_size = plan.pipeline_size
     m, v = plan.microbatches, plan.virtual
+    # FSDP2 keeps every unit's whole gradient between microbatches, in the reduce dtype: under torch's
+    # PipelineStage (no sync until the last backward), and at ZeRO 1 (one reduce-scatter a step).
+    accumulates = fsdp and (p_size > 1 or (defers_grad_sync(plan) and m > 1))
     micro_batch = plan.batch // (dp * m)
     tokens_mb = micro_batch * plan.seq
     hidden = hidden_width(plan)
@@ -1002,12 +1011,12 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     block_saved[hu.prefix] = max(block_saved.get(hu.prefix, 0), core)
                 act_mb += hu.count * saved
                 work = max(floor, unit_backward_bytes(plan, hu, tokens_mb))
-                if not (fsdp and p_size > 1 and upcast):  # (there the unit's gradients are all counted)
+                if not (accumulates and upcast):  # (there the unit's gradients are all counted)
                     # Autograd makes each weight's gradient before adding it into the one the step
                     # holds: the unit's largest, e.g. a vocab-parallel head's [vocab / t, hidden].
                     work += w * max((local_numel(plan, t, hu.placement(leaf)) for leaf in hu.unit.leaves
                                      for t in leaf.params), default=0)
-                walk.append((hu.prefix, hu.count, saved, work, w * lo if fsdp and p_size > 1 else 0))
+                walk.append((hu.prefix, hu.count, saved, work, w * lo if accumulates else 0))
                 if primitives.of(hu.unit).caches_kv:
                     kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
                     kv_local = int(hu.unit.attr("kv_heads")) // axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
@@ -1044,14 +1053,15 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         if fsdp:
             weight_b, grad_b, opt_b = fsdp_per_device(local, zero_shards, master)
             gather = fsdp_gather_bytes(plan.zero, w, local, top_local, max(block_params.values(), default=0))
-            if p_size > 1:
-                # torch's PipelineStage runs every backward but the step's last without gradient sync
-                # or reshard: FSDP2 accumulates each unit's unsharded (tensor-local) gradient between
-                # microbatches, upcast to the reduce dtype (`to_accumulated_grad_if_needed`), on top
-                # of the sharded gradient it reduce-scatters into at the end of the step.
+            if accumulates:
+                # torch's PipelineStage (and at ZeRO 1 the runtime's microbatch loop) runs every
+                # backward but the step's last without gradient sync or reshard: FSDP2 accumulates
+                # each unit's unsharded (tensor-local) gradient between microbatches, upcast to the
+                # reduce dtype (`to_accumulated_grad_if_needed`), on top of the sharded gradient it
+                # reduce-scatters into at the end of the step.
                 accum = DTYPES[plan.reduce_dtype or plan.dtype] * local
         else:
-            # With `precision` (runtime/amp.py: autocast) the parameters and their gradients are the
+            # With `precision` at ZeRO 0 (runtime/amp.py: autocast) the parameters and their gradients are the
             # master dtype's, and each weight's cast to the compute dtype lives from its forward to
             # its backward, as FSDP2's gathered copy does.
             state_w = master if plan.master_dtype else w
@@ -1114,7 +1124,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             # all-reduced across the replicas (hsdp_replica_comm).
             data_axes = plan.roles.batch_shard if plan.zero else plan.roles.batch
             reduce_w = DTYPES[plan.reduce_dtype or plan.dtype]
-            if plan.zero >= 2:
+            if fsdp:
                 # FSDP2, unit by unit: parameters gathered in the compute dtype, gradients
                 # reduce-scattered in the reduce dtype, as often as fsdp_unit_collectives says.
                 gathers = gathered_b = scatters = scattered_b = 0
@@ -1122,7 +1132,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     units = blocks + (top > 0)  # runtime/fsdp.py: each block, then the stage root if it holds parameters
                     actions = (stage_actions(plan.schedule, len(plan.stages), stage.index, m, p_size)
                                if p_size > 1 else None)
-                    g, r = fsdp_unit_collectives(plan.zero, actions, m)
+                    g, r = fsdp_unit_collectives(plan.zero, actions, m, defers_grad_sync(plan))
                     gathers, gathered_b = gathers + g * units, gathered_b + g * w * numel
                     scatters, scattered_b = scatters + r * units, scattered_b + r * reduce_w * numel
                 fsdp_events = gathers + scatters
@@ -1151,7 +1161,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         # zeroing, the data-parallel sync and AdamW's update (of this rank's share under ZeRO).
         # ZeRO-1 (ZeroRedundancyOptimizer) updates whole tensors, a share of them per rank; FSDP2's
         # optimizer updates every tensor's local shard.
-        optim_tensors = -(-tensors // zero_shards) if plan.zero == 1 else tensors
+        optim_tensors = -(-tensors // zero_shards) if plan.zero == 1 and not fsdp else tensors
         actions = 2 * m * len(stages_at[c]) if p_size > 1 else 0  # stage forwards and backwards
         kernels = ((kernels_mb + recompute_kernels) * m + KERNELS_STEP + tensors * KERNELS_ZERO_GRAD
                    + (tensors * KERNELS_GRAD_SYNC if dp > 1 and not fsdp else 0) + fsdp_events * KERNELS_FSDP
@@ -1214,8 +1224,8 @@ def exposed_data_seconds(plan: PlanIR, device: DeviceProfile, rc: RankClass) -> 
 
 
 def fsdp_overlaps_compute(plan: PlanIR, device: DeviceProfile) -> bool:
-    """FSDP2 (ZeRO 2 / 3) on a device that runs its collectives beside the compute (not host-bound)."""
-    return plan.zero >= 2 and device.kernel_us is None
+    """FSDP2 (ZeRO 2 / 3, ZeRO 1 with master weights) on a device that runs its collectives beside the compute (not host-bound)."""
+    return runs_fsdp(plan) and device.kernel_us is None
 
 
 def _overlap_note(rep: PlanReport) -> str:
@@ -1227,9 +1237,12 @@ def _overlap_note(rep: PlanReport) -> str:
 
 def _training_state_line(plan: PlanIR, k: int, numel: int) -> str:
     w = DTYPES[plan.dtype]
-    if plan.zero < 2:
-        return (f"  training state  {k + 2 * w} bytes per parameter ({w} weight + {w} gradient + {k} optimizer)"
-                f" = {fmt_bytes(numel * (k + 2 * w))} unsharded")
+    if not runs_fsdp(plan):
+        # At ZeRO 0 with `precision` the parameters are the master weights (runtime/amp.py).
+        held = DTYPES[plan.master_dtype or plan.dtype]
+        cast = f", + {w} per parameter of {plan.dtype} casts while a stage runs" if held > w else ""
+        return (f"  training state  {k + 2 * held} bytes per parameter ({held} weight + {held} gradient + {k} optimizer{cast})"
+                f" = {fmt_bytes(numel * (k + 2 * held))} unsharded")
     m = DTYPES[plan.master_dtype or plan.dtype]
     total = w + 2 * m + k
     return (f"  training state  {total} bytes per parameter ({w} {plan.dtype} compute copy + {m} master weight + {m} gradient"
@@ -1547,31 +1560,31 @@ def report_text(rep: PlanReport) -> str:
         ["pp", "ranks", "layers", "params", "on device", "weights", "grads", "optimizer", "activations", "total", "fits"],
         rows, right={3, 4, 5, 6, 7, 8, 9})]
     worst = max(rep.ranks, key=lambda r: r.training_bytes)
-    if plan.zero >= 2:  # FSDP2: weights, gradients and moments in the master dtype
-        by_dtype = {plan.dtype: worst.activation_bytes + worst.gather_buffer_bytes}
-        held = plan.master_dtype or plan.dtype
-        by_dtype[held] = by_dtype.get(held, 0) + worst.weight_bytes + worst.grad_bytes + worst.optimizer_bytes
+    # Weights, gradients and moments are the stored parameters' dtype: the master one with `precision`
+    # (FSDP2's sharded parameters, or autocast's fp32 ones at ZeRO 0), else the plan's.
+    by_dtype = {plan.dtype: worst.activation_bytes + worst.gather_buffer_bytes}
+    held = plan.master_dtype or plan.dtype
+    by_dtype[held] = by_dtype.get(held, 0) + worst.weight_bytes + worst.grad_bytes + worst.optimizer_bytes
+    if worst.grad_accum_bytes:
         accum_dtype = plan.reduce_dtype or plan.dtype
         by_dtype[accum_dtype] = by_dtype.get(accum_dtype, 0) + worst.grad_accum_bytes
-    else:
-        by_dtype = {plan.dtype: worst.weight_bytes + worst.grad_bytes + worst.activation_bytes + worst.gather_buffer_bytes}
-        by_dtype["fp32"] = by_dtype.get("fp32", 0) + worst.optimizer_bytes
     lines += [
         f"  by dtype on pipeline rank {worst.coord}: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in by_dtype.items())
         + (f"; {fmt_count(worst.params_replicated)} parameters are whole copies on every device (norms, biases, unsharded layers)"
-           if plan.zero < 2 or not plan.roles.batch_shard else
+           if not runs_fsdp(plan) or not plan.roles.batch_shard else
            f"; {fmt_count(worst.params_replicated)} parameters are not split by the layout (norms, biases, unsharded layers), "
            f"ZeRO-{plan.zero} shards them over {' x '.join(plan.roles.batch_shard)} like the rest"),
     ]
     if worst.gather_buffer_bytes:
-        what = ("every unit, kept from its forward to its backward" if plan.zero == 2
+        what = ("every unit, kept from its forward to its backward" if plan.zero in (1, 2)
                 else "every unit: the pipeline schedule keeps them gathered between backwards"
                 if plan.roles.pipeline and worst.gather_buffer_bytes == worst.params_local * worst.dtype_bytes
                 else "the stage root and two blocks, gathered for their forward and backward")
         lines.append(f"  ZeRO-{plan.zero} gather buffer ({what}): {fmt_bytes(worst.gather_buffer_bytes)}")
     if worst.grad_accum_bytes:
+        by = "the pipeline schedule" if plan.roles.pipeline else "ZeRO-1 until its one reduce-scatter a step"
         lines.append(f"  gradient accumulators (FSDP2's unsharded gradients in {plan.reduce_dtype or plan.dtype}, kept between"
-                     f" microbatches by the pipeline schedule): {fmt_bytes(worst.grad_accum_bytes)}")
+                     f" microbatches by {by}): {fmt_bytes(worst.grad_accum_bytes)}")
     lines += [
         "  activations per microbatch: " + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.activation_bytes_per_microbatch)}" for rc in rep.ranks),
         f"  inference (weights + KV cache at batch {plan.batch} x seq {plan.seq}): "

@@ -43,17 +43,38 @@ def test_hsdp_zero1_reduces_within_the_shard_group_and_across_replicas() -> None
     assert ops == {("data", "reduce_scatter"): grads, ("replica", "all_reduce"): grads // 2, ("data", "all_gather"): grads}
 
 
-def test_master_weights_at_zero_1_are_the_fp32_parameters_with_moments_sharded() -> None:
+def test_master_weights_at_zero_1_are_sharded_as_megatrons_distributed_optimizer() -> None:
     body = "layout { batch -> data }\n precision { params = bf16, master = fp32 }\n optimizer adamw { zero 1 }"
     plan = _plan("data = 4", body)
     assert (plan.dtype, plan.master_dtype, plan.reduce_dtype) == ("bf16", "fp32", "fp32")
     (r,) = analyze(plan).ranks
-    numel = plan.model.numel
-    # runtime/amp.py: fp32 parameters and gradients, fp32 moments over 4 ranks, bf16 casts in flight.
-    assert (r.weight_bytes, r.grad_bytes, r.optimizer_bytes) == (4 * numel, 4 * numel, 8 * -(-numel // 4))
-    assert r.gather_buffer_bytes == 2 * numel
-    assert {c.op: c.payload_bytes for c in r.comms if c.kind == "data"} == {"reduce_scatter": 4 * numel,
-                                                                          "all_gather": 4 * numel}
+    numel, part = plan.model.numel, -(-plan.model.numel // 4)
+    # runtime/fsdp.py: fp32 master weights, their gradients and moments sharded over 4 ranks; the
+    # bf16 compute copy whole from the step's first forward to its last backward; without
+    # microbatches no gradient is accumulated whole.
+    assert (r.weight_bytes, r.grad_bytes, r.optimizer_bytes) == (4 * part, 4 * part, 8 * part)
+    assert (r.gather_buffer_bytes, r.grad_accum_bytes) == (2 * numel, 0)
+
+    def data_comms(rc) -> dict[str, int]:  # type: ignore[no-untyped-def]
+        # (payloads are per-call means in whole bytes: within a byte a call of the exact sums)
+        by_op = {c.op: c for c in rc.comms if c.kind == "data"}
+        return {op: c.payload_bytes + c.calls for op, c in by_op.items()}
+
+    def near(got: dict[str, int], want: dict[str, int]) -> bool:
+        return got.keys() == want.keys() and all(0 <= got[k] - want[k] <= 1000 for k in got)
+
+    # Gradients reduce-scattered in fp32, the bf16 copy all-gathered: once a unit.
+    assert near(data_comms(r), {"reduce_scatter": 4 * numel, "all_gather": 2 * numel}), data_comms(r)
+    # With 4 microbatches: still one gather and one reduce-scatter a step (ZeRO 2 makes 4 of each), and
+    # the whole fp32 gradients accumulated between them (Megatron's grad buffer).
+    (r4,) = analyze(_plan("data = 4", "microbatches = 4\n" + body)).ranks
+    assert r4.grad_accum_bytes == 4 * numel
+    assert near(data_comms(r4), {"reduce_scatter": 4 * numel, "all_gather": 2 * numel}), data_comms(r4)
+    # (`reduce` defaults to the compute dtype at ZeRO 2, as torchtitan's; to the master's at ZeRO 1, Megatron's)
+    (z2,) = analyze(_plan("data = 4", "microbatches = 4\n" + body.replace("zero 1", "zero 2")
+                          .replace("fp32 }", "fp32, reduce = fp32 }"))).ranks
+    assert near(data_comms(z2), {"reduce_scatter": 16 * numel, "all_gather": 8 * numel}), data_comms(z2)
+    assert z2.grad_accum_bytes == 0
     (bf16,) = analyze(_plan("data = 4", "layout { batch -> data }\n optimizer adamw { zero 1 }")).ranks
     assert (bf16.weight_bytes, bf16.grad_bytes, bf16.gather_buffer_bytes) == (2 * numel, 2 * numel, 0)
 
