@@ -54,8 +54,9 @@ class Candidate:
     # HSDP: ZeRO shards over a `data` axis of this many ranks inside a host, a `replica` axis holds
     # the data / zero_shard copies across hosts (torchtitan's dp_shard x dp_replicate); 0: no HSDP.
     zero_shard: int = 0
-    # fp32 master weights at ZeRO 0 / 1 for a 16-bit model (autocast, runtime/amp.py): searched beside
-    # the pure 16-bit plan, which needs half the state. ZeRO 2 / 3 always have them (_master_weights).
+    # fp32 master weights at ZeRO 0 / 1 for a 16-bit model (ZeRO 0: autocast over whole fp32
+    # parameters, runtime/amp.py; ZeRO 1: the distributed optimizer, sharded by FSDP2): searched beside
+    # the pure 16-bit plan, which needs less state. ZeRO 2 / 3 always have them (_master_weights).
     master: bool = False
 
     def key(self) -> str:
@@ -168,9 +169,9 @@ def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -
 
 def _master_weights(c: Candidate, model: ModelIR) -> bool:
     """16-bit models train with fp32 master weights and reductions (Megatron's and torchtitan's
-    default): always under FSDP2's MixedPrecisionPolicy (ZeRO 2 / 3); at ZeRO 0 / 1 (autocast over
-    fp32 parameters, runtime/amp.py) where the candidate asks, as the pure 16-bit plan is also
-    searched. In 16 bits AdamW's small updates round away (bench/master_weights.py)."""
+    default): always under FSDP2's MixedPrecisionPolicy (ZeRO 2 / 3); at ZeRO 0 (autocast over
+    fp32 parameters, runtime/amp.py) and ZeRO 1 (Megatron's distributed optimizer, FSDP2) where the
+    candidate asks, as the pure 16-bit plan is also searched. In 16 bits AdamW's small updates round away (bench/master_weights.py)."""
     return model.dtype in ("bf16", "fp16") and (c.zero >= 2 or c.master)
 
 
