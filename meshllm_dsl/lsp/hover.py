@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshllm_dsl import ast
-from meshllm_dsl.ir import DTYPES, MeshIR, Repeat, Unit
+from meshllm_dsl.ir import DTYPES, MeshIR, PlanIR, Repeat, Unit
 from meshllm_dsl.source import Span
 
 if TYPE_CHECKING:
@@ -270,4 +270,19 @@ def _plan(a: Analysis, name: str) -> str:
             f"{' (assumed)' if assumed else ''})\n\n"
             f"memory per device (training): {per_rank}; peak {fmt_bytes(worst.training_bytes)} of "
             f"{fmt_bytes(device.memory_bytes)} -> {fits}\n\n"
-            f"bubble {rep.bubble:.1%}, schedule {plan.schedule}, {plan.microbatches} microbatches")
+            f"bubble {rep.bubble:.1%}, schedule {plan.schedule}, {plan.microbatches} microbatches"
+            + _precision(plan))
+
+
+def _precision(plan: PlanIR) -> str:
+    """Where a `precision` plan keeps its master weights, as the runtime runs it."""
+    if plan.master_dtype is None:
+        return ""
+    from meshllm_dsl.placements import runs_fsdp
+
+    shard = " x ".join(plan.roles.batch_shard) or "no axis"
+    where = ("whole on every rank (torch.autocast over them)" if not runs_fsdp(plan) else
+             f"sharded over {shard} with the moments (Megatron's distributed optimizer, FSDP2)" if plan.zero == 1 else
+             f"sharded over {shard} (FSDP2, ZeRO {plan.zero})")
+    return (f"\n\nprecision: compute in {plan.dtype}, master weights in {plan.master_dtype} {where}, "
+            f"gradients reduced in {plan.reduce_dtype or plan.dtype}")

@@ -75,3 +75,19 @@ def test_a_spec_with_lists_answers_at_every_position_and_prefix() -> None:
     used = a.hover(inside)
     assert used is not None and "parameter `ffn`" in used[0], used
     assert a.definition(inside)
+
+
+def test_plan_hover_says_where_the_master_weights_live() -> None:
+    # ZeRO 1 with `precision` shards them (the distributed optimizer); ZeRO 0 keeps them whole.
+    base = ("mesh g { axes data = 4 }\nmodel m = llama { vocab = 64, hidden = 32, layers = 2, heads = 4, ffn = 64, "
+            "dtype = bf16 }\nplan p on g for m {\n batch = 8\n seq = 8\n layout { batch -> data }\n"
+            " precision { params = bf16, master = fp32 }\n optimizer adamw { ZERO }\n}\n")
+    said = {}
+    for zero in ("zero 1", "lr = 1e-3"):
+        text = base.replace("ZERO", zero)
+        got = Analysis("p.mesh", text).hover(text.index("plan p") + 5)
+        assert got is not None
+        said[zero] = got[0]
+    assert ("master weights in fp32 sharded over data with the moments (Megatron's distributed optimizer, FSDP2), "
+            "gradients reduced in fp32") in said["zero 1"]
+    assert "master weights in fp32 whole on every rank" in said["lr = 1e-3"]
