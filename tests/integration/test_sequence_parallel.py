@@ -78,6 +78,13 @@ CASES: dict[str, str] = {
         MEGATRON + "layout { batch -> data, seq -> tensor }\n optimizer adamw { zero 3 }\n"
         " precision { params = fp32, master = fp32, reduce = fp32 }",
     ),
+    # ZeRO 1 with master weights (the distributed optimizer, FSDP2): gradients accumulated whole over
+    # the microbatches, the norms' partial ones summed over tensor on the data shards.
+    "data2_tensor2_zero1_master": _spec(
+        "data = 2, tensor = 2",
+        MEGATRON + "layout { batch -> data, seq -> tensor }\n microbatches = 2\n optimizer adamw { zero 1 }\n"
+        " precision { params = bf16, master = fp32 }",
+    ),
     "gpt2_data2_pipeline2_tensor2_zero2": _spec(
         "data = 2, pipeline = 2, tensor = 2",
         "layout { batch -> data, heads -> tensor, ffn -> tensor, vocab -> tensor, seq -> tensor }\n microbatches = 2\n"
