@@ -254,3 +254,23 @@ def test_checkpoint_keys_do_not_depend_on_the_layout(
                 assert got.keys() == saved.keys()
                 for name, value in saved.items():
                     assert torch.equal(got[name], value), (source, target, name)
+
+
+def _loaded_job(ctx: RankContext, kind: str, layout: str, root: str) -> Any:
+    built = _build(ctx, kind, layout, seed=5)
+    checkpoint.load(built, root, optimizer=True)
+    moments = [st["exp_avg_sq"] for st in built.optimizer.state.values() if "exp_avg_sq" in st]
+    return built.full_state_dict(), moments
+
+
+def test_sharded_master_weights_and_moments_load_whole_on_one_rank(pool: WorkerPool, tmp_path: Path) -> None:
+    # Saved by the distributed optimizer (fp32 master weights and moments sharded over data by FSDP2),
+    # loaded into one rank holding them whole: the same fp32 master weights, every moment present.
+    source = "data2-bf16-master-zero1"
+    _, final = pool.run(_straight_job, _ranks(source), "llama", source, 2)[0]
+    pool.run(_first_half_job, _ranks(source), "llama", source, 2, str(tmp_path))
+    weights, moments = pool.run(_loaded_job, 1, "llama", "single", str(tmp_path))[0]
+    assert weights.keys() == final.keys()
+    for name, value in final.items():
+        assert torch.equal(weights[name], value), name
+    assert len(moments) == len(final) and all(bool((m > 0).any()) for m in moments)
