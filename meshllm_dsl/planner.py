@@ -350,13 +350,15 @@ def attention_core_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micr
     selective recomputation (`recompute = attention`) stops keeping: the core's inputs q, k, v stay
     (the checkpoint holds them for the rerun) and its output is the o projection's saved input."""
     hq = local_heads(plan, hu)
+    # (tokens = micro x s, or micro x s / c of the queries under context parallelism: their rows of
+    # the scores meet all s keys.)
     if dict(hu.unit.attrs).get("softcap"):
         # Soft-capped logits (Gemma 2) run as plain autograd, never a fused kernel: per head the
         # tanh output, the fp32 softmax and the probabilities, s x s each.
-        return (2 * DTYPES[plan.dtype] + FP32) * micro * hq * seq * seq
+        return (2 * DTYPES[plan.dtype] + FP32) * tokens * hq * seq
     if flash_attention:
         return FP32 * tokens * hq
-    return DTYPES[plan.dtype] * micro * hq * seq * seq
+    return DTYPES[plan.dtype] * tokens * hq * seq
 
 
 def unit_backward_bytes(plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
@@ -615,7 +617,7 @@ class Comm:
     """One kind of collective a device runs, summed over a training step."""
 
     axis: str  # mesh axis (or axes, joined by " x ") it runs over
-    kind: str  # tensor | pipeline | data | tied | loss
+    kind: str  # tensor | pipeline | data | tied | loss | context
     op: WirePrimitive
     calls: int  # collective calls per step
     payload_bytes: int  # sum of the tensors' sizes handed to the collective
@@ -815,11 +817,14 @@ class StepTime:
     # bound on the step however the ranks wait for each other; 0 when every rank has its own device.
     shared_s: float = 0.0
     expert_s: float = 0.0  # its expert-parallel all-to-alls (moe layers' token dispatch and combine)
+    # Context parallelism's K / V all-gathers and dK / dV reduce-scatters: exposed, the runtime waits
+    # for each gather before its attention runs (no ring to overlap with the compute).
+    context_s: float = 0.0
 
     @property
     def critical_s(self) -> float:
         """The step with a device per rank: the slowest rank's work, stretched by the bubble."""
-        return self.compute_s + self.tensor_s + self.expert_s + self.pipeline_s + self.bubble_s + self.data_s
+        return self.compute_s + self.tensor_s + self.expert_s + self.pipeline_s + self.bubble_s + self.data_s + self.context_s
 
     @property
     def total_s(self) -> float:
@@ -827,7 +832,7 @@ class StepTime:
 
     @property
     def comm_s(self) -> float:
-        return self.tensor_s + self.expert_s + self.pipeline_s + self.data_s
+        return self.tensor_s + self.expert_s + self.pipeline_s + self.data_s + self.context_s
 
 
 @attrs.frozen
@@ -919,7 +924,9 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     # PipelineStage (no sync until the last backward), and at ZeRO 1 (one reduce-scatter a step).
     accumulates = fsdp and (p_size > 1 or (defers_grad_sync(plan) and m > 1))
     micro_batch = plan.batch // (dp * m)
-    tokens_mb = micro_batch * plan.seq
+    cp = plan.context_size
+    tokens_mb = micro_batch * plan.seq // cp  # context parallelism: this rank's s / c of each sequence
+    replicas = dp * cp  # ranks the gradients are averaged over (batch and context axes)
     hidden = hidden_width(plan)
 
     # Which ranks sit at each pipeline coordinate, and the stages they run.
@@ -948,6 +955,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         expert_calls: dict[tuple[tuple[str, ...], int], int] = {}  # (expert axes, bytes per call): calls per microbatch
         expert_local = 0  # parameters split over expert axes: their gradients skip those axes' reduction
         seq_grads = 0  # sequence parallelism: gradient elements summed over the tensor axes once a step
+        kv_gathers = 0  # context parallelism: bytes of k and v one microbatch's forward all-gathers
         holds_head = False
         block_saved: dict[str, int] = {}  # recompute: what one block (or attention core) rebuilds in backward
         forward_s = 0.0  # one microbatch's forward on this rank (matmuls, lookups, memory traffic)
@@ -1023,6 +1031,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     # a sliding-window layer caches at most its window (primitives' cached_positions)
                     positions = sum(primitives.of(hu.unit).cached_positions(hu.unit, i, plan.seq) for i in hu.indices or (0,))
                     kv_bytes += (positions if hu.indices else hu.count * positions) * 2 * kv_local * int(hu.unit.attr("head_dim")) * inf_batch * w  # type: ignore[arg-type]
+                    # Context parallelism: k and v, [mb, s, kv / t, d] each once gathered, every copy.
+                    kv_gathers += hu.count * 2 * micro_batch * plan.seq * kv_local * int(hu.unit.attr("head_dim")) * w  # type: ignore[arg-type]
                 for axes, op in unit_collectives(hu):
                     tensor_calls[(axes, op)] = tensor_calls.get((axes, op), 0) + hu.count
                 a2a = expert_all_to_all(plan, hu, tokens_mb)
@@ -1103,6 +1113,17 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             comms.append(_comm(plan, device, axes, "tensor", op, calls * m, act_size))
         for (axes, size), calls in sorted(expert_calls.items()):
             comms.append(_comm(plan, device, axes, "expert", "all_to_all", calls * m, size))
+        if cp > 1 and kv_gathers:
+            # K and V all-gathered over the context axes in each attention's forward (again when
+            # backward recomputes the block), dK and dV reduce-scattered in its backward: per layer
+            # and microbatch 2 calls each way of [mb, s, kv / t, d] (runtime/context.py).
+            layers_here = sum(hu.count for st in stages_at[c] for hu in held_units(plan, st)
+                              if primitives.of(hu.unit).caches_kv and not hu.tied_copy)
+            reruns = sum(recomputed_copies(plan, hu) for st in stages_at[c] for hu in held_units(plan, st)
+                         if primitives.of(hu.unit).caches_kv and not hu.tied_copy)
+            per_call = kv_gathers // max(1, 2 * layers_here)
+            comms.append(_comm(plan, device, plan.roles.context, "context", "all_gather", 2 * (layers_here + reruns) * m, per_call))
+            comms.append(_comm(plan, device, plan.roles.context, "context", "reduce_scatter", 2 * layers_here * m, per_call))
         if seq_grads:
             # The norms' (and row biases') partial gradients, coalesced into one all-reduce per step.
             comms.append(_comm(plan, device, plan.roles.sequence, "tensor", "all_reduce", 1, w * seq_grads))
@@ -1119,10 +1140,10 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             if tied:
                 comms.append(_comm(plan, device, (plan.roles.pipeline,), "tied", "all_reduce", 1, w * tied, group=2))
         fsdp_events = 0  # FSDP2 all-gathers and reduce-scatters of units
-        if dp > 1:
+        if replicas > 1:
             # ZeRO's collectives run within a shard group; with HSDP the shards' gradients are then
-            # all-reduced across the replicas (hsdp_replica_comm).
-            data_axes = plan.roles.batch_shard if plan.zero else plan.roles.batch
+            # all-reduced across the replicas (hsdp_replica_comm). Context ranks average like batch ones.
+            data_axes = plan.roles.batch_shard if plan.zero else plan.roles.replicas
             reduce_w = DTYPES[plan.reduce_dtype or plan.dtype]
             if fsdp:
                 # FSDP2, unit by unit: parameters gathered in the compute dtype, gradients
@@ -1164,7 +1185,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         optim_tensors = -(-tensors // zero_shards) if plan.zero == 1 and not fsdp else tensors
         actions = 2 * m * len(stages_at[c]) if p_size > 1 else 0  # stage forwards and backwards
         kernels = ((kernels_mb + recompute_kernels) * m + KERNELS_STEP + tensors * KERNELS_ZERO_GRAD
-                   + (tensors * KERNELS_GRAD_SYNC if dp > 1 and not fsdp else 0) + fsdp_events * KERNELS_FSDP
+                   + (tensors * KERNELS_GRAD_SYNC if replicas > 1 and not fsdp else 0) + fsdp_events * KERNELS_FSDP
                    + (actions * KERNELS_FSDP_ACTION if fsdp_events else 0) + optim_tensors * KERNELS_ADAMW)
         kernel_s = kernels * (device.kernel_us or 0.0) * 1e-6
         recompute_s = recompute_fwd_s * m + recompute_kernels * m * (device.kernel_us or 0.0) * 1e-6
@@ -1208,6 +1229,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         model_flops=model_flops_per_token(plan) * plan.batch * plan.seq,
         tokens=plan.batch * plan.seq,
         shared_s=shared_host_seconds(plan, device, classes, scale),
+        context_s=slow.comm_seconds(("context",)),
     )
     return PlanReport(plan, device, device_assumed, micro_batch, bubble, tuple(classes), step,
                       kv_bytes_per_token(plan), k, hosts_assumed)
@@ -1386,9 +1408,10 @@ def _comm_help(step: StepTime) -> str:
         "pipeline": "larger microbatches (fewer, bigger pipeline transfers) or fewer pipeline stages",
         "data": "more sequences per data replica (a larger batch or fewer replicas)",
         "expert": "fewer expert-parallel ranks (the all-to-all moves top_k rows per token whatever the batch)",
+        "context": "fewer context-parallel ranks (each gathers every rank's keys and values per layer)",
     }
     parts = sorted(((step.tensor_s, "tensor"), (step.expert_s, "expert"), (step.pipeline_s, "pipeline"),
-                    (step.data_s, "data")), reverse=True)
+                    (step.data_s, "data"), (step.context_s, "context")), reverse=True)
     named = [remedies[kind] for seconds, kind in parts if seconds > 0]
     return f"{'; or '.join(named) or 'larger microbatches'} raise the compute per byte moved"
 
@@ -1537,7 +1560,9 @@ def report_text(rep: PlanReport) -> str:
         (f"  batch {plan.batch} x seq {plan.seq}; {plan.data_size} data replica{'s' if plan.data_size != 1 else ''} x "
         f"{plan.microbatches} microbatch{'es' if plan.microbatches != 1 else ''} of {rep.micro_batch} sequence{'s' if rep.micro_batch != 1 else ''}; "
         f"{f'schedule {plan.schedule}' if plan.pipeline_size > 1 else 'no pipeline'}{f' (virtual {plan.virtual})' if plan.virtual > 1 else ''}; "
-        f"{plan.optimizer}, ZeRO {plan.zero}{' over ' + ' x '.join(plan.roles.batch_shard) if plan.zero else ''}"),
+        f"{plan.optimizer}, ZeRO {plan.zero}{' over ' + ' x '.join(plan.roles.batch_shard) if plan.zero else ''}"
+        + (f"; context {plan.context_size} over {' x '.join(plan.roles.context)} ({plan.seq // plan.context_size:,} tokens "
+           "of each sequence per rank)" if plan.roles.context else "")),
         "",
         "model",
         f"  parameters      {model.numel:,} ({fmt_count(model.numel)})",
@@ -1546,7 +1571,9 @@ def report_text(rep: PlanReport) -> str:
         _training_state_line(plan, rep.optimizer_k, model.numel),
         (f"  KV cache        {rep.kv_bytes_per_token:,} bytes per token in {plan.dtype}; "
         f"{fmt_bytes(kv_cache_bytes(plan, plan.seq) * plan.batch)} at batch {plan.batch} x seq {plan.seq}"
-        + (" (sliding-window layers hold their window only)" if kv_cache_bytes(plan, plan.seq) < rep.kv_bytes_per_token * plan.seq else "")),
+        + (" (sliding-window layers hold their window only)" if kv_cache_bytes(plan, plan.seq) < rep.kv_bytes_per_token * plan.seq else "")
+        + (f"; decoding keeps it gathered: each of the {plan.context_size} context ranks holds all of it"
+           if plan.roles.context else "")),
         "",
         "memory per device (a row per pipeline rank; the tensor and data ranks at it hold the same)",
     ]
@@ -1620,6 +1647,7 @@ def report_text(rep: PlanReport) -> str:
         f"  pipeline comm    {fmt_seconds(st.pipeline_s)}",
         f"  bubble           {fmt_seconds(st.bubble_s)}",
         f"  data-parallel    {fmt_seconds(st.data_s)}" + _overlap_note(rep),
+        *([f"  context comm     {fmt_seconds(st.context_s)}   {_context_text(rep)}"] if plan.context_size > 1 else []),
     ]
     if st.shared_s:
         per_host = mesh.devices_per_host
@@ -1654,6 +1682,30 @@ def _active_lines(plan: PlanIR) -> list[str]:
     return [f"  active          {active:,} ({fmt_count(active)}) per token: top_k of the experts, router and shared experts"]
 
 
+def kv_gather_bytes_per_layer(plan: PlanIR) -> int:
+    """Context parallelism: bytes one attention layer's K / V all-gather hands over per microbatch,
+    k and v of the whole sequence, [mb, s, kv_heads / t, head_dim] each (each rank sends its s / c)."""
+    rep = plan.model.repeat
+    if rep is None or plan.context_size == 1:
+        return 0
+    micro = plan.batch // (plan.data_size * plan.microbatches)
+    for u in rep.body:
+        if primitives.of(u).caches_kv:
+            kv_leaf = next(lf for lf in u.leaves if lf.name in ("k", "qkv"))
+            kv_local = int(u.attr("kv_heads")) // axes_size(plan, plan.block_class(0).placement(f"{u.name}.{kv_leaf.name}"))  # type: ignore[arg-type]
+            return 2 * micro * plan.seq * kv_local * int(u.attr("head_dim")) * DTYPES[plan.dtype]  # type: ignore[arg-type]
+    return 0
+
+
+def _context_text(rep: PlanReport) -> str:
+    plan = rep.plan
+    n = plan.context_size
+    per_layer = kv_gather_bytes_per_layer(plan)
+    return (f"K / V all-gathered over {' x '.join(plan.roles.context)} ({n}): {fmt_bytes(per_layer)} per layer and "
+            f"microbatch ({fmt_bytes(per_layer * (n - 1) // n)} sent per rank), dK / dV reduce-scattered back; not "
+            "overlapped with the compute (each attention waits for its gather)")
+
+
 def report_json(rep: PlanReport) -> dict[str, Any]:
     plan, model = rep.plan, rep.plan.model
     w = DTYPES[plan.dtype]
@@ -1668,6 +1720,8 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
         "batch": plan.batch, "seq": plan.seq, "microbatches": plan.microbatches, "micro_batch": rep.micro_batch, "recompute": plan.recompute,
         "schedule": plan.schedule, "virtual": plan.virtual, "optimizer": plan.optimizer, "zero": plan.zero,
         "zero_axes": list(plan.roles.batch_shard),
+        "context_axes": list(plan.roles.context),
+        "kv_gather_bytes_per_layer": kv_gather_bytes_per_layer(plan),
         "parameters": model.numel,
         "weight_bytes": model.numel * w,
         "optimizer_bytes_per_param": rep.optimizer_k,
@@ -1690,7 +1744,7 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
         "communication": rep.comm_by_axis(),
         "expert_all_to_all": expert_layer_comm(rep),
         "step": {"compute_s": st.compute_s, "tensor_s": st.tensor_s, "expert_s": st.expert_s, "pipeline_s": st.pipeline_s, "bubble_s": st.bubble_s,
-                 "data_s": st.data_s, "shared_s": st.shared_s, "critical_s": st.critical_s, "total_s": st.total_s, "model_flops": st.model_flops, "tokens": st.tokens,
+                 "data_s": st.data_s, "context_s": st.context_s, "shared_s": st.shared_s, "critical_s": st.critical_s, "total_s": st.total_s, "model_flops": st.model_flops, "tokens": st.tokens,
                  "tokens_per_s": st.tokens / st.total_s if st.total_s else None, "mfu": rep.mfu, "assumed_matmul_mfu": rep.device.mfu or MFU},
         "peak_training_bytes": rep.peak_training_bytes,
         "peak_inference_bytes": rep.peak_inference_bytes,

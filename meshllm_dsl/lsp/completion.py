@@ -179,8 +179,10 @@ def _plan(a: Analysis, header: list[str], inner: list[list[str]], line: list[str
             if not line or line[-1] == ",":
                 dims = [k for k, v in model.values if isinstance(v, int)] if model else []
                 # `batch` and `seq` are the plan's own dims (data parallelism lays out the batch,
-                # sequence parallelism the sequence), the others the model's
-                return [Item("batch", "dim", "plan dim"), Item("seq", "dim", "plan dim: sequence parallelism")] + [
+                # sequence or context parallelism the sequence), the others the model's
+                return [Item("batch", "dim", "plan dim"),
+                        Item("seq", "dim", "plan dim: sequence parallelism over tensor axes, context parallelism "
+                                           "over an axis that splits no weight")] + [
                     Item(d, "dim", "model dim") for d in dims if d not in ("batch", "seq")]
             return []
         if block == "stages":

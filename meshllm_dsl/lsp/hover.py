@@ -61,6 +61,10 @@ def hover(a: Analysis, offset: int) -> tuple[str, Span] | None:
                 text = _shard(a, plan, s)
                 if text:
                     return text, s.path.span
+            if isinstance(s, ast.LayoutStmt):
+                for e in s.entries:
+                    if e.dim.value == "seq" and e.span is not None and e.span.start <= offset <= e.span.end:
+                        return _seq_entry(a, plan.name.value), e.span
     if not hits:
         return None
     occ = hits[0]
@@ -248,6 +252,24 @@ def _shard_unchecked(a: Analysis, decl: ast.PlanDecl, s: ast.ShardStmt) -> str |
         for t in leaf.params:
             lines.append(f"  - `{t.name}` {_shape(t.shape)}")
     return "\n".join(lines)
+
+
+def _seq_entry(a: Analysis, name: str) -> str:
+    """What a plan's `seq -> AXES` is: sequence parallelism (AXES split weights) or context parallelism."""
+    plan = a.sem_result.plans.get(name)
+    if plan is None:
+        return "`seq -> AXES`: sequence parallelism over tensor axes, context parallelism over axes that split no weight"
+    if plan.roles.sequence:
+        axes = " x ".join(plan.roles.sequence)
+        return (f"**sequence parallelism** over {axes} ({plan.sequence_size}): norms and the residual stream hold "
+                f"[b, s / {plan.sequence_size}, hidden] between the tensor-parallel sublayers")
+    from meshllm_dsl.planner import fmt_bytes, kv_gather_bytes_per_layer
+
+    n, axes = plan.context_size, " x ".join(plan.roles.context)
+    return (f"**context parallelism** over {axes} ({n}): each rank holds chunks i and {2 * n - 1} - i of {2 * n} of "
+            f"every sequence ({plan.seq // n:,} of {plan.seq:,} tokens) through the whole model\n\n"
+            f"attention all-gathers K / V over {axes}: {fmt_bytes(kv_gather_bytes_per_layer(plan))} per layer and "
+            "microbatch; gradients are averaged over the batch and context axes")
 
 
 def _plan(a: Analysis, name: str) -> str:

@@ -113,7 +113,7 @@ class Attention(Primitive):
         saved += e * tokens * (hq + 2 * hk) * hd  # q, k, v (after rotary) for the attention core
         saved += e * tokens * hq * hd  # the attention output: the core's result and o's input
         if unit.attr("rope_theta"):
-            saved += 2 * e * seq * hd  # rotary cos and sin ([s, 1, head_dim] each), kept by q * cos, k * cos
+            saved += 2 * e * (tokens // max(1, micro)) * hd  # rotary cos and sin ([s, 1, head_dim] each), kept by q * cos, k * cos
         qk = unit.attr("qk_norm")
         if qk == "head":  # the runtime's RMSNorm Function: q and k before it, an fp32 reciprocal RMS per head
             saved += e * tokens * (hq + hk) * hd + fp32 * tokens * (hq + hk)
@@ -124,6 +124,11 @@ class Attention(Primitive):
         if a.get("softcap") and hq > hk:
             saved += 2 * e * tokens * hq * hd  # the soft-capped core's k and v repeated to every query head
         blocks = hu.indices or (0,)
+        if plan.context_size > 1:
+            # Context parallelism (runtime/context.py): every block masks by global positions, a
+            # [s / c, s] boolean, and the kernel keeps the all-gathered k and v, [b, s, kv, d] each.
+            saved += (tokens // max(1, micro)) * seq + 2 * e * micro * seq * hk * hd
+            return saved
         windowed = sum(1 for i in blocks if layer_window(a, i))
         saved += seq * seq * windowed // len(blocks)  # a window's [s, s] boolean mask, kept by the masked kernel (per copy)
         return saved
@@ -147,9 +152,12 @@ class Attention(Primitive):
         # [s, d]), over every key position: 4 s d flops per head and token forward, the standard
         # count's 12 l h q t with its backward (torchtitan get_num_flop_per_token, PaLM appendix B:
         # no halving for the causal mask). A fused kernel keeps the scores on chip.
+        # Under context parallelism a rank's s / c queries (tokens / micro) meet all s keys.
         hq, hd = planner.local_heads(plan, hu), int(hu.unit.attr("head_dim"))  # type: ignore[arg-type]
-        io = 2 * seq * hd if flash_attention else None
-        core = (Matmul(seq, seq, hd, micro * hq, core=True, io=io), Matmul(seq, hd, seq, micro * hq, core=True, io=io))
+        queries = tokens // max(1, micro)
+        io = (queries + seq) * hd if flash_attention else None
+        core = (Matmul(queries, seq, hd, micro * hq, core=True, io=io),
+                Matmul(queries, hd, seq, micro * hq, core=True, io=io))
         return Work(planner.linear_matmuls(plan, hu, tokens) + core)
 
     def flow(self, site: layouts.FlowSite) -> UnitFlow | None:

@@ -206,3 +206,57 @@ def test_context_parallel_plan_gives_transformers_logits_and_tokens(pool: Any, t
     logits, generated = pool.run(logits_job, n, path, str(tmp_path / "hf"), tokens, 6)[0]
     assert (logits - want).abs().max().item() <= 1e-4
     assert generated.tolist() == want_tokens.tolist()
+
+
+# -- the planner
+
+
+def _report(axes: str, body: str, seq: int = 64, model: str = LLAMA) -> Any:
+    from meshllm_dsl.planner import analyze
+
+    result = check_text(_spec(axes, body, model=model, seq=seq), "t.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    return analyze(result.plans["p"])
+
+
+def test_planner_divides_activations_by_the_context_size_and_counts_the_kv_gathers() -> None:
+    from meshllm_dsl.planner import kv_gather_bytes_per_layer, report_text
+
+    one = _report("cp = 1", "    layout { seq -> cp }")
+    four = _report("cp = 4", "    layout { seq -> cp }")
+    a1, a4 = one.ranks[0].activation_bytes_per_microbatch, four.ranks[0].activation_bytes_per_microbatch
+    # Everything per token divides by 4; each layer keeps the gathered k, v ([b, s, 2, 8] each, fp32)
+    # and its [s / 4, s] mask beyond that (measured on gloo: bench/context_parallel.py).
+    assert a4 < a1 / 3, (a1, a4)
+    kv = 2 * 4 * 64 * 2 * 8 * 4  # k and v, batch 4 x seq 64 x 2 kv heads x head_dim 8, fp32
+    assert kv_gather_bytes_per_layer(four.plan) == kv and kv_gather_bytes_per_layer(one.plan) == 0
+    context = {c.op: c for c in four.ranks[0].comms if c.kind == "context"}
+    assert context["all_gather"].calls == 2 * 2 and context["all_gather"].payload_bytes == 2 * kv  # 2 layers, k and v
+    assert context["reduce_scatter"].calls == 2 * 2
+    assert not [c for c in one.ranks[0].comms if c.kind == "context"]
+    assert four.step.context_s > 0 and one.step.context_s == 0
+    assert "context comm" in report_text(four) and "context comm" not in report_text(one)
+    # The gradients are averaged over the context ranks like data replicas.
+    assert any(c.kind == "data" and c.axis == "cp" for c in four.ranks[0].comms)
+    # Recomputing the blocks gathers K / V again in backward.
+    again = _report("cp = 4", "    layout { seq -> cp }\n    recompute = blocks")
+    assert {c.op: c.calls for c in again.ranks[0].comms if c.kind == "context"} == {"all_gather": 8, "reduce_scatter": 4}
+
+
+# -- the language server
+
+
+def test_hover_on_the_seq_entry_says_which_parallelism_it_is() -> None:
+    from meshllm_dsl.lsp.analysis import Analysis
+    from meshllm_dsl.lsp.hover import hover
+
+    root = Path(__file__).resolve().parents[2]
+    path = root / "examples" / "llama3_8b_128k.mesh"
+    text = path.read_text()
+    got = hover(Analysis(str(path), text), text.index("seq -> cp") + 2)
+    assert got is not None
+    assert "**context parallelism** over cp (8)" in got[0] and "16,384 of 131,072 tokens" in got[0]
+    assert "512.00 MiB per layer" in got[0]
+    tiny = _spec("tensor = 2", MEGATRON + "    layout { seq -> tensor }")
+    sp = hover(Analysis("t.mesh", tiny), tiny.index("seq -> tensor") + 1)
+    assert sp is not None and "**sequence parallelism** over tensor (2)" in sp[0]
