@@ -33,6 +33,10 @@ from meshllm_dsl.schedule_order import schedule_cost
 
 MESH_NAME, PLAN_NAME = "suggested_mesh", "suggested"
 MAX_MICROBATCHES = 64  # beyond this the per-microbatch collectives' latency dominates any memory saving
+# Context parallelism is searched from this sequence length on (the Llama 3 paper's long-context
+# stage starts past 8K tokens): shorter sequences fit by data parallelism, and every variant costs
+# the search an analysis.
+LONG_SEQ = 8192
 # The share of a device's memory a suggested plan leaves free by default (`--headroom`): what the
 # planner does not count, the CUDA context (about 0.5 - 1 GiB a process), NCCL's buffers (a few
 # hundred MiB per communicator) and the caching allocator's fragmentation.
@@ -58,6 +62,9 @@ class Candidate:
     # parameters, runtime/amp.py; ZeRO 1: the distributed optimizer, sharded by FSDP2): searched beside
     # the pure 16-bit plan, which needs less state. ZeRO 2 / 3 always have them (_master_weights).
     master: bool = False
+    # Context parallelism: this many of the data ranks split each sequence instead (`seq -> cp`),
+    # ZeRO then shards over data x cp as torchtitan's FSDP does; 1: none.
+    context: int = 1
 
     def key(self) -> str:
         sched = "" if self.schedule == "none" else f" {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else "")
@@ -65,7 +72,8 @@ class Candidate:
         return (f"data {self.data} x pipeline {self.pipeline} x tensor {self.tensor}, {self.microbatches} microbatches"
                 f"{sched}, ZeRO {self.zero}{remat}" + (", sequence parallel" if self.seq_parallel else "")
                 + (f", HSDP sharded over {self.zero_shard}" if self.zero_shard else "")
-                + (", fp32 master weights" if self.master else ""))
+                + (", fp32 master weights" if self.master else "")
+                + (f", context {self.context}" if self.context > 1 else ""))
 
 
 @attrs.frozen
@@ -138,7 +146,7 @@ def _dim_sizes(model: ModelIR) -> dict[str, int]:
 
 def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -> str:
     data = [("replica", c.data // c.zero_shard), ("data", c.zero_shard)] if c.zero_shard else [("data", c.data)]
-    axes = [(n, s) for n, s in (*data, ("pipeline", c.pipeline), ("tensor", c.tensor)) if s > 1] or [("data", 1)]
+    axes = [(n, s) for n, s in (*data, ("pipeline", c.pipeline), ("cp", c.context), ("tensor", c.tensor)) if s > 1] or [("data", 1)]
     mesh = [f"mesh {MESH_NAME} {{", "    axes " + ", ".join(f"{n} = {s}" for n, s in axes)]
     if c.hosts > 1:
         mesh.append(f"    hosts = {c.hosts}")
@@ -149,6 +157,7 @@ def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -
         plan.append(f"    recompute = {c.recompute}")
     layout = (["batch -> replica * data" if c.zero_shard else "batch -> data"] if c.data > 1 else []) + ([f"{d} -> tensor" for d in _sharded_dims(model)] if c.tensor > 1 else [])
     layout += ["seq -> tensor"] if c.seq_parallel else []
+    layout += ["seq -> cp"] if c.context > 1 else []
     if layout:
         plan.append("    layout { " + ", ".join(layout) + " }")
     if c.pipeline > 1:
@@ -160,7 +169,8 @@ def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -
             plan += _explicit_stages(model, c.pipeline)
         plan.append(f"    schedule {c.schedule}")
     if c.zero:
-        plan += ["    optimizer adamw {", f"        zero {c.zero} over data", "    }"]
+        over = " * ".join((["data"] if c.data > 1 else []) + (["cp"] if c.context > 1 else [])) or "data"
+        plan += ["    optimizer adamw {", f"        zero {c.zero} over {over}", "    }"]
     if _master_weights(c, model):
         plan.append(f"    precision {{ params = {model.dtype}, master = fp32, reduce = fp32 }}")
     plan.append("}")
@@ -191,7 +201,7 @@ def _explicit_stages(model: ModelIR, p: int) -> list[str]:
     return out
 
 
-def candidates(model: ModelIR, devices: int, batch: int, per_host: int) -> Iterator[Candidate]:
+def candidates(model: ModelIR, devices: int, batch: int, per_host: int, seq: int = 0) -> Iterator[Candidate]:
     dims = _dim_sizes(model)
     sharded = [dims[d] for d in _sharded_dims(model) if d in dims]
     layers = model.repeat.count if model.repeat is not None else 1
@@ -210,31 +220,42 @@ def candidates(model: ModelIR, devices: int, batch: int, per_host: int) -> Itera
         for p in divisors(devices // t):
             if p > layers:
                 continue
-            d = devices // (t * p)
-            if batch % d:
+            rest = devices // (t * p)
+            # From LONG_SEQ tokens on, some of the ranks left may split each sequence (context
+            # parallelism, cut into 2 x cp balanced chunks) rather than the batch.
+            for cp in (divisors(rest) if seq >= LONG_SEQ else (1,)):
+                d = rest // cp
+                if batch % d or seq % (2 * cp) and cp > 1:
+                    continue
+                yield from _layouts(model, batch, d, p, t, cp, hosts, per_host, layers, remats)
+
+
+def _layouts(model: ModelIR, batch: int, d: int, p: int, t: int, cp: int, hosts: int, per_host: int, layers: int,
+             remats: list[str]) -> Iterator[Candidate]:
+    """The schedules, microbatches, ZeRO stages and recomputation of one mesh shape: d data x cp context x p
+    pipeline x t tensor ranks."""
+    per_replica = batch // d
+    scheds = [("none", 1)] if p == 1 else [("1f1b", 1), ("gpipe", 1)] + (
+        [("interleaved_1f1b", 2)] if layers % (2 * p) == 0 else [])
+    for sched, v in scheds:
+        for m in divisors(per_replica):
+            if m > MAX_MICROBATCHES:
+                break
+            if p > 1 and sched != "gpipe" and m < p:
                 continue
-            per_replica = batch // d
-            scheds = [("none", 1)] if p == 1 else [("1f1b", 1), ("gpipe", 1)] + (
-                [("interleaved_1f1b", 2)] if layers % (2 * p) == 0 else [])
-            for sched, v in scheds:
-                for m in divisors(per_replica):
-                    if m > MAX_MICROBATCHES:
-                        break
-                    if p > 1 and sched != "gpipe" and m < p:
-                        continue
-                    if sched == "interleaved_1f1b" and m % p:
-                        continue
-                    # ZeRO 2 / 3 are FSDP2 in the runtime (16-bit models with fp32 master weights at every stage: _master_weights).
-                    for z in (0, 1, 2, 3) if d > 1 else (0,):
-                        for r in remats:
-                            yield Candidate(d, p, t, m, sched, v, z, hosts, r)
-                            if z < 2 and model.dtype in ("bf16", "fp16"):
-                                yield Candidate(d, p, t, m, sched, v, z, hosts, r, master=True)
-                    # HSDP (FSDP2 only): sharded within a host, replicated across hosts.
-                    shard = max((s for s in divisors(d) if 1 < s < d and s * p * t <= per_host), default=0)
-                    for z in (2, 3) if shard else ():
-                        for r in remats:
-                            yield Candidate(d, p, t, m, sched, v, z, hosts, r, zero_shard=shard)
+            if sched == "interleaved_1f1b" and m % p:
+                continue
+            # ZeRO 2 / 3 are FSDP2 in the runtime (16-bit models with fp32 master weights at every stage: _master_weights).
+            for z in (0, 1, 2, 3) if d * cp > 1 else (0,):
+                for r in remats:
+                    yield Candidate(d, p, t, m, sched, v, z, hosts, r, context=cp)
+                    if z < 2 and model.dtype in ("bf16", "fp16"):
+                        yield Candidate(d, p, t, m, sched, v, z, hosts, r, master=True, context=cp)
+            # HSDP (FSDP2 only): sharded within a host, replicated across hosts.
+            shard = max((s for s in divisors(d) if 1 < s < d and s * p * t <= per_host), default=0) if cp == 1 else 0
+            for z in (2, 3) if shard else ():
+                for r in remats:
+                    yield Candidate(d, p, t, m, sched, v, z, hosts, r, zero_shard=shard)
 
 
 def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, batch: int, seq: int,
@@ -321,11 +342,11 @@ def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, ba
             return block, None
         return block, plan
 
-    groups: dict[tuple[int, int, int, str, int, bool, int], list[Candidate]] = {}
-    for c in candidates(model, devices, batch, host):
+    groups: dict[tuple[int, int, int, str, int, bool, int, int], list[Candidate]] = {}
+    for c in candidates(model, devices, batch, host, seq):
         # Each tensor-parallel candidate also with sequence parallelism, where seq splits over it.
         for v in (c, attrs.evolve(c, seq_parallel=True)) if c.tensor > 1 and seq % c.tensor == 0 else (c,):
-            groups.setdefault((v.data, v.pipeline, v.tensor, v.schedule, v.virtual, v.seq_parallel, v.zero_shard),
+            groups.setdefault((v.data, v.pipeline, v.tensor, v.schedule, v.virtual, v.seq_parallel, v.zero_shard, v.context),
                               []).append(v)
     everything = [(key, c) for key, group in groups.items() for c in group]
     enumerated = len(everything)
@@ -377,7 +398,7 @@ def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, ba
                 continue
             master = _master_weights(c, model)
             plan = attrs.evolve(rep_plan, microbatches=c.microbatches, zero=c.zero,
-                                roles=attrs.evolve(rep_plan.roles, batch_shard=(("data",) if c.zero_shard else rep_plan.roles.batch) if c.zero else ()), recompute=c.recompute,
+                                roles=attrs.evolve(rep_plan.roles, batch_shard=(("data",) if c.zero_shard else rep_plan.roles.replicas) if c.zero else ()), recompute=c.recompute,
                                 master_dtype="fp32" if master else None, reduce_dtype="fp32" if master else None)
         else:
             plan = check(c)[1]  # the structure failed: judge each variant on its own
@@ -468,7 +489,7 @@ def suggestion_text(res: SuggestResult) -> str:
     lines = [
         f"suggest: {res.model} on {res.devices} x {res.device.name} ({res.per_host} per host), batch {res.batch} x seq {res.seq}",
         (f"  {res.enumerated} candidates (data x pipeline x tensor, microbatches, schedule, ZeRO, recompute, "
-         "sequence parallelism); "
+         f"sequence parallelism{', context parallelism' if res.seq >= LONG_SEQ else ''}); "
          + (f"{res.analysed} analysed (a lower bound on step time or memory rules out the others), "
             if res.analysed < res.enumerated else "every one analysed, ")
          + f"{res.fitting} of them estimated to fit in {fmt_bytes(res.device.memory_bytes)} with "
