@@ -202,6 +202,10 @@ def explain_text(plan: PlanIR) -> str:
     where = (f"placements as DTensor's over ({stage_mesh}){', the mesh of one stage' if plan.roles.pipeline else ''}"
              if placed else "every tensor whole on its stage")
     lines += ["", f"layers (global shape -> local shape on one device; {where})"]
+    if plan.context_size > 1:
+        n = plan.context_size
+        lines.append(f"  (Shard(seq) over {' x '.join(plan.roles.context)} is balanced head-tail, not DTensor's contiguous "
+                     f"split: rank i holds chunks i and {2 * n - 1} - i of {2 * n}; attention all-gathers k and v over it)")
     for entry in layer_entries(plan):
         indent = "  "
         if entry["blocks"] is not None:

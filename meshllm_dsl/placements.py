@@ -198,5 +198,6 @@ def fsdp_axes(plan: PlanIR) -> tuple[str, ...]:
 
 def activation_layout(plan: PlanIR, layout: Layout) -> Layout:
     """A flow's layout (what tensor and sequence parallelism make of it) with the batch split over
-    the plan's batch axes: the whole picture of an activation on the mesh."""
-    return Layout.shard("batch", plan.roles.batch).then(layout)
+    the plan's batch axes and, under context parallelism, the sequence over the context axes
+    through the whole model: the whole picture of an activation on the mesh."""
+    return Layout.shard("batch", plan.roles.batch).then(Layout.shard("seq", plan.roles.context)).then(layout)

@@ -277,3 +277,13 @@ def test_suggest_searches_context_sizes_for_long_sequences() -> None:
     assert all(c.context == 1 for c in candidates(model, 8, 8, 8, 4096))
     # seq into 2 x cp chunks: 131,072 = 2^17 splits over every divisor of 8.
     assert {c.context for c in candidates(model, 8, 1, 8, 131072)} == {1, 2, 4, 8}
+
+
+def test_explain_shows_the_sequence_split_over_the_context_axis() -> None:
+    from meshllm_dsl.explain import explain_text
+
+    text = _spec("data = 2, cp = 2", "    layout { batch -> data, seq -> cp }")
+    (plan,) = check_text(text, "t.mesh").plans.values()
+    out = explain_text(plan)
+    assert "placements=(Shard(dim=0), Shard(dim=1))  # Shard(batch) over data, Shard(seq) over cp" in out
+    assert "rank i holds chunks i and 3 - i of 4" in out
