@@ -135,11 +135,12 @@ def _dp_grads_summed(p: _Patches, info: dict[str, Any]) -> None:
     real = Built._sync_grads
 
     def sync(self: Any) -> None:
-        dp, self.dp = self.dp, 1  # the real code then syncs tied weights only
+        dp, replicas = self.dp, self.replicas
+        self.dp = self.replicas = 1  # the real code then syncs tied weights only
         try:
             real(self)
         finally:
-            self.dp = dp
+            self.dp, self.replicas = dp, replicas
         if dp > 1:
             group = self.mesh.group(*self.batch_axes)
             for q in self.parameters():
