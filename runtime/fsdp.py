@@ -100,8 +100,12 @@ def shard_stage(
     reshard_after_forward: bool,
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
+    experts: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> None:
-    """``fully_shard`` every block of ``module`` and then ``module`` itself, in place."""
+    """``fully_shard`` every block of ``module`` and then ``module`` itself, in place.
+
+    ``experts``: local names of parameters split over the ZeRO axes (expert parallelism: no other
+    rank of them holds these experts), left out of FSDP2 as plain tensors, nothing to shard."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # Compute in param_dtype, reduce gradients in reduce_dtype; the parameters FSDP2 keeps (and
@@ -110,8 +114,17 @@ def shard_stage(
     blocks = getattr(module, "blocks", None)
     if isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
         for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
-            fully_shard(block, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
-    fully_shard(module, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=mp)
+            fully_shard(block, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+                        ignored_params=_named(module, block, experts))
+    fully_shard(module, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+                ignored_params=_named(module, module, experts))
+
+
+def _named(root: nn.Module, sub: nn.Module, names: set[str]) -> set[nn.Parameter] | None:
+    """The parameters of ``sub`` whose names in ``root`` are ``names``; None for none."""
+    ids = {id(q) for q in sub.parameters()}
+    found = {q for n, q in root.named_parameters() if n in names and id(q) in ids}
+    return found or None
 
 
 def is_sharded(t: Tensor | None) -> bool:

@@ -92,3 +92,4 @@ def experts_parallel(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: 
     # The product in the weights' dtype (float32 for Mixtral), then back, as experts_swiglu does.
     weighted = (ret * weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add(0, rows, weighted)
+

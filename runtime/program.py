@@ -274,6 +274,10 @@ class Built:
         (kept until backward) by FSDP2 over the data (and context) ranks; master weights, gradients
         and optimizer states are sharded either way."""
         dmesh = fsdp.data_mesh(self.mesh, self.grad_axes, self.device.type, self.zero_axes)
+        # Expert parallelism: the experts, split over the ZeRO axes (the checker sees to that), are
+        # held by no other rank of them; they stay plain tensors, reduced as without ZeRO.
+        experts = {spec.local for specs in self.specs.values() for spec in specs.values()
+                   if any(a in self.zero_axes for _, axes in spec.dims for a in axes)}
         for i in self.stage_ids:
             fsdp.shard_stage(
                 self.modules[i],
@@ -281,6 +285,7 @@ class Built:
                 reshard_after_forward=self.program.zero == 3,
                 param_dtype=self.program.param_dtype,
                 reduce_dtype=self.program.reduce_dtype,
+                experts=experts,
             )
 
     @property
@@ -366,6 +371,15 @@ class Built:
                 parameters_as_bucket_view=True,
                 **kw,
             )
+        # Expert parallelism under ZeRO 2 / 3: the experts stay plain tensors beside FSDP2's
+        # DTensors; fused and for-each kernels (the step's and zero_grad's) cannot take the two
+        # together, so each kind is its own group, stepped tensor by tensor.
+        kinds: dict[int | None, list[nn.Parameter]] = {}
+        for q in params:
+            kinds.setdefault(id(q.device_mesh) if fsdp.is_sharded(q) else None, []).append(q)  # type: ignore[attr-defined]
+        if len(kinds) > 1:
+            kw.update(fused=False, foreach=False)
+            return torch.optim.AdamW([{"params": group} for group in kinds.values()], **kw)
         return torch.optim.AdamW(params, **kw)
 
     def _pipeline(self, mb_shape: tuple[int, int], train: bool = True) -> Any:

@@ -240,12 +240,24 @@ def optimizer(ctx: PassContext) -> PassResult:
     w = _Worker.of(ctx)
     name, opt_settings, zero, zero_axes = w.optimizer(ctx["batch_axes"], ctx["context_axes"])
     entry = ctx["expert_entry"]
-    if zero and entry is not None:
-        # ZeroRedundancyOptimizer / FSDP2 over the batch axes would mix ranks holding other experts.
-        w.error(E0412, f"ZeRO {zero} with expert parallelism over {' x '.join(ctx['expert_axes'])} is not supported yet",
+    if zero == 1 and entry is not None:
+        # ZeroRedundancyOptimizer broadcasts each partition's update to every batch rank, which
+        # would overwrite the other ranks' experts; FSDP2 (zero 2 / 3) shards them apart.
+        w.error(E0412, f"ZeRO 1 with expert parallelism over {' x '.join(ctx['expert_axes'])} is not supported yet",
                 entry.span, label="the experts differ along these batch axes",
-                help="drop the `zero` stage (optimizer states are then replicated over the batch axes), or "
-                "drop `experts -> ...` and split the experts' ffn instead: `ffn -> AXIS`")
+                help="use `zero 2` or `zero 3` (FSDP2 shards the dense parameters; each rank's experts stay its "
+                "own), or no ZeRO")
+    elif zero >= 2 and entry is not None and not set(zero_axes) <= set(ctx["expert_axes"]):
+        # FSDP2 of the experts over the ZeRO ranks that replicate them (torchtitan's dp_shard_mod_ep)
+        # is not done yet: each rank's experts are left out of FSDP2 whole.
+        rest = [a for a in zero_axes if a not in ctx["expert_axes"]]
+        w.error(E0412, f"ZeRO {zero} over {' x '.join(rest)}, which replicates the experts, is not supported yet",
+                entry.span, label=f"the experts split over {' x '.join(ctx['expert_axes'])} only",
+                help=f"shard ZeRO over the expert axes only (`zero {zero} over {' * '.join(ctx['expert_axes'])}`: "
+                "HSDP, replicated over the rest), or split the experts over every ZeRO axis")
+    if entry is not None and any(isinstance(st, ast.PrecisionStmt) for st in ctx.decl.body):
+        w.error(E0412, "`precision` with expert parallelism is not supported yet", entry.span,
+                label="the experts would stay in the master dtype", help="drop `precision` (compute in `dtype`)")
     return w.result(optimizer=name, optimizer_settings=opt_settings, zero=zero, zero_axes=zero_axes)
 
 

@@ -31,6 +31,12 @@ PLANS = {  # mesh axes, layout, other lines
     "ep2_tensor2": ("data = 2, tensor = 2", _TP + ", batch -> data, experts -> data", ""),
     "pipeline2_ep2": ("pipeline = 2, data = 2", "batch -> data, experts -> data",
                       "    microbatches = 2\n    stages over pipeline balanced\n    schedule 1f1b\n"),
+    # ZeRO 3 (FSDP2) of the dense parameters over data; each rank's experts are its own, whole
+    "ep2_tensor2_zero3_recompute": ("data = 2, tensor = 2", _TP + ", batch -> data, experts -> data",
+                                    "    recompute = blocks\n    optimizer adamw { zero 3 }\n"),
+    # HSDP: ZeRO 2 over data, replicated over replica; the experts replicated over replica too
+    "replica2_ep2_zero2": ("replica = 2, data = 2", "batch -> replica * data, experts -> data",
+                           "    optimizer adamw { zero 2 over data }\n"),
 }
 
 
@@ -57,7 +63,8 @@ def compiled(model: str, plan: str, tmp_path: Path) -> tuple[str, int, str]:
 
 
 CASES = [("mixtral", "ep2"), ("qwen3_moe", "ep4"), ("qwen2_moe", "replica2_ep2"), ("mixtral", "ep2_tensor2"),
-         ("qwen2_moe", "ep2_tensor2"), ("mixtral", "pipeline2_ep2")]
+         ("qwen2_moe", "ep2_tensor2"), ("mixtral", "pipeline2_ep2"), ("qwen3_moe", "ep2_tensor2_zero3_recompute"),
+         ("mixtral", "replica2_ep2_zero2")]
 
 
 @pytest.mark.parametrize(("model", "plan"), CASES)
@@ -105,6 +112,9 @@ def test_the_plan_records_expert_parallelism_and_the_local_experts() -> None:
     ("batch -> data, experts -> tensor", "", "E0412"),  # tensor ranks hold the same tokens
     ("experts -> data", "", "E0412"),  # no data parallelism: the tokens are the same everywhere
     ("batch -> data, experts -> data", "    optimizer adamw { zero 1 }\n", "E0412"),  # not yet
+    # ZeRO over a batch axis that replicates the experts (FSDP2 of them: not yet)
+    ("batch -> data * tensor, experts -> data", "    optimizer adamw { zero 3 }\n", "E0412"),
+    ("batch -> data, experts -> data", "    precision { params = bf16, master = fp32 }\n", "E0412"),
     ("batch -> data, experts -> data, ffn -> data", "", "E0407"),  # one axis, two roles in one tensor
 ])
 def test_expert_parallelism_that_does_not_fit_is_refused(layout: str, rest: str, code: str) -> None:
