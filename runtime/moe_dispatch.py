@@ -12,8 +12,9 @@ torchtitan (``expert_parallel.py``), dropless:
    where it is weighted and added per token in expert order, as ``moe.experts_swiglu`` does.
 
 Every order is fixed by the routing alone, so results are bit-reproducible from run to run.
-The all-to-alls are ``torch.distributed.nn.functional.all_to_all_single``: autograd-aware, its
-backward is the reverse all-to-all, so the experts' weight gradients collect every rank's tokens
+The all-to-alls are functional collectives' ``all_to_all_single_autograd`` (torch 2.13 deprecates
+``torch.distributed.nn.functional.all_to_all_single``): autograd-aware, its backward is the reverse
+all-to-all, so the experts' weight gradients collect every rank's tokens
 and the tokens' gradients return to the ranks they came from.
 """
 
@@ -21,16 +22,16 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor
-from torch.distributed.nn.functional import all_to_all_single
 
 __all__ = ["experts_parallel"]
 
 
 def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:
-    out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+    out = funcol.all_to_all_single_autograd(x.contiguous(), out_splits, in_splits, group)
+    return funcol.wait_tensor(out)  # a plain tensor: the rows are indexed right after
 
 
 def _expert_major(counts: Tensor) -> Tensor:
