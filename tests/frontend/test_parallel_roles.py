@@ -32,6 +32,8 @@ EXAMPLE_ROLES = {
     ("tiny_llama_fsdp.mesh", "train"): R(**DATA_PIPE_TP, batch_shard=("data",)),
     ("tiny_mixtral.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",)),
     ("tiny_mixtral_experts.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",), expert=("data",)),
+    ("llama3_8b_128k.mesh", "long_context"): R(batch_shard=("cp",), context=("cp",)),
+    ("mixtral_8x7b.mesh", "train"): R(batch=("data",), batch_shard=("data",), tensor=("tensor",), loss=("tensor",)),
 }
 
 

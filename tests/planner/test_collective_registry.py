@@ -140,6 +140,12 @@ def test_every_op_a_plan_lowers_to_is_registered_and_reported() -> None:
             assert s.runtime in called or (s.fused is not None and s.fused.runtime in called), (where, op)
         # The readers that once raised KeyError: explain and the planner on two device kinds.
         explained = [c for e in explain.explain_json(plan)["layers"] for u in e["units"] for c in u["collectives"]]
+        # Expert parallelism's dispatch and combine is the moe unit's own (runtime/moe_dispatch.py), listed
+        # after the unit's registered collectives, once per moe unit of each block class.
+        dispatch = [c for c in explained if c.startswith("all_to_all(")]
+        moe_units = sum(u.kind == "moe" for u in plan.model.repeat.body) if plan.model.repeat else 0
+        assert len(dispatch) == (len(plan.block_classes) * moe_units if plan.roles.expert else 0), where
+        explained = [c for c in explained if not c.startswith("all_to_all(")]
         assert explained == [f"{c.op}({', '.join(c.axes)}) at {c.where}: {spec(c.op).forward} forward, "
                              f"{spec(c.op).backward} backward" for c in _explained_order(plan)], where
         explain.explain_text(plan)
