@@ -158,3 +158,27 @@ def test_the_planner_counts_local_experts_and_the_all_to_alls() -> None:
     assert rep_ep.step.expert_s == c.seconds > 0
     per = planner.expert_layer_comm(rep_ep)
     assert per is not None and per["payload_bytes"] == tokens * 2 * h * 4 and per["calls_per_step"] == 4
+
+
+def test_weights_read_per_rank_experts_and_export_gathers_them(pool: Any, tmp_path: Path) -> None:
+    """`--weights` under expert parallelism x tensor (runtime/hf_moe.local_stacked reads a rank's
+    experts only) gives transformers' logits and greedy tokens; `--export-hf` gathers every
+    expert back into the hub's per-expert tensors, which transformers loads unchanged."""
+    from hf_models import export_job, logits_job
+    from test_moe_hf import N_NEW, build_moe
+
+    directory = tmp_path / "hf"
+    hf = build_moe("mixtral", directory)
+    tokens = torch.randint(0, 64, (8, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = hf(tokens).logits
+        want_tokens = hf.generate(tokens[:1], max_new_tokens=N_NEW, do_sample=False, min_new_tokens=N_NEW)
+    path, n, _ = compiled("mixtral", "ep2_tensor2", tmp_path)
+    logits, generated = pool.run(logits_job, n, path, str(directory), tokens, N_NEW)[0]
+    assert (logits - want).abs().max().item() <= 1e-4
+    assert generated.tolist() == want_tokens.tolist()
+    out = tmp_path / "export"
+    pool.run(export_job, n, path, str(directory), str(out), 5 * 10**9)
+    back = type(hf).from_pretrained(out).eval()
+    with torch.no_grad():
+        assert (back(tokens).logits - want).abs().max().item() == 0.0
