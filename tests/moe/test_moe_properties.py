@@ -54,7 +54,7 @@ class MoePlan:
             return set()
         if self.experts % self.data:
             return {"E0301"}
-        return {"E0411"} if self.zero == 1 else set()
+        return {"E0412"} if self.zero == 1 else set()
 
     def text(self) -> str:
         axes = [(n, s) for n, s in (("pipeline", self.pipeline), ("data", self.data), ("tensor", self.tensor)) if s > 1]
