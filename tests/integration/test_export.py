@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from hf_models import VOCAB, build_hf, spec  # noqa: E402
+from processes import run_module  # noqa: E402
 
 from meshllm_dsl.checker import check_declarations  # noqa: E402
 from meshllm_dsl.cli import main  # noqa: E402
@@ -296,8 +295,8 @@ def test_meshc_run_prints_the_losses_of_the_exported_plan(
     exported = tmp_path / "plan.py"
     assert main(["export", str(src), "--to", "dtensor", "-o", str(exported)]) == 0
     _, losses = pool.run(dtensor_job, 2, str(exported), str(directory), _tokens(), None)[0]
-    proc = subprocess.run([sys.executable, "-m", "meshllm_dsl", "run", str(src), "--weights", str(directory),
-                           "--steps", str(STEPS)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = run_module("meshllm_dsl", "run", str(src), "--weights", str(directory), "--steps", str(STEPS),
+                      timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = [float(x) for x in re.findall(r"step \d+/\d+  loss (\d+\.\d+)", proc.stderr)]
     assert len(printed) == STEPS, proc.stderr[-2000:]

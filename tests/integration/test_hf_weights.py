@@ -30,6 +30,7 @@ from hf_models import (  # noqa: E402
     spec,
     word_tokenizer,
 )
+from processes import run_module  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
@@ -355,17 +356,14 @@ def test_import_hf_without_a_config_is_a_clear_error(tmp_path: Path) -> None:
 
 def test_meshc_run_weights_prompt_ids_and_export_end_to_end(models: dict[str, Any], tmp_path: Path) -> None:
     """The user's path: import-hf, then `meshc run --weights --infer --prompt-ids --export-hf`."""
-    import subprocess
-    import sys
 
     directory, hf = models["llama3_tied"]
     spec_path = tmp_path / "m.mesh"
     assert _import(directory, spec_path, "--devices", "2", "--batch", "2", "--seq", "8")[0] == 0
     out = tmp_path / "out"
-    proc = subprocess.run(
-        [sys.executable, "-m", "meshllm_dsl", "run", str(spec_path), "--weights", str(directory), "--infer",
-         "--prompt-ids", "1,2,3", "--tokens", "5", "--export-hf", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    proc = run_module(
+        "meshllm_dsl", "run", str(spec_path), "--weights", str(directory), "--infer",
+        "--prompt-ids", "1,2,3", "--tokens", "5", "--export-hf", str(out), timeout=300, cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with torch.no_grad():
@@ -432,11 +430,7 @@ def _tokenizer(directory: Path) -> Any:
 
 
 def _run(*args: str, cwd: Path) -> Any:
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, "-m", "meshllm_dsl", "run", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return run_module("meshllm_dsl", "run", *args, timeout=300, cwd=cwd)
 
 
 def test_tokenizer_prompt_text_in_and_out(models: dict[str, Any], tmp_path: Path) -> None:

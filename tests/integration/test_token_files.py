@@ -7,8 +7,6 @@ vocabulary than the model's is refused before any step.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ import pytest
 pytest.importorskip("tokenizers")
 
 from hf_models import word_tokenizer  # noqa: E402
+from processes import run_module  # noqa: E402
 
 from meshllm_dsl.cli import main  # noqa: E402
 from meshllm_dsl.runtime import launch  # noqa: E402
@@ -117,7 +116,6 @@ def test_meshc_run_trains_on_a_token_file(tmp_path: Path) -> None:
     assert _meshc("tokenize", str(tmp_path / "corpus.txt"), "--tokenizer", str(tmp_path / "tok"), "-o", str(out))[0] == 0
     spec = tmp_path / "one.mesh"
     spec.write_text(SPEC)
-    proc = subprocess.run([sys.executable, "-m", "meshllm_dsl", "run", str(spec), "--data", str(out), "--steps", "3"],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = run_module("meshllm_dsl", "run", str(spec), "--data", str(out), "--steps", "3", timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 3/3" in proc.stderr and "done: loss" in proc.stderr

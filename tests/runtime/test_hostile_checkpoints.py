@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from processes import run_module
 from rt_models import VOCAB, llama_model, split_stages, vocab_loss
 
 import meshllm_dsl.runtime as rt
@@ -207,8 +207,7 @@ def test_keep_prunes_only_the_saving_runs_lineage_and_a_resumed_run_inherits_it(
 
 
 def _meshc_run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "meshllm_dsl", "run", *args], capture_output=True, text=True,
-                          timeout=300, cwd=cwd)
+    return run_module("meshllm_dsl", "run", *args, timeout=300, cwd=cwd)
 
 
 SPEC = """mesh m { axes tensor = 2 }

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from processes import StderrReader
+from processes import StderrReader, run_module
 from rt_models import llama_model, split_stages, vocab_loss
 
 import meshllm_dsl.runtime as rt
@@ -114,14 +114,8 @@ def _torchrun(
     # As `meshc run --max-restarts` does (pytorch#135712: restarted workers otherwise read their
     # peers' addresses from the previous attempt in the shared rendezvous store).
     share = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if restarts else {}
-    return subprocess.run(
-        _command(tmp_path, *args, fail=fail, restarts=restarts),
-        env=_env(TEST_FAULT=fault, **share),
-        capture_output=True,
-        text=True,
-        timeout=180,
-        check=False,
-    )
+    _python, _m, module, *rest = _command(tmp_path, *args, fail=fail, restarts=restarts)
+    return run_module(module, *rest, env=_env(TEST_FAULT=fault, **share), timeout=180)
 
 
 def _infer_job(ctx: RankContext, ckpt: str) -> tuple[list[int], list[int]]:
@@ -173,13 +167,16 @@ def test_train_and_save_then_decode_from_the_checkpoint(
 
 
 def test_a_failing_rank_stops_the_job_promptly_and_names_the_cause(tmp_path: Path) -> None:
+    timeout = 600
     start = time.monotonic()
-    proc = _torchrun(tmp_path, "--steps", "5", "--timeout", "600", fail=True)
+    proc = _torchrun(tmp_path, "--steps", "5", "--timeout", str(timeout), fail=True)
     assert proc.returncode != 0
     assert "rank 1 failed: RuntimeError: injected failure in the loss" in proc.stderr
     # Rank 0 usually also says "rank 0 stopped: a peer rank exited", but torchrun may SIGTERM it
     # before it prints (seen once in a full-suite run), so only the cause is required.
-    assert time.monotonic() - start < 60
+    # Promptly: long before the collective timeout (10-20 s idle; 91 s once at load 75 beside
+    # another test worker, so no tighter bound than this).
+    assert time.monotonic() - start < timeout / 4
 
 
 def _shards(step_dir: Path) -> dict[str, bytes]:
