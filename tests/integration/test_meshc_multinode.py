@@ -7,15 +7,14 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
+import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
-
-from processes import run_module  # noqa: E402
 
 from meshllm_dsl import cli, cli_job  # noqa: E402
 
@@ -56,20 +55,24 @@ def _port() -> int:
 
 
 def _meshc(*args: str) -> list[str]:
-    return ["run", *args]
+    return [sys.executable, "-m", "meshllm_dsl", "run", *args]
 
 
 def _nodes(commands: list[list[str]], budget: float) -> list[tuple[int, str, float]]:
-    """Start each `meshc` command as a node, all at once; (exit code, stderr, seconds) of each."""
+    """Start each command as a node; (exit code, stderr, seconds) of each."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     start = time.monotonic()
-
-    def node(command: list[str]) -> tuple[int, str, float]:
-        proc = run_module("meshllm_dsl", *command, env=env, timeout=budget)
-        return proc.returncode, proc.stderr, time.monotonic() - start
-
-    with ThreadPoolExecutor(len(commands)) as nodes:
-        return list(nodes.map(node, commands))
+    procs = [subprocess.Popen(c, env=env, stderr=subprocess.PIPE, text=True) for c in commands]
+    out = []
+    for p in procs:
+        try:
+            _, err = p.communicate(timeout=budget)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, err, time.monotonic() - start))
+    return out
 
 
 def _errors(err: str) -> list[str]:
