@@ -14,17 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from mesh_snippets import MEGATRON
 
 from meshllm_dsl.checker import check_text
 
-MEGATRON = """
-    shard blocks.*.attn.{q,k,v} column(tensor)
-    shard blocks.*.attn.o row(tensor)
-    shard blocks.*.mlp.{gate,up} column(tensor)
-    shard blocks.*.mlp.down row(tensor)
-    shard embed vocab_parallel(tensor)
-    shard lm_head column(tensor)
-"""
 LLAMA = "model m = llama { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64, dtype = fp32 }"
 # GPT-2: learned positions (each rank adds the rows of its tokens' global positions), a tied head.
 GPT2 = "model m = gpt2 { vocab = 64, hidden = 32, layers = 2, heads = 4, positions = 16 }"
