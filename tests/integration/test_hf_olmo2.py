@@ -126,7 +126,7 @@ def test_a_llama_spec_refuses_an_olmo2_checkpoint_naming_model_type(
 @pytest.mark.parametrize(("field", "value", "named"), [
     ("hidden_act", "gelu", "`hidden_act` = 'gelu'"),
     ("attn_logit_softcapping", 30.0, "`attn_logit_softcapping` = 30.0"),
-    ("rope_parameters", {"rope_type": "longrope", "rope_theta": 10000.0}, "'longrope' is not supported"),
+    ("rope_parameters", {"rope_type": "mrope", "rope_theta": 10000.0}, "'mrope' is not supported"),
 ])
 def test_import_hf_refuses_what_the_olmo2_family_cannot_honour(field: str, value: Any, named: str) -> None:
     cfg = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "vocab_size": 64, "hidden_size": 32,
