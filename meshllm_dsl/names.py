@@ -10,7 +10,8 @@ from collections.abc import Iterable
 from meshllm_dsl.limits import MAX_NAME
 
 # Public attributes of torch.nn.Module (`dir(nn.Module)` in torch 2.13; tests/frontend compare the
-# list with the installed torch) plus `training`: a layer with one of these names would shadow them.
+# list with the installed torch) plus `training`, and `smart_apply`, which transformers adds to
+# nn.Module once one of its models initialises weights: a layer with one of these names would shadow them.
 _NN_MODULE_ATTRS = frozenset(
     """add_module apply bfloat16 buffers call_super_init children compile cpu cuda double dump_patches
     eval extra_repr float forward get_buffer get_extra_state get_parameter get_submodule half ipu
@@ -19,7 +20,7 @@ _NN_MODULE_ATTRS = frozenset(
     register_full_backward_hook register_full_backward_pre_hook register_load_state_dict_post_hook
     register_load_state_dict_pre_hook register_module register_parameter register_state_dict_post_hook
     register_state_dict_pre_hook requires_grad_ set_extra_state set_submodule share_memory state_dict to
-    to_empty train type xpu zero_grad training T_destination""".split()
+    to_empty train type xpu zero_grad training T_destination smart_apply""".split()
 )
 # Names the generated modules bind themselves: module-level imports and constants, the `params`
 # static method of every generated class, and process-group attributes, which are `g_AXES`.
