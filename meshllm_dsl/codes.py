@@ -126,10 +126,11 @@ CODES: dict[str, tuple[str, str]] = {
               "no weight is context parallelism: every rank of AXIS holds two of the 2 x |AXIS| equal chunks of "
               "each sequence (chunks i and 2 |AXIS| - 1 - i, so the causal work is balanced) through the whole "
               "model, and attention all-gathers keys and values over AXIS. AXIS must be an axis of its own (not "
-              "the pipeline or a batch axis), `seq` must divide by 2 x |AXIS| (E0301), and the axes of one "
-              "`seq` entry either all split weights (Megatron sequence parallelism, E0410) or none does. What "
-              "does not compose with it yet (mixture-of-experts layers, sequence parallelism in the same plan, "
-              "a tensor-parallel export) is refused here rather than run wrong."),
+              "the pipeline or a batch axis) and `seq` must divide by 2 x |AXIS| (E0301). One `seq` entry may "
+              "name both kinds of axes (`seq -> tensor * cp`): sequence parallelism over the ones that split "
+              "weights (E0410) inside context parallelism over the rest, with `seq` dividing into the chunks "
+              "and each chunk pair over the tensor axes. What does not compose with it yet "
+              "(mixture-of-experts layers, a tensor-parallel export) is refused here rather than run wrong."),
     "E0412": ("expert parallelism does not fit the plan", "`layout { experts -> D }` splits every moe layer's "
               "experts over the mesh axes D, as DeepSpeed-MoE, Megatron-Core and torchtitan do: each rank holds "
               "experts / |D| of them and tokens travel to their experts' ranks and back by all-to-all. The "

@@ -3,6 +3,8 @@ E0301 for seq), context parallelism (E0411, E0301 for seq)."""
 
 from __future__ import annotations
 
+import math
+
 from meshllm_dsl import ast, primitives
 from meshllm_dsl.checker.context import (
     PlanContext,
@@ -82,7 +84,8 @@ class MemoryRules(PlanContext):
                            secondary=(Label(item.span, "a linear between the blocks and the head"),) if item.span else (),
                            help=f"remove `seq -> {' * '.join(axes)}`")
         n = self.mesh.size(*axes)
-        if "seq" not in self.bad_settings and seq % n:
+        # (Inside context parallelism seq must split into 2 |C| chunks as well: context_parallel checks both.)
+        if "seq" not in self.bad_settings and not self.context_axes and seq % n:
             span = seq_setting.value.span if seq_setting is not None else entry.span
             ok = [k * n for k in range(max(1, seq // n), max(1, seq // n) + 3)]
             self.error(E0301, f"`seq` ({seq}) is not divisible by {text} ({n})", span,
@@ -117,13 +120,24 @@ class MemoryRules(PlanContext):
                        entry.span, label=f"context parallelism over {text}",
                        secondary=(Label(moe[0].span, "a mixture-of-experts layer"),) if moe[0].span else (),
                        help=f"remove `seq -> {' * '.join(axes)}`: the experts' routing over a split sequence is not proven yet")
-        n = 2 * self.mesh.size(*axes)
+        c = self.mesh.size(*axes)
+        # Under sequence parallelism over T as well, each rank's s / C tokens split over T.
+        t = self.mesh.size(*self.seq_axes) if self.seq_axes else 1
+        n = math.lcm(2 * c, c * t)
         if "seq" not in self.bad_settings and seq % n:
             span = seq_setting.value.span if seq_setting is not None else entry.span
             ok = [k * n for k in range(max(1, seq // n), max(1, seq // n) + 3)]
-            self.error(E0301, f"`seq` ({seq}) is not divisible by 2 x {text} (2 x {n // 2} = {n})", span,
-                       label=f"{seq} tokens do not split into {n} equal chunks",
-                       secondary=(Label(entry.span, f"context parallelism over {text}"),)
-                       + tuple(lab for a in axes for lab in self.axis_label(a)),
-                       help=f"each of the {n // 2} ranks of {text} holds chunks i and {n - 1} - i of {n} equal ones "
-                            f"(the causal work balanced): use seq = {or_list(ok)}")
+            chunks = (f"each of the {c} ranks of {text} holds chunks i and {2 * c - 1} - i of {2 * c} equal ones "
+                      "(the causal work balanced)")
+            if t == 1:
+                message, label = f"`seq` ({seq}) is not divisible by 2 x {text} (2 x {c} = {n})", f"{n} equal chunks"
+            else:
+                sp = " x ".join(self.seq_axes)
+                message = f"`seq` ({seq}) is not divisible by {n} (2 x {text} chunks, each rank's s / {c} split over {sp} ({t}))"
+                label = f"{n} equal parts"
+                chunks += f" and sequence parallelism splits its s / {c} tokens over the {t} ranks of {sp}"
+            what = f"context parallelism over {text}" + (f", sequence parallelism over {' x '.join(self.seq_axes)}" if t > 1 else "")
+            self.error(E0301, message, span, label=f"{seq} tokens do not split into {label}",
+                       secondary=(Label(entry.span, what),)
+                       + tuple(lab for a in (*axes, *self.seq_axes) for lab in self.axis_label(a)),
+                       help=f"{chunks}: use seq = {or_list(ok)}")

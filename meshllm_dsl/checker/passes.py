@@ -224,14 +224,14 @@ def batch(ctx: PassContext) -> PassResult:
 
 def sequence_parallel(ctx: PassContext) -> PassResult:
     w = _Worker.of(ctx)
-    w.seq_axes, w.seq_entry = ctx["seq_axes"], ctx["seq_entry"]
+    w.seq_axes, w.seq_entry, w.context_axes = ctx["seq_axes"], ctx["seq_entry"], ctx["context_axes"]
     w.sequence_parallel(ctx["seq"], ctx["settings"].get("seq"))
     return w.result()
 
 
 def context_parallel(ctx: PassContext) -> PassResult:
     w = _Worker.of(ctx)
-    w.seq_entry, w.context_axes = ctx["seq_entry"], ctx["context_axes"]
+    w.seq_entry, w.context_axes, w.seq_axes = ctx["seq_entry"], ctx["context_axes"], ctx["seq_axes"]
     w.context_parallel(ctx["seq"], ctx["settings"].get("seq"), ctx["pipeline_axis"], ctx["batch_axes"])
     return w.result()
 

@@ -27,7 +27,6 @@ from meshllm_dsl.codes import (
     E0405,
     E0406,
     E0408,
-    E0411,
     E0412,
     E0501,
     E0502,
@@ -83,25 +82,18 @@ class PlacementRules(PlanContext):
         return batch_axes, out
 
     def _context_or_sequence(self) -> None:
-        """`seq -> AXES`: Megatron sequence parallelism when the axes split weights (they are tensor
-        axes), context parallelism when none does; a mix of the two is refused (E0411)."""
+        """`seq -> AXES`: Megatron sequence parallelism over the axes that split weights (tensor
+        axes), context parallelism over those that split none. `seq -> tensor * cp` is both at once
+        (Megatron's --context-parallel-size with --sequence-parallel): the sequence is split over cp
+        through the whole model and, in the norm / residual regions, further over tensor."""
         e = self.seq_entry
         if e is None:
             return
         weight_axes = {a.value for stmt in self.decl.body if isinstance(stmt, ast.ShardStmt) for a in stmt.rule.axes}
         weight_axes |= {a.value for stmt in self.decl.body if isinstance(stmt, ast.LayoutStmt)
                         for x in stmt.entries if x.dim.value not in ("batch", "seq") for a in x.axes}
-        split = [a for a in self.seq_axes if a in weight_axes]
-        if not split:
-            self.context_axes, self.seq_axes = self.seq_axes, ()
-        elif len(split) < len(self.seq_axes):
-            free = [a for a in self.seq_axes if a not in weight_axes]
-            self.error(E0411, f"`seq -> {' * '.join(a.value for a in e.axes)}` mixes tensor axes ({', '.join(split)}) with "
-                       f"axes that split no weight ({', '.join(free)})", e.span,
-                       label="sequence parallelism and context parallelism in one entry",
-                       help=f"write `seq -> {' * '.join(free)}` for context parallelism; sequence parallelism over "
-                            f"{' x '.join(split)} in the same plan is not supported yet")
-            self.seq_axes = ()
+        self.context_axes = tuple(a for a in self.seq_axes if a not in weight_axes)
+        self.seq_axes = tuple(a for a in self.seq_axes if a in weight_axes)
 
     def stacked_experts(self) -> list[Leaf]:
         """The model's stacked experts weights ([out, experts, in]): what `experts -> D` splits."""

@@ -259,17 +259,23 @@ def _seq_entry(a: Analysis, name: str) -> str:
     plan = a.sem_result.plans.get(name)
     if plan is None:
         return "`seq -> AXES`: sequence parallelism over tensor axes, context parallelism over axes that split no weight"
+    n = plan.context_size
+    sp = ""
     if plan.roles.sequence:
-        axes = " x ".join(plan.roles.sequence)
-        return (f"**sequence parallelism** over {axes} ({plan.sequence_size}): norms and the residual stream hold "
-                f"[b, s / {plan.sequence_size}, hidden] between the tensor-parallel sublayers")
+        axes, t = " x ".join(plan.roles.sequence), plan.sequence_size
+        s = f"s / {n * t}" if n > 1 else f"s / {t}"
+        sp = (f"**sequence parallelism** over {axes} ({t}): norms and the residual stream hold "
+              f"[b, {s}, hidden] between the tensor-parallel sublayers")
+        if n == 1:
+            return sp
     from meshllm_dsl.planner import fmt_bytes, kv_gather_bytes_per_layer
 
-    n, axes = plan.context_size, " x ".join(plan.roles.context)
-    return (f"**context parallelism** over {axes} ({n}): each rank holds chunks i and {2 * n - 1} - i of {2 * n} of "
-            f"every sequence ({plan.seq // n:,} of {plan.seq:,} tokens) through the whole model\n\n"
-            f"attention all-gathers K / V over {axes}: {fmt_bytes(kv_gather_bytes_per_layer(plan))} per layer and "
-            "microbatch; gradients are averaged over the batch and context axes")
+    axes = " x ".join(plan.roles.context)
+    cp = (f"**context parallelism** over {axes} ({n}): each rank holds chunks i and {2 * n - 1} - i of {2 * n} of "
+          f"every sequence ({plan.seq // n:,} of {plan.seq:,} tokens) through the whole model\n\n"
+          f"attention all-gathers K / V over {axes}: {fmt_bytes(kv_gather_bytes_per_layer(plan))} per layer and "
+          "microbatch; gradients are averaged over the batch and context axes")
+    return cp + (f"\n\n{sp}, its slice of this rank's chunks" if sp else "")
 
 
 def _plan(a: Analysis, name: str) -> str:

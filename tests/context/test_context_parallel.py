@@ -45,6 +45,10 @@ def test_seq_over_an_axis_splitting_no_weight_is_context_parallelism() -> None:
     # Over the tensor axis it stays Megatron sequence parallelism.
     sp = check_text(_spec("tensor = 2", MEGATRON + "    layout { seq -> tensor }"), "t.mesh").plans["p"].roles
     assert sp.sequence == ("tensor",) and sp.context == ()
+    # Over both, Megatron's --context-parallel-size with --sequence-parallel: each its own part.
+    both = check_text(_spec("tensor = 2, cp = 2", MEGATRON + "    layout { seq -> tensor * cp }"), "t.mesh")
+    assert both.ok, [d.message for d in both.diagnostics]
+    assert both.plans["p"].roles.sequence == ("tensor",) and both.plans["p"].roles.context == ("cp",)
 
 
 @pytest.mark.parametrize(("axes", "body", "code"), [
@@ -52,7 +56,10 @@ def test_seq_over_an_axis_splitting_no_weight_is_context_parallelism() -> None:
     ("cp = 4", "    layout { seq -> cp }", "E0301"),
     ("data = 2", "    layout { batch -> data, seq -> data }", "E0411"),
     ("pipeline = 2, cp = 2", "    layout { seq -> pipeline }\n    microbatches = 2\n    stages over pipeline balanced", "E0411"),
-    ("tensor = 2, cp = 2", MEGATRON + "    layout { seq -> tensor * cp }", "E0411"),
+    # Sequence inside context parallelism: 12 = 2 x 6 tokens per cp rank, 3 per tensor rank.
+    ("tensor = 2, cp = 2", MEGATRON + "    layout { seq -> tensor * cp }", None),
+    # (12 tokens in 2 x cp chunks whose s / cp do not split over tensor 4: the E0301 golden in examples/errors.)
+    ("tensor = 2, data = 2", MEGATRON + "    layout { batch -> data, seq -> tensor * data }", "E0411"),
     # ZeRO over an axis that holds no replica (tensor) is still refused; over data x cp it is not.
     ("data = 2, cp = 2, tensor = 2", MEGATRON + "    layout { batch -> data, seq -> cp }\n"
      "    optimizer adamw { zero 1 over data * tensor }", "E0407"),
@@ -93,6 +100,11 @@ CASES: dict[str, str] = {
     "data2_cp2_zero1_clip": _spec("data = 2, cp = 2", "    layout { batch -> data, seq -> cp }\n"
                                   "    optimizer adamw { zero 1 over data * cp, clip = 0.01 }"),
     "tensor2_cp2": _spec("tensor = 2, cp = 2", MEGATRON + "    layout { seq -> cp }"),
+    # Megatron sequence parallelism inside context parallelism: the residual stream is
+    # [b, s / (cp x tensor), hidden]; one kv head per tensor rank serves two query heads; FSDP2
+    # over cp shards what tensor parallelism left whole.
+    "tensor2_cp2_zero3_sp": _spec("tensor = 2, cp = 2", MEGATRON + "    layout { seq -> tensor * cp }\n"
+                                  "    optimizer adamw { zero 3 over cp }"),
     # Between stages the residual stream is [mb, s / cp, hidden]; every stage reads global positions.
     "pipeline2_cp2_1f1b": _spec("pipeline = 2, cp = 2", "    layout { seq -> cp }\n    microbatches = 2\n"
                                 "    stages over pipeline balanced\n    schedule 1f1b"),
@@ -117,7 +129,7 @@ def _module(name: str, tmp_path: Path) -> tuple[str, int]:
     result = check_text(CASES[name], f"{name}.mesh")
     assert result.ok, [d.message for d in result.diagnostics]
     (plan,) = result.plans.values()
-    assert plan.roles.context and not plan.roles.sequence
+    assert plan.roles.context and bool(plan.roles.sequence) == name.endswith("_sp")
     path = tmp_path / f"{name}.py"
     path.write_text(render_plan(plan, f"{name}.mesh", CASES[name]))
     return str(path), plan.mesh.devices
@@ -171,7 +183,7 @@ def _generate_job(ctx: Any, path: str, prompt_len: int) -> list[list[int]]:
     return out.tolist()
 
 
-@pytest.mark.parametrize(("name", "prompt_len"), [("tensor2_cp2", 8), ("pipeline2_cp2_1f1b", 8), ("cp2", 5)])
+@pytest.mark.parametrize(("name", "prompt_len"), [("tensor2_cp2_zero3_sp", 8), ("pipeline2_cp2_1f1b", 8), ("cp2", 5)])
 def test_context_parallel_plan_decodes_like_the_reference(name: str, prompt_len: int, pool: Any, tmp_path: Path) -> None:
     """A prompt of 8 is prefilled split over cp (chunks of 2); one of 5 does not split and is
     prefilled whole on every rank. Either way the next tokens decode against whole caches."""
@@ -236,6 +248,25 @@ def test_planner_divides_activations_by_the_context_size_and_counts_the_kv_gathe
     assert {c.op: c.calls for c in again.ranks[0].comms if c.kind == "context"} == {"all_gather": 8, "reduce_scatter": 4}
 
 
+def test_planner_splits_the_sequence_parallel_regions_over_context_and_tensor() -> None:
+    """Inside context parallelism, sequence parallelism saves half what it saves alone (each cp
+    rank's s / 2 tokens split over tensor), and its gathers over tensor move half the bytes."""
+    sp_alone = MEGATRON + "    layout { seq -> tensor }"
+    tp = _report("tensor = 2", MEGATRON).ranks[0]
+    sp = _report("tensor = 2", sp_alone).ranks[0]
+    cp = _report("tensor = 2, cp = 2", MEGATRON + "    layout { seq -> cp }").ranks[0]
+    both = _report("tensor = 2, cp = 2", MEGATRON + "    layout { seq -> tensor * cp }").ranks[0]
+    saved = tp.activation_bytes_per_microbatch - sp.activation_bytes_per_microbatch
+    assert saved > 0 and cp.activation_bytes_per_microbatch - both.activation_bytes_per_microbatch == saved // 2
+
+    def payload(r: Any, kind: str, op: str) -> int:
+        return sum(c.payload_bytes for c in r.comms if c.kind == kind and c.op == op)
+
+    assert payload(both, "tensor", "all_gather") == payload(sp, "tensor", "all_gather") // 2 > 0
+    assert payload(both, "tensor", "reduce_scatter") == payload(sp, "tensor", "reduce_scatter") // 2 > 0
+    assert payload(both, "context", "all_gather") == payload(cp, "context", "all_gather") > 0
+
+
 # -- the language server
 
 
@@ -253,6 +284,10 @@ def test_hover_on_the_seq_entry_says_which_parallelism_it_is() -> None:
     tiny = _spec("tensor = 2", MEGATRON + "    layout { seq -> tensor }")
     sp = hover(Analysis("t.mesh", tiny), tiny.index("seq -> tensor") + 1)
     assert sp is not None and "**sequence parallelism** over tensor (2)" in sp[0]
+    tiny = _spec("tensor = 2, cp = 2", MEGATRON + "    layout { seq -> tensor * cp }")
+    both = hover(Analysis("t.mesh", tiny), tiny.index("seq -> tensor") + 1)
+    assert both is not None and "**context parallelism** over cp (2)" in both[0]
+    assert "**sequence parallelism** over tensor (2): norms and the residual stream hold [b, s / 4, hidden]" in both[0]
 
 
 def test_suggest_searches_context_sizes_for_long_sequences() -> None:

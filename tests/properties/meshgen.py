@@ -414,34 +414,39 @@ class _Oracle:
         return {a for r in s.rules for a in r.axes} | {a for d, axes in s.layout.items() if d != "seq" for a in axes}
 
     def seq_role(self) -> str | None:
-        """What `seq -> A` is: "sequence" (A splits weights), "context" (A splits none), "mixed", None."""
+        """What `seq -> A` is: "sequence" (A splits weights), "context" (A splits none), "both" (some
+        of A split weights: sequence parallelism over those inside context parallelism over the rest), None."""
         axes = self.s.layout.get("seq")
         if axes is None or len(set(axes)) != len(axes):
             return None
         split = [a for a in axes if a in self.weight_axes()]
-        return "context" if not split else "sequence" if len(split) == len(axes) else "mixed"
+        return "context" if not split else "sequence" if len(split) == len(axes) else "both"
 
     def sequence_parallel(self, legal: bool) -> None:
         """`seq -> A` (Megatron SP): every attention / mlp of every block column -> row over exactly A
         (E0410, where its layouts are otherwise fine), and seq divisible by A's size (E0301). Over
         axes that split no weight it is context parallelism: A no batch or pipeline axis (E0411),
-        seq divisible by 2 |A| (E0301); a mix of the two kinds of axes is refused (E0411)."""
+        seq divisible by 2 |A| (E0301). Both at once (T splitting weights, C not): each of C's checks
+        on C, T's column -> row on T, and seq divisible by lcm(2 |C|, |C| |T|) (one E0301)."""
         s = self.s
         axes = s.layout.get("seq")
         role = self.seq_role()
         if axes is None or role is None:
             return
-        if role == "mixed":
-            self.bad("E0411", f"seq over {axes} mixes tensor axes with others")
-            return
-        if role == "context":
+        weights = self.weight_axes()
+        free = [a for a in axes if a not in weights]
+        axes = [a for a in axes if a in weights]
+        if free:
             pipe = s.stages["axis"] if s.stages else None
-            if set(axes) & {*s.batch_axes, pipe}:
-                self.bad("E0411", f"context parallelism over {axes}, an axis with another role")
-            elif all(a in self.axis_names for a in axes) and s.seq % (2 * s.size(*axes)):
-                self.bad("E0301", f"seq {s.seq} into 2 x {axes} chunks")
-            return
-        if s.seq % s.size(*axes):
+            if set(free) & {*s.batch_axes, pipe}:
+                self.bad("E0411", f"context parallelism over {free}, an axis with another role")
+            elif all(a in self.axis_names for a in free + axes):
+                c = s.size(*free)
+                if s.seq % math.lcm(2 * c, c * s.size(*axes)):
+                    self.bad("E0301", f"seq {s.seq} into 2 x {free} chunks, each split over {axes}")
+            if not axes:
+                return
+        elif s.seq % s.size(*axes):
             self.bad("E0301", f"seq {s.seq} over {axes}")
         for b in range(self.L):
             for unit in ("attn", "mlp"):
