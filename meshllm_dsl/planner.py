@@ -1133,9 +1133,11 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             n_loss = plan.mesh.size(*plan.roles.loss)
             comms.append(_comm(plan, device, plan.roles.loss, "loss", "all_gather", m, n_loss * 2 * FP32 * tokens_mb))
         if plan.roles.pipeline and p_size > 1:
+            from meshllm_dsl import planner_moe
+
             sends = sum((s.index < len(plan.stages) - 1) + (s.index > 0) for s in stages_at[c])
             comms.append(_comm(plan, device, (plan.roles.pipeline,), "pipeline", "send_recv", sends * m,
-                               act_size // seq_size(plan), group=2))
+                               act_size // seq_size(plan) + planner_moe.router_statistics_bytes(plan), group=2))
             tied = _tied_sync_numel(plan, stages_at[c])
             if tied:
                 comms.append(_comm(plan, device, (plan.roles.pipeline,), "tied", "all_reduce", 1, w * tied, group=2))

@@ -22,6 +22,9 @@ rank, as transformers computes them per forward and DDP / gradient accumulation 
 - the router z-loss of ST-MoE (Zoph et al. 2022, eq. 5): per layer the mean over tokens of
   logsumexp(logits)^2, summed over the layers (as ST-MoE and Megatron add one per router), times
   ``z_loss_coef``.
+Both are made of sums over layers (``RouterLosses.statistics``), so with pipeline stages each stage
+adds its layers' sums to the previous stage's and sends them on beside its activations; the last
+stage's ``RouterLosses.loss`` then equals the whole forward's (runtime/program.py).
 """
 
 from __future__ import annotations
@@ -202,8 +205,46 @@ class RouterLosses:
         return cls(int(first["experts"]), int(first["top_k"]), float(first.get("aux_loss_coef") or 0.0),
                    float(first.get("z_loss_coef") or 0.0))
 
+    @property
+    def width(self) -> int:
+        """Elements of ``statistics``: [pairs per expert | probability sums | rows | z-loss sum]."""
+        return 2 * self.experts + 2
+
+    def statistics(self, logits: Sequence[Tensor], carried: Tensor | None, dtype: torch.dtype,
+                   device: torch.device) -> Tensor:
+        """[2 E + 2] the sums both router losses are made of, over the layers of ``logits`` added to
+        ``carried`` (those of earlier layers of the same forward, from an earlier pipeline stage):
+        top-k pairs per expert (no gradient, as transformers' f), router probability summed over the
+        rows per expert (with gradient: P), rows, and the layers' z-loss terms (with gradient).
+        Additive over layers, so a pipeline stage sends them on with its activations and the last
+        stage's ``loss`` equals the loss of the whole forward (``dtype``: the accumulation dtype)."""
+        e = self.experts
+        if carried is None:
+            carried = torch.zeros(self.width, dtype=dtype, device=device)
+        counts, probs, rows, z = carried[:e], carried[e:2 * e], carried[2 * e], carried[2 * e + 1]
+        for layer in logits:  # the same sums, in the same order, as load_balancing_loss and z_loss
+            p = torch.softmax(layer, dim=-1)
+            _, chosen = torch.topk(p, self.top_k, dim=-1)
+            counts = counts + torch.bincount(chosen.reshape(-1), minlength=e).to(dtype)
+            probs = probs + p.to(dtype).sum(dim=0)
+            rows = rows + layer.shape[0]
+            z = z + torch.logsumexp(layer.to(dtype), dim=-1).square().mean()
+        return torch.cat([counts, probs, rows.reshape(1), z.reshape(1)])
+
+    def loss(self, stats: Tensor) -> Tensor:
+        """coef x load-balancing loss + z coef x z-loss from a whole forward's ``statistics``."""
+        e = self.experts
+        counts, rows = stats[:e].detach(), stats[2 * e].detach()  # f_e carries no gradient
+        total = torch.zeros((), dtype=stats.dtype, device=stats.device)
+        if self.aux_loss_coef:
+            total = total + self.aux_loss_coef * (counts / rows * (stats[e:2 * e] / rows)).sum() * e
+        if self.z_loss_coef:
+            total = total + self.z_loss_coef * stats[2 * e + 1]
+        return total
+
     def __call__(self, log: RouterLog) -> Tensor:
-        """coef x load-balancing loss + z coef x z-loss of one forward's routing."""
+        """coef x load-balancing loss + z coef x z-loss of one forward's routing, straight from the
+        logits (the unsharded reference's; the plans go through ``statistics`` and ``loss``)."""
         first = log.logits[0]
         total = torch.zeros((), dtype=compute_dtype(first.dtype), device=first.device)
         if self.aux_loss_coef:

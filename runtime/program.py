@@ -8,6 +8,7 @@ every token, gradients are averaged over the batch axes, so any plan matches the
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -247,14 +248,39 @@ class Built:
         self.loss_fn = program.loss(mesh)
         # A moe model's load-balancing / z-loss terms, added to each microbatch's loss (moe_routing.py).
         self.router_losses = moe_routing.RouterLosses.of(program.model)
+        # With pipeline stages each stage's routing statistics travel to the next with its
+        # activations, only while a training schedule runs (forward-only runs pass activations alone).
+        self._carry_routing = False
         if self.router_losses is not None and self.pp > 1:
-            raise ValueError("the router losses with pipeline stages are not supported (the checker refuses them)")
+            for i in self.stage_ids:
+                module = self.modules[i]
+                # An instance attribute, as amp.autocast_forward: FSDP2's module type stays, which
+                # the schedules test for.
+                module.forward = functools.partial(self._routed_forward, module.forward)  # type: ignore[method-assign]
         self.optimizer = self._make_optimizer()
         self.steps_done = 0  # optimizer updates so far: the learning-rate schedule's clock
         self.grad_norm = float("nan")  # the global gradient norm of the last step (with clip)
         self._schedules: dict[tuple[int, int, bool], Any] = {}
 
     # ------------------------------------------------------------------ set-up
+
+    @property
+    def _routing_dtype(self) -> torch.dtype:
+        return moe_routing.compute_dtype(self.compute_dtype)
+
+    def _routed_forward(self, forward: Callable[[Tensor], Tensor], x: Tensor, *carried: Tensor) -> Any:
+        """A stage's forward that, under a training schedule with router losses, also returns the
+        routing statistics [2 E + 2] of its forward so far (``carried``: the previous stage's)."""
+        if not self._carry_routing:
+            return forward(x)
+        assert self.router_losses is not None
+        with moe_routing.recording() as routing:
+            y = forward(x)
+        stats = self.router_losses.statistics(routing.logits, carried[0] if carried else None,
+                                              self._routing_dtype, self.device)
+        if not stats.requires_grad:  # a stage without moe layers: the next stage still sends a gradient back
+            stats.requires_grad_(True)
+        return y, stats
 
     def _empty_stage(self, i: int) -> nn.Module:
         """Stage ``i`` with uninitialised local storage, for weights that are read in right after.
@@ -397,7 +423,17 @@ class Built:
         assert p.pipeline_axis is not None
         # The stages' own device: a CPU plan on a machine with CUDA stays on the CPU.
         device = self.device
-        example = self._example_activations(mb_shape, device)
+        example: dict[int, Any] = self._example_activations(mb_shape, device)
+        loss_fn: Callable[..., Tensor] | None = self.loss_fn if train else None
+        routed = train and self.router_losses is not None
+        if routed:
+            # [2 E + 2] routing statistics beside every stage boundary's activations (after stage
+            # 0 on): a few floats per expert, P's gradient coming back with the activations'.
+            for i in range(1, len(p.stages) + 1):
+                stats = torch.zeros(self.router_losses.width, dtype=self._routing_dtype, device=device,
+                                    requires_grad=True)
+                example[i] = (example[i], stats)
+            loss_fn = self._loss_with_router_losses
         stages = [
             pl.PipelineStage(
                 self.modules[i],
@@ -412,7 +448,6 @@ class Built:
         ]
         kind = _schedule_name(p.schedule)
         cls = getattr(pl, _SCHEDULES[kind])
-        loss_fn = self.loss_fn if train else None
         # Microbatch losses are means, so the schedule divides gradients by the microbatch count.
         if kind == "interleaved1f1b":
             schedule = cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn, scale_grads=True)
@@ -421,6 +456,14 @@ class Built:
             schedule = cls(stage, n_microbatches=p.microbatches, loss_fn=loss_fn, scale_grads=True)
         self._schedules[key] = schedule
         return schedule
+
+    def _loss_with_router_losses(self, out: tuple[Tensor, Tensor], target: Tensor) -> Tensor:
+        """The last stage's loss of one microbatch: the token loss plus the router losses of the
+        whole forward, whose statistics came through every stage (as ``_forward_backward`` adds
+        them without a pipeline)."""
+        logits, stats = out
+        assert self.router_losses is not None
+        return self.loss_fn(logits, target) + self.router_losses.loss(stats)
 
     def _example_activations(
         self, mb_shape: tuple[int, int], device: torch.device
@@ -569,7 +612,8 @@ class Built:
                 loss = self.loss_fn(x, tgt)
                 if self.router_losses is not None:
                     # Over this microbatch's tokens on this replica, as transformers per forward.
-                    loss = loss + self.router_losses(routing)
+                    stats = self.router_losses.statistics(routing.logits, None, self._routing_dtype, self.device)
+                    loss = loss + self.router_losses.loss(stats)
                 del x  # the logits: backward needs only what the loss saved, not them
                 (loss / m).backward()
                 losses.append(loss.detach())
@@ -580,7 +624,11 @@ class Built:
         target = targets if n - 1 in self.stage_ids else None
         # return_outputs=False: otherwise the last stage keeps every microbatch's logits
         # ([mb, s, vocab / t] each) until the step ends, though training only needs the losses.
-        schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self._carry_routing = self.router_losses is not None
+        try:
+            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        finally:
+            self._carry_routing = False
         return torch.stack([x.detach() for x in losses]).mean() if losses else None
 
     def _sum_partial_grads(self) -> None:

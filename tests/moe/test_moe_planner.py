@@ -32,3 +32,21 @@ def test_flops_count_the_experts_a_token_uses_and_the_router() -> None:
         moe = 2 * h * experts + top_k * 3 * 2 * h * f
         want = 3 * (layers * (dense + moe) + 2 * 64 * 256)
         assert planner.model_flops_per_token(_plan(experts, top_k)) == want
+
+
+def test_pipeline_sends_carry_the_routing_statistics_of_the_router_losses() -> None:
+    """With a router loss each pipeline transfer carries 2 E + 2 fp32 floats beside the activations
+    (runtime/program.py sends them on): counted in the pipeline's bytes, and nothing without one."""
+    base = ("mesh m { axes pipeline = 2 }\nmodel x = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, "
+            "kv_heads = 2, ffn = 48, experts = 6, top_k = 2, dtype = fp32ROUTING }\nplan p on m for x {\n"
+            "    batch = 8\n    seq = 8\n    microbatches = 4\n    stages over pipeline balanced\n}\n")
+
+    def pipeline_bytes(routing: str) -> list[int]:
+        result = check_text(base.replace("ROUTING", routing), "m.mesh")
+        assert result.ok, [d.message for d in result.diagnostics]
+        rep = planner.analyze(next(iter(result.plans.values())))
+        return [c.payload_bytes for rc in rep.ranks for c in rc.comms if c.kind == "pipeline"]
+
+    plain = pipeline_bytes("")
+    assert pipeline_bytes(", aux_loss_coef = 0.01") == [b + 4 * (2 * 6 + 2) * 4 for b in plain]  # 4 microbatches
+    assert pipeline_bytes(", z_loss_coef = 0.01") == pipeline_bytes(", aux_loss_coef = 0.01")

@@ -30,10 +30,13 @@ from meshllm_dsl.runtime import moe_routing  # noqa: E402
 from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
 
 COEF, Z_COEF = 0.05, 0.01
+_PIPE_DATA = "    layout { batch -> data }\n    microbatches = 2\n    stages over pipeline "
+_PLANS = {**PLANS, "pipeline2_data2": ("pipeline = 2, data = 2", "", ""),
+          "pipeline2": ("pipeline = 2", "", "    microbatches = 2\n    stages over pipeline balanced\n")}
 
 
 def _spec(model: str, plan: str, routing: str, rest: str = "") -> str:
-    axes, layout, plan_rest = PLANS[plan]
+    axes, layout, plan_rest = _PLANS[plan]
     if layout and model != "qwen2_moe":
         layout = layout.replace("shared_ffn -> tensor, ", "")
     if layout:
@@ -97,14 +100,15 @@ def test_capacity_drops_pairs_past_each_expert_in_token_order() -> None:
     assert torch.equal(moe_routing.route(x, w, k, True, True, capacity=0.0)[1], full_idx)
 
 
-def test_router_losses_with_pipeline_stages_are_refused_located() -> None:
-    text = _spec("mixtral", "single", f"aux_loss_coef = {COEF}").replace("axes one = 1", "axes pipeline = 2")
-    text = text.replace("    seq = 8\n", "    seq = 8\n    microbatches = 2\n    stages over pipeline balanced\n")
-    result = check_text(text, "pp.mesh")
-    (d,) = [d for d in result.diagnostics if d.is_error]
-    assert d.code == "E0309" and "router losses with pipeline stages" in d.message
-    assert text[d.span.start:d.span.end].startswith("stages over pipeline")
+def test_router_losses_with_pipeline_stages_and_precision_are_refused_located() -> None:
+    # FSDP2 casts a stage's floating inputs to the compute dtype: the routing statistics too.
+    text = _spec("mixtral", "pipeline2_data2", f"aux_loss_coef = {COEF}", _PIPE_DATA + "balanced\n"
+                 "    optimizer adamw { zero 3 }\n    precision { params = bf16, master = fp32, reduce = fp32 }\n")
+    (d,) = [d for d in check_text(text, "p.mesh").diagnostics if d.is_error]
+    assert d.code == "E0309" and "pipeline stages and `precision`" in d.message
+    assert text[d.span.start:d.span.end].startswith("precision {")
     assert "aux_loss_coef = 0.0" in d.help
+    assert check_text(text.replace(f"aux_loss_coef = {COEF}", "aux_loss_coef = 0.0"), "p.mesh").ok
 
 
 def test_capacity_above_experts_over_top_k_is_refused() -> None:
@@ -160,6 +164,20 @@ def test_mixtral_router_loss_and_gradients_match_transformers(pool: Any, tmp_pat
     torch.nn.functional.cross_entropy(plain.reshape(-1, 64), targets.reshape(-1)).backward()
     gap = (grads["blocks.0.mlp.router.weight"] - hp["model.layers.0.mlp.gate.weight"].grad).abs().max().item()
     assert gap > 1e-3
+    # Pipeline stages (GPipe, 2 microbatches): transformers' loss per microbatch (each a forward with
+    # its own aux_loss over both layers, which sit on different stages), averaged
+    hf.zero_grad()
+    halves = [hf(tok, output_router_logits=True) for tok in tokens.chunk(2)]
+    want = sum(torch.nn.functional.cross_entropy(o.logits.reshape(-1, 64), tgt.reshape(-1)) + COEF * o.aux_loss
+               for o, tgt in zip(halves, targets.chunk(2))) / 2
+    want.backward()
+    path, n = _compiled(_spec("mixtral", "pipeline2", f"aux_loss_coef = {COEF}"), "mixtral_hf_aux_pp", tmp_path)
+    loss, grads = pool.run(hf_loss_job, n, path, str(directory), tokens, targets)[1]
+    assert abs(loss - want.item()) < 1e-5
+    for name, ours in [("blocks.0.mlp.router.weight", "model.layers.0.mlp.gate.weight"),
+                       ("blocks.1.mlp.router.weight", "model.layers.1.mlp.gate.weight"),
+                       ("embed.weight", "model.embed_tokens.weight")]:
+        torch.testing.assert_close(grads[name], hp[ours].grad, rtol=0, atol=1e-5)
     # import-hf reads the coefficient (transformers adds it only with output_router_logits) ...
     from meshllm_dsl.import_hf import model_settings
 
@@ -177,6 +195,12 @@ def test_mixtral_router_loss_and_gradients_match_transformers(pool: Any, tmp_pat
 
 CASES = {  # model, plan, extra plan lines
     "mixtral_data2_tensor2_micro2": ("mixtral", "data2_tensor2", "    microbatches = 2\n"),
+    # The routing statistics travel between stages: the last stage adds the whole forward's losses.
+    "mixtral_pipeline2_tensor2_1f1b": ("mixtral", "pipeline2_tensor2", "    schedule 1f1b\n"),
+    # 4 stages on 2 ranks, one moe layer each; FSDP2's stage modules (whose type the schedules test)
+    "qwen3_moe_pipeline2_data2_interleaved_zero3": ("qwen3_moe", "pipeline2_data2", _PIPE_DATA
+                                                    + "virtual 2 balanced\n    schedule interleaved_1f1b\n"
+                                                    "    optimizer adamw { zero 3 }\n"),
     "qwen2_moe_tensor2": ("qwen2_moe", "tensor2", ""),
     "qwen3_moe_zero3_recompute": ("qwen3_moe", "data2_tensor2_zero3_recompute", ""),
 }
@@ -186,7 +210,10 @@ CASES = {  # model, plan, extra plan lines
 def test_router_losses_and_capacity_equal_the_reference(case: str, pool: Any, tmp_path: Path) -> None:
     model, plan, rest = CASES[case]
     routing = f"aux_loss_coef = {COEF}, z_loss_coef = {Z_COEF}, capacity = 1.0"
-    path, n = _compiled(_spec(model, plan, routing, rest), case, tmp_path)
+    text = _spec(model, plan, routing, rest)
+    if "interleaved" in case:
+        text = text.replace("layers = 2", "layers = 4")
+    path, n = _compiled(text, case, tmp_path)
     for rank_errs in pool.run(compare_job, n, path, 2):
         for dtype, errs in rank_errs.items():
             worst = max(errs, key=errs.__getitem__)
