@@ -101,9 +101,10 @@ CODES: dict[str, tuple[str, str]] = {
               "This is the mistake that makes other tools compute a wrong loss silently."),
     "E0405": ("rule does not apply to this layer", "A rule used on a layer kind it cannot shard: norms and "
               "positional embeddings are only replicated, token embeddings are vocab-parallel or replicated, "
-              "`vocab_parallel` is for embeddings (use `column` for a head)."),
-    "E0406": ("unknown rule", "The sharding rules are `column(AXES)`, `row(AXES)`, `vocab_parallel(AXES)` and "
-              "`replicate`; losses are `cross_entropy` and `vocab_parallel(AXES)`."),
+              "`vocab_parallel` is for embeddings (use `column` for a head), `expert(AXES)` for moe layers."),
+    "E0406": ("unknown rule", "The sharding rules are `column(AXES)`, `row(AXES)`, `vocab_parallel(AXES)`, "
+              "`replicate` and `expert(AXES)` (a moe layer's experts); losses are `cross_entropy` and "
+              "`vocab_parallel(AXES)`."),
     "E0407": ("axis has two roles", "A mesh axis is the pipeline axis, a batch (data-parallel) axis, or an axis "
               "parameters are sharded over; not two of these. ZeRO shards optimizer state over the batch "
               "axes, or over some of them and replicates over the rest (HSDP)."),

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # the registry's modules import this one
 Value = int | float | str | bool
 
 # Rule names a `shard` statement may use.
-RULES = ("column", "row", "vocab_parallel", "replicate")
+RULES = ("column", "row", "vocab_parallel", "replicate", "expert")  # expert: a moe layer's experts (checker/placements.py)
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 # Activation recomputation (`recompute = ...`): nothing, every block of the repeat (full, per block),
 # or only the attention core of each block (selective, Korthikanti et al. 2022).

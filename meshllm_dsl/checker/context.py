@@ -49,8 +49,9 @@ class PlanContext(Resolver):
         self.seq_entry: ast.LayoutEntry | None = None
         # Context parallelism over these axes (`layout { seq -> C }`, C splitting no weight): checker/memory.py
         self.context_axes: tuple[str, ...] = ()
-        self.expert_axes: tuple[str, ...] = ()  # expert parallelism over these axes (`layout { experts -> D }`)
-        self.expert_entry: ast.LayoutEntry | None = None
+        # Expert parallelism over these axes (`layout { experts -> D }` or `shard PATH expert(D)`)
+        self.expert_axes: tuple[str, ...] = ()
+        self.expert_entry: ast.LayoutEntry | ast.ShardStmt | None = None
 
     def error(self, code: str, message: str, span: Span | None, **kw: object) -> None:
         if not code.startswith("W"):

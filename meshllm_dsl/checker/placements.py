@@ -18,10 +18,11 @@ from meshllm_dsl.checker.context import (
     _seg_matches,
     _Silent,
 )
-from meshllm_dsl.checker.paths import match_path
+from meshllm_dsl.checker.paths import match_layer_path, match_path
 from meshllm_dsl.codes import (
     E0201,
     E0301,
+    E0309,
     E0401,
     E0404,
     E0405,
@@ -78,8 +79,54 @@ class PlacementRules(PlanContext):
                                label="no layer has this dim", **typo(e.dim.span, dim, known))
                 out.extend(hits)
         self._context_or_sequence()
+        self.expert_rules()
         self.expert_parallel(batch_axes)
         return batch_axes, out
+
+    def expert_rules(self) -> None:
+        """`shard PATH expert(D)`, the rule-style plans' `experts -> D`: PATH names the moe layers,
+        whose stacked experts then split over D exactly as the layout entry splits them. One
+        placement of the experts per plan, covering every moe layer (the runtime and the planner
+        keep one expert group per plan)."""
+        units = {id(leaf): unit for _, unit, leaf in self.model.leaves()}
+        stacked = set(self.stacked_experts())
+        for stmt in self.decl.body:
+            if not isinstance(stmt, ast.ShardStmt) or stmt.rule.name.value != "expert":
+                continue
+            if not stmt.rule.axes:
+                self.error(E0406, "`expert` needs the mesh axes to split the experts over", stmt.rule.span,
+                           label="no axes given", help="e.g. `expert(data)`: a batch axis, as `experts -> data`")
+                continue
+            axes = self.check_axes(stmt.rule.axes, "`expert`")
+            # the layers (`blocks.*.mlp`), or their weights named one by one
+            hits = match_layer_path(stmt.path, self.model) or self.rule_matches(stmt.path)
+            if axes is None or not hits:
+                continue
+            other = next((leaf for leaf, _ in hits if units[id(leaf)].kind != "moe"), None)
+            if other is not None or not any(leaf in stacked for leaf, _ in hits):
+                what = (f"`{stmt.path}` is not a moe layer (`{units[id(other)].name}` is {units[id(other)].kind})"
+                        if other is not None else f"`{stmt.path}` names no experts of its moe layer")
+                self.error(E0405, f"`expert` splits a moe layer's experts; {what}", stmt.rule.span,
+                           label="no experts here",
+                           help="name the moe layers, e.g. `shard blocks.*.mlp expert(...)`" if stacked else
+                           f"model `{self.model.name}` has no moe layer: use `column`, `row` or `replicate`")
+                continue
+            covered = {leaf for leaf, blocks in hits if blocks is None and leaf in stacked}
+            if covered != stacked:
+                self.error(E0309, f"`expert` on some moe layers only (`{stmt.path}`) is not supported yet",
+                           stmt.path.span, label="not every moe layer", help="split every moe layer's experts alike: "
+                           "name all of them (e.g. `blocks.*.mlp`)")
+                continue
+            first = self.expert_entry
+            if first is not None:
+                said = ("`experts -> ...` in the layout" if isinstance(first, ast.LayoutEntry)
+                        else f"`{first.path} expert(...)`")
+                self.error(E0412, f"the experts are split twice: by `{stmt.path} expert(...)` and by {said}",
+                           stmt.rule.span, label="second placement of the experts",
+                           secondary=(Label(first.span, "first here"),),  # type: ignore[arg-type]
+                           help="keep one: `layout { experts -> D }` and `shard PATH expert(D)` say the same")
+                continue
+            self.expert_axes, self.expert_entry = axes, stmt
 
     def _context_or_sequence(self) -> None:
         """`seq -> AXES`: Megatron sequence parallelism over the axes that split weights (tensor
@@ -108,10 +155,12 @@ class PlacementRules(PlanContext):
             return
         outside = [a for a in axes if a not in batch_axes]
         if outside:
+            fix = (f"`experts -> {' * '.join(batch_axes)}`" if isinstance(e, ast.LayoutEntry)
+                   else f"`shard {e.path} expert({', '.join(batch_axes)})`")
             self.error(E0412, f"expert parallelism over {' x '.join(outside)}, which {'is not a batch axis' if len(outside) == 1 else 'are not batch axes'}",
-                       e.span, label="tokens do not differ along it",
+                       e.span if isinstance(e, ast.LayoutEntry) else e.rule.span, label="tokens do not differ along it",
                        help=f"split the experts over batch axes ({', '.join(batch_axes) or 'none yet'}): "
-                       + (f"`experts -> {', '.join(batch_axes)}`" if batch_axes else f"add `batch -> {', '.join(axes)}` to the layout")
+                       + (fix if batch_axes else f"add `batch -> {', '.join(axes)}` to the layout")
                        + "; to split each expert's ffn over a tensor axis use `ffn -> AXIS`")
         n = self.mesh.size(*axes)
         counts = sorted({c for leaf in self.stacked_experts() for t in leaf.params for _, c in t.units[1]})
@@ -152,7 +201,7 @@ class PlacementRules(PlanContext):
         for leaf, m in matches:
             by_leaf.setdefault(leaf, []).append(m)
         for stmt in self.decl.body:
-            if not isinstance(stmt, ast.ShardStmt):
+            if not isinstance(stmt, ast.ShardStmt) or stmt.rule.name.value == "expert":  # expert_rules'
                 continue
             placement = self.rule(stmt.rule)
             hits = self.rule_matches(stmt.path)

@@ -468,14 +468,15 @@ class Match:
     collectives: tuple[str, ...]
 
 
-def shard_matches(plan: PlanIR, decl: ast.PlanDecl, path: ast.Path) -> list[Match]:
-    """Every leaf `path` matches in a checked plan, with shapes and the collectives of its unit."""
+def shard_matches(plan: PlanIR, decl: ast.PlanDecl, path: ast.Path, layer: bool = False) -> list[Match]:
+    """Every leaf `path` matches in a checked plan, with shapes and the collectives of its unit
+    (``layer``: every leaf of the layers it names, as `expert(D)` places them)."""
     from meshllm_dsl.explain import _collective
     from meshllm_dsl.names import ranges
 
     units = {id(leaf): (item, unit) for item, unit, leaf in plan.model.leaves()}
     out: list[Match] = []
-    for leaf, blocks in match_path(path, plan.model):
+    for leaf, blocks in match_path(path, plan.model, layer=layer):
         item, unit = units[id(leaf)]
         if isinstance(item, Repeat):
             # one row per block class (blocks sharing every placement), not per block: a repeat may

@@ -18,6 +18,8 @@ RULE_DOCS = {
     "row": "row-parallel: splits the input features (weight dim 1); its output is a partial sum, all-reduced",
     "vocab_parallel": "vocab-parallel: splits the vocabulary rows of an embedding or head over the axes",
     "replicate": "replicated: every device holds the whole parameter",
+    "expert": "expert-parallel: splits a moe layer's experts over the (batch) axes, as `layout { experts -> AXES }`; "
+              "tokens travel to their experts' ranks by all-to-all",
     "cross_entropy": "plain cross-entropy on full logits",
 }
 SCHEDULE_DOCS = {
@@ -208,12 +210,14 @@ def _shard(a: Analysis, decl: ast.PlanDecl, s: ast.ShardStmt) -> str | None:
     plan = a.plan_ir(decl)
     if plan is None:
         return _shard_unchecked(a, decl, s)
-    matches = shard_matches(plan, decl, s.path)
+    matches = shard_matches(plan, decl, s.path, layer=s.rule.name.value == "expert")
     if not matches:
         return f"`{s.path}` matches no layer"
     lines = [f"**`shard {s.path}`** matches {len(matches)} layer group{'s' if len(matches) != 1 else ''} (global -> local on one device)", ""]
     for m in matches[:24]:
         rule = f"{m.placement.rule}({', '.join(m.placement.axes)})" if m.placement.sharded else "replicate"
+        if m.placement.experts:
+            rule += f", experts over {' x '.join(m.placement.experts)}"
         lines.append(f"- `{m.path}` {rule}")
         for name, g, loc in m.tensors:
             lines.append(f"  - `{name}` {_shape(g)} -> {_shape(loc)}")
@@ -233,7 +237,7 @@ def _shard_unchecked(a: Analysis, decl: ast.PlanDecl, s: ast.ShardStmt) -> str |
     model = a.sem_result.models.get(decl.model.value)
     if mesh is None or model is None:
         return None
-    hits = match_path(s.path, model)
+    hits = match_path(s.path, model, layer=s.rule.name.value == "expert")
     if not hits:
         return f"`{s.path}` matches no layer"
     axes = [n.value for n in s.rule.axes]

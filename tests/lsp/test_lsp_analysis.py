@@ -91,3 +91,21 @@ def test_plan_hover_says_where_the_master_weights_live() -> None:
     assert ("master weights in fp32 sharded over data with the moments (Megatron's distributed optimizer, FSDP2), "
             "gradients reduced in fp32") in said["zero 1"]
     assert "master weights in fp32 whole on every rank" in said["lr = 1e-3"]
+
+
+def test_the_expert_rule_is_completed_and_hovered() -> None:
+    # `shard PATH expert(D)`: offered among the rules; hovering the path lists the moe layer's weights
+    # with the experts' split, hovering the rule says what it does.
+    text = ("mesh m { axes data = 2 }\nmodel mx = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, ffn = 48, "
+            "experts = 4, dtype = fp32 }\nplan p on m for mx {\n    layout { batch -> data }\n"
+            "    shard blocks.*.mlp expert(data)\n}\n")
+    a = Analysis("p.mesh", text)
+    path = a.hover(text.index("blocks.*.mlp"))
+    assert path is not None and "`blocks.{0-1}.mlp.gate` replicate, experts over data" in path[0]
+    assert "[48, 4, 32] -> [48, 2, 32]" in path[0]
+    rule = a.hover(text.index("expert(data)") + 1)
+    assert rule is not None and "moe layer's experts" in rule[0]
+    cut = text.index("expert(data)")
+    typing = Analysis("p.mesh", text[:cut] + "\n}\n")
+    items = completion.complete(typing, cut)
+    assert ("expert", "expert()") in [(i.label, i.insert) for i in items]

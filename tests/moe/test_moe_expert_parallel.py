@@ -27,6 +27,8 @@ PLANS = {  # mesh axes, layout, other lines
     "ep4": ("data = 4", "batch -> data, experts -> data", ""),
     # EP over a subset of the batch axes: expert grads still all-reduce over `replica`
     "replica2_ep2": ("replica = 2, data = 2", "batch -> replica * data, experts -> data", ""),
+    # the same in rule style: `shard PATH expert(D)` places the moe layers' experts as `experts -> D`
+    "replica2_ep2_rule": ("replica = 2, data = 2", "batch -> replica * data", "    shard blocks.*.mlp expert(data)\n"),
     # tensor parallelism inside the experts (their ffn) and in attention
     "ep2_tensor2": ("data = 2, tensor = 2", _TP + ", batch -> data, experts -> data", ""),
     "pipeline2_ep2": ("pipeline = 2, data = 2", "batch -> data, experts -> data",
@@ -62,7 +64,7 @@ def compiled(model: str, plan: str, tmp_path: Path) -> tuple[str, int, str]:
     return str(path), p.mesh.devices, code
 
 
-CASES = [("mixtral", "ep2"), ("qwen3_moe", "ep4"), ("qwen2_moe", "replica2_ep2"), ("mixtral", "ep2_tensor2"),
+CASES = [("mixtral", "ep2"), ("qwen3_moe", "ep4"), ("qwen2_moe", "replica2_ep2_rule"), ("mixtral", "ep2_tensor2"),
          ("qwen2_moe", "ep2_tensor2"), ("mixtral", "pipeline2_ep2"), ("qwen3_moe", "ep2_tensor2_zero3_recompute"),
          ("mixtral", "replica2_ep2_zero2")]
 
@@ -121,6 +123,36 @@ def test_expert_parallelism_that_does_not_fit_is_refused(layout: str, rest: str,
     text = (f"mesh m {{ axes data = 2, tensor = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = 8\n"
             f"    layout {{ {layout} }}\n{rest}}}\n")
     assert code in _codes(text)
+
+
+@pytest.mark.parametrize(("model", "plan"), [("qwen2_moe", "replica2_ep2"), ("mixtral", "ep2_tensor2"),
+                                             ("mixtral", "pipeline2_ep2")])
+def test_the_expert_rule_compiles_to_what_the_layout_entry_does(model: str, plan: str) -> None:
+    layout = ep_spec(model, plan)
+    rule = layout.replace(", experts -> data", "").replace("    seq = 8\n", "    seq = 8\n    shard blocks.*.mlp expert(data)\n")
+    assert "expert(data)" in rule and "experts ->" not in rule
+    (a,), (b,) = _checked(layout).plans.values(), _checked(rule).plans.values()
+    assert render_plan(a, "ep.mesh", layout) == render_plan(b, "ep.mesh", layout)
+    from meshllm_dsl.fmt import format_text
+
+    assert format_text(format_text(rule)) == format_text(rule) and "shard blocks.*.mlp expert(data)" in format_text(rule)
+
+
+@pytest.mark.parametrize(("rule", "layout", "code", "caret"), [
+    ("shard blocks.*.attn expert(data)", "batch -> data", "E0405", "expert(data)"),  # no experts there
+    ("shard blocks.*.mlp.router expert(data)", "batch -> data", "E0405", "expert(data)"),  # the router stays whole
+    ("shard blocks.*.mlp expert(tensor)", "batch -> data", "E0412", "expert(tensor)"),  # not a batch axis
+    ("shard blocks.*.mlp expert(data)", "batch -> data, experts -> data", "E0412", "expert(data)"),  # twice
+    ("shard blocks.1.mlp expert(data)", "batch -> data", "E0309", "blocks.1.mlp"),  # one layer only: not yet
+    ("shard blocks.*.mlp expert", "batch -> data", "E0406", "expert"),  # no axes
+    ("shard blocks.*.mpl expert(data)", "batch -> data", "E0502", "blocks.*.mpl"),  # a typo
+])
+def test_the_expert_rule_that_does_not_fit_is_refused_located(rule: str, layout: str, code: str, caret: str) -> None:
+    text = (f"mesh m {{ axes data = 2, tensor = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = 8\n"
+            f"    layout {{ {layout} }}\n    {rule}\n}}\n")
+    (d,) = _checked(text).errors
+    assert d.code == code and d.help, d.message
+    assert text[d.span.start:d.span.end] == caret
 
 
 def test_experts_that_do_not_divide_over_the_axis_are_refused() -> None:
