@@ -18,7 +18,10 @@ parallelism uses).
 
 The loss of a rank is the mean over its tokens; every rank holds the same number of them, so the
 mean of those means over the axis is the global mean, and the parameters (replicated over the
-axis) get their gradients averaged over it like a batch axis (program.py).
+axis) get their gradients averaged over it like a batch axis (program.py). A moe model's routing is
+per token and so local; its load-balancing loss is a product of statistics of the whole sequence,
+which ``sequence_sum`` reduces over the axis before the product (runtime/moe_routing.py); the
+z-loss is a mean over tokens like the cross-entropy and needs nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from . import layers
 from .collectives import (
     _GatherSeq,  # forward all-gather along s, backward reduce-scatter
     all_gather_cat,
+    all_reduce_sum,
 )
 from .mesh import Mesh
 
@@ -54,6 +58,22 @@ def split_prefill() -> Iterator[None]:
         yield
     finally:
         _SPLIT_PREFILL = False
+
+
+class _SumOverSequence(torch.autograd.Function):
+    """A statistic of the whole sequence from each context rank's part: forward sums over the group;
+    backward sums the gradients too, since every rank's loss reads the same sum (so each rank's part
+    gets the gradient of all of them; averaging the parameters' gradients over the axis then leaves
+    exactly the gradient of the one loss)."""
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor, group: object) -> Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return all_reduce_sum(x, group)  # type: ignore[arg-type]
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None]:
+        return all_reduce_sum(grad, ctx.group), None  # type: ignore[attr-defined]
 
 
 class ContextShard:
@@ -91,6 +111,14 @@ class ContextShard:
         c = s_local // 2
         head, tail = self.chunks(index)
         return torch.cat([torch.arange(head * c, head * c + c), torch.arange(tail * c, tail * c + c)]).to(device)
+
+    def sequence_sum(self, x: Tensor) -> Tensor:
+        """The sum over the context ranks of ``x`` (any shape, e.g. per-expert router statistics
+        [experts]), with the autograd of a statistic every rank's loss reads (``_SumOverSequence``)."""
+        if self.group is None:
+            return x
+        # [any] per rank -> [any], summed over the context axes; backward sums the gradients.
+        return _SumOverSequence.apply(x, self.group)
 
     def unshard(self, local: Tensor, dim: int = SEQ_DIM) -> Tensor:
         """The global sequence from every rank's ``local`` (no autograd): the inverse of ``local``."""

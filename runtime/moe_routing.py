@@ -18,7 +18,9 @@ rank, as transformers computes them per forward and DDP / gradient accumulation 
   router logits of that forward together: experts * sum_e f_e P_e, with f_e the share of top-k
   assignments to expert e and P_e its mean router probability, both over all layers' rows at once
   (a product of sums, not a sum over layers), times ``aux_loss_coef``. It is computed from the
-  router's own top-k, before capacity drops anything, as transformers does.
+  router's own top-k, before capacity drops anything, as transformers does. Under context
+  parallelism one forward's sequences are spread over the context ranks: the sums are reduced over
+  them before the product (``sequence_sum``; capacity with context parallelism is refused, E0411).
 - the router z-loss of ST-MoE (Zoph et al. 2022, eq. 5): per layer the mean over tokens of
   logsumexp(logits)^2, summed over the layers (as ST-MoE and Megatron add one per router), times
   ``z_loss_coef``.
@@ -30,7 +32,7 @@ stage's ``RouterLosses.loss`` then equals the whole forward's (runtime/program.p
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -231,9 +233,15 @@ class RouterLosses:
             z = z + torch.logsumexp(layer.to(dtype), dim=-1).square().mean()
         return torch.cat([counts, probs, rows.reshape(1), z.reshape(1)])
 
-    def loss(self, stats: Tensor) -> Tensor:
-        """coef x load-balancing loss + z coef x z-loss from a whole forward's ``statistics``."""
+    def loss(self, stats: Tensor, sequence_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        """coef x load-balancing loss + z coef x z-loss from a whole forward's ``statistics``.
+        ``sequence_sum``: under context parallelism the rows are this rank's part of the sequences;
+        pairs, probability sums and rows are summed over every context rank before the product
+        (ContextShard.sequence_sum). The z-loss, a mean over tokens, is averaged like the cross-entropy."""
         e = self.experts
+        if sequence_sum is not None:
+            # [2 E + 1] pairs per expert, probability sums, rows -> the same over the whole sequence.
+            stats = torch.cat([sequence_sum(stats[:2 * e + 1]), stats[2 * e + 1:]])
         counts, rows = stats[:e].detach(), stats[2 * e].detach()  # f_e carries no gradient
         total = torch.zeros((), dtype=stats.dtype, device=stats.device)
         if self.aux_loss_coef:

@@ -463,7 +463,8 @@ class Built:
         them without a pipeline)."""
         logits, stats = out
         assert self.router_losses is not None
-        return self.loss_fn(logits, target) + self.router_losses.loss(stats)
+        return self.loss_fn(logits, target) + self.router_losses.loss(
+            stats, self.context.sequence_sum if self.context is not None else None)
 
     def _example_activations(
         self, mb_shape: tuple[int, int], device: torch.device
@@ -611,9 +612,11 @@ class Built:
                         x = self.modules[i](x)
                 loss = self.loss_fn(x, tgt)
                 if self.router_losses is not None:
-                    # Over this microbatch's tokens on this replica, as transformers per forward.
+                    # Over this microbatch's tokens on this replica, as transformers per forward
+                    # (its whole sequences: the statistics summed over the context ranks).
                     stats = self.router_losses.statistics(routing.logits, None, self._routing_dtype, self.device)
-                    loss = loss + self.router_losses.loss(stats)
+                    loss = loss + self.router_losses.loss(
+                        stats, self.context.sequence_sum if self.context is not None else None)
                 del x  # the logits: backward needs only what the loss saved, not them
                 (loss / m).backward()
                 losses.append(loss.detach())

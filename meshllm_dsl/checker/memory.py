@@ -114,12 +114,17 @@ class MemoryRules(PlanContext):
                            help="context parallelism needs a mesh axis of its own: add one (`axes data = 2, cp = 2`) "
                                 f"and write `seq -> cp`, or remove `seq -> {' * '.join(axes)}`")
                 return
-        moe = [u for u in (self.model.repeat.body if self.model.repeat else ()) if u.kind == "moe"]
-        if moe:
-            self.error(E0411, f"context parallelism with the moe layer `{moe[0].name}` is not supported yet",
-                       entry.span, label=f"context parallelism over {text}",
-                       secondary=(Label(moe[0].span, "a mixture-of-experts layer"),) if moe[0].span else (),
-                       help=f"remove `seq -> {' * '.join(axes)}`: the experts' routing over a split sequence is not proven yet")
+        # Routing is per token and the router losses reduce their statistics over C (runtime/context.py),
+        # but an expert's capacity is counted over the whole sequence in position order, which no rank holds.
+        capped = [u for u in (self.model.repeat.body if self.model.repeat else ()) if u.kind == "moe" and dict(u.attrs).get("capacity")]
+        if capped:
+            u = capped[0]
+            self.error(E0411, f"capacity dropping in the moe layer `{u.name}` (capacity = {u.attr('capacity'):g}) "
+                       "is not supported with context parallelism yet", entry.span, label=f"context parallelism over {text}",
+                       secondary=(Label(u.span, "a mixture-of-experts layer with a capacity factor"),) if u.span else (),
+                       help="set `capacity = 0` (dropless routing composes with context parallelism) or remove "
+                            f"`seq -> {' * '.join(axes)}`: an expert keeps the first pairs in the order of the whole "
+                            "sequence, and each rank holds only two chunks of it")
         c = self.mesh.size(*axes)
         # Under sequence parallelism over T as well, each rank's s / C tokens split over T.
         t = self.mesh.size(*self.seq_axes) if self.seq_axes else 1

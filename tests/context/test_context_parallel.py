@@ -22,6 +22,10 @@ LLAMA = "model m = llama { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_he
 # GPT-2: learned positions (each rank adds the rows of its tokens' global positions), a tied head.
 GPT2 = "model m = gpt2 { vocab = 64, hidden = 32, layers = 2, heads = 4, positions = 16 }"
 # Gemma 2: a sliding window on every other block and soft-capped logits, masked by global positions.
+# Mixtral with both router losses: the load-balancing loss is a product of statistics of each
+# whole sequence, the z-loss a mean over its tokens.
+MIXTRAL = ("model m = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 48, experts = 4, "
+           "top_k = 2, aux_loss_coef = 0.05, z_loss_coef = 0.01, dtype = fp32 }")
 GEMMA2 = ("model m = gemma2 { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, head_dim = 8, "
           "ffn = 64, window = 3, dtype = fp32 }")
 
@@ -69,6 +73,15 @@ def test_seq_over_an_axis_splitting_no_weight_is_context_parallelism() -> None:
 def test_context_parallel_checks(axes: str, body: str, code: str | None) -> None:
     got = _codes(_spec(axes, body, seq=12))
     assert got == ([code] if code else []), got
+
+
+def test_moe_layers_compose_with_context_parallelism_unless_they_drop_for_capacity() -> None:
+    body = "    layout { batch -> data, experts -> data, seq -> cp }"
+    assert _codes(_spec("data = 2, cp = 2", body, MIXTRAL)) == []
+    capped = check_text(_spec("data = 2, cp = 2", body, MIXTRAL.replace("dtype", "capacity = 1.5, dtype")), "t.mesh")
+    (d,) = capped.diagnostics
+    assert d.code == "E0411" and "capacity = 1.5" in d.message and "capacity = 0" in d.help
+    assert d.span is not None and d.span.text == "seq -> cp"
 
 
 def test_zero_over_data_and_context_shards_over_both() -> None:
@@ -120,6 +133,10 @@ CASES: dict[str, str] = {
                                       seq=16),
     "gpt2_cp2_recompute_attention": _spec("cp = 2", "    layout { seq -> cp }\n    recompute = attention", GPT2),
     "gemma2_cp2": _spec("cp = 2", "    layout { seq -> cp }", GEMMA2),
+    # Routing per token on each context rank, the router statistics summed over cp; the experts
+    # split over data (all-to-all within each cp coordinate's data group), 2 microbatches.
+    "mixtral_data2_cp2_ep2": _spec("data = 2, cp = 2", "    layout { batch -> data, experts -> data, seq -> cp }\n"
+                                   "    microbatches = 2", MIXTRAL, batch=8),
 }
 
 
@@ -265,6 +282,18 @@ def test_planner_splits_the_sequence_parallel_regions_over_context_and_tensor() 
     assert payload(both, "tensor", "all_gather") == payload(sp, "tensor", "all_gather") // 2 > 0
     assert payload(both, "tensor", "reduce_scatter") == payload(sp, "tensor", "reduce_scatter") // 2 > 0
     assert payload(both, "context", "all_gather") == payload(cp, "context", "all_gather") > 0
+
+
+def test_planner_splits_the_expert_all_to_all_over_the_context_ranks() -> None:
+    """Each context rank routes its s / cp tokens: the all-to-all over data moves half the bytes at
+    cp 2, and the experts (replicated over cp) get their gradients reduced over it."""
+    ep = "    layout { batch -> data, experts -> data }\n    microbatches = 2"
+    alone = _report("data = 2", ep, model=MIXTRAL).ranks[0]
+    cp = _report("data = 2, cp = 2", ep.replace("experts -> data", "experts -> data, seq -> cp"), model=MIXTRAL).ranks[0]
+    a2a = {r: sum(c.payload_bytes for c in r.comms if c.kind == "expert" and c.op == "all_to_all") for r in (alone, cp)}
+    assert a2a[cp] == a2a[alone] // 2 > 0
+    assert any(c.kind == "data" and c.axis == "cp" for c in cp.comms)
+    assert cp.activation_bytes_per_microbatch < alone.activation_bytes_per_microbatch * 0.6
 
 
 # -- the language server
