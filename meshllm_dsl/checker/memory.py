@@ -85,15 +85,23 @@ class MemoryRules(PlanContext):
                            help=f"remove `seq -> {' * '.join(axes)}`")
         n = self.mesh.size(*axes)
         # (Inside context parallelism seq must split into 2 |C| chunks as well: context_parallel checks both.)
-        if "seq" not in self.bad_settings and not self.context_axes and seq % n:
-            span = seq_setting.value.span if seq_setting is not None else entry.span
-            ok = [k * n for k in range(max(1, seq // n), max(1, seq // n) + 3)]
-            self.error(E0301, f"`seq` ({seq}) is not divisible by {text} ({n})", span,
-                       label=f"{seq} tokens do not split over {n} devices",
-                       secondary=(Label(entry.span, f"sequence parallelism over {text}"),)
-                       + tuple(lab for a in axes for lab in self.axis_label(a)),
-                       help=f"sequence parallelism gives each of the {n} ranks of {text} an equal slice of every "
-                            f"sequence: use seq = {or_list(ok)}")
+        if not self.context_axes:
+            self._seq_splits(seq, seq_setting, n, axes, f"`seq` ({seq}) is not divisible by {text} ({n})",
+                             f"{seq} tokens do not split over {n} devices", f"sequence parallelism over {text}",
+                             f"sequence parallelism gives each of the {n} ranks of {text} an equal slice of every sequence")
+
+    def _seq_splits(self, seq: int, seq_setting: ast.Setting | None, n: int, axes: tuple[str, ...], message: str,
+                    label: str, what: str, why: str) -> None:
+        """E0301 unless `seq` splits into `n` equal parts (`what` splits it over `axes`, `why` says
+        how); the help offers the next multiples of `n`."""
+        entry = self.seq_entry
+        if entry is None or "seq" in self.bad_settings or seq % n == 0:
+            return
+        span = seq_setting.value.span if seq_setting is not None else entry.span
+        ok = [k * n for k in range(max(1, seq // n), max(1, seq // n) + 3)]
+        self.error(E0301, message, span, label=label,
+                   secondary=(Label(entry.span, what),) + tuple(lab for a in axes for lab in self.axis_label(a)),
+                   help=f"{why}: use seq = {or_list(ok)}")
 
     def context_parallel(self, seq: int, seq_setting: ast.Setting | None, pipeline_axis: str | None,
                          batch_axes: tuple[str, ...]) -> None:
@@ -129,20 +137,15 @@ class MemoryRules(PlanContext):
         # Under sequence parallelism over T as well, each rank's s / C tokens split over T.
         t = self.mesh.size(*self.seq_axes) if self.seq_axes else 1
         n = math.lcm(2 * c, c * t)
-        if "seq" not in self.bad_settings and seq % n:
-            span = seq_setting.value.span if seq_setting is not None else entry.span
-            ok = [k * n for k in range(max(1, seq // n), max(1, seq // n) + 3)]
-            chunks = (f"each of the {c} ranks of {text} holds chunks i and {2 * c - 1} - i of {2 * c} equal ones "
-                      "(the causal work balanced)")
-            if t == 1:
-                message, label = f"`seq` ({seq}) is not divisible by 2 x {text} (2 x {c} = {n})", f"{n} equal chunks"
-            else:
-                sp = " x ".join(self.seq_axes)
-                message = f"`seq` ({seq}) is not divisible by {n} (2 x {text} chunks, each rank's s / {c} split over {sp} ({t}))"
-                label = f"{n} equal parts"
-                chunks += f" and sequence parallelism splits its s / {c} tokens over the {t} ranks of {sp}"
-            what = f"context parallelism over {text}" + (f", sequence parallelism over {' x '.join(self.seq_axes)}" if t > 1 else "")
-            self.error(E0301, message, span, label=f"{seq} tokens do not split into {label}",
-                       secondary=(Label(entry.span, what),)
-                       + tuple(lab for a in (*axes, *self.seq_axes) for lab in self.axis_label(a)),
-                       help=f"{chunks}: use seq = {or_list(ok)}")
+        chunks = (f"each of the {c} ranks of {text} holds chunks i and {2 * c - 1} - i of {2 * c} equal ones "
+                  "(the causal work balanced)")
+        if t == 1:
+            message, label = f"`seq` ({seq}) is not divisible by 2 x {text} (2 x {c} = {n})", f"{n} equal chunks"
+        else:
+            sp = " x ".join(self.seq_axes)
+            message = f"`seq` ({seq}) is not divisible by {n} (2 x {text} chunks, each rank's s / {c} split over {sp} ({t}))"
+            label = f"{n} equal parts"
+            chunks += f" and sequence parallelism splits its s / {c} tokens over the {t} ranks of {sp}"
+        what = f"context parallelism over {text}" + (f", sequence parallelism over {' x '.join(self.seq_axes)}" if t > 1 else "")
+        self._seq_splits(seq, seq_setting, n, (*axes, *self.seq_axes), message,
+                         f"{seq} tokens do not split into {label}", what, chunks)
