@@ -12,14 +12,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from moe_specs import MODELS, TP, compile_spec, layout_lines, plan_spec  # noqa: E402
 from reference_jobs import compare_job  # noqa: E402
-from test_moe_plans import MODELS  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
 from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
 
-_TP = "heads -> tensor, kv_heads -> tensor, ffn -> tensor, shared_ffn -> tensor, vocab -> tensor"
 PLANS = {  # mesh axes, layout, other lines
     # the dense layers replicated, data-parallel; the experts split over data
     "ep2": ("data = 2", "batch -> data, experts -> data", ""),
@@ -30,11 +29,11 @@ PLANS = {  # mesh axes, layout, other lines
     # the same in rule style: `shard PATH expert(D)` places the moe layers' experts as `experts -> D`
     "replica2_ep2_rule": ("replica = 2, data = 2", "batch -> replica * data", "    shard blocks.*.mlp expert(data)\n"),
     # tensor parallelism inside the experts (their ffn) and in attention
-    "ep2_tensor2": ("data = 2, tensor = 2", _TP + ", batch -> data, experts -> data", ""),
+    "ep2_tensor2": ("data = 2, tensor = 2", TP + ", batch -> data, experts -> data", ""),
     "pipeline2_ep2": ("pipeline = 2, data = 2", "batch -> data, experts -> data",
                       "    microbatches = 2\n    stages over pipeline balanced\n    schedule 1f1b\n"),
     # ZeRO 3 (FSDP2) of the dense parameters over data; each rank's experts are its own, whole
-    "ep2_tensor2_zero3_recompute": ("data = 2, tensor = 2", _TP + ", batch -> data, experts -> data",
+    "ep2_tensor2_zero3_recompute": ("data = 2, tensor = 2", TP + ", batch -> data, experts -> data",
                                     "    recompute = blocks\n    optimizer adamw { zero 3 }\n"),
     # HSDP: ZeRO 2 over data, replicated over replica; the experts replicated over replica too
     "replica2_ep2_zero2": ("replica = 2, data = 2", "batch -> replica * data, experts -> data",
@@ -44,24 +43,12 @@ PLANS = {  # mesh axes, layout, other lines
 
 def ep_spec(model: str, plan: str) -> str:
     axes, layout, rest = PLANS[plan]
-    if model != "qwen2_moe":
-        layout = layout.replace("shared_ffn -> tensor, ", "")
-    if "tensor" in layout:
-        routers = "blocks.*.mlp.{router,shared_router}" if model == "qwen2_moe" else "blocks.*.mlp.router"
-        rest = f"    shard {routers} replicate\n" + rest
-    return (f"mesh m {{ axes {axes} }}\n{MODELS[model]}\nplan p on m for m {{\n    batch = 8\n    seq = 8\n"
-            f"    layout {{ {layout} }}\n{rest}}}\n")
+    return plan_spec(axes, MODELS[model], layout_lines(model, layout, replicate_routers="tensor" in layout) + rest,
+                     batch=8)
 
 
 def compiled(model: str, plan: str, tmp_path: Path) -> tuple[str, int, str]:
-    text = ep_spec(model, plan)
-    result = check_text(text, f"{model}_{plan}.mesh")
-    assert result.ok, [d.message for d in result.diagnostics]
-    (p,) = result.plans.values()
-    code = render_plan(p, f"{model}_{plan}.mesh", text)
-    path = tmp_path / f"{model}_{plan}.py"
-    path.write_text(code)
-    return str(path), p.mesh.devices, code
+    return compile_spec(ep_spec(model, plan), f"{model}_{plan}", tmp_path)
 
 
 CASES = [("mixtral", "ep2"), ("qwen3_moe", "ep4"), ("qwen2_moe", "replica2_ep2_rule"), ("mixtral", "ep2_tensor2"),

@@ -10,51 +10,31 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from moe_specs import MODELS, TP, compile_spec, layout_lines, plan_spec  # noqa: E402
 from reference_jobs import compare_job  # noqa: E402
 
-from meshllm_dsl.checker import check_text  # noqa: E402
-from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
 from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
 
-MODELS = {
-    "mixtral": "model m = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 48,"
-               " experts = 4, top_k = 2, dtype = fp32 }",
-    "qwen2_moe": "model m = qwen2_moe { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 24,"
-                 " shared_ffn = 40, experts = 6, top_k = 3, dtype = fp32 }",
-    "qwen3_moe": "model m = qwen3_moe { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 24,"
-                 " experts = 4, top_k = 2, dtype = fp32 }",
-}
-_TP = "heads -> tensor, kv_heads -> tensor, ffn -> tensor, shared_ffn -> tensor, vocab -> tensor"
 PLANS = {  # mesh axes, layout, other lines
     "single": ("one = 1", "", ""),
-    "tensor2": ("tensor = 2", _TP, ""),
-    "pipeline2_tensor2": ("pipeline = 2, tensor = 2", _TP, "    microbatches = 2\n    stages over pipeline balanced\n"),
-    "data2_tensor2": ("data = 2, tensor = 2", _TP + ", batch -> data", ""),
+    "tensor2": ("tensor = 2", TP, ""),
+    "pipeline2_tensor2": ("pipeline = 2, tensor = 2", TP, "    microbatches = 2\n    stages over pipeline balanced\n"),
+    "data2_tensor2": ("data = 2, tensor = 2", TP + ", batch -> data", ""),
     # FSDP2 shards the stacked experts' dim 0 (ffn) over data inside the tensor split
-    "data2_tensor2_zero3_recompute": ("data = 2, tensor = 2", _TP + ", batch -> data",
+    "data2_tensor2_zero3_recompute": ("data = 2, tensor = 2", TP + ", batch -> data",
                                       "    recompute = blocks\n    optimizer adamw { zero 3 }\n"),
 }
 
 
 def moe_spec(model: str, plan: str) -> str:
     axes, layout, rest = PLANS[plan]
-    if layout and model != "qwen2_moe":
-        layout = layout.replace("shared_ffn -> tensor, ", "")
     if layout:
-        routers = "blocks.*.mlp.{router,shared_router}" if model == "qwen2_moe" else "blocks.*.mlp.router"
-        rest = f"    layout {{ {layout} }}\n    shard {routers} replicate\n" + rest
-    return f"mesh m {{ axes {axes} }}\n{MODELS[model]}\nplan p on m for m {{\n    batch = 4\n    seq = 8\n{rest}}}\n"
+        rest = layout_lines(model, layout, replicate_routers=True) + rest
+    return plan_spec(axes, MODELS[model], rest, batch=4)
 
 
 def compiled(model: str, plan: str, tmp_path: Path) -> tuple[str, int, str]:
-    text = moe_spec(model, plan)
-    result = check_text(text, f"{model}_{plan}.mesh")
-    assert result.ok, [d.message for d in result.diagnostics]
-    (p,) = result.plans.values()
-    code = render_plan(p, f"{model}_{plan}.mesh", text)
-    path = tmp_path / f"{model}_{plan}.py"
-    path.write_text(code)
-    return str(path), p.mesh.devices, code
+    return compile_spec(moe_spec(model, plan), f"{model}_{plan}", tmp_path)
 
 
 @pytest.mark.parametrize("plan", PLANS)

@@ -20,12 +20,12 @@ torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
 from hf_models import error_job  # noqa: E402
+from moe_specs import MODELS, compile_spec, layout_lines, plan_spec  # noqa: E402
 from reference_jobs import compare_job  # noqa: E402
 from test_moe_hf import build_moe  # noqa: E402
-from test_moe_plans import MODELS, PLANS  # noqa: E402
+from test_moe_plans import PLANS  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
-from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
 from meshllm_dsl.runtime import moe_routing  # noqa: E402
 from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
 
@@ -37,22 +37,14 @@ _PLANS = {**PLANS, "pipeline2_data2": ("pipeline = 2, data = 2", "", ""),
 
 def _spec(model: str, plan: str, routing: str, rest: str = "") -> str:
     axes, layout, plan_rest = _PLANS[plan]
-    if layout and model != "qwen2_moe":
-        layout = layout.replace("shared_ffn -> tensor, ", "")
     if layout:
-        routers = "blocks.*.mlp.{router,shared_router}" if model == "qwen2_moe" else "blocks.*.mlp.router"
-        plan_rest = f"    layout {{ {layout} }}\n    shard {routers} replicate\n" + plan_rest
+        plan_rest = layout_lines(model, layout, replicate_routers=True) + plan_rest
     text = MODELS[model].replace(" dtype = fp32 }", f" dtype = fp32, {routing} }}")
-    return f"mesh m {{ axes {axes} }}\n{text}\nplan p on m for m {{\n    batch = 8\n    seq = 8\n{rest}{plan_rest}}}\n"
+    return plan_spec(axes, text, rest + plan_rest, batch=8)
 
 
 def _compiled(text: str, name: str, tmp_path: Path) -> tuple[str, int]:
-    result = check_text(text, f"{name}.mesh")
-    assert result.ok, [d.render() if hasattr(d, "render") else d.message for d in result.diagnostics]
-    (p,) = result.plans.values()
-    path = tmp_path / f"{name}.py"
-    path.write_text(render_plan(p, f"{name}.mesh", text))
-    return str(path), p.mesh.devices
+    return compile_spec(text, name, tmp_path)[:2]
 
 
 # -- in process: the functions against transformers and their definitions
