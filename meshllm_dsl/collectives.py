@@ -11,6 +11,8 @@ Megatron's operators (Shoeybi et al. 2019) around a tensor-parallel sublayer: f 
 front of the column layers, g (`reduce_from`) after the row layer, and `split_to` / `gather_from`
 for a row layer fed a replicated input and the converse. Sequence parallelism's (Korthikanti et al.
 2022) move the sequence dim instead: f and g become `gather_seq` and `reduce_scatter_seq`.
+Expert parallelism's `expert_all_to_all` is issued from inside the moe layer (``issued = "unit"``):
+codegen prints its runtime function's name, explain and the planner read its record like the others.
 """
 
 from __future__ import annotations
@@ -31,9 +33,13 @@ CollectiveOp = Literal[
     "reduce_scatter_seq",
     "split_seq",
     "gather_seq_split",
+    "expert_all_to_all",
 ]
+# Who issues an operator: "layout", the layout flow between a unit's layers (ir.Collective; lowering
+# prints `x = rt.<runtime>(x, group)` for it); "unit", a primitive's own runtime function from inside
+# the unit, whenever its placement asks for it (the moe layer's dispatch and combine, runtime/moe_dispatch.py).
+Issuer = Literal["layout", "unit"]
 # What a device puts on the wire for one call (the planner's Comm.op); send_recv is the pipeline's.
-# all_to_all is expert parallelism's token dispatch and combine (runtime/moe_dispatch.py).
 WirePrimitive = Literal["all_reduce", "all_gather", "reduce_scatter", "send_recv", "all_to_all"]
 
 
@@ -89,6 +95,7 @@ class CollectiveSpec:
     # Comment when it sums a row layer's partial output inside a sublayer (`line`'s arguments).
     closes_row: str | None = None
     fused: Fused | None = None
+    issued: Issuer = "layout"
 
     def call(self, x: str, group: str) -> str:
         return f"rt.{self.runtime}({x}, {group}{self.runtime_args})"
@@ -160,6 +167,17 @@ _SPECS = (
         "[b, s/{n}, {dim}] -> [b, s, {dim}]: all-gather over {axes} ({n}); backward keeps this rank's slice",
         ("all_gather",), 3, "all-gather(seq)", "split(seq)",
     ),
+    # Expert parallelism (`experts -> D`): the moe layer's runtime function sends each (token,
+    # choice) row to its expert's rank and the results back, `all_to_all_single` with uneven splits;
+    # their backwards are the reverse all-to-alls. Sizes are the [b*s*top_k, hidden] rows (planner).
+    # Its kernels are the moe primitive's (primitives/moe.py counts the layer whole), and so is its
+    # generated call's comment, which names the layer's shapes (`line` says the same in general).
+    CollectiveSpec(
+        "expert_all_to_all", "experts_parallel", "",
+        "[b*s*top_k, {dim}] rows to their experts' ranks over {axes} ({n}) and back",
+        ("all_to_all", "all_to_all", "all_to_all", "all_to_all"), 0,
+        "all-to-all dispatch and combine (uneven splits)", "the reverse all-to-alls", issued="unit",
+    ),
 )
 
 
@@ -185,7 +203,13 @@ def spec(op: str) -> CollectiveSpec:
     return found
 
 
+def layout_collectives() -> tuple[CollectiveSpec, ...]:
+    """The operators the layout flow places between layers (lowered as `x = rt.<runtime>(x, group)`)."""
+    return tuple(s for s in COLLECTIVES.values() if s.issued == "layout")
+
+
 def runtime_functions() -> frozenset[str]:
-    """Every function of meshllm_dsl.runtime generated code calls for a collective."""
-    return frozenset(s.runtime for s in COLLECTIVES.values()) | frozenset(
-        s.fused.runtime for s in COLLECTIVES.values() if s.fused is not None)
+    """Every function of meshllm_dsl.runtime (runtime/collectives.py) generated code calls for a
+    collective the layout flow places; a unit's own (`issued = "unit"`) live with its primitive."""
+    layout = layout_collectives()
+    return frozenset(s.runtime for s in layout) | frozenset(s.fused.runtime for s in layout if s.fused is not None)

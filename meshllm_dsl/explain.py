@@ -119,9 +119,8 @@ def _unit_entries(plan: PlanIR, unit: Unit, placement: dict[str, Placement], flo
     experts = next((p.experts for lf in unit.leaves for p in [placement.get(".".join(lf.path), REPLICATE)]
                     if p.experts), ())
     if experts:
-        # Expert parallelism's token dispatch and combine (runtime/moe_dispatch.py), inside the unit.
-        collectives.append(f"all_to_all({', '.join(experts)}) inside: (token, choice) rows to their experts' ranks "
-                           "and back, uneven splits; backward the reverse all-to-alls")
+        # Expert parallelism's token dispatch and combine, issued by the unit itself (runtime/moe_dispatch.py).
+        collectives.append(_collective(Collective("expert_all_to_all", experts, "the experts")))
     return {
         "name": unit.name, "kind": unit.kind, "params": params,
         "input": str(flow.input) if flow else None, "output": str(flow.output) if flow else None,

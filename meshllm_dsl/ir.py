@@ -301,7 +301,8 @@ class Collective:
     """A collective the generated forward issues (Megatron's f / g and friends)."""
 
     # copy_to | reduce_from | split_to | gather_from, and sequence parallelism's gather_seq |
-    # reduce_scatter_seq | split_seq | gather_seq_split (explain.OPS says what each does)
+    # reduce_scatter_seq | split_seq | gather_seq_split (collectives.py says what each does);
+    # expert_all_to_all only in explain's list: the moe layer issues it itself
     op: str
     axes: tuple[str, ...]
     where: str  # "input" of the unit, or "output" (at the residual add)

@@ -683,11 +683,17 @@ def _comm(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], kind: str,
     return Comm(" x ".join(axes), kind, op, calls, calls * size, wire, seconds, crosses)
 
 
+# Expert parallelism's all-to-alls per moe layer and microbatch, forward then backward (one primitive).
+EXPERT_WIRE = spec("expert_all_to_all").wire
+assert len(set(EXPERT_WIRE)) == 1 and len(EXPERT_WIRE) % 2 == 0, EXPERT_WIRE
+
+
 def expert_all_to_all(plan: PlanIR, hu: HeldUnit, tokens: int) -> tuple[tuple[str, ...], int] | None:
     """A moe unit under expert parallelism: (expert axes, bytes of one all-to-all's input) for
     `tokens` of this rank, each of its top_k (token, choice) rows a hidden vector; None otherwise.
-    Dispatch, combine and their backwards each move that much (runtime/moe_dispatch.py); the
-    [experts] count exchange before the dispatch is negligible and not counted."""
+    Each call of the registered `expert_all_to_all` (dispatch, combine and their backwards:
+    collectives.py) moves that much (runtime/moe_dispatch.py); the [experts] count exchange before
+    the dispatch is negligible and not counted."""
     if hu.unit.kind != "moe" or not plan.roles.expert:
         return None
     gate = next(lf for lf in hu.unit.leaves if lf.name == "gate")
@@ -716,10 +722,11 @@ def expert_layer_comm(rep: PlanReport) -> dict[str, Any] | None:
             if a2a is None:
                 continue
             axes, size = a2a
-            one = _comm(plan, rep.device, axes, "expert", "all_to_all", 1, size)
+            (op, *_), calls = EXPERT_WIRE, len(EXPERT_WIRE)
+            one = _comm(plan, rep.device, axes, "expert", op, 1, size)
             return {"axes": list(axes), "ranks": plan.mesh.size(*axes), "payload_bytes": size,
-                    "wire_bytes": one.wire_bytes, "seconds": one.seconds, "calls_per_step": 4,
-                    "step_wire_bytes": 4 * one.wire_bytes, "step_seconds": 4 * one.seconds}
+                    "wire_bytes": one.wire_bytes, "seconds": one.seconds, "calls_per_step": calls,
+                    "step_wire_bytes": calls * one.wire_bytes, "step_seconds": calls * one.seconds}
     return None
 
 
@@ -727,7 +734,7 @@ def _expert_note(rep: PlanReport) -> str:
     per = expert_layer_comm(rep)
     if per is None:
         return ""
-    return (f"per moe layer and microbatch: 4 all-to-alls over {' x '.join(per['axes'])} (dispatch + combine, "
+    return (f"per moe layer and microbatch: {per['calls_per_step']} all-to-alls over {' x '.join(per['axes'])} (dispatch + combine, "
             f"forward + backward) of {fmt_bytes(per['payload_bytes'])}, each sending {fmt_bytes(per['wire_bytes'])} "
             f"in {fmt_seconds(per['seconds'])}")
 
@@ -1038,8 +1045,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 a2a = expert_all_to_all(plan, hu, tokens_mb)
                 if a2a is not None:
                     axes, size = a2a
-                    # dispatch and combine, each again in backward; rerun with the block's forward
-                    calls = 4 * hu.count + 2 * recomputed_copies(plan, hu)
+                    # dispatch and combine, each again in backward; the forward's rerun with the block's
+                    calls = len(EXPERT_WIRE) * hu.count + len(EXPERT_WIRE) // 2 * recomputed_copies(plan, hu)
                     expert_calls[(axes, size)] = expert_calls.get((axes, size), 0) + calls
                 expert_local += hu.count * expert_split_params(plan, hu)
                 seq_grads += hu.count * sum(t.numel for lf in hu.unit.leaves for t in lf.params
@@ -1112,7 +1119,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             calls += recompute_calls.get((axes, op), 0)
             comms.append(_comm(plan, device, axes, "tensor", op, calls * m, act_size))
         for (axes, size), calls in sorted(expert_calls.items()):
-            comms.append(_comm(plan, device, axes, "expert", "all_to_all", calls * m, size))
+            comms.append(_comm(plan, device, axes, "expert", EXPERT_WIRE[0], calls * m, size))
         if cp > 1 and kv_gathers:
             # K and V all-gathered over the context axes in each attention's forward (again when
             # backward recomputes the block), dK and dV reduce-scattered in its backward: per layer

@@ -32,6 +32,7 @@ import attrs
 
 from meshllm_dsl import layouts, planner
 from meshllm_dsl.codes import E0307, E0309, E0402
+from meshllm_dsl.collectives import spec
 from meshllm_dsl.ir import REPLICATE, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
 from meshllm_dsl.primitives import Built, Primitive
 from meshllm_dsl.primitives.args import Arg, const
@@ -259,7 +260,8 @@ class Moe(Primitive):
         weights_args = f"{m}.gate.weight, {m}.up.weight, {m}.down.weight"
         if experts:
             n = w.n(experts)
-            lines.append(w.line(f"out = rt.experts_parallel({xt}, chosen, weights, {weights_args}, {w.group(experts)})",
+            call = spec("expert_all_to_all").runtime  # the registered collective the layer issues
+            lines.append(w.line(f"out = rt.{call}({xt}, chosen, weights, {weights_args}, {w.group(experts)})",
                                 f"[b*s, {hid}]{part}: all-to-all over {w.axes_text(experts)} ({n}) sends the [b*s*{k}, {hid}] "
                                 f"(token, choice) rows to their experts' ranks, uneven splits, and back; {n_exp // n} of "
                                 f"{n_exp} experts here, {f_local} of {a['ffn']} ffn of each"

@@ -22,6 +22,7 @@ from meshllm_dsl.collectives import (
     _SPECS,
     COLLECTIVES,
     _registry,
+    layout_collectives,
     ring_bytes,
     runtime_functions,
     spec,
@@ -71,14 +72,20 @@ def _collectives(plan: PlanIR) -> list[Collective]:
 
 
 def _explained_order(plan: PlanIR) -> list[Collective]:
-    """The collectives in the order `meshc explain` lists them: the model's items, each block class."""
-    top, out = dict(plan.top_flows), []
+    """The collectives in the order `meshc explain` lists them: the model's items, each block class,
+    each unit's layout collectives and then those it issues itself (a moe layer's all-to-alls under
+    expert parallelism)."""
+    out: list[Collective] = []
     for item in plan.model.items:
         if isinstance(item, Repeat):
-            flows, names = [dict(cls.flows) for cls in plan.block_classes], [u.name for u in item.body]
+            groups, units = [dict(cls.flows) for cls in plan.block_classes], item.body
         else:
-            flows, names = [top], [item.name]
-        out += [c for flow in flows for name in names if name in flow for c in flow[name].collectives]
+            groups, units = [dict(plan.top_flows)], (item,)
+        for flows in groups:
+            for unit in units:
+                out += flows[unit.name].collectives if unit.name in flows else ()
+                if unit.kind == "moe" and plan.roles.expert:
+                    out.append(Collective("expert_all_to_all", plan.roles.expert, "the experts"))
     return out
 
 
@@ -96,6 +103,9 @@ def test_registered_calls_bind_to_the_runtime_functions() -> None:
     from meshllm_dsl.runtime import collectives as rc
 
     for s in COLLECTIVES.values():
+        if s.issued == "unit":  # the primitive's own runtime function, in its own module
+            assert rt._WHERE[s.runtime] != "collectives" and callable(getattr(rt, s.runtime)), s.op
+            continue
         fn = getattr(rc, s.runtime)
         assert s.runtime in rc.__all__ and getattr(rt, s.runtime) is fn
         call = ast.parse(s.call("x", "group"), mode="eval").body
@@ -128,7 +138,9 @@ def test_every_op_a_plan_lowers_to_is_registered_and_reported() -> None:
     exported = _runtime_collectives()
     for where, plan, text in _plans():
         ops = {c.op for c in _collectives(plan)}
-        seen |= ops
+        issued = {c.op for c in _explained_order(plan)} - ops
+        assert all(spec(op).issued == "unit" for op in issued), where
+        seen |= ops | issued
         for op in ops:
             s = spec(op)
             assert s.wire and s.kernels > 0 and s.forward and s.backward, (where, op)
@@ -138,14 +150,10 @@ def test_every_op_a_plan_lowers_to_is_registered_and_reported() -> None:
         for op in ops:  # each op is in the code as its own call or its fused one
             s = spec(op)
             assert s.runtime in called or (s.fused is not None and s.fused.runtime in called), (where, op)
+        for op in issued:  # a unit's own: its runtime function
+            assert f"rt.{spec(op).runtime}(" in code, (where, op)
         # The readers that once raised KeyError: explain and the planner on two device kinds.
         explained = [c for e in explain.explain_json(plan)["layers"] for u in e["units"] for c in u["collectives"]]
-        # Expert parallelism's dispatch and combine is the moe unit's own (runtime/moe_dispatch.py), listed
-        # after the unit's registered collectives, once per moe unit of each block class.
-        dispatch = [c for c in explained if c.startswith("all_to_all(")]
-        moe_units = sum(u.kind == "moe" for u in plan.model.repeat.body) if plan.model.repeat else 0
-        assert len(dispatch) == (len(plan.block_classes) * moe_units if plan.roles.expert else 0), where
-        explained = [c for c in explained if not c.startswith("all_to_all(")]
         assert explained == [f"{c.op}({', '.join(c.axes)}) at {c.where}: {spec(c.op).forward} forward, "
                              f"{spec(c.op).backward} backward" for c in _explained_order(plan)], where
         explain.explain_text(plan)
@@ -158,7 +166,8 @@ def test_every_op_a_plan_lowers_to_is_registered_and_reported() -> None:
 def test_lowering_prints_a_runtime_call_for_every_op() -> None:
     (plan,) = check_text(_spec(MEGATRON), "t.mesh").plans.values()
     writer = _UnitWriter(plan, {})
-    for op, s in COLLECTIVES.items():
+    for s in layout_collectives():
+        op = s.op
         line = _collective_line(writer, Collective(op, ("tensor",), "input"), 32)
         assert line.code == f"x = rt.{s.runtime}(x, self.g_tensor{s.runtime_args})", op
         ast.parse(line.code)
@@ -174,6 +183,7 @@ def test_wire_bytes_follow_the_ring_algorithm() -> None:
     assert {op: s.wire_bytes(1000, 4) for op, s in COLLECTIVES.items()} == {
         "copy_to": 1500, "reduce_from": 1500, "split_to": 750, "gather_from": 750,
         "gather_seq": 2250, "reduce_scatter_seq": 1500, "split_seq": 750, "gather_seq_split": 750,
+        "expert_all_to_all": 3000,  # dispatch and combine, forward and backward: 4 x 3/4
     }
     assert all(s.wire_bytes(1000, 1) == 0 for s in COLLECTIVES.values())
     assert ring_bytes("send_recv", 1000, 2) == 1000
