@@ -212,7 +212,7 @@ CODES: dict[str, tuple[str, str]] = {
     "W0807": ("expert load skew", "With `skew = F` in a plan, the planner gives each moe layer's busiest expert a "
               "share F of the layer's routed tokens (the rest shared evenly) and plans every expert-parallel rank "
               "under it: the rank holding the busiest expert saves more activations and computes longer, the others "
-              "wait for it at each layer. Warned when that rank no longer fits in device memory, or the others wait "
+              "wait for it at each layer, and every all-to-all lasts as long as its larger share of rows. Warned when that rank no longer fits in device memory, or the others wait "
               "more than 10% of the step; the message says by how much. A capacity factor (`capacity` on the model) "
               "bounds an expert's tokens, the load-balancing loss (`aux_loss_coef`) evens them out; `meshc run "
               "--profile` measures the busiest share of a real run."),

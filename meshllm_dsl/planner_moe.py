@@ -8,7 +8,10 @@ holding the busiest expert gets F + (E / d - 1) (1 - F) / (E - 1) of the group's
 every other rank E / d x (1 - F) / (E - 1), against 1 / d each when balanced; a capacity factor caps
 each expert at d x ceil(capacity x T x k / E) (runtime/moe_routing.py counts it per source rank).
 The experts' saved activations and matmuls scale with a rank's pairs; the other ranks wait for the
-busiest at each layer's combine (the all-to-all's uneven volume is not modelled yet). With d = 1
+busiest at each layer's combine. The all-to-alls are uneven too: every source rank routes alike, so
+a rank receives (d - 1) / d of the pairs it computes from the other ranks in the dispatch (and sends
+them back in the combine); each call lasts as long as the busiest rank's share, pairs_busiest /
+pairs_balanced times the balanced call, and that stretches every rank's step alike. With d = 1
 (no `experts -> AXIS`: every rank holds every expert) a rank gets all of its pairs whatever F, so
 skew changes no rank's memory or step; only a capacity then drops pairs the busiest expert cannot take.
 """
@@ -102,6 +105,7 @@ class SkewRank:
     role: str  # "busiest" (holds the busiest expert) or "others"
     pairs: float  # routed pairs per moe layer and microbatch it computes
     balanced_pairs: int
+    received_rows: float  # of those, rows the dispatch all-to-all brings from the other ranks
     peak_bytes: int  # training peak under the skew
     step_s: float  # its busy time in the step: the planned step plus its extra expert work
     wait_s: float  # time it idles for the busiest rank per step
@@ -116,6 +120,8 @@ class SkewReport:
     ranks: tuple[SkewRank, ...]
     step_s: float  # the step under the skew: the busiest rank's
     balanced_step_s: float
+    a2a_factor: float = 1.0  # each expert all-to-all's time against balanced routing (the busiest rank's rows)
+    a2a_extra_s: float = 0.0  # what that adds to every rank's step
 
     @property
     def wait_share(self) -> float:
@@ -128,6 +134,12 @@ def _expert_saved_bytes(plan: PlanIR, hu: planner.HeldUnit, pairs: float) -> flo
     hid = int(hu.unit.attr("hidden"))  # type: ignore[arg-type]
     f = _ffn_local(plan, hu)
     return pairs * e * (2 * hid + 4 * f)
+
+
+def received_rows(pairs: float, degree: int) -> float:
+    """Rows of a rank's `pairs` (per layer and microbatch) the dispatch all-to-all brings from the
+    other ranks of its expert group: every source routes alike, so 1 / degree of them are its own."""
+    return pairs * (degree - 1) / degree
 
 
 def _held_copies(plan: PlanIR, hu: planner.HeldUnit, in_flight: int) -> int:
@@ -163,7 +175,8 @@ def skew_report(rep: planner.PlanReport) -> SkewReport | None:
     tokens = rep.micro_batch * plan.seq
     rows: list[SkewRank] = []
     degree, experts, routed, computed = 1, 0, 0.0, 0.0
-    extra_busiest = 0.0
+    extra_busiest = a2a_extra = 0.0
+    a2a_factor = 1.0
     for rc in rep.ranks:
         busy_bytes = other_bytes = 0.0
         busy_s = other_s = 0.0
@@ -188,17 +201,21 @@ def skew_report(rep: planner.PlanReport) -> SkewReport | None:
                 other_s += m * hu.count * (_expert_seconds(rep, hu, other) - base)
         if not balanced:
             continue
-        step = rep.step.total_s
-        rows.append(SkewRank(rc.coord, "busiest", busiest, balanced, round(rc.training_bytes + busy_bytes), step + busy_s,
-                             0.0))
+        # The expert all-to-alls last as long as the busiest rank's rows: every rank's step grows.
+        factor = busiest / balanced if degree > 1 else 1.0
+        a2a = (factor - 1.0) * sum(c.seconds for c in rc.comms if c.kind == "expert")
+        step = rep.step.total_s + a2a
+        rows.append(SkewRank(rc.coord, "busiest", busiest, balanced, received_rows(busiest, degree),
+                             round(rc.training_bytes + busy_bytes), step + busy_s, 0.0))
         if degree > 1:
-            rows.append(SkewRank(rc.coord, "others", other, balanced, round(rc.training_bytes + other_bytes),
-                                 step + other_s, busy_s - other_s))
-        extra_busiest = max(extra_busiest, busy_s)
+            rows.append(SkewRank(rc.coord, "others", other, balanced, received_rows(other, degree),
+                                 round(rc.training_bytes + other_bytes), step + other_s, busy_s - other_s))
+        extra_busiest = max(extra_busiest, busy_s + a2a)
+        a2a_factor, a2a_extra = max(a2a_factor, factor), max(a2a_extra, a2a)
     if not rows:
         return None
     return SkewReport(skew, degree, experts, 1.0 - computed / routed if routed else 0.0, tuple(rows),
-                      rep.step.total_s + extra_busiest, rep.step.total_s)
+                      rep.step.total_s + extra_busiest, rep.step.total_s, a2a_factor, a2a_extra)
 
 
 def skew_lines(rep: planner.PlanReport) -> list[str]:
@@ -211,15 +228,19 @@ def skew_lines(rep: planner.PlanReport) -> list[str]:
     if sk.degree == 1:
         lines.append("  every rank holds every expert, so the skew moves no work between ranks"
                      + ("" if sk.dropped_share else ": no rank's memory or step changes"))
+    if sk.a2a_factor > 1.0:
+        lines.append(f"  each expert all-to-all takes {sk.a2a_factor:.2f}x its balanced time (the busiest rank receives "
+                     f"that many times its balanced rows), {planner.fmt_seconds(sk.a2a_extra_s)} more per step on every rank")
     if sk.dropped_share:
         lines.append(f"  capacity drops {sk.dropped_share:.1%} of the routed pairs under this skew (each expert takes at "
                      "most its capacity), so the ranks compute and save less than balanced")
-    rows = [[str(r.coord), r.role, f"{r.pairs:,.0f}", f"{r.balanced_pairs:,}", planner.fmt_bytes(r.peak_bytes),
+    rows = [[str(r.coord), r.role, f"{r.pairs:,.0f}", f"{r.balanced_pairs:,}", f"{r.received_rows:,.0f}",
+             planner.fmt_bytes(r.peak_bytes),
              "yes" if r.peak_bytes <= rep.device.memory_bytes else "NO", planner.fmt_seconds(r.step_s),
              planner.fmt_seconds(r.wait_s)] for r in sk.ranks]
     lines += ["  " + x for x in planner._table(
-        ["pp", "ep rank", "pairs / layer / mb", "balanced", "peak", "fits", "busy", "waits"], rows,
-        right={2, 3, 4, 6, 7})]
+        ["pp", "ep rank", "pairs / layer / mb", "balanced", "rows in", "peak", "fits", "busy", "waits"], rows,
+        right={2, 3, 4, 5, 7, 8})]
     return lines
 
 
@@ -245,7 +266,11 @@ def skew_warnings(rep: planner.PlanReport) -> list[Diagnostic]:
         wait = max(r.wait_s for r in sk.ranks)
         out.append(Diagnostic(
             W0807, f"under skew {sk.skew:g} the other expert-parallel ranks wait {planner.fmt_seconds(wait)} per step for "
-            f"the busiest, {sk.wait_share:.0%} of the {planner.fmt_seconds(sk.step_s)} step", where,
+            f"the busiest, {sk.wait_share:.0%} of the {planner.fmt_seconds(sk.step_s)} step"
+            + (f"; its all-to-alls take {sk.a2a_factor:.2f}x their balanced time (the busiest rank receives "
+               f"{max(r.received_rows for r in sk.ranks):,.0f} rows per layer and microbatch from the others, "
+               f"{received_rows(sk.ranks[0].balanced_pairs, sk.degree):,.0f} balanced)" if sk.a2a_factor > 1.0 else ""),
+            where,
             label=f"more than {SKEW_WAIT_WARN:.0%} of the step idle",
             help="set a capacity factor (`capacity = 1.25`) or raise `aux_loss_coef`; `meshc run --profile` prints the "
             "measured busiest share to put here"))

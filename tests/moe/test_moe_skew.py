@@ -118,6 +118,61 @@ def test_skew_with_expert_parallel_ranks_warns_by_how_much() -> None:
     assert f"{planner.fmt_bytes(over)} more than" in fit.message
 
 
+def dispatch_rows_job(ctx, choices: list[list[int]]) -> list[int]:  # type: ignore[no-untyped-def]
+    """Rows the dispatch and the combine all-to-all of runtime/moe_dispatch.py bring this rank from
+    the other rank of a group of 2 (experts 0-1 on rank 0, 2-3 on rank 1), each routing `choices` [T, k]."""
+    import torch
+
+    from meshllm_dsl.runtime import moe_dispatch
+
+    group = ctx.mesh((("data", 2),)).group("data")
+    received: list[int] = []
+    plain = moe_dispatch._all_to_all
+
+    def counted(x, out_splits, in_splits, g):  # type: ignore[no-untyped-def]
+        received.append(sum(out_splits) - out_splits[ctx.rank])
+        return plain(x, out_splits, in_splits, g)
+
+    gen = torch.Generator().manual_seed(ctx.rank)
+    idx = torch.tensor(choices)
+    x, weights = torch.randn(len(choices), 8, generator=gen), torch.rand(idx.shape, generator=gen)
+    gate, up, down = torch.randn(6, 2, 8, generator=gen), torch.randn(6, 2, 8, generator=gen), torch.randn(8, 2, 6, generator=gen)
+    moe_dispatch._all_to_all = counted
+    try:
+        moe_dispatch.experts_parallel(x, idx, weights, gate, up, down, group)
+    finally:
+        moe_dispatch._all_to_all = plain
+    return received
+
+
+def test_the_all_to_all_rows_under_skew_are_the_measured_ones(pool) -> None:  # type: ignore[no-untyped-def]
+    # 6 tokens x top 2 of 4 experts on each of 2 ranks: expert 0 takes half the pairs (skew 0.5), the
+    # others 2 each, as the planner's skew assumes; the rank holding expert 0 receives twice the rows
+    choices = [[0, 1], [0, 2], [0, 3], [0, 1], [0, 2], [0, 3]]
+    (dispatch0, combine0), (dispatch1, combine1) = pool.run(dispatch_rows_job, 2, choices)
+    busiest, other = planner_moe.rank_pairs(0.5, 4, 2, 12, None)
+    assert [dispatch0, dispatch1] == [planner_moe.received_rows(busiest, 2), planner_moe.received_rows(other, 2)] == [8, 4]
+    assert [combine0, combine1] == [4, 8]  # the combine returns each rank's rows: the busiest sends 8
+    # balanced routing: 12 pairs, half of them from the other rank
+    assert planner_moe.received_rows(planner_moe.routed_pairs(6, 2, 4, 0.0), 2) == 6
+
+
+def test_skew_stretches_every_expert_all_to_all_by_the_busiest_rank_s_rows() -> None:
+    text = _expert_parallel("0", "0.4")
+    (plan,) = check_text(text, "ep.mesh").plans.values()
+    rep = planner.analyze(plan)
+    sk = planner_moe.skew_report(rep)
+    busiest, others = sk.ranks
+    assert sk.a2a_factor == pytest.approx(busiest.pairs / busiest.balanced_pairs) and sk.a2a_factor > 1.5
+    expert_s = sum(c.seconds for c in rep.ranks[0].comms if c.kind == "expert")
+    assert sk.a2a_extra_s == pytest.approx((sk.a2a_factor - 1) * expert_s) and sk.a2a_extra_s > 0
+    assert busiest.received_rows == pytest.approx(busiest.pairs * 3 / 4)  # 4 ranks: 1 / 4 its own
+    (w,) = [d for d in planner.plan_warnings(rep) if d.code == "W0807"]
+    assert f"all-to-alls take {sk.a2a_factor:.2f}x their balanced time" in w.message
+    assert f"receives {busiest.received_rows:,.0f} rows" in w.message
+    assert f"{sk.a2a_factor:.2f}x its balanced time" in planner.report_text(rep)
+
+
 @pytest.mark.parametrize("value, code, words", [
     ("0.1", "E0307", "less than 1 / experts = 0.125"),
     ("1.5", "E0307", "out of range"),
