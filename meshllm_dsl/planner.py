@@ -985,7 +985,7 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 g, lo, re = unit_local_params(plan, hu)
                 glob += g * hu.count
                 local += lo * hu.count
-                stage_local += lo * hu.count
+                stage_local += (lo - expert_split_params(plan, hu)) * hu.count  # what FSDP2 shards: not the experts
                 stage_top += 0 if hu.prefix else lo
                 repl += re * hu.count
                 largest_unit = max(largest_unit, lo)
@@ -1067,16 +1067,22 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         # A block (or attention core) being recomputed holds its saved tensors until its backward is done.
         recomputed = max(block_saved.values(), default=0)
         gather = accum = 0
+        dense = local - expert_local
         if fsdp:
-            weight_b, grad_b, opt_b = fsdp_per_device(local, zero_shards, master)
-            gather = fsdp_gather_bytes(plan.zero, w, local, top_local, max(block_params.values(), default=0))
+            # FSDP2 leaves the experts out (split over the ZeRO axes, the checker sees to that: no
+            # rank of them holds another's): whole in the master dtype with their gradients and
+            # moments, each cast to the compute dtype from its forward to its backward (runtime/moe_dispatch.py).
+            weight_b, grad_b, opt_b = (a + b * expert_local for a, b in
+                                       zip(fsdp_per_device(dense, zero_shards, master), (master, master, 2 * master)))
+            gather = fsdp_gather_bytes(plan.zero, w, dense, top_local, max(block_params.values(), default=0))
+            gather += w * expert_local if master > w else 0
             if accumulates:
                 # torch's PipelineStage (and at ZeRO 1 the runtime's microbatch loop) runs every
                 # backward but the step's last without gradient sync or reshard: FSDP2 accumulates
                 # each unit's unsharded (tensor-local) gradient between microbatches, upcast to the
                 # reduce dtype (`to_accumulated_grad_if_needed`), on top of the sharded gradient it
-                # reduce-scatters into at the end of the step.
-                accum = DTYPES[plan.reduce_dtype or plan.dtype] * local
+                # reduce-scatters into at the end of the step. (The experts' accumulate in their own.)
+                accum = DTYPES[plan.reduce_dtype or plan.dtype] * dense
         else:
             # With `precision` at ZeRO 0 (runtime/amp.py: autocast) the parameters and their gradients are the
             # master dtype's, and each weight's cast to the compute dtype lives from its forward to
@@ -1170,6 +1176,10 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                 comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", scatters,
                                    scattered_b // max(1, scatters)))
                 comms += hsdp_replica_comm(plan, device, scatters, scattered_b // max(1, scatters))
+                rest = tuple(a for a in plan.roles.replicas if a not in plan.roles.expert)
+                if expert_local and rest:
+                    # the experts FSDP2 leaves out: all-reduced over the batch axes that replicate them
+                    comms.append(_comm(plan, device, rest, "data", "all_reduce", 1, reduce_w * expert_local))
             elif plan.zero >= 1:
                 # Gradients reduce-scattered to their owners, updated weights all-gathered back.
                 comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", 1, reduce_w * local))

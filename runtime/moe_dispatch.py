@@ -58,6 +58,11 @@ def experts_parallel(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: 
     hold experts r * E_local .. (r + 1) * E_local - 1 of rank r of ``group``; with F_local < F
     (tensor-parallel experts) the result is this rank's partial sum, as ``moe.moe_experts``'s."""
     n, e_local = dist.get_world_size(group), gate.shape[1]
+    # FSDP2 leaves the experts out (no other rank of its mesh holds them), so they stay in the
+    # master dtype: compute in the activations' dtype, as FSDP2's cast gives the dense weights (a
+    # no-op without `precision`, and under autocast, whose residual stream keeps the master dtype).
+    # The cast's backward returns the gradient in the master dtype.
+    gate, up, down = (w if w.dtype == x.dtype else w.to(x.dtype) for w in (gate, up, down))
     t, k = idx.shape
     flat = idx.reshape(-1)  # [T k] global expert of each (token, choice) pair
     # A pair dropped for capacity (id -1, runtime/moe_routing.py) goes to no rank and adds nothing.

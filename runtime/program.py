@@ -149,9 +149,10 @@ class Program:
 _BUCKET_ELEMENTS = 1 << 24
 
 
-def _all_reduce_coalesced(tensors: list[Tensor], group: dist.ProcessGroup | None, divide_by: int = 1) -> None:
+def _all_reduce_coalesced(tensors: list[Tensor], group: dist.ProcessGroup | None, divide_by: int = 1,
+                          dtype: torch.dtype | None = None) -> None:
     """In-place sum over ``group`` of many tensors (a mean with ``divide_by`` = the group's size),
-    coalesced into few flat all-reduces.
+    coalesced into few flat all-reduces, summed in ``dtype`` (default: each tensor's own).
 
     One collective per parameter is latency-bound (gloo especially); buckets of up to 16M
     elements of one dtype keep the extra memory bounded.
@@ -170,6 +171,8 @@ def _all_reduce_coalesced(tensors: list[Tensor], group: dist.ProcessGroup | None
                 end += 1
             bucket = same[start:end]
             flat = torch.cat([t.reshape(-1) for t in bucket])
+            if dtype is not None and dtype != flat.dtype:
+                flat = flat.to(dtype)
             # [sum of bucket numels]: gradients of this rank's shards, summed over the replicas.
             all_reduce_(flat, group)
             if divide_by != 1:
@@ -688,9 +691,13 @@ class Built:
                         continue
                     seen.add(id(q))
                     by_axes.setdefault(self._replica_axes(spec), []).append(q.grad)
+            # Under FSDP2 the plain gradients are the experts' it leaves out: summed in the plan's
+            # reduce dtype, as FSDP2 reduces the dense ones.
+            p = self.program
+            reduce = p.reduce_dtype if fsdp.uses_fsdp(p.zero, p.param_dtype) else None
             for over, grads in by_axes.items():
                 if over and self.mesh.size(*over) > 1:
-                    _all_reduce_coalesced(grads, self.mesh.group(*over), divide_by=self.replicas)
+                    _all_reduce_coalesced(grads, self.mesh.group(*over), divide_by=self.replicas, dtype=reduce)
                 else:
                     torch._foreach_div_(grads, self.replicas)
 

@@ -249,9 +249,6 @@ def optimizer(ctx: PassContext) -> PassResult:
                 entry.span, label=f"the experts split over {' x '.join(ctx['expert_axes'])} only",
                 help=f"shard ZeRO over the expert axes only (`zero {zero} over {' * '.join(ctx['expert_axes'])}`: "
                 "HSDP, replicated over the rest), or split the experts over every ZeRO axis")
-    if entry is not None and any(isinstance(st, ast.PrecisionStmt) for st in ctx.decl.body):
-        w.error(E0412, "`precision` with expert parallelism is not supported yet", entry.span,
-                label="the experts would stay in the master dtype", help="drop `precision` (compute in `dtype`)")
     return w.result(optimizer=name, optimizer_settings=opt_settings, zero=zero, zero_axes=zero_axes)
 
 
