@@ -197,6 +197,14 @@ class _UnitWriter:
             return "self.ctx.attention"
         return "rt.attention"
 
+    def capacity_keep(self, x: str) -> str:
+        """The `keep=` of a capacity-dropping router: under context parallelism capacity counts the
+        whole sequences' tokens in position order (runtime/context.py); '' otherwise."""
+        if self.plan.roles.context:
+            self.context_used = True
+            return f", keep=self.ctx.capacity_keep({x}.shape[0])"
+        return ""
+
     def group_index(self, axes: tuple[str, ...]) -> str:
         """An __init__-bound attribute holding this rank's index over ``axes``."""
         attr = "i_" + "_".join(axes)

@@ -131,8 +131,7 @@ CODES: dict[str, tuple[str, str]] = {
               "name both kinds of axes (`seq -> tensor * cp`): sequence parallelism over the ones that split "
               "weights (E0410) inside context parallelism over the rest, with `seq` dividing into the chunks "
               "and each chunk pair over the tensor axes. What does not compose with it yet "
-              "(a mixture-of-experts layer's capacity factor, a tensor-parallel export) is refused here rather "
-              "than run wrong."),
+              "(a tensor-parallel export) is refused here rather than run wrong."),
     "E0412": ("expert parallelism does not fit the plan", "`layout { experts -> D }` splits every moe layer's "
               "experts over the mesh axes D, as DeepSpeed-MoE, Megatron-Core and torchtitan do: each rank holds "
               "experts / |D| of them and tokens travel to their experts' ranks and back by all-to-all. The "

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -40,6 +40,7 @@ from .collectives import (
     all_reduce_sum,
 )
 from .mesh import Mesh
+from .moe_routing import capacity_of, keep_within_capacity
 
 SEQ_DIM = 1  # tokens [b, s], activations [b, s, ...]
 
@@ -119,6 +120,26 @@ class ContextShard:
             return x
         # [any] per rank -> [any], summed over the context axes; backward sums the gradients.
         return _SumOverSequence.apply(x, self.group)
+
+    def capacity_keep(self, batch: int) -> Callable[[Tensor, int, float], Tensor]:
+        """For ``rt.moe_route(keep=...)``: which (token, choice) pairs of this rank's ``batch`` x s / n
+        tokens fit their expert's capacity, counted as the unsharded layer counts them: over the whole
+        sequences' b x s tokens, in position order (runtime/moe_routing.py)."""
+        def keep(idx: Tensor, experts: int, factor: float) -> Tensor:
+            k = idx.shape[-1]
+            if self.group is None or (layers._ACTIVE is not None and not _SPLIT_PREFILL):
+                # One rank, or a decoding step: every rank routes the same whole tokens.
+                limit = capacity_of(factor, idx.shape[0], k, experts)
+                assert limit is not None
+                return keep_within_capacity(idx, experts, limit)
+            # [b s / n, k] ids per rank -> [b, s, k] in position order: the pairs the capacity counts.
+            whole = self.unshard(idx.reshape(batch, -1, k))
+            limit = capacity_of(factor, whole.shape[0] * whole.shape[1], k, experts)
+            assert limit is not None
+            fits = keep_within_capacity(whole.reshape(-1, k), experts, limit).reshape(whole.shape)
+            return self.local(fits).reshape(idx.shape)
+
+        return keep
 
     def unshard(self, local: Tensor, dim: int = SEQ_DIM) -> Tensor:
         """The global sequence from every rank's ``local`` (no autograd): the inverse of ``local``."""

@@ -12,7 +12,7 @@ experts' ffn may be split over a tensor axis like the dense MLP's (gate / up col
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -67,9 +67,9 @@ def experts_swiglu(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Te
 
 
 def moe_route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32: bool,
-              capacity: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+              capacity: float = 0.0, keep: Callable[[Tensor, int, float], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``route`` (runtime/moe_routing.py) as generated code calls it (keywords)."""
-    return route(x, weight, top_k, renormalize, weights_fp32, capacity)
+    return route(x, weight, top_k, renormalize, weights_fp32, capacity, keep)
 
 
 def moe_experts(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,

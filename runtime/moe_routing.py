@@ -10,7 +10,9 @@ ceil(F * T * top_k / experts) of the T tokens one forward routes (one microbatch
 rank, as Switch Transformer and Megatron count it). Pairs past an expert's capacity are dropped in
 token order: the (token, choice) pairs are visited by token position in the flattened [b * s]
 batch, and for one token by its choice rank (best first); an expert keeps the first pairs it gets.
-Deterministic, and the same on every rank of a tensor group (the router is replicated).
+Deterministic, and the same on every rank of a tensor group (the router is replicated). Under
+context parallelism T and the order are those of the whole sequences, as unsharded: each rank's ids
+are gathered over the context axes and put in position order before counting (``keep``).
 
 Router losses, added to the training loss on the tokens of each forward (microbatch x data-parallel
 rank, as transformers computes them per forward and DDP / gradient accumulation average them):
@@ -20,7 +22,7 @@ rank, as transformers computes them per forward and DDP / gradient accumulation 
   (a product of sums, not a sum over layers), times ``aux_loss_coef``. It is computed from the
   router's own top-k, before capacity drops anything, as transformers does. Under context
   parallelism one forward's sequences are spread over the context ranks: the sums are reduced over
-  them before the product (``sequence_sum``; capacity with context parallelism is refused, E0411).
+  them before the product (``sequence_sum``).
 - the router z-loss of ST-MoE (Zoph et al. 2022, eq. 5): per layer the mean over tokens of
   logsumexp(logits)^2, summed over the layers (as ST-MoE and Megatron add one per router), times
   ``z_loss_coef``.
@@ -119,13 +121,15 @@ def recording(active: bool = True, keep_logits: bool = True) -> Iterator[RouterL
 
 
 def route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32: bool,
-          capacity: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+          capacity: float = 0.0, keep: Callable[[Tensor, int, float], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Router of one MoE layer: x [T, H], weight [E, H] -> (chosen weights [T, k], chosen expert
     ids [T, k] int64, router logits [T, E]).
 
     ``weights_fp32``: keep the chosen weights in float32 (Mixtral) instead of casting them to the
     logits' dtype (Qwen2-MoE / Qwen3-MoE). ``capacity``: the capacity factor (0: dropless); dropped
-    pairs get id ``DROPPED`` and weight 0 (the kept weights are not renormalised again)."""
+    pairs get id ``DROPPED`` and weight 0 (the kept weights are not renormalised again). ``keep``:
+    (ids [T, k], experts, factor) -> which pairs fit, when the T rows are part of a forward spread over ranks
+    (context parallelism: ContextShard.keep_within_capacity counts in the whole sequence's order)."""
     logits = F.linear(x, weight)  # [T, E]
     probs = torch.softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
     top, idx = torch.topk(probs, top_k, dim=-1)  # [T, k]; ties go to the lower expert id, as in HF
@@ -135,9 +139,9 @@ def route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32
         top = top.to(logits.dtype)
     limit = capacity_of(capacity, x.shape[0], top_k, weight.shape[0])
     if limit is not None:
-        keep = keep_within_capacity(idx, weight.shape[0], limit)
-        idx = torch.where(keep, idx, torch.full_like(idx, DROPPED))
-        top = top * keep
+        fits = keep(idx, weight.shape[0], capacity) if keep is not None else keep_within_capacity(idx, weight.shape[0], limit)
+        idx = torch.where(fits, idx, torch.full_like(idx, DROPPED))
+        top = top * fits
     record(logits, idx, weight)
     return top, idx, logits
 

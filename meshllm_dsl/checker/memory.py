@@ -67,7 +67,7 @@ class MemoryRules(PlanContext):
         layouts (layouts.py); here: a model it applies to, and seq splitting over T (E0301).
         """
         entry = self.seq_entry
-        if entry is None or not self.seq_axes:  # (context parallelism, or a refused mix: E0411)
+        if entry is None or not self.seq_axes:  # (context parallelism alone)
             return
         axes, text = self.seq_axes, " x ".join(self.seq_axes)
         rep = self.model.repeat
@@ -107,8 +107,8 @@ class MemoryRules(PlanContext):
                          batch_axes: tuple[str, ...]) -> None:
         """`layout { seq -> C }` over axes C that split no weight: context parallelism (runtime/context.py).
 
-        C has no other role (E0411), the model has nothing the runtime does not yet split along the
-        sequence (E0411), and seq divides into 2 |C| equal chunks for the head-tail balance (E0301).
+        C has no other role (E0411), and seq divides into 2 |C| equal chunks for the head-tail balance
+        (E0301), and under sequence parallelism over T each rank's s / |C| over T as well.
         """
         entry, axes = self.seq_entry, self.context_axes
         if entry is None or not axes:
@@ -122,17 +122,6 @@ class MemoryRules(PlanContext):
                            help="context parallelism needs a mesh axis of its own: add one (`axes data = 2, cp = 2`) "
                                 f"and write `seq -> cp`, or remove `seq -> {' * '.join(axes)}`")
                 return
-        # Routing is per token and the router losses reduce their statistics over C (runtime/context.py),
-        # but an expert's capacity is counted over the whole sequence in position order, which no rank holds.
-        capped = [u for u in (self.model.repeat.body if self.model.repeat else ()) if u.kind == "moe" and dict(u.attrs).get("capacity")]
-        if capped:
-            u = capped[0]
-            self.error(E0411, f"capacity dropping in the moe layer `{u.name}` (capacity = {u.attr('capacity'):g}) "
-                       "is not supported with context parallelism yet", entry.span, label=f"context parallelism over {text}",
-                       secondary=(Label(u.span, "a mixture-of-experts layer with a capacity factor"),) if u.span else (),
-                       help="set `capacity = 0` (dropless routing composes with context parallelism) or remove "
-                            f"`seq -> {' * '.join(axes)}`: an expert keeps the first pairs in the order of the whole "
-                            "sequence, and each rank holds only two chunks of it")
         c = self.mesh.size(*axes)
         # Under sequence parallelism over T as well, each rank's s / C tokens split over T.
         t = self.mesh.size(*self.seq_axes) if self.seq_axes else 1

@@ -238,9 +238,13 @@ class Moe(Primitive):
         if (copy is not None and copy.op != "copy_to") or (reduce is not None and reduce.op != "reduce_from"):
             raise AssertionError(f"moe: {copy} / {reduce} (sequence parallelism) are refused by the checker")
         f_local = self._local(w, unit, placement, "gate", a["ffn"])
-        cap = f", capacity={a['capacity']!r}" if a.get("capacity") else ""
+        cap = f", capacity={a['capacity']!r}{w.capacity_keep(x)}" if a.get("capacity") else ""
         drop = (f"; past ceil({a['capacity']:g} x b*s x {k} / {n_exp}) per expert, id -1 (dropped)"
                 if a.get("capacity") else "")
+        if cap and w.plan.roles.context:
+            n = w.plan.mesh.size(*w.plan.roles.context)
+            drop += (f", counted over the whole sequences: ids all-gathered over {w.axes_text(w.plan.roles.context)} "
+                     f"({n}) to [b, {n} s, {k}] in position order")
         lines = [
             w.line(f"t = {x}.reshape(-1, {hid})", f"[b*s, {hid}] one row per token"),
             w.line(f"weights, chosen, _ = rt.moe_route(t, {m}.router.weight, top_k={k}, "

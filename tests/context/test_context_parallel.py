@@ -75,13 +75,15 @@ def test_context_parallel_checks(axes: str, body: str, code: str | None) -> None
     assert got == ([code] if code else []), got
 
 
-def test_moe_layers_compose_with_context_parallelism_unless_they_drop_for_capacity() -> None:
-    body = "    layout { batch -> data, experts -> data, seq -> cp }"
-    assert _codes(_spec("data = 2, cp = 2", body, MIXTRAL)) == []
-    capped = check_text(_spec("data = 2, cp = 2", body, MIXTRAL.replace("dtype", "capacity = 1.5, dtype")), "t.mesh")
-    (d,) = capped.diagnostics
-    assert d.code == "E0411" and "capacity = 1.5" in d.message and "capacity = 0" in d.help
-    assert d.span is not None and d.span.text == "seq -> cp"
+def test_a_capacity_dropping_router_counts_the_whole_sequence_under_context_parallelism() -> None:
+    from meshllm_dsl.codegen.emit import render_plan
+
+    text = _spec("data = 2, cp = 2", "    layout { batch -> data, experts -> data, seq -> cp }",
+                 MIXTRAL.replace("dtype", "capacity = 0.75, dtype"))
+    (plan,) = check_text(text, "t.mesh").plans.values()
+    code = render_plan(plan, "t.mesh", text)
+    assert "capacity=0.75, keep=self.ctx.capacity_keep(h.shape[0]))" in code
+    assert "ids all-gathered over cp (2) to [b, 2 s, 2] in position order" in code
 
 
 def test_zero_over_data_and_context_shards_over_both() -> None:
@@ -134,9 +136,10 @@ CASES: dict[str, str] = {
     "gpt2_cp2_recompute_attention": _spec("cp = 2", "    layout { seq -> cp }\n    recompute = attention", GPT2),
     "gemma2_cp2": _spec("cp = 2", "    layout { seq -> cp }", GEMMA2),
     # Routing per token on each context rank, the router statistics summed over cp; the experts
-    # split over data (all-to-all within each cp coordinate's data group), 2 microbatches.
-    "mixtral_data2_cp2_ep2": _spec("data = 2, cp = 2", "    layout { batch -> data, experts -> data, seq -> cp }\n"
-                                   "    microbatches = 2", MIXTRAL, batch=8),
+    # split over data (all-to-all within each cp coordinate's data group), 2 microbatches; each
+    # expert takes 6 of a forward's 32 (token, choice) pairs, counted in the whole sequence's order.
+    "mixtral_data2_cp2_ep2_capacity": _spec("data = 2, cp = 2", "    layout { batch -> data, experts -> data, seq -> cp }\n"
+                                            "    microbatches = 2", MIXTRAL.replace("dtype", "capacity = 0.75, dtype"), batch=8),
 }
 
 
