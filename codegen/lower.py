@@ -279,7 +279,8 @@ class _UnitWriter:
             lines.append(Line(f"{target} = rt.{fused.runtime}({x}, {self.group(c.axes)}, {layers})",
                               fused.columns.format(dim=hidden, n=self.n(c.axes), axes=_axes_text(c.axes))))
             if fused.gathers_sequence and primitives.of(unit).reads_sequence:
-                lines.append(Line(f"b, s, _ = {names[0]}.shape", "the whole sequence"))
+                lines.append(Line(f"b, s, _ = {names[0]}.shape", "this rank's two chunks of the sequence over "
+                                  f"{_axes_text(self.plan.roles.context)}" if self.plan.roles.context else "the whole sequence"))
         # In front of a row layer fed a replicated input, this rank's slice of it.
         split = next((c for c in flow.collectives if c.where == "input" and spec(c.op).fused is None), None)
         reduce = next((c for c in flow.collectives if c.where == "output"), None)  # the row layer's sum
@@ -322,13 +323,15 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
     w.block_index = cls.indices[0]
     placement = dict(cls.placements)
     init: list[Line] = []
-    sp = plan.roles.sequence
-    residual = f"Shard(seq) over {_axes_text(sp)}" if sp else "Replicate"
+    sp, cp = plan.roles.sequence, plan.roles.context
+    # Under context parallelism `s` is this rank's two chunks of the sequence, split further by sp.
+    residual = f"Shard(seq) over {_axes_text((*cp, *sp))}" if sp or cp else "Replicate"
+    stream = f"the residual stream; s: this rank's chunks over {_axes_text(cp)}" if cp else "the residual stream"
     if sp:
         # b and s are bound after the attention's gather: the whole sequence, not this rank's slice.
-        forward: list[Line] = [Line("", f"x: [b, s/{plan.mesh.size(*sp)}, {_model_hidden(plan)}] {residual} (the residual stream)")]
+        forward: list[Line] = [Line("", f"x: [b, s/{plan.mesh.size(*sp)}, {_model_hidden(plan)}] {residual} ({stream})")]
     else:
-        forward = [Line("b, s, _ = x.shape", f"x: [b, s, {_model_hidden(plan)}] Replicate (the residual stream)")]
+        forward = [Line("b, s, _ = x.shape", f"x: [b, s, {_model_hidden(plan)}] {residual} ({stream})")]
     params: list[Line] = []
     pending_norm: str | None = None
     for unit in rep.body:

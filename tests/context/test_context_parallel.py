@@ -347,3 +347,7 @@ def test_explain_shows_the_sequence_split_over_the_context_axis() -> None:
     out = explain_text(plan)
     assert "placements=(Shard(dim=0), Shard(dim=1))  # Shard(batch) over data, Shard(seq) over cp" in out
     assert "rank i holds chunks i and 3 - i of 4" in out
+    # Sequence parallelism inside: the norms' activations split over both, cp first.
+    both = _spec("tensor = 2, cp = 2", MEGATRON + "    layout { seq -> tensor * cp }")
+    out = explain_text(check_text(both, "t.mesh").plans["p"])
+    assert "input   placements=(_StridedShard(dim=1, sf=2), Shard(dim=1))  # Shard(seq) over cp x tensor" in out

@@ -33,6 +33,8 @@ EXAMPLE_ROLES = {
     ("tiny_mixtral.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",)),
     ("tiny_mixtral_experts.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",), expert=("data",)),
     ("llama3_8b_128k.mesh", "long_context"): R(batch_shard=("cp",), context=("cp",)),
+    ("tiny_llama_context.mesh", "train"): R(batch_shard=("cp",), tensor=("tensor",), sequence=("tensor",), loss=("tensor",),
+                                            context=("cp",)),
     ("mixtral_8x7b.mesh", "train"): R(batch=("data",), batch_shard=("data",), tensor=("tensor",), loss=("tensor",)),
 }
 
