@@ -1,7 +1,8 @@
 """Context parallelism on gloo ranks: activation memory per rank and K / V bytes, measured vs `meshc plan`.
 
 The same Llama (4 layers, hidden 128, 8 heads, 2 kv heads, seq 64, batch 4) at context 1 and 4
-(`layout { seq -> cp }`). Each plan is built on the worker pool and stepped once (warm-up), then:
+(`layout { seq -> cp }`), and on tensor 2 x context 2 without and with sequence parallelism inside
+(`seq -> tensor * cp`). Each plan is built on the worker pool and stepped once (warm-up), then:
 
   saved/mb   bytes autograd keeps for backward during one step, per microbatch, on rank 0 (the
              runtime's ``saved_bytes``; planner: activations per microbatch)
@@ -19,14 +20,29 @@ from pathlib import Path
 from typing import Any
 
 LLAMA = """
-mesh m {{ axes cp = {cp} }}
+mesh m {{ axes {axes} }}
 model l = llama {{ vocab = 512, hidden = 128, layers = 4, heads = 8, kv_heads = 2, ffn = 256, dtype = fp32 }}
 plan p on m for l {{
     batch = 4
     seq = 64
-    layout {{ seq -> cp }}
-}}
+    layout {{ {layout} }}
+{rules}}}
 """
+MEGATRON = """    shard blocks.*.attn.{q,k,v} column(tensor)
+    shard blocks.*.attn.o row(tensor)
+    shard blocks.*.mlp.{gate,up} column(tensor)
+    shard blocks.*.mlp.down row(tensor)
+    shard embed vocab_parallel(tensor)
+    shard lm_head column(tensor)
+"""
+# (name, mesh axes, layout, rules): context 1 and 4, and tensor 2 x context 2 without and with
+# Megatron sequence parallelism inside (`seq -> tensor * cp`).
+PLANS = [
+    ("cp1", "cp = 1", "seq -> cp", ""),
+    ("cp4", "cp = 4", "seq -> cp", ""),
+    ("tp2 cp2", "tensor = 2, cp = 2", "seq -> cp", MEGATRON),
+    ("tp2 cp2 sp", "tensor = 2, cp = 2", "seq -> tensor * cp", MEGATRON),
+]
 
 
 def _job(ctx: Any, path: str) -> dict[str, int]:
@@ -67,20 +83,20 @@ def main() -> None:
     from meshllm_dsl.planner import analyze, fmt_bytes, kv_gather_bytes_per_layer
     from meshllm_dsl.runtime.pool import WorkerPool
 
-    rows = [("context", "plan saved/mb", "measured", "ratio", "plan kv/layer", "measured", "gathers")]
+    rows = [("plan", "plan saved/mb", "measured", "ratio", "plan kv/layer", "measured", "gathers")]
     with tempfile.TemporaryDirectory() as tmp, WorkerPool(world_size=4, timeout=300) as pool:
-        for cp in (1, 4):
-            text = LLAMA.format(cp=cp)
+        for name, axes, layout, rules in PLANS:
+            text = LLAMA.format(axes=axes, layout=layout, rules=rules)
             result = check_text(text, "bench.mesh")
             assert result.ok, [d.message for d in result.errors]
             (plan,) = result.plans.values()
-            path = Path(tmp) / f"cp{cp}.py"
+            path = Path(tmp) / f"{name.replace(' ', '_')}.py"
             path.write_text(render_plan(plan, "bench.mesh", text))
             got = pool.run(_job, plan.mesh.devices, str(path))[0]
             rc = analyze(plan).ranks[0]
             layers = plan.model.repeat.count if plan.model.repeat else 0
             kv_measured = got["gathered"] // max(1, layers)
-            rows.append((str(cp), fmt_bytes(rc.activation_bytes_per_microbatch), fmt_bytes(got["saved"]),
+            rows.append((name, fmt_bytes(rc.activation_bytes_per_microbatch), fmt_bytes(got["saved"]),
                          f"{rc.activation_bytes_per_microbatch / max(1, got['saved']):.2f}",
                          fmt_bytes(kv_gather_bytes_per_layer(plan)), fmt_bytes(kv_measured), str(got["calls"])))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
