@@ -963,6 +963,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         expert_local = 0  # parameters split over expert axes: their gradients skip those axes' reduction
         seq_grads = 0  # sequence parallelism: gradient elements summed over the tensor axes once a step
         kv_gathers = 0  # context parallelism: bytes of k and v one microbatch's forward all-gathers
+        route_gathers: dict[int, int] = {}  # context parallelism: capacity ids all-gathered, bytes -> calls per microbatch
+        router_sums = 0  # context parallelism: the load-balancing loss's [experts] sums per microbatch (bytes)
         holds_head = False
         block_saved: dict[str, int] = {}  # recompute: what one block (or attention core) rebuilds in backward
         forward_s = 0.0  # one microbatch's forward on this rank (matmuls, lookups, memory traffic)
@@ -1042,6 +1044,15 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     kv_gathers += hu.count * 2 * micro_batch * plan.seq * kv_local * int(hu.unit.attr("head_dim")) * w  # type: ignore[arg-type]
                 for axes, op in unit_collectives(hu):
                     tensor_calls[(axes, op)] = tensor_calls.get((axes, op), 0) + hu.count
+                if cp > 1 and hu.unit.kind == "moe":
+                    a = dict(hu.unit.attrs)
+                    if a.get("capacity"):
+                        # Each router's ids [mb, s / cp, k] int64 gathered to the whole sequences' order
+                        # before counting capacity (runtime/context.py), again when backward recomputes.
+                        size = 8 * micro_batch * plan.seq * int(a["top_k"])  # type: ignore[arg-type]
+                        route_gathers[size] = route_gathers.get(size, 0) + hu.count + recomputed_copies(plan, hu)
+                    if a.get("aux_loss_coef"):
+                        router_sums = FP32 * int(a["experts"])  # type: ignore[arg-type]
                 a2a = expert_all_to_all(plan, hu, tokens_mb)
                 if a2a is not None:
                     axes, size = a2a
@@ -1137,6 +1148,13 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             per_call = kv_gathers // max(1, 2 * layers_here)
             comms.append(_comm(plan, device, plan.roles.context, "context", "all_gather", 2 * (layers_here + reruns) * m, per_call))
             comms.append(_comm(plan, device, plan.roles.context, "context", "reduce_scatter", 2 * layers_here * m, per_call))
+        for size, calls in sorted(route_gathers.items()):
+            comms.append(_comm(plan, device, plan.roles.context, "context", "all_gather", calls * m, size))
+        if router_sums:
+            # The load-balancing loss over whole sequences: per microbatch its [experts] assignment
+            # counts and probability sums summed over the context axes, and the sums' gradient in
+            # backward (the row count, one scalar, is not counted).
+            comms.append(_comm(plan, device, plan.roles.context, "context", "all_reduce", 3 * m, router_sums))
         if seq_grads:
             # The norms' (and row biases') partial gradients, coalesced into one all-reduce per step.
             comms.append(_comm(plan, device, plan.roles.sequence, "tensor", "all_reduce", 1, w * seq_grads))

@@ -297,6 +297,15 @@ def test_planner_splits_the_expert_all_to_all_over_the_context_ranks() -> None:
     assert a2a[cp] == a2a[alone] // 2 > 0
     assert any(c.kind == "data" and c.axis == "cp" for c in cp.comms)
     assert cp.activation_bytes_per_microbatch < alone.activation_bytes_per_microbatch * 0.6
+    # The load-balancing loss sums [4 experts] fp32 twice forward and once backward per microbatch;
+    # a capacity factor gathers each router's ids, [1, 64, 2] int64 per layer and microbatch.
+    sums = [(c.calls, c.payload_bytes) for c in cp.comms if c.kind == "context" and c.op == "all_reduce"]
+    assert sums == [(3 * 2, 3 * 2 * 4 * 4)]
+    capped = _report("data = 2, cp = 2", ep.replace("experts -> data", "experts -> data, seq -> cp"),
+                     model=MIXTRAL.replace("dtype", "capacity = 0.75, dtype")).ranks[0]
+    gathers = {(c.calls, c.payload_bytes) for c in capped.comms if c.kind == "context" and c.op == "all_gather"}
+    kv_only = {(c.calls, c.payload_bytes) for c in cp.comms if c.kind == "context" and c.op == "all_gather"}
+    assert gathers - kv_only == {(2 * 2, 2 * 2 * 8 * 64 * 2)}
 
 
 # -- the language server
