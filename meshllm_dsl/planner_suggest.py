@@ -156,8 +156,10 @@ def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -
     if c.recompute != "none":
         plan.append(f"    recompute = {c.recompute}")
     layout = (["batch -> replica * data" if c.zero_shard else "batch -> data"] if c.data > 1 else []) + ([f"{d} -> tensor" for d in _sharded_dims(model)] if c.tensor > 1 else [])
-    layout += ["seq -> tensor"] if c.seq_parallel else []
-    layout += ["seq -> cp"] if c.context > 1 else []
+    # One `seq` entry: over tensor Megatron sequence parallelism, over cp context parallelism, both
+    # at once sequence parallelism inside context parallelism.
+    seq_axes = (["tensor"] if c.seq_parallel else []) + (["cp"] if c.context > 1 else [])
+    layout += [f"seq -> {' * '.join(seq_axes)}"] if seq_axes else []
     if layout:
         plan.append("    layout { " + ", ".join(layout) + " }")
     if c.pipeline > 1:

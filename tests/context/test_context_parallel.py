@@ -348,6 +348,24 @@ def test_suggest_searches_context_sizes_for_long_sequences() -> None:
     assert {c.context for c in candidates(model, 8, 1, 8, 131072)} == {1, 2, 4, 8}
 
 
+def test_suggest_writes_sequence_parallelism_inside_context_parallelism_as_one_entry() -> None:
+    import attrs
+
+    from meshllm_dsl.planner_suggest import candidates, plan_text
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "llama3_8b_128k.mesh"
+    src = path.read_text()
+    model = check_text(src, str(path)).models["llama3_8b"]
+    both = attrs.evolve(next(c for c in candidates(model, 8, 1, 8, 131072) if c.context > 1 and c.tensor > 1),
+                        seq_parallel=True)
+    text = plan_text(both, model, "h100", 1, 131072)
+    assert "seq -> tensor * cp }" in text and text.count("seq ->") == 1
+    result = check_text(src[: src.index("plan ")] + "\n" + text, str(path))
+    assert result.ok, [d.message for d in result.diagnostics]
+    roles = result.plans["suggested"].roles
+    assert roles.sequence == ("tensor",) and roles.context == ("cp",)
+
+
 def test_explain_shows_the_sequence_split_over_the_context_axis() -> None:
     from meshllm_dsl.explain import explain_text
 
