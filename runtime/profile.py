@@ -27,7 +27,7 @@ from . import moe_routing
 from .fsdp import data_local
 from .profile_steps import PROFILE_UNTIMED
 
-__all__ = ["CollectiveLog", "LiveBytes", "profile_train", "saved_bytes", "trace_train"]
+__all__ = ["CollectiveLog", "LiveBytes", "profile_memory", "profile_train", "saved_bytes", "trace_train"]
 
 
 class LiveBytes(TorchDispatchMode):
@@ -304,6 +304,31 @@ def _routing(built: Any, log: moe_routing.RouterLog) -> list[dict[str, Any]]:
     return out
 
 
+def profile_memory(
+    built: Any, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """``profile_train``'s first two steps: a warm-up on ``batches[0]`` (schedules built, gradients
+    and optimizer states allocated; it also counts each moe layer's tokens per expert), then
+    ``batches[1]`` measured for memory.  (routing per moe layer, memory by category) of this rank;
+    every rank of the job must call it.  Tests of the planner's bytes call it alone: the kernel
+    count and timed steps after it measure nothing they read."""
+    with moe_routing.recording(keep_logits=False) as routing:
+        built.train_step(*batches[0])
+    params = built.parameters()
+    live = LiveBytes()
+    with saved_bytes(exclude=params) as saved, live:
+        built.train_step(*batches[1])
+    memory = {
+        # This rank's own bytes: with ZeRO 2 / 3 its slice of each (DTensor) parameter.
+        "weights": sum(data_local(p).numel() * p.element_size() for p in params),
+        "gradients": sum(data_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "optimizer": _state_bytes(built.optimizer),
+        "activations_per_microbatch": saved["bytes"] // built.program.microbatches,
+        "activations_and_temporaries_peak": live.peak,
+    }
+    return _routing(built, routing), memory
+
+
 def profile_train(
     built: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], out_dir: str | Path
 ) -> dict[str, Any]:
@@ -317,13 +342,7 @@ def profile_train(
     """
     if len(batches) < len(PROFILE_UNTIMED) + 1:
         raise ValueError(f"profile_train needs {', '.join(PROFILE_UNTIMED)} and a timed step")
-    # The warm-up step also counts each moe layer's tokens per expert (kept out of the measured steps).
-    with moe_routing.recording(keep_logits=False) as routing:
-        built.train_step(*batches[0])
-    params = built.parameters()
-    live = LiveBytes()
-    with saved_bytes(exclude=params) as saved, live:
-        built.train_step(*batches[1])
+    routing, memory = profile_memory(built, batches[:2])
     # Counted without the saved-tensor hooks, under which autograd dispatches extra operators.
     with LiveBytes() as counted:
         built.train_step(*batches[2])
@@ -344,7 +363,6 @@ def profile_train(
     step_s = sum(steps) / n
     collectives_s = sum(c["seconds"] for c in comm if not c["op"].endswith("(wait)"))
     wait_s = sum(c["seconds"] for c in comm if c["op"].endswith("(wait)"))
-    micro = built.program.microbatches
     report = {
         "rank": built.mesh.rank,
         "coords": {a: built.mesh.coord(a) for a in built.mesh.names},
@@ -357,17 +375,8 @@ def profile_train(
         "collectives_s": collectives_s,
         "pipeline_wait_s": wait_s,
         "collectives": comm,
-        "routing": _routing(built, routing),
-        "memory": {
-            # This rank's own bytes: with ZeRO 2 / 3 its slice of each (DTensor) parameter.
-            "weights": sum(data_local(p).numel() * p.element_size() for p in params),
-            "gradients": sum(
-                data_local(p.grad).numel() * p.grad.element_size() for p in params if p.grad is not None
-            ),
-            "optimizer": _state_bytes(built.optimizer),
-            "activations_per_microbatch": saved["bytes"] // micro,
-            "activations_and_temporaries_peak": live.peak,
-        },
+        "routing": routing,
+        "memory": memory,
     }
     path = Path(out_dir)
     path.mkdir(parents=True, exist_ok=True)

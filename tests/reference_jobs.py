@@ -33,3 +33,17 @@ def profile_job(ctx: Any, path: str, out: str) -> dict[str, Any]:
     built = program.build(ctx.mesh(program.axes), seed=0)
     batches = [synthetic_batch(program.vocab, program.batch, program.seq, 0, s) for s in range(4)]
     return profile_train(built, batches, out)
+
+
+def memory_job(ctx: Any, path: str) -> dict[str, int]:
+    """On each rank: the memory part of `meshc run --profile`'s report (runtime.profile.profile_memory,
+    the same warm-up and measured step as profile_job) without the kernel-count and timed steps
+    that follow it there, for tests that read only the bytes."""
+    from meshllm_dsl.runtime.launch import synthetic_batch
+    from meshllm_dsl.runtime.profile import profile_memory
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    batches = [synthetic_batch(program.vocab, program.batch, program.seq, 0, s) for s in range(2)]
+    return profile_memory(built, batches)[1]
