@@ -403,9 +403,12 @@ class Built:
         # Expert parallelism under ZeRO 2 / 3: the experts stay plain tensors beside FSDP2's
         # DTensors; fused and for-each kernels (the step's and zero_grad's) cannot take the two
         # together, so each kind is its own group, stepped tensor by tensor.
-        kinds: dict[int | None, list[nn.Parameter]] = {}
+        # Keyed by the mesh's value, not its identity: FSDP2 may hand parameters of one data mesh
+        # equal DeviceMesh objects that are not the same one (seen in a pool rank that had built
+        # another FSDP2 plan before), and those fuse like one (DTensor compares meshes by value).
+        kinds: dict[Any, list[nn.Parameter]] = {}
         for q in params:
-            kinds.setdefault(id(q.device_mesh) if fsdp.is_sharded(q) else None, []).append(q)  # type: ignore[attr-defined]
+            kinds.setdefault(q.device_mesh if fsdp.is_sharded(q) else None, []).append(q)  # type: ignore[attr-defined]
         if len(kinds) > 1:
             kw.update(fused=False, foreach=False)
             return torch.optim.AdamW([{"params": group} for group in kinds.values()], **kw)

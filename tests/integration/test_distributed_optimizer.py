@@ -12,13 +12,14 @@ rounds away: its test_master_weights_at_zero_0_and_1_keep_updates_bf16_would_rou
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 torch = pytest.importorskip("torch")
+
+from mesh_snippets import MEGATRON  # noqa: E402 - after the torch skip
 
 from meshllm_dsl.checker import check_text  # noqa: E402 - after the torch skip
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402 - after the torch skip
@@ -29,19 +30,10 @@ LLAMA = "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_he
 STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[WorkerPool]:
-    # Ranks of their own: these checks are exact (bit-for-bit weights, kernel counts), and a session
-    # pool's ranks have run other jobs first. After tests/integration/test_compiled_plans.py's jobs
-    # on the shared ranks, both fail (weights differ in the last bits; ~15 % more kernels counted),
-    # while each passes alone: what those jobs leave behind in a rank is not yet found.
-    with WorkerPool(world_size=2, timeout=180.0) as p:
-        yield p
-
-
-def _compile(tmp_path: Path, name: str, data: int, microbatches: int, zero: int) -> tuple[Any, str]:
-    text = (f"mesh g {{ axes data = {data} }}\n{LLAMA}\nplan p on g for m {{\n    batch = 8\n    seq = 8\n"
-            f"    microbatches = {microbatches}\n    layout {{ batch -> data }}\n"
+def _compile(tmp_path: Path, name: str, data: int, microbatches: int, zero: int, tensor: int = 1) -> tuple[Any, str]:
+    axes, layout = (f"data = {data}, tensor = {tensor}", MEGATRON) if tensor > 1 else (f"data = {data}", "")
+    text = (f"mesh g {{ axes {axes} }}\n{LLAMA}\nplan p on g for m {{\n    batch = 8\n    seq = 8\n"
+            f"    microbatches = {microbatches}\n    layout {{ batch -> data }}\n{layout}"
             "    precision { params = bf16, master = fp32 }\n"
             f"    optimizer adamw {{ zero {zero}\n lr = 1e-3\n weight_decay = 0.1 }}\n}}\n")
     result = check_text(text, f"{name}.mesh")
@@ -77,7 +69,15 @@ def _train_job(ctx: RankContext, path: str) -> dict[str, Any]:
                    {str(v.dtype) for v in moments}),
         "moment_elements": sum(data_local(v).numel() for v in moments),
         "calls": calls,
+        "fused": inner.defaults.get("fused"),
     }
+
+
+def _build_job(ctx: RankContext, path: str) -> None:
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    program.build(ctx.mesh(program.axes), seed=0)
 
 
 def test_sharded_master_weights_train_as_one_rank_does(pool: WorkerPool, tmp_path: Path) -> None:
@@ -85,9 +85,17 @@ def test_sharded_master_weights_train_as_one_rank_does(pool: WorkerPool, tmp_pat
     # same bf16 gradients (the loss / 2 of a microbatch scales them exactly), summed in fp32.
     _, sharded = _compile(tmp_path, "sharded", data=2, microbatches=1, zero=1)
     _, whole = _compile(tmp_path, "whole", data=1, microbatches=2, zero=1)
+    # On ranks that have built an FSDP2 plan over one data rank and two tensor ranks before, as
+    # the shared pool's have: FSDP2 then gave one rank's parameters equal but distinct data
+    # meshes, the optimizer took them for two kinds and stepped unfused, and the weights differed
+    # in the last bits (runtime/program.py `_make_optimizer`).
+    _, other = _compile(tmp_path, "other", data=1, microbatches=1, zero=3, tensor=2)
+    pool.run(_build_job, 2, other)
     got = pool.run(_train_job, 2, sharded)
     (ref,) = pool.run(_train_job, 1, whole)
     assert ref["held"] == ref["numel"]  # one rank: the master weights whole
+    for rank in [*got, ref]:
+        assert rank["fused"] is True  # torch's fused AdamW, as a fresh rank steps it
     for rank in got:
         assert rank["dtypes"] == ({"torch.float32"},) * 3, rank["dtypes"]
         # Each rank holds about half of every fp32 master weight, and its moments (FSDP2's dim-0 chunks).
