@@ -7,9 +7,7 @@ step time exactly as documented; GPU profiles, which set none of them, keep thei
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import attrs
 import pytest
@@ -19,19 +17,6 @@ from meshllm_dsl.checker import check_file, check_text
 from meshllm_dsl.cli_plan import load_checked
 from meshllm_dsl.devices import PROFILES
 from meshllm_dsl.planner import KERNELS, analyze, held_units, resolve_device, unit_kernels
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[Any]:
-    # Ranks of their own: the kernel counts below are exact, and a session pool's ranks have run
-    # other modules' jobs first. In the full suite's order on the shared ranks they counted 12-21 %
-    # more kernels than planned (every FSDP case), while this module passes alone: what an earlier
-    # job leaves behind in a rank is not yet found (tests/integration/test_distributed_optimizer.py).
-    from meshllm_dsl.runtime.pool import WorkerPool  # torch: only where a test asks for ranks
-
-    with WorkerPool(world_size=8, timeout=180.0) as p:
-        yield p
-
 
 ROOT = Path(__file__).resolve().parents[2]
 
