@@ -20,6 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from _common import compile_spec, print_table
+
 ROOT = Path(__file__).resolve().parents[1]
 
 LLAMA = """
@@ -106,22 +108,16 @@ def main() -> None:
     ap.add_argument("--only", help="run the cases whose name contains this")
     args = ap.parse_args()
 
-    from meshllm_dsl.checker import check_text
-    from meshllm_dsl.codegen.emit import render_plan
     from meshllm_dsl.planner import analyze, fmt_bytes
     from meshllm_dsl.runtime.pool import WorkerPool
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp, WorkerPool(world_size=8, timeout=300) as pool:
-        for name, text in CASES.items():
+        for i, (name, text) in enumerate(CASES.items()):
             if args.only and args.only not in name:
                 continue
-            result = check_text(text, "bench.mesh")
-            assert result.ok, [d.message for d in result.errors]
-            (plan,) = result.plans.values()
-            path = Path(tmp) / f"case{len(rows)}.py"
-            path.write_text(render_plan(plan, "bench.mesh", text))
-            measured = pool.run(_job, plan.mesh.devices, str(path), plan.microbatches)
+            plan, path = compile_spec(text, tmp, f"case{i}")
+            measured = pool.run(_job, plan.mesh.devices, path, plan.microbatches)
             rep = analyze(plan)
             by_coord = {rc.coord: rc for rc in rep.ranks}
             for coord, rc in sorted(by_coord.items()):
@@ -157,14 +153,7 @@ def main() -> None:
         "ratio",
         "peak after",
     )
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    for r in [header, *rows]:
-        print(
-            "  ".join(
-                str(c).ljust(w) if i < 2 else str(c).rjust(w)
-                for i, (c, w) in enumerate(zip(r, widths))
-            )
-        )
+    print_table([header, *rows], align="ll", indent="")
 
 
 if __name__ == "__main__":

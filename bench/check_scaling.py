@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import print_table
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SPEC = """\
@@ -95,13 +97,12 @@ def main() -> None:
     rows.append(("check examples/llama2_70b.mesh", "80",
                  timed([py, "-m", "meshllm_dsl", "check", "examples/llama2_70b.mesh"], args.runs)))
     print(f"median of {args.runs} runs; 'beyond import' = wall time - `import meshllm_dsl.cli`\n")
-    print(f"| {'command':<40} | {'wall s':>7} | {'beyond import s':>15} | {'per block ms':>12} |")
-    print(f"|{'-' * 42}|{'-' * 9}|{'-' * 17}|{'-' * 14}|")
+    table = [("command", "wall s", "beyond import s", "per block ms")]
     for name, blocks, t in rows:
         beyond = t - imp if blocks else None
         per = f"{beyond / int(blocks) * 1e3:.3f}" if blocks and beyond is not None else ""
-        print(f"| {name:<40} | {t:7.3f} | {'' if beyond is None else f'{beyond:15.3f}':>15} | {per:>12} |")
-
+        table.append((name, f"{t:.3f}", "" if beyond is None else f"{beyond:.3f}", per))
+    print_table(table, markdown=True)
 
 if __name__ == "__main__":
     main()

@@ -16,8 +16,9 @@ The same Llama (4 layers, hidden 128, 8 heads, 2 kv heads, seq 64, batch 4) at c
 from __future__ import annotations
 
 import tempfile
-from pathlib import Path
 from typing import Any
+
+from _common import compile_spec, print_table
 
 LLAMA = """
 mesh m {{ axes {axes} }}
@@ -78,30 +79,21 @@ def _job(ctx: Any, path: str) -> dict[str, int]:
 
 
 def main() -> None:
-    from meshllm_dsl.checker import check_text
-    from meshllm_dsl.codegen.emit import render_plan
     from meshllm_dsl.planner import analyze, fmt_bytes, kv_gather_bytes_per_layer
     from meshllm_dsl.runtime.pool import WorkerPool
 
     rows = [("plan", "plan saved/mb", "measured", "ratio", "plan kv/layer", "measured", "gathers")]
     with tempfile.TemporaryDirectory() as tmp, WorkerPool(world_size=4, timeout=300) as pool:
         for name, axes, layout, rules in PLANS:
-            text = LLAMA.format(axes=axes, layout=layout, rules=rules)
-            result = check_text(text, "bench.mesh")
-            assert result.ok, [d.message for d in result.errors]
-            (plan,) = result.plans.values()
-            path = Path(tmp) / f"{name.replace(' ', '_')}.py"
-            path.write_text(render_plan(plan, "bench.mesh", text))
-            got = pool.run(_job, plan.mesh.devices, str(path))[0]
+            plan, path = compile_spec(LLAMA.format(axes=axes, layout=layout, rules=rules), tmp, name.replace(" ", "_"))
+            got = pool.run(_job, plan.mesh.devices, path)[0]
             rc = analyze(plan).ranks[0]
             layers = plan.model.repeat.count if plan.model.repeat else 0
             kv_measured = got["gathered"] // max(1, layers)
             rows.append((name, fmt_bytes(rc.activation_bytes_per_microbatch), fmt_bytes(got["saved"]),
                          f"{rc.activation_bytes_per_microbatch / max(1, got['saved']):.2f}",
                          fmt_bytes(kv_gather_bytes_per_layer(plan)), fmt_bytes(kv_measured), str(got["calls"])))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.rjust(w) for c, w in zip(r, widths)))
+    print_table(rows, align="r", indent="")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import argparse
 import tempfile
-from pathlib import Path
 from typing import Any
+
+from _common import compile_spec, print_table
 
 SPEC = """
 mesh m {{ axes data = 2 }}
@@ -57,31 +58,25 @@ def main() -> None:
     ap.add_argument("--lr", type=float, nargs="+", default=[1e-3, 1e-4])
     args = ap.parse_args()
 
-    from meshllm_dsl.checker import check_text
-    from meshllm_dsl.codegen.emit import render_plan
     from meshllm_dsl.runtime.pool import WorkerPool
 
-    with WorkerPool(world_size=2) as pool, tempfile.TemporaryDirectory() as tmp:
+    with WorkerPool(world_size=2, timeout=900.0) as pool, tempfile.TemporaryDirectory() as tmp:
         for lr in args.lr:
             losses: dict[str, list[float]] = {}
             for name, (dtype, precision) in RUNS.items():
                 text = SPEC.format(dtype=dtype, precision=precision, lr=lr)
-                result = check_text(text, f"{name}.mesh")
-                assert result.ok, [d.message for d in result.errors]
-                (plan,) = result.plans.values()
-                path = Path(tmp) / f"{name.replace('+', '_')}_{lr}.py"
-                path.write_text(render_plan(plan, f"{name}.mesh", text))
-                losses[name] = pool.run(_train, 2, str(path), args.steps)[0]
+                path = compile_spec(text, tmp, f"{name.replace('+', '_')}_{lr}")[1]
+                losses[name] = pool.run(_train, 2, path, args.steps)[0]
             ref = losses["fp32"]
             marks = sorted({0, 9, args.steps // 2, args.steps - 1})
             print(f"\nlr {lr:g}, {args.steps} steps (llama hidden 128 x 4 layers, data 2, ZeRO-3)")
-            print(f"{'run':<12}" + "".join(f"{'loss@' + str(s):>11}" for s in marks) + f"{'mean gap':>11}{'last gap':>11}{'ratio':>8}")
             gaps = {name: [abs(a - b) for a, b in zip(ls, ref)] for name, ls in losses.items()}
             mean = {name: sum(g) / len(g) for name, g in gaps.items()}
+            rows: list[tuple[str, ...]] = [("run", *(f"loss@{s}" for s in marks), "mean gap", "last gap", "ratio")]
             for name, ls in losses.items():
-                gap = gaps[name]
-                ratio = "" if name == "fp32" else f"{mean[name] / max(mean['bf16+master'], 1e-12):>8.1f}"
-                print(f"{name:<12}" + "".join(f"{ls[s]:>11.4f}" for s in marks) + f"{mean[name]:>11.4f}{gap[-1]:>11.4f}{ratio}")
+                ratio = "" if name == "fp32" else f"{mean[name] / max(mean['bf16+master'], 1e-12):.1f}"
+                rows.append((name, *(f"{ls[s]:.4f}" for s in marks), f"{mean[name]:.4f}", f"{gaps[name][-1]:.4f}", ratio))
+            print_table(rows, indent="")
             print("ratio: mean gap to fp32 / that of bf16+master")
 
 

@@ -13,13 +13,11 @@ expert on 8x the tokens.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
-import sys
 import tempfile
-import time
-from pathlib import Path
 from typing import Any
+
+from _common import compile_spec, interleaved_steps, print_table
 
 SPEC = """
 mesh m {{ axes data = {ranks}
@@ -35,31 +33,17 @@ plan p on m for mx {{
 """
 
 
-def _load(path: str, name: str) -> Any:
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module.PROGRAM
-
-
 def _job(ctx: Any, paths: dict[str, str], ranks: int, batch: int, rounds: int, steps: int) -> dict[str, Any]:
     import torch
 
-    built = {k: _load(p, f"moe_ep_{k}").build(ctx.mesh((("data", ranks),)), seed=0) for k, p in paths.items()}
+    from meshllm_dsl.verify import load_generated
+
+    built = {k: load_generated(p).PROGRAM.build(ctx.mesh((("data", ranks),)), seed=0) for k, p in paths.items()}
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, 512, (batch, 64), generator=gen)
     targets = torch.roll(tokens, -1, dims=1)
     losses = {k: b.train_step(tokens, targets) for k, b in built.items()}  # warm-up, and the same loss
-    times: dict[str, list[float]] = {k: [] for k in built}
-    for _ in range(rounds):
-        for k, b in built.items():
-            for _ in range(steps):
-                torch.distributed.barrier()
-                start = time.perf_counter()
-                b.train_step(tokens, targets)
-                times[k].append(time.perf_counter() - start)
+    times = interleaved_steps(built, tokens, targets, rounds, steps)
     held = {k: sum(q.numel() for q in b.parameters()) for k, b in built.items()}
     return {"times": times, "held": held, "loss": losses}
 
@@ -72,8 +56,6 @@ def main() -> None:
     args = ap.parse_args()
 
     from meshllm_dsl import planner
-    from meshllm_dsl.checker import check_text
-    from meshllm_dsl.codegen.emit import render_plan
     from meshllm_dsl.runtime.pool import WorkerPool
 
     batch = 2 * args.ranks
@@ -82,23 +64,16 @@ def main() -> None:
         paths = {}
         for key, experts in (("data only", ""), ("experts -> data", ", experts -> data")):
             text = SPEC.format(ranks=args.ranks, batch=batch, experts=experts)
-            result = check_text(text, "moe_ep.mesh")
-            assert result.ok, [d.message for d in result.errors]
-            (plan,) = result.plans.values()
+            plan, paths[key] = compile_spec(text, tmp, key.replace(" ", "_").replace(">", ""))
             estimates[key] = planner.analyze(plan).step.total_s
-            path = Path(tmp) / f"{key.replace(' ', '_').replace('>', '')}.py"
-            path.write_text(render_plan(plan, "moe_ep.mesh", text))
-            paths[key] = str(path)
         with WorkerPool(world_size=args.ranks, timeout=900.0) as pool:
             out = pool.run(_job, args.ranks, paths, args.ranks, batch, args.rounds, args.steps)[0]
     med = {k: statistics.median(v) for k, v in out["times"].items()}
     base = med["data only"]
     print(f"mixtral 4 layers x 8 experts (top 2), hidden 128, ffn 256; batch {batch} x seq 64 on {args.ranks} gloo ranks")
-    print(f"  {'plan':<16} {'median step':>12} {'vs data only':>13} {'params / rank':>14} {'planned (cpu)':>14} {'first loss':>11}")
-    for k, v in med.items():
-        print(f"  {k:<16} {v * 1e3:>9.1f} ms {v / base:>12.2f}x {out['held'][k]:>14,} {estimates[k] * 1e3:>11.1f} ms"
-              f" {out['loss'][k]:>11.6f}")
-
+    print_table([("plan", "median step", "vs data only", "params / rank", "planned (cpu)", "first loss"),
+                 *((k, f"{v * 1e3:.1f} ms", f"{v / base:.2f}x", f"{out['held'][k]:,}", f"{estimates[k] * 1e3:.1f} ms",
+                    f"{out['loss'][k]:.6f}") for k, v in med.items())])
 
 if __name__ == "__main__":
     main()

@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _common import print_table
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Runs in a subprocess with the tree under test first on sys.path: parse and check times, in-process.
@@ -97,17 +99,16 @@ def main() -> None:
     mb = len(text) / 1e6
     print(f"{len(text):,} bytes, {plans} plans; CPU seconds, best of {args.runs}"
           f"{' interleaved rounds' if len(trees) > 1 else ''} ({os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f})")
-    header = f"  {'':12s} {'this':>8s} {'MB/s':>6s}"
-    if len(trees) > 1:
-        header += f" {'against':>8s} {'MB/s':>6s} {'this/against':>13s}"
-    print(header)
+    header = ["", "this", "MB/s"] + (["against", "MB/s", "this/against"] if len(trees) > 1 else [])
+    rows = []
     for key in keys:
         v = best["this"][key]
-        row = f"  {key:12s} {v:8.2f} {mb / v:6.2f}"
+        row = [key, f"{v:.2f}", f"{mb / v:.2f}"]
         if len(trees) > 1:
             w = best["against"][key]
-            row += f" {w:8.2f} {mb / w:6.2f} {v / w:13.2f}"
-        print(row)
+            row += [f"{w:.2f}", f"{mb / w:.2f}", f"{v / w:.2f}"]
+        rows.append(row)
+    print_table([header, *rows])
     print("goal: meshc check of 1 MB under 2 CPU-s")
 
 

@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from _common import print_table
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = {"tiny_llama": 8, "tiny_gpt2": 4, "tiny_llama_fsdp": 8}
 
@@ -72,9 +74,7 @@ def main() -> None:
                          f"{statistics.median(measured) * 1e3:.1f} ms", f"{statistics.median(ratios):.2f}",
                          f"{min(ratios):.2f}-{max(ratios):.2f}", f"{host:.2f}", f"{peak_p / 2**10:.0f} KiB",
                          f"{peak_m / 2**10:.0f} KiB", f"{peak_p / peak_m:.2f}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    print_table(rows, align="ll", indent="")
 
 
 if __name__ == "__main__":

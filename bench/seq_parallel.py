@@ -16,8 +16,9 @@ import argparse
 import statistics
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
+
+from _common import compile_spec, print_table
 
 SPEC = """
 mesh m {{ axes tensor = 2 }}
@@ -49,7 +50,7 @@ def _job(ctx: Any, paths: dict[str, str], rounds: int, steps: int) -> dict[str, 
         losses[name] = b.train_step(tokens, targets)  # warm-up, and the same first loss both ways
         with CollectiveLog(b.mesh) as log:
             b.train_step(tokens, targets)
-        comms[name] = [(axes, op, int(c), int(b), t) for (axes, op), (c, b, t) in sorted(log.stats.items())]
+        comms[name] = [(axes, op, int(c), int(b), t) for (axes, op), (c, b, t, _cpu) in sorted(log.stats.items())]
     times: dict[str, list[float]] = {name: [] for name in built}
     for _ in range(rounds):
         for name, b in built.items():
@@ -68,33 +69,27 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     args = ap.parse_args()
 
-    from meshllm_dsl.checker import check_text
-    from meshllm_dsl.codegen.emit import render_plan
     from meshllm_dsl.runtime.pool import WorkerPool
 
     paths = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, sp in (("tp", ""), ("sp", ", seq -> tensor")):
             text = SPEC.format(hidden=args.hidden, ffn=4 * args.hidden, seq=args.seq, sp=sp)
-            result = check_text(text, f"{name}.mesh")
-            assert result.ok, [d.message for d in result.errors]
-            (plan,) = result.plans.values()
-            path = Path(tmp) / f"bench_{name}.py"
-            path.write_text(render_plan(plan, path.name, text))
-            paths[name] = str(path)
+            paths[name] = compile_spec(text, tmp, f"bench_{name}")[1]
         with WorkerPool(world_size=2) as pool:
             out = pool.run(_job, 2, paths, args.rounds, args.steps)[0]
     print(f"llama hidden {args.hidden}, 4 layers, batch 4 x seq {args.seq}, tensor 2 on gloo; "
           f"step-0 loss tp {out['losses']['tp']:.6f} sp {out['losses']['sp']:.6f}")
     med = {k: statistics.median(v) for k, v in out["times"].items()}
-    print(f"{'':22}{'tensor parallel':>18}{'+ sequence parallel':>22}{'ratio':>8}")
-    print(f"{'step (median)':22}{med['tp'] * 1e3:>15.1f} ms{med['sp'] * 1e3:>19.1f} ms{med['sp'] / med['tp']:>8.2f}")
+    print_table([("", "tensor parallel", "+ sequence parallel", "ratio"),
+                 ("step (median)", f"{med['tp'] * 1e3:.1f} ms", f"{med['sp'] * 1e3:.1f} ms", f"{med['sp'] / med['tp']:.2f}")],
+                indent="")
     for name in ("tp", "sp"):
         total = sum(t for *_, t in out["comms"][name])
         print(f"collectives of one step, {name} (rank 0; bytes = the first tensor argument): {total * 1e3:.1f} ms")
-        for axes, op, calls, nbytes, t in out["comms"][name]:
-            print(f"    {op:24} over {axes:8} {calls:4} calls {nbytes / 2**20:9.2f} MiB {t * 1e3:8.1f} ms")
-
+        print_table([("op", "over", "calls", "MiB", "time"),
+                     *((op, axes, calls, f"{nbytes / 2**20:.2f}", f"{t * 1e3:.1f} ms")
+                       for axes, op, calls, nbytes, t in out["comms"][name])], align="ll", indent="    ")
 
 if __name__ == "__main__":
     main()

@@ -32,6 +32,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import print_table
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 MESHC = [PY, "-m", "meshllm_dsl"]
@@ -111,30 +113,27 @@ def main() -> None:
     mode = "all bytecode precompiled" if args.compiled else (
         "meshllm_dsl compiled from source at each start" if os.environ.get("PYTHONDONTWRITEBYTECODE") else "bytecode as found")
     print(f"median of {args.runs} interleaved rounds ({env_note} at start; {mode})")
-    print(f"  {'':<42} {'wall':>7}   {'CPU':>7}")
-    for name, t in med.items():
-        print(f"  {name:<42} {t:7.2f} s {cpu_med[name]:7.2f} s")
-    print(f"ratios{'':<37} {'wall':>7}   {'CPU':>7}")
+    print_table([("", "wall", "CPU"), *((name, f"{t:.2f} s", f"{cpu_med[name]:.2f} s") for name, t in med.items())])
+
+    def ratio(a: str, b: str, note: str = "") -> tuple[str, str, str]:
+        return f"{med[a] / med[b]:.2f}", f"{cpu_med[a] / max(cpu_med[b], 1e-9):.2f}", note
+
+    ratios = [("ratios", "wall", "CPU", "")]
     if "check" in wanted:
         c, lark = "meshc check llama2_70b", "import lark"
-        print(f"  check / import lark                        {med[c] / med[lark]:7.2f}   "
-              f"{cpu_med[c] / max(cpu_med[lark], 1e-9):7.2f}   (goal <= 1.3)")
+        ratios.append(("check / import lark", *ratio(c, lark, "(goal <= 1.3)")))
         if args.against is not None:
             a = "meshc check llama2_70b (against)"
-            print(f"  check (against) / import lark              {med[a] / med[lark]:7.2f}   "
-                  f"{cpu_med[a] / max(cpu_med[lark], 1e-9):7.2f}")
-            print(f"  check / check (against)                    {med[c] / med[a]:7.2f}   "
-                  f"{cpu_med[c] / max(cpu_med[a], 1e-9):7.2f}")
+            ratios.append(("check (against) / import lark", *ratio(a, lark)))
+            ratios.append(("check / check (against)", *ratio(c, a)))
     if "run" in wanted:
         r = med["meshc run tiny_llama --steps 1"] / med["torchrun 8 x import torch.distributed"]
-        print(f"  run 1 step / torchrun bare                 {r:7.2f}   (goal <= 2)")
+        ratios.append(("run 1 step / torchrun bare", f"{r:.2f}", "", "(goal <= 2)"))
     if "verify" in wanted:
         v = med["meshc verify llama2_70b"]
-        print(
-            f"  verify / import torch                      {v / med['import torch']:7.2f}"
-            f"   ({v:.1f} s; goal <= 10 s)"
-        )
-
+        ratios.append(("verify / import torch", f"{v / med['import torch']:.2f}", "", f"({v:.1f} s; goal <= 10 s)"))
+    if len(ratios) > 1:
+        print_table(ratios, align="lrrl", indent="")
 
 if __name__ == "__main__":
     main()
