@@ -466,6 +466,15 @@ KERNELS = {
     "positional": 7,  # position ids, lookup, add
     "cross_entropy": 10,
     "vocab_parallel_cross_entropy": 44,  # each shard's log-sum-exp and target logit, one all-gather, combined
+    # moe (primitives/moe.py; 1 to 4 ranks, 4 and 8 experts): the router linear is a "linear"
+    "moe_routing": 20,  # fp32 softmax, top-k, renormalised; the rows sorted by expert, the combine's index_add
+    "expert": 56,  # per expert with rows: its rows gathered, three matmuls, SwiGLU, weighted
+    # expert parallelism (runtime/moe_dispatch.py): the counts exchanged, dispatch and combine
+    # all-to-alls and their permutations; per local expert its matmuls and SwiGLU (rows gathered
+    # once for all), and per (source rank, local expert) a piece of the expert-major permutation
+    "expert_dispatch": 20,
+    "expert_parallel_expert": 40,
+    "expert_dispatch_piece": 10,
 }
 # Per parameter tensor and step: zero its gradient; AdamW's update (torch's fused kernel); on
 # data-parallel ranks its share of the flattened all-reduce.
@@ -508,7 +517,7 @@ def unit_kernels(plan: PlanIR, hu: HeldUnit) -> int:
     unit, k = hu.unit, KERNELS
     linears = sum(1 for leaf in unit.leaves if leaf.kind == "linear")
     biases = sum(1 for leaf in unit.leaves if leaf.kind == "linear" and any(t.name == "bias" for t in leaf.params))
-    n = primitives.of(unit).kernels(hu, k, linears * k["linear"] + biases * k["bias"])
+    n = primitives.of(unit).kernels(plan, hu, k, linears * k["linear"] + biases * k["bias"])
     if hu.flow is not None:
         n += sum(spec(c.op).kernels - _fused_saving(unit, c) for c in hu.flow.collectives)
     if hu.last:

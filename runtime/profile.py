@@ -20,14 +20,27 @@ from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 from . import moe_routing
-from .fsdp import data_local
+from .fsdp import data_local, is_sharded
 from .profile_steps import PROFILE_UNTIMED
 
 __all__ = ["CollectiveLog", "LiveBytes", "profile_memory", "profile_train", "saved_bytes", "trace_train"]
+
+
+def _counted(t: Any) -> bool:
+    """A tensor with storage of its own to count. A wrapper subclass other than a DTensor (the
+    functional collectives' ``AsyncCollectiveTensor`` of expert parallelism's all-to-all) has
+    none: the tensor it wraps was counted when the operator that made it ran."""
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+        return False
+    return not is_traceable_wrapper_subclass(t) or is_sharded(t)
+
+
+def _storage(t: torch.Tensor) -> Any:
+    return data_local(t).untyped_storage()
 
 
 class LiveBytes(TorchDispatchMode):
@@ -88,15 +101,11 @@ class LiveBytes(TorchDispatchMode):
         # An output sharing an input's storage (a view, an in-place op on a gradient that existed
         # before the block) allocated nothing.
         # (A DTensor of ZeRO 2 / 3 reaches the mode as itself: its storage is its local part's.)
-        inputs = {
-            data_local(t).untyped_storage().data_ptr()
-            for t in tree_leaves((args, kwargs))
-            if isinstance(t, torch.Tensor) and t.device.type != "meta"
-        }
+        inputs = {_storage(t).data_ptr() for t in tree_leaves((args, kwargs)) if _counted(t)}
         for t in tree_leaves(out):
-            if not isinstance(t, torch.Tensor) or t.device.type == "meta":
+            if not _counted(t):
                 continue
-            storage = data_local(t).untyped_storage()
+            storage = _storage(t)
             key = storage.data_ptr()
             if key == 0 or key in self._refs or key in inputs:
                 continue  # empty, already counted, or no new allocation

@@ -154,7 +154,7 @@ class Primitive:
         column layers hold beyond their output gradients, 0 without it)."""
         raise NotImplementedError(self.kind)
 
-    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+    def kernels(self, plan: PlanIR, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         """Framework kernels it launches forward and backward, collectives and loss aside
         (`k`: planner.KERNELS; `linears`: what its linear layers and their biases launch)."""
         raise NotImplementedError(self.kind)

@@ -141,7 +141,7 @@ class Attention(Primitive):
         hk = int(unit.attr("kv_heads")) * hq // int(unit.attr("heads"))  # type: ignore[arg-type]
         return planner.DTYPES[plan.dtype] * tokens * (hq + 2 * hk) * hd + regather
 
-    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+    def kernels(self, plan: PlanIR, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         n = linears + 3 * k["heads"] + k["attention_core"] + k["residual"]
         n += k["split_qkv"] if hu.unit.attr("fused_qkv") else 0
         n += 2 * k["rmsnorm"] if hu.unit.attr("qk_norm") in ("head", "full") else 0  # q's and k's

@@ -60,7 +60,7 @@ class Embedding(Primitive):
     def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
         return 0  # nothing measured beyond what it saved
 
-    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+    def kernels(self, plan: PlanIR, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         sharded = any(hu.placement(leaf).sharded for leaf in hu.unit.leaves)
         return k["vocab_parallel_embedding" if sharded else "embedding"]
 
@@ -126,7 +126,7 @@ class Positional(Primitive):
     def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
         return 0  # nothing measured beyond what it saved
 
-    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+    def kernels(self, plan: PlanIR, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         return k["positional"]
 
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:

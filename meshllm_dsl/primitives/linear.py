@@ -82,7 +82,7 @@ class Linear(Primitive):
             return 2 * planner.FP32 * tokens * v_local
         return 0  # nothing measured beyond what it saved
 
-    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+    def kernels(self, plan: PlanIR, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         return linears
 
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:

@@ -60,7 +60,7 @@ class Mlp(Primitive):
         own = (4 if swiglu else 2) * e * tokens * f
         return max(own, (2 if swiglu else 1) * e * tokens * f + regather) if regather else own
 
-    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+    def kernels(self, plan: PlanIR, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         return linears + (k["swiglu"] if hu.unit.attr("act") in GATED else k["activation"]) + k["residual"]
 
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:

@@ -178,10 +178,24 @@ class Moe(Primitive):
         e = planner.DTYPES[plan.dtype]
         return 4 * e * self._routed(hu, tokens) * self._ffn_local(plan, hu, "gate", "ffn")
 
-    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
-        # Routing (softmax, top-k, sort) and per expert its three matmuls and the SwiGLU.
-        n_exp = int(hu.unit.attr("experts"))  # type: ignore[arg-type]
-        return linears + n_exp * k["swiglu"] + 3 * k["heads"] + k["residual"]
+    def kernels(self, plan: PlanIR, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+        """The runtime runs each expert a rank holds on its rows, one after the other (runtime/moe.py
+        `experts_swiglu`; runtime/moe_dispatch.py under expert parallelism), so the kernels grow with
+        the rank's local experts (all of them without expert parallelism), each at balanced routing
+        receiving rows. `linears` counts the stacked gate / up / down once: they are in the
+        per-expert count instead."""
+        from meshllm_dsl.planner_moe import expert_degree
+
+        degree = expert_degree(plan, hu)
+        local = int(hu.unit.attr("experts")) // degree  # type: ignore[arg-type]
+        n = linears - len(_EXPERTS) * k["linear"] + k["moe_routing"] + k["residual"]
+        if degree > 1:
+            n += k["expert_dispatch"] + local * (k["expert_parallel_expert"] + degree * k["expert_dispatch_piece"])
+        else:
+            n += local * k["expert"]
+        if hu.unit.attr("shared_expert"):  # its SwiGLU, the sigmoid gate, the scaling and the sum
+            n += k["swiglu"] + k["activation"] + 2 * k["residual"]
+        return n
 
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Any:
         """Active work only: the router on every token, and each token's top_k experts (not all of

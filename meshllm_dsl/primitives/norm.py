@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class Norm(Primitive):
-    def kernels(self, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
+    def kernels(self, plan: PlanIR, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         return k[self.kind]
 
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:

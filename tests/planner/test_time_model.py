@@ -30,6 +30,20 @@ plan p on one for l {
 }
 """
 
+# A moe layer launches kernels per expert a rank holds: every expert without expert parallelism
+# (data only), experts / 2 with `experts -> data` (and the all-to-all dispatch beside them).
+MOE = """
+mesh m {{ axes data = 2 }}
+model mx = mixtral {{ vocab = 128, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64, experts = 8, top_k = 2,
+                     dtype = fp32 }}
+plan p on m for mx {{
+    batch = 2
+    seq = 64
+    layout {{ batch -> data{experts} }}
+}}
+"""
+SPECS = {"moe_data2": MOE.format(experts=""), "moe_experts_data2": MOE.format(experts=", experts -> data")}
+
 CPU = """
 device box {
     like = cpu
@@ -157,9 +171,9 @@ def _planned_and_profiled(text: str, plan, pool, tmp_path: Path):  # type: ignor
         yield rank, next(rc for rc in rep.ranks if rc.coord == coord), got
 
 
-@pytest.mark.parametrize("name", ["single_llama", "tiny_gpt2", "tiny_llama"])
+@pytest.mark.parametrize("name", ["single_llama", "tiny_gpt2", "tiny_llama", *SPECS])
 def test_planned_kernels_match_the_runtime(name: str, pool, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    text = SINGLE if name == "single_llama" else (ROOT / "examples" / f"{name}.mesh").read_text()
+    text = SINGLE if name == "single_llama" else SPECS.get(name) or (ROOT / "examples" / f"{name}.mesh").read_text()
     for rank, rc, got in _planned_and_profiled(text, _plan(text), pool, tmp_path):
         assert rc.kernels == pytest.approx(got["kernels"], rel=0.1), (rank, rc.kernels, got["kernels"])
         assert got["steps"] == 1 and got["cpu_s"] > 0 and (tmp_path / "profile" / f"rank{rank}.json").exists()
