@@ -402,6 +402,13 @@ class PlanIR:
         return self.mesh.size(*self.roles.batch_shard)
 
     @property
+    def expert_zero_size(self) -> int:
+        """Ranks ZeRO shards the experts' optimizer states over: the ZeRO axes that do not split
+        them, whose ranks hold the same experts (Megatron's expert-data-parallel group, torchtitan's
+        dp_mod_ep); ``zero_size`` without expert parallelism."""
+        return self.mesh.size(*(a for a in self.roles.batch_shard if a not in self.roles.expert))
+
+    @property
     def sequence_size(self) -> int:
         """Ranks the sequence is split over between sublayers (1 without sequence parallelism)."""
         return self.mesh.size(*self.roles.sequence)

@@ -1108,7 +1108,11 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
             # master dtype's, and each weight's cast to the compute dtype lives from its forward to
             # its backward, as FSDP2's gathered copy does.
             state_w = master if plan.master_dtype else w
-            weight_b, grad_b, opt_b = zero_per_device(local, plan.zero, zero_shards, state_w, state_w, k)
+            weight_b, grad_b, opt_b = zero_per_device(dense, plan.zero, zero_shards, state_w, state_w, k)
+            # ZeRO 1 shards the experts' states over the ranks holding the same experts only.
+            opt_b += zero_per_device(expert_local, plan.zero, plan.expert_zero_size, state_w, state_w, k)[2]
+            weight_b += state_w * expert_local
+            grad_b += state_w * expert_local
             gather = w * local if plan.master_dtype and master > w else 0
         chunks = max(1, len(stages_at[c]))
         # torch.distributed.pipelining keeps each in-flight forward's output (the residual stream,
@@ -1209,9 +1213,17 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     comms.append(_comm(plan, device, rest, "data", "all_reduce", 1, reduce_w * expert_local))
             elif plan.zero >= 1:
                 # Gradients reduce-scattered to their owners, updated weights all-gathered back.
-                comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", 1, reduce_w * local))
-                comms += hsdp_replica_comm(plan, device, 1, reduce_w * local)
-                comms.append(_comm(plan, device, data_axes, "data", "all_gather", 1, reduce_w * local))
+                comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", 1, reduce_w * dense))
+                comms += hsdp_replica_comm(plan, device, 1, reduce_w * dense)
+                comms.append(_comm(plan, device, data_axes, "data", "all_gather", 1, reduce_w * dense))
+                rest = tuple(a for a in plan.roles.replicas if a not in plan.roles.expert)
+                if expert_local and rest:
+                    # the experts' gradients, reduced only over the batch axes that replicate them;
+                    # their ZeRO shards' updates gathered back within the ranks holding the same experts
+                    comms.append(_comm(plan, device, rest, "data", "all_reduce", 1, reduce_w * expert_local))
+                    shard = tuple(a for a in data_axes if a not in plan.roles.expert)
+                    if shard:
+                        comms.append(_comm(plan, device, shard, "data", "all_gather", 1, reduce_w * expert_local))
             else:
                 comms.append(_comm(plan, device, data_axes, "data", "all_reduce", 1, reduce_w * (local - expert_local)))
                 rest = tuple(a for a in data_axes if a not in plan.roles.expert)

@@ -47,7 +47,7 @@ from torch import Tensor
 
 from .fsdp import is_sharded, like_sharded, store_tp_local, tp_local
 from .mesh import Mesh
-from .program import Built
+from .program import Built, Optimizers, optimizer_parts
 from .shards import ShardSpec
 
 # torch.distributed.checkpoint and DTensor are imported where used: they cost about a second per
@@ -570,15 +570,18 @@ def _holders(built: Built) -> dict[str, list[tuple[Tensor, ShardSpec]]]:
     return out
 
 
-def _inner(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds per-parameter state (ZeRO keeps a local one for its partition)."""
-    local = getattr(optimizer, "optim", None)
-    return local if isinstance(local, torch.optim.Optimizer) else optimizer
+def _owner(built: Built, param: Tensor) -> tuple[torch.optim.Optimizer, dict[str, Any]] | None:
+    """The optimizer holding ``param``'s state on this rank (ZeRO: of its partition) and its
+    parameter group; None where another rank's ZeRO partition has it."""
+    for inner in optimizer_parts(built.optimizer):
+        for group in inner.param_groups:
+            if any(q is param for q in group["params"]):
+                return inner, group
+    return None
 
 
 def _owned(built: Built) -> set[int]:
-    inner = _inner(built.optimizer)
-    return {id(p) for group in inner.param_groups for p in group["params"]}
+    return {id(p) for inner in optimizer_parts(built.optimizer) for group in inner.param_groups for p in group["params"]}
 
 
 def fingerprint(built: Built) -> str:
@@ -598,9 +601,10 @@ def _param_groups(built: Built) -> list[dict[str, Any]]:
 
 def _set_param_groups(built: Built, saved: list[dict[str, Any]], where: str = "") -> None:
     targets = [built.optimizer.param_groups]
-    inner = _inner(built.optimizer)
-    if inner is not built.optimizer:
-        targets.append(inner.param_groups)
+    parts = built.optimizer.parts if isinstance(built.optimizer, Optimizers) else [built.optimizer]
+    if any(inner is not part for inner, part in zip(optimizer_parts(built.optimizer), parts)):
+        # ZeRO's local optimizers, in the order of the parts (one group each, as their ZeRO's).
+        targets.append([g for inner in optimizer_parts(built.optimizer) for g in inner.param_groups])
     for groups in targets:
         if len(groups) != len(saved):
             raise CheckpointError(
@@ -635,16 +639,15 @@ def _same_kind(ours: Any, saved: Any) -> bool:
 
 def _save_state(built: Built, optimizer: bool) -> dict[str, Any]:
     state: dict[str, Any] = {}
-    owned = _owned(built) if optimizer else set()
-    inner = _inner(built.optimizer)
     for name, holders in _holders(built).items():
         param, spec = holders[0]
         state[f"model/{name}"] = _dcp_value(built.mesh, spec, tp_local(param.detach()), built.device)
         if not optimizer:
             continue
         for p, _ in holders:
-            if id(p) in owned and inner.state.get(p):
-                for key, value in inner.state[p].items():
+            owner = _owner(built, p)
+            if owner is not None and owner[0].state.get(p):
+                for key, value in owner[0].state[p].items():
                     state[f"optim/{name}/{key}"] = _optim_value(built, spec, p, key, value)
                 break
     return state
@@ -842,7 +845,6 @@ def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, A
         tensors[f"model/{name}"] = _dcp_value(mesh, spec, target, built.device)
     if optimizer:
         owned = _owned(built)
-        inner = _inner(built.optimizer)
         by_name: dict[str, list[str]] = {}
         for key in metadata.state_dict_metadata:
             if key.startswith("optim/"):
@@ -853,7 +855,9 @@ def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, A
             if not mine:
                 continue
             param, spec = mine[0]
-            group = next(g for g in inner.param_groups if any(q is param for q in g["params"]))
+            owner = _owner(built, param)
+            assert owner is not None
+            group = owner[1]
             for sub in by_name.get(name, []):
                 md = metadata.state_dict_metadata[f"optim/{name}/{sub}"]
                 dtype = md.properties.dtype
@@ -879,13 +883,12 @@ def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, A
         for p, _ in held[1:]:
             p.copy_(held[0][0])
     if optimizer:
-        inner = _inner(built.optimizer)
-        owned = _owned(built)
         for name, held in holders.items():
             subs = {k.rpartition("/")[2]: v for k, v in targets.items() if k.startswith(f"optim/{name}/")}
             for p, _ in held:
-                if id(p) in owned and subs:
-                    inner.state[p] = {
+                owner = _owner(built, p)
+                if owner is not None and subs:
+                    owner[0].state[p] = {
                         k: like_sharded(p, v) if is_sharded(p) and v.shape == p.shape else v.clone()
                         for k, v in subs.items()
                     }

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_leaves
 from . import moe_routing
 from .fsdp import data_local, is_sharded
 from .profile_steps import PROFILE_UNTIMED
+from .program import optimizer_parts
 
 __all__ = ["CollectiveLog", "LiveBytes", "profile_memory", "profile_train", "saved_bytes", "trace_train"]
 
@@ -290,9 +291,9 @@ class CollectiveLog:
 
 
 def _state_bytes(optimizer: Any) -> int:
-    inner = getattr(optimizer, "optim", optimizer)
     return sum(
         data_local(v).numel() * v.element_size()
+        for inner in optimizer_parts(optimizer)
         for st in inner.state.values()
         for v in st.values()
         if isinstance(v, torch.Tensor) and v.dim() > 0

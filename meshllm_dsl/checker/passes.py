@@ -233,22 +233,6 @@ def context_parallel(ctx: PassContext) -> PassResult:
 def optimizer(ctx: PassContext) -> PassResult:
     w = _Worker.of(ctx)
     name, opt_settings, zero, zero_axes = w.optimizer(ctx["batch_axes"], ctx["context_axes"])
-    entry = ctx["expert_entry"]
-    if zero == 1 and entry is not None:
-        # ZeroRedundancyOptimizer broadcasts each partition's update to every batch rank, which
-        # would overwrite the other ranks' experts; FSDP2 (zero 2 / 3) shards them apart.
-        w.error(E0412, f"ZeRO 1 with expert parallelism over {' x '.join(ctx['expert_axes'])} is not supported yet",
-                entry.span, label="the experts differ along these batch axes",
-                help="use `zero 2` or `zero 3` (FSDP2 shards the dense parameters; each rank's experts stay its "
-                "own), or no ZeRO")
-    elif zero >= 2 and entry is not None and not set(zero_axes) <= set(ctx["expert_axes"]):
-        # FSDP2 of the experts over the ZeRO ranks that replicate them (torchtitan's dp_shard_mod_ep)
-        # is not done yet: each rank's experts are left out of FSDP2 whole.
-        rest = [a for a in zero_axes if a not in ctx["expert_axes"]]
-        w.error(E0412, f"ZeRO {zero} over {' x '.join(rest)}, which replicates the experts, is not supported yet",
-                entry.span, label=f"the experts split over {' x '.join(ctx['expert_axes'])} only",
-                help=f"shard ZeRO over the expert axes only (`zero {zero} over {' * '.join(ctx['expert_axes'])}`: "
-                "HSDP, replicated over the rest), or split the experts over every ZeRO axis")
     return w.result(optimizer=name, optimizer_settings=opt_settings, zero=zero, zero_axes=zero_axes)
 
 
@@ -264,6 +248,28 @@ def precision(ctx: PassContext) -> PassResult:
                 stmt.span, label="FSDP2 would cast the routing statistics between stages",
                 help=f"drop `precision` (compute in `dtype`), or set {coef} = 0.0 on model `{ctx.model.name}`")
     return w.result(dtype=dtype, master_dtype=master, reduce_dtype=reduce)
+
+
+def expert_zero(ctx: PassContext) -> PassResult:
+    """ZeRO with expert parallelism (E0412): what the runtime shards the experts' states over."""
+    w = _Worker.of(ctx)
+    entry, zero, zero_axes, expert_axes = ctx["expert_entry"], ctx["zero"], ctx["zero_axes"], ctx["expert_axes"]
+    # ZeRO 1 without `precision` (ZeroRedundancyOptimizer) shards the experts' states over the ZeRO
+    # ranks that hold the same experts, whatever the axes. FSDP2 (ZeRO 2 / 3, and ZeRO 1 with master
+    # weights) leaves the experts out whole, which is right only where every ZeRO axis splits them.
+    fsdp = zero >= 2 or (zero == 1 and ctx["master_dtype"] is not None)
+    if entry is not None and fsdp and not set(zero_axes) <= set(expert_axes):
+        rest = [a for a in zero_axes if a not in expert_axes]
+        what = f"ZeRO {zero}" + (" with `precision`" if zero == 1 else "")
+        alternatives = [f"`zero {zero} over {' * '.join(expert_axes)}` (HSDP: sharded over the expert axes, "
+                        "replicated over the rest)", "split the experts over every ZeRO axis",
+                        "`zero 1` without `precision` (it shards the experts' optimizer states over the ranks "
+                        "that hold the same experts)"]
+        w.error(E0412, f"{what} over {' x '.join(rest)}, which replicates the experts, is not supported yet",
+                entry.span, label=f"the experts split over {' x '.join(expert_axes)} only",
+                help="FSDP2 would have to shard the experts over other ranks than the dense parameters "
+                f"(torchtitan's dp_mod_ep mesh); use {or_list(alternatives)}")
+    return w.result()
 
 
 def axis_roles(ctx: PassContext) -> PassResult:
@@ -295,6 +301,7 @@ PASSES: tuple[Pass, ...] = (
     context_parallel,
     optimizer,
     precision,
+    expert_zero,
     axis_roles,
     pitfalls,
 )

@@ -38,6 +38,15 @@ PLANS = {  # mesh axes, layout, other lines
     # HSDP: ZeRO 2 over data, replicated over replica; the experts replicated over replica too
     "replica2_ep2_zero2": ("replica = 2, data = 2", "batch -> replica * data, experts -> data",
                            "    optimizer adamw { zero 2 over data }\n"),
+    # ZeRO 1: the dense states sharded over replica x data, the experts' over replica (the ranks
+    # holding the same experts), two ZeroRedundancyOptimizers stepped together
+    "replica2_ep2_zero1": ("replica = 2, data = 2", "batch -> replica * data, experts -> data",
+                           "    microbatches = 2\n    optimizer adamw { zero 1 }\n"),
+    # Megatron's distributed optimizer (FSDP2, gradients reduced once a step) with `precision`: the
+    # experts, left out of FSDP2, cast to the compute dtype like the dense weights
+    "ep2_zero1_precision": ("data = 2", "batch -> data, experts -> data",
+                            "    microbatches = 2\n    precision { params = bf16, master = fp32 }\n"
+                            "    optimizer adamw { zero 1 }\n"),
 }
 
 
@@ -53,7 +62,7 @@ def compiled(model: str, plan: str, tmp_path: Path) -> tuple[str, int, str]:
 
 CASES = [("mixtral", "ep2"), ("qwen3_moe", "ep4"), ("qwen2_moe", "replica2_ep2_rule"), ("mixtral", "ep2_tensor2"),
          ("qwen2_moe", "ep2_tensor2"), ("mixtral", "pipeline2_ep2"), ("qwen3_moe", "ep2_tensor2_zero3_recompute"),
-         ("mixtral", "replica2_ep2_zero2")]
+         ("mixtral", "replica2_ep2_zero2"), ("qwen2_moe", "replica2_ep2_zero1"), ("mixtral", "ep2_zero1_precision")]
 
 
 @pytest.mark.parametrize(("model", "plan"), CASES)
@@ -100,9 +109,10 @@ def test_the_plan_records_expert_parallelism_and_the_local_experts() -> None:
 @pytest.mark.parametrize(("layout", "rest", "code"), [
     ("batch -> data, experts -> tensor", "", "E0412"),  # tensor ranks hold the same tokens
     ("experts -> data", "", "E0412"),  # no data parallelism: the tokens are the same everywhere
-    ("batch -> data, experts -> data", "    optimizer adamw { zero 1 }\n", "E0412"),  # not yet
-    # ZeRO over a batch axis that replicates the experts (FSDP2 of them: not yet)
+    # FSDP2 over a batch axis that replicates the experts (ZeRO 2 / 3, ZeRO 1 with master weights: not yet)
     ("batch -> data * tensor, experts -> data", "    optimizer adamw { zero 3 }\n", "E0412"),
+    ("batch -> data * tensor, experts -> data",
+     "    precision { params = bf16, master = fp32 }\n    optimizer adamw { zero 1 }\n", "E0412"),
     ("batch -> data, experts -> data, ffn -> data", "", "E0407"),  # one axis, two roles in one tensor
 ])
 def test_expert_parallelism_that_does_not_fit_is_refused(layout: str, rest: str, code: str) -> None:
@@ -142,7 +152,9 @@ def test_the_expert_rule_that_does_not_fit_is_refused_located(rule: str, layout:
 
 
 @pytest.mark.parametrize("rest", [
+    "    optimizer adamw { zero 1 }\n",  # ZeroRedundancyOptimizer: the experts' states over tensor
     "    precision { params = bf16, master = fp32 }\n",
+    "    precision { params = bf16, master = fp32 }\n    optimizer adamw { zero 1 over data }\n",
     "    precision { params = bf16 }\n    optimizer adamw { zero 3 over data }\n",
 ])
 def test_zero_and_precision_compose_with_expert_parallelism(rest: str) -> None:
@@ -151,11 +163,20 @@ def test_zero_and_precision_compose_with_expert_parallelism(rest: str) -> None:
     assert not _codes(text)
 
 
+def test_zero_over_axes_replicating_the_experts_says_what_would_work() -> None:
+    text = (f"mesh m {{ axes data = 2, tensor = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = 8\n"
+            "    layout { batch -> data * tensor, experts -> data }\n    optimizer adamw { zero 2 }\n}\n")
+    (d,) = _checked(text).errors
+    assert d.message == "ZeRO 2 over tensor, which replicates the experts, is not supported yet"
+    assert "`zero 2 over data`" in d.help and "`zero 1` without `precision`" in d.help
+
+
 STEPS = 3
 
 
 def _bf16_job(ctx: Any, path: str) -> dict[str, Any]:
     from meshllm_dsl.runtime.launch import synthetic_batch
+    from meshllm_dsl.runtime.program import optimizer_parts
     from meshllm_dsl.verify import load_generated
 
     program = load_generated(path).PROGRAM
@@ -164,13 +185,13 @@ def _bf16_job(ctx: Any, path: str) -> dict[str, Any]:
               for s in range(STEPS)]
     experts = [q for n, q in built.modules[0].named_parameters() if n.endswith(("mlp.gate.weight", "mlp.down.weight"))]
     experts_ids = {id(q) for q in experts}
-    moments = {str(v.dtype) for q, st in built.optimizer.state.items() if id(q) in experts_ids
-               for k, v in st.items() if k != "step"}
+    moments = {str(v.dtype) for inner in optimizer_parts(built.optimizer) for q, st in inner.state.items()
+               if id(q) in experts_ids for k, v in st.items() if k != "step"}
     return {"losses": losses, "experts": {str(q.dtype) for q in experts},
             "grads": {str(q.grad.dtype) for q in experts if q.grad is not None}, "moments": moments}
 
 
-@pytest.mark.parametrize("zero", ["", "    optimizer adamw { zero 2 }\n"])
+@pytest.mark.parametrize("zero", ["", "    optimizer adamw { zero 1 }\n", "    optimizer adamw { zero 2 }\n"])
 def test_precision_treats_the_experts_as_the_dense_weights(zero: str, pool: Any, tmp_path: Path) -> None:
     """`precision { params = bf16, master = fp32 }` with expert parallelism, in bf16 as a plan trains
     (the exact comparison above runs every dtype equal): the experts' master weights, gradients and
@@ -223,6 +244,38 @@ def test_hsdp_reduces_the_experts_over_their_replicas_in_the_reduce_dtype(pool: 
     assert [c.payload_bytes for c in planned if c.calls == 1] == [2 * experts]  # bf16
     for got in pool.run(_replica_bytes_job, 4, str(path)):
         assert got == sum(c.payload_bytes for c in planned)
+
+
+def _resume_job(ctx: Any, path: str, root: str, save_at: int | None, load: bool) -> tuple[list[float], Any]:
+    """Build (from another seed when loading: the load must replace the weights), optionally resume
+    from ``root``, train to step 4 (saving at ``save_at``); the losses and the final weights."""
+    from meshllm_dsl.runtime import checkpoint
+    from meshllm_dsl.runtime.launch import synthetic_batch
+    from meshllm_dsl.verify import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=5 if load else 0)
+    start = checkpoint.load(built, root, optimizer=True)["state"]["step"] if load else 0
+    losses = []
+    for step in range(start, 4 if save_at is None else save_at):
+        losses.append(built.train_step(*synthetic_batch(program.vocab, program.batch, program.seq, 3, step)))
+    if save_at is not None:
+        checkpoint.save(built, root, step=save_at, state={"step": save_at})
+    return losses, built.full_state_dict()
+
+
+@pytest.mark.parametrize(("model", "plan"), [("qwen2_moe", "replica2_ep2_zero1"), ("mixtral", "ep2_zero1_precision")])
+def test_zero1_with_experts_resumes_bit_for_bit(model: str, plan: str, pool: Any, tmp_path: Path) -> None:
+    """The two ZeRO partitions (dense over replica x data, experts over replica), or FSDP2's sharded
+    states beside the experts' whole ones, through a checkpoint: a resumed run continues exactly."""
+    path, n, _ = compiled(model, plan, tmp_path)
+    root = str(tmp_path / "ckpt")
+    losses, final = pool.run(_resume_job, n, path, root, None, False)[0]
+    first, _ = pool.run(_resume_job, n, path, root, 2, False)[0]
+    second, resumed = pool.run(_resume_job, n, path, root, None, True)[0]
+    assert first + second == losses
+    for name, value in final.items():
+        assert torch.equal(resumed[name], value), name
 
 
 def test_experts_that_do_not_divide_over_the_axis_are_refused() -> None:
