@@ -41,12 +41,6 @@ N_NEW = 6
 
 
 @pytest.fixture(scope="module")
-def pool() -> Any:
-    with WorkerPool(world_size=4) as p:
-        yield p
-
-
-@pytest.fixture(scope="module")
 def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
     root = tmp_path_factory.mktemp("hf")
     return {kind: (root / kind, build_hf(kind, root / kind)) for kind in KINDS}

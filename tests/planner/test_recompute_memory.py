@@ -9,7 +9,6 @@ that no mode changes), and recomputing must keep less.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,12 +58,6 @@ def _job(ctx: RankContext, path: str, m: int) -> int:
     with saved_bytes(exclude=built.parameters()) as saved:
         built.train_step(tokens, targets)
     return int(saved["bytes"]) // m
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[WorkerPool]:
-    with WorkerPool(world_size=4) as p:
-        yield p
 
 
 def _measure(pool: WorkerPool, tmp: Path, shape: str, mode: str) -> tuple[Any, list[int]]:

@@ -15,7 +15,6 @@ draw the checker accepts and the runtime cannot run is a checker bug.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -170,12 +169,6 @@ def specs(draw: st.DrawFn) -> str:
     return (f"mesh m {{ axes {axes}  device = cpu }}\n"
             "model t {\n    " + "\n    ".join(lines) + "\n}\n"
             "plan p on m for t {\n    " + "\n    ".join(plan) + "\n}\n")
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[WorkerPool]:
-    with WorkerPool(world_size=8, timeout=180.0) as p:
-        yield p
 
 
 @pytest.fixture(scope="module")

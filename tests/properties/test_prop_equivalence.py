@@ -13,7 +13,6 @@ deterministic and fast. `pytest --hypothesis-profile=thorough` draws fresh plans
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,14 +35,6 @@ EQUIVALENCE = settings(
     database=None,  # a saved failing plan would otherwise be replayed first in every run
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
 )
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[WorkerPool]:
-    # One pool of 8 ranks for the whole module: starting workers costs about a second, a job on
-    # warm workers milliseconds. A failing job restarts the pool (pool.py).
-    with WorkerPool(world_size=8, timeout=180.0) as p:
-        yield p
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,12 +35,6 @@ plan p on m for net {
 }
 """,
 }
-
-
-@pytest.fixture(scope="module")
-def pool() -> Iterator[WorkerPool]:
-    with WorkerPool(world_size=8, timeout=120.0) as p:
-        yield p
 
 
 @pytest.mark.parametrize("name", list(TIED_ONE_STAGE))
