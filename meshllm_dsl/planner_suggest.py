@@ -1,7 +1,9 @@
 """`meshc suggest`: search the plans for a model on N devices and rank them by estimated step time.
 
 The search enumerates data x pipeline x tensor factorizations of the device count (tensor within a
-host), microbatch counts, ZeRO stages, schedules and activation recomputation. Every candidate is written out as .mesh text
+host), context sizes for long sequences, microbatch counts, ZeRO stages (HSDP within a host among
+them), fp32 master weights, schedules and activation recomputation (none, attention, ops, blocks
+every 2, blocks). Every candidate is written out as .mesh text
 (the model's own declarations plus a generated mesh and plan) and checked with `check_text`: the
 checker, not this module, decides what is valid. Candidates that check clean are analysed by the
 planner; those that fit in device memory (less a headroom) are ranked by estimated step time.
@@ -9,7 +11,8 @@ planner; those that fit in device memory (less a headroom) are ranked by estimat
 The search is a branch and bound with the full search's answer: candidates in order of a lower bound
 on their step time (compute_floor_s x (1 + bubble_scale)), until the fastest that fit are certain,
 and a variant whose structure's weights, gradients and optimizer states exceed the device is not
-analysed (StateBound). 530B on 2,520 devices analyses 88 of 3,252 candidates.
+analysed (StateBound), nor one whose variant recomputing less is already slower than the
+runner-up (_slower_than_the_runner_up). 530B on 2,520 devices analyses 83 of 8,130 candidates.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ LONG_SEQ = 8192
 # planner does not count, the CUDA context (about 0.5 - 1 GiB a process), NCCL's buffers (a few
 # hundred MiB per communicator) and the caching allocator's fragmentation.
 DEFAULT_HEADROOM = 0.05
+# `recompute = blocks every N` is searched at this N: half the blocks recomputed, half their
+# activations kept (a step between none and all; finer steps cost the search more analyses).
+RECOMPUTE_EVERY = 2
 
 
 @attrs.frozen
@@ -207,10 +213,14 @@ def candidates(model: ModelIR, devices: int, batch: int, per_host: int, seq: int
     dims = _dim_sizes(model)
     sharded = [dims[d] for d in _sharded_dims(model) if d in dims]
     layers = model.repeat.count if model.repeat is not None else 1
-    # Recomputation trades a forward pass of the blocks (or of the attention core) for their activations.
+    # Recomputation trades a forward pass of the blocks (or of the attention core) for their
+    # activations; between none and all of a block: torchtitan's selective `ops`, and every other
+    # block (Megatron's --recompute-num-layers, torchtitan's ac_freq).
     remats = ["none"]
     if model.repeat is not None:
-        remats += (["attention"] if any(u.kind == "attention" for u in model.repeat.body) else []) + ["blocks"]
+        remats += (["attention"] if any(u.kind == "attention" for u in model.repeat.body) else []) + ["ops"]
+        remats += [f"blocks every {RECOMPUTE_EVERY}"] if model.repeat.count >= RECOMPUTE_EVERY else []
+        remats += ["blocks"]
     hosts = 1
     if devices > per_host:
         hosts = next(h for h in divisors(devices) if h >= devices / per_host)
@@ -253,11 +263,15 @@ def _layouts(model: ModelIR, batch: int, d: int, p: int, t: int, cp: int, hosts:
                     yield Candidate(d, p, t, m, sched, v, z, hosts, r, context=cp)
                     if z < 2 and model.dtype in ("bf16", "fp16"):
                         yield Candidate(d, p, t, m, sched, v, z, hosts, r, master=True, context=cp)
-            # HSDP (FSDP2 only): sharded within a host, replicated across hosts.
+            # HSDP: sharded within a host, replicated across hosts (FSDP2's 2-D mesh at ZeRO 2 / 3; at
+            # ZeRO 1 the optimizer states over the shard group, with fp32 master weights Megatron's
+            # distributed optimizer per host).
             shard = max((s for s in divisors(d) if 1 < s < d and s * p * t <= per_host), default=0) if cp == 1 else 0
-            for z in (2, 3) if shard else ():
+            for z in (1, 2, 3) if shard else ():
                 for r in remats:
                     yield Candidate(d, p, t, m, sched, v, z, hosts, r, zero_shard=shard)
+                    if z < 2 and model.dtype in ("bf16", "fp16"):
+                        yield Candidate(d, p, t, m, sched, v, z, hosts, r, zero_shard=shard, master=True)
 
 
 def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, batch: int, seq: int,
@@ -324,6 +338,41 @@ def compute_floor_s(report: PlanReport) -> float:
     return report.step.model_flops / (report.plan.mesh.devices * rate)
 
 
+def variant(structure: PlanIR, c: Candidate, model: ModelIR) -> PlanIR:
+    """The checked plan of `c`'s structure (its first candidate's) with `c`'s own microbatches,
+    ZeRO stage, recomputation and master weights: what checking `c`'s text would give, without
+    parsing it again (tests/planner/test_data_parallel_layouts_plan.py compares the two)."""
+    master = _master_weights(c, model)
+    region, _, every = c.recompute.partition(" every ")
+    shard = (("data",) if c.zero_shard else structure.roles.replicas) if c.zero else ()
+    return attrs.evolve(structure, microbatches=c.microbatches, zero=c.zero,
+                        roles=attrs.evolve(structure.roles, batch_shard=shard), recompute=region,
+                        recompute_every=int(every or 1), master_dtype="fp32" if master else None,
+                        reduce_dtype="fp32" if master else None)
+
+
+def _recomputes_less(c: Candidate) -> tuple[str, ...]:
+    """The recomputation settings that rerun a part of what `c`'s does, so no slower a step in the
+    planner (the same plan otherwise): none below every setting; `blocks` reruns each block's whole
+    forward, of which attention, ops and every other block rerun a part."""
+    if c.recompute == "none":
+        return ()
+    if c.recompute == "blocks":
+        return ("none", "attention", "ops", f"blocks every {RECOMPUTE_EVERY}")
+    return ("none",)
+
+
+def _slower_than_the_runner_up(c: Candidate, steps: dict[Candidate, float],
+                               fitting: list[tuple[Candidate, PlanReport]], top: int) -> bool:
+    """A variant that recomputes less, analysed before (remats are enumerated in that order),
+    bounds `c`'s step from below: past the (top + 1)-th fitting plan's, `c` can be neither
+    suggested nor the runner-up the reasons compare with."""
+    if len(fitting) <= top:
+        return False
+    floor = max((steps.get(attrs.evolve(c, recompute=r), 0.0) for r in _recomputes_less(c)), default=0.0)
+    return floor > fitting[top][1].step.total_s
+
+
 def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, batch: int, seq: int,
              per_host: int | None, top: int, line: StatusLine, limit: int, prune: bool) -> SuggestResult:
     prelude = _prelude_text(path, model_name)
@@ -362,6 +411,7 @@ def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, ba
     structures: dict[tuple[int, int, int, str, int, bool], PlanIR | None] = {}
     bounds: dict[tuple[int, int, int, str, int, bool], StateBound] = {}
     fitting: list[tuple[Candidate, PlanReport]] = []
+    steps: dict[Candidate, float] = {}  # each analysed variant's step (bounds on those recomputing more)
     analysed = 0
     floor: float | None = None
     ranked: list[Ranked] = []
@@ -398,10 +448,9 @@ def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, ba
         if rep_plan is not None:
             if prune and bound.rules_out(c):
                 continue
-            master = _master_weights(c, model)
-            plan = attrs.evolve(rep_plan, microbatches=c.microbatches, zero=c.zero,
-                                roles=attrs.evolve(rep_plan.roles, batch_shard=(("data",) if c.zero_shard else rep_plan.roles.replicas) if c.zero else ()), recompute=c.recompute,
-                                master_dtype="fp32" if master else None, reduce_dtype="fp32" if master else None)
+            if prune and _slower_than_the_runner_up(c, steps, fitting, top):
+                continue
+            plan = variant(rep_plan, c, model)
         else:
             plan = check(c)[1]  # the structure failed: judge each variant on its own
             checked += 1
@@ -412,6 +461,7 @@ def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, ba
         floor = compute_floor_s(report) if floor is None else floor
         if rep_plan is not None:
             bound.record(c, report)
+            steps[c] = report.step.total_s
         if report.peak_training_bytes <= limit:
             # Ties in time and memory go to the earlier candidate in enumeration order, as the full search's do.
             bisect.insort(fitting, (c, report), key=lambda cr: (cr[1].step.total_s, cr[1].peak_training_bytes, index[cr[0]]))

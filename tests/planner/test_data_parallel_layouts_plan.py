@@ -101,11 +101,37 @@ def test_suggest_searches_hsdp_sharded_within_a_host() -> None:
 
     model = check_text(MODEL + "\n", "m.mesh").models["m"]
     hsdp = [c for c in candidates(model, 16, 64, 8) if c.zero_shard]
-    # Data 16 over 2 hosts of 8: ZeRO 2 / 3 sharded over the 8 ranks of a host, 2 replicas.
-    assert hsdp and {(c.data, c.zero_shard, c.zero) for c in hsdp if c.tensor == c.pipeline == 1} == {(16, 8, 2), (16, 8, 3)}
-    assert all(c.zero_shard * c.pipeline * c.tensor <= 8 and c.zero in (2, 3) for c in hsdp)
+    # Data 16 over 2 hosts of 8: ZeRO 1 / 2 / 3 sharded over the 8 ranks of a host, 2 replicas; at
+    # ZeRO 1 also with fp32 master weights (the distributed optimizer within a host).
+    assert hsdp and {(c.data, c.zero_shard, c.zero, c.master) for c in hsdp if c.tensor == c.pipeline == 1} == {
+        (16, 8, 1, False), (16, 8, 1, True), (16, 8, 2, False), (16, 8, 3, False)}
+    assert all(c.zero_shard * c.pipeline * c.tensor <= 8 and c.zero in (1, 2, 3) for c in hsdp)
     c = next(c for c in hsdp if c.tensor == c.pipeline == 1)
     result = check_text(MODEL + "\n" + plan_text(c, model, "h100", 64, 2048), "s.mesh")
     assert result.ok, [d.message for d in result.errors]
     plan = result.plans["suggested"]
     assert (plan.roles.batch_shard, plan.roles.batch_replicate, plan.zero_size) == (("data",), ("replica",), 8)
+
+
+def test_suggest_estimates_each_variant_as_its_checked_text() -> None:
+    """suggest checks one candidate's text per structure and estimates the others from that plan
+    with their own fields (planner_suggest.variant): HSDP ZeRO 1 with fp32 master weights and
+    `recompute = blocks every 2` / `ops` must be estimated as checking their own text gives."""
+    import attrs
+
+    from meshllm_dsl.planner_suggest import Candidate, plan_text, variant
+
+    model = check_text(MODEL + "\n", "m.mesh").models["m"]
+    first = Candidate(data=16, pipeline=1, tensor=1, microbatches=1, schedule="none", virtual=1, zero=0, hosts=2,
+                      zero_shard=8)
+    (structure,) = check_text(MODEL + "\n" + plan_text(first, model, "h100", 64, 2048), "s.mesh").plans.values()
+    for c in (attrs.evolve(first, zero=1, master=True, microbatches=4, recompute="blocks every 2"),
+              attrs.evolve(first, zero=1, recompute="ops"), attrs.evolve(first, zero=3, recompute="blocks")):
+        result = check_text(MODEL + "\n" + plan_text(c, model, "h100", 64, 2048), "s.mesh")
+        assert result.ok, [d.message for d in result.errors]
+        (checked,) = result.plans.values()
+        assert (checked.zero, checked.roles.batch_shard, checked.recompute, checked.recompute_every) == (
+            c.zero, ("data",), c.recompute.split()[0], 2 if "every" in c.recompute else 1)
+        assert checked.master_dtype == ("fp32" if c.master or c.zero >= 2 else None)
+        want, got = analyze(checked), analyze(variant(structure, c, model))
+        assert got.step.total_s == want.step.total_s and got.peak_training_bytes == want.peak_training_bytes, c.key()

@@ -163,14 +163,16 @@ def test_suggest_searches_recomputation() -> None:
     path = str(EXAMPLES / "tiny_llama.mesh")
     prelude = _prelude_text(path, "tiny_llama")
     model = check_text(prelude, path).models["tiny_llama"]
-    assert {c.recompute for c in candidates(model, 8, 8, 8)} == {"none", "attention", "blocks"}
+    assert {c.recompute for c in candidates(model, 8, 8, 8)} == {"none", "attention", "ops", "blocks every 2", "blocks"}
     res = suggest(path, "tiny_llama", devices=8, device=PROFILES["cpu"], batch=8, seq=32, top=10_000)
     remat = [r for r in res.ranked if r.candidate.recompute != "none"]
-    assert remat
+    assert {r.candidate.recompute for r in remat} == {"attention", "ops", "blocks every 2", "blocks"}
     for r in remat:
         result = check_text(prelude + "\n" + r.text, path)
-        assert result.ok and result.plans["suggested"].recompute == r.candidate.recompute
-        assert r.report.plan.recompute == r.candidate.recompute
+        region, _, every = r.candidate.recompute.partition(" every ")
+        setting = (region, int(every or 1))
+        assert result.ok and (result.plans["suggested"].recompute, result.plans["suggested"].recompute_every) == setting
+        assert (r.report.plan.recompute, r.report.plan.recompute_every) == setting
         assert f"recompute = {r.candidate.recompute}" in r.text
 
 

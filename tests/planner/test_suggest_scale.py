@@ -85,6 +85,25 @@ def test_pruned_search_finds_what_the_full_search_finds(spec, monkeypatch: pytes
         key = (plan.mesh.axes, plan.schedule, plan.virtual, plan.roles.sequence, plan.zero, plan.master_dtype)
         held = max(r.weight_bytes + r.grad_bytes + r.optimizer_bytes for r in rep.ranks)
         assert states.setdefault(key, held) == held, plan
+    # ... and recomputing part of what another variant recomputes is never slower (the bound
+    # planner_suggest._slower_than_the_runner_up skips the analyses by).
+    step = {(rep.plan.mesh.axes, rep.plan.schedule, rep.plan.virtual, rep.plan.roles, rep.plan.zero, rep.plan.master_dtype,
+             rep.plan.microbatches, rep.plan.recompute if rep.plan.recompute_every == 1 else
+             f"{rep.plan.recompute} every {rep.plan.recompute_every}"): rep.step.total_s for rep in reports}
+    for (*rest, remat), t in step.items():
+        c = planner_suggest.Candidate(1, 1, 1, 1, "none", 1, 0, 1, remat)
+        for less in planner_suggest._recomputes_less(c):
+            assert step.get((*rest, less), 0.0) <= t * (1 + 1e-9), (rest, remat, less)
+
+
+def test_the_fastest_plan_that_fits_may_recompute_every_other_block_or_selected_ops() -> None:
+    """Llama 2 7B on 8 A100s with 10 GiB each: nothing fits without recomputation, and recomputing
+    every other block or torchtitan's selected ops beats recomputing every block."""
+    dev = attrs.evolve(PROFILES["a100"], memory_gib=10.0)
+    res = suggest(str(EXAMPLES / "llama2_7b.mesh"), "llama2_7b", devices=8, device=dev, batch=16, seq=4096, top=2)
+    got = [(r.report.plan.recompute, r.report.plan.recompute_every) for r in res.ranked]
+    assert got == [("blocks", 2), ("ops", 1)], [r.candidate.key() for r in res.ranked]
+    assert "recompute = blocks every 2" in res.ranked[0].text and "recompute = ops" in res.ranked[1].text
 
 
 def test_530b_on_2520_devices_is_sane() -> None:
