@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "lsp"))
+from _common import print_table  # noqa: E402
 from lsp_client import Client  # noqa: E402
 
 from meshllm_dsl.lsp.server import DEBOUNCE_MAX_S, DEBOUNCE_MIN_S  # noqa: E402
@@ -31,10 +32,11 @@ def _pos(text: str, needle: str, delta: int = 0) -> dict[str, int]:
     return {"line": text.count("\n", 0, off), "character": off - (text.rfind("\n", 0, off) + 1)}
 
 
-def _stats(xs: list[float]) -> str:
+def _stats(xs: list[float]) -> tuple[str, str]:
+    """(median, p95) in ms."""
     xs = sorted(x * 1000 for x in xs)
     p95 = xs[min(len(xs) - 1, round(0.95 * (len(xs) - 1)))]
-    return f"median {statistics.median(xs):8.1f} ms   p95 {p95:8.1f} ms"
+    return f"{statistics.median(xs):.1f} ms", f"{p95:.1f} ms"
 
 
 def _open(c: Client, path: Path, text: str) -> str:
@@ -91,14 +93,18 @@ def main() -> int:
     c = Client(cwd=ROOT)
     try:
         print(f"meshc lsp latency, {args.n} runs each (debounce {DEBOUNCE_MIN_S * 1000:.0f} to {DEBOUNCE_MAX_S * 1000:.0f} ms)")
+        rows = [("", "spec", "median", "p95")]
         for i, (name, text, at) in enumerate(specs):
             path = tmp / f"spec{i}.mesh"
-            print(f"  diagnostics after an edit  {name:22s} {_stats(diagnostics_after(c, path, text, at, args.n, False))}")
-            print(f"  diagnostics after a save   {name:22s} {_stats(diagnostics_after(c, path, text, at, args.n, True))}")
+            rows.append(("diagnostics after an edit", name, *_stats(diagnostics_after(c, path, text, at, args.n, False))))
+            rows.append(("diagnostics after a save", name, *_stats(diagnostics_after(c, path, text, at, args.n, True))))
         for i, (name, text, _) in enumerate(specs[:2]):
             path = tmp / f"req{i}.mesh"
-            print(f"  hover on a shard rule      {name:22s} {_stats(requests(c, path, text, 'textDocument/hover', _pos(text, 'blocks.*.attn', 3), args.n))}")
-            print(f"  completion in column(     {name:22s} {_stats(requests(c, path, text, 'textDocument/completion', _pos(text, 'column(tensor)', 7), args.n))}")
+            rows.append(("hover on a shard rule", name,
+                         *_stats(requests(c, path, text, "textDocument/hover", _pos(text, "blocks.*.attn", 3), args.n))))
+            rows.append(("completion in column(", name,
+                         *_stats(requests(c, path, text, "textDocument/completion", _pos(text, "column(tensor)", 7), args.n))))
+        print_table(rows, align="ll")
     finally:
         c.close()
     return 0
