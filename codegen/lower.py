@@ -73,6 +73,9 @@ class ModuleContext:
     stages: list[str]
     loss: list[Line]
     program: list[Line]
+    # `import torch.nn.functional as F` only where a printed line calls it (a moe plan without tensor
+    # parallelism calls none, and an unused import would fail lint in the user's tree).
+    uses_functional: bool = False
 
 
 def _axes_text(axes: Sequence[str]) -> str:
@@ -600,8 +603,14 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         # The runtime checks at start-up that each group the planner keeps in a host is on one node.
         program.append(Line(f"hosts={mesh.hosts},"))
     axes = "(" + ", ".join(f"({a.name!r}, {a.size})" for a in mesh.axes) + ("," if len(mesh.axes) == 1 else "") + ")"
+    printed = [line.code for c in classes for line in (*c.init, *c.forward, *c.params)]
+    printed += [line.code for line in (*loss, *program)]
+    uses_functional = any(_FUNCTIONAL.search(code) for code in printed)
     return ModuleContext(header, axes, literal(model_description(plan)), classes, [c.name for c in stage_classes],
-                         loss, program)
+                         loss, program, uses_functional)
+
+
+_FUNCTIONAL = re.compile(r"\bF\.")
 
 
 def _adamw_kwargs(plan: PlanIR) -> dict[str, Any]:

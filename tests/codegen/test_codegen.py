@@ -48,6 +48,12 @@ def test_generated_code_is_ruff_clean(tmp_path: Path) -> None:
         result = check_file(path)
         for name, plan in result.plans.items():
             (tmp_path / f"{path.stem}_{name}.py").write_text(render_plan(plan, path.name, path.read_text()))
+    # A moe plan without tensor parallelism calls no torch.nn.functional: it must not import it.
+    moe = ("mesh m { axes data = 2 }\nmodel m = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, "
+           "kv_heads = 2, ffn = 48, experts = 4, top_k = 2 }\nplan p on m for m {\n    batch = 8\n    seq = 8\n"
+           "    layout { batch -> data, experts -> data }\n}\n")
+    (plan,) = check_text(moe, "moe.mesh").plans.values()
+    (tmp_path / "moe_data.py").write_text(render_plan(plan, "moe.mesh", moe))
     proc = subprocess.run(["ruff", "check", "--isolated", str(tmp_path)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
