@@ -101,22 +101,28 @@ def shard_stage(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     experts: set[str] = frozenset(),  # type: ignore[assignment]
+    cast_stage_inputs: bool = True,
 ) -> None:
     """``fully_shard`` every block of ``module`` and then ``module`` itself, in place.
 
     ``experts``: local names of parameters split over the ZeRO axes (expert parallelism: no other
-    rank of them holds these experts), left out of FSDP2 as plain tensors, nothing to shard."""
+    rank of them holds these experts), left out of FSDP2 as plain tensors, nothing to shard.
+    ``cast_stage_inputs=False``: the stage root leaves its inputs' dtypes alone (its forward casts
+    the activations itself), so fp32 inputs beside them stay fp32: the routing statistics a
+    pipeline stage receives (runtime/program.py). The blocks still cast what they get."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     # Compute in param_dtype, reduce gradients in reduce_dtype; the parameters FSDP2 keeps (and
     # the optimizer steps) stay in the dtype the module was built in: the master weights.
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    root_mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                   cast_forward_inputs=cast_stage_inputs)
     blocks = getattr(module, "blocks", None)
     if isinstance(blocks, (nn.ModuleDict, nn.ModuleList)):
         for block in blocks.values() if isinstance(blocks, nn.ModuleDict) else blocks:
             fully_shard(block, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
                         ignored_params=_named(module, block, experts))
-    fully_shard(module, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+    fully_shard(module, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=root_mp,
                 ignored_params=_named(module, module, experts))
 
 

@@ -274,6 +274,8 @@ class Built:
         self.replicas = mesh.size(*self.grad_axes) if self.grad_axes else 1
         self.zero_axes = tuple(a for a in mesh.names if a in (program.zero_axes or self.batch_axes))
         self._tied = self._tied_groups()
+        # A moe model's load-balancing / z-loss terms, added to each microbatch's loss (moe_routing.py).
+        self.router_losses = moe_routing.RouterLosses.of(program.model)
         if fsdp.uses_fsdp(program.zero, program.param_dtype):
             self._fully_shard()
         elif amp.uses_autocast(program.zero, program.dtype, program.param_dtype):
@@ -281,8 +283,6 @@ class Built:
             for module in self.modules.values():
                 amp.autocast_forward(module, self.device.type, program.param_dtype)
         self.loss_fn = program.loss(mesh)
-        # A moe model's load-balancing / z-loss terms, added to each microbatch's loss (moe_routing.py).
-        self.router_losses = moe_routing.RouterLosses.of(program.model)
         # With pipeline stages each stage's routing statistics travel to the next with its
         # activations, only while a training schedule runs (forward-only runs pass activations alone).
         self._carry_routing = False
@@ -305,7 +305,13 @@ class Built:
 
     def _routed_forward(self, forward: Callable[[Tensor], Tensor], x: Tensor, *carried: Tensor) -> Any:
         """A stage's forward that, under a training schedule with router losses, also returns the
-        routing statistics [2 E + 2] of its forward so far (``carried``: the previous stage's)."""
+        routing statistics [2 E + 2] of its forward so far (``carried``: the previous stage's).
+
+        Under FSDP2 the stage root casts no input (``_fully_shard``): the activations are cast to
+        the compute dtype here, as FSDP2 would, while ``carried`` stays in the routing dtype
+        (fp32), so pair counts past 256 and the probability sums cross stages exactly."""
+        if x.is_floating_point():
+            x = x.to(self.compute_dtype)
         if not self._carry_routing:
             return forward(x)
         assert self.router_losses is not None
@@ -347,6 +353,8 @@ class Built:
                 param_dtype=self.program.param_dtype,
                 reduce_dtype=self.program.reduce_dtype,
                 experts=experts,
+                # The routing statistics beside a stage's activations stay fp32 (_routed_forward).
+                cast_stage_inputs=self.router_losses is None or self.pp == 1,
             )
 
     @property

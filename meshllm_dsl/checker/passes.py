@@ -168,15 +168,14 @@ def stages(ctx: PassContext) -> PassResult:
 
 
 def moe_routing(ctx: PassContext) -> PassResult:
-    """A moe model's routing in this plan: `router_losses`, the first (layer, coefficient) asking
-    for a router loss (None: none does). With pipeline stages the runtime sends each stage's routing
-    statistics on with its activations (runtime/program.py). `skew = F` (the planner's routing
+    """A moe model's routing in this plan. (Router losses need no check: with pipeline stages the
+    runtime sends each stage's routing statistics on with its activations, in fp32 under any
+    `precision`: runtime/program.py.) `skew = F` (the planner's routing
     skew, planner_moe.py): the share of a layer's routed tokens its busiest expert gets,
     1 / experts (balanced) <= F <= 1."""
     w = _Worker.of(ctx)
     units = [u for item in ctx.model.items for u in (item.body if isinstance(item, Repeat) else (item,))]
     moes = [u for u in units if u.kind == "moe"]
-    asking = [(u, c) for u in moes for c in ("aux_loss_coef", "z_loss_coef") if u.attr(c)]
     given = ctx["settings"].get("skew")
     skew = None
     if given is not None:
@@ -192,7 +191,7 @@ def moe_routing(ctx: PassContext) -> PassResult:
                         help=f"use 1 / {experts} <= skew <= 1: the share of a layer's routed tokens its busiest expert "
                         f"receives ({1 / experts:.4g} is balanced routing, 1 sends every token to one expert)")
                 skew = None
-    return w.result(skew=skew, router_losses=asking[0] if asking else None)
+    return w.result(skew=skew)
 
 
 def schedule(ctx: PassContext) -> PassResult:
@@ -239,14 +238,6 @@ def optimizer(ctx: PassContext) -> PassResult:
 def precision(ctx: PassContext) -> PassResult:
     w = _Worker.of(ctx)
     dtype, master, reduce = w.precision(ctx["dtype"], ctx["zero"], "dtype" in ctx["settings"])
-    stmt = next((st for st in ctx.decl.body if isinstance(st, ast.PrecisionStmt)), None)
-    if ctx["router_losses"] is not None and ctx["pipeline_axis"] is not None and stmt is not None:
-        # FSDP2 casts every floating input of a stage to the compute dtype, the routing statistics
-        # that travel between stages too (pair counts past 256 are not exact in bf16).
-        unit, coef = ctx["router_losses"]
-        w.error(E0309, f"`{unit.name}`'s {coef} with pipeline stages and `precision` is not supported yet",
-                stmt.span, label="FSDP2 would cast the routing statistics between stages",
-                help=f"drop `precision` (compute in `dtype`), or set {coef} = 0.0 on model `{ctx.model.name}`")
     return w.result(dtype=dtype, master_dtype=master, reduce_dtype=reduce)
 
 
