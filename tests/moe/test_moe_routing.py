@@ -213,7 +213,12 @@ def test_router_losses_and_capacity_equal_the_reference(case: str, pool: Any, tm
 
 # -- pipeline stages under `precision`: the routing statistics cross stages in fp32
 
-_PRECISION = "    optimizer adamw { zero 3 }\n    precision { params = bf16, master = fp32, reduce = fp32 }\n"
+# Every form of `precision`: autocast at ZeRO 0, FSDP2's MixedPrecisionPolicy at 1 (Megatron's
+# distributed optimizer), 2 (gradients reduced in bf16) and 3 (in fp32).
+_PRECISIONS = {
+    zero: f"    optimizer adamw {{ zero {zero} }}\n    precision {{ params = bf16, master = fp32{reduce} }}\n"
+    for zero, reduce in ((0, ""), (1, ""), (2, ", reduce = bf16"), (3, ", reduce = fp32"))
+}
 
 
 class _Seen:
@@ -235,49 +240,58 @@ class _Seen:
         return self.inner.loss(stats, sequence_sum)
 
 
-def bf16_step_job(ctx: Any, path: str) -> Any:
-    """One bf16 training step: its loss, every gradient, and the statistics the router losses saw."""
+def bf16_step_job(ctx: Any, paths: list[str]) -> Any:
+    """Per module: one bf16 training step's loss, every gradient, and the statistics the router losses saw."""
     from meshllm_dsl.runtime.compare import reference_batches
     from meshllm_dsl.verify import load_generated
 
-    program = load_generated(path).PROGRAM
-    built = program.build(ctx.mesh(program.axes), seed=0)
-    built.router_losses = seen = _Seen(built.router_losses)
-    ((tokens, targets),) = reference_batches(program.vocab, program.batch, program.seq, 1, 0)
-    loss = built.train_step(tokens, targets)
-    return loss, built.full_grads(), seen.carried, seen.whole
+    out = []
+    for path in paths:
+        program = load_generated(path).PROGRAM
+        built = program.build(ctx.mesh(program.axes), seed=0)
+        built.router_losses = seen = _Seen(built.router_losses)
+        ((tokens, targets),) = reference_batches(program.vocab, program.batch, program.seq, 1, 0)
+        loss = built.train_step(tokens, targets)
+        out.append((loss, built.full_grads(), seen.carried, seen.whole))
+    return out
 
 
 def test_router_losses_with_pipeline_stages_under_precision_match_the_plan_without(pool: Any, tmp_path: Path) -> None:
-    """bf16 compute, fp32 master weights, ZeRO 3: pipeline 2 x data 2 against data 2 alone, the same
-    forwards (2 sequences each) in the same precision, its statistics never leaving one rank. FSDP2
-    would cast the statistics a stage receives to bf16; at seq 256 stage 0 hands on more than 256
-    top-k pairs per expert, which bf16 cannot count exactly."""
+    """bf16 compute with fp32 master weights at ZeRO 0-3: pipeline 2 x data 2 against data 2 alone,
+    the same forwards (2 sequences each) in the same precision, whose statistics never leave a rank.
+    FSDP2 would cast the statistics a stage receives to bf16; at seq 256 stage 0 hands on more than
+    256 top-k pairs per expert, which bf16 cannot count exactly."""
     routing = f"aux_loss_coef = {COEF}, z_loss_coef = {Z_COEF}"
-    piped = _spec("mixtral", "pipeline2_data2", routing, _PIPE_DATA + "balanced\n" + _PRECISION)
-    flat = _spec("mixtral", "data2", routing, "    layout { batch -> data }\n    microbatches = 2\n" + _PRECISION)
-    (plan,) = check_text(piped, "p.mesh").plans.values()
-    assert plan_statistics_bytes(plan) == (2 * 4 + 2) * 4  # fp32 beside the bf16 activations
-    runs = {}
-    for name, text in (("piped", piped), ("flat", flat)):
-        path, n = _compiled(text.replace("seq = 8", "seq = 256"), f"bf16_{name}", tmp_path)
-        runs[name] = pool.run(bf16_step_job, n, path)
-    want_loss, want_grads, _, _ = runs["flat"][0]
+    paths: dict[str, list[str]] = {"piped": [], "flat": []}
+    for zero, precision in _PRECISIONS.items():
+        piped = _spec("mixtral", "pipeline2_data2", routing, _PIPE_DATA + "balanced\n" + precision)
+        flat = _spec("mixtral", "data2", routing, "    layout { batch -> data }\n    microbatches = 2\n" + precision)
+        (plan,) = check_text(piped, "p.mesh").plans.values()
+        assert plan_statistics_bytes(plan) == (2 * 4 + 2) * 4  # fp32 beside the bf16 activations
+        for name, text in (("piped", piped), ("flat", flat)):
+            paths[name].append(_compiled(text.replace("seq = 8", "seq = 256"), f"bf16_{name}_zero{zero}", tmp_path)[0])
+    want = pool.run(bf16_step_job, 2, paths["flat"])[0]
     rows = 2 * 256  # one forward: 2 sequences
-    for loss, grads, carried, whole in runs["piped"]:
-        # The same bf16 operations on the same rows (measured: equal to the last bit); a bf16-rounded
-        # statistic would move the aux loss by ~1e-5 relative.
-        assert loss == pytest.approx(want_loss, rel=1e-6)
-        for name, g in want_grads.items():
-            assert (grads[name] - g).abs().max() <= 1e-5 * g.abs().max(), name
-        for stats, layers in [(s, 1) for s in carried] + [(s, 2) for s in whole]:
-            counts = stats[:4]
-            assert stats.dtype == torch.float32
-            assert stats[8] == layers * rows and counts.sum() == 2 * layers * rows  # top 2 of every row
-            assert torch.equal(counts, counts.round())
-        # stage 1 received counts no bf16 holds (odd, past 256): they arrived exact
-        if carried:
-            assert any(((c[:4] > 256) & (c[:4] % 2 == 1)).any() for c in carried)
+    received = 0
+    for rank in pool.run(bf16_step_job, 4, paths["piped"]):
+        for zero, (loss, grads, carried, whole), (want_loss, want_grads, _, _) in zip(_PRECISIONS, rank, want):
+            # The same bf16 operations on the same rows (measured: losses equal to the last bit); a
+            # bf16-rounded statistic would move the aux loss by ~1e-5 relative. Gradients reduced in
+            # bf16 add the microbatches in another order: within 2 bf16 ulps (2 x 2^-8).
+            assert loss == pytest.approx(want_loss, rel=1e-6), zero
+            tol = 8e-3 if "reduce = bf16" in _PRECISIONS[zero] else 1e-5
+            for name, g in want_grads.items():
+                assert (grads[name] - g).abs().max() <= tol * g.abs().max(), (zero, name)
+            for stats, layers in [(s, 1) for s in carried] + [(s, 2) for s in whole]:
+                counts = stats[:4]
+                assert stats.dtype == torch.float32, zero
+                assert stats[8] == layers * rows and counts.sum() == 2 * layers * rows  # top 2 of every row
+                assert torch.equal(counts, counts.round())
+            # stage 1 received counts no bf16 holds (odd, past 256): they arrived exact
+            if carried:
+                received += 1
+                assert any(((c[:4] > 256) & (c[:4] % 2 == 1)).any() for c in carried), zero
+    assert received == 2 * len(_PRECISIONS)  # both stage-1 ranks, every form
 
 
 # -- meshc run --profile: tokens per expert per layer
