@@ -32,6 +32,12 @@ EXAMPLE_ROLES = {
     ("tiny_llama_fsdp.mesh", "train"): R(**DATA_PIPE_TP, batch_shard=("data",)),
     ("tiny_mixtral.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",)),
     ("tiny_mixtral_experts.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",), expert=("data",)),
+    # ZeRO 1 over replica x data (the experts' states over replica, the ranks holding the same ones);
+    # ZeRO 2 over data only: HSDP, replicated over replica.
+    ("tiny_qwen2_moe_experts_zero.mesh", "zero1"): R(batch=("replica", "data"), batch_shard=("replica", "data"),
+                                                     expert=("data",)),
+    ("tiny_qwen2_moe_experts_zero.mesh", "mixed"): R(batch=("replica", "data"), batch_shard=("data",),
+                                                         expert=("data",)),
     ("llama3_8b_128k.mesh", "long_context"): R(batch_shard=("cp",), context=("cp",)),
     ("tiny_llama_context.mesh", "train"): R(batch_shard=("cp",), tensor=("tensor",), sequence=("tensor",), loss=("tensor",),
                                             context=("cp",)),
