@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     )
     from .mesh import Mesh
     from .moe import StackedLinear, moe_experts, moe_route
-    from .moe_dispatch import experts_parallel
+    from .moe_dispatch import ExpertsParallel, experts_parallel
     from .program import Built, Program
     from .qk_norm import rms_norm, split_rms_norm
     from .remat import recompute, recompute_ops
@@ -82,7 +82,7 @@ _WHERE = {
     ),
     "Mesh": "mesh",
     **dict.fromkeys(("StackedLinear", "moe_experts", "moe_route"), "moe"),
-    "experts_parallel": "moe_dispatch",
+    **dict.fromkeys(("ExpertsParallel", "experts_parallel"), "moe_dispatch"),
     **dict.fromkeys(("rms_norm", "split_rms_norm"), "qk_norm"),
     **dict.fromkeys(("Built", "Program"), "program"),
     "recompute": "remat",
@@ -129,6 +129,7 @@ __all__ = [
     "copy_to",
     "copy_to_linear",
     "cross_entropy",
+    "ExpertsParallel",
     "experts_parallel",
     "full_init",
     "gather_from",

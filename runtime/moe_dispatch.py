@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-__all__ = ["experts_parallel"]
+__all__ = ["ExpertsParallel", "experts_parallel"]
 
 
 def _all_to_all(x: Tensor, out_splits: list[int], in_splits: list[int], group: dist.ProcessGroup) -> Tensor:
@@ -99,3 +99,17 @@ def experts_parallel(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: 
     weighted = (ret * weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add(0, rows, weighted)
 
+
+
+class ExpertsParallel(nn.Module):
+    """A moe layer whose experts are split over ranks: its ``router``, ``gate`` / ``up`` / ``down``
+    (``StackedLinear``) and shared expert are set as attributes by the generated stage, as for a
+    plain ``nn.Module``, so parameter names stay ``mlp.gate.weight`` etc.
+
+    ``experts`` is the method the generated forward calls: FSDP2 hooks it
+    (``register_fsdp_forward_method``) when it shards the experts over the batch ranks that
+    replicate them (runtime/fsdp.py ``shard_stage``), all-gathering them before it and
+    reduce-scattering their gradients after its backward; elsewhere it is ``experts_parallel``."""
+
+    def experts(self, x: Tensor, idx: Tensor, weights: Tensor, group: dist.ProcessGroup) -> Tensor:
+        return experts_parallel(x, idx, weights, self.gate.weight, self.up.weight, self.down.weight, group)

@@ -32,7 +32,6 @@ import attrs
 
 from meshllm_dsl import layouts, planner
 from meshllm_dsl.codes import E0307, E0309, E0402
-from meshllm_dsl.collectives import spec
 from meshllm_dsl.ir import REPLICATE, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
 from meshllm_dsl.primitives import Built, Primitive
 from meshllm_dsl.primitives.args import Arg, const
@@ -223,7 +222,11 @@ class Moe(Primitive):
     def init_lines(self, w: Any, attr: str, unit: Unit, placement: Mapping[str, Placement],
                    tied_here: bool) -> list[Any]:
         a = dict(unit.attrs)
-        lines = [w.line(f"self.{attr} = nn.Module()")]
+        experts = any(placement.get(f"{unit.name}.{leaf.name}", REPLICATE).experts for leaf in unit.leaves)
+        # Split experts run in a method of the layer's module, which FSDP2 can hook to shard them
+        # over the batch ranks that replicate them (runtime/moe_dispatch.py ExpertsParallel).
+        lines = [w.line(f"self.{attr} = rt.ExpertsParallel()", "its experts split over ranks") if experts
+                 else w.line(f"self.{attr} = nn.Module()")]
         for leaf in unit.leaves:
             p = placement.get(f"{unit.name}.{leaf.name}", REPLICATE)
             shape = w.plan.local_shape(leaf.params[0], p)
@@ -278,8 +281,7 @@ class Moe(Primitive):
         weights_args = f"{m}.gate.weight, {m}.up.weight, {m}.down.weight"
         if experts:
             n = w.n(experts)
-            call = spec("expert_all_to_all").runtime  # the registered collective the layer issues
-            lines.append(w.line(f"out = rt.{call}({xt}, chosen, weights, {weights_args}, {w.group(experts)})",
+            lines.append(w.line(f"out = {m}.experts({xt}, chosen, weights, {w.group(experts)})",
                                 f"[b*s, {hid}]{part}: all-to-all over {w.axes_text(experts)} ({n}) sends the [b*s*{k}, {hid}] "
                                 f"(token, choice) rows to their experts' ranks, uneven splits, and back; {n_exp // n} of "
                                 f"{n_exp} experts here, {f_local} of {a['ffn']} ffn of each"

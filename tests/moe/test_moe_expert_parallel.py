@@ -87,13 +87,14 @@ def test_each_rank_builds_and_holds_only_its_experts(tmp_path: Path) -> None:
     # 3 of 6 experts per rank, every ffn; the spec says the experts dim is split over data
     assert "self.mlp.gate = rt.StackedLinear(3, 32, 24)  # experts over data: [24, 3 experts, 32]" in code
     assert "rt.ShardSpec(prefix + 'mlp.down.weight', (32, 6, 24), ((1, ('data',)),))" in code
-    assert code.count("out = rt.experts_parallel(t, chosen, weights,") == 1
+    assert "self.mlp = rt.ExpertsParallel()  # its experts split over ranks" in code
+    assert code.count("out = self.mlp.experts(t, chosen, weights, self.g_data)") == 1
     assert "rt.moe_experts(" not in code
     _, _, code = compiled("qwen2_moe", "ep2_tensor2", tmp_path)
     # tensor inside the experts: the ffn over tensor, the experts over data, in that order
     assert "rt.ShardSpec(prefix + 'mlp.gate.weight', (24, 6, 32), ((0, ('tensor',)), (1, ('data',))))" in code
     assert "self.mlp.gate = rt.StackedLinear(3, 32, 12)  # column(tensor), experts over data" in code
-    assert "out = rt.experts_parallel(xt, chosen, weights," in code
+    assert "out = self.mlp.experts(xt, chosen, weights," in code
 
 
 def test_the_plan_records_expert_parallelism_and_the_local_experts() -> None:
