@@ -970,6 +970,8 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         tensor_calls: dict[tuple[tuple[str, ...], WirePrimitive], int] = {}
         expert_calls: dict[tuple[tuple[str, ...], int], int] = {}  # (expert axes, bytes per call): calls per microbatch
         expert_local = 0  # parameters split over expert axes: their gradients skip those axes' reduction
+        expert_layer = 0  # the most of them one moe layer holds (FSDP2's unit, when it shards them)
+        expert_units: dict[int, int] = {}  # per stage index: its moe layers with split experts
         seq_grads = 0  # sequence parallelism: gradient elements summed over the tensor axes once a step
         kv_gathers = 0  # context parallelism: bytes of k and v one microbatch's forward all-gathers
         route_gathers: dict[int, int] = {}  # context parallelism: capacity ids all-gathered, bytes -> calls per microbatch
@@ -1068,7 +1070,11 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                     # dispatch and combine, each again in backward; the forward's rerun with the block's
                     calls = len(EXPERT_WIRE) * hu.count + len(EXPERT_WIRE) // 2 * recomputed_copies(plan, hu)
                     expert_calls[(axes, size)] = expert_calls.get((axes, size), 0) + calls
-                expert_local += hu.count * expert_split_params(plan, hu)
+                split = expert_split_params(plan, hu)
+                expert_local += hu.count * split
+                if split:
+                    expert_layer = max(expert_layer, split)
+                    expert_units[stage.index] = expert_units.get(stage.index, 0) + hu.count
                 seq_grads += hu.count * sum(t.numel for lf in hu.unit.leaves for t in lf.params
                                             if layouts.seq_partial_grad(plan, hu.unit, lf, t))
                 holds_head |= hu.last
@@ -1088,14 +1094,22 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         recomputed = max(block_saved.values(), default=0)
         gather = accum = 0
         dense = local - expert_local
+        # ZeRO ranks holding the same experts (the ZeRO axes that do not split them)
+        expert_shards = plan.expert_zero_size if expert_local else 1
         if fsdp:
-            # FSDP2 leaves the experts out (split over the ZeRO axes, the checker sees to that: no
-            # rank of them holds another's): whole in the master dtype with their gradients and
-            # moments, each cast to the compute dtype from its forward to its backward (runtime/moe_dispatch.py).
-            weight_b, grad_b, opt_b = (a + b * expert_local for a, b in
-                                       zip(fsdp_per_device(dense, zero_shards, master), (master, master, 2 * master)))
             gather = fsdp_gather_bytes(plan.zero, w, dense, top_local, max(block_params.values(), default=0))
-            gather += w * expert_local if master > w else 0
+            if expert_shards > 1:
+                # Each moe layer's experts are an FSDP2 unit over the ZeRO axes that replicate them
+                # (runtime/fsdp.py): sharded there, gathered in the compute dtype like a block.
+                experts_b = fsdp_per_device(expert_local, expert_shards, master)
+                gather += fsdp_gather_bytes(plan.zero, w, expert_local, 0, expert_layer)
+            else:
+                # Split over every ZeRO axis, no rank of them holds another's experts: FSDP2 leaves
+                # them out, whole in the master dtype with their gradients and moments, each cast to
+                # the compute dtype from its forward to its backward (runtime/moe_dispatch.py).
+                experts_b = (master * expert_local, master * expert_local, 2 * master * expert_local)
+                gather += w * expert_local if master > w else 0
+            weight_b, grad_b, opt_b = (a + b for a, b in zip(fsdp_per_device(dense, zero_shards, master), experts_b))
             if accumulates:
                 # torch's PipelineStage (and at ZeRO 1 the runtime's microbatch loop) runs every
                 # backward but the step's last without gradient sync or reshard: FSDP2 accumulates
@@ -1208,7 +1222,21 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                                    scattered_b // max(1, scatters)))
                 comms += hsdp_replica_comm(plan, device, scatters, scattered_b // max(1, scatters))
                 rest = tuple(a for a in plan.roles.replicas if a not in plan.roles.expert)
-                if expert_local and rest:
+                if expert_local and expert_shards > 1:
+                    # each moe layer's experts, a unit of their own over the ZeRO axes replicating them
+                    shard = tuple(a for a in data_axes if a not in plan.roles.expert)
+                    e_gathers = e_scatters = 0
+                    for stage, _, _, _ in stage_parts:
+                        actions = (stage_actions(plan.schedule, len(plan.stages), stage.index, m, p_size)
+                                   if p_size > 1 else None)
+                        g, r = fsdp_unit_collectives(plan.zero, actions, m, defers_grad_sync(plan))
+                        e_gathers += g * expert_units.get(stage.index, 0)
+                        e_scatters += r * expert_units.get(stage.index, 0)
+                    per_unit = expert_local // max(1, sum(expert_units.get(s.index, 0) for s, _, _, _ in stage_parts))
+                    comms.append(_comm(plan, device, shard, "data", "all_gather", e_gathers, w * per_unit))
+                    comms.append(_comm(plan, device, shard, "data", "reduce_scatter", e_scatters, reduce_w * per_unit))
+                    fsdp_events += e_gathers + e_scatters
+                elif expert_local and rest:
                     # the experts FSDP2 leaves out: all-reduced over the batch axes that replicate them
                     comms.append(_comm(plan, device, rest, "data", "all_reduce", 1, reduce_w * expert_local))
             elif plan.zero >= 1:

@@ -17,6 +17,7 @@ the tensor-parallel layout they already know.
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -102,15 +103,23 @@ def shard_stage(
     reduce_dtype: torch.dtype | None,
     experts: set[str] = frozenset(),  # type: ignore[assignment]
     cast_stage_inputs: bool = True,
+    expert_units: Mapping[str, tuple[Any, float]] | None = None,
 ) -> None:
     """``fully_shard`` every block of ``module`` and then ``module`` itself, in place.
 
-    ``experts``: local names of parameters split over the ZeRO axes (expert parallelism: no other
-    rank of them holds these experts), left out of FSDP2 as plain tensors, nothing to shard.
+    ``experts``: local names of the parameters of experts split over batch axes (expert
+    parallelism), left out of the dense units. ``expert_units``: the layers whose experts other
+    ZeRO ranks also hold (module name -> (their 1-D mesh, the gradient divisor)), each made its own
+    unit over that mesh (torchtitan's dp_mod_ep sharding); the other experts stay plain tensors,
+    nothing to shard (no other ZeRO rank holds them).
     ``cast_stage_inputs=False``: the stage root leaves its inputs' dtypes alone (its forward casts
     the activations itself), so fp32 inputs beside them stay fp32: the routing statistics a
     pipeline stage receives (runtime/program.py). The blocks still cast what they get."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        MixedPrecisionPolicy,
+        fully_shard,
+        register_fsdp_forward_method,
+    )
 
     # Compute in param_dtype, reduce gradients in reduce_dtype; the parameters FSDP2 keeps (and
     # the optimizer steps) stay in the dtype the module was built in: the master weights.
@@ -124,6 +133,21 @@ def shard_stage(
                         ignored_params=_named(module, block, experts))
     fully_shard(module, mesh=dmesh, reshard_after_forward=reshard_after_forward, mp_policy=root_mp,
                 ignored_params=_named(module, module, experts))
+    # After the dense units, which leave these experts out: a unit nested in one takes only the
+    # parameters it does not ignore (the layer's router and shared expert stay the block's).
+    for name, (emesh, divide) in (expert_units or {}).items():
+        unit = module.get_submodule(name)
+        dense = {q for q in unit.parameters()} - (_named(module, unit, experts) or set())
+        fully_shard(unit, mesh=emesh, reshard_after_forward=reshard_after_forward, mp_policy=mp,
+                    ignored_params=dense or None)
+        # The generated forward calls `experts`, not `forward` (runtime/moe_dispatch.py).
+        register_fsdp_forward_method(unit, "experts")
+        # Each rank's expert gradients already hold the tokens of every rank of the expert axes
+        # (the all-to-all's backward); the mean over all batch ranks the reference takes is their
+        # sum over this mesh divided by all of them, not by this mesh's size. Summed, then
+        # divided: gloo has no PREMUL_SUM.
+        unit.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
+        unit.set_gradient_divide_factor(divide)  # type: ignore[operator]
 
 
 def _named(root: nn.Module, sub: nn.Module, names: set[str]) -> set[nn.Parameter] | None:

@@ -341,10 +341,24 @@ class Built:
         (kept until backward) by FSDP2 over the data (and context) ranks; master weights, gradients
         and optimizer states are sharded either way."""
         dmesh = fsdp.data_mesh(self.mesh, self.grad_axes, self.device.type, self.zero_axes)
-        # Expert parallelism: the experts, split over the ZeRO axes (the checker sees to that), are
-        # held by no other rank of them; they stay plain tensors, reduced as without ZeRO.
-        experts = {spec.local for specs in self.specs.values() for spec in specs.values()
-                   if any(a in self.zero_axes for _, axes in spec.dims for a in axes)}
+        # Expert parallelism: experts split over batch axes are left out of the dense units. Split
+        # over every ZeRO axis, no other rank of them holds them: plain tensors, reduced as without
+        # ZeRO. Otherwise each layer's experts are a unit over the ZeRO axes that replicate them
+        # (the checker sees that these are all the batch and context axes that do).
+        experts: set[str] = set()
+        units: dict[int, dict[str, tuple[Any, float]]] = {}
+        emeshes: dict[tuple[str, ...], Any] = {}
+        for i, specs in self.specs.items():
+            for spec in specs.values():
+                split = {a for _, axes in spec.dims for a in axes}
+                if not split & set(self.batch_axes):
+                    continue
+                experts.add(spec.local)
+                rest = tuple(a for a in self.zero_axes if a not in split)
+                if rest and self.mesh.size(*rest) > 1:
+                    if rest not in emeshes:
+                        emeshes[rest] = fsdp.data_mesh(self.mesh, rest, self.device.type)
+                    units.setdefault(i, {})[spec.local.rsplit(".", 2)[0]] = (emeshes[rest], float(self.replicas))
         for i in self.stage_ids:
             fsdp.shard_stage(
                 self.modules[i],
@@ -355,6 +369,7 @@ class Built:
                 experts=experts,
                 # The routing statistics beside a stage's activations stay fp32 (_routed_forward).
                 cast_stage_inputs=self.router_losses is None or self.pp == 1,
+                expert_units=units.get(i),
             )
 
     @property

@@ -247,19 +247,24 @@ def expert_zero(ctx: PassContext) -> PassResult:
     entry, zero, zero_axes, expert_axes = ctx["expert_entry"], ctx["zero"], ctx["zero_axes"], ctx["expert_axes"]
     # ZeRO 1 without `precision` (ZeroRedundancyOptimizer) shards the experts' states over the ZeRO
     # ranks that hold the same experts, whatever the axes. FSDP2 (ZeRO 2 / 3, and ZeRO 1 with master
-    # weights) leaves the experts out whole, which is right only where every ZeRO axis splits them.
+    # weights) shards each layer's experts over the ZeRO axes that replicate them (runtime/fsdp.py),
+    # reducing their gradients there only: right where no other batch or context axis replicates them.
     fsdp = zero >= 2 or (zero == 1 and ctx["master_dtype"] is not None)
-    if entry is not None and fsdp and not set(zero_axes) <= set(expert_axes):
-        rest = [a for a in zero_axes if a not in expert_axes]
+    rest = [a for a in zero_axes if a not in expert_axes]
+    others = [a for a in (*ctx["batch_axes"], *ctx["context_axes"]) if a not in expert_axes and a not in zero_axes]
+    if entry is not None and fsdp and rest and others:
         what = f"ZeRO {zero}" + (" with `precision`" if zero == 1 else "")
-        alternatives = [f"`zero {zero} over {' * '.join(expert_axes)}` (HSDP: sharded over the expert axes, "
-                        "replicated over the rest)", "split the experts over every ZeRO axis",
+        every = [a for a in (*ctx["batch_axes"], *ctx["context_axes"]) if a in {*expert_axes, *rest, *others}]
+        alternatives = [f"`zero {zero} over {' * '.join(every)}` (the experts sharded over "
+                        "every axis that replicates them)", f"`zero {zero} over {' * '.join(expert_axes)}` (HSDP: "
+                        "sharded over the expert axes, replicated over the rest)",
                         "`zero 1` without `precision` (it shards the experts' optimizer states over the ranks "
                         "that hold the same experts)"]
-        w.error(E0412, f"{what} over {' x '.join(rest)}, which replicates the experts, is not supported yet",
+        w.error(E0412, f"{what} over {' x '.join(rest)}, which replicates the experts, while {' x '.join(others)} "
+                "replicates them too, is not supported yet",
                 entry.span, label=f"the experts split over {' x '.join(expert_axes)} only",
-                help="FSDP2 would have to shard the experts over other ranks than the dense parameters "
-                f"(torchtitan's dp_mod_ep mesh); use {or_list(alternatives)}")
+                help="FSDP2 would have to shard the experts over some of the ranks that replicate them and "
+                f"all-reduce them over the others; use {or_list(alternatives)}")
     return w.result()
 
 

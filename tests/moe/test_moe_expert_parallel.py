@@ -38,6 +38,12 @@ PLANS = {  # mesh axes, layout, other lines
     # HSDP: ZeRO 2 over data, replicated over replica; the experts replicated over replica too
     "replica2_ep2_zero2": ("replica = 2, data = 2", "batch -> replica * data, experts -> data",
                            "    optimizer adamw { zero 2 over data }\n"),
+    # ZeRO 3 / 2 over replica x data: the dense parameters sharded over all four ranks, each layer's
+    # experts over replica (the ranks holding the same experts), their gradients divided by all four
+    "replica2_ep2_zero3": ("replica = 2, data = 2", "batch -> replica * data, experts -> data",
+                           "    optimizer adamw { zero 3 }\n"),
+    "replica2_ep2_zero2_all": ("replica = 2, data = 2", "batch -> replica * data, experts -> data",
+                               "    optimizer adamw { zero 2 over replica * data }\n"),
     # ZeRO 1: the dense states sharded over replica x data, the experts' over replica (the ranks
     # holding the same experts), two ZeroRedundancyOptimizers stepped together
     "replica2_ep2_zero1": ("replica = 2, data = 2", "batch -> replica * data, experts -> data",
@@ -62,7 +68,8 @@ def compiled(model: str, plan: str, tmp_path: Path) -> tuple[str, int, str]:
 
 CASES = [("mixtral", "ep2"), ("qwen3_moe", "ep4"), ("qwen2_moe", "replica2_ep2_rule"), ("mixtral", "ep2_tensor2"),
          ("qwen2_moe", "ep2_tensor2"), ("mixtral", "pipeline2_ep2"), ("qwen3_moe", "ep2_tensor2_zero3_recompute"),
-         ("mixtral", "replica2_ep2_zero2"), ("qwen2_moe", "replica2_ep2_zero1"), ("mixtral", "ep2_zero1_precision")]
+         ("mixtral", "replica2_ep2_zero2"), ("qwen2_moe", "replica2_ep2_zero1"), ("mixtral", "ep2_zero1_precision"),
+         ("mixtral", "replica2_ep2_zero3"), ("qwen2_moe", "replica2_ep2_zero2_all")]
 
 
 @pytest.mark.parametrize(("model", "plan"), CASES)
@@ -110,10 +117,6 @@ def test_the_plan_records_expert_parallelism_and_the_local_experts() -> None:
 @pytest.mark.parametrize(("layout", "rest", "code"), [
     ("batch -> data, experts -> tensor", "", "E0412"),  # tensor ranks hold the same tokens
     ("experts -> data", "", "E0412"),  # no data parallelism: the tokens are the same everywhere
-    # FSDP2 over a batch axis that replicates the experts (ZeRO 2 / 3, ZeRO 1 with master weights: not yet)
-    ("batch -> data * tensor, experts -> data", "    optimizer adamw { zero 3 }\n", "E0412"),
-    ("batch -> data * tensor, experts -> data",
-     "    precision { params = bf16, master = fp32 }\n    optimizer adamw { zero 1 }\n", "E0412"),
     ("batch -> data, experts -> data, ffn -> data", "", "E0407"),  # one axis, two roles in one tensor
 ])
 def test_expert_parallelism_that_does_not_fit_is_refused(layout: str, rest: str, code: str) -> None:
@@ -164,12 +167,21 @@ def test_zero_and_precision_compose_with_expert_parallelism(rest: str) -> None:
     assert not _codes(text)
 
 
-def test_zero_over_axes_replicating_the_experts_says_what_would_work() -> None:
-    text = (f"mesh m {{ axes data = 2, tensor = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = 8\n"
-            "    layout { batch -> data * tensor, experts -> data }\n    optimizer adamw { zero 2 }\n}\n")
+def test_zero_over_some_axes_replicating_the_experts_says_what_would_work() -> None:
+    text = (f"mesh m {{ axes a = 2, b = 2, data = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = 8\n"
+            "    layout { batch -> a * b * data, experts -> data }\n    optimizer adamw { zero 2 over b * data }\n}\n")
     (d,) = _checked(text).errors
-    assert d.message == "ZeRO 2 over tensor, which replicates the experts, is not supported yet"
-    assert "`zero 2 over data`" in d.help and "`zero 1` without `precision`" in d.help
+    assert d.message == "ZeRO 2 over b, which replicates the experts, while a replicates them too, is not supported yet"
+    assert "`zero 2 over a * b * data`" in d.help and "`zero 2 over data`" in d.help
+    assert "`zero 1` without `precision`" in d.help
+
+
+def test_zero_over_every_axis_replicating_the_experts_is_accepted() -> None:
+    for rest in ("optimizer adamw { zero 2 }", "optimizer adamw { zero 3 over data * tensor }",
+                 "precision { params = bf16, master = fp32 }\n    optimizer adamw { zero 1 }"):
+        text = (f"mesh m {{ axes data = 2, tensor = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = 8\n"
+                f"    layout {{ batch -> data * tensor, experts -> data }}\n    {rest}\n}}\n")
+        assert not _codes(text), rest
 
 
 STEPS = 3

@@ -146,6 +146,29 @@ plan p on m for x {
     optimizer adamw { zero 1 }
 }
 """,
+    # FSDP2 over replica x data: each moe layer's experts a unit of their own over replica, the
+    # ranks holding the same experts, so a rank stores half of its experts' weights and states.
+    "mixtral_ep_replica2_zero3": """
+mesh m { axes replica = 2, data = 2 }
+model x = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 48, experts = 4, top_k = 2 }
+plan p on m for x {
+    batch = 8
+    seq = 8
+    layout { batch -> replica * data, experts -> data }
+    optimizer adamw { zero 3 }
+}
+""",
+    "mixtral_ep_replica2_zero2_precision": """
+mesh m { axes replica = 2, data = 2 }
+model x = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 48, experts = 4, top_k = 2 }
+plan p on m for x {
+    batch = 8
+    seq = 8
+    layout { batch -> replica * data, experts -> data }
+    precision { params = bf16, master = fp32 }
+    optimizer adamw { zero 2 }
+}
+""",
     "mixtral_ep_data2_zero3_precision": """
 mesh m { axes data = 2 }
 model x = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 48, experts = 4, top_k = 2 }
