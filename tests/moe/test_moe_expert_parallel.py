@@ -277,10 +277,12 @@ def _resume_job(ctx: Any, path: str, root: str, save_at: int | None, load: bool)
     return losses, built.full_state_dict()
 
 
-@pytest.mark.parametrize(("model", "plan"), [("qwen2_moe", "replica2_ep2_zero1"), ("mixtral", "ep2_zero1_precision")])
+@pytest.mark.parametrize(("model", "plan"), [("qwen2_moe", "replica2_ep2_zero1"), ("mixtral", "ep2_zero1_precision"),
+                                            ("mixtral", "replica2_ep2_zero3")])
 def test_zero1_with_experts_resumes_bit_for_bit(model: str, plan: str, pool: Any, tmp_path: Path) -> None:
     """The two ZeRO partitions (dense over replica x data, experts over replica), or FSDP2's sharded
-    states beside the experts' whole ones, through a checkpoint: a resumed run continues exactly."""
+    states beside the experts' whole ones, or the experts' own FSDP2 units over replica (ZeRO 3),
+    through a checkpoint: a resumed run continues exactly."""
     path, n, _ = compiled(model, plan, tmp_path)
     root = str(tmp_path / "ckpt")
     losses, final = pool.run(_resume_job, n, path, root, None, False)[0]
