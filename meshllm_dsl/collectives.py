@@ -167,13 +167,14 @@ _SPECS = (
         "[b, s/{n}, {dim}] -> [b, s, {dim}]: all-gather over {axes} ({n}); backward keeps this rank's slice",
         ("all_gather",), 3, "all-gather(seq)", "split(seq)",
     ),
-    # Expert parallelism (`experts -> D`): the moe layer's runtime function sends each (token,
-    # choice) row to its expert's rank and the results back, `all_to_all_single` with uneven splits;
+    # Expert parallelism (`experts -> D`): the moe layer's module (runtime `ExpertsParallel`, whose
+    # `experts` method FSDP2 can hook) sends each (token, choice) row to its expert's rank and the
+    # results back, `all_to_all_single` with uneven splits;
     # their backwards are the reverse all-to-alls. Sizes are the [b*s*top_k, hidden] rows (planner).
     # Its kernels are the moe primitive's (primitives/moe.py counts the layer whole), and so is its
     # generated call's comment, which names the layer's shapes (`line` says the same in general).
     CollectiveSpec(
-        "expert_all_to_all", "experts_parallel", "",
+        "expert_all_to_all", "ExpertsParallel", "",
         "[b*s*top_k, {dim}] rows to their experts' ranks over {axes} ({n}) and back",
         ("all_to_all", "all_to_all", "all_to_all", "all_to_all"), 0,
         "all-to-all dispatch and combine (uneven splits)", "the reverse all-to-alls", issued="unit",

@@ -277,12 +277,15 @@ class Placement:
         """`tensor`'s placement per mesh axis: Shard of the dim this rule splits over its axes (a
         column or vocab-parallel weight's dim 0, a row weight's `in` dim, a row bias whole), Shard(experts)
         over the expert axes, then FSDP2's Shard(dim 0) over `fsdp` (the ZeRO 2 / 3 axes,
-        placements.fsdp_axes), inside that split."""
+        placements.fsdp_axes), inside that split. FSDP2 shards only over the ZeRO axes that do not
+        split the tensor already: experts split over D are sharded by their own FSDP2 units over the
+        ZeRO axes that replicate them, and left whole where D covers every ZeRO axis."""
         dims = param_dims(tensor)
-        own = Layout()
+        own, used = Layout(), set()
         for dim, axes in self.split_dims(tensor):
             own = own.then(Layout.shard(dims[dim], axes))
-        return own.then(Layout.shard(dims[0], fsdp))
+            used.update(axes)
+        return own.then(Layout.shard(dims[0], tuple(a for a in fsdp if a not in used)))
 
 
 def param_dims(tensor: Tensor) -> tuple[str, ...]:

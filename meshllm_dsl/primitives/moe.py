@@ -32,6 +32,7 @@ import attrs
 
 from meshllm_dsl import layouts, planner
 from meshllm_dsl.codes import E0307, E0309, E0402
+from meshllm_dsl.collectives import spec
 from meshllm_dsl.ir import REPLICATE, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
 from meshllm_dsl.primitives import Built, Primitive
 from meshllm_dsl.primitives.args import Arg, const
@@ -225,7 +226,8 @@ class Moe(Primitive):
         experts = any(placement.get(f"{unit.name}.{leaf.name}", REPLICATE).experts for leaf in unit.leaves)
         # Split experts run in a method of the layer's module, which FSDP2 can hook to shard them
         # over the batch ranks that replicate them (runtime/moe_dispatch.py ExpertsParallel).
-        lines = [w.line(f"self.{attr} = rt.ExpertsParallel()", "its experts split over ranks") if experts
+        module = spec("expert_all_to_all").runtime  # the registered collective's issuer
+        lines = [w.line(f"self.{attr} = rt.{module}()", "its experts split over ranks") if experts
                  else w.line(f"self.{attr} = nn.Module()")]
         for leaf in unit.leaves:
             p = placement.get(f"{unit.name}.{leaf.name}", REPLICATE)
