@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from meshllm_dsl.runtime.startup import ENV as STARTUP_ENV
 from meshllm_dsl.runtime.startup import StartupLine
@@ -170,7 +171,6 @@ def _start(cmd: list[str], env: dict[str, str], stderr: int, close: int) -> subp
     pid = os.fork()
     if pid:
         return _Forked(pid)
-    code = 1
     try:
         os.setsid()
         os.dup2(stderr, 2)
@@ -181,12 +181,29 @@ def _start(cmd: list[str], env: dict[str, str], stderr: int, close: int) -> subp
         os.environ.clear()
         os.environ.update(env)
         sys.argv = [cmd[0], *cmd[3:]]
+    except BaseException:  # noqa: BLE001 - printed as the interpreter would, then the exit code
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    run_module_and_exit("torch.distributed.run")
+
+
+def run_module_and_exit(module: str) -> NoReturn:
+    """In a forked child: run ``module`` as ``python -m`` would and end the process with the exit
+    code a fresh interpreter would give (a SystemExit's int, 1 with its message printed for a str,
+    1 with the traceback for any other exception), never returning into the parent's code."""
+    code = 1
+    try:
         import runpy
 
-        runpy.run_module("torch.distributed.run", run_name="__main__", alter_sys=True)
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        if isinstance(exc.code, str):
+            print(exc.code, file=sys.stderr)
     except BaseException:  # noqa: BLE001 - printed as the interpreter would, then the exit code
         import traceback
 

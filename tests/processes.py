@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import os
-import runpy
 import signal
 import subprocess
 import sys
 import threading
 import time
 import traceback
+
+from meshllm_dsl.cli_job import run_module_and_exit
 
 
 class StderrReader:
@@ -69,7 +70,6 @@ def run_module(
             os.close(out_w)
             os.close(err_w)
     if pid == 0:
-        code = 1
         try:
             os.setsid()
             os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
@@ -89,18 +89,11 @@ def run_module(
             # runpy warns (on stderr) when the module was imported already, as a package's part.
             for name in (module, f"{module}.__main__"):
                 sys.modules.pop(name, None)
-            runpy.run_module(module, run_name="__main__", alter_sys=True)
-            code = 0
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-            if isinstance(exc.code, str):
-                print(exc.code, file=sys.stderr)
         except BaseException:  # noqa: BLE001 - printed as the interpreter would, then the exit code
             traceback.print_exc()
-        finally:
-            sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(code)
+            os._exit(1)
+        run_module_and_exit(module)
     streams = {out_r: bytearray(), err_r: bytearray()}
     readers = [threading.Thread(target=_drain, args=(fd, buf), daemon=True) for fd, buf in streams.items()]
     for t in readers:

@@ -25,6 +25,16 @@ from meshllm_dsl.runtime.program import optimizer_parts  # noqa: E402 - after th
 
 ROOT = Path(__file__).resolve().parents[2]
 
+
+_BF16_MASTER = "    precision { params = bf16, master = fp32 }\n"
+
+
+def _mixtral_ep(axes: str, batch: str, rest: str) -> str:
+    """A tiny Mixtral with its experts split over `data` and the batch over `batch`."""
+    return (f"\nmesh m {{ axes {axes} }}\nmodel x = mixtral {{ vocab = 64, hidden = 32, layers = 2, heads = 4, "
+            f"kv_heads = 2, ffn = 48, experts = 4, top_k = 2 }}\nplan p on m for x {{\n    batch = 8\n    seq = 8\n"
+            f"    layout {{ batch -> {batch}, experts -> data }}\n{rest}}}\n")
+
 CASES = {
     "tiny_llama_data2_pipeline2_tensor2_zero1": (ROOT / "examples" / "tiny_llama.mesh").read_text(),
     "gpt2_tied_pipeline2_tensor2": """
@@ -136,50 +146,13 @@ plan p on m for g {
     # Expert parallelism: ZeRO 1 shards the dense states over replica x data and the experts' over
     # replica (the ranks holding the same experts); FSDP2 leaves the experts out whole, in the
     # master dtype with `precision`.
-    "mixtral_ep_replica2_zero1": """
-mesh m { axes replica = 2, data = 2 }
-model x = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 48, experts = 4, top_k = 2 }
-plan p on m for x {
-    batch = 8
-    seq = 8
-    layout { batch -> replica * data, experts -> data }
-    optimizer adamw { zero 1 }
-}
-""",
+    "mixtral_ep_replica2_zero1": _mixtral_ep("replica = 2, data = 2", "replica * data", "    optimizer adamw { zero 1 }\n"),
     # FSDP2 over replica x data: each moe layer's experts a unit of their own over replica, the
     # ranks holding the same experts, so a rank stores half of its experts' weights and states.
-    "mixtral_ep_replica2_zero3": """
-mesh m { axes replica = 2, data = 2 }
-model x = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 48, experts = 4, top_k = 2 }
-plan p on m for x {
-    batch = 8
-    seq = 8
-    layout { batch -> replica * data, experts -> data }
-    optimizer adamw { zero 3 }
-}
-""",
-    "mixtral_ep_replica2_zero2_precision": """
-mesh m { axes replica = 2, data = 2 }
-model x = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 48, experts = 4, top_k = 2 }
-plan p on m for x {
-    batch = 8
-    seq = 8
-    layout { batch -> replica * data, experts -> data }
-    precision { params = bf16, master = fp32 }
-    optimizer adamw { zero 2 }
-}
-""",
-    "mixtral_ep_data2_zero3_precision": """
-mesh m { axes data = 2 }
-model x = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 48, experts = 4, top_k = 2 }
-plan p on m for x {
-    batch = 8
-    seq = 8
-    layout { batch -> data, experts -> data }
-    precision { params = bf16, master = fp32 }
-    optimizer adamw { zero 3 }
-}
-""",
+    "mixtral_ep_replica2_zero3": _mixtral_ep("replica = 2, data = 2", "replica * data", "    optimizer adamw { zero 3 }\n"),
+    "mixtral_ep_replica2_zero2_precision": _mixtral_ep("replica = 2, data = 2", "replica * data", _BF16_MASTER
+                                                       + "    optimizer adamw { zero 2 }\n"),
+    "mixtral_ep_data2_zero3_precision": _mixtral_ep("data = 2", "data", _BF16_MASTER + "    optimizer adamw { zero 3 }\n"),
 }
 
 
