@@ -86,8 +86,8 @@ CASES: dict[str, str] = {
 def _job(ctx: Any, path: str, m: int) -> dict[str, int]:
     import torch
 
-    from meshllm_dsl.runtime.profile import LiveBytes, saved_bytes
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.train.profile import LiveBytes, saved_bytes
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
@@ -108,8 +108,8 @@ def main() -> None:
     ap.add_argument("--only", help="run the cases whose name contains this")
     args = ap.parse_args()
 
-    from meshllm_dsl.planner import analyze, fmt_bytes
-    from meshllm_dsl.runtime.pool import WorkerPool
+    from meshllm_dsl.planner.analyze import analyze, fmt_bytes
+    from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp, WorkerPool(world_size=8, timeout=300) as pool:

@@ -84,9 +84,9 @@ def main() -> None:
     py = sys.executable
     rows: list[tuple[str, str, float]] = []
     bare = timed([py, "-c", "pass"], args.runs)
-    imp = timed([py, "-c", "import meshllm_dsl.cli"], args.runs)
+    imp = timed([py, "-c", "import meshllm_dsl.cli.main"], args.runs)
     rows.append(("python -c pass", "", bare))
-    rows.append(("python -c 'import meshllm_dsl.cli'", "", imp))
+    rows.append(("python -c 'import meshllm_dsl.cli.main'", "", imp))
     with tempfile.TemporaryDirectory() as tmp:
         for shape in ("wildcard", "per-block"):
             for layers in (10, 100, 1_000, 10_000):
@@ -96,7 +96,7 @@ def main() -> None:
                              timed([py, "-m", "meshllm_dsl", "check", str(path)], args.runs)))
     rows.append(("check examples/llama2_70b.mesh", "80",
                  timed([py, "-m", "meshllm_dsl", "check", "examples/llama2_70b.mesh"], args.runs)))
-    print(f"median of {args.runs} runs; 'beyond import' = wall time - `import meshllm_dsl.cli`\n")
+    print(f"median of {args.runs} runs; 'beyond import' = wall time - `import meshllm_dsl.cli.main`\n")
     table = [("command", "wall s", "beyond import s", "per block ms")]
     for name, blocks, t in rows:
         beyond = t - imp if blocks else None

@@ -49,9 +49,9 @@ PLANS = [
 def _job(ctx: Any, path: str) -> dict[str, int]:
     import torch
 
-    from meshllm_dsl.runtime import context
-    from meshllm_dsl.runtime.profile import saved_bytes
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.parallel import context
+    from meshllm_dsl.runtime.train.profile import saved_bytes
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
@@ -79,8 +79,8 @@ def _job(ctx: Any, path: str) -> dict[str, int]:
 
 
 def main() -> None:
-    from meshllm_dsl.planner import analyze, fmt_bytes, kv_gather_bytes_per_layer
-    from meshllm_dsl.runtime.pool import WorkerPool
+    from meshllm_dsl.planner.analyze import analyze, fmt_bytes, kv_gather_bytes_per_layer
+    from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
     rows = [("plan", "plan saved/mb", "measured", "ratio", "plan kv/layer", "measured", "gathers")]
     with tempfile.TemporaryDirectory() as tmp, WorkerPool(world_size=4, timeout=300) as pool:

@@ -44,8 +44,8 @@ RUNS = {
 
 
 def _train(ctx: Any, path: str, steps: int) -> list[float]:
-    from meshllm_dsl.runtime.launch import synthetic_batch
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--lr", type=float, nargs="+", default=[1e-3, 1e-4])
     args = ap.parse_args()
 
-    from meshllm_dsl.runtime.pool import WorkerPool
+    from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
     with WorkerPool(world_size=2, timeout=900.0) as pool, tempfile.TemporaryDirectory() as tmp:
         for lr in args.lr:

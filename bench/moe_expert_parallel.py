@@ -36,7 +36,7 @@ plan p on m for mx {{
 def _job(ctx: Any, paths: dict[str, str], ranks: int, batch: int, rounds: int, steps: int) -> dict[str, Any]:
     import torch
 
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.verify.equivalence import load_generated
 
     built = {k: load_generated(p).PROGRAM.build(ctx.mesh((("data", ranks),)), seed=0) for k, p in paths.items()}
     gen = torch.Generator().manual_seed(1)
@@ -55,8 +55,8 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=8)
     args = ap.parse_args()
 
-    from meshllm_dsl import planner
-    from meshllm_dsl.runtime.pool import WorkerPool
+    from meshllm_dsl.planner import analyze as planner
+    from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
     batch = 2 * args.ranks
     estimates = {}

@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 _IN_PROCESS = """
 import json, sys, time
 from meshllm_dsl.checker import check_declarations
-from meshllm_dsl.load import load
-from meshllm_dsl.parser import parse
+from meshllm_dsl.front.load import load
+from meshllm_dsl.front.parser import parse
 parse("mesh warm { axes a = 1 }")  # load the grammar tables outside the timing
 t = time.process_time(); decls = load(sys.argv[1]); t_parse = time.process_time() - t
 t = time.process_time(); result = check_declarations(decls); t_check = time.process_time() - t

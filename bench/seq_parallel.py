@@ -3,7 +3,7 @@
 The same Llama-shaped plan (tensor parallel 2 on gloo) compiled twice by meshc, without and with
 `seq -> tensor`. Both are built in the same worker processes from the same seed; they alternate
 rounds of training steps, and the table prints median step times, the collectives of one step
-(calls and bytes handed to torch.distributed, from `runtime/profile.py`'s CollectiveLog) and the
+(calls and bytes handed to torch.distributed, from `runtime/train/profile.py`'s CollectiveLog) and the
 ratios SP / TP. On CPU gloo the reduce-scatter is not native (DESIGN.md): this measures what SP
 costs there, not what it costs on NCCL.
 
@@ -34,8 +34,8 @@ plan p on m for l {{
 def _job(ctx: Any, paths: dict[str, str], rounds: int, steps: int) -> dict[str, Any]:
     import torch
 
-    from meshllm_dsl.runtime.profile import CollectiveLog
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.train.profile import CollectiveLog
+    from meshllm_dsl.verify.equivalence import load_generated
 
     built, losses = {}, {}
     for name, path in paths.items():
@@ -69,7 +69,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     args = ap.parse_args()
 
-    from meshllm_dsl.runtime.pool import WorkerPool
+    from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
     paths = {}
     with tempfile.TemporaryDirectory() as tmp:

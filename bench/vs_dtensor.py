@@ -11,7 +11,7 @@ ranks, tensor parallel 2 both ways:
            AdamW torchtitan defaults to (meshc's runtime uses the fused kernel)
 
 meshc's runtime waits for its gloo collectives by polling while each rank has a core (here: 2 ranks
-on 2 cores), DTensor's functional collectives block (runtime/collectives.py `polls` says why); the
+on 2 cores), DTensor's functional collectives block (runtime/parallel/collectives.py `polls` says why); the
 table says which wait meshc used.
 
 Both start from the same weights (the meshc build's full state dict is loaded into the DTensor
@@ -189,7 +189,7 @@ def _job(ctx: Any, path: str, rounds: int, steps: int) -> dict[str, Any]:
                 start = time.perf_counter()
                 step(tokens, targets)
                 times[name].append(time.perf_counter() - start)
-    from meshllm_dsl.runtime.collectives import polls
+    from meshllm_dsl.runtime.parallel.collectives import polls
 
     return {"losses": losses, "times": times, "polled": polls(batches[0][0].float())}
 
@@ -203,7 +203,7 @@ def main() -> None:
 
     from meshllm_dsl.checker import check_text
     from meshllm_dsl.codegen.emit import render_plan
-    from meshllm_dsl.runtime.pool import WorkerPool
+    from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
     text = SPEC.format(hidden=args.hidden, ffn=3 * args.hidden)
     result = check_text(text, "vs_dtensor.mesh")

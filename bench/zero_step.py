@@ -32,7 +32,7 @@ plan p on m for l {{
 def _job(ctx: Any, paths: dict[str, str], rounds: int, steps: int) -> dict[str, list[float]]:
     import torch
 
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.verify.equivalence import load_generated
 
     built = {k: load_generated(p).PROGRAM.build(ctx.mesh((("data", 2),)), seed=0) for k, p in paths.items()}
     gen = torch.Generator().manual_seed(1)
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     args = ap.parse_args()
 
-    from meshllm_dsl.runtime.pool import WorkerPool
+    from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
     with tempfile.TemporaryDirectory() as tmp:
         paths = {}

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 
 from meshllm_dsl import primitives
-from meshllm_dsl.collectives import spec
+from meshllm_dsl.front.names import ranges
 from meshllm_dsl.ir import (
     REPLICATE,
     BlockClass,
@@ -31,9 +31,9 @@ from meshllm_dsl.ir import (
     Unit,
     UnitFlow,
 )
-from meshllm_dsl.layouts import column_partial_grad, seq_partial_grad
-from meshllm_dsl.names import ranges
-from meshllm_dsl.placements import runs_fsdp
+from meshllm_dsl.parallel.collectives import spec
+from meshllm_dsl.parallel.layouts import column_partial_grad, seq_partial_grad
+from meshllm_dsl.parallel.placements import runs_fsdp
 from meshllm_dsl.primitives.embedding import EMBEDDING
 
 TORCH_DTYPES = {"bf16": "torch.bfloat16", "fp16": "torch.float16", "fp32": "torch.float32", "fp64": "torch.float64"}
@@ -202,7 +202,7 @@ class _UnitWriter:
 
     def capacity_keep(self, x: str) -> str:
         """The `keep=` of a capacity-dropping router: under context parallelism capacity counts the
-        whole sequences' tokens in position order (runtime/context.py); '' otherwise."""
+        whole sequences' tokens in position order (runtime/parallel/context.py); '' otherwise."""
         if self.plan.roles.context:
             self.context_used = True
             return f", keep=self.ctx.capacity_keep({x}.shape[0])"
@@ -615,7 +615,7 @@ _FUNCTIONAL = re.compile(r"\bF\.")
 
 def _adamw_kwargs(plan: PlanIR) -> dict[str, Any]:
     """The plan's optimizer settings: torch.optim.AdamW's keyword arguments, and the training loop's
-    (`clip`, `warmup`, `decay_steps`, `min_lr`: runtime/program.py LOOP_SETTINGS)."""
+    (`clip`, `warmup`, `decay_steps`, `min_lr`: runtime/train/program.py LOOP_SETTINGS)."""
     given = dict(plan.optimizer_settings)
     out: dict[str, Any] = {}
     if "lr" in given:

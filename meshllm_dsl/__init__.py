@@ -11,23 +11,23 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from meshllm_dsl.ast import Module
     from meshllm_dsl.checker import CheckResult, check_file, check_text
     from meshllm_dsl.diagnostics import Diagnostic, SpecError
-    from meshllm_dsl.fmt import format_text
+    from meshllm_dsl.front.ast import Module
+    from meshllm_dsl.front.fmt import format_text
+    from meshllm_dsl.front.parser import parse
     from meshllm_dsl.ir import PlanIR
-    from meshllm_dsl.parser import parse
 
 # Names resolve on first use (PEP 562): every `meshllm_dsl.x` import runs this file first, so an eager
 # import here made `meshc check` pay for the whole pipeline before parsing its arguments, and every
 # rank of a job (on its way to meshllm_dsl.runtime) about 0.3 CPU-s for the front end (issue 12).
 _WHERE = {
-    "Module": "ast",
+    "Module": "front.ast",
     **dict.fromkeys(("CheckResult", "check_file", "check_text"), "checker"),
     **dict.fromkeys(("Diagnostic", "SpecError"), "diagnostics"),
-    "format_text": "fmt",
+    "format_text": "front.fmt",
     "PlanIR": "ir",
-    "parse": "parser",
+    "parse": "front.parser",
 }
 
 

@@ -1,5 +1,5 @@
 import sys
 
-from meshllm_dsl.cli import main
+from meshllm_dsl.cli.main import main
 
 sys.exit(main())

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 from meshllm_dsl.codes import CODES
-from meshllm_dsl.names import closest, did_you_mean
-from meshllm_dsl.source import Span
+from meshllm_dsl.front.names import closest, did_you_mean
+from meshllm_dsl.front.source import Span
 
 
 class Severity(enum.Enum):

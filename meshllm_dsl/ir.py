@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from meshllm_dsl.placements import Layout
-from meshllm_dsl.roles import ParallelRoles
-from meshllm_dsl.source import Span
+from meshllm_dsl.front.source import Span
+from meshllm_dsl.parallel.placements import Layout
+from meshllm_dsl.parallel.roles import ParallelRoles
 
 if TYPE_CHECKING:  # the registry's modules import this one
     from meshllm_dsl.primitives import LeafKind, UnitKind
@@ -379,7 +379,7 @@ class PlanIR:
     master_dtype: str | None = None
     reduce_dtype: str | None = None
     # `skew = F`: the share of a moe layer's routed tokens its busiest expert receives, for the
-    # planner (meshllm_dsl/planner_moe.py); None: balanced routing.
+    # planner (meshllm_dsl/planner/moe.py); None: balanced routing.
     skew: float | None = None
     span: Span | None = attrs.field(eq=False, default=None)
 

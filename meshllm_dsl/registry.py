@@ -1,6 +1,6 @@
 """What the compiler's registries share: records keyed by the members of a `Literal`, complete at import.
 
-A layer kind (meshllm_dsl/primitives) and a collective op (meshllm_dsl/collectives.py) are each one
+A layer kind (meshllm_dsl/primitives) and a collective op (meshllm_dsl/parallel/collectives.py) are each one
 record named by a `Literal` member. Building the registry refuses a member without a record, a record
 for a name the `Literal` lacks and a name recorded twice, so a new kind or op half added is an error
 at import instead of a fallthrough later.

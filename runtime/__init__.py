@@ -7,21 +7,8 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from . import launch
-    from .collectives import (
-        copy_to,
-        copy_to_linear,
-        gather_from,
-        gather_seq,
-        gather_seq_linear,
-        reduce_from,
-        reduce_scatter_seq,
-        split_seq,
-        split_to,
-    )
-    from .context import ContextShard
-    from .generate import greedy_generate
-    from .layers import (
+    from meshllm_dsl.runtime.model.generate import greedy_generate
+    from meshllm_dsl.runtime.model.layers import (
         DecodeSession,
         KVCache,
         LayerNorm,
@@ -35,18 +22,39 @@ if TYPE_CHECKING:
         positions,
         vocab_parallel_cross_entropy,
     )
-    from .mesh import Mesh
-    from .moe import StackedLinear, moe_experts, moe_route
-    from .moe_dispatch import ExpertsParallel, experts_parallel
-    from .program import Built, Program
-    from .qk_norm import rms_norm, split_rms_norm
-    from .remat import recompute, recompute_ops
-    from .shards import ShardSpec, full_init, gather_full, gather_module, load_full, local_slice
+    from meshllm_dsl.runtime.model.qk_norm import rms_norm, split_rms_norm
+    from meshllm_dsl.runtime.moe.dispatch import ExpertsParallel, experts_parallel
+    from meshllm_dsl.runtime.moe.experts import StackedLinear, moe_experts, moe_route
+    from meshllm_dsl.runtime.parallel.collectives import (
+        copy_to,
+        copy_to_linear,
+        gather_from,
+        gather_seq,
+        gather_seq_linear,
+        reduce_from,
+        reduce_scatter_seq,
+        split_seq,
+        split_to,
+    )
+    from meshllm_dsl.runtime.parallel.context import ContextShard
+    from meshllm_dsl.runtime.parallel.mesh import Mesh
+    from meshllm_dsl.runtime.parallel.shards import (
+        ShardSpec,
+        full_init,
+        gather_full,
+        gather_module,
+        load_full,
+        local_slice,
+    )
+    from meshllm_dsl.runtime.train import launch
+    from meshllm_dsl.runtime.train.program import Built, Program
+    from meshllm_dsl.runtime.train.remat import recompute, recompute_ops
 
-# Names resolve on first use (PEP 562), so ``import meshllm_dsl.runtime.pool`` (meshc verify's
+# Names resolve on first use (PEP 562), so ``import meshllm_dsl.runtime.jobs.pool`` (meshc verify's
 # parent process) does not import torch, and a rank imports launch / generate only if it uses them.
+# Modules generated code reaches as ``rt.<name>`` (``rt.launch.main``), wherever they live now.
+_MODULES = {"launch": "train.launch"}
 _WHERE = {
-    "launch": "",
     **dict.fromkeys(
         (
             "copy_to",
@@ -59,10 +67,10 @@ _WHERE = {
             "split_seq",
             "split_to",
         ),
-        "collectives",
+        "parallel.collectives",
     ),
-    "ContextShard": "context",
-    "greedy_generate": "generate",
+    "ContextShard": "parallel.context",
+    "greedy_generate": "model.generate",
     **dict.fromkeys(
         (
             "DecodeSession",
@@ -78,35 +86,36 @@ _WHERE = {
             "positions",
             "vocab_parallel_cross_entropy",
         ),
-        "layers",
+        "model.layers",
     ),
-    "Mesh": "mesh",
-    **dict.fromkeys(("StackedLinear", "moe_experts", "moe_route"), "moe"),
-    **dict.fromkeys(("ExpertsParallel", "experts_parallel"), "moe_dispatch"),
-    **dict.fromkeys(("rms_norm", "split_rms_norm"), "qk_norm"),
-    **dict.fromkeys(("Built", "Program"), "program"),
-    "recompute": "remat",
-    "recompute_ops": "remat",
+    "Mesh": "parallel.mesh",
+    **dict.fromkeys(("StackedLinear", "moe_experts", "moe_route"), "moe.experts"),
+    **dict.fromkeys(("ExpertsParallel", "experts_parallel"), "moe.dispatch"),
+    **dict.fromkeys(("rms_norm", "split_rms_norm"), "model.qk_norm"),
+    **dict.fromkeys(("Built", "Program"), "train.program"),
+    "recompute": "train.remat",
+    "recompute_ops": "train.remat",
     **dict.fromkeys(
         ("ShardSpec", "full_init", "gather_full", "gather_module", "load_full", "local_slice"),
-        "shards",
+        "parallel.shards",
     ),
 }
 
 
 def __getattr__(name: str) -> Any:
-    where = _WHERE.get(name)
-    if where is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = import_module(f"{__name__}.{where or name}")
-    if where:
-        value = getattr(value, name)
+    if name in _MODULES:
+        value = import_module(f"{__name__}.{_MODULES[name]}")
+    else:
+        where = _WHERE.get(name)
+        if where is None:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = getattr(import_module(f"{__name__}.{where}"), name)
     globals()[name] = value
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+    return sorted(set(globals()) | set(_WHERE) | set(_MODULES))
 
 
 __all__ = [

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from meshllm_dsl.runtime.pool import WorkerPool
+    from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -35,7 +35,7 @@ def pool() -> Iterator[WorkerPool]:
     """Eight gloo ranks shared by the whole session: starting them costs seconds, a job milliseconds.
     A module that plants faults in its workers keeps a pool of its own (tests/properties)."""
     pytest.importorskip("torch")
-    from meshllm_dsl.runtime.pool import WorkerPool
+    from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
     with WorkerPool(world_size=8, timeout=180.0) as p:
         yield p

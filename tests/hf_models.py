@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 VOCAB = 64
-# Llama with each rope scaling transformers computes (runtime/rope.py); dynamic's 6 positions are
+# Llama with each rope scaling transformers computes (runtime/model/rope.py); dynamic's 6 positions are
 # fewer than the tests' 8 tokens, so its frequencies grow with the sequence.
 ROPE_KINDS = ("llama_linear", "llama_dynamic", "llama_yarn")
 KINDS = ("llama", "llama3_tied", "mistral", "qwen2", "gpt2", "qwen3", "phi3")
@@ -205,7 +205,7 @@ def compiled_module(text: str, name: str, directory: Path) -> tuple[str, int]:
 def logits_job(ctx: Any, path: str, weights: str, tokens: Any, n_new: int = 0) -> Any:
     """On every rank: build the generated plan from ``weights``; full logits (and greedy tokens)."""
     from meshllm_dsl.runtime import greedy_generate
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), weights=weights)
@@ -216,8 +216,8 @@ def logits_job(ctx: Any, path: str, weights: str, tokens: Any, n_new: int = 0) -
 
 def export_job(ctx: Any, path: str, weights: str, out: str, max_shard_bytes: int) -> None:
     """On every rank: load ``weights`` into the plan and export it again (--steps 0)."""
-    from meshllm_dsl.runtime.hf import export_hf
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.hf.weights import export_hf
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), weights=weights)
@@ -226,8 +226,8 @@ def export_job(ctx: Any, path: str, weights: str, out: str, max_shard_bytes: int
 
 def own_config_export_job(ctx: Any, path: str, weights: str, out: str) -> None:
     """On every rank: load ``weights`` and export with meshllm's own config.json (no source given)."""
-    from meshllm_dsl.runtime.hf import export_hf
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.hf.weights import export_hf
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     export_hf(program.build(ctx.mesh(program.axes), weights=weights), out)
@@ -235,8 +235,8 @@ def own_config_export_job(ctx: Any, path: str, weights: str, out: str) -> None:
 
 def error_job(ctx: Any, path: str, weights: str) -> str:
     """On every rank: the WeightsError that loading ``weights`` raises (or '' if it loads)."""
-    from meshllm_dsl.runtime.hf import WeightsError
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.hf.weights import WeightsError
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     try:
@@ -248,7 +248,7 @@ def error_job(ctx: Any, path: str, weights: str) -> str:
 
 def bytes_read_job(ctx: Any, path: str, weights: str) -> int:
     """On every rank: bytes of checkpoint tensors this rank read while loading."""
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     return int(program.build(ctx.mesh(program.axes), weights=weights).weights_bytes_read)
@@ -256,8 +256,8 @@ def bytes_read_job(ctx: Any, path: str, weights: str) -> int:
 
 def seeded_export_job(ctx: Any, path: str, out: str, tokens: Any) -> Any:
     """On every rank: the seeded (random) plan's logits, exported without a source directory."""
-    from meshllm_dsl.runtime.hf import export_hf
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.hf.weights import export_hf
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=3)
@@ -270,8 +270,8 @@ def reference_job(ctx: Any, path: str) -> dict[str, float]:
     """On every rank: max |sharded - unsharded reference| over 2 AdamW steps (float64)."""
     import torch
 
-    from meshllm_dsl.runtime.compare import compare_to_reference
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.jobs.compare import compare_to_reference
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     return compare_to_reference(program, ctx.mesh(program.axes), dtype=torch.float64, seed=0, steps=2)

@@ -12,7 +12,7 @@ import threading
 import time
 import traceback
 
-from meshllm_dsl.cli_job import run_module_and_exit
+from meshllm_dsl.cli.job import run_module_and_exit
 
 
 class StderrReader:
@@ -56,7 +56,7 @@ def run_module(
     The test process has imported torch and meshllm already; a fresh ``python -m meshllm_dsl run``
     or ``python -m torch.distributed.run`` spends 2.5-3 CPU-s importing them again before it starts
     a rank (the ranks torchrun starts are fresh interpreters either way).  `meshc run` forks its
-    torchrun for the same reason (meshllm_dsl/cli_job.py).  The child runs the module as
+    torchrun for the same reason (meshllm_dsl/cli/job.py).  The child runs the module as
     ``python -m`` would (``runpy``, ``__main__``, ``sys.argv``) in its own session, with fresh
     streams on fds 0-2 and exactly ``env`` (default: this process's environment)."""
     env = dict(os.environ if env is None else env)

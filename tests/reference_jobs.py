@@ -9,12 +9,12 @@ def compare_job(ctx: Any, path: str, steps: int = 3) -> dict[str, dict[str, floa
     """On each rank: {dtype: {entry: max |sharded - reference|}} for the generated module at `path`.
 
     float32 as the plans run; float64 as well, because float32 skips the few elements whose
-    gradient is rounding noise (see runtime/compare.py) and float64 checks those too.
+    gradient is rounding noise (see runtime/jobs/compare.py) and float64 checks those too.
     """
     import torch
 
-    from meshllm_dsl.runtime.compare import compare_to_reference
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.jobs.compare import compare_to_reference
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     mesh = ctx.mesh(program.axes)
@@ -25,9 +25,9 @@ def compare_job(ctx: Any, path: str, steps: int = 3) -> dict[str, dict[str, floa
 def profile_job(ctx: Any, path: str, out: str) -> dict[str, Any]:
     """On each rank: `meshc run --profile`'s report (runtime.profile.profile_train) for the generated
     module at `path`, over 4 synthetic batches: warm-up, memory step, kernel count, one timed step."""
-    from meshllm_dsl.runtime.launch import synthetic_batch
-    from meshllm_dsl.runtime.profile import profile_train
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.runtime.train.profile import profile_train
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
@@ -39,9 +39,9 @@ def memory_job(ctx: Any, path: str) -> dict[str, int]:
     """On each rank: the memory part of `meshc run --profile`'s report (runtime.profile.profile_memory,
     the same warm-up and measured step as profile_job) without the kernel-count and timed steps
     that follow it there, for tests that read only the bytes."""
-    from meshllm_dsl.runtime.launch import synthetic_batch
-    from meshllm_dsl.runtime.profile import profile_memory
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.runtime.train.profile import profile_memory
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)

@@ -21,20 +21,20 @@ from pathlib import Path
 
 import attrs
 
-from meshllm_dsl import ast
 from meshllm_dsl.codes import E0201, E0202
-from meshllm_dsl.devices import (
+from meshllm_dsl.diagnostics import Diagnostic, Label, typo
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.load import Declarations, load
+from meshllm_dsl.front.parser import paused_gc
+from meshllm_dsl.front.resolve import ModelResolver, Resolver, check_family, resolve_mesh
+from meshllm_dsl.ir import MeshIR, ModelIR, PlanIR
+from meshllm_dsl.parallel.devices import (
     DEFAULT_PROFILE,
     PROFILES,
     DeviceProfile,
     declared_profiles,
     host_diagnostics,
 )
-from meshllm_dsl.diagnostics import Diagnostic, Label, typo
-from meshllm_dsl.ir import MeshIR, ModelIR, PlanIR
-from meshllm_dsl.load import Declarations, load
-from meshllm_dsl.parser import paused_gc
-from meshllm_dsl.resolve import ModelResolver, Resolver, check_family, resolve_mesh
 
 
 @attrs.frozen

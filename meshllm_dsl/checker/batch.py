@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshllm_dsl import ast
 from meshllm_dsl.checker.context import (
     PlanContext,
 )
 from meshllm_dsl.codes import E0305, E0310, E0606, E0607, W0703
 from meshllm_dsl.diagnostics import Label, Suggestion, replace, typo
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.names import or_list
 from meshllm_dsl.ir import SCHEDULES, Stage, Unit
-from meshllm_dsl.names import or_list
 
 
 class BatchRules(PlanContext):

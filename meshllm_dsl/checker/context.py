@@ -7,13 +7,13 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
-from meshllm_dsl import ast
 from meshllm_dsl.codes import E0202, E0401
 from meshllm_dsl.diagnostics import Diagnostic, Label, Suggestion, insert, replace, typo
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.names import ranges
+from meshllm_dsl.front.resolve import Resolver
+from meshllm_dsl.front.source import Span
 from meshllm_dsl.ir import Leaf, MeshIR, ModelIR, Placement
-from meshllm_dsl.names import ranges
-from meshllm_dsl.resolve import Resolver
-from meshllm_dsl.source import Span
 
 
 @attrs.define

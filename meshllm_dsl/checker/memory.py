@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import math
 
-from meshllm_dsl import ast, primitives
+from meshllm_dsl import primitives
 from meshllm_dsl.checker.context import (
     PlanContext,
 )
 from meshllm_dsl.codes import E0203, E0301, E0409, E0410, E0411
 from meshllm_dsl.diagnostics import Label
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.names import or_list
 from meshllm_dsl.ir import Unit
-from meshllm_dsl.names import or_list
 
 
 class MemoryRules(PlanContext):
@@ -105,7 +106,7 @@ class MemoryRules(PlanContext):
 
     def context_parallel(self, seq: int, seq_setting: ast.Setting | None, pipeline_axis: str | None,
                          batch_axes: tuple[str, ...]) -> None:
-        """`layout { seq -> C }` over axes C that split no weight: context parallelism (runtime/context.py).
+        """`layout { seq -> C }` over axes C that split no weight: context parallelism (runtime/parallel/context.py).
 
         C has no other role (E0411), and seq divides into 2 |C| equal chunks for the head-tail balance
         (E0301), and under sequence parallelism over T each rank's s / |C| over T as well.

@@ -4,14 +4,14 @@ stage 1 is torch's ZeroRedundancyOptimizer, 2 and 3 FSDP2."""
 
 from __future__ import annotations
 
-from meshllm_dsl import ast
 from meshllm_dsl.checker.context import (
     PlanContext,
 )
 from meshllm_dsl.codes import E0203, E0304, E0309, E0407
 from meshllm_dsl.diagnostics import Applicability, replace, typo
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.names import or_list
 from meshllm_dsl.ir import DTYPES
-from meshllm_dsl.names import or_list
 
 OPT_SETTINGS = {
     "lr": (0.0, 1e3, True, False),
@@ -129,7 +129,7 @@ class OptimizerRules(PlanContext):
                        seen["master"].value.span, label="would round every update more than the forward",
                        help=f"keep master weights at least as wide: `master = fp32` (or `params = {master}`)")
         if zero == 0 and reduce != master:
-            # ZeRO 0 keeps the master weights as the parameters (runtime/amp.py: autocast), so
+            # ZeRO 0 keeps the master weights as the parameters (runtime/train/amp.py: autocast), so
             # their gradients, and the all-reduce of them, are in the master dtype.
             self.error(E0309, f"`reduce = {reduce}` with ZeRO {zero}: gradients are reduced in the master dtype {master}",
                        seen["reduce"].value.span if "reduce" in seen else stmt.span,

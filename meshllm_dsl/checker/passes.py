@@ -16,7 +16,6 @@ from typing import Any
 
 import attrs
 
-from meshllm_dsl import ast
 from meshllm_dsl.checker.batch import BatchRules
 from meshllm_dsl.checker.memory import MemoryRules
 from meshllm_dsl.checker.optimizer import OptimizerRules
@@ -25,9 +24,10 @@ from meshllm_dsl.checker.placements import PlacementRules
 from meshllm_dsl.checker.stages import StageRules
 from meshllm_dsl.codes import E0203, E0307, E0309, E0412
 from meshllm_dsl.diagnostics import Diagnostic, typo
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.names import or_list
+from meshllm_dsl.front.resolve import Binding
 from meshllm_dsl.ir import DTYPES, MeshIR, ModelIR, Repeat, Unit
-from meshllm_dsl.names import or_list
-from meshllm_dsl.resolve import Binding
 
 PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute", "skew")
 # Settings the language used to accept that nothing downstream reads: refused until they are honoured.
@@ -170,8 +170,8 @@ def stages(ctx: PassContext) -> PassResult:
 def moe_routing(ctx: PassContext) -> PassResult:
     """A moe model's routing in this plan. (Router losses need no check: with pipeline stages the
     runtime sends each stage's routing statistics on with its activations, in fp32 under any
-    `precision`: runtime/program.py.) `skew = F` (the planner's routing
-    skew, planner_moe.py): the share of a layer's routed tokens its busiest expert gets,
+    `precision`: runtime/train/program.py.) `skew = F` (the planner's routing
+    skew, meshllm_dsl/planner/moe.py): the share of a layer's routed tokens its busiest expert gets,
     1 / experts (balanced) <= F <= 1."""
     w = _Worker.of(ctx)
     units = [u for item in ctx.model.items for u in (item.body if isinstance(item, Repeat) else (item,))]
@@ -247,7 +247,7 @@ def expert_zero(ctx: PassContext) -> PassResult:
     entry, zero, zero_axes, expert_axes = ctx["expert_entry"], ctx["zero"], ctx["zero_axes"], ctx["expert_axes"]
     # ZeRO 1 without `precision` (ZeroRedundancyOptimizer) shards the experts' states over the ZeRO
     # ranks that hold the same experts, whatever the axes. FSDP2 (ZeRO 2 / 3, and ZeRO 1 with master
-    # weights) shards each layer's experts over the ZeRO axes that replicate them (runtime/fsdp.py),
+    # weights) shards each layer's experts over the ZeRO axes that replicate them (runtime/parallel/fsdp.py),
     # reducing their gradients there only: right where no other batch or context axis replicates them.
     fsdp = zero >= 2 or (zero == 1 and ctx["master_dtype"] is not None)
     rest = [a for a in zero_axes if a not in expert_axes]

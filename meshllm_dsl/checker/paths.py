@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from meshllm_dsl import ast
 from meshllm_dsl.checker.context import _seg_matches
+from meshllm_dsl.front import ast
 from meshllm_dsl.ir import Leaf, ModelIR, Repeat
 
 Matches = list[tuple[Leaf, frozenset[int] | None]]

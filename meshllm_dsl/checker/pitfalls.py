@@ -8,8 +8,8 @@ from meshllm_dsl.checker.context import (
     _blocks_text,
 )
 from meshllm_dsl.codes import E0407, W0702, W0704, W0705, W0706, W0707
+from meshllm_dsl.front.source import Span
 from meshllm_dsl.ir import BlockClass, Leaf, Placement, Repeat
-from meshllm_dsl.source import Span
 
 
 class PitfallRules(PlanContext):

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import attrs
 
-from meshllm_dsl import ast, primitives
+from meshllm_dsl import primitives
 from meshllm_dsl.checker.context import (
     PlanContext,
     _blocks_text,
@@ -34,9 +34,10 @@ from meshllm_dsl.codes import (
     E0503,
 )
 from meshllm_dsl.diagnostics import Applicability, Label, Suggestion, make_rule, replace, typo
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.names import did_you_mean, divisors, or_list
 from meshllm_dsl.ir import REPLICATE, RULES, BlockClass, Leaf, Placement, Repeat, Unit
-from meshllm_dsl.layouts import block_flows
-from meshllm_dsl.names import did_you_mean, divisors, or_list
+from meshllm_dsl.parallel.layouts import block_flows
 
 
 class PlacementRules(PlanContext):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from meshllm_dsl import ast
 from meshllm_dsl.checker.passes import (
     PLAN_SETTINGS,
     UNSUPPORTEDPLAN_SETTINGS,
@@ -10,9 +9,10 @@ from meshllm_dsl.checker.passes import (
     run_passes,
 )
 from meshllm_dsl.diagnostics import Diagnostic
+from meshllm_dsl.front import ast
 from meshllm_dsl.ir import MeshIR, ModelIR, PlanIR
-from meshllm_dsl.layouts import top_flows
-from meshllm_dsl.roles import ParallelRoles, split_axes
+from meshllm_dsl.parallel.layouts import top_flows
+from meshllm_dsl.parallel.roles import ParallelRoles, split_axes
 
 __all__ = ["PLAN_SETTINGS", "UNSUPPORTEDPLAN_SETTINGS", "PlanChecker", "plan_ir"]
 

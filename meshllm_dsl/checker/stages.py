@@ -6,7 +6,6 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable, Sequence
 
-from meshllm_dsl import ast
 from meshllm_dsl.checker.context import (
     PlanContext,
     _blocks_text,
@@ -14,9 +13,10 @@ from meshllm_dsl.checker.context import (
 )
 from meshllm_dsl.codes import E0201, E0202, E0601, E0602, E0603, E0604, E0605, E0608, E0609, W0701
 from meshllm_dsl.diagnostics import Applicability, Label, insert, replace, typo
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.names import divisors, or_list
+from meshllm_dsl.front.source import Span
 from meshllm_dsl.ir import BlockClass, Placement, Repeat, Stage, StagePiece
-from meshllm_dsl.names import divisors, or_list
-from meshllm_dsl.source import Span
 
 
 class StageRules(PlanContext):

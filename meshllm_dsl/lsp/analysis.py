@@ -17,15 +17,15 @@ from pathlib import Path
 
 import attrs
 
-from meshllm_dsl import ast
 from meshllm_dsl.checker import CheckResult, check_declarations
 from meshllm_dsl.checker.paths import match_path
 from meshllm_dsl.codes import E0101, E0102
 from meshllm_dsl.diagnostics import Diagnostic, SpecError
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.load import Declarations, load, stdlib_dir
+from meshllm_dsl.front.parser import parse_source
+from meshllm_dsl.front.source import SourceFile, Span
 from meshllm_dsl.ir import ModelIR, Placement, PlanIR, Repeat, Tensor, Unit
-from meshllm_dsl.load import Declarations, load, stdlib_dir
-from meshllm_dsl.parser import parse_source
-from meshllm_dsl.source import SourceFile, Span
 
 SYNTAX_CODES = (E0101, E0102)
 DECL_KEYWORDS = ("include", "mesh", "family", "model", "plan", "device")
@@ -471,8 +471,8 @@ class Match:
 def shard_matches(plan: PlanIR, decl: ast.PlanDecl, path: ast.Path, layer: bool = False) -> list[Match]:
     """Every leaf `path` matches in a checked plan, with shapes and the collectives of its unit
     (``layer``: every leaf of the layers it names, as `expert(D)` places them)."""
-    from meshllm_dsl.explain import _collective
-    from meshllm_dsl.names import ranges
+    from meshllm_dsl.front.names import ranges
+    from meshllm_dsl.views.explain import _collective
 
     units = {id(leaf): (item, unit) for item, unit, leaf in plan.model.leaves()}
     out: list[Match] = []

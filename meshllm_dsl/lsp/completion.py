@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from meshllm_dsl import ast
 from meshllm_dsl.checker.optimizer import OPT_SETTINGS, PRECISION_KEYS
 from meshllm_dsl.checker.plan import PLAN_SETTINGS
+from meshllm_dsl.front import ast
 from meshllm_dsl.ir import DTYPES, RECOMPUTE, RULES, SCHEDULES
 from meshllm_dsl.lsp.analysis import DECL_KEYWORDS, leaf_paths
 
@@ -96,7 +96,7 @@ def complete(a: Analysis, offset: int) -> list[Item]:
     if kind == "model" and len(header) >= 4 and header[2] == "=":
         return _family_params(a, header[3], prefix)
     if kind in ("model", "family") and len(line) >= 2 and line[-1] == "=":
-        from meshllm_dsl.resolve import PRIMITIVES
+        from meshllm_dsl.front.resolve import PRIMITIVES
 
         return [Item(p, "function", "primitive", f"{p}()") for p in PRIMITIVES] + [Item("repeat", "keyword", "", "repeat()")]
     return []
@@ -133,7 +133,7 @@ def _family_params(a: Analysis, family: str, prefix: str) -> list[Item]:
     for p in fam.params:
         if p.name.value in given:
             continue
-        from meshllm_dsl.fmt import format_expr
+        from meshllm_dsl.front.fmt import format_expr
 
         detail = f"default {format_expr(p.default)}" if p.default is not None else "required"
         items.append(Item(p.name.value, "param", detail, f"{p.name.value} = "))
@@ -143,7 +143,7 @@ def _family_params(a: Analysis, family: str, prefix: str) -> list[Item]:
 
 
 def _devices(a: Analysis) -> list[Item]:
-    from meshllm_dsl.devices import PROFILES
+    from meshllm_dsl.parallel.devices import PROFILES
 
     names = list(PROFILES) + [n for n in a.index.devices if n not in PROFILES]
     return [Item(n, "device", "device profile") for n in names]

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from meshllm_dsl import ast
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.source import Span
 from meshllm_dsl.ir import DTYPES, MeshIR, PlanIR, Repeat, Unit
-from meshllm_dsl.source import Span
 
 if TYPE_CHECKING:
     from meshllm_dsl.lsp.analysis import Analysis, Occ
@@ -27,7 +27,7 @@ SCHEDULE_DOCS = {
     "1f1b": "1F1B: one forward one backward; same bubble as GPipe, fewer activations in flight; needs microbatches >= stages",
     "interleaved_1f1b": "interleaved 1F1B: `virtual` stages per rank; bubble divided by v",
 }
-# The moe families' routing settings (runtime/moe_routing.py) and the planner's `skew`.
+# The moe families' routing settings (runtime/moe/routing.py) and the planner's `skew`.
 PARAM_DOCS = {
     "aux_loss_coef": "adds this x transformers' load-balancing loss (over every moe layer's router logits of a "
                      "forward) to the training loss; 0: none",
@@ -98,7 +98,7 @@ def _occ(a: Analysis, occ: Occ) -> str | None:
         if model is None:
             return f"model `{rest[0]}` (does not resolve; see its diagnostics)"
         w = DTYPES.get(model.dtype, 2)
-        from meshllm_dsl.planner import fmt_count
+        from meshllm_dsl.planner.analyze import fmt_count
 
         lines = [f"**model `{model.name}`**: {model.numel:,} parameters ({fmt_count(model.numel)})",
                  f"{model.dtype} weights: {model.numel * w / GB:.2f} GB = {model.numel * w / GIB:.2f} GiB"]
@@ -112,7 +112,7 @@ def _occ(a: Analysis, occ: Occ) -> str | None:
         fam = a.index.families.get(rest[0])
         if fam is None:
             return f"family `{rest[0]}` (not declared)"
-        from meshllm_dsl.fmt import format_expr
+        from meshllm_dsl.front.fmt import format_expr
 
         params = ", ".join(p.name.value + (f" = {format_expr(p.default)}" if p.default is not None else "") for p in fam.params)
         return f"**family `{fam.name.value}`**`({params})`"
@@ -122,7 +122,7 @@ def _occ(a: Analysis, occ: Occ) -> str | None:
         if fam is not None:
             p = next((p for p in fam.params if p.name.value == rest[1]), None)
             if p is not None and p.default is not None:
-                from meshllm_dsl.fmt import format_expr
+                from meshllm_dsl.front.fmt import format_expr
 
                 text += f" (default `{format_expr(p.default)}`)"
         if rest[1] in PARAM_DOCS:
@@ -140,7 +140,7 @@ def _occ(a: Analysis, occ: Occ) -> str | None:
     if kind == "layer":
         return _layer(a, occ)
     if kind == "device":
-        from meshllm_dsl.devices import PROFILES
+        from meshllm_dsl.parallel.devices import PROFILES
 
         prof = PROFILES.get(rest[0])
         if prof is None:
@@ -272,7 +272,7 @@ def _seq_entry(a: Analysis, name: str) -> str:
               f"[b, {s}, hidden] between the tensor-parallel sublayers")
         if n == 1:
             return sp
-    from meshllm_dsl.planner import fmt_bytes, kv_gather_bytes_per_layer
+    from meshllm_dsl.planner.analyze import fmt_bytes, kv_gather_bytes_per_layer
 
     axes = " x ".join(plan.roles.context)
     cp = (f"**context parallelism** over {axes} ({n}): each rank holds chunks i and {2 * n - 1} - i of {2 * n} of "
@@ -287,8 +287,8 @@ def _plan(a: Analysis, name: str) -> str:
     if plan is None:
         return f"plan `{name}` (has errors; see its diagnostics)"
     try:
-        from meshllm_dsl.devices import declared_profiles
-        from meshllm_dsl.planner import analyze, fmt_bytes, resolve_device
+        from meshllm_dsl.parallel.devices import declared_profiles
+        from meshllm_dsl.planner.analyze import analyze, fmt_bytes, resolve_device
 
         devices, _ = declared_profiles(a.sem_decls.user(ast.DeviceDecl))
         device, assumed = resolve_device(plan, devices)
@@ -310,7 +310,7 @@ def _precision(plan: PlanIR) -> str:
     """Where a `precision` plan keeps its master weights, as the runtime runs it."""
     if plan.master_dtype is None:
         return ""
-    from meshllm_dsl.placements import runs_fsdp
+    from meshllm_dsl.parallel.placements import runs_fsdp
 
     shard = " x ".join(plan.roles.batch_shard) or "no axis"
     where = ("whole on every rank (torch.autocast over them)" if not runs_fsdp(plan) else

@@ -27,7 +27,7 @@ from pygls.uris import from_fs_path, to_fs_path
 
 from meshllm_dsl import __version__
 from meshllm_dsl.diagnostics import Diagnostic, Label
-from meshllm_dsl.load import PRELUDE
+from meshllm_dsl.front.load import PRELUDE
 from meshllm_dsl.lsp import completion
 from meshllm_dsl.lsp.analysis import Analysis, Loc, span_loc
 
@@ -317,7 +317,7 @@ def document_symbol(ls: MeshServer, params: lsp.DocumentSymbolParams) -> list[ls
 @server.feature(lsp.TEXT_DOCUMENT_FORMATTING)
 def formatting(ls: MeshServer, params: lsp.DocumentFormattingParams) -> list[lsp.TextEdit] | None:
     from meshllm_dsl.diagnostics import SpecError
-    from meshllm_dsl.fmt import format_text
+    from meshllm_dsl.front.fmt import format_text
 
     uri = params.text_document.uri
     text = ls.text_of(uri) if ls.is_open(uri, lsp.TEXT_DOCUMENT_FORMATTING) else None

@@ -7,10 +7,10 @@ it, its arguments and how resolve builds its IR unit. Resolve, layouts, lowering
 look the record up here instead of comparing kind strings, so a kind without a record, or whose
 record lacks one of those parts, is an error at import (`_registry`), never a silent fallthrough to
 another kind's code. The runtime cannot import the compiler and keeps its own table keyed by kind
-(runtime/reference.py LAYER_KINDS); tests/frontend/test_primitive_registry.py keeps the two in step.
+(runtime/model/reference.py LAYER_KINDS); tests/frontend/test_primitive_registry.py keeps the two in step.
 
 Adding a kind: its module here (a `Primitive` subclass and its record in REGISTRY), its `UnitKind`
-name, its runtime layer (runtime/reference.py, runtime/layers.py) and the goldens.
+name, its runtime layer (runtime/model/reference.py, runtime/model/layers.py) and the goldens.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from meshllm_dsl.primitives.args import Arg
 from meshllm_dsl.registry import keyed
 
 if TYPE_CHECKING:
+    from meshllm_dsl.front.resolve import UnitSite
     from meshllm_dsl.ir import Leaf, Placement, PlanIR, Unit, UnitFlow
-    from meshllm_dsl.layouts import FlowSite
-    from meshllm_dsl.planner import HeldUnit
-    from meshllm_dsl.resolve import UnitSite
+    from meshllm_dsl.parallel.layouts import FlowSite
+    from meshllm_dsl.planner.analyze import HeldUnit
 
 # What a kind's build gives: the unit's attributes and its leaves.
 Built = tuple[dict[str, Any], list["Leaf"]]
@@ -117,12 +117,12 @@ class Primitive:
     # Its arguments as a spec writes them, in order (resolve.py binds calls against them).
     args: tuple[Arg, ...] = ()
 
-    # -- building the IR unit (meshllm_dsl/resolve.py binds the arguments first)
+    # -- building the IR unit (meshllm_dsl/front/resolve.py binds the arguments first)
     def build(self, site: UnitSite) -> Built | None:
         """Its parameters (leaves) and attributes from the bound arguments; None after an error."""
         raise NotImplementedError(self.kind)
 
-    # -- activation flow (meshllm_dsl/layouts.py holds the layout algebra the records use)
+    # -- activation flow (meshllm_dsl/parallel/layouts.py holds the layout algebra the records use)
     def flow(self, site: FlowSite) -> UnitFlow | None:
         """Layouts in and out and the collectives between, given its leaves' placements; None after
         an error reported to `site.r`."""
@@ -143,7 +143,7 @@ class Primitive:
         """Positions its KV cache holds in block `index` after `seq` tokens (kinds that cache)."""
         return seq
 
-    # -- costs, per copy of the unit and microbatch (meshllm_dsl/planner.py holds the model they use)
+    # -- costs, per copy of the unit and microbatch (meshllm_dsl/planner/analyze.py holds the model they use)
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         """Bytes it keeps for backward (`local`: the tokens of a sequence-sharded stream)."""

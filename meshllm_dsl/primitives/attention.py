@@ -8,17 +8,18 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from meshllm_dsl import layouts, planner
 from meshllm_dsl.codes import E0302, E0304
+from meshllm_dsl.front.names import divisors, or_list
 from meshllm_dsl.ir import Leaf, Placement, Tensor, Unit, UnitFlow
-from meshllm_dsl.names import divisors, or_list
+from meshllm_dsl.parallel import layouts
+from meshllm_dsl.planner import analyze as planner
 from meshllm_dsl.primitives import Built, Matmul, Primitive, Work
 from meshllm_dsl.primitives.args import Arg, const
 
 if TYPE_CHECKING:
+    from meshllm_dsl.front.resolve import UnitSite
     from meshllm_dsl.ir import PlanIR
-    from meshllm_dsl.planner import HeldUnit
-    from meshllm_dsl.resolve import UnitSite
+    from meshllm_dsl.planner.analyze import HeldUnit
 
 
 @attrs.frozen
@@ -125,7 +126,7 @@ class Attention(Primitive):
             saved += 2 * e * tokens * hq * hd  # the soft-capped core's k and v repeated to every query head
         blocks = hu.indices or (0,)
         if plan.context_size > 1:
-            # Context parallelism (runtime/context.py): every block masks by global positions, a
+            # Context parallelism (runtime/parallel/context.py): every block masks by global positions, a
             # [s / c, s] boolean, and the kernel keeps the all-gathered k and v, [b, s, kv, d] each.
             saved += (tokens // max(1, micro)) * seq + 2 * e * micro * seq * hk * hd
             return saved
@@ -229,7 +230,7 @@ class Attention(Primitive):
         if theta and a.get("rope_scaling"):
             scaling = tuple(a["rope_scaling"])
             lines.append(w.line(f"q, k = rt.apply_rotary(q, k, {w.positions('q')}, theta={float(theta)!r}, "
-                                f"scaling={scaling!r})", f"{dict(scaling)['rope_type']} rope scaling (runtime/rope.py)"))
+                                f"scaling={scaling!r})", f"{dict(scaling)['rope_type']} rope scaling (runtime/model/rope.py)"))
         elif theta:
             lines.append(w.line(f"q, k = rt.apply_rotary(q, k, {w.positions('q')}, theta={float(theta)!r})"))
         what = f"[b, s, {h * hd}] causal; q heads per kv head: {h // kv if kv else 0}"
@@ -285,7 +286,7 @@ def _rope_scaling(kind: str, b: Mapping[str, Any]) -> tuple[tuple[str, Any], ...
         if b["rope_attention_factor"]:  # 0: transformers' default, 0.1 ln(factor) + 1
             fields += (("attention_factor", b["rope_attention_factor"]),)
     elif kind == "longrope":
-        # the short factors up to rope_original_positions, the long ones beyond (runtime/rope.py)
+        # the short factors up to rope_original_positions, the long ones beyond (runtime/model/rope.py)
         fields += (original, ("short_factor", tuple(b["rope_short_factor"])),
                    ("long_factor", tuple(b["rope_long_factor"])))
         if b["rope_attention_factor"]:  # 0: transformers' default, sqrt(1 + ln(factor) / ln(original))
@@ -318,7 +319,7 @@ ATTENTION = Attention("attention", sublayer=True, reads_sequence=True, caches_kv
     Arg("bias", "bool", const(False)),
     Arg("out_bias", "bool", lambda b: b["bias"]),
     Arg("fused_qkv", "bool", const(False)),
-    # Rope scaling as transformers' rope_type computes it (runtime/rope.py): linear, dynamic (NTK:
+    # Rope scaling as transformers' rope_type computes it (runtime/model/rope.py): linear, dynamic (NTK:
     # rope_original_positions is the config's max_position_embeddings), yarn, longrope, llama3 (the
     # default type; with factor 1 the frequencies are unchanged).
     Arg("rope_factor", "float", const(1.0)),

@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from meshllm_dsl import layouts, planner, primitives
+from meshllm_dsl import primitives
 from meshllm_dsl.codes import E0304
 from meshllm_dsl.ir import REPLICATE, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
-from meshllm_dsl.placements import Layout
+from meshllm_dsl.parallel import layouts
+from meshllm_dsl.parallel.placements import Layout
+from meshllm_dsl.planner import analyze as planner
 from meshllm_dsl.primitives import Built, LeafKind, Primitive, TopSite, Work
 from meshllm_dsl.primitives.args import Arg, const
 
@@ -26,9 +28,9 @@ def _table(a: Mapping[str, Any]) -> dict[str, Any]:
     return d
 
 if TYPE_CHECKING:
+    from meshllm_dsl.front.resolve import UnitSite
     from meshllm_dsl.ir import PlanIR
-    from meshllm_dsl.planner import HeldUnit
-    from meshllm_dsl.resolve import UnitSite
+    from meshllm_dsl.planner.analyze import HeldUnit
 
 
 def _table_leaf(site: UnitSite, kind: LeafKind) -> tuple[list[Leaf], dict[str, Any]]:

@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from meshllm_dsl import layouts, planner, primitives
+from meshllm_dsl import primitives
 from meshllm_dsl.codes import E0304, E0309
-from meshllm_dsl.collectives import spec
 from meshllm_dsl.ir import REPLICATE, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.parallel import layouts
+from meshllm_dsl.parallel.collectives import spec
+from meshllm_dsl.planner import analyze as planner
 from meshllm_dsl.primitives import Built, Primitive, TopSite, Work
 from meshllm_dsl.primitives.args import Arg, const
 from meshllm_dsl.primitives.embedding import EMBEDDING
@@ -24,9 +26,9 @@ def tied_with_own_bias(unit: Unit) -> bool:
     return any(leaf.tie is not None and any(t.name == "bias" for t in leaf.params) for leaf in unit.leaves)
 
 if TYPE_CHECKING:
+    from meshllm_dsl.front.resolve import UnitSite
     from meshllm_dsl.ir import PlanIR
-    from meshllm_dsl.planner import HeldUnit
-    from meshllm_dsl.resolve import UnitSite
+    from meshllm_dsl.planner.analyze import HeldUnit
 
 
 @attrs.frozen

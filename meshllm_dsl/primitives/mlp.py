@@ -8,8 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from meshllm_dsl import layouts, planner
 from meshllm_dsl.ir import REPLICATE, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.parallel import layouts
+from meshllm_dsl.planner import analyze as planner
 from meshllm_dsl.primitives import Built, Primitive, Work
 from meshllm_dsl.primitives.args import Arg, const
 
@@ -21,9 +22,9 @@ _CALLS = {"gelu_tanh": "F.gelu({}, approximate=\"tanh\")", "gelu": "F.gelu({})",
                "silu": "F.silu({})"}
 
 if TYPE_CHECKING:
+    from meshllm_dsl.front.resolve import UnitSite
     from meshllm_dsl.ir import PlanIR
-    from meshllm_dsl.planner import HeldUnit
-    from meshllm_dsl.resolve import UnitSite
+    from meshllm_dsl.planner.analyze import HeldUnit
 
 
 @attrs.frozen

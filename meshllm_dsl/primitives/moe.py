@@ -15,9 +15,9 @@ Tensor parallelism inside the experts is the dense MLP's (`ffn -> tensor`: gate 
 row); the router and the routing are replicated, so every rank picks the same experts. Splitting
 the experts themselves over batch axes (`experts -> D`, expert parallelism) gives each rank
 experts / |D| of them; tokens travel to their experts' ranks and back by all-to-all
-(runtime/moe_dispatch.py), and the router stays whole on every rank.
+(runtime/moe/dispatch.py), and the router stays whole on every rank.
 
-Routing settings (runtime/moe_routing.py, where the semantics are written down): `aux_loss_coef`
+Routing settings (runtime/moe/routing.py, where the semantics are written down): `aux_loss_coef`
 (transformers' load-balancing loss in the training loss), `z_loss_coef` (ST-MoE's router z-loss)
 and `capacity` (a capacity factor; 0 is dropless). The checker validates their ranges here and
 refuses the router losses with a pipeline (checker/passes.py `moe_routing`).
@@ -30,20 +30,21 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from meshllm_dsl import layouts, planner
 from meshllm_dsl.codes import E0307, E0309, E0402
-from meshllm_dsl.collectives import spec
 from meshllm_dsl.ir import REPLICATE, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.parallel import layouts
+from meshllm_dsl.parallel.collectives import spec
+from meshllm_dsl.planner import analyze as planner
 from meshllm_dsl.primitives import Built, Primitive
 from meshllm_dsl.primitives.args import Arg, const
 
 if TYPE_CHECKING:
+    from meshllm_dsl.front.resolve import UnitSite
     from meshllm_dsl.ir import PlanIR
-    from meshllm_dsl.planner import HeldUnit
-    from meshllm_dsl.resolve import UnitSite
+    from meshllm_dsl.planner.analyze import HeldUnit
 
 _EXPERTS = ("gate", "up", "down")
-ROUTING = ("aux_loss_coef", "z_loss_coef", "capacity")  # the layer's routing settings (runtime/moe_routing.py)
+ROUTING = ("aux_loss_coef", "z_loss_coef", "capacity")  # the layer's routing settings (runtime/moe/routing.py)
 _SHARED = ("shared_gate", "shared_up", "shared_down")
 
 
@@ -84,7 +85,7 @@ class Moe(Primitive):
 
     def _routing_in_range(self, site: UnitSite, b: Mapping[str, Any], n_exp: int, k: int) -> bool:
         """The capacity factor's range (the resolver refuses negative routing settings): 0 (dropless)
-        or one that can drop something (runtime/moe_routing.py)."""
+        or one that can drop something (runtime/moe/routing.py)."""
         cap, most = b["capacity"], n_exp / k
         if cap > most:
             site.r.error(E0307, f"`{site.name}`: capacity = {cap:g} is more than experts / top_k = {most:g}: every "
@@ -155,7 +156,7 @@ class Moe(Primitive):
     def _routed(self, hu: HeldUnit, tokens: int) -> int:
         """(token, choice) pairs the experts compute: all of them dropless, at most each expert's
         capacity with a capacity factor (activations at capacity; balanced routing)."""
-        from meshllm_dsl.planner_moe import routed_pairs
+        from meshllm_dsl.planner.moe import routed_pairs
 
         a = hu.unit.attr
         return routed_pairs(tokens, int(a("top_k")), int(a("experts")), float(a("capacity") or 0.0))  # type: ignore[arg-type]
@@ -179,12 +180,12 @@ class Moe(Primitive):
         return 4 * e * self._routed(hu, tokens) * self._ffn_local(plan, hu, "gate", "ffn")
 
     def kernels(self, plan: PlanIR, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
-        """The runtime runs each expert a rank holds on its rows, one after the other (runtime/moe.py
-        `experts_swiglu`; runtime/moe_dispatch.py under expert parallelism), so the kernels grow with
+        """The runtime runs each expert a rank holds on its rows, one after the other (runtime/moe/experts.py
+        `experts_swiglu`; runtime/moe/dispatch.py under expert parallelism), so the kernels grow with
         the rank's local experts (all of them without expert parallelism), each at balanced routing
         receiving rows. `linears` counts the stacked gate / up / down once: they are in the
         per-expert count instead."""
-        from meshllm_dsl.planner_moe import expert_degree
+        from meshllm_dsl.planner.moe import expert_degree
 
         degree = expert_degree(plan, hu)
         local = int(hu.unit.attr("experts")) // degree  # type: ignore[arg-type]
@@ -225,7 +226,7 @@ class Moe(Primitive):
         a = dict(unit.attrs)
         experts = any(placement.get(f"{unit.name}.{leaf.name}", REPLICATE).experts for leaf in unit.leaves)
         # Split experts run in a method of the layer's module, which FSDP2 can hook to shard them
-        # over the batch ranks that replicate them (runtime/moe_dispatch.py ExpertsParallel).
+        # over the batch ranks that replicate them (runtime/moe/dispatch.py ExpertsParallel).
         module = spec("expert_all_to_all").runtime  # the registered collective's issuer
         lines = [w.line(f"self.{attr} = rt.{module}()", "its experts split over ranks") if experts
                  else w.line(f"self.{attr} = nn.Module()")]
@@ -326,7 +327,7 @@ MOE = Moe("moe", sublayer=True, width_arg="hidden", sequence_parallel=False, who
     Arg("weights_fp32", "bool", const(True)),
     Arg("shared_expert", "bool", const(False)),
     Arg("shared_ffn", "dim", lambda bound: bound["ffn"]),
-    # Routing (runtime/moe_routing.py): the load-balancing loss's and router z-loss's coefficients in
+    # Routing (runtime/moe/routing.py): the load-balancing loss's and router z-loss's coefficients in
     # the training loss, and the capacity factor (0: dropless).
     Arg("aux_loss_coef", "float", const(0.0)),
     Arg("z_loss_coef", "float", const(0.0)),

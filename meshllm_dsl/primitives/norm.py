@@ -8,15 +8,16 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from meshllm_dsl import layouts, planner
 from meshllm_dsl.ir import Leaf, Placement, Unit, UnitFlow
+from meshllm_dsl.parallel import layouts
+from meshllm_dsl.planner import analyze as planner
 from meshllm_dsl.primitives import Built, Primitive, TopSite, Work
 from meshllm_dsl.primitives.args import Arg, const
 
 if TYPE_CHECKING:
+    from meshllm_dsl.front.resolve import UnitSite
     from meshllm_dsl.ir import PlanIR
-    from meshllm_dsl.planner import HeldUnit
-    from meshllm_dsl.resolve import UnitSite
+    from meshllm_dsl.planner.analyze import HeldUnit
 
 
 @attrs.frozen

@@ -105,14 +105,14 @@ def test_reserved_layer_names_cover_nn_module() -> None:
     """Every public attribute of the installed torch.nn.Module is reserved for layers (E0204)."""
     from torch import nn
 
-    from meshllm_dsl.names import identifier_problem
+    from meshllm_dsl.front.names import identifier_problem
 
     missing = [n for n in dir(nn.Module) if not n.startswith("_") and identifier_problem(n, attribute=True) is None]
     assert not missing, missing
 
 
 def test_suggested_names_are_valid() -> None:
-    from meshllm_dsl.names import identifier_problem, safe_variant
+    from meshllm_dsl.front.names import identifier_problem, safe_variant
 
     for name in ("self", "params", "g_tensor", "forward", "__import__", "_modules", "x" * 300, "torch", "os"):
         for flags in ({"attribute": True}, {"module": True}, {}):
@@ -123,7 +123,7 @@ def test_suggested_names_are_valid() -> None:
 def test_layernorm_without_bias_reaches_the_model_description() -> None:
     """`layernorm(bias = false)` is honoured end to end: the stages and the reference model agree."""
     from meshllm_dsl.codegen.lower import model_description
-    from meshllm_dsl.runtime.reference import build_reference
+    from meshllm_dsl.runtime.model.reference import build_reference
 
     result = check_text(
         "mesh m { axes data = 1 }\n"

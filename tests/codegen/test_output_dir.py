@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from meshllm_dsl.cli import main
+from meshllm_dsl.cli.main import main
 from meshllm_dsl.runtime.outputs import MANIFEST, OutputError, write_generated
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -178,7 +178,7 @@ def test_read_only_directory_as_an_unprivileged_user() -> None:
     out.mkdir(mode=0o555)
     out.chmod(0o555)
     code = (
-        "import sys; from meshllm_dsl.cli import main; sys.exit(main(sys.argv[1:]))"
+        "import sys; from meshllm_dsl.cli.main import main; sys.exit(main(sys.argv[1:]))"
     )
     proc = subprocess.run(
         ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", code,

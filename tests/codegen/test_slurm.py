@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshllm_dsl.cli import main
+from meshllm_dsl.cli.main import main
 from meshllm_dsl.runtime.outputs import MANIFEST
 
 ROOT = Path(__file__).resolve().parents[2]

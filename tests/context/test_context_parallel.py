@@ -160,7 +160,7 @@ def test_context_parallel_plan_matches_unsharded_reference(name: str, pool: Any,
     pytest.importorskip("torch")
     from reference_jobs import compare_job
 
-    from meshllm_dsl.runtime.compare import TOLERANCE
+    from meshllm_dsl.runtime.jobs.compare import TOLERANCE
 
     path, n = _module(name, tmp_path)
     for rank, errs in enumerate(pool.run(compare_job, n, path)):
@@ -173,10 +173,10 @@ def test_context_parallel_plan_matches_unsharded_reference(name: str, pool: Any,
 def _generate_job(ctx: Any, path: str, prompt_len: int) -> list[list[int]]:
     import torch
 
-    from meshllm_dsl.runtime import context
-    from meshllm_dsl.runtime.generate import greedy_generate
-    from meshllm_dsl.runtime.reference import build_reference
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.model.generate import greedy_generate
+    from meshllm_dsl.runtime.model.reference import build_reference
+    from meshllm_dsl.runtime.parallel import context
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=5)
@@ -237,7 +237,7 @@ def test_context_parallel_plan_gives_transformers_logits_and_tokens(pool: Any, t
 
 
 def _report(axes: str, body: str, seq: int = 64, model: str = LLAMA) -> Any:
-    from meshllm_dsl.planner import analyze
+    from meshllm_dsl.planner.analyze import analyze
 
     result = check_text(_spec(axes, body, model=model, seq=seq), "t.mesh")
     assert result.ok, [d.message for d in result.diagnostics]
@@ -245,7 +245,7 @@ def _report(axes: str, body: str, seq: int = 64, model: str = LLAMA) -> Any:
 
 
 def test_planner_divides_activations_by_the_context_size_and_counts_the_kv_gathers() -> None:
-    from meshllm_dsl.planner import kv_gather_bytes_per_layer, report_text
+    from meshllm_dsl.planner.analyze import kv_gather_bytes_per_layer, report_text
 
     one = _report("cp = 1", "    layout { seq -> cp }")
     four = _report("cp = 4", "    layout { seq -> cp }")
@@ -335,8 +335,8 @@ def test_suggest_searches_context_sizes_for_long_sequences() -> None:
     """Llama 3 8B on 8 H100s with one sequence of 131,072 tokens: no batch to split, so the fastest
     plan that fits splits the sequence (context 4 x tensor 2 with sequence parallelism inside and
     `recompute = ops`); at 4,096 tokens no context-parallel plan is searched."""
-    from meshllm_dsl.devices import PROFILES
-    from meshllm_dsl.planner_suggest import candidates, suggest
+    from meshllm_dsl.parallel.devices import PROFILES
+    from meshllm_dsl.planner.suggest import candidates, suggest
 
     path = str(Path(__file__).resolve().parents[2] / "examples" / "llama3_8b_128k.mesh")
     res = suggest(path, "llama3_8b", devices=8, device=PROFILES["h100"], batch=1, seq=131072, top=1)
@@ -352,7 +352,7 @@ def test_suggest_searches_context_sizes_for_long_sequences() -> None:
 def test_suggest_writes_sequence_parallelism_inside_context_parallelism_as_one_entry() -> None:
     import attrs
 
-    from meshllm_dsl.planner_suggest import candidates, plan_text
+    from meshllm_dsl.planner.suggest import candidates, plan_text
 
     path = Path(__file__).resolve().parents[2] / "examples" / "llama3_8b_128k.mesh"
     src = path.read_text()
@@ -368,7 +368,7 @@ def test_suggest_writes_sequence_parallelism_inside_context_parallelism_as_one_e
 
 
 def test_explain_shows_the_sequence_split_over_the_context_axis() -> None:
-    from meshllm_dsl.explain import explain_text
+    from meshllm_dsl.views.explain import explain_text
 
     text = _spec("data = 2, cp = 2", "    layout { batch -> data, seq -> cp }")
     (plan,) = check_text(text, "t.mesh").plans.values()

@@ -8,7 +8,7 @@ from mesh_snippets import MEGATRON
 
 from meshllm_dsl.checker import check_file, check_text
 from meshllm_dsl.ir import Collective, PlanIR, StagePiece
-from meshllm_dsl.placements import Layout, Partial, Replicate, Shard
+from meshllm_dsl.parallel.placements import Layout, Partial, Replicate, Shard
 
 TP = Collective  # shorthand
 
@@ -64,7 +64,7 @@ def test_megatron_plan_placements_and_collectives() -> None:
 
 
 def test_sequence_parallel_plan_flows_and_explain() -> None:
-    from meshllm_dsl.explain import explain_json
+    from meshllm_dsl.views.explain import explain_json
 
     p = plan_of(tiny(MEGATRON + "    layout { seq -> tensor }\n    seq = 16"))
     assert p.roles.sequence == ("tensor",)
@@ -429,8 +429,8 @@ plan p on m for l {
 
 @pytest.mark.parametrize("region", ["none", "blocks", "attention"])
 def test_recompute_regions_check_format_and_reach_the_ir(region: str) -> None:
-    from meshllm_dsl.fmt import format_text
-    from meshllm_dsl.parser import parse
+    from meshllm_dsl.front.fmt import format_text
+    from meshllm_dsl.front.parser import parse
 
     src = RECOMPUTE_PLAN.replace("REGION", region)
     assert plan_of(src).recompute == region

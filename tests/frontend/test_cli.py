@@ -103,7 +103,7 @@ def test_check_does_not_import_torch() -> None:
     # `meshc check` must run on a laptop without torch: it must never import it, even when torch
     # is installed (it would also add ~2 s of start-up).
     code = (
-        "import sys; from meshllm_dsl.cli import main; rc = main(['check', 'examples/llama2_70b.mesh']); "
+        "import sys; from meshllm_dsl.cli.main import main; rc = main(['check', 'examples/llama2_70b.mesh']); "
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith(('torch.', 'numpy', 'jinja2'))); "
         "print('BAD', bad); sys.exit(rc)"
     )

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from helpers import EXAMPLES
 
-from meshllm_dsl import ast
 from meshllm_dsl.checker import check_text
-from meshllm_dsl.load import load
-from meshllm_dsl.resolve import Resolver, check_family
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.load import load
+from meshllm_dsl.front.resolve import Resolver, check_family
 
 BODY = """\
 family f(vocab, hidden, layers, heads, ffn, act = swiglu, use_bias = false) {{

@@ -7,7 +7,7 @@ from importlib.resources import files
 
 import pytest
 
-from meshllm_dsl.fmt import format_text
+from meshllm_dsl.front.fmt import format_text
 
 CASES = {
     "family parameters": """\

@@ -122,7 +122,7 @@ def _limits() -> None:  # runs in the child, before exec
 # (None with the traceback appended if it raised, SIGALRM past LIMIT_S included), as JSON on stdout.
 DRIVER = f"""
 import contextlib, io, json, os, signal, sys, traceback
-from meshllm_dsl.cli import main
+from meshllm_dsl.cli.main import main
 
 def past_the_limit(*_):
     raise TimeoutError("past {LIMIT_S} s")

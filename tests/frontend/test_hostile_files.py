@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from meshllm_dsl.checker import check_file
-from meshllm_dsl.cli import main
-from meshllm_dsl.source import MAX_SPEC_BYTES
+from meshllm_dsl.cli.main import main
+from meshllm_dsl.front.source import MAX_SPEC_BYTES
 
 ROOT = Path(__file__).resolve().parents[2]
 SPEC = (ROOT / "examples" / "tiny_llama.mesh").read_text()
@@ -192,7 +192,7 @@ def test_long_lines_and_long_spans_are_cut_around_the_caret(tmp_path: Path) -> N
 
 def test_a_span_over_many_lines_shows_its_first_and_last_lines() -> None:
     from meshllm_dsl.diagnostics import Diagnostic, render
-    from meshllm_dsl.source import SourceFile
+    from meshllm_dsl.front.source import SourceFile
 
     source = SourceFile("x.mesh", "".join(f"line {k}\n" for k in range(1, 21)))
     start = source.text.index("line 2")

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 
 from meshllm_dsl.checker import check_file, check_text
-from meshllm_dsl.cli import main
-from meshllm_dsl.limits import MAX_BLOCKS, MAX_INT
-from meshllm_dsl.load import load
-from meshllm_dsl.parser import parse_source
-from meshllm_dsl.source import SourceFile
+from meshllm_dsl.cli.main import main
+from meshllm_dsl.front.limits import MAX_BLOCKS, MAX_INT
+from meshllm_dsl.front.load import load
+from meshllm_dsl.front.parser import parse_source
+from meshllm_dsl.front.source import SourceFile
 
 # What transformers writes for tiny Llama and GPT-2 models (the fields import-hf reads).
 LLAMA: dict[str, Any] = {
@@ -390,7 +390,7 @@ def test_the_output_is_never_the_input_config(tmp_path: Path) -> None:
      {"rope_factor": 4.0, "rope_original_positions": 32, "rope_attention_factor": 1.5, "rope_theta": 500.0}),
 ], ids=["phi35", "su", "phi3-default-original", "llama-rope-parameters"])
 def test_longrope_imports_as_transformers_reads_it(tmp_path: Path, change: dict[str, Any], want: dict[str, Any]) -> None:
-    from meshllm_dsl.import_hf import model_settings
+    from meshllm_dsl.interop.import_hf import model_settings
 
     cfg = json.loads(_config(LLAMA, **change))
     family, settings, _ = model_settings(cfg, "config.json")

@@ -11,9 +11,9 @@ import pytest
 from helpers import ERRORS, meshc
 
 from meshllm_dsl.checker import check_text
-from meshllm_dsl.devices import group_crosses_hosts, hosts_needed
 from meshllm_dsl.ir import Axis, MeshIR
-from meshllm_dsl.planner import analyze
+from meshllm_dsl.parallel.devices import group_crosses_hosts, hosts_needed
+from meshllm_dsl.planner.analyze import analyze
 
 HOSTS_OMITTED = ERRORS / "W0708_hosts_omitted.mesh"
 TOO_MANY_PER_HOST = ERRORS / "E0312_more_devices_per_host_than_profile.mesh"

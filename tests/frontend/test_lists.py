@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from meshllm_dsl import ast
 from meshllm_dsl.checker import check_text
 from meshllm_dsl.diagnostics import SpecError
-from meshllm_dsl.fmt import format_text
-from meshllm_dsl.parser import parse
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.fmt import format_text
+from meshllm_dsl.front.parser import parse
 
 SHORT = "[1.0, 1_0, 2.5e-1, ffn / 64, 1.25, 1.5, 1.75, 2.0]"  # head_dim 16: 8 factors
 
@@ -86,7 +86,7 @@ def test_generated_code_carries_the_factors_as_float_literals() -> None:
 
 def test_the_tiny_twin_cuts_the_factors_to_its_head_dim(tmp_path: Path) -> None:
     from meshllm_dsl.checker import check_file
-    from meshllm_dsl.twin import HEAD_DIM, make_twin
+    from meshllm_dsl.verify.twin import HEAD_DIM, make_twin
 
     path = tmp_path / "phi.mesh"
     path.write_text(_spec())

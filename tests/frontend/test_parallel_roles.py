@@ -8,10 +8,10 @@ from helpers import EXAMPLES
 from mesh_snippets import MEGATRON
 
 from meshllm_dsl.checker import check_file, check_text
-from meshllm_dsl.devices import PROFILES
 from meshllm_dsl.ir import Axis, MeshIR
-from meshllm_dsl.planner import analyze, report_json
-from meshllm_dsl.roles import ParallelRoles
+from meshllm_dsl.parallel.devices import PROFILES
+from meshllm_dsl.parallel.roles import ParallelRoles
+from meshllm_dsl.planner.analyze import analyze, report_json
 
 R = ParallelRoles
 DATA_PIPE_TP = dict(pipeline="pipeline", batch=("data",), tensor=("tensor",), loss=("tensor",))

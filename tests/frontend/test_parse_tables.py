@@ -1,4 +1,4 @@
-"""The per-user cache of the parser's tables (meshllm_dsl.parse_tables): what is cached is what Lark
+"""The per-user cache of the parser's tables (meshllm_dsl.front.parse_tables): what is cached is what Lark
 builds, and a missing, stale, corrupt or unwritable cache never changes what is parsed."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import ROOT
 
-from meshllm_dsl import parse_tables
+from meshllm_dsl.front import parse_tables
 
 SPEC = "mesh m { axes a = 2 }\n"
 
@@ -134,9 +134,9 @@ def _meshc_check(tmp_path: Path, env: dict[str, str]) -> subprocess.CompletedPro
     spec = tmp_path / "s.mesh"
     spec.write_text(SPEC)
     code = (
-        "import sys; from meshllm_dsl.cli import main; rc = main(['check', sys.argv[1]]);"
+        "import sys; from meshllm_dsl.cli.main import main; rc = main(['check', sys.argv[1]]);"
         "print('lark imported' if 'lark' in sys.modules else 'no lark');"
-        "print('later stages imported' if 'meshllm_dsl.cli_compile' in sys.modules else 'front end only'); sys.exit(rc)"
+        "print('later stages imported' if 'meshllm_dsl.cli.compile' in sys.modules else 'front end only'); sys.exit(rc)"
     )
     full = {k: v for k, v in os.environ.items() if k != "MESHLLM_NO_CACHE"}
     return subprocess.run([sys.executable, "-c", code, str(spec)], cwd=ROOT, env={**full, **env},

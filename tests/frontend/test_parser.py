@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from meshllm_dsl import ast
 from meshllm_dsl.diagnostics import SpecError
-from meshllm_dsl.parser import parse
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.parser import parse
 
 FULL = """\
 include "shared.mesh"  # a trailing comment
@@ -238,6 +238,6 @@ def test_keywords_used_as_names_after_an_expression(src: str) -> None:
     module = parse(src)
     names = [s.name.value for s in module.items[0].settings]  # type: ignore[union-attr]
     assert names[-1] in ("zero", "axes")
-    from meshllm_dsl.fmt import format_text
+    from meshllm_dsl.front.fmt import format_text
 
     assert parse(format_text(src)) == module

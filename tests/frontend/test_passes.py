@@ -8,11 +8,11 @@ import attrs
 import pytest
 from helpers import ERRORS, EXAMPLES
 
-from meshllm_dsl import ast
 from meshllm_dsl.checker import check_file, check_text
 from meshllm_dsl.checker.passes import CLEAN_ONLY, PASSES, PassContext, PassResult, run_passes
 from meshllm_dsl.checker.paths import match_path
-from meshllm_dsl.load import load
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.load import load
 
 SPECS = [EXAMPLES / "llama2_70b.mesh", EXAMPLES / "gpt2_small.mesh", EXAMPLES / "tiny_llama_fsdp.mesh",
          ERRORS / "E0601_stages_do_not_cover_layers.mesh", ERRORS / "E0502_misspelt_path.mesh",

@@ -1,4 +1,4 @@
-"""Placements per mesh axis (meshllm_dsl/placements.py): layouts, parameter placements, and the
+"""Placements per mesh axis (meshllm_dsl/parallel/placements.py): layouts, parameter placements, and the
 placements torch would print for them."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from mesh_snippets import MEGATRON
 
 from meshllm_dsl.checker import check_text
 from meshllm_dsl.ir import Placement, Tensor, param_dims
-from meshllm_dsl.placements import (
+from meshllm_dsl.parallel.placements import (
     Layout,
     Partial,
     Replicate,
@@ -105,7 +105,7 @@ def test_reprs_are_torchs() -> None:
 
 
 def test_explain_text_prints_placements_in_mesh_order() -> None:
-    from meshllm_dsl.explain import explain_text
+    from meshllm_dsl.views.explain import explain_text
 
     text = explain_text(check_text(TWO_D.format(body=MEGATRON + "    layout { seq -> tensor }", zero=3)).plans["p"])
     assert "placements as DTensor's over (data, tensor))" in text
@@ -120,7 +120,7 @@ def test_explain_of_a_pipeline_only_mesh_prints_no_placements() -> None:
     from helpers import EXAMPLES
 
     from meshllm_dsl.checker import check_file
-    from meshllm_dsl.explain import explain_text
+    from meshllm_dsl.views.explain import explain_text
 
     (plan,) = check_file(EXAMPLES / "seed_pipeline_12.mesh").plans.values()
     text = explain_text(plan)

@@ -17,7 +17,8 @@ from meshllm_dsl.checker import check_file
 from meshllm_dsl.codegen.lower import model_description
 from meshllm_dsl.ir import Unit
 from meshllm_dsl.primitives import REGISTRY, Primitive, UnitKind, _registry
-from meshllm_dsl.runtime import hf, reference
+from meshllm_dsl.runtime.hf import weights as hf
+from meshllm_dsl.runtime.model import reference
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -13,7 +13,7 @@ import sys
 from helpers import ROOT
 
 from meshllm_dsl.progress import StatusLine
-from meshllm_dsl.verify import verify
+from meshllm_dsl.verify.equivalence import verify
 
 SUGGEST = [sys.executable, "-P", "-m", "meshllm_dsl", "suggest", "examples/tiny_llama.mesh", "--devices", "4",
            "--device", "cpu"]

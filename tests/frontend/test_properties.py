@@ -21,14 +21,14 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.lark import from_lark
 
-from meshllm_dsl import ast
 from meshllm_dsl.checker import check_text
 from meshllm_dsl.codes import CODES
 from meshllm_dsl.diagnostics import SpecError, render_all, to_json
-from meshllm_dsl.fmt import format_expr, format_text
-from meshllm_dsl.load import read_spec
-from meshllm_dsl.parser import _keyword_as_name, grammar, parse
-from meshllm_dsl.source import SourceFile
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.fmt import format_expr, format_text
+from meshllm_dsl.front.load import read_spec
+from meshllm_dsl.front.parser import _keyword_as_name, grammar, parse
+from meshllm_dsl.front.source import SourceFile
 
 # Fast by default (the whole front-end suite stays well under a minute on 2 cores); the `thorough`
 # profile (registered in tests/conftest.py, `pytest --hypothesis-profile=thorough`) runs 2000 each.
@@ -255,7 +255,7 @@ def test_examples_round_trip_through_fmt(path) -> None:  # type: ignore[no-untyp
 
 def _token_stream(lark_parser, text: str) -> tuple[list[tuple[object, ...]], str | None]:  # type: ignore[no-untyped-def]
     """Every token the parser's lexer hands the parser, and how the parse ended."""
-    from meshllm_dsl.parser import _lark_parser
+    from meshllm_dsl.front.parser import _lark_parser
 
     frontend = lark_parser.parser
     inner = frontend.lexer
@@ -282,7 +282,7 @@ def _token_stream(lark_parser, text: str) -> tuple[list[tuple[object, ...]], str
 
 
 def assert_same_tokens(text: str) -> None:
-    from meshllm_dsl.parser import _lark_parser
+    from meshllm_dsl.front.parser import _lark_parser
 
     fast = _token_stream(_lark_parser()[0], text)
     lark = _token_stream(grammar(), text)
@@ -312,7 +312,7 @@ def test_fast_lexer_matches_larks_on_every_example(path) -> None:  # type: ignor
 
 def _with_spans(node: object) -> object:
     """The AST as nested tuples that include every span (AST equality leaves spans out)."""
-    from meshllm_dsl.source import Span
+    from meshllm_dsl.front.source import Span
 
     if isinstance(node, Span):
         return ("span", node.start, node.end)
@@ -326,7 +326,7 @@ def _with_spans(node: object) -> object:
 
 def _both_parsers(text: str) -> tuple[object, object]:
     """What the fast path builds (or that it hands the file over), and what Lark's parser builds."""
-    from meshllm_dsl.parser import _HANDED_OVER, _fast_parser, _lark_parse
+    from meshllm_dsl.front.parser import _HANDED_OVER, _fast_parser, _lark_parse
 
     fast, builder = _fast_parser()
     assert fast is not None

@@ -8,7 +8,7 @@ import pytest
 from test_properties import assert_same_ast, assert_same_tokens
 
 from meshllm_dsl.checker import check_text
-from meshllm_dsl.fmt import format_text
+from meshllm_dsl.front.fmt import format_text
 
 SPEC = """mesh m {{
     axes data = 1
@@ -56,7 +56,7 @@ def test_every_where_it_means_nothing_is_a_located_error(setting: str, code: str
 
 def test_the_tiny_twin_keeps_enough_blocks_for_every_n() -> None:
     # The twin has 2 blocks per stage; `every 4` would then recompute none of them (E0409 in the twin).
-    from meshllm_dsl.twin import twin_values
+    from meshllm_dsl.verify.twin import twin_values
 
     text = SPEC.format(setting="recompute = ops every 4").replace("layers = 4", "layers = 32")
     (plan,) = check_text(text, "p.mesh").plans.values()

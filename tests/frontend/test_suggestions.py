@@ -10,7 +10,7 @@ from helpers import ERRORS, meshc
 
 from meshllm_dsl.checker import check_text
 from meshllm_dsl.diagnostics import Applicability, Diagnostic, Edit, Suggestion, replace
-from meshllm_dsl.source import SourceFile
+from meshllm_dsl.front.source import SourceFile
 
 # E0104 is about bytes on disk that are not UTF-8: no text edit is offered for it.
 ERROR_FILES = sorted(p for p in ERRORS.glob("*.mesh") if not p.name.startswith("E0104"))

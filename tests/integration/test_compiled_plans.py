@@ -21,9 +21,9 @@ from reference_jobs import compare_job  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
-from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool  # noqa: E402
-from meshllm_dsl.verify import load_generated  # noqa: E402
+from meshllm_dsl.runtime.jobs.compare import TOLERANCE  # noqa: E402
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool  # noqa: E402
+from meshllm_dsl.verify.equivalence import load_generated  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -139,7 +139,7 @@ def test_meshc_verify_reports_equal_for_a_bundled_plan() -> None:
 
 
 def _precision_job(ctx: RankContext, path: str) -> dict[str, Any]:
-    from meshllm_dsl.runtime.launch import synthetic_batch
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)

@@ -15,8 +15,8 @@ from reference_jobs import compare_job  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
-from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
-from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
+from meshllm_dsl.runtime.jobs.compare import TOLERANCE  # noqa: E402
+from meshllm_dsl.runtime.jobs.pool import WorkerPool  # noqa: E402
 
 LLAMA = "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64, dtype = fp32 }"
 
@@ -27,7 +27,7 @@ def _spec(axes: str, body: str) -> str:
 
 HSDP = "layout { batch -> replica * data }\n"
 # Master weights at ZeRO 0: bf16 products under autocast, fp32 master weights (the parameters), fp32
-# gradients, reduction and moments (runtime/amp.py); at ZeRO 1 the distributed optimizer (FSDP2 with
+# gradients, reduction and moments (runtime/train/amp.py); at ZeRO 1 the distributed optimizer (FSDP2 with
 # the master weights sharded). Compared in fp32 / fp64, where every dtype is the same; the bf16 run
 # itself is checked below.
 PRECISION = "precision { params = bf16, master = fp32 }\n"
@@ -50,7 +50,7 @@ CASES: dict[str, str] = {
         "pipeline = 2, tensor = 2", MEGATRON + "microbatches = 2\n recompute = blocks every 2\n stages over pipeline balanced"),
     "recompute_ops_every3_data2_zero3": _spec(
         "data = 2", "microbatches = 2\n recompute = ops every 3\n layout { batch -> data }\n optimizer adamw { zero 3 }"),
-    # ZeRO 1 with master weights is Megatron's distributed optimizer (FSDP2, runtime/fsdp.py): with
+    # ZeRO 1 with master weights is Megatron's distributed optimizer (FSDP2, runtime/parallel/fsdp.py): with
     # microbatches the gradients are accumulated whole and reduce-scattered once, at the last.
     "precision_zero1_data2_tensor2": _spec(
         "data = 2, tensor = 2", MEGATRON + "microbatches = 2\n layout { batch -> data }\n" + PRECISION
@@ -83,7 +83,7 @@ def test_plan_matches_unsharded_reference(name: str, pool: WorkerPool, tmp_path:
 
 
 def _hsdp_layout_job(ctx, path: str) -> dict[str, object]:  # type: ignore[no-untyped-def]
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
@@ -108,9 +108,9 @@ def test_hsdp_shards_over_the_zero_axes_and_replicates_over_the_rest(pool: Worke
 
 
 def _master_job(ctx, path: str) -> dict[str, object]:  # type: ignore[no-untyped-def]
-    from meshllm_dsl.runtime.fsdp import data_local
-    from meshllm_dsl.runtime.launch import synthetic_batch
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.parallel.fsdp import data_local
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)

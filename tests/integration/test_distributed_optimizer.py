@@ -1,5 +1,5 @@
 """ZeRO 1 with `precision { params = bf16, master = fp32 }`: Megatron's distributed optimizer, run by
-FSDP2 (runtime/fsdp.py), on gloo ranks of the shared pool, in bf16 as a plan trains.
+FSDP2 (runtime/parallel/fsdp.py), on gloo ranks of the shared pool, in bf16 as a plan trains.
 
 Sharding the fp32 master weights and moments over data changes no number: two data ranks end with
 the weights a single rank computes from the same microbatches in the same order (bit for bit: the
@@ -23,8 +23,8 @@ from mesh_snippets import MEGATRON  # noqa: E402 - after the torch skip
 
 from meshllm_dsl.checker import check_text  # noqa: E402 - after the torch skip
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402 - after the torch skip
-from meshllm_dsl.planner import analyze  # noqa: E402 - after the torch skip
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool  # noqa: E402 - after the torch skip
+from meshllm_dsl.planner.analyze import analyze  # noqa: E402 - after the torch skip
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool  # noqa: E402 - after the torch skip
 
 LLAMA = "model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, ffn = 64, dtype = bf16 }"
 STEPS = 3
@@ -45,10 +45,10 @@ def _compile(tmp_path: Path, name: str, data: int, microbatches: int, zero: int,
 
 
 def _train_job(ctx: RankContext, path: str) -> dict[str, Any]:
-    from meshllm_dsl.runtime.fsdp import data_local
-    from meshllm_dsl.runtime.launch import synthetic_batch
-    from meshllm_dsl.runtime.profile import CollectiveLog
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.parallel.fsdp import data_local
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.runtime.train.profile import CollectiveLog
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
@@ -74,7 +74,7 @@ def _train_job(ctx: RankContext, path: str) -> dict[str, Any]:
 
 
 def _build_job(ctx: RankContext, path: str) -> None:
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     program.build(ctx.mesh(program.axes), seed=0)
@@ -88,7 +88,7 @@ def test_sharded_master_weights_train_as_one_rank_does(pool: WorkerPool, tmp_pat
     # On ranks that have built an FSDP2 plan over one data rank and two tensor ranks before, as
     # the shared pool's have: FSDP2 then gave one rank's parameters equal but distinct data
     # meshes, the optimizer took them for two kinds and stepped unfused, and the weights differed
-    # in the last bits (runtime/program.py `_make_optimizer`).
+    # in the last bits (runtime/train/program.py `_make_optimizer`).
     _, other = _compile(tmp_path, "other", data=1, microbatches=1, zero=3, tensor=2)
     pool.run(_build_job, 2, other)
     got = pool.run(_train_job, 2, sharded)
@@ -112,7 +112,7 @@ def test_sharded_master_weights_train_as_one_rank_does(pool: WorkerPool, tmp_pat
 
 
 def _untrained_job(ctx: RankContext, path: str) -> dict[str, Any]:
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     return program.build(ctx.mesh(program.axes), seed=0).full_state_dict()

@@ -23,10 +23,10 @@ from hf_models import VOCAB, build_hf, spec  # noqa: E402
 from processes import run_module  # noqa: E402
 
 from meshllm_dsl.checker import check_declarations  # noqa: E402
-from meshllm_dsl.cli import main  # noqa: E402
-from meshllm_dsl.export import TARGETS, export_plan  # noqa: E402
-from meshllm_dsl.load import load  # noqa: E402
-from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
+from meshllm_dsl.cli.main import main  # noqa: E402
+from meshllm_dsl.front.load import load  # noqa: E402
+from meshllm_dsl.interop.export import TARGETS, export_plan  # noqa: E402
+from meshllm_dsl.runtime.jobs.pool import WorkerPool  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden_export"
 STEPS = 2
@@ -80,7 +80,7 @@ def dtensor_job(ctx: Any, module_path: str, hf_dir: str, tokens: Any, data_axis:
 
     import torch.distributed as dist
 
-    from meshllm_dsl.runtime.launch import synthetic_batch
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
 
     loaded = importlib.util.spec_from_file_location("exported_plan", module_path)
     mod = importlib.util.module_from_spec(loaded)  # type: ignore[arg-type]
@@ -111,8 +111,8 @@ def dtensor_job(ctx: Any, module_path: str, hf_dir: str, tokens: Any, data_axis:
 
 def meshc_job(ctx: Any, module_path: str, hf_dir: str) -> list[float]:
     """On every rank: what `meshc run --weights DIR --steps 2` computes (its program, its batches)."""
-    from meshllm_dsl.runtime.launch import synthetic_batch
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(module_path).PROGRAM
     built = program.build(ctx.mesh(program.axes), weights=hf_dir)
@@ -154,7 +154,7 @@ def test_export_matches_golden_and_is_deterministic(target: str, request: pytest
 
 
 def test_cli_targets_are_the_exporters() -> None:
-    from meshllm_dsl import cli_export
+    from meshllm_dsl.cli import export as cli_export
 
     assert cli_export.TARGETS == TARGETS
 

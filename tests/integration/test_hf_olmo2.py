@@ -24,8 +24,8 @@ from hf_models import build_hf, error_job, export_job, logits_job, reference_job
 from hf_models import compiled_module as _module  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
-from meshllm_dsl.import_hf import ImportError_, model_settings, spec_text  # noqa: E402
-from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
+from meshllm_dsl.interop.import_hf import ImportError_, model_settings, spec_text  # noqa: E402
+from meshllm_dsl.runtime.jobs.pool import WorkerPool  # noqa: E402
 
 N_NEW = 6
 
@@ -102,7 +102,7 @@ def test_sharded_plan_trains_like_the_unsharded_reference(pool: WorkerPool, tmp_
     """What `meshc verify` checks, on the pool: logits, gradients and parameters after AdamW steps
     of pipeline x tensor equal the unsharded reference (float64), post norms and whole-projection
     q / k norms included."""
-    from meshllm_dsl.runtime.compare import TOLERANCE
+    from meshllm_dsl.runtime.jobs.compare import TOLERANCE
 
     path, n = _module(spec("olmo2", "pipeline2_tensor2"), "olmo2", tmp_path)
     for rank, errs in enumerate(pool.run(reference_job, n, path)):
@@ -154,8 +154,8 @@ def test_norms_scale_in_fp32_before_the_cast_as_olmo2_does() -> None:
     bit for bit there (the fp32 tests above cannot tell them apart)."""
     from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
-    from meshllm_dsl.runtime.layers import RMSNorm
-    from meshllm_dsl.runtime.reference import _RMSNorm
+    from meshllm_dsl.runtime.model.layers import RMSNorm
+    from meshllm_dsl.runtime.model.reference import _RMSNorm
 
     gen = torch.Generator().manual_seed(0)
     x = (3 * torch.randn(4, 8, 32, generator=gen)).to(torch.bfloat16)
@@ -175,8 +175,8 @@ def test_tp_plan_export_refuses_splitting_the_whole_projection_norm() -> None:
     export refuses it (E1205) naming the layer, where `meshc compile` all-reduces the sum of squares."""
     from meshllm_dsl.checker import check_declarations
     from meshllm_dsl.diagnostics import SpecError
-    from meshllm_dsl.export import export_plan
-    from meshllm_dsl.load import load
+    from meshllm_dsl.front.load import load
+    from meshllm_dsl.interop.export import export_plan
 
     text = spec("olmo2", "tensor2")
     decls = load("olmo2.mesh", text)
@@ -200,7 +200,7 @@ def test_a_whole_projection_qk_norm_before_the_sublayers_has_no_config_json() ->
     """A llama block with qk_norm = full is no transformers architecture: exporting it is refused in
     one line pointing to the olmo2 family, never written as a LlamaForCausalLM that drops the norms."""
     from meshllm_dsl.codegen.lower import model_description
-    from meshllm_dsl.runtime.hf import WeightsError, hf_config
+    from meshllm_dsl.runtime.hf.weights import WeightsError, hf_config
 
     (plan,) = check_text(spec("llama_qk_full", "single"), "m.mesh").plans.values()
     with pytest.raises(WeightsError, match=r"qk_norm = full .* \(family olmo2\)"):

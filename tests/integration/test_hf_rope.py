@@ -23,7 +23,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from hf_models import ROPE_KINDS, build_hf, logits_job, own_config_export_job, spec  # noqa: E402
 from hf_models import compiled_module as _module  # noqa: E402
 
-from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
+from meshllm_dsl.runtime.jobs.pool import WorkerPool  # noqa: E402
 
 N_NEW = 6
 
@@ -70,7 +70,7 @@ def test_rope_scaling_gives_transformers_logits_and_tokens(
 def test_dynamic_rope_differs_from_plain_rope_past_the_trained_positions(models: dict[str, Path]) -> None:
     """The dynamic model's case above is not passing by accident: its 8 tokens are past its 6
     positions, where transformers' frequencies differ from unscaled rope's."""
-    from meshllm_dsl.runtime import rope
+    from meshllm_dsl.runtime.model import rope
 
     plain, _ = rope.inv_freq(8, 10000.0, None, 8)
     scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 6}
@@ -82,7 +82,7 @@ def test_dynamic_rope_differs_from_plain_rope_past_the_trained_positions(models:
 def test_import_hf_writes_the_rope_scaling_and_exports_it_back(
     kind: str, models: dict[str, Path], pool: WorkerPool, tmp_path: Path
 ) -> None:
-    from meshllm_dsl.cli import main
+    from meshllm_dsl.cli.main import main
 
     out = tmp_path / f"{kind}.mesh"
     assert main(["import-hf", str(models[kind]), "-o", str(out), "--devices", "2", "--batch", "4", "--seq", "8"]) == 0
@@ -106,7 +106,7 @@ def test_a_rope_type_meshllm_lacks_is_refused_naming_it(models: dict[str, Path],
     import contextlib
     import io
 
-    from meshllm_dsl.cli import main
+    from meshllm_dsl.cli.main import main
 
     d = tmp_path / "model"
     d.mkdir()
@@ -141,7 +141,7 @@ def longrope_job(ctx: Any, path: str, weights: str, short: Any, long: Any, n_new
     """On every rank: the plan built once from ``weights``; logits of both lengths, and greedy tokens
     from the short prompt's first row, whose decoding crosses the trained positions."""
     from meshllm_dsl.runtime import greedy_generate
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), weights=weights)
@@ -155,7 +155,7 @@ def test_longrope_switches_factors_where_transformers_does(phi3_longrope: Path) 
     runtime's frequencies switch between 6 and 7 positions."""
     from hf_models import LONGROPE_LONG, LONGROPE_SHORT
 
-    from meshllm_dsl.runtime import rope
+    from meshllm_dsl.runtime.model import rope
 
     _, long = _longrope_tokens()
     with torch.no_grad():
@@ -201,11 +201,11 @@ def test_import_hf_writes_longrope_and_exports_it_back(
     checkpoint (its config compared with the spec's longrope), its tiny twin is what `meshc verify`
     finds EQUAL, and exported with meshllm's own config.json it gives the same logits."""
     from meshllm_dsl.checker import check_file
-    from meshllm_dsl.cli import main
+    from meshllm_dsl.cli.main import main
     from meshllm_dsl.codegen.emit import render_plan
-    from meshllm_dsl.runtime.compare import TOLERANCE
-    from meshllm_dsl.twin import make_twin
-    from meshllm_dsl.verify import compare_job
+    from meshllm_dsl.runtime.jobs.compare import TOLERANCE
+    from meshllm_dsl.verify.equivalence import compare_job
+    from meshllm_dsl.verify.twin import make_twin
 
     out = tmp_path / "phi3.mesh"
     assert main(["import-hf", str(phi3_longrope), "-o", str(out), "--devices", "4", "--batch", "4", "--seq", "8"]) == 0
@@ -247,7 +247,7 @@ def test_weights_whose_longrope_differs_from_the_spec_are_refused_naming_the_fie
     trained length, the derived factor) with the spec's, and refuses bad factor lists in one line."""
     from meshllm_dsl.checker import check_text
     from meshllm_dsl.codegen.lower import model_description
-    from meshllm_dsl.runtime.hf import WeightsError, check_config
+    from meshllm_dsl.runtime.hf.weights import WeightsError, check_config
 
     (plan,) = check_text(spec(LONGROPE, "single"), "phi3.mesh").plans.values()
     model = model_description(plan)

@@ -21,8 +21,8 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from hf_models import build_hf, export_job, logits_job, reference_job, spec  # noqa: E402
 from hf_models import compiled_module as _module  # noqa: E402
 
-from meshllm_dsl.import_hf import spec_text  # noqa: E402
-from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
+from meshllm_dsl.interop.import_hf import spec_text  # noqa: E402
+from meshllm_dsl.runtime.jobs.pool import WorkerPool  # noqa: E402
 
 KINDS = ("mistral_window", "phi3_window", "gemma2", "gemma3")
 N_NEW = 6
@@ -94,7 +94,7 @@ def test_import_hf_spec_loads_the_weights(kind: str, models: dict[str, Any], poo
 def test_sharded_plan_trains_like_the_unsharded_reference(kind: str, pool: WorkerPool, tmp_path: Path) -> None:
     """What `meshc verify` checks, on the pool: logits, gradients and parameters after AdamW steps
     of pipeline x tensor equal the unsharded reference (float64), windows and soft-caps included."""
-    from meshllm_dsl.runtime.compare import TOLERANCE
+    from meshllm_dsl.runtime.jobs.compare import TOLERANCE
 
     path, n = _module(spec(kind, "pipeline2_tensor2"), kind, tmp_path)
     for rank, errs in enumerate(pool.run(reference_job, n, path)):

@@ -34,7 +34,7 @@ from processes import run_module  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
-from meshllm_dsl.runtime.pool import PoolError, WorkerPool  # noqa: E402
+from meshllm_dsl.runtime.jobs.pool import PoolError, WorkerPool  # noqa: E402
 
 PLANS = ("single", "tensor2", "pipeline2_tensor2", "data2_tensor2", "data2_tensor2_zero3")
 N_NEW = 6
@@ -272,7 +272,7 @@ def _import(directory: Path, out: Path, *extra: str) -> tuple[int, str]:
     import contextlib
     import io
 
-    from meshllm_dsl.cli import main
+    from meshllm_dsl.cli.main import main
 
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
@@ -405,7 +405,7 @@ def test_padded_vocab_exports_the_real_rows(models: dict[str, Any], pool: Worker
 
 
 def test_padded_vocab_plan_verifies_against_the_reference(tmp_path: Path) -> None:
-    from meshllm_dsl.verify import verify
+    from meshllm_dsl.verify.equivalence import verify
 
     path = tmp_path / "padded.mesh"
     path.write_text(spec("gpt2_padded", "tensor2"))
@@ -443,7 +443,7 @@ def test_tokenizer_prompt_text_in_and_out(models: dict[str, Any], tmp_path: Path
 
 
 def test_eval_reports_transformers_loss_on_held_out_text(models: dict[str, Any], tmp_path: Path) -> None:
-    from meshllm_dsl.runtime.tokens import Tokenizer, eval_batches
+    from meshllm_dsl.runtime.train.tokens import Tokenizer, eval_batches
 
     directory, hf = models["llama"]
     _tokenizer(tmp_path / "tok")
@@ -479,7 +479,7 @@ def test_new_family_features_train_like_the_unsharded_reference(
     q / k norms per head (their scale's gradient summed over the heads' ranks) and over the whole
     projection (the sum of squares all-reduced over the heads' ranks, both ways): logits, gradients
     and parameters after AdamW steps equal the unsharded reference."""
-    from meshllm_dsl.runtime.compare import TOLERANCE
+    from meshllm_dsl.runtime.jobs.compare import TOLERANCE
 
     path, n = _module(kind, plan, tmp_path)
     for rank, errs in enumerate(pool.run(reference_job, n, path)):
@@ -490,7 +490,8 @@ def test_new_family_features_train_like_the_unsharded_reference(
 def test_meshc_run_with_a_missing_tensor_exits_2_naming_it_before_launching(
     models: dict[str, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from meshllm_dsl import cli, cli_job
+    from meshllm_dsl.cli import job as cli_job
+    from meshllm_dsl.cli import main as cli
 
     def no_launch(*args: object, **kwargs: object) -> int:
         raise AssertionError("a rank was started")

@@ -23,8 +23,11 @@ pytest.importorskip("tokenizers")
 
 from hf_models import word_tokenizer  # noqa: E402
 
-from meshllm_dsl.cli import main  # noqa: E402
-from meshllm_dsl.runtime import launch, tokens  # noqa: E402
+from meshllm_dsl.cli.main import main  # noqa: E402
+from meshllm_dsl.runtime.train import (
+    launch,  # noqa: E402
+    tokens,  # noqa: E402
+)
 
 # vocab 64, 16 learned positions: small enough that every limit is easy to cross.
 SPEC = """

@@ -24,10 +24,10 @@ from hf_models import build_hf, export_job, spec, word_tokenizer  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
-from meshllm_dsl.runtime import hf  # noqa: E402
+from meshllm_dsl.runtime.hf import weights as hf  # noqa: E402
+from meshllm_dsl.runtime.jobs.pool import WorkerPool  # noqa: E402
 from meshllm_dsl.runtime.outputs import MANIFEST  # noqa: E402
-from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
-from meshllm_dsl.verify import load_generated  # noqa: E402
+from meshllm_dsl.verify.equivalence import load_generated  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -393,7 +393,8 @@ def test_export_writes_like_compile_and_copies_only_links_that_stay_inside(
 def test_meshc_run_refuses_an_export_onto_a_file_before_training(
     llama: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from meshllm_dsl import cli, cli_job
+    from meshllm_dsl.cli import job as cli_job
+    from meshllm_dsl.cli import main as cli
 
     def no_launch(*args: object, **kwargs: object) -> int:
         raise AssertionError("a rank was started")

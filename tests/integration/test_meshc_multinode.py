@@ -16,7 +16,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from meshllm_dsl import cli, cli_job  # noqa: E402
+from meshllm_dsl.cli import job as cli_job  # noqa: E402
+from meshllm_dsl.cli import main as cli  # noqa: E402
 
 # Tensor inside a node (ranks 0-1 and 2-3), data across the two nodes.
 SPEC = """

@@ -15,7 +15,8 @@ from processes import StderrReader
 
 pytest.importorskip("torch")
 
-from meshllm_dsl import cli, cli_job  # noqa: E402
+from meshllm_dsl.cli import job as cli_job  # noqa: E402
+from meshllm_dsl.cli import main as cli  # noqa: E402
 
 SPEC = """
 mesh two { axes pipeline = 2 }

@@ -19,9 +19,9 @@ from reference_jobs import compare_job  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
-from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool  # noqa: E402
-from meshllm_dsl.verify import load_generated  # noqa: E402
+from meshllm_dsl.runtime.jobs.compare import TOLERANCE  # noqa: E402
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool  # noqa: E402
+from meshllm_dsl.verify.equivalence import load_generated  # noqa: E402
 
 LLAMA = "model m = llama { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64, dtype = fp32 }"
 # GPT-2: learned positions (added, then the sum is split along the sequence), LayerNorm weights and
@@ -122,8 +122,8 @@ def test_sequence_parallel_plan_matches_unsharded_reference(name: str, pool: Wor
 
 
 def _generate_job(ctx: RankContext, path: str) -> list[list[int]]:
-    from meshllm_dsl.runtime.generate import greedy_generate
-    from meshllm_dsl.runtime.reference import build_reference
+    from meshllm_dsl.runtime.model.generate import greedy_generate
+    from meshllm_dsl.runtime.model.reference import build_reference
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=5)

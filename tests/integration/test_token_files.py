@@ -17,9 +17,9 @@ pytest.importorskip("tokenizers")
 from hf_models import word_tokenizer  # noqa: E402
 from processes import run_module  # noqa: E402
 
-from meshllm_dsl.cli import main  # noqa: E402
-from meshllm_dsl.runtime import launch  # noqa: E402
-from meshllm_dsl.runtime.tokens import (  # noqa: E402
+from meshllm_dsl.cli.main import main  # noqa: E402
+from meshllm_dsl.runtime.train import launch  # noqa: E402
+from meshllm_dsl.runtime.train.tokens import (  # noqa: E402
     DataError,
     Tokenizer,
     check_token_ids,

@@ -20,9 +20,9 @@ from mesh_snippets import MEGATRON  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
-from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
-from meshllm_dsl.runtime.program import lr_at  # noqa: E402
-from meshllm_dsl.verify import load_generated  # noqa: E402
+from meshllm_dsl.runtime.jobs.pool import WorkerPool  # noqa: E402
+from meshllm_dsl.runtime.train.program import lr_at  # noqa: E402
+from meshllm_dsl.verify.equivalence import load_generated  # noqa: E402
 
 LLAMA = "model m = llama { vocab = 32, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 32, dtype = fp32 }"
 GPT2 = "model m = gpt2 { vocab = 32, hidden = 32, layers = 2, heads = 4, positions = 16 }  # tied head (the family default)"
@@ -48,8 +48,8 @@ PLANS = {
 def _compare_job(ctx: Any, path: str, steps: int) -> tuple[dict[str, float], list[float]]:
     import torch
 
-    from meshllm_dsl.runtime.compare import compare_to_reference
-    from meshllm_dsl.runtime.program import Built
+    from meshllm_dsl.runtime.jobs.compare import compare_to_reference
+    from meshllm_dsl.runtime.train.program import Built
 
     program = load_generated(path).PROGRAM
     norms: list[float] = []

@@ -250,7 +250,7 @@ def test_symbols_and_formatting(client: Client, tmp_path: Path) -> None:
     u2 = client.open(tmp_path / "messy.mesh", messy)
     client.wait_diagnostics(u2)
     [edit] = client.request("textDocument/formatting", {"textDocument": {"uri": u2}, "options": {"tabSize": 4, "insertSpaces": True}})
-    from meshllm_dsl.fmt import format_text
+    from meshllm_dsl.front.fmt import format_text
 
     assert edit["newText"] == format_text(messy)
 
@@ -327,7 +327,7 @@ def test_two_hundred_incremental_edits_end_with_the_right_diagnostics(client: Cl
     # debounced: a burst of edits is analysed a few times, not 200 times
     assert client.diag_count[u] - published_before < 50
     # the server's text is the client's text: formatting returns an edit over exactly that text
-    from meshllm_dsl.fmt import format_text
+    from meshllm_dsl.front.fmt import format_text
 
     edits_back = client.request("textDocument/formatting", {"textDocument": {"uri": u}, "options": {"tabSize": 4, "insertSpaces": True}})
     assert (edits_back[0]["newText"] if edits_back else text) == format_text(text)
@@ -381,7 +381,7 @@ def test_columns_are_utf16_code_units(client: Client, tmp_path: Path) -> None:
 
 def test_the_server_imports_nothing_heavy() -> None:
     code = ("import sys, meshllm_dsl.lsp.server, meshllm_dsl.lsp.hover, meshllm_dsl.lsp.completion, "
-            "meshllm_dsl.lsp.actions, meshllm_dsl.planner, meshllm_dsl.explain, meshllm_dsl.devices; "
+            "meshllm_dsl.lsp.actions, meshllm_dsl.planner.analyze, meshllm_dsl.views.explain, meshllm_dsl.parallel.devices; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'jinja2')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -75,7 +75,7 @@ def test_every_keyword_of_mesh_lark_is_scoped_as_a_keyword() -> None:
 @pytest.mark.parametrize("path", FILES, ids=lambda p: p.name)
 def test_every_token_of_every_shipped_file_is_scoped(path: Path) -> None:
     """Lark's own lexer says what each token is; the TextMate grammar must agree on its class."""
-    from meshllm_dsl.parser import grammar
+    from meshllm_dsl.front.parser import grammar
 
     text = path.read_text(errors="replace")
     patterns = json.loads(GRAMMAR.read_text())["patterns"]

@@ -17,7 +17,7 @@ from reference_jobs import compare_job  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
-from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
+from meshllm_dsl.runtime.jobs.compare import TOLERANCE  # noqa: E402
 
 PLANS = {  # mesh axes, layout, other lines
     # the dense layers replicated, data-parallel; the experts split over data
@@ -133,7 +133,7 @@ def test_the_expert_rule_compiles_to_what_the_layout_entry_does(model: str, plan
     assert "expert(data)" in rule and "experts ->" not in rule
     (a,), (b,) = _checked(layout).plans.values(), _checked(rule).plans.values()
     assert render_plan(a, "ep.mesh", layout) == render_plan(b, "ep.mesh", layout)
-    from meshllm_dsl.fmt import format_text
+    from meshllm_dsl.front.fmt import format_text
 
     assert format_text(format_text(rule)) == format_text(rule) and "shard blocks.*.mlp expert(data)" in format_text(rule)
 
@@ -188,9 +188,9 @@ STEPS = 3
 
 
 def _bf16_job(ctx: Any, path: str) -> dict[str, Any]:
-    from meshllm_dsl.runtime.launch import synthetic_batch
-    from meshllm_dsl.runtime.program import optimizer_parts
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.runtime.train.program import optimizer_parts
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
@@ -228,9 +228,9 @@ def test_precision_treats_the_experts_as_the_dense_weights(zero: str, pool: Any,
 
 
 def _replica_bytes_job(ctx: Any, path: str) -> int:
-    from meshllm_dsl.runtime.launch import synthetic_batch
-    from meshllm_dsl.runtime.profile import CollectiveLog
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.runtime.train.profile import CollectiveLog
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
@@ -250,7 +250,7 @@ def test_hsdp_reduces_the_experts_over_their_replicas_in_the_reduce_dtype(pool: 
     (plan,) = _checked(text).plans.values()
     path = tmp_path / "hsdp.py"
     path.write_text(render_plan(plan, "hsdp.mesh", text))
-    from meshllm_dsl import planner
+    from meshllm_dsl.planner import analyze as planner
 
     planned = [c for c in planner.analyze(plan).ranks[0].comms if c.axis == "replica" and c.op == "all_reduce"]
     experts = 2 * 3 * 2 * 48 * 32  # layers x (gate, up, down) x local experts x ffn x hidden
@@ -262,9 +262,9 @@ def test_hsdp_reduces_the_experts_over_their_replicas_in_the_reduce_dtype(pool: 
 def _resume_job(ctx: Any, path: str, root: str, save_at: int | None, load: bool) -> tuple[list[float], Any]:
     """Build (from another seed when loading: the load must replace the weights), optionally resume
     from ``root``, train to step 4 (saving at ``save_at``); the losses and the final weights."""
-    from meshllm_dsl.runtime import checkpoint
-    from meshllm_dsl.runtime.launch import synthetic_batch
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.train import checkpoint
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=5 if load else 0)
@@ -306,7 +306,7 @@ def test_a_model_without_experts_has_nothing_to_split() -> None:
 
 
 def test_the_planner_counts_local_experts_and_the_all_to_alls() -> None:
-    from meshllm_dsl import planner
+    from meshllm_dsl.planner import analyze as planner
 
     (ep,) = _checked(ep_spec("mixtral", "ep2")).plans.values()
     (dp,) = _checked(ep_spec("mixtral", "ep2").replace(", experts -> data", "")).plans.values()

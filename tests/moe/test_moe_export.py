@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from meshllm_dsl.cli import main
+from meshllm_dsl.cli.main import main
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_mixtral.mesh"
 

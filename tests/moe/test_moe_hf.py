@@ -118,7 +118,7 @@ def test_a_checkpoint_with_other_experts_is_refused_in_one_line(models: Any, poo
 def test_import_hf_writes_a_spec_whose_weights_give_transformers_logits(model: str, models: Any, pool: Any,
                                                                         tmp_path: Path) -> None:
     from meshllm_dsl.checker import check_file
-    from meshllm_dsl.cli import main
+    from meshllm_dsl.cli.main import main
     from meshllm_dsl.codegen.emit import render_plan
 
     directory, hf = models[model]
@@ -140,7 +140,7 @@ def test_import_hf_writes_a_spec_whose_weights_give_transformers_logits(model: s
 def test_import_hf_refuses_dense_qwen2_moe_layers_by_name(models: Any, tmp_path: Path) -> None:
     import json
 
-    from meshllm_dsl.import_hf import ImportError_, model_settings
+    from meshllm_dsl.interop.import_hf import ImportError_, model_settings
 
     cfg = json.loads((models["qwen2_moe"][0] / "config.json").read_text())
     cfg["mlp_only_layers"] = [0]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshllm_dsl import planner
 from meshllm_dsl.checker import check_file, check_text
+from meshllm_dsl.planner import analyze as planner
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny_mixtral.mesh"
 
@@ -36,7 +36,7 @@ def test_flops_count_the_experts_a_token_uses_and_the_router() -> None:
 
 def test_pipeline_sends_carry_the_routing_statistics_of_the_router_losses() -> None:
     """With a router loss each pipeline transfer carries 2 E + 2 fp32 floats beside the activations
-    (runtime/program.py sends them on): counted in the pipeline's bytes, and nothing without one."""
+    (runtime/train/program.py sends them on): counted in the pipeline's bytes, and nothing without one."""
     base = ("mesh m { axes pipeline = 2 }\nmodel x = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, "
             "kv_heads = 2, ffn = 48, experts = 6, top_k = 2, dtype = fp32ROUTING }\nplan p on m for x {\n"
             "    batch = 8\n    seq = 8\n    microbatches = 4\n    stages over pipeline balanced\n}\n")

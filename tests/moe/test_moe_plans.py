@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 from moe_specs import MODELS, TP, compile_spec, layout_lines, plan_spec  # noqa: E402
 from reference_jobs import compare_job  # noqa: E402
 
-from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
+from meshllm_dsl.runtime.jobs.compare import TOLERANCE  # noqa: E402
 
 PLANS = {  # mesh axes, layout, other lines
     "single": ("one = 1", "", ""),

@@ -24,7 +24,7 @@ from reference_jobs import compare_job  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
-from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
+from meshllm_dsl.runtime.jobs.compare import TOLERANCE  # noqa: E402
 
 THOROUGH = settings.get_current_profile_name() == "thorough"
 N_PLANS = int(os.environ.get("MESHLLM_MOE_PLANS", "60" if THOROUGH else "4"))

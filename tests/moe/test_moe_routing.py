@@ -1,4 +1,4 @@
-"""Routing of the `moe` layer (runtime/moe_routing.py): the load-balancing loss and router z-loss
+"""Routing of the `moe` layer (runtime/moe/routing.py): the load-balancing loss and router z-loss
 added to the training loss, capacity dropping, and the checks on both.
 
 Against transformers: a tiny Mixtral with output_router_logits (its own forward's aux_loss and its
@@ -28,9 +28,9 @@ from test_moe_hf import build_moe  # noqa: E402
 from test_moe_plans import PLANS  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
-from meshllm_dsl.planner_moe import router_statistics_bytes as plan_statistics_bytes  # noqa: E402
-from meshllm_dsl.runtime import moe_routing  # noqa: E402
-from meshllm_dsl.runtime.compare import TOLERANCE  # noqa: E402
+from meshllm_dsl.planner.moe import router_statistics_bytes as plan_statistics_bytes  # noqa: E402
+from meshllm_dsl.runtime.jobs.compare import TOLERANCE  # noqa: E402
+from meshllm_dsl.runtime.moe import routing as moe_routing  # noqa: E402
 
 COEF, Z_COEF = 0.05, 0.01
 _PIPE_DATA = "    layout { batch -> data }\n    microbatches = 2\n    stages over pipeline "
@@ -109,7 +109,7 @@ def test_capacity_above_experts_over_top_k_is_refused() -> None:
 
 
 def hf_loss_job(ctx: Any, path: str, weights: str, tokens: Any, targets: Any) -> Any:
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), weights=weights)
@@ -166,7 +166,7 @@ def test_mixtral_router_loss_and_gradients_match_transformers(pool: Any, tmp_pat
                        ("embed.weight", "model.embed_tokens.weight")]:
         torch.testing.assert_close(grads[name], hp[ours].grad, rtol=0, atol=1e-5)
     # import-hf reads the coefficient (transformers adds it only with output_router_logits) ...
-    from meshllm_dsl.import_hf import model_settings
+    from meshllm_dsl.interop.import_hf import model_settings
 
     cfg = json.loads((directory / "config.json").read_text())
     assert ("aux_loss_coef", COEF) in [(name, v) for name, v, _ in model_settings(cfg, "config.json")[1]]
@@ -242,8 +242,8 @@ class _Seen:
 
 def bf16_step_job(ctx: Any, paths: list[str]) -> Any:
     """Per module: one bf16 training step's loss, every gradient, and the statistics the router losses saw."""
-    from meshllm_dsl.runtime.compare import reference_batches
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.jobs.compare import reference_batches
+    from meshllm_dsl.verify.equivalence import load_generated
 
     out = []
     for path in paths:
@@ -299,10 +299,10 @@ def test_router_losses_with_pipeline_stages_under_precision_match_the_plan_witho
 
 def profile_counts_job(ctx: Any, path: str, out: str) -> Any:
     """profile_train's routing report, and the unsharded reference's own routing of the warm-up batch."""
-    from meshllm_dsl.runtime.launch import synthetic_batch
-    from meshllm_dsl.runtime.profile import profile_train
-    from meshllm_dsl.runtime.reference import build_reference
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.model.reference import build_reference
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.runtime.train.profile import profile_train
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
@@ -315,7 +315,7 @@ def profile_counts_job(ctx: Any, path: str, out: str) -> Any:
 
 def test_profile_counts_tokens_per_expert_per_layer(pool: Any, tmp_path: Path) -> None:
     from meshllm_dsl.checker import check_text
-    from meshllm_dsl.profile_report import compare, read_ranks, report_text
+    from meshllm_dsl.views.profile_report import compare, read_ranks, report_text
 
     # recompute = blocks: the blocks' forwards run again in backward; those routings are not counted
     text = _spec("mixtral", "tensor2", "capacity = 1.0", "    recompute = blocks\n")
@@ -352,8 +352,8 @@ def test_expert_parallel_with_capacity_and_router_losses_equals_the_reference(po
 def test_export_config_carries_the_aux_coefficient_and_refuses_a_capacity(tmp_path: Path) -> None:
     """--export-hf's config.json: transformers' fields for the load-balancing loss; a capacity factor
     (transformers' MoE models are dropless) is refused in one line."""
-    from meshllm_dsl.runtime.hf import WeightsError, hf_config
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.hf.weights import WeightsError, hf_config
+    from meshllm_dsl.verify.equivalence import load_generated
 
     path, _ = _compiled(_spec("mixtral", "single", f"aux_loss_coef = {COEF}"), "export_aux", tmp_path)
     cfg = hf_config(load_generated(path).PROGRAM.model, torch.float32)

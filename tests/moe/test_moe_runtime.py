@@ -1,4 +1,4 @@
-"""runtime/moe.py against transformers' own MoE blocks and load-balancing loss, in process."""
+"""runtime/moe/experts.py against transformers' own MoE blocks and load-balancing loss, in process."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from transformers.models.mixtral.modeling_mixtral import (
 )
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
 
-from meshllm_dsl.runtime import moe
+from meshllm_dsl.runtime.moe import experts as moe
 
 H, F, E, K = 16, 24, 6, 2
 

@@ -1,4 +1,4 @@
-"""The planner's mixture-of-experts model (meshllm_dsl/planner_moe.py): active parameters, routed
+"""The planner's mixture-of-experts model (meshllm_dsl/planner/moe.py): active parameters, routed
 pairs at capacity, and `skew = F` per expert-parallel rank, with the checker's range checks."""
 
 from __future__ import annotations
@@ -9,8 +9,9 @@ from pathlib import Path
 import attrs
 import pytest
 
-from meshllm_dsl import planner, planner_moe
 from meshllm_dsl.checker import check_file, check_text
+from meshllm_dsl.planner import analyze as planner
+from meshllm_dsl.planner import moe as planner_moe
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -119,11 +120,11 @@ def test_skew_with_expert_parallel_ranks_warns_by_how_much() -> None:
 
 
 def dispatch_rows_job(ctx, choices: list[list[int]]) -> list[int]:  # type: ignore[no-untyped-def]
-    """Rows the dispatch and the combine all-to-all of runtime/moe_dispatch.py bring this rank from
+    """Rows the dispatch and the combine all-to-all of runtime/moe/dispatch.py bring this rank from
     the other rank of a group of 2 (experts 0-1 on rank 0, 2-3 on rank 1), each routing `choices` [T, k]."""
     import torch
 
-    from meshllm_dsl.runtime import moe_dispatch
+    from meshllm_dsl.runtime.moe import dispatch as moe_dispatch
 
     group = ctx.mesh((("data", 2),)).group("data")
     received: list[int] = []

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from meshllm_dsl.calibrate import _host_costs, calibration_specs
 from meshllm_dsl.checker import check_text
-from meshllm_dsl.cli_plan import load_checked
-from meshllm_dsl.planner import analyze, resolve_device
+from meshllm_dsl.cli.plan import load_checked
+from meshllm_dsl.planner.analyze import analyze, resolve_device
+from meshllm_dsl.planner.calibrate import _host_costs, calibration_specs
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from meshllm_dsl.cli_plan import load_checked
-from meshllm_dsl.devices import PROFILES
-from meshllm_dsl.planner import analyze, resolve_device
-from meshllm_dsl.profile_report import UNCALIBRATED, compare, report_text
+from meshllm_dsl.cli.plan import load_checked
+from meshllm_dsl.parallel.devices import PROFILES
+from meshllm_dsl.planner.analyze import analyze, resolve_device
+from meshllm_dsl.views.profile_report import UNCALIBRATED, compare, report_text
 
 SPEC = """
 device calibrated {
@@ -66,7 +66,7 @@ def test_calibrated_settings_stay_optional(tmp_path: Path) -> None:
 ROOT = Path(__file__).parents[2]
 
 # `meshc run EXAMPLE --profile` step times (rank 0's timed step), recorded as data: the built-in
-# profile's defaults (meshllm_dsl.devices.CPU_DEFAULTS) come from the same machine and day.
+# profile's defaults (meshllm_dsl.parallel.devices.CPU_DEFAULTS) come from the same machine and day.
 CPU_MEASURED = {
     "machine": "project build machine: 2 cores of an AMD EPYC, Debian 12, torch 2.13 CPU, gloo; shared (load average ~9)",
     "date": "2026-12-01",

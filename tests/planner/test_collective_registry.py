@@ -1,4 +1,4 @@
-"""The collective registry (meshllm_dsl/collectives.py): complete, in step with the runtime's export
+"""The collective registry (meshllm_dsl/parallel/collectives.py): complete, in step with the runtime's export
 list, and covering every operator a plan lowers to (a merge once broke `meshc plan` with a KeyError
 on sequence-parallel plans: one op table lacked an op the layouts emitted)."""
 
@@ -14,11 +14,11 @@ import pytest
 from mesh_snippets import MEGATRON
 
 import meshllm_dsl.runtime as rt
-from meshllm_dsl import explain
 from meshllm_dsl.checker import check_file, check_text
 from meshllm_dsl.codegen.emit import render_plan
 from meshllm_dsl.codegen.lower import _collective_line, _UnitWriter
-from meshllm_dsl.collectives import (
+from meshllm_dsl.ir import Collective, PlanIR, Repeat
+from meshllm_dsl.parallel.collectives import (
     _SPECS,
     COLLECTIVES,
     _registry,
@@ -27,9 +27,9 @@ from meshllm_dsl.collectives import (
     runtime_functions,
     spec,
 )
-from meshllm_dsl.devices import PROFILES
-from meshllm_dsl.ir import Collective, PlanIR, Repeat
-from meshllm_dsl.planner import analyze, report_json
+from meshllm_dsl.parallel.devices import PROFILES
+from meshllm_dsl.planner.analyze import analyze, report_json
+from meshllm_dsl.views import explain
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = "model m = llama { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64, dtype = fp32 }"
@@ -100,7 +100,7 @@ def test_registry_and_runtime_export_list_agree() -> None:
 
 def test_registered_calls_bind_to_the_runtime_functions() -> None:
     pytest.importorskip("torch")
-    from meshllm_dsl.runtime import collectives as rc
+    from meshllm_dsl.runtime.parallel import collectives as rc
 
     for s in COLLECTIVES.values():
         if s.issued == "unit":  # the primitive's own runtime function, in its own module
@@ -121,8 +121,8 @@ def test_registered_calls_bind_to_the_runtime_functions() -> None:
 def test_the_runtime_does_not_import_the_registry() -> None:
     # Generated code imports meshllm_dsl.runtime: its package and its collectives stay free of the
     # compiler, and no runtime module reads the compiler's collective tables.
-    compiler = ("meshllm_dsl.collectives", "meshllm_dsl.layouts", "meshllm_dsl.planner", "meshllm_dsl.ir",
-                "meshllm_dsl.codegen", "meshllm_dsl.explain")
+    compiler = ("meshllm_dsl.parallel.collectives", "meshllm_dsl.parallel.layouts", "meshllm_dsl.planner.analyze", "meshllm_dsl.ir",
+                "meshllm_dsl.codegen", "meshllm_dsl.views.explain")
     for path in sorted((ROOT / "runtime").glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             names = ([a.name for a in node.names] if isinstance(node, ast.Import)
@@ -198,5 +198,5 @@ def test_an_op_without_a_record_is_refused_when_the_registry_is_built() -> None:
         _registry((*_SPECS[1:], attrs.evolve(_SPECS[0], op="copy_too")))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="unregistered ops under sequence parallelism"):
         _registry((attrs.evolve(_SPECS[0], under_seq="gather_sq"), *_SPECS[1:]))  # type: ignore[arg-type]
-    with pytest.raises(KeyError, match="has no record in meshllm_dsl/collectives.py"):
+    with pytest.raises(KeyError, match="has no record in meshllm_dsl/parallel/collectives.py"):
         spec("copy_too")

@@ -4,7 +4,7 @@ traffic FSDP2's 2-D mesh moves (reduce-scatter within a shard group, all-reduce 
 from __future__ import annotations
 
 from meshllm_dsl.checker import check_text
-from meshllm_dsl.planner import analyze
+from meshllm_dsl.planner.analyze import analyze
 
 MODEL = ("model m = llama { vocab = 32000, hidden = 4096, layers = 8, heads = 32, kv_heads = 8, ffn = 11008,"
          " dtype = bf16 }")
@@ -49,7 +49,7 @@ def test_master_weights_at_zero_1_are_sharded_as_megatrons_distributed_optimizer
     assert (plan.dtype, plan.master_dtype, plan.reduce_dtype) == ("bf16", "fp32", "fp32")
     (r,) = analyze(plan).ranks
     numel, part = plan.model.numel, -(-plan.model.numel // 4)
-    # runtime/fsdp.py: fp32 master weights, their gradients and moments sharded over 4 ranks; the
+    # runtime/parallel/fsdp.py: fp32 master weights, their gradients and moments sharded over 4 ranks; the
     # bf16 compute copy whole from the step's first forward to its last backward; without
     # microbatches no gradient is accumulated whole.
     assert (r.weight_bytes, r.grad_bytes, r.optimizer_bytes) == (4 * part, 4 * part, 8 * part)
@@ -80,7 +80,7 @@ def test_master_weights_at_zero_1_are_sharded_as_megatrons_distributed_optimizer
 
 
 def test_suggest_writes_fp32_master_weights_at_zero_0_and_1() -> None:
-    from meshllm_dsl.planner_suggest import Candidate, candidates, plan_text
+    from meshllm_dsl.planner.suggest import Candidate, candidates, plan_text
 
     model = check_text(MODEL + "\n", "m.mesh").models["m"]
     # Both are searched at ZeRO 0 / 1: pure bf16 (half the state) and bf16 with fp32 master weights.
@@ -97,7 +97,7 @@ def test_suggest_writes_fp32_master_weights_at_zero_0_and_1() -> None:
 
 
 def test_suggest_searches_hsdp_sharded_within_a_host() -> None:
-    from meshllm_dsl.planner_suggest import candidates, plan_text
+    from meshllm_dsl.planner.suggest import candidates, plan_text
 
     model = check_text(MODEL + "\n", "m.mesh").models["m"]
     hsdp = [c for c in candidates(model, 16, 64, 8) if c.zero_shard]
@@ -119,7 +119,7 @@ def test_suggest_estimates_each_variant_as_its_checked_text() -> None:
     `recompute = blocks every 2` / `ops` must be estimated as checking their own text gives."""
     import attrs
 
-    from meshllm_dsl.planner_suggest import Candidate, plan_text, variant
+    from meshllm_dsl.planner.suggest import Candidate, plan_text, variant
 
     model = check_text(MODEL + "\n", "m.mesh").models["m"]
     first = Candidate(data=16, pipeline=1, tensor=1, microbatches=1, schedule="none", virtual=1, zero=0, hosts=2,

@@ -7,8 +7,8 @@ import attrs
 import pytest
 
 from meshllm_dsl.checker import check_text
-from meshllm_dsl.devices import PROFILES
-from meshllm_dsl.planner import ELEMENTWISE_PASSES, _link, analyze, matmul_seconds
+from meshllm_dsl.parallel.devices import PROFILES
+from meshllm_dsl.planner.analyze import ELEMENTWISE_PASSES, _link, analyze, matmul_seconds
 from meshllm_dsl.primitives import Matmul
 
 EMBED_ALONE = """

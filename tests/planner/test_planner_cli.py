@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from meshllm_dsl.checker import check_text
-from meshllm_dsl.cli import main
-from meshllm_dsl.devices import PROFILES
-from meshllm_dsl.planner_suggest import _prelude_text, candidates, suggest
+from meshllm_dsl.cli.main import main
+from meshllm_dsl.parallel.devices import PROFILES
+from meshllm_dsl.planner.suggest import _prelude_text, candidates, suggest
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -197,8 +197,8 @@ def test_suggest_nothing_fits(capsys: pytest.CaptureFixture[str]) -> None:
 def test_planner_does_not_import_torch() -> None:
     import subprocess
 
-    code = ("import sys, meshllm_dsl.cli_plan, meshllm_dsl.planner, meshllm_dsl.planner_suggest, "
-            "meshllm_dsl.explain, meshllm_dsl.svg; from meshllm_dsl.cli import main; "
+    code = ("import sys, meshllm_dsl.cli.plan, meshllm_dsl.planner.analyze, meshllm_dsl.planner.suggest, "
+            "meshllm_dsl.views.explain, meshllm_dsl.views.svg; from meshllm_dsl.cli.main import main; "
             f"main(['plan', {str(EXAMPLES / 'tiny_llama.mesh')!r}]); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
 
@@ -268,7 +268,7 @@ def test_commands_act_on_the_plans_of_the_file_not_of_its_includes(
     # llama2_70b_train.mesh includes llama2_70b.mesh and its plan `train`, which sorts before the
     # file's own `train_64`: planning the file showed `train` (which does not fit) first, and
     # `meshc run` / `verify` without --plan took it.
-    from meshllm_dsl.cli_compile import _checked
+    from meshllm_dsl.cli.compile import _checked
 
     path = str(EXAMPLES / "llama2_70b_train.mesh")
     code, out, _ = run(["plan", path, "--format", "json"], capsys)

@@ -8,9 +8,9 @@ import attrs
 import pytest
 
 from meshllm_dsl.checker import check_file, check_text
-from meshllm_dsl.devices import PROFILES
 from meshllm_dsl.ir import PlanIR
-from meshllm_dsl.planner import (
+from meshllm_dsl.parallel.devices import PROFILES
+from meshllm_dsl.planner.analyze import (
     analyze,
     bubble_fraction,
     kv_bytes_per_token,
@@ -19,8 +19,8 @@ from meshllm_dsl.planner import (
     report_text,
     zero_per_device,
 )
-from meshllm_dsl.schedule_order import rank_moments
-from meshllm_dsl.svg import simulated_idle
+from meshllm_dsl.planner.schedule import rank_moments
+from meshllm_dsl.views.svg import simulated_idle
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -284,7 +284,7 @@ def test_texts_name_only_what_the_plan_has() -> None:
     """W0803's help names the collectives the step has (a data-parallel plan is not told to use fewer
     tensor-parallel devices), and parameters ZeRO 3 shards are not called whole copies."""
     from meshllm_dsl.checker import check_text
-    from meshllm_dsl.planner import report_text
+    from meshllm_dsl.planner.analyze import report_text
 
     text = """
 mesh dp {

@@ -18,10 +18,10 @@ from reference_jobs import memory_job, profile_job  # noqa: E402 - after the tor
 
 from meshllm_dsl.checker import check_text  # noqa: E402 - after the torch skip
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402 - after the torch skip
-from meshllm_dsl.placements import runs_fsdp  # noqa: E402 - after the torch skip
-from meshllm_dsl.planner import analyze  # noqa: E402 - after the torch skip
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool  # noqa: E402 - after the torch skip
-from meshllm_dsl.runtime.program import optimizer_parts  # noqa: E402 - after the torch skip
+from meshllm_dsl.parallel.placements import runs_fsdp  # noqa: E402 - after the torch skip
+from meshllm_dsl.planner.analyze import analyze  # noqa: E402 - after the torch skip
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool  # noqa: E402 - after the torch skip
+from meshllm_dsl.runtime.train.program import optimizer_parts  # noqa: E402 - after the torch skip
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -157,8 +157,8 @@ plan p on m for g {
 
 
 def _job(ctx: RankContext, path: str) -> dict[str, int]:
-    from meshllm_dsl.runtime.fsdp import data_local
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.parallel.fsdp import data_local
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)
@@ -254,7 +254,7 @@ plan p on m for l {
 
 
 # ZeRO 1 with master weights, no pipeline: the runtime's own microbatch loop keeps every unit gathered
-# and accumulates whole fp32 gradients until the last backward (runtime/fsdp.py's defers_grad_sync).
+# and accumulates whole fp32 gradients until the last backward (runtime/parallel/fsdp.py's defers_grad_sync).
 ZERO1_MASTER = """
 mesh m { axes data = 2 }
 model l = llama { vocab = 256, hidden = 256, layers = 8, heads = 4, kv_heads = 2, ffn = 512, dtype = bf16 }

@@ -27,8 +27,14 @@ from pathlib import Path
 
 import pytest
 
-from meshllm_dsl.cli_plan import load_checked
-from meshllm_dsl.planner import GIB, PlanReport, analyze, model_flops_per_token, resolve_device
+from meshllm_dsl.cli.plan import load_checked
+from meshllm_dsl.planner.analyze import (
+    GIB,
+    PlanReport,
+    analyze,
+    model_flops_per_token,
+    resolve_device,
+)
 
 HERE = Path(__file__).resolve().parent / "published"
 

@@ -14,8 +14,8 @@ from test_recompute_memory import LLAMA, SHAPES, _job  # noqa: E402 - the same p
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
-from meshllm_dsl.planner import analyze  # noqa: E402
-from meshllm_dsl.runtime.pool import WorkerPool  # noqa: E402
+from meshllm_dsl.planner.analyze import analyze  # noqa: E402
+from meshllm_dsl.runtime.jobs.pool import WorkerPool  # noqa: E402
 
 MODES = ("none", "ops", "blocks every 2", "ops every 2", "blocks")
 
@@ -56,7 +56,7 @@ def test_selective_op_keeps_the_odd_products_as_torchtitan_does() -> None:
     # counts as a product like aten.mm. Gradients equal the plain function's.
     import torch.nn.functional as F
 
-    from meshllm_dsl.runtime import remat
+    from meshllm_dsl.runtime.train import remat
 
     gen = torch.Generator().manual_seed(0)
     widths = (3, 5, 7, 11, 13)

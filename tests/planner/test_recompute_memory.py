@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 
 from meshllm_dsl.checker import check_text  # noqa: E402 - after the torch skip
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402 - after the torch skip
-from meshllm_dsl.planner import analyze  # noqa: E402 - after the torch skip
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool  # noqa: E402 - after the torch skip
+from meshllm_dsl.planner.analyze import analyze  # noqa: E402 - after the torch skip
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool  # noqa: E402 - after the torch skip
 
 LLAMA = """
 mesh m {{ axes {axes} }}
@@ -46,8 +46,8 @@ MODES = ("none", "blocks", "attention")
 
 
 def _job(ctx: RankContext, path: str, m: int) -> int:
-    from meshllm_dsl.runtime.profile import saved_bytes
-    from meshllm_dsl.verify import load_generated
+    from meshllm_dsl.runtime.train.profile import saved_bytes
+    from meshllm_dsl.verify.equivalence import load_generated
 
     program = load_generated(path).PROGRAM
     built = program.build(ctx.mesh(program.axes), seed=0)

@@ -1,4 +1,4 @@
-"""meshllm_dsl.schedule_order against torch's own pipeline schedules: the same action order (torch's
+"""meshllm_dsl.planner.schedule against torch's own pipeline schedules: the same action order (torch's
 schedule code run without a process group) and the same microbatches held per virtual stage
 (forwards minus backwards counted on real gloo ranks running the real schedule)."""
 
@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from meshllm_dsl.planner import bubble_fraction
-from meshllm_dsl.schedule_order import rank_order, schedule_cost
+from meshllm_dsl.planner.analyze import bubble_fraction
+from meshllm_dsl.planner.schedule import rank_order, schedule_cost
 
 torch = pytest.importorskip("torch")
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
@@ -156,7 +156,7 @@ def test_planner_activations_are_held_counts_times_each_chunks_bytes() -> None:
     from pathlib import Path
 
     from meshllm_dsl.checker import check_file
-    from meshllm_dsl.planner import analyze
+    from meshllm_dsl.planner.analyze import analyze
 
     result = check_file(Path(__file__).parents[2] / "examples" / "llama2_70b_train.mesh")
     rep = analyze(result.plans["train_64"])  # pipeline 2 x virtual 2, 32 microbatches, ZeRO-3
@@ -172,7 +172,7 @@ def test_planner_activations_are_held_counts_times_each_chunks_bytes() -> None:
 
 def test_interleaved_plan_prints_the_orders_bubble_and_the_closed_form() -> None:
     from meshllm_dsl.checker import check_text
-    from meshllm_dsl.planner import analyze, report_text
+    from meshllm_dsl.planner.analyze import analyze, report_text
 
     result = check_text("""
 mesh m {
@@ -199,7 +199,7 @@ plan p on m for l {
 
 
 def test_fsdp_stage_actions_are_torchs_interleaved_rounds() -> None:
-    from meshllm_dsl.planner import stage_actions
+    from meshllm_dsl.planner.analyze import stage_actions
 
     # What FSDP2's gathers are counted over. Pipeline 2 x virtual 2, 4 microbatches: stage 2 (rank
     # 0's second chunk) runs a round of two forwards, then their backwards; 1F1B over the 4 virtual
@@ -238,7 +238,7 @@ def test_405b_like_plan_holds_torchs_counts_and_as_many_blocks_either_schedule()
     # every forward before its first backward: 8 microbatches of each chunk, 16 x 8 blocks, as many
     # as 1F1B's 8 x 16. So the activations in flight do not make interleaving lighter at m = p.
     from meshllm_dsl.checker import check_text
-    from meshllm_dsl.planner import analyze
+    from meshllm_dsl.planner.analyze import analyze
 
     p, v, m = 8, 2, 8
     sched = schedules.ScheduleInterleaved1F1B.__new__(schedules.ScheduleInterleaved1F1B)

@@ -7,9 +7,9 @@ from html import escape
 import pytest
 
 from meshllm_dsl.checker import check_text
-from meshllm_dsl.planner import analyze
-from meshllm_dsl.schedule_order import rank_order, schedule_cost
-from meshllm_dsl.svg import schedule_svg, simulate
+from meshllm_dsl.planner.analyze import analyze
+from meshllm_dsl.planner.schedule import rank_order, schedule_cost
+from meshllm_dsl.views.svg import schedule_svg, simulate
 
 INTERLEAVED = """
 mesh m { axes pipeline = 4 }

@@ -12,11 +12,11 @@ from pathlib import Path
 import attrs
 import pytest
 
-from meshllm_dsl import planner_suggest
-from meshllm_dsl.cli import main
-from meshllm_dsl.devices import PROFILES
-from meshllm_dsl.planner import PlanReport
-from meshllm_dsl.planner_suggest import (
+from meshllm_dsl.cli.main import main
+from meshllm_dsl.parallel.devices import PROFILES
+from meshllm_dsl.planner import suggest as planner_suggest
+from meshllm_dsl.planner.analyze import PlanReport
+from meshllm_dsl.planner.suggest import (
     DEFAULT_HEADROOM,
     bubble_scale,
     compute_floor_s,
@@ -164,7 +164,7 @@ def test_status_line_counts_candidates_and_shows_the_best_so_far() -> None:
 
 def test_bubble_bound_is_the_schedules_own_bubble() -> None:
     """bubble_scale is the planner's own bubble for the schedules whose closed form it uses."""
-    from meshllm_dsl.schedule_order import schedule_cost
+    from meshllm_dsl.planner.schedule import schedule_cost
 
     base = planner_suggest.Candidate(2, 4, 1, 8, "1f1b", 1, 0, 1)
     for c in (base, attrs.evolve(base, schedule="gpipe"), attrs.evolve(base, microbatches=12),

@@ -7,7 +7,7 @@ so a replica that drifted from the others is caught too.
 
 `FAULTS` plants known runtime bugs *inside the worker process* by patching attributes of
 `meshllm_dsl.runtime` (generated code looks `rt.reduce_from` etc. up at call time) or of the
-classes in runtime/program.py. Patches are undone when the job ends, because the workers are
+classes in runtime/train/program.py. Patches are undone when the job ends, because the workers are
 long-lived and run the next plan afterwards.
 """
 
@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from meshllm_dsl.runtime.compare import TOLERANCE
-from meshllm_dsl.verify import load_generated
+from meshllm_dsl.runtime.jobs.compare import TOLERANCE
+from meshllm_dsl.verify.equivalence import load_generated
 
 
 def write_module(plan: Any, text: str, directory: Path) -> str:
@@ -83,7 +83,8 @@ class _NeighbourMesh:
 
 def _off_by_one_slice(p: _Patches, info: dict[str, Any]) -> None:
     """(iii) the shard slice is off by one block on the first rank of each sharded axis."""
-    from meshllm_dsl.runtime import program, shards
+    from meshllm_dsl.runtime.parallel import shards
+    from meshllm_dsl.runtime.train import program
 
     real = shards.local_slice
     p.set(program, "local_slice", lambda full, spec, mesh: real(full, spec, _NeighbourMesh(mesh)))
@@ -114,7 +115,7 @@ def _rotary_offset(p: _Patches, info: dict[str, Any]) -> None:
 def _loss_scaled_twice(p: _Patches, info: dict[str, Any]) -> None:
     """(v) the loss divided by the microbatch count a second time (the runtime already divides once,
     explicitly without a pipeline and through `scale_grads` in the pipeline schedules)."""
-    from meshllm_dsl.runtime.program import Built
+    from meshllm_dsl.runtime.train.program import Built
 
     real = Built.__init__
 
@@ -130,7 +131,7 @@ def _dp_grads_summed(p: _Patches, info: dict[str, Any]) -> None:
     """(vi) data-parallel gradients all-reduced (summed) but not divided by the replica count."""
     import torch.distributed as dist
 
-    from meshllm_dsl.runtime.program import Built
+    from meshllm_dsl.runtime.train.program import Built
 
     real = Built._sync_grads
 
@@ -171,7 +172,7 @@ def _clip_norm_counts_copies(p: _Patches, info: dict[str, Any]) -> None:
     replicated parameters count once per tensor rank and data replicas once per replica."""
     import torch
 
-    from meshllm_dsl.runtime.program import Built
+    from meshllm_dsl.runtime.train.program import Built
 
     def naive(self: Any) -> Any:
         return sum((q.grad.double().pow(2).sum() for q in self.parameters() if q.grad is not None),
@@ -184,7 +185,7 @@ def _sp_norm_grad_not_summed(p: _Patches, info: dict[str, Any]) -> None:
     """(ix) the classic sequence-parallel bug: norm weights are replicated but each rank saw only
     its slice of the sequence, and nobody sums their gradients over the tensor axis (Megatron's
     `allreduce_sequence_parallel_grad` forgotten): forward right, norm gradients partial."""
-    from meshllm_dsl.runtime.program import Built
+    from meshllm_dsl.runtime.train.program import Built
 
     p.set(Built, "_sum_partial_grads", lambda self: None)
 
@@ -202,7 +203,7 @@ def _zero3_grads_summed(p: _Patches, info: dict[str, Any]) -> None:
     (FSDP2's divide factor 1): forward and loss right, gradients x data size."""
     from torch.distributed.fsdp import FSDPModule
 
-    from meshllm_dsl.runtime import fsdp
+    from meshllm_dsl.runtime.parallel import fsdp
 
     real = fsdp.shard_stage
 
@@ -219,7 +220,7 @@ def _zero3_over_tensor(p: _Patches, info: dict[str, Any]) -> None:
     """(xii) ZeRO-3 over the tensor ranks instead of the data ranks: FSDP2 takes the tensor ranks'
     different shards for copies of one tensor, so the all-gather before each forward assembles a
     parameter from pieces of different shards: the forward already differs."""
-    from meshllm_dsl.runtime import fsdp
+    from meshllm_dsl.runtime.parallel import fsdp
 
     real = fsdp.data_mesh
     p.set(fsdp, "data_mesh", lambda mesh, batch_axes, device_type, shard_axes=None: real(mesh, ("tensor",), device_type))
@@ -230,7 +231,7 @@ def _ep_combine_unpermuted(p: _Patches, info: dict[str, Any]) -> None:
     without undoing the dispatch's permutation: each token gets another token's expert output."""
     import torch
 
-    from meshllm_dsl.runtime import moe_dispatch
+    from meshllm_dsl.runtime.moe import dispatch as moe_dispatch
 
     p.set(moe_dispatch, "_inverse", lambda perm: torch.arange(perm.numel(), device=perm.device))
 
@@ -239,7 +240,7 @@ def _ep_expert_grads_averaged(p: _Patches, info: dict[str, Any]) -> None:
     """Expert parallelism whose gradient sync treats the experts like dense parameters: averaged
     over the data ranks, though each rank holds other experts (the sum of different experts'
     gradients): forward right, expert gradients differ."""
-    from meshllm_dsl.runtime.program import Built
+    from meshllm_dsl.runtime.train.program import Built
 
     p.set(Built, "_replica_axes", lambda self, spec: tuple(a for a in self.mesh.names if a in self.batch_axes))
 
@@ -287,7 +288,7 @@ def compare(
     """On each rank: {dtype: {"logits" | "loss@0" | "grad NAME" | "param NAME": max abs error}}."""
     import torch
 
-    from meshllm_dsl.runtime.compare import compare_to_reference
+    from meshllm_dsl.runtime.jobs.compare import compare_to_reference
 
     program = load_generated(path).PROGRAM
     mesh = ctx.mesh(program.axes)

@@ -24,7 +24,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from meshllm_dsl.roles import ParallelRoles
+from meshllm_dsl.parallel.roles import ParallelRoles
 
 # ---------------------------------------------------------------- the two families, as the oracle sees them
 

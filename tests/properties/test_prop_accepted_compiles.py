@@ -26,7 +26,7 @@ pytest.importorskip("torch")
 from equiv import compare, over_tolerance, write_module
 
 from meshllm_dsl.checker import check_text
-from meshllm_dsl.runtime.pool import WorkerPool
+from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
 THOROUGH = settings.get_current_profile_name() == "thorough"
 ACCEPTED = settings(

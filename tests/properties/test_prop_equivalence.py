@@ -24,7 +24,7 @@ from equiv import compare, over_tolerance, write_module
 from meshgen import Spec, plan_specs, tied_head_in_embedding_stage
 
 from meshllm_dsl.checker import check_text
-from meshllm_dsl.runtime.pool import WorkerPool
+from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
 THOROUGH = settings.get_current_profile_name() == "thorough"
 N_PLANS = int(os.environ.get("MESHLLM_PROP_PLANS", "250" if THOROUGH else "12"))

@@ -1,7 +1,7 @@
 """The equivalence comparison catches known sharding bugs (the suite tests itself).
 
 Each fault is planted inside the worker processes (equiv.FAULTS: patched attributes of
-`meshllm_dsl.runtime` and runtime/program.py, undone after the job) and run on a plan that exercises
+`meshllm_dsl.runtime` and runtime/train/program.py, undone after the job) and run on a plan that exercises
 it. The same plan without the fault must compare equal (so a difference is the fault's doing), and
 with it the comparison must report differences above tolerance, in the place the bug shows:
 
@@ -38,7 +38,7 @@ from equiv import TOLERANCE, compare, over_tolerance, worst, write_module
 from mesh_snippets import MEGATRON
 
 from meshllm_dsl.checker import check_text
-from meshllm_dsl.runtime.pool import WorkerPool
+from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
 LLAMA = "model m = llama { vocab = 32, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 32, dtype = fp32 }"
 MIXTRAL = ("model m = mixtral { vocab = 32, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 24, experts = 4,"

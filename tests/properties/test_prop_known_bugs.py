@@ -11,7 +11,7 @@ pytest.importorskip("torch")
 from equiv import compare, over_tolerance, write_module
 
 from meshllm_dsl.checker import check_text
-from meshllm_dsl.runtime.pool import WorkerPool
+from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
 # GPT-2 (head tied to the embedding) without a pipeline: embed and lm_head share one stage.
 # Found by test_prop_equivalence. Codegen declared `self.lm_head.weight = nn.Parameter(torch.empty(...))`

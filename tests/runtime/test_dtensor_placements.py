@@ -13,8 +13,8 @@ torch = pytest.importorskip("torch")
 from mesh_snippets import MEGATRON  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
-from meshllm_dsl.explain import explain_json  # noqa: E402
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool  # noqa: E402
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool  # noqa: E402
+from meshllm_dsl.views.explain import explain_json  # noqa: E402
 
 SPEC = """
 mesh m {{ axes data = 2, tensor = 2 }}

@@ -21,8 +21,8 @@ from processes import run_module
 from rt_models import VOCAB, llama_model, split_stages, vocab_loss
 
 import meshllm_dsl.runtime as rt
-from meshllm_dsl.runtime import checkpoint
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool
+from meshllm_dsl.runtime.train import checkpoint
 
 SHA = "0" * 64
 
@@ -223,7 +223,8 @@ plan p on m for m {
 def test_meshc_run_refuses_a_new_run_into_a_root_of_checkpoints_and_save_over_keeps_them(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from meshllm_dsl import cli, cli_job
+    from meshllm_dsl.cli import job as cli_job
+    from meshllm_dsl.cli import main as cli
 
     spec = tmp_path / "m.mesh"
     spec.write_text(SPEC)
@@ -318,7 +319,7 @@ def test_a_metadata_pickle_that_would_run_code_or_a_setting_of_another_type_is_r
 
 
 def test_save_over_needs_a_save_root_and_the_flags_check_the_root(tmp_path: Path) -> None:
-    from meshllm_dsl.runtime import launch
+    from meshllm_dsl.runtime.train import launch
 
     with pytest.raises(launch.InputError, match="--save-over needs --save DIR"):
         launch.check_inputs(launch.parse_args(["--save-over"]))

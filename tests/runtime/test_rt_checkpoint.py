@@ -11,8 +11,8 @@ import torch
 from rt_models import VOCAB, gpt2_model, llama_model, split_stages, vocab_loss
 
 import meshllm_dsl.runtime as rt
-from meshllm_dsl.runtime import checkpoint
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool
+from meshllm_dsl.runtime.train import checkpoint
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     "pipeline2xtensor2": {

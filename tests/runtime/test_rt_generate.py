@@ -9,8 +9,8 @@ import torch
 from rt_models import VOCAB, gpt2_model, llama_model, split_stages, vocab_loss
 
 import meshllm_dsl.runtime as rt
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool
-from meshllm_dsl.runtime.reference import build_reference
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool
+from meshllm_dsl.runtime.model.reference import build_reference
 
 
 def _reference_greedy(model: dict[str, Any], prompt: torch.Tensor, n_new: int) -> torch.Tensor:

@@ -19,9 +19,9 @@ from processes import StderrReader, run_module
 from rt_models import llama_model, split_stages, vocab_loss
 
 import meshllm_dsl.runtime as rt
-from meshllm_dsl.runtime import checkpoint, launch
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool
-from meshllm_dsl.runtime.reference import build_reference
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool
+from meshllm_dsl.runtime.model.reference import build_reference
+from meshllm_dsl.runtime.train import checkpoint, launch
 
 HERE = Path(__file__).resolve().parent
 
@@ -325,7 +325,7 @@ def test_a_failure_raised_from_none_is_reported_by_its_own_message(capfd: Any) -
 
 
 def test_a_bad_prompt_from_a_rank_is_said_once_as_an_input_error(capfd: Any) -> None:
-    from meshllm_dsl.runtime.tokens import DataError, parse_ids
+    from meshllm_dsl.runtime.train.tokens import DataError, parse_ids
 
     try:
         parse_ids("1,,x", 64)
@@ -340,8 +340,8 @@ def _relay_output(chunks: list[bytes], tty: bool) -> bytes:
     """What `meshc run`'s relay writes for the job output ``chunks`` (a pipe, read to its end)."""
     import io
 
-    from meshllm_dsl import cli_job
-    from meshllm_dsl.runtime.startup import StartupLine
+    from meshllm_dsl.cli import job as cli_job
+    from meshllm_dsl.runtime.train.startup import StartupLine
 
     read_fd, write_fd = os.pipe()
     relay = cli_job._Relay(read_fd, debug=False, tty=tty)
@@ -386,7 +386,7 @@ def test_the_start_up_line_is_quiet_when_stderr_is_not_a_terminal() -> None:
 
 
 def test_ranks_mark_their_start_up_only_under_meshc_run(capfd: Any, monkeypatch: Any) -> None:
-    from meshllm_dsl.runtime import startup
+    from meshllm_dsl.runtime.train import startup
 
     monkeypatch.delenv(startup.ENV, raising=False)
     startup.report("up")
@@ -428,10 +428,10 @@ def test_meshc_run_shows_the_start_up_line_on_a_terminal(tmp_path: Path) -> None
 
 
 def test_profile_steps_are_one_number_in_help_error_and_readme() -> None:
-    """`--profile`'s extra steps come from runtime/profile_steps.py: `meshc run --help`, the
+    """`--profile`'s extra steps come from runtime/train/profile_steps.py: `meshc run --help`, the
     generated module's --help, the error refusing --profile with --save and the README agree."""
-    from meshllm_dsl import cli
-    from meshllm_dsl.runtime.profile_steps import (
+    from meshllm_dsl.cli import main as cli
+    from meshllm_dsl.runtime.train.profile_steps import (
         PROFILE_STEPS,
         PROFILE_STEPS_TEXT,
         PROFILE_TIMED,
@@ -465,14 +465,14 @@ def test_profile_steps_are_one_number_in_help_error_and_readme() -> None:
             raise AssertionError(f"{flag} with --save was accepted")
     assert "2 more steps (1 warm-up, then 1 under torch.profiler)" == TRACE_STEPS_TEXT and TRACE_STEPS == 2
     readme = flat((HERE.parents[1] / "README.md").read_text())
-    assert (f"trains {PROFILE_STEPS} more steps after `--steps` (`runtime/profile_steps.py`): a warm-up, "
+    assert (f"trains {PROFILE_STEPS} more steps after `--steps` (`runtime/train/profile_steps.py`): a warm-up, "
             f"a step measured for memory and one counting kernels (none of them timed: instrumentation slows "
             f"them 2-3x), then {PROFILE_TIMED} timed steps") in readme
 
 
 def _started(cmd: list[str]) -> tuple[Any, int, str]:
     """`meshc run`'s launcher start for ``cmd``: (the process handle, its exit code, its stderr)."""
-    from meshllm_dsl import cli_job
+    from meshllm_dsl.cli import job as cli_job
 
     read_fd, write_fd = os.pipe()
     proc = cli_job._start(cmd, dict(os.environ), write_fd, close=read_fd)
@@ -489,7 +489,7 @@ def _started(cmd: list[str]) -> tuple[Any, int, str]:
 def test_torchrun_starts_in_a_fork_of_meshc_that_has_torch_and_keeps_its_exit_codes() -> None:
     """No second interpreter importing torch before the ranks start; torchrun's own exits (argparse
     usage errors, a failed job) still reach the relay as they would from `python -m`."""
-    from meshllm_dsl import cli_job
+    from meshllm_dsl.cli import job as cli_job
 
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     proc, code, err = _started([*torchrun, "--standalone"])

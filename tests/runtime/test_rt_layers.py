@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import meshllm_dsl.runtime as rt  # noqa: E402 - after the torch skip
-from meshllm_dsl.runtime.rope import llama3_inv_freq  # noqa: E402
+from meshllm_dsl.runtime.model.rope import llama3_inv_freq  # noqa: E402
 
 # The attention's rope_scaling as generated code passes it: transformers' field names.
 LLAMA3 = (("rope_type", "llama3"), ("factor", 8.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0),

@@ -9,7 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from meshllm_dsl.runtime import launch
+from meshllm_dsl.runtime.train import launch
 
 
 class FakeStore:

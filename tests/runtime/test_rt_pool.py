@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from meshllm_dsl.runtime.pool import PoolError, RankContext, WorkerPool
+from meshllm_dsl.runtime.jobs.pool import PoolError, RankContext, WorkerPool
 
 
 def _sum_ranks(ctx: RankContext, axes: tuple[tuple[str, int], ...]) -> tuple[int, float]:

@@ -8,7 +8,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from meshllm_dsl.runtime.profile import LiveBytes, saved_bytes  # noqa: E402 - after the torch skip
+from meshllm_dsl.runtime.train.profile import LiveBytes, saved_bytes  # noqa: E402 - after the torch skip
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ def test_saved_bytes_skips_views_of_parameters() -> None:
 
 def test_profile_report_puts_planned_next_to_measured() -> None:
     from meshllm_dsl.checker import check_file
-    from meshllm_dsl.profile_report import compare, report_text
+    from meshllm_dsl.views.profile_report import compare, report_text
 
     (plan,) = check_file(str(ROOT / "examples" / "tiny_gpt2.mesh")).plans.values()
     ranks = [

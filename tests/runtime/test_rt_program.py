@@ -9,8 +9,8 @@ import torch
 from rt_models import VOCAB, gpt2_model, llama_model, split_stages, vocab_loss
 
 import meshllm_dsl.runtime as rt
-from meshllm_dsl.runtime.compare import TOLERANCE, compare_to_reference
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool
+from meshllm_dsl.runtime.jobs.compare import TOLERANCE, compare_to_reference
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool
 
 OPT = {"lr": 1e-3, "betas": (0.9, 0.95), "weight_decay": 0.1}
 LAYERS = 4

@@ -17,9 +17,9 @@ import torch
 from rt_models import StageDef, gpt2_model, llama_model, split_stages, vocab_loss
 
 import meshllm_dsl.runtime as rt
-from meshllm_dsl.runtime import checkpoint
-from meshllm_dsl.runtime.launch import synthetic_batch
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool
+from meshllm_dsl.runtime.train import checkpoint
+from meshllm_dsl.runtime.train.launch import synthetic_batch
 
 LAYERS = 4
 # With clipping that bites and a warmup + cosine schedule that spans the resume point, so a resumed
@@ -201,7 +201,7 @@ def test_resume_on_other_layouts_matches_within_float_tolerance(
     # Saved with the optimizer state sharded over data (ZeRO-1; ZeRO 2 / 3: parameters and
     # gradients too), resumed on other layouts.  In float64: in float32 AdamW amplifies the rounding
     # noise of gradients that are exactly zero in theory (the key bias) to O(lr), in any two
-    # layouts alike (see runtime/compare.py), which would hide nothing but blur the check.
+    # layouts alike (see runtime/jobs/compare.py), which would hide nothing but blur the check.
     kind, f64 = "gpt2", "float64"
     losses, final = pool.run(_straight_job, _ranks(source), kind, source, 4, f64)[0]
     pool.run(_first_half_job, _ranks(source), kind, source, 2, str(tmp_path), f64)

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import meshllm_dsl.runtime as rt
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool
 
 
 def test_full_init_depends_only_on_name_shape_and_seed() -> None:

@@ -22,9 +22,9 @@ from rt_models import (
 from torch import nn
 
 import meshllm_dsl.runtime as rt
-from meshllm_dsl.runtime.collectives import all_reduce_sum
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool
-from meshllm_dsl.runtime.reference import build_reference
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool
+from meshllm_dsl.runtime.model.reference import build_reference
+from meshllm_dsl.runtime.parallel.collectives import all_reduce_sum
 
 TOL = {"float32": 1e-5, "float64": 1e-10}
 

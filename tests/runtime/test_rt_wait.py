@@ -21,8 +21,8 @@ import torch.distributed as dist  # noqa: E402 - after the torch skip
 from torch import nn  # noqa: E402
 
 import meshllm_dsl.runtime as rt  # noqa: E402
-from meshllm_dsl.runtime import collectives  # noqa: E402
-from meshllm_dsl.runtime.pool import RankContext, WorkerPool  # noqa: E402
+from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool  # noqa: E402
+from meshllm_dsl.runtime.parallel import collectives  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -153,7 +153,7 @@ def test_polled_collectives_equal_blocked_ones_bit_for_bit(pool: WorkerPool) -> 
 
 
 def _profiled_wait_job(ctx: RankContext) -> tuple[float, float]:
-    from meshllm_dsl.runtime.profile import CollectiveLog
+    from meshllm_dsl.runtime.train.profile import CollectiveLog
 
     mesh = ctx.mesh([("tensor", 2)])
     group = mesh.group("tensor")
@@ -190,7 +190,7 @@ def _dying_peer(rank: int, port: int, outcome: Any) -> None:
 
 
 def test_a_polling_rank_fails_at_once_when_its_peer_dies() -> None:
-    from meshllm_dsl.runtime.pool import _free_port
+    from meshllm_dsl.runtime.jobs.pool import _free_port
 
     ctx = mp.get_context("spawn")
     outcome = ctx.Queue()

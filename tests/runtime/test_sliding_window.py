@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from meshllm_dsl.checker import check_text  # noqa: E402
-from meshllm_dsl.runtime.layers import DecodeSession, attention  # noqa: E402
+from meshllm_dsl.runtime.model.layers import DecodeSession, attention  # noqa: E402
 
 WINDOW = 3
 
@@ -53,7 +53,7 @@ def _plan(window: int) -> object:
 
 
 def test_planner_kv_cache_holds_the_window_only() -> None:
-    from meshllm_dsl.planner import analyze, kv_cache_bytes
+    from meshllm_dsl.planner.analyze import analyze, kv_cache_bytes
 
     windowed, full = _plan(WINDOW), _plan(0)
     per_position = 4 * 2 * 2 * 8 * 4  # layers x (k, v) x kv heads x head_dim x fp32
@@ -96,7 +96,7 @@ def test_a_post_norm_must_follow_a_sublayer() -> None:
 
 
 def test_planner_activations_count_the_window_mask_and_the_soft_capped_core() -> None:
-    from meshllm_dsl.planner import analyze
+    from meshllm_dsl.planner.analyze import analyze
 
     windowed, full = _plan(WINDOW), _plan(0)
     # 4 windowed blocks on each rank, one [8, 8] boolean mask each, per microbatch

@@ -33,9 +33,9 @@ def _alt(words: list[str] | tuple[str, ...]) -> str:
 
 
 def build(lark_text: str) -> dict:
+    from meshllm_dsl.front.resolve import PRIMITIVES
     from meshllm_dsl.ir import DTYPES, RULES, SCHEDULES
     from meshllm_dsl.primitives.mlp import ACTIVATIONS
-    from meshllm_dsl.resolve import PRIMITIVES
 
     keywords = lark_keywords(lark_text)
     other = [k for k in keywords if k not in DECLARATIONS and k != "include"]

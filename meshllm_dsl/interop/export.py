@@ -1,0 +1,403 @@
+"""`meshc export`: a checked plan as torch DTensor code or as transformers' `tp_plan` mapping.
+
+Everything comes from the checked `PlanIR` (placements per leaf and block class, the loss, the ZeRO
+stage and axes) and the module names transformers gives the model, which runtime/hf/weights.py already
+knows (`hf_key_map`): nothing is re-derived from the spec. What the target cannot express is a
+located diagnostic (E1201-E1206), never a silently different plan; what a `tp_plan` leaves to the
+launcher (data parallelism) and the one layout it must change (gathered logits, as transformers has
+no vocab-parallel loss) are warnings (W1201, W1202).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+
+import attrs
+
+from meshllm_dsl.codegen.lower import _adamw_kwargs, docstring_text, literal, model_description
+from meshllm_dsl.codes import E1201, E1202, E1203, E1204, E1205, E1206, W1201, W1202
+from meshllm_dsl.diagnostics import Diagnostic, SpecError
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.load import Declarations
+from meshllm_dsl.front.source import Span
+from meshllm_dsl.ir import Leaf, Placement, PlanIR, Repeat, Unit
+
+TARGETS = ("dtensor", "hf-tp-plan")
+
+# transformers' class per checkpoint layout (runtime/hf/weights.py's `arch`): the names below are its modules.
+HF_CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "olmo2": "Olmo2ForCausalLM"}
+
+
+@attrs.frozen
+class Entry:
+    """One module's tensor-parallel style, in both targets' words."""
+
+    module: str  # transformers' module path, `*` for every block ("model.layers.*.self_attn.q_proj")
+    axis: str  # the mesh axis it is sharded over
+    style: str  # the torch.distributed.tensor.parallel expression
+    hf_style: str  # the style name in transformers' ALL_PARALLEL_STYLES
+    why: str  # the plan's rule, for the generated comment
+
+
+@attrs.frozen
+class Export:
+    """What both targets print, decided once."""
+
+    plan: PlanIR
+    arch: str
+    blocks: str | None  # transformers' path of the block list ("model.layers")
+    entries: tuple[Entry, ...]
+    ties: tuple[tuple[str, str], ...]  # (module whose weight is re-tied, module that owns it)
+    zero_axis: str | None  # fully_shard over this axis (ZeRO 2 / 3), else None
+    loss_parallel: bool
+    warnings: tuple[Diagnostic, ...]
+    hf_class: str  # transformers' class of the checkpoint (Qwen3ForCausalLM, not LlamaForCausalLM, for q / k norms)
+
+
+# ---------------------------------------------------------------- analysis
+
+
+def _plan_decl(decls: Declarations | None, name: str) -> ast.PlanDecl | None:
+    for decl in decls.user(ast.PlanDecl) if decls is not None else ():
+        if decl.name.value == name:
+            return decl  # type: ignore[no-any-return]
+    return None
+
+
+def _stmt_span(decl: ast.PlanDecl | None, kind: type, fallback: Span | None) -> Span | None:
+    """Where a plan statement of `kind` is written (for the caret only; its meaning comes from the IR)."""
+    for stmt in decl.body if decl is not None else ():
+        if isinstance(stmt, kind):
+            return stmt.span
+    return fallback
+
+
+def _setting_span(decl: ast.PlanDecl | None, key: str, fallback: Span | None) -> Span | None:
+    for stmt in decl.body if decl is not None else ():
+        if isinstance(stmt, ast.Setting) and stmt.name.value == key:
+            return stmt.span
+    return fallback
+
+
+def _zero_span(decl: ast.PlanDecl | None, fallback: Span | None) -> Span | None:
+    for stmt in decl.body if decl is not None else ():
+        if isinstance(stmt, ast.OptimizerStmt) and stmt.zero is not None:
+            return stmt.zero.span
+    return fallback
+
+
+def _seq_span(decl: ast.PlanDecl | None, fallback: Span | None) -> Span | None:
+    for stmt in decl.body if decl is not None else ():
+        if isinstance(stmt, ast.LayoutStmt):
+            for entry in stmt.entries:
+                if entry.dim.value == "seq":
+                    return entry.span
+    return fallback
+
+
+def _param_names(item: Repeat | Unit, leaf: Leaf) -> list[str]:
+    """Full parameter names of `leaf` as the generated program names them (block 0 for a repeat)."""
+    prefix = (item.name, "0") if isinstance(item, Repeat) else ()
+    return [".".join((*prefix, *leaf.path, t.name)) for t in leaf.params]
+
+
+def _style(leaf: Leaf, p: Placement, is_head: bool, loss_parallel: bool, target: str) -> tuple[str, str] | str:
+    """(torch style, transformers style) for a sharded leaf, or why the target cannot say it."""
+    if len(p.axes) != 1:
+        return (f"it is split over {' x '.join(p.axes)} at once; a parallel style shards over one mesh "
+                "dimension")
+    if leaf.kind == "embedding" and p.rule == "vocab_parallel":
+        return "RowwiseParallel(input_layouts=Replicate())", "embedding_rowwise"
+    if leaf.kind == "linear" and p.rule == "column":
+        if is_head:
+            if loss_parallel:
+                return "ColwiseParallel(use_local_output=False)", "colwise_gather_output"
+            return "ColwiseParallel(output_layouts=Replicate())", "colwise_gather_output"
+        return "ColwiseParallel()", "colwise"
+    if leaf.kind == "linear" and p.rule == "row" and not is_head:
+        return "RowwiseParallel()", "rowwise"
+    what = "torch's parallel styles" if target == "dtensor" else "transformers' tp_plan styles"
+    return f"`{p.rule}` on a {leaf.kind} layer has no counterpart in {what}"
+
+
+def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
+    """Decide the export of `plan` to `target`, or raise SpecError with every refusal found."""
+    from meshllm_dsl.runtime.hf.weights import WeightsError, hf_key_map, model_arch
+
+    assert target in TARGETS, target
+    decl = _plan_decl(decls, plan.name)
+    errors: list[Diagnostic] = []
+    warnings: list[Diagnostic] = []
+    where = "DTensor" if target == "dtensor" else "a transformers tp_plan"
+
+    def refuse(code: str, message: str, span: Span | None, label: str, help: str) -> None:  # noqa: A002
+        errors.append(Diagnostic(code, message, span or plan.span, label=label, help=help))
+
+    desc = model_description(plan)
+    try:
+        arch = model_arch(desc)
+    except WeightsError as err:
+        raise SpecError([Diagnostic(
+            E1204, f"model `{plan.model.name}` has no transformers module layout to export to",
+            plan.model.span or plan.span, label="no Hugging Face model has these modules",
+            note=str(err), help="export models of the `llama` (Llama, Mistral, Qwen2) or `gpt2` family",
+        )]) from None
+
+    # Exports are proven (tests/integration/test_export.py) for these layouts only: a Gemma or a
+    # mixture-of-experts model would need its own module names and its own proof first.
+    kinds = {u.kind for item in plan.model.items for u in (item.body if isinstance(item, Repeat) else (item,))}
+    if arch not in HF_CLASSES or "moe" in kinds:
+        what = "mixture-of-experts layers" if "moe" in kinds else f"the {arch} checkpoint layout"
+        raise SpecError([Diagnostic(
+            E1204, f"model `{plan.model.name}` ({what}) is not exported to {where} yet",
+            plan.model.span or plan.span, label="no tested export for this model",
+            help="export models of the `llama` (Llama, Mistral, Qwen2, Qwen3, Phi-3), `olmo2` or `gpt2` family; "
+                 "`meshc compile` and `meshc run` take this one",
+        )])
+
+    if plan.roles.pipeline is not None:
+        refuse(E1201, f"{where} cannot express the pipeline over `{plan.roles.pipeline}`",
+               _stmt_span(decl, ast.StagesStmt, plan.span), label="pipeline stages",
+               help="export a plan without `stages` (tensor and data parallelism); torch.distributed.pipelining "
+                    "splits a model into stages outside parallelize_module")
+    if plan.roles.sequence:
+        refuse(E1203, f"sequence parallelism over {' x '.join(plan.roles.sequence)} is not exported to {where}",
+               _seq_span(decl, plan.span), label="Shard(seq) between sublayers",
+               help="drop `seq -> ...` from the layout to export the tensor-parallel plan: a transformers model "
+                    "computes its positions and mask from the activations' local shape, which Shard(seq) changes")
+    if plan.roles.context:
+        refuse(E1203, f"context parallelism over {' x '.join(plan.roles.context)} is not exported to {where}",
+               _seq_span(decl, plan.span), label="every sequence split over the context axes",
+               help="drop `seq -> ...` from the layout to export the plan; torch's context_parallel (ring "
+                    "attention over DTensor) shards a transformers model's sequence outside parallelize_module")
+    if plan.recompute != "none":
+        refuse(E1206, f"`recompute = {plan.recompute}` is not exported to {where}",
+               _setting_span(decl, "recompute", plan.span), label="activation recomputation",
+               help="drop `recompute` for the export and wrap the blocks with torch.utils.checkpoint "
+                    "(or `model.gradient_checkpointing_enable()`) yourself")
+    if plan.master_dtype is not None and plan.zero == 1:
+        refuse(E1206, f"`precision` at ZeRO 1 (the distributed optimizer: FSDP2 reducing gradients once a step) is not "
+               f"exported to {where}", _stmt_span(decl, ast.PrecisionStmt, plan.span), label="sharded master weights",
+               help="use `zero 2` for the export: fully_shard with reshard_after_forward=False and MixedPrecisionPolicy "
+                    "holds the same state, and reduce-scatters every microbatch's gradients")
+    elif plan.master_dtype is not None and plan.zero == 0:
+        refuse(E1206, f"`precision` at ZeRO {plan.zero} (fp32 parameters under torch.autocast) is not exported to {where}",
+               _stmt_span(decl, ast.PrecisionStmt, plan.span), label="mixed precision by autocast",
+               help=f"run the exported model under `torch.autocast(device, dtype=torch.{'bfloat16' if plan.dtype == 'bf16' else 'float16'})` "
+                    "yourself, or use `zero 2` / `zero 3` (fully_shard's MixedPrecisionPolicy)")
+    zero_axis: str | None = None
+    if target == "dtensor":
+        if plan.zero == 1:
+            refuse(E1202, "ZeRO 1 (optimizer states sharded, weights and gradients whole) has no counterpart "
+                   "in fully_shard", _zero_span(decl, plan.span), label="ZeRO stage 1",
+                   help="use `zero 2` (fully_shard with reshard_after_forward=False) or `zero 3` "
+                        "(reshard_after_forward=True): FSDP2 shards gradients with the optimizer states")
+        elif plan.zero in (2, 3) and len(plan.roles.batch_shard) != 1:
+            refuse(E1206, f"ZeRO {plan.zero} over {' x '.join(plan.roles.batch_shard)}: the export shards over one "
+                   "mesh axis", _zero_span(decl, plan.span), label="several data axes",
+                   help="shard over one data axis (`zero 3 over data`)")
+        elif plan.zero in (2, 3) and plan.roles.batch_shard != plan.roles.batch:
+            refuse(E1206, f"ZeRO {plan.zero} over {' x '.join(plan.roles.batch_shard)} but the batch is split over "
+                   f"{' x '.join(plan.roles.batch)}: hybrid sharding is not exported",
+                   _zero_span(decl, plan.span), label="zero axes differ from the batch axes",
+                   help="shard over the batch axis itself")
+        elif plan.zero in (2, 3):
+            zero_axis = plan.roles.batch_shard[0]
+        elif plan.roles.batch:
+            refuse(E1206, f"data parallelism over {' x '.join(plan.roles.batch)} without ZeRO is not exported "
+                   "to DTensor", plan.span, label="gradients averaged over the data axes",
+                   help="add `zero 2` or `zero 3` to the optimizer (fully_shard averages the gradients), "
+                        "or wrap the parallelized model in DistributedDataParallel yourself")
+    elif plan.roles.batch:
+        warnings.append(Diagnostic(
+            W1202, f"a tp_plan holds tensor parallelism only: data parallelism over "
+            f"{' x '.join(plan.roles.batch)} (ZeRO {plan.zero}) is left out", _zero_span(decl, plan.span),
+            label="not in the tp_plan",
+            help="give the data axes to transformers' DistributedConfig (dp / fsdp sizes) when loading"))
+
+    loss_parallel = plan.roles.loss_parallel
+    last = plan.model.items[-1]
+    head_name = last.name if isinstance(last, Unit) and last.kind == "linear" else None
+    entries: list[Entry] = []
+    ties: list[tuple[str, str]] = []
+    blocks: str | None = None
+    modules: dict[str, str] = {}  # our leaf path -> transformers module (top level), for ties
+    tp_axes: dict[str, Span | None] = {}
+
+    def placements(item: Repeat | Unit, leaf: Leaf) -> Iterator[tuple[str, Placement]]:
+        """(block index, placement): `*` for a class of every block, else one per block of its class."""
+        if isinstance(item, Repeat):
+            for cls in plan.block_classes:
+                p = cls.placement(".".join(leaf.path))
+                for idx in ("*",) if len(cls.indices) == item.count else tuple(str(i) for i in cls.indices):
+                    yield idx, p
+        else:
+            yield "", plan.placement(".".join(leaf.path))
+
+    for item, _unit, leaf in plan.model.leaves():
+        # A tied head owns no parameter; transformers still has its module (lm_head), sharded like the
+        # weight it shares and re-tied after parallelize_module replaced the owner's parameter.
+        names = _param_names(item, leaf) or ([".".join((*leaf.path, "weight"))] if leaf.tie else [])
+        if not names:
+            continue
+        keys = hf_key_map(desc, names)
+        hf_name, conv1d = keys[names[0]]
+        module = hf_name.rsplit(".", 1)[0]
+        if isinstance(item, Repeat):
+            parts = module.split(".")
+            blocks = ".".join(parts[:2])  # "model.layers.0.self_attn.q_proj" -> "model.layers"
+            rel = ".".join(parts[3:])
+        else:
+            modules[leaf.path[-1]] = module
+        for idx, p in placements(item, leaf):
+            if not p.sharded:
+                continue
+            if _unit.kind == "attention" and dict(_unit.attrs).get("qk_norm") == "full" and leaf.path[-1] in ("q", "k"):
+                # transformers' Olmo2RMSNorm would normalise each rank's columns on their own: another model
+                refuse(E1205, f"{where} cannot express the placement of `{'.'.join(leaf.path)}`: its RMSNorm spans the "
+                       "whole projection (qk_norm = full, OLMo 2), and split by heads each rank would normalise "
+                       "only its own part", p.span, label=f"{p.rule}({', '.join(p.axes)}) under a whole-projection norm",
+                       help="keep the attention heads whole to export (no `heads -> AXIS` / `kv_heads -> AXIS`), or use "
+                            "`meshc compile`, whose code all-reduces the norm's sum of squares")
+                continue
+            if conv1d:
+                refuse(E1204, f"`{'.'.join(leaf.path)}` is a transformers Conv1D ({module}), which "
+                       f"{where} cannot shard", p.span, label=f"{p.rule}({', '.join(p.axes)}) on a Conv1D layer",
+                       help="GPT-2 stores its projections as Conv1D ([in, out]): export GPT-2 plans with these "
+                            "layers replicated (ZeRO 2 / 3 still shards them), or use `meshc compile`")
+                continue
+            style = _style(leaf, p, leaf.path[-1] == head_name, loss_parallel, target)
+            if isinstance(style, str):
+                refuse(E1205, f"{where} cannot express the placement of `{'.'.join(leaf.path)}`: {style}",
+                       p.span, label=f"{p.rule}({', '.join(p.axes)})",
+                       help="place it with `column`, `row` or `vocab_parallel` over one axis, or `replicate`")
+                continue
+            tp_axes.setdefault(p.axes[0], p.span)
+            path = f"{blocks}.{idx}.{rel}" if isinstance(item, Repeat) else module
+            entries.append(Entry(path, p.axes[0], style[0], style[1], f"{'.'.join(leaf.path)}: {p.rule}({p.axes[0]})"))
+            if leaf.path[-1] == head_name and loss_parallel and target == "hf-tp-plan":
+                warnings.append(Diagnostic(
+                    W1201, f"`{head_name}`'s logits are gathered in the tp_plan: transformers has no "
+                    "vocab-parallel loss", p.span, label="exported as colwise_gather_output",
+                    help="the loss is the same; each rank then holds the full logits. `--to dtensor` keeps "
+                         "them sharded (loss_parallel)"))
+        if leaf.tie is not None:
+            owner = plan.placement(leaf.tie)
+            if owner.sharded and leaf.tie in modules:
+                ties.append((module, modules[leaf.tie]))
+    if target == "hf-tp-plan" and len(tp_axes) > 1:
+        second = list(tp_axes)[1]
+        refuse(E1205, f"a tp_plan shards over one mesh axis, but this plan shards over {' and '.join(tp_axes)}",
+               tp_axes[second], label=f"sharded over `{second}`",
+               help=f"shard every layer over one axis (`{next(iter(tp_axes))}`) to export a tp_plan")
+    if errors:
+        raise SpecError(errors)
+    return Export(plan, arch, blocks, tuple(entries), tuple(ties), zero_axis, loss_parallel, tuple(warnings),
+                  _hf_class(desc, arch))
+
+
+def _hf_class(desc: dict[str, object], arch: str) -> str:
+    """The class the model's own config.json names (runtime/hf/weights.py hf_config, what `--export-hf`
+    writes): the llama layout alone is Llama, Mistral (a window), Qwen2 (q, k, v biases) or Qwen3
+    (q / k norms), and loading a Qwen3 checkpoint as LlamaForCausalLM would drop its norms."""
+    import torch
+
+    from meshllm_dsl.runtime.hf.weights import WeightsError, hf_config
+
+    try:
+        return str(hf_config(desc, torch.float32)["architectures"][0])
+    except WeightsError:  # no config.json of its own (checked by the caller where it matters)
+        return HF_CLASSES[arch]
+
+
+# ---------------------------------------------------------------- printing
+
+
+def _digest(source_text: str) -> str:
+    return hashlib.sha256(source_text.encode()).hexdigest()[:16]
+
+
+def render_tp_plan(exp: Export) -> str:
+    """transformers' `tp_plan`: module name (`*` for every layer) -> style, as `model.tp_plan` keys it."""
+    return json.dumps({e.module: e.hf_style for e in exp.entries}, indent=2) + "\n"
+
+
+def render_dtensor(exp: Export, source_path: str, source_text: str) -> str:
+    from meshllm_dsl.codegen.emit import environment
+
+    plan = exp.plan
+    mesh = plan.mesh
+    names = tuple(a.name for a in mesh.axes)
+    sizes = tuple(a.size for a in mesh.axes)
+    tp = sorted({e.axis for e in exp.entries}, key=names.index)
+    header = [
+        f"Plan `{plan.name}` of {docstring_text(source_path)} (sha256 {_digest(source_text)}), exported by meshc "
+        "for torch DTensor. Do not edit.",
+        "",
+        f"Mesh `{mesh.name}`: {' x '.join(f'{a.name} {a.size}' for a in mesh.axes)} = {mesh.devices} ranks"
+        " (rank order: last axis varies fastest).",
+        f"Model `{plan.model.name}`: {plan.model.numel:,} parameters, as transformers' {exp.hf_class} "
+        "names its modules.",
+        f"Tensor parallel over: {' x '.join(tp) or 'none'} (parallelize_module). Data parallel over: "
+        f"{' x '.join(plan.roles.batch) or 'none'}; ZeRO stage {plan.zero}"
+        + (" (fully_shard)." if exp.zero_axis else "."),
+        "Loss: " + ("vocab-parallel cross-entropy (loss_parallel): the logits stay sharded."
+                    if exp.loss_parallel else "cross-entropy on replicated logits."),
+    ]
+    groups = []
+    for axis in tp:
+        lines = [f"{e.module!r}: {e.style},  # {e.why}" for e in exp.entries if e.axis == axis]
+        groups.append({"axis": repr(axis), "lines": lines})
+    fsdp: list[str] = []
+    if exp.zero_axis is not None:
+        reshard = plan.zero == 3
+        mp = ""
+        if plan.master_dtype is not None:
+            from meshllm_dsl.codegen.lower import TORCH_DTYPES
+
+            mp = (f", mp_policy=MixedPrecisionPolicy(param_dtype={TORCH_DTYPES[plan.dtype]}, "
+                  f"reduce_dtype={TORCH_DTYPES[plan.reduce_dtype or plan.dtype]})")
+        if exp.blocks is not None:
+            fsdp.append(f"for block in model.get_submodule({exp.blocks!r}):")
+            fsdp.append(f"    fully_shard(block, mesh=mesh[{exp.zero_axis!r}], reshard_after_forward={reshard}{mp})")
+        fsdp.append(f"fully_shard(model, mesh=mesh[{exp.zero_axis!r}], reshard_after_forward={reshard}{mp})")
+    ties = [f"model.get_submodule({a!r}).weight = model.get_submodule({b!r}).weight" for a, b in exp.ties]
+    styles = sorted({e.style.split("(")[0] for e in exp.entries})
+    parallel_imports = [*styles, *(["loss_parallel"] if exp.loss_parallel else []),
+                        *(["parallelize_module"] if exp.entries else [])]
+    ctx = {
+        "header": header,
+        "axes": literal(tuple(zip(names, sizes))),
+        "names": literal(names),
+        "sizes": literal(sizes),
+        "hf_class": exp.hf_class,
+        "layers": plan.model.repeat.count if plan.model.repeat else 0,
+        "blocks": repr(exp.blocks) if exp.blocks else None,
+        "batch": plan.batch,
+        "seq": plan.seq,
+        "microbatches": plan.microbatches,
+        "optimizer": literal(_adamw_kwargs(plan)),
+        "groups": groups,
+        "ties": ties,
+        "fsdp": fsdp,
+        "mixed_precision": bool(fsdp) and plan.master_dtype is not None,
+        "replicate": any("Replicate()" in e.style for e in exp.entries),
+        "parallel_imports": ", ".join(parallel_imports),
+        "loss_parallel": exp.loss_parallel,
+    }
+    text = environment().get_template("dtensor.py.j2").render(**ctx)
+    compile(text, f"<exported {plan.name}>", "exec")  # always valid Python: a failure is a meshc bug
+    return text
+
+
+def export_plan(plan: PlanIR, decls: Declarations | None, target: str, source_path: str,
+                source_text: str) -> tuple[str, tuple[Diagnostic, ...]]:
+    """(file text, warnings) of `plan` exported to `target`; SpecError with every refusal."""
+    exp = analyze(plan, decls, target)
+    text = render_dtensor(exp, source_path, source_text) if target == "dtensor" else render_tp_plan(exp)
+    return text, exp.warnings
+
+
+__all__ = ["TARGETS", "Entry", "Export", "analyze", "export_plan"]

@@ -1,0 +1,2 @@
+"""The static planner: memory, communication, schedule and step time of a checked plan (`meshc plan`,
+`meshc suggest`, `meshc calibrate`)."""

@@ -1,0 +1,577 @@
+"""`meshc suggest`: search the plans for a model on N devices and rank them by estimated step time.
+
+The search enumerates data x pipeline x tensor factorizations of the device count (tensor within a
+host), context sizes for long sequences, microbatch counts, ZeRO stages (HSDP within a host among
+them), fp32 master weights, schedules and activation recomputation (none, attention, ops, blocks
+every 2, blocks). Every candidate is written out as .mesh text
+(the model's own declarations plus a generated mesh and plan) and checked with `check_text`: the
+checker, not this module, decides what is valid. Candidates that check clean are analysed by the
+planner; those that fit in device memory (less a headroom) are ranked by estimated step time.
+
+The search is a branch and bound with the full search's answer: candidates in order of a lower bound
+on their step time (compute_floor_s x (1 + bubble_scale)), until the fastest that fit are certain,
+and a variant whose structure's weights, gradients and optimizer states exceed the device is not
+analysed (StateBound), nor one whose variant recomputing less is already slower than the
+runner-up (_slower_than_the_runner_up). 530B on 2,520 devices analyses 83 of 8,130 candidates.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from meshllm_dsl.checker import check_text
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.load import load
+from meshllm_dsl.front.names import divisors
+from meshllm_dsl.ir import ModelIR, PlanIR, Repeat
+from meshllm_dsl.parallel.devices import DeviceProfile
+from meshllm_dsl.planner.analyze import MFU, PlanReport, analyze, fmt_bytes, fmt_seconds
+from meshllm_dsl.planner.schedule import schedule_cost
+from meshllm_dsl.progress import StatusLine
+
+MESH_NAME, PLAN_NAME = "suggested_mesh", "suggested"
+MAX_MICROBATCHES = 64  # beyond this the per-microbatch collectives' latency dominates any memory saving
+# Context parallelism is searched from this sequence length on (the Llama 3 paper's long-context
+# stage starts past 8K tokens): shorter sequences fit by data parallelism, and every variant costs
+# the search an analysis.
+LONG_SEQ = 8192
+# The share of a device's memory a suggested plan leaves free by default (`--headroom`): what the
+# planner does not count, the CUDA context (about 0.5 - 1 GiB a process), NCCL's buffers (a few
+# hundred MiB per communicator) and the caching allocator's fragmentation.
+DEFAULT_HEADROOM = 0.05
+# `recompute = blocks every N` is searched at this N: half the blocks recomputed, half their
+# activations kept (a step between none and all; finer steps cost the search more analyses).
+RECOMPUTE_EVERY = 2
+
+
+@attrs.frozen
+class Candidate:
+    data: int
+    pipeline: int
+    tensor: int
+    microbatches: int
+    schedule: str  # "none" when there is no pipeline
+    virtual: int
+    zero: int
+    hosts: int
+    recompute: str = "none"
+    seq_parallel: bool = False  # `seq -> tensor`: Megatron sequence parallelism over the tensor axis
+    # HSDP: ZeRO shards over a `data` axis of this many ranks inside a host, a `replica` axis holds
+    # the data / zero_shard copies across hosts (torchtitan's dp_shard x dp_replicate); 0: no HSDP.
+    zero_shard: int = 0
+    # fp32 master weights at ZeRO 0 / 1 for a 16-bit model (ZeRO 0: autocast over whole fp32
+    # parameters, runtime/train/amp.py; ZeRO 1: the distributed optimizer, sharded by FSDP2): searched beside
+    # the pure 16-bit plan, which needs less state. ZeRO 2 / 3 always have them (_master_weights).
+    master: bool = False
+    # Context parallelism: this many of the data ranks split each sequence instead (`seq -> cp`),
+    # ZeRO then shards over data x cp as torchtitan's FSDP does; 1: none.
+    context: int = 1
+
+    def key(self) -> str:
+        sched = "" if self.schedule == "none" else f" {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else "")
+        remat = "" if self.recompute == "none" else f", recompute {self.recompute}"
+        return (f"data {self.data} x pipeline {self.pipeline} x tensor {self.tensor}, {self.microbatches} microbatches"
+                f"{sched}, ZeRO {self.zero}{remat}" + (", sequence parallel" if self.seq_parallel else "")
+                + (f", HSDP sharded over {self.zero_shard}" if self.zero_shard else "")
+                + (", fp32 master weights" if self.master else "")
+                + (f", context {self.context}" if self.context > 1 else ""))
+
+
+@attrs.frozen
+class Ranked:
+    candidate: Candidate
+    text: str  # the mesh and plan blocks, ready to paste
+    report: PlanReport
+    reason: str = ""
+
+
+@attrs.frozen
+class SuggestResult:
+    model: str
+    devices: int
+    device: DeviceProfile
+    batch: int
+    seq: int
+    per_host: int
+    enumerated: int
+    checked: int  # .mesh texts run through check_text
+    fitting: int  # candidates analysed and estimated to fit in memory (with the headroom)
+    ranked: tuple[Ranked, ...]
+    rejected: tuple[tuple[str, str], ...]  # (candidate, first checker error) for a few, to show why
+    headroom_bytes: int = 0  # what every ranked plan leaves free of the device's memory
+    analysed: int = 0  # candidates the planner analysed (the others a lower bound ruled out)
+
+    @property
+    def best(self) -> Ranked | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def _prelude_text(path: str, model: str) -> str:
+    """The root file's includes, families, devices and the chosen model, verbatim, without its meshes and plans."""
+    decls = load(path)
+    root = decls.root
+    parts = []
+    for item in decls.items:
+        span = getattr(item, "span", None)
+        if span is None or root is None or span.source is not root:
+            continue
+        if isinstance(item, (ast.Include, ast.FamilyDecl, ast.DeviceDecl)) or (
+                isinstance(item, ast.ModelDecl) and item.name.value == model):
+            parts.append(span.text)
+    return "\n\n".join(parts) + "\n"
+
+
+def _sharded_dims(model: ModelIR) -> list[str]:
+    """Logical dims a column / vocab-parallel rule splits: the input projections' outputs and the vocabulary."""
+    dims: list[str] = []
+    last = model.items[-1]
+    for item, unit, leaf in model.leaves():
+        if unit.kind in ("attention", "mlp"):
+            if leaf is unit.leaves[-1]:
+                continue
+        elif not (unit.kind == "embedding" or (unit.kind == "linear" and unit is last and not isinstance(item, Repeat))):
+            continue
+        for name, _ in leaf.out_units[:1]:
+            if name not in dims:
+                dims.append(name)
+    return dims
+
+
+def _dim_sizes(model: ModelIR) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for _, _, leaf in model.leaves():
+        for name, count in (*leaf.out_units, *leaf.in_units):
+            out.setdefault(name, count)
+    return out
+
+
+def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -> str:
+    data = [("replica", c.data // c.zero_shard), ("data", c.zero_shard)] if c.zero_shard else [("data", c.data)]
+    axes = [(n, s) for n, s in (*data, ("pipeline", c.pipeline), ("cp", c.context), ("tensor", c.tensor)) if s > 1] or [("data", 1)]
+    mesh = [f"mesh {MESH_NAME} {{", "    axes " + ", ".join(f"{n} = {s}" for n, s in axes)]
+    if c.hosts > 1:
+        mesh.append(f"    hosts = {c.hosts}")
+    mesh += [f"    device = {device}", "}"]
+    plan = [f"plan {PLAN_NAME} on {MESH_NAME} for {model.name} {{", f"    batch = {batch}", f"    seq = {seq}",
+            f"    microbatches = {c.microbatches}"]
+    if c.recompute != "none":
+        plan.append(f"    recompute = {c.recompute}")
+    layout = (["batch -> replica * data" if c.zero_shard else "batch -> data"] if c.data > 1 else []) + ([f"{d} -> tensor" for d in _sharded_dims(model)] if c.tensor > 1 else [])
+    # One `seq` entry: over tensor Megatron sequence parallelism, over cp context parallelism, both
+    # at once sequence parallelism inside context parallelism.
+    seq_axes = (["tensor"] if c.seq_parallel else []) + (["cp"] if c.context > 1 else [])
+    layout += [f"seq -> {' * '.join(seq_axes)}"] if seq_axes else []
+    if layout:
+        plan.append("    layout { " + ", ".join(layout) + " }")
+    if c.pipeline > 1:
+        virtual = f" virtual {c.virtual}" if c.virtual > 1 else ""
+        rep = model.repeat
+        if rep is not None and rep.count % (c.pipeline * c.virtual) == 0:
+            plan.append(f"    stages over pipeline{virtual} balanced")
+        else:
+            plan += _explicit_stages(model, c.pipeline)
+        plan.append(f"    schedule {c.schedule}")
+    if c.zero:
+        over = " * ".join((["data"] if c.data > 1 else []) + (["cp"] if c.context > 1 else [])) or "data"
+        plan += ["    optimizer adamw {", f"        zero {c.zero} over {over}", "    }"]
+    if _master_weights(c, model):
+        plan.append(f"    precision {{ params = {model.dtype}, master = fp32, reduce = fp32 }}")
+    plan.append("}")
+    return "\n".join(mesh) + "\n\n" + "\n".join(plan) + "\n"
+
+
+def _master_weights(c: Candidate, model: ModelIR) -> bool:
+    """16-bit models train with fp32 master weights and reductions (Megatron's and torchtitan's
+    default): always under FSDP2's MixedPrecisionPolicy (ZeRO 2 / 3); at ZeRO 0 (autocast over
+    fp32 parameters, runtime/train/amp.py) and ZeRO 1 (Megatron's distributed optimizer, FSDP2) where the
+    candidate asks, as the pure 16-bit plan is also searched. In 16 bits AdamW's small updates round away (bench/master_weights.py)."""
+    return model.dtype in ("bf16", "fp16") and (c.zero >= 2 or c.master)
+
+
+def _explicit_stages(model: ModelIR, p: int) -> list[str]:
+    """Blocks split as evenly as possible, the first stage one block lighter (it holds the embedding)."""
+    rep = model.repeat
+    assert rep is not None
+    order = [i.name for i in model.items]
+    ri = order.index(rep.name)
+    sizes = [rep.count // p + (1 if k >= p - rep.count % p else 0) for k in range(p)]
+    out, start = ["    stages over pipeline {"], 0
+    for k, n in enumerate(sizes):
+        items = (order[:ri] if k == 0 else []) + [f"{rep.name}[{start}:{start + n}]"] + (order[ri + 1:] if k == p - 1 else [])
+        out.append(f"        {k}: " + ", ".join(items))
+        start += n
+    out.append("    }")
+    return out
+
+
+def candidates(model: ModelIR, devices: int, batch: int, per_host: int, seq: int = 0) -> Iterator[Candidate]:
+    dims = _dim_sizes(model)
+    sharded = [dims[d] for d in _sharded_dims(model) if d in dims]
+    layers = model.repeat.count if model.repeat is not None else 1
+    # Recomputation trades a forward pass of the blocks (or of the attention core) for their
+    # activations; between none and all of a block: torchtitan's selective `ops`, and every other
+    # block (Megatron's --recompute-num-layers, torchtitan's ac_freq).
+    remats = ["none"]
+    if model.repeat is not None:
+        remats += (["attention"] if any(u.kind == "attention" for u in model.repeat.body) else []) + ["ops"]
+        remats += [f"blocks every {RECOMPUTE_EVERY}"] if model.repeat.count >= RECOMPUTE_EVERY else []
+        remats += ["blocks"]
+    hosts = 1
+    if devices > per_host:
+        hosts = next(h for h in divisors(devices) if h >= devices / per_host)
+    for t in divisors(devices):
+        if t > per_host or t > devices // hosts:
+            continue  # the tensor axis stays inside a host: it all-reduces in every layer
+        if any(n % t for n in sharded):
+            continue
+        for p in divisors(devices // t):
+            if p > layers:
+                continue
+            rest = devices // (t * p)
+            # From LONG_SEQ tokens on, some of the ranks left may split each sequence (context
+            # parallelism, cut into 2 x cp balanced chunks) rather than the batch.
+            for cp in (divisors(rest) if seq >= LONG_SEQ else (1,)):
+                d = rest // cp
+                if batch % d or seq % (2 * cp) and cp > 1:
+                    continue
+                yield from _layouts(model, batch, d, p, t, cp, hosts, per_host, layers, remats)
+
+
+def _layouts(model: ModelIR, batch: int, d: int, p: int, t: int, cp: int, hosts: int, per_host: int, layers: int,
+             remats: list[str]) -> Iterator[Candidate]:
+    """The schedules, microbatches, ZeRO stages and recomputation of one mesh shape: d data x cp context x p
+    pipeline x t tensor ranks."""
+    per_replica = batch // d
+    scheds = [("none", 1)] if p == 1 else [("1f1b", 1), ("gpipe", 1)] + (
+        [("interleaved_1f1b", 2)] if layers % (2 * p) == 0 else [])
+    for sched, v in scheds:
+        for m in divisors(per_replica):
+            if m > MAX_MICROBATCHES:
+                break
+            if p > 1 and sched != "gpipe" and m < p:
+                continue
+            if sched == "interleaved_1f1b" and m % p:
+                continue
+            # ZeRO 2 / 3 are FSDP2 in the runtime (16-bit models with fp32 master weights at every stage: _master_weights).
+            for z in (0, 1, 2, 3) if d * cp > 1 else (0,):
+                for r in remats:
+                    yield Candidate(d, p, t, m, sched, v, z, hosts, r, context=cp)
+                    if z < 2 and model.dtype in ("bf16", "fp16"):
+                        yield Candidate(d, p, t, m, sched, v, z, hosts, r, master=True, context=cp)
+            # HSDP: sharded within a host, replicated across hosts (FSDP2's 2-D mesh at ZeRO 2 / 3; at
+            # ZeRO 1 the optimizer states over the shard group, with fp32 master weights Megatron's
+            # distributed optimizer per host).
+            shard = max((s for s in divisors(d) if 1 < s < d and s * p * t <= per_host), default=0) if cp == 1 else 0
+            for z in (1, 2, 3) if shard else ():
+                for r in remats:
+                    yield Candidate(d, p, t, m, sched, v, z, hosts, r, zero_shard=shard)
+                    if z < 2 and model.dtype in ("bf16", "fp16"):
+                        yield Candidate(d, p, t, m, sched, v, z, hosts, r, zero_shard=shard, master=True)
+
+
+def suggest(path: str, model_name: str, *, devices: int, device: DeviceProfile, batch: int, seq: int,
+            per_host: int | None = None, top: int = 3, status: StatusLine | None = None,
+            headroom_bytes: int | None = None, prune: bool = True) -> SuggestResult:
+    """Enumerate, estimate, then re-check the winners exactly.
+
+    Parsing dominates the cost (about 10 ms a candidate for Llama 2 70B), and candidates that differ
+    only in microbatches, ZeRO stage or recomputation share everything the checker derives except
+    those plain fields. So each structure (data, pipeline, tensor, schedule) is checked once as text,
+    its variants are estimated from that checked PlanIR with those fields replaced, and then every
+    variant that fits is written out and checked with `check_text` in order of estimated step time
+    until `top` of them pass: nothing is suggested that the checker has not passed as written.
+    A plan fits when its peak leaves ``headroom_bytes`` of the device free (default
+    DEFAULT_HEADROOM of its memory).
+    ``prune``: skip the analysis of candidates a lower bound already rules out (``StateBound``); the
+    answer is the same either way (tests/planner/test_suggest_scale.py compares them).
+    ``status``: where to say how far it is (default: a line on stderr while it is a terminal).
+    """
+    if headroom_bytes is None:
+        headroom_bytes = int(DEFAULT_HEADROOM * device.memory_bytes)
+    with status or StatusLine("meshc suggest") as line:
+        return _suggest(path, model_name, devices, device, batch, seq, per_host, top, line,
+                        device.memory_bytes - headroom_bytes, prune)
+
+
+class StateBound:
+    """Weights, gradients and optimizer states per device are a lower bound on a plan's peak (the
+    peak adds activations, buffers and transients, none negative), and they depend on the
+    structure and the ZeRO stage (with the master dtype it implies), not on the microbatches or
+    recomputation. So once one variant of a (structure, ZeRO stage) is analysed, its states say
+    for every other variant whether it can fit; the planner's own numbers decide, none restated
+    here."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.states: dict[tuple[int, bool], int] = {}  # (ZeRO stage, master weights) -> the largest rank's
+
+    def record(self, c: Candidate, report: PlanReport) -> None:
+        self.states.setdefault((c.zero, c.master), max(r.weight_bytes + r.grad_bytes + r.optimizer_bytes for r in report.ranks))
+
+    def rules_out(self, c: Candidate) -> bool:
+        known = self.states.get((c.zero, c.master))
+        return known is not None and known > self.limit
+
+
+def bubble_scale(c: Candidate) -> float:
+    """The pipeline bubble over the busy time (what analyze stretches the slowest rank's work by):
+    (p - 1) / m for GPipe and 1F1B, whose torch orders take exactly m + p - 1 slots; interleaved
+    from torch's own order (schedule_order)."""
+    if c.pipeline <= 1:
+        return 0.0
+    if c.schedule in ("gpipe", "1f1b"):
+        return (c.pipeline - 1) / c.microbatches
+    return schedule_cost(c.schedule, c.pipeline, c.virtual, c.microbatches).bubble_over_busy
+
+
+def compute_floor_s(report: PlanReport) -> float:
+    """No plan of this model, batch and devices computes faster than its matmul flops spread
+    evenly over every device at the device's best matmul rate: the slowest rank computes at least
+    the average share, and no product runs above peak x MFU (the planner's roofline only slows one
+    down). The same for every candidate; times (1 + bubble_scale), a lower bound on its step."""
+    rate = report.device.tflops * 1e12 * (report.device.mfu or MFU)
+    return report.step.model_flops / (report.plan.mesh.devices * rate)
+
+
+def variant(structure: PlanIR, c: Candidate, model: ModelIR) -> PlanIR:
+    """The checked plan of `c`'s structure (its first candidate's) with `c`'s own microbatches,
+    ZeRO stage, recomputation and master weights: what checking `c`'s text would give, without
+    parsing it again (tests/planner/test_data_parallel_layouts_plan.py compares the two)."""
+    master = _master_weights(c, model)
+    region, _, every = c.recompute.partition(" every ")
+    shard = (("data",) if c.zero_shard else structure.roles.replicas) if c.zero else ()
+    return attrs.evolve(structure, microbatches=c.microbatches, zero=c.zero,
+                        roles=attrs.evolve(structure.roles, batch_shard=shard), recompute=region,
+                        recompute_every=int(every or 1), master_dtype="fp32" if master else None,
+                        reduce_dtype="fp32" if master else None)
+
+
+def _recomputes_less(c: Candidate) -> tuple[str, ...]:
+    """The recomputation settings that rerun a part of what `c`'s does, so no slower a step in the
+    planner (the same plan otherwise): none below every setting; `blocks` reruns each block's whole
+    forward, of which attention, ops and every other block rerun a part."""
+    if c.recompute == "none":
+        return ()
+    if c.recompute == "blocks":
+        return ("none", "attention", "ops", f"blocks every {RECOMPUTE_EVERY}")
+    return ("none",)
+
+
+def _slower_than_the_runner_up(c: Candidate, steps: dict[Candidate, float],
+                               fitting: list[tuple[Candidate, PlanReport]], top: int) -> bool:
+    """A variant that recomputes less, analysed before (remats are enumerated in that order),
+    bounds `c`'s step from below: past the (top + 1)-th fitting plan's, `c` can be neither
+    suggested nor the runner-up the reasons compare with."""
+    if len(fitting) <= top:
+        return False
+    floor = max((steps.get(attrs.evolve(c, recompute=r), 0.0) for r in _recomputes_less(c)), default=0.0)
+    return floor > fitting[top][1].step.total_s
+
+
+def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, batch: int, seq: int,
+             per_host: int | None, top: int, line: StatusLine, limit: int, prune: bool) -> SuggestResult:
+    prelude = _prelude_text(path, model_name)
+    base = check_text(prelude, str(Path(path)))
+    model = base.models[model_name]
+    host = per_host or min(devices, device.per_host)
+    rejected: list[tuple[str, str]] = []
+
+    def check(c: Candidate) -> tuple[str, PlanIR | None]:
+        block = plan_text(c, model, device.name, batch, seq)
+        # The path makes includes in the prelude resolve next to the original file.
+        result = check_text(prelude + "\n" + block, str(Path(path)))
+        plan = result.plans.get(PLAN_NAME)
+        if plan is None or not result.ok:
+            err = next(iter(result.errors), None)
+            if len(rejected) < 5:
+                rejected.append((c.key(), f"{err.code}: {err.message}" if err else "no plan"))
+            return block, None
+        return block, plan
+
+    groups: dict[tuple[int, int, int, str, int, bool, int, int], list[Candidate]] = {}
+    for c in candidates(model, devices, batch, host, seq):
+        # Each tensor-parallel candidate also with sequence parallelism, where seq splits over it.
+        for v in (c, attrs.evolve(c, seq_parallel=True)) if c.tensor > 1 and seq % c.tensor == 0 else (c,):
+            groups.setdefault((v.data, v.pipeline, v.tensor, v.schedule, v.virtual, v.seq_parallel, v.zero_shard, v.context),
+                              []).append(v)
+    everything = [(key, c) for key, group in groups.items() for c in group]
+    enumerated = len(everything)
+    index = {c: i for i, (_, c) in enumerate(everything)}
+    # Branch and bound: candidates in order of their lower bound on step time (the bubble's share:
+    # compute_floor_s is common to all), analysed until the fastest that fit are known for certain.
+    scales = {c: bubble_scale(c) for _, c in everything} if prune else {}
+    if prune:
+        everything.sort(key=lambda kc: scales[kc[1]])
+    progress = _Progress(line, enumerated)
+    structures: dict[tuple[int, int, int, str, int, bool], PlanIR | None] = {}
+    bounds: dict[tuple[int, int, int, str, int, bool], StateBound] = {}
+    fitting: list[tuple[Candidate, PlanReport]] = []
+    steps: dict[Candidate, float] = {}  # each analysed variant's step (bounds on those recomputing more)
+    analysed = 0
+    floor: float | None = None
+    ranked: list[Ranked] = []
+    rechecked = checked = 0
+
+    def recheck_below(bound_s: float) -> bool:
+        """Re-check, fastest first, the fitting plans no unanalysed candidate can beat (step under
+        ``bound_s``); True once `top` pass and the runner-up after them is known too."""
+        nonlocal rechecked, checked
+        certain = bisect.bisect_left(fitting, bound_s, key=lambda cr: cr[1].step.total_s)
+        while len(ranked) < top and rechecked < certain:
+            c = fitting[rechecked][0]
+            rechecked += 1
+            line.update(f"re-checking the fastest fitting plans as written ({len(ranked)} of {top} passed)")
+            block, checked_plan = check(c)
+            checked += 1
+            if checked_plan is not None:
+                rep = analyze(checked_plan, device)
+                if rep.peak_training_bytes <= limit:
+                    ranked.append(Ranked(c, block, rep))
+        return len(ranked) >= top and certain >= top + 1
+
+    for key, c in everything:
+        # (less a rounding margin: the bound and the step are sums taken in different orders)
+        if prune and floor is not None and recheck_below(floor * (1 + scales[c]) * (1 - 1e-9)):
+            break
+        progress.tried()
+        if key not in structures:
+            structures[key] = check(groups[key][0])[1]
+            checked += 1
+            bounds[key] = StateBound(limit)
+        rep_plan, bound = structures[key], bounds[key]
+        plan: PlanIR | None
+        if rep_plan is not None:
+            if prune and bound.rules_out(c):
+                continue
+            if prune and _slower_than_the_runner_up(c, steps, fitting, top):
+                continue
+            plan = variant(rep_plan, c, model)
+        else:
+            plan = check(c)[1]  # the structure failed: judge each variant on its own
+            checked += 1
+            if plan is None:
+                continue
+        report = analyze(plan, device)
+        analysed += 1
+        floor = compute_floor_s(report) if floor is None else floor
+        if rep_plan is not None:
+            bound.record(c, report)
+            steps[c] = report.step.total_s
+        if report.peak_training_bytes <= limit:
+            # Ties in time and memory go to the earlier candidate in enumeration order, as the full search's do.
+            bisect.insort(fitting, (c, report), key=lambda cr: (cr[1].step.total_s, cr[1].peak_training_bytes, index[cr[0]]))
+            progress.fits(c, report)
+    recheck_below(float("inf"))
+    ranked.sort(key=lambda r: (r.report.step.total_s, r.report.peak_training_bytes))
+    runner = [Ranked(c, "", r) for c, r in fitting[: top + 1]]
+    best = [attrs.evolve(r, reason=_reason(i, r, ranked if len(ranked) > 1 else runner)) for i, r in enumerate(ranked)]
+    return SuggestResult(model_name, devices, device, batch, seq, host, enumerated, checked,
+                         len(fitting), tuple(best), tuple(rejected), device.memory_bytes - limit, analysed)
+
+
+class _Progress:
+    """The status line while the search runs: candidates tried of all and the fastest fitting plan
+    so far. Redrawn at most every tenth of a second (there are thousands of candidates)."""
+
+    def __init__(self, line: StatusLine, total: int) -> None:
+        self.line, self.total = line, total
+        self.done = 0
+        self.best: tuple[float, str] | None = None
+        self.shown: float | None = None
+
+    def tried(self) -> None:
+        self.done += 1
+        if not self.line.tty:
+            return
+        now = self.line.clock()
+        if self.shown is not None and now - self.shown < 0.1:
+            return
+        self.shown = now
+        best = f"; best so far {fmt_seconds(self.best[0])} per step: {self.best[1]}" if self.best else ""
+        self.line.update(f"searching: candidate {self.done} of {self.total}{best}")
+
+    def fits(self, c: Candidate, report: PlanReport) -> None:
+        if self.best is None or report.step.total_s < self.best[0]:
+            self.best = (report.step.total_s, c.key())
+
+
+_PARTS = (("compute_s", "compute (recomputation included)"), ("tensor_s", "tensor-parallel communication"), ("pipeline_s", "pipeline sends"),
+          ("bubble_s", "pipeline bubble"), ("data_s", "data-parallel gradient reduction"))
+
+
+def _reason(i: int, r: Ranked, ranked: list[Ranked]) -> str:
+    st = r.report.step
+    head = (f"{fmt_seconds(st.total_s)} per step, {st.tokens / st.total_s:,.0f} tokens/s, peak "
+            f"{fmt_bytes(r.report.peak_training_bytes)} of {fmt_bytes(r.report.device.memory_bytes)}")
+    if i == 0:
+        if len(ranked) < 2:
+            return f"the only plan that checks clean and fits: {head}"
+        other = ranked[1].report.step
+        deltas = {name: getattr(other, key) - getattr(st, key) for key, name in _PARTS}
+        win = max(deltas, key=lambda k: deltas[k])
+        if deltas[win] <= 0:
+            return f"fastest: {head}; ties the runner-up in time and needs less memory"
+        return f"fastest: {head}; vs the runner-up it saves {fmt_seconds(deltas[win])} of {win}" + _cost(deltas, win)
+    best = ranked[0].report.step
+    deltas = {name: getattr(best, key) - getattr(st, key) for key, name in _PARTS}  # negative: this one pays more
+    lose = min(deltas, key=lambda k: deltas[k])
+    mem = r.report.peak_training_bytes - ranked[0].report.peak_training_bytes
+    tail = f"; it needs {fmt_bytes(-mem)} less memory per device than #1" if mem < 0 else ""
+    return (f"{head}; {fmt_seconds(st.total_s - best.total_s)} slower than #1: +{fmt_seconds(-deltas[lose])} of {lose}"
+            + _gain(deltas, lose) + tail)
+
+
+def _cost(deltas: dict[str, float], win: str) -> str:
+    """What the winner pays back elsewhere, if anything."""
+    worst = min(deltas, key=lambda k: deltas[k])
+    return f" for {fmt_seconds(-deltas[worst])} more {worst}" if worst != win and deltas[worst] < 0 else ""
+
+
+def _gain(deltas: dict[str, float], lose: str) -> str:
+    best = max(deltas, key=lambda k: deltas[k])
+    return f", -{fmt_seconds(deltas[best])} of {best}" if best != lose and deltas[best] > 0 else ""
+
+
+def suggestion_text(res: SuggestResult) -> str:
+    lines = [
+        f"suggest: {res.model} on {res.devices} x {res.device.name} ({res.per_host} per host), batch {res.batch} x seq {res.seq}",
+        (f"  {res.enumerated} candidates (data x pipeline x tensor, microbatches, schedule, ZeRO, recompute, "
+         f"sequence parallelism{', context parallelism' if res.seq >= LONG_SEQ else ''}); "
+         + (f"{res.analysed} analysed (a lower bound on step time or memory rules out the others), "
+            if res.analysed < res.enumerated else "every one analysed, ")
+         + f"{res.fitting} of them estimated to fit in {fmt_bytes(res.device.memory_bytes)} with "
+         f"{fmt_bytes(res.headroom_bytes)} free; {res.checked} written out and run "
+        "through the checker; every plan below checks clean as printed"),
+        "",
+    ]
+    if not res.ranked:
+        lines.append(f"no candidate checks clean and fits in memory with {fmt_bytes(res.headroom_bytes)} free: more "
+                     "devices, a smaller batch or seq, a larger device or a smaller --headroom")
+        for key, why in res.rejected:
+            lines.append(f"  rejected {key}: {why}")
+        return "\n".join(lines) + "\n"
+    for i, r in enumerate(res.ranked):
+        lines += [f"#{i + 1}  {r.candidate.key()}", f"    {r.reason}", ""]
+        lines += ["    " + x if x else "" for x in r.text.rstrip("\n").split("\n")]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def suggestion_json(res: SuggestResult) -> dict[str, Any]:
+    return {
+        "model": res.model, "devices": res.devices, "device": res.device.name, "batch": res.batch, "seq": res.seq,
+        "per_host": res.per_host, "enumerated": res.enumerated, "analysed": res.analysed, "checked": res.checked,
+        "fitting": res.fitting, "headroom_bytes": res.headroom_bytes,
+        "suggestions": [
+            {"rank": i + 1, **attrs.asdict(r.candidate), "text": r.text, "reason": r.reason,
+             "step_s": r.report.step.total_s, "peak_training_bytes": r.report.peak_training_bytes,
+             "tokens_per_s": r.report.step.tokens / r.report.step.total_s}
+            for i, r in enumerate(res.ranked)
+        ],
+        "rejected": [{"candidate": k, "error": e} for k, e in res.rejected],
+    }

@@ -1,0 +1,1 @@
+"""`meshc verify`: a plan's tiny twin run sharded and unsharded, compared."""

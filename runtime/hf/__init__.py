@@ -1,0 +1,1 @@
+"""Hugging Face checkpoints in and out, with the fused, Gemma and mixture-of-experts forms."""

@@ -1,0 +1,1313 @@
+"""Hugging Face checkpoints in and out: ``--weights DIR`` and ``--export-hf DIR``.
+
+Loading: every rank reads only its own slices of the safetensors files (``safe_open(..).get_slice``),
+straight into its local shards, so no rank ever holds a full tensor it does not own and no
+full-size random initialisation happens first.  Before reading anything, every rank checks the
+whole checkpoint against the program (config.json against the model, every tensor present with the
+expected shape, every file readable), so a bad checkpoint stops every rank with the same message,
+naming the tensor and the file.
+
+Names follow the model's structure, not the family's name: an embedding, optional learned
+positions, one repeat of [norm, attention, norm, mlp], a final norm and a head map onto HF's
+``LlamaForCausalLM`` layout (also Mistral and Qwen2), or, with learned positions and fused qkv,
+``GPT2LMHeadModel`` (Conv1D weights are stored [in, out] and transposed here); with a norm before
+and after each sublayer onto Gemma 2 / 3's, with one after each and none before onto
+``Olmo2ForCausalLM``'s.
+
+Exporting gathers one tensor at a time onto the mesh's first rank, which writes config.json and
+safetensors files (sharded above ``max_shard_bytes``, with an index) that ``from_pretrained`` loads,
+under ``meshc compile -o``'s rule for output directories (``_ExportWriter``).
+
+What can be known from the files alone is checked before any rank starts (``check_weights``,
+``check_export_dir``): every file of --weights is a plain name of its directory (links: see
+``_link_escapes``), every config field meshllm reads has its type, every tensor a floating dtype,
+and none is left over.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from meshllm_dsl.runtime.hf import fused as hf_fused
+from meshllm_dsl.runtime.hf import moe as hf_moe
+from meshllm_dsl.runtime.hf.gemma import check_gemma_config, gemma_config
+from meshllm_dsl.runtime.json_values import describe
+from meshllm_dsl.runtime.outputs import MANIFEST, manifest_bytes, read_manifest, write_file_atomic
+from meshllm_dsl.runtime.parallel.fsdp import tp_local
+from meshllm_dsl.runtime.parallel.mesh import Mesh
+from meshllm_dsl.runtime.parallel.shards import ShardSpec, gather_full
+
+__all__ = [
+    "HFCheckpoint",
+    "WeightsError",
+    "check_config",
+    "check_export_dir",
+    "check_weights",
+    "export_hf",
+    "extras_note",
+    "hf_config",
+    "hf_key_map",
+    "local_from_hf",
+    "model_arch",
+    "padded_vocab",
+    "plan_load",
+]
+
+MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+)
+
+
+# safetensors' names of the dtypes a parameter can be read from (converted to the plan's dtype).
+_FLOATING = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+
+
+class WeightsError(ValueError):
+    """A checkpoint that does not fit the program: names the tensor / field and the file."""
+
+
+# ---------------------------------------------------------------- the model's structure
+
+
+@dataclass(frozen=True)
+class _Layout:
+    arch: str  # "llama" (Llama / Mistral / Qwen2 names) or "gpt2"
+    embed: str
+    pos: str | None
+    repeat: str
+    count: int
+    body: tuple[Mapping[str, Any], ...]  # norm, attention, norm, mlp (Gemma: a post norm after each)
+    norm: Mapping[str, Any]
+    head: Mapping[str, Any]
+    vocab: int
+    hidden: int
+    norms: Mapping[str, Mapping[str, Any]]  # a block's norms by role: attn_pre, attn_post, mlp_pre, mlp_post
+
+    @property
+    def attn(self) -> Mapping[str, Any]:
+        return next(b for b in self.body if b["kind"] == "attention")
+
+    @property
+    def mlp(self) -> Mapping[str, Any]:
+        return next(b for b in self.body if b["kind"] == "mlp")
+
+
+def _block_norms(body: tuple[Mapping[str, Any], ...]) -> dict[str, Mapping[str, Any]] | None:
+    """The norms of a [pre norm] attention [post norm] [pre norm] mlp [post norm] block by role, or
+    None for any other block."""
+    roles: dict[str, Mapping[str, Any]] = {}
+    subs = iter(("attn", "mlp"))
+    pending: Mapping[str, Any] | None = None
+    last = None
+    for b in body:
+        if b["kind"] in ("attention", "mlp"):
+            last = next(subs, None)
+            if last != ("attn" if b["kind"] == "attention" else "mlp"):
+                return None
+            if pending is not None:
+                roles[f"{last}_pre"], pending = pending, None
+        elif b.get("post"):
+            if last is None or f"{last}_post" in roles:
+                return None
+            roles[f"{last}_post"] = b
+        elif pending is None:
+            pending = b
+        else:
+            return None
+    return roles if last == "mlp" and pending is None else None
+
+
+def _layout(model: Mapping[str, Any]) -> _Layout:
+    layers = list(model["layers"])
+    kinds = [x["kind"] for x in layers]
+    name = model.get("name", "model")
+    norms = sorted({a.norm for a in _HF_NAMES.values()})
+    if not (len(kinds) >= 4 and kinds[0] == "embedding" and kinds[1:-2] in (["repeat"], ["positional", "repeat"])
+            and kinds[-2] in norms and kinds[-1] == "linear"):
+        raise WeightsError(
+            f"model `{name}` ({', '.join(kinds)}) has no Hugging Face layout: expected an embedding,"
+            " optional positions, one repeat, a final norm and a head"
+        )
+    rep = next(x for x in layers if x["kind"] == "repeat")
+    body = tuple(hf_moe.as_mlp(b) for b in rep["body"])  # a moe layer stands where the MLP does
+    roles = _block_norms(body)
+    if roles is None or any(b["kind"] not in norms for b in roles.values()):
+        raise WeightsError(
+            f"model `{name}`: a block of `{rep['name']}` is "
+            f"{', '.join(b['kind'] for b in body)}; Hugging Face layouts need norm, attention, norm, mlp"
+            " (Gemma: a post norm after each sublayer; OLMo 2: attention, post norm, mlp, post norm)"
+        )
+    attn, mlp = next(b for b in body if b["kind"] == "attention"), next(b for b in body if b["kind"] == "mlp")
+    pos = next((x["name"] for x in layers if x["kind"] == "positional"), None)
+    kind = next(iter(roles.values()))["kind"]
+    offset = float(layers[-2].get("offset") or 0.0)
+    arch = next((arch for arch, a in _HF_NAMES.items() if a.positions == (pos is not None)
+                 and a.fused_qkv == bool(attn.get("fused_qkv")) and a.norm == kind
+                 and set(a.norms) == set(roles) and a.norm_offset == offset), None)
+    if arch is None or _HF_NAMES[arch].act not in (None, mlp["act"]):
+        raise WeightsError(
+            f"model `{name}` mixes conventions (positions {pos is not None}, fused qkv "
+            f"{bool(attn.get('fused_qkv'))}, {kind} {'/'.join(roles)} with offset {offset}, {mlp['act']}):"
+            " no checkpoint layout (Llama, GPT-2, Gemma 2 / 3, OLMo 2) fits"
+        )
+    embed = layers[0]
+    return _Layout(
+        arch=arch,
+        embed=embed["name"],
+        pos=pos,
+        repeat=rep["name"],
+        count=int(rep["count"]),
+        body=body,
+        norm=layers[-2],
+        head=layers[-1],
+        vocab=int(embed["num"]),
+        hidden=int(embed["dim"]),
+        norms=roles,
+    )
+
+
+def model_arch(model: Mapping[str, Any]) -> str:
+    """``"llama"``, ``"gpt2"``, ``"gemma"`` or ``"olmo2"``: which checkpoint layout the model reads and writes."""
+    return _layout(model).arch
+
+
+def padded_vocab(model: Mapping[str, Any]) -> tuple[int, int]:
+    """(rows of the embedding, real vocab): rows past the real vocab are padding."""
+    lay = _layout(model)
+    embed = next(x for x in model["layers"] if x["kind"] == "embedding")
+    return lay.vocab, int(embed.get("used") or lay.vocab)
+
+
+@dataclass(frozen=True)
+class _HFNames:
+    """One checkpoint layout (a family's adapter, as torchtitan's state_dict_adapter): which models
+    it fits (positions, fused qkv, the norm kind, the activation it needs) and how it names things:
+    the top-level layers, the block list, and per block the two norms and the attention / MLP
+    submodules with our projection -> theirs."""
+
+    top: Mapping[str, str]  # our role (embed, pos, norm, head) -> HF module
+    blocks: str
+    norms: Mapping[str, str]  # a block's norms: role (attn_pre, attn_post, mlp_pre, mlp_post) -> HF module
+    attn: tuple[str, Mapping[str, str]]
+    mlp: tuple[str, Mapping[str, str]]
+    transposed: bool  # GPT-2's Conv1D stores attention / MLP weights [in, out]
+    positions: bool  # learned positions (a `positional` layer) after the embedding
+    fused_qkv: bool
+    norm: str  # the norm kind of its blocks and the final norm
+    act: str | None  # the mlp activation it needs (None: any the checkpoint's config names)
+    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
+
+
+_HF_NAMES = {
+    "llama": _HFNames(
+        top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
+        blocks="model.layers", norms={"attn_pre": "input_layernorm", "mlp_pre": "post_attention_layernorm"},
+        attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
+        mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+        transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="swiglu",
+    ),
+    "gpt2": _HFNames(
+        top={"embed": "transformer.wte", "pos": "transformer.wpe", "norm": "transformer.ln_f", "head": "lm_head"},
+        blocks="transformer.h", norms={"attn_pre": "ln_1", "mlp_pre": "ln_2"},
+        attn=("attn", {"qkv": "c_attn", "o": "c_proj"}),
+        mlp=("mlp", {"up": "c_fc", "down": "c_proj"}),
+        transposed=True, positions=True, fused_qkv=True, norm="layernorm", act=None,
+    ),
+    # Gemma 2 and Gemma 3 (text): Llama's names, a norm before and after each sublayer, (1 + weight) norms.
+    "gemma": _HFNames(
+        top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
+        blocks="model.layers", norms={"attn_pre": "input_layernorm", "attn_post": "post_attention_layernorm",
+                                      "mlp_pre": "pre_feedforward_layernorm", "mlp_post": "post_feedforward_layernorm"},
+        attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
+        mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+        transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="geglu_tanh", norm_offset=1.0,
+    ),
+    # OLMo 2: Llama's names, a norm after each sublayer and none before; its q / k norms (over the
+    # whole projection) are self_attn.{q,k}_norm as Qwen3's are.
+    "olmo2": _HFNames(
+        top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
+        blocks="model.layers", norms={"attn_post": "post_attention_layernorm", "mlp_post": "post_feedforward_layernorm"},
+        attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
+        mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+        transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="swiglu",
+    ),
+}
+
+
+# Every layer kind some checkpoint layout holds (runtime/ cannot import the compiler's registry;
+# tests/frontend/test_primitive_registry.py checks this against it).
+ADAPTER_KINDS = frozenset({"embedding", "linear", "attention", "mlp", "moe"}
+                          | {a.norm for a in _HF_NAMES.values()}
+                          | ({"positional"} if any(a.positions for a in _HF_NAMES.values()) else set()))
+
+
+def hf_key_map(model: Mapping[str, Any], names: list[str]) -> dict[str, tuple[str, bool]]:
+    """Our full parameter name -> (HF tensor name, stored transposed) for every name in ``names``."""
+    lay = _layout(model)
+    hf = _HF_NAMES[lay.arch]
+    ours = {"embed": lay.embed, "pos": lay.pos, "norm": lay.norm["name"], "head": lay.head["name"]}
+    top = {ours[role]: module for role, module in hf.top.items()}
+    units: dict[str, tuple[str, Mapping[str, str] | None]] = {
+        lay.attn["name"]: hf.attn, lay.mlp["name"]: hf.mlp,
+        **{b["name"]: (hf.norms[role], None) for role, b in lay.norms.items()},
+    }
+    out: dict[str, tuple[str, bool]] = {}
+    for name in names:
+        parts = name.split(".")
+        moe_key = hf_moe.key(hf.blocks, lay, parts, WeightsError)
+        if moe_key is not None:  # a mixture of experts: runtime/hf/moe.py
+            out[name] = (moe_key, False)
+            continue
+        key: str | None = None
+        transposed = False
+        if parts[0] in top:
+            key = f"{top[parts[0]]}.{parts[1]}"
+        elif parts[0] == lay.repeat and len(parts) >= 4 and parts[2] in units:
+            i, unit, rest = parts[1], parts[2], parts[3:]
+            module, projections = units[unit]
+            if projections is None:  # a norm: its parameters directly
+                key = f"{hf.blocks}.{i}.{module}.{rest[0]}"
+            elif rest[0] in projections and rest[1:] == ["norm"]:  # attention's q / k norm scale
+                key = f"{hf.blocks}.{i}.{module}.{rest[0]}_norm.weight"
+            elif rest[0] in projections:
+                key = f"{hf.blocks}.{i}.{module}.{projections[rest[0]]}.{rest[1]}"
+            transposed = hf.transposed and projections is not None and rest[-1] == "weight"
+        if key is None:
+            raise WeightsError(f"parameter {name} has no Hugging Face name")
+        out[name] = (key, transposed)
+    return out
+
+
+# ---------------------------------------------------------------- files from outside
+
+# Every file read from a --weights directory is named by the directory plus a plain name, and a
+# symbolic link among them is followed only where it stays inside the directory or, for a
+# snapshot of the Hugging Face cache (whose files all link to ../../blobs/<sha>), inside that
+# repository's blobs/.  Anything else would read (and an export would disclose) a file the
+# user never named.
+
+
+def _plain_name(name: Any) -> bool:
+    """A file name directly inside a directory: no separators, no ``..``, no NUL."""
+    return (isinstance(name, str) and name not in ("", ".", "..")
+            and not any(c in name for c in "/\\\0"))
+
+
+def _hf_blobs(model_dir: Path) -> Path | None:
+    """``blobs/`` of the Hugging Face cache repository whose snapshot ``model_dir`` (resolved) is."""
+    snapshots, repo = model_dir.parent, model_dir.parent.parent
+    if snapshots.name == "snapshots" and repo.name.startswith("models--") and (repo / "blobs").is_dir():
+        return Path(os.path.realpath(repo / "blobs"))
+    return None
+
+
+def _link_escapes(path: Path, model_dir: Path) -> str | None:
+    """Where ``path`` (a plain name in ``model_dir``) leads when it is a link to a file outside
+    the directory (and outside its cache repository's blobs/), else None."""
+    if not path.is_symlink():
+        return None
+    target = Path(os.path.realpath(path))  # realpath, not resolve: a link loop is a path here
+    root = Path(os.path.realpath(model_dir))
+    blobs = _hf_blobs(root)
+    if target.is_relative_to(root) or (blobs is not None and target.is_relative_to(blobs)):
+        return None
+    return str(target)
+
+
+def _source_file(model_dir: Path, name: str) -> Path:
+    """``model_dir / name`` for reading; ``WeightsError`` if it is a link leading outside."""
+    path = model_dir / name
+    outside = _link_escapes(path, model_dir)
+    if outside is not None:
+        raise WeightsError(
+            f"{path}: a symbolic link to {outside}, outside {model_dir}; expected a file of the model"
+            " directory (or of its Hugging Face cache repository)"
+        )
+    return path
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise WeightsError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise WeightsError(f"{path}: is a directory; expected a JSON file") from None
+    except UnicodeDecodeError as err:
+        raise WeightsError(f"{path}: not UTF-8 text (byte {err.start}); expected a JSON file") from None
+    except OSError as err:
+        raise WeightsError(f"{path}: cannot read it ({err.strerror or err})") from None
+    except ValueError as err:
+        raise WeightsError(f"{path}: not valid JSON ({err})") from None
+    except RecursionError:
+        raise WeightsError(f"{path}: JSON nested too deeply to read") from None
+
+
+def _read_object(path: Path) -> dict[str, Any]:
+    doc = _read_json(path)
+    if not isinstance(doc, dict):
+        raise WeightsError(f"{path}: holds {describe(doc)}; expected a JSON object")
+    return doc
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _positive_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v > 0
+
+
+def _token_ids(v: Any) -> bool:
+    one = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 0  # noqa: E731
+    return one(v) or (isinstance(v, list) and bool(v) and all(one(x) for x in v))
+
+
+_CONFIG_INTS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "intermediate_size", "max_position_embeddings", "original_max_position_embeddings", "sliding_window",
+    "n_embd", "n_layer", "n_head", "n_inner", "n_positions", "n_ctx",
+)
+_CONFIG_NUMBERS = ("rms_norm_eps", "layer_norm_epsilon", "rope_theta")
+_CONFIG_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window",
+                 "scale_attn_weights", "scale_attn_by_inverse_layer_idx")
+_CONFIG_TEXT = ("model_type", "hidden_act", "activation_function", "torch_dtype")
+_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# What each rope type needs besides rope_theta (transformers' rope initialisers read these).
+_ROPE_NEEDS = {
+    "default": (), "linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor"),
+}  # other types: refused by the comparison with the spec, whatever they hold
+_ROPE_LISTS = ("short_factor", "long_factor")  # longrope's: one positive number per rotary frequency
+_ROPE_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "rope_theta", "attention_factor",
+                 "beta_fast", "beta_slow")
+
+
+def _check_fields(doc: Mapping[str, Any], where: str, checks: list[tuple[tuple[str, ...], Callable[[Any], bool], str]]) -> None:
+    for fields, ok, expected in checks:
+        for field in fields:
+            if field in doc and doc[field] is not None and not ok(doc[field]):
+                raise WeightsError(f"{where}: `{field}` is {describe(doc[field])}; expected {expected}")
+
+
+def _check_rope(value: Any, where: str, field: str) -> None:
+    if not isinstance(value, dict):
+        raise WeightsError(f"{where}: `{field}` is {describe(value)}; expected an object (or null)")
+    kind = value.get("rope_type", value.get("type", "default"))
+    if not isinstance(kind, str):
+        raise WeightsError(f"{where}: `{field}.rope_type` is {describe(kind)}; expected a string such as \"llama3\"")
+    for k in _ROPE_NEEDS.get(kind, ()):
+        if value.get(k) is None:
+            expected = ("a positive integer" if k == "original_max_position_embeddings" else
+                        "a list of positive numbers" if k in _ROPE_LISTS else "a positive number")
+            raise WeightsError(f"{where}: `{field}` of type {kind!r} has no `{k}`; expected {expected}")
+    _check_fields(value, f"{where}: `{field}`", [
+        (_ROPE_LISTS, lambda v: isinstance(v, list) and bool(v) and all(_positive_number(x) for x in v),
+         "a list of positive numbers"),
+        (_ROPE_NUMBERS, _positive_number, "a positive number"),
+        (("original_max_position_embeddings",), _positive_int, "a positive integer"),
+    ])
+
+
+def _checked_config(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """``cfg`` with every field meshllm reads type-checked and nulls dropped (null: the default)."""
+    if cfg.get("sliding_window") == 0 and cfg.get("use_sliding_window") is False:
+        cfg = {**cfg, "sliding_window": None}  # how transformers writes "no window" (Qwen2-MoE)
+    _check_fields(cfg, where, [
+        (_CONFIG_INTS, _positive_int, "a positive integer"),
+        (_CONFIG_NUMBERS, _positive_number, "a positive number"),
+        (_CONFIG_BOOLS, lambda v: isinstance(v, bool), "true or false"),
+        (_CONFIG_TEXT, lambda v: isinstance(v, str), "a string"),
+        (_TOKEN_ID_FIELDS, _token_ids, "a token id (an integer >= 0) or a list of them"),
+        (("architectures",), lambda v: isinstance(v, list) and all(isinstance(a, str) for a in v),
+         "a list of class names such as [\"LlamaForCausalLM\"]"),
+    ])
+    for field in ("rope_scaling", "rope_parameters"):
+        if cfg.get(field) is not None:
+            _check_rope(cfg[field], where, field)
+    return {k: v for k, v in cfg.items() if v is not None}
+
+
+def read_config(model_dir: Path) -> dict[str, Any]:
+    """``model_dir/config.json``: a JSON object, every field meshllm reads of the right type."""
+    path = _source_file(model_dir, "config.json")
+    return _checked_config(_read_object(path), str(path))
+
+
+# ---------------------------------------------------------------- config.json
+
+
+def _rope(cfg: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
+    """(rope_theta, scaling or None) from a config of transformers 4 (rope_theta / rope_scaling)
+    or 5 (rope_parameters)."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, Mapping):
+        theta = params.get("rope_theta", cfg.get("rope_theta"))
+        kind = params.get("rope_type", params.get("type", "default"))
+        scaling = None if kind == "default" else dict(params)
+    else:
+        theta = cfg.get("rope_theta", 10000.0)
+        scaling = cfg.get("rope_scaling")
+        scaling = dict(scaling) if scaling else None
+    if scaling is not None:
+        scaling.pop("rope_theta", None)
+        scaling["rope_type"] = scaling.pop("type", scaling.get("rope_type"))
+        if cfg.get("model_type") == "phi3" and scaling["rope_type"] in ("su", "yarn"):
+            scaling["rope_type"] = "longrope"  # Phi3Config reads its older names as longrope
+    return (None if theta is None else float(theta)), scaling
+
+
+def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> dict[str, Any]:
+    """The config.json that describes ``model`` to transformers."""
+    lay = _layout(model)
+    attn, mlp = lay.attn, lay.mlp
+    vocab = padded_vocab(model)[1]
+    tied = bool(lay.head.get("tie"))
+    dtype_name = str(dtype).removeprefix("torch.")
+    if lay.arch == "gemma":
+        return gemma_config(attn, mlp, lay.norm, lay.head, vocab, lay.hidden, lay.count, dtype_name, seq)
+    if lay.arch == "gpt2":
+        return {
+            "architectures": ["GPT2LMHeadModel"],
+            "model_type": "gpt2",
+            "vocab_size": vocab,
+            "n_embd": lay.hidden,
+            "n_layer": lay.count,
+            "n_head": int(attn["heads"]),
+            "n_positions": int(next(x for x in model["layers"] if x["kind"] == "positional")["num"]),
+            "n_inner": int(mlp["ffn"]),
+            "layer_norm_epsilon": float(lay.body[0]["eps"]),
+            "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
+                                    "silu": "silu"}[mlp["act"]],
+            "tie_word_embeddings": tied,
+            "torch_dtype": dtype_name,
+        }
+    qwen = bool(attn.get("qkv_bias")) and not attn.get("o_bias")
+    qk_norm = attn.get("qk_norm", "none")
+    _refuse_olmo2_mismatch(model, lay)
+    arch, model_type = (("Olmo2ForCausalLM", "olmo2") if lay.arch == "olmo2" else
+                        ("Qwen3ForCausalLM", "qwen3") if qk_norm == "head" else
+                        ("Qwen2ForCausalLM", "qwen2") if qwen else ("LlamaForCausalLM", "llama"))
+    window = int(attn.get("window") or 0)
+    if window and (model_type != "llama" or attn.get("global_every")):
+        raise WeightsError(f"model `{model.get('name', 'model')}`: a sliding window "
+                           + ("on some layers only" if attn.get("global_every") else f"in {arch}'s layout")
+                           + " has no Llama-family config.json; expected a window on every layer (Mistral)")
+    if window:
+        arch, model_type = "MistralForCausalLM", "mistral"
+    theta = float(attn["rope_theta"])
+    scaling = attn.get("rope_scaling")
+    rope: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
+    positions = max(seq, int((scaling or {}).get("original_max_position_embeddings", 0)))
+    if scaling:
+        rope = {"rope_theta": theta, **scaling}
+        if scaling["rope_type"] == "dynamic":  # NTK scales from max_position_embeddings itself
+            positions = int(rope.pop("original_max_position_embeddings"))
+    cfg: dict[str, Any] = {
+        "architectures": [arch],
+        "model_type": model_type,
+        "vocab_size": vocab,
+        "hidden_size": lay.hidden,
+        "intermediate_size": int(mlp["ffn"]),
+        "num_hidden_layers": lay.count,
+        "num_attention_heads": int(attn["heads"]),
+        "num_key_value_heads": int(attn["kv_heads"]),
+        "head_dim": int(attn["head_dim"]),
+        "hidden_act": "silu",
+        "rms_norm_eps": float(lay.norm["eps"]),
+        "rope_theta": theta,
+        "rope_scaling": None if rope["rope_type"] == "default" else rope,
+        "rope_parameters": rope,
+        "max_position_embeddings": positions,
+        "tie_word_embeddings": tied,
+        "torch_dtype": dtype_name,
+    }
+    if model_type in ("qwen2", "qwen3"):
+        cfg["use_sliding_window"] = False
+    if window:
+        cfg["sliding_window"] = window
+    if model_type != "qwen2":  # Qwen2's q, k, v biases are the architecture's, not a field
+        cfg["attention_bias"] = bool(attn.get("qkv_bias"))
+    if model_type not in ("qwen2", "olmo2"):  # OLMo 2's MLP has no bias field: never biased
+        cfg["mlp_bias"] = False
+    return hf_moe.hf_config(model, lay, cfg, WeightsError) if hf_moe.is_moe(lay.body) else cfg
+
+
+def _refuse_olmo2_mismatch(model: Mapping[str, Any], lay: _Layout) -> None:
+    """OLMo 2's checkpoints are its exact block: norms after the sublayers with q / k normalised over
+    the whole projection, q, k, v and o biased alike, a dense MLP without bias. ``WeightsError``
+    for a model that has one without the other, which no transformers architecture computes."""
+    attn, name = lay.attn, model.get("name", "model")
+    qk_norm = attn.get("qk_norm", "none")
+    if lay.arch != "olmo2":
+        if qk_norm == "full":
+            raise WeightsError(f"model `{name}`: qk_norm = full (over the whole projection) in a norm-before-"
+                               "sublayer block has no Hugging Face architecture; OLMo 2 (family olmo2) has it "
+                               "with norms after the sublayers")
+        return
+    why = ("its q / k norm is not over the whole projection (qk_norm = full)" if qk_norm != "full" else
+           "q, k, v and o are not biased alike (attention_bias covers all four)"
+           if bool(attn.get("qkv_bias")) != bool(attn.get("o_bias")) else
+           "its MLP has a bias" if lay.mlp.get("bias") else
+           "its MLP is a mixture of experts" if hf_moe.is_moe(lay.body) else None)
+    if why is not None:
+        raise WeightsError(f"model `{name}` has OLMo 2's norms after the sublayers, but {why}; "
+                           "Olmo2ForCausalLM cannot hold it")
+
+
+def _close(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):  # longrope's factors
+        return len(a) == len(b) and all(_close(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=0.0)
+        except (TypeError, ValueError):
+            return False
+    return bool(a == b)
+
+
+# The model types of the llama and olmo2 layouts, and the q / k norm of each (attention's qk_norm).
+_QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head", "phi3": "none", "olmo2": "full"}
+
+
+def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -> None:
+    """Raise ``WeightsError`` naming the first config.json field the model disagrees with."""
+    lay = _layout(model)
+    attn, mlp = lay.attn, lay.mlp
+    cfg = _checked_config(cfg, where)
+    moe_wants: list[tuple[str, Any, Any, str]] = []
+    if hf_moe.is_moe(lay.body):  # checked as the family its attention comes from, and its experts
+        cfg, moe_wants = hf_moe.as_attention_config(model, lay, cfg, where, WeightsError)
+    model_type = cfg.get("model_type")
+    name = model.get("name", "model")
+    if lay.arch == "gemma":
+        return check_gemma_config(attn, mlp, lay.norm, lay.head, padded_vocab(model)[1], lay.hidden, lay.count,
+                                  name, cfg, where, WeightsError)
+    if model_type is None:
+        raise WeightsError(f"{where}: `model_type` is missing; expected one of {', '.join(_QK_NORM)}, gpt2")
+    if (model_type == "olmo2") != (lay.arch == "olmo2"):
+        shape = ("OLMo 2 shaped (norms after the sublayers)" if lay.arch == "olmo2"
+                 else "not OLMo 2 shaped (OLMo 2 has norms after the sublayers, none before)")
+        raise WeightsError(f"{where}: `model_type` is {model_type!r}, but model `{name}` is {shape}")
+    if lay.arch == "olmo2":
+        _refuse_olmo2_mismatch(model, lay)
+
+    def bad(field: str, got: Any, want: Any, what: str) -> WeightsError:
+        if got is None:
+            return WeightsError(f"{where}: `{field}` is missing; model `{name}` has {what} = {want!r}")
+        return WeightsError(
+            f"{where}: `{field}` is {got!r}, but model `{name}` has {what} = {want!r}"
+        )
+
+    _, vocab = padded_vocab(model)
+    if lay.arch == "gpt2":
+        if model_type != "gpt2":
+            raise WeightsError(f"{where}: model_type {model_type!r}, but model `{name}` is GPT-2 shaped")
+        inner = cfg.get("n_inner") or 4 * int(cfg.get("n_embd", 0))
+        wants = [
+            ("vocab_size", cfg.get("vocab_size"), vocab, "vocab"),
+            ("n_embd", cfg.get("n_embd"), lay.hidden, "hidden"),
+            ("n_layer", cfg.get("n_layer"), lay.count, "layers"),
+            ("n_head", cfg.get("n_head"), attn["heads"], "heads"),
+            ("n_inner", inner, mlp["ffn"], "ffn"),
+            ("layer_norm_epsilon", cfg.get("layer_norm_epsilon", 1e-5), lay.body[0]["eps"], "norm_eps"),
+        ]
+        given = cfg.get("activation_function", "gelu_new")
+        act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
+               "relu": "relu", "silu": "silu"}.get(given, given)
+        wants.append(("activation_function", act, mlp["act"], "act"))
+        pos = next(x for x in model["layers"] if x["kind"] == "positional")
+        wants.append(("n_positions", cfg.get("n_positions"), pos["num"], "positions"))
+        for flag, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
+            if bool(cfg.get(flag, ok)) != ok:
+                raise WeightsError(f"{where}: `{flag}` = {cfg.get(flag)!r} changes the attention maths; "
+                                   "meshllm's gpt2 family does not support it")
+    else:
+        if model_type not in _QK_NORM:
+            raise WeightsError(
+                f"{where}: model_type {model_type!r} is not supported ({', '.join(_QK_NORM)}, gpt2)"
+            )
+        theta, scaling = _rope(cfg)
+        heads = cfg.get("num_attention_heads")
+        head_dim = cfg.get("head_dim") or (int(cfg.get("hidden_size", 0)) // int(heads or 1))
+        wants = [
+            ("vocab_size", cfg.get("vocab_size"), vocab, "vocab"),
+            ("hidden_size", cfg.get("hidden_size"), lay.hidden, "hidden"),
+            ("num_hidden_layers", cfg.get("num_hidden_layers"), lay.count, "layers"),
+            ("num_attention_heads", heads, attn["heads"], "heads"),
+            ("num_key_value_heads", cfg.get("num_key_value_heads", heads), attn["kv_heads"], "kv_heads"),
+            ("head_dim", head_dim, attn["head_dim"], "head_dim"),
+            ("intermediate_size", cfg.get("intermediate_size"), mlp["ffn"], "ffn"),
+            # transformers' default eps where a config leaves it out: 1e-5 for OLMo 2, 1e-6 for the rest
+            ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-5 if model_type == "olmo2" else 1e-6), lay.norm["eps"],
+             "norm_eps"),
+            ("rope_theta", theta, attn["rope_theta"], "rope_theta"),
+            ("hidden_act", cfg.get("hidden_act", "silu"), "silu", "SwiGLU's activation"),
+            (f"model_type ({model_type}'s q / k norm)", _QK_NORM[model_type], attn.get("qk_norm", "none"), "qk_norm"),
+        ]
+        qkv_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
+        o_bias = bool(cfg.get("attention_bias", False))
+        wants += [
+            ("attention_bias (q, k, v)", qkv_bias, bool(attn.get("qkv_bias")), "attention bias"),
+            ("attention_bias (o)", o_bias, bool(attn.get("o_bias")), "attention out_bias"),
+            # Olmo2MLP is never biased: transformers ignores an mlp_bias in its config
+            ("mlp_bias", model_type != "olmo2" and bool(cfg.get("mlp_bias", False)), bool(mlp.get("bias")), "mlp bias"),
+        ]
+        window = cfg.get("sliding_window")
+        binding = window is not None and window < int(cfg.get("max_position_embeddings", 0))
+        if binding and model_type not in ("mistral", "phi3") and cfg.get("use_sliding_window"):
+            raise WeightsError(
+                f"{where}: `sliding_window` = {window} limits {model_type}'s attention to a window; meshllm's"
+                " llama family windows Mistral's and Phi-3's attention only"
+            )
+        # Mistral and Phi-3 attend within the window whenever one is set: the model must have the same one
+        # (or none where the window is no shorter than any position).
+        theirs = int(window) if model_type in ("mistral", "phi3") and window is not None else 0
+        ours = int(attn.get("window") or 0)
+        if ours != theirs and (ours or binding):
+            raise bad("sliding_window", window, ours, "window")
+    tied = bool(cfg.get("tie_word_embeddings", lay.arch == "gpt2"))
+    wants.append(("tie_word_embeddings", tied, bool(lay.head.get("tie")), "a tied head"))
+    wants += moe_wants
+    for field, got, want, what in wants:
+        if not _close(got, want):
+            raise bad(field, got, want, what)
+    if lay.arch in ("llama", "olmo2"):
+        ours = attn.get("rope_scaling")
+        theirs = None if scaling is None else _rope_as_read(scaling, cfg)
+        if (theirs is None) != (ours is None) or (
+            theirs is not None
+            and (set(theirs) != set(ours) or any(not _close(theirs[k], v) for k, v in ours.items()))  # type: ignore[union-attr]
+        ):
+            raise bad("rope_scaling", scaling, ours, "rope scaling")
+
+
+# The fields of each rope type transformers reads, with its defaults where a config leaves them out
+# (None: the config's max_position_embeddings); the attention's rope_scaling holds the same.
+_ROPE_READS: dict[str, dict[str, Any]] = {
+    "linear": {"factor": None},
+    "dynamic": {"factor": None},
+    "yarn": {"factor": None, "original_max_position_embeddings": None, "beta_fast": 32, "beta_slow": 1,
+             "truncate": True},
+    "llama3": {"factor": None, "low_freq_factor": None, "high_freq_factor": None, "original_max_position_embeddings": None},
+}
+
+
+def _rope_as_read(scaling: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """A config's rope scaling as transformers uses it: its type's fields, defaults filled in, and
+    for dynamic the length its formula scales from (max_position_embeddings) under the name the
+    attention keeps it (original_max_position_embeddings)."""
+    kind = scaling.get("rope_type")
+    positions = cfg.get("max_position_embeddings")
+    if kind == "longrope":
+        return _longrope_as_read(scaling, cfg)
+    reads = _ROPE_READS.get(kind)  # type: ignore[arg-type]
+    if reads is None:
+        return dict(scaling)  # a type meshllm lacks: never equal to the model's
+    out: dict[str, Any] = {"rope_type": kind}
+    for k, default in reads.items():
+        v = scaling.get(k)
+        if v is None:
+            v = positions if k == "original_max_position_embeddings" else default
+        out[k] = v
+    if kind == "yarn" and scaling.get("attention_factor") is not None:
+        out["attention_factor"] = scaling["attention_factor"]
+    if kind == "dynamic":
+        out["original_max_position_embeddings"] = positions
+    return out
+
+
+def longrope_original(scaling: Mapping[str, Any], cfg: Mapping[str, Any]) -> Any:
+    """The trained length longrope switches factors at, as transformers' standardize_rope_params
+    finds it: a top-level original_max_position_embeddings first (Phi3Config has one, 4096 unless
+    the config says otherwise), then the rope object's, then max_position_embeddings."""
+    top = cfg.get("original_max_position_embeddings")
+    if top is None and cfg.get("model_type") == "phi3":
+        top = 4096
+    return top if top is not None else scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
+
+
+def _longrope_as_read(scaling: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[str, Any]:
+    original = longrope_original(scaling, cfg)
+    factor = scaling.get("factor")
+    if factor is None and original:  # transformers: max_position_embeddings / original
+        factor = cfg.get("max_position_embeddings", 0) / original
+    out = {"rope_type": "longrope", "factor": factor, "original_max_position_embeddings": original,
+           "short_factor": scaling.get("short_factor"), "long_factor": scaling.get("long_factor")}
+    if scaling.get("attention_factor") is not None:
+        out["attention_factor"] = scaling["attention_factor"]
+    return out
+
+
+# ---------------------------------------------------------------- reading
+
+
+class HFCheckpoint:
+    """A Hugging Face model directory: config.json and its safetensors files, opened lazily."""
+
+    def __init__(self, directory: str | Path) -> None:
+        from safetensors import safe_open
+
+        self.dir = Path(directory)
+        if not self.dir.is_dir():
+            raise WeightsError(f"--weights {self.dir}: not a directory")
+        self.config: dict[str, Any] = read_config(self.dir)
+        index = self.dir / "model.safetensors.index.json"
+        files: list[Path]
+        if index.exists() or index.is_symlink():
+            files = self._indexed(_source_file(self.dir, index.name))
+        else:
+            files = [_source_file(self.dir, f.name) for f in sorted(self.dir.glob("*.safetensors"))]
+            if not files:
+                raise WeightsError(f"--weights {self.dir}: no *.safetensors files (and no index)")
+        self.where: dict[str, Path] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.dtypes: dict[str, str] = {}  # safetensors' names: F32, BF16, I32, BOOL, ...
+        self.bytes_read = 0  # what this rank has read of the tensors (for tests and reports)
+        for f in files:
+            try:
+                # Opened once to let safetensors validate the file, then closed: tensors are read
+                # later through a short-lived mapping each (see ``open``).
+                with safe_open(str(f), framework="pt") as handle:
+                    keys = list(handle.keys())
+                size = f.stat().st_size
+            except FileNotFoundError:
+                raise WeightsError(f"{f}: listed in {index.name} but missing") from None
+            except Exception as err:  # noqa: BLE001 - safetensors raises its own error types
+                raise WeightsError(f"{f}: not a readable safetensors file ({err})") from None
+            header = self._header(f, keys, size)
+            for k in keys:
+                if k in self.where:
+                    raise WeightsError(f"tensor {k} is stored twice: in {self.where[k]} and in {f}")
+                self.where[k] = f
+                self.shapes[k] = tuple(header[k]["shape"])
+                self.dtypes[k] = str(header[k]["dtype"])
+
+    def _indexed(self, index: Path) -> list[Path]:
+        """The files ``model.safetensors.index.json`` names: plain names of this directory only."""
+        weight_map = _read_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise WeightsError(
+                f"{index}: `weight_map` is {describe(weight_map) if weight_map is not None else 'missing'};"
+                " expected an object of tensor name -> safetensors file name"
+            )
+        files: set[Path] = set()
+        for key, name in weight_map.items():
+            if not _plain_name(name):
+                raise WeightsError(
+                    f"{index}: the entry for {key} names {describe(name)}; expected the name of a file"
+                    f" in {self.dir} (no directories, no ..)"
+                )
+            files.add(_source_file(self.dir, name))
+        return sorted(files)
+
+    @staticmethod
+    def _header(f: Path, keys: list[str], size: int) -> dict[str, Any]:
+        # safetensors checks the header against the file length; double-check every tensor's end.
+        import struct
+
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header: dict[str, Any] = json.loads(fh.read(n))
+        for k in keys:
+            end = header[k]["data_offsets"][1]
+            if 8 + n + end > size:
+                raise WeightsError(
+                    f"{f}: truncated ({size} bytes); tensor {k} needs bytes up to {8 + n + end}"
+                )
+        return header
+
+    def key(self, key: str) -> str | None:
+        """``key`` as stored: GPT-2 checkpoints from the hub omit the ``transformer.`` prefix."""
+        if key in self.where:
+            return key
+        if key.startswith("transformer.") and key[len("transformer."):] in self.where:
+            return key[len("transformer."):]
+        return None
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.shapes[key]
+
+    @contextlib.contextmanager
+    def open(self, key: str) -> Iterator[Any]:
+        """``get_slice(key)`` of a mapping that lives only while one tensor is read, so the file
+        pages a rank touches (all of them for a column slice) leave its memory straight after."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.where[key]), framework="pt") as handle:
+            yield handle.get_slice(key)
+
+
+def _runs(idx: Tensor) -> list[tuple[int, int]]:
+    """Maximal runs [a, b) of consecutive values in the index list ``idx``."""
+    values = idx.tolist()
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and runs[-1][1] == v:
+            runs[-1] = (runs[-1][0], v + 1)
+        else:
+            runs.append((v, v + 1))
+    return runs
+
+
+def _local_indices(spec: ShardSpec, mesh: Mesh) -> list[Tensor]:
+    """Per dim, the full-tensor indices this rank's shard holds (mirrors ``local_slice``)."""
+    idx = [torch.arange(n) for n in spec.shape]
+    for k, (dim, axes) in enumerate(spec.dims):
+        n, i = mesh.size(*axes), mesh.index(*axes)
+        parts = list(idx[dim].split(list(spec.segments))) if (k == 0 and spec.segments) else [idx[dim]]
+        idx[dim] = torch.cat([p.chunk(n)[i] for p in parts])
+    return idx
+
+
+def local_from_hf(
+    ckpt: HFCheckpoint, key: str, transposed: bool, spec: ShardSpec, mesh: Mesh, dtype: torch.dtype
+) -> Tensor:
+    """This rank's shard of one HF tensor, read slice by slice (rows past the stored ones: zeros)."""
+    if hf_moe.is_stacked(key):  # one stored tensor per expert
+        return hf_moe.local_stacked(ckpt, key, spec, mesh, dtype, local_from_hf)
+    if hf_fused.rows(key) is not None:  # a part of a fused tensor (Phi-3's qkv_proj, gate_up_proj)
+        return hf_fused.local_rows(ckpt, key, _local_indices(spec, mesh), dtype)
+    idx = _local_indices(spec, mesh)
+    stored = ckpt.shape(key)
+    stored_ours = tuple(reversed(stored)) if transposed else stored
+    out = torch.zeros([len(i) for i in idx], dtype=dtype)
+    # Which local positions come from which stored ranges, per dim (padding rows stay zero).
+    per_dim: list[list[tuple[int, int, int]]] = []  # (local start, full start, length)
+    for d, ix in enumerate(idx):
+        runs, pos = [], 0
+        for a, b in _runs(ix):
+            b2 = min(b, stored_ours[d])
+            if b2 > a:
+                runs.append((pos, a, b2 - a))
+            pos += b - a
+        per_dim.append(runs)
+
+    def visit(sl: Any, d: int, local: list[slice], full: list[slice]) -> None:
+        if d == len(idx):
+            index = tuple(reversed(full)) if transposed else tuple(full)
+            piece = sl[index]
+            ckpt.bytes_read += piece.numel() * piece.element_size()
+            out[tuple(local)] = (piece.t() if transposed else piece).to(dtype)
+            return
+        for pos, a, n in per_dim[d]:
+            visit(sl, d + 1, [*local, slice(pos, pos + n)], [*full, slice(a, a + n)])
+
+    with ckpt.open(key) as sl:
+        visit(sl, 0, [], [])
+    return out
+
+
+def plan_load(
+    ckpt: HFCheckpoint, model: Mapping[str, Any], specs: Mapping[int, Mapping[str, ShardSpec]]
+) -> dict[str, tuple[str, bool]]:
+    """Check the checkpoint against every parameter of every stage (not only this rank's), so
+    every rank finds the same first problem; return our name -> (stored key, transposed)."""
+    check_config(model, ckpt.config, str(ckpt.dir / "config.json"))
+    full_shapes: dict[str, tuple[int, ...]] = {}
+    for stage in specs.values():
+        for name, spec in stage.items():
+            full_shapes[name] = spec.shape
+    keys = hf_key_map(model, sorted(full_shapes))
+    model_type = ckpt.config.get("model_type")
+    if model_type in hf_fused.MODEL_TYPES:  # Phi-3: q / k / v and gate / up stored as one tensor each
+        keys = hf_fused.fuse_keys(keys, full_shapes, model_type)
+    rows, vocab = padded_vocab(model)
+    lay = _layout(model)
+    out: dict[str, tuple[str, bool]] = {}
+    for name in sorted(full_shapes):
+        key, transposed = keys[name]
+        if hf_moe.is_stacked(key):
+            hf_moe.check_stacked(ckpt, key, full_shapes[name], name, _FLOATING, WeightsError)
+            out[name] = (key, False)
+            continue
+        stored_key = ckpt.key(hf_fused.base(key))
+        if stored_key is None:
+            files = sorted({p.name for p in ckpt.where.values()})
+            raise WeightsError(
+                f"tensor {key} (for {name}) is missing from {ckpt.dir} ({', '.join(files)})"
+            )
+        dtype = ckpt.dtypes.get(stored_key)
+        if dtype not in _FLOATING:
+            raise WeightsError(
+                f"tensor {stored_key} in {ckpt.where[stored_key]} is stored as {dtype}, but {name} is a"
+                f" floating-point parameter; expected one of {', '.join(sorted(_FLOATING))}"
+            )
+        want = full_shapes[name]
+        if name.split(".")[0] in (lay.embed, lay.head["name"]) and rows != vocab:
+            want = (vocab, *want[1:])  # the checkpoint has the real vocab; padding rows are ours
+        want_stored = hf_fused.stored_shape(key, tuple(reversed(want)) if transposed else want)
+        got = ckpt.shape(stored_key)
+        if got != want_stored:
+            raise WeightsError(
+                f"tensor {stored_key} in {ckpt.where[stored_key]} has shape {got}, but {name} "
+                f"needs {want_stored}" + (" (stored transposed, [in, out])" if transposed else "")
+            )
+        out[name] = (hf_fused.rekey(key, stored_key), transposed)
+    return out
+
+
+# Stored tensors that hold no parameter: buffers older transformers versions saved (GPT-2's causal
+# mask, Llama's rotary frequencies), which transformers itself skips on load.
+_BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
+EXTRA_POLICIES = ("error", "ignore")
+
+
+def check_weights(directory: str | Path, program: Any, extra: str = "error") -> list[str]:
+    """Everything about ``--weights DIR`` that can be known before any rank starts (reads only
+    config.json, the index and the safetensors headers): ``WeightsError`` naming the first problem.
+
+    Tensors the model has no place for (a layer it does not have, a bias it does not use) are an
+    error, or with ``extra="ignore"`` returned so the caller can warn about them.
+    """
+    ckpt = HFCheckpoint(directory)
+    specs = {i: dict(stage.params()) for i, stage in enumerate(program.stages)}
+    shapes = {name: spec.shape for stage in specs.values() for name, spec in stage.items()}
+    used = {ckpt.key(hf_fused.base(k)) or k for name, (key, _) in plan_load(ckpt, program.model, specs).items()
+            for k in hf_moe.stored(key, shapes[name])}
+    tied = bool(_layout(program.model).head.get("tie"))
+    extras = sorted(
+        k for k in ckpt.where
+        if k not in used and not _BUFFERS.search(k) and not (tied and k.endswith("lm_head.weight"))
+    )
+    if extras and extra != "ignore":
+        raise WeightsError(
+            f"{ckpt.dir}: {len(extras)} tensor{'s' * (len(extras) > 1)} that model "
+            f"`{program.model.get('name', 'model')}` has no place for ({_some(extras)}); "
+            "pass --weights-extra ignore to load the rest anyway"
+        )
+    return extras
+
+
+def extras_note(directory: str | Path, extras: list[str]) -> str:
+    """The warning for tensors ``--weights-extra ignore`` let through."""
+    return (f"--weights {directory}: ignoring {len(extras)} tensor{'s' * (len(extras) > 1)} the model has"
+            f" no place for ({_some(extras)})")
+
+
+def _some(names: list[str], n: int = 3) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+# ---------------------------------------------------------------- writing
+
+
+# `meshc compile -o` and `--export-hf` share one rule for output directories (runtime/outputs.py):
+# a new or empty directory, or one whose marker file says meshc wrote it; only meshc's own, unedited
+# files of the names it writes are ever replaced (each atomically), and nothing else is touched.
+_EXPORT_NAMES = re.compile(r"config\.json|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+
+
+class ExportError(Exception):
+    """``--export-hf DIR`` cannot be written without replacing something; nothing was written."""
+
+
+def _export_name(name: str) -> bool:
+    return bool(_EXPORT_NAMES.fullmatch(name)) or name in _TOKENIZER_FILES
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _export_state(out: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """(files, pending) of the meshc manifest of the existing directory ``out``: what an export
+    may replace there.  ``ExportError`` when anything of a name it writes is not its own."""
+    flag = f"--export-hf {out}"
+    entries = sorted(out.iterdir())
+    if not entries:
+        return {}, {}
+    manifest = read_manifest(out)
+    if manifest is None:
+        raise ExportError(
+            f"{flag}: the directory is not empty and meshc did not write it (no {MANIFEST}); expected a"
+            " new or empty directory, or one meshc exported to before"
+        )
+    owned, pending = manifest
+    foreign = sorted(n for n in {**owned, **pending} if not _export_name(n))
+    if foreign:
+        raise ExportError(f"{flag}: holds meshc's generated files ({_some(foreign)}), not an export;"
+                          " choose another directory")
+    for entry in entries:
+        if entry.name == MANIFEST or not _export_name(entry.name):
+            continue  # never written, never touched
+        if entry.is_symlink() or not entry.is_file():
+            why = "is not a regular file meshc wrote"
+        elif entry.name not in owned and entry.name not in pending:
+            why = "exists and was not written by meshc"
+        elif _file_sha256(entry) not in (owned.get(entry.name), pending.get(entry.name)):
+            why = "was changed since meshc wrote it"
+        else:
+            continue
+        raise ExportError(f"{flag}: {entry.name} {why}; nothing was written (move it, or choose another directory)")
+    return owned, pending
+
+
+def check_export_dir(out: str | Path, weights: str | Path | None = None) -> None:
+    """Before any training: ``ExportError`` unless ``--export-hf out`` can be written without
+    replacing anything that is not meshc's own export (see ``_export_state``), or ``weights``."""
+    out = Path(out)
+    flag = f"--export-hf {out}"
+    if out.is_symlink() and not out.exists():
+        raise ExportError(f"{flag}: a dangling symbolic link; expected a new or empty directory")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"{flag}: exists and is not a directory; expected a new or empty directory, "
+                          "or one meshc exported to before")
+    if weights is not None:
+        real_out, real_in = Path(os.path.realpath(out)), Path(os.path.realpath(weights))
+        if real_out.is_relative_to(real_in):
+            where = "is" if real_out == real_in else "is inside"
+            raise ExportError(f"{flag}: {where} the --weights directory {weights}; the export would"
+                              " overwrite the model it was read from; choose another directory")
+        _check_source_files(Path(weights))
+    if out.is_dir():
+        _export_state(out)
+        probe = out
+    else:
+        probe = next((q for q in out.absolute().parents if q.exists()), Path("/"))
+        if not probe.is_dir():
+            raise ExportError(f"{flag}: {probe} is not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ExportError(f"{flag}: {probe} is not writable")
+
+
+def _check_source_files(src: Path) -> None:
+    """The JSON files an export copies from ``src`` verbatim, as transformers will read them back:
+    objects, and generation_config.json's token ids token ids (a link leading outside is skipped
+    at export, so not read here either)."""
+    for name in ("generation_config.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "tokenizer.json", "vocab.json"):
+        path = src / name
+        if path.is_file() and _link_escapes(path, src) is None:
+            doc = _read_object(path)
+            if name == "generation_config.json":
+                _check_fields(doc, str(path), [
+                    (_TOKEN_ID_FIELDS + ("decoder_start_token_id",), _token_ids,
+                     "a token id (an integer >= 0) or a list of them"),
+                    (("max_new_tokens", "max_length"), _positive_int, "a positive integer"),
+                ])
+
+
+class _ExportWriter:
+    """Writes an export directory file by file: a new directory appears whole (a temporary sibling
+    renamed into place); in one meshc exported to before, each file is replaced atomically, with
+    the manifest naming old and new hashes (`pending`) in between, and stale files of the earlier
+    export (a shard count that changed) are removed if unedited."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.fresh = out, not out.exists()
+        if self.fresh:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            self.dir = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+            self.owned: dict[str, str] = {}
+            self.pending: dict[str, str] = {}
+        else:
+            self.dir = out
+            owned, self.pending = _export_state(out)
+            self.owned = {n: h for n, h in owned.items() if (out / n).is_file()}
+        self.written: dict[str, str] = {}
+        self.umask = os.umask(0)
+        os.umask(self.umask)
+
+    def _manifest(self, files: Mapping[str, str], pending: Mapping[str, str]) -> None:
+        write_file_atomic(self.dir / MANIFEST, manifest_bytes(files, pending))
+
+    def put(self, name: str, write: Callable[[Path], None]) -> None:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=self.dir)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            write(tmp)
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            self.written[name] = _file_sha256(tmp)
+            if not self.fresh:
+                self._manifest(self.owned, {**self.pending, **self.written})
+            os.chmod(tmp, 0o666 & ~self.umask)
+            os.replace(tmp, self.dir / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def finish(self) -> None:
+        for name, digest in self.owned.items():
+            if name not in self.written and _file_sha256(self.dir / name) == digest:
+                (self.dir / name).unlink()
+        kept = {n: h for n, h in self.owned.items() if n not in self.written and (self.dir / n).is_file()}
+        self._manifest({**kept, **self.written}, {})
+        if self.fresh:
+            os.chmod(self.dir, 0o777 & ~self.umask)
+            os.rename(self.dir, self.out)  # not replace: a directory that appeared meanwhile is not ours
+
+    def abandon(self) -> None:
+        if self.fresh:
+            import shutil
+
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _copy_source_files(src: Path, writer: _ExportWriter) -> None:
+    """The tokenizer files of the --weights directory, into the export (links: see _link_escapes)."""
+    for name in _TOKENIZER_FILES:
+        path = src / name
+        outside = _link_escapes(path, src)
+        if outside is not None:
+            print(f"--export-hf: not copying {path}: a symbolic link to {outside}, outside the model"
+                  " directory", file=sys.stderr, flush=True)
+        elif path.is_file():
+            data = path.read_bytes()
+            writer.put(name, lambda tmp, data=data: tmp.write_bytes(data))  # type: ignore[misc]
+
+
+def _stage_holder(built: Any, stage: int) -> int:
+    return built._pipeline_rank(stage) if built.program.pipeline_axis else built.mesh.rank
+
+
+@torch.no_grad()
+def export_hf(
+    built: Any,
+    directory: str | Path,
+    source: str | Path | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> str | None:
+    """Write ``built``'s weights as a Hugging Face model directory (collective; rank 0 writes).
+
+    Returns, on the rank that wrote, the line that says what was written (None elsewhere).
+
+    One tensor at a time is gathered to full shape and handed to the mesh's first rank, so no
+    rank holds more than one full tensor beyond its shards.  ``source``: the --weights directory,
+    whose config.json (architecture, token ids, ...) and tokenizer files are carried over.
+    """
+    from safetensors.torch import save_file
+
+    program, mesh = built.program, built.mesh
+    model = program.model
+    first = mesh.rank == mesh.ranks[0]
+    out_dir = Path(directory)
+    rows, vocab = padded_vocab(model)
+    lay = _layout(model)
+    order: list[tuple[int, str, ShardSpec]] = []
+    seen: set[str] = set()
+    for i in range(len(program.stages)):
+        for name, spec in sorted(built.specs[i].items()):
+            if name not in seen:
+                seen.add(name)
+                order.append((i, name, spec))
+    keys = hf_key_map(model, [n for _, n, _ in order])
+    source_type = _read_object(_source_file(Path(source), "config.json")).get("model_type") if source is not None else None
+    if source_type in hf_fused.MODEL_TYPES:  # written fused, as the source stores them (Phi-3)
+        keys = hf_fused.fuse_keys(keys, {n: spec.shape for _, n, spec in order}, source_type)
+    tied = bool(lay.head.get("tie"))
+    itemsize = torch.empty((), dtype=program.dtype).element_size()
+
+    def out_shape(name: str, spec: ShardSpec) -> tuple[int, ...]:
+        shape = spec.shape
+        if name.split(".")[0] == lay.embed and rows != vocab:
+            shape = (vocab, *shape[1:])
+        return tuple(reversed(shape)) if keys[name][1] else shape
+
+    # Shard files planned up front from shapes alone, so their names carry the count (-of-N).
+    files: list[list[str]] = [[]]
+    size = 0
+    total = 0
+    for _, name, spec in order:
+        nbytes = math.prod(out_shape(name, spec)) * itemsize
+        total += nbytes
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    n_files = len(files)
+    file_of = {
+        name: ("model.safetensors" if n_files == 1 else f"model-{k + 1:05d}-of-{n_files:05d}.safetensors")
+        for k, names in enumerate(files)
+        for name in names
+    }
+    pp_group = mesh.group(program.pipeline_axis) if program.pipeline_axis else None
+    pending: dict[str, Tensor] = {}
+    fusing: dict[str, dict[int, Tensor]] = {}  # fused tensors' parts gathered so far
+    weight_map: dict[str, str] = {}
+    writer = _ExportWriter(out_dir) if first else None
+    try:
+        stage_of = {n: s for s, n, _ in order}
+        for names in files:
+            for name in names:
+                i = stage_of[name]
+                spec = built.specs[i][name]
+                if i in built.modules:
+                    full = gather_full(tp_local(built.modules[i].get_parameter(spec.local).detach()), spec, mesh)
+                else:
+                    full = torch.empty(spec.shape, dtype=program.dtype, device=built.device)
+                if pp_group is not None:
+                    # [full shape]: from the pipeline rank holding stage i to the rest of its group.
+                    dist.broadcast(full, src=_stage_holder(built, i), group=pp_group)
+                if writer is not None:
+                    key, transposed = keys[name]
+                    if hf_moe.is_stacked(key):  # one stored tensor per expert
+                        for one, part in hf_moe.split_stacked(key, full).items():
+                            pending[one], weight_map[one] = part.to("cpu").contiguous().clone(), file_of[name]
+                        continue
+                    if name.split(".")[0] == lay.embed and rows != vocab:
+                        full = full[:vocab]
+                    t = full.t() if transposed else full
+                    hf_fused.put(pending, weight_map, fusing, key, t.detach().to("cpu").contiguous().clone(), file_of[name])
+            if writer is not None:
+                tensors, pending = pending, {}
+                writer.put(file_of[names[0]],
+                           lambda tmp, t=tensors: save_file(t, str(tmp), metadata={"format": "pt"}))  # type: ignore[misc]
+        if writer is None:
+            return None
+        if n_files > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+            writer.put("model.safetensors.index.json", _text(json.dumps(index, indent=2) + "\n"))
+        cfg = hf_config(model, program.dtype, program.seq)
+        if source is not None:
+            src = Path(source)
+            # Nulls kept as they are: for some fields (Mistral's sliding_window) null is not the default.
+            src_cfg = _read_object(_source_file(src, "config.json"))
+            src_cfg["torch_dtype"] = cfg["torch_dtype"]
+            src_cfg.pop("dtype", None)
+            cfg = src_cfg
+            _copy_source_files(src, writer)
+        if tied:
+            cfg["tie_word_embeddings"] = True
+        writer.put("config.json", _text(json.dumps(cfg, indent=2, sort_keys=True) + "\n"))
+        writer.finish()
+        return (f"exported {len(order)} tensors ({total / 2**20:,.1f} MiB {cfg['torch_dtype']}, "
+                f"{n_files} safetensors file{'s' * (n_files > 1)}) to {out_dir}")
+    except BaseException:
+        if writer is not None:
+            writer.abandon()
+        raise
+
+
+def _text(text: str) -> Callable[[Path], None]:
+    return lambda tmp: tmp.write_text(text, encoding="utf-8")  # type: ignore[func-returns-value]

@@ -1,0 +1,1 @@
+"""The layers generated code calls, the unsharded reference model and generation."""

@@ -1,0 +1,422 @@
+"""Layers and functions called by generated stage modules.
+
+Numerics follow HF ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` so their checkpoints load unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed import ProcessGroup
+
+from meshllm_dsl.runtime.model import rope
+from meshllm_dsl.runtime.parallel.collectives import all_gather_cat
+
+__all__ = [
+    "DecodeSession",
+    "KVCache",
+    "LayerNorm",
+    "RMSNorm",
+    "VocabParallelEmbedding",
+    "activation",
+    "apply_rotary",
+    "attention",
+    "cross_entropy",
+    "mask_vocab",
+    "positions",
+    "vocab_parallel_cross_entropy",
+]
+
+LayerNorm = nn.LayerNorm
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # HF upcasts half precision to float32; float64 (used by exactness tests) stays float64.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    in_dtype = x.dtype
+    h = x.to(_compute_dtype(in_dtype))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(in_dtype)
+
+
+def offset_rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
+    """Gemma's RMSNorm: x normalised and scaled by (offset + weight), both in fp32, then cast to
+    x's dtype (HF ``Gemma2RMSNorm``: the weight is stored as its difference from one)."""
+    h = x.to(_compute_dtype(x.dtype))
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (offset + weight.to(h.dtype))).to(x.dtype)
+
+
+class _RMSNormFn(torch.autograd.Function):
+    """RMSNorm that keeps only its input and the fp32 reciprocal RMS per token for backward.
+
+    Plain autograd over ``_rms_norm`` also keeps an fp32 copy of the input (half precision) and
+    the normalised tensor the weight multiplies: up to 3 x [tokens, dim] where backward needs one.
+    The gradient is written out (d/dh of h r with r = rsqrt(mean(h^2) + eps)):
+    dh = r (dn - h r^2 mean(dn h)), in the same dtypes autograd would use.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        in_dtype = x.dtype
+        h = x.to(_compute_dtype(in_dtype))
+        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (h * rstd).to(in_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, weight, rstd = ctx.saved_tensors
+        in_dtype = x.dtype
+        h = x.to(rstd.dtype)
+        gw = None
+        if ctx.needs_input_grad[1]:
+            n = (h * rstd).to(in_dtype)
+            gw = (grad * n).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+        gx = None
+        if ctx.needs_input_grad[0]:
+            dn = (grad * weight).to(rstd.dtype)
+            c = (dn * h).mean(-1, keepdim=True)
+            # dh = rstd (dn - h r^2 c) with the products in place, in the order that expression
+            # takes them (so bit for bit): three [tokens, dim] buffers in the compute dtype at
+            # once (h, dn and one), not the expression's five.
+            t = h * (rstd * rstd)
+            dn.sub_(t.mul_(c)).mul_(rstd)
+            del t
+            gx = dn.to(in_dtype)
+        return gx, gw, None
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalise in float32, scale in the input dtype (as HF does).
+
+    When training, only the input and the reciprocal RMS are kept for backward (``_RMSNormFn``).
+    """
+
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0, scale_fp32: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.offset = offset
+        self.scale_fp32 = scale_fp32  # OLMo 2: weight * x in fp32, then the cast (offset 0 below)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.offset or self.scale_fp32:
+            return offset_rms_norm(x, self.weight, self.eps, self.offset)
+        if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+            return _RMSNormFn.apply(x, self.weight, self.eps)
+        return _rms_norm(x, self.weight, self.eps)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows [start, start + local_num) of the full table.
+
+    Tokens outside the shard produce zeros, so the output is Partial over the vocab axis: generated
+    code sums it with ``reduce_from``.  With ``start=0`` and the full vocab it is a plain embedding.
+    """
+
+    def __init__(self, local_num: int, dim: int, start: int = 0) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(local_num, dim).normal_(0.0, 0.02))
+        self.start = start
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        local = tokens - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class KVCache:
+    """Keys and values of one attention layer seen so far, [b, kv_heads_local, t, head_dim].
+
+    With a sliding window only the last ``window - 1`` positions stay after a step: the next token
+    attends to itself and those, never further back, so a windowed layer's cache never grows past
+    the window however long the generation runs."""
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+        self.seen = 0  # positions this cache has been given (the held ones are the last `length`)
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def update(self, k: Tensor, v: Tensor, window: int = 0) -> tuple[Tensor, Tensor]:
+        """The held keys / values followed by the new ones (what this step attends to); keeps at most
+        ``window - 1`` of them for the next step when ``window`` is set."""
+        full_k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        full_v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        self.seen += k.shape[2]
+        keep = full_k.shape[2] if not window else min(full_k.shape[2], window - 1)
+        self.k, self.v = full_k[:, :, full_k.shape[2] - keep:], full_v[:, :, full_v.shape[2] - keep:]
+        return full_k, full_v
+
+    def reset(self) -> None:
+        self.k = self.v = None
+        self.seen = 0
+
+
+class DecodeSession:
+    """KV caches of one rank's attention layers during incremental decoding.
+
+    Generated ``forward`` methods call ``attention(q, k, v)`` and ``positions(s, device)`` with no
+    cache argument; while a session step is active, attention call number i of the forward uses
+    cache i and positions start after the tokens already cached.  So any generated stage decodes
+    incrementally unchanged, and each rank caches only its own kv heads: the cache is sharded over
+    the tensor axis exactly like k and v.
+    """
+
+    def __init__(self) -> None:
+        self.caches: list[KVCache] = []
+        self.offset = 0
+        self._calls = 0
+
+    def next_cache(self) -> KVCache:
+        if self._calls == len(self.caches):
+            self.caches.append(KVCache())
+        self._calls += 1
+        return self.caches[self._calls - 1]
+
+    @contextlib.contextmanager
+    def step(self, seq: int) -> Iterator[None]:
+        """One forward over ``seq`` new tokens; afterwards they count as cached."""
+        global _ACTIVE
+        self._calls, _ACTIVE = 0, self
+        try:
+            yield
+        finally:
+            _ACTIVE = None
+        self.offset += seq
+
+
+_ACTIVE: DecodeSession | None = None
+
+
+def positions(seq: int, device: torch.device | str | None = None, offset: int = 0) -> Tensor:
+    """Token positions offset .. offset + seq - 1 (int64), after any cached tokens when decoding."""
+    if _ACTIVE is not None:
+        offset += _ACTIVE.offset
+    return torch.arange(offset, offset + seq, device=device, dtype=torch.long)
+
+
+def _rotate(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """x cos + rotate_half(x) sin, as roll(x, d / 2) sin_signed: [.., head_dim] in and out."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
+class _Rotary(torch.autograd.Function):
+    """x cos + rotate_half(x) sin for q and k as one Function.
+
+    rotate_half(x) sin = roll(x, d / 2) sin_signed, with sin_signed = (-sin_1, sin_2) over the two
+    halves, so forward is 4 kernels per tensor and backward, dx = g cos + roll(g sin_signed, d / 2)
+    (a half-roll is its own inverse), 4 more; autograd over rotate_half's chunk / neg / cat took
+    about twice as many.  Bit for bit the same values: only signs move between factors.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, cos: Tensor, sin_signed: Tensor) -> tuple[Tensor, Tensor]:
+        ctx.save_for_backward(cos, sin_signed)
+        return _rotate(q, cos, sin_signed), _rotate(k, cos, sin_signed)
+
+    @staticmethod
+    def backward(ctx: Any, gq: Tensor, gk: Tensor) -> tuple[Tensor | None, Tensor | None, None, None]:
+        cos, sin_signed = ctx.saved_tensors
+        half = cos.shape[-1] // 2
+        dq = gq * cos + (gq * sin_signed).roll(half, -1) if ctx.needs_input_grad[0] else None
+        dk = gk * cos + (gk * sin_signed).roll(half, -1) if ctx.needs_input_grad[1] else None
+        return dq, dk, None, None
+
+
+def apply_rotary(
+    q: Tensor,
+    k: Tensor,
+    pos: Tensor,
+    theta: float,
+    scaling: tuple[tuple[str, Any], ...] | None = None,
+) -> tuple[Tensor, Tensor]:
+    """HF Llama rotary (rotate_half) on q, k shaped [b, s, heads, head_dim]; pos is [s] or [b, s].
+
+    ``scaling``: the rope scaling's (field, value) pairs, HF's names (runtime/model/rope.py).
+    """
+    d = q.shape[-1]
+    # dynamic and longrope read the largest position + 1 (a host sync only for them)
+    seq_len = int(pos.max()) + 1 if rope.depends_on_length(scaling) else 0
+    inv_freq, attention_factor = rope.inv_freq(d, float(theta), scaling, seq_len, q.device)
+    # cos/sin are computed in float32 (as HF does), scaled by yarn's / longrope's attention factor,
+    # and only then cast to the activation dtype.
+    freqs = pos.to(torch.float32).unsqueeze(-1) * inv_freq  # [.., s, d/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    cos, sin = cos.to(q.dtype), sin.to(q.dtype)
+    sin_signed = torch.cat((-sin[..., : d // 2], sin[..., d // 2 :]), dim=-1)
+    cos, sin_signed = cos.unsqueeze(-2), sin_signed.unsqueeze(-2)  # broadcast over heads
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        return _Rotary.apply(q, k, cos, sin_signed)
+    return _rotate(q, cos, sin_signed), _rotate(k, cos, sin_signed)
+
+
+def _allowed(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
+    """[s, t] True where query position q_pos[i] may attend to key position k_pos[j]: causal, and
+    within the last ``window`` positions (itself included) when a window is set (HF's
+    ``sliding_window_overlay``: kv_idx > q_idx - window)."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    return allowed
+
+
+def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, softcap: float) -> Tensor:
+    """Attention with logits soft-capped (tanh(x / cap) * cap) before the mask, softmax in fp32 (as
+    HF's eager attention, which Gemma needs: SDPA has no soft-capping). q [b, h, s, d], k / v
+    [b, kvh, t, d] -> [b, h, s, d]."""
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=_compute_dtype(q.dtype)).to(q.dtype) @ v
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    kv_cache: KVCache | None = None,
+    window: int = 0,
+    scale: float | None = None,
+    softcap: float = 0.0,
+) -> Tensor:
+    """Causal GQA attention: q [b, s, h, d], k/v [b, s, kvh, d] -> [b, s, h * d].
+
+    KV head j serves query heads j*n_rep .. (j+1)*n_rep - 1 (HF ``repeat_kv``), which is also what
+    makes column-sharding q, k, v by heads consistent.  With a cache, the new tokens attend to
+    every cached position and causally among themselves.  ``window``: each token attends to the
+    last ``window`` positions only (itself included; Mistral / Gemma sliding-window layers), and a
+    decoding cache holds no more than that.  ``scale``: the logit scale (default 1 / sqrt(d));
+    ``softcap``: logits become tanh(x / softcap) * softcap (Gemma 2).
+    """
+    b, s, h, d = q.shape
+    if kv_cache is None and _ACTIVE is not None:
+        kv_cache = _ACTIVE.next_cache()
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    past = held = 0
+    if kv_cache is not None:
+        held, past = kv_cache.length, kv_cache.seen
+        kh, vh = kv_cache.update(kh, vh, window)
+    # enable_gqa: the kernel reads kv head j for query heads j*n_rep.. itself, so backward keeps
+    # k and v at kv_heads rather than copies repeated to every query head.
+    gqa = h != kh.shape[1]
+    if past == 0 and not window and not softcap:
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa, scale=scale)
+    else:
+        q_pos = past + torch.arange(s, device=q.device)
+        k_pos = past - held + torch.arange(kh.shape[2], device=q.device)
+        allowed = _allowed(q_pos, k_pos, window)
+        if softcap:
+            out = _softcapped_attention(qh, kh, vh, allowed, 1.0 / math.sqrt(d) if scale is None else scale, softcap)
+        else:
+            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, enable_gqa=gqa, scale=scale)
+    return out.transpose(1, 2).reshape(b, s, h * d)
+
+
+_ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def activation(name: str) -> Callable[[Tensor], Tensor]:
+    """Element-wise activation by name (swiglu is spelled out by generated code with silu)."""
+    try:
+        return _ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown activation {name!r}; expected one of {sorted(_ACTIVATIONS)}"
+        ) from None
+
+
+def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Mean token cross-entropy of full logits [..., V] against targets [...]."""
+    flat = logits.reshape(-1, logits.shape[-1]).to(_compute_dtype(logits.dtype))
+    return F.cross_entropy(flat, targets.reshape(-1))
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, logits: Tensor, targets: Tensor, group: ProcessGroup, vocab_start: int
+    ) -> Tensor:
+        x = logits.reshape(-1, logits.shape[-1]).to(_compute_dtype(logits.dtype))
+        t = targets.reshape(-1)
+        n_local = x.shape[-1]
+        local_t = t - vocab_start
+        outside = (local_t < 0) | (local_t >= n_local)
+        local_t = local_t.masked_fill(outside, 0)
+        # Each shard's own log-sum-exp, stable against its own max; the global one combines them.
+        local_max = x.max(dim=-1).values  # [N]
+        exp = (x - local_max.unsqueeze(-1)).exp_()  # in place: one [N, Vl] buffer, the saved softmax
+        local_lse = exp.sum(dim=-1).log_().add_(local_max)
+        # [N]: the target logit lives on exactly one rank; the others contribute zero.
+        target_logit = x.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        # [1, 2, N] per rank -> [t, 2, N]: one all-gather over the vocab axis (not an all-reduce of
+        # the max and then one of the sums, so one wait per step); the logits themselves never move.
+        shards = all_gather_cat(torch.stack([local_lse, target_logit]).unsqueeze(0), group, 0)
+        lse = torch.logsumexp(shards[:, 0], dim=0)
+        loss = (lse - shards[:, 1].sum(0)).mean()
+        # exp(x - max) * exp(max - lse) = softmax, in place.
+        ctx.save_for_backward(exp.mul_((local_max - lse).exp_().unsqueeze(-1)), local_t, outside)
+        ctx.shape, ctx.dtype = logits.shape, logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        softmax, local_t, outside = ctx.saved_tensors
+        # In place, as Megatron does: the saved softmax becomes the gradient, so backward needs
+        # no second [N, Vl] buffer (this Function's graph is never run backward twice).
+        g = softmax
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows, local_t] -= (~outside).to(g.dtype)
+        g.mul_(grad / g.shape[0])
+        return g.to(ctx.dtype).reshape(ctx.shape), None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    local_logits: Tensor, targets: Tensor, group: ProcessGroup | None, vocab_start: int
+) -> Tensor:
+    """Mean token cross-entropy of logits sharded over the vocab (last dim) across ``group``.
+
+    ``local_logits`` holds columns [vocab_start, vocab_start + V_local); the full logits are never
+    gathered.  The result (and its gradient) equals ``cross_entropy`` of the gathered logits.
+    """
+    if group is None:
+        return cross_entropy(local_logits, targets - vocab_start)
+    return _VocabParallelCE.apply(local_logits, targets, group, vocab_start)
+
+
+def mask_vocab(logits: Tensor, start: int, used: int) -> Tensor:
+    """Logits of padded vocab rows (global column >= ``used``) set to the dtype's lowest value.
+
+    ``logits`` holds columns [start, start + n) of the padded vocab.  Masked columns then take no
+    part in the softmax, the loss or the argmax, and receive no gradient.
+    """
+    n = logits.shape[-1]
+    if start + n <= used:
+        return logits
+    padded = torch.arange(start, start + n, device=logits.device) >= used
+    return logits.masked_fill(padded, torch.finfo(logits.dtype).min)

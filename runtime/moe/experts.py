@@ -1,0 +1,132 @@
+"""Mixture-of-experts: top-k routing, stacked SwiGLU experts and the load-balancing loss.
+
+Numerics follow transformers' Mixtral / Qwen2-MoE / Qwen3-MoE (``*TopKRouter``, ``*Experts``,
+``load_balancing_loss_func``): softmax of the router logits in float32, top-k of the
+probabilities, optional renormalisation of the chosen k, and the chosen weights kept in float32
+(Mixtral) or cast back to the activation dtype (Qwen). Routing itself (top-k, capacity, the router
+losses) lives in runtime/moe/routing.py; dropless unless the layer sets a capacity factor.
+
+Used by both the unsharded reference model (runtime/model/reference.py) and generated stages; the
+experts' ffn may be split over a tensor axis like the dense MLP's (gate / up column, down row).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from meshllm_dsl.runtime.moe.routing import capacity_of as _capacity_of
+from meshllm_dsl.runtime.moe.routing import (
+    compute_dtype,
+    keep_within_capacity,
+    load_balancing_loss,
+    record,
+    route,
+)
+
+__all__ = ["ReferenceMoE", "StackedLinear", "experts_swiglu", "load_balancing_loss", "moe_experts", "moe_route", "route"]
+
+
+class StackedLinear(nn.Module):
+    """The same linear layer of every expert, one weight [out, experts, in] (no bias): the experts
+    dim in the middle so a column rule splits dim 0 and a row rule the last, as for nn.Linear."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, experts, in_features).normal_(0.0, 0.02))
+
+
+def experts_swiglu(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,
+                   first: int = 0) -> Tensor:
+    """Dropless SwiGLU experts: x [T, H], idx / weights [T, k] -> sum_k weights * expert_idx(x), [T, H].
+
+    ``gate`` / ``up`` [E_local, F_local, H] and ``down`` [E_local, H, F_local] (expert-major) hold experts
+    ``first`` .. ``first + E_local - 1``; an id outside them contributes nothing (another rank's
+    expert). With F_local < F (tensor-parallel experts) the result is this rank's partial sum.
+    Each expert runs once on the tokens routed to it, in expert order, and the weighted outputs
+    are added per token in that order (as transformers' index_add_ loop does)."""
+    t, k = idx.shape
+    n_local = gate.shape[0]
+    flat = idx.reshape(-1) - first  # [T k] local expert id of each (token, choice)
+    order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
+    counts = torch.bincount(flat.clamp(-1, n_local).add(1), minlength=n_local + 2)[1 : n_local + 1]
+    start = int((flat < 0).sum())
+    rows = order // k  # [T k] token of each pair, in expert order
+    outs, pairs = [], []
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            sel = order[start : start + n]
+            h = x[rows[start : start + n]]  # [n, H]
+            y = F.linear(F.silu(F.linear(h, gate[e])) * F.linear(h, up[e]), down[e])  # [n, H]
+            # The product in the weights' dtype (float32 for Mixtral), then back, as HF does.
+            outs.append((y * weights.reshape(-1)[sel, None]).to(x.dtype))
+            pairs.append(rows[start : start + n])
+        start += n
+    out = torch.zeros_like(x)
+    if outs:
+        out = out.index_add(0, torch.cat(pairs), torch.cat(outs))
+    return out
+
+
+def moe_route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32: bool,
+              capacity: float = 0.0, keep: Callable[[Tensor, int, float], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``route`` (runtime/moe/routing.py) as generated code calls it (keywords)."""
+    return route(x, weight, top_k, renormalize, weights_fp32, capacity, keep)
+
+
+def moe_experts(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,
+                first: int = 0) -> Tensor:
+    """``experts_swiglu`` on ``StackedLinear`` weights: gate / up [F_local, E_local, H], down
+    [H, E_local, F_local] (the layout parameters and checkpoints of meshllm keep)."""
+    return experts_swiglu(x, idx, weights, gate.transpose(0, 1), up.transpose(0, 1), down.transpose(0, 1), first)
+
+
+class ReferenceMoE(nn.Module):
+    """The unsharded reference of a ``moe`` layer (runtime/model/reference.py), computed densely: every
+    expert on every token, combined by a [T, E] matrix that is zero off each token's top k. A
+    different computation from ``experts_swiglu``'s sort-and-gather, so equivalence tests compare
+    two implementations."""
+
+    def __init__(self, spec: Mapping[str, Any], index: int = 0) -> None:
+        super().__init__()
+        hid, ffn, n_exp = spec["hidden"], spec["ffn"], spec["experts"]
+        self.hidden, self.experts, self.top_k = hid, n_exp, spec["top_k"]
+        self.renormalize, self.weights_fp32 = bool(spec["norm_topk_prob"]), bool(spec["weights_fp32"])
+        self.capacity = float(spec.get("capacity") or 0.0)
+        self.router = nn.Linear(hid, n_exp, bias=False)
+        self.gate, self.up = StackedLinear(n_exp, hid, ffn), StackedLinear(n_exp, hid, ffn)
+        self.down = StackedLinear(n_exp, ffn, hid)
+        self.shared = spec.get("shared_ffn") is not None
+        if self.shared:
+            sf = spec["shared_ffn"]
+            self.shared_gate, self.shared_up = nn.Linear(hid, sf, bias=False), nn.Linear(hid, sf, bias=False)
+            self.shared_down = nn.Linear(sf, hid, bias=False)
+            self.shared_router = nn.Linear(hid, 1, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        t = x.reshape(-1, self.hidden)
+        logits = self.router(t)
+        probs = torch.softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)
+        top, idx = probs.topk(self.top_k, dim=-1)
+        if self.renormalize:
+            top = top / top.sum(-1, keepdim=True)
+        if not self.weights_fp32:
+            top = top.to(logits.dtype)
+        limit = _capacity_of(self.capacity, t.shape[0], self.top_k, self.experts)
+        keep = None if limit is None else keep_within_capacity(idx, self.experts, limit)
+        if keep is not None:
+            top = top * keep  # a dropped pair weighs 0
+        record(logits, idx if keep is None else torch.where(keep, idx, -1), self.router.weight)
+        dense = torch.zeros(t.shape[0], self.experts, dtype=top.dtype).scatter(1, idx, top)  # [T, E]
+        g = torch.einsum("th,feh->tef", t, self.gate.weight)
+        u = torch.einsum("th,feh->tef", t, self.up.weight)
+        y = torch.einsum("tef,hef->teh", F.silu(g) * u, self.down.weight)  # [T, E, H] every expert
+        out = (y * dense[..., None]).sum(1).to(t.dtype)
+        if self.shared:
+            s = self.shared_down(F.silu(self.shared_gate(t)) * self.shared_up(t))
+            out = out + torch.sigmoid(self.shared_router(t)) * s
+        return out.view_as(x)

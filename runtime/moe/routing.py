@@ -1,0 +1,280 @@
+"""Routing of a mixture-of-experts layer: top-k choice, capacity dropping and the router losses.
+
+The contract the experts' code (runtime/moe/experts.py, and expert-parallel dispatch) relies on: ``route``
+maps router logits to each token's top-k weights [T, k] and expert ids [T, k] int64; a (token,
+choice) pair dropped for capacity has id ``DROPPED`` (-1) and weight 0, so it reaches no expert
+(``experts_swiglu`` already skips ids outside its local experts) and the token keeps its residual.
+
+Capacity (``capacity = F`` on the layer, dropless when 0): each expert takes at most
+ceil(F * T * top_k / experts) of the T tokens one forward routes (one microbatch on one data-parallel
+rank, as Switch Transformer and Megatron count it). Pairs past an expert's capacity are dropped in
+token order: the (token, choice) pairs are visited by token position in the flattened [b * s]
+batch, and for one token by its choice rank (best first); an expert keeps the first pairs it gets.
+Deterministic, and the same on every rank of a tensor group (the router is replicated). Under
+context parallelism T and the order are those of the whole sequences, as unsharded: each rank's ids
+are gathered over the context axes and put in position order before counting (``keep``).
+
+Router losses, added to the training loss on the tokens of each forward (microbatch x data-parallel
+rank, as transformers computes them per forward and DDP / gradient accumulation average them):
+- the load-balancing loss, exactly transformers' ``load_balancing_loss_func`` over every moe layer's
+  router logits of that forward together: experts * sum_e f_e P_e, with f_e the share of top-k
+  assignments to expert e and P_e its mean router probability, both over all layers' rows at once
+  (a product of sums, not a sum over layers), times ``aux_loss_coef``. It is computed from the
+  router's own top-k, before capacity drops anything, as transformers does. Under context
+  parallelism one forward's sequences are spread over the context ranks: the sums are reduced over
+  them before the product (``sequence_sum``).
+- the router z-loss of ST-MoE (Zoph et al. 2022, eq. 5): per layer the mean over tokens of
+  logsumexp(logits)^2, summed over the layers (as ST-MoE and Megatron add one per router), times
+  ``z_loss_coef``.
+Both are made of sums over layers (``RouterLosses.statistics``), so with pipeline stages each stage
+adds its layers' sums to the previous stage's and sends them on beside its activations; the last
+stage's ``RouterLosses.loss`` then equals the whole forward's (runtime/train/program.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["DROPPED", "RouterLog", "RouterLosses", "capacity_of", "keep_within_capacity", "load_balancing_loss",
+           "record", "recording", "route", "routing_layers", "z_loss"]
+
+DROPPED = -1  # the expert id of a (token, choice) pair dropped for capacity
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    # float32 as transformers does; float64 (exactness tests) stays float64.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def capacity_of(capacity: float, tokens: int, top_k: int, experts: int) -> int | None:
+    """Pairs one expert may take of ``tokens`` tokens: ceil(F * tokens * top_k / experts); None: dropless."""
+    if not capacity:
+        return None
+    return math.ceil(capacity * tokens * top_k / experts)
+
+
+def keep_within_capacity(idx: Tensor, experts: int, limit: int) -> Tensor:
+    """[T, k] bool: which (token, choice) pairs fit their expert's capacity ``limit``, in token
+    order (row-major over [T, k]: token position first, then choice rank)."""
+    flat = idx.reshape(-1)  # [T k] in token order
+    onehot = F.one_hot(flat, experts)  # [T k, E]
+    # The position of each pair among the pairs of its expert, counted in token order.
+    position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # [T k]
+    return (position < limit).reshape(idx.shape)
+
+
+@dataclass
+class RouterLog:
+    """Each moe layer's routing in the forwards recorded, in call order: logits [T, E] with autograd
+    (for the router losses; only with ``keep_logits``) and chosen ids [T, k] after capacity; and,
+    for the profile, the pairs each expert received per layer (keyed by the router weight, in the
+    order layers were first seen, which is this rank's layer order under every schedule)."""
+
+    keep_logits: bool = True
+    logits: list[Tensor] = field(default_factory=list)
+    chosen: list[Tensor] = field(default_factory=list)
+    counts: dict[int, list[int]] = field(default_factory=dict)  # id(router weight) -> pairs per expert
+    dropped: dict[int, int] = field(default_factory=dict)  # id(router weight) -> pairs dropped for capacity
+
+    def add(self, logits: Tensor, chosen: Tensor, weight: Tensor | None) -> None:
+        if self.keep_logits:
+            self.logits.append(logits)
+            self.chosen.append(chosen.detach())
+            return
+        flat = chosen.detach().reshape(-1)
+        got = torch.bincount(flat[flat >= 0], minlength=logits.shape[-1]).tolist()
+        key = id(weight)
+        prev = self.counts.setdefault(key, [0] * len(got))
+        self.counts[key] = [a + b for a, b in zip(prev, got)]
+        self.dropped[key] = self.dropped.get(key, 0) + int((flat < 0).sum())
+
+    def per_layer(self) -> list[tuple[list[int], int]]:
+        """(pairs per expert, pairs dropped) of each layer seen, in this rank's layer order."""
+        return [(c, self.dropped[k]) for k, c in self.counts.items()]
+
+
+_ACTIVE: list[RouterLog] = []
+
+
+@contextmanager
+def recording(active: bool = True, keep_logits: bool = True) -> Iterator[RouterLog]:
+    """Collect every ``route`` call of the forwards inside (a fresh log; nothing when not active).
+    Calls made while autograd runs a backward (recompute of a checkpointed block) are not forwards
+    of the batch and are left out."""
+    log = RouterLog(keep_logits)
+    if not active:
+        yield log
+        return
+    _ACTIVE.append(log)
+    try:
+        yield log
+    finally:
+        _ACTIVE.remove(log)
+
+
+def route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32: bool,
+          capacity: float = 0.0, keep: Callable[[Tensor, int, float], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Router of one MoE layer: x [T, H], weight [E, H] -> (chosen weights [T, k], chosen expert
+    ids [T, k] int64, router logits [T, E]).
+
+    ``weights_fp32``: keep the chosen weights in float32 (Mixtral) instead of casting them to the
+    logits' dtype (Qwen2-MoE / Qwen3-MoE). ``capacity``: the capacity factor (0: dropless); dropped
+    pairs get id ``DROPPED`` and weight 0 (the kept weights are not renormalised again). ``keep``:
+    (ids [T, k], experts, factor) -> which pairs fit, when the T rows are part of a forward spread over ranks
+    (context parallelism: ContextShard.keep_within_capacity counts in the whole sequence's order)."""
+    logits = F.linear(x, weight)  # [T, E]
+    probs = torch.softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
+    top, idx = torch.topk(probs, top_k, dim=-1)  # [T, k]; ties go to the lower expert id, as in HF
+    if renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    if not weights_fp32:
+        top = top.to(logits.dtype)
+    limit = capacity_of(capacity, x.shape[0], top_k, weight.shape[0])
+    if limit is not None:
+        fits = keep(idx, weight.shape[0], capacity) if keep is not None else keep_within_capacity(idx, weight.shape[0], limit)
+        idx = torch.where(fits, idx, torch.full_like(idx, DROPPED))
+        top = top * fits
+    record(logits, idx, weight)
+    return top, idx, logits
+
+
+def record(logits: Tensor, chosen: Tensor, weight: Tensor | None = None) -> None:
+    """Note one layer's routing (``weight``: its router's, naming the layer) in the logs being recorded."""
+    if not _ACTIVE or torch._C._current_graph_task_id() != -1:  # none, or a recompute inside backward
+        return
+    for log in _ACTIVE:
+        log.add(logits, chosen, weight)
+
+
+def load_balancing_loss(logits: Sequence[Tensor], experts: int, top_k: int,
+                        attention_mask: Tensor | None = None) -> Tensor:
+    """transformers' ``load_balancing_loss_func``: over every layer's router logits [T, E] together,
+    experts * sum_e f_e P_e with f_e the top-k assignments per row and P_e the mean router
+    probability, both summed over the layers before the product. ``attention_mask`` [b, s] (T = b * s
+    rows) weighs each row as transformers does (meshllm's training batches have no padding: None)."""
+    # float32 sums as transformers' (float64 stays float64, for the exactness tests).
+    device, acc = logits[0].device, compute_dtype(logits[0].dtype)
+    tokens_per_expert = torch.zeros(experts, dtype=acc, device=device)
+    prob_sum = torch.zeros(experts, dtype=acc, device=device)
+    rows: Tensor | float = 0.0
+    mask = None if attention_mask is None else attention_mask.reshape(-1).to(device=device, dtype=acc)
+    for layer in logits:
+        probs = torch.softmax(layer, dim=-1)
+        _, chosen = torch.topk(probs, top_k, dim=-1)
+        if mask is None:
+            tokens_per_expert = tokens_per_expert + torch.bincount(chosen.reshape(-1), minlength=experts).to(acc)
+            prob_sum = prob_sum + probs.to(acc).sum(dim=0)
+            rows = rows + layer.shape[0]
+        else:
+            tokens_per_expert = tokens_per_expert + torch.zeros(experts, dtype=acc, device=device).scatter_add_(
+                0, chosen.reshape(-1), mask.repeat_interleave(top_k))
+            prob_sum = prob_sum + (probs.to(acc) * mask[:, None]).sum(dim=0)
+            rows = rows + mask.sum()
+    return (tokens_per_expert / rows * (prob_sum / rows)).sum() * experts
+
+
+def z_loss(logits: Sequence[Tensor]) -> Tensor:
+    """ST-MoE's router z-loss: per layer mean_t logsumexp(logits_t)^2, summed over the layers."""
+    return sum((torch.logsumexp(layer.to(compute_dtype(layer.dtype)), dim=-1).square().mean() for layer in logits),
+               torch.zeros((), dtype=compute_dtype(logits[0].dtype), device=logits[0].device))
+
+
+@dataclass(frozen=True)
+class RouterLosses:
+    """The router terms a model adds to its training loss (from its MODEL description's moe layers)."""
+
+    experts: int
+    top_k: int
+    aux_loss_coef: float
+    z_loss_coef: float
+
+    @classmethod
+    def of(cls, model: Mapping[str, Any]) -> RouterLosses | None:
+        """None when no moe layer asks for a router loss."""
+        moes = [s for s in _layers(model["layers"]) if s["kind"] == "moe"]
+        wanted = [s for s in moes if s.get("aux_loss_coef") or s.get("z_loss_coef")]
+        if not wanted:
+            return None
+        first = wanted[0]
+        keys = ("experts", "top_k", "aux_loss_coef", "z_loss_coef")
+        if any(tuple(s.get(k) for k in keys) != tuple(first.get(k) for k in keys) for s in moes):
+            # transformers' loss concatenates every layer's logits: one experts / top_k for the model.
+            raise ValueError("the router losses need every moe layer to have the same experts, top_k and coefficients")
+        return cls(int(first["experts"]), int(first["top_k"]), float(first.get("aux_loss_coef") or 0.0),
+                   float(first.get("z_loss_coef") or 0.0))
+
+    @property
+    def width(self) -> int:
+        """Elements of ``statistics``: [pairs per expert | probability sums | rows | z-loss sum]."""
+        return 2 * self.experts + 2
+
+    def statistics(self, logits: Sequence[Tensor], carried: Tensor | None, dtype: torch.dtype,
+                   device: torch.device) -> Tensor:
+        """[2 E + 2] the sums both router losses are made of, over the layers of ``logits`` added to
+        ``carried`` (those of earlier layers of the same forward, from an earlier pipeline stage):
+        top-k pairs per expert (no gradient, as transformers' f), router probability summed over the
+        rows per expert (with gradient: P), rows, and the layers' z-loss terms (with gradient).
+        Additive over layers, so a pipeline stage sends them on with its activations and the last
+        stage's ``loss`` equals the loss of the whole forward (``dtype``: the accumulation dtype)."""
+        e = self.experts
+        if carried is None:
+            carried = torch.zeros(self.width, dtype=dtype, device=device)
+        counts, probs, rows, z = carried[:e], carried[e:2 * e], carried[2 * e], carried[2 * e + 1]
+        for layer in logits:  # the same sums, in the same order, as load_balancing_loss and z_loss
+            p = torch.softmax(layer, dim=-1)
+            _, chosen = torch.topk(p, self.top_k, dim=-1)
+            counts = counts + torch.bincount(chosen.reshape(-1), minlength=e).to(dtype)
+            probs = probs + p.to(dtype).sum(dim=0)
+            rows = rows + layer.shape[0]
+            z = z + torch.logsumexp(layer.to(dtype), dim=-1).square().mean()
+        return torch.cat([counts, probs, rows.reshape(1), z.reshape(1)])
+
+    def loss(self, stats: Tensor, sequence_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        """coef x load-balancing loss + z coef x z-loss from a whole forward's ``statistics``.
+        ``sequence_sum``: under context parallelism the rows are this rank's part of the sequences;
+        pairs, probability sums and rows are summed over every context rank before the product
+        (ContextShard.sequence_sum). The z-loss, a mean over tokens, is averaged like the cross-entropy."""
+        e = self.experts
+        if sequence_sum is not None:
+            # [2 E + 1] pairs per expert, probability sums, rows -> the same over the whole sequence.
+            stats = torch.cat([sequence_sum(stats[:2 * e + 1]), stats[2 * e + 1:]])
+        counts, rows = stats[:e].detach(), stats[2 * e].detach()  # f_e carries no gradient
+        total = torch.zeros((), dtype=stats.dtype, device=stats.device)
+        if self.aux_loss_coef:
+            total = total + self.aux_loss_coef * (counts / rows * (stats[e:2 * e] / rows)).sum() * e
+        if self.z_loss_coef:
+            total = total + self.z_loss_coef * stats[2 * e + 1]
+        return total
+
+    def __call__(self, log: RouterLog) -> Tensor:
+        """coef x load-balancing loss + z coef x z-loss of one forward's routing, straight from the
+        logits (the unsharded reference's; the plans go through ``statistics`` and ``loss``)."""
+        first = log.logits[0]
+        total = torch.zeros((), dtype=compute_dtype(first.dtype), device=first.device)
+        if self.aux_loss_coef:
+            total = total + self.aux_loss_coef * load_balancing_loss(log.logits, self.experts, self.top_k)
+        if self.z_loss_coef:
+            total = total + self.z_loss_coef * z_loss(log.logits)
+        return total
+
+
+def routing_layers(model: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
+    """Every layer of a MODEL description, blocks unrolled, in order."""
+    return _layers(model["layers"])
+
+
+def _layers(layers: Sequence[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
+    for spec in layers:
+        if spec["kind"] == "repeat":
+            for _ in range(int(spec["count"])):
+                yield from spec["body"]
+        else:
+            yield spec

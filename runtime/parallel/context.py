@@ -1,0 +1,181 @@
+"""Context parallelism: each rank of the context axes holds a slice of every sequence through the
+whole model (``layout { seq -> cp }`` over an axis that splits no weight).
+
+Load balance (torchtitan's head-tail): the sequence is cut into ``2 n`` equal chunks and context rank
+``i`` holds chunks ``i`` and ``2 n - 1 - i``, so under the causal mask every rank attends to the same
+number of (query, key) pairs. Rotary takes each token's global position.
+
+Attention all-gathers K and V over the axis (the Llama 3 paper's choice) instead of passing blocks
+around a ring with an online softmax: torch 2.13's own ``context_parallel`` (ring attention over
+DTensor) refuses CPU tensors ("aten._scaled_dot_product_flash_attention_for_cpu.default does not
+have a sharding strategy registered", measured on gloo here), and the gather is exact (one softmax
+over all keys, no rescaling), moves only the kv heads under GQA, and keeps sliding windows and soft
+capping as they are: each query's mask is computed from global positions. Its cost is one
+[b, s, kv_heads, head_dim] buffer each for K and V per layer, which ring attention would avoid.
+Backward reduce-scatters dK / dV, so each rank's K / V projections get the gradient of every
+rank's queries (collectives.py's sequence gather, the same autograd pair Megatron's sequence
+parallelism uses).
+
+The loss of a rank is the mean over its tokens; every rank holds the same number of them, so the
+mean of those means over the axis is the global mean, and the parameters (replicated over the
+axis) get their gradients averaged over it like a batch axis (program.py). A moe model's routing is
+per token and so local; its load-balancing loss is a product of statistics of the whole sequence,
+which ``sequence_sum`` reduces over the axis before the product (runtime/moe/routing.py); the
+z-loss is a mean over tokens like the cross-entropy and needs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor
+
+from meshllm_dsl.runtime.model import layers
+from meshllm_dsl.runtime.moe.routing import capacity_of, keep_within_capacity
+from meshllm_dsl.runtime.parallel.collectives import _GatherSeq, all_gather_cat, all_reduce_sum
+from meshllm_dsl.runtime.parallel.mesh import Mesh
+
+SEQ_DIM = 1  # tokens [b, s], activations [b, s, ...]
+
+# Inside a decoding session: whether this forward is a prompt's prefill split over the context axes
+# (generate.py); the steps after it feed one token, the same on every rank, against a gathered cache.
+_SPLIT_PREFILL = False
+
+
+@contextlib.contextmanager
+def split_prefill() -> Iterator[None]:
+    """The forward inside runs on this rank's chunks of the prompt and fills every rank's KV caches
+    with the whole prompt's keys and values, in position order."""
+    global _SPLIT_PREFILL
+    _SPLIT_PREFILL = True
+    try:
+        yield
+    finally:
+        _SPLIT_PREFILL = False
+
+
+class _SumOverSequence(torch.autograd.Function):
+    """A statistic of the whole sequence from each context rank's part: forward sums over the group;
+    backward sums the gradients too, since every rank's loss reads the same sum (so each rank's part
+    gets the gradient of all of them; averaging the parameters' gradients over the axis then leaves
+    exactly the gradient of the one loss)."""
+
+    @staticmethod
+    def forward(ctx: object, x: Tensor, group: object) -> Tensor:
+        ctx.group = group  # type: ignore[attr-defined]
+        return all_reduce_sum(x, group)  # type: ignore[arg-type]
+
+    @staticmethod
+    def backward(ctx: object, grad: Tensor) -> tuple[Tensor, None]:
+        return all_reduce_sum(grad, ctx.group), None  # type: ignore[attr-defined]
+
+
+class ContextShard:
+    """This rank's part of the sequence over ``axes``: which chunks, their positions, attention."""
+
+    def __init__(self, mesh: Mesh, axes: tuple[str, ...]) -> None:
+        self.axes = tuple(axes)
+        self.size = mesh.size(*self.axes)
+        self.index = mesh.index(*self.axes)
+        self.group = mesh.group(*self.axes)
+
+    def chunks(self, index: int | None = None) -> tuple[int, int]:
+        """The two of the ``2 n`` chunks context rank ``index`` (default: this one) holds."""
+        i = self.index if index is None else index
+        return i, 2 * self.size - 1 - i
+
+    def local(self, t: Tensor, dim: int = SEQ_DIM) -> Tensor:
+        """This rank's chunks of the global ``t`` along ``dim``, head then tail."""
+        n = 2 * self.size
+        if t.shape[dim] % n:
+            raise ValueError(f"sequence of {t.shape[dim]} tokens does not split into {n} equal chunks "
+                             f"over the context axes {' x '.join(self.axes)} ({self.size})")
+        parts = t.chunk(n, dim=dim)
+        head, tail = self.chunks()
+        return torch.cat([parts[head], parts[tail]], dim=dim)
+
+    def order(self, s_local: int) -> Tensor:
+        """Global positions of the gathered sequence: rank 0's tokens, then rank 1's, ... [n * s_local]."""
+        return torch.cat([self.positions(s_local, index=i) for i in range(self.size)])
+
+    def positions(self, s_local: int, device: torch.device | str | None = None, index: int | None = None) -> Tensor:
+        """Global positions of the ``s_local`` tokens context rank ``index`` holds (int64)."""
+        if layers._ACTIVE is not None and not _SPLIT_PREFILL:  # decoding one token on every rank
+            return layers.positions(s_local, device)
+        c = s_local // 2
+        head, tail = self.chunks(index)
+        return torch.cat([torch.arange(head * c, head * c + c), torch.arange(tail * c, tail * c + c)]).to(device)
+
+    def sequence_sum(self, x: Tensor) -> Tensor:
+        """The sum over the context ranks of ``x`` (any shape, e.g. per-expert router statistics
+        [experts]), with the autograd of a statistic every rank's loss reads (``_SumOverSequence``)."""
+        if self.group is None:
+            return x
+        # [any] per rank -> [any], summed over the context axes; backward sums the gradients.
+        return _SumOverSequence.apply(x, self.group)
+
+    def capacity_keep(self, batch: int) -> Callable[[Tensor, int, float], Tensor]:
+        """For ``rt.moe_route(keep=...)``: which (token, choice) pairs of this rank's ``batch`` x s / n
+        tokens fit their expert's capacity, counted as the unsharded layer counts them: over the whole
+        sequences' b x s tokens, in position order (runtime/moe/routing.py)."""
+        def keep(idx: Tensor, experts: int, factor: float) -> Tensor:
+            k = idx.shape[-1]
+            if self.group is None or (layers._ACTIVE is not None and not _SPLIT_PREFILL):
+                # One rank, or a decoding step: every rank routes the same whole tokens.
+                limit = capacity_of(factor, idx.shape[0], k, experts)
+                assert limit is not None
+                return keep_within_capacity(idx, experts, limit)
+            # [b s / n, k] ids per rank -> [b, s, k] in position order: the pairs the capacity counts.
+            whole = self.unshard(idx.reshape(batch, -1, k))
+            limit = capacity_of(factor, whole.shape[0] * whole.shape[1], k, experts)
+            assert limit is not None
+            fits = keep_within_capacity(whole.reshape(-1, k), experts, limit).reshape(whole.shape)
+            return self.local(fits).reshape(idx.shape)
+
+        return keep
+
+    def unshard(self, local: Tensor, dim: int = SEQ_DIM) -> Tensor:
+        """The global sequence from every rank's ``local`` (no autograd): the inverse of ``local``."""
+        if self.group is None:
+            return local
+        # [.., s / n, ..] per rank -> [.., s, ..] in rank order, then back to position order.
+        gathered = all_gather_cat(local, self.group, dim)
+        inverse = torch.argsort(self.order(local.shape[dim]).to(local.device))
+        return gathered.index_select(dim, inverse)
+
+    def attention(self, q: Tensor, k: Tensor, v: Tensor, window: int = 0, scale: float | None = None,
+                  softcap: float = 0.0) -> Tensor:
+        """Causal GQA attention of this rank's queries over every rank's keys: q [b, s / n, h, d],
+        k / v [b, s / n, kvh, d] -> [b, s / n, h * d]."""
+        decoding = layers._ACTIVE is not None
+        if self.group is None or (decoding and not _SPLIT_PREFILL):
+            # One rank, or a decoding step after the prefill: the new token is the same on every
+            # rank and each rank's cache holds the whole sequence.
+            return layers.attention(q, k, v, window=window, scale=scale, softcap=softcap)
+        b, s, h, d = q.shape
+        q_pos = self.positions(s, q.device)
+        k_pos = self.order(s).to(q.device)
+        if decoding:
+            assert layers._ACTIVE is not None
+            # Split prefill: [b, s / n, kvh, d] per rank -> [b, s, kvh, d] in position order, kept
+            # whole in this layer's cache so the next tokens attend to the whole prompt.
+            k_all, v_all = self.unshard(k), self.unshard(v)
+            k_all, v_all = (t.transpose(1, 2) for t in layers._ACTIVE.next_cache().update(
+                k_all.transpose(1, 2), v_all.transpose(1, 2), window))
+            k_pos = torch.arange(k_all.shape[1], device=q.device)
+        else:
+            # [b, s / n, kvh, d] per rank -> [b, s, kvh, d] in rank order; backward reduce-scatters dK, dV.
+            k_all = _GatherSeq.apply(k.contiguous(), self.group)
+            v_all = _GatherSeq.apply(v.contiguous(), self.group)
+        allowed = layers._allowed(q_pos, k_pos, window)
+        qh, kh, vh = q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2)
+        if softcap:
+            out = layers._softcapped_attention(qh, kh, vh, allowed, 1.0 / math.sqrt(d) if scale is None else scale,
+                                               softcap)
+        else:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=allowed, enable_gqa=h != kh.shape[1], scale=scale)
+        return out.transpose(1, 2).reshape(b, s, h * d)

@@ -1,0 +1,926 @@
+"""A compiled plan as something that trains: stages placed on the mesh, schedule, optimizer.
+
+``Program`` is what a generated module declares (``PROGRAM = rt.Program(...)``); ``Program.build``
+places it on a mesh and returns a ``Built`` that trains, runs forward and gathers full tensors.
+Semantics are those of the unsharded model on the whole global batch: the loss is the mean over
+every token, gradients are averaged over the batch axes, so any plan matches the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from meshllm_dsl.runtime.moe import routing as moe_routing
+from meshllm_dsl.runtime.parallel import fsdp
+from meshllm_dsl.runtime.parallel.collectives import all_reduce_, all_reduce_sum
+from meshllm_dsl.runtime.parallel.context import ContextShard
+from meshllm_dsl.runtime.parallel.mesh import Mesh
+from meshllm_dsl.runtime.parallel.shards import ShardSpec, full_init, gather_full, local_slice
+from meshllm_dsl.runtime.train import amp
+
+__all__ = ["Built", "Optimizers", "Program", "StageClass", "optimizer_parts"]
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+class StageClass(Protocol):
+    """A generated stage: ``Stage(mesh)`` builds the local shard, ``Stage.params()`` maps names."""
+
+    def __call__(self, mesh: Mesh) -> nn.Module: ...
+
+    def params(self, prefix: str = "") -> dict[str, ShardSpec]: ...
+
+
+_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved1f1b": "ScheduleInterleaved1F1B",
+}
+
+
+# Optimizer settings that are the training loop's, not torch.optim.AdamW's.
+LOOP_SETTINGS = ("clip", "warmup", "decay_steps", "min_lr")
+
+
+def adamw_kwargs(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """A plan's optimizer settings as torch.optim.AdamW keyword arguments (lr defaults to 1e-3)."""
+    kw = {k: v for k, v in settings.items() if k not in LOOP_SETTINGS}
+    kw.setdefault("lr", 1e-3)
+    if "betas" in kw:
+        kw["betas"] = tuple(kw["betas"])
+    return kw
+
+
+def lr_at(settings: Mapping[str, Any], step: int) -> float:
+    """The learning rate of update ``step`` (0-based): linear warmup over ``warmup`` steps, then a
+    cosine decay to ``min_lr`` at ``decay_steps`` (torchtitan's and nanoGPT's shape); constant
+    ``lr`` without them. A function of the step only, so a resumed run needs nothing else saved."""
+    lr = float(settings.get("lr", 1e-3))
+    warmup, decay = int(settings.get("warmup", 0)), int(settings.get("decay_steps", 0))
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if not decay:
+        return lr
+    progress = min(1.0, (step - warmup) / max(1, decay - warmup))
+    low = float(settings.get("min_lr", 0.0))
+    return low + (lr - low) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _schedule_name(name: str) -> str:
+    key = name.lower().replace("_", "").replace("-", "")
+    key = "interleaved1f1b" if key == "interleaved" else key
+    if key not in _SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; expected gpipe, 1f1b or interleaved_1f1b")
+    return key
+
+
+@dataclass(frozen=True)
+class Program:
+    """Everything a plan fixes.  ``stages[i]`` runs on pipeline coordinate ``i % p``."""
+
+    model: Mapping[str, Any]
+    axes: Sequence[tuple[str, int]]
+    stages: Sequence[StageClass]
+    loss: Callable[[Mesh], LossFn]
+    pipeline_axis: str | None = None
+    batch_axes: Sequence[str] = ()
+    schedule: str = "gpipe"
+    microbatches: int = 1
+    batch: int = 8
+    seq: int = 32
+    zero: int = 0
+    # The batch axes ZeRO shards over; the other batch axes hold replicas (HSDP). Empty: all of them.
+    zero_axes: Sequence[str] = ()
+    optimizer: Mapping[str, Any] = field(default_factory=dict)
+    dtype: torch.dtype = torch.float32  # the parameters' (with `precision`: the master weights')
+    # A plan's `precision`: compute in param_dtype and reduce gradients in reduce_dtype (FSDP2's
+    # MixedPrecisionPolicy with zero 2 / 3, torch.autocast with zero 0 / 1: runtime/train/amp.py); None: in ``dtype``.
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    hosts: int = 1  # the spec's `hosts`: axes whose groups stay inside one host (ranks node-major)
+    # Sequence parallelism: the axes the residual stream is sharded over along the sequence
+    # between sublayers (and so between pipeline stages), [b, s / t, hidden].
+    seq_axes: Sequence[str] = ()
+    # Context parallelism: the axes every sequence is split over through the whole model
+    # (runtime/parallel/context.py); the parameters are replicated over them and their gradients averaged.
+    context_axes: Sequence[str] = ()
+
+    @property
+    def vocab(self) -> int:
+        for layer in self.model["layers"]:
+            if layer["kind"] == "embedding":
+                return int(layer["num"])
+        raise ValueError("model has no embedding layer")
+
+    def build(
+        self,
+        mesh: Mesh | None = None,
+        seed: int = 0,
+        device: torch.device | None = None,
+        weights: str | Path | None = None,
+    ) -> Built:
+        """Place the program on ``mesh`` (default: the whole world) with weights from ``seed``.
+
+        ``device`` defaults to the current CUDA device when there is one, else the CPU.
+        ``weights``: a Hugging Face model directory; each rank reads only its own slices
+        (``runtime/hf/weights.py``) instead of drawing the seeded initialisation.
+        Collective: every rank of the mesh must call it.
+        """
+        mesh = Mesh.build(self.axes) if mesh is None else mesh
+        if tuple(mesh.axes) != tuple((a, int(s)) for a, s in self.axes):
+            raise ValueError(f"program wants mesh {tuple(self.axes)}, got {mesh.axes}")
+        if device is None:
+            device = (
+                torch.device("cuda", torch.cuda.current_device())
+                if torch.cuda.is_available()
+                else torch.device("cpu")
+            )
+        return Built(self, mesh, seed, device, weights)
+
+
+_BUCKET_ELEMENTS = 1 << 24
+
+
+def _all_reduce_coalesced(tensors: list[Tensor], group: dist.ProcessGroup | None, divide_by: int = 1,
+                          dtype: torch.dtype | None = None) -> None:
+    """In-place sum over ``group`` of many tensors (a mean with ``divide_by`` = the group's size),
+    coalesced into few flat all-reduces, summed in ``dtype`` (default: each tensor's own).
+
+    One collective per parameter is latency-bound (gloo especially); buckets of up to 16M
+    elements of one dtype keep the extra memory bounded.
+    """
+    by_dtype: dict[torch.dtype, list[Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for same in by_dtype.values():
+        start = 0
+        while start < len(same):
+            end, count = start, 0
+            while end < len(same) and (
+                end == start or count + same[end].numel() <= _BUCKET_ELEMENTS
+            ):
+                count += same[end].numel()
+                end += 1
+            bucket = same[start:end]
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            if dtype is not None and dtype != flat.dtype:
+                flat = flat.to(dtype)
+            # [sum of bucket numels]: gradients of this rank's shards, summed over the replicas.
+            all_reduce_(flat, group)
+            if divide_by != 1:
+                flat.div_(divide_by)
+            for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+                t.copy_(part.view_as(t))
+            start = end
+
+
+class Optimizers:
+    """Several optimizers stepped as one (torchtitan's ``OptimizersContainer``): ZeRO 1 with expert
+    parallelism, whose dense parameters and experts shard their states over different groups.
+    ``parts`` are the optimizers; ``param_groups`` theirs in order, where the learning rate is set."""
+
+    def __init__(self, parts: Sequence[torch.optim.Optimizer]) -> None:
+        self.parts = list(parts)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for part in self.parts for g in part.param_groups]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        for part in self.parts:
+            part.step()
+
+
+def optimizer_parts(optimizer: torch.optim.Optimizer | Optimizers) -> list[torch.optim.Optimizer]:
+    """The optimizers that hold per-parameter state: each part's own, ZeRO's the local one of its
+    partition (its ``optim``)."""
+    parts = optimizer.parts if isinstance(optimizer, Optimizers) else [optimizer]
+    out = []
+    for part in parts:
+        local = getattr(part, "optim", None)
+        out.append(local if isinstance(local, torch.optim.Optimizer) else part)
+    return out
+
+
+class Built:
+    """A program placed on this rank: its stage modules, optimizer and schedule."""
+
+    def __init__(
+        self,
+        program: Program,
+        mesh: Mesh,
+        seed: int,
+        device: torch.device,
+        weights: str | Path | None = None,
+    ) -> None:
+        self.program, self.mesh, self.device = program, mesh, device
+        pp_axis = program.pipeline_axis
+        self.pp = mesh.size(pp_axis) if pp_axis else 1
+        n = len(program.stages)
+        if n % self.pp:
+            raise ValueError(f"{n} stages do not divide over {self.pp} pipeline ranks")
+        coord = mesh.coord(pp_axis) if pp_axis else 0
+        self.stage_ids = [i for i in range(n) if i % self.pp == coord]
+        self.specs: dict[int, dict[str, ShardSpec]] = {
+            i: dict(program.stages[i].params()) for i in range(n)
+        }
+        self.modules: dict[int, nn.Module] = {}
+        hf: Any = None
+        if weights is not None:
+            from meshllm_dsl.runtime.hf import weights as hf
+
+            # Checked against every stage's parameters before anything is read, on every rank.
+            ckpt = hf.HFCheckpoint(weights)
+            keys = hf.plan_load(ckpt, program.model, self.specs)
+        for i in self.stage_ids:
+            if hf is not None:
+                module = self._empty_stage(i)
+            else:
+                module = program.stages[i](mesh).to(device=device, dtype=program.dtype)
+            with torch.no_grad():
+                for name, spec in self.specs[i].items():
+                    if hf is not None:
+                        # Only this rank's slice is read: no full tensor, no random init first.
+                        local = hf.local_from_hf(ckpt, *keys[name], spec, mesh, program.dtype)
+                    else:
+                        full = full_init(name, spec.shape, seed, program.dtype)
+                        local = local_slice(full, spec, mesh)
+                    module.get_parameter(spec.local).copy_(local)
+            self.modules[i] = module
+        # Bytes of checkpoint tensors this rank read (its slices only); 0 without --weights.
+        self.weights_bytes_read = ckpt.bytes_read if hf is not None else 0
+        self._check_coverage()
+        self._hidden = next(
+            int(x["dim"]) for x in program.model["layers"] if x["kind"] == "embedding"
+        )
+        self.batch_axes = tuple(program.batch_axes)
+        self.dp = mesh.size(*self.batch_axes) if self.batch_axes else 1
+        self.context = ContextShard(mesh, tuple(program.context_axes)) if program.context_axes else None
+        # The axes the parameters are replicated over and their gradients averaged over: the batch
+        # axes and the context axes (each context rank's loss is the mean over an equal share of tokens).
+        self.grad_axes = tuple(a for a in mesh.names if a in self.batch_axes or a in program.context_axes)
+        self.replicas = mesh.size(*self.grad_axes) if self.grad_axes else 1
+        self.zero_axes = tuple(a for a in mesh.names if a in (program.zero_axes or self.batch_axes))
+        self._tied = self._tied_groups()
+        # A moe model's load-balancing / z-loss terms, added to each microbatch's loss (runtime/moe/routing.py).
+        self.router_losses = moe_routing.RouterLosses.of(program.model)
+        if fsdp.uses_fsdp(program.zero, program.param_dtype):
+            self._fully_shard()
+        elif amp.uses_autocast(program.zero, program.dtype, program.param_dtype):
+            assert program.param_dtype is not None
+            for module in self.modules.values():
+                amp.autocast_forward(module, self.device.type, program.param_dtype)
+        self.loss_fn = program.loss(mesh)
+        # With pipeline stages each stage's routing statistics travel to the next with its
+        # activations, only while a training schedule runs (forward-only runs pass activations alone).
+        self._carry_routing = False
+        if self.router_losses is not None and self.pp > 1:
+            for i in self.stage_ids:
+                module = self.modules[i]
+                # An instance attribute, as amp.autocast_forward: FSDP2's module type stays, which
+                # the schedules test for.
+                module.forward = functools.partial(self._routed_forward, module.forward)  # type: ignore[method-assign]
+        self.optimizer = self._make_optimizer()
+        self.steps_done = 0  # optimizer updates so far: the learning-rate schedule's clock
+        self.grad_norm = float("nan")  # the global gradient norm of the last step (with clip)
+        self._schedules: dict[tuple[int, int, bool], Any] = {}
+
+    # ------------------------------------------------------------------ set-up
+
+    @property
+    def _routing_dtype(self) -> torch.dtype:
+        return moe_routing.compute_dtype(self.compute_dtype)
+
+    def _routed_forward(self, forward: Callable[[Tensor], Tensor], x: Tensor, *carried: Tensor) -> Any:
+        """A stage's forward that, under a training schedule with router losses, also returns the
+        routing statistics [2 E + 2] of its forward so far (``carried``: the previous stage's).
+
+        Under FSDP2 the stage root casts no input (``_fully_shard``): the activations are cast to
+        the compute dtype here, as FSDP2 would, while ``carried`` stays in the routing dtype
+        (fp32), so pair counts past 256 and the probability sums cross stages exactly."""
+        if x.is_floating_point():
+            x = x.to(self.compute_dtype)
+        if not self._carry_routing:
+            return forward(x)
+        assert self.router_losses is not None
+        with moe_routing.recording() as routing:
+            y = forward(x)
+        stats = self.router_losses.statistics(routing.logits, carried[0] if carried else None,
+                                              self._routing_dtype, self.device)
+        if not stats.requires_grad:  # a stage without moe layers: the next stage still sends a gradient back
+            stats.requires_grad_(True)
+        return y, stats
+
+    def _empty_stage(self, i: int) -> nn.Module:
+        """Stage ``i`` with uninitialised local storage, for weights that are read in right after.
+
+        Built on the meta device, so torch's default initialisation (wasted work, every
+        parameter is overwritten from the checkpoint and coverage is checked) never runs.
+        """
+        p = self.program
+        with torch.device("meta"):
+            module = p.stages[i](self.mesh).to(dtype=p.dtype)
+        if any(True for _ in module.buffers()):  # state that no checkpoint fills: build it normally
+            return p.stages[i](self.mesh).to(device=self.device, dtype=p.dtype)
+        return module.to_empty(device=self.device)
+
+    def _fully_shard(self) -> None:
+        """ZeRO-3 (parameters resharded after each forward) or ZeRO-2 and ZeRO-1 with master weights
+        (kept until backward) by FSDP2 over the data (and context) ranks; master weights, gradients
+        and optimizer states are sharded either way."""
+        dmesh = fsdp.data_mesh(self.mesh, self.grad_axes, self.device.type, self.zero_axes)
+        # Expert parallelism: experts split over batch axes are left out of the dense units. Split
+        # over every ZeRO axis, no other rank of them holds them: plain tensors, reduced as without
+        # ZeRO. Otherwise each layer's experts are a unit over the ZeRO axes that replicate them
+        # (the checker sees that these are all the batch and context axes that do).
+        experts: set[str] = set()
+        units: dict[int, dict[str, tuple[Any, float]]] = {}
+        emeshes: dict[tuple[str, ...], Any] = {}
+        for i, specs in self.specs.items():
+            for spec in specs.values():
+                split = {a for _, axes in spec.dims for a in axes}
+                if not split & set(self.batch_axes):
+                    continue
+                experts.add(spec.local)
+                rest = tuple(a for a in self.zero_axes if a not in split)
+                if rest and self.mesh.size(*rest) > 1:
+                    if rest not in emeshes:
+                        emeshes[rest] = fsdp.data_mesh(self.mesh, rest, self.device.type)
+                    units.setdefault(i, {})[spec.local.rsplit(".", 2)[0]] = (emeshes[rest], float(self.replicas))
+        for i in self.stage_ids:
+            fsdp.shard_stage(
+                self.modules[i],
+                dmesh,
+                reshard_after_forward=self.program.zero == 3,
+                param_dtype=self.program.param_dtype,
+                reduce_dtype=self.program.reduce_dtype,
+                experts=experts,
+                # The routing statistics beside a stage's activations stay fp32 (_routed_forward).
+                cast_stage_inputs=self.router_losses is None or self.pp == 1,
+                expert_units=units.get(i),
+            )
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of activations: ``param_dtype`` under mixed precision, else ``dtype``. Under
+        autocast (ZeRO 0) the residual stream stays in the master dtype: only products narrow."""
+        p = self.program
+        return p.dtype if amp.uses_autocast(p.zero, p.dtype, p.param_dtype) else p.param_dtype or p.dtype
+
+    def _check_coverage(self) -> None:
+        for i, module in self.modules.items():
+            mapped = {spec.local for spec in self.specs[i].values()}
+            owned = {name for name, _ in module.named_parameters()}
+            if mapped != owned:
+                raise ValueError(
+                    f"stage {i}: params() and the module disagree; only in params(): "
+                    f"{sorted(mapped - owned)}, only in the module: {sorted(owned - mapped)}"
+                )
+
+    def _tied_groups(self) -> list[tuple[str, list[int], dist.ProcessGroup | None]]:
+        """Full names held by more than one stage, with the group joining their pipeline ranks.
+
+        Like Megatron's embedding group: the copies start equal (same name, same init) and stay
+        equal because their gradients are summed before every step.
+        """
+        holders: dict[str, list[int]] = {}
+        for i in sorted(self.specs):
+            for name in self.specs[i]:
+                holders.setdefault(name, []).append(i)
+        tied = {name: ids for name, ids in sorted(holders.items()) if len(ids) > 1}
+        wanted: list[tuple[int, ...]] = []
+        by_name: dict[str, tuple[int, ...]] = {}
+        pp_axis = self.program.pipeline_axis
+        for name, ids in tied.items():
+            coords = sorted({i % self.pp for i in ids})
+            if len(coords) == 1 or pp_axis is None:
+                continue
+            others = [a for a in self.mesh.names if a != pp_axis]
+            # Every rank lists the groups of every position, so group creation stays in step.
+            for point in itertools.product(*(range(self.mesh.size(a)) for a in others)):
+                at = dict(zip(others, point))
+                members = tuple(sorted(self.mesh.rank_at(**at, **{pp_axis: c}) for c in coords))
+                if members not in wanted:
+                    wanted.append(members)
+            by_name[name] = tuple(sorted(self.mesh.rank_at(**{pp_axis: c}) for c in coords))
+        groups = self.mesh.make_groups(wanted)
+        return [
+            (name, ids, groups.get(by_name[name]) if name in by_name else None)
+            for name, ids in tied.items()
+        ]
+
+    def parameters(self) -> list[nn.Parameter]:
+        seen: dict[int, nn.Parameter] = {}
+        for i in self.stage_ids:
+            for p in self.modules[i].parameters():
+                seen.setdefault(id(p), p)
+        return list(seen.values())
+
+    def _make_optimizer(self) -> torch.optim.Optimizer | Optimizers:
+        # torch's fused AdamW: one kernel per parameter tensor where the default for-each loop
+        # runs about ten (measured on a 4-block tensor-parallel CPU step: 11.6 ms of ~150 went to
+        # the loop); the same update, rounded differently only.
+        kw = {**adamw_kwargs(self.program.optimizer), "fused": True}
+        params = self.parameters()
+        # ZeRO-2 / 3 and ZeRO-1 with master weights: the parameters are FSDP2's DTensors, each rank
+        # holding a slice, so plain AdamW keeps (and steps) state for that slice only.
+        if self.program.zero == 1 and not fsdp.uses_fsdp(self.program.zero, self.program.param_dtype):
+            # ZeRO-1 shards a parameter's states over the ZeRO ranks that hold the same shard of it:
+            # all of them for the dense parameters; for experts split over some of them (expert
+            # parallelism), the others (Megatron's expert-data-parallel group, torchtitan's dp_mod_ep).
+            # One optimizer per such group, stepped together.
+            by_axes: dict[tuple[str, ...], list[nn.Parameter]] = {}
+            seen: set[int] = set()
+            for i in self.stage_ids:
+                for spec in self.specs[i].values():
+                    q = self.modules[i].get_parameter(spec.local)
+                    if id(q) not in seen:
+                        seen.add(id(q))
+                        split = {a for _, axes in spec.dims for a in axes}
+                        by_axes.setdefault(tuple(a for a in self.zero_axes if a not in split), []).append(q)
+            parts = [self._zero1(group, axes, kw) for axes, group in by_axes.items()]
+            return parts[0] if len(parts) == 1 else Optimizers(parts)
+        # Expert parallelism under ZeRO 2 / 3: the experts stay plain tensors beside FSDP2's
+        # DTensors; fused and for-each kernels (the step's and zero_grad's) cannot take the two
+        # together, so each kind is its own group, stepped tensor by tensor.
+        # Keyed by the mesh's value, not its identity: FSDP2 may hand parameters of one data mesh
+        # equal DeviceMesh objects that are not the same one (seen in a pool rank that had built
+        # another FSDP2 plan before), and those fuse like one (DTensor compares meshes by value).
+        kinds: dict[Any, list[nn.Parameter]] = {}
+        for q in params:
+            kinds.setdefault(q.device_mesh if fsdp.is_sharded(q) else None, []).append(q)  # type: ignore[attr-defined]
+        if len(kinds) > 1:
+            kw.update(fused=False, foreach=False)
+            return torch.optim.AdamW([{"params": group} for group in kinds.values()], **kw)
+        return torch.optim.AdamW(params, **kw)
+
+    def _zero1(self, params: list[nn.Parameter], axes: tuple[str, ...], kw: dict[str, Any]) -> torch.optim.Optimizer:
+        """ZeRO-1 of ``params`` over the ranks along ``axes`` (plain AdamW where that is one rank)."""
+        if not axes or self.mesh.size(*axes) == 1:
+            return torch.optim.AdamW(params, **kw)
+        # Imported here, not at module level: it pulls in FSDP and DTensor (~2.4 CPU-s per
+        # rank), which only ZeRO plans should pay for.
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        # Each rank of the group keeps Adam state for a slice of the parameters, steps it, and
+        # broadcasts the updated values to the others. Bucket views make that one broadcast per
+        # owner instead of one per parameter (1.45x the step of no ZeRO without them, 0.86x with
+        # them, measured on 2 data ranks here).
+        return ZeroRedundancyOptimizer(
+            params,
+            optimizer_class=torch.optim.AdamW,
+            # With HSDP each replica group steps the same partition alike: the gradients were
+            # already averaged over every batch axis.
+            process_group=self.mesh.group(*axes),
+            parameters_as_bucket_view=True,
+            **kw,
+        )
+
+    def _pipeline(self, mb_shape: tuple[int, int], train: bool = True) -> Any:
+        """The schedule for microbatches of token shape ``mb_shape``, built on first use.
+
+        Forward-only runs get their own schedule without a loss: the multi-stage schedules compute
+        the loss on the last stage even under ``eval()``.
+        """
+        key = (*mb_shape, train)
+        if key in self._schedules:
+            return self._schedules[key]
+        from torch.distributed import pipelining as pl
+
+        p = self.program
+        assert p.pipeline_axis is not None
+        # The stages' own device: a CPU plan on a machine with CUDA stays on the CPU.
+        device = self.device
+        example: dict[int, Any] = self._example_activations(mb_shape, device)
+        loss_fn: Callable[..., Tensor] | None = self.loss_fn if train else None
+        routed = train and self.router_losses is not None
+        if routed:
+            # [2 E + 2] routing statistics beside every stage boundary's activations (after stage
+            # 0 on): a few floats per expert, P's gradient coming back with the activations'.
+            for i in range(1, len(p.stages) + 1):
+                stats = torch.zeros(self.router_losses.width, dtype=self._routing_dtype, device=device,
+                                    requires_grad=True)
+                example[i] = (example[i], stats)
+            loss_fn = self._loss_with_router_losses
+        stages = [
+            pl.PipelineStage(
+                self.modules[i],
+                stage_index=i,
+                num_stages=len(p.stages),
+                device=device,
+                input_args=example[i],
+                output_args=example[i + 1],
+                group=self.mesh.group(p.pipeline_axis),
+            )
+            for i in self.stage_ids
+        ]
+        kind = _schedule_name(p.schedule)
+        cls = getattr(pl, _SCHEDULES[kind])
+        # Microbatch losses are means, so the schedule divides gradients by the microbatch count.
+        if kind == "interleaved1f1b":
+            schedule = cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn, scale_grads=True)
+        else:
+            (stage,) = stages
+            schedule = cls(stage, n_microbatches=p.microbatches, loss_fn=loss_fn, scale_grads=True)
+        self._schedules[key] = schedule
+        return schedule
+
+    def _loss_with_router_losses(self, out: tuple[Tensor, Tensor], target: Tensor) -> Tensor:
+        """The last stage's loss of one microbatch: the token loss plus the router losses of the
+        whole forward, whose statistics came through every stage (as ``_forward_backward`` adds
+        them without a pipeline)."""
+        logits, stats = out
+        assert self.router_losses is not None
+        return self.loss_fn(logits, target) + self.router_losses.loss(
+            stats, self.context.sequence_sum if self.context is not None else None)
+
+    def _example_activations(
+        self, mb_shape: tuple[int, int], device: torch.device
+    ) -> dict[int, Tensor]:
+        """Inputs of every stage (and the last output) for one microbatch, all shapes static.
+
+        PipelineStage would otherwise infer shapes with object collectives; giving examples
+        up front avoids that round trip.  Boundaries are inferred from the model description:
+        the residual stream between stages, logits (last dim from the head's sharding) at the end.
+        """
+        hidden = next(
+            int(layer["dim"])
+            for layer in self.program.model["layers"]
+            if layer["kind"] == "embedding"
+        )
+        n = len(self.program.stages)
+        out: dict[int, Tensor] = {0: torch.zeros(mb_shape, dtype=torch.long, device=device)}
+        between = (mb_shape[0], self._seq_local(mb_shape[1]), hidden)
+        for i in range(1, n):
+            out[i] = torch.zeros(
+                *between, dtype=self.compute_dtype, device=device, requires_grad=True
+            )
+        vocab_local = self.program.vocab // math.prod(
+            self.mesh.size(*axes) for _, axes in self._head_dims()
+        )
+        out[n] = torch.zeros(
+            *mb_shape, vocab_local, dtype=self.compute_dtype, device=device, requires_grad=True
+        )
+        return out
+
+    def _seq_local(self, seq: int) -> int:
+        """Sequence length of the residual stream between stages: s / t under sequence parallelism."""
+        from meshllm_dsl.runtime.parallel.collectives import sequence_sharded
+
+        if not self.program.seq_axes or not sequence_sharded():
+            return seq
+        return seq // self.mesh.size(*self.program.seq_axes)
+
+    def _head_dims(self) -> tuple[tuple[int, tuple[str, ...]], ...]:
+        """How the logits are sharded: like the output rows of the last stage's head weight."""
+        last = self.specs[len(self.program.stages) - 1]
+        for name in ("lm_head.weight", "embed.weight"):
+            if name in last:
+                return last[name].dims
+        candidates = [
+            s for s in last.values() if len(s.shape) == 2 and s.shape[0] == self.program.vocab
+        ]
+        if not candidates:
+            raise ValueError("cannot find the head weight of the last stage")
+        return candidates[-1].dims
+
+    # ------------------------------------------------------------------ training
+
+    def _local_batch(self, t: Tensor) -> Tensor:
+        """This rank's rows of the global [B, S] ``t`` and, with context parallelism, its chunks of
+        each sequence."""
+        if t.shape[0] % self.dp:
+            raise ValueError(
+                f"batch {t.shape[0]} does not split over {self.dp} data-parallel ranks"
+            )
+        t = t.chunk(self.dp, dim=0)[self.mesh.index(*self.batch_axes)] if self.dp > 1 else t
+        return self.context.local(t) if self.context is not None else t
+
+    def train_step(self, tokens: Tensor, targets: Tensor) -> float:
+        """One optimizer step on the global batch ``tokens``/``targets`` [B, S] (same on every rank).
+
+        Returns the mean token loss over the whole global batch, on every rank.
+        """
+        self.optimizer.zero_grad(set_to_none=False)
+        tokens, targets = tokens.to(self.device), targets.to(self.device)
+        local_loss = self._forward_backward(self._local_batch(tokens), self._local_batch(targets))
+        self._sync_grads()
+        settings = self.program.optimizer
+        if "clip" in settings:
+            self.grad_norm = self.clip_grads(float(settings["clip"]))
+        lr = lr_at(settings, self.steps_done)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.steps_done += 1
+        return self._global_loss(local_loss)
+
+    def grad_norm_sq(self) -> Tensor:
+        """This rank's share of the squared global gradient norm, so that the sum over the mesh
+        counts every element of every full gradient exactly once.
+
+        A shard counts on every rank that holds a different slice of it; a copy (replicated over
+        tensor or unused axes, averaged over data axes, tied on another stage) counts only on the
+        first holder: each pipeline stage's parameters, once; the tied weight, on its first stage.
+        """
+        first_stage = {name: min(ids) for name, ids, _ in self._tied}
+        seen: set[int] = set()
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i in sorted(self.stage_ids):
+            for name, spec in self.specs[i].items():
+                param = self.modules[i].get_parameter(spec.local)
+                if id(param) in seen or param.grad is None:
+                    continue
+                seen.add(id(param))
+                if first_stage.get(name, i) != i:
+                    continue
+                split = {a for _, axes in spec.dims for a in axes}
+                if fsdp.is_sharded(param.grad):
+                    split |= set(self.zero_axes)  # each shard rank holds its own slice of it (HSDP: replicas repeat it)
+                copies = [a for a in self.mesh.names if a != self.program.pipeline_axis and a not in split]
+                if all(self.mesh.coord(a) == 0 for a in copies):
+                    grad = fsdp.data_local(param.grad.detach())
+                    total += grad.to(torch.float64).pow(2).sum()
+        return total
+
+    def clip_grads(self, max_norm: float) -> float:
+        """Scale every gradient by min(1, max_norm / (norm + 1e-6)), with the norm over the whole
+        model as torch.nn.utils.clip_grad_norm_ computes it on the unsharded one; the norm."""
+        total = self.grad_norm_sq()
+        group = self.mesh.group(*self.mesh.names)
+        if group is not None:
+            # [1]: each rank's share of the squared norm, summed over the whole mesh.
+            total = all_reduce_sum(total.reshape(1), group)[0]
+        norm = float(total.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for q in self.parameters():
+                if q.grad is not None:
+                    q.grad.mul_(coef)
+        return norm
+
+    def _forward_backward(self, tokens: Tensor, targets: Tensor) -> Tensor | None:
+        p = self.program
+        m = p.microbatches
+        if tokens.shape[0] % m:
+            raise ValueError(f"local batch {tokens.shape[0]} does not split into {m} microbatches")
+        losses: list[Tensor] = []
+        if self.pp == 1:
+            defer = fsdp.defers_grad_sync(p.zero, p.param_dtype)
+            for j, (tok, tgt) in enumerate(zip(tokens.chunk(m), targets.chunk(m))):
+                if defer:
+                    # ZeRO 1 (Megatron's distributed optimizer): one gather and one reduce-scatter a
+                    # step; the microbatches before the last accumulate whole fp32 gradients.
+                    for i in self.stage_ids:
+                        self.modules[i].set_requires_gradient_sync(j == m - 1)  # type: ignore[operator]
+                        self.modules[i].set_reshard_after_backward(j == m - 1)  # type: ignore[operator]
+                x = tok
+                with moe_routing.recording(self.router_losses is not None) as routing:
+                    for i in self.stage_ids:
+                        x = self.modules[i](x)
+                loss = self.loss_fn(x, tgt)
+                if self.router_losses is not None:
+                    # Over this microbatch's tokens on this replica, as transformers per forward
+                    # (its whole sequences: the statistics summed over the context ranks).
+                    stats = self.router_losses.statistics(routing.logits, None, self._routing_dtype, self.device)
+                    loss = loss + self.router_losses.loss(
+                        stats, self.context.sequence_sum if self.context is not None else None)
+                del x  # the logits: backward needs only what the loss saved, not them
+                (loss / m).backward()
+                losses.append(loss.detach())
+            return torch.stack(losses).mean()
+        schedule = self._pipeline((tokens.shape[0] // m, tokens.shape[1]))
+        n = len(p.stages)
+        args = (tokens,) if 0 in self.stage_ids else ()
+        target = targets if n - 1 in self.stage_ids else None
+        # return_outputs=False: otherwise the last stage keeps every microbatch's logits
+        # ([mb, s, vocab / t] each) until the step ends, though training only needs the losses.
+        self._carry_routing = self.router_losses is not None
+        try:
+            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        finally:
+            self._carry_routing = False
+        return torch.stack([x.detach() for x in losses]).mean() if losses else None
+
+    def _sum_partial_grads(self) -> None:
+        """Sum the gradients that are partial over some axes (``ShardSpec.partial_grad``: norms
+        under sequence parallelism) over those axes, coalesced per set of axes.
+
+        Under ZeRO 2 / 3 a gradient is FSDP2's DTensor over the data ranks: the ranks of a tensor
+        group sit at one data coordinate and hold the same slice of it, so their local slices are
+        summed (sum over tensor and FSDP's mean over data commute)."""
+        by_axes: dict[tuple[str, ...], list[Tensor]] = {}
+        for i in self.stage_ids:
+            for spec in self.specs[i].values():
+                param = self.modules[i].get_parameter(spec.local)
+                if spec.partial_grad and param.grad is not None:
+                    by_axes.setdefault(tuple(spec.partial_grad), []).append(fsdp.data_local(param.grad))
+        for axes, grads in by_axes.items():
+            group = self.mesh.group(*axes)
+            if group is not None:
+                _all_reduce_coalesced(grads, group)
+
+    def _sync_grads(self) -> None:
+        self._sum_partial_grads()
+        for name, ids, group in self._tied:
+            local = [
+                self.modules[i].get_parameter(self.specs[i][name].local)
+                for i in ids
+                if i in self.modules
+            ]
+            if not local:
+                continue
+            grads = [fsdp.data_local(q.grad) for q in local if q.grad is not None]
+            total = sum(grads, torch.zeros_like(fsdp.data_local(local[0].detach())))
+            # [shard of the tied weight]: sum the copies' grads across the pipeline ranks holding it
+            # (with ZeRO 2 / 3, this data rank's slice of it: the copies are sliced alike).
+            total = all_reduce_sum(total, group)
+            for q in local:
+                if fsdp.is_sharded(q):
+                    assert q.grad is not None
+                    fsdp.data_local(q.grad).copy_(total)
+                else:
+                    q.grad = total.clone()
+        if self.replicas > 1:
+            # FSDP2 already averaged its (DTensor) gradients over the data (and context) ranks. A
+            # parameter split over batch axes (expert parallelism: each rank holds other experts) is
+            # summed only over the batch (and context) axes that replicate it: its gradient already
+            # holds every token of the axes that split it (the all-to-all's backward brought them), so
+            # it is only divided there.
+            by_axes: dict[tuple[str, ...], list[Tensor]] = {}
+            seen: set[int] = set()
+            for i in self.stage_ids:
+                for spec in self.specs[i].values():
+                    q = self.modules[i].get_parameter(spec.local)
+                    if id(q) in seen or q.grad is None or fsdp.is_sharded(q.grad):
+                        continue
+                    seen.add(id(q))
+                    by_axes.setdefault(self._replica_axes(spec), []).append(q.grad)
+            # Under FSDP2 the plain gradients are the experts' it leaves out: summed in the plan's
+            # reduce dtype, as FSDP2 reduces the dense ones.
+            p = self.program
+            reduce = p.reduce_dtype if fsdp.uses_fsdp(p.zero, p.param_dtype) else None
+            for over, grads in by_axes.items():
+                if over and self.mesh.size(*over) > 1:
+                    _all_reduce_coalesced(grads, self.mesh.group(*over), divide_by=self.replicas, dtype=reduce)
+                else:
+                    torch._foreach_div_(grads, self.replicas)
+
+    def _replica_axes(self, spec: ShardSpec) -> tuple[str, ...]:
+        """The batch and context axes (in mesh order) over which ranks hold the same shard of
+        ``spec``'s parameter, so its gradient is averaged over them: all of them but those that split it."""
+        split = {a for _, axes in spec.dims for a in axes}
+        return tuple(a for a in self.grad_axes if a not in split)
+
+    def _global_loss(self, local: Tensor | None) -> float:
+        """Mean of the per-replica losses, known to every rank (only last stages computed one)."""
+        value = (
+            torch.zeros((), dtype=torch.float64)
+            if local is None
+            else local.detach().to(torch.float64)
+        )
+        axes = tuple(
+            a for a in self.mesh.names if a == self.program.pipeline_axis or a in self.grad_axes
+        )  # not tensor: its ranks computed the same vocab-parallel loss
+        if axes:
+            group = self.mesh.group(*axes)
+            # [1]: the last stages' losses, summed over pipeline (others add 0), replicas and
+            # context ranks (each the mean over an equal share of the tokens).
+            value = all_reduce_sum(value.reshape(1), group)[0]
+        return float(value) / self.replicas
+
+    # ------------------------------------------------------------------ inspection
+
+    def run_stages(self, tokens: Tensor) -> Tensor | None:
+        """Run this rank's stages in order on one batch, without a schedule (forward, decoding).
+
+        Returns the local logits on ranks holding the last stage, else None.  Activations
+        [b, s, hidden] move to the next pipeline rank with point-to-point send / recv.
+        """
+        n, x = len(self.program.stages), tokens
+        for i in self.stage_ids:
+            if i > 0 and self.pp > 1:
+                b, s = tokens.shape
+                x = torch.empty(
+                    b, self._seq_local(s), self._hidden, dtype=self.compute_dtype, device=self.device
+                )
+                # [b, s, hidden] residual stream from the previous stage's rank.
+                dist.recv(x, src=self._pipeline_rank(i - 1))
+            x = self.modules[i](x)
+            if i < n - 1 and self.pp > 1:
+                # [b, s, hidden] to the next stage's rank.
+                dist.send(x.contiguous(), dst=self._pipeline_rank(i + 1))
+        return x if n - 1 in self.stage_ids else None
+
+    def gather_logits(self, local: Tensor | None, shape: tuple[int, int]) -> Tensor:
+        """Full logits [b, s, vocab] on every rank of a pipeline group from the last stage's shards."""
+        # A head whose stage already gathered its output returns the full vocab: nothing to do.
+        if local is not None and local.shape[-1] != self.program.vocab:
+            for _, axes in reversed(self._head_dims()):
+                group = self.mesh.group(*axes)
+                if group is not None:
+                    parts = [torch.empty_like(local) for _ in range(self.mesh.size(*axes))]
+                    # [b, s, vocab / n] -> [b, s, vocab]: logits sharded like the head's rows.
+                    dist.all_gather(parts, local.contiguous(), group=group)
+                    local = torch.cat(parts, dim=-1)
+        if self.pp == 1:
+            assert local is not None
+            return local
+        full = (
+            local
+            if local is not None
+            else torch.empty(
+                *shape, self.program.vocab, dtype=self.compute_dtype, device=self.device
+            )
+        )
+        full = full.contiguous()
+        # [b, s, vocab] from the rank holding the last stage to the rest of its pipeline group.
+        dist.broadcast(
+            full,
+            src=self._pipeline_rank(len(self.program.stages) - 1),
+            group=self.mesh.group(self._pp_axis),
+        )
+        return full
+
+    @torch.no_grad()
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Full logits [B, S, vocab] of the global batch, on every rank (for equivalence checks)."""
+        local = self._local_batch(tokens.to(self.device))
+        logits = self.gather_logits(self.run_stages(local), (local.shape[0], local.shape[1]))
+        if self.context is not None:
+            # [B / dp, S / cp, vocab] per context rank -> [B / dp, S, vocab] in position order.
+            logits = self.context.unshard(logits)
+        if self.dp > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.dp)]
+            # [B / dp, S, vocab] per replica -> [B, S, vocab].
+            dist.all_gather(parts, logits, group=self.mesh.group(*self.batch_axes))
+            logits = torch.cat(parts, dim=0)
+        return logits
+
+    @property
+    def _pp_axis(self) -> str:
+        assert self.program.pipeline_axis is not None
+        return self.program.pipeline_axis
+
+    def _pipeline_rank(self, stage: int) -> int:
+        """Global rank holding ``stage`` at this rank's other coordinates."""
+        return self.mesh.rank_at(**{self._pp_axis: stage % self.pp})
+
+    def _gather(self, grads: bool) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        from_stage: dict[int, list[Tensor]] = {}
+        for i in range(len(self.program.stages)):
+            for name, spec in sorted(self.specs[i].items()):
+                if name in out:
+                    continue  # a tied copy: the first holder's tensor stands for all
+                if i in self.modules:
+                    param = self.modules[i].get_parameter(spec.local)
+                    local = param.grad if grads else param
+                    local = torch.zeros_like(param) if local is None else local
+                    full = gather_full(fsdp.tp_local(local.detach()), spec, self.mesh)
+                else:
+                    full = torch.empty(spec.shape, dtype=self.program.dtype, device=self.device)
+                out[name] = full
+                from_stage.setdefault(i % self.pp, []).append(full)
+        if self.pp > 1:
+            group = self.mesh.group(self._pp_axis)
+            for index, tensors in sorted(from_stage.items()):
+                # Every full tensor of the stages at pipeline index `index`, from the rank holding
+                # them to the rest of the pipeline group: a few coalesced broadcasts, not one per
+                # tensor (latency-bound on gloo).
+                # (the C++ helper DDP syncs its modules with; src is a group rank, here the index).
+                bucket_bytes = _BUCKET_ELEMENTS * tensors[0].element_size()
+                dist._broadcast_coalesced(group, tensors, bucket_bytes, index)
+        return out
+
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Every parameter at full shape keyed by full name, on every rank (collective)."""
+        return self._gather(grads=False)
+
+    def full_grads(self) -> dict[str, Tensor]:
+        """Gradients of the last step at full shape (after data-parallel averaging), on every rank."""
+        return self._gather(grads=True)
+
+    def load_full_state_dict(self, state: Mapping[str, Tensor]) -> None:
+        """Load this rank's shards from full tensors keyed by full name (same on every rank)."""
+        with torch.no_grad():
+            for i in self.stage_ids:
+                for name, spec in self.specs[i].items():
+                    if name not in state:
+                        raise KeyError(f"full state dict has no {name!r}")
+                    param = self.modules[i].get_parameter(spec.local)
+                    fsdp.store_tp_local(param, local_slice(state[name].to(param.dtype), spec, self.mesh))
