@@ -15,6 +15,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--update-goldens", action="store_true", help="rewrite golden files from current output")
 
 
+# The quick tier (`pytest -m quick`, about 2 minutes on 2 idle cores): every stage once, for an
+# engineer's own loop. The full suite (`pytest -q`) stays the README's and CI's test command.
+QUICK = (
+    "tests/frontend/test_parser.py",  # parse
+    "tests/frontend/test_goldens.py",  # check: every diagnostic golden, every example checks clean
+    "tests/frontend/test_families.py",  # the families' .mesh declarations
+    "tests/planner/test_planner_numbers.py",  # plan: memory, communication, bubble
+    "tests/codegen/test_codegen.py::test_generated_code_matches_golden",  # one golden per example
+    "tests/integration/test_compiled_plans.py::test_compiled_plan_matches_unsharded_reference[tiny_llama]",  # gloo
+    "tests/integration/test_hf_weights.py::test_export_round_trip_is_exact_and_loads_in_transformers[llama-pipeline2_tensor2]",
+    "tests/lsp/test_lsp_analysis.py",  # the language server's answers
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "quick: the quick tier, every stage once (`pytest -m quick`)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.startswith(QUICK):
+            item.add_marker(pytest.mark.quick)
+
+
 def _register_hypothesis_profiles() -> None:
     # Registered here, before pytest configures the hypothesis plugin, so that
     # `pytest --hypothesis-profile=thorough` can select it: many more examples for the property tests.
