@@ -1952,19 +1952,27 @@ def _ranks_text(ranks: tuple[int, ...]) -> str:
     return _ranges(list(ranks)) if ranks else "-"
 
 
-def report_text(rep: PlanReport) -> str:
-    plan, dev, mesh, model = rep.plan, rep.device, rep.plan.mesh, rep.plan.model
-    w = DTYPES[plan.dtype]
+def _heading_lines(rep: PlanReport) -> list[str]:
+    """The plan, its mesh and device, and the shape of its step."""
+    plan, dev, mesh = rep.plan, rep.device, rep.plan.mesh
     axes = " x ".join(f"{a.name} {a.size}" for a in mesh.axes)
     hosts = f", {mesh.hosts} hosts{' assumed' if rep.hosts_assumed else ''}" if mesh.hosts > 1 else ""
-    lines = [
-        f"plan {plan.name}: {model.name} on {mesh.name} ({mesh.devices} x {dev.name}{' (assumed)' if rep.device_assumed else ''}: {axes}{hosts})",
+    return [
+        f"plan {plan.name}: {plan.model.name} on {mesh.name} ({mesh.devices} x {dev.name}{' (assumed)' if rep.device_assumed else ''}: {axes}{hosts})",
         (f"  batch {plan.batch} x seq {plan.seq}; {plan.data_size} data replica{'s' if plan.data_size != 1 else ''} x "
         f"{plan.microbatches} microbatch{'es' if plan.microbatches != 1 else ''} of {rep.micro_batch} sequence{'s' if rep.micro_batch != 1 else ''}; "
         f"{f'schedule {plan.schedule}' if plan.pipeline_size > 1 else 'no pipeline'}{f' (virtual {plan.virtual})' if plan.virtual > 1 else ''}; "
         f"{plan.optimizer}, ZeRO {plan.zero}{' over ' + ' x '.join(plan.roles.batch_shard) if plan.zero else ''}"
         + (f"; context {plan.context_size} over {' x '.join(plan.roles.context)} ({plan.seq // plan.context_size:,} tokens "
            "of each sequence per rank)" if plan.roles.context else "")),
+    ]
+
+
+def _model_lines(rep: PlanReport) -> list[str]:
+    """The whole model: parameters, weights, training state and KV cache, before any sharding."""
+    plan, model = rep.plan, rep.plan.model
+    w = DTYPES[plan.dtype]
+    return [
         "",
         "model",
         f"  parameters      {model.numel:,} ({fmt_count(model.numel)})",
@@ -1976,18 +1984,35 @@ def report_text(rep: PlanReport) -> str:
         + (" (sliding-window layers hold their window only)" if kv_cache_bytes(plan, plan.seq) < rep.kv_bytes_per_token * plan.seq else "")
         + (f"; decoding keeps it gathered: each of the {plan.context_size} context ranks holds all of it"
            if plan.roles.context else "")),
-        "",
-        "memory per device (a row per pipeline rank; the tensor and data ranks at it hold the same)",
     ]
+
+
+def _memory_lines(rep: PlanReport) -> list[str]:
+    """Memory per device: a row per pipeline rank, then what the fullest one holds by dtype."""
+    dev = rep.device
     rows = []
     for rc in rep.ranks:
         rows.append([str(rc.coord), _ranks_text(rc.ranks), rc.label, fmt_count(rc.params_global), fmt_count(rc.params_local),
                      fmt_bytes(rc.weight_bytes), fmt_bytes(rc.grad_bytes), fmt_bytes(rc.optimizer_bytes),
                      f"{fmt_bytes(rc.activation_bytes)} ({rc.in_flight} mb)", fmt_bytes(rc.training_bytes),
                      "yes" if rc.training_bytes <= dev.memory_bytes else "NO"])
-    lines += ["  " + x for x in _table(
-        ["pp", "ranks", "layers", "params", "on device", "weights", "grads", "optimizer", "activations", "total", "fits"],
-        rows, right={3, 4, 5, 6, 7, 8, 9})]
+    return [
+        "",
+        "memory per device (a row per pipeline rank; the tensor and data ranks at it hold the same)",
+        *("  " + x for x in _table(
+            ["pp", "ranks", "layers", "params", "on device", "weights", "grads", "optimizer", "activations", "total", "fits"],
+            rows, right={3, 4, 5, 6, 7, 8, 9})),
+        *_fullest_rank_lines(rep),
+        "  activations per microbatch: " + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.activation_bytes_per_microbatch)}" for rc in rep.ranks),
+        f"  inference (weights + KV cache at batch {rep.plan.batch} x seq {rep.plan.seq}): "
+        + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.inference_bytes)}" for rc in rep.ranks)
+        + f" -> {'fits' if rep.fits_inference else 'does NOT fit'}",
+    ]
+
+
+def _fullest_rank_lines(rep: PlanReport) -> list[str]:
+    """The rank needing the most memory: its bytes by dtype, and the FSDP2 buffers it holds."""
+    plan = rep.plan
     worst = max(rep.ranks, key=lambda r: r.training_bytes)
     # Weights, gradients and moments are the stored parameters' dtype: the master one with `precision`
     # (FSDP2's sharded parameters, or autocast's fp32 ones at ZeRO 0), else the plan's.
@@ -1997,7 +2022,7 @@ def report_text(rep: PlanReport) -> str:
     if worst.grad_accum_bytes:
         accum_dtype = plan.reduce_dtype or plan.dtype
         by_dtype[accum_dtype] = by_dtype.get(accum_dtype, 0) + worst.grad_accum_bytes
-    lines += [
+    lines = [
         f"  by dtype on pipeline rank {worst.coord}: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in by_dtype.items())
         + (f"; {fmt_count(worst.params_replicated)} parameters are whole copies on every device (norms, biases, unsharded layers)"
            if not runs_fsdp(plan) or not plan.roles.batch_shard else
@@ -2014,14 +2039,12 @@ def report_text(rep: PlanReport) -> str:
         by = "the pipeline schedule" if plan.roles.pipeline else "ZeRO-1 until its one reduce-scatter a step"
         lines.append(f"  gradient accumulators (FSDP2's unsharded gradients in {plan.reduce_dtype or plan.dtype}, kept between"
                      f" microbatches by {by}): {fmt_bytes(worst.grad_accum_bytes)}")
-    lines += [
-        "  activations per microbatch: " + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.activation_bytes_per_microbatch)}" for rc in rep.ranks),
-        f"  inference (weights + KV cache at batch {plan.batch} x seq {plan.seq}): "
-        + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.inference_bytes)}" for rc in rep.ranks)
-        + f" -> {'fits' if rep.fits_inference else 'does NOT fit'}",
-        "",
-        "communication per step (busiest pipeline rank per row; ring algorithm)",
-    ]
+    return lines
+
+
+def _communication_lines(rep: PlanReport) -> list[str]:
+    """Communication per step: a row per axis, kind and op, on the busiest pipeline rank."""
+    lines = ["", "communication per step (busiest pipeline rank per row; ring algorithm)"]
     comm_rows = [[c["axis"], c["kind"], c["op"], f"{c['calls']:,}", fmt_bytes(c["payload_bytes"]), fmt_bytes(c["wire_bytes"]),
                   fmt_seconds(c["seconds"]), "network" if c["crosses_hosts"] else "in host"] for c in rep.comm_by_axis()]
     if comm_rows:
@@ -2029,20 +2052,26 @@ def report_text(rep: PlanReport) -> str:
                                            right={3, 4, 5, 6})]
     else:
         lines.append("  none (a single device)")
-    st = rep.step
+    return lines
+
+
+def _bubble_lines(rep: PlanReport) -> list[str]:
+    plan = rep.plan
+    return ["", f"pipeline bubble: {rep.bubble:.1%}" + (_bubble_formula(plan, rep.bubble) if plan.pipeline_size > 1 else " (no pipeline)")]
+
+
+def _step_time_lines(rep: PlanReport) -> list[str]:
+    """The step's time by part on the slowest pipeline rank, and its throughput and MFU."""
+    plan, dev, st = rep.plan, rep.device, rep.step
     slow = next((rc for rc in rep.ranks if rc.compute_s == st.compute_s), rep.ranks[0])
-    slow_recompute = slow.recompute_s
-    p = plan.pipeline_size
-    lines += [
-        "",
-        f"pipeline bubble: {rep.bubble:.1%}" + (_bubble_formula(plan, rep.bubble) if p > 1 else " (no pipeline)"),
+    return [
         "",
         f"step time (estimate; {dev.name} {dev.tflops:g} TFLOP/s, large matmuls at {(dev.mfu or MFU):.0%} of it"
         + (f", memory {dev.hbm_gbps:g} GB/s" if dev.hbm_gbps else "") + f", links {dev.intra_gbps:g} / {dev.inter_gbps:g} GB/s)",
         f"  compute          {fmt_seconds(st.compute_s)}   matmuls" + (" (roofline) and memory traffic" if dev.hbm_gbps else "")
         + " on the slowest pipeline rank"
         + (f" + {slow.kernels:,} kernels x {dev.kernel_us:g} us" if dev.kernel_us else "")
-        + (f", of which {fmt_seconds(slow_recompute)} recomputes {recomputed_text(plan)} in backward"
+        + (f", of which {fmt_seconds(slow.recompute_s)} recomputes {recomputed_text(plan)} in backward"
            if plan.recompute != "none" else ""),
         f"  tensor comm      {fmt_seconds(st.tensor_s)}",
         *([f"  expert comm      {fmt_seconds(st.expert_s)}   " + _expert_note(rep)] if plan.roles.expert else []),
@@ -2050,28 +2079,49 @@ def report_text(rep: PlanReport) -> str:
         f"  bubble           {fmt_seconds(st.bubble_s)}",
         f"  data-parallel    {fmt_seconds(st.data_s)}" + _overlap_note(rep),
         *([f"  context comm     {fmt_seconds(st.context_s)}   {_context_text(rep)}"] if plan.context_size > 1 else []),
-    ]
-    if st.shared_s:
-        per_host = mesh.devices_per_host
-        framework = ", ".join(f"{v:g} us per {what}" for v, what in (
-            (dev.collective_cpu_us, "collective call"), (dev.stage_cpu_us, "pipeline action"),
-            (dev.fsdp_cpu_us, "FSDP2 collective")) if v)
-        lines.append(f"  shared cores     {fmt_seconds(st.shared_s)}   {per_host} ranks per host on {dev.cores:g} cores: their host time "
-                     f"(compute{', ' + framework if framework else ''}) / cores"
-                     + (", then the pipeline's fill and drain" if rep.bubble else "")
-                     + f"; a device per rank would take {fmt_seconds(st.critical_s)}")
-    lines += [
+        *_shared_cores_lines(rep),
         f"  total            {fmt_seconds(st.total_s)}   {st.tokens / st.total_s:,.0f} tokens/s, model flops utilisation {rep.mfu:.0%}"
         f" ({st.model_flops / st.tokens / 1e9:,.3g} GFLOP per token: 6 (N - N_embedding) + 12 l h q t)",
-        "",
-        f"peak memory {fmt_bytes(rep.peak_training_bytes)} of {fmt_bytes(dev.memory_bytes)} per device"
-        " (tensors allocated, as torch.cuda.max_memory_allocated counts them): "
-        + ("fits" if rep.fits else "does NOT fit"),
     ]
+
+
+def _shared_cores_lines(rep: PlanReport) -> list[str]:
+    """Ranks time-sharing a host's cores: the step their host time sets (none when each has a device)."""
+    dev, st = rep.device, rep.step
+    if not st.shared_s:
+        return []
+    framework = ", ".join(f"{v:g} us per {what}" for v, what in (
+        (dev.collective_cpu_us, "collective call"), (dev.stage_cpu_us, "pipeline action"),
+        (dev.fsdp_cpu_us, "FSDP2 collective")) if v)
+    return [f"  shared cores     {fmt_seconds(st.shared_s)}   {rep.plan.mesh.devices_per_host} ranks per host on {dev.cores:g} cores: their host time "
+            f"(compute{', ' + framework if framework else ''}) / cores"
+            + (", then the pipeline's fill and drain" if rep.bubble else "")
+            + f"; a device per rank would take {fmt_seconds(st.critical_s)}"]
+
+
+def _peak_lines(rep: PlanReport) -> list[str]:
+    return ["", f"peak memory {fmt_bytes(rep.peak_training_bytes)} of {fmt_bytes(rep.device.memory_bytes)} per device"
+            " (tensors allocated, as torch.cuda.max_memory_allocated counts them): "
+            + ("fits" if rep.fits else "does NOT fit")]
+
+
+def _skew_lines(rep: PlanReport) -> list[str]:
     from meshllm_dsl.planner import moe as planner_moe
 
-    lines += planner_moe.skew_lines(rep)
-    return "\n".join(lines) + "\n"
+    return planner_moe.skew_lines(rep)
+
+
+# `meshc plan`'s report, section by section in the order printed; each but the first opens with the
+# blank line that separates it, and a section with nothing to say (the skew without `skew`) prints nothing.
+REPORT_SECTIONS: tuple[Callable[[PlanReport], list[str]], ...] = (
+    _heading_lines, _model_lines, _memory_lines, _communication_lines, _bubble_lines, _step_time_lines, _peak_lines,
+    _skew_lines,
+)
+
+
+def report_text(rep: PlanReport) -> str:
+    """`meshc plan`'s report of one plan: REPORT_SECTIONS in order."""
+    return "\n".join(line for section in REPORT_SECTIONS for line in section(rep)) + "\n"
 
 
 def _active_lines(plan: PlanIR) -> list[str]:
