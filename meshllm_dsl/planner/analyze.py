@@ -1818,29 +1818,32 @@ def _comm_help(step: StepTime) -> str:
     return f"{'; or '.join(named) or 'larger microbatches'} raise the compute per byte moved"
 
 
-def plan_warnings(report: PlanReport) -> list[Diagnostic]:
-    plan, dev = report.plan, report.device
-    out: list[Diagnostic] = []
-    head = header_span(plan.span)
+def _fullest(report: PlanReport) -> RankClass:
+    return max(report.ranks, key=lambda r: r.training_bytes)
+
+
+def _memory_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0801: the plan does not fit, with what takes the most of the fullest rank's memory."""
+    if report.fits:
+        return []
+    plan, dev, worst = report.plan, report.device, _fullest(report)
     mesh_dev = _find_span(plan.mesh.span, "device")
     dev_label = (Label(mesh_dev, f"{dev.name}: {dev.memory_gib:g} GiB, {dev.tflops:g} TFLOP/s"),) if mesh_dev else ()
-    step = report.step
+    parts = {"weights": worst.weight_bytes, "gradients": worst.grad_bytes, "optimizer states": worst.optimizer_bytes,
+             "activations": worst.activation_bytes, "ZeRO-3 gather buffer": worst.gather_buffer_bytes,
+             "gradient accumulators": worst.grad_accum_bytes}
+    biggest = max(parts, key=lambda k: parts[k])
+    return [Diagnostic(
+        W0801, f"plan `{plan.name}` needs {fmt_bytes(worst.training_bytes)} on pipeline rank {worst.coord}, "
+        f"more than the {fmt_bytes(dev.memory_bytes)} of a {dev.name}", header_span(plan.span),
+        label="does not fit in device memory", secondary=dev_label,
+        note="per device: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v),
+        help=_fit_help(report, biggest))]
 
-    # W0801: does not fit.
-    worst = max(report.ranks, key=lambda r: r.training_bytes)
-    if not report.fits:
-        parts = {"weights": worst.weight_bytes, "gradients": worst.grad_bytes, "optimizer states": worst.optimizer_bytes,
-                 "activations": worst.activation_bytes, "ZeRO-3 gather buffer": worst.gather_buffer_bytes,
-                 "gradient accumulators": worst.grad_accum_bytes}
-        biggest = max(parts, key=lambda k: parts[k])
-        out.append(Diagnostic(
-            W0801, f"plan `{plan.name}` needs {fmt_bytes(worst.training_bytes)} on pipeline rank {worst.coord}, "
-            f"more than the {fmt_bytes(dev.memory_bytes)} of a {dev.name}", head,
-            label="does not fit in device memory", secondary=dev_label,
-            note="per device: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v),
-            help=_fit_help(report, biggest)))
 
-    # W0802: over-sharding: the last doubling of a sharding axis costs more communication than it saves.
+def _over_sharding_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0802: the last doubling of a sharding axis costs more communication than it saves."""
+    plan, dev, out = report.plan, report.device, []
     for axis, comm_s in _tensor_comm_by_axis(report).items():
         size = plan.mesh.size(axis)
         slow = max(report.ranks, key=lambda r: r.compute_s)
@@ -1852,63 +1855,96 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
             ax = plan.mesh.axis(axis)
             out.append(Diagnostic(
                 W0802, f"`{axis}` = {size} over-shards: {fmt_count(slow.params_local)} parameters per device cost "
-                f"{fmt_seconds(comm_s)} of collectives per step", ax.span if ax else head,
+                f"{fmt_seconds(comm_s)} of collectives per step", ax.span if ax else header_span(plan.span),
                 label=f"halving it would save {fmt_seconds(comm_s - kept)} of communication for {fmt_seconds(saved)} more compute",
                 help=f"use `{axis}` = {half} and give the devices to data parallelism, if it still fits in memory "
                 "(`meshc suggest` searches the alternatives)",
                 note="each tensor-parallel layer all-reduces its activations; below a few thousand columns per "
                 "device the matmul is too small to hide it"))
+    return out
 
-    # W0803: communication-dominated step.
-    if step.comm_s > step.compute_s:
-        out.append(Diagnostic(
-            W0803, f"communication ({fmt_seconds(step.comm_s)}) exceeds compute ({fmt_seconds(step.compute_s)}) per step",
-            head, label="communication-dominated",
-            note=f"tensor {fmt_seconds(step.tensor_s)}, "
-            + (f"expert {fmt_seconds(step.expert_s)}, " if step.expert_s else "")
-            + f"pipeline {fmt_seconds(step.pipeline_s)}, data {fmt_seconds(step.data_s)}",
-            help=_comm_help(step)))
 
-    # W0804: tensor axis over the inter-host link, with its cost.
+def _communication_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0803: the step spends more time communicating than computing."""
+    step = report.step
+    if step.comm_s <= step.compute_s:
+        return []
+    return [Diagnostic(
+        W0803, f"communication ({fmt_seconds(step.comm_s)}) exceeds compute ({fmt_seconds(step.compute_s)}) per step",
+        header_span(report.plan.span), label="communication-dominated",
+        note=f"tensor {fmt_seconds(step.tensor_s)}, "
+        + (f"expert {fmt_seconds(step.expert_s)}, " if step.expert_s else "")
+        + f"pipeline {fmt_seconds(step.pipeline_s)}, data {fmt_seconds(step.data_s)}",
+        help=_comm_help(step))]
+
+
+def _network_tensor_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0804: a tensor axis runs over the inter-host link, with its cost."""
+    plan, dev, out = report.plan, report.device, []
     for axis, comm_s in _tensor_comm_by_axis(report).items():
         if _crosses(plan.mesh, (axis,)):
             intra = comm_s * dev.inter_gbps / dev.intra_gbps
             ax = plan.mesh.axis(axis)
             out.append(Diagnostic(
                 W0804, f"tensor-parallel axis `{axis}` runs its collectives over the network: "
-                f"{fmt_seconds(comm_s)} per step", ax.span if ax else head,
+                f"{fmt_seconds(comm_s)} per step", ax.span if ax else header_span(plan.span),
                 label=f"about {fmt_seconds(intra)} within a host ({dev.inter_gbps:g} vs {dev.intra_gbps:g} GB/s)",
                 help=f"put `{axis}` last in `axes` and keep it at most {plan.mesh.devices_per_host} (devices per host)"))
+    return out
 
-    # W0805: large bubble.
-    if report.bubble > BUBBLE_WARN:
-        p, m = plan.pipeline_size, plan.microbatches
-        need = math.ceil(9 * (p - 1) / plan.virtual)  # (p - 1) / (v (m + p - 1)) <= 10%, roughly
-        where = _find_span(plan.span, "microbatches") or head
-        out.append(Diagnostic(
-            W0805, f"the pipeline bubble is {report.bubble:.0%} of the step ({fmt_seconds(step.bubble_s)})", where,
-            label=f"{m} microbatches over {p} stages",
-            help=f"raise microbatches to about {need} or more (batch permitting) for a bubble near 10%"
-            + ("" if plan.schedule == "interleaved_1f1b" else ", or interleave: `stages over ... virtual 2` with `schedule interleaved_1f1b`"),
-            note=f"bubble = {report.bubble:.3f}" + _bubble_formula(plan, report.bubble)))
 
-    # W0806: stage memory imbalance.
-    if len(report.ranks) > 1:
-        light = min(report.ranks, key=lambda r: r.training_bytes)
-        if light.training_bytes and worst.training_bytes > IMBALANCE_WARN * light.training_bytes:
-            where = _find_span(plan.span, "stages") or head
-            out.append(Diagnostic(
-                W0806, f"pipeline rank {worst.coord} needs {worst.training_bytes / light.training_bytes:.2f}x the memory "
-                f"of rank {light.coord} ({fmt_bytes(worst.training_bytes)} vs {fmt_bytes(light.training_bytes)})", where,
-                label="stage memory imbalance",
-                note="per pipeline rank: " + ", ".join(f"{r.coord}: {fmt_bytes(r.training_bytes)}" for r in report.ranks),
-                help=f"move blocks off stage {worst.stages[0]}"
-                + (" (1F1B keeps p - r microbatches of activations on rank r, so early stages should hold fewer blocks)"
-                   if plan.schedule != "gpipe" and worst.coord < light.coord else "")))
+def _bubble_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0805: a large pipeline bubble, with the microbatches that would shrink it."""
+    if report.bubble <= BUBBLE_WARN:
+        return []
+    plan = report.plan
+    p, m = plan.pipeline_size, plan.microbatches
+    need = math.ceil(9 * (p - 1) / plan.virtual)  # (p - 1) / (v (m + p - 1)) <= 10%, roughly
+    where = _find_span(plan.span, "microbatches") or header_span(plan.span)
+    return [Diagnostic(
+        W0805, f"the pipeline bubble is {report.bubble:.0%} of the step ({fmt_seconds(report.step.bubble_s)})", where,
+        label=f"{m} microbatches over {p} stages",
+        help=f"raise microbatches to about {need} or more (batch permitting) for a bubble near 10%"
+        + ("" if plan.schedule == "interleaved_1f1b" else ", or interleave: `stages over ... virtual 2` with `schedule interleaved_1f1b`"),
+        note=f"bubble = {report.bubble:.3f}" + _bubble_formula(plan, report.bubble))]
+
+
+def _imbalance_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0806: one pipeline rank needs far more memory than another."""
+    if len(report.ranks) <= 1:
+        return []
+    plan, worst = report.plan, _fullest(report)
+    light = min(report.ranks, key=lambda r: r.training_bytes)
+    if not (light.training_bytes and worst.training_bytes > IMBALANCE_WARN * light.training_bytes):
+        return []
+    where = _find_span(plan.span, "stages") or header_span(plan.span)
+    return [Diagnostic(
+        W0806, f"pipeline rank {worst.coord} needs {worst.training_bytes / light.training_bytes:.2f}x the memory "
+        f"of rank {light.coord} ({fmt_bytes(worst.training_bytes)} vs {fmt_bytes(light.training_bytes)})", where,
+        label="stage memory imbalance",
+        note="per pipeline rank: " + ", ".join(f"{r.coord}: {fmt_bytes(r.training_bytes)}" for r in report.ranks),
+        help=f"move blocks off stage {worst.stages[0]}"
+        + (" (1F1B keeps p - r microbatches of activations on rank r, so early stages should hold fewer blocks)"
+           if plan.schedule != "gpipe" and worst.coord < light.coord else ""))]
+
+
+def _skew_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0807: under the plan's routing skew the other expert-parallel ranks wait long."""
     from meshllm_dsl.planner import moe as planner_moe
 
-    out += planner_moe.skew_warnings(report)  # W0807
-    return out
+    return planner_moe.skew_warnings(report)
+
+
+# The plan's warnings (the seed's pitfalls, with numbers), in the order `meshc plan` prints them.
+WARNINGS: tuple[Callable[[PlanReport], list[Diagnostic]], ...] = (
+    _memory_warnings, _over_sharding_warnings, _communication_warnings, _network_tensor_warnings, _bubble_warnings,
+    _imbalance_warnings, _skew_warnings,
+)
+
+
+def plan_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0801 - W0807 for one analysed plan: WARNINGS in order."""
+    return [d for warnings in WARNINGS for d in warnings(report)]
 
 
 def _tensor_comm_by_axis(report: PlanReport) -> dict[str, float]:
