@@ -506,7 +506,7 @@ def _fused_saving(unit: Unit, c: Collective) -> int:
     fused = spec(c.op).fused
     if c.where != "input" or fused is None or fused.kernels_saved is None or layouts.tied_head_with_own_bias(unit):
         return 0
-    columns = [leaf for leaf in unit.leaves if leaf.kind == "linear"]
+    columns = [leaf for leaf in unit.leaves if primitives.of_leaf(leaf) is primitives.linear.LINEAR]
     if primitives.of(unit).sublayer:
         columns = columns[:-1]  # the row layer that closes the unit runs after
     biased = sum(1 for leaf in columns if any(t.name == "bias" for t in leaf.params))
@@ -516,9 +516,9 @@ def _fused_saving(unit: Unit, c: Collective) -> int:
 def unit_kernels(plan: PlanIR, hu: HeldUnit) -> int:
     """Kernels one copy of the unit launches per microbatch, forward and backward."""
     unit, k = hu.unit, KERNELS
-    linears = sum(1 for leaf in unit.leaves if leaf.kind == "linear")
-    biases = sum(1 for leaf in unit.leaves if leaf.kind == "linear" and any(t.name == "bias" for t in leaf.params))
-    n = primitives.of(unit).kernels(plan, hu, k, linears * k["linear"] + biases * k["bias"])
+    linears = [leaf for leaf in unit.leaves if primitives.of_leaf(leaf) is primitives.linear.LINEAR]
+    biases = sum(1 for leaf in linears if any(t.name == "bias" for t in leaf.params))
+    n = primitives.of(unit).kernels(plan, hu, k, len(linears) * k["linear"] + biases * k["bias"])
     if hu.flow is not None:
         n += sum(spec(c.op).kernels - _fused_saving(unit, c) for c in hu.flow.collectives)
     if hu.last:
@@ -704,7 +704,7 @@ def expert_all_to_all(plan: PlanIR, hu: HeldUnit, tokens: int) -> tuple[tuple[st
     Each call of the registered `expert_all_to_all` (dispatch, combine and their backwards:
     collectives.py) moves that much (runtime/moe/dispatch.py); the [experts] count exchange before
     the dispatch is negligible and not counted."""
-    if hu.unit.kind != "moe" or not plan.roles.expert:
+    if not primitives.of(hu.unit).routes_experts or not plan.roles.expert:
         return None
     gate = next(lf for lf in hu.unit.leaves if lf.name == "gate")
     axes = hu.placement(gate).experts
@@ -1333,7 +1333,7 @@ def _unit_calls(setup: Setup, rank: Rank) -> _Calls:
         if primitives.of(hu.unit).caches_kv:
             # Context parallelism: k and v, [mb, s, kv / t, d] each once gathered, every copy.
             calls.kv_gathers += hu.count * 2 * micro * plan.seq * _local_kv_heads(plan, hu) * int(hu.unit.attr("head_dim")) * w  # type: ignore[arg-type]
-        if cp > 1 and hu.unit.kind == "moe":
+        if cp > 1 and primitives.of(hu.unit).routes_experts:
             a = dict(hu.unit.attrs)
             if a.get("capacity"):
                 # Each router's ids [mb, s / cp, k] int64 gathered to the whole sequences' order

@@ -24,6 +24,7 @@ from typing import Any
 
 import attrs
 
+from meshllm_dsl import primitives
 from meshllm_dsl.checker import check_text
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.load import load
@@ -131,10 +132,14 @@ def _sharded_dims(model: ModelIR) -> list[str]:
     dims: list[str] = []
     last = model.items[-1]
     for item, unit, leaf in model.leaves():
-        if unit.kind in ("attention", "mlp"):
+        record = primitives.of(unit)
+        # A dense sublayer (attention, an MLP): its column layers, all but the row layer closing it;
+        # a moe layer's experts split over expert axes instead, and its router stays whole.
+        if record.sublayer and not record.routes_experts:
             if leaf is unit.leaves[-1]:
                 continue
-        elif not (unit.kind == "embedding" or (unit.kind == "linear" and unit is last and not isinstance(item, Repeat))):
+        elif not (record is primitives.embedding.EMBEDDING
+                  or (record is primitives.linear.LINEAR and unit is last and not isinstance(item, Repeat))):
             continue
         for name, _ in leaf.out_units[:1]:
             if name not in dims:
@@ -218,7 +223,7 @@ def candidates(model: ModelIR, devices: int, batch: int, per_host: int, seq: int
     # block (Megatron's --recompute-num-layers, torchtitan's ac_freq).
     remats = ["none"]
     if model.repeat is not None:
-        remats += (["attention"] if any(u.kind == "attention" for u in model.repeat.body) else []) + ["ops"]
+        remats += (["attention"] if any(primitives.of(u).recomputed_core for u in model.repeat.body) else []) + ["ops"]
         remats += [f"blocks every {RECOMPUTE_EVERY}"] if model.repeat.count >= RECOMPUTE_EVERY else []
         remats += ["blocks"]
     hosts = 1
