@@ -789,7 +789,7 @@ class Setup:
     micro_batch: int  # sequences per microbatch per data replica
     tokens: int  # one microbatch's tokens on a rank
     replicas: int  # ranks the gradients are averaged over (batch and context axes)
-    hidden: int
+    hidden: int  # the residual stream's width
 
 
 def setup_of(plan: PlanIR, device: DeviceProfile, flash_attention: bool) -> Setup:
@@ -953,6 +953,7 @@ def _recomputes_core(plan: PlanIR, hu: HeldUnit) -> bool:
 
 
 def _local_kv_heads(plan: PlanIR, hu: HeldUnit) -> int:
+    """The key / value heads of an attention unit on one device."""
     kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
     return int(hu.unit.attr("kv_heads")) // axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
 
@@ -1082,6 +1083,7 @@ def states(setup: Setup, rank: Rank) -> Rank:
 
 
 def _fsdp_states(setup: Setup, params: Params) -> States:
+    """FSDP2 (ZeRO 2 / 3, ZeRO 1 with master weights): every state sharded in the master dtype."""
     plan, w, master = setup.plan, setup.dtype_bytes, setup.master_bytes
     dense, expert_local = params.dense, params.experts
     gather = fsdp_gather_bytes(plan.zero, w, dense, params.root, params.largest_block)
@@ -1109,6 +1111,7 @@ def _fsdp_states(setup: Setup, params: Params) -> States:
 
 
 def _zero_states(setup: Setup, params: Params) -> States:
+    """ZeRO 0 and ZeRO 1 without master weights: the ZeRO paper's shares (zero_per_device)."""
     plan, w, master, k = setup.plan, setup.dtype_bytes, setup.master_bytes, setup.optimizer_k
     expert_local = params.experts
     # With `precision` at ZeRO 0 (runtime/train/amp.py: autocast) the parameters and their gradients are the
@@ -1174,6 +1177,7 @@ class _Calls:
 
 
 def _unit_calls(setup: Setup, rank: Rank) -> _Calls:
+    """The collectives the rank's units issue, unit by unit (a recomputed copy's forward ones again)."""
     plan, cp, micro, w = setup.plan, setup.plan.context_size, setup.micro_batch, setup.dtype_bytes
     calls = _Calls()
     for hu in _running(rank):
@@ -1640,6 +1644,7 @@ def _comm_help(step: StepTime) -> str:
 
 
 def _fullest(report: PlanReport) -> RankClass:
+    """The rank class needing the most memory in training."""
     return max(report.ranks, key=lambda r: r.training_bytes)
 
 
@@ -1903,6 +1908,7 @@ def _communication_lines(rep: PlanReport) -> list[str]:
 
 
 def _bubble_lines(rep: PlanReport) -> list[str]:
+    """The pipeline bubble, with the formula it comes from."""
     plan = rep.plan
     return ["", f"pipeline bubble: {rep.bubble:.1%}" + (_bubble_formula(plan, rep.bubble) if plan.pipeline_size > 1 else " (no pipeline)")]
 
@@ -1947,12 +1953,14 @@ def _shared_cores_lines(rep: PlanReport) -> list[str]:
 
 
 def _peak_lines(rep: PlanReport) -> list[str]:
+    """The step's peak against the device's memory."""
     return ["", f"peak memory {fmt_bytes(rep.peak_training_bytes)} of {fmt_bytes(rep.device.memory_bytes)} per device"
             " (tensors allocated, as torch.cuda.max_memory_allocated counts them): "
             + ("fits" if rep.fits else "does NOT fit")]
 
 
 def _skew_lines(rep: PlanReport) -> list[str]:
+    """What the plan's routing skew does to each expert-parallel rank (nothing without `skew`)."""
     from meshllm_dsl.planner import moe as planner_moe
 
     return planner_moe.skew_lines(rep)
