@@ -30,7 +30,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -64,6 +64,7 @@ from meshllm_dsl.parallel.devices import (
     group_crosses_hosts,
 )
 from meshllm_dsl.parallel.placements import defers_grad_sync, runs_fsdp
+from meshllm_dsl.planner.formatting import GB, GIB, _table, fmt_bytes, fmt_count, fmt_seconds
 from meshllm_dsl.planner.recompute import (
     BLOCKWISE,
     kept_bytes,
@@ -72,6 +73,7 @@ from meshllm_dsl.planner.recompute import (
     recomputed_text,
     rerun_seconds,
 )
+from meshllm_dsl.planner.records import Comm, PlanReport, RankClass, StepTime
 from meshllm_dsl.planner.schedule import rank_moments, rank_order, schedule_cost
 from meshllm_dsl.primitives import Matmul, Work
 
@@ -506,7 +508,7 @@ def _fused_saving(unit: Unit, c: Collective) -> int:
     fused = spec(c.op).fused
     if c.where != "input" or fused is None or fused.kernels_saved is None or layouts.tied_head_with_own_bias(unit):
         return 0
-    columns = [leaf for leaf in unit.leaves if leaf.kind == "linear"]
+    columns = [leaf for leaf in unit.leaves if primitives.of_leaf(leaf) is primitives.linear.LINEAR]
     if primitives.of(unit).sublayer:
         columns = columns[:-1]  # the row layer that closes the unit runs after
     biased = sum(1 for leaf in columns if any(t.name == "bias" for t in leaf.params))
@@ -516,9 +518,9 @@ def _fused_saving(unit: Unit, c: Collective) -> int:
 def unit_kernels(plan: PlanIR, hu: HeldUnit) -> int:
     """Kernels one copy of the unit launches per microbatch, forward and backward."""
     unit, k = hu.unit, KERNELS
-    linears = sum(1 for leaf in unit.leaves if leaf.kind == "linear")
-    biases = sum(1 for leaf in unit.leaves if leaf.kind == "linear" and any(t.name == "bias" for t in leaf.params))
-    n = primitives.of(unit).kernels(plan, hu, k, linears * k["linear"] + biases * k["bias"])
+    linears = [leaf for leaf in unit.leaves if primitives.of_leaf(leaf) is primitives.linear.LINEAR]
+    biases = sum(1 for leaf in linears if any(t.name == "bias" for t in leaf.params))
+    n = primitives.of(unit).kernels(plan, hu, k, len(linears) * k["linear"] + biases * k["bias"])
     if hu.flow is not None:
         n += sum(spec(c.op).kernels - _fused_saving(unit, c) for c in hu.flow.collectives)
     if hu.last:
@@ -622,20 +624,6 @@ def forward_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], WirePrimiti
 # ---------------------------------------------------------------- communication
 
 
-@attrs.frozen
-class Comm:
-    """One kind of collective a device runs, summed over a training step."""
-
-    axis: str  # mesh axis (or axes, joined by " x ") it runs over
-    kind: str  # tensor | pipeline | data | tied | loss | context
-    op: WirePrimitive
-    calls: int  # collective calls per step
-    payload_bytes: int  # sum of the tensors' sizes handed to the collective
-    wire_bytes: int  # bytes each device sends (ring algorithm)
-    seconds: float
-    crosses_hosts: bool
-
-
 @functools.lru_cache(maxsize=4096)
 def _crosses(mesh: MeshIR, axes: tuple[str, ...]) -> bool:
     # The answer depends only on the mesh, so compute it once.
@@ -704,7 +692,7 @@ def expert_all_to_all(plan: PlanIR, hu: HeldUnit, tokens: int) -> tuple[tuple[st
     Each call of the registered `expert_all_to_all` (dispatch, combine and their backwards:
     collectives.py) moves that much (runtime/moe/dispatch.py); the [experts] count exchange before
     the dispatch is negligible and not counted."""
-    if hu.unit.kind != "moe" or not plan.roles.expert:
+    if not primitives.of(hu.unit).routes_experts or not plan.roles.expert:
         return None
     gate = next(lf for lf in hu.unit.leaves if lf.name == "gate")
     axes = hu.placement(gate).experts
@@ -768,142 +756,6 @@ def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], WirePrimitive]
     return out
 
 
-# ---------------------------------------------------------------- the report
-
-
-@attrs.frozen
-class RankClass:
-    """Every device at one pipeline coordinate: what each of them holds and does in a step."""
-
-    coord: int
-    stages: tuple[int, ...]
-    label: str  # layers held
-    ranks: tuple[int, ...]
-    params_global: int  # parameters of the stages (tied copies counted where they live)
-    params_local: int  # parameters one device holds after tensor sharding (before ZeRO)
-    params_replicated: int  # of which replicated over the sharding axes (norms, row biases, ...)
-    weight_bytes: int  # after ZeRO-3
-    grad_bytes: int  # after ZeRO-2
-    optimizer_bytes: int  # after ZeRO-1
-    gather_buffer_bytes: int  # ZeRO 2 / 3 (FSDP2): the compute-dtype copy all-gathered at the peak
-    activation_bytes_per_microbatch: int
-    in_flight: int  # microbatches (chunk forwards when interleaved) whose activations are held at the peak
-    activation_bytes: int
-    # Beyond the saved activations, at the step's peak: stage outputs the pipeline schedule keeps
-    # until their backward (logits on the last stage) and the backward working set of one unit.
-    transient_bytes: int
-    kv_cache_bytes: int  # inference at the plan's batch and seq
-    comms: tuple[Comm, ...]
-    compute_s: float  # recomputation included
-    dtype_bytes: int  # bytes per weight in the training dtype
-    recompute_s: float = 0.0  # of compute_s: the forward passes `recompute` runs again in backward
-    kernels: int = 0  # framework kernels per step (forward, backward, gradient sync, optimizer)
-    kernel_s: float = 0.0  # of compute_s: their host time (`kernel` of the device; 0 when not given)
-    host_s: float = 0.0  # time the rank occupies its host core: compute_s plus its collectives' host time
-    # Pipelined ZeRO 2 / 3: FSDP2's unsharded gradients accumulated between microbatches, at the peak.
-    grad_accum_bytes: int = 0
-
-    @property
-    def training_bytes(self) -> int:
-        return (self.weight_bytes + self.grad_bytes + self.optimizer_bytes + self.gather_buffer_bytes
-                + self.activation_bytes + self.transient_bytes + self.grad_accum_bytes)
-
-    @property
-    def inference_bytes(self) -> int:
-        # Inference keeps the weights in the training dtype and no optimizer: weights + KV cache.
-        return self.params_local_bytes + self.kv_cache_bytes
-
-    @property
-    def params_local_bytes(self) -> int:
-        return self.params_local * self.dtype_bytes
-
-    def comm_seconds(self, kinds: tuple[str, ...]) -> float:
-        return sum(c.seconds for c in self.comms if c.kind in kinds)
-
-
-@attrs.frozen
-class StepTime:
-    compute_s: float  # slowest rank's compute
-    tensor_s: float  # its exposed tensor-parallel communication
-    pipeline_s: float  # its pipeline send / recv (and tied-weight sync)
-    bubble_s: float
-    data_s: float  # data-parallel gradient reduction / ZeRO collectives (after the pipeline drains)
-    model_flops: float  # the standard count: model_flops_per_token x tokens
-    tokens: int
-    # Ranks time-sharing fewer cores (a device with `cores`): the host's work over its cores, a lower
-    # bound on the step however the ranks wait for each other; 0 when every rank has its own device.
-    shared_s: float = 0.0
-    expert_s: float = 0.0  # its expert-parallel all-to-alls (moe layers' token dispatch and combine)
-    # Context parallelism's K / V all-gathers and dK / dV reduce-scatters: exposed, the runtime waits
-    # for each gather before its attention runs (no ring to overlap with the compute).
-    context_s: float = 0.0
-
-    @property
-    def critical_s(self) -> float:
-        """The step with a device per rank: the slowest rank's work, stretched by the bubble."""
-        return self.compute_s + self.tensor_s + self.expert_s + self.pipeline_s + self.bubble_s + self.data_s + self.context_s
-
-    @property
-    def total_s(self) -> float:
-        return max(self.critical_s, self.shared_s)
-
-    @property
-    def comm_s(self) -> float:
-        return self.tensor_s + self.expert_s + self.pipeline_s + self.data_s + self.context_s
-
-
-@attrs.frozen
-class PlanReport:
-    plan: PlanIR
-    device: DeviceProfile
-    device_assumed: bool  # the mesh names no device: the default profile was used
-    micro_batch: int  # sequences per microbatch per data replica
-    bubble: float
-    ranks: tuple[RankClass, ...]
-    step: StepTime
-    kv_bytes_per_token: int  # whole model, one sequence position
-    optimizer_k: int
-    hosts_assumed: bool = False  # the mesh has no `hosts` and more devices than one host holds (W0708)
-
-    @property
-    def peak_training_bytes(self) -> int:
-        """The most bytes of tensors any rank holds at once in a step: what
-        torch.cuda.max_memory_allocated reports (and `meshc run --profile` prints), not the caching
-        allocator's reserved memory, which is at least as much (torchtitan logs that one)."""
-        return max(r.training_bytes for r in self.ranks)
-
-    @property
-    def peak_inference_bytes(self) -> int:
-        return max(r.inference_bytes for r in self.ranks)
-
-    @property
-    def fits(self) -> bool:
-        return self.peak_training_bytes <= self.device.memory_bytes
-
-    @property
-    def fits_inference(self) -> bool:
-        return self.peak_inference_bytes <= self.device.memory_bytes
-
-    @property
-    def mfu(self) -> float:
-        """Model flops utilisation of the whole estimated step (what a profiler would report)."""
-        peak = self.plan.mesh.devices * self.device.tflops * 1e12
-        return self.step.model_flops / (self.step.total_s * peak) if self.step.total_s else 0.0
-
-    def comm_by_axis(self) -> list[dict[str, Any]]:
-        """Per mesh axis and kind: bytes and seconds per step on the busiest rank class."""
-        rows: dict[tuple[str, str, str], dict[str, Any]] = {}
-        for rc in self.ranks:
-            for c in rc.comms:
-                key = (c.axis, c.kind, c.op)
-                row = rows.get(key)
-                if row is None or c.seconds > row["seconds"]:
-                    rows[key] = {"axis": c.axis, "kind": c.kind, "op": c.op, "calls": c.calls,
-                                 "payload_bytes": c.payload_bytes, "wire_bytes": c.wire_bytes,
-                                 "seconds": c.seconds, "crosses_hosts": c.crosses_hosts, "pipeline_coord": rc.coord}
-        return sorted(rows.values(), key=lambda r: -r["seconds"])
-
-
 def resolve_device(plan: PlanIR, extra: dict[str, DeviceProfile] | None = None,
                    override: str | None = None) -> tuple[DeviceProfile, bool]:
     profiles = {**PROFILES, **(extra or {})}
@@ -913,15 +765,36 @@ def resolve_device(plan: PlanIR, extra: dict[str, DeviceProfile] | None = None,
     return profiles[name], False
 
 
-def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed: bool = False,
-            flash_attention: bool = True) -> PlanReport:
-    """Memory, communication and time of one training step of `plan` on `device`."""
-    if device is None:
-        device, device_assumed = resolve_device(plan)
-    hosts_assumed = assumed_hosts(plan.mesh, device) != plan.mesh
+# ---------------------------------------------------------------- the analysis, step by step
+#
+# `analyze` runs STEPS once per rank class (pipeline coordinate), in order: each step reads the
+# plan's Setup and what the steps before it added to the Rank, and adds its own record. Then
+# `rank_class` makes the report's row of each, and `step_time` the step from the slowest of them.
+
+
+@attrs.frozen
+class Setup:
+    """What every step reads: the plan (its mesh with the hosts the device implies), the device, and
+    the figures of a training step that every pipeline coordinate shares."""
+
+    plan: PlanIR
+    device: DeviceProfile
+    flash_attention: bool
+    dtype_bytes: int  # the plan's (compute) dtype
+    master_bytes: int  # the stored parameters' dtype: the master one with `precision`, else the plan's
+    optimizer_k: int  # optimizer state bytes per parameter
+    fsdp: bool  # the runtime's ZeRO 2 / 3, and ZeRO 1 with master weights, are FSDP2
+    accumulates: bool  # FSDP2 keeps every unit's whole gradient between microbatches
+    upcast: bool  # gradients are reduced in a dtype wider than the plan's
+    micro_batch: int  # sequences per microbatch per data replica
+    tokens: int  # one microbatch's tokens on a rank
+    replicas: int  # ranks the gradients are averaged over (batch and context axes)
+    hidden: int  # the residual stream's width
+
+
+def setup_of(plan: PlanIR, device: DeviceProfile, flash_attention: bool) -> Setup:
+    """The Setup of `plan` on `device`: its mesh spread over the hosts the device implies."""
     plan = attrs.evolve(plan, mesh=assumed_hosts(plan.mesh, device))
-    mesh = plan.mesh
-    model = plan.model
     w = DTYPES[plan.dtype]
     # The runtime's ZeRO 2 / 3, and ZeRO 1 with master weights, are FSDP2: master dtype at rest, no
     # extra fp32 copy.
@@ -933,22 +806,128 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
     # plan has no fp32 copy anywhere: 2 + 2 + 4 = 8 bytes per parameter, not the ZeRO paper's mixed
     # precision K = 12 (``optimizer_bytes_per_param``), which `precision { master = fp32 }` gives.
     k = 2 * master
-    dp = plan.data_size
-    zero_shards = plan.zero_size
-    p_size = plan.pipeline_size
-    m, v = plan.microbatches, plan.virtual
+    dp, m = plan.data_size, plan.microbatches
     # FSDP2 keeps every unit's whole gradient between microbatches, in the reduce dtype: under torch's
     # PipelineStage (no sync until the last backward), and at ZeRO 1 (one reduce-scatter a step).
-    accumulates = fsdp and (p_size > 1 or (defers_grad_sync(plan) and m > 1))
+    accumulates = fsdp and (plan.pipeline_size > 1 or (defers_grad_sync(plan) and m > 1))
     micro_batch = plan.batch // (dp * m)
     cp = plan.context_size
-    tokens_mb = micro_batch * plan.seq // cp  # context parallelism: this rank's s / c of each sequence
-    replicas = dp * cp  # ranks the gradients are averaged over (batch and context axes)
-    hidden = hidden_width(plan)
+    return Setup(
+        plan, device, flash_attention, w, master, k, fsdp, accumulates,
+        upcast=DTYPES[plan.reduce_dtype or plan.dtype] > w,
+        micro_batch=micro_batch,
+        tokens=micro_batch * plan.seq // cp,  # context parallelism: this rank's s / c of each sequence
+        replicas=dp * cp,
+        hidden=hidden_width(plan),
+    )
 
-    # Which ranks sit at each pipeline coordinate, and the stages they run.
+
+@attrs.frozen
+class StagePart:
+    """What FSDP2 makes units of in one stage: its blocks, then its root if that holds parameters."""
+
+    stage: Stage
+    blocks: int  # blocks of the repeat the stage holds
+    sharded: int  # local parameters FSDP2 shards (not the experts that expert axes split)
+    root: int  # local parameters outside the blocks (the stage root's)
+    expert_layers: int  # moe layers whose experts expert axes split (a unit of their own under FSDP2)
+
+
+@attrs.frozen
+class Params:
+    """Parameters each device of the rank class holds, before ZeRO (the `parameters` step)."""
+
+    total: int = 0  # global parameters of its stages (tied copies counted where they live)
+    local: int = 0  # after tensor sharding
+    replicated: int = 0  # of which replicated over the sharding axes
+    root: int = 0  # outside the repeated blocks (FSDP2's stage roots)
+    largest_block: int = 0  # one block of the largest block class
+    tensors: int = 0  # parameter tensors (zero_grad, optimizer and sync kernels are per tensor)
+    experts: int = 0  # split over expert axes: their gradients skip those axes' reduction
+    largest_expert_layer: int = 0  # the most of them one moe layer holds (FSDP2's unit, when it shards them)
+    stages: tuple[StagePart, ...] = ()
+
+    @property
+    def dense(self) -> int:
+        """What ZeRO shards over every ZeRO axis: all but the experts."""
+        return self.local - self.experts
+
+
+@attrs.frozen
+class Saved:
+    """What one microbatch's forward leaves for its backward on a device (the `activations` step)."""
+
+    per_microbatch: int = 0
+    per_stage: tuple[int, ...] = ()  # each stage's (virtual stage's) share of it
+    rise: int = 0  # the most a backward holds beyond the saved activations (backward_rise)
+    first_rise: int = 0  # the same in the step's first backward, which makes the gradient accumulators
+    recomputed: int = 0  # a block (or attention core) being recomputed, held until its backward is done
+
+
+@attrs.frozen
+class States:
+    """Weights, gradients and optimizer states per device after ZeRO (the `states` step), and the
+    compute-dtype copies and gradient accumulators FSDP2 or autocast add to them."""
+
+    weights: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    gather: int = 0  # compute-dtype copies of the weights while they run (FSDP2's gathered units, casts)
+    accum: int = 0  # pipelined (or ZeRO 1) FSDP2: unsharded gradients accumulated between microbatches
+
+
+@attrs.frozen
+class Peak:
+    """The moment of the step the device holds the most (the `peak` step)."""
+
+    in_flight: int = 0  # microbatches (chunk forwards when interleaved) whose activations are held
+    activations: int = 0
+    transient: int = 0  # stage outputs kept for backward and one unit's backward working set
+    gather: int = 0
+    accum: int = 0
+
+
+@attrs.frozen
+class Traffic:
+    """The collectives a device runs in a step (the `communication` step)."""
+
+    comms: tuple[Comm, ...] = ()
+    fsdp_events: int = 0  # FSDP2 all-gathers and reduce-scatters of units
+
+
+@attrs.frozen
+class Time:
+    """A device's time in a step beyond its collectives (the `compute` step)."""
+
+    compute_s: float = 0.0  # recomputation, kernels' host time and the framework's included
+    recompute_s: float = 0.0
+    kernels: int = 0
+    kernel_s: float = 0.0
+    host_s: float = 0.0  # compute_s plus its collectives' host time
+
+
+@attrs.frozen
+class Rank:
+    """One rank class while STEPS build it: where it sits, the units it holds, and each step's record
+    (empty, all zeros, until that step ran)."""
+
+    coord: int
+    ranks: tuple[int, ...]
+    stages: tuple[Stage, ...]
+    units: tuple[tuple[HeldUnit, ...], ...]  # per stage, what it holds (held_units)
+    params: Params = Params()
+    kv_cache: int = 0  # inference: the KV cache at the plan's batch and seq
+    saved: Saved = Saved()
+    states: States = States()
+    peak: Peak = Peak()
+    traffic: Traffic = Traffic()
+    time: Time = Time()
+
+
+def rank_drafts(setup: Setup) -> Iterator[Rank]:
+    """A Rank per pipeline coordinate: which ranks sit at it, the stages they run and what those hold."""
+    plan, mesh = setup.plan, setup.plan.mesh
     coords = sorted({s.coord for s in plan.stages}) or [0]
-    stages_at = {c: [s for s in plan.stages if s.coord == c] for c in coords}
     if plan.roles.pipeline:
         # From the axis' stride (the ranks at coordinate c are runs of `stride` ranks): mesh.coords
         # for every rank at every coordinate was 90 % of the time of a 2,520-device analysis.
@@ -957,369 +936,561 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
                      for c in coords}
     else:
         rank_sets = {0: tuple(range(mesh.devices))}
-
-    # KV cache: every attention unit's k / v heads on this device, at the plan's batch and seq.
-    inf_batch = plan.batch // dp
-    classes = []
     for c in coords:
-        glob = local = repl = 0
-        act_mb = 0
-        kv_bytes = 0
-        largest_unit = 0
-        top_local = 0  # parameters outside the repeated blocks (FSDP2's stage root)
-        block_params: dict[str, int] = {}  # per block class: the parameters of one block
-        tensor_calls: dict[tuple[tuple[str, ...], WirePrimitive], int] = {}
-        expert_calls: dict[tuple[tuple[str, ...], int], int] = {}  # (expert axes, bytes per call): calls per microbatch
-        expert_local = 0  # parameters split over expert axes: their gradients skip those axes' reduction
-        expert_layer = 0  # the most of them one moe layer holds (FSDP2's unit, when it shards them)
-        expert_units: dict[int, int] = {}  # per stage index: its moe layers with split experts
-        seq_grads = 0  # sequence parallelism: gradient elements summed over the tensor axes once a step
-        kv_gathers = 0  # context parallelism: bytes of k and v one microbatch's forward all-gathers
-        route_gathers: dict[int, int] = {}  # context parallelism: capacity ids all-gathered, bytes -> calls per microbatch
-        router_sums = 0  # context parallelism: the load-balancing loss's [experts] sums per microbatch (bytes)
-        holds_head = False
-        block_saved: dict[str, int] = {}  # recompute: what one block (or attention core) rebuilds in backward
-        forward_s = 0.0  # one microbatch's forward on this rank (matmuls, lookups, memory traffic)
-        recompute_fwd_s = 0.0  # what backward runs of it again under `recompute`
-        recompute_calls: dict[tuple[tuple[str, ...], WirePrimitive], int] = {}  # and its forward collectives
-        kernels_mb = 0  # per microbatch
-        recompute_kernels = 0
-        tensors = 0  # parameter tensors held (zero_grad, optimizer and sync kernels are per tensor)
-        floor = 2 * w * tokens_mb * hidden  # any unit's backward: the gradients of its input and output
-        rise = rise_first = 0  # the most one microbatch's backward holds beyond its saved activations
-        upcast = DTYPES[plan.reduce_dtype or plan.dtype] > w
-        # Per stage: its blocks, its local parameters, and those outside the blocks (the stage root's).
-        stage_parts: list[tuple[Stage, int, int, int]] = []
-        stage_act: list[int] = []  # per stage (virtual stage) of this rank: act_mb's share
-        for stage in stages_at[c]:
-            act_at_start = act_mb
-            walk: list[tuple[str, int, int, int, int]] = []  # the stage's units, for backward_rise
-            stage_top = stage_local = 0
-            for hu in held_units(plan, stage):
-                g, lo, re = unit_local_params(plan, hu)
-                glob += g * hu.count
-                local += lo * hu.count
-                stage_local += (lo - expert_split_params(plan, hu)) * hu.count  # what FSDP2 shards: not the experts
-                stage_top += 0 if hu.prefix else lo
-                repl += re * hu.count
-                largest_unit = max(largest_unit, lo)
-                if hu.prefix:
-                    block_params[hu.prefix] = block_params.get(hu.prefix, 0) + lo
-                else:
-                    top_local += lo * hu.count
-                tensors += _leaf_tensors(hu) * hu.count
-                if hu.tied_copy:
-                    continue  # a copy of weights: no activations or forward collectives of its own
-                kernels_mb += unit_kernels(plan, hu) * hu.count
-                unit_time = unit_forward_time(plan, device, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
-                forward_s += hu.count * unit_time.forward_s
-                rc = recomputed_copies(plan, hu)  # `blocks` / `ops` [every N]: copies rerun in backward
-                if rc:
-                    recompute_fwd_s += rc * rerun_seconds(plan, device, hu, unit_time.forward_s, tokens_mb, plan.seq,
-                                                          micro_batch, flash_attention)
-                    for axes, op in forward_collectives(hu):
-                        recompute_calls[(axes, op)] = recompute_calls.get((axes, op), 0) + rc
-                elif hu.prefix and plan.recompute == "attention" and primitives.of(hu.unit).recomputed_core:
-                    recompute_fwd_s += hu.count * unit_time.core_s
-                if rc:
-                    recompute_kernels += round(FORWARD_KERNEL_SHARE * unit_kernels(plan, hu)) * rc
-                elif hu.prefix and plan.recompute == "attention" and primitives.of(hu.unit).recomputed_core:
-                    recompute_kernels += KERNELS["attention_core"] // 2 * hu.count  # the core's forward again
-                saved = unit_activation_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
-                in_block = hu.prefix != ""
-                if rc:
-                    # Kept: only each block's input (below) and under `ops` its matmul and attention
-                    # outputs; the block's own saved tensors exist again while its backward runs (a
-                    # transient, one block at a time). Blocks `every N` skips save as usual.
-                    block_saved[hu.prefix] = block_saved.get(hu.prefix, 0) + saved
-                    kept = kept_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
-                    saved = (rc * kept + (hu.count - rc) * saved) // hu.count
-                elif in_block and plan.recompute == "attention" and primitives.of(hu.unit).recomputed_core:
-                    core = attention_core_bytes(plan, hu, tokens_mb, plan.seq, micro_batch, flash_attention)
-                    saved -= core
-                    block_saved[hu.prefix] = max(block_saved.get(hu.prefix, 0), core)
-                act_mb += hu.count * saved
-                work = max(floor, unit_backward_bytes(plan, hu, tokens_mb))
-                if not (accumulates and upcast):  # (there the unit's gradients are all counted)
-                    # Autograd makes each weight's gradient before adding it into the one the step
-                    # holds: the unit's largest, e.g. a vocab-parallel head's [vocab / t, hidden].
-                    work += w * max((local_numel(plan, t, hu.placement(leaf)) for leaf in hu.unit.leaves
-                                     for t in leaf.params), default=0)
-                walk.append((hu.prefix, hu.count, saved, work, w * lo if accumulates else 0))
-                if primitives.of(hu.unit).caches_kv:
-                    kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
-                    kv_local = int(hu.unit.attr("kv_heads")) // axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
-                    # a sliding-window layer caches at most its window (primitives' cached_positions)
-                    positions = sum(primitives.of(hu.unit).cached_positions(hu.unit, i, plan.seq) for i in hu.indices or (0,))
-                    kv_bytes += (positions if hu.indices else hu.count * positions) * 2 * kv_local * int(hu.unit.attr("head_dim")) * inf_batch * w  # type: ignore[arg-type]
-                    # Context parallelism: k and v, [mb, s, kv / t, d] each once gathered, every copy.
-                    kv_gathers += hu.count * 2 * micro_batch * plan.seq * kv_local * int(hu.unit.attr("head_dim")) * w  # type: ignore[arg-type]
-                for axes, op in unit_collectives(hu):
-                    tensor_calls[(axes, op)] = tensor_calls.get((axes, op), 0) + hu.count
-                if cp > 1 and hu.unit.kind == "moe":
-                    a = dict(hu.unit.attrs)
-                    if a.get("capacity"):
-                        # Each router's ids [mb, s / cp, k] int64 gathered to the whole sequences' order
-                        # before counting capacity (runtime/parallel/context.py), again when backward recomputes.
-                        size = 8 * micro_batch * plan.seq * int(a["top_k"])  # type: ignore[arg-type]
-                        route_gathers[size] = route_gathers.get(size, 0) + hu.count + recomputed_copies(plan, hu)
-                    if a.get("aux_loss_coef"):
-                        router_sums = FP32 * int(a["experts"])  # type: ignore[arg-type]
-                a2a = expert_all_to_all(plan, hu, tokens_mb)
-                if a2a is not None:
-                    axes, size = a2a
-                    # dispatch and combine, each again in backward; the forward's rerun with the block's
-                    calls = len(EXPERT_WIRE) * hu.count + len(EXPERT_WIRE) // 2 * recomputed_copies(plan, hu)
-                    expert_calls[(axes, size)] = expert_calls.get((axes, size), 0) + calls
-                split = expert_split_params(plan, hu)
-                expert_local += hu.count * split
-                if split:
-                    expert_layer = max(expert_layer, split)
-                    expert_units[stage.index] = expert_units.get(stage.index, 0) + hu.count
-                seq_grads += hu.count * sum(t.numel for lf in hu.unit.leaves for t in lf.params
-                                            if layouts.seq_partial_grad(plan, hu.unit, lf, t))
-                holds_head |= hu.last
-            blocks_in_stage = sum((pc.stop or 0) - (pc.start or 0) for pc in stage.pieces
-                                  if isinstance(model.item(pc.item), Repeat))
-            stage_parts.append((stage, blocks_in_stage, stage_local, stage_top))
-            stage_act.append(act_mb - act_at_start)
-            rise = max(rise, backward_rise(walk, upcast=upcast))
-            rise_first = max(rise_first, backward_rise(walk, first=True, upcast=upcast))
-        if plan.recompute in BLOCKWISE:
-            rec = [recomputed_in(plan, stage) for stage, _, _, _ in stage_parts]
-            blocks_here = sum(rec)
-            act_mb += blocks_here * w * (tokens_mb // seq_size(plan)) * hidden  # each checkpointed block keeps its input
-            extra = act_mb - sum(stage_act)  # the kept block inputs, shared out by each stage's blocks
-            stage_act = [a + extra * blocks // max(1, blocks_here) for a, blocks in zip(stage_act, rec)]
-        # A block (or attention core) being recomputed holds its saved tensors until its backward is done.
-        recomputed = max(block_saved.values(), default=0)
-        gather = accum = 0
-        dense = local - expert_local
-        # ZeRO ranks holding the same experts (the ZeRO axes that do not split them)
-        expert_shards = plan.expert_zero_size if expert_local else 1
-        if fsdp:
-            gather = fsdp_gather_bytes(plan.zero, w, dense, top_local, max(block_params.values(), default=0))
-            if expert_shards > 1:
-                # Each moe layer's experts are an FSDP2 unit over the ZeRO axes that replicate them
-                # (runtime/parallel/fsdp.py): sharded there, gathered in the compute dtype like a block.
-                experts_b = fsdp_per_device(expert_local, expert_shards, master)
-                gather += fsdp_gather_bytes(plan.zero, w, expert_local, 0, expert_layer)
+        stages = tuple(s for s in plan.stages if s.coord == c)
+        yield Rank(c, rank_sets[c], stages, tuple(tuple(held_units(plan, s)) for s in stages))
+
+
+def _running(rank: Rank) -> Iterator[HeldUnit]:
+    """The units the rank runs, in forward order: a tied copy is a copy of weights, with no
+    activations or collectives of its own."""
+    return (hu for units in rank.units for hu in units if not hu.tied_copy)
+
+
+def _recomputes_core(plan: PlanIR, hu: HeldUnit) -> bool:
+    """`recompute = attention`: backward reruns the core of this block unit (none at the top level)."""
+    return bool(hu.prefix) and plan.recompute == "attention" and primitives.of(hu.unit).recomputed_core
+
+
+def _local_kv_heads(plan: PlanIR, hu: HeldUnit) -> int:
+    """The key / value heads of an attention unit on one device."""
+    kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
+    return int(hu.unit.attr("kv_heads")) // axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
+
+
+def parameters(setup: Setup, rank: Rank) -> Rank:
+    """Adds `params`: what each device at the coordinate holds, per stage and in all."""
+    plan = setup.plan
+    total = local = replicated = root = tensors = experts = largest_expert_layer = 0
+    block_params: dict[str, int] = {}  # per block class: the parameters of one block
+    parts = []
+    for stage, units in zip(rank.stages, rank.units):
+        stage_root = stage_sharded = expert_layers = 0
+        for hu in units:
+            g, lo, re = unit_local_params(plan, hu)
+            split = expert_split_params(plan, hu)
+            total += g * hu.count
+            local += lo * hu.count
+            stage_sharded += (lo - split) * hu.count  # what FSDP2 shards: not the experts
+            stage_root += 0 if hu.prefix else lo
+            replicated += re * hu.count
+            if hu.prefix:
+                block_params[hu.prefix] = block_params.get(hu.prefix, 0) + lo
             else:
-                # Split over every ZeRO axis, no rank of them holds another's experts: FSDP2 leaves
-                # them out, whole in the master dtype with their gradients and moments, each cast to
-                # the compute dtype from its forward to its backward (runtime/moe/dispatch.py).
-                experts_b = (master * expert_local, master * expert_local, 2 * master * expert_local)
-                gather += w * expert_local if master > w else 0
-            weight_b, grad_b, opt_b = (a + b for a, b in zip(fsdp_per_device(dense, zero_shards, master), experts_b))
-            if accumulates:
-                # torch's PipelineStage (and at ZeRO 1 the runtime's microbatch loop) runs every
-                # backward but the step's last without gradient sync or reshard: FSDP2 accumulates
-                # each unit's unsharded (tensor-local) gradient between microbatches, upcast to the
-                # reduce dtype (`to_accumulated_grad_if_needed`), on top of the sharded gradient it
-                # reduce-scatters into at the end of the step. (The experts' accumulate in their own.)
-                accum = DTYPES[plan.reduce_dtype or plan.dtype] * dense
-        else:
-            # With `precision` at ZeRO 0 (runtime/train/amp.py: autocast) the parameters and their gradients are the
-            # master dtype's, and each weight's cast to the compute dtype lives from its forward to
-            # its backward, as FSDP2's gathered copy does.
-            state_w = master if plan.master_dtype else w
-            weight_b, grad_b, opt_b = zero_per_device(dense, plan.zero, zero_shards, state_w, state_w, k)
-            # ZeRO 1 shards the experts' states over the ranks holding the same experts only.
-            opt_b += zero_per_device(expert_local, plan.zero, plan.expert_zero_size, state_w, state_w, k)[2]
-            weight_b += state_w * expert_local
-            grad_b += state_w * expert_local
-            gather = w * local if plan.master_dtype and master > w else 0
-        chunks = max(1, len(stages_at[c]))
-        # torch.distributed.pipelining keeps each in-flight forward's output (the residual stream,
-        # or the logits on the last stage) until that microbatch's backward.
-        stage_kept = [_stage_output_bytes(plan, s, tokens_mb) if p_size > 1 else 0 for s in stages_at[c]]
-        if p_size <= 1:  # no pipeline: the stages' activations all belong to the one microbatch running
-            stage_act, stage_kept = [act_mb // chunks], [sum(stage_kept) // chunks]
+                root += lo * hu.count
+            tensors += _leaf_tensors(hu) * hu.count
+            if hu.tied_copy:
+                continue
+            experts += hu.count * split
+            if split:
+                largest_expert_layer = max(largest_expert_layer, split)
+                expert_layers += hu.count
+        blocks = sum((pc.stop or 0) - (pc.start or 0) for pc in stage.pieces
+                     if isinstance(plan.model.item(pc.item), Repeat))
+        parts.append(StagePart(stage, blocks, stage_sharded, stage_root, expert_layers))
+    params = Params(total, local, replicated, root, max(block_params.values(), default=0), tensors, experts,
+                    largest_expert_layer, tuple(parts))
+    return attrs.evolve(rank, params=params)
 
-        # The peak is while a backward runs: at the start of each backward of the rank, in torch's
-        # own order (schedule_order), every stage's held microbatches times that stage's bytes (an
-        # interleaved rank's chunks hold very different counts), the units the forward before left
-        # gathered, and (once a backward ran before it) the gradient accumulators. A backward that
-        # follows a backward (the drain, pipelined ZeRO 2 / 3) finds every unit still gathered (no
-        # reshard until the step's last) and the accumulators all there.
-        best = None
-        for moment in rank_moments(plan.schedule, p_size, v, m, c):
-            held = sum(moment.held)
-            gathered = w * local if accum and moment.follows_backward else gather
-            accumulated = accum if moment.backward_before else 0
-            act_b = sum(h * a for h, a in zip(moment.held, stage_act))
-            # An upper bound: the rerun block frees its tensors as its backward uses them.
-            trans = ((rise if accumulated or not accum else rise_first) + recomputed
-                     + sum(h * k for h, k in zip(moment.held, stage_kept)))
-            total = act_b + trans + gathered + accumulated
-            if best is None or total > best[0]:
-                best = (total, held, act_b, trans, gathered, accumulated)
-        assert best is not None
-        _, in_flight, act, transient, gather, accum = best
 
-        comms: list[Comm] = []
-        act_size = w * tokens_mb * hidden
-        for (axes, op), calls in sorted(tensor_calls.items()):
-            # A recomputed block's forward runs its forward collectives again (Megatron's full recomputation).
-            calls += recompute_calls.get((axes, op), 0)
-            comms.append(_comm(plan, device, axes, "tensor", op, calls * m, act_size))
-        for (axes, size), calls in sorted(expert_calls.items()):
-            comms.append(_comm(plan, device, axes, "expert", EXPERT_WIRE[0], calls * m, size))
-        if cp > 1 and kv_gathers:
-            # K and V all-gathered over the context axes in each attention's forward (again when
-            # backward recomputes the block), dK and dV reduce-scattered in its backward: per layer
-            # and microbatch 2 calls each way of [mb, s, kv / t, d] (runtime/parallel/context.py).
-            layers_here = sum(hu.count for st in stages_at[c] for hu in held_units(plan, st)
-                              if primitives.of(hu.unit).caches_kv and not hu.tied_copy)
-            reruns = sum(recomputed_copies(plan, hu) for st in stages_at[c] for hu in held_units(plan, st)
-                         if primitives.of(hu.unit).caches_kv and not hu.tied_copy)
-            per_call = kv_gathers // max(1, 2 * layers_here)
-            comms.append(_comm(plan, device, plan.roles.context, "context", "all_gather", 2 * (layers_here + reruns) * m, per_call))
-            comms.append(_comm(plan, device, plan.roles.context, "context", "reduce_scatter", 2 * layers_here * m, per_call))
-        for size, calls in sorted(route_gathers.items()):
-            comms.append(_comm(plan, device, plan.roles.context, "context", "all_gather", calls * m, size))
-        if router_sums:
-            # The load-balancing loss over whole sequences: per microbatch its [experts] assignment
-            # counts and probability sums summed over the context axes, and the sums' gradient in
-            # backward (the row count, one scalar, is not counted).
-            comms.append(_comm(plan, device, plan.roles.context, "context", "all_reduce", 3 * m, router_sums))
-        if seq_grads:
-            # The norms' (and row biases') partial gradients, coalesced into one all-reduce per step.
-            comms.append(_comm(plan, device, plan.roles.sequence, "tensor", "all_reduce", 1, w * seq_grads))
-        if holds_head and plan.roles.loss_parallel:
-            # Vocab-parallel cross entropy: one all-gather per microbatch of each shard's log-sum-exp
-            # and target logit, 2 fp32 per token from each of the loss group's ranks.
-            n_loss = plan.mesh.size(*plan.roles.loss)
-            comms.append(_comm(plan, device, plan.roles.loss, "loss", "all_gather", m, n_loss * 2 * FP32 * tokens_mb))
-        if plan.roles.pipeline and p_size > 1:
-            from meshllm_dsl.planner import moe as planner_moe
+def kv_cache(setup: Setup, rank: Rank) -> Rank:
+    """Adds `kv_cache`: every attention unit's k / v heads on a device, at the plan's batch and seq."""
+    plan = setup.plan
+    batch = plan.batch // plan.data_size
+    total = 0
+    for hu in _running(rank):
+        record = primitives.of(hu.unit)
+        if record.caches_kv:
+            # a sliding-window layer caches at most its window (primitives' cached_positions)
+            positions = sum(record.cached_positions(hu.unit, i, plan.seq) for i in hu.indices or (0,))
+            total += ((positions if hu.indices else hu.count * positions) * 2 * _local_kv_heads(plan, hu)
+                      * int(hu.unit.attr("head_dim")) * batch * setup.dtype_bytes)  # type: ignore[arg-type]
+    return attrs.evolve(rank, kv_cache=total)
 
-            sends = sum((s.index < len(plan.stages) - 1) + (s.index > 0) for s in stages_at[c])
-            comms.append(_comm(plan, device, (plan.roles.pipeline,), "pipeline", "send_recv", sends * m,
-                               act_size // seq_size(plan) + planner_moe.router_statistics_bytes(plan), group=2))
-            tied = _tied_sync_numel(plan, stages_at[c])
-            if tied:
-                comms.append(_comm(plan, device, (plan.roles.pipeline,), "tied", "all_reduce", 1, w * tied, group=2))
-        fsdp_events = 0  # FSDP2 all-gathers and reduce-scatters of units
-        if replicas > 1:
-            # ZeRO's collectives run within a shard group; with HSDP the shards' gradients are then
-            # all-reduced across the replicas (hsdp_replica_comm). Context ranks average like batch ones.
-            data_axes = plan.roles.batch_shard if plan.zero else plan.roles.replicas
-            reduce_w = DTYPES[plan.reduce_dtype or plan.dtype]
-            if fsdp:
-                # FSDP2, unit by unit: parameters gathered in the compute dtype, gradients
-                # reduce-scattered in the reduce dtype, as often as fsdp_unit_collectives says.
-                gathers = gathered_b = scatters = scattered_b = 0
-                for stage, blocks, numel, top in stage_parts:
-                    units = blocks + (top > 0)  # runtime/parallel/fsdp.py: each block, then the stage root if it holds parameters
-                    actions = (stage_actions(plan.schedule, len(plan.stages), stage.index, m, p_size)
-                               if p_size > 1 else None)
-                    g, r = fsdp_unit_collectives(plan.zero, actions, m, defers_grad_sync(plan))
-                    gathers, gathered_b = gathers + g * units, gathered_b + g * w * numel
-                    scatters, scattered_b = scatters + r * units, scattered_b + r * reduce_w * numel
-                fsdp_events = gathers + scatters
-                comms.append(_comm(plan, device, data_axes, "data", "all_gather", gathers, gathered_b // max(1, gathers)))
-                comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", scatters,
-                                   scattered_b // max(1, scatters)))
-                comms += hsdp_replica_comm(plan, device, scatters, scattered_b // max(1, scatters))
-                rest = tuple(a for a in plan.roles.replicas if a not in plan.roles.expert)
-                if expert_local and expert_shards > 1:
-                    # each moe layer's experts, a unit of their own over the ZeRO axes replicating them
-                    shard = tuple(a for a in data_axes if a not in plan.roles.expert)
-                    e_gathers = e_scatters = 0
-                    for stage, _, _, _ in stage_parts:
-                        actions = (stage_actions(plan.schedule, len(plan.stages), stage.index, m, p_size)
-                                   if p_size > 1 else None)
-                        g, r = fsdp_unit_collectives(plan.zero, actions, m, defers_grad_sync(plan))
-                        e_gathers += g * expert_units.get(stage.index, 0)
-                        e_scatters += r * expert_units.get(stage.index, 0)
-                    per_unit = expert_local // max(1, sum(expert_units.get(s.index, 0) for s, _, _, _ in stage_parts))
-                    comms.append(_comm(plan, device, shard, "data", "all_gather", e_gathers, w * per_unit))
-                    comms.append(_comm(plan, device, shard, "data", "reduce_scatter", e_scatters, reduce_w * per_unit))
-                    fsdp_events += e_gathers + e_scatters
-                elif expert_local and rest:
-                    # the experts FSDP2 leaves out: all-reduced over the batch axes that replicate them
-                    comms.append(_comm(plan, device, rest, "data", "all_reduce", 1, reduce_w * expert_local))
-            elif plan.zero >= 1:
-                # Gradients reduce-scattered to their owners, updated weights all-gathered back.
-                comms.append(_comm(plan, device, data_axes, "data", "reduce_scatter", 1, reduce_w * dense))
-                comms += hsdp_replica_comm(plan, device, 1, reduce_w * dense)
-                comms.append(_comm(plan, device, data_axes, "data", "all_gather", 1, reduce_w * dense))
-                rest = tuple(a for a in plan.roles.replicas if a not in plan.roles.expert)
-                if expert_local and rest:
-                    # the experts' gradients, reduced only over the batch axes that replicate them;
-                    # their ZeRO shards' updates gathered back within the ranks holding the same experts
-                    comms.append(_comm(plan, device, rest, "data", "all_reduce", 1, reduce_w * expert_local))
-                    shard = tuple(a for a in data_axes if a not in plan.roles.expert)
-                    if shard:
-                        comms.append(_comm(plan, device, shard, "data", "all_gather", 1, reduce_w * expert_local))
-            else:
-                comms.append(_comm(plan, device, data_axes, "data", "all_reduce", 1, reduce_w * (local - expert_local)))
-                rest = tuple(a for a in data_axes if a not in plan.roles.expert)
-                if expert_local and rest:
-                    # the experts' gradients, reduced only over the batch axes that replicate them
-                    comms.append(_comm(plan, device, rest, "data", "all_reduce", 1, reduce_w * expert_local))
-        # Compute: every microbatch's forward, and its backward at twice the forward (the gradients
-        # of both operands of every product: 6 flops per parameter and token in all), the forwards
-        # `recompute` runs again, and the optimizer step reading and writing its states once.
-        compute = (3 * forward_s + recompute_fwd_s) * m
-        if device.hbm_gbps:
-            compute += 2 * (weight_b + grad_b + opt_b) / (device.hbm_gbps * 1e9)
-        # Kernels: every microbatch's forward and backward, then per parameter tensor the gradient
-        # zeroing, the data-parallel sync and AdamW's update (of this rank's share under ZeRO).
-        # ZeRO-1 (ZeroRedundancyOptimizer) updates whole tensors, a share of them per rank; FSDP2's
-        # optimizer updates every tensor's local shard.
-        optim_tensors = -(-tensors // zero_shards) if plan.zero == 1 and not fsdp else tensors
-        actions = 2 * m * len(stages_at[c]) if p_size > 1 else 0  # stage forwards and backwards
-        kernels = ((kernels_mb + recompute_kernels) * m + KERNELS_STEP + tensors * KERNELS_ZERO_GRAD
-                   + (tensors * KERNELS_GRAD_SYNC if replicas > 1 and not fsdp else 0) + fsdp_events * KERNELS_FSDP
-                   + (actions * KERNELS_FSDP_ACTION if fsdp_events else 0) + optim_tensors * KERNELS_ADAMW)
-        kernel_s = kernels * (device.kernel_us or 0.0) * 1e-6
-        recompute_s = recompute_fwd_s * m + recompute_kernels * m * (device.kernel_us or 0.0) * 1e-6
-        # The framework's Python beyond its kernels: the schedule's per-action work (p2p set-up,
-        # stage bookkeeping, its backward call) and FSDP2's hooks around each collective.
-        framework_s = (actions * (device.stage_cpu_us or 0.0) + fsdp_events * (device.fsdp_cpu_us or 0.0)) * 1e-6
-        compute += kernel_s + framework_s
-        host = compute + sum(c.calls * (device.collective_cpu_us or 0.0) * 1e-6 for c in comms)
-        classes.append(RankClass(
-            coord=c, stages=tuple(s.index for s in stages_at[c]),
-            label="; ".join(stage_label(plan, s) for s in stages_at[c]), ranks=rank_sets[c],
-            params_global=glob, params_local=local, params_replicated=repl,
-            weight_bytes=weight_b, grad_bytes=grad_b, optimizer_bytes=opt_b, gather_buffer_bytes=gather,
-            activation_bytes_per_microbatch=act_mb, in_flight=in_flight, activation_bytes=act,
-            transient_bytes=transient, grad_accum_bytes=accum,
-            kv_cache_bytes=kv_bytes, comms=tuple(comms), compute_s=compute, dtype_bytes=w,
-            recompute_s=recompute_s, kernels=kernels, kernel_s=kernel_s, host_s=host,
-        ))
 
-    # The bubble of torch's own action order, simulated with unit-cost forwards and backwards of
-    # twice that; bubble_fraction's closed form is printed beside it as the reference. They agree for
-    # GPipe and 1F1B; for interleaved the closed form divides the fraction, not the idle time, by v.
-    order = schedule_cost(plan.schedule, p_size, v, m) if p_size > 1 else None
-    bubble = order.bubble if order else 0.0
-    # The pipeline advances at the pace of its slowest rank; its per-microbatch work (compute plus
-    # the tensor collectives inside it plus its sends) is what the bubble stretches: the bubble is
-    # (p - 1) / (v m) of the busy time. The data-parallel reduction runs once after the last
-    # backward; we assume no overlap (torch's explicit post-backward reduction, and an upper bound).
-    def busy(rc: RankClass) -> float:
-        return rc.compute_s + rc.comm_seconds(("tensor", "expert", "loss", "pipeline", "tied"))
+def activations(setup: Setup, rank: Rank) -> Rank:
+    """Adds `saved`: what one microbatch keeps for backward, per stage, and how far a backward rises
+    above it."""
+    plan, w = setup.plan, setup.dtype_bytes
+    per_mb, per_stage = 0, []
+    rebuilt: dict[str, int] = {}  # recompute: what one block (or attention core) rebuilds in backward
+    rise = first_rise = 0
+    for units in rank.units:
+        at_start = per_mb
+        walk: list[tuple[str, int, int, int, int]] = []  # the stage's units, for backward_rise
+        for hu in units:
+            if hu.tied_copy:
+                continue
+            saved = _kept_for_backward(setup, hu, rebuilt)
+            per_mb += hu.count * saved
+            grads = w * unit_local_params(plan, hu)[1] if setup.accumulates else 0
+            walk.append((hu.prefix, hu.count, saved, _backward_work(setup, hu), grads))
+        per_stage.append(per_mb - at_start)
+        rise = max(rise, backward_rise(walk, upcast=setup.upcast))
+        first_rise = max(first_rise, backward_rise(walk, first=True, upcast=setup.upcast))
+    if plan.recompute in BLOCKWISE:
+        rec = [recomputed_in(plan, stage) for stage in rank.stages]
+        blocks_here = sum(rec)
+        per_mb += blocks_here * w * (setup.tokens // seq_size(plan)) * setup.hidden  # each checkpointed block keeps its input
+        extra = per_mb - sum(per_stage)  # the kept block inputs, shared out by each stage's blocks
+        per_stage = [a + extra * blocks // max(1, blocks_here) for a, blocks in zip(per_stage, rec)]
+    # A block (or attention core) being recomputed holds its saved tensors until its backward is done.
+    saved = Saved(per_mb, tuple(per_stage), rise, first_rise, max(rebuilt.values(), default=0))
+    return attrs.evolve(rank, saved=saved)
 
-    slow = max(classes, key=busy)
+
+def _kept_for_backward(setup: Setup, hu: HeldUnit, rebuilt: dict[str, int]) -> int:
+    """Bytes one copy of the unit keeps for backward under the plan's `recompute` (an average over
+    its copies when some are recomputed); adds to `rebuilt` what its block rebuilds in backward."""
+    plan, tokens, seq, micro, flash = setup.plan, setup.tokens, setup.plan.seq, setup.micro_batch, setup.flash_attention
+    saved = unit_activation_bytes(plan, hu, tokens, seq, micro, flash)
+    rc = recomputed_copies(plan, hu)  # `blocks` / `ops` [every N]: copies rerun in backward
+    if rc:
+        # Kept: only each block's input (activations) and under `ops` its matmul and attention
+        # outputs; the block's own saved tensors exist again while its backward runs (a
+        # transient, one block at a time). Blocks `every N` skips save as usual.
+        rebuilt[hu.prefix] = rebuilt.get(hu.prefix, 0) + saved
+        kept = kept_bytes(plan, hu, tokens, seq, micro, flash)
+        return (rc * kept + (hu.count - rc) * saved) // hu.count
+    if _recomputes_core(plan, hu):
+        core = attention_core_bytes(plan, hu, tokens, seq, micro, flash)
+        rebuilt[hu.prefix] = max(rebuilt.get(hu.prefix, 0), core)
+        return saved - core
+    return saved
+
+
+def _backward_work(setup: Setup, hu: HeldUnit) -> int:
+    """Bytes the unit's backward allocates at once beyond what its forward saved."""
+    plan, w = setup.plan, setup.dtype_bytes
+    floor = 2 * w * setup.tokens * setup.hidden  # any unit's backward: the gradients of its input and output
+    work = max(floor, unit_backward_bytes(plan, hu, setup.tokens))
+    if not (setup.accumulates and setup.upcast):  # (there the unit's gradients are all counted)
+        # Autograd makes each weight's gradient before adding it into the one the step
+        # holds: the unit's largest, e.g. a vocab-parallel head's [vocab / t, hidden].
+        work += w * max((local_numel(plan, t, hu.placement(leaf)) for leaf in hu.unit.leaves
+                         for t in leaf.params), default=0)
+    return work
+
+
+def _expert_shards(plan: PlanIR, params: Params) -> int:
+    """ZeRO ranks holding the same experts (the ZeRO axes that do not split them)."""
+    return plan.expert_zero_size if params.experts else 1
+
+
+def states(setup: Setup, rank: Rank) -> Rank:
+    """Adds `states`: weights, gradients and optimizer states after ZeRO, from `params`."""
+    return attrs.evolve(rank, states=_fsdp_states(setup, rank.params) if setup.fsdp else _zero_states(setup, rank.params))
+
+
+def _fsdp_states(setup: Setup, params: Params) -> States:
+    """FSDP2 (ZeRO 2 / 3, ZeRO 1 with master weights): every state sharded in the master dtype."""
+    plan, w, master = setup.plan, setup.dtype_bytes, setup.master_bytes
+    dense, expert_local = params.dense, params.experts
+    gather = fsdp_gather_bytes(plan.zero, w, dense, params.root, params.largest_block)
+    if _expert_shards(plan, params) > 1:
+        # Each moe layer's experts are an FSDP2 unit over the ZeRO axes that replicate them
+        # (runtime/parallel/fsdp.py): sharded there, gathered in the compute dtype like a block.
+        experts_b = fsdp_per_device(expert_local, _expert_shards(plan, params), master)
+        gather += fsdp_gather_bytes(plan.zero, w, expert_local, 0, params.largest_expert_layer)
+    else:
+        # Split over every ZeRO axis, no rank of them holds another's experts: FSDP2 leaves
+        # them out, whole in the master dtype with their gradients and moments, each cast to
+        # the compute dtype from its forward to its backward (runtime/moe/dispatch.py).
+        experts_b = (master * expert_local, master * expert_local, 2 * master * expert_local)
+        gather += w * expert_local if master > w else 0
+    weight_b, grad_b, opt_b = (a + b for a, b in zip(fsdp_per_device(dense, plan.zero_size, master), experts_b))
+    accum = 0
+    if setup.accumulates:
+        # torch's PipelineStage (and at ZeRO 1 the runtime's microbatch loop) runs every
+        # backward but the step's last without gradient sync or reshard: FSDP2 accumulates
+        # each unit's unsharded (tensor-local) gradient between microbatches, upcast to the
+        # reduce dtype (`to_accumulated_grad_if_needed`), on top of the sharded gradient it
+        # reduce-scatters into at the end of the step. (The experts' accumulate in their own.)
+        accum = DTYPES[plan.reduce_dtype or plan.dtype] * dense
+    return States(weight_b, grad_b, opt_b, gather, accum)
+
+
+def _zero_states(setup: Setup, params: Params) -> States:
+    """ZeRO 0 and ZeRO 1 without master weights: the ZeRO paper's shares (zero_per_device)."""
+    plan, w, master, k = setup.plan, setup.dtype_bytes, setup.master_bytes, setup.optimizer_k
+    expert_local = params.experts
+    # With `precision` at ZeRO 0 (runtime/train/amp.py: autocast) the parameters and their gradients are the
+    # master dtype's, and each weight's cast to the compute dtype lives from its forward to
+    # its backward, as FSDP2's gathered copy does.
+    state_w = master if plan.master_dtype else w
+    weight_b, grad_b, opt_b = zero_per_device(params.dense, plan.zero, plan.zero_size, state_w, state_w, k)
+    # ZeRO 1 shards the experts' states over the ranks holding the same experts only.
+    opt_b += zero_per_device(expert_local, plan.zero, plan.expert_zero_size, state_w, state_w, k)[2]
+    weight_b += state_w * expert_local
+    grad_b += state_w * expert_local
+    gather = w * params.local if plan.master_dtype and master > w else 0
+    return States(weight_b, grad_b, opt_b, gather, 0)
+
+
+def peak(setup: Setup, rank: Rank) -> Rank:
+    """Adds `peak`: the moment of the step the device holds the most, from `saved`, `states` and
+    the schedule's order.
+
+    The peak is while a backward runs: at the start of each backward of the rank, in torch's
+    own order (schedule_order), every stage's held microbatches times that stage's bytes (an
+    interleaved rank's chunks hold very different counts), the units the forward before left
+    gathered, and (once a backward ran before it) the gradient accumulators. A backward that
+    follows a backward (the drain, pipelined ZeRO 2 / 3) finds every unit still gathered (no
+    reshard until the step's last) and the accumulators all there."""
+    plan, saved, st = setup.plan, rank.saved, rank.states
+    p_size = plan.pipeline_size
+    chunks = max(1, len(rank.stages))
+    # torch.distributed.pipelining keeps each in-flight forward's output (the residual stream,
+    # or the logits on the last stage) until that microbatch's backward.
+    stage_kept = [_stage_output_bytes(plan, s, setup.tokens) if p_size > 1 else 0 for s in rank.stages]
+    stage_act = list(saved.per_stage)
+    if p_size <= 1:  # no pipeline: the stages' activations all belong to the one microbatch running
+        stage_act, stage_kept = [saved.per_microbatch // chunks], [sum(stage_kept) // chunks]
+    best = None
+    for moment in rank_moments(plan.schedule, p_size, plan.virtual, plan.microbatches, rank.coord):
+        held = sum(moment.held)
+        gathered = setup.dtype_bytes * rank.params.local if st.accum and moment.follows_backward else st.gather
+        accumulated = st.accum if moment.backward_before else 0
+        act_b = sum(h * a for h, a in zip(moment.held, stage_act))
+        # An upper bound: the rerun block frees its tensors as its backward uses them.
+        trans = ((saved.rise if accumulated or not st.accum else saved.first_rise) + saved.recomputed
+                 + sum(h * k for h, k in zip(moment.held, stage_kept)))
+        total = act_b + trans + gathered + accumulated
+        if best is None or total > best[0]:
+            best = (total, held, act_b, trans, gathered, accumulated)
+    assert best is not None
+    return attrs.evolve(rank, peak=Peak(*best[1:]))
+
+
+@attrs.define
+class _Calls:
+    """What the units a rank runs issue per microbatch, counted for the communication step."""
+
+    tensor: dict[tuple[tuple[str, ...], WirePrimitive], int] = attrs.Factory(dict)
+    recompute: dict[tuple[tuple[str, ...], WirePrimitive], int] = attrs.Factory(dict)  # rerun forwards'
+    expert: dict[tuple[tuple[str, ...], int], int] = attrs.Factory(dict)  # (expert axes, bytes per call): calls
+    kv_gathers: int = 0  # context parallelism: bytes of k and v one microbatch's forward all-gathers
+    route_gathers: dict[int, int] = attrs.Factory(dict)  # context parallelism: capacity ids gathered, bytes -> calls
+    router_sums: int = 0  # context parallelism: the load-balancing loss's [experts] sums (bytes)
+    seq_grads: int = 0  # sequence parallelism: gradient elements summed over the tensor axes once a step
+    holds_head: bool = False
+
+
+def _unit_calls(setup: Setup, rank: Rank) -> _Calls:
+    """The collectives the rank's units issue, unit by unit (a recomputed copy's forward ones again)."""
+    plan, cp, micro, w = setup.plan, setup.plan.context_size, setup.micro_batch, setup.dtype_bytes
+    calls = _Calls()
+    for hu in _running(rank):
+        rc = recomputed_copies(plan, hu)
+        for axes, op in unit_collectives(hu):
+            calls.tensor[(axes, op)] = calls.tensor.get((axes, op), 0) + hu.count
+        for axes, op in forward_collectives(hu) if rc else ():
+            calls.recompute[(axes, op)] = calls.recompute.get((axes, op), 0) + rc
+        if primitives.of(hu.unit).caches_kv:
+            # Context parallelism: k and v, [mb, s, kv / t, d] each once gathered, every copy.
+            calls.kv_gathers += hu.count * 2 * micro * plan.seq * _local_kv_heads(plan, hu) * int(hu.unit.attr("head_dim")) * w  # type: ignore[arg-type]
+        if cp > 1 and primitives.of(hu.unit).routes_experts:
+            a = dict(hu.unit.attrs)
+            if a.get("capacity"):
+                # Each router's ids [mb, s / cp, k] int64 gathered to the whole sequences' order
+                # before counting capacity (runtime/parallel/context.py), again when backward recomputes.
+                size = 8 * micro * plan.seq * int(a["top_k"])  # type: ignore[arg-type]
+                calls.route_gathers[size] = calls.route_gathers.get(size, 0) + hu.count + rc
+            if a.get("aux_loss_coef"):
+                calls.router_sums = FP32 * int(a["experts"])  # type: ignore[arg-type]
+        a2a = expert_all_to_all(plan, hu, setup.tokens)
+        if a2a is not None:
+            # dispatch and combine, each again in backward; the forward's rerun with the block's
+            n = len(EXPERT_WIRE) * hu.count + len(EXPERT_WIRE) // 2 * rc
+            calls.expert[a2a] = calls.expert.get(a2a, 0) + n
+        calls.seq_grads += hu.count * sum(t.numel for lf in hu.unit.leaves for t in lf.params
+                                          if layouts.seq_partial_grad(plan, hu.unit, lf, t))
+        calls.holds_head |= hu.last
+    return calls
+
+
+def communication(setup: Setup, rank: Rank) -> Rank:
+    """Adds `traffic`: every collective a device runs in the step, from its units' calls and
+    `params` (what the gradient reduction moves)."""
+    calls = _unit_calls(setup, rank)
+    comms = _layer_comms(setup, calls) + _context_comms(setup, rank, calls) + _stream_comms(setup, calls)
+    comms += _pipeline_comms(setup, rank)
+    data, fsdp_events = _data_comms(setup, rank.params)
+    return attrs.evolve(rank, traffic=Traffic(tuple(comms + data), fsdp_events))
+
+
+def _layer_comms(setup: Setup, calls: _Calls) -> list[Comm]:
+    """The tensor-parallel collectives inside the layers, and expert parallelism's all-to-alls."""
+    plan, device, m = setup.plan, setup.device, setup.plan.microbatches
+    comms = []
+    act_size = setup.dtype_bytes * setup.tokens * setup.hidden
+    for (axes, op), n in sorted(calls.tensor.items()):
+        # A recomputed block's forward runs its forward collectives again (Megatron's full recomputation).
+        n += calls.recompute.get((axes, op), 0)
+        comms.append(_comm(plan, device, axes, "tensor", op, n * m, act_size))
+    for (axes, size), n in sorted(calls.expert.items()):
+        comms.append(_comm(plan, device, axes, "expert", EXPERT_WIRE[0], n * m, size))
+    return comms
+
+
+def _context_comms(setup: Setup, rank: Rank, calls: _Calls) -> list[Comm]:
+    """Context parallelism's K / V gathers and the moe layers' routing over whole sequences."""
+    plan, device, m, axes = setup.plan, setup.device, setup.plan.microbatches, setup.plan.roles.context
+    comms = []
+    if plan.context_size > 1 and calls.kv_gathers:
+        # K and V all-gathered over the context axes in each attention's forward (again when
+        # backward recomputes the block), dK and dV reduce-scattered in its backward: per layer
+        # and microbatch 2 calls each way of [mb, s, kv / t, d] (runtime/parallel/context.py).
+        caching = [hu for hu in _running(rank) if primitives.of(hu.unit).caches_kv]
+        layers_here = sum(hu.count for hu in caching)
+        reruns = sum(recomputed_copies(plan, hu) for hu in caching)
+        per_call = calls.kv_gathers // max(1, 2 * layers_here)
+        comms.append(_comm(plan, device, axes, "context", "all_gather", 2 * (layers_here + reruns) * m, per_call))
+        comms.append(_comm(plan, device, axes, "context", "reduce_scatter", 2 * layers_here * m, per_call))
+    for size, n in sorted(calls.route_gathers.items()):
+        comms.append(_comm(plan, device, axes, "context", "all_gather", n * m, size))
+    if calls.router_sums:
+        # The load-balancing loss over whole sequences: per microbatch its [experts] assignment
+        # counts and probability sums summed over the context axes, and the sums' gradient in
+        # backward (the row count, one scalar, is not counted).
+        comms.append(_comm(plan, device, axes, "context", "all_reduce", 3 * m, calls.router_sums))
+    return comms
+
+
+def _stream_comms(setup: Setup, calls: _Calls) -> list[Comm]:
+    """Sequence parallelism's partial gradients, and the vocab-parallel loss's statistics."""
+    plan, device, w = setup.plan, setup.device, setup.dtype_bytes
+    comms = []
+    if calls.seq_grads:
+        # The norms' (and row biases') partial gradients, coalesced into one all-reduce per step.
+        comms.append(_comm(plan, device, plan.roles.sequence, "tensor", "all_reduce", 1, w * calls.seq_grads))
+    if calls.holds_head and plan.roles.loss_parallel:
+        # Vocab-parallel cross entropy: one all-gather per microbatch of each shard's log-sum-exp
+        # and target logit, 2 fp32 per token from each of the loss group's ranks.
+        n_loss = plan.mesh.size(*plan.roles.loss)
+        comms.append(_comm(plan, device, plan.roles.loss, "loss", "all_gather", plan.microbatches,
+                           n_loss * 2 * FP32 * setup.tokens))
+    return comms
+
+
+def _pipeline_comms(setup: Setup, rank: Rank) -> list[Comm]:
+    """The pipeline's sends between stages, and the sync of weights tied across them."""
+    plan, device, w = setup.plan, setup.device, setup.dtype_bytes
+    if not (plan.roles.pipeline and plan.pipeline_size > 1):
+        return []
+    from meshllm_dsl.planner import moe as planner_moe
+
+    act_size = w * setup.tokens * setup.hidden
+    sends = sum((s.index < len(plan.stages) - 1) + (s.index > 0) for s in rank.stages)
+    comms = [_comm(plan, device, (plan.roles.pipeline,), "pipeline", "send_recv", sends * plan.microbatches,
+                   act_size // seq_size(plan) + planner_moe.router_statistics_bytes(plan), group=2)]
+    tied = _tied_sync_numel(plan, list(rank.stages))
+    if tied:
+        comms.append(_comm(plan, device, (plan.roles.pipeline,), "tied", "all_reduce", 1, w * tied, group=2))
+    return comms
+
+
+def _data_comms(setup: Setup, params: Params) -> tuple[list[Comm], int]:
+    """The gradient reduction over the batch (and context) ranks, and ZeRO's collectives; with the
+    FSDP2 all-gathers and reduce-scatters of units they count."""
+    plan = setup.plan
+    if setup.replicas <= 1:
+        return [], 0
+    # ZeRO's collectives run within a shard group; with HSDP the shards' gradients are then
+    # all-reduced across the replicas (hsdp_replica_comm). Context ranks average like batch ones.
+    data_axes = plan.roles.batch_shard if plan.zero else plan.roles.replicas
+    reduce_w = DTYPES[plan.reduce_dtype or plan.dtype]
+    if setup.fsdp:
+        return _fsdp_comms(setup, params, data_axes, reduce_w)
+    if plan.zero >= 1:
+        return _zero_comms(setup, params, data_axes, reduce_w), 0
+    comms = [_comm(plan, setup.device, data_axes, "data", "all_reduce", 1, reduce_w * params.dense)]
+    rest = tuple(a for a in data_axes if a not in plan.roles.expert)
+    if params.experts and rest:
+        # the experts' gradients, reduced only over the batch axes that replicate them
+        comms.append(_comm(plan, setup.device, rest, "data", "all_reduce", 1, reduce_w * params.experts))
+    return comms, 0
+
+
+def _fsdp_comms(setup: Setup, params: Params, data_axes: tuple[str, ...], reduce_w: int) -> tuple[list[Comm], int]:
+    """FSDP2, unit by unit: parameters gathered in the compute dtype, gradients reduce-scattered in
+    the reduce dtype, as often as fsdp_unit_collectives says; the moe layers' experts a unit of
+    their own over the ZeRO axes replicating them, or left out and all-reduced."""
+    plan, device, w, m, p_size = setup.plan, setup.device, setup.dtype_bytes, setup.plan.microbatches, setup.plan.pipeline_size
+    gathers = gathered_b = scatters = scattered_b = e_gathers = e_scatters = 0
+    for part in params.stages:
+        units = part.blocks + (part.root > 0)  # runtime/parallel/fsdp.py: each block, then the stage root if it holds parameters
+        actions = stage_actions(plan.schedule, len(plan.stages), part.stage.index, m, p_size) if p_size > 1 else None
+        g, r = fsdp_unit_collectives(plan.zero, actions, m, defers_grad_sync(plan))
+        gathers, gathered_b = gathers + g * units, gathered_b + g * w * part.sharded
+        scatters, scattered_b = scatters + r * units, scattered_b + r * reduce_w * part.sharded
+        e_gathers, e_scatters = e_gathers + g * part.expert_layers, e_scatters + r * part.expert_layers
+    comms = [_comm(plan, device, data_axes, "data", "all_gather", gathers, gathered_b // max(1, gathers)),
+             _comm(plan, device, data_axes, "data", "reduce_scatter", scatters, scattered_b // max(1, scatters))]
+    comms += hsdp_replica_comm(plan, device, scatters, scattered_b // max(1, scatters))
+    events = gathers + scatters
+    rest = tuple(a for a in plan.roles.replicas if a not in plan.roles.expert)
+    if params.experts and _expert_shards(plan, params) > 1:
+        # each moe layer's experts, a unit of their own over the ZeRO axes replicating them
+        shard = tuple(a for a in data_axes if a not in plan.roles.expert)
+        per_unit = params.experts // max(1, sum(part.expert_layers for part in params.stages))
+        comms.append(_comm(plan, device, shard, "data", "all_gather", e_gathers, w * per_unit))
+        comms.append(_comm(plan, device, shard, "data", "reduce_scatter", e_scatters, reduce_w * per_unit))
+        events += e_gathers + e_scatters
+    elif params.experts and rest:
+        # the experts FSDP2 leaves out: all-reduced over the batch axes that replicate them
+        comms.append(_comm(plan, device, rest, "data", "all_reduce", 1, reduce_w * params.experts))
+    return comms, events
+
+
+def _zero_comms(setup: Setup, params: Params, data_axes: tuple[str, ...], reduce_w: int) -> list[Comm]:
+    """ZeRO 1 without master weights: gradients reduce-scattered to their owners, updated weights
+    all-gathered back."""
+    plan, device, dense = setup.plan, setup.device, params.dense
+    comms = [_comm(plan, device, data_axes, "data", "reduce_scatter", 1, reduce_w * dense)]
+    comms += hsdp_replica_comm(plan, device, 1, reduce_w * dense)
+    comms.append(_comm(plan, device, data_axes, "data", "all_gather", 1, reduce_w * dense))
+    rest = tuple(a for a in plan.roles.replicas if a not in plan.roles.expert)
+    if params.experts and rest:
+        # the experts' gradients, reduced only over the batch axes that replicate them;
+        # their ZeRO shards' updates gathered back within the ranks holding the same experts
+        comms.append(_comm(plan, device, rest, "data", "all_reduce", 1, reduce_w * params.experts))
+        shard = tuple(a for a in data_axes if a not in plan.roles.expert)
+        if shard:
+            comms.append(_comm(plan, device, shard, "data", "all_gather", 1, reduce_w * params.experts))
+    return comms
+
+
+def compute(setup: Setup, rank: Rank) -> Rank:
+    """Adds `time`: the device's compute, kernels and host time in the step, from its units, `params`,
+    `states` and `traffic`.
+
+    Compute: every microbatch's forward, and its backward at twice the forward (the gradients
+    of both operands of every product: 6 flops per parameter and token in all), the forwards
+    `recompute` runs again, and the optimizer step reading and writing its states once.
+    Kernels: every microbatch's forward and backward, then per parameter tensor the gradient
+    zeroing, the data-parallel sync and AdamW's update (of this rank's share under ZeRO).
+    ZeRO-1 (ZeroRedundancyOptimizer) updates whole tensors, a share of them per rank; FSDP2's
+    optimizer updates every tensor's local shard."""
+    plan, device, m = setup.plan, setup.device, setup.plan.microbatches
+    forward_s, rerun_s, kernels_mb, rerun_kernels = _forward_time(setup, rank)
+    st, tensors, events = rank.states, rank.params.tensors, rank.traffic.fsdp_events
+    compute_s = (3 * forward_s + rerun_s) * m
+    if device.hbm_gbps:
+        compute_s += 2 * (st.weights + st.grads + st.optimizer) / (device.hbm_gbps * 1e9)
+    optim_tensors = -(-tensors // plan.zero_size) if plan.zero == 1 and not setup.fsdp else tensors
+    actions = 2 * m * len(rank.stages) if plan.pipeline_size > 1 else 0  # stage forwards and backwards
+    kernels = ((kernels_mb + rerun_kernels) * m + KERNELS_STEP + tensors * KERNELS_ZERO_GRAD
+               + (tensors * KERNELS_GRAD_SYNC if setup.replicas > 1 and not setup.fsdp else 0) + events * KERNELS_FSDP
+               + (actions * KERNELS_FSDP_ACTION if events else 0) + optim_tensors * KERNELS_ADAMW)
+    kernel_s = kernels * (device.kernel_us or 0.0) * 1e-6
+    recompute_s = rerun_s * m + rerun_kernels * m * (device.kernel_us or 0.0) * 1e-6
+    # The framework's Python beyond its kernels: the schedule's per-action work (p2p set-up,
+    # stage bookkeeping, its backward call) and FSDP2's hooks around each collective.
+    framework_s = (actions * (device.stage_cpu_us or 0.0) + events * (device.fsdp_cpu_us or 0.0)) * 1e-6
+    compute_s += kernel_s + framework_s
+    host_s = compute_s + sum(c.calls * (device.collective_cpu_us or 0.0) * 1e-6 for c in rank.traffic.comms)
+    return attrs.evolve(rank, time=Time(compute_s, recompute_s, kernels, kernel_s, host_s))
+
+
+def _forward_time(setup: Setup, rank: Rank) -> tuple[float, float, int, int]:
+    """One microbatch's forward on the rank (matmuls, lookups, memory traffic) and its kernels, with
+    what backward runs of them again under `recompute`: (forward s, rerun s, kernels, rerun kernels)."""
+    plan, device, tokens, seq, micro, flash = (setup.plan, setup.device, setup.tokens, setup.plan.seq,
+                                               setup.micro_batch, setup.flash_attention)
+    forward_s = rerun_s = 0.0
+    kernels = rerun_kernels = 0
+    for hu in _running(rank):
+        unit_kernels_n = unit_kernels(plan, hu)
+        kernels += unit_kernels_n * hu.count
+        unit_time = unit_forward_time(plan, device, hu, tokens, seq, micro, flash)
+        forward_s += hu.count * unit_time.forward_s
+        rc = recomputed_copies(plan, hu)  # `blocks` / `ops` [every N]: copies rerun in backward
+        if rc:
+            rerun_s += rc * rerun_seconds(plan, device, hu, unit_time.forward_s, tokens, seq, micro, flash)
+            rerun_kernels += round(FORWARD_KERNEL_SHARE * unit_kernels_n) * rc
+        elif _recomputes_core(plan, hu):
+            rerun_s += hu.count * unit_time.core_s
+            rerun_kernels += KERNELS["attention_core"] // 2 * hu.count  # the core's forward again
+    return forward_s, rerun_s, kernels, rerun_kernels
+
+
+# Per rank class, in order (each reads what those before it added to the Rank):
+#   parameters     what each device holds before ZeRO, per stage and in all
+#   kv_cache       inference's KV cache at the plan's batch and seq
+#   activations    what a microbatch saves for backward, and a backward's rise above it
+#   states         weights, gradients and optimizer states after ZeRO (reads parameters)
+#   peak           the step's peak in the schedule's order (reads activations, states)
+#   communication  every collective of the step (reads parameters)
+#   compute        compute, kernels and host time (reads parameters, states, communication)
+STEPS: tuple[Callable[[Setup, Rank], Rank], ...] = (parameters, kv_cache, activations, states, peak, communication, compute)
+
+
+def rank_class(setup: Setup, rank: Rank) -> RankClass:
+    """The report's row of a rank class the STEPS have built."""
+    plan, params, st, pk, t = setup.plan, rank.params, rank.states, rank.peak, rank.time
+    return RankClass(
+        coord=rank.coord, stages=tuple(s.index for s in rank.stages),
+        label="; ".join(stage_label(plan, s) for s in rank.stages), ranks=rank.ranks,
+        params_global=params.total, params_local=params.local, params_replicated=params.replicated,
+        weight_bytes=st.weights, grad_bytes=st.grads, optimizer_bytes=st.optimizer, gather_buffer_bytes=pk.gather,
+        activation_bytes_per_microbatch=rank.saved.per_microbatch, in_flight=pk.in_flight,
+        activation_bytes=pk.activations, transient_bytes=pk.transient, grad_accum_bytes=pk.accum,
+        kv_cache_bytes=rank.kv_cache, comms=rank.traffic.comms, compute_s=t.compute_s, dtype_bytes=setup.dtype_bytes,
+        recompute_s=t.recompute_s, kernels=t.kernels, kernel_s=t.kernel_s, host_s=t.host_s,
+    )
+
+
+def _busy_s(rc: RankClass) -> float:
+    """A rank's work per step that the pipeline bubble stretches: compute, and the collectives inside it and its sends."""
+    return rc.compute_s + rc.comm_seconds(("tensor", "expert", "loss", "pipeline", "tied"))
+
+
+def step_time(setup: Setup, classes: list[RankClass]) -> tuple[float, StepTime]:
+    """The pipeline bubble and the step's time, from every rank class.
+
+    The bubble of torch's own action order, simulated with unit-cost forwards and backwards of
+    twice that; bubble_fraction's closed form is printed beside it as the reference. They agree for
+    GPipe and 1F1B; for interleaved the closed form divides the fraction, not the idle time, by v.
+    The pipeline advances at the pace of its slowest rank; its per-microbatch work (compute plus
+    the tensor collectives inside it plus its sends) is what the bubble stretches: the bubble is
+    (p - 1) / (v m) of the busy time. The data-parallel reduction runs once after the last
+    backward; we assume no overlap (torch's explicit post-backward reduction, and an upper bound)."""
+    plan, device, p_size = setup.plan, setup.device, setup.plan.pipeline_size
+    order = schedule_cost(plan.schedule, p_size, plan.virtual, plan.microbatches) if p_size > 1 else None
+    slow = max(classes, key=_busy_s)
     scale = order.bubble_over_busy if order else 0.0  # (p - 1) / (v m) when m is a multiple of p
     step = StepTime(
         compute_s=slow.compute_s,
         tensor_s=slow.comm_seconds(("tensor", "loss")),
         expert_s=slow.comm_seconds(("expert",)),
         pipeline_s=slow.comm_seconds(("pipeline", "tied")),
-        bubble_s=busy(slow) * scale,
+        bubble_s=_busy_s(slow) * scale,
         data_s=max(exposed_data_seconds(plan, device, rc) for rc in classes),
         model_flops=model_flops_per_token(plan) * plan.batch * plan.seq,
         tokens=plan.batch * plan.seq,
         shared_s=shared_host_seconds(plan, device, classes, scale),
         context_s=slow.comm_seconds(("context",)),
     )
-    return PlanReport(plan, device, device_assumed, micro_batch, bubble, tuple(classes), step,
-                      kv_bytes_per_token(plan), k, hosts_assumed)
+    return (order.bubble if order else 0.0), step
+
+
+def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed: bool = False,
+            flash_attention: bool = True) -> PlanReport:
+    """Memory, communication and time of one training step of `plan` on `device`: STEPS for each
+    rank class, then the step's time from the slowest of them."""
+    if device is None:
+        device, device_assumed = resolve_device(plan)
+    hosts_assumed = assumed_hosts(plan.mesh, device) != plan.mesh
+    setup = setup_of(plan, device, flash_attention)
+    classes = []
+    for rank in rank_drafts(setup):
+        for step in STEPS:
+            rank = step(setup, rank)
+        classes.append(rank_class(setup, rank))
+    bubble, step = step_time(setup, classes)
+    return PlanReport(setup.plan, device, device_assumed, setup.micro_batch, bubble, tuple(classes), step,
+                      kv_bytes_per_token(setup.plan), setup.optimizer_k, hosts_assumed)
 
 
 def exposed_data_seconds(plan: PlanIR, device: DeviceProfile, rc: RankClass) -> float:
@@ -1425,37 +1596,6 @@ def kv_cache_bytes(plan: PlanIR, seq: int) -> int:
     return total
 
 
-# ---------------------------------------------------------------- formatting helpers
-
-GB, GIB = 10**9, 2**30
-
-
-def fmt_bytes(n: float) -> str:
-    """Binary units, the way device memory is quoted (80 GB on the box is 80 GiB to torch)."""
-    for unit, scale in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def fmt_count(n: int) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(n)
-
-
-def fmt_seconds(s: float) -> str:
-    if s >= 1:
-        return f"{s:.2f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.1f} ms"
-    if s > 0:
-        return f"{s * 1e6:.0f} us"
-    return "0"
-
-
-
 # ---------------------------------------------------------------- warnings (the seed's pitfalls, with numbers)
 
 # Thresholds, each the point where the pitfall costs more than a typical plan tolerates.
@@ -1503,29 +1643,33 @@ def _comm_help(step: StepTime) -> str:
     return f"{'; or '.join(named) or 'larger microbatches'} raise the compute per byte moved"
 
 
-def plan_warnings(report: PlanReport) -> list[Diagnostic]:
-    plan, dev = report.plan, report.device
-    out: list[Diagnostic] = []
-    head = header_span(plan.span)
+def _fullest(report: PlanReport) -> RankClass:
+    """The rank class needing the most memory in training."""
+    return max(report.ranks, key=lambda r: r.training_bytes)
+
+
+def _memory_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0801: the plan does not fit, with what takes the most of the fullest rank's memory."""
+    if report.fits:
+        return []
+    plan, dev, worst = report.plan, report.device, _fullest(report)
     mesh_dev = _find_span(plan.mesh.span, "device")
     dev_label = (Label(mesh_dev, f"{dev.name}: {dev.memory_gib:g} GiB, {dev.tflops:g} TFLOP/s"),) if mesh_dev else ()
-    step = report.step
+    parts = {"weights": worst.weight_bytes, "gradients": worst.grad_bytes, "optimizer states": worst.optimizer_bytes,
+             "activations": worst.activation_bytes, "ZeRO-3 gather buffer": worst.gather_buffer_bytes,
+             "gradient accumulators": worst.grad_accum_bytes}
+    biggest = max(parts, key=lambda k: parts[k])
+    return [Diagnostic(
+        W0801, f"plan `{plan.name}` needs {fmt_bytes(worst.training_bytes)} on pipeline rank {worst.coord}, "
+        f"more than the {fmt_bytes(dev.memory_bytes)} of a {dev.name}", header_span(plan.span),
+        label="does not fit in device memory", secondary=dev_label,
+        note="per device: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v),
+        help=_fit_help(report, biggest))]
 
-    # W0801: does not fit.
-    worst = max(report.ranks, key=lambda r: r.training_bytes)
-    if not report.fits:
-        parts = {"weights": worst.weight_bytes, "gradients": worst.grad_bytes, "optimizer states": worst.optimizer_bytes,
-                 "activations": worst.activation_bytes, "ZeRO-3 gather buffer": worst.gather_buffer_bytes,
-                 "gradient accumulators": worst.grad_accum_bytes}
-        biggest = max(parts, key=lambda k: parts[k])
-        out.append(Diagnostic(
-            W0801, f"plan `{plan.name}` needs {fmt_bytes(worst.training_bytes)} on pipeline rank {worst.coord}, "
-            f"more than the {fmt_bytes(dev.memory_bytes)} of a {dev.name}", head,
-            label="does not fit in device memory", secondary=dev_label,
-            note="per device: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in parts.items() if v),
-            help=_fit_help(report, biggest)))
 
-    # W0802: over-sharding: the last doubling of a sharding axis costs more communication than it saves.
+def _over_sharding_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0802: the last doubling of a sharding axis costs more communication than it saves."""
+    plan, dev, out = report.plan, report.device, []
     for axis, comm_s in _tensor_comm_by_axis(report).items():
         size = plan.mesh.size(axis)
         slow = max(report.ranks, key=lambda r: r.compute_s)
@@ -1537,63 +1681,96 @@ def plan_warnings(report: PlanReport) -> list[Diagnostic]:
             ax = plan.mesh.axis(axis)
             out.append(Diagnostic(
                 W0802, f"`{axis}` = {size} over-shards: {fmt_count(slow.params_local)} parameters per device cost "
-                f"{fmt_seconds(comm_s)} of collectives per step", ax.span if ax else head,
+                f"{fmt_seconds(comm_s)} of collectives per step", ax.span if ax else header_span(plan.span),
                 label=f"halving it would save {fmt_seconds(comm_s - kept)} of communication for {fmt_seconds(saved)} more compute",
                 help=f"use `{axis}` = {half} and give the devices to data parallelism, if it still fits in memory "
                 "(`meshc suggest` searches the alternatives)",
                 note="each tensor-parallel layer all-reduces its activations; below a few thousand columns per "
                 "device the matmul is too small to hide it"))
+    return out
 
-    # W0803: communication-dominated step.
-    if step.comm_s > step.compute_s:
-        out.append(Diagnostic(
-            W0803, f"communication ({fmt_seconds(step.comm_s)}) exceeds compute ({fmt_seconds(step.compute_s)}) per step",
-            head, label="communication-dominated",
-            note=f"tensor {fmt_seconds(step.tensor_s)}, "
-            + (f"expert {fmt_seconds(step.expert_s)}, " if step.expert_s else "")
-            + f"pipeline {fmt_seconds(step.pipeline_s)}, data {fmt_seconds(step.data_s)}",
-            help=_comm_help(step)))
 
-    # W0804: tensor axis over the inter-host link, with its cost.
+def _communication_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0803: the step spends more time communicating than computing."""
+    step = report.step
+    if step.comm_s <= step.compute_s:
+        return []
+    return [Diagnostic(
+        W0803, f"communication ({fmt_seconds(step.comm_s)}) exceeds compute ({fmt_seconds(step.compute_s)}) per step",
+        header_span(report.plan.span), label="communication-dominated",
+        note=f"tensor {fmt_seconds(step.tensor_s)}, "
+        + (f"expert {fmt_seconds(step.expert_s)}, " if step.expert_s else "")
+        + f"pipeline {fmt_seconds(step.pipeline_s)}, data {fmt_seconds(step.data_s)}",
+        help=_comm_help(step))]
+
+
+def _network_tensor_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0804: a tensor axis runs over the inter-host link, with its cost."""
+    plan, dev, out = report.plan, report.device, []
     for axis, comm_s in _tensor_comm_by_axis(report).items():
         if _crosses(plan.mesh, (axis,)):
             intra = comm_s * dev.inter_gbps / dev.intra_gbps
             ax = plan.mesh.axis(axis)
             out.append(Diagnostic(
                 W0804, f"tensor-parallel axis `{axis}` runs its collectives over the network: "
-                f"{fmt_seconds(comm_s)} per step", ax.span if ax else head,
+                f"{fmt_seconds(comm_s)} per step", ax.span if ax else header_span(plan.span),
                 label=f"about {fmt_seconds(intra)} within a host ({dev.inter_gbps:g} vs {dev.intra_gbps:g} GB/s)",
                 help=f"put `{axis}` last in `axes` and keep it at most {plan.mesh.devices_per_host} (devices per host)"))
+    return out
 
-    # W0805: large bubble.
-    if report.bubble > BUBBLE_WARN:
-        p, m = plan.pipeline_size, plan.microbatches
-        need = math.ceil(9 * (p - 1) / plan.virtual)  # (p - 1) / (v (m + p - 1)) <= 10%, roughly
-        where = _find_span(plan.span, "microbatches") or head
-        out.append(Diagnostic(
-            W0805, f"the pipeline bubble is {report.bubble:.0%} of the step ({fmt_seconds(step.bubble_s)})", where,
-            label=f"{m} microbatches over {p} stages",
-            help=f"raise microbatches to about {need} or more (batch permitting) for a bubble near 10%"
-            + ("" if plan.schedule == "interleaved_1f1b" else ", or interleave: `stages over ... virtual 2` with `schedule interleaved_1f1b`"),
-            note=f"bubble = {report.bubble:.3f}" + _bubble_formula(plan, report.bubble)))
 
-    # W0806: stage memory imbalance.
-    if len(report.ranks) > 1:
-        light = min(report.ranks, key=lambda r: r.training_bytes)
-        if light.training_bytes and worst.training_bytes > IMBALANCE_WARN * light.training_bytes:
-            where = _find_span(plan.span, "stages") or head
-            out.append(Diagnostic(
-                W0806, f"pipeline rank {worst.coord} needs {worst.training_bytes / light.training_bytes:.2f}x the memory "
-                f"of rank {light.coord} ({fmt_bytes(worst.training_bytes)} vs {fmt_bytes(light.training_bytes)})", where,
-                label="stage memory imbalance",
-                note="per pipeline rank: " + ", ".join(f"{r.coord}: {fmt_bytes(r.training_bytes)}" for r in report.ranks),
-                help=f"move blocks off stage {worst.stages[0]}"
-                + (" (1F1B keeps p - r microbatches of activations on rank r, so early stages should hold fewer blocks)"
-                   if plan.schedule != "gpipe" and worst.coord < light.coord else "")))
+def _bubble_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0805: a large pipeline bubble, with the microbatches that would shrink it."""
+    if report.bubble <= BUBBLE_WARN:
+        return []
+    plan = report.plan
+    p, m = plan.pipeline_size, plan.microbatches
+    need = math.ceil(9 * (p - 1) / plan.virtual)  # (p - 1) / (v (m + p - 1)) <= 10%, roughly
+    where = _find_span(plan.span, "microbatches") or header_span(plan.span)
+    return [Diagnostic(
+        W0805, f"the pipeline bubble is {report.bubble:.0%} of the step ({fmt_seconds(report.step.bubble_s)})", where,
+        label=f"{m} microbatches over {p} stages",
+        help=f"raise microbatches to about {need} or more (batch permitting) for a bubble near 10%"
+        + ("" if plan.schedule == "interleaved_1f1b" else ", or interleave: `stages over ... virtual 2` with `schedule interleaved_1f1b`"),
+        note=f"bubble = {report.bubble:.3f}" + _bubble_formula(plan, report.bubble))]
+
+
+def _imbalance_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0806: one pipeline rank needs far more memory than another."""
+    if len(report.ranks) <= 1:
+        return []
+    plan, worst = report.plan, _fullest(report)
+    light = min(report.ranks, key=lambda r: r.training_bytes)
+    if not (light.training_bytes and worst.training_bytes > IMBALANCE_WARN * light.training_bytes):
+        return []
+    where = _find_span(plan.span, "stages") or header_span(plan.span)
+    return [Diagnostic(
+        W0806, f"pipeline rank {worst.coord} needs {worst.training_bytes / light.training_bytes:.2f}x the memory "
+        f"of rank {light.coord} ({fmt_bytes(worst.training_bytes)} vs {fmt_bytes(light.training_bytes)})", where,
+        label="stage memory imbalance",
+        note="per pipeline rank: " + ", ".join(f"{r.coord}: {fmt_bytes(r.training_bytes)}" for r in report.ranks),
+        help=f"move blocks off stage {worst.stages[0]}"
+        + (" (1F1B keeps p - r microbatches of activations on rank r, so early stages should hold fewer blocks)"
+           if plan.schedule != "gpipe" and worst.coord < light.coord else ""))]
+
+
+def _skew_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0807: under the plan's routing skew the other expert-parallel ranks wait long."""
     from meshllm_dsl.planner import moe as planner_moe
 
-    out += planner_moe.skew_warnings(report)  # W0807
-    return out
+    return planner_moe.skew_warnings(report)
+
+
+# The plan's warnings (the seed's pitfalls, with numbers), in the order `meshc plan` prints them.
+WARNINGS: tuple[Callable[[PlanReport], list[Diagnostic]], ...] = (
+    _memory_warnings, _over_sharding_warnings, _communication_warnings, _network_tensor_warnings, _bubble_warnings,
+    _imbalance_warnings, _skew_warnings,
+)
+
+
+def plan_warnings(report: PlanReport) -> list[Diagnostic]:
+    """W0801 - W0807 for one analysed plan: WARNINGS in order."""
+    return [d for warnings in WARNINGS for d in warnings(report)]
 
 
 def _tensor_comm_by_axis(report: PlanReport) -> dict[str, float]:
@@ -1623,33 +1800,31 @@ def _fit_help(report: PlanReport, biggest: str) -> str:
 # ---------------------------------------------------------------- rendering
 
 
-def _table(header: list[str], rows: list[list[str]], right: set[int] | None = None) -> list[str]:
-    right = right if right is not None else set(range(1, len(header)))
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: list[str]) -> str:
-        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    return [line(header), *(line(r) for r in rows)]
-
-
 def _ranks_text(ranks: tuple[int, ...]) -> str:
     return _ranges(list(ranks)) if ranks else "-"
 
 
-def report_text(rep: PlanReport) -> str:
-    plan, dev, mesh, model = rep.plan, rep.device, rep.plan.mesh, rep.plan.model
-    w = DTYPES[plan.dtype]
+def _heading_lines(rep: PlanReport) -> list[str]:
+    """The plan, its mesh and device, and the shape of its step."""
+    plan, dev, mesh = rep.plan, rep.device, rep.plan.mesh
     axes = " x ".join(f"{a.name} {a.size}" for a in mesh.axes)
     hosts = f", {mesh.hosts} hosts{' assumed' if rep.hosts_assumed else ''}" if mesh.hosts > 1 else ""
-    lines = [
-        f"plan {plan.name}: {model.name} on {mesh.name} ({mesh.devices} x {dev.name}{' (assumed)' if rep.device_assumed else ''}: {axes}{hosts})",
+    return [
+        f"plan {plan.name}: {plan.model.name} on {mesh.name} ({mesh.devices} x {dev.name}{' (assumed)' if rep.device_assumed else ''}: {axes}{hosts})",
         (f"  batch {plan.batch} x seq {plan.seq}; {plan.data_size} data replica{'s' if plan.data_size != 1 else ''} x "
         f"{plan.microbatches} microbatch{'es' if plan.microbatches != 1 else ''} of {rep.micro_batch} sequence{'s' if rep.micro_batch != 1 else ''}; "
         f"{f'schedule {plan.schedule}' if plan.pipeline_size > 1 else 'no pipeline'}{f' (virtual {plan.virtual})' if plan.virtual > 1 else ''}; "
         f"{plan.optimizer}, ZeRO {plan.zero}{' over ' + ' x '.join(plan.roles.batch_shard) if plan.zero else ''}"
         + (f"; context {plan.context_size} over {' x '.join(plan.roles.context)} ({plan.seq // plan.context_size:,} tokens "
            "of each sequence per rank)" if plan.roles.context else "")),
+    ]
+
+
+def _model_lines(rep: PlanReport) -> list[str]:
+    """The whole model: parameters, weights, training state and KV cache, before any sharding."""
+    plan, model = rep.plan, rep.plan.model
+    w = DTYPES[plan.dtype]
+    return [
         "",
         "model",
         f"  parameters      {model.numel:,} ({fmt_count(model.numel)})",
@@ -1661,18 +1836,35 @@ def report_text(rep: PlanReport) -> str:
         + (" (sliding-window layers hold their window only)" if kv_cache_bytes(plan, plan.seq) < rep.kv_bytes_per_token * plan.seq else "")
         + (f"; decoding keeps it gathered: each of the {plan.context_size} context ranks holds all of it"
            if plan.roles.context else "")),
-        "",
-        "memory per device (a row per pipeline rank; the tensor and data ranks at it hold the same)",
     ]
+
+
+def _memory_lines(rep: PlanReport) -> list[str]:
+    """Memory per device: a row per pipeline rank, then what the fullest one holds by dtype."""
+    dev = rep.device
     rows = []
     for rc in rep.ranks:
         rows.append([str(rc.coord), _ranks_text(rc.ranks), rc.label, fmt_count(rc.params_global), fmt_count(rc.params_local),
                      fmt_bytes(rc.weight_bytes), fmt_bytes(rc.grad_bytes), fmt_bytes(rc.optimizer_bytes),
                      f"{fmt_bytes(rc.activation_bytes)} ({rc.in_flight} mb)", fmt_bytes(rc.training_bytes),
                      "yes" if rc.training_bytes <= dev.memory_bytes else "NO"])
-    lines += ["  " + x for x in _table(
-        ["pp", "ranks", "layers", "params", "on device", "weights", "grads", "optimizer", "activations", "total", "fits"],
-        rows, right={3, 4, 5, 6, 7, 8, 9})]
+    return [
+        "",
+        "memory per device (a row per pipeline rank; the tensor and data ranks at it hold the same)",
+        *("  " + x for x in _table(
+            ["pp", "ranks", "layers", "params", "on device", "weights", "grads", "optimizer", "activations", "total", "fits"],
+            rows, right={3, 4, 5, 6, 7, 8, 9})),
+        *_fullest_rank_lines(rep),
+        "  activations per microbatch: " + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.activation_bytes_per_microbatch)}" for rc in rep.ranks),
+        f"  inference (weights + KV cache at batch {rep.plan.batch} x seq {rep.plan.seq}): "
+        + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.inference_bytes)}" for rc in rep.ranks)
+        + f" -> {'fits' if rep.fits_inference else 'does NOT fit'}",
+    ]
+
+
+def _fullest_rank_lines(rep: PlanReport) -> list[str]:
+    """The rank needing the most memory: its bytes by dtype, and the FSDP2 buffers it holds."""
+    plan = rep.plan
     worst = max(rep.ranks, key=lambda r: r.training_bytes)
     # Weights, gradients and moments are the stored parameters' dtype: the master one with `precision`
     # (FSDP2's sharded parameters, or autocast's fp32 ones at ZeRO 0), else the plan's.
@@ -1682,7 +1874,7 @@ def report_text(rep: PlanReport) -> str:
     if worst.grad_accum_bytes:
         accum_dtype = plan.reduce_dtype or plan.dtype
         by_dtype[accum_dtype] = by_dtype.get(accum_dtype, 0) + worst.grad_accum_bytes
-    lines += [
+    lines = [
         f"  by dtype on pipeline rank {worst.coord}: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in by_dtype.items())
         + (f"; {fmt_count(worst.params_replicated)} parameters are whole copies on every device (norms, biases, unsharded layers)"
            if not runs_fsdp(plan) or not plan.roles.batch_shard else
@@ -1699,14 +1891,12 @@ def report_text(rep: PlanReport) -> str:
         by = "the pipeline schedule" if plan.roles.pipeline else "ZeRO-1 until its one reduce-scatter a step"
         lines.append(f"  gradient accumulators (FSDP2's unsharded gradients in {plan.reduce_dtype or plan.dtype}, kept between"
                      f" microbatches by {by}): {fmt_bytes(worst.grad_accum_bytes)}")
-    lines += [
-        "  activations per microbatch: " + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.activation_bytes_per_microbatch)}" for rc in rep.ranks),
-        f"  inference (weights + KV cache at batch {plan.batch} x seq {plan.seq}): "
-        + ", ".join(f"pp {rc.coord} {fmt_bytes(rc.inference_bytes)}" for rc in rep.ranks)
-        + f" -> {'fits' if rep.fits_inference else 'does NOT fit'}",
-        "",
-        "communication per step (busiest pipeline rank per row; ring algorithm)",
-    ]
+    return lines
+
+
+def _communication_lines(rep: PlanReport) -> list[str]:
+    """Communication per step: a row per axis, kind and op, on the busiest pipeline rank."""
+    lines = ["", "communication per step (busiest pipeline rank per row; ring algorithm)"]
     comm_rows = [[c["axis"], c["kind"], c["op"], f"{c['calls']:,}", fmt_bytes(c["payload_bytes"]), fmt_bytes(c["wire_bytes"]),
                   fmt_seconds(c["seconds"]), "network" if c["crosses_hosts"] else "in host"] for c in rep.comm_by_axis()]
     if comm_rows:
@@ -1714,20 +1904,27 @@ def report_text(rep: PlanReport) -> str:
                                            right={3, 4, 5, 6})]
     else:
         lines.append("  none (a single device)")
-    st = rep.step
+    return lines
+
+
+def _bubble_lines(rep: PlanReport) -> list[str]:
+    """The pipeline bubble, with the formula it comes from."""
+    plan = rep.plan
+    return ["", f"pipeline bubble: {rep.bubble:.1%}" + (_bubble_formula(plan, rep.bubble) if plan.pipeline_size > 1 else " (no pipeline)")]
+
+
+def _step_time_lines(rep: PlanReport) -> list[str]:
+    """The step's time by part on the slowest pipeline rank, and its throughput and MFU."""
+    plan, dev, st = rep.plan, rep.device, rep.step
     slow = next((rc for rc in rep.ranks if rc.compute_s == st.compute_s), rep.ranks[0])
-    slow_recompute = slow.recompute_s
-    p = plan.pipeline_size
-    lines += [
-        "",
-        f"pipeline bubble: {rep.bubble:.1%}" + (_bubble_formula(plan, rep.bubble) if p > 1 else " (no pipeline)"),
+    return [
         "",
         f"step time (estimate; {dev.name} {dev.tflops:g} TFLOP/s, large matmuls at {(dev.mfu or MFU):.0%} of it"
         + (f", memory {dev.hbm_gbps:g} GB/s" if dev.hbm_gbps else "") + f", links {dev.intra_gbps:g} / {dev.inter_gbps:g} GB/s)",
         f"  compute          {fmt_seconds(st.compute_s)}   matmuls" + (" (roofline) and memory traffic" if dev.hbm_gbps else "")
         + " on the slowest pipeline rank"
         + (f" + {slow.kernels:,} kernels x {dev.kernel_us:g} us" if dev.kernel_us else "")
-        + (f", of which {fmt_seconds(slow_recompute)} recomputes {recomputed_text(plan)} in backward"
+        + (f", of which {fmt_seconds(slow.recompute_s)} recomputes {recomputed_text(plan)} in backward"
            if plan.recompute != "none" else ""),
         f"  tensor comm      {fmt_seconds(st.tensor_s)}",
         *([f"  expert comm      {fmt_seconds(st.expert_s)}   " + _expert_note(rep)] if plan.roles.expert else []),
@@ -1735,28 +1932,51 @@ def report_text(rep: PlanReport) -> str:
         f"  bubble           {fmt_seconds(st.bubble_s)}",
         f"  data-parallel    {fmt_seconds(st.data_s)}" + _overlap_note(rep),
         *([f"  context comm     {fmt_seconds(st.context_s)}   {_context_text(rep)}"] if plan.context_size > 1 else []),
-    ]
-    if st.shared_s:
-        per_host = mesh.devices_per_host
-        framework = ", ".join(f"{v:g} us per {what}" for v, what in (
-            (dev.collective_cpu_us, "collective call"), (dev.stage_cpu_us, "pipeline action"),
-            (dev.fsdp_cpu_us, "FSDP2 collective")) if v)
-        lines.append(f"  shared cores     {fmt_seconds(st.shared_s)}   {per_host} ranks per host on {dev.cores:g} cores: their host time "
-                     f"(compute{', ' + framework if framework else ''}) / cores"
-                     + (", then the pipeline's fill and drain" if rep.bubble else "")
-                     + f"; a device per rank would take {fmt_seconds(st.critical_s)}")
-    lines += [
+        *_shared_cores_lines(rep),
         f"  total            {fmt_seconds(st.total_s)}   {st.tokens / st.total_s:,.0f} tokens/s, model flops utilisation {rep.mfu:.0%}"
         f" ({st.model_flops / st.tokens / 1e9:,.3g} GFLOP per token: 6 (N - N_embedding) + 12 l h q t)",
-        "",
-        f"peak memory {fmt_bytes(rep.peak_training_bytes)} of {fmt_bytes(dev.memory_bytes)} per device"
-        " (tensors allocated, as torch.cuda.max_memory_allocated counts them): "
-        + ("fits" if rep.fits else "does NOT fit"),
     ]
+
+
+def _shared_cores_lines(rep: PlanReport) -> list[str]:
+    """Ranks time-sharing a host's cores: the step their host time sets (none when each has a device)."""
+    dev, st = rep.device, rep.step
+    if not st.shared_s:
+        return []
+    framework = ", ".join(f"{v:g} us per {what}" for v, what in (
+        (dev.collective_cpu_us, "collective call"), (dev.stage_cpu_us, "pipeline action"),
+        (dev.fsdp_cpu_us, "FSDP2 collective")) if v)
+    return [f"  shared cores     {fmt_seconds(st.shared_s)}   {rep.plan.mesh.devices_per_host} ranks per host on {dev.cores:g} cores: their host time "
+            f"(compute{', ' + framework if framework else ''}) / cores"
+            + (", then the pipeline's fill and drain" if rep.bubble else "")
+            + f"; a device per rank would take {fmt_seconds(st.critical_s)}"]
+
+
+def _peak_lines(rep: PlanReport) -> list[str]:
+    """The step's peak against the device's memory."""
+    return ["", f"peak memory {fmt_bytes(rep.peak_training_bytes)} of {fmt_bytes(rep.device.memory_bytes)} per device"
+            " (tensors allocated, as torch.cuda.max_memory_allocated counts them): "
+            + ("fits" if rep.fits else "does NOT fit")]
+
+
+def _skew_lines(rep: PlanReport) -> list[str]:
+    """What the plan's routing skew does to each expert-parallel rank (nothing without `skew`)."""
     from meshllm_dsl.planner import moe as planner_moe
 
-    lines += planner_moe.skew_lines(rep)
-    return "\n".join(lines) + "\n"
+    return planner_moe.skew_lines(rep)
+
+
+# `meshc plan`'s report, section by section in the order printed; each but the first opens with the
+# blank line that separates it, and a section with nothing to say (the skew without `skew`) prints nothing.
+REPORT_SECTIONS: tuple[Callable[[PlanReport], list[str]], ...] = (
+    _heading_lines, _model_lines, _memory_lines, _communication_lines, _bubble_lines, _step_time_lines, _peak_lines,
+    _skew_lines,
+)
+
+
+def report_text(rep: PlanReport) -> str:
+    """`meshc plan`'s report of one plan: REPORT_SECTIONS in order."""
+    return "\n".join(line for section in REPORT_SECTIONS for line in section(rep)) + "\n"
 
 
 def _active_lines(plan: PlanIR) -> list[str]:

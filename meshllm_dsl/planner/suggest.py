@@ -24,6 +24,7 @@ from typing import Any
 
 import attrs
 
+from meshllm_dsl import primitives
 from meshllm_dsl.checker import check_text
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.load import load
@@ -131,10 +132,14 @@ def _sharded_dims(model: ModelIR) -> list[str]:
     dims: list[str] = []
     last = model.items[-1]
     for item, unit, leaf in model.leaves():
-        if unit.kind in ("attention", "mlp"):
+        record = primitives.of(unit)
+        # A dense sublayer (attention, an MLP): its column layers, all but the row layer closing it;
+        # a moe layer's experts split over expert axes instead, and its router stays whole.
+        if record.sublayer and not record.routes_experts:
             if leaf is unit.leaves[-1]:
                 continue
-        elif not (unit.kind == "embedding" or (unit.kind == "linear" and unit is last and not isinstance(item, Repeat))):
+        elif not (record is primitives.embedding.EMBEDDING
+                  or (record is primitives.linear.LINEAR and unit is last and not isinstance(item, Repeat))):
             continue
         for name, _ in leaf.out_units[:1]:
             if name not in dims:
@@ -218,7 +223,7 @@ def candidates(model: ModelIR, devices: int, batch: int, per_host: int, seq: int
     # block (Megatron's --recompute-num-layers, torchtitan's ac_freq).
     remats = ["none"]
     if model.repeat is not None:
-        remats += (["attention"] if any(u.kind == "attention" for u in model.repeat.body) else []) + ["ops"]
+        remats += (["attention"] if any(primitives.of(u).recomputed_core for u in model.repeat.body) else []) + ["ops"]
         remats += [f"blocks every {RECOMPUTE_EVERY}"] if model.repeat.count >= RECOMPUTE_EVERY else []
         remats += ["blocks"]
     hosts = 1
@@ -373,105 +378,129 @@ def _slower_than_the_runner_up(c: Candidate, steps: dict[Candidate, float],
     return floor > fitting[top][1].step.total_s
 
 
-def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, batch: int, seq: int,
-             per_host: int | None, top: int, line: StatusLine, limit: int, prune: bool) -> SuggestResult:
-    prelude = _prelude_text(path, model_name)
-    base = check_text(prelude, str(Path(path)))
-    model = base.models[model_name]
-    host = per_host or min(devices, device.per_host)
-    rejected: list[tuple[str, str]] = []
+# A structure: (data, pipeline, tensor, schedule, virtual, sequence parallel, HSDP shard group, context).
+Structure = tuple[int, int, int, str, int, bool, int, int]
 
-    def check(c: Candidate) -> tuple[str, PlanIR | None]:
-        block = plan_text(c, model, device.name, batch, seq)
-        # The path makes includes in the prelude resolve next to the original file.
-        result = check_text(prelude + "\n" + block, str(Path(path)))
-        plan = result.plans.get(PLAN_NAME)
-        if plan is None or not result.ok:
-            err = next(iter(result.errors), None)
-            if len(rejected) < 5:
-                rejected.append((c.key(), f"{err.code}: {err.message}" if err else "no plan"))
-            return block, None
-        return block, plan
 
-    groups: dict[tuple[int, int, int, str, int, bool, int, int], list[Candidate]] = {}
-    for c in candidates(model, devices, batch, host, seq):
+def _by_structure(model: ModelIR, devices: int, batch: int, per_host: int, seq: int) -> dict[Structure, list[Candidate]]:
+    """Every candidate, grouped by the structure its text shares with the others of its group."""
+    groups: dict[Structure, list[Candidate]] = {}
+    for c in candidates(model, devices, batch, per_host, seq):
         # Each tensor-parallel candidate also with sequence parallelism, where seq splits over it.
         for v in (c, attrs.evolve(c, seq_parallel=True)) if c.tensor > 1 and seq % c.tensor == 0 else (c,):
             groups.setdefault((v.data, v.pipeline, v.tensor, v.schedule, v.virtual, v.seq_parallel, v.zero_shard, v.context),
                               []).append(v)
+    return groups
+
+
+def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, batch: int, seq: int,
+             per_host: int | None, top: int, line: StatusLine, limit: int, prune: bool) -> SuggestResult:
+    prelude = _prelude_text(path, model_name)
+    model = check_text(prelude, str(Path(path))).models[model_name]
+    host = per_host or min(devices, device.per_host)
+    groups = _by_structure(model, devices, batch, host, seq)
     everything = [(key, c) for key, group in groups.items() for c in group]
-    enumerated = len(everything)
     index = {c: i for i, (_, c) in enumerate(everything)}
     # Branch and bound: candidates in order of their lower bound on step time (the bubble's share:
     # compute_floor_s is common to all), analysed until the fastest that fit are known for certain.
     scales = {c: bubble_scale(c) for _, c in everything} if prune else {}
     if prune:
         everything.sort(key=lambda kc: scales[kc[1]])
-    progress = _Progress(line, enumerated)
-    structures: dict[tuple[int, int, int, str, int, bool], PlanIR | None] = {}
-    bounds: dict[tuple[int, int, int, str, int, bool], StateBound] = {}
-    fitting: list[tuple[Candidate, PlanReport]] = []
-    steps: dict[Candidate, float] = {}  # each analysed variant's step (bounds on those recomputing more)
-    analysed = 0
-    floor: float | None = None
-    ranked: list[Ranked] = []
-    rechecked = checked = 0
-
-    def recheck_below(bound_s: float) -> bool:
-        """Re-check, fastest first, the fitting plans no unanalysed candidate can beat (step under
-        ``bound_s``); True once `top` pass and the runner-up after them is known too."""
-        nonlocal rechecked, checked
-        certain = bisect.bisect_left(fitting, bound_s, key=lambda cr: cr[1].step.total_s)
-        while len(ranked) < top and rechecked < certain:
-            c = fitting[rechecked][0]
-            rechecked += 1
-            line.update(f"re-checking the fastest fitting plans as written ({len(ranked)} of {top} passed)")
-            block, checked_plan = check(c)
-            checked += 1
-            if checked_plan is not None:
-                rep = analyze(checked_plan, device)
-                if rep.peak_training_bytes <= limit:
-                    ranked.append(Ranked(c, block, rep))
-        return len(ranked) >= top and certain >= top + 1
-
+    search = _Search(path, prelude, model, device, batch, seq, top, limit, prune, index, _Progress(line, len(everything)))
     for key, c in everything:
         # (less a rounding margin: the bound and the step are sums taken in different orders)
-        if prune and floor is not None and recheck_below(floor * (1 + scales[c]) * (1 - 1e-9)):
+        if prune and search.floor is not None and search.recheck_below(search.floor * (1 + scales[c]) * (1 - 1e-9)):
             break
-        progress.tried()
-        if key not in structures:
-            structures[key] = check(groups[key][0])[1]
-            checked += 1
-            bounds[key] = StateBound(limit)
-        rep_plan, bound = structures[key], bounds[key]
-        plan: PlanIR | None
-        if rep_plan is not None:
-            if prune and bound.rules_out(c):
-                continue
-            if prune and _slower_than_the_runner_up(c, steps, fitting, top):
-                continue
-            plan = variant(rep_plan, c, model)
+        search.consider(key, c, groups[key][0])
+    search.recheck_below(float("inf"))
+    return search.result(model_name, devices, host, len(everything))
+
+
+class _Search:
+    """The state of one `_suggest`: the structures checked, the candidates analysed and those that
+    fit (by step time, then memory, then enumeration order), and the fastest re-checked as written."""
+
+    def __init__(self, path: str, prelude: str, model: ModelIR, device: DeviceProfile, batch: int, seq: int,
+                 top: int, limit: int, prune: bool, index: dict[Candidate, int], progress: _Progress) -> None:
+        self.path, self.prelude, self.model, self.device, self.batch, self.seq = path, prelude, model, device, batch, seq
+        self.top, self.limit, self.prune, self.index, self.progress = top, limit, prune, index, progress
+        self.rejected: list[tuple[str, str]] = []
+        self.structures: dict[Structure, PlanIR | None] = {}
+        self.bounds: dict[Structure, StateBound] = {}
+        self.fitting: list[tuple[Candidate, PlanReport]] = []
+        self.steps: dict[Candidate, float] = {}  # each analysed variant's step (bounds on those recomputing more)
+        self.ranked: list[Ranked] = []
+        self.analysed = self.checked = self.rechecked = 0
+        self.floor: float | None = None
+
+    def check(self, c: Candidate) -> tuple[str, PlanIR | None]:
+        """`c` written out and checked: its mesh and plan text, and the plan when it checks clean."""
+        block = plan_text(c, self.model, self.device.name, self.batch, self.seq)
+        # The path makes includes in the prelude resolve next to the original file.
+        result = check_text(self.prelude + "\n" + block, str(Path(self.path)))
+        plan = result.plans.get(PLAN_NAME)
+        if plan is None or not result.ok:
+            err = next(iter(result.errors), None)
+            if len(self.rejected) < 5:
+                self.rejected.append((c.key(), f"{err.code}: {err.message}" if err else "no plan"))
+            return block, None
+        return block, plan
+
+    def consider(self, key: Structure, c: Candidate, first: Candidate) -> None:
+        """Analyse `c` (from its structure's checked plan, `first`'s) unless a bound rules it out,
+        and keep it if it fits."""
+        self.progress.tried()
+        if key not in self.structures:
+            self.structures[key] = self.check(first)[1]
+            self.checked += 1
+            self.bounds[key] = StateBound(self.limit)
+        structure, bound = self.structures[key], self.bounds[key]
+        if structure is not None:
+            if self.prune and (bound.rules_out(c) or _slower_than_the_runner_up(c, self.steps, self.fitting, self.top)):
+                return
+            plan = variant(structure, c, self.model)
         else:
-            plan = check(c)[1]  # the structure failed: judge each variant on its own
-            checked += 1
-            if plan is None:
-                continue
-        report = analyze(plan, device)
-        analysed += 1
-        floor = compute_floor_s(report) if floor is None else floor
-        if rep_plan is not None:
+            checked = self.check(c)[1]  # the structure failed: judge each variant on its own
+            self.checked += 1
+            if checked is None:
+                return
+            plan = checked
+        report = analyze(plan, self.device)
+        self.analysed += 1
+        self.floor = compute_floor_s(report) if self.floor is None else self.floor
+        if structure is not None:
             bound.record(c, report)
-            steps[c] = report.step.total_s
-        if report.peak_training_bytes <= limit:
+            self.steps[c] = report.step.total_s
+        if report.peak_training_bytes <= self.limit:
             # Ties in time and memory go to the earlier candidate in enumeration order, as the full search's do.
-            bisect.insort(fitting, (c, report), key=lambda cr: (cr[1].step.total_s, cr[1].peak_training_bytes, index[cr[0]]))
-            progress.fits(c, report)
-    recheck_below(float("inf"))
-    ranked.sort(key=lambda r: (r.report.step.total_s, r.report.peak_training_bytes))
-    runner = [Ranked(c, "", r) for c, r in fitting[: top + 1]]
-    best = [attrs.evolve(r, reason=_reason(i, r, ranked if len(ranked) > 1 else runner)) for i, r in enumerate(ranked)]
-    return SuggestResult(model_name, devices, device, batch, seq, host, enumerated, checked,
-                         len(fitting), tuple(best), tuple(rejected), device.memory_bytes - limit, analysed)
+            bisect.insort(self.fitting, (c, report),
+                          key=lambda cr: (cr[1].step.total_s, cr[1].peak_training_bytes, self.index[cr[0]]))
+            self.progress.fits(c, report)
+
+    def recheck_below(self, bound_s: float) -> bool:
+        """Re-check, fastest first, the fitting plans no unanalysed candidate can beat (step under
+        ``bound_s``); True once `top` pass and the runner-up after them is known too."""
+        certain = bisect.bisect_left(self.fitting, bound_s, key=lambda cr: cr[1].step.total_s)
+        while len(self.ranked) < self.top and self.rechecked < certain:
+            c = self.fitting[self.rechecked][0]
+            self.rechecked += 1
+            self.progress.line.update(f"re-checking the fastest fitting plans as written ({len(self.ranked)} of {self.top} passed)")
+            block, checked_plan = self.check(c)
+            self.checked += 1
+            if checked_plan is not None:
+                rep = analyze(checked_plan, self.device)
+                if rep.peak_training_bytes <= self.limit:
+                    self.ranked.append(Ranked(c, block, rep))
+        return len(self.ranked) >= self.top and certain >= self.top + 1
+
+    def result(self, model_name: str, devices: int, host: int, enumerated: int) -> SuggestResult:
+        """The re-checked plans, fastest first, each with why it ranks where it does."""
+        ranked = sorted(self.ranked, key=lambda r: (r.report.step.total_s, r.report.peak_training_bytes))
+        runner = [Ranked(c, "", r) for c, r in self.fitting[: self.top + 1]]
+        best = [attrs.evolve(r, reason=_reason(i, r, ranked if len(ranked) > 1 else runner)) for i, r in enumerate(ranked)]
+        return SuggestResult(model_name, devices, self.device, self.batch, self.seq, host, enumerated, self.checked,
+                             len(self.fitting), tuple(best), tuple(self.rejected), self.device.memory_bytes - self.limit,
+                             self.analysed)
 
 
 class _Progress:

@@ -106,6 +106,9 @@ class Primitive:
     caches_kv: bool = False
     # Selective recomputation (`recompute = attention`) reruns its core in backward.
     recomputed_core: bool = False
+    # It routes each token to `top_k` of its experts (a moe layer): the planner's expert all-to-alls,
+    # routing gathers under context parallelism, active parameters and routing skew.
+    routes_experts: bool = False
     # Sequence parallelism may shard its input and output along the sequence (f / g become an
     # all-gather and a reduce-scatter); False: refused (E0309) until its forward is written for it.
     sequence_parallel: bool = True
@@ -227,3 +230,8 @@ def of(unit: Unit) -> Primitive:
     if found is None:
         raise KeyError(f"layer kind {unit.kind!r} has no record in meshllm_dsl/primitives (known: {', '.join(REGISTRY)})")
     return found
+
+
+def of_leaf(leaf: Leaf) -> Primitive:
+    """The record of a parameter leaf's kind (ir.Leaf.kind): every leaf kind is a layer kind (`_registry`)."""
+    return REGISTRY[leaf.kind]

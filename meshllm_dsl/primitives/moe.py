@@ -317,7 +317,7 @@ class Moe(Primitive):
         raise AssertionError("moe writes its whole forward (sublayer_lines); it has no core between projections")
 
 
-MOE = Moe("moe", sublayer=True, width_arg="hidden", sequence_parallel=False, whole=("router", "shared_router"), args=(
+MOE = Moe("moe", sublayer=True, routes_experts=True, width_arg="hidden", sequence_parallel=False, whole=("router", "shared_router"), args=(
     Arg("hidden", "dim"),
     Arg("ffn", "dim"),
     Arg("experts", "dim"),
