@@ -31,8 +31,9 @@ from meshllm_dsl.diagnostics import Diagnostic, Label, replace, typo
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.limits import MAX_BLOCKS, MAX_DEVICES, MAX_INT
 from meshllm_dsl.front.names import divisors, identifier_problem, or_list, safe_variant
+from meshllm_dsl.front.site import UnitSite
 from meshllm_dsl.front.source import Span
-from meshllm_dsl.ir import DTYPES, Axis, MeshIR, ModelIR, Repeat, Symbol, Tensor, Unit, Value
+from meshllm_dsl.ir import DTYPES, Axis, MeshIR, ModelIR, Repeat, Symbol, Unit, Value
 from meshllm_dsl.parallel.devices import PROFILES
 from meshllm_dsl.primitives.args import Arg
 from meshllm_dsl.primitives.embedding import EMBEDDING
@@ -784,28 +785,6 @@ def _default_logical(arg: str, logical: dict[str, str]) -> str:
     if arg == "kv_heads":
         return logical.get("heads", "heads")
     return arg
-
-
-class UnitSite:
-    """A layer declaration being built into its ir.Unit by its kind's record: the bound arguments
-    `b`, the logical dim each names (`lg`, for shard units) and where errors go."""
-
-    def __init__(self, decl: ast.LayerDecl, b: dict[str, Any], lg: dict[str, str], r: Resolver,
-                 spans: dict[str, Span | None] | None = None) -> None:
-        self.decl, self.b, self.lg, self.r = decl, b, lg, r
-        self.name, self.span = decl.name.value, decl.span
-        self.spans = spans or {}  # argument -> where its value was written (a model's setting, through a family)
-
-    def arg_span(self, arg: str) -> Span | None:
-        """Where argument `arg`'s value was written, else the call."""
-        return self.spans.get(arg) or self.decl.call.span
-
-    def unit(self, dim: str) -> tuple[str, int]:
-        """The shard unit of argument `dim`: its logical dim and size."""
-        return (self.lg.get(dim, dim), self.b[dim])
-
-    def vec(self, n: str, size_arg: str) -> Tensor:
-        return Tensor(n, (self.b[size_arg],), ((self.unit(size_arg),),))
 
 
 def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str, str], r: Resolver,

@@ -3,7 +3,7 @@
 Three views: rank -> mesh coordinates -> pipeline stage, layers and shard index; the process group of
 every axis (MeshIR.groups, the same groups the runtime builds with init_device_mesh); and per layer
 the global and local shape of each parameter, its activation layouts and the collectives it issues.
-Layouts are placements in DTensor's terms (placements.py), printed as torch prints a DTensor's, one
+Layouts are placements in DTensor's terms (parallel/dtensor.py), printed as torch prints a DTensor's, one
 per axis of the mesh a stage's DTensors live on (the mesh without its pipeline axis).
 """
 
@@ -22,16 +22,9 @@ from meshllm_dsl.ir import (
     param_dims,
 )
 from meshllm_dsl.parallel.collectives import spec
+from meshllm_dsl.parallel.dtensor import Layout, activation_dims, dtensor_placements, dtensor_text
 from meshllm_dsl.parallel.layouts import seq_partial_grad
-from meshllm_dsl.parallel.placements import (
-    Layout,
-    activation_dims,
-    activation_layout,
-    dtensor_placements,
-    dtensor_text,
-    fsdp_axes,
-    spmd_mesh,
-)
+from meshllm_dsl.parallel.placements import activation_layout, fsdp_axes, spmd_mesh
 from meshllm_dsl.planner.analyze import _ranges, _table, stage_label
 
 

@@ -91,7 +91,7 @@ def _explained_order(plan: PlanIR) -> list[Collective]:
 
 def _runtime_collectives() -> set[str]:
     """The runtime's own export list of its collective operators (torch-free: runtime/__init__)."""
-    return {name for name, module in rt._WHERE.items() if module == "collectives"}
+    return {name for name, module in rt._WHERE.items() if module == "parallel.collectives"}
 
 
 def test_registry_and_runtime_export_list_agree() -> None:
