@@ -23,6 +23,7 @@ from collections.abc import Iterator
 
 import attrs
 
+from meshllm_dsl import primitives
 from meshllm_dsl.codes import W0807
 from meshllm_dsl.diagnostics import Diagnostic
 from meshllm_dsl.ir import PlanIR, Repeat, Unit
@@ -57,7 +58,7 @@ def moe_units(plan: PlanIR) -> Iterator[tuple[Unit, int]]:
     for item in plan.model.items:
         units, count = (item.body, item.count) if isinstance(item, Repeat) else ((item,), 1)
         for unit in units:
-            if unit.kind == "moe":
+            if primitives.of(unit).routes_experts:
                 yield unit, count
 
 
@@ -168,7 +169,7 @@ def skew_report(rep: planner.PlanReport) -> SkewReport | None:
         balanced = 0
         for stage in (s for s in plan.stages if s.index in rc.stages):
             for hu in planner.held_units(plan, stage):
-                if hu.unit.kind != "moe":
+                if not primitives.of(hu.unit).routes_experts:
                     continue
                 experts, k = int(hu.unit.attr("experts")), int(hu.unit.attr("top_k"))  # type: ignore[arg-type]
                 cap = float(hu.unit.attr("capacity") or 0.0)  # type: ignore[arg-type]

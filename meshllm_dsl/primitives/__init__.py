@@ -27,7 +27,7 @@ from meshllm_dsl.registry import keyed
 
 if TYPE_CHECKING:
     from meshllm_dsl.front.site import UnitSite
-    from meshllm_dsl.ir import Leaf, Placement, PlanIR, Unit, UnitFlow
+    from meshllm_dsl.ir import Collective, Leaf, Placement, PlanIR, Unit, UnitFlow
     from meshllm_dsl.parallel.costs import HeldUnit
     from meshllm_dsl.parallel.flow import FlowSite
 
@@ -79,6 +79,11 @@ class Primitive:
     width_arg: str = "dim"
     # Its arguments as a spec writes them, in order (resolve.py binds calls against them).
     args: tuple[Arg, ...] = ()
+    # It routes each token to some of its experts: a plan's `skew` and the `expert` rule apply to it.
+    routes_experts: bool = False
+    # Its leaf is a table whose rows are the vocabulary (the token embedding): `vocab_parallel`
+    # splits it, the one split it takes besides `replicate`.
+    vocab_rows: bool = False
 
     # -- building the IR unit (meshllm_dsl/front/resolve.py binds the arguments first)
     def build(self, site: UnitSite) -> Built | None:
@@ -101,6 +106,17 @@ class Primitive:
         """What differs between blocks of a repeat for this unit (attention's sliding window on some
         blocks only): blocks whose variants differ get generated classes of their own."""
         return ()
+
+    def unit_collectives(self, unit: Unit, placement: Mapping[str, Placement]) -> tuple[Collective, ...]:
+        """The collectives it issues from inside its own forward (registered with `issued = "unit"`
+        in meshllm_dsl/parallel/collectives.py), given its leaves' placements keyed by leaf path;
+        the layout flow's are its flow's. None by default."""
+        return ()
+
+    def position_limit(self, unit: Unit) -> int | None:
+        """Positions its table holds (learned positions): a longer `seq` would index past it; None:
+        the kind reads any sequence length."""
+        return None
 
     def cached_positions(self, unit: Unit, index: int, seq: int) -> int:
         """Positions its KV cache holds in block `index` after `seq` tokens (kinds that cache)."""
@@ -183,6 +199,11 @@ REGISTRY: Mapping[UnitKind, Primitive] = _registry((
     embedding.EMBEDDING, embedding.POSITIONAL, linear.LINEAR, norm.RMSNORM, norm.LAYERNORM,
     attention.ATTENTION, mlp.MLP, moe.MOE,
 ))
+
+
+def of_leaf(leaf: Leaf) -> Primitive:
+    """The record of the layer kind owning `leaf` (ir.Leaf.kind, a LeafKind: every one is a layer kind)."""
+    return REGISTRY[leaf.kind]
 
 
 def of(unit: Unit) -> Primitive:

@@ -131,6 +131,9 @@ class Positional(Primitive):
         leaves, attrs_ = _table_leaf(site, "positional")
         return attrs_, leaves
 
+    def position_limit(self, unit: Unit) -> int | None:
+        return int(unit.attr("num"))  # type: ignore[arg-type]
+
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         return 0  # a lookup added to the residual stream: nothing saved but the position ids
@@ -168,7 +171,7 @@ class Positional(Primitive):
         return lines, site.cur
 
 
-EMBEDDING = Embedding("embedding", args=(
+EMBEDDING = Embedding("embedding", vocab_rows=True, args=(
     # `used`: rows that are real tokens when `num` is padded (e.g. 50257 of 50304): the head's logits
     # past it are masked out of the softmax, the loss, the argmax and exported weights.
     Arg("num", "dim"), Arg("dim", "dim"), Arg("used", "float", const(None)),

@@ -205,6 +205,13 @@ class Moe(Primitive):
             mm += [costs.Matmul(tokens, s, hid, 2), costs.Matmul(tokens, hid, s), costs.Matmul(tokens, 1, hid)]
         return costs.Work(tuple(mm))
 
+    def unit_collectives(self, unit: Unit, placement: Mapping[str, Placement]) -> tuple[Collective, ...]:
+        """Expert parallelism's token dispatch and combine (runtime/moe/dispatch.py), over the axes
+        its experts are split over."""
+        experts = next((p.experts for lf in unit.leaves for p in [placement.get(".".join(lf.path), REPLICATE)]
+                        if p.experts), ())
+        return (Collective("expert_all_to_all", experts, "the experts"),) if experts else ()
+
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         d = dict(hidden=a["hidden"], ffn=a["ffn"], experts=a["experts"], top_k=a["top_k"],
                  norm_topk_prob=a["norm_topk_prob"], weights_fp32=a["weights_fp32"])
@@ -311,7 +318,7 @@ class Moe(Primitive):
         raise AssertionError("moe writes its whole forward (sublayer_lines); it has no core between projections")
 
 
-MOE = Moe("moe", sublayer=True, width_arg="hidden", sequence_parallel=False, whole=("router", "shared_router"), args=(
+MOE = Moe("moe", sublayer=True, routes_experts=True, width_arg="hidden", sequence_parallel=False, whole=("router", "shared_router"), args=(
     Arg("hidden", "dim"),
     Arg("ffn", "dim"),
     Arg("experts", "dim"),

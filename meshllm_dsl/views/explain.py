@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshllm_dsl import primitives
 from meshllm_dsl.ir import (
-    REPLICATE,
     Collective,
     Placement,
     PlanIR,
@@ -109,11 +109,8 @@ def _unit_entries(plan: PlanIR, unit: Unit, placement: dict[str, Placement], flo
                 entry["rule"] += f"; experts over {' x '.join(p.experts)}"
             params.append(entry)
     collectives = [_collective(c) for c in flow.collectives] if flow else []
-    experts = next((p.experts for lf in unit.leaves for p in [placement.get(".".join(lf.path), REPLICATE)]
-                    if p.experts), ())
-    if experts:
-        # Expert parallelism's token dispatch and combine, issued by the unit itself (runtime/moe/dispatch.py).
-        collectives.append(_collective(Collective("expert_all_to_all", experts, "the experts")))
+    # Then those the unit issues itself (expert parallelism's dispatch and combine), from its record.
+    collectives += [_collective(c) for c in primitives.of(unit).unit_collectives(unit, placement)]
     return {
         "name": unit.name, "kind": unit.kind, "params": params,
         "input": str(flow.input) if flow else None, "output": str(flow.output) if flow else None,
