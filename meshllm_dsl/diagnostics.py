@@ -13,6 +13,7 @@ import enum
 import json
 import re
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 import attrs
 
@@ -148,6 +149,13 @@ class Diagnostic:
                 for s in self.suggestions
             ],
         }
+
+
+class Reporter(Protocol):
+    """Where a pass sends the errors it finds (the resolver, the checker's context, a silent sink):
+    what the layer kinds' records and the layout algebra are handed, so they need not know which."""
+
+    def error(self, code: str, message: str, span: Span | None, **kw: object) -> None: ...
 
 
 class SpecError(Exception):

@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Literal
 
 import attrs
 
 from meshllm_dsl.front.source import Span
-from meshllm_dsl.parallel.placements import Layout
+from meshllm_dsl.parallel.dtensor import Layout
 from meshllm_dsl.parallel.roles import ParallelRoles
 
-if TYPE_CHECKING:  # the registry's modules import this one
-    from meshllm_dsl.primitives import LeafKind, UnitKind
-
 Value = int | float | str | bool
+
+# The layer kinds a model may declare (Unit.kind), each with its record in meshllm_dsl/primitives.
+UnitKind = Literal["embedding", "positional", "linear", "rmsnorm", "layernorm", "attention", "mlp", "moe"]
+# The layers that own parameters (Leaf.kind): a unit's leaves are of these kinds.
+LeafKind = Literal["linear", "embedding", "positional", "rmsnorm", "layernorm"]
 
 # Rule names a `shard` statement may use.
 RULES = ("column", "row", "vocab_parallel", "replicate", "expert")  # expert: a moe layer's experts (checker/placements.py)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from meshllm_dsl import primitives
 from meshllm_dsl.checker.context import (
     PlanContext,
 )
@@ -75,7 +76,8 @@ class BatchRules(PlanContext):
     def positions(self, seq: int, given: ast.Setting | None) -> None:
         """Learned positions have a table of `num` rows: a longer sequence would index past it."""
         for item in self.model.items:
-            if isinstance(item, Unit) and item.kind == "positional" and seq > int(item.attr("num")):  # type: ignore[arg-type]
+            limit = primitives.of(item).position_limit(item) if isinstance(item, Unit) else None
+            if limit is not None and seq > limit:
                 num = item.attr("num")
                 self.error(E0310, f"seq {seq} is longer than the {num} positions of `{item.name}`",
                            given.value.span if given is not None else self.decl.name.span,

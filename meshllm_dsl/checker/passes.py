@@ -16,6 +16,7 @@ from typing import Any
 
 import attrs
 
+from meshllm_dsl import primitives
 from meshllm_dsl.checker.batch import BatchRules
 from meshllm_dsl.checker.memory import MemoryRules
 from meshllm_dsl.checker.optimizer import OptimizerRules
@@ -175,7 +176,7 @@ def moe_routing(ctx: PassContext) -> PassResult:
     1 / experts (balanced) <= F <= 1."""
     w = _Worker.of(ctx)
     units = [u for item in ctx.model.items for u in (item.body if isinstance(item, Repeat) else (item,))]
-    moes = [u for u in units if u.kind == "moe"]
+    moes = [u for u in units if primitives.of(u).routes_experts]
     given = ctx["settings"].get("skew")
     skew = None
     if given is not None:
@@ -207,7 +208,7 @@ def batch(ctx: PassContext) -> PassResult:
     microbatches = values.get("microbatches", 1)
     size = values.get("batch", max(1, microbatches) * (ctx.mesh.size(*batch_axes) if batch_axes else 1))
     # Unset, seq is 128, or the positions a model with learned positions has when it has fewer.
-    limits = [int(i.attr("num")) for i in ctx.model.items if isinstance(i, Unit) and i.kind == "positional"]  # type: ignore[arg-type]
+    limits = [n for i in ctx.model.items if isinstance(i, Unit) and (n := primitives.of(i).position_limit(i)) is not None]
     seq = values.get("seq", min([128, *limits]))
     if "seq" not in w.bad_settings:
         w.positions(seq, given.get("seq"))

@@ -103,7 +103,7 @@ class PlacementRules(PlanContext):
             hits = match_layer_path(stmt.path, self.model) or self.rule_matches(stmt.path)
             if axes is None or not hits:
                 continue
-            other = next((leaf for leaf, _ in hits if units[id(leaf)].kind != "moe"), None)
+            other = next((leaf for leaf, _ in hits if not primitives.of(units[id(leaf)]).routes_experts), None)
             if other is not None or not any(leaf in stacked for leaf, _ in hits):
                 what = (f"`{stmt.path}` is not a moe layer (`{units[id(other)].name}` is {units[id(other)].kind})"
                         if other is not None else f"`{stmt.path}` names no experts of its moe layer")
@@ -189,7 +189,7 @@ class PlacementRules(PlanContext):
                 self.claimed.add(leaf)
                 continue
             if out_hit:
-                rule = "vocab_parallel" if leaf.kind == "embedding" else "column"
+                rule = "vocab_parallel" if primitives.of_leaf(leaf).vocab_rows else "column"
             else:
                 rule = "row"
             text = f"layout {dim} -> {' * '.join(axes)}"
@@ -249,13 +249,13 @@ class PlacementRules(PlanContext):
                        label="not shardable", help=f"{leaf.kind} parameters are small and stay replicated: use `replicate` or remove the rule",
                        suggestions=make_rule(stmt.rule.span, "replicate"))
             return False
-        if leaf.kind == "embedding" and p.rule != "vocab_parallel":
+        if primitives.of_leaf(leaf).vocab_rows and p.rule != "vocab_parallel":
             self.error(E0405, f"embedding `{path}` can only be `vocab_parallel` or `replicate`", stmt.rule.span,
                        label=f"`{p.rule}` is not supported for embeddings",
                        help=f"use `vocab_parallel({', '.join(p.axes)})`: it splits the vocabulary rows",
                        suggestions=make_rule(stmt.rule.span, f"vocab_parallel({', '.join(p.axes)})"))
             return False
-        if leaf.kind == "linear" and p.rule == "vocab_parallel":
+        if not primitives.of_leaf(leaf).vocab_rows and p.rule == "vocab_parallel":  # (a linear: the shardable leaf kinds are linear and embedding)
             self.error(E0405, f"`vocab_parallel` applies to embeddings; `{path}` is a linear layer", stmt.rule.span,
                        label="not an embedding",
                        help=f"use `column({', '.join(p.axes)})`: for an output projection it splits the vocabulary",
@@ -454,7 +454,7 @@ class PlacementRules(PlanContext):
                 rules[pattern] = "replicate"
             elif leaf.name in primitives.of(unit).whole:
                 rules[pattern] = "replicate"
-            elif leaf.kind == "embedding":
+            elif primitives.of_leaf(leaf).vocab_rows:
                 rules[pattern] = f"vocab_parallel({axes})"
             elif len(unit.leaves) > 1 and leaf is unit.leaves[-1]:
                 rules[pattern] = f"row({axes})"
@@ -500,7 +500,7 @@ class PlacementRules(PlanContext):
         given = {e.dim.value for e in layout.entries}
         keys: list[str] = []
         for leaf, unit, _where, _pattern in rest:
-            row = leaf.kind != "embedding" and len(unit.leaves) > 1 and leaf is unit.leaves[-1]
+            row = not primitives.of_leaf(leaf).vocab_rows and len(unit.leaves) > 1 and leaf is unit.leaves[-1]
             units = leaf.in_units if row else leaf.out_units[:1]
             if not units or units[0][0] in given:
                 return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from meshllm_dsl.checker.passes import (
     PLAN_SETTINGS,
     UNSUPPORTEDPLAN_SETTINGS,
@@ -10,9 +12,9 @@ from meshllm_dsl.checker.passes import (
 )
 from meshllm_dsl.diagnostics import Diagnostic
 from meshllm_dsl.front import ast
-from meshllm_dsl.ir import MeshIR, ModelIR, PlanIR
+from meshllm_dsl.ir import MeshIR, ModelIR, Placement, PlanIR
 from meshllm_dsl.parallel.layouts import top_flows
-from meshllm_dsl.parallel.roles import ParallelRoles, split_axes
+from meshllm_dsl.parallel.roles import ParallelRoles
 
 __all__ = ["PLAN_SETTINGS", "UNSUPPORTEDPLAN_SETTINGS", "PlanChecker", "plan_ir"]
 
@@ -50,3 +52,10 @@ def plan_ir(ctx: PassContext) -> PlanIR:
         dtype=ctx["dtype"], master_dtype=ctx["master_dtype"], reduce_dtype=ctx["reduce_dtype"],
         recompute=ctx["recompute"], recompute_every=ctx["recompute_every"], skew=ctx["skew"], span=ctx.decl.span,
     )
+
+
+def split_axes(mesh: MeshIR, placements: Iterable[Placement]) -> tuple[str, ...]:
+    """The axes, in mesh order, that any of `placements` splits a parameter over:
+    a plan's tensor axes."""
+    used = {a for p in placements if p.sharded for a in p.axes}
+    return tuple(a.name for a in mesh.axes if a.name in used)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Iterable, Sequence
 
+import attrs
+
 from meshllm_dsl.checker.context import (
     PlanContext,
     _blocks_text,
@@ -16,7 +18,30 @@ from meshllm_dsl.diagnostics import Applicability, Label, insert, replace, typo
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.names import divisors, or_list
 from meshllm_dsl.front.source import Span
-from meshllm_dsl.ir import BlockClass, Placement, Repeat, Stage, StagePiece
+from meshllm_dsl.ir import BlockClass, Placement, Repeat, Stage, StagePiece, Unit
+
+
+@attrs.define
+class _MapWalk:
+    """What checking a written stage map has seen so far, stage by stage and piece by piece."""
+
+    order: dict[str, int]  # item -> its place in the model
+    out_of_order: set[int]  # ids of the pieces outside a longest run in layer order
+    seen_items: dict[str, ast.StageItem] = attrs.Factory(dict)
+    last_item: dict[str, tuple[int, ast.StageItem]] = attrs.Factory(dict)  # item -> (stage, its latest occurrence)
+    position: tuple[int, int] = (-1, 0)  # (item order, next block) the next piece must start at
+    overlap_reported: bool = False
+    bad_ranges: set[str] = attrs.Factory(set)
+    unknown_names: bool = False
+
+    @classmethod
+    def of(cls, rules: StageRules, entries: Sequence[ast.StageEntry]) -> _MapWalk:
+        order = {i.name: k for k, i in enumerate(rules.model.items)}
+        # Pieces out of layer order: those outside a longest run in order, so one misplaced layer is one
+        # error (not an error for every correct piece after it).
+        listed = [it for e in entries for it in e.items if it.name.value in order]
+        keep = _longest_ordered([(order[it.name.value], it.start or 0) for it in listed])
+        return cls(order, {id(it) for i, it in enumerate(listed) if i not in keep})
 
 
 class StageRules(PlanContext):
@@ -46,8 +71,25 @@ class StageRules(PlanContext):
         header_end = stmt.virtual.span.end if stmt.virtual is not None and stmt.virtual.span else stmt.axis.span.end  # type: ignore[union-attr]
         header = stmt.span.source.span(stmt.span.start, header_end) if stmt.span else None
         errors_before = self.error_count()
+        entries = self._numbered_entries(stmt)
+        walk = _MapWalk.of(self, entries)
+        stages = [self._stage(k, entry, walk, top, p, axis) for k, entry in enumerate(entries)]
+        self._coverage(stages, walk, entries, header)
+        if len(stmt.entries) != count:
+            self.error(E0604, f"{len(stmt.entries)} stages for a pipeline of {count}", header,
+                       label=f"{len(stmt.entries)} stage{'s' if len(stmt.entries) != 1 else ''} listed, {count} needed",
+                       secondary=self.axis_label(axis),
+                       help=f"declare exactly {count} stages ({axis} size {p}" + (f" x {virtual} virtual" if virtual > 1 else "") + ")")
+        if self.error_count() == errors_before:
+            # Balance is only meaningful for a valid stage map.
+            worst = max(range(len(stages)), key=lambda k: stages[k].numel, default=0)
+            self.imbalance(stages, entries[worst].span if entries else stmt.span, axis)
+        return tuple(stages), axis, virtual
+
+    def _numbered_entries(self, stmt: ast.StagesStmt) -> list[ast.StageEntry]:
+        """The map's stages in the order to check them, after E0603 for stages numbered out of order."""
         entries = list(stmt.entries)
-        order_of = {i.name: k for k, i in enumerate(model.items)}
+        order_of = {i.name: k for k, i in enumerate(self.model.items)}
         indices = [e.index.value for e in entries]
         if indices != list(range(len(entries))):
             if sorted(indices) == list(range(len(entries))):
@@ -66,109 +108,98 @@ class StageRules(PlanContext):
                     if e.index.value != k:
                         self.error(E0603, f"stage {e.index.value} is out of order", e.index.span,
                                    label=f"expected stage {k}", help="number stages 0, 1, 2, ... in order")
-        stages: list[Stage] = []
-        seen_items: dict[str, ast.StageItem] = {}
-        last_item: dict[str, tuple[int, ast.StageItem]] = {}  # item -> (stage, its latest occurrence)
-        order = {i.name: k for k, i in enumerate(model.items)}
-        position = (-1, 0)  # (item order, next block) the next piece must start at
-        # Pieces out of layer order: those outside a longest run in order, so one misplaced layer is one
-        # error (not an error for every correct piece after it).
-        listed = [it for e in entries for it in e.items if it.name.value in order]
-        keep = _longest_ordered([(order[it.name.value], it.start or 0) for it in listed])
-        out_of_order = {id(it) for i, it in enumerate(listed) if i not in keep}
-        overlap_reported = False
-        bad_ranges: set[str] = set()
-        unknown_names = False
-        for k, entry in enumerate(entries):
-            pieces: list[StagePiece] = []
-            for it in entry.items:
-                name = it.name.value
-                item = model.item(name)
-                if item is None:
-                    self.error(E0202, f"unknown layer `{name}` in the stage map", it.name.span, label="no such layer",
-                               **typo(it.name.span, name, [i.name for i in model.items]))
-                    unknown_names = True  # the layers "in no stage" are then most likely this one, misspelled
-                    continue
-                if isinstance(item, Repeat):
-                    start, stop = (it.start, it.stop) if it.start is not None else (0, item.count)
-                    assert start is not None and stop is not None
-                    if not (0 <= start < stop <= item.count):
-                        bad_ranges.add(name)  # coverage of this repeat is then unknown: no E0601 / E0602 guesses
-                        self.error(E0609, f"`{name}[{start}:{stop}]` is not a valid block range", it.span,
-                                   label=f"`{name}` has blocks 0 to {item.count - 1}",
-                                   help=f"use a range within [0:{item.count}] with start < stop",
-                                   suggestions=replace(it.span, f"{name}[{start}:{item.count}]", f"End at {item.count}")
-                                   if 0 <= start < item.count < stop else ())
-                        continue
-                else:
-                    if it.start is not None:
-                        self.error(E0609, f"`{name}` is a single layer and cannot be sliced", it.span,
-                                   label="not a repeat", help=f"write `{name}` without a range",
-                                   suggestions=replace(it.span, name, f"Write `{name}`", Applicability.MACHINE_APPLICABLE))
-                        seen_items.setdefault(name, it)  # it is in this stage, only mis-written
-                        continue
-                    start = stop = None  # type: ignore[assignment]
-                    if name in seen_items:
-                        self.error(E0602, f"`{name}` is in two stages", it.span, label="again here",
-                                   secondary=(Label(seen_items[name].span, "first here"),),  # type: ignore[arg-type]
-                                   help="every layer belongs to exactly one stage")
-                        continue
-                    seen_items[name] = it
-                here = (order[name], start or 0)
-                prev = last_item.get(name)
-                if (isinstance(item, Repeat) and prev is not None and position[0] == order[name]
-                        and start < position[1] and stop > (prev[1].start or 0)):
-                    self.error(E0602, f"blocks {_blocks_text(range(start, min(stop, position[1])))} of `{name}` are in two stages",
-                               it.span, label=f"starts at {start}",
-                               secondary=(Label(prev[1].span, f"stage {prev[0]} holds blocks up to {position[1] - 1}"),),  # type: ignore[arg-type]
-                               help=f"start this range at {position[1]}: every block belongs to exactly one stage",
-                               suggestions=replace(it.span, f"{name}[{position[1]}:{stop}]", f"Start at {position[1]}",
-                                                   Applicability.MACHINE_APPLICABLE))
-                    overlap_reported = True
-                elif id(it) in out_of_order:
-                    self.error(E0603, f"`{it.name.value}{'' if start is None else f'[{start}:{stop}]'}` is out of order",
-                               it.span, label="comes before an earlier stage's layers",
-                               help="stages must hold the model's layers contiguously and in order")
-                elif isinstance(item, Repeat) and here > position and position[0] == order[name]:
-                    self.error(E0601, f"blocks {position[1]} to {start - 1} of `{name}` are in no stage", it.span,
-                               label=f"starts at {start}", help=f"start this range at {position[1]}",
-                               suggestions=replace(it.span, f"{name}[{position[1]}:{stop}]", f"Start at {position[1]}"))
-                elif isinstance(item, Repeat) and position[0] < order[name] and start != 0:
-                    self.error(E0601, f"blocks 0 to {start - 1} of `{name}` are in no stage", it.span,
-                               label=f"starts at {start}", help=f"start the first range of `{name}` at 0")
-                if id(it) not in out_of_order:
-                    position = max(position, (order[name], stop if stop is not None else 0) if isinstance(item, Repeat) else (order[name] + 1, 0))
-                last_item[name] = (k, it)
-                pieces.append(StagePiece(name, start, stop))
-            if not pieces and not entry.items:
-                self.error(E0605, f"stage {k} holds no layers", entry.span, label="empty stage",
-                           help=f"every stage needs at least one layer: move layers here or use fewer stages (and a smaller `{axis}` axis)")
-            stages.append(Stage(k, k % p, tuple(pieces), self.stage_numel(pieces, top)))
-        # coverage of every item and every block
+        return entries
+
+    def _stage(self, k: int, entry: ast.StageEntry, walk: _MapWalk, top: dict[str, Placement], p: int,
+               axis: str) -> Stage:
+        """Stage `k` of the map: its pieces, each checked against the walk so far (E0202, E0601-E0603,
+        E0605, E0609)."""
+        pieces: list[StagePiece] = []
+        for it in entry.items:
+            piece = self._piece(k, it, walk)
+            if piece is not None:
+                pieces.append(piece)
+        if not pieces and not entry.items:
+            self.error(E0605, f"stage {k} holds no layers", entry.span, label="empty stage",
+                       help=f"every stage needs at least one layer: move layers here or use fewer stages (and a smaller `{axis}` axis)")
+        return Stage(k, k % p, tuple(pieces), self.stage_numel(pieces, top))
+
+    def _piece(self, k: int, it: ast.StageItem, walk: _MapWalk) -> StagePiece | None:
+        """One item of stage `k` as a piece of it; None where it names no layer or a range that is none."""
+        name = it.name.value
+        item = self.model.item(name)
+        if item is None:
+            self.error(E0202, f"unknown layer `{name}` in the stage map", it.name.span, label="no such layer",
+                       **typo(it.name.span, name, [i.name for i in self.model.items]))
+            walk.unknown_names = True  # the layers "in no stage" are then most likely this one, misspelled
+            return None
+        if isinstance(item, Repeat):
+            start, stop = (it.start, it.stop) if it.start is not None else (0, item.count)
+            assert start is not None and stop is not None
+            if not (0 <= start < stop <= item.count):
+                walk.bad_ranges.add(name)  # coverage of this repeat is then unknown: no E0601 / E0602 guesses
+                self.error(E0609, f"`{name}[{start}:{stop}]` is not a valid block range", it.span,
+                           label=f"`{name}` has blocks 0 to {item.count - 1}",
+                           help=f"use a range within [0:{item.count}] with start < stop",
+                           suggestions=replace(it.span, f"{name}[{start}:{item.count}]", f"End at {item.count}")
+                           if 0 <= start < item.count < stop else ())
+                return None
+        else:
+            if it.start is not None:
+                self.error(E0609, f"`{name}` is a single layer and cannot be sliced", it.span,
+                           label="not a repeat", help=f"write `{name}` without a range",
+                           suggestions=replace(it.span, name, f"Write `{name}`", Applicability.MACHINE_APPLICABLE))
+                walk.seen_items.setdefault(name, it)  # it is in this stage, only mis-written
+                return None
+            start = stop = None  # type: ignore[assignment]
+            if name in walk.seen_items:
+                self.error(E0602, f"`{name}` is in two stages", it.span, label="again here",
+                           secondary=(Label(walk.seen_items[name].span, "first here"),),  # type: ignore[arg-type]
+                           help="every layer belongs to exactly one stage")
+                return None
+            walk.seen_items[name] = it
+        self._placed(it, item, start, stop, walk)
+        order, position = walk.order, walk.position
+        if id(it) not in walk.out_of_order:
+            walk.position = max(position, (order[name], stop if stop is not None else 0) if isinstance(item, Repeat) else (order[name] + 1, 0))
+        walk.last_item[name] = (k, it)
+        return StagePiece(name, start, stop)
+
+    def _placed(self, it: ast.StageItem, item: Repeat | Unit, start: int, stop: int, walk: _MapWalk) -> None:
+        """Where a valid piece falls against the walk so far: overlapping the previous range (E0602),
+        out of layer order (E0603), or leaving blocks before it in no stage (E0601)."""
+        name, order, position = it.name.value, walk.order, walk.position
+        here = (order[name], start or 0)
+        prev = walk.last_item.get(name)
+        if (isinstance(item, Repeat) and prev is not None and position[0] == order[name]
+                and start < position[1] and stop > (prev[1].start or 0)):
+            self.error(E0602, f"blocks {_blocks_text(range(start, min(stop, position[1])))} of `{name}` are in two stages",
+                       it.span, label=f"starts at {start}",
+                       secondary=(Label(prev[1].span, f"stage {prev[0]} holds blocks up to {position[1] - 1}"),),  # type: ignore[arg-type]
+                       help=f"start this range at {position[1]}: every block belongs to exactly one stage",
+                       suggestions=replace(it.span, f"{name}[{position[1]}:{stop}]", f"Start at {position[1]}",
+                                           Applicability.MACHINE_APPLICABLE))
+            walk.overlap_reported = True
+        elif id(it) in walk.out_of_order:
+            self.error(E0603, f"`{it.name.value}{'' if start is None else f'[{start}:{stop}]'}` is out of order",
+                       it.span, label="comes before an earlier stage's layers",
+                       help="stages must hold the model's layers contiguously and in order")
+        elif isinstance(item, Repeat) and here > position and position[0] == order[name]:
+            self.error(E0601, f"blocks {position[1]} to {start - 1} of `{name}` are in no stage", it.span,
+                       label=f"starts at {start}", help=f"start this range at {position[1]}",
+                       suggestions=replace(it.span, f"{name}[{position[1]}:{stop}]", f"Start at {position[1]}"))
+        elif isinstance(item, Repeat) and position[0] < order[name] and start != 0:
+            self.error(E0601, f"blocks 0 to {start - 1} of `{name}` are in no stage", it.span,
+                       label=f"starts at {start}", help=f"start the first range of `{name}` at 0")
+
+    def _coverage(self, stages: list[Stage], walk: _MapWalk, entries: list[ast.StageEntry], header: Span | None) -> None:
+        """Every layer and every block in some stage, once (E0601, E0602), where the walk left them out."""
+        model = self.model
         for i, item in enumerate(model.items):
-            if isinstance(item, Repeat) and item.name not in bad_ranges:
-                counts = collections.Counter(
-                    b for s in stages for pc in s.pieces if pc.item == item.name for b in range(pc.start or 0, pc.stop or 0))
-                dup = sorted(b for b, c in counts.items() if c > 1)
-                if dup and not overlap_reported:
-                    self.error(E0602, f"blocks {_blocks_text(dup)} of `{item.name}` are in two stages", header,
-                               label="overlapping ranges", help="block ranges of consecutive stages must not overlap")
-                # Gaps and a late first range are reported where they occur (above); here only the tail.
-                end = max(counts, default=-1) + 1
-                if end < item.count:
-                    where = last_item.get(item.name)
-                    if where is None:
-                        self.error(E0601, f"`{item.name}` (blocks 0-{item.count - 1}) is in no stage", header,
-                                   label="stage map", help=f"add `{item.name}[a:b]` ranges covering `{item.name}[0:{item.count}]`")
-                    else:
-                        k, it = where
-                        first = it.start if it.start is not None else 0
-                        self.error(E0601, f"blocks {_blocks_text(range(end, item.count))} of `{item.name}` are in no stage",
-                                   it.span, label=f"the last range stops at block {end - 1}",
-                                   help=f"extend it to `{item.name}[{first}:{item.count}]`, or add `{item.name}[{end}:{item.count}]` to the next stage",
-                                   suggestions=replace(it.span, f"{item.name}[{first}:{item.count}]",
-                                                       f"Extend to `{item.name}[{first}:{item.count}]`"))
-            elif not isinstance(item, Repeat) and item.name not in seen_items and not unknown_names:
+            if isinstance(item, Repeat) and item.name not in walk.bad_ranges:
+                self._block_coverage(item, stages, walk, header)
+            elif not isinstance(item, Repeat) and item.name not in walk.seen_items and not walk.unknown_names:
+                last_item = walk.last_item
                 before = next((last_item[n.name] for n in reversed(model.items[:i]) if n.name in last_item), None)
                 after = next((last_item[n.name] for n in model.items[i + 1:] if n.name in last_item), None)
                 if before is not None:
@@ -185,16 +216,30 @@ class StageRules(PlanContext):
                 else:
                     self.error(E0601, f"`{item.name}` is in no stage", header, label="stage map",
                                help=f"add `{item.name}` to the first stage")
-        if len(stmt.entries) != count:
-            self.error(E0604, f"{len(stmt.entries)} stages for a pipeline of {count}", header,
-                       label=f"{len(stmt.entries)} stage{'s' if len(stmt.entries) != 1 else ''} listed, {count} needed",
-                       secondary=self.axis_label(axis),
-                       help=f"declare exactly {count} stages ({axis} size {p}" + (f" x {virtual} virtual" if virtual > 1 else "") + ")")
-        if self.error_count() == errors_before:
-            # Balance is only meaningful for a valid stage map.
-            worst = max(range(len(stages)), key=lambda k: stages[k].numel, default=0)
-            self.imbalance(stages, entries[worst].span if entries else stmt.span, axis)
-        return tuple(stages), axis, virtual
+
+    def _block_coverage(self, item: Repeat, stages: list[Stage], walk: _MapWalk, header: Span | None) -> None:
+        """A repeat's blocks in two stages (E0602, unless the walk reported the overlap) or, past its
+        last range, in none (E0601; gaps and a late first range the walk reported where they occur)."""
+        counts = collections.Counter(
+            b for s in stages for pc in s.pieces if pc.item == item.name for b in range(pc.start or 0, pc.stop or 0))
+        dup = sorted(b for b, c in counts.items() if c > 1)
+        if dup and not walk.overlap_reported:
+            self.error(E0602, f"blocks {_blocks_text(dup)} of `{item.name}` are in two stages", header,
+                       label="overlapping ranges", help="block ranges of consecutive stages must not overlap")
+        end = max(counts, default=-1) + 1
+        if end < item.count:
+            where = walk.last_item.get(item.name)
+            if where is None:
+                self.error(E0601, f"`{item.name}` (blocks 0-{item.count - 1}) is in no stage", header,
+                           label="stage map", help=f"add `{item.name}[a:b]` ranges covering `{item.name}[0:{item.count}]`")
+            else:
+                k, it = where
+                first = it.start if it.start is not None else 0
+                self.error(E0601, f"blocks {_blocks_text(range(end, item.count))} of `{item.name}` are in no stage",
+                           it.span, label=f"the last range stops at block {end - 1}",
+                           help=f"extend it to `{item.name}[{first}:{item.count}]`, or add `{item.name}[{end}:{item.count}]` to the next stage",
+                           suggestions=replace(it.span, f"{item.name}[{first}:{item.count}]",
+                                               f"Extend to `{item.name}[{first}:{item.count}]`"))
 
     def balanced(self, stmt: ast.StagesStmt, axis: str, p: int, virtual: int) -> tuple[Stage, ...]:
         count = p * virtual

@@ -31,8 +31,9 @@ from meshllm_dsl.diagnostics import Diagnostic, Label, replace, typo
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.limits import MAX_BLOCKS, MAX_DEVICES, MAX_INT
 from meshllm_dsl.front.names import divisors, identifier_problem, or_list, safe_variant
+from meshllm_dsl.front.site import UnitSite
 from meshllm_dsl.front.source import Span
-from meshllm_dsl.ir import DTYPES, Axis, MeshIR, ModelIR, Repeat, Symbol, Tensor, Unit, Value
+from meshllm_dsl.ir import DTYPES, Axis, MeshIR, ModelIR, Repeat, Symbol, Unit, Value
 from meshllm_dsl.parallel.devices import PROFILES
 from meshllm_dsl.primitives.args import Arg
 from meshllm_dsl.primitives.embedding import EMBEDDING
@@ -675,9 +676,33 @@ class ModelResolver(Resolver):
             self.error(E0202, f"unknown layer primitive `{call.func.value}`", call.func.span,
                        label="not a primitive", **typo(call.func.span, call.func.value, PRIMITIVES))
             return None
+        given = self._given(call, spec)
+        if given is None:
+            return None
         bound: dict[str, Any] = {}
         logical: dict[str, str] = {}
         spans: dict[str, Span | None] = {}
+        ok = True
+        pending: list[tuple[Arg, ast.Value]] = []
+        for arg, expr in given:
+            spans[arg.name] = self._origin(expr, env, "")[0]  # where the value was written
+            if arg.kind == "floats":
+                pending.append((arg, expr))  # its length depends on arguments bound after it (head_dim)
+            elif not self._bind(arg, expr, decl, env, earlier, bound, logical):
+                ok = False
+        if not ok or not self._defaults(call, spec, pending, bound, logical):
+            return None
+        for arg, expr in pending:
+            v5 = self.eval_floats(expr, env, f"`{arg.name}` of `{decl.name.value}`",
+                                  arg.length(bound) if arg.length is not None else None, arg.length_why)
+            if v5 is None:
+                return None
+            bound[arg.name] = v5
+        return _build_unit(decl, call.func.value, bound, logical, self, spans)
+
+    def _given(self, call: ast.Call, spec: tuple[Arg, ...]) -> list[tuple[Arg, ast.Value]] | None:
+        """The call's arguments against its kind's table, positional then by name; None after an
+        error (too many, an unknown name, one given twice)."""
         if len(call.args) > len(spec):
             self.error(E0203, f"`{call.func.value}` takes at most {len(spec)} arguments", call.args[len(spec)].span,
                        label="extra argument", help=f"`{call.func.value}({', '.join(a.name for a in spec)})`")
@@ -695,85 +720,82 @@ class ModelResolver(Resolver):
                            help="give each argument once")
                 return None
             given.append((arg, kw.value))
-        ok = True
-        pending: list[tuple[Arg, ast.Value]] = []
-        for arg, expr in given:
-            spans[arg.name] = self._origin(expr, env, "")[0]  # where the value was written
-            if arg.kind == "dim":
-                v = self.eval_int(expr, env, f"`{arg.name}` of `{decl.name.value}`", arg.minimum)
-                if v is None:
-                    ok = False
-                    continue
-                bound[arg.name] = v
-                logical[arg.name] = expr.value if isinstance(expr, ast.Name) else arg.name
-            elif arg.kind == "float":
-                low, high = _FLOAT_RANGES.get(arg.name, (0.0, 1e300))
-                v2 = self.eval_float(expr, env, f"`{arg.name}` of `{decl.name.value}`", low, high,
-                                     low_open=arg.name not in _FLOAT_ZERO_MEANS_DEFAULT)
-                if v2 is None:
-                    ok = False
-                else:
-                    bound[arg.name] = v2
-            elif arg.kind == "floats":
-                pending.append((arg, expr))  # its length depends on arguments bound after it (head_dim)
-            elif arg.kind == "bool":
-                v3 = self.eval(expr, env)
-                if not isinstance(v3, bool):
-                    self.error(E0304, f"`{arg.name}` must be true or false", expr.span, label=f"is {_kind(v3)}")
-                    ok = False
-                else:
-                    bound[arg.name] = v3
-            elif arg.kind == "choice":
-                v4 = self.eval(expr, env)
-                if isinstance(v4, tuple):
-                    self.error(E0304, f"`{arg.name}` takes one of its choices, not a list", expr.span,
-                               label=f"is {_kind(v4)}", help=f"use one of {or_list(arg.choices)}")
-                    ok = False
-                elif str(v4) not in arg.choices:
-                    self.error(E0203, f"unknown {arg.name} `{v4}`", expr.span, label=f"not a known {arg.name}",
-                               help=f"use one of {or_list(arg.choices)}")
-                    ok = False
-                else:
-                    bound[arg.name] = str(v4)
-            else:  # layer reference
-                if not isinstance(expr, ast.Name):
-                    self.error(E0304, f"`{arg.name}` must name a layer", expr.span)
-                    ok = False
-                    continue
-                target = next((u for u in earlier if isinstance(u, Unit) and u.name == expr.value), None)
-                if target is None and expr.value in self.unbuilt:
-                    ok = False  # the layer it names failed to build, and said why
-                    continue
-                if target is None:
-                    self.error(E0202, f"unknown layer `{expr.value}`", expr.span, label="not declared before this layer",
-                               **typo(expr.span, expr.value, [u.name for u in earlier if isinstance(u, Unit)]))
-                    ok = False
-                    continue
-                bound[arg.name] = target
-        if not ok:
+        return given
+
+    def _bind(self, arg: Arg, expr: ast.Value, decl: ast.LayerDecl, env: Env, earlier: list[Unit | Repeat],
+              bound: dict[str, Any], logical: dict[str, str]) -> bool:
+        """Argument `arg` (of any kind but `floats`) evaluated into `bound`; False after an error."""
+        if arg.kind == "dim":
+            v = self.eval_int(expr, env, f"`{arg.name}` of `{decl.name.value}`", arg.minimum)
+            if v is None:
+                return False
+            bound[arg.name] = v
+            logical[arg.name] = expr.value if isinstance(expr, ast.Name) else arg.name
+        elif arg.kind == "float":
+            low, high = _FLOAT_RANGES.get(arg.name, (0.0, 1e300))
+            v2 = self.eval_float(expr, env, f"`{arg.name}` of `{decl.name.value}`", low, high,
+                                 low_open=arg.name not in _FLOAT_ZERO_MEANS_DEFAULT)
+            if v2 is None:
+                return False
+            bound[arg.name] = v2
+        elif arg.kind == "bool":
+            v3 = self.eval(expr, env)
+            if not isinstance(v3, bool):
+                self.error(E0304, f"`{arg.name}` must be true or false", expr.span, label=f"is {_kind(v3)}")
+                return False
+            bound[arg.name] = v3
+        elif arg.kind == "choice":
+            v4 = self.eval(expr, env)
+            if isinstance(v4, tuple):
+                self.error(E0304, f"`{arg.name}` takes one of its choices, not a list", expr.span,
+                           label=f"is {_kind(v4)}", help=f"use one of {or_list(arg.choices)}")
+                return False
+            if str(v4) not in arg.choices:
+                self.error(E0203, f"unknown {arg.name} `{v4}`", expr.span, label=f"not a known {arg.name}",
+                           help=f"use one of {or_list(arg.choices)}")
+                return False
+            bound[arg.name] = str(v4)
+        else:  # layer reference
+            target = self._layer_arg(arg, expr, earlier)
+            if target is None:
+                return False
+            bound[arg.name] = target
+        return True
+
+    def _layer_arg(self, arg: Arg, expr: ast.Value, earlier: list[Unit | Repeat]) -> Unit | None:
+        """The earlier layer an argument of kind `layer` names; None after an error (or where that
+        layer failed to build, and said why)."""
+        if not isinstance(expr, ast.Name):
+            self.error(E0304, f"`{arg.name}` must name a layer", expr.span)
             return None
+        target = next((u for u in earlier if isinstance(u, Unit) and u.name == expr.value), None)
+        if target is None and expr.value in self.unbuilt:
+            return None
+        if target is None:
+            self.error(E0202, f"unknown layer `{expr.value}`", expr.span, label="not declared before this layer",
+                       **typo(expr.span, expr.value, [u.name for u in earlier if isinstance(u, Unit)]))
+        return target
+
+    def _defaults(self, call: ast.Call, spec: tuple[Arg, ...], pending: list[tuple[Arg, ast.Value]],
+                  bound: dict[str, Any], logical: dict[str, str]) -> bool:
+        """The arguments the call leaves out, from their defaults; False after an error (one without
+        a default, a head_dim that cannot be derived)."""
         for arg in spec:
             if arg.name in bound or any(a is arg for a, _ in pending):
                 continue
             if arg.default is None:
                 self.error(E0205, f"`{call.func.value}` needs `{arg.name}`", call.span, label=f"missing `{arg.name}`",
                            help=f"`{call.func.value}({', '.join(a.name for a in spec)})`")
-                return None
+                return False
             value = arg.default(bound)
             if value is None and arg.name == "head_dim":
                 self.error(E0302, f"hidden ({bound['hidden']}) is not divisible by heads ({bound['heads']})",
                            call.span, label="head_dim cannot be derived",
                            help=f"give head_dim explicitly or use heads in {or_list(divisors(bound['hidden'])[-8:])}")
-                return None
+                return False
             bound[arg.name] = value
             logical.setdefault(arg.name, _default_logical(arg.name, logical))
-        for arg, expr in pending:
-            v5 = self.eval_floats(expr, env, f"`{arg.name}` of `{decl.name.value}`",
-                                  arg.length(bound) if arg.length is not None else None, arg.length_why)
-            if v5 is None:
-                return None
-            bound[arg.name] = v5
-        return _build_unit(decl, call.func.value, bound, logical, self, spans)
+        return True
 
 
 def _model_label(decl: ast.ModelDecl) -> tuple[Label, ...]:
@@ -784,28 +806,6 @@ def _default_logical(arg: str, logical: dict[str, str]) -> str:
     if arg == "kv_heads":
         return logical.get("heads", "heads")
     return arg
-
-
-class UnitSite:
-    """A layer declaration being built into its ir.Unit by its kind's record: the bound arguments
-    `b`, the logical dim each names (`lg`, for shard units) and where errors go."""
-
-    def __init__(self, decl: ast.LayerDecl, b: dict[str, Any], lg: dict[str, str], r: Resolver,
-                 spans: dict[str, Span | None] | None = None) -> None:
-        self.decl, self.b, self.lg, self.r = decl, b, lg, r
-        self.name, self.span = decl.name.value, decl.span
-        self.spans = spans or {}  # argument -> where its value was written (a model's setting, through a family)
-
-    def arg_span(self, arg: str) -> Span | None:
-        """Where argument `arg`'s value was written, else the call."""
-        return self.spans.get(arg) or self.decl.call.span
-
-    def unit(self, dim: str) -> tuple[str, int]:
-        """The shard unit of argument `dim`: its logical dim and size."""
-        return (self.lg.get(dim, dim), self.b[dim])
-
-    def vec(self, n: str, size_arg: str) -> Tensor:
-        return Tensor(n, (self.b[size_arg],), ((self.unit(size_arg),),))
 
 
 def _build_unit(decl: ast.LayerDecl, kind: str, b: dict[str, Any], lg: dict[str, str], r: Resolver,

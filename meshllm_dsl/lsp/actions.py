@@ -8,13 +8,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshllm_dsl.diagnostics import Applicability, Diagnostic
-from meshllm_dsl.lsp.analysis import Fix, span_loc
+from meshllm_dsl.lsp.document import Fix, span_loc
 
 if TYPE_CHECKING:
-    from meshllm_dsl.lsp.analysis import Analysis
+    from meshllm_dsl.lsp.document import Document
 
 
-def fixes(a: Analysis, d: Diagnostic) -> list[Fix]:
+def fixes(a: Document, d: Diagnostic) -> list[Fix]:
     return [Fix(s.message, tuple((span_loc(e.span), e.text) for e in s.edits),
                 preferred=s.applicability is Applicability.MACHINE_APPLICABLE)
             for s in d.suggestions if s.edits]

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.source import Span
 from meshllm_dsl.ir import DTYPES, MeshIR, PlanIR, Repeat, Unit
-
-if TYPE_CHECKING:
-    from meshllm_dsl.lsp.analysis import Analysis, Occ
+from meshllm_dsl.lsp.document import Document, Occ, _include_target, shard_matches
 
 GB, GIB = 1e9, 2**30
 
@@ -53,7 +49,7 @@ def _groups(mesh: MeshIR, axis: str) -> str:
     return shown + (f" ... ({len(gs)} groups)" if len(gs) > 8 else "")
 
 
-def hover(a: Analysis, offset: int) -> tuple[str, Span] | None:
+def hover(a: Document, offset: int) -> tuple[str, Span] | None:
     hits = a.index.at(a.path, offset)
     # On a shard rule's path, the rule's matches say more than the first segment's layer.
     plan = a.plan_decl_at(offset)
@@ -74,7 +70,7 @@ def hover(a: Analysis, offset: int) -> tuple[str, Span] | None:
     return (text, occ.span) if text else None
 
 
-def _occ(a: Analysis, occ: Occ) -> str | None:
+def _occ(a: Document, occ: Occ) -> str | None:
     kind, *rest = occ.key
     res = a.sem_result
     if kind == "mesh":
@@ -151,7 +147,6 @@ def _occ(a: Analysis, occ: Occ) -> str | None:
     if kind == "schedule":
         return SCHEDULE_DOCS.get(rest[0], f"`{rest[0]}` is not a schedule")
     if kind == "file":
-        from meshllm_dsl.lsp.analysis import _include_target
 
         target = _include_target(a.path, rest[0])
         return f"include `{target}`" if target else f"`{rest[0]}` not found"
@@ -162,7 +157,7 @@ def _occ(a: Analysis, occ: Occ) -> str | None:
     return None
 
 
-def _layer(a: Analysis, occ: Occ) -> str | None:
+def _layer(a: Document, occ: Occ) -> str | None:
     owner, path = occ.key[1], occ.key[2]
     ctx = occ.context
     model_name = None
@@ -204,8 +199,7 @@ def _unit(unit: Unit | None, name: str) -> str | None:
     return "\n".join(lines)
 
 
-def _shard(a: Analysis, decl: ast.PlanDecl, s: ast.ShardStmt) -> str | None:
-    from meshllm_dsl.lsp.analysis import shard_matches
+def _shard(a: Document, decl: ast.PlanDecl, s: ast.ShardStmt) -> str | None:
 
     plan = a.plan_ir(decl)
     if plan is None:
@@ -228,7 +222,7 @@ def _shard(a: Analysis, decl: ast.PlanDecl, s: ast.ShardStmt) -> str | None:
     return "\n".join(lines)
 
 
-def _shard_unchecked(a: Analysis, decl: ast.PlanDecl, s: ast.ShardStmt) -> str | None:
+def _shard_unchecked(a: Document, decl: ast.PlanDecl, s: ast.ShardStmt) -> str | None:
     """A plan with errors has no placements yet: still list what the rule matches, with global shapes
     and the split the rule asks for, so the hover helps while the errors are being fixed."""
     from meshllm_dsl.checker.paths import match_path
@@ -258,7 +252,7 @@ def _shard_unchecked(a: Analysis, decl: ast.PlanDecl, s: ast.ShardStmt) -> str |
     return "\n".join(lines)
 
 
-def _seq_entry(a: Analysis, name: str) -> str:
+def _seq_entry(a: Document, name: str) -> str:
     """What a plan's `seq -> AXES` is: sequence parallelism (AXES split weights) or context parallelism."""
     plan = a.sem_result.plans.get(name)
     if plan is None:
@@ -282,7 +276,7 @@ def _seq_entry(a: Analysis, name: str) -> str:
     return cp + (f"\n\n{sp}, its slice of this rank's chunks" if sp else "")
 
 
-def _plan(a: Analysis, name: str) -> str:
+def _plan(a: Document, name: str) -> str:
     plan = a.sem_result.plans.get(name)
     if plan is None:
         return f"plan `{name}` (has errors; see its diagnostics)"

@@ -12,12 +12,19 @@ Context parallelism runs over axes that split no weight; expert parallelism over
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import attrs
 
-if TYPE_CHECKING:
-    from meshllm_dsl.ir import MeshIR
+
+class NamedMesh(Protocol):
+    """What `validate` reads of a mesh (ir.MeshIR, which holds a plan's roles beside its mesh and so
+    sits above this module): its name and its axes by name."""
+
+    @property
+    def name(self) -> str: ...
+
+    def axis(self, name: str) -> object | None: ...
 
 
 def _axes(value: Iterable[str]) -> tuple[str, ...]:
@@ -59,7 +66,7 @@ class ParallelRoles:
             if outside:
                 raise ValueError(f"{role} axes {', '.join(outside)} are not {what} axes")
 
-    def validate(self, mesh: MeshIR) -> None:
+    def validate(self, mesh: NamedMesh) -> None:
         """Every axis a role names is an axis of `mesh`."""
         for role, axes in self.named():
             missing = [a for a in axes if mesh.axis(a) is None]
@@ -97,10 +104,3 @@ class ParallelRoles:
     @property
     def loss_parallel(self) -> bool:
         return bool(self.loss)
-
-
-def split_axes(mesh: MeshIR, placements: Iterable[object]) -> tuple[str, ...]:
-    """The axes, in mesh order, that any of `placements` (ir.Placement) splits a parameter over:
-    a plan's tensor axes."""
-    used = {a for p in placements if p.sharded for a in p.axes}  # type: ignore[attr-defined]
-    return tuple(a.name for a in mesh.axes if a.name in used)

@@ -44,7 +44,6 @@ from meshllm_dsl.ir import (
     DTYPES,
     REPLICATE,
     Collective,
-    Leaf,
     MeshIR,
     Placement,
     PlanIR,
@@ -52,10 +51,19 @@ from meshllm_dsl.ir import (
     Stage,
     Tensor,
     Unit,
-    UnitFlow,
 )
 from meshllm_dsl.parallel import layouts
 from meshllm_dsl.parallel.collectives import WirePrimitive, ring_bytes, spec
+from meshllm_dsl.parallel.costs import (
+    FP32,
+    MFU,
+    HeldUnit,
+    Work,
+    attention_core_bytes,
+    axes_size,
+    matmul_seconds,
+    seq_size,
+)
 from meshllm_dsl.parallel.devices import (
     DEFAULT_PROFILE,
     PROFILES,
@@ -75,15 +83,9 @@ from meshllm_dsl.planner.recompute import (
 )
 from meshllm_dsl.planner.records import Comm, PlanReport, RankClass, StepTime
 from meshllm_dsl.planner.schedule import rank_moments, rank_order, schedule_cost
-from meshllm_dsl.primitives import Matmul, Work
 
 # ---------------------------------------------------------------- assumptions
 
-# Fraction of peak dense flops the matmuls reach *before* communication and the bubble, which this
-# model charges separately. Megatron-LM reports 50-60% of peak for large GEMM-bound transformer layers
-# on A100 / H100 once communication is subtracted; end-to-end MFUs of 40-50% include the overheads we
-# add back. 0.5 is the middle of that range.
-MFU = 0.5
 
 # Of a unit's kernels, the share its forward launches (what `recompute = blocks` runs again):
 # 756 of 1782 in a single-rank tiny Llama step, counted with runtime.profile.LiveBytes.
@@ -103,17 +105,10 @@ LATENCY_INTER_S = 25e-6 / 14
 # tensor written once and read once), eager PyTorch moves more (upcasts, copies, masks).
 ELEMENTWISE_PASSES = 5.0
 
-# A matmul's output is computed in tiles of TILE x TILE (cuBLAS / CUTLASS's usual 128 x 128 for
-# large bf16 / fp16 products), one wave of them per `sms` at a time: a product with too few
-# tiles leaves SMs idle in its last wave (NVIDIA's "wave quantization", Matrix Multiplication
-# Background User's Guide). The efficiency that grows with the size of the product.
-TILE = 128
-
 # Optimizer state bytes per parameter, beyond the weights and gradients in the training dtype.
 # Adam(W) in mixed precision (Rajbhandari et al. 2020, "ZeRO", section 3.1): fp32 master weights,
 # fp32 momentum and fp32 variance = K = 12 bytes, so 2 + 2 + 12 = 16 bytes per parameter.
 # In fp32 the weights are their own master copy: m and v only, K = 8 (4 + 4 + 8 = 16 again).
-FP32 = 4
 
 
 def optimizer_bytes_per_param(optimizer: str, dtype: str) -> int:
@@ -221,23 +216,6 @@ def fsdp_unit_collectives(zero: int, actions: str | None, microbatches: int, def
 # ---------------------------------------------------------------- what a stage holds
 
 
-@attrs.frozen
-class HeldUnit:
-    """A unit (or `count` identical blocks' copies of it) that a stage holds, with its placements."""
-
-    unit: Unit
-    prefix: str  # "blocks.0-3." for repeated units, "" at the top level
-    count: int  # blocks of this block class in the stage (1 for top-level units)
-    placements: tuple[tuple[str, Placement], ...]  # leaf path -> placement
-    flow: UnitFlow | None
-    tied_copy: bool = False  # the tied weight of a head, held here because the embedding is elsewhere
-    last: bool = False  # the model's output layer (logits feed the loss)
-    indices: tuple[int, ...] = ()  # the blocks of the repeat these copies are (per-block settings: a window)
-
-    def placement(self, leaf: Leaf) -> Placement:
-        return dict(self.placements).get(".".join(leaf.path), REPLICATE)
-
-
 def held_units(plan: PlanIR, stage: Stage) -> Iterator[HeldUnit]:
     model = plan.model
     top = dict(plan.top_placements)
@@ -303,9 +281,6 @@ def unit_local_params(plan: PlanIR, hu: HeldUnit) -> tuple[int, int, int]:
 # ---------------------------------------------------------------- activations (Korthikanti et al. 2022)
 
 
-def axes_size(plan: PlanIR, p: Placement) -> int:
-    return plan.mesh.size(*p.axes) if p.sharded else 1
-
 
 def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int,
                           flash_attention: bool = True) -> int:
@@ -339,29 +314,6 @@ def unit_activation_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, mic
     return primitives.of(hu.unit).saved_bytes(plan, hu, tokens, local, seq, micro, flash_attention)
 
 
-def local_heads(plan: PlanIR, hu: HeldUnit) -> int:
-    leaves = {leaf.name: leaf for leaf in hu.unit.leaves}
-    q = leaves.get("qkv", leaves.get("q"))
-    assert q is not None
-    return int(hu.unit.attr("heads")) // axes_size(plan, hu.placement(q))  # type: ignore[arg-type]
-
-
-def attention_core_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int,
-                         flash_attention: bool = True) -> int:
-    """What the attention core itself saves beyond q, k, v and its output, per microbatch: the fp32
-    log-sum-exp of a fused kernel, or the softmax probabilities (a s^2 b) without one. This is what
-    selective recomputation (`recompute = attention`) stops keeping: the core's inputs q, k, v stay
-    (the checkpoint holds them for the rerun) and its output is the o projection's saved input."""
-    hq = local_heads(plan, hu)
-    # (tokens = micro x s, or micro x s / c of the queries under context parallelism: their rows of
-    # the scores meet all s keys.)
-    if dict(hu.unit.attrs).get("softcap"):
-        # Soft-capped logits (Gemma 2) run as plain autograd, never a fused kernel: per head the
-        # tanh output, the fp32 softmax and the probabilities, s x s each.
-        return (2 * DTYPES[plan.dtype] + FP32) * tokens * hq * seq
-    if flash_attention:
-        return FP32 * tokens * hq
-    return DTYPES[plan.dtype] * tokens * hq * seq
 
 
 def unit_backward_bytes(plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
@@ -425,10 +377,6 @@ def backward_rise(walk: list[tuple[str, int, int, int, int]], first: bool = Fals
         held -= saved
     return rise
 
-
-def seq_size(plan: PlanIR) -> int:
-    """How many ways sequence parallelism splits the residual stream (1 without it)."""
-    return plan.sequence_size
 
 
 def _stage_output_bytes(plan: PlanIR, stage: Stage, tokens: int) -> int:
@@ -531,43 +479,6 @@ def unit_kernels(plan: PlanIR, hu: HeldUnit) -> int:
 # ---------------------------------------------------------------- compute time (a roofline per matmul)
 
 
-def linear_matmuls(plan: PlanIR, hu: HeldUnit, tokens: int) -> tuple[Matmul, ...]:
-    """[tokens, in] x [in, out] for each linear layer of the unit, in this device's shard of it (a
-    tied head's from the table it multiplies by, split as the head's placement says). Sequence
-    parallelism gathers the sequence before a column layer and after a row layer's product, so
-    each runs over all the microbatch's tokens."""
-    out = []
-    for leaf in hu.unit.leaves:
-        if leaf.kind != "linear":
-            continue
-        p = hu.placement(leaf)
-        weight = next((t for t in leaf.params if t.name == "weight"), None)
-        if weight is not None:
-            rows, cols = plan.local_shape(weight, p)
-        else:
-            rows, cols = int(hu.unit.attr("out")), int(hu.unit.attr("in"))  # type: ignore[arg-type]
-            if p.sharded and p.rule in ("column", "vocab_parallel"):
-                rows //= axes_size(plan, p)
-            elif p.sharded and p.rule == "row":
-                cols //= axes_size(plan, p)
-        out.append(Matmul(tokens, rows, cols))
-    return tuple(out)
-
-
-def matmul_seconds(device: DeviceProfile, mm: Matmul, dtype_bytes: int) -> float:
-    """The roofline of one product: the slower of its flops at the device's matmul rate (peak x
-    `mfu`, less the SMs its last wave of tiles leaves idle) and its operands and result through
-    memory (`hbm`). Large products are compute-bound; thin ones (few tokens, a narrow shard) and
-    an unfused attention's scores are bound by memory."""
-    rate = device.tflops * 1e12 * (device.mfu or MFU)
-    if device.sms:
-        tiles = mm.count * -(-mm.m // TILE) * -(-mm.n // TILE)
-        waves = -(-tiles // device.sms)
-        rate *= tiles / (waves * device.sms)
-    seconds = mm.flops / rate
-    if device.hbm_gbps:
-        seconds = max(seconds, dtype_bytes * mm.elements / (device.hbm_gbps * 1e9))
-    return seconds
 
 
 @attrs.frozen

@@ -27,19 +27,10 @@ from meshllm_dsl import primitives
 from meshllm_dsl.codes import W0807
 from meshllm_dsl.diagnostics import Diagnostic
 from meshllm_dsl.ir import PlanIR, Repeat, Unit
+from meshllm_dsl.parallel.costs import HeldUnit, Matmul, expert_degree, routed_pairs
 from meshllm_dsl.planner import analyze as planner
-from meshllm_dsl.primitives import Matmul
 
 SKEW_WAIT_WARN = 0.10  # warn when the other expert-parallel ranks idle more than this share of the step
-
-
-def routed_pairs(tokens: int, top_k: int, experts: int, capacity: float) -> int:
-    """(token, choice) pairs one forward of `tokens` tokens computes when routing is balanced:
-    every pair (dropless, or a capacity factor >= 1), else each expert at its capacity."""
-    pairs = tokens * top_k
-    if not capacity:
-        return pairs
-    return min(pairs, experts * math.ceil(capacity * tokens * top_k / experts))
 
 
 def rank_shares(skew: float, experts: int, degree: int) -> tuple[float, float]:
@@ -60,12 +51,6 @@ def rank_pairs(skew: float, experts: int, degree: int, pairs: int, capacity_each
         cap = degree * capacity_each
         busiest_expert, other_expert = min(busiest_expert, cap), min(other_expert, cap)
     return busiest_expert + (local - 1) * other_expert, local * other_expert if degree > 1 else 0.0
-
-
-def expert_degree(plan: PlanIR, hu: planner.HeldUnit) -> int:
-    """Ranks the layer's experts are split over (`experts -> AXIS`: its stacked weights' experts dim)."""
-    leaf = next(lf for lf in hu.unit.leaves if lf.name == "gate")
-    return int(hu.unit.attr("experts")) // plan.local_shape(leaf.params[0], hu.placement(leaf))[1]  # type: ignore[arg-type]
 
 
 def moe_units(plan: PlanIR) -> Iterator[tuple[Unit, int]]:
@@ -129,7 +114,7 @@ class SkewReport:
         return max((r.wait_s for r in self.ranks), default=0.0) / self.step_s if self.step_s else 0.0
 
 
-def _expert_saved_bytes(plan: PlanIR, hu: planner.HeldUnit, pairs: float) -> float:
+def _expert_saved_bytes(plan: PlanIR, hu: HeldUnit, pairs: float) -> float:
     """Saved activations that scale with a rank's routed pairs (the moe primitive's routed terms)."""
     e = planner.DTYPES[plan.dtype]
     hid = int(hu.unit.attr("hidden"))  # type: ignore[arg-type]
@@ -143,7 +128,7 @@ def received_rows(pairs: float, degree: int) -> float:
     return pairs * (degree - 1) / degree
 
 
-def _held_copies(plan: PlanIR, hu: planner.HeldUnit, in_flight: int) -> int:
+def _held_copies(plan: PlanIR, hu: HeldUnit, in_flight: int) -> int:
     """Copies of the layer's saved activations at the peak: one per block and microbatch in flight,
     but `recompute = blocks` keeps none for a recomputed block beyond the one being recomputed."""
     if plan.recompute != "blocks":
@@ -153,12 +138,12 @@ def _held_copies(plan: PlanIR, hu: planner.HeldUnit, in_flight: int) -> int:
     return in_flight * (hu.count - recomputed) + (1 if recomputed else 0)
 
 
-def _ffn_local(plan: PlanIR, hu: planner.HeldUnit) -> int:
+def _ffn_local(plan: PlanIR, hu: HeldUnit) -> int:
     leaf = next(lf for lf in hu.unit.leaves if lf.name == "gate")
     return plan.local_shape(leaf.params[0], hu.placement(leaf))[0]
 
 
-def _expert_seconds(rep: planner.PlanReport, hu: planner.HeldUnit, pairs: float) -> float:
+def _expert_seconds(rep: planner.PlanReport, hu: HeldUnit, pairs: float) -> float:
     """Forward and backward (3x the forward) of the experts' three matmuls over `pairs` pairs."""
     plan, e = rep.plan, planner.DTYPES[rep.plan.dtype]
     hid, f, n = int(hu.unit.attr("hidden")), _ffn_local(plan, hu), max(1, round(pairs))  # type: ignore[arg-type]

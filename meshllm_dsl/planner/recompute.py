@@ -23,12 +23,12 @@ import attrs
 
 from meshllm_dsl import primitives
 from meshllm_dsl.ir import DTYPES, Repeat
+from meshllm_dsl.parallel.costs import matmul_seconds
 
 if TYPE_CHECKING:
     from meshllm_dsl.ir import PlanIR, Stage
+    from meshllm_dsl.parallel.costs import HeldUnit, Matmul
     from meshllm_dsl.parallel.devices import DeviceProfile
-    from meshllm_dsl.planner.analyze import HeldUnit
-    from meshllm_dsl.primitives import Matmul
 
 FP32 = 4
 BLOCKWISE = ("blocks", "ops")  # the modes that wrap whole blocks (and so take `every N`)
@@ -105,8 +105,6 @@ def rerun_seconds(plan: PlanIR, device: DeviceProfile, hu: HeldUnit, forward_s: 
     activations)."""
     if plan.recompute == "blocks":
         return forward_s
-    from meshllm_dsl.planner.analyze import matmul_seconds  # the planner imports this module
-
     e = DTYPES[plan.dtype]
     work = primitives.of(hu.unit).work(plan, hu, tokens, seq, micro, flash_attention)
     kept = kept_products(plan, hu, tokens, seq, micro, flash_attention)

@@ -10,31 +10,30 @@ another kind's code. The runtime cannot import the compiler and keeps its own ta
 (runtime/model/reference.py LAYER_KINDS); tests/frontend/test_primitive_registry.py keeps the two in step.
 
 Adding a kind: its module here (a `Primitive` subclass and its record in REGISTRY), its `UnitKind`
-name, its runtime layer (runtime/model/reference.py, runtime/model/layers.py) and the goldens.
+name (meshllm_dsl/ir.py), its runtime layer (runtime/model/reference.py, runtime/model/layers.py) and the goldens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, get_args
 
 import attrs
 
+from meshllm_dsl.ir import LeafKind, UnitKind
+from meshllm_dsl.parallel.costs import Work
 from meshllm_dsl.primitives.args import Arg
 from meshllm_dsl.registry import keyed
 
 if TYPE_CHECKING:
-    from meshllm_dsl.front.resolve import UnitSite
-    from meshllm_dsl.ir import Leaf, Placement, PlanIR, Unit, UnitFlow
-    from meshllm_dsl.parallel.layouts import FlowSite
-    from meshllm_dsl.planner.analyze import HeldUnit
+    from meshllm_dsl.front.site import UnitSite
+    from meshllm_dsl.ir import Collective, Leaf, Placement, PlanIR, Unit, UnitFlow
+    from meshllm_dsl.parallel.costs import HeldUnit
+    from meshllm_dsl.parallel.flow import FlowSite
 
 # What a kind's build gives: the unit's attributes and its leaves.
 Built = tuple[dict[str, Any], list["Leaf"]]
 
-UnitKind = Literal["embedding", "positional", "linear", "rmsnorm", "layernorm", "attention", "mlp", "moe"]
-# The layers that own parameters (ir.Leaf.kind): a unit's leaves are of these kinds.
-LeafKind = Literal["linear", "embedding", "positional", "rmsnorm", "layernorm"]
 
 
 @attrs.frozen
@@ -48,42 +47,6 @@ class TopSite:
     placement: Placement
     cur: str
     held: frozenset[str]
-
-
-@attrs.frozen
-class Matmul:
-    """One matrix product a unit's forward runs on one device: [m, k] x [k, n], `count` times (once
-    per head and sequence for the attention core). Its backward runs two of the same size (the
-    input's gradient and the weight's, or for the core the gradients of both operands)."""
-
-    m: int
-    n: int
-    k: int
-    count: int = 1
-    core: bool = False  # the attention core (q k^T, p v): what `recompute = attention` runs again
-    # Elements read and written per product where they are not its operands and result (a fused
-    # attention kernel keeps its s x s scores on chip: q, k, v and the output only); None: m k + k n + m n.
-    io: int | None = None
-
-    @property
-    def flops(self) -> int:
-        return 2 * self.m * self.n * self.k * self.count
-
-    @property
-    def elements(self) -> int:
-        """Elements it moves to and from memory, all `count` products."""
-        one = self.io if self.io is not None else self.m * self.k + self.k * self.n + self.m * self.n
-        return one * self.count
-
-
-@attrs.frozen
-class Work:
-    """What a unit's forward does on one device per microbatch, for the planner's time model
-    (planner.unit_forward_seconds): its matrix products, and the bytes of table rows it reads
-    without one (an embedding lookup is memory traffic, not a matmul)."""
-
-    matmuls: tuple[Matmul, ...] = ()
-    lookup_bytes: int = 0
 
 
 @attrs.frozen
@@ -119,13 +82,18 @@ class Primitive:
     width_arg: str = "dim"
     # Its arguments as a spec writes them, in order (resolve.py binds calls against them).
     args: tuple[Arg, ...] = ()
+    # It routes each token to some of its experts: a plan's `skew` and the `expert` rule apply to it.
+    routes_experts: bool = False
+    # Its leaf is a table whose rows are the vocabulary (the token embedding): `vocab_parallel`
+    # splits it, the one split it takes besides `replicate`.
+    vocab_rows: bool = False
 
     # -- building the IR unit (meshllm_dsl/front/resolve.py binds the arguments first)
     def build(self, site: UnitSite) -> Built | None:
         """Its parameters (leaves) and attributes from the bound arguments; None after an error."""
         raise NotImplementedError(self.kind)
 
-    # -- activation flow (meshllm_dsl/parallel/layouts.py holds the layout algebra the records use)
+    # -- activation flow (meshllm_dsl/parallel/flow.py holds the layout algebra the records use)
     def flow(self, site: FlowSite) -> UnitFlow | None:
         """Layouts in and out and the collectives between, given its leaves' placements; None after
         an error reported to `site.r`."""
@@ -142,11 +110,23 @@ class Primitive:
         blocks only): blocks whose variants differ get generated classes of their own."""
         return ()
 
+    def unit_collectives(self, unit: Unit, placement: Mapping[str, Placement]) -> tuple[Collective, ...]:
+        """The collectives it issues from inside its own forward (registered with `issued = "unit"`
+        in meshllm_dsl/parallel/collectives.py), given its leaves' placements keyed by leaf path;
+        the layout flow's are its flow's. None by default."""
+        return ()
+
+    def position_limit(self, unit: Unit) -> int | None:
+        """Positions its table holds (learned positions): a longer `seq` would index past it; None:
+        the kind reads any sequence length."""
+        return None
+
     def cached_positions(self, unit: Unit, index: int, seq: int) -> int:
         """Positions its KV cache holds in block `index` after `seq` tokens (kinds that cache)."""
         return seq
 
-    # -- costs, per copy of the unit and microbatch (meshllm_dsl/planner/analyze.py holds the model they use)
+    # -- costs, per copy of the unit and microbatch (meshllm_dsl/parallel/costs.py holds the helpers they
+    # use; meshllm_dsl/planner/analyze.py adds them up)
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         """Bytes it keeps for backward (`local`: the tokens of a sequence-sharded stream)."""
@@ -164,7 +144,7 @@ class Primitive:
 
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
         """Its forward's matrix products and lookups on one device for one microbatch of `tokens`
-        = `micro` sequences of `seq` (planner.linear_matmuls gives a unit's linear layers')."""
+        = `micro` sequences of `seq` (costs.linear_matmuls gives a unit's linear layers')."""
         raise NotImplementedError(self.kind)
 
     # -- codegen
@@ -222,6 +202,11 @@ REGISTRY: Mapping[UnitKind, Primitive] = _registry((
     embedding.EMBEDDING, embedding.POSITIONAL, linear.LINEAR, norm.RMSNORM, norm.LAYERNORM,
     attention.ATTENTION, mlp.MLP, moe.MOE,
 ))
+
+
+def of_leaf(leaf: Leaf) -> Primitive:
+    """The record of the layer kind owning `leaf` (ir.Leaf.kind, a LeafKind: every one is a layer kind)."""
+    return REGISTRY[leaf.kind]
 
 
 def of(unit: Unit) -> Primitive:

@@ -10,16 +10,17 @@ import attrs
 
 from meshllm_dsl.codes import E0302, E0304
 from meshllm_dsl.front.names import divisors, or_list
-from meshllm_dsl.ir import Leaf, Placement, Tensor, Unit, UnitFlow
-from meshllm_dsl.parallel import layouts
-from meshllm_dsl.planner import analyze as planner
-from meshllm_dsl.primitives import Built, Matmul, Primitive, Work
+from meshllm_dsl.ir import DTYPES, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.parallel import costs
+from meshllm_dsl.parallel.costs import Matmul, Work
+from meshllm_dsl.parallel.flow import FlowSite, sublayer_flow
+from meshllm_dsl.primitives import Built, Primitive
 from meshllm_dsl.primitives.args import Arg, const
 
 if TYPE_CHECKING:
-    from meshllm_dsl.front.resolve import UnitSite
+    from meshllm_dsl.front.site import UnitSite
     from meshllm_dsl.ir import PlanIR
-    from meshllm_dsl.planner.analyze import HeldUnit
+    from meshllm_dsl.parallel.costs import HeldUnit
 
 
 @attrs.frozen
@@ -102,13 +103,13 @@ class Attention(Primitive):
 
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
-        unit, e, fp32 = hu.unit, planner.DTYPES[plan.dtype], planner.FP32
+        unit, e, fp32 = hu.unit, DTYPES[plan.dtype], costs.FP32
         hid, heads, kv, hd = (int(unit.attr(k)) for k in ("hidden", "heads", "kv_heads", "head_dim"))  # type: ignore[arg-type]
         leaves = {leaf.name: leaf for leaf in unit.leaves}
         if "qkv" in leaves:
-            tq = tk = planner.axes_size(plan, hu.placement(leaves["qkv"]))
+            tq = tk = costs.axes_size(plan, hu.placement(leaves["qkv"]))
         else:
-            tq, tk = planner.axes_size(plan, hu.placement(leaves["q"])), planner.axes_size(plan, hu.placement(leaves["k"]))
+            tq, tk = costs.axes_size(plan, hu.placement(leaves["q"])), costs.axes_size(plan, hu.placement(leaves["k"]))
         hq, hk = heads // tq, kv // tk
         saved = e * local * hid  # the normed input, shared by the q / k / v projections
         saved += e * tokens * (hq + 2 * hk) * hd  # q, k, v (after rotary) for the attention core
@@ -120,7 +121,7 @@ class Attention(Primitive):
             saved += e * tokens * (hq + hk) * hd + fp32 * tokens * (hq + hk)
         elif qk == "full":  # plain autograd: the inputs, the normalised rows the scale multiplies, fp32 RMS per token
             saved += 2 * e * tokens * (hq + hk) * hd + 2 * fp32 * tokens
-        saved += planner.attention_core_bytes(plan, hu, tokens, seq, micro, flash_attention)
+        saved += costs.attention_core_bytes(plan, hu, tokens, seq, micro, flash_attention)
         a = dict(unit.attrs)
         if a.get("softcap") and hq > hk:
             saved += 2 * e * tokens * hq * hd  # the soft-capped core's k and v repeated to every query head
@@ -138,9 +139,9 @@ class Attention(Primitive):
         if not regather:
             return 0  # nothing measured beyond what it saved
         unit = hu.unit
-        hq, hd = planner.local_heads(plan, hu), int(unit.attr("head_dim"))  # type: ignore[arg-type]
+        hq, hd = costs.local_heads(plan, hu), int(unit.attr("head_dim"))  # type: ignore[arg-type]
         hk = int(unit.attr("kv_heads")) * hq // int(unit.attr("heads"))  # type: ignore[arg-type]
-        return planner.DTYPES[plan.dtype] * tokens * (hq + 2 * hk) * hd + regather
+        return DTYPES[plan.dtype] * tokens * (hq + 2 * hk) * hd + regather
 
     def kernels(self, plan: PlanIR, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         n = linears + 3 * k["heads"] + k["attention_core"] + k["residual"]
@@ -154,15 +155,15 @@ class Attention(Primitive):
         # count's 12 l h q t with its backward (torchtitan get_num_flop_per_token, PaLM appendix B:
         # no halving for the causal mask). A fused kernel keeps the scores on chip.
         # Under context parallelism a rank's s / c queries (tokens / micro) meet all s keys.
-        hq, hd = planner.local_heads(plan, hu), int(hu.unit.attr("head_dim"))  # type: ignore[arg-type]
+        hq, hd = costs.local_heads(plan, hu), int(hu.unit.attr("head_dim"))  # type: ignore[arg-type]
         queries = tokens // max(1, micro)
         io = (queries + seq) * hd if flash_attention else None
         core = (Matmul(queries, seq, hd, micro * hq, core=True, io=io),
                 Matmul(queries, hd, seq, micro * hq, core=True, io=io))
-        return Work(planner.linear_matmuls(plan, hu, tokens) + core)
+        return Work(costs.linear_matmuls(plan, hu, tokens) + core)
 
-    def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
-        return layouts.sublayer_flow(site, "the attention softmax", "attention", "heads")
+    def flow(self, site: FlowSite) -> UnitFlow | None:
+        return sublayer_flow(site, "the attention softmax", "attention", "heads")
 
     def cached_positions(self, unit: Unit, index: int, seq: int) -> int:
         window = layer_window(dict(unit.attrs), index)

@@ -11,11 +11,21 @@ import attrs
 
 from meshllm_dsl import primitives
 from meshllm_dsl.codes import E0304
-from meshllm_dsl.ir import REPLICATE, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
-from meshllm_dsl.parallel import layouts
-from meshllm_dsl.parallel.placements import Layout
-from meshllm_dsl.planner import analyze as planner
-from meshllm_dsl.primitives import Built, LeafKind, Primitive, TopSite, Work
+from meshllm_dsl.ir import (
+    DTYPES,
+    REPLICATE,
+    Collective,
+    Leaf,
+    LeafKind,
+    Placement,
+    Tensor,
+    Unit,
+    UnitFlow,
+)
+from meshllm_dsl.parallel.costs import Work
+from meshllm_dsl.parallel.dtensor import Layout
+from meshllm_dsl.parallel.flow import FlowSite, R, seq_layout, under_seq
+from meshllm_dsl.primitives import Built, Primitive, TopSite
 from meshllm_dsl.primitives.args import Arg, const
 
 
@@ -28,9 +38,9 @@ def _table(a: Mapping[str, Any]) -> dict[str, Any]:
     return d
 
 if TYPE_CHECKING:
-    from meshllm_dsl.front.resolve import UnitSite
+    from meshllm_dsl.front.site import UnitSite
     from meshllm_dsl.ir import PlanIR
-    from meshllm_dsl.planner.analyze import HeldUnit
+    from meshllm_dsl.parallel.costs import HeldUnit
 
 
 def _table_leaf(site: UnitSite, kind: LeafKind) -> tuple[list[Leaf], dict[str, Any]]:
@@ -69,25 +79,25 @@ class Embedding(Primitive):
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
         # A lookup, not a matmul (6 N counts no embedding parameters): each token's row read, the
         # [tokens, dim] output written.
-        return Work(lookup_bytes=2 * planner.DTYPES[plan.dtype] * tokens * int(hu.unit.attr("dim")))  # type: ignore[arg-type]
+        return Work(lookup_bytes=2 * DTYPES[plan.dtype] * tokens * int(hu.unit.attr("dim")))  # type: ignore[arg-type]
 
-    def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
+    def flow(self, site: FlowSite) -> UnitFlow | None:
         p = site.pl(site.unit.name)
         if p.sharded:  # each rank looks up the ids it holds rows for, zeros elsewhere: the ranks sum
-            return UnitFlow(layouts.R, layouts.R, (Collective("reduce_from", p.axes, "output"),),
+            return UnitFlow(R, R, (Collective("reduce_from", p.axes, "output"),),
                             ((site.unit.name, Layout.partial(p.axes)),))
-        return UnitFlow(layouts.R, layouts.R, ())
+        return UnitFlow(R, R, ())
 
     def seq_top_flow(self, unit: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool,
                      then: Unit | None) -> UnitFlow:
         if then is not None and isinstance(primitives.of(then), Positional):
             return flow  # summed in full; the positions are added, then the sum is split (Megatron too)
-        q = layouts.seq_layout(seq)
+        q = seq_layout(seq)
         ops = list(flow.collectives)
-        summed = layouts.under_seq(ops[-1], seq) if ops else None  # a vocab-parallel sum over `seq`
+        summed = under_seq(ops[-1], seq) if ops else None  # a vocab-parallel sum over `seq`
         if summed is not None:
-            return UnitFlow(layouts.R, q, (*ops[:-1], summed), flow.inside)
-        return UnitFlow(layouts.R, q, (*ops, Collective("split_seq", seq, "output")), flow.inside)
+            return UnitFlow(R, q, (*ops[:-1], summed), flow.inside)
+        return UnitFlow(R, q, (*ops, Collective("split_seq", seq, "output")), flow.inside)
 
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         return _table(a)
@@ -121,6 +131,9 @@ class Positional(Primitive):
         leaves, attrs_ = _table_leaf(site, "positional")
         return attrs_, leaves
 
+    def position_limit(self, unit: Unit) -> int | None:
+        return int(unit.attr("num"))  # type: ignore[arg-type]
+
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         return 0  # a lookup added to the residual stream: nothing saved but the position ids
@@ -133,14 +146,14 @@ class Positional(Primitive):
 
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
         # Each position's row read, added to the stream: read and written.
-        return Work(lookup_bytes=3 * planner.DTYPES[plan.dtype] * tokens * int(hu.unit.attr("dim")))  # type: ignore[arg-type]
+        return Work(lookup_bytes=3 * DTYPES[plan.dtype] * tokens * int(hu.unit.attr("dim")))  # type: ignore[arg-type]
 
-    def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
-        return UnitFlow(layouts.R, layouts.R, ())  # replicated table added to the stream
+    def flow(self, site: FlowSite) -> UnitFlow | None:
+        return UnitFlow(R, R, ())  # replicated table added to the stream
 
     def seq_top_flow(self, unit: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool,
                      then: Unit | None) -> UnitFlow:
-        return UnitFlow(layouts.R, layouts.seq_layout(seq), (Collective("split_seq", seq, "output"),))
+        return UnitFlow(R, seq_layout(seq), (Collective("split_seq", seq, "output"),))
 
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         return _table(a)
@@ -158,7 +171,7 @@ class Positional(Primitive):
         return lines, site.cur
 
 
-EMBEDDING = Embedding("embedding", args=(
+EMBEDDING = Embedding("embedding", vocab_rows=True, args=(
     # `used`: rows that are real tokens when `num` is padded (e.g. 50257 of 50304): the head's logits
     # past it are masked out of the softmax, the loss, the argmax and exported weights.
     Arg("num", "dim"), Arg("dim", "dim"), Arg("used", "float", const(None)),

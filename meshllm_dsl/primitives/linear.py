@@ -10,11 +10,12 @@ import attrs
 
 from meshllm_dsl import primitives
 from meshllm_dsl.codes import E0304, E0309
-from meshllm_dsl.ir import REPLICATE, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
-from meshllm_dsl.parallel import layouts
+from meshllm_dsl.ir import DTYPES, REPLICATE, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.parallel import costs
 from meshllm_dsl.parallel.collectives import spec
-from meshllm_dsl.planner import analyze as planner
-from meshllm_dsl.primitives import Built, Primitive, TopSite, Work
+from meshllm_dsl.parallel.costs import Work
+from meshllm_dsl.parallel.flow import FlowSite, linear_flow, seq_layout, under_seq
+from meshllm_dsl.primitives import Built, Primitive, TopSite
 from meshllm_dsl.primitives.args import Arg, const
 from meshllm_dsl.primitives.embedding import EMBEDDING
 
@@ -26,9 +27,9 @@ def tied_with_own_bias(unit: Unit) -> bool:
     return any(leaf.tie is not None and any(t.name == "bias" for t in leaf.params) for leaf in unit.leaves)
 
 if TYPE_CHECKING:
-    from meshllm_dsl.front.resolve import UnitSite
+    from meshllm_dsl.front.site import UnitSite
     from meshllm_dsl.ir import PlanIR
-    from meshllm_dsl.planner.analyze import HeldUnit
+    from meshllm_dsl.parallel.costs import HeldUnit
 
 
 @attrs.frozen
@@ -61,15 +62,15 @@ class Linear(Primitive):
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         unit = hu.unit
-        e = planner.DTYPES[plan.dtype]
+        e = DTYPES[plan.dtype]
         p = hu.placement(unit.leaves[0])
         n_in, n_out = int(unit.attr("in")), int(unit.attr("out"))  # type: ignore[arg-type]
         gathered_here = plan.sequence_size > 1 and p.rule == "column" and p.axes == plan.roles.sequence  # else saved whole
-        saved = e * (local if gathered_here else tokens) * (n_in // planner.axes_size(plan, p) if p.rule == "row" and p.sharded else n_in)
+        saved = e * (local if gathered_here else tokens) * (n_in // costs.axes_size(plan, p) if p.rule == "row" and p.sharded else n_in)
         if hu.last:
             # Logits: the paper's output layer keeps them in fp32 for the cross entropy, 4 sbv / t.
-            v_local = n_out // planner.axes_size(plan, p) if p.rule == "column" and p.sharded else n_out
-            saved += planner.FP32 * tokens * v_local
+            v_local = n_out // costs.axes_size(plan, p) if p.rule == "column" and p.sharded else n_out
+            saved += costs.FP32 * tokens * v_local
             if unit.attr("softcap"):  # tanh keeps its output, the logits before the cap too
                 saved += 2 * e * tokens * v_local
         return saved
@@ -80,26 +81,26 @@ class Linear(Primitive):
         if hu.last and not plan.roles.loss_parallel:
             p = hu.placement(hu.unit.leaves[0])
             n_out = int(hu.unit.attr("out"))  # type: ignore[arg-type]
-            v_local = n_out // planner.axes_size(plan, p) if p.rule == "column" and p.sharded else n_out
-            return 2 * planner.FP32 * tokens * v_local
+            v_local = n_out // costs.axes_size(plan, p) if p.rule == "column" and p.sharded else n_out
+            return 2 * costs.FP32 * tokens * v_local
         return 0  # nothing measured beyond what it saved
 
     def kernels(self, plan: PlanIR, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         return linears
 
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
-        return Work(planner.linear_matmuls(plan, hu, tokens))  # a tied head multiplies by the table it reads
+        return Work(costs.linear_matmuls(plan, hu, tokens))  # a tied head multiplies by the table it reads
 
-    def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
-        return layouts.linear_flow(site)
+    def flow(self, site: FlowSite) -> UnitFlow | None:
+        return linear_flow(site)
 
     def seq_top_flow(self, unit: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool,
                      then: Unit | None) -> UnitFlow:
         if not last:
             return flow  # a top-level linear between blocks: refused by the checker (E0410)
-        q = layouts.seq_layout(seq)
+        q = seq_layout(seq)
         ops = list(flow.collectives)
-        gathered = layouts.under_seq(ops[0], seq) if ops else None  # a head split over `seq`: its f
+        gathered = under_seq(ops[0], seq) if ops else None  # a head split over `seq`: its f
         if gathered is not None:
             return UnitFlow(q, flow.output, (gathered, *ops[1:]))
         # The head is not split over `seq`: its input gradient is whole on every rank of `seq`.

@@ -8,10 +8,11 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from meshllm_dsl.ir import REPLICATE, Leaf, Placement, Tensor, Unit, UnitFlow
-from meshllm_dsl.parallel import layouts
-from meshllm_dsl.planner import analyze as planner
-from meshllm_dsl.primitives import Built, Primitive, Work
+from meshllm_dsl.ir import DTYPES, REPLICATE, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.parallel import costs
+from meshllm_dsl.parallel.costs import Work
+from meshllm_dsl.parallel.flow import FlowSite, sublayer_flow
+from meshllm_dsl.primitives import Built, Primitive
 from meshllm_dsl.primitives.args import Arg, const
 
 ACTIVATIONS = ("swiglu", "geglu_tanh", "gelu_tanh", "gelu", "relu", "silu")
@@ -22,9 +23,9 @@ _CALLS = {"gelu_tanh": "F.gelu({}, approximate=\"tanh\")", "gelu": "F.gelu({})",
                "silu": "F.silu({})"}
 
 if TYPE_CHECKING:
-    from meshllm_dsl.front.resolve import UnitSite
+    from meshllm_dsl.front.site import UnitSite
     from meshllm_dsl.ir import PlanIR
-    from meshllm_dsl.planner.analyze import HeldUnit
+    from meshllm_dsl.parallel.costs import HeldUnit
 
 
 @attrs.frozen
@@ -47,16 +48,16 @@ class Mlp(Primitive):
 
     def _ffn_local(self, plan: PlanIR, hu: HeldUnit) -> int:
         up = next(leaf for leaf in hu.unit.leaves if leaf.name == "up")
-        return int(hu.unit.attr("ffn")) // planner.axes_size(plan, hu.placement(up))  # type: ignore[arg-type]
+        return int(hu.unit.attr("ffn")) // costs.axes_size(plan, hu.placement(up))  # type: ignore[arg-type]
 
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
-        e, f = planner.DTYPES[plan.dtype], self._ffn_local(plan, hu)
+        e, f = DTYPES[plan.dtype], self._ffn_local(plan, hu)
         per_ffn = 4 if hu.unit.attr("act") in GATED else 2
         return e * local * int(hu.unit.attr("hidden")) + per_ffn * e * tokens * f  # type: ignore[arg-type]
 
     def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
-        e, f = planner.DTYPES[plan.dtype], self._ffn_local(plan, hu)
+        e, f = DTYPES[plan.dtype], self._ffn_local(plan, hu)
         swiglu = hu.unit.attr("act") in GATED
         own = (4 if swiglu else 2) * e * tokens * f
         return max(own, (2 if swiglu else 1) * e * tokens * f + regather) if regather else own
@@ -65,10 +66,10 @@ class Mlp(Primitive):
         return linears + (k["swiglu"] if hu.unit.attr("act") in GATED else k["activation"]) + k["residual"]
 
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
-        return Work(planner.linear_matmuls(plan, hu, tokens))
+        return Work(costs.linear_matmuls(plan, hu, tokens))
 
-    def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
-        return layouts.sublayer_flow(site, f"the {site.unit.attr('act')} activation", "the gated product", "ffn")
+    def flow(self, site: FlowSite) -> UnitFlow | None:
+        return sublayer_flow(site, f"the {site.unit.attr('act')} activation", "the gated product", "ffn")
 
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         return dict(hidden=a["hidden"], ffn=a["ffn"], act=a["act"], bias=a["bias"])

@@ -31,17 +31,17 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from meshllm_dsl.codes import E0307, E0309, E0402
-from meshllm_dsl.ir import REPLICATE, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
-from meshllm_dsl.parallel import layouts
+from meshllm_dsl.ir import DTYPES, REPLICATE, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.parallel import costs
 from meshllm_dsl.parallel.collectives import spec
-from meshllm_dsl.planner import analyze as planner
+from meshllm_dsl.parallel.flow import FlowSite, R, at_residual, partial_error, through
 from meshllm_dsl.primitives import Built, Primitive
 from meshllm_dsl.primitives.args import Arg, const
 
 if TYPE_CHECKING:
-    from meshllm_dsl.front.resolve import UnitSite
+    from meshllm_dsl.front.site import UnitSite
     from meshllm_dsl.ir import PlanIR
-    from meshllm_dsl.planner.analyze import HeldUnit
+    from meshllm_dsl.parallel.costs import HeldUnit
 
 _EXPERTS = ("gate", "up", "down")
 ROUTING = ("aux_loss_coef", "z_loss_coef", "capacity")  # the layer's routing settings (runtime/moe/routing.py)
@@ -97,7 +97,7 @@ class Moe(Primitive):
         return True
 
     # -- flow
-    def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
+    def flow(self, site: FlowSite) -> UnitFlow | None:
         unit, r, pl, name = site.unit, site.r, site.pl, site.name
         for leaf in ("router", "shared_router"):
             if leaf not in {lf.name for lf in unit.leaves}:
@@ -115,8 +115,8 @@ class Moe(Primitive):
         groups = [_EXPERTS] + ([_SHARED] if unit.attr("shared_expert") else [])
         outs: list[tuple[str, Any]] = []  # (row layer, the layout of its output)
         for gate, up, down in groups:
-            y_gate = layouts._through(pl(gate), layouts.R, name(gate), r, collectives)
-            y_up = layouts._through(pl(up), layouts.R, name(up), r, collectives)
+            y_gate = through(pl(gate), R, name(gate), r, collectives)
+            y_up = through(pl(up), R, name(up), r, collectives)
             if y_gate is None or y_up is None:
                 return None
             if y_gate != y_up:
@@ -125,16 +125,16 @@ class Moe(Primitive):
                         help=f"give `{name(gate)}` and `{name(up)}` the same rule")
                 return None
             if pl(gate).rule == "row":  # its output is a partial sum
-                layouts._partial_error(y_gate, "the SwiGLU activation", pl(gate).span, r, name(gate))
+                partial_error(y_gate, "the SwiGLU activation", pl(gate).span, r, name(gate))
                 return None
             p_down = pl(down)
-            if y_gate == layouts.R and p_down.sharded:
+            if y_gate == R and p_down.sharded:
                 r.error(E0402, f"`{name(down)}` is row-parallel over {' x '.join(p_down.axes)} but `{name(gate)}` "
                         f"and `{name(up)}` are replicated", p_down.span, label="row without its column layers",
                         help=f"split `{name(gate)}` and `{name(up)}` column({', '.join(p_down.axes)}) too, or make "
                         f"`{name(down)}` replicated")
                 return None
-            y = layouts._through(p_down, y_gate, name(down), r, collectives, (name(gate), pl(gate)))
+            y = through(p_down, y_gate, name(down), r, collectives, (name(gate), pl(gate)))
             if y is None:
                 return None
             outs.append((down, y))
@@ -146,24 +146,22 @@ class Moe(Primitive):
                     "(`shared_ffn -> AXIS` beside `ffn -> AXIS`), or neither")
             return None
         unique = list(dict.fromkeys(collectives))
-        return layouts._at_residual(outs[0][1], name("down"), pl("down"), unique, r)
+        return at_residual(outs[0][1], name("down"), pl("down"), unique, r)
 
     # -- costs
     def _ffn_local(self, plan: PlanIR, hu: HeldUnit, leaf_name: str, size: str) -> int:
         leaf = next(lf for lf in hu.unit.leaves if lf.name == leaf_name)
-        return int(hu.unit.attr(size)) // planner.axes_size(plan, hu.placement(leaf))  # type: ignore[arg-type]
+        return int(hu.unit.attr(size)) // costs.axes_size(plan, hu.placement(leaf))  # type: ignore[arg-type]
 
     def _routed(self, hu: HeldUnit, tokens: int) -> int:
         """(token, choice) pairs the experts compute: all of them dropless, at most each expert's
         capacity with a capacity factor (activations at capacity; balanced routing)."""
-        from meshllm_dsl.planner.moe import routed_pairs
-
         a = hu.unit.attr
-        return routed_pairs(tokens, int(a("top_k")), int(a("experts")), float(a("capacity") or 0.0))  # type: ignore[arg-type]
+        return costs.routed_pairs(tokens, int(a("top_k")), int(a("experts")), float(a("capacity") or 0.0))  # type: ignore[arg-type]
 
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
-        e, fp32 = planner.DTYPES[plan.dtype], planner.FP32
+        e, fp32 = DTYPES[plan.dtype], costs.FP32
         hid, n_exp = int(hu.unit.attr("hidden")), int(hu.unit.attr("experts"))  # type: ignore[arg-type]
         routed = self._routed(hu, tokens)
         saved = e * local * hid  # the normed input (router and experts)
@@ -176,7 +174,7 @@ class Moe(Primitive):
         return saved
 
     def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
-        e = planner.DTYPES[plan.dtype]
+        e = DTYPES[plan.dtype]
         return 4 * e * self._routed(hu, tokens) * self._ffn_local(plan, hu, "gate", "ffn")
 
     def kernels(self, plan: PlanIR, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
@@ -185,9 +183,7 @@ class Moe(Primitive):
         the rank's local experts (all of them without expert parallelism), each at balanced routing
         receiving rows. `linears` counts the stacked gate / up / down once: they are in the
         per-expert count instead."""
-        from meshllm_dsl.planner.moe import expert_degree
-
-        degree = expert_degree(plan, hu)
+        degree = costs.expert_degree(plan, hu)
         local = int(hu.unit.attr("experts")) // degree  # type: ignore[arg-type]
         n = linears - len(_EXPERTS) * k["linear"] + k["moe_routing"] + k["residual"]
         if degree > 1:
@@ -201,15 +197,20 @@ class Moe(Primitive):
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Any:
         """Active work only: the router on every token, and each token's top_k experts (not all of
         them), plus the shared expert on every token."""
-        from meshllm_dsl.primitives import Matmul, Work  # the planner's time model
-
         hid, n_exp = int(hu.unit.attr("hidden")), int(hu.unit.attr("experts"))  # type: ignore[arg-type]
         routed, f = self._routed(hu, tokens), self._ffn_local(plan, hu, "gate", "ffn")
-        mm = [Matmul(tokens, n_exp, hid), Matmul(routed, f, hid, 2), Matmul(routed, hid, f)]
+        mm = [costs.Matmul(tokens, n_exp, hid), costs.Matmul(routed, f, hid, 2), costs.Matmul(routed, hid, f)]
         if hu.unit.attr("shared_expert"):
             s = self._ffn_local(plan, hu, "shared_gate", "shared_ffn")
-            mm += [Matmul(tokens, s, hid, 2), Matmul(tokens, hid, s), Matmul(tokens, 1, hid)]
-        return Work(tuple(mm))
+            mm += [costs.Matmul(tokens, s, hid, 2), costs.Matmul(tokens, hid, s), costs.Matmul(tokens, 1, hid)]
+        return costs.Work(tuple(mm))
+
+    def unit_collectives(self, unit: Unit, placement: Mapping[str, Placement]) -> tuple[Collective, ...]:
+        """Expert parallelism's token dispatch and combine (runtime/moe/dispatch.py), over the axes
+        its experts are split over."""
+        experts = next((p.experts for lf in unit.leaves for p in [placement.get(".".join(lf.path), REPLICATE)]
+                        if p.experts), ())
+        return (Collective("expert_all_to_all", experts, "the experts"),) if experts else ()
 
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         d = dict(hidden=a["hidden"], ffn=a["ffn"], experts=a["experts"], top_k=a["top_k"],

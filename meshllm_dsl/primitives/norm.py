@@ -8,16 +8,17 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from meshllm_dsl.ir import Leaf, Placement, Unit, UnitFlow
-from meshllm_dsl.parallel import layouts
-from meshllm_dsl.planner import analyze as planner
-from meshllm_dsl.primitives import Built, Primitive, TopSite, Work
+from meshllm_dsl.ir import DTYPES, Leaf, Placement, Unit, UnitFlow
+from meshllm_dsl.parallel import costs
+from meshllm_dsl.parallel.costs import Work
+from meshllm_dsl.parallel.flow import FlowSite, R, seq_layout
+from meshllm_dsl.primitives import Built, Primitive, TopSite
 from meshllm_dsl.primitives.args import Arg, const
 
 if TYPE_CHECKING:
-    from meshllm_dsl.front.resolve import UnitSite
+    from meshllm_dsl.front.site import UnitSite
     from meshllm_dsl.ir import PlanIR
-    from meshllm_dsl.planner.analyze import HeldUnit
+    from meshllm_dsl.parallel.costs import HeldUnit
 
 
 @attrs.frozen
@@ -28,12 +29,12 @@ class Norm(Primitive):
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
         return Work()  # elementwise: the planner charges it as memory traffic (its saved bytes)
 
-    def flow(self, site: layouts.FlowSite) -> UnitFlow | None:
-        return UnitFlow(layouts.R, layouts.R, ())  # weights replicated, applied token by token
+    def flow(self, site: FlowSite) -> UnitFlow | None:
+        return UnitFlow(R, R, ())  # weights replicated, applied token by token
 
     def seq_top_flow(self, unit: Unit, flow: UnitFlow, seq: tuple[str, ...], last: bool,
                      then: Unit | None) -> UnitFlow:
-        q = layouts.seq_layout(seq)
+        q = seq_layout(seq)
         return UnitFlow(q, q, ())
 
     def top_lines(self, w: Any, site: TopSite) -> tuple[list[Any], str]:
@@ -52,15 +53,15 @@ class RMSNorm(Norm):
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         # its input, and an fp32 reciprocal RMS per token
-        return planner.DTYPES[plan.dtype] * local * int(hu.unit.attr("dim")) + planner.FP32 * local  # type: ignore[arg-type]
+        return DTYPES[plan.dtype] * local * int(hu.unit.attr("dim")) + costs.FP32 * local  # type: ignore[arg-type]
 
     def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
         # The runtime's RMSNorm backward (`_RMSNormFn`) computes in fp32 at least: beside the output
         # gradient, its upcast and one product of it, and in half precision the upcast input too
         # (an fp32 input is used as it is): 14 bytes per element in a bf16 model, 7x its dtype.
-        e = planner.DTYPES[plan.dtype]
-        wide = max(e, planner.FP32)
-        return (e + (2 if e >= planner.FP32 else 3) * wide) * (tokens // planner.seq_size(plan)) * int(hu.unit.attr("dim"))  # type: ignore[arg-type]
+        e = DTYPES[plan.dtype]
+        wide = max(e, costs.FP32)
+        return (e + (2 if e >= costs.FP32 else 3) * wide) * (tokens // costs.seq_size(plan)) * int(hu.unit.attr("dim"))  # type: ignore[arg-type]
 
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         d = {"dim": a["dim"], "eps": a["eps"]}
@@ -93,7 +94,7 @@ class LayerNorm(Norm):
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         # its input, and an fp32 mean and rstd per token
-        return planner.DTYPES[plan.dtype] * local * int(hu.unit.attr("dim")) + 2 * planner.FP32 * local  # type: ignore[arg-type]
+        return DTYPES[plan.dtype] * local * int(hu.unit.attr("dim")) + 2 * costs.FP32 * local  # type: ignore[arg-type]
 
     def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
         return 0  # nothing measured beyond what it saved

@@ -3,7 +3,7 @@
 Three views: rank -> mesh coordinates -> pipeline stage, layers and shard index; the process group of
 every axis (MeshIR.groups, the same groups the runtime builds with init_device_mesh); and per layer
 the global and local shape of each parameter, its activation layouts and the collectives it issues.
-Layouts are placements in DTensor's terms (placements.py), printed as torch prints a DTensor's, one
+Layouts are placements in DTensor's terms (parallel/dtensor.py), printed as torch prints a DTensor's, one
 per axis of the mesh a stage's DTensors live on (the mesh without its pipeline axis).
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from meshllm_dsl import primitives
 from meshllm_dsl.ir import (
-    REPLICATE,
     Collective,
     Placement,
     PlanIR,
@@ -22,16 +22,9 @@ from meshllm_dsl.ir import (
     param_dims,
 )
 from meshllm_dsl.parallel.collectives import spec
+from meshllm_dsl.parallel.dtensor import Layout, activation_dims, dtensor_placements, dtensor_text
 from meshllm_dsl.parallel.layouts import seq_partial_grad
-from meshllm_dsl.parallel.placements import (
-    Layout,
-    activation_dims,
-    activation_layout,
-    dtensor_placements,
-    dtensor_text,
-    fsdp_axes,
-    spmd_mesh,
-)
+from meshllm_dsl.parallel.placements import activation_layout, fsdp_axes, spmd_mesh
 from meshllm_dsl.planner.analyze import _ranges, _table, stage_label
 
 
@@ -116,11 +109,8 @@ def _unit_entries(plan: PlanIR, unit: Unit, placement: dict[str, Placement], flo
                 entry["rule"] += f"; experts over {' x '.join(p.experts)}"
             params.append(entry)
     collectives = [_collective(c) for c in flow.collectives] if flow else []
-    experts = next((p.experts for lf in unit.leaves for p in [placement.get(".".join(lf.path), REPLICATE)]
-                    if p.experts), ())
-    if experts:
-        # Expert parallelism's token dispatch and combine, issued by the unit itself (runtime/moe/dispatch.py).
-        collectives.append(_collective(Collective("expert_all_to_all", experts, "the experts")))
+    # Then those the unit issues itself (expert parallelism's dispatch and combine), from its record.
+    collectives += [_collective(c) for c in primitives.of(unit).unit_collectives(unit, placement)]
     return {
         "name": unit.name, "kind": unit.kind, "params": params,
         "input": str(flow.input) if flow else None, "output": str(flow.output) if flow else None,

@@ -5,9 +5,8 @@ Numerics follow HF ``LlamaForCausalLM`` / ``GPT2LMHeadModel`` so their checkpoin
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -15,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from meshllm_dsl.runtime.model import rope
+from meshllm_dsl.runtime.model import decode, rope
+from meshllm_dsl.runtime.model.decode import DecodeSession, KVCache
 from meshllm_dsl.runtime.parallel.collectives import all_gather_cat
 
 __all__ = [
@@ -136,77 +136,11 @@ class VocabParallelEmbedding(nn.Module):
         return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
-class KVCache:
-    """Keys and values of one attention layer seen so far, [b, kv_heads_local, t, head_dim].
-
-    With a sliding window only the last ``window - 1`` positions stay after a step: the next token
-    attends to itself and those, never further back, so a windowed layer's cache never grows past
-    the window however long the generation runs."""
-
-    def __init__(self) -> None:
-        self.k: Tensor | None = None
-        self.v: Tensor | None = None
-        self.seen = 0  # positions this cache has been given (the held ones are the last `length`)
-
-    @property
-    def length(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
-
-    def update(self, k: Tensor, v: Tensor, window: int = 0) -> tuple[Tensor, Tensor]:
-        """The held keys / values followed by the new ones (what this step attends to); keeps at most
-        ``window - 1`` of them for the next step when ``window`` is set."""
-        full_k = k if self.k is None else torch.cat([self.k, k], dim=2)
-        full_v = v if self.v is None else torch.cat([self.v, v], dim=2)
-        self.seen += k.shape[2]
-        keep = full_k.shape[2] if not window else min(full_k.shape[2], window - 1)
-        self.k, self.v = full_k[:, :, full_k.shape[2] - keep:], full_v[:, :, full_v.shape[2] - keep:]
-        return full_k, full_v
-
-    def reset(self) -> None:
-        self.k = self.v = None
-        self.seen = 0
-
-
-class DecodeSession:
-    """KV caches of one rank's attention layers during incremental decoding.
-
-    Generated ``forward`` methods call ``attention(q, k, v)`` and ``positions(s, device)`` with no
-    cache argument; while a session step is active, attention call number i of the forward uses
-    cache i and positions start after the tokens already cached.  So any generated stage decodes
-    incrementally unchanged, and each rank caches only its own kv heads: the cache is sharded over
-    the tensor axis exactly like k and v.
-    """
-
-    def __init__(self) -> None:
-        self.caches: list[KVCache] = []
-        self.offset = 0
-        self._calls = 0
-
-    def next_cache(self) -> KVCache:
-        if self._calls == len(self.caches):
-            self.caches.append(KVCache())
-        self._calls += 1
-        return self.caches[self._calls - 1]
-
-    @contextlib.contextmanager
-    def step(self, seq: int) -> Iterator[None]:
-        """One forward over ``seq`` new tokens; afterwards they count as cached."""
-        global _ACTIVE
-        self._calls, _ACTIVE = 0, self
-        try:
-            yield
-        finally:
-            _ACTIVE = None
-        self.offset += seq
-
-
-_ACTIVE: DecodeSession | None = None
-
-
 def positions(seq: int, device: torch.device | str | None = None, offset: int = 0) -> Tensor:
     """Token positions offset .. offset + seq - 1 (int64), after any cached tokens when decoding."""
-    if _ACTIVE is not None:
-        offset += _ACTIVE.offset
+    session = decode.active()
+    if session is not None:
+        offset += session.offset
     return torch.arange(offset, offset + seq, device=device, dtype=torch.long)
 
 
@@ -310,8 +244,9 @@ def attention(
     ``softcap``: logits become tanh(x / softcap) * softcap (Gemma 2).
     """
     b, s, h, d = q.shape
-    if kv_cache is None and _ACTIVE is not None:
-        kv_cache = _ACTIVE.next_cache()
+    session = decode.active()
+    if kv_cache is None and session is not None:
+        kv_cache = session.next_cache()
     qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     past = held = 0
     if kv_cache is not None:

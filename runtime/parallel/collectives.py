@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from meshllm_dsl.runtime.model import decode
+
 __all__ = [
     "all_gather_cat",
     "all_reduce_sum",
@@ -243,9 +245,7 @@ def split_to(x: Tensor, group: ProcessGroup | None, dim: int) -> Tensor:
 
 def sequence_sharded() -> bool:
     """Whether activations between sublayers are sharded along the sequence now (not decoding)."""
-    from meshllm_dsl.runtime.model import layers
-
-    return layers._ACTIVE is None
+    return decode.active() is None
 
 
 def gather_seq(x: Tensor, group: ProcessGroup | None, partial_grad: bool = True) -> Tensor:

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import Tensor
 
-from meshllm_dsl.runtime.model import layers
+from meshllm_dsl.runtime.model import decode, layers
 from meshllm_dsl.runtime.moe.routing import capacity_of, keep_within_capacity
 from meshllm_dsl.runtime.parallel.collectives import _GatherSeq, all_gather_cat, all_reduce_sum
 from meshllm_dsl.runtime.parallel.mesh import Mesh
@@ -103,7 +103,7 @@ class ContextShard:
 
     def positions(self, s_local: int, device: torch.device | str | None = None, index: int | None = None) -> Tensor:
         """Global positions of the ``s_local`` tokens context rank ``index`` holds (int64)."""
-        if layers._ACTIVE is not None and not _SPLIT_PREFILL:  # decoding one token on every rank
+        if decode.active() is not None and not _SPLIT_PREFILL:  # decoding one token on every rank
             return layers.positions(s_local, device)
         c = s_local // 2
         head, tail = self.chunks(index)
@@ -123,7 +123,7 @@ class ContextShard:
         sequences' b x s tokens, in position order (runtime/moe/routing.py)."""
         def keep(idx: Tensor, experts: int, factor: float) -> Tensor:
             k = idx.shape[-1]
-            if self.group is None or (layers._ACTIVE is not None and not _SPLIT_PREFILL):
+            if self.group is None or (decode.active() is not None and not _SPLIT_PREFILL):
                 # One rank, or a decoding step: every rank routes the same whole tokens.
                 limit = capacity_of(factor, idx.shape[0], k, experts)
                 assert limit is not None
@@ -150,7 +150,7 @@ class ContextShard:
                   softcap: float = 0.0) -> Tensor:
         """Causal GQA attention of this rank's queries over every rank's keys: q [b, s / n, h, d],
         k / v [b, s / n, kvh, d] -> [b, s / n, h * d]."""
-        decoding = layers._ACTIVE is not None
+        decoding = decode.active() is not None
         if self.group is None or (decoding and not _SPLIT_PREFILL):
             # One rank, or a decoding step after the prefill: the new token is the same on every
             # rank and each rank's cache holds the whole sequence.
@@ -159,11 +159,12 @@ class ContextShard:
         q_pos = self.positions(s, q.device)
         k_pos = self.order(s).to(q.device)
         if decoding:
-            assert layers._ACTIVE is not None
+            session = decode.active()
+            assert session is not None
             # Split prefill: [b, s / n, kvh, d] per rank -> [b, s, kvh, d] in position order, kept
             # whole in this layer's cache so the next tokens attend to the whole prompt.
             k_all, v_all = self.unshard(k), self.unshard(v)
-            k_all, v_all = (t.transpose(1, 2) for t in layers._ACTIVE.next_cache().update(
+            k_all, v_all = (t.transpose(1, 2) for t in session.next_cache().update(
                 k_all.transpose(1, 2), v_all.transpose(1, 2), window))
             k_pos = torch.arange(k_all.shape[1], device=q.device)
         else:

@@ -890,31 +890,8 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
     from meshllm_dsl.runtime.train import startup
 
     startup.report("up")
-    args = parse_args(argv)
-    auto_resume = args.resume is None and _restarted() and args.save is not None and _has_latest(args.save)
-    if auto_resume:
-        args.resume = "latest"  # torchrun restarted the job: go on from the last checkpoint
-    try:
-        check_inputs(args, program.model, program.seq)
-    except InputError as err:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    if args.weights is not None:
-        try:  # config, index and tensor headers against the program, before any rank reads a tensor
-            ignored = check_weights(args.weights, program, args.weights_extra)
-        except WeightsError as err:
-            if os.environ.get("RANK", "0") == "0":
-                print(f"error: bad --weights: {err}", file=sys.stderr)
-            sys.exit(2)
-        if ignored and os.environ.get("RANK", "0") == "0":
-            print(f"warning: {extras_note(args.weights, ignored)}", file=sys.stderr)
-    try:
-        cuda = select_device()
-    except InputError as err:
-        if os.environ.get("LOCAL_RANK", "0") == str(torch.cuda.device_count()):  # the first without a GPU
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    args, auto_resume = _checked_args(program, argv)
+    cuda = _device_or_exit()
     timeout = timedelta(seconds=args.timeout)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     first, progress = rank == 0, None
@@ -924,76 +901,14 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         startup.report("joined")
         if int(os.environ.get("GROUP_WORLD_SIZE", "1")) > 1:
-            nodes = check_same_plan(args, rank, world, timeout)
-            if rank == 0:
-                for line in node_warnings(program.axes, getattr(program, "hosts", 1), nodes):
-                    _say(line)
+            _check_nodes(program, args, rank, world, timeout)
         progress = Progress(rank)
         built = program.build(seed=args.seed, weights=args.weights, device=None if cuda else torch.device("cpu"))
         first = _first(built)
         startup.report("built")
-        start, seed = 0, args.seed
-        if args.resume is not None:
-            start, seed = _resume(built, args)
-        elif args.load:
-            loaded = load_checkpoint(built, args.load)
-            if first:
-                saved = " x ".join(f"{name} {size}" for name, size in loaded["layout"]["axes"]) or "1 rank"
-                _say(f"loaded the weights of {loaded['path']} (step {loaded['step']}, saved on {saved})")
-        if args.save_over and not auto_resume:
-            start_lineage(built)  # --save-over starts a lineage of its own, even from --resume
-        tokenizer = None
-        if args.tokenizer:
-            from meshllm_dsl.runtime.train.tokens import load_tokenizer
-
-            tokenizer = load_tokenizer(Path(args.tokenizer))
-        # Text with a tokenizer is tokenized here; a token file or raw bytes are memory-mapped.
-        from meshllm_dsl.runtime.train.tokens import token_file_vocab
-
-        text = args.data is not None and token_file_vocab(args.data) is None
-        corpus = _corpus(built, args.data, tokenizer) if tokenizer is not None and text else None
-        if args.infer:
-            from meshllm_dsl.runtime.train.tokens import parse_ids
-
-            prompt = None
-            if args.prompt_ids is not None:
-                prompt = parse_ids(args.prompt_ids, _real_vocab(built))
-            elif args.prompt is not None:
-                prompt = parse_ids(",".join(map(str, tokenizer.encode(args.prompt))), _real_vocab(built))
-            infer(built, args.tokens, args.seed, prompt, tokenizer)
-        elif args.eval:
-            evaluate(built, _corpus(built, args.data, tokenizer), max(args.steps, 1))
-        elif args.steps == 0:
-            _summary(built, "no training steps (--steps 0)")
-        elif start >= args.steps:
-            if first:
-                print(f"nothing to do: the checkpoint is at step {start}, --steps is {args.steps}",
-                      file=sys.stderr)
-        else:
-            if args.data is not None and len(open_data(args.data)) < program.seq + 2:
-                raise InputError(
-                    f"--data {args.data}: needs at least {program.seq + 2} bytes for seq "
-                    f"{program.seq}, has {len(open_data(args.data))}"
-                )
-            preempt = Preemption() if args.save is not None else None
-            train(built, args.steps, seed, args.data, corpus, start=start, save=args.save,
-                  save_every=args.save_every, keep=args.keep, progress=progress,
-                  preempt=preempt)
-            if args.profile:
-                from meshllm_dsl.runtime.train.profile import profile_train
-
-                p = program
-                batches = [synthetic_batch(_real_vocab(built), p.batch, p.seq, args.seed, i) for i in range(PROFILE_STEPS)]
-                profile_train(built, batches, args.profile)
-            if args.profile_trace:
-                from meshllm_dsl.runtime.train.profile import trace_train
-
-                p = program
-                batches = [synthetic_batch(_real_vocab(built), p.batch, p.seq, args.seed, i) for i in range(TRACE_STEPS)]
-                trace_train(built, batches, args.profile_trace)
-                if first:
-                    print(f"Chrome traces of one step: {args.profile_trace}/rank*.json "
-                          "(chrome://tracing or ui.perfetto.dev)", file=sys.stderr)
+        start, seed = _starting_step(built, args, auto_resume, first)
+        tokenizer, corpus = _text_inputs(built, args)
+        _run_mode(program, built, args, start, seed, tokenizer, corpus, progress, first)
         if args.export_hf:
             from meshllm_dsl.runtime.hf.weights import export_hf
 
@@ -1018,3 +933,130 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _checked_args(program: Program, argv: Sequence[str] | None) -> tuple[argparse.Namespace, bool]:
+    """The command line, checked against the program (and --weights against its config) before any
+    rank joins: exit 2 on a bad one. Also whether torchrun restarted the job, which then resumes."""
+    args = parse_args(argv)
+    auto_resume = args.resume is None and _restarted() and args.save is not None and _has_latest(args.save)
+    if auto_resume:
+        args.resume = "latest"  # torchrun restarted the job: go on from the last checkpoint
+    try:
+        check_inputs(args, program.model, program.seq)
+    except InputError as err:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    if args.weights is not None:
+        try:  # config, index and tensor headers against the program, before any rank reads a tensor
+            ignored = check_weights(args.weights, program, args.weights_extra)
+        except WeightsError as err:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: bad --weights: {err}", file=sys.stderr)
+            sys.exit(2)
+        if ignored and os.environ.get("RANK", "0") == "0":
+            print(f"warning: {extras_note(args.weights, ignored)}", file=sys.stderr)
+    return args, auto_resume
+
+
+def _device_or_exit() -> bool:
+    """select_device, or exit 2 where this rank has no GPU (said once, by the first such rank)."""
+    try:
+        return select_device()
+    except InputError as err:
+        if os.environ.get("LOCAL_RANK", "0") == str(torch.cuda.device_count()):  # the first without a GPU
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _check_nodes(program: Program, args: argparse.Namespace, rank: int, world: int, timeout: timedelta) -> None:
+    """Every node runs the same plan; rank 0 warns about what the nodes it sees do not match."""
+    nodes = check_same_plan(args, rank, world, timeout)
+    if rank == 0:
+        for line in node_warnings(program.axes, getattr(program, "hosts", 1), nodes):
+            _say(line)
+
+
+def _starting_step(built: Built, args: argparse.Namespace, auto_resume: bool, first: bool) -> tuple[int, int]:
+    """The step and seed the run starts from: a resumed checkpoint's, else 0 and --seed (after
+    loading --load's weights)."""
+    start, seed = 0, args.seed
+    if args.resume is not None:
+        start, seed = _resume(built, args)
+    elif args.load:
+        loaded = load_checkpoint(built, args.load)
+        if first:
+            saved = " x ".join(f"{name} {size}" for name, size in loaded["layout"]["axes"]) or "1 rank"
+            _say(f"loaded the weights of {loaded['path']} (step {loaded['step']}, saved on {saved})")
+    if args.save_over and not auto_resume:
+        start_lineage(built)  # --save-over starts a lineage of its own, even from --resume
+    return start, seed
+
+
+def _text_inputs(built: Built, args: argparse.Namespace) -> tuple[Any, Any]:
+    """The tokenizer (--tokenizer) and the tokenized corpus of a text --data; None where not given.
+    Text with a tokenizer is tokenized here; a token file or raw bytes are memory-mapped."""
+    tokenizer = None
+    if args.tokenizer:
+        from meshllm_dsl.runtime.train.tokens import load_tokenizer
+
+        tokenizer = load_tokenizer(Path(args.tokenizer))
+    from meshllm_dsl.runtime.train.tokens import token_file_vocab
+
+    text = args.data is not None and token_file_vocab(args.data) is None
+    corpus = _corpus(built, args.data, tokenizer) if tokenizer is not None and text else None
+    return tokenizer, corpus
+
+
+def _run_mode(program: Program, built: Built, args: argparse.Namespace, start: int, seed: int, tokenizer: Any,
+              corpus: Any, progress: Progress, first: bool) -> None:
+    """What the command line asks of the built program: generate, evaluate, or train from `start`."""
+    if args.infer:
+        from meshllm_dsl.runtime.train.tokens import parse_ids
+
+        prompt = None
+        if args.prompt_ids is not None:
+            prompt = parse_ids(args.prompt_ids, _real_vocab(built))
+        elif args.prompt is not None:
+            prompt = parse_ids(",".join(map(str, tokenizer.encode(args.prompt))), _real_vocab(built))
+        infer(built, args.tokens, args.seed, prompt, tokenizer)
+    elif args.eval:
+        evaluate(built, _corpus(built, args.data, tokenizer), max(args.steps, 1))
+    elif args.steps == 0:
+        _summary(built, "no training steps (--steps 0)")
+    elif start >= args.steps:
+        if first:
+            print(f"nothing to do: the checkpoint is at step {start}, --steps is {args.steps}",
+                  file=sys.stderr)
+    else:
+        _train_and_profile(program, built, args, start, seed, corpus, progress, first)
+
+
+def _train_and_profile(program: Program, built: Built, args: argparse.Namespace, start: int, seed: int,
+                       corpus: Any, progress: Progress, first: bool) -> None:
+    """Train steps `start` to --steps, then profile (--profile) or trace (--profile-trace) a few more."""
+    if args.data is not None and len(open_data(args.data)) < program.seq + 2:
+        raise InputError(
+            f"--data {args.data}: needs at least {program.seq + 2} bytes for seq "
+            f"{program.seq}, has {len(open_data(args.data))}"
+        )
+    preempt = Preemption() if args.save is not None else None
+    train(built, args.steps, seed, args.data, corpus, start=start, save=args.save,
+          save_every=args.save_every, keep=args.keep, progress=progress,
+          preempt=preempt)
+    if args.profile:
+        from meshllm_dsl.runtime.train.profile import profile_train
+
+        p = program
+        batches = [synthetic_batch(_real_vocab(built), p.batch, p.seq, args.seed, i) for i in range(PROFILE_STEPS)]
+        profile_train(built, batches, args.profile)
+    if args.profile_trace:
+        from meshllm_dsl.runtime.train.profile import trace_train
+
+        p = program
+        batches = [synthetic_batch(_real_vocab(built), p.batch, p.seq, args.seed, i) for i in range(TRACE_STEPS)]
+        trace_train(built, batches, args.profile_trace)
+        if first:
+            print(f"Chrome traces of one step: {args.profile_trace}/rank*.json "
+                  "(chrome://tracing or ui.perfetto.dev)", file=sys.stderr)
