@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -39,10 +38,8 @@ from meshllm_dsl import primitives
 from meshllm_dsl.codes import W0801, W0802, W0803, W0804, W0805, W0806
 from meshllm_dsl.diagnostics import Diagnostic, Label
 from meshllm_dsl.front.names import ranges
-from meshllm_dsl.front.source import Span
 from meshllm_dsl.ir import (
     DTYPES,
-    REPLICATE,
     Collective,
     MeshIR,
     Placement,
@@ -72,7 +69,8 @@ from meshllm_dsl.parallel.devices import (
     group_crosses_hosts,
 )
 from meshllm_dsl.parallel.placements import defers_grad_sync, runs_fsdp
-from meshllm_dsl.planner.formatting import GB, GIB, _table, fmt_bytes, fmt_count, fmt_seconds
+from meshllm_dsl.planner.formatting import GB, GIB, fmt_bytes, fmt_count, fmt_seconds, table_text
+from meshllm_dsl.planner.held import held_units
 from meshllm_dsl.planner.recompute import (
     BLOCKWISE,
     kept_bytes,
@@ -83,6 +81,7 @@ from meshllm_dsl.planner.recompute import (
 )
 from meshllm_dsl.planner.records import Comm, PlanReport, RankClass, StepTime
 from meshllm_dsl.planner.schedule import rank_moments, rank_order, schedule_cost
+from meshllm_dsl.planner.spans import find_word, header_span
 
 # ---------------------------------------------------------------- assumptions
 
@@ -214,35 +213,6 @@ def fsdp_unit_collectives(zero: int, actions: str | None, microbatches: int, def
 
 
 # ---------------------------------------------------------------- what a stage holds
-
-
-def held_units(plan: PlanIR, stage: Stage) -> Iterator[HeldUnit]:
-    model = plan.model
-    top = dict(plan.top_placements)
-    flows = dict(plan.top_flows)
-    last_item = model.items[-1].name
-    names_here = {pc.item for pc in stage.pieces}
-    for pc in stage.pieces:
-        item = model.item(pc.item)
-        if isinstance(item, Repeat):
-            blocks = set(range(pc.start or 0, pc.stop if pc.stop is not None else item.count))
-            for cls in plan.block_classes:
-                mine = sorted(blocks & set(cls.indices))
-                if not mine:
-                    continue
-                prefix = f"{item.name}.{_ranges(mine)}."
-                for unit in item.body:
-                    yield HeldUnit(unit, prefix, len(mine), cls.placements, dict(cls.flows).get(unit.name),
-                                   indices=tuple(mine))
-        elif isinstance(item, Unit):
-            placements = tuple((".".join(leaf.path), top.get(".".join(leaf.path), REPLICATE)) for leaf in item.leaves)
-            yield HeldUnit(item, "", 1, placements, flows.get(item.name), last=item.name == last_item)
-            for leaf in item.leaves:
-                tied = model.item(leaf.tie) if leaf.tie else None
-                # A head tied to an embedding on another stage holds a synchronised copy of it there.
-                if isinstance(tied, Unit) and tied.name not in names_here:
-                    tp = tuple((".".join(lf.path), top.get(".".join(lf.path), REPLICATE)) for lf in tied.leaves)
-                    yield HeldUnit(tied, "", 1, tp, None, tied_copy=True)
 
 
 def _ranges(blocks: list[int]) -> str:
@@ -1514,30 +1484,6 @@ BUBBLE_WARN = 0.2  # more than a fifth of the step idle in the pipeline
 IMBALANCE_WARN = 1.25  # as the checker's W0701 for parameters: the busiest stage sets the pace
 
 
-def _find_span(span: Span | None, word: str) -> Span | None:
-    """The first `word` (as a whole word, outside comments) inside `span`, for pointing at a setting."""
-    if span is None:
-        return None
-    text = span.text
-    pos = 0
-    for line in text.splitlines(keepends=True):
-        code = line.split("#", 1)[0]
-        m = re.search(rf"\b{re.escape(word)}\b", code)
-        if m:
-            return span.source.span(span.start + pos + m.start(), span.start + pos + m.end())
-        pos += len(line)
-    return None
-
-
-def header_span(span: Span | None) -> Span | None:
-    """`plan NAME on MESH for MODEL` without its body: diagnostics point at a line, not a block."""
-    if span is None:
-        return None
-    brace = span.text.find("{")
-    head = span.text[:brace] if brace > 0 else span.text.splitlines()[0]
-    return span.source.span(span.start, span.start + len(head.rstrip()))
-
-
 def _comm_help(step: StepTime) -> str:
     """W0803's help: what raises the compute per byte moved, for the collectives the step has,
     the largest first (a plan without a tensor axis is never told to shrink one)."""
@@ -1564,7 +1510,7 @@ def _memory_warnings(report: PlanReport) -> list[Diagnostic]:
     if report.fits:
         return []
     plan, dev, worst = report.plan, report.device, _fullest(report)
-    mesh_dev = _find_span(plan.mesh.span, "device")
+    mesh_dev = find_word(plan.mesh.span, "device")
     dev_label = (Label(mesh_dev, f"{dev.name}: {dev.memory_gib:g} GiB, {dev.tflops:g} TFLOP/s"),) if mesh_dev else ()
     parts = {"weights": worst.weight_bytes, "gradients": worst.grad_bytes, "optimizer states": worst.optimizer_bytes,
              "activations": worst.activation_bytes, "ZeRO-3 gather buffer": worst.gather_buffer_bytes,
@@ -1637,7 +1583,7 @@ def _bubble_warnings(report: PlanReport) -> list[Diagnostic]:
     plan = report.plan
     p, m = plan.pipeline_size, plan.microbatches
     need = math.ceil(9 * (p - 1) / plan.virtual)  # (p - 1) / (v (m + p - 1)) <= 10%, roughly
-    where = _find_span(plan.span, "microbatches") or header_span(plan.span)
+    where = find_word(plan.span, "microbatches") or header_span(plan.span)
     return [Diagnostic(
         W0805, f"the pipeline bubble is {report.bubble:.0%} of the step ({fmt_seconds(report.step.bubble_s)})", where,
         label=f"{m} microbatches over {p} stages",
@@ -1654,7 +1600,7 @@ def _imbalance_warnings(report: PlanReport) -> list[Diagnostic]:
     light = min(report.ranks, key=lambda r: r.training_bytes)
     if not (light.training_bytes and worst.training_bytes > IMBALANCE_WARN * light.training_bytes):
         return []
-    where = _find_span(plan.span, "stages") or header_span(plan.span)
+    where = find_word(plan.span, "stages") or header_span(plan.span)
     return [Diagnostic(
         W0806, f"pipeline rank {worst.coord} needs {worst.training_bytes / light.training_bytes:.2f}x the memory "
         f"of rank {light.coord} ({fmt_bytes(worst.training_bytes)} vs {fmt_bytes(light.training_bytes)})", where,
@@ -1762,7 +1708,7 @@ def _memory_lines(rep: PlanReport) -> list[str]:
     return [
         "",
         "memory per device (a row per pipeline rank; the tensor and data ranks at it hold the same)",
-        *("  " + x for x in _table(
+        *("  " + x for x in table_text(
             ["pp", "ranks", "layers", "params", "on device", "weights", "grads", "optimizer", "activations", "total", "fits"],
             rows, right={3, 4, 5, 6, 7, 8, 9})),
         *_fullest_rank_lines(rep),
@@ -1811,7 +1757,7 @@ def _communication_lines(rep: PlanReport) -> list[str]:
     comm_rows = [[c["axis"], c["kind"], c["op"], f"{c['calls']:,}", fmt_bytes(c["payload_bytes"]), fmt_bytes(c["wire_bytes"]),
                   fmt_seconds(c["seconds"]), "network" if c["crosses_hosts"] else "in host"] for c in rep.comm_by_axis()]
     if comm_rows:
-        lines += ["  " + x for x in _table(["axis", "kind", "op", "calls", "payload", "sent", "time", "link"], comm_rows,
+        lines += ["  " + x for x in table_text(["axis", "kind", "op", "calls", "payload", "sent", "time", "link"], comm_rows,
                                            right={3, 4, 5, 6})]
     else:
         lines.append("  none (a single device)")

@@ -31,7 +31,7 @@ def fmt_seconds(s: float) -> str:
     return "0"
 
 
-def _table(header: list[str], rows: list[list[str]], right: set[int] | None = None) -> list[str]:
+def table_text(header: list[str], rows: list[list[str]], right: set[int] | None = None) -> list[str]:
     """Rows of cells in aligned columns, the header first; `right`: the columns aligned right (by
     default all but the first)."""
     right = right if right is not None else set(range(1, len(header)))

@@ -26,9 +26,12 @@ import attrs
 from meshllm_dsl import primitives
 from meshllm_dsl.codes import W0807
 from meshllm_dsl.diagnostics import Diagnostic
-from meshllm_dsl.ir import PlanIR, Repeat, Unit
-from meshllm_dsl.parallel.costs import HeldUnit, Matmul, expert_degree, routed_pairs
-from meshllm_dsl.planner import analyze as planner
+from meshllm_dsl.ir import DTYPES, PlanIR, Repeat, Unit
+from meshllm_dsl.parallel.costs import HeldUnit, Matmul, expert_degree, matmul_seconds, routed_pairs
+from meshllm_dsl.planner.formatting import fmt_bytes, fmt_seconds, table_text
+from meshllm_dsl.planner.held import held_units
+from meshllm_dsl.planner.records import PlanReport
+from meshllm_dsl.planner.spans import find_word, header_span
 
 SKEW_WAIT_WARN = 0.10  # warn when the other expert-parallel ranks idle more than this share of the step
 
@@ -80,7 +83,7 @@ def router_statistics_bytes(plan: PlanIR) -> int:
     asking = [unit for unit, _ in moe_units(plan) if unit.attr("aux_loss_coef") or unit.attr("z_loss_coef")]
     if not asking or not plan.roles.pipeline:
         return 0
-    return (2 * int(asking[0].attr("experts")) + 2) * max(4, planner.DTYPES[plan.dtype])  # type: ignore[arg-type]
+    return (2 * int(asking[0].attr("experts")) + 2) * max(4, DTYPES[plan.dtype])  # type: ignore[arg-type]
 
 
 @attrs.frozen
@@ -116,7 +119,7 @@ class SkewReport:
 
 def _expert_saved_bytes(plan: PlanIR, hu: HeldUnit, pairs: float) -> float:
     """Saved activations that scale with a rank's routed pairs (the moe primitive's routed terms)."""
-    e = planner.DTYPES[plan.dtype]
+    e = DTYPES[plan.dtype]
     hid = int(hu.unit.attr("hidden"))  # type: ignore[arg-type]
     f = _ffn_local(plan, hu)
     return pairs * e * (2 * hid + 4 * f)
@@ -143,15 +146,15 @@ def _ffn_local(plan: PlanIR, hu: HeldUnit) -> int:
     return plan.local_shape(leaf.params[0], hu.placement(leaf))[0]
 
 
-def _expert_seconds(rep: planner.PlanReport, hu: HeldUnit, pairs: float) -> float:
+def _expert_seconds(rep: PlanReport, hu: HeldUnit, pairs: float) -> float:
     """Forward and backward (3x the forward) of the experts' three matmuls over `pairs` pairs."""
-    plan, e = rep.plan, planner.DTYPES[rep.plan.dtype]
+    plan, e = rep.plan, DTYPES[rep.plan.dtype]
     hid, f, n = int(hu.unit.attr("hidden")), _ffn_local(plan, hu), max(1, round(pairs))  # type: ignore[arg-type]
-    return 3 * (planner.matmul_seconds(rep.device, Matmul(n, f, hid, 2), e)
-                + planner.matmul_seconds(rep.device, Matmul(n, hid, f), e))
+    return 3 * (matmul_seconds(rep.device, Matmul(n, f, hid, 2), e)
+                + matmul_seconds(rep.device, Matmul(n, hid, f), e))
 
 
-def skew_report(rep: planner.PlanReport) -> SkewReport | None:
+def skew_report(rep: PlanReport) -> SkewReport | None:
     """Each pipeline coordinate's busiest and other expert-parallel ranks under `skew` (None
     without `skew`)."""
     plan = rep.plan
@@ -168,7 +171,7 @@ def skew_report(rep: planner.PlanReport) -> SkewReport | None:
         busy_s = other_s = 0.0
         balanced = 0
         for stage in (s for s in plan.stages if s.index in rc.stages):
-            for hu in planner.held_units(plan, stage):
+            for hu in held_units(plan, stage):
                 if not primitives.of(hu.unit).routes_experts:
                     continue
                 experts, k = int(hu.unit.attr("experts")), int(hu.unit.attr("top_k"))  # type: ignore[arg-type]
@@ -204,7 +207,7 @@ def skew_report(rep: planner.PlanReport) -> SkewReport | None:
                       rep.step.total_s + extra_busiest, rep.step.total_s, a2a_factor, a2a_extra)
 
 
-def skew_lines(rep: planner.PlanReport) -> list[str]:
+def skew_lines(rep: PlanReport) -> list[str]:
     """The plan report's section on the skew (none without `skew`)."""
     sk = skew_report(rep)
     if sk is None:
@@ -216,43 +219,43 @@ def skew_lines(rep: planner.PlanReport) -> list[str]:
                      + ("" if sk.dropped_share else ": no rank's memory or step changes"))
     if sk.a2a_factor > 1.0:
         lines.append(f"  each expert all-to-all takes {sk.a2a_factor:.2f}x its balanced time (the busiest rank receives "
-                     f"that many times its balanced rows), {planner.fmt_seconds(sk.a2a_extra_s)} more per step on every rank")
+                     f"that many times its balanced rows), {fmt_seconds(sk.a2a_extra_s)} more per step on every rank")
     if sk.dropped_share:
         lines.append(f"  capacity drops {sk.dropped_share:.1%} of the routed pairs under this skew (each expert takes at "
                      "most its capacity), so the ranks compute and save less than balanced")
     rows = [[str(r.coord), r.role, f"{r.pairs:,.0f}", f"{r.balanced_pairs:,}", f"{r.received_rows:,.0f}",
-             planner.fmt_bytes(r.peak_bytes),
-             "yes" if r.peak_bytes <= rep.device.memory_bytes else "NO", planner.fmt_seconds(r.step_s),
-             planner.fmt_seconds(r.wait_s)] for r in sk.ranks]
-    lines += ["  " + x for x in planner._table(
+             fmt_bytes(r.peak_bytes),
+             "yes" if r.peak_bytes <= rep.device.memory_bytes else "NO", fmt_seconds(r.step_s),
+             fmt_seconds(r.wait_s)] for r in sk.ranks]
+    lines += ["  " + x for x in table_text(
         ["pp", "ep rank", "pairs / layer / mb", "balanced", "rows in", "peak", "fits", "busy", "waits"], rows,
         right={2, 3, 4, 5, 7, 8})]
     return lines
 
 
-def skew_warnings(rep: planner.PlanReport) -> list[Diagnostic]:
+def skew_warnings(rep: PlanReport) -> list[Diagnostic]:
     """W0807: under the plan's skew a rank does not fit, or the others wait more than
     SKEW_WAIT_WARN of the step."""
     sk = skew_report(rep)
     if sk is None:
         return []
-    where = planner._find_span(rep.plan.span, "skew") or planner.header_span(rep.plan.span)
+    where = find_word(rep.plan.span, "skew") or header_span(rep.plan.span)
     out = []
     dev = rep.device
     worst = max(sk.ranks, key=lambda r: r.peak_bytes)
     if worst.peak_bytes > dev.memory_bytes and rep.peak_training_bytes <= dev.memory_bytes:
         out.append(Diagnostic(
             W0807, f"under skew {sk.skew:g} the {worst.role} expert-parallel rank at pipeline rank {worst.coord} needs "
-            f"{planner.fmt_bytes(worst.peak_bytes)}, {planner.fmt_bytes(worst.peak_bytes - dev.memory_bytes)} more than "
-            f"the {planner.fmt_bytes(dev.memory_bytes)} of a {dev.name}", where,
+            f"{fmt_bytes(worst.peak_bytes)}, {fmt_bytes(worst.peak_bytes - dev.memory_bytes)} more than "
+            f"the {fmt_bytes(dev.memory_bytes)} of a {dev.name}", where,
             label="does not fit under this routing skew",
             help="set a capacity factor on the model (`capacity = 1.25`) so no expert takes more than its share, or "
             "raise the load-balancing loss (`aux_loss_coef`)"))
     if sk.wait_share > SKEW_WAIT_WARN:
         wait = max(r.wait_s for r in sk.ranks)
         out.append(Diagnostic(
-            W0807, f"under skew {sk.skew:g} the other expert-parallel ranks wait {planner.fmt_seconds(wait)} per step for "
-            f"the busiest, {sk.wait_share:.0%} of the {planner.fmt_seconds(sk.step_s)} step"
+            W0807, f"under skew {sk.skew:g} the other expert-parallel ranks wait {fmt_seconds(wait)} per step for "
+            f"the busiest, {sk.wait_share:.0%} of the {fmt_seconds(sk.step_s)} step"
             + (f"; its all-to-alls take {sk.a2a_factor:.2f}x their balanced time (the busiest rank receives "
                f"{max(r.received_rows for r in sk.ranks):,.0f} rows per layer and microbatch from the others, "
                f"{received_rows(sk.ranks[0].balanced_pairs, sk.degree):,.0f} balanced)" if sk.a2a_factor > 1.0 else ""),

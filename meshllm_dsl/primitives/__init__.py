@@ -70,7 +70,8 @@ class Primitive:
     # Selective recomputation (`recompute = attention`) reruns its core in backward.
     recomputed_core: bool = False
     # It routes each token to `top_k` of its experts (a moe layer): the planner's expert all-to-alls,
-    # routing gathers under context parallelism, active parameters and routing skew.
+    # routing gathers under context parallelism, active parameters and routing skew; a plan's `skew`
+    # and the `expert` rule apply to it.
     routes_experts: bool = False
     # Sequence parallelism may shard its input and output along the sequence (f / g become an
     # all-gather and a reduce-scatter); False: refused (E0309) until its forward is written for it.
@@ -82,8 +83,6 @@ class Primitive:
     width_arg: str = "dim"
     # Its arguments as a spec writes them, in order (resolve.py binds calls against them).
     args: tuple[Arg, ...] = ()
-    # It routes each token to some of its experts: a plan's `skew` and the `expert` rule apply to it.
-    routes_experts: bool = False
     # Its leaf is a table whose rows are the vocabulary (the token embedding): `vocab_parallel`
     # splits it, the one split it takes besides `replicate`.
     vocab_rows: bool = False
@@ -216,7 +215,3 @@ def of(unit: Unit) -> Primitive:
         raise KeyError(f"layer kind {unit.kind!r} has no record in meshllm_dsl/primitives (known: {', '.join(REGISTRY)})")
     return found
 
-
-def of_leaf(leaf: Leaf) -> Primitive:
-    """The record of a parameter leaf's kind (ir.Leaf.kind): every leaf kind is a layer kind (`_registry`)."""
-    return REGISTRY[leaf.kind]

@@ -25,7 +25,7 @@ from meshllm_dsl.parallel.collectives import spec
 from meshllm_dsl.parallel.dtensor import Layout, activation_dims, dtensor_placements, dtensor_text
 from meshllm_dsl.parallel.layouts import seq_partial_grad
 from meshllm_dsl.parallel.placements import activation_layout, fsdp_axes, spmd_mesh
-from meshllm_dsl.planner.analyze import _ranges, _table, stage_label
+from meshllm_dsl.planner.analyze import _ranges, stage_label, table_text
 
 
 def shard_axes(plan: PlanIR) -> tuple[str, ...]:
@@ -165,7 +165,7 @@ def explain_text(plan: PlanIR) -> str:
         "stages",
     ]
     stage_rows = [[str(s.index), str(s.coord), stage_label(plan, s), f"{s.numel:,}"] for s in plan.stages]
-    lines += ["  " + x for x in _table(["stage", plan.roles.pipeline or "pipeline", "layers", "parameters"], stage_rows,
+    lines += ["  " + x for x in table_text(["stage", plan.roles.pipeline or "pipeline", "layers", "parameters"], stage_rows,
                                        right={1, 3})]
     lines += ["", "ranks"]
     sharding = shard_axes(plan)
@@ -178,7 +178,7 @@ def explain_text(plan: PlanIR) -> str:
                      ",".join(str(s) for s in r["stages"]), r["layers"],
                      f"{r['shard']}/{r['shards']}" + (f" over {' x '.join(sharding)}" if sharding else ""),
                      f"{r['replica']}/{r['replicas']}"])
-    lines += ["  " + x for x in _table(header, rows, right=set(range(len(mesh.axes) + len(nodes) + 1)))]
+    lines += ["  " + x for x in table_text(header, rows, right=set(range(len(mesh.axes) + len(nodes) + 1)))]
     lines += ["", "process groups (ranks that differ only along the axis)"]
     width = max(len(a.name) for a in mesh.axes)
     for a in mesh.axes:
@@ -203,7 +203,7 @@ def explain_text(plan: PlanIR) -> str:
         for u in entry["units"]:
             lines.append(f"{indent}{u['name']} ({u['kind']})")
             arows = [[a["at"], dtensor_text(a["placements"]), f"# {a['layout']}"] for a in u["activations"] if placed]
-            lines += [indent + "  " + x for x in _table(["at", "placements", "layout"], arows, right=set())[1:]]
+            lines += [indent + "  " + x for x in table_text(["at", "placements", "layout"], arows, right=set())[1:]]
             prows = []
             for p in u["params"]:
                 if p.get("tied_to"):
@@ -211,7 +211,7 @@ def explain_text(plan: PlanIR) -> str:
                 else:
                     prows.append([p["name"], _shape(p["global"]), _shape(p["local"]), p["rule"],
                                   *((dtensor_text(p["placements"]), f"# {p['layout']}") if placed else ("", ""))])
-            lines += [indent + "  " + x for x in _table(["param", "global", "local", "rule", "placements", "layout"],
+            lines += [indent + "  " + x for x in table_text(["param", "global", "local", "rule", "placements", "layout"],
                                                         prows, right=set())[1:]]
             for c in u["collectives"]:
                 lines.append(f"{indent}  collective: {c}")
