@@ -12,9 +12,10 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from meshllm_dsl.runtime.model import description
 from meshllm_dsl.runtime.model.layers import cross_entropy
 from meshllm_dsl.runtime.model.reference import build_reference
-from meshllm_dsl.runtime.moe.routing import RouterLosses, recording, routing_layers
+from meshllm_dsl.runtime.moe.routing import RouterLosses, recording
 from meshllm_dsl.runtime.parallel.mesh import Mesh
 from meshllm_dsl.runtime.train.program import Program, adamw_kwargs, lr_at
 
@@ -38,7 +39,7 @@ def _forwards(program: Program, mesh: Mesh, train: bool) -> int:
     """Into how many forwards (consecutive groups of sequences) the plan splits a batch, where that
     changes a moe model's result (a capacity factor, router losses: per forward's tokens): one per
     data-parallel rank, and in training one per microbatch of each."""
-    moes = [s for s in routing_layers(program.model) if s["kind"] == "moe"]
+    moes = description.moe_layers(program.model)
     if not any(s.get("capacity") or s.get("aux_loss_coef") or s.get("z_loss_coef") for s in moes):
         return 1
     dp = mesh.size(*program.batch_axes) if program.batch_axes else 1

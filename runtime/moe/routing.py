@@ -43,8 +43,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from meshllm_dsl.runtime.model import description
+
 __all__ = ["DROPPED", "RouterLog", "RouterLosses", "capacity_of", "keep_within_capacity", "load_balancing_loss",
-           "record", "recording", "route", "routing_layers", "z_loss"]
+           "record", "recording", "route", "z_loss"]
 
 DROPPED = -1  # the expert id of a (token, choice) pair dropped for capacity
 
@@ -199,7 +201,7 @@ class RouterLosses:
     @classmethod
     def of(cls, model: Mapping[str, Any]) -> RouterLosses | None:
         """None when no moe layer asks for a router loss."""
-        moes = [s for s in _layers(model["layers"]) if s["kind"] == "moe"]
+        moes = description.moe_layers(model)
         wanted = [s for s in moes if s.get("aux_loss_coef") or s.get("z_loss_coef")]
         if not wanted:
             return None
@@ -265,16 +267,3 @@ class RouterLosses:
             total = total + self.z_loss_coef * z_loss(log.logits)
         return total
 
-
-def routing_layers(model: Mapping[str, Any]) -> Iterator[Mapping[str, Any]]:
-    """Every layer of a MODEL description, blocks unrolled, in order."""
-    return _layers(model["layers"])
-
-
-def _layers(layers: Sequence[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
-    for spec in layers:
-        if spec["kind"] == "repeat":
-            for _ in range(int(spec["count"])):
-                yield from spec["body"]
-        else:
-            yield spec

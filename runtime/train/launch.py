@@ -40,6 +40,7 @@ from meshllm_dsl.runtime.hf.weights import (
     check_weights,
     extras_note,
 )
+from meshllm_dsl.runtime.model import description
 from meshllm_dsl.runtime.model.generate import greedy_generate
 from meshllm_dsl.runtime.parallel.collectives import all_reduce_
 from meshllm_dsl.runtime.parallel.mesh import set_group_timeout
@@ -285,13 +286,14 @@ SYNTHETIC_PROMPT = 8
 
 def model_vocab(model: Any) -> int:
     """Token ids the model has: a padded vocabulary's embedding says how many rows are tokens."""
-    embed = next(x for x in model["layers"] if x["kind"] == "embedding")
+    embed = description.token_embedding(model)
     return int(embed.get("used") or embed["num"])
 
 
 def model_positions(model: Any) -> int | None:
     """Positions a model with learned position embeddings has rows for; None for rotary (any)."""
-    return next((int(x["num"]) for x in model["layers"] if x["kind"] == "positional"), None)
+    table = description.position_table(model)
+    return None if table is None else int(table["num"])
 
 
 def _check_model_inputs(args: argparse.Namespace, model: Any, seq: int) -> None:

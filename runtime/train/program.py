@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from meshllm_dsl.runtime.model import description
 from meshllm_dsl.runtime.moe import routing as moe_routing
 from meshllm_dsl.runtime.parallel import fsdp
 from meshllm_dsl.runtime.parallel.collectives import all_reduce_, all_reduce_sum
@@ -117,10 +118,7 @@ class Program:
 
     @property
     def vocab(self) -> int:
-        for layer in self.model["layers"]:
-            if layer["kind"] == "embedding":
-                return int(layer["num"])
-        raise ValueError("model has no embedding layer")
+        return int(description.token_embedding(self.model)["num"])
 
     def build(
         self,
@@ -264,9 +262,7 @@ class Built:
         # Bytes of checkpoint tensors this rank read (its slices only); 0 without --weights.
         self.weights_bytes_read = ckpt.bytes_read if hf is not None else 0
         self._check_coverage()
-        self._hidden = next(
-            int(x["dim"]) for x in program.model["layers"] if x["kind"] == "embedding"
-        )
+        self._hidden = int(description.token_embedding(program.model)["dim"])
         self.batch_axes = tuple(program.batch_axes)
         self.dp = mesh.size(*self.batch_axes) if self.batch_axes else 1
         self.context = ContextShard(mesh, tuple(program.context_axes)) if program.context_axes else None
@@ -557,11 +553,7 @@ class Built:
         up front avoids that round trip.  Boundaries are inferred from the model description:
         the residual stream between stages, logits (last dim from the head's sharding) at the end.
         """
-        hidden = next(
-            int(layer["dim"])
-            for layer in self.program.model["layers"]
-            if layer["kind"] == "embedding"
-        )
+        hidden = int(description.token_embedding(self.program.model)["dim"])
         n = len(self.program.stages)
         out: dict[int, Tensor] = {0: torch.zeros(mb_shape, dtype=torch.long, device=device)}
         between = (mb_shape[0], self._seq_local(mb_shape[1]), hidden)
