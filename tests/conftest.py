@@ -18,16 +18,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # The quick tier (`pytest -m quick`, about 2 minutes on 2 idle cores): every stage once, for an
 # engineer's own loop. The full suite (`pytest -q`) stays the README's and CI's test command.
 QUICK = (
-    "tests/frontend/test_parser.py",  # parse
-    "tests/frontend/test_goldens.py",  # check: every diagnostic golden, every example checks clean
-    "tests/frontend/test_families.py",  # the families' .mesh declarations
+    "tests/front/test_parser.py",  # parse
+    "tests/checker/test_goldens.py",  # check: every diagnostic golden, every example checks clean
+    "tests/front/test_families.py",  # the families' .mesh declarations
     "tests/planner/test_planner_numbers.py",  # plan: memory, communication, bubble
     "tests/codegen/test_codegen.py::test_generated_code_matches_golden",  # one golden per example
     "tests/integration/test_compiled_plans.py::test_compiled_plan_matches_unsharded_reference[data2_pipeline2_tensor2]",  # gloo
     "tests/integration/test_hf_weights.py::test_export_round_trip_is_exact_and_loads_in_transformers[llama-pipeline2_tensor2]",
     "tests/runtime/test_rt_resume.py::test_resume_on_the_same_layout_is_bit_for_bit[llama-data2xtensor2-zero3]",
     "tests/moe/test_moe_planner.py",  # mixture-of-experts through the planner
-    "tests/frontend/test_cli.py",  # meshc's commands and exit codes
+    "tests/cli/test_cli.py",  # meshc's commands and exit codes
     "tests/lsp/test_lsp_analysis.py",  # the language server's answers
 )
 

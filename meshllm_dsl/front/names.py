@@ -9,7 +9,7 @@ from collections.abc import Iterable
 
 from meshllm_dsl.front.limits import MAX_NAME
 
-# Public attributes of torch.nn.Module (`dir(nn.Module)` in torch 2.13; tests/frontend compare the
+# Public attributes of torch.nn.Module (`dir(nn.Module)` in torch 2.13; tests/front compare the
 # list with the installed torch) plus `training`, and `smart_apply`, which transformers adds to
 # nn.Module once one of its models initialises weights: a layer with one of these names would shadow them.
 _NN_MODULE_ATTRS = frozenset(

@@ -711,7 +711,7 @@ class _FastParser:
     INT, as Lark orders them), a string or punctuation (longest first), and it is kept only where the
     state takes that type. Anything else -- a token the state does not take, a character no token
     starts with, a state whose terminals it does not know -- hands the whole file over to Lark
-    (`_HANDED_OVER`), which reports the error or recovers. tests/frontend/test_properties.py checks
+    (`_HANDED_OVER`), which reports the error or recovers. tests/front/test_properties.py checks
     that both build the same AST with the same spans.
     """
 
@@ -827,7 +827,7 @@ class _FastLexer:
     the state takes it, else a NAME where the state takes one. Anything else (a terminal this
     path does not know, a token the state does not accept, the start of an error) goes to Lark's
     own lexer at that position, so errors and unusual input behave exactly as before. Whitespace
-    and comments are the grammar's ignored terminals. tests/frontend/test_parser.py compares the
+    and comments are the grammar's ignored terminals. tests/front/test_parser.py compares the
     token streams of both lexers.
     """
 

@@ -7,7 +7,7 @@ it, its arguments and how resolve builds its IR unit. Resolve, layouts, lowering
 look the record up here instead of comparing kind strings, so a kind without a record, or whose
 record lacks one of those parts, is an error at import (`_registry`), never a silent fallthrough to
 another kind's code. The runtime cannot import the compiler and keeps its own table keyed by kind
-(runtime/model/reference.py LAYER_KINDS); tests/frontend/test_primitive_registry.py keeps the two in step.
+(runtime/model/reference.py LAYER_KINDS); tests/checker/test_primitive_registry.py keeps the two in step.
 
 Adding a kind: its module here (a `Primitive` subclass and its record in REGISTRY), its `UnitKind`
 name (meshllm_dsl/ir.py), its runtime layer (runtime/model/reference.py, runtime/model/layers.py) and the goldens.

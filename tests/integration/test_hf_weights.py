@@ -345,7 +345,7 @@ def test_import_hf_refuses_what_it_cannot_honour(
 
 def test_import_hf_without_a_config_is_a_clear_error(tmp_path: Path) -> None:
     code, err = _import(tmp_path, tmp_path / "x.mesh")
-    assert code == 2 and "config.json: no such file" in err  # an input error; more in tests/frontend/test_hostile_import_hf.py
+    assert code == 2 and "config.json: no such file" in err  # an input error; more in tests/interop/test_hostile_import_hf.py
 
 
 def test_meshc_run_weights_prompt_ids_and_export_end_to_end(models: dict[str, Any], tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """`meshc suggest` at scale (issue 25): the pruned search gives the full search's answer, its lower
 bounds hold for every candidate, a 530B model on 2,520 devices gets a sane plan, `--headroom` is
-kept, and the status line says how far the search is (through a pty: tests/frontend/test_progress.py)."""
+kept, and the status line says how far the search is (through a pty: tests/cli/test_progress.py)."""
 
 from __future__ import annotations
 

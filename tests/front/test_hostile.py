@@ -1,6 +1,6 @@
 """Hostile input: specs a careless user or an attacker writes. None may crash, hang or exhaust memory;
 each must produce its located diagnostic. The rendered output of every case is a golden under
-tests/frontend/hostile/ (rewrite with `pytest tests/frontend --update-goldens` and review the diff).
+tests/front/hostile/ (rewrite with `pytest tests/front --update-goldens` and review the diff).
 
 The cases run `meshc check` (its main, one case after another) in one child process limited to
 1 GiB of address space, each case under a 10 s alarm, so a regression (a hang, a size-linear loop,

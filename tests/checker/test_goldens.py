@@ -2,7 +2,7 @@
 
 The .expected text is what a user sees from `meshc check FILE` run in the repository root (stderr,
 where errors go, followed by stdout, where warnings and the "ok" line go). Regenerate after an
-intended change with `pytest tests/frontend --update-goldens` and review the diff.
+intended change with `pytest tests/checker --update-goldens` and review the diff.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from meshllm_dsl.cli.main import main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 ERRORS = EXAMPLES / "errors"
 
