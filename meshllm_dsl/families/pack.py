@@ -1,0 +1,43 @@
+"""The record every model family's pack fills in: one per Hugging Face architecture.
+
+A pack says, in one place, what is specific to one HF model family: its class and `model_type`,
+the `.mesh` family it becomes, and how its config.json becomes that family's settings.  Packs are
+torch-free and import nothing of the compiler, so the runtime reads the same records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from meshllm_dsl.families.config_fields import ConfigFields, Setting
+
+# (the .mesh family, its settings in order, the positions it was trained for)
+Reading = tuple[str, list[Setting], int]
+
+
+@attrs.frozen
+class FamilyPack:
+    """One HF architecture: its names, its `.mesh` family, and its config.json reading."""
+
+    architecture: str  # transformers' class, e.g. "LlamaForCausalLM" (config.json's `architectures[0]`)
+    model_type: str  # config.json's `model_type`, read when `architectures` is absent
+    family: str  # the `.mesh` family a model of it is declared from (stdlib/families.mesh)
+    read: Callable[[ConfigFields, FamilyPack, str], Reading]  # (fields, this pack, dtype) -> reading
+    # transformers' default for max_position_embeddings where a config leaves it out
+    default_positions: int | None = None
+    # Llama-shaped attention (meshllm_dsl/families/llama_config.py): what differs per architecture.
+    honours_sliding_window: bool = False  # Mistral, Phi-3: attend within `sliding_window` when set
+    refuses_use_sliding_window: bool = False  # Qwen2 / 3: `use_sliding_window` is refused
+    ignores_mlp_bias: bool = False  # OLMo 2's MLP has no bias whatever the config says
+    default_norm_eps: float = 1e-6
+    qkv_bias_built_in: bool = False  # Qwen2: q, k, v biases (no o bias) whatever the config says
+    qk_norm: str | None = None  # Qwen3: q and k normalised per head ("head")
+    longrope_only: bool = False  # Phi-3: its config reads `su` / `yarn` as longrope, refuses other types
+    longrope_default_original: int | None = None  # Phi3Config's own original_max_position_embeddings
+    # Mixture of experts (meshllm_dsl/families/moe_config.py).
+    attention: FamilyPack | None = None  # the Llama-shaped architecture whose attention it has
+    built_in_settings: tuple[str, ...] = ()  # that attention's settings its family has built in
+    experts_width_field: str | None = None  # Qwen-MoE: the experts' width (`ffn`) comes from this field
+    shared_expert: bool = False  # Qwen2-MoE: a shared expert of `shared_expert_intermediate_size`
