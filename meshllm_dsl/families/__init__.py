@@ -33,4 +33,13 @@ BY_ARCHITECTURE: dict[str, FamilyPack] = {p.architecture: p for p in PACKS}
 BY_MODEL_TYPE: dict[str, FamilyPack] = {p.model_type: p for p in PACKS}
 SUPPORTED: tuple[str, ...] = tuple(BY_ARCHITECTURE)
 
-__all__ = ["BY_ARCHITECTURE", "BY_MODEL_TYPE", "PACKS", "SUPPORTED", "FamilyPack"]
+
+def exported_families() -> dict[str, tuple[FamilyPack, ...]]:
+    """`.mesh` family -> its architectures `meshc export` is proven for, in the registry's order."""
+    out: dict[str, tuple[FamilyPack, ...]] = {}
+    for p in PACKS:
+        if p.tp_export:
+            out[p.family] = (*out.get(p.family, ()), p)
+    return out
+
+__all__ = ["BY_ARCHITECTURE", "BY_MODEL_TYPE", "PACKS", "SUPPORTED", "FamilyPack", "exported_families"]

@@ -136,5 +136,5 @@ def _rope(f: ConfigFields, gemma3: bool) -> list[Setting]:
     return [("rope_theta", *out[FULL]), ("local_rope_theta", *out[SLIDING])]
 
 
-GEMMA2 = FamilyPack("Gemma2ForCausalLM", "gemma2", "gemma2", read_gemma, default_positions=8192)
-GEMMA3 = FamilyPack("Gemma3ForCausalLM", "gemma3_text", "gemma3", read_gemma, default_positions=131072)
+GEMMA2 = FamilyPack("Gemma2ForCausalLM", "gemma2", "gemma2", read_gemma, title="Gemma 2", default_positions=8192)
+GEMMA3 = FamilyPack("Gemma3ForCausalLM", "gemma3_text", "gemma3", read_gemma, title="Gemma 3", default_positions=131072)

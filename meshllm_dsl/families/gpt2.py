@@ -32,4 +32,4 @@ def read_gpt2(f: ConfigFields, pack: FamilyPack, dtype: str) -> Reading:
     ], positions
 
 
-PACK = FamilyPack("GPT2LMHeadModel", "gpt2", "gpt2", read_gpt2)
+PACK = FamilyPack("GPT2LMHeadModel", "gpt2", "gpt2", read_gpt2, title="GPT-2", tp_export=True)

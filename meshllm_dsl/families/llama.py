@@ -10,5 +10,5 @@ from meshllm_dsl.families.llama_config import read_llama_shaped
 from meshllm_dsl.families.pack import FamilyPack
 
 PACK = FamilyPack(
-    "LlamaForCausalLM", "llama", "llama", read_llama_shaped,
+    "LlamaForCausalLM", "llama", "llama", read_llama_shaped, title="Llama", tp_export=True,
     default_positions=2048)

@@ -10,5 +10,5 @@ from meshllm_dsl.families.llama_config import read_llama_shaped
 from meshllm_dsl.families.pack import FamilyPack
 
 PACK = FamilyPack(
-    "MistralForCausalLM", "mistral", "llama", read_llama_shaped,
+    "MistralForCausalLM", "mistral", "llama", read_llama_shaped, title="Mistral", tp_export=True,
     default_positions=4096 * 32, honours_sliding_window=True)

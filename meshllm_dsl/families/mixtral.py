@@ -10,5 +10,5 @@ from meshllm_dsl.families.moe_config import read_moe
 from meshllm_dsl.families.pack import FamilyPack
 
 PACK = FamilyPack(
-    "MixtralForCausalLM", "mixtral", "mixtral", read_moe,
+    "MixtralForCausalLM", "mixtral", "mixtral", read_moe, title="Mixtral",
     attention=MISTRAL)

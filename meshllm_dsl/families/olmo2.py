@@ -10,5 +10,5 @@ from meshllm_dsl.families.llama_config import read_llama_shaped
 from meshllm_dsl.families.pack import FamilyPack
 
 PACK = FamilyPack(
-    "Olmo2ForCausalLM", "olmo2", "olmo2", read_llama_shaped,
+    "Olmo2ForCausalLM", "olmo2", "olmo2", read_llama_shaped, title="OLMo 2", tp_export=True,
     default_positions=2048, ignores_mlp_bias=True, default_norm_eps=1e-5)

@@ -25,6 +25,9 @@ class FamilyPack:
     model_type: str  # config.json's `model_type`, read when `architectures` is absent
     family: str  # the `.mesh` family a model of it is declared from (stdlib/families.mesh)
     read: Callable[[ConfigFields, FamilyPack, str], Reading]  # (fields, this pack, dtype) -> reading
+    title: str = ""  # how people write the family's name ("Phi-3", "OLMo 2"), for messages
+    # `meshc export` is proven (tests/integration/test_export.py) for this architecture's module names
+    tp_export: bool = False
     # transformers' default for max_position_embeddings where a config leaves it out
     default_positions: int | None = None
     # Llama-shaped attention (meshllm_dsl/families/llama_config.py): what differs per architecture.

@@ -10,6 +10,6 @@ from meshllm_dsl.families.llama_config import read_llama_shaped
 from meshllm_dsl.families.pack import FamilyPack
 
 PACK = FamilyPack(
-    "Phi3ForCausalLM", "phi3", "llama", read_llama_shaped,
+    "Phi3ForCausalLM", "phi3", "llama", read_llama_shaped, title="Phi-3", tp_export=True,
     default_positions=4096, honours_sliding_window=True, longrope_only=True,
     longrope_default_original=4096)

@@ -10,5 +10,5 @@ from meshllm_dsl.families.llama_config import read_llama_shaped
 from meshllm_dsl.families.pack import FamilyPack
 
 PACK = FamilyPack(
-    "Qwen2ForCausalLM", "qwen2", "llama", read_llama_shaped,
+    "Qwen2ForCausalLM", "qwen2", "llama", read_llama_shaped, title="Qwen2", tp_export=True,
     default_positions=32768, refuses_use_sliding_window=True, qkv_bias_built_in=True)

@@ -10,6 +10,6 @@ from meshllm_dsl.families.pack import FamilyPack
 from meshllm_dsl.families.qwen2 import PACK as QWEN2
 
 PACK = FamilyPack(
-    "Qwen2MoeForCausalLM", "qwen2_moe", "qwen2_moe", read_moe,
+    "Qwen2MoeForCausalLM", "qwen2_moe", "qwen2_moe", read_moe, title="Qwen2-MoE",
     attention=QWEN2, built_in_settings=("attn_bias", "attn_out_bias"),
     experts_width_field="moe_intermediate_size", shared_expert=True)

@@ -10,5 +10,5 @@ from meshllm_dsl.families.llama_config import read_llama_shaped
 from meshllm_dsl.families.pack import FamilyPack
 
 PACK = FamilyPack(
-    "Qwen3ForCausalLM", "qwen3", "llama", read_llama_shaped,
+    "Qwen3ForCausalLM", "qwen3", "llama", read_llama_shaped, title="Qwen3", tp_export=True,
     default_positions=32768, refuses_use_sliding_window=True, qk_norm="head")

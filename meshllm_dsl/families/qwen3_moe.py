@@ -10,6 +10,6 @@ from meshllm_dsl.families.pack import FamilyPack
 from meshllm_dsl.families.qwen3 import PACK as QWEN3
 
 PACK = FamilyPack(
-    "Qwen3MoeForCausalLM", "qwen3_moe", "qwen3_moe", read_moe,
+    "Qwen3MoeForCausalLM", "qwen3_moe", "qwen3_moe", read_moe, title="Qwen3-MoE",
     attention=QWEN3, built_in_settings=("qk_norm",),
     experts_width_field="moe_intermediate_size")
