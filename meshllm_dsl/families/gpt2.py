@@ -5,7 +5,7 @@ learned positions, LayerNorm, a tanh-GELU MLP and tied embeddings by default.
 from __future__ import annotations
 
 from meshllm_dsl.families.config_fields import ConfigFields
-from meshllm_dsl.families.pack import FamilyPack, Reading
+from meshllm_dsl.families.pack import CheckpointNames, FamilyPack, Reading
 
 
 def read_gpt2(f: ConfigFields, pack: FamilyPack, dtype: str) -> Reading:
@@ -32,4 +32,13 @@ def read_gpt2(f: ConfigFields, pack: FamilyPack, dtype: str) -> Reading:
     ], positions
 
 
-PACK = FamilyPack("GPT2LMHeadModel", "gpt2", "gpt2", read_gpt2, title="GPT-2", tp_export=True)
+NAMES = CheckpointNames(
+    layout="gpt2",
+    top={"embed": "transformer.wte", "pos": "transformer.wpe", "norm": "transformer.ln_f", "head": "lm_head"},
+    blocks="transformer.h", norms={"attn_pre": "ln_1", "mlp_pre": "ln_2"},
+    attn=("attn", {"qkv": "c_attn", "o": "c_proj"}),
+    mlp=("mlp", {"up": "c_fc", "down": "c_proj"}),
+    transposed=True, positions=True, fused_qkv=True, norm="layernorm", act=None,
+)
+
+PACK = FamilyPack("GPT2LMHeadModel", "gpt2", "gpt2", read_gpt2, NAMES, title="GPT-2", tp_export=True)

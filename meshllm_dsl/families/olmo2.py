@@ -7,8 +7,19 @@ the record below.
 from __future__ import annotations
 
 from meshllm_dsl.families.llama_config import read_llama_shaped
-from meshllm_dsl.families.pack import FamilyPack
+from meshllm_dsl.families.pack import CheckpointNames, FamilyPack
+
+# Llama's names, a norm after each sublayer and none before; its q / k norms (over the whole
+# projection) are self_attn.{q,k}_norm as Qwen3's are.
+NAMES = CheckpointNames(
+    layout="olmo2",
+    top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
+    blocks="model.layers", norms={"attn_post": "post_attention_layernorm", "mlp_post": "post_feedforward_layernorm"},
+    attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
+    mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="swiglu",
+)
 
 PACK = FamilyPack(
-    "Olmo2ForCausalLM", "olmo2", "olmo2", read_llama_shaped, title="OLMo 2", tp_export=True,
+    "Olmo2ForCausalLM", "olmo2", "olmo2", read_llama_shaped, NAMES, title="OLMo 2", tp_export=True,
     default_positions=2048, ignores_mlp_bias=True, default_norm_eps=1e-5)

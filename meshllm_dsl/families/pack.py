@@ -7,11 +7,33 @@ torch-free and import nothing of the compiler, so the runtime reads the same rec
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import attrs
 
 from meshllm_dsl.families.config_fields import ConfigFields, Setting
+
+
+@attrs.frozen
+class CheckpointNames:
+    """One checkpoint layout (a family's adapter, as torchtitan's state_dict_adapter): which models
+    it fits (positions, fused qkv, the norm kind, the activation it needs) and how it names things:
+    the top-level layers, the block list, and per block the norms and the attention / MLP
+    submodules with our projection -> theirs (runtime/hf/weights.py reads it)."""
+
+    layout: str  # the layout's name, shared by the packs that store their tensors alike ("llama")
+    top: Mapping[str, str]  # our role (embed, pos, norm, head) -> HF module
+    blocks: str
+    norms: Mapping[str, str]  # a block's norms: role (attn_pre, attn_post, mlp_pre, mlp_post) -> HF module
+    attn: tuple[str, Mapping[str, str]]
+    mlp: tuple[str, Mapping[str, str]]
+    transposed: bool  # GPT-2's Conv1D stores attention / MLP weights [in, out]
+    positions: bool  # learned positions (a `positional` layer) after the embedding
+    fused_qkv: bool
+    norm: str  # the norm kind of its blocks and the final norm
+    act: str | None  # the mlp activation it needs (None: any the checkpoint's config names)
+    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
+
 
 # (the .mesh family, its settings in order, the positions it was trained for)
 Reading = tuple[str, list[Setting], int]
@@ -25,6 +47,7 @@ class FamilyPack:
     model_type: str  # config.json's `model_type`, read when `architectures` is absent
     family: str  # the `.mesh` family a model of it is declared from (stdlib/families.mesh)
     read: Callable[[ConfigFields, FamilyPack, str], Reading]  # (fields, this pack, dtype) -> reading
+    checkpoint: CheckpointNames  # its tensors' names in a checkpoint
     title: str = ""  # how people write the family's name ("Phi-3", "OLMo 2"), for messages
     # `meshc export` is proven (tests/integration/test_export.py) for this architecture's module names
     tp_export: bool = False
@@ -39,6 +62,9 @@ class FamilyPack:
     qk_norm: str | None = None  # Qwen3: q and k normalised per head ("head")
     longrope_only: bool = False  # Phi-3: its config reads `su` / `yarn` as longrope, refuses other types
     longrope_default_original: int | None = None  # Phi3Config's own original_max_position_embeddings
+    # Checkpoints that store projections fused (Phi-3): per module, the fused tensor and the separate
+    # projections it holds in row order (runtime/hf/fused.py)
+    fused_projections: dict[str, tuple[str, tuple[str, ...]]] = attrs.field(factory=dict)
     # Mixture of experts (meshllm_dsl/families/moe_config.py).
     attention: FamilyPack | None = None  # the Llama-shaped architecture whose attention it has
     built_in_settings: tuple[str, ...] = ()  # that attention's settings its family has built in

@@ -6,9 +6,10 @@ the record below.
 
 from __future__ import annotations
 
+from meshllm_dsl.families.llama import NAMES as LLAMA_NAMES
 from meshllm_dsl.families.llama_config import read_llama_shaped
 from meshllm_dsl.families.pack import FamilyPack
 
 PACK = FamilyPack(
-    "Qwen3ForCausalLM", "qwen3", "llama", read_llama_shaped, title="Qwen3", tp_export=True,
+    "Qwen3ForCausalLM", "qwen3", "llama", read_llama_shaped, LLAMA_NAMES, title="Qwen3", tp_export=True,
     default_positions=32768, refuses_use_sliding_window=True, qk_norm="head")

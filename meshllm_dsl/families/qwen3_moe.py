@@ -5,11 +5,12 @@ with qwen3 attention
 
 from __future__ import annotations
 
+from meshllm_dsl.families.llama import NAMES as LLAMA_NAMES
 from meshllm_dsl.families.moe_config import read_moe
 from meshllm_dsl.families.pack import FamilyPack
 from meshllm_dsl.families.qwen3 import PACK as QWEN3
 
 PACK = FamilyPack(
-    "Qwen3MoeForCausalLM", "qwen3_moe", "qwen3_moe", read_moe, title="Qwen3-MoE",
+    "Qwen3MoeForCausalLM", "qwen3_moe", "qwen3_moe", read_moe, LLAMA_NAMES, title="Qwen3-MoE",
     attention=QWEN3, built_in_settings=("qk_norm",),
     experts_width_field="moe_intermediate_size")

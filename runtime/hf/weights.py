@@ -43,9 +43,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from meshllm_dsl.families import PACKS
+from meshllm_dsl.families.gemma import check_gemma_config, gemma_config
+from meshllm_dsl.families.pack import CheckpointNames
 from meshllm_dsl.runtime.hf import fused as hf_fused
 from meshllm_dsl.runtime.hf import moe as hf_moe
-from meshllm_dsl.runtime.hf.gemma import check_gemma_config, gemma_config
+from meshllm_dsl.runtime.hf.fused import runs as _runs
 from meshllm_dsl.runtime.json_values import describe
 from meshllm_dsl.runtime.outputs import MANIFEST, manifest_bytes, read_manifest, write_file_atomic
 from meshllm_dsl.runtime.parallel.fsdp import tp_local
@@ -163,7 +166,10 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
     pos = next((x["name"] for x in layers if x["kind"] == "positional"), None)
     kind = next(iter(roles.values()))["kind"]
     offset = float(layers[-2].get("offset") or 0.0)
-    arch = next((arch for arch, a in _HF_NAMES.items() if a.positions == (pos is not None)
+    # The family's own layout where the model names its family; else the one its structure fits.
+    family_layout = _FAMILY_LAYOUT.get(str(model.get("family")))
+    arch = next((arch for arch, a in _HF_NAMES.items() if family_layout in (None, arch)
+                 and a.positions == (pos is not None)
                  and a.fused_qkv == bool(attn.get("fused_qkv")) and a.norm == kind
                  and set(a.norms) == set(roles) and a.norm_offset == offset), None)
     if arch is None or _HF_NAMES[arch].act not in (None, mlp["act"]):
@@ -200,60 +206,11 @@ def padded_vocab(model: Mapping[str, Any]) -> tuple[int, int]:
     return lay.vocab, int(embed.get("used") or lay.vocab)
 
 
-@dataclass(frozen=True)
-class _HFNames:
-    """One checkpoint layout (a family's adapter, as torchtitan's state_dict_adapter): which models
-    it fits (positions, fused qkv, the norm kind, the activation it needs) and how it names things:
-    the top-level layers, the block list, and per block the two norms and the attention / MLP
-    submodules with our projection -> theirs."""
-
-    top: Mapping[str, str]  # our role (embed, pos, norm, head) -> HF module
-    blocks: str
-    norms: Mapping[str, str]  # a block's norms: role (attn_pre, attn_post, mlp_pre, mlp_post) -> HF module
-    attn: tuple[str, Mapping[str, str]]
-    mlp: tuple[str, Mapping[str, str]]
-    transposed: bool  # GPT-2's Conv1D stores attention / MLP weights [in, out]
-    positions: bool  # learned positions (a `positional` layer) after the embedding
-    fused_qkv: bool
-    norm: str  # the norm kind of its blocks and the final norm
-    act: str | None  # the mlp activation it needs (None: any the checkpoint's config names)
-    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
-
-
-_HF_NAMES = {
-    "llama": _HFNames(
-        top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
-        blocks="model.layers", norms={"attn_pre": "input_layernorm", "mlp_pre": "post_attention_layernorm"},
-        attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
-        mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-        transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="swiglu",
-    ),
-    "gpt2": _HFNames(
-        top={"embed": "transformer.wte", "pos": "transformer.wpe", "norm": "transformer.ln_f", "head": "lm_head"},
-        blocks="transformer.h", norms={"attn_pre": "ln_1", "mlp_pre": "ln_2"},
-        attn=("attn", {"qkv": "c_attn", "o": "c_proj"}),
-        mlp=("mlp", {"up": "c_fc", "down": "c_proj"}),
-        transposed=True, positions=True, fused_qkv=True, norm="layernorm", act=None,
-    ),
-    # Gemma 2 and Gemma 3 (text): Llama's names, a norm before and after each sublayer, (1 + weight) norms.
-    "gemma": _HFNames(
-        top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
-        blocks="model.layers", norms={"attn_pre": "input_layernorm", "attn_post": "post_attention_layernorm",
-                                      "mlp_pre": "pre_feedforward_layernorm", "mlp_post": "post_feedforward_layernorm"},
-        attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
-        mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-        transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="geglu_tanh", norm_offset=1.0,
-    ),
-    # OLMo 2: Llama's names, a norm after each sublayer and none before; its q / k norms (over the
-    # whole projection) are self_attn.{q,k}_norm as Qwen3's are.
-    "olmo2": _HFNames(
-        top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
-        blocks="model.layers", norms={"attn_post": "post_attention_layernorm", "mlp_post": "post_feedforward_layernorm"},
-        attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
-        mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-        transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="swiglu",
-    ),
-}
+# The checkpoint layouts, from the family packs (meshllm_dsl/families): layout name -> its names, in
+# the order of the layouts' first packs.
+_HF_NAMES: dict[str, CheckpointNames] = {p.checkpoint.layout: p.checkpoint for p in PACKS}
+# A compiled model declared from a family carries the family's name (MODEL["family"]): its layout.
+_FAMILY_LAYOUT: dict[str, str] = {p.family: p.checkpoint.layout for p in PACKS}
 
 
 # Every layer kind some checkpoint layout holds (runtime/ cannot import the compiler's registry;
@@ -859,18 +816,6 @@ class HFCheckpoint:
 
         with safe_open(str(self.where[key]), framework="pt") as handle:
             yield handle.get_slice(key)
-
-
-def _runs(idx: Tensor) -> list[tuple[int, int]]:
-    """Maximal runs [a, b) of consecutive values in the index list ``idx``."""
-    values = idx.tolist()
-    runs: list[tuple[int, int]] = []
-    for v in values:
-        if runs and runs[-1][1] == v:
-            runs[-1] = (runs[-1][0], v + 1)
-        else:
-            runs.append((v, v + 1))
-    return runs
 
 
 def _local_indices(spec: ShardSpec, mesh: Mesh) -> list[Tensor]:
