@@ -27,6 +27,7 @@ and none is left over.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -1136,6 +1137,90 @@ def _stage_holder(built: Any, stage: int) -> int:
 
 
 @torch.no_grad()
+def _export_order(built: Any) -> list[tuple[int, str, ShardSpec]]:
+    """(stage, name, spec) of every parameter once, in the order the export writes them."""
+    order: list[tuple[int, str, ShardSpec]] = []
+    seen: set[str] = set()
+    for i in range(len(built.program.stages)):
+        for name, spec in sorted(built.specs[i].items()):
+            if name not in seen:
+                seen.add(name)
+                order.append((i, name, spec))
+    return order
+
+
+def _shard_files(order: list[tuple[int, str, ShardSpec]], nbytes_of: Callable[[str, ShardSpec], int],
+                 max_shard_bytes: int) -> tuple[list[list[str]], dict[str, str], int]:
+    """(names per file, name -> file, total bytes): shard files planned up front from shapes alone, so
+    their names carry the count (-of-N)."""
+    files: list[list[str]] = [[]]
+    size = 0
+    total = 0
+    for _, name, spec in order:
+        nbytes = nbytes_of(name, spec)
+        total += nbytes
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    n_files = len(files)
+    file_of = {
+        name: ("model.safetensors" if n_files == 1 else f"model-{k + 1:05d}-of-{n_files:05d}.safetensors")
+        for k, names in enumerate(files)
+        for name in names
+    }
+    return files, file_of, total
+
+
+def _gathered(built: Any, stage: int, spec: ShardSpec, pp_group: Any) -> Tensor:
+    """The full tensor of one parameter, on every rank of its pipeline group."""
+    program, mesh = built.program, built.mesh
+    if stage in built.modules:
+        full = gather_full(tp_local(built.modules[stage].get_parameter(spec.local).detach()), spec, mesh)
+    else:
+        full = torch.empty(spec.shape, dtype=program.dtype, device=built.device)
+    if pp_group is not None:
+        # [full shape]: from the pipeline rank holding stage i to the rest of its group.
+        dist.broadcast(full, src=_stage_holder(built, stage), group=pp_group)
+    return full
+
+
+@dataclass
+class _Pending:
+    """What rank 0 holds between shard files: tensors to write, their files, fused parts so far."""
+
+    tensors: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    weight_map: dict[str, str] = dataclasses.field(default_factory=dict)
+    fusing: dict[str, dict[int, Tensor]] = dataclasses.field(default_factory=dict)  # fused tensors' parts gathered so far
+
+    def put(self, key: str, transposed: bool, full: Tensor, file: str) -> None:
+        if hf_moe.is_stacked(key):  # one stored tensor per expert
+            for one, part in hf_moe.split_stacked(key, full).items():
+                self.tensors[one], self.weight_map[one] = part.to("cpu").contiguous().clone(), file
+            return
+        t = full.t() if transposed else full
+        hf_fused.put(self.tensors, self.weight_map, self.fusing, key, t.detach().to("cpu").contiguous().clone(), file)
+
+
+def _export_config(model: Mapping[str, Any], program: Any, source: str | Path | None, writer: _ExportWriter,
+                   tied: bool) -> dict[str, Any]:
+    """config.json: the model's own, or the source's (with the plan's dtype), and its files carried over."""
+    cfg = hf_config(model, program.dtype, program.seq)
+    if source is not None:
+        src = Path(source)
+        # Nulls kept as they are: for some fields (Mistral's sliding_window) null is not the default.
+        src_cfg = _read_object(_source_file(src, "config.json"))
+        src_cfg["torch_dtype"] = cfg["torch_dtype"]
+        src_cfg.pop("dtype", None)
+        cfg = src_cfg
+        _copy_source_files(src, writer)
+    if tied:
+        cfg["tie_word_embeddings"] = True
+    writer.put("config.json", _text(json.dumps(cfg, indent=2, sort_keys=True) + "\n"))
+    return cfg
+
+
 def export_hf(
     built: Any,
     directory: str | Path,
@@ -1152,102 +1237,46 @@ def export_hf(
     """
     from safetensors.torch import save_file
 
-    program, mesh = built.program, built.mesh
+    program, mesh, out_dir = built.program, built.mesh, Path(directory)
     model = program.model
-    first = mesh.rank == mesh.ranks[0]
-    out_dir = Path(directory)
     rows, vocab = padded_vocab(model)
     lay = _layout(model)
-    order: list[tuple[int, str, ShardSpec]] = []
-    seen: set[str] = set()
-    for i in range(len(program.stages)):
-        for name, spec in sorted(built.specs[i].items()):
-            if name not in seen:
-                seen.add(name)
-                order.append((i, name, spec))
+    order = _export_order(built)
     keys = hf_key_map(model, [n for _, n, _ in order])
     source_type = _read_object(_source_file(Path(source), "config.json")).get("model_type") if source is not None else None
     if source_type in hf_fused.MODEL_TYPES:  # written fused, as the source stores them (Phi-3)
         keys = hf_fused.fuse_keys(keys, {n: spec.shape for _, n, spec in order}, source_type)
-    tied = bool(lay.head.get("tie"))
     itemsize = torch.empty((), dtype=program.dtype).element_size()
 
-    def out_shape(name: str, spec: ShardSpec) -> tuple[int, ...]:
-        shape = spec.shape
-        if name.split(".")[0] == lay.embed and rows != vocab:
-            shape = (vocab, *shape[1:])
-        return tuple(reversed(shape)) if keys[name][1] else shape
+    def nbytes_of(name: str, spec: ShardSpec) -> int:
+        rows_written = vocab if name.split(".")[0] == lay.embed and rows != vocab else spec.shape[0]
+        return math.prod((rows_written, *spec.shape[1:])) * itemsize
 
-    # Shard files planned up front from shapes alone, so their names carry the count (-of-N).
-    files: list[list[str]] = [[]]
-    size = 0
-    total = 0
-    for _, name, spec in order:
-        nbytes = math.prod(out_shape(name, spec)) * itemsize
-        total += nbytes
-        if files[-1] and size + nbytes > max_shard_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(name)
-        size += nbytes
-    n_files = len(files)
-    file_of = {
-        name: ("model.safetensors" if n_files == 1 else f"model-{k + 1:05d}-of-{n_files:05d}.safetensors")
-        for k, names in enumerate(files)
-        for name in names
-    }
+    files, file_of, total = _shard_files(order, nbytes_of, max_shard_bytes)
     pp_group = mesh.group(program.pipeline_axis) if program.pipeline_axis else None
-    pending: dict[str, Tensor] = {}
-    fusing: dict[str, dict[int, Tensor]] = {}  # fused tensors' parts gathered so far
-    weight_map: dict[str, str] = {}
-    writer = _ExportWriter(out_dir) if first else None
+    pending = _Pending()
+    writer = _ExportWriter(out_dir) if mesh.rank == mesh.ranks[0] else None
     try:
         stage_of = {n: s for s, n, _ in order}
         for names in files:
             for name in names:
-                i = stage_of[name]
-                spec = built.specs[i][name]
-                if i in built.modules:
-                    full = gather_full(tp_local(built.modules[i].get_parameter(spec.local).detach()), spec, mesh)
-                else:
-                    full = torch.empty(spec.shape, dtype=program.dtype, device=built.device)
-                if pp_group is not None:
-                    # [full shape]: from the pipeline rank holding stage i to the rest of its group.
-                    dist.broadcast(full, src=_stage_holder(built, i), group=pp_group)
+                full = _gathered(built, stage_of[name], built.specs[stage_of[name]][name], pp_group)
                 if writer is not None:
-                    key, transposed = keys[name]
-                    if hf_moe.is_stacked(key):  # one stored tensor per expert
-                        for one, part in hf_moe.split_stacked(key, full).items():
-                            pending[one], weight_map[one] = part.to("cpu").contiguous().clone(), file_of[name]
-                        continue
-                    if name.split(".")[0] == lay.embed and rows != vocab:
-                        full = full[:vocab]
-                    t = full.t() if transposed else full
-                    hf_fused.put(pending, weight_map, fusing, key, t.detach().to("cpu").contiguous().clone(), file_of[name])
+                    cut = name.split(".")[0] == lay.embed and rows != vocab and not hf_moe.is_stacked(keys[name][0])
+                    pending.put(*keys[name], full[:vocab] if cut else full, file_of[name])
             if writer is not None:
-                tensors, pending = pending, {}
+                tensors, pending.tensors = pending.tensors, {}
                 writer.put(file_of[names[0]],
                            lambda tmp, t=tensors: save_file(t, str(tmp), metadata={"format": "pt"}))  # type: ignore[misc]
         if writer is None:
             return None
-        if n_files > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        if len(files) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(pending.weight_map.items()))}
             writer.put("model.safetensors.index.json", _text(json.dumps(index, indent=2) + "\n"))
-        cfg = hf_config(model, program.dtype, program.seq)
-        if source is not None:
-            src = Path(source)
-            # Nulls kept as they are: for some fields (Mistral's sliding_window) null is not the default.
-            src_cfg = _read_object(_source_file(src, "config.json"))
-            src_cfg["torch_dtype"] = cfg["torch_dtype"]
-            src_cfg.pop("dtype", None)
-            cfg = src_cfg
-            _copy_source_files(src, writer)
-        if tied:
-            cfg["tie_word_embeddings"] = True
-        writer.put("config.json", _text(json.dumps(cfg, indent=2, sort_keys=True) + "\n"))
+        cfg = _export_config(model, program, source, writer, bool(lay.head.get("tie")))
         writer.finish()
         return (f"exported {len(order)} tensors ({total / 2**20:,.1f} MiB {cfg['torch_dtype']}, "
-                f"{n_files} safetensors file{'s' * (n_files > 1)}) to {out_dir}")
+                f"{len(files)} safetensors file{'s' * (len(files) > 1)}) to {out_dir}")
     except BaseException:
         if writer is not None:
             writer.abandon()
