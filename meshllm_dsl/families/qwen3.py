@@ -12,4 +12,4 @@ from meshllm_dsl.families.pack import FamilyPack
 
 PACK = FamilyPack(
     "Qwen3ForCausalLM", "qwen3", "llama", read_llama_shaped, LLAMA_NAMES, title="Qwen3", tp_export=True,
-    default_positions=32768, refuses_use_sliding_window=True, qk_norm="head")
+    checkpoint_qk_norm="head", default_positions=32768, refuses_use_sliding_window=True, qk_norm="head")

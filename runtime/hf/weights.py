@@ -547,23 +547,29 @@ def _close(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-# The model types of the llama and olmo2 layouts, and the q / k norm of each (attention's qk_norm).
-_QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head", "phi3": "none", "olmo2": "full"}
+# The Llama-shaped model types a checkpoint may name (the packs of the llama and olmo2 layouts; the
+# mixtures of experts are checked as their attention's), in the registry's order.
+_LLAMA_SHAPED = {p.model_type: p for p in PACKS if p.checkpoint.layout in ("llama", "olmo2") and p.attention is None}
+# The q / k norm of each (attention's qk_norm).
+_QK_NORM = {model_type: p.checkpoint_qk_norm for model_type, p in _LLAMA_SHAPED.items()}
+_Want = tuple[str, Any, Any, str]  # (config.json field, its value, the model's, what the model calls it)
+_Bad = Callable[[str, Any, Any, str], WeightsError]
 
 
-def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -> None:
-    """Raise ``WeightsError`` naming the first config.json field the model disagrees with."""
-    lay = _layout(model)
-    attn, mlp = lay.attn, lay.mlp
-    cfg = _checked_config(cfg, where)
-    moe_wants: list[tuple[str, Any, Any, str]] = []
-    if hf_moe.is_moe(lay.body):  # checked as the family its attention comes from, and its experts
-        cfg, moe_wants = hf_moe.as_attention_config(model, lay, cfg, where, WeightsError)
-    model_type = cfg.get("model_type")
+def _bad(where: str, name: str) -> _Bad:
+    """The error for a field whose value differs from the model's."""
+    def bad(field: str, got: Any, want: Any, what: str) -> WeightsError:
+        if got is None:
+            return WeightsError(f"{where}: `{field}` is missing; model `{name}` has {what} = {want!r}")
+        return WeightsError(
+            f"{where}: `{field}` is {got!r}, but model `{name}` has {what} = {want!r}"
+        )
+    return bad
+
+
+def _check_model_type(model: Mapping[str, Any], lay: _Layout, model_type: Any, where: str) -> None:
+    """The model type names the checkpoint layout the model has (norms before or after the sublayers)."""
     name = model.get("name", "model")
-    if lay.arch == "gemma":
-        return check_gemma_config(attn, mlp, lay.norm, lay.head, padded_vocab(model)[1], lay.hidden, lay.count,
-                                  name, cfg, where, WeightsError)
     if model_type is None:
         raise WeightsError(f"{where}: `model_type` is missing; expected one of {', '.join(_QK_NORM)}, gpt2")
     if (model_type == "olmo2") != (lay.arch == "olmo2"):
@@ -573,94 +579,125 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
     if lay.arch == "olmo2":
         _refuse_olmo2_mismatch(model, lay)
 
-    def bad(field: str, got: Any, want: Any, what: str) -> WeightsError:
-        if got is None:
-            return WeightsError(f"{where}: `{field}` is missing; model `{name}` has {what} = {want!r}")
-        return WeightsError(
-            f"{where}: `{field}` is {got!r}, but model `{name}` has {what} = {want!r}"
-        )
 
-    _, vocab = padded_vocab(model)
+def _gpt2_wants(model: Mapping[str, Any], lay: _Layout, cfg: Mapping[str, Any], model_type: Any,
+                where: str) -> list[_Want]:
+    """GPT-2's fields against the model's; refuses the attention variants the gpt2 family lacks."""
+    attn, mlp, name, vocab = lay.attn, lay.mlp, model.get("name", "model"), padded_vocab(model)[1]
+    if model_type != "gpt2":
+        raise WeightsError(f"{where}: model_type {model_type!r}, but model `{name}` is GPT-2 shaped")
+    inner = cfg.get("n_inner") or 4 * int(cfg.get("n_embd", 0))
+    wants = [
+        ("vocab_size", cfg.get("vocab_size"), vocab, "vocab"),
+        ("n_embd", cfg.get("n_embd"), lay.hidden, "hidden"),
+        ("n_layer", cfg.get("n_layer"), lay.count, "layers"),
+        ("n_head", cfg.get("n_head"), attn["heads"], "heads"),
+        ("n_inner", inner, mlp["ffn"], "ffn"),
+        ("layer_norm_epsilon", cfg.get("layer_norm_epsilon", 1e-5), lay.body[0]["eps"], "norm_eps"),
+    ]
+    given = cfg.get("activation_function", "gelu_new")
+    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
+           "relu": "relu", "silu": "silu"}.get(given, given)
+    wants.append(("activation_function", act, mlp["act"], "act"))
+    pos = next(x for x in model["layers"] if x["kind"] == "positional")
+    wants.append(("n_positions", cfg.get("n_positions"), pos["num"], "positions"))
+    for flag, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
+        if bool(cfg.get(flag, ok)) != ok:
+            raise WeightsError(f"{where}: `{flag}` = {cfg.get(flag)!r} changes the attention maths; "
+                               "meshllm's gpt2 family does not support it")
+    return wants
+
+
+def _llama_wants(model: Mapping[str, Any], lay: _Layout, cfg: Mapping[str, Any], model_type: Any,
+                 where: str) -> tuple[list[_Want], Any]:
+    """(a Llama-shaped config's fields against the model's, each default its architecture's pack's;
+    its rope scaling object)."""
+    attn, mlp, vocab = lay.attn, lay.mlp, padded_vocab(model)[1]
+    if model_type not in _QK_NORM:
+        raise WeightsError(
+            f"{where}: model_type {model_type!r} is not supported ({', '.join(_QK_NORM)}, gpt2)"
+        )
+    pack = _LLAMA_SHAPED[model_type]
+    theta, scaling = _rope(cfg)
+    heads = cfg.get("num_attention_heads")
+    head_dim = cfg.get("head_dim") or (int(cfg.get("hidden_size", 0)) // int(heads or 1))
+    return [
+        ("vocab_size", cfg.get("vocab_size"), vocab, "vocab"),
+        ("hidden_size", cfg.get("hidden_size"), lay.hidden, "hidden"),
+        ("num_hidden_layers", cfg.get("num_hidden_layers"), lay.count, "layers"),
+        ("num_attention_heads", heads, attn["heads"], "heads"),
+        ("num_key_value_heads", cfg.get("num_key_value_heads", heads), attn["kv_heads"], "kv_heads"),
+        ("head_dim", head_dim, attn["head_dim"], "head_dim"),
+        ("intermediate_size", cfg.get("intermediate_size"), mlp["ffn"], "ffn"),
+        # transformers' default eps where a config leaves it out (1e-5 for OLMo 2, 1e-6 for the rest)
+        ("rms_norm_eps", cfg.get("rms_norm_eps", pack.default_norm_eps), lay.norm["eps"], "norm_eps"),
+        ("rope_theta", theta, attn["rope_theta"], "rope_theta"),
+        ("hidden_act", cfg.get("hidden_act", "silu"), "silu", "SwiGLU's activation"),
+        (f"model_type ({model_type}'s q / k norm)", _QK_NORM[model_type], attn.get("qk_norm", "none"), "qk_norm"),
+        ("attention_bias (q, k, v)", bool(cfg.get("attention_bias", pack.qkv_bias_built_in)),
+         bool(attn.get("qkv_bias")), "attention bias"),
+        ("attention_bias (o)", bool(cfg.get("attention_bias", False)), bool(attn.get("o_bias")), "attention out_bias"),
+        # Olmo2MLP is never biased: transformers ignores an mlp_bias in its config
+        ("mlp_bias", not pack.ignores_mlp_bias and bool(cfg.get("mlp_bias", False)), bool(mlp.get("bias")), "mlp bias"),
+    ], scaling
+
+
+def _check_window(lay: _Layout, cfg: Mapping[str, Any], model_type: Any, where: str, bad: _Bad) -> None:
+    """The architectures that honour `sliding_window` (the packs') need the model's window; others none."""
+    window = cfg.get("sliding_window")
+    binding = window is not None and window < int(cfg.get("max_position_embeddings", 0))
+    honours = _LLAMA_SHAPED[model_type].honours_sliding_window
+    if binding and not honours and cfg.get("use_sliding_window"):
+        raise WeightsError(
+            f"{where}: `sliding_window` = {window} limits {model_type}'s attention to a window; meshllm's"
+            " llama family windows Mistral's and Phi-3's attention only"
+        )
+    # Mistral and Phi-3 attend within the window whenever one is set: the model must have the same one
+    # (or none where the window is no shorter than any position).
+    theirs = int(window) if honours and window is not None else 0
+    ours = int(lay.attn.get("window") or 0)
+    if ours != theirs and (ours or binding):
+        raise bad("sliding_window", window, ours, "window")
+
+
+def _check_rope_scaling(lay: _Layout, cfg: Mapping[str, Any], scaling: Any, bad: _Bad) -> None:
+    """The rope scaling the config reads as, against the model's."""
+    ours = lay.attn.get("rope_scaling")
+    theirs = None if scaling is None else _rope_as_read(scaling, cfg)
+    if (theirs is None) != (ours is None) or (
+        theirs is not None
+        and (set(theirs) != set(ours) or any(not _close(theirs[k], v) for k, v in ours.items()))  # type: ignore[union-attr]
+    ):
+        raise bad("rope_scaling", scaling, ours, "rope scaling")
+
+
+def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -> None:
+    """Raise ``WeightsError`` naming the first config.json field the model disagrees with."""
+    lay = _layout(model)
+    cfg = _checked_config(cfg, where)
+    moe_wants: list[_Want] = []
+    if hf_moe.is_moe(lay.body):  # checked as the family its attention comes from, and its experts
+        cfg, moe_wants = hf_moe.as_attention_config(model, lay, cfg, where, WeightsError)
+    model_type = cfg.get("model_type")
+    name = model.get("name", "model")
+    if lay.arch == "gemma":
+        return check_gemma_config(lay.attn, lay.mlp, lay.norm, lay.head, padded_vocab(model)[1], lay.hidden,
+                                  lay.count, name, cfg, where, WeightsError)
+    _check_model_type(model, lay, model_type, where)
+    bad = _bad(where, name)
+    scaling = None
     if lay.arch == "gpt2":
-        if model_type != "gpt2":
-            raise WeightsError(f"{where}: model_type {model_type!r}, but model `{name}` is GPT-2 shaped")
-        inner = cfg.get("n_inner") or 4 * int(cfg.get("n_embd", 0))
-        wants = [
-            ("vocab_size", cfg.get("vocab_size"), vocab, "vocab"),
-            ("n_embd", cfg.get("n_embd"), lay.hidden, "hidden"),
-            ("n_layer", cfg.get("n_layer"), lay.count, "layers"),
-            ("n_head", cfg.get("n_head"), attn["heads"], "heads"),
-            ("n_inner", inner, mlp["ffn"], "ffn"),
-            ("layer_norm_epsilon", cfg.get("layer_norm_epsilon", 1e-5), lay.body[0]["eps"], "norm_eps"),
-        ]
-        given = cfg.get("activation_function", "gelu_new")
-        act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
-               "relu": "relu", "silu": "silu"}.get(given, given)
-        wants.append(("activation_function", act, mlp["act"], "act"))
-        pos = next(x for x in model["layers"] if x["kind"] == "positional")
-        wants.append(("n_positions", cfg.get("n_positions"), pos["num"], "positions"))
-        for flag, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
-            if bool(cfg.get(flag, ok)) != ok:
-                raise WeightsError(f"{where}: `{flag}` = {cfg.get(flag)!r} changes the attention maths; "
-                                   "meshllm's gpt2 family does not support it")
+        wants = _gpt2_wants(model, lay, cfg, model_type, where)
     else:
-        if model_type not in _QK_NORM:
-            raise WeightsError(
-                f"{where}: model_type {model_type!r} is not supported ({', '.join(_QK_NORM)}, gpt2)"
-            )
-        theta, scaling = _rope(cfg)
-        heads = cfg.get("num_attention_heads")
-        head_dim = cfg.get("head_dim") or (int(cfg.get("hidden_size", 0)) // int(heads or 1))
-        wants = [
-            ("vocab_size", cfg.get("vocab_size"), vocab, "vocab"),
-            ("hidden_size", cfg.get("hidden_size"), lay.hidden, "hidden"),
-            ("num_hidden_layers", cfg.get("num_hidden_layers"), lay.count, "layers"),
-            ("num_attention_heads", heads, attn["heads"], "heads"),
-            ("num_key_value_heads", cfg.get("num_key_value_heads", heads), attn["kv_heads"], "kv_heads"),
-            ("head_dim", head_dim, attn["head_dim"], "head_dim"),
-            ("intermediate_size", cfg.get("intermediate_size"), mlp["ffn"], "ffn"),
-            # transformers' default eps where a config leaves it out: 1e-5 for OLMo 2, 1e-6 for the rest
-            ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-5 if model_type == "olmo2" else 1e-6), lay.norm["eps"],
-             "norm_eps"),
-            ("rope_theta", theta, attn["rope_theta"], "rope_theta"),
-            ("hidden_act", cfg.get("hidden_act", "silu"), "silu", "SwiGLU's activation"),
-            (f"model_type ({model_type}'s q / k norm)", _QK_NORM[model_type], attn.get("qk_norm", "none"), "qk_norm"),
-        ]
-        qkv_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
-        o_bias = bool(cfg.get("attention_bias", False))
-        wants += [
-            ("attention_bias (q, k, v)", qkv_bias, bool(attn.get("qkv_bias")), "attention bias"),
-            ("attention_bias (o)", o_bias, bool(attn.get("o_bias")), "attention out_bias"),
-            # Olmo2MLP is never biased: transformers ignores an mlp_bias in its config
-            ("mlp_bias", model_type != "olmo2" and bool(cfg.get("mlp_bias", False)), bool(mlp.get("bias")), "mlp bias"),
-        ]
-        window = cfg.get("sliding_window")
-        binding = window is not None and window < int(cfg.get("max_position_embeddings", 0))
-        if binding and model_type not in ("mistral", "phi3") and cfg.get("use_sliding_window"):
-            raise WeightsError(
-                f"{where}: `sliding_window` = {window} limits {model_type}'s attention to a window; meshllm's"
-                " llama family windows Mistral's and Phi-3's attention only"
-            )
-        # Mistral and Phi-3 attend within the window whenever one is set: the model must have the same one
-        # (or none where the window is no shorter than any position).
-        theirs = int(window) if model_type in ("mistral", "phi3") and window is not None else 0
-        ours = int(attn.get("window") or 0)
-        if ours != theirs and (ours or binding):
-            raise bad("sliding_window", window, ours, "window")
+        wants, scaling = _llama_wants(model, lay, cfg, model_type, where)
+        _check_window(lay, cfg, model_type, where, bad)
     tied = bool(cfg.get("tie_word_embeddings", lay.arch == "gpt2"))
     wants.append(("tie_word_embeddings", tied, bool(lay.head.get("tie")), "a tied head"))
-    wants += moe_wants
-    for field, got, want, what in wants:
+    for field, got, want, what in wants + moe_wants:
         if not _close(got, want):
             raise bad(field, got, want, what)
     if lay.arch in ("llama", "olmo2"):
-        ours = attn.get("rope_scaling")
-        theirs = None if scaling is None else _rope_as_read(scaling, cfg)
-        if (theirs is None) != (ours is None) or (
-            theirs is not None
-            and (set(theirs) != set(ours) or any(not _close(theirs[k], v) for k, v in ours.items()))  # type: ignore[union-attr]
-        ):
-            raise bad("rope_scaling", scaling, ours, "rope scaling")
+        _check_rope_scaling(lay, cfg, scaling, bad)
 
 
 # The fields of each rope type transformers reads, with its defaults where a config leaves them out
