@@ -22,4 +22,4 @@ NAMES = CheckpointNames(
 
 PACK = FamilyPack(
     "Olmo2ForCausalLM", "olmo2", "olmo2", read_llama_shaped, NAMES, title="OLMo 2", tp_export=True,
-    checkpoint_qk_norm="full", default_positions=2048, ignores_mlp_bias=True, default_norm_eps=1e-5)
+    checkpoint_qk_norm="full", has_mlp_bias_field=False, default_positions=2048, ignores_mlp_bias=True, default_norm_eps=1e-5)

@@ -62,6 +62,7 @@ class FamilyPack:
     qk_norm: str | None = None  # Qwen3: q and k normalised per head ("head")
     longrope_only: bool = False  # Phi-3: its config reads `su` / `yarn` as longrope, refuses other types
     longrope_default_original: int | None = None  # Phi3Config's own original_max_position_embeddings
+    has_mlp_bias_field: bool = True  # its config.json has `mlp_bias` (Qwen2's and OLMo 2's have none)
     checkpoint_qk_norm: str = "none"  # its checkpoints' q / k norms (attention's qk_norm: head, full)
     # Checkpoints that store projections fused (Phi-3): per module, the fused tensor and the separate
     # projections it holds in row order (runtime/hf/fused.py)

@@ -12,4 +12,4 @@ from meshllm_dsl.families.pack import FamilyPack
 
 PACK = FamilyPack(
     "Qwen2ForCausalLM", "qwen2", "llama", read_llama_shaped, LLAMA_NAMES, title="Qwen2", tp_export=True,
-    default_positions=32768, refuses_use_sliding_window=True, qkv_bias_built_in=True)
+    has_mlp_bias_field=False, default_positions=32768, refuses_use_sliding_window=True, qkv_bias_built_in=True)

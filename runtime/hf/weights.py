@@ -46,7 +46,7 @@ from torch import Tensor
 
 from meshllm_dsl.families import PACKS
 from meshllm_dsl.families.gemma import check_gemma_config, gemma_config
-from meshllm_dsl.families.pack import CheckpointNames
+from meshllm_dsl.families.pack import CheckpointNames, FamilyPack
 from meshllm_dsl.runtime.hf import fused as hf_fused
 from meshllm_dsl.runtime.hf import moe as hf_moe
 from meshllm_dsl.runtime.hf.fused import runs as _runs
@@ -438,6 +438,64 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
     return (None if theta is None else float(theta)), scaling
 
 
+def _gpt2_config(model: Mapping[str, Any], lay: _Layout, vocab: int, tied: bool, dtype_name: str) -> dict[str, Any]:
+    """The config.json of a model of the gpt2 layout."""
+    attn, mlp = lay.attn, lay.mlp
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab,
+        "n_embd": lay.hidden,
+        "n_layer": lay.count,
+        "n_head": int(attn["heads"]),
+        "n_positions": int(next(x for x in model["layers"] if x["kind"] == "positional")["num"]),
+        "n_inner": int(mlp["ffn"]),
+        "layer_norm_epsilon": float(lay.body[0]["eps"]),
+        "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
+                                "silu": "silu"}[mlp["act"]],
+        "tie_word_embeddings": tied,
+        "torch_dtype": dtype_name,
+    }
+
+
+def _llama_shaped_pack(model: Mapping[str, Any], lay: _Layout) -> FamilyPack:
+    """The architecture whose config.json a Llama-shaped model writes: its layout's (norms after the
+    sublayers), else the one with its q / k norm, its q, k, v biases, or its window, else Llama's."""
+    attn = lay.attn
+
+    def first(holds: Callable[[FamilyPack], bool]) -> FamilyPack:
+        return next(p for p in _LLAMA_SHAPED.values() if holds(p))
+
+    plain = first(lambda p: p.checkpoint.layout == "llama")  # Llama itself, the first of its layout
+    if lay.arch != "llama":
+        pack = first(lambda p: p.checkpoint.layout == lay.arch)
+    elif attn.get("qk_norm", "none") != "none":
+        pack = first(lambda p: p.checkpoint_qk_norm == attn.get("qk_norm"))
+    elif bool(attn.get("qkv_bias")) and not attn.get("o_bias"):
+        pack = first(lambda p: p.qkv_bias_built_in)
+    else:
+        pack = plain
+    window = int(attn.get("window") or 0)
+    if window and (pack is not plain or attn.get("global_every")):
+        raise WeightsError(f"model `{model.get('name', 'model')}`: a sliding window "
+                           + ("on some layers only" if attn.get("global_every") else f"in {pack.architecture}'s layout")
+                           + " has no Llama-family config.json; expected a window on every layer (Mistral)")
+    return first(lambda p: p.honours_sliding_window) if window else pack
+
+
+def _rope_config(attn: Mapping[str, Any], seq: int) -> tuple[dict[str, Any], int]:
+    """(the rope object, max_position_embeddings) of a Llama-shaped config.json."""
+    theta = float(attn["rope_theta"])
+    scaling = attn.get("rope_scaling")
+    rope: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
+    positions = max(seq, int((scaling or {}).get("original_max_position_embeddings", 0)))
+    if scaling:
+        rope = {"rope_theta": theta, **scaling}
+        if scaling["rope_type"] == "dynamic":  # NTK scales from max_position_embeddings itself
+            positions = int(rope.pop("original_max_position_embeddings"))
+    return rope, positions
+
+
 def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> dict[str, Any]:
     """The config.json that describes ``model`` to transformers."""
     lay = _layout(model)
@@ -448,45 +506,13 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
     if lay.arch == "gemma":
         return gemma_config(attn, mlp, lay.norm, lay.head, vocab, lay.hidden, lay.count, dtype_name, seq)
     if lay.arch == "gpt2":
-        return {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "vocab_size": vocab,
-            "n_embd": lay.hidden,
-            "n_layer": lay.count,
-            "n_head": int(attn["heads"]),
-            "n_positions": int(next(x for x in model["layers"] if x["kind"] == "positional")["num"]),
-            "n_inner": int(mlp["ffn"]),
-            "layer_norm_epsilon": float(lay.body[0]["eps"]),
-            "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
-                                    "silu": "silu"}[mlp["act"]],
-            "tie_word_embeddings": tied,
-            "torch_dtype": dtype_name,
-        }
-    qwen = bool(attn.get("qkv_bias")) and not attn.get("o_bias")
-    qk_norm = attn.get("qk_norm", "none")
+        return _gpt2_config(model, lay, vocab, tied, dtype_name)
     _refuse_olmo2_mismatch(model, lay)
-    arch, model_type = (("Olmo2ForCausalLM", "olmo2") if lay.arch == "olmo2" else
-                        ("Qwen3ForCausalLM", "qwen3") if qk_norm == "head" else
-                        ("Qwen2ForCausalLM", "qwen2") if qwen else ("LlamaForCausalLM", "llama"))
-    window = int(attn.get("window") or 0)
-    if window and (model_type != "llama" or attn.get("global_every")):
-        raise WeightsError(f"model `{model.get('name', 'model')}`: a sliding window "
-                           + ("on some layers only" if attn.get("global_every") else f"in {arch}'s layout")
-                           + " has no Llama-family config.json; expected a window on every layer (Mistral)")
-    if window:
-        arch, model_type = "MistralForCausalLM", "mistral"
-    theta = float(attn["rope_theta"])
-    scaling = attn.get("rope_scaling")
-    rope: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
-    positions = max(seq, int((scaling or {}).get("original_max_position_embeddings", 0)))
-    if scaling:
-        rope = {"rope_theta": theta, **scaling}
-        if scaling["rope_type"] == "dynamic":  # NTK scales from max_position_embeddings itself
-            positions = int(rope.pop("original_max_position_embeddings"))
+    pack = _llama_shaped_pack(model, lay)
+    rope, positions = _rope_config(attn, seq)
     cfg: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": model_type,
+        "architectures": [pack.architecture],
+        "model_type": pack.model_type,
         "vocab_size": vocab,
         "hidden_size": lay.hidden,
         "intermediate_size": int(mlp["ffn"]),
@@ -496,20 +522,20 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
         "head_dim": int(attn["head_dim"]),
         "hidden_act": "silu",
         "rms_norm_eps": float(lay.norm["eps"]),
-        "rope_theta": theta,
+        "rope_theta": rope["rope_theta"],
         "rope_scaling": None if rope["rope_type"] == "default" else rope,
         "rope_parameters": rope,
         "max_position_embeddings": positions,
         "tie_word_embeddings": tied,
         "torch_dtype": dtype_name,
     }
-    if model_type in ("qwen2", "qwen3"):
+    if pack.refuses_use_sliding_window:
         cfg["use_sliding_window"] = False
-    if window:
-        cfg["sliding_window"] = window
-    if model_type != "qwen2":  # Qwen2's q, k, v biases are the architecture's, not a field
+    if attn.get("window"):
+        cfg["sliding_window"] = int(attn["window"])
+    if not pack.qkv_bias_built_in:  # Qwen2's q, k, v biases are the architecture's, not a field
         cfg["attention_bias"] = bool(attn.get("qkv_bias"))
-    if model_type not in ("qwen2", "olmo2"):  # OLMo 2's MLP has no bias field: never biased
+    if pack.has_mlp_bias_field:
         cfg["mlp_bias"] = False
     return hf_moe.hf_config(model, lay, cfg, WeightsError) if hf_moe.is_moe(lay.body) else cfg
 
