@@ -32,7 +32,7 @@ class CheckpointNames:
     fused_qkv: bool
     norm: str  # the norm kind of its blocks and the final norm
     act: str | None  # the mlp activation it needs (None: any the checkpoint's config names)
-    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
+    norm_offset: float = 0.0  # an RMSNorm that scales by (1 + weight) has 1.0
 
 
 # (the .mesh family, its settings in order, the positions it was trained for)
@@ -48,7 +48,7 @@ class FamilyPack:
     family: str  # the `.mesh` family a model of it is declared from (stdlib/families.mesh)
     read: Callable[[ConfigFields, FamilyPack, str], Reading]  # (fields, this pack, dtype) -> reading
     checkpoint: CheckpointNames  # its tensors' names in a checkpoint
-    title: str = ""  # how people write the family's name ("Phi-3", "OLMo 2"), for messages
+    title: str = ""  # how people write the architecture's name ("Phi-3"), for messages
     # `meshc export` is proven (tests/integration/test_export.py) for this architecture's module names
     tp_export: bool = False
     # transformers' default for max_position_embeddings where a config leaves it out
@@ -56,13 +56,13 @@ class FamilyPack:
     # Llama-shaped attention (meshllm_dsl/families/llama_config.py): what differs per architecture.
     honours_sliding_window: bool = False  # Mistral, Phi-3: attend within `sliding_window` when set
     refuses_use_sliding_window: bool = False  # Qwen2 / 3: `use_sliding_window` is refused
-    ignores_mlp_bias: bool = False  # OLMo 2's MLP has no bias whatever the config says
+    ignores_mlp_bias: bool = False  # its MLP has no bias whatever the config says
     default_norm_eps: float = 1e-6
     qkv_bias_built_in: bool = False  # Qwen2: q, k, v biases (no o bias) whatever the config says
-    qk_norm: str | None = None  # Qwen3: q and k normalised per head ("head")
+    qk_norm: str | None = None  # a q / k norm the architecture has built in: "head" (per head), as a setting
     longrope_only: bool = False  # Phi-3: its config reads `su` / `yarn` as longrope, refuses other types
     longrope_default_original: int | None = None  # Phi3Config's own original_max_position_embeddings
-    has_mlp_bias_field: bool = True  # its config.json has `mlp_bias` (Qwen2's and OLMo 2's have none)
+    has_mlp_bias_field: bool = True  # its config.json has an `mlp_bias` field
     checkpoint_qk_norm: str = "none"  # its checkpoints' q / k norms (attention's qk_norm: head, full)
     # Checkpoints that store projections fused (Phi-3): per module, the fused tensor and the separate
     # projections it holds in row order (runtime/hf/fused.py)
