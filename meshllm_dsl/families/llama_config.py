@@ -1,6 +1,6 @@
-"""config.json -> settings for the Llama-shaped architectures (Llama, Mistral, Qwen2, Qwen3, Phi-3,
-OLMo 2, and the attention of the mixture-of-experts ones): one reading, parameterised by the fields
-of each architecture's pack (meshllm_dsl/families/pack.py) instead of branching on its name.
+"""config.json -> settings for the Llama-shaped architectures (the packs whose `read` this is, and the
+attention of the mixture-of-experts ones): one reading, parameterised by the fields of each
+architecture's pack (meshllm_dsl/families/pack.py) instead of branching on its name.
 """
 
 from __future__ import annotations
@@ -224,6 +224,5 @@ def read_llama_shaped(f: ConfigFields, pack: FamilyPack, dtype: str) -> Reading:
         settings += [("window", window, "`sliding_window`")]
     settings += [("tie_embeddings", f.flag("tie_word_embeddings", False), "`tie_word_embeddings`"),
                  ("dtype", dtype, "`torch_dtype`")]
-    # OLMo 2 is Llama's config with norms after the sublayers and q / k normalised over the whole
-    # projection: both are the olmo2 family's block itself, so no setting says them.
+    # What a family's block has built in (norms after the sublayers, say) needs no setting.
     return family, settings, positions

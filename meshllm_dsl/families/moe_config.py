@@ -1,6 +1,6 @@
-"""config.json -> settings for the mixture-of-experts architectures (Mixtral, Qwen2-MoE, Qwen3-MoE).
+"""config.json -> settings for the mixture-of-experts architectures (the packs whose `read` this is).
 
-Their attention is Mistral's, Qwen2's and Qwen3's, so the Llama-shaped reading runs on the config
+Their attention is a Llama-shaped architecture's, so the Llama-shaped reading runs on the config
 as that architecture's (the pack's `attention`) and its settings are kept where the MoE family has
 them; the experts' settings are added. A setting the families cannot honour is refused, naming the field.
 """
@@ -38,13 +38,14 @@ def _attention_settings(f: ConfigFields, pack: FamilyPack, dtype: str) -> tuple[
     return settings, positions
 
 
-def _qwen_experts(f: ConfigFields, pack: FamilyPack) -> list[Setting]:
-    """Qwen-MoE's experts: every layer sparse, their count, top-k normalisation, a shared expert."""
+def _experts_of_own_width(f: ConfigFields, pack: FamilyPack) -> list[Setting]:
+    """Experts of their own width (`experts_width_field`): every layer sparse, their count, top-k
+    normalisation, a shared expert."""
     step, dense = f.int("decoder_sparse_step", 1), f.doc.get("mlp_only_layers") or []
     if step != 1 or dense:
         raise ImportError_(f"{f.where}: `decoder_sparse_step` = {step}, `mlp_only_layers` = {dense!r}: some layers "
                            "are dense; the qwen2_moe family has a mixture of experts in every layer")
-    n_field = "num_local_experts" if f.doc.get("num_local_experts") is not None else "num_experts"  # Qwen3-MoE, transformers 5
+    n_field = "num_local_experts" if f.doc.get("num_local_experts") is not None else "num_experts"  # transformers 5 names it so
     settings: list[Setting] = [("experts", f.int(n_field), f"`{n_field}`"),
                                ("norm_topk_prob", f.flag("norm_topk_prob", False), "`norm_topk_prob`")]
     if pack.shared_expert:
@@ -52,8 +53,8 @@ def _qwen_experts(f: ConfigFields, pack: FamilyPack) -> list[Setting]:
     return settings
 
 
-def _mixtral_experts(f: ConfigFields) -> list[Setting]:
-    """Mixtral's experts: their count, refusing router jitter."""
+def _experts_of_full_width(f: ConfigFields) -> list[Setting]:
+    """Experts as wide as the config's `intermediate_size`: their count, refusing router jitter."""
     if f.doc.get("router_jitter_noise") not in (None, 0, 0.0):
         raise ImportError_(f"{f.where}: `router_jitter_noise` = {f.doc.get('router_jitter_noise')!r} scales the "
                            "router's input by noise when training (not supported)")
@@ -61,9 +62,9 @@ def _mixtral_experts(f: ConfigFields) -> list[Setting]:
 
 
 def read_moe(f: ConfigFields, pack: FamilyPack, dtype: str) -> Reading:
-    """(family, settings, positions) of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json (see import_hf.model_settings)."""
+    """(family, settings, positions) of a mixture-of-experts config.json (see import_hf.model_settings)."""
     settings, positions = _attention_settings(f, pack, dtype)
-    settings += _qwen_experts(f, pack) if pack.experts_width_field is not None else _mixtral_experts(f)
+    settings += _experts_of_own_width(f, pack) if pack.experts_width_field is not None else _experts_of_full_width(f)
     settings.append(("top_k", f.int("num_experts_per_tok"), "`num_experts_per_tok`"))
     if f.flag("output_router_logits", False) and f.doc.get("router_aux_loss_coef") not in (None, 0, 0.0):
         # transformers adds router_aux_loss_coef x the load-balancing loss only with output_router_logits.

@@ -1,7 +1,8 @@
 """The OLMo 2 pack: `Olmo2ForCausalLM` (config.json `model_type` "olmo2") is the `olmo2` family.
 
 Its config reads as every Llama-shaped one (meshllm_dsl/families/llama_config.py); what differs is
-the record below.
+the record below.  Its config is Llama's: the norms after the sublayers and q / k normalised over the
+whole projection are the olmo2 family's block itself, so no setting says them.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from meshllm_dsl.families.llama_config import read_llama_shaped
 from meshllm_dsl.families.pack import CheckpointNames, FamilyPack
 
 # Llama's names, a norm after each sublayer and none before; its q / k norms (over the whole
-# projection) are self_attn.{q,k}_norm as Qwen3's are.
+# projection) are self_attn.{q,k}_norm, as per-head q / k norms are.
 NAMES = CheckpointNames(
     layout="olmo2",
     top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},

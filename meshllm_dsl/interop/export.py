@@ -56,7 +56,7 @@ class Export:
     zero_axis: str | None  # fully_shard over this axis (ZeRO 2 / 3), else None
     loss_parallel: bool
     warnings: tuple[Diagnostic, ...]
-    hf_class: str  # transformers' class of the checkpoint (Qwen3ForCausalLM, not LlamaForCausalLM, for q / k norms)
+    hf_class: str  # transformers' class of the checkpoint (the one with q / k norms, not LlamaForCausalLM, for them)
 
 
 # ---------------------------------------------------------------- analysis
@@ -367,8 +367,8 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
 
 def _hf_class(desc: dict[str, object], arch: str) -> str:
     """The class the model's own config.json names (runtime/hf/weights.py hf_config, what `--export-hf`
-    writes): the llama layout alone is Llama, Mistral (a window), Qwen2 (q, k, v biases) or Qwen3
-    (q / k norms), and loading a Qwen3 checkpoint as LlamaForCausalLM would drop its norms."""
+    writes): the llama layout alone is several architectures (a window, q, k, v biases, q / k norms:
+    the packs' fields), and loading one with q / k norms as LlamaForCausalLM would drop its norms."""
     import torch
 
     from meshllm_dsl.runtime.hf.weights import WeightsError, hf_config
