@@ -131,7 +131,10 @@ def model_description(plan: PlanIR) -> dict[str, Any]:
                            "body": [_unit_desc(u) for u in item.body]})
         else:
             layers.append(_unit_desc(item))
-    return {"name": plan.model.name, "dtype": plan.model.dtype, "layers": layers}
+    # The family's name lets the runtime read its pack (meshllm_dsl/families) instead of guessing it
+    # from the model's shape; a model built from primitives has none.
+    family = {"family": plan.model.family} if plan.model.family is not None else {}
+    return {"name": plan.model.name, **family, "dtype": plan.model.dtype, "layers": layers}
 
 
 def _unit_desc(u: Unit) -> dict[str, Any]:

@@ -206,6 +206,7 @@ class ModelIR:
     items: tuple[Item, ...]
     dtype: str
     span: Span | None = attrs.field(eq=False, default=None)
+    family: str | None = None  # the family it was declared from (`model m = llama {...}`); None: primitives
 
     def value(self, name: str) -> Value | None:
         return dict(self.values).get(name)

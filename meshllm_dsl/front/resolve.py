@@ -493,7 +493,8 @@ class ModelResolver(Resolver):
         if not self._chain(decl, items):
             return None
         values = tuple((k, b.value) for k, b in env.items())
-        return ModelIR(decl.name.value, values, tuple(items), dtype_name, decl.span)
+        family_name = decl.family.value if decl.family is not None else None
+        return ModelIR(decl.name.value, values, tuple(items), dtype_name, decl.span, family_name)
 
     def _chain(self, decl: ast.ModelDecl, items: list[Unit | Repeat]) -> bool:
         """Layer shapes chain: embedding, width-keeping layers and blocks, then the head (E0308), in

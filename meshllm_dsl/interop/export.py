@@ -13,12 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
+from typing import Any
 
 import attrs
 
 from meshllm_dsl.codegen.lower import _adamw_kwargs, docstring_text, literal, model_description
 from meshllm_dsl.codes import E1201, E1202, E1203, E1204, E1205, E1206, W1201, W1202
 from meshllm_dsl.diagnostics import Diagnostic, SpecError
+from meshllm_dsl.families import exported_families
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.load import Declarations
 from meshllm_dsl.front.source import Span
@@ -26,8 +28,9 @@ from meshllm_dsl.ir import Leaf, Placement, PlanIR, Repeat, Unit
 
 TARGETS = ("dtensor", "hf-tp-plan")
 
-# transformers' class per checkpoint layout (runtime/hf/weights.py's `arch`): the names below are its modules.
-HF_CLASSES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "olmo2": "Olmo2ForCausalLM"}
+# transformers' class per checkpoint layout (runtime/hf/weights.py's `arch`, the `.mesh` family whose
+# packs are proven for export): the first pack's class, whose modules the names below are.
+HF_CLASSES = {family: packs[0].architecture for family, packs in exported_families().items()}
 
 
 @attrs.frozen
@@ -53,7 +56,7 @@ class Export:
     zero_axis: str | None  # fully_shard over this axis (ZeRO 2 / 3), else None
     loss_parallel: bool
     warnings: tuple[Diagnostic, ...]
-    hf_class: str  # transformers' class of the checkpoint (Qwen3ForCausalLM, not LlamaForCausalLM, for q / k norms)
+    hf_class: str  # transformers' class of the checkpoint (the one with q / k norms, not LlamaForCausalLM, for them)
 
 
 # ---------------------------------------------------------------- analysis
@@ -122,20 +125,35 @@ def _style(leaf: Leaf, p: Placement, is_head: bool, loss_parallel: bool, target:
     return f"`{p.rule}` on a {leaf.kind} layer has no counterpart in {what}"
 
 
-def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
-    """Decide the export of `plan` to `target`, or raise SpecError with every refusal found."""
-    from meshllm_dsl.runtime.hf.weights import WeightsError, hf_key_map, model_arch
+@attrs.define
+class _Findings:
+    """The refusals (errors) and warnings one export collects before it raises or returns."""
 
-    assert target in TARGETS, target
-    decl = _plan_decl(decls, plan.name)
-    errors: list[Diagnostic] = []
-    warnings: list[Diagnostic] = []
-    where = "DTensor" if target == "dtensor" else "a transformers tp_plan"
+    plan: PlanIR
+    decl: ast.PlanDecl | None
+    target: str
+    errors: list[Diagnostic] = attrs.field(factory=list)
+    warnings: list[Diagnostic] = attrs.field(factory=list)
 
-    def refuse(code: str, message: str, span: Span | None, label: str, help: str) -> None:  # noqa: A002
-        errors.append(Diagnostic(code, message, span or plan.span, label=label, help=help))
+    @property
+    def where(self) -> str:
+        return "DTensor" if self.target == "dtensor" else "a transformers tp_plan"
 
-    desc = model_description(plan)
+    def refuse(self, code: str, message: str, span: Span | None, label: str, help: str) -> None:  # noqa: A002
+        self.errors.append(Diagnostic(code, message, span or self.plan.span, label=label, help=help))
+
+
+def _exported_help() -> str:
+    """"`llama` (Llama, Mistral, ...), `olmo2` or `gpt2`": the families export is proven for, from their packs."""
+    named = [f"`{family}`" + (f" ({', '.join(p.title for p in packs)})" if len(packs) > 1 else "")
+             for family, packs in exported_families().items()]
+    return ", ".join(named[:-1]) + " or " + named[-1] if len(named) > 1 else named[0]
+
+
+def _checkpoint_layout(plan: PlanIR, desc: dict[str, Any], where: str) -> str:
+    """The model's checkpoint layout (runtime/hf/weights.py's `arch`), refusing one export is not proven for."""
+    from meshllm_dsl.runtime.hf.weights import WeightsError, model_arch
+
     try:
         arch = model_arch(desc)
     except WeightsError as err:
@@ -144,19 +162,22 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
             plan.model.span or plan.span, label="no Hugging Face model has these modules",
             note=str(err), help="export models of the `llama` (Llama, Mistral, Qwen2) or `gpt2` family",
         )]) from None
-
-    # Exports are proven (tests/integration/test_export.py) for these layouts only: a Gemma or a
-    # mixture-of-experts model would need its own module names and its own proof first.
+    # Exports are proven (tests/integration/test_export.py) for the packs marked tp_export only: another
+    # layout or a mixture-of-experts model would need its own module names and its own proof first.
     kinds = {u.kind for item in plan.model.items for u in (item.body if isinstance(item, Repeat) else (item,))}
     if arch not in HF_CLASSES or "moe" in kinds:
         what = "mixture-of-experts layers" if "moe" in kinds else f"the {arch} checkpoint layout"
         raise SpecError([Diagnostic(
             E1204, f"model `{plan.model.name}` ({what}) is not exported to {where} yet",
             plan.model.span or plan.span, label="no tested export for this model",
-            help="export models of the `llama` (Llama, Mistral, Qwen2, Qwen3, Phi-3), `olmo2` or `gpt2` family; "
-                 "`meshc compile` and `meshc run` take this one",
+            help=f"export models of the {_exported_help()} family; `meshc compile` and `meshc run` take this one",
         )])
+    return arch
 
+
+def _refuse_unexported_features(found: _Findings) -> None:
+    """Pipeline, sequence and context parallelism, recomputation, precision the targets cannot say."""
+    plan, decl, where, refuse = found.plan, found.decl, found.where, found.refuse
     if plan.roles.pipeline is not None:
         refuse(E1201, f"{where} cannot express the pipeline over `{plan.roles.pipeline}`",
                _stmt_span(decl, ast.StagesStmt, plan.span), label="pipeline stages",
@@ -177,131 +198,177 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
                _setting_span(decl, "recompute", plan.span), label="activation recomputation",
                help="drop `recompute` for the export and wrap the blocks with torch.utils.checkpoint "
                     "(or `model.gradient_checkpointing_enable()`) yourself")
-    if plan.master_dtype is not None and plan.zero == 1:
-        refuse(E1206, f"`precision` at ZeRO 1 (the distributed optimizer: FSDP2 reducing gradients once a step) is not "
-               f"exported to {where}", _stmt_span(decl, ast.PrecisionStmt, plan.span), label="sharded master weights",
-               help="use `zero 2` for the export: fully_shard with reshard_after_forward=False and MixedPrecisionPolicy "
-                    "holds the same state, and reduce-scatters every microbatch's gradients")
-    elif plan.master_dtype is not None and plan.zero == 0:
-        refuse(E1206, f"`precision` at ZeRO {plan.zero} (fp32 parameters under torch.autocast) is not exported to {where}",
-               _stmt_span(decl, ast.PrecisionStmt, plan.span), label="mixed precision by autocast",
-               help=f"run the exported model under `torch.autocast(device, dtype=torch.{'bfloat16' if plan.dtype == 'bf16' else 'float16'})` "
-                    "yourself, or use `zero 2` / `zero 3` (fully_shard's MixedPrecisionPolicy)")
-    zero_axis: str | None = None
-    if target == "dtensor":
-        if plan.zero == 1:
-            refuse(E1202, "ZeRO 1 (optimizer states sharded, weights and gradients whole) has no counterpart "
-                   "in fully_shard", _zero_span(decl, plan.span), label="ZeRO stage 1",
-                   help="use `zero 2` (fully_shard with reshard_after_forward=False) or `zero 3` "
-                        "(reshard_after_forward=True): FSDP2 shards gradients with the optimizer states")
-        elif plan.zero in (2, 3) and len(plan.roles.batch_shard) != 1:
-            refuse(E1206, f"ZeRO {plan.zero} over {' x '.join(plan.roles.batch_shard)}: the export shards over one "
-                   "mesh axis", _zero_span(decl, plan.span), label="several data axes",
-                   help="shard over one data axis (`zero 3 over data`)")
-        elif plan.zero in (2, 3) and plan.roles.batch_shard != plan.roles.batch:
-            refuse(E1206, f"ZeRO {plan.zero} over {' x '.join(plan.roles.batch_shard)} but the batch is split over "
-                   f"{' x '.join(plan.roles.batch)}: hybrid sharding is not exported",
-                   _zero_span(decl, plan.span), label="zero axes differ from the batch axes",
-                   help="shard over the batch axis itself")
-        elif plan.zero in (2, 3):
-            zero_axis = plan.roles.batch_shard[0]
-        elif plan.roles.batch:
-            refuse(E1206, f"data parallelism over {' x '.join(plan.roles.batch)} without ZeRO is not exported "
-                   "to DTensor", plan.span, label="gradients averaged over the data axes",
-                   help="add `zero 2` or `zero 3` to the optimizer (fully_shard averages the gradients), "
-                        "or wrap the parallelized model in DistributedDataParallel yourself")
-    elif plan.roles.batch:
-        warnings.append(Diagnostic(
-            W1202, f"a tp_plan holds tensor parallelism only: data parallelism over "
-            f"{' x '.join(plan.roles.batch)} (ZeRO {plan.zero}) is left out", _zero_span(decl, plan.span),
-            label="not in the tp_plan",
-            help="give the data axes to transformers' DistributedConfig (dp / fsdp sizes) when loading"))
+    _refuse_unexported_precision(found)
 
-    loss_parallel = plan.roles.loss_parallel
+
+def _refuse_unexported_precision(found: _Findings) -> None:
+    """`precision` at ZeRO 0 / 1: master weights neither target holds that way."""
+    plan, decl, where = found.plan, found.decl, found.where
+    if plan.master_dtype is not None and plan.zero == 1:
+        found.refuse(E1206, f"`precision` at ZeRO 1 (the distributed optimizer: FSDP2 reducing gradients once a step) "
+                     f"is not exported to {where}", _stmt_span(decl, ast.PrecisionStmt, plan.span),
+                     label="sharded master weights",
+                     help="use `zero 2` for the export: fully_shard with reshard_after_forward=False and "
+                          "MixedPrecisionPolicy holds the same state, and reduce-scatters every microbatch's gradients")
+    elif plan.master_dtype is not None and plan.zero == 0:
+        found.refuse(E1206, f"`precision` at ZeRO {plan.zero} (fp32 parameters under torch.autocast) is not exported "
+                     f"to {where}", _stmt_span(decl, ast.PrecisionStmt, plan.span), label="mixed precision by autocast",
+                     help=f"run the exported model under `torch.autocast(device, dtype=torch."
+                          f"{'bfloat16' if plan.dtype == 'bf16' else 'float16'})` "
+                          "yourself, or use `zero 2` / `zero 3` (fully_shard's MixedPrecisionPolicy)")
+
+
+def _zero_axis(found: _Findings) -> str | None:
+    """The axis fully_shard shards over (dtensor, ZeRO 2 / 3); refusals and warnings for the rest."""
+    plan, decl, refuse = found.plan, found.decl, found.refuse
+    batch, shard = plan.roles.batch, plan.roles.batch_shard
+    if found.target != "dtensor":
+        if batch:
+            found.warnings.append(Diagnostic(
+                W1202, f"a tp_plan holds tensor parallelism only: data parallelism over "
+                f"{' x '.join(batch)} (ZeRO {plan.zero}) is left out", _zero_span(decl, plan.span),
+                label="not in the tp_plan",
+                help="give the data axes to transformers' DistributedConfig (dp / fsdp sizes) when loading"))
+        return None
+    if plan.zero == 1:
+        refuse(E1202, "ZeRO 1 (optimizer states sharded, weights and gradients whole) has no counterpart "
+               "in fully_shard", _zero_span(decl, plan.span), label="ZeRO stage 1",
+               help="use `zero 2` (fully_shard with reshard_after_forward=False) or `zero 3` "
+                    "(reshard_after_forward=True): FSDP2 shards gradients with the optimizer states")
+    elif plan.zero in (2, 3) and len(shard) != 1:
+        refuse(E1206, f"ZeRO {plan.zero} over {' x '.join(shard)}: the export shards over one "
+               "mesh axis", _zero_span(decl, plan.span), label="several data axes",
+               help="shard over one data axis (`zero 3 over data`)")
+    elif plan.zero in (2, 3) and shard != batch:
+        refuse(E1206, f"ZeRO {plan.zero} over {' x '.join(shard)} but the batch is split over "
+               f"{' x '.join(batch)}: hybrid sharding is not exported",
+               _zero_span(decl, plan.span), label="zero axes differ from the batch axes",
+               help="shard over the batch axis itself")
+    elif plan.zero in (2, 3):
+        return shard[0]
+    elif batch:
+        refuse(E1206, f"data parallelism over {' x '.join(batch)} without ZeRO is not exported "
+               "to DTensor", plan.span, label="gradients averaged over the data axes",
+               help="add `zero 2` or `zero 3` to the optimizer (fully_shard averages the gradients), "
+                    "or wrap the parallelized model in DistributedDataParallel yourself")
+    return None
+
+
+def _placements(plan: PlanIR, item: Repeat | Unit, leaf: Leaf) -> Iterator[tuple[str, Placement]]:
+    """(block index, placement): `*` for a class of every block, else one per block of its class."""
+    if isinstance(item, Repeat):
+        for cls in plan.block_classes:
+            p = cls.placement(".".join(leaf.path))
+            for idx in ("*",) if len(cls.indices) == item.count else tuple(str(i) for i in cls.indices):
+                yield idx, p
+    else:
+        yield "", plan.placement(".".join(leaf.path))
+
+
+def _unshardable(found: _Findings, unit: Unit, leaf: Leaf, p: Placement, module: str, conv1d: bool) -> bool:
+    """Refuse a sharded leaf whose transformers module cannot be sharded as the plan says; True if refused."""
+    where = found.where
+    if unit.kind == "attention" and dict(unit.attrs).get("qk_norm") == "full" and leaf.path[-1] in ("q", "k"):
+        # transformers' Olmo2RMSNorm would normalise each rank's columns on their own: another model
+        found.refuse(E1205, f"{where} cannot express the placement of `{'.'.join(leaf.path)}`: its RMSNorm spans the "
+                     "whole projection (qk_norm = full, OLMo 2), and split by heads each rank would normalise "
+                     "only its own part", p.span, label=f"{p.rule}({', '.join(p.axes)}) under a whole-projection norm",
+                     help="keep the attention heads whole to export (no `heads -> AXIS` / `kv_heads -> AXIS`), or use "
+                          "`meshc compile`, whose code all-reduces the norm's sum of squares")
+        return True
+    if conv1d:
+        found.refuse(E1204, f"`{'.'.join(leaf.path)}` is a transformers Conv1D ({module}), which "
+                     f"{where} cannot shard", p.span, label=f"{p.rule}({', '.join(p.axes)}) on a Conv1D layer",
+                     help="GPT-2 stores its projections as Conv1D ([in, out]): export GPT-2 plans with these "
+                          "layers replicated (ZeRO 2 / 3 still shards them), or use `meshc compile`")
+        return True
+    return False
+
+
+@attrs.define
+class _Modules:
+    """What the walk over the leaves builds: the entries, the ties and transformers' module paths."""
+
+    entries: list[Entry] = attrs.field(factory=list)
+    ties: list[tuple[str, str]] = attrs.field(factory=list)
+    blocks: str | None = None  # transformers' path of the block list ("model.layers")
+    top: dict[str, str] = attrs.field(factory=dict)  # our leaf path -> transformers module (top level), for ties
+    tp_axes: dict[str, Span | None] = attrs.field(factory=dict)
+
+
+def _leaf_entries(found: _Findings, out: _Modules, item: Repeat | Unit, unit: Unit, leaf: Leaf,
+                  hf_name: str, conv1d: bool) -> None:
+    """The entries (one per block class) of one leaf whose first parameter transformers calls `hf_name`."""
+    plan = found.plan
     last = plan.model.items[-1]
     head_name = last.name if isinstance(last, Unit) and last.kind == "linear" else None
-    entries: list[Entry] = []
-    ties: list[tuple[str, str]] = []
-    blocks: str | None = None
-    modules: dict[str, str] = {}  # our leaf path -> transformers module (top level), for ties
-    tp_axes: dict[str, Span | None] = {}
+    module, rel = hf_name.rsplit(".", 1)[0], ""
+    if isinstance(item, Repeat):
+        parts = module.split(".")
+        out.blocks = ".".join(parts[:2])  # "model.layers.0.self_attn.q_proj" -> "model.layers"
+        rel = ".".join(parts[3:])
+    else:
+        out.top[leaf.path[-1]] = module
+    for idx, p in _placements(plan, item, leaf):
+        if not p.sharded or _unshardable(found, unit, leaf, p, module, conv1d):
+            continue
+        style = _style(leaf, p, leaf.path[-1] == head_name, plan.roles.loss_parallel, found.target)
+        if isinstance(style, str):
+            found.refuse(E1205, f"{found.where} cannot express the placement of `{'.'.join(leaf.path)}`: {style}",
+                         p.span, label=f"{p.rule}({', '.join(p.axes)})",
+                         help="place it with `column`, `row` or `vocab_parallel` over one axis, or `replicate`")
+            continue
+        out.tp_axes.setdefault(p.axes[0], p.span)
+        path = f"{out.blocks}.{idx}.{rel}" if isinstance(item, Repeat) else module
+        out.entries.append(Entry(path, p.axes[0], style[0], style[1], f"{'.'.join(leaf.path)}: {p.rule}({p.axes[0]})"))
+        if leaf.path[-1] == head_name and plan.roles.loss_parallel and found.target == "hf-tp-plan":
+            found.warnings.append(Diagnostic(
+                W1201, f"`{head_name}`'s logits are gathered in the tp_plan: transformers has no "
+                "vocab-parallel loss", p.span, label="exported as colwise_gather_output",
+                help="the loss is the same; each rank then holds the full logits. `--to dtensor` keeps "
+                     "them sharded (loss_parallel)"))
+    if leaf.tie is not None and plan.placement(leaf.tie).sharded and leaf.tie in out.top:
+        out.ties.append((module, out.top[leaf.tie]))
 
-    def placements(item: Repeat | Unit, leaf: Leaf) -> Iterator[tuple[str, Placement]]:
-        """(block index, placement): `*` for a class of every block, else one per block of its class."""
-        if isinstance(item, Repeat):
-            for cls in plan.block_classes:
-                p = cls.placement(".".join(leaf.path))
-                for idx in ("*",) if len(cls.indices) == item.count else tuple(str(i) for i in cls.indices):
-                    yield idx, p
-        else:
-            yield "", plan.placement(".".join(leaf.path))
 
-    for item, _unit, leaf in plan.model.leaves():
+def _modules(found: _Findings, desc: dict[str, Any]) -> _Modules:
+    """Every leaf's tensor-parallel entries under transformers' module names (hf_key_map)."""
+    from meshllm_dsl.runtime.hf.weights import hf_key_map
+
+    out = _Modules()
+    for item, unit, leaf in found.plan.model.leaves():
         # A tied head owns no parameter; transformers still has its module (lm_head), sharded like the
         # weight it shares and re-tied after parallelize_module replaced the owner's parameter.
         names = _param_names(item, leaf) or ([".".join((*leaf.path, "weight"))] if leaf.tie else [])
-        if not names:
-            continue
-        keys = hf_key_map(desc, names)
-        hf_name, conv1d = keys[names[0]]
-        module = hf_name.rsplit(".", 1)[0]
-        if isinstance(item, Repeat):
-            parts = module.split(".")
-            blocks = ".".join(parts[:2])  # "model.layers.0.self_attn.q_proj" -> "model.layers"
-            rel = ".".join(parts[3:])
-        else:
-            modules[leaf.path[-1]] = module
-        for idx, p in placements(item, leaf):
-            if not p.sharded:
-                continue
-            if _unit.kind == "attention" and dict(_unit.attrs).get("qk_norm") == "full" and leaf.path[-1] in ("q", "k"):
-                # transformers' Olmo2RMSNorm would normalise each rank's columns on their own: another model
-                refuse(E1205, f"{where} cannot express the placement of `{'.'.join(leaf.path)}`: its RMSNorm spans the "
-                       "whole projection (qk_norm = full, OLMo 2), and split by heads each rank would normalise "
-                       "only its own part", p.span, label=f"{p.rule}({', '.join(p.axes)}) under a whole-projection norm",
-                       help="keep the attention heads whole to export (no `heads -> AXIS` / `kv_heads -> AXIS`), or use "
-                            "`meshc compile`, whose code all-reduces the norm's sum of squares")
-                continue
-            if conv1d:
-                refuse(E1204, f"`{'.'.join(leaf.path)}` is a transformers Conv1D ({module}), which "
-                       f"{where} cannot shard", p.span, label=f"{p.rule}({', '.join(p.axes)}) on a Conv1D layer",
-                       help="GPT-2 stores its projections as Conv1D ([in, out]): export GPT-2 plans with these "
-                            "layers replicated (ZeRO 2 / 3 still shards them), or use `meshc compile`")
-                continue
-            style = _style(leaf, p, leaf.path[-1] == head_name, loss_parallel, target)
-            if isinstance(style, str):
-                refuse(E1205, f"{where} cannot express the placement of `{'.'.join(leaf.path)}`: {style}",
-                       p.span, label=f"{p.rule}({', '.join(p.axes)})",
-                       help="place it with `column`, `row` or `vocab_parallel` over one axis, or `replicate`")
-                continue
-            tp_axes.setdefault(p.axes[0], p.span)
-            path = f"{blocks}.{idx}.{rel}" if isinstance(item, Repeat) else module
-            entries.append(Entry(path, p.axes[0], style[0], style[1], f"{'.'.join(leaf.path)}: {p.rule}({p.axes[0]})"))
-            if leaf.path[-1] == head_name and loss_parallel and target == "hf-tp-plan":
-                warnings.append(Diagnostic(
-                    W1201, f"`{head_name}`'s logits are gathered in the tp_plan: transformers has no "
-                    "vocab-parallel loss", p.span, label="exported as colwise_gather_output",
-                    help="the loss is the same; each rank then holds the full logits. `--to dtensor` keeps "
-                         "them sharded (loss_parallel)"))
-        if leaf.tie is not None:
-            owner = plan.placement(leaf.tie)
-            if owner.sharded and leaf.tie in modules:
-                ties.append((module, modules[leaf.tie]))
-    if target == "hf-tp-plan" and len(tp_axes) > 1:
-        second = list(tp_axes)[1]
-        refuse(E1205, f"a tp_plan shards over one mesh axis, but this plan shards over {' and '.join(tp_axes)}",
-               tp_axes[second], label=f"sharded over `{second}`",
-               help=f"shard every layer over one axis (`{next(iter(tp_axes))}`) to export a tp_plan")
-    if errors:
-        raise SpecError(errors)
-    return Export(plan, arch, blocks, tuple(entries), tuple(ties), zero_axis, loss_parallel, tuple(warnings),
-                  _hf_class(desc, arch))
+        if names:
+            _leaf_entries(found, out, item, unit, leaf, *hf_key_map(desc, names)[names[0]])
+    if found.target == "hf-tp-plan" and len(out.tp_axes) > 1:
+        second = list(out.tp_axes)[1]
+        found.refuse(E1205, f"a tp_plan shards over one mesh axis, but this plan shards over {' and '.join(out.tp_axes)}",
+                     out.tp_axes[second], label=f"sharded over `{second}`",
+                     help=f"shard every layer over one axis (`{next(iter(out.tp_axes))}`) to export a tp_plan")
+    return out
+
+
+def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
+    """Decide the export of `plan` to `target`, or raise SpecError with every refusal found."""
+    assert target in TARGETS, target
+    found = _Findings(plan, _plan_decl(decls, plan.name), target)
+    desc = model_description(plan)
+    arch = _checkpoint_layout(plan, desc, found.where)
+    _refuse_unexported_features(found)
+    zero_axis = _zero_axis(found)
+    out = _modules(found, desc)
+    if found.errors:
+        raise SpecError(found.errors)
+    return Export(plan, arch, out.blocks, tuple(out.entries), tuple(out.ties), zero_axis, plan.roles.loss_parallel,
+                  tuple(found.warnings), _hf_class(desc, arch))
 
 
 def _hf_class(desc: dict[str, object], arch: str) -> str:
     """The class the model's own config.json names (runtime/hf/weights.py hf_config, what `--export-hf`
-    writes): the llama layout alone is Llama, Mistral (a window), Qwen2 (q, k, v biases) or Qwen3
-    (q / k norms), and loading a Qwen3 checkpoint as LlamaForCausalLM would drop its norms."""
+    writes): the llama layout alone is several architectures (a window, q, k, v biases, q / k norms:
+    the packs' fields), and loading one with q / k norms as LlamaForCausalLM would drop its norms."""
     import torch
 
     from meshllm_dsl.runtime.hf.weights import WeightsError, hf_config

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import re
 import shlex
@@ -24,111 +23,31 @@ from typing import Any
 
 from meshllm_dsl.codegen.slurm import script_value_problem
 from meshllm_dsl.codes import W0801
+from meshllm_dsl.families import BY_ARCHITECTURE, BY_MODEL_TYPE, SUPPORTED
+from meshllm_dsl.families.config_fields import (
+    ConfigError,
+    ConfigFields,
+    ImportError_,
+    Limits,
+    Setting,
+)
 from meshllm_dsl.front.limits import MAX_BLOCKS, MAX_DEVICES, MAX_INT, MAX_NAME
 from meshllm_dsl.front.names import identifier_problem
-from meshllm_dsl.interop.import_gemma import GEMMA, gemma_settings
-from meshllm_dsl.interop.import_gemma import MODEL_TYPES as GEMMA_TYPES
-from meshllm_dsl.interop.import_moe import MODEL_TYPES as MOE_TYPES
-from meshllm_dsl.interop.import_moe import MOE, moe_settings
 from meshllm_dsl.runtime.json_values import describe
 
-SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
-             "Olmo2ForCausalLM", "GPT2LMHeadModel",
-             *GEMMA)
-_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                "qwen3": "Qwen3ForCausalLM", "phi3": "Phi3ForCausalLM", "olmo2": "Olmo2ForCausalLM",
-                "gpt2": "GPT2LMHeadModel", **GEMMA_TYPES}
 _DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
-# Mixture-of-experts architectures (meshllm_dsl/interop/import_moe.py).
-SUPPORTED = (*SUPPORTED, *MOE)
-_MODEL_TYPES.update(MOE_TYPES)
-
-
-class ImportError_(Exception):
-    """The directory describes a model meshllm cannot reproduce exactly (exit 1)."""
-
-
-class ConfigError(Exception):
-    """config.json is not a description of a model at all: unreadable, not a JSON object, a field
-    missing or of the wrong type or range (an input error: exit 2)."""
+# The spec's bounds on a field: a config.json value above them could never be a spec's.
+_LIMITS = Limits(max_int=MAX_INT, max_blocks=MAX_BLOCKS)
+__all__ = ["SUPPORTED", "ConfigError", "ImportError_", "model_settings", "read_config", "spec_text"]
 
 
 # A config.json is a few KB; this bounds what a link to a device or a huge file costs to refuse.
 MAX_CONFIG_BYTES = 16 * 2**20
-_NO_DEFAULT: Any = object()
 
 
-class _Fields:
-    """Typed reads of one JSON object of config.json: each raises ConfigError naming the file, the
-    field and what was expected.  ``null`` is the default, as transformers reads a config; a
-    field without a default is required.  Integers are JSON integers (64.0 is refused: transformers
-    keeps it a float, and torch refuses a float size), booleans JSON booleans (never the string
-    "false", which is truthy), numbers finite."""
-
-    def __init__(self, doc: dict[str, Any], where: str, prefix: str = "") -> None:
-        self.doc, self.where, self.prefix = doc, where, prefix
-
-    def error(self, field: str, expected: str) -> ConfigError:
-        if self.doc.get(field) is None:
-            return ConfigError(f"{self.where}: no `{self.prefix}{field}`; expected {expected}")
-        return ConfigError(f"{self.where}: `{self.prefix}{field}` is {describe(self.doc[field])}; expected {expected}")
-
-    def _get(self, field: str, default: Any, expected: str) -> Any:
-        value = self.doc.get(field)
-        if value is None and default is _NO_DEFAULT:
-            raise self.error(field, expected)
-        return value
-
-    def int(self, field: str, default: Any = _NO_DEFAULT, maximum: int = MAX_INT) -> Any:
-        expected = f"a positive integer (at most {maximum:,})"
-        value = self._get(field, default, expected)
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
-            raise self.error(field, expected)
-        return value
-
-    def number(self, field: str, default: Any = _NO_DEFAULT) -> Any:
-        value = self._get(field, default, "a positive number")
-        if value is None:
-            return default
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-            raise self.error(field, "a positive number")
-        return float(value)
-
-    def flag(self, field: str, default: bool) -> bool:
-        value = self.doc.get(field)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise self.error(field, "true or false")
-        return value
-
-    def text(self, field: str, default: Any = _NO_DEFAULT, expected: str = "a string") -> Any:
-        value = self._get(field, default, expected)
-        if value is None:
-            return default
-        if not isinstance(value, str):
-            raise self.error(field, expected)
-        return value
-
-    def obj(self, field: str) -> _Fields | None:
-        value = self.doc.get(field)
-        if value is None:
-            return None
-        if not isinstance(value, dict):
-            raise self.error(field, "an object (or null)")
-        return _Fields(value, self.where, f"{self.prefix}{field}.")
-
-    def off(self, field: str, why: str) -> None:
-        """A number that must be absent, null or 0: anything else changes the maths (exit 1)."""
-        value = self.doc.get(field)
-        if value is None:
-            return
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise self.error(field, "a number (or null)")
-        if value:
-            raise ImportError_(f"{self.where}: `{self.prefix}{field}` = {value!r} {why}")
+def _fields(doc: dict[str, Any], where: str) -> ConfigFields:
+    """Typed reads of a config.json object, within the spec's bounds."""
+    return ConfigFields(doc, where, _LIMITS)
 
 
 def _num(x: Any) -> str:
@@ -144,19 +63,20 @@ def _num(x: Any) -> str:
     return text if ("." in text or "e" in text) else text + ".0"
 
 
-def _architecture(f: _Fields) -> str:
+def _architecture(f: ConfigFields) -> str:
     archs = f.doc.get("architectures")
     if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
         raise f.error("architectures", 'a list of class names such as ["LlamaForCausalLM"]')
     model_type = f.text("model_type", None)
-    arch = archs[0] if archs else _MODEL_TYPES.get(model_type or "")
+    pack = BY_MODEL_TYPE.get(model_type or "")
+    arch = archs[0] if archs else (pack.architecture if pack else None)
     if arch not in SUPPORTED:
         shown = arch if arch is not None else model_type
         raise ImportError_(f"{f.where}: architecture {shown!r} is not supported; supported: {', '.join(SUPPORTED)}")
     return arch
 
 
-def _dtype(f: _Fields) -> str:
+def _dtype(f: ConfigFields) -> str:
     field = "torch_dtype" if f.doc.get("torch_dtype") is not None else "dtype"
     name = f.text(field, "float32")
     if name not in _DTYPES:
@@ -165,228 +85,19 @@ def _dtype(f: _Fields) -> str:
     return _DTYPES[name]
 
 
-# Keys of a rope object whose value changes the maths and that the llama family has no setting for.
-_ROPE_UNSUPPORTED = ("partial_rotary_factor",)
-
-
-def _rope(f: _Fields) -> tuple[float, _Fields | None]:
-    """(rope_theta, the scaling object or None when rope is unscaled)."""
-    theta = f.number("rope_theta", 10000.0)
-    params = f.obj("rope_parameters")  # transformers >= 5 writes this; older configs rope_scaling
-    rope = params if params is not None else f.obj("rope_scaling")
-    if rope is None:
-        return theta, None
-    nested = next((k for k, v in rope.doc.items() if isinstance(v, dict)), None)
-    if nested is not None:  # one rope per layer type (e.g. {"full_attention": {...}})
-        raise ImportError_(f"{f.where}: `{rope.prefix}{nested}` is a rope per layer type; the llama family "
-                           "has one rope for every layer")
-    if params is not None:
-        theta = params.number("rope_theta", theta)
-    kind = rope.text("rope_type", None) or rope.text("type", "default")
-    return theta, (None if kind == "default" else rope)
-
-
-_ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
-
-
-def _factors(scaling: _Fields, field: str, rotary: int) -> tuple[float, ...]:
-    """longrope's `short_factor` / `long_factor`: a list of `rotary` / 2 positive numbers."""
-    value, where = scaling.doc.get(field), f"`{scaling.prefix}{field}`"
-    if not isinstance(value, list):
-        raise scaling.error(field, f"a list of {rotary // 2} positive numbers (head_dim / 2)")
-    for i, x in enumerate(value):
-        if isinstance(x, bool) or not isinstance(x, (int, float)) or not (math.isfinite(x) and x > 0):
-            raise ConfigError(f"{scaling.where}: {where} item {i} is {describe(x)}; expected a positive number")
-    if len(value) != rotary // 2:
-        raise ConfigError(f"{scaling.where}: {where} has {len(value)} numbers; expected {rotary // 2} "
-                          f"(head_dim {rotary} / 2, one per rotary frequency)")
-    return tuple(float(x) for x in value)
-
-
-def _longrope_settings(f: _Fields, scaling: _Fields, positions: int, head_dim: int) -> list[tuple[str, Any, str]]:
-    """Phi-3's longrope as transformers reads it (_compute_longrope_parameters after
-    standardize_rope_params): the trained length from a top-level original_max_position_embeddings
-    first (Phi3Config's own default is 4096), the factor `max_position_embeddings / original` where
-    the rope object gives none."""
-    where, p = f.where, scaling.prefix
-    outer = f.int("original_max_position_embeddings", None)
-    inner = scaling.int("original_max_position_embeddings", None)
-    if outer is not None and inner is not None and outer != inner:
-        raise ImportError_(f"{where}: `original_max_position_embeddings` {outer} and `{p}original_max_position_"
-                           f"embeddings` {inner} disagree; transformers would use {outer}")
-    phi3 = _architecture(f) == "Phi3ForCausalLM"
-    original = outer or (4096 if phi3 else inner or positions)
-    origin = ("`original_max_position_embeddings`" if outer else "Phi3Config's default" if phi3
-              else f"`{p}original_max_position_embeddings`" if inner else "`max_position_embeddings`")
-    factor = scaling.number("factor", None)
-    settings: list[tuple[str, Any, str]] = [
-        ("rope_type", "longrope", f"`{p}type`" if scaling.doc.get("rope_type") is None else f"`{p}rope_type`"),
-        ("rope_factor", factor if factor is not None else positions / original,
-         f"`{p}factor`" if factor is not None else "`max_position_embeddings` / `original_max_position_embeddings`"),
-        ("rope_original_positions", original, origin),
-    ]
-    attention = scaling.number("attention_factor", None)
-    if attention is not None:
-        settings.append(("rope_attention_factor", attention, f"`{p}attention_factor`"))
-    return settings + [("rope_short_factor", _factors(scaling, "short_factor", head_dim), f"`{p}short_factor`"),
-                       ("rope_long_factor", _factors(scaling, "long_factor", head_dim), f"`{p}long_factor`")]
-
-
-def _rope_settings(f: _Fields, scaling: _Fields, positions: int, head_dim: int) -> list[tuple[str, Any, str]]:
-    """The llama family's rope settings for a rope scaling object, as transformers reads it
-    (modeling_rope_utils: the fields each type's initialiser takes and their defaults)."""
-    where, p = f.where, scaling.prefix
-    kind = scaling.text("rope_type", None) or scaling.text("type")
-    if _architecture(f) == "Phi3ForCausalLM":
-        if kind in ("su", "yarn"):  # Phi3Config reads its older names as longrope
-            kind = "longrope"
-        elif kind != "longrope":  # Phi3Config raises for any other type
-            raise ImportError_(f"{where}: `{p}rope_type` = {kind!r}; Phi-3's config takes longrope only")
-    if kind not in _ROPE_TYPES:
-        raise ImportError_(f"{where}: rope scaling type {kind!r} is not supported ({', '.join(map(repr, _ROPE_TYPES))})")
-    if kind == "longrope":
-        return _longrope_settings(f, scaling, positions, head_dim)
-    settings: list[tuple[str, Any, str]] = [("rope_type", kind, f"`{p}rope_type`"),
-                                            ("rope_factor", scaling.number("factor"), f"`{p}factor`")]
-    if kind == "dynamic":  # NTK scales from the config's max_position_embeddings
-        return settings + [("rope_original_positions", positions, "`max_position_embeddings`")]
-    if kind == "linear":
-        return settings
-    # transformers prefers a top-level original_max_position_embeddings to the rope object's
-    outer = f.int("original_max_position_embeddings", None)
-    inner = scaling.int("original_max_position_embeddings", None if kind == "yarn" else _NO_DEFAULT)
-    if outer is not None and inner is not None and outer != inner:
-        raise ImportError_(f"{where}: `original_max_position_embeddings` {outer} and `{p}original_max_position_"
-                           f"embeddings` {inner} disagree; transformers would use {outer}")
-    if kind == "llama3":
-        return settings + [
-            ("rope_low_freq_factor", scaling.number("low_freq_factor", 1.0), f"`{p}low_freq_factor`"),
-            ("rope_high_freq_factor", scaling.number("high_freq_factor", 4.0), f"`{p}high_freq_factor`"),
-            ("rope_original_positions", inner, f"`{p}original_max_position_embeddings`")]
-    for field in ("mscale", "mscale_all_dim"):  # DeepSeek's variant of yarn's attention factor
-        scaling.off(field, "changes yarn's attention factor (not supported)")
-    original = outer or inner
-    settings.append(("rope_original_positions", original or positions,
-                     f"`{p}original_max_position_embeddings`" if original else "`max_position_embeddings`"))
-    attention = scaling.number("attention_factor", None)
-    if attention is not None:
-        settings.append(("rope_attention_factor", attention, f"`{p}attention_factor`"))
-    # transformers: `beta_fast or 32`, `beta_slow or 1` (0 is the default too)
-    for key, field in (("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow")):
-        if scaling.doc.get(field) not in (None, 0):
-            settings.append((key, scaling.number(field), f"`{p}{field}`"))
-    if not scaling.flag("truncate", True):
-        settings.append(("rope_truncate", False, f"`{p}truncate`"))
-    return settings
-
-
-def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[tuple[str, Any, str]], int]:
+def model_settings(cfg: dict[str, Any], where: str) -> tuple[str, list[Setting], int]:
     """(family, [(setting, value, the config.json fields it comes from)], positions) for a config.json
     object; positions: the context it was trained for (the default sequence length).
 
     Raises ConfigError for a field of the wrong type or range, ImportError_ for a well-formed
     setting the families cannot honour; either names the field."""
-    f = _Fields(cfg, where)
+    f = _fields(cfg, where)
     if cfg.get("quantization_config"):
         raise ImportError_(f"{where}: `quantization_config` is set; meshllm loads unquantized weights only")
     arch = _architecture(f)
     dtype = _dtype(f)
-
-    def refuse(field: str, why: str) -> ImportError_:
-        return ImportError_(f"{where}: `{field}` = {cfg.get(field)!r} {why}")
-
-    if arch in GEMMA:
-        return gemma_settings(f, arch, dtype)
-    if arch in MOE:
-        return moe_settings(cfg, where, arch)
-    if arch == "GPT2LMHeadModel":
-        act = f.text("activation_function", "gelu_new")
-        if act not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise refuse("activation_function", "is not the tanh GELU the gpt2 family uses")
-        if f.flag("scale_attn_by_inverse_layer_idx", False):
-            raise refuse("scale_attn_by_inverse_layer_idx", "changes the attention maths (not supported)")
-        if not f.flag("scale_attn_weights", True):
-            raise refuse("scale_attn_weights", "changes the attention maths (not supported)")
-        if f.flag("add_cross_attention", False):
-            raise refuse("add_cross_attention", "adds cross-attention layers (not supported)")
-        hidden = f.int("n_embd")
-        positions = f.int("n_positions")
-        return "gpt2", [
-            ("vocab", f.int("vocab_size"), "`vocab_size`"), ("hidden", hidden, "`n_embd`"),
-            ("layers", f.int("n_layer", maximum=MAX_BLOCKS), "`n_layer`"), ("heads", f.int("n_head"), "`n_head`"),
-            ("ffn", f.int("n_inner", 4 * hidden), "`n_inner` (or 4 x `n_embd`)"),
-            ("positions", positions, "`n_positions`"),
-            ("norm_eps", f.number("layer_norm_epsilon", 1e-5), "`layer_norm_epsilon`"),
-            ("tie_embeddings", f.flag("tie_word_embeddings", True), "`tie_word_embeddings`"),
-            ("dtype", dtype, "`torch_dtype`"),
-        ], positions
-    olmo2 = arch == "Olmo2ForCausalLM"
-    family = "olmo2" if olmo2 else "llama"
-    if f.text("hidden_act", "silu") != "silu":
-        raise refuse("hidden_act", f"is not the SiLU of SwiGLU that the {family} family uses")
-    if not olmo2 and f.flag("mlp_bias", False):  # Olmo2MLP has no bias whatever the config says
-        raise refuse("mlp_bias", "adds MLP biases the llama family does not have")
-    positions = f.int("max_position_embeddings", _DEFAULT_POSITIONS[arch])
-    window = f.int("sliding_window", None)
-    # Mistral and Phi-3 attend within sliding_window whenever it is set (a window no shorter than
-    # the positions changes nothing, and is left out).
-    window = window if arch in ("MistralForCausalLM", "Phi3ForCausalLM") and window is not None and window < positions else None
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and f.flag("use_sliding_window", False):
-        raise refuse("use_sliding_window", "limits attention to a window; meshllm computes full causal attention")
-    for field in ("attn_logit_softcapping", "final_logit_softcapping", "logits_scaling"):
-        f.off(field, "changes the logits (not supported)")
-    layer_types = cfg.get("layer_types")  # transformers >= 5: which layers attend to a window
-    if layer_types is not None:
-        if not (isinstance(layer_types, list) and all(isinstance(t, str) for t in layer_types)):
-            raise f.error("layer_types", 'a list of attention types such as ["full_attention", ...]')
-        other = next((t for t in layer_types if t != "full_attention"), None)
-        if other is not None:
-            raise ImportError_(f"{where}: `layer_types` holds {other!r}; meshllm computes full causal attention "
-                               "in every layer")
-    theta, scaling = _rope(f)
-    for rope in (f, scaling):
-        for field in _ROPE_UNSUPPORTED:
-            if rope is not None and rope.doc.get(field) is not None and rope.number(field) != 1.0:
-                raise ImportError_(f"{where}: `{rope.prefix}{field}` = {rope.doc[field]!r} rotates only part of "
-                                   "each head (not supported)")
-    heads = f.int("num_attention_heads")
-    hidden = f.int("hidden_size")
-    head_dim = f.int("head_dim", None)
-    if head_dim is None and hidden < heads:  # transformers' default hidden // heads would be 0
-        raise ConfigError(f"{where}: `hidden_size` {hidden} is smaller than `num_attention_heads` {heads} "
-                          "and there is no `head_dim`; expected hidden_size >= num_attention_heads")
-    settings = [
-        ("vocab", f.int("vocab_size"), "`vocab_size`"), ("hidden", hidden, "`hidden_size`"),
-        ("layers", f.int("num_hidden_layers", maximum=MAX_BLOCKS), "`num_hidden_layers`"),
-        ("heads", heads, "`num_attention_heads`"),
-        ("kv_heads", f.int("num_key_value_heads", heads), "`num_key_value_heads`"),
-        # transformers' own default when head_dim is absent: floor division
-        ("head_dim", head_dim or hidden // heads, "`head_dim`" if head_dim else "`hidden_size` // `num_attention_heads`"),
-        ("ffn", f.int("intermediate_size"), "`intermediate_size`"),
-        # transformers' defaults: Olmo2Config's eps is 1e-5, the others' 1e-6
-        ("norm_eps", f.number("rms_norm_eps", 1e-5 if olmo2 else 1e-6), "`rms_norm_eps`"),
-        ("rope_theta", theta, "`rope_theta`"),
-    ]
-    if scaling is not None:
-        settings += _rope_settings(f, scaling, positions, head_dim or hidden // heads)
-    if arch == "Qwen2ForCausalLM":
-        settings += [("attn_bias", True, "the architecture"), ("attn_out_bias", False, "the architecture")]
-    elif f.flag("attention_bias", False):
-        settings += [("attn_bias", True, "`attention_bias`")]
-    if arch == "Qwen3ForCausalLM":  # q and k normalised per head, with rms_norm_eps
-        settings += [("qk_norm", "head", "the architecture")]
-    if window is not None:
-        settings += [("window", window, "`sliding_window`")]
-    settings += [("tie_embeddings", f.flag("tie_word_embeddings", False), "`tie_word_embeddings`"),
-                 ("dtype", dtype, "`torch_dtype`")]
-    # OLMo 2 is Llama's config with norms after the sublayers and q / k normalised over the whole
-    # projection: both are the olmo2 family's block itself, so no setting says them.
-    return family, settings, positions
-
-
-# transformers' defaults for max_position_embeddings where a config leaves it out.
-_DEFAULT_POSITIONS = {"LlamaForCausalLM": 2048, "MistralForCausalLM": 4096 * 32, "Qwen2ForCausalLM": 32768,
-                      "Qwen3ForCausalLM": 32768, "Phi3ForCausalLM": 4096, "Olmo2ForCausalLM": 2048}
+    pack = BY_ARCHITECTURE[arch]
+    return pack.read(f, pack, dtype)
 
 
 def read_config(directory: Path) -> dict[str, Any]:
@@ -478,7 +189,7 @@ def _generate(directory: str, devices: int, device: str, batch: int | None, seq:
                          f"(`n_positions` in {cfg_path})")
     dir_name = d.resolve().name
     name = _identifier(dir_name)
-    arch = _architecture(_Fields(cfg, str(cfg_path)))
+    arch = _architecture(_fields(cfg, str(cfg_path)))
     # The two comment lines are the only place a path reaches the spec: one shell word each, so no
     # character of a directory name can end the comment.
     header = (f"# {arch} imported from {_shell_word(dir_name)} by `meshc import-hf`.\n"

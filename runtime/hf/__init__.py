@@ -1,1 +1,2 @@
-"""Hugging Face checkpoints in and out, with the fused, Gemma and mixture-of-experts forms."""
+"""Hugging Face checkpoints in and out, with the fused and mixture-of-experts forms (what differs per
+family: its pack in meshllm_dsl/families)."""

@@ -15,12 +15,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["MODEL_TYPES", "base", "fuse_keys", "local_rows", "put", "rekey", "rows", "stored_shape"]
+from meshllm_dsl.families import PACKS
 
-# model_type -> per module, the fused tensor and the separate projections it holds in row order
+__all__ = ["MODEL_TYPES", "base", "fuse_keys", "local_rows", "put", "rekey", "rows", "runs", "stored_shape"]
+
+# model_type -> per module, the fused tensor and the separate projections it holds in row order (the
+# packs that store projections fused: meshllm_dsl/families, FamilyPack.fused_projections)
 MODEL_TYPES: Mapping[str, Mapping[str, tuple[str, tuple[str, ...]]]] = {
-    "phi3": {"self_attn": ("qkv_proj", ("q_proj", "k_proj", "v_proj")), "mlp": ("gate_up_proj", ("gate_proj", "up_proj"))},
-}
+    p.model_type: p.fused_projections for p in PACKS if p.fused_projections}
 
 
 def fuse_keys(keys: Mapping[str, tuple[str, bool]], shapes: Mapping[str, tuple[int, ...]],
@@ -74,17 +76,27 @@ def stored_shape(key: str, part: tuple[int, ...]) -> tuple[int, ...]:
     return part if r is None else (r[2], *part[1:])
 
 
+def runs(idx: Tensor) -> list[tuple[int, int]]:
+    """Maximal runs [a, b) of consecutive values in the index list ``idx``."""
+    values = idx.tolist()
+    runs: list[tuple[int, int]] = []
+    for v in values:
+        if runs and runs[-1][1] == v:
+            runs[-1] = (runs[-1][0], v + 1)
+        else:
+            runs.append((v, v + 1))
+    return runs
+
+
 def local_rows(ckpt: Any, key: str, idx: list[Tensor], dtype: torch.dtype) -> Tensor:
     """This rank's shard of a fused part: ``idx`` the part's full-tensor indices per dim this rank
     holds (hf._local_indices); reads those rows (shifted to the part's place) and columns only."""
-    from meshllm_dsl.runtime.hf.weights import _runs
-
     start = rows(key)[0]  # type: ignore[index]
     out = torch.empty([len(i) for i in idx], dtype=dtype)
-    col_runs = _runs(idx[1]) if len(idx) > 1 else [None]
+    col_runs = runs(idx[1]) if len(idx) > 1 else [None]
     with ckpt.open(base(key)) as sl:
         r = 0
-        for a, b in _runs(idx[0] + start):
+        for a, b in runs(idx[0] + start):
             c = 0
             for cols in col_runs:
                 if cols is None:

@@ -27,6 +27,7 @@ and none is left over.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -43,9 +44,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from meshllm_dsl.families import PACKS
+from meshllm_dsl.families.gemma import check_gemma_config, gemma_config
+from meshllm_dsl.families.pack import CheckpointNames, FamilyPack
 from meshllm_dsl.runtime.hf import fused as hf_fused
 from meshllm_dsl.runtime.hf import moe as hf_moe
-from meshllm_dsl.runtime.hf.gemma import check_gemma_config, gemma_config
+from meshllm_dsl.runtime.hf.fused import runs as _runs
 from meshllm_dsl.runtime.json_values import describe
 from meshllm_dsl.runtime.outputs import MANIFEST, manifest_bytes, read_manifest, write_file_atomic
 from meshllm_dsl.runtime.parallel.fsdp import tp_local
@@ -163,7 +167,10 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
     pos = next((x["name"] for x in layers if x["kind"] == "positional"), None)
     kind = next(iter(roles.values()))["kind"]
     offset = float(layers[-2].get("offset") or 0.0)
-    arch = next((arch for arch, a in _HF_NAMES.items() if a.positions == (pos is not None)
+    # The family's own layout where the model names its family; else the one its structure fits.
+    family_layout = _FAMILY_LAYOUT.get(str(model.get("family")))
+    arch = next((arch for arch, a in _HF_NAMES.items() if family_layout in (None, arch)
+                 and a.positions == (pos is not None)
                  and a.fused_qkv == bool(attn.get("fused_qkv")) and a.norm == kind
                  and set(a.norms) == set(roles) and a.norm_offset == offset), None)
     if arch is None or _HF_NAMES[arch].act not in (None, mlp["act"]):
@@ -200,60 +207,11 @@ def padded_vocab(model: Mapping[str, Any]) -> tuple[int, int]:
     return lay.vocab, int(embed.get("used") or lay.vocab)
 
 
-@dataclass(frozen=True)
-class _HFNames:
-    """One checkpoint layout (a family's adapter, as torchtitan's state_dict_adapter): which models
-    it fits (positions, fused qkv, the norm kind, the activation it needs) and how it names things:
-    the top-level layers, the block list, and per block the two norms and the attention / MLP
-    submodules with our projection -> theirs."""
-
-    top: Mapping[str, str]  # our role (embed, pos, norm, head) -> HF module
-    blocks: str
-    norms: Mapping[str, str]  # a block's norms: role (attn_pre, attn_post, mlp_pre, mlp_post) -> HF module
-    attn: tuple[str, Mapping[str, str]]
-    mlp: tuple[str, Mapping[str, str]]
-    transposed: bool  # GPT-2's Conv1D stores attention / MLP weights [in, out]
-    positions: bool  # learned positions (a `positional` layer) after the embedding
-    fused_qkv: bool
-    norm: str  # the norm kind of its blocks and the final norm
-    act: str | None  # the mlp activation it needs (None: any the checkpoint's config names)
-    norm_offset: float = 0.0  # Gemma's RMSNorm scales by (1 + weight)
-
-
-_HF_NAMES = {
-    "llama": _HFNames(
-        top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
-        blocks="model.layers", norms={"attn_pre": "input_layernorm", "mlp_pre": "post_attention_layernorm"},
-        attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
-        mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-        transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="swiglu",
-    ),
-    "gpt2": _HFNames(
-        top={"embed": "transformer.wte", "pos": "transformer.wpe", "norm": "transformer.ln_f", "head": "lm_head"},
-        blocks="transformer.h", norms={"attn_pre": "ln_1", "mlp_pre": "ln_2"},
-        attn=("attn", {"qkv": "c_attn", "o": "c_proj"}),
-        mlp=("mlp", {"up": "c_fc", "down": "c_proj"}),
-        transposed=True, positions=True, fused_qkv=True, norm="layernorm", act=None,
-    ),
-    # Gemma 2 and Gemma 3 (text): Llama's names, a norm before and after each sublayer, (1 + weight) norms.
-    "gemma": _HFNames(
-        top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
-        blocks="model.layers", norms={"attn_pre": "input_layernorm", "attn_post": "post_attention_layernorm",
-                                      "mlp_pre": "pre_feedforward_layernorm", "mlp_post": "post_feedforward_layernorm"},
-        attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
-        mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-        transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="geglu_tanh", norm_offset=1.0,
-    ),
-    # OLMo 2: Llama's names, a norm after each sublayer and none before; its q / k norms (over the
-    # whole projection) are self_attn.{q,k}_norm as Qwen3's are.
-    "olmo2": _HFNames(
-        top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
-        blocks="model.layers", norms={"attn_post": "post_attention_layernorm", "mlp_post": "post_feedforward_layernorm"},
-        attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
-        mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-        transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="swiglu",
-    ),
-}
+# The checkpoint layouts, from the family packs (meshllm_dsl/families): layout name -> its names, in
+# the order of the layouts' first packs.
+_HF_NAMES: dict[str, CheckpointNames] = {p.checkpoint.layout: p.checkpoint for p in PACKS}
+# A compiled model declared from a family carries the family's name (MODEL["family"]): its layout.
+_FAMILY_LAYOUT: dict[str, str] = {p.family: p.checkpoint.layout for p in PACKS}
 
 
 # Every layer kind some checkpoint layout holds (runtime/ cannot import the compiler's registry;
@@ -480,6 +438,64 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
     return (None if theta is None else float(theta)), scaling
 
 
+def _gpt2_config(model: Mapping[str, Any], lay: _Layout, vocab: int, tied: bool, dtype_name: str) -> dict[str, Any]:
+    """The config.json of a model of the gpt2 layout."""
+    attn, mlp = lay.attn, lay.mlp
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab,
+        "n_embd": lay.hidden,
+        "n_layer": lay.count,
+        "n_head": int(attn["heads"]),
+        "n_positions": int(next(x for x in model["layers"] if x["kind"] == "positional")["num"]),
+        "n_inner": int(mlp["ffn"]),
+        "layer_norm_epsilon": float(lay.body[0]["eps"]),
+        "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
+                                "silu": "silu"}[mlp["act"]],
+        "tie_word_embeddings": tied,
+        "torch_dtype": dtype_name,
+    }
+
+
+def _llama_shaped_pack(model: Mapping[str, Any], lay: _Layout) -> FamilyPack:
+    """The architecture whose config.json a Llama-shaped model writes: its layout's (norms after the
+    sublayers), else the one with its q / k norm, its q, k, v biases, or its window, else Llama's."""
+    attn = lay.attn
+
+    def first(holds: Callable[[FamilyPack], bool]) -> FamilyPack:
+        return next(p for p in _LLAMA_SHAPED.values() if holds(p))
+
+    plain = first(lambda p: p.checkpoint.layout == "llama")  # Llama itself, the first of its layout
+    if lay.arch != "llama":
+        pack = first(lambda p: p.checkpoint.layout == lay.arch)
+    elif attn.get("qk_norm", "none") != "none":
+        pack = first(lambda p: p.checkpoint_qk_norm == attn.get("qk_norm"))
+    elif bool(attn.get("qkv_bias")) and not attn.get("o_bias"):
+        pack = first(lambda p: p.qkv_bias_built_in)
+    else:
+        pack = plain
+    window = int(attn.get("window") or 0)
+    if window and (pack is not plain or attn.get("global_every")):
+        raise WeightsError(f"model `{model.get('name', 'model')}`: a sliding window "
+                           + ("on some layers only" if attn.get("global_every") else f"in {pack.architecture}'s layout")
+                           + " has no Llama-family config.json; expected a window on every layer (Mistral)")
+    return first(lambda p: p.honours_sliding_window) if window else pack
+
+
+def _rope_config(attn: Mapping[str, Any], seq: int) -> tuple[dict[str, Any], int]:
+    """(the rope object, max_position_embeddings) of a Llama-shaped config.json."""
+    theta = float(attn["rope_theta"])
+    scaling = attn.get("rope_scaling")
+    rope: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
+    positions = max(seq, int((scaling or {}).get("original_max_position_embeddings", 0)))
+    if scaling:
+        rope = {"rope_theta": theta, **scaling}
+        if scaling["rope_type"] == "dynamic":  # NTK scales from max_position_embeddings itself
+            positions = int(rope.pop("original_max_position_embeddings"))
+    return rope, positions
+
+
 def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> dict[str, Any]:
     """The config.json that describes ``model`` to transformers."""
     lay = _layout(model)
@@ -490,45 +506,13 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
     if lay.arch == "gemma":
         return gemma_config(attn, mlp, lay.norm, lay.head, vocab, lay.hidden, lay.count, dtype_name, seq)
     if lay.arch == "gpt2":
-        return {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "vocab_size": vocab,
-            "n_embd": lay.hidden,
-            "n_layer": lay.count,
-            "n_head": int(attn["heads"]),
-            "n_positions": int(next(x for x in model["layers"] if x["kind"] == "positional")["num"]),
-            "n_inner": int(mlp["ffn"]),
-            "layer_norm_epsilon": float(lay.body[0]["eps"]),
-            "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
-                                    "silu": "silu"}[mlp["act"]],
-            "tie_word_embeddings": tied,
-            "torch_dtype": dtype_name,
-        }
-    qwen = bool(attn.get("qkv_bias")) and not attn.get("o_bias")
-    qk_norm = attn.get("qk_norm", "none")
+        return _gpt2_config(model, lay, vocab, tied, dtype_name)
     _refuse_olmo2_mismatch(model, lay)
-    arch, model_type = (("Olmo2ForCausalLM", "olmo2") if lay.arch == "olmo2" else
-                        ("Qwen3ForCausalLM", "qwen3") if qk_norm == "head" else
-                        ("Qwen2ForCausalLM", "qwen2") if qwen else ("LlamaForCausalLM", "llama"))
-    window = int(attn.get("window") or 0)
-    if window and (model_type != "llama" or attn.get("global_every")):
-        raise WeightsError(f"model `{model.get('name', 'model')}`: a sliding window "
-                           + ("on some layers only" if attn.get("global_every") else f"in {arch}'s layout")
-                           + " has no Llama-family config.json; expected a window on every layer (Mistral)")
-    if window:
-        arch, model_type = "MistralForCausalLM", "mistral"
-    theta = float(attn["rope_theta"])
-    scaling = attn.get("rope_scaling")
-    rope: dict[str, Any] = {"rope_theta": theta, "rope_type": "default"}
-    positions = max(seq, int((scaling or {}).get("original_max_position_embeddings", 0)))
-    if scaling:
-        rope = {"rope_theta": theta, **scaling}
-        if scaling["rope_type"] == "dynamic":  # NTK scales from max_position_embeddings itself
-            positions = int(rope.pop("original_max_position_embeddings"))
+    pack = _llama_shaped_pack(model, lay)
+    rope, positions = _rope_config(attn, seq)
     cfg: dict[str, Any] = {
-        "architectures": [arch],
-        "model_type": model_type,
+        "architectures": [pack.architecture],
+        "model_type": pack.model_type,
         "vocab_size": vocab,
         "hidden_size": lay.hidden,
         "intermediate_size": int(mlp["ffn"]),
@@ -538,20 +522,20 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
         "head_dim": int(attn["head_dim"]),
         "hidden_act": "silu",
         "rms_norm_eps": float(lay.norm["eps"]),
-        "rope_theta": theta,
+        "rope_theta": rope["rope_theta"],
         "rope_scaling": None if rope["rope_type"] == "default" else rope,
         "rope_parameters": rope,
         "max_position_embeddings": positions,
         "tie_word_embeddings": tied,
         "torch_dtype": dtype_name,
     }
-    if model_type in ("qwen2", "qwen3"):
+    if pack.refuses_use_sliding_window:
         cfg["use_sliding_window"] = False
-    if window:
-        cfg["sliding_window"] = window
-    if model_type != "qwen2":  # Qwen2's q, k, v biases are the architecture's, not a field
+    if attn.get("window"):
+        cfg["sliding_window"] = int(attn["window"])
+    if not pack.qkv_bias_built_in:  # Qwen2's q, k, v biases are the architecture's, not a field
         cfg["attention_bias"] = bool(attn.get("qkv_bias"))
-    if model_type not in ("qwen2", "olmo2"):  # OLMo 2's MLP has no bias field: never biased
+    if pack.has_mlp_bias_field:
         cfg["mlp_bias"] = False
     return hf_moe.hf_config(model, lay, cfg, WeightsError) if hf_moe.is_moe(lay.body) else cfg
 
@@ -589,23 +573,29 @@ def _close(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-# The model types of the llama and olmo2 layouts, and the q / k norm of each (attention's qk_norm).
-_QK_NORM = {"llama": "none", "mistral": "none", "qwen2": "none", "qwen3": "head", "phi3": "none", "olmo2": "full"}
+# The Llama-shaped model types a checkpoint may name (the packs of the llama and olmo2 layouts; the
+# mixtures of experts are checked as their attention's), in the registry's order.
+_LLAMA_SHAPED = {p.model_type: p for p in PACKS if p.checkpoint.layout in ("llama", "olmo2") and p.attention is None}
+# The q / k norm of each (attention's qk_norm).
+_QK_NORM = {model_type: p.checkpoint_qk_norm for model_type, p in _LLAMA_SHAPED.items()}
+_Want = tuple[str, Any, Any, str]  # (config.json field, its value, the model's, what the model calls it)
+_Bad = Callable[[str, Any, Any, str], WeightsError]
 
 
-def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -> None:
-    """Raise ``WeightsError`` naming the first config.json field the model disagrees with."""
-    lay = _layout(model)
-    attn, mlp = lay.attn, lay.mlp
-    cfg = _checked_config(cfg, where)
-    moe_wants: list[tuple[str, Any, Any, str]] = []
-    if hf_moe.is_moe(lay.body):  # checked as the family its attention comes from, and its experts
-        cfg, moe_wants = hf_moe.as_attention_config(model, lay, cfg, where, WeightsError)
-    model_type = cfg.get("model_type")
+def _bad(where: str, name: str) -> _Bad:
+    """The error for a field whose value differs from the model's."""
+    def bad(field: str, got: Any, want: Any, what: str) -> WeightsError:
+        if got is None:
+            return WeightsError(f"{where}: `{field}` is missing; model `{name}` has {what} = {want!r}")
+        return WeightsError(
+            f"{where}: `{field}` is {got!r}, but model `{name}` has {what} = {want!r}"
+        )
+    return bad
+
+
+def _check_model_type(model: Mapping[str, Any], lay: _Layout, model_type: Any, where: str) -> None:
+    """The model type names the checkpoint layout the model has (norms before or after the sublayers)."""
     name = model.get("name", "model")
-    if lay.arch == "gemma":
-        return check_gemma_config(attn, mlp, lay.norm, lay.head, padded_vocab(model)[1], lay.hidden, lay.count,
-                                  name, cfg, where, WeightsError)
     if model_type is None:
         raise WeightsError(f"{where}: `model_type` is missing; expected one of {', '.join(_QK_NORM)}, gpt2")
     if (model_type == "olmo2") != (lay.arch == "olmo2"):
@@ -615,94 +605,125 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
     if lay.arch == "olmo2":
         _refuse_olmo2_mismatch(model, lay)
 
-    def bad(field: str, got: Any, want: Any, what: str) -> WeightsError:
-        if got is None:
-            return WeightsError(f"{where}: `{field}` is missing; model `{name}` has {what} = {want!r}")
-        return WeightsError(
-            f"{where}: `{field}` is {got!r}, but model `{name}` has {what} = {want!r}"
-        )
 
-    _, vocab = padded_vocab(model)
+def _gpt2_wants(model: Mapping[str, Any], lay: _Layout, cfg: Mapping[str, Any], model_type: Any,
+                where: str) -> list[_Want]:
+    """GPT-2's fields against the model's; refuses the attention variants the gpt2 family lacks."""
+    attn, mlp, name, vocab = lay.attn, lay.mlp, model.get("name", "model"), padded_vocab(model)[1]
+    if model_type != "gpt2":
+        raise WeightsError(f"{where}: model_type {model_type!r}, but model `{name}` is GPT-2 shaped")
+    inner = cfg.get("n_inner") or 4 * int(cfg.get("n_embd", 0))
+    wants = [
+        ("vocab_size", cfg.get("vocab_size"), vocab, "vocab"),
+        ("n_embd", cfg.get("n_embd"), lay.hidden, "hidden"),
+        ("n_layer", cfg.get("n_layer"), lay.count, "layers"),
+        ("n_head", cfg.get("n_head"), attn["heads"], "heads"),
+        ("n_inner", inner, mlp["ffn"], "ffn"),
+        ("layer_norm_epsilon", cfg.get("layer_norm_epsilon", 1e-5), lay.body[0]["eps"], "norm_eps"),
+    ]
+    given = cfg.get("activation_function", "gelu_new")
+    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
+           "relu": "relu", "silu": "silu"}.get(given, given)
+    wants.append(("activation_function", act, mlp["act"], "act"))
+    pos = next(x for x in model["layers"] if x["kind"] == "positional")
+    wants.append(("n_positions", cfg.get("n_positions"), pos["num"], "positions"))
+    for flag, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
+        if bool(cfg.get(flag, ok)) != ok:
+            raise WeightsError(f"{where}: `{flag}` = {cfg.get(flag)!r} changes the attention maths; "
+                               "meshllm's gpt2 family does not support it")
+    return wants
+
+
+def _llama_wants(model: Mapping[str, Any], lay: _Layout, cfg: Mapping[str, Any], model_type: Any,
+                 where: str) -> tuple[list[_Want], Any]:
+    """(a Llama-shaped config's fields against the model's, each default its architecture's pack's;
+    its rope scaling object)."""
+    attn, mlp, vocab = lay.attn, lay.mlp, padded_vocab(model)[1]
+    if model_type not in _QK_NORM:
+        raise WeightsError(
+            f"{where}: model_type {model_type!r} is not supported ({', '.join(_QK_NORM)}, gpt2)"
+        )
+    pack = _LLAMA_SHAPED[model_type]
+    theta, scaling = _rope(cfg)
+    heads = cfg.get("num_attention_heads")
+    head_dim = cfg.get("head_dim") or (int(cfg.get("hidden_size", 0)) // int(heads or 1))
+    return [
+        ("vocab_size", cfg.get("vocab_size"), vocab, "vocab"),
+        ("hidden_size", cfg.get("hidden_size"), lay.hidden, "hidden"),
+        ("num_hidden_layers", cfg.get("num_hidden_layers"), lay.count, "layers"),
+        ("num_attention_heads", heads, attn["heads"], "heads"),
+        ("num_key_value_heads", cfg.get("num_key_value_heads", heads), attn["kv_heads"], "kv_heads"),
+        ("head_dim", head_dim, attn["head_dim"], "head_dim"),
+        ("intermediate_size", cfg.get("intermediate_size"), mlp["ffn"], "ffn"),
+        # transformers' default eps where a config leaves it out (1e-5 for OLMo 2, 1e-6 for the rest)
+        ("rms_norm_eps", cfg.get("rms_norm_eps", pack.default_norm_eps), lay.norm["eps"], "norm_eps"),
+        ("rope_theta", theta, attn["rope_theta"], "rope_theta"),
+        ("hidden_act", cfg.get("hidden_act", "silu"), "silu", "SwiGLU's activation"),
+        (f"model_type ({model_type}'s q / k norm)", _QK_NORM[model_type], attn.get("qk_norm", "none"), "qk_norm"),
+        ("attention_bias (q, k, v)", bool(cfg.get("attention_bias", pack.qkv_bias_built_in)),
+         bool(attn.get("qkv_bias")), "attention bias"),
+        ("attention_bias (o)", bool(cfg.get("attention_bias", False)), bool(attn.get("o_bias")), "attention out_bias"),
+        # Olmo2MLP is never biased: transformers ignores an mlp_bias in its config
+        ("mlp_bias", not pack.ignores_mlp_bias and bool(cfg.get("mlp_bias", False)), bool(mlp.get("bias")), "mlp bias"),
+    ], scaling
+
+
+def _check_window(lay: _Layout, cfg: Mapping[str, Any], model_type: Any, where: str, bad: _Bad) -> None:
+    """The architectures that honour `sliding_window` (the packs') need the model's window; others none."""
+    window = cfg.get("sliding_window")
+    binding = window is not None and window < int(cfg.get("max_position_embeddings", 0))
+    honours = _LLAMA_SHAPED[model_type].honours_sliding_window
+    if binding and not honours and cfg.get("use_sliding_window"):
+        raise WeightsError(
+            f"{where}: `sliding_window` = {window} limits {model_type}'s attention to a window; meshllm's"
+            " llama family windows Mistral's and Phi-3's attention only"
+        )
+    # Mistral and Phi-3 attend within the window whenever one is set: the model must have the same one
+    # (or none where the window is no shorter than any position).
+    theirs = int(window) if honours and window is not None else 0
+    ours = int(lay.attn.get("window") or 0)
+    if ours != theirs and (ours or binding):
+        raise bad("sliding_window", window, ours, "window")
+
+
+def _check_rope_scaling(lay: _Layout, cfg: Mapping[str, Any], scaling: Any, bad: _Bad) -> None:
+    """The rope scaling the config reads as, against the model's."""
+    ours = lay.attn.get("rope_scaling")
+    theirs = None if scaling is None else _rope_as_read(scaling, cfg)
+    if (theirs is None) != (ours is None) or (
+        theirs is not None
+        and (set(theirs) != set(ours) or any(not _close(theirs[k], v) for k, v in ours.items()))  # type: ignore[union-attr]
+    ):
+        raise bad("rope_scaling", scaling, ours, "rope scaling")
+
+
+def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -> None:
+    """Raise ``WeightsError`` naming the first config.json field the model disagrees with."""
+    lay = _layout(model)
+    cfg = _checked_config(cfg, where)
+    moe_wants: list[_Want] = []
+    if hf_moe.is_moe(lay.body):  # checked as the family its attention comes from, and its experts
+        cfg, moe_wants = hf_moe.as_attention_config(model, lay, cfg, where, WeightsError)
+    model_type = cfg.get("model_type")
+    name = model.get("name", "model")
+    if lay.arch == "gemma":
+        return check_gemma_config(lay.attn, lay.mlp, lay.norm, lay.head, padded_vocab(model)[1], lay.hidden,
+                                  lay.count, name, cfg, where, WeightsError)
+    _check_model_type(model, lay, model_type, where)
+    bad = _bad(where, name)
+    scaling = None
     if lay.arch == "gpt2":
-        if model_type != "gpt2":
-            raise WeightsError(f"{where}: model_type {model_type!r}, but model `{name}` is GPT-2 shaped")
-        inner = cfg.get("n_inner") or 4 * int(cfg.get("n_embd", 0))
-        wants = [
-            ("vocab_size", cfg.get("vocab_size"), vocab, "vocab"),
-            ("n_embd", cfg.get("n_embd"), lay.hidden, "hidden"),
-            ("n_layer", cfg.get("n_layer"), lay.count, "layers"),
-            ("n_head", cfg.get("n_head"), attn["heads"], "heads"),
-            ("n_inner", inner, mlp["ffn"], "ffn"),
-            ("layer_norm_epsilon", cfg.get("layer_norm_epsilon", 1e-5), lay.body[0]["eps"], "norm_eps"),
-        ]
-        given = cfg.get("activation_function", "gelu_new")
-        act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
-               "relu": "relu", "silu": "silu"}.get(given, given)
-        wants.append(("activation_function", act, mlp["act"], "act"))
-        pos = next(x for x in model["layers"] if x["kind"] == "positional")
-        wants.append(("n_positions", cfg.get("n_positions"), pos["num"], "positions"))
-        for flag, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
-            if bool(cfg.get(flag, ok)) != ok:
-                raise WeightsError(f"{where}: `{flag}` = {cfg.get(flag)!r} changes the attention maths; "
-                                   "meshllm's gpt2 family does not support it")
+        wants = _gpt2_wants(model, lay, cfg, model_type, where)
     else:
-        if model_type not in _QK_NORM:
-            raise WeightsError(
-                f"{where}: model_type {model_type!r} is not supported ({', '.join(_QK_NORM)}, gpt2)"
-            )
-        theta, scaling = _rope(cfg)
-        heads = cfg.get("num_attention_heads")
-        head_dim = cfg.get("head_dim") or (int(cfg.get("hidden_size", 0)) // int(heads or 1))
-        wants = [
-            ("vocab_size", cfg.get("vocab_size"), vocab, "vocab"),
-            ("hidden_size", cfg.get("hidden_size"), lay.hidden, "hidden"),
-            ("num_hidden_layers", cfg.get("num_hidden_layers"), lay.count, "layers"),
-            ("num_attention_heads", heads, attn["heads"], "heads"),
-            ("num_key_value_heads", cfg.get("num_key_value_heads", heads), attn["kv_heads"], "kv_heads"),
-            ("head_dim", head_dim, attn["head_dim"], "head_dim"),
-            ("intermediate_size", cfg.get("intermediate_size"), mlp["ffn"], "ffn"),
-            # transformers' default eps where a config leaves it out: 1e-5 for OLMo 2, 1e-6 for the rest
-            ("rms_norm_eps", cfg.get("rms_norm_eps", 1e-5 if model_type == "olmo2" else 1e-6), lay.norm["eps"],
-             "norm_eps"),
-            ("rope_theta", theta, attn["rope_theta"], "rope_theta"),
-            ("hidden_act", cfg.get("hidden_act", "silu"), "silu", "SwiGLU's activation"),
-            (f"model_type ({model_type}'s q / k norm)", _QK_NORM[model_type], attn.get("qk_norm", "none"), "qk_norm"),
-        ]
-        qkv_bias = bool(cfg.get("attention_bias", model_type == "qwen2"))
-        o_bias = bool(cfg.get("attention_bias", False))
-        wants += [
-            ("attention_bias (q, k, v)", qkv_bias, bool(attn.get("qkv_bias")), "attention bias"),
-            ("attention_bias (o)", o_bias, bool(attn.get("o_bias")), "attention out_bias"),
-            # Olmo2MLP is never biased: transformers ignores an mlp_bias in its config
-            ("mlp_bias", model_type != "olmo2" and bool(cfg.get("mlp_bias", False)), bool(mlp.get("bias")), "mlp bias"),
-        ]
-        window = cfg.get("sliding_window")
-        binding = window is not None and window < int(cfg.get("max_position_embeddings", 0))
-        if binding and model_type not in ("mistral", "phi3") and cfg.get("use_sliding_window"):
-            raise WeightsError(
-                f"{where}: `sliding_window` = {window} limits {model_type}'s attention to a window; meshllm's"
-                " llama family windows Mistral's and Phi-3's attention only"
-            )
-        # Mistral and Phi-3 attend within the window whenever one is set: the model must have the same one
-        # (or none where the window is no shorter than any position).
-        theirs = int(window) if model_type in ("mistral", "phi3") and window is not None else 0
-        ours = int(attn.get("window") or 0)
-        if ours != theirs and (ours or binding):
-            raise bad("sliding_window", window, ours, "window")
+        wants, scaling = _llama_wants(model, lay, cfg, model_type, where)
+        _check_window(lay, cfg, model_type, where, bad)
     tied = bool(cfg.get("tie_word_embeddings", lay.arch == "gpt2"))
     wants.append(("tie_word_embeddings", tied, bool(lay.head.get("tie")), "a tied head"))
-    wants += moe_wants
-    for field, got, want, what in wants:
+    for field, got, want, what in wants + moe_wants:
         if not _close(got, want):
             raise bad(field, got, want, what)
     if lay.arch in ("llama", "olmo2"):
-        ours = attn.get("rope_scaling")
-        theirs = None if scaling is None else _rope_as_read(scaling, cfg)
-        if (theirs is None) != (ours is None) or (
-            theirs is not None
-            and (set(theirs) != set(ours) or any(not _close(theirs[k], v) for k, v in ours.items()))  # type: ignore[union-attr]
-        ):
-            raise bad("rope_scaling", scaling, ours, "rope scaling")
+        _check_rope_scaling(lay, cfg, scaling, bad)
 
 
 # The fields of each rope type transformers reads, with its defaults where a config leaves them out
@@ -859,18 +880,6 @@ class HFCheckpoint:
 
         with safe_open(str(self.where[key]), framework="pt") as handle:
             yield handle.get_slice(key)
-
-
-def _runs(idx: Tensor) -> list[tuple[int, int]]:
-    """Maximal runs [a, b) of consecutive values in the index list ``idx``."""
-    values = idx.tolist()
-    runs: list[tuple[int, int]] = []
-    for v in values:
-        if runs and runs[-1][1] == v:
-            runs[-1] = (runs[-1][0], v + 1)
-        else:
-            runs.append((v, v + 1))
-    return runs
 
 
 def _local_indices(spec: ShardSpec, mesh: Mesh) -> list[Tensor]:
@@ -1191,6 +1200,90 @@ def _stage_holder(built: Any, stage: int) -> int:
 
 
 @torch.no_grad()
+def _export_order(built: Any) -> list[tuple[int, str, ShardSpec]]:
+    """(stage, name, spec) of every parameter once, in the order the export writes them."""
+    order: list[tuple[int, str, ShardSpec]] = []
+    seen: set[str] = set()
+    for i in range(len(built.program.stages)):
+        for name, spec in sorted(built.specs[i].items()):
+            if name not in seen:
+                seen.add(name)
+                order.append((i, name, spec))
+    return order
+
+
+def _shard_files(order: list[tuple[int, str, ShardSpec]], nbytes_of: Callable[[str, ShardSpec], int],
+                 max_shard_bytes: int) -> tuple[list[list[str]], dict[str, str], int]:
+    """(names per file, name -> file, total bytes): shard files planned up front from shapes alone, so
+    their names carry the count (-of-N)."""
+    files: list[list[str]] = [[]]
+    size = 0
+    total = 0
+    for _, name, spec in order:
+        nbytes = nbytes_of(name, spec)
+        total += nbytes
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    n_files = len(files)
+    file_of = {
+        name: ("model.safetensors" if n_files == 1 else f"model-{k + 1:05d}-of-{n_files:05d}.safetensors")
+        for k, names in enumerate(files)
+        for name in names
+    }
+    return files, file_of, total
+
+
+def _gathered(built: Any, stage: int, spec: ShardSpec, pp_group: Any) -> Tensor:
+    """The full tensor of one parameter, on every rank of its pipeline group."""
+    program, mesh = built.program, built.mesh
+    if stage in built.modules:
+        full = gather_full(tp_local(built.modules[stage].get_parameter(spec.local).detach()), spec, mesh)
+    else:
+        full = torch.empty(spec.shape, dtype=program.dtype, device=built.device)
+    if pp_group is not None:
+        # [full shape]: from the pipeline rank holding stage i to the rest of its group.
+        dist.broadcast(full, src=_stage_holder(built, stage), group=pp_group)
+    return full
+
+
+@dataclass
+class _Pending:
+    """What rank 0 holds between shard files: tensors to write, their files, fused parts so far."""
+
+    tensors: dict[str, Tensor] = dataclasses.field(default_factory=dict)
+    weight_map: dict[str, str] = dataclasses.field(default_factory=dict)
+    fusing: dict[str, dict[int, Tensor]] = dataclasses.field(default_factory=dict)  # fused tensors' parts gathered so far
+
+    def put(self, key: str, transposed: bool, full: Tensor, file: str) -> None:
+        if hf_moe.is_stacked(key):  # one stored tensor per expert
+            for one, part in hf_moe.split_stacked(key, full).items():
+                self.tensors[one], self.weight_map[one] = part.to("cpu").contiguous().clone(), file
+            return
+        t = full.t() if transposed else full
+        hf_fused.put(self.tensors, self.weight_map, self.fusing, key, t.detach().to("cpu").contiguous().clone(), file)
+
+
+def _export_config(model: Mapping[str, Any], program: Any, source: str | Path | None, writer: _ExportWriter,
+                   tied: bool) -> dict[str, Any]:
+    """config.json: the model's own, or the source's (with the plan's dtype), and its files carried over."""
+    cfg = hf_config(model, program.dtype, program.seq)
+    if source is not None:
+        src = Path(source)
+        # Nulls kept as they are: for some fields (Mistral's sliding_window) null is not the default.
+        src_cfg = _read_object(_source_file(src, "config.json"))
+        src_cfg["torch_dtype"] = cfg["torch_dtype"]
+        src_cfg.pop("dtype", None)
+        cfg = src_cfg
+        _copy_source_files(src, writer)
+    if tied:
+        cfg["tie_word_embeddings"] = True
+    writer.put("config.json", _text(json.dumps(cfg, indent=2, sort_keys=True) + "\n"))
+    return cfg
+
+
 def export_hf(
     built: Any,
     directory: str | Path,
@@ -1207,102 +1300,46 @@ def export_hf(
     """
     from safetensors.torch import save_file
 
-    program, mesh = built.program, built.mesh
+    program, mesh, out_dir = built.program, built.mesh, Path(directory)
     model = program.model
-    first = mesh.rank == mesh.ranks[0]
-    out_dir = Path(directory)
     rows, vocab = padded_vocab(model)
     lay = _layout(model)
-    order: list[tuple[int, str, ShardSpec]] = []
-    seen: set[str] = set()
-    for i in range(len(program.stages)):
-        for name, spec in sorted(built.specs[i].items()):
-            if name not in seen:
-                seen.add(name)
-                order.append((i, name, spec))
+    order = _export_order(built)
     keys = hf_key_map(model, [n for _, n, _ in order])
     source_type = _read_object(_source_file(Path(source), "config.json")).get("model_type") if source is not None else None
     if source_type in hf_fused.MODEL_TYPES:  # written fused, as the source stores them (Phi-3)
         keys = hf_fused.fuse_keys(keys, {n: spec.shape for _, n, spec in order}, source_type)
-    tied = bool(lay.head.get("tie"))
     itemsize = torch.empty((), dtype=program.dtype).element_size()
 
-    def out_shape(name: str, spec: ShardSpec) -> tuple[int, ...]:
-        shape = spec.shape
-        if name.split(".")[0] == lay.embed and rows != vocab:
-            shape = (vocab, *shape[1:])
-        return tuple(reversed(shape)) if keys[name][1] else shape
+    def nbytes_of(name: str, spec: ShardSpec) -> int:
+        rows_written = vocab if name.split(".")[0] == lay.embed and rows != vocab else spec.shape[0]
+        return math.prod((rows_written, *spec.shape[1:])) * itemsize
 
-    # Shard files planned up front from shapes alone, so their names carry the count (-of-N).
-    files: list[list[str]] = [[]]
-    size = 0
-    total = 0
-    for _, name, spec in order:
-        nbytes = math.prod(out_shape(name, spec)) * itemsize
-        total += nbytes
-        if files[-1] and size + nbytes > max_shard_bytes:
-            files.append([])
-            size = 0
-        files[-1].append(name)
-        size += nbytes
-    n_files = len(files)
-    file_of = {
-        name: ("model.safetensors" if n_files == 1 else f"model-{k + 1:05d}-of-{n_files:05d}.safetensors")
-        for k, names in enumerate(files)
-        for name in names
-    }
+    files, file_of, total = _shard_files(order, nbytes_of, max_shard_bytes)
     pp_group = mesh.group(program.pipeline_axis) if program.pipeline_axis else None
-    pending: dict[str, Tensor] = {}
-    fusing: dict[str, dict[int, Tensor]] = {}  # fused tensors' parts gathered so far
-    weight_map: dict[str, str] = {}
-    writer = _ExportWriter(out_dir) if first else None
+    pending = _Pending()
+    writer = _ExportWriter(out_dir) if mesh.rank == mesh.ranks[0] else None
     try:
         stage_of = {n: s for s, n, _ in order}
         for names in files:
             for name in names:
-                i = stage_of[name]
-                spec = built.specs[i][name]
-                if i in built.modules:
-                    full = gather_full(tp_local(built.modules[i].get_parameter(spec.local).detach()), spec, mesh)
-                else:
-                    full = torch.empty(spec.shape, dtype=program.dtype, device=built.device)
-                if pp_group is not None:
-                    # [full shape]: from the pipeline rank holding stage i to the rest of its group.
-                    dist.broadcast(full, src=_stage_holder(built, i), group=pp_group)
+                full = _gathered(built, stage_of[name], built.specs[stage_of[name]][name], pp_group)
                 if writer is not None:
-                    key, transposed = keys[name]
-                    if hf_moe.is_stacked(key):  # one stored tensor per expert
-                        for one, part in hf_moe.split_stacked(key, full).items():
-                            pending[one], weight_map[one] = part.to("cpu").contiguous().clone(), file_of[name]
-                        continue
-                    if name.split(".")[0] == lay.embed and rows != vocab:
-                        full = full[:vocab]
-                    t = full.t() if transposed else full
-                    hf_fused.put(pending, weight_map, fusing, key, t.detach().to("cpu").contiguous().clone(), file_of[name])
+                    cut = name.split(".")[0] == lay.embed and rows != vocab and not hf_moe.is_stacked(keys[name][0])
+                    pending.put(*keys[name], full[:vocab] if cut else full, file_of[name])
             if writer is not None:
-                tensors, pending = pending, {}
+                tensors, pending.tensors = pending.tensors, {}
                 writer.put(file_of[names[0]],
                            lambda tmp, t=tensors: save_file(t, str(tmp), metadata={"format": "pt"}))  # type: ignore[misc]
         if writer is None:
             return None
-        if n_files > 1:
-            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        if len(files) > 1:
+            index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(pending.weight_map.items()))}
             writer.put("model.safetensors.index.json", _text(json.dumps(index, indent=2) + "\n"))
-        cfg = hf_config(model, program.dtype, program.seq)
-        if source is not None:
-            src = Path(source)
-            # Nulls kept as they are: for some fields (Mistral's sliding_window) null is not the default.
-            src_cfg = _read_object(_source_file(src, "config.json"))
-            src_cfg["torch_dtype"] = cfg["torch_dtype"]
-            src_cfg.pop("dtype", None)
-            cfg = src_cfg
-            _copy_source_files(src, writer)
-        if tied:
-            cfg["tie_word_embeddings"] = True
-        writer.put("config.json", _text(json.dumps(cfg, indent=2, sort_keys=True) + "\n"))
+        cfg = _export_config(model, program, source, writer, bool(lay.head.get("tie")))
         writer.finish()
         return (f"exported {len(order)} tensors ({total / 2**20:,.1f} MiB {cfg['torch_dtype']}, "
-                f"{n_files} safetensors file{'s' * (n_files > 1)}) to {out_dir}")
+                f"{len(files)} safetensors file{'s' * (len(files) > 1)}) to {out_dir}")
     except BaseException:
         if writer is not None:
             writer.abandon()

@@ -1,0 +1,74 @@
+"""The record every model family's pack fills in: one per Hugging Face architecture.
+
+A pack says, in one place, what is specific to one HF model family: its class and `model_type`,
+the `.mesh` family it becomes, and how its config.json becomes that family's settings.  Packs are
+torch-free and import nothing of the compiler, so the runtime reads the same records.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import attrs
+
+from meshllm_dsl.families.config_fields import ConfigFields, Setting
+
+
+@attrs.frozen
+class CheckpointNames:
+    """One checkpoint layout (a family's adapter, as torchtitan's state_dict_adapter): which models
+    it fits (positions, fused qkv, the norm kind, the activation it needs) and how it names things:
+    the top-level layers, the block list, and per block the norms and the attention / MLP
+    submodules with our projection -> theirs (runtime/hf/weights.py reads it)."""
+
+    layout: str  # the layout's name, shared by the packs that store their tensors alike ("llama")
+    top: Mapping[str, str]  # our role (embed, pos, norm, head) -> HF module
+    blocks: str
+    norms: Mapping[str, str]  # a block's norms: role (attn_pre, attn_post, mlp_pre, mlp_post) -> HF module
+    attn: tuple[str, Mapping[str, str]]
+    mlp: tuple[str, Mapping[str, str]]
+    transposed: bool  # GPT-2's Conv1D stores attention / MLP weights [in, out]
+    positions: bool  # learned positions (a `positional` layer) after the embedding
+    fused_qkv: bool
+    norm: str  # the norm kind of its blocks and the final norm
+    act: str | None  # the mlp activation it needs (None: any the checkpoint's config names)
+    norm_offset: float = 0.0  # an RMSNorm that scales by (1 + weight) has 1.0
+
+
+# (the .mesh family, its settings in order, the positions it was trained for)
+Reading = tuple[str, list[Setting], int]
+
+
+@attrs.frozen
+class FamilyPack:
+    """One HF architecture: its names, its `.mesh` family, and its config.json reading."""
+
+    architecture: str  # transformers' class, e.g. "LlamaForCausalLM" (config.json's `architectures[0]`)
+    model_type: str  # config.json's `model_type`, read when `architectures` is absent
+    family: str  # the `.mesh` family a model of it is declared from (stdlib/families.mesh)
+    read: Callable[[ConfigFields, FamilyPack, str], Reading]  # (fields, this pack, dtype) -> reading
+    checkpoint: CheckpointNames  # its tensors' names in a checkpoint
+    title: str = ""  # how people write the architecture's name ("Phi-3"), for messages
+    # `meshc export` is proven (tests/integration/test_export.py) for this architecture's module names
+    tp_export: bool = False
+    # transformers' default for max_position_embeddings where a config leaves it out
+    default_positions: int | None = None
+    # Llama-shaped attention (meshllm_dsl/families/llama_config.py): what differs per architecture.
+    honours_sliding_window: bool = False  # Mistral, Phi-3: attend within `sliding_window` when set
+    refuses_use_sliding_window: bool = False  # Qwen2 / 3: `use_sliding_window` is refused
+    ignores_mlp_bias: bool = False  # its MLP has no bias whatever the config says
+    default_norm_eps: float = 1e-6
+    qkv_bias_built_in: bool = False  # Qwen2: q, k, v biases (no o bias) whatever the config says
+    qk_norm: str | None = None  # a q / k norm the architecture has built in: "head" (per head), as a setting
+    longrope_only: bool = False  # Phi-3: its config reads `su` / `yarn` as longrope, refuses other types
+    longrope_default_original: int | None = None  # Phi3Config's own original_max_position_embeddings
+    has_mlp_bias_field: bool = True  # its config.json has an `mlp_bias` field
+    checkpoint_qk_norm: str = "none"  # its checkpoints' q / k norms (attention's qk_norm: head, full)
+    # Checkpoints that store projections fused (Phi-3): per module, the fused tensor and the separate
+    # projections it holds in row order (runtime/hf/fused.py)
+    fused_projections: dict[str, tuple[str, tuple[str, ...]]] = attrs.field(factory=dict)
+    # Mixture of experts (meshllm_dsl/families/moe_config.py).
+    attention: FamilyPack | None = None  # the Llama-shaped architecture whose attention it has
+    built_in_settings: tuple[str, ...] = ()  # that attention's settings its family has built in
+    experts_width_field: str | None = None  # Qwen-MoE: the experts' width (`ffn`) comes from this field
+    shared_expert: bool = False  # Qwen2-MoE: a shared expert of `shared_expert_intermediate_size`
