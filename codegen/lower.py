@@ -354,7 +354,7 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
                 params.append(_spec(f"{local_base}.{t.name}", t, p, partial_grad=partial))
         prim = primitives.of(unit)
         if prim.norm and dict(unit.attrs).get("post"):
-            # a post norm: the sublayer's output, before the residual add (Gemma)
+            # a post norm: the sublayer's output, before the residual add
             if not forward or forward[-1].code != "x = x + out":
                 raise AssertionError(f"post norm {unit.name} follows no sublayer")
             forward.insert(len(forward) - 1, Line(f"out = self.{unit.name}(out)", "post norm"))
@@ -379,7 +379,7 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
 
 def _per_block_variants(rep: Repeat, classes: tuple[BlockClass, ...]) -> list[BlockClass]:
     """The block classes split where blocks of one class print differently (a sliding window on
-    some blocks only, Gemma's alternation: a record's block_variant), in block order."""
+    some blocks only, alternating: a record's block_variant), in block order."""
     out: list[BlockClass] = []
     for cls in classes:
         groups: dict[tuple[object, ...], list[int]] = {}

@@ -10,6 +10,13 @@ The runtime reads and writes a Gemma checkpoint's config.json here too (``gemma_
 ``check_gemma_config``; runtime/hf/weights.py holds the tensor names): a Gemma block is Llama's with
 a (1 + weight) RMSNorm before and after each sublayer, and what differs between the two versions
 lives in config.json.
+
+What the layer kinds do for it: RMSNorm with `offset = 1.0` (x * (1 + weight) in fp32, norm.py)
+before and after each sublayer (`post`), the token table scaled by sqrt(hidden) (`scaled`), GeGLU with
+tanh GELU (`geglu_tanh`), sliding-window blocks alternating with global ones (`window`,
+`global_every`) with their own rope base (`local_rope_theta`), Gemma 2's attention and final-logit
+soft-caps (`softcap`, eager attention) and Gemma 3's q / k norms per head with the same offset
+(`qk_norm = head`, `qk_norm_offset`).
 """
 
 from __future__ import annotations

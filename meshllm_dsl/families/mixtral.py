@@ -1,6 +1,8 @@
 """The Mixtral pack: `MixtralForCausalLM` (config.json `model_type` "mixtral") is the `mixtral` family,
 with mistral attention
 (meshllm_dsl/families/moe_config.py reads it).
+
+What the layer kinds do for it: the chosen experts' weights kept in float32 (`weights_fp32`).
 """
 
 from __future__ import annotations

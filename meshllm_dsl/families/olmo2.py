@@ -3,6 +3,10 @@
 Its config reads as every Llama-shaped one (meshllm_dsl/families/llama_config.py); what differs is
 the record below.  Its config is Llama's: the norms after the sublayers and q / k normalised over the
 whole projection are the olmo2 family's block itself, so no setting says them.
+
+What the layer kinds do for it: norms after each sublayer only (`post`, no pre norm), RMSNorm with the
+scale applied in fp32 before the cast back (`scale_fp32`, transformers' Olmo2RMSNorm), and q / k
+normalised over the whole projection (`qk_norm = full`).
 """
 
 from __future__ import annotations

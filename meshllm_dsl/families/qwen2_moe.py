@@ -1,6 +1,9 @@
 """The Qwen2-MoE pack: `Qwen2MoeForCausalLM` (config.json `model_type` "qwen2_moe") is the `qwen2_moe` family,
 with qwen2 attention
 (meshllm_dsl/families/moe_config.py reads it).
+
+What the layer kinds do for it: a shared SwiGLU expert behind a sigmoid gate (`shared_expert`,
+`shared_ffn`), the chosen weights cast to the activations' dtype (`weights_fp32 = false`).
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Its config reads as every Llama-shaped one (meshllm_dsl/families/llama_config.py); what differs is
 the record below.
+
+What the layer kinds do for it: q and k normalised per head before rotary (`qk_norm = head`, one
+head_dim scale shared by the heads).
 """
 
 from __future__ import annotations

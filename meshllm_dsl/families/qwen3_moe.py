@@ -1,6 +1,9 @@
 """The Qwen3-MoE pack: `Qwen3MoeForCausalLM` (config.json `model_type` "qwen3_moe") is the `qwen3_moe` family,
 with qwen3 attention
 (meshllm_dsl/families/moe_config.py reads it).
+
+What the layer kinds do for it: q and k normalised per head (`qk_norm = head`), the chosen weights
+cast to the activations' dtype (`weights_fp32 = false`).
 """
 
 from __future__ import annotations

@@ -558,7 +558,7 @@ class ModelResolver(Resolver):
             self.error(E0308, f"repeat `{rep.name}` has no layers", rep.span, label="empty block",
                        help="a block alternates a norm and a sublayer: `n = rmsnorm(hidden)  attn = attention(hidden, heads)`")
             return
-        # Each sublayer follows its own norm (pre) and may be followed by a `post` norm (Gemma:
+        # Each sublayer follows its own norm (pre) and may be followed by a `post` norm (
         # x = x + post(sublayer(pre(x)))); a sublayer with a post norm may go without a pre norm.
         want_norm = True  # the next unit must be a norm (or a sublayer with a post norm after it)
         for k, unit in enumerate(body):
@@ -576,7 +576,7 @@ class ModelResolver(Resolver):
                            help=f"move `{unit.name}` after an attention or mlp, or drop `post = true`")
                 return
             if prim.sublayer and want_norm and then is not None and primitives.of(then).norm and dict(then.attrs).get("post"):
-                want_norm = False  # its post norm stands in for the pre norm (OLMo 2)
+                want_norm = False  # its post norm stands in for the pre norm (post norms only)
             if not post and prim.norm != want_norm:
                 prev = body[k - 1].name if k else None
                 self.error(E0308, f"`{unit.name}` ({unit.kind}) is out of place in `{rep.name}`: a block alternates norm and sublayer",

@@ -117,7 +117,7 @@ def attention_core_bytes(plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micr
     # (tokens = micro x s, or micro x s / c of the queries under context parallelism: their rows of
     # the scores meet all s keys.)
     if dict(hu.unit.attrs).get("softcap"):
-        # Soft-capped logits (Gemma 2) run as plain autograd, never a fused kernel: per head the
+        # Soft-capped logits run as plain autograd, never a fused kernel: per head the
         # tanh output, the fp32 softmax and the probabilities, s x s each.
         return (2 * DTYPES[plan.dtype] + FP32) * tokens * hq * seq
     if flash_attention:

@@ -221,7 +221,7 @@ class Attention(Primitive):
             ]
             if qk == "head":
                 eps = float(a["qk_norm_eps"])
-                # Gemma 3: x * (1 + scale), in fp32
+                # x * (offset + scale), in fp32
                 off = f", offset={float(a['qk_norm_offset'])!r}" if a.get("qk_norm_offset") else ""
                 lines += [w.line(f"q = rt.rms_norm(q, self.{attr}.q.norm, {eps!r}{off})", f"RMSNorm per head: [{hd}] scale, every head"),
                           w.line(f"k = rt.rms_norm(k, self.{attr}.k.norm, {eps!r}{off})")]
@@ -267,7 +267,7 @@ def layer_window(a: Mapping[str, Any], index: int) -> int:
 
 
 def layer_rope_theta(a: Mapping[str, Any], index: int) -> Any:
-    """The rope base of block `index`: `local_rope_theta` in a windowed block (Gemma 3), else rope_theta."""
+    """The rope base of block `index`: `local_rope_theta` in a windowed block, else rope_theta."""
     return a.get("local_rope_theta") if layer_window(a, index) else a["rope_theta"]
 
 
@@ -297,7 +297,7 @@ def _rope_scaling(kind: str, b: Mapping[str, Any]) -> tuple[tuple[str, Any], ...
 
 def _full_qk_norm_lines(w: Any, attr: str, unit: Unit, a: Mapping[str, Any],
                         placement: Mapping[str, Placement], x: str) -> list[Any]:
-    """q and k projected, then RMSNorm over each whole projection (OLMo 2). Split by heads, a rank
+    """q and k projected, then RMSNorm over each whole projection (`qk_norm = full`). Split by heads, a rank
     holds part of each token's row: the sum of squares is all-reduced over the projection's axes."""
     eps, hd = float(a["qk_norm_eps"]), a["head_dim"]
     lines = []
@@ -336,16 +336,16 @@ ATTENTION = Attention("attention", sublayer=True, reads_sequence=True, caches_kv
     # ones while the sequence is within rope_original_positions, the long ones beyond it.
     Arg("rope_short_factor", "floats", const(()), length=lambda b: b["head_dim"] // 2, length_why="head_dim / 2"),
     Arg("rope_long_factor", "floats", const(()), length=lambda b: b["head_dim"] // 2, length_why="head_dim / 2"),
-    # RMSNorm of q and k before rotary: `head` over each head with one head_dim scale (Qwen3),
-    # `full` over the whole projection with a scale per output (OLMo 2).
+    # RMSNorm of q and k before rotary: `head` over each head with one head_dim scale, `full` over
+    # the whole projection with a scale per output (the family packs say which family has which).
     Arg("qk_norm", "choice", const("none"), ("none", "head", "full")),
     Arg("qk_norm_eps", "float", const(1e-6)),
-    Arg("qk_norm_offset", "float", const(0.0)),  # Gemma 3: the q / k norms scale by (1 + weight), as rmsnorm's offset
-    # Sliding-window attention (Mistral, Gemma): each token attends to the last `window` positions
+    Arg("qk_norm_offset", "float", const(0.0)),  # the q / k norms scale by (offset + weight), as rmsnorm's offset
+    # Sliding-window attention: each token attends to the last `window` positions
     # (0: the whole causal prefix); with global_every = K every K-th block attends to everything.
     Arg("window", "dim", const(0), minimum=0),
     Arg("global_every", "dim", const(0), minimum=0),
     Arg("local_rope_theta", "float", lambda b: b["rope_theta"]),  # the rope base of windowed blocks
-    Arg("softcap", "float", const(None)),  # logits tanh(x / softcap) * softcap (Gemma 2)
+    Arg("softcap", "float", const(None)),  # attention logits tanh(x / softcap) * softcap
     Arg("scale_dim", "dim", lambda b: b["head_dim"]),  # logits / sqrt(scale_dim) (query_pre_attn_scalar)
 ))

@@ -175,6 +175,6 @@ EMBEDDING = Embedding("embedding", vocab_rows=True, args=(
     # `used`: rows that are real tokens when `num` is padded (e.g. 50257 of 50304): the head's logits
     # past it are masked out of the softmax, the loss, the argmax and exported weights.
     Arg("num", "dim"), Arg("dim", "dim"), Arg("used", "float", const(None)),
-    # Gemma: rows times sqrt(dim), that factor rounded to the model dtype first (as HF does).
+    # `scaled`: rows times sqrt(dim), that factor rounded to the model dtype first (as HF does).
     Arg("scaled", "bool", const(False))))
 POSITIONAL = Positional("positional", args=(Arg("num", "dim"), Arg("dim", "dim")))

@@ -187,5 +187,5 @@ LINEAR = Linear("linear", width_arg="in", args=(
     # can then choose: `linear(hidden, vocab, tie = embed, tied = tie_embeddings)`).
     Arg("in", "dim"), Arg("out", "dim"), Arg("bias", "bool", const(False)), Arg("tie", "layer", const(None)),
     Arg("tied", "bool", const(True)),
-    # The model's head only: logits become tanh(x / softcap) * softcap (Gemma 2's final_logit_softcapping).
+    # The model's head only: logits become tanh(x / softcap) * softcap (a final logit soft-cap).
     Arg("softcap", "float", const(None))))

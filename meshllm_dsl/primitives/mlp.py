@@ -16,7 +16,7 @@ from meshllm_dsl.primitives import Built, Primitive
 from meshllm_dsl.primitives.args import Arg, const
 
 ACTIVATIONS = ("swiglu", "geglu_tanh", "gelu_tanh", "gelu", "relu", "silu")
-# Gated activations: act(gate(x)) * up(x), as generated code calls act (GeGLU with tanh GELU: Gemma).
+# Gated activations: act(gate(x)) * up(x), as generated code calls act (GeGLU with tanh GELU among them).
 GATED = {"swiglu": "F.silu({})", "geglu_tanh": "F.gelu({}, approximate=\"tanh\")"}
 # The activation of a non-gated mlp, as generated code calls it.
 _CALLS = {"gelu_tanh": "F.gelu({}, approximate=\"tanh\")", "gelu": "F.gelu({})", "relu": "F.relu({})",

@@ -1,9 +1,9 @@
 """`moe(hidden, ffn, experts, top_k, ...)`: a block's mixture-of-experts feed-forward sublayer
-(Mixtral, Qwen2-MoE, Qwen3-MoE).
+(the moe families of meshllm_dsl/families/ declare it).
 
 A router linear without bias scores the experts; softmax then top-k picks `top_k` of them per token,
 optionally renormalising the chosen weights (`norm_topk_prob`); `experts` SwiGLU experts run on the
-tokens routed to them, dropless. Qwen2-MoE adds a shared SwiGLU expert every token passes through,
+tokens routed to them, dropless. Optionally a shared SwiGLU expert every token passes through,
 scaled by a sigmoid gate (`shared_expert = true`, `shared_ffn`).
 
 Parameters: `router` [experts, hidden]; the experts stacked as `gate` / `up` [ffn, experts, hidden]
@@ -324,7 +324,7 @@ MOE = Moe("moe", sublayer=True, routes_experts=True, width_arg="hidden", sequenc
     Arg("experts", "dim"),
     Arg("top_k", "dim"),
     Arg("norm_topk_prob", "bool", const(True)),
-    # Mixtral keeps the chosen weights in float32; Qwen2-MoE / Qwen3-MoE cast them to the activations'.
+    # Keep the chosen weights in float32, or (False) cast them to the activations' dtype.
     Arg("weights_fp32", "bool", const(True)),
     Arg("shared_expert", "bool", const(False)),
     Arg("shared_ffn", "dim", lambda bound: bound["ffn"]),

@@ -110,12 +110,13 @@ class LayerNorm(Norm):
 
 RMSNORM = RMSNorm("rmsnorm", norm=True, args=(
     Arg("dim", "dim"), Arg("eps", "float", const(1e-5)),
-    # Gemma: x * (1 + weight), the product in fp32 before the cast (offset = 1.0).
+    # x * (offset + weight), the product in fp32 before the cast: offset 1.0 for a weight stored as
+    # its difference from one.
     Arg("offset", "float", const(0.0)),
     # In a block: normalises the output of the sublayer before it, ahead of the residual add
-    # (x = x + post(sublayer(pre(x))), Gemma 2 / 3); otherwise the input of the sublayer after it.
+    # (x = x + post(sublayer(pre(x)))); otherwise the input of the sublayer after it.
     Arg("post", "bool", const(False)),
-    # OLMo 2 (Olmo2RMSNorm): the scale applied in fp32 before the cast back, not after it as Llama's;
+    # The scale applied in fp32 before the cast back, not after it as Llama's;
     # the same numbers in an fp32 model, a rounding apart in bf16 / fp16.
     Arg("scale_fp32", "bool", const(False)),
 ))

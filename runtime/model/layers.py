@@ -49,8 +49,8 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def offset_rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float) -> Tensor:
-    """Gemma's RMSNorm: x normalised and scaled by (offset + weight), both in fp32, then cast to
-    x's dtype (HF ``Gemma2RMSNorm``: the weight is stored as its difference from one)."""
+    """RMSNorm with an offset: x normalised and scaled by (offset + weight), both in fp32, then
+    cast to x's dtype (offset 1: the weight is stored as its difference from one)."""
     h = x.to(_compute_dtype(x.dtype))
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return (h * (offset + weight.to(h.dtype))).to(x.dtype)
@@ -107,7 +107,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
         self.offset = offset
-        self.scale_fp32 = scale_fp32  # OLMo 2: weight * x in fp32, then the cast (offset 0 below)
+        self.scale_fp32 = scale_fp32  # weight * x in fp32, then the cast (offset 0 below)
 
     def forward(self, x: Tensor) -> Tensor:
         if self.offset or self.scale_fp32:
@@ -214,7 +214,7 @@ def _allowed(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
 
 def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, softcap: float) -> Tensor:
     """Attention with logits soft-capped (tanh(x / cap) * cap) before the mask, softmax in fp32 (as
-    HF's eager attention, which Gemma needs: SDPA has no soft-capping). q [b, h, s, d], k / v
+    HF's eager attention, which soft-capping needs: SDPA has none). q [b, h, s, d], k / v
     [b, kvh, t, d] -> [b, h, s, d]."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
@@ -239,9 +239,9 @@ def attention(
     KV head j serves query heads j*n_rep .. (j+1)*n_rep - 1 (HF ``repeat_kv``), which is also what
     makes column-sharding q, k, v by heads consistent.  With a cache, the new tokens attend to
     every cached position and causally among themselves.  ``window``: each token attends to the
-    last ``window`` positions only (itself included; Mistral / Gemma sliding-window layers), and a
+    last ``window`` positions only (itself included: sliding-window layers), and a
     decoding cache holds no more than that.  ``scale``: the logit scale (default 1 / sqrt(d));
-    ``softcap``: logits become tanh(x / softcap) * softcap (Gemma 2).
+    ``softcap``: logits become tanh(x / softcap) * softcap.
     """
     b, s, h, d = q.shape
     session = decode.active()

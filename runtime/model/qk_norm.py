@@ -1,8 +1,8 @@
 """RMSNorm of attention's q and k before rotary (``attention(..., qk_norm = head | full)``).
 
-``head`` (Qwen3, Gemma 3): over each head's head_dim with one scale shared by every head; a rank
+``head``: over each head's head_dim with one scale shared by every head; a rank
 holding some heads normalises them on its own (the scale's gradient is summed over the tensor axis,
-``ShardSpec.partial_grad``).  ``full`` (OLMo 2): over the whole projection, heads x head_dim per token,
+``ShardSpec.partial_grad``).  ``full``: over the whole projection, heads x head_dim per token,
 with a scale per output; split by heads, each rank holds part of every token's row, so the sum of
 squares is all-reduced over the projection's axes before the mean.
 """
@@ -22,7 +22,7 @@ __all__ = ["rms_norm", "split_rms_norm"]
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
     """RMSNorm over the last dim of ``x`` (here [b, s, heads, head_dim] with ``weight`` [head_dim]),
     the runtime's RMSNorm maths (HF Llama's: normalise in fp32, scale in the input dtype; with an
-    ``offset``, Gemma 3's: scale by (offset + weight) in fp32, then cast)."""
+    ``offset``: scale by (offset + weight) in fp32, then cast)."""
     if offset:
         return offset_rms_norm(x, weight, eps, offset)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
@@ -32,8 +32,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tens
 
 def split_rms_norm(x: Tensor, weight: Tensor, eps: float, group: ProcessGroup | None, width: int) -> Tensor:
     """RMSNorm over rows of ``width`` values of which this rank holds ``x`` [b, s, width / n] (its
-    columns of the projection) and ``weight`` [width / n] the matching scales (HF OLMo 2's
-    Olmo2RMSNorm: fp32, the scale applied before the cast back).  ``group`` None: the whole row."""
+    columns of the projection) and ``weight`` [width / n] the matching scales (in fp32, the scale
+    applied before the cast back).  ``group`` None: the whole row."""
     h = x.to(_compute_dtype(x.dtype))
     squares = h.pow(2).sum(-1, keepdim=True)  # [b, s, 1]: this rank's part of each row's sum
     if group is not None:

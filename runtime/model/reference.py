@@ -34,9 +34,9 @@ class _RMSNorm(nn.Module):
         dtype = x.dtype
         h = x.to(torch.promote_types(dtype, torch.float32))
         var = h.pow(2).mean(-1, keepdim=True)
-        if self.offset:  # Gemma: (offset + weight) applied in fp32, then the cast
+        if self.offset:  # (offset + weight) applied in fp32, then the cast
             return (h * torch.rsqrt(var + self.eps) * (self.offset + self.weight.to(h.dtype))).to(dtype)
-        if self.scale_fp32:  # OLMo 2: weight applied in fp32, then the cast
+        if self.scale_fp32:  # weight applied in fp32, then the cast
             return (self.weight.to(h.dtype) * (h * torch.rsqrt(var + self.eps))).to(dtype)
         return self.weight * (h * torch.rsqrt(var + self.eps)).to(dtype)
 
@@ -79,7 +79,7 @@ class _Attention(nn.Module):
             self.k = nn.Linear(hid, self.kvh * self.d, bias=qkv_bias)
             self.v = nn.Linear(hid, self.kvh * self.d, bias=qkv_bias)
         self.o = nn.Linear(self.h * self.d, hid, bias=bool(spec.get("o_bias", False)))
-        # q / k RMSNorm before rotary: per head over head_dim (Qwen3) or over the whole projection (OLMo 2).
+        # q / k RMSNorm before rotary: per head over head_dim (`head`) or over the whole projection (`full`).
         self.qk_norm, self.qk_eps = spec.get("qk_norm", "none"), spec.get("qk_norm_eps", 1e-6)
         self.qk_offset = float(spec.get("qk_norm_offset") or 0.0)
         if self.qk_norm != "none":
@@ -90,9 +90,9 @@ class _Attention(nn.Module):
     def _qk_rms(self, x: Tensor, weight: Tensor) -> Tensor:
         h = x.to(torch.promote_types(x.dtype, torch.float32))
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.qk_eps)
-        if self.qk_offset:  # Gemma 3: (offset + weight) in fp32, then the cast
+        if self.qk_offset:  # (offset + weight) in fp32, then the cast
             return (h * (self.qk_offset + weight.to(h.dtype))).to(x.dtype)
-        # OLMo 2 scales before casting back, Qwen3 after (the same in fp32 and fp64)
+        # `full` scales before casting back, `head` after (the same in fp32 and fp64)
         return (weight * h).to(x.dtype) if self.qk_norm == "full" else weight * h.to(x.dtype)
 
     def _rope(self, x: Tensor) -> Tensor:
@@ -153,7 +153,7 @@ class _MLP(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         if self.act == "swiglu":
             return self.down(F.silu(self.gate(x)) * self.up(x))
-        if self.act == "geglu_tanh":  # Gemma: gelu_pytorch_tanh on the gate
+        if self.act == "geglu_tanh":  # gelu_pytorch_tanh on the gate
             return self.down(F.gelu(self.gate(x), approximate="tanh") * self.up(x))
         h = self.up(x)
         if self.act == "gelu_tanh":
@@ -171,7 +171,7 @@ class _MLP(nn.Module):
 
 class _Block(nn.Module):
     """Residual block: each sublayer with the norm before it (pre) and / or a `post` norm after it,
-    x = x + post(sub(pre(x))); Llama / GPT-2 have pre norms only, Gemma both."""
+    x = x + post(sub(pre(x))); Llama / GPT-2 have pre norms only, some families both."""
 
     def __init__(self, body: list[Layer], index: int = 0) -> None:
         super().__init__()
@@ -192,7 +192,7 @@ class _Block(nn.Module):
             build = _SUBLAYERS.get(spec["kind"])
             if build is None:
                 raise ValueError(f"{spec['name']}: unsupported sublayer kind {spec['kind']!r}")
-            # attention's sliding window depends on the block (Gemma alternates)
+            # attention's sliding window depends on the block (some families alternate)
             self.add_module(spec["name"], build({**spec, "block": index} if spec["kind"] == "attention" else spec))
             self.steps.append((pre, spec["name"], None))
             pre = None
@@ -215,8 +215,8 @@ _Apply = Callable[[nn.Module, Tensor, Tensor], Tensor]
 
 
 class _Embedding(nn.Embedding):
-    """A token table; `scaled` (Gemma): rows times sqrt(dim), that factor rounded to float32 and
-    then to the table's dtype as HF's Gemma2TextScaledWordEmbedding does."""
+    """A token table; `scaled`: rows times sqrt(dim), that factor rounded to float32 and then to
+    the table's dtype, as transformers' scaled word embeddings do."""
 
     def __init__(self, num: int, dim: int, scaled: bool) -> None:
         super().__init__(num, dim)
@@ -261,7 +261,7 @@ class ReferenceModel(nn.Module):
         self.order: list[tuple[str, str]] = []
         self.ties: dict[str, str] = {}
         self.used = next((s.get("used") for s in model["layers"] if s["kind"] == "embedding"), None)
-        self.softcap = model["layers"][-1].get("softcap")  # the head's (Gemma 2's final_logit_softcapping)
+        self.softcap = model["layers"][-1].get("softcap")  # the head's final logit soft-cap
         for spec in model["layers"]:
             name, kind = spec["name"], spec["kind"]
             if kind == "repeat":

@@ -95,7 +95,7 @@ def experts_parallel(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: 
     # combine: [sum recv, H] source-major, recv[s] rows back to each source s -> [T k, H] in this
     # rank's sorted pair order
     ret = _all_to_all(y[back], send, recv, group)
-    # The product in the weights' dtype (float32 for Mixtral), then back, as experts_swiglu does.
+    # The product in the weights' dtype (float32 with weights_fp32), then back, as experts_swiglu does.
     weighted = (ret * weights.reshape(-1)[order, None]).to(x.dtype)
     return torch.zeros_like(x).index_add(0, rows, weighted)
 

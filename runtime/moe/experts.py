@@ -1,9 +1,9 @@
 """Mixture-of-experts: top-k routing, stacked SwiGLU experts and the load-balancing loss.
 
-Numerics follow transformers' Mixtral / Qwen2-MoE / Qwen3-MoE (``*TopKRouter``, ``*Experts``,
+Numerics follow transformers' mixture-of-experts models (``*TopKRouter``, ``*Experts``,
 ``load_balancing_loss_func``): softmax of the router logits in float32, top-k of the
 probabilities, optional renormalisation of the chosen k, and the chosen weights kept in float32
-(Mixtral) or cast back to the activation dtype (Qwen). Routing itself (top-k, capacity, the router
+or cast back to the activation dtype (``weights_fp32``). Routing itself (top-k, capacity, the router
 losses) lives in runtime/moe/routing.py; dropless unless the layer sets a capacity factor.
 
 Used by both the unsharded reference model (runtime/model/reference.py) and generated stages; the
@@ -62,7 +62,7 @@ def experts_swiglu(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Te
             sel = order[start : start + n]
             h = x[rows[start : start + n]]  # [n, H]
             y = F.linear(F.silu(F.linear(h, gate[e])) * F.linear(h, up[e]), down[e])  # [n, H]
-            # The product in the weights' dtype (float32 for Mixtral), then back, as HF does.
+            # The product in the weights' dtype (float32 with weights_fp32), then back, as HF does.
             outs.append((y * weights.reshape(-1)[sel, None]).to(x.dtype))
             pairs.append(rows[start : start + n])
         start += n

@@ -127,8 +127,8 @@ def route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32
     """Router of one MoE layer: x [T, H], weight [E, H] -> (chosen weights [T, k], chosen expert
     ids [T, k] int64, router logits [T, E]).
 
-    ``weights_fp32``: keep the chosen weights in float32 (Mixtral) instead of casting them to the
-    logits' dtype (Qwen2-MoE / Qwen3-MoE). ``capacity``: the capacity factor (0: dropless); dropped
+    ``weights_fp32``: keep the chosen weights in float32 instead of casting them to the
+    logits' dtype. ``capacity``: the capacity factor (0: dropless); dropped
     pairs get id ``DROPPED`` and weight 0 (the kept weights are not renormalised again). ``keep``:
     (ids [T, k], experts, factor) -> which pairs fit, when the T rows are part of a forward spread over ranks
     (context parallelism: ContextShard.keep_within_capacity counts in the whole sequence's order)."""
