@@ -32,47 +32,22 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from meshllm_dsl.ir import PlanIR
-from meshllm_dsl.parallel.costs import MFU, matmul_seconds
 from meshllm_dsl.parallel.devices import DEFAULT_PROFILE, PROFILES, DeviceProfile, assumed_hosts
-from meshllm_dsl.planner.comm import _link, communication
-from meshllm_dsl.planner.formatting import GIB, fmt_bytes, fmt_seconds
-from meshllm_dsl.planner.formulas import (
-    bubble_fraction,
-    fsdp_unit_collectives,
-    kv_bytes_per_token,
-    kv_cache_bytes,
-    kv_gather_bytes_per_layer,
-    optimizer_bytes_per_param,
-    stage_actions,
-    zero_per_device,
-)
-from meshllm_dsl.planner.held import held_units
+from meshllm_dsl.planner.comm import communication
+from meshllm_dsl.planner.formatting import fmt_bytes, fmt_seconds
+from meshllm_dsl.planner.formulas import kv_bytes_per_token
 from meshllm_dsl.planner.memory import activations, kv_cache, parameters, peak, states
 from meshllm_dsl.planner.rank import Rank, Setup, rank_class, rank_drafts, setup_of
 from meshllm_dsl.planner.records import PlanReport
 from meshllm_dsl.planner.report import expert_layer_comm, report_json, report_text
-from meshllm_dsl.planner.time import (
-    ELEMENTWISE_PASSES,
-    FORWARD_KERNEL_SHARE,
-    KERNELS,
-    KERNELS_ADAMW,
-    KERNELS_STEP,
-    KERNELS_ZERO_GRAD,
-    compute,
-    exposed_data_seconds,
-    model_flops_per_token,
-    step_time,
-    unit_kernels,
-)
+from meshllm_dsl.planner.time import compute, model_flops_per_token, step_time
 from meshllm_dsl.planner.warnings import plan_warnings
 
-# What code outside the planner's modules (tests, bench, interop) still imports from here.
+# Kept importable from here for `from meshllm_dsl.planner import analyze as planner` users
+# (tests/moe's planner.<name>) and interop/import_hf.py; everything else imports the module named.
 __all__ = [
-    "ELEMENTWISE_PASSES", "FORWARD_KERNEL_SHARE", "GIB", "KERNELS", "KERNELS_ADAMW", "KERNELS_STEP", "KERNELS_ZERO_GRAD",
-    "MFU", "STEPS", "PlanReport", "Rank", "Setup", "_link", "analyze", "bubble_fraction", "expert_layer_comm",
-    "exposed_data_seconds", "fmt_bytes", "fmt_seconds", "fsdp_unit_collectives", "held_units", "kv_bytes_per_token",
-    "kv_cache_bytes", "kv_gather_bytes_per_layer", "matmul_seconds", "model_flops_per_token", "optimizer_bytes_per_param",
-    "plan_warnings", "report_json", "report_text", "resolve_device", "stage_actions", "unit_kernels", "zero_per_device",
+    "STEPS", "PlanReport", "Rank", "Setup", "analyze", "expert_layer_comm", "fmt_bytes", "fmt_seconds",
+    "model_flops_per_token", "plan_warnings", "report_json", "report_text", "resolve_device",
 ]
 
 
