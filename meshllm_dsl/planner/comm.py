@@ -1,5 +1,5 @@
 """Communication: the cost of one collective over a group of the mesh (a ring's bus bandwidth and
-latency in or across hosts, _link / _comm), what each unit issues per microbatch (unit_collectives,
+latency in or across hosts, _link / comm_over), what each unit issues per microbatch (unit_collectives,
 forward_collectives, expert parallelism's all-to-all), and the `communication` step of the analysis
 (planner/analyze.py's STEPS): every collective of a step per rank class, layer by layer, context,
 pipeline, tied weights and data parallelism (all-reduce, ZeRO, FSDP2 and HSDP).
@@ -25,13 +25,13 @@ from meshllm_dsl.planner.rank import (
     Rank,
     Setup,
     Traffic,
-    _expert_shards,
-    _local_kv_heads,
-    _running,
+    expert_shards,
+    local_kv_heads,
+    running_units,
 )
 from meshllm_dsl.planner.recompute import recomputed_copies
 from meshllm_dsl.planner.records import Comm
-from meshllm_dsl.planner.units import _tied_sync_numel
+from meshllm_dsl.planner.units import tied_sync_numel
 
 # ---------------------------------------------------------------- communication
 
@@ -53,7 +53,7 @@ def forward_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], WirePrimiti
 
 
 @functools.lru_cache(maxsize=4096)
-def _crosses(mesh: MeshIR, axes: tuple[str, ...]) -> bool:
+def axes_cross_hosts(mesh: MeshIR, axes: tuple[str, ...]) -> bool:
     # The answer depends only on the mesh, so compute it once.
     return group_crosses_hosts(mesh, axes)
 
@@ -75,7 +75,7 @@ def _link(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], op: WirePr
     but never more than the ring inside the host; a group of one rank per host has one NIC. A
     measured `latency` (meshc calibrate) is per call; otherwise each of the ring's steps costs
     LATENCY_INTRA_S / LATENCY_INTER_S."""
-    crosses = _crosses(plan.mesh, axes)
+    crosses = axes_cross_hosts(plan.mesh, axes)
     n = n if n is not None else plan.mesh.size(*axes)
     if op == "send_recv":  # one peer: its link (a pipeline send), one NIC across hosts
         bandwidth = (device.inter_gbps if crosses else device.intra_gbps) * 1e9
@@ -96,10 +96,10 @@ def hsdp_replica_comm(plan: PlanIR, device: DeviceProfile, calls: int, size: int
     replicas = plan.roles.batch_replicate if plan.zero else ()
     if not replicas or plan.mesh.size(*replicas) == 1:
         return []
-    return [_comm(plan, device, replicas, "data", "all_reduce", calls, size // plan.zero_size)]
+    return [comm_over(plan, device, replicas, "data", "all_reduce", calls, size // plan.zero_size)]
 
 
-def _comm(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], kind: str, op: WirePrimitive, calls: int,
+def comm_over(plan: PlanIR, device: DeviceProfile, axes: tuple[str, ...], kind: str, op: WirePrimitive, calls: int,
           size: int, group: int | None = None) -> Comm:
     """`calls` collectives of `size` bytes each over the group along `axes`."""
     n = group if group is not None else plan.mesh.size(*axes)
@@ -166,7 +166,7 @@ def _unit_calls(setup: Setup, rank: Rank) -> _Calls:
     """The collectives the rank's units issue, unit by unit (a recomputed copy's forward ones again)."""
     plan, cp, micro, w = setup.plan, setup.plan.context_size, setup.micro_batch, setup.dtype_bytes
     calls = _Calls()
-    for hu in _running(rank):
+    for hu in running_units(rank):
         rc = recomputed_copies(plan, hu)
         for axes, op in unit_collectives(hu):
             calls.tensor[(axes, op)] = calls.tensor.get((axes, op), 0) + hu.count
@@ -174,7 +174,7 @@ def _unit_calls(setup: Setup, rank: Rank) -> _Calls:
             calls.recompute[(axes, op)] = calls.recompute.get((axes, op), 0) + rc
         if primitives.of(hu.unit).caches_kv:
             # Context parallelism: k and v, [mb, s, kv / t, d] each once gathered, every copy.
-            calls.kv_gathers += hu.count * 2 * micro * plan.seq * _local_kv_heads(plan, hu) * int(hu.unit.attr("head_dim")) * w  # type: ignore[arg-type]
+            calls.kv_gathers += hu.count * 2 * micro * plan.seq * local_kv_heads(plan, hu) * int(hu.unit.attr("head_dim")) * w  # type: ignore[arg-type]
         if cp > 1 and primitives.of(hu.unit).routes_experts:
             a = dict(hu.unit.attrs)
             if a.get("capacity"):
@@ -213,9 +213,9 @@ def _layer_comms(setup: Setup, calls: _Calls) -> list[Comm]:
     for (axes, op), n in sorted(calls.tensor.items()):
         # A recomputed block's forward runs its forward collectives again (Megatron's full recomputation).
         n += calls.recompute.get((axes, op), 0)
-        comms.append(_comm(plan, device, axes, "tensor", op, n * m, act_size))
+        comms.append(comm_over(plan, device, axes, "tensor", op, n * m, act_size))
     for (axes, size), n in sorted(calls.expert.items()):
-        comms.append(_comm(plan, device, axes, "expert", EXPERT_WIRE[0], n * m, size))
+        comms.append(comm_over(plan, device, axes, "expert", EXPERT_WIRE[0], n * m, size))
     return comms
 
 
@@ -227,19 +227,19 @@ def _context_comms(setup: Setup, rank: Rank, calls: _Calls) -> list[Comm]:
         # K and V all-gathered over the context axes in each attention's forward (again when
         # backward recomputes the block), dK and dV reduce-scattered in its backward: per layer
         # and microbatch 2 calls each way of [mb, s, kv / t, d] (runtime/parallel/context.py).
-        caching = [hu for hu in _running(rank) if primitives.of(hu.unit).caches_kv]
+        caching = [hu for hu in running_units(rank) if primitives.of(hu.unit).caches_kv]
         layers_here = sum(hu.count for hu in caching)
         reruns = sum(recomputed_copies(plan, hu) for hu in caching)
         per_call = calls.kv_gathers // max(1, 2 * layers_here)
-        comms.append(_comm(plan, device, axes, "context", "all_gather", 2 * (layers_here + reruns) * m, per_call))
-        comms.append(_comm(plan, device, axes, "context", "reduce_scatter", 2 * layers_here * m, per_call))
+        comms.append(comm_over(plan, device, axes, "context", "all_gather", 2 * (layers_here + reruns) * m, per_call))
+        comms.append(comm_over(plan, device, axes, "context", "reduce_scatter", 2 * layers_here * m, per_call))
     for size, n in sorted(calls.route_gathers.items()):
-        comms.append(_comm(plan, device, axes, "context", "all_gather", n * m, size))
+        comms.append(comm_over(plan, device, axes, "context", "all_gather", n * m, size))
     if calls.router_sums:
         # The load-balancing loss over whole sequences: per microbatch its [experts] assignment
         # counts and probability sums summed over the context axes, and the sums' gradient in
         # backward (the row count, one scalar, is not counted).
-        comms.append(_comm(plan, device, axes, "context", "all_reduce", 3 * m, calls.router_sums))
+        comms.append(comm_over(plan, device, axes, "context", "all_reduce", 3 * m, calls.router_sums))
     return comms
 
 
@@ -249,12 +249,12 @@ def _stream_comms(setup: Setup, calls: _Calls) -> list[Comm]:
     comms = []
     if calls.seq_grads:
         # The norms' (and row biases') partial gradients, coalesced into one all-reduce per step.
-        comms.append(_comm(plan, device, plan.roles.sequence, "tensor", "all_reduce", 1, w * calls.seq_grads))
+        comms.append(comm_over(plan, device, plan.roles.sequence, "tensor", "all_reduce", 1, w * calls.seq_grads))
     if calls.holds_head and plan.roles.loss_parallel:
         # Vocab-parallel cross entropy: one all-gather per microbatch of each shard's log-sum-exp
         # and target logit, 2 fp32 per token from each of the loss group's ranks.
         n_loss = plan.mesh.size(*plan.roles.loss)
-        comms.append(_comm(plan, device, plan.roles.loss, "loss", "all_gather", plan.microbatches,
+        comms.append(comm_over(plan, device, plan.roles.loss, "loss", "all_gather", plan.microbatches,
                            n_loss * 2 * FP32 * setup.tokens))
     return comms
 
@@ -268,11 +268,11 @@ def _pipeline_comms(setup: Setup, rank: Rank) -> list[Comm]:
 
     act_size = w * setup.tokens * setup.hidden
     sends = sum((s.index < len(plan.stages) - 1) + (s.index > 0) for s in rank.stages)
-    comms = [_comm(plan, device, (plan.roles.pipeline,), "pipeline", "send_recv", sends * plan.microbatches,
+    comms = [comm_over(plan, device, (plan.roles.pipeline,), "pipeline", "send_recv", sends * plan.microbatches,
                    act_size // seq_size(plan) + planner_moe.router_statistics_bytes(plan), group=2)]
-    tied = _tied_sync_numel(plan, list(rank.stages))
+    tied = tied_sync_numel(plan, list(rank.stages))
     if tied:
-        comms.append(_comm(plan, device, (plan.roles.pipeline,), "tied", "all_reduce", 1, w * tied, group=2))
+        comms.append(comm_over(plan, device, (plan.roles.pipeline,), "tied", "all_reduce", 1, w * tied, group=2))
     return comms
 
 
@@ -290,11 +290,11 @@ def _data_comms(setup: Setup, params: Params) -> tuple[list[Comm], int]:
         return _fsdp_comms(setup, params, data_axes, reduce_w)
     if plan.zero >= 1:
         return _zero_comms(setup, params, data_axes, reduce_w), 0
-    comms = [_comm(plan, setup.device, data_axes, "data", "all_reduce", 1, reduce_w * params.dense)]
+    comms = [comm_over(plan, setup.device, data_axes, "data", "all_reduce", 1, reduce_w * params.dense)]
     rest = tuple(a for a in data_axes if a not in plan.roles.expert)
     if params.experts and rest:
         # the experts' gradients, reduced only over the batch axes that replicate them
-        comms.append(_comm(plan, setup.device, rest, "data", "all_reduce", 1, reduce_w * params.experts))
+        comms.append(comm_over(plan, setup.device, rest, "data", "all_reduce", 1, reduce_w * params.experts))
     return comms, 0
 
 
@@ -311,21 +311,21 @@ def _fsdp_comms(setup: Setup, params: Params, data_axes: tuple[str, ...], reduce
         gathers, gathered_b = gathers + g * units, gathered_b + g * w * part.sharded
         scatters, scattered_b = scatters + r * units, scattered_b + r * reduce_w * part.sharded
         e_gathers, e_scatters = e_gathers + g * part.expert_layers, e_scatters + r * part.expert_layers
-    comms = [_comm(plan, device, data_axes, "data", "all_gather", gathers, gathered_b // max(1, gathers)),
-             _comm(plan, device, data_axes, "data", "reduce_scatter", scatters, scattered_b // max(1, scatters))]
+    comms = [comm_over(plan, device, data_axes, "data", "all_gather", gathers, gathered_b // max(1, gathers)),
+             comm_over(plan, device, data_axes, "data", "reduce_scatter", scatters, scattered_b // max(1, scatters))]
     comms += hsdp_replica_comm(plan, device, scatters, scattered_b // max(1, scatters))
     events = gathers + scatters
     rest = tuple(a for a in plan.roles.replicas if a not in plan.roles.expert)
-    if params.experts and _expert_shards(plan, params) > 1:
+    if params.experts and expert_shards(plan, params) > 1:
         # each moe layer's experts, a unit of their own over the ZeRO axes replicating them
         shard = tuple(a for a in data_axes if a not in plan.roles.expert)
         per_unit = params.experts // max(1, sum(part.expert_layers for part in params.stages))
-        comms.append(_comm(plan, device, shard, "data", "all_gather", e_gathers, w * per_unit))
-        comms.append(_comm(plan, device, shard, "data", "reduce_scatter", e_scatters, reduce_w * per_unit))
+        comms.append(comm_over(plan, device, shard, "data", "all_gather", e_gathers, w * per_unit))
+        comms.append(comm_over(plan, device, shard, "data", "reduce_scatter", e_scatters, reduce_w * per_unit))
         events += e_gathers + e_scatters
     elif params.experts and rest:
         # the experts FSDP2 leaves out: all-reduced over the batch axes that replicate them
-        comms.append(_comm(plan, device, rest, "data", "all_reduce", 1, reduce_w * params.experts))
+        comms.append(comm_over(plan, device, rest, "data", "all_reduce", 1, reduce_w * params.experts))
     return comms, events
 
 
@@ -333,15 +333,15 @@ def _zero_comms(setup: Setup, params: Params, data_axes: tuple[str, ...], reduce
     """ZeRO 1 without master weights: gradients reduce-scattered to their owners, updated weights
     all-gathered back."""
     plan, device, dense = setup.plan, setup.device, params.dense
-    comms = [_comm(plan, device, data_axes, "data", "reduce_scatter", 1, reduce_w * dense)]
+    comms = [comm_over(plan, device, data_axes, "data", "reduce_scatter", 1, reduce_w * dense)]
     comms += hsdp_replica_comm(plan, device, 1, reduce_w * dense)
-    comms.append(_comm(plan, device, data_axes, "data", "all_gather", 1, reduce_w * dense))
+    comms.append(comm_over(plan, device, data_axes, "data", "all_gather", 1, reduce_w * dense))
     rest = tuple(a for a in plan.roles.replicas if a not in plan.roles.expert)
     if params.experts and rest:
         # the experts' gradients, reduced only over the batch axes that replicate them;
         # their ZeRO shards' updates gathered back within the ranks holding the same experts
-        comms.append(_comm(plan, device, rest, "data", "all_reduce", 1, reduce_w * params.experts))
+        comms.append(comm_over(plan, device, rest, "data", "all_reduce", 1, reduce_w * params.experts))
         shard = tuple(a for a in data_axes if a not in plan.roles.expert)
         if shard:
-            comms.append(_comm(plan, device, shard, "data", "all_gather", 1, reduce_w * params.experts))
+            comms.append(comm_over(plan, device, shard, "data", "all_gather", 1, reduce_w * params.experts))
     return comms

@@ -163,7 +163,7 @@ def kv_gather_bytes_per_layer(plan: PlanIR) -> int:
     return 0
 
 
-def _bubble_formula(plan: PlanIR, bubble: float) -> str:
+def bubble_formula(plan: PlanIR, bubble: float) -> str:
     """How `plan report` explains the bubble: the closed form, and where torch's order (which the
     number comes from) differs from it, the closed form's value as the reference."""
     p, m, v = plan.pipeline_size, plan.microbatches, plan.virtual

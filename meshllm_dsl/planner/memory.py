@@ -20,19 +20,19 @@ from meshllm_dsl.planner.rank import (
     Setup,
     StagePart,
     States,
-    _expert_shards,
-    _local_kv_heads,
-    _recomputes_core,
-    _running,
+    expert_shards,
+    local_kv_heads,
+    recomputes_core,
+    running_units,
 )
 from meshllm_dsl.planner.recompute import BLOCKWISE, kept_bytes, recomputed_copies, recomputed_in
 from meshllm_dsl.planner.schedule import rank_moments
 from meshllm_dsl.planner.units import (
-    _leaf_tensors,
-    _stage_output_bytes,
     backward_rise,
     expert_split_params,
+    leaf_tensors,
     local_numel,
+    stage_output_bytes,
     unit_activation_bytes,
     unit_backward_bytes,
     unit_local_params,
@@ -59,7 +59,7 @@ def parameters(setup: Setup, rank: Rank) -> Rank:
                 block_params[hu.prefix] = block_params.get(hu.prefix, 0) + lo
             else:
                 root += lo * hu.count
-            tensors += _leaf_tensors(hu) * hu.count
+            tensors += leaf_tensors(hu) * hu.count
             if hu.tied_copy:
                 continue
             experts += hu.count * split
@@ -79,12 +79,12 @@ def kv_cache(setup: Setup, rank: Rank) -> Rank:
     plan = setup.plan
     batch = plan.batch // plan.data_size
     total = 0
-    for hu in _running(rank):
+    for hu in running_units(rank):
         record = primitives.of(hu.unit)
         if record.caches_kv:
             # a sliding-window layer caches at most its window (primitives' cached_positions)
             positions = sum(record.cached_positions(hu.unit, i, plan.seq) for i in hu.indices or (0,))
-            total += ((positions if hu.indices else hu.count * positions) * 2 * _local_kv_heads(plan, hu)
+            total += ((positions if hu.indices else hu.count * positions) * 2 * local_kv_heads(plan, hu)
                       * int(hu.unit.attr("head_dim")) * batch * setup.dtype_bytes)  # type: ignore[arg-type]
     return attrs.evolve(rank, kv_cache=total)
 
@@ -133,7 +133,7 @@ def _kept_for_backward(setup: Setup, hu: HeldUnit, rebuilt: dict[str, int]) -> i
         rebuilt[hu.prefix] = rebuilt.get(hu.prefix, 0) + saved
         kept = kept_bytes(plan, hu, tokens, seq, micro, flash)
         return (rc * kept + (hu.count - rc) * saved) // hu.count
-    if _recomputes_core(plan, hu):
+    if recomputes_core(plan, hu):
         core = attention_core_bytes(plan, hu, tokens, seq, micro, flash)
         rebuilt[hu.prefix] = max(rebuilt.get(hu.prefix, 0), core)
         return saved - core
@@ -163,10 +163,10 @@ def _fsdp_states(setup: Setup, params: Params) -> States:
     plan, w, master = setup.plan, setup.dtype_bytes, setup.master_bytes
     dense, expert_local = params.dense, params.experts
     gather = fsdp_gather_bytes(plan.zero, w, dense, params.root, params.largest_block)
-    if _expert_shards(plan, params) > 1:
+    if expert_shards(plan, params) > 1:
         # Each moe layer's experts are an FSDP2 unit over the ZeRO axes that replicate them
         # (runtime/parallel/fsdp.py): sharded there, gathered in the compute dtype like a block.
-        experts_b = fsdp_per_device(expert_local, _expert_shards(plan, params), master)
+        experts_b = fsdp_per_device(expert_local, expert_shards(plan, params), master)
         gather += fsdp_gather_bytes(plan.zero, w, expert_local, 0, params.largest_expert_layer)
     else:
         # Split over every ZeRO axis, no rank of them holds another's experts: FSDP2 leaves
@@ -218,7 +218,7 @@ def peak(setup: Setup, rank: Rank) -> Rank:
     chunks = max(1, len(rank.stages))
     # torch.distributed.pipelining keeps each in-flight forward's output (the residual stream,
     # or the logits on the last stage) until that microbatch's backward.
-    stage_kept = [_stage_output_bytes(plan, s, setup.tokens) if p_size > 1 else 0 for s in rank.stages]
+    stage_kept = [stage_output_bytes(plan, s, setup.tokens) if p_size > 1 else 0 for s in rank.stages]
     stage_act = list(saved.per_stage)
     if p_size <= 1:  # no pipeline: the stages' activations all belong to the one microbatch running
         stage_act, stage_kept = [saved.per_microbatch // chunks], [sum(stage_kept) // chunks]

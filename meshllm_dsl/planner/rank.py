@@ -190,24 +190,24 @@ def rank_drafts(setup: Setup) -> Iterator[Rank]:
         yield Rank(c, rank_sets[c], stages, tuple(tuple(held_units(plan, s)) for s in stages))
 
 
-def _running(rank: Rank) -> Iterator[HeldUnit]:
+def running_units(rank: Rank) -> Iterator[HeldUnit]:
     """The units the rank runs, in forward order: a tied copy is a copy of weights, with no
     activations or collectives of its own."""
     return (hu for units in rank.units for hu in units if not hu.tied_copy)
 
 
-def _recomputes_core(plan: PlanIR, hu: HeldUnit) -> bool:
+def recomputes_core(plan: PlanIR, hu: HeldUnit) -> bool:
     """`recompute = attention`: backward reruns the core of this block unit (none at the top level)."""
     return bool(hu.prefix) and plan.recompute == "attention" and primitives.of(hu.unit).recomputed_core
 
 
-def _local_kv_heads(plan: PlanIR, hu: HeldUnit) -> int:
+def local_kv_heads(plan: PlanIR, hu: HeldUnit) -> int:
     """The key / value heads of an attention unit on one device."""
     kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
     return int(hu.unit.attr("kv_heads")) // axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
 
 
-def _expert_shards(plan: PlanIR, params: Params) -> int:
+def expert_shards(plan: PlanIR, params: Params) -> int:
     """ZeRO ranks holding the same experts (the ZeRO axes that do not split them)."""
     return plan.expert_zero_size if params.experts else 1
 

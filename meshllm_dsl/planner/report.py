@@ -13,9 +13,9 @@ import attrs
 from meshllm_dsl.ir import DTYPES, PlanIR
 from meshllm_dsl.parallel.costs import MFU
 from meshllm_dsl.parallel.placements import runs_fsdp
-from meshllm_dsl.planner.comm import EXPERT_WIRE, _comm, expert_all_to_all
+from meshllm_dsl.planner.comm import EXPERT_WIRE, comm_over, expert_all_to_all
 from meshllm_dsl.planner.formatting import GB, GIB, fmt_bytes, fmt_count, fmt_seconds, table_text
-from meshllm_dsl.planner.formulas import _bubble_formula, kv_cache_bytes, kv_gather_bytes_per_layer
+from meshllm_dsl.planner.formulas import bubble_formula, kv_cache_bytes, kv_gather_bytes_per_layer
 from meshllm_dsl.planner.held import held_units
 from meshllm_dsl.planner.recompute import recomputed_text
 from meshllm_dsl.planner.records import PlanReport
@@ -37,7 +37,7 @@ def expert_layer_comm(rep: PlanReport) -> dict[str, Any] | None:
                 continue
             axes, size = a2a
             (op, *_), calls = EXPERT_WIRE, len(EXPERT_WIRE)
-            one = _comm(plan, rep.device, axes, "expert", op, 1, size)
+            one = comm_over(plan, rep.device, axes, "expert", op, 1, size)
             return {"axes": list(axes), "ranks": plan.mesh.size(*axes), "payload_bytes": size,
                     "wire_bytes": one.wire_bytes, "seconds": one.seconds, "calls_per_step": calls,
                     "step_wire_bytes": calls * one.wire_bytes, "step_seconds": calls * one.seconds}
@@ -187,7 +187,7 @@ def _communication_lines(rep: PlanReport) -> list[str]:
 def _bubble_lines(rep: PlanReport) -> list[str]:
     """The pipeline bubble, with the formula it comes from."""
     plan = rep.plan
-    return ["", f"pipeline bubble: {rep.bubble:.1%}" + (_bubble_formula(plan, rep.bubble) if plan.pipeline_size > 1 else " (no pipeline)")]
+    return ["", f"pipeline bubble: {rep.bubble:.1%}" + (bubble_formula(plan, rep.bubble) if plan.pipeline_size > 1 else " (no pipeline)")]
 
 
 def _step_time_lines(rep: PlanReport) -> list[str]:

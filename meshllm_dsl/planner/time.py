@@ -16,7 +16,7 @@ from meshllm_dsl.parallel.collectives import spec
 from meshllm_dsl.parallel.costs import HeldUnit, Work, matmul_seconds
 from meshllm_dsl.parallel.devices import DeviceProfile
 from meshllm_dsl.parallel.placements import runs_fsdp
-from meshllm_dsl.planner.rank import Rank, Setup, Time, _recomputes_core, _running
+from meshllm_dsl.planner.rank import Rank, Setup, Time, recomputes_core, running_units
 from meshllm_dsl.planner.recompute import recomputed_copies, rerun_seconds
 from meshllm_dsl.planner.records import RankClass, StepTime
 from meshllm_dsl.planner.schedule import schedule_cost
@@ -203,7 +203,7 @@ def _forward_time(setup: Setup, rank: Rank) -> tuple[float, float, int, int]:
                                                setup.micro_batch, setup.flash_attention)
     forward_s = rerun_s = 0.0
     kernels = rerun_kernels = 0
-    for hu in _running(rank):
+    for hu in running_units(rank):
         unit_kernels_n = unit_kernels(plan, hu)
         kernels += unit_kernels_n * hu.count
         unit_time = unit_forward_time(plan, device, hu, tokens, seq, micro, flash)
@@ -212,7 +212,7 @@ def _forward_time(setup: Setup, rank: Rank) -> tuple[float, float, int, int]:
         if rc:
             rerun_s += rc * rerun_seconds(plan, device, hu, unit_time.forward_s, tokens, seq, micro, flash)
             rerun_kernels += round(FORWARD_KERNEL_SHARE * unit_kernels_n) * rc
-        elif _recomputes_core(plan, hu):
+        elif recomputes_core(plan, hu):
             rerun_s += hu.count * unit_time.core_s
             rerun_kernels += KERNELS["attention_core"] // 2 * hu.count  # the core's forward again
     return forward_s, rerun_s, kernels, rerun_kernels

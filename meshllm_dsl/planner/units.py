@@ -151,7 +151,7 @@ def backward_rise(walk: list[tuple[str, int, int, int, int]], first: bool = Fals
 
 
 
-def _stage_output_bytes(plan: PlanIR, stage: Stage, tokens: int) -> int:
+def stage_output_bytes(plan: PlanIR, stage: Stage, tokens: int) -> int:
     """One microbatch of a stage's output: the residual stream, or the last stage's logits."""
     e = DTYPES[plan.dtype]
     if stage.index < len(plan.stages) - 1:
@@ -164,7 +164,7 @@ def _stage_output_bytes(plan: PlanIR, stage: Stage, tokens: int) -> int:
     return e * tokens * hidden_width(plan)
 
 
-def _leaf_tensors(hu: HeldUnit) -> int:
+def leaf_tensors(hu: HeldUnit) -> int:
     return sum(len(leaf.params) for leaf in hu.unit.leaves)
 
 
@@ -182,7 +182,7 @@ def hidden_width(plan: PlanIR) -> int:
     return int(emb.attr("dim")) if emb is not None else 0  # type: ignore[arg-type]
 
 
-def _tied_sync_numel(plan: PlanIR, stages: list[Stage]) -> int:
+def tied_sync_numel(plan: PlanIR, stages: list[Stage]) -> int:
     """Local parameters of tied weights held on two stages: their gradients are summed once per step."""
     total = 0
     for s in stages:

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from meshllm_dsl.codes import W0801, W0802, W0803, W0804, W0805, W0806
 from meshllm_dsl.diagnostics import Diagnostic, Label
 from meshllm_dsl.parallel.costs import MFU
-from meshllm_dsl.planner.comm import _crosses
+from meshllm_dsl.planner.comm import axes_cross_hosts
 from meshllm_dsl.planner.formatting import fmt_bytes, fmt_count, fmt_seconds
-from meshllm_dsl.planner.formulas import _bubble_formula
+from meshllm_dsl.planner.formulas import bubble_formula
 from meshllm_dsl.planner.records import PlanReport, RankClass, StepTime
 from meshllm_dsl.planner.spans import find_word, header_span
 
@@ -104,7 +104,7 @@ def _network_tensor_warnings(report: PlanReport) -> list[Diagnostic]:
     """W0804: a tensor axis runs over the inter-host link, with its cost."""
     plan, dev, out = report.plan, report.device, []
     for axis, comm_s in _tensor_comm_by_axis(report).items():
-        if _crosses(plan.mesh, (axis,)):
+        if axes_cross_hosts(plan.mesh, (axis,)):
             intra = comm_s * dev.inter_gbps / dev.intra_gbps
             ax = plan.mesh.axis(axis)
             out.append(Diagnostic(
@@ -128,7 +128,7 @@ def _bubble_warnings(report: PlanReport) -> list[Diagnostic]:
         label=f"{m} microbatches over {p} stages",
         help=f"raise microbatches to about {need} or more (batch permitting) for a bubble near 10%"
         + ("" if plan.schedule == "interleaved_1f1b" else ", or interleave: `stages over ... virtual 2` with `schedule interleaved_1f1b`"),
-        note=f"bubble = {report.bubble:.3f}" + _bubble_formula(plan, report.bubble))]
+        note=f"bubble = {report.bubble:.3f}" + bubble_formula(plan, report.bubble))]
 
 
 def _imbalance_warnings(report: PlanReport) -> list[Diagnostic]:
