@@ -108,7 +108,8 @@ def main() -> None:
     ap.add_argument("--only", help="run the cases whose name contains this")
     args = ap.parse_args()
 
-    from meshllm_dsl.planner.analyze import analyze, fmt_bytes
+    from meshllm_dsl.planner.analyze import analyze
+    from meshllm_dsl.planner.formatting import fmt_bytes
     from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
     rows = []

@@ -79,7 +79,9 @@ def _job(ctx: Any, path: str) -> dict[str, int]:
 
 
 def main() -> None:
-    from meshllm_dsl.planner.analyze import analyze, fmt_bytes, kv_gather_bytes_per_layer
+    from meshllm_dsl.planner.analyze import analyze
+    from meshllm_dsl.planner.formatting import fmt_bytes
+    from meshllm_dsl.planner.formulas import kv_gather_bytes_per_layer
     from meshllm_dsl.runtime.jobs.pool import WorkerPool
 
     rows = [("plan", "plan saved/mb", "measured", "ratio", "plan kv/layer", "measured", "gathers")]

@@ -67,13 +67,9 @@ def _print_diags(diags: list[Diagnostic]) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from meshllm_dsl.planner.analyze import (
-        analyze,
-        plan_warnings,
-        report_json,
-        report_text,
-        resolve_device,
-    )
+    from meshllm_dsl.planner.analyze import analyze, resolve_device
+    from meshllm_dsl.planner.report import report_json, report_text
+    from meshllm_dsl.planner.warnings import plan_warnings
 
     loaded = load_checked(_existing(args.file))
     if not loaded.ok:

@@ -94,7 +94,7 @@ def _occ(a: Document, occ: Occ) -> str | None:
         if model is None:
             return f"model `{rest[0]}` (does not resolve; see its diagnostics)"
         w = DTYPES.get(model.dtype, 2)
-        from meshllm_dsl.planner.analyze import fmt_count
+        from meshllm_dsl.planner.formatting import fmt_count
 
         lines = [f"**model `{model.name}`**: {model.numel:,} parameters ({fmt_count(model.numel)})",
                  f"{model.dtype} weights: {model.numel * w / GB:.2f} GB = {model.numel * w / GIB:.2f} GiB"]
@@ -266,7 +266,8 @@ def _seq_entry(a: Document, name: str) -> str:
               f"[b, {s}, hidden] between the tensor-parallel sublayers")
         if n == 1:
             return sp
-    from meshllm_dsl.planner.analyze import fmt_bytes, kv_gather_bytes_per_layer
+    from meshllm_dsl.planner.formatting import fmt_bytes
+    from meshllm_dsl.planner.formulas import kv_gather_bytes_per_layer
 
     axes = " x ".join(plan.roles.context)
     cp = (f"**context parallelism** over {axes} ({n}): each rank holds chunks i and {2 * n - 1} - i of {2 * n} of "
@@ -282,7 +283,8 @@ def _plan(a: Document, name: str) -> str:
         return f"plan `{name}` (has errors; see its diagnostics)"
     try:
         from meshllm_dsl.parallel.devices import declared_profiles
-        from meshllm_dsl.planner.analyze import analyze, fmt_bytes, resolve_device
+        from meshllm_dsl.planner.analyze import analyze, resolve_device
+        from meshllm_dsl.planner.formatting import fmt_bytes
 
         devices, _ = declared_profiles(a.sem_decls.user(ast.DeviceDecl))
         device, assumed = resolve_device(plan, devices)

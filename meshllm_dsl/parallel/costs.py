@@ -3,7 +3,7 @@
 
 A held unit (HeldUnit: a unit a stage holds, with its leaves' placements), its shard sizes, the
 matrix products its linear layers run (Matmul, Work) and each product's roofline on a device. The
-planner (meshllm_dsl/planner/analyze.py) adds up what the kinds charge; nothing here knows a layer
+planner (meshllm_dsl/planner/memory.py, comm.py, time.py: analyze.py's STEPS) adds up what the kinds charge; nothing here knows a layer
 kind, so the kinds' modules import this one and never the planner.
 """
 

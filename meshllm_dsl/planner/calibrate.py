@@ -222,7 +222,7 @@ def _job(ctx: Any) -> dict[str, float]:
 
 def _host_costs(runs: dict[str, list[dict[str, float]]]) -> dict[str, float]:
     """`kernel`, `collective_cpu`, `stage_cpu` and `fsdp_cpu` (us) from the calibration plans' runs:
-    what the planner's host-time model (planner.analyze) needs to reproduce each run's CPU time."""
+    what the planner's host-time model (planner/time.py) needs to reproduce each run's CPU time."""
     bases = [runs[k] for k in ("base", "base_gpt2") if k in runs]
     base = [r for runs_ in bases for r in runs_]
     calls = sum(r["calls"] for r in base)

@@ -1,6 +1,6 @@
 """What a pipeline stage holds: its units, each with the blocks it stands for and their placements.
 
-Below analyze.py and moe.py, which both walk it.
+Below the analysis (rank.py, report.py) and moe.py, which all walk it.
 """
 
 from __future__ import annotations

@@ -23,14 +23,13 @@ import attrs
 
 from meshllm_dsl import primitives
 from meshllm_dsl.ir import DTYPES, Repeat
-from meshllm_dsl.parallel.costs import matmul_seconds
+from meshllm_dsl.parallel.costs import FP32, matmul_seconds
 
 if TYPE_CHECKING:
     from meshllm_dsl.ir import PlanIR, Stage
     from meshllm_dsl.parallel.costs import HeldUnit, Matmul
     from meshllm_dsl.parallel.devices import DeviceProfile
 
-FP32 = 4
 BLOCKWISE = ("blocks", "ops")  # the modes that wrap whole blocks (and so take `every N`)
 
 

@@ -1,6 +1,7 @@
 """What the planner reports of a plan (planner.analyze): per rank class (pipeline coordinate) what
 each device holds and the collectives it runs, the step's time by part, and the whole report with
-its peaks, fit and MFU. Records only: analyze.py computes them, the views print them."""
+its peaks, fit and MFU. Records only: the analysis computes them (planner/analyze.py's STEPS, in
+memory.py, comm.py and time.py), report.py and the views print them."""
 
 from __future__ import annotations
 

@@ -30,8 +30,11 @@ from meshllm_dsl.front import ast
 from meshllm_dsl.front.load import load
 from meshllm_dsl.front.names import divisors
 from meshllm_dsl.ir import ModelIR, PlanIR, Repeat
+from meshllm_dsl.parallel.costs import MFU
 from meshllm_dsl.parallel.devices import DeviceProfile
-from meshllm_dsl.planner.analyze import MFU, PlanReport, analyze, fmt_bytes, fmt_seconds
+from meshllm_dsl.planner.analyze import analyze
+from meshllm_dsl.planner.formatting import fmt_bytes, fmt_seconds
+from meshllm_dsl.planner.records import PlanReport
 from meshllm_dsl.planner.schedule import schedule_cost
 from meshllm_dsl.progress import StatusLine
 

@@ -125,7 +125,7 @@ class Primitive:
         return seq
 
     # -- costs, per copy of the unit and microbatch (meshllm_dsl/parallel/costs.py holds the helpers they
-    # use; meshllm_dsl/planner/analyze.py adds them up)
+    # use; the planner's steps, meshllm_dsl/planner/memory.py and time.py, add them up)
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         """Bytes it keeps for backward (`local`: the tokens of a sequence-sharded stream)."""

@@ -25,7 +25,8 @@ from meshllm_dsl.parallel.collectives import spec
 from meshllm_dsl.parallel.dtensor import Layout, activation_dims, dtensor_placements, dtensor_text
 from meshllm_dsl.parallel.layouts import seq_partial_grad
 from meshllm_dsl.parallel.placements import activation_layout, fsdp_axes, spmd_mesh
-from meshllm_dsl.planner.analyze import _ranges, stage_label, table_text
+from meshllm_dsl.planner.formatting import table_text
+from meshllm_dsl.planner.units import _ranges, stage_label
 
 
 def shard_axes(plan: PlanIR) -> tuple[str, ...]:

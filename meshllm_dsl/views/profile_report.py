@@ -14,7 +14,9 @@ from typing import Any
 
 from meshllm_dsl.ir import PlanIR
 from meshllm_dsl.parallel.devices import uncalibrated
-from meshllm_dsl.planner.analyze import PlanReport, analyze, fmt_bytes, fmt_seconds
+from meshllm_dsl.planner.analyze import analyze
+from meshllm_dsl.planner.formatting import fmt_bytes, fmt_seconds
+from meshllm_dsl.planner.records import PlanReport
 
 # Said where the times are planned with the built-in `cpu` profile's defaults (another machine's).
 UNCALIBRATED = ("note: the cpu profile is not calibrated for this machine: run `meshc calibrate --device cpu -o devices.mesh` "

@@ -17,7 +17,7 @@ from html import escape
 import attrs
 
 from meshllm_dsl.ir import PlanIR
-from meshllm_dsl.planner.analyze import bubble_fraction
+from meshllm_dsl.planner.formulas import bubble_fraction
 from meshllm_dsl.planner.schedule import BACKWARD_COST, FORWARD_COST, rank_order, schedule_cost
 from meshllm_dsl.views.explain import rank_rows, shard_axes
 
@@ -134,7 +134,7 @@ def mesh_svg(plan: PlanIR) -> str:
                     out.append(_text(x + cw / 2, y + 17 + 16 * k, text, size, weight=weight, fill=fill))
     ly = top + lines_of_panels * (panel_h + 12) + 8
     out.append(_text(10, ly + 12, "stages", 12, "start", "bold"))
-    from meshllm_dsl.planner.analyze import stage_label
+    from meshllm_dsl.planner.units import stage_label
 
     for i, s in enumerate(plan.stages):
         x = 10 + (i % 2) * (width // 2)

@@ -11,7 +11,8 @@ from meshllm_dsl.checker import check_file, check_text
 from meshllm_dsl.ir import Axis, MeshIR
 from meshllm_dsl.parallel.devices import PROFILES
 from meshllm_dsl.parallel.roles import ParallelRoles
-from meshllm_dsl.planner.analyze import analyze, report_json
+from meshllm_dsl.planner.analyze import analyze
+from meshllm_dsl.planner.report import report_json
 
 R = ParallelRoles
 DATA_PIPE_TP = dict(pipeline="pipeline", batch=("data",), tensor=("tensor",), loss=("tensor",))

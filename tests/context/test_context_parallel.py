@@ -245,7 +245,8 @@ def _report(axes: str, body: str, seq: int = 64, model: str = LLAMA) -> Any:
 
 
 def test_planner_divides_activations_by_the_context_size_and_counts_the_kv_gathers() -> None:
-    from meshllm_dsl.planner.analyze import kv_gather_bytes_per_layer, report_text
+    from meshllm_dsl.planner.formulas import kv_gather_bytes_per_layer
+    from meshllm_dsl.planner.report import report_text
 
     one = _report("cp = 1", "    layout { seq -> cp }")
     four = _report("cp = 4", "    layout { seq -> cp }")

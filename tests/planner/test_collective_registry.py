@@ -28,7 +28,8 @@ from meshllm_dsl.parallel.collectives import (
     spec,
 )
 from meshllm_dsl.parallel.devices import PROFILES
-from meshllm_dsl.planner.analyze import analyze, report_json
+from meshllm_dsl.planner.analyze import analyze
+from meshllm_dsl.planner.report import report_json
 from meshllm_dsl.views import explain
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,9 +7,11 @@ import attrs
 import pytest
 
 from meshllm_dsl.checker import check_text
-from meshllm_dsl.parallel.costs import Matmul
+from meshllm_dsl.parallel.costs import Matmul, matmul_seconds
 from meshllm_dsl.parallel.devices import PROFILES
-from meshllm_dsl.planner.analyze import ELEMENTWISE_PASSES, _link, analyze, matmul_seconds
+from meshllm_dsl.planner.analyze import analyze
+from meshllm_dsl.planner.comm import _link
+from meshllm_dsl.planner.time import ELEMENTWISE_PASSES
 
 EMBED_ALONE = """
 mesh m { axes pipeline = 3

@@ -10,16 +10,16 @@ import pytest
 from meshllm_dsl.checker import check_file, check_text
 from meshllm_dsl.ir import PlanIR
 from meshllm_dsl.parallel.devices import PROFILES
-from meshllm_dsl.planner.analyze import (
-    analyze,
+from meshllm_dsl.planner.analyze import analyze
+from meshllm_dsl.planner.formulas import (
     bubble_fraction,
     kv_bytes_per_token,
     optimizer_bytes_per_param,
-    plan_warnings,
-    report_text,
     zero_per_device,
 )
+from meshllm_dsl.planner.report import report_text
 from meshllm_dsl.planner.schedule import rank_moments
+from meshllm_dsl.planner.warnings import plan_warnings
 from meshllm_dsl.views.svg import simulated_idle
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -284,7 +284,7 @@ def test_texts_name_only_what_the_plan_has() -> None:
     """W0803's help names the collectives the step has (a data-parallel plan is not told to use fewer
     tensor-parallel devices), and parameters ZeRO 3 shards are not called whole copies."""
     from meshllm_dsl.checker import check_text
-    from meshllm_dsl.planner.analyze import report_text
+    from meshllm_dsl.planner.report import report_text
 
     text = """
 mesh dp {

@@ -28,13 +28,10 @@ from pathlib import Path
 import pytest
 
 from meshllm_dsl.cli.plan import load_checked
-from meshllm_dsl.planner.analyze import (
-    GIB,
-    PlanReport,
-    analyze,
-    model_flops_per_token,
-    resolve_device,
-)
+from meshllm_dsl.planner.analyze import analyze, resolve_device
+from meshllm_dsl.planner.formatting import GIB
+from meshllm_dsl.planner.records import PlanReport
+from meshllm_dsl.planner.time import model_flops_per_token
 
 HERE = Path(__file__).resolve().parent / "published"
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from meshllm_dsl.planner.analyze import bubble_fraction
+from meshllm_dsl.planner.formulas import bubble_fraction
 from meshllm_dsl.planner.schedule import rank_order, schedule_cost
 
 torch = pytest.importorskip("torch")
@@ -172,7 +172,8 @@ def test_planner_activations_are_held_counts_times_each_chunks_bytes() -> None:
 
 def test_interleaved_plan_prints_the_orders_bubble_and_the_closed_form() -> None:
     from meshllm_dsl.checker import check_text
-    from meshllm_dsl.planner.analyze import analyze, report_text
+    from meshllm_dsl.planner.analyze import analyze
+    from meshllm_dsl.planner.report import report_text
 
     result = check_text("""
 mesh m {
@@ -199,7 +200,7 @@ plan p on m for l {
 
 
 def test_fsdp_stage_actions_are_torchs_interleaved_rounds() -> None:
-    from meshllm_dsl.planner.analyze import stage_actions
+    from meshllm_dsl.planner.formulas import stage_actions
 
     # What FSDP2's gathers are counted over. Pipeline 2 x virtual 2, 4 microbatches: stage 2 (rank
     # 0's second chunk) runs a round of two forwards, then their backwards; 1F1B over the 4 virtual

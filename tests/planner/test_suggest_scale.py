@@ -15,7 +15,7 @@ import pytest
 from meshllm_dsl.cli.main import main
 from meshllm_dsl.parallel.devices import PROFILES
 from meshllm_dsl.planner import suggest as planner_suggest
-from meshllm_dsl.planner.analyze import PlanReport
+from meshllm_dsl.planner.records import PlanReport
 from meshllm_dsl.planner.suggest import (
     DEFAULT_HEADROOM,
     bubble_scale,

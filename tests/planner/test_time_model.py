@@ -16,7 +16,9 @@ from reference_jobs import profile_job
 from meshllm_dsl.checker import check_file, check_text
 from meshllm_dsl.cli.plan import load_checked
 from meshllm_dsl.parallel.devices import PROFILES
-from meshllm_dsl.planner.analyze import KERNELS, analyze, held_units, resolve_device, unit_kernels
+from meshllm_dsl.planner.analyze import analyze, resolve_device
+from meshllm_dsl.planner.held import held_units
+from meshllm_dsl.planner.time import KERNELS, unit_kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -100,7 +102,7 @@ def test_step_kernels_add_the_per_tensor_work() -> None:
     rc = analyze(plan, PROFILES["cpu"]).ranks[0]
     per_mb = sum(unit_kernels(plan, hu) * hu.count for st in plan.stages for hu in held_units(plan, st))
     tensors = 1 + 2 * 9 + 2  # embed, 9 per block, final norm and head
-    from meshllm_dsl.planner.analyze import KERNELS_ADAMW, KERNELS_STEP, KERNELS_ZERO_GRAD
+    from meshllm_dsl.planner.time import KERNELS_ADAMW, KERNELS_STEP, KERNELS_ZERO_GRAD
 
     # zero_grad and fused AdamW per tensor, no data sync
     assert rc.kernels == 2 * per_mb + KERNELS_STEP + tensors * (KERNELS_ZERO_GRAD + KERNELS_ADAMW) == 2 * per_mb + 20 + tensors * 2
@@ -147,7 +149,7 @@ def test_ranks_time_sharing_cores_bound_the_step(tmp_path: Path) -> None:
 
 
 def test_host_terms_in_the_report(tmp_path: Path) -> None:
-    from meshllm_dsl.planner.analyze import report_json, report_text
+    from meshllm_dsl.planner.report import report_json, report_text
 
     plan, dev = _loaded(tmp_path, CPU)
     rep = analyze(plan, dev)
@@ -180,7 +182,7 @@ def test_planned_kernels_match_the_runtime(name: str, pool, tmp_path: Path) -> N
 
 
 def test_recomputation_launches_the_forward_kernels_again() -> None:
-    from meshllm_dsl.planner.analyze import FORWARD_KERNEL_SHARE
+    from meshllm_dsl.planner.time import FORWARD_KERNEL_SHARE
 
     base = analyze(_plan(SINGLE), PROFILES["cpu"]).ranks[0].kernels
     blocks_plan = _plan(SINGLE.replace("microbatches = 2", "microbatches = 2\n    recompute = blocks"))
@@ -230,7 +232,7 @@ def test_planned_fsdp_collectives_match_the_runtime(zero: int, schedule: str | N
 
 
 def test_schedule_actions_and_fsdp_counts() -> None:
-    from meshllm_dsl.planner.analyze import fsdp_unit_collectives, stage_actions
+    from meshllm_dsl.planner.formulas import fsdp_unit_collectives, stage_actions
 
     assert stage_actions("gpipe", 2, 0, 2) == "FFBB"
     assert stage_actions("1f1b", 2, 0, 4) == "FFBFBFBB"  # torch's Schedule1F1B: p - i forwards first
@@ -267,7 +269,7 @@ def test_framework_host_time_enters_compute(tmp_path: Path) -> None:
 def test_fsdp_collectives_overlap_compute_on_gpus_only(tmp_path: Path) -> None:
     """On a GPU, FSDP2's per-unit collectives run beside the compute: only their excess is on the
     critical path. Host-bound ranks and ZeRO-1's post-backward collectives overlap nothing."""
-    from meshllm_dsl.planner.analyze import exposed_data_seconds
+    from meshllm_dsl.planner.time import exposed_data_seconds
 
     text = FSDP.format(axes="data = 2", m=2, zero=3, pipeline="")
     plan = _plan(text)

@@ -53,7 +53,8 @@ def _plan(window: int) -> object:
 
 
 def test_planner_kv_cache_holds_the_window_only() -> None:
-    from meshllm_dsl.planner.analyze import analyze, kv_cache_bytes
+    from meshllm_dsl.planner.analyze import analyze
+    from meshllm_dsl.planner.formulas import kv_cache_bytes
 
     windowed, full = _plan(WINDOW), _plan(0)
     per_position = 4 * 2 * 2 * 8 * 4  # layers x (k, v) x kv heads x head_dim x fp32
