@@ -8,6 +8,7 @@ torch-free and import nothing of the compiler, so the runtime reads the same rec
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 
@@ -33,6 +34,27 @@ class CheckpointNames:
     norm: str  # the norm kind of its blocks and the final norm
     act: str | None  # the mlp activation it needs (None: any the checkpoint's config names)
     norm_offset: float = 0.0  # an RMSNorm that scales by (1 + weight) has 1.0
+
+
+# A config.json field checked against a model: (field, the config's value, ours, our name for it)
+Want = tuple[str, Any, Any, str]
+
+
+@attrs.frozen
+class ExpertNames:
+    """A mixture-of-experts checkpoint layout (runtime/hf/moe.py reads it): the block's MoE module,
+    per parameter of ours its name inside it (``{e}``: the expert's number), the moe settings it
+    fits, and its config.json's expert fields."""
+
+    module: str
+    names: Mapping[str, str]  # ours -> theirs ({e}: the expert)
+    weights_fp32: bool  # the router's weights are computed in fp32
+    renormalised: bool | None  # the norm_topk_prob it needs (None: either)
+    fits: str  # the settings it fits, for messages
+    # a moe layer's settings -> the expert fields its config.json has, in order
+    write_config: Callable[[Mapping[str, Any]], dict[str, Any]]
+    # (its pack, the moe layer's settings, config.json, where, error) -> the expert fields to compare
+    check_config: Callable[[FamilyPack, Mapping[str, Any], Mapping[str, Any], str, type[Exception]], list[Want]]
 
 
 # (the .mesh family, its settings in order, the positions it was trained for)
@@ -72,3 +94,4 @@ class FamilyPack:
     built_in_settings: tuple[str, ...] = ()  # that attention's settings its family has built in
     experts_width_field: str | None = None  # Qwen-MoE: the experts' width (`ffn`) comes from this field
     shared_expert: bool = False  # Qwen2-MoE: a shared expert of `shared_expert_intermediate_size`
+    experts: ExpertNames | None = None  # its checkpoints' experts (runtime/hf/moe.py)
