@@ -14,6 +14,9 @@ import attrs
 
 from meshllm_dsl.families.config_fields import ConfigFields, Setting
 
+# A config.json field checked against a model: (field, the config's value, ours, our name for it)
+Want = tuple[str, Any, Any, str]
+
 
 @attrs.frozen
 class CheckpointNames:
@@ -34,10 +37,15 @@ class CheckpointNames:
     norm: str  # the norm kind of its blocks and the final norm
     act: str | None  # the mlp activation it needs (None: any the checkpoint's config names)
     norm_offset: float = 0.0  # an RMSNorm that scales by (1 + weight) has 1.0
-
-
-# A config.json field checked against a model: (field, the config's value, ours, our name for it)
-Want = tuple[str, Any, Any, str]
+    # A layout whose config.json is not Llama-shaped (runtime/hf/weights.py writes and checks those):
+    # (model, its layout, vocab, tied head, dtype name, positions) -> its config.json
+    write_config: Callable[..., dict[str, Any]] | None = None
+    # (model, its layout, vocab, config.json, where, error) -> None: checks a config.json wholly
+    check_config: Callable[..., None] | None = None
+    # (model, its layout, vocab, config.json, model_type, where, error) -> the fields the runtime
+    # compares with the model's, in place of the Llama-shaped ones
+    config_wants: Callable[..., list[Want]] | None = None
+    tied_by_default: bool = False  # a config.json without `tie_word_embeddings` ties the head
 
 
 @attrs.frozen

@@ -44,8 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from meshllm_dsl.families import PACKS
-from meshllm_dsl.families.gemma import check_gemma_config, gemma_config
+from meshllm_dsl.families import BY_MODEL_TYPE, PACKS
 from meshllm_dsl.families.pack import CheckpointNames, FamilyPack
 from meshllm_dsl.runtime.hf import fused as hf_fused
 from meshllm_dsl.runtime.hf import moe as hf_moe
@@ -418,6 +417,12 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- config.json
 
 
+def _pack_of(cfg: Mapping[str, Any]) -> FamilyPack | None:
+    """The pack of a config.json's `model_type`, if one has it."""
+    model_type = cfg.get("model_type")
+    return BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+
+
 def _rope(cfg: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
     """(rope_theta, scaling or None) from a config of transformers 4 (rope_theta / rope_scaling)
     or 5 (rope_parameters)."""
@@ -433,29 +438,10 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
     if scaling is not None:
         scaling.pop("rope_theta", None)
         scaling["rope_type"] = scaling.pop("type", scaling.get("rope_type"))
-        if cfg.get("model_type") == "phi3" and scaling["rope_type"] in ("su", "yarn"):
-            scaling["rope_type"] = "longrope"  # Phi3Config reads its older names as longrope
+        pack = _pack_of(cfg)
+        if pack is not None and pack.longrope_only and scaling["rope_type"] in ("su", "yarn"):
+            scaling["rope_type"] = "longrope"  # its config class reads the older names as longrope
     return (None if theta is None else float(theta)), scaling
-
-
-def _gpt2_config(model: Mapping[str, Any], lay: _Layout, vocab: int, tied: bool, dtype_name: str) -> dict[str, Any]:
-    """The config.json of a model of the gpt2 layout."""
-    attn, mlp = lay.attn, lay.mlp
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": vocab,
-        "n_embd": lay.hidden,
-        "n_layer": lay.count,
-        "n_head": int(attn["heads"]),
-        "n_positions": int(next(x for x in model["layers"] if x["kind"] == "positional")["num"]),
-        "n_inner": int(mlp["ffn"]),
-        "layer_norm_epsilon": float(lay.body[0]["eps"]),
-        "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
-                                "silu": "silu"}[mlp["act"]],
-        "tie_word_embeddings": tied,
-        "torch_dtype": dtype_name,
-    }
 
 
 def _llama_shaped_pack(model: Mapping[str, Any], lay: _Layout) -> FamilyPack:
@@ -503,10 +489,9 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
     vocab = padded_vocab(model)[1]
     tied = bool(lay.head.get("tie"))
     dtype_name = str(dtype).removeprefix("torch.")
-    if lay.arch == "gemma":
-        return gemma_config(attn, mlp, lay.norm, lay.head, vocab, lay.hidden, lay.count, dtype_name, seq)
-    if lay.arch == "gpt2":
-        return _gpt2_config(model, lay, vocab, tied, dtype_name)
+    write = _HF_NAMES[lay.arch].write_config
+    if write is not None:  # a layout whose config.json is its pack's
+        return write(model, lay, vocab, tied, dtype_name, seq)
     _refuse_olmo2_mismatch(model, lay)
     pack = _llama_shaped_pack(model, lay)
     rope, positions = _rope_config(attn, seq)
@@ -578,6 +563,9 @@ def _close(a: Any, b: Any) -> bool:
 _LLAMA_SHAPED = {p.model_type: p for p in PACKS if p.checkpoint.layout in ("llama", "olmo2") and p.attention is None}
 # The q / k norm of each (attention's qk_norm).
 _QK_NORM = {model_type: p.checkpoint_qk_norm for model_type, p in _LLAMA_SHAPED.items()}
+# The model types of the layouts whose config.json fields are their packs' (after the Llama-shaped ones
+# in messages).
+_OTHER_TYPES = ", ".join(p.model_type for p in PACKS if p.checkpoint.config_wants is not None)
 _Want = tuple[str, Any, Any, str]  # (config.json field, its value, the model's, what the model calls it)
 _Bad = Callable[[str, Any, Any, str], WeightsError]
 
@@ -597,41 +585,13 @@ def _check_model_type(model: Mapping[str, Any], lay: _Layout, model_type: Any, w
     """The model type names the checkpoint layout the model has (norms before or after the sublayers)."""
     name = model.get("name", "model")
     if model_type is None:
-        raise WeightsError(f"{where}: `model_type` is missing; expected one of {', '.join(_QK_NORM)}, gpt2")
+        raise WeightsError(f"{where}: `model_type` is missing; expected one of {', '.join(_QK_NORM)}, {_OTHER_TYPES}")
     if (model_type == "olmo2") != (lay.arch == "olmo2"):
         shape = ("OLMo 2 shaped (norms after the sublayers)" if lay.arch == "olmo2"
                  else "not OLMo 2 shaped (OLMo 2 has norms after the sublayers, none before)")
         raise WeightsError(f"{where}: `model_type` is {model_type!r}, but model `{name}` is {shape}")
     if lay.arch == "olmo2":
         _refuse_olmo2_mismatch(model, lay)
-
-
-def _gpt2_wants(model: Mapping[str, Any], lay: _Layout, cfg: Mapping[str, Any], model_type: Any,
-                where: str) -> list[_Want]:
-    """GPT-2's fields against the model's; refuses the attention variants the gpt2 family lacks."""
-    attn, mlp, name, vocab = lay.attn, lay.mlp, model.get("name", "model"), padded_vocab(model)[1]
-    if model_type != "gpt2":
-        raise WeightsError(f"{where}: model_type {model_type!r}, but model `{name}` is GPT-2 shaped")
-    inner = cfg.get("n_inner") or 4 * int(cfg.get("n_embd", 0))
-    wants = [
-        ("vocab_size", cfg.get("vocab_size"), vocab, "vocab"),
-        ("n_embd", cfg.get("n_embd"), lay.hidden, "hidden"),
-        ("n_layer", cfg.get("n_layer"), lay.count, "layers"),
-        ("n_head", cfg.get("n_head"), attn["heads"], "heads"),
-        ("n_inner", inner, mlp["ffn"], "ffn"),
-        ("layer_norm_epsilon", cfg.get("layer_norm_epsilon", 1e-5), lay.body[0]["eps"], "norm_eps"),
-    ]
-    given = cfg.get("activation_function", "gelu_new")
-    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
-           "relu": "relu", "silu": "silu"}.get(given, given)
-    wants.append(("activation_function", act, mlp["act"], "act"))
-    pos = next(x for x in model["layers"] if x["kind"] == "positional")
-    wants.append(("n_positions", cfg.get("n_positions"), pos["num"], "positions"))
-    for flag, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
-        if bool(cfg.get(flag, ok)) != ok:
-            raise WeightsError(f"{where}: `{flag}` = {cfg.get(flag)!r} changes the attention maths; "
-                               "meshllm's gpt2 family does not support it")
-    return wants
 
 
 def _llama_wants(model: Mapping[str, Any], lay: _Layout, cfg: Mapping[str, Any], model_type: Any,
@@ -641,7 +601,7 @@ def _llama_wants(model: Mapping[str, Any], lay: _Layout, cfg: Mapping[str, Any],
     attn, mlp, vocab = lay.attn, lay.mlp, padded_vocab(model)[1]
     if model_type not in _QK_NORM:
         raise WeightsError(
-            f"{where}: model_type {model_type!r} is not supported ({', '.join(_QK_NORM)}, gpt2)"
+            f"{where}: model_type {model_type!r} is not supported ({', '.join(_QK_NORM)}, {_OTHER_TYPES})"
         )
     pack = _LLAMA_SHAPED[model_type]
     theta, scaling = _rope(cfg)
@@ -706,23 +666,23 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
         cfg, moe_wants = hf_moe.as_attention_config(model, lay, cfg, where, WeightsError)
     model_type = cfg.get("model_type")
     name = model.get("name", "model")
-    if lay.arch == "gemma":
-        return check_gemma_config(lay.attn, lay.mlp, lay.norm, lay.head, padded_vocab(model)[1], lay.hidden,
-                                  lay.count, name, cfg, where, WeightsError)
+    hf = _HF_NAMES[lay.arch]
+    if hf.check_config is not None:  # a layout whose pack checks its config.json wholly
+        return hf.check_config(model, lay, padded_vocab(model)[1], cfg, where, WeightsError)
     _check_model_type(model, lay, model_type, where)
     bad = _bad(where, name)
     scaling = None
-    if lay.arch == "gpt2":
-        wants = _gpt2_wants(model, lay, cfg, model_type, where)
+    if hf.config_wants is not None:  # a layout whose config.json fields are its pack's
+        wants = hf.config_wants(model, lay, padded_vocab(model)[1], cfg, model_type, where, WeightsError)
     else:
         wants, scaling = _llama_wants(model, lay, cfg, model_type, where)
         _check_window(lay, cfg, model_type, where, bad)
-    tied = bool(cfg.get("tie_word_embeddings", lay.arch == "gpt2"))
+    tied = bool(cfg.get("tie_word_embeddings", hf.tied_by_default))
     wants.append(("tie_word_embeddings", tied, bool(lay.head.get("tie")), "a tied head"))
     for field, got, want, what in wants + moe_wants:
         if not _close(got, want):
             raise bad(field, got, want, what)
-    if lay.arch in ("llama", "olmo2"):
+    if hf.config_wants is None:  # Llama-shaped
         _check_rope_scaling(lay, cfg, scaling, bad)
 
 
@@ -766,8 +726,9 @@ def longrope_original(scaling: Mapping[str, Any], cfg: Mapping[str, Any]) -> Any
     finds it: a top-level original_max_position_embeddings first (Phi3Config has one, 4096 unless
     the config says otherwise), then the rope object's, then max_position_embeddings."""
     top = cfg.get("original_max_position_embeddings")
-    if top is None and cfg.get("model_type") == "phi3":
-        top = 4096
+    pack = _pack_of(cfg)
+    if top is None and pack is not None:
+        top = pack.longrope_default_original
     return top if top is not None else scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
 
 
