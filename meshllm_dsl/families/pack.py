@@ -46,6 +46,9 @@ class CheckpointNames:
     # compares with the model's, in place of the Llama-shaped ones
     config_wants: Callable[..., list[Want]] | None = None
     tied_by_default: bool = False  # a config.json without `tie_word_embeddings` ties the head
+    # (model, its layout, whether its MLP is a mixture of experts, error) -> None: refuses a model of
+    # this layout that its architecture cannot hold
+    refuse_unfit: Callable[..., None] | None = None
 
 
 @attrs.frozen
