@@ -150,21 +150,6 @@ def _rope(f: ConfigFields, gemma3: bool) -> list[Setting]:
     return [("rope_theta", *out[FULL]), ("local_rope_theta", *out[SLIDING])]
 
 
-# Llama's names, a norm before and after each sublayer, (1 + weight) norms.
-NAMES = CheckpointNames(
-    layout="gemma",
-    top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
-    blocks="model.layers", norms={"attn_pre": "input_layernorm", "attn_post": "post_attention_layernorm",
-                                  "mlp_pre": "pre_feedforward_layernorm", "mlp_post": "post_feedforward_layernorm"},
-    attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
-    mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-    transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="geglu_tanh", norm_offset=1.0,
-)
-
-GEMMA2 = FamilyPack("Gemma2ForCausalLM", "gemma2", "gemma2", read_gemma, NAMES, title="Gemma 2", default_positions=8192)
-GEMMA3 = FamilyPack("Gemma3ForCausalLM", "gemma3_text", "gemma3", read_gemma, NAMES, title="Gemma 3", default_positions=131072)
-
-
 # ---------------------------------------------------------------- the runtime: config.json out and in
 
 
@@ -299,3 +284,32 @@ def check_gemma_config(attn: Mapping[str, Any], mlp: Mapping[str, Any], norm: Ma
             if got is None:
                 raise error(f"{where}: `{field}` is missing; model `{name}` has {what} = {want!r}")
             raise error(f"{where}: `{field}` is {got!r}, but model `{name}` has {what} = {want!r}")
+
+
+def _write_config(model: Mapping[str, Any], lay: Any, vocab: int, tied: bool, dtype_name: str,
+                  seq: int) -> dict[str, Any]:
+    """gemma_config of the runtime's layout of ``model`` (runtime/hf/weights.py)."""
+    return gemma_config(lay.attn, lay.mlp, lay.norm, lay.head, vocab, lay.hidden, lay.count, dtype_name, seq)
+
+
+def _check_config(model: Mapping[str, Any], lay: Any, vocab: int, cfg: Mapping[str, Any], where: str,
+                  error: Callable[[str], Exception]) -> None:
+    """check_gemma_config of the runtime's layout of ``model`` (runtime/hf/weights.py)."""
+    check_gemma_config(lay.attn, lay.mlp, lay.norm, lay.head, vocab, lay.hidden, lay.count,
+                       model.get("name", "model"), cfg, where, error)
+
+
+# Llama's names, a norm before and after each sublayer, (1 + weight) norms.
+NAMES = CheckpointNames(
+    layout="gemma",
+    top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
+    blocks="model.layers", norms={"attn_pre": "input_layernorm", "attn_post": "post_attention_layernorm",
+                                  "mlp_pre": "pre_feedforward_layernorm", "mlp_post": "post_feedforward_layernorm"},
+    attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
+    mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
+    transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="geglu_tanh", norm_offset=1.0,
+    write_config=_write_config, check_config=_check_config,
+)
+
+GEMMA2 = FamilyPack("Gemma2ForCausalLM", "gemma2", "gemma2", read_gemma, NAMES, title="Gemma 2", default_positions=8192)
+GEMMA3 = FamilyPack("Gemma3ForCausalLM", "gemma3_text", "gemma3", read_gemma, NAMES, title="Gemma 3", default_positions=131072)

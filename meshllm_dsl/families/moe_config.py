@@ -7,11 +7,12 @@ them; the experts' settings are added. A setting the families cannot honour is r
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from meshllm_dsl.families.config_fields import ConfigFields, ImportError_, Setting
 from meshllm_dsl.families.llama_config import read_llama_shaped
-from meshllm_dsl.families.pack import FamilyPack, Reading
+from meshllm_dsl.families.pack import FamilyPack, Reading, Want
 
 _KEPT = ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "norm_eps", "rope_theta",
          "tie_embeddings", "dtype")
@@ -70,3 +71,31 @@ def read_moe(f: ConfigFields, pack: FamilyPack, dtype: str) -> Reading:
         # transformers adds router_aux_loss_coef x the load-balancing loss only with output_router_logits.
         settings.append(("aux_loss_coef", f.number("router_aux_loss_coef"), "`router_aux_loss_coef`"))
     return pack.family, settings, positions
+
+
+def check_own_width_experts(pack: FamilyPack, moe: Mapping[str, Any], cfg: Mapping[str, Any], where: str,
+                            error: type[Exception]) -> list[Want]:
+    """A checkpoint's config.json expert fields (experts of their own width) against a moe layer's
+    settings: every layer sparse, their count, top-k normalisation, a shared expert."""
+    sparse_step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers", [])
+    if sparse_step != 1 or dense:
+        raise error(f"{where}: `decoder_sparse_step` = {sparse_step!r}, `mlp_only_layers` = {dense!r}: some "
+                    "layers are dense; meshllm's qwen2_moe family has a mixture of experts in every layer "
+                    "(expected 1 and [])")
+    # transformers 5 names it num_local_experts (num_experts before)
+    n_field = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
+    wants: list[Want] = [
+        (n_field, cfg.get(n_field), moe["experts"], "experts"),
+        ("norm_topk_prob", bool(cfg.get("norm_topk_prob", False)), moe["norm_topk_prob"], "norm_topk_prob")]
+    if pack.shared_expert:
+        wants.append(("shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"),
+                      moe["shared_ffn"], "shared_ffn"))
+    return wants
+
+
+def check_full_width_experts(pack: FamilyPack, moe: Mapping[str, Any], cfg: Mapping[str, Any], where: str,
+                             error: type[Exception]) -> list[Want]:
+    """A checkpoint's config.json expert fields (experts as wide as `intermediate_size`) against a moe
+    layer's settings: their count, no router jitter."""
+    return [("num_local_experts", cfg.get("num_local_experts"), moe["experts"], "experts"),
+            ("router_jitter_noise", cfg.get("router_jitter_noise", 0.0), 0.0, "router jitter (none)")]

@@ -11,8 +11,27 @@ normalised over the whole projection (`qk_norm = full`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 from meshllm_dsl.families.llama_config import read_llama_shaped
 from meshllm_dsl.families.pack import CheckpointNames, FamilyPack
+
+
+def _refuse_unfit(model: Mapping[str, Any], lay: Any, moe: bool, error: type[Exception]) -> None:
+    """OLMo 2's checkpoints are its exact block: norms after the sublayers with q / k normalised over
+    the whole projection, q, k, v and o biased alike, a dense MLP without bias. ``error`` for a model
+    that has one without the other, which no transformers architecture computes."""
+    attn = lay.attn
+    why = ("its q / k norm is not over the whole projection (qk_norm = full)" if attn.get("qk_norm", "none") != "full"
+           else "q, k, v and o are not biased alike (attention_bias covers all four)"
+           if bool(attn.get("qkv_bias")) != bool(attn.get("o_bias")) else
+           "its MLP has a bias" if lay.mlp.get("bias") else
+           "its MLP is a mixture of experts" if moe else None)
+    if why is not None:
+        raise error(f"model `{model.get('name', 'model')}` has OLMo 2's norms after the sublayers, but {why}; "
+                    "Olmo2ForCausalLM cannot hold it")
+
 
 # Llama's names, a norm after each sublayer and none before; its q / k norms (over the whole
 # projection) are self_attn.{q,k}_norm, as per-head q / k norms are.
@@ -23,6 +42,7 @@ NAMES = CheckpointNames(
     attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
     mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
     transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="swiglu",
+    refuse_unfit=_refuse_unfit,
 )
 
 PACK = FamilyPack(

@@ -8,10 +8,14 @@ torch-free and import nothing of the compiler, so the runtime reads the same rec
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import attrs
 
 from meshllm_dsl.families.config_fields import ConfigFields, Setting
+
+# A config.json field checked against a model: (field, the config's value, ours, our name for it)
+Want = tuple[str, Any, Any, str]
 
 
 @attrs.frozen
@@ -33,6 +37,35 @@ class CheckpointNames:
     norm: str  # the norm kind of its blocks and the final norm
     act: str | None  # the mlp activation it needs (None: any the checkpoint's config names)
     norm_offset: float = 0.0  # an RMSNorm that scales by (1 + weight) has 1.0
+    # A layout whose config.json is not Llama-shaped (runtime/hf/weights.py writes and checks those):
+    # (model, its layout, vocab, tied head, dtype name, positions) -> its config.json
+    write_config: Callable[..., dict[str, Any]] | None = None
+    # (model, its layout, vocab, config.json, where, error) -> None: checks a config.json wholly
+    check_config: Callable[..., None] | None = None
+    # (model, its layout, vocab, config.json, model_type, where, error) -> the fields the runtime
+    # compares with the model's, in place of the Llama-shaped ones
+    config_wants: Callable[..., list[Want]] | None = None
+    tied_by_default: bool = False  # a config.json without `tie_word_embeddings` ties the head
+    # (model, its layout, whether its MLP is a mixture of experts, error) -> None: refuses a model of
+    # this layout that its architecture cannot hold
+    refuse_unfit: Callable[..., None] | None = None
+
+
+@attrs.frozen
+class ExpertNames:
+    """A mixture-of-experts checkpoint layout (runtime/hf/moe.py reads it): the block's MoE module,
+    per parameter of ours its name inside it (``{e}``: the expert's number), the moe settings it
+    fits, and its config.json's expert fields."""
+
+    module: str
+    names: Mapping[str, str]  # ours -> theirs ({e}: the expert)
+    weights_fp32: bool  # the router's weights are computed in fp32
+    renormalised: bool | None  # the norm_topk_prob it needs (None: either)
+    fits: str  # the settings it fits, for messages
+    # a moe layer's settings -> the expert fields its config.json has, in order
+    write_config: Callable[[Mapping[str, Any]], dict[str, Any]]
+    # (its pack, the moe layer's settings, config.json, where, error) -> the expert fields to compare
+    check_config: Callable[[FamilyPack, Mapping[str, Any], Mapping[str, Any], str, type[Exception]], list[Want]]
 
 
 # (the .mesh family, its settings in order, the positions it was trained for)
@@ -72,3 +105,4 @@ class FamilyPack:
     built_in_settings: tuple[str, ...] = ()  # that attention's settings its family has built in
     experts_width_field: str | None = None  # Qwen-MoE: the experts' width (`ffn`) comes from this field
     shared_expert: bool = False  # Qwen2-MoE: a shared expert of `shared_expert_intermediate_size`
+    experts: ExpertNames | None = None  # its checkpoints' experts (runtime/hf/moe.py)

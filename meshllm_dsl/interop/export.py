@@ -144,7 +144,7 @@ class _Findings:
 
 
 def _exported_help() -> str:
-    """"`llama` (Llama, Mistral, ...), `olmo2` or `gpt2`": the families export is proven for, from their packs."""
+    """"`a` (A1, A2, ...), `b` or `c`": the families export is proven for, from their packs."""
     named = [f"`{family}`" + (f" ({', '.join(p.title for p in packs)})" if len(packs) > 1 else "")
              for family, packs in exported_families().items()]
     return ", ".join(named[:-1]) + " or " + named[-1] if len(named) > 1 else named[0]
@@ -269,7 +269,7 @@ def _unshardable(found: _Findings, unit: Unit, leaf: Leaf, p: Placement, module:
     """Refuse a sharded leaf whose transformers module cannot be sharded as the plan says; True if refused."""
     where = found.where
     if unit.kind == "attention" and dict(unit.attrs).get("qk_norm") == "full" and leaf.path[-1] in ("q", "k"):
-        # transformers' Olmo2RMSNorm would normalise each rank's columns on their own: another model
+        # transformers' whole-projection q / k RMSNorm would normalise each rank's columns on their own: another model
         found.refuse(E1205, f"{where} cannot express the placement of `{'.'.join(leaf.path)}`: its RMSNorm spans the "
                      "whole projection (qk_norm = full, OLMo 2), and split by heads each rank would normalise "
                      "only its own part", p.span, label=f"{p.rule}({', '.join(p.axes)}) under a whole-projection norm",

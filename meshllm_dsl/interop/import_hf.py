@@ -1,7 +1,7 @@
 """`meshc import-hf DIR -o FILE.mesh`: a .mesh spec (the model and one plan) from a Hugging Face model.
 
-Reads config.json only (no torch): the architecture picks the family (`llama` for Llama, Mistral,
-Qwen2 / 3 and Phi-3, `olmo2` for OLMo 2, `gpt2` for GPT-2, ...) and every setting that changes the
+Reads config.json only (no torch): the architecture picks the family (its pack's, meshllm_dsl/families:
+several architectures may share one) and every setting that changes the
 maths is written out; a setting the families cannot honour is an error naming it, never a silently
 different model.  The plan `train` for N devices of a kind is the one `meshc suggest` ranks first
 (or, when nothing fits the device's memory, the first layout the checker accepts).  Weights then
@@ -184,7 +184,8 @@ def _generate(directory: str, devices: int, device: str, batch: int | None, seq:
     family, settings, positions = model_settings(cfg, str(cfg_path))
     seq = min(2048, positions) if seq is None else seq
     batch = max(8, devices) if batch is None else batch
-    if family == "gpt2" and seq > positions:
+    # a family with learned positions has a table of `positions` rows
+    if any(p.family == family and p.checkpoint.positions for p in BY_ARCHITECTURE.values()) and seq > positions:
         raise ValueError(f"--seq {seq} is longer than the {positions} positions of the model's position table "
                          f"(`n_positions` in {cfg_path})")
     dir_name = d.resolve().name

@@ -1,4 +1,4 @@
-"""Checkpoints that store projections fused (Phi-3): ``self_attn.qkv_proj`` = [q | k | v] rows and
+"""Checkpoints that store projections fused (the packs' fused_projections): ``self_attn.qkv_proj`` = [q | k | v] rows and
 ``mlp.gate_up_proj`` = [gate | up] rows, where the model keeps q, k, v and gate, up apart.
 
 Each of our parameters names its rows of the fused tensor in its key, ``BASE@start:stop:total``

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints of mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE) for runtime/hf/weights.py.
+"""Hugging Face checkpoints of mixture-of-experts models (the packs with `experts`) for runtime/hf/weights.py.
 
 transformers 5.24 keeps each expert's projections as tensors of their own on disk
 (``block_sparse_moe.experts.E.w1.weight`` [ffn, hidden], ``mlp.experts.E.gate_proj.weight``) and
@@ -11,36 +11,26 @@ reads only its slice of each expert it holds, and export writes the experts apar
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from meshllm_dsl.families import PACKS
+from meshllm_dsl.families.pack import ExpertNames, FamilyPack
 from meshllm_dsl.runtime.parallel.mesh import Mesh
 from meshllm_dsl.runtime.parallel.shards import ShardSpec
 
 EXPERT = "{e}"
 
 
-@dataclass(frozen=True)
-class _MoeLayout:
-    """One family's names: the block's MoE module and, per parameter of ours, its name inside it."""
-
-    arch: str
-    model_type: str
-    module: str
-    names: Mapping[str, str]  # ours -> theirs ({e}: the expert)
+# The packs whose checkpoints have experts (meshllm_dsl/families, FamilyPack.experts), in the registry's order
+_MOE_PACKS: tuple[FamilyPack, ...] = tuple(p for p in PACKS if p.experts is not None)
 
 
-MIXTRAL = _MoeLayout("MixtralForCausalLM", "mixtral", "block_sparse_moe", {
-    "router": "gate", "gate": "experts.{e}.w1", "up": "experts.{e}.w3", "down": "experts.{e}.w2"})
-QWEN2_MOE = _MoeLayout("Qwen2MoeForCausalLM", "qwen2_moe", "mlp", {
-    "router": "gate", "gate": "experts.{e}.gate_proj", "up": "experts.{e}.up_proj", "down": "experts.{e}.down_proj",
-    "shared_gate": "shared_expert.gate_proj", "shared_up": "shared_expert.up_proj",
-    "shared_down": "shared_expert.down_proj", "shared_router": "shared_expert_gate"})
-QWEN3_MOE = _MoeLayout("Qwen3MoeForCausalLM", "qwen3_moe", "mlp", {
-    "router": "gate", "gate": "experts.{e}.gate_proj", "up": "experts.{e}.up_proj", "down": "experts.{e}.down_proj"})
+def _experts(pack: FamilyPack) -> ExpertNames:
+    assert pack.experts is not None
+    return pack.experts
 
 
 def as_mlp(layer: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -54,19 +44,18 @@ def is_moe(body: Any) -> bool:
     return any(b.get("moe") for b in body)
 
 
-def moe_layout(moe: Mapping[str, Any], name: str, error: type[Exception]) -> _MoeLayout:
-    """The checkpoint layout a moe layer's settings fit, or ``error`` saying why none does."""
+def moe_layout(moe: Mapping[str, Any], name: str, error: type[Exception]) -> FamilyPack:
+    """The pack whose checkpoint layout a moe layer's settings fit, or ``error`` saying why none does."""
     shared = moe.get("shared_ffn") is not None
-    if shared and not moe["weights_fp32"]:
-        return QWEN2_MOE
-    if not shared and moe["weights_fp32"] and moe["norm_topk_prob"]:
-        return MIXTRAL
-    if not shared and not moe["weights_fp32"]:
-        return QWEN3_MOE
+    for pack in _MOE_PACKS:
+        ex = _experts(pack)
+        if (pack.shared_expert == shared and ex.weights_fp32 == bool(moe["weights_fp32"])
+                and ex.renormalised in (None, bool(moe["norm_topk_prob"]))):
+            return pack
+    each = [f"{p.title}'s ({_experts(p).fits})" for p in _MOE_PACKS]
     raise error(f"model `{name}`: a moe layer with shared expert {shared}, weights_fp32 {moe['weights_fp32']}, "
-                f"norm_topk_prob {moe['norm_topk_prob']} has no Hugging Face layout; expected Mixtral's "
-                "(no shared expert, fp32 weights, renormalised), Qwen2-MoE's (a shared expert, weights in "
-                "the activations' dtype) or Qwen3-MoE's (no shared expert, weights in the activations' dtype)")
+                f"norm_topk_prob {moe['norm_topk_prob']} has no Hugging Face layout; expected "
+                f"{', '.join(each[:-1])} or {each[-1]}")
 
 
 def key(blocks: str, lay: Any, parts: list[str], error: type[Exception]) -> str | None:
@@ -77,10 +66,10 @@ def key(blocks: str, lay: Any, parts: list[str], error: type[Exception]) -> str 
     moe = _moe(lay)
     if parts[2] != moe["name"]:
         return None
-    fam = moe_layout(moe, "model", error)
-    if parts[3] not in fam.names or parts[4] != "weight":
+    ex = _experts(moe_layout(moe, "model", error))
+    if parts[3] not in ex.names or parts[4] != "weight":
         raise error(f"parameter {'.'.join(parts)} has no Hugging Face name")
-    return f"{blocks}.{parts[1]}.{fam.module}.{fam.names[parts[3]]}.weight"
+    return f"{blocks}.{parts[1]}.{ex.module}.{ex.names[parts[3]]}.weight"
 
 
 def is_stacked(k: str) -> bool:
@@ -141,59 +130,36 @@ def hf_config(model: Mapping[str, Any], lay: Any, base: Mapping[str, Any], error
     """The config.json of a MoE model: the llama layout's fields (``base``) with its architecture
     and expert settings."""
     moe = _moe(lay)
-    fam = moe_layout(moe, model.get("name", "model"), error)
+    pack = moe_layout(moe, model.get("name", "model"), error)
     cfg = {k: v for k, v in base.items() if k not in ("attention_bias", "mlp_bias", "use_sliding_window")}
     if moe.get("capacity"):
         raise error(f"model `{model.get('name', 'model')}` drops tokens past capacity = {moe['capacity']:g}; "
-                    f"transformers' {fam.arch} is dropless and would compute another model: expected capacity = 0")
+                    f"transformers' {pack.architecture} is dropless and would compute another model: "
+                    "expected capacity = 0")
     coef = float(moe.get("aux_loss_coef") or 0.0)  # the z-loss has no transformers field: training only
-    cfg.update(architectures=[fam.arch], model_type=fam.model_type, num_experts_per_tok=int(moe["top_k"]),
+    cfg.update(architectures=[pack.architecture], model_type=pack.model_type, num_experts_per_tok=int(moe["top_k"]),
                output_router_logits=bool(coef), router_aux_loss_coef=coef)
-    if fam is MIXTRAL:
-        cfg.update(intermediate_size=int(moe["ffn"]), num_local_experts=int(moe["experts"]), router_jitter_noise=0.0)
-    elif fam is QWEN3_MOE:
-        cfg.update(moe_intermediate_size=int(moe["ffn"]), num_local_experts=int(moe["experts"]),
-                   norm_topk_prob=bool(moe["norm_topk_prob"]), decoder_sparse_step=1, mlp_only_layers=[],
-                   use_sliding_window=False)
-    else:
-        cfg.update(moe_intermediate_size=int(moe["ffn"]), shared_expert_intermediate_size=int(moe["shared_ffn"]),
-                   intermediate_size=int(moe["shared_ffn"]), num_experts=int(moe["experts"]),
-                   norm_topk_prob=bool(moe["norm_topk_prob"]), decoder_sparse_step=1, mlp_only_layers=[],
-                   use_sliding_window=False, qkv_bias=True)
+    cfg.update(_experts(pack).write_config(moe))
     return cfg
 
 
 def as_attention_config(model: Mapping[str, Any], lay: Any, cfg: Mapping[str, Any], where: str,
                         error: type[Exception]) -> tuple[dict[str, Any], list[tuple[str, Any, Any, str]]]:
     """A MoE model's config.json as hf.check_config checks the rest of it: the model type of the
-    family its attention comes from (Mixtral: Mistral's, Qwen2-MoE: Qwen2's) and the experts' width as
-    the llama layout's `intermediate_size`; with its expert fields as (field, theirs, ours, our name).
+    architecture its attention comes from (the pack's `attention`) and the experts' width as the llama
+    layout's `intermediate_size`; with its expert fields as (field, theirs, ours, our name).
     Settings meshllm cannot honour raise ``error``."""
     moe = _moe(lay)
-    fam = moe_layout(moe, model.get("name", "model"), error)
-    if cfg.get("model_type") != fam.model_type:
+    pack = moe_layout(moe, model.get("name", "model"), error)
+    if cfg.get("model_type") != pack.model_type:
         raise error(f"{where}: model_type {cfg.get('model_type')!r}, but model `{model.get('name', 'model')}` "
-                    f"has {fam.model_type}'s mixture of experts")
-    if fam is MIXTRAL:
-        wants = [("num_local_experts", cfg.get("num_local_experts"), moe["experts"], "experts"),
-                 ("router_jitter_noise", cfg.get("router_jitter_noise", 0.0), 0.0, "router jitter (none)")]
-        attention = {**cfg, "model_type": "mistral"}
-    else:  # Qwen2-MoE, Qwen3-MoE
-        sparse_step, dense = cfg.get("decoder_sparse_step", 1), cfg.get("mlp_only_layers", [])
-        if sparse_step != 1 or dense:
-            raise error(f"{where}: `decoder_sparse_step` = {sparse_step!r}, `mlp_only_layers` = {dense!r}: some "
-                        "layers are dense; meshllm's qwen2_moe family has a mixture of experts in every layer "
-                        "(expected 1 and [])")
-        # Qwen3-MoE's config names it num_local_experts in transformers 5 (num_experts before)
-        n_field = "num_local_experts" if "num_local_experts" in cfg else "num_experts"
-        wants = [(n_field, cfg.get(n_field), moe["experts"], "experts"),
-                 ("norm_topk_prob", bool(cfg.get("norm_topk_prob", False)), moe["norm_topk_prob"], "norm_topk_prob")]
-        if fam is QWEN2_MOE:
-            wants.append(("shared_expert_intermediate_size", cfg.get("shared_expert_intermediate_size"),
-                          moe["shared_ffn"], "shared_ffn"))
+                    f"has {pack.model_type}'s mixture of experts")
+    wants = _experts(pack).check_config(pack, moe, cfg, where, error)
+    assert pack.attention is not None
+    attention = {**cfg, "model_type": pack.attention.model_type}
+    if pack.experts_width_field is not None:
         # intermediate_size is the width of dense layers, which this model has none of
-        attention = {**cfg, "model_type": "qwen2" if fam is QWEN2_MOE else "qwen3",
-                     "intermediate_size": cfg.get("moe_intermediate_size")}
+        attention["intermediate_size"] = cfg.get(pack.experts_width_field)
     wants.append(("num_experts_per_tok", cfg.get("num_experts_per_tok"), moe["top_k"], "top_k"))
     # transformers adds coef x the load-balancing loss to the training loss only with output_router_logits.
     theirs = float(cfg.get("router_aux_loss_coef") or 0.0) if cfg.get("output_router_logits") else 0.0

@@ -8,11 +8,10 @@ expected shape, every file readable), so a bad checkpoint stops every rank with 
 naming the tensor and the file.
 
 Names follow the model's structure, not the family's name: an embedding, optional learned
-positions, one repeat of [norm, attention, norm, mlp], a final norm and a head map onto HF's
-``LlamaForCausalLM`` layout (also Mistral and Qwen2), or, with learned positions and fused qkv,
-``GPT2LMHeadModel`` (Conv1D weights are stored [in, out] and transposed here); with a norm before
-and after each sublayer onto Gemma 2 / 3's, with one after each and none before onto
-``Olmo2ForCausalLM``'s.
+positions, one repeat of [norm, attention, norm, mlp], a final norm and a head map onto the
+checkpoint layout (a pack's ``CheckpointNames``, meshllm_dsl/families) whose positions, fused qkv,
+norms and activation they have (weights a layout stores [in, out] are transposed here); a layout's
+config.json is Llama-shaped unless its pack writes and checks it.
 
 Exporting gathers one tensor at a time onto the mesh's first rank, which writes config.json and
 safetensors files (sharded above ``max_shard_bytes``, with an index) that ``from_pretrained`` loads,
@@ -44,8 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from meshllm_dsl.families import PACKS
-from meshllm_dsl.families.gemma import check_gemma_config, gemma_config
+from meshllm_dsl.families import BY_MODEL_TYPE, PACKS
 from meshllm_dsl.families.pack import CheckpointNames, FamilyPack
 from meshllm_dsl.runtime.hf import fused as hf_fused
 from meshllm_dsl.runtime.hf import moe as hf_moe
@@ -97,12 +95,12 @@ class WeightsError(ValueError):
 
 @dataclass(frozen=True)
 class _Layout:
-    arch: str  # "llama" (Llama / Mistral / Qwen2 names) or "gpt2"
+    arch: str  # the checkpoint layout's name (CheckpointNames.layout)
     embed: str
     pos: str | None
     repeat: str
     count: int
-    body: tuple[Mapping[str, Any], ...]  # norm, attention, norm, mlp (Gemma: a post norm after each)
+    body: tuple[Mapping[str, Any], ...]  # norm, attention, norm, mlp (or with post norms: the layout's norms)
     norm: Mapping[str, Any]
     head: Mapping[str, Any]
     vocab: int
@@ -196,7 +194,7 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
 
 
 def model_arch(model: Mapping[str, Any]) -> str:
-    """``"llama"``, ``"gpt2"``, ``"gemma"`` or ``"olmo2"``: which checkpoint layout the model reads and writes."""
+    """The name of the checkpoint layout the model reads and writes (a pack's ``CheckpointNames.layout``)."""
     return _layout(model).arch
 
 
@@ -212,6 +210,12 @@ def padded_vocab(model: Mapping[str, Any]) -> tuple[int, int]:
 _HF_NAMES: dict[str, CheckpointNames] = {p.checkpoint.layout: p.checkpoint for p in PACKS}
 # A compiled model declared from a family carries the family's name (MODEL["family"]): its layout.
 _FAMILY_LAYOUT: dict[str, str] = {p.family: p.checkpoint.layout for p in PACKS}
+# Each layout's first pack (for its title in messages).
+_BY_LAYOUT: dict[str, FamilyPack] = {}
+for _p in PACKS:
+    _BY_LAYOUT.setdefault(_p.checkpoint.layout, _p)
+# The layout with norms after the sublayers and none before.
+_POST_LAYOUT = next(name for name, a in _HF_NAMES.items() if "attn_pre" not in a.norms)
 
 
 # Every layer kind some checkpoint layout holds (runtime/ cannot import the compiler's registry;
@@ -393,7 +397,7 @@ def _check_rope(value: Any, where: str, field: str) -> None:
 def _checked_config(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
     """``cfg`` with every field meshllm reads type-checked and nulls dropped (null: the default)."""
     if cfg.get("sliding_window") == 0 and cfg.get("use_sliding_window") is False:
-        cfg = {**cfg, "sliding_window": None}  # how transformers writes "no window" (Qwen2-MoE)
+        cfg = {**cfg, "sliding_window": None}  # how transformers writes "no window" (the MoE packs)
     _check_fields(cfg, where, [
         (_CONFIG_INTS, _positive_int, "a positive integer"),
         (_CONFIG_NUMBERS, _positive_number, "a positive number"),
@@ -418,6 +422,12 @@ def read_config(model_dir: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------- config.json
 
 
+def _pack_of(cfg: Mapping[str, Any]) -> FamilyPack | None:
+    """The pack of a config.json's `model_type`, if one has it."""
+    model_type = cfg.get("model_type")
+    return BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+
+
 def _rope(cfg: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
     """(rope_theta, scaling or None) from a config of transformers 4 (rope_theta / rope_scaling)
     or 5 (rope_parameters)."""
@@ -433,29 +443,10 @@ def _rope(cfg: Mapping[str, Any]) -> tuple[float | None, dict[str, Any] | None]:
     if scaling is not None:
         scaling.pop("rope_theta", None)
         scaling["rope_type"] = scaling.pop("type", scaling.get("rope_type"))
-        if cfg.get("model_type") == "phi3" and scaling["rope_type"] in ("su", "yarn"):
-            scaling["rope_type"] = "longrope"  # Phi3Config reads its older names as longrope
+        pack = _pack_of(cfg)
+        if pack is not None and pack.longrope_only and scaling["rope_type"] in ("su", "yarn"):
+            scaling["rope_type"] = "longrope"  # its config class reads the older names as longrope
     return (None if theta is None else float(theta)), scaling
-
-
-def _gpt2_config(model: Mapping[str, Any], lay: _Layout, vocab: int, tied: bool, dtype_name: str) -> dict[str, Any]:
-    """The config.json of a model of the gpt2 layout."""
-    attn, mlp = lay.attn, lay.mlp
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": vocab,
-        "n_embd": lay.hidden,
-        "n_layer": lay.count,
-        "n_head": int(attn["heads"]),
-        "n_positions": int(next(x for x in model["layers"] if x["kind"] == "positional")["num"]),
-        "n_inner": int(mlp["ffn"]),
-        "layer_norm_epsilon": float(lay.body[0]["eps"]),
-        "activation_function": {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu",
-                                "silu": "silu"}[mlp["act"]],
-        "tie_word_embeddings": tied,
-        "torch_dtype": dtype_name,
-    }
 
 
 def _llama_shaped_pack(model: Mapping[str, Any], lay: _Layout) -> FamilyPack:
@@ -466,8 +457,8 @@ def _llama_shaped_pack(model: Mapping[str, Any], lay: _Layout) -> FamilyPack:
     def first(holds: Callable[[FamilyPack], bool]) -> FamilyPack:
         return next(p for p in _LLAMA_SHAPED.values() if holds(p))
 
-    plain = first(lambda p: p.checkpoint.layout == "llama")  # Llama itself, the first of its layout
-    if lay.arch != "llama":
+    plain = next(iter(_LLAMA_SHAPED.values()))  # Llama itself, the first of the registry
+    if lay.arch != plain.checkpoint.layout:
         pack = first(lambda p: p.checkpoint.layout == lay.arch)
     elif attn.get("qk_norm", "none") != "none":
         pack = first(lambda p: p.checkpoint_qk_norm == attn.get("qk_norm"))
@@ -479,7 +470,8 @@ def _llama_shaped_pack(model: Mapping[str, Any], lay: _Layout) -> FamilyPack:
     if window and (pack is not plain or attn.get("global_every")):
         raise WeightsError(f"model `{model.get('name', 'model')}`: a sliding window "
                            + ("on some layers only" if attn.get("global_every") else f"in {pack.architecture}'s layout")
-                           + " has no Llama-family config.json; expected a window on every layer (Mistral)")
+                           + " has no Llama-family config.json; expected a window on every layer "
+                           f"({first(lambda p: p.honours_sliding_window).title})")
     return first(lambda p: p.honours_sliding_window) if window else pack
 
 
@@ -503,11 +495,10 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
     vocab = padded_vocab(model)[1]
     tied = bool(lay.head.get("tie"))
     dtype_name = str(dtype).removeprefix("torch.")
-    if lay.arch == "gemma":
-        return gemma_config(attn, mlp, lay.norm, lay.head, vocab, lay.hidden, lay.count, dtype_name, seq)
-    if lay.arch == "gpt2":
-        return _gpt2_config(model, lay, vocab, tied, dtype_name)
-    _refuse_olmo2_mismatch(model, lay)
+    write = _HF_NAMES[lay.arch].write_config
+    if write is not None:  # a layout whose config.json is its pack's
+        return write(model, lay, vocab, tied, dtype_name, seq)
+    _refuse_unfit(model, lay)
     pack = _llama_shaped_pack(model, lay)
     rope, positions = _rope_config(attn, seq)
     cfg: dict[str, Any] = {
@@ -533,33 +524,24 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
         cfg["use_sliding_window"] = False
     if attn.get("window"):
         cfg["sliding_window"] = int(attn["window"])
-    if not pack.qkv_bias_built_in:  # Qwen2's q, k, v biases are the architecture's, not a field
+    if not pack.qkv_bias_built_in:  # built-in q, k, v biases are the architecture's, not a field
         cfg["attention_bias"] = bool(attn.get("qkv_bias"))
     if pack.has_mlp_bias_field:
         cfg["mlp_bias"] = False
     return hf_moe.hf_config(model, lay, cfg, WeightsError) if hf_moe.is_moe(lay.body) else cfg
 
 
-def _refuse_olmo2_mismatch(model: Mapping[str, Any], lay: _Layout) -> None:
-    """OLMo 2's checkpoints are its exact block: norms after the sublayers with q / k normalised over
-    the whole projection, q, k, v and o biased alike, a dense MLP without bias. ``WeightsError``
-    for a model that has one without the other, which no transformers architecture computes."""
-    attn, name = lay.attn, model.get("name", "model")
-    qk_norm = attn.get("qk_norm", "none")
-    if lay.arch != "olmo2":
-        if qk_norm == "full":
-            raise WeightsError(f"model `{name}`: qk_norm = full (over the whole projection) in a norm-before-"
-                               "sublayer block has no Hugging Face architecture; OLMo 2 (family olmo2) has it "
-                               "with norms after the sublayers")
-        return
-    why = ("its q / k norm is not over the whole projection (qk_norm = full)" if qk_norm != "full" else
-           "q, k, v and o are not biased alike (attention_bias covers all four)"
-           if bool(attn.get("qkv_bias")) != bool(attn.get("o_bias")) else
-           "its MLP has a bias" if lay.mlp.get("bias") else
-           "its MLP is a mixture of experts" if hf_moe.is_moe(lay.body) else None)
-    if why is not None:
-        raise WeightsError(f"model `{name}` has OLMo 2's norms after the sublayers, but {why}; "
-                           "Olmo2ForCausalLM cannot hold it")
+def _refuse_unfit(model: Mapping[str, Any], lay: _Layout) -> None:
+    """``WeightsError`` for a model its layout's architecture cannot hold (the pack's refuse_unfit),
+    or, in a layout with a norm before the sublayers, with the q / k norm over the whole projection
+    that only a layout of norms after them has."""
+    hf = _HF_NAMES[lay.arch]
+    if hf.refuse_unfit is not None:
+        hf.refuse_unfit(model, lay, hf_moe.is_moe(lay.body), WeightsError)
+    elif lay.attn.get("qk_norm", "none") == "full":
+        raise WeightsError(f"model `{model.get('name', 'model')}`: qk_norm = full (over the whole projection) in a "
+                           "norm-before-sublayer block has no Hugging Face architecture; "
+                           f"{_FULL_QK.title} (family {_FULL_QK.family}) has it with norms after the sublayers")
 
 
 def _close(a: Any, b: Any) -> bool:
@@ -573,11 +555,20 @@ def _close(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-# The Llama-shaped model types a checkpoint may name (the packs of the llama and olmo2 layouts; the
-# mixtures of experts are checked as their attention's), in the registry's order.
-_LLAMA_SHAPED = {p.model_type: p for p in PACKS if p.checkpoint.layout in ("llama", "olmo2") and p.attention is None}
+# The Llama-shaped model types a checkpoint may name (the packs whose layout's config.json the runtime
+# writes; the mixtures of experts are checked as their attention's), in the registry's order.
+_LLAMA_SHAPED = {p.model_type: p for p in PACKS if p.checkpoint.write_config is None and p.attention is None}
+# The architecture whose q / k norm is over the whole projection (attention's qk_norm = full).
+_FULL_QK = next(p for p in _LLAMA_SHAPED.values() if p.checkpoint_qk_norm == "full")
+# The model types of the layouts with norms after the sublayers and none before.
+_POST_NORMS = tuple(model_type for model_type, p in _LLAMA_SHAPED.items() if "attn_pre" not in p.checkpoint.norms)
+# Those that attend within a config's `sliding_window`, for messages ("A's and B's").
+_WINDOWED = "'s and ".join(p.title for p in _LLAMA_SHAPED.values() if p.honours_sliding_window)
 # The q / k norm of each (attention's qk_norm).
 _QK_NORM = {model_type: p.checkpoint_qk_norm for model_type, p in _LLAMA_SHAPED.items()}
+# The model types of the layouts whose config.json fields are their packs' (after the Llama-shaped ones
+# in messages).
+_OTHER_TYPES = ", ".join(p.model_type for p in PACKS if p.checkpoint.config_wants is not None)
 _Want = tuple[str, Any, Any, str]  # (config.json field, its value, the model's, what the model calls it)
 _Bad = Callable[[str, Any, Any, str], WeightsError]
 
@@ -597,41 +588,16 @@ def _check_model_type(model: Mapping[str, Any], lay: _Layout, model_type: Any, w
     """The model type names the checkpoint layout the model has (norms before or after the sublayers)."""
     name = model.get("name", "model")
     if model_type is None:
-        raise WeightsError(f"{where}: `model_type` is missing; expected one of {', '.join(_QK_NORM)}, gpt2")
-    if (model_type == "olmo2") != (lay.arch == "olmo2"):
-        shape = ("OLMo 2 shaped (norms after the sublayers)" if lay.arch == "olmo2"
-                 else "not OLMo 2 shaped (OLMo 2 has norms after the sublayers, none before)")
+        raise WeightsError(f"{where}: `model_type` is missing; expected one of {', '.join(_QK_NORM)}, {_OTHER_TYPES}")
+    hf = _HF_NAMES[lay.arch]
+    post = "attn_pre" not in hf.norms  # the model's blocks have norms after the sublayers only
+    if (model_type in _POST_NORMS) != post:
+        title = _BY_LAYOUT[lay.arch].title if post else _BY_LAYOUT[_POST_LAYOUT].title
+        shape = (f"{title} shaped (norms after the sublayers)" if post
+                 else f"not {title} shaped ({title} has norms after the sublayers, none before)")
         raise WeightsError(f"{where}: `model_type` is {model_type!r}, but model `{name}` is {shape}")
-    if lay.arch == "olmo2":
-        _refuse_olmo2_mismatch(model, lay)
-
-
-def _gpt2_wants(model: Mapping[str, Any], lay: _Layout, cfg: Mapping[str, Any], model_type: Any,
-                where: str) -> list[_Want]:
-    """GPT-2's fields against the model's; refuses the attention variants the gpt2 family lacks."""
-    attn, mlp, name, vocab = lay.attn, lay.mlp, model.get("name", "model"), padded_vocab(model)[1]
-    if model_type != "gpt2":
-        raise WeightsError(f"{where}: model_type {model_type!r}, but model `{name}` is GPT-2 shaped")
-    inner = cfg.get("n_inner") or 4 * int(cfg.get("n_embd", 0))
-    wants = [
-        ("vocab_size", cfg.get("vocab_size"), vocab, "vocab"),
-        ("n_embd", cfg.get("n_embd"), lay.hidden, "hidden"),
-        ("n_layer", cfg.get("n_layer"), lay.count, "layers"),
-        ("n_head", cfg.get("n_head"), attn["heads"], "heads"),
-        ("n_inner", inner, mlp["ffn"], "ffn"),
-        ("layer_norm_epsilon", cfg.get("layer_norm_epsilon", 1e-5), lay.body[0]["eps"], "norm_eps"),
-    ]
-    given = cfg.get("activation_function", "gelu_new")
-    act = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu",
-           "relu": "relu", "silu": "silu"}.get(given, given)
-    wants.append(("activation_function", act, mlp["act"], "act"))
-    pos = next(x for x in model["layers"] if x["kind"] == "positional")
-    wants.append(("n_positions", cfg.get("n_positions"), pos["num"], "positions"))
-    for flag, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False)):
-        if bool(cfg.get(flag, ok)) != ok:
-            raise WeightsError(f"{where}: `{flag}` = {cfg.get(flag)!r} changes the attention maths; "
-                               "meshllm's gpt2 family does not support it")
-    return wants
+    if hf.refuse_unfit is not None:
+        hf.refuse_unfit(model, lay, hf_moe.is_moe(lay.body), WeightsError)
 
 
 def _llama_wants(model: Mapping[str, Any], lay: _Layout, cfg: Mapping[str, Any], model_type: Any,
@@ -641,7 +607,7 @@ def _llama_wants(model: Mapping[str, Any], lay: _Layout, cfg: Mapping[str, Any],
     attn, mlp, vocab = lay.attn, lay.mlp, padded_vocab(model)[1]
     if model_type not in _QK_NORM:
         raise WeightsError(
-            f"{where}: model_type {model_type!r} is not supported ({', '.join(_QK_NORM)}, gpt2)"
+            f"{where}: model_type {model_type!r} is not supported ({', '.join(_QK_NORM)}, {_OTHER_TYPES})"
         )
     pack = _LLAMA_SHAPED[model_type]
     theta, scaling = _rope(cfg)
@@ -655,7 +621,7 @@ def _llama_wants(model: Mapping[str, Any], lay: _Layout, cfg: Mapping[str, Any],
         ("num_key_value_heads", cfg.get("num_key_value_heads", heads), attn["kv_heads"], "kv_heads"),
         ("head_dim", head_dim, attn["head_dim"], "head_dim"),
         ("intermediate_size", cfg.get("intermediate_size"), mlp["ffn"], "ffn"),
-        # transformers' default eps where a config leaves it out (1e-5 for OLMo 2, 1e-6 for the rest)
+        # transformers' default eps where a config leaves it out (the pack's)
         ("rms_norm_eps", cfg.get("rms_norm_eps", pack.default_norm_eps), lay.norm["eps"], "norm_eps"),
         ("rope_theta", theta, attn["rope_theta"], "rope_theta"),
         ("hidden_act", cfg.get("hidden_act", "silu"), "silu", "SwiGLU's activation"),
@@ -663,7 +629,7 @@ def _llama_wants(model: Mapping[str, Any], lay: _Layout, cfg: Mapping[str, Any],
         ("attention_bias (q, k, v)", bool(cfg.get("attention_bias", pack.qkv_bias_built_in)),
          bool(attn.get("qkv_bias")), "attention bias"),
         ("attention_bias (o)", bool(cfg.get("attention_bias", False)), bool(attn.get("o_bias")), "attention out_bias"),
-        # Olmo2MLP is never biased: transformers ignores an mlp_bias in its config
+        # an MLP the architecture never biases: transformers ignores an mlp_bias in its config
         ("mlp_bias", not pack.ignores_mlp_bias and bool(cfg.get("mlp_bias", False)), bool(mlp.get("bias")), "mlp bias"),
     ], scaling
 
@@ -676,9 +642,9 @@ def _check_window(lay: _Layout, cfg: Mapping[str, Any], model_type: Any, where: 
     if binding and not honours and cfg.get("use_sliding_window"):
         raise WeightsError(
             f"{where}: `sliding_window` = {window} limits {model_type}'s attention to a window; meshllm's"
-            " llama family windows Mistral's and Phi-3's attention only"
+            f" llama family windows {_WINDOWED}'s attention only"
         )
-    # Mistral and Phi-3 attend within the window whenever one is set: the model must have the same one
+    # The architectures that honour it attend within the window whenever one is set: the model must have the same one
     # (or none where the window is no shorter than any position).
     theirs = int(window) if honours and window is not None else 0
     ours = int(lay.attn.get("window") or 0)
@@ -706,23 +672,23 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
         cfg, moe_wants = hf_moe.as_attention_config(model, lay, cfg, where, WeightsError)
     model_type = cfg.get("model_type")
     name = model.get("name", "model")
-    if lay.arch == "gemma":
-        return check_gemma_config(lay.attn, lay.mlp, lay.norm, lay.head, padded_vocab(model)[1], lay.hidden,
-                                  lay.count, name, cfg, where, WeightsError)
+    hf = _HF_NAMES[lay.arch]
+    if hf.check_config is not None:  # a layout whose pack checks its config.json wholly
+        return hf.check_config(model, lay, padded_vocab(model)[1], cfg, where, WeightsError)
     _check_model_type(model, lay, model_type, where)
     bad = _bad(where, name)
     scaling = None
-    if lay.arch == "gpt2":
-        wants = _gpt2_wants(model, lay, cfg, model_type, where)
+    if hf.config_wants is not None:  # a layout whose config.json fields are its pack's
+        wants = hf.config_wants(model, lay, padded_vocab(model)[1], cfg, model_type, where, WeightsError)
     else:
         wants, scaling = _llama_wants(model, lay, cfg, model_type, where)
         _check_window(lay, cfg, model_type, where, bad)
-    tied = bool(cfg.get("tie_word_embeddings", lay.arch == "gpt2"))
+    tied = bool(cfg.get("tie_word_embeddings", hf.tied_by_default))
     wants.append(("tie_word_embeddings", tied, bool(lay.head.get("tie")), "a tied head"))
     for field, got, want, what in wants + moe_wants:
         if not _close(got, want):
             raise bad(field, got, want, what)
-    if lay.arch in ("llama", "olmo2"):
+    if hf.config_wants is None:  # Llama-shaped
         _check_rope_scaling(lay, cfg, scaling, bad)
 
 
@@ -763,11 +729,12 @@ def _rope_as_read(scaling: Mapping[str, Any], cfg: Mapping[str, Any]) -> dict[st
 
 def longrope_original(scaling: Mapping[str, Any], cfg: Mapping[str, Any]) -> Any:
     """The trained length longrope switches factors at, as transformers' standardize_rope_params
-    finds it: a top-level original_max_position_embeddings first (Phi3Config has one, 4096 unless
+    finds it: a top-level original_max_position_embeddings first (a pack's longrope_default_original unless
     the config says otherwise), then the rope object's, then max_position_embeddings."""
     top = cfg.get("original_max_position_embeddings")
-    if top is None and cfg.get("model_type") == "phi3":
-        top = 4096
+    pack = _pack_of(cfg)
+    if top is None and pack is not None:
+        top = pack.longrope_default_original
     return top if top is not None else scaling.get("original_max_position_embeddings", cfg.get("max_position_embeddings"))
 
 
@@ -862,7 +829,7 @@ class HFCheckpoint:
         return header
 
     def key(self, key: str) -> str | None:
-        """``key`` as stored: GPT-2 checkpoints from the hub omit the ``transformer.`` prefix."""
+        """``key`` as stored: some checkpoints from the hub omit the ``transformer.`` prefix."""
         if key in self.where:
             return key
         if key.startswith("transformer.") and key[len("transformer."):] in self.where:
@@ -898,7 +865,7 @@ def local_from_hf(
     """This rank's shard of one HF tensor, read slice by slice (rows past the stored ones: zeros)."""
     if hf_moe.is_stacked(key):  # one stored tensor per expert
         return hf_moe.local_stacked(ckpt, key, spec, mesh, dtype, local_from_hf)
-    if hf_fused.rows(key) is not None:  # a part of a fused tensor (Phi-3's qkv_proj, gate_up_proj)
+    if hf_fused.rows(key) is not None:  # a part of a fused tensor (runtime/hf/fused.py)
         return hf_fused.local_rows(ckpt, key, _local_indices(spec, mesh), dtype)
     idx = _local_indices(spec, mesh)
     stored = ckpt.shape(key)
@@ -942,7 +909,7 @@ def plan_load(
             full_shapes[name] = spec.shape
     keys = hf_key_map(model, sorted(full_shapes))
     model_type = ckpt.config.get("model_type")
-    if model_type in hf_fused.MODEL_TYPES:  # Phi-3: q / k / v and gate / up stored as one tensor each
+    if model_type in hf_fused.MODEL_TYPES:  # q / k / v and gate / up stored as one tensor each
         keys = hf_fused.fuse_keys(keys, full_shapes, model_type)
     rows, vocab = padded_vocab(model)
     lay = _layout(model)
@@ -979,8 +946,8 @@ def plan_load(
     return out
 
 
-# Stored tensors that hold no parameter: buffers older transformers versions saved (GPT-2's causal
-# mask, Llama's rotary frequencies), which transformers itself skips on load.
+# Stored tensors that hold no parameter: buffers older transformers versions saved (a causal
+# mask, rotary frequencies), which transformers itself skips on load.
 _BUFFERS = re.compile(r"(^|\.)(attn\.bias|attn\.masked_bias|rotary_emb\.inv_freq)$")
 EXTRA_POLICIES = ("error", "ignore")
 
@@ -1272,7 +1239,7 @@ def _export_config(model: Mapping[str, Any], program: Any, source: str | Path | 
     cfg = hf_config(model, program.dtype, program.seq)
     if source is not None:
         src = Path(source)
-        # Nulls kept as they are: for some fields (Mistral's sliding_window) null is not the default.
+        # Nulls kept as they are: for some fields (a sliding_window) null is not the default.
         src_cfg = _read_object(_source_file(src, "config.json"))
         src_cfg["torch_dtype"] = cfg["torch_dtype"]
         src_cfg.pop("dtype", None)
@@ -1307,7 +1274,7 @@ def export_hf(
     order = _export_order(built)
     keys = hf_key_map(model, [n for _, n, _ in order])
     source_type = _read_object(_source_file(Path(source), "config.json")).get("model_type") if source is not None else None
-    if source_type in hf_fused.MODEL_TYPES:  # written fused, as the source stores them (Phi-3)
+    if source_type in hf_fused.MODEL_TYPES:  # written fused, as the source stores them
         keys = hf_fused.fuse_keys(keys, {n: spec.shape for _, n, spec in order}, source_type)
     itemsize = torch.empty((), dtype=program.dtype).element_size()
 
