@@ -49,6 +49,7 @@ from meshllm_dsl.runtime.hf import fused as hf_fused
 from meshllm_dsl.runtime.hf import moe as hf_moe
 from meshllm_dsl.runtime.hf.fused import runs as _runs
 from meshllm_dsl.runtime.json_values import describe
+from meshllm_dsl.runtime.model import description
 from meshllm_dsl.runtime.outputs import MANIFEST, manifest_bytes, read_manifest, write_file_atomic
 from meshllm_dsl.runtime.parallel.fsdp import tp_local
 from meshllm_dsl.runtime.parallel.mesh import Mesh
@@ -162,7 +163,8 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
             " (Gemma: a post norm after each sublayer; OLMo 2: attention, post norm, mlp, post norm)"
         )
     attn, mlp = next(b for b in body if b["kind"] == "attention"), next(b for b in body if b["kind"] == "mlp")
-    pos = next((x["name"] for x in layers if x["kind"] == "positional"), None)
+    table = description.position_table(model)
+    pos = None if table is None else table["name"]
     kind = next(iter(roles.values()))["kind"]
     offset = float(layers[-2].get("offset") or 0.0)
     # The family's own layout where the model names its family; else the one its structure fits.
@@ -201,7 +203,7 @@ def model_arch(model: Mapping[str, Any]) -> str:
 def padded_vocab(model: Mapping[str, Any]) -> tuple[int, int]:
     """(rows of the embedding, real vocab): rows past the real vocab are padding."""
     lay = _layout(model)
-    embed = next(x for x in model["layers"] if x["kind"] == "embedding")
+    embed = description.token_embedding(model)
     return lay.vocab, int(embed.get("used") or lay.vocab)
 
 

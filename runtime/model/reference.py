@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from meshllm_dsl.runtime.model import rope
+from meshllm_dsl.runtime.model import description, rope
 from meshllm_dsl.runtime.moe.experts import ReferenceMoE
 from meshllm_dsl.runtime.parallel.shards import full_init
 
@@ -260,7 +260,7 @@ class ReferenceModel(nn.Module):
         super().__init__()
         self.order: list[tuple[str, str]] = []
         self.ties: dict[str, str] = {}
-        self.used = next((s.get("used") for s in model["layers"] if s["kind"] == "embedding"), None)
+        self.used = description.token_embedding(model).get("used")
         self.softcap = model["layers"][-1].get("softcap")  # the head's final logit soft-cap
         for spec in model["layers"]:
             name, kind = spec["name"], spec["kind"]
