@@ -17,6 +17,7 @@ from typing import Any
 
 import attrs
 
+from meshllm_dsl import primitives
 from meshllm_dsl.codegen.lower import _adamw_kwargs, docstring_text, literal, model_description
 from meshllm_dsl.codes import E1201, E1202, E1203, E1204, E1205, E1206, W1201, W1202
 from meshllm_dsl.diagnostics import Diagnostic, SpecError
@@ -25,6 +26,7 @@ from meshllm_dsl.front import ast
 from meshllm_dsl.front.load import Declarations
 from meshllm_dsl.front.source import Span
 from meshllm_dsl.ir import Leaf, Placement, PlanIR, Repeat, Unit
+from meshllm_dsl.primitives.linear import LINEAR
 
 TARGETS = ("dtensor", "hf-tp-plan")
 
@@ -106,21 +108,29 @@ def _param_names(item: Repeat | Unit, leaf: Leaf) -> list[str]:
     return [".".join((*prefix, *leaf.path, t.name)) for t in leaf.params]
 
 
+# (leaf kind, shard rule, what the leaf is) -> (torch's parallel style, transformers' tp_plan style).
+# The head's column split gathers its logits (kept as DTensors under loss parallelism); a row split
+# of the head has no style.
+_STYLES: dict[tuple[str, str, str], tuple[str, str]] = {
+    ("embedding", "vocab_parallel", "layer"): ("RowwiseParallel(input_layouts=Replicate())", "embedding_rowwise"),
+    ("linear", "column", "layer"): ("ColwiseParallel()", "colwise"),
+    ("linear", "column", "head"): ("ColwiseParallel(output_layouts=Replicate())", "colwise_gather_output"),
+    ("linear", "column", "head, loss parallel"): ("ColwiseParallel(use_local_output=False)", "colwise_gather_output"),
+    ("linear", "row", "layer"): ("RowwiseParallel()", "rowwise"),
+}
+
+
 def _style(leaf: Leaf, p: Placement, is_head: bool, loss_parallel: bool, target: str) -> tuple[str, str] | str:
     """(torch style, transformers style) for a sharded leaf, or why the target cannot say it."""
     if len(p.axes) != 1:
         return (f"it is split over {' x '.join(p.axes)} at once; a parallel style shards over one mesh "
                 "dimension")
-    if leaf.kind == "embedding" and p.rule == "vocab_parallel":
-        return "RowwiseParallel(input_layouts=Replicate())", "embedding_rowwise"
-    if leaf.kind == "linear" and p.rule == "column":
-        if is_head:
-            if loss_parallel:
-                return "ColwiseParallel(use_local_output=False)", "colwise_gather_output"
-            return "ColwiseParallel(output_layouts=Replicate())", "colwise_gather_output"
-        return "ColwiseParallel()", "colwise"
-    if leaf.kind == "linear" and p.rule == "row" and not is_head:
-        return "RowwiseParallel()", "rowwise"
+    role = "head" if is_head else "layer"
+    if is_head and loss_parallel:
+        role = "head, loss parallel"
+    style = _STYLES.get((leaf.kind, p.rule, role))
+    if style is not None:
+        return style
     what = "torch's parallel styles" if target == "dtensor" else "transformers' tp_plan styles"
     return f"`{p.rule}` on a {leaf.kind} layer has no counterpart in {what}"
 
@@ -164,9 +174,10 @@ def _checkpoint_layout(plan: PlanIR, desc: dict[str, Any], where: str) -> str:
         )]) from None
     # Exports are proven (tests/integration/test_export.py) for the packs marked tp_export only: another
     # layout or a mixture-of-experts model would need its own module names and its own proof first.
-    kinds = {u.kind for item in plan.model.items for u in (item.body if isinstance(item, Repeat) else (item,))}
-    if arch not in HF_CLASSES or "moe" in kinds:
-        what = "mixture-of-experts layers" if "moe" in kinds else f"the {arch} checkpoint layout"
+    routes = any(primitives.of(u).routes_experts
+                 for item in plan.model.items for u in (item.body if isinstance(item, Repeat) else (item,)))
+    if arch not in HF_CLASSES or routes:
+        what = "mixture-of-experts layers" if routes else f"the {arch} checkpoint layout"
         raise SpecError([Diagnostic(
             E1204, f"model `{plan.model.name}` ({what}) is not exported to {where} yet",
             plan.model.span or plan.span, label="no tested export for this model",
@@ -268,7 +279,7 @@ def _placements(plan: PlanIR, item: Repeat | Unit, leaf: Leaf) -> Iterator[tuple
 def _unshardable(found: _Findings, unit: Unit, leaf: Leaf, p: Placement, module: str, conv1d: bool) -> bool:
     """Refuse a sharded leaf whose transformers module cannot be sharded as the plan says; True if refused."""
     where = found.where
-    if unit.kind == "attention" and dict(unit.attrs).get("qk_norm") == "full" and leaf.path[-1] in ("q", "k"):
+    if dict(unit.attrs).get("qk_norm") == "full" and leaf.path[-1] in ("q", "k"):
         # transformers' whole-projection q / k RMSNorm would normalise each rank's columns on their own: another model
         found.refuse(E1205, f"{where} cannot express the placement of `{'.'.join(leaf.path)}`: its RMSNorm spans the "
                      "whole projection (qk_norm = full, OLMo 2), and split by heads each rank would normalise "
@@ -301,7 +312,7 @@ def _leaf_entries(found: _Findings, out: _Modules, item: Repeat | Unit, unit: Un
     """The entries (one per block class) of one leaf whose first parameter transformers calls `hf_name`."""
     plan = found.plan
     last = plan.model.items[-1]
-    head_name = last.name if isinstance(last, Unit) and last.kind == "linear" else None
+    head_name = last.name if isinstance(last, Unit) and primitives.of(last) is LINEAR else None
     module, rel = hf_name.rsplit(".", 1)[0], ""
     if isinstance(item, Repeat):
         parts = module.split(".")
