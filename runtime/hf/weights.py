@@ -110,11 +110,20 @@ class _Layout:
 
     @property
     def attn(self) -> Mapping[str, Any]:
-        return next(b for b in self.body if b["kind"] == "attention")
+        return _sublayer(self.body, "attn")
 
     @property
     def mlp(self) -> Mapping[str, Any]:
-        return next(b for b in self.body if b["kind"] == "mlp")
+        return _sublayer(self.body, "mlp")
+
+
+# The sublayers a checkpoint's block holds, by the MODEL's layer kind: their role in the block (the
+# CheckpointNames' `attn` / `mlp` submodules, the norms' `attn_pre` ... `mlp_post`).
+_SUBLAYER_ROLES = {"attention": "attn", "mlp": "mlp"}
+
+
+def _sublayer(body: tuple[Mapping[str, Any], ...], role: str) -> Mapping[str, Any]:
+    return next(b for b in body if _SUBLAYER_ROLES.get(b["kind"]) == role)
 
 
 def _block_norms(body: tuple[Mapping[str, Any], ...]) -> dict[str, Mapping[str, Any]] | None:
@@ -125,9 +134,10 @@ def _block_norms(body: tuple[Mapping[str, Any], ...]) -> dict[str, Mapping[str, 
     pending: Mapping[str, Any] | None = None
     last = None
     for b in body:
-        if b["kind"] in ("attention", "mlp"):
+        role = _SUBLAYER_ROLES.get(b["kind"])
+        if role is not None:
             last = next(subs, None)
-            if last != ("attn" if b["kind"] == "attention" else "mlp"):
+            if last != role:
                 return None
             if pending is not None:
                 roles[f"{last}_pre"], pending = pending, None
@@ -162,7 +172,7 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
             f"{', '.join(b['kind'] for b in body)}; Hugging Face layouts need norm, attention, norm, mlp"
             " (Gemma: a post norm after each sublayer; OLMo 2: attention, post norm, mlp, post norm)"
         )
-    attn, mlp = next(b for b in body if b["kind"] == "attention"), next(b for b in body if b["kind"] == "mlp")
+    attn, mlp = _sublayer(body, "attn"), _sublayer(body, "mlp")
     table = description.position_table(model)
     pos = None if table is None else table["name"]
     kind = next(iter(roles.values()))["kind"]
