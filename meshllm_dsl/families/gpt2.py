@@ -9,6 +9,7 @@ from typing import Any
 
 from meshllm_dsl.families.config_fields import ConfigFields
 from meshllm_dsl.families.pack import CheckpointNames, FamilyPack, Reading, Want
+from meshllm_dsl.runtime.model import description
 
 
 def read_gpt2(f: ConfigFields, pack: FamilyPack, dtype: str) -> Reading:
@@ -36,7 +37,9 @@ def read_gpt2(f: ConfigFields, pack: FamilyPack, dtype: str) -> Reading:
 
 
 def _positions(model: Mapping[str, Any]) -> Mapping[str, Any]:
-    return next(x for x in model["layers"] if x["kind"] == "positional")
+    table = description.position_table(model)
+    assert table is not None  # the gpt2 layout fits only models with learned positions
+    return table
 
 
 def _write_config(model: Mapping[str, Any], lay: Any, vocab: int, tied: bool, dtype_name: str,
