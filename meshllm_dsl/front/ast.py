@@ -10,6 +10,7 @@ classes, paid by every `meshc` start: issue 12), while `_node` compiles the cons
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from attrs.exceptions import FrozenInstanceError
@@ -153,6 +154,20 @@ class ListLit:
 
 
 Value = Expr | ListLit
+
+
+def names_in(value: Value | None) -> Iterator[Name]:
+    """Every name an expression or list reads, in source order (None: none)."""
+    if isinstance(value, Name):
+        yield value
+    elif isinstance(value, ListLit):
+        for item in value.items:
+            yield from names_in(item)
+    elif isinstance(value, BinOp):
+        yield from names_in(value.left)
+        yield from names_in(value.right)
+    elif isinstance(value, Neg):
+        yield from names_in(value.operand)
 
 
 @node

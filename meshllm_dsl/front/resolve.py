@@ -7,7 +7,7 @@ a dim is a symbol (`swiglu`, `bf16`, `embed`), validated by whoever consumes it.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -828,20 +828,8 @@ def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
     params = {p.name.value for p in family.params}
     where = f"family `{family.name.value}`"
 
-    def names(expr: ast.Value) -> Iterator[ast.Name]:
-        if isinstance(expr, ast.Name):
-            yield expr
-        elif isinstance(expr, ast.ListLit):
-            for item in expr.items:
-                yield from names(item)
-        elif isinstance(expr, ast.Neg):
-            yield from names(expr.operand)
-        elif isinstance(expr, ast.BinOp):
-            yield from names(expr.left)
-            yield from names(expr.right)
-
     def dims(expr: ast.Value) -> None:
-        for n in names(expr):
+        for n in ast.names_in(expr):
             if n.value not in params:
                 r.error(E0202, f"unknown dim `{n.value}` in {where}", n.span, label="not a parameter of the family",
                         **typo(n.span, n.value, params))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -120,19 +120,6 @@ class Occ:
     context: object = attrs.field(default=None, eq=False)  # the declaration it sits in
 
 
-def _expr_names(e: ast.Value | None) -> Iterator[ast.Name]:
-    if isinstance(e, ast.Name):
-        yield e
-    elif isinstance(e, ast.ListLit):
-        for item in e.items:
-            yield from _expr_names(item)
-    elif isinstance(e, ast.BinOp):
-        yield from _expr_names(e.left)
-        yield from _expr_names(e.right)
-    elif isinstance(e, ast.Neg):
-        yield from _expr_names(e.operand)
-
-
 def _layer_names(body: Sequence[ast.LayerStmt], prefix: str = "") -> set[str]:
     out: set[str] = set()
     for s in body:
@@ -188,7 +175,7 @@ class SymbolIndex:
             params = {p.name.value for p in it.params}
             for p in it.params:
                 self.add(p.name, ("param", it.name.value, p.name.value), True, it)
-                for n in _expr_names(p.default):
+                for n in ast.names_in(p.default):
                     if n.value in params:
                         self.add(n, ("param", it.name.value, n.value), context=it)
             self._body(it.body, "family:" + it.name.value, lambda n: ("param", it.name.value, n) if n in params else None, it)
@@ -199,13 +186,13 @@ class SymbolIndex:
                 self.add(it.family, ("family", fam), context=it)
                 for s in it.settings:
                     self.add(s.name, ("param", fam, s.name.value), context=it)
-                    for n in _expr_names(s.value):
+                    for n in ast.names_in(s.value):
                         self.add(n, ("param", fam, n.value), context=it)
             else:
                 dims = {s.name.value for s in it.settings}
                 for s in it.settings:
                     self.add(s.name, ("dim", it.name.value, s.name.value), True, it)
-                    for n in _expr_names(s.value):
+                    for n in ast.names_in(s.value):
                         if n.value in dims:
                             self.add(n, ("dim", it.name.value, n.value), context=it)
                 self._body(it.body, "model:" + it.name.value,
@@ -218,7 +205,7 @@ class SymbolIndex:
         for s in body:
             self.add(s.name, ("layer", owner, prefix + s.name.value), True, ctx)
             if isinstance(s, ast.RepeatDecl):
-                for n in _expr_names(s.count):
+                for n in ast.names_in(s.count):
                     key = ref(n.value)  # type: ignore[operator]
                     if key:
                         self.add(n, key, context=ctx)
@@ -227,7 +214,7 @@ class SymbolIndex:
             self.add(s.call.func, ("primitive", s.call.func.value), context=ctx)
             exprs = [*s.call.args, *(kw.value for kw in s.call.kwargs)]
             for e in exprs:
-                for n in _expr_names(e):
+                for n in ast.names_in(e):
                     key = ref(n.value)  # type: ignore[operator]
                     if key:
                         self.add(n, key, context=ctx)
