@@ -25,8 +25,11 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import attrs
+
 from meshllm_dsl.families.config_fields import ConfigError, ConfigFields, ImportError_, Setting
-from meshllm_dsl.families.pack import CheckpointNames, FamilyPack, Reading
+from meshllm_dsl.families.llama import NAMES as LLAMA_NAMES
+from meshllm_dsl.families.pack import FamilyPack, Reading
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -300,15 +303,11 @@ def _check_config(model: Mapping[str, Any], lay: Any, vocab: int, cfg: Mapping[s
 
 
 # Llama's names, a norm before and after each sublayer, (1 + weight) norms.
-NAMES = CheckpointNames(
-    layout="gemma",
-    top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
-    blocks="model.layers", norms={"attn_pre": "input_layernorm", "attn_post": "post_attention_layernorm",
-                                  "mlp_pre": "pre_feedforward_layernorm", "mlp_post": "post_feedforward_layernorm"},
-    attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
-    mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-    transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="geglu_tanh", norm_offset=1.0,
-    write_config=_write_config, check_config=_check_config,
+NAMES = attrs.evolve(
+    LLAMA_NAMES, layout="gemma",
+    norms={"attn_pre": "input_layernorm", "attn_post": "post_attention_layernorm",
+           "mlp_pre": "pre_feedforward_layernorm", "mlp_post": "post_feedforward_layernorm"},
+    act="geglu_tanh", norm_offset=1.0, write_config=_write_config, check_config=_check_config,
 )
 
 GEMMA2 = FamilyPack("Gemma2ForCausalLM", "gemma2", "gemma2", read_gemma, NAMES, title="Gemma 2", default_positions=8192)

@@ -14,8 +14,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import attrs
+
+from meshllm_dsl.families.llama import NAMES as LLAMA_NAMES
 from meshllm_dsl.families.llama_config import read_llama_shaped
-from meshllm_dsl.families.pack import CheckpointNames, FamilyPack
+from meshllm_dsl.families.pack import FamilyPack
 
 
 def _refuse_unfit(model: Mapping[str, Any], lay: Any, moe: bool, error: type[Exception]) -> None:
@@ -35,13 +38,9 @@ def _refuse_unfit(model: Mapping[str, Any], lay: Any, moe: bool, error: type[Exc
 
 # Llama's names, a norm after each sublayer and none before; its q / k norms (over the whole
 # projection) are self_attn.{q,k}_norm, as per-head q / k norms are.
-NAMES = CheckpointNames(
-    layout="olmo2",
-    top={"embed": "model.embed_tokens", "norm": "model.norm", "head": "lm_head"},
-    blocks="model.layers", norms={"attn_post": "post_attention_layernorm", "mlp_post": "post_feedforward_layernorm"},
-    attn=("self_attn", {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}),
-    mlp=("mlp", {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}),
-    transposed=False, positions=False, fused_qkv=False, norm="rmsnorm", act="swiglu",
+NAMES = attrs.evolve(
+    LLAMA_NAMES, layout="olmo2",
+    norms={"attn_post": "post_attention_layernorm", "mlp_post": "post_feedforward_layernorm"},
     refuse_unfit=_refuse_unfit,
 )
 
