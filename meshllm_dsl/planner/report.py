@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 
+from meshllm_dsl.front.names import ranges
 from meshllm_dsl.ir import DTYPES, PlanIR
 from meshllm_dsl.parallel.costs import MFU
 from meshllm_dsl.parallel.placements import runs_fsdp
@@ -20,7 +21,6 @@ from meshllm_dsl.planner.held import held_units
 from meshllm_dsl.planner.recompute import recomputed_text
 from meshllm_dsl.planner.records import PlanReport
 from meshllm_dsl.planner.time import fsdp_overlaps_compute
-from meshllm_dsl.planner.units import _ranges
 
 
 def expert_layer_comm(rep: PlanReport) -> dict[str, Any] | None:
@@ -78,7 +78,7 @@ def _training_state_line(plan: PlanIR, k: int, numel: int) -> str:
 
 
 def _ranks_text(ranks: tuple[int, ...]) -> str:
-    return _ranges(list(ranks)) if ranks else "-"
+    return ranges(list(ranks)) if ranks else "-"
 
 
 def _heading_lines(rep: PlanReport) -> list[str]:

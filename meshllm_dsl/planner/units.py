@@ -9,16 +9,11 @@ from __future__ import annotations
 import math
 
 from meshllm_dsl import primitives
-from meshllm_dsl.front.names import ranges
 from meshllm_dsl.ir import DTYPES, Placement, PlanIR, Stage, Tensor, Unit
 from meshllm_dsl.parallel.costs import HeldUnit, axes_size, seq_size
 from meshllm_dsl.planner.held import held_units
 
 # ---------------------------------------------------------------- what a stage holds
-
-
-def _ranges(blocks: list[int]) -> str:
-    return ranges(blocks)
 
 
 def stage_label(plan: PlanIR, stage: Stage) -> str:

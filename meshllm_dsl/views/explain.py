@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from meshllm_dsl import primitives
+from meshllm_dsl.front.names import ranges
 from meshllm_dsl.ir import (
     Collective,
     Placement,
@@ -26,7 +27,7 @@ from meshllm_dsl.parallel.dtensor import Layout, activation_dims, dtensor_placem
 from meshllm_dsl.parallel.layouts import seq_partial_grad
 from meshllm_dsl.parallel.placements import activation_layout, fsdp_axes, spmd_mesh
 from meshllm_dsl.planner.formatting import table_text
-from meshllm_dsl.planner.units import _ranges, stage_label
+from meshllm_dsl.planner.units import stage_label
 
 
 def shard_axes(plan: PlanIR) -> tuple[str, ...]:
@@ -129,7 +130,7 @@ def layer_entries(plan: PlanIR) -> list[dict[str, Any]]:
         if isinstance(item, Repeat):
             for cls in plan.block_classes:
                 out.append({
-                    "blocks": f"{item.name} {_ranges(list(cls.indices))}",
+                    "blocks": f"{item.name} {ranges(list(cls.indices))}",
                     "units": [_unit_entries(plan, u, dict(cls.placements), dict(cls.flows).get(u.name)) for u in item.body],
                 })
         else:

@@ -1,6 +1,7 @@
-"""Reading the MODEL description a generated module carries (codegen/lower.py writes it): the one
-place outside the layer classes that asks a layer's kind, so the trainer, the launcher and the
-router losses read the model the same way."""
+"""Reading the MODEL description a generated module carries (codegen/lower.py writes it): its layers
+unrolled, the token embedding, the position table and the moe layers, so the trainer, the launcher,
+the router losses, the reference comparison and the checkpoint code read the model alike. (The
+reference model's and the checkpoint layouts' own tables dispatch on the kind themselves.)"""
 
 from __future__ import annotations
 
