@@ -26,7 +26,34 @@ LeafKind = Literal["linear", "embedding", "positional", "rmsnorm", "layernorm"]
 
 # Rule names a `shard` statement may use.
 RULES = ("column", "row", "vocab_parallel", "replicate", "expert")  # expert: a moe layer's experts (checker/placements.py)
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+# What each schedule runs per pipeline rank and how its stages sit on the ranks: torch 2.13's
+# torch.distributed.pipelining classes (runtime/train/program.py maps the names to them).
+#  - stages per rank ("virtual"): exactly 1 (single-stage classes), at least 2, exactly 2, or any;
+#  - placement: "loop" (stage i on rank i % p) or "v" (rank r holds stages r and 2p - 1 - r:
+#    torch's generate_stage_to_rank_mapping(style="v"), which ZBV and DualPipeV set on their stages);
+#  - split backward: the backward runs as input-gradient (I) then weight-gradient (W) actions.
+SCHEDULE_VIRTUAL = {"gpipe": "one", "1f1b": "one", "interleaved_1f1b": "many", "looped_bfs": "any",
+                    "interleaved_zb": "any", "zbv": "two", "dualpipev": "two"}
+V_SCHEDULES = ("zbv", "dualpipev")
+SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
+PLACEMENTS = ("loop", "v")
+
+
+def placement_of(schedule: str) -> str:
+    """How `schedule` places its stages on the pipeline ranks: "v" or "loop"."""
+    return "v" if schedule in V_SCHEDULES else "loop"
+
+
+def stage_coord(index: int, pipeline: int, placement: str = "loop") -> int:
+    """The pipeline coordinate that runs stage `index` of a pipeline of `pipeline` ranks.
+
+    "loop": rank i % p. "v": down the ranks, then back up (stages 0..p-1 on ranks 0..p-1, stages
+    p..2p-1 on ranks p-1..0, and so on), as torch's generate_stage_to_rank_mapping(style="v")."""
+    if placement == "v":
+        lap, offset = divmod(index, pipeline)
+        return offset if lap % 2 == 0 else pipeline - 1 - offset
+    return index % pipeline
 # Activation recomputation (`recompute = ...`): nothing, every block of the repeat (full, per block),
 # or only the attention core of each block (selective, Korthikanti et al. 2022).
 RECOMPUTE = ("none", "blocks", "attention", "ops")
@@ -351,7 +378,7 @@ class StagePiece:
 @attrs.frozen
 class Stage:
     index: int  # position in the pipeline, 0 .. stages-1
-    coord: int  # coordinate on the pipeline axis that runs it (index % pipeline size)
+    coord: int  # coordinate on the pipeline axis that runs it (stage_coord: index % pipeline size, or a V)
     pieces: tuple[StagePiece, ...]
     numel: int  # parameters held (tied copies counted where they live)
 
