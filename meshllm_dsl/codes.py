@@ -156,9 +156,13 @@ CODES: dict[str, tuple[str, str]] = {
     "E0605": ("empty stage", "Every stage must hold at least one layer."),
     "E0606": ("too few microbatches", "1F1B needs at least as many microbatches as pipeline stages (torch's "
               "schedule otherwise cannot fill the pipeline and the job hangs); interleaved 1F1B also needs "
-              "microbatches divisible by the pipeline size."),
-    "E0607": ("schedule invalid", "Schedules are `gpipe`, `1f1b` and `interleaved_1f1b`; interleaving requires "
-              "`virtual N` stages per rank, and virtual stages require interleaving."),
+              "microbatches divisible by the pipeline size; DualPipeV at least as many microbatches as stages "
+              "(2 per rank); interleaved zero bubble whole rounds (m a multiple of max(1, m // p))."),
+    "E0607": ("schedule invalid", "Schedules are `gpipe`, `1f1b`, `interleaved_1f1b`, `looped_bfs`, "
+              "`interleaved_zb`, `zbv` and `dualpipev` (torch.distributed.pipelining's classes). `gpipe` and `1f1b` "
+              "run one stage per rank; `interleaved_1f1b` needs `virtual N` stages per rank; `zbv` and `dualpipev` "
+              "exactly `virtual 2`, placed in a V (rank r holds stages r and 2p - 1 - r); the others any number, "
+              "placed in a loop. A written `placement` must be the schedule's."),
     "E0608": ("cannot balance stages", "`balanced` splits the repeated blocks evenly, so the stage count "
               "(pipeline size x virtual stages) must divide the number of blocks; otherwise list the stages."),
     "E0609": ("bad block range", "A stage's block range `blocks[a:b]` must satisfy 0 <= a < b <= count, and "

@@ -13,7 +13,7 @@ from meshllm_dsl.codes import E0305, E0310, E0606, E0607, W0703
 from meshllm_dsl.diagnostics import Label, Suggestion, replace, typo
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.names import or_list
-from meshllm_dsl.ir import SCHEDULES, Stage, Unit
+from meshllm_dsl.ir import SCHEDULE_VIRTUAL, SCHEDULES, Stage, Unit
 
 
 class BatchRules(PlanContext):
@@ -29,12 +29,21 @@ class BatchRules(PlanContext):
             # The checks that read the schedule would judge the default in its place, not the plan.
             self.bad_settings.add("schedule")
             return default
-        if name == "interleaved_1f1b" and virtual < 2:
+        runs = SCHEDULE_VIRTUAL[name]  # stages per rank torch's class for it runs
+        if runs == "many" and virtual < 2:
             self.error(E0607, "`interleaved_1f1b` needs virtual stages", stmt.name.span, label="no `virtual N` on the stages",
                        help="write `stages over AXIS virtual 2 ...` (each rank then runs 2 stages)")
-        if name != "interleaved_1f1b" and virtual > 1:
+        if runs == "one" and virtual > 1:
             self.error(E0607, f"virtual stages need the `interleaved_1f1b` schedule, not `{name}`", stmt.name.span,
                        label="does not interleave", help="use `schedule interleaved_1f1b`, or drop `virtual`")
+        if runs == "two" and virtual != 2:
+            # ZBV and DualPipeV run a V: two stages on every rank, one on the way down, one back up.
+            self.error(E0607, f"`{name}` runs exactly 2 stages per rank (a V), not {virtual}", stmt.name.span,
+                       label=f"{virtual} stage{'s' if virtual != 1 else ''} per rank",
+                       help="write `stages over AXIS virtual 2 ...`: rank r then holds stages r and 2p - 1 - r")
+        if runs != "one" and not pipeline_axis:
+            self.error(E0607, f"`{name}` is a pipeline schedule, and this plan has no pipeline stages", stmt.name.span,
+                       label="nothing to schedule", help="add `stages over AXIS ...`, or drop the `schedule`")
         return name
 
     def batch_checks(self, batch: int, micro: int, batch_axes: tuple[str, ...], settings: dict[str, ast.Setting],
@@ -57,16 +66,37 @@ class BatchRules(PlanContext):
         if pipeline > 1 and micro < pipeline:
             ms = settings.get("microbatches")
             where = ms.value.span if ms is not None else self.decl.name.span
-            if schedule in ("1f1b", "interleaved_1f1b"):
+            if schedule in ("1f1b", "interleaved_1f1b"):  # (dualpipev: below, against the stage count)
                 self.error(E0606, f"`{schedule}` needs at least as many microbatches as pipeline stages ({micro} < {pipeline})",
                            where, label=f"{micro} microbatch{'es' if micro != 1 else ''}" if ms is not None else "`microbatches` is not set (so 1)",
                            help=f"{'use' if ms is not None else 'set'} `microbatches = {pipeline}` or more (and batch divisible by it)",
                            suggestions=_values(ms, [pipeline], "microbatches"),
                            note="with fewer microbatches than stages 1F1B cannot fill the pipeline and hangs in torch")
-            else:
+            elif schedule == "gpipe":
                 self.warn(W0703, f"{micro} microbatches for {pipeline} pipeline stages", where,
                           label="fewer microbatches than stages",
                           help=f"use at least {pipeline} (bubble is (p - 1) / (m + p - 1) = {(pipeline - 1) / (micro + pipeline - 1):.0%} now)")
+            elif schedule != "dualpipev":
+                self.warn(W0703, f"{micro} microbatches for {pipeline} pipeline ranks", where,
+                          label="fewer microbatches than ranks",
+                          help=f"use at least {pipeline}: with fewer, `{schedule}` never fills the pipeline")
+        ms = settings.get("microbatches")
+        where = ms.value.span if ms is not None else self.decl.name.span
+        if schedule == "dualpipev" and pipeline > 1 and micro < len(stages):
+            # torch's ScheduleDualPipeV refuses it: both directions of the V must be full at once.
+            self.error(E0606, f"`dualpipev` needs at least as many microbatches as stages ({micro} < {len(stages)})",
+                       where, label=f"{micro} microbatch{'es' if micro != 1 else ''}" if ms is not None else "`microbatches` is not set (so 1)",
+                       help=f"{'use' if ms is not None else 'set'} `microbatches = {len(stages)}` or more (and batch divisible by it)",
+                       suggestions=_values(ms, [len(stages)], "microbatches"))
+        rounds = max(1, micro // pipeline) if pipeline else 1
+        if schedule == "interleaved_zb" and pipeline > 1 and micro % rounds:
+            # torch's ScheduleInterleavedZeroBubble runs whole rounds of max(1, m // p) microbatches.
+            fits = [k for k in range(max(1, micro - 2 * pipeline), micro + 2 * pipeline + 1) if k % max(1, k // pipeline) == 0]
+            near = sorted(fits, key=lambda k: (abs(k - micro), k))[:3]
+            self.error(E0606, f"`interleaved_zb` runs whole rounds of {rounds} microbatches, and {micro} is not a multiple of {rounds}",
+                       where, label=f"{micro} microbatches",
+                       help=f"use {or_list(sorted(near))} microbatches: each round runs m // {pipeline} of them, so m must be a multiple of that",
+                       suggestions=_values(ms, sorted(near), "microbatches"))
         if schedule == "interleaved_1f1b" and pipeline > 1 and micro % pipeline:
             ms = settings.get("microbatches")
             self.error(E0606, f"`interleaved_1f1b` needs microbatches divisible by the pipeline size ({micro} % {pipeline} != 0)",

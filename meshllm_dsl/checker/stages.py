@@ -13,12 +13,35 @@ from meshllm_dsl.checker.context import (
     _blocks_text,
     _human,
 )
-from meshllm_dsl.codes import E0201, E0202, E0601, E0602, E0603, E0604, E0605, E0608, E0609, W0701
+from meshllm_dsl.codes import (
+    E0201,
+    E0202,
+    E0601,
+    E0602,
+    E0603,
+    E0604,
+    E0605,
+    E0607,
+    E0608,
+    E0609,
+    W0701,
+)
 from meshllm_dsl.diagnostics import Applicability, Label, insert, replace, typo
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.names import divisors, or_list
 from meshllm_dsl.front.source import Span
-from meshllm_dsl.ir import BlockClass, Placement, Repeat, Stage, StagePiece, Unit
+from meshllm_dsl.ir import (
+    PLACEMENTS,
+    SCHEDULES,
+    BlockClass,
+    Placement,
+    Repeat,
+    Stage,
+    StagePiece,
+    Unit,
+    placement_of,
+    stage_coord,
+)
 
 
 @attrs.define
@@ -64,8 +87,9 @@ class StageRules(PlanContext):
         if stmt.virtual is not None:
             virtual = self.eval_int(stmt.virtual, {}, "virtual stages") or 1
         count = p * virtual
+        placement = self.placement(stmt)
         if stmt.balanced:
-            return self.balanced(stmt, axis, p, virtual), axis, virtual
+            return self.balanced(stmt, axis, p, virtual, placement), axis, virtual
         # Stage-map errors point at the map's header (`stages over AXIS`) or at the entry involved,
         # never at the whole multi-line map.
         header_end = stmt.virtual.span.end if stmt.virtual is not None and stmt.virtual.span else stmt.axis.span.end  # type: ignore[union-attr]
@@ -73,7 +97,7 @@ class StageRules(PlanContext):
         errors_before = self.error_count()
         entries = self._numbered_entries(stmt)
         walk = _MapWalk.of(self, entries)
-        stages = [self._stage(k, entry, walk, top, p, axis) for k, entry in enumerate(entries)]
+        stages = [self._stage(k, entry, walk, top, p, axis, placement) for k, entry in enumerate(entries)]
         self._coverage(stages, walk, entries, header)
         if len(stmt.entries) != count:
             self.error(E0604, f"{len(stmt.entries)} stages for a pipeline of {count}", header,
@@ -85,6 +109,34 @@ class StageRules(PlanContext):
             worst = max(range(len(stages)), key=lambda k: stages[k].numel, default=0)
             self.imbalance(stages, entries[worst].span if entries else stmt.span, axis)
         return tuple(stages), axis, virtual
+
+    def placement(self, stmt: ast.StagesStmt) -> str:
+        """How the stages sit on the pipeline ranks: the schedule's way (a V for `zbv` and `dualpipev`,
+        a loop otherwise), which a written `placement` must agree with (E0607): torch's schedule classes
+        send and receive by their own placement, so another one cannot run."""
+        schedule = next((s for s in self.decl.body if isinstance(s, ast.ScheduleStmt)), None)
+        name = schedule.name.value if schedule is not None and schedule.name.value in SCHEDULES else None
+        wanted = placement_of(name) if name is not None else "loop"
+        given = stmt.placement
+        if given is None:
+            return wanted
+        if given.value not in PLACEMENTS:
+            self.error(E0607, f"unknown placement `{given.value}`", given.span, label="not a placement",
+                       **typo(given.span, given.value, PLACEMENTS))
+            return wanted
+        if given.value != wanted:
+            shape = {"v": "a V (rank r holds stages r and 2p - 1 - r)", "loop": "a loop (stage i on rank i % p)"}
+            secondary = (Label(schedule.name.span, f"places its stages in {shape[wanted].split(' (')[0]}"),) \
+                if schedule is not None and schedule.name.span else ()
+            if wanted == "v":
+                help_ = f"write `placement v`, or drop `placement`: `{name}` places its stages itself"
+            else:
+                help_ = ("a V is what `schedule zbv` and `schedule dualpipev` run (with `virtual 2`); "
+                         "for this schedule drop `placement v`")
+            self.error(E0607, f"`{name or 'the default schedule'}` runs its stages in {shape[wanted]}, not {shape[given.value]}",
+                       given.span, label=f"a {given.value if given.value == 'loop' else 'V'} placement",
+                       secondary=secondary, help=help_)  # type: ignore[arg-type]
+        return wanted
 
     def _numbered_entries(self, stmt: ast.StagesStmt) -> list[ast.StageEntry]:
         """The map's stages in the order to check them, after E0603 for stages numbered out of order."""
@@ -111,7 +163,7 @@ class StageRules(PlanContext):
         return entries
 
     def _stage(self, k: int, entry: ast.StageEntry, walk: _MapWalk, top: dict[str, Placement], p: int,
-               axis: str) -> Stage:
+               axis: str, placement: str) -> Stage:
         """Stage `k` of the map: its pieces, each checked against the walk so far (E0202, E0601-E0603,
         E0605, E0609)."""
         pieces: list[StagePiece] = []
@@ -122,7 +174,7 @@ class StageRules(PlanContext):
         if not pieces and not entry.items:
             self.error(E0605, f"stage {k} holds no layers", entry.span, label="empty stage",
                        help=f"every stage needs at least one layer: move layers here or use fewer stages (and a smaller `{axis}` axis)")
-        return Stage(k, k % p, tuple(pieces), self.stage_numel(pieces, top))
+        return Stage(k, stage_coord(k, p, placement), tuple(pieces), self.stage_numel(pieces, top))
 
     def _piece(self, k: int, it: ast.StageItem, walk: _MapWalk) -> StagePiece | None:
         """One item of stage `k` as a piece of it; None where it names no layer or a range that is none."""
@@ -241,7 +293,7 @@ class StageRules(PlanContext):
                            suggestions=replace(it.span, f"{item.name}[{first}:{item.count}]",
                                                f"Extend to `{item.name}[{first}:{item.count}]`"))
 
-    def balanced(self, stmt: ast.StagesStmt, axis: str, p: int, virtual: int) -> tuple[Stage, ...]:
+    def balanced(self, stmt: ast.StagesStmt, axis: str, p: int, virtual: int, placement: str) -> tuple[Stage, ...]:
         count = p * virtual
         rep = self.repeat
         if rep is None:
@@ -267,7 +319,7 @@ class StageRules(PlanContext):
             pieces.append(StagePiece(rep.name, k * per, (k + 1) * per))
             if k == count - 1:
                 pieces += [StagePiece(n) for n in order[ri + 1 :]]
-            stages.append(Stage(k, k % p, tuple(pieces), self.stage_numel(pieces, top_placeholder)))
+            stages.append(Stage(k, stage_coord(k, p, placement), tuple(pieces), self.stage_numel(pieces, top_placeholder)))
         self.imbalance(stages, stmt.span, axis, balanced=True)
         return tuple(stages)
 

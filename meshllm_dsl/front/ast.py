@@ -346,6 +346,7 @@ class StagesStmt:
     balanced: bool
     entries: tuple[StageEntry, ...]
     span: Span | None = _span
+    placement: Name | None = None  # `placement v` / `placement loop`; None: the schedule's
 
 
 @node

@@ -237,6 +237,8 @@ class _Printer:
             head = f"stages over {s.axis.value}"
             if s.virtual is not None:
                 head += f" virtual {format_expr(s.virtual)}"
+            if s.placement is not None:
+                head += f" placement {s.placement.value}"
             if s.balanced:
                 self.line(1, head + " balanced", s)
                 return

@@ -345,12 +345,15 @@ class _Builder:
         return ast.LayoutEntry(c[0], tuple(c[1:]), self._span())
 
     def stages(self, c: list[Any]) -> ast.StagesStmt:
-        axis, virtual, body = c
+        axis, virtual, placement, body = c
         if body == "balanced":
-            return ast.StagesStmt(axis, virtual, True, (), self._span())
-        return ast.StagesStmt(axis, virtual, False, tuple(body), self._span())
+            return ast.StagesStmt(axis, virtual, True, (), self._span(), placement)
+        return ast.StagesStmt(axis, virtual, False, tuple(body), self._span(), placement)
 
     def virtual(self, c: list[Any]) -> ast.Expr:
+        return c[0]  # type: ignore[no-any-return]
+
+    def placement(self, c: list[Any]) -> ast.Name:
         return c[0]  # type: ignore[no-any-return]
 
     def balanced(self, c: list[Any]) -> str:

@@ -22,6 +22,13 @@ SCHEDULE_DOCS = {
     "gpipe": "GPipe: all forwards, then all backwards; bubble (p - 1) / (m + p - 1)",
     "1f1b": "1F1B: one forward one backward; same bubble as GPipe, fewer activations in flight; needs microbatches >= stages",
     "interleaved_1f1b": "interleaved 1F1B: `virtual` stages per rank; bubble divided by v",
+    "looped_bfs": "looped BFS: `virtual` stages per rank, breadth first (every microbatch through a rank's first stage, "
+                  "then its next); full backwards, not zero bubble",
+    "interleaved_zb": "interleaved zero bubble (ZB1P): backward split into input (I) and weight (W) gradients, W fills "
+                      "the bubble: (p - 1)(F + B - 2W); microbatches in whole rounds of m // p",
+    "zbv": "ZB-V: `virtual 2` stages per rank in a V (rank r holds stages r and 2p - 1 - r), backward split into I and W",
+    "dualpipev": "DualPipeV (DeepSeek-V3): `virtual 2` in a V, a forward overlapped with a backward; bubble "
+                 "(p - 1)(F&B + B - 3W); 2x parameters per rank; microbatches >= stages",
 }
 # The moe families' routing settings (runtime/moe/routing.py) and the planner's `skew`.
 PARAM_DOCS = {

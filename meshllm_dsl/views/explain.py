@@ -21,6 +21,7 @@ from meshllm_dsl.ir import (
     Unit,
     UnitFlow,
     param_dims,
+    placement_of,
 )
 from meshllm_dsl.parallel.collectives import spec
 from meshllm_dsl.parallel.dtensor import Layout, activation_dims, dtensor_placements, dtensor_text
@@ -144,6 +145,7 @@ def explain_json(plan: PlanIR) -> dict[str, Any]:
         "mesh": {"name": plan.mesh.name, "axes": {a.name: a.size for a in plan.mesh.axes}, "hosts": plan.mesh.hosts},
         "stages": [{"index": s.index, "pipeline_coord": s.coord, "layers": stage_label(plan, s), "params": s.numel}
                    for s in plan.stages],
+        "placement": placement_of(plan.schedule) if plan.roles.pipeline else None,
         "ranks": rank_rows(plan),
         "groups": {a.name: plan.mesh.groups(a.name) for a in plan.mesh.axes},
         "dtensor_mesh": [a for a, _ in spmd_mesh(plan)],
@@ -169,6 +171,10 @@ def explain_text(plan: PlanIR) -> str:
     stage_rows = [[str(s.index), str(s.coord), stage_label(plan, s), f"{s.numel:,}"] for s in plan.stages]
     lines += ["  " + x for x in table_text(["stage", plan.roles.pipeline or "pipeline", "layers", "parameters"], stage_rows,
                                        right={1, 3})]
+    if plan.roles.pipeline and placement_of(plan.schedule) == "v":
+        # Only where it is not the familiar loop: a V puts the first and the last stage on one rank.
+        p = plan.pipeline_size
+        lines.append(f"  placement: a V for `{plan.schedule}`: {plan.roles.pipeline} r holds stages r and {2 * p - 1} - r")
     lines += ["", "ranks"]
     sharding = shard_axes(plan)
     nodes = ["node", "local"] if mesh.hosts > 1 else []

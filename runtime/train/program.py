@@ -42,11 +42,22 @@ class StageClass(Protocol):
     def params(self, prefix: str = "") -> dict[str, ShardSpec]: ...
 
 
+# Schedule name (lower case, no "_" or "-") -> torch.distributed.pipelining class. The first two run
+# one stage per rank, the others a list of them.
 _SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved1f1b": "ScheduleInterleaved1F1B",
+    "loopedbfs": "ScheduleLoopedBFS",
+    "interleavedzb": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
+_SINGLE_STAGE = ("gpipe", "1f1b")
+# The schedules whose classes place stages in a V (rank r holds stages r and 2p - 1 - r): they set
+# torch's generate_stage_to_rank_mapping(style="v") on their stages, so the runtime places alike.
+_V_PLACED = ("zbv", "dualpipev")
+_SPLIT_BACKWARD = ("interleavedzb", "zbv", "dualpipev")
 
 
 # Optimizer settings that are the training loop's, not torch.optim.AdamW's.
@@ -81,13 +92,29 @@ def _schedule_name(name: str) -> str:
     key = name.lower().replace("_", "").replace("-", "")
     key = "interleaved1f1b" if key == "interleaved" else key
     if key not in _SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; expected gpipe, 1f1b or interleaved_1f1b")
+        raise ValueError(f"unknown schedule {name!r}; expected gpipe, 1f1b, interleaved_1f1b, looped_bfs, "
+                         "interleaved_zb, zbv or dualpipev")
     return key
+
+
+def splits_backward(schedule: str) -> bool:
+    """Whether torch's class for ``schedule`` runs each backward as input-gradient then weight-gradient work."""
+    return _schedule_name(schedule) in _SPLIT_BACKWARD
+
+
+def stage_ranks(schedule: str, pipeline: int, stages: int) -> dict[int, int]:
+    """Stage index -> pipeline coordinate that runs it under ``schedule``: torch's own mapping (a loop,
+    i % p, or a V for ZBV and DualPipeV), the one its schedule classes send and receive by."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    style = "v" if _schedule_name(schedule) in _V_PLACED else "loop"
+    return generate_stage_to_rank_mapping(pipeline, stages, style=style)
 
 
 @dataclass(frozen=True)
 class Program:
-    """Everything a plan fixes.  ``stages[i]`` runs on pipeline coordinate ``i % p``."""
+    """Everything a plan fixes.  ``stages[i]`` runs on pipeline coordinate ``stage_ranks(...)[i]``:
+    ``i % p``, or a V under the schedules that place so."""
 
     model: Mapping[str, Any]
     axes: Sequence[tuple[str, int]]
@@ -232,7 +259,9 @@ class Built:
         if n % self.pp:
             raise ValueError(f"{n} stages do not divide over {self.pp} pipeline ranks")
         coord = mesh.coord(pp_axis) if pp_axis else 0
-        self.stage_ids = [i for i in range(n) if i % self.pp == coord]
+        # Stage index -> pipeline coordinate running it.
+        self.stage_rank = stage_ranks(program.schedule, self.pp, n) if pp_axis else dict.fromkeys(range(n), 0)
+        self.stage_ids = [i for i in range(n) if self.stage_rank[i] == coord]
         self.specs: dict[int, dict[str, ShardSpec]] = {
             i: dict(program.stages[i].params()) for i in range(n)
         }
@@ -361,7 +390,10 @@ class Built:
             fsdp.shard_stage(
                 self.modules[i],
                 dmesh,
-                reshard_after_forward=self.program.zero == 3,
+                # The schedules that split backward compute the weight gradients after the input
+                # gradients, from the parameters the forward used: FSDP2 must keep them gathered from
+                # forward to the weight backward (torchtitan, too, keeps them gathered under a pipeline).
+                reshard_after_forward=self.program.zero == 3 and not splits_backward(self.program.schedule),
                 param_dtype=self.program.param_dtype,
                 reduce_dtype=self.program.reduce_dtype,
                 experts=experts,
@@ -402,7 +434,7 @@ class Built:
         by_name: dict[str, tuple[int, ...]] = {}
         pp_axis = self.program.pipeline_axis
         for name, ids in tied.items():
-            coords = sorted({i % self.pp for i in ids})
+            coords = sorted({self.stage_rank[i] for i in ids})
             if len(coords) == 1 or pp_axis is None:
                 continue
             others = [a for a in self.mesh.names if a != pp_axis]
@@ -527,11 +559,11 @@ class Built:
         kind = _schedule_name(p.schedule)
         cls = getattr(pl, _SCHEDULES[kind])
         # Microbatch losses are means, so the schedule divides gradients by the microbatch count.
-        if kind == "interleaved1f1b":
-            schedule = cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn, scale_grads=True)
-        else:
+        if kind in _SINGLE_STAGE:
             (stage,) = stages
             schedule = cls(stage, n_microbatches=p.microbatches, loss_fn=loss_fn, scale_grads=True)
+        else:
+            schedule = cls(stages, n_microbatches=p.microbatches, loss_fn=loss_fn, scale_grads=True)
         self._schedules[key] = schedule
         return schedule
 
@@ -805,7 +837,8 @@ class Built:
         """
         n, x = len(self.program.stages), tokens
         for i in self.stage_ids:
-            if i > 0 and self.pp > 1:
+            # At the turn of a V the previous stage ran here: its output is already ``x``.
+            if i > 0 and self.pp > 1 and self.stage_rank[i - 1] != self.stage_rank[i]:
                 b, s = tokens.shape
                 x = torch.empty(
                     b, self._seq_local(s), self._hidden, dtype=self.compute_dtype, device=self.device
@@ -813,7 +846,7 @@ class Built:
                 # [b, s, hidden] residual stream from the previous stage's rank.
                 dist.recv(x, src=self._pipeline_rank(i - 1))
             x = self.modules[i](x)
-            if i < n - 1 and self.pp > 1:
+            if i < n - 1 and self.pp > 1 and self.stage_rank[i + 1] != self.stage_rank[i]:
                 # [b, s, hidden] to the next stage's rank.
                 dist.send(x.contiguous(), dst=self._pipeline_rank(i + 1))
         return x if n - 1 in self.stage_ids else None
@@ -870,7 +903,7 @@ class Built:
 
     def _pipeline_rank(self, stage: int) -> int:
         """Global rank holding ``stage`` at this rank's other coordinates."""
-        return self.mesh.rank_at(**{self._pp_axis: stage % self.pp})
+        return self.mesh.rank_at(**{self._pp_axis: self.stage_rank[stage]})
 
     def _gather(self, grads: bool) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
@@ -887,7 +920,7 @@ class Built:
                 else:
                     full = torch.empty(spec.shape, dtype=self.program.dtype, device=self.device)
                 out[name] = full
-                from_stage.setdefault(i % self.pp, []).append(full)
+                from_stage.setdefault(self.stage_rank[i], []).append(full)
         if self.pp > 1:
             group = self.mesh.group(self._pp_axis)
             for index, tensors in sorted(from_stage.items()):

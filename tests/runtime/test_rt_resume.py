@@ -70,6 +70,39 @@ LAYOUTS: dict[str, dict[str, Any]] = {
     # and at ZeRO 0, the whole fp32 parameters under autocast
     "data2-bf16-master-zero0": {"axes": (("data", 2), ("tensor", 1)), "batch_axes": ("data",),
                                 "param_dtype": torch.bfloat16},
+    # The zero-bubble schedules (issue 39): ZBV's and DualPipeV's V (rank 0 holds the first and the
+    # last stage: gpt2's tied embedding and head twice on one rank), interleaved zero bubble's loop,
+    # each backward split into input- and weight-gradient work; under ZeRO 3 too.
+    "pipeline2xtensor2-zbv": {
+        "axes": (("pipeline", 2), ("tensor", 2)),
+        "pipeline_axis": "pipeline",
+        "stages": 4,
+        "schedule": "zbv",
+    },
+    "data2xpipeline2-dualpipev-zero3": {
+        "axes": (("data", 2), ("pipeline", 2), ("tensor", 1)),
+        "pipeline_axis": "pipeline",
+        "batch_axes": ("data",),
+        "stages": 4,
+        "schedule": "dualpipev",
+        "microbatches": 4,  # DualPipeV fills both arms of the V: at least as many as stages
+        "batch": 8,
+        "zero": 3,
+    },
+    "data2xpipeline2xtensor2-interleaved_zb-zero1": {
+        "axes": (("data", 2), ("pipeline", 2), ("tensor", 2)),
+        "pipeline_axis": "pipeline",
+        "batch_axes": ("data",),
+        "stages": 4,
+        "schedule": "interleaved_zb",
+        "zero": 1,
+    },
+    "pipeline2-looped_bfs": {
+        "axes": (("pipeline", 2), ("tensor", 1)),
+        "pipeline_axis": "pipeline",
+        "stages": 4,
+        "schedule": "looped_bfs",
+    },
     "data2xpipeline2xtensor2-zero2": {
         "axes": (("data", 2), ("pipeline", 2), ("tensor", 2)),
         "pipeline_axis": "pipeline",
@@ -118,7 +151,7 @@ def _build(
         pipeline_axis=spec.get("pipeline_axis"),
         batch_axes=spec.get("batch_axes", ()),
         schedule=spec.get("schedule", "gpipe"),
-        microbatches=2,
+        microbatches=spec.get("microbatches", 2),
         batch=spec.get("batch", 4),
         seq=8,
         zero=spec.get("zero", 0),
@@ -173,7 +206,9 @@ def _weights_only_job(
     ("kind", "layout"),
     [("llama", "data2xtensor2-zero1"), ("gpt2", "pipeline2xtensor2"), ("llama", "data2xtensor2-zero3"),
      ("gpt2", "data2xpipeline2xtensor2-zero2"), ("llama", "replica2xdata2-hsdp3"), ("llama", "replica2xdata2-hsdp1"),
-     ("llama", "data2-bf16-master-zero1"), ("gpt2", "data2xtensor2-bf16-master-zero1"), ("llama", "data2-bf16-master-zero0")],
+     ("llama", "data2-bf16-master-zero1"), ("gpt2", "data2xtensor2-bf16-master-zero1"), ("llama", "data2-bf16-master-zero0"),
+     ("gpt2", "pipeline2xtensor2-zbv"), ("llama", "data2xpipeline2-dualpipev-zero3"),
+     ("gpt2", "data2xpipeline2xtensor2-interleaved_zb-zero1"), ("llama", "pipeline2-looped_bfs")],
 )
 def test_resume_on_the_same_layout_is_bit_for_bit(
     pool: WorkerPool, tmp_path: Path, kind: str, layout: str
