@@ -179,3 +179,28 @@ def test_overlapped_pair_waits_for_both_inputs() -> None:
     end = [max(t + COST[a[0]] for a, t in zip(o, st)) for o, st in ((orders[r], together[r]) for r in range(p))]
     end_apart = [max(t + COST[a[0]] for a, t in zip(o, st)) for o, st in ((orders[r], apart[r]) for r in range(p))]
     assert max(end) - max(end_apart) == p - 1  # split, the pairs would hide half the bubble
+
+
+@pytest.mark.parametrize(("schedule", "v"), [("looped_bfs", 2), ("interleaved_zb", 1), ("interleaved_zb", 2), ("zbv", 2), ("dualpipev", 2)])
+def test_bubble_fraction_is_the_orders(schedule: str, v: int) -> None:
+    from meshllm_dsl.planner.formulas import bubble_fraction
+
+    for p, m in ((2, 4), (4, 8), (4, 16)):
+        assert bubble_fraction(schedule, p, m, v) == schedule_cost(schedule, p, v, m).bubble
+    assert bubble_fraction(schedule, 1, 8, v) == 0.0
+
+
+def test_stage_actions_follow_the_v_placement() -> None:
+    from meshllm_dsl.planner.formulas import fsdp_unit_collectives, stage_actions
+
+    p, m = 4, 8
+    for schedule in ("zbv", "dualpipev"):
+        for stage in range(2 * p):
+            actions = stage_actions(schedule, 2 * p, stage, m, p)
+            assert actions.count("F") == m and actions.count("I") + actions.count("B") == m
+            assert actions.count("W") + actions.count("B") == m
+            # FSDP2 under a pipeline: one reduce-scatter, after the stage's last weight gradient
+            assert fsdp_unit_collectives(3, actions, m)[1] == 1
+    assert set(stage_actions("zbv", 2 * p, 0, m, p)) == {"F", "I", "W"}
+    # stage 2p - 1 (the loss) runs on rank 0 with stage 0: its first forward follows stage 0's warm-up
+    assert stage_actions("zbv", 2 * p, 2 * p - 1, m, p).startswith("FIW")
