@@ -8,7 +8,7 @@ parallelism's gathered keys / values per layer). Nothing here reads a Setup or a
 from __future__ import annotations
 
 from meshllm_dsl import primitives
-from meshllm_dsl.ir import DTYPES, PlanIR, Repeat, placement_of, stage_coord
+from meshllm_dsl.ir import DTYPES, SPLIT_BACKWARD, PlanIR, Repeat, placement_of, stage_coord
 from meshllm_dsl.parallel.costs import FP32, axes_size
 from meshllm_dsl.planner.schedule import rank_order, schedule_cost
 
@@ -179,8 +179,9 @@ def bubble_formula(plan: PlanIR, bubble: float) -> str:
     without a closed form say the order's unit costs instead."""
     p, m, v = plan.pipeline_size, plan.microbatches, plan.virtual
     if plan.schedule not in CLOSED_FORM_SCHEDULES:
-        return (f" in torch's {plan.schedule} order with p = {p}, m = {m}, v = {v}"
-                " (forward = input backward = weight backward, full backward = 2 x forward)")
+        split = " (forward = input backward = weight backward, full backward = 2 x forward)" if plan.schedule in SPLIT_BACKWARD else (
+            " (backward = 2 x forward)")
+        return f" in torch's {plan.schedule} order with p = {p}, m = {m}, v = {v}" + split
     closed = bubble_fraction(plan.schedule, p, m, v)
     formula = f"(p - 1) / (m + p - 1){' / v' if v > 1 else ''} with p = {p}, m = {m}" + (f", v = {v}" if v > 1 else "")
     if abs(closed - bubble) < 5e-4:

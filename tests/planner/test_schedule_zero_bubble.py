@@ -204,3 +204,35 @@ def test_stage_actions_follow_the_v_placement() -> None:
     assert set(stage_actions("zbv", 2 * p, 0, m, p)) == {"F", "I", "W"}
     # stage 2p - 1 (the loss) runs on rank 0 with stage 0: its first forward follows stage 0's warm-up
     assert stage_actions("zbv", 2 * p, 2 * p - 1, m, p).startswith("FIW")
+
+
+@pytest.mark.parametrize(("schedule", "in_flight"), [("zbv", 8), ("dualpipev", 9), ("interleaved_zb", 8), ("looped_bfs", 16)])
+def test_planner_prices_the_new_schedules(schedule: str, in_flight: int) -> None:
+    # The checker may not take these schedules yet: a checked 4 x 2-stage plan told to run them,
+    # its stages placed as the schedule places them.
+    import attrs
+
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.planner.analyze import analyze
+    from meshllm_dsl.planner.formulas import bubble_formula
+
+    text = """
+mesh m { axes pipeline = 4 }
+model l = llama { vocab = 256, hidden = 64, layers = 8, heads = 4, ffn = 128 }
+plan p on m for l {
+    batch = 8
+    seq = 16
+    microbatches = 8
+    stages over pipeline virtual 2 balanced
+    schedule interleaved_1f1b
+}
+"""
+    plan = check_text(text, "t.mesh").plans["p"]
+    placement = placement_of(schedule)
+    plan = attrs.evolve(plan, schedule=schedule,
+                        stages=tuple(attrs.evolve(s, coord=stage_coord(s.index, 4, placement)) for s in plan.stages))
+    rep = analyze(plan)
+    cost = schedule_cost(schedule, 4, 2, 8)
+    assert rep.bubble == cost.bubble
+    assert [rc.in_flight for rc in rep.ranks] == [in_flight] * 4  # microbatch-stages held at the peak
+    assert f"in torch's {schedule} order with p = 4, m = 8, v = 2" in bubble_formula(plan, rep.bubble)
