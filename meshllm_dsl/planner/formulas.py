@@ -8,9 +8,9 @@ parallelism's gathered keys / values per layer). Nothing here reads a Setup or a
 from __future__ import annotations
 
 from meshllm_dsl import primitives
-from meshllm_dsl.ir import DTYPES, PlanIR, Repeat
+from meshllm_dsl.ir import DTYPES, SPLIT_BACKWARD, PlanIR, Repeat, placement_of, stage_coord
 from meshllm_dsl.parallel.costs import FP32, axes_size
-from meshllm_dsl.planner.schedule import rank_order
+from meshllm_dsl.planner.schedule import rank_order, schedule_cost
 
 # Optimizer state bytes per parameter, beyond the weights and gradients in the training dtype.
 # Adam(W) in mixed precision (Rajbhandari et al. 2020, "ZeRO", section 3.1): fp32 master weights,
@@ -65,14 +65,22 @@ def fsdp_gather_bytes(zero: int, compute_bytes: int, local: int, top: int, large
     return compute_bytes * min(local, top + 2 * largest_block)
 
 
+# The schedules whose bubble has the closed form below; the others' comes from their simulated order.
+CLOSED_FORM_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+
+
 def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int = 1) -> float:
     """Idle fraction of a pipelined step: (p - 1) / (m + p - 1), divided by v when interleaved.
 
     GPipe and 1F1B have the same bubble (1F1B only lowers the activation memory); interleaving v
-    virtual stages per rank shrinks it v-fold (Narayanan et al. 2021, section 2.2).
+    virtual stages per rank shrinks it v-fold (Narayanan et al. 2021, section 2.2). Looped BFS and
+    the zero-bubble schedules have no closed form that holds over torch's orders (their idle time
+    is measured in planner/schedule.py's IDLE_NOTES): theirs is the simulated order's.
     """
     if stages <= 1:
         return 0.0
+    if schedule not in CLOSED_FORM_SCHEDULES:
+        return schedule_cost(schedule, stages, virtual, microbatches).bubble
     frac = (stages - 1) / (microbatches + stages - 1)
     return frac / virtual if schedule == "interleaved_1f1b" else frac
 
@@ -84,12 +92,13 @@ def kv_cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_by
 
 def stage_actions(schedule: str, stages: int, index: int, microbatches: int, pipeline: int | None = None) -> str:
     """The order in which pipeline stage `index` of `stages` (on `pipeline` ranks, one stage each
-    when not given) runs its microbatches' forwards (F) and backwards (B): torch's own, from
-    schedule_order (GPipe: every forward, then every backward; 1F1B: min(m, n - i) forwards, then
-    alternating, then the drain; interleaved: whole rounds of one chunk, so a rank's first chunk
-    runs FFBB where 1F1B would run FBFB)."""
+    when not given) runs its microbatches' forwards (F), backwards (B) and, split, input (I) and
+    weight (W) backwards: torch's own, from planner/schedule.rank_order (GPipe: every forward, then
+    every backward; 1F1B: min(m, n - i) forwards, then alternating, then the drain; interleaved:
+    whole rounds of one chunk, so a rank's first chunk runs FFBB where 1F1B would run FBFB). The
+    stage sits on the rank its schedule's placement puts it (a V for zbv / dualpipev)."""
     p = pipeline or stages
-    order = rank_order(schedule, p, stages // p, microbatches, index % p)
+    order = rank_order(schedule, p, stages // p, microbatches, stage_coord(index, p, placement_of(schedule)))
     return "".join(a[0] for a in order if a is not None and a[1] == index)
 
 
@@ -108,7 +117,8 @@ def fsdp_unit_collectives(zero: int, actions: str | None, microbatches: int, def
     if actions is None:
         return (2 if zero >= 3 else 1) * microbatches, microbatches
     gathers, gathered = 0, False
-    last = actions.rindex("B")
+    # The step's last weight gradient (a B, or a split backward's W) is what the reduce-scatter waits for.
+    last = max(actions.rfind("B"), actions.rfind("W"))
     for i, action in enumerate(actions):
         if not gathered:
             gathers += 1
@@ -165,8 +175,13 @@ def kv_gather_bytes_per_layer(plan: PlanIR) -> int:
 
 def bubble_formula(plan: PlanIR, bubble: float) -> str:
     """How `plan report` explains the bubble: the closed form, and where torch's order (which the
-    number comes from) differs from it, the closed form's value as the reference."""
+    number comes from) differs from it, the closed form's value as the reference. The schedules
+    without a closed form say the order's unit costs instead."""
     p, m, v = plan.pipeline_size, plan.microbatches, plan.virtual
+    if plan.schedule not in CLOSED_FORM_SCHEDULES:
+        split = " (forward = input backward = weight backward, full backward = 2 x forward)" if plan.schedule in SPLIT_BACKWARD else (
+            " (backward = 2 x forward)")
+        return f" in torch's {plan.schedule} order with p = {p}, m = {m}, v = {v}" + split
     closed = bubble_fraction(plan.schedule, p, m, v)
     formula = f"(p - 1) / (m + p - 1){' / v' if v > 1 else ''} with p = {p}, m = {m}" + (f", v = {v}" if v > 1 else "")
     if abs(closed - bubble) < 5e-4:

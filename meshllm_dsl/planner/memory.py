@@ -207,9 +207,11 @@ def peak(setup: Setup, rank: Rank) -> Rank:
     """Adds `peak`: the moment of the step the device holds the most, from `saved`, `states` and
     the schedule's order.
 
-    The peak is while a backward runs: at the start of each backward of the rank, in torch's
-    own order (schedule_order), every stage's held microbatches times that stage's bytes (an
-    interleaved rank's chunks hold very different counts), the units the forward before left
+    The peak is while a backward runs: at the start of each backward (a full B, or a split
+    backward's I) of the rank, in torch's own order (planner/schedule.py), every stage's held
+    microbatches (from its F to its W or B: W needs the layer inputs) times that stage's bytes (an
+    interleaved rank's chunks hold very different counts; rank.stages are in index order, which
+    is the order's chunk order in the V placement too), the units the forward before left
     gathered, and (once a backward ran before it) the gradient accumulators. A backward that
     follows a backward (the drain, pipelined ZeRO 2 / 3) finds every unit still gathered (no
     reshard until the step's last) and the accumulators all there."""

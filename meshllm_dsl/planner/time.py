@@ -227,8 +227,11 @@ def step_time(setup: Setup, classes: list[RankClass]) -> tuple[float, StepTime]:
     """The pipeline bubble and the step's time, from every rank class.
 
     The bubble of torch's own action order, simulated with unit-cost forwards and backwards of
-    twice that; bubble_fraction's closed form is printed beside it as the reference. They agree for
+    twice that (split into input and weight backwards of one unit each for the zero-bubble
+    schedules); bubble_fraction's closed form is printed beside it as the reference. They agree for
     GPipe and 1F1B; for interleaved the closed form divides the fraction, not the idle time, by v.
+    The step is the order's makespan in those units: busy x (1 + idle / busy), busy being every
+    rank's m v (F + I + W) (schedule_cost takes v, and the V placement, from the schedule).
     The pipeline advances at the pace of its slowest rank; its per-microbatch work (compute plus
     the tensor collectives inside it plus its sends) is what the bubble stretches: the bubble is
     (p - 1) / (v m) of the busy time. The data-parallel reduction runs once after the last

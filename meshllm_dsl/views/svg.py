@@ -5,9 +5,11 @@ axes as side-by-side panels), coloured by pipeline stage, darker per shard index
 rank, coordinates, layers and shard.
 
 `schedule_svg`: one timeline row per pipeline rank with the forward and backward pass of every
-microbatch placed by simulating torch's own action order for the schedule (schedule_order: gpipe,
-1f1b or interleaved 1f1b) with backward = 2 x forward; the grey between the boxes is the bubble, the
-one `meshc plan` prints.
+microbatch placed by simulating torch's own action order for the schedule (planner/schedule.py's
+rank_order, every schedule torch ships) with backward = 2 x forward, split into an input backward
+(I) and a weight backward (W) of one forward each for the zero-bubble schedules; each box as wide as
+its cost, at its simulated start; the grey between the boxes is the bubble, the one `meshc plan`
+prints.
 """
 
 from __future__ import annotations
@@ -16,9 +18,16 @@ from html import escape
 
 import attrs
 
-from meshllm_dsl.ir import PlanIR
-from meshllm_dsl.planner.formulas import bubble_fraction
-from meshllm_dsl.planner.schedule import BACKWARD_COST, FORWARD_COST, rank_order, schedule_cost
+from meshllm_dsl.ir import SPLIT_BACKWARD, PlanIR
+from meshllm_dsl.planner.formulas import CLOSED_FORM_SCHEDULES, bubble_fraction
+from meshllm_dsl.planner.schedule import (
+    COST,
+    dependency,
+    overlapped_pairs,
+    rank_order,
+    schedule_cost,
+    stages_per_rank,
+)
 from meshllm_dsl.views.explain import rank_rows, shard_axes
 
 # Stage hues: distinct, colour-blind-friendly-ish (Okabe-Ito order, as HSL hues).
@@ -153,20 +162,24 @@ def mesh_svg(plan: PlanIR) -> str:
 @attrs.frozen
 class Op:
     rank: int
-    kind: str  # "F" | "B"
+    kind: str  # "F" | "B" | "I" | "W"
     micro: int
-    chunk: int  # virtual stage on this rank: stage = chunk x p + rank
+    chunk: int  # local stage on this rank: stage // p (V: chunk 0 = stage r, chunk 1 = stage 2p - 1 - r)
     start: int
     end: int
+    stage: int = -1  # the global stage index
 
 
 def simulate(schedule: str, p: int, m: int, v: int) -> list[Op]:
-    """Place every action of torch's own order (schedule_order.rank_order, the one the planner's
-    memory and bubble come from): each rank runs its actions in turn, each starting when its input
-    is ready, a backward costing twice a forward (schedule_order's unit costs)."""
+    """Place every action of torch's own order (schedule.rank_order, the one the planner's memory
+    and bubble come from): each rank runs its actions in turn, each starting when its input is ready
+    (schedule.dependency; an overlapped DualPipeV pair once both its inputs are), each as long as
+    schedule.COST says (a backward twice a forward, its I and W halves one each)."""
+    v = stages_per_rank(schedule, v)
     stages = p * v
     orders = [[a for a in rank_order(schedule, p, v, m, r) if a is not None] for r in range(p)]
-    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro) -> end time
+    pairs = [overlapped_pairs(schedule, p, m, r) for r in range(p)]
+    done: dict[tuple[str, int, int], float] = {}  # ("F" | "G" (I or B) | "W", stage, micro) -> end time
     free = [0.0] * p
     nxt = [0] * p
     ops: list[Op] = []
@@ -176,47 +189,57 @@ def simulate(schedule: str, p: int, m: int, v: int) -> list[Op]:
             if nxt[r] >= len(orders[r]):
                 continue
             kind, stage, mb = orders[r][nxt[r]]
-            if kind == "F":
-                dep = ("F", stage - 1, mb) if stage > 0 else None
-            else:
-                dep = ("B", stage + 1, mb) if stage < stages - 1 else ("F", stage, mb)
-            if dep is not None and dep not in done:
+            deps = [dependency(orders[r][nxt[r]], stages)]
+            if nxt[r] in pairs[r]:
+                deps.append(dependency(orders[r][nxt[r] + 1], stages))
+            if any(d is not None and d not in done for d in deps):
                 continue
-            start = max(free[r], done[dep] if dep is not None else 0.0)
-            end = start + (FORWARD_COST if kind == "F" else BACKWARD_COST)
-            done[(kind, stage, mb)] = end
+            start = max([free[r]] + [done[d] for d in deps if d is not None])
+            end = start + COST[kind]
+            done[("G" if kind in "IB" else kind, stage, mb)] = end
             free[r] = end
             nxt[r] += 1
-            ops.append(Op(r, kind, mb, stage // p, int(start), int(end)))
+            ops.append(Op(r, kind, mb, stage // p, int(start), int(end), stage))
             progressed = True
         if not progressed:  # pragma: no cover - torch's orders never deadlock (schedule_order's tests)
             raise RuntimeError(f"schedule {schedule} deadlocked at p={p} m={m} v={v}")
     return ops
 
 
+# Box colours per action kind: (hue, saturation); the lightness says the chunk.
+KIND_COLOURS = {"F": (212, 70), "B": (28, 85), "I": (0, 70), "W": (140, 55)}
+KIND_NAMES = {"F": "forward", "B": "backward", "I": "input backward (I)", "W": "weight backward (W)"}
+
+
 def schedule_svg(plan: PlanIR) -> str:
     p = plan.pipeline_size
-    m, v = plan.microbatches, plan.virtual
+    m, v = plan.microbatches, stages_per_rank(plan.schedule, plan.virtual)
+    split = plan.schedule in SPLIT_BACKWARD
     ops = simulate(plan.schedule, p, m, v)
     span = max(o.end for o in ops)
     label_w, top, row_h = 110, 78, 40
     unit = max(6.0, min(40.0, 1100 / span))
     # wide enough for the three caption lines (about 7 px per character at these sizes)
-    width = int(max(label_w + span * unit + 30, 660))
+    width = int(max(label_w + span * unit + 30, 1000 if split else 660))  # the split legend is longer
     height = top + p * (row_h + 8) + 70
     closed = bubble_fraction(plan.schedule, p, m, v)
     bubble = schedule_cost(plan.schedule, p, v, m).bubble if p > 1 else 0.0
     # The planner's bubble is this order's; the closed form is shown where it differs (interleaved).
     formula = f"(p - 1) / (m + p - 1){' / v' if v > 1 else ''}"
-    caption = (f"bubble in torch's {plan.schedule} order (backward = 2 x forward): {bubble:.1%}"
-               + (f" = {formula}" if abs(bubble - closed) < 5e-4 else f"; the closed form {formula} gives {closed:.1%}"))
+    if plan.schedule in CLOSED_FORM_SCHEDULES:
+        caption = (f"bubble in torch's {plan.schedule} order (backward = 2 x forward): {bubble:.1%}"
+                   + (f" = {formula}" if abs(bubble - closed) < 5e-4 else f"; the closed form {formula} gives {closed:.1%}"))
+    else:  # no closed form holds over torch's order (planner/schedule.py IDLE_NOTES)
+        caption = (f"bubble in torch's {plan.schedule} order (backward = 2 x forward"
+                   + (", input backward = weight backward = forward" if split else "") + f"): {bubble:.1%}")
     out = [f"<svg xmlns='http://www.w3.org/2000/svg' width='{width}' height='{height}' viewBox='0 0 {width} {height}'>",
            f"<rect width='{width}' height='{height}' fill='white'/>",
            _text(10, 24, f"plan {plan.name}: schedule {plan.schedule}, {p} pipeline rank{'s' if p != 1 else ''}, "
                  f"{m} microbatches" + (f", {v} virtual stages per rank" if v > 1 else ""), 16, "start", "bold"),
            _text(10, 46, caption, 12, "start"),
            _text(10, 64, "blue: forward, orange: backward; the number is the microbatch"
-                 + ("; lighter = later virtual stage" if v > 1 else "") + "; grey = idle (the bubble)", 11, "start", fill="#444")]
+                 + ("; lighter = later virtual stage" if v > 1 else "") + "; grey = idle (the bubble)", 11, "start", fill="#444")
+           if not split else _legend(10, 64, v > 1)]
     for r in range(p):
         y = top + r * (row_h + 8)
         out.append(_text(label_w - 10, y + row_h / 2 + 4, f"{plan.roles.pipeline or 'rank'} {r}", 12, "end", "bold"))
@@ -226,7 +249,8 @@ def schedule_svg(plan: PlanIR) -> str:
         x = label_w + o.start * unit
         w = (o.end - o.start) * unit
         light = 55 + (25 * o.chunk / max(1, v - 1) if v > 1 else 0)
-        fill = f"hsl(212, 70%, {light:.0f}%)" if o.kind == "F" else f"hsl(28, 85%, {light:.0f}%)"
+        hue, sat = KIND_COLOURS[o.kind]
+        fill = f"hsl({hue}, {sat}%, {light:.0f}%)"
         out.append(f"<rect x='{x:.1f}' y='{y}' width='{w:.1f}' height='{row_h}' fill='{fill}' stroke='white' stroke-width='1'/>")
         if w >= 12:
             out.append(_text(x + w / 2, y + row_h / 2 + 4, str(o.micro), 11 if w >= 16 else 8,
@@ -241,6 +265,20 @@ def schedule_svg(plan: PlanIR) -> str:
     out.append(_text(label_w, ax_y + 36, "time, in forward-pass units of one (virtual) stage", 11, "start", fill="#444"))
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _legend(x: int, y: int, chunks: bool) -> str:
+    """A swatch and a name per action kind of a split-backward schedule, then what the rest means."""
+    parts = []
+    for kind in ("F", "I", "W", "B"):
+        hue, sat = KIND_COLOURS[kind]
+        parts.append(f"<rect x='{x}' y='{y - 10}' width='12' height='12' fill='hsl({hue}, {sat}%, 55%)'/>")
+        parts.append(_text(x + 16, y, KIND_NAMES[kind], 11, "start", fill="#444"))
+        x += 16 + 7 * len(KIND_NAMES[kind]) + 12
+    parts.append(f"<rect x='{x}' y='{y - 10}' width='12' height='12' fill='#d9d9d9'/>")
+    parts.append(_text(x + 16, y, "idle (the bubble); the number is the microbatch"
+                       + ("; lighter = later local stage" if chunks else ""), 11, "start", fill="#444"))
+    return "\n".join(parts)
 
 
 def simulated_idle(schedule: str, p: int, m: int, v: int) -> float:
