@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from meshllm_dsl.ir import SPLIT_BACKWARD
 from meshllm_dsl.parallel.dtensor import Layout as Layout
 from meshllm_dsl.parallel.dtensor import Partial as Partial
 from meshllm_dsl.parallel.dtensor import Replicate as Replicate
@@ -34,6 +35,13 @@ def runs_fsdp(plan: PlanIR) -> bool:
     ZeRO 2 / 3, and ZeRO 1 with `precision` (Megatron's distributed optimizer, the fp32 master
     weights sharded with the moments)."""
     return plan.zero >= 2 or (plan.zero == 1 and plan.master_dtype is not None)
+
+
+def gather_stage(plan: PlanIR) -> int:
+    """The ZeRO stage FSDP2's gathering behaves as: the plan's, except ZeRO 3 under a schedule that
+    splits backward, where the runtime keeps each unit gathered from its forward to its weight
+    gradient (no reshard after forward, runtime/train/program.py): ZeRO 2's gathers."""
+    return 2 if plan.zero >= 3 and plan.schedule in SPLIT_BACKWARD and plan.roles.pipeline else plan.zero
 
 
 def defers_grad_sync(plan: PlanIR) -> bool:

@@ -18,7 +18,7 @@ from meshllm_dsl.parallel import layouts
 from meshllm_dsl.parallel.collectives import WirePrimitive, ring_bytes, spec
 from meshllm_dsl.parallel.costs import FP32, HeldUnit, seq_size
 from meshllm_dsl.parallel.devices import DeviceProfile, group_crosses_hosts
-from meshllm_dsl.parallel.placements import defers_grad_sync
+from meshllm_dsl.parallel.placements import defers_grad_sync, gather_stage
 from meshllm_dsl.planner.formulas import fsdp_unit_collectives, stage_actions
 from meshllm_dsl.planner.rank import (
     Params,
@@ -267,7 +267,10 @@ def _pipeline_comms(setup: Setup, rank: Rank) -> list[Comm]:
     from meshllm_dsl.planner import moe as planner_moe
 
     act_size = w * setup.tokens * setup.hidden
-    sends = sum((s.index < len(plan.stages) - 1) + (s.index > 0) for s in rank.stages)
+    # A boundary between two stages of this rank (the turn of a V) passes activations in memory.
+    coord = {s.index: s.coord for s in plan.stages}
+    sends = sum((s.index < len(plan.stages) - 1 and coord[s.index + 1] != s.coord)
+                + (s.index > 0 and coord[s.index - 1] != s.coord) for s in rank.stages)
     comms = [comm_over(plan, device, (plan.roles.pipeline,), "pipeline", "send_recv", sends * plan.microbatches,
                    act_size // seq_size(plan) + planner_moe.router_statistics_bytes(plan), group=2)]
     tied = tied_sync_numel(plan, list(rank.stages))
@@ -307,7 +310,7 @@ def _fsdp_comms(setup: Setup, params: Params, data_axes: tuple[str, ...], reduce
     for part in params.stages:
         units = part.blocks + (part.root > 0)  # runtime/parallel/fsdp.py: each block, then the stage root if it holds parameters
         actions = stage_actions(plan.schedule, len(plan.stages), part.stage.index, m, p_size) if p_size > 1 else None
-        g, r = fsdp_unit_collectives(plan.zero, actions, m, defers_grad_sync(plan))
+        g, r = fsdp_unit_collectives(gather_stage(plan), actions, m, defers_grad_sync(plan))
         gathers, gathered_b = gathers + g * units, gathered_b + g * w * part.sharded
         scatters, scattered_b = scatters + r * units, scattered_b + r * reduce_w * part.sharded
         e_gathers, e_scatters = e_gathers + g * part.expert_layers, e_scatters + r * part.expert_layers

@@ -11,6 +11,7 @@ import attrs
 from meshllm_dsl import primitives
 from meshllm_dsl.ir import DTYPES, Repeat
 from meshllm_dsl.parallel.costs import HeldUnit, attention_core_bytes, seq_size
+from meshllm_dsl.parallel.placements import gather_stage
 from meshllm_dsl.planner.formulas import fsdp_gather_bytes, fsdp_per_device, zero_per_device
 from meshllm_dsl.planner.rank import (
     Params,
@@ -162,12 +163,12 @@ def _fsdp_states(setup: Setup, params: Params) -> States:
     """FSDP2 (ZeRO 2 / 3, ZeRO 1 with master weights): every state sharded in the master dtype."""
     plan, w, master = setup.plan, setup.dtype_bytes, setup.master_bytes
     dense, expert_local = params.dense, params.experts
-    gather = fsdp_gather_bytes(plan.zero, w, dense, params.root, params.largest_block)
+    gather = fsdp_gather_bytes(gather_stage(plan), w, dense, params.root, params.largest_block)
     if expert_shards(plan, params) > 1:
         # Each moe layer's experts are an FSDP2 unit over the ZeRO axes that replicate them
         # (runtime/parallel/fsdp.py): sharded there, gathered in the compute dtype like a block.
         experts_b = fsdp_per_device(expert_local, expert_shards(plan, params), master)
-        gather += fsdp_gather_bytes(plan.zero, w, expert_local, 0, params.largest_expert_layer)
+        gather += fsdp_gather_bytes(gather_stage(plan), w, expert_local, 0, params.largest_expert_layer)
     else:
         # Split over every ZeRO axis, no rank of them holds another's experts: FSDP2 leaves
         # them out, whole in the master dtype with their gradients and moments, each cast to

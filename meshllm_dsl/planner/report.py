@@ -13,7 +13,7 @@ import attrs
 from meshllm_dsl.front.names import ranges
 from meshllm_dsl.ir import DTYPES, PlanIR
 from meshllm_dsl.parallel.costs import MFU
-from meshllm_dsl.parallel.placements import runs_fsdp
+from meshllm_dsl.parallel.placements import gather_stage, runs_fsdp
 from meshllm_dsl.planner.comm import EXPERT_WIRE, comm_over, expert_all_to_all
 from meshllm_dsl.planner.formatting import GB, GIB, fmt_bytes, fmt_count, fmt_seconds, table_text
 from meshllm_dsl.planner.formulas import bubble_formula, kv_cache_bytes, kv_gather_bytes_per_layer
@@ -159,7 +159,7 @@ def _fullest_rank_lines(rep: PlanReport) -> list[str]:
            f"ZeRO-{plan.zero} shards them over {' x '.join(plan.roles.batch_shard)} like the rest"),
     ]
     if worst.gather_buffer_bytes:
-        what = ("every unit, kept from its forward to its backward" if plan.zero in (1, 2)
+        what = ("every unit, kept from its forward to its backward" if gather_stage(plan) in (1, 2)
                 else "every unit: the pipeline schedule keeps them gathered between backwards"
                 if plan.roles.pipeline and worst.gather_buffer_bytes == worst.params_local * worst.dtype_bytes
                 else "the stage root and two blocks, gathered for their forward and backward")

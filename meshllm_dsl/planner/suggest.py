@@ -255,8 +255,11 @@ def _layouts(model: ModelIR, batch: int, d: int, p: int, t: int, cp: int, hosts:
     """The schedules, microbatches, ZeRO stages and recomputation of one mesh shape: d data x cp context x p
     pipeline x t tensor ranks."""
     per_replica = batch // d
-    scheds = [("none", 1)] if p == 1 else [("1f1b", 1), ("gpipe", 1)] + (
-        [("interleaved_1f1b", 2)] if layers % (2 * p) == 0 else [])
+    # The zero-bubble schedules too: interleaved zero bubble (ZB1P) on one stage per rank, ZBV and
+    # DualPipeV on a V of two. Looped BFS is left out: breadth first with full backwards, it never
+    # idles less than GPipe on the same stages.
+    scheds = [("none", 1)] if p == 1 else [("1f1b", 1), ("gpipe", 1), ("interleaved_zb", 1)] + (
+        [("interleaved_1f1b", 2), ("zbv", 2), ("dualpipev", 2)] if layers % (2 * p) == 0 else [])
     for sched, v in scheds:
         for m in divisors(per_replica):
             if m > MAX_MICROBATCHES:
@@ -264,6 +267,10 @@ def _layouts(model: ModelIR, batch: int, d: int, p: int, t: int, cp: int, hosts:
             if p > 1 and sched != "gpipe" and m < p:
                 continue
             if sched == "interleaved_1f1b" and m % p:
+                continue
+            # What torch's classes refuse (checker/batch.py): DualPipeV fills both arms of the V,
+            # interleaved zero bubble runs whole rounds of m // p.
+            if sched == "dualpipev" and m < 2 * p or sched == "interleaved_zb" and m % max(1, m // p):
                 continue
             # ZeRO 2 / 3 are FSDP2 in the runtime (16-bit models with fp32 master weights at every stage: _master_weights).
             for z in (0, 1, 2, 3) if d * cp > 1 else (0,):
@@ -328,8 +335,8 @@ class StateBound:
 
 def bubble_scale(c: Candidate) -> float:
     """The pipeline bubble over the busy time (what analyze stretches the slowest rank's work by):
-    (p - 1) / m for GPipe and 1F1B, whose torch orders take exactly m + p - 1 slots; interleaved
-    from torch's own order (schedule_order)."""
+    (p - 1) / m for GPipe and 1F1B, whose torch orders take exactly m + p - 1 slots; the others
+    from torch's own order (planner/schedule.py)."""
     if c.pipeline <= 1:
         return 0.0
     if c.schedule in ("gpipe", "1f1b"):

@@ -178,13 +178,30 @@ def hidden_width(plan: PlanIR) -> int:
 
 
 def tied_sync_numel(plan: PlanIR, stages: list[Stage]) -> int:
-    """Local parameters of tied weights held on two stages: their gradients are summed once per step."""
+    """Local parameters of tied weights held on two stages of different ranks (`stages`: one rank's):
+    their gradients are summed over the pipeline once per step. Two copies on one rank (a V puts the
+    first and the last stage on rank 0) are summed in place, with no collective."""
     total = 0
     for s in stages:
         for hu in held_units(plan, s):
-            if hu.tied_copy or (primitives.of(hu.unit) is primitives.embedding.EMBEDDING and _is_tied_elsewhere(plan, hu.unit.name, s)):
+            # A tied copy (planner/held.py) is the embedding's table held beside the head: its
+            # partner is the embedding itself, wherever that stage is.
+            if hu.tied_copy and not _on_rank(plan, hu.unit.name, stages) or (
+                    primitives.of(hu.unit) is primitives.embedding.EMBEDDING
+                    and _is_tied_elsewhere(plan, hu.unit.name, s)
+                    and not _on_rank(plan, _tied_user(plan, hu.unit.name), stages)):
                 total += unit_local_params(plan, hu)[1]
     return total
+
+
+def _tied_user(plan: PlanIR, name: str) -> str | None:
+    """The layer that uses `name`'s weight (a tied head of an embedding)."""
+    return next((item.name for item in plan.model.items
+                 if isinstance(item, Unit) and any(lf.tie == name for lf in item.leaves)), None)
+
+
+def _on_rank(plan: PlanIR, item: str | None, stages: list[Stage]) -> bool:
+    return item is not None and any(pc.item == item for s in stages for pc in s.pieces)
 
 
 def _is_tied_elsewhere(plan: PlanIR, name: str, stage: Stage) -> bool:

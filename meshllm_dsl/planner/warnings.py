@@ -9,10 +9,11 @@ from collections.abc import Callable
 
 from meshllm_dsl.codes import W0801, W0802, W0803, W0804, W0805, W0806
 from meshllm_dsl.diagnostics import Diagnostic, Label
+from meshllm_dsl.ir import PlanIR, placement_of
 from meshllm_dsl.parallel.costs import MFU
 from meshllm_dsl.planner.comm import axes_cross_hosts
 from meshllm_dsl.planner.formatting import fmt_bytes, fmt_count, fmt_seconds
-from meshllm_dsl.planner.formulas import bubble_formula
+from meshllm_dsl.planner.formulas import bubble_formula, bubble_fraction
 from meshllm_dsl.planner.records import PlanReport, RankClass, StepTime
 from meshllm_dsl.planner.spans import find_word, header_span
 
@@ -121,14 +122,30 @@ def _bubble_warnings(report: PlanReport) -> list[Diagnostic]:
         return []
     plan = report.plan
     p, m = plan.pipeline_size, plan.microbatches
-    need = math.ceil(9 * (p - 1) / plan.virtual)  # (p - 1) / (v (m + p - 1)) <= 10%, roughly
     where = find_word(plan.span, "microbatches") or header_span(plan.span)
+    if plan.schedule in ("gpipe", "1f1b", "interleaved_1f1b"):
+        need = math.ceil(9 * (p - 1) / plan.virtual)  # (p - 1) / (v (m + p - 1)) <= 10%, roughly
+    else:
+        # No closed form over m: the least m whose simulated order idles at most 10% (the same
+        # order the report prices), searched over the microbatch counts torch's class accepts.
+        need = next((k for k in range(m + 1, 64 * p + 1) if _accepts(plan, k)
+                     and bubble_fraction(plan.schedule, p, k, plan.virtual) <= BUBBLE_WARN), m)
     return [Diagnostic(
         W0805, f"the pipeline bubble is {report.bubble:.0%} of the step ({fmt_seconds(report.step.bubble_s)})", where,
         label=f"{m} microbatches over {p} stages",
         help=f"raise microbatches to about {need} or more (batch permitting) for a bubble near 10%"
-        + ("" if plan.schedule == "interleaved_1f1b" else ", or interleave: `stages over ... virtual 2` with `schedule interleaved_1f1b`"),
+        + (", or interleave: `stages over ... virtual 2` with `schedule interleaved_1f1b`" if plan.schedule in ("gpipe", "1f1b") else ""),
         note=f"bubble = {report.bubble:.3f}" + bubble_formula(plan, report.bubble))]
+
+
+def _accepts(plan: PlanIR, micro: int) -> bool:
+    """Whether torch's class for the plan's schedule takes `micro` microbatches (checker/batch.py's rules)."""
+    p = plan.pipeline_size
+    if plan.schedule == "dualpipev":
+        return micro >= len(plan.stages)
+    if plan.schedule == "interleaved_zb":
+        return micro % max(1, micro // p) == 0
+    return True
 
 
 def _imbalance_warnings(report: PlanReport) -> list[Diagnostic]:
@@ -147,7 +164,9 @@ def _imbalance_warnings(report: PlanReport) -> list[Diagnostic]:
         note="per pipeline rank: " + ", ".join(f"{r.coord}: {fmt_bytes(r.training_bytes)}" for r in report.ranks),
         help=f"move blocks off stage {worst.stages[0]}"
         + (" (1F1B keeps p - r microbatches of activations on rank r, so early stages should hold fewer blocks)"
-           if plan.schedule != "gpipe" and worst.coord < light.coord else ""))]
+           if plan.schedule in ("1f1b", "interleaved_1f1b") and worst.coord < light.coord else
+           f" (`{plan.schedule}` puts the first and the last stage on rank 0: the embedding and the head are both there)"
+           if placement_of(plan.schedule) == "v" and worst.coord == 0 else ""))]
 
 
 def _skew_warnings(report: PlanReport) -> list[Diagnostic]:

@@ -208,10 +208,6 @@ def test_stage_actions_follow_the_v_placement() -> None:
 
 @pytest.mark.parametrize(("schedule", "in_flight"), [("zbv", 8), ("dualpipev", 9), ("interleaved_zb", 8), ("looped_bfs", 16)])
 def test_planner_prices_the_new_schedules(schedule: str, in_flight: int) -> None:
-    # The checker may not take these schedules yet: a checked 4 x 2-stage plan told to run them,
-    # its stages placed as the schedule places them.
-    import attrs
-
     from meshllm_dsl.checker import check_text
     from meshllm_dsl.planner.analyze import analyze
     from meshllm_dsl.planner.formulas import bubble_formula
@@ -224,15 +220,71 @@ plan p on m for l {
     seq = 16
     microbatches = 8
     stages over pipeline virtual 2 balanced
-    schedule interleaved_1f1b
+    schedule SCHEDULE
 }
-"""
+""".replace("SCHEDULE", schedule)
     plan = check_text(text, "t.mesh").plans["p"]
-    placement = placement_of(schedule)
-    plan = attrs.evolve(plan, schedule=schedule,
-                        stages=tuple(attrs.evolve(s, coord=stage_coord(s.index, 4, placement)) for s in plan.stages))
+    # The checker places the stages as the schedule's torch class does.
+    assert [s.coord for s in plan.stages] == [stage_coord(s.index, 4, placement_of(schedule)) for s in plan.stages]
     rep = analyze(plan)
     cost = schedule_cost(schedule, 4, 2, 8)
     assert rep.bubble == cost.bubble
     assert [rc.in_flight for rc in rep.ranks] == [in_flight] * 4  # microbatch-stages held at the peak
     assert f"in torch's {schedule} order with p = 4, m = 8, v = 2" in bubble_formula(plan, rep.bubble)
+
+
+def _plan_report(schedule: str, extra: str = "", mesh: str = "pipeline = 2", model: str = "gpt2", layers: int = 8) -> Any:
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.planner.analyze import analyze
+
+    heads = "heads = 4, positions = 64" if model == "gpt2" else "heads = 4, ffn = 128"
+    text = f"""
+mesh m {{ axes {mesh} }}
+model l = {model} {{ vocab = 256, hidden = 64, layers = {layers}, {heads} }}
+plan p on m for l {{
+    batch = 8
+    seq = 16
+    microbatches = 4
+    stages over pipeline virtual 2 balanced
+    schedule {schedule}
+    {extra}
+}}
+"""
+    result = check_text(text, "t.mesh")
+    assert result.ok, [d.message for d in result.errors]
+    return analyze(result.plans["p"])
+
+
+def test_a_v_keeps_tied_weights_and_its_turn_on_one_rank() -> None:
+    """Under a V rank 0 holds the first stage and the last: GPT-2's tied embedding and head sum their
+    gradients in place (no all-reduce over the pipeline), and the V's turn (stage p - 1 to p, both on
+    rank p - 1) sends nothing. Under a loop both cross ranks."""
+    def traffic(schedule: str) -> dict[tuple[str, str], int]:
+        rep = _plan_report(schedule)
+        return {(c.kind, c.op): c.calls for rc in rep.ranks for c in rc.comms}
+
+    loop, v = traffic("interleaved_1f1b"), traffic("zbv")
+    assert ("tied", "all_reduce") in loop and ("tied", "all_reduce") not in v
+    # Busiest rank's sends: a loop of 4 stages on 2 ranks crosses at every boundary (rank 0's stages
+    # 0 and 2: 1 + 2 boundaries), the V at all but its turn (rank 1's stages 1 and 2: one each).
+    assert loop[("pipeline", "send_recv")] == 3 * 4 and v[("pipeline", "send_recv")] == 2 * 4
+
+
+def test_zero3_under_a_split_backward_keeps_units_gathered() -> None:
+    """The runtime keeps FSDP2 units gathered from forward to weight gradient under the schedules
+    that split backward (ZeRO 3 gathers as ZeRO 2): the planner prices the same."""
+    from meshllm_dsl.parallel.placements import gather_stage
+
+    extra = "layout { batch -> data }\n    optimizer adamw { zero 3 }"
+    zb = _plan_report("zbv", extra, "data = 2, pipeline = 2", "llama", 16)
+    zb2 = _plan_report("zbv", extra.replace("zero 3", "zero 2"), "data = 2, pipeline = 2", "llama", 16)
+    looped = _plan_report("looped_bfs", extra, "data = 2, pipeline = 2", "llama", 16)
+    assert gather_stage(zb.plan) == 2 and gather_stage(looped.plan) == 3
+
+    def gathers(rep: Any) -> list[int]:
+        return [c.calls for rc in rep.ranks for c in rc.comms if (c.kind, c.op) == ("data", "all_gather")]
+
+    # Once per unit a step, as ZeRO 2; looped BFS (full backwards) gathers again after each
+    # forward's reshard until its backwards begin.
+    assert gathers(zb) == gathers(zb2)
+    assert all(a < b for a, b in zip(gathers(zb), gathers(looped)))
