@@ -163,8 +163,9 @@ CODES: dict[str, tuple[str, str]] = {
               "run one stage per rank; `interleaved_1f1b` needs `virtual N` stages per rank; `zbv` and `dualpipev` "
               "exactly `virtual 2`, placed in a V (rank r holds stages r and 2p - 1 - r); the others any number, "
               "placed in a loop. A written `placement` must be the schedule's."),
-    "E0608": ("cannot balance stages", "`balanced` splits the repeated blocks evenly, so the stage count "
-              "(pipeline size x virtual stages) must divide the number of blocks; otherwise list the stages."),
+    "E0608": ("cannot balance stages", "`balanced` splits the repeated blocks over the stages by compute (the "
+              "layers before and after them weigh their flops), and every stage that holds no other layer needs "
+              "at least one block: the model needs a repeat with enough blocks; otherwise list the stages."),
     "E0609": ("bad block range", "A stage's block range `blocks[a:b]` must satisfy 0 <= a < b <= count, and "
               "only repeats can be sliced."),
     "W0701": ("stage imbalance", "One pipeline stage holds more than 1.25x the mean parameter count. The "

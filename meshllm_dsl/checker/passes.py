@@ -162,9 +162,15 @@ def loss(ctx: PassContext) -> PassResult:
     return w.result(loss=w.loss(ctx["top"]))
 
 
+def _seq(ctx: PassContext) -> int:
+    """The plan's `seq`: as given, else 128, or the positions a model with learned positions has when it has fewer."""
+    limits = [n for i in ctx.model.items if isinstance(i, Unit) and (n := primitives.of(i).position_limit(i)) is not None]
+    return int(ctx["setting_values"].get("seq", min([128, *limits])))
+
+
 def stages(ctx: PassContext) -> PassResult:
     w = _Worker.of(ctx)
-    stage_map, pipeline_axis, virtual = w.stages(ctx["top"], ctx["classes"])
+    stage_map, pipeline_axis, virtual = w.stages(ctx["top"], ctx["classes"], _seq(ctx))
     return w.result(stages=stage_map, pipeline_axis=pipeline_axis, virtual=virtual)
 
 
@@ -207,9 +213,7 @@ def batch(ctx: PassContext) -> PassResult:
     values, given, batch_axes = ctx["setting_values"], ctx["settings"], ctx["batch_axes"]
     microbatches = values.get("microbatches", 1)
     size = values.get("batch", max(1, microbatches) * (ctx.mesh.size(*batch_axes) if batch_axes else 1))
-    # Unset, seq is 128, or the positions a model with learned positions has when it has fewer.
-    limits = [n for i in ctx.model.items if isinstance(i, Unit) and (n := primitives.of(i).position_limit(i)) is not None]
-    seq = values.get("seq", min([128, *limits]))
+    seq = _seq(ctx)
     if "seq" not in w.bad_settings:
         w.positions(seq, given.get("seq"))
     w.batch_checks(size, microbatches, batch_axes, given, ctx["stages"], ctx["schedule"])

@@ -8,6 +8,7 @@ from collections.abc import Iterable, Sequence
 
 import attrs
 
+from meshllm_dsl import primitives
 from meshllm_dsl.checker.context import (
     PlanContext,
     _blocks_text,
@@ -28,7 +29,6 @@ from meshllm_dsl.codes import (
 )
 from meshllm_dsl.diagnostics import Applicability, Label, insert, replace, typo
 from meshllm_dsl.front import ast
-from meshllm_dsl.front.names import divisors, or_list
 from meshllm_dsl.front.source import Span
 from meshllm_dsl.ir import (
     PLACEMENTS,
@@ -69,7 +69,7 @@ class _MapWalk:
 
 class StageRules(PlanContext):
     # -- pipeline
-    def stages(self, top: dict[str, Placement], classes: tuple[BlockClass, ...]) -> tuple[tuple[Stage, ...], str | None, int]:
+    def stages(self, top: dict[str, Placement], classes: tuple[BlockClass, ...], seq: int = 128) -> tuple[tuple[Stage, ...], str | None, int]:
         stmts = [s for s in self.decl.body if isinstance(s, ast.StagesStmt)]
         model = self.model
         if not stmts:
@@ -89,7 +89,7 @@ class StageRules(PlanContext):
         count = p * virtual
         placement = self.placement(stmt)
         if stmt.balanced:
-            return self.balanced(stmt, axis, p, virtual, placement), axis, virtual
+            return self.balanced(stmt, axis, p, virtual, placement, seq), axis, virtual
         # Stage-map errors point at the map's header (`stages over AXIS`) or at the entry involved,
         # never at the whole multi-line map.
         header_end = stmt.virtual.span.end if stmt.virtual is not None and stmt.virtual.span else stmt.axis.span.end  # type: ignore[union-attr]
@@ -293,34 +293,54 @@ class StageRules(PlanContext):
                            suggestions=replace(it.span, f"{item.name}[{first}:{item.count}]",
                                                f"Extend to `{item.name}[{first}:{item.count}]`"))
 
-    def balanced(self, stmt: ast.StagesStmt, axis: str, p: int, virtual: int, placement: str) -> tuple[Stage, ...]:
+    def balanced(self, stmt: ast.StagesStmt, axis: str, p: int, virtual: int, placement: str,
+                 seq: int = 128) -> tuple[Stage, ...]:
+        """`balanced`: the repeat's blocks over the stages in order, as many to each as evens out the
+        compute of the busiest rank, then of the busiest stage, weighing the layers before the blocks
+        (on the first stage) and after them (on the last) by their flops as well: a 128k-vocabulary
+        head costs several blocks (Megatron's `Et|(tt|)*30mL` layouts, torchtitan's fewer layers on
+        the first and last stage). Without such layers every stage gets the same share."""
         count = p * virtual
         rep = self.repeat
         if rep is None:
             self.error(E0608, "`balanced` needs a repeated block stack to split", stmt.span,
                        label="no repeat in this model", help="list the stages explicitly")
             return ()
-        if rep.count % count:
-            fits = [d for d in divisors(rep.count)]
-            self.error(E0608, f"{rep.count} blocks cannot be split evenly over {count} stages", stmt.span,
-                       label=f"{axis} = {p}" + (f" x virtual {virtual}" if virtual > 1 else ""),
-                       secondary=self.axis_label(axis),
-                       help=f"stage count ({axis} x virtual) must divide {rep.count}: use {or_list(fits)}, or list the stages explicitly")
-            return ()
-        per = rep.count // count
         order = [i.name for i in self.model.items]
         ri = order.index(rep.name)
+        # The first and the last stage hold other layers too: they may go without a block.
+        least = [0 if (k == 0 and ri > 0 or k == count - 1 and ri < len(order) - 1) else 1 for k in range(count)]
+        if rep.count < sum(least):
+            spare = count - sum(least)  # stages that hold other layers
+            most = max((d for d in range(1, p + 1) if d * virtual - min(spare, 2) <= rep.count), default=1)
+            self.error(E0608, f"{rep.count} blocks cannot fill {count} stages", stmt.span,
+                       label=f"{axis} = {p}" + (f" x virtual {virtual}" if virtual > 1 else ""),
+                       secondary=self.axis_label(axis),
+                       help=f"every stage that holds no other layer needs a block: use a `{axis}` of at most {most}"
+                       + (f" with virtual {virtual}" if virtual > 1 else "") + ", or list the stages explicitly")
+            return ()
+        cost = {i.name: primitives.of(i).flops_per_token(i, seq) for i in self.model.items if isinstance(i, Unit)}
+        block = sum(primitives.of(u).flops_per_token(u, seq) for u in rep.body)
+        fixed = [0] * count
+        fixed[0] += sum(cost.get(n, 0) for n in order[:ri])
+        fixed[-1] += sum(cost.get(n, 0) for n in order[ri + 1 :])
+        coords = [stage_coord(k, p, placement) for k in range(count)]
+        per = _split_blocks(rep.count, fixed, block, coords, least)
         stages = []
         top_placeholder: dict[str, Placement] = {}
+        first = 0
         for k in range(count):
             pieces = []
             if k == 0:
                 pieces += [StagePiece(n) for n in order[:ri]]
-            pieces.append(StagePiece(rep.name, k * per, (k + 1) * per))
+            if per[k]:
+                pieces.append(StagePiece(rep.name, first, first + per[k]))
+            first += per[k]
             if k == count - 1:
                 pieces += [StagePiece(n) for n in order[ri + 1 :]]
-            stages.append(Stage(k, stage_coord(k, p, placement), tuple(pieces), self.stage_numel(pieces, top_placeholder)))
-        self.imbalance(stages, stmt.span, axis, balanced=True)
+            stages.append(Stage(k, coords[k], tuple(pieces), self.stage_numel(pieces, top_placeholder)))
+        # No W0701 here: the map evens out compute by construction, and the parameters an embedding
+        # or a head add there are memory, which the planner weighs per rank (W0806).
         return tuple(stages)
 
     def stage_numel(self, pieces: Iterable[StagePiece], top: dict[str, Placement]) -> int:
@@ -339,7 +359,7 @@ class StageRules(PlanContext):
                             total += tied.numel
         return total
 
-    def imbalance(self, stages: Sequence[Stage], span: Span | None, axis: str, balanced: bool = False) -> None:
+    def imbalance(self, stages: Sequence[Stage], span: Span | None, axis: str) -> None:
         if len(stages) < 2:
             return
         sizes = [s.numel for s in stages]
@@ -351,8 +371,7 @@ class StageRules(PlanContext):
         best = self.best_split(stages)
         if best is not None and best[0] < worst.numel:
             load, counts = best
-            lead = ("`balanced` gives every stage the same number of blocks, whatever the embedding and head add"
-                    if balanced else f"move blocks off stage {worst.index}")
+            lead = f"move blocks off stage {worst.index}"
             help_ = (f"{lead}; the best map of whole blocks holds at most {load / mean:.2f}x the mean: "
                      f"`stages over {axis} {{ {self.stage_map_text(counts)} }}`")
         elif best is not None:
@@ -461,3 +480,20 @@ def _longest_ordered(keys: Sequence[tuple[int, int]]) -> set[int]:
         out.add(i)
         i = parent[i]
     return out
+
+
+def _split_blocks(blocks: int, fixed: Sequence[int], block: int, coords: Sequence[int], least: Sequence[int]) -> list[int]:
+    """Blocks per stage (at least `least[k]`, `blocks` in all) that make the busiest rank's work least
+    (a rank runs every stage placed on it: `coords`), then its busiest stage's; `fixed[k]`: the work
+    of stage k's other layers, `block`: one block's. Greedy, one block at a time to the stage whose
+    rank and then whose own work stays least (the earlier stage on a tie): optimal for the busiest
+    rank, as every block weighs the same."""
+    per = list(least)
+    rank_work: dict[int, int] = {}
+    for k, c in enumerate(coords):
+        rank_work[c] = rank_work.get(c, 0) + fixed[k] + per[k] * block
+    for _ in range(blocks - sum(per)):
+        k = min(range(len(per)), key=lambda k: (rank_work[coords[k]] + block, fixed[k] + (per[k] + 1) * block, k))
+        per[k] += 1
+        rank_work[coords[k]] += block
+    return per

@@ -146,6 +146,12 @@ class Primitive:
         = `micro` sequences of `seq` (costs.linear_matmuls gives a unit's linear layers')."""
         raise NotImplementedError(self.kind)
 
+    def flops_per_token(self, unit: Unit, seq: int) -> int:
+        """Forward flops per token of the whole (unsharded) unit, in sequences of `seq`: what
+        `stages ... balanced` weighs layers by, before any plan exists. Its linear layers' weights,
+        2 per element (a lookup or a norm: none); kinds that do more add it."""
+        return 2 * sum(t.numel for leaf in unit.leaves if leaf.kind == "linear" for t in leaf.params if len(t.shape) >= 2)
+
     # -- codegen
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
         """Its entry of the generated MODEL description, beyond name and kind (`a`: the unit's attrs)."""

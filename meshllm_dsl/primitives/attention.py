@@ -149,6 +149,13 @@ class Attention(Primitive):
         n += 2 * k["rmsnorm"] if hu.unit.attr("qk_norm") in ("head", "full") else 0  # q's and k's
         return n + (k["rotary"] if hu.unit.attr("rope_theta") else 0)
 
+    def flops_per_token(self, unit: Unit, seq: int) -> int:
+        # Its projections, and the core over `seq` keys (4 s d per head, no halving for the causal
+        # mask: `work`'s count); a sliding window sees at most `window` of them.
+        window = int(unit.attr("window") or 0)  # type: ignore[arg-type]
+        keys = min(seq, window) if window and not unit.attr("global_every") else seq
+        return super().flops_per_token(unit, seq) + 4 * keys * int(unit.attr("heads")) * int(unit.attr("head_dim"))  # type: ignore[arg-type]
+
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
         # The core, per local head and sequence: scores q k^T ([s, d] x [d, s]) and p v ([s, s] x
         # [s, d]), over every key position: 4 s d flops per head and token forward, the standard

@@ -91,6 +91,10 @@ class Linear(Primitive):
     def work(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> Work:
         return Work(costs.linear_matmuls(plan, hu, tokens))  # a tied head multiplies by the table it reads
 
+    def flops_per_token(self, unit: Unit, seq: int) -> int:
+        # From its dims, not its leaves: a tied head holds no weight of its own but multiplies by the table.
+        return 2 * int(unit.attr("in")) * int(unit.attr("out"))  # type: ignore[arg-type]
+
     def flow(self, site: FlowSite) -> UnitFlow | None:
         return linear_flow(site)
 

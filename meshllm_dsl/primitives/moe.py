@@ -205,6 +205,12 @@ class Moe(Primitive):
             mm += [costs.Matmul(tokens, s, hid, 2), costs.Matmul(tokens, hid, s), costs.Matmul(tokens, 1, hid)]
         return costs.Work(tuple(mm))
 
+    def flops_per_token(self, unit: Unit, seq: int) -> int:
+        # Active work, as `work`: the router, top_k of the routed experts, the shared expert.
+        hid, ffn, n_exp, k = (int(unit.attr(a)) for a in ("hidden", "ffn", "experts", "top_k"))  # type: ignore[arg-type]
+        shared = int(unit.attr("shared_ffn") or 0) if unit.attr("shared_expert") else 0  # type: ignore[arg-type]
+        return 2 * hid * (n_exp + 3 * k * ffn + (3 * shared + 1 if shared else 0))
+
     def unit_collectives(self, unit: Unit, placement: Mapping[str, Placement]) -> tuple[Collective, ...]:
         """Expert parallelism's token dispatch and combine (runtime/moe/dispatch.py), over the axes
         its experts are split over."""

@@ -319,7 +319,7 @@ def test_stage_maps(entries: str, code: str | None, span_text: str | None) -> No
         ("microbatches = 4\n stages over pipeline virtual 2 balanced\n schedule gpipe", "pipeline = 2", ["E0607"]),
         ("microbatches = 3\n stages over pipeline virtual 2 balanced", "pipeline = 2", ["E0606"]),
         ("microbatches = 4\n stages over pipeline balanced\n schedule zero_bubble", "pipeline = 2", ["E0607"]),
-        ("microbatches = 4\n stages over pipeline balanced", "pipeline = 3", ["E0608"]),
+        ("microbatches = 8\n stages over pipeline balanced", "pipeline = 8", ["E0608"]),
         ("microbatches = 4\n stages over pipe balanced", "pipeline = 2", ["E0202"]),
         ("batch = 6\n microbatches = 4\n layout { batch -> data }\n stages over pipeline balanced", "data = 2, pipeline = 2", ["E0305"]),
         ("batch = 8\n microbatches = 4\n layout { batch -> pipeline }\n stages over pipeline balanced", "pipeline = 2", ["E0407"]),

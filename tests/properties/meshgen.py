@@ -494,7 +494,9 @@ class _Oracle:
         p, v = s.size(st_["axis"]), st_["virtual"]
         count = p * v
         if st_.get("balanced"):
-            if self.L % count:
+            # Blocks by compute (issue 39): every stage but the first and the last (which hold the
+            # embedding and the head) needs one.
+            if self.L < count - 2:
                 self.bad("E0608", f"{self.L} blocks over {count} stages")
                 return False
             return True
@@ -742,7 +744,8 @@ def plan_specs(draw: Callable[..., Any], valid_only: bool = False) -> Spec:
     if balanced and fault != "balanced_uneven":
         layers = _mult(draw, count, 1, max(count, 6))
     elif balanced:
-        layers = draw(st.sampled_from([k for k in range(1, 7) if k % count] or [count + 1]))
+        # too few blocks for the middle stages where there are any (else the draw is clean)
+        layers = draw(st.sampled_from(list(range(1, count - 2)) or [count + 1]))
     else:
         # enough items (embed, blocks..., norm, lm_head) for `count` non-empty stages
         layers = draw(st.integers(max(1, count - 2), max(count, 5)))
