@@ -30,6 +30,7 @@ from meshllm_dsl.ir import (
     Tensor,
     Unit,
     UnitFlow,
+    placement_of,
 )
 from meshllm_dsl.parallel.collectives import spec
 from meshllm_dsl.parallel.layouts import column_partial_grad, seq_partial_grad
@@ -556,7 +557,9 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         " (rank order: last axis varies fastest).",
         f"Model `{plan.model.name}`: {plan.model.numel:,} parameters.",
         f"Pipeline: {len(plan.stages)} stage(s)" + (f" over `{plan.roles.pipeline}`, schedule {plan.schedule}, "
-                                                   f"{plan.microbatches} microbatches" if plan.roles.pipeline else "") + ".",
+                                                   f"{plan.microbatches} microbatches" if plan.roles.pipeline else "")
+        + (f", placed in a V (pipeline rank r runs stages r and {len(plan.stages) - 1} - r)"
+           if plan.roles.pipeline and placement_of(plan.schedule) == "v" else "") + ".",
         f"Data parallel over: {_axes_text(plan.roles.batch) or 'none'}; ZeRO stage {plan.zero}"
         + (f" over {_axes_text(plan.roles.batch_shard)}, replicated over {_axes_text(plan.roles.batch_replicate)} (HSDP)"
            if plan.zero and plan.roles.batch_replicate else "") + ".",

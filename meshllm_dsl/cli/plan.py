@@ -11,6 +11,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -90,6 +91,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps({"plans": [report_json(r) for r in reports],
                           "diagnostics": [d.to_json() for d in warns]}, indent=2))
+        _write_svgs(args, plans)
         return EXIT_OK
     for i, rep in enumerate(reports):
         if i:
@@ -98,6 +100,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if warns:
         print()
         _print_diags(warns)
+    _write_svgs(args, plans)
     return EXIT_OK
 
 
@@ -119,17 +122,23 @@ def cmd_explain(args: argparse.Namespace) -> int:
             if i:
                 print()
             print(explain_text(plan), end="")
-    if args.svg:
-        from meshllm_dsl.views.svg import mesh_svg, schedule_svg
-
-        out = Path(args.svg)
-        out.mkdir(parents=True, exist_ok=True)
-        for plan in plans:
-            for kind, text in (("mesh", mesh_svg(plan)), ("schedule", schedule_svg(plan))):
-                target = out / f"{plan.name}_{kind}.svg"
-                target.write_text(text)
-                print(f"wrote {target}", file=sys.stderr if args.format == "json" else sys.stdout)
+    _write_svgs(args, plans)
     return EXIT_OK
+
+
+def _write_svgs(args: argparse.Namespace, plans: list[Any]) -> None:
+    """`--svg DIR`: each plan's mesh and its pipeline schedule (every rank's actions over time)."""
+    if not args.svg:
+        return
+    from meshllm_dsl.views.svg import mesh_svg, schedule_svg
+
+    out = Path(args.svg)
+    out.mkdir(parents=True, exist_ok=True)
+    for plan in plans:
+        for kind, text in (("mesh", mesh_svg(plan)), ("schedule", schedule_svg(plan))):
+            target = out / f"{plan.name}_{kind}.svg"
+            target.write_text(text)
+            print(f"wrote {target}", file=sys.stderr if args.format == "json" else sys.stdout)
 
 
 # ---------------------------------------------------------------- meshc suggest
@@ -186,6 +195,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("file", metavar="FILE")
     p.add_argument("--plan", help="only this plan (default: every plan in the file)")
     p.add_argument("--device", help="device profile to assume instead of the mesh's")
+    p.add_argument("--svg", metavar="DIR", help="also write PLAN_mesh.svg and PLAN_schedule.svg to DIR")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(func=cmd_plan)
 

@@ -134,3 +134,14 @@ def test_each_schedule_runs_torchs_class_on_its_placement(
     assert [g["scheduled"] for g in got] == ranks
     assert {g["class"] for g in got} == {cls}
     assert set().union(*(g["actions"] for g in got)) == kinds
+
+
+def test_meshc_verify_reports_equal_for_the_zbv_example() -> None:
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "meshllm_dsl", "verify", str(root / "examples" / "tiny_llama_zbv.mesh")],
+                          capture_output=True, text=True, timeout=300, cwd="/")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verdict: EQUAL" in proc.stdout
