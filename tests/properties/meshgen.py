@@ -255,8 +255,9 @@ class _Oracle:
         stage = self.s.zero[0] if self.s.zero is not None else 0
         master = p.get("master", compute) if p.get("master") in widths else compute
         reduce = p.get("reduce", compute if stage in (2, 3) else master)
-        if stage not in (2, 3) and reduce != master and reduce in widths:
-            self.bad("E0309", "precision reducing in another dtype without zero 2 / 3")
+        # ZeRO 1 with master weights is FSDP2 too (the distributed optimizer): it reduces in `reduce`.
+        if stage == 0 and reduce != master and reduce in widths:
+            self.bad("E0309", "precision reducing in another dtype without zero")
 
     # -- rules -> placement per (leaf, block)
     def leaf_keys(self) -> list[tuple[str, ...]]:
@@ -552,14 +553,22 @@ class _Oracle:
         if sched is not None:
             if sched == "interleaved_1f1b" and v < 2:
                 self.bad("E0607", "interleaved_1f1b without virtual stages")
-            if sched != "interleaved_1f1b" and v > 1:
+            if sched in ("gpipe", "1f1b") and v > 1:
                 self.bad("E0607", f"virtual stages with {sched}")
+            if sched in ("zbv", "dualpipev") and v != 2:
+                self.bad("E0607", f"{sched} with {v} stages per rank")
+            if sched not in ("gpipe", "1f1b") and not s.stages:
+                self.bad("E0607", f"{sched} without stages")
         effective = sched or ("interleaved_1f1b" if v > 1 else "1f1b" if s.stages else "gpipe")
         if p > 1 and pipeline_ok:
             if effective in ("1f1b", "interleaved_1f1b") and micro < p:
                 self.bad("E0606", f"{effective} with {micro} microbatches < {p} pipeline ranks")
             if effective == "interleaved_1f1b" and micro % p:
                 self.bad("E0606", f"interleaved_1f1b with {micro} microbatches not a multiple of {p}")
+            if effective == "dualpipev" and micro < p * v:
+                self.bad("E0606", f"dualpipev with {micro} microbatches < {p * v} stages")
+            if effective == "interleaved_zb" and micro % max(1, micro // p):
+                self.bad("E0606", f"interleaved_zb with {micro} microbatches, not whole rounds")
 
     def parallel_roles(self) -> ParallelRoles:
         """A valid spec's roles: the stages' axis, its batch axes (all ZeRO-sharded from stage 1), the
@@ -732,7 +741,8 @@ def plan_specs(draw: Callable[..., Any], valid_only: bool = False) -> Spec:
             virtual = 2
         if fault == "virtual_not_interleaved":
             virtual = 2
-        schedule = draw(st.sampled_from([None, "gpipe", "1f1b"])) if virtual == 1 else draw(st.sampled_from([None, "interleaved_1f1b"]))
+        schedule = draw(st.sampled_from([None, "gpipe", "1f1b", "looped_bfs", "interleaved_zb"])) if virtual == 1 \
+            else draw(st.sampled_from([None, "interleaved_1f1b", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]))
         if fault == "interleaved_no_virtual":
             virtual, schedule = 1, "interleaved_1f1b"
         if fault == "virtual_not_interleaved":
@@ -751,7 +761,14 @@ def plan_specs(draw: Callable[..., Any], valid_only: bool = False) -> Spec:
         layers = draw(st.integers(max(1, count - 2), max(count, 5)))
     eff_sched = schedule or ("interleaved_1f1b" if virtual > 1 else "1f1b" if use_pipe else "gpipe")
     if use_pipe and p > 1 and eff_sched != "gpipe":
-        micro = _mult(draw, p, p, 4) if eff_sched == "interleaved_1f1b" else draw(st.integers(p, max(p, 4)))
+        if eff_sched == "interleaved_1f1b":
+            micro = _mult(draw, p, p, 4)
+        elif eff_sched == "dualpipev":  # at least as many as stages
+            micro = draw(st.integers(p * virtual, max(p * virtual, 4)))
+        elif eff_sched == "interleaved_zb":  # whole rounds of m // p
+            micro = draw(st.sampled_from([m for m in range(p, max(p, 4) + 1) if m % max(1, m // p) == 0]))
+        else:
+            micro = draw(st.integers(p, max(p, 4)))
     else:
         micro = draw(st.integers(1, 4))
     if fault == "few_microbatches":
