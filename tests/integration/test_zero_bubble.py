@@ -54,6 +54,9 @@ CASES: dict[str, str] = {
     "interleaved_zb_pipeline2_virtual2": _spec("pipeline = 2", _pipe("interleaved_zb", 2, 4)),
     "looped_bfs_pipeline2_virtual2": _spec("pipeline = 2", _pipe("looped_bfs", 2, 4)),
     "zbv_pipeline4": _spec("pipeline = 4", _pipe("zbv", 2, 8)),
+    # Fewer microbatches than the V needs to fill (2p - 1): torch pads the order with idle slots.
+    "zbv_pipeline4_two_microbatches": _spec("pipeline = 4", _pipe("zbv", 2, 2)),
+    "interleaved_zb_pipeline4_one_microbatch": _spec("pipeline = 4", _pipe("interleaved_zb", 1, 1)),
     "dualpipev_pipeline4": _spec("pipeline = 4", _pipe("dualpipev", 2, 8)),
     # A tied embedding and head: under a V both sit on rank 0 (two copies, gradients summed there).
     "zbv_gpt2_tied_pipeline2_tensor2": _spec(
