@@ -63,6 +63,12 @@ CASES: dict[str, str] = {
         "pipeline = 2, tensor = 2",
         "layout { heads -> tensor, ffn -> tensor, vocab -> tensor }\n" + _pipe("zbv", 2, 4), GPT2),
     "dualpipev_pipeline2_tensor2": _spec("pipeline = 2, tensor = 2", MEGATRON + _pipe("dualpipev", 2, 4)),
+    # Sequence parallelism: the residual stream [b, s / t, h] between stages and across the V's turn.
+    "zbv_pipeline2_tensor2_sequence_parallel": _spec(
+        "pipeline = 2, tensor = 2", MEGATRON + "layout { seq -> tensor }\n" + _pipe("zbv", 2, 4)),
+    # Context parallelism: each sequence split over `cp` through every stage.
+    "interleaved_zb_pipeline2_context2": _spec(
+        "pipeline = 2, cp = 2", "layout { seq -> cp }\n" + _pipe("interleaved_zb", 2, 4)),
     "interleaved_zb_pipeline2_tensor2_virtual2": _spec(
         "pipeline = 2, tensor = 2", MEGATRON + _pipe("interleaved_zb", 2, 4)),
     "zbv_data2_pipeline2_zero3": _spec(
