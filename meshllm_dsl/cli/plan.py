@@ -91,7 +91,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.format == "json":
         print(json.dumps({"plans": [report_json(r) for r in reports],
                           "diagnostics": [d.to_json() for d in warns]}, indent=2))
-        _write_svgs(args, plans)
+        _write_svgs(args, plans, reports)
         return EXIT_OK
     for i, rep in enumerate(reports):
         if i:
@@ -100,7 +100,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if warns:
         print()
         _print_diags(warns)
-    _write_svgs(args, plans)
+    _write_svgs(args, plans, reports)
     return EXIT_OK
 
 
@@ -126,16 +126,21 @@ def cmd_explain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _write_svgs(args: argparse.Namespace, plans: list[Any]) -> None:
-    """`--svg DIR`: each plan's mesh and its pipeline schedule (every rank's actions over time)."""
+def _write_svgs(args: argparse.Namespace, plans: list[Any], reports: list[Any] | None = None) -> None:
+    """`--svg DIR`: each plan's mesh and its pipeline schedule (every rank's actions over time), and
+    with `meshc plan` its memory per rank against the device's."""
     if not args.svg:
         return
+    from meshllm_dsl.views.charts import memory_svg
     from meshllm_dsl.views.svg import mesh_svg, schedule_svg
 
     out = Path(args.svg)
     out.mkdir(parents=True, exist_ok=True)
-    for plan in plans:
-        for kind, text in (("mesh", mesh_svg(plan)), ("schedule", schedule_svg(plan))):
+    for k, plan in enumerate(plans):
+        pictures = [("mesh", mesh_svg(plan)), ("schedule", schedule_svg(plan))]
+        if reports is not None:
+            pictures.append(("memory", memory_svg(reports[k])))
+        for kind, text in pictures:
             target = out / f"{plan.name}_{kind}.svg"
             target.write_text(text)
             print(f"wrote {target}", file=sys.stderr if args.format == "json" else sys.stdout)
@@ -175,6 +180,16 @@ def cmd_suggest(args: argparse.Namespace) -> int:
         print(json.dumps(suggestion_json(result), indent=2))
     else:
         print(suggestion_text(result), end="")
+    if args.svg:
+        from meshllm_dsl.views.charts import suggest_svg
+
+        target = Path(args.svg)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(suggest_svg(list(result.points), [r.candidate.key() for r in result.ranked],
+                                      result.device.memory_bytes - result.headroom_bytes,
+                                      f"meshc suggest: {result.model} on {result.devices} x {result.device.name}, "
+                                      f"batch {result.batch} x seq {result.seq}"))
+        print(f"wrote {target}", file=sys.stderr if args.format == "json" else sys.stdout)
     return EXIT_OK if result.best else EXIT_SPEC
 
 
@@ -195,7 +210,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("file", metavar="FILE")
     p.add_argument("--plan", help="only this plan (default: every plan in the file)")
     p.add_argument("--device", help="device profile to assume instead of the mesh's")
-    p.add_argument("--svg", metavar="DIR", help="also write PLAN_mesh.svg and PLAN_schedule.svg to DIR")
+    p.add_argument("--svg", metavar="DIR", help="also write PLAN_mesh.svg, PLAN_schedule.svg and PLAN_memory.svg to DIR")
     p.add_argument("--format", choices=("text", "json"), default="text")
     p.set_defaults(func=cmd_plan)
 
@@ -219,5 +234,6 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    # planner_suggest.DEFAULT_HEADROOM (not imported here: every command would load the planner)
                    help="memory every suggested plan leaves free on a device (default 5 %% of the device's: the CUDA "
                    "context, NCCL's buffers and the allocator's fragmentation, which the planner does not count)")
+    s.add_argument("--svg", metavar="FILE", help="also draw every analysed plan's step time against its peak memory")
     s.add_argument("--format", choices=("text", "json"), default="text")
     s.set_defaults(func=cmd_suggest)

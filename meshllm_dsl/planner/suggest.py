@@ -109,6 +109,8 @@ class SuggestResult:
     rejected: tuple[tuple[str, str], ...]  # (candidate, first checker error) for a few, to show why
     headroom_bytes: int = 0  # what every ranked plan leaves free of the device's memory
     analysed: int = 0  # candidates the planner analysed (the others a lower bound ruled out)
+    # (candidate, estimated step seconds, peak bytes) of each analysed candidate, for the chart.
+    points: tuple[tuple[str, float, int], ...] = ()
 
     @property
     def best(self) -> Ranked | None:
@@ -438,6 +440,7 @@ class _Search:
         self.structures: dict[Structure, PlanIR | None] = {}
         self.bounds: dict[Structure, StateBound] = {}
         self.fitting: list[tuple[Candidate, PlanReport]] = []
+        self.points: list[tuple[str, float, int]] = []
         self.steps: dict[Candidate, float] = {}  # each analysed variant's step (bounds on those recomputing more)
         self.ranked: list[Ranked] = []
         self.analysed = self.checked = self.rechecked = 0
@@ -477,6 +480,7 @@ class _Search:
             plan = checked
         report = analyze(plan, self.device)
         self.analysed += 1
+        self.points.append((c.key(), report.step.total_s, report.peak_training_bytes))
         self.floor = compute_floor_s(report) if self.floor is None else self.floor
         if structure is not None:
             bound.record(c, report)
@@ -510,7 +514,7 @@ class _Search:
         best = [attrs.evolve(r, reason=_reason(i, r, ranked if len(ranked) > 1 else runner)) for i, r in enumerate(ranked)]
         return SuggestResult(model_name, devices, self.device, self.batch, self.seq, host, enumerated, self.checked,
                              len(self.fitting), tuple(best), tuple(self.rejected), self.device.memory_bytes - self.limit,
-                             self.analysed)
+                             self.analysed, tuple(self.points))
 
 
 class _Progress:
