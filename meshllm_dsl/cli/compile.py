@@ -88,6 +88,8 @@ def _run_inputs(args: argparse.Namespace, seq: int, plan: Any = None) -> list[st
         flags += ["--debug"]
     if args.profile_trace is not None:
         flags += ["--profile-trace", str(Path(args.profile_trace).resolve())]
+    if args.metrics is not None:
+        flags += ["--metrics", str(Path(args.metrics).resolve())]
     flags += _hf_flags(args)
     # --profile's directory is made per run; any path stands in for it to check the flags.
     ns = launch.parse_args(flags + (["--profile", "profile"] if args.profile is not None else []))
@@ -142,6 +144,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("LOGLEVEL", "WARNING")
+        # Rank 0's output reaches this process's stderr through a pipe: the bar only on a terminal.
+        from meshllm_dsl.runtime.train.launch import TTY_ENV
+
+        env.setdefault(TTY_ENV, "1" if _isatty(sys.stderr) else "0")
         if plan.mesh.device == "cpu":
             env.setdefault("MESHLLM_DEVICE", "cpu")  # the spec says CPUs: gloo even where CUDA is present
         if args.max_restarts:
@@ -159,6 +165,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         return code
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def _check_weights(args: argparse.Namespace, script: Path) -> None:
@@ -305,6 +318,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--profile-trace", metavar="DIR",
                    help=f"after training (and --profile), {TRACE_STEPS_TEXT}: "
                         "a Chrome trace per rank, DIR/rankR.json (chrome://tracing, ui.perfetto.dev)")
+    r.add_argument("--metrics", metavar="FILE.jsonl",
+                   help="write one JSON object per training step (loss, tokens/s, lr, grad norm, peak memory per rank, "
+                        "MoE expert load) to FILE; an existing FILE is refused unless --resume is given (then appended to)")
     r.set_defaults(func=cmd_run)
 
     v = sub.add_parser("verify", help="tiny-twin equivalence: sharded vs unsharded outputs and gradients on CPU")
