@@ -253,10 +253,24 @@ def _print_profile(plan: Any, spec: str, directory: Path, json_path: str) -> Non
 def cmd_verify(args: argparse.Namespace) -> int:
     from meshllm_dsl.verify.equivalence import verify
 
+    if args.timeout is not None and not 0 < args.timeout <= 1e7:  # nan and inf too
+        from meshllm_dsl.cli.main import UsageError
+
+        raise UsageError(f"--timeout must be positive seconds, at most 1e+07, got {args.timeout:g}")
     result, plan_name = _checked(args.file, args.plan)
     if not result.ok:
         return 1
-    report, equal = verify(args.file, plan_name, args.dtype, args.seed, result)
+    from meshllm_dsl.runtime.jobs.pool import PoolError
+
+    try:
+        report, equal = verify(args.file, plan_name, args.dtype, args.seed, result, timeout=args.timeout)
+    except PoolError as err:
+        text = str(err)
+        if "timed out" not in text:
+            raise
+        from meshllm_dsl.cli.main import UsageError
+
+        raise UsageError(f"verify: the {text} (a larger --timeout SECONDS gives the processes longer)") from None
     print(report, end="")
     return 0 if equal else 1
 
@@ -328,4 +342,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     v.add_argument("--plan", help="which plan (default: the first by name)")
     v.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="how long the processes may take to start, and then to compare "
+                        "(default: 120 s plus 10 s per process, at least 300 s)")
     v.set_defaults(func=cmd_verify)
