@@ -257,13 +257,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
         from meshllm_dsl.cli.main import UsageError
 
         raise UsageError(f"--timeout must be positive seconds, at most 1e+07, got {args.timeout:g}")
+    if args.microbatches is not None and args.microbatches < 1:
+        from meshllm_dsl.cli.main import UsageError
+
+        raise UsageError(f"--microbatches must be at least 1, got {args.microbatches}")
     result, plan_name = _checked(args.file, args.plan)
     if not result.ok:
         return 1
     from meshllm_dsl.runtime.jobs.pool import PoolError
+    from meshllm_dsl.verify.equivalence import TwinError
 
     try:
-        report, equal = verify(args.file, plan_name, args.dtype, args.seed, result, timeout=args.timeout)
+        report, equal = verify(args.file, plan_name, args.dtype, args.seed, result, timeout=args.timeout,
+                               microbatches=args.microbatches)
+    except TwinError as err:
+        from meshllm_dsl.cli.main import UsageError
+
+        raise UsageError(str(err)) from None
     except PoolError as err:
         text = str(err)
         if "timed out" not in text:
@@ -345,4 +355,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     v.add_argument("--timeout", type=float, metavar="SECONDS",
                    help="how long the processes may take to start, and then to compare "
                         "(default: 120 s plus 10 s per process, at least 300 s)")
+    v.add_argument("--microbatches", type=int, metavar="N",
+                   help="compare with N microbatches a step instead of the plan's: fewer make a big pipelined twin "
+                        "much faster to check, but do not exercise the plan's own count")
     v.set_defaults(func=cmd_verify)

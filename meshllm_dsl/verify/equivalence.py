@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from meshllm_dsl.checker import CheckResult
 
 
+class TwinError(Exception):
+    """A twin asked for (``--microbatches``) that does not check; one line."""
+
+
 def load_generated(path: str) -> Any:
     """Import a generated module from its file (each rank of a job imports it itself).
 
@@ -109,12 +113,14 @@ def verify(
     result: CheckResult | None = None,
     status: StatusLine | None = None,
     timeout: float | None = None,
+    microbatches: int | None = None,
 ) -> tuple[str, bool]:
     """Report text and verdict for the tiny twin of a plan. Raises SpecError-free: caller checks.
 
     ``result``: the file's check result when the caller already has it. ``status``: where to say
     what it is doing (default: a line on stderr while it is a terminal). ``timeout``: seconds the
     ranks may take to start, and then to compare (default ``pool_timeout`` of the mesh size).
+    ``microbatches``: the twin's, instead of the plan's (``TwinError`` if the twin then does not check).
     """
     from meshllm_dsl.codegen.emit import render_plan
     from meshllm_dsl.runtime.jobs.pool import WorkerPool
@@ -160,7 +166,10 @@ def verify(
         # The server imports torch (seconds) while this process builds and renders the twin.
         line.update(f"starting {n} processes, building the tiny twin")
         pool.prestart()
-        twin_text, twin_result = make_twin(result, name, path)
+        twin_text, twin_result = make_twin(result, name, path, microbatches)
+        if not twin_result.ok and microbatches is not None:
+            first = next(iter(twin_result.errors))
+            raise TwinError(f"--microbatches {microbatches}: the tiny twin does not check: {first.message} [{first.code}]")
         if not twin_result.ok:
             from meshllm_dsl.diagnostics import render_all
 
@@ -188,6 +197,7 @@ def verify(
         + (f"schedule {twin.schedule}, {len(twin.stages)} stages" if len(twin.stages) > 1 else "no pipeline"),
         "tiny twin: " + ", ".join(f"{k} {dict(plan.model.values)[k]} -> {v}" for k, v in values.items())
         + f"; batch {plan.batch} -> {twin.batch}, seq {plan.seq} -> {twin.seq}"
+        + (f", microbatches {plan.microbatches} -> {twin.microbatches}" if twin.microbatches != plan.microbatches else "")
         + f" ({twin.model.numel:,} parameters)",
         f"compared in {dtype_name} (tolerance {tol:g}) on all {len(per_rank)} ranks: logits, loss, {sum(k.startswith('grad ') for k in errs)} gradients,"
         f" {sum(k.startswith('param') for k in errs)} parameters after one AdamW step",

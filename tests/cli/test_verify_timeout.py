@@ -88,3 +88,26 @@ def test_timeout_reaches_the_pool_and_a_timed_out_compare_is_one_line(
     assert "starting 2 processes: 1 of 2 in the process group" in shown
     assert "comparing the twin sharded on 2 processes with it unsharded (logits, gradients, one step): 0 of 2 ranks done" in shown
     assert ": 1 of 2 ranks done" in shown
+
+
+PIPELINE_SPEC = ("mesh m {\n    axes pipeline = 2\n    device = cpu\n}\n"
+                 "model t = llama { vocab = 64, hidden = 16, layers = 2, heads = 2, ffn = 32 }\n"
+                 "plan p on m for t {\n    batch = 8\n    seq = 8\n    microbatches = 8\n"
+                 "    stages over pipeline balanced\n    schedule 1f1b\n}\n")
+
+
+def test_microbatches_makes_a_smaller_twin_and_a_bad_count_is_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("torch")
+    spec = tmp_path / "pp.mesh"
+    spec.write_text(PIPELINE_SPEC)
+    assert main(["verify", str(spec), "--microbatches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "batch 8 -> 2, seq 8 -> 8, microbatches 8 -> 2" in out and "verdict: EQUAL" in out, out
+    for value, says in (("1", "--microbatches 1: the tiny twin does not check: `1f1b` needs at least as many "
+                              "microbatches as pipeline stages (1 < 2) [E0606]"),
+                        ("0", "--microbatches must be at least 1, got 0")):
+        assert main(["verify", str(spec), "--microbatches", value]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and says in err, err
