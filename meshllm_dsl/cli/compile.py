@@ -90,6 +90,8 @@ def _run_inputs(args: argparse.Namespace, seq: int, plan: Any = None) -> list[st
         flags += ["--profile-trace", str(Path(args.profile_trace).resolve())]
     if args.metrics is not None:
         flags += ["--metrics", str(Path(args.metrics).resolve())]
+    if args.tensorboard is not None:
+        flags += ["--tensorboard", str(Path(args.tensorboard).resolve())]
     flags += _hf_flags(args)
     # --profile's directory is made per run; any path stands in for it to check the flags.
     ns = launch.parse_args(flags + (["--profile", "profile"] if args.profile is not None else []))
@@ -345,6 +347,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--metrics", metavar="FILE.jsonl",
                    help="write one JSON object per training step (loss, tokens/s, lr, grad norm, peak memory per rank, "
                         "MoE expert load) to FILE; an existing FILE is refused unless --resume is given (then appended to)")
+    r.add_argument("--tensorboard", metavar="DIR",
+                   help="also write loss, tokens/s, lr, grad norm and peak memory per step as TensorBoard scalars in DIR "
+                        "(needs `pip install tensorboard`)")
     r.set_defaults(func=cmd_run)
 
     v = sub.add_parser("verify", help="tiny-twin equivalence: sharded vs unsharded outputs and gradients on CPU")

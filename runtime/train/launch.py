@@ -137,6 +137,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the mesh's first rank writes one JSON object per training step here (appends with --resume)",
     )
     p.add_argument(
+        "--tensorboard", type=Path, metavar="DIR",
+        help="the mesh's first rank also writes the per-step metrics as TensorBoard scalars here (needs tensorboard)",
+    )
+    p.add_argument(
         "--weights", type=Path, help="start from this Hugging Face model directory (safetensors)"
     )
     p.add_argument(
@@ -257,7 +261,18 @@ def check_inputs(args: argparse.Namespace, model: Any = None, seq: int = 0) -> N
 
 
 def _check_metrics(args: argparse.Namespace) -> None:
-    """--metrics: a new file in an existing directory, or (with --resume) one to append to."""
+    """--metrics: a new file in an existing directory, or (with --resume) one to append to;
+    --tensorboard: a directory (or none yet), and the package installed."""
+    board = getattr(args, "tensorboard", None)
+    if board is not None:
+        if args.infer or args.eval:
+            raise InputError("--tensorboard records training steps: it does not combine with --infer or --eval")
+        if Path(board).exists() and not Path(board).is_dir():
+            raise InputError(f"--tensorboard {board}: exists and is not a directory")
+        try:
+            import torch.utils.tensorboard  # noqa: F401 - only whether it imports
+        except ImportError:
+            raise InputError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
     path = getattr(args, "metrics", None)
     if path is None:
         return
@@ -492,12 +507,17 @@ class Metrics:
     line at a time and flushed (a killed run leaves whole lines).  Every rank must take part in
     ``record``: it gathers each rank's peak memory and, without ``clip``, the gradient norm."""
 
-    def __init__(self, built: Built, path: Path) -> None:
-        self.built, self.path = built, Path(path)
+    def __init__(self, built: Built, path: Path | None, tensorboard: Path | None = None) -> None:
+        self.built = built
         self.first = _first(built)
         self.kind = "cuda_max_allocated" if built.device.type == "cuda" else "cpu_max_rss"
         self.moe = any(name.endswith(".router.weight") for i in built.stage_ids for name in built.specs[i])
-        self.file = open(self.path, "a", encoding="utf-8") if self.first else None  # noqa: SIM115 - closed by close()
+        self.file = open(path, "a", encoding="utf-8") if self.first and path is not None else None  # noqa: SIM115 - closed by close()
+        self.board: Any = None
+        if self.first and tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(log_dir=str(tensorboard))
 
     def routing(self) -> Any:
         """Around a step: counts each moe layer's (token, choice) pairs per expert on this rank."""
@@ -521,7 +541,7 @@ class Metrics:
         if group is not None:
             peaks = [torch.zeros_like(peak) for _ in range(built.mesh.size())]
             dist.all_gather(peaks, peak, group=group)  # [1] per rank -> mesh size x [1], mesh rank order
-        if self.file is None:
+        if self.file is None and self.board is None:
             return
         row: dict[str, Any] = {
             "step": step,
@@ -539,15 +559,25 @@ class Metrics:
                 {"layer": r["layer"], "tokens_per_expert": r["tokens_per_expert"], "dropped": r["dropped"]}
                 for r in _routing(built, log)
             ]}
-        import json
+        if self.board is not None:
+            for key in ("loss", "tokens_per_s", "lr", "grad_norm"):
+                if row[key] is not None:
+                    self.board.add_scalar(key, row[key], step)
+            self.board.add_scalar("peak_memory_bytes_max", max(row["peak_memory_bytes"].values()), step)
+            self.board.flush()
+        if self.file is not None:
+            import json
 
-        self.file.write(json.dumps(row) + "\n")
-        self.file.flush()
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
 
     def close(self) -> None:
         if self.file is not None:
             self.file.close()
             self.file = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
 
 
 class Progress:
@@ -777,6 +807,7 @@ def train(
     progress: Progress | None = None,
     preempt: Preemption | None = None,
     metrics: Path | None = None,
+    tensorboard: Path | None = None,
 ) -> float:
     """Train from step ``start`` up to ``steps``; rank 0 prints progress and a summary.
 
@@ -792,7 +823,7 @@ def train(
     rank0 = _first(built)
     t0 = time.perf_counter()
     shown = _ProgressLog(start, steps) if rank0 else None
-    recorder = Metrics(built, metrics) if metrics is not None else None
+    recorder = Metrics(built, metrics, tensorboard) if metrics is not None or tensorboard is not None else None
     try:
         loss = _train_steps(built, steps, seed, corpus, start, save, save_every, keep, progress, preempt,
                             identity, shown, recorder)
@@ -1214,7 +1245,7 @@ def _train_and_profile(program: Program, built: Built, args: argparse.Namespace,
     preempt = Preemption() if args.save is not None else None
     train(built, args.steps, seed, args.data, corpus, start=start, save=args.save,
           save_every=args.save_every, keep=args.keep, progress=progress,
-          preempt=preempt, metrics=args.metrics)
+          preempt=preempt, metrics=args.metrics, tensorboard=args.tensorboard)
     if args.profile:
         from meshllm_dsl.runtime.train.profile import profile_train
 

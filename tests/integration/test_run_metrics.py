@@ -121,3 +121,18 @@ def test_plain_progress_after_a_resume_counts_from_the_resumed_step(capsys: Any,
     assert 10 <= len(lines) <= 22
     monkeypatch.setenv(launch.LOG_EVERY_ENV, "1")
     assert len(_lines(100, start=60, capsys=capsys)) == 40
+
+
+def test_tensorboard_without_the_package_names_what_to_install(
+    spec: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("tensorboard is installed")
+    monkeypatch.setattr(cli_job, "run_job", lambda *a, **k: pytest.fail("a rank was started"))
+    assert cli.main(["run", str(spec), "--tensorboard", str(tmp_path / "tb")]) == 2
+    err = capsys.readouterr().err
+    assert err == "meshc: error: --tensorboard needs the tensorboard package: pip install tensorboard\n", err
