@@ -980,6 +980,26 @@ def _gone_ranks(progress: Progress, world: int) -> list[int]:
     return out
 
 
+# How long a rank that lost a peer looks for the cause: a killed process closes its connections
+# before the kernel marks it a zombie, so for a moment it still looks alive (seen under load: "a peer
+# rank exited" instead of naming the killed rank).
+GONE_WAIT_S = 2.0
+
+
+def _lost_peer(progress: Progress | None, world: int, wait: float = GONE_WAIT_S) -> tuple[str | None, list[int]]:
+    """Why a peer went away: the failure a rank recorded, or the ranks on this host whose process
+    is gone; looked for again for up to ``wait`` seconds while neither is known yet."""
+    if progress is None:
+        return None, []
+    deadline = time.monotonic() + wait
+    while True:
+        failed = progress.read("meshllm/failed")
+        gone = [] if failed else _gone_ranks(progress, world)
+        if failed or gone or time.monotonic() >= deadline:
+            return failed, gone
+        time.sleep(0.05)
+
+
 def _kill_stuck(progress: Progress, text: str) -> None:
     """SIGKILL peers on this host that stopped (a SIGSTOPped rank ignores torchrun's SIGTERM for
     its 30 s grace period); the registered pid is theirs, written by the rank at start."""
@@ -1033,8 +1053,7 @@ def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool,
         if first:
             _say(f"error: {'bad --weights: ' if isinstance(exc, WeightsError) else ''}{exc}")
     elif any(mark in text for mark in _PEER_LOST):
-        failed = progress.read("meshllm/failed") if progress else None
-        gone = _gone_ranks(progress, world) if progress and not failed else []
+        failed, gone = _lost_peer(progress, world)
         if failed:
             why = f"rank {failed}"
         elif gone:
