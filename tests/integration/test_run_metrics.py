@@ -136,3 +136,18 @@ def test_tensorboard_without_the_package_names_what_to_install(
     assert cli.main(["run", str(spec), "--tensorboard", str(tmp_path / "tb")]) == 2
     err = capsys.readouterr().err
     assert err == "meshc: error: --tensorboard needs the tensorboard package: pip install tensorboard\n", err
+
+
+def test_the_bar_on_a_terminal_and_who_decides(capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = launch._ProgressLog(0, 2, tty=True)
+    log.step(1, 5.0, 10.0)
+    log.step(2, 4.0, 10.0)
+    err = capsys.readouterr().err
+    assert err.startswith("\r[") and err.count("\r") == 2 and err.endswith("step 2/2  loss 4.0000  10 tok/s\n")
+    # `meshc run` says whether its stderr is a terminal; a rank started by hand asks its own stderr.
+    monkeypatch.setenv(launch.TTY_ENV, "1")
+    assert launch.progress_on_terminal()
+    monkeypatch.setenv(launch.TTY_ENV, "0")
+    assert not launch.progress_on_terminal()
+    monkeypatch.delenv(launch.TTY_ENV)
+    assert not launch.progress_on_terminal()  # pytest's captured stderr is no terminal
