@@ -88,6 +88,10 @@ def _run_inputs(args: argparse.Namespace, seq: int, plan: Any = None) -> list[st
         flags += ["--debug"]
     if args.profile_trace is not None:
         flags += ["--profile-trace", str(Path(args.profile_trace).resolve())]
+    if args.metrics is not None:
+        flags += ["--metrics", str(Path(args.metrics).resolve())]
+    if args.tensorboard is not None:
+        flags += ["--tensorboard", str(Path(args.tensorboard).resolve())]
     flags += _hf_flags(args)
     # --profile's directory is made per run; any path stands in for it to check the flags.
     ns = launch.parse_args(flags + (["--profile", "profile"] if args.profile is not None else []))
@@ -142,6 +146,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         env.setdefault("LOGLEVEL", "WARNING")
+        # Rank 0's output reaches this process's stderr through a pipe: the bar only on a terminal.
+        from meshllm_dsl.runtime.train.launch import TTY_ENV
+
+        env.setdefault(TTY_ENV, "1" if _isatty(sys.stderr) else "0")
         if plan.mesh.device == "cpu":
             env.setdefault("MESHLLM_DEVICE", "cpu")  # the spec says CPUs: gloo even where CUDA is present
         if args.max_restarts:
@@ -159,6 +167,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         return code
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _isatty(stream: Any) -> bool:
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError):
+        return False
 
 
 def _check_weights(args: argparse.Namespace, script: Path) -> None:
@@ -240,10 +255,34 @@ def _print_profile(plan: Any, spec: str, directory: Path, json_path: str) -> Non
 def cmd_verify(args: argparse.Namespace) -> int:
     from meshllm_dsl.verify.equivalence import verify
 
+    if args.timeout is not None and not 0 < args.timeout <= 1e7:  # nan and inf too
+        from meshllm_dsl.cli.main import UsageError
+
+        raise UsageError(f"--timeout must be positive seconds, at most 1e+07, got {args.timeout:g}")
+    if args.microbatches is not None and args.microbatches < 1:
+        from meshllm_dsl.cli.main import UsageError
+
+        raise UsageError(f"--microbatches must be at least 1, got {args.microbatches}")
     result, plan_name = _checked(args.file, args.plan)
     if not result.ok:
         return 1
-    report, equal = verify(args.file, plan_name, args.dtype, args.seed, result)
+    from meshllm_dsl.runtime.jobs.pool import PoolError
+    from meshllm_dsl.verify.equivalence import TwinError
+
+    try:
+        report, equal = verify(args.file, plan_name, args.dtype, args.seed, result, timeout=args.timeout,
+                               microbatches=args.microbatches)
+    except TwinError as err:
+        from meshllm_dsl.cli.main import UsageError
+
+        raise UsageError(str(err)) from None
+    except PoolError as err:
+        text = str(err)
+        if "timed out" not in text:
+            raise
+        from meshllm_dsl.cli.main import UsageError
+
+        raise UsageError(f"verify: the {text} (a larger --timeout SECONDS gives the processes longer)") from None
     print(report, end="")
     return 0 if equal else 1
 
@@ -305,6 +344,12 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--profile-trace", metavar="DIR",
                    help=f"after training (and --profile), {TRACE_STEPS_TEXT}: "
                         "a Chrome trace per rank, DIR/rankR.json (chrome://tracing, ui.perfetto.dev)")
+    r.add_argument("--metrics", metavar="FILE.jsonl",
+                   help="write one JSON object per training step (loss, tokens/s, lr, grad norm, peak memory per rank, "
+                        "MoE expert load) to FILE; an existing FILE is refused unless --resume is given (then appended to)")
+    r.add_argument("--tensorboard", metavar="DIR",
+                   help="also write loss, tokens/s, lr, grad norm and peak memory per step as TensorBoard scalars in DIR "
+                        "(needs `pip install tensorboard`)")
     r.set_defaults(func=cmd_run)
 
     v = sub.add_parser("verify", help="tiny-twin equivalence: sharded vs unsharded outputs and gradients on CPU")
@@ -312,4 +357,10 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     v.add_argument("--plan", help="which plan (default: the first by name)")
     v.add_argument("--dtype", choices=("float64", "float32"), default="float64")
     v.add_argument("--seed", type=int, default=0)
+    v.add_argument("--timeout", type=float, metavar="SECONDS",
+                   help="how long the processes may take to start, and then to compare "
+                        "(default: 120 s plus 10 s per process, at least 300 s)")
+    v.add_argument("--microbatches", type=int, metavar="N",
+                   help="compare with N microbatches a step instead of the plan's: fewer make a big pipelined twin "
+                        "much faster to check, but do not exercise the plan's own count")
     v.set_defaults(func=cmd_verify)

@@ -135,6 +135,22 @@ class _Relay(threading.Thread):
             self._line(pending)
 
 
+def killed_rank(exits: list[tuple[int, int]]) -> str | None:
+    """"rank R was killed (SIGNAME)" from torchrun's failure table (rank, exit code), or None.
+
+    A rank killed from outside comes first: torchrun stops the others with SIGTERM once one has
+    gone, and its table may list one of those before the rank that was killed."""
+    killed = [(r, c) for r, c in exits if c < 0]
+    if not killed:
+        return None
+    rank, code = sorted(killed, key=lambda rc: rc[1] == -signal.SIGTERM)[0]
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    return f"rank {rank} was killed ({name})"
+
+
 class _Forked:
     """The part of ``subprocess.Popen`` that `run_job` uses, for a child made by ``os.fork``."""
 
@@ -284,10 +300,9 @@ def run_job(
     elif not relay.saw_error:
         # A rank killed from outside printed nothing; torchrun's table knows it (its "Root Cause"
         # may name a healthy rank that merely noticed first).
-        killed = [(r, c) for r, c in relay.exits if c < 0]
+        killed = killed_rank(relay.exits)
         if killed:
-            rank, code = killed[0]
-            print(f"error: rank {rank} was killed ({signal.Signals(-code).name})", file=sys.stderr)
+            print(f"error: {killed}", file=sys.stderr)
         else:
             print(f"error: the job failed (torchrun exit {proc.returncode}); rerun with --debug for details", file=sys.stderr)
     return 1

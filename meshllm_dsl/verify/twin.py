@@ -101,8 +101,12 @@ def _twin_body(body: tuple[ast.LayerStmt, ...], head_dim: int | None) -> tuple[a
     return tuple(out)
 
 
-def make_twin(result: CheckResult, plan_name: str, path: str) -> tuple[str, CheckResult]:
-    """The twin of `plan_name` in the file at `path` as .mesh text, and its check result."""
+def make_twin(result: CheckResult, plan_name: str, path: str,
+              microbatches: int | None = None) -> tuple[str, CheckResult]:
+    """The twin of `plan_name` in the file at `path` as .mesh text, and its check result.
+
+    ``microbatches``: the twin's instead of the plan's (`meshc verify --microbatches`: fewer make
+    a faster check of a big twin, whose time goes into the pipeline schedule's many small steps)."""
     plan = result.plans[plan_name]
     values = twin_values(plan)
     head_dim = _head_dim(plan)  # the twin's is HEAD_DIM (twin_values)
@@ -119,7 +123,7 @@ def make_twin(result: CheckResult, plan_name: str, path: str) -> tuple[str, Chec
             items.append(ast.ModelDecl(item.name, item.family, tuple(settings), _twin_body(item.body, head_dim),
                                        item.span))
         elif isinstance(item, ast.PlanDecl) and item.name.value == plan_name:
-            items.append(_twin_plan(item, plan, per_stage))
+            items.append(_twin_plan(item, plan, per_stage, microbatches))
         elif isinstance(item, (ast.ModelDecl, ast.PlanDecl)):
             continue
         else:
@@ -134,12 +138,15 @@ def _twin_seq(plan: PlanIR) -> int:
     return math.lcm(8, plan.sequence_size, 2 * plan.context_size)
 
 
-def _twin_plan(decl: ast.PlanDecl, plan: PlanIR, per_stage: int) -> ast.PlanDecl:
+def _twin_plan(decl: ast.PlanDecl, plan: PlanIR, per_stage: int, microbatches: int | None = None) -> ast.PlanDecl:
     body: list[ast.PlanStmt] = []
     data = plan.data_size
+    micro = plan.microbatches if microbatches is None else microbatches
     for s in decl.body:
         if isinstance(s, ast.Setting) and s.name.value == "batch":
-            body.append(ast.Setting(s.name, ast.IntLit(data * plan.microbatches)))
+            body.append(ast.Setting(s.name, ast.IntLit(data * micro)))
+        elif isinstance(s, ast.Setting) and s.name.value == "microbatches" and microbatches is not None:
+            body.append(ast.Setting(s.name, ast.IntLit(micro)))
         elif isinstance(s, ast.Setting) and s.name.value == "seq":
             body.append(ast.Setting(s.name, ast.IntLit(_twin_seq(plan))))
         elif isinstance(s, ast.ShardStmt) and any(seg.kind == "index" for seg in s.path.segments):
@@ -162,5 +169,7 @@ def _twin_plan(decl: ast.PlanDecl, plan: PlanIR, per_stage: int) -> ast.PlanDecl
     if not any(isinstance(s, ast.Setting) and s.name.value == "seq" for s in body):
         body.append(ast.Setting(ast.Name("seq"), ast.IntLit(_twin_seq(plan))))
     if not any(isinstance(s, ast.Setting) and s.name.value == "batch" for s in body):
-        body.append(ast.Setting(ast.Name("batch"), ast.IntLit(data * plan.microbatches)))
+        body.append(ast.Setting(ast.Name("batch"), ast.IntLit(data * micro)))
+    if microbatches is not None and not any(isinstance(s, ast.Setting) and s.name.value == "microbatches" for s in body):
+        body.append(ast.Setting(ast.Name("microbatches"), ast.IntLit(micro)))
     return ast.PlanDecl(decl.name, decl.mesh, decl.model, tuple(body))

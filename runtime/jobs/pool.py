@@ -123,10 +123,13 @@ class WorkerPool:
         timeout: float = 60.0,
         start_timeout: float = 120.0,
         preload: Sequence[str] | None = None,
+        on_report: Callable[[str, int, int], None] | None = None,
     ) -> None:
         """``preload``: modules the fork server imports once for every worker (default: all the
         runtime may use; a caller that knows its jobs, like ``meshc verify``, starts faster with
-        fewer)."""
+        fewer).  ``on_report(phase, done, of)``: called as ranks report, phase ``"ready"`` (joined
+        the process group) or ``"job"`` (finished the job), for a caller's progress display.
+        ``timings`` holds when each phase of the last start and job ended (seconds, monotonic)."""
         self.world_size = world_size
         self.preload = list(_PRELOAD if preload is None else preload)
         self.timeout = timeout
@@ -135,6 +138,8 @@ class WorkerPool:
         self._jobs: list[Any] = []
         self._results: Any = None
         self._next_id = 0
+        self.on_report = on_report
+        self.timings: dict[str, float] = {}
 
     def __enter__(self) -> Self:
         return self
@@ -166,13 +171,16 @@ class WorkerPool:
             )
             for r in range(self.world_size)
         ]
+        self.timings["start"] = time.monotonic()
         try:
             for p in self._procs:
                 p.start()
         except BaseException:  # interrupted while starting (Ctrl-C, SIGTERM): leave nothing behind
             self._abort()
             raise
+        self.timings["forked"] = time.monotonic()
         ready = self._collect("ready", self.world_size, self.start_timeout)
+        self.timings["ready"] = time.monotonic()
         assert len(ready) == self.world_size
 
     def _collect(self, job_id: Any, n: int, timeout: float) -> list[Any]:
@@ -191,8 +199,9 @@ class WorkerPool:
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(n)) - set(got))
                     self._abort()
+                    what = "start" if job_id == "ready" else "finish"
                     raise PoolError(
-                        f"job timed out after {timeout:.0f}s; ranks {missing} did not finish"
+                        f"job timed out after {timeout:.0f}s; ranks {missing} did not {what}"
                     ) from None
                 continue
             if jid != job_id:
@@ -201,6 +210,10 @@ class WorkerPool:
                 self._abort()
                 raise PoolError(f"rank {rank} failed:\n{payload}")
             got[rank] = payload
+            if len(got) == 1:
+                self.timings[f"{'ready' if job_id == 'ready' else 'job'} first"] = time.monotonic()
+            if self.on_report is not None:
+                self.on_report("ready" if job_id == "ready" else "job", len(got), n)
         return [got[r] for r in range(n)]
 
     def run(
@@ -217,9 +230,13 @@ class WorkerPool:
             self._start()
         self._next_id += 1
         payload = pickle.dumps((fn, args))
+        self.timings["job start"] = time.monotonic()
         for q in self._jobs:
             q.put((self._next_id, n_ranks, payload))
+        if self.on_report is not None:
+            self.on_report("job", 0, n_ranks)
         raw = self._collect(self._next_id, n_ranks, self.timeout if timeout is None else timeout)
+        self.timings["job end"] = time.monotonic()
         return [pickle.loads(r) for r in raw]
 
     def _abort(self) -> None:

@@ -133,6 +133,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--load", type=Path, help="start from the weights of this checkpoint (any layout)")
     p.add_argument("--debug", action="store_true", help="full tracebacks on failures")
     p.add_argument(
+        "--metrics", type=Path, metavar="FILE.jsonl",
+        help="the mesh's first rank writes one JSON object per training step here (appends with --resume)",
+    )
+    p.add_argument(
+        "--tensorboard", type=Path, metavar="DIR",
+        help="the mesh's first rank also writes the per-step metrics as TensorBoard scalars here (needs tensorboard)",
+    )
+    p.add_argument(
         "--weights", type=Path, help="start from this Hugging Face model directory (safetensors)"
     )
     p.add_argument(
@@ -218,6 +226,7 @@ def check_inputs(args: argparse.Namespace, model: Any = None, seq: int = 0) -> N
             raise InputError(f"--profile-trace {args.profile_trace}: exists and is not a directory")
     if args.save_every and args.save is None:
         raise InputError("--save-every needs --save DIR")
+    _check_metrics(args)
     if args.save_over and args.save is None:
         raise InputError("--save-over needs --save DIR (the root to start over in)")
     if args.resume is not None and args.load is not None:
@@ -249,6 +258,33 @@ def check_inputs(args: argparse.Namespace, model: Any = None, seq: int = 0) -> N
                     raise InputError(f"{flag}: {err}") from None
     except (CheckpointError, ExportError) as err:
         raise InputError(str(err)) from None
+
+
+def _check_metrics(args: argparse.Namespace) -> None:
+    """--metrics: a new file in an existing directory, or (with --resume) one to append to;
+    --tensorboard: a directory (or none yet), and the package installed."""
+    board = getattr(args, "tensorboard", None)
+    if board is not None:
+        if args.infer or args.eval:
+            raise InputError("--tensorboard records training steps: it does not combine with --infer or --eval")
+        if Path(board).exists() and not Path(board).is_dir():
+            raise InputError(f"--tensorboard {board}: exists and is not a directory")
+        try:
+            import torch.utils.tensorboard  # noqa: F401 - only whether it imports
+        except ImportError:
+            raise InputError("--tensorboard needs the tensorboard package: pip install tensorboard") from None
+    path = getattr(args, "metrics", None)
+    if path is None:
+        return
+    path = Path(path)
+    if args.infer or args.eval:
+        raise InputError("--metrics records training steps: it does not combine with --infer or --eval")
+    if path.is_dir():
+        raise InputError(f"--metrics {path}: is a directory (expected a .jsonl file)")
+    if not path.parent.is_dir():
+        raise InputError(f"--metrics {path}: no such directory {path.parent}")
+    if path.exists() and args.resume is None:
+        raise InputError(f"--metrics {path}: the file exists (pass --resume to append to it, or name a new file)")
 
 
 def _check_text_inputs(args: argparse.Namespace) -> None:
@@ -395,6 +431,7 @@ def _peak_memory_mib(device: torch.device) -> float:
 
 
 def _progress(step: int, steps: int, loss: float, tok_s: float) -> None:
+    """The progress bar, redrawn in place (a terminal only: see ``_ProgressLog``)."""
     width = 24
     done = width * step // steps
     bar = "#" * done + "." * (width - done)
@@ -405,6 +442,142 @@ def _progress(step: int, steps: int, loss: float, tok_s: float) -> None:
         file=sys.stderr,
         flush=True,
     )
+
+
+# `meshc run` tells the ranks whether its own stderr (where rank 0's output ends up, through a
+# pipe) is a terminal: "1" draws the bar, "0" prints plain lines.  Unset (torchrun started by
+# hand): whether this rank's stderr is a terminal.
+TTY_ENV = "MESHLLM_TTY"
+# Plain lines every this many steps instead of the default (about 20 lines a run).
+LOG_EVERY_ENV = "MESHLLM_LOG_EVERY"
+PLAIN_LINES = 20
+
+
+def progress_on_terminal() -> bool:
+    said = os.environ.get(TTY_ENV)
+    if said is not None:
+        return said == "1"
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def log_every(steps: int) -> int:
+    """Plain progress lines every this many of ``steps`` steps: about 20 lines a run."""
+    forced = os.environ.get(LOG_EVERY_ENV, "")
+    if forced.isdigit() and int(forced) > 0:
+        return int(forced)
+    return max(1, math.ceil(steps / PLAIN_LINES))
+
+
+class _ProgressLog:
+    """Rank 0's progress: the bar on a terminal; elsewhere (a log file, a pipe) one plain line for
+    the first step, every ``log_every`` steps and the last, with no carriage returns."""
+
+    def __init__(self, start: int, steps: int, tty: bool | None = None) -> None:
+        self.start, self.steps = start, steps
+        self.tty = progress_on_terminal() if tty is None else tty
+        self.every = log_every(steps - start)
+        self.t0 = time.perf_counter()
+
+    def step(self, done: int, loss: float, tok_s: float) -> None:
+        if self.tty:
+            _progress(done, self.steps, loss, tok_s)
+            return
+        ran = done - self.start
+        if ran == 1 or ran % self.every == 0 or done == self.steps:
+            elapsed = time.perf_counter() - self.t0
+            print(f"step {done}/{self.steps}  loss {loss:.4f}  {tok_s:,.0f} tok/s  ({elapsed:,.0f} s)",
+                  file=sys.stderr, flush=True)
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # KiB on Linux
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+class Metrics:
+    """``--metrics FILE.jsonl``: one JSON object per step, written by the mesh's first rank, a whole
+    line at a time and flushed (a killed run leaves whole lines).  Every rank must take part in
+    ``record``: it gathers each rank's peak memory and, without ``clip``, the gradient norm."""
+
+    def __init__(self, built: Built, path: Path | None, tensorboard: Path | None = None) -> None:
+        self.built = built
+        self.first = _first(built)
+        self.kind = "cuda_max_allocated" if built.device.type == "cuda" else "cpu_max_rss"
+        self.moe = any(name.endswith(".router.weight") for i in built.stage_ids for name in built.specs[i])
+        self.file = open(path, "a", encoding="utf-8") if self.first and path is not None else None  # noqa: SIM115 - closed by close()
+        self.board: Any = None
+        if self.first and tensorboard is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.board = SummaryWriter(log_dir=str(tensorboard))
+
+    def routing(self) -> Any:
+        """Around a step: counts each moe layer's (token, choice) pairs per expert on this rank."""
+        from meshllm_dsl.runtime.moe import routing as moe_routing
+
+        return moe_routing.recording(active=self.moe, keep_logits=False)
+
+    def record(self, step: int, loss: float, tok_s: float, log: Any = None) -> None:
+        built = self.built
+        group = built.mesh.group(*built.mesh.names)
+        norm = built.grad_norm
+        if "clip" not in built.program.optimizer:
+            from meshllm_dsl.runtime.parallel.collectives import all_reduce_sum
+
+            total = built.grad_norm_sq().reshape(1)
+            if group is not None:
+                total = all_reduce_sum(total, group)  # [1]: each rank's share, summed over the mesh
+            norm = float(total[0].sqrt())
+        peak = torch.tensor([_peak_memory_bytes(built.device)], dtype=torch.float64, device=built.device)
+        peaks = [peak]
+        if group is not None:
+            peaks = [torch.zeros_like(peak) for _ in range(built.mesh.size())]
+            dist.all_gather(peaks, peak, group=group)  # [1] per rank -> mesh size x [1], mesh rank order
+        if self.file is None and self.board is None:
+            return
+        row: dict[str, Any] = {
+            "step": step,
+            "loss": _finite(loss),
+            "tokens_per_s": tok_s,
+            "lr": float(built.optimizer.param_groups[0]["lr"]),
+            "grad_norm": _finite(norm),
+            "peak_memory_bytes": {str(r): int(v.item()) for r, v in zip(built.mesh.ranks, peaks)},
+            "peak_memory_kind": self.kind,
+        }
+        if self.moe and log is not None:
+            from meshllm_dsl.runtime.train.profile import _routing
+
+            row["expert_load"] = {"rank": built.mesh.rank, "layers": [
+                {"layer": r["layer"], "tokens_per_expert": r["tokens_per_expert"], "dropped": r["dropped"]}
+                for r in _routing(built, log)
+            ]}
+        if self.board is not None:
+            for key in ("loss", "tokens_per_s", "lr", "grad_norm"):
+                if row[key] is not None:
+                    self.board.add_scalar(key, row[key], step)
+            self.board.add_scalar("peak_memory_bytes_max", max(row["peak_memory_bytes"].values()), step)
+            self.board.flush()
+        if self.file is not None:
+            import json
+
+            self.file.write(json.dumps(row) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
 
 
 class Progress:
@@ -633,6 +806,8 @@ def train(
     keep: int = DEFAULT_KEEP,
     progress: Progress | None = None,
     preempt: Preemption | None = None,
+    metrics: Path | None = None,
+    tensorboard: Path | None = None,
 ) -> float:
     """Train from step ``start`` up to ``steps``; rank 0 prints progress and a summary.
 
@@ -646,6 +821,28 @@ def train(
         corpus = open_data(data)
     identity = data_identity(data)
     rank0 = _first(built)
+    t0 = time.perf_counter()
+    shown = _ProgressLog(start, steps) if rank0 else None
+    recorder = Metrics(built, metrics, tensorboard) if metrics is not None or tensorboard is not None else None
+    try:
+        loss = _train_steps(built, steps, seed, corpus, start, save, save_every, keep, progress, preempt,
+                            identity, shown, recorder)
+    finally:
+        if recorder is not None:
+            recorder.close()
+    elapsed = time.perf_counter() - t0
+    trained = steps - start
+    _summary(
+        built, f"loss {loss:.4f}  {trained * p.batch * p.seq / max(elapsed, 1e-9):,.0f} tokens/s"
+    )
+    return loss
+
+
+def _train_steps(built: Built, steps: int, seed: int, corpus: Any, start: int, save: Path | None,
+                 save_every: int, keep: int, progress: Progress | None, preempt: Preemption | None,
+                 identity: dict[str, Any] | None, shown: _ProgressLog | None, recorder: Metrics | None) -> float:
+    """The steps of ``train``; the last loss."""
+    p = built.program
     loss, t0 = float("nan"), time.perf_counter()
     for step in range(start, steps):
         if progress:
@@ -654,11 +851,18 @@ def train(
             tokens, targets = synthetic_batch(_real_vocab(built), p.batch, p.seq, seed, step)
         else:
             tokens, targets = text_batch(corpus, _real_vocab(built), p.batch, p.seq, seed, step)
-        loss = built.train_step(tokens, targets)
+        t_step = time.perf_counter()
+        if recorder is not None:
+            with recorder.routing() as log:
+                loss = built.train_step(tokens, targets)
+        else:
+            log, loss = None, built.train_step(tokens, targets)
         done = step + 1
-        if rank0:
-            rate = (done - start) * p.batch * p.seq / (time.perf_counter() - t0)
-            _progress(done, steps, loss, rate)
+        now = time.perf_counter()
+        if recorder is not None:
+            recorder.record(done, loss, p.batch * p.seq / max(now - t_step, 1e-9), log)
+        if shown is not None:
+            shown.step(done, loss, (done - start) * p.batch * p.seq / max(now - t0, 1e-9))
         stop = preempt is not None and preempt.agreed(built)
         if save is not None and (
             stop or done == steps or (save_every and done % save_every == 0)
@@ -669,11 +873,6 @@ def train(
             path = save_checkpoint(built, save, step=done, state=state, keep=keep)
             if stop:
                 raise Preempted(f"stopped by SIGTERM after step {done}; saved {path}")
-    elapsed = time.perf_counter() - t0
-    trained = steps - start
-    _summary(
-        built, f"loss {loss:.4f}  {trained * p.batch * p.seq / max(elapsed, 1e-9):,.0f} tokens/s"
-    )
     return loss
 
 
@@ -781,6 +980,26 @@ def _gone_ranks(progress: Progress, world: int) -> list[int]:
     return out
 
 
+# How long a rank that lost a peer looks for the cause: a killed process closes its connections
+# before the kernel marks it a zombie, so for a moment it still looks alive (seen under load: "a peer
+# rank exited" instead of naming the killed rank).
+GONE_WAIT_S = 2.0
+
+
+def _lost_peer(progress: Progress | None, world: int, wait: float = GONE_WAIT_S) -> tuple[str | None, list[int]]:
+    """Why a peer went away: the failure a rank recorded, or the ranks on this host whose process
+    is gone; looked for again for up to ``wait`` seconds while neither is known yet."""
+    if progress is None:
+        return None, []
+    deadline = time.monotonic() + wait
+    while True:
+        failed = progress.read("meshllm/failed")
+        gone = [] if failed else _gone_ranks(progress, world)
+        if failed or gone or time.monotonic() >= deadline:
+            return failed, gone
+        time.sleep(0.05)
+
+
 def _kill_stuck(progress: Progress, text: str) -> None:
     """SIGKILL peers on this host that stopped (a SIGSTOPped rank ignores torchrun's SIGTERM for
     its 30 s grace period); the registered pid is theirs, written by the rank at start."""
@@ -834,8 +1053,7 @@ def _report(exc: BaseException, rank: int, world: int, first: bool, debug: bool,
         if first:
             _say(f"error: {'bad --weights: ' if isinstance(exc, WeightsError) else ''}{exc}")
     elif any(mark in text for mark in _PEER_LOST):
-        failed = progress.read("meshllm/failed") if progress else None
-        gone = _gone_ranks(progress, world) if progress and not failed else []
+        failed, gone = _lost_peer(progress, world)
         if failed:
             why = f"rank {failed}"
         elif gone:
@@ -1046,7 +1264,7 @@ def _train_and_profile(program: Program, built: Built, args: argparse.Namespace,
     preempt = Preemption() if args.save is not None else None
     train(built, args.steps, seed, args.data, corpus, start=start, save=args.save,
           save_every=args.save_every, keep=args.keep, progress=progress,
-          preempt=preempt)
+          preempt=preempt, metrics=args.metrics, tensorboard=args.tensorboard)
     if args.profile:
         from meshllm_dsl.runtime.train.profile import profile_train
 

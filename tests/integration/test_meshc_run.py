@@ -117,7 +117,8 @@ def _alive(pid: int) -> bool:
 
 @pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_interrupting_meshc_stops_the_whole_job(spec: Path, signum: int, code: int) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # A line every step: a redirected run of a million steps would print one every 50,000.
+    env = dict(os.environ, OMP_NUM_THREADS="1", MESHLLM_LOG_EVERY="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "meshllm_dsl", "run", str(spec), "--steps", "1000000"],
         env=env, stderr=subprocess.PIPE,

@@ -243,7 +243,7 @@ def test_a_stopped_rank_ends_the_job_at_the_timeout_and_is_named(tmp_path: Path)
     timeout = 5
     proc = subprocess.Popen(
         _command(tmp_path, "--steps", "1000000", "--timeout", str(timeout)),
-        env=_env(),
+        env=_env(MESHLLM_LOG_EVERY="1"),  # a progress line every step (not a terminal)
         stderr=subprocess.PIPE,
     )
     err = StderrReader(proc)
@@ -274,7 +274,7 @@ def test_a_stopped_rank_ends_the_job_at_the_timeout_and_is_named(tmp_path: Path)
 def test_sigterm_finishes_the_step_checkpoints_and_stops(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     proc = subprocess.Popen(
-        _command(tmp_path, "--steps", "1000000", "--save", str(root)), env=_env(),
+        _command(tmp_path, "--steps", "1000000", "--save", str(root)), env=_env(MESHLLM_LOG_EVERY="1"),
         stderr=subprocess.PIPE,
     )
     err = StderrReader(proc)
