@@ -64,3 +64,18 @@ def test_the_readme_quotes_the_same_numbers() -> None:
             assert [c.strip() for c in line.strip("|").split("|")][1:] == [bubble, step, peak], line
             checked += 1
     assert checked == 5
+
+
+def test_the_readmes_plan_output_is_meshcs() -> None:
+    """The README quotes `meshc plan examples/llama2_70b.mesh`'s opening lines: they must be what it prints."""
+    import contextlib
+    import io
+
+    from meshllm_dsl.cli.main import main
+
+    readme = (ROOT / "README.md").read_text()
+    quoted = readme.split("$ meshc plan examples/llama2_70b.mesh\n", 1)[1].split("```", 1)[0].rstrip("\n").splitlines()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["plan", str(ROOT / "examples" / "llama2_70b.mesh")]) == 0
+    assert out.getvalue().splitlines()[: len(quoted)] == quoted
