@@ -16,7 +16,7 @@ import attrs
 from meshllm_dsl.checker.optimizer import OPT_SETTINGS, PRECISION_KEYS
 from meshllm_dsl.checker.plan import PLAN_SETTINGS
 from meshllm_dsl.front import ast
-from meshllm_dsl.ir import DTYPES, RECOMPUTE, RULES, SCHEDULES
+from meshllm_dsl.ir import DTYPES, PLACEMENTS, RECOMPUTE, RULES, SCHEDULES
 from meshllm_dsl.lsp.analysis import DECL_KEYWORDS, leaf_paths
 
 if TYPE_CHECKING:
@@ -222,8 +222,10 @@ def _plan(a: Analysis, header: list[str], inner: list[list[str]], line: list[str
     if first == "stages":
         if line[-1] == "over":
             return _axes(a, mesh)
+        if line[-1] == "placement":
+            return [Item(p, "value", "placement") for p in PLACEMENTS]
         if len(line) >= 3:
-            return [Item("balanced", "keyword"), Item("virtual", "keyword")]
+            return [Item("balanced", "keyword"), Item("virtual", "keyword"), Item("placement", "keyword")]
         return [Item("over", "keyword")]
     if first == "schedule" and len(line) == 1:
         return [Item(s, "schedule") for s in SCHEDULES]
