@@ -227,7 +227,7 @@ def test_import_hf_writes_longrope_and_exports_it_back(
     assert twin.ok and "rope_short_factor = [1.0, 1.1, 1.4, 1.6]" in twin_text
     module = tmp_path / "phi3_twin.py"
     module.write_text(render_plan(twin.plans[plan.name], f"{out} (tiny twin)", twin_text))
-    for errs, tol in pool.run(compare_job, n, str(module), "float64", 0):
+    for errs, tol, _timings in pool.run(compare_job, n, str(module), "float64", 0):
         assert not {k: v for k, v in errs.items() if not v <= tol}
         assert tol == TOLERANCE["float64"]
     # Exported without the source config: the longrope in config.json is meshllm's own.
