@@ -132,6 +132,10 @@ _STYLES: dict[tuple[str, str, str], tuple[str, str]] = {
 }
 
 
+# transformers' style for a replicated parameter whose gradient each rank computes only in part.
+_PARTIAL_GRAD_STYLE = "replicated_with_grad_allreduce"
+
+
 def _style(leaf: Leaf, p: Placement, role: str, target: str) -> tuple[str, str] | str:
     """(torch style, transformers style) for a sharded leaf in `role` (_STYLES), or why the target cannot say it."""
     if len(p.axes) != 1:
@@ -330,8 +334,9 @@ def _gathered(found: _Findings, unit: Unit, module: str) -> tuple[str, str | Non
 
 
 def _leaf_entries(found: _Findings, out: _Modules, item: Repeat | Unit, unit: Unit, leaf: Leaf,
-                  hf_name: str, conv1d: bool) -> None:
-    """The entries (one per block class) of one leaf whose first parameter transformers calls `hf_name`."""
+                  hf_name: str, conv1d: bool, norm: str | None = None) -> None:
+    """The entries (one per block class) of one leaf whose first parameter transformers calls `hf_name`
+    (`norm`: the module of its per-head q / k norm, if it has one)."""
     plan = found.plan
     last = plan.model.items[-1]
     head_name = last.name if isinstance(last, Unit) and primitives.of(last) is LINEAR else None
@@ -365,6 +370,12 @@ def _leaf_entries(found: _Findings, out: _Modules, item: Repeat | Unit, unit: Un
             out.entries[same] = attrs.evolve(out.entries[same], why=f"{out.entries[same].why}, {why}")
             continue
         out.entries.append(Entry(path, p.axes[0], style[0], style[1], why))
+        if norm is not None and not gathered and p.rule == "column" and found.target == "hf-tp-plan":
+            # Each rank normalises only its heads with the whole (replicated) per-head scale, so its
+            # gradient is partial: summed over the axis, as Qwen3 / Gemma3Config.base_model_tp_plan do.
+            # torch's parallel styles have no such style (a gap of the DTensor target, left as it was).
+            norm_path = f"{out.blocks}.{idx}.{norm.split('.', 3)[3]}" if isinstance(item, Repeat) else norm
+            out.entries.append(Entry(norm_path, p.axes[0], "", _PARTIAL_GRAD_STYLE, f"{why} (its per-head norm)"))
         if leaf.path[-1] == head_name and plan.roles.loss_parallel and found.target == "hf-tp-plan":
             found.warnings.append(Diagnostic(
                 W1201, f"`{head_name}`'s logits are gathered in the tp_plan: transformers has no "
@@ -405,7 +416,10 @@ def _modules(found: _Findings, desc: dict[str, Any]) -> _Modules:
         # weight it shares and re-tied after parallelize_module replaced the owner's parameter.
         names = _param_names(item, leaf) or ([".".join((*leaf.path, "weight"))] if leaf.tie else [])
         if names:
-            _leaf_entries(found, out, item, unit, leaf, *hf_key_map(desc, names)[names[0]])
+            keys = hf_key_map(desc, names)
+            # a per-head q / k norm is a parameter of the projection's leaf (its `norm`), its own module there
+            norm = next((keys[n][0].rsplit(".", 1)[0] for n, t in zip(names, leaf.params) if t.name == "norm"), None)
+            _leaf_entries(found, out, item, unit, leaf, *keys[names[0]], norm)
     _fused_alike(found, out)
     if found.target == "hf-tp-plan" and len(out.tp_axes) > 1:
         second = list(out.tp_axes)[1]

@@ -119,10 +119,15 @@ def meshc_job(ctx: Any, module_path: str, hf_dir: str) -> list[float]:
     return [built.train_step(*synthetic_batch(VOCAB, program.batch, program.seq, 0, step)) for step in range(STEPS)]
 
 
+def _next_token_loss(logits: Any, tokens: Any) -> Any:
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
 def tp_plan_job(ctx: Any, plan_path: str, hf_dir: str, tokens: Any) -> Any:
     """On every rank: transformers' model sharded by the exported tp_plan through transformers' own
-    path after loading (`_expand_parallel_plan`, then `apply_tensor_parallelism`); its logits and the
-    parameters it sharded (a DTensor with a Shard placement, this rank holding part of it)."""
+    path after loading (`_expand_parallel_plan`, then `apply_tensor_parallelism`); its logits, the
+    parameters it sharded (a DTensor with a Shard placement, this rank holding part of it) and every
+    parameter's whole gradient of the next-token loss."""
     from torch.distributed.tensor import DTensor, Shard
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
@@ -142,10 +147,13 @@ def tp_plan_job(ctx: Any, plan_path: str, hf_dir: str, tokens: Any) -> Any:
         model.tie_weights()
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     with torch.enable_grad():  # the training path (the no-grad one is transformers' inference kernel)
-        logits = _full(model(tokens).logits).detach()
+        logits = _full(model(tokens).logits)
+        _next_token_loss(logits, tokens).backward()
+    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+    logits = logits.detach()
     sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)
                      and any(isinstance(x, Shard) for x in p.placements) and p.to_local().shape != p.shape)
-    return (logits, sharded) if ctx.rank == 0 else None
+    return (logits, sharded, grads) if ctx.rank == 0 else None
 
 
 # ---------------------------------------------------------------- golden and determinism
@@ -335,7 +343,7 @@ def test_tp_plan_is_accepted_and_applied_by_transformers(
     plan_path = tmp_path / "tp_plan.json"
     plan_path.write_text(out)
     tokens = _tokens()
-    logits, sharded = pool.run(tp_plan_job, 2, str(plan_path), str(directory), tokens)[0]
+    logits, sharded, _ = pool.run(tp_plan_job, 2, str(plan_path), str(directory), tokens)[0]
     with torch.no_grad():
         torch.testing.assert_close(logits, hf(tokens).logits, rtol=0, atol=2e-5)
     assert "model.layers.0.mlp.down_proj.weight" in sharded
@@ -358,7 +366,12 @@ FAMILY_PLANS = [
     ("gemma2", False, {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
                        "model.layers.*.mlp.down_proj": "rowwise"}),
     ("gemma3", False, {"model.layers.*.self_attn.q_proj": "colwise", "model.layers.*.self_attn.o_proj": "rowwise",
+                       "model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                       "model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce",
                        "model.layers.*.mlp.down_proj": "rowwise"}),
+    # per-head q / k norms as Gemma 3's (its logits were proven; the norms' gradients were partial)
+    ("qwen3", False, {"model.layers.*.self_attn.q_norm": "replicated_with_grad_allreduce",
+                      "model.layers.*.self_attn.k_norm": "replicated_with_grad_allreduce"}),
 ]
 
 
@@ -386,10 +399,16 @@ def test_tp_plan_of_each_family_gives_unsharded_logits_in_transformers(
     plan_path = tmp_path / "tp_plan.json"
     plan_path.write_text(out)
     tokens = _tokens()
-    logits, sharded = pool.run(tp_plan_job, 2, str(plan_path), str(directory), tokens)[0]
-    with torch.no_grad():
-        torch.testing.assert_close(logits, hf(tokens).logits, rtol=0, atol=1e-4)
+    logits, sharded, grads = pool.run(tp_plan_job, 2, str(plan_path), str(directory), tokens)[0]
+    with torch.enable_grad():
+        want = hf(tokens).logits
+        _next_token_loss(want, tokens).backward()
+    torch.testing.assert_close(logits, want.detach(), rtol=0, atol=1e-4)
     assert "model.layers.0.self_attn.o_proj.weight" in sharded, sharded
+    # The training step sees the unsharded gradients too: a per-head q / k norm (Gemma 3) sums its
+    # ranks' partial ones (replicated_with_grad_allreduce), the gathered and fused layers are whole.
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
 _GEMMA2 = """
