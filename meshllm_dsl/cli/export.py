@@ -39,7 +39,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
         raise UsageError(f"{path} has plans {', '.join(name)}; name one with --plan")
     try:
-        text, warnings = export_plan(result.plans[name[0]], decls, args.to, path, result.text)
+        text, warnings = export_plan(result.plans[name[0]], decls, args.to, path, result.text, args.weights)
     except SpecError as err:
         print(render_all(err.diagnostics), end="", file=sys.stderr)
         return 1
@@ -56,6 +56,9 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     e.add_argument("--plan", metavar="P", help="the plan to export (needed when the spec has several)")
     e.add_argument("--to", required=True, choices=TARGETS,  # export.TARGETS, not imported: registering must stay light
                    help="dtensor: a module with parallelize(model, mesh); hf-tp-plan: transformers' tp_plan JSON")
+    e.add_argument("--weights", metavar="DIR",
+                   help="the checkpoint the model is of: its config.json's class names the modules (Phi-3's fused "
+                        "qkv_proj, which a llama-family model alone does not say)")
     e.add_argument("-o", "--output", required=True, metavar="OUT", help="the file to write")
     e.add_argument("--force", action="store_true", help="replace OUT if it exists")
     e.set_defaults(func=cmd_export)

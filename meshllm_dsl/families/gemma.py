@@ -310,5 +310,7 @@ NAMES = attrs.evolve(
     act="geglu_tanh", norm_offset=1.0, write_config=_write_config, check_config=_check_config,
 )
 
-GEMMA2 = FamilyPack("Gemma2ForCausalLM", "gemma2", "gemma2", read_gemma, NAMES, title="Gemma 2", default_positions=8192)
-GEMMA3 = FamilyPack("Gemma3ForCausalLM", "gemma3_text", "gemma3", read_gemma, NAMES, title="Gemma 3", default_positions=131072)
+GEMMA2 = FamilyPack("Gemma2ForCausalLM", "gemma2", "gemma2", read_gemma, NAMES, title="Gemma 2", tp_export=True,
+                   default_positions=8192)
+GEMMA3 = FamilyPack("Gemma3ForCausalLM", "gemma3_text", "gemma3", read_gemma, NAMES, title="Gemma 3", tp_export=True,
+                   default_positions=131072)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -21,7 +22,8 @@ from meshllm_dsl import primitives
 from meshllm_dsl.codegen.lower import _adamw_kwargs, docstring_text, literal, model_description
 from meshllm_dsl.codes import E1201, E1202, E1203, E1204, E1205, E1206, W1201, W1202
 from meshllm_dsl.diagnostics import Diagnostic, SpecError
-from meshllm_dsl.families import exported_families
+from meshllm_dsl.families import BY_ARCHITECTURE, exported_families
+from meshllm_dsl.families.pack import FamilyPack
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.load import Declarations
 from meshllm_dsl.front.source import Span
@@ -30,9 +32,13 @@ from meshllm_dsl.primitives.linear import LINEAR
 
 TARGETS = ("dtensor", "hf-tp-plan")
 
-# transformers' class per checkpoint layout (runtime/hf/weights.py's `arch`, the `.mesh` family whose
-# packs are proven for export): the first pack's class, whose modules the names below are.
-HF_CLASSES = {family: packs[0].architecture for family, packs in exported_families().items()}
+# transformers' class per checkpoint layout (runtime/hf/weights.py's `arch`) whose packs are proven for
+# export: the first such pack's class, whose modules the names below are. Keyed by layout, not family:
+# two families (gemma2, gemma3) share the gemma layout.
+HF_CLASSES: dict[str, str] = {}
+for _packs in exported_families().values():
+    for _p in _packs:
+        HF_CLASSES.setdefault(_p.checkpoint.layout, _p.architecture)
 
 
 @attrs.frozen
@@ -110,24 +116,31 @@ def _param_names(item: Repeat | Unit, leaf: Leaf) -> list[str]:
 
 # (leaf kind, shard rule, what the leaf is) -> (torch's parallel style, transformers' tp_plan style).
 # The head's column split gathers its logits (kept as DTensors under loss parallelism); a row split
-# of the head has no style.
+# of the head has no style. A "gathered layer" is one of a sublayer whose model code needs every
+# column of its projections on each rank (a fused qkv / gate_up it slices, a norm over the whole of
+# q / k: `_gathered`): its column splits gather their outputs and its row split takes the replicated
+# input and keeps its own columns, as transformers' own plans for those classes say
+# (Phi3Config / Olmo2Config.base_model_tp_plan).
 _STYLES: dict[tuple[str, str, str], tuple[str, str]] = {
     ("embedding", "vocab_parallel", "layer"): ("RowwiseParallel(input_layouts=Replicate())", "embedding_rowwise"),
     ("linear", "column", "layer"): ("ColwiseParallel()", "colwise"),
     ("linear", "column", "head"): ("ColwiseParallel(output_layouts=Replicate())", "colwise_gather_output"),
     ("linear", "column", "head, loss parallel"): ("ColwiseParallel(use_local_output=False)", "colwise_gather_output"),
     ("linear", "row", "layer"): ("RowwiseParallel()", "rowwise"),
+    ("linear", "column", "gathered layer"): ("ColwiseParallel(output_layouts=Replicate())", "colwise_gather_output"),
+    ("linear", "row", "gathered layer"): ("RowwiseParallel(input_layouts=Replicate())", "rowwise_split_input"),
 }
 
 
-def _style(leaf: Leaf, p: Placement, is_head: bool, loss_parallel: bool, target: str) -> tuple[str, str] | str:
-    """(torch style, transformers style) for a sharded leaf, or why the target cannot say it."""
+# transformers' style for a replicated parameter whose gradient each rank computes only in part.
+_PARTIAL_GRAD_STYLE = "replicated_with_grad_allreduce"
+
+
+def _style(leaf: Leaf, p: Placement, role: str, target: str) -> tuple[str, str] | str:
+    """(torch style, transformers style) for a sharded leaf in `role` (_STYLES), or why the target cannot say it."""
     if len(p.axes) != 1:
         return (f"it is split over {' x '.join(p.axes)} at once; a parallel style shards over one mesh "
                 "dimension")
-    role = "head" if is_head else "layer"
-    if is_head and loss_parallel:
-        role = "head, loss parallel"
     style = _STYLES.get((leaf.kind, p.rule, role))
     if style is not None:
         return style
@@ -142,6 +155,7 @@ class _Findings:
     plan: PlanIR
     decl: ast.PlanDecl | None
     target: str
+    pack: FamilyPack | None = None  # the architecture whose module names the export uses
     errors: list[Diagnostic] = attrs.field(factory=list)
     warnings: list[Diagnostic] = attrs.field(factory=list)
 
@@ -276,17 +290,9 @@ def _placements(plan: PlanIR, item: Repeat | Unit, leaf: Leaf) -> Iterator[tuple
         yield "", plan.placement(".".join(leaf.path))
 
 
-def _unshardable(found: _Findings, unit: Unit, leaf: Leaf, p: Placement, module: str, conv1d: bool) -> bool:
+def _unshardable(found: _Findings, leaf: Leaf, p: Placement, module: str, conv1d: bool) -> bool:
     """Refuse a sharded leaf whose transformers module cannot be sharded as the plan says; True if refused."""
     where = found.where
-    if dict(unit.attrs).get("qk_norm") == "full" and leaf.path[-1] in ("q", "k"):
-        # transformers' whole-projection q / k RMSNorm would normalise each rank's columns on their own: another model
-        found.refuse(E1205, f"{where} cannot express the placement of `{'.'.join(leaf.path)}`: its RMSNorm spans the "
-                     "whole projection (qk_norm = full, OLMo 2), and split by heads each rank would normalise "
-                     "only its own part", p.span, label=f"{p.rule}({', '.join(p.axes)}) under a whole-projection norm",
-                     help="keep the attention heads whole to export (no `heads -> AXIS` / `kv_heads -> AXIS`), or use "
-                          "`meshc compile`, whose code all-reduces the norm's sum of squares")
-        return True
     if conv1d:
         found.refuse(E1204, f"`{'.'.join(leaf.path)}` is a transformers Conv1D ({module}), which "
                      f"{where} cannot shard", p.span, label=f"{p.rule}({', '.join(p.axes)}) on a Conv1D layer",
@@ -304,34 +310,72 @@ class _Modules:
     ties: list[tuple[str, str]] = attrs.field(factory=list)
     blocks: str | None = None  # transformers' path of the block list ("model.layers")
     top: dict[str, str] = attrs.field(factory=dict)  # our leaf path -> transformers module (top level), for ties
+    # a fused module's path -> (our leaf, its placement) of every projection it holds, compared after the walk
+    fused: dict[str, list[tuple[str, Placement]]] = attrs.field(factory=dict)
     tp_axes: dict[str, Span | None] = attrs.field(factory=dict)
 
 
+def _gathered(found: _Findings, unit: Unit, module: str) -> tuple[str, str | None]:
+    """(transformers' module, whether its sublayer is gathered) for one leaf's module: a projection the
+    architecture stores fused (Phi-3's qkv_proj, gate_up_proj) is that fused module, whose output the
+    model code slices by offsets of the whole width; a norm over the whole q / k projection (OLMo 2's
+    qk_norm = full) needs every head's columns. Either way each rank needs the sublayer's whole
+    projections, so transformers gathers them (and its own plans for these classes do so)."""
+    parent, name = module.rsplit(".", 1) if "." in module else ("", module)
+    fused = found.pack.fused_projections if found.pack is not None else {}
+    sub = parent.rsplit(".", 1)[-1]
+    if sub in fused and name in fused[sub][1]:
+        return f"{parent}.{fused[sub][0]}", "fused"
+    if sub in fused:
+        return module, "fused"
+    if dict(unit.attrs).get("qk_norm") == "full":
+        return module, "qk_norm"
+    return module, None
+
+
 def _leaf_entries(found: _Findings, out: _Modules, item: Repeat | Unit, unit: Unit, leaf: Leaf,
-                  hf_name: str, conv1d: bool) -> None:
-    """The entries (one per block class) of one leaf whose first parameter transformers calls `hf_name`."""
+                  hf_name: str, conv1d: bool, norm: str | None = None) -> None:
+    """The entries (one per block class) of one leaf whose first parameter transformers calls `hf_name`
+    (`norm`: the module of its per-head q / k norm, if it has one)."""
     plan = found.plan
     last = plan.model.items[-1]
     head_name = last.name if isinstance(last, Unit) and primitives.of(last) is LINEAR else None
-    module, rel = hf_name.rsplit(".", 1)[0], ""
+    own, rel = hf_name.rsplit(".", 1)[0], ""
+    module, gathered = _gathered(found, unit, own)
     if isinstance(item, Repeat):
         parts = module.split(".")
         out.blocks = ".".join(parts[:2])  # "model.layers.0.self_attn.q_proj" -> "model.layers"
         rel = ".".join(parts[3:])
     else:
         out.top[leaf.path[-1]] = module
+    is_head = leaf.path[-1] == head_name
+    role = ("head, loss parallel" if is_head and plan.roles.loss_parallel else "head" if is_head
+            else "gathered layer" if gathered else "layer")
     for idx, p in _placements(plan, item, leaf):
-        if not p.sharded or _unshardable(found, unit, leaf, p, module, conv1d):
+        path = f"{out.blocks}.{idx}.{rel}" if isinstance(item, Repeat) else module
+        if module != own:  # one projection of a fused module
+            out.fused.setdefault(path, []).append((".".join(leaf.path), p))
+        if not p.sharded or _unshardable(found, leaf, p, module, conv1d):
             continue
-        style = _style(leaf, p, leaf.path[-1] == head_name, plan.roles.loss_parallel, found.target)
+        style = _style(leaf, p, role, found.target)
         if isinstance(style, str):
             found.refuse(E1205, f"{found.where} cannot express the placement of `{'.'.join(leaf.path)}`: {style}",
                          p.span, label=f"{p.rule}({', '.join(p.axes)})",
                          help="place it with `column`, `row` or `vocab_parallel` over one axis, or `replicate`")
             continue
         out.tp_axes.setdefault(p.axes[0], p.span)
-        path = f"{out.blocks}.{idx}.{rel}" if isinstance(item, Repeat) else module
-        out.entries.append(Entry(path, p.axes[0], style[0], style[1], f"{'.'.join(leaf.path)}: {p.rule}({p.axes[0]})"))
+        why = f"{'.'.join(leaf.path)}: {p.rule}({p.axes[0]})"
+        same = next((i for i, e in enumerate(out.entries) if e.module == path), None)
+        if same is not None:  # another projection of the same fused module: one entry (`_fused_alike` checks them)
+            out.entries[same] = attrs.evolve(out.entries[same], why=f"{out.entries[same].why}, {why}")
+            continue
+        out.entries.append(Entry(path, p.axes[0], style[0], style[1], why))
+        if norm is not None and not gathered and p.rule == "column" and found.target == "hf-tp-plan":
+            # Each rank normalises only its heads with the whole (replicated) per-head scale, so its
+            # gradient is partial: summed over the axis, as Qwen3 / Gemma3Config.base_model_tp_plan do.
+            # torch's parallel styles have no such style (a gap of the DTensor target, left as it was).
+            norm_path = f"{out.blocks}.{idx}.{norm.split('.', 3)[3]}" if isinstance(item, Repeat) else norm
+            out.entries.append(Entry(norm_path, p.axes[0], "", _PARTIAL_GRAD_STYLE, f"{why} (its per-head norm)"))
         if leaf.path[-1] == head_name and plan.roles.loss_parallel and found.target == "hf-tp-plan":
             found.warnings.append(Diagnostic(
                 W1201, f"`{head_name}`'s logits are gathered in the tp_plan: transformers has no "
@@ -340,6 +384,26 @@ def _leaf_entries(found: _Findings, out: _Modules, item: Repeat | Unit, unit: Un
                      "them sharded (loss_parallel)"))
     if leaf.tie is not None and plan.placement(leaf.tie).sharded and leaf.tie in out.top:
         out.ties.append((module, out.top[leaf.tie]))
+
+
+def _fused_alike(found: _Findings, out: _Modules) -> None:
+    """A fused module is one tensor sharded by one style: the projections it holds must be placed alike.
+    The checker already refuses q / k / v or gate / up placed apart (E0402, as attention and the gated
+    product combine them); this keeps the export from writing one style for parts it would not hold."""
+    for path, parts in out.fused.items():
+        first_leaf, first = parts[0]
+        for leaf, p in parts[1:]:
+            if (p.rule, p.axes) != (first.rule, first.axes):
+                title = found.pack.title if found.pack is not None else "this"
+                found.refuse(E1205, f"{found.where} cannot express the placement of `{leaf}`: {title}'s "
+                             f"checkpoint holds {', '.join(f'`{n}`' for n, _ in parts)} in one tensor ({path}), "
+                             f"sharded by one style, but `{leaf}` is {p.rule}({', '.join(p.axes)}) and "
+                             f"`{first_leaf}` is {first.rule}({', '.join(first.axes)})",
+                             p.span or first.span, label=f"{p.rule}({', '.join(p.axes)}) beside "
+                             f"{first.rule}({', '.join(first.axes)}) in one fused tensor",
+                             help="split the projections of one fused tensor alike (`heads` with `kv_heads`), or "
+                                  "keep them all whole, or use `meshc compile`, which stores them apart")
+                break
 
 
 def _modules(found: _Findings, desc: dict[str, Any]) -> _Modules:
@@ -352,7 +416,11 @@ def _modules(found: _Findings, desc: dict[str, Any]) -> _Modules:
         # weight it shares and re-tied after parallelize_module replaced the owner's parameter.
         names = _param_names(item, leaf) or ([".".join((*leaf.path, "weight"))] if leaf.tie else [])
         if names:
-            _leaf_entries(found, out, item, unit, leaf, *hf_key_map(desc, names)[names[0]])
+            keys = hf_key_map(desc, names)
+            # a per-head q / k norm is a parameter of the projection's leaf (its `norm`), its own module there
+            norm = next((keys[n][0].rsplit(".", 1)[0] for n, t in zip(names, leaf.params) if t.name == "norm"), None)
+            _leaf_entries(found, out, item, unit, leaf, *keys[names[0]], norm)
+    _fused_alike(found, out)
     if found.target == "hf-tp-plan" and len(out.tp_axes) > 1:
         second = list(out.tp_axes)[1]
         found.refuse(E1205, f"a tp_plan shards over one mesh axis, but this plan shards over {' and '.join(out.tp_axes)}",
@@ -361,29 +429,53 @@ def _modules(found: _Findings, desc: dict[str, Any]) -> _Modules:
     return out
 
 
-def analyze(plan: PlanIR, decls: Declarations | None, target: str) -> Export:
-    """Decide the export of `plan` to `target`, or raise SpecError with every refusal found."""
+def analyze(plan: PlanIR, decls: Declarations | None, target: str, weights: str | None = None) -> Export:
+    """Decide the export of `plan` to `target`, or raise SpecError with every refusal found. `weights`:
+    a checkpoint directory whose config.json names the class (else the model's own config.json's)."""
     assert target in TARGETS, target
     found = _Findings(plan, _plan_decl(decls, plan.name), target)
     desc = model_description(plan)
     arch = _checkpoint_layout(plan, desc, found.where)
+    hf_class = _hf_class(plan, desc, arch, weights, found.where)
+    found.pack = BY_ARCHITECTURE.get(hf_class)
     _refuse_unexported_features(found)
     zero_axis = _zero_axis(found)
     out = _modules(found, desc)
     if found.errors:
         raise SpecError(found.errors)
     return Export(plan, arch, out.blocks, tuple(out.entries), tuple(out.ties), zero_axis, plan.roles.loss_parallel,
-                  tuple(found.warnings), _hf_class(desc, arch))
+                  tuple(found.warnings), hf_class)
 
 
-def _hf_class(desc: dict[str, object], arch: str) -> str:
-    """The class the model's own config.json names (runtime/hf/weights.py hf_config, what `--export-hf`
-    writes): the llama layout alone is several architectures (a window, q, k, v biases, q / k norms:
-    the packs' fields), and loading one with q / k norms as LlamaForCausalLM would drop its norms."""
+def _hf_class(plan: PlanIR, desc: dict[str, Any], arch: str, weights: str | None, where: str) -> str:
+    """The class whose modules the export names: the one `weights`' config.json names, checked against
+    the model as `meshc run --weights` checks it (one llama-family model is Llama or Phi-3, whose
+    fused qkv_proj / gate_up_proj only its checkpoint tells), else the class the model's own
+    config.json names (runtime/hf/weights.py hf_config, what `--export-hf` writes): the llama layout
+    alone is several architectures (a window, q, k, v biases, q / k norms: the packs' fields), and
+    loading one with q / k norms as LlamaForCausalLM would drop its norms."""
     import torch
 
-    from meshllm_dsl.runtime.hf.weights import WeightsError, hf_config
+    from meshllm_dsl.runtime.hf.weights import WeightsError, check_config, hf_config, read_config
 
+    if weights is not None:
+        try:
+            cfg = read_config(Path(weights))
+            check_config(desc, cfg, str(Path(weights) / "config.json"))
+        except WeightsError as err:
+            raise SpecError([Diagnostic(
+                E1204, f"model `{plan.model.name}` is not the model of {weights}", plan.model.span or plan.span,
+                label="checked against its config.json", note=str(err),
+                help="name the checkpoint this model was imported from (`meshc import-hf`), or leave out --weights",
+            )]) from None
+        pack = BY_ARCHITECTURE.get(str((cfg.get("architectures") or [""])[0]))
+        if pack is None or not pack.tp_export or pack.checkpoint.layout != arch:
+            raise SpecError([Diagnostic(
+                E1204, f"{weights}'s class ({(cfg.get('architectures') or ['none'])[0]}) is not exported to {where} yet",
+                plan.model.span or plan.span, label="no tested export for this class",
+                help=f"export models of the {_exported_help()} family",
+            )])
+        return pack.architecture
     try:
         return str(hf_config(desc, torch.float32)["architectures"][0])
     except WeightsError:  # no config.json of its own (checked by the caller where it matters)
@@ -471,9 +563,10 @@ def render_dtensor(exp: Export, source_path: str, source_text: str) -> str:
 
 
 def export_plan(plan: PlanIR, decls: Declarations | None, target: str, source_path: str,
-                source_text: str) -> tuple[str, tuple[Diagnostic, ...]]:
-    """(file text, warnings) of `plan` exported to `target`; SpecError with every refusal."""
-    exp = analyze(plan, decls, target)
+                source_text: str, weights: str | None = None) -> tuple[str, tuple[Diagnostic, ...]]:
+    """(file text, warnings) of `plan` exported to `target` (as the class of `weights`' config.json
+    when given); SpecError with every refusal."""
+    exp = analyze(plan, decls, target, weights)
     text = render_dtensor(exp, source_path, source_text) if target == "dtensor" else render_tp_plan(exp)
     return text, exp.warnings
 

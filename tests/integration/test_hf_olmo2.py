@@ -170,22 +170,23 @@ def test_norms_scale_in_fp32_before_the_cast_as_olmo2_does() -> None:
         assert not torch.equal(llama(x), want)  # the test can tell the conventions apart
 
 
-def test_tp_plan_export_refuses_splitting_the_whole_projection_norm() -> None:
-    """transformers' Olmo2RMSNorm on a column-split q would normalise each rank's part alone: the
-    export refuses it (E1205) naming the layer, where `meshc compile` all-reduces the sum of squares."""
+def test_tp_plan_export_gathers_the_whole_projection_norms_input() -> None:
+    """transformers' Olmo2RMSNorm on a column-split q would normalise each rank's part alone: the export
+    (once refused with E1205) gathers q, k and v and splits o's input, as Olmo2Config.base_model_tp_plan
+    does (tests/integration/test_export.py runs it in transformers)."""
+    import json
+
     from meshllm_dsl.checker import check_declarations
-    from meshllm_dsl.diagnostics import SpecError
     from meshllm_dsl.front.load import load
     from meshllm_dsl.interop.export import export_plan
 
     text = spec("olmo2", "tensor2")
     decls = load("olmo2.mesh", text)
     (plan,) = check_declarations(decls).plans.values()
-    with pytest.raises(SpecError) as err:
-        export_plan(plan, decls, "hf-tp-plan", "olmo2.mesh", text)
-    messages = [d.message for d in err.value.diagnostics]
-    assert {d.code for d in err.value.diagnostics} == {"E1205"}
-    assert any("`attn.q`" in m and "qk_norm = full" in m for m in messages)
+    mapping = json.loads(export_plan(plan, decls, "hf-tp-plan", "olmo2.mesh", text)[0])
+    assert {k: mapping[f"model.layers.*.self_attn.{k}"] for k in ("q_proj", "k_proj", "v_proj", "o_proj")} == {
+        "q_proj": "colwise_gather_output", "k_proj": "colwise_gather_output", "v_proj": "colwise_gather_output",
+        "o_proj": "rowwise_split_input"}
 
 
 def test_planner_counts_transformers_parameters(olmo2: tuple[Path, Any]) -> None:
