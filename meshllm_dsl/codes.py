@@ -232,14 +232,19 @@ CODES: dict[str, tuple[str, str]] = {
               "`meshc export` does not write it; nor context parallelism (`seq -> AXIS` over an axis that splits no "
               "weight: every sequence split over AXIS). Drop `seq -> ...` to export the tensor-parallel plan."),
     "E1204": ("export: no transformers module", "The model must have the module layout of a transformers "
-              "class (the `llama` family: LlamaForCausalLM, also Mistral / Qwen2 names; `gpt2`: GPT2LMHeadModel), "
-              "and a sharded layer must be an nn.Linear or nn.Embedding there: GPT-2's projections are Conv1D, "
-              "which neither torch's parallel styles nor a tp_plan shard."),
+              "class export is proven for (the `llama` family: Llama, Mistral, Qwen2, Qwen3 and, with `--weights` "
+              "naming a Phi-3 checkpoint, Phi-3; `olmo2`; `gemma2` / `gemma3`; `gpt2`: GPT2LMHeadModel), a "
+              "`--weights` checkpoint must be of the model exported, and a sharded layer must be an nn.Linear or "
+              "nn.Embedding there: GPT-2's projections are Conv1D, which neither torch's parallel styles nor a "
+              "tp_plan shard."),
     "E1205": ("export: layout the target lacks", "Each sharded layer becomes one parallel style over one mesh "
               "dimension: column -> ColwiseParallel / `colwise`, row -> RowwiseParallel / `rowwise`, "
               "vocab_parallel embedding -> RowwiseParallel(input_layouts=Replicate()) / `embedding_rowwise`. A "
               "layer split over several axes at once, a rule no style matches, or (for a tp_plan, which has one "
-              "tensor mesh) layers sharded over different axes cannot be exported."),
+              "tensor mesh) layers sharded over different axes cannot be exported. Where transformers stores a "
+              "sublayer's projections fused (Phi-3's qkv_proj, gate_up_proj) or normalises the whole projection "
+              "(OLMo 2's q / k norms), the export gathers the column layers' output (`colwise_gather_output`) and "
+              "splits the row layer's input (`rowwise_split_input`), as transformers' own plans for those classes do."),
     "E1206": ("export: not exported", "A part of the plan the export does not write, which would otherwise be "
               "dropped silently: activation recomputation, data parallelism without ZeRO 2 / 3 (wrap the model in "
               "DistributedDataParallel yourself), or ZeRO over other axes than the batch's (hybrid sharding)."),
