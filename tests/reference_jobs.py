@@ -22,6 +22,24 @@ def compare_job(ctx: Any, path: str, steps: int = 3) -> dict[str, dict[str, floa
             for name in ("float32", "float64")}
 
 
+def assert_spec_matches_reference(pool: Any, text: str, name: str, tmp_path: Any) -> None:
+    """Check `text` (one plan), compile it, train it on the pool's gloo ranks with compare_job and
+    assert every rank's outputs, gradients, losses and parameters are within the dtype's tolerance."""
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.codegen.emit import render_plan
+    from meshllm_dsl.runtime.jobs.compare import TOLERANCE
+
+    result = check_text(text, f"{name}.mesh")
+    assert result.ok, [str(d.message) for d in result.errors]
+    (plan,) = result.plans.values()
+    path = tmp_path / f"{name}.py"
+    path.write_text(render_plan(plan, f"{name}.mesh", text))
+    for rank, errs in enumerate(pool.run(compare_job, plan.mesh.devices, str(path))):
+        for dtype, by_key in errs.items():
+            bad = {k: v for k, v in by_key.items() if not v <= TOLERANCE[dtype]}
+            assert not bad, f"rank {rank}, {dtype}: {bad}"
+
+
 def profile_job(ctx: Any, path: str, out: str) -> dict[str, Any]:
     """On each rank: `meshc run --profile`'s report (runtime.profile.profile_train) for the generated
     module at `path`, over 4 synthetic batches: warm-up, memory step, kernel count, one timed step."""

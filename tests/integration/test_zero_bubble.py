@@ -18,11 +18,10 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from mesh_snippets import MEGATRON  # noqa: E402
-from reference_jobs import compare_job  # noqa: E402
+from reference_jobs import assert_spec_matches_reference  # noqa: E402
 
 from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
-from meshllm_dsl.runtime.jobs.compare import TOLERANCE  # noqa: E402
 from meshllm_dsl.runtime.jobs.pool import RankContext, WorkerPool  # noqa: E402
 from meshllm_dsl.verify.equivalence import load_generated  # noqa: E402
 
@@ -99,16 +98,7 @@ CASES: dict[str, str] = {
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_schedule_matches_unsharded_reference(name: str, pool: WorkerPool, tmp_path: Path) -> None:
-    result = check_text(CASES[name], f"{name}.mesh")
-    assert result.ok, [str(d.message) for d in result.errors]
-    (plan,) = result.plans.values()
-    path = tmp_path / f"{name}.py"
-    path.write_text(render_plan(plan, f"{name}.mesh", CASES[name]))
-    per_rank = pool.run(compare_job, plan.mesh.devices, str(path))
-    for rank, errs in enumerate(per_rank):
-        for dtype, by_key in errs.items():
-            bad = {k: v for k, v in by_key.items() if not v <= TOLERANCE[dtype]}
-            assert not bad, f"rank {rank}, {dtype}: {bad}"
+    assert_spec_matches_reference(pool, CASES[name], name, tmp_path)
 
 
 def _placement_job(ctx: RankContext, path: str) -> dict[str, Any]:
