@@ -40,6 +40,22 @@ SPLIT_BACKWARD = ("interleaved_zb", "zbv", "dualpipev")
 PLACEMENTS = ("loop", "v")
 
 
+def zero_bubble_rounds(ranks: int, microbatches: int) -> int:
+    """Microbatches per round of torch's interleaved classes: max(1, m // p) rounds of m // rounds."""
+    return max(1, microbatches // ranks) if ranks else 1
+
+
+def takes_microbatches(schedule: str, ranks: int, stages: int, microbatches: int) -> bool:
+    """Whether torch's class for `schedule` takes `microbatches` beyond the rules every pipeline
+    shares: DualPipeV fills both arms of its V (at least as many as stages), interleaved zero bubble
+    runs whole rounds (ScheduleInterleavedZeroBubble raises otherwise)."""
+    if schedule == "dualpipev":
+        return microbatches >= stages
+    if schedule == "interleaved_zb":
+        return microbatches % zero_bubble_rounds(ranks, microbatches) == 0
+    return True
+
+
 def placement_of(schedule: str) -> str:
     """How `schedule` places its stages on the pipeline ranks: "v" or "loop"."""
     return "v" if schedule in V_SCHEDULES else "loop"

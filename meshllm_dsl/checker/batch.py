@@ -13,7 +13,14 @@ from meshllm_dsl.codes import E0305, E0310, E0606, E0607, W0703
 from meshllm_dsl.diagnostics import Label, Suggestion, replace, typo
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.names import or_list
-from meshllm_dsl.ir import SCHEDULE_VIRTUAL, SCHEDULES, Stage, Unit
+from meshllm_dsl.ir import (
+    SCHEDULE_VIRTUAL,
+    SCHEDULES,
+    Stage,
+    Unit,
+    takes_microbatches,
+    zero_bubble_rounds,
+)
 
 
 class BatchRules(PlanContext):
@@ -82,16 +89,17 @@ class BatchRules(PlanContext):
                           help=f"use at least {pipeline}: with fewer, `{schedule}` never fills the pipeline")
         ms = settings.get("microbatches")
         where = ms.value.span if ms is not None else self.decl.name.span
-        if schedule == "dualpipev" and pipeline > 1 and micro < len(stages):
+        refused = pipeline > 1 and not takes_microbatches(schedule, pipeline, len(stages), micro)
+        if schedule == "dualpipev" and refused:
             # torch's ScheduleDualPipeV refuses it: both directions of the V must be full at once.
             self.error(E0606, f"`dualpipev` needs at least as many microbatches as stages ({micro} < {len(stages)})",
                        where, label=f"{micro} microbatch{'es' if micro != 1 else ''}" if ms is not None else "`microbatches` is not set (so 1)",
                        help=f"{'use' if ms is not None else 'set'} `microbatches = {len(stages)}` or more (and batch divisible by it)",
                        suggestions=_values(ms, [len(stages)], "microbatches"))
-        rounds = max(1, micro // pipeline) if pipeline else 1
-        if schedule == "interleaved_zb" and pipeline > 1 and micro % rounds:
-            # torch's ScheduleInterleavedZeroBubble runs whole rounds of max(1, m // p) microbatches.
-            fits = [k for k in range(max(1, micro - 2 * pipeline), micro + 2 * pipeline + 1) if k % max(1, k // pipeline) == 0]
+        rounds = zero_bubble_rounds(pipeline, micro)
+        if schedule == "interleaved_zb" and refused:
+            fits = [k for k in range(max(1, micro - 2 * pipeline), micro + 2 * pipeline + 1)
+                    if takes_microbatches(schedule, pipeline, len(stages), k)]
             near = sorted(fits, key=lambda k: (abs(k - micro), k))[:3]
             self.error(E0606, f"`interleaved_zb` runs whole rounds of {rounds} microbatches, and {micro} is not a multiple of {rounds}",
                        where, label=f"{micro} microbatches",

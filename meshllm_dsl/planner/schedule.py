@@ -26,6 +26,7 @@ forwards-minus-backwards counted on real gloo ranks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -62,6 +63,20 @@ COST = {"F": FORWARD_COST, "B": BACKWARD_COST, "I": INPUT_COST, "W": WEIGHT_COST
 #   looped_bfs             3(p - 1) + 3(v - 1) max(0, p - m): GPipe's; holds every microbatch of every stage
 
 
+def _round_stages(p: int, v: int, per_round: int, warmup: int, rank: int) -> tuple[Callable[[int], int], Callable[[int], int]]:
+    """The global stage of a rank's step-th forward and backward in torch's interleaved classes
+    (ScheduleInterleaved1F1B and ScheduleInterleavedZeroBubble share it): whole rounds of
+    `per_round` microbatches on one chunk before the next, the backwards from the last chunk down."""
+
+    def fwd_stage(step: int) -> int:
+        return ((step // per_round) % v) * p + rank
+
+    def bwd_stage(step: int) -> int:
+        return (v - 1 - ((step - warmup) // per_round) % v) * p + rank
+
+    return fwd_stage, bwd_stage
+
+
 def _interleaved_rank_order(p: int, v: int, m: int, rank: int) -> list[Action | None]:
     """ScheduleInterleaved1F1B._calculate_single_rank_operations with _get_1f1b_rank_ops (torch 2.13),
     None marking the idle slots torch pads with to align the ranks."""
@@ -72,11 +87,7 @@ def _interleaved_rank_order(p: int, v: int, m: int, rank: int) -> list[Action | 
     fwd_bwd = total - warmup
     cooldown = total - fwd_bwd
 
-    def fwd_stage(step: int) -> int:
-        return ((step // per_round) % v) * p + rank
-
-    def bwd_stage(step: int) -> int:
-        return (v - 1 - ((step - warmup) // per_round) % v) * p + rank
+    fwd_stage, bwd_stage = _round_stages(p, v, per_round, warmup, rank)
 
     fwd_mb: dict[int, int] = {}
     bwd_mb: dict[int, int] = {}
@@ -131,11 +142,7 @@ def _zb1p_rank_order(p: int, v: int, m: int, rank: int) -> list[Action | None]:
     fwd_bwd = total - warmup
     cooldown = total - fwd_bwd
 
-    def fwd_stage(step: int) -> int:
-        return ((step // per_round) % v) * p + rank
-
-    def bwd_stage(step: int) -> int:
-        return (v - 1 - ((step - warmup) // per_round) % v) * p + rank
+    fwd_stage, bwd_stage = _round_stages(p, v, per_round, warmup, rank)
 
     counters: dict[tuple[str, int], int] = {}
 

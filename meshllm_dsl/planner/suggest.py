@@ -29,7 +29,7 @@ from meshllm_dsl.checker import check_text
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.load import load
 from meshllm_dsl.front.names import divisors
-from meshllm_dsl.ir import ModelIR, PlanIR, Repeat
+from meshllm_dsl.ir import ModelIR, PlanIR, Repeat, takes_microbatches
 from meshllm_dsl.parallel.costs import MFU
 from meshllm_dsl.parallel.devices import DeviceProfile
 from meshllm_dsl.planner.analyze import analyze
@@ -270,9 +270,7 @@ def _layouts(model: ModelIR, batch: int, d: int, p: int, t: int, cp: int, hosts:
                 continue
             if sched == "interleaved_1f1b" and m % p:
                 continue
-            # What torch's classes refuse (checker/batch.py): DualPipeV fills both arms of the V,
-            # interleaved zero bubble runs whole rounds of m // p.
-            if sched == "dualpipev" and m < 2 * p or sched == "interleaved_zb" and m % max(1, m // p):
+            if not takes_microbatches(sched, p, p * v, m):  # what torch's class refuses (E0606)
                 continue
             # ZeRO 2 / 3 are FSDP2 in the runtime (16-bit models with fp32 master weights at every stage: _master_weights).
             for z in (0, 1, 2, 3) if d * cp > 1 else (0,):

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from meshllm_dsl.codes import W0801, W0802, W0803, W0804, W0805, W0806
 from meshllm_dsl.diagnostics import Diagnostic, Label
-from meshllm_dsl.ir import PlanIR, placement_of
+from meshllm_dsl.ir import placement_of, takes_microbatches
 from meshllm_dsl.parallel.costs import MFU
 from meshllm_dsl.planner.comm import axes_cross_hosts
 from meshllm_dsl.planner.formatting import fmt_bytes, fmt_count, fmt_seconds
@@ -128,7 +128,7 @@ def _bubble_warnings(report: PlanReport) -> list[Diagnostic]:
     else:
         # No closed form over m: the least m whose simulated order idles at most 10% (the same
         # order the report prices), searched over the microbatch counts torch's class accepts.
-        need = next((k for k in range(m + 1, 64 * p + 1) if _accepts(plan, k)
+        need = next((k for k in range(m + 1, 64 * p + 1) if takes_microbatches(plan.schedule, p, len(plan.stages), k)
                      and bubble_fraction(plan.schedule, p, k, plan.virtual) <= BUBBLE_WARN), m)
     return [Diagnostic(
         W0805, f"the pipeline bubble is {report.bubble:.0%} of the step ({fmt_seconds(report.step.bubble_s)})", where,
@@ -136,16 +136,6 @@ def _bubble_warnings(report: PlanReport) -> list[Diagnostic]:
         help=f"raise microbatches to about {need} or more (batch permitting) for a bubble near 10%"
         + (", or interleave: `stages over ... virtual 2` with `schedule interleaved_1f1b`" if plan.schedule in ("gpipe", "1f1b") else ""),
         note=f"bubble = {report.bubble:.3f}" + bubble_formula(plan, report.bubble))]
-
-
-def _accepts(plan: PlanIR, micro: int) -> bool:
-    """Whether torch's class for the plan's schedule takes `micro` microbatches (checker/batch.py's rules)."""
-    p = plan.pipeline_size
-    if plan.schedule == "dualpipev":
-        return micro >= len(plan.stages)
-    if plan.schedule == "interleaved_zb":
-        return micro % max(1, micro // p) == 0
-    return True
 
 
 def _imbalance_warnings(report: PlanReport) -> list[Diagnostic]:
