@@ -168,6 +168,13 @@ CODES: dict[str, tuple[str, str]] = {
               "at least one block: the model needs a repeat with enough blocks; otherwise list the stages."),
     "E0609": ("bad block range", "A stage's block range `blocks[a:b]` must satisfy 0 <= a < b <= count, and "
               "only repeats can be sliced."),
+    "E0313": ("a matmul recipe this dtype or device cannot run", "`precision { matmul = R }` (or `precision PATH "
+              "matmul = R`) asks torchao to train linear layers in float8: `fp8_tensorwise`, `fp8_rowwise` or `mxfp8`. "
+              "The recipes cast bf16 (or fp16) activations and weights, so the compute dtype (`params`) must be one of "
+              "them; fp32 master weights stay as they are (`precision { params = bf16, master = fp32, matmul = ... }`). "
+              "The float8 recipes need float8 tensor cores (Hopper, Ada, Blackwell, MI300: a profile with "
+              "`fp8_tflops`), `mxfp8` needs MX tensor cores (Blackwell: `mx_tflops`). On CPU ranks torchao emulates "
+              "the float8 matmuls, which proves the numerics but is slower than the params dtype."),
     "W0701": ("stage imbalance", "One pipeline stage holds more than 1.25x the mean parameter count. The "
               "pipeline advances at the pace of its slowest stage, so the others idle."),
     "W0702": ("tensor axis spans hosts", "Tensor-parallel collectives run in every layer; across the network "
@@ -192,6 +199,11 @@ CODES: dict[str, tuple[str, str]] = {
               "`meshc compile --slurm` take it as the fewest hosts that hold it evenly (the warning names how many): "
               "collectives between those hosts are priced at the network's bandwidth, not the in-host link's, and "
               "the SLURM script asks for that many nodes. Declare `hosts` to say what the cluster really is."),
+    "W0709": ("layer kept out of float8", "A linear layer that `matmul = R` would convert stays in the params "
+              "dtype because a dim of its local weight (after tensor parallelism splits it) is not a multiple of 16: "
+              "torchao's float8 kernels (torch._scaled_mm) need 16-byte-aligned operands. The plan still trains; "
+              "the planner prices that layer in the params dtype. Split the layer over fewer ranks, or keep it in "
+              "the params dtype explicitly with `precision PATH matmul = bf16`, which silences this warning."),
     "W0801": ("plan does not fit in device memory", "`meshc plan` estimates the peak memory of every pipeline rank: "
               "weights, gradients and optimizer states (16 bytes per parameter for mixed-precision AdamW, divided "
               "per the ZeRO stage), plus the activations of the microbatches the schedule keeps in flight. The "
@@ -278,6 +290,7 @@ E0309: Final = "E0309"
 E0310: Final = "E0310"
 E0311: Final = "E0311"
 E0312: Final = "E0312"
+E0313: Final = "E0313"
 E0401: Final = "E0401"
 E0402: Final = "E0402"
 E0403: Final = "E0403"
@@ -310,6 +323,7 @@ W0705: Final = "W0705"
 W0706: Final = "W0706"
 W0707: Final = "W0707"
 W0708: Final = "W0708"
+W0709: Final = "W0709"
 W0801: Final = "W0801"
 W0802: Final = "W0802"
 W0803: Final = "W0803"

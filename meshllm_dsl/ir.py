@@ -74,6 +74,35 @@ def stage_coord(index: int, pipeline: int, placement: str = "loop") -> int:
 # or only the attention core of each block (selective, Korthikanti et al. 2022).
 RECOMPUTE = ("none", "blocks", "attention", "ops")
 DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
+# `precision { matmul = ... }`: the low-precision recipes torchao trains linear layers' matmuls in
+# (runtime/train/float8.py); a linear not in one computes in the params dtype.
+#  - fp8_tensorwise: one scale per tensor (torchao's "tensorwise"; FSDP2 may all-gather in float8)
+#  - fp8_rowwise: one scale per row of each operand (torchao's "rowwise")
+#  - mxfp8: one power-of-two scale per 32 elements (OCP MX; Blackwell's tensor cores)
+MATMULS = ("fp8_tensorwise", "fp8_rowwise", "mxfp8")
+FP8_BYTES = 1
+# torchao pads nothing: both dims of a converted layer's local weight must be multiples of this
+# (its cuBLAS / torch._scaled_mm kernels want 16-byte-aligned float8 operands).
+FP8_DIM_MULTIPLE = 16
+# `compile = ...`: what torch.compile wraps (runtime/train/compile.py): each block of the repeat on its
+# own, as torchtitan compiles per transformer block, or nothing.
+COMPILES = ("none", "blocks")
+
+
+@attrs.frozen
+class Float8Plan:
+    """Which linear layers run their matmuls in a low-precision recipe (`precision { matmul }` and
+    `precision PATH matmul = ...`), and which stay in the params dtype and why."""
+
+    recipe: str  # the plan's recipe, one of MATMULS
+    layers: tuple[tuple[str, str], ...]  # full leaf path (`blocks.3.attn.q`) -> recipe, in model order
+    skipped: tuple[tuple[str, str], ...] = ()  # full leaf path -> why it stays in the params dtype
+    # FSDP2 all-gathers the tensorwise layers' weights in float8 (torchao's enable_fsdp_float8_all_gather).
+    gather: bool = False
+
+    def recipe_of(self, path: str) -> str | None:
+        """The recipe leaf `path` runs in, or None for the params dtype."""
+        return dict(self.layers).get(path)
 
 
 @attrs.frozen
@@ -427,6 +456,8 @@ class PlanIR:
     # `skew = F`: the share of a moe layer's routed tokens its busiest expert receives, for the
     # planner (meshllm_dsl/planner/moe.py); None: balanced routing.
     skew: float | None = None
+    float8: Float8Plan | None = None  # low-precision matmuls; None: every matmul in the params dtype
+    compile: str = "none"  # one of COMPILES
     span: Span | None = attrs.field(eq=False, default=None)
 
     def __attrs_post_init__(self) -> None:

@@ -146,7 +146,7 @@ def _check_declarations(decls: Declarations) -> CheckResult:
             continue
         profile = {**PROFILES, **profiles}.get(mesh.device or DEFAULT_PROFILE)
         per_host = profile.per_host if profile is not None else None
-        plan = PlanChecker(decl, mesh, model, diags, per_host).check()
+        plan = PlanChecker(decl, mesh, model, diags, per_host, profile).check()
         if plan is not None and name_ok:
             plans[name] = plan
     return CheckResult(tuple(diags), plans, meshes, models, tuple(s.path for s in decls.sources),

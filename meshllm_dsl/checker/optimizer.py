@@ -13,6 +13,9 @@ from meshllm_dsl.front import ast
 from meshllm_dsl.front.names import or_list
 from meshllm_dsl.ir import DTYPES
 
+# `precision { matmul = R, all_gather = fp8 }`: read by checker/matmul.py.
+MATMUL_KEYS = ("matmul", "all_gather")
+
 OPT_SETTINGS = {
     "lr": (0.0, 1e3, True, False),
     "weight_decay": (0.0, 1e3, False, False),
@@ -105,9 +108,11 @@ class OptimizerRules(PlanContext):
         values: dict[str, str] = {}
         for s in stmt.settings:
             key = s.name.value
+            if key in MATMUL_KEYS:
+                continue  # the float8 settings: checker/matmul.py
             if key not in PRECISION_KEYS:
                 self.error(E0203, f"unknown precision setting `{key}`", s.name.span, label="not a precision setting",
-                           **typo(s.name.span, key, PRECISION_KEYS))
+                           **typo(s.name.span, key, (*PRECISION_KEYS, *MATMUL_KEYS)))
                 continue
             if key in seen:
                 self.repeated(f"precision setting `{key}`", s.name.span, seen[key].name.span)

@@ -18,6 +18,7 @@ import attrs
 
 from meshllm_dsl import primitives
 from meshllm_dsl.checker.batch import BatchRules
+from meshllm_dsl.checker.matmul import MatmulRules
 from meshllm_dsl.checker.memory import MemoryRules
 from meshllm_dsl.checker.optimizer import OptimizerRules
 from meshllm_dsl.checker.pitfalls import PitfallRules
@@ -29,8 +30,9 @@ from meshllm_dsl.front import ast
 from meshllm_dsl.front.names import or_list
 from meshllm_dsl.front.resolve import Binding
 from meshllm_dsl.ir import DTYPES, MeshIR, ModelIR, Repeat, Unit
+from meshllm_dsl.parallel.devices import DeviceProfile
 
-PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute", "skew")
+PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute", "skew", "compile")
 # Settings the language used to accept that nothing downstream reads: refused until they are honoured.
 UNSUPPORTEDPLAN_SETTINGS = {
     "seed": "the seed is chosen at launch: `meshc run FILE --seed N` (or `--seed N` on the generated module)",
@@ -62,6 +64,7 @@ class PassContext:
     mesh: MeshIR
     model: ModelIR
     per_host: int | None = None  # devices in one host of the mesh's device profile (None: unknown)
+    profile: DeviceProfile | None = None  # the mesh's device profile (None: unknown)
     results: tuple[tuple[str, PassResult], ...] = ()
 
     def __getitem__(self, key: str) -> Any:
@@ -80,7 +83,7 @@ class PassContext:
         return attrs.evolve(self, results=(*self.results, (name, result)))
 
 
-class _Worker(PlacementRules, StageRules, BatchRules, OptimizerRules, MemoryRules, PitfallRules):
+class _Worker(PlacementRules, StageRules, BatchRules, OptimizerRules, MatmulRules, MemoryRules, PitfallRules):
     """The rule methods over one pass's own state: made for a pass call and dropped after it."""
 
     @classmethod
@@ -123,7 +126,7 @@ def settings(ctx: PassContext) -> PassResult:
         if s.every is not None and key != "recompute":
             w.error(E0203, f"`every` does not apply to `{key}`", s.every.span, label="not a per-block setting",
                     help="`every N` picks the blocks `recompute` applies to: drop it here")
-        if key in ("dtype", "recompute", "skew"):  # not integers: read by their own passes
+        if key in ("dtype", "recompute", "skew", "compile"):  # not integers: read by their own passes
             continue
         v = w.eval_int(s.value, env, key)
         if v is not None:
@@ -246,6 +249,14 @@ def precision(ctx: PassContext) -> PassResult:
     return w.result(dtype=dtype, master_dtype=master, reduce_dtype=reduce)
 
 
+def matmul(ctx: PassContext) -> PassResult:
+    """Low-precision matmuls (`precision { matmul, all_gather }`, `precision PATH matmul = R`) and
+    `compile = blocks`: checker/matmul.py."""
+    w = _Worker.of(ctx)
+    float8 = w.matmul(ctx["dtype"], ctx["master_dtype"], ctx["zero"], ctx["top"], ctx["classes"], ctx.profile)
+    return w.result(float8=float8, compile=w.compile_setting(ctx["settings"].get("compile")))
+
+
 def expert_zero(ctx: PassContext) -> PassResult:
     """ZeRO with expert parallelism (E0412): what the runtime shards the experts' states over."""
     w = _Worker.of(ctx)
@@ -302,6 +313,7 @@ PASSES: tuple[Pass, ...] = (
     context_parallel,
     optimizer,
     precision,
+    matmul,
     expert_zero,
     axis_roles,
     pitfalls,

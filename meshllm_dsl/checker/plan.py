@@ -13,6 +13,7 @@ from meshllm_dsl.checker.passes import (
 from meshllm_dsl.diagnostics import Diagnostic
 from meshllm_dsl.front import ast
 from meshllm_dsl.ir import MeshIR, ModelIR, Placement, PlanIR
+from meshllm_dsl.parallel.devices import DeviceProfile
 from meshllm_dsl.parallel.layouts import top_flows
 from meshllm_dsl.parallel.roles import ParallelRoles
 
@@ -23,8 +24,8 @@ class PlanChecker:
     """Runs every pass over one plan, adds their diagnostics to `diags`; the PlanIR if none is an error."""
 
     def __init__(self, decl: ast.PlanDecl, mesh: MeshIR, model: ModelIR, diags: list[Diagnostic],
-                 per_host: int | None = None) -> None:
-        self.context = PassContext(decl, mesh, model, per_host)
+                 per_host: int | None = None, profile: DeviceProfile | None = None) -> None:
+        self.context = PassContext(decl, mesh, model, per_host, profile)
         self.diagnostics = diags
 
     def check(self) -> PlanIR | None:
@@ -50,7 +51,8 @@ def plan_ir(ctx: PassContext) -> PlanIR:
         top_flows=tuple(top_flows(ctx.model, top, loss, ctx["seq_axes"])), block_classes=classes,
         optimizer=ctx["optimizer"], optimizer_settings=ctx["optimizer_settings"], zero=zero,
         dtype=ctx["dtype"], master_dtype=ctx["master_dtype"], reduce_dtype=ctx["reduce_dtype"],
-        recompute=ctx["recompute"], recompute_every=ctx["recompute_every"], skew=ctx["skew"], span=ctx.decl.span,
+        recompute=ctx["recompute"], recompute_every=ctx["recompute_every"], skew=ctx["skew"],
+        float8=ctx["float8"], compile=ctx["compile"], span=ctx.decl.span,
     )
 
 

@@ -376,7 +376,17 @@ class PrecisionStmt:
     span: Span | None = _span
 
 
-PlanStmt = Setting | ShardStmt | LossStmt | LayoutStmt | StagesStmt | ScheduleStmt | OptimizerStmt | PrecisionStmt
+@node
+class PrecisionRule:
+    """`precision PATH matmul = RECIPE`: the matmul recipe of every linear layer under PATH."""
+
+    path: Path
+    setting: Setting
+    span: Span | None = _span
+
+
+PlanStmt = (Setting | ShardStmt | LossStmt | LayoutStmt | StagesStmt | ScheduleStmt | OptimizerStmt | PrecisionStmt
+            | PrecisionRule)
 
 
 @node

@@ -253,6 +253,8 @@ class _Printer:
             self.line(1, f"schedule {s.name.value}", s)
         elif isinstance(s, ast.PrecisionStmt):
             self.line(1, f"precision {{ {', '.join(_setting(st) for st in s.settings)} }}", s)
+        elif isinstance(s, ast.PrecisionRule):
+            self.line(1, f"precision {s.path} {_setting(s.setting)}", s)
         else:
             assert isinstance(s, ast.OptimizerStmt)
             if s.zero is None and not s.settings:

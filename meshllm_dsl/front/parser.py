@@ -393,6 +393,10 @@ class _Builder:
         self._scalars(c[0], "precision")
         return ast.PrecisionStmt(c[0], self._span())
 
+    def precision_rule(self, c: list[Any]) -> ast.PrecisionRule:
+        self._scalars((c[1],), "precision")
+        return ast.PrecisionRule(c[0], c[1], self._span())
+
     def zero(self, c: list[Any]) -> ast.ZeroStmt:
         stage = ast.IntLit(self._int(c[0]), self._tok(c[0]))
         return ast.ZeroStmt(stage, tuple(a for a in c[1:] if a is not None), self._span())

@@ -10,7 +10,8 @@ A .mesh file can declare its own profile:
     device h100_pcie { like = h100, memory = 80, tflops = 756, intra = 64 }
 
 Settings: `memory` (GiB), `tflops`, `intra` (GB/s within a host), `inter` (GB/s between hosts, per
-device), `per_host` (devices in one host), `hbm` (GB/s of device memory: the roofline of a thin
+device), `per_host` (devices in one host), `fp8_tflops` and `mx_tflops` (dense float8 and MXFP8 peaks;
+absent: the device has no such tensor cores), `hbm` (GB/s of device memory: the roofline of a thin
 matmul, and what lookups and elementwise work cost), `like` (a known profile whose values the others
 default to), and, as `meshc calibrate` writes them, `mfu` (fraction of `tflops` large matmuls reach), `latency`
 (microseconds per collective call), and for hosts whose CPU cores are the devices: `kernel`
@@ -68,6 +69,12 @@ class DeviceProfile:
     # rate NCCL reaches, not the line rate), so a group with k members per host moves at most
     # k x `inter` (planner._link). Unlisted: the line rate.
     bus_efficiency: tuple[tuple[str, float], ...] = ()
+    # Dense float8 tensor-core peak (TFLOP/s, datasheet): what torchao's float8 matmuls reach a
+    # fraction of (`precision { matmul = fp8_tensorwise | fp8_rowwise }`); None: no float8 tensor cores
+    # (the checker refuses the recipes, E0313). The CPU profile emulates float8 in its own dtype.
+    fp8_tflops: float | None = None
+    # Dense MXFP8 peak (block-scaled float8, OCP MX: Blackwell); None: no MX tensor cores (`mxfp8` is E0313).
+    mx_tflops: float | None = None
 
     @property
     def memory_bytes(self) -> int:
@@ -143,15 +150,24 @@ PROFILES: dict[str, DeviceProfile] = {
         DeviceProfile("a100_80gb", 80.0, 312.0, 300.0, 24.0, mfu=A100_MATMUL, hbm_gbps=2039.0, sms=108, bus_efficiency=A100_BUS),
         # H100 SXM: 989 TFLOP/s bf16 dense, 132 SMs, NVLink 4 900 GB/s bidirectional, NDR 400 Gb/s NIC per
         # GPU (48 GB/s reached), HBM3 3,350 GB/s.
-        DeviceProfile("h100", 80.0, 989.0, 450.0, 48.0, mfu=H100_MATMUL, hbm_gbps=3350.0, sms=132, bus_efficiency=H100_BUS),
-        DeviceProfile("h100_pcie", 80.0, 756.0, 64.0, 48.0, hbm_gbps=2000.0, sms=114),  # no NVLink switch: PCIe 5 x16
+        # Float8: 1,979 TFLOP/s dense (H100 / H800 / H200 datasheets).
+        DeviceProfile("h100", 80.0, 989.0, 450.0, 48.0, mfu=H100_MATMUL, hbm_gbps=3350.0, sms=132, bus_efficiency=H100_BUS,
+                      fp8_tflops=1979.0),
+        # H800 SXM: H100's compute and memory with NVLink cut to 400 GB/s bidirectional (200 per
+        # direction); DeepSeek-V3 was trained on 2,048 of them, 8 per node, InfiniBand 50 GB/s per GPU.
+        DeviceProfile("h800", 80.0, 989.0, 200.0, 48.0, mfu=H100_MATMUL, hbm_gbps=3350.0, sms=132, bus_efficiency=H100_BUS,
+                      fp8_tflops=1979.0),
+        # no NVLink switch: PCIe 5 x16; float8 1,513 TFLOP/s dense
+        DeviceProfile("h100_pcie", 80.0, 756.0, 64.0, 48.0, hbm_gbps=2000.0, sms=114, fp8_tflops=1513.0),
         # H200 SXM: H100's compute and NVLink, 141 GB HBM3e at 4,800 GB/s (datasheet).
-        DeviceProfile("h200", 141.0, 989.0, 450.0, 48.0, mfu=H100_MATMUL, hbm_gbps=4800.0, sms=132, bus_efficiency=H100_BUS),
-        # B200: 2.25 PFLOP/s bf16 dense, NVLink 5 1.8 TB/s bidirectional, HBM3e 8 TB/s.
-        DeviceProfile("b200", 180.0, 2250.0, 900.0, 48.0, hbm_gbps=8000.0),
-        # MI300X: 1307 TFLOP/s bf16 dense, Infinity Fabric 7 x 64 GB/s per direction, HBM3 5.3 TB/s.
-        DeviceProfile("mi300x", 192.0, 1307.0, 448.0, 48.0, hbm_gbps=5300.0),
-        DeviceProfile("l40s", 48.0, 362.0, 32.0, 25.0, per_host=4, hbm_gbps=864.0),
+        DeviceProfile("h200", 141.0, 989.0, 450.0, 48.0, mfu=H100_MATMUL, hbm_gbps=4800.0, sms=132, bus_efficiency=H100_BUS,
+                      fp8_tflops=1979.0),
+        # B200: 2.25 PFLOP/s bf16 dense, 4.5 PFLOP/s FP8 and MXFP8 dense, NVLink 5 1.8 TB/s bidirectional, HBM3e 8 TB/s.
+        DeviceProfile("b200", 180.0, 2250.0, 900.0, 48.0, hbm_gbps=8000.0, fp8_tflops=4500.0, mx_tflops=4500.0),
+        # MI300X: 1307 TFLOP/s bf16 dense, 2,615 FP8 dense, Infinity Fabric 7 x 64 GB/s per direction, HBM3 5.3 TB/s.
+        DeviceProfile("mi300x", 192.0, 1307.0, 448.0, 48.0, hbm_gbps=5300.0, fp8_tflops=2615.0),
+        # L40S (Ada): 733 TFLOP/s FP8 dense.
+        DeviceProfile("l40s", 48.0, 362.0, 32.0, 25.0, per_host=4, hbm_gbps=864.0, fp8_tflops=733.0),
         DeviceProfile("a10g", 24.0, 125.0, 32.0, 12.5, per_host=4, hbm_gbps=600.0),
         # CPU ranks on gloo, out of the box: host-time defaults so `meshc run --profile` on the
         # bundled examples lands within 2x before `meshc calibrate` measures the machine at hand.
@@ -164,11 +180,12 @@ DEFAULT_PROFILE = "h100"
 _SETTINGS = {"memory": "memory_gib", "tflops": "tflops", "intra": "intra_gbps", "inter": "inter_gbps",
              "per_host": "per_host", "mfu": "mfu", "latency": "latency_us", "kernel": "kernel_us",
              "collective_cpu": "collective_cpu_us", "cores": "cores", "stage_cpu": "stage_cpu_us",
-             "fsdp_cpu": "fsdp_cpu_us", "hbm": "hbm_gbps"}
-_OPTIONAL = {"per_host", "mfu", "latency", "kernel", "collective_cpu", "cores", "stage_cpu", "fsdp_cpu", "hbm"}
+             "fsdp_cpu": "fsdp_cpu_us", "hbm": "hbm_gbps", "fp8_tflops": "fp8_tflops", "mx_tflops": "mx_tflops"}
+_OPTIONAL = {"per_host", "mfu", "latency", "kernel", "collective_cpu", "cores", "stage_cpu", "fsdp_cpu", "hbm",
+             "fp8_tflops", "mx_tflops"}
 _WHOLE = {"per_host"}  # a count of devices
 _EXAMPLE = {"mfu": 0.5, "latency": 10, "kernel": 8, "collective_cpu": 200, "cores": 2, "stage_cpu": 500,
-            "fsdp_cpu": 500}
+            "fsdp_cpu": 500, "mx_tflops": 4500}
 
 
 def _number(expr: ast.Expr) -> float | None:

@@ -73,6 +73,9 @@ class Primitive:
     # routing gathers under context parallelism, active parameters and routing skew; a plan's `skew`
     # and the `expert` rule apply to it.
     routes_experts: bool = False
+    # Its linear leaves are nn.Linear modules in the generated code whose matmuls torchao may train in
+    # float8 (`precision { matmul = R }`: runtime/train/float8.py converts them; checker/matmul.py decides which).
+    float8_linears: bool = False
     # Sequence parallelism may shard its input and output along the sequence (f / g become an
     # all-gather and a reduce-scatter); False: refused (E0309) until its forward is written for it.
     sequence_parallel: bool = True

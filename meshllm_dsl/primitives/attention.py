@@ -318,7 +318,7 @@ def _full_qk_norm_lines(w: Any, attr: str, unit: Unit, a: Mapping[str, Any],
     return lines
 
 
-ATTENTION = Attention("attention", sublayer=True, reads_sequence=True, caches_kv=True, recomputed_core=True, width_arg="hidden", args=(
+ATTENTION = Attention("attention", sublayer=True, float8_linears=True, reads_sequence=True, caches_kv=True, recomputed_core=True, width_arg="hidden", args=(
     Arg("hidden", "dim"),
     Arg("heads", "dim"),
     Arg("kv_heads", "dim", lambda b: b["heads"]),

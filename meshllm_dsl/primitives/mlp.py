@@ -85,7 +85,7 @@ class Mlp(Primitive):
         return [w.line("a = " + _CALLS[a["act"]].format(w.proj(attr, "up", x)), f"[b, s, {f_local}] {a['act']}")]
 
 
-MLP = Mlp("mlp", sublayer=True, width_arg="hidden", args=(
+MLP = Mlp("mlp", sublayer=True, float8_linears=True, width_arg="hidden", args=(
     Arg("hidden", "dim"),
     Arg("ffn", "dim"),
     Arg("act", "choice", const("swiglu"), ACTIVATIONS),
