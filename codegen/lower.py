@@ -22,6 +22,7 @@ from meshllm_dsl.ir import (
     REPLICATE,
     BlockClass,
     Collective,
+    Float8Plan,
     Leaf,
     Placement,
     PlanIR,
@@ -304,8 +305,10 @@ class _UnitWriter:
             lines.append(_collective_line(self, split, out_leaf.params[0].shape[1], "a"))
         has_bias = len(out_leaf.params) > 1
         if reduce is not None:
-            lines.append(Line(f"out = F.linear({src}, self.{attr}.{out_leaf.name}.weight)",
-                              f"[b, s, {hidden}] Partial over {_axes_text(reduce.axes)}"))
+            layer = f"self.{attr}.{out_leaf.name}"
+            # A float8 layer multiplies in its own forward (torchao's Float8Linear): rt.row_matmul calls it.
+            product = f"rt.row_matmul({layer}, {src})" if self.plan.float8 is not None else f"F.linear({src}, {layer}.weight)"
+            lines.append(Line(f"out = {product}", f"[b, s, {hidden}] Partial over {_axes_text(reduce.axes)}"))
             bias = f" + self.{attr}.{out_leaf.name}.bias" if has_bias else ""
             summed, n = spec(reduce.op), self.n(reduce.axes)
             if summed.closes_row is None:
@@ -569,6 +572,11 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         *([f"Precision: compute in {plan.dtype}, master weights and optimizer states in {plan.master_dtype}, "
            f"gradients reduced in {plan.reduce_dtype} ("
            + ("FSDP2 MixedPrecisionPolicy" if runs_fsdp(plan) else "torch.autocast, fp32 parameters") + ")."] if plan.master_dtype else []),
+        *([f"Float8: {len(plan.float8.layers)} linear layers train their matmuls in {_recipes(plan.float8)} (torchao)"
+           + (", FSDP2 all-gathers their weights in float8" if plan.float8.gather else "")
+           + (f"; {len(plan.float8.skipped)} stay in {plan.dtype}" if plan.float8.skipped else "") + "."]
+          if plan.float8 is not None else []),
+        *(["Compiled: each block with torch.compile (`compile = blocks`)."] if plan.compile == "blocks" else []),
         "",
         f"Run: torchrun --nproc-per-node {mesh.devices} THIS_FILE --steps 10",
     ]
@@ -609,6 +617,13 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
     if plan.master_dtype is not None:
         program.append(Line(f"param_dtype={TORCH_DTYPES[plan.dtype]},"))
         program.append(Line(f"reduce_dtype={TORCH_DTYPES[plan.reduce_dtype or plan.dtype]},"))
+    if plan.float8 is not None:
+        program.append(Line(f"float8={literal(float8_patterns(plan))},",
+                            "layer path patterns -> torchao recipe (runtime/train/float8.py)"))
+        if plan.float8.gather:
+            program.append(Line("float8_gather=True,"))
+    if plan.compile != "none":
+        program.append(Line(f"compile={plan.compile!r},"))
     if mesh.hosts > 1:
         # The runtime checks at start-up that each group the planner keeps in a host is on one node.
         program.append(Line(f"hosts={mesh.hosts},"))
@@ -621,6 +636,30 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
 
 
 _FUNCTIONAL = re.compile(r"\bF\.")
+
+
+def _recipes(float8: Float8Plan) -> str:
+    return " and ".join(dict.fromkeys(r for _, r in float8.layers))
+
+
+def float8_patterns(plan: PlanIR) -> dict[str, str]:
+    """The plan's float8 layers as path patterns -> recipe: `blocks.*.attn.q` where every block's
+    layer runs the same recipe, the block's own path otherwise (`precision blocks.0 ...`)."""
+    assert plan.float8 is not None
+    rep = plan.model.repeat
+    count = rep.count if rep is not None else 0
+    chosen = dict(plan.float8.layers)
+    out: dict[str, str] = {}
+    for path, recipe in plan.float8.layers:
+        parts = path.split(".")
+        if rep is not None and parts[0] == rep.name and parts[1].isdigit():
+            template = ".".join((parts[0], "*", *parts[2:]))
+            rest = ".".join(parts[2:])
+            if all(chosen.get(f"{rep.name}.{i}.{rest}") == recipe for i in range(count)):
+                out[template] = recipe
+                continue
+        out[path] = recipe
+    return out
 
 
 def _adamw_kwargs(plan: PlanIR) -> dict[str, Any]:

@@ -82,8 +82,14 @@ DTYPES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp64": 8}
 MATMULS = ("fp8_tensorwise", "fp8_rowwise", "mxfp8")
 FP8_BYTES = 1
 # torchao pads nothing: both dims of a converted layer's local weight must be multiples of this
-# (its cuBLAS / torch._scaled_mm kernels want 16-byte-aligned float8 operands).
+# (its cuBLAS / torch._scaled_mm kernels want 16-byte-aligned float8 operands; MXFP8 scales blocks
+# of 32 elements along each operand's reduction dim).
 FP8_DIM_MULTIPLE = 16
+MX_BLOCK = 32
+
+
+def fp8_dim_multiple(recipe: str) -> int:
+    return MX_BLOCK if recipe == "mxfp8" else FP8_DIM_MULTIPLE
 # `compile = ...`: what torch.compile wraps (runtime/train/compile.py): each block of the repeat on its
 # own, as torchtitan compiles per transformer block, or nothing.
 COMPILES = ("none", "blocks")

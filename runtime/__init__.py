@@ -33,6 +33,7 @@ if TYPE_CHECKING:
         gather_seq_linear,
         reduce_from,
         reduce_scatter_seq,
+        row_matmul,
         split_seq,
         split_to,
     )
@@ -80,6 +81,7 @@ _WHERE = {
             "gather_seq_linear",
             "reduce_from",
             "reduce_scatter_seq",
+            "row_matmul",
             "split_seq",
             "split_to",
         ),
@@ -173,6 +175,7 @@ __all__ = [
     "positions",
     "reduce_from",
     "reduce_scatter_seq",
+    "row_matmul",
     "require_abi",
     "rms_norm",
     "split_rms_norm",

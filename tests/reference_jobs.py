@@ -65,3 +65,38 @@ def memory_job(ctx: Any, path: str) -> dict[str, int]:
     built = program.build(ctx.mesh(program.axes), seed=0)
     batches = [synthetic_batch(program.vocab, program.batch, program.seq, 0, s) for s in range(2)]
     return profile_memory(built, batches)[1]
+
+
+def float8_job(ctx: Any, path: str, steps: int, recipe_off: bool) -> dict[str, Any]:
+    """On each rank: the losses of `steps` AdamW steps of the generated module at `path` on seeded
+    synthetic batches, with its float8 layers (or, ``recipe_off``, with float8 switched off), and
+    the bytes FSDP2 all-gathered in the last step (torch.distributed.all_gather_into_tensor, counted)."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.verify.equivalence import load_generated
+
+    program = load_generated(path).PROGRAM
+    if recipe_off:
+        program = dataclasses.replace(program, float8={}, float8_gather=False)
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    gathered = [0]
+    original = dist.all_gather_into_tensor
+
+    def counting(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+        gathered[0] += input.numel() * input.element_size()
+        return original(output, input, *args, **kwargs)
+
+    losses = []
+    for step in range(steps):
+        tokens, targets = synthetic_batch(program.vocab, program.batch, program.seq, 0, step)
+        if step == steps - 1:
+            gathered[0] = 0
+            dist.all_gather_into_tensor = counting
+        try:
+            losses.append(built.train_step(tokens, targets))
+        finally:
+            dist.all_gather_into_tensor = original
+    return {"losses": losses, "gathered": gathered[0], "float8_layers": len(built.float8_layers)}

@@ -22,7 +22,6 @@ from meshllm_dsl.front.names import did_you_mean, or_list
 from meshllm_dsl.ir import (
     COMPILES,
     DTYPES,
-    FP8_DIM_MULTIPLE,
     MATMULS,
     REPLICATE,
     BlockClass,
@@ -31,6 +30,7 @@ from meshllm_dsl.ir import (
     Placement,
     Repeat,
     Unit,
+    fp8_dim_multiple,
 )
 from meshllm_dsl.parallel.devices import DeviceProfile
 
@@ -91,6 +91,13 @@ class MatmulRules(PlanContext):
             where = settings["matmul"].value.span if recipe == r else next(
                 rule.setting.value.span for rule, g, _ in overrides if g == r)
             self._device_runs(r, compute, profile, where)  # type: ignore[arg-type]
+        if master is not None and master != compute and zero == 0:
+            # ZeRO 0 keeps fp32 master weights as the parameters and narrows products by torch.autocast
+            # (runtime/train/amp.py); torchao's float8 layers read autocast's dtype on CUDA only.
+            self.error(E0309, f"float8 matmuls with {master} master weights under ZeRO 0 are not supported yet",
+                       self._matmul_span(), label="torch.autocast would feed float8 layers fp32 weights",
+                       help="shard with `zero 1`, `zero 2` or `zero 3` in the optimizer (FSDP2 casts the weights to "
+                       f"{compute}, as torchtitan runs float8), or compute in {compute} without master weights")
         if self.failed:
             return None
         return self._resolve(recipe, overrides, gather, top, classes, compute)
@@ -208,7 +215,7 @@ class MatmulRules(PlanContext):
                            "mlp; name those (`blocks.*.attn`, `blocks.*.mlp`)")
         layers: list[tuple[str, str]] = []
         skipped: list[tuple[str, str]] = []
-        unaligned: dict[str, list[str]] = {}  # template path -> the layers' local shapes
+        unaligned: dict[str, list[tuple[str, int]]] = {}  # template path -> (local shape, the multiple it misses)
         for full, leaf, unit in self._linears():
             want = chosen.get(full, recipe)
             if want is None:
@@ -216,17 +223,19 @@ class MatmulRules(PlanContext):
             why = self._kept(leaf, unit, unit is head)
             if why is None:
                 shape = self._local_weight(full, leaf, top, classes)
-                if any(d % FP8_DIM_MULTIPLE for d in shape):
-                    why = f"its local weight {shape[0]} x {shape[1]} is not a multiple of {FP8_DIM_MULTIPLE} in each dim"
-                    unaligned.setdefault(_template(full), []).append(f"{shape[0]} x {shape[1]}")
+                multiple = fp8_dim_multiple(want)
+                if any(d % multiple for d in shape):
+                    why = f"its local weight {shape[0]} x {shape[1]} is not a multiple of {multiple} in each dim"
+                    unaligned.setdefault(_template(full), []).append((f"{shape[0]} x {shape[1]}", multiple))
             if why is not None:
                 skipped.append((full, why))
                 continue
             layers.append((full, want))
-        for template, shapes in unaligned.items():
+        for template, found in unaligned.items():
+            multiple = max(m for _, m in found)
             self.warn(W0709, f"`{template}` stays in {compute}: its local weight "
-                      f"{' / '.join(dict.fromkeys(shapes))} is not a multiple of {FP8_DIM_MULTIPLE} in each dim",
-                      self._matmul_span(), label="float8 matmuls need dims in multiples of 16",
+                      f"{' / '.join(dict.fromkeys(s for s, _ in found))} is not a multiple of {multiple} in each dim",
+                      self._matmul_span(), label=f"float8 matmuls need dims in multiples of {multiple}",
                       help="torchao's float8 kernels take 16-aligned operands; split this layer over fewer ranks, or "
                       f"keep it in {compute} explicitly: `precision {template} matmul = {compute}`")
         if self.failed:

@@ -208,6 +208,11 @@ def verify(
         lines.append(f"{k:<44} {v:>26.3e}{'  <-- differs' if not v <= tol else ''}")
     if len(worst) > 12:
         lines.append(f"... {len(worst) - 12} more, all smaller")
+    if plan.float8 is not None or plan.compile != "none":
+        off = " and ".join(x for x in ("float8 matmuls" if plan.float8 is not None else "",
+                                        "compiled blocks" if plan.compile != "none" else "") if x)
+        lines.append(f"{off}: off in this comparison, which checks the sharding exactly "
+                     "(float8 rounds by design; `meshc run` trains with them)")
     lines.append("")
     lines.append("verdict: EQUAL" if not bad else f"verdict: DIFFERS ({len(bad)} tensors over tolerance)")
     return "\n".join(lines) + "\n", not bad

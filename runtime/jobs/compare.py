@@ -78,11 +78,16 @@ def compare_to_reference(
     if dtype is not None:
         # Every dtype of a mixed-precision plan too, so its FSDP2 MixedPrecisionPolicy path runs
         # (casts, reduction dtype) while the comparison stays exact.
+        # Float8 matmuls round by design and torch.compile reorders float sums: an exact comparison
+        # checks the sharding with both off (tests/runtime/test_float8.py bounds float8's drift).
         program = dataclasses.replace(
             program,
             dtype=dtype,
             param_dtype=dtype if program.param_dtype is not None else None,
             reduce_dtype=dtype if program.reduce_dtype is not None else None,
+            float8={},
+            float8_gather=False,
+            compile="none",
         )
     built = program.build(mesh, seed=seed)
     ref = build_reference(dict(program.model), program.dtype, seed=seed)

@@ -29,6 +29,8 @@ __all__ = [
     "wait",
     "copy_to",
     "copy_to_linear",
+    "uses_module_forward",
+    "row_matmul",
     "gather_from",
     "gather_seq",
     "gather_seq_linear",
@@ -371,11 +373,34 @@ def _layer_params(layers: tuple[nn.Module, ...]) -> list[Tensor | None]:
     return [t for m in layers for t in (m.weight, getattr(m, "bias", None))]
 
 
+def uses_module_forward(layer: nn.Module) -> bool:
+    """Whether a layer's matmul must go through the layer (its forward, or F.linear on its weight)
+    rather than products written with its weight: torchao's Float8Linear casts in its forward, and
+    an MXFP8 weight is a tensor subclass that takes any product with it for the linear's."""
+    return isinstance(layer, nn.Linear) and (type(layer) is not nn.Linear
+                                             or type(layer.weight) not in (nn.Parameter, Tensor))
+
+
+def row_matmul(layer: nn.Module, x: Tensor) -> Tensor:
+    """``x @ layer.weight.T`` without the bias, in the layer's own matmul: a row-parallel layer's
+    partial product, whose bias is added once after the sum over the tensor ranks.  A float8 layer
+    computes in float8 only through its forward: with a bias it runs with the bias left out."""
+    if not uses_module_forward(layer):
+        return F.linear(x, layer.weight)
+    if getattr(layer, "bias", None) is None:
+        return layer(x)
+    return torch.func.functional_call(layer, {"bias": None}, (x,), strict=False)
+
+
 def copy_to_linear(x: Tensor, group: ProcessGroup | None, *layers: nn.Module) -> tuple[Tensor, ...]:
     """``copy_to`` followed by each column layer applied to x: [b, s, h] Replicate -> one
     [b, s, out_local] per layer; backward all-reduces x's gradient while the layers' weight
     gradients are computed (``_CopyToLinear``).  Layers are anything with ``weight`` (and
-    optionally ``bias``)."""
+    optionally ``bias``).  Float8 layers (``uses_module_forward``) compute their own backward, so
+    they run after a plain ``copy_to``: their weight gradients no longer hide the all-reduce."""
+    if any(uses_module_forward(m) for m in layers):
+        y = copy_to(x, group) if group is not None else x
+        return tuple(m(y) for m in layers)
     if group is None:
         return tuple(F.linear(x, m.weight, getattr(m, "bias", None)) for m in layers)
     return _CopyToLinear.apply(x, group, *_layer_params(layers))
@@ -387,4 +412,7 @@ def gather_seq_linear(x: Tensor, group: ProcessGroup | None, *layers: nn.Module)
     Layers are anything with ``weight`` (and optionally ``bias``)."""
     if group is None or not sequence_sharded():
         return copy_to_linear(x, group, *layers)
+    if any(uses_module_forward(m) for m in layers):
+        y = gather_seq(x, group)  # the whole [b, s, h] kept for backward, as the layers' own Functions keep it
+        return tuple(m(y) for m in layers)
     return _GatherSeqLinear.apply(x, group, *_layer_params(layers))

@@ -171,6 +171,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"after training (and --profile), {TRACE_STEPS_TEXT}; "
         "each rank writes a Chrome trace DIR/rankR.json",
     )
+    p.add_argument(
+        "--compile-fallback",
+        action="store_true",
+        help="with `compile = blocks`: run a block eagerly where torch.compile fails on it (default: stop)",
+    )
     return p.parse_args(argv)
 
 
@@ -1125,6 +1130,11 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
         progress = Progress(rank)
         built = program.build(seed=args.seed, weights=args.weights, device=None if cuda else torch.device("cpu"))
         first = _first(built)
+        if first and built.float8_layers:
+            recipes = " and ".join(dict.fromkeys(program.float8.values()))
+            _say(f"float8: {len(built.float8_layers)} linear layers on this rank train in {recipes}"
+                 + (" (torchao, emulated: no CUDA)" if not cuda else " (torchao)")
+                 + (", all-gathered in float8" if program.float8_gather else ""))
         startup.report("built")
         start, seed = _starting_step(built, args, auto_resume, first)
         tokenizer, corpus = _text_inputs(built, args)
@@ -1162,6 +1172,19 @@ def _checked_args(program: Program, argv: Sequence[str] | None) -> tuple[argpars
     auto_resume = args.resume is None and _restarted() and args.save is not None and _has_latest(args.save)
     if auto_resume:
         args.resume = "latest"  # torchrun restarted the job: go on from the last checkpoint
+    if args.compile_fallback:
+        from meshllm_dsl.runtime.train.compile import FALLBACK_ENV
+
+        os.environ[FALLBACK_ENV] = "eager"
+    if program.float8:
+        from meshllm_dsl.runtime.train.float8 import Float8Unavailable, torchao_version
+
+        try:  # before any rank joins: one line, exit 2, not a failure in every rank's build
+            torchao_version()
+        except Float8Unavailable as err:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"error: {err}", file=sys.stderr)
+            sys.exit(2)
     try:
         check_inputs(args, program.model, program.seq)
     except InputError as err:

@@ -142,6 +142,11 @@ class Program:
     # Context parallelism: the axes every sequence is split over through the whole model
     # (runtime/parallel/context.py); the parameters are replicated over them and their gradients averaged.
     context_axes: Sequence[str] = ()
+    # `precision { matmul = R }`: layer path patterns (`blocks.*.attn.q`) -> the torchao recipe their
+    # matmuls train in (runtime/train/float8.py); float8_gather: FSDP2 gathers those weights in float8.
+    float8: Mapping[str, str] = field(default_factory=dict)
+    float8_gather: bool = False
+    compile: str = "none"  # `compile = blocks`: torch.compile each block (runtime/train/compile.py)
 
     @property
     def vocab(self) -> int:
@@ -174,6 +179,16 @@ class Program:
 
 
 _BUCKET_ELEMENTS = 1 << 24
+
+
+def _float8_recipe(patterns: Mapping[str, str], path: str) -> str | None:
+    """The recipe of the first pattern (`blocks.*.attn.q`, `*` one path segment) matching ``path``."""
+    parts = path.split(".")
+    for pattern, recipe in patterns.items():
+        want = pattern.split(".")
+        if len(want) == len(parts) and all(w in ("*", p) for w, p in zip(want, parts)):
+            return recipe
+    return None
 
 
 def _all_reduce_coalesced(tensors: list[Tensor], group: dist.ProcessGroup | None, divide_by: int = 1,
@@ -291,6 +306,9 @@ class Built:
         # Bytes of checkpoint tensors this rank read (its slices only); 0 without --weights.
         self.weights_bytes_read = ckpt.bytes_read if hf is not None else 0
         self._check_coverage()
+        self.float8_layers = self._convert_float8()
+        if program.compile == "blocks":
+            self._compile_blocks()
         self._hidden = int(description.token_embedding(program.model)["dim"])
         self.batch_axes = tuple(program.batch_axes)
         self.dp = mesh.size(*self.batch_axes) if self.batch_axes else 1
@@ -401,6 +419,53 @@ class Built:
                 cast_stage_inputs=self.router_losses is None or self.pp == 1,
                 expert_units=units.get(i),
             )
+
+    def _global_modules(self, i: int) -> dict[str, str]:
+        """Stage ``i``'s module paths -> their paths in the whole model (`blocks.1.attn.q` on the second
+        stage is `blocks.5.attn.q`), from its parameters' names."""
+        out: dict[str, str] = {}
+        for name, spec in self.specs[i].items():
+            if "." in name and "." in spec.local:
+                out[spec.local.rsplit(".", 1)[0]] = name.rsplit(".", 1)[0]
+        return out
+
+    def _convert_float8(self) -> list[str]:
+        """The plan's float8 layers converted by torchao, before FSDP2 wraps them (torchtitan's order);
+        their paths in the model."""
+        if not self.program.float8:
+            return []
+        from meshllm_dsl.runtime.train import float8
+
+        done: list[str] = []
+        for i in self.stage_ids:
+            paths = self._global_modules(i)
+            layers = {local: recipe for local, path in paths.items()
+                      if (recipe := _float8_recipe(self.program.float8, path)) is not None}
+            converted = float8.convert(self.modules[i], layers, self.program.float8_gather, self.device.type != "cuda")
+            done += [paths[p] for p in converted]
+        return done
+
+    def _compile_blocks(self) -> None:
+        """torch.compile each block of this rank's stages (after float8, before FSDP2: torchtitan's order)."""
+        from meshllm_dsl.runtime.train.compile import compile_blocks
+
+        repeat = next(layer["name"] for layer in self.program.model["layers"] if layer["kind"] == "repeat")
+        for i in self.stage_ids:
+            blocks = getattr(self.modules[i], repeat, None)
+            if blocks is None:
+                continue
+            paths = self._global_modules(i)
+            names = {key: next((p.split(".")[1] for loc, p in paths.items() if loc.startswith(f"{repeat}.{key}.")), key)
+                     for key in blocks}
+            compile_blocks(blocks, {key: f"{repeat}.{n}" for key, n in names.items()})
+
+    def precompute_float8_scales(self) -> None:
+        """After each optimizer step under `all_gather = fp8`: the float8 weights' scales for the next
+        step's FSDP2 all-gathers, one all-reduce of amaxes per stage (torchao)."""
+        if self.program.float8_gather and self.float8_layers and fsdp.uses_fsdp(self.program.zero, self.program.param_dtype):
+            from meshllm_dsl.runtime.train import float8
+
+            float8.precompute_scales(self.modules[i] for i in self.stage_ids)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -650,6 +715,7 @@ class Built:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        self.precompute_float8_scales()
         self.steps_done += 1
         return self._global_loss(local_loss)
 
