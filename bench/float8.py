@@ -1,6 +1,6 @@
 """Float8 matmuls and compiled blocks: tokens/s of one plan four ways, side by side in one run.
 
-  bf16            `precision { params = bf16, master = fp32 }`, eager
+  bf16            bf16 parameters and matmuls, eager
   compiled        + `compile = blocks` (torch.compile per block)
   fp8             + `matmul = fp8_tensorwise` (torchao), eager
   compiled+fp8    both
@@ -32,13 +32,13 @@ mesh one {{
     axes data = 1
     device = {device}
 }}
-model m = llama {{ vocab = {vocab}, hidden = {hidden}, layers = 4, heads = {heads}, kv_heads = {kv}, ffn = {ffn}, dtype = fp32 }}
+model m = llama {{ vocab = {vocab}, hidden = {hidden}, layers = 4, heads = {heads}, kv_heads = {kv}, ffn = {ffn}, dtype = bf16 }}
 plan p on one for m {{
     batch = {batch}
     seq = {seq}
     {compile}
     layout {{ batch -> data }}
-    precision {{ params = bf16, master = fp32{matmul} }}
+    {matmul}
     optimizer adamw {{ lr = 0.0003 }}
 }}
 """
@@ -58,7 +58,7 @@ def run(name: str, steps: int, cuda: bool, work: Path) -> tuple[float, float]:
     compile_blocks, matmul = RUNS[name]
     spec = work / f"{name.replace('+', '_')}.mesh"
     spec.write_text(SPEC.format(**_shape(cuda), compile="compile = blocks" if compile_blocks else "",
-                                matmul=f", matmul = {matmul}" if matmul else ""))
+                                matmul=f"precision {{ matmul = {matmul} }}" if matmul else ""))
     metrics = work / f"{spec.stem}.jsonl"
     proc = subprocess.run([sys.executable, "-m", "meshllm_dsl", "run", str(spec), "--steps", str(steps),
                            "--metrics", str(metrics), "--timeout", "900"],

@@ -92,13 +92,13 @@ mesh one {{
     axes data = 1
     device = h200
 }}
-model m = llama {{ vocab = 256, hidden = 256, layers = 2, heads = 4, kv_heads = 2, ffn = 512, dtype = fp32 }}
+model m = llama {{ vocab = 256, hidden = 256, layers = 2, heads = 4, kv_heads = 2, ffn = 512, dtype = bf16 }}
 plan train on one for m {{
     batch = 4
     seq = 64
     {compile}
     layout {{ batch -> data }}
-    precision {{ params = bf16, master = fp32{matmul} }}
+    {matmul}
     optimizer adamw {{ lr = 0.003 }}
 }}
 """
@@ -106,7 +106,7 @@ plan train on one for m {{
 
 def _run_float8(tmp: Path, matmul: str, compile_blocks: bool = False) -> subprocess.CompletedProcess[str]:
     spec = tmp / "float8.mesh"
-    spec.write_text(FLOAT8_SPEC.format(matmul=f", matmul = {matmul}" if matmul else "",
+    spec.write_text(FLOAT8_SPEC.format(matmul=f"precision {{ matmul = {matmul} }}" if matmul else "",
                                        compile="compile = blocks" if compile_blocks else ""))
     env = dict(os.environ, OMP_NUM_THREADS="1")
     return subprocess.run([sys.executable, "-m", "meshllm_dsl", "run", str(spec), "--steps", "20", "--timeout", "300"],
