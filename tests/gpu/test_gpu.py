@@ -6,6 +6,7 @@ LOCAL_RANK, NCCL, parameters and batches on the GPU, bf16, and CUDA peak memory 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -99,41 +100,57 @@ plan train on one for m {{
     {compile}
     layout {{ batch -> data }}
     {matmul}
-    optimizer adamw {{ lr = 0.003 }}
+    optimizer adamw {{ lr = 0.0003 }}
 }}
 """
 
 
-def _run_float8(tmp: Path, matmul: str, compile_blocks: bool = False) -> subprocess.CompletedProcess[str]:
-    spec = tmp / "float8.mesh"
+def _run_float8(tmp: Path, matmul: str, compile_blocks: bool = False) -> tuple[subprocess.CompletedProcess[str], list[float]]:
+    """20 steps of the float8 spec; the process and its per-step losses (`--metrics`)."""
+    name = f"{matmul or 'bf16'}{'_compiled' if compile_blocks else ''}"
+    spec, metrics = tmp / f"{name}.mesh", tmp / f"{name}.jsonl"
     spec.write_text(FLOAT8_SPEC.format(matmul=f"precision {{ matmul = {matmul} }}" if matmul else "",
                                        compile="compile = blocks" if compile_blocks else ""))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, "-m", "meshllm_dsl", "run", str(spec), "--steps", "20", "--timeout", "300"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-m", "meshllm_dsl", "run", str(spec), "--steps", "20", "--timeout", "300",
+                           "--metrics", str(metrics)], env=env, capture_output=True, text=True, timeout=600)
+    losses = [json.loads(x)["loss"] for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    return proc, losses
+
+
+# Relative loss difference allowed at every one of the 20 steps. At lr 0.0003 the loss falls from 5.6
+# to about 2 and runs that differ only in rounding stay together (emulated on this project's CPU:
+# 0.5 % tensorwise, 0.9 % rowwise); at lr 0.003 the model memorises its batches by step 20 and
+# single-step losses of any two runs differ by tens of percent (measured on an H200).
+FLOAT8_DRIFT = 0.02
+
+
+def _drift(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) == 20, (a, b)
+    return max(abs(x - y) / y for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("matmul", ["fp8_tensorwise", "fp8_rowwise"])
 def test_float8_trains_on_the_gpu_as_bf16_does(tmp_path: Path, matmul: str) -> None:
-    """torchao's float8 recipes on Hopper tensor cores (not emulated): 20 steps land within 2 % of
-    the bf16 plan's loss."""
+    """torchao's float8 recipes on Hopper tensor cores (not emulated) stay within FLOAT8_DRIFT of the
+    bf16 plan's loss at every step."""
     pytest.importorskip("torchao")
-    base = _run_float8(tmp_path, "")
+    base, ref = _run_float8(tmp_path, "")
     assert base.returncode == 0, base.stderr
-    proc = _run_float8(tmp_path, matmul)
+    proc, losses = _run_float8(tmp_path, matmul)
     assert proc.returncode == 0, proc.stderr
     assert "(torchao)" in proc.stderr and "emulated" not in proc.stderr, proc.stderr
-    (loss, _), (ref, _) = _done(proc.stderr), _done(base.stderr)
-    print(f"{matmul}: loss {loss:.4f} vs bf16 {ref:.4f}")
-    assert abs(loss - ref) <= 0.02 * ref, (loss, ref)
+    print(f"{matmul}: max relative drift {_drift(losses, ref):.2e}, last loss {losses[-1]:.4f} vs bf16 {ref[-1]:.4f}")
+    assert _drift(losses, ref) <= FLOAT8_DRIFT
 
 
 def test_compiled_float8_blocks_on_the_gpu(tmp_path: Path) -> None:
-    """`compile = blocks` with fp8_tensorwise: torch.compile (Inductor, Triton) per block."""
+    """`compile = blocks` with fp8_tensorwise: torch.compile (Inductor, Triton) per block, within
+    FLOAT8_DRIFT of the eager float8 run."""
     pytest.importorskip("torchao")
-    base = _run_float8(tmp_path, "fp8_tensorwise")
-    proc = _run_float8(tmp_path, "fp8_tensorwise", compile_blocks=True)
+    base, ref = _run_float8(tmp_path, "fp8_tensorwise")
+    proc, losses = _run_float8(tmp_path, "fp8_tensorwise", compile_blocks=True)
     assert base.returncode == 0 and proc.returncode == 0, proc.stderr
-    (loss, _), (ref, _) = _done(proc.stderr), _done(base.stderr)
-    print(f"compiled fp8_tensorwise: loss {loss:.4f} vs eager {ref:.4f}")
-    assert abs(loss - ref) <= 0.02 * ref, (loss, ref)
+    print(f"compiled fp8_tensorwise: max relative drift {_drift(losses, ref):.2e}, last loss {losses[-1]:.4f} "
+          f"vs eager {ref[-1]:.4f}")
+    assert _drift(losses, ref) <= FLOAT8_DRIFT
