@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from meshllm_dsl.checker.optimizer import OPT_SETTINGS, PRECISION_KEYS
+from meshllm_dsl.checker.optimizer import MATMUL_KEYS, OPT_SETTINGS, PRECISION_KEYS
 from meshllm_dsl.checker.plan import PLAN_SETTINGS
 from meshllm_dsl.front import ast
-from meshllm_dsl.ir import DTYPES, PLACEMENTS, RECOMPUTE, RULES, SCHEDULES
+from meshllm_dsl.ir import COMPILES, DTYPES, MATMULS, PLACEMENTS, RECOMPUTE, RULES, SCHEDULES
 from meshllm_dsl.lsp.analysis import DECL_KEYWORDS, leaf_paths
 
 if TYPE_CHECKING:
@@ -196,10 +196,14 @@ def _plan(a: Analysis, header: list[str], inner: list[list[str]], line: list[str
                 return [Item("zero", "keyword")] + [Item(s, "param", "optimizer setting", f"{s} = ") for s in OPT_SETTINGS]
             return []
         if block == "precision":
+            if line and line[-1] == "=" and len(line) >= 2 and line[-2] == "matmul":
+                return [Item(m, "value", "float8 recipe (torchao)") for m in MATMULS] + [Item(d, "value", "dtype") for d in DTYPES]
+            if line and line[-1] == "=" and len(line) >= 2 and line[-2] == "all_gather":
+                return [Item("fp8", "value", "FSDP2 gathers float8 weights")] + [Item(d, "value", "dtype") for d in DTYPES]
             if line and line[-1] == "=":
                 return [Item(d, "value", "dtype") for d in DTYPES]
             if not line or line[-1] == ",":
-                return [Item(k, "param", "precision setting", f"{k} = ") for k in PRECISION_KEYS]
+                return [Item(k, "param", "precision setting", f"{k} = ") for k in (*PRECISION_KEYS, *MATMUL_KEYS)]
             return []
         return []
     if not line:
@@ -233,6 +237,10 @@ def _plan(a: Analysis, header: list[str], inner: list[list[str]], line: list[str
         return [Item(o, "value", "optimizer") for o in OPTIMIZERS]
     if first == "dtype" and line[-1] == "=":
         return [Item(d, "value", "dtype") for d in DTYPES]
+    if first == "compile" and line[-1] == "=":
+        return [Item(c, "value", "compile") for c in COMPILES]
+    if first == "precision" and len(line) >= 2 and line[-1] == "=" and line[-2] == "matmul":
+        return [Item(m, "value", "float8 recipe (torchao)") for m in MATMULS] + [Item(d, "value", "dtype") for d in DTYPES]
     if first == "recompute" and line[-1] == "=":
         return [Item(r, "value", "recompute") for r in RECOMPUTE]
     if first == "recompute" and len(line) == 3 and line[2] in ("blocks", "ops") and prefix.endswith((" ", "\t")):

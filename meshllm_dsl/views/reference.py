@@ -39,7 +39,7 @@ def language_page() -> str:
     from meshllm_dsl.checker.passes import PLAN_SETTINGS, UNSUPPORTEDPLAN_SETTINGS
     from meshllm_dsl.front.parse_tables import grammar_text
     from meshllm_dsl.front.resolve import _MESH_SETTINGS
-    from meshllm_dsl.ir import DTYPES, PLACEMENTS, RECOMPUTE, RULES, SCHEDULES
+    from meshllm_dsl.ir import COMPILES, DTYPES, MATMULS, PLACEMENTS, RECOMPUTE, RULES, SCHEDULES
 
     grammar = grammar_text().decode("utf-8")
     out = [HEADER, "# The .mesh language\n\n",
@@ -57,13 +57,18 @@ def language_page() -> str:
                                    "microbatches": "microbatches per step (pipeline, gradient accumulation)",
                                    "dtype": ", ".join(_code(d) for d in DTYPES),
                                    "recompute": ", ".join(_code(r) for r in RECOMPUTE) + " (`every N` for blocks, ops)",
-                                   "skew": "share of a moe layer's routed tokens its busiest expert receives"}[s]]
+                                   "skew": "share of a moe layer's routed tokens its busiest expert receives",
+                                   "compile": ", ".join(_code(c) for c in COMPILES) + ": torch.compile each block"}[s]]
                for s in PLAN_SETTINGS] + [
                ["plan", _code(s), f"refused: {why}"] for s, why in UNSUPPORTEDPLAN_SETTINGS.items()] + [
                ["`optimizer adamw { }`", _code(s), f"{lo:g} {'<' if open_lo else '<='} value {'<' if open_hi else '<='} {hi:g}"]
                for s, (lo, hi, open_lo, open_hi) in OPT_SETTINGS.items()] + [
                ["`optimizer adamw { }`", "`zero N [over AXES]`", "ZeRO stage 0-3, over the batch axes (HSDP: some of them)"]] + [
                ["`precision { }`", _code(k), ", ".join(_code(d) for d in DTYPES)] for k in PRECISION_KEYS] + [
+               ["`precision { }`", "`matmul`", ", ".join(_code(m) for m in MATMULS) + " (torchao), or the params dtype"],
+               ["`precision { }`", "`all_gather`", "`fp8` (FSDP2 gathers the `fp8_tensorwise` weights in float8), or the "
+                "params dtype"],
+               ["plan", "`precision PATH matmul = R`", "the recipe of the linear layers under PATH"],
                ["plan", "`shard PATH RULE`", ", ".join(_code(r) for r in RULES)],
                ["plan", "`schedule NAME`", ", ".join(_code(s) for s in SCHEDULES) + ": see [schedules](schedules.md)"],
                ["`stages over AXIS`", "`placement NAME`", ", ".join(_code(p) for p in PLACEMENTS)],
@@ -166,12 +171,13 @@ def devices_page() -> str:
     def num(v: float | None, unit: str = "") -> str:
         return "" if v is None else f"{v:g}{unit}"
 
-    rows = [[_code(p.name), num(p.memory_gib, " GiB"), num(p.tflops), num(p.hbm_gbps), num(p.intra_gbps),
-             num(p.inter_gbps), str(p.per_host), num(p.mfu)] for p in PROFILES.values()]
+    rows = [[_code(p.name), num(p.memory_gib, " GiB"), num(p.tflops), num(p.fp8_tflops), num(p.mx_tflops),
+             num(p.hbm_gbps), num(p.intra_gbps), num(p.inter_gbps), str(p.per_host), num(p.mfu)] for p in PROFILES.values()]
     return "".join([HEADER, "# Device profiles\n\n",
                     "What `device = NAME` in a mesh (or `meshc plan --device NAME`) tells the planner "
                     "(`meshllm_dsl/parallel/devices.py`); `meshc calibrate` measures a profile of your own.\n\n",
-                    _table(["profile", "memory", "dense bf16 TFLOP/s", "memory GB/s", "in-host GB/s per direction",
+                    _table(["profile", "memory", "dense bf16 TFLOP/s", "float8 TFLOP/s", "MXFP8 TFLOP/s", "memory GB/s",
+                            "in-host GB/s per direction",
                             "between hosts GB/s", "devices per host", "measured MFU"], rows)])
 
 
