@@ -100,3 +100,18 @@ def float8_job(ctx: Any, path: str, steps: int, recipe_off: bool) -> dict[str, A
         finally:
             dist.all_gather_into_tensor = original
     return {"losses": losses, "gathered": gathered[0], "float8_layers": len(built.float8_layers)}
+
+
+def compiled_job(ctx: Any, path: str, steps: int, compile_mode: str) -> dict[str, Any]:
+    """On each rank: losses of `steps` AdamW steps of the module at `path` with `compile` set to
+    ``compile_mode``, and its parameters after them (full, as rank 0 gathers them)."""
+    import dataclasses
+
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.verify.equivalence import load_generated
+
+    program = dataclasses.replace(load_generated(path).PROGRAM, compile=compile_mode)
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    losses = [built.train_step(*synthetic_batch(program.vocab, program.batch, program.seq, 0, step))
+              for step in range(steps)]
+    return {"losses": losses, "params": {k: v.float() for k, v in built.full_state_dict().items()}}
