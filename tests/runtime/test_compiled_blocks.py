@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 import torch
+from reference_jobs import compiled_job
 from torch import nn
 
 from meshllm_dsl.runtime.train import compile as block_compile
-from reference_jobs import compiled_job
 
 SPEC = """
 mesh m {
