@@ -574,7 +574,8 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
            + ("FSDP2 MixedPrecisionPolicy" if runs_fsdp(plan) else "torch.autocast, fp32 parameters") + ")."] if plan.master_dtype else []),
         *([f"Float8: {len(plan.float8.layers)} linear layers train their matmuls in {_recipes(plan.float8)} (torchao)"
            + (", FSDP2 all-gathers their weights in float8" if plan.float8.gather else "")
-           + (f"; {len(plan.float8.skipped)} stay in {plan.dtype}" if plan.float8.skipped else "") + "."]
+           + (f"; {len(plan.float8.skipped)} {'stays' if len(plan.float8.skipped) == 1 else 'stay'} in {plan.dtype}"
+              if plan.float8.skipped else "") + "."]
           if plan.float8 is not None else []),
         *(["Compiled: each block with torch.compile (`compile = blocks`)."] if plan.compile == "blocks" else []),
         "",
@@ -618,7 +619,7 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         program.append(Line(f"param_dtype={TORCH_DTYPES[plan.dtype]},"))
         program.append(Line(f"reduce_dtype={TORCH_DTYPES[plan.reduce_dtype or plan.dtype]},"))
     if plan.float8 is not None:
-        program.append(Line(f"float8={literal(float8_patterns(plan))},",
+        program.append(Line(f"float8={literal(plan.float8.patterns(plan.model), indent=1)},",
                             "layer path patterns -> torchao recipe (runtime/train/float8.py)"))
         if plan.float8.gather:
             program.append(Line("float8_gather=True,"))
@@ -640,26 +641,6 @@ _FUNCTIONAL = re.compile(r"\bF\.")
 
 def _recipes(float8: Float8Plan) -> str:
     return " and ".join(dict.fromkeys(r for _, r in float8.layers))
-
-
-def float8_patterns(plan: PlanIR) -> dict[str, str]:
-    """The plan's float8 layers as path patterns -> recipe: `blocks.*.attn.q` where every block's
-    layer runs the same recipe, the block's own path otherwise (`precision blocks.0 ...`)."""
-    assert plan.float8 is not None
-    rep = plan.model.repeat
-    count = rep.count if rep is not None else 0
-    chosen = dict(plan.float8.layers)
-    out: dict[str, str] = {}
-    for path, recipe in plan.float8.layers:
-        parts = path.split(".")
-        if rep is not None and parts[0] == rep.name and parts[1].isdigit():
-            template = ".".join((parts[0], "*", *parts[2:]))
-            rest = ".".join(parts[2:])
-            if all(chosen.get(f"{rep.name}.{i}.{rest}") == recipe for i in range(count)):
-                out[template] = recipe
-                continue
-        out[path] = recipe
-    return out
 
 
 def _adamw_kwargs(plan: PlanIR) -> dict[str, Any]:

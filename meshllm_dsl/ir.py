@@ -110,6 +110,25 @@ class Float8Plan:
         """The recipe leaf `path` runs in, or None for the params dtype."""
         return dict(self.layers).get(path)
 
+    def patterns(self, model: ModelIR) -> dict[str, str]:
+        """The layers as path patterns -> recipe, folded over the blocks: `blocks.*.attn.q` where every
+        block's layer runs the same recipe, `blocks.{1,2,3}.attn.q` where some do (`precision blocks.0
+        ...`); what the generated module hands the runtime (`Program.float8`) and `meshc explain` prints."""
+        rep = model.repeat
+        blocks: dict[tuple[str, str], list[str]] = {}  # (path in the block, recipe) -> block indices
+        out: dict[str, str] = {}
+        for path, recipe in self.layers:
+            parts = path.split(".")
+            if rep is not None and parts[0] == rep.name and parts[1].isdigit():
+                blocks.setdefault((".".join(parts[2:]), recipe), []).append(parts[1])
+            else:
+                out[path] = recipe
+        assert rep is not None or not blocks
+        for (rest, recipe), indices in blocks.items():
+            which = "*" if len(indices) == rep.count else indices[0] if len(indices) == 1 else "{" + ",".join(indices) + "}"  # type: ignore[union-attr]
+            out[f"{rep.name}.{which}.{rest}"] = recipe  # type: ignore[union-attr]
+        return out
+
 
 @attrs.frozen
 class Symbol:

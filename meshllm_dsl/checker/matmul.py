@@ -219,6 +219,8 @@ class MatmulRules(PlanContext):
         for full, leaf, unit in self._linears():
             want = chosen.get(full, recipe)
             if want is None:
+                if full in chosen:  # named by a `precision PATH matmul = <params dtype>` rule
+                    skipped.append((full, f"`precision PATH matmul = {compute}` keeps it in {compute}"))
                 continue
             why = self._kept(leaf, unit, unit is head)
             if why is None:

@@ -223,7 +223,29 @@ def _refuse_unexported_features(found: _Findings) -> None:
                _setting_span(decl, "recompute", plan.span), label="activation recomputation",
                help="drop `recompute` for the export and wrap the blocks with torch.utils.checkpoint "
                     "(or `model.gradient_checkpointing_enable()`) yourself")
+    if plan.float8 is not None:
+        refuse(E1206, f"float8 matmuls (`matmul = {plan.float8.recipe}`) are not exported to {where}",
+               _matmul_span(decl, plan.span), label="torchao float8 training",
+               help="drop `matmul` for the export and convert the model yourself before parallelizing it: "
+                    "torchao.float8.convert_to_float8_training (torchtitan's order: float8, then TP, then FSDP2)")
+    if plan.compile != "none":
+        refuse(E1206, f"`compile = {plan.compile}` is not exported to {where}",
+               _setting_span(decl, "compile", plan.span), label="torch.compile per block",
+               help="drop `compile` for the export and compile the model's blocks yourself "
+                    "(`block.compile()` on each decoder layer, after parallelize_module)")
     _refuse_unexported_precision(found)
+
+
+def _matmul_span(decl: ast.PlanDecl | None, default: Span | None) -> Span | None:
+    """Where the plan asks for float8: the `matmul` setting, else a `precision PATH matmul` rule."""
+    for stmt in decl.body if decl is not None else ():
+        if isinstance(stmt, ast.PrecisionStmt):
+            for s in stmt.settings:
+                if s.name.value == "matmul":
+                    return s.span
+        if isinstance(stmt, ast.PrecisionRule):
+            return stmt.span
+    return default
 
 
 def _refuse_unexported_precision(found: _Findings) -> None:

@@ -151,7 +151,31 @@ def explain_json(plan: PlanIR) -> dict[str, Any]:
         "dtensor_mesh": [a for a, _ in spmd_mesh(plan)],
         "layers": layer_entries(plan),
         "loss": f"vocab_parallel({', '.join(plan.roles.loss)})" if plan.roles.loss_parallel else "cross_entropy",
+        "float8": None if plan.float8 is None else {
+            "recipe": plan.float8.recipe, "layers": dict(plan.float8.layers), "kept": dict(plan.float8.skipped),
+            "all_gather": "fp8" if plan.float8.gather else plan.dtype},
+        "compile": plan.compile,
     }
+
+
+def float8_lines(plan: PlanIR) -> list[str]:
+    """Which linear layers train in float8 and which stay in the params dtype (and why), folded
+    over the blocks: `blocks.*.attn.q` for a layer converted in every block."""
+    if plan.float8 is None:
+        return []
+    lines = ["", f"float8 matmuls (torchao){', all-gathered in float8 by FSDP2' if plan.float8.gather else ''}"]
+    by_recipe: dict[str, list[str]] = {}
+    for pattern, recipe in plan.float8.patterns(plan.model).items():
+        by_recipe.setdefault(recipe, []).append(pattern)
+    for recipe, paths in by_recipe.items():
+        lines.append(f"  {recipe}: {', '.join(paths)}")
+    kept: dict[str, list[str]] = {}
+    for path, why in plan.float8.skipped:
+        kept.setdefault(why, []).append(path)
+    for why, paths in kept.items():
+        shown = ", ".join(paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+        lines.append(f"  in {plan.dtype}: {shown}: {why}")
+    return lines
 
 
 def _shape(s: list[int] | None) -> str:
@@ -175,6 +199,9 @@ def explain_text(plan: PlanIR) -> str:
         # Only where it is not the familiar loop: a V puts the first and the last stage on one rank.
         p = plan.pipeline_size
         lines.append(f"  placement: a V for `{plan.schedule}`: {plan.roles.pipeline} r holds stages r and {2 * p - 1} - r")
+    lines += float8_lines(plan)
+    if plan.compile == "blocks":
+        lines += ["", "compile: each block with torch.compile (after float8, before FSDP2: torchtitan's order)"]
     lines += ["", "ranks"]
     sharding = shard_axes(plan)
     nodes = ["node", "local"] if mesh.hosts > 1 else []

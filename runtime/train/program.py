@@ -182,11 +182,13 @@ _BUCKET_ELEMENTS = 1 << 24
 
 
 def _float8_recipe(patterns: Mapping[str, str], path: str) -> str | None:
-    """The recipe of the first pattern (`blocks.*.attn.q`, `*` one path segment) matching ``path``."""
+    """The recipe of the first pattern matching ``path``: segments are names, `*` (any one) or
+    `{1,2,3}` (one of these), as ``Float8Plan.patterns`` writes them."""
     parts = path.split(".")
     for pattern, recipe in patterns.items():
         want = pattern.split(".")
-        if len(want) == len(parts) and all(w in ("*", p) for w, p in zip(want, parts)):
+        if len(want) == len(parts) and all(
+                w in ("*", p) or (w.startswith("{") and p in w[1:-1].split(",")) for w, p in zip(want, parts)):
             return recipe
     return None
 

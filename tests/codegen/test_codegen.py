@@ -15,8 +15,10 @@ ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
 
 # tensor only (data x tensor with a tied head), pipeline only, and 3-D data x pipeline x tensor
-# (also with ZeRO-3 and mixed precision, and under the V schedule ZBV), and tensor x context with sequence parallelism
-CASES = ["gpt2_small", "seed_pipeline_12", "tiny_llama", "tiny_gpt2", "tiny_llama_fsdp", "tiny_llama_context", "tiny_llama_zbv"]
+# (also with ZeRO-3 and mixed precision, under the V schedule ZBV, and with float8), and tensor x context with
+# sequence parallelism
+CASES = ["gpt2_small", "seed_pipeline_12", "tiny_llama", "tiny_gpt2", "tiny_llama_fsdp", "tiny_llama_context", "tiny_llama_zbv",
+         "tiny_llama_fp8"]
 
 
 def _render(name: str) -> str:

@@ -123,3 +123,15 @@ plan p on m for g {
     bf16 = pool.run(float8_job, plan.mesh.devices, str(path), 10, True)
     drift = max(abs(a - b) / b for a, b in zip(fp8[0]["losses"], bf16[0]["losses"]))
     assert drift <= FLOAT8_DRIFT, drift
+
+
+def test_the_bundled_float8_example_converts_what_explain_says(pool: Any, tmp_path: Path) -> None:
+    """examples/tiny_llama_fp8.mesh: block 0 kept in bf16 by `precision blocks.0 matmul = bf16`, the
+    other blocks in fp8_tensorwise on every rank that holds them (data 2 x pipeline 2 x tensor 2)."""
+    root = Path(__file__).resolve().parents[2]
+    text = (root / "examples" / "tiny_llama_fp8.mesh").read_text()
+    plan, path = _compiled(text, tmp_path)
+    assert plan.float8 is not None and len(plan.float8.layers) == 21
+    per_rank = pool.run(float8_job, plan.mesh.devices, str(path), 2, False)
+    # rank = data * 4 + pipeline * 2 + tensor: stage 0 holds blocks 0-1 (block 1 converted), stage 1 blocks 2-3
+    assert [r["float8_layers"] for r in per_rank] == [7, 7, 14, 14, 7, 7, 14, 14]
