@@ -92,5 +92,5 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         classes.append(rank_class(setup, rank))
     bubble, step = step_time(setup, classes)
     return PlanReport(setup.plan, device, device_assumed, setup.micro_batch, bubble, tuple(classes), step,
-                      kv_bytes_per_token(setup.plan), setup.optimizer_k, hosts_assumed)
+                      kv_bytes_per_token(setup.plan), setup.optimizer_k, hosts_assumed, flash_attention)
 

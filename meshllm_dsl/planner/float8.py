@@ -119,3 +119,37 @@ def float8_weights(plan: PlanIR, hu: HeldUnit) -> tuple[int, int, int]:
                 per_copy[copy] += numel
                 tensors += 1
     return sum(per_copy.values()), tensors, min((per_copy[c] for c in copies), default=0)
+
+
+def float8_flops(plan: PlanIR) -> tuple[int, int]:
+    """(matmul flops per token in a float8 recipe, all matmul flops per token) of the whole model's
+    forward, unsharded (the attention core's products among the latter: they stay in the params dtype)."""
+    from meshllm_dsl import primitives
+    from meshllm_dsl.ir import Repeat
+
+    recipes = _recipes(plan.float8) if plan.float8 is not None else {}
+    converted = total = 0
+    for item in plan.model.items:
+        units = item.body if isinstance(item, Repeat) else (item,)
+        for unit in units:
+            work = primitives.of(unit).work(plan, HeldUnit(unit, "", 1, (), None), plan.seq, plan.seq, 1, True)
+            for mm in work.matmuls:
+                paths = ([f"{item.name}.{i}.{mm.leaf}" for i in range(item.count)] if isinstance(item, Repeat)
+                         else [mm.leaf])
+                total += mm.flops * len(paths)
+                converted += mm.flops * sum(1 for p in paths if mm.leaf and p in recipes)
+    return converted // plan.seq, total // plan.seq
+
+
+def kept_in_params_dtype(plan: PlanIR) -> list[str]:
+    """What of the model's matmuls stays in the params dtype under its Float8Plan, in words: the
+    skipped layers (as templates, `blocks.*.attn.q`) and the attention core."""
+    from meshllm_dsl import primitives
+
+    if plan.float8 is None:
+        return []
+    kept = list(dict.fromkeys(".".join("*" if p.isdigit() else p for p in path.split("."))
+                              for path, _ in plan.float8.skipped))
+    if any(primitives.of(unit).recomputed_core for _, unit, _ in plan.model.leaves()):
+        kept.append("the attention core")
+    return kept
