@@ -153,3 +153,12 @@ def kept_in_params_dtype(plan: PlanIR) -> list[str]:
     if any(primitives.of(unit).recomputed_core for _, unit, _ in plan.model.leaves()):
         kept.append("the attention core")
     return kept
+
+
+def best_matmul_tflops(device: DeviceProfile) -> float:
+    """The highest peak (TFLOP/s, before `mfu`) any product of any plan reaches on `device` in the
+    time model: a compiled block's float8 (or MX) product, or a compiled one in the params dtype."""
+    if device.kernel_us is not None:
+        return device.tflops
+    float8 = [FLOAT8_MATMUL * p for p in (device.fp8_tflops, device.mx_tflops) if p is not None]
+    return COMPILED_MATMUL * max([device.tflops, *float8])

@@ -8,7 +8,6 @@ ones with `compile = blocks` and `precision { ..., matmul = fp8_tensorwise, all_
 from __future__ import annotations
 
 import pytest
-
 from test_published_runs import _report
 
 # (spec, GPUs, published tokens/s per GPU)
