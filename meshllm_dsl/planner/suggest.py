@@ -2,8 +2,9 @@
 
 The search enumerates data x pipeline x tensor factorizations of the device count (tensor within a
 host), context sizes for long sequences, microbatch counts, ZeRO stages (HSDP within a host among
-them), fp32 master weights, schedules and activation recomputation (none, attention, ops, blocks
-every 2, blocks). Every candidate is written out as .mesh text
+them), fp32 master weights, schedules, activation recomputation (none, attention, ops, blocks
+every 2, blocks), the matmul precision (the params dtype, or a float8 recipe the device has tensor
+cores for) and `compile = blocks` (precision_choices). Every candidate is written out as .mesh text
 (the model's own declarations plus a generated mesh and plan) and checked with `check_text`: the
 checker, not this module, decides what is valid. Candidates that check clean are analysed by the
 planner; those that fit in device memory (less a headroom) are ranked by estimated step time.
