@@ -48,6 +48,7 @@ class Matmul:
     # Elements read and written per product where they are not its operands and result (a fused
     # attention kernel keeps its s x s scores on chip: q, k, v and the output only); None: m k + k n + m n.
     io: int | None = None
+    leaf: str = ""  # a linear layer's leaf path in its unit (`attn.q`): what a float8 recipe converts
 
     @property
     def flops(self) -> int:
@@ -145,17 +146,18 @@ def linear_matmuls(plan: PlanIR, hu: HeldUnit, tokens: int) -> tuple[Matmul, ...
                 rows //= axes_size(plan, p)
             elif p.sharded and p.rule == "row":
                 cols //= axes_size(plan, p)
-        out.append(Matmul(tokens, rows, cols))
+        out.append(Matmul(tokens, rows, cols, leaf=".".join(leaf.path)))
     return tuple(out)
 
 
 
-def matmul_seconds(device: DeviceProfile, mm: Matmul, dtype_bytes: int) -> float:
+def matmul_seconds(device: DeviceProfile, mm: Matmul, dtype_bytes: int, peak_tflops: float | None = None) -> float:
     """The roofline of one product: the slower of its flops at the device's matmul rate (peak x
     `mfu`, less the SMs its last wave of tiles leaves idle) and its operands and result through
     memory (`hbm`). Large products are compute-bound; thin ones (few tokens, a narrow shard) and
-    an unfused attention's scores are bound by memory."""
-    rate = device.tflops * 1e12 * (device.mfu or MFU)
+    an unfused attention's scores are bound by memory. `peak_tflops`: another peak than `tflops`
+    (a float8 recipe's, a compiled block's; planner/float8.py)."""
+    rate = (peak_tflops if peak_tflops is not None else device.tflops) * 1e12 * (device.mfu or MFU)
     if device.sms:
         tiles = mm.count * -(-mm.m // TILE) * -(-mm.n // TILE)
         waves = -(-tiles // device.sms)

@@ -131,6 +131,23 @@ A100_MATMUL = 0.80
 # about 7 of its 65 GFLOP per token), which `recompute = ops` plans as such (planner_recompute).
 H100_MATMUL = 0.46
 
+# `compile = blocks` and `precision { matmul = fp8_* }`, fitted to the torchtitan rows of
+# ../shared/calibration/published.md only (Llama 3.1 8B, FSDP 8 and FSDP 128 on H100: eager 5,762 / 5,605,
+# compiled 6,667 / 6,514, compiled + Float8 6,667 -> 8,532 / 8,380 tokens/s per GPU), compile first
+# (eager -> compiled, with A100_MATMUL, H100_MATMUL and ELEMENTWISE_PASSES left as fitted to the eager
+# rows), then Float8 (compiled -> compiled + Float8); tests/planner/test_float8_published.py prints
+# the table. A compiled block's elementwise work (norms, rotary, SwiGLU, residual adds, the float8
+# casts' own passes) is fused: it moves each tensor it produces the nominal twice (written once, read
+# once), not planner.ELEMENTWISE_PASSES times; not fitted.
+COMPILED_ELEMENTWISE_PASSES = 2.0
+# and its matmuls run closer together (no Python or launch gaps between kernels, which the eager
+# figure H100_MATMUL carries): the matmul efficiency of a compiled block's products times this.
+COMPILED_MATMUL = 1.04
+# torchao's float8 matmuls (torch._scaled_mm) reach this much less of the float8 peak than the params
+# dtype's reach of theirs (the same matmul efficiency `mfu` times this), on top of the casts and
+# amax reductions priced as memory traffic (planner/float8.py).
+FLOAT8_MATMUL = 0.85
+
 # NCCL-tests bus bandwidths (GitHub NVIDIA/nccl-tests and NVIDIA/nccl issues, NCCL's maintainers):
 # A100 (NVLink 3, 300 GB/s per direction): ~200 - 210 GB/s all-reduce on 8 GPUs (nccl-tests #149,
 # #178); 24 GB/s per HDR 200 Gb/s NIC, 192 GB/s all-reduce over 8 of them per DGX A100 (nccl #412,

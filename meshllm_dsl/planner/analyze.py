@@ -16,7 +16,9 @@ rank at that coordinate holds the same amount, since the checker guarantees whol
   compute  = per microbatch, each unit's forward x 3 (backward is twice the forward), plus what
              `recompute` runs again: every matmul (primitives' Work) on a roofline, the slower of
              its flops at the device's matmul rate (less a last wave's idle SMs) and its bytes
-             through memory; lookups and elementwise work as memory traffic
+             through memory; lookups and elementwise work as memory traffic; a float8 layer's
+             products at the recipe's peak and its casts as memory traffic, a compiled block's
+             products faster and its elementwise work fused (planner/float8.py)
   MFU      = the standard 6 (N - N_embedding) + 12 l h q t flops per token (model_flops_per_token)
              over the step time and the devices' peak
 
@@ -92,5 +94,5 @@ def analyze(plan: PlanIR, device: DeviceProfile | None = None, *, device_assumed
         classes.append(rank_class(setup, rank))
     bubble, step = step_time(setup, classes)
     return PlanReport(setup.plan, device, device_assumed, setup.micro_batch, bubble, tuple(classes), step,
-                      kv_bytes_per_token(setup.plan), setup.optimizer_k, hosts_assumed)
+                      kv_bytes_per_token(setup.plan), setup.optimizer_k, hosts_assumed, flash_attention)
 

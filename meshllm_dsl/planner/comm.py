@@ -13,7 +13,7 @@ import math
 import attrs
 
 from meshllm_dsl import primitives
-from meshllm_dsl.ir import DTYPES, MeshIR, PlanIR
+from meshllm_dsl.ir import DTYPES, FP8_BYTES, MeshIR, PlanIR
 from meshllm_dsl.parallel import layouts
 from meshllm_dsl.parallel.collectives import WirePrimitive, ring_bytes, spec
 from meshllm_dsl.parallel.costs import FP32, HeldUnit, seq_size
@@ -24,10 +24,13 @@ from meshllm_dsl.planner.rank import (
     Params,
     Rank,
     Setup,
+    StagePart,
     Traffic,
     expert_shards,
     local_kv_heads,
+    rank_drafts,
     running_units,
+    setup_of,
 )
 from meshllm_dsl.planner.recompute import recomputed_copies
 from meshllm_dsl.planner.records import Comm
@@ -301,22 +304,35 @@ def _data_comms(setup: Setup, params: Params) -> tuple[list[Comm], int]:
     return comms, 0
 
 
-def _fsdp_comms(setup: Setup, params: Params, data_axes: tuple[str, ...], reduce_w: int) -> tuple[list[Comm], int]:
-    """FSDP2, unit by unit: parameters gathered in the compute dtype, gradients reduce-scattered in
-    the reduce dtype, as often as fsdp_unit_collectives says; the moe layers' experts a unit of
-    their own over the ZeRO axes replicating them, or left out and all-reduced."""
-    plan, device, w, m, p_size = setup.plan, setup.device, setup.dtype_bytes, setup.plan.microbatches, setup.plan.pipeline_size
+def _fsdp_rounds(setup: Setup, params: Params, reduce_w: int) -> tuple[int, int, int, int, int, int]:
+    """FSDP2's all-gathers and reduce-scatters of the step over its units, as often as
+    fsdp_unit_collectives says: (gathers, bytes gathered, scatters, bytes reduced, the experts' own
+    units' gathers and scatters)."""
+    plan, w, m, p_size = setup.plan, setup.dtype_bytes, setup.plan.microbatches, setup.plan.pipeline_size
     gathers = gathered_b = scatters = scattered_b = e_gathers = e_scatters = 0
     for part in params.stages:
         units = part.blocks + (part.root > 0)  # runtime/parallel/fsdp.py: each block, then the stage root if it holds parameters
         actions = stage_actions(plan.schedule, len(plan.stages), part.stage.index, m, p_size) if p_size > 1 else None
         g, r = fsdp_unit_collectives(gather_stage(plan), actions, m, defers_grad_sync(plan))
-        gathers, gathered_b = gathers + g * units, gathered_b + g * w * part.sharded
+        gathers, gathered_b = gathers + g * units, gathered_b + g * fsdp_unit_gather_bytes(w, part)
         scatters, scattered_b = scatters + r * units, scattered_b + r * reduce_w * part.sharded
         e_gathers, e_scatters = e_gathers + g * part.expert_layers, e_scatters + r * part.expert_layers
+    return gathers, gathered_b, scatters, scattered_b, e_gathers, e_scatters
+
+
+def _fsdp_comms(setup: Setup, params: Params, data_axes: tuple[str, ...], reduce_w: int) -> tuple[list[Comm], int]:
+    """FSDP2, unit by unit: parameters gathered in the compute dtype, gradients reduce-scattered in
+    the reduce dtype, as often as fsdp_unit_collectives says; the moe layers' experts a unit of
+    their own over the ZeRO axes replicating them, or left out and all-reduced."""
+    plan, device, w = setup.plan, setup.device, setup.dtype_bytes
+    gathers, gathered_b, scatters, scattered_b, e_gathers, e_scatters = _fsdp_rounds(setup, params, reduce_w)
     comms = [comm_over(plan, device, data_axes, "data", "all_gather", gathers, gathered_b // max(1, gathers)),
              comm_over(plan, device, data_axes, "data", "reduce_scatter", scatters, scattered_b // max(1, scatters))]
     comms += hsdp_replica_comm(plan, device, scatters, scattered_b // max(1, scatters))
+    if params.float8_tensors:
+        # torchao's precompute_float8_dynamic_scale_for_fsdp after the optimizer step: every float8-gathered
+        # weight's amax (fp32, one per tensor), maxed over the shard group in one all-reduce.
+        comms.append(comm_over(plan, device, data_axes, "data", "all_reduce", 1, FP32 * params.float8_tensors))
     events = gathers + scatters
     rest = tuple(a for a in plan.roles.replicas if a not in plan.roles.expert)
     if params.experts and expert_shards(plan, params) > 1:
@@ -330,6 +346,41 @@ def _fsdp_comms(setup: Setup, params: Params, data_axes: tuple[str, ...], reduce
         # the experts FSDP2 leaves out: all-reduced over the batch axes that replicate them
         comms.append(comm_over(plan, device, rest, "data", "all_reduce", 1, reduce_w * params.experts))
     return comms, events
+
+
+def fsdp_unit_gather_bytes(compute_bytes: int, part: StagePart) -> int:
+    """Bytes one rank's shards of a stage's FSDP2 units hand to one round of all-gathers (before the
+    gather multiplies them by the group): the params dtype, or FP8_BYTES for the weights gathered in
+    float8 (`all_gather = fp8`)."""
+    return compute_bytes * part.sharded - (compute_bytes - FP8_BYTES) * part.float8
+
+
+def fsdp_all_gather_bytes(plan: PlanIR, device: DeviceProfile | None = None) -> int:
+    """The bytes FSDP2's all-gathers of a training step return on one rank of the busiest pipeline
+    coordinate: every unit's gathered parameters (the all-gathers' outputs, before any padding to a
+    multiple of the shard group), as often as the step gathers them, in the params dtype, or
+    FP8_BYTES per element for the weights gathered in float8 (`all_gather = fp8`); the moe experts'
+    own units included. What a test wrapping torch.distributed.all_gather_into_tensor sums of its
+    output tensors' `numel() * element_size()` over a step (each rank sends 1 / N of it). 0 without
+    FSDP2. `device`: the plan's mesh's, or h100 when it names none (it decides only the hosts)."""
+    from meshllm_dsl.planner.analyze import resolve_device
+    from meshllm_dsl.planner.memory import parameters
+
+    if device is None:
+        device, _ = resolve_device(plan)
+    setup = setup_of(plan, device, True)
+    if not setup.fsdp or setup.replicas <= 1:
+        return 0
+    reduce_w = DTYPES[plan.reduce_dtype or plan.dtype]
+    most = 0
+    for rank in rank_drafts(setup):
+        params = parameters(setup, rank).params
+        _, gathered, _, _, e_gathers, _ = _fsdp_rounds(setup, params, reduce_w)
+        if params.experts and expert_shards(plan, params) > 1:
+            per_unit = params.experts // max(1, sum(part.expert_layers for part in params.stages))
+            gathered += e_gathers * setup.dtype_bytes * per_unit
+        most = max(most, gathered)
+    return most
 
 
 def _zero_comms(setup: Setup, params: Params, data_axes: tuple[str, ...], reduce_w: int) -> list[Comm]:

@@ -8,7 +8,15 @@ parallelism's gathered keys / values per layer). Nothing here reads a Setup or a
 from __future__ import annotations
 
 from meshllm_dsl import primitives
-from meshllm_dsl.ir import DTYPES, SPLIT_BACKWARD, PlanIR, Repeat, placement_of, stage_coord
+from meshllm_dsl.ir import (
+    DTYPES,
+    FP8_BYTES,
+    SPLIT_BACKWARD,
+    PlanIR,
+    Repeat,
+    placement_of,
+    stage_coord,
+)
 from meshllm_dsl.parallel.costs import FP32, axes_size
 from meshllm_dsl.planner.schedule import rank_order, schedule_cost
 
@@ -55,14 +63,20 @@ def fsdp_per_device(params: int, shards: int, master_bytes: int) -> tuple[int, i
     return master_bytes * part, master_bytes * part, 2 * master_bytes * part
 
 
-def fsdp_gather_bytes(zero: int, compute_bytes: int, local: int, top: int, largest_block: int) -> int:
+def fsdp_gather_bytes(zero: int, compute_bytes: int, local: int, top: int, largest_block: int,
+                      float8: int = 0, block_float8: int = 0) -> int:
     """The compute-dtype copy FSDP2 all-gathers at the peak: ZeRO-2 (and ZeRO-1 with master weights)
     keeps every unit gathered from its forward to its backward (all ``local`` parameters); ZeRO-3 frees each block after its forward,
     so the stage root (``top``: embedding, final norm, head, kept for backward) and two blocks (the
-    one running and the one prefetched) are gathered at once (no more than the stage has)."""
+    one running and the one prefetched) are gathered at once (no more than the stage has).
+    `all_gather = fp8`: of those, ``float8`` (of a block ``block_float8``; the root has none: the
+    head stays in the params dtype) are gathered in float8, FP8_BYTES each."""
+    narrow = compute_bytes - FP8_BYTES
     if zero in (1, 2):
-        return compute_bytes * local
-    return compute_bytes * min(local, top + 2 * largest_block)
+        return compute_bytes * local - narrow * float8
+    if local <= top + 2 * largest_block:
+        return compute_bytes * local - narrow * float8
+    return compute_bytes * (top + 2 * largest_block) - narrow * 2 * block_float8
 
 
 # The schedules whose bubble has the closed form below; the others' comes from their simulated order.

@@ -9,9 +9,10 @@ from __future__ import annotations
 import attrs
 
 from meshllm_dsl import primitives
-from meshllm_dsl.ir import DTYPES, Repeat
+from meshllm_dsl.ir import DTYPES, FP8_BYTES, Repeat
 from meshllm_dsl.parallel.costs import HeldUnit, attention_core_bytes, seq_size
 from meshllm_dsl.parallel.placements import gather_stage
+from meshllm_dsl.planner.float8 import float8_weights
 from meshllm_dsl.planner.formulas import fsdp_gather_bytes, fsdp_per_device, zero_per_device
 from meshllm_dsl.planner.rank import (
     Params,
@@ -43,14 +44,17 @@ from meshllm_dsl.planner.units import (
 def parameters(setup: Setup, rank: Rank) -> Rank:
     """Adds `params`: what each device at the coordinate holds, per stage and in all."""
     plan = setup.plan
-    total = local = replicated = root = tensors = experts = largest_expert_layer = 0
+    total = local = replicated = root = tensors = experts = largest_expert_layer = f8 = f8_tensors = 0
     block_params: dict[str, int] = {}  # per block class: the parameters of one block
+    block_f8: dict[str, int] = {}  # per block class: of those, at least this many gathered in float8
     parts = []
     for stage, units in zip(rank.stages, rank.units):
-        stage_root = stage_sharded = expert_layers = 0
+        stage_root = stage_sharded = expert_layers = stage_f8 = 0
         for hu in units:
             g, lo, re = unit_local_params(plan, hu)
             split = expert_split_params(plan, hu)
+            f8_elements, f8_weights, f8_fewest = float8_weights(plan, hu)
+            stage_f8, f8, f8_tensors = stage_f8 + f8_elements, f8 + f8_elements, f8_tensors + f8_weights
             total += g * hu.count
             local += lo * hu.count
             stage_sharded += (lo - split) * hu.count  # what FSDP2 shards: not the experts
@@ -58,6 +62,7 @@ def parameters(setup: Setup, rank: Rank) -> Rank:
             replicated += re * hu.count
             if hu.prefix:
                 block_params[hu.prefix] = block_params.get(hu.prefix, 0) + lo
+                block_f8[hu.prefix] = block_f8.get(hu.prefix, 0) + f8_fewest
             else:
                 root += lo * hu.count
             tensors += leaf_tensors(hu) * hu.count
@@ -69,9 +74,10 @@ def parameters(setup: Setup, rank: Rank) -> Rank:
                 expert_layers += hu.count
         blocks = sum((pc.stop or 0) - (pc.start or 0) for pc in stage.pieces
                      if isinstance(plan.model.item(pc.item), Repeat))
-        parts.append(StagePart(stage, blocks, stage_sharded, stage_root, expert_layers))
-    params = Params(total, local, replicated, root, max(block_params.values(), default=0), tensors, experts,
-                    largest_expert_layer, tuple(parts))
+        parts.append(StagePart(stage, blocks, stage_sharded, stage_root, expert_layers, stage_f8))
+    largest = max(block_params, key=lambda prefix: (block_params[prefix], -block_f8[prefix]), default=None)
+    params = Params(total, local, replicated, root, block_params.get(largest, 0), tensors, experts,  # type: ignore[arg-type]
+                    largest_expert_layer, tuple(parts), f8, f8_tensors, block_f8.get(largest, 0))  # type: ignore[arg-type]
     return attrs.evolve(rank, params=params)
 
 
@@ -163,7 +169,8 @@ def _fsdp_states(setup: Setup, params: Params) -> States:
     """FSDP2 (ZeRO 2 / 3, ZeRO 1 with master weights): every state sharded in the master dtype."""
     plan, w, master = setup.plan, setup.dtype_bytes, setup.master_bytes
     dense, expert_local = params.dense, params.experts
-    gather = fsdp_gather_bytes(gather_stage(plan), w, dense, params.root, params.largest_block)
+    gather = fsdp_gather_bytes(gather_stage(plan), w, dense, params.root, params.largest_block,
+                               params.float8, params.largest_block_float8)
     if expert_shards(plan, params) > 1:
         # Each moe layer's experts are an FSDP2 unit over the ZeRO axes that replicate them
         # (runtime/parallel/fsdp.py): sharded there, gathered in the compute dtype like a block.
@@ -228,7 +235,8 @@ def peak(setup: Setup, rank: Rank) -> Rank:
     best = None
     for moment in rank_moments(plan.schedule, p_size, plan.virtual, plan.microbatches, rank.coord):
         held = sum(moment.held)
-        gathered = setup.dtype_bytes * rank.params.local if st.accum and moment.follows_backward else st.gather
+        everything = setup.dtype_bytes * rank.params.local - (setup.dtype_bytes - FP8_BYTES) * rank.params.float8
+        gathered = everything if st.accum and moment.follows_backward else st.gather
         accumulated = st.accum if moment.backward_before else 0
         act_b = sum(h * a for h, a in zip(moment.held, stage_act))
         # An upper bound: the rerun block frees its tensors as its backward uses them.

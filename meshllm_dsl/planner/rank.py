@@ -80,6 +80,7 @@ class StagePart:
     sharded: int  # local parameters FSDP2 shards (not the experts that expert axes split)
     root: int  # local parameters outside the blocks (the stage root's)
     expert_layers: int  # moe layers whose experts expert axes split (a unit of their own under FSDP2)
+    float8: int = 0  # of `sharded`, the linear weights FSDP2 all-gathers in float8 (`all_gather = fp8`)
 
 
 @attrs.frozen
@@ -95,6 +96,9 @@ class Params:
     experts: int = 0  # split over expert axes: their gradients skip those axes' reduction
     largest_expert_layer: int = 0  # the most of them one moe layer holds (FSDP2's unit, when it shards them)
     stages: tuple[StagePart, ...] = ()
+    float8: int = 0  # linear weights FSDP2 all-gathers in float8 (`all_gather = fp8`), all stages
+    float8_tensors: int = 0  # those weight tensors (one fp32 amax each, all-reduced once a step)
+    largest_block_float8: int = 0  # of `largest_block`, at least this many gathered in float8
 
     @property
     def dense(self) -> int:

@@ -23,7 +23,8 @@ import attrs
 
 from meshllm_dsl import primitives
 from meshllm_dsl.ir import DTYPES, Repeat
-from meshllm_dsl.parallel.costs import FP32, matmul_seconds
+from meshllm_dsl.parallel.costs import FP32
+from meshllm_dsl.planner.float8 import cast_seconds, product_seconds
 
 if TYPE_CHECKING:
     from meshllm_dsl.ir import PlanIR, Stage
@@ -101,15 +102,17 @@ def rerun_seconds(plan: PlanIR, device: DeviceProfile, hu: HeldUnit, forward_s: 
                   micro: int, flash_attention: bool = True) -> float:
     """Backward's rerun of one recomputed copy: its whole forward (`blocks`), or its forward less
     the attention kernel and the kept products (`ops`: the recomputed products, norms, rotary and
-    activations)."""
+    activations); with the float8 casts of the products it reruns."""
+    products = _products(plan, hu, tokens, seq, micro, flash_attention)
     if plan.recompute == "blocks":
-        return forward_s
-    e = DTYPES[plan.dtype]
+        return forward_s + sum(cast_seconds(plan, device, hu, mm, rerun=True) for mm in products)
     work = primitives.of(hu.unit).work(plan, hu, tokens, seq, micro, flash_attention)
     kept = kept_products(plan, hu, tokens, seq, micro, flash_attention)
-    skipped = (sum(matmul_seconds(device, mm, e) for mm in work.matmuls if mm.core)
-               + sum(matmul_seconds(device, mm, e) for mm in kept))
-    return max(0.0, forward_s - skipped)
+    skipped = (sum(product_seconds(plan, device, hu, mm) for mm in work.matmuls if mm.core)
+               + sum(product_seconds(plan, device, hu, mm) for mm in kept))
+    kept_leaves = {mm.leaf for mm in kept}
+    casts = sum(cast_seconds(plan, device, hu, mm, rerun=True) for mm in products if mm.leaf not in kept_leaves)
+    return max(0.0, forward_s - skipped) + casts
 
 
 def recomputed_text(plan: PlanIR) -> str:

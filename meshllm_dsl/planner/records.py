@@ -121,6 +121,7 @@ class PlanReport:
     kv_bytes_per_token: int  # whole model, one sequence position
     optimizer_k: int
     hosts_assumed: bool = False  # the mesh has no `hosts` and more devices than one host holds (W0708)
+    flash_attention: bool = True  # priced with a fused attention kernel (what a re-pricing of the plan keeps)
 
     @property
     def peak_training_bytes(self) -> int:

@@ -15,6 +15,7 @@ from meshllm_dsl.ir import DTYPES, PlanIR
 from meshllm_dsl.parallel.costs import MFU
 from meshllm_dsl.parallel.placements import gather_stage, runs_fsdp
 from meshllm_dsl.planner.comm import EXPERT_WIRE, comm_over, expert_all_to_all
+from meshllm_dsl.planner.float8 import float8_flops, kept_in_params_dtype
 from meshllm_dsl.planner.formatting import GB, GIB, fmt_bytes, fmt_count, fmt_seconds, table_text
 from meshllm_dsl.planner.formulas import bubble_formula, kv_cache_bytes, kv_gather_bytes_per_layer
 from meshllm_dsl.planner.held import held_units
@@ -212,7 +213,36 @@ def _step_time_lines(rep: PlanReport) -> list[str]:
         *_shared_cores_lines(rep),
         f"  total            {fmt_seconds(st.total_s)}   {st.tokens / st.total_s:,.0f} tokens/s, model flops utilisation {rep.mfu:.0%}"
         f" ({st.model_flops / st.tokens / 1e9:,.3g} GFLOP per token: 6 (N - N_embedding) + 12 l h q t)",
+        *_precision_lines(rep),
     ]
+
+
+def without_float8_s(rep: PlanReport) -> float | None:
+    """The step of the same plan with every matmul in the params dtype (None without float8)."""
+    from meshllm_dsl.planner.analyze import analyze
+
+    if rep.plan.float8 is None:
+        return None
+    return analyze(attrs.evolve(rep.plan, float8=None), rep.device, flash_attention=rep.flash_attention).step.total_s
+
+
+def _precision_lines(rep: PlanReport) -> list[str]:
+    """What `precision { matmul }` and `compile = blocks` do to the step (nothing without them)."""
+    plan, out = rep.plan, []
+    if plan.compile == "blocks":
+        out.append("  compiled         each block of the repeat with torch.compile (`compile = blocks`): "
+                   + ("its matmuls and elementwise work priced as fused" if rep.device.kernel_us is None
+                      else "not priced on host-bound ranks"))
+    if plan.float8 is not None:
+        converted, total = float8_flops(plan)
+        kept = kept_in_params_dtype(plan)
+        off = without_float8_s(rep)
+        assert off is not None
+        out.append(f"  float8           {converted / total:.0%} of matmul FLOPs in {plan.float8.recipe}"
+                   + (f" ({' and '.join(kept)} in {plan.dtype})" if kept else "")
+                   + (", weights all-gathered in float8" if plan.float8.gather else "")
+                   + f"; without float8 the step takes {fmt_seconds(off)} ({off / rep.step.total_s:.2f}x)")
+    return out
 
 
 def _shared_cores_lines(rep: PlanReport) -> list[str]:
@@ -319,8 +349,21 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
         "peak_inference_bytes": rep.peak_inference_bytes,
         "fits": rep.fits,
         "fits_inference": rep.fits_inference,
+        "compile": plan.compile,
+        "float8": _float8_json(rep),
         **_moe_json(rep),
     }
+
+
+def _float8_json(rep: PlanReport) -> dict[str, Any] | None:
+    """The plan's float8 matmuls: recipe, layers, share of the matmul flops, and the step without them."""
+    f8 = rep.plan.float8
+    if f8 is None:
+        return None
+    converted, total = float8_flops(rep.plan)
+    return {"recipe": f8.recipe, "layers": len(f8.layers), "skipped": [list(s) for s in f8.skipped],
+            "all_gather_float8": f8.gather, "matmul_flops_share": converted / total,
+            "kept_in_params_dtype": kept_in_params_dtype(rep.plan), "step_s_without_float8": without_float8_s(rep)}
 
 
 def _moe_json(rep: PlanReport) -> dict[str, Any]:

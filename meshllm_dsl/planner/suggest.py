@@ -2,8 +2,9 @@
 
 The search enumerates data x pipeline x tensor factorizations of the device count (tensor within a
 host), context sizes for long sequences, microbatch counts, ZeRO stages (HSDP within a host among
-them), fp32 master weights, schedules and activation recomputation (none, attention, ops, blocks
-every 2, blocks). Every candidate is written out as .mesh text
+them), fp32 master weights, schedules, activation recomputation (none, attention, ops, blocks
+every 2, blocks), the matmul precision (the params dtype, or a float8 recipe the device has tensor
+cores for) and `compile = blocks` (precision_choices). Every candidate is written out as .mesh text
 (the model's own declarations plus a generated mesh and plan) and checked with `check_text`: the
 checker, not this module, decides what is valid. Candidates that check clean are analysed by the
 planner; those that fit in device memory (less a headroom) are ranked by estimated step time.
@@ -26,6 +27,7 @@ import attrs
 
 from meshllm_dsl import primitives
 from meshllm_dsl.checker import check_text
+from meshllm_dsl.checker.matmul import FP8_COMPUTE
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.load import load
 from meshllm_dsl.front.names import divisors
@@ -33,6 +35,7 @@ from meshllm_dsl.ir import ModelIR, PlanIR, Repeat, takes_microbatches
 from meshllm_dsl.parallel.costs import MFU
 from meshllm_dsl.parallel.devices import DeviceProfile
 from meshllm_dsl.planner.analyze import analyze
+from meshllm_dsl.planner.float8 import TENSORWISE, best_matmul_tflops
 from meshllm_dsl.planner.formatting import fmt_bytes, fmt_seconds
 from meshllm_dsl.planner.records import PlanReport
 from meshllm_dsl.planner.schedule import schedule_cost
@@ -75,6 +78,10 @@ class Candidate:
     # Context parallelism: this many of the data ranks split each sequence instead (`seq -> cp`),
     # ZeRO then shards over data x cp as torchtitan's FSDP does; 1: none.
     context: int = 1
+    # `precision { matmul = R }`: a float8 recipe for the blocks' linear layers ("": the params dtype),
+    # with FSDP2's float8 all-gathers where the recipe is tensorwise and FSDP2 shards the weights.
+    matmul: str = ""
+    compile: bool = False  # `compile = blocks`
 
     def key(self) -> str:
         sched = "" if self.schedule == "none" else f" {self.schedule}" + (f" v{self.virtual}" if self.virtual > 1 else "")
@@ -83,7 +90,8 @@ class Candidate:
                 f"{sched}, ZeRO {self.zero}{remat}" + (", sequence parallel" if self.seq_parallel else "")
                 + (f", HSDP sharded over {self.zero_shard}" if self.zero_shard else "")
                 + (", fp32 master weights" if self.master else "")
-                + (f", context {self.context}" if self.context > 1 else ""))
+                + (f", context {self.context}" if self.context > 1 else "")
+                + (f", {self.matmul}" if self.matmul else "") + (", compiled blocks" if self.compile else ""))
 
 
 @attrs.frozen
@@ -171,6 +179,8 @@ def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -
             f"    microbatches = {c.microbatches}"]
     if c.recompute != "none":
         plan.append(f"    recompute = {c.recompute}")
+    if c.compile:
+        plan.append("    compile = blocks")
     layout = (["batch -> replica * data" if c.zero_shard else "batch -> data"] if c.data > 1 else []) + ([f"{d} -> tensor" for d in _sharded_dims(model)] if c.tensor > 1 else [])
     # One `seq` entry: over tensor Megatron sequence parallelism, over cp context parallelism, both
     # at once sequence parallelism inside context parallelism.
@@ -189,8 +199,11 @@ def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -
     if c.zero:
         over = " * ".join((["data"] if c.data > 1 else []) + (["cp"] if c.context > 1 else [])) or "data"
         plan += ["    optimizer adamw {", f"        zero {c.zero} over {over}", "    }"]
-    if _master_weights(c, model):
-        plan.append(f"    precision {{ params = {model.dtype}, master = fp32, reduce = fp32 }}")
+    precision = ([f"params = {model.dtype}", "master = fp32", "reduce = fp32"] if _master_weights(c, model) else [])
+    precision += [f"matmul = {c.matmul}"] if c.matmul else []
+    precision += ["all_gather = fp8"] if _gathers_float8(c, model) else []
+    if precision:
+        plan.append(f"    precision {{ {', '.join(precision)} }}")
     plan.append("}")
     return "\n".join(mesh) + "\n\n" + "\n".join(plan) + "\n"
 
@@ -201,6 +214,29 @@ def _master_weights(c: Candidate, model: ModelIR) -> bool:
     fp32 parameters, runtime/train/amp.py) and ZeRO 1 (Megatron's distributed optimizer, FSDP2) where the
     candidate asks, as the pure 16-bit plan is also searched. In 16 bits AdamW's small updates round away (bench/master_weights.py)."""
     return model.dtype in ("bf16", "fp16") and (c.zero >= 2 or c.master)
+
+
+def _gathers_float8(c: Candidate, model: ModelIR) -> bool:
+    """FSDP2 all-gathers the tensorwise layers' weights in float8 (`all_gather = fp8`): where FSDP2
+    shards the weights (ZeRO 2 / 3, ZeRO 1 with master weights), which is what the checker allows."""
+    return c.matmul == TENSORWISE and (c.zero >= 2 or (c.zero == 1 and _master_weights(c, model)))
+
+
+def precision_choices(model: ModelIR, device: DeviceProfile) -> list[tuple[str, bool]]:
+    """(matmul recipe or "", compiled) pairs searched: the params dtype, and the float8 recipes the
+    device has tensor cores for (fp8_tensorwise and fp8_rowwise with `fp8_tflops`, mxfp8 with
+    `mx_tflops`) where the model computes in bf16 / fp16 (what torchao casts from); each with and without
+    `compile = blocks` in a model with blocks. Host-bound ranks (CPU) get neither: the planner prices
+    emulated float8 and compiled blocks there no differently."""
+    if device.kernel_us is not None:
+        return [("", False)]
+    recipes = [""]
+    if model.dtype in FP8_COMPUTE and device.fp8_tflops is not None:
+        recipes += ["fp8_tensorwise", "fp8_rowwise"]
+    if model.dtype in FP8_COMPUTE and device.mx_tflops is not None:
+        recipes.append("mxfp8")
+    compiles = (False, True) if model.repeat is not None else (False,)
+    return [(r, comp) for r in recipes for comp in compiles]
 
 
 def _explicit_stages(model: ModelIR, p: int) -> list[str]:
@@ -348,8 +384,8 @@ def compute_floor_s(report: PlanReport) -> float:
     """No plan of this model, batch and devices computes faster than its matmul flops spread
     evenly over every device at the device's best matmul rate: the slowest rank computes at least
     the average share, and no product runs above peak x MFU (the planner's roofline only slows one
-    down). The same for every candidate; times (1 + bubble_scale), a lower bound on its step."""
-    rate = report.device.tflops * 1e12 * (report.device.mfu or MFU)
+    down), the peak being the fastest any candidate's products reach (a compiled block's float8). The same for every candidate; times (1 + bubble_scale), a lower bound on its step."""
+    rate = best_matmul_tflops(report.device) * 1e12 * (report.device.mfu or MFU)
     return report.step.model_flops / (report.plan.mesh.devices * rate)
 
 
@@ -360,10 +396,14 @@ def variant(structure: PlanIR, c: Candidate, model: ModelIR) -> PlanIR:
     master = _master_weights(c, model)
     region, _, every = c.recompute.partition(" every ")
     shard = (("data",) if c.zero_shard else structure.roles.replicas) if c.zero else ()
+    # The structure's checked Float8Plan (its recipe is the structure's): only the float8 all-gathers
+    # depend on the variant's ZeRO stage.
+    float8 = attrs.evolve(structure.float8, gather=_gathers_float8(c, model)) if structure.float8 else None
     return attrs.evolve(structure, microbatches=c.microbatches, zero=c.zero,
                         roles=attrs.evolve(structure.roles, batch_shard=shard), recompute=region,
                         recompute_every=int(every or 1), master_dtype="fp32" if master else None,
-                        reduce_dtype="fp32" if master else None)
+                        reduce_dtype="fp32" if master else None, float8=float8,
+                        compile="blocks" if c.compile else "none")
 
 
 def _recomputes_less(c: Candidate) -> tuple[str, ...]:
@@ -388,18 +428,24 @@ def _slower_than_the_runner_up(c: Candidate, steps: dict[Candidate, float],
     return floor > fitting[top][1].step.total_s
 
 
-# A structure: (data, pipeline, tensor, schedule, virtual, sequence parallel, HSDP shard group, context).
-Structure = tuple[int, int, int, str, int, bool, int, int]
+# A structure: (data, pipeline, tensor, schedule, virtual, sequence parallel, HSDP shard group, context,
+# matmul recipe: the checker decides which layers it converts, from the layout).
+Structure = tuple[int, int, int, str, int, bool, int, int, str]
 
 
-def _by_structure(model: ModelIR, devices: int, batch: int, per_host: int, seq: int) -> dict[Structure, list[Candidate]]:
-    """Every candidate, grouped by the structure its text shares with the others of its group."""
+def _by_structure(model: ModelIR, devices: int, batch: int, per_host: int, seq: int,
+                  device: DeviceProfile | None = None) -> dict[Structure, list[Candidate]]:
+    """Every candidate, grouped by the structure its text shares with the others of its group; with a
+    `device`, each in every matmul recipe and compile setting it offers (precision_choices)."""
     groups: dict[Structure, list[Candidate]] = {}
+    choices = precision_choices(model, device) if device is not None else [("", False)]
     for c in candidates(model, devices, batch, per_host, seq):
         # Each tensor-parallel candidate also with sequence parallelism, where seq splits over it.
         for v in (c, attrs.evolve(c, seq_parallel=True)) if c.tensor > 1 and seq % c.tensor == 0 else (c,):
-            groups.setdefault((v.data, v.pipeline, v.tensor, v.schedule, v.virtual, v.seq_parallel, v.zero_shard, v.context),
-                              []).append(v)
+            for matmul, comp in choices:
+                w = attrs.evolve(v, matmul=matmul, compile=comp)
+                groups.setdefault((w.data, w.pipeline, w.tensor, w.schedule, w.virtual, w.seq_parallel, w.zero_shard,
+                                   w.context, w.matmul), []).append(w)
     return groups
 
 
@@ -408,7 +454,7 @@ def _suggest(path: str, model_name: str, devices: int, device: DeviceProfile, ba
     prelude = _prelude_text(path, model_name)
     model = check_text(prelude, str(Path(path))).models[model_name]
     host = per_host or min(devices, device.per_host)
-    groups = _by_structure(model, devices, batch, host, seq)
+    groups = _by_structure(model, devices, batch, host, seq, device)
     everything = [(key, c) for key, group in groups.items() for c in group]
     index = {c: i for i, (_, c) in enumerate(everything)}
     # Branch and bound: candidates in order of their lower bound on step time (the bubble's share:
@@ -582,7 +628,8 @@ def suggestion_text(res: SuggestResult) -> str:
     lines = [
         f"suggest: {res.model} on {res.devices} x {res.device.name} ({res.per_host} per host), batch {res.batch} x seq {res.seq}",
         (f"  {res.enumerated} candidates (data x pipeline x tensor, microbatches, schedule, ZeRO, recompute, "
-         f"sequence parallelism{', context parallelism' if res.seq >= LONG_SEQ else ''}); "
+         f"sequence parallelism{', context parallelism' if res.seq >= LONG_SEQ else ''}"
+         f"{', matmul precision, compile' if res.device.kernel_us is None else ''}); "
          + (f"{res.analysed} analysed (a lower bound on step time or memory rules out the others), "
             if res.analysed < res.enumerated else "every one analysed, ")
          + f"{res.fitting} of them estimated to fit in {fmt_bytes(res.device.memory_bytes)} with "

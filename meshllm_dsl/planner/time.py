@@ -10,12 +10,13 @@ from __future__ import annotations
 import attrs
 
 from meshllm_dsl import primitives
-from meshllm_dsl.ir import DTYPES, Collective, PlanIR, Repeat, Unit
+from meshllm_dsl.ir import Collective, PlanIR, Repeat, Unit
 from meshllm_dsl.parallel import layouts
 from meshllm_dsl.parallel.collectives import spec
-from meshllm_dsl.parallel.costs import HeldUnit, Work, matmul_seconds
-from meshllm_dsl.parallel.devices import DeviceProfile
+from meshllm_dsl.parallel.costs import HeldUnit, Work
+from meshllm_dsl.parallel.devices import COMPILED_ELEMENTWISE_PASSES, DeviceProfile
 from meshllm_dsl.parallel.placements import runs_fsdp
+from meshllm_dsl.planner.float8 import cast_seconds, compiled, product_seconds
 from meshllm_dsl.planner.rank import Rank, Setup, Time, recomputes_core, running_units
 from meshllm_dsl.planner.recompute import recomputed_copies, rerun_seconds
 from meshllm_dsl.planner.records import RankClass, StepTime
@@ -126,22 +127,29 @@ def unit_kernels(plan: PlanIR, hu: HeldUnit) -> int:
 class UnitTime:
     forward_s: float  # one copy's forward for one microbatch
     core_s: float  # of which the attention core's products (what `recompute = attention` reruns)
+    cast_s: float = 0.0  # one copy's float8 casts per microbatch, forward and backward (planner/float8.py)
+
+
+def elementwise_passes(plan: PlanIR, device: DeviceProfile, hu: HeldUnit) -> float:
+    """How many times a unit's non-matmul work moves the tensors it produces: fewer in a compiled block."""
+    return COMPILED_ELEMENTWISE_PASSES if compiled(plan, device, hu) else ELEMENTWISE_PASSES
 
 
 def unit_forward_time(plan: PlanIR, device: DeviceProfile, hu: HeldUnit, tokens: int, seq: int, micro: int,
                       flash_attention: bool = True) -> UnitTime:
-    """A unit's forward on one device: its matmuls (matmul_seconds), its lookups and the memory
-    traffic of what it computes without a matmul, ELEMENTWISE_PASSES over the tensors it produces."""
+    """A unit's forward on one device: its matmuls (product_seconds: the params dtype's or a float8
+    recipe's roofline), its lookups and the memory traffic of what it computes without a matmul,
+    elementwise_passes over the tensors it produces; and apart, its float8 casts."""
     record = primitives.of(hu.unit)
     work: Work = record.work(plan, hu, tokens, seq, micro, flash_attention)
-    e = DTYPES[plan.dtype]
-    times = [matmul_seconds(device, mm, e) for mm in work.matmuls]
+    times = [product_seconds(plan, device, hu, mm) for mm in work.matmuls]
     memory = 0.0
     if device.hbm_gbps:
         produced = record.saved_bytes(plan, hu, tokens, tokens // plan.sequence_size, seq, micro, flash_attention)
-        memory = (work.lookup_bytes + ELEMENTWISE_PASSES * produced) / (device.hbm_gbps * 1e9)
+        memory = (work.lookup_bytes + elementwise_passes(plan, device, hu) * produced) / (device.hbm_gbps * 1e9)
     core = sum(t for t, mm in zip(times, work.matmuls) if mm.core)
-    return UnitTime(sum(times) + memory, core)
+    casts = sum(cast_seconds(plan, device, hu, mm) for mm in work.matmuls)
+    return UnitTime(sum(times) + memory, core, casts)
 
 
 def model_flops_per_token(plan: PlanIR) -> float:
@@ -176,9 +184,9 @@ def compute(setup: Setup, rank: Rank) -> Rank:
     ZeRO-1 (ZeroRedundancyOptimizer) updates whole tensors, a share of them per rank; FSDP2's
     optimizer updates every tensor's local shard."""
     plan, device, m = setup.plan, setup.device, setup.plan.microbatches
-    forward_s, rerun_s, kernels_mb, rerun_kernels = _forward_time(setup, rank)
+    forward_s, rerun_s, kernels_mb, rerun_kernels, cast_s = _forward_time(setup, rank)
     st, tensors, events = rank.states, rank.params.tensors, rank.traffic.fsdp_events
-    compute_s = (3 * forward_s + rerun_s) * m
+    compute_s = (3 * forward_s + rerun_s + cast_s) * m
     if device.hbm_gbps:
         compute_s += 2 * (st.weights + st.grads + st.optimizer) / (device.hbm_gbps * 1e9)
     optim_tensors = -(-tensors // plan.zero_size) if plan.zero == 1 and not setup.fsdp else tensors
@@ -196,18 +204,20 @@ def compute(setup: Setup, rank: Rank) -> Rank:
     return attrs.evolve(rank, time=Time(compute_s, recompute_s, kernels, kernel_s, host_s))
 
 
-def _forward_time(setup: Setup, rank: Rank) -> tuple[float, float, int, int]:
+def _forward_time(setup: Setup, rank: Rank) -> tuple[float, float, int, int, float]:
     """One microbatch's forward on the rank (matmuls, lookups, memory traffic) and its kernels, with
-    what backward runs of them again under `recompute`: (forward s, rerun s, kernels, rerun kernels)."""
+    what backward runs of them again under `recompute`, and its float8 casts (forward and backward):
+    (forward s, rerun s, kernels, rerun kernels, cast s)."""
     plan, device, tokens, seq, micro, flash = (setup.plan, setup.device, setup.tokens, setup.plan.seq,
                                                setup.micro_batch, setup.flash_attention)
-    forward_s = rerun_s = 0.0
+    forward_s = rerun_s = cast_s = 0.0
     kernels = rerun_kernels = 0
     for hu in running_units(rank):
         unit_kernels_n = unit_kernels(plan, hu)
         kernels += unit_kernels_n * hu.count
         unit_time = unit_forward_time(plan, device, hu, tokens, seq, micro, flash)
         forward_s += hu.count * unit_time.forward_s
+        cast_s += hu.count * unit_time.cast_s
         rc = recomputed_copies(plan, hu)  # `blocks` / `ops` [every N]: copies rerun in backward
         if rc:
             rerun_s += rc * rerun_seconds(plan, device, hu, unit_time.forward_s, tokens, seq, micro, flash)
@@ -215,7 +225,7 @@ def _forward_time(setup: Setup, rank: Rank) -> tuple[float, float, int, int]:
         elif recomputes_core(plan, hu):
             rerun_s += hu.count * unit_time.core_s
             rerun_kernels += KERNELS["attention_core"] // 2 * hu.count  # the core's forward again
-    return forward_s, rerun_s, kernels, rerun_kernels
+    return forward_s, rerun_s, kernels, rerun_kernels, cast_s
 
 
 def _busy_s(rc: RankClass) -> float:
