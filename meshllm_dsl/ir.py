@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 
@@ -105,10 +105,17 @@ class Float8Plan:
     skipped: tuple[tuple[str, str], ...] = ()  # full leaf path -> why it stays in the params dtype
     # FSDP2 all-gathers the tensorwise layers' weights in float8 (torchao's enable_fsdp_float8_all_gather).
     gather: bool = False
+    # layers as a dict, built once: the planner asks per product and block, thousands of times a plan
+    by_path: dict[str, str] = attrs.field(init=False, eq=False, hash=False, repr=False)
+    # the planner's answers about this plan's layers (planner/float8.py), kept with it
+    memo: dict[Any, Any] = attrs.field(init=False, eq=False, hash=False, repr=False, factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "by_path", dict(self.layers))
 
     def recipe_of(self, path: str) -> str | None:
         """The recipe leaf `path` runs in, or None for the params dtype."""
-        return dict(self.layers).get(path)
+        return self.by_path.get(path)
 
     def patterns(self, model: ModelIR) -> dict[str, str]:
         """The layers as path patterns -> recipe, folded over the blocks: `blocks.*.attn.q` where every

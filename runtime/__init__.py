@@ -20,6 +20,7 @@ if TYPE_CHECKING:
         cross_entropy,
         mask_vocab,
         positions,
+        row_matmul,
         vocab_parallel_cross_entropy,
     )
     from meshllm_dsl.runtime.model.qk_norm import rms_norm, split_rms_norm
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
         gather_seq_linear,
         reduce_from,
         reduce_scatter_seq,
-        row_matmul,
         split_seq,
         split_to,
     )
@@ -81,7 +81,6 @@ _WHERE = {
             "gather_seq_linear",
             "reduce_from",
             "reduce_scatter_seq",
-            "row_matmul",
             "split_seq",
             "split_to",
         ),
@@ -102,6 +101,7 @@ _WHERE = {
             "cross_entropy",
             "mask_vocab",
             "positions",
+            "row_matmul",
             "vocab_parallel_cross_entropy",
         ),
         "model.layers",

@@ -70,7 +70,8 @@ def memory_job(ctx: Any, path: str) -> dict[str, int]:
 def float8_job(ctx: Any, path: str, steps: int, recipe_off: bool) -> dict[str, Any]:
     """On each rank: the losses of `steps` AdamW steps of the generated module at `path` on seeded
     synthetic batches, with its float8 layers (or, ``recipe_off``, with float8 switched off), and
-    the bytes FSDP2 all-gathered in the last step (torch.distributed.all_gather_into_tensor, counted)."""
+    the bytes FSDP2 all-gathered to this rank in the last step (counted at torch.distributed's
+    all_gather_single, which FSDP2 2.13 calls, and all_gather_into_tensor)."""
     import dataclasses
 
     import torch.distributed as dist
@@ -83,22 +84,27 @@ def float8_job(ctx: Any, path: str, steps: int, recipe_off: bool) -> dict[str, A
         program = dataclasses.replace(program, float8={}, float8_gather=False)
     built = program.build(ctx.mesh(program.axes), seed=0)
     gathered = [0]
-    original = dist.all_gather_into_tensor
+    names = [n for n in ("all_gather_single", "all_gather_into_tensor") if hasattr(dist, n)]
+    originals = {n: getattr(dist, n) for n in names}
 
-    def counting(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
-        gathered[0] += input.numel() * input.element_size()
-        return original(output, input, *args, **kwargs)
+    def counting(name: str) -> Any:
+        def call(output: Any, input: Any, *args: Any, **kwargs: Any) -> Any:
+            gathered[0] += output.numel() * output.element_size()  # what the gather brings to this rank
+            return originals[name](output, input, *args, **kwargs)
+        return call
 
     losses = []
     for step in range(steps):
         tokens, targets = synthetic_batch(program.vocab, program.batch, program.seq, 0, step)
         if step == steps - 1:
             gathered[0] = 0
-            dist.all_gather_into_tensor = counting
+            for n in names:
+                setattr(dist, n, counting(n))
         try:
             losses.append(built.train_step(tokens, targets))
         finally:
-            dist.all_gather_into_tensor = original
+            for n, f in originals.items():
+                setattr(dist, n, f)
     return {"losses": losses, "gathered": gathered[0], "float8_layers": len(built.float8_layers)}
 
 

@@ -10,9 +10,9 @@ Below time.py and recompute.py, which both price products through `product_secon
 
 from __future__ import annotations
 
-import functools
 import math
 from collections import Counter
+from collections.abc import Iterable
 
 from meshllm_dsl.ir import DTYPES, FP8_BYTES, Float8Plan, PlanIR
 from meshllm_dsl.parallel.costs import HeldUnit, Matmul, matmul_seconds
@@ -21,10 +21,22 @@ from meshllm_dsl.parallel.devices import COMPILED_MATMUL, FLOAT8_MATMUL, DeviceP
 TENSORWISE = "fp8_tensorwise"  # the only recipe whose weights FSDP2 may all-gather in float8
 
 
-@functools.lru_cache(maxsize=64)
 def _recipes(f8: Float8Plan) -> dict[str, str]:
-    # Float8Plan.recipe_of builds the dict on each call; the planner asks once per product and block.
-    return dict(f8.layers)
+    return f8.by_path
+
+
+# Answers by path alone, shared by every Float8Plan with the same layers: `meshc suggest` checks
+# thousands of layouts of one model, each plan with a Float8Plan of its own that is mostly equal.
+_SHARED: dict[tuple[object, ...], dict[object, object]] = {}
+
+
+def _memo(f8: Float8Plan) -> dict[object, object]:
+    found = f8.memo.get("shared")
+    if found is None:
+        if len(_SHARED) > 256:
+            _SHARED.clear()
+        found = f8.memo["shared"] = _SHARED.setdefault((f8.layers, f8.gather), {})
+    return found  # type: ignore[no-any-return]
 
 
 def leaf_recipes(plan: PlanIR, hu: HeldUnit, leaf: str) -> tuple[tuple[str | None, int], ...]:
@@ -35,9 +47,14 @@ def leaf_recipes(plan: PlanIR, hu: HeldUnit, leaf: str) -> tuple[tuple[str | Non
     recipes = _recipes(plan.float8)
     if not hu.prefix:
         return ((recipes.get(leaf), hu.count),)
-    repeat = hu.prefix.split(".", 1)[0]
-    counts = Counter(recipes.get(f"{repeat}.{i}.{leaf}") for i in (hu.indices or range(hu.count)))
-    return tuple(counts.items())
+    key = ("leaf_recipes", hu.prefix, hu.indices, hu.count, leaf)
+    memo = _memo(plan.float8)
+    found = memo.get(key)
+    if found is None:
+        repeat = hu.prefix.split(".", 1)[0]
+        counts = Counter(recipes.get(f"{repeat}.{i}.{leaf}") for i in (hu.indices or range(hu.count)))
+        found = memo[key] = tuple(counts.items())
+    return found  # type: ignore[no-any-return]
 
 
 def float8_peak(device: DeviceProfile, recipe: str | None) -> float | None:
@@ -112,13 +129,25 @@ def float8_weights(plan: PlanIR, hu: HeldUnit) -> tuple[int, int, int]:
         if leaf.kind != "linear" or weight is None:
             continue
         numel = math.prod(plan.local_shape(weight, hu.placement(leaf)))
-        path = ".".join(leaf.path)
-        for copy in copies:
-            full = f"{hu.prefix.split('.', 1)[0]}.{copy}.{path}" if hu.prefix else path
-            if weight_gathered_in_float8(plan, _recipes(plan.float8).get(full)):
-                per_copy[copy] += numel
-                tensors += 1
+        for copy in _gathered_copies(plan, hu, ".".join(leaf.path), copies):
+            per_copy[copy] += numel
+            tensors += 1
     return sum(per_copy.values()), tensors, min((per_copy[c] for c in copies), default=0)
+
+
+def _gathered_copies(plan: PlanIR, hu: HeldUnit, path: str, copies: Iterable[int]) -> tuple[int, ...]:
+    """The copies (block indices) of linear `path` whose weight FSDP2 gathers in float8; by path
+    alone, so kept with the plan's Float8Plan (every layout of one search shares it)."""
+    assert plan.float8 is not None
+    key = ("gathered", hu.prefix.split(".", 1)[0] if hu.prefix else "", hu.indices, hu.count, path)
+    memo = _memo(plan.float8)
+    found = memo.get(key)
+    if found is None:
+        recipes = _recipes(plan.float8)
+        found = memo[key] = tuple(
+            c for c in copies
+            if weight_gathered_in_float8(plan, recipes.get(f"{hu.prefix.split('.', 1)[0]}.{c}.{path}" if hu.prefix else path)))
+    return found  # type: ignore[no-any-return]
 
 
 def float8_flops(plan: PlanIR) -> tuple[int, int]:

@@ -223,20 +223,24 @@ def _gathers_float8(c: Candidate, model: ModelIR) -> bool:
 
 
 def precision_choices(model: ModelIR, device: DeviceProfile) -> list[tuple[str, bool]]:
-    """(matmul recipe or "", compiled) pairs searched: the params dtype, and the float8 recipes the
-    device has tensor cores for (fp8_tensorwise and fp8_rowwise with `fp8_tflops`, mxfp8 with
-    `mx_tflops`) where the model computes in bf16 / fp16 (what torchao casts from); each with and without
-    `compile = blocks` in a model with blocks. Host-bound ranks (CPU) get neither: the planner prices
-    emulated float8 and compiled blocks there no differently."""
+    """(matmul recipe or "", compiled) pairs searched: the params dtype, and the fastest float8 recipe
+    the device has tensor cores for (fp8_tensorwise with `fp8_tflops`, mxfp8 with `mx_tflops`) where
+    the model computes in bf16 / fp16 (what torchao casts from); compiled (`compile = blocks`) in a
+    model with blocks. Host-bound ranks (CPU) get neither: the planner prices emulated float8 and
+    compiled blocks there no differently."""
     if device.kernel_us is not None:
         return [("", False)]
+    # Only choices that can win: the planner prices a compiled block never slower than an eager one on
+    # a GPU, and fp8_rowwise as fp8_tensorwise without the float8 all-gathers, so the eager variants
+    # and rowwise would only fill the ranking with slower copies of the same layouts (and multiply
+    # the search). The float8 recipe searched is the device's fastest: mxfp8 with MX tensor cores.
     recipes = [""]
-    if model.dtype in FP8_COMPUTE and device.fp8_tflops is not None:
-        recipes += ["fp8_tensorwise", "fp8_rowwise"]
     if model.dtype in FP8_COMPUTE and device.mx_tflops is not None:
         recipes.append("mxfp8")
-    compiles = (False, True) if model.repeat is not None else (False,)
-    return [(r, comp) for r in recipes for comp in compiles]
+    elif model.dtype in FP8_COMPUTE and device.fp8_tflops is not None:
+        recipes.append("fp8_tensorwise")
+    compiled = model.repeat is not None
+    return [(r, compiled) for r in recipes]
 
 
 def _explicit_stages(model: ModelIR, p: int) -> list[str]:

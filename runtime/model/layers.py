@@ -16,7 +16,7 @@ from torch.distributed import ProcessGroup
 
 from meshllm_dsl.runtime.model import decode, rope
 from meshllm_dsl.runtime.model.decode import DecodeSession, KVCache
-from meshllm_dsl.runtime.parallel.collectives import all_gather_cat
+from meshllm_dsl.runtime.parallel.collectives import all_gather_cat, uses_module_forward
 
 __all__ = [
     "DecodeSession",
@@ -30,6 +30,7 @@ __all__ = [
     "cross_entropy",
     "mask_vocab",
     "positions",
+    "row_matmul",
     "vocab_parallel_cross_entropy",
 ]
 
@@ -355,3 +356,14 @@ def mask_vocab(logits: Tensor, start: int, used: int) -> Tensor:
         return logits
     padded = torch.arange(start, start + n, device=logits.device) >= used
     return logits.masked_fill(padded, torch.finfo(logits.dtype).min)
+
+
+def row_matmul(layer: nn.Module, x: Tensor) -> Tensor:
+    """``x @ layer.weight.T`` without the bias, in the layer's own matmul: a row-parallel layer's
+    partial product, whose bias is added once after the sum over the tensor ranks.  A float8 layer
+    computes in float8 only through its forward: with a bias it runs with the bias left out."""
+    if not uses_module_forward(layer):
+        return F.linear(x, layer.weight)
+    if getattr(layer, "bias", None) is None:
+        return layer(x)
+    return torch.func.functional_call(layer, {"bias": None}, (x,), strict=False)

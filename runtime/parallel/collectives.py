@@ -30,7 +30,6 @@ __all__ = [
     "copy_to",
     "copy_to_linear",
     "uses_module_forward",
-    "row_matmul",
     "gather_from",
     "gather_seq",
     "gather_seq_linear",
@@ -379,17 +378,6 @@ def uses_module_forward(layer: nn.Module) -> bool:
     an MXFP8 weight is a tensor subclass that takes any product with it for the linear's."""
     return isinstance(layer, nn.Linear) and (type(layer) is not nn.Linear
                                              or type(layer.weight) not in (nn.Parameter, Tensor))
-
-
-def row_matmul(layer: nn.Module, x: Tensor) -> Tensor:
-    """``x @ layer.weight.T`` without the bias, in the layer's own matmul: a row-parallel layer's
-    partial product, whose bias is added once after the sum over the tensor ranks.  A float8 layer
-    computes in float8 only through its forward: with a bias it runs with the bias left out."""
-    if not uses_module_forward(layer):
-        return F.linear(x, layer.weight)
-    if getattr(layer, "bias", None) is None:
-        return layer(x)
-    return torch.func.functional_call(layer, {"bias": None}, (x,), strict=False)
 
 
 def copy_to_linear(x: Tensor, group: ProcessGroup | None, *layers: nn.Module) -> tuple[Tensor, ...]:

@@ -135,3 +135,22 @@ def test_the_bundled_float8_example_converts_what_explain_says(pool: Any, tmp_pa
     per_rank = pool.run(float8_job, plan.mesh.devices, str(path), 2, False)
     # rank = data * 4 + pipeline * 2 + tensor: stage 0 holds blocks 0-1 (block 1 converted), stage 1 blocks 2-3
     assert [r["float8_layers"] for r in per_rank] == [7, 7, 14, 14, 7, 7, 14, 14]
+
+
+@pytest.mark.parametrize("gather", ["fp8", "bf16"])
+def test_fsdp_all_gather_bytes_are_the_planned(gather: str, pool: Any, tmp_path: Path) -> None:
+    """ZeRO 3 over data 2 x tensor 2: the bytes FSDP2's all-gathers bring to each rank in one step,
+    counted at torch.distributed.all_gather_into_tensor, equal planner.comm.fsdp_all_gather_bytes:
+    float8 weights at one byte an element with `all_gather = fp8`, bf16 without."""
+    from meshllm_dsl.parallel.devices import PROFILES
+    from meshllm_dsl.planner.comm import fsdp_all_gather_bytes
+
+    axes, hidden, ffn, dtype, precision, body, zero = CASES["tensorwise_tp_zero3_gather"]
+    if gather == "bf16":
+        precision = precision.replace(", all_gather = fp8", "")
+    plan, path = _compiled(_spec(axes, hidden, ffn, dtype, precision, body, zero), tmp_path)
+    assert plan.float8 is not None and plan.float8.gather == (gather == "fp8")
+    measured = [r["gathered"] for r in pool.run(float8_job, plan.mesh.devices, str(path), 2, False)]
+    planned = fsdp_all_gather_bytes(plan, PROFILES["cpu"])
+    print(f"all_gather = {gather}: planned {planned:,} bytes per rank per step, measured {measured}")
+    assert measured == [planned] * plan.mesh.devices
