@@ -92,7 +92,9 @@ def wait(work: Any, x: Tensor) -> None:
     """Wait for ``work``, an all-reduce or all-gather of ``x`` started with ``async_op=True``
     (their gloo Work reports ``is_completed``); raises what it raised (a peer that died, the
     group's timeout)."""
-    if polls(x):
+    # Under torch.compile (`compile = blocks`) the wait is the collective's own: a host-side spin is
+    # nothing Dynamo can trace.
+    if not torch.compiler.is_compiling() and polls(x):
         deadline = time.perf_counter() + _POLL_SECONDS
         # sched_yield: gloo's own threads, which do the transfer, get this core at once.
         while not work.is_completed() and time.perf_counter() < deadline:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -35,6 +36,10 @@ def compile_blocks(blocks: Mapping[str, nn.Module], names: Mapping[str, str], fa
     """Compile every block of ``blocks`` (a stage's ModuleDict) in place; ``names`` gives each key the
     block's name in the model (`blocks.7`) for messages. The number of blocks compiled."""
     fallback = fallback_asked() if fallback is None else fallback
+    # Dynamo traces through functools.lru_cache and warns that it does: the cached functions the blocks
+    # call (rope's inverse frequencies, model/rope.py) are pure in their arguments, so the trace
+    # computes what the cache holds.
+    warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`", category=UserWarning)
     for key, block in blocks.items():
         block.forward = _CompiledForward(block.forward, names.get(key, key), fallback)  # type: ignore[method-assign]
     return len(blocks)
