@@ -254,7 +254,9 @@ def matmul(ctx: PassContext) -> PassResult:
     `compile = blocks`: checker/matmul.py."""
     w = _Worker.of(ctx)
     float8 = w.matmul(ctx["dtype"], ctx["master_dtype"], ctx["zero"], ctx["top"], ctx["classes"], ctx.profile)
-    return w.result(float8=float8, compile=w.compile_setting(ctx["settings"].get("compile")))
+    compiled = w.compile_setting(ctx["settings"].get("compile"))
+    w.eager_float8(float8, compiled, ctx.profile)
+    return w.result(float8=float8, compile=compiled)
 
 
 def expert_zero(ctx: PassContext) -> PassResult:
