@@ -120,6 +120,15 @@ def cmd_run(args: argparse.Namespace) -> int:
         per = f" per node ({plan.mesh.devices} over {nodes} nodes)" if nodes > 1 else " (its mesh size)"
         raise UsageError(f"plan `{plan_name}` needs {plan.mesh.devices // nodes} processes{per}, not {nproc}")
     flags = _run_inputs(args, plan.seq, plan)
+    if plan.float8 is not None:
+        # Here, once, rather than in every rank it would launch (each would stop with the same line).
+        from meshllm_dsl.cli.main import UsageError
+        from meshllm_dsl.runtime.train.float8 import Float8Unavailable, torchao_version
+
+        try:
+            torchao_version()
+        except Float8Unavailable as err:
+            raise UsageError(str(err)) from None
     workdir = Path(tempfile.mkdtemp(prefix="meshc-run-"))
     try:
         write_generated(render_package(result, args.file), workdir / "generated")

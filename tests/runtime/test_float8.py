@@ -154,3 +154,34 @@ def test_fsdp_all_gather_bytes_are_the_planned(gather: str, pool: Any, tmp_path:
     planned = fsdp_all_gather_bytes(plan, PROFILES["cpu"])
     print(f"all_gather = {gather}: planned {planned:,} bytes per rank per step, measured {measured}")
     assert measured == [planned] * plan.mesh.devices
+
+
+def test_an_unknown_torchao_is_one_line_naming_the_known(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchao
+
+    from meshllm_dsl.runtime.train import float8
+
+    monkeypatch.setattr(torchao, "__version__", "0.99.0")
+    with pytest.raises(float8.Float8Unavailable) as err:
+        float8.torchao_version()
+    assert str(err.value) == ("torchao 0.99.0 is not one this runtime knows: it runs float8 with torchao 0.18; "
+                              "pip install torchao==0.18.*")
+
+
+def test_a_float8_plan_without_torchao_stops_before_launch(tmp_path: Path) -> None:
+    """`meshc run` of a float8 plan where torchao cannot be imported: exit 2 and one line saying what to install."""
+    import os
+    import subprocess
+    import sys
+
+    spec = tmp_path / "f8.mesh"
+    spec.write_text(_spec(*CASES["rowwise_pipeline_tp"]))
+    blocker = tmp_path / "no_torchao"
+    blocker.mkdir()
+    (blocker / "torchao.py").write_text("raise ImportError('torchao is hidden by the test')\n")
+    env = dict(os.environ, PYTHONPATH=f"{blocker}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-m", "meshllm_dsl", "run", str(spec), "--steps", "1", "--timeout", "60"],
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == ('meshc: error: this plan trains in float8 (`precision { matmul = ... }`), which needs '
+                           'torchao: pip install -e ".[fp8]" (or pip install torchao==0.18.*)\n'), proc.stderr
