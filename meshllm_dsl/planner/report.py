@@ -239,7 +239,8 @@ def _precision_lines(rep: PlanReport) -> list[str]:
         off = without_float8_s(rep)
         assert off is not None
         out.append(f"  float8           {converted / total:.0%} of matmul FLOPs in {plan.float8.recipe}"
-                   + (f" ({' and '.join(kept)} in {plan.dtype})" if kept else "")
+                   + (f" ({', '.join(kept[:-1]) + ' and ' + kept[-1] if len(kept) > 1 else kept[0]} in {plan.dtype})"
+                      if kept else "")
                    + (", weights all-gathered in float8" if plan.float8.gather else "")
                    + f"; without float8 the step takes {fmt_seconds(off)} ({off / rep.step.total_s:.2f}x)")
     return out
