@@ -16,19 +16,13 @@ import pytest
 
 pytest.importorskip("torchao")
 
+from mesh_snippets import MEGATRON  # noqa: E402
 from reference_jobs import float8_job  # noqa: E402
 
 FLOAT8_DRIFT = 0.01  # relative: |loss_fp8 - loss_bf16| / loss_bf16 at every step
 
 LLAMA = "model t = llama {{ vocab = 256, hidden = {hidden}, layers = 4, heads = 4, kv_heads = 2, ffn = {ffn}, dtype = {dtype} }}"
-TP_RULES = """
-    shard blocks.*.attn.{q,k,v} column(tensor)
-    shard blocks.*.attn.o row(tensor)
-    shard blocks.*.mlp.{gate,up} column(tensor)
-    shard blocks.*.mlp.down row(tensor)
-    shard embed vocab_parallel(tensor)
-    shard lm_head column(tensor)
-"""
+TP_RULES = MEGATRON
 
 MASTER = "params = bf16, master = fp32, "
 CASES = {
