@@ -179,3 +179,29 @@ def test_a_float8_plan_without_torchao_stops_before_launch(tmp_path: Path) -> No
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == ('meshc: error: this plan trains in float8 (`precision { matmul = ... }`), which needs '
                            'torchao: pip install -e ".[fp8]" (or pip install torchao==0.18.*)\n'), proc.stderr
+
+
+def test_a_float8_run_resumes_exactly(tmp_path: Path) -> None:
+    """Float8 with FSDP2 float8 all-gathers (tensorwise, TP 2 x ZeRO 3): stopped after step 2 and
+    resumed from its checkpoint, steps 3-4 lose exactly what the uninterrupted run loses."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    spec = tmp_path / "f8.mesh"
+    spec.write_text(_spec(*CASES["tensorwise_tp_zero3_gather"]))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def run(steps: int, name: str, *flags: str) -> list[float]:
+        metrics = tmp_path / f"{name}.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "meshllm_dsl", "run", str(spec), "--steps", str(steps),
+                               "--timeout", "120", "--metrics", str(metrics), *flags],
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        return [json.loads(x)["loss"] for x in metrics.read_text().splitlines()]
+
+    whole = run(4, "whole")
+    run(2, "first", "--save", str(tmp_path / "ckpt"))
+    resumed = run(4, "resumed", "--save", str(tmp_path / "ckpt"), "--resume", "latest")
+    assert resumed[-2:] == whole[2:], (resumed, whole)
