@@ -66,9 +66,16 @@ class TitanExport:
     converter: str | None  # the float8 converter's constructor expression, or None
 
 
+# torchtitan's llama3 tensor-parallel plan (models/llama3/parallelize.py), in the plan's leaf names.
+_TOP_RULES = {"embed": "vocab_parallel", "norm": "replicate", "lm_head": "column"}
+_BLOCK_RULES = {"attn_norm": "replicate", "mlp_norm": "replicate", "attn.q": "column", "attn.k": "column",
+                "attn.v": "column", "attn.o": "row", "mlp.gate": "column", "mlp.up": "column", "mlp.down": "row"}
+
+
 def _class_placements_ok(found: _Findings) -> None:
     """torchtitan's llama3 tensor-parallel plan is fixed (Megatron: q / k / v / gate / up column, o / down
-    row, embedding and head split over the tensor axis): a plan whose shards differ is refused."""
+    row, embedding vocab-parallel and head column over the tensor axis): a plan whose shards differ is
+    refused, never exported as torchtitan's."""
     plan = found.plan
     if not plan.roles.tensor:
         return
@@ -76,6 +83,23 @@ def _class_placements_ok(found: _Findings) -> None:
         found.refuse(E1205, f"torchtitan has one tensor-parallel mesh dimension, but this plan shards over "
                      f"{' and '.join(plan.roles.tensor)}", plan.span, label="several tensor axes",
                      help="shard every layer over one tensor axis")
+        return
+    axis = plan.roles.tensor
+    got = [(path, p, _TOP_RULES.get(path)) for path, p in plan.top_placements]
+    for bc in plan.block_classes:
+        got += [(f"blocks.{bc.indices[0]}.{path}", p, _BLOCK_RULES.get(path)) for path, p in bc.placements]
+    for path, p, want in got:
+        if want is None:
+            continue
+        ok = p.rule == want and (tuple(p.axes) == tuple(axis) if want != "replicate" else not p.sharded)
+        if not ok:
+            rule = f"{p.rule}({', '.join(p.axes)})" if p.axes else p.rule
+            found.refuse(E1205, f"`{path}` is {rule}, but torchtitan's llama3 tensor-parallel plan makes it "
+                         f"{want}" + (f"({axis[0]})" if want != "replicate" else ""), p.span or plan.span,
+                         label="torchtitan's TP plan is fixed",
+                         help="shard q / k / v / gate / up column, o / down row, embed vocab_parallel and "
+                              "lm_head column over the tensor axis (or export without tensor parallelism)")
+            return
 
 
 def _model(found: _Findings) -> dict[str, Any] | None:
