@@ -167,12 +167,13 @@ def _converter(found: _Findings) -> str | None:
                      help="keep a whole block in bf16 (`precision blocks.N matmul = bf16`) or none of it")
     filters = [f"layers.{b}" for b in sorted(kept, key=int)] + ["lm_head"]
     if f8.recipe == "fp8_rowwise":
-        return f"Float8LinearConverter.Config(recipe_name='rowwise', filter_fqns={filters!r})"
+        return (f"Float8LinearConverter.Config(recipe_name='rowwise', filter_fqns={filters!r}, "
+                f"model_compile_enabled={plan.compile == 'blocks'})")
     if f8.recipe == "mxfp8":
         if kept:
             found.refuse(E1206, "mxfp8 with blocks kept in bf16 is not exported to torchtitan", span,
                          label="MXFP8LinearConverter selects by fqns", help="convert every block")
-        return "MXFP8LinearConverter.Config(fqns=['layers'])"
+        return f"MXFP8LinearConverter.Config(fqns=['layers'], model_compile_enabled={plan.compile == 'blocks'})"
     found.refuse(E1206, f"float8 `{f8.recipe}` is not a torchtitan 0.3 recipe", span, label="recipe",
                  help="use `fp8_rowwise` or `mxfp8`")
     return None
@@ -257,10 +258,19 @@ def analyze(plan: PlanIR, decls: Declarations | None) -> TitanExport:
     flags += [("training.local_batch_size", str(local)),
               ("training.global_batch_size", str(plan.batch)),
               ("training.seq_len", str(plan.seq))]
-    if plan.master_dtype is None:
-        flags.append(("training.dtype", "bfloat16" if plan.dtype == "bf16" else "float32"))
+    # dtypes: torchtitan trains wholly in training.dtype, or keeps fp32 weights and computes in
+    # mixed_precision_param (FSDP2's MixedPrecisionPolicy, autocast under DDP), reducing in fp32
+    names = {"bf16": "bfloat16", "fp32": "float32"}
+    master = plan.master_dtype or plan.dtype
+    pspan = _stmt_span(decl, ast.PrecisionStmt, plan.span)
+    if plan.dtype not in names or master not in names or (master != plan.dtype and master != "fp32"):
+        refuse(E1206, f"params {plan.dtype} with master weights in {master} is not a torchtitan dtype", pspan,
+               label="torchtitan trains in bfloat16 or float32", help="use bf16 or fp32 params (fp32 master)")
+    elif plan.reduce_dtype not in (None, "fp32") and master != plan.dtype:
+        refuse(E1206, f"gradients reduced in {plan.reduce_dtype} under mixed precision: torchtitan reduces in "
+               "float32", pspan, label="mixed_precision_reduce is float32 only", help="use `reduce = fp32`")
     else:
-        flags.append(("training.mixed_precision_param", "bfloat16" if plan.dtype == "bf16" else "float32"))
+        flags += [("training.dtype", names[master]), ("training.mixed_precision_param", names[plan.dtype])]
 
     # activation checkpointing
     rspan = _setting_span(decl, "recompute", plan.span)

@@ -89,6 +89,7 @@ def test_fsdp(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: p
     assert cfg.parallelism.fsdp_reshard_after_forward == "always"
     assert (cfg.training.local_batch_size, cfg.training.global_batch_size, cfg.training.seq_len) == (2, 8, 32)
     assert cfg.activation_checkpoint is None
+    assert (cfg.training.dtype, cfg.training.mixed_precision_param) == ("bfloat16", "bfloat16")
     assert cfg.compile.enable is False
     m = cfg.model_spec.model
     assert (m.dim, m.vocab_size, len(m.layers)) == (64, 256, 4)
@@ -98,11 +99,14 @@ def test_fsdp(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: p
 def test_hsdp_zero2(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     cfg = _check(tmp_path, "hsdp", _spec("rep = 2, data = 2", "    layout { batch -> rep * data }\n"
                                           "    microbatches = 2\n"
+                                          "    precision { params = bf16, master = fp32, reduce = fp32 }\n"
                                           "    optimizer adamw { zero 2 over data }\n"), capsys, monkeypatch)
     assert _degrees(cfg) == (2, 2, 1, 1, 1, 1)
     assert cfg.parallelism.fsdp_reshard_after_forward == "never"
     # microbatches without stages: torchtitan's gradient accumulation (global / (local x dp) = 2)
     assert (cfg.training.local_batch_size, cfg.training.global_batch_size) == (1, 8)
+    # fp32 master weights, bf16 compute: torchtitan's mixed precision
+    assert (cfg.training.dtype, cfg.training.mixed_precision_param) == ("float32", "bfloat16")
 
 
 def test_tensor_fsdp_recompute_blocks(tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -158,7 +162,8 @@ def test_float8_compile_selective(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert isinstance(cfg.activation_checkpoint, SelectiveAC.Config)
     assert cfg.compile.enable is True and cfg.compile.components == ["model"]
     text = (tmp_path / "fp8_config.py").read_text()
-    assert "Float8LinearConverter.Config(recipe_name='rowwise', filter_fqns=['layers.0', 'lm_head'])" in text
+    assert ("Float8LinearConverter.Config(recipe_name='rowwise', filter_fqns=['layers.0', 'lm_head'], "
+            "model_compile_enabled=True)") in text
     layers = cfg.model_spec.model.layers
     assert type(layers[1].attention.wo).__qualname__.startswith("Float8")
     assert not type(layers[0].attention.wo).__qualname__.startswith("Float8")
