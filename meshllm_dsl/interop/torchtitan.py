@@ -34,6 +34,7 @@ from meshllm_dsl.interop.export import (
 from meshllm_dsl.ir import PlanIR, Repeat
 
 TORCHTITAN = "0.3"
+TARGET = "torchtitan"  # meshc export's --to beside export.TARGETS
 
 # meshllm's schedule -> torch.distributed.pipelining's name (get_schedule_class), which torchtitan takes.
 SCHEDULES = {
@@ -395,4 +396,4 @@ def export_torchtitan(plan: PlanIR, decls: Declarations | None, source_path: str
              out.with_name(module + ".py"): render_config(exp, plan, source_path)}, ())
 
 
-__all__ = ["SCHEDULES", "TitanExport", "analyze", "command_args", "export_torchtitan"]
+__all__ = ["SCHEDULES", "TARGET", "TitanExport", "analyze", "command_args", "export_torchtitan"]
