@@ -307,7 +307,10 @@ def render_config(exp: TitanExport, plan: PlanIR, source_path: str) -> str:
 
 `{fn}()` is torchtitan's llama3_debugmodel() (its optimizer, data and schedule settings) with the
 plan's model registered as llama3 flavor `{fn}`; the command line meshc wrote next to it sets the
-parallelism, batch, activation checkpointing and compile.
+parallelism, batch, activation checkpointing and compile. The model is built with torchtitan {TORCHTITAN}'s own
+llama3 helpers (`_build_llama3_layers`, its init tables), which are private: another torchtitan
+version may need the export again. Data, tokenizer (`--hf_assets_path`) and optimizer are the debug
+model's: set them with more flags.
 """
 
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
