@@ -240,21 +240,27 @@ CODES: dict[str, tuple[str, str]] = {
               "--profile` measures the busiest share of a real run."),
     "E1201": ("export: pipeline", "`meshc export` writes what torch's parallelize_module / fully_shard or a "
               "transformers tp_plan apply to one whole model; neither splits a model into pipeline stages "
-              "(torch.distributed.pipelining does, outside them). Export a plan without `stages`."),
+              "(torch.distributed.pipelining does, outside them). Export a plan without `stages`. `--to torchtitan` "
+              "does write a pipeline, with torchtitan's schedules and an even number of blocks per stage: "
+              "stages of different sizes are refused there."),
     "E1202": ("export: ZeRO 1", "fully_shard (FSDP2) shards gradients with the optimizer states: ZeRO 2 is "
               "reshard_after_forward=False, ZeRO 3 reshard_after_forward=True. It has no mode that shards only "
-              "the optimizer states, so a `zero 1` plan is not exported; use `zero 2` or `zero 3`."),
+              "the optimizer states, so a `zero 1` plan is not exported; use `zero 2` or `zero 3` (torchtitan: "
+              "fsdp_reshard_after_forward never / always)."),
     "E1203": ("export: sequence parallelism", "`layout { seq -> AXIS }` keeps activations Shard(seq) between "
               "sublayers. A transformers model computes its positions and causal mask from the local shape of its "
               "activations, which that changes, and a tp_plan's column styles take replicated inputs only, so "
               "`meshc export` does not write it; nor context parallelism (`seq -> AXIS` over an axis that splits no "
-              "weight: every sequence split over AXIS). Drop `seq -> ...` to export the tensor-parallel plan."),
+              "weight: every sequence split over AXIS). Drop `seq -> ...` to export the tensor-parallel plan. "
+              "`--to torchtitan` writes both, but only sequence parallelism over the tensor axis and context "
+              "parallelism whose axes ZeRO 2 / 3 also shards over (torchtitan's FSDP mesh is dp_shard x cp)."),
     "E1204": ("export: no transformers module", "The model must have the module layout of a transformers "
               "class export is proven for (the `llama` family: Llama, Mistral, Qwen2, Qwen3 and, with `--weights` "
               "naming a Phi-3 checkpoint, Phi-3; `olmo2`; `gemma2` / `gemma3`; `gpt2`: GPT2LMHeadModel), a "
               "`--weights` checkpoint must be of the model exported, and a sharded layer must be an nn.Linear or "
               "nn.Embedding there: GPT-2's projections are Conv1D, which neither torch's parallel styles nor a "
-              "tp_plan shard."),
+              "tp_plan shard. `--to torchtitan` builds torchtitan's llama3: a `llama` family model without "
+              "biases, tied embeddings, a window, q / k norms, another norm_eps, head_dim or rope."),
     "E1205": ("export: layout the target lacks", "Each sharded layer becomes one parallel style over one mesh "
               "dimension: column -> ColwiseParallel / `colwise`, row -> RowwiseParallel / `rowwise`, "
               "vocab_parallel embedding -> RowwiseParallel(input_layouts=Replicate()) / `embedding_rowwise`. A "
@@ -262,10 +268,15 @@ CODES: dict[str, tuple[str, str]] = {
               "tensor mesh) layers sharded over different axes cannot be exported. Where transformers stores a "
               "sublayer's projections fused (Phi-3's qkv_proj, gate_up_proj) or normalises the whole projection "
               "(OLMo 2's q / k norms), the export gathers the column layers' output (`colwise_gather_output`) and "
-              "splits the row layer's input (`rowwise_split_input`), as transformers' own plans for those classes do."),
+              "splits the row layer's input (`rowwise_split_input`), as transformers' own plans for those classes do. "
+              "torchtitan's llama3 tensor-parallel plan is fixed (q / k / v / gate / up column, o / down row, "
+              "embedding vocab-parallel, head column, one tensor axis): `--to torchtitan` refuses other shards."),
     "E1206": ("export: not exported", "A part of the plan the export does not write, which would otherwise be "
               "dropped silently: activation recomputation, data parallelism without ZeRO 2 / 3 (wrap the model in "
-              "DistributedDataParallel yourself), or ZeRO over other axes than the batch's (hybrid sharding)."),
+              "DistributedDataParallel yourself), or ZeRO over other axes than the batch's (hybrid sharding). For `--to torchtitan`: "
+              "`recompute = attention` or `every N` (torchtitan has full and selective AC), the fp8_tensorwise "
+              "recipe (torchtitan 0.3's float8 converter is rowwise), part of a block kept in bf16, or an axis "
+              "with no role torchtitan has a degree for."),
     "W1201": ("tp_plan gathers the logits", "transformers computes its loss on full logits, so a head that "
               "meshc keeps vocab-sharded for a vocab-parallel loss is exported as `colwise_gather_output`: the "
               "same loss, with each rank holding the full logits. `--to dtensor` keeps them sharded."),

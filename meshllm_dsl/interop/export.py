@@ -588,6 +588,8 @@ def export_plan(plan: PlanIR, decls: Declarations | None, target: str, source_pa
                 source_text: str, weights: str | None = None) -> tuple[str, tuple[Diagnostic, ...]]:
     """(file text, warnings) of `plan` exported to `target` (as the class of `weights`' config.json
     when given); SpecError with every refusal."""
+    if target not in TARGETS:  # --to torchtitan writes two files: interop/torchtitan.py's export_torchtitan
+        raise ValueError(f"export_plan writes {' or '.join(TARGETS)}, not {target}")
     exp = analyze(plan, decls, target, weights)
     text = render_dtensor(exp, source_path, source_text) if target == "dtensor" else render_tp_plan(exp)
     return text, exp.warnings

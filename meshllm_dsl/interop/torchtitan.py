@@ -1,0 +1,402 @@
+"""`meshc export --to torchtitan`: a checked plan as the command line torchtitan 0.3 runs.
+
+torchtitan 0.3's `ConfigManager` takes `--module M --config F` (F a config_registry function of module
+M, which may be any importable module) and `--section.key value` overrides; there is no TOML. The
+export writes both: a shell file with the `torchrun ... -m torchtitan.train` line, one flag a line,
+and next to it a Python module whose config_registry function builds the plan's Llama with
+torchtitan's own classes (and its float8 converter), since neither the model's dimensions nor a
+model converter is a command-line flag there. Everything comes from the checked `PlanIR`; what
+torchtitan cannot express is a located diagnostic (E1201-E1206), never a silently different plan.
+"""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from meshllm_dsl import primitives
+from meshllm_dsl.codes import E1201, E1202, E1203, E1204, E1205, E1206
+from meshllm_dsl.diagnostics import Diagnostic, SpecError
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.load import Declarations
+from meshllm_dsl.interop.export import (
+    _Findings,
+    _matmul_span,
+    _plan_decl,
+    _seq_span,
+    _setting_span,
+    _stmt_span,
+    _zero_span,
+)
+from meshllm_dsl.ir import PlanIR, Repeat
+
+TORCHTITAN = "0.3"
+TARGET = "torchtitan"  # meshc export's --to beside export.TARGETS
+
+# meshllm's schedule -> torch.distributed.pipelining's name (get_schedule_class), which torchtitan takes.
+SCHEDULES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved_1f1b": "Interleaved1F1B",
+    "looped_bfs": "LoopedBFS",
+    "interleaved_zb": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
+
+# torchtitan's llama3 (models/llama3): RMSNorm, SwiGLU, GQA, RoPE, untied head, no biases.
+_LLAMA_FIXED = (
+    ("attn_bias", False, "biases on q / k / v"),
+    ("attn_out_bias", False, "a bias on the attention output"),
+    ("tie_embeddings", False, "tied embeddings"),
+    ("window", 0, "sliding-window attention"),
+)
+
+
+@attrs.frozen
+class TitanExport:
+    """What the two files say, decided once."""
+
+    flags: tuple[tuple[str, str | None], ...]  # (--section.key, value or None for a bare flag)
+    subcommand: str  # activation-checkpoint:full / selective / none
+    nproc: int
+    model: dict[str, Any]  # the config_registry function's arguments
+    converter: str | None  # the float8 converter's constructor expression, or None
+
+
+# torchtitan's llama3 tensor-parallel plan (models/llama3/parallelize.py), in the plan's leaf names.
+_TOP_RULES = {"embed": "vocab_parallel", "norm": "replicate", "lm_head": "column"}
+_BLOCK_RULES = {"attn_norm": "replicate", "mlp_norm": "replicate", "attn.q": "column", "attn.k": "column",
+                "attn.v": "column", "attn.o": "row", "mlp.gate": "column", "mlp.up": "column", "mlp.down": "row"}
+
+
+def _class_placements_ok(found: _Findings) -> None:
+    """torchtitan's llama3 tensor-parallel plan is fixed (Megatron: q / k / v / gate / up column, o / down
+    row, embedding vocab-parallel and head column over the tensor axis): a plan whose shards differ is
+    refused, never exported as torchtitan's."""
+    plan = found.plan
+    if not plan.roles.tensor:
+        return
+    if len(plan.roles.tensor) > 1:
+        found.refuse(E1205, f"torchtitan has one tensor-parallel mesh dimension, but this plan shards over "
+                     f"{' and '.join(plan.roles.tensor)}", plan.span, label="several tensor axes",
+                     help="shard every layer over one tensor axis")
+        return
+    axis = plan.roles.tensor
+    got = [(path, p, _TOP_RULES.get(path)) for path, p in plan.top_placements]
+    for bc in plan.block_classes:
+        got += [(f"blocks.{bc.indices[0]}.{path}", p, _BLOCK_RULES.get(path)) for path, p in bc.placements]
+    for path, p, want in got:
+        if want is None:
+            continue
+        ok = p.rule == want and (tuple(p.axes) == tuple(axis) if want != "replicate" else not p.sharded)
+        if not ok:
+            rule = f"{p.rule}({', '.join(p.axes)})" if p.axes else p.rule
+            found.refuse(E1205, f"`{path}` is {rule}, but torchtitan's llama3 tensor-parallel plan makes it "
+                         f"{want}" + (f"({axis[0]})" if want != "replicate" else ""), p.span or plan.span,
+                         label="torchtitan's TP plan is fixed",
+                         help="shard q / k / v / gate / up column, o / down row, embed vocab_parallel and "
+                              "lm_head column over the tensor axis (or export without tensor parallelism)")
+            return
+
+
+def _model(found: _Findings) -> dict[str, Any] | None:
+    plan = found.plan
+    m = plan.model
+    span = m.span or plan.span
+    routes = any(primitives.of(u).routes_experts
+                 for item in m.items for u in (item.body if isinstance(item, Repeat) else (item,)))
+    if m.family != "llama" or routes:
+        what = "mixture-of-experts layers" if routes else f"the `{m.family or 'primitives'}` family"
+        found.refuse(E1204, f"model `{m.name}` ({what}) is not exported to torchtitan",
+                     span, label="no torchtitan model for this",
+                     help="export a model of the `llama` family (torchtitan's llama3 module)")
+        return None
+    v = dict(m.values)
+    for key, want, what in _LLAMA_FIXED:
+        if v.get(key, want) != want:
+            found.refuse(E1204, f"model `{m.name}` has {what}, which torchtitan's llama3 does not",
+                         span, label=f"`{key}` = {v.get(key)}", help=f"drop `{key}` to export to torchtitan")
+    if getattr(v.get("qk_norm"), "name", "none") != "none":
+        found.refuse(E1204, f"model `{m.name}` has q / k norms, which torchtitan's llama3 does not",
+                     span, label="`qk_norm`", help="export it without `qk_norm` (torchtitan's qwen3 is not mapped yet)")
+    if v["head_dim"] * v["heads"] != v["hidden"]:
+        found.refuse(E1204, f"model `{m.name}` has head_dim {v['head_dim']} x {v['heads']} heads != hidden "
+                     f"{v['hidden']}", span, label="torchtitan's llama3 derives head_dim = dim / n_heads",
+                     help="drop `head_dim`")
+    if float(v["norm_eps"]) != 1e-5:
+        found.refuse(E1204, f"norm_eps {v['norm_eps']} is not torchtitan's llama3 RMSNorm eps (1e-5)", span,
+                     label="`norm_eps`", help="drop `norm_eps` to export to torchtitan")
+    rope_type = getattr(v.get("rope_type"), "name", str(v.get("rope_type", "default")))
+    if rope_type not in ("default", "llama3"):
+        found.refuse(E1204, f"rope `{rope_type}` is not torchtitan's llama3 rope", span,
+                     label="rope scaling", help="use the default or the llama3 rope")
+    return {
+        "dim": v["hidden"], "n_layers": v["layers"], "n_heads": v["heads"], "n_kv_heads": v["kv_heads"],
+        "hidden_dim": v["ffn"], "vocab_size": v["vocab"], "norm_eps": float(v["norm_eps"]),
+        "theta": float(v["rope_theta"]), "scaling": "llama" if rope_type == "llama3" else "none",
+        "scaling_factor": float(v["rope_factor"]), "low_freq_factor": float(v["rope_low_freq_factor"]),
+        "high_freq_factor": float(v["rope_high_freq_factor"]),
+        "original_max_position_embeddings": int(v["rope_original_positions"]),
+        "max_seq_len": max(plan.seq, 2048),
+    }
+
+
+def _converter(found: _Findings) -> str | None:
+    """torchtitan's float8 model converter for `precision { matmul }`: rowwise (Float8LinearConverter) and
+    mxfp8 (MXFP8LinearConverter); whole blocks kept in bf16 become `filter_fqns`."""
+    plan, decl = found.plan, found.decl
+    f8 = plan.float8
+    if f8 is None:
+        return None
+    span = _matmul_span(decl, plan.span)
+    if f8.recipe == "fp8_tensorwise":
+        found.refuse(E1206, "float8 `fp8_tensorwise` is not a torchtitan 0.3 recipe", span,
+                     label="torchtitan's Float8LinearConverter offers rowwise only",
+                     help="use `matmul = fp8_rowwise` (or `mxfp8`) to export to torchtitan")
+        return None
+    converted = {p.split(".")[1] for p, _ in f8.layers if p.startswith("blocks.")}
+    skipped = {p.split(".")[1] for p, _ in f8.skipped if p.startswith("blocks.")}
+    kept = skipped - converted  # whole blocks in bf16
+    partial = sorted(skipped & converted, key=int)
+    if partial:
+        found.refuse(E1206, f"a part of block {partial[0]} stays in bf16 while the rest is float8", span,
+                     label="torchtitan filters float8 by module name",
+                     help="keep a whole block in bf16 (`precision blocks.N matmul = bf16`) or none of it")
+    filters = [f"layers.{b}" for b in sorted(kept, key=int)] + ["lm_head"]
+    if f8.recipe == "fp8_rowwise":
+        return (f"Float8LinearConverter.Config(recipe_name='rowwise', filter_fqns={filters!r}, "
+                f"model_compile_enabled={plan.compile == 'blocks'})")
+    if f8.recipe == "mxfp8":
+        if kept:
+            found.refuse(E1206, "mxfp8 with blocks kept in bf16 is not exported to torchtitan", span,
+                         label="MXFP8LinearConverter selects by fqns", help="convert every block")
+        return f"MXFP8LinearConverter.Config(fqns=['layers'], model_compile_enabled={plan.compile == 'blocks'})"
+    found.refuse(E1206, f"float8 `{f8.recipe}` is not a torchtitan 0.3 recipe", span, label="recipe",
+                 help="use `fp8_rowwise` or `mxfp8`")
+    return None
+
+
+def analyze(plan: PlanIR, decls: Declarations | None) -> TitanExport:
+    found = _Findings(plan, _plan_decl(decls, plan.name), "torchtitan")
+    decl, refuse = found.decl, found.refuse
+    roles, mesh = plan.roles, plan.mesh
+    flags: list[tuple[str, str | None]] = []
+
+    model = _model(found)
+    _class_placements_ok(found)
+
+    # data parallelism: ZeRO axes -> FSDP shard degree, the other batch axes -> replicate degree
+    replicate = mesh.size(*[a for a in roles.batch if a not in roles.batch_shard]) if roles.batch else 1
+    # torchtitan's FSDP mesh is dp_shard x cp: ZeRO over a context axis is its own, not a shard degree
+    shard_axes = [a for a in roles.batch_shard if a not in roles.context]
+    shard = mesh.size(*shard_axes) if shard_axes else 1
+    if roles.context and (plan.zero < 2 or not set(roles.context) <= set(roles.batch_shard)):
+        refuse(E1203, f"context parallelism over {' x '.join(roles.context)} without ZeRO 2 / 3 over "
+               f"{' x '.join(roles.context)}", _zero_span(decl, _seq_span(decl, plan.span)),
+               label="torchtitan shards the weights over dp_shard x cp",
+               help=f"add the context axes to ZeRO (`zero 3 over ... * {' * '.join(roles.context)}`)")
+    if plan.zero == 1:
+        refuse(E1202, "ZeRO 1 (optimizer states sharded, weights and gradients whole) has no counterpart in "
+               "torchtitan's FSDP2", _zero_span(decl, plan.span), label="zero 1",
+               help="use `zero 2` (reshard_after_forward never) or `zero 3` (always)")
+    tensor = mesh.size(*roles.tensor) if roles.tensor else 1
+    context = mesh.size(*roles.context) if roles.context else 1
+    pipeline = mesh.size(roles.pipeline) if roles.pipeline else 1
+    expert = mesh.size(*roles.expert) if roles.expert else 1
+    if roles.sequence and tuple(roles.sequence) != tuple(roles.tensor):
+        refuse(E1203, f"sequence parallelism over {' x '.join(roles.sequence)} but tensor parallelism over "
+               f"{' x '.join(roles.tensor)}", _seq_span(decl, plan.span), label="torchtitan's SP is over the TP axis",
+               help="split `seq` over the tensor axis")
+    if pipeline * replicate * shard * context * tensor != mesh.devices:
+        used = set(roles.batch) | set(roles.tensor) | set(roles.context) | {roles.pipeline}
+        idle = [a.name for a in mesh.axes if a.name not in used]
+        refuse(E1206, f"the mesh has {mesh.devices} devices but torchtitan's degrees multiply to "
+               f"{pipeline * replicate * shard * context * tensor}" + (f" (axes {', '.join(idle)} hold replicas "
+               "of everything)" if idle else ""), plan.span, label="an axis torchtitan has no degree for",
+               help="give every axis a role (batch, tensor, seq, stages)")
+    flags += [("parallelism.data_parallel_replicate_degree", str(replicate)),
+              ("parallelism.data_parallel_shard_degree", str(shard))]
+    if plan.zero >= 2:
+        flags.append(("parallelism.fsdp_reshard_after_forward", "always" if plan.zero == 3 else "never"))
+    flags.append(("parallelism.tensor_parallel_degree", str(tensor)))
+    if tensor > 1 and not roles.sequence:
+        flags.append(("parallelism.no-enable_sequence_parallel", None))
+    flags.append(("parallelism.context_parallel_degree", str(context)))
+    flags.append(("parallelism.expert_parallel_degree", str(expert)))
+
+    # batch: plan.batch is the global batch; torchtitan's local batch is per data-parallel rank per step
+    dp = replicate * shard
+    flags.append(("parallelism.pipeline_parallel_degree", str(pipeline)))
+    if roles.pipeline is not None:
+        stage_span = _stmt_span(decl, ast.StagesStmt, plan.span)
+        sched = SCHEDULES.get(plan.schedule)
+        if sched is None:
+            refuse(E1201, f"schedule `{plan.schedule}` is not one torchtitan runs", _stmt_span(decl, ast.ScheduleStmt, stage_span),
+                label="pipeline schedule", help=f"use one of {', '.join(SCHEDULES)}")
+        counts = []
+        for stage in plan.stages:
+            n = 0
+            for piece in stage.pieces:
+                if piece.start is not None:
+                    n += piece.stop - piece.start
+            counts.append(n)
+        if len(set(counts)) != 1:
+            refuse(E1201, f"stages of {', '.join(map(str, counts))} blocks: torchtitan's layers per stage are even",
+                   stage_span, label="uneven stages", help="balance the stages so each holds as many blocks")
+        flags += [("parallelism.pipeline_parallel_schedule", sched or plan.schedule),
+                  ("parallelism.pipeline_parallel_layers_per_stage", str(counts[0] if counts else 1)),
+                  ("parallelism.pipeline_parallel_first_stage_less_layers", "0"),
+                  ("parallelism.pipeline_parallel_last_stage_less_layers", "0"),
+                  ("parallelism.pipeline_parallel_microbatch_size", str(max(plan.batch // dp // plan.microbatches, 1))),
+                  ("training.disable_cuda_graphs", None)]
+        local = plan.batch // dp
+    else:
+        local = plan.batch // (dp * plan.microbatches)  # microbatches without stages: gradient accumulation
+    flags += [("training.local_batch_size", str(local)),
+              ("training.global_batch_size", str(plan.batch)),
+              ("training.seq_len", str(plan.seq))]
+    # dtypes: torchtitan trains wholly in training.dtype, or keeps fp32 weights and computes in
+    # mixed_precision_param (FSDP2's MixedPrecisionPolicy, autocast under DDP), reducing in fp32
+    names = {"bf16": "bfloat16", "fp32": "float32"}
+    master = plan.master_dtype or plan.dtype
+    pspan = _stmt_span(decl, ast.PrecisionStmt, plan.span)
+    if plan.dtype not in names or master not in names or (master != plan.dtype and master != "fp32"):
+        refuse(E1206, f"params {plan.dtype} with master weights in {master} is not a torchtitan dtype", pspan,
+               label="torchtitan trains in bfloat16 or float32", help="use bf16 or fp32 params (fp32 master)")
+    elif plan.reduce_dtype not in (None, "fp32") and master != plan.dtype:
+        refuse(E1206, f"gradients reduced in {plan.reduce_dtype} under mixed precision: torchtitan reduces in "
+               "float32", pspan, label="mixed_precision_reduce is float32 only", help="use `reduce = fp32`")
+    else:
+        flags += [("training.dtype", names[master]), ("training.mixed_precision_param", names[plan.dtype])]
+
+    # activation checkpointing
+    rspan = _setting_span(decl, "recompute", plan.span)
+    sub = {"none": "none", "blocks": "full", "ops": "selective"}.get(plan.recompute)
+    if sub is None:
+        refuse(E1206, f"`recompute = {plan.recompute}` has no torchtitan policy", rspan,
+               label="activation recomputation", help="use `recompute = blocks` (full) or `ops` (selective)")
+        sub = "none"
+    elif plan.recompute_every != 1:
+        refuse(E1206, f"`recompute = {plan.recompute} every {plan.recompute_every}` is not a torchtitan 0.3 policy",
+               rspan, label="every N", help="recompute every block")
+
+    # compile
+    if plan.compile == "blocks":
+        flags += [("compile.enable", None), ("compile.components", "model")]
+    converter = _converter(found)
+    if found.errors:
+        raise SpecError(found.errors)
+    assert model is not None
+    return TitanExport(tuple(flags), f"activation-checkpoint:{sub}", mesh.devices, model, converter)
+
+
+def config_name(plan: PlanIR) -> str:
+    return f"meshllm_{plan.name}"
+
+
+def render_config(exp: TitanExport, plan: PlanIR, source_path: str) -> str:
+    """The config_registry module `--module` names: the plan's Llama with torchtitan's classes."""
+    m = exp.model
+    fn = config_name(plan)
+    conv = f"[{exp.converter}]" if exp.converter else "None"
+    text = f'''"""torchtitan {TORCHTITAN} config_registry for plan `{plan.name}` of {source_path} (written by `meshc export`).
+
+`{fn}()` is torchtitan's llama3_debugmodel() (its optimizer, data and schedule settings) with the
+plan's model registered as llama3 flavor `{fn}`; the command line meshc wrote next to it sets the
+parallelism, batch, activation checkpointing and compile. The model is built with torchtitan {TORCHTITAN}'s own
+llama3 helpers (`_build_llama3_layers`, its init tables), which are private: another torchtitan
+version may need the export again. Data, tokenizer (`--hf_assets_path`) and optimizer are the debug
+model's: set them with more flags.
+"""
+
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.quantization import Float8LinearConverter, MXFP8LinearConverter  # noqa: F401
+from torchtitan.models import llama3
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.llama3 import config_registry as _base
+from torchtitan.trainer import Trainer
+
+
+def _model(attn_backend: str = "flex", tp_gemm_backend: str = "default") -> llama3.Llama3Model.Config:
+    dim, n_heads, vocab = {m["dim"]}, {m["n_heads"]}, {m["vocab_size"]}
+    return llama3.Llama3Model.Config(
+        dim=dim,
+        vocab_size=vocab,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=llama3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=llama3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=llama3._output_linear_init(dim)),
+        layers=llama3._build_llama3_layers(
+            n_layers={m["n_layers"]},
+            dim=dim,
+            n_heads=n_heads,
+            n_kv_heads={m["n_kv_heads"]},
+            hidden_dim={m["hidden_dim"]},
+            rope=ComplexRoPE.Config(
+                dim=dim // n_heads,
+                max_seq_len={m["max_seq_len"]},
+                theta={m["theta"]!r},
+                scaling={m["scaling"]!r},
+                scaling_factor={m["scaling_factor"]!r},
+                low_freq_factor={m["low_freq_factor"]!r},
+                high_freq_factor={m["high_freq_factor"]!r},
+                original_max_position_embeddings={m["original_max_position_embeddings"]},
+            ),
+            attn_backend=attn_backend,
+            tp_gemm_backend=tp_gemm_backend,
+        ),
+    )
+
+
+llama3.llama3_configs[{fn!r}] = _model
+
+
+def {fn}() -> Trainer.Config:
+    config = _base.llama3_debugmodel()
+    config.model_spec = llama3.model_registry({fn!r}, converters={conv})
+    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={m["vocab_size"]}))
+    return config
+'''
+    compile(text, "<torchtitan config>", "exec")
+    return text
+
+
+def command_args(exp: TitanExport, module: str, plan: PlanIR) -> list[str]:
+    """The arguments ConfigManager().parse_args takes (after `-m torchtitan.train`)."""
+    args = ["--module", module, "--config", config_name(plan)]
+    for key, value in exp.flags:
+        args.append(f"--{key}")
+        if value is not None:
+            args.append(value)
+    args.append(exp.subcommand)
+    return args
+
+
+def render_command(exp: TitanExport, plan: PlanIR, source_path: str, module: str, digest: str) -> str:
+    lines = [f"--module {shlex.quote(module)}", f"--config {config_name(plan)}"]
+    lines += [f"--{key}" if value is None else f"--{key} {shlex.quote(value)}" for key, value in exp.flags]
+    lines += ['"$@"', exp.subcommand]
+    body = " \\\n  ".join(lines)
+    return (f"#!/bin/sh\n# torchtitan {TORCHTITAN} launch for plan `{plan.name}` of {source_path} "
+            f"(sha256 {digest}), written by `meshc export --to torchtitan`.\n"
+            f"# {module}.py (next to this file) holds the config_registry function `{config_name(plan)}`.\n"
+            f'here="$(cd "$(dirname "$0")" && pwd)"\n'
+            f'PYTHONPATH="$here${{PYTHONPATH:+:$PYTHONPATH}}" \\\n'
+            f"torchrun --nproc_per_node {exp.nproc} -m torchtitan.train \\\n  {body}\n")
+
+
+def export_torchtitan(plan: PlanIR, decls: Declarations | None, source_path: str, source_text: str,
+                      out: Path) -> tuple[dict[Path, str], tuple[Diagnostic, ...]]:
+    """{path: text} of the launch script `out` and its config_registry module; SpecError on refusals."""
+    from meshllm_dsl.interop.export import _digest
+
+    exp = analyze(plan, decls)
+    module = f"{out.stem.replace('-', '_').replace('.', '_')}_config"
+    return ({out: render_command(exp, plan, source_path, module, _digest(source_text)),
+             out.with_name(module + ".py"): render_config(exp, plan, source_path)}, ())
+
+
+__all__ = ["SCHEDULES", "TARGET", "TitanExport", "analyze", "command_args", "export_torchtitan"]
