@@ -31,6 +31,7 @@ EXAMPLE_ROLES = {
     ("tiny_gpt2.mesh", "train"): R(pipeline="pipeline", tensor=("tensor",), sequence=("tensor",), loss=("tensor",)),
     ("tiny_llama.mesh", "train"): R(**DATA_PIPE_TP, batch_shard=("data",)),
     ("tiny_llama_fsdp.mesh", "train"): R(**DATA_PIPE_TP, batch_shard=("data",)),
+    ("tiny_llama_fp8.mesh", "train"): R(**DATA_PIPE_TP, batch_shard=("data",)),
     ("tiny_mixtral.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",)),
     ("tiny_mixtral_experts.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",), expert=("data",)),
     # ZeRO 1 over replica x data (the experts' states over replica, the ranks holding the same ones);
