@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from meshllm_dsl.diagnostics import SpecError, render_all
 
@@ -18,10 +19,7 @@ TARGETS = ("dtensor", "hf-tp-plan", "torchtitan")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from meshllm_dsl.checker import check_declarations
-    from meshllm_dsl.cli.main import existing, select_plans
-    from meshllm_dsl.front.load import load
-    from meshllm_dsl.interop.export import export_plan
+    from meshllm_dsl.cli.main import existing
     from meshllm_dsl.runtime.outputs import check_new_file, write_output
 
     path = existing(args.file)[0]
@@ -29,39 +27,31 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.to == "torchtitan":
         return _torchtitan(args, path, out)
     check_new_file(out, "exported plan" if args.to == "dtensor" else "tp_plan", args.force)
-    decls = load(path)
-    result = check_declarations(decls)
-    if result.diagnostics:
-        print(render_all(result.diagnostics), end="", file=sys.stderr)
-    if not result.ok:
-        return 1
-    name = select_plans(result.plans, path, args.plan)
-    if len(name) > 1:
-        from meshllm_dsl.cli.main import UsageError
+    checked = _checked_plan(args, path)
+    if isinstance(checked, int):
+        return checked
+    plan, decls, text = checked
+    from meshllm_dsl.interop.export import export_plan
 
-        raise UsageError(f"{path} has plans {', '.join(name)}; name one with --plan")
     try:
-        text, warnings = export_plan(result.plans[name[0]], decls, args.to, path, result.text, args.weights)
+        written, warnings = export_plan(plan, decls, args.to, path, text, args.weights)
     except SpecError as err:
         print(render_all(err.diagnostics), end="", file=sys.stderr)
         return 1
     if warnings:
         print(render_all(warnings), end="", file=sys.stderr)
-    write_output(out, text.encode())
+    write_output(out, written.encode())
     print(f"wrote {out}")
     return 0
 
 
-def _torchtitan(args: argparse.Namespace, path: str, out: Path) -> int:
-    """`--to torchtitan`: OUT (the torchrun line) and OUT's stem + `_config.py` (its config_registry)."""
+def _checked_plan(args: argparse.Namespace, path: str) -> tuple[Any, Any, str] | int:
+    """The plan to export (`--plan`, or the file's only one), its declarations and the spec's text;
+    1 after printing the spec's errors. Warnings are printed either way."""
     from meshllm_dsl.checker import check_declarations
     from meshllm_dsl.cli.main import UsageError, select_plans
     from meshllm_dsl.front.load import load
-    from meshllm_dsl.interop.torchtitan import export_torchtitan
-    from meshllm_dsl.runtime.outputs import check_new_file, write_output
 
-    if args.weights:
-        raise UsageError("--weights is for --to dtensor / hf-tp-plan; torchtitan builds its own llama3")
     decls = load(path)
     result = check_declarations(decls)
     if result.diagnostics:
@@ -71,15 +61,30 @@ def _torchtitan(args: argparse.Namespace, path: str, out: Path) -> int:
     name = select_plans(result.plans, path, args.plan)
     if len(name) > 1:
         raise UsageError(f"{path} has plans {', '.join(name)}; name one with --plan")
+    return result.plans[name[0]], decls, result.text
+
+
+def _torchtitan(args: argparse.Namespace, path: str, out: Path) -> int:
+    """`--to torchtitan`: OUT (the torchrun line) and OUT's stem + `_config.py` (its config_registry)."""
+    from meshllm_dsl.cli.main import UsageError
+    from meshllm_dsl.interop.torchtitan import export_torchtitan
+    from meshllm_dsl.runtime.outputs import check_new_file, write_output
+
+    if args.weights:
+        raise UsageError("--weights is for --to dtensor / hf-tp-plan; torchtitan builds its own llama3")
+    checked = _checked_plan(args, path)
+    if isinstance(checked, int):
+        return checked
+    plan, decls, text = checked
     try:
-        files, _ = export_torchtitan(result.plans[name[0]], decls, str(path), result.text, out)
+        files, _ = export_torchtitan(plan, decls, str(path), text, out)
     except SpecError as err:
         print(render_all(err.diagnostics), end="", file=sys.stderr)
         return 1
     for f in files:
         check_new_file(f, "torchtitan launch" if f == out else "torchtitan config_registry", args.force)
-    for f, text in files.items():
-        write_output(f, text.encode())
+    for f, content in files.items():
+        write_output(f, content.encode())
         print(f"wrote {f}")
     return 0
 
