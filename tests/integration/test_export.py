@@ -326,23 +326,29 @@ def test_meshc_run_prints_the_losses_of_the_exported_plan(
     assert losses == pytest.approx(printed, abs=6e-5, rel=0)
 
 
-def test_tp_plan_is_accepted_and_applied_by_transformers(
-    models: dict[str, Any], pool: WorkerPool, tmp_path: Path
-) -> None:
-    directory, hf = models["llama"]
-    out, _ = _export(spec("llama", "tensor2"), "hf-tp-plan")
-    mapping = json.loads(out)
-    # Every key names modules of the model (transformers' wildcard form) and every style is in its table.
+def _valid_tp_plan(hf: Any, out: str, tmp_path: Path) -> Path:
+    """The exported tp_plan JSON `out`, written to a file for the ranks to load, after checking that
+    every key names modules of `hf` (transformers' wildcard form) and every style is in its table."""
     from transformers.distributed.parallel_utils import (
         ALL_PARALLEL_STYLES,
         replace_layer_number_by_wildcard,
     )
 
+    mapping = json.loads(out)
     names = {replace_layer_number_by_wildcard(n) for n, _ in hf.named_modules()}
     assert set(mapping) <= names, set(mapping) - names
     assert all(style in ALL_PARALLEL_STYLES for style in mapping.values())
     plan_path = tmp_path / "tp_plan.json"
     plan_path.write_text(out)
+    return plan_path
+
+
+def test_tp_plan_is_accepted_and_applied_by_transformers(
+    models: dict[str, Any], pool: WorkerPool, tmp_path: Path
+) -> None:
+    directory, hf = models["llama"]
+    out, _ = _export(spec("llama", "tensor2"), "hf-tp-plan")
+    plan_path = _valid_tp_plan(hf, out, tmp_path)
     tokens = _tokens()
     logits, sharded, _ = pool.run(tp_plan_job, 2, str(plan_path), str(directory), tokens)[0]
     with torch.no_grad():
@@ -380,11 +386,6 @@ FAMILY_PLANS = [
 def test_tp_plan_of_each_family_gives_unsharded_logits_in_transformers(
     kind: str, from_weights: bool, entries: dict[str, str], pool: WorkerPool, tmp_path: Path
 ) -> None:
-    from transformers.distributed.parallel_utils import (
-        ALL_PARALLEL_STYLES,
-        replace_layer_number_by_wildcard,
-    )
-
     directory = tmp_path / kind
     hf = build_hf(kind, directory)  # weights redrawn away from HF's init
     decls = load(f"{kind}.mesh", spec(kind, "tensor2"))
@@ -394,11 +395,7 @@ def test_tp_plan_of_each_family_gives_unsharded_logits_in_transformers(
                          str(directory) if from_weights else None)
     mapping = json.loads(out)
     assert entries.items() <= mapping.items(), mapping
-    names = {replace_layer_number_by_wildcard(n) for n, _ in hf.named_modules()}
-    assert set(mapping) <= names, set(mapping) - names
-    assert all(style in ALL_PARALLEL_STYLES for style in mapping.values())
-    plan_path = tmp_path / "tp_plan.json"
-    plan_path.write_text(out)
+    plan_path = _valid_tp_plan(hf, out, tmp_path)
     tokens = _tokens()
     logits, sharded, grads = pool.run(tp_plan_job, 2, str(plan_path), str(directory), tokens)[0]
     with torch.enable_grad():
