@@ -381,6 +381,12 @@ def _block_class(plan: PlanIR, rep: Repeat, cls: BlockClass, name: str) -> Class
     return ClassDef(name, doc, w.group_lines() + init, "x: torch.Tensor", forward, params)
 
 
+def _class_stem(repeat: str) -> str:
+    """The generated block class of a repeat among several: `dense` -> DenseBlock, `moe_blocks` -> MoeBlock."""
+    stem = "".join(part.capitalize() for part in repeat.split("_") if part)
+    return stem[: -len("Blocks")] + "Block" if stem.endswith("Blocks") else stem if stem.endswith("Block") else stem + "Block"
+
+
 def _per_block_variants(rep: Repeat, classes: tuple[BlockClass, ...]) -> list[BlockClass]:
     """The block classes split where blocks of one class print differently (a sliding window on
     some blocks only, alternating: a record's block_variant), in block order."""
@@ -415,7 +421,7 @@ def _block_loop(plan: PlanIR, name: str, stream: str) -> list[Line]:
             Line("        x = block(x)", stream)]
 
 
-def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> ClassDef:
+def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[str, dict[int, str]]) -> ClassDef:
     groups: dict[tuple[str, ...], str] = {}
     w = _UnitWriter(plan, groups)
     top = dict(plan.top_placements)
@@ -438,13 +444,14 @@ def _stage_class(plan: PlanIR, stage: Stage, block_names: dict[int, str]) -> Cla
         item = model.item(pc.item)
         if isinstance(item, Repeat):
             assert pc.start is not None and pc.stop is not None
-            runs = _class_runs(block_names, pc.start, pc.stop)
+            names = block_names[item.name]
+            runs = _class_runs(names, pc.start, pc.stop)
             if len(runs) == 1:
                 (cls_name, a, b), = runs
                 init.append(Line(f"self.{item.name} = nn.ModuleDict({{str(i): {cls_name}(mesh) for i in {_range(a, b)}}})",
                                  f"blocks {a} to {b - 1} of {item.count}"))
             else:
-                entries = ", ".join(f'"{i}": {block_names[i]}(mesh)' for i in range(pc.start, pc.stop))
+                entries = ", ".join(f'"{i}": {names[i]}(mesh)' for i in range(pc.start, pc.stop))
                 init.append(Line(f"self.{item.name} = nn.ModuleDict({{{entries}}})",
                                  f"blocks {pc.start} to {pc.stop - 1} of {item.count}"))
             stream = f"[b, s/{plan.sequence_size}, {hidden}] Shard(seq)" if plan.roles.sequence else f"[b, s, {hidden}]"
@@ -582,15 +589,16 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         f"Run: torchrun --nproc-per-node {mesh.devices} THIS_FILE --steps 10",
     ]
     classes: list[ClassDef] = []
-    block_names: dict[int, str] = {}
-    rep = plan.model.repeat
-    if rep is not None:
-        block_classes = _per_block_variants(rep, plan.block_classes)
+    block_names: dict[str, dict[int, str]] = {}  # repeat -> block -> its class
+    reps = plan.model.repeats
+    for rep in reps:
+        block_classes = _per_block_variants(rep, plan.classes_of(rep.name))
+        stem = "Block" if len(reps) == 1 else _class_stem(rep.name)
         for k, cls in enumerate(block_classes):
-            name = f"Block{k}" if len(block_classes) > 1 else "Block"
+            name = f"{stem}{k}" if len(block_classes) > 1 else stem
             classes.append(_block_class(plan, rep, cls, name))
             for i in cls.indices:
-                block_names[i] = name
+                block_names.setdefault(rep.name, {})[i] = name
     stage_classes = [_stage_class(plan, s, block_names) for s in plan.stages]
     classes += stage_classes
     loss = _loss_lines(plan)

@@ -121,19 +121,20 @@ class Float8Plan:
         """The layers as path patterns -> recipe, folded over the blocks: `blocks.*.attn.q` where every
         block's layer runs the same recipe, `blocks.{1,2,3}.attn.q` where some do (`precision blocks.0
         ...`); what the generated module hands the runtime (`Program.float8`) and `meshc explain` prints."""
-        rep = model.repeat
-        blocks: dict[tuple[str, str], list[str]] = {}  # (path in the block, recipe) -> block indices
+        reps = {r.name: r for r in model.repeats}
+        # (repeat, path in the block, recipe) -> block indices
+        blocks: dict[tuple[str, str, str], list[str]] = {}
         out: dict[str, str] = {}
         for path, recipe in self.layers:
             parts = path.split(".")
-            if rep is not None and parts[0] == rep.name and parts[1].isdigit():
-                blocks.setdefault((".".join(parts[2:]), recipe), []).append(parts[1])
+            if parts[0] in reps and parts[1].isdigit():
+                blocks.setdefault((parts[0], ".".join(parts[2:]), recipe), []).append(parts[1])
             else:
                 out[path] = recipe
-        assert rep is not None or not blocks
-        for (rest, recipe), indices in blocks.items():
-            which = "*" if len(indices) == rep.count else indices[0] if len(indices) == 1 else "{" + ",".join(indices) + "}"  # type: ignore[union-attr]
-            out[f"{rep.name}.{which}.{rest}"] = recipe  # type: ignore[union-attr]
+        for (name, rest, recipe), indices in blocks.items():
+            which = ("*" if len(indices) == reps[name].count else indices[0] if len(indices) == 1
+                     else "{" + ",".join(indices) + "}")
+            out[f"{name}.{which}.{rest}"] = recipe
         return out
 
 
@@ -260,6 +261,8 @@ class Leaf:
     out_units: tuple[ShardUnit, ...] = ()  # what a column / vocab_parallel rule splits
     tie: str | None = None  # path of the layer whose weight this layer uses
     span: Span | None = attrs.field(eq=False, default=None)
+    # The repeat whose blocks hold it (None at top level): two repeats' same-named layers are two leaves.
+    repeat: str | None = None
 
     @property
     def shardable(self) -> bool:
@@ -326,8 +329,24 @@ class ModelIR:
         return next((i for i in self.items if i.name == name), None)
 
     @property
-    def repeat(self) -> Repeat | None:
-        return next((i for i in self.items if isinstance(i, Repeat)), None)
+    def repeats(self) -> tuple[Repeat, ...]:
+        """The model's block stacks in order: one for most models, several where blocks differ in kind
+        (DeepSeek-V3's dense first blocks, then its moe blocks); they follow one another."""
+        return tuple(i for i in self.items if isinstance(i, Repeat))
+
+    @property
+    def blocks(self) -> int:
+        """Blocks over every repeat."""
+        return sum(r.count for r in self.repeats)
+
+    def block_offset(self, repeat: str) -> int:
+        """The model-wide number of block 0 of `repeat` (HF's `layers.{i}` counts over every repeat)."""
+        offset = 0
+        for r in self.repeats:
+            if r.name == repeat:
+                return offset
+            offset += r.count
+        raise KeyError(repeat)
 
     def leaves(self) -> Iterator[tuple[Item, Unit, Leaf]]:
         """Every leaf template with its item and unit (a repeat's leaves once, not per block)."""
@@ -434,6 +453,7 @@ class UnitFlow:
 class BlockClass:
     """Blocks of a repeat that share every placement (so one generated class serves them)."""
 
+    repeat: str  # the repeat whose blocks these are
     indices: tuple[int, ...]
     placements: tuple[tuple[str, Placement], ...]  # leaf path "attn.q" -> placement
     flows: tuple[tuple[str, UnitFlow], ...]  # unit name -> flow
@@ -530,21 +550,25 @@ class PlanIR:
         """Ranks every sequence is split over through the whole model (1 without context parallelism)."""
         return self.mesh.size(*self.roles.context)
 
-    def block_class(self, index: int) -> BlockClass:
+    def block_class(self, repeat: str, index: int) -> BlockClass:
+        """The class of block `index` of `repeat`."""
         for cls in self.block_classes:
-            if index in cls.indices:
+            if cls.repeat == repeat and index in cls.indices:
                 return cls
-        raise KeyError(index)
+        raise KeyError((repeat, index))
+
+    def classes_of(self, repeat: str) -> tuple[BlockClass, ...]:
+        return tuple(c for c in self.block_classes if c.repeat == repeat)
 
     def placement(self, path: str) -> Placement:
         """Placement of a full leaf path such as `blocks.3.attn.q` or `lm_head`."""
         top = dict(self.top_placements)
         if path in top:
             return top[path]
-        repeat = self.model.repeat
-        if repeat is not None and path.startswith(repeat.name + "."):
-            _, index, rest = path.split(".", 2)
-            return self.block_class(int(index)).placement(rest)
+        name, _, tail = path.partition(".")
+        if tail and any(r.name == name for r in self.model.repeats):
+            index, rest = tail.split(".", 1)
+            return self.block_class(name, int(index)).placement(rest)
         raise KeyError(path)
 
     def local_shape(self, tensor: Tensor, placement: Placement) -> tuple[int, ...]:

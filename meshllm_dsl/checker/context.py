@@ -35,7 +35,6 @@ class PlanContext(Resolver):
         self.mesh = mesh
         self.model = model
         self.failed = False
-        self.repeat = model.repeat
         self.reported: set[tuple[int, str]] = set()  # divisibility errors already given, per rule
         self.by_leaf: dict[Leaf, list[_Match]] = {}  # every rule's matches (set by placements)
         self.claimed: set[Leaf] = set()  # leaves matched by a rule that was rejected

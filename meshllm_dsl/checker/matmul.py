@@ -48,7 +48,7 @@ class MatmulRules(PlanContext):
             self.error(E0203, "unknown `compile` mode", v.span, label="not a compile mode",
                        help=f"use {or_list(COMPILES)}: `blocks` compiles each block of the repeat with torch.compile")
             return "none"
-        if v.value == "blocks" and self.model.repeat is None:
+        if v.value == "blocks" and not self.model.repeats:
             self.error(E0309, f"`compile = blocks` in a model without a repeat: `{self.model.name}` has no blocks",
                        v.span, label="nothing to compile", help="use `compile = none` (or leave it out)")
             return "none"
@@ -274,10 +274,10 @@ class MatmulRules(PlanContext):
     def _local_weight(self, full: str, leaf: Leaf, top: Mapping[str, Placement],
                       classes: tuple[BlockClass, ...]) -> tuple[int, int]:
         weight = leaf.params[0]
-        repeat = self.model.repeat
-        if repeat is not None and full.startswith(repeat.name + "."):
-            index = int(full.split(".")[1])
-            cls = next(c for c in classes if index in c.indices)
+        name, _, tail = full.partition(".")
+        if tail and any(r.name == name for r in self.model.repeats):
+            index = int(tail.split(".")[0])
+            cls = next(c for c in classes if c.repeat == name and index in c.indices)
             p = cls.placement(".".join(leaf.path))
         else:
             p = top.get(full, REPLICATE)

@@ -32,17 +32,19 @@ class MemoryRules(PlanContext):
                             "outputs and every other matmul output (torchtitan's selective op)")
             return "none", 1
         region = v.value
-        rep = self.model.repeat
+        reps = self.model.repeats
+        # `every N` counts within each repeat: its blocks N - 1, 2 N - 1, ...
+        most = max((r.count for r in reps), default=0)
         every = self._recompute_every(given, region)
-        if region in ("blocks", "ops") and rep is None:
+        if region in ("blocks", "ops") and not reps:
             self.error(E0409, f"`recompute = {region}` needs a repeated block stack", v.span,
                        label="no blocks to recompute", help=f"model `{self.model.name}` has no `repeat`: remove the setting")
-        elif rep is not None and every > rep.count:
+        elif reps and every > most:
             assert given.every is not None
-            self.error(E0409, f"`every {every}` recomputes none of the {rep.count} blocks", given.every.span,
-                       label=f"more than the {rep.count} blocks",
-                       help=f"recompute every block with `recompute = {region}`, or every n-th with n from 1 to {rep.count}")
-        elif region == "attention" and (rep is None or not any(primitives.of(u).recomputed_core for u in rep.body)):
+            self.error(E0409, f"`every {every}` recomputes none of the {most} blocks", given.every.span,
+                       label=f"more than the {most} blocks",
+                       help=f"recompute every block with `recompute = {region}`, or every n-th with n from 1 to {most}")
+        elif region == "attention" and not any(primitives.of(u).recomputed_core for r in reps for u in r.body):
             self.error(E0409, "`recompute = attention` needs attention inside the repeated blocks", v.span,
                        label="no attention to recompute",
                        help=f"model `{self.model.name}` has no attention in a `repeat`: use `recompute = blocks` or remove the setting")
@@ -71,8 +73,7 @@ class MemoryRules(PlanContext):
         if entry is None or not self.seq_axes:  # (context parallelism alone)
             return
         axes, text = self.seq_axes, " x ".join(self.seq_axes)
-        rep = self.model.repeat
-        if rep is None or not any(primitives.of(u).sublayer for u in rep.body):
+        if not any(primitives.of(u).sublayer for r in self.model.repeats for u in r.body):
             self.error(E0410, "sequence parallelism needs tensor-parallel blocks", entry.span,
                        label="no blocks to shard along the sequence",
                        help=f"model `{self.model.name}` has no attention or mlp in a `repeat`: remove `seq -> {' * '.join(axes)}`")

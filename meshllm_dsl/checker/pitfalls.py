@@ -17,10 +17,10 @@ class PitfallRules(PlanContext):
         """Pitfalls of a valid plan: a split that splits nothing (W0705), splits too fine (W0706), or a
         sharding group larger than a host when the mesh does not say how many hosts (W0707)."""
         placed: list[tuple[str, Leaf | None, Placement]] = [(k, self._top_leaf(k), p) for k, p in top.items()]
-        rep = self.repeat
+        counts = {r.name: r.count for r in self.model.repeats}
         for c in classes:
-            which = "*" if rep is not None and len(c.indices) == rep.count else _blocks_text(c.indices)
-            placed += [(f"{rep.name}.{which}.{path}", self._block_leaf(path), p) for path, p in c.placements]  # type: ignore[union-attr]
+            which = "*" if len(c.indices) == counts[c.repeat] else _blocks_text(c.indices)
+            placed += [(f"{c.repeat}.{which}.{path}", self._block_leaf(c.repeat, path), p) for path, p in c.placements]
         warned: set[tuple[str, object]] = set()
         for path, leaf, p in placed:
             if leaf is None or not p.sharded or not leaf.params:
@@ -55,9 +55,9 @@ class PitfallRules(PlanContext):
         return next((leaf for item, _, leaf in self.model.leaves() if not isinstance(item, Repeat)
                      and ".".join(leaf.path) == path), None)
 
-    def _block_leaf(self, path: str) -> Leaf | None:
+    def _block_leaf(self, repeat: str, path: str) -> Leaf | None:
         return next((leaf for item, _, leaf in self.model.leaves() if isinstance(item, Repeat)
-                     and ".".join(leaf.path) == path), None)
+                     and item.name == repeat and ".".join(leaf.path) == path), None)
 
     def axis_usage(self, top: dict[str, Placement], classes: tuple[BlockClass, ...], pipeline_axis: str | None,
                    batch_axes: tuple[str, ...], context_axes: tuple[str, ...] = ()) -> None:

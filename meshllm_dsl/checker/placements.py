@@ -328,10 +328,10 @@ class PlacementRules(PlanContext):
 
     def path_help(self, path: ast.Path) -> str:
         segs = path.segments
-        rep = self.repeat
-        if rep is not None and segs and _seg_matches(segs[0], rep.name) and len(segs) > 1 and segs[1].kind == "index":
-            if segs[1].index >= rep.count:
-                return f"`{rep.name}` has {rep.count} blocks, numbered 0 to {rep.count - 1}"
+        for rep in self.model.repeats:
+            if segs and _seg_matches(segs[0], rep.name) and len(segs) > 1 and segs[1].kind == "index":
+                if segs[1].index >= rep.count:
+                    return f"`{rep.name}` has {rep.count} blocks, numbered 0 to {rep.count - 1}"
         # A pattern naming a composite (attention, mlp): list its layers.
         text = str(path)
         for item, unit, _leaf in self.model.leaves():
@@ -357,8 +357,9 @@ class PlacementRules(PlanContext):
             return attrs.evolve(p, experts=self.expert_axes) if p is not None and leaf in expert_leaves else p
         top: dict[str, Placement] = {}
         missing_rules: list[tuple[Leaf, Unit, str, str]] = []
-        per_leaf_default: dict[tuple[str, ...], Placement] = {}
-        per_leaf_exceptions: dict[tuple[str, ...], dict[int, Placement]] = {}
+        # per repeat: a leaf's path in the block -> its placement in most blocks, and per block where it differs
+        per_leaf_default: dict[str, dict[tuple[str, ...], Placement]] = {r.name: {} for r in self.model.repeats}
+        per_leaf_exceptions: dict[str, dict[tuple[str, ...], dict[int, Placement]]] = {r.name: {} for r in self.model.repeats}
         for item, _unit, leaf in self.model.leaves():
             ms = by_leaf.get(leaf, [])
             in_repeat = isinstance(item, Repeat)
@@ -376,8 +377,8 @@ class PlacementRules(PlanContext):
                     if missing:
                         pattern = f"{item.name}.{'*' if len(missing) == item.count else missing[0]}.{full}"
                         missing_rules.append((leaf, _unit, f"{item.name}.{_blocks_text(missing)}.{full}", pattern))
-                per_leaf_default[leaf.path] = default or REPLICATE
-                per_leaf_exceptions[leaf.path] = exceptions
+                per_leaf_default[item.name][leaf.path] = default or REPLICATE
+                per_leaf_exceptions[item.name][leaf.path] = exceptions
                 placements = [default or REPLICATE, *exceptions.values()]
             else:
                 if not ms and any_rules and leaf.shardable and leaf not in self.claimed and leaf not in expert_leaves:
@@ -389,7 +390,8 @@ class PlacementRules(PlanContext):
         self.uncovered(missing_rules, by_leaf)
         self.unplaced = bool(missing_rules)
         self.tied(top)
-        classes = self.block_classes(per_leaf_default, per_leaf_exceptions)
+        classes = tuple(cls for rep in self.model.repeats
+                        for cls in self.block_classes(rep, per_leaf_default[rep.name], per_leaf_exceptions[rep.name]))
         return top, classes
 
     def overlaps(self, leaf: Leaf, ms: list[_Match], item: object) -> None:
@@ -587,10 +589,8 @@ class PlacementRules(PlanContext):
                                  f"make `{leaf.tie}` `vocab_parallel({', '.join(mine.axes)})` to split the same vocabulary rows as `{leaf.name}`, or replicate both"),
                            suggestions=_tie_fixes(mine, theirs))
 
-    def block_classes(self, default: dict[tuple[str, ...], Placement], exceptions: dict[tuple[str, ...], dict[int, Placement]]) -> tuple[BlockClass, ...]:
-        rep = self.repeat
-        if rep is None:
-            return ()
+    def block_classes(self, rep: Repeat, default: dict[tuple[str, ...], Placement],
+                      exceptions: dict[tuple[str, ...], dict[int, Placement]]) -> tuple[BlockClass, ...]:
         special = sorted({b for ex in exceptions.values() for b in ex})
         combos: dict[tuple[tuple[str, Placement], ...], list[int]] = {}
         base = tuple((".".join(p), pl) for p, pl in default.items())
@@ -610,7 +610,7 @@ class PlacementRules(PlanContext):
             which = "*" if len(idx) == rep.count else str(idx[0]) if len(idx) == 1 else _blocks_text(sorted(idx))
             flows = block_flows(rep, dict(key), reporter, f"{rep.name}.{which}", self.seq_axes,
                                 self.seq_entry.span if self.seq_entry else None)
-            classes.append(BlockClass(tuple(sorted(idx)), key, tuple(flows)))
+            classes.append(BlockClass(rep.name, tuple(sorted(idx)), key, tuple(flows)))
         return tuple(classes)
 
     # -- loss

@@ -4,6 +4,7 @@ and the balance of parameters across stages (W0701)."""
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Iterable, Sequence
 
 import attrs
@@ -301,31 +302,38 @@ class StageRules(PlanContext):
         head costs several blocks (Megatron's `Et|(tt|)*30mL` layouts, torchtitan's fewer layers on
         the first and last stage). Without such layers every stage gets the same share."""
         count = p * virtual
-        rep = self.repeat
-        if rep is None:
+        reps = self.model.repeats
+        if not reps:
             self.error(E0608, "`balanced` needs a repeated block stack to split", stmt.span,
                        label="no repeat in this model", help="list the stages explicitly")
             return ()
         order = [i.name for i in self.model.items]
-        ri = order.index(rep.name)
+        ri, rj = order.index(reps[0].name), order.index(reps[-1].name)  # the repeats follow one another
+        n_blocks = sum(r.count for r in reps)
         # The first and the last stage hold other layers too: they may go without a block.
-        least = [0 if (k == 0 and ri > 0 or k == count - 1 and ri < len(order) - 1) else 1 for k in range(count)]
-        if rep.count < sum(least):
+        least = [0 if (k == 0 and ri > 0 or k == count - 1 and rj < len(order) - 1) else 1 for k in range(count)]
+        if n_blocks < sum(least):
             spare = count - sum(least)  # stages that hold other layers
-            most = max((d for d in range(1, p + 1) if d * virtual - min(spare, 2) <= rep.count), default=1)
-            self.error(E0608, f"{rep.count} blocks cannot fill {count} stages", stmt.span,
+            most = max((d for d in range(1, p + 1) if d * virtual - min(spare, 2) <= n_blocks), default=1)
+            self.error(E0608, f"{n_blocks} blocks cannot fill {count} stages", stmt.span,
                        label=f"{axis} = {p}" + (f" x virtual {virtual}" if virtual > 1 else ""),
                        secondary=self.axis_label(axis),
                        help=f"every stage that holds no other layer needs a block: use a `{axis}` of at most {most}"
                        + (f" with virtual {virtual}" if virtual > 1 else "") + ", or list the stages explicitly")
             return ()
         cost = {i.name: primitives.of(i).flops_per_token(i, seq) for i in self.model.items if isinstance(i, Unit)}
-        block = sum(primitives.of(u).flops_per_token(u, seq) for u in rep.body)
         fixed = [0] * count
         fixed[0] += sum(cost.get(n, 0) for n in order[:ri])
-        fixed[-1] += sum(cost.get(n, 0) for n in order[ri + 1 :])
+        fixed[-1] += sum(cost.get(n, 0) for n in order[rj + 1 :])
         coords = [stage_coord(k, p, placement) for k in range(count)]
-        per = _split_blocks(rep.count, fixed, block, coords, least)
+        if len(reps) == 1:
+            block = sum(primitives.of(u).flops_per_token(u, seq) for u in reps[0].body)
+            per = _split_blocks(n_blocks, fixed, block, coords, least)
+        else:  # blocks of different kinds (dense first blocks, then moe ones): each weighs its own work
+            per = _split_weighted([sum(primitives.of(u).flops_per_token(u, seq) for u in r.body)
+                                   for r in reps for _ in range(r.count)], fixed, least)
+        # The model's blocks in order as (repeat, index in it).
+        seq_blocks = [(r.name, i) for r in reps for i in range(r.count)]
         stages = []
         top_placeholder: dict[str, Placement] = {}
         first = 0
@@ -333,11 +341,13 @@ class StageRules(PlanContext):
             pieces = []
             if k == 0:
                 pieces += [StagePiece(n) for n in order[:ri]]
-            if per[k]:
-                pieces.append(StagePiece(rep.name, first, first + per[k]))
+            mine = seq_blocks[first : first + per[k]]
+            for name in dict.fromkeys(n for n, _ in mine):  # one piece per repeat the range crosses
+                held = [i for n, i in mine if n == name]
+                pieces.append(StagePiece(name, held[0], held[-1] + 1))
             first += per[k]
             if k == count - 1:
-                pieces += [StagePiece(n) for n in order[ri + 1 :]]
+                pieces += [StagePiece(n) for n in order[rj + 1 :]]
             stages.append(Stage(k, coords[k], tuple(pieces), self.stage_numel(pieces, top_placeholder)))
         # No W0701 here: the map evens out compute by construction, and the parameters an embedding
         # or a head add there are memory, which the planner weighs per rank (W0806).
@@ -389,9 +399,9 @@ class StageRules(PlanContext):
         before the repeat on the first stage, those after it on the last, as every valid map has
         them), and the blocks per stage that reach it; None where that model does not apply (no
         repeat, interleaved stages, layers outside the blocks split across stages)."""
-        rep = self.repeat
-        if rep is None or len({s.coord for s in stages}) != len(stages):
-            return None
+        if len(self.model.repeats) != 1 or len({s.coord for s in stages}) != len(stages):
+            return None  # (blocks of several kinds: no whole-block map is proposed)
+        rep = self.model.repeats[0]
         order = [i.name for i in self.model.items]
         ri = order.index(rep.name)
         blocks = []
@@ -439,8 +449,7 @@ class StageRules(PlanContext):
         return max(c * b + e for c, e in zip(counts, extra)), counts
 
     def stage_map_text(self, counts: list[int]) -> str:
-        rep = self.repeat
-        assert rep is not None
+        rep = self.model.repeats[0]
         order = [i.name for i in self.model.items]
         ri = order.index(rep.name)
         parts, start = [], 0
@@ -480,6 +489,34 @@ def _longest_ordered(keys: Sequence[tuple[int, int]]) -> set[int]:
         out.add(i)
         i = parent[i]
     return out
+
+
+def _split_weighted(costs: Sequence[int], fixed: Sequence[int], least: Sequence[int]) -> list[int]:
+    """Blocks per stage for blocks of different work `costs` (in model order; each stage a contiguous
+    run of them, at least `least[k]`): a split whose busiest stage (`fixed[k]`: its other layers'
+    work) is least. Dynamic programming over (stages, blocks placed), O(stages x blocks^2): a greedy
+    fill is not optimal once a stage must take a block. With interleaved stages a rank's work is the
+    sum of its stages': evening the stages evens the ranks."""
+    n, m = len(costs), len(fixed)
+    prefix = list(itertools.accumulate(costs, initial=0))
+    inf = float("inf")
+    best: list[list[float]] = [[inf] * (n + 1) for _ in range(m + 1)]  # [k][i]: k stages hold blocks 0..i-1
+    choice = [[0] * (n + 1) for _ in range(m + 1)]
+    best[0][0] = 0
+    for k in range(1, m + 1):
+        for i in range(n + 1):
+            for j in range(i - least[k - 1] + 1):
+                if best[k - 1][j] == inf:
+                    continue
+                load = max(best[k - 1][j], fixed[k - 1] + prefix[i] - prefix[j])
+                if load < best[k][i]:
+                    best[k][i], choice[k][i] = load, j
+    assert best[m][n] < inf  # the caller checked there are blocks enough for every stage
+    per, i = [0] * m, n
+    for k in range(m, 0, -1):
+        j = choice[k][i]
+        per[k - 1], i = i - j, j
+    return per
 
 
 def _split_blocks(blocks: int, fixed: Sequence[int], block: int, coords: Sequence[int], least: Sequence[int]) -> list[int]:

@@ -520,6 +520,15 @@ class ModelResolver(Resolver):
                 self.error(E0308, f"{model} has no head", last.span or decl.name.span, label="the last layer",
                            secondary=_model_label(decl),
                            help=f"end the model with `lm_head = linear({width}, {vocab})`: it produces one logit per token")
+        reps = [k for k, item in enumerate(items) if isinstance(item, Repeat)]
+        for k in range(len(reps) - 1):
+            if reps[k + 1] != reps[k] + 1:  # blocks of several kinds follow one another (stage balancing, checkpoints)
+                between = items[reps[k] + 1]
+                self.error(E0309, f"`{between.name}` between the repeats `{items[reps[k]].name}` and "
+                           f"`{items[reps[k + 1]].name}` is not supported yet", between.span or decl.name.span,
+                           label="between two repeats",
+                           help=f"move `{between.name}` before `{items[reps[0]].name}` or after `{items[reps[-1]].name}`: "
+                           "a model's repeats follow one another")
         for item in items[1:]:
             if isinstance(item, Repeat):
                 self._chain_block(item, width)
@@ -654,14 +663,13 @@ class ModelResolver(Resolver):
                     self.error(E0203, "`repeat` cannot be nested", stmt.name.span, label="inside another repeat",
                                help="a model has one stack of repeated blocks")
                     continue
-                if any(isinstance(i, Repeat) for i in out):
-                    self.error(E0203, "a model can have only one `repeat`", stmt.name.span,
-                               label="second repeat", help="put every block layer in one repeat")
-                    continue
                 count = self.eval_int(stmt.count, env, f"`{stmt.name.value}` repeat count", maximum=MAX_BLOCKS)
                 inner = self._layers(stmt.body, env, top=False)
                 if count is not None:
-                    out.append(Repeat(stmt.name.value, count, tuple(u for u in inner if isinstance(u, Unit)), stmt.span))
+                    name = stmt.name.value
+                    body = tuple(attrs.evolve(u, leaves=tuple(attrs.evolve(lf, repeat=name) for lf in u.leaves))
+                                 for u in inner if isinstance(u, Unit))
+                    out.append(Repeat(name, count, body, stmt.span))
                 continue
             unit = self._unit(stmt, env, out)
             if unit is not None:
@@ -849,9 +857,6 @@ def check_family(family: ast.FamilyDecl, r: Resolver) -> None:
                 if not top:
                     r.error(E0203, "`repeat` cannot be nested", stmt.name.span, label="inside another repeat",
                             help="a model has one stack of repeated blocks")
-                elif seen_repeat:
-                    r.error(E0203, "a model can have only one `repeat`", stmt.name.span,
-                            label="second repeat", help="put every block layer in one repeat")
                 else:
                     seen_repeat.append(True)
                     dims(stmt.count)

@@ -461,7 +461,7 @@ def shard_matches(plan: PlanIR, decl: ast.PlanDecl, path: ast.Path, layer: bool 
             # have thousands of blocks
             wanted = set(blocks) if blocks is not None else None
             groups: dict[tuple[Placement, tuple[str, ...]], list[int]] = {}
-            for cls in plan.block_classes:
+            for cls in plan.classes_of(item.name):
                 ids = [i for i in cls.indices if wanted is None or i in wanted]
                 if not ids:
                     continue

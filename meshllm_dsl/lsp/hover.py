@@ -105,8 +105,7 @@ def _occ(a: Document, occ: Occ) -> str | None:
 
         lines = [f"**model `{model.name}`**: {model.numel:,} parameters ({fmt_count(model.numel)})",
                  f"{model.dtype} weights: {model.numel * w / GB:.2f} GB = {model.numel * w / GIB:.2f} GiB"]
-        rep = model.repeat
-        if rep is not None:
+        for rep in model.repeats:
             lines.append(f"{rep.count} x `{rep.name}` of {rep.numel_per_block:,} parameters each")
         return "\n\n".join(lines)
     if kind == "plan":
@@ -246,12 +245,11 @@ def _shard_unchecked(a: Document, decl: ast.PlanDecl, s: ast.ShardStmt) -> str |
     n = mesh.size(*axes) if axes and known else 1
     lines = [f"**`shard {s.path}`** matches {len(hits)} layer{'s' if len(hits) != 1 else ''} "
              f"(plan `{decl.name.value}` has errors: global shapes only)", ""]
-    rep = model.repeat
-    in_repeat = {id(lf) for item, _unit, lf in model.leaves() if item is rep}
+    in_repeat = {id(lf): item.name for item, _unit, lf in model.leaves() if isinstance(item, Repeat)}
     for leaf, blocks in hits[:24]:
         where = ""
-        if rep is not None and id(leaf) in in_repeat:
-            where = f"{rep.name}.{'*' if blocks is None else ','.join(map(str, sorted(blocks)))}."
+        if id(leaf) in in_repeat:
+            where = f"{in_repeat[id(leaf)]}.{'*' if blocks is None else ','.join(map(str, sorted(blocks)))}."
         lines.append(f"- `{where}{'.'.join(leaf.path)}` {s.rule.name.value}({', '.join(axes)})"
                      + (f", split {n} ways" if n > 1 else ""))
         for t in leaf.params:

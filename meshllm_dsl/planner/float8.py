@@ -186,25 +186,25 @@ def kept_in_params_dtype(plan: PlanIR) -> list[str]:
 def _folded(paths: list[str], plan: PlanIR) -> list[str]:
     """Leaf paths folded over the blocks: `blocks.0` for every linear of block 0, `blocks.*.attn.k` for
     one layer of every block, `blocks.{2,3}.mlp.up` for some."""
-    rep = plan.model.repeat
-    blocks: dict[str, list[str]] = {}  # path in the block -> block indices
+    reps = {r.name: r for r in plan.model.repeats}
+    blocks: dict[str, dict[str, list[str]]] = {}  # repeat -> path in the block -> block indices
     top: list[str] = []
     for path in paths:
         parts = path.split(".")
-        if rep is not None and parts[0] == rep.name and parts[1].isdigit():
-            blocks.setdefault(".".join(parts[2:]), []).append(parts[1])
+        if parts[0] in reps and parts[1].isdigit():
+            blocks.setdefault(parts[0], {}).setdefault(".".join(parts[2:]), []).append(parts[1])
         else:
             top.append(path)
-    if rep is None:
-        return top
-    linears = {".".join(leaf.path) for unit in rep.body for leaf in unit.leaves if leaf.kind == "linear"}
-    by_set: dict[tuple[str, ...], list[str]] = {}
-    for rest, indices in blocks.items():
-        by_set.setdefault(tuple(indices), []).append(rest)
     out: list[str] = []
-    for indices, rests in by_set.items():
-        which = "*" if len(indices) == rep.count else indices[0] if len(indices) == 1 else "{" + ",".join(indices) + "}"
-        out += [f"{rep.name}.{which}"] if set(rests) == linears else [f"{rep.name}.{which}.{r}" for r in rests]
+    for name, in_blocks in blocks.items():
+        rep = reps[name]
+        linears = {".".join(leaf.path) for unit in rep.body for leaf in unit.leaves if leaf.kind == "linear"}
+        by_set: dict[tuple[str, ...], list[str]] = {}
+        for rest, indices in in_blocks.items():
+            by_set.setdefault(tuple(indices), []).append(rest)
+        for indices, rests in by_set.items():
+            which = "*" if len(indices) == rep.count else indices[0] if len(indices) == 1 else "{" + ",".join(indices) + "}"
+            out += [f"{rep.name}.{which}"] if set(rests) == linears else [f"{rep.name}.{which}.{r}" for r in rests]
     return out + top
 
 

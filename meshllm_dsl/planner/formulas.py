@@ -175,15 +175,16 @@ def kv_cache_bytes(plan: PlanIR, seq: int) -> int:
 def kv_gather_bytes_per_layer(plan: PlanIR) -> int:
     """Context parallelism: bytes one attention layer's K / V all-gather hands over per microbatch,
     k and v of the whole sequence, [mb, s, kv_heads / t, head_dim] each (each rank sends its s / c)."""
-    rep = plan.model.repeat
-    if rep is None or plan.context_size == 1:
+    if plan.context_size == 1:
         return 0
     micro = plan.batch // (plan.data_size * plan.microbatches)
-    for u in rep.body:
-        if primitives.of(u).caches_kv:
-            kv_leaf = next(lf for lf in u.leaves if lf.name in ("k", "qkv"))
-            kv_local = int(u.attr("kv_heads")) // axes_size(plan, plan.block_class(0).placement(f"{u.name}.{kv_leaf.name}"))  # type: ignore[arg-type]
-            return 2 * micro * plan.seq * kv_local * int(u.attr("head_dim")) * DTYPES[plan.dtype]  # type: ignore[arg-type]
+    for rep in plan.model.repeats:
+        for u in rep.body:
+            if primitives.of(u).caches_kv:
+                kv_leaf = next(lf for lf in u.leaves if lf.name in ("k", "qkv"))
+                placement = plan.block_class(rep.name, 0).placement(f"{u.name}.{kv_leaf.name}")
+                kv_local = int(u.attr("kv_heads")) // axes_size(plan, placement)  # type: ignore[arg-type]
+                return 2 * micro * plan.seq * kv_local * int(u.attr("head_dim")) * DTYPES[plan.dtype]  # type: ignore[arg-type]
     return 0
 
 

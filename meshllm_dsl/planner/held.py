@@ -22,7 +22,7 @@ def held_units(plan: PlanIR, stage: Stage) -> Iterator[HeldUnit]:
         item = model.item(pc.item)
         if isinstance(item, Repeat):
             blocks = set(range(pc.start or 0, pc.stop if pc.stop is not None else item.count))
-            for cls in plan.block_classes:
+            for cls in plan.classes_of(item.name):
                 mine = sorted(blocks & set(cls.indices))
                 if not mine:
                     continue

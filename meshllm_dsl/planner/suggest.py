@@ -190,8 +190,9 @@ def plan_text(c: Candidate, model: ModelIR, device: str, batch: int, seq: int) -
         plan.append("    layout { " + ", ".join(layout) + " }")
     if c.pipeline > 1:
         virtual = f" virtual {c.virtual}" if c.virtual > 1 else ""
-        rep = model.repeat
-        if rep is not None and rep.count % (c.pipeline * c.virtual) == 0:
+        reps = model.repeats
+        # Blocks of several kinds: `balanced` weighs each block's own work.
+        if len(reps) > 1 or reps and reps[0].count % (c.pipeline * c.virtual) == 0:
             plan.append(f"    stages over pipeline{virtual} balanced")
         else:
             plan += _explicit_stages(model, c.pipeline)
@@ -239,14 +240,13 @@ def precision_choices(model: ModelIR, device: DeviceProfile) -> list[tuple[str, 
         recipes.append("mxfp8")
     elif model.dtype in FP8_COMPUTE and device.fp8_tflops is not None:
         recipes.append("fp8_tensorwise")
-    compiled = model.repeat is not None
+    compiled = bool(model.repeats)
     return [(r, compiled) for r in recipes]
 
 
 def _explicit_stages(model: ModelIR, p: int) -> list[str]:
     """Blocks split as evenly as possible, the first stage one block lighter (it holds the embedding)."""
-    rep = model.repeat
-    assert rep is not None
+    rep, = model.repeats
     order = [i.name for i in model.items]
     ri = order.index(rep.name)
     sizes = [rep.count // p + (1 if k >= p - rep.count % p else 0) for k in range(p)]
@@ -262,14 +262,15 @@ def _explicit_stages(model: ModelIR, p: int) -> list[str]:
 def candidates(model: ModelIR, devices: int, batch: int, per_host: int, seq: int = 0) -> Iterator[Candidate]:
     dims = _dim_sizes(model)
     sharded = [dims[d] for d in _sharded_dims(model) if d in dims]
-    layers = model.repeat.count if model.repeat is not None else 1
+    layers = model.blocks or 1
     # Recomputation trades a forward pass of the blocks (or of the attention core) for their
     # activations; between none and all of a block: torchtitan's selective `ops`, and every other
     # block (Megatron's --recompute-num-layers, torchtitan's ac_freq).
     remats = ["none"]
-    if model.repeat is not None:
-        remats += (["attention"] if any(primitives.of(u).recomputed_core for u in model.repeat.body) else []) + ["ops"]
-        remats += [f"blocks every {RECOMPUTE_EVERY}"] if model.repeat.count >= RECOMPUTE_EVERY else []
+    if model.repeats:
+        body = [u for r in model.repeats for u in r.body]
+        remats += (["attention"] if any(primitives.of(u).recomputed_core for u in body) else []) + ["ops"]
+        remats += [f"blocks every {RECOMPUTE_EVERY}"] if max(r.count for r in model.repeats) >= RECOMPUTE_EVERY else []
         remats += ["blocks"]
     hosts = 1
     if devices > per_host:

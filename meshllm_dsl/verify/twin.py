@@ -62,8 +62,9 @@ def twin_values(plan: PlanIR) -> dict[str, int]:
     twin["positions"] = 32
     if "vocab_used" in values and values["vocab_used"] != values.get("vocab"):
         twin["vocab_used"] = twin["vocab"] - 1  # keep a padded (masked) row in the twin
-    rep = model.repeat
-    if rep is not None:
+    reps = model.repeats
+    if len(reps) == 1:  # (several repeats keep their counts: `layers` would not say which it sets)
+        rep = reps[0]
         stages = max(1, len(plan.stages))
         per_stage = max(1, min(2, rep.count // stages))
         if plan.recompute_every > 1:
@@ -151,7 +152,8 @@ def _twin_plan(decl: ast.PlanDecl, plan: PlanIR, per_stage: int, microbatches: i
             body.append(ast.Setting(s.name, ast.IntLit(_twin_seq(plan))))
         elif isinstance(s, ast.ShardStmt) and any(seg.kind == "index" for seg in s.path.segments):
             body.append(s)  # per-block rules keep their block index (checked again on the twin)
-        elif isinstance(s, ast.StagesStmt) and not s.balanced:
+        elif isinstance(s, ast.StagesStmt) and not s.balanced and per_stage:
+            # (per_stage 0: the twin keeps the blocks, where `layers` does not set them, so the map too)
             entries = []
             block = 0
             for e in s.entries:

@@ -129,7 +129,7 @@ def layer_entries(plan: PlanIR) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for item in plan.model.items:
         if isinstance(item, Repeat):
-            for cls in plan.block_classes:
+            for cls in plan.classes_of(item.name):
                 out.append({
                     "blocks": f"{item.name} {ranges(list(cls.indices))}",
                     "units": [_unit_entries(plan, u, dict(cls.placements), dict(cls.flows).get(u.name)) for u in item.body],

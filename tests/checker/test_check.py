@@ -153,7 +153,7 @@ def test_per_block_placement_differs() -> None:
     assert [c.indices for c in p.block_classes] == [(0, 3), (1, 2)]
     assert p.placement("blocks.0.attn.q").rule == "replicate"
     assert p.placement("blocks.2.attn.q").rule == "column"
-    assert p.block_class(3).flow("attn").collectives == ()
+    assert p.block_class("blocks", 3).flow("attn").collectives == ()
 
 
 def test_layout_rules_equal_shard_rules() -> None:
@@ -377,12 +377,13 @@ def test_duplicate_plans_and_meshes() -> None:
 def test_examples_yield_plans_with_consistent_stage_maps(path) -> None:  # type: ignore[no-untyped-def]
     result = check_file(path)
     for plan in result.plans.values():
-        rep = plan.model.repeat
-        covered = sorted(b for s in plan.stages for pc in s.pieces if rep and pc.item == rep.name
-                         for b in range(pc.start or 0, pc.stop or 0))
-        assert rep is None or covered == list(range(rep.count))
+        for rep in plan.model.repeats:
+            covered = sorted(b for s in plan.stages for pc in s.pieces if pc.item == rep.name
+                             for b in range(pc.start or 0, pc.stop or 0))
+            assert covered == list(range(rep.count))
+            assert sorted(b for c in plan.classes_of(rep.name) for b in c.indices) == list(range(rep.count))
         assert sum(s.numel for s in plan.stages) >= plan.model.numel
-        assert sorted(b for c in plan.block_classes for b in c.indices) == (list(range(rep.count)) if rep else [])
+        assert {c.repeat for c in plan.block_classes} == {r.name for r in plan.model.repeats}
 
 
 @pytest.mark.parametrize(

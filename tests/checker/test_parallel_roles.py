@@ -34,6 +34,8 @@ EXAMPLE_ROLES = {
     ("tiny_llama_fp8.mesh", "train"): R(**DATA_PIPE_TP, batch_shard=("data",)),
     ("tiny_mixtral.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",)),
     ("tiny_mixtral_experts.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",), expert=("data",)),
+    ("tiny_dense_moe.mesh", "train"): R(pipeline="pipeline", batch=("data",), batch_shard=("data",), tensor=("tensor",), loss=("tensor",),
+                                        expert=("data",)),
     # ZeRO 1 over replica x data (the experts' states over replica, the ranks holding the same ones);
     # ZeRO 2 over data only: HSDP, replicated over replica.
     ("tiny_qwen2_moe_experts_zero.mesh", "zero1"): R(batch=("replica", "data"), batch_shard=("replica", "data"),

@@ -18,7 +18,7 @@ GOLDEN = Path(__file__).parent / "golden"
 # (also with ZeRO-3 and mixed precision, under the V schedule ZBV, and with float8), and tensor x context with
 # sequence parallelism
 CASES = ["gpt2_small", "seed_pipeline_12", "tiny_llama", "tiny_gpt2", "tiny_llama_fsdp", "tiny_llama_context", "tiny_llama_zbv",
-         "tiny_llama_fp8"]
+         "tiny_llama_fp8", "tiny_dense_moe"]
 
 
 def _render(name: str) -> str:

@@ -52,7 +52,7 @@ def test_llama_family_defaults() -> None:
 
 def test_gqa_shapes_and_units() -> None:
     m = model_of(LLAMA.format(h=8192, l=2, a=64, kv="kv_heads = 8,", f=28672))
-    blocks = m.repeat
+    (blocks,) = m.repeats
     assert blocks is not None
     q, k, _v, o = next(u for u in blocks.body if u.name == "attn").leaves
     assert k.params[0].shape == (1024, 8192)  # 8 kv heads x 128
@@ -69,7 +69,7 @@ def test_gpt2_family_defaults_and_tie() -> None:
     head = m.item("lm_head")
     assert isinstance(head, Unit) and head.leaves[0].tie == "embed" and head.numel == 0  # tied: no own weight
     assert m.numel == 124_439_808  # GPT-2 small as Hugging Face counts it (tied head counted once)
-    qkv = next(u for u in m.repeat.body if u.name == "attn").leaves[0]  # type: ignore[union-attr]
+    qkv = next(u for u in m.repeats[0].body if u.name == "attn").leaves[0]  # type: ignore[union-attr]
     assert qkv.name == "qkv" and qkv.params[0].shape == (2304, 768) and qkv.params[0].segments == (768, 768, 768)
 
 

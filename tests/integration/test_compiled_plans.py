@@ -32,6 +32,27 @@ model m = llama { vocab = 64, hidden = 32, layers = 4, heads = 4, kv_heads = 2, 
 GPT2 = """
 model m = gpt2 { vocab = 64, hidden = 32, layers = 4, heads = 4, positions = 16 }
 """
+DENSE_MOE = """
+model m {
+    vocab = 64
+    hidden = 32
+    embed = embedding(vocab, hidden)
+    dense = repeat(1) {
+        attn_norm = rmsnorm(hidden)
+        attn = attention(hidden, 4, 2)
+        mlp_norm = rmsnorm(hidden)
+        mlp = mlp(hidden, 64, act = swiglu)
+    }
+    blocks = repeat(3) {
+        attn_norm = rmsnorm(hidden)
+        attn = attention(hidden, 4, 2)
+        mlp_norm = rmsnorm(hidden)
+        mlp = moe(hidden, 16, 4, 2)
+    }
+    norm = rmsnorm(hidden)
+    lm_head = linear(hidden, vocab)
+}
+"""
 
 
 def _spec(axes: str, body: str, model: str = LLAMA) -> str:
@@ -105,6 +126,18 @@ CASES: dict[str, str] = {
     "recompute_tiny_llama_data2_pipeline2_tensor2": (ROOT / "examples" / "tiny_llama.mesh").read_text().replace(
         "    batch = 8", "    batch = 8\n    recompute = blocks"
     ),
+    # Blocks of two kinds (a dense block, then moe blocks: issue 38): the example's data x pipeline x
+    # tensor with the experts over data; interleaved stages under context parallelism, a stage's range
+    # crossing from one repeat into the other; ZeRO-3 with every other block of each kind recomputed.
+    "block_kinds_data2_pipeline2_tensor2": (ROOT / "examples" / "tiny_dense_moe.mesh").read_text(),
+    "block_kinds_interleaved_context2": _spec("pipeline = 2, cp = 2", "microbatches = 4\n layout { seq -> cp }\n"
+                                              " stages over pipeline virtual 2 balanced\n schedule interleaved_1f1b",
+                                              DENSE_MOE),
+    "block_kinds_zero3_recompute_every2": _spec("data = 2, tensor = 2", MEGATRON.replace("blocks.*", "*.*").replace(
+        "shard *.*.mlp.{gate,up} column(tensor)", "shard dense.*.mlp.{gate,up} column(tensor)").replace(
+        "shard *.*.mlp.down row(tensor)", "shard dense.*.mlp.down row(tensor)") + "layout { batch -> data, experts -> data }\n"
+        " shard blocks.*.mlp.{router,gate,up,down} replicate\n recompute = blocks every 2\n optimizer adamw { zero 3 }",
+        DENSE_MOE.replace("repeat(1)", "repeat(2)")),
 }
 
 

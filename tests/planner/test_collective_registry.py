@@ -79,7 +79,7 @@ def _explained_order(plan: PlanIR) -> list[Collective]:
     out: list[Collective] = []
     for item in plan.model.items:
         if isinstance(item, Repeat):
-            groups, units = [dict(cls.flows) for cls in plan.block_classes], item.body
+            groups, units = [dict(cls.flows) for cls in plan.classes_of(item.name)], item.body
         else:
             groups, units = [dict(plan.top_flows)], (item,)
         for flows in groups:
