@@ -90,7 +90,7 @@ def main() -> None:
             plan, path = compile_spec(LLAMA.format(axes=axes, layout=layout, rules=rules), tmp, name.replace(" ", "_"))
             got = pool.run(_job, plan.mesh.devices, path)[0]
             rc = analyze(plan).ranks[0]
-            layers = plan.model.repeat.count if plan.model.repeat else 0
+            layers = plan.model.blocks
             kv_measured = got["gathered"] // max(1, layers)
             rows.append((name, fmt_bytes(rc.activation_bytes_per_microbatch), fmt_bytes(got["saved"]),
                          f"{rc.activation_bytes_per_microbatch / max(1, got['saved']):.2f}",

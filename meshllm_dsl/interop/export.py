@@ -565,7 +565,7 @@ def render_dtensor(exp: Export, source_path: str, source_text: str) -> str:
         "names": literal(names),
         "sizes": literal(sizes),
         "hf_class": exp.hf_class,
-        "layers": plan.model.repeat.count if plan.model.repeat else 0,
+        "layers": plan.model.blocks,
         "blocks": repr(exp.blocks) if exp.blocks else None,
         "batch": plan.batch,
         "seq": plan.seq,
