@@ -1,0 +1,163 @@
+"""DeepSeekMoE routing in the `moe` layer kind (`scoring = sigmoid`, `groups`, `topk_groups`,
+`routed_scaling`, `shared_experts`, `balance_rate`): the layer against transformers' DeepseekV3MoE
+and Glm4MoeMoE modules in float64; sharded plans (expert parallelism over data, tensor-parallel
+experts, pipeline, context) against the unsharded reference on the shared pool of gloo ranks; the
+correction bias's move toward balance, the same on every rank."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+tf = pytest.importorskip("transformers")
+
+from moe_specs import compile_spec, plan_spec  # noqa: E402
+
+from meshllm_dsl.runtime.jobs.compare import TOLERANCE  # noqa: E402
+from meshllm_dsl.runtime.moe import routing  # noqa: E402
+from meshllm_dsl.runtime.moe.experts import ReferenceMoE  # noqa: E402
+
+FAMILY = """family tiny_deepseek(vocab, hidden, layers, heads, ffn, shared_ffn, experts = 8, top_k = 2, groups = 4,
+                     topk_groups = 2, routed_scaling = 2.5, balance_rate = 0.0, dtype = fp32) {
+    embed = embedding(vocab, hidden)
+    blocks = repeat(layers) {
+        attn_norm = rmsnorm(hidden)
+        attn = attention(hidden, heads, heads, hidden / heads)
+        mlp_norm = rmsnorm(hidden)
+        mlp = moe(hidden, ffn, experts, top_k, scoring = sigmoid, groups = groups, topk_groups = topk_groups,
+                  routed_scaling = routed_scaling, shared_experts = 2, shared_ffn = shared_ffn,
+                  balance_rate = balance_rate)
+    }
+    norm = rmsnorm(hidden)
+    lm_head = linear(hidden, vocab)
+}
+"""
+
+
+def model_decl(**settings: Any) -> str:
+    dims = {"vocab": 64, "hidden": 32, "layers": 2, "heads": 4, "ffn": 12, "shared_ffn": 24, **settings}
+    return FAMILY + "model ds = tiny_deepseek { " + ", ".join(f"{k} = {v}" for k, v in dims.items()) + " }"
+
+
+TP = "heads -> tensor, ffn -> tensor, shared_ffn -> tensor, vocab -> tensor"
+PLANS = {  # mesh axes, plan body
+    "ep2": ("data = 2", "    layout { batch -> data, experts -> data }\n"),
+    "ep2_tensor2": ("data = 2, tensor = 2",
+                    f"    layout {{ {TP}, batch -> data, experts -> data }}\n    shard blocks.*.mlp.router replicate\n"),
+    "pipeline2_ep2": ("pipeline = 2, data = 2", "    layout { batch -> data, experts -> data }\n    microbatches = 2\n"
+                      "    stages over pipeline balanced\n    schedule 1f1b\n"),
+    "context2_ep2": ("data = 2, context = 2", "    layout { batch -> data, seq -> context, experts -> data }\n"),
+}
+
+
+def ds_spec(plan: str, **settings: Any) -> str:
+    axes, body = PLANS[plan]
+    return plan_spec(axes, model_decl(**settings), body, batch=8).replace("for m {", "for ds {")
+
+
+# ------------------------------------------------------------------ against transformers
+
+
+def _hf_moe(kind: str, groups: int, topk_groups: int, norm: bool) -> Any:
+    common = dict(hidden_size=16, moe_intermediate_size=6, n_routed_experts=8, num_experts_per_tok=3,
+                  n_group=groups, topk_group=topk_groups, n_shared_experts=2, routed_scaling_factor=2.5,
+                  norm_topk_prob=norm, hidden_act="silu")
+    if kind == "deepseek_v3":
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+        return DeepseekV3MoE(tf.DeepseekV3Config(**common))
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+    return Glm4MoeMoE(tf.Glm4MoeConfig(**common))
+
+
+def _redraw_fp32_exact(module: Any, seed: int) -> None:
+    """Weights and the correction bias redrawn away from HF's init (zeros / ones), each value
+    exactly a float32 so transformers' float32 router sees the same numbers as the float64 layer."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in [*module.parameters(), *module.buffers()]:
+            t.copy_((0.5 * torch.randn(t.shape, generator=gen, dtype=torch.float64)).float().double())
+
+
+def _meshllm_from_hf(hf: Any, norm: bool, groups: int, topk_groups: int) -> ReferenceMoE:
+    spec = {"hidden": 16, "ffn": 6, "experts": 8, "top_k": 3, "norm_topk_prob": norm, "weights_fp32": True,
+            "shared_ffn": 12, "shared_experts": 2, "scoring": "sigmoid", "groups": groups, "topk_groups": topk_groups,
+            "routed_scaling": 2.5}
+    ours = ReferenceMoE(spec).double()
+    f = 6
+    with torch.no_grad():
+        ours.router.weight.copy_(hf.gate.weight)
+        ours.router.e_score_correction_bias.copy_(hf.gate.e_score_correction_bias)
+        gate_up = hf.experts.gate_up_proj  # [E, 2 F, H]: gate rows, then up rows
+        ours.gate.weight.copy_(gate_up[:, :f].transpose(0, 1))  # [F, E, H]
+        ours.up.weight.copy_(gate_up[:, f:].transpose(0, 1))
+        ours.down.weight.copy_(hf.experts.down_proj.transpose(0, 1))  # [E, H, F] -> [H, E, F]
+        ours.shared_gate.weight.copy_(hf.shared_experts.gate_proj.weight)
+        ours.shared_up.weight.copy_(hf.shared_experts.up_proj.weight)
+        ours.shared_down.weight.copy_(hf.shared_experts.down_proj.weight)
+    return ours
+
+
+def _rel(got: Any, want: Any) -> float:
+    """max |got - want| relative to max |want|: transformers' router runs in float32 (its logits,
+    scores and their gradients), so agreement is to float32 rounding, about 1e-7 relative."""
+    return float((got - want).abs().max() / want.abs().max())
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v3", "glm4_moe"])
+@pytest.mark.parametrize(("groups", "topk_groups", "norm"), [(4, 2, True), (2, 1, False), (1, 1, True)])
+def test_the_layer_computes_what_transformers_computes(kind: str, groups: int, topk_groups: int, norm: bool) -> None:
+    hf = _hf_moe(kind, groups, topk_groups, norm).double()
+    _redraw_fp32_exact(hf, seed=3)
+    ours = _meshllm_from_hf(hf, norm, groups, topk_groups)
+    x = torch.randn(2, 24, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    x = x.float().double()  # float32-exact: transformers' router computes in float32
+    x_hf, x_ours = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    want, got = hf(x_hf), ours(x_ours)
+    # The experts chosen must be the same (the routing), then outputs and every gradient agree to
+    # float32 rounding of transformers' router (its logits and scores are float32).
+    _, want_w, want_idx = hf.gate(x.view(-1, 16))
+    got_w, got_idx = routing.choose_sigmoid(torch.nn.functional.linear(x.view(-1, 16), ours.router.weight), 3, norm,
+                                            ours.router.e_score_correction_bias, groups, topk_groups, 2.5)
+    assert torch.equal(want_idx.sort(-1).values, got_idx.sort(-1).values)
+    assert _rel(got, want) < 1e-6
+    upstream = torch.randn(want.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
+    (want * upstream).sum().backward()
+    (got * upstream).sum().backward()
+    assert _rel(x_ours.grad, x_hf.grad) < 1e-6
+    pairs = {"router.weight": hf.gate.weight, "shared_gate.weight": hf.shared_experts.gate_proj.weight,
+             "shared_down.weight": hf.shared_experts.down_proj.weight}
+    for name, theirs in pairs.items():
+        mine = ours.get_parameter(name)
+        assert _rel(mine.grad, theirs.grad) < 1e-6, name
+    gate_up = hf.experts.gate_up_proj.grad
+    assert _rel(ours.gate.weight.grad, gate_up[:, :6].transpose(0, 1)) < 1e-6
+    assert _rel(ours.up.weight.grad, gate_up[:, 6:].transpose(0, 1)) < 1e-6
+    assert _rel(ours.down.weight.grad, hf.experts.down_proj.grad.transpose(0, 1)) < 1e-6
+    # The bias chooses: it changed the experts picked here (it is not a no-op in this test).
+    unbiased = routing.choose_sigmoid(torch.nn.functional.linear(x.view(-1, 16), ours.router.weight), 3, norm,
+                                      torch.zeros(8, dtype=torch.float64), groups, topk_groups, 2.5)[1]
+    assert not torch.equal(unbiased.sort(-1).values, got_idx.sort(-1).values)
+    assert ours.router.e_score_correction_bias.grad is None and "router.e_score_correction_bias" not in dict(
+        ours.named_parameters())
+
+
+# ------------------------------------------------------------------ sharded against unsharded
+
+
+def _compare(pool: Any, plan: str, tmp_path: Path, steps: int = 2, **settings: Any) -> list[dict[str, dict[str, float]]]:
+    from reference_jobs import compare_job
+
+    path, n, _ = compile_spec(ds_spec(plan, **settings), f"ds_{plan}", tmp_path)
+    return pool.run(compare_job, n, path, steps)
+
+
+@pytest.mark.parametrize("plan", ["ep2", "ep2_tensor2", "pipeline2_ep2", "context2_ep2"])
+def test_deepseek_routing_sharded_equals_the_reference(plan: str, pool: Any, tmp_path: Path) -> None:
+    for rank_errs in _compare(pool, plan, tmp_path, balance_rate=0.05):
+        for dtype, errs in rank_errs.items():
+            worst = max(errs, key=errs.__getitem__)
+            assert errs[worst] <= TOLERANCE[dtype], (plan, dtype, worst, errs[worst])
+            assert any(k.startswith("buffer ") for k in errs)  # the biases were compared
