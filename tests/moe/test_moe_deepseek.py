@@ -261,3 +261,38 @@ def test_the_bias_resumes_bit_for_bit(plan: str, pool: Any, tmp_path: Path) -> N
         for name, value in biases.items():
             assert torch.equal(resumed_biases[name], value), name
             assert value.abs().max() > 0  # moved from zero
+
+
+# ------------------------------------------------------------------ the checker and the planner
+
+
+def _plan_text(skew: str, **settings: Any) -> str:
+    return ds_spec("ep2_tensor2", **settings).replace("    batch = 8", f"    skew = {skew}\n    batch = 8")
+
+
+def test_skew_of_a_group_limited_router_is_bounded_by_top_k() -> None:
+    from meshllm_dsl.checker import check_text
+
+    (d,) = [d for d in check_text(_plan_text("0.6"), "s.mesh").diagnostics if d.is_error]
+    assert d.code == "E0307" and "more than 1 / top_k = 0.5" in d.message and d.help
+    from meshllm_dsl.planner import analyze as planner
+    from meshllm_dsl.planner import moe as planner_moe
+
+    (plan,) = check_text(_plan_text("0.5"), "s.mesh").plans.values()
+    sk = planner_moe.skew_report(planner.analyze(plan))
+    assert sk is not None and sk.degree == 2 and sk.experts == 8
+    busiest, others = sk.ranks
+    # experts 0-3 on the busiest rank: 0.5 + 3 x 0.5 / 7 of the pairs of both data ranks (32 tokens x 2 each)
+    assert busiest.pairs == pytest.approx((0.5 + 3 * 0.5 / 7) * 2 * 32 * 2)
+
+
+def test_the_plan_counts_the_balance_all_reduce() -> None:
+    """One all-reduce after each step over every non-pipeline axis: both layers' int64 [8] loads."""
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.planner import analyze as planner
+
+    (with_rate,) = check_text(ds_spec("ep2_tensor2", balance_rate=0.001), "b.mesh").plans.values()
+    (without,) = check_text(ds_spec("ep2_tensor2"), "f.mesh").plans.values()
+    got = [c for c in planner.analyze(with_rate).ranks[0].comms if c.axis == "data x tensor" and c.op == "all_reduce"]
+    assert [(c.calls, c.payload_bytes) for c in got] == [(1, 2 * 8 * 8)]
+    assert not [c for c in planner.analyze(without).ranks[0].comms if c.axis == "data x tensor"]
