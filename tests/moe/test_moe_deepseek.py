@@ -21,7 +21,7 @@ from meshllm_dsl.runtime.moe import routing  # noqa: E402
 from meshllm_dsl.runtime.moe.experts import ReferenceMoE  # noqa: E402
 
 FAMILY = """family tiny_deepseek(vocab, hidden, layers, heads, ffn, shared_ffn, experts = 8, top_k = 2, groups = 4,
-                     topk_groups = 2, routed_scaling = 2.5, balance_rate = 0.0, dtype = fp32) {
+                     topk_groups = 2, routed_scaling = 2.5, balance_rate = 0.0, capacity = 0.0, dtype = fp32) {
     embed = embedding(vocab, hidden)
     blocks = repeat(layers) {
         attn_norm = rmsnorm(hidden)
@@ -29,7 +29,7 @@ FAMILY = """family tiny_deepseek(vocab, hidden, layers, heads, ffn, shared_ffn, 
         mlp_norm = rmsnorm(hidden)
         mlp = moe(hidden, ffn, experts, top_k, scoring = sigmoid, groups = groups, topk_groups = topk_groups,
                   routed_scaling = routed_scaling, shared_experts = 2, shared_ffn = shared_ffn,
-                  balance_rate = balance_rate)
+                  balance_rate = balance_rate, capacity = capacity)
     }
     norm = rmsnorm(hidden)
     lm_head = linear(hidden, vocab)
@@ -159,9 +159,12 @@ def _compare(pool: Any, plan: str, tmp_path: Path, steps: int = 2, **settings: A
     return pool.run(compare_job, n, path, steps)
 
 
-@pytest.mark.parametrize("plan", ["ep2", "ep2_tensor2", "pipeline2_ep2", "context2_ep2", "ep2_tensor2_zero3_recompute"])
-def test_deepseek_routing_sharded_equals_the_reference(plan: str, pool: Any, tmp_path: Path) -> None:
-    for rank_errs in _compare(pool, plan, tmp_path, balance_rate=0.05):
+@pytest.mark.parametrize(("plan", "capacity"), [("ep2", 0), ("ep2_tensor2", 0), ("pipeline2_ep2", 0), ("context2_ep2", 0),
+                                              ("ep2_tensor2_zero3_recompute", 0), ("context2_ep2", 1.0)])
+def test_deepseek_routing_sharded_equals_the_reference(plan: str, capacity: float, pool: Any, tmp_path: Path) -> None:
+    """With `capacity` the pairs past an expert's capacity are dropped (under context parallelism
+    counted over the whole sequences) and the load counts only the kept ones."""
+    for rank_errs in _compare(pool, plan, tmp_path, balance_rate=0.05, capacity=capacity):
         for dtype, errs in rank_errs.items():
             worst = max(errs, key=errs.__getitem__)
             assert errs[worst] <= TOLERANCE[dtype], (plan, dtype, worst, errs[worst])
