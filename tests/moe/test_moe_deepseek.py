@@ -266,6 +266,7 @@ def test_the_bias_resumes_bit_for_bit(plan: str, pool: Any, tmp_path: Path) -> N
         for name, value in final.items():
             assert torch.equal(resumed[name], value), name
         assert biases and set(resumed_biases) == set(biases)
+        assert not [k for k in final if k.endswith("e_score_correction_bias")]  # a buffer, not a parameter
         for name, value in biases.items():
             assert torch.equal(resumed_biases[name], value), name
             assert value.abs().max() > 0  # moved from zero
