@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from meshllm_dsl.runtime.model import description
 from meshllm_dsl.runtime.parallel.fsdp import is_sharded, like_sharded, store_tp_local, tp_local
 from meshllm_dsl.runtime.parallel.mesh import Mesh
 from meshllm_dsl.runtime.parallel.shards import ShardSpec
@@ -808,7 +809,10 @@ def _check_keys(built: Built, metadata: Any, where: Path) -> None:
 
 def _check_buffers(built: Built, metadata: Any, where: Path) -> None:
     """Refuse, on every rank, a checkpoint lacking a correction bias one of this model's stages
-    holds (a checkpoint from before the bias moved would resume a different run)."""
+    holds (a checkpoint from before the bias moved would resume a different run). Only for a model
+    with sigmoid routers (the same answer on every rank), so other loads run no extra collective."""
+    if not any(layer.get("scoring") == "sigmoid" for layer in description.moe_layers(built.program.model)):
+        return
     have = {key[len("buffer/") :] for key in metadata.state_dict_metadata if key.startswith("buffer/")}
     missing = sorted(set(built.routing_buffers()) - have)
     error = None

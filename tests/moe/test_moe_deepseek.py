@@ -322,3 +322,31 @@ def test_the_generated_router_holds_the_bias_as_a_buffer(tmp_path: Path) -> None
     assert "shared_router" not in code
     _, _, fixed = compile_spec(ds_spec("ep2_tensor2"), "ds_fixed_code", tmp_path)
     assert "expert_load" not in fixed and "balance_rate" not in fixed
+
+
+def _load_other_job(ctx: Any, saved_path: str, loading_path: str, root: str) -> str:
+    """Save ``saved_path``'s program untrained, load it into ``loading_path``'s: the error, or ''."""
+    from meshllm_dsl.runtime.train import checkpoint
+    from meshllm_dsl.verify.equivalence import load_generated
+
+    saved = load_generated(saved_path).PROGRAM
+    checkpoint.save(saved.build(ctx.mesh(saved.axes), seed=0), root, step=0, state={"step": 0})
+    loading = load_generated(loading_path).PROGRAM
+    try:
+        checkpoint.load(loading.build(ctx.mesh(loading.axes), seed=0), root)
+    except checkpoint.CheckpointError as err:
+        return str(err)
+    return ""
+
+
+def test_a_checkpoint_without_the_bias_is_refused(pool: Any, tmp_path: Path) -> None:
+    """The same parameters routed by softmax (no bias) do not resume a sigmoid model: refused on
+    every rank, naming the bias, never loaded with the bias left as it was."""
+    softmax = ds_spec("ep2").replace("scoring = sigmoid, groups = groups, topk_groups = topk_groups,",
+                                     "groups = groups, topk_groups = topk_groups,").replace(
+                                         "topk_groups = 2, routed_scaling", "topk_groups = 1, routed_scaling").replace(
+                                         "top_k = 2, groups = 4,", "top_k = 2, groups = 1,")
+    saved, n, _ = compile_spec(softmax, "ds_softmax", tmp_path)
+    loading, _, _ = compile_spec(ds_spec("ep2"), "ds_sigmoid", tmp_path)
+    for err in pool.run(_load_other_job, n, saved, loading, str(tmp_path / "ckpt")):
+        assert "no router correction bias blocks.0.mlp.router.e_score_correction_bias" in err, err
