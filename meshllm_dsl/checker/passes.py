@@ -182,7 +182,9 @@ def moe_routing(ctx: PassContext) -> PassResult:
     runtime sends each stage's routing statistics on with its activations, in fp32 under any
     `precision`: runtime/train/program.py.) `skew = F` (the planner's routing
     skew, meshllm_dsl/planner/moe.py): the share of a layer's routed tokens its busiest expert gets,
-    1 / experts (balanced) <= F <= 1."""
+    1 / experts (balanced) <= F <= 1. Group-limited routing (`groups`, `topk_groups`) narrows the
+    experts a token reaches, not the tokens one expert can take (every token may keep the busiest
+    expert's group), so the same range and the planner's per-rank model apply to it unchanged."""
     w = _Worker.of(ctx)
     units = [u for item in ctx.model.items for u in (item.body if isinstance(item, Repeat) else (item,))]
     moes = [u for u in units if primitives.of(u).routes_experts]

@@ -38,6 +38,16 @@ PARAM_DOCS = {
                    "loss; 0: none",
     "capacity": "capacity factor: each expert takes at most ceil(capacity x tokens x top_k / experts) (token, choice) "
                 "pairs of a forward, kept by token position; 0: dropless",
+    "scoring": "softmax (default) or sigmoid: DeepSeek-V3's router, sigmoid scores chosen with the correction bias "
+               "`router.e_score_correction_bias` (a buffer, not a parameter)",
+    "groups": "sigmoid scoring: the experts in this many groups, a token choosing only in its topk_groups best groups "
+              "(a group scored by its two best experts); 1: no group limit",
+    "topk_groups": "sigmoid scoring with groups: the groups each token keeps; default all of them",
+    "routed_scaling": "multiplies the chosen experts' weights (routed_scaling_factor); 1: none",
+    "balance_rate": "sigmoid scoring: after each optimizer step the correction bias moves by this rate toward balance, "
+                    "from the expert loads over every rank (auxiliary-loss-free); 0: the bias stays",
+    "shared_experts": "DeepSeek's shared experts: one ungated SwiGLU of width shared_ffn (N x ffn) every token passes "
+                      "through; 0: none",
 }
 SETTING_DOCS = {
     "skew": "planner only: the busiest expert of each moe layer receives this share of its routed tokens; "

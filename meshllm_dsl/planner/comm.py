@@ -161,6 +161,7 @@ class _Calls:
     kv_gathers: int = 0  # context parallelism: bytes of k and v one microbatch's forward all-gathers
     route_gathers: dict[int, int] = attrs.Factory(dict)  # context parallelism: capacity ids gathered, bytes -> calls
     router_sums: int = 0  # context parallelism: the load-balancing loss's [experts] sums (bytes)
+    balance_loads: int = 0  # `balance_rate`: the moe layers' int64 [experts] loads summed after each step (bytes)
     seq_grads: int = 0  # sequence parallelism: gradient elements summed over the tensor axes once a step
     holds_head: bool = False
 
@@ -187,6 +188,8 @@ def _unit_calls(setup: Setup, rank: Rank) -> _Calls:
                 calls.route_gathers[size] = calls.route_gathers.get(size, 0) + hu.count + rc
             if a.get("aux_loss_coef"):
                 calls.router_sums = FP32 * int(a["experts"])  # type: ignore[arg-type]
+        if primitives.of(hu.unit).routes_experts and hu.unit.attr("balance_rate"):
+            calls.balance_loads += hu.count * 8 * int(hu.unit.attr("experts"))  # type: ignore[arg-type]
         a2a = expert_all_to_all(plan, hu, setup.tokens)
         if a2a is not None:
             # dispatch and combine, each again in backward; the forward's rerun with the block's
@@ -203,9 +206,20 @@ def communication(setup: Setup, rank: Rank) -> Rank:
     `params` (what the gradient reduction moves)."""
     calls = _unit_calls(setup, rank)
     comms = _layer_comms(setup, calls) + _context_comms(setup, rank, calls) + _stream_comms(setup, calls)
-    comms += _pipeline_comms(setup, rank)
+    comms += _pipeline_comms(setup, rank) + _balance_comms(setup, calls)
     data, fsdp_events = _data_comms(setup, rank.params)
     return attrs.evolve(rank, traffic=Traffic(tuple(comms + data), fsdp_events))
+
+
+def _balance_comms(setup: Setup, calls: _Calls) -> list[Comm]:
+    """Auxiliary-loss-free balancing (`balance_rate`, runtime/moe/routing.py `balance`): after each
+    optimizer step one all-reduce of this rank's moe layers' expert loads, int64 [experts] each side
+    by side, over every axis but the pipeline's (the ranks that routed tokens to the same layers)."""
+    plan = setup.plan
+    axes = tuple(a.name for a in plan.mesh.axes if a.name != plan.roles.pipeline and a.size > 1)
+    if not calls.balance_loads or not axes:
+        return []
+    return [comm_over(plan, setup.device, axes, "data", "all_reduce", 1, calls.balance_loads)]
 
 
 def _layer_comms(setup: Setup, calls: _Calls) -> list[Comm]:

@@ -21,6 +21,17 @@ Routing settings (runtime/moe/routing.py, where the semantics are written down):
 (transformers' load-balancing loss in the training loss), `z_loss_coef` (ST-MoE's router z-loss)
 and `capacity` (a capacity factor; 0 is dropless). The checker validates their ranges here and
 refuses the router losses with a pipeline (checker/passes.py `moe_routing`).
+
+DeepSeekMoE (DeepSeek-V3, GLM-4.5; transformers' `DeepseekV3TopkRouter`): `scoring = sigmoid` scores
+each expert sigmoid(logit) and chooses with a per-expert correction bias added to the scores (not
+to the weights): the buffer `router.e_score_correction_bias` [experts], no gradient, no optimizer
+state, in checkpoints. `groups` / `topk_groups`: group-limited routing (n_group / topk_group: each
+token chooses among the experts of its topk_groups best groups, a group scored by its two best
+experts). `routed_scaling` multiplies the chosen weights (routed_scaling_factor). `balance_rate`:
+auxiliary-loss-free balancing, the bias moving by that rate toward balance after every optimizer
+step (0: the bias stays as loaded). `shared_experts = N`: DeepSeek's shared experts, one ungated
+SwiGLU of width `shared_ffn` (N x ffn unless given) every token passes through, added to the
+routed output (`shared_expert = true` is Qwen2-MoE's sigmoid-gated one instead).
 """
 
 from __future__ import annotations
@@ -45,6 +56,23 @@ if TYPE_CHECKING:
 
 _EXPERTS = ("gate", "up", "down")
 ROUTING = ("aux_loss_coef", "z_loss_coef", "capacity")  # the layer's routing settings (runtime/moe/routing.py)
+# DeepSeekMoE's router and shared experts (runtime/moe/routing.py `choose_sigmoid`), with their
+# values that leave a softmax router as it was.
+DEEPSEEK: dict[str, Any] = {"scoring": "softmax", "groups": 1, "topk_groups": 1, "routed_scaling": 1.0,
+                            "balance_rate": 0.0, "shared_experts": 0}
+CORRECTION = "e_score_correction_bias"  # the router's buffer (transformers' name) under sigmoid scoring
+LOAD = "expert_load"  # the router's buffer counting each expert's pairs over a step (with balance_rate)
+# (runtime/moe/routing.py has the same two names; the compiler does not import the runtime.)
+
+
+def _ungated(unit: Unit) -> bool:
+    """Whether the unit's shared expert is DeepSeek's (no sigmoid gate)."""
+    return bool(dict(unit.attrs).get("shared_experts"))
+
+
+def _divisor_near(n: int, want: int) -> int:
+    """The divisor of ``n`` closest to ``want`` (the smaller on a tie)."""
+    return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - want), d))
 _SHARED = ("shared_gate", "shared_up", "shared_down")
 
 
@@ -58,7 +86,7 @@ class Moe(Primitive):
                     label="each token picks top_k distinct experts",
                     help=f"top_k must be at most experts ({n_exp}): use top_k = {min(2, n_exp)}, or more experts")
             return None
-        if not self._routing_in_range(site, b, n_exp, k):
+        if not self._routing_in_range(site, b, n_exp, k) or not self._deepseek_in_range(site, b, n_exp, k):
             return None
         hidu, fu, eu = unit("hidden"), unit("ffn"), unit("experts")
 
@@ -73,15 +101,19 @@ class Moe(Primitive):
 
         leaves = [lin("router", n_exp, hid, eu, hidu), stacked("gate", ffn, hid, fu, hidu),
                   stacked("up", ffn, hid, fu, hidu), stacked("down", hid, ffn, hidu, fu)]
-        shared = b["shared_expert"]
+        # `shared_expert` in the unit: it has shared-expert leaves, gated (Qwen2-MoE) unless `shared_experts`.
+        shared = b["shared_expert"] or b["shared_experts"] > 0
         if shared:
             su = unit("shared_ffn")
             sf = b["shared_ffn"]
             leaves += [lin("shared_gate", sf, hid, su, hidu), lin("shared_up", sf, hid, su, hidu),
-                       lin("shared_down", hid, sf, hidu, su), lin("shared_router", 1, hid, None, hidu)]
+                       lin("shared_down", hid, sf, hidu, su)]
+            if b["shared_expert"]:
+                leaves.append(lin("shared_router", 1, hid, None, hidu))
         return {"hidden": hid, "ffn": ffn, "experts": n_exp, "top_k": k, "norm_topk_prob": b["norm_topk_prob"],
                 "weights_fp32": b["weights_fp32"], "shared_expert": shared,
-                "shared_ffn": b["shared_ffn"] if shared else None, **{a: float(b[a]) for a in ROUTING}}, leaves
+                "shared_ffn": b["shared_ffn"] if shared else None, **{a: float(b[a]) for a in ROUTING},
+                **{a: b[a] for a in DEEPSEEK}}, leaves
 
     def _routing_in_range(self, site: UnitSite, b: Mapping[str, Any], n_exp: int, k: int) -> bool:
         """The capacity factor's range (the resolver refuses negative routing settings): 0 (dropless)
@@ -94,6 +126,55 @@ class Moe(Primitive):
                          help=f"use 0 < capacity <= {most:g} (each expert takes ceil(capacity x tokens x top_k / "
                          "experts) tokens), or capacity = 0 for dropless routing")
             return False
+        return True
+
+    def _deepseek_in_range(self, site: UnitSite, b: Mapping[str, Any], n_exp: int, k: int) -> bool:
+        """DeepSeekMoE's settings (runtime/moe/routing.py `choose_sigmoid`): the groups split the
+        experts evenly, in groups of at least two (a group scores its two best experts); a token
+        reaches the experts of its topk_groups groups, so top_k fits in them; the bias-based settings
+        need sigmoid scoring; one kind of shared expert."""
+        r, name = site.r, site.name
+        groups, topk_groups, sigmoid = b["groups"], b["topk_groups"], b["scoring"] == "sigmoid"
+
+        def bad(arg: str, message: str, label: str, help: str) -> bool:
+            r.error(E0307, f"`{name}`: {message}", site.arg_span(arg), label=label, help=help)
+            return False
+
+        if not sigmoid:
+            for arg, off in (("groups", 1), ("topk_groups", groups), ("balance_rate", 0.0)):
+                if b[arg] != off:
+                    return bad(arg, f"`{arg}` applies to sigmoid scoring; this layer scores with softmax",
+                               "a setting of DeepSeek-V3's sigmoid router",
+                               help=f"add `scoring = sigmoid` (DeepSeek-V3, GLM-4.5), or remove `{arg}`")
+        elif b["aux_loss_coef"]:
+            return bad("aux_loss_coef", "`aux_loss_coef` (transformers' load-balancing loss of softmax "
+                       "probabilities) with `scoring = sigmoid`", "a softmax router's loss",
+                       help="balance a sigmoid router with its correction bias: `balance_rate = 0.001` "
+                       "(DeepSeek-V3's rate), and remove `aux_loss_coef`")
+        if n_exp % groups:
+            return bad("groups", f"groups = {groups} does not divide its {n_exp} experts",
+                       "the groups split the experts evenly",
+                       help=f"use groups dividing {n_exp} (e.g. {_divisor_near(n_exp, groups)})")
+        if groups > 1 and n_exp // groups < 2:
+            return bad("groups", f"groups = {groups} leaves {n_exp // groups} expert per group; a group "
+                       "scores the sum of its two best experts", "groups of at least two experts",
+                       help=f"use groups <= {n_exp // 2}, or groups = 1 (no group limit)")
+        if topk_groups > groups:
+            return bad("topk_groups", f"topk_groups = {topk_groups} is more than its {groups} groups",
+                       "each token keeps topk_groups of the groups",
+                       help=f"use topk_groups <= groups ({groups})")
+        reach = topk_groups * (n_exp // groups)
+        if k > reach:
+            return bad("top_k", f"top_k ({k}) is more than the {reach} experts a token can reach: "
+                       f"topk_groups ({topk_groups}) x experts / groups ({n_exp // groups})",
+                       "more choices than the groups kept hold",
+                       help=f"use top_k <= {reach}, or more topk_groups (up to {groups})")
+        if b["shared_expert"] and b["shared_experts"]:
+            return bad("shared_experts", "`shared_expert = true` (Qwen2-MoE's gated shared expert) and "
+                       f"`shared_experts = {b['shared_experts']}` (DeepSeek's ungated ones) together",
+                       "two kinds of shared expert",
+                       help="keep one: `shared_experts = N` for DeepSeek-V3 / GLM-4.5, `shared_expert = true` "
+                       "for Qwen2-MoE")
         return True
 
     # -- flow
@@ -190,7 +271,9 @@ class Moe(Primitive):
             n += k["expert_dispatch"] + local * (k["expert_parallel_expert"] + degree * k["expert_dispatch_piece"])
         else:
             n += local * k["expert"]
-        if hu.unit.attr("shared_expert"):  # its SwiGLU, the sigmoid gate, the scaling and the sum
+        if hu.unit.attr("shared_expert") and _ungated(hu.unit):  # DeepSeek's: its SwiGLU and the sum
+            n += k["swiglu"] + k["residual"]
+        elif hu.unit.attr("shared_expert"):  # its SwiGLU, the sigmoid gate, the scaling and the sum
             n += k["swiglu"] + k["activation"] + 2 * k["residual"]
         return n
 
@@ -202,14 +285,17 @@ class Moe(Primitive):
         mm = [costs.Matmul(tokens, n_exp, hid), costs.Matmul(routed, f, hid, 2), costs.Matmul(routed, hid, f)]
         if hu.unit.attr("shared_expert"):
             s = self._ffn_local(plan, hu, "shared_gate", "shared_ffn")
-            mm += [costs.Matmul(tokens, s, hid, 2), costs.Matmul(tokens, hid, s), costs.Matmul(tokens, 1, hid)]
+            mm += [costs.Matmul(tokens, s, hid, 2), costs.Matmul(tokens, hid, s)]
+            if not _ungated(hu.unit):
+                mm.append(costs.Matmul(tokens, 1, hid))
         return costs.Work(tuple(mm))
 
     def flops_per_token(self, unit: Unit, seq: int) -> int:
         # Active work, as `work`: the router, top_k of the routed experts, the shared expert.
         hid, ffn, n_exp, k = (int(unit.attr(a)) for a in ("hidden", "ffn", "experts", "top_k"))  # type: ignore[arg-type]
         shared = int(unit.attr("shared_ffn") or 0) if unit.attr("shared_expert") else 0  # type: ignore[arg-type]
-        return 2 * hid * (n_exp + 3 * k * ffn + (3 * shared + 1 if shared else 0))
+        gate = 1 if shared and not _ungated(unit) else 0  # Qwen2-MoE's [1, hidden] gate
+        return 2 * hid * (n_exp + 3 * k * ffn + 3 * shared + gate)
 
     def unit_collectives(self, unit: Unit, placement: Mapping[str, Placement]) -> tuple[Collective, ...]:
         """Expert parallelism's token dispatch and combine (runtime/moe/dispatch.py), over the axes
@@ -225,6 +311,7 @@ class Moe(Primitive):
             d["shared_ffn"] = a["shared_ffn"]
         # Only when set, so the MODEL of a dropless model without router losses reads as before.
         d.update({r: a[r] for r in ROUTING if a.get(r)})
+        d.update({r: a[r] for r, off in DEEPSEEK.items() if a.get(r, off) != off})
         return d
 
     # -- codegen
@@ -252,6 +339,16 @@ class Moe(Primitive):
                 why = {"router": "every rank routes every token", "shared_router": "the shared expert's gate"}
                 lines.append(w.line(f"self.{attr}.{leaf.name} = nn.Linear({in_f}, {out_f}, bias=False)",
                                     f"{rule}: {why[leaf.name]}" if leaf.name in why else rule))
+        if a.get("scoring") == "sigmoid":
+            n_exp = a["experts"]
+            lines.append(w.line(f"self.{attr}.router.register_buffer('{CORRECTION}', torch.zeros({n_exp}))",
+                                f"[{n_exp}] chooses the experts, not a gradient parameter; the same on every rank"))
+            if a.get("balance_rate"):
+                lines += [w.line(f"self.{attr}.router.register_buffer('{LOAD}', torch.zeros({n_exp}, dtype=torch.long), "
+                                 "persistent=False)",
+                                 f"[{n_exp}] this rank's (token, choice) pairs per expert since the last optimizer step"),
+                          w.line(f"self.{attr}.router.balance_rate = {a['balance_rate']!r}",
+                                 "the bias's move toward balance after each optimizer step (Built.balance_experts)")]
         del a
         return lines
 
@@ -266,6 +363,7 @@ class Moe(Primitive):
             raise AssertionError(f"moe: {copy} / {reduce} (sequence parallelism) are refused by the checker")
         f_local = self._local(w, unit, placement, "gate", a["ffn"])
         cap = f", capacity={a['capacity']!r}{w.capacity_keep(x)}" if a.get("capacity") else ""
+        cap += self._router_args(m, a)
         drop = (f"; past ceil({a['capacity']:g} x b*s x {k} / {n_exp}) per expert, id -1 (dropped)"
                 if a.get("capacity") else "")
         if cap and w.plan.roles.context:
@@ -300,7 +398,12 @@ class Moe(Primitive):
             lines.append(w.line(f"out = rt.moe_experts({xt}, chosen, weights, {weights_args})",
                                 f"[b*s, {hid}]{part}: {f_local} of {a['ffn']} ffn of each expert"
                                 f"{', dropless' if not a.get('capacity') else ''}"))
-        if a["shared_expert"]:
+        if a["shared_expert"] and a.get("shared_experts"):
+            s_local = self._local(w, unit, placement, "shared_gate", a["shared_ffn"])
+            lines.append(w.line(f"out = out + {m}.shared_down(F.silu({m}.shared_gate({xt})) * {m}.shared_up({xt}))",
+                                f"[b*s, {hid}]{part}: {a['shared_experts']} shared experts, ungated, {s_local} of "
+                                f"{a['shared_ffn']} ffn"))
+        elif a["shared_expert"]:
             s_local = self._local(w, unit, placement, "shared_gate", a["shared_ffn"])
             scale = f"torch.sigmoid({m}.shared_router(t))"
             if copy is not None:
@@ -314,6 +417,20 @@ class Moe(Primitive):
                                 f"g: all-reduce over {w.axes_text(reduce.axes)} ({w.n(reduce.axes)}) -> [b*s, {hid}]"))
         lines.append(w.line(f"out = out.view_as({x})", f"[b, s, {hid}]"))
         return lines
+
+    def _router_args(self, m: str, a: Mapping[str, Any]) -> str:
+        """`rt.moe_route`'s DeepSeek keywords where the layer sets them (none for a softmax router
+        as it was, so its generated code stays the same)."""
+        args = ""
+        if a.get("scoring") == "sigmoid":
+            args += f", scoring='sigmoid', bias={m}.router.{CORRECTION}"
+            if a.get("groups", 1) > 1:
+                args += f", groups={a['groups']}, topk_groups={a['topk_groups']}"
+            if a.get("balance_rate"):
+                args += f", load={m}.router.{LOAD}"
+        if a.get("routed_scaling", 1.0) != 1.0:
+            args += f", scaling={a['routed_scaling']!r}"
+        return args
 
     def _local(self, w: Any, unit: Unit, placement: Mapping[str, Placement], leaf: str, size: int) -> int:
         p = placement.get(f"{unit.name}.{leaf}", REPLICATE)
@@ -333,10 +450,19 @@ MOE = Moe("moe", sublayer=True, routes_experts=True, width_arg="hidden", sequenc
     # Keep the chosen weights in float32, or (False) cast them to the activations' dtype.
     Arg("weights_fp32", "bool", const(True)),
     Arg("shared_expert", "bool", const(False)),
-    Arg("shared_ffn", "dim", lambda bound: bound["ffn"]),
+    # DeepSeek's ungated shared experts: N of them, one SwiGLU of width N x ffn (0: none).
+    Arg("shared_experts", "dim", const(0), minimum=0),
+    Arg("shared_ffn", "dim", lambda bound: bound["ffn"] * max(1, bound["shared_experts"])),
     # Routing (runtime/moe/routing.py): the load-balancing loss's and router z-loss's coefficients in
     # the training loss, and the capacity factor (0: dropless).
     Arg("aux_loss_coef", "float", const(0.0)),
     Arg("z_loss_coef", "float", const(0.0)),
     Arg("capacity", "float", const(0.0)),
+    # DeepSeek-V3's router (runtime/moe/routing.py `choose_sigmoid`): sigmoid scores chosen with a
+    # correction bias, group-limited choice, the chosen weights' scale, and the bias's balancing rate.
+    Arg("scoring", "choice", const("softmax"), ("softmax", "sigmoid")),
+    Arg("groups", "dim", const(1)),
+    Arg("topk_groups", "dim", lambda bound: bound["groups"]),
+    Arg("routed_scaling", "float", const(1.0)),
+    Arg("balance_rate", "float", const(0.0)),
 ))

@@ -15,7 +15,7 @@ from torch import Tensor
 from meshllm_dsl.runtime.model import description
 from meshllm_dsl.runtime.model.layers import cross_entropy
 from meshllm_dsl.runtime.model.reference import build_reference
-from meshllm_dsl.runtime.moe.routing import RouterLosses, recording
+from meshllm_dsl.runtime.moe.routing import RouterLosses, balance, balanced_routers, recording
 from meshllm_dsl.runtime.parallel.mesh import Mesh
 from meshllm_dsl.runtime.train.program import Program, adamw_kwargs, lr_at
 
@@ -73,7 +73,9 @@ def compare_to_reference(
 
     Keys: ``logits`` (before training), ``loss@K`` for every step, ``grad_norm@K`` with a ``clip``
     setting, ``grad NAME`` for every parameter at step 0 (gathered to full shape, after clipping),
-    ``param NAME`` for every parameter after the last step. Must be called on every rank of ``mesh``.
+    ``param NAME`` for every parameter after the last step, ``buffer NAME`` for every sigmoid
+    router's correction bias this rank holds after the last step (moved toward balance after each
+    step where the layer sets `balance_rate`). Must be called on every rank of ``mesh``.
     """
     if dtype is not None:
         # Every dtype of a mixed-precision plan too, so its FSDP2 MixedPrecisionPolicy path runs
@@ -93,6 +95,7 @@ def compare_to_reference(
     ref = build_reference(dict(program.model), program.dtype, seed=seed)
     ref_params = dict(ref.named_parameters())
     ref_opt = torch.optim.AdamW(ref.parameters(), **adamw_kwargs(program.optimizer))
+    ref_routers = balanced_routers([ref])
     batches = reference_batches(program.vocab, program.batch, program.seq, steps, seed)
     errs: dict[str, float] = {}
     with torch.no_grad():
@@ -120,6 +123,7 @@ def compare_to_reference(
         for group in ref_opt.param_groups:
             group["lr"] = lr_at(program.optimizer, step)
         ref_opt.step()
+        balance(ref_routers, None)
     state = built.full_state_dict()
     if set(state) != set(ref_params):
         raise AssertionError(f"parameter names differ: {sorted(set(state) ^ set(ref_params))}")
@@ -134,4 +138,7 @@ def compare_to_reference(
             # below eps), not here. Seen: a gradient of -2.4e-9 vs -2.2e-9 gave 1.6e-5 after AdamW.
             diff = diff[smallest_grad[name] > NOISE_GRAD]
         errs[f"param {name}"] = diff.max().item() if diff.numel() else 0.0
+    ref_buffers = dict(ref.named_buffers())
+    for name, buf in built.routing_buffers().items():
+        errs[f"buffer {name}"] = (buf - ref_buffers[name]).abs().max().item()
     return errs

@@ -21,7 +21,9 @@ from torch import Tensor, nn
 
 from meshllm_dsl.runtime.moe.routing import capacity_of as _capacity_of
 from meshllm_dsl.runtime.moe.routing import (
+    choose_sigmoid,
     compute_dtype,
+    count_load,
     keep_within_capacity,
     load_balancing_loss,
     record,
@@ -73,9 +75,11 @@ def experts_swiglu(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Te
 
 
 def moe_route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32: bool,
-              capacity: float = 0.0, keep: Callable[[Tensor, int, float], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
-    """``route`` (runtime/moe/routing.py) as generated code calls it (keywords)."""
-    return route(x, weight, top_k, renormalize, weights_fp32, capacity, keep)
+              capacity: float = 0.0, keep: Callable[[Tensor, int, float], Tensor] | None = None,
+              **deepseek: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """``route`` (runtime/moe/routing.py) as generated code calls it (keywords; ``deepseek``: its
+    scoring / bias / groups / topk_groups / scaling / load)."""
+    return route(x, weight, top_k, renormalize, weights_fp32, capacity, keep, **deepseek)
 
 
 def moe_experts(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,
@@ -98,22 +102,40 @@ class ReferenceMoE(nn.Module):
         self.renormalize, self.weights_fp32 = bool(spec["norm_topk_prob"]), bool(spec["weights_fp32"])
         self.capacity = float(spec.get("capacity") or 0.0)
         self.router = nn.Linear(hid, n_exp, bias=False)
+        # DeepSeek-V3's router (runtime/moe/routing.py choose_sigmoid): the correction bias a buffer of
+        # the router, as generated stages hold it; the step's load counted for its update.
+        self.sigmoid = spec.get("scoring", "softmax") == "sigmoid"
+        self.groups, self.topk_groups = int(spec.get("groups", 1)), int(spec.get("topk_groups", 1))
+        self.scaling = float(spec.get("routed_scaling", 1.0))
+        if self.sigmoid:
+            self.router.register_buffer("e_score_correction_bias", torch.zeros(n_exp))
+            if spec.get("balance_rate"):
+                self.router.register_buffer("expert_load", torch.zeros(n_exp, dtype=torch.long), persistent=False)
+                self.router.balance_rate = float(spec["balance_rate"])
         self.gate, self.up = StackedLinear(n_exp, hid, ffn), StackedLinear(n_exp, hid, ffn)
         self.down = StackedLinear(n_exp, ffn, hid)
         self.shared = spec.get("shared_ffn") is not None
+        self.shared_gated = self.shared and not spec.get("shared_experts")  # Qwen2-MoE's sigmoid gate
         if self.shared:
             sf = spec["shared_ffn"]
             self.shared_gate, self.shared_up = nn.Linear(hid, sf, bias=False), nn.Linear(hid, sf, bias=False)
             self.shared_down = nn.Linear(sf, hid, bias=False)
-            self.shared_router = nn.Linear(hid, 1, bias=False)
+            if self.shared_gated:
+                self.shared_router = nn.Linear(hid, 1, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         t = x.reshape(-1, self.hidden)
         logits = self.router(t)
-        probs = torch.softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)
-        top, idx = probs.topk(self.top_k, dim=-1)
-        if self.renormalize:
-            top = top / top.sum(-1, keepdim=True)
+        if self.sigmoid:
+            top, idx = choose_sigmoid(logits, self.top_k, self.renormalize, self.router.e_score_correction_bias,
+                                      self.groups, self.topk_groups, self.scaling)
+        else:
+            probs = torch.softmax(logits.to(compute_dtype(logits.dtype)), dim=-1)
+            top, idx = probs.topk(self.top_k, dim=-1)
+            if self.renormalize:
+                top = top / top.sum(-1, keepdim=True)
+            if self.scaling != 1.0:
+                top = top * self.scaling
         if not self.weights_fp32:
             top = top.to(logits.dtype)
         limit = _capacity_of(self.capacity, t.shape[0], self.top_k, self.experts)
@@ -121,6 +143,8 @@ class ReferenceMoE(nn.Module):
         if keep is not None:
             top = top * keep  # a dropped pair weighs 0
         record(logits, idx if keep is None else torch.where(keep, idx, -1), self.router.weight)
+        if hasattr(self.router, "expert_load"):
+            count_load(self.router.expert_load, idx if keep is None else torch.where(keep, idx, -1))
         dense = torch.zeros(t.shape[0], self.experts, dtype=top.dtype).scatter(1, idx, top)  # [T, E]
         g = torch.einsum("th,feh->tef", t, self.gate.weight)
         u = torch.einsum("th,feh->tef", t, self.up.weight)
@@ -128,5 +152,5 @@ class ReferenceMoE(nn.Module):
         out = (y * dense[..., None]).sum(1).to(t.dtype)
         if self.shared:
             s = self.shared_down(F.silu(self.shared_gate(t)) * self.shared_up(t))
-            out = out + torch.sigmoid(self.shared_router(t)) * s
+            out = out + (torch.sigmoid(self.shared_router(t)) * s if self.shared_gated else s)
         return out.view_as(x)

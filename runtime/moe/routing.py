@@ -34,19 +34,21 @@ stage's ``RouterLosses.loss`` then equals the whole forward's (runtime/train/pro
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from meshllm_dsl.runtime.model import description
 
-__all__ = ["DROPPED", "RouterLog", "RouterLosses", "capacity_of", "keep_within_capacity", "load_balancing_loss",
-           "record", "recording", "route", "z_loss"]
+__all__ = ["CORRECTION", "DROPPED", "LOAD", "RouterLog", "RouterLosses", "balance", "balanced_routers", "capacity_of",
+           "choose_sigmoid", "count_load", "keep_within_capacity", "load_balancing_loss", "record", "recording", "route",
+           "update_correction", "z_loss"]
 
 DROPPED = -1  # the expert id of a (token, choice) pair dropped for capacity
 
@@ -122,8 +124,38 @@ def recording(active: bool = True, keep_logits: bool = True) -> Iterator[RouterL
         _ACTIVE.remove(log)
 
 
+def choose_sigmoid(logits: Tensor, top_k: int, renormalize: bool, bias: Tensor, groups: int = 1,
+                   topk_groups: int = 1, scaling: float = 1.0) -> tuple[Tensor, Tensor]:
+    """DeepSeek-V3's router (transformers' ``DeepseekV3TopkRouter``, GLM-4.5's the same): logits
+    [T, E] -> (weights [T, k], ids [T, k]).
+
+    Scores are sigmoid(logits) in float32 (float64 stays float64). The correction ``bias`` [E] is
+    added to the scores only to choose the experts; the weights are the chosen experts' plain
+    scores. With ``groups`` > 1 the experts are ``groups`` contiguous groups of E / groups; a group
+    scores the sum of its two best (biased) scores, and each token chooses only among the experts of
+    its ``topk_groups`` best groups. ``renormalize``: the chosen weights divided by their sum
+    (+ 1e-20, as transformers); then multiplied by ``scaling`` (routed_scaling_factor)."""
+    scores = torch.sigmoid(logits.to(compute_dtype(logits.dtype)))  # [T, E]
+    choice = scores + bias.to(scores.dtype)  # [T, E] for choosing only
+    if groups > 1:
+        t, e = choice.shape
+        by_group = choice.view(t, groups, e // groups)  # [T, G, E / G]
+        group_scores = by_group.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+        best = torch.topk(group_scores, topk_groups, dim=-1)[1]  # [T, topk_groups]
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter(1, best, True)  # [T, G]
+        allowed = allowed[:, :, None].expand(t, groups, e // groups).reshape(t, e)
+        choice = choice.masked_fill(~allowed, float("-inf"))
+    idx = torch.topk(choice, top_k, dim=-1)[1]  # [T, k], best first
+    top = scores.gather(1, idx)
+    if renormalize:
+        top = top / (top.sum(dim=-1, keepdim=True) + 1e-20)
+    return top * scaling, idx
+
+
 def route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32: bool,
-          capacity: float = 0.0, keep: Callable[[Tensor, int, float], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+          capacity: float = 0.0, keep: Callable[[Tensor, int, float], Tensor] | None = None, *,
+          scoring: str = "softmax", bias: Tensor | None = None, groups: int = 1, topk_groups: int = 1,
+          scaling: float = 1.0, load: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Router of one MoE layer: x [T, H], weight [E, H] -> (chosen weights [T, k], chosen expert
     ids [T, k] int64, router logits [T, E]).
 
@@ -131,12 +163,21 @@ def route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32
     logits' dtype. ``capacity``: the capacity factor (0: dropless); dropped
     pairs get id ``DROPPED`` and weight 0 (the kept weights are not renormalised again). ``keep``:
     (ids [T, k], experts, factor) -> which pairs fit, when the T rows are part of a forward spread over ranks
-    (context parallelism: ContextShard.keep_within_capacity counts in the whole sequence's order)."""
+    (context parallelism: ContextShard.keep_within_capacity counts in the whole sequence's order).
+    ``scoring = "sigmoid"``: DeepSeek-V3's router (``choose_sigmoid``: ``bias``, ``groups``,
+    ``topk_groups``, ``scaling``); softmax scoring takes ``scaling`` too (DeepSeek-V2's).
+    ``load`` [E]: the pairs each expert receives are added to it (``count_load``)."""
     logits = F.linear(x, weight)  # [T, E]
-    probs = torch.softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
-    top, idx = torch.topk(probs, top_k, dim=-1)  # [T, k]; ties go to the lower expert id, as in HF
-    if renormalize:
-        top = top / top.sum(dim=-1, keepdim=True)
+    if scoring == "sigmoid":
+        assert bias is not None, "sigmoid scoring chooses with the correction bias"
+        top, idx = choose_sigmoid(logits, top_k, renormalize, bias, groups, topk_groups, scaling)
+    else:
+        probs = torch.softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
+        top, idx = torch.topk(probs, top_k, dim=-1)  # [T, k]; ties go to the lower expert id, as in HF
+        if renormalize:
+            top = top / top.sum(dim=-1, keepdim=True)
+        if scaling != 1.0:
+            top = top * scaling
     if not weights_fp32:
         top = top.to(logits.dtype)
     limit = capacity_of(capacity, x.shape[0], top_k, weight.shape[0])
@@ -145,7 +186,61 @@ def route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32
         idx = torch.where(fits, idx, torch.full_like(idx, DROPPED))
         top = top * fits
     record(logits, idx, weight)
+    if load is not None:
+        count_load(load, idx)
     return top, idx, logits
+
+
+CORRECTION = "e_score_correction_bias"  # a sigmoid router's bias buffer (transformers' name)
+LOAD = "expert_load"  # a balanced router's buffer: pairs per expert since the last optimizer step
+
+
+def count_load(load: Tensor, idx: Tensor) -> None:
+    """Add the (token, choice) pairs each expert receives (ids [T, k], dropped pairs left out) to
+    ``load`` [E], the layer's count over a training step for the correction bias's update
+    (``update_correction``). Only in training forwards: not under no_grad (evaluation, inference)
+    and not in a recompute inside backward (the forward already counted those tokens)."""
+    if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        return
+    flat = idx.detach().reshape(-1)
+    with torch.no_grad():
+        load.add_(torch.bincount(flat[flat >= 0], minlength=load.shape[0]))
+
+
+def update_correction(bias: Tensor, load: Tensor, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing (arXiv 2412.19437 section 2.1.2): after the
+    optimizer step, bias_e += rate * sign(mean(load) - load_e), ``load`` the step's pairs per expert
+    counted over every rank that routed tokens (summed over the ranks first: ``balance``); then the
+    count starts again from zero. In place on the buffers; the same on every rank, which all hold
+    the same summed load. (torchtitan also subtracts the update's mean, which moves every score by
+    the same amount and so chooses the same experts; the paper's rule is kept.)"""
+    with torch.no_grad():
+        mean = load.to(torch.float64).mean()
+        bias.add_(rate * torch.sign(mean - load.to(torch.float64)).to(bias.dtype))
+        load.zero_()
+
+
+def balanced_routers(modules: Iterable[nn.Module]) -> list[nn.Module]:
+    """The routers among ``modules`` (and their submodules) whose correction bias moves
+    (``balance_rate`` set: they count their load in ``LOAD``), in module order."""
+    return [m for module in modules for m in module.modules() if hasattr(m, LOAD)]
+
+
+def balance(routers: Sequence[nn.Module], group: dist.ProcessGroup | None) -> None:
+    """After an optimizer step: every balanced router's step load summed over ``group`` (the ranks
+    that routed this step's tokens to the same layers: every rank but other pipeline stages'), in
+    one all-reduce of the layers' counts side by side, then each bias updated (``update_correction``).
+    The counts are integers, so the sum and the update are exact and the same on every rank. Ranks
+    of a tensor group count the same tokens; that scales every count alike and leaves each
+    sign(mean - load) as it is."""
+    if not routers:
+        return
+    loads = torch.cat([getattr(r, LOAD) for r in routers])  # [layers * E] int64
+    if group is not None:
+        dist.all_reduce(loads, group=group)
+    for r, load in zip(routers, loads.split([getattr(r, LOAD).numel() for r in routers])):
+        update_correction(getattr(r, CORRECTION), load, float(r.balance_rate))
+        getattr(r, LOAD).zero_()
 
 
 def record(logits: Tensor, chosen: Tensor, weight: Tensor | None = None) -> None:

@@ -8,7 +8,9 @@ therefore leaves the previous checkpoint loadable and ``latest`` pointing at a c
 
 Tensors go through ``torch.distributed.checkpoint`` (DCP) under layout-independent keys:
 ``model/NAME`` for every parameter at its full name and ``optim/NAME/KEY`` for its optimizer state
-(AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``, ...).  A sharded tensor is given to DCP as a
+(AdamW's ``exp_avg``, ``exp_avg_sq``, ``step``, ...), and ``buffer/NAME`` for the state a model
+holds beside its parameters: the sigmoid routers' correction biases (runtime/moe/routing.py),
+replicated on every rank of their stage.  A sharded tensor is given to DCP as a
 DTensor over the axes it is split on, so DCP records which slice of the full tensor each rank
 holds and reshards on load; copies on several ranks (data replicas, tied weights) are written once.
 A fused tensor chunked segment by segment (qkv rows [q | k | v] split over ``tensor``) is not one
@@ -45,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from meshllm_dsl.runtime.model import description
 from meshllm_dsl.runtime.parallel.fsdp import is_sharded, like_sharded, store_tp_local, tp_local
 from meshllm_dsl.runtime.parallel.mesh import Mesh
 from meshllm_dsl.runtime.parallel.shards import ShardSpec
@@ -638,7 +641,7 @@ def _same_kind(ours: Any, saved: Any) -> bool:
 
 
 def _save_state(built: Built, optimizer: bool) -> dict[str, Any]:
-    state: dict[str, Any] = {}
+    state: dict[str, Any] = {f"buffer/{name}": buf.detach() for name, buf in built.routing_buffers().items()}
     for name, holders in _holders(built).items():
         param, spec = holders[0]
         state[f"model/{name}"] = _dcp_value(built.mesh, spec, tp_local(param.detach()), built.device)
@@ -804,6 +807,21 @@ def _check_keys(built: Built, metadata: Any, where: Path) -> None:
         )
 
 
+def _check_buffers(built: Built, metadata: Any, where: Path) -> None:
+    """Refuse, on every rank, a checkpoint lacking a correction bias one of this model's stages
+    holds (a checkpoint from before the bias moved would resume a different run). Only for a model
+    with sigmoid routers (the same answer on every rank), so other loads run no extra collective."""
+    if not any(layer.get("scoring") == "sigmoid" for layer in description.moe_layers(built.program.model)):
+        return
+    have = {key[len("buffer/") :] for key in metadata.state_dict_metadata if key.startswith("buffer/")}
+    missing = sorted(set(built.routing_buffers()) - have)
+    error = None
+    if missing:
+        error = (f"checkpoint {where} is of another model: no router correction bias "
+                 f"{', '.join(missing[:3])}{' ...' * (len(missing) > 3)}")
+    _agree(built.mesh, error)
+
+
 @torch.no_grad()
 def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, Any]:
     """Load a checkpoint from any layout into ``built`` (collective); return its manifest.
@@ -831,12 +849,14 @@ def load(built: Built, path: str | Path, optimizer: bool = False) -> dict[str, A
     reader = dcp.FileSystemReader(step_dir)
     metadata = _read_metadata(step_dir)  # before DCP unpickles it without restriction
     _check_keys(built, metadata, step_dir)
+    _check_buffers(built, metadata, step_dir)
     if optimizer and not manifest.get("optimizer"):
         raise CheckpointError(f"checkpoint {step_dir} holds weights only; use --load to start from it")
 
     holders = _holders(built)
-    tensors: dict[str, Any] = {}
-    targets: dict[str, Tensor] = {}
+    # The correction biases load in place (plain replicated tensors).
+    tensors: dict[str, Any] = {f"buffer/{name}": buf for name, buf in built.routing_buffers().items()}
+    targets: dict[str, Tensor] = dict(tensors)
     for name, held in holders.items():
         param, spec = held[0]
         # ZeRO 2 / 3: read the whole tensor-parallel shard, then keep this data rank's slice.

@@ -340,6 +340,11 @@ class Built:
                 # the schedules test for.
                 module.forward = functools.partial(self._routed_forward, module.forward)  # type: ignore[method-assign]
         self.optimizer = self._make_optimizer()
+        # Routers whose correction bias moves toward balance after each step (runtime/moe/routing.py
+        # `balance`), with the ranks that route tokens to the same layers: all but the pipeline axis.
+        self.balanced_routers = moe_routing.balanced_routers(self.modules[i] for i in self.stage_ids)
+        balance_axes = tuple(a for a in mesh.names if a != pp_axis)
+        self._balance_group = mesh.group(*balance_axes) if balance_axes else None
         self.steps_done = 0  # optimizer updates so far: the learning-rate schedule's clock
         self.grad_norm = float("nan")  # the global gradient norm of the last step (with clip)
         self._schedules: dict[tuple[int, int, bool], Any] = {}
@@ -717,9 +722,28 @@ class Built:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+        self.balance_experts()
         self.precompute_float8_scales()
         self.steps_done += 1
         return self._global_loss(local_loss)
+
+    def balance_experts(self) -> None:
+        """After an optimizer step: each balanced router's correction bias moves toward balance by
+        the expert loads of the step, summed over every rank that routed them (one all-reduce of
+        the counts of this rank's moe layers; nothing without `balance_rate`)."""
+        moe_routing.balance(self.balanced_routers, self._balance_group)
+
+    def routing_buffers(self) -> dict[str, Tensor]:
+        """The sigmoid routers' correction biases of this rank's stages, by full name (replicated:
+        every rank of a stage holds the whole bias)."""
+        out: dict[str, Tensor] = {}
+        for i in self.stage_ids:
+            paths = self._global_modules(i)
+            for name, buf in self.modules[i].named_buffers():
+                module, _, leaf = name.rpartition(".")
+                if leaf == moe_routing.CORRECTION:
+                    out[f"{paths.get(module, module)}.{leaf}"] = buf
+        return out
 
     def grad_norm_sq(self) -> Tensor:
         """This rank's share of the squared global gradient norm, so that the sum over the mesh
