@@ -76,13 +76,12 @@ def _probe(device: torch.device, dtype: torch.dtype) -> bool:
     per-group matmuls: rows in 3 groups (one empty), the weights a transposed view as ours are."""
     if not hasattr(torch, "_grouped_mm"):
         return False
-    gen = torch.Generator().manual_seed(0)
-    a0 = torch.randn(6, 8, generator=gen)
-    b0 = torch.randn(3, 16, 8, generator=gen)
-    grad0 = torch.randn(6, 16, generator=gen)
     try:
         # A probe made under inference mode, no_grad or autocast would answer for those alone.
         with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device.type, enabled=False):
+            gen = torch.Generator().manual_seed(0)
+            a0, b0 = torch.randn(6, 8, generator=gen), torch.randn(3, 16, 8, generator=gen)
+            grad0 = torch.randn(6, 16, generator=gen)
             a = a0.to(device, dtype).requires_grad_()
             b = b0.to(device, dtype).requires_grad_()
             offs = torch.tensor([2, 2, 6], dtype=torch.int32, device=device)
@@ -139,6 +138,33 @@ def _grouped(rows: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
     return out
 
 
+class _ExpertBias(torch.autograd.Function):
+    """out [N, n] + bias [E, n] of each row's expert (rows sorted by expert, ``expert`` [N] their
+    ids). Its bias gradient sums each expert's rows in float32 (or wider) and rounds once, as the
+    loop's broadcast add does; autograd's own for ``bias[expert]`` would add row after row in
+    bfloat16."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, out: Tensor, bias: Tensor, expert: Tensor) -> Tensor:
+        ctx.save_for_backward(expert)
+        ctx.dtypes = (out.dtype, bias.dtype)  # type: ignore[attr-defined]
+        ctx.n_experts = bias.shape[0]  # type: ignore[attr-defined]
+        return out + bias[expert]
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: Tensor) -> tuple[Tensor, Tensor, None]:
+        (expert,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        out_dtype, bias_dtype = ctx.dtypes  # type: ignore[attr-defined]
+        acc = torch.promote_types(grad.dtype, torch.float32)
+        summed = torch.zeros(ctx.n_experts, grad.shape[1], dtype=acc, device=grad.device)  # type: ignore[attr-defined]
+        summed.index_add_(0, expert, grad.to(acc))
+        return grad.to(out_dtype), summed.to(bias_dtype), None
+
+
+def _add_bias(out: Tensor, bias: Tensor | None, expert: Tensor) -> Tensor:
+    return out if bias is None else _ExpertBias.apply(out, bias, expert)
+
+
 def grouped_experts_ffn(h: Tensor, counts: Tensor, gate: Tensor, up: Tensor, down: Tensor,
                         gate_bias: Tensor | None = None, up_bias: Tensor | None = None,
                         down_bias: Tensor | None = None, act: Activation = swiglu) -> Tensor:
@@ -151,18 +177,11 @@ def grouped_experts_ffn(h: Tensor, counts: Tensor, gate: Tensor, up: Tensor, dow
     dtype = matmul_dtype(h)
     offs = counts.cumsum(0).to(torch.int32)
     gate_w, up_w, down_w = (w.to(dtype).transpose(1, 2) for w in (gate, up, down))  # [E, in, out] views
-    rows = h.to(dtype)
-    g = _grouped(rows, gate_w, offs)
-    u = _grouped(rows, up_w, offs)
-    expert = None
-    if gate_bias is not None or up_bias is not None or down_bias is not None:
-        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=h.device), counts, output_size=h.shape[0])
-    if gate_bias is not None:
-        g = g + gate_bias[expert]
-    if up_bias is not None:
-        u = u + up_bias[expert]
+    # One cast of h per projection, as autocast's F.linear makes: the two gradients then reach h
+    # in its own dtype and add there, not in the matmuls' (a no-op without autocast).
+    g = _grouped(h.to(dtype), gate_w, offs)
+    u = _grouped(h.to(dtype), up_w, offs)
+    expert = torch.repeat_interleave(torch.arange(counts.numel(), device=h.device), counts, output_size=h.shape[0])
+    g, u = _add_bias(g, gate_bias, expert), _add_bias(u, up_bias, expert)
     hidden = act(g, u).to(dtype).contiguous()  # a no-op for an elementwise act without autocast
-    y = _grouped(hidden, down_w, offs)
-    if down_bias is not None:
-        y = y + down_bias[expert]
-    return y
+    return _add_bias(_grouped(hidden, down_w, offs), down_bias, expert)
