@@ -57,8 +57,7 @@ def grouped_layout(mat: Tensor, dtype: torch.dtype | None = None) -> bool:
     """Whether ``_grouped_mm`` reads ``mat`` (as ``dtype``, default its own) as it is: column- or
     row-major in its last two dims with the other stride a multiple of 16 bytes and, off the CPU,
     a 16-byte-aligned start; aten's own check, in its order."""
-    item = torch.empty((), dtype=dtype or mat.dtype).element_size()
-    align = _ALIGN_BYTES // item
+    align = _ALIGN_BYTES // (dtype or mat.dtype).itemsize
     rows, cols = mat.shape[-2:]
     s_rows, s_cols = mat.stride()[-2:]
     if s_rows == 1 and s_cols >= max(1, rows):
@@ -120,8 +119,7 @@ def grouped_runs(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> bool:
         return False
     if not grouped_mm_works(x.device, dtype):
         return False
-    item = torch.empty((), dtype=dtype).element_size()
-    rows_aligned = all(n * item % _ALIGN_BYTES == 0 for n in (x.shape[-1], gate.shape[1]))
+    rows_aligned = all(n * dtype.itemsize % _ALIGN_BYTES == 0 for n in (x.shape[-1], gate.shape[1]))
     return rows_aligned and all(grouped_layout(w.transpose(1, 2), dtype) for w in (gate, up, down))
 
 
