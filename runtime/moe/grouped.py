@@ -131,7 +131,8 @@ def _grouped(rows: Tensor, weight: Tensor, offs: Tensor) -> Tensor:
     """rows [N, in] @ weight [E, in, out] group by group (``offs`` the groups' ends) -> [N, out]."""
     out = torch._grouped_mm(rows, weight, offs=offs)
     if out.requires_grad:
-        # Its backward refuses a broadcast (stride 0) gradient, such as that of out.sum().
+        # Its backward refuses a broadcast (stride 0) gradient, such as an act summing its gate
+        # over a row hands the gate projection ("Invalid strides/sizes").
         out.register_hook(_dense)
     return out
 
