@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from meshllm_dsl.runtime.moe.grouped import Activation, grouped_experts_ffn, grouped_runs, swiglu
 from meshllm_dsl.runtime.moe.routing import capacity_of as _capacity_of
 from meshllm_dsl.runtime.moe.routing import (
     choose_sigmoid,
@@ -30,7 +31,7 @@ from meshllm_dsl.runtime.moe.routing import (
     route,
 )
 
-__all__ = ["ReferenceMoE", "StackedLinear", "experts_swiglu", "load_balancing_loss", "moe_experts", "moe_route", "route"]
+__all__ = ["ReferenceMoE", "StackedLinear", "experts_down_bias", "experts_swiglu", "load_balancing_loss", "moe_experts", "moe_route", "route"]
 
 
 class StackedLinear(nn.Module):
@@ -43,14 +44,24 @@ class StackedLinear(nn.Module):
 
 
 def experts_swiglu(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,
-                   first: int = 0) -> Tensor:
+                   first: int = 0, *, gate_bias: Tensor | None = None, up_bias: Tensor | None = None,
+                   down_bias: Tensor | None = None, act: Activation = swiglu) -> Tensor:
     """Dropless SwiGLU experts: x [T, H], idx / weights [T, k] -> sum_k weights * expert_idx(x), [T, H].
 
     ``gate`` / ``up`` [E_local, F_local, H] and ``down`` [E_local, H, F_local] (expert-major) hold experts
     ``first`` .. ``first + E_local - 1``; an id outside them contributes nothing (another rank's
     expert). With F_local < F (tensor-parallel experts) the result is this rank's partial sum.
     Each expert runs once on the tokens routed to it, in expert order, and the weighted outputs
-    are added per token in that order (as transformers' index_add_ loop does)."""
+    are added per token in that order (as transformers' index_add_ loop does).
+
+    An expert computes ``down(act(gate(h) + gate_bias, up(h) + up_bias)) + down_bias`` (biases
+    [E_local, F_local] / [E_local, H], each added after its matmul; ``act`` SwiGLU unless given).
+    With F_local < F leave ``down_bias`` out and add ``experts_down_bias`` once after the sum over
+    the tensor ranks, as a row-parallel layer's bias is added (runtime/model/layers.py ``row_matmul``).
+
+    One ``torch._grouped_mm`` per projection where ``grouped_runs`` says it can (runtime/moe/grouped.py:
+    float32 / bfloat16 / float16 in aligned layouts), else a loop of ``F.linear`` over the experts;
+    the two compute the same products in the same order."""
     t, k = idx.shape
     n_local = gate.shape[0]
     flat = idx.reshape(-1) - first  # [T k] local expert id of each (token, choice)
@@ -58,20 +69,53 @@ def experts_swiglu(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Te
     counts = torch.bincount(flat.clamp(-1, n_local).add(1), minlength=n_local + 2)[1 : n_local + 1]
     start = int((flat < 0).sum())
     rows = order // k  # [T k] token of each pair, in expert order
-    outs, pairs = [], []
+    if grouped_runs(x, gate, up, down):
+        n = int(counts.sum())
+        if n == 0:
+            return torch.zeros_like(x)
+        sel, pairs = order[start : start + n], rows[start : start + n]
+        y = grouped_experts_ffn(x[pairs], counts, gate, up, down, gate_bias, up_bias, down_bias, act)
+        return torch.zeros_like(x).index_add(0, pairs, (y * weights.reshape(-1)[sel, None]).to(x.dtype))
+    outs, pairs_of = [], []
     for e, n in enumerate(counts.tolist()):
         if n:
             sel = order[start : start + n]
             h = x[rows[start : start + n]]  # [n, H]
-            y = F.linear(F.silu(F.linear(h, gate[e])) * F.linear(h, up[e]), down[e])  # [n, H]
+            y = _expert_ffn(h, e, gate, up, down, gate_bias, up_bias, down_bias, act)  # [n, H]
             # The product in the weights' dtype (float32 with weights_fp32), then back, as HF does.
             outs.append((y * weights.reshape(-1)[sel, None]).to(x.dtype))
-            pairs.append(rows[start : start + n])
+            pairs_of.append(rows[start : start + n])
         start += n
     out = torch.zeros_like(x)
     if outs:
-        out = out.index_add(0, torch.cat(pairs), torch.cat(outs))
+        out = out.index_add(0, torch.cat(pairs_of), torch.cat(outs))
     return out
+
+
+def _expert_ffn(h: Tensor, e: int, gate: Tensor, up: Tensor, down: Tensor, gate_bias: Tensor | None,
+                up_bias: Tensor | None, down_bias: Tensor | None, act: Activation) -> Tensor:
+    """Local expert ``e`` on its rows h [n, H] with biases and ``act``: the loop's form of
+    ``grouped_experts_ffn`` (each bias added after its matmul, as there)."""
+    g, u = F.linear(h, gate[e]), F.linear(h, up[e])
+    if gate_bias is not None:
+        g = g + gate_bias[e]
+    if up_bias is not None:
+        u = u + up_bias[e]
+    y = F.linear(act(g, u), down[e])
+    return y if down_bias is None else y + down_bias[e]
+
+
+def experts_down_bias(x: Tensor, idx: Tensor, weights: Tensor, down_bias: Tensor, first: int = 0) -> Tensor:
+    """sum_k weights * down_bias[idx] per token, [T, H], over the experts ``first`` ..
+    ``first + E_local - 1`` of ``down_bias`` [E_local, H]: the down projection's bias of
+    tensor-parallel experts, which the caller adds once after the sum of the ranks' partial
+    ``experts_swiglu`` (each rank adding it would count it tensor-size times)."""
+    k = idx.shape[1]
+    flat = idx.reshape(-1) - first
+    order = torch.argsort(flat, stable=True)  # pairs in expert order, as experts_swiglu adds them
+    local = order[(flat[order] >= 0) & (flat[order] < down_bias.shape[0])]
+    bias = down_bias[flat[local]] * weights.reshape(-1)[local, None]
+    return torch.zeros_like(x).index_add(0, local // k, bias.to(x.dtype))
 
 
 def moe_route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32: bool,
@@ -83,10 +127,13 @@ def moe_route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_
 
 
 def moe_experts(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,
-                first: int = 0) -> Tensor:
+                first: int = 0, *, gate_bias: Tensor | None = None, up_bias: Tensor | None = None,
+                down_bias: Tensor | None = None, act: Activation = swiglu) -> Tensor:
     """``experts_swiglu`` on ``StackedLinear`` weights: gate / up [F_local, E_local, H], down
-    [H, E_local, F_local] (the layout parameters and checkpoints of meshllm keep)."""
-    return experts_swiglu(x, idx, weights, gate.transpose(0, 1), up.transpose(0, 1), down.transpose(0, 1), first)
+    [H, E_local, F_local] (the layout parameters and checkpoints of meshllm keep); biases and
+    ``act`` as there."""
+    return experts_swiglu(x, idx, weights, gate.transpose(0, 1), up.transpose(0, 1), down.transpose(0, 1), first,
+                          gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias, act=act)
 
 
 class ReferenceMoE(nn.Module):
