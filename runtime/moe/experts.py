@@ -28,27 +28,57 @@ from meshllm_dsl.runtime.moe.routing import (
     route,
 )
 
-__all__ = ["ReferenceMoE", "StackedLinear", "experts_swiglu", "load_balancing_loss", "moe_experts", "moe_route", "route"]
+__all__ = ["ReferenceMoE", "StackedLinear", "clamped_swiglu", "experts_swiglu", "load_balancing_loss", "moe_expert_bias",
+           "moe_experts", "moe_route", "route"]
+
+# act(gate output, up output) -> the experts' hidden activation (SwiGLU's silu(gate) * up when None)
+Act = Callable[[Tensor, Tensor], Tensor]
 
 
 class StackedLinear(nn.Module):
-    """The same linear layer of every expert, one weight [out, experts, in] (no bias): the experts
-    dim in the middle so a column rule splits dim 0 and a row rule the last, as for nn.Linear."""
+    """The same linear layer of every expert, one weight [out, experts, in]: the experts dim in the
+    middle so a column rule splits dim 0 and a row rule the last, as for nn.Linear. With
+    ``bias_experts`` a bias [out, bias_experts] too (GPT-OSS's experts): the experts this rank holds,
+    or all of them for a bias added after the experts' sum (the down projection's)."""
 
-    def __init__(self, experts: int, in_features: int, out_features: int) -> None:
+    def __init__(self, experts: int, in_features: int, out_features: int, bias_experts: int = 0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, experts, in_features).normal_(0.0, 0.02))
+        if bias_experts:
+            self.bias = nn.Parameter(torch.zeros(out_features, bias_experts))
+
+
+def clamped_swiglu(alpha: float, limit: float) -> Act:
+    """GPT-OSS's experts' activation (transformers' GptOssExperts._apply_gate): the gate clamped
+    above at ``limit``, up clamped to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
+    Element-wise, so a tensor-parallel slice of the ffn computes its own part."""
+    def act(gate: Tensor, up: Tensor) -> Tensor:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return act
+
+
+def moe_expert_bias(idx: Tensor, weights: Tensor, bias: Tensor) -> Tensor:
+    """The down projection's bias of each token's chosen experts, weighted: idx / weights [T, k],
+    bias [H, E] (every expert's) -> sum_k weights * bias[:, idx], [T, H] in the weights' dtype.
+    Added once after the experts' partial sums are reduced (a row layer's bias), so each rank of a
+    tensor group computes it whole; a dropped pair (id -1, weight 0) adds nothing."""
+    picked = bias.t()[idx.clamp(min=0)]  # [T, k, H]
+    return (picked.to(weights.dtype) * weights[..., None]).sum(1)
 
 
 def experts_swiglu(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,
-                   first: int = 0) -> Tensor:
+                   first: int = 0, biases: tuple[Tensor, Tensor] | None = None, act: Act | None = None) -> Tensor:
     """Dropless SwiGLU experts: x [T, H], idx / weights [T, k] -> sum_k weights * expert_idx(x), [T, H].
 
     ``gate`` / ``up`` [E_local, F_local, H] and ``down`` [E_local, H, F_local] (expert-major) hold experts
     ``first`` .. ``first + E_local - 1``; an id outside them contributes nothing (another rank's
     expert). With F_local < F (tensor-parallel experts) the result is this rank's partial sum.
     Each expert runs once on the tokens routed to it, in expert order, and the weighted outputs
-    are added per token in that order (as transformers' index_add_ loop does)."""
+    are added per token in that order (as transformers' index_add_ loop does). ``biases``: the gate
+    and up projections' [E_local, F_local] (the down bias is ``moe_expert_bias``'s); ``act``: the
+    activation of (gate, up) in place of silu(gate) * up."""
     t, k = idx.shape
     n_local = gate.shape[0]
     flat = idx.reshape(-1) - first  # [T k] local expert id of each (token, choice)
@@ -61,7 +91,9 @@ def experts_swiglu(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Te
         if n:
             sel = order[start : start + n]
             h = x[rows[start : start + n]]  # [n, H]
-            y = F.linear(F.silu(F.linear(h, gate[e])) * F.linear(h, up[e]), down[e])  # [n, H]
+            g = F.linear(h, gate[e], None if biases is None else biases[0][e])
+            u = F.linear(h, up[e], None if biases is None else biases[1][e])
+            y = F.linear(F.silu(g) * u if act is None else act(g, u), down[e])  # [n, H]
             # The product in the weights' dtype (float32 with weights_fp32), then back, as HF does.
             outs.append((y * weights.reshape(-1)[sel, None]).to(x.dtype))
             pairs.append(rows[start : start + n])
@@ -73,16 +105,21 @@ def experts_swiglu(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Te
 
 
 def moe_route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32: bool,
-              capacity: float = 0.0, keep: Callable[[Tensor, int, float], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+              capacity: float = 0.0, keep: Callable[[Tensor, int, float], Tensor] | None = None,
+              bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """``route`` (runtime/moe/routing.py) as generated code calls it (keywords)."""
-    return route(x, weight, top_k, renormalize, weights_fp32, capacity, keep)
+    return route(x, weight, top_k, renormalize, weights_fp32, capacity, keep, bias=bias)
 
 
 def moe_experts(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,
-                first: int = 0) -> Tensor:
+                first: int = 0, gate_bias: Tensor | None = None, up_bias: Tensor | None = None,
+                act: Act | None = None) -> Tensor:
     """``experts_swiglu`` on ``StackedLinear`` weights: gate / up [F_local, E_local, H], down
-    [H, E_local, F_local] (the layout parameters and checkpoints of meshllm keep)."""
-    return experts_swiglu(x, idx, weights, gate.transpose(0, 1), up.transpose(0, 1), down.transpose(0, 1), first)
+    [H, E_local, F_local] (the layout parameters and checkpoints of meshllm keep); their biases
+    [F_local, E_local]."""
+    biases = None if gate_bias is None or up_bias is None else (gate_bias.t(), up_bias.t())
+    return experts_swiglu(x, idx, weights, gate.transpose(0, 1), up.transpose(0, 1), down.transpose(0, 1), first,
+                          biases=biases, act=act)
 
 
 class ReferenceMoE(nn.Module):
@@ -97,9 +134,12 @@ class ReferenceMoE(nn.Module):
         self.hidden, self.experts, self.top_k = hid, n_exp, spec["top_k"]
         self.renormalize, self.weights_fp32 = bool(spec["norm_topk_prob"]), bool(spec["weights_fp32"])
         self.capacity = float(spec.get("capacity") or 0.0)
-        self.router = nn.Linear(hid, n_exp, bias=False)
-        self.gate, self.up = StackedLinear(n_exp, hid, ffn), StackedLinear(n_exp, hid, ffn)
-        self.down = StackedLinear(n_exp, ffn, hid)
+        self.router = nn.Linear(hid, n_exp, bias=bool(spec.get("router_bias")))
+        biased = n_exp if spec.get("expert_bias") else 0
+        self.gate, self.up = StackedLinear(n_exp, hid, ffn, biased), StackedLinear(n_exp, hid, ffn, biased)
+        self.down = StackedLinear(n_exp, ffn, hid, biased)
+        self.act = clamped_swiglu(float(spec["swiglu_alpha"]), float(spec["swiglu_limit"])) \
+            if spec.get("act") == "swiglu_clamped" else None
         self.shared = spec.get("shared_ffn") is not None
         if self.shared:
             sf = spec["shared_ffn"]
@@ -124,7 +164,12 @@ class ReferenceMoE(nn.Module):
         dense = torch.zeros(t.shape[0], self.experts, dtype=top.dtype).scatter(1, idx, top)  # [T, E]
         g = torch.einsum("th,feh->tef", t, self.gate.weight)
         u = torch.einsum("th,feh->tef", t, self.up.weight)
-        y = torch.einsum("tef,hef->teh", F.silu(g) * u, self.down.weight)  # [T, E, H] every expert
+        biased = hasattr(self.down, "bias")
+        if biased:  # [F, E] -> [1, E, F]
+            g, u = g + self.gate.bias.t()[None], u + self.up.bias.t()[None]
+        y = torch.einsum("tef,hef->teh", F.silu(g) * u if self.act is None else self.act(g, u), self.down.weight)  # [T, E, H] every expert
+        if biased:
+            y = y + self.down.bias.t()[None]
         out = (y * dense[..., None]).sum(1).to(t.dtype)
         if self.shared:
             s = self.shared_down(F.silu(self.shared_gate(t)) * self.shared_up(t))

@@ -123,7 +123,8 @@ def recording(active: bool = True, keep_logits: bool = True) -> Iterator[RouterL
 
 
 def route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32: bool,
-          capacity: float = 0.0, keep: Callable[[Tensor, int, float], Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+          capacity: float = 0.0, keep: Callable[[Tensor, int, float], Tensor] | None = None,
+          bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Router of one MoE layer: x [T, H], weight [E, H] -> (chosen weights [T, k], chosen expert
     ids [T, k] int64, router logits [T, E]).
 
@@ -131,8 +132,9 @@ def route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32
     logits' dtype. ``capacity``: the capacity factor (0: dropless); dropped
     pairs get id ``DROPPED`` and weight 0 (the kept weights are not renormalised again). ``keep``:
     (ids [T, k], experts, factor) -> which pairs fit, when the T rows are part of a forward spread over ranks
-    (context parallelism: ContextShard.keep_within_capacity counts in the whole sequence's order)."""
-    logits = F.linear(x, weight)  # [T, E]
+    (context parallelism: ContextShard.keep_within_capacity counts in the whole sequence's order).
+    ``bias`` [E]: the router's bias (GPT-OSS), part of the logits."""
+    logits = F.linear(x, weight, bias)  # [T, E]
     probs = torch.softmax(logits, dim=-1, dtype=compute_dtype(logits.dtype))
     top, idx = torch.topk(probs, top_k, dim=-1)  # [T, k]; ties go to the lower expert id, as in HF
     if renormalize:
