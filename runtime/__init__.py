@@ -25,7 +25,13 @@ if TYPE_CHECKING:
     )
     from meshllm_dsl.runtime.model.qk_norm import rms_norm, split_rms_norm
     from meshllm_dsl.runtime.moe.dispatch import ExpertsParallel, experts_parallel
-    from meshllm_dsl.runtime.moe.experts import StackedLinear, clamped_swiglu, moe_expert_bias, moe_experts, moe_route
+    from meshllm_dsl.runtime.moe.experts import (
+        StackedLinear,
+        clamped_swiglu,
+        moe_expert_bias,
+        moe_experts,
+        moe_route,
+    )
     from meshllm_dsl.runtime.parallel.collectives import (
         copy_to,
         copy_to_linear,
