@@ -202,8 +202,8 @@ def redrawn_compare_job(ctx: Any, path: str, weights: str, steps: int = 2) -> di
     weights instead of the seeded init, for both the plan and the reference."""
     import meshllm_dsl.runtime.jobs.compare as compare
     import meshllm_dsl.runtime.model.reference as reference
-    from meshllm_dsl.runtime.hf.weights import HFCheckpoint, hf_key_map
     from meshllm_dsl.runtime.hf import fused_experts
+    from meshllm_dsl.runtime.hf.weights import HFCheckpoint, hf_key_map
     from meshllm_dsl.runtime.train import program as program_mod
     from meshllm_dsl.verify.equivalence import load_generated
 
@@ -218,15 +218,20 @@ def redrawn_compare_job(ctx: Any, path: str, weights: str, steps: int = 2) -> di
             t = sl[:]
         full[name] = fused_experts.to_ours(key, t) if fused_experts.is_fused(key) else t
 
+    drawn: set[str] = set()
+
     def init(name: str, shape: Any, seed: int, dtype: Any = torch.float32) -> Any:
+        drawn.add(name)
         return full[name].to(dtype).reshape(shape).clone()
 
     saved = program_mod.full_init, reference.full_init
     program_mod.full_init = reference.full_init = init
     try:
-        return compare.compare_to_reference(program, ctx.mesh(program.axes), dtype=torch.float64, seed=0, steps=steps)
+        errs = compare.compare_to_reference(program, ctx.mesh(program.axes), dtype=torch.float64, seed=0, steps=steps)
     finally:
         program_mod.full_init, reference.full_init = saved
+    assert drawn == set(full), sorted(set(full) ^ drawn)  # both models started from the checkpoint, wholly
+    return errs
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
