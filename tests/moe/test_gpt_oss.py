@@ -251,3 +251,18 @@ def test_sharded_gpt_oss_equals_the_reference_from_its_init(plan: str, pool: Any
         for dtype, errs in rank_errs.items():
             worst = max(errs, key=errs.__getitem__)
             assert errs[worst] <= TOLERANCE[dtype], (dtype, worst, errs[worst])
+
+
+def test_the_planner_counts_gpt_oss_120b_as_transformers_does() -> None:
+    """examples/gpt_oss_120b.mesh against GptOssForCausalLM built from the published config (GptOssConfig's
+    defaults are gpt-oss-120b's) on the meta device: every parameter, sinks and biases included."""
+    from meshllm_dsl.checker import check_file
+    from meshllm_dsl.planner import analyze as planner
+
+    config = tf.GptOssConfig()
+    assert (config.num_hidden_layers, config.hidden_size, config.num_local_experts, config.vocab_size) == (36, 2880, 128, 201088)
+    with torch.device("meta"):
+        theirs = sum(p.numel() for p in tf.GptOssForCausalLM(config).parameters())
+    (plan,) = check_file(str(Path(__file__).resolve().parents[2] / "examples" / "gpt_oss_120b.mesh")).plans.values()
+    assert plan.model.numel == theirs == 116_829_156_672
+    assert "parameters      116,829,156,672 (116.83B)" in planner.report_text(planner.analyze(plan))
