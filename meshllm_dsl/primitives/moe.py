@@ -175,6 +175,10 @@ class Moe(Primitive):
         saved += fp32 * tokens * n_exp  # router probabilities (softmax backward)
         saved += e * routed * hid  # each (token, choice) pair's gathered input
         saved += 4 * e * routed * self._ffn_local(plan, hu, "gate", "ffn")  # gate, up, silu(gate), product
+        if hu.unit.attr("act") == "swiglu_clamped":
+            # what autograd keeps beyond that for the clamped SwiGLU (runtime/moe/experts.py clamped_swiglu):
+            # the clamped gate, sigmoid(alpha gate) and up + 1
+            saved += 3 * e * routed * self._ffn_local(plan, hu, "gate", "ffn")
         saved += e * routed * hid  # expert outputs before the weighting
         if hu.unit.attr("shared_expert"):
             saved += 4 * e * tokens * self._ffn_local(plan, hu, "shared_gate", "shared_ffn")

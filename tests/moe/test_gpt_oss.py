@@ -39,6 +39,12 @@ PLANS = {  # mesh axes, plan body
     "data2_tensor2_experts": ("data = 2, tensor = 2",
                               f"    layout {{ {TP}, batch -> data, experts -> data }}\n"
                               "    shard blocks.*.mlp.router replicate\n"),
+    # examples/gpt_oss_120b.mesh's layout in small: experts over an axis of their own, ZeRO-3 over the other
+    "data2_expert2_zero3": ("data = 2, expert = 2",
+                            "    layout { batch -> data * expert, experts -> expert }\n"
+                            "    shard blocks.*.mlp.router replicate\n    shard blocks.*.attn.{q,k,v,o} replicate\n"
+                            "    shard embed replicate\n    shard lm_head replicate\n"
+                            "    optimizer adamw { zero 3 over data }\n"),
     "context2_tensor2": ("context = 2, tensor = 2",
                          f"    layout {{ {TP}, seq -> context }}\n    shard blocks.*.mlp.router replicate\n"),
     "pipeline2_tensor2": ("pipeline = 2, tensor = 2",
@@ -266,3 +272,14 @@ def test_the_planner_counts_gpt_oss_120b_as_transformers_does() -> None:
     (plan,) = check_file(str(Path(__file__).resolve().parents[2] / "examples" / "gpt_oss_120b.mesh")).plans.values()
     assert plan.model.numel == theirs == 116_829_156_672
     assert "parameters      116,829,156,672 (116.83B)" in planner.report_text(planner.analyze(plan))
+
+
+def test_sinks_with_a_fused_qkv_projection_is_a_located_error() -> None:
+    from meshllm_dsl.checker import check_text
+
+    text = ("mesh m { axes one = 1 }\nmodel t {\n    embed = embedding(64, 32)\n    blocks = repeat(2) {\n"
+            "        n = rmsnorm(32)\n        attn = attention(32, 4, fused_qkv = true, sinks = true)\n    }\n"
+            "    head = linear(32, 64)\n}\nplan p on m for t {\n    batch = 1\n    seq = 8\n}\n")
+    (d,) = check_text(text, "s.mesh").errors
+    assert d.code == "E0304" and "sinks = true needs a separate q projection" in d.message
+    assert d.span is not None and d.span.line == 6 and "fused_qkv = false" in (d.help or "")
