@@ -8,8 +8,8 @@ runtime/moe/experts.py StackedLinear), so each of our tensors is the stored one'
 last-dim columns, that dim moved first: ours = pick(stored).movedim(-1, 0). Its key names the
 stored tensor and the pick: ``BASE%even``, ``BASE%odd``, ``BASE%all`` (the pack's ExpertNames.tensors).
 
-Loading reads only the experts this rank holds (the stored tensor's dim 0, contiguous), then keeps
-its slice of the other dims; exporting writes the transposed tensor, interleaving gate and up back
+Loading reads only this rank's part: the experts it holds (the stored tensor's dim 0), of each its
+slice of the ffn (gate's or up's interleaved columns by a strided read); exporting writes the transposed tensor, interleaving gate and up back
 once both are gathered.
 """
 
@@ -19,8 +19,6 @@ from typing import Any
 
 import torch
 from torch import Tensor
-
-from meshllm_dsl.runtime.hf.fused import runs
 
 __all__ = ["SEP", "base", "is_fused", "local", "put", "rekey", "stored_shape", "to_ours"]
 
@@ -60,18 +58,20 @@ def to_ours(key: str, stored: Tensor) -> Tensor:
 
 def local(ckpt: Any, key: str, idx: list[Tensor], dtype: torch.dtype) -> Tensor:
     """This rank's shard: ``idx`` our full-tensor indices per dim this rank holds (dim 1 the experts,
-    hf._local_indices); reads its experts' rows of the stored tensor only."""
-    pieces = []
+    hf._local_indices). Reads one box of the stored tensor: per dim the range covering what the
+    rank holds, gate's or up's columns only (a stride of 2 across the interleaved ones)."""
+    pick = _pick(key)
+    step = 1 if pick == "all" else 2
+    last = idx[0] if pick == "all" else step * idx[0] + _PICKS[pick]
+    wanted = [idx[1], *idx[2:], last]  # per stored dim: [experts, ..., out]
+    box = tuple(slice(int(w.min()), int(w.max()) + 1, step if d == len(wanted) - 1 else 1)
+                for d, w in enumerate(wanted))
     with ckpt.open(base(key)) as sl:
-        for a, b in runs(idx[1]):
-            piece = sl[a:b]
-            ckpt.bytes_read += piece.numel() * piece.element_size()
-            pieces.append(piece)
-    ours = to_ours(key, torch.cat(pieces))  # [out, local experts, ...]
-    ours = ours.index_select(0, idx[0])
-    for d in range(2, ours.dim()):
-        ours = ours.index_select(d, idx[d])
-    return ours.to(dtype).contiguous()
+        piece = sl[box]
+    ckpt.bytes_read += piece.numel() * piece.element_size()
+    for d, (w, b) in enumerate(zip(wanted, box)):
+        piece = piece.index_select(d, (w - b.start) // (b.step or 1))
+    return piece.movedim(-1, 0).to(dtype).contiguous()
 
 
 def put(pending: dict[str, Tensor], weight_map: dict[str, str], fusing: dict[str, dict[int, Tensor]],

@@ -14,6 +14,7 @@ too, so sinks and biases are exercised away from their zero / one init.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -283,3 +284,22 @@ def test_sinks_with_a_fused_qkv_projection_is_a_located_error() -> None:
     (d,) = check_text(text, "s.mesh").errors
     assert d.code == "E0304" and "sinks = true needs a separate q projection" in d.message
     assert d.span is not None and d.span.line == 6 and "fused_qkv = false" in (d.help or "")
+
+
+@pytest.mark.parametrize(("plan", "share"), [("tensor2", 0.5), ("data2_tensor2_experts", 0.25)])
+def test_weights_are_read_slice_by_slice(plan: str, share: float, model: Any, pool: Any, tmp_path: Path) -> None:
+    """Each rank reads only its share of the fused experts (its experts, its ffn columns of each, gate's
+    and up's by a strided read), never the whole gate_up_proj."""
+    from hf_models import bytes_read_job
+    from safetensors import safe_open
+
+    directory, _ = model
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        sizes = {k: math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys()}
+    experts = sum(v for k, v in sizes.items() if ".experts." in k and not k.endswith("down_proj_bias"))
+    rest = sum(sizes.values()) - experts
+    path, n, _ = compiled(plan, tmp_path)
+    for got in pool.run(bytes_read_job, n, path, str(directory)):
+        # the experts' share, and at most all of the rest (the embedding, attention and down biases)
+        assert share * experts <= got <= share * experts + rest, (got, experts, rest)
+        assert got < share * experts + 0.75 * rest
