@@ -36,6 +36,9 @@ TP = "heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor"
 PLANS = {  # mesh axes, plan body
     "single": ("one = 1", ""),
     "tensor2": ("tensor = 2", f"    layout {{ {TP} }}\n    shard blocks.*.mlp.router replicate\n"),
+    # the attention core (with its sinks) rerun in backward
+    "tensor2_recompute_attention": ("tensor = 2", f"    layout {{ {TP} }}\n    shard blocks.*.mlp.router replicate\n"
+                                    "    recompute = attention\n"),
     # experts split over data (expert parallelism) inside tensor parallelism
     "data2_tensor2_experts": ("data = 2, tensor = 2",
                               f"    layout {{ {TP}, batch -> data, experts -> data }}\n"
