@@ -58,14 +58,17 @@ def _types(f: ConfigFields, layers: int) -> list[str]:
 
 def _rope(f: ConfigFields, pack: FamilyPack, positions: int, head_dim: int) -> list[Setting]:
     """rope_theta and the YaRN settings (GptOssConfig's own rope where the config gives none)."""
-    if f.doc.get("rope_scaling") is not None:
-        raise f.refuse("rope_scaling", "is transformers 4's name; GptOssConfig reads `rope_parameters` only")
+    # transformers >= 5 writes rope_parameters; the hub's config.json (transformers 4) rope_scaling, which
+    # transformers 5 reads as rope_parameters
     params = f.obj("rope_parameters")
+    if params is None and f.doc.get("rope_scaling") is not None:
+        params = f.obj("rope_scaling")
     if params is None:
         params = f.with_doc({**f.doc, "rope_parameters": dict(_DEFAULT_ROPE)}).obj("rope_parameters")
         assert params is not None
-    theta = params.number("rope_theta", f.number("rope_theta", _DEFAULTS["rope_theta"]))
-    settings: list[Setting] = [("rope_theta", theta, "`rope_parameters.rope_theta`")]
+    inner = params.doc.get("rope_theta") is not None
+    theta = params.number("rope_theta") if inner else f.number("rope_theta", _DEFAULTS["rope_theta"])
+    settings: list[Setting] = [("rope_theta", theta, f"`{params.prefix}rope_theta`" if inner else "`rope_theta`")]
     kind = params.text("rope_type", "default")
     if kind == "default":
         return settings + [("rope_type", "default", "`rope_parameters.rope_type`")]
@@ -192,8 +195,8 @@ def _check_config(model: Mapping[str, Any], lay: Any, vocab: int, cfg: Mapping[s
         raise error(f"{where}: `quantization_config` is set; meshllm loads unquantized weights only")
     d = {**_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None or k == "sliding_window"}}
     heads = d.get("num_attention_heads")
-    rope = cfg.get("rope_parameters") or {**_DEFAULT_ROPE, "rope_theta": d["rope_theta"]}
-    theirs_rope = dict(rope) if isinstance(rope, Mapping) else rope
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or dict(_DEFAULT_ROPE)
+    theirs_rope = {"rope_theta": d["rope_theta"], **rope} if isinstance(rope, Mapping) else rope
     if isinstance(theirs_rope, dict) and theirs_rope.get("rope_type", "default") == "yarn":
         theirs_rope = {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": True, **theirs_rope}
     count = int(d.get("num_hidden_layers") or 0)

@@ -306,3 +306,33 @@ def test_weights_are_read_slice_by_slice(plan: str, share: float, model: Any, po
         # the experts' share, and at most all of the rest (the embedding, attention and down biases)
         assert share * experts <= got <= share * experts + rest, (got, experts, rest)
         assert got < share * experts + 0.75 * rest
+
+
+def test_import_hf_reads_the_published_120b_config_as_the_example() -> None:
+    """gpt-oss-120b's config.json as the hub has it (transformers 4's `rope_scaling` and top-level
+    `rope_theta`), less its MXFP4 `quantization_config` (refused above), gives the settings of
+    examples/gpt_oss_120b.mesh's model."""
+    import attrs
+
+    from meshllm_dsl.checker import check_file, check_text
+    from meshllm_dsl.interop.import_hf import model_settings
+
+    cfg = {"architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+           "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+           "initial_context_length": 4096, "intermediate_size": 2880,
+           "layer_types": ["sliding_attention", "full_attention"] * 18, "max_position_embeddings": 131072,
+           "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 36,
+           "num_key_value_heads": 8, "num_local_experts": 128, "output_router_logits": False, "rms_norm_eps": 1e-05,
+           "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                            "rope_type": "yarn", "truncate": False}, "rope_theta": 150000, "router_aux_loss_coef": 0.9,
+           "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+           "vocab_size": 201088}
+    family, settings, positions = model_settings(cfg, "config.json")
+    assert (family, positions) == ("gpt_oss", 131072)
+    body = "\n".join(f"    {k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v, _ in settings)
+    imported = check_text(f"model m = gpt_oss {{\n{body}\n}}\n", "m.mesh").models["m"]
+    example = check_file(str(Path(__file__).resolve().parents[2] / "examples" / "gpt_oss_120b.mesh")).models["gpt_oss_120b"]
+    assert imported.numel == example.numel == 116_829_156_672
+    # every resolved setting the same (the dtype aside: the example trains in the family's bf16 too)
+    assert dict(imported.values) == dict(example.values)
+    assert imported.items == attrs.evolve(example, name="m").items
