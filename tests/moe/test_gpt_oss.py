@@ -115,7 +115,7 @@ def test_the_tiny_model_clamps_both_sides(model: Any) -> None:
     assert (gate_up[..., ::2] > 7.0).any() and (gate_up[..., 1::2] < -7.0).any()
 
 
-@pytest.mark.parametrize("plan", ["single", "tensor2", "data2_tensor2_experts"])
+@pytest.mark.parametrize("plan", ["single", "tensor2", "data2_tensor2_experts", "pipeline2_tensor2", "context2_tensor2"])
 def test_weights_give_transformers_logits_and_tokens(plan: str, model: Any, pool: Any, tmp_path: Path) -> None:
     directory, hf = model
     tokens = _tokens()
