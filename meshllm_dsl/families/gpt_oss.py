@@ -237,7 +237,7 @@ def _check_config(model: Mapping[str, Any], lay: Any, vocab: int, cfg: Mapping[s
             raise error(f"{where}: `{field}` is {got!r}, but model `{name}` has {what} = {want!r}")
 
 
-def _unused_expert_check(pack: FamilyPack, moe: Mapping[str, Any], cfg: Mapping[str, Any], where: str,
+def _checked_with_the_rest(pack: FamilyPack, moe: Mapping[str, Any], cfg: Mapping[str, Any], where: str,
                          error: type[Exception]) -> list[Want]:
     """The layout checks its whole config.json itself (`_check_config`): nothing more here."""
     return []
@@ -252,7 +252,8 @@ NAMES = attrs.evolve(LLAMA_NAMES, layout="gpt_oss", mlp=("mlp", {}), act=None,
 EXPERTS = ExpertNames(
     "mlp", {}, weights_fp32=False, renormalised=True,
     fits="no shared expert, weights in the activations' dtype, renormalised, biased router and experts, clamped SwiGLU",
-    write_config=lambda moe: {}, check_config=_unused_expert_check,
+    # its expert fields are written and checked with the rest of config.json (NAMES: _write_config, _check_config)
+    write_config=lambda moe: {}, check_config=_checked_with_the_rest,
     tensors={"router.weight": "router.weight", "router.bias": "router.bias",
              "gate.weight": "experts.gate_up_proj%even", "up.weight": "experts.gate_up_proj%odd",
              "down.weight": "experts.down_proj%all",
