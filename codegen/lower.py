@@ -260,7 +260,7 @@ class _UnitWriter:
                 comment = "replicated"
             lines.append(Line(f"self.{attr}.{leaf.name} = nn.Linear({in_f}, {out_f}, bias={has_bias})", comment))
             for t in (t for t in leaf.params[1:] if t.name != "bias"):
-                # a scale applied to the layer's output (attention's q / k norm)
+                # a scale applied to the layer's output (attention's q / k norm), or attention's sinks
                 n = self.plan.local_shape(t, p)[0]
                 lines.append(Line(f"self.{attr}.{leaf.name}.{t.name} = nn.Parameter(torch.ones({n}))",
                                   "split with the layer" if p.tensor_dim(t) is not None else "replicated"))

@@ -384,12 +384,14 @@ class Placement:
             return 0 if tensor.units[0] else None
         if self.rule == "row":
             # the last dim: a weight's `in` ([out, in], or [out, experts, in] stacked); a bias stays whole
-            return len(tensor.shape) - 1 if len(tensor.shape) >= 2 else None
+            # (stacked experts' down bias [out, experts]: its last dim is made of no `in` unit)
+            return len(tensor.shape) - 1 if len(tensor.shape) >= 2 and tensor.units[-1] else None
         return None
 
     def expert_dim(self, tensor: Tensor) -> int | None:
-        """Which dim of `tensor` the expert axes split: a stacked experts weight's middle dim."""
-        if not self.experts or len(tensor.units) != 3 or not any(u[0] == "experts" for u in tensor.units[1]):
+        """Which dim of `tensor` the expert axes split: a stacked experts weight's middle dim, or an
+        experts' bias [out, experts] last dim (dim 1 both)."""
+        if not self.experts or len(tensor.units) not in (2, 3) or not any(u[0] == "experts" for u in tensor.units[1]):
             return None
         return 1
 

@@ -25,7 +25,13 @@ if TYPE_CHECKING:
     )
     from meshllm_dsl.runtime.model.qk_norm import rms_norm, split_rms_norm
     from meshllm_dsl.runtime.moe.dispatch import ExpertsParallel, experts_parallel
-    from meshllm_dsl.runtime.moe.experts import StackedLinear, moe_experts, moe_route
+    from meshllm_dsl.runtime.moe.experts import (
+        StackedLinear,
+        clamped_swiglu,
+        moe_expert_bias,
+        moe_experts,
+        moe_route,
+    )
     from meshllm_dsl.runtime.parallel.collectives import (
         copy_to,
         copy_to_linear,
@@ -107,7 +113,7 @@ _WHERE = {
         "model.layers",
     ),
     "Mesh": "parallel.mesh",
-    **dict.fromkeys(("StackedLinear", "moe_experts", "moe_route"), "moe.experts"),
+    **dict.fromkeys(("StackedLinear", "clamped_swiglu", "moe_expert_bias", "moe_experts", "moe_route"), "moe.experts"),
     **dict.fromkeys(("ExpertsParallel", "experts_parallel"), "moe.dispatch"),
     **dict.fromkeys(("rms_norm", "split_rms_norm"), "model.qk_norm"),
     **dict.fromkeys(("Built", "Program"), "train.program"),
@@ -171,7 +177,9 @@ __all__ = [
     "mask_vocab",
     "local_slice",
     "moe_experts",
+    "moe_expert_bias",
     "moe_route",
+    "clamped_swiglu",
     "positions",
     "reduce_from",
     "reduce_scatter_seq",

@@ -66,6 +66,11 @@ class ExpertNames:
     write_config: Callable[[Mapping[str, Any]], dict[str, Any]]
     # (its pack, the moe layer's settings, config.json, where, error) -> the expert fields to compare
     check_config: Callable[[FamilyPack, Mapping[str, Any], Mapping[str, Any], str, type[Exception]], list[Want]]
+    # Checkpoints naming each tensor of ours (`LEAF.TENSOR` -> its name inside `module`) in place of
+    # `names` (GPT-OSS: biases, and experts stored fused and 3-D: runtime/hf/fused_experts.py)
+    tensors: Mapping[str, str] | None = None
+    act: str = "swiglu"  # the moe layer's `act` it fits
+    biased: bool = False  # a router bias and expert biases (router_bias, expert_bias)
 
 
 # (the .mesh family, its settings in order, the positions it was trained for)

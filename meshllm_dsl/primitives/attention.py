@@ -44,6 +44,11 @@ class Attention(Primitive):
                     label="fused_qkv = true", help="use fused_qkv = false with qk_norm, or qk_norm = none")
             return None
 
+        if b["sinks"] and b["fused_qkv"]:
+            r.error(E0304, f"`{name}`: sinks = true needs a separate q projection", decl.call.span,
+                    label="fused_qkv = true", help="use fused_qkv = false with sinks (GPT-OSS has q, k, v apart)")
+            return None
+
         def proj(n: str, rows: int, units: tuple[tuple[str, int], ...], segments: tuple[int, ...] = ()) -> Leaf:
             ps = [Tensor("weight", (rows, hid), (units, (hidu,)), segments)]
             if b["bias"]:
@@ -55,6 +60,9 @@ class Attention(Primitive):
             elif n in ("q", "k") and qk_norm == "full":
                 # A scale per output of the projection: split with it.
                 ps.append(Tensor("norm", (rows,), (units,)))
+            if n == "q" and b["sinks"]:
+                # A logit per query head in the softmax's denominator: kept with q, split with its heads.
+                ps.append(Tensor("sinks", (h,), ((hu,),)))
             return Leaf(n, (name, n), "linear", tuple(ps), (hidu,), units, span=span)
 
         if b["fused_qkv"]:
@@ -93,7 +101,7 @@ class Attention(Primitive):
                   "bias": b["bias"], "out_bias": b["out_bias"], "fused_qkv": b["fused_qkv"], "rope_scaling": scaling,
                   "qk_norm": qk_norm, "qk_norm_eps": b["qk_norm_eps"], "qk_norm_offset": b["qk_norm_offset"],
                   "window": b["window"], "global_every": b["global_every"], "local_rope_theta": b["local_rope_theta"],
-                  "softcap": b["softcap"], "scale_dim": b["scale_dim"]}
+                  "softcap": b["softcap"], "scale_dim": b["scale_dim"], "sinks": b["sinks"]}
         if b["global_every"] and not b["window"]:
             r.error(E0304, f"`{name}`: global_every = {b['global_every']} without a window", decl.call.span,
                     label="every layer already attends to the whole sequence",
@@ -125,6 +133,10 @@ class Attention(Primitive):
         a = dict(unit.attrs)
         if a.get("softcap") and hq > hk:
             saved += 2 * e * tokens * hq * hd  # the soft-capped core's k and v repeated to every query head
+        if a.get("sinks"):
+            # The sink core's written-out scores (runtime/model/layers.py sink_attention): fp32 probabilities
+            # [b, h, s, s + 1] kept by the softmax, their cast kept by p v, and k, v repeated to every query head.
+            saved += fp32 * tokens * hq * (seq + 1) + e * tokens * hq * seq + (2 * e * tokens * hq * hd if hq > hk else 0)
         blocks = hu.indices or (0,)
         if plan.context_size > 1:
             # Context parallelism (runtime/parallel/context.py): every block masks by global positions, a
@@ -199,6 +211,8 @@ class Attention(Primitive):
             d["softcap"] = a["softcap"]
         if a.get("scale_dim") not in (None, a["head_dim"]):
             d["scale_dim"] = a["scale_dim"]
+        if a.get("sinks"):
+            d["sinks"] = True
         return d
 
     def core_lines(self, w: Any, attr: str, unit: Unit, a: Mapping[str, Any],
@@ -257,6 +271,9 @@ class Attention(Primitive):
         if a.get("softcap"):
             extra += f", softcap={float(a['softcap'])!r}"
             what += f"; logits soft-capped at {a['softcap']}"
+        if a.get("sinks"):
+            extra += f", sinks=self.{attr}.q.sinks"
+            what += f"; a sink logit per head in the softmax's denominator ([{h}] of {a['heads']})"
         if w.plan.recompute == "attention":
             # Selective recomputation: backward reruns only the attention core, from q, k, v.
             call = f"rt.recompute({w.attention()}, q, k, v{extra})"
@@ -355,4 +372,6 @@ ATTENTION = Attention("attention", sublayer=True, float8_linears=True, reads_seq
     Arg("local_rope_theta", "float", lambda b: b["rope_theta"]),  # the rope base of windowed blocks
     Arg("softcap", "float", const(None)),  # attention logits tanh(x / softcap) * softcap
     Arg("scale_dim", "dim", lambda b: b["head_dim"]),  # logits / sqrt(scale_dim) (query_pre_attn_scalar)
+    # GPT-OSS's attention sinks: a learned logit per head in the softmax's denominator (`q.sinks` [heads]).
+    Arg("sinks", "bool", const(False)),
 ))

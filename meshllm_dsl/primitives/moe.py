@@ -90,16 +90,21 @@ class Moe(Primitive):
             return None
         hidu, fu, eu = unit("hidden"), unit("ffn"), unit("experts")
 
-        def lin(n: str, rows: int, cols: int, ru: tuple[str, int] | None, cu: tuple[str, int]) -> Leaf:
+        def lin(n: str, rows: int, cols: int, ru: tuple[str, int] | None, cu: tuple[str, int], bias: bool = False) -> Leaf:
             units = ((ru,) if ru else (), (cu,))
-            return Leaf(n, (name, n), "linear", (Tensor("weight", (rows, cols), units),), (cu,),
-                        (ru,) if ru else (), span=span)
+            ps = [Tensor("weight", (rows, cols), units)] + ([Tensor("bias", (rows,), units[:1])] if bias else [])
+            return Leaf(n, (name, n), "linear", tuple(ps), (cu,), (ru,) if ru else (), span=span)
 
         def stacked(n: str, rows: int, cols: int, ru: tuple[str, int], cu: tuple[str, int]) -> Leaf:
-            t = Tensor("weight", (rows, n_exp, cols), ((ru,), (eu,), (cu,)))
-            return Leaf(n, (name, n), "linear", (t,), (cu,), (ru,), span=span)
+            ps = [Tensor("weight", (rows, n_exp, cols), ((ru,), (eu,), (cu,)))]
+            if b["expert_bias"]:
+                # [out, experts]: gate's and up's split with their experts and ffn; down's bias is added
+                # once after the experts' sum (runtime/moe/experts.py moe_expert_bias), so every rank
+                # holds all of it, whatever splits the experts.
+                ps.append(Tensor("bias", (rows, n_exp), ((ru,), (eu,) if n != "down" else ())))
+            return Leaf(n, (name, n), "linear", tuple(ps), (cu,), (ru,), span=span)
 
-        leaves = [lin("router", n_exp, hid, eu, hidu), stacked("gate", ffn, hid, fu, hidu),
+        leaves = [lin("router", n_exp, hid, eu, hidu, b["router_bias"]), stacked("gate", ffn, hid, fu, hidu),
                   stacked("up", ffn, hid, fu, hidu), stacked("down", hid, ffn, hidu, fu)]
         # `shared_expert` in the unit: it has shared-expert leaves, gated (Qwen2-MoE) unless `shared_experts`.
         shared = b["shared_expert"] or b["shared_experts"] > 0
@@ -113,7 +118,9 @@ class Moe(Primitive):
         return {"hidden": hid, "ffn": ffn, "experts": n_exp, "top_k": k, "norm_topk_prob": b["norm_topk_prob"],
                 "weights_fp32": b["weights_fp32"], "shared_expert": shared,
                 "shared_ffn": b["shared_ffn"] if shared else None, **{a: float(b[a]) for a in ROUTING},
-                **{a: b[a] for a in DEEPSEEK}}, leaves
+                **{a: b[a] for a in DEEPSEEK},
+                "router_bias": b["router_bias"], "expert_bias": b["expert_bias"], "act": b["act"],
+                "swiglu_alpha": float(b["swiglu_alpha"]), "swiglu_limit": float(b["swiglu_limit"])}, leaves
 
     def _routing_in_range(self, site: UnitSite, b: Mapping[str, Any], n_exp: int, k: int) -> bool:
         """The capacity factor's range (the resolver refuses negative routing settings): 0 (dropless)
@@ -249,6 +256,10 @@ class Moe(Primitive):
         saved += fp32 * tokens * n_exp  # router probabilities (softmax backward)
         saved += e * routed * hid  # each (token, choice) pair's gathered input
         saved += 4 * e * routed * self._ffn_local(plan, hu, "gate", "ffn")  # gate, up, silu(gate), product
+        if hu.unit.attr("act") == "swiglu_clamped":
+            # what autograd keeps beyond that for the clamped SwiGLU (runtime/moe/experts.py clamped_swiglu):
+            # the clamped gate, sigmoid(alpha gate) and up + 1
+            saved += 3 * e * routed * self._ffn_local(plan, hu, "gate", "ffn")
         saved += e * routed * hid  # expert outputs before the weighting
         if hu.unit.attr("shared_expert"):
             saved += 4 * e * tokens * self._ffn_local(plan, hu, "shared_gate", "shared_ffn")
@@ -312,6 +323,9 @@ class Moe(Primitive):
         # Only when set, so the MODEL of a dropless model without router losses reads as before.
         d.update({r: a[r] for r in ROUTING if a.get(r)})
         d.update({r: a[r] for r, off in DEEPSEEK.items() if a.get(r, off) != off})
+        d.update({r: True for r in ("router_bias", "expert_bias") if a.get(r)})
+        if a.get("act", "swiglu") != "swiglu":
+            d.update(act=a["act"], swiglu_alpha=a["swiglu_alpha"], swiglu_limit=a["swiglu_limit"])
         return d
 
     # -- codegen
@@ -330,14 +344,21 @@ class Moe(Primitive):
             rule = f"{p.rule}({', '.join(p.axes)})" if p.sharded else "replicated"
             if p.experts and len(shape) == 3:
                 rule = (f"{rule}, " if p.sharded else "") + f"experts over {', '.join(p.experts)}"
+            bias = next((t for t in leaf.params if t.name == "bias"), None)
             if len(shape) == 3:
                 out_f, n_exp, in_f = shape
-                lines.append(w.line(f"self.{attr}.{leaf.name} = rt.StackedLinear({n_exp}, {in_f}, {out_f})",
-                                    f"{rule}: [{out_f}, {n_exp} experts, {in_f}]"))
+                biased, why_bias = "", ""
+                if bias is not None:
+                    bias_exp = w.plan.local_shape(bias, p)[1]
+                    biased = f", bias_experts={bias_exp}"
+                    why_bias = (f"; bias [{out_f}, {bias_exp}]" if leaf.name != "down"
+                                else f"; bias [{out_f}, all {bias_exp} experts], added once after the sum")
+                lines.append(w.line(f"self.{attr}.{leaf.name} = rt.StackedLinear({n_exp}, {in_f}, {out_f}{biased})",
+                                    f"{rule}: [{out_f}, {n_exp} experts, {in_f}]{why_bias}"))
             else:
                 out_f, in_f = shape
                 why = {"router": "every rank routes every token", "shared_router": "the shared expert's gate"}
-                lines.append(w.line(f"self.{attr}.{leaf.name} = nn.Linear({in_f}, {out_f}, bias=False)",
+                lines.append(w.line(f"self.{attr}.{leaf.name} = nn.Linear({in_f}, {out_f}, bias={bias is not None})",
                                     f"{rule}: {why[leaf.name]}" if leaf.name in why else rule))
         if a.get("scoring") == "sigmoid":
             n_exp = a["experts"]
@@ -366,16 +387,23 @@ class Moe(Primitive):
         cap += self._router_args(m, a)
         drop = (f"; past ceil({a['capacity']:g} x b*s x {k} / {n_exp}) per expert, id -1 (dropped)"
                 if a.get("capacity") else "")
-        if cap and w.plan.roles.context:
+        if a.get("capacity") and w.plan.roles.context:
             n = w.plan.mesh.size(*w.plan.roles.context)
             drop += (f", counted over the whole sequences: ids all-gathered over {w.axes_text(w.plan.roles.context)} "
                      f"({n}) to [b, {n} s, {k}] in position order")
+        router_bias = f", router_bias={m}.router.bias" if a.get("router_bias") else ""
         lines = [
             w.line(f"t = {x}.reshape(-1, {hid})", f"[b*s, {hid}] one row per token"),
             w.line(f"weights, chosen, _ = rt.moe_route(t, {m}.router.weight, top_k={k}, "
-                   f"renormalize={a['norm_topk_prob']}, weights_fp32={a['weights_fp32']}{cap})",
+                   f"renormalize={a['norm_topk_prob']}, weights_fp32={a['weights_fp32']}{cap}{router_bias})",
                    f"[b*s, {k}] weights and ids of each token's experts, of {n_exp}; the same on every rank{drop}"),
         ]
+        if a.get("expert_bias"):
+            lines.append(w.line(f"down_bias = rt.moe_expert_bias(chosen, weights, {m}.down.bias)",
+                                f"[b*s, {hid}] the chosen experts' down biases, weighted: whole on every rank, added after the sum"))
+        act = ""
+        if a.get("act", "swiglu") == "swiglu_clamped":
+            act = f", act=rt.clamped_swiglu({float(a['swiglu_alpha'])!r}, {float(a['swiglu_limit'])!r})"
         xt = "t"
         if copy is not None:
             g, n = w.group(copy.axes), w.n(copy.axes)
@@ -389,13 +417,15 @@ class Moe(Primitive):
         weights_args = f"{m}.gate.weight, {m}.up.weight, {m}.down.weight"
         if experts:
             n = w.n(experts)
-            lines.append(w.line(f"out = {m}.experts({xt}, chosen, weights, {w.group(experts)})",
+            lines.append(w.line(f"out = {m}.experts({xt}, chosen, weights, {w.group(experts)}{act})",
                                 f"[b*s, {hid}]{part}: all-to-all over {w.axes_text(experts)} ({n}) sends the [b*s*{k}, {hid}] "
                                 f"(token, choice) rows to their experts' ranks, uneven splits, and back; {n_exp // n} of "
                                 f"{n_exp} experts here, {f_local} of {a['ffn']} ffn of each"
                                 f"{', dropless' if not a.get('capacity') else ''}"))
         else:
-            lines.append(w.line(f"out = rt.moe_experts({xt}, chosen, weights, {weights_args})",
+            if a.get("expert_bias"):
+                weights_args += f", gate_bias={m}.gate.bias, up_bias={m}.up.bias"
+            lines.append(w.line(f"out = rt.moe_experts({xt}, chosen, weights, {weights_args}{act})",
                                 f"[b*s, {hid}]{part}: {f_local} of {a['ffn']} ffn of each expert"
                                 f"{', dropless' if not a.get('capacity') else ''}"))
         if a["shared_expert"] and a.get("shared_experts"):
@@ -415,6 +445,8 @@ class Moe(Primitive):
         if reduce is not None:
             lines.append(w.line(f"out = rt.reduce_from(out, {w.group(reduce.axes)})",
                                 f"g: all-reduce over {w.axes_text(reduce.axes)} ({w.n(reduce.axes)}) -> [b*s, {hid}]"))
+        if a.get("expert_bias"):
+            lines.append(w.line("out = out + down_bias.to(out.dtype)", f"[b*s, {hid}] the down biases, once"))
         lines.append(w.line(f"out = out.view_as({x})", f"[b, s, {hid}]"))
         return lines
 
@@ -465,4 +497,12 @@ MOE = Moe("moe", sublayer=True, routes_experts=True, width_arg="hidden", sequenc
     Arg("topk_groups", "dim", lambda bound: bound["groups"]),
     Arg("routed_scaling", "float", const(1.0)),
     Arg("balance_rate", "float", const(0.0)),
+    # GPT-OSS: a bias on the router's logits, biases on every expert's gate / up / down, and the clamped
+    # SwiGLU (runtime/moe/experts.py clamped_swiglu): gate clamped above at swiglu_limit, up to
+    # [-limit, limit], then (up + 1) * gate * sigmoid(swiglu_alpha * gate).
+    Arg("router_bias", "bool", const(False)),
+    Arg("expert_bias", "bool", const(False)),
+    Arg("act", "choice", const("swiglu"), ("swiglu", "swiglu_clamped")),
+    Arg("swiglu_alpha", "float", const(1.702)),
+    Arg("swiglu_limit", "float", const(7.0)),
 ))

@@ -35,8 +35,8 @@ def _experts(pack: FamilyPack) -> ExpertNames:
 
 def as_mlp(layer: Mapping[str, Any]) -> Mapping[str, Any]:
     """A block's layer as hf.py's layouts read it: a moe layer stands where the MLP does (its
-    experts are SwiGLU), marked `moe` so the names, config and checks below take it."""
-    return {**layer, "kind": "mlp", "act": "swiglu", "moe": True} if layer["kind"] == "moe" else layer
+    experts are SwiGLU, or the moe layer's own `act`), marked `moe` so the names, config and checks below take it."""
+    return {**layer, "kind": "mlp", "act": layer.get("act", "swiglu"), "moe": True} if layer["kind"] == "moe" else layer
 
 
 def is_moe(body: Any) -> bool:
@@ -50,11 +50,14 @@ def moe_layout(moe: Mapping[str, Any], name: str, error: type[Exception]) -> Fam
     for pack in _MOE_PACKS:
         ex = _experts(pack)
         if (pack.shared_expert == shared and ex.weights_fp32 == bool(moe["weights_fp32"])
-                and ex.renormalised in (None, bool(moe["norm_topk_prob"]))):
+                and ex.renormalised in (None, bool(moe["norm_topk_prob"]))
+                and ex.act == moe.get("act", "swiglu")
+                and ex.biased == bool(moe.get("router_bias")) == bool(moe.get("expert_bias"))):
             return pack
     each = [f"{p.title}'s ({_experts(p).fits})" for p in _MOE_PACKS]
     raise error(f"model `{name}`: a moe layer with shared expert {shared}, weights_fp32 {moe['weights_fp32']}, "
-                f"norm_topk_prob {moe['norm_topk_prob']} has no Hugging Face layout; expected "
+                f"norm_topk_prob {moe['norm_topk_prob']}, act {moe.get('act', 'swiglu')}, router_bias "
+                f"{bool(moe.get('router_bias'))}, expert_bias {bool(moe.get('expert_bias'))} has no Hugging Face layout; expected "
                 f"{', '.join(each[:-1])} or {each[-1]}")
 
 
@@ -67,6 +70,11 @@ def key(blocks: str, lay: Any, parts: list[str], error: type[Exception]) -> str 
     if parts[2] != moe["name"]:
         return None
     ex = _experts(moe_layout(moe, "model", error))
+    if ex.tensors is not None:  # each tensor named (GPT-OSS: biases, experts fused: runtime/hf/fused_experts.py)
+        theirs = ex.tensors.get(f"{parts[3]}.{parts[4]}")
+        if theirs is None:
+            raise error(f"parameter {'.'.join(parts)} has no Hugging Face name")
+        return f"{blocks}.{parts[1]}.{ex.module}.{theirs}"
     if parts[3] not in ex.names or parts[4] != "weight":
         raise error(f"parameter {'.'.join(parts)} has no Hugging Face name")
     return f"{blocks}.{parts[1]}.{ex.module}.{ex.names[parts[3]]}.weight"

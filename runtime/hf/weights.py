@@ -46,6 +46,7 @@ from torch import Tensor
 from meshllm_dsl.families import BY_MODEL_TYPE, PACKS
 from meshllm_dsl.families.pack import CheckpointNames, FamilyPack
 from meshllm_dsl.runtime.hf import fused as hf_fused
+from meshllm_dsl.runtime.hf import fused_experts as hf_fx
 from meshllm_dsl.runtime.hf import moe as hf_moe
 from meshllm_dsl.runtime.hf.fused import runs as _runs
 from meshllm_dsl.runtime.json_values import describe
@@ -265,6 +266,8 @@ def hf_key_map(model: Mapping[str, Any], names: list[str]) -> dict[str, tuple[st
                 key = f"{hf.blocks}.{i}.{module}.{rest[0]}"
             elif rest[0] in projections and rest[1:] == ["norm"]:  # attention's q / k norm scale
                 key = f"{hf.blocks}.{i}.{module}.{rest[0]}_norm.weight"
+            elif rest == ["q", "sinks"]:  # attention's sinks (GPT-OSS): one logit per head, kept with q
+                key = f"{hf.blocks}.{i}.{module}.sinks"
             elif rest[0] in projections:
                 key = f"{hf.blocks}.{i}.{module}.{projections[rest[0]]}.{rest[1]}"
             transposed = hf.transposed and projections is not None and rest[-1] == "weight"
@@ -509,6 +512,9 @@ def hf_config(model: Mapping[str, Any], dtype: torch.dtype, seq: int = 2048) -> 
     dtype_name = str(dtype).removeprefix("torch.")
     write = _HF_NAMES[lay.arch].write_config
     if write is not None:  # a layout whose config.json is its pack's
+        refuse = _HF_NAMES[lay.arch].refuse_unfit
+        if refuse is not None:
+            refuse(model, lay, hf_moe.is_moe(lay.body), WeightsError)
         return write(model, lay, vocab, tied, dtype_name, seq)
     _refuse_unfit(model, lay)
     pack = _llama_shaped_pack(model, lay)
@@ -679,14 +685,14 @@ def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -
     """Raise ``WeightsError`` naming the first config.json field the model disagrees with."""
     lay = _layout(model)
     cfg = _checked_config(cfg, where)
+    hf = _HF_NAMES[lay.arch]
+    if hf.check_config is not None:  # a layout whose pack checks its config.json wholly (experts too)
+        return hf.check_config(model, lay, padded_vocab(model)[1], cfg, where, WeightsError)
     moe_wants: list[_Want] = []
     if hf_moe.is_moe(lay.body):  # checked as the family its attention comes from, and its experts
         cfg, moe_wants = hf_moe.as_attention_config(model, lay, cfg, where, WeightsError)
     model_type = cfg.get("model_type")
     name = model.get("name", "model")
-    hf = _HF_NAMES[lay.arch]
-    if hf.check_config is not None:  # a layout whose pack checks its config.json wholly
-        return hf.check_config(model, lay, padded_vocab(model)[1], cfg, where, WeightsError)
     _check_model_type(model, lay, model_type, where)
     bad = _bad(where, name)
     scaling = None
@@ -877,6 +883,8 @@ def local_from_hf(
     """This rank's shard of one HF tensor, read slice by slice (rows past the stored ones: zeros)."""
     if hf_moe.is_stacked(key):  # one stored tensor per expert
         return hf_moe.local_stacked(ckpt, key, spec, mesh, dtype, local_from_hf)
+    if hf_fx.is_fused(key):  # experts stored fused and 3-D (runtime/hf/fused_experts.py)
+        return hf_fx.local(ckpt, key, _local_indices(spec, mesh), dtype)
     if hf_fused.rows(key) is not None:  # a part of a fused tensor (runtime/hf/fused.py)
         return hf_fused.local_rows(ckpt, key, _local_indices(spec, mesh), dtype)
     idx = _local_indices(spec, mesh)
@@ -932,7 +940,7 @@ def plan_load(
             hf_moe.check_stacked(ckpt, key, full_shapes[name], name, _FLOATING, WeightsError)
             out[name] = (key, False)
             continue
-        stored_key = ckpt.key(hf_fused.base(key))
+        stored_key = ckpt.key(hf_fused.base(hf_fx.base(key)))
         if stored_key is None:
             files = sorted({p.name for p in ckpt.where.values()})
             raise WeightsError(
@@ -947,14 +955,15 @@ def plan_load(
         want = full_shapes[name]
         if name.split(".")[0] in (lay.embed, lay.head["name"]) and rows != vocab:
             want = (vocab, *want[1:])  # the checkpoint has the real vocab; padding rows are ours
-        want_stored = hf_fused.stored_shape(key, tuple(reversed(want)) if transposed else want)
+        want_stored = hf_fx.stored_shape(key, want) if hf_fx.is_fused(key) else \
+            hf_fused.stored_shape(key, tuple(reversed(want)) if transposed else want)
         got = ckpt.shape(stored_key)
         if got != want_stored:
             raise WeightsError(
                 f"tensor {stored_key} in {ckpt.where[stored_key]} has shape {got}, but {name} "
                 f"needs {want_stored}" + (" (stored transposed, [in, out])" if transposed else "")
             )
-        out[name] = (hf_fused.rekey(key, stored_key), transposed)
+        out[name] = (hf_fx.rekey(key, stored_key) if hf_fx.is_fused(key) else hf_fused.rekey(key, stored_key), transposed)
     return out
 
 
@@ -974,7 +983,7 @@ def check_weights(directory: str | Path, program: Any, extra: str = "error") -> 
     ckpt = HFCheckpoint(directory)
     specs = {i: dict(stage.params()) for i, stage in enumerate(program.stages)}
     shapes = {name: spec.shape for stage in specs.values() for name, spec in stage.items()}
-    used = {ckpt.key(hf_fused.base(k)) or k for name, (key, _) in plan_load(ckpt, program.model, specs).items()
+    used = {ckpt.key(hf_fused.base(hf_fx.base(k))) or k for name, (key, _) in plan_load(ckpt, program.model, specs).items()
             for k in hf_moe.stored(key, shapes[name])}
     tied = bool(_layout(program.model).head.get("tie"))
     extras = sorted(
@@ -1240,6 +1249,9 @@ class _Pending:
         if hf_moe.is_stacked(key):  # one stored tensor per expert
             for one, part in hf_moe.split_stacked(key, full).items():
                 self.tensors[one], self.weight_map[one] = part.to("cpu").contiguous().clone(), file
+            return
+        if hf_fx.is_fused(key):  # experts stored fused and 3-D (runtime/hf/fused_experts.py)
+            hf_fx.put(self.tensors, self.weight_map, self.fusing, key, full, file)
             return
         t = full.t() if transposed else full
         hf_fused.put(self.tensors, self.weight_map, self.fusing, key, t.detach().to("cpu").contiguous().clone(), file)

@@ -31,6 +31,7 @@ __all__ = [
     "mask_vocab",
     "positions",
     "row_matmul",
+    "sink_attention",
     "vocab_parallel_cross_entropy",
 ]
 
@@ -226,6 +227,22 @@ def _softcapped_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scal
     return torch.softmax(scores, dim=-1, dtype=_compute_dtype(q.dtype)).to(q.dtype) @ v
 
 
+def sink_attention(q: Tensor, k: Tensor, v: Tensor, allowed: Tensor, scale: float, sinks: Tensor) -> Tensor:
+    """Attention with a learned logit per head in the softmax's denominator (GPT-OSS's sinks, as
+    transformers' eager attention): each head's scores get one more column, its sink, that takes
+    probability but carries no value. q [b, h, s, d], k / v [b, kvh, t, d], sinks [h] -> [b, h, s, d].
+    SDPA has no such column, so the scores are written out; the softmax in fp32 (fp64 stays fp64)."""
+    b, h, s, _ = q.shape
+    rep = h // k.shape[1]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    dtype = _compute_dtype(q.dtype)
+    scores = ((q @ k.transpose(-1, -2)) * scale).to(dtype).masked_fill(~allowed, float("-inf"))
+    combined = torch.cat([scores, sinks.to(dtype).reshape(1, h, 1, 1).expand(b, h, s, 1)], dim=-1)
+    probs = torch.softmax(combined, dim=-1)[..., :-1]  # the sink's share dropped: it has no value
+    return probs.to(v.dtype) @ v
+
+
 def attention(
     q: Tensor,
     k: Tensor,
@@ -234,6 +251,7 @@ def attention(
     window: int = 0,
     scale: float | None = None,
     softcap: float = 0.0,
+    sinks: Tensor | None = None,
 ) -> Tensor:
     """Causal GQA attention: q [b, s, h, d], k/v [b, s, kvh, d] -> [b, s, h * d].
 
@@ -242,7 +260,8 @@ def attention(
     every cached position and causally among themselves.  ``window``: each token attends to the
     last ``window`` positions only (itself included: sliding-window layers), and a
     decoding cache holds no more than that.  ``scale``: the logit scale (default 1 / sqrt(d));
-    ``softcap``: logits become tanh(x / softcap) * softcap.
+    ``softcap``: logits become tanh(x / softcap) * softcap; ``sinks`` [h]: a logit per head in the
+    softmax's denominator (``sink_attention``; this rank's heads).
     """
     b, s, h, d = q.shape
     session = decode.active()
@@ -256,13 +275,17 @@ def attention(
     # enable_gqa: the kernel reads kv head j for query heads j*n_rep.. itself, so backward keeps
     # k and v at kv_heads rather than copies repeated to every query head.
     gqa = h != kh.shape[1]
-    if past == 0 and not window and not softcap:
+    if past == 0 and not window and not softcap and sinks is None:
         out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa, scale=scale)
     else:
         q_pos = past + torch.arange(s, device=q.device)
         k_pos = past - held + torch.arange(kh.shape[2], device=q.device)
         allowed = _allowed(q_pos, k_pos, window)
-        if softcap:
+        if sinks is not None:
+            if softcap:
+                raise ValueError("attention sinks with soft-capped logits: no family has both")
+            out = sink_attention(qh, kh, vh, allowed, 1.0 / math.sqrt(d) if scale is None else scale, sinks)
+        elif softcap:
             out = _softcapped_attention(qh, kh, vh, allowed, 1.0 / math.sqrt(d) if scale is None else scale, softcap)
         else:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, enable_gqa=gqa, scale=scale)

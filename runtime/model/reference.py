@@ -86,6 +86,10 @@ class _Attention(nn.Module):
             for proj, heads in ((self.q, self.h), (self.k, self.kvh)):
                 width = self.d if self.qk_norm == "head" else heads * self.d
                 proj.register_parameter("norm", nn.Parameter(torch.ones(width)))
+        # GPT-OSS's sinks: a logit per head in the softmax's denominator, kept with q (split with its heads).
+        self.sinks = bool(spec.get("sinks"))
+        if self.sinks:
+            self.q.register_parameter("sinks", nn.Parameter(torch.zeros(self.h)))
 
     def _qk_rms(self, x: Tensor, weight: Tensor) -> Tensor:
         h = x.to(torch.promote_types(x.dtype, torch.float32))
@@ -131,12 +135,13 @@ class _Attention(nn.Module):
         if self.window:  # query i sees keys i - window + 1 .. i
             causal &= ~torch.ones(s, s, dtype=torch.bool).tril(-self.window)
         scores = scores.masked_fill(~causal, float("-inf"))
-        a = (
-            torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(
-                q.dtype
-            )
-            @ v
-        )
+        dtype = torch.promote_types(q.dtype, torch.float32)
+        if self.sinks:  # one more logit per head, as transformers' eager_attention_forward: max-shifted, then dropped
+            combined = torch.cat([scores.to(dtype), self.q.sinks.to(dtype).view(1, self.h, 1, 1).expand(b, self.h, s, 1)], -1)
+            combined = combined - combined.max(dim=-1, keepdim=True).values
+            a = torch.softmax(combined, dim=-1)[..., :-1].to(q.dtype) @ v
+        else:
+            a = torch.softmax(scores.to(dtype), dim=-1).to(q.dtype) @ v
         return self.o(a.transpose(1, 2).reshape(b, s, self.h * self.d))
 
 

@@ -20,6 +20,8 @@ and the tokens' gradients return to the ranks they came from.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
@@ -50,13 +52,15 @@ def _inverse(perm: Tensor) -> Tensor:
 
 
 def experts_parallel(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,
-                     group: dist.ProcessGroup) -> Tensor:
+                     group: dist.ProcessGroup, biases: tuple[Tensor, Tensor] | None = None,
+                     act: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
     """SwiGLU experts split over ``group`` (dropless, or less the pairs routing dropped): x [T, H] this rank's tokens, idx / weights
     [T, k] their experts (global ids) and routing weights -> sum_k weights * expert_idx(x), [T, H].
 
     ``gate`` / ``up`` [F_local, E_local, H] and ``down`` [H, E_local, F_local] (``StackedLinear``)
     hold experts r * E_local .. (r + 1) * E_local - 1 of rank r of ``group``; with F_local < F
-    (tensor-parallel experts) the result is this rank's partial sum, as ``moe.moe_experts``'s."""
+    (tensor-parallel experts) the result is this rank's partial sum, as ``moe.moe_experts``'s.
+    ``biases``: gate's and up's [F_local, E_local]; ``act``: as ``experts_swiglu``'s."""
     n, e_local = dist.get_world_size(group), gate.shape[1]
     # FSDP2 leaves the experts out (no other rank of its mesh holds them), so they stay in the
     # master dtype: compute in the activations' dtype, as FSDP2's cast gives the dense weights (a
@@ -88,7 +92,9 @@ def experts_parallel(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: 
     start = 0
     for e, m in enumerate(counts.sum(0).tolist()):
         he = h[start:start + m]
-        outs.append(F.linear(F.silu(F.linear(he, gate[:, e])) * F.linear(he, up[:, e]), down[:, e]))  # [m, H]
+        g = F.linear(he, gate[:, e], None if biases is None else biases[0][:, e].to(x.dtype))
+        u = F.linear(he, up[:, e], None if biases is None else biases[1][:, e].to(x.dtype))
+        outs.append(F.linear(F.silu(g) * u if act is None else act(g, u), down[:, e]))  # [m, H]
         start += m
     y = torch.cat(outs) if outs else h
     back = _inverse(perm)
@@ -111,5 +117,8 @@ class ExpertsParallel(nn.Module):
     replicate them (runtime/parallel/fsdp.py ``shard_stage``), all-gathering them before it and
     reduce-scattering their gradients after its backward; elsewhere it is ``experts_parallel``."""
 
-    def experts(self, x: Tensor, idx: Tensor, weights: Tensor, group: dist.ProcessGroup) -> Tensor:
-        return experts_parallel(x, idx, weights, self.gate.weight, self.up.weight, self.down.weight, group)
+    def experts(self, x: Tensor, idx: Tensor, weights: Tensor, group: dist.ProcessGroup,
+                act: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
+        biases = (self.gate.bias, self.up.bias) if hasattr(self.gate, "bias") else None
+        return experts_parallel(x, idx, weights, self.gate.weight, self.up.weight, self.down.weight, group,
+                                biases=biases, act=act)

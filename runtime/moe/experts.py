@@ -31,16 +31,41 @@ from meshllm_dsl.runtime.moe.routing import (
     route,
 )
 
-__all__ = ["ReferenceMoE", "StackedLinear", "experts_down_bias", "experts_swiglu", "load_balancing_loss", "moe_experts", "moe_route", "route"]
+__all__ = ["ReferenceMoE", "StackedLinear", "clamped_swiglu", "experts_down_bias", "experts_swiglu",
+           "load_balancing_loss", "moe_expert_bias", "moe_experts", "moe_route", "route"]
 
 
 class StackedLinear(nn.Module):
-    """The same linear layer of every expert, one weight [out, experts, in] (no bias): the experts
-    dim in the middle so a column rule splits dim 0 and a row rule the last, as for nn.Linear."""
+    """The same linear layer of every expert, one weight [out, experts, in]: the experts dim in the
+    middle so a column rule splits dim 0 and a row rule the last, as for nn.Linear. With
+    ``bias_experts`` a bias [out, bias_experts] too (GPT-OSS's experts): the experts this rank holds,
+    or all of them for a bias added after the experts' sum (the down projection's)."""
 
-    def __init__(self, experts: int, in_features: int, out_features: int) -> None:
+    def __init__(self, experts: int, in_features: int, out_features: int, bias_experts: int = 0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, experts, in_features).normal_(0.0, 0.02))
+        if bias_experts:
+            self.bias = nn.Parameter(torch.zeros(out_features, bias_experts))
+
+
+def clamped_swiglu(alpha: float, limit: float) -> Activation:
+    """GPT-OSS's experts' activation (transformers' GptOssExperts._apply_gate): the gate clamped
+    above at ``limit``, up clamped to [-limit, limit], then (up + 1) * gate * sigmoid(alpha * gate).
+    Element-wise, so a tensor-parallel slice of the ffn computes its own part."""
+    def act(gate: Tensor, up: Tensor) -> Tensor:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    return act
+
+
+def moe_expert_bias(idx: Tensor, weights: Tensor, bias: Tensor) -> Tensor:
+    """The down projection's bias of each token's chosen experts, weighted: idx / weights [T, k],
+    bias [H, E] (every expert's) -> sum_k weights * bias[:, idx], [T, H] in the weights' dtype.
+    Added once after the experts' partial sums are reduced (a row layer's bias), so each rank of a
+    tensor group computes it whole; a dropped pair (id -1, weight 0) adds nothing."""
+    picked = bias.t()[idx.clamp(min=0)]  # [T, k, H]
+    return (picked.to(weights.dtype) * weights[..., None]).sum(1)
 
 
 def experts_swiglu(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,
@@ -120,20 +145,23 @@ def experts_down_bias(x: Tensor, idx: Tensor, weights: Tensor, down_bias: Tensor
 
 def moe_route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32: bool,
               capacity: float = 0.0, keep: Callable[[Tensor, int, float], Tensor] | None = None,
-              **deepseek: Any) -> tuple[Tensor, Tensor, Tensor]:
-    """``route`` (runtime/moe/routing.py) as generated code calls it (keywords; ``deepseek``: its
-    scoring / bias / groups / topk_groups / scaling / load)."""
-    return route(x, weight, top_k, renormalize, weights_fp32, capacity, keep, **deepseek)
+              **keywords: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """``route`` (runtime/moe/routing.py) as generated code calls it (keywords: DeepSeek's scoring /
+    bias / groups / topk_groups / scaling / load, GPT-OSS's router_bias)."""
+    return route(x, weight, top_k, renormalize, weights_fp32, capacity, keep, **keywords)
 
 
 def moe_experts(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Tensor, down: Tensor,
                 first: int = 0, *, gate_bias: Tensor | None = None, up_bias: Tensor | None = None,
                 down_bias: Tensor | None = None, act: Activation = swiglu) -> Tensor:
     """``experts_swiglu`` on ``StackedLinear`` weights: gate / up [F_local, E_local, H], down
-    [H, E_local, F_local] (the layout parameters and checkpoints of meshllm keep); biases and
-    ``act`` as there."""
+    [H, E_local, F_local] (the layout parameters and checkpoints of meshllm keep), and their biases
+    likewise: gate / up [F_local, E_local], down [H, E_local]; ``act`` as there."""
+    def expert_major(b: Tensor | None) -> Tensor | None:
+        return None if b is None else b.t()
     return experts_swiglu(x, idx, weights, gate.transpose(0, 1), up.transpose(0, 1), down.transpose(0, 1), first,
-                          gate_bias=gate_bias, up_bias=up_bias, down_bias=down_bias, act=act)
+                          gate_bias=expert_major(gate_bias), up_bias=expert_major(up_bias),
+                          down_bias=expert_major(down_bias), act=act)
 
 
 class ReferenceMoE(nn.Module):
@@ -148,7 +176,7 @@ class ReferenceMoE(nn.Module):
         self.hidden, self.experts, self.top_k = hid, n_exp, spec["top_k"]
         self.renormalize, self.weights_fp32 = bool(spec["norm_topk_prob"]), bool(spec["weights_fp32"])
         self.capacity = float(spec.get("capacity") or 0.0)
-        self.router = nn.Linear(hid, n_exp, bias=False)
+        self.router = nn.Linear(hid, n_exp, bias=bool(spec.get("router_bias")))
         # DeepSeek-V3's router (runtime/moe/routing.py choose_sigmoid): the correction bias a buffer of
         # the router, as generated stages hold it; the step's load counted for its update.
         self.sigmoid = spec.get("scoring", "softmax") == "sigmoid"
@@ -159,8 +187,11 @@ class ReferenceMoE(nn.Module):
             if spec.get("balance_rate"):
                 self.router.register_buffer("expert_load", torch.zeros(n_exp, dtype=torch.long), persistent=False)
                 self.router.balance_rate = float(spec["balance_rate"])
-        self.gate, self.up = StackedLinear(n_exp, hid, ffn), StackedLinear(n_exp, hid, ffn)
-        self.down = StackedLinear(n_exp, ffn, hid)
+        biased = n_exp if spec.get("expert_bias") else 0
+        self.gate, self.up = StackedLinear(n_exp, hid, ffn, biased), StackedLinear(n_exp, hid, ffn, biased)
+        self.down = StackedLinear(n_exp, ffn, hid, biased)
+        self.act = clamped_swiglu(float(spec["swiglu_alpha"]), float(spec["swiglu_limit"])) \
+            if spec.get("act") == "swiglu_clamped" else None
         self.shared = spec.get("shared_ffn") is not None
         self.shared_gated = self.shared and not spec.get("shared_experts")  # Qwen2-MoE's sigmoid gate
         if self.shared:
@@ -195,7 +226,12 @@ class ReferenceMoE(nn.Module):
         dense = torch.zeros(t.shape[0], self.experts, dtype=top.dtype).scatter(1, idx, top)  # [T, E]
         g = torch.einsum("th,feh->tef", t, self.gate.weight)
         u = torch.einsum("th,feh->tef", t, self.up.weight)
-        y = torch.einsum("tef,hef->teh", F.silu(g) * u, self.down.weight)  # [T, E, H] every expert
+        biased = hasattr(self.down, "bias")
+        if biased:  # [F, E] -> [1, E, F]
+            g, u = g + self.gate.bias.t()[None], u + self.up.bias.t()[None]
+        y = torch.einsum("tef,hef->teh", F.silu(g) * u if self.act is None else self.act(g, u), self.down.weight)  # [T, E, H] every expert
+        if biased:
+            y = y + self.down.bias.t()[None]
         out = (y * dense[..., None]).sum(1).to(t.dtype)
         if self.shared:
             s = self.shared_down(F.silu(self.shared_gate(t)) * self.shared_up(t))

@@ -155,7 +155,8 @@ def choose_sigmoid(logits: Tensor, top_k: int, renormalize: bool, bias: Tensor, 
 def route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32: bool,
           capacity: float = 0.0, keep: Callable[[Tensor, int, float], Tensor] | None = None, *,
           scoring: str = "softmax", bias: Tensor | None = None, groups: int = 1, topk_groups: int = 1,
-          scaling: float = 1.0, load: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+          scaling: float = 1.0, load: Tensor | None = None,
+          router_bias: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """Router of one MoE layer: x [T, H], weight [E, H] -> (chosen weights [T, k], chosen expert
     ids [T, k] int64, router logits [T, E]).
 
@@ -166,8 +167,9 @@ def route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32
     (context parallelism: ContextShard.keep_within_capacity counts in the whole sequence's order).
     ``scoring = "sigmoid"``: DeepSeek-V3's router (``choose_sigmoid``: ``bias``, ``groups``,
     ``topk_groups``, ``scaling``); softmax scoring takes ``scaling`` too (DeepSeek-V2's).
-    ``load`` [E]: the pairs each expert receives are added to it (``count_load``)."""
-    logits = F.linear(x, weight)  # [T, E]
+    ``load`` [E]: the pairs each expert receives are added to it (``count_load``).
+    ``router_bias`` [E]: the router's own bias (GPT-OSS), part of the logits."""
+    logits = F.linear(x, weight, router_bias)  # [T, E]
     if scoring == "sigmoid":
         assert bias is not None, "sigmoid scoring chooses with the correction bias"
         top, idx = choose_sigmoid(logits, top_k, renormalize, bias, groups, topk_groups, scaling)

@@ -147,14 +147,14 @@ class ContextShard:
         return gathered.index_select(dim, inverse)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, window: int = 0, scale: float | None = None,
-                  softcap: float = 0.0) -> Tensor:
+                  softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
         """Causal GQA attention of this rank's queries over every rank's keys: q [b, s / n, h, d],
         k / v [b, s / n, kvh, d] -> [b, s / n, h * d]."""
         decoding = decode.active() is not None
         if self.group is None or (decoding and not _SPLIT_PREFILL):
             # One rank, or a decoding step after the prefill: the new token is the same on every
             # rank and each rank's cache holds the whole sequence.
-            return layers.attention(q, k, v, window=window, scale=scale, softcap=softcap)
+            return layers.attention(q, k, v, window=window, scale=scale, softcap=softcap, sinks=sinks)
         b, s, h, d = q.shape
         q_pos = self.positions(s, q.device)
         k_pos = self.order(s).to(q.device)
@@ -173,7 +173,9 @@ class ContextShard:
             v_all = _GatherSeq.apply(v.contiguous(), self.group)
         allowed = layers._allowed(q_pos, k_pos, window)
         qh, kh, vh = q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2)
-        if softcap:
+        if sinks is not None:  # each query's softmax is over every key it sees, all here: sinks need nothing more
+            out = layers.sink_attention(qh, kh, vh, allowed, 1.0 / math.sqrt(d) if scale is None else scale, sinks)
+        elif softcap:
             out = layers._softcapped_attention(qh, kh, vh, allowed, 1.0 / math.sqrt(d) if scale is None else scale,
                                                softcap)
         else:

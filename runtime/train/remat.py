@@ -57,7 +57,8 @@ def _checkpoint(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
 
 def recompute(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, recomputed in backward instead of keeping what it saves (keyword
-    arguments are settings such as attention's window, never tensors to hold)."""
+    arguments are settings such as attention's window, or parameters such as its sinks: never
+    activations to hold)."""
     return _checkpoint(fn, args, kwargs)
 
 

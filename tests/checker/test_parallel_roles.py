@@ -46,6 +46,8 @@ EXAMPLE_ROLES = {
     ("tiny_llama_context.mesh", "train"): R(batch_shard=("cp",), tensor=("tensor",), sequence=("tensor",), loss=("tensor",),
                                             context=("cp",)),
     ("mixtral_8x7b.mesh", "train"): R(batch=("data",), batch_shard=("data",), tensor=("tensor",), loss=("tensor",)),
+    # experts over the in-host axis, ZeRO-3 over the hosts' (issue 38)
+    ("gpt_oss_120b.mesh", "train"): R(batch=("data", "expert"), batch_shard=("data",), expert=("expert",)),
     # The zero-bubble V examples (issue 39); llama2_70b_zbv.mesh includes llama2_70b.mesh's plan too.
     ("llama2_70b_zbv.mesh", "train"): R(pipeline="pipeline", tensor=("tensor",), loss=("tensor",)),
     ("llama2_70b_zbv.mesh", "zbv_64"): R(pipeline="pipeline", tensor=("tensor",), sequence=("tensor",), loss=("tensor",)),

@@ -79,9 +79,10 @@ def _run(p: dict[str, Tensor], *, first: int = 0, local: slice = slice(None), ff
     leaves = {k: v.detach().clone().requires_grad_(True) for k, v in p.items() if k != "idx"}
     gate, up = leaves["gate"][ffn, local], leaves["up"][ffn, local]
     down = leaves["down"][:, local, ffn]
-    kw = {name: leaves[name][local, ffn] for name in ("gate_bias", "up_bias") if name in leaves}
+    # moe_experts takes the biases as StackedLinear holds them: gate / up [F, E], down [H, E]
+    kw = {name: leaves[name][local, ffn].t() for name in ("gate_bias", "up_bias") if name in leaves}
     if "down_bias" in leaves:
-        kw["down_bias"] = leaves["down_bias"][local]
+        kw["down_bias"] = leaves["down_bias"][local].t()
     out = moe.moe_experts(leaves["x"], p["idx"], leaves["weights"], gate, up, down, first, act=act, **kw)
     if not out.requires_grad:  # no local pairs: the output is zeros, on nothing
         return out, {}
