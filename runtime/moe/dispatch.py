@@ -28,6 +28,8 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from meshllm_dsl.runtime.moe.grouped import grouped_experts_ffn, grouped_runs, swiglu
+
 __all__ = ["ExpertsParallel", "experts_parallel"]
 
 
@@ -88,15 +90,21 @@ def experts_parallel(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: 
     got = _all_to_all(x[rows], recv, send, group)
     perm = _expert_major(counts)
     h = got[perm]  # [sum recv, H] by (local expert, source rank, token index)
-    outs = []
-    start = 0
-    for e, m in enumerate(counts.sum(0).tolist()):
-        he = h[start:start + m]
-        g = F.linear(he, gate[:, e], None if biases is None else biases[0][:, e].to(x.dtype))
-        u = F.linear(he, up[:, e], None if biases is None else biases[1][:, e].to(x.dtype))
-        outs.append(F.linear(F.silu(g) * u if act is None else act(g, u), down[:, e]))  # [m, H]
-        start += m
-    y = torch.cat(outs) if outs else h
+    per_local = counts.sum(0)  # [E_local] rows each local expert received
+    gate_e, up_e, down_e = gate.transpose(0, 1), up.transpose(0, 1), down.transpose(0, 1)  # expert-major views
+    if h.shape[0] and grouped_runs(h, gate_e, up_e, down_e):  # one _grouped_mm per projection (runtime/moe/grouped.py)
+        gate_b, up_b = (None, None) if biases is None else (biases[0].t().to(x.dtype), biases[1].t().to(x.dtype))
+        y = grouped_experts_ffn(h, per_local, gate_e, up_e, down_e, gate_b, up_b, None, act or swiglu)
+    else:
+        outs = []
+        start = 0
+        for e, m in enumerate(per_local.tolist()):
+            he = h[start:start + m]
+            g = F.linear(he, gate[:, e], None if biases is None else biases[0][:, e].to(x.dtype))
+            u = F.linear(he, up[:, e], None if biases is None else biases[1][:, e].to(x.dtype))
+            outs.append(F.linear(F.silu(g) * u if act is None else act(g, u), down[:, e]))  # [m, H]
+            start += m
+        y = torch.cat(outs) if outs else h
     back = _inverse(perm)
     # combine: [sum recv, H] source-major, recv[s] rows back to each source s -> [T k, H] in this
     # rank's sorted pair order
