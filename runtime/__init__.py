@@ -99,6 +99,7 @@ _WHERE = {
             "apply_rotary",
             "attention",
             "cross_entropy",
+            "deinterleave",
             "mask_vocab",
             "positions",
             "row_matmul",

@@ -27,7 +27,6 @@ from meshllm_dsl.planner.rank import (
     StagePart,
     Traffic,
     expert_shards,
-    local_kv_heads,
     rank_drafts,
     running_units,
     setup_of,
@@ -176,8 +175,8 @@ def _unit_calls(setup: Setup, rank: Rank) -> _Calls:
         for axes, op in forward_collectives(hu) if rc else ():
             calls.recompute[(axes, op)] = calls.recompute.get((axes, op), 0) + rc
         if primitives.of(hu.unit).caches_kv:
-            # Context parallelism: k and v, [mb, s, kv / t, d] each once gathered, every copy.
-            calls.kv_gathers += hu.count * 2 * micro * plan.seq * local_kv_heads(plan, hu) * int(hu.unit.attr("head_dim")) * w  # type: ignore[arg-type]
+            # Context parallelism: k and v ([mb, s, kv / t, d] each for attention) once gathered, every copy.
+            calls.kv_gathers += hu.count * micro * plan.seq * primitives.of(hu.unit).gathered_values(plan, hu) * w
         if cp > 1 and primitives.of(hu.unit).routes_experts:
             a = dict(hu.unit.attrs)
             if a.get("capacity"):

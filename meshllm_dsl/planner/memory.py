@@ -23,7 +23,6 @@ from meshllm_dsl.planner.rank import (
     StagePart,
     States,
     expert_shards,
-    local_kv_heads,
     recomputes_core,
     running_units,
 )
@@ -82,7 +81,8 @@ def parameters(setup: Setup, rank: Rank) -> Rank:
 
 
 def kv_cache(setup: Setup, rank: Rank) -> Rank:
-    """Adds `kv_cache`: every attention unit's k / v heads on a device, at the plan's batch and seq."""
+    """Adds `kv_cache`: what every caching unit keeps on a device (attention's k / v heads, mla's latent), at
+    the plan's batch and seq."""
     plan = setup.plan
     batch = plan.batch // plan.data_size
     total = 0
@@ -91,8 +91,8 @@ def kv_cache(setup: Setup, rank: Rank) -> Rank:
         if record.caches_kv:
             # a sliding-window layer caches at most its window (primitives' cached_positions)
             positions = sum(record.cached_positions(hu.unit, i, plan.seq) for i in hu.indices or (0,))
-            total += ((positions if hu.indices else hu.count * positions) * 2 * local_kv_heads(plan, hu)
-                      * int(hu.unit.attr("head_dim")) * batch * setup.dtype_bytes)  # type: ignore[arg-type]
+            total += ((positions if hu.indices else hu.count * positions) * record.local_cached_values(plan, hu)
+                      * batch * setup.dtype_bytes)
     return attrs.evolve(rank, kv_cache=total)
 
 

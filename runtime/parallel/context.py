@@ -149,7 +149,7 @@ class ContextShard:
     def attention(self, q: Tensor, k: Tensor, v: Tensor, window: int = 0, scale: float | None = None,
                   softcap: float = 0.0) -> Tensor:
         """Causal GQA attention of this rank's queries over every rank's keys: q [b, s / n, h, d],
-        k / v [b, s / n, kvh, d] -> [b, s / n, h * d]."""
+        k [b, s / n, kvh, d], v [b, s / n, kvh, dv] -> [b, s / n, h * dv]."""
         decoding = decode.active() is not None
         if self.group is None or (decoding and not _SPLIT_PREFILL):
             # One rank, or a decoding step after the prefill: the new token is the same on every
@@ -179,4 +179,4 @@ class ContextShard:
         else:
             out = torch.nn.functional.scaled_dot_product_attention(
                 qh, kh, vh, attn_mask=allowed, enable_gqa=h != kh.shape[1], scale=scale)
-        return out.transpose(1, 2).reshape(b, s, h * d)
+        return out.transpose(1, 2).reshape(b, s, h * vh.shape[-1])  # v's head dim (mla's v_head_dim)
