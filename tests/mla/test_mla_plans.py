@@ -1,0 +1,85 @@
+"""The `mla` layer in compiled plans: tensor, context and pipeline parallel runs against the unsharded
+reference model on the shared pool of gloo ranks (logits, every gradient, the loss at each of 3 AdamW
+steps and every parameter after them, in float32 and float64), and the generated forward's collectives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from reference_jobs import assert_spec_matches_reference  # noqa: E402
+
+from meshllm_dsl.checker import check_text  # noqa: E402
+from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
+
+# A query latent, rotary pairs interleaved (DeepSeek-V3's layout); and a direct q projection with
+# rotary halves, biases and YaRN with DeepSeek's mscale / mscale_all_dim (DeepSeek-V2-Lite's shape).
+MLA = {
+    "latent_q": "q_lora_rank = 16",
+    "direct_q_yarn": ("q_lora_rank = 0, rope_interleave = false, bias = true, rope_type = yarn, rope_factor = 8.0, "
+                      "rope_original_positions = 4, rope_mscale = 1.0, rope_mscale_all_dim = 0.7"),
+}
+
+
+def model(settings: str) -> str:
+    return ("model m {\n    vocab = 64, hidden = 32, layers = 2, heads = 4, ffn = 48, dtype = fp32\n"
+            "    embed = embedding(vocab, hidden)\n    blocks = repeat(layers) {\n        attn_norm = rmsnorm(hidden)\n"
+            f"        attn = mla(hidden, heads, 8, 6, 4, 5, {settings})\n"
+            "        mlp_norm = rmsnorm(hidden)\n        mlp = mlp(hidden, ffn)\n    }\n"
+            "    norm = rmsnorm(hidden)\n    lm_head = linear(hidden, vocab)\n}\n")
+
+
+TP = ("    layout { heads -> tensor, ffn -> tensor, vocab -> tensor }\n"
+      "    shard blocks.*.attn.{q_a,kv_a} replicate\n")
+PLANS = {  # mesh axes, plan lines
+    "single": ("one = 1", ""),
+    "tensor2": ("tensor = 2", TP),
+    "context2": ("cp = 2", "    layout { seq -> cp }\n"),
+    "pipeline2": ("pipeline = 2", "    microbatches = 2\n    stages over pipeline balanced\n"),
+    # everything at once, the attention core recomputed in backward
+    "pipeline2_tensor2_context2": ("pipeline = 2, tensor = 2, cp = 2", TP.replace("vocab -> tensor }", "vocab -> tensor, seq -> cp }")
+                                   + "    microbatches = 2\n    stages over pipeline balanced\n    recompute = attention\n"),
+}
+
+
+def spec(kind: str, plan: str) -> str:
+    axes, body = PLANS[plan]
+    if kind == "direct_q_yarn":
+        body = body.replace("{q_a,kv_a}", "kv_a")
+    return f"mesh m {{ axes {axes} }}\n{model(MLA[kind])}plan p on m for m {{\n    batch = 4\n    seq = 8\n{body}}}\n"
+
+
+@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize("kind", MLA)
+def test_sharded_mla_equals_the_reference(kind: str, plan: str, pool: Any, tmp_path: Path) -> None:
+    assert_spec_matches_reference(pool, spec(kind, plan), f"mla_{kind}_{plan}", tmp_path)
+
+
+def _code(kind: str, plan: str) -> str:
+    text = spec(kind, plan)
+    result = check_text(text, "t.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    return render_plan(result.plans["p"], "t.mesh", text)
+
+
+def test_tensor_parallel_mla_splits_heads_and_keeps_the_latents_whole() -> None:
+    code = _code("latent_q", "tensor2")
+    assert "self.attn.q_a = nn.Linear(32, 16, bias=False)  # replicated" in code
+    assert "self.attn.kv_a = nn.Linear(32, 12, bias=False)  # replicated" in code
+    assert "self.attn.q_b = nn.Linear(16, 20, bias=False)  # column(tensor): 2 of 4 heads" in code
+    assert "self.attn.kv_b = nn.Linear(8, 22, bias=False)  # column(tensor): 2 of 4 heads" in code
+    assert "self.attn.o = nn.Linear(10, 32, bias=False)  # row(tensor): 2 of 4 heads" in code
+    # f on the normed latents and the shared rotary key (their norms' gradients are then whole), not on x
+    for v in ("q", "latent", "k_pe"):
+        assert f"{v} = rt.copy_to({v}, self.g_tensor)" in code
+    assert "rt.copy_to(h" not in code and "copy_to_linear" not in code.split("class Block")[1].split("self.mlp")[0]
+    assert code.count("out = rt.reduce_from(out, self.g_tensor)") == 2  # mla's and the mlp's
+    # the direct q projection reads the block's input through its own f
+    direct = _code("direct_q_yarn", "tensor2")
+    assert "q = self.attn.q(q).view(b, s, 2, 10)" in direct and "q = rt.copy_to(q, self.g_tensor)" in direct
+    assert "rt.deinterleave" not in direct and "rt.deinterleave" in code
+    assert "('mscale', 1.0), ('mscale_all_dim', 0.7)" in direct
