@@ -10,7 +10,11 @@ from meshllm_dsl.checker import check_text
 from meshllm_dsl.ir import PlanIR
 from meshllm_dsl.parallel.costs import HeldUnit
 from meshllm_dsl.planner.analyze import analyze
-from meshllm_dsl.planner.formulas import kv_bytes_per_token, kv_cache_bytes, kv_gather_bytes_per_layer
+from meshllm_dsl.planner.formulas import (
+    kv_bytes_per_token,
+    kv_cache_bytes,
+    kv_gather_bytes_per_layer,
+)
 from meshllm_dsl.planner.time import model_flops_per_token
 from meshllm_dsl.primitives import REGISTRY
 
