@@ -278,8 +278,6 @@ class Mla(Primitive):
         ]
         lines += f("latent", "the normed key / value latent") + f("k_pe", "the shared rotary key")
         lines += [
-            w.line(f"kv = {m}.kv_b(latent).view(b, s, {h}, {nope + vd})", f"[b, s, {of}, {nope} nope key + {vd} value]"),
-            w.line(f"k_nope, v = kv.split([{nope}, {vd}], dim=-1)"),
             w.line(f"q_nope, q_pe = q.split([{nope}, {rope}], dim=-1)"),
             w.line(f"k_pe = k_pe.view(b, s, 1, {rope})", "[b, s, 1, rope]: one rotary key for every head"),
         ]
@@ -292,7 +290,11 @@ class Mla(Primitive):
             w.line(f"q_pe, k_pe = rt.apply_rotary(q_pe, k_pe, {w.positions('q')}, theta={float(a['rope_theta'])!r}{tail})",
                    "rotary on the rope parts only" + (" (yarn rope scaling: runtime/model/rope.py)" if scaling else "")),
             w.line("q = torch.cat([q_nope, q_pe], dim=-1)", f"[b, s, {h}, {nope + rope}]"),
-            w.line(f"k = torch.cat([k_nope, k_pe.expand(b, s, {h}, {rope})], dim=-1)", f"[b, s, {h}, {nope + rope}]"),
+            w.line(f"latent, k_pe, cache = {w.latent_cache()}(latent, k_pe)",
+                   "while decoding: the cached latents and rotary keys of every position so far, t of them (else as given)"),
+            w.line(f"kv = {m}.kv_b(latent).view(b, -1, {h}, {nope + vd})", f"[b, t, {of}, {nope} nope key + {vd} value]"),
+            w.line(f"k_nope, v = kv.split([{nope}, {vd}], dim=-1)"),
+            w.line(f"k = torch.cat([k_nope, k_pe.expand(b, -1, {h}, {rope})], dim=-1)", f"[b, t, {h}, {nope + rope}]"),
         ]
         scale = softmax_scale(a)
         what = f"[b, s, {h * vd}] causal; logits scaled by {scale!r}"
@@ -302,9 +304,10 @@ class Mla(Primitive):
                     f"all-gathered over {w.axes_text(w.plan.roles.context)} ({n}) (backward reduce-scatters them); "
                     f"logits scaled by {scale!r}")
         if w.plan.recompute == "attention":
-            lines.append(w.line(f"a = rt.recompute({w.attention()}, q, k, v, scale={scale!r})", what + "; recomputed in backward"))
+            lines.append(w.line(f"a = rt.recompute({w.attention()}, q, k, v, scale={scale!r}, kv_cache=cache)",
+                                what + "; recomputed in backward"))
         else:
-            lines.append(w.line(f"a = {w.attention()}(q, k, v, scale={scale!r})", what))
+            lines.append(w.line(f"a = {w.attention()}(q, k, v, scale={scale!r}, kv_cache=cache)", what))
         o = unit.leaves[-1]
         bias = f" + {m}.o.bias" if len(o.params) > 1 else ""
         if reduce is not None:
