@@ -143,3 +143,33 @@ def test_mla_decodes_like_the_reference_caching_the_latent(plan: str, prompt_len
     assert all(len(set(row[prompt_len:])) >= 3 for row in outs[0]["tokens"]), outs[0]["tokens"]  # not one token repeated
     cached = {shape for o in outs for shape in o["cached"]}
     assert cached == {(2, 1, prompt_len, 8, 2, 1, prompt_len, 4), (2, 1, 1, 8, 2, 1, 1, 4)}, cached
+
+
+def test_mla_trains_in_float8_within_drift_of_bf16(pool: Any, tmp_path: Path) -> None:
+    """torchao converts mla's five linear layers (emulated on the CPU) under tensor parallelism: every
+    one is in the plan's float8 layers, and 20 AdamW steps stay within tests/runtime/test_float8.py's
+    drift of the same plan in bf16."""
+    pytest.importorskip("torchao")
+    from reference_jobs import float8_job
+
+    # every local dim a multiple of 16 (torchao's float8 operands), at 2 of 4 heads per rank
+    text = (f"mesh m {{\n    axes tensor = 2\n    device = cpu\n}}\n"
+            + model("q_lora_rank = 32").replace("mla(hidden, heads, 8, 6, 4, 5,", "mla(hidden, heads, 32, 16, 16, 16,")
+            .replace("hidden = 32", "hidden = 64").replace("ffn = 48", "ffn = 128").replace("dtype = fp32", "dtype = bf16")
+            + "plan p on m for m {\n    batch = 4\n    seq = 32\n" + TP
+            + "    precision { matmul = fp8_tensorwise }\n    optimizer adamw {\n        lr = 0.001\n    }\n}\n")
+    result = check_text(text, "f8.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    plan = result.plans["p"]
+    assert plan.float8 is not None and [p for p, _ in plan.float8.skipped] == ["lm_head"], plan.float8  # as torchtitan
+    assert {p for p, _ in plan.float8.layers if ".attn." in p} == {
+        f"blocks.{i}.attn.{n}" for i in (0, 1) for n in ("q_a", "q_b", "kv_a", "kv_b", "o")}
+    path = tmp_path / "mla_f8.py"
+    path.write_text(render_plan(plan, "f8.mesh", text))
+    fp8 = pool.run(float8_job, 2, str(path), 20, False)
+    bf16 = pool.run(float8_job, 2, str(path), 20, True)
+    assert [r["float8_layers"] for r in fp8] == [16, 16]  # 2 blocks of 5 mla + 3 mlp linears
+    assert all(r["losses"] == fp8[0]["losses"] for r in fp8)
+    drift = [abs(a - b) / b for a, b in zip(fp8[0]["losses"], bf16[0]["losses"])]
+    assert max(drift) <= 0.01, drift
+    assert fp8[0]["losses"][-1] < fp8[0]["losses"][0]
