@@ -153,7 +153,7 @@ def test_mla_trains_in_float8_within_drift_of_bf16(pool: Any, tmp_path: Path) ->
     from reference_jobs import float8_job
 
     # every local dim a multiple of 16 (torchao's float8 operands), at 2 of 4 heads per rank
-    text = (f"mesh m {{\n    axes tensor = 2\n    device = cpu\n}}\n"
+    text = ("mesh m {\n    axes tensor = 2\n    device = cpu\n}\n"
             + model("q_lora_rank = 32").replace("mla(hidden, heads, 8, 6, 4, 5,", "mla(hidden, heads, 32, 16, 16, 16,")
             .replace("hidden = 32", "hidden = 64").replace("ffn = 48", "ffn = 128").replace("dtype = fp32", "dtype = bf16")
             + "plan p on m for m {\n    batch = 4\n    seq = 32\n" + TP
