@@ -173,3 +173,18 @@ def test_mla_trains_in_float8_within_drift_of_bf16(pool: Any, tmp_path: Path) ->
     drift = [abs(a - b) / b for a, b in zip(fp8[0]["losses"], bf16[0]["losses"])]
     assert max(drift) <= 0.01, drift
     assert fp8[0]["losses"][-1] < fp8[0]["losses"][0]
+
+
+def test_meshc_verify_of_the_bundled_mla_plan_is_equal() -> None:
+    """`meshc verify examples/tiny_mla.mesh`: the tiny twin (heads split as the plan splits them, small
+    latents and head dims, an even rope dim) under tensor 2 x context 2, EQUAL in float64."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-m", "meshllm_dsl", "verify", str(root / "examples" / "tiny_mla.mesh")],
+                          capture_output=True, text=True, timeout=300, cwd="/")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "verdict: EQUAL" in proc.stdout
+    assert ("tiny twin: heads 4 -> 4, hidden 64 -> 16, kv_lora_rank 16 -> 8, qk_nope_head_dim 8 -> 4, "
+            "qk_rope_head_dim 4 -> 4, v_head_dim 8 -> 4, q_lora_rank 32 -> 8") in proc.stdout
