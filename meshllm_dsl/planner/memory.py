@@ -10,7 +10,7 @@ import attrs
 
 from meshllm_dsl import primitives
 from meshllm_dsl.ir import DTYPES, FP8_BYTES, Repeat
-from meshllm_dsl.parallel.costs import HeldUnit, attention_core_bytes, seq_size
+from meshllm_dsl.parallel.costs import HeldUnit, seq_size
 from meshllm_dsl.parallel.placements import gather_stage
 from meshllm_dsl.planner.float8 import float8_weights
 from meshllm_dsl.planner.formulas import fsdp_gather_bytes, fsdp_per_device, zero_per_device
@@ -141,7 +141,7 @@ def _kept_for_backward(setup: Setup, hu: HeldUnit, rebuilt: dict[str, int]) -> i
         kept = kept_bytes(plan, hu, tokens, seq, micro, flash)
         return (rc * kept + (hu.count - rc) * saved) // hu.count
     if recomputes_core(plan, hu):
-        core = attention_core_bytes(plan, hu, tokens, seq, micro, flash)
+        core = primitives.of(hu.unit).core_bytes(plan, hu, tokens, seq, micro, flash)
         rebuilt[hu.prefix] = max(rebuilt.get(hu.prefix, 0), core)
         return saved - core
     return saved

@@ -127,6 +127,11 @@ class Primitive:
         """Positions its KV cache holds in block `index` after `seq` tokens (kinds that cache)."""
         return seq
 
+    def core_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> int:
+        """What its core keeps for backward and selective recomputation (`recompute = attention`)
+        stops keeping, of what `saved_bytes` counts (kinds with `recomputed_core`)."""
+        raise NotImplementedError(self.kind)
+
     def cached_values(self, unit: Unit) -> int:
         """Values its KV cache holds per token of the whole (unsharded) unit (kinds that cache)."""
         raise NotImplementedError(self.kind)
@@ -199,6 +204,7 @@ _REQUIRED = ("build", "flow", "saved_bytes", "backward_bytes", "kernels", "work"
 _SUBLAYER = ("core_lines",)
 _TOP_LEVEL = ("top_lines",)
 _CACHING = ("cached_values", "local_cached_values", "gathered_values")  # caches_kv
+_RECOMPUTED = ("core_bytes",)  # recomputed_core
 
 
 def _registry(prims: tuple[Primitive, ...]) -> Mapping[UnitKind, Primitive]:
@@ -207,6 +213,7 @@ def _registry(prims: tuple[Primitive, ...]) -> Mapping[UnitKind, Primitive]:
     registry: dict[UnitKind, Primitive] = keyed(  # type: ignore[assignment]
         prims, lambda p: p.kind, UnitKind, "primitive", "kind")
     lacking = {p.kind: [m for m in _REQUIRED + (_SUBLAYER if p.sublayer else _TOP_LEVEL) + (_CACHING if p.caches_kv else ())
+                        + (_RECOMPUTED if p.recomputed_core else ())
                         if getattr(type(p), m) is getattr(Primitive, m)] for p in prims}
     lacking = {k: ms for k, ms in lacking.items() if ms}
     if lacking:

@@ -176,6 +176,9 @@ class Attention(Primitive):
         window = layer_window(dict(unit.attrs), index)
         return min(seq, window) if window else seq
 
+    def core_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> int:
+        return costs.attention_core_bytes(plan, hu, tokens, seq, micro, flash_attention)
+
     def cached_values(self, unit: Unit) -> int:
         return 2 * int(unit.attr("kv_heads")) * int(unit.attr("head_dim"))  # type: ignore[arg-type]  # k and v
 

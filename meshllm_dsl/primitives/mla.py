@@ -173,22 +173,37 @@ class Mla(Primitive):
 
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
+        # What autograd keeps, listed with saved_tensors_hooks on the generated forward and measured
+        # with `meshc run --profile` (tests/mla/test_mla_memory.py).
         e, fp32 = DTYPES[plan.dtype], costs.FP32
         hid, ql, kvl, nope, rope, vd = self._dims(hu.unit)
         h = self._local_heads(plan, hu)
         saved = e * local * hid  # the normed input, read by the down-projections (or q)
-        for width in (ql, kvl):  # each latent before its RMSNorm, the fp32 reciprocal RMS, the normed latent
-            if width:
-                saved += 2 * e * tokens * width + fp32 * tokens
-        saved += e * tokens * h * (2 * (nope + rope) + vd)  # q, k (rotary applied, concatenated) and v for the core
-        saved += e * tokens * h * vd  # the attention output: o's input
+        saved += self.core_bytes(plan, hu, tokens, seq, micro, flash_attention)
+        if ql:  # the query latent before its RMSNorm, the fp32 reciprocal RMS, the normed latent (q_b's input)
+            saved += 2 * e * tokens * ql + fp32 * tokens
+        # kv_a's whole output (the latent norm's input is a view of it), the reciprocal RMS, kv_b's input
+        saved += e * tokens * (2 * kvl + rope) + fp32 * tokens
+        saved += e * tokens * h * (nope + rope)  # q, rotary applied, for the core
+        saved += e * tokens * h * vd  # o's input (the core's output reshaped: a copy)
         saved += 2 * e * (tokens // max(1, micro)) * rope  # rotary cos and sin
-        # the core's fp32 log-sum-exp per head (a fused kernel), or its probabilities
-        saved += fp32 * tokens * h if flash_attention else e * tokens * h * seq
+        if plan.context_size > 1 and not (hu.prefix and plan.recompute == "attention"):
+            return saved  # the core keeps the gathered k and v instead (core_bytes)
+        # k, and kv_b's whole output (v is a view of it): the core's inputs, or selective
+        # recomputation's, kept to rerun it
+        return saved + e * tokens * h * (nope + rope) + e * tokens * h * (nope + vd)
+
+    def core_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> int:
+        e, fp32 = DTYPES[plan.dtype], costs.FP32
+        _, _, _, nope, rope, vd = self._dims(hu.unit)
+        h = self._local_heads(plan, hu)
+        # a fused kernel keeps its output and the fp32 log-sum-exp per head; without one (as CPU's
+        # SDPA under context parallelism's mask) the probabilities
+        core = e * tokens * h * vd + fp32 * tokens * h if flash_attention else e * tokens * h * seq
         if plan.context_size > 1:
-            # runtime/parallel/context.py: the [s / c, s] mask and the all-gathered k and v
-            saved += (tokens // max(1, micro)) * seq + e * micro * seq * h * (nope + rope + vd)
-        return saved
+            # runtime/parallel/context.py, inside the core: the [s / c, s] mask and the all-gathered k and v
+            core += (tokens // max(1, micro)) * seq + e * micro * seq * h * (nope + rope + vd)
+        return core
 
     def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
         return 0  # sequence parallelism is refused (regather is 0); nothing measured beyond what it saved
