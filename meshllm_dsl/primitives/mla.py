@@ -10,7 +10,8 @@ Tensor parallelism splits the heads, as Megatron-Core's MLASelfAttention and tor
 plan do: the up-projections (`q_b` or `q`, `kv_b`) column-parallel, `o` row-parallel, the
 down-projections `q_a` / `kv_a` and their norms whole on every rank. The rank-local heads' gradients
 of a whole latent are partial sums, so f (`copy_to`) sits on the normed latents and the shared rotary
-key, not on the block's input (the replicated down-projections and norms then get whole gradients).
+key (one all-reduce of them concatenated), not on the block's input: the replicated down-projections
+and norms then get whole gradients.
 """
 
 from __future__ import annotations
@@ -37,6 +38,11 @@ if TYPE_CHECKING:
 
 # The down-projections: whole on every rank (their outputs are the latents every head reads).
 DOWN = ("q_a", "kv_a")
+# Kernels beyond planner.KERNELS' parts, forward and backward, counted with `meshc run --profile`
+# (torch 2.13 CPU, 2026-12-04): the latents' and rope parts' splits, concatenations, views and the
+# shared key's expansion; rope_interleave's even / odd halves of q and k; under tensor parallelism
+# f's concatenation of the latents and its split.
+_KERNELS = {"latents": 33, "deinterleave": 11, "split_heads": 25}
 
 
 def yarn_mscale(factor: float, mscale: float) -> float:
@@ -53,6 +59,11 @@ def softmax_scale(a: Mapping[str, Any]) -> float:
         m = yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
         scale = scale * m * m
     return scale
+
+
+def _splits_heads(hu: HeldUnit) -> bool:
+    """Whether its heads are split (its flow has f, the copy_to in front of the up-projections)."""
+    return hu.flow is not None and any(c.where == "input" for c in hu.flow.collectives)
 
 
 @attrs.frozen
@@ -180,10 +191,16 @@ class Mla(Primitive):
         h = self._local_heads(plan, hu)
         saved = e * local * hid  # the normed input, read by the down-projections (or q)
         saved += self.core_bytes(plan, hu, tokens, seq, micro, flash_attention)
-        if ql:  # the query latent before its RMSNorm, the fp32 reciprocal RMS, the normed latent (q_b's input)
-            saved += 2 * e * tokens * ql + fp32 * tokens
-        # kv_a's whole output (the latent norm's input is a view of it), the reciprocal RMS, kv_b's input
-        saved += e * tokens * (2 * kvl + rope) + fp32 * tokens
+        if ql:  # the query latent before its RMSNorm and the fp32 reciprocal RMS
+            saved += e * tokens * ql + fp32 * tokens
+        # kv_a's whole output (the latent norm's input is a view of it) and the reciprocal RMS
+        saved += e * tokens * (kvl + rope) + fp32 * tokens
+        if _splits_heads(hu):
+            # the up-projections read views of f's concatenation: the normed query latent (or the
+            # input), the normed latent and the rotary key
+            saved += e * tokens * ((ql or hid) + kvl + rope)
+        else:
+            saved += e * tokens * (ql + kvl)  # q_b's and kv_b's inputs, the normed latents
         saved += e * tokens * h * (nope + rope)  # q, rotary applied, for the core
         saved += e * tokens * h * vd  # o's input (the core's output reshaped: a copy)
         saved += 2 * e * (tokens // max(1, micro)) * rope  # rotary cos and sin
@@ -210,9 +227,12 @@ class Mla(Primitive):
 
     def kernels(self, plan: PlanIR, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
         ql = int(hu.unit.attr("q_lora_rank"))  # type: ignore[arg-type]
-        # q, k, v as heads; the latent norms; the splits and concatenations (counted as split_qkv)
-        n = linears + 3 * k["heads"] + k["attention_core"] + k["residual"] + k["rotary"]
-        return n + (2 if ql else 1) * k["rmsnorm"] + 4 * k["split_qkv"]
+        # q, k, v as heads; the latent norms; then what `meshc run --profile` counted beyond them
+        # (tests/mla/test_mla_kernels.py): the splits, concatenations and expansions of the rope parts
+        n = linears + 3 * k["heads"] + k["attention_core"] + k["residual"] + k["rotary"] + _KERNELS["latents"]
+        n += (2 if ql else 1) * k["rmsnorm"]
+        n += _KERNELS["deinterleave"] if hu.unit.attr("rope_interleave") else 0
+        return n + (_KERNELS["split_heads"] if _splits_heads(hu) else 0)
 
     def flops_per_token(self, unit: Unit, seq: int) -> int:
         # Its projections, and the core over `seq` keys: q.k over nope + rope dims and p.v over
@@ -269,29 +289,29 @@ class Mla(Primitive):
         h = w.local_heads(unit, "kv_b", heads, placement)
         of = f"{h} of {heads} heads" if h != heads else f"{heads} heads"
 
-        def f(v: str, what: str) -> list[Any]:
-            if copy is None:
-                return []
-            return [w.line(f"{v} = rt.copy_to({v}, {w.group(copy.axes)})",
-                           f"f: identity; backward all-reduces {what}'s gradient over {w.axes_text(copy.axes)} "
-                           f"({w.n(copy.axes)}): each rank's heads give part of it")]
-
         lines: list[Any] = []
+        q_in = "q" if ql else x  # what the query's up-projection reads: the normed latent, or the input
+        q_width = ql or hid
         if ql:
             lines += [w.line(f"q = {m}.q_a({x})", f"[b, s, {ql}] the query latent, whole on every rank"),
                       w.line(f"q = rt.rms_norm(q, {m}.q_a.norm, {eps!r})", f"RMSNorm of the latent: [{ql}] scale")]
-            lines += f("q", "the normed query latent")
-            lines.append(w.line(f"q = {m}.q_b(q).view(b, s, {h}, {nope + rope})", f"[b, s, {of}, {nope} nope + {rope} rope]"))
-        else:
-            lines.append(w.line(f"q = {x}"))
-            lines += f("q", "the input")
-            lines.append(w.line(f"q = {m}.q(q).view(b, s, {h}, {nope + rope})", f"[b, s, {of}, {nope} nope + {rope} rope]"))
-        lines.append(w.line(f"kv = {m}.kv_a({x})", f"[b, s, {kvl} latent + {rope} shared rotary key], whole on every rank"))
         lines += [
+            w.line(f"kv = {m}.kv_a({x})", f"[b, s, {kvl} latent + {rope} shared rotary key], whole on every rank"),
             w.line(f"latent, k_pe = kv.split([{kvl}, {rope}], dim=-1)"),
             w.line(f"latent = rt.rms_norm(latent, {m}.kv_a.norm, {eps!r})", f"RMSNorm of the latent: [{kvl}] scale"),
         ]
-        lines += f("latent", "the normed key / value latent") + f("k_pe", "the shared rotary key")
+        if copy is not None:
+            # One f for all three: each rank's heads give part of their gradients, summed in one all-reduce.
+            lines += [
+                w.line(f"whole = rt.copy_to(torch.cat([{q_in}, latent, k_pe], dim=-1), {w.group(copy.axes)})",
+                       f"f: [b, s, {q_width} + {kvl} + {rope}] identity; backward all-reduces over "
+                       f"{w.axes_text(copy.axes)} ({w.n(copy.axes)}) what the rank's heads give the "
+                       + ("normed query latent" if ql else "input") + ", the normed latent and the rotary key"),
+                w.line(f"q_in, latent, k_pe = whole.split([{q_width}, {kvl}, {rope}], dim=-1)"),
+            ]
+            q_in = "q_in"
+        lines.append(w.line(f"q = {m}.{'q_b' if ql else 'q'}({q_in}).view(b, s, {h}, {nope + rope})",
+                            f"[b, s, {of}, {nope} nope + {rope} rope]"))
         lines += [
             w.line(f"q_nope, q_pe = q.split([{nope}, {rope}], dim=-1)"),
             w.line(f"k_pe = k_pe.view(b, s, 1, {rope})", "[b, s, 1, rope]: one rotary key for every head"),

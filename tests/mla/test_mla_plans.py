@@ -73,14 +73,16 @@ def test_tensor_parallel_mla_splits_heads_and_keeps_the_latents_whole() -> None:
     assert "self.attn.q_b = nn.Linear(16, 20, bias=False)  # column(tensor): 2 of 4 heads" in code
     assert "self.attn.kv_b = nn.Linear(8, 22, bias=False)  # column(tensor): 2 of 4 heads" in code
     assert "self.attn.o = nn.Linear(10, 32, bias=False)  # row(tensor): 2 of 4 heads" in code
-    # f on the normed latents and the shared rotary key (their norms' gradients are then whole), not on x
-    for v in ("q", "latent", "k_pe"):
-        assert f"{v} = rt.copy_to({v}, self.g_tensor)" in code
+    # one f on the normed latents and the shared rotary key (their norms' gradients are then whole), not on x
+    assert "whole = rt.copy_to(torch.cat([q, latent, k_pe], dim=-1), self.g_tensor)" in code
+    assert "q_in, latent, k_pe = whole.split([16, 8, 4], dim=-1)" in code
+    assert code.count("rt.copy_to(") == 1  # the mlp and the head have their fused copy_to_linear
     assert "rt.copy_to(h" not in code and "copy_to_linear" not in code.split("class Block")[1].split("self.mlp")[0]
     assert code.count("out = rt.reduce_from(out, self.g_tensor)") == 2  # mla's and the mlp's
     # the direct q projection reads the block's input through its own f
     direct = _code("direct_q_yarn", "tensor2")
-    assert "q = self.attn.q(q).view(b, s, 2, 10)" in direct and "q = rt.copy_to(q, self.g_tensor)" in direct
+    assert "whole = rt.copy_to(torch.cat([h, latent, k_pe], dim=-1), self.g_tensor)" in direct
+    assert "q = self.attn.q(q_in).view(b, s, 2, 10)" in direct
     assert "rt.deinterleave" not in direct and "rt.deinterleave" in code
     assert "('mscale', 1.0), ('mscale_all_dim', 0.7)" in direct
 
