@@ -118,6 +118,11 @@ class Primitive:
         the layout flow's are its flow's. None by default."""
         return ()
 
+    def collective_width(self, unit: Unit, c: Collective) -> int | None:
+        """Features per token of what collective `c` of its flow carries, where that is not the
+        residual stream's width (None: the planner's activation size)."""
+        return None
+
     def position_limit(self, unit: Unit) -> int | None:
         """Positions its table holds (learned positions): a longer `seq` would index past it; None:
         the kind reads any sequence length."""

@@ -24,7 +24,7 @@ import attrs
 
 from meshllm_dsl.codes import E0304, E0402, E0405
 from meshllm_dsl.diagnostics import make_rule
-from meshllm_dsl.ir import DTYPES, Leaf, Placement, Tensor, Unit, UnitFlow
+from meshllm_dsl.ir import DTYPES, Collective, Leaf, Placement, Tensor, Unit, UnitFlow
 from meshllm_dsl.parallel import costs
 from meshllm_dsl.parallel.costs import Matmul, Work
 from meshllm_dsl.parallel.flow import FlowSite, R, at_residual, partial_error, through
@@ -171,6 +171,13 @@ class Mla(Primitive):
             return None
         inside = (*((leaf, R) for leaf in DOWN if leaf in leaves), *((leaf, layouts[leaf]) for leaf in ups), ("o", y))
         return at_residual(y, name("o"), p_o, collectives, r, inside)
+
+    def collective_width(self, unit: Unit, c: Collective) -> int | None:
+        if c.where != "input":
+            return None  # o's sum: the residual stream
+        # f over the concatenation: the normed query latent (or the input), the normed latent, the rotary key
+        _, ql, kvl, _, rope, _ = self._dims(unit)
+        return (ql or int(unit.attr("hidden"))) + kvl + rope  # type: ignore[arg-type]
 
     # -- costs
     def _local_heads(self, plan: PlanIR, hu: HeldUnit) -> int:

@@ -47,3 +47,8 @@ def test_planned_kernels_match_the_runtime(plan: str, pool: Any, tmp_path: Path)
     for rank, got in enumerate(pool.run(profile_job, p.mesh.devices, str(path), str(tmp_path / "profile"))):
         print(plan, rank, "planned", rc.kernels, "counted", got["kernels"], f"{rc.kernels / got['kernels']:.3f}")
         assert rc.kernels == pytest.approx(got["kernels"], rel=0.02), (rank, rc.kernels, got["kernels"])
+        # the tensor axis' all-reduces: calls and bytes as logged (f's over the concatenated latents)
+        planned = [(c.calls, c.payload_bytes) for c in rc.comms if c.kind == "tensor" and c.op == "all_reduce"]
+        logged = [(c["calls"], c["bytes"]) for c in got["collectives"] if c["axes"] == "tensor" and c["op"] == "all_reduce"]
+        print(plan, "all_reduce planned", planned, "logged", logged)
+        assert (sum(n for n, _ in planned), sum(b for _, b in planned)) == (sum(n for n, _ in logged), sum(b for _, b in logged))

@@ -95,3 +95,18 @@ def test_context_parallelism_gathers_the_heads_keys_and_values() -> None:
                  "    shard blocks.*.attn.{q_a,kv_a} replicate\n", seq=4096)
     # per microbatch and layer: the whole sequence's k ([16 heads, 192]) and v ([16 heads, 128]), bf16
     assert kv_gather_bytes_per_layer(plan) == 4096 * 16 * (192 + 128) * 2
+
+
+def test_tensor_parallel_all_reduces_carry_the_latents_and_the_residual_stream() -> None:
+    """Per block and microbatch under tensor 8: f's backward all-reduce of the normed query latent,
+    the normed latent and the rotary key concatenated ([b, s, 1536 + 512 + 64]), and o's sum of the
+    residual stream ([b, s, 7168]) with the mlp's f and g: 70 % fewer bytes in f than the
+    residual stream's width would say."""
+    plan = _plan("tensor = 8", "    layout { heads -> tensor, ffn -> tensor, vocab -> tensor }\n"
+                 "    shard blocks.*.attn.{q_a,kv_a} replicate\n", seq=4096, batch=1)
+    rc = analyze(plan).ranks[0]
+    tokens, e = 4096, 2
+    by_size = {c.payload_bytes // c.calls: c.calls for c in rc.comms if c.kind == "tensor" and c.op == "all_reduce"}
+    assert by_size[tokens * e * (1536 + 512 + 64)] == 61  # one per block
+    # o's g, the mlp's f and g per block; the vocab-parallel embedding's sum and the head's f
+    assert by_size[tokens * e * 7168] == 61 * 3 + 2
