@@ -112,11 +112,12 @@ class Mla(Primitive):
                        ("truncate", b["rope_truncate"]))
             # 0: absent from the config (transformers' attention factor is then mscale(factor))
             scaling += tuple((k, b[f"rope_{k}"]) for k in ("mscale", "mscale_all_dim") if b[f"rope_{k}"])
-        elif b["rope_mscale"] or b["rope_mscale_all_dim"]:
-            which = "rope_mscale" if b["rope_mscale"] else "rope_mscale_all_dim"
+        elif given := [n for n, off in (("rope_factor", 1.0), ("rope_mscale", 0.0), ("rope_mscale_all_dim", 0.0))
+                       if b[n] != off]:
+            which = given[0]
             r.error(E0304, f"`{name}`: `{which}` is given but rope_type is default", site.arg_span(which),
                     label="only yarn rope scaling reads it",
-                    help="use rope_type = yarn with its rope_factor, or drop rope_mscale and rope_mscale_all_dim")
+                    help="use rope_type = yarn with its rope_factor, or drop rope_factor, rope_mscale and rope_mscale_all_dim")
             return None
         attrs_ = {"hidden": hid, "heads": h, "q_lora_rank": ql, "kv_lora_rank": kvl, "qk_nope_head_dim": nope,
                   "qk_rope_head_dim": rope, "v_head_dim": vd, "rope_theta": b["rope_theta"],
