@@ -209,6 +209,13 @@ class _UnitWriter:
             return "self.ctx.attention"
         return "rt.attention"
 
+    def latent_cache(self) -> str:
+        """mla's latent KV cache call: under context parallelism a split prefill caches every rank's chunks."""
+        if self.plan.roles.context:
+            self.context_used = True
+            return "self.ctx.latent_cache"
+        return "rt.latent_cache"
+
     def capacity_keep(self, x: str) -> str:
         """The `keep=` of a capacity-dropping router: under context parallelism capacity counts the
         whole sequences' tokens in position order (runtime/parallel/context.py); '' otherwise."""

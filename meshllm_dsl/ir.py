@@ -20,7 +20,7 @@ from meshllm_dsl.parallel.roles import ParallelRoles
 Value = int | float | str | bool
 
 # The layer kinds a model may declare (Unit.kind), each with its record in meshllm_dsl/primitives.
-UnitKind = Literal["embedding", "positional", "linear", "rmsnorm", "layernorm", "attention", "mlp", "moe"]
+UnitKind = Literal["embedding", "positional", "linear", "rmsnorm", "layernorm", "attention", "mla", "mlp", "moe"]
 # The layers that own parameters (Leaf.kind): a unit's leaves are of these kinds.
 LeafKind = Literal["linear", "embedding", "positional", "rmsnorm", "layernorm"]
 

@@ -7,6 +7,7 @@ from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from meshllm_dsl.runtime.model.decode import latent_cache
     from meshllm_dsl.runtime.model.generate import greedy_generate
     from meshllm_dsl.runtime.model.layers import (
         DecodeSession,
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
         apply_rotary,
         attention,
         cross_entropy,
+        deinterleave,
         mask_vocab,
         positions,
         row_matmul,
@@ -105,6 +107,7 @@ _WHERE = {
             "apply_rotary",
             "attention",
             "cross_entropy",
+            "deinterleave",
             "mask_vocab",
             "positions",
             "row_matmul",
@@ -113,6 +116,7 @@ _WHERE = {
         "model.layers",
     ),
     "Mesh": "parallel.mesh",
+    "latent_cache": "model.decode",
     **dict.fromkeys(("StackedLinear", "clamped_swiglu", "moe_expert_bias", "moe_experts", "moe_route"), "moe.experts"),
     **dict.fromkeys(("ExpertsParallel", "experts_parallel"), "moe.dispatch"),
     **dict.fromkeys(("rms_norm", "split_rms_norm"), "model.qk_norm"),
@@ -163,6 +167,7 @@ __all__ = [
     "copy_to",
     "copy_to_linear",
     "cross_entropy",
+    "deinterleave",
     "ExpertsParallel",
     "experts_parallel",
     "full_init",
@@ -173,6 +178,7 @@ __all__ = [
     "gather_module",
     "greedy_generate",
     "launch",
+    "latent_cache",
     "load_full",
     "mask_vocab",
     "local_slice",

@@ -27,7 +27,6 @@ from meshllm_dsl.planner.rank import (
     StagePart,
     Traffic,
     expert_shards,
-    local_kv_heads,
     rank_drafts,
     running_units,
     setup_of,
@@ -45,12 +44,13 @@ LATENCY_INTRA_S = 10e-6 / 14
 LATENCY_INTER_S = 25e-6 / 14
 
 
-def forward_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], WirePrimitive]]:
+def forward_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], WirePrimitive, int | None]]:
     """What of unit_collectives runs in the forward (listed first in its spec's wire, when its
     forward moves data): what recomputing the unit's forward issues again."""
     if hu.flow is None:
         return []
-    return [(c.axes, spec(c.op).wire[0]) for c in hu.flow.collectives
+    record = primitives.of(hu.unit)
+    return [(c.axes, spec(c.op).wire[0], record.collective_width(hu.unit, c)) for c in hu.flow.collectives
             if spec(c.op).wire and spec(c.op).forward not in ("identity", "split", "split(seq)")]
 
 
@@ -132,8 +132,9 @@ def expert_all_to_all(plan: PlanIR, hu: HeldUnit, tokens: int) -> tuple[tuple[st
     return axes, DTYPES[plan.dtype] * tokens * int(hu.unit.attr("top_k")) * int(hu.unit.attr("hidden"))  # type: ignore[arg-type]
 
 
-def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], WirePrimitive]]:
-    """(axes, op) per microbatch, forward and backward, for one copy of the unit.
+def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], WirePrimitive, int | None]]:
+    """(axes, op, width) per microbatch, forward and backward, for one copy of the unit (width: the
+    features per token it carries where they are not the residual stream's, primitives' collective_width).
 
     Megatron's operators (ir.Collective): copy_to is identity forward / all-reduce backward,
     reduce_from all-reduce forward / identity backward, split_to split forward / all-gather backward,
@@ -141,13 +142,14 @@ def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], WirePrimitive]
     forward, and in backward all-gathers the kept slice again and reduce-scatters the input gradient;
     reduce_scatter_seq reduce-scatters forward, all-gathers backward; split_seq and gather_seq_split
     move data in one direction only (collectives.CollectiveSpec.wire). Sizes are the full
-    activation (act_bytes).
+    activation (act_bytes) unless a width says otherwise.
     """
-    out: list[tuple[tuple[str, ...], WirePrimitive]] = []
+    out: list[tuple[tuple[str, ...], WirePrimitive, int | None]] = []
     if hu.flow is None:
         return out
+    record = primitives.of(hu.unit)
     for c in hu.flow.collectives:
-        out += [(c.axes, op) for op in spec(c.op).wire]
+        out += [(c.axes, op, record.collective_width(hu.unit, c)) for op in spec(c.op).wire]
     return out
 
 
@@ -155,8 +157,9 @@ def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], WirePrimitive]
 class _Calls:
     """What the units a rank runs issue per microbatch, counted for the communication step."""
 
-    tensor: dict[tuple[tuple[str, ...], WirePrimitive], int] = attrs.Factory(dict)
-    recompute: dict[tuple[tuple[str, ...], WirePrimitive], int] = attrs.Factory(dict)  # rerun forwards'
+    # (axes, op, features per token) -> calls
+    tensor: dict[tuple[tuple[str, ...], WirePrimitive, int], int] = attrs.Factory(dict)
+    recompute: dict[tuple[tuple[str, ...], WirePrimitive, int], int] = attrs.Factory(dict)  # rerun forwards'
     expert: dict[tuple[tuple[str, ...], int], int] = attrs.Factory(dict)  # (expert axes, bytes per call): calls
     kv_gathers: int = 0  # context parallelism: bytes of k and v one microbatch's forward all-gathers
     route_gathers: dict[int, int] = attrs.Factory(dict)  # context parallelism: capacity ids gathered, bytes -> calls
@@ -172,13 +175,15 @@ def _unit_calls(setup: Setup, rank: Rank) -> _Calls:
     calls = _Calls()
     for hu in running_units(rank):
         rc = recomputed_copies(plan, hu)
-        for axes, op in unit_collectives(hu):
-            calls.tensor[(axes, op)] = calls.tensor.get((axes, op), 0) + hu.count
-        for axes, op in forward_collectives(hu) if rc else ():
-            calls.recompute[(axes, op)] = calls.recompute.get((axes, op), 0) + rc
+        for axes, op, width in unit_collectives(hu):
+            key = (axes, op, width or setup.hidden)
+            calls.tensor[key] = calls.tensor.get(key, 0) + hu.count
+        for axes, op, width in forward_collectives(hu) if rc else ():
+            key = (axes, op, width or setup.hidden)
+            calls.recompute[key] = calls.recompute.get(key, 0) + rc
         if primitives.of(hu.unit).caches_kv:
-            # Context parallelism: k and v, [mb, s, kv / t, d] each once gathered, every copy.
-            calls.kv_gathers += hu.count * 2 * micro * plan.seq * local_kv_heads(plan, hu) * int(hu.unit.attr("head_dim")) * w  # type: ignore[arg-type]
+            # Context parallelism: k and v ([mb, s, kv / t, d] each for attention) once gathered, every copy.
+            calls.kv_gathers += hu.count * micro * plan.seq * primitives.of(hu.unit).gathered_values(plan, hu) * w
         if cp > 1 and primitives.of(hu.unit).routes_experts:
             a = dict(hu.unit.attrs)
             if a.get("capacity"):
@@ -226,11 +231,10 @@ def _layer_comms(setup: Setup, calls: _Calls) -> list[Comm]:
     """The tensor-parallel collectives inside the layers, and expert parallelism's all-to-alls."""
     plan, device, m = setup.plan, setup.device, setup.plan.microbatches
     comms = []
-    act_size = setup.dtype_bytes * setup.tokens * setup.hidden
-    for (axes, op), n in sorted(calls.tensor.items()):
+    for (axes, op, width), n in sorted(calls.tensor.items()):
         # A recomputed block's forward runs its forward collectives again (Megatron's full recomputation).
-        n += calls.recompute.get((axes, op), 0)
-        comms.append(comm_over(plan, device, axes, "tensor", op, n * m, act_size))
+        n += calls.recompute.get((axes, op, width), 0)
+        comms.append(comm_over(plan, device, axes, "tensor", op, n * m, setup.dtype_bytes * setup.tokens * width))
     for (axes, size), n in sorted(calls.expert.items()):
         comms.append(comm_over(plan, device, axes, "expert", EXPERT_WIRE[0], n * m, size))
     return comms

@@ -17,7 +17,7 @@ from meshllm_dsl.ir import (
     placement_of,
     stage_coord,
 )
-from meshllm_dsl.parallel.costs import FP32, axes_size
+from meshllm_dsl.parallel.costs import FP32, HeldUnit
 from meshllm_dsl.planner.schedule import rank_order, schedule_cost
 
 # Optimizer state bytes per parameter, beyond the weights and gradients in the training dtype.
@@ -99,11 +99,6 @@ def bubble_fraction(schedule: str, stages: int, microbatches: int, virtual: int 
     return frac / virtual if schedule == "interleaved_1f1b" else frac
 
 
-def kv_cache_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes: one token of KV cache for the whole model."""
-    return 2 * layers * kv_heads * head_dim * dtype_bytes
-
-
 def stage_actions(schedule: str, stages: int, index: int, microbatches: int, pipeline: int | None = None) -> str:
     """The order in which pipeline stage `index` of `stages` (on `pipeline` ranks, one stage each
     when not given) runs its microbatches' forwards (F), backwards (B) and, split, input (I) and
@@ -152,8 +147,7 @@ def kv_bytes_per_token(plan: PlanIR) -> int:
         count = item.count if isinstance(item, Repeat) else 1
         for u in units:
             if primitives.of(u).caches_kv:
-                total += count * kv_cache_bytes_per_token(1, int(u.attr("kv_heads")), int(u.attr("head_dim")),  # type: ignore[arg-type]
-                                                          DTYPES[plan.dtype])
+                total += count * primitives.of(u).cached_values(u) * DTYPES[plan.dtype]
     return total
 
 
@@ -167,24 +161,21 @@ def kv_cache_bytes(plan: PlanIR, seq: int) -> int:
         for u in units:
             if primitives.of(u).caches_kv:
                 positions = sum(primitives.of(u).cached_positions(u, i, seq) for i in indices)
-                total += kv_cache_bytes_per_token(1, int(u.attr("kv_heads")), int(u.attr("head_dim")),  # type: ignore[arg-type]
-                                                  DTYPES[plan.dtype]) * positions
+                total += primitives.of(u).cached_values(u) * DTYPES[plan.dtype] * positions
     return total
 
 
 def kv_gather_bytes_per_layer(plan: PlanIR) -> int:
     """Context parallelism: bytes one attention layer's K / V all-gather hands over per microbatch,
-    k and v of the whole sequence, [mb, s, kv_heads / t, head_dim] each (each rank sends its s / c)."""
+    the whole sequence's (attention: [mb, s, kv_heads / t, head_dim] each of k and v; each rank sends its s / c)."""
     if plan.context_size == 1:
         return 0
     micro = plan.batch // (plan.data_size * plan.microbatches)
     for rep in plan.model.repeats:
         for u in rep.body:
             if primitives.of(u).caches_kv:
-                kv_leaf = next(lf for lf in u.leaves if lf.name in ("k", "qkv"))
-                placement = plan.block_class(rep.name, 0).placement(f"{u.name}.{kv_leaf.name}")
-                kv_local = int(u.attr("kv_heads")) // axes_size(plan, placement)  # type: ignore[arg-type]
-                return 2 * micro * plan.seq * kv_local * int(u.attr("head_dim")) * DTYPES[plan.dtype]  # type: ignore[arg-type]
+                hu = HeldUnit(u, f"{rep.name}.0.", 1, plan.block_class(rep.name, 0).placements, None)
+                return micro * plan.seq * primitives.of(u).gathered_values(plan, hu) * DTYPES[plan.dtype]
     return 0
 
 

@@ -10,7 +10,7 @@ import attrs
 
 from meshllm_dsl import primitives
 from meshllm_dsl.ir import DTYPES, FP8_BYTES, Repeat
-from meshllm_dsl.parallel.costs import HeldUnit, attention_core_bytes, seq_size
+from meshllm_dsl.parallel.costs import HeldUnit, seq_size
 from meshllm_dsl.parallel.placements import gather_stage
 from meshllm_dsl.planner.float8 import float8_weights
 from meshllm_dsl.planner.formulas import fsdp_gather_bytes, fsdp_per_device, zero_per_device
@@ -23,7 +23,6 @@ from meshllm_dsl.planner.rank import (
     StagePart,
     States,
     expert_shards,
-    local_kv_heads,
     recomputes_core,
     running_units,
 )
@@ -82,7 +81,8 @@ def parameters(setup: Setup, rank: Rank) -> Rank:
 
 
 def kv_cache(setup: Setup, rank: Rank) -> Rank:
-    """Adds `kv_cache`: every attention unit's k / v heads on a device, at the plan's batch and seq."""
+    """Adds `kv_cache`: what every caching unit keeps on a device (attention's k / v heads, mla's latent), at
+    the plan's batch and seq."""
     plan = setup.plan
     batch = plan.batch // plan.data_size
     total = 0
@@ -91,8 +91,8 @@ def kv_cache(setup: Setup, rank: Rank) -> Rank:
         if record.caches_kv:
             # a sliding-window layer caches at most its window (primitives' cached_positions)
             positions = sum(record.cached_positions(hu.unit, i, plan.seq) for i in hu.indices or (0,))
-            total += ((positions if hu.indices else hu.count * positions) * 2 * local_kv_heads(plan, hu)
-                      * int(hu.unit.attr("head_dim")) * batch * setup.dtype_bytes)  # type: ignore[arg-type]
+            total += ((positions if hu.indices else hu.count * positions) * record.local_cached_values(plan, hu)
+                      * batch * setup.dtype_bytes)
     return attrs.evolve(rank, kv_cache=total)
 
 
@@ -141,7 +141,7 @@ def _kept_for_backward(setup: Setup, hu: HeldUnit, rebuilt: dict[str, int]) -> i
         kept = kept_bytes(plan, hu, tokens, seq, micro, flash)
         return (rc * kept + (hu.count - rc) * saved) // hu.count
     if recomputes_core(plan, hu):
-        core = attention_core_bytes(plan, hu, tokens, seq, micro, flash)
+        core = primitives.of(hu.unit).core_bytes(plan, hu, tokens, seq, micro, flash)
         rebuilt[hu.prefix] = max(rebuilt.get(hu.prefix, 0), core)
         return saved - core
     return saved

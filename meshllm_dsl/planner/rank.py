@@ -13,7 +13,7 @@ import attrs
 
 from meshllm_dsl import primitives
 from meshllm_dsl.ir import DTYPES, PlanIR, Stage
-from meshllm_dsl.parallel.costs import HeldUnit, axes_size
+from meshllm_dsl.parallel.costs import HeldUnit
 from meshllm_dsl.parallel.devices import DeviceProfile, assumed_hosts
 from meshllm_dsl.parallel.placements import defers_grad_sync, runs_fsdp
 from meshllm_dsl.planner.held import held_units
@@ -203,12 +203,6 @@ def running_units(rank: Rank) -> Iterator[HeldUnit]:
 def recomputes_core(plan: PlanIR, hu: HeldUnit) -> bool:
     """`recompute = attention`: backward reruns the core of this block unit (none at the top level)."""
     return bool(hu.prefix) and plan.recompute == "attention" and primitives.of(hu.unit).recomputed_core
-
-
-def local_kv_heads(plan: PlanIR, hu: HeldUnit) -> int:
-    """The key / value heads of an attention unit on one device."""
-    kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
-    return int(hu.unit.attr("kv_heads")) // axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
 
 
 def expert_shards(plan: PlanIR, params: Params) -> int:

@@ -118,6 +118,11 @@ class Primitive:
         the layout flow's are its flow's. None by default."""
         return ()
 
+    def collective_width(self, unit: Unit, c: Collective) -> int | None:
+        """Features per token of what collective `c` of its flow carries, where that is not the
+        residual stream's width (None: the planner's activation size)."""
+        return None
+
     def position_limit(self, unit: Unit) -> int | None:
         """Positions its table holds (learned positions): a longer `seq` would index past it; None:
         the kind reads any sequence length."""
@@ -126,6 +131,23 @@ class Primitive:
     def cached_positions(self, unit: Unit, index: int, seq: int) -> int:
         """Positions its KV cache holds in block `index` after `seq` tokens (kinds that cache)."""
         return seq
+
+    def core_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> int:
+        """What its core keeps for backward and selective recomputation (`recompute = attention`)
+        stops keeping, of what `saved_bytes` counts (kinds with `recomputed_core`)."""
+        raise NotImplementedError(self.kind)
+
+    def cached_values(self, unit: Unit) -> int:
+        """Values its KV cache holds per token of the whole (unsharded) unit (kinds that cache)."""
+        raise NotImplementedError(self.kind)
+
+    def local_cached_values(self, plan: PlanIR, hu: HeldUnit) -> int:
+        """Values its KV cache holds per token on one device (kinds that cache)."""
+        raise NotImplementedError(self.kind)
+
+    def gathered_values(self, plan: PlanIR, hu: HeldUnit) -> int:
+        """Values per token its context-parallel all-gather brings in on one device (kinds that cache)."""
+        raise NotImplementedError(self.kind)
 
     # -- costs, per copy of the unit and microbatch (meshllm_dsl/parallel/costs.py holds the helpers they
     # use; the planner's steps, meshllm_dsl/planner/memory.py and time.py, add them up)
@@ -186,6 +208,8 @@ class Primitive:
 _REQUIRED = ("build", "flow", "saved_bytes", "backward_bytes", "kernels", "work", "describe")
 _SUBLAYER = ("core_lines",)
 _TOP_LEVEL = ("top_lines",)
+_CACHING = ("cached_values", "local_cached_values", "gathered_values")  # caches_kv
+_RECOMPUTED = ("core_bytes",)  # recomputed_core
 
 
 def _registry(prims: tuple[Primitive, ...]) -> Mapping[UnitKind, Primitive]:
@@ -193,7 +217,8 @@ def _registry(prims: tuple[Primitive, ...]) -> Mapping[UnitKind, Primitive]:
     for a kind UnitKind lacks, or one named twice."""
     registry: dict[UnitKind, Primitive] = keyed(  # type: ignore[assignment]
         prims, lambda p: p.kind, UnitKind, "primitive", "kind")
-    lacking = {p.kind: [m for m in _REQUIRED + (_SUBLAYER if p.sublayer else _TOP_LEVEL)
+    lacking = {p.kind: [m for m in _REQUIRED + (_SUBLAYER if p.sublayer else _TOP_LEVEL) + (_CACHING if p.caches_kv else ())
+                        + (_RECOMPUTED if p.recomputed_core else ())
                         if getattr(type(p), m) is getattr(Primitive, m)] for p in prims}
     lacking = {k: ms for k, ms in lacking.items() if ms}
     if lacking:
@@ -204,11 +229,11 @@ def _registry(prims: tuple[Primitive, ...]) -> Mapping[UnitKind, Primitive]:
     return registry
 
 
-from meshllm_dsl.primitives import attention, embedding, linear, mlp, moe, norm  # noqa: E402
+from meshllm_dsl.primitives import attention, embedding, linear, mla, mlp, moe, norm  # noqa: E402
 
 REGISTRY: Mapping[UnitKind, Primitive] = _registry((
     embedding.EMBEDDING, embedding.POSITIONAL, linear.LINEAR, norm.RMSNORM, norm.LAYERNORM,
-    attention.ATTENTION, mlp.MLP, moe.MOE,
+    attention.ATTENTION, mla.MLA, mlp.MLP, moe.MOE,
 ))
 
 

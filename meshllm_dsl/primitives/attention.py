@@ -188,6 +188,18 @@ class Attention(Primitive):
         window = layer_window(dict(unit.attrs), index)
         return min(seq, window) if window else seq
 
+    def core_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> int:
+        return costs.attention_core_bytes(plan, hu, tokens, seq, micro, flash_attention)
+
+    def cached_values(self, unit: Unit) -> int:
+        return 2 * int(unit.attr("kv_heads")) * int(unit.attr("head_dim"))  # type: ignore[arg-type]  # k and v
+
+    def local_cached_values(self, plan: PlanIR, hu: HeldUnit) -> int:
+        return 2 * _local_kv_heads(plan, hu) * int(hu.unit.attr("head_dim"))  # type: ignore[arg-type]
+
+    def gathered_values(self, plan: PlanIR, hu: HeldUnit) -> int:
+        return self.local_cached_values(plan, hu)  # k and v of this rank's kv heads
+
     def block_variant(self, unit: Unit, index: int) -> tuple[Any, ...]:
         a = dict(unit.attrs)
         return layer_window(a, index), layer_rope_theta(a, index)
@@ -281,6 +293,12 @@ class Attention(Primitive):
         else:
             lines.append(w.line(f"a = {w.attention()}(q, k, v{extra})", what))
         return lines
+
+
+def _local_kv_heads(plan: PlanIR, hu: HeldUnit) -> int:
+    """The key / value heads on one device."""
+    kv_leaf = next(lf for lf in hu.unit.leaves if lf.name in ("k", "qkv"))
+    return int(hu.unit.attr("kv_heads")) // costs.axes_size(plan, hu.placement(kv_leaf))  # type: ignore[arg-type]
 
 
 def layer_window(a: Mapping[str, Any], index: int) -> int:

@@ -45,7 +45,14 @@ def twin_values(plan: PlanIR) -> dict[str, int]:
     attn = next((u for item in model.items for u in (item.body if isinstance(item, Repeat) else (item,))
                  if primitives.of(u).caches_kv), None)  # the unit with (kv) heads
     twin: dict[str, int] = {}
-    if attn is not None:
+    if attn is not None and attn.kind == "mla":
+        # Latent attention: heads split as the plan splits them, small latents and head dims (even rope)
+        twin["heads"] = FACTOR * split.get("heads", 1)
+        twin["hidden"] = 16 * split.get("hidden", 1)
+        twin.update(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=4)
+        if attn.attr("q_lora_rank"):
+            twin["q_lora_rank"] = 8
+    elif attn is not None:
         a = dict(attn.attrs)
         ratio = min(int(a["heads"]) // int(a["kv_heads"]), 2)  # type: ignore[call-overload]
         kv = split.get("kv_heads", 1) * 1
@@ -77,7 +84,9 @@ def twin_values(plan: PlanIR) -> dict[str, int]:
 def _head_dim(plan: PlanIR) -> int | None:
     attn = next((u for item in plan.model.items for u in (item.body if isinstance(item, Repeat) else (item,))
                  if primitives.of(u).caches_kv), None)
-    return int(dict(attn.attrs)["head_dim"]) if attn is not None else None  # type: ignore[call-overload]
+    if attn is None or attn.kind == "mla":
+        return None  # mla reads no per-frequency lists
+    return int(dict(attn.attrs)["head_dim"])  # type: ignore[call-overload]
 
 
 def _per_frequency(value: ast.Value, head_dim: int | None) -> ast.Value:

@@ -46,6 +46,37 @@ class KVCache:
         self.seen = 0
 
 
+class HeldCache(KVCache):
+    """What ``attention`` reads of a cache whose caller already holds every position's keys and values
+    (mla rebuilds them from its cached latent each step): how many positions it held and had seen
+    before this step; its update hands back what it is given."""
+
+    def __init__(self, held: int, seen: int) -> None:
+        super().__init__()
+        self.held, self.seen = held, seen
+
+    @property
+    def length(self) -> int:
+        return self.held
+
+    def update(self, k: Tensor, v: Tensor, window: int = 0) -> tuple[Tensor, Tensor]:
+        return k, v
+
+
+def latent_cache(latent: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor, HeldCache | None]:
+    """mla's KV cache, what DeepSeek-V3 keeps (and transformers' DeepseekV3Attention): per token the
+    normed latent ``latent`` [b, s, kv_lora_rank] and the rotated shared key ``k_pe`` [b, s, 1, rope],
+    never the heads' keys and values. While decoding: every position's latent and key so far (this
+    step's appended) and the ``HeldCache`` to hand ``attention``; else the inputs and None."""
+    session = active()
+    if session is None:
+        return latent, k_pe, None
+    cache = session.next_cache()
+    held, seen = cache.length, cache.seen
+    lat, pe = cache.update(latent.unsqueeze(1), k_pe.transpose(1, 2))  # [b, 1, t, r], [b, 1, t, rope]
+    return lat.squeeze(1), pe.transpose(1, 2), HeldCache(held, seen)
+
+
 class DecodeSession:
     """KV caches of one rank's attention layers during incremental decoding.
 

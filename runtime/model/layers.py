@@ -204,6 +204,12 @@ def apply_rotary(
     return _rotate(q, cos, sin_signed), _rotate(k, cos, sin_signed)
 
 
+def deinterleave(x: Tensor) -> Tensor:
+    """[.., d] with rotary pairs adjacent, (x0, x1), (x2, x3), .., as halves (x0, x2, .. | x1, x3, ..): what
+    rotate_half rotates as HF's ``apply_rotary_pos_emb_interleave`` does (DeepSeek's rope_interleave)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
 def _allowed(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
     """[s, t] True where query position q_pos[i] may attend to key position k_pos[j]: causal, and
     within the last ``window`` positions (itself included) when a window is set (HF's
@@ -253,7 +259,7 @@ def attention(
     softcap: float = 0.0,
     sinks: Tensor | None = None,
 ) -> Tensor:
-    """Causal GQA attention: q [b, s, h, d], k/v [b, s, kvh, d] -> [b, s, h * d].
+    """Causal GQA attention: q [b, s, h, d], k [b, s, kvh, d], v [b, s, kvh, dv] -> [b, s, h * dv].
 
     KV head j serves query heads j*n_rep .. (j+1)*n_rep - 1 (HF ``repeat_kv``), which is also what
     makes column-sharding q, k, v by heads consistent.  With a cache, the new tokens attend to
@@ -289,7 +295,7 @@ def attention(
             out = _softcapped_attention(qh, kh, vh, allowed, 1.0 / math.sqrt(d) if scale is None else scale, softcap)
         else:
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, enable_gqa=gqa, scale=scale)
-    return out.transpose(1, 2).reshape(b, s, h * d)
+    return out.transpose(1, 2).reshape(b, s, h * vh.shape[-1])  # v's head dim (mla's v_head_dim)
 
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {

@@ -6,6 +6,7 @@ equivalence tests compare two implementations, not one with itself.  Matches HF 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -145,6 +146,69 @@ class _Attention(nn.Module):
         return self.o(a.transpose(1, 2).reshape(b, s, self.h * self.d))
 
 
+class _LatentAttention(nn.Module):
+    """Multi-head latent attention as transformers' DeepseekV3Attention computes it: queries through
+    an optional low-rank latent, keys and values from a normed latent of kv_lora_rank plus one rotary
+    key shared by every head, rotary on the rope parts only, YaRN's mscale in the softmax scale."""
+
+    def __init__(self, spec: Layer) -> None:
+        super().__init__()
+        hid, self.h = spec["hidden"], spec["heads"]
+        self.ql, self.kvl = int(spec["q_lora_rank"]), int(spec["kv_lora_rank"])
+        self.nope, self.rope, self.vd = spec["qk_nope_head_dim"], spec["qk_rope_head_dim"], spec["v_head_dim"]
+        self.theta, self.scaling = spec["rope_theta"], spec.get("rope_scaling")
+        self.interleave, self.eps = bool(spec["rope_interleave"]), float(spec["norm_eps"])
+        bias, qk = bool(spec["bias"]), self.nope + self.rope
+        if self.ql:
+            self.q_a = nn.Linear(hid, self.ql, bias=bias)
+            self.q_a.register_parameter("norm", nn.Parameter(torch.ones(self.ql)))
+            self.q_b = nn.Linear(self.ql, self.h * qk, bias=False)
+        else:
+            self.q = nn.Linear(hid, self.h * qk, bias=False)
+        self.kv_a = nn.Linear(hid, self.kvl + self.rope, bias=bias)
+        self.kv_a.register_parameter("norm", nn.Parameter(torch.ones(self.kvl)))
+        self.kv_b = nn.Linear(self.kvl, self.h * (self.nope + self.vd), bias=False)
+        self.o = nn.Linear(self.h * self.vd, hid, bias=bias)
+        self.scale = qk ** -0.5
+        sc = dict(self.scaling or {})
+        if sc.get("mscale_all_dim") and float(sc["factor"]) > 1:  # transformers' yarn_apply_mscale
+            m = 0.1 * float(sc["mscale_all_dim"]) * math.log(float(sc["factor"])) + 1.0
+            self.scale = self.scale * m * m
+
+    def _norm(self, x: Tensor, weight: Tensor) -> Tensor:
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def _rope(self, x: Tensor) -> Tensor:
+        # x: [b, heads, s, rope]; pairs (x0, x1), (x2, x3).. first made halves where they interleave
+        s, d = x.shape[2], self.rope
+        if self.interleave:
+            x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+        inv_freq, factor = rope.inv_freq(d, self.theta, self.scaling, s)
+        freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = (emb.cos() * factor).to(x.dtype), (emb.sin() * factor).to(x.dtype)
+        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, s, _ = x.shape
+        q = self.q_b(self._norm(self.q_a(x), self.q_a.norm)) if self.ql else self.q(x)
+        q = q.view(b, s, self.h, self.nope + self.rope).transpose(1, 2)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        latent, k_pe = self.kv_a(x).split([self.kvl, self.rope], dim=-1)
+        kv = self.kv_b(self._norm(latent, self.kv_a.norm)).view(b, s, self.h, self.nope + self.vd).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.vd], dim=-1)
+        q_pe, k_pe = self._rope(q_pe), self._rope(k_pe.view(b, 1, s, self.rope))
+        q = torch.cat((q_nope, q_pe), dim=-1)
+        k = torch.cat((k_nope, k_pe.expand(b, self.h, s, self.rope)), dim=-1)
+        scores = (q @ k.transpose(-1, -2)) * self.scale
+        causal = torch.ones(s, s, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        p = torch.softmax(scores.to(torch.promote_types(q.dtype, torch.float32)), dim=-1).to(q.dtype)
+        return self.o((p @ v).transpose(1, 2).reshape(b, s, self.h * self.vd))
+
+
 class _MLP(nn.Module):
     def __init__(self, spec: Layer) -> None:
         super().__init__()
@@ -211,7 +275,7 @@ class _Block(nn.Module):
         return x
 
 
-_SUBLAYERS: dict[str, Callable[[Layer], nn.Module]] = {"attention": _Attention, "mlp": _MLP}
+_SUBLAYERS: dict[str, Callable[[Layer], nn.Module]] = {"attention": _Attention, "mla": _LatentAttention, "mlp": _MLP}
 _SUBLAYERS["moe"] = ReferenceMoE  # mixture of experts: runtime/moe/experts.py
 
 # Top-level layers: the module each kind builds (None: it owns no module, a tied linear) and how it

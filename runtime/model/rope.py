@@ -34,7 +34,8 @@ ROPE_TYPES: Mapping[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "dynamic": ("factor", "original_max_position_embeddings"),
-    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "truncate"),
+    "yarn": ("factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow", "truncate",
+             "mscale", "mscale_all_dim"),
     "longrope": ("factor", "original_max_position_embeddings", "attention_factor", "short_factor", "long_factor"),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
@@ -63,10 +64,13 @@ def llama3_inv_freq(
 def _yarn(d: int, theta: float, sc: Mapping[str, Any], device: torch.device | None) -> tuple[Tensor, float]:
     factor, original = float(sc["factor"]), int(sc["original_max_position_embeddings"])
 
-    def mscale(scale: float) -> float:
-        return 1.0 if scale <= 1 else 0.1 * math.log(scale) + 1.0
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
     attention = sc.get("attention_factor")
+    if attention is None and sc.get("mscale") and sc.get("mscale_all_dim"):
+        # DeepSeek's: mscale(factor, mscale) / mscale(factor, mscale_all_dim) (transformers' _compute_yarn_parameters)
+        attention = mscale(factor, float(sc["mscale"])) / mscale(factor, float(sc["mscale_all_dim"]))
     attention = mscale(factor) if attention is None else float(attention)
     beta_fast, beta_slow = sc.get("beta_fast") or 32, sc.get("beta_slow") or 1
 

@@ -146,19 +146,31 @@ class ContextShard:
         inverse = torch.argsort(self.order(local.shape[dim]).to(local.device))
         return gathered.index_select(dim, inverse)
 
+    def latent_cache(self, latent: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor, decode.HeldCache | None]:
+        """mla's latent cache (decode.latent_cache); a prompt prefilled split over the context axes
+        caches the whole prompt's latents, every rank's chunks gathered in position order."""
+        if self.group is not None and _SPLIT_PREFILL and decode.active() is not None:
+            latent, k_pe = self.unshard(latent), self.unshard(k_pe)
+        return decode.latent_cache(latent, k_pe)
+
     def attention(self, q: Tensor, k: Tensor, v: Tensor, window: int = 0, scale: float | None = None,
-                  softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
+                  softcap: float = 0.0, sinks: Tensor | None = None,
+                  kv_cache: decode.KVCache | None = None) -> Tensor:
         """Causal GQA attention of this rank's queries over every rank's keys: q [b, s / n, h, d],
-        k / v [b, s / n, kvh, d] -> [b, s / n, h * d]."""
+        k [b, s / n, kvh, d], v [b, s / n, kvh, dv] -> [b, s / n, h * dv]. ``kv_cache`` (mla's
+        HeldCache while decoding): k and v already hold every position so far, in position order."""
         decoding = decode.active() is not None
         if self.group is None or (decoding and not _SPLIT_PREFILL):
             # One rank, or a decoding step after the prefill: the new token is the same on every
             # rank and each rank's cache holds the whole sequence.
-            return layers.attention(q, k, v, window=window, scale=scale, softcap=softcap, sinks=sinks)
+            return layers.attention(q, k, v, kv_cache=kv_cache, window=window, scale=scale, softcap=softcap, sinks=sinks)
         b, s, h, d = q.shape
         q_pos = self.positions(s, q.device)
         k_pos = self.order(s).to(q.device)
-        if decoding:
+        if decoding and kv_cache is not None:
+            k_all, v_all = k, v  # the whole prompt's, rebuilt from the gathered latents
+            k_pos = torch.arange(k_all.shape[1], device=q.device)
+        elif decoding:
             session = decode.active()
             assert session is not None
             # Split prefill: [b, s / n, kvh, d] per rank -> [b, s, kvh, d] in position order, kept
@@ -181,4 +193,4 @@ class ContextShard:
         else:
             out = torch.nn.functional.scaled_dot_product_attention(
                 qh, kh, vh, attn_mask=allowed, enable_gqa=h != kh.shape[1], scale=scale)
-        return out.transpose(1, 2).reshape(b, s, h * d)
+        return out.transpose(1, 2).reshape(b, s, h * vh.shape[-1])  # v's head dim (mla's v_head_dim)
