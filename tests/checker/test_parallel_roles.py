@@ -34,6 +34,10 @@ EXAMPLE_ROLES = {
     ("tiny_llama_fp8.mesh", "train"): R(**DATA_PIPE_TP, batch_shard=("data",)),
     ("tiny_mixtral.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",)),
     ("tiny_mixtral_experts.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",), expert=("data",)),
+    # DeepSeek-V3's published layout: ZeRO 1 over both batch axes, the experts over the in-host-spanning `data`
+    ("deepseek_v3_671b.mesh", "train"): R(pipeline="pipeline", batch=("replica", "data"),
+                                          batch_shard=("replica", "data"), expert=("data",)),
+    ("tiny_mla.mesh", "train"): R(tensor=("tensor",), loss=("tensor",), context=("cp",)),
     ("tiny_dense_moe.mesh", "train"): R(pipeline="pipeline", batch=("data",), batch_shard=("data",), tensor=("tensor",), loss=("tensor",),
                                         expert=("data",)),
     # ZeRO 1 over replica x data (the experts' states over replica, the ranks holding the same ones);
