@@ -1,0 +1,224 @@
+"""`meshc export --to hf-ep-plan`: a checked mixture-of-experts plan as transformers' expert parallelism.
+
+The file is the arguments of transformers' `DistributedConfig` as JSON (`DistributedConfig(**json)`):
+`ep_plan` in transformers' styles (`grouped_gemm` on the stacked experts' parameters, each rank holding
+experts / ep_size of them; `ep_dispatch_experts` on the experts module, whose tokens travel to their
+experts' ranks and back by all-to-all), and the sizes that lay transformers' mesh out as the plan's:
+`ep_size` and `fsdp_size` the experts' axis, `tp_size` 1. transformers' layout is fixed where the plan's
+is free, so everything else is a located refusal (E1204-E1206), never a silently different plan:
+
+- transformers shards the dense parameters with FSDP2 (resharding after forward) over the ranks its
+  experts are split over (`ep_size` divides `fsdp_size * tp_size`): the plan's ZeRO 3 over the experts'
+  axis, which must be the batch's only axis;
+- its experts are not tensor-parallel and its expert groups hold the tensor-parallel ranks (`ep_size` a
+  multiple of `tp_size`), so a plan that splits the experts over data beside any tensor parallelism has
+  no counterpart;
+- it routes dropless and adds no router z-loss: a `capacity` or `z_loss_coef` has none either.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import attrs
+
+from meshllm_dsl import primitives
+from meshllm_dsl.codegen.lower import model_description
+from meshllm_dsl.codes import E1204, E1205, E1206
+from meshllm_dsl.diagnostics import Diagnostic, SpecError
+from meshllm_dsl.families import BY_ARCHITECTURE, PACKS
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.load import Declarations
+from meshllm_dsl.interop.export import (
+    _Findings,
+    _placements,
+    _plan_decl,
+    _refuse_unexported_features,
+    _zero_span,
+)
+from meshllm_dsl.ir import PlanIR, Repeat, Unit
+
+TARGET = "hf-ep-plan"  # meshc export's --to beside export.TARGETS
+
+# transformers 5's experts module (MixtralExperts, Qwen2MoeExperts, Qwen3MoeExperts) holds every expert
+# stacked in two parameters ([experts, 2 * ffn, hidden] and [experts, hidden, ffn]): `grouped_gemm`
+# splits their dim 0. The checkpoint's per-expert tensors (experts.{e}.gate_proj ...) are converted into
+# them on loading, so these names are the module's, not the checkpoint's (hf_key_map).
+STACKED = ("gate_up_proj", "down_proj")
+# Where transformers 5 keeps that module in a block, for all three classes: a Mixtral checkpoint's
+# `block_sparse_moe.experts.{e}.w1` is renamed on loading (its conversion mapping), so the checkpoint's
+# names (hf_key_map) give only the block list's path.
+EXPERTS = "mlp.experts"
+# How the experts module's tokens reach the ranks holding their experts: all-to-all, as meshllm's runtime
+# dispatches them (transformers' `auto` picks it too where the expert group holds several batches).
+IMPLEMENTATION = "all_to_all"
+
+
+@attrs.frozen
+class EpExport:
+    """What the file says, decided once."""
+
+    plan: PlanIR
+    hf_class: str
+    axis: str  # the mesh axis the experts (and the batch, and ZeRO 3) are split over
+    size: int  # its size: ep_size and fsdp_size
+    ep_plan: tuple[tuple[str, str], ...]  # (module or parameter, transformers style)
+
+
+def _ep_classes() -> str:
+    return ", ".join(p.title for p in PACKS if p.ep_export)
+
+
+def _hf_class(plan: PlanIR, desc: dict[str, Any]) -> str:
+    """transformers' class of the model (its config.json's), refusing a model without routed experts or
+    one whose class expert parallelism is not proven for."""
+    import torch
+
+    from meshllm_dsl.runtime.hf.weights import WeightsError, hf_config
+
+    where = plan.model.span or plan.span
+    units = [u for item in plan.model.items for u in (item.body if isinstance(item, Repeat) else (item,))]
+    if not any(primitives.of(u).routes_experts for u in units):
+        raise SpecError([Diagnostic(
+            E1204, f"model `{plan.model.name}` has no mixture-of-experts layer for transformers' expert parallelism",
+            where, label="no experts to split", help="export its tensor parallelism with `--to hf-tp-plan`")])
+    try:
+        hf_class = str(hf_config(model_description(plan), torch.float32)["architectures"][0])
+    except WeightsError as err:
+        raise SpecError([Diagnostic(
+            E1204, f"model `{plan.model.name}` has no transformers class to export to", where,
+            label="no Hugging Face model has these modules", note=str(err),
+            help=f"export models of a family expert parallelism is proven for: {_ep_classes()}")]) from None
+    pack = BY_ARCHITECTURE.get(hf_class)
+    if pack is None or not pack.ep_export:
+        raise SpecError([Diagnostic(
+            E1204, f"model `{plan.model.name}` ({hf_class}) is not exported to transformers' expert parallelism yet",
+            where, label="no tested export for this class",
+            help=f"export models of a family expert parallelism is proven for: {_ep_classes()}")])
+    return hf_class
+
+
+# The moe layer's routing settings transformers' classes have no counterpart for (its experts take every
+# routed token; its router loss is the load-balancing one alone), with the help each refusal gives.
+_UNEXPORTED_ROUTING = {
+    "capacity": ("each expert dropping the tokens past its capacity",
+                 "transformers routes dropless: set `capacity = 0` in the model to export it"),
+    "z_loss_coef": ("the router's z-loss added to the training loss",
+                    "transformers' Mixtral / Qwen-MoE add the load-balancing loss only: drop `z_loss_coef` to export"),
+}
+
+
+def _routing(found: _Findings, units: list[Unit]) -> None:
+    """Routing settings that transformers' models do not compute: refused once each."""
+    for key, (what, help_) in _UNEXPORTED_ROUTING.items():
+        unit = next((u for u in units if primitives.of(u).routes_experts and dict(u.attrs).get(key)), None)
+        if unit is not None:
+            found.refuse(E1206, f"`{key} = {dict(unit.attrs)[key]:g}` ({what}) is not exported to {found.where}",
+                         unit.span or found.plan.model.span, label=what, help=help_)
+
+
+def _layout(found: _Findings, desc: dict[str, Any]) -> tuple[str | None, list[tuple[str, str]]]:
+    """(the experts' axis, the ep_plan's entries): every placement checked against what transformers'
+    expert parallelism holds."""
+    from meshllm_dsl.runtime.hf.weights import hf_key_map
+
+    plan = found.plan
+    axes: dict[tuple[str, ...], Any] = {}
+    entries: list[tuple[str, str]] = []
+    for item, _unit, leaf in plan.model.leaves():
+        name = ".".join(leaf.path)
+        for idx, p in _placements(plan, item, leaf):
+            if p.sharded:  # tensor parallelism (the experts' own ffn split too): no counterpart beside EP
+                experts = "the experts' " if p.experts else ""
+                found.refuse(E1205, f"{found.where} cannot express the placement of `{name}`: {experts}"
+                             f"{p.rule}({', '.join(p.axes)}) beside the experts split over data; transformers' experts "
+                             "are not tensor-parallel and its expert groups hold the tensor-parallel ranks",
+                             p.span, label=f"{p.rule}({', '.join(p.axes)})",
+                             help="keep every layer whole (drop the tensor rules from the layout) to export the "
+                                  "expert parallelism, or export the tensor parallelism alone with `--to hf-tp-plan`")
+                return None, []
+            if not p.experts:
+                continue
+            axes.setdefault(p.experts, p.span)
+            if leaf.path[-1] != "gate" or not isinstance(item, Repeat):
+                continue
+            # the block list as the checkpoint names it ("model.layers"), then transformers 5's experts module
+            key = hf_key_map(desc, [".".join((item.name, "0", *leaf.path, leaf.params[0].name))])
+            blocks = ".".join(next(iter(key.values()))[0].split(".")[:2])
+            path = f"{blocks}.{idx}.{EXPERTS}"
+            entries += [(f"{path}.{param}", "grouped_gemm") for param in STACKED]
+            entries.append((path, "ep_dispatch_experts"))
+    if not axes:
+        found.refuse(E1206, f"plan `{plan.name}` keeps every expert on every rank: {found.where} has nothing to split",
+                     plan.span, label="no `experts -> AXIS` in the layout",
+                     help="split the experts over the batch axis (`layout { batch -> data, experts -> data }`), "
+                          "or export the tensor parallelism with `--to hf-tp-plan`")
+        return None, []
+    if len(axes) > 1 or len(next(iter(axes))) != 1:
+        split, span = next((a, s) for a, s in axes.items() if len(a) != 1 or a != next(iter(axes)))
+        found.refuse(E1205, f"{found.where} splits every layer's experts over one group of ranks, but this plan "
+                     f"splits them over {' and '.join(' x '.join(a) for a in axes)}", span,
+                     label=f"experts over {' x '.join(split)}",
+                     help="split every moe layer's experts over one axis (`experts -> data`)")
+        return None, []
+    return next(iter(axes))[0], entries
+
+
+def _data(found: _Findings, axis: str) -> None:
+    """transformers' dense layout on the experts' ranks: FSDP2 over them, resharding after forward."""
+    plan, decl = found.plan, found.decl
+    if plan.roles.batch != (axis,):
+        found.refuse(E1206, f"the batch is split over {' x '.join(plan.roles.batch) or 'no axis'} but the experts over "
+                     f"`{axis}`: {found.where} splits the batch over the experts' ranks alone (fsdp_size)",
+                     _stmt_span(decl, plan.span), label="batch axes beside the experts' axis",
+                     help=f"split the batch over `{axis}` only (`batch -> {axis}`)")
+    elif plan.zero != 3 or plan.roles.batch_shard != (axis,):
+        what = f"ZeRO {plan.zero}" + (f" over {' x '.join(plan.roles.batch_shard)}" if plan.zero else "")
+        found.refuse(E1206, f"{what} is not exported to {found.where}: transformers shards the dense parameters "
+                     f"with FSDP2 over the experts' ranks and reshards them after forward (ZeRO 3 over `{axis}`)",
+                     _zero_span(decl, plan.span), label="the dense parameters' data parallelism",
+                     help=f"use `optimizer adamw {{ zero 3 }}` (ZeRO 3 over `{axis}`) to export the plan")
+
+
+def _stmt_span(decl: ast.PlanDecl | None, fallback: Any) -> Any:
+    """Where the layout is written (the batch rule's caret)."""
+    for stmt in decl.body if decl is not None else ():
+        if isinstance(stmt, ast.LayoutStmt):
+            return stmt.span
+    return fallback
+
+
+def analyze(plan: PlanIR, decls: Declarations | None) -> EpExport:
+    """Decide the export of `plan` to transformers' expert parallelism, or raise SpecError with every refusal."""
+    desc = model_description(plan)
+    found = _Findings(plan, _plan_decl(decls, plan.name), TARGET)
+    units = [u for item in plan.model.items for u in (item.body if isinstance(item, Repeat) else (item,))]
+    _routing(found, units)
+    if found.errors:  # before the class: transformers' config has no field for these, so none would be named
+        raise SpecError(found.errors)
+    hf_class = _hf_class(plan, desc)
+    found.pack = BY_ARCHITECTURE[hf_class]
+    _refuse_unexported_features(found)
+    axis, entries = _layout(found, desc)
+    if axis is not None:
+        _data(found, axis)
+    if found.errors or axis is None:
+        raise SpecError(found.errors)
+    size = next(a.size for a in plan.mesh.axes if a.name == axis)
+    return EpExport(plan, hf_class, axis, size, tuple(entries))
+
+
+def render(exp: EpExport) -> str:
+    """`DistributedConfig`'s arguments: the mesh sizes, then the ep_plan."""
+    config = {"tp_size": 1, "fsdp_size": exp.size, "ep_size": exp.size, "ep_implementation": IMPLEMENTATION,
+              "ep_plan": dict(exp.ep_plan)}
+    return json.dumps(config, indent=2) + "\n"
+
+
+def export_ep_plan(plan: PlanIR, decls: Declarations | None) -> tuple[str, tuple[Diagnostic, ...]]:
+    """(file text, warnings) of `plan` as transformers' DistributedConfig arguments; SpecError with every refusal."""
+    return render(analyze(plan, decls)), ()
+
+
+__all__ = ["EXPERTS", "IMPLEMENTATION", "STACKED", "TARGET", "EpExport", "analyze", "export_ep_plan", "render"]
