@@ -126,8 +126,10 @@ def _layout(found: _Findings, desc: dict[str, Any]) -> tuple[str | None, list[tu
     plan = found.plan
     axes: dict[tuple[str, ...], Any] = {}
     entries: list[tuple[str, str]] = []
-    for item, _unit, leaf in plan.model.leaves():
+    whole: list[str] = []  # blocks whose experts stay whole on every rank
+    for item, unit, leaf in plan.model.leaves():
         name = ".".join(leaf.path)
+        experts_module = primitives.of(unit).routes_experts and leaf.path[-1] == "gate" and isinstance(item, Repeat)
         for idx, p in _placements(plan, item, leaf):
             if p.sharded:  # tensor parallelism (the experts' own ffn split too): no counterpart beside EP
                 experts = "the experts' " if p.experts else ""
@@ -138,17 +140,26 @@ def _layout(found: _Findings, desc: dict[str, Any]) -> tuple[str | None, list[tu
                              help="keep every layer whole (drop the tensor rules from the layout) to export the "
                                   "expert parallelism, or export the tensor parallelism alone with `--to hf-tp-plan`")
                 return None, []
+            if experts_module and not p.experts:
+                whole.append(idx)
             if not p.experts:
                 continue
             axes.setdefault(p.experts, p.span)
-            if leaf.path[-1] != "gate" or not isinstance(item, Repeat):
+            if not experts_module or entries:
                 continue
-            # the block list as the checkpoint names it ("model.layers"), then transformers 5's experts module
+            # the block list as the checkpoint names it ("model.layers"), then transformers 5's experts module;
+            # `*` for every block: transformers keeps its class's own `layers.*` rules beside any per-block
+            # override, so blocks placed apart are refused below rather than written per block
             key = hf_key_map(desc, [".".join((item.name, "0", *leaf.path, leaf.params[0].name))])
-            blocks = ".".join(next(iter(key.values()))[0].split(".")[:2])
-            path = f"{blocks}.{idx}.{EXPERTS}"
+            path = f"{'.'.join(next(iter(key.values()))[0].split('.')[:2])}.*.{EXPERTS}"
             entries += [(f"{path}.{param}", "grouped_gemm") for param in STACKED]
             entries.append((path, "ep_dispatch_experts"))
+    if axes and whole:
+        found.refuse(E1205, f"{found.where} splits the experts of every block, but this plan keeps block "
+                     f"{', '.join(whole)}'s whole", next(iter(axes.values())), label="the experts of some blocks split",
+                     help="split the experts of every moe block alike (`experts -> AXIS` in the layout); "
+                          "transformers merges its class's `layers.*` ep_plan into any per-block one")
+        return None, []
     if not axes:
         found.refuse(E1206, f"plan `{plan.name}` keeps every expert on every rank: {found.where} has nothing to split",
                      plan.span, label="no `experts -> AXIS` in the layout",

@@ -170,6 +170,12 @@ def test_ep_plan_matches_golden_and_is_deterministic(request: pytest.FixtureRequ
     assert out == golden.read_text()
 
 
+def test_the_rule_style_exports_as_the_layout() -> None:
+    """`shard blocks.*.mlp expert(D)` places the experts as `experts -> D`: the same file."""
+    rule = spec("qwen3_moe", "layout { batch -> data }\n    shard blocks.*.mlp expert(data)\n    optimizer adamw { zero 3 }")
+    assert _export(rule) == _export(spec("qwen3_moe"))
+
+
 def test_cli_writes_the_distributed_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = tmp_path / "t.mesh"
     src.write_text(spec("mixtral"))
@@ -214,6 +220,23 @@ def test_what_transformers_cannot_lay_out_is_refused(what: str, text: str, code:
     diag = _refusal(text)
     assert diag.code == code and message in diag.message, diag.message
     assert diag.span is not None and help_ in (diag.help or ""), diag.help
+
+
+def test_the_experts_of_some_blocks_only_are_refused_with_e1205(monkeypatch: pytest.MonkeyPatch) -> None:
+    """transformers merges its class's `layers.*` ep_plan into any per-block one, so a plan splitting the
+    experts of block 0 only has no DistributedConfig. The checker refuses such a plan today (E0309), so
+    the export's own guard is driven directly: block 1's experts placed whole."""
+    from meshllm_dsl.interop import hf_ep
+    from meshllm_dsl.ir import Placement
+
+    def placements(plan: Any, item: Any, leaf: Any) -> Any:
+        for idx, p in real(plan, item, leaf):
+            yield from ((("0", p), ("1", Placement("replicate"))) if p.experts else ((idx, p),))
+
+    real = hf_ep._placements
+    monkeypatch.setattr(hf_ep, "_placements", placements)
+    diag = _refusal(spec("mixtral"))
+    assert diag.code == "E1205" and "keeps block 1's whole" in diag.message and "alike" in diag.help, diag.message
 
 
 def test_a_model_without_experts_is_refused_with_e1204() -> None:
