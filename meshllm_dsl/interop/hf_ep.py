@@ -19,6 +19,7 @@ is free, so everything else is a located refusal (E1204-E1206), never a silently
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import attrs
@@ -61,8 +62,10 @@ class EpExport:
 
     plan: PlanIR
     hf_class: str
-    axis: str  # the mesh axis the experts (and the batch, and ZeRO 3) are split over
-    size: int  # its size: ep_size and fsdp_size
+    axis: str  # the mesh axis the experts are split over
+    ep_size: int  # its size
+    dp_replicate_size: int  # the batch axes ZeRO does not shard over (HSDP's replicas)
+    fsdp_size: int  # the ZeRO 3 axes
     ep_plan: tuple[tuple[str, str], ...]  # (module or parameter, transformers style)
 
 
@@ -176,20 +179,31 @@ def _layout(found: _Findings, desc: dict[str, Any]) -> tuple[str | None, list[tu
     return next(iter(axes))[0], entries
 
 
-def _data(found: _Findings, axis: str) -> None:
-    """transformers' dense layout on the experts' ranks: FSDP2 over them, resharding after forward."""
+def _data(found: _Findings, axis: str) -> tuple[int, int] | None:
+    """(dp_replicate_size, fsdp_size): transformers' dense layout, FSDP2 resharding after forward over
+    the ZeRO 3 axes (its expert groups the fastest-varying of them) inside replicas over the other batch
+    axes (HSDP), both in the mesh's rank order; None after refusing another layout."""
     plan, decl = found.plan, found.decl
-    if plan.roles.batch != (axis,):
-        found.refuse(E1206, f"the batch is split over {' x '.join(plan.roles.batch) or 'no axis'} but the experts over "
-                     f"`{axis}`: {found.where} splits the batch over the experts' ranks alone (fsdp_size)",
-                     _stmt_span(decl, plan.span), label="batch axes beside the experts' axis",
-                     help=f"split the batch over `{axis}` only (`batch -> {axis}`)")
-    elif plan.zero != 3 or plan.roles.batch_shard != (axis,):
-        what = f"ZeRO {plan.zero}" + (f" over {' x '.join(plan.roles.batch_shard)}" if plan.zero else "")
+    names = [a.name for a in plan.mesh.axes]
+    batch = sorted(plan.roles.batch, key=names.index)
+    shard = sorted(plan.roles.batch_shard, key=names.index)
+    if plan.zero != 3 or axis not in shard:
+        what = f"ZeRO {plan.zero}" + (f" over {' x '.join(shard)}" if plan.zero else "")
         found.refuse(E1206, f"{what} is not exported to {found.where}: transformers shards the dense parameters "
-                     f"with FSDP2 over the experts' ranks and reshards them after forward (ZeRO 3 over `{axis}`)",
-                     _zero_span(decl, plan.span), label="the dense parameters' data parallelism",
-                     help=f"use `optimizer adamw {{ zero 3 }}` (ZeRO 3 over `{axis}`) to export the plan")
+                     f"with FSDP2 over ranks that hold the experts' (`{axis}`) and reshards them after forward "
+                     "(ZeRO 3)", _zero_span(decl, plan.span), label="the dense parameters' data parallelism",
+                     help=f"use `optimizer adamw {{ zero 3 }}` (or `zero 3 over ... {axis}`) to export the plan")
+        return None
+    replicate = [a for a in batch if a not in shard]
+    if shard[-1] != axis or replicate and names.index(replicate[-1]) > names.index(shard[0]):
+        order = f"`{axis}` last" + (f", after {' x '.join(replicate)}" if replicate else "")
+        found.refuse(E1205, f"{found.where} lays its ranks out as (replicas, FSDP ranks, expert ranks fastest), but "
+                     f"this mesh orders the batch axes {' x '.join(batch)} with ZeRO over {' x '.join(shard)} and the "
+                     f"experts over `{axis}`", _stmt_span(decl, plan.span), label="the batch and experts' axes",
+                     help=f"order the mesh's axes with {order} (the last axis varies fastest)")
+        return None
+    sizes = dict((a.name, a.size) for a in plan.mesh.axes)
+    return math.prod(sizes[a] for a in replicate), math.prod(sizes[a] for a in shard)
 
 
 def _stmt_span(decl: ast.PlanDecl | None, fallback: Any) -> Any:
@@ -212,18 +226,20 @@ def analyze(plan: PlanIR, decls: Declarations | None) -> EpExport:
     found.pack = BY_ARCHITECTURE[hf_class]
     _refuse_unexported_features(found)
     axis, entries = _layout(found, desc)
-    if axis is not None:
-        _data(found, axis)
-    if found.errors or axis is None:
+    data = _data(found, axis) if axis is not None else None
+    if found.errors or axis is None or data is None:
         raise SpecError(found.errors)
     size = next(a.size for a in plan.mesh.axes if a.name == axis)
-    return EpExport(plan, hf_class, axis, size, tuple(entries))
+    return EpExport(plan, hf_class, axis, size, *data, tuple(entries))
 
 
 def render(exp: EpExport) -> str:
     """`DistributedConfig`'s arguments: the mesh sizes, then the ep_plan."""
-    config = {"tp_size": 1, "fsdp_size": exp.size, "ep_size": exp.size, "ep_implementation": IMPLEMENTATION,
-              "ep_plan": dict(exp.ep_plan)}
+    config: dict[str, Any] = {"tp_size": 1}
+    if exp.dp_replicate_size > 1:
+        config["dp_replicate_size"] = exp.dp_replicate_size
+    config |= {"fsdp_size": exp.fsdp_size, "ep_size": exp.ep_size, "ep_implementation": IMPLEMENTATION,
+               "ep_plan": dict(exp.ep_plan)}
     return json.dumps(config, indent=2) + "\n"
 
 

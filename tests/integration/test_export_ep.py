@@ -110,16 +110,16 @@ def ep_job(ctx: Any, config_path: str, hf_dir: str, tokens: Any) -> Any:
     """On every rank: transformers' model laid out by the exported DistributedConfig through its own
     `maybe_distribute_model`, fed this rank's slice of the batch; (logits of the whole batch, the local
     shape of every expert parameter, every parameter's whole gradient of the batch's loss)."""
-    from torch.distributed.tensor import DTensor, Shard
+    import torch.distributed as dist
     from transformers.distributed.configuration_utils import DistributedConfig
     from transformers.distributed.utils import TransformersDeviceMesh
 
     config = DistributedConfig(**json.loads(Path(config_path).read_text()))
     # transformers' initialize_distributed_mesh takes the whole world; the pool's job is a subset of it,
     # so the same two meshes are built over the job's groups.
-    dense = _device_mesh(ctx, (("pp", 1), ("dp_replicate", 1), ("fsdp", config.fsdp_size), ("tp", config.tp_size)))
-    experts = _device_mesh(ctx, (("pp", 1), ("dp_replicate", 1), ("efsdp", config.efsdp_size),
-                                 ("ep", config.ep_size)))
+    replicas = ("dp_replicate", config.dp_replicate_size)
+    dense = _device_mesh(ctx, (("pp", 1), replicas, ("fsdp", config.fsdp_size), ("tp", config.tp_size)))
+    experts = _device_mesh(ctx, (("pp", 1), replicas, ("efsdp", config.efsdp_size), ("ep", config.ep_size)))
     model = tf.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     # Its loader shards the model before reading the weights into it; here they are whole on every rank,
     # and each style's distribute_tensor (src_data_rank=None) keeps this rank's chunk of them.
@@ -130,32 +130,50 @@ def ep_job(ctx: Any, config_path: str, hf_dir: str, tokens: Any) -> Any:
         logits = model(mine).logits
         # FSDP2 averages the ranks' gradients: the mean of equal slices' mean losses is the batch's
         _next_token_loss(logits, mine).backward()
-    logits = DTensor.from_local(logits.detach().contiguous(), dense["fsdp"], [Shard(0)]).full_tensor()
+    every = [torch.empty_like(logits) for _ in range(ctx.n_ranks)]
+    dist.all_gather(every, logits.detach().contiguous(), group=ctx.mesh((("job", ctx.n_ranks),)).group("job"))
+    logits = torch.cat(every)
     grads = {name: _full(p.grad) for name, p in model.named_parameters()}
     local = {name: tuple(p.to_local().shape) for name, p in model.named_parameters() if "experts" in name}
     return (logits, local, grads) if ctx.rank == 0 else None
 
 
-@pytest.mark.parametrize("model", FAMILIES)
-def test_ep_plan_gives_unsharded_logits_and_gradients_in_transformers(model: str, pool: WorkerPool,
-                                                                       tmp_path: Path) -> None:
+# (model, mesh axes, plan body, DistributedConfig sizes (dp_replicate, fsdp, ep)): every family on
+# 2 ranks; on 4, HSDP (the dense parameters and the experts replicated over `replica`) and ZeRO 3 over
+# both axes (transformers' efsdp: each expert's rank pair shards it over `replica`).
+PROOFS = [
+    *((model, "data = 2", EP2, (1, 2, 2)) for model in FAMILIES),
+    ("mixtral", "replica = 2, data = 2",
+     "layout { batch -> replica * data, experts -> data }\n    optimizer adamw { zero 3 over data }", (2, 2, 2)),
+    ("mixtral", "replica = 2, data = 2",
+     "layout { batch -> replica * data, experts -> data }\n    optimizer adamw { zero 3 }", (1, 4, 2)),
+]
+
+
+@pytest.mark.parametrize(("model", "axes", "body", "sizes"), PROOFS,
+                         ids=[f"{m}-{'hsdp' if s[0] > 1 else 'efsdp' if s[1] > s[2] else 'ep2'}" for m, _, _, s in PROOFS])
+def test_ep_plan_gives_unsharded_logits_and_gradients_in_transformers(
+        model: str, axes: str, body: str, sizes: tuple[int, int, int], pool: WorkerPool, tmp_path: Path) -> None:
     hf = build(model, tmp_path / model)
-    out = _export(spec(model))
+    out = _export(spec(model, body, axes))
     config = json.loads(out)
     # transformers' own plan for the class, as its config writes it (relative to the base model)
     assert config["ep_plan"] == {f"model.{k}": v for k, v in type(hf.config).base_model_ep_plan.items()}
-    assert (config["ep_size"], config["fsdp_size"], config["tp_size"]) == (2, 2, 1)
+    assert (config.get("dp_replicate_size", 1), config["fsdp_size"], config["ep_size"], config["tp_size"]) == (*sizes, 1)
     path = tmp_path / "distributed_config.json"
     path.write_text(out)
     tokens = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(0))
-    logits, local, grads = pool.run(ep_job, 2, str(path), str(tmp_path / model), tokens)[0]
+    n_ranks = sizes[0] * sizes[1]
+    logits, local, grads = pool.run(ep_job, n_ranks, str(path), str(tmp_path / model), tokens)[0]
     with torch.enable_grad():
         want = hf(tokens).logits
         _next_token_loss(want, tokens).backward()
     assert (logits - want.detach()).abs().max().item() <= 1e-4
     n_experts = hf.config.num_local_experts if model == "mixtral" else hf.config.num_experts
+    # rank 0's experts: experts / ep of them, FSDP-sharded on over the ranks holding the same ones (efsdp)
+    efsdp = sizes[1] // sizes[2]
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
-        assert local[name][0] == n_experts // 2, (name, local[name])  # each rank holds half the experts
+        assert local[name][0] == -(-n_experts // sizes[2] // efsdp), (name, local[name])
     for name, p in hf.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
@@ -200,9 +218,12 @@ REFUSALS = [
     ("ZeRO 0", spec("qwen3_moe", "layout { batch -> data, experts -> data }"), "E1206", "ZeRO 0", "zero 3"),
     ("ZeRO 2", spec("qwen3_moe", "layout { batch -> data, experts -> data }\n    optimizer adamw { zero 2 }"),
      "E1206", "ZeRO 2 over data", "zero 3"),
-    ("batch over more axes than the experts", spec(
-        "mixtral", "layout { batch -> replica * data, experts -> data }\n    optimizer adamw { zero 3 }",
-        "replica = 2, data = 2"), "E1206", "the batch is split over replica x data", "batch -> data"),
+    ("experts not the fastest ZeRO axis", spec(
+        "mixtral", "layout { batch -> data * replica, experts -> data }\n    optimizer adamw { zero 3 }",
+        "data = 2, replica = 2"), "E1205", "experts over `data`", "`data` last"),
+    ("experts outside the ZeRO axes", spec(
+        "mixtral", "layout { batch -> replica * data, experts -> data }\n    optimizer adamw { zero 3 over replica }",
+        "replica = 2, data = 2"), "E1206", "ZeRO 3 over replica", "zero 3 over ... data"),
     ("experts whole", spec("mixtral", "layout { batch -> data }\n    optimizer adamw { zero 3 }"),
      "E1206", "keeps every expert on every rank", "experts -> data"),
     ("capacity", spec("mixtral").replace("top_k = 2,", "top_k = 2, capacity = 1.5,"), "E1206", "capacity = 1.5",
