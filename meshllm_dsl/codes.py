@@ -275,15 +275,16 @@ CODES: dict[str, tuple[str, str]] = {
               "embedding vocab-parallel, head column, one tensor axis): `--to torchtitan` refuses other shards. "
               "transformers' expert parallelism (`--to hf-ep-plan`) splits every moe layer's experts over one "
               "group of ranks and shards nothing else by tensor parallelism beside it: its experts are not "
-              "tensor-parallel and its expert groups hold the tensor-parallel ranks."),
+              "tensor-parallel and its expert groups hold the tensor-parallel ranks; its ranks are ordered replicas, "
+              "then FSDP ranks, the expert ranks fastest."),
     "E1206": ("export: not exported", "A part of the plan the export does not write, which would otherwise be "
               "dropped silently: activation recomputation, data parallelism without ZeRO 2 / 3 (wrap the model in "
               "DistributedDataParallel yourself), or ZeRO over other axes than the batch's (hybrid sharding). For `--to torchtitan`: "
               "`recompute = attention` or `every N` (torchtitan has full and selective AC), the fp8_tensorwise "
               "recipe (torchtitan 0.3's float8 converter is rowwise), part of a block kept in bf16, or an axis "
               "with no role torchtitan has a degree for. For `--to hf-ep-plan`: data parallelism other than ZeRO 3 "
-              "over the experts' axis alone (transformers shards the dense parameters with FSDP2 over the "
-              "experts' ranks), experts kept whole, a `capacity` (transformers routes dropless) or a "
+              "over axes that hold the experts' (transformers shards the dense parameters with FSDP2 over "
+              "the experts' ranks), experts kept whole, a `capacity` (transformers routes dropless) or a "
               "`z_loss_coef`."),
     "W1201": ("tp_plan gathers the logits", "transformers computes its loss on full logits, so a head that "
               "meshc keeps vocab-sharded for a vocab-parallel loss is exported as `colwise_gather_output`: the "

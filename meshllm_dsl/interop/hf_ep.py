@@ -4,12 +4,13 @@ The file is the arguments of transformers' `DistributedConfig` as JSON (`Distrib
 `ep_plan` in transformers' styles (`grouped_gemm` on the stacked experts' parameters, each rank holding
 experts / ep_size of them; `ep_dispatch_experts` on the experts module, whose tokens travel to their
 experts' ranks and back by all-to-all), and the sizes that lay transformers' mesh out as the plan's:
-`ep_size` and `fsdp_size` the experts' axis, `tp_size` 1. transformers' layout is fixed where the plan's
-is free, so everything else is a located refusal (E1204-E1206), never a silently different plan:
+`ep_size` the experts' axis, `fsdp_size` the ZeRO 3 axes, `dp_replicate_size` the other batch axes
+(HSDP), `tp_size` 1. transformers' layout is fixed where the plan's is free, so everything else is a
+located refusal (E1204-E1206), never a silently different plan:
 
-- transformers shards the dense parameters with FSDP2 (resharding after forward) over the ranks its
-  experts are split over (`ep_size` divides `fsdp_size * tp_size`): the plan's ZeRO 3 over the experts'
-  axis, which must be the batch's only axis;
+- transformers shards the dense parameters with FSDP2 (resharding after forward) over ranks that hold
+  the experts' (`ep_size` divides `fsdp_size * tp_size`), its expert groups the fastest-varying of them,
+  inside replicas: the plan's ZeRO 3 over axes that end with the experts' one, after the other batch axes;
 - its experts are not tensor-parallel and its expert groups hold the tensor-parallel ranks (`ep_size` a
   multiple of `tp_size`), so a plan that splits the experts over data beside any tensor parallelism has
   no counterpart;
