@@ -284,7 +284,7 @@ CODES: dict[str, tuple[str, str]] = {
               "recipe (torchtitan 0.3's float8 converter is rowwise), part of a block kept in bf16, or an axis "
               "with no role torchtitan has a degree for. For `--to hf-ep-plan`: data parallelism other than ZeRO 3 "
               "over axes that hold the experts' (transformers shards the dense parameters with FSDP2 over "
-              "the experts' ranks), experts kept whole, a `capacity` (transformers routes dropless) or a "
+              "the experts' ranks), experts kept whole, `precision`, a `capacity` (transformers routes dropless) or a "
               "`z_loss_coef`."),
     "W1201": ("tp_plan gathers the logits", "transformers computes its loss on full logits, so a head that "
               "meshc keeps vocab-sharded for a vocab-parallel loss is exported as `colwise_gather_output`: the "

@@ -37,9 +37,10 @@ from meshllm_dsl.interop.export import (
     _placements,
     _plan_decl,
     _refuse_unexported_features,
+    _stmt_span,
     _zero_span,
 )
-from meshllm_dsl.ir import PlanIR, Repeat, Unit
+from meshllm_dsl.ir import Placement, PlanIR, Repeat, Unit
 
 TARGET = "hf-ep-plan"  # meshc export's --to beside export.TARGETS
 
@@ -131,19 +132,13 @@ def _layout(found: _Findings, desc: dict[str, Any]) -> tuple[str | None, list[tu
     axes: dict[tuple[str, ...], Any] = {}
     entries: list[tuple[str, str]] = []
     whole: list[str] = []  # blocks whose experts stay whole on every rank
+    tensor: tuple[str, Placement] | None = None  # the first layer split by tensor parallelism
     for item, unit, leaf in plan.model.leaves():
         name = ".".join(leaf.path)
         experts_module = primitives.of(unit).routes_experts and leaf.path[-1] == "gate" and isinstance(item, Repeat)
         for idx, p in _placements(plan, item, leaf):
-            if p.sharded:  # tensor parallelism (the experts' own ffn split too): no counterpart beside EP
-                experts = "the experts' " if p.experts else ""
-                found.refuse(E1205, f"{found.where} cannot express the placement of `{name}`: {experts}"
-                             f"{p.rule}({', '.join(p.axes)}) beside the experts split over data; transformers' experts "
-                             "are not tensor-parallel and its expert groups hold the tensor-parallel ranks",
-                             p.span, label=f"{p.rule}({', '.join(p.axes)})",
-                             help="keep every layer whole (drop the tensor rules from the layout) to export the "
-                                  "expert parallelism, or export the tensor parallelism alone with `--to hf-tp-plan`")
-                return None, []
+            if p.sharded and tensor is None:  # tensor parallelism (the experts' own ffn split too)
+                tensor = name, p
             if experts_module and not p.experts:
                 whole.append(idx)
             if not p.experts:
@@ -158,17 +153,26 @@ def _layout(found: _Findings, desc: dict[str, Any]) -> tuple[str | None, list[tu
             path = f"{'.'.join(next(iter(key.values()))[0].split('.')[:2])}.*.{EXPERTS}"
             entries += [(f"{path}.{param}", "grouped_gemm") for param in STACKED]
             entries.append((path, "ep_dispatch_experts"))
-    if axes and whole:
-        found.refuse(E1205, f"{found.where} splits the experts of every block, but this plan keeps block "
-                     f"{', '.join(whole)}'s whole", next(iter(axes.values())), label="the experts of some blocks split",
-                     help="split the experts of every moe block alike (`experts -> AXIS` in the layout); "
-                          "transformers merges its class's `layers.*` ep_plan into any per-block one")
-        return None, []
     if not axes:
         found.refuse(E1206, f"plan `{plan.name}` keeps every expert on every rank: {found.where} has nothing to split",
                      plan.span, label="no `experts -> AXIS` in the layout",
                      help="split the experts over the batch axis (`layout { batch -> data, experts -> data }`), "
                           "or export the tensor parallelism with `--to hf-tp-plan`")
+        return None, []
+    if tensor is not None:  # no counterpart beside expert parallelism
+        name, p = tensor
+        found.refuse(E1205, f"{found.where} cannot express the placement of `{name}`: "
+                     f"{'the experts split by ' if p.experts else ''}{p.rule}({', '.join(p.axes)}) beside the experts "
+                     f"split over {' x '.join(next(iter(axes)))}; transformers' experts are not tensor-parallel and "
+                     "its expert groups hold the tensor-parallel ranks", p.span, label=f"{p.rule}({', '.join(p.axes)})",
+                     help="keep every layer whole (drop the tensor rules from the layout) to export the "
+                          "expert parallelism, or export the tensor parallelism alone with `--to hf-tp-plan`")
+        return None, []
+    if whole:
+        found.refuse(E1205, f"{found.where} splits the experts of every block, but this plan keeps block "
+                     f"{', '.join(whole)}'s whole", next(iter(axes.values())), label="the experts of some blocks split",
+                     help="split the experts of every moe block alike (`experts -> AXIS` in the layout); "
+                          "transformers merges its class's `layers.*` ep_plan into any per-block one")
         return None, []
     if len(axes) > 1 or len(next(iter(axes))) != 1:
         split, span = next((a, s) for a, s in axes.items() if len(a) != 1 or a != next(iter(axes)))
@@ -200,19 +204,11 @@ def _data(found: _Findings, axis: str) -> tuple[int, int] | None:
         order = f"`{axis}` last" + (f", after {' x '.join(replicate)}" if replicate else "")
         found.refuse(E1205, f"{found.where} lays its ranks out as (replicas, FSDP ranks, expert ranks fastest), but "
                      f"this mesh orders the batch axes {' x '.join(batch)} with ZeRO over {' x '.join(shard)} and the "
-                     f"experts over `{axis}`", _stmt_span(decl, plan.span), label="the batch and experts' axes",
+                     f"experts over `{axis}`", _stmt_span(decl, ast.LayoutStmt, plan.span), label="the batch and experts' axes",
                      help=f"order the mesh's axes with {order} (the last axis varies fastest)")
         return None
     sizes = dict((a.name, a.size) for a in plan.mesh.axes)
     return math.prod(sizes[a] for a in replicate), math.prod(sizes[a] for a in shard)
-
-
-def _stmt_span(decl: ast.PlanDecl | None, fallback: Any) -> Any:
-    """Where the layout is written (the batch rule's caret)."""
-    for stmt in decl.body if decl is not None else ():
-        if isinstance(stmt, ast.LayoutStmt):
-            return stmt.span
-    return fallback
 
 
 def analyze(plan: PlanIR, decls: Declarations | None) -> EpExport:
@@ -226,6 +222,14 @@ def analyze(plan: PlanIR, decls: Declarations | None) -> EpExport:
     hf_class = _hf_class(plan, desc)
     found.pack = BY_ARCHITECTURE[hf_class]
     _refuse_unexported_features(found)
+    if plan.master_dtype is not None and plan.zero == 3:  # ZeRO 0 / 1 are refused above, and ZeRO 2 below
+        # transformers' fsdp_mixed_precision is one fixed policy (bf16 parameters, fp32 reductions) over
+        # whatever dtype the model is loaded in: not proven against the plan's precision yet
+        found.refuse(E1206, f"`precision` (master weights in {plan.master_dtype}, parameters in {plan.dtype}) is not "
+                     f"exported to {found.where}", _stmt_span(found.decl, ast.PrecisionStmt, plan.span),
+                     label="mixed precision under FSDP2",
+                     help="drop `precision` for the export; load the model in its master dtype and set "
+                          "DistributedConfig's fsdp_mixed_precision yourself (bf16 parameters, fp32 reductions)")
     axis, entries = _layout(found, desc)
     data = _data(found, axis) if axis is not None else None
     if found.errors or axis is None or data is None:

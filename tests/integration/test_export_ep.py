@@ -201,6 +201,10 @@ def test_cli_writes_the_distributed_config(tmp_path: Path, capsys: pytest.Captur
     assert main(["export", str(src), "--to", "hf-ep-plan", "-o", str(out)]) == 0
     assert out.read_text() == _export(src.read_text())
     assert main(["export", str(src), "--to", "hf-ep-plan", "-o", str(out)]) == 2  # exists
+    # the model's own class names the experts' modules: --weights (a llama's Phi-3 question) is usage
+    assert main(["export", str(src), "--to", "hf-ep-plan", "--weights", str(tmp_path), "-o",
+                 str(tmp_path / "w.json")]) == 2
+    assert "--weights is for --to dtensor / hf-tp-plan" in capsys.readouterr().err
     src.write_text(spec("mixtral", "layout { batch -> data, experts -> data }"))
     assert main(["export", str(src), "--to", "hf-ep-plan", "-o", str(tmp_path / "zero0.json")]) == 1
     err = capsys.readouterr().err
@@ -214,7 +218,14 @@ TP = "heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor"
 REFUSALS = [
     ("tensor parallelism beside the experts", spec("mixtral", f"layout {{ {TP}, batch -> data, experts -> data }}\n"
                                                    "    shard blocks.*.mlp.router replicate", "data = 2, tensor = 2"),
-     "E1205", "beside the experts split over data", "--to hf-tp-plan"),
+     "E1205", "vocab_parallel(tensor) beside the experts split over data", "--to hf-tp-plan"),
+    ("the experts' ffn split by tensor parallelism", spec(
+        "qwen3_moe", "layout { batch -> data, experts -> data, ffn -> tensor }\n    optimizer adamw { zero 3 }\n"
+        "    shard embed replicate\n    shard lm_head replicate\n    shard blocks.*.attn.* replicate\n"
+        "    shard blocks.*.mlp.router replicate",
+        "data = 2, tensor = 2"), "E1205", "the experts split by column(tensor)", "drop the tensor rules"),
+    ("precision", spec("mixtral", EP2 + "\n    precision { params = bf16, master = fp32 }"), "E1206",
+     "`precision` (master weights in fp32", "fsdp_mixed_precision"),
     ("ZeRO 0", spec("qwen3_moe", "layout { batch -> data, experts -> data }"), "E1206", "ZeRO 0", "zero 3"),
     ("ZeRO 2", spec("qwen3_moe", "layout { batch -> data, experts -> data }\n    optimizer adamw { zero 2 }"),
      "E1206", "ZeRO 2 over data", "zero 3"),
