@@ -14,7 +14,9 @@ located refusal (E1204-E1206), never a silently different plan:
 - its experts are not tensor-parallel and its expert groups hold the tensor-parallel ranks (`ep_size` a
   multiple of `tp_size`), so a plan that splits the experts over data beside any tensor parallelism has
   no counterpart;
-- it routes dropless and adds no router z-loss: a `capacity` or `z_loss_coef` has none either.
+- it routes dropless and adds no router z-loss: a `capacity` or `z_loss_coef` has none either;
+- its `fsdp_mixed_precision` is one fixed policy (bf16 parameters, fp32 reductions): `precision` is not
+  proven against it yet.
 """
 
 from __future__ import annotations
