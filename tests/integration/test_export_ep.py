@@ -141,10 +141,11 @@ def ep_job(ctx: Any, config_path: str, hf_dir: str, tokens: Any) -> Any:
 # (model, mesh axes, plan body, DistributedConfig sizes (dp_replicate, fsdp, ep)): every family on
 # 2 ranks; on 4, HSDP (the dense parameters and the experts replicated over `replica`) and ZeRO 3 over
 # both axes (transformers' efsdp: each expert's rank pair shards it over `replica`).
+HSDP = ("replica = 2, data = 2", "layout { batch -> replica * data, experts -> data }\n"
+        "    optimizer adamw { zero 3 over data }")  # mesh axes, plan body
 PROOFS = [
     *((model, "data = 2", EP2, (1, 2, 2)) for model in FAMILIES),
-    ("mixtral", "replica = 2, data = 2",
-     "layout { batch -> replica * data, experts -> data }\n    optimizer adamw { zero 3 over data }", (2, 2, 2)),
+    ("mixtral", *HSDP, (2, 2, 2)),
     ("mixtral", "replica = 2, data = 2",
      "layout { batch -> replica * data, experts -> data }\n    optimizer adamw { zero 3 }", (1, 4, 2)),
 ]
@@ -178,10 +179,17 @@ def test_ep_plan_gives_unsharded_logits_and_gradients_in_transformers(
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_ep_plan_matches_golden_and_is_deterministic(request: pytest.FixtureRequest) -> None:
-    out = _export(spec("qwen2_moe"))
-    assert _export(spec("qwen2_moe")) == out
-    golden = GOLDEN / "qwen2_moe_data2_ep2_zero3.ep.json.txt"
+GOLDENS = {  # golden file -> the spec exported
+    "qwen2_moe_data2_ep2_zero3": spec("qwen2_moe"),
+    "mixtral_replica2_data2_ep2_hsdp": spec("mixtral", HSDP[1], HSDP[0]),
+}
+
+
+@pytest.mark.parametrize("name", GOLDENS)
+def test_ep_plan_matches_golden_and_is_deterministic(name: str, request: pytest.FixtureRequest) -> None:
+    out = _export(GOLDENS[name])
+    assert _export(GOLDENS[name]) == out
+    golden = GOLDEN / f"{name}.ep.json.txt"
     if request.config.getoption("--update-goldens"):
         golden.write_text(out)
     assert golden.exists(), f"missing golden {golden}; run pytest --update-goldens"
