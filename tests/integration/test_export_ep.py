@@ -171,7 +171,7 @@ def test_ep_plan_gives_unsharded_logits_and_gradients_in_transformers(
         _next_token_loss(want, tokens).backward()
     assert (logits - want.detach()).abs().max().item() <= 1e-4
     n_experts = hf.config.num_local_experts if model == "mixtral" else hf.config.num_experts
-    # rank 0's experts: experts / ep of them, FSDP-sharded on over the ranks holding the same ones (efsdp)
+    # rank 0's experts: experts / ep of them, FSDP-sharded over the ranks holding the same ones (efsdp)
     efsdp = sizes[1] // sizes[2]
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
         assert local[name][0] == -(-n_experts // sizes[2] // efsdp), (name, local[name])
