@@ -260,7 +260,9 @@ CODES: dict[str, tuple[str, str]] = {
               "`--weights` checkpoint must be of the model exported, and a sharded layer must be an nn.Linear or "
               "nn.Embedding there: GPT-2's projections are Conv1D, which neither torch's parallel styles nor a "
               "tp_plan shard. `--to torchtitan` builds torchtitan's llama3: a `llama` family model without "
-              "biases, tied embeddings, a window, q / k norms, another norm_eps, head_dim or rope."),
+              "biases, tied embeddings, a window, q / k norms, another norm_eps, head_dim or rope. `--to hf-ep-plan` "
+              "takes a model with routed experts of a class its expert parallelism is proven for (Mixtral, "
+              "Qwen2-MoE, Qwen3-MoE)."),
     "E1205": ("export: layout the target lacks", "Each sharded layer becomes one parallel style over one mesh "
               "dimension: column -> ColwiseParallel / `colwise`, row -> RowwiseParallel / `rowwise`, "
               "vocab_parallel embedding -> RowwiseParallel(input_layouts=Replicate()) / `embedding_rowwise`. A "
@@ -270,13 +272,20 @@ CODES: dict[str, tuple[str, str]] = {
               "(OLMo 2's q / k norms), the export gathers the column layers' output (`colwise_gather_output`) and "
               "splits the row layer's input (`rowwise_split_input`), as transformers' own plans for those classes do. "
               "torchtitan's llama3 tensor-parallel plan is fixed (q / k / v / gate / up column, o / down row, "
-              "embedding vocab-parallel, head column, one tensor axis): `--to torchtitan` refuses other shards."),
+              "embedding vocab-parallel, head column, one tensor axis): `--to torchtitan` refuses other shards. "
+              "transformers' expert parallelism (`--to hf-ep-plan`) splits every moe layer's experts over one "
+              "group of ranks and shards nothing else by tensor parallelism beside it: its experts are not "
+              "tensor-parallel and its expert groups hold the tensor-parallel ranks; its ranks are ordered replicas, "
+              "then FSDP ranks, the expert ranks fastest."),
     "E1206": ("export: not exported", "A part of the plan the export does not write, which would otherwise be "
               "dropped silently: activation recomputation, data parallelism without ZeRO 2 / 3 (wrap the model in "
               "DistributedDataParallel yourself), or ZeRO over other axes than the batch's (hybrid sharding). For `--to torchtitan`: "
               "`recompute = attention` or `every N` (torchtitan has full and selective AC), the fp8_tensorwise "
               "recipe (torchtitan 0.3's float8 converter is rowwise), part of a block kept in bf16, or an axis "
-              "with no role torchtitan has a degree for."),
+              "with no role torchtitan has a degree for. For `--to hf-ep-plan`: data parallelism other than ZeRO 3 "
+              "over axes that hold the experts' (transformers shards the dense parameters with FSDP2 over "
+              "the experts' ranks), experts kept whole, `precision`, a `capacity` (transformers routes dropless) or a "
+              "`z_loss_coef`."),
     "W1201": ("tp_plan gathers the logits", "transformers computes its loss on full logits, so a head that "
               "meshc keeps vocab-sharded for a vocab-parallel loss is exported as `colwise_gather_output`: the "
               "same loss, with each rank holding the full logits. `--to dtensor` keeps them sharded."),

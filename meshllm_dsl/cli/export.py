@@ -1,8 +1,9 @@
-"""`meshc export FILE --plan P --to dtensor|hf-tp-plan|torchtitan -o OUT`: a checked plan for other tools.
+"""`meshc export FILE --plan P --to dtensor|hf-tp-plan|torchtitan|hf-ep-plan -o OUT`: a checked plan for other tools.
 
 `--to dtensor` writes a Python module with `parallelize(model, mesh)` (torch's parallelize_module and
 fully_shard over transformers' module names); `--to hf-tp-plan` writes transformers' `tp_plan` as
-JSON. Exit 0 written (warnings included), 1 errors in the spec or a plan the target cannot express,
+JSON; `--to hf-ep-plan` a mixture-of-experts plan as transformers' `DistributedConfig` arguments (its
+`ep_plan` and the expert / FSDP sizes) as JSON. Exit 0 written (warnings included), 1 errors in the spec or a plan the target cannot express,
 2 usage. Torch is not imported here; runtime/hf/weights.py (the module names) imports it when it runs.
 """
 
@@ -15,26 +16,31 @@ from typing import Any
 
 from meshllm_dsl.diagnostics import SpecError, render_all
 
-TARGETS = ("dtensor", "hf-tp-plan", "torchtitan")
+TARGETS = ("dtensor", "hf-tp-plan", "torchtitan", "hf-ep-plan")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from meshllm_dsl.cli.main import existing
+    from meshllm_dsl.cli.main import UsageError, existing
     from meshllm_dsl.runtime.outputs import check_new_file, write_output
 
     path = existing(args.file)[0]
     out = Path(args.output)
     if args.to == "torchtitan":
         return _torchtitan(args, path, out)
-    check_new_file(out, "exported plan" if args.to == "dtensor" else "tp_plan", args.force)
+    check_new_file(out, {"dtensor": "exported plan", "hf-ep-plan": "DistributedConfig"}.get(args.to, "tp_plan"),
+                   args.force)
+    if args.to == "hf-ep-plan" and args.weights:
+        raise UsageError("--weights is for --to dtensor / hf-tp-plan; the model's own class names the experts")
     checked = _checked_plan(args, path)
     if isinstance(checked, int):
         return checked
     plan, decls, text = checked
     from meshllm_dsl.interop.export import export_plan
+    from meshllm_dsl.interop.hf_ep import export_ep_plan
 
     try:
-        written, warnings = export_plan(plan, decls, args.to, path, text, args.weights)
+        written, warnings = (export_ep_plan(plan, decls) if args.to == "hf-ep-plan"
+                             else export_plan(plan, decls, args.to, path, text, args.weights))
     except SpecError as err:
         print(render_all(err.diagnostics), end="", file=sys.stderr)
         return 1
@@ -90,12 +96,13 @@ def _torchtitan(args: argparse.Namespace, path: str, out: Path) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    e = sub.add_parser("export", help="write a checked plan as torch DTensor code or a transformers tp_plan")
+    e = sub.add_parser("export", help="write a checked plan as torch DTensor code, a transformers tp_plan / ep_plan or torchtitan's line")
     e.add_argument("file", metavar="FILE")
     e.add_argument("--plan", metavar="P", help="the plan to export (needed when the spec has several)")
     e.add_argument("--to", required=True, choices=TARGETS,  # export.TARGETS, not imported: registering must stay light
                    help="dtensor: a module with parallelize(model, mesh); hf-tp-plan: transformers' tp_plan JSON; "
-                        "torchtitan: torchtitan 0.3's torchrun line (OUT) and its config_registry (OUT_config.py)")
+                        "torchtitan: torchtitan 0.3's torchrun line (OUT) and its config_registry (OUT_config.py); "
+                        "hf-ep-plan: transformers' DistributedConfig arguments (ep_plan, ep / fsdp sizes) as JSON")
     e.add_argument("--weights", metavar="DIR",
                    help="the checkpoint the model is of: its config.json's class names the modules (Phi-3's fused "
                         "qkv_proj, which a llama-family model alone does not say)")

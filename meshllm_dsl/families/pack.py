@@ -89,6 +89,8 @@ class FamilyPack:
     title: str = ""  # how people write the architecture's name ("Phi-3"), for messages
     # `meshc export` is proven (tests/integration/test_export.py) for this architecture's module names
     tp_export: bool = False
+    # `meshc export --to hf-ep-plan` (transformers' expert parallelism) is proven (tests/integration/test_export_ep.py)
+    ep_export: bool = False
     # transformers' default for max_position_embeddings where a config leaves it out
     default_positions: int | None = None
     # Llama-shaped attention (meshllm_dsl/families/llama_config.py): what differs per architecture.

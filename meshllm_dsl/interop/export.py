@@ -161,7 +161,8 @@ class _Findings:
 
     @property
     def where(self) -> str:
-        return "DTensor" if self.target == "dtensor" else "a transformers tp_plan"
+        return {"dtensor": "DTensor", "hf-ep-plan": "transformers' expert parallelism"}.get(self.target,
+                                                                                          "a transformers tp_plan")
 
     def refuse(self, code: str, message: str, span: Span | None, label: str, help: str) -> None:  # noqa: A002
         self.errors.append(Diagnostic(code, message, span or self.plan.span, label=label, help=help))
