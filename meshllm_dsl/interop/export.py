@@ -22,7 +22,7 @@ from meshllm_dsl import primitives
 from meshllm_dsl.codegen.lower import _adamw_kwargs, docstring_text, literal, model_description
 from meshllm_dsl.codes import E1201, E1202, E1203, E1204, E1205, E1206, W1201, W1202
 from meshllm_dsl.diagnostics import Diagnostic, SpecError
-from meshllm_dsl.families import BY_ARCHITECTURE, exported_families
+from meshllm_dsl.families import BY_ARCHITECTURE, PACKS, exported_families
 from meshllm_dsl.families.pack import FamilyPack
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.load import Declarations
@@ -196,7 +196,9 @@ def _checkpoint_layout(plan: PlanIR, desc: dict[str, Any], where: str) -> str:
         raise SpecError([Diagnostic(
             E1204, f"model `{plan.model.name}` ({what}) is not exported to {where} yet",
             plan.model.span or plan.span, label="no tested export for this model",
-            help=f"export models of the {_exported_help()} family; `meshc compile` and `meshc run` take this one",
+            help=("its expert parallelism exports as transformers' `ep_plan` with `--to hf-ep-plan` ("
+                  + ", ".join(p.title for p in PACKS if p.ep_export) + "); " if routes else "")
+            + f"export models of the {_exported_help()} family; `meshc compile` and `meshc run` take this one",
         )])
     return arch
 

@@ -22,4 +22,5 @@ def test_moe_models_are_refused_with_e1204(target: str, tmp_path: Path, capsys: 
     assert main(["export", str(spec), "--to", target, "-o", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
     assert "error[E1204]" in err and "(mixture-of-experts layers) is not exported" in err and "Traceback" not in err
+    assert "--to hf-ep-plan" in err  # where the experts do export
     assert not (tmp_path / "out").exists()
