@@ -203,3 +203,36 @@ def test_a_rotary_dim_that_cannot_turn_pairs_is_refused_with_help(value: int, wh
     (d,) = check_text(_spec("tensor2", value), "bad.mesh").errors
     assert d.code == "E0304" and why in d.message and d.help and "rotary_dim" in d.help
     assert d.span is not None and d.span.text == str(value)  # the value given
+
+
+@pytest.mark.parametrize("target", ["dtensor", "hf-tp-plan"])
+def test_export_refuses_partial_rotary_naming_the_layer(target: str) -> None:
+    """transformers' modules would rotate every dim: the export says so rather than write them."""
+    from meshllm_dsl.diagnostics import SpecError
+    from meshllm_dsl.front.load import load
+    from meshllm_dsl.interop.export import export_plan
+
+    text = _spec("tensor2")
+    decls = load("x.mesh", text)
+    (plan,) = check_text(text, "x.mesh").plans.values()
+    with pytest.raises(SpecError) as err:
+        export_plan(plan, decls, target, "x.mesh", text)
+    (d,) = err.value.diagnostics
+    assert d.code == "E1204" and "`attn` rotates part of each head" in d.message and d.help
+    # the same model rotating every dim gets past this refusal
+    (whole,) = check_text(_spec("tensor2", 8), "x.mesh").plans.values()
+    try:
+        export_plan(whole, load("x.mesh", _spec("tensor2", 8)), target, "x.mesh", _spec("tensor2", 8))
+    except SpecError as other:
+        assert all("rotates part" not in e.message for e in other.diagnostics)
+
+
+@pytest.mark.parametrize("flag", ["--weights", "--export-hf"])
+def test_hf_checkpoints_of_partial_rotary_are_refused_before_launch(flag: str, tmp_path: Path) -> None:
+    from meshllm_dsl.runtime.train import launch
+
+    _, model = _model(_spec("tensor2"), tmp_path, "w")
+    (tmp_path / "hf").mkdir()
+    args = launch.parse_args([flag, str(tmp_path / ("hf" if flag == "--weights" else "out"))])
+    with pytest.raises(launch.InputError, match=f"{flag}: `attn` rotates part of each head"):
+        launch.check_inputs(args, model, 8)
