@@ -75,10 +75,11 @@ class Attention(Primitive):
         leaves.append(Leaf("o", (name, "o"), "linear", tuple(o), (hu,), (hidu,), span=span))
         rot = b["rotary_dim"]
         if rot != hd and (rot == 0 or rot % 2 or rot > hd):
-            why = "is 0" if rot == 0 else "is odd" if rot % 2 else f"exceeds head_dim ({hd})"
+            why = "rotates nothing" if rot == 0 else "is odd" if rot % 2 else f"exceeds head_dim ({hd})"
             r.error(E0304, f"`{name}`: rotary_dim ({rot}) {why}", site.arg_span("rotary_dim"),
                     label="rotary turns pairs of each head's first rotary_dim values",
-                    help=f"use an even rotary_dim from 2 to head_dim = {hd} (HF's head_dim x partial_rotary_factor), "
+                    help=("leave out rope_theta for no rotary positions, or " if rot == 0 else "")
+                    + f"use an even rotary_dim from 2 to head_dim = {hd} (HF's head_dim x partial_rotary_factor), "
                     "or drop it to rotate every dim")
             return None
         if rot != hd and b["rope_theta"] is None:

@@ -198,7 +198,7 @@ def test_kv_cache_decoding_with_partial_rotary_gives_the_reference_tokens(pool: 
     assert outs[0] == outs[1] and len(outs[0][0]) == 13
 
 
-@pytest.mark.parametrize(("value", "why"), [(3, "is odd"), (0, "is 0"), (10, "exceeds head_dim (8)")])
+@pytest.mark.parametrize(("value", "why"), [(3, "is odd"), (0, "rotates nothing"), (10, "exceeds head_dim (8)")])
 def test_a_rotary_dim_that_cannot_turn_pairs_is_refused_with_help(value: int, why: str) -> None:
     (d,) = check_text(_spec("tensor2", value), "bad.mesh").errors
     assert d.code == "E0304" and why in d.message and d.help and "rotary_dim" in d.help
@@ -236,3 +236,9 @@ def test_hf_checkpoints_of_partial_rotary_are_refused_before_launch(flag: str, t
     args = launch.parse_args([flag, str(tmp_path / ("hf" if flag == "--weights" else "out"))])
     with pytest.raises(launch.InputError, match=f"{flag}: `attn` rotates part of each head"):
         launch.check_inputs(args, model, 8)
+
+
+def test_rotary_dim_without_rope_theta_is_refused() -> None:
+    text = _spec("tensor2").replace("rope_theta = 10000.0, ", "")
+    (d,) = check_text(text, "bad.mesh").errors
+    assert d.code == "E0304" and "without rope_theta" in d.message and d.help and "rope_theta" in d.help
