@@ -242,3 +242,62 @@ def test_rotary_dim_without_rope_theta_is_refused() -> None:
     text = _spec("tensor2").replace("rope_theta = 10000.0, ", "")
     (d,) = check_text(text, "bad.mesh").errors
     assert d.code == "E0304" and "without rope_theta" in d.message and d.help and "rope_theta" in d.help
+
+
+TWIN = """mesh m {{ axes tensor = 2 }}
+model m {{
+    vocab = 64
+    hidden = 64
+    heads = 4
+    head_dim = 16
+    rotary_dim = 10
+    embed = embedding(vocab, hidden)
+    blocks = repeat(2) {{
+        attn_norm = rmsnorm(hidden)
+        attn = attention(hidden, heads, 2, head_dim, rope_theta = 10000.0, rotary_dim = rotary_dim{extra})
+        mlp_norm = rmsnorm(hidden)
+        mlp = mlp(hidden, 64, act = swiglu)
+    }}
+    norm = rmsnorm(hidden)
+    lm_head = linear(hidden, vocab)
+}}
+plan p on m for m {{
+    batch = 4
+    seq = 8
+    layout {{ heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }}
+}}
+"""
+
+
+def test_the_tiny_twin_keeps_the_rotary_partial_and_cuts_longrope_to_it(tmp_path: Path) -> None:
+    """`meshc verify`'s twin has heads of HEAD_DIM: rotary_dim shrinks with them (10 of 16 -> 4 of 8),
+    still partial and even, and longrope's factors (rotary_dim / 2) are cut to the twin's."""
+    from meshllm_dsl.checker import check_file
+    from meshllm_dsl.verify.twin import HEAD_DIM, make_twin
+
+    longrope = (", rope_type = longrope, rope_factor = 4.0, rope_original_positions = 4,"
+                " rope_short_factor = [1.0, 2.0, 3.0, 4.0, 5.0], rope_long_factor = [6.0, 7.0, 8.0, 9.0, 10.0]")
+    for extra, short in (("", None), (longrope, (1.0, 5.0))):
+        path = tmp_path / "t.mesh"
+        path.write_text(TWIN.format(extra=extra))
+        assert check_file(path).ok
+        _, twin = make_twin(check_file(path), "p", str(path))
+        assert twin.ok, [d.message for d in twin.diagnostics]
+        attn = next(u for item in twin.plans["p"].model.items for u in getattr(item, "body", ()) if u.kind == "attention")
+        a = dict(attn.attrs)
+        assert (a["head_dim"], a["rotary_dim"]) == (HEAD_DIM, 4)
+        if short is not None:
+            assert dict(a["rope_scaling"])["short_factor"] == short
+
+
+def test_the_planner_keeps_cos_and_sin_of_rotary_dim_only() -> None:
+    from meshllm_dsl.ir import DTYPES
+    from meshllm_dsl.planner.analyze import analyze
+
+    def act(rotary: int) -> tuple[int, ...]:
+        (plan,) = check_text(_spec("tensor2", rotary), "a.mesh").plans.values()
+        return tuple(r.activation_bytes for r in analyze(plan).ranks), DTYPES[plan.dtype]
+
+    (partial, e), (whole, _) = act(4), act(8)
+    # cos and sin [s, 1, rotary_dim] per block (one for the batch): 2 blocks x 2 x 8 positions x 4 fewer dims
+    assert [w - p for w, p in zip(whole, partial)] == [2 * 2 * e * 8 * 4] * len(whole)
