@@ -146,7 +146,9 @@ def _spec(plan: str, rotary: int = 4, extra: str = "") -> str:
             f"plan p on m for m {{\n    batch = 4\n    seq = 8\n    {body}\n}}\n")
 
 
-@pytest.mark.parametrize("extra", ["", ", rope_type = yarn, rope_factor = 4.0, rope_original_positions = 4"])
+@pytest.mark.parametrize("extra", ["", ", rope_type = yarn, rope_factor = 4.0, rope_original_positions = 4",
+                                   # q / k norms; windowed blocks with their own rope base, every 2nd global
+                                   ", qk_norm = head, window = 4, global_every = 2, local_rope_theta = 100.0"])
 @pytest.mark.parametrize("plan", list(PLANS))
 def test_partial_rotary_plans_equal_the_unsharded_reference(plan: str, extra: str, pool: WorkerPool,
                                                             tmp_path: Path) -> None:
