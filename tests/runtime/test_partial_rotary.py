@@ -303,3 +303,15 @@ def test_the_planner_keeps_cos_and_sin_of_rotary_dim_only() -> None:
     (partial, e), (whole, _) = act(4), act(8)
     # cos and sin [s, 1, rotary_dim] per block (one for the batch): 2 blocks x 2 x 8 positions x 4 fewer dims
     assert [w - p for w, p in zip(whole, partial)] == [2 * 2 * e * 8 * 4] * len(whole)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_partial_rotary_is_transformers_bit_for_bit_in_training_dtypes(dtype: str) -> None:
+    """cos / sin in float32, cast to the activations' dtype, as transformers: the same bits."""
+    dt, config = getattr(torch, dtype), _config("default", 8)
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(2, 8, 4, HEAD_DIM, generator=gen).to(dt), torch.randn(2, 8, 2, HEAD_DIM, generator=gen).to(dt)
+    pos = torch.arange(8)[None]
+    want = _hf_rotary(config, q, k, pos)
+    got = rt.apply_rotary(q, k, pos[0], THETA, rotary_dim=8)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
