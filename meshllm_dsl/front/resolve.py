@@ -193,7 +193,7 @@ class Resolver:
         if v and length is not None and len(v) != length:
             self.error(E0304, f"{what} has {len(v)} numbers; expected {length} ({length_why})", span,
                        label=f"{len(v)} numbers", secondary=secondary,
-                       help=f"give {length} numbers, one per rotary frequency" if "head_dim" in length_why
+                       help=f"give {length} numbers, one per rotary frequency" if "rotary_dim" in length_why
                        else f"give {length} numbers")
             self._bad_origins.add(span)  # type: ignore[arg-type]
             return None

@@ -187,6 +187,14 @@ def _checkpoint_layout(plan: PlanIR, desc: dict[str, Any], where: str) -> str:
             plan.model.span or plan.span, label="no Hugging Face model has these modules",
             note=str(err), help="export models of the `llama` (Llama, Mistral, Qwen2) or `gpt2` family",
         )]) from None
+    from meshllm_dsl.runtime.model.description import partial_rotary
+
+    partial = partial_rotary(desc)
+    if partial is not None:
+        raise SpecError([Diagnostic(
+            E1204, f"model `{plan.model.name}`: `{partial}` rotates part of each head (rotary_dim), which is not "
+            f"exported to {where} yet", plan.model.span or plan.span, label="partial rotary",
+            help="drop rotary_dim to export; `meshc compile` and `meshc run` take this model")])
     # Exports are proven (tests/integration/test_export.py) for the packs marked tp_export only: another
     # layout or a mixture-of-experts model would need its own module names and its own proof first.
     routes = any(primitives.of(u).routes_experts

@@ -73,6 +73,20 @@ class Attention(Primitive):
         if b["out_bias"]:
             o.append(Tensor("bias", (hid,), ((hidu,),)))
         leaves.append(Leaf("o", (name, "o"), "linear", tuple(o), (hu,), (hidu,), span=span))
+        rot = b["rotary_dim"]
+        if rot != hd and (rot == 0 or rot % 2 or rot > hd):
+            why = "rotates nothing" if rot == 0 else "is odd" if rot % 2 else f"exceeds head_dim ({hd})"
+            r.error(E0304, f"`{name}`: rotary_dim ({rot}) {why}", site.arg_span("rotary_dim"),
+                    label="rotary turns pairs of each head's first rotary_dim values",
+                    help=("leave out rope_theta for no rotary positions, or " if rot == 0 else "")
+                    + f"use an even rotary_dim from 2 to head_dim = {hd} (HF's head_dim x partial_rotary_factor), "
+                    "or drop it to rotate every dim")
+            return None
+        if rot != hd and b["rope_theta"] is None:
+            r.error(E0304, f"`{name}`: rotary_dim = {rot} without rope_theta", site.arg_span("rotary_dim"),
+                    label="no rotary positions to apply to part of each head",
+                    help="give rope_theta, or drop rotary_dim")
+            return None
         scaling = None
         kind = b["rope_type"]
         factors = [n for n in ("rope_short_factor", "rope_long_factor") if b[n]]
@@ -80,7 +94,7 @@ class Attention(Primitive):
             missing = " and ".join(f"`{n}`" for n in ("rope_short_factor", "rope_long_factor") if n not in factors)
             r.error(E0304, f"`{name}`: longrope rope scaling needs {missing}", site.arg_span("rope_type"),
                     label="rope_type = longrope",
-                    help=f"give rope_short_factor and rope_long_factor: lists of head_dim / 2 = {hd // 2} numbers each "
+                    help=f"give rope_short_factor and rope_long_factor: lists of rotary_dim / 2 = {rot // 2} numbers each "
                     "(Phi-3's rope_scaling short_factor and long_factor)")
             return None
         if kind != "longrope" and factors:
@@ -101,7 +115,7 @@ class Attention(Primitive):
                   "bias": b["bias"], "out_bias": b["out_bias"], "fused_qkv": b["fused_qkv"], "rope_scaling": scaling,
                   "qk_norm": qk_norm, "qk_norm_eps": b["qk_norm_eps"], "qk_norm_offset": b["qk_norm_offset"],
                   "window": b["window"], "global_every": b["global_every"], "local_rope_theta": b["local_rope_theta"],
-                  "softcap": b["softcap"], "scale_dim": b["scale_dim"], "sinks": b["sinks"]}
+                  "softcap": b["softcap"], "scale_dim": b["scale_dim"], "sinks": b["sinks"], "rotary_dim": rot}
         if b["global_every"] and not b["window"]:
             r.error(E0304, f"`{name}`: global_every = {b['global_every']} without a window", decl.call.span,
                     label="every layer already attends to the whole sequence",
@@ -123,7 +137,8 @@ class Attention(Primitive):
         saved += e * tokens * (hq + 2 * hk) * hd  # q, k, v (after rotary) for the attention core
         saved += e * tokens * hq * hd  # the attention output: the core's result and o's input
         if unit.attr("rope_theta"):
-            saved += 2 * e * (tokens // max(1, micro)) * hd  # rotary cos and sin ([s, 1, head_dim] each), kept by q * cos, k * cos
+            # rotary cos and sin ([s, 1, rotary_dim] each), kept by q * cos, k * cos
+            saved += 2 * e * (tokens // max(1, micro)) * int(unit.attr("rotary_dim") or hd)  # type: ignore[arg-type]
         qk = unit.attr("qk_norm")
         if qk == "head":  # the runtime's RMSNorm Function: q and k before it, an fp32 reciprocal RMS per head
             saved += e * tokens * (hq + hk) * hd + fp32 * tokens * (hq + hk)
@@ -225,6 +240,8 @@ class Attention(Primitive):
             d["scale_dim"] = a["scale_dim"]
         if a.get("sinks"):
             d["sinks"] = True
+        if a.get("rotary_dim") not in (None, a["head_dim"]):
+            d["rotary_dim"] = a["rotary_dim"]
         return d
 
     def core_lines(self, w: Any, attr: str, unit: Unit, a: Mapping[str, Any],
@@ -261,10 +278,18 @@ class Attention(Primitive):
         # The block class's blocks share a window (codegen/lower.py splits classes where they differ).
         window = layer_window(a, w.block_index)
         theta = layer_rope_theta(a, w.block_index)
+        # Partial rotary (GPT-NeoX, Phi-2, GLM-4.5): only each head's first rotary_dim values turn.
+        rot = a.get("rotary_dim") or hd
+        partial, partial_what = (f", rotary_dim={rot}", f"; rotary on each head's first {rot} of {hd} dims") \
+            if rot != hd else ("", "")
         if theta and a.get("rope_scaling"):
             scaling = tuple(a["rope_scaling"])
             lines.append(w.line(f"q, k = rt.apply_rotary(q, k, {w.positions('q')}, theta={float(theta)!r}, "
-                                f"scaling={scaling!r})", f"{dict(scaling)['rope_type']} rope scaling (runtime/model/rope.py)"))
+                                f"scaling={scaling!r}{partial})",
+                                f"{dict(scaling)['rope_type']} rope scaling (runtime/model/rope.py){partial_what}"))
+        elif theta and partial:
+            lines.append(w.line(f"q, k = rt.apply_rotary(q, k, {w.positions('q')}, theta={float(theta)!r}{partial})",
+                                partial_what[2:]))
         elif theta:
             lines.append(w.line(f"q, k = rt.apply_rotary(q, k, {w.positions('q')}, theta={float(theta)!r})"))
         what = f"[b, s, {h * hd}] causal; q heads per kv head: {h // kv if kv else 0}"
@@ -359,6 +384,9 @@ ATTENTION = Attention("attention", sublayer=True, float8_linears=True, reads_seq
     Arg("kv_heads", "dim", lambda b: b["heads"]),
     Arg("head_dim", "dim", lambda b: b["hidden"] // b["heads"] if b["hidden"] % b["heads"] == 0 else None),
     Arg("rope_theta", "float", const(None)),
+    # Partial rotary (HF's head_dim x partial_rotary_factor: GPT-NeoX, Phi-2, GLM-4.5): rope turns each
+    # head's first rotary_dim values (rotate_half over them, frequencies over rotary_dim), the rest pass.
+    Arg("rotary_dim", "dim", lambda b: b["head_dim"], minimum=0),
     Arg("bias", "bool", const(False)),
     Arg("out_bias", "bool", lambda b: b["bias"]),
     Arg("fused_qkv", "bool", const(False)),
@@ -374,10 +402,10 @@ ATTENTION = Attention("attention", sublayer=True, float8_linears=True, reads_seq
     Arg("rope_beta_fast", "float", const(32.0)),
     Arg("rope_beta_slow", "float", const(1.0)),
     Arg("rope_truncate", "bool", const(True)),
-    # longrope (Phi-3): per-frequency divisors, one per rotary frequency (head_dim / 2), the short
+    # longrope (Phi-3): per-frequency divisors, one per rotary frequency (rotary_dim / 2), the short
     # ones while the sequence is within rope_original_positions, the long ones beyond it.
-    Arg("rope_short_factor", "floats", const(()), length=lambda b: b["head_dim"] // 2, length_why="head_dim / 2"),
-    Arg("rope_long_factor", "floats", const(()), length=lambda b: b["head_dim"] // 2, length_why="head_dim / 2"),
+    Arg("rope_short_factor", "floats", const(()), length=lambda b: b["rotary_dim"] // 2, length_why="rotary_dim / 2"),
+    Arg("rope_long_factor", "floats", const(()), length=lambda b: b["rotary_dim"] // 2, length_why="rotary_dim / 2"),
     # RMSNorm of q and k before rotary: `head` over each head with one head_dim scale, `full` over
     # the whole projection with a scale per output (the family packs say which family has which).
     Arg("qk_norm", "choice", const("none"), ("none", "head", "full")),

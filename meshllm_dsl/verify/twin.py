@@ -81,32 +81,46 @@ def twin_values(plan: PlanIR) -> dict[str, int]:
     return {k: v for k, v in twin.items() if k in values}
 
 
-def _head_dim(plan: PlanIR) -> int | None:
+def _rotary(plan: PlanIR) -> tuple[int, int] | None:
+    """(rotary_dim, the twin's): the twin's heads are HEAD_DIM wide (twin_values), a partial rotary
+    shrunk with them and kept partial and even; None where nothing reads it (no attention, mla)."""
     attn = next((u for item in plan.model.items for u in (item.body if isinstance(item, Repeat) else (item,))
                  if primitives.of(u).caches_kv), None)
     if attn is None or attn.kind == "mla":
         return None  # mla reads no per-frequency lists
-    return int(dict(attn.attrs)["head_dim"])  # type: ignore[call-overload]
+    a = dict(attn.attrs)
+    hd = int(a["head_dim"])  # type: ignore[call-overload]
+    rot = int(a.get("rotary_dim") or hd)  # type: ignore[call-overload]
+    return rot, HEAD_DIM if rot == hd else max(2, HEAD_DIM * rot // hd // 2 * 2)
 
 
-def _per_frequency(value: ast.Value, head_dim: int | None) -> ast.Value:
-    """A list with one number per rotary frequency (longrope's factors, head_dim / 2 of them) cut
-    to the twin's HEAD_DIM / 2: evenly spaced picks, the first and the last kept."""
-    if not isinstance(value, ast.ListLit) or head_dim is None or len(value.items) != head_dim // 2 \
-            or len(value.items) <= HEAD_DIM // 2:
+def _twin_value(name: str, value: ast.Value, rotary: tuple[int, int] | None) -> ast.Value:
+    """A setting's twin value: a partial rotary_dim shrunk with the heads, a per-frequency list cut to it."""
+    if name == "rotary_dim" and rotary is not None and isinstance(value, ast.IntLit) and value.value == rotary[0]:
+        return ast.IntLit(rotary[1], value.span)
+    return _per_frequency(value, rotary)
+
+
+def _per_frequency(value: ast.Value, rotary: tuple[int, int] | None) -> ast.Value:
+    """A list with one number per rotary frequency (longrope's factors, rotary_dim / 2 of them) cut
+    to the twin's rotary_dim / 2: evenly spaced picks, the first and the last kept."""
+    if not isinstance(value, ast.ListLit) or rotary is None or len(value.items) != rotary[0] // 2 \
+            or len(value.items) <= rotary[1] // 2:
         return value
-    n, m = len(value.items), HEAD_DIM // 2
+    n, m = len(value.items), rotary[1] // 2
+    if m == 1:
+        return ast.ListLit((value.items[0],))
     return ast.ListLit(tuple(value.items[round(i * (n - 1) / (m - 1))] for i in range(m)))
 
 
-def _twin_body(body: tuple[ast.LayerStmt, ...], head_dim: int | None) -> tuple[ast.LayerStmt, ...]:
+def _twin_body(body: tuple[ast.LayerStmt, ...], rotary: tuple[int, int] | None) -> tuple[ast.LayerStmt, ...]:
     out: list[ast.LayerStmt] = []
     for stmt in body:
         if isinstance(stmt, ast.RepeatDecl):
-            out.append(ast.RepeatDecl(stmt.name, stmt.count, _twin_body(stmt.body, head_dim), stmt.span))
+            out.append(ast.RepeatDecl(stmt.name, stmt.count, _twin_body(stmt.body, rotary), stmt.span))
         else:
             c = stmt.call
-            kwargs = tuple(ast.Setting(k.name, _per_frequency(k.value, head_dim), k.span) for k in c.kwargs)
+            kwargs = tuple(ast.Setting(k.name, _twin_value(k.name.value, k.value, rotary), k.span) for k in c.kwargs)
             out.append(ast.LayerDecl(stmt.name, ast.Call(c.func, c.args, kwargs, c.span), stmt.span))
     return tuple(out)
 
@@ -119,7 +133,7 @@ def make_twin(result: CheckResult, plan_name: str, path: str,
     a faster check of a big twin, whose time goes into the pipeline schedule's many small steps)."""
     plan = result.plans[plan_name]
     values = twin_values(plan)
-    head_dim = _head_dim(plan)  # the twin's is HEAD_DIM (twin_values)
+    rotary = _rotary(plan)  # the twin's head_dim is HEAD_DIM (twin_values)
     decls = load(path)
     items: list[ast.Item] = []
     per_stage = values.get("layers", 0) // max(1, len(plan.stages))
@@ -127,10 +141,10 @@ def make_twin(result: CheckResult, plan_name: str, path: str,
         if isinstance(item, ast.ModelDecl) and item.name.value == plan.model.name:
             given = {s.name.value for s in item.settings}
             settings = [ast.Setting(s.name, ast.IntLit(values[s.name.value])) if s.name.value in values
-                        else ast.Setting(s.name, _per_frequency(s.value, head_dim), s.span, s.every)
+                        else ast.Setting(s.name, _twin_value(s.name.value, s.value, rotary), s.span, s.every)
                         for s in item.settings]
             settings += [ast.Setting(ast.Name(k), ast.IntLit(v)) for k, v in values.items() if k not in given]
-            items.append(ast.ModelDecl(item.name, item.family, tuple(settings), _twin_body(item.body, head_dim),
+            items.append(ast.ModelDecl(item.name, item.family, tuple(settings), _twin_body(item.body, rotary),
                                        item.span))
         elif isinstance(item, ast.PlanDecl) and item.name.value == plan_name:
             items.append(_twin_plan(item, plan, per_stage, microbatches))

@@ -25,6 +25,12 @@ def _unrolled(items: Sequence[Layer]) -> Iterator[Layer]:
             yield spec
 
 
+def partial_rotary(model: Mapping[str, Any]) -> str | None:
+    """The name of the first attention that rotates part of each head (`rotary_dim`, written only
+    where it is not head_dim), else None: Hugging Face checkpoints of it are not mapped yet."""
+    return next((str(spec["name"]) for spec in layers(model) if spec.get("rotary_dim")), None)
+
+
 def token_embedding(model: Mapping[str, Any]) -> Layer:
     """The token embedding (`num` rows, `dim` wide; `used` rows are tokens when the table is padded)."""
     for spec in model["layers"]:

@@ -180,11 +180,18 @@ def apply_rotary(
     pos: Tensor,
     theta: float,
     scaling: tuple[tuple[str, Any], ...] | None = None,
+    rotary_dim: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """HF Llama rotary (rotate_half) on q, k shaped [b, s, heads, head_dim]; pos is [s] or [b, s].
 
     ``scaling``: the rope scaling's (field, value) pairs, HF's names (runtime/model/rope.py).
+    ``rotary_dim``: partial rotary (HF's head_dim x partial_rotary_factor): only each head's first
+    rotary_dim values turn, with frequencies over rotary_dim; the rest pass unchanged (HF's
+    ``apply_rotary_pos_emb`` with cos / sin of rotary_dim).  None: every dim.
     """
+    if rotary_dim is not None and rotary_dim != q.shape[-1]:
+        q_rot, k_rot = apply_rotary(q[..., :rotary_dim], k[..., :rotary_dim], pos, theta, scaling)
+        return (torch.cat((q_rot, q[..., rotary_dim:]), dim=-1), torch.cat((k_rot, k[..., rotary_dim:]), dim=-1))
     d = q.shape[-1]
     # dynamic and longrope read the largest position + 1 (a host sync only for them)
     seq_len = int(pos.max()) + 1 if rope.depends_on_length(scaling) else 0

@@ -71,6 +71,7 @@ class _Attention(nn.Module):
         self.softcap = spec.get("softcap")
         self.scale = float(spec.get("scale_dim") or self.d) ** -0.5
         self.scaling = spec.get("rope_scaling")
+        self.rotary_dim = int(spec.get("rotary_dim") or self.d)  # partial rotary: each head's first rotary_dim values
         self.fused = bool(spec.get("fused_qkv", False))
         hid, qkv_bias = spec["hidden"], bool(spec.get("qkv_bias", False))
         if self.fused:
@@ -101,15 +102,17 @@ class _Attention(nn.Module):
         return (weight * h).to(x.dtype) if self.qk_norm == "full" else weight * h.to(x.dtype)
 
     def _rope(self, x: Tensor) -> Tensor:
-        # x: [b, heads, s, d]; HF LlamaRotaryEmbedding + apply_rotary_pos_emb.
-        s, d = x.shape[2], self.d
+        # x: [b, heads, s, d]; HF LlamaRotaryEmbedding + apply_rotary_pos_emb, which turns the first
+        # rotary_dim values (frequencies over rotary_dim) and passes the rest.
+        s, d = x.shape[2], self.rotary_dim
         # the frequencies (and yarn's / longrope's factor on cos and sin) of this length: runtime/model/rope.py
         inv_freq, factor = rope.inv_freq(d, self.theta, self.scaling, s)
         freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = (emb.cos() * factor).to(x.dtype), (emb.sin() * factor).to(x.dtype)
-        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        rot, rest = x[..., :d], x[..., d:]
+        x1, x2 = rot[..., : d // 2], rot[..., d // 2 :]
+        return torch.cat((rot * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, _ = x.shape

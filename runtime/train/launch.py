@@ -244,6 +244,14 @@ def check_inputs(args: argparse.Namespace, model: Any = None, seq: int = 0) -> N
             raise InputError(f"--data {data}: no such file")
         if data.stat().st_size == 0:
             raise InputError(f"--data {data}: the file is empty")
+    if model is not None and (args.weights or args.export_hf):
+        from meshllm_dsl.runtime.model.description import partial_rotary
+
+        partial = partial_rotary(model)
+        if partial is not None:  # config.json's partial_rotary_factor is neither read nor written yet
+            flag = "--weights" if args.weights else "--export-hf"
+            raise InputError(f"{flag}: `{partial}` rotates part of each head (rotary_dim), which Hugging Face "
+                             f"checkpoints are not mapped for yet; run without {flag}")
     try:
         _check_text_inputs(args)
         if model is not None:
