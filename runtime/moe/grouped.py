@@ -23,13 +23,14 @@ elements per projection and call, and as much again for its gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["Activation", "grouped_experts_ffn", "grouped_layout", "grouped_mm_works", "grouped_runs", "swiglu"]
+__all__ = ["Activation", "grouped_experts_ffn", "grouped_layout", "grouped_mm_works", "grouped_runs", "loop_only", "swiglu"]
 
 Activation = Callable[[Tensor, Tensor], Tensor]
 """``act(gate_out, up_out) -> hidden``, elementwise over [rows, F_local]."""
@@ -109,11 +110,29 @@ def grouped_mm_works(device: torch.device, dtype: torch.dtype) -> bool:
     return _WORKS[key]
 
 
+_LOOP_ONLY = [0]  # > 0: inside loop_only(), the grouped path is off
+
+
+@contextlib.contextmanager
+def loop_only() -> Iterator[None]:
+    """Run the experts' loop, not ``_grouped_mm``, for the forwards inside (and so their backwards):
+    torch.distributed.pipelining's split backward (interleaved_zb, zbv, dualpipev: input gradients,
+    then weight gradients from the saved graph) gets the experts' weight gradients wrong through
+    ``_grouped_mm`` (tests/integration/test_zero_bubble.py)."""
+    _LOOP_ONLY[0] += 1
+    try:
+        yield
+    finally:
+        _LOOP_ONLY[0] -= 1
+
+
 def grouped_runs(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> bool:
     """Whether ``experts_swiglu`` takes the grouped path for x [T, H] and expert-major gate / up
     [E_local, F_local, H], down [E_local, H, F_local]: same dtype (or autocast over them), a
     working ``_grouped_mm`` there, and every operand in a layout it reads without a copy (rows of
     H and of F_local values each a multiple of 16 bytes; the weights' views as the module says)."""
+    if _LOOP_ONLY[0]:
+        return False
     dtype = matmul_dtype(x)
     if not (x.dtype == gate.dtype == up.dtype == down.dtype or dtype != x.dtype):
         return False

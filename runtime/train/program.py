@@ -8,6 +8,7 @@ every token, gradients are averaged over the batch axes, so any plan matches the
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -21,6 +22,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from meshllm_dsl.runtime.model import description
+from meshllm_dsl.runtime.moe import grouped
 from meshllm_dsl.runtime.moe import routing as moe_routing
 from meshllm_dsl.runtime.parallel import fsdp
 from meshllm_dsl.runtime.parallel.collectives import all_reduce_, all_reduce_sum
@@ -826,8 +828,13 @@ class Built:
         # return_outputs=False: otherwise the last stage keeps every microbatch's logits
         # ([mb, s, vocab / t] each) until the step ends, though training only needs the losses.
         self._carry_routing = self.router_losses is not None
+        # torch's split-backward schedules (input gradients first, weight gradients later) give wrong
+        # expert weight gradients through torch._grouped_mm (measured: 6e-3 off under DualPipeV), so
+        # their experts run the F.linear loop (runtime/moe/grouped.py loop_only).
+        loop = grouped.loop_only() if splits_backward(p.schedule) else contextlib.nullcontext()
         try:
-            schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            with loop:
+                schedule.step(*args, target=target, losses=losses, return_outputs=False)
         finally:
             self._carry_routing = False
         return torch.stack([x.detach() for x in losses]).mean() if losses else None

@@ -335,3 +335,15 @@ def test_stacked_linear_views_need_no_copy() -> None:
         view = w.transpose(0, 1).transpose(1, 2)  # what grouped_experts_ffn hands _grouped_mm
         assert grouped.grouped_layout(view) and view.data_ptr() == w.data_ptr()
         assert view.stride()[-2:] == (1, w.shape[1] * w.shape[2])
+
+
+def test_loop_only_turns_the_grouped_path_off_inside_and_back_on_after() -> None:
+    # torch's split-backward schedules run their experts so (runtime/train/program.py)
+    x, gate, up, down = torch.randn(8, 16), torch.randn(4, 8, 16), torch.randn(4, 8, 16), torch.randn(4, 16, 8)
+    gate, up, down = gate.transpose(1, 2).contiguous().transpose(1, 2), up.transpose(1, 2).contiguous().transpose(1, 2), \
+        down.transpose(1, 2).contiguous().transpose(1, 2)
+    before = grouped.grouped_runs(x, gate, up, down)
+    assert before  # float32, 16-byte rows: the grouped path runs here
+    with grouped.loop_only():
+        assert not grouped.grouped_runs(x, gate, up, down)
+    assert grouped.grouped_runs(x, gate, up, down) == before
