@@ -49,6 +49,9 @@ class CheckpointNames:
     # (model, its layout, whether its MLP is a mixture of experts, error) -> None: refuses a model of
     # this layout that its architecture cannot hold
     refuse_unfit: Callable[..., None] | None = None
+    attention_kind: str = "attention"  # the layer kind of its blocks' attention (DeepSeek-V3: mla)
+    # The norms a projection carries (mla's latents: our `q_a.norm`) -> their HF module in the attention
+    projection_norms: Mapping[str, str] = attrs.field(factory=dict)
 
 
 @attrs.frozen
@@ -71,6 +74,9 @@ class ExpertNames:
     tensors: Mapping[str, str] | None = None
     act: str = "swiglu"  # the moe layer's `act` it fits
     biased: bool = False  # a router bias and expert biases (router_bias, expert_bias)
+    scoring: str = "softmax"  # the moe layer's `scoring` it fits (DeepSeek-V3: sigmoid)
+    # The moe layer's buffers (`LEAF.BUFFER`) -> their name inside `module` (the sigmoid router's correction bias)
+    buffers: Mapping[str, str] = attrs.field(factory=dict)
 
 
 # (the .mesh family, its settings in order, the positions it was trained for)
