@@ -91,9 +91,6 @@ def _rope(f: ConfigFields, theta_default: float) -> list[Setting]:
 def read_deepseek_v3(f: ConfigFields, pack: FamilyPack, dtype: str) -> Reading:
     """(family, settings, positions) of a DeepSeek-V3 config.json (see import_hf.model_settings)."""
     d = _DEFAULTS
-    if f.doc.get("quantization_config"):
-        raise f.refuse("quantization_config", "stores quantized weights (FP8 blocks); meshllm loads unquantized "
-                                              "weights only: dequantize the checkpoint first")
     for field, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("hidden_act", "silu")):
         got = f.text(field, want)
         if got != want:
@@ -116,7 +113,7 @@ def read_deepseek_v3(f: ConfigFields, pack: FamilyPack, dtype: str) -> Reading:
         ("ffn", f.int("intermediate_size", d["intermediate_size"]), "`intermediate_size`"),
         ("expert_ffn", f.int("moe_intermediate_size", d["moe_intermediate_size"]), "`moe_intermediate_size`"),
         ("first_dense", first, "`first_k_dense_replace`"),
-        ("q_lora_rank", 0 if q_lora is None else f.int("q_lora_rank"), "`q_lora_rank`"),
+        ("q_lora_rank", 0 if q_lora is None else f.int("q_lora_rank", d["q_lora_rank"]), "`q_lora_rank`"),
         ("kv_lora_rank", f.int("kv_lora_rank", d["kv_lora_rank"]), "`kv_lora_rank`"),
         ("qk_nope_head_dim", f.int("qk_nope_head_dim", d["qk_nope_head_dim"]), "`qk_nope_head_dim`"),
         ("qk_rope_head_dim", f.int("qk_rope_head_dim", d["qk_rope_head_dim"]), "`qk_rope_head_dim`"),
