@@ -73,7 +73,7 @@ def build_deepseek_v3(directory: Path, seed: int = 0) -> Any:
     hf = tf.DeepseekV3ForCausalLM(_config()).eval()
     gen = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        for name, p in hf.named_parameters():
+        for p in hf.parameters():
             noise = torch.randn(p.shape, generator=gen)
             p.copy_(1.0 + 0.3 * noise if p.dim() == 1 else 0.3 * noise)  # norms away from one
         for name, b in hf.named_buffers():
