@@ -293,3 +293,46 @@ def test_sharded_deepseek_v3_equals_the_reference_from_redrawn_weights(plan: str
         # gradients of both repeats' blocks, the latents' norms and the shared expert compared
         for leaf in ("dense.1.attn.kv_a.norm", "blocks.0.mlp.shared_down.weight", "blocks.1.mlp.router.weight"):
             assert f"grad {leaf}" in errs, sorted(errs)
+
+
+def test_import_hf_reads_the_published_config_as_the_671b_example() -> None:
+    """DeepSeek-V3's config.json as the hub has it (transformers 4's `rope_scaling` with `type`, the
+    original code's `aux_loss_alpha`, `seq_aux`, `moe_layer_freq`, `ep_size`), less its FP8
+    `quantization_config` (refused above), gives a model of examples/deepseek_v3_671b.mesh's
+    671,026,404,352 parameters (transformers' meta-device count, no MTP module)."""
+    from meshllm_dsl.checker import check_file, check_text
+    from meshllm_dsl.interop.import_hf import model_settings
+
+    cfg = {"architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+           "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
+           "hidden_act": "silu", "hidden_size": 7168, "initializer_range": 0.02, "intermediate_size": 18432,
+           "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+           "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+           "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 128, "num_experts_per_tok": 8,
+           "num_hidden_layers": 61, "num_key_value_heads": 128, "num_nextn_predict_layers": 1, "q_lora_rank": 1536,
+           "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+           "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 4096, "type": "yarn"},
+           "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "seq_aux": True,
+           "tie_word_embeddings": False, "topk_group": 4, "topk_method": "noaux_tc", "torch_dtype": "bfloat16",
+           "use_cache": True, "v_head_dim": 128, "vocab_size": 129280}
+    family, settings, positions = model_settings(cfg, "config.json")
+    assert (family, positions) == ("deepseek_v3", 163840)
+    read = {k: v for k, v, _ in settings}
+    assert (read["first_dense"], read["rope_type"], read["rope_factor"], read["rope_mscale_all_dim"]) == (3, "yarn", 40.0, 1.0)
+    body = "\n".join(f"    {k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v, _ in settings)
+    imported = check_text(f"model m = deepseek_v3 {{\n{body}\n}}\n", "m.mesh").models["m"]
+    example = check_file(str(Path(__file__).resolve().parents[2] / "examples" / "deepseek_v3_671b.mesh")).models["deepseek_v3"]
+    assert imported.numel == example.numel == 671_026_404_352
+
+
+def test_several_repeats_outside_the_deepseek_v3_layout_are_refused_by_name() -> None:
+    """Blocks of two kinds with Llama's attention: no Llama-shaped config.json holds them."""
+    from meshllm_dsl.checker import check_file
+    from meshllm_dsl.codegen.lower import model_description
+    from meshllm_dsl.runtime.hf import weights as hf
+
+    (plan,) = check_file(str(Path(__file__).resolve().parents[2] / "examples" / "tiny_dense_moe.mesh")).plans.values()
+    with pytest.raises(hf.WeightsError, match=r"model `tiny_dense_moe` has 2 repeats \(dense, blocks\); its Hugging Face "
+                                              r"layout \(Llama\) has blocks of one kind"):
+        hf.model_arch(model_description(plan))
