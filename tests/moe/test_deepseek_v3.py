@@ -14,6 +14,7 @@ gradients, parameters after AdamW steps, in float64) from these redrawn weights 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -336,3 +337,18 @@ def test_several_repeats_outside_the_deepseek_v3_layout_are_refused_by_name() ->
     with pytest.raises(hf.WeightsError, match=r"model `tiny_dense_moe` has 2 repeats \(dense, blocks\); its Hugging Face "
                                               r"layout \(Llama\) has blocks of one kind"):
         hf.model_arch(model_description(plan))
+
+
+def test_each_rank_reads_only_the_experts_it_holds(model: Any, pool: Any, tmp_path: Path) -> None:
+    """Experts over data 2: each rank reads half of every moe layer's experts and all of the rest
+    (the correction biases included), nothing more."""
+    from hf_models import bytes_read_job
+    from safetensors import safe_open
+
+    directory, _ = model
+    with safe_open(str(directory / "model.safetensors"), "pt") as f:
+        sizes = {k: math.prod(f.get_slice(k).get_shape()) * 4 for k in f.keys()}
+    experts = sum(v for k, v in sizes.items() if ".mlp.experts." in k)
+    rest = sum(sizes.values()) - experts
+    path, n, _ = compiled("data2_experts", tmp_path)
+    assert pool.run(bytes_read_job, n, path, str(directory)) == [experts // 2 + rest] * 2
