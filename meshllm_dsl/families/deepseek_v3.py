@@ -305,7 +305,7 @@ NAMES = attrs.evolve(
     LLAMA_NAMES, layout="deepseek_v3", attention_kind="mla",
     attn=("self_attn", {"q_a": "q_a_proj", "q_b": "q_b_proj", "q": "q_proj", "kv_a": "kv_a_proj_with_mqa",
                         "kv_b": "kv_b_proj", "o": "o_proj"}),
-    projection_norms={"q_a": "q_a_layernorm", "kv_a": "kv_a_layernorm"},
+    projection_norms={"q_a": "q_a_layernorm", "kv_a": "kv_a_layernorm"}, null_fields=("q_lora_rank",),
     write_config=_write_config, check_config=_check_config, refuse_unfit=_refuse_unfit)
 
 EXPERTS = ExpertNames(

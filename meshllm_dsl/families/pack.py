@@ -52,6 +52,9 @@ class CheckpointNames:
     attention_kind: str = "attention"  # the layer kind of its blocks' attention (DeepSeek-V3: mla)
     # The norms a projection carries (mla's latents: our `q_a.norm`) -> their HF module in the attention
     projection_norms: Mapping[str, str] = attrs.field(factory=dict)
+    # config.json fields whose null is a value of its own, not the default (DeepSeek-V3's q_lora_rank:
+    # no query latent): kept for check_config, which drops other nulls
+    null_fields: tuple[str, ...] = ()
 
 
 @attrs.frozen

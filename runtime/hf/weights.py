@@ -501,7 +501,11 @@ def _checked_config(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
 def read_config(model_dir: Path) -> dict[str, Any]:
     """``model_dir/config.json``: a JSON object, every field meshllm reads of the right type."""
     path = _source_file(model_dir, "config.json")
-    return _checked_config(_read_object(path), str(path))
+    raw = _read_object(path)
+    pack = _pack_of(raw)
+    # nulls dropped (the default), but where null is a value of its own to the architecture's layout
+    kept = pack.checkpoint.null_fields if pack is not None else ()
+    return {**_checked_config(raw, str(path)), **{k: None for k in kept if k in raw and raw[k] is None}}
 
 
 # ---------------------------------------------------------------- config.json
@@ -754,8 +758,9 @@ def _check_rope_scaling(lay: _Layout, cfg: Mapping[str, Any], scaling: Any, bad:
 def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -> None:
     """Raise ``WeightsError`` naming the first config.json field the model disagrees with."""
     lay = _layout(model)
-    cfg = _checked_config(cfg, where)
     hf = _HF_NAMES[lay.arch]
+    # nulls dropped (the default), but where null is a value of its own to the layout
+    cfg = {**_checked_config(cfg, where), **{k: None for k in hf.null_fields if k in cfg and cfg[k] is None}}
     if hf.check_config is not None:  # a layout whose pack checks its config.json wholly (experts too)
         return hf.check_config(model, lay, padded_vocab(model)[1], cfg, where, WeightsError)
     moe_wants: list[_Want] = []

@@ -352,3 +352,42 @@ def test_each_rank_reads_only_the_experts_it_holds(model: Any, pool: Any, tmp_pa
     rest = sum(sizes.values()) - experts
     path, n, _ = compiled("data2_experts", tmp_path)
     assert pool.run(bytes_read_job, n, path, str(directory)) == [experts // 2 + rest] * 2
+
+
+def test_a_direct_query_projection_and_unscaled_rope_load_and_export(pool: Any, tmp_path: Path) -> None:
+    """q_lora_rank null (one projection `q_proj`, as DeepSeek-V2-Lite) and default rope: import-hf's spec
+    loads with transformers' logits, and its export is read back by transformers with the same."""
+    from meshllm_dsl.checker import check_file
+    from meshllm_dsl.cli.main import main
+    from meshllm_dsl.codegen.emit import render_plan
+
+    config = _config()
+    config.q_lora_rank = None
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    torch.manual_seed(0)
+    hf = tf.DeepseekV3ForCausalLM(config).eval()
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(0.3 * torch.randn(p.shape, generator=gen) + (1.0 if p.dim() == 1 else 0.0))
+    directory = tmp_path / "direct_q"
+    hf.save_pretrained(directory)
+    out = tmp_path / "direct_q.mesh"
+    assert main(["import-hf", str(directory), "-o", str(out), "--seq", "8"]) == 0
+    text = out.read_text()
+    assert "q_lora_rank = 0" in text and "rope_type" not in text
+    result = check_file(str(out))
+    assert result.ok, [d.message for d in result.diagnostics]
+    (plan,) = result.plans.values()
+    path = tmp_path / "direct_q.py"
+    path.write_text(render_plan(plan, out.name, text))
+    tokens = _tokens()
+    logits, _ = pool.run(logits_job, 1, str(path), str(directory), tokens, 0)[0]
+    with torch.no_grad():
+        want = hf(tokens).logits
+    assert (logits - want).abs().max().item() <= 1e-4
+    pool.run(own_config_export_job, 1, str(path), str(directory), str(tmp_path / "back"))
+    back = tf.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "back").eval()
+    assert back.config.q_lora_rank is None
+    with torch.no_grad():
+        assert (back(tokens).logits - want).abs().max().item() == 0.0
