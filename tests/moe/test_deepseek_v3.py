@@ -294,6 +294,7 @@ def test_sharded_deepseek_v3_equals_the_reference_from_redrawn_weights(plan: str
         # gradients of both repeats' blocks, the latents' norms and the shared expert compared
         for leaf in ("dense.1.attn.kv_a.norm", "blocks.0.mlp.shared_down.weight", "blocks.1.mlp.router.weight"):
             assert f"grad {leaf}" in errs, sorted(errs)
+        assert any(k.startswith("buffer ") and k.endswith("router.e_score_correction_bias") for k in errs)
 
 
 def test_import_hf_reads_the_published_config_as_the_671b_example() -> None:
