@@ -49,6 +49,12 @@ class CheckpointNames:
     # (model, its layout, whether its MLP is a mixture of experts, error) -> None: refuses a model of
     # this layout that its architecture cannot hold
     refuse_unfit: Callable[..., None] | None = None
+    attention_kind: str = "attention"  # the layer kind of its blocks' attention (DeepSeek-V3: mla)
+    # The norms a projection carries (mla's latents: our `q_a.norm`) -> their HF module in the attention
+    projection_norms: Mapping[str, str] = attrs.field(factory=dict)
+    # config.json fields whose null is a value of its own, not the default (DeepSeek-V3's q_lora_rank:
+    # no query latent): kept for check_config, which drops other nulls
+    null_fields: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -71,6 +77,9 @@ class ExpertNames:
     tensors: Mapping[str, str] | None = None
     act: str = "swiglu"  # the moe layer's `act` it fits
     biased: bool = False  # a router bias and expert biases (router_bias, expert_bias)
+    scoring: str = "softmax"  # the moe layer's `scoring` it fits (DeepSeek-V3: sigmoid)
+    # The moe layer's buffers (`LEAF.BUFFER`) -> their name inside `module` (the sigmoid router's correction bias)
+    buffers: Mapping[str, str] = attrs.field(factory=dict)
 
 
 # (the .mesh family, its settings in order, the positions it was trained for)

@@ -435,9 +435,10 @@ _MODEL_SETTINGS_NOT_DIMS = ("dtype",)
 # (low, high) of float arguments, exclusive below: a norm's eps inside the rsqrt, rotary's base.
 _FLOAT_RANGES = {"eps": (0.0, 1.0), "rope_theta": (0.0, 1e12)}
 # 0: the value transformers computes; a moe layer's routing (runtime/moe/routing.py): no loss term, dropless,
-# a correction bias that stays as loaded.
+# a correction bias that stays as loaded; mla's yarn mscale / mscale_all_dim: absent from the config (the
+# deepseek_v3 family passes them on whatever the rope).
 _FLOAT_ZERO_MEANS_DEFAULT = frozenset({"rope_attention_factor", "aux_loss_coef", "z_loss_coef", "capacity",
-                                       "balance_rate"})
+                                       "balance_rate", "rope_mscale", "rope_mscale_all_dim"})
 
 
 class ModelResolver(Resolver):

@@ -51,33 +51,44 @@ def moe_layout(moe: Mapping[str, Any], name: str, error: type[Exception]) -> Fam
         ex = _experts(pack)
         if (pack.shared_expert == shared and ex.weights_fp32 == bool(moe["weights_fp32"])
                 and ex.renormalised in (None, bool(moe["norm_topk_prob"]))
-                and ex.act == moe.get("act", "swiglu")
+                and ex.act == moe.get("act", "swiglu") and ex.scoring == moe.get("scoring", "softmax")
                 and ex.biased == bool(moe.get("router_bias")) == bool(moe.get("expert_bias"))):
             return pack
     each = [f"{p.title}'s ({_experts(p).fits})" for p in _MOE_PACKS]
-    raise error(f"model `{name}`: a moe layer with shared expert {shared}, weights_fp32 {moe['weights_fp32']}, "
+    raise error(f"model `{name}`: a moe layer with scoring {moe.get('scoring', 'softmax')}, shared expert {shared}, "
+                f"weights_fp32 {moe['weights_fp32']}, "
                 f"norm_topk_prob {moe['norm_topk_prob']}, act {moe.get('act', 'swiglu')}, router_bias "
                 f"{bool(moe.get('router_bias'))}, expert_bias {bool(moe.get('expert_bias'))} has no Hugging Face layout; expected "
                 f"{', '.join(each[:-1])} or {each[-1]}")
 
 
-def key(blocks: str, lay: Any, parts: list[str], error: type[Exception]) -> str | None:
-    """The stored name (or ``{e}`` template) of our ``REPEAT.I.UNIT.LEAF.weight`` when UNIT is a moe
-    layer of a block under HF's ``blocks`` list; None for any other parameter."""
-    if not is_moe(lay.body) or len(parts) != 5 or parts[0] != lay.repeat:
+def key(block: str, body: Any, unit: str, rest: list[str], name: str, error: type[Exception]) -> str | None:
+    """The stored name (or ``{e}`` template) of our parameter ``name`` (``REPEAT.I.UNIT.LEAF.weight``,
+    ``rest`` being ``[LEAF, weight]``) when UNIT is the moe layer of a block (``body``) stored under
+    HF's ``block`` (``model.layers.7``); None for any other parameter."""
+    if not is_moe(body) or len(rest) != 2:
         return None
-    moe = _moe(lay)
-    if parts[2] != moe["name"]:
+    moe = next(b for b in body if b.get("moe"))
+    if unit != moe["name"]:
         return None
     ex = _experts(moe_layout(moe, "model", error))
     if ex.tensors is not None:  # each tensor named (GPT-OSS: biases, experts fused: runtime/hf/fused_experts.py)
-        theirs = ex.tensors.get(f"{parts[3]}.{parts[4]}")
+        theirs = ex.tensors.get(f"{rest[0]}.{rest[1]}")
         if theirs is None:
-            raise error(f"parameter {'.'.join(parts)} has no Hugging Face name")
-        return f"{blocks}.{parts[1]}.{ex.module}.{theirs}"
-    if parts[3] not in ex.names or parts[4] != "weight":
-        raise error(f"parameter {'.'.join(parts)} has no Hugging Face name")
-    return f"{blocks}.{parts[1]}.{ex.module}.{ex.names[parts[3]]}.weight"
+            raise error(f"parameter {name} has no Hugging Face name")
+        return f"{block}.{ex.module}.{theirs}"
+    if rest[0] not in ex.names or rest[1] != "weight":
+        raise error(f"parameter {name} has no Hugging Face name")
+    return f"{block}.{ex.module}.{ex.names[rest[0]]}.weight"
+
+
+def buffers(layer: Mapping[str, Any], error: type[Exception]) -> dict[str, str]:
+    """A block's layer's buffers a checkpoint holds: ``LEAF.BUFFER`` -> its name inside the block
+    (``mlp.gate.e_score_correction_bias``); none but a moe layer's."""
+    if not layer.get("moe"):
+        return {}
+    ex = _experts(moe_layout(layer, "model", error))
+    return {f"{layer['name']}.{ours}": f"{ex.module}.{theirs}" for ours, theirs in ex.buffers.items()}
 
 
 def is_stacked(k: str) -> bool:

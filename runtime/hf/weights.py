@@ -100,14 +100,19 @@ class _Layout:
     arch: str  # the checkpoint layout's name (CheckpointNames.layout)
     embed: str
     pos: str | None
-    repeat: str
-    count: int
+    repeat: str  # the last repeat (the one with the experts, where blocks are of two kinds)
+    count: int  # the blocks of every repeat
     body: tuple[Mapping[str, Any], ...]  # norm, attention, norm, mlp (or with post norms: the layout's norms)
     norm: Mapping[str, Any]
     head: Mapping[str, Any]
     vocab: int
     hidden: int
     norms: Mapping[str, Mapping[str, Any]]  # a block's norms by role: attn_pre, attn_post, mlp_pre, mlp_post
+    # Each repeat in order: (its name, the checkpoint's number of its first block, its blocks). HF's
+    # block list numbers the blocks of every repeat in turn (DeepSeek-V3: the dense ones, then the moe ones).
+    repeats: tuple[tuple[str, int, int], ...] = ()
+    bodies: tuple[tuple[Mapping[str, Any], ...], ...] = ()  # each repeat's block, as `body`
+    all_norms: tuple[Mapping[str, Mapping[str, Any]], ...] = ()  # each repeat's norms by role, as `norms`
 
     @property
     def attn(self) -> Mapping[str, Any]:
@@ -120,7 +125,7 @@ class _Layout:
 
 # The sublayers a checkpoint's block holds, by the MODEL's layer kind: their role in the block (the
 # CheckpointNames' `attn` / `mlp` submodules, the norms' `attn_pre` ... `mlp_post`).
-_SUBLAYER_ROLES = {"attention": "attn", "mlp": "mlp"}
+_SUBLAYER_ROLES = {"attention": "attn", "mla": "attn", "mlp": "mlp"}
 
 
 def _sublayer(body: tuple[Mapping[str, Any], ...], role: str) -> Mapping[str, Any]:
@@ -158,21 +163,28 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
     kinds = [x["kind"] for x in layers]
     name = model.get("name", "model")
     norms = sorted({a.norm for a in _HF_NAMES.values()})
-    if not (len(kinds) >= 4 and kinds[0] == "embedding" and kinds[1:-2] in (["repeat"], ["positional", "repeat"])
+    middle = kinds[1:-2][1:] if kinds[1:2] == ["positional"] else kinds[1:-2]
+    if not (len(kinds) >= 4 and kinds[0] == "embedding" and middle and set(middle) == {"repeat"}
             and kinds[-2] in norms and kinds[-1] == "linear"):
         raise WeightsError(
             f"model `{name}` ({', '.join(kinds)}) has no Hugging Face layout: expected an embedding,"
-            " optional positions, one repeat, a final norm and a head"
+            " optional positions, repeats of blocks, a final norm and a head"
         )
-    rep = next(x for x in layers if x["kind"] == "repeat")
-    body = tuple(hf_moe.as_mlp(b) for b in rep["body"])  # a moe layer stands where the MLP does
-    roles = _block_norms(body)
-    if roles is None or any(b["kind"] not in norms for b in roles.values()):
-        raise WeightsError(
-            f"model `{name}`: a block of `{rep['name']}` is "
-            f"{', '.join(b['kind'] for b in body)}; Hugging Face layouts need norm, attention, norm, mlp"
-            " (Gemma: a post norm after each sublayer; OLMo 2: attention, post norm, mlp, post norm)"
-        )
+    reps = [x for x in layers if x["kind"] == "repeat"]
+    bodies = tuple(tuple(hf_moe.as_mlp(b) for b in rep["body"]) for rep in reps)  # a moe layer stands where the MLP does
+    all_roles: list[dict[str, Mapping[str, Any]]] = []
+    for rep, body in zip(reps, bodies, strict=True):
+        roles = _block_norms(body)
+        if roles is None or any(b["kind"] not in norms for b in roles.values()):
+            raise WeightsError(
+                f"model `{name}`: a block of `{rep['name']}` is "
+                f"{', '.join(b['kind'] for b in body)}; Hugging Face layouts need norm, attention, norm, mlp"
+                " (Gemma: a post norm after each sublayer; OLMo 2: attention, post norm, mlp, post norm)"
+            )
+        all_roles.append(roles)
+    # The block with the experts where the repeats differ by their MLP (DeepSeek-V3's dense blocks first)
+    last = next((i for i, body in enumerate(bodies) if hf_moe.is_moe(body)), len(bodies) - 1)
+    body, roles, rep = bodies[last], all_roles[last], reps[last]
     attn, mlp = _sublayer(body, "attn"), _sublayer(body, "mlp")
     table = description.position_table(model)
     pos = None if table is None else table["name"]
@@ -181,28 +193,43 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
     # The family's own layout where the model names its family; else the one its structure fits.
     family_layout = _FAMILY_LAYOUT.get(str(model.get("family")))
     arch = next((arch for arch, a in _HF_NAMES.items() if family_layout in (None, arch)
-                 and a.positions == (pos is not None)
+                 and a.positions == (pos is not None) and a.attention_kind == attn["kind"]
                  and a.fused_qkv == bool(attn.get("fused_qkv")) and a.norm == kind
                  and set(a.norms) == set(roles) and a.norm_offset == offset), None)
     if arch is None or _HF_NAMES[arch].act not in (None, mlp["act"]):
         raise WeightsError(
-            f"model `{name}` mixes conventions (positions {pos is not None}, fused qkv "
+            f"model `{name}` mixes conventions ({attn['kind']}, positions {pos is not None}, fused qkv "
             f"{bool(attn.get('fused_qkv'))}, {kind} {'/'.join(roles)} with offset {offset}, {mlp['act']}):"
-            " no checkpoint layout (Llama, GPT-2, Gemma 2 / 3, OLMo 2) fits"
+            " no checkpoint layout (Llama, GPT-2, Gemma 2 / 3, OLMo 2, DeepSeek-V3) fits"
         )
+    if len(reps) > 1 and _HF_NAMES[arch].write_config is None:
+        # one Llama-shaped config.json describes one kind of block
+        raise WeightsError(
+            f"model `{name}` has {len(reps)} repeats ({', '.join(r['name'] for r in reps)}); its Hugging Face "
+            f"layout ({_BY_LAYOUT[arch].title or arch}) has blocks of one kind: expected one repeat "
+            "(blocks of two kinds: the deepseek_v3 family)"
+        )
+    firsts: list[tuple[str, int, int]] = []
+    at = 0
+    for r in reps:
+        firsts.append((r["name"], at, int(r["count"])))
+        at += int(r["count"])
     embed = layers[0]
     return _Layout(
         arch=arch,
         embed=embed["name"],
         pos=pos,
         repeat=rep["name"],
-        count=int(rep["count"]),
+        count=at,
         body=body,
         norm=layers[-2],
         head=layers[-1],
         vocab=int(embed["num"]),
         hidden=int(embed["dim"]),
         norms=roles,
+        repeats=tuple(firsts),
+        bodies=bodies,
+        all_norms=tuple(all_roles),
     )
 
 
@@ -234,7 +261,7 @@ _POST_LAYOUT = next(name for name, a in _HF_NAMES.items() if "attn_pre" not in a
 # Every layer kind some checkpoint layout holds (runtime/ cannot import the compiler's registry;
 # tests/frontend/test_primitive_registry.py checks this against it).
 ADAPTER_KINDS = frozenset({"embedding", "linear", "attention", "mlp", "moe"}
-                          | {a.norm for a in _HF_NAMES.values()}
+                          | {a.norm for a in _HF_NAMES.values()} | {a.attention_kind for a in _HF_NAMES.values()}
                           | ({"positional"} if any(a.positions for a in _HF_NAMES.values()) else set()))
 
 
@@ -244,29 +271,34 @@ def hf_key_map(model: Mapping[str, Any], names: list[str]) -> dict[str, tuple[st
     hf = _HF_NAMES[lay.arch]
     ours = {"embed": lay.embed, "pos": lay.pos, "norm": lay.norm["name"], "head": lay.head["name"]}
     top = {ours[role]: module for role, module in hf.top.items()}
-    units: dict[str, tuple[str, Mapping[str, str] | None]] = {
-        lay.attn["name"]: hf.attn, lay.mlp["name"]: hf.mlp,
-        **{b["name"]: (hf.norms[role], None) for role, b in lay.norms.items()},
-    }
+    repeats = {rname: (first, bodies, roles)
+               for (rname, first, _), bodies, roles in zip(lay.repeats, lay.bodies, lay.all_norms, strict=True)}
     out: dict[str, tuple[str, bool]] = {}
     for name in names:
         parts = name.split(".")
-        moe_key = hf_moe.key(hf.blocks, lay, parts, WeightsError)
-        if moe_key is not None:  # a mixture of experts: runtime/hf/moe.py
-            out[name] = (moe_key, False)
-            continue
         key: str | None = None
         transposed = False
         if parts[0] in top:
             key = f"{top[parts[0]]}.{parts[1]}"
-        elif parts[0] == lay.repeat and len(parts) >= 4 and parts[2] in units:
-            i, unit, rest = parts[1], parts[2], parts[3:]
-            module, projections = units[unit]
+        elif parts[0] in repeats and len(parts) >= 4:
+            first, body, roles = repeats[parts[0]]
+            i, unit, rest = first + int(parts[1]), parts[2], parts[3:]
+            moe_key = hf_moe.key(f"{hf.blocks}.{i}", body, unit, rest, name, WeightsError)
+            if moe_key is not None:  # a mixture of experts: runtime/hf/moe.py
+                out[name] = (moe_key, False)
+                continue
+            units: dict[str, tuple[str, Mapping[str, str] | None]] = {
+                _sublayer(body, "attn")["name"]: hf.attn, _sublayer(body, "mlp")["name"]: hf.mlp,
+                **{b["name"]: (hf.norms[role], None) for role, b in roles.items()},
+            }
+            module, projections = units.get(unit, ("", {}))
             if projections is None:  # a norm: its parameters directly
                 key = f"{hf.blocks}.{i}.{module}.{rest[0]}"
+            elif rest[0] in hf.projection_norms and rest[1:] == ["norm"] and unit == _sublayer(body, "attn")["name"]:
+                key = f"{hf.blocks}.{i}.{module}.{hf.projection_norms[rest[0]]}.weight"  # mla's latents' norms
             elif rest[0] in projections and rest[1:] == ["norm"]:  # attention's q / k norm scale
                 key = f"{hf.blocks}.{i}.{module}.{rest[0]}_norm.weight"
-            elif rest == ["q", "sinks"]:  # attention's sinks (GPT-OSS): one logit per head, kept with q
+            elif rest == ["q", "sinks"] and unit in units:  # attention's sinks (GPT-OSS): one logit per head, kept with q
                 key = f"{hf.blocks}.{i}.{module}.sinks"
             elif rest[0] in projections:
                 key = f"{hf.blocks}.{i}.{module}.{projections[rest[0]]}.{rest[1]}"
@@ -275,6 +307,44 @@ def hf_key_map(model: Mapping[str, Any], names: list[str]) -> dict[str, tuple[st
             raise WeightsError(f"parameter {name} has no Hugging Face name")
         out[name] = (key, transposed)
     return out
+
+
+def hf_buffer_map(model: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Our full name -> (the HF tensor, its shape) of every buffer a checkpoint holds (the sigmoid
+    routers' correction biases ``REPEAT.I.UNIT.router.e_score_correction_bias`` [experts]), over every block."""
+    lay = _layout(model)
+    blocks = _HF_NAMES[lay.arch].blocks
+    out: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for (rname, first, count), body in zip(lay.repeats, lay.bodies, strict=True):
+        for b in body:
+            for leaf, theirs in hf_moe.buffers(b, WeightsError).items():
+                for i in range(count):
+                    out[f"{rname}.{i}.{leaf}"] = (f"{blocks}.{first + i}.{theirs}", (int(b["experts"]),))
+    return out
+
+
+def plan_buffers(ckpt: HFCheckpoint, model: Mapping[str, Any]) -> dict[str, str]:
+    """Check every buffer the checkpoint holds for the model (present, floating point, its shape);
+    return our full name -> its stored key."""
+    out: dict[str, str] = {}
+    for name, (key, shape) in hf_buffer_map(model).items():
+        stored = ckpt.key(key)
+        if stored is None:
+            files = sorted({p.name for p in ckpt.where.values()})
+            raise WeightsError(f"tensor {key} (for the buffer {name}) is missing from {ckpt.dir} ({', '.join(files)})")
+        if ckpt.dtypes.get(stored) not in _FLOATING:
+            raise WeightsError(f"tensor {stored} in {ckpt.where[stored]} is stored as {ckpt.dtypes.get(stored)}, but "
+                               f"{name} is a floating-point buffer; expected one of {', '.join(sorted(_FLOATING))}")
+        if tuple(ckpt.shape(stored)) != shape:
+            raise WeightsError(f"tensor {stored} in {ckpt.where[stored]} has shape {tuple(ckpt.shape(stored))}, but "
+                               f"{name} needs {shape}")
+        out[name] = stored
+    return out
+
+
+def read_buffer(ckpt: HFCheckpoint, key: str, mesh: Mesh, dtype: torch.dtype) -> Tensor:
+    """A buffer whole (every rank of its stage holds all of it)."""
+    return local_from_hf(ckpt, key, False, ShardSpec(key, tuple(ckpt.shape(key)), ()), mesh, dtype)
 
 
 # ---------------------------------------------------------------- files from outside
@@ -431,7 +501,11 @@ def _checked_config(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
 def read_config(model_dir: Path) -> dict[str, Any]:
     """``model_dir/config.json``: a JSON object, every field meshllm reads of the right type."""
     path = _source_file(model_dir, "config.json")
-    return _checked_config(_read_object(path), str(path))
+    raw = _read_object(path)
+    pack = _pack_of(raw)
+    # nulls dropped (the default), but where null is a value of its own to the architecture's layout
+    kept = pack.checkpoint.null_fields if pack is not None else ()
+    return {**_checked_config(raw, str(path)), **{k: None for k in kept if k in raw and raw[k] is None}}
 
 
 # ---------------------------------------------------------------- config.json
@@ -684,8 +758,9 @@ def _check_rope_scaling(lay: _Layout, cfg: Mapping[str, Any], scaling: Any, bad:
 def check_config(model: Mapping[str, Any], cfg: Mapping[str, Any], where: str) -> None:
     """Raise ``WeightsError`` naming the first config.json field the model disagrees with."""
     lay = _layout(model)
-    cfg = _checked_config(cfg, where)
     hf = _HF_NAMES[lay.arch]
+    # nulls dropped (the default), but where null is a value of its own to the layout
+    cfg = {**_checked_config(cfg, where), **{k: None for k in hf.null_fields if k in cfg and cfg[k] is None}}
     if hf.check_config is not None:  # a layout whose pack checks its config.json wholly (experts too)
         return hf.check_config(model, lay, padded_vocab(model)[1], cfg, where, WeightsError)
     moe_wants: list[_Want] = []
@@ -985,6 +1060,7 @@ def check_weights(directory: str | Path, program: Any, extra: str = "error") -> 
     shapes = {name: spec.shape for stage in specs.values() for name, spec in stage.items()}
     used = {ckpt.key(hf_fused.base(hf_fx.base(k))) or k for name, (key, _) in plan_load(ckpt, program.model, specs).items()
             for k in hf_moe.stored(key, shapes[name])}
+    used |= set(plan_buffers(ckpt, program.model).values())
     tied = bool(_layout(program.model).head.get("tie"))
     extras = sorted(
         k for k in ckpt.where
@@ -1237,6 +1313,18 @@ def _gathered(built: Any, stage: int, spec: ShardSpec, pp_group: Any) -> Tensor:
     return full
 
 
+def _gathered_buffer(built: Any, stage: int, name: str, shape: tuple[int, ...], pp_group: Any) -> Tensor:
+    """A buffer (whole on every rank of its stage), on every rank of its pipeline group."""
+    if stage in built.modules:
+        full = built.routing_buffers()[name].detach().to(built.program.dtype).clone()
+    else:
+        full = torch.empty(shape, dtype=built.program.dtype, device=built.device)
+    if pp_group is not None:
+        # [experts]: from the pipeline rank holding the stage to the rest of its group.
+        dist.broadcast(full, src=_stage_holder(built, stage), group=pp_group)
+    return full
+
+
 @dataclass
 class _Pending:
     """What rank 0 holds between shard files: tensors to write, their files, fused parts so far."""
@@ -1307,11 +1395,19 @@ def export_hf(
         return math.prod((rows_written, *spec.shape[1:])) * itemsize
 
     files, file_of, total = _shard_files(order, nbytes_of, max_shard_bytes)
+    # Buffers (the routers' correction biases), held by the stage of their router, go in the first file
+    buffer_stage = {name: next(s for s, n, _ in order if n.startswith(name.rsplit(".", 1)[0] + "."))
+                    for name in hf_buffer_map(model)}
+    total += sum(math.prod(shape) * itemsize for _, shape in hf_buffer_map(model).values())
     pp_group = mesh.group(program.pipeline_axis) if program.pipeline_axis else None
     pending = _Pending()
     writer = _ExportWriter(out_dir) if mesh.rank == mesh.ranks[0] else None
     try:
         stage_of = {n: s for s, n, _ in order}
+        for name, (key, shape) in hf_buffer_map(model).items():  # the routers' correction biases: in the first file
+            full = _gathered_buffer(built, buffer_stage[name], name, shape, pp_group)
+            if writer is not None:
+                pending.put(key, False, full, file_of[files[0][0]])
         for names in files:
             for name in names:
                 full = _gathered(built, stage_of[name], built.specs[stage_of[name]][name], pp_group)

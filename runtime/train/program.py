@@ -307,6 +307,11 @@ class Built:
                         local = local_slice(full, spec, mesh)
                     module.get_parameter(spec.local).copy_(local)
             self.modules[i] = module
+        if hf is not None:  # the buffers a checkpoint holds: the sigmoid routers' correction biases
+            buffer_keys = hf.plan_buffers(ckpt, program.model)
+            with torch.no_grad():
+                for name, buf in self.routing_buffers().items():
+                    buf.copy_(hf.read_buffer(ckpt, buffer_keys[name], mesh, buf.dtype))
         # Bytes of checkpoint tensors this rank read (its slices only); 0 without --weights.
         self.weights_bytes_read = ckpt.bytes_read if hf is not None else 0
         self._check_coverage()

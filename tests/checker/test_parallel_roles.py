@@ -38,6 +38,7 @@ EXAMPLE_ROLES = {
     ("deepseek_v3_671b.mesh", "train"): R(pipeline="pipeline", batch=("replica", "data"),
                                           batch_shard=("replica", "data"), expert=("data",)),
     ("tiny_mla.mesh", "train"): R(tensor=("tensor",), loss=("tensor",), context=("cp",)),
+    ("tiny_deepseek.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",), expert=("data",)),
     ("tiny_dense_moe.mesh", "train"): R(pipeline="pipeline", batch=("data",), batch_shard=("data",), tensor=("tensor",), loss=("tensor",),
                                         expert=("data",)),
     # ZeRO 1 over replica x data (the experts' states over replica, the ranks holding the same ones);

@@ -57,14 +57,16 @@ def test_runtime_reference_builds_exactly_the_registry_kinds() -> None:
 
 # Kinds no family pack stores yet: a model using one is refused by the weights adapter, by name.
 # mla's checkpoint layout comes with the DeepSeek-V3 pack (issue 38), which needs dense-first blocks.
-NO_CHECKPOINT_LAYOUT = {"mla"}
+NO_CHECKPOINT_LAYOUT: set[str] = set()
 
 
 def test_hugging_face_adapters_hold_every_registry_kind() -> None:
     # A kind no family's checkpoint layout names could not be loaded from or exported to HF.
     assert hf.ADAPTER_KINDS == set(REGISTRY) - NO_CHECKPOINT_LAYOUT
-    with pytest.raises(hf.WeightsError, match=r"a block of `blocks` is rmsnorm, mla, rmsnorm, mlp; Hugging Face layouts need"):
-        hf.model_arch(_description("tiny_mla.mesh"))
+    # mla's layout is DeepSeek-V3's, whose config.json holds dense blocks followed by moe blocks only
+    assert hf.model_arch(_description("tiny_mla.mesh")) == "deepseek_v3"
+    with pytest.raises(hf.WeightsError, match=r"DeepseekV3ForCausalLM has dense blocks then mixture-of-experts blocks"):
+        hf.hf_config(_description("tiny_mla.mesh"), torch.float32)
 
 
 def _description(example: str) -> dict[str, Any]:
@@ -78,7 +80,7 @@ def test_the_adapter_is_chosen_by_the_models_layers_and_a_misfit_is_named() -> N
     gelu_llama = _description("tiny_llama.mesh")
     block = next(x for x in gelu_llama["layers"] if x["kind"] == "repeat")["body"]
     block[3]["act"] = "gelu"
-    with pytest.raises(hf.WeightsError, match=r"mixes conventions \(positions False, fused qkv False, rmsnorm attn_pre/mlp_pre with offset 0.0, gelu\)"):
+    with pytest.raises(hf.WeightsError, match=r"mixes conventions \(attention, positions False, fused qkv False, rmsnorm attn_pre/mlp_pre with offset 0.0, gelu\)"):
         hf.model_arch(gelu_llama)
     block[1], block[3] = block[3], block[1]
     with pytest.raises(hf.WeightsError, match="is rmsnorm, mlp, rmsnorm, attention; Hugging Face layouts need norm"):

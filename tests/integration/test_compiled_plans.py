@@ -130,6 +130,9 @@ CASES: dict[str, str] = {
     # tensor with the experts over data; interleaved stages under context parallelism, a stage's range
     # crossing from one repeat into the other; ZeRO-3 with every other block of each kind recomputed.
     "block_kinds_data2_pipeline2_tensor2": (ROOT / "examples" / "tiny_dense_moe.mesh").read_text(),
+    # The deepseek_v3 family's example: latent attention, dense then sigmoid-routed moe blocks, the
+    # experts over data inside tensor parallelism.
+    "tiny_deepseek_data2_tensor2": (ROOT / "examples" / "tiny_deepseek.mesh").read_text(),
     "block_kinds_interleaved_context2": _spec("pipeline = 2, cp = 2", "microbatches = 4\n layout { seq -> cp }\n"
                                               " stages over pipeline virtual 2 balanced\n schedule interleaved_1f1b",
                                               DENSE_MOE),
