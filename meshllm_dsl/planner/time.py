@@ -72,6 +72,12 @@ KERNELS = {
     "expert_dispatch": 20,
     "expert_parallel_expert": 40,
     "expert_dispatch_piece": 10,
+    # the grouped path (runtime/moe/grouped.py: one torch._grouped_mm per projection for every local
+    # expert at once): the rows gathered, the offsets, three grouped matmuls, SwiGLU, weighted, forward
+    # and backward, whatever the experts (fitted to `meshc run --profile` of tests/planner/test_time_model.py's
+    # moe plans: 655 and 848 kernels a step, planned 655 and 849)
+    "experts_grouped": 47,
+    "expert_parallel_grouped": 44,
 }
 # Per parameter tensor and step: zero its gradient; AdamW's update (torch's fused kernel); on
 # data-parallel ranks its share of the flattened all-reduce.

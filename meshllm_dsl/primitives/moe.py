@@ -269,19 +269,32 @@ class Moe(Primitive):
         e = DTYPES[plan.dtype]
         return 4 * e * self._routed(hu, tokens) * self._ffn_local(plan, hu, "gate", "ffn")
 
+    def runs_grouped(self, plan: PlanIR, hu: HeldUnit) -> bool:
+        """Whether the runtime runs this layer's experts through torch._grouped_mm (runtime/moe/grouped.py
+        grouped_runs, as the plan decides it): not in float64, which torch 2.13 refuses; rows of hidden
+        and of the local ffn each a multiple of 16 bytes; not under a split-backward schedule
+        (runtime/train/program.py: the loop there)."""
+        if plan.dtype == "fp64" or plan.schedule in ("interleaved_zb", "zbv", "dualpipev"):
+            return False
+        e = DTYPES[plan.dtype]
+        return all(n * e % 16 == 0 for n in (int(hu.unit.attr("hidden")), self._ffn_local(plan, hu, "gate", "ffn")))  # type: ignore[arg-type]
+
     def kernels(self, plan: PlanIR, hu: HeldUnit, k: Mapping[str, int], linears: int) -> int:
-        """The runtime runs each expert a rank holds on its rows, one after the other (runtime/moe/experts.py
-        `experts_swiglu`; runtime/moe/dispatch.py under expert parallelism), so the kernels grow with
-        the rank's local experts (all of them without expert parallelism), each at balanced routing
-        receiving rows. `linears` counts the stacked gate / up / down once: they are in the
-        per-expert count instead."""
+        """Where the grouped path runs (`runs_grouped`) a rank's experts are one set of kernels whatever
+        their number; elsewhere the runtime runs each expert a rank holds on its rows, one after the
+        other (runtime/moe/experts.py `experts_swiglu`; runtime/moe/dispatch.py under expert
+        parallelism), so the kernels grow with the rank's local experts (all of them without expert
+        parallelism), each at balanced routing receiving rows. `linears` counts the stacked gate / up /
+        down once: they are in the experts' count instead."""
         degree = costs.expert_degree(plan, hu)
         local = int(hu.unit.attr("experts")) // degree  # type: ignore[arg-type]
         n = linears - len(_EXPERTS) * k["linear"] + k["moe_routing"] + k["residual"]
+        grouped = self.runs_grouped(plan, hu)
         if degree > 1:
-            n += k["expert_dispatch"] + local * (k["expert_parallel_expert"] + degree * k["expert_dispatch_piece"])
+            n += k["expert_dispatch"] + local * degree * k["expert_dispatch_piece"]
+            n += k["expert_parallel_grouped"] if grouped else local * k["expert_parallel_expert"]
         else:
-            n += local * k["expert"]
+            n += k["experts_grouped"] if grouped else local * k["expert"]
         if hu.unit.attr("shared_expert") and _ungated(hu.unit):  # DeepSeek's: its SwiGLU and the sum
             n += k["swiglu"] + k["residual"]
         elif hu.unit.attr("shared_expert"):  # its SwiGLU, the sigmoid gate, the scaling and the sum
