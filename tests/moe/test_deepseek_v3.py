@@ -392,3 +392,21 @@ def test_a_direct_query_projection_and_unscaled_rope_load_and_export(pool: Any, 
     assert back.config.q_lora_rank is None
     with torch.no_grad():
         assert (back(tokens).logits - want).abs().max().item() == 0.0
+
+
+def test_ungrouped_routing_writes_and_checks_its_config() -> None:
+    """n_group 1 (Kimi K2's): the MODEL description leaves groups / topk_groups / routed_scaling out at
+    their defaults, and the config.json written still says them."""
+    import torch
+
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.codegen.lower import model_description
+    from meshllm_dsl.runtime.hf import weights as hf
+
+    text = MODEL.replace("groups = 4, topk_groups = 2, routed_scaling = 2.5,", "groups = 1, topk_groups = 1, routed_scaling = 1.0,") + "\nmesh g { axes data = 1 }\n" \
+        "plan p on g for m {\n    batch = 2\n    seq = 8\n}\n"
+    (plan,) = check_text(text, "m.mesh").plans.values()
+    desc = model_description(plan)
+    cfg = hf.hf_config(desc, torch.float32)
+    assert (cfg["n_group"], cfg["topk_group"], cfg["routed_scaling_factor"]) == (1, 1, 1.0)
+    hf.check_config(desc, cfg, "config.json")  # what it wrote, it reads back
