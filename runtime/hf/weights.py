@@ -238,6 +238,15 @@ def model_arch(model: Mapping[str, Any]) -> str:
     return _layout(model).arch
 
 
+def maps_partial_rotary(model: Mapping[str, Any]) -> bool:
+    """Whether the model's checkpoint layout maps attention's rotary_dim (config.json's
+    partial_rotary_factor, GLM-4.5); False where no layout fits (the load says why)."""
+    try:
+        return _HF_NAMES[_layout(model).arch].partial_rotary
+    except WeightsError:
+        return False
+
+
 def padded_vocab(model: Mapping[str, Any]) -> tuple[int, int]:
     """(rows of the embedding, real vocab): rows past the real vocab are padding."""
     lay = _layout(model)
