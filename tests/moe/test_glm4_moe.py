@@ -184,8 +184,8 @@ def test_import_hf_writes_a_spec_whose_weights_give_transformers_logits(model: A
 @pytest.mark.parametrize(("field", "value", "says"), [
     ("hidden_act", "gelu", "`hidden_act` = 'gelu' is not supported"),
     ("rope_parameters", {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}, "`rope_parameters.rope_type` = 'linear'"),
-    ("rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.3},
-     "`rope_parameters.partial_rotary_factor` = 0.3 turns 4 of head_dim 16"),
+    ("rope_parameters", {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.35},
+     "`rope_parameters.partial_rotary_factor` = 0.35 turns 5 of head_dim 16"),
     ("quantization_config", {"quant_method": "fp8"}, "`quantization_config` is set"),
     ("first_k_dense_replace", 0, "`first_k_dense_replace` = 0"),
     ("attention_dropout", 0.1, "`attention_dropout` = 0.1 drops attention probabilities"),
