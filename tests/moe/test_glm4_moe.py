@@ -236,3 +236,39 @@ def test_sharded_glm4_moe_equals_the_reference_from_redrawn_weights(plan: str, m
         for leaf in ("dense.0.attn.q.bias", "blocks.0.mlp.shared_down.weight", "blocks.1.mlp.router.weight"):
             assert f"grad {leaf}" in errs, sorted(errs)
         assert any(k.startswith("buffer ") and k.endswith("router.e_score_correction_bias") for k in errs)
+
+
+# GLM-4.5's config.json as the hub has it (zai-org/GLM-4.5; transformers 4's top-level rope_theta and
+# partial_rotary_factor)
+PUBLISHED = {
+    "architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "pad_token_id": 151329,
+    "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
+    "partial_rotary_factor": 0.5, "initializer_range": 0.02, "intermediate_size": 12288,
+    "max_position_embeddings": 131072, "model_type": "glm4_moe", "moe_intermediate_size": 1536, "norm_topk_prob": True,
+    "num_attention_heads": 96, "n_group": 1, "topk_group": 1, "n_routed_experts": 160, "n_shared_experts": 1,
+    "routed_scaling_factor": 2.5, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "num_hidden_layers": 92,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+    "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_qk_norm": True, "vocab_size": 151552,
+}
+
+
+def test_import_hf_reads_the_published_config_as_the_355b_example() -> None:
+    """The published config.json gives a model of examples/glm45_355b.mesh's 352,797,814,784 parameters:
+    transformers' Glm4MoeForCausalLM built from it on the meta device (no MTP module) has as many."""
+    from meshllm_dsl.checker import check_file, check_text
+    from meshllm_dsl.interop.import_hf import model_settings
+
+    family, settings, positions = model_settings(dict(PUBLISHED), "config.json")
+    assert (family, positions) == ("glm4_moe", 131072)
+    read = {k: v for k, v, _ in settings}
+    assert (read["rotary_dim"], read["head_dim"], read["qk_norm"], read["attn_bias"], read["first_dense"]) == \
+        (64, 128, "head", True, 3)
+    body = "\n".join(f"    {k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v, _ in settings)
+    imported = check_text(f"model m = glm4_moe {{\n{body}\n}}\n", "m.mesh").models["m"]
+    example = check_file(str(Path(__file__).resolve().parents[2] / "examples" / "glm45_355b.mesh")).models["glm45"]
+    config = tf.Glm4MoeConfig(**{k: v for k, v in PUBLISHED.items() if k not in ("architectures", "model_type")})
+    with torch.device("meta"):
+        hf = tf.Glm4MoeForCausalLM(config)
+    assert len(hf.model.layers) == 92  # num_nextn_predict_layers builds nothing
+    assert imported.numel == example.numel == sum(p.numel() for p in hf.parameters()) == 352_797_814_784
