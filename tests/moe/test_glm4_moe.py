@@ -272,3 +272,19 @@ def test_import_hf_reads_the_published_config_as_the_355b_example() -> None:
         hf = tf.Glm4MoeForCausalLM(config)
     assert len(hf.model.layers) == 92  # num_nextn_predict_layers builds nothing
     assert imported.numel == example.numel == sum(p.numel() for p in hf.parameters()) == 352_797_814_784
+
+
+@pytest.mark.parametrize("flag", ["--weights", "--export-hf"])
+def test_launch_takes_the_partial_rotary_of_the_glm4_moe_layout(flag: str, tmp_path: Path) -> None:
+    """The glm4_moe layout writes and checks config.json's partial_rotary_factor: `meshc run` takes its
+    rotary_dim with a checkpoint (a Llama-shaped one still refuses it: tests/runtime/test_partial_rotary.py)."""
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.codegen.lower import model_description
+    from meshllm_dsl.runtime.train import launch
+
+    (plan,) = check_text(plan_spec("one = 1", _model("plain"), "", batch=4), "m.mesh").plans.values()
+    model = model_description(plan)
+    assert any(layer.get("rotary_dim") == 8 for rep in model["layers"] if rep["kind"] == "repeat" for layer in rep["body"])
+    (tmp_path / "hf").mkdir()
+    args = launch.parse_args([flag, str(tmp_path / ("hf" if flag == "--weights" else "out"))])
+    launch.check_inputs(args, model, 8)
