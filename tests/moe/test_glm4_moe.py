@@ -5,7 +5,7 @@ A tiny random Glm4MoeForCausalLM is built offline (1 dense block then 2 moe bloc
 groups of which 1 is kept, one shared expert, grouped-query attention with q, k, v biases, rotary over
 half of each head: partial_rotary_factor 0.5; per-head q / k norms in one variant), every weight and the
 routers' correction biases redrawn away from HF's init, and saved as transformers writes it. Loaded into
-single, expert-parallel and tensor-parallel plans on the shared worker pool: logits within 1e-4 of
+single, expert-parallel, tensor-parallel and pipeline plans on the shared worker pool: logits within 1e-4 of
 transformers', greedy tokens equal; exported back and read by transformers' from_pretrained: the same
 logits. The sharded plans train against the unsharded reference (outputs, gradients, parameters after
 AdamW steps, in float64) from these redrawn weights and biases.
@@ -53,6 +53,11 @@ PLANS = {  # mesh axes, plan body
     "data2_experts": ("data = 2", "    layout { batch -> data, experts -> data }\n"),
     # expert parallelism over data inside tensor parallelism
     "data2_tensor2_experts": ("data = 2, tensor = 2", TP),
+    # stage 0 holds the dense block and the first moe block: a stage across the two repeats
+    "pipeline2_data2_experts": ("pipeline = 2, data = 2",
+                                "    layout { batch -> data, experts -> data }\n    microbatches = 2\n"
+                                "    stages over pipeline {\n        0: embed, dense[0:1], blocks[0:1]\n"
+                                "        1: blocks[1:2], norm, lm_head\n    }\n    schedule 1f1b\n"),
 }
 
 
@@ -132,7 +137,7 @@ def test_weights_give_transformers_logits_and_tokens(plan: str, model: Any, pool
     assert generated.tolist() == want_tokens.tolist()
 
 
-@pytest.mark.parametrize("plan", ["single", "data2_tensor2_experts"])
+@pytest.mark.parametrize("plan", ["single", "data2_tensor2_experts", "pipeline2_data2_experts"])
 def test_export_round_trips_through_transformers(plan: str, model: Any, pool: Any, tmp_path: Path) -> None:
     """Exported with the source's config.json and with meshllm's own: transformers reads back the same
     model (the correction biases and the partial rotary too: the logits are equal)."""
