@@ -293,3 +293,17 @@ def test_launch_takes_the_partial_rotary_of_the_glm4_moe_layout(flag: str, tmp_p
     (tmp_path / "hf").mkdir()
     args = launch.parse_args([flag, str(tmp_path / ("hf" if flag == "--weights" else "out"))])
     launch.check_inputs(args, model, 8)
+
+
+def test_the_written_config_holds_the_routing_left_at_its_defaults() -> None:
+    """A moe layer's description leaves out groups / topk_groups / routed_scaling at 1 (GLM-4.5's own
+    n_group and topk_group): the written config.json still has them, as transformers' defaults."""
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.codegen.lower import model_description
+    from meshllm_dsl.runtime.hf import weights as hf
+
+    text = _model("plain").replace(" groups = 2,", "").replace(" topk_groups = 1,", "").replace(" routed_scaling = 2.5,", "")
+    (plan,) = check_text(plan_spec("one = 1", text, "", batch=4), "m.mesh").plans.values()
+    cfg = hf.hf_config(model_description(plan), torch.float32)
+    assert (cfg["n_group"], cfg["topk_group"], cfg["routed_scaling_factor"]) == (1, 1, 1.0)
+    assert cfg["rope_parameters"] == {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5}
