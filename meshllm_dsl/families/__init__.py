@@ -11,6 +11,7 @@ from __future__ import annotations
 from meshllm_dsl.families import (
     deepseek_v3,
     gemma,
+    glm4_moe,
     gpt2,
     gpt_oss,
     llama,
@@ -30,6 +31,7 @@ PACKS: tuple[FamilyPack, ...] = (
     llama.PACK, mistral.PACK, qwen2.PACK, qwen3.PACK, phi3.PACK, olmo2.PACK, gpt2.PACK,
     gemma.GEMMA2, gemma.GEMMA3,
     mixtral.PACK, qwen2_moe.PACK, qwen3_moe.PACK, gpt_oss.PACK, deepseek_v3.PACK,
+    glm4_moe.PACK,
 )
 BY_ARCHITECTURE: dict[str, FamilyPack] = {p.architecture: p for p in PACKS}
 BY_MODEL_TYPE: dict[str, FamilyPack] = {p.model_type: p for p in PACKS}

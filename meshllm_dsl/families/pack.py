@@ -55,6 +55,9 @@ class CheckpointNames:
     # config.json fields whose null is a value of its own, not the default (DeepSeek-V3's q_lora_rank:
     # no query latent): kept for check_config, which drops other nulls
     null_fields: tuple[str, ...] = ()
+    # Its config.json carries partial rotary (`partial_rotary_factor`: GLM-4.5), written and checked by
+    # write_config / check_config: attention's rotary_dim is mapped, not refused
+    partial_rotary: bool = False
 
 
 @attrs.frozen

@@ -200,14 +200,14 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
         raise WeightsError(
             f"model `{name}` mixes conventions ({attn['kind']}, positions {pos is not None}, fused qkv "
             f"{bool(attn.get('fused_qkv'))}, {kind} {'/'.join(roles)} with offset {offset}, {mlp['act']}):"
-            " no checkpoint layout (Llama, GPT-2, Gemma 2 / 3, OLMo 2, DeepSeek-V3) fits"
+            " no checkpoint layout (Llama, GPT-2, Gemma 2 / 3, OLMo 2, DeepSeek-V3, GLM-4.5) fits"
         )
     if len(reps) > 1 and _HF_NAMES[arch].write_config is None:
         # one Llama-shaped config.json describes one kind of block
         raise WeightsError(
             f"model `{name}` has {len(reps)} repeats ({', '.join(r['name'] for r in reps)}); its Hugging Face "
             f"layout ({_BY_LAYOUT[arch].title or arch}) has blocks of one kind: expected one repeat "
-            "(blocks of two kinds: the deepseek_v3 family)"
+            "(blocks of two kinds: the deepseek_v3 and glm4_moe families)"
         )
     firsts: list[tuple[str, int, int]] = []
     at = 0
@@ -236,6 +236,15 @@ def _layout(model: Mapping[str, Any]) -> _Layout:
 def model_arch(model: Mapping[str, Any]) -> str:
     """The name of the checkpoint layout the model reads and writes (a pack's ``CheckpointNames.layout``)."""
     return _layout(model).arch
+
+
+def maps_partial_rotary(model: Mapping[str, Any]) -> bool:
+    """Whether the model's checkpoint layout maps attention's rotary_dim (config.json's
+    partial_rotary_factor, GLM-4.5); False where no layout fits (the load says why)."""
+    try:
+        return _HF_NAMES[_layout(model).arch].partial_rotary
+    except WeightsError:
+        return False
 
 
 def padded_vocab(model: Mapping[str, Any]) -> tuple[int, int]:

@@ -245,10 +245,12 @@ def check_inputs(args: argparse.Namespace, model: Any = None, seq: int = 0) -> N
         if data.stat().st_size == 0:
             raise InputError(f"--data {data}: the file is empty")
     if model is not None and (args.weights or args.export_hf):
+        from meshllm_dsl.runtime.hf.weights import maps_partial_rotary
         from meshllm_dsl.runtime.model.description import partial_rotary
 
         partial = partial_rotary(model)
-        if partial is not None:  # config.json's partial_rotary_factor is neither read nor written yet
+        # config.json's partial_rotary_factor is read and written by the layouts that map it (GLM-4.5) only
+        if partial is not None and not maps_partial_rotary(model):
             flag = "--weights" if args.weights else "--export-hf"
             raise InputError(f"{flag}: `{partial}` rotates part of each head (rotary_dim), which Hugging Face "
                              f"checkpoints are not mapped for yet; run without {flag}")

@@ -53,6 +53,9 @@ EXAMPLE_ROLES = {
     ("mixtral_8x7b.mesh", "train"): R(batch=("data",), batch_shard=("data",), tensor=("tensor",), loss=("tensor",)),
     # experts over the in-host axis, ZeRO-3 over the hosts' (issue 38)
     ("gpt_oss_120b.mesh", "train"): R(batch=("data", "expert"), batch_shard=("data",), expert=("expert",)),
+    # GLM-4.5: experts over the in-host axis, ZeRO 1 over both batch axes
+    ("glm45_355b.mesh", "train"): R(pipeline="pipeline", batch=("data", "expert"), batch_shard=("data", "expert"),
+                                    expert=("expert",)),
     # The zero-bubble V examples (issue 39); llama2_70b_zbv.mesh includes llama2_70b.mesh's plan too.
     ("llama2_70b_zbv.mesh", "train"): R(pipeline="pipeline", tensor=("tensor",), loss=("tensor",)),
     ("llama2_70b_zbv.mesh", "zbv_64"): R(pipeline="pipeline", tensor=("tensor",), sequence=("tensor",), loss=("tensor",)),
