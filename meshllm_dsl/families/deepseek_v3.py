@@ -138,11 +138,43 @@ def read_deepseek_v3(f: ConfigFields, pack: FamilyPack, dtype: str) -> Reading:
 # ---------------------------------------------------------------- config.json written and checked
 
 
-def _dense_and_moe(lay: Any) -> tuple[Mapping[str, Any], Mapping[str, Any], int]:
-    """The layout's dense MLP, its moe layer, and the dense blocks' count (they come first)."""
+# A moe layer's description leaves out the DeepSeek settings at the values that leave a softmax router
+# as it was (primitives/moe.py DEEPSEEK, which a pack does not import): those values where absent.
+MOE_UNWRITTEN: dict[str, Any] = {"groups": 1, "topk_groups": 1, "routed_scaling": 1.0, "shared_experts": 0}
+
+
+def dense_and_moe(lay: Any) -> tuple[Mapping[str, Any], Mapping[str, Any], int]:
+    """The layout's dense MLP, its moe layer (every DeepSeek setting filled in), and the dense blocks'
+    count (they come first): DeepSeek-V3's and GLM-4.5's shape."""
     dense = next(b for b in lay.bodies[0] if b["kind"] == "mlp" and not b.get("moe"))
-    moe = next(b for b in lay.bodies[1] if b.get("moe"))
+    moe = {**MOE_UNWRITTEN, **next(b for b in lay.bodies[1] if b.get("moe"))}
     return dense, moe, lay.repeats[1][1]
+
+
+def routing_fields(moe: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json's routed experts of a sigmoid-routed moe layer (DeepseekV3Config's and Glm4MoeConfig's names)."""
+    return {
+        "n_routed_experts": int(moe["experts"]),
+        "num_experts_per_tok": int(moe["top_k"]),
+        "n_group": int(moe["groups"]),
+        "topk_group": int(moe["topk_groups"]),
+        "n_shared_experts": int(moe["shared_experts"]),
+        "routed_scaling_factor": float(moe["routed_scaling"]),
+        "norm_topk_prob": bool(moe["norm_topk_prob"]),
+    }
+
+
+def routing_wants(d: Mapping[str, Any], moe: Mapping[str, Any]) -> list[Want]:
+    """`routing_fields` of a checkpoint's config.json `d` against a moe layer's settings."""
+    return [
+        ("n_routed_experts", d["n_routed_experts"], moe["experts"], "experts"),
+        ("num_experts_per_tok", d["num_experts_per_tok"], moe["top_k"], "top_k"),
+        ("n_group", d["n_group"], moe["groups"], "groups"),
+        ("topk_group", d["topk_group"], moe["topk_groups"], "topk_groups"),
+        ("n_shared_experts", d["n_shared_experts"], moe["shared_experts"], "shared_experts"),
+        ("routed_scaling_factor", d["routed_scaling_factor"], moe["routed_scaling"], "routed_scaling"),
+        ("norm_topk_prob", bool(d["norm_topk_prob"]), bool(moe["norm_topk_prob"]), "norm_topk_prob"),
+    ]
 
 
 def _rope_parameters(attn: Mapping[str, Any]) -> dict[str, Any]:
@@ -161,7 +193,7 @@ def _write_config(model: Mapping[str, Any], lay: Any, vocab: int, tied: bool, dt
                   positions: int) -> dict[str, Any]:
     """config.json of a DeepSeek-V3-shaped model (transformers' DeepseekV3Config fields)."""
     attn = lay.attn
-    dense, moe, first = _dense_and_moe(lay)
+    dense, moe, first = dense_and_moe(lay)
     return {
         "architectures": ["DeepseekV3ForCausalLM"],
         "model_type": "deepseek_v3",
@@ -178,13 +210,7 @@ def _write_config(model: Mapping[str, Any], lay: Any, vocab: int, tied: bool, dt
         "qk_nope_head_dim": int(attn["qk_nope_head_dim"]),
         "qk_rope_head_dim": int(attn["qk_rope_head_dim"]),
         "v_head_dim": int(attn["v_head_dim"]),
-        "n_routed_experts": int(moe["experts"]),
-        "num_experts_per_tok": int(moe["top_k"]),
-        "n_group": int(moe.get("groups", 1)),
-        "topk_group": int(moe.get("topk_groups", 1)),
-        "n_shared_experts": int(moe.get("shared_experts", 0)),
-        "routed_scaling_factor": float(moe.get("routed_scaling", 1.0)),
-        "norm_topk_prob": bool(moe["norm_topk_prob"]),
+        **routing_fields(moe),
         "rms_norm_eps": float(lay.norm["eps"]),
         "attention_bias": bool(attn["bias"]),
         "rope_interleave": True,
@@ -204,7 +230,7 @@ def _refuse_unfit(model: Mapping[str, Any], lay: Any, moe: bool, error: Callable
     if len(lay.repeats) != 2 or any(b.get("moe") for b in lay.bodies[0]) or not any(b.get("moe") for b in lay.bodies[1]):
         raise error(f"model `{name}`: DeepseekV3ForCausalLM has dense blocks then mixture-of-experts blocks: "
                     "expected two repeats, the first with an mlp, the second with a moe")
-    _, m, _ = _dense_and_moe(lay)
+    _, m, _ = dense_and_moe(lay)
     if m.get("scoring") != "sigmoid" or not m.get("shared_experts") or m.get("capacity") \
             or m.get("shared_ffn") != m["ffn"] * m["shared_experts"]:
         raise error(f"model `{name}`: DeepseekV3ForCausalLM's experts are dropless, sigmoid-scored, beside "
@@ -255,7 +281,7 @@ def _check_config(model: Mapping[str, Any], lay: Any, vocab: int, cfg: Mapping[s
     _refuse_unfit(model, lay, True, error)
     d = {**_DEFAULTS, **{k: v for k, v in cfg.items() if v is not None or k == "q_lora_rank"}}
     attn = lay.attn
-    dense, moe, first = _dense_and_moe(lay)
+    dense, moe, first = dense_and_moe(lay)
     ours_rope = _rope_parameters(attn)
     wants: list[Want] = [
         ("vocab_size", d["vocab_size"], vocab, "vocab"),
@@ -272,13 +298,7 @@ def _check_config(model: Mapping[str, Any], lay: Any, vocab: int, cfg: Mapping[s
         ("v_head_dim", d["v_head_dim"], attn["v_head_dim"], "v_head_dim"),
         ("attention_bias", bool(d["attention_bias"]), bool(attn["bias"]), "attn_bias"),
         ("rope_interleave", bool(d["rope_interleave"]), bool(attn["rope_interleave"]), "rope_interleave"),
-        ("n_routed_experts", d["n_routed_experts"], moe["experts"], "experts"),
-        ("num_experts_per_tok", d["num_experts_per_tok"], moe["top_k"], "top_k"),
-        ("n_group", d["n_group"], moe.get("groups", 1), "groups"),
-        ("topk_group", d["topk_group"], moe.get("topk_groups", 1), "topk_groups"),
-        ("n_shared_experts", d["n_shared_experts"], moe.get("shared_experts", 0), "shared_experts"),
-        ("routed_scaling_factor", d["routed_scaling_factor"], moe.get("routed_scaling", 1.0), "routed_scaling"),
-        ("norm_topk_prob", bool(d["norm_topk_prob"]), bool(moe["norm_topk_prob"]), "norm_topk_prob"),
+        *routing_wants(d, moe),
         ("rms_norm_eps", d["rms_norm_eps"], lay.norm["eps"], "norm_eps"),
         ("hidden_act", d["hidden_act"], "silu", "SwiGLU experts"),
         ("scoring_func", d.get("scoring_func", "sigmoid"), "sigmoid", "scoring"),

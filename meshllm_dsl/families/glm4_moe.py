@@ -27,7 +27,7 @@ import attrs
 
 from meshllm_dsl.families.config_fields import ConfigFields, ImportError_, Setting
 from meshllm_dsl.families.deepseek_v3 import EXPERTS as DEEPSEEK_V3_EXPERTS
-from meshllm_dsl.families.deepseek_v3 import _same
+from meshllm_dsl.families.deepseek_v3 import _same, dense_and_moe, routing_fields, routing_wants
 from meshllm_dsl.families.llama import NAMES as LLAMA_NAMES
 from meshllm_dsl.families.pack import FamilyPack, Reading, Want
 
@@ -108,17 +108,10 @@ def read_glm4_moe(f: ConfigFields, pack: FamilyPack, dtype: str) -> Reading:
 # ---------------------------------------------------------------- config.json written and checked
 
 
-# A moe layer's description leaves out the DeepSeek settings at the values that leave a softmax router
-# as it was (primitives/moe.py DEEPSEEK, which a pack does not import): those values where absent.
-_MOE_UNWRITTEN: dict[str, Any] = {"groups": 1, "topk_groups": 1, "routed_scaling": 1.0, "shared_experts": 0}
-
-
 def _parts(lay: Any) -> tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any], int]:
     """The layout's attention, dense MLP, moe layer, and the dense blocks' count (they come first)."""
     attn = next(b for b in lay.bodies[0] if b["kind"] == "attention")
-    dense = next(b for b in lay.bodies[0] if b["kind"] == "mlp" and not b.get("moe"))
-    moe = {**_MOE_UNWRITTEN, **next(b for b in lay.bodies[1] if b.get("moe"))}
-    return attn, dense, moe, lay.repeats[1][1]
+    return (attn, *dense_and_moe(lay))
 
 
 def _factor(attn: Mapping[str, Any]) -> float:
@@ -141,13 +134,7 @@ def _write_config(model: Mapping[str, Any], lay: Any, vocab: int, tied: bool, dt
         "num_attention_heads": int(attn["heads"]),
         "num_key_value_heads": int(attn["kv_heads"]),
         "head_dim": int(attn["head_dim"]),
-        "n_routed_experts": int(moe["experts"]),
-        "num_experts_per_tok": int(moe["top_k"]),
-        "n_group": int(moe["groups"]),
-        "topk_group": int(moe["topk_groups"]),
-        "n_shared_experts": int(moe["shared_experts"]),
-        "routed_scaling_factor": float(moe["routed_scaling"]),
-        "norm_topk_prob": bool(moe["norm_topk_prob"]),
+        **routing_fields(moe),
         "rms_norm_eps": float(lay.norm["eps"]),
         "attention_bias": bool(attn["qkv_bias"]),
         "use_qk_norm": attn.get("qk_norm") == "head",
@@ -226,13 +213,7 @@ def _check_config(model: Mapping[str, Any], lay: Any, vocab: int, cfg: Mapping[s
          "rotary_dim (head_dim x partial_rotary_factor)"),
         ("attention_bias", bool(d["attention_bias"]), bool(attn["qkv_bias"]), "attn_bias"),
         ("use_qk_norm", bool(d["use_qk_norm"]), attn.get("qk_norm") == "head", "qk_norm = head"),
-        ("n_routed_experts", d["n_routed_experts"], moe["experts"], "experts"),
-        ("num_experts_per_tok", d["num_experts_per_tok"], moe["top_k"], "top_k"),
-        ("n_group", d["n_group"], moe["groups"], "groups"),
-        ("topk_group", d["topk_group"], moe["topk_groups"], "topk_groups"),
-        ("n_shared_experts", d["n_shared_experts"], moe["shared_experts"], "shared_experts"),
-        ("routed_scaling_factor", d["routed_scaling_factor"], moe["routed_scaling"], "routed_scaling"),
-        ("norm_topk_prob", bool(d["norm_topk_prob"]), bool(moe["norm_topk_prob"]), "norm_topk_prob"),
+        *routing_wants(d, moe),
         ("rms_norm_eps", d["rms_norm_eps"], lay.norm["eps"], "norm_eps"),
         ("hidden_act", d["hidden_act"], "silu", "SwiGLU experts"),
         ("rope_parameters.rope_type", theirs_kind, "default", "unscaled rope"),
