@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
 from hf_models import error_job, export_job, logits_job, own_config_export_job  # noqa: E402
+from moe_redrawn import redrawn_compare_job  # noqa: E402
 from moe_specs import compile_spec, plan_spec  # noqa: E402
 
 from meshllm_dsl.runtime.jobs.compare import TOLERANCE  # noqa: E402
@@ -222,73 +223,11 @@ def test_a_checkpoint_with_other_settings_is_refused_in_one_line(field: str, val
     assert says in msg, msg
 
 
-def redrawn_compare_job(ctx: Any, path: str, weights: str, steps: int = 2) -> dict[str, float]:
-    """On each rank: compare_job's comparison (float64) started from the HF checkpoint's redrawn
-    weights and correction biases instead of the seeded init, for both the plan and the reference."""
-    import meshllm_dsl.runtime.jobs.compare as compare
-    import meshllm_dsl.runtime.model.reference as reference
-    from meshllm_dsl.runtime.hf.weights import HFCheckpoint, hf_buffer_map, hf_key_map
-    from meshllm_dsl.runtime.train import program as program_mod
-    from meshllm_dsl.verify.equivalence import load_generated
-
-    program = load_generated(path).PROGRAM
-    ckpt = HFCheckpoint(weights)
-    names: dict[str, tuple[int, ...]] = {n: s.shape for st in program.build(ctx.mesh(program.axes), seed=0).specs.values()
-                                        for n, s in st.items()}
-    full: dict[str, Any] = {}
-    for name, (key, _) in hf_key_map(program.model, sorted(names)).items():
-        if "{e}" in key:  # one stored tensor per expert: ours is [out, experts, in]
-            full[name] = torch.stack([_read(ckpt, key.replace("{e}", str(e))) for e in range(names[name][1])], dim=1)
-        else:
-            full[name] = _read(ckpt, key)
-    biases = {name: _read(ckpt, key) for name, (key, _) in hf_buffer_map(program.model).items()}
-    assert biases and all(b.abs().max() > 0 for b in biases.values())
-
-    drawn: set[str] = set()
-
-    def init(name: str, shape: Any, seed: int, dtype: Any = torch.float32) -> Any:
-        drawn.add(name)
-        return full[name].to(dtype).reshape(shape).clone()
-
-    def with_biases(named: dict[str, Any]) -> None:
-        with torch.no_grad():
-            for name, buf in named.items():
-                buf.copy_(biases[name].to(buf.dtype))
-
-    build_plan, build_ref = type(program).build, compare.build_reference
-
-    def plan_build(self: Any, *args: Any, **kwargs: Any) -> Any:
-        built = build_plan(self, *args, **kwargs)
-        with_biases(built.routing_buffers())
-        return built
-
-    def ref_build(*args: Any, **kwargs: Any) -> Any:
-        ref = build_ref(*args, **kwargs)
-        with_biases(dict(ref.named_buffers()))
-        return ref
-
-    saved = program_mod.full_init, reference.full_init
-    program_mod.full_init = reference.full_init = init
-    type(program).build, compare.build_reference = plan_build, ref_build  # type: ignore[method-assign]
-    try:
-        errs = compare.compare_to_reference(program, ctx.mesh(program.axes), dtype=torch.float64, seed=0, steps=steps)
-    finally:
-        program_mod.full_init, reference.full_init = saved
-        type(program).build, compare.build_reference = build_plan, build_ref  # type: ignore[method-assign]
-    assert drawn == set(full), sorted(set(full) ^ drawn)  # both models started from the checkpoint, wholly
-    return errs
-
-
-def _read(ckpt: Any, key: str) -> Any:
-    with ckpt.open(key) as sl:
-        return sl[:]
-
-
 @pytest.mark.parametrize("plan", [p for p in PLANS if p != "single"])
 def test_sharded_deepseek_v3_equals_the_reference_from_redrawn_weights(plan: str, model: Any, pool: Any,
                                                                        tmp_path: Path) -> None:
     path, n, _ = compiled(plan, tmp_path)
-    for errs in pool.run(redrawn_compare_job, n, path, str(model[0])):
+    for errs in pool.run(redrawn_compare_job, n, path, str(model[0]), 2, True):
         worst = max(errs, key=errs.__getitem__)
         assert errs[worst] <= TOLERANCE["float64"], (worst, errs[worst])
         # gradients of both repeats' blocks, the latents' norms and the shared expert compared

@@ -23,8 +23,8 @@ torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
 from hf_models import error_job, export_job, logits_job, own_config_export_job  # noqa: E402
+from moe_redrawn import redrawn_compare_job  # noqa: E402
 from moe_specs import compile_spec, plan_spec  # noqa: E402
-from test_deepseek_v3 import redrawn_compare_job  # noqa: E402
 
 from meshllm_dsl.runtime.jobs.compare import TOLERANCE  # noqa: E402
 
@@ -234,7 +234,7 @@ def test_sharded_glm4_moe_equals_the_reference_from_redrawn_weights(plan: str, m
                                                                     tmp_path: Path) -> None:
     directory, _, variant = model
     path, n, _ = compiled(plan, tmp_path, variant)
-    for errs in pool.run(redrawn_compare_job, n, path, str(directory)):
+    for errs in pool.run(redrawn_compare_job, n, path, str(directory), 2, True):
         worst = max(errs, key=errs.__getitem__)
         assert errs[worst] <= TOLERANCE["float64"], (worst, errs[worst])
         # gradients of both repeats' blocks, the attention's biases and the shared expert compared

@@ -24,6 +24,7 @@ torch = pytest.importorskip("torch")
 tf = pytest.importorskip("transformers")
 
 from hf_models import export_job, logits_job  # noqa: E402
+from moe_redrawn import redrawn_compare_job  # noqa: E402
 from moe_specs import compile_spec, plan_spec  # noqa: E402
 from reference_jobs import compare_job  # noqa: E402
 
@@ -205,43 +206,6 @@ def test_a_checkpoint_with_other_settings_is_refused_in_one_line(model: Any, poo
     (other / "config.json").write_text(json.dumps(cfg))
     (msg,) = set(pool.run(error_job, n, path, str(other)))
     assert "`swiglu_limit` is 5.0, but model `m` has swiglu_limit = 7.0" in msg, msg
-
-
-def redrawn_compare_job(ctx: Any, path: str, weights: str, steps: int = 2) -> dict[str, float]:
-    """On each rank: compare_job's comparison (float64) started from the HF checkpoint's redrawn
-    weights instead of the seeded init, for both the plan and the reference."""
-    import meshllm_dsl.runtime.jobs.compare as compare
-    import meshllm_dsl.runtime.model.reference as reference
-    from meshllm_dsl.runtime.hf import fused_experts
-    from meshllm_dsl.runtime.hf.weights import HFCheckpoint, hf_key_map
-    from meshllm_dsl.runtime.train import program as program_mod
-    from meshllm_dsl.verify.equivalence import load_generated
-
-    program = load_generated(path).PROGRAM
-    ckpt = HFCheckpoint(weights)
-    names: dict[str, tuple[int, ...]] = {n: s.shape for st in program.build(ctx.mesh(program.axes), seed=0).specs.values()
-                                        for n, s in st.items()}
-    keys = hf_key_map(program.model, sorted(names))
-    full: dict[str, Any] = {}
-    for name, (key, _) in keys.items():
-        with ckpt.open(fused_experts.base(key)) as sl:
-            t = sl[:]
-        full[name] = fused_experts.to_ours(key, t) if fused_experts.is_fused(key) else t
-
-    drawn: set[str] = set()
-
-    def init(name: str, shape: Any, seed: int, dtype: Any = torch.float32) -> Any:
-        drawn.add(name)
-        return full[name].to(dtype).reshape(shape).clone()
-
-    saved = program_mod.full_init, reference.full_init
-    program_mod.full_init = reference.full_init = init
-    try:
-        errs = compare.compare_to_reference(program, ctx.mesh(program.axes), dtype=torch.float64, seed=0, steps=steps)
-    finally:
-        program_mod.full_init, reference.full_init = saved
-    assert drawn == set(full), sorted(set(full) ^ drawn)  # both models started from the checkpoint, wholly
-    return errs
 
 
 @pytest.mark.parametrize("plan", list(PLANS))
