@@ -31,7 +31,7 @@ from meshllm_dsl.runtime.moe.routing import (
     route,
 )
 
-__all__ = ["ReferenceMoE", "StackedLinear", "clamped_swiglu", "experts_down_bias", "experts_swiglu",
+__all__ = ["ReferenceMoE", "StackedLinear", "clamped_swiglu", "experts_swiglu",
            "load_balancing_loss", "moe_expert_bias", "moe_experts", "moe_route", "route"]
 
 
@@ -81,7 +81,7 @@ def experts_swiglu(x: Tensor, idx: Tensor, weights: Tensor, gate: Tensor, up: Te
 
     An expert computes ``down(act(gate(h) + gate_bias, up(h) + up_bias)) + down_bias`` (biases
     [E_local, F_local] / [E_local, H], each added after its matmul; ``act`` SwiGLU unless given).
-    With F_local < F leave ``down_bias`` out and add ``experts_down_bias`` once after the sum over
+    With F_local < F leave ``down_bias`` out and add ``moe_expert_bias`` once after the sum over
     the tensor ranks, as a row-parallel layer's bias is added (runtime/model/layers.py ``row_matmul``).
 
     One ``torch._grouped_mm`` per projection where ``grouped_runs`` says it can (runtime/moe/grouped.py:
@@ -128,19 +128,6 @@ def _expert_ffn(h: Tensor, e: int, gate: Tensor, up: Tensor, down: Tensor, gate_
         u = u + up_bias[e]
     y = F.linear(act(g, u), down[e])
     return y if down_bias is None else y + down_bias[e]
-
-
-def experts_down_bias(x: Tensor, idx: Tensor, weights: Tensor, down_bias: Tensor, first: int = 0) -> Tensor:
-    """sum_k weights * down_bias[idx] per token, [T, H], over the experts ``first`` ..
-    ``first + E_local - 1`` of ``down_bias`` [E_local, H]: the down projection's bias of
-    tensor-parallel experts, which the caller adds once after the sum of the ranks' partial
-    ``experts_swiglu`` (each rank adding it would count it tensor-size times)."""
-    k = idx.shape[1]
-    flat = idx.reshape(-1) - first
-    order = torch.argsort(flat, stable=True)  # pairs in expert order, as experts_swiglu adds them
-    local = order[(flat[order] >= 0) & (flat[order] < down_bias.shape[0])]
-    bias = down_bias[flat[local]] * weights.reshape(-1)[local, None]
-    return torch.zeros_like(x).index_add(0, local // k, bias.to(x.dtype))
 
 
 def moe_route(x: Tensor, weight: Tensor, top_k: int, renormalize: bool, weights_fp32: bool,

@@ -184,7 +184,7 @@ def test_expert_parallel_local_slices_equal_and_sum_to_the_whole(monkeypatch: py
 @pytest.mark.parametrize("dtype", GROUPED_DTYPES, ids=str)
 def test_tensor_parallel_ffn_slices_equal_and_down_bias_added_once(monkeypatch: pytest.MonkeyPatch,
                                                                    dtype: torch.dtype) -> None:
-    """F_local = F / 2 with biases and a custom act: each rank's partial sum grouped = loop; the partials without the down bias, plus ``experts_down_bias`` once, give the whole."""
+    """F_local = F / 2 with biases and a custom act: each rank's partial sum grouped = loop; the partials without the down bias, plus ``moe_expert_bias`` once, give the whole."""
     p = _problem(dtype, 4, f=32, biases=True)
     halves = (slice(0, 16), slice(16, 32))
     no_down = {k: v for k, v in p.items() if k != "down_bias"}
@@ -193,13 +193,13 @@ def test_tensor_parallel_ffn_slices_equal_and_down_bias_added_once(monkeypatch: 
         got, want = _both(monkeypatch, no_down, ffn=ffn, act=clamped_glu)
         _assert_equal(got, want)
         partial.append(got[0].double())
-    added_once = partial[0] + partial[1] + moe.experts_down_bias(
-        p["x"], p["idx"], p["weights"], p["down_bias"]).double()
+    added_once = partial[0] + partial[1] + moe.moe_expert_bias(
+        p["idx"], p["weights"], p["down_bias"].t()).double()
     want_whole = _dense(p, clamped_glu)
     tol = 1e-4 if dtype == torch.float32 else 0.3
     torch.testing.assert_close(added_once, want_whole, rtol=0, atol=tol)
     # each rank adding it would count it twice: far off, so the test tells the two apart
-    twice = added_once + moe.experts_down_bias(p["x"], p["idx"], p["weights"], p["down_bias"]).double()
+    twice = added_once + moe.moe_expert_bias(p["idx"], p["weights"], p["down_bias"].t()).double()
     assert (twice - want_whole).abs().max() > 3 * (added_once - want_whole).abs().max()
 
 
