@@ -23,6 +23,18 @@ __all__ = ["ReferenceModel", "build_reference"]
 Layer = Mapping[str, Any]
 
 
+def rotate_halves(x: Tensor, theta: float, scaling: Any) -> Tensor:
+    """Rotary positions on x [b, heads, s, d] whose pairs are its two halves (HF's rotate_half), with
+    runtime/model/rope.py's frequencies over d (and yarn's / longrope's factor on cos and sin) for this length."""
+    s, d = x.shape[2], x.shape[-1]
+    inv_freq, factor = rope.inv_freq(d, theta, scaling, s)
+    freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = (emb.cos() * factor).to(x.dtype), (emb.sin() * factor).to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
 class _RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, offset: float = 0.0, scale_fp32: bool = False) -> None:
         super().__init__()
@@ -104,15 +116,8 @@ class _Attention(nn.Module):
     def _rope(self, x: Tensor) -> Tensor:
         # x: [b, heads, s, d]; HF LlamaRotaryEmbedding + apply_rotary_pos_emb, which turns the first
         # rotary_dim values (frequencies over rotary_dim) and passes the rest.
-        s, d = x.shape[2], self.rotary_dim
-        # the frequencies (and yarn's / longrope's factor on cos and sin) of this length: runtime/model/rope.py
-        inv_freq, factor = rope.inv_freq(d, self.theta, self.scaling, s)
-        freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = (emb.cos() * factor).to(x.dtype), (emb.sin() * factor).to(x.dtype)
-        rot, rest = x[..., :d], x[..., d:]
-        x1, x2 = rot[..., : d // 2], rot[..., d // 2 :]
-        return torch.cat((rot * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1)
+        d = self.rotary_dim
+        return torch.cat((rotate_halves(x[..., :d], self.theta, self.scaling), x[..., d:]), dim=-1)
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, _ = x.shape
@@ -184,15 +189,9 @@ class _LatentAttention(nn.Module):
 
     def _rope(self, x: Tensor) -> Tensor:
         # x: [b, heads, s, rope]; pairs (x0, x1), (x2, x3).. first made halves where they interleave
-        s, d = x.shape[2], self.rope
         if self.interleave:
             x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
-        inv_freq, factor = rope.inv_freq(d, self.theta, self.scaling, s)
-        freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = (emb.cos() * factor).to(x.dtype), (emb.sin() * factor).to(x.dtype)
-        x1, x2 = x[..., : d // 2], x[..., d // 2 :]
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        return rotate_halves(x, self.theta, self.scaling)
 
     def forward(self, x: Tensor) -> Tensor:
         b, s, _ = x.shape
