@@ -753,7 +753,8 @@ class ModelResolver(Resolver):
         elif arg.kind == "bool":
             v3 = self.eval(expr, env)
             if not isinstance(v3, bool):
-                self.error(E0304, f"`{arg.name}` must be true or false", expr.span, label=f"is {_kind(v3)}")
+                self.error(E0304, f"`{arg.name}` must be true or false", expr.span, label=f"is {_kind(v3)}",
+                           help=f"write `{arg.name} = true` or `{arg.name} = false`")
                 return False
             bound[arg.name] = v3
         elif arg.kind == "choice":

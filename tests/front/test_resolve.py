@@ -162,3 +162,12 @@ def test_mesh_checks(mesh: str, code: str | None) -> None:
     if code is None:
         m = result.meshes["m"]
         assert (m.devices, m.hosts, m.devices_per_host) == (8, 2, 4)
+
+
+def test_a_bool_argument_given_a_name_says_what_to_write() -> None:
+    text = ("model m {\n    embed = embedding(64, 32)\n    blocks = repeat(1) {\n        n = rmsnorm(32)\n"
+            "        mlp = moe(32, 16, 4, 2, router_bias = maybe)\n    }\n    norm = rmsnorm(32)\n"
+            "    head = linear(32, 64)\n}\n")
+    (d,) = check_text(text, "m.mesh").errors
+    assert (d.code, d.message) == ("E0304", "`router_bias` must be true or false")
+    assert d.help == "write `router_bias = true` or `router_bias = false`"
