@@ -1,0 +1,1 @@
+"""Training data: sources tokenized into document corpora (corpus.py), packed into rows (packing)."""
