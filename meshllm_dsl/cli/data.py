@@ -1,43 +1,181 @@
-"""`meshc tokenize`: text -> a token file that every rank memory-maps (runtime/train/tokens.py)."""
+"""`meshc tokenize`: sources -> a token file with its document index (and loss mask) that every rank
+memory-maps (runtime/data/corpus.py); `meshc data-stats`: how many documents and tokens a source
+holds and how long its documents are."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
+
+
+def _sources(paths: list[str]) -> list[Any]:
+    from meshllm_dsl.cli.main import UsageError
+    from meshllm_dsl.runtime.data.sources import open_source
+    from meshllm_dsl.runtime.train.tokens import DataError
+
+    try:
+        return [open_source(p) for p in paths]
+    except DataError as err:
+        raise UsageError(str(err)) from None
+
+
+def _encoder(tokenizer: str | None, sources: list[Any]) -> tuple[Any, Any]:
+    """(the Tokenizer, its EncoderSpec), or (None, None) when every source is a token file."""
+    from meshllm_dsl.cli.main import UsageError
+    from meshllm_dsl.runtime.data.prepare import encoder_spec
+    from meshllm_dsl.runtime.train.tokens import DataError, Tokenizer
+
+    if tokenizer is None:
+        needs = [s for s in sources if s.kind != "tokens"]
+        if needs:
+            raise UsageError(f"{needs[0].path} is a {needs[0].kind} source: pass --tokenizer DIR to tokenize it")
+        return None, None
+    if not Path(tokenizer).exists():
+        raise UsageError(f"--tokenizer {tokenizer}: no such directory")
+    try:
+        tok = Tokenizer(tokenizer)
+        return tok, encoder_spec(tok, Path(tokenizer))
+    except DataError as err:
+        raise UsageError(str(err)) from None
+
+
+def _skipped(counts: Any) -> None:
+    if counts.bad or counts.empty:
+        first = f" (first: {counts.first_bad})" if counts.first_bad else ""
+        print(f"skipped {counts.bad:,} bad and {counts.empty:,} empty records{first}", file=sys.stderr)
 
 
 def cmd_tokenize(args: argparse.Namespace) -> int:
     from meshllm_dsl.cli.main import UsageError
     from meshllm_dsl.runtime.outputs import OutputError, check_new_file
 
-    text, out = Path(args.text), Path(args.output)
-    if not text.is_file():
-        raise UsageError(f"no such file: {text}")
-    if not Path(args.tokenizer).is_dir() and not Path(args.tokenizer).is_file():
-        raise UsageError(f"--tokenizer {args.tokenizer}: no such directory")
+    out = Path(args.output)
+    sources = _sources(args.sources)
     check_new_file(out, "token file", args.force)
-    from meshllm_dsl.runtime.train.tokens import Tokenizer, write_token_file
+    if any(out.resolve() == f.resolve() for s in sources for f in s.files):
+        raise OutputError(f"-o {out} is one of the inputs; name another token file")
+    tokenizer, spec = _encoder(args.tokenizer, sources)
+    from meshllm_dsl.runtime.data.prepare import TokenFileWriter, encode_sources
+    from meshllm_dsl.runtime.train.tokens import DataError, token_file_vocab
 
+    vocab = tokenizer.vocab if tokenizer is not None else max(token_file_vocab(s.path) or 1 for s in sources)
     try:
-        tokenizer = Tokenizer(args.tokenizer)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-    try:
-        count = write_token_file(text, tokenizer, out)
-    except UnicodeDecodeError as err:
-        raise UsageError(f"{text} is not UTF-8 text (byte offset {err.start})") from None
+        writer = TokenFileWriter(out, vocab)
     except OSError as err:
         raise OutputError(f"cannot write {out}: {err.strerror or err}") from None
-    eos = "" if tokenizer.eos is None else f", documents ended by id {tokenizer.eos}"
-    print(f"wrote {out}: {count:,} tokens (vocabulary {tokenizer.vocab:,}{eos})", file=sys.stderr)
+    try:
+        counts = encode_sources(sources, spec, writer, text_field=args.text_field, skip_bad=args.skip_bad,
+                                workers=args.workers)
+        writer.commit()
+    except DataError as err:
+        writer.abort()
+        raise UsageError(str(err)) from None
+    except OSError as err:
+        writer.abort()
+        raise OutputError(f"cannot write {out}: {err.strerror or err}") from None
+    except BaseException:
+        writer.abort()
+        raise
+    _skipped(counts)
+    eos = "" if spec is None or spec.eos is None else f", documents ended by id {spec.eos}"
+    mask = f", loss on {counts.loss_tokens:,}" if counts.loss_tokens != counts.tokens else ""
+    print(f"wrote {out}: {counts.tokens:,} tokens in {counts.documents:,} documents{mask} "
+          f"(vocabulary {vocab:,}{eos})", file=sys.stderr)
     return 0
 
 
+def _token_file_counts(source: Any) -> Any:
+    """A token file's counts from its document index and loss mask, without reading its ids."""
+    from meshllm_dsl.runtime.data.corpus import open_corpus
+    from meshllm_dsl.runtime.data.prepare import Counts
+
+    corpus = open_corpus(source.path)
+    import numpy as np
+
+    counts = Counts(documents=corpus.documents, tokens=len(corpus.ids))
+    counts.loss_tokens = counts.tokens if corpus.loss_mask is None else int(corpus.loss_mask.sum(dtype=np.int64))
+    counts.add_lengths(corpus.lengths())
+    return counts
+
+
+def format_stats(counts: Any, described: list[str]) -> str:
+    """data-stats' report: totals, then the length histogram with a bar per bucket."""
+    lines = [f"source     {d}" for d in described]
+    lines.append(f"documents  {counts.documents:,}")
+    loss = f" (loss on {counts.loss_tokens:,})" if counts.loss_tokens != counts.tokens else ""
+    lines.append(f"tokens     {counts.tokens:,}{loss}")
+    first = f"; first: {counts.first_bad}" if counts.first_bad else ""
+    lines.append(f"skipped    {counts.bad:,} bad, {counts.empty:,} empty{first}")
+    if counts.histogram:
+        lines.append("length (tokens, end-of-text included)  documents")
+        top = max(counts.histogram.values())
+        lo_k, hi_k = min(counts.histogram), max(counts.histogram)
+        for k in range(lo_k, hi_k + 1):
+            n = counts.histogram.get(k, 0)
+            span = f"{2 ** k:,}..{2 ** (k + 1) - 1:,}"
+            bar = "#" * (0 if n == 0 else max(1, round(40 * n / top)))
+            lines.append(f"  {span:>20}  {n:>10,}  {bar}")
+    return "\n".join(lines)
+
+
+def cmd_data_stats(args: argparse.Namespace) -> int:
+    from meshllm_dsl.cli.main import UsageError
+    from meshllm_dsl.runtime.data.prepare import Counts, encode_sources
+    from meshllm_dsl.runtime.train.tokens import DataError
+
+    sources = _sources(args.sources)
+    try:
+        if all(s.kind == "tokens" for s in sources) and args.tokenizer is None:
+            total = Counts()
+            for s in sources:
+                c = _token_file_counts(s)
+                total.documents += c.documents
+                total.tokens += c.tokens
+                total.loss_tokens += c.loss_tokens
+                for k, n in c.histogram.items():
+                    total.histogram[k] = total.histogram.get(k, 0) + n
+            counts = total
+        else:
+            _, spec = _encoder(args.tokenizer, sources)
+            counts = encode_sources(sources, spec, None, text_field=args.text_field, skip_bad=args.skip_bad,
+                                    workers=args.workers)
+    except DataError as err:
+        raise UsageError(str(err)) from None
+    print(format_stats(counts, [s.describe() for s in sources]))
+    return 0
+
+
+def _source_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the JSONL / Parquet / dataset field holding each document: a string, or a chat "
+                        "(a list of {role, content}) rendered with the tokenizer's chat template (default: text)")
+    p.add_argument("--skip-bad", action="store_true",
+                   help="skip records that are not usable (not JSON, no field, not UTF-8) and count them")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="tokenizing processes (default: one per core)")
+
+
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    t = sub.add_parser("tokenize", help="text -> a token file for `meshc run --data` (memory-mapped by every rank)")
-    t.add_argument("text", metavar="TEXTFILE", help="UTF-8 text; documents separated by blank lines")
-    t.add_argument("--tokenizer", required=True, metavar="DIR", help="a Hugging Face tokenizer (tokenizer.json)")
-    t.add_argument("-o", "--output", required=True, metavar="FILE", help="the token file to write")
+    t = sub.add_parser("tokenize", help="text, JSONL, Parquet or a saved dataset -> a token file for "
+                                        "`meshc run --data` (memory-mapped by every rank)")
+    t.add_argument("sources", nargs="+", metavar="SOURCE",
+                   help="a text file (documents at blank lines), a .jsonl or .parquet file or directory "
+                        "of them, a `datasets` save_to_disk directory, or a token file; several are "
+                        "written one after the other")
+    t.add_argument("--tokenizer", metavar="DIR", help="a Hugging Face tokenizer (tokenizer.json)")
+    t.add_argument("-o", "--output", required=True, metavar="FILE", help="the token file to write "
+                   "(and FILE.docs, its document index; FILE.lossmask for chats)")
     t.add_argument("--force", action="store_true", help="replace FILE if it exists")
+    _source_options(t)
     t.set_defaults(func=cmd_tokenize)
+
+    s = sub.add_parser("data-stats", help="documents, tokens, skipped records and document lengths of "
+                                          "a data source")
+    s.add_argument("sources", nargs="+", metavar="SOURCE", help="as for `meshc tokenize`")
+    s.add_argument("--tokenizer", metavar="DIR",
+                   help="a Hugging Face tokenizer (not needed for a token file)")
+    _source_options(s)
+    s.set_defaults(func=cmd_data_stats)
+
