@@ -185,7 +185,7 @@ def _jsonl_records(path: Path, field: str) -> Iterator[Record]:
             if not line.strip():
                 continue  # a blank line holds no record (a trailing newline, a separator)
             try:
-                obj = json.loads(line)
+                obj = json.loads(line.rstrip("\r\n"))
             except (ValueError, RecursionError) as err:
                 yield Record(where, bad=f"not JSON ({str(err).splitlines()[0][:120]})")
                 continue
