@@ -337,6 +337,21 @@ def _refuse_inputs(out: Path, inputs: Sequence[Path]) -> None:
             raise DataError(f"the token cache {out} is one of the inputs ({p}); name another cache directory")
 
 
+def _cached_counts(path: Path) -> Counts | None:
+    """The counts of a whole cached corpus at ``path``; None when any of its files is missing (a
+    run stopped before its token file was renamed into place, or a sidecar removed since)."""
+    meta = Path(f"{path}.json")
+    if not (path.is_file() and docs_path(path).is_file() and meta.is_file()):
+        return None
+    try:
+        counts = Counts.from_json(json.loads(meta.read_text()))
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if counts.loss_tokens != counts.tokens and not loss_mask_path(path).is_file():
+        return None
+    return counts
+
+
 def prepare_corpora(spec: str | Sequence[tuple[str | Path, float]], tokenizer_dir: str | Path | None,
                     cache_dir: str | Path, *, text_field: str = "text", skip_bad: bool = False,
                     progress: bool | None = None, workers: int | None = None,
@@ -377,8 +392,8 @@ def prepare_corpora(spec: str | Sequence[tuple[str | Path, float]], tokenizer_di
         path = cache / _cache_name(source, key)
         meta = Path(f"{path}.json")
         _refuse_inputs(path, inputs)
-        if path.is_file() and docs_path(path).is_file() and meta.is_file():
-            counts = Counts.from_json(json.loads(meta.read_text()))
+        counts = _cached_counts(path)
+        if counts is not None:
             say(f"{source.describe()}: cached {path.name} ({counts.documents:,} documents, {counts.tokens:,} tokens)")
         else:
             writer = TokenFileWriter(path, loaded[0].vocab)

@@ -220,3 +220,15 @@ def test_source_kinds_are_told_apart(tmp_path: Path, tok_dir: Path) -> None:
         open_source(tmp_path / "empty")
     with pytest.raises(DataError, match="no such file"):
         open_source(tmp_path / "nope.jsonl")
+
+
+def test_a_cached_corpus_missing_a_file_is_tokenized_again(tmp_path: Path, tok_dir: Path) -> None:
+    src = _jsonl(tmp_path / "chats.jsonl", CHATS, field="messages")
+    cache = tmp_path / "cache"
+    [(first, _)] = _prepare(str(src), tok_dir, cache, text_field="messages")
+    mask = loss_mask_path(first.path).read_bytes()
+    for remove in (loss_mask_path, docs_path, lambda p: Path(f"{p}.json"), lambda p: p):
+        remove(first.path).unlink()
+        [(again, _)] = _prepare(str(src), tok_dir, cache, text_field="messages")
+        assert again.path == first.path and loss_mask_path(again.path).read_bytes() == mask
+        assert again.loss_mask is not None and Path(f"{again.path}.json").is_file()
