@@ -232,3 +232,28 @@ def test_a_cached_corpus_missing_a_file_is_tokenized_again(tmp_path: Path, tok_d
         [(again, _)] = _prepare(str(src), tok_dir, cache, text_field="messages")
         assert again.path == first.path and loss_mask_path(again.path).read_bytes() == mask
         assert again.loss_mask is not None and Path(f"{again.path}.json").is_file()
+
+
+def test_a_status_line_on_a_terminal_only(tmp_path: Path, tok_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = _jsonl(tmp_path / "alice.jsonl", ALICE)
+    prepare_corpora(str(src), tok_dir, tmp_path / "quiet", workers=1, progress=False, log=lambda _: None)
+    assert capsys.readouterr().err == ""
+    prepare_corpora(str(src), tok_dir, tmp_path / "shown", workers=1, progress=True, log=lambda _: None)
+    err = capsys.readouterr().err
+    assert f"meshc: tokenizing {src}: {len(ALICE)} documents" in err and err.endswith("\r\x1b[K")
+
+
+def test_datasets_is_imported_only_for_a_saved_dataset(tmp_path: Path, tok_dir: Path) -> None:
+    import subprocess
+    import sys
+
+    src = _jsonl(tmp_path / "alice.jsonl", ALICE)
+    _parquet(tmp_path / "alice.parquet", ALICE)
+    code = ("import sys\n"
+            "from meshllm_dsl.runtime.data.prepare import prepare_corpora\n"
+            f"prepare_corpora({str(src)!r} + ',' + {str(tmp_path / 'alice.parquet')!r}, {str(tok_dir)!r}, "
+            f"{str(tmp_path / 'cache')!r}, workers=1, log=print)\n"
+            "print('datasets imported:', 'datasets' in sys.modules)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("tokenized into") == 2 and "datasets imported: False" in proc.stdout
