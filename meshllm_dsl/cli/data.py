@@ -147,13 +147,19 @@ def cmd_data_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _processes(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of processes, 1 or more")
+    return int(text)
+
+
 def _source_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text-field", default="text", metavar="NAME",
                    help="the JSONL / Parquet / dataset field holding each document: a string, or a chat "
                         "(a list of {role, content}) rendered with the tokenizer's chat template (default: text)")
     p.add_argument("--skip-bad", action="store_true",
                    help="skip records that are not usable (not JSON, no field, not UTF-8) and count them")
-    p.add_argument("--workers", type=int, default=None, metavar="N",
+    p.add_argument("--workers", type=_processes, default=None, metavar="N",
                    help="tokenizing processes (default: one per core)")
 
 

@@ -249,7 +249,9 @@ def _chunks(sources: Sequence[Source], text_field: str, has_template: bool, skip
 
 def _workers(workers: int | None) -> int:
     if workers is not None:
-        return max(1, workers)
+        if workers < 1:
+            raise ValueError(f"workers={workers}: tokenizing takes 1 process or more")
+        return workers
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux

@@ -79,3 +79,10 @@ def test_tokenize_writes_a_chat_corpus_and_several_sources(tmp_path: Path, tok_d
         assert f(again).read_bytes() == f(out).read_bytes()
     code, stats, _ = _meshc("data-stats", str(out))
     assert code == 0 and f"(loss on {int(np.asarray(corpus.loss_mask).sum()):,})" in stats
+
+
+def test_workers_is_a_positive_number(tmp_path: Path) -> None:
+    (tmp_path / "t.txt").write_text("x\n")
+    for bad in ("0", "-1", "two"):
+        code, _, err = _meshc("data-stats", str(tmp_path / "t.txt"), "--workers", bad)
+        assert code == 2 and "expected a number of processes, 1 or more" in err
