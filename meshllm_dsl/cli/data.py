@@ -60,7 +60,12 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     from meshllm_dsl.runtime.data.prepare import TokenFileWriter, encode_sources
     from meshllm_dsl.runtime.train.tokens import DataError, token_file_vocab
 
-    vocab = tokenizer.vocab if tokenizer is not None else max(token_file_vocab(s.path) or 1 for s in sources)
+    token_vocabs = {s.path: token_file_vocab(s.path) or 1 for s in sources if s.kind == "tokens"}
+    vocab = tokenizer.vocab if tokenizer is not None else max(token_vocabs.values())
+    for path, v in token_vocabs.items():
+        if tokenizer is not None and v != vocab:  # ids of another tokenizer would mean other words
+            raise UsageError(f"{path} was tokenized for a vocabulary of {v:,}; --tokenizer {args.tokenizer} "
+                             f"has {vocab:,}: a corpus is one tokenizer's ids")
     try:
         writer = TokenFileWriter(out, vocab)
     except OSError as err:

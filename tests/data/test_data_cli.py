@@ -77,6 +77,16 @@ def test_tokenize_writes_a_chat_corpus_and_several_sources(tmp_path: Path, tok_d
     assert code == 0, err
     for f in (lambda p: p, docs_path, loss_mask_path):
         assert f(again).read_bytes() == f(out).read_bytes()
+    # A token file joins other sources only under the tokenizer of its vocabulary.
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models
+
+    other = tmp_path / "other"
+    other.mkdir()
+    HFTokenizer(models.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>")).save(str(other / "tokenizer.json"))
+    code, _, err = _meshc("tokenize", str(out), str(tmp_path / "t.txt"), "--tokenizer", str(other), "-o",
+                          str(tmp_path / "x.tokens"))
+    assert code == 2 and f"{out} was tokenized for a vocabulary of {corpus.vocab:,}" in err
     code, stats, _ = _meshc("data-stats", str(out))
     assert code == 0 and f"(loss on {int(np.asarray(corpus.loss_mask).sum()):,})" in stats
 
