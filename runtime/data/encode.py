@@ -149,7 +149,7 @@ class Encoder:
                 except TemplateError as err:
                     dropped.append((n, str(err)))
                     continue
-            if len(doc_ids) == len(eos):  # nothing but the end-of-text id: an empty document
+            if len(doc_ids) == (0 if isinstance(doc, tuple) else len(eos)):  # only the end-of-text id: empty
                 dropped.append((n, None))
                 continue
             ids.append(doc_ids)
