@@ -39,15 +39,16 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from meshllm_dsl.runtime.data.corpus import IGNORE, Batch, Corpus
+from meshllm_dsl.runtime.data.corpus import IGNORE, Batch, Corpus, open_corpus
 from meshllm_dsl.runtime.train.tokens import DataError
 
-__all__ = ["Cursor", "Packer", "corpus_identity"]
+__all__ = ["Cursor", "Packer", "corpus_identity", "corpus_packer"]
 
 
 @dataclass
@@ -105,6 +106,7 @@ class Packer:
     seq: int
     seed: int
     start: Cursor | None = None
+    shuffle: bool = True  # False: each corpus's documents in file order (held-out evaluation)
     cursor: Cursor = field(init=False)
     _orders: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
 
@@ -133,9 +135,13 @@ class Packer:
         """Corpus ``corpus``'s documents in epoch ``epoch``'s shuffled order."""
         cached = self._orders.get(corpus)
         if cached is None or cached[0] != epoch:
-            # One generator per (seed, corpus, epoch): an epoch's order does not depend on the others'.
-            rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, corpus, epoch])))
-            cached = (epoch, rng.permutation(self.sources[corpus][0].documents))
+            n = self.sources[corpus][0].documents
+            if self.shuffle:
+                # One generator per (seed, corpus, epoch): an epoch's order does not depend on the others'.
+                rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, corpus, epoch])))
+                cached = (epoch, rng.permutation(n))
+            else:
+                cached = (epoch, np.arange(n))
             self._orders[corpus] = cached
         return cached[1]
 
@@ -188,3 +194,12 @@ class Packer:
         return Batch(tokens=ids[:, :-1].contiguous(), targets=targets,
                      documents=torch.from_numpy(np.stack([r[1] for r in rows]))[:, :-1].contiguous(),
                      positions=torch.from_numpy(np.stack([r[2] for r in rows]))[:, :-1].contiguous())
+
+
+def corpus_packer(path: Path, seq: int, seed: int, start: dict[str, Any] | None = None, *,
+                  shuffle: bool = True) -> Packer:
+    """The packer of the corpus at ``path`` (a token file and its sidecars) from the saved cursor
+    ``start`` (a checkpoint's, as ``Cursor.to_dict`` wrote it), else from the beginning."""
+    corpus = open_corpus(path)
+    cursor = None if start is None else Cursor.from_dict(start, 1)
+    return Packer([(corpus, 1.0)], seq=seq, seed=seed, start=cursor, shuffle=shuffle)
