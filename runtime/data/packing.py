@@ -31,6 +31,13 @@ corpus of long documents does not take more than its weight); each corpus runs t
 epochs.  Nothing here depends on the data-parallel layout: every rank packs the same global batch
 and takes its rows (``Built._local_batch``).
 
+Balance (``balance = dp``): with a document mask a row's attention work is the sum of its
+documents' squared lengths, so rows of one long document cost more than rows of many short ones and
+the data ranks wait for the busiest.  ``data_skew`` measures each rank's share over a run's first
+steps; ``balance`` reorders each step's rows among the ranks (largest work first, to the least
+loaded rank) so their work evens out.  The step's rows, and so its documents, stay the same; only
+which rank trains on which changes (so the order of float sums does, as with another layout).
+
 Memory: the ids are read through the corpus's memory map, one row at a time; the permutation of the
 current epoch is ``documents`` int64s per corpus, as the document index (``Corpus.starts``) already is.
 """
@@ -48,7 +55,8 @@ import torch
 from meshllm_dsl.runtime.data.corpus import IGNORE, Batch, Corpus, open_corpus
 from meshllm_dsl.runtime.train.tokens import DataError
 
-__all__ = ["Cursor", "Packer", "corpus_identity", "corpus_packer"]
+__all__ = ["Cursor", "Packer", "Skew", "balanced_order", "corpus_identity", "corpus_packer", "data_skew",
+           "row_attention"]
 
 
 @dataclass
@@ -107,6 +115,9 @@ class Packer:
     seed: int
     start: Cursor | None = None
     shuffle: bool = True  # False: each corpus's documents in file order (held-out evaluation)
+    # Data ranks to even the attention work over (0: rows in packed order): ``next_batch`` reorders
+    # each step's rows so that the ranks' slices hold about equal sums of squared document lengths.
+    balance: int = 0
     cursor: Cursor = field(init=False)
     _orders: dict[int, tuple[int, np.ndarray]] = field(default_factory=dict, init=False, repr=False)
 
@@ -120,6 +131,8 @@ class Packer:
                 raise DataError(f"{corpus.path}: weight {weight} (a corpus's weight is a positive number)")
             if corpus.documents < 1:
                 raise DataError(f"{corpus.path}: no documents")
+        if self.balance < 0:
+            raise DataError(f"balance {self.balance}: the number of data ranks to balance over (0: off)")
         total = sum(w for _, w in self.sources)
         self._shares = np.array([w / total for _, w in self.sources], dtype=np.float64)
         n = len(self.sources)
@@ -129,7 +142,7 @@ class Packer:
     def identity(self, batch: int) -> dict[str, Any]:
         """What a checkpoint's cursor is valid for: refused on resume when it differs."""
         return {"corpora": [dict(corpus_identity(c), weight=float(w)) for c, w in self.sources],
-                "seq": self.seq, "batch": batch, "seed": self.seed}
+                "seq": self.seq, "batch": batch, "seed": self.seed, "balance": self.balance}
 
     def order(self, corpus: int, epoch: int) -> np.ndarray:
         """Corpus ``corpus``'s documents in epoch ``epoch``'s shuffled order."""
@@ -188,6 +201,8 @@ class Packer:
     def next_batch(self, batch: int) -> Batch:
         """The next global batch: ``batch`` rows, tokens / targets / documents / positions [batch, seq]."""
         rows = [self.next_row() for _ in range(batch)]
+        if self.balance > 1:
+            rows = [rows[i] for i in balanced_order([row_attention(r[1][:-1]) for r in rows], self.balance)]
         ids = torch.from_numpy(np.stack([r[0] for r in rows]))
         targets = ids[:, 1:].clone()
         targets[~torch.from_numpy(np.stack([r[3] for r in rows]))[:, 1:]] = IGNORE
@@ -203,3 +218,59 @@ def corpus_packer(path: Path, seq: int, seed: int, start: dict[str, Any] | None 
     corpus = open_corpus(path)
     cursor = None if start is None else Cursor.from_dict(start, 1)
     return Packer([(corpus, 1.0)], seq=seq, seed=seed, start=cursor, shuffle=shuffle)
+
+
+def row_attention(documents: np.ndarray) -> int:
+    """A row's attention work under a document mask, in units of one query-key pair: the sum of its
+    documents' squared lengths (``documents`` numbers each token's document, 0, 1, ...)."""
+    return int((np.bincount(np.asarray(documents)) ** 2).sum())
+
+
+def balanced_order(work: list[int], ranks: int) -> list[int]:
+    """An order of rows whose ``ranks`` equal consecutive slices (rank r takes the r-th, as
+    ``Built._local_batch`` slices) have about equal total ``work``: largest first, each to the
+    rank with the least work so far that has room (ties: the lower rank), each rank's rows in
+    their packed order.  Only the order changes, so a step trains on the same rows."""
+    if len(work) % ranks:
+        raise DataError(f"batch {len(work)} does not split over {ranks} data ranks to balance")
+    room = len(work) // ranks
+    taken: list[list[int]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for i in sorted(range(len(work)), key=lambda i: (-work[i], i)):
+        r = min((r for r in range(ranks) if len(taken[r]) < room), key=lambda r: (load[r], r))
+        taken[r].append(i)
+        load[r] += work[i]
+    return [i for rows in taken for i in sorted(rows)]
+
+
+@dataclass(frozen=True)
+class Skew:
+    """Each data rank's share of the trained tokens (targets not ``IGNORE``) and of the attention
+    work (``row_attention``) over some steps (shares sum to 1), and ``excess``: how much longer
+    the steps' attention takes waiting for each step's busiest rank than with the work even
+    (``sum of per-step maxima / sum of per-step means - 1``; 0.25: 25% longer)."""
+
+    tokens: list[float]
+    attention: list[float]
+    excess: float
+
+
+def data_skew(packer: Packer, batch: int, ranks: int, steps: int) -> Skew:
+    """The data ranks' shares over the next ``steps`` global batches of ``packer`` (which it
+    advances: pass a fresh one for a run's first steps)."""
+    if batch % ranks:
+        raise DataError(f"batch {batch} does not split over {ranks} data ranks")
+    tokens = np.zeros(ranks, dtype=np.float64)
+    attention = np.zeros(ranks, dtype=np.float64)
+    busiest = 0.0
+    for _ in range(steps):
+        b = packer.next_batch(batch)
+        work = np.zeros(ranks, dtype=np.float64)
+        for r, (targets, documents) in enumerate(zip(b.targets.chunk(ranks), b.documents.chunk(ranks))):
+            tokens[r] += int((targets != IGNORE).sum())
+            work[r] = sum(row_attention(row.numpy()) for row in documents)
+        attention += work
+        busiest += work.max()
+    total = attention.sum()
+    return Skew(tokens=(tokens / max(tokens.sum(), 1)).tolist(), attention=(attention / max(total, 1)).tolist(),
+                excess=busiest * ranks / max(total, 1) - 1.0)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshllm_dsl.runtime.data.corpus import IGNORE, open_corpus, write_sidecars
-from meshllm_dsl.runtime.data.packing import Cursor, Packer
+from meshllm_dsl.runtime.data.packing import Cursor, Packer, balanced_order, data_skew
 from meshllm_dsl.runtime.train.tokens import TOKEN_MAGIC, DataError
 
 EOS = 0
@@ -195,3 +195,53 @@ def test_bad_sources_are_refused(tmp_path: Path) -> None:
         Cursor.from_dict(Cursor.start(1).to_dict(), 2)
     with pytest.raises(DataError, match="malformed"):
         Cursor.from_dict({"epochs": [0]}, 1)
+
+
+def _skewed(tmp_path: Path) -> Path:
+    """A corpus whose documents are mostly short with a few as long as a row: rows of very
+    different attention work."""
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in np.where(rng.random(200) < 0.1, 63, rng.integers(1, 6, size=200))]
+    return write_corpus(tmp_path / "skewed.tok", _docs(lengths))
+
+
+def test_data_skew_reports_each_ranks_share_of_tokens_and_of_attention(tmp_path: Path) -> None:
+    corpus = open_corpus(_skewed(tmp_path))
+    skew = data_skew(Packer([(corpus, 1.0)], seq=64, seed=0), batch=8, ranks=4, steps=10)
+    assert len(skew.tokens) == len(skew.attention) == 4
+    assert sum(skew.tokens) == pytest.approx(1) and sum(skew.attention) == pytest.approx(1)
+    assert skew.tokens == [0.25] * 4  # no loss mask: every rank trains seq tokens a row
+    # Measured by hand from the same batches: rank r's rows are r * 2, r * 2 + 1 of each step.
+    packer = Packer([(corpus, 1.0)], seq=64, seed=0)
+    work = np.zeros((10, 4))
+    for step in range(10):
+        docs = packer.next_batch(8).documents
+        for i in range(8):
+            work[step, i // 2] += (torch.bincount(docs[i]) ** 2).sum().item()
+    assert skew.attention == pytest.approx((work.sum(0) / work.sum()).tolist())
+    assert skew.excess == pytest.approx(work.max(1).sum() / work.mean(1).sum() - 1)
+    assert skew.excess > 0.2  # rows of one long document against rows of many short ones
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_balance_trains_each_step_on_the_same_rows_and_evens_the_attention_work(tmp_path: Path, ranks: int) -> None:
+    corpus = open_corpus(_skewed(tmp_path))
+    plain = Packer([(corpus, 1.0)], seq=64, seed=0)
+    balanced = Packer([(corpus, 1.0)], seq=64, seed=0, balance=ranks)
+    for _ in range(12):
+        a, b = plain.next_batch(8), balanced.next_batch(8)
+        # The multiset of rows (tokens, targets, documents and positions together) is the same.
+        key = [torch.cat([x.tokens, x.targets, x.documents, x.positions], 1) for x in (a, b)]
+        assert sorted(map(tuple, key[0].tolist())) == sorted(map(tuple, key[1].tolist()))
+    assert plain.cursor == balanced.cursor  # the same documents consumed, the same place next
+    before = data_skew(Packer([(corpus, 1.0)], seq=64, seed=0), batch=8, ranks=ranks, steps=50)
+    after = data_skew(Packer([(corpus, 1.0)], seq=64, seed=0, balance=ranks), batch=8, ranks=ranks, steps=50)
+    assert after.excess < before.excess / 2, (before, after)
+
+
+def test_balanced_order_gives_each_rank_its_rows_largest_first() -> None:
+    assert balanced_order([9, 1, 1, 9], 2) == [0, 1, 2, 3]  # 9 + 1 each: already even
+    assert balanced_order([9, 9, 1, 1], 2) == [0, 2, 1, 3]
+    assert balanced_order([5, 4, 3, 3, 2, 1], 3) == [0, 5, 1, 4, 2, 3]
+    with pytest.raises(DataError, match="does not split over 4"):
+        balanced_order([1, 2, 3], 4)
