@@ -212,12 +212,12 @@ class Packer:
 
 
 def corpus_packer(path: Path, seq: int, seed: int, start: dict[str, Any] | None = None, *,
-                  shuffle: bool = True) -> Packer:
+                  shuffle: bool = True, balance: int = 0) -> Packer:
     """The packer of the corpus at ``path`` (a token file and its sidecars) from the saved cursor
     ``start`` (a checkpoint's, as ``Cursor.to_dict`` wrote it), else from the beginning."""
     corpus = open_corpus(path)
     cursor = None if start is None else Cursor.from_dict(start, 1)
-    return Packer([(corpus, 1.0)], seq=seq, seed=seed, start=cursor, shuffle=shuffle)
+    return Packer([(corpus, 1.0)], seq=seq, seed=seed, start=cursor, shuffle=shuffle, balance=balance)
 
 
 def row_attention(documents: np.ndarray) -> int:

@@ -105,7 +105,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--steps", type=int, default=10, help="train up to this many steps in total (default 10)")
     p.add_argument("--seed", type=int, default=0, help="weights and data sampling seed")
-    p.add_argument("--data", type=Path, help="train on this file's bytes (token = byte mod vocab)")
+    p.add_argument("--data", type=Path, help="train on this file: a token file's documents packed into rows "
+                   "(docs/guides/data.md), else its bytes (token = byte mod vocab)")
+    p.add_argument("--balance", action="store_true",
+                   help="with a token-file --data: order each step's rows so the data ranks' attention work evens out")
     p.add_argument("--infer", action="store_true", help="greedy generation instead of training")
     p.add_argument("--tokens", type=int, default=16, help="tokens to generate with --infer")
     p.add_argument(
@@ -246,6 +249,10 @@ def check_inputs(args: argparse.Namespace, model: Any = None, seq: int = 0) -> N
             raise InputError(f"--data {data}: no such file")
         if data.stat().st_size == 0:
             raise InputError(f"--data {data}: the file is empty")
+    if args.balance and (args.infer or args.eval or not is_corpus(args.data)):
+        # Only packed rows have documents whose lengths say the attention work.
+        raise InputError("--balance orders the packed rows of a token-file --data among the data ranks: "
+                         "it needs one, and training (not --infer / --eval)")
     if model is not None and (args.weights or args.export_hf):
         from meshllm_dsl.runtime.hf.weights import maps_partial_rotary
         from meshllm_dsl.runtime.model.description import partial_rotary
@@ -449,10 +456,16 @@ def is_corpus(path: Path | None) -> bool:
     return path is not None and token_file_vocab(path) is not None
 
 
-def packed_identity(program: Program, data: Path, seed: int) -> dict[str, Any]:
-    """What a checkpoint records about a packed ``--data``: the corpus, seq, batch and seed its
-    data cursor is valid for (a resume with any other is refused)."""
-    return corpus_packer(data, program.seq, seed).identity(program.batch)
+def packed_identity(built: Built, data: Path, seed: int, balance: bool) -> dict[str, Any]:
+    """What a checkpoint records about a packed ``--data``: the corpus, seq, batch, seed and
+    balancing its data cursor is valid for (a resume with any other is refused)."""
+    return _packer(built, data, seed, balance).identity(built.program.batch)
+
+
+def _packer(built: Built, data: Path, seed: int, balance: bool, cursor: dict[str, Any] | None = None) -> Packer:
+    """The packer of a corpus ``data`` for ``built``'s rows, from ``cursor``; with ``balance``, each
+    step's rows ordered so that its data ranks' attention work evens out."""
+    return corpus_packer(data, built.program.seq, seed, cursor, balance=built.dp if balance else 0)
 
 
 def _step_on(built: Built, batch: Batch) -> float:
@@ -883,6 +896,7 @@ def train(
     metrics: Path | None = None,
     tensorboard: Path | None = None,
     cursor: dict[str, Any] | None = None,
+    balance: bool = False,
 ) -> float:
     """Train from step ``start`` up to ``steps``; rank 0 prints progress and a summary.
 
@@ -898,7 +912,7 @@ def train(
     packer = None
     if corpus is None and is_corpus(data):
         assert data is not None
-        packer = corpus_packer(data, p.seq, seed, cursor)
+        packer = _packer(built, data, seed, balance, cursor)
         identity: dict[str, Any] | None = packer.identity(p.batch)
     else:
         if corpus is None and data:
@@ -1013,7 +1027,7 @@ def _resume(built: Built, args: argparse.Namespace) -> tuple[int, int, dict[str,
     step, seed = int(state.get("step", manifest["step"])), int(state.get("seed", args.seed))
     saved = state.get("data")
     packed = (isinstance(saved, dict) and "corpora" in saved) or is_corpus(args.data)
-    now = packed_identity(built.program, args.data, seed) if is_corpus(args.data) else data_identity(args.data)
+    now = packed_identity(built, args.data, seed, args.balance) if is_corpus(args.data) else data_identity(args.data)
     if packed and saved != now:
         raise InputError(f"--resume: {manifest['path']} was trained on {_data_said(saved)}, not on "
                          f"{_data_said(now)}; resume on the same data and plan (or start over with --load)")
@@ -1394,7 +1408,8 @@ def _train_and_profile(program: Program, built: Built, args: argparse.Namespace,
     preempt = Preemption() if args.save is not None else None
     train(built, args.steps, seed, args.data, corpus, start=start, save=args.save,
           save_every=args.save_every, keep=args.keep, progress=progress,
-          preempt=preempt, metrics=args.metrics, tensorboard=args.tensorboard, cursor=cursor)
+          preempt=preempt, metrics=args.metrics, tensorboard=args.tensorboard, cursor=cursor,
+          balance=args.balance)
     if args.profile:
         from meshllm_dsl.runtime.train.profile import profile_train
 

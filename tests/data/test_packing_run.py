@@ -107,6 +107,12 @@ def test_packed_training_resumes_exactly_and_is_the_same_for_any_data_parallel_l
     assert code == 0, err[-3000:]
     assert abs(_losses(tmp_path / "seed4.jsonl")[0] - straight[0]) > 1e-4
 
+    # --balance: each step's rows reordered among the data ranks, the same rows: step 1's loss agrees
+    # to the order of float32 sums.
+    code, err = _run(tmp_path, 2, *common, "--balance", "--steps", "1", "--metrics", str(tmp_path / "balanced.jsonl"))
+    assert code == 0, err[-3000:]
+    assert abs(_losses(tmp_path / "balanced.jsonl")[0] - straight[0]) < 1e-6
+
     # A resume on another corpus: refused with one line, before any step.
     other = _corpus(tmp_path / "other.tok", seed=1)
     code, err = _run(tmp_path, 2, "--data", str(other), "--steps", str(k + 9), "--resume", str(tmp_path / "cut"
@@ -123,3 +129,15 @@ def test_eval_on_a_corpus_reports_the_mean_loss_of_its_packed_rows(tmp_path: Pat
     assert code == 0, err[-3000:]
     # 2 batches of 4 rows of 16 targets, none ignored (no loss mask).
     assert "eval loss" in err and "(128 tokens)" in err, err
+
+
+def test_balance_needs_a_corpus_to_train_on(tmp_path: Path) -> None:
+    from meshllm_dsl.runtime.train import launch
+
+    text = tmp_path / "t.txt"
+    text.write_text("some text " * 10)
+    for argv in (["--balance"], ["--balance", "--data", str(text)],
+                 ["--balance", "--eval", "--data", str(_corpus(tmp_path / "c.tok", seed=0))]):
+        with pytest.raises(launch.InputError, match="--balance orders the packed rows of a token-file --data"):
+            launch.check_inputs(launch.parse_args(argv))
+    launch.check_inputs(launch.parse_args(["--balance", "--data", str(tmp_path / "c.tok")]))
