@@ -71,6 +71,8 @@ def _run_inputs(args: argparse.Namespace, seq: int, plan: Any = None) -> list[st
     flags = ["--steps", str(args.steps), "--seed", str(args.seed), "--timeout", f"{args.timeout:g}"]
     if args.data:
         flags += ["--data", args.data]
+    if args.balance:
+        flags += ["--balance"]
     if args.infer:
         flags += ["--infer", "--tokens", str(args.tokens)]
     flags += ["--save-every", str(args.save_every), "--keep", str(args.keep)]
@@ -323,6 +325,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    help="with --nnodes: torchrun's c10d rendezvous, on the first node (e.g. node001:29500)")
     r.add_argument("--rdzv-id", metavar="ID", help="with --nnodes: the job id at the rendezvous (default meshc-PLAN)")
     r.add_argument("--data", metavar="TEXTFILE", help="train on this text (bytes -> tokens) instead of synthetic tokens")
+    r.add_argument("--balance", action="store_true",
+                   help="with a token-file --data: order each step's packed rows so the data ranks' attention work evens out")
     r.add_argument("--infer", action="store_true", help="greedy generation instead of training")
     r.add_argument("--tokens", type=int, default=16, help="tokens to generate with --infer")
     r.add_argument("--timeout", type=float, default=300.0, metavar="S",

@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from meshllm_dsl.runtime.data.corpus import IGNORE, Batch
+from meshllm_dsl.runtime.data.packing import Packer, corpus_packer
 from meshllm_dsl.runtime.hf.weights import (
     EXTRA_POLICIES,
     ExportError,
@@ -103,7 +105,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--steps", type=int, default=10, help="train up to this many steps in total (default 10)")
     p.add_argument("--seed", type=int, default=0, help="weights and data sampling seed")
-    p.add_argument("--data", type=Path, help="train on this file's bytes (token = byte mod vocab)")
+    p.add_argument("--data", type=Path, help="train on this file: a token file's documents packed into rows "
+                   "(docs/guides/data.md), else its bytes (token = byte mod vocab)")
+    p.add_argument("--balance", action="store_true",
+                   help="with a token-file --data: order each step's rows so the data ranks' attention work evens out")
     p.add_argument("--infer", action="store_true", help="greedy generation instead of training")
     p.add_argument("--tokens", type=int, default=16, help="tokens to generate with --infer")
     p.add_argument(
@@ -244,6 +249,10 @@ def check_inputs(args: argparse.Namespace, model: Any = None, seq: int = 0) -> N
             raise InputError(f"--data {data}: no such file")
         if data.stat().st_size == 0:
             raise InputError(f"--data {data}: the file is empty")
+    if args.balance and (args.infer or args.eval or not is_corpus(args.data)):
+        # Only packed rows have documents whose lengths say the attention work.
+        raise InputError("--balance orders the packed rows of a token-file --data among the data ranks: "
+                         "it needs one, and training (not --infer / --eval)")
     if model is not None and (args.weights or args.export_hf):
         from meshllm_dsl.runtime.hf.weights import maps_partial_rotary
         from meshllm_dsl.runtime.model.description import partial_rotary
@@ -437,6 +446,36 @@ def data_identity(path: Path | None) -> dict[str, Any] | None:
     with open(path, "rb") as f:
         head = hashlib.sha256(f.read(1 << 20)).hexdigest()[:16]
     return {"path": str(path), "bytes": st.st_size, "sha256_first_mib": head}
+
+
+def is_corpus(path: Path | None) -> bool:
+    """Whether ``--data`` is a corpus (a token file: its documents known from a ``.docs`` sidecar,
+    else one document), which training reads as packed batches (runtime/data/packing.py)."""
+    from meshllm_dsl.runtime.train.tokens import token_file_vocab
+
+    return path is not None and token_file_vocab(path) is not None
+
+
+def packed_identity(built: Built, data: Path, seed: int, balance: bool) -> dict[str, Any]:
+    """What a checkpoint records about a packed ``--data``: the corpus, seq, batch, seed and
+    balancing its data cursor is valid for (a resume with any other is refused)."""
+    return _packer(built, data, seed, balance).identity(built.program.batch)
+
+
+def _packer(built: Built, data: Path, seed: int, balance: bool, cursor: dict[str, Any] | None = None) -> Packer:
+    """The packer of a corpus ``data`` for ``built``'s rows, from ``cursor``; with ``balance``, each
+    step's rows ordered so that its data ranks' attention work evens out."""
+    return corpus_packer(data, built.program.seq, seed, cursor, balance=built.dp if balance else 0)
+
+
+def _step_on(built: Built, batch: Batch) -> float:
+    """One training step on ``batch``: with its documents and positions where it has them (packed
+    from a corpus) and the program masks attention at document boundaries, else tokens and targets
+    alone."""
+    if batch.documents is not None and getattr(built.program, "document_mask", False):
+        return built.train_step(batch.tokens, batch.targets, documents=batch.documents,  # type: ignore[call-arg]
+                                positions=batch.positions)
+    return built.train_step(batch.tokens, batch.targets)
 
 
 def _peak_memory_mib(device: torch.device) -> float:
@@ -803,6 +842,39 @@ def evaluate(built: Built, ids: Tensor, limit: int) -> float:
     return loss
 
 
+def evaluate_packed(built: Built, data: Path, limit: int) -> float:
+    """Mean loss over the targets (not ``IGNORE``) of up to ``limit`` held-out batches of the corpus
+    ``data`` packed in file order, one pass; rank 0 prints it."""
+    from meshllm_dsl.runtime.model.layers import cross_entropy
+
+    p = built.program
+    packer = corpus_packer(data, p.seq, seed=0, shuffle=False)
+    corpus = packer.sources[0][0]
+    batches = min(limit, len(corpus.ids) // (p.batch * (p.seq + 1)))
+    if batches < 1:
+        raise DataError(f"--eval needs at least {p.batch * (p.seq + 1)} ids for one batch of {p.batch} "
+                        f"x {p.seq}, {data} has {len(corpus.ids)}")
+    total, count = 0.0, 0
+    for _ in range(batches):
+        batch = packer.next_batch(p.batch)
+        if getattr(p, "document_mask", False):
+            logits = built.forward(batch.tokens, documents=batch.documents,  # type: ignore[call-arg]
+                                   positions=batch.positions)
+        else:
+            logits = built.forward(batch.tokens)
+        logits = logits[..., : _real_vocab(built)]
+        targets = batch.targets.to(logits.device)
+        trained = int((targets != IGNORE).sum())
+        if trained:  # cross_entropy's mean skips IGNORE targets
+            total += float(cross_entropy(logits, targets)) * trained
+            count += trained
+    if count == 0:
+        raise DataError(f"--eval {data}: the loss mask leaves no target in {batches} batches")
+    loss = total / count
+    _summary(built, f"eval loss {loss:.4f}  perplexity {math.exp(loss):.3f}  ({count} tokens)")
+    return loss
+
+
 def _real_vocab(built: Built) -> int:
     """Rows of the vocab that are tokens (a padded vocab's embedding says how many)."""
     return model_vocab(built.program.model)
@@ -823,25 +895,36 @@ def train(
     preempt: Preemption | None = None,
     metrics: Path | None = None,
     tensorboard: Path | None = None,
+    cursor: dict[str, Any] | None = None,
+    balance: bool = False,
 ) -> float:
     """Train from step ``start`` up to ``steps``; rank 0 prints progress and a summary.
 
     With ``save``, checkpoints every ``save_every`` steps and after the last step, and, when
     ``preempt`` saw a SIGTERM on any rank, after the current step before raising ``Preempted``.
-    The batch of step ``k`` depends only on (seed, k), so a resumed run sees the batches it would
-    have seen.  ``corpus`` (token ids) replaces reading ``data`` as bytes.  Returns the last loss.
+    A corpus ``data`` (a token file) is read as packed batches from its seeded document order,
+    starting at ``cursor`` (a resumed checkpoint's data cursor, saved with every checkpoint);
+    otherwise the batch of step ``k`` depends only on (seed, k).  Either way a resumed run sees the
+    batches it would have seen.  ``corpus`` (token ids) replaces reading ``data`` as bytes.
+    Returns the last loss.
     """
     p = built.program
-    if corpus is None and data:
-        corpus = open_data(data)
-    identity = data_identity(data)
+    packer = None
+    if corpus is None and is_corpus(data):
+        assert data is not None
+        packer = _packer(built, data, seed, balance, cursor)
+        identity: dict[str, Any] | None = packer.identity(p.batch)
+    else:
+        if corpus is None and data:
+            corpus = open_data(data)
+        identity = data_identity(data)
     rank0 = _first(built)
     t0 = time.perf_counter()
     shown = _ProgressLog(start, steps) if rank0 else None
     recorder = Metrics(built, metrics, tensorboard) if metrics is not None or tensorboard is not None else None
     try:
         loss = _train_steps(built, steps, seed, corpus, start, save, save_every, keep, progress, preempt,
-                            identity, shown, recorder)
+                            identity, shown, recorder, packer)
     finally:
         if recorder is not None:
             recorder.close()
@@ -855,23 +938,26 @@ def train(
 
 def _train_steps(built: Built, steps: int, seed: int, corpus: Any, start: int, save: Path | None,
                  save_every: int, keep: int, progress: Progress | None, preempt: Preemption | None,
-                 identity: dict[str, Any] | None, shown: _ProgressLog | None, recorder: Metrics | None) -> float:
+                 identity: dict[str, Any] | None, shown: _ProgressLog | None, recorder: Metrics | None,
+                 packer: Packer | None = None) -> float:
     """The steps of ``train``; the last loss."""
     p = built.program
     loss, t0 = float("nan"), time.perf_counter()
     for step in range(start, steps):
         if progress:
             progress.mark(f"step {step + 1}")
-        if corpus is None:
-            tokens, targets = synthetic_batch(_real_vocab(built), p.batch, p.seq, seed, step)
+        if packer is not None:
+            batch = packer.next_batch(p.batch)
+        elif corpus is None:
+            batch = Batch(*synthetic_batch(_real_vocab(built), p.batch, p.seq, seed, step))
         else:
-            tokens, targets = text_batch(corpus, _real_vocab(built), p.batch, p.seq, seed, step)
+            batch = Batch(*text_batch(corpus, _real_vocab(built), p.batch, p.seq, seed, step))
         t_step = time.perf_counter()
         if recorder is not None:
             with recorder.routing() as log:
-                loss = built.train_step(tokens, targets)
+                loss = _step_on(built, batch)
         else:
-            log, loss = None, built.train_step(tokens, targets)
+            log, loss = None, _step_on(built, batch)
         done = step + 1
         now = time.perf_counter()
         if recorder is not None:
@@ -885,6 +971,8 @@ def _train_steps(built: Built, steps: int, seed: int, corpus: Any, start: int, s
             if progress:
                 progress.mark(f"saving step {done}")
             state = {"step": done, "seed": seed, "data": identity, "loss": loss}
+            if packer is not None:  # where the data is after this step: a resume continues there
+                state["packer"] = packer.cursor.to_dict()
             path = save_checkpoint(built, save, step=done, state=state, keep=keep)
             if stop:
                 raise Preempted(f"stopped by SIGTERM after step {done}; saved {path}")
@@ -928,22 +1016,40 @@ def _summary(built: Built, text: str) -> None:
         print(f"done: {text}  peak MiB per rank: {per_rank}", file=sys.stderr, flush=True)
 
 
-def _resume(built: Built, args: argparse.Namespace) -> tuple[int, int]:
-    """Restore the whole training state; the step to start from and the data seed."""
+def _resume(built: Built, args: argparse.Namespace) -> tuple[int, int, dict[str, Any] | None]:
+    """Restore the whole training state; the step to start from, the data seed and the data cursor
+    (where a packed corpus's order was; None for other data).  A packed run resumed on other data,
+    or on a plan of another seq or batch, is refused: its cursor would not mean the same batches."""
     path = resume_path(args)
     assert path is not None
     manifest = load_checkpoint(built, path, optimizer=True)
     state = manifest.get("state", {})
     step, seed = int(state.get("step", manifest["step"])), int(state.get("seed", args.seed))
+    saved = state.get("data")
+    packed = (isinstance(saved, dict) and "corpora" in saved) or is_corpus(args.data)
+    now = packed_identity(built, args.data, seed, args.balance) if is_corpus(args.data) else data_identity(args.data)
+    if packed and saved != now:
+        raise InputError(f"--resume: {manifest['path']} was trained on {_data_said(saved)}, not on "
+                         f"{_data_said(now)}; resume on the same data and plan (or start over with --load)")
     if _first(built):
         note = f"resumed from {manifest['path']} at step {step}"
         if seed != args.seed:
             note += f" (data seed {seed} from the checkpoint, not --seed {args.seed})"
-        saved, now = state.get("data"), data_identity(args.data)
         if saved != now and (saved or now):
             note += "; warning: --data is not the file the checkpoint was trained on"
         print(note, file=sys.stderr, flush=True)
-    return step, seed
+    return step, seed, state.get("packer") if packed else None
+
+
+def _data_said(identity: Any) -> str:
+    """A checkpoint's data identity in a few words, for the refusal of a resume on other data."""
+    if not isinstance(identity, dict):
+        return "synthetic data"
+    if "corpora" not in identity:
+        return f"{identity.get('path')} (read as bytes)"
+    corpora = ", ".join(f"{c['path']} ({c['documents']:,} documents, {c['ids']:,} ids, sha256 {c['sha256']})"
+                        for c in identity["corpora"])
+    return f"{corpora} packed at seq {identity['seq']}, batch {identity['batch']}, seed {identity['seed']}"
 
 
 def _restarted() -> bool:
@@ -1146,9 +1252,9 @@ def main(program: Program, argv: Sequence[str] | None = None) -> None:
                  + (" (torchao, emulated: no CUDA)" if not cuda else " (torchao)")
                  + (", all-gathered in float8" if program.float8_gather else ""))
         startup.report("built")
-        start, seed = _starting_step(built, args, auto_resume, first)
+        start, seed, cursor = _starting_step(built, args, auto_resume, first)
         tokenizer, corpus = _text_inputs(built, args)
-        _run_mode(program, built, args, start, seed, tokenizer, corpus, progress, first)
+        _run_mode(program, built, args, start, seed, tokenizer, corpus, progress, first, cursor)
         if args.export_hf:
             from meshllm_dsl.runtime.hf.weights import export_hf
 
@@ -1231,12 +1337,13 @@ def _check_nodes(program: Program, args: argparse.Namespace, rank: int, world: i
             _say(line)
 
 
-def _starting_step(built: Built, args: argparse.Namespace, auto_resume: bool, first: bool) -> tuple[int, int]:
-    """The step and seed the run starts from: a resumed checkpoint's, else 0 and --seed (after
-    loading --load's weights)."""
-    start, seed = 0, args.seed
+def _starting_step(built: Built, args: argparse.Namespace, auto_resume: bool,
+                   first: bool) -> tuple[int, int, dict[str, Any] | None]:
+    """The step, seed and data cursor the run starts from: a resumed checkpoint's, else 0, --seed and
+    None (after loading --load's weights)."""
+    start, seed, cursor = 0, args.seed, None
     if args.resume is not None:
-        start, seed = _resume(built, args)
+        start, seed, cursor = _resume(built, args)
     elif args.load:
         loaded = load_checkpoint(built, args.load)
         if first:
@@ -1244,7 +1351,7 @@ def _starting_step(built: Built, args: argparse.Namespace, auto_resume: bool, fi
             _say(f"loaded the weights of {loaded['path']} (step {loaded['step']}, saved on {saved})")
     if args.save_over and not auto_resume:
         start_lineage(built)  # --save-over starts a lineage of its own, even from --resume
-    return start, seed
+    return start, seed, cursor
 
 
 def _text_inputs(built: Built, args: argparse.Namespace) -> tuple[Any, Any]:
@@ -1263,8 +1370,9 @@ def _text_inputs(built: Built, args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def _run_mode(program: Program, built: Built, args: argparse.Namespace, start: int, seed: int, tokenizer: Any,
-              corpus: Any, progress: Progress, first: bool) -> None:
-    """What the command line asks of the built program: generate, evaluate, or train from `start`."""
+              corpus: Any, progress: Progress, first: bool, cursor: dict[str, Any] | None = None) -> None:
+    """What the command line asks of the built program: generate, evaluate, or train from `start`
+    (and, on a packed corpus, from the data cursor `cursor`)."""
     if args.infer:
         from meshllm_dsl.runtime.train.tokens import parse_ids
 
@@ -1275,7 +1383,10 @@ def _run_mode(program: Program, built: Built, args: argparse.Namespace, start: i
             prompt = parse_ids(",".join(map(str, tokenizer.encode(args.prompt))), _real_vocab(built))
         infer(built, args.tokens, args.seed, prompt, tokenizer)
     elif args.eval:
-        evaluate(built, _corpus(built, args.data, tokenizer), max(args.steps, 1))
+        if is_corpus(args.data):
+            evaluate_packed(built, args.data, max(args.steps, 1))
+        else:
+            evaluate(built, _corpus(built, args.data, tokenizer), max(args.steps, 1))
     elif args.steps == 0:
         _summary(built, "no training steps (--steps 0)")
     elif start >= args.steps:
@@ -1283,11 +1394,11 @@ def _run_mode(program: Program, built: Built, args: argparse.Namespace, start: i
             print(f"nothing to do: the checkpoint is at step {start}, --steps is {args.steps}",
                   file=sys.stderr)
     else:
-        _train_and_profile(program, built, args, start, seed, corpus, progress, first)
+        _train_and_profile(program, built, args, start, seed, corpus, progress, first, cursor)
 
 
 def _train_and_profile(program: Program, built: Built, args: argparse.Namespace, start: int, seed: int,
-                       corpus: Any, progress: Progress, first: bool) -> None:
+                       corpus: Any, progress: Progress, first: bool, cursor: dict[str, Any] | None = None) -> None:
     """Train steps `start` to --steps, then profile (--profile) or trace (--profile-trace) a few more."""
     if args.data is not None and len(open_data(args.data)) < program.seq + 2:
         raise InputError(
@@ -1297,7 +1408,8 @@ def _train_and_profile(program: Program, built: Built, args: argparse.Namespace,
     preempt = Preemption() if args.save is not None else None
     train(built, args.steps, seed, args.data, corpus, start=start, save=args.save,
           save_every=args.save_every, keep=args.keep, progress=progress,
-          preempt=preempt, metrics=args.metrics, tensorboard=args.tensorboard)
+          preempt=preempt, metrics=args.metrics, tensorboard=args.tensorboard, cursor=cursor,
+          balance=args.balance)
     if args.profile:
         from meshllm_dsl.runtime.train.profile import profile_train
 
