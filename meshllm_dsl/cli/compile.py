@@ -68,9 +68,12 @@ def _run_inputs(args: argparse.Namespace, seq: int, plan: Any = None) -> list[st
         raise UsageError(f"--max-restarts must be 0 or more, got {args.max_restarts}")
     if args.max_restarts and not args.save:
         raise UsageError("--max-restarts needs --save DIR: a restart resumes from its latest checkpoint")
+    from meshllm_dsl.cli.data import run_data
+
     flags = ["--steps", str(args.steps), "--seed", str(args.seed), "--timeout", f"{args.timeout:g}"]
-    if args.data:
-        flags += ["--data", args.data]
+    data = run_data(args)
+    if data:
+        flags += ["--data", data]
     if args.balance:
         flags += ["--balance"]
     if args.infer:
@@ -101,8 +104,8 @@ def _run_inputs(args: argparse.Namespace, seq: int, plan: Any = None) -> list[st
         launch.check_inputs(ns, model_description(plan) if plan is not None else None, seq)
     except launch.InputError as err:
         raise UsageError(str(err)) from None
-    if args.data and not args.infer and Path(args.data).stat().st_size < seq + 2:
-        raise UsageError(f"--data {args.data}: needs at least {seq + 2} bytes for seq {seq}, has {Path(args.data).stat().st_size}")
+    if data and not args.infer and Path(data).is_file() and Path(data).stat().st_size < seq + 2:
+        raise UsageError(f"--data {data}: needs at least {seq + 2} bytes for seq {seq}, has {Path(data).stat().st_size}")
     return flags
 
 
@@ -299,6 +302,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from meshllm_dsl.cli.data import add_run_data_flags
+
     c = sub.add_parser("compile", help="write the generated torch.distributed package")
     c.add_argument("file", metavar="FILE")
     c.add_argument("-o", "--output", required=True, metavar="DIR",
@@ -324,7 +329,11 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     r.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                    help="with --nnodes: torchrun's c10d rendezvous, on the first node (e.g. node001:29500)")
     r.add_argument("--rdzv-id", metavar="ID", help="with --nnodes: the job id at the rendezvous (default meshc-PLAN)")
-    r.add_argument("--data", metavar="TEXTFILE", help="train on this text (bytes -> tokens) instead of synthetic tokens")
+    r.add_argument("--data", metavar="SPEC",
+                   help="train on these documents instead of synthetic tokens: a token file, JSONL / Parquet files or "
+                        "directories, a saved `datasets` directory, text (with --tokenizer), several as a.jsonl:0.7,b.parquet:0.3 "
+                        "(docs/guides/data.md); a file without --tokenizer is read as bytes")
+    add_run_data_flags(r)
     r.add_argument("--balance", action="store_true",
                    help="with a token-file --data: order each step's packed rows so the data ranks' attention work evens out")
     r.add_argument("--infer", action="store_true", help="greedy generation instead of training")

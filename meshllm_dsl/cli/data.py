@@ -190,3 +190,45 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     _source_options(s)
     s.set_defaults(func=cmd_data_stats)
 
+
+
+def _needs_tokenizing(spec: str) -> bool:
+    """Whether `meshc run --data SPEC` names sources the ranks cannot read as they are: anything but
+    one file (a token file, text read through --tokenizer in memory, or bytes)."""
+    if Path(spec).is_file():
+        return Path(spec).suffix in (".jsonl", ".parquet")
+    return True
+
+
+def run_data(args: argparse.Namespace) -> str | None:
+    """The ``--data`` the ranks of `meshc run` read: a data spec's sources tokenized here, once, into
+    cached corpora (runtime/data/prepare.py; the ranks then read token files), or ``--data`` itself
+    when it is one file they read (a token file, a text file, bytes)."""
+    from meshllm_dsl.cli.main import UsageError
+    from meshllm_dsl.runtime.data.prepare import prepare_corpora
+    from meshllm_dsl.runtime.train.tokens import DataError
+
+    spec = args.data
+    field = getattr(args, "text_field", "text")
+    if spec is None or args.infer or not (_needs_tokenizing(spec) or field != "text"):
+        return spec
+    if args.tokenizer is None:
+        raise UsageError(f"--data {spec}: these sources are tokenized before training; pass --tokenizer DIR")
+    if args.eval and "," in spec:
+        raise UsageError("--eval takes one held-out --data source, not a weighted mix")
+    try:
+        corpora = prepare_corpora(spec, args.tokenizer, getattr(args, "data_cache", "meshllm-data-cache"),
+                                  text_field=field, skip_bad=getattr(args, "skip_bad", False))
+    except DataError as err:
+        raise UsageError(str(err)) from None
+    return ",".join(f"{c.path.resolve()}:{w:g}" if len(corpora) > 1 else str(c.path.resolve()) for c, w in corpora)
+
+
+def add_run_data_flags(r: argparse.ArgumentParser) -> None:
+    """`meshc run`'s flags for the sources it tokenizes before training."""
+    r.add_argument("--text-field", default="text", metavar="NAME",
+                   help="the JSONL / Parquet / dataset field of each document: a string, or a chat's `messages` "
+                        "(the loss on the assistant's tokens)")
+    r.add_argument("--skip-bad", action="store_true", help="skip and count unusable records instead of stopping at the first")
+    r.add_argument("--data-cache", default="meshllm-data-cache", metavar="DIR",
+                   help="where tokenized sources are kept, named by content hash (default ./meshllm-data-cache)")

@@ -45,6 +45,7 @@ current epoch is ``documents`` int64s per corpus, as the document index (``Corpu
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,13 +212,15 @@ class Packer:
                      positions=torch.from_numpy(np.stack([r[2] for r in rows]))[:, :-1].contiguous())
 
 
-def corpus_packer(path: Path, seq: int, seed: int, start: dict[str, Any] | None = None, *,
-                  shuffle: bool = True, balance: int = 0) -> Packer:
-    """The packer of the corpus at ``path`` (a token file and its sidecars) from the saved cursor
-    ``start`` (a checkpoint's, as ``Cursor.to_dict`` wrote it), else from the beginning."""
-    corpus = open_corpus(path)
-    cursor = None if start is None else Cursor.from_dict(start, 1)
-    return Packer([(corpus, 1.0)], seq=seq, seed=seed, start=cursor, shuffle=shuffle, balance=balance)
+def corpus_packer(sources: Path | Sequence[tuple[Path, float]], seq: int, seed: int,
+                  start: dict[str, Any] | None = None, *, shuffle: bool = True, balance: int = 0) -> Packer:
+    """The packer of the corpus at ``sources`` (a token file and its sidecars), or of several
+    weighted ones, from the saved cursor ``start`` (a checkpoint's, as ``Cursor.to_dict`` wrote it),
+    else from the beginning."""
+    listed = [(Path(sources), 1.0)] if isinstance(sources, (str, Path)) else list(sources)
+    corpora = [(open_corpus(path), float(weight)) for path, weight in listed]
+    cursor = None if start is None else Cursor.from_dict(start, len(corpora))
+    return Packer(corpora, seq=seq, seed=seed, start=cursor, shuffle=shuffle, balance=balance)
 
 
 def row_attention(documents: np.ndarray) -> int:

@@ -244,11 +244,17 @@ def check_inputs(args: argparse.Namespace, model: Any = None, seq: int = 0) -> N
     if args.infer and (args.resume is not None or args.save is not None):
         raise InputError("--infer takes --load CHECKPOINT, not --resume / --save")
     if args.data is not None and not args.infer:
-        data = Path(args.data)
-        if not data.is_file():
-            raise InputError(f"--data {data}: no such file")
-        if data.stat().st_size == 0:
-            raise InputError(f"--data {data}: the file is empty")
+        sources = data_sources(args.data)
+        for data, _ in sources:
+            if not data.is_file():
+                raise InputError(f"--data {data}: no such file")
+            if data.stat().st_size == 0:
+                raise InputError(f"--data {data}: the file is empty")
+        if len(sources) > 1 and not is_corpus(args.data):
+            raise InputError(f"--data {args.data}: several sources mix only as token files (with `meshc run "
+                             "--tokenizer DIR` every source is tokenized into one first)")
+        if len(sources) > 1 and args.eval:
+            raise InputError("--eval takes one held-out --data file, not a weighted mix")
     if args.balance and (args.infer or args.eval or not is_corpus(args.data)):
         # Only packed rows have documents whose lengths say the attention work.
         raise InputError("--balance orders the packed rows of a token-file --data among the data ranks: "
@@ -330,8 +336,9 @@ def _check_text_files(args: argparse.Namespace) -> None:
     )
 
     if args.data is not None and not args.infer:
-        if token_file_header(args.data) is None and args.tokenizer is not None:
-            check_utf8_file(args.data)
+        for data, _ in data_sources(args.data):
+            if token_file_header(data) is None and args.tokenizer is not None:
+                check_utf8_file(data)
     if args.tokenizer is not None:
         load_tokenizer(Path(args.tokenizer))
     if args.prompt is not None:
@@ -366,10 +373,11 @@ def _check_model_inputs(args: argparse.Namespace, model: Any, seq: int) -> None:
 
     vocab = model_vocab(model)
     if args.data is not None and not args.infer:
-        check_token_ids(args.data, vocab)  # one pass over the memory map
-        count = token_file_count(args.data)
-        if count is not None and seq and not args.eval and count < seq + 2:
-            raise DataError(f"--data {args.data}: {count} token ids, training at seq {seq} needs at least {seq + 2}")
+        for data, _ in data_sources(args.data):
+            check_token_ids(data, vocab)  # one pass over the memory map
+            count = token_file_count(data)
+            if count is not None and seq and not args.eval and count < seq + 2:
+                raise DataError(f"--data {data}: {count} token ids, training at seq {seq} needs at least {seq + 2}")
     if not args.infer:
         return
     if args.prompt_ids is not None:
@@ -448,12 +456,28 @@ def data_identity(path: Path | None) -> dict[str, Any] | None:
     return {"path": str(path), "bytes": st.st_size, "sha256_first_mib": head}
 
 
+def data_sources(data: Path | None) -> list[tuple[Path, float]]:
+    """``--data``'s files with their weights: the one file it names, or each of a weighted list of
+    token files (``a.tok:0.7,b.tok:0.3``, runtime/data/sources.py's spec) that `meshc run` tokenized."""
+    if data is None:
+        return []
+    if Path(data).exists():
+        return [(Path(data), 1.0)]
+    from meshllm_dsl.runtime.data.sources import parse_data_spec
+
+    try:
+        return parse_data_spec(str(data))
+    except DataError as err:
+        raise InputError(str(err)) from None
+
+
 def is_corpus(path: Path | None) -> bool:
-    """Whether ``--data`` is a corpus (a token file: its documents known from a ``.docs`` sidecar,
-    else one document), which training reads as packed batches (runtime/data/packing.py)."""
+    """Whether ``--data`` is a corpus (token files: their documents known from a ``.docs`` sidecar,
+    else each one document), which training reads as packed batches (runtime/data/packing.py)."""
     from meshllm_dsl.runtime.train.tokens import token_file_vocab
 
-    return path is not None and token_file_vocab(path) is not None
+    sources = data_sources(path)
+    return bool(sources) and all(p.is_file() and token_file_vocab(p) is not None for p, _ in sources)
 
 
 def packed_identity(built: Built, data: Path, seed: int, balance: bool) -> dict[str, Any]:
@@ -465,7 +489,7 @@ def packed_identity(built: Built, data: Path, seed: int, balance: bool) -> dict[
 def _packer(built: Built, data: Path, seed: int, balance: bool, cursor: dict[str, Any] | None = None) -> Packer:
     """The packer of a corpus ``data`` for ``built``'s rows, from ``cursor``; with ``balance``, each
     step's rows ordered so that its data ranks' attention work evens out."""
-    return corpus_packer(data, built.program.seq, seed, cursor, balance=built.dp if balance else 0)
+    return corpus_packer(data_sources(data), built.program.seq, seed, cursor, balance=built.dp if balance else 0)
 
 
 def _step_on(built: Built, batch: Batch) -> float:
@@ -1364,7 +1388,7 @@ def _text_inputs(built: Built, args: argparse.Namespace) -> tuple[Any, Any]:
         tokenizer = load_tokenizer(Path(args.tokenizer))
     from meshllm_dsl.runtime.train.tokens import token_file_vocab
 
-    text = args.data is not None and token_file_vocab(args.data) is None
+    text = args.data is not None and not is_corpus(args.data) and token_file_vocab(args.data) is None
     corpus = _corpus(built, args.data, tokenizer) if tokenizer is not None and text else None
     return tokenizer, corpus
 
@@ -1400,7 +1424,7 @@ def _run_mode(program: Program, built: Built, args: argparse.Namespace, start: i
 def _train_and_profile(program: Program, built: Built, args: argparse.Namespace, start: int, seed: int,
                        corpus: Any, progress: Progress, first: bool, cursor: dict[str, Any] | None = None) -> None:
     """Train steps `start` to --steps, then profile (--profile) or trace (--profile-trace) a few more."""
-    if args.data is not None and len(open_data(args.data)) < program.seq + 2:
+    if args.data is not None and not is_corpus(args.data) and len(open_data(args.data)) < program.seq + 2:
         raise InputError(
             f"--data {args.data}: needs at least {program.seq + 2} bytes for seq "
             f"{program.seq}, has {len(open_data(args.data))}"
