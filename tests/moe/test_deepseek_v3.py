@@ -51,12 +51,22 @@ PLANS = {  # mesh axes, plan body
                                 "    layout { batch -> data, experts -> data }\n    microbatches = 2\n"
                                 "    stages over pipeline {\n        0: embed, dense[0:2], blocks[0:1]\n"
                                 "        1: blocks[1:2], norm, lm_head\n    }\n    schedule 1f1b\n"),
+    # expert parallelism over data beside context parallelism: each context rank routes its part of
+    # the sequences, and the correction bias's load counts every token once (summed over data x context)
+    "data2_context2_experts": ("data = 2, context = 2",
+                               "    layout { batch -> data, seq -> context, experts -> data }\n"),
+    # and inside tensor parallelism: 8 ranks, data x context x tensor
+    "data2_context2_tensor2_experts": ("data = 2, context = 2, tensor = 2",
+                                       TP.replace("batch -> data,", "batch -> data, seq -> context,")),
 }
+# the plans whose model moves its correction biases (balance_rate): the update compared too
+BALANCED = {"data2_context2_experts", "data2_context2_tensor2_experts"}
 
 
 def compiled(plan: str, tmp_path: Path) -> tuple[str, int, str]:
     axes, body = PLANS[plan]
-    return compile_spec(plan_spec(axes, MODEL, body, batch=4), f"deepseek_v3_{plan}", tmp_path)
+    model = MODEL.replace(" dtype = fp32", " balance_rate = 0.05, dtype = fp32") if plan in BALANCED else MODEL
+    return compile_spec(plan_spec(axes, model, body, batch=4), f"deepseek_v3_{plan}", tmp_path)
 
 
 def _config() -> Any:
@@ -112,7 +122,7 @@ def test_the_tiny_model_routes_by_its_correction_bias(model: Any) -> None:
     assert (want - unbiased).abs().max().item() > 0.1
 
 
-@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("plan", [p for p in PLANS if p not in BALANCED])
 def test_weights_give_transformers_logits_and_tokens(plan: str, model: Any, pool: Any, tmp_path: Path) -> None:
     directory, hf = model
     tokens = _tokens()
@@ -234,6 +244,43 @@ def test_sharded_deepseek_v3_equals_the_reference_from_redrawn_weights(plan: str
         for leaf in ("dense.1.attn.kv_a.norm", "blocks.0.mlp.shared_down.weight", "blocks.1.mlp.router.weight"):
             assert f"grad {leaf}" in errs, sorted(errs)
         assert any(k.startswith("buffer ") and k.endswith("router.e_score_correction_bias") for k in errs)
+
+
+def _step_loads_job(ctx: Any, path: str, steps: int) -> list[list[int]]:
+    """Each optimizer step's load per moe layer as the correction bias's update sees it (summed
+    over the balance group), on this rank."""
+    from meshllm_dsl.runtime.moe import routing
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.verify.equivalence import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    seen: list[list[int]] = []
+    update = routing.update_correction
+
+    def noting(bias: Any, load: Any, rate: float) -> None:
+        seen[-1].append(int(load.sum()))
+        update(bias, load, rate)
+
+    routing.update_correction = noting  # type: ignore[assignment]
+    try:
+        for step in range(steps):
+            seen.append([])
+            built.train_step(*synthetic_batch(program.vocab, program.batch, program.seq, 3, step))
+    finally:
+        routing.update_correction = update  # type: ignore[assignment]
+    return seen
+
+
+@pytest.mark.parametrize(("plan", "copies"), [("data2_context2_experts", 1), ("data2_context2_tensor2_experts", 2)])
+def test_the_bias_update_counts_each_token_once_over_data_and_context(plan: str, copies: int, pool: Any,
+                                                                      tmp_path: Path) -> None:
+    """Each of the 2 moe layers' step load is batch 4 x seq 8 x top 2 pairs: every context rank's
+    tokens in it once (a tensor group's ranks route the same tokens: each counted once per rank,
+    which scales every expert's load alike and leaves the sign update as it is)."""
+    path, n, _ = compiled(plan, tmp_path)
+    for seen in pool.run(_step_loads_job, n, path, 2):
+        assert seen == [[4 * 8 * 2 * copies] * 2] * 2, seen
 
 
 def test_import_hf_reads_the_published_config_as_the_671b_example() -> None:
