@@ -135,8 +135,9 @@ CODES: dict[str, tuple[str, str]] = {
     "E0412": ("expert parallelism does not fit the plan", "`layout { experts -> D }` splits every moe layer's "
               "experts over the mesh axes D, as DeepSpeed-MoE, Megatron-Core and torchtitan do: each rank holds "
               "experts / |D| of them and tokens travel to their experts' ranks and back by all-to-all. The "
-              "tokens differ only along batch axes, so D must be batch axes of the plan (`batch -> D` or a "
-              "superset); the model needs moe layers, and `experts` must divide by D's size (E0301). What the "
+              "tokens differ only along batch and context axes, so D must be among them (`batch -> D`, "
+              "`seq -> D` over axes that split no weight, or a product: `experts -> data * context` as "
+              "torchtitan folds EP over dp_shard x cp); the model needs moe layers, and `experts` must divide by D's size (E0301). What the "
               "runtime does not yet do with expert parallelism is refused here too."),
     "E0501": ("parameter not placed", "A plan that has any sharding rule must place every shardable parameter "
               "exactly once, by a `shard` rule or a layout entry; replicate it explicitly with `replicate` if "

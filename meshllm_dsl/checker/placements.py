@@ -81,7 +81,7 @@ class PlacementRules(PlanContext):
                 out.extend(hits)
         self._context_or_sequence()
         self.expert_rules()
-        self.expert_parallel(batch_axes)
+        self.expert_parallel(batch_axes, self.context_axes)
         return batch_axes, out
 
     def expert_rules(self) -> None:
@@ -137,9 +137,12 @@ class PlacementRules(PlanContext):
         e = self.seq_entry
         if e is None:
             return
-        weight_axes = {a.value for stmt in self.decl.body if isinstance(stmt, ast.ShardStmt) for a in stmt.rule.axes}
+        # The experts' placement splits no weight's dims: experts over a context axis (expert
+        # parallelism over the context ranks' tokens) leave it a context axis.
+        weight_axes = {a.value for stmt in self.decl.body if isinstance(stmt, ast.ShardStmt)
+                       and stmt.rule.name.value != "expert" for a in stmt.rule.axes}
         weight_axes |= {a.value for stmt in self.decl.body if isinstance(stmt, ast.LayoutStmt)
-                        for x in stmt.entries if x.dim.value not in ("batch", "seq") for a in x.axes}
+                        for x in stmt.entries if x.dim.value not in ("batch", "seq", "experts") for a in x.axes}
         self.context_axes = tuple(a for a in self.seq_axes if a not in weight_axes)
         self.seq_axes = tuple(a for a in self.seq_axes if a in weight_axes)
 
@@ -148,20 +151,21 @@ class PlacementRules(PlanContext):
         return [leaf for _, _, leaf in self.model.leaves() if any(
             len(t.units) == 3 and any(u[0] == "experts" for u in t.units[1]) for t in leaf.params)]
 
-    def expert_parallel(self, batch_axes: tuple[str, ...]) -> None:
-        """`experts -> D`: D among the batch axes (tokens differ only along them, so only there can
-        they travel to other ranks' experts), and the experts dividing over D."""
+    def expert_parallel(self, batch_axes: tuple[str, ...], context_axes: tuple[str, ...] = ()) -> None:
+        """`experts -> D`: D among the batch and context axes (tokens differ only along them, so
+        only there can they travel to other ranks' experts), and the experts dividing over D."""
         e, axes = self.expert_entry, self.expert_axes
         if e is None:
             return
-        outside = [a for a in axes if a not in batch_axes]
+        token_axes = tuple(a.name for a in self.mesh.axes if a.name in batch_axes or a.name in context_axes)
+        outside = [a for a in axes if a not in token_axes]
         if outside:
-            fix = (f"`experts -> {' * '.join(batch_axes)}`" if isinstance(e, ast.LayoutEntry)
-                   else f"`shard {e.path} expert({', '.join(batch_axes)})`")
-            self.error(E0412, f"expert parallelism over {' x '.join(outside)}, which {'is not a batch axis' if len(outside) == 1 else 'are not batch axes'}",
+            fix = (f"`experts -> {' * '.join(token_axes)}`" if isinstance(e, ast.LayoutEntry)
+                   else f"`shard {e.path} expert({', '.join(token_axes)})`")
+            self.error(E0412, f"expert parallelism over {' x '.join(outside)}, which {'is neither a batch nor a context axis' if len(outside) == 1 else 'are neither batch nor context axes'}",
                        e.span if isinstance(e, ast.LayoutEntry) else e.rule.span, label="tokens do not differ along it",
-                       help=f"split the experts over batch axes ({', '.join(batch_axes) or 'none yet'}): "
-                       + (fix if batch_axes else f"add `batch -> {', '.join(axes)}` to the layout")
+                       help=f"split the experts over batch or context axes ({', '.join(token_axes) or 'none yet'}): "
+                       + (fix if token_axes else f"add `batch -> {', '.join(axes)}` to the layout")
                        + "; to split each expert's ffn over a tensor axis use `ffn -> AXIS`")
         n = self.mesh.size(*axes)
         counts = sorted({c for leaf in self.stacked_experts() for t in leaf.params for _, c in t.units[1]})

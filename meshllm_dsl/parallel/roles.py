@@ -6,7 +6,7 @@ over batch axes, sequence parallelism runs over tensor axes) are checked where t
 
 The checker reports a spec's conflicts as located diagnostics before it builds a plan, so a
 `ValueError` from here is a compiler bug (or a test building a bad record), never a user's error.
-Context parallelism runs over axes that split no weight; expert parallelism over batch axes.
+Context parallelism runs over axes that split no weight; expert parallelism over batch and context axes.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class ParallelRoles:
     loss: tuple[str, ...] = attrs.field(default=(), converter=_axes)  # vocab-parallel cross entropy over these
     # `layout { seq -> C }` over axes that split no weight: every sequence split over them (runtime/parallel/context.py)
     context: tuple[str, ...] = attrs.field(default=(), converter=_axes)
-    # `layout { experts -> D }`: the batch axes moe layers split their experts over (tokens travel by all-to-all)
+    # `layout { experts -> D }`: the batch and context axes moe layers split their experts over (tokens travel by all-to-all)
     expert: tuple[str, ...] = attrs.field(default=(), converter=_axes)
 
     def __attrs_post_init__(self) -> None:
@@ -61,7 +61,7 @@ class ParallelRoles:
             if shared:
                 raise ValueError(f"axes {', '.join(shared)} are both {one} and {other} axes")
         for role, within, what in (("batch_shard", "replicas", "batch or context"), ("sequence", "tensor", "tensor"),
-                                   ("loss", "tensor", "tensor"), ("expert", "batch", "batch")):
+                                   ("loss", "tensor", "tensor"), ("expert", "replicas", "batch or context")):
             outside = [a for a in getattr(self, role) if a not in getattr(self, within)]
             if outside:
                 raise ValueError(f"{role} axes {', '.join(outside)} are not {what} axes")

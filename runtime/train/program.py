@@ -400,7 +400,7 @@ class Built:
         (kept until backward) by FSDP2 over the data (and context) ranks; master weights, gradients
         and optimizer states are sharded either way."""
         dmesh = fsdp.data_mesh(self.mesh, self.grad_axes, self.device.type, self.zero_axes)
-        # Expert parallelism: experts split over batch axes are left out of the dense units. Split
+        # Expert parallelism: experts split over batch or context axes are left out of the dense units. Split
         # over every ZeRO axis, no other rank of them holds them: plain tensors, reduced as without
         # ZeRO. Otherwise each layer's experts are a unit over the ZeRO axes that replicate them
         # (the checker sees that these are all the batch and context axes that do).
@@ -410,7 +410,7 @@ class Built:
         for i, specs in self.specs.items():
             for spec in specs.values():
                 split = {a for _, axes in spec.dims for a in axes}
-                if not split & set(self.batch_axes):
+                if not split & set(self.grad_axes):  # the experts, split over batch or context axes
                     continue
                 experts.add(spec.local)
                 rest = tuple(a for a in self.zero_axes if a not in split)

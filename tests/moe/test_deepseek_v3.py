@@ -55,12 +55,16 @@ PLANS = {  # mesh axes, plan body
     # the sequences, and the correction bias's load counts every token once (summed over data x context)
     "data2_context2_experts": ("data = 2, context = 2",
                                "    layout { batch -> data, seq -> context, experts -> data }\n"),
+    # the experts over data x context: 2 of 8 on each of the 4 ranks, each context rank's tokens
+    # travelling to them (torchtitan folds EP over dp_shard x cp)
+    "data2_context2_experts_over_both": ("data = 2, context = 2",
+                                         "    layout { batch -> data, seq -> context, experts -> data * context }\n"),
     # and inside tensor parallelism: 8 ranks, data x context x tensor
     "data2_context2_tensor2_experts": ("data = 2, context = 2, tensor = 2",
                                        TP.replace("batch -> data,", "batch -> data, seq -> context,")),
 }
 # the plans whose model moves its correction biases (balance_rate): the update compared too
-BALANCED = {"data2_context2_experts", "data2_context2_tensor2_experts"}
+BALANCED = {"data2_context2_experts", "data2_context2_experts_over_both", "data2_context2_tensor2_experts"}
 
 
 def compiled(plan: str, tmp_path: Path) -> tuple[str, int, str]:
@@ -272,7 +276,8 @@ def _step_loads_job(ctx: Any, path: str, steps: int) -> list[list[int]]:
     return seen
 
 
-@pytest.mark.parametrize(("plan", "copies"), [("data2_context2_experts", 1), ("data2_context2_tensor2_experts", 2)])
+@pytest.mark.parametrize(("plan", "copies"), [("data2_context2_experts", 1), ("data2_context2_experts_over_both", 1),
+                                               ("data2_context2_tensor2_experts", 2)])
 def test_the_bias_update_counts_each_token_once_over_data_and_context(plan: str, copies: int, pool: Any,
                                                                       tmp_path: Path) -> None:
     """Each of the 2 moe layers' step load is batch 4 x seq 8 x top 2 pairs: every context rank's

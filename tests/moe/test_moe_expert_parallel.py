@@ -48,6 +48,12 @@ PLANS = {  # mesh axes, layout, other lines
     # holding the same experts), two ZeroRedundancyOptimizers stepped together
     "replica2_ep2_zero1": ("replica = 2, data = 2", "batch -> replica * data, experts -> data",
                            "    microbatches = 2\n    optimizer adamw { zero 1 }\n"),
+    # EP over the context ranks' tokens too: the experts over data x context, or over context alone
+    "context2_ep4": ("data = 2, context = 2", "batch -> data, seq -> context, experts -> data * context", ""),
+    "context2_ep_context2": ("data = 2, context = 2", "batch -> data, seq -> context, experts -> context", ""),
+    # ZeRO 3 over data x context: experts over context are a unit of their own over data
+    "context2_ep_context2_zero3": ("data = 2, context = 2", "batch -> data, seq -> context, experts -> context",
+                                   "    optimizer adamw { zero 3 }\n"),
     # Megatron's distributed optimizer (FSDP2, gradients reduced once a step) with `precision`: the
     # experts, left out of FSDP2, cast to the compute dtype like the dense weights
     "ep2_zero1_precision": ("data = 2", "batch -> data, experts -> data",
@@ -69,7 +75,8 @@ def compiled(model: str, plan: str, tmp_path: Path) -> tuple[str, int, str]:
 CASES = [("mixtral", "ep2"), ("qwen3_moe", "ep4"), ("qwen2_moe", "replica2_ep2_rule"), ("mixtral", "ep2_tensor2"),
          ("qwen2_moe", "ep2_tensor2"), ("mixtral", "pipeline2_ep2"), ("qwen3_moe", "ep2_tensor2_zero3_recompute"),
          ("mixtral", "replica2_ep2_zero2"), ("qwen2_moe", "replica2_ep2_zero1"), ("mixtral", "ep2_zero1_precision"),
-         ("mixtral", "replica2_ep2_zero3"), ("qwen2_moe", "replica2_ep2_zero2_all")]
+         ("mixtral", "replica2_ep2_zero3"), ("qwen2_moe", "replica2_ep2_zero2_all"), ("mixtral", "context2_ep4"),
+         ("qwen2_moe", "context2_ep_context2"), ("mixtral", "context2_ep_context2_zero3")]
 
 
 @pytest.mark.parametrize(("model", "plan"), CASES)
@@ -123,6 +130,29 @@ def test_expert_parallelism_that_does_not_fit_is_refused(layout: str, rest: str,
     text = (f"mesh m {{ axes data = 2, tensor = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = 8\n"
             f"    layout {{ {layout} }}\n{rest}}}\n")
     assert code in _codes(text)
+
+
+@pytest.mark.parametrize(("experts", "rule"), [("data * context", ""), ("context", ""),
+                                               ("", "    shard blocks.*.mlp expert(data, context)\n")])
+def test_experts_over_context_axes_leave_them_context_axes(experts: str, rule: str) -> None:
+    """The experts' placement splits no weight dim: `seq -> context` stays context parallelism
+    (not Megatron sequence parallelism, which an axis splitting weights would make it)."""
+    layout = "batch -> data, seq -> context" + (f", experts -> {experts}" if experts else "")
+    text = (f"mesh m {{ axes data = 2, context = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = 8\n"
+            f"    seq = 8\n    layout {{ {layout} }}\n{rule}}}\n")
+    (plan,) = _checked(text).plans.values()
+    assert plan.roles.context == ("context",) and plan.roles.sequence == ()
+    assert plan.roles.expert == (tuple(experts.split(" * ")) if experts else ("data", "context"))
+
+
+def test_experts_over_a_sequence_parallel_axis_are_refused() -> None:
+    """`seq -> tensor` beside `heads -> tensor` is sequence parallelism: tensor ranks hold the same
+    tokens outside the norm regions, so the experts cannot split over it."""
+    text = (f"mesh m {{ axes data = 2, tensor = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = 8\n"
+            "    seq = 8\n    layout { batch -> data, seq -> tensor, heads -> tensor, experts -> data * tensor }\n}\n")
+    d = next(d for d in _checked(text).errors if d.code == "E0412")
+    assert d.message == "expert parallelism over tensor, which is neither a batch nor a context axis"
+    assert "`experts -> data`" in d.help
 
 
 @pytest.mark.parametrize(("model", "plan"), [("qwen2_moe", "replica2_ep2"), ("mixtral", "ep2_tensor2"),
