@@ -226,6 +226,13 @@ class Moe(Primitive):
             if y is None:
                 return None
             outs.append((down, y))
+        if len(outs) == 2 and outs[0][1] == R and outs[1][1] != R \
+                and set(pl(_EXPERTS[0]).experts) & set(pl(outs[1][0]).axes):
+            # The experts over a tensor axis the shared expert's ffn splits over: their tokens split
+            # over it and their outputs all-gathered, whole; the shared expert's partial sum is
+            # reduced alone and the routed sum added after (sublayer_lines).
+            unique = list(dict.fromkeys(collectives))
+            return at_residual(outs[1][1], name(outs[1][0]), pl(outs[1][0]), unique, r)
         if len(outs) == 2 and outs[0][1] != outs[1][1]:
             (d0, y0), (d1, y1) = outs
             r.error(E0402, f"the experts' output ({y0}) and the shared expert's ({y1}) are added, but their "
@@ -418,17 +425,31 @@ class Moe(Primitive):
         if a.get("act", "swiglu") == "swiglu_clamped":
             act = f", act=rt.clamped_swiglu({float(a['swiglu_alpha'])!r}, {float(a['swiglu_limit'])!r})"
         xt = "t"
+        experts = placement.get(f"{unit.name}.gate", REPLICATE).experts
+        # Experts over tensor axes (the tokens the same along them): each of their ranks routes its
+        # share of the tokens to whole experts and all-gathers the outputs, whole on every rank, so
+        # they join the shared expert's partial sum after its reduction.
+        split = tuple(a for a in experts if a in w.plan.roles.expert_token_split)
         if copy is not None:
             g, n = w.group(copy.axes), w.n(copy.axes)
             axes = w.axes_text(copy.axes)
-            lines += [w.line(f"xt = rt.copy_to(t, {g})", f"f: identity; backward all-reduces the experts' input gradient over {axes} ({n})"),
-                      w.line(f"weights = rt.copy_to(weights, {g})",
-                             f"f: each rank's ffn slice gives part of the weights' gradient; backward sums it over {axes}")]
+            lines.append(w.line(f"xt = rt.copy_to(t, {g})", f"f: identity; backward all-reduces the experts' input gradient over {axes} ({n})"))
+            if not split:
+                lines.append(w.line(f"weights = rt.copy_to(weights, {g})",
+                                    f"f: each rank's ffn slice gives part of the weights' gradient; backward sums it over {axes}"))
             xt = "xt"
         part = f" Partial over {w.axes_text(reduce.axes)}" if reduce is not None else ""
-        experts = placement.get(f"{unit.name}.gate", REPLICATE).experts
         weights_args = f"{m}.gate.weight, {m}.up.weight, {m}.down.weight"
-        if experts:
+        if split:
+            n, s_n = w.n(experts), w.n(split)
+            lines.append(w.line(f"routed = {m}.experts(t, chosen, weights, {w.group(experts)}{act}, split={w.group(split)})",
+                                f"[b*s, {hid}]: {w.axes_text(split)} ({s_n}) split the tokens, each rank's b*s / {s_n} "
+                                f"rows all-to-all over {w.axes_text(experts)} ({n}) to their experts' ranks and back, "
+                                f"then all-gathered over {w.axes_text(split)}; {n_exp // n} of {n_exp} experts here, "
+                                f"all {a['ffn']} ffn of each{', dropless' if not a.get('capacity') else ''}"))
+            lines.append(w.line("out = torch.zeros_like(routed)", "the shared experts' sum, added to the routed one once reduced")
+                         if a["shared_expert"] else w.line("out = routed", f"[b*s, {hid}]"))
+        elif experts:
             n = w.n(experts)
             lines.append(w.line(f"out = {m}.experts({xt}, chosen, weights, {w.group(experts)}{act})",
                                 f"[b*s, {hid}]{part}: all-to-all over {w.axes_text(experts)} ({n}) sends the [b*s*{k}, {hid}] "
@@ -458,6 +479,8 @@ class Moe(Primitive):
         if reduce is not None:
             lines.append(w.line(f"out = rt.reduce_from(out, {w.group(reduce.axes)})",
                                 f"g: all-reduce over {w.axes_text(reduce.axes)} ({w.n(reduce.axes)}) -> [b*s, {hid}]"))
+        if split and a["shared_expert"]:
+            lines.append(w.line("out = out + routed", f"[b*s, {hid}] the routed experts' whole sum, once"))
         if a.get("expert_bias"):
             lines.append(w.line("out = out + down_bias.to(out.dtype)", f"[b*s, {hid}] the down biases, once"))
         lines.append(w.line(f"out = out.view_as({x})", f"[b, s, {hid}]"))

@@ -59,12 +59,23 @@ PLANS = {  # mesh axes, plan body
     # travelling to them (torchtitan folds EP over dp_shard x cp)
     "data2_context2_experts_over_both": ("data = 2, context = 2",
                                          "    layout { batch -> data, seq -> context, experts -> data * context }\n"),
+    # the experts over data x tensor (torchtitan's EP over dp_shard x tp, etp = 1): each tensor rank
+    # routes half the tokens to whole experts, 2 of 8 on each rank, the outputs all-gathered back
+    "data2_tensor2_experts_over_both": ("data = 2, tensor = 2",
+                                        TP.replace("experts -> data,", "experts -> data * tensor,")
+                                        .replace(" expert_ffn -> tensor,", "")),
+    # and over data x context x tensor: 1 of 8 experts on each of 8 ranks
+    "data2_context2_tensor2_experts_over_all": ("data = 2, context = 2, tensor = 2",
+                                                TP.replace("batch -> data, experts -> data,",
+                                                           "batch -> data, seq -> context, experts -> data * context * tensor,")
+                                                .replace(" expert_ffn -> tensor,", "")),
     # and inside tensor parallelism: 8 ranks, data x context x tensor
     "data2_context2_tensor2_experts": ("data = 2, context = 2, tensor = 2",
                                        TP.replace("batch -> data,", "batch -> data, seq -> context,")),
 }
 # the plans whose model moves its correction biases (balance_rate): the update compared too
-BALANCED = {"data2_context2_experts", "data2_context2_experts_over_both", "data2_context2_tensor2_experts"}
+BALANCED = {"data2_context2_experts", "data2_context2_experts_over_both", "data2_context2_tensor2_experts",
+            "data2_tensor2_experts_over_both", "data2_context2_tensor2_experts_over_all"}
 
 
 def compiled(plan: str, tmp_path: Path) -> tuple[str, int, str]:
@@ -277,7 +288,8 @@ def _step_loads_job(ctx: Any, path: str, steps: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize(("plan", "copies"), [("data2_context2_experts", 1), ("data2_context2_experts_over_both", 1),
-                                               ("data2_context2_tensor2_experts", 2)])
+                                               ("data2_context2_tensor2_experts", 2), ("data2_tensor2_experts_over_both", 2),
+                                               ("data2_context2_tensor2_experts_over_all", 2)])
 def test_the_bias_update_counts_each_token_once_over_data_and_context(plan: str, copies: int, pool: Any,
                                                                       tmp_path: Path) -> None:
     """Each of the 2 moe layers' step load is batch 4 x seq 8 x top 2 pairs: every context rank's

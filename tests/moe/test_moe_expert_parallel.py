@@ -19,6 +19,8 @@ from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
 from meshllm_dsl.runtime.jobs.compare import TOLERANCE  # noqa: E402
 
+# tensor parallelism but for the experts' ffn: the experts over tensor take whole experts (etp = 1)
+TP_ETP1 = TP.replace(" ffn -> tensor,", "")
 PLANS = {  # mesh axes, layout, other lines
     # the dense layers replicated, data-parallel; the experts split over data
     "ep2": ("data = 2", "batch -> data, experts -> data", ""),
@@ -54,6 +56,19 @@ PLANS = {  # mesh axes, layout, other lines
     # ZeRO 3 over data x context: experts over context are a unit of their own over data
     "context2_ep_context2_zero3": ("data = 2, context = 2", "batch -> data, seq -> context, experts -> context",
                                    "    optimizer adamw { zero 3 }\n"),
+    # EP over a tensor axis (torchtitan's EP over dp_shard x tp, etp = 1): each tensor rank routes half
+    # the tokens to whole experts and the outputs are all-gathered; the shared expert's ffn over tensor
+    "ep4_over_tensor": ("data = 2, tensor = 2", TP_ETP1 + ", batch -> data, experts -> data * tensor", ""),
+    "ep_tensor2": ("tensor = 2", TP_ETP1 + ", experts -> tensor", ""),
+    "data2_ep_tensor2": ("data = 2, tensor = 2", TP_ETP1 + ", batch -> data, experts -> tensor", ""),
+    "pipeline2_ep_tensor2": ("pipeline = 2, tensor = 2", TP_ETP1 + ", experts -> tensor",
+                             "    microbatches = 2\n    stages over pipeline balanced\n    schedule 1f1b\n"),
+    # FSDP2 over data beside experts over data x tensor (each rank's own: plain tensors)
+    "ep4_over_tensor_zero3": ("data = 2, tensor = 2", TP_ETP1 + ", batch -> data, experts -> data * tensor",
+                              "    optimizer adamw { zero 3 }\n"),
+    # ZeRO 2 over data with the experts over tensor only: FSDP2 shards them over data with the block
+    "ep_tensor2_zero2": ("data = 2, tensor = 2", TP_ETP1 + ", batch -> data, experts -> tensor",
+                         "    optimizer adamw { zero 2 }\n"),
     # Megatron's distributed optimizer (FSDP2, gradients reduced once a step) with `precision`: the
     # experts, left out of FSDP2, cast to the compute dtype like the dense weights
     "ep2_zero1_precision": ("data = 2", "batch -> data, experts -> data",
@@ -76,7 +91,9 @@ CASES = [("mixtral", "ep2"), ("qwen3_moe", "ep4"), ("qwen2_moe", "replica2_ep2_r
          ("qwen2_moe", "ep2_tensor2"), ("mixtral", "pipeline2_ep2"), ("qwen3_moe", "ep2_tensor2_zero3_recompute"),
          ("mixtral", "replica2_ep2_zero2"), ("qwen2_moe", "replica2_ep2_zero1"), ("mixtral", "ep2_zero1_precision"),
          ("mixtral", "replica2_ep2_zero3"), ("qwen2_moe", "replica2_ep2_zero2_all"), ("mixtral", "context2_ep4"),
-         ("qwen2_moe", "context2_ep_context2"), ("mixtral", "context2_ep_context2_zero3")]
+         ("qwen2_moe", "context2_ep_context2"), ("mixtral", "context2_ep_context2_zero3"),
+         ("mixtral", "ep4_over_tensor"), ("qwen2_moe", "data2_ep_tensor2"), ("qwen3_moe", "ep_tensor2"),
+         ("mixtral", "pipeline2_ep_tensor2"), ("qwen3_moe", "ep4_over_tensor_zero3"), ("qwen2_moe", "ep_tensor2_zero2")]
 
 
 @pytest.mark.parametrize(("model", "plan"), CASES)
@@ -151,8 +168,31 @@ def test_experts_over_a_sequence_parallel_axis_are_refused() -> None:
     text = (f"mesh m {{ axes data = 2, tensor = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = 8\n"
             "    seq = 8\n    layout { batch -> data, seq -> tensor, heads -> tensor, experts -> data * tensor }\n}\n")
     d = next(d for d in _checked(text).errors if d.code == "E0412")
-    assert d.message == "expert parallelism over tensor, which is neither a batch nor a context axis"
+    assert d.message == ("expert parallelism over tensor, which sequence parallelism splits the tokens over "
+                         "(tensor): the moe layers take whole sequences")
     assert "`experts -> data`" in d.help
+
+
+def _errors(layout: str, batch: int = 8, seq: int = 8) -> list[tuple[str, str, str]]:
+    text = (f"mesh m {{ axes data = 2, tensor = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = {batch}\n"
+            f"    seq = {seq}\n    layout {{ {layout}, vocab -> tensor, kv_heads -> tensor }}\n"
+            "    shard blocks.*.mlp.router replicate\n}\n")
+    return [(d.code, d.message, text[d.span.start:d.span.end]) for d in _checked(text).errors]
+
+
+def test_experts_over_a_tensor_axis_keep_each_expert_whole() -> None:
+    """torchtitan's etp = 1: each tensor rank routes its share of the tokens to whole experts, so
+    the experts' ffn may not split over tensor too (ETP with the experts over batch axes does)."""
+    assert _errors("batch -> data, heads -> tensor, experts -> data * tensor") == []
+    assert _errors("batch -> data, heads -> tensor, ffn -> tensor, experts -> data") == []
+    assert _errors("batch -> data, heads -> tensor, ffn -> tensor, experts -> data * tensor") == [
+        ("E0412", "the experts are split over tensor, a tensor axis, and their ffn over tensor too", "ffn -> tensor")]
+
+
+def test_tokens_that_do_not_split_over_the_experts_tensor_axis_are_refused() -> None:
+    """batch 2 over data 2 at seq 3: 3 tokens per rank, which the two tensor ranks cannot share."""
+    assert _errors("batch -> data, heads -> tensor, experts -> data * tensor", batch=2, seq=3) == [
+        ("E0412", "3 tokens per microbatch on a rank do not split over tensor (2)", "experts -> data * tensor")]
 
 
 @pytest.mark.parametrize(("model", "plan"), [("qwen2_moe", "replica2_ep2"), ("mixtral", "ep2_tensor2"),
