@@ -137,7 +137,8 @@ def test_the_tiny_model_routes_by_its_correction_bias(model: Any) -> None:
     assert (want - unbiased).abs().max().item() > 0.1
 
 
-@pytest.mark.parametrize("plan", [p for p in PLANS if p not in BALANCED])
+@pytest.mark.parametrize("plan", [*(p for p in PLANS if p not in BALANCED), "data2_tensor2_experts_over_both",
+                                  "data2_context2_tensor2_experts_over_all"])
 def test_weights_give_transformers_logits_and_tokens(plan: str, model: Any, pool: Any, tmp_path: Path) -> None:
     directory, hf = model
     tokens = _tokens()
@@ -150,7 +151,7 @@ def test_weights_give_transformers_logits_and_tokens(plan: str, model: Any, pool
     assert generated.tolist() == want_tokens.tolist()
 
 
-@pytest.mark.parametrize("plan", ["data2_tensor2_experts", "pipeline2_data2_experts"])
+@pytest.mark.parametrize("plan", ["data2_tensor2_experts", "pipeline2_data2_experts", "data2_tensor2_experts_over_both"])
 def test_export_round_trips_through_transformers(plan: str, model: Any, pool: Any, tmp_path: Path) -> None:
     """Exported with the source's config.json and with meshllm's own: transformers reads back the same
     model (the correction biases too: the logits are equal)."""
