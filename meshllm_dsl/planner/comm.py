@@ -129,7 +129,19 @@ def expert_all_to_all(plan: PlanIR, hu: HeldUnit, tokens: int) -> tuple[tuple[st
     axes = hu.placement(gate).experts
     if not axes:
         return None
+    # Over tensor axes each of their ranks sends 1 / |axes| of the tokens (expert_token_split).
+    tokens //= plan.mesh.size(*expert_token_split(plan, hu)) if expert_token_split(plan, hu) else 1
     return axes, DTYPES[plan.dtype] * tokens * int(hu.unit.attr("top_k")) * int(hu.unit.attr("hidden"))  # type: ignore[arg-type]
+
+
+def expert_token_split(plan: PlanIR, hu: HeldUnit) -> tuple[str, ...]:
+    """The tensor axes a moe unit's experts split over: each of their ranks routes 1 / |axes| of the
+    tokens, which it splits off the whole ones and all-gathers the outputs of (runtime/moe/dispatch.py
+    ExpertsParallel.experts)."""
+    if not primitives.of(hu.unit).routes_experts:
+        return ()
+    gate = next(lf for lf in hu.unit.leaves if lf.name == "gate")
+    return tuple(a for a in hu.placement(gate).experts if a in plan.roles.expert_token_split)
 
 
 def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], WirePrimitive, int | None]]:
@@ -200,6 +212,14 @@ def _unit_calls(setup: Setup, rank: Rank) -> _Calls:
             # dispatch and combine, each again in backward; the forward's rerun with the block's
             n = len(EXPERT_WIRE) * hu.count + len(EXPERT_WIRE) // 2 * rc
             calls.expert[a2a] = calls.expert.get(a2a, 0) + n
+        split = expert_token_split(plan, hu)
+        if split:
+            # The routed outputs [b*s, h] all-gathered over the split axes forward (again when
+            # recomputed), the tokens' gradients [b*s, h] backward; the routing weights' gradients
+            # [b*s, top_k] too (counted in the plan's dtype; fp32 with weights_fp32 at bf16 is twice).
+            for width, n in ((setup.hidden, 2 * hu.count + rc), (int(hu.unit.attr("top_k")), hu.count)):  # type: ignore[arg-type]
+                for op in spec("gather_from").wire:
+                    calls.tensor[(split, op, width)] = calls.tensor.get((split, op, width), 0) + n
         calls.seq_grads += hu.count * sum(t.numel for lf in hu.unit.leaves for t in lf.params
                                           if layouts.seq_partial_grad(plan, hu.unit, lf, t))
         calls.holds_head |= hu.last

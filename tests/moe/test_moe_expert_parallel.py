@@ -400,6 +400,62 @@ def test_the_planner_counts_local_experts_and_the_all_to_alls() -> None:
     assert per is not None and per["payload_bytes"] == tokens * 2 * h * 4 and per["calls_per_step"] == 4
 
 
+def _a2a_bytes_job(ctx: Any, path: str) -> tuple[list[int], dict[tuple[str, str], list[float]]]:
+    """One training step: the bytes each forward all-to-all of the dispatcher hands over (dispatch,
+    combine, per moe layer) and CollectiveLog's (calls, bytes) per (axes, op) on this rank."""
+    from meshllm_dsl.runtime.moe import dispatch
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.runtime.train.profile import CollectiveLog
+    from meshllm_dsl.verify.equivalence import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    sent: list[int] = []
+    original = dispatch._all_to_all
+
+    def counting(x: Any, out_splits: list[int], in_splits: list[int], group: Any) -> Any:
+        sent.append(x.numel() * x.element_size())
+        return original(x, out_splits, in_splits, group)
+
+    dispatch._all_to_all = counting  # type: ignore[assignment]
+    log = CollectiveLog(built.mesh)
+    try:
+        with log:
+            built.train_step(*synthetic_batch(program.vocab, program.batch, program.seq, 3, 0))
+    finally:
+        dispatch._all_to_all = original  # type: ignore[assignment]
+    return sent, {k: v[:2] for k, v in log.stats.items()}
+
+
+@pytest.mark.parametrize(("model", "plan"), [("mixtral", "ep4_over_tensor"), ("mixtral", "context2_ep4"),
+                                             ("mixtral", "ep2")])
+def test_the_planner_counts_the_all_to_all_bytes_the_dispatcher_sends(model: str, plan: str, pool: Any,
+                                                                      tmp_path: Path) -> None:
+    """Exact: each rank's dispatch hands over its top_k rows per token (of its 1 / |tensor| share
+    over a tensor axis), as `meshc plan` counts per call; the combines, uneven per rank, sum over
+    the ranks to as much. Over a tensor axis the routed outputs, the tokens' and the routing weights'
+    gradients are all-gathered over it: the planner's tensor all-gathers, byte for byte."""
+    from meshllm_dsl.planner import analyze as planner
+
+    path, n, _ = compiled(model, plan, tmp_path)
+    (checked,) = _checked(ep_spec(model, plan)).plans.values()
+    comms = planner.analyze(checked).ranks[0].comms
+    (a2a,) = [c for c in comms if c.kind == "expert"]
+    per_call = a2a.payload_bytes // a2a.calls
+    layers = 2
+    runs = pool.run(_a2a_bytes_job, n, path)
+    for sent, _ in runs:
+        assert sent[0::2] == [per_call] * layers  # dispatch, each layer
+    assert sum(sum(sent[1::2]) for sent, _ in runs) == n * layers * per_call  # combine
+    gathers = [c for c in comms if c.kind == "tensor" and c.op == "all_gather"]
+    # every all-gather over tensor a rank runs: the moe layers' and the vocab-parallel loss's
+    planned = [sum(c.calls for c in comms if c.axis == "tensor" and c.op == "all_gather"),
+               sum(c.payload_bytes for c in comms if c.axis == "tensor" and c.op == "all_gather")]
+    assert all(stats.get(("tensor", "all_gather"), [0, 0]) == planned for _, stats in runs), planned
+    # the outputs', the tokens' and the routing weights' gradients, each layer
+    assert sum(c.calls for c in gathers) == (3 * layers if checked.roles.expert_token_split else 0)
+
+
 def test_weights_read_per_rank_experts_and_export_gathers_them(pool: Any, tmp_path: Path) -> None:
     """`--weights` under expert parallelism x tensor (runtime/hf_moe.local_stacked reads a rank's
     experts only) gives transformers' logits and greedy tokens; `--export-hf` gathers every
