@@ -16,7 +16,7 @@ from meshllm_dsl import primitives
 from meshllm_dsl.ir import DTYPES, FP8_BYTES, MeshIR, PlanIR
 from meshllm_dsl.parallel import layouts
 from meshllm_dsl.parallel.collectives import WirePrimitive, ring_bytes, spec
-from meshllm_dsl.parallel.costs import FP32, HeldUnit, seq_size
+from meshllm_dsl.parallel.costs import FP32, HeldUnit, expert_token_split, routed_tokens, seq_size
 from meshllm_dsl.parallel.devices import DeviceProfile, group_crosses_hosts
 from meshllm_dsl.parallel.placements import defers_grad_sync, gather_stage
 from meshllm_dsl.planner.formulas import fsdp_unit_collectives, stage_actions
@@ -130,18 +130,8 @@ def expert_all_to_all(plan: PlanIR, hu: HeldUnit, tokens: int) -> tuple[tuple[st
     if not axes:
         return None
     # Over tensor axes each of their ranks sends 1 / |axes| of the tokens (expert_token_split).
-    tokens //= plan.mesh.size(*expert_token_split(plan, hu)) if expert_token_split(plan, hu) else 1
+    tokens = routed_tokens(plan, hu, tokens)
     return axes, DTYPES[plan.dtype] * tokens * int(hu.unit.attr("top_k")) * int(hu.unit.attr("hidden"))  # type: ignore[arg-type]
-
-
-def expert_token_split(plan: PlanIR, hu: HeldUnit) -> tuple[str, ...]:
-    """The tensor axes a moe unit's experts split over: each of their ranks routes 1 / |axes| of the
-    tokens, which it splits off the whole ones and all-gathers the outputs of (runtime/moe/dispatch.py
-    ExpertsParallel.experts)."""
-    if not primitives.of(hu.unit).routes_experts:
-        return ()
-    gate = next(lf for lf in hu.unit.leaves if lf.name == "gate")
-    return tuple(a for a in hu.placement(gate).experts if a in plan.roles.expert_token_split)
 
 
 def unit_collectives(hu: HeldUnit) -> list[tuple[tuple[str, ...], WirePrimitive, int | None]]:

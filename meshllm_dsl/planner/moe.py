@@ -27,7 +27,14 @@ from meshllm_dsl import primitives
 from meshllm_dsl.codes import W0807
 from meshllm_dsl.diagnostics import Diagnostic
 from meshllm_dsl.ir import DTYPES, PlanIR, Repeat, Unit
-from meshllm_dsl.parallel.costs import HeldUnit, Matmul, expert_degree, matmul_seconds, routed_pairs
+from meshllm_dsl.parallel.costs import (
+    HeldUnit,
+    Matmul,
+    expert_degree,
+    matmul_seconds,
+    routed_pairs,
+    routed_tokens,
+)
 from meshllm_dsl.planner.formatting import fmt_bytes, fmt_seconds, table_text
 from meshllm_dsl.planner.held import held_units
 from meshllm_dsl.planner.records import PlanReport
@@ -161,7 +168,8 @@ def skew_report(rep: PlanReport) -> SkewReport | None:
     if plan.skew is None:
         return None
     skew, m = plan.skew, plan.microbatches
-    tokens = rep.micro_batch * plan.seq
+    # a rank's tokens of a microbatch: s / c of each sequence under context parallelism
+    rank_tokens = rep.micro_batch * plan.seq // plan.context_size
     rows: list[SkewRank] = []
     degree, experts, routed, computed = 1, 0, 0.0, 0.0
     extra_busiest = a2a_extra = 0.0
@@ -177,6 +185,7 @@ def skew_report(rep: PlanReport) -> SkewReport | None:
                 experts, k = int(hu.unit.attr("experts")), int(hu.unit.attr("top_k"))  # type: ignore[arg-type]
                 cap = float(hu.unit.attr("capacity") or 0.0)  # type: ignore[arg-type]
                 degree = expert_degree(plan, hu)
+                tokens = routed_tokens(plan, hu, rank_tokens)  # its share over the experts' tensor axes
                 balanced = routed_pairs(tokens, k, experts, cap)
                 each = math.ceil(cap * tokens * k / experts) if cap else None
                 busiest, other = rank_pairs(skew, experts, degree, tokens * k, each)

@@ -248,17 +248,19 @@ class Moe(Primitive):
         leaf = next(lf for lf in hu.unit.leaves if lf.name == leaf_name)
         return int(hu.unit.attr(size)) // costs.axes_size(plan, hu.placement(leaf))  # type: ignore[arg-type]
 
-    def _routed(self, hu: HeldUnit, tokens: int) -> int:
+    def _routed(self, plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
         """(token, choice) pairs the experts compute: all of them dropless, at most each expert's
-        capacity with a capacity factor (activations at capacity; balanced routing)."""
+        capacity with a capacity factor (activations at capacity; balanced routing). With the
+        experts over tensor axes a rank routes its share of the tokens (costs.routed_tokens)."""
         a = hu.unit.attr
-        return costs.routed_pairs(tokens, int(a("top_k")), int(a("experts")), float(a("capacity") or 0.0))  # type: ignore[arg-type]
+        return costs.routed_pairs(costs.routed_tokens(plan, hu, tokens), int(a("top_k")), int(a("experts")),  # type: ignore[arg-type]
+                                  float(a("capacity") or 0.0))  # type: ignore[arg-type]
 
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         e, fp32 = DTYPES[plan.dtype], costs.FP32
         hid, n_exp = int(hu.unit.attr("hidden")), int(hu.unit.attr("experts"))  # type: ignore[arg-type]
-        routed = self._routed(hu, tokens)
+        routed = self._routed(plan, hu, tokens)
         saved = e * local * hid  # the normed input (router and experts)
         saved += fp32 * tokens * n_exp  # router probabilities (softmax backward)
         saved += e * routed * hid  # each (token, choice) pair's gathered input
@@ -274,7 +276,7 @@ class Moe(Primitive):
 
     def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
         e = DTYPES[plan.dtype]
-        return 4 * e * self._routed(hu, tokens) * self._ffn_local(plan, hu, "gate", "ffn")
+        return 4 * e * self._routed(plan, hu, tokens) * self._ffn_local(plan, hu, "gate", "ffn")
 
     def runs_grouped(self, plan: PlanIR, hu: HeldUnit) -> bool:
         """Whether the runtime runs this layer's experts through torch._grouped_mm (runtime/moe/grouped.py
@@ -312,7 +314,7 @@ class Moe(Primitive):
         """Active work only: the router on every token, and each token's top_k experts (not all of
         them), plus the shared expert on every token."""
         hid, n_exp = int(hu.unit.attr("hidden")), int(hu.unit.attr("experts"))  # type: ignore[arg-type]
-        routed, f = self._routed(hu, tokens), self._ffn_local(plan, hu, "gate", "ffn")
+        routed, f = self._routed(plan, hu, tokens), self._ffn_local(plan, hu, "gate", "ffn")
         mm = [costs.Matmul(tokens, n_exp, hid), costs.Matmul(routed, f, hid, 2), costs.Matmul(routed, hid, f)]
         if hu.unit.attr("shared_expert"):
             s = self._ffn_local(plan, hu, "shared_gate", "shared_ffn")
