@@ -166,6 +166,7 @@ class _Calls:
     kv_gathers: int = 0  # context parallelism: bytes of k and v one microbatch's forward all-gathers
     route_gathers: dict[int, int] = attrs.Factory(dict)  # context parallelism: capacity ids gathered, bytes -> calls
     router_sums: int = 0  # context parallelism: the load-balancing loss's [experts] sums (bytes)
+    seq_counts: int = 0  # context parallelism: the sequence-wise loss's per-sequence counts, all layers (bytes)
     balance_loads: int = 0  # `balance_rate`: the moe layers' int64 [experts] loads summed after each step (bytes)
     seq_grads: int = 0  # sequence parallelism: gradient elements summed over the tensor axes once a step
     holds_head: bool = False
@@ -193,8 +194,12 @@ def _unit_calls(setup: Setup, rank: Rank) -> _Calls:
                 # before counting capacity (runtime/parallel/context.py), again when backward recomputes.
                 size = 8 * micro * plan.seq * int(a["top_k"])  # type: ignore[arg-type]
                 calls.route_gathers[size] = calls.route_gathers.get(size, 0) + hu.count + rc
-            if a.get("aux_loss_coef"):
+            if a.get("aux_loss_coef") or a.get("seq_aux_loss"):
                 calls.router_sums = FP32 * int(a["experts"])  # type: ignore[arg-type]
+            if a.get("seq_aux_loss"):
+                # The sequence-wise loss: each sequence's [mb, experts] pair counts summed over the
+                # context axes per layer, forward only (runtime/moe/routing.py RouterLosses.statistics).
+                calls.seq_counts += hu.count * FP32 * micro * int(a["experts"])  # type: ignore[arg-type]
         if primitives.of(hu.unit).routes_experts and hu.unit.attr("balance_rate"):
             calls.balance_loads += hu.count * 8 * int(hu.unit.attr("experts"))  # type: ignore[arg-type]
         a2a = expert_all_to_all(plan, hu, setup.tokens)
@@ -271,6 +276,9 @@ def _context_comms(setup: Setup, rank: Rank, calls: _Calls) -> list[Comm]:
         # counts and probability sums summed over the context axes, and the sums' gradient in
         # backward (the row count, one scalar, is not counted).
         comms.append(comm_over(plan, device, axes, "context", "all_reduce", 3 * m, calls.router_sums))
+    if calls.seq_counts:
+        layers = sum(hu.count for hu in running_units(rank) if primitives.of(hu.unit).routes_experts)
+        comms.append(comm_over(plan, device, axes, "context", "all_reduce", layers * m, calls.seq_counts // layers))
     return comms
 
 

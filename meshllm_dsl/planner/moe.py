@@ -85,12 +85,13 @@ def active_parameters(plan: PlanIR) -> int:
 
 def router_statistics_bytes(plan: PlanIR) -> int:
     """Bytes of the routing statistics each pipeline transfer carries beside the activations when a
-    moe layer asks for a router loss (runtime/train/program.py): 2 E + 2 floats per microbatch, in fp32
+    moe layer asks for a router loss (runtime/train/program.py): 2 E + 3 floats per microbatch, in fp32
     (fp64 for an fp64 model), forward and as their gradient backward; 0 otherwise."""
-    asking = [unit for unit, _ in moe_units(plan) if unit.attr("aux_loss_coef") or unit.attr("z_loss_coef")]
+    asking = [unit for unit, _ in moe_units(plan)
+              if unit.attr("aux_loss_coef") or unit.attr("z_loss_coef") or unit.attr("seq_aux_loss")]
     if not asking or not plan.roles.pipeline:
         return 0
-    return (2 * int(asking[0].attr("experts")) + 2) * max(4, DTYPES[plan.dtype])  # type: ignore[arg-type]
+    return (2 * int(asking[0].attr("experts")) + 3) * max(4, DTYPES[plan.dtype])  # type: ignore[arg-type]
 
 
 @attrs.frozen

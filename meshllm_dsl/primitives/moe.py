@@ -18,8 +18,9 @@ experts / |D| of them; tokens travel to their experts' ranks and back by all-to-
 (runtime/moe/dispatch.py), and the router stays whole on every rank.
 
 Routing settings (runtime/moe/routing.py, where the semantics are written down): `aux_loss_coef`
-(transformers' load-balancing loss in the training loss), `z_loss_coef` (ST-MoE's router z-loss)
-and `capacity` (a capacity factor; 0 is dropless). The checker validates their ranges here and
+(transformers' load-balancing loss in the training loss), `z_loss_coef` (ST-MoE's router z-loss),
+`seq_aux_loss` (DeepSeek-V3's sequence-wise balance loss's alpha) and `capacity` (a capacity
+factor; 0 is dropless). The checker validates their ranges here and
 refuses the router losses with a pipeline (checker/passes.py `moe_routing`).
 
 DeepSeekMoE (DeepSeek-V3, GLM-4.5; transformers' `DeepseekV3TopkRouter`): `scoring = sigmoid` scores
@@ -55,7 +56,7 @@ if TYPE_CHECKING:
     from meshllm_dsl.parallel.costs import HeldUnit
 
 _EXPERTS = ("gate", "up", "down")
-ROUTING = ("aux_loss_coef", "z_loss_coef", "capacity")  # the layer's routing settings (runtime/moe/routing.py)
+ROUTING = ("aux_loss_coef", "z_loss_coef", "capacity", "seq_aux_loss")  # the layer's routing settings (runtime/moe/routing.py)
 # DeepSeekMoE's router and shared experts (runtime/moe/routing.py `choose_sigmoid`), with their
 # values that leave a softmax router as it was.
 DEEPSEEK: dict[str, Any] = {"scoring": "softmax", "groups": 1, "topk_groups": 1, "routed_scaling": 1.0,
@@ -528,6 +529,8 @@ MOE = Moe("moe", sublayer=True, routes_experts=True, width_arg="hidden", sequenc
     Arg("aux_loss_coef", "float", const(0.0)),
     Arg("z_loss_coef", "float", const(0.0)),
     Arg("capacity", "float", const(0.0)),
+    # DeepSeek-V3's complementary sequence-wise balance loss: its alpha in the training loss (0: none).
+    Arg("seq_aux_loss", "float", const(0.0)),
     # DeepSeek-V3's router (runtime/moe/routing.py `choose_sigmoid`): sigmoid scores chosen with a
     # correction bias, group-limited choice, the chosen weights' scale, and the bias's balancing rate.
     Arg("scoring", "choice", const("softmax"), ("softmax", "sigmoid")),

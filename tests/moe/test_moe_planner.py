@@ -35,7 +35,7 @@ def test_flops_count_the_experts_a_token_uses_and_the_router() -> None:
 
 
 def test_pipeline_sends_carry_the_routing_statistics_of_the_router_losses() -> None:
-    """With a router loss each pipeline transfer carries 2 E + 2 fp32 floats beside the activations
+    """With a router loss each pipeline transfer carries 2 E + 3 fp32 floats beside the activations
     (runtime/train/program.py sends them on): counted in the pipeline's bytes, and nothing without one."""
     base = ("mesh m { axes pipeline = 2 }\nmodel x = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, "
             "kv_heads = 2, ffn = 48, experts = 6, top_k = 2, dtype = fp32ROUTING }\nplan p on m for x {\n"
@@ -48,7 +48,7 @@ def test_pipeline_sends_carry_the_routing_statistics_of_the_router_losses() -> N
         return [c.payload_bytes for rc in rep.ranks for c in rc.comms if c.kind == "pipeline"]
 
     plain = pipeline_bytes("")
-    assert pipeline_bytes(", aux_loss_coef = 0.01") == [b + 4 * (2 * 6 + 2) * 4 for b in plain]  # 4 microbatches
+    assert pipeline_bytes(", aux_loss_coef = 0.01") == [b + 4 * (2 * 6 + 3) * 4 for b in plain]  # 4 microbatches
     assert pipeline_bytes(", z_loss_coef = 0.01") == pipeline_bytes(", aux_loss_coef = 0.01")
 
 
