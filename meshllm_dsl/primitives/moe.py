@@ -13,9 +13,10 @@ of every expert) and a row rule the last dim, as for a plain linear; the shared 
 
 Tensor parallelism inside the experts is the dense MLP's (`ffn -> tensor`: gate / up column, down
 row); the router and the routing are replicated, so every rank picks the same experts. Splitting
-the experts themselves over batch axes (`experts -> D`, expert parallelism) gives each rank
-experts / |D| of them; tokens travel to their experts' ranks and back by all-to-all
-(runtime/moe/dispatch.py), and the router stays whole on every rank.
+the experts themselves over batch, context or tensor axes (`experts -> D`, expert parallelism)
+gives each rank experts / |D| of them; tokens travel to their experts' ranks and back by all-to-all
+(runtime/moe/dispatch.py; over tensor axes each rank first takes its share of the same tokens and
+all-gathers the outputs), and the router stays whole on every rank.
 
 Routing settings (runtime/moe/routing.py, where the semantics are written down): `aux_loss_coef`
 (transformers' load-balancing loss in the training loss), `z_loss_coef` (ST-MoE's router z-loss),
@@ -198,7 +199,7 @@ class Moe(Primitive):
                 r.error(E0309, f"`{name(leaf)}`: {what} is not supported yet", p.span,
                         label="the router must be whole on every rank",
                         help=f"make `{name(leaf)}` replicated; to split the experts over ranks use `experts -> D` "
-                        "in the layout (D batch axes), or split the experts' ffn: `ffn -> AXIS`")
+                        "in the layout (D batch, context or tensor axes), or split the experts' ffn: `ffn -> AXIS`")
                 return None
         collectives: list[Collective] = []
         groups = [_EXPERTS] + ([_SHARED] if unit.attr("shared_expert") else [])
