@@ -39,6 +39,10 @@ EXAMPLE_ROLES = {
                                           batch_shard=("replica", "data"), expert=("data",)),
     ("tiny_mla.mesh", "train"): R(tensor=("tensor",), loss=("tensor",), context=("cp",)),
     ("tiny_deepseek.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",), expert=("data",)),
+    # the experts over data x context, and over data x tensor (each tensor rank routing half the tokens)
+    ("tiny_deepseek_experts.mesh", "context"): R(batch=("data",), context=("context",), expert=("data", "context")),
+    ("tiny_deepseek_experts.mesh", "tensor"): R(batch=("data",), tensor=("tensor",), loss=("tensor",),
+                                                expert=("data", "tensor")),
     ("tiny_dense_moe.mesh", "train"): R(pipeline="pipeline", batch=("data",), batch_shard=("data",), tensor=("tensor",), loss=("tensor",),
                                         expert=("data",)),
     # ZeRO 1 over replica x data (the experts' states over replica, the ranks holding the same ones);

@@ -262,6 +262,29 @@ def test_sharded_deepseek_v3_equals_the_reference_from_redrawn_weights(plan: str
         assert any(k.startswith("buffer ") and k.endswith("router.e_score_correction_bias") for k in errs)
 
 
+@pytest.mark.parametrize("plan", ["context", "tensor"])
+def test_the_experts_example_equals_the_unsharded_model(plan: str, pool: Any, tmp_path: Path) -> None:
+    """examples/tiny_deepseek_experts.mesh, what `meshc verify --plan context|tensor` checks: the
+    experts over data x context and over data x tensor, seq 32, from the seeded init, float32 and
+    float64, the correction biases moving (balance_rate)."""
+    from reference_jobs import compare_job
+
+    from meshllm_dsl.checker import check_file
+    from meshllm_dsl.codegen.emit import render_plan
+
+    source = Path(__file__).resolve().parents[2] / "examples" / "tiny_deepseek_experts.mesh"
+    result = check_file(str(source))
+    checked = result.plans[plan]
+    assert checked.roles.expert == ("data", plan)
+    path = tmp_path / f"{plan}.py"
+    path.write_text(render_plan(checked, source.name, source.read_text()))
+    for rank_errs in pool.run(compare_job, checked.mesh.devices, str(path), 2):
+        for dtype, errs in rank_errs.items():
+            worst = max(errs, key=errs.__getitem__)
+            assert errs[worst] <= TOLERANCE[dtype], (dtype, worst, errs[worst])
+            assert any(k.startswith("buffer ") for k in errs)
+
+
 def _step_loads_job(ctx: Any, path: str, steps: int) -> list[list[int]]:
     """Each optimizer step's load per moe layer as the correction bias's update sees it (summed
     over the balance group), on this rank."""
