@@ -51,6 +51,10 @@ PLANS = {  # mesh axes, plan body
     "pipeline2_ep2": ("pipeline = 2, data = 2", "    layout { batch -> data, experts -> data }\n    microbatches = 2\n"
                       "    stages over pipeline balanced\n    schedule 1f1b\n"),
     "context2_ep2": ("data = 2, context = 2", "    layout { batch -> data, seq -> context, experts -> data }\n"),
+    # the experts over data x tensor, whole (etp = 1): each tensor rank routes half the tokens
+    "ep4_over_tensor": ("data = 2, tensor = 2",
+                        f"    layout {{ {TP.replace(' ffn -> tensor,', '')}, batch -> data, experts -> data * tensor }}\n"
+                        "    shard blocks.*.mlp.router replicate\n"),
     # FSDP2 over data beside the experts, blocks recomputed in backward (whose rerun counts no load)
     "ep2_tensor2_zero3_recompute": ("data = 2, tensor = 2",
                                     f"    layout {{ {TP}, batch -> data, experts -> data }}\n"
@@ -161,7 +165,8 @@ def _compare(pool: Any, plan: str, tmp_path: Path, steps: int = 2, **settings: A
 
 
 @pytest.mark.parametrize(("plan", "capacity"), [("ep2", 0), ("ep2_tensor2", 0), ("pipeline2_ep2", 0), ("context2_ep2", 0),
-                                              ("ep2_tensor2_zero3_recompute", 0), ("context2_ep2", 1.0)])
+                                              ("ep2_tensor2_zero3_recompute", 0), ("context2_ep2", 1.0),
+                                              ("ep4_over_tensor", 0), ("ep4_over_tensor", 1.0)])
 def test_deepseek_routing_sharded_equals_the_reference(plan: str, capacity: float, pool: Any, tmp_path: Path) -> None:
     """With `capacity` the pairs past an expert's capacity are dropped (under context parallelism
     counted over the whole sequences) and the load counts only the kept ones."""
@@ -172,7 +177,7 @@ def test_deepseek_routing_sharded_equals_the_reference(plan: str, capacity: floa
             assert any(k.startswith("buffer ") for k in errs)  # the biases were compared
 
 
-@pytest.mark.parametrize("plan", ["ep2", "ep2_tensor2", "pipeline2_ep2", "context2_ep2"])
+@pytest.mark.parametrize("plan", ["ep2", "ep2_tensor2", "pipeline2_ep2", "context2_ep2", "ep4_over_tensor"])
 def test_the_sequence_wise_loss_sharded_equals_the_reference(plan: str, pool: Any, tmp_path: Path) -> None:
     """DeepSeek-V3's sequence-wise balance loss (alpha 0.3, large enough to move every router's
     gradient): per sequence, so over data ranks and microbatches it averages like the cross-entropy;
@@ -295,7 +300,7 @@ def _resume_job(ctx: Any, path: str, root: str, save_at: int | None, load: bool)
     return losses, built.full_state_dict(), {k: v.clone() for k, v in built.routing_buffers().items()}
 
 
-@pytest.mark.parametrize("plan", ["ep2_tensor2", "pipeline2_ep2"])
+@pytest.mark.parametrize("plan", ["ep2_tensor2", "pipeline2_ep2", "ep4_over_tensor"])
 def test_the_bias_resumes_bit_for_bit(plan: str, pool: Any, tmp_path: Path) -> None:
     """Killed after step 3 and resumed from its checkpoint, a run gives the same losses, weights
     and correction biases, bit for bit, as one that never stopped; the biases did move."""

@@ -66,6 +66,9 @@ PLANS = {  # mesh axes, layout, other lines
     # FSDP2 over data beside experts over data x tensor (each rank's own: plain tensors)
     "ep4_over_tensor_zero3": ("data = 2, tensor = 2", TP_ETP1 + ", batch -> data, experts -> data * tensor",
                               "    optimizer adamw { zero 3 }\n"),
+    # ZeRO 1 over data: the experts' states whole on their own rank, the dense ones sharded over data
+    "ep4_over_tensor_zero1": ("data = 2, tensor = 2", TP_ETP1 + ", batch -> data, experts -> data * tensor",
+                              "    microbatches = 2\n    optimizer adamw { zero 1 }\n"),
     # ZeRO 2 over data with the experts over tensor only: FSDP2 shards them over data with the block
     "ep_tensor2_zero2": ("data = 2, tensor = 2", TP_ETP1 + ", batch -> data, experts -> tensor",
                          "    optimizer adamw { zero 2 }\n"),
@@ -93,7 +96,8 @@ CASES = [("mixtral", "ep2"), ("qwen3_moe", "ep4"), ("qwen2_moe", "replica2_ep2_r
          ("mixtral", "replica2_ep2_zero3"), ("qwen2_moe", "replica2_ep2_zero2_all"), ("mixtral", "context2_ep4"),
          ("qwen2_moe", "context2_ep_context2"), ("mixtral", "context2_ep_context2_zero3"),
          ("mixtral", "ep4_over_tensor"), ("qwen2_moe", "data2_ep_tensor2"), ("qwen3_moe", "ep_tensor2"),
-         ("mixtral", "pipeline2_ep_tensor2"), ("qwen3_moe", "ep4_over_tensor_zero3"), ("qwen2_moe", "ep_tensor2_zero2")]
+         ("mixtral", "pipeline2_ep_tensor2"), ("qwen3_moe", "ep4_over_tensor_zero3"), ("qwen2_moe", "ep_tensor2_zero2"),
+         ("mixtral", "ep4_over_tensor_zero1")]
 
 
 @pytest.mark.parametrize(("model", "plan"), CASES)
