@@ -131,8 +131,10 @@ class ExpertsParallel(nn.Module):
                 split: dist.ProcessGroup | None = None) -> Tensor:
         """``split``: the ranks of the expert group that hold the same tokens (its tensor axes).
         Each routes 1 / |split| of them, rows r * T / n .. (r + 1) * T / n (torchtitan's EP over
-        tp: ``expert_parallel.py`` splits the tokens over tp before the dispatch), and the outputs
-        are all-gathered back in rank order. The split's backward all-gathers the input's and the
+        tp: ``ReordererSequenceParallel`` in ``expert_parallel.py`` takes the same rows and refuses
+        an uneven split), and the outputs are all-gathered back in rank order (torchtitan leaves
+        them a partial sum over tp, zero outside each rank's rows, reduced at the layer's end: the
+        same values). The split's backward all-gathers the input's and the
         weights' gradients, whole and the same on every rank of ``split``; the gather's keeps its own
         rows. Decoding a number of tokens that does not split runs every rank's tokens whole (the
         experts see each token |split| times, each output is the same): forward only."""
