@@ -135,8 +135,11 @@ CODES: dict[str, tuple[str, str]] = {
     "E0412": ("expert parallelism does not fit the plan", "`layout { experts -> D }` splits every moe layer's "
               "experts over the mesh axes D, as DeepSpeed-MoE, Megatron-Core and torchtitan do: each rank holds "
               "experts / |D| of them and tokens travel to their experts' ranks and back by all-to-all. The "
-              "tokens differ only along batch axes, so D must be batch axes of the plan (`batch -> D` or a "
-              "superset); the model needs moe layers, and `experts` must divide by D's size (E0301). What the "
+              "tokens differ along batch and context axes, whose tokens travel; along a tensor axis (one that "
+              "splits other weights, not by sequence parallelism) they are the same, so each of its ranks routes "
+              "an equal share of a microbatch's tokens (which must split evenly) to whole experts (etp = 1: "
+              "their ffn not split too) and the outputs are all-gathered. D is any product of them, as "
+              "torchtitan folds EP over dp_shard x cp x tp; the model needs moe layers, and `experts` must divide by D's size (E0301). What the "
               "runtime does not yet do with expert parallelism is refused here too."),
     "E0501": ("parameter not placed", "A plan that has any sharding rule must place every shardable parameter "
               "exactly once, by a `shard` rule or a layout entry; replicate it explicitly with `replicate` if "

@@ -262,7 +262,8 @@ def matmul(ctx: PassContext) -> PassResult:
 
 
 def expert_zero(ctx: PassContext) -> PassResult:
-    """ZeRO with expert parallelism (E0412): what the runtime shards the experts' states over."""
+    """ZeRO with expert parallelism (E0412): what the runtime shards the experts' states over; the
+    tokens splitting over the experts' tensor axes."""
     w = _Worker.of(ctx)
     entry, zero, zero_axes, expert_axes = ctx["expert_entry"], ctx["zero"], ctx["zero_axes"], ctx["expert_axes"]
     # ZeRO 1 without `precision` (ZeroRedundancyOptimizer) shards the experts' states over the ZeRO
@@ -285,6 +286,20 @@ def expert_zero(ctx: PassContext) -> PassResult:
                 entry.span, label=f"the experts split over {' x '.join(expert_axes)} only",
                 help="FSDP2 would have to shard the experts over some of the ranks that replicate them and "
                 f"all-reduce them over the others; use {or_list(alternatives)}")
+    # Experts over tensor axes: each of their ranks routes an equal share of a microbatch's tokens
+    # on this rank (runtime/moe/dispatch.py ExpertsParallel.experts).
+    split = [a for a in expert_axes if a not in ctx["batch_axes"] and a not in ctx["context_axes"]]
+    if entry is not None and split and not {"batch", "seq", "microbatches"} & ctx["bad_settings"]:
+        batch_axes, context_axes = ctx["batch_axes"], ctx["context_axes"]
+        per = ctx["batch"] // (ctx.mesh.size(*batch_axes) if batch_axes else 1) // max(1, ctx["microbatches"])
+        tokens = per * ctx["seq"] // (ctx.mesh.size(*context_axes) if context_axes else 1)
+        n = ctx.mesh.size(*split)
+        if tokens % n:
+            w.error(E0412, f"{tokens} tokens per microbatch on a rank do not split over {' x '.join(split)} ({n})",
+                    entry.span if isinstance(entry, ast.LayoutEntry) else entry.rule.span,
+                    label=f"each rank of {' x '.join(split)} routes 1 / {n} of the tokens",
+                    help=f"make batch / (batch ranks x microbatches) x seq / (context ranks) a multiple of {n}, "
+                    "or split the experts over batch and context axes only")
     return w.result()
 
 

@@ -81,7 +81,7 @@ class PlacementRules(PlanContext):
                 out.extend(hits)
         self._context_or_sequence()
         self.expert_rules()
-        self.expert_parallel(batch_axes)
+        self.expert_parallel(batch_axes, self.context_axes)
         return batch_axes, out
 
     def expert_rules(self) -> None:
@@ -137,31 +137,49 @@ class PlacementRules(PlanContext):
         e = self.seq_entry
         if e is None:
             return
-        weight_axes = {a.value for stmt in self.decl.body if isinstance(stmt, ast.ShardStmt) for a in stmt.rule.axes}
-        weight_axes |= {a.value for stmt in self.decl.body if isinstance(stmt, ast.LayoutStmt)
-                        for x in stmt.entries if x.dim.value not in ("batch", "seq") for a in x.axes}
+        weight_axes = self.weight_axes()
         self.context_axes = tuple(a for a in self.seq_axes if a not in weight_axes)
         self.seq_axes = tuple(a for a in self.seq_axes if a in weight_axes)
+
+    def weight_axes(self) -> set[str]:
+        """The axes the layout entries and shard rules split some weight's dims over (tensor axes).
+        The experts' placement splits no weight's dims: experts over a context axis (expert
+        parallelism over the context ranks' tokens) leave it a context axis."""
+        axes = {a.value for stmt in self.decl.body if isinstance(stmt, ast.ShardStmt)
+                and stmt.rule.name.value != "expert" for a in stmt.rule.axes}
+        return axes | {a.value for stmt in self.decl.body if isinstance(stmt, ast.LayoutStmt)
+                       for x in stmt.entries if x.dim.value not in ("batch", "seq", "experts") for a in x.axes}
 
     def stacked_experts(self) -> list[Leaf]:
         """The model's stacked experts weights ([out, experts, in]): what `experts -> D` splits."""
         return [leaf for _, _, leaf in self.model.leaves() if any(
             len(t.units) == 3 and any(u[0] == "experts" for u in t.units[1]) for t in leaf.params)]
 
-    def expert_parallel(self, batch_axes: tuple[str, ...]) -> None:
-        """`experts -> D`: D among the batch axes (tokens differ only along them, so only there can
-        they travel to other ranks' experts), and the experts dividing over D."""
+    def expert_parallel(self, batch_axes: tuple[str, ...], context_axes: tuple[str, ...] = ()) -> None:
+        """`experts -> D`: D among the batch and context axes (tokens differ along them, so they
+        travel to other ranks' experts) and the tensor axes (tokens the same along them: each
+        tensor rank first takes its 1 / |T| of them, torchtitan's EP over dp_shard x cp x tp),
+        and the experts dividing over D. Not a sequence-parallel axis (the moe layer refuses
+        sequence parallelism's collectives)."""
         e, axes = self.expert_entry, self.expert_axes
         if e is None:
             return
-        outside = [a for a in axes if a not in batch_axes]
+        weights = self.weight_axes()
+        allowed = tuple(a.name for a in self.mesh.axes if a.name in batch_axes or a.name in context_axes
+                        or (a.name in weights and a.name not in self.seq_axes))
+        outside = [a for a in axes if a not in allowed]
         if outside:
-            fix = (f"`experts -> {' * '.join(batch_axes)}`" if isinstance(e, ast.LayoutEntry)
-                   else f"`shard {e.path} expert({', '.join(batch_axes)})`")
-            self.error(E0412, f"expert parallelism over {' x '.join(outside)}, which {'is not a batch axis' if len(outside) == 1 else 'are not batch axes'}",
+            fix = (f"`experts -> {' * '.join(allowed)}`" if isinstance(e, ast.LayoutEntry)
+                   else f"`shard {e.path} expert({', '.join(allowed)})`")
+            sp = [a for a in outside if a in self.seq_axes]
+            self.error(E0412, f"expert parallelism over {' x '.join(outside)}, "
+                       + (f"which sequence parallelism splits the tokens over ({' x '.join(sp)}): the moe layers "
+                          "take whole sequences" if sp else
+                          "which is neither a batch, a context nor a tensor axis" if len(outside) == 1
+                          else "which are neither batch, context nor tensor axes"),
                        e.span if isinstance(e, ast.LayoutEntry) else e.rule.span, label="tokens do not differ along it",
-                       help=f"split the experts over batch axes ({', '.join(batch_axes) or 'none yet'}): "
-                       + (fix if batch_axes else f"add `batch -> {', '.join(axes)}` to the layout")
+                       help=f"split the experts over batch, context or tensor axes ({', '.join(allowed) or 'none yet'}): "
+                       + (fix if allowed else f"add `batch -> {', '.join(axes)}` to the layout")
                        + "; to split each expert's ffn over a tensor axis use `ffn -> AXIS`")
         n = self.mesh.size(*axes)
         counts = sorted({c for leaf in self.stacked_experts() for t in leaf.params for _, c in t.units[1]})
@@ -350,10 +368,25 @@ class PlacementRules(PlanContext):
         any_rules = bool(by_leaf) or bool(self.claimed)
         expert_leaves = set(self.stacked_experts()) if self.expert_entry is not None else set()
 
+        split_tokens = [a for a in self.expert_axes if a in self.weight_axes()]
+        refused: set[str] = set()
+
         def ep(leaf: Leaf, p: Placement | None) -> Placement | None:
             # `experts -> D` adds its split to whatever rule (or none) places the stacked weight.
             if p is None and leaf in expert_leaves:
                 p = attrs.evolve(REPLICATE, span=self.expert_entry.span)  # type: ignore[union-attr]
+            if p is not None and leaf in expert_leaves and p.sharded and split_tokens and not refused:
+                # Experts over a tensor axis take 1 / |T| of the tokens each (expert-tensor
+                # parallelism 1, as torchtitan's etp = 1): each expert's ffn is whole.
+                refused.add(leaf.name)
+                e = self.expert_entry
+                self.error(E0412, f"the experts are split over {' x '.join(split_tokens)}, a tensor axis, and their "
+                           f"ffn over {' x '.join(p.axes)} too", p.span, label="splits each expert's ffn",
+                           secondary=(Label(e.span if isinstance(e, ast.LayoutEntry) else e.rule.span,  # type: ignore[union-attr]
+                                            "the experts over a tensor axis"),),
+                           help="with the experts over a tensor axis each of its ranks routes its share of the "
+                           "tokens to whole experts (torchtitan's etp = 1): drop the experts' ffn split, or keep "
+                           "the experts over batch and context axes and split their ffn over tensor")
             return attrs.evolve(p, experts=self.expert_axes) if p is not None and leaf in expert_leaves else p
         top: dict[str, Placement] = {}
         missing_rules: list[tuple[Leaf, Unit, str, str]] = []

@@ -438,7 +438,7 @@ _FLOAT_RANGES = {"eps": (0.0, 1.0), "rope_theta": (0.0, 1e12)}
 # a correction bias that stays as loaded; mla's yarn mscale / mscale_all_dim: absent from the config (the
 # deepseek_v3 family passes them on whatever the rope).
 _FLOAT_ZERO_MEANS_DEFAULT = frozenset({"rope_attention_factor", "aux_loss_coef", "z_loss_coef", "capacity",
-                                       "balance_rate", "rope_mscale", "rope_mscale_all_dim"})
+                                       "balance_rate", "rope_mscale", "rope_mscale_all_dim", "seq_aux_loss"})
 
 
 class ModelResolver(Resolver):

@@ -36,6 +36,8 @@ PARAM_DOCS = {
                      "forward) to the training loss; 0: none",
     "z_loss_coef": "adds this x ST-MoE's router z-loss (per layer mean logsumexp(logits)^2, summed) to the training "
                    "loss; 0: none",
+    "seq_aux_loss": "adds this (alpha) x DeepSeek-V3's sequence-wise balance loss (per sequence and layer, "
+                    "sum_i f_i P_i over the normalised affinities, averaged over sequences) to the training loss; 0: none",
     "capacity": "capacity factor: each expert takes at most ceil(capacity x tokens x top_k / experts) (token, choice) "
                 "pairs of a forward, kept by token position; 0: dropless",
     "scoring": "softmax (default) or sigmoid: DeepSeek-V3's router, sigmoid scores chosen with the correction bias "

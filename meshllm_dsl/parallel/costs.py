@@ -182,6 +182,22 @@ def routed_pairs(tokens: int, top_k: int, experts: int, capacity: float) -> int:
 
 
 
+def expert_token_split(plan: PlanIR, hu: HeldUnit) -> tuple[str, ...]:
+    """The tensor axes a moe unit's experts split over: each of their ranks routes 1 / |axes| of the
+    tokens, which it splits off the whole ones and all-gathers the outputs of (runtime/moe/dispatch.py
+    ExpertsParallel.experts)."""
+    leaf = next((lf for lf in hu.unit.leaves if lf.name == "gate"), None)
+    if leaf is None or not plan.roles.expert_token_split:
+        return ()
+    return tuple(a for a in hu.placement(leaf).experts if a in plan.roles.expert_token_split)
+
+
+def routed_tokens(plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
+    """The tokens a rank routes of its `tokens`: 1 / |T| of them with the experts over tensor axes T."""
+    split = expert_token_split(plan, hu)
+    return tokens // plan.mesh.size(*split) if split else tokens
+
+
 def expert_degree(plan: PlanIR, hu: HeldUnit) -> int:
     """Ranks the layer's experts are split over (`experts -> AXIS`: its stacked weights' experts dim)."""
     leaf = next(lf for lf in hu.unit.leaves if lf.name == "gate")

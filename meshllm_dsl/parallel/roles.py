@@ -6,7 +6,7 @@ over batch axes, sequence parallelism runs over tensor axes) are checked where t
 
 The checker reports a spec's conflicts as located diagnostics before it builds a plan, so a
 `ValueError` from here is a compiler bug (or a test building a bad record), never a user's error.
-Context parallelism runs over axes that split no weight; expert parallelism over batch axes.
+Context parallelism runs over axes that split no weight; expert parallelism over batch, context and tensor axes.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class ParallelRoles:
     loss: tuple[str, ...] = attrs.field(default=(), converter=_axes)  # vocab-parallel cross entropy over these
     # `layout { seq -> C }` over axes that split no weight: every sequence split over them (runtime/parallel/context.py)
     context: tuple[str, ...] = attrs.field(default=(), converter=_axes)
-    # `layout { experts -> D }`: the batch axes moe layers split their experts over (tokens travel by all-to-all)
+    # `layout { experts -> D }`: the batch, context and tensor axes moe layers split their experts over (tokens travel by all-to-all)
     expert: tuple[str, ...] = attrs.field(default=(), converter=_axes)
 
     def __attrs_post_init__(self) -> None:
@@ -61,10 +61,12 @@ class ParallelRoles:
             if shared:
                 raise ValueError(f"axes {', '.join(shared)} are both {one} and {other} axes")
         for role, within, what in (("batch_shard", "replicas", "batch or context"), ("sequence", "tensor", "tensor"),
-                                   ("loss", "tensor", "tensor"), ("expert", "batch", "batch")):
+                                   ("loss", "tensor", "tensor"), ("expert", "token_axes", "batch, context or tensor")):
             outside = [a for a in getattr(self, role) if a not in getattr(self, within)]
             if outside:
                 raise ValueError(f"{role} axes {', '.join(outside)} are not {what} axes")
+        if set(self.expert) & set(self.sequence):
+            raise ValueError(f"expert axes {', '.join(sorted(set(self.expert) & set(self.sequence)))} are sequence-parallel")
 
     def validate(self, mesh: NamedMesh) -> None:
         """Every axis a role names is an axis of `mesh`."""
@@ -83,6 +85,17 @@ class ParallelRoles:
     def replicas(self) -> tuple[str, ...]:
         """The axes the parameters are replicated over and their gradients averaged over: batch, then context."""
         return (*self.batch, *self.context)
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """The axes the experts may split over: batch and context (tokens differ along them) and tensor."""
+        return (*self.replicas, *self.tensor)
+
+    @property
+    def expert_token_split(self) -> tuple[str, ...]:
+        """The expert axes along which every rank holds the same tokens (tensor axes): each rank of
+        them routes 1 / |axes| of the tokens to the experts and all-gathers the outputs back."""
+        return tuple(a for a in self.expert if a in self.tensor)
 
     @property
     def batch_replicate(self) -> tuple[str, ...]:

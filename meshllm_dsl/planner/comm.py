@@ -16,7 +16,7 @@ from meshllm_dsl import primitives
 from meshllm_dsl.ir import DTYPES, FP8_BYTES, MeshIR, PlanIR
 from meshllm_dsl.parallel import layouts
 from meshllm_dsl.parallel.collectives import WirePrimitive, ring_bytes, spec
-from meshllm_dsl.parallel.costs import FP32, HeldUnit, seq_size
+from meshllm_dsl.parallel.costs import FP32, HeldUnit, expert_token_split, routed_tokens, seq_size
 from meshllm_dsl.parallel.devices import DeviceProfile, group_crosses_hosts
 from meshllm_dsl.parallel.placements import defers_grad_sync, gather_stage
 from meshllm_dsl.planner.formulas import fsdp_unit_collectives, stage_actions
@@ -129,6 +129,8 @@ def expert_all_to_all(plan: PlanIR, hu: HeldUnit, tokens: int) -> tuple[tuple[st
     axes = hu.placement(gate).experts
     if not axes:
         return None
+    # Over tensor axes each of their ranks sends 1 / |axes| of the tokens (expert_token_split).
+    tokens = routed_tokens(plan, hu, tokens)
     return axes, DTYPES[plan.dtype] * tokens * int(hu.unit.attr("top_k")) * int(hu.unit.attr("hidden"))  # type: ignore[arg-type]
 
 
@@ -164,6 +166,7 @@ class _Calls:
     kv_gathers: int = 0  # context parallelism: bytes of k and v one microbatch's forward all-gathers
     route_gathers: dict[int, int] = attrs.Factory(dict)  # context parallelism: capacity ids gathered, bytes -> calls
     router_sums: int = 0  # context parallelism: the load-balancing loss's [experts] sums (bytes)
+    seq_counts: int = 0  # context parallelism: the sequence-wise loss's per-sequence counts, all layers (bytes)
     balance_loads: int = 0  # `balance_rate`: the moe layers' int64 [experts] loads summed after each step (bytes)
     seq_grads: int = 0  # sequence parallelism: gradient elements summed over the tensor axes once a step
     holds_head: bool = False
@@ -191,8 +194,12 @@ def _unit_calls(setup: Setup, rank: Rank) -> _Calls:
                 # before counting capacity (runtime/parallel/context.py), again when backward recomputes.
                 size = 8 * micro * plan.seq * int(a["top_k"])  # type: ignore[arg-type]
                 calls.route_gathers[size] = calls.route_gathers.get(size, 0) + hu.count + rc
-            if a.get("aux_loss_coef"):
+            if a.get("aux_loss_coef") or a.get("seq_aux_loss"):
                 calls.router_sums = FP32 * int(a["experts"])  # type: ignore[arg-type]
+            if a.get("seq_aux_loss"):
+                # The sequence-wise loss: each sequence's [mb, experts] pair counts summed over the
+                # context axes per layer, forward only (runtime/moe/routing.py RouterLosses.statistics).
+                calls.seq_counts += hu.count * FP32 * micro * int(a["experts"])  # type: ignore[arg-type]
         if primitives.of(hu.unit).routes_experts and hu.unit.attr("balance_rate"):
             calls.balance_loads += hu.count * 8 * int(hu.unit.attr("experts"))  # type: ignore[arg-type]
         a2a = expert_all_to_all(plan, hu, setup.tokens)
@@ -200,6 +207,14 @@ def _unit_calls(setup: Setup, rank: Rank) -> _Calls:
             # dispatch and combine, each again in backward; the forward's rerun with the block's
             n = len(EXPERT_WIRE) * hu.count + len(EXPERT_WIRE) // 2 * rc
             calls.expert[a2a] = calls.expert.get(a2a, 0) + n
+        split = expert_token_split(plan, hu)
+        if split:
+            # The routed outputs [b*s, h] all-gathered over the split axes forward (again when
+            # recomputed), the tokens' gradients [b*s, h] backward; the routing weights' gradients
+            # [b*s, top_k] too (counted in the plan's dtype; fp32 with weights_fp32 at bf16 is twice).
+            for width, n in ((setup.hidden, 2 * hu.count + rc), (int(hu.unit.attr("top_k")), hu.count)):  # type: ignore[arg-type]
+                for op in spec("gather_from").wire:
+                    calls.tensor[(split, op, width)] = calls.tensor.get((split, op, width), 0) + n
         calls.seq_grads += hu.count * sum(t.numel for lf in hu.unit.leaves for t in lf.params
                                           if layouts.seq_partial_grad(plan, hu.unit, lf, t))
         calls.holds_head |= hu.last
@@ -261,6 +276,9 @@ def _context_comms(setup: Setup, rank: Rank, calls: _Calls) -> list[Comm]:
         # counts and probability sums summed over the context axes, and the sums' gradient in
         # backward (the row count, one scalar, is not counted).
         comms.append(comm_over(plan, device, axes, "context", "all_reduce", 3 * m, calls.router_sums))
+    if calls.seq_counts:
+        layers = sum(hu.count for hu in running_units(rank) if primitives.of(hu.unit).routes_experts)
+        comms.append(comm_over(plan, device, axes, "context", "all_reduce", layers * m, calls.seq_counts // layers))
     return comms
 
 

@@ -27,7 +27,14 @@ from meshllm_dsl import primitives
 from meshllm_dsl.codes import W0807
 from meshllm_dsl.diagnostics import Diagnostic
 from meshllm_dsl.ir import DTYPES, PlanIR, Repeat, Unit
-from meshllm_dsl.parallel.costs import HeldUnit, Matmul, expert_degree, matmul_seconds, routed_pairs
+from meshllm_dsl.parallel.costs import (
+    HeldUnit,
+    Matmul,
+    expert_degree,
+    matmul_seconds,
+    routed_pairs,
+    routed_tokens,
+)
 from meshllm_dsl.planner.formatting import fmt_bytes, fmt_seconds, table_text
 from meshllm_dsl.planner.held import held_units
 from meshllm_dsl.planner.records import PlanReport
@@ -78,12 +85,13 @@ def active_parameters(plan: PlanIR) -> int:
 
 def router_statistics_bytes(plan: PlanIR) -> int:
     """Bytes of the routing statistics each pipeline transfer carries beside the activations when a
-    moe layer asks for a router loss (runtime/train/program.py): 2 E + 2 floats per microbatch, in fp32
+    moe layer asks for a router loss (runtime/train/program.py): 2 E + 3 floats per microbatch, in fp32
     (fp64 for an fp64 model), forward and as their gradient backward; 0 otherwise."""
-    asking = [unit for unit, _ in moe_units(plan) if unit.attr("aux_loss_coef") or unit.attr("z_loss_coef")]
+    asking = [unit for unit, _ in moe_units(plan)
+              if unit.attr("aux_loss_coef") or unit.attr("z_loss_coef") or unit.attr("seq_aux_loss")]
     if not asking or not plan.roles.pipeline:
         return 0
-    return (2 * int(asking[0].attr("experts")) + 2) * max(4, DTYPES[plan.dtype])  # type: ignore[arg-type]
+    return (2 * int(asking[0].attr("experts")) + 3) * max(4, DTYPES[plan.dtype])  # type: ignore[arg-type]
 
 
 @attrs.frozen
@@ -161,7 +169,8 @@ def skew_report(rep: PlanReport) -> SkewReport | None:
     if plan.skew is None:
         return None
     skew, m = plan.skew, plan.microbatches
-    tokens = rep.micro_batch * plan.seq
+    # a rank's tokens of a microbatch: s / c of each sequence under context parallelism
+    rank_tokens = rep.micro_batch * plan.seq // plan.context_size
     rows: list[SkewRank] = []
     degree, experts, routed, computed = 1, 0, 0.0, 0.0
     extra_busiest = a2a_extra = 0.0
@@ -177,6 +186,7 @@ def skew_report(rep: PlanReport) -> SkewReport | None:
                 experts, k = int(hu.unit.attr("experts")), int(hu.unit.attr("top_k"))  # type: ignore[arg-type]
                 cap = float(hu.unit.attr("capacity") or 0.0)  # type: ignore[arg-type]
                 degree = expert_degree(plan, hu)
+                tokens = routed_tokens(plan, hu, rank_tokens)  # its share over the experts' tensor axes
                 balanced = routed_pairs(tokens, k, experts, cap)
                 each = math.ceil(cap * tokens * k / experts) if cap else None
                 busiest, other = rank_pairs(skew, experts, degree, tokens * k, each)

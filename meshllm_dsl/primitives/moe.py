@@ -13,13 +13,15 @@ of every expert) and a row rule the last dim, as for a plain linear; the shared 
 
 Tensor parallelism inside the experts is the dense MLP's (`ffn -> tensor`: gate / up column, down
 row); the router and the routing are replicated, so every rank picks the same experts. Splitting
-the experts themselves over batch axes (`experts -> D`, expert parallelism) gives each rank
-experts / |D| of them; tokens travel to their experts' ranks and back by all-to-all
-(runtime/moe/dispatch.py), and the router stays whole on every rank.
+the experts themselves over batch, context or tensor axes (`experts -> D`, expert parallelism)
+gives each rank experts / |D| of them; tokens travel to their experts' ranks and back by all-to-all
+(runtime/moe/dispatch.py; over tensor axes each rank first takes its share of the same tokens and
+all-gathers the outputs), and the router stays whole on every rank.
 
 Routing settings (runtime/moe/routing.py, where the semantics are written down): `aux_loss_coef`
-(transformers' load-balancing loss in the training loss), `z_loss_coef` (ST-MoE's router z-loss)
-and `capacity` (a capacity factor; 0 is dropless). The checker validates their ranges here and
+(transformers' load-balancing loss in the training loss), `z_loss_coef` (ST-MoE's router z-loss),
+`seq_aux_loss` (DeepSeek-V3's sequence-wise balance loss's alpha) and `capacity` (a capacity
+factor; 0 is dropless). The checker validates their ranges here and
 refuses the router losses with a pipeline (checker/passes.py `moe_routing`).
 
 DeepSeekMoE (DeepSeek-V3, GLM-4.5; transformers' `DeepseekV3TopkRouter`): `scoring = sigmoid` scores
@@ -55,7 +57,7 @@ if TYPE_CHECKING:
     from meshllm_dsl.parallel.costs import HeldUnit
 
 _EXPERTS = ("gate", "up", "down")
-ROUTING = ("aux_loss_coef", "z_loss_coef", "capacity")  # the layer's routing settings (runtime/moe/routing.py)
+ROUTING = ("aux_loss_coef", "z_loss_coef", "capacity", "seq_aux_loss")  # the layer's routing settings (runtime/moe/routing.py)
 # DeepSeekMoE's router and shared experts (runtime/moe/routing.py `choose_sigmoid`), with their
 # values that leave a softmax router as it was.
 DEEPSEEK: dict[str, Any] = {"scoring": "softmax", "groups": 1, "topk_groups": 1, "routed_scaling": 1.0,
@@ -197,7 +199,7 @@ class Moe(Primitive):
                 r.error(E0309, f"`{name(leaf)}`: {what} is not supported yet", p.span,
                         label="the router must be whole on every rank",
                         help=f"make `{name(leaf)}` replicated; to split the experts over ranks use `experts -> D` "
-                        "in the layout (D batch axes), or split the experts' ffn: `ffn -> AXIS`")
+                        "in the layout (D batch, context or tensor axes), or split the experts' ffn: `ffn -> AXIS`")
                 return None
         collectives: list[Collective] = []
         groups = [_EXPERTS] + ([_SHARED] if unit.attr("shared_expert") else [])
@@ -226,6 +228,13 @@ class Moe(Primitive):
             if y is None:
                 return None
             outs.append((down, y))
+        if len(outs) == 2 and outs[0][1] == R and outs[1][1] != R \
+                and set(pl(_EXPERTS[0]).experts) & set(pl(outs[1][0]).axes):
+            # The experts over a tensor axis the shared expert's ffn splits over: their tokens split
+            # over it and their outputs all-gathered, whole; the shared expert's partial sum is
+            # reduced alone and the routed sum added after (sublayer_lines).
+            unique = list(dict.fromkeys(collectives))
+            return at_residual(outs[1][1], name(outs[1][0]), pl(outs[1][0]), unique, r)
         if len(outs) == 2 and outs[0][1] != outs[1][1]:
             (d0, y0), (d1, y1) = outs
             r.error(E0402, f"the experts' output ({y0}) and the shared expert's ({y1}) are added, but their "
@@ -241,17 +250,19 @@ class Moe(Primitive):
         leaf = next(lf for lf in hu.unit.leaves if lf.name == leaf_name)
         return int(hu.unit.attr(size)) // costs.axes_size(plan, hu.placement(leaf))  # type: ignore[arg-type]
 
-    def _routed(self, hu: HeldUnit, tokens: int) -> int:
+    def _routed(self, plan: PlanIR, hu: HeldUnit, tokens: int) -> int:
         """(token, choice) pairs the experts compute: all of them dropless, at most each expert's
-        capacity with a capacity factor (activations at capacity; balanced routing)."""
+        capacity with a capacity factor (activations at capacity; balanced routing). With the
+        experts over tensor axes a rank routes its share of the tokens (costs.routed_tokens)."""
         a = hu.unit.attr
-        return costs.routed_pairs(tokens, int(a("top_k")), int(a("experts")), float(a("capacity") or 0.0))  # type: ignore[arg-type]
+        return costs.routed_pairs(costs.routed_tokens(plan, hu, tokens), int(a("top_k")), int(a("experts")),  # type: ignore[arg-type]
+                                  float(a("capacity") or 0.0))  # type: ignore[arg-type]
 
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,
                     flash_attention: bool) -> int:
         e, fp32 = DTYPES[plan.dtype], costs.FP32
         hid, n_exp = int(hu.unit.attr("hidden")), int(hu.unit.attr("experts"))  # type: ignore[arg-type]
-        routed = self._routed(hu, tokens)
+        routed = self._routed(plan, hu, tokens)
         saved = e * local * hid  # the normed input (router and experts)
         saved += fp32 * tokens * n_exp  # router probabilities (softmax backward)
         saved += e * routed * hid  # each (token, choice) pair's gathered input
@@ -267,7 +278,7 @@ class Moe(Primitive):
 
     def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
         e = DTYPES[plan.dtype]
-        return 4 * e * self._routed(hu, tokens) * self._ffn_local(plan, hu, "gate", "ffn")
+        return 4 * e * self._routed(plan, hu, tokens) * self._ffn_local(plan, hu, "gate", "ffn")
 
     def runs_grouped(self, plan: PlanIR, hu: HeldUnit) -> bool:
         """Whether the runtime runs this layer's experts through torch._grouped_mm (runtime/moe/grouped.py
@@ -305,7 +316,7 @@ class Moe(Primitive):
         """Active work only: the router on every token, and each token's top_k experts (not all of
         them), plus the shared expert on every token."""
         hid, n_exp = int(hu.unit.attr("hidden")), int(hu.unit.attr("experts"))  # type: ignore[arg-type]
-        routed, f = self._routed(hu, tokens), self._ffn_local(plan, hu, "gate", "ffn")
+        routed, f = self._routed(plan, hu, tokens), self._ffn_local(plan, hu, "gate", "ffn")
         mm = [costs.Matmul(tokens, n_exp, hid), costs.Matmul(routed, f, hid, 2), costs.Matmul(routed, hid, f)]
         if hu.unit.attr("shared_expert"):
             s = self._ffn_local(plan, hu, "shared_gate", "shared_ffn")
@@ -418,17 +429,31 @@ class Moe(Primitive):
         if a.get("act", "swiglu") == "swiglu_clamped":
             act = f", act=rt.clamped_swiglu({float(a['swiglu_alpha'])!r}, {float(a['swiglu_limit'])!r})"
         xt = "t"
+        experts = placement.get(f"{unit.name}.gate", REPLICATE).experts
+        # Experts over tensor axes (the tokens the same along them): each of their ranks routes its
+        # share of the tokens to whole experts and all-gathers the outputs, whole on every rank, so
+        # they join the shared expert's partial sum after its reduction.
+        split = tuple(a for a in experts if a in w.plan.roles.expert_token_split)
         if copy is not None:
             g, n = w.group(copy.axes), w.n(copy.axes)
             axes = w.axes_text(copy.axes)
-            lines += [w.line(f"xt = rt.copy_to(t, {g})", f"f: identity; backward all-reduces the experts' input gradient over {axes} ({n})"),
-                      w.line(f"weights = rt.copy_to(weights, {g})",
-                             f"f: each rank's ffn slice gives part of the weights' gradient; backward sums it over {axes}")]
+            lines.append(w.line(f"xt = rt.copy_to(t, {g})", f"f: identity; backward all-reduces the experts' input gradient over {axes} ({n})"))
+            if not split:
+                lines.append(w.line(f"weights = rt.copy_to(weights, {g})",
+                                    f"f: each rank's ffn slice gives part of the weights' gradient; backward sums it over {axes}"))
             xt = "xt"
         part = f" Partial over {w.axes_text(reduce.axes)}" if reduce is not None else ""
-        experts = placement.get(f"{unit.name}.gate", REPLICATE).experts
         weights_args = f"{m}.gate.weight, {m}.up.weight, {m}.down.weight"
-        if experts:
+        if split:
+            n, s_n = w.n(experts), w.n(split)
+            lines.append(w.line(f"routed = {m}.experts(t, chosen, weights, {w.group(experts)}{act}, split={w.group(split)})",
+                                f"[b*s, {hid}]: {w.axes_text(split)} ({s_n}) split the tokens, each rank's b*s / {s_n} "
+                                f"rows all-to-all over {w.axes_text(experts)} ({n}) to their experts' ranks and back, "
+                                f"then all-gathered over {w.axes_text(split)}; {n_exp // n} of {n_exp} experts here, "
+                                f"all {a['ffn']} ffn of each{', dropless' if not a.get('capacity') else ''}"))
+            lines.append(w.line("out = torch.zeros_like(routed)", "the shared experts' sum, added to the routed one once reduced")
+                         if a["shared_expert"] else w.line("out = routed", f"[b*s, {hid}]"))
+        elif experts:
             n = w.n(experts)
             lines.append(w.line(f"out = {m}.experts({xt}, chosen, weights, {w.group(experts)}{act})",
                                 f"[b*s, {hid}]{part}: all-to-all over {w.axes_text(experts)} ({n}) sends the [b*s*{k}, {hid}] "
@@ -458,6 +483,8 @@ class Moe(Primitive):
         if reduce is not None:
             lines.append(w.line(f"out = rt.reduce_from(out, {w.group(reduce.axes)})",
                                 f"g: all-reduce over {w.axes_text(reduce.axes)} ({w.n(reduce.axes)}) -> [b*s, {hid}]"))
+        if split and a["shared_expert"]:
+            lines.append(w.line("out = out + routed", f"[b*s, {hid}] the routed experts' whole sum, once"))
         if a.get("expert_bias"):
             lines.append(w.line("out = out + down_bias.to(out.dtype)", f"[b*s, {hid}] the down biases, once"))
         lines.append(w.line(f"out = out.view_as({x})", f"[b, s, {hid}]"))
@@ -503,6 +530,8 @@ MOE = Moe("moe", sublayer=True, routes_experts=True, width_arg="hidden", sequenc
     Arg("aux_loss_coef", "float", const(0.0)),
     Arg("z_loss_coef", "float", const(0.0)),
     Arg("capacity", "float", const(0.0)),
+    # DeepSeek-V3's complementary sequence-wise balance loss: its alpha in the training loss (0: none).
+    Arg("seq_aux_loss", "float", const(0.0)),
     # DeepSeek-V3's router (runtime/moe/routing.py `choose_sigmoid`): sigmoid scores chosen with a
     # correction bias, group-limited choice, the chosen weights' scale, and the bias's balancing rate.
     Arg("scoring", "choice", const("softmax"), ("softmax", "sigmoid")),

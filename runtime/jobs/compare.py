@@ -62,7 +62,7 @@ def _reference_loss(ref: torch.nn.Module, tokens: Tensor, targets: Tensor, progr
     for tok, tgt in zip(tokens.chunk(groups), targets.chunk(groups)):
         with recording() as routing:
             logits = ref(tok)
-        total = total + cross_entropy(logits, tgt) + (losses(routing) if losses is not None else 0.0)
+        total = total + cross_entropy(logits, tgt) + (losses(routing, tok.shape[0]) if losses is not None else 0.0)
     return total / groups
 
 

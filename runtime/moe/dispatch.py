@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshllm_dsl.runtime.moe.grouped import grouped_experts_ffn, grouped_runs, swiglu
+from meshllm_dsl.runtime.parallel.collectives import gather_from, split_to
 
 __all__ = ["ExpertsParallel", "experts_parallel"]
 
@@ -126,7 +127,29 @@ class ExpertsParallel(nn.Module):
     reduce-scattering their gradients after its backward; elsewhere it is ``experts_parallel``."""
 
     def experts(self, x: Tensor, idx: Tensor, weights: Tensor, group: dist.ProcessGroup,
-                act: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
+                act: Callable[[Tensor, Tensor], Tensor] | None = None,
+                split: dist.ProcessGroup | None = None) -> Tensor:
+        """``split``: the ranks of the expert group that hold the same tokens (its tensor axes).
+        Each routes 1 / |split| of them, rows r * T / n .. (r + 1) * T / n (torchtitan's EP over
+        tp: ``ReordererSequenceParallel`` in ``expert_parallel.py`` takes the same rows and refuses
+        an uneven split), and the outputs are all-gathered back in rank order (torchtitan leaves
+        them a partial sum over tp, zero outside each rank's rows, reduced at the layer's end: the
+        same values). The split's backward all-gathers the input's and the
+        weights' gradients, whole and the same on every rank of ``split``; the gather's keeps its own
+        rows. Decoding a number of tokens that does not split runs every rank's tokens whole (the
+        experts see each token |split| times, each output is the same): forward only."""
         biases = (self.gate.bias, self.up.bias) if hasattr(self.gate, "bias") else None
-        return experts_parallel(x, idx, weights, self.gate.weight, self.up.weight, self.down.weight, group,
-                                biases=biases, act=act)
+
+        def run(x: Tensor, idx: Tensor, weights: Tensor) -> Tensor:
+            return experts_parallel(x, idx, weights, self.gate.weight, self.up.weight, self.down.weight, group,
+                                    biases=biases, act=act)
+
+        if split is None:
+            return run(x, idx, weights)
+        n = dist.get_world_size(split)
+        if x.shape[0] % n:
+            if torch.is_grad_enabled():
+                raise ValueError(f"{x.shape[0]} tokens do not split over {n} ranks (the checker requires it when training)")
+            return run(x, idx, weights)
+        own = idx.chunk(n)[dist.get_rank(split)]
+        return gather_from(run(split_to(x, split, 0), own, split_to(weights, split, 0)), split, 0)

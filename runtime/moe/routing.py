@@ -26,7 +26,14 @@ rank, as transformers computes them per forward and DDP / gradient accumulation 
 - the router z-loss of ST-MoE (Zoph et al. 2022, eq. 5): per layer the mean over tokens of
   logsumexp(logits)^2, summed over the layers (as ST-MoE and Megatron add one per router), times
   ``z_loss_coef``.
-Both are made of sums over layers (``RouterLosses.statistics``), so with pipeline stages each stage
+- DeepSeek-V3's complementary sequence-wise balance loss (paper eqs. 17-20; DeepSeek-V2's
+  ``seq_aux``): per layer and per sequence of T tokens, sum_i f_i P_i with f_i = E / (k T) x the
+  pairs the layer routed to expert i (after capacity: the pairs it kept) and P_i the mean over the
+  sequence of each token's affinities normalised to sum 1 (sigmoid scores over their sum; softmax
+  probabilities), averaged over the sequences, summed over the layers, times ``seq_aux_loss``
+  (alpha). Under context parallelism each sequence's pair counts are summed over the context ranks
+  first (no gradient), so each rank's f_i x its part of P_i adds up over them (``sequence_sum``).
+All are made of sums over layers (``RouterLosses.statistics``), so with pipeline stages each stage
 adds its layers' sums to the previous stage's and sends them on beside its activations; the last
 stage's ``RouterLosses.loss`` then equals the whole forward's (runtime/train/program.py).
 """
@@ -48,7 +55,7 @@ from meshllm_dsl.runtime.model import description
 
 __all__ = ["CORRECTION", "DROPPED", "LOAD", "RouterLog", "RouterLosses", "balance", "balanced_routers", "capacity_of",
            "choose_sigmoid", "count_load", "keep_within_capacity", "load_balancing_loss", "record", "recording", "route",
-           "update_correction", "z_loss"]
+           "sequence_aux_loss", "update_correction", "z_loss"]
 
 DROPPED = -1  # the expert id of a (token, choice) pair dropped for capacity
 
@@ -286,6 +293,43 @@ def z_loss(logits: Sequence[Tensor]) -> Tensor:
                torch.zeros((), dtype=compute_dtype(logits[0].dtype), device=logits[0].device))
 
 
+def _affinities(logits: Tensor, scoring: str) -> Tensor:
+    """[T, E] each token's affinities normalised to sum 1 (DeepSeek-V3's s'_{i,t}: its sigmoid scores
+    over their sum; a softmax router's probabilities, DeepSeek-V2's), in the accumulation dtype."""
+    x = logits.to(compute_dtype(logits.dtype))
+    if scoring == "sigmoid":
+        scores = torch.sigmoid(x)
+        return scores / scores.sum(dim=-1, keepdim=True)
+    return torch.softmax(x, dim=-1)
+
+
+def _chosen_per_sequence(chosen: Tensor, sequences: int, experts: int, dtype: torch.dtype) -> Tensor:
+    """[B, E] each sequence's (token, choice) pairs per expert of ``chosen`` [B s, k] (dropped pairs
+    left out), no gradient."""
+    ids = chosen.detach().reshape(sequences, -1)  # [B, s k]
+    kept = ids >= 0
+    return torch.zeros(sequences, experts, dtype=dtype, device=ids.device).scatter_add_(
+        1, ids.clamp(min=0), kept.to(dtype))
+
+
+def sequence_aux_loss(logits: Sequence[Tensor], chosen: Sequence[Tensor], sequences: int, top_k: int,
+                      scoring: str) -> Tensor:
+    """DeepSeek-V3's complementary sequence-wise balance loss (paper eqs. 17-20, without alpha), per
+    layer and summed over the layers: for each sequence of T tokens, sum_i f_i P_i with
+    f_i = E / (k T) x the pairs routed to expert i and P_i = 1 / T x sum_t s'_{i,t} (``_affinities``),
+    averaged over the ``sequences`` (DeepSeek-V2's `seq_aux`: ``(ce * scores.mean(1)).sum(1).mean()``).
+    ``logits`` [B T, E] and ``chosen`` [B T, k] per layer (pairs dropped for capacity not counted)."""
+    first = logits[0]
+    total = torch.zeros((), dtype=compute_dtype(first.dtype), device=first.device)
+    for layer, ids in zip(logits, chosen, strict=True):
+        e = layer.shape[-1]
+        p = _affinities(layer, scoring).reshape(sequences, -1, e)  # [B, T, E]
+        t = p.shape[1]
+        f = _chosen_per_sequence(ids, sequences, e, p.dtype) * (e / (top_k * t))  # [B, E]
+        total = total + (f * p.mean(dim=1)).sum(dim=1).mean()
+    return total
+
+
 @dataclass(frozen=True)
 class RouterLosses:
     """The router terms a model adds to its training loss (from its MODEL description's moe layers)."""
@@ -294,72 +338,101 @@ class RouterLosses:
     top_k: int
     aux_loss_coef: float
     z_loss_coef: float
+    seq_aux_loss: float = 0.0  # DeepSeek-V3's sequence-wise balance loss's alpha
+    scoring: str = "softmax"
 
     @classmethod
     def of(cls, model: Mapping[str, Any]) -> RouterLosses | None:
         """None when no moe layer asks for a router loss."""
         moes = description.moe_layers(model)
-        wanted = [s for s in moes if s.get("aux_loss_coef") or s.get("z_loss_coef")]
+        wanted = [s for s in moes if s.get("aux_loss_coef") or s.get("z_loss_coef") or s.get("seq_aux_loss")]
         if not wanted:
             return None
         first = wanted[0]
-        keys = ("experts", "top_k", "aux_loss_coef", "z_loss_coef")
+        keys = ("experts", "top_k", "aux_loss_coef", "z_loss_coef", "seq_aux_loss", "scoring")
         if any(tuple(s.get(k) for k in keys) != tuple(first.get(k) for k in keys) for s in moes):
             # transformers' loss concatenates every layer's logits: one experts / top_k for the model.
             raise ValueError("the router losses need every moe layer to have the same experts, top_k and coefficients")
         return cls(int(first["experts"]), int(first["top_k"]), float(first.get("aux_loss_coef") or 0.0),
-                   float(first.get("z_loss_coef") or 0.0))
+                   float(first.get("z_loss_coef") or 0.0), float(first.get("seq_aux_loss") or 0.0),
+                   str(first.get("scoring") or "softmax"))
 
     @property
     def width(self) -> int:
-        """Elements of ``statistics``: [pairs per expert | probability sums | rows | z-loss sum]."""
-        return 2 * self.experts + 2
+        """Elements of ``statistics``: [pairs per expert | probability sums | rows | sequence-wise
+        loss | z-loss sum]."""
+        return 2 * self.experts + 3
 
     def statistics(self, logits: Sequence[Tensor], carried: Tensor | None, dtype: torch.dtype,
-                   device: torch.device) -> Tensor:
-        """[2 E + 2] the sums both router losses are made of, over the layers of ``logits`` added to
+                   device: torch.device, chosen: Sequence[Tensor] = (), sequences: int = 1,
+                   sequence_counts: Callable[[Tensor], Tensor] | None = None, parts: int = 1) -> Tensor:
+        """[2 E + 3] the sums the router losses are made of, over the layers of ``logits`` added to
         ``carried`` (those of earlier layers of the same forward, from an earlier pipeline stage):
         top-k pairs per expert (no gradient, as transformers' f), router probability summed over the
-        rows per expert (with gradient: P), rows, and the layers' z-loss terms (with gradient).
-        Additive over layers, so a pipeline stage sends them on with its activations and the last
-        stage's ``loss`` equals the loss of the whole forward (``dtype``: the accumulation dtype)."""
+        rows per expert (with gradient: P), rows, the sequence-wise loss's terms (with gradient) and
+        the layers' z-loss terms (with gradient). Additive over layers, so a pipeline stage sends them
+        on with its activations and the last stage's ``loss`` equals the loss of the whole forward
+        (``dtype``: the accumulation dtype).
+
+        The sequence-wise loss (``seq_aux_loss``) needs ``chosen`` (each layer's [T, k] ids) and the
+        ``sequences`` the T rows are of. Under context parallelism the rows are this rank's 1 / ``parts``
+        of each sequence: ``sequence_counts`` sums each sequence's pairs per expert over the context
+        ranks first (no gradient), so this rank's term f_i x its share of P_i is additive over them
+        (``loss`` sums it over the context ranks with the rest)."""
         e = self.experts
         if carried is None:
             carried = torch.zeros(self.width, dtype=dtype, device=device)
-        counts, probs, rows, z = carried[:e], carried[e:2 * e], carried[2 * e], carried[2 * e + 1]
+        counts, probs, rows = carried[:e], carried[e:2 * e], carried[2 * e]
+        seq, z = carried[2 * e + 1], carried[2 * e + 2]
         for layer in logits:  # the same sums, in the same order, as load_balancing_loss and z_loss
             p = torch.softmax(layer, dim=-1)
-            _, chosen = torch.topk(p, self.top_k, dim=-1)
-            counts = counts + torch.bincount(chosen.reshape(-1), minlength=e).to(dtype)
+            _, top = torch.topk(p, self.top_k, dim=-1)
+            counts = counts + torch.bincount(top.reshape(-1), minlength=e).to(dtype)
             probs = probs + p.to(dtype).sum(dim=0)
             rows = rows + layer.shape[0]
             z = z + torch.logsumexp(layer.to(dtype), dim=-1).square().mean()
-        return torch.cat([counts, probs, rows.reshape(1), z.reshape(1)])
+        if self.seq_aux_loss:
+            for layer, ids in zip(logits, chosen, strict=True):
+                a = _affinities(layer, self.scoring).to(dtype).reshape(sequences, -1, e)  # [B, T / parts, E]
+                t = a.shape[1] * parts  # the whole sequence's tokens
+                pairs = _chosen_per_sequence(ids, sequences, e, dtype)  # [B, E] this rank's part
+                if sequence_counts is not None:
+                    pairs = sequence_counts(pairs).detach()  # [B, E] the whole sequences'
+                seq = seq + (pairs * (e / (self.top_k * t)) * (a.sum(dim=1) / t)).sum(dim=1).mean()
+        return torch.cat([counts, probs, rows.reshape(1), seq.reshape(1), z.reshape(1)])
 
     def loss(self, stats: Tensor, sequence_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
-        """coef x load-balancing loss + z coef x z-loss from a whole forward's ``statistics``.
-        ``sequence_sum``: under context parallelism the rows are this rank's part of the sequences;
-        pairs, probability sums and rows are summed over every context rank before the product
-        (ContextShard.sequence_sum). The z-loss, a mean over tokens, is averaged like the cross-entropy."""
+        """coef x load-balancing loss + alpha x sequence-wise loss + z coef x z-loss from a whole
+        forward's ``statistics``. ``sequence_sum``: under context parallelism the rows are this rank's
+        part of the sequences; pairs, probability sums, rows and the sequence-wise terms are summed
+        over every context rank before the product (ContextShard.sequence_sum). The z-loss, a mean
+        over tokens, is averaged like the cross-entropy."""
         e = self.experts
         if sequence_sum is not None:
-            # [2 E + 1] pairs per expert, probability sums, rows -> the same over the whole sequence.
-            stats = torch.cat([sequence_sum(stats[:2 * e + 1]), stats[2 * e + 1:]])
+            # [2 E + 2] pairs per expert, probability sums, rows, sequence-wise terms -> the same over
+            # the whole sequences.
+            stats = torch.cat([sequence_sum(stats[:2 * e + 2]), stats[2 * e + 2:]])
         counts, rows = stats[:e].detach(), stats[2 * e].detach()  # f_e carries no gradient
         total = torch.zeros((), dtype=stats.dtype, device=stats.device)
         if self.aux_loss_coef:
             total = total + self.aux_loss_coef * (counts / rows * (stats[e:2 * e] / rows)).sum() * e
+        if self.seq_aux_loss:
+            total = total + self.seq_aux_loss * stats[2 * e + 1]
         if self.z_loss_coef:
-            total = total + self.z_loss_coef * stats[2 * e + 1]
+            total = total + self.z_loss_coef * stats[2 * e + 2]
         return total
 
-    def __call__(self, log: RouterLog) -> Tensor:
-        """coef x load-balancing loss + z coef x z-loss of one forward's routing, straight from the
-        logits (the unsharded reference's; the plans go through ``statistics`` and ``loss``)."""
+    def __call__(self, log: RouterLog, sequences: int = 1) -> Tensor:
+        """coef x load-balancing loss + alpha x sequence-wise loss + z coef x z-loss of one forward's
+        routing (of ``sequences`` whole sequences), straight from the logits (the unsharded
+        reference's; the plans go through ``statistics`` and ``loss``)."""
         first = log.logits[0]
         total = torch.zeros((), dtype=compute_dtype(first.dtype), device=first.device)
         if self.aux_loss_coef:
             total = total + self.aux_loss_coef * load_balancing_loss(log.logits, self.experts, self.top_k)
+        if self.seq_aux_loss:
+            total = total + self.seq_aux_loss * sequence_aux_loss(log.logits, log.chosen, sequences, self.top_k,
+                                                                  self.scoring)
         if self.z_loss_coef:
             total = total + self.z_loss_coef * z_loss(log.logits)
         return total

@@ -362,9 +362,19 @@ class Built:
     def _routing_dtype(self) -> torch.dtype:
         return moe_routing.compute_dtype(self.compute_dtype)
 
+    def _router_statistics(self, routing: moe_routing.RouterLog, carried: Tensor | None, sequences: int) -> Tensor:
+        """RouterLosses.statistics of one forward's routing on this rank, of ``sequences`` sequences
+        (under context parallelism each sequence's pair counts summed over the context ranks)."""
+        assert self.router_losses is not None
+        cp = self.context
+        return self.router_losses.statistics(
+            routing.logits, carried, self._routing_dtype, self.device, chosen=routing.chosen, sequences=sequences,
+            sequence_counts=(lambda x: cp.sequence_sum(x.detach())) if cp is not None else None,
+            parts=cp.size if cp is not None else 1)
+
     def _routed_forward(self, forward: Callable[[Tensor], Tensor], x: Tensor, *carried: Tensor) -> Any:
         """A stage's forward that, under a training schedule with router losses, also returns the
-        routing statistics [2 E + 2] of its forward so far (``carried``: the previous stage's).
+        routing statistics [2 E + 3] of its forward so far (``carried``: the previous stage's).
 
         Under FSDP2 the stage root casts no input (``_fully_shard``): the activations are cast to
         the compute dtype here, as FSDP2 would, while ``carried`` stays in the routing dtype
@@ -376,8 +386,7 @@ class Built:
         assert self.router_losses is not None
         with moe_routing.recording() as routing:
             y = forward(x)
-        stats = self.router_losses.statistics(routing.logits, carried[0] if carried else None,
-                                              self._routing_dtype, self.device)
+        stats = self._router_statistics(routing, carried[0] if carried else None, x.shape[0])
         if not stats.requires_grad:  # a stage without moe layers: the next stage still sends a gradient back
             stats.requires_grad_(True)
         return y, stats
@@ -400,7 +409,7 @@ class Built:
         (kept until backward) by FSDP2 over the data (and context) ranks; master weights, gradients
         and optimizer states are sharded either way."""
         dmesh = fsdp.data_mesh(self.mesh, self.grad_axes, self.device.type, self.zero_axes)
-        # Expert parallelism: experts split over batch axes are left out of the dense units. Split
+        # Expert parallelism: experts split over batch or context axes are left out of the dense units. Split
         # over every ZeRO axis, no other rank of them holds them: plain tensors, reduced as without
         # ZeRO. Otherwise each layer's experts are a unit over the ZeRO axes that replicate them
         # (the checker sees that these are all the batch and context axes that do).
@@ -410,7 +419,7 @@ class Built:
         for i, specs in self.specs.items():
             for spec in specs.values():
                 split = {a for _, axes in spec.dims for a in axes}
-                if not split & set(self.batch_axes):
+                if not split & set(self.grad_axes):  # the experts, split over batch or context axes
                     continue
                 experts.add(spec.local)
                 rest = tuple(a for a in self.zero_axes if a not in split)
@@ -616,7 +625,7 @@ class Built:
         loss_fn: Callable[..., Tensor] | None = self.loss_fn if train else None
         routed = train and self.router_losses is not None
         if routed:
-            # [2 E + 2] routing statistics beside every stage boundary's activations (after stage
+            # [2 E + 3] routing statistics beside every stage boundary's activations (after stage
             # 0 on): a few floats per expert, P's gradient coming back with the activations'.
             for i in range(1, len(p.stages) + 1):
                 stats = torch.zeros(self.router_losses.width, dtype=self._routing_dtype, device=device,
@@ -819,7 +828,7 @@ class Built:
                 if self.router_losses is not None:
                     # Over this microbatch's tokens on this replica, as transformers per forward
                     # (its whole sequences: the statistics summed over the context ranks).
-                    stats = self.router_losses.statistics(routing.logits, None, self._routing_dtype, self.device)
+                    stats = self._router_statistics(routing, None, tok.shape[0])
                     loss = loss + self.router_losses.loss(
                         stats, self.context.sequence_sum if self.context is not None else None)
                 del x  # the logits: backward needs only what the loss saved, not them

@@ -39,6 +39,10 @@ EXAMPLE_ROLES = {
                                           batch_shard=("replica", "data"), expert=("data",)),
     ("tiny_mla.mesh", "train"): R(tensor=("tensor",), loss=("tensor",), context=("cp",)),
     ("tiny_deepseek.mesh", "train"): R(batch=("data",), tensor=("tensor",), loss=("tensor",), expert=("data",)),
+    # the experts over data x context, and over data x tensor (each tensor rank routing half the tokens)
+    ("tiny_deepseek_experts.mesh", "context"): R(batch=("data",), context=("context",), expert=("data", "context")),
+    ("tiny_deepseek_experts.mesh", "tensor"): R(batch=("data",), tensor=("tensor",), loss=("tensor",),
+                                                expert=("data", "tensor")),
     ("tiny_dense_moe.mesh", "train"): R(pipeline="pipeline", batch=("data",), batch_shard=("data",), tensor=("tensor",), loss=("tensor",),
                                         expert=("data",)),
     # ZeRO 1 over replica x data (the experts' states over replica, the ranks holding the same ones);
@@ -116,7 +120,8 @@ plan p on m for t {
     (dict(context=("t",), tensor=("t",)), "axes t are both context and tensor axes"),
     (dict(context=("d",), batch=("d",)), "axes d are both context and batch axes"),
     (dict(pipeline="p", context=("p",)), "axis `p` is both the pipeline and a context axis"),
-    (dict(batch=("d",), expert=("ep",)), "expert axes ep are not batch axes"),
+    (dict(batch=("d",), expert=("ep",)), "expert axes ep are not batch, context or tensor axes"),
+    (dict(tensor=("t",), sequence=("t",), expert=("t",)), "expert axes t are sequence-parallel"),
     (dict(pipeline="p", batch=("p",)), "axis `p` is both the pipeline and a batch axis"),
     (dict(pipeline="p", tensor=("p",)), "axis `p` is both the pipeline and a tensor axis"),
     (dict(batch=("d", "t"), tensor=("t",)), "axes t are both batch and tensor axes"),

@@ -51,12 +51,37 @@ PLANS = {  # mesh axes, plan body
                                 "    layout { batch -> data, experts -> data }\n    microbatches = 2\n"
                                 "    stages over pipeline {\n        0: embed, dense[0:2], blocks[0:1]\n"
                                 "        1: blocks[1:2], norm, lm_head\n    }\n    schedule 1f1b\n"),
+    # expert parallelism over data beside context parallelism: each context rank routes its part of
+    # the sequences, and the correction bias's load counts every token once (summed over data x context)
+    "data2_context2_experts": ("data = 2, context = 2",
+                               "    layout { batch -> data, seq -> context, experts -> data }\n"),
+    # the experts over data x context: 2 of 8 on each of the 4 ranks, each context rank's tokens
+    # travelling to them (torchtitan folds EP over dp_shard x cp)
+    "data2_context2_experts_over_both": ("data = 2, context = 2",
+                                         "    layout { batch -> data, seq -> context, experts -> data * context }\n"),
+    # the experts over data x tensor (torchtitan's EP over dp_shard x tp, etp = 1): each tensor rank
+    # routes half the tokens to whole experts, 2 of 8 on each rank, the outputs all-gathered back
+    "data2_tensor2_experts_over_both": ("data = 2, tensor = 2",
+                                        TP.replace("experts -> data,", "experts -> data * tensor,")
+                                        .replace(" expert_ffn -> tensor,", "")),
+    # and over data x context x tensor: 1 of 8 experts on each of 8 ranks
+    "data2_context2_tensor2_experts_over_all": ("data = 2, context = 2, tensor = 2",
+                                                TP.replace("batch -> data, experts -> data,",
+                                                           "batch -> data, seq -> context, experts -> data * context * tensor,")
+                                                .replace(" expert_ffn -> tensor,", "")),
+    # and inside tensor parallelism: 8 ranks, data x context x tensor
+    "data2_context2_tensor2_experts": ("data = 2, context = 2, tensor = 2",
+                                       TP.replace("batch -> data,", "batch -> data, seq -> context,")),
 }
+# the plans whose model moves its correction biases (balance_rate): the update compared too
+BALANCED = {"data2_context2_experts", "data2_context2_experts_over_both", "data2_context2_tensor2_experts",
+            "data2_tensor2_experts_over_both", "data2_context2_tensor2_experts_over_all"}
 
 
 def compiled(plan: str, tmp_path: Path) -> tuple[str, int, str]:
     axes, body = PLANS[plan]
-    return compile_spec(plan_spec(axes, MODEL, body, batch=4), f"deepseek_v3_{plan}", tmp_path)
+    model = MODEL.replace(" dtype = fp32", " balance_rate = 0.05, dtype = fp32") if plan in BALANCED else MODEL
+    return compile_spec(plan_spec(axes, model, body, batch=4), f"deepseek_v3_{plan}", tmp_path)
 
 
 def _config() -> Any:
@@ -112,7 +137,8 @@ def test_the_tiny_model_routes_by_its_correction_bias(model: Any) -> None:
     assert (want - unbiased).abs().max().item() > 0.1
 
 
-@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("plan", [*(p for p in PLANS if p not in BALANCED), "data2_tensor2_experts_over_both",
+                                  "data2_context2_tensor2_experts_over_all"])
 def test_weights_give_transformers_logits_and_tokens(plan: str, model: Any, pool: Any, tmp_path: Path) -> None:
     directory, hf = model
     tokens = _tokens()
@@ -125,7 +151,7 @@ def test_weights_give_transformers_logits_and_tokens(plan: str, model: Any, pool
     assert generated.tolist() == want_tokens.tolist()
 
 
-@pytest.mark.parametrize("plan", ["data2_tensor2_experts", "pipeline2_data2_experts"])
+@pytest.mark.parametrize("plan", ["data2_tensor2_experts", "pipeline2_data2_experts", "data2_tensor2_experts_over_both"])
 def test_export_round_trips_through_transformers(plan: str, model: Any, pool: Any, tmp_path: Path) -> None:
     """Exported with the source's config.json and with meshllm's own: transformers reads back the same
     model (the correction biases too: the logits are equal)."""
@@ -234,6 +260,68 @@ def test_sharded_deepseek_v3_equals_the_reference_from_redrawn_weights(plan: str
         for leaf in ("dense.1.attn.kv_a.norm", "blocks.0.mlp.shared_down.weight", "blocks.1.mlp.router.weight"):
             assert f"grad {leaf}" in errs, sorted(errs)
         assert any(k.startswith("buffer ") and k.endswith("router.e_score_correction_bias") for k in errs)
+
+
+@pytest.mark.parametrize("plan", ["context", "tensor"])
+def test_the_experts_example_equals_the_unsharded_model(plan: str, pool: Any, tmp_path: Path) -> None:
+    """examples/tiny_deepseek_experts.mesh, what `meshc verify --plan context|tensor` checks: the
+    experts over data x context and over data x tensor, seq 32, from the seeded init, float32 and
+    float64, the correction biases moving (balance_rate)."""
+    from reference_jobs import compare_job
+
+    from meshllm_dsl.checker import check_file
+    from meshllm_dsl.codegen.emit import render_plan
+
+    source = Path(__file__).resolve().parents[2] / "examples" / "tiny_deepseek_experts.mesh"
+    result = check_file(str(source))
+    checked = result.plans[plan]
+    assert checked.roles.expert == ("data", plan)
+    path = tmp_path / f"{plan}.py"
+    path.write_text(render_plan(checked, source.name, source.read_text()))
+    for rank_errs in pool.run(compare_job, checked.mesh.devices, str(path), 2):
+        for dtype, errs in rank_errs.items():
+            worst = max(errs, key=errs.__getitem__)
+            assert errs[worst] <= TOLERANCE[dtype], (dtype, worst, errs[worst])
+            assert any(k.startswith("buffer ") for k in errs)
+
+
+def _step_loads_job(ctx: Any, path: str, steps: int) -> list[list[int]]:
+    """Each optimizer step's load per moe layer as the correction bias's update sees it (summed
+    over the balance group), on this rank."""
+    from meshllm_dsl.runtime.moe import routing
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.verify.equivalence import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    seen: list[list[int]] = []
+    update = routing.update_correction
+
+    def noting(bias: Any, load: Any, rate: float) -> None:
+        seen[-1].append(int(load.sum()))
+        update(bias, load, rate)
+
+    routing.update_correction = noting  # type: ignore[assignment]
+    try:
+        for step in range(steps):
+            seen.append([])
+            built.train_step(*synthetic_batch(program.vocab, program.batch, program.seq, 3, step))
+    finally:
+        routing.update_correction = update  # type: ignore[assignment]
+    return seen
+
+
+@pytest.mark.parametrize(("plan", "copies"), [("data2_context2_experts", 1), ("data2_context2_experts_over_both", 1),
+                                               ("data2_context2_tensor2_experts", 2), ("data2_tensor2_experts_over_both", 2),
+                                               ("data2_context2_tensor2_experts_over_all", 2)])
+def test_the_bias_update_counts_each_token_once_over_data_and_context(plan: str, copies: int, pool: Any,
+                                                                      tmp_path: Path) -> None:
+    """Each of the 2 moe layers' step load is batch 4 x seq 8 x top 2 pairs: every context rank's
+    tokens in it once (a tensor group's ranks route the same tokens: each counted once per rank,
+    which scales every expert's load alike and leaves the sign update as it is)."""
+    path, n, _ = compiled(plan, tmp_path)
+    for seen in pool.run(_step_loads_job, n, path, 2):
+        assert seen == [[4 * 8 * 2 * copies] * 2] * 2, seen
 
 
 def test_import_hf_reads_the_published_config_as_the_671b_example() -> None:

@@ -21,7 +21,8 @@ from meshllm_dsl.runtime.moe import routing  # noqa: E402
 from meshllm_dsl.runtime.moe.experts import ReferenceMoE  # noqa: E402
 
 FAMILY = """family tiny_deepseek(vocab, hidden, layers, heads, ffn, shared_ffn, experts = 8, top_k = 2, groups = 4,
-                     topk_groups = 2, routed_scaling = 2.5, balance_rate = 0.0, capacity = 0.0, dtype = fp32) {
+                     topk_groups = 2, routed_scaling = 2.5, balance_rate = 0.0, capacity = 0.0, seq_aux_loss = 0.0,
+                     dtype = fp32) {
     embed = embedding(vocab, hidden)
     blocks = repeat(layers) {
         attn_norm = rmsnorm(hidden)
@@ -29,7 +30,7 @@ FAMILY = """family tiny_deepseek(vocab, hidden, layers, heads, ffn, shared_ffn, 
         mlp_norm = rmsnorm(hidden)
         mlp = moe(hidden, ffn, experts, top_k, scoring = sigmoid, groups = groups, topk_groups = topk_groups,
                   routed_scaling = routed_scaling, shared_experts = 2, shared_ffn = shared_ffn,
-                  balance_rate = balance_rate, capacity = capacity)
+                  balance_rate = balance_rate, capacity = capacity, seq_aux_loss = seq_aux_loss)
     }
     norm = rmsnorm(hidden)
     lm_head = linear(hidden, vocab)
@@ -50,6 +51,10 @@ PLANS = {  # mesh axes, plan body
     "pipeline2_ep2": ("pipeline = 2, data = 2", "    layout { batch -> data, experts -> data }\n    microbatches = 2\n"
                       "    stages over pipeline balanced\n    schedule 1f1b\n"),
     "context2_ep2": ("data = 2, context = 2", "    layout { batch -> data, seq -> context, experts -> data }\n"),
+    # the experts over data x tensor, whole (etp = 1): each tensor rank routes half the tokens
+    "ep4_over_tensor": ("data = 2, tensor = 2",
+                        f"    layout {{ {TP.replace(' ffn -> tensor,', '')}, batch -> data, experts -> data * tensor }}\n"
+                        "    shard blocks.*.mlp.router replicate\n"),
     # FSDP2 over data beside the experts, blocks recomputed in backward (whose rerun counts no load)
     "ep2_tensor2_zero3_recompute": ("data = 2, tensor = 2",
                                     f"    layout {{ {TP}, batch -> data, experts -> data }}\n"
@@ -160,7 +165,8 @@ def _compare(pool: Any, plan: str, tmp_path: Path, steps: int = 2, **settings: A
 
 
 @pytest.mark.parametrize(("plan", "capacity"), [("ep2", 0), ("ep2_tensor2", 0), ("pipeline2_ep2", 0), ("context2_ep2", 0),
-                                              ("ep2_tensor2_zero3_recompute", 0), ("context2_ep2", 1.0)])
+                                              ("ep2_tensor2_zero3_recompute", 0), ("context2_ep2", 1.0),
+                                              ("ep4_over_tensor", 0), ("ep4_over_tensor", 1.0)])
 def test_deepseek_routing_sharded_equals_the_reference(plan: str, capacity: float, pool: Any, tmp_path: Path) -> None:
     """With `capacity` the pairs past an expert's capacity are dropped (under context parallelism
     counted over the whole sequences) and the load counts only the kept ones."""
@@ -169,6 +175,48 @@ def test_deepseek_routing_sharded_equals_the_reference(plan: str, capacity: floa
             worst = max(errs, key=errs.__getitem__)
             assert errs[worst] <= TOLERANCE[dtype], (plan, dtype, worst, errs[worst])
             assert any(k.startswith("buffer ") for k in errs)  # the biases were compared
+
+
+@pytest.mark.parametrize("plan", ["ep2", "ep2_tensor2", "pipeline2_ep2", "context2_ep2", "ep4_over_tensor"])
+def test_the_sequence_wise_loss_sharded_equals_the_reference(plan: str, pool: Any, tmp_path: Path) -> None:
+    """DeepSeek-V3's sequence-wise balance loss (alpha 0.3, large enough to move every router's
+    gradient): per sequence, so over data ranks and microbatches it averages like the cross-entropy;
+    under context parallelism each sequence's pair counts are summed over the context ranks; with
+    pipeline stages its terms travel with the other routing statistics."""
+    for rank_errs in _compare(pool, plan, tmp_path, balance_rate=0.05, seq_aux_loss=0.3):
+        for dtype, errs in rank_errs.items():
+            worst = max(errs, key=errs.__getitem__)
+            assert errs[worst] <= TOLERANCE[dtype], (plan, dtype, worst, errs[worst])
+
+
+def _deepseek_v2_seq_aux(logits: Any, chosen: Any, sequences: int, top_k: int, alpha: float) -> Any:
+    """DeepSeek-V2's MoEGate `seq_aux` (modeling_deepseek.py), with DeepSeek-V3's normalised sigmoid
+    affinities (paper eq. 19) as the scores, written out as they write it."""
+    experts = logits.shape[-1]
+    scores = torch.sigmoid(logits.double())
+    scores = scores / scores.sum(dim=-1, keepdim=True)
+    seq_len = logits.shape[0] // sequences
+    scores_for_seq_aux = scores.view(sequences, seq_len, -1)
+    ce = torch.zeros(sequences, experts, dtype=torch.float64)
+    ce.scatter_add_(1, chosen.view(sequences, -1), torch.ones(sequences, seq_len * top_k, dtype=torch.float64))
+    ce.div_(seq_len * top_k / experts)
+    return (ce * scores_for_seq_aux.mean(dim=1)).sum(dim=1).mean() * alpha
+
+
+def test_the_sequence_wise_loss_is_deepseeks() -> None:
+    """Two layers of 3 sequences of 10 tokens, 8 experts, top 2 by biased sigmoid scores within 2 of
+    4 groups: the reference's loss is DeepSeek's, layer by layer summed, and its gradient reaches the
+    logits; a balanced count would give 1 per layer, these skewed logits more."""
+    gen = torch.Generator().manual_seed(3)
+    layers = [torch.randn(30, 8, generator=gen, dtype=torch.float64) * 2 + torch.linspace(-1, 1, 8, dtype=torch.float64)
+              for _ in range(2)]
+    chosen = [routing.choose_sigmoid(lg, 2, True, torch.zeros(8, dtype=torch.float64), 4, 2)[1] for lg in layers]
+    logits = [lg.clone().requires_grad_(True) for lg in layers]
+    got = routing.sequence_aux_loss(logits, chosen, 3, 2, "sigmoid") * 0.3
+    want = sum(_deepseek_v2_seq_aux(lg, ids, 3, 2, 0.3) for lg, ids in zip(layers, chosen, strict=True))
+    assert abs(got.item() - want.item()) <= 1e-12 and got.item() > 2 * 0.3
+    got.backward()
+    assert all(lg.grad is not None and lg.grad.abs().max() > 0 for lg in logits)
 
 
 # ------------------------------------------------------------------ the bias's move toward balance
@@ -252,7 +300,7 @@ def _resume_job(ctx: Any, path: str, root: str, save_at: int | None, load: bool)
     return losses, built.full_state_dict(), {k: v.clone() for k, v in built.routing_buffers().items()}
 
 
-@pytest.mark.parametrize("plan", ["ep2_tensor2", "pipeline2_ep2"])
+@pytest.mark.parametrize("plan", ["ep2_tensor2", "pipeline2_ep2", "ep4_over_tensor"])
 def test_the_bias_resumes_bit_for_bit(plan: str, pool: Any, tmp_path: Path) -> None:
     """Killed after step 3 and resumed from its checkpoint, a run gives the same losses, weights
     and correction biases, bit for bit, as one that never stopped; the biases did move."""

@@ -19,6 +19,8 @@ from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.codegen.emit import render_plan  # noqa: E402
 from meshllm_dsl.runtime.jobs.compare import TOLERANCE  # noqa: E402
 
+# tensor parallelism but for the experts' ffn: the experts over tensor take whole experts (etp = 1)
+TP_ETP1 = TP.replace(" ffn -> tensor,", "")
 PLANS = {  # mesh axes, layout, other lines
     # the dense layers replicated, data-parallel; the experts split over data
     "ep2": ("data = 2", "batch -> data, experts -> data", ""),
@@ -48,6 +50,28 @@ PLANS = {  # mesh axes, layout, other lines
     # holding the same experts), two ZeroRedundancyOptimizers stepped together
     "replica2_ep2_zero1": ("replica = 2, data = 2", "batch -> replica * data, experts -> data",
                            "    microbatches = 2\n    optimizer adamw { zero 1 }\n"),
+    # EP over the context ranks' tokens too: the experts over data x context, or over context alone
+    "context2_ep4": ("data = 2, context = 2", "batch -> data, seq -> context, experts -> data * context", ""),
+    "context2_ep_context2": ("data = 2, context = 2", "batch -> data, seq -> context, experts -> context", ""),
+    # ZeRO 3 over data x context: experts over context are a unit of their own over data
+    "context2_ep_context2_zero3": ("data = 2, context = 2", "batch -> data, seq -> context, experts -> context",
+                                   "    optimizer adamw { zero 3 }\n"),
+    # EP over a tensor axis (torchtitan's EP over dp_shard x tp, etp = 1): each tensor rank routes half
+    # the tokens to whole experts and the outputs are all-gathered; the shared expert's ffn over tensor
+    "ep4_over_tensor": ("data = 2, tensor = 2", TP_ETP1 + ", batch -> data, experts -> data * tensor", ""),
+    "ep_tensor2": ("tensor = 2", TP_ETP1 + ", experts -> tensor", ""),
+    "data2_ep_tensor2": ("data = 2, tensor = 2", TP_ETP1 + ", batch -> data, experts -> tensor", ""),
+    "pipeline2_ep_tensor2": ("pipeline = 2, tensor = 2", TP_ETP1 + ", experts -> tensor",
+                             "    microbatches = 2\n    stages over pipeline balanced\n    schedule 1f1b\n"),
+    # FSDP2 over data beside experts over data x tensor (each rank's own: plain tensors)
+    "ep4_over_tensor_zero3": ("data = 2, tensor = 2", TP_ETP1 + ", batch -> data, experts -> data * tensor",
+                              "    optimizer adamw { zero 3 }\n"),
+    # ZeRO 1 over data: the experts' states whole on their own rank, the dense ones sharded over data
+    "ep4_over_tensor_zero1": ("data = 2, tensor = 2", TP_ETP1 + ", batch -> data, experts -> data * tensor",
+                              "    microbatches = 2\n    optimizer adamw { zero 1 }\n"),
+    # ZeRO 2 over data with the experts over tensor only: FSDP2 shards them over data with the block
+    "ep_tensor2_zero2": ("data = 2, tensor = 2", TP_ETP1 + ", batch -> data, experts -> tensor",
+                         "    optimizer adamw { zero 2 }\n"),
     # Megatron's distributed optimizer (FSDP2, gradients reduced once a step) with `precision`: the
     # experts, left out of FSDP2, cast to the compute dtype like the dense weights
     "ep2_zero1_precision": ("data = 2", "batch -> data, experts -> data",
@@ -69,7 +93,11 @@ def compiled(model: str, plan: str, tmp_path: Path) -> tuple[str, int, str]:
 CASES = [("mixtral", "ep2"), ("qwen3_moe", "ep4"), ("qwen2_moe", "replica2_ep2_rule"), ("mixtral", "ep2_tensor2"),
          ("qwen2_moe", "ep2_tensor2"), ("mixtral", "pipeline2_ep2"), ("qwen3_moe", "ep2_tensor2_zero3_recompute"),
          ("mixtral", "replica2_ep2_zero2"), ("qwen2_moe", "replica2_ep2_zero1"), ("mixtral", "ep2_zero1_precision"),
-         ("mixtral", "replica2_ep2_zero3"), ("qwen2_moe", "replica2_ep2_zero2_all")]
+         ("mixtral", "replica2_ep2_zero3"), ("qwen2_moe", "replica2_ep2_zero2_all"), ("mixtral", "context2_ep4"),
+         ("qwen2_moe", "context2_ep_context2"), ("mixtral", "context2_ep_context2_zero3"),
+         ("mixtral", "ep4_over_tensor"), ("qwen2_moe", "data2_ep_tensor2"), ("qwen3_moe", "ep_tensor2"),
+         ("mixtral", "pipeline2_ep_tensor2"), ("qwen3_moe", "ep4_over_tensor_zero3"), ("qwen2_moe", "ep_tensor2_zero2"),
+         ("mixtral", "ep4_over_tensor_zero1")]
 
 
 @pytest.mark.parametrize(("model", "plan"), CASES)
@@ -123,6 +151,52 @@ def test_expert_parallelism_that_does_not_fit_is_refused(layout: str, rest: str,
     text = (f"mesh m {{ axes data = 2, tensor = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = 8\n"
             f"    layout {{ {layout} }}\n{rest}}}\n")
     assert code in _codes(text)
+
+
+@pytest.mark.parametrize(("experts", "rule"), [("data * context", ""), ("context", ""),
+                                               ("", "    shard blocks.*.mlp expert(data, context)\n")])
+def test_experts_over_context_axes_leave_them_context_axes(experts: str, rule: str) -> None:
+    """The experts' placement splits no weight dim: `seq -> context` stays context parallelism
+    (not Megatron sequence parallelism, which an axis splitting weights would make it)."""
+    layout = "batch -> data, seq -> context" + (f", experts -> {experts}" if experts else "")
+    text = (f"mesh m {{ axes data = 2, context = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = 8\n"
+            f"    seq = 8\n    layout {{ {layout} }}\n{rule}}}\n")
+    (plan,) = _checked(text).plans.values()
+    assert plan.roles.context == ("context",) and plan.roles.sequence == ()
+    assert plan.roles.expert == (tuple(experts.split(" * ")) if experts else ("data", "context"))
+
+
+def test_experts_over_a_sequence_parallel_axis_are_refused() -> None:
+    """`seq -> tensor` beside `heads -> tensor` is sequence parallelism: tensor ranks hold the same
+    tokens outside the norm regions, so the experts cannot split over it."""
+    text = (f"mesh m {{ axes data = 2, tensor = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = 8\n"
+            "    seq = 8\n    layout { batch -> data, seq -> tensor, heads -> tensor, experts -> data * tensor }\n}\n")
+    d = next(d for d in _checked(text).errors if d.code == "E0412")
+    assert d.message == ("expert parallelism over tensor, which sequence parallelism splits the tokens over "
+                         "(tensor): the moe layers take whole sequences")
+    assert "`experts -> data`" in d.help
+
+
+def _errors(layout: str, batch: int = 8, seq: int = 8) -> list[tuple[str, str, str]]:
+    text = (f"mesh m {{ axes data = 2, tensor = 2 }}\n{MODELS['mixtral']}\nplan p on m for m {{\n    batch = {batch}\n"
+            f"    seq = {seq}\n    layout {{ {layout}, vocab -> tensor, kv_heads -> tensor }}\n"
+            "    shard blocks.*.mlp.router replicate\n}\n")
+    return [(d.code, d.message, text[d.span.start:d.span.end]) for d in _checked(text).errors]
+
+
+def test_experts_over_a_tensor_axis_keep_each_expert_whole() -> None:
+    """torchtitan's etp = 1: each tensor rank routes its share of the tokens to whole experts, so
+    the experts' ffn may not split over tensor too (ETP with the experts over batch axes does)."""
+    assert _errors("batch -> data, heads -> tensor, experts -> data * tensor") == []
+    assert _errors("batch -> data, heads -> tensor, ffn -> tensor, experts -> data") == []
+    assert _errors("batch -> data, heads -> tensor, ffn -> tensor, experts -> data * tensor") == [
+        ("E0412", "the experts are split over tensor, a tensor axis, and their ffn over tensor too", "ffn -> tensor")]
+
+
+def test_tokens_that_do_not_split_over_the_experts_tensor_axis_are_refused() -> None:
+    """batch 2 over data 2 at seq 3: 3 tokens per rank, which the two tensor ranks cannot share."""
+    assert _errors("batch -> data, heads -> tensor, experts -> data * tensor", batch=2, seq=3) == [
+        ("E0412", "3 tokens per microbatch on a rank do not split over tensor (2)", "experts -> data * tensor")]
 
 
 @pytest.mark.parametrize(("model", "plan"), [("qwen2_moe", "replica2_ep2"), ("mixtral", "ep2_tensor2"),
@@ -328,6 +402,62 @@ def test_the_planner_counts_local_experts_and_the_all_to_alls() -> None:
     assert rep_ep.step.expert_s == c.seconds > 0
     per = planner.expert_layer_comm(rep_ep)
     assert per is not None and per["payload_bytes"] == tokens * 2 * h * 4 and per["calls_per_step"] == 4
+
+
+def _a2a_bytes_job(ctx: Any, path: str) -> tuple[list[int], dict[tuple[str, str], list[float]]]:
+    """One training step: the bytes each forward all-to-all of the dispatcher hands over (dispatch,
+    combine, per moe layer) and CollectiveLog's (calls, bytes) per (axes, op) on this rank."""
+    from meshllm_dsl.runtime.moe import dispatch
+    from meshllm_dsl.runtime.train.launch import synthetic_batch
+    from meshllm_dsl.runtime.train.profile import CollectiveLog
+    from meshllm_dsl.verify.equivalence import load_generated
+
+    program = load_generated(path).PROGRAM
+    built = program.build(ctx.mesh(program.axes), seed=0)
+    sent: list[int] = []
+    original = dispatch._all_to_all
+
+    def counting(x: Any, out_splits: list[int], in_splits: list[int], group: Any) -> Any:
+        sent.append(x.numel() * x.element_size())
+        return original(x, out_splits, in_splits, group)
+
+    dispatch._all_to_all = counting  # type: ignore[assignment]
+    log = CollectiveLog(built.mesh)
+    try:
+        with log:
+            built.train_step(*synthetic_batch(program.vocab, program.batch, program.seq, 3, 0))
+    finally:
+        dispatch._all_to_all = original  # type: ignore[assignment]
+    return sent, {k: v[:2] for k, v in log.stats.items()}
+
+
+@pytest.mark.parametrize(("model", "plan"), [("mixtral", "ep4_over_tensor"), ("mixtral", "context2_ep4"),
+                                             ("mixtral", "ep2")])
+def test_the_planner_counts_the_all_to_all_bytes_the_dispatcher_sends(model: str, plan: str, pool: Any,
+                                                                      tmp_path: Path) -> None:
+    """Exact: each rank's dispatch hands over its top_k rows per token (of its 1 / |tensor| share
+    over a tensor axis), as `meshc plan` counts per call; the combines, uneven per rank, sum over
+    the ranks to as much. Over a tensor axis the routed outputs, the tokens' and the routing weights'
+    gradients are all-gathered over it: the planner's tensor all-gathers, byte for byte."""
+    from meshllm_dsl.planner import analyze as planner
+
+    path, n, _ = compiled(model, plan, tmp_path)
+    (checked,) = _checked(ep_spec(model, plan)).plans.values()
+    comms = planner.analyze(checked).ranks[0].comms
+    (a2a,) = [c for c in comms if c.kind == "expert"]
+    per_call = a2a.payload_bytes // a2a.calls
+    layers = 2
+    runs = pool.run(_a2a_bytes_job, n, path)
+    for sent, _ in runs:
+        assert sent[0::2] == [per_call] * layers  # dispatch, each layer
+    assert sum(sum(sent[1::2]) for sent, _ in runs) == n * layers * per_call  # combine
+    gathers = [c for c in comms if c.kind == "tensor" and c.op == "all_gather"]
+    # every all-gather over tensor a rank runs: the moe layers' and the vocab-parallel loss's
+    planned = [sum(c.calls for c in comms if c.axis == "tensor" and c.op == "all_gather"),
+               sum(c.payload_bytes for c in comms if c.axis == "tensor" and c.op == "all_gather")]
+    assert all(stats.get(("tensor", "all_gather"), [0, 0]) == planned for _, stats in runs), planned
+    # the outputs', the tokens' and the routing weights' gradients, each layer
+    assert sum(c.calls for c in gathers) == (3 * layers if checked.roles.expert_token_split else 0)
 
 
 def test_weights_read_per_rank_experts_and_export_gathers_them(pool: Any, tmp_path: Path) -> None:

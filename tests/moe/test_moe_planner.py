@@ -35,7 +35,7 @@ def test_flops_count_the_experts_a_token_uses_and_the_router() -> None:
 
 
 def test_pipeline_sends_carry_the_routing_statistics_of_the_router_losses() -> None:
-    """With a router loss each pipeline transfer carries 2 E + 2 fp32 floats beside the activations
+    """With a router loss each pipeline transfer carries 2 E + 3 fp32 floats beside the activations
     (runtime/train/program.py sends them on): counted in the pipeline's bytes, and nothing without one."""
     base = ("mesh m { axes pipeline = 2 }\nmodel x = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, "
             "kv_heads = 2, ffn = 48, experts = 6, top_k = 2, dtype = fp32ROUTING }\nplan p on m for x {\n"
@@ -48,5 +48,28 @@ def test_pipeline_sends_carry_the_routing_statistics_of_the_router_losses() -> N
         return [c.payload_bytes for rc in rep.ranks for c in rc.comms if c.kind == "pipeline"]
 
     plain = pipeline_bytes("")
-    assert pipeline_bytes(", aux_loss_coef = 0.01") == [b + 4 * (2 * 6 + 2) * 4 for b in plain]  # 4 microbatches
+    assert pipeline_bytes(", aux_loss_coef = 0.01") == [b + 4 * (2 * 6 + 3) * 4 for b in plain]  # 4 microbatches
     assert pipeline_bytes(", z_loss_coef = 0.01") == pipeline_bytes(", aux_loss_coef = 0.01")
+
+
+def test_the_all_to_all_of_deepseek_v3_top8_of_256_over_64_ranks() -> None:
+    """examples/deepseek_v3_671b.mesh: each rank's microbatch (one sequence of 4096 tokens) sends its
+    top-8 rows of hidden 7168 in bf16 per all-to-all, 63 / 64 of them to other ranks, across hosts
+    (64 ranks over 8 nodes); dispatch and combine forward and backward, and the forward's pair again
+    where `recompute = ops` reruns the moe layers, per moe block of a stage and microbatch. (Node-limited
+    routing, each token to at most 4 nodes with one copy per node, is not modelled: every row counts.)"""
+    from meshllm_dsl.parallel.devices import PROFILES
+
+    (plan,) = check_file(str(EXAMPLE.parent / "deepseek_v3_671b.mesh")).plans.values()
+    assert plan.roles.expert == ("data",) and plan.mesh.size("data") == 64
+    tokens = plan.batch // plan.mesh.size("replica", "data") // plan.microbatches * plan.seq
+    per_call = tokens * 8 * 7168 * 2
+    assert (tokens, per_call) == (4096, 448 * 2**20)
+    report = planner.analyze(plan, PROFILES["h800"])
+    for rank in report.ranks:
+        blocks = sum(pc.stop - pc.start for s in rank.stages for pc in plan.stages[s].pieces if pc.item == "blocks")
+        (a2a,) = [c for c in rank.comms if c.kind == "expert"]
+        assert a2a.calls == plan.microbatches * (4 + 2) * blocks, rank.label
+        assert a2a.payload_bytes == a2a.calls * per_call
+        assert a2a.wire_bytes == a2a.calls * per_call * 63 // 64
+        assert a2a.crosses_hosts

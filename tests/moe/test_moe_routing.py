@@ -230,10 +230,10 @@ class _Seen:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def statistics(self, logits: Any, carried: Any, dtype: Any, device: Any) -> Any:
+    def statistics(self, logits: Any, carried: Any, dtype: Any, device: Any, **kwargs: Any) -> Any:
         if carried is not None:
             self.carried.append(carried.detach().clone())
-        return self.inner.statistics(logits, carried, dtype, device)
+        return self.inner.statistics(logits, carried, dtype, device, **kwargs)
 
     def loss(self, stats: Any, sequence_sum: Any = None) -> Any:
         self.whole.append(stats.detach().clone())
@@ -267,7 +267,7 @@ def test_router_losses_with_pipeline_stages_under_precision_match_the_plan_witho
         piped = _spec("mixtral", "pipeline2_data2", routing, _PIPE_DATA + "balanced\n" + precision)
         flat = _spec("mixtral", "data2", routing, "    layout { batch -> data }\n    microbatches = 2\n" + precision)
         (plan,) = check_text(piped, "p.mesh").plans.values()
-        assert plan_statistics_bytes(plan) == (2 * 4 + 2) * 4  # fp32 beside the bf16 activations
+        assert plan_statistics_bytes(plan) == (2 * 4 + 3) * 4  # fp32 beside the bf16 activations
         for name, text in (("piped", piped), ("flat", flat)):
             paths[name].append(_compiled(text.replace("seq = 8", "seq = 256"), f"bf16_{name}_zero{zero}", tmp_path)[0])
     want = pool.run(bf16_step_job, 2, paths["flat"])[0]
