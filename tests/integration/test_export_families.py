@@ -1,0 +1,217 @@
+"""`meshc export --to hf-tp-plan` and `--to dtensor` for every family meshllm imports, run by the real engines.
+
+Per family: a tiny random transformers checkpoint (weights redrawn away from HF's init), `meshc import-hf`
+of it, that model under a tensor-2 plan, exported to both targets. One job on 2 gloo ranks of the shared
+pool loads the checkpoint twice: once sharded by transformers' own `apply_tensor_parallelism` with the
+exported tp_plan, once by the exported DTensor module's `parallelize` (torch's parallelize_module). Both
+must give the unsharded model's logits (<= 1e-4) and every parameter's gradient of the next-token loss,
+with parameters really sharded. What a target cannot express is a located refusal instead (GPT-2's Conv1D,
+DeepSeek-V3's latent and GPT-OSS's sinks in DTensor, routed experts split by tensor parallelism).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "moe"))  # the MoE families' tiny checkpoints
+
+import test_export_ep  # noqa: E402
+from hf_models import build_hf  # noqa: E402
+from test_deepseek_v3 import build_deepseek_v3  # noqa: E402
+from test_export import _device_mesh, _full, _next_token_loss, _tokens, tp_plan_job  # noqa: E402
+from test_glm4_moe import build_glm4_moe  # noqa: E402
+from test_gpt_oss import build_gpt_oss  # noqa: E402
+
+from meshllm_dsl.checker import check_declarations  # noqa: E402
+from meshllm_dsl.diagnostics import SpecError  # noqa: E402
+from meshllm_dsl.front.load import load  # noqa: E402
+from meshllm_dsl.interop.export import export_plan  # noqa: E402
+from meshllm_dsl.interop.import_hf import spec_text  # noqa: E402
+from meshllm_dsl.runtime.jobs.pool import WorkerPool  # noqa: E402
+
+
+def _build(kind: str, directory: Path) -> Any:
+    """The tiny checkpoint of `kind` in `directory` (each family's own builder; weights redrawn)."""
+    if kind in test_export_ep.FAMILIES:
+        return test_export_ep.build(kind, directory)
+    if kind == "deepseek_v3":
+        return build_deepseek_v3(directory)
+    if kind == "glm4_moe":
+        return build_glm4_moe(directory, use_qk_norm=True)
+    if kind == "gpt_oss":
+        return build_gpt_oss(directory)
+    return build_hf(kind, directory)
+
+
+_ATTN = "heads -> tensor, kv_heads -> tensor, vocab -> tensor"
+_DENSE = "heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor"
+# The routed experts (and the routers, and a shared expert added to their replicated output) whole: a
+# tp_plan cannot split transformers' stacked experts module (test_split_experts_are_refused).
+_WHOLE_EXPERTS = "    shard blocks.*.mlp.{router,gate,up,down} replicate\n"
+_WHOLE_SHARED = "    shard blocks.*.mlp.{shared_gate,shared_up,shared_down} replicate\n"
+# kind -> (layout, other plan lines, the targets that refuse it: target -> the refusal's code)
+PLANS: dict[str, tuple[str, str, dict[str, str]]] = {
+    "llama": (_DENSE, "", {}),
+    "mistral_window": (_DENSE, "", {}),
+    "qwen2": (_DENSE, "", {}),
+    "qwen3": (_DENSE, "", {}),
+    "phi3": (_DENSE, "", {}),
+    "olmo2": (_DENSE, "", {}),
+    "gemma2": (_DENSE, "", {}),
+    "gemma3": (_DENSE, "", {}),
+    "mixtral": (_ATTN, _WHOLE_EXPERTS, {}),
+    "qwen2_moe": (_ATTN, _WHOLE_EXPERTS + _WHOLE_SHARED + "    shard blocks.*.mlp.shared_router replicate\n", {}),
+    "qwen3_moe": (_ATTN, _WHOLE_EXPERTS, {}),
+    "glm4_moe": (_DENSE, _WHOLE_EXPERTS + _WHOLE_SHARED, {}),
+    # MLA: the heads split, the latents' down-projections whole (their rotary key's gradient summed by
+    # transformers' mla_kv_a_proj, which torch's styles have no counterpart of)
+    "deepseek_v3": ("heads -> tensor, ffn -> tensor, vocab -> tensor",
+                    _WHOLE_EXPERTS + _WHOLE_SHARED + "    shard {dense,blocks}.*.attn.{q_a,kv_a} replicate\n",
+                    {"dtensor": "E1205"}),
+    # the sinks split with the heads by transformers' local_params; parallelize_module shards no bare parameter
+    "gpt_oss": (_ATTN, _WHOLE_EXPERTS, {"dtensor": "E1205"}),
+}
+
+
+def _spec(kind: str, directory: Path) -> str:
+    """`meshc import-hf DIR`'s model, under the family's tensor-2 plan."""
+    imported = spec_text(str(directory), batch=4, seq=8)
+    model = imported[:imported.index("\nmesh ")]  # its model declaration, without its one-device plan
+    name = re.search(r"^model (\w+) =", model, re.M).group(1)  # type: ignore[union-attr]
+    layout, rest, _ = PLANS[kind]
+    return (f"{model}\nmesh m {{ axes tensor = 2 }}\nplan p on m for {name} {{\n    batch = 4\n    seq = 8\n"
+            f"    layout {{ {layout} }}\n{rest}}}\n")
+
+
+def _valid_tp_plan(hf: Any, out: str, tmp_path: Path) -> Path:
+    """The exported tp_plan JSON `out`, written to a file for the ranks to load, after checking as
+    transformers' `_validate_parallel_plan` does (every key names a module or parameter of `hf` in its
+    wildcard form, every style in its table), but failing where it only warns."""
+    from transformers.distributed.parallel_utils import (
+        ALL_PARALLEL_STYLES,
+        replace_layer_number_by_wildcard,
+    )
+
+    mapping = json.loads(out)
+    names = {replace_layer_number_by_wildcard(n) for n, _ in (*hf.named_modules(), *hf.named_parameters())}
+    assert set(mapping) <= names, set(mapping) - names
+    assert all(style in ALL_PARALLEL_STYLES for style in mapping.values())
+    plan_path = tmp_path / "tp_plan.json"
+    plan_path.write_text(out)
+    return plan_path
+
+
+def _export(text: str, target: str, weights: Path) -> str:
+    decls = load("x.mesh", text)
+    result = check_declarations(decls)
+    assert result.ok, [d.message for d in result.diagnostics]
+    (plan,) = result.plans.values()
+    return export_plan(plan, decls, target, "x.mesh", result.text, str(weights))[0]
+
+
+def dtensor_grads_job(ctx: Any, module_path: str, hf_dir: str, tokens: Any) -> Any:
+    """On every rank: the exported DTensor module's `parallelize` on transformers' model; its logits, the
+    parameters it sharded and every parameter's whole gradient of the next-token loss."""
+    import importlib.util
+
+    from torch.distributed.tensor import DTensor, Shard
+
+    loaded = importlib.util.spec_from_file_location("exported_plan", module_path)
+    mod = importlib.util.module_from_spec(loaded)  # type: ignore[arg-type]
+    loaded.loader.exec_module(mod)  # type: ignore[union-attr]
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = mod.parallelize(model, _device_mesh(ctx.mesh(mod.AXES)))
+    with torch.enable_grad(), mod.loss_context():
+        logits = _full(model(tokens).logits)
+        _next_token_loss(logits, tokens).backward()
+    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+    sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)
+                     and any(isinstance(x, Shard) for x in p.placements) and p.to_local().shape != p.shape)
+    return (logits.detach(), sharded, grads) if ctx.rank == 0 else None
+
+
+def family_job(ctx: Any, tp_plan: str, dtensor: str | None, hf_dir: str, tokens: Any) -> Any:
+    """Both engines on the same ranks, one after the other (one pool job per family)."""
+    out = tp_plan_job(ctx, tp_plan, hf_dir, tokens)
+    other = dtensor_grads_job(ctx, dtensor, hf_dir, tokens) if dtensor is not None else None
+    return (out, other) if ctx.rank == 0 else None
+
+
+def _same(got: Any, hf: Any, want: Any, what: str) -> None:
+    logits, sharded, grads = got
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-4, msg=lambda m: f"{what} logits: {m}")
+    assert sharded, f"{what} sharded no parameter"
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5,
+                                   msg=lambda m, n=name: f"{what} gradient of {n}: {m}")
+
+
+@pytest.mark.parametrize("kind", list(PLANS))
+def test_every_family_exports_to_both_engines_with_unsharded_logits_and_gradients(
+    kind: str, pool: WorkerPool, tmp_path: Path
+) -> None:
+    directory = tmp_path / kind
+    hf = _build(kind, directory)
+    text = _spec(kind, directory)
+    refused = PLANS[kind][2]
+    paths: dict[str, Path | None] = {}
+    for target in ("hf-tp-plan", "dtensor"):
+        if target in refused:
+            decls = load("x.mesh", text)
+            (plan,) = check_declarations(decls).plans.values()
+            with pytest.raises(SpecError) as err:
+                export_plan(plan, decls, target, "x.mesh", text, str(directory))
+            assert [d.code for d in err.value.diagnostics] == [refused[target]], err.value.diagnostics
+            assert all(d.span is not None and d.help for d in err.value.diagnostics)
+            paths[target] = None
+            continue
+        out = _export(text, target, directory)
+        if target == "hf-tp-plan":
+            paths[target] = _valid_tp_plan(hf, out, tmp_path)
+            # where transformers' own plan for the class names a module, the export gives it the same style
+            theirs = {f"{hf.base_model_prefix}.{k}": v for k, v in hf.config.base_model_tp_plan.items()}
+            ours = json.loads(out)
+            assert ours.keys() & theirs.keys(), (ours, theirs)
+            assert {k: ours[k] for k in ours.keys() & theirs.keys()} == {k: theirs[k] for k in ours.keys() & theirs.keys()}
+        else:
+            paths[target] = tmp_path / f"{kind}.py"
+            paths[target].write_text(out)  # type: ignore[union-attr]
+    tokens = _tokens()
+    got_tp, got_dt = pool.run(family_job, 2, str(paths["hf-tp-plan"]),
+                              str(paths["dtensor"]) if paths["dtensor"] else None, str(directory), tokens)[0]
+    hf.train(False)
+    with torch.enable_grad():
+        want = hf(tokens).logits
+        _next_token_loss(want, tokens).backward()
+    _same(got_tp, hf, want.detach(), "tp_plan")
+    if got_dt is not None:
+        _same(got_dt, hf, want.detach(), "dtensor")
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
+def test_split_experts_are_refused_naming_the_placement(kind: str, tmp_path: Path) -> None:
+    """The routed experts split by ffn: transformers' experts module holds them stacked, which its
+    colwise / rowwise do not split; a located E1205 for both targets, never a plan that drops it."""
+    directory = tmp_path / kind
+    _build(kind, directory)
+    text = _spec(kind, directory).replace(_WHOLE_EXPERTS, "    shard blocks.*.mlp.router replicate\n").replace(
+        _ATTN, _DENSE)
+    decls = load("x.mesh", text)
+    result = check_declarations(decls)
+    assert result.ok, [d.message for d in result.diagnostics]
+    (plan,) = result.plans.values()
+    for target in ("hf-tp-plan", "dtensor"):
+        with pytest.raises(SpecError) as err:
+            export_plan(plan, decls, target, "x.mesh", result.text, str(directory))
+        codes = {d.code for d in err.value.diagnostics}
+        assert codes == {"E1205"}, err.value.diagnostics
+        assert any("routed experts" in d.message and d.span is not None for d in err.value.diagnostics)
