@@ -82,14 +82,14 @@ PLANS: dict[str, tuple[str, str, dict[str, str]]] = {
 }
 
 
-def _spec(kind: str, directory: Path) -> str:
-    """`meshc import-hf DIR`'s model, under the family's tensor-2 plan."""
+def _spec(kind: str, directory: Path, axes: str = "tensor = 2", layout: str = "", rest: str = "") -> str:
+    """`meshc import-hf DIR`'s model, under the family's tensor-2 plan (with `axes`, and `layout` / `rest` added)."""
     imported = spec_text(str(directory), batch=4, seq=8)
     model = imported[:imported.index("\nmesh ")]  # its model declaration, without its one-device plan
     name = re.search(r"^model (\w+) =", model, re.M).group(1)  # type: ignore[union-attr]
-    layout, rest, _ = PLANS[kind]
-    return (f"{model}\nmesh m {{ axes tensor = 2 }}\nplan p on m for {name} {{\n    batch = 4\n    seq = 8\n"
-            f"    layout {{ {layout} }}\n{rest}}}\n")
+    tensor, lines, _ = PLANS[kind]
+    return (f"{model}\nmesh m {{ axes {axes} }}\nplan p on m for {name} {{\n    batch = 4\n    seq = 8\n"
+            f"    layout {{ {tensor}{layout} }}\n{lines}{rest}}}\n")
 
 
 def _valid_tp_plan(hf: Any, out: str, tmp_path: Path) -> Path:
@@ -215,3 +215,48 @@ def test_split_experts_are_refused_naming_the_placement(kind: str, tmp_path: Pat
         codes = {d.code for d in err.value.diagnostics}
         assert codes == {"E1205"}, err.value.diagnostics
         assert any("routed experts" in d.message and d.span is not None for d in err.value.diagnostics)
+
+
+def zero_job(ctx: Any, module_path: str, hf_dir: str, tokens: Any) -> Any:
+    """On every rank of data 2 x tensor 2: the exported module (parallelize_module, then fully_shard over
+    `data`) fed this data rank's half of the batch; rank 0's logits (data rank 0's half) and every
+    parameter's whole gradient (FSDP2 averages the data ranks': the mean of equal halves' mean losses is
+    the batch's)."""
+    import importlib.util
+
+    loaded = importlib.util.spec_from_file_location("exported_plan", module_path)
+    mod = importlib.util.module_from_spec(loaded)  # type: ignore[arg-type]
+    loaded.loader.exec_module(mod)  # type: ignore[union-attr]
+    mesh = ctx.mesh(mod.AXES)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = mod.parallelize(model, _device_mesh(mesh))
+    mine = tokens.chunk(mesh.size("data"))[mesh.index("data")]
+    with torch.enable_grad(), mod.loss_context():
+        logits = _full(model(mine).logits)
+        _next_token_loss(logits, mine).backward()
+    grads = {n: _full(p.grad) for n, p in model.named_parameters()}
+    return (logits.detach(), grads) if ctx.rank == 0 else None
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "gemma3"])  # llama: test_export.py (losses after AdamW steps)
+def test_dtensor_export_with_zero3_over_data_x_tensor2_gives_unsharded_gradients(
+    kind: str, pool: WorkerPool, tmp_path: Path
+) -> None:
+    """fully_shard over `data` on top of the tensor-parallel styles (2-D parameters), the per-head q / k
+    norms' SequenceParallel (Qwen3-MoE, Gemma 3) and the whole experts included."""
+    directory = tmp_path / kind
+    hf = _build(kind, directory)
+    text = _spec(kind, directory, "data = 2, tensor = 2", ", batch -> data", "    optimizer adamw { zero 3 }\n")
+    out = _export(text, "dtensor", directory)
+    assert "fully_shard(model, mesh=mesh['data'], reshard_after_forward=True)" in out
+    path = tmp_path / f"{kind}.py"
+    path.write_text(out)
+    tokens = _tokens()
+    logits, grads = pool.run(zero_job, 4, str(path), str(directory), tokens)[0]
+    hf.train(False)
+    with torch.enable_grad():
+        want = hf(tokens).logits
+        _next_token_loss(want, tokens).backward()
+    torch.testing.assert_close(logits, want.detach()[: tokens.shape[0] // 2], rtol=0, atol=1e-4)
+    for name, p in hf.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
