@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +165,9 @@ class _Findings:
                                                                                           "a transformers tp_plan")
 
     def refuse(self, code: str, message: str, span: Span | None, label: str, help: str) -> None:  # noqa: A002
-        self.errors.append(Diagnostic(code, message, span or self.plan.span, label=label, help=help))
+        diag = Diagnostic(code, message, span or self.plan.span, label=label, help=help)
+        if diag not in self.errors:  # the same module of two repeats (DeepSeek-V3's dense and moe blocks): once
+            self.errors.append(diag)
 
 
 def _exported_help() -> str:
@@ -361,6 +363,12 @@ class _Modules:
     # a fused module's path -> (our leaf, its placement) of every projection it holds, compared after the walk
     fused: dict[str, list[tuple[str, Placement]]] = attrs.field(factory=dict)
     tp_axes: dict[str, Span | None] = attrs.field(factory=dict)
+    # Models of several repeats (DeepSeek-V3's dense blocks, then its moe ones) in one block list: a `*`
+    # entry's path -> the repeats that wrote it and where; per repeat its layers and the module paths
+    # (relative to a block) it has, so a `*` one repeat writes is checked against the others' layers
+    star: dict[str, tuple[set[str], Span | None]] = attrs.field(factory=dict)
+    layers: dict[str, range] = attrs.field(factory=dict)
+    rels: dict[str, set[str]] = attrs.field(factory=dict)
 
 
 def _gathered(found: _Findings, unit: Unit, module: str) -> tuple[str, str | None]:
@@ -485,24 +493,31 @@ def _leaf_entries(found: _Findings, out: _Modules, item: Repeat | Unit, unit: Un
                          label=f"{p.rule}({', '.join(p.axes)})",
                          help="place the repeats' layers of one module alike")
             continue
-        if same is not None:  # another projection of the same fused module, or the same module of another repeat
-            if why not in out.entries[same].why:
-                out.entries[same] = attrs.evolve(out.entries[same], why=f"{out.entries[same].why}, {why}")
-            continue
-        out.entries.append(Entry(path, p.axes[0], style[0], style[1], why))
+
+        def put(entry: Entry, span: Span | None = p.span) -> None:
+            """Add `entry`, or name `why` in the one already there (another projection of the same fused
+            module, or the same module of another repeat); a `*` one is recorded for `_repeats_apart`."""
+            at = next((i for i, e in enumerate(out.entries) if e.module == entry.module), None)
+            if at is None:
+                out.entries.append(entry)
+            elif entry.why not in out.entries[at].why:
+                out.entries[at] = attrs.evolve(out.entries[at], why=f"{out.entries[at].why}, {entry.why}")
+            if isinstance(item, Repeat) and ".*." in entry.module:
+                out.star.setdefault(entry.module, (set(), span))[0].add(item.name)
+
+        put(Entry(path, p.axes[0], style[0], style[1], why))
         if "norm" in extra and not gathered and p.rule == "column":
             # Each rank normalises only its heads with the whole (replicated) per-head scale, so its
             # gradient is partial: summed over the axis, as Qwen3 / Gemma3Config.base_model_tp_plan do;
             # torch's SequenceParallel over the heads' dim of the norm's input does the same (the scale a
             # Replicate DTensor whose Partial gradient is reduced).
             heads = found.pack.head_norm_heads_dim if found.pack is not None else 2
-            out.entries.append(Entry(beside(extra["norm"]), p.axes[0],
-                                     f"SequenceParallel(sequence_dim={heads}, use_local_output=True)",
-                                     _PARTIAL_GRAD_STYLE, f"{why} (its per-head norm)"))
+            put(Entry(beside(extra["norm"]), p.axes[0], f"SequenceParallel(sequence_dim={heads}, use_local_output=True)",
+                      _PARTIAL_GRAD_STYLE, f"{why} (its per-head norm)"))
         if "sinks" in extra and p.rule == "column":
-            _sinks(found, out, p, why, beside(extra["sinks"]))
+            _sinks(found, put, p, why, beside(extra["sinks"]))
         if mla and leaf.path[-1] == "kv_b" and p.rule == "column":
-            _mla_kv_a(found, out, p, why, beside(hf_name).rsplit(".", 2)[0])
+            _mla_kv_a(found, put, p, why, beside(hf_name).rsplit(".", 2)[0])
         if leaf.path[-1] == head_name and plan.roles.loss_parallel and found.target == "hf-tp-plan":
             found.warnings.append(Diagnostic(
                 W1201, f"`{head_name}`'s logits are gathered in the tp_plan: transformers has no "
@@ -513,7 +528,7 @@ def _leaf_entries(found: _Findings, out: _Modules, item: Repeat | Unit, unit: Un
         out.ties.append((module, out.top[leaf.tie]))
 
 
-def _sinks(found: _Findings, out: _Modules, p: Placement, why: str, sinks: str) -> None:
+def _sinks(found: _Findings, put: Callable[[Entry], None], p: Placement, why: str, sinks: str) -> None:
     """GPT-OSS's attention sinks (one per head, a bare parameter of the attention) split as the heads are,
     the attention's forward on its local slice (transformers' `local_params`, as its plans for classes
     with sinks say); torch's parallel styles shard modules, not a bare parameter."""
@@ -524,12 +539,11 @@ def _sinks(found: _Findings, out: _Modules, p: Placement, why: str, sinks: str) 
                      help="export it with `--to hf-tp-plan` (transformers' `local_params`), or keep the attention "
                           "whole (`shard blocks.*.attn.{q,k,v,o} replicate`)")
         return
-    out.entries.append(Entry(sinks, p.axes[0], "", _SINKS_STYLE, f"{why} (its heads' sinks)"))
-    out.entries.append(Entry(sinks.rsplit(".", 1)[0], p.axes[0], "", _LOCAL_PARAMS_STYLE,
-                             f"{why} (the attention's forward on its sinks' slice)"))
+    put(Entry(sinks, p.axes[0], "", _SINKS_STYLE, f"{why} (its heads' sinks)"))
+    put(Entry(sinks.rsplit(".", 1)[0], p.axes[0], "", _LOCAL_PARAMS_STYLE, f"{why} (the attention's forward on its sinks' slice)"))
 
 
-def _mla_kv_a(found: _Findings, out: _Modules, p: Placement, why: str, attn: str) -> None:
+def _mla_kv_a(found: _Findings, put: Callable[[Entry], None], p: Placement, why: str, attn: str) -> None:
     """DeepSeek-V3's kv latent (kv_a_proj_with_mqa, whole on every rank) ends in the rotary key, which
     every rank's heads read past the split kv_b_proj: its gradient is partial, summed over the axis by
     transformers' `mla_kv_a_proj`; torch's parallel styles have no counterpart."""
@@ -541,7 +555,7 @@ def _mla_kv_a(found: _Findings, out: _Modules, p: Placement, why: str, attn: str
                      help="export it with `--to hf-tp-plan` (transformers' `mla_kv_a_proj`), or keep the "
                           "attention whole (`shard blocks.*.attn.{q_b,kv_b,o} replicate`)")
         return
-    out.entries.append(Entry(f"{attn}.{kv_a}", p.axes[0], "", _MLA_KV_A_STYLE, f"{why} (the latent's rotary key)"))
+    put(Entry(f"{attn}.{kv_a}", p.axes[0], "", _MLA_KV_A_STYLE, f"{why} (the latent's rotary key)"))
 
 
 def _fused_alike(found: _Findings, out: _Modules) -> None:
@@ -564,6 +578,42 @@ def _fused_alike(found: _Findings, out: _Modules) -> None:
                 break
 
 
+def _block_modules(out: _Modules, item: Repeat, hf_params: list[str]) -> None:
+    """Record a repeat's layers and the modules (relative to a block) its leaf's parameters live in."""
+    first = int(hf_params[0].split(".")[2])  # "model.layers.2.mlp.gate_proj.weight"
+    out.layers[item.name] = range(first, first + item.count)
+    rels = out.rels.setdefault(item.name, set())
+    for name in hf_params:
+        parts = name.split(".")[3:]
+        rels.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+
+
+def _repeats_apart(found: _Findings, out: _Modules) -> None:
+    """A `*` entry names the module in every layer of the block list, but only its repeats wrote it: where
+    another repeat's blocks have that module (unsharded, or sharded otherwise) a tp_plan cannot say it
+    (transformers looks rules up with every layer number replaced by `*`); DTensor names the layers."""
+    told: set[tuple[str, ...]] = set()  # one refusal per pair of repeats placed apart
+    for path, (repeats, span) in out.star.items():
+        rel = path.split(".*.", 1)[1]
+        others = sorted(r for r, rels in out.rels.items() if r not in repeats and rel in rels)
+        if not others:
+            continue
+        if found.target == "hf-tp-plan":
+            if (*sorted(repeats), "|", *others) in told:
+                continue
+            told.add((*sorted(repeats), "|", *others))
+            found.refuse(E1205, f"{found.where} cannot express `{path}` sharded in the blocks of "
+                         f"{', '.join(sorted(repeats))} but not in those of {', '.join(others)}: transformers looks "
+                         "its rules up with every layer number replaced by `*`", span,
+                         label="sharded in some repeats' blocks", help="place the module alike in every repeat "
+                         "to export a tp_plan, or use `--to dtensor`, which names each layer")
+            continue
+        i = next(i for i, e in enumerate(out.entries) if e.module == path)
+        entry = out.entries.pop(i)
+        layers = sorted(n for r in repeats for n in out.layers[r])
+        out.entries[i:i] = [attrs.evolve(entry, module=path.replace(".*.", f".{n}.", 1)) for n in layers]
+
+
 def _modules(found: _Findings, desc: dict[str, Any]) -> _Modules:
     """Every leaf's tensor-parallel entries under transformers' module names (hf_key_map)."""
     from meshllm_dsl.runtime.hf.weights import hf_key_map
@@ -580,7 +630,10 @@ def _modules(found: _Findings, desc: dict[str, Any]) -> _Modules:
             extra = {t.name: keys[n][0].rsplit(".", 1)[0] if t.name == "norm" else keys[n][0]
                      for n, t in zip(names, leaf.params) if t.name in ("norm", "sinks")}
             _leaf_entries(found, out, item, unit, leaf, *keys[names[0]], extra)
+            if isinstance(item, Repeat):
+                _block_modules(out, item, [keys[n][0] for n in names])
     _fused_alike(found, out)
+    _repeats_apart(found, out)
     if found.target == "hf-tp-plan" and len(out.tp_axes) > 1:
         second = list(out.tp_axes)[1]
         found.refuse(E1205, f"a tp_plan shards over one mesh axis, but this plan shards over {' and '.join(out.tp_axes)}",

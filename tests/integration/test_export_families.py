@@ -260,3 +260,45 @@ def test_dtensor_export_with_zero3_over_data_x_tensor2_gives_unsharded_gradients
     torch.testing.assert_close(logits, want.detach()[: tokens.shape[0] // 2], rtol=0, atol=1e-4)
     for name, p in hf.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+# GLM-4.5's dense block (transformers' layer 0) and its first moe block (layer 1) split by heads, its second
+# moe block's (layer 2) attention whole: blocks placed apart within a repeat and across the two repeats.
+_APART = ("    shard dense.*.attn.{q,k,v} column(tensor)\n    shard dense.*.attn.o row(tensor)\n"
+          "    shard blocks.0.attn.{q,k,v} column(tensor)\n    shard blocks.0.attn.o row(tensor)\n"
+          "    shard blocks.1.attn.{q,k,v,o} replicate\n")
+
+
+def test_blocks_placed_apart_name_their_layers_in_dtensor_and_are_refused_in_a_tp_plan(
+    pool: WorkerPool, tmp_path: Path
+) -> None:
+    """transformers looks a tp_plan's rules up with the layer numbers replaced by `*`, so per-block
+    placements have no tp_plan (E1205, located); DTensor names transformers' layers (the moe repeat's
+    block 0 is layer 1, after the dense one), and the sharded model still gives the unsharded gradients."""
+    directory = tmp_path / "glm4_moe"
+    hf = _build("glm4_moe", directory)
+    text = _spec("glm4_moe", directory).replace("heads -> tensor, kv_heads -> tensor, ", "").replace(
+        "    shard blocks.*.mlp.{router", _APART + "    shard blocks.*.mlp.{router")
+    decls = load("x.mesh", text)
+    result = check_declarations(decls)
+    assert result.ok, [d.message for d in result.diagnostics]
+    (plan,) = result.plans.values()
+    with pytest.raises(SpecError) as err:
+        export_plan(plan, decls, "hf-tp-plan", "x.mesh", result.text, str(directory))
+    diags = err.value.diagnostics
+    assert {d.code for d in diags} == {"E1205"} and all(d.span is not None and d.help for d in diags)
+    assert any("in block 0 alone" in d.message for d in diags)
+    assert any("in the blocks of dense but not in those of blocks" in d.message for d in diags)
+    out = _export(text, "dtensor", directory)
+    assert "'model.layers.1.self_attn.q_proj': ColwiseParallel()" in out
+    assert "model.layers.2.self_attn" not in out and "model.layers.*.self_attn" not in out
+    path = tmp_path / "apart.py"
+    path.write_text(out)
+    tokens = _tokens()
+    got = pool.run(dtensor_grads_job, 2, str(path), str(directory), tokens)[0]
+    hf.train(False)
+    with torch.enable_grad():
+        want = hf(tokens).logits
+        _next_token_loss(want, tokens).backward()
+    _same(got, hf, want.detach(), "dtensor")
+    assert "model.layers.1.self_attn.q_proj.weight" in got[1] and "model.layers.2.self_attn.q_proj.weight" not in got[1]
