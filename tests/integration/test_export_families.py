@@ -302,3 +302,42 @@ def test_blocks_placed_apart_name_their_layers_in_dtensor_and_are_refused_in_a_t
         _next_token_loss(want, tokens).backward()
     _same(got, hf, want.detach(), "dtensor")
     assert "model.layers.1.self_attn.q_proj.weight" in got[1] and "model.layers.2.self_attn.q_proj.weight" not in got[1]
+
+
+def _declared(kind: str, rest: str = "") -> str:
+    """The family's tensor-2 plan over its `.mesh` model as declared by hand (no checkpoint needed)."""
+    tensor, lines, _ = PLANS[kind]
+    return (f"mesh m {{ axes tensor = 2 }}\n{test_export_ep.MODELS[kind]}\nplan p on m for m {{\n    batch = 4\n"
+            f"    seq = 8\n    layout {{ {tensor} }}\n{lines}{rest}}}\n")
+
+
+# golden name -> (spec, target): each refusal this file's families meet, as `meshc export` prints it
+REFUSAL_GOLDENS = {
+    "mixtral_split_experts.hf-tp-plan": (_declared("mixtral").replace(_WHOLE_EXPERTS, "    shard blocks.*.mlp.router "
+                                                                      "replicate\n").replace(_ATTN, _DENSE), "hf-tp-plan"),
+    "deepseek_v3_mla.dtensor": (_declared("deepseek_v3"), "dtensor"),
+    "gpt_oss_sinks.dtensor": (_declared("gpt_oss"), "dtensor"),
+    "glm4_moe_blocks_apart.hf-tp-plan": (_declared("glm4_moe").replace("heads -> tensor, kv_heads -> tensor, ", "")
+                                         .replace("    shard blocks.*.mlp.{router", _APART + "    shard blocks.*.mlp.{router"),
+                                         "hf-tp-plan"),
+}
+
+
+@pytest.mark.parametrize("name", REFUSAL_GOLDENS)
+def test_refusals_match_their_goldens(name: str, request: pytest.FixtureRequest) -> None:
+    from meshllm_dsl.diagnostics import render_all
+
+    text, target = REFUSAL_GOLDENS[name]
+    decls = load("x.mesh", text)
+    result = check_declarations(decls)
+    assert result.ok, [d.message for d in result.diagnostics]
+    (plan,) = result.plans.values()
+    with pytest.raises(SpecError) as err:
+        export_plan(plan, decls, target, "x.mesh", result.text)
+    out = render_all(err.value.diagnostics)
+    assert "E1205" in out and "help:" in out and "^" in out
+    golden = Path(__file__).parent / "golden_export" / f"{name}.err.txt"
+    if request.config.getoption("--update-goldens"):
+        golden.write_text(out)
+    assert golden.exists(), f"missing golden {golden}; run pytest --update-goldens"
+    assert out == golden.read_text()
