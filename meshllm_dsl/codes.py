@@ -256,13 +256,14 @@ CODES: dict[str, tuple[str, str]] = {
               "parallelism whose axes ZeRO 2 / 3 also shards over (torchtitan's FSDP mesh is dp_shard x cp)."),
     "E1204": ("export: no transformers module", "The model must have the module layout of a transformers "
               "class export is proven for (the `llama` family: Llama, Mistral, Qwen2, Qwen3 and, with `--weights` "
-              "naming a Phi-3 checkpoint, Phi-3; `olmo2`; `gemma2` / `gemma3`; `gpt2`: GPT2LMHeadModel), a "
+              "naming a Phi-3 checkpoint, Phi-3; `olmo2`; `gemma2` / `gemma3`; `gpt2`: GPT2LMHeadModel; the "
+              "mixture-of-experts families: Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS), a "
               "`--weights` checkpoint must be of the model exported, and a sharded layer must be an nn.Linear or "
               "nn.Embedding there: GPT-2's projections are Conv1D, which neither torch's parallel styles nor a "
               "tp_plan shard. `--to torchtitan` builds torchtitan's llama3: a `llama` family model without "
               "biases, tied embeddings, a window, q / k norms, another norm_eps, head_dim or rope. `--to hf-ep-plan` "
               "takes a model with routed experts of a class its expert parallelism is proven for (Mixtral, "
-              "Qwen2-MoE, Qwen3-MoE)."),
+              "Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS)."),
     "E1205": ("export: layout the target lacks", "Each sharded layer becomes one parallel style over one mesh "
               "dimension: column -> ColwiseParallel / `colwise`, row -> RowwiseParallel / `rowwise`, "
               "vocab_parallel embedding -> RowwiseParallel(input_layouts=Replicate()) / `embedding_rowwise`. A "
@@ -271,6 +272,11 @@ CODES: dict[str, tuple[str, str]] = {
               "sublayer's projections fused (Phi-3's qkv_proj, gate_up_proj) or normalises the whole projection "
               "(OLMo 2's q / k norms), the export gathers the column layers' output (`colwise_gather_output`) and "
               "splits the row layer's input (`rowwise_split_input`), as transformers' own plans for those classes do. "
+              "A mixture-of-experts model exports its attention, shared expert and dense layers: its routed experts "
+              "(one stacked module in transformers) and routers stay whole. DTensor has no style for DeepSeek-V3's "
+              "latent rotary key (`mla_kv_a_proj`) or GPT-OSS's sinks (`local_params`), so their split heads are "
+              "tp_plan only. A tp_plan's rules are read with every layer number as `*`: blocks (or the repeats of "
+              "one block list) placing a module apart are DTensor only, which names each layer. "
               "torchtitan's llama3 tensor-parallel plan is fixed (q / k / v / gate / up column, o / down row, "
               "embedding vocab-parallel, head column, one tensor axis): `--to torchtitan` refuses other shards. "
               "transformers' expert parallelism (`--to hf-ep-plan`) splits every moe layer's experts over one "
