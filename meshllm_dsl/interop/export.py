@@ -396,17 +396,30 @@ _SINKS_STYLE = "colwise"  # a bare per-head parameter split as the heads are
 _LOCAL_PARAMS_STYLE = "local_params"  # its owner's forward then runs on the local slice
 
 
-def _routed(found: _Findings, unit: Unit, leaf: Leaf, hf_name: str, item: Repeat | Unit) -> bool:
-    """A leaf of a mixture-of-experts layer that the tensor-parallel targets keep whole: the routed experts
-    (per-expert names `{e}`, or GPT-OSS's stacked tensors `%`) and the routers. Their sharding is refused
-    here; True if the leaf is one of them (it has no entry)."""
+# transformers' styles for the routed experts split by their ffn (Llama4Config.base_model_tp_plan's, for
+# transformers 5's stacked experts module [experts, 2 x ffn, hidden] / [experts, hidden, ffn]): gate and up
+# packed in one tensor whose halves each rank splits alike (`packed_colwise`: a strided shard of dim 1),
+# down split by its input (`rowwise`: dim -1), and the module run on those local slices with its input's
+# gradient and its output summed over the axis (`moe_tp_experts`).
+_EXPERTS_TP = {"column": ("gate_up_proj", "packed_colwise"), "row": ("down_proj", "rowwise")}
+_EXPERTS_TP_MODULE = "moe_tp_experts"
+
+
+def _routed(found: _Findings, out: _Modules, unit: Unit, leaf: Leaf, hf_name: str, item: Repeat | Unit) -> bool:
+    """A leaf of a mixture-of-experts layer's routed experts (per-expert names `{e}`, or GPT-OSS's stacked
+    tensors `%`) or its routers: their entries (the experts split by ffn in a tp_plan) or refusals; True
+    if the leaf is one of them (its entries are made here)."""
+    from meshllm_dsl.interop.hf_ep import EXPERTS
+
     if not primitives.of(unit).routes_experts:
         return False
     experts = "{e}" in hf_name or "%" in hf_name
     if not experts and leaf.path[-1] not in ("router", "shared_router"):
         return False  # a shared expert: a dense MLP of transformers' own (colwise / rowwise)
     title = found.pack.title if found.pack is not None else "this class"
-    for _, p in _placements(found.plan, item, leaf):
+    # GPT-OSS stores gate and up interleaved (and biased), which packed_colwise's halves do not split
+    packed = found.pack is not None and found.pack.experts is not None and found.pack.experts.tensors is None
+    for idx, p in _placements(found.plan, item, leaf):
         name = ".".join(leaf.path)
         if p.experts:
             found.refuse(E1205, f"{found.where} cannot express the placement of `{name}`: the experts split over "
@@ -414,20 +427,39 @@ def _routed(found: _Findings, unit: Unit, leaf: Leaf, hf_name: str, item: Repeat
                          label=f"experts over {' x '.join(p.experts)}",
                          help="export the expert parallelism with `--to hf-ep-plan`, and the tensor parallelism of a "
                               "plan that keeps every expert on every rank here")
+        elif (p.sharded and experts and found.target == "hf-tp-plan" and packed and idx == "*"
+              and len(p.axes) == 1 and p.rule in _EXPERTS_TP):
+            module = f"{'.'.join(hf_name.split('.')[:2])}.*.{EXPERTS}"  # "model.layers" + transformers 5's module
+            param, style = _EXPERTS_TP[p.rule]
+            why = f"{name}: {p.rule}({p.axes[0]})"
+            out.tp_axes.setdefault(p.axes[0], p.span)
+            for entry in (Entry(f"{module}.{param}", p.axes[0], "", style, why),
+                          Entry(module, p.axes[0], "", _EXPERTS_TP_MODULE, f"{why} (the experts' sum over the axis)")):
+                at = next((i for i, e in enumerate(out.entries) if e.module == entry.module), None)
+                if at is None:
+                    out.entries.append(entry)
+                elif why not in out.entries[at].why:
+                    out.entries[at] = attrs.evolve(out.entries[at], why=f"{out.entries[at].why}, {why}")
         elif p.sharded and experts:
+            why = ("torch's parallel styles shard modules' 2-D weights, not transformers' stacked experts"
+                   if found.target != "hf-tp-plan" else
+                   f"transformers' {title} stores gate and up interleaved, which packed_colwise does not split"
+                   if not packed else "a tp_plan splits every block's experts alike over one axis, by ffn")
             found.refuse(E1205, f"{found.where} cannot express the placement of `{name}`: the routed experts split "
-                         f"by {p.rule}({', '.join(p.axes)}); transformers' {title} holds every expert stacked in one "
-                         "experts module, which " + ("colwise / rowwise" if found.target == "hf-tp-plan" else
-                                                       "ColwiseParallel / RowwiseParallel") + " do not split", p.span,
+                         f"by {p.rule}({', '.join(p.axes)}); {why}", p.span,
                          label=f"{p.rule}({', '.join(p.axes)}) on the routed experts",
                          help="keep the routed experts whole in the export (`shard blocks.*.mlp.{gate,up,down} "
-                              "replicate`); the attention, the shared expert and the dense layers stay split")
+                              "replicate`)" + ("" if found.target == "hf-tp-plan" or not packed else
+                                               ", or export the plan with `--to hf-tp-plan` (`moe_tp_experts`)"))
         elif p.sharded:
             found.refuse(E1205, f"{found.where} cannot express the placement of `{name}`: a router split by "
                          f"{p.rule}({', '.join(p.axes)}); transformers' {title} scores every expert on every rank",
                          p.span, label=f"{p.rule}({', '.join(p.axes)}) on the router",
                          help=f"keep the router whole (`shard blocks.*.{name} replicate`)")
-        break  # one refusal per leaf
+        else:
+            continue
+        if not (p.sharded and experts and found.target == "hf-tp-plan" and packed and idx == "*"):
+            break  # one refusal per leaf
     return True
 
 
@@ -437,7 +469,7 @@ def _leaf_entries(found: _Findings, out: _Modules, item: Repeat | Unit, unit: Un
     (`extra`: its other parameters' transformers names by our name: `norm`, a per-head q / k norm's;
     `sinks`, GPT-OSS's attention sinks)."""
     plan = found.plan
-    if _routed(found, unit, leaf, hf_name, item):
+    if _routed(found, out, unit, leaf, hf_name, item):
         return
     last = plan.model.items[-1]
     head_name = last.name if isinstance(last, Unit) and primitives.of(last) is LINEAR else None

@@ -129,6 +129,7 @@ def tp_plan_job(ctx: Any, plan_path: str, hf_dir: str, tokens: Any) -> Any:
     parameters it sharded (a DTensor with a Shard placement, this rank holding part of it) and every
     parameter's whole gradient of the next-token loss."""
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     mesh = ctx.mesh((("tensor", ctx.n_ranks),))
@@ -152,7 +153,8 @@ def tp_plan_job(ctx: Any, plan_path: str, hf_dir: str, tokens: Any) -> Any:
     grads = {n: _full(p.grad) for n, p in model.named_parameters()}
     logits = logits.detach()
     sharded = sorted(n for n, p in model.named_parameters() if isinstance(p, DTensor)
-                     and any(isinstance(x, Shard) for x in p.placements) and p.to_local().shape != p.shape)
+                     and any(isinstance(x, (Shard, _StridedShard)) for x in p.placements)  # strided: packed_colwise
+                     and p.to_local().shape != p.shape)
     return (logits, sharded, grads) if ctx.rank == 0 else None
 
 

@@ -40,7 +40,9 @@ from meshllm_dsl.runtime.jobs.pool import WorkerPool  # noqa: E402
 
 
 def _build(kind: str, directory: Path) -> Any:
-    """The tiny checkpoint of `kind` in `directory` (each family's own builder; weights redrawn)."""
+    """The tiny checkpoint of `kind` (a family, or `family-plan`) in `directory` (each family's own
+    builder; weights redrawn)."""
+    kind = kind.split("-")[0]
     if kind in test_export_ep.FAMILIES:
         return test_export_ep.build(kind, directory)
     if kind == "deepseek_v3":
@@ -79,6 +81,17 @@ PLANS: dict[str, tuple[str, str, dict[str, str]]] = {
                     {"dtensor": "E1205"}),
     # the sinks split with the heads by transformers' local_params; parallelize_module shards no bare parameter
     "gpt_oss": (_ATTN, _WHOLE_EXPERTS, {"dtensor": "E1205"}),
+    # The routed experts split by their ffn too (expert tensor parallelism): transformers' packed_colwise /
+    # rowwise on its stacked experts and moe_tp_experts on their module; torch's styles have none (E1205).
+    "mixtral-experts_tp": (_DENSE, "    shard blocks.*.mlp.router replicate\n", {"dtensor": "E1205"}),
+    "qwen2_moe-experts_tp": (_DENSE + ", shared_ffn -> tensor", "    shard blocks.*.mlp.{router,shared_router} replicate\n",
+                             {"dtensor": "E1205"}),
+    "qwen3_moe-experts_tp": (_DENSE, "    shard blocks.*.mlp.router replicate\n", {"dtensor": "E1205"}),
+    "glm4_moe-experts_tp": (_DENSE + ", expert_ffn -> tensor, shared_ffn -> tensor",
+                            "    shard blocks.*.mlp.router replicate\n", {"dtensor": "E1205"}),
+    "deepseek_v3-experts_tp": ("heads -> tensor, ffn -> tensor, expert_ffn -> tensor, shared_ffn -> tensor, vocab -> tensor",
+                               "    shard blocks.*.mlp.router replicate\n"
+                               "    shard {dense,blocks}.*.attn.{q_a,kv_a} replicate\n", {"dtensor": "E1205"}),
 }
 
 
@@ -170,7 +183,7 @@ def test_every_family_exports_to_both_engines_with_unsharded_logits_and_gradient
             (plan,) = check_declarations(decls).plans.values()
             with pytest.raises(SpecError) as err:
                 export_plan(plan, decls, target, "x.mesh", text, str(directory))
-            assert [d.code for d in err.value.diagnostics] == [refused[target]], err.value.diagnostics
+            assert {d.code for d in err.value.diagnostics} == {refused[target]}, err.value.diagnostics
             assert all(d.span is not None and d.help for d in err.value.diagnostics)
             paths[target] = None
             continue
@@ -193,28 +206,33 @@ def test_every_family_exports_to_both_engines_with_unsharded_logits_and_gradient
         want = hf(tokens).logits
         _next_token_loss(want, tokens).backward()
     _same(got_tp, hf, want.detach(), "tp_plan")
+    if kind.endswith("-experts_tp"):  # every moe block's stacked experts split, not only the attention
+        moe = {n for n, _ in hf.named_parameters() if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))}
+        assert moe and moe <= set(got_tp[1]), (moe, got_tp[1])
     if got_dt is not None:
         _same(got_dt, hf, want.detach(), "dtensor")
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "gpt_oss"])
-def test_split_experts_are_refused_naming_the_placement(kind: str, tmp_path: Path) -> None:
-    """The routed experts split by ffn: transformers' experts module holds them stacked, which its
-    colwise / rowwise do not split; a located E1205 for both targets, never a plan that drops it."""
-    directory = tmp_path / kind
-    _build(kind, directory)
-    text = _spec(kind, directory).replace(_WHOLE_EXPERTS, "    shard blocks.*.mlp.router replicate\n").replace(
-        _ATTN, _DENSE)
+@pytest.mark.parametrize(("kind", "target", "says"), [
+    ("mixtral", "dtensor", "torch's parallel styles shard modules' 2-D weights"),
+    ("gpt_oss", "dtensor", "torch's parallel styles shard modules' 2-D weights"),
+    ("gpt_oss", "hf-tp-plan", "stores gate and up interleaved"),
+])
+def test_split_experts_without_a_style_are_refused_naming_the_placement(
+    kind: str, target: str, says: str, tmp_path: Path
+) -> None:
+    """The routed experts split by ffn where the target has no style for transformers' stacked experts
+    module: a located E1205, never a plan that drops the split."""
+    text = _declared(kind).replace(_WHOLE_EXPERTS, "    shard blocks.*.mlp.router replicate\n").replace(_ATTN, _DENSE)
     decls = load("x.mesh", text)
     result = check_declarations(decls)
     assert result.ok, [d.message for d in result.diagnostics]
     (plan,) = result.plans.values()
-    for target in ("hf-tp-plan", "dtensor"):
-        with pytest.raises(SpecError) as err:
-            export_plan(plan, decls, target, "x.mesh", result.text, str(directory))
-        codes = {d.code for d in err.value.diagnostics}
-        assert codes == {"E1205"}, err.value.diagnostics
-        assert any("routed experts" in d.message and d.span is not None for d in err.value.diagnostics)
+    with pytest.raises(SpecError) as err:
+        export_plan(plan, decls, target, "x.mesh", result.text)
+    assert {d.code for d in err.value.diagnostics} == {"E1205"}, err.value.diagnostics
+    assert all("routed experts" in d.message and says in d.message and d.span is not None and d.help
+               for d in err.value.diagnostics if "mlp." in d.message), err.value.diagnostics
 
 
 def zero_job(ctx: Any, module_path: str, hf_dir: str, tokens: Any) -> Any:
@@ -313,7 +331,9 @@ def _declared(kind: str, rest: str = "") -> str:
 
 # golden name -> (spec, target): each refusal this file's families meet, as `meshc export` prints it
 REFUSAL_GOLDENS = {
-    "mixtral_split_experts.hf-tp-plan": (_declared("mixtral").replace(_WHOLE_EXPERTS, "    shard blocks.*.mlp.router "
+    "mixtral_split_experts.dtensor": (_declared("mixtral").replace(_WHOLE_EXPERTS, "    shard blocks.*.mlp.router "
+                                                                   "replicate\n").replace(_ATTN, _DENSE), "dtensor"),
+    "gpt_oss_split_experts.hf-tp-plan": (_declared("gpt_oss").replace(_WHOLE_EXPERTS, "    shard blocks.*.mlp.router "
                                                                       "replicate\n").replace(_ATTN, _DENSE), "hf-tp-plan"),
     "deepseek_v3_mla.dtensor": (_declared("deepseek_v3"), "dtensor"),
     "gpt_oss_sinks.dtensor": (_declared("gpt_oss"), "dtensor"),
