@@ -63,6 +63,7 @@ _WHOLE_SHARED = "    shard blocks.*.mlp.{shared_gate,shared_up,shared_down} repl
 # kind -> (layout, other plan lines, the targets that refuse it: target -> the refusal's code)
 PLANS: dict[str, tuple[str, str, dict[str, str]]] = {
     "llama": (_DENSE, "", {}),
+    "llama3_tied": (_DENSE, "", {}),  # the head tied to the vocab-parallel embedding (re-tied after sharding)
     "mistral_window": (_DENSE, "", {}),
     "qwen2": (_DENSE, "", {}),
     "qwen3": (_DENSE, "", {}),
