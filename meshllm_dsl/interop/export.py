@@ -409,8 +409,6 @@ def _routed(found: _Findings, out: _Modules, unit: Unit, leaf: Leaf, hf_name: st
     """A leaf of a mixture-of-experts layer's routed experts (per-expert names `{e}`, or GPT-OSS's stacked
     tensors `%`) or its routers: their entries (the experts split by ffn in a tp_plan) or refusals; True
     if the leaf is one of them (its entries are made here)."""
-    from meshllm_dsl.interop.hf_ep import EXPERTS
-
     if not primitives.of(unit).routes_experts:
         return False
     experts = "{e}" in hf_name or "%" in hf_name
@@ -419,27 +417,18 @@ def _routed(found: _Findings, out: _Modules, unit: Unit, leaf: Leaf, hf_name: st
     title = found.pack.title if found.pack is not None else "this class"
     # GPT-OSS stores gate and up interleaved (and biased), which packed_colwise's halves do not split
     packed = found.pack is not None and found.pack.experts is not None and found.pack.experts.tensors is None
+    name = ".".join(leaf.path)
     for idx, p in _placements(found.plan, item, leaf):
-        name = ".".join(leaf.path)
+        if (p.sharded and experts and not p.experts and found.target == "hf-tp-plan" and packed and idx == "*"
+                and len(p.axes) == 1 and p.rule in _EXPERTS_TP):
+            _experts_tp(out, hf_name, name, p)
+            continue
         if p.experts:
             found.refuse(E1205, f"{found.where} cannot express the placement of `{name}`: the experts split over "
                          f"{' x '.join(p.experts)} (expert parallelism)", p.span,
                          label=f"experts over {' x '.join(p.experts)}",
                          help="export the expert parallelism with `--to hf-ep-plan`, and the tensor parallelism of a "
                               "plan that keeps every expert on every rank here")
-        elif (p.sharded and experts and found.target == "hf-tp-plan" and packed and idx == "*"
-              and len(p.axes) == 1 and p.rule in _EXPERTS_TP):
-            module = f"{'.'.join(hf_name.split('.')[:2])}.*.{EXPERTS}"  # "model.layers" + transformers 5's module
-            param, style = _EXPERTS_TP[p.rule]
-            why = f"{name}: {p.rule}({p.axes[0]})"
-            out.tp_axes.setdefault(p.axes[0], p.span)
-            for entry in (Entry(f"{module}.{param}", p.axes[0], "", style, why),
-                          Entry(module, p.axes[0], "", _EXPERTS_TP_MODULE, f"{why} (the experts' sum over the axis)")):
-                at = next((i for i, e in enumerate(out.entries) if e.module == entry.module), None)
-                if at is None:
-                    out.entries.append(entry)
-                elif why not in out.entries[at].why:
-                    out.entries[at] = attrs.evolve(out.entries[at], why=f"{out.entries[at].why}, {why}")
         elif p.sharded and experts:
             why = ("torch's parallel styles shard modules' 2-D weights, not transformers' stacked experts"
                    if found.target != "hf-tp-plan" else
@@ -458,9 +447,26 @@ def _routed(found: _Findings, out: _Modules, unit: Unit, leaf: Leaf, hf_name: st
                          help=f"keep the router whole (`shard blocks.*.{name} replicate`)")
         else:
             continue
-        if not (p.sharded and experts and found.target == "hf-tp-plan" and packed and idx == "*"):
-            break  # one refusal per leaf
+        break  # one refusal per leaf
     return True
+
+
+def _experts_tp(out: _Modules, hf_name: str, name: str, p: Placement) -> None:
+    """The entries of one routed experts' leaf split by ffn over one axis (every block alike): its stacked
+    parameter's style and the experts module's."""
+    from meshllm_dsl.interop.hf_ep import EXPERTS
+
+    module = f"{'.'.join(hf_name.split('.')[:2])}.*.{EXPERTS}"  # "model.layers" + transformers 5's module
+    param, style = _EXPERTS_TP[p.rule]
+    why = f"{name}: {p.rule}({p.axes[0]})"
+    out.tp_axes.setdefault(p.axes[0], p.span)
+    for entry in (Entry(f"{module}.{param}", p.axes[0], "", style, why),
+                  Entry(module, p.axes[0], "", _EXPERTS_TP_MODULE, f"{why} (the experts' sum over the axis)")):
+        at = next((i for i, e in enumerate(out.entries) if e.module == entry.module), None)
+        if at is None:
+            out.entries.append(entry)
+        elif why not in out.entries[at].why:
+            out.entries[at] = attrs.evolve(out.entries[at], why=f"{out.entries[at].why}, {why}")
 
 
 def _leaf_entries(found: _Findings, out: _Modules, item: Repeat | Unit, unit: Unit, leaf: Leaf,
