@@ -132,6 +132,31 @@ def _export(text: str, target: str, weights: Path) -> str:
     return export_plan(plan, decls, target, "x.mesh", result.text, str(weights))[0]
 
 
+def _norms_split_by_heads(hf: Any, out: str) -> None:
+    """The dim a per-head q / k norm's SequenceParallel splits is the heads' in its input as transformers'
+    model code gives it ([b, s, heads, d] for Qwen3, [b, heads, s, d] for Gemma 3): measured on `hf`."""
+    written = dict(re.findall(r"'([\w.*]+_norm)': SequenceParallel\(sequence_dim=(\d+)", out))
+    if not written:
+        return
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def record(name: str) -> Any:
+        def hook(_module: Any, args: tuple[Any, ...]) -> None:
+            shapes.setdefault(name, tuple(args[0].shape))
+        return hook
+
+    hooks = [m.register_forward_pre_hook(record(n)) for n, m in hf.named_modules() if n.endswith(("q_norm", "k_norm"))]
+    with torch.no_grad():
+        hf(_tokens())
+    for h in hooks:
+        h.remove()
+    for pattern, dim in written.items():
+        name = pattern.replace("*", next(n.split(".")[2] for n in shapes if re.fullmatch(pattern.replace(".", r"\.")
+                                                                                          .replace("*", r"\d+"), n)))
+        heads = hf.config.num_attention_heads if "q_norm" in name else hf.config.num_key_value_heads
+        assert shapes[name][int(dim)] == heads, (name, shapes[name], dim)
+
+
 def dtensor_grads_job(ctx: Any, module_path: str, hf_dir: str, tokens: Any) -> Any:
     """On every rank: the exported DTensor module's `parallelize` on transformers' model; its logits, the
     parameters it sharded and every parameter's whole gradient of the next-token loss."""
@@ -199,6 +224,7 @@ def test_every_family_exports_to_both_engines_with_unsharded_logits_and_gradient
         else:
             paths[target] = tmp_path / f"{kind}.py"
             paths[target].write_text(out)  # type: ignore[union-attr]
+            _norms_split_by_heads(hf, out)
     tokens = _tokens()
     got_tp, got_dt = pool.run(family_job, 2, str(paths["hf-tp-plan"]),
                               str(paths["dtensor"]) if paths["dtensor"] else None, str(directory), tokens)[0]
