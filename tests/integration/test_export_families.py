@@ -283,17 +283,19 @@ def zero_job(ctx: Any, module_path: str, hf_dir: str, tokens: Any) -> Any:
     return (logits.detach(), grads) if ctx.rank == 0 else None
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "gemma3"])  # llama: test_export.py (losses after AdamW steps)
-def test_dtensor_export_with_zero3_over_data_x_tensor2_gives_unsharded_gradients(
-    kind: str, pool: WorkerPool, tmp_path: Path
+@pytest.mark.parametrize(("kind", "zero"), [("qwen3_moe", 3), ("gemma3", 3), ("llama", 2)])
+def test_dtensor_export_with_zero_over_data_x_tensor2_gives_unsharded_gradients(
+    kind: str, zero: int, pool: WorkerPool, tmp_path: Path
 ) -> None:
     """fully_shard over `data` on top of the tensor-parallel styles (2-D parameters), the per-head q / k
-    norms' SequenceParallel (Qwen3-MoE, Gemma 3) and the whole experts included."""
+    norms' SequenceParallel (Qwen3-MoE, Gemma 3) and the whole experts included; Llama's ZeRO 3 losses
+    after AdamW steps are test_export.py's."""
     directory = tmp_path / kind
     hf = _build(kind, directory)
-    text = _spec(kind, directory, "data = 2, tensor = 2", ", batch -> data", "    optimizer adamw { zero 3 }\n")
+    text = _spec(kind, directory, "data = 2, tensor = 2", ", batch -> data", f"    optimizer adamw {{ zero {zero} }}\n")
     out = _export(text, "dtensor", directory)
-    assert "fully_shard(model, mesh=mesh['data'], reshard_after_forward=True)" in out
+    # ZeRO 3 reshards the parameters after forward, ZeRO 2 keeps them gathered
+    assert f"fully_shard(model, mesh=mesh['data'], reshard_after_forward={zero == 3})" in out
     path = tmp_path / f"{kind}.py"
     path.write_text(out)
     tokens = _tokens()
