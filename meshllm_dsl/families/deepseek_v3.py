@@ -340,4 +340,5 @@ EXPERTS = ExpertNames(
     scoring="sigmoid", buffers={"router.e_score_correction_bias": "gate.e_score_correction_bias"})
 
 PACK = FamilyPack("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek_v3", read_deepseek_v3, NAMES,
-                  title="DeepSeek-V3", default_positions=4096, experts=EXPERTS, shared_expert=True)
+                  title="DeepSeek-V3", default_positions=4096, experts=EXPERTS, shared_expert=True, tp_export=True,
+                  ep_export=True)

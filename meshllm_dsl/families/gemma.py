@@ -312,5 +312,5 @@ NAMES = attrs.evolve(
 
 GEMMA2 = FamilyPack("Gemma2ForCausalLM", "gemma2", "gemma2", read_gemma, NAMES, title="Gemma 2", tp_export=True,
                    default_positions=8192)
-GEMMA3 = FamilyPack("Gemma3ForCausalLM", "gemma3_text", "gemma3", read_gemma, NAMES, title="Gemma 3", tp_export=True,
+GEMMA3 = FamilyPack("Gemma3ForCausalLM", "gemma3_text", "gemma3", read_gemma, NAMES, title="Gemma 3", tp_export=True, head_norm_heads_dim=1,
                    default_positions=131072)

@@ -231,4 +231,5 @@ NAMES = attrs.evolve(LLAMA_NAMES, layout="glm4_moe", write_config=_write_config,
                      refuse_unfit=_refuse_unfit, partial_rotary=True)
 
 PACK = FamilyPack("Glm4MoeForCausalLM", "glm4_moe", "glm4_moe", read_glm4_moe, NAMES, title="GLM-4.5",
-                  default_positions=131072, experts=DEEPSEEK_V3_EXPERTS, shared_expert=True)
+                  default_positions=131072, experts=DEEPSEEK_V3_EXPERTS, shared_expert=True,
+                  tp_export=True, ep_export=True)

@@ -262,4 +262,5 @@ EXPERTS = ExpertNames(
     act="swiglu_clamped", biased=True)
 
 PACK = FamilyPack("GptOssForCausalLM", "gpt_oss", "gpt_oss", read_gpt_oss, NAMES, title="GPT-OSS",
-                  default_positions=131072, experts=EXPERTS)
+                  default_positions=131072, experts=EXPERTS, tp_export=True,
+                  ep_export=True)

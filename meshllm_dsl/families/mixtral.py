@@ -29,4 +29,4 @@ EXPERTS = ExpertNames(
 
 PACK = FamilyPack(
     "MixtralForCausalLM", "mixtral", "mixtral", read_moe, LLAMA_NAMES, title="Mixtral",
-    attention=MISTRAL, experts=EXPERTS, ep_export=True)
+    attention=MISTRAL, experts=EXPERTS, tp_export=True, ep_export=True)

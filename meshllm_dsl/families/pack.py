@@ -115,6 +115,10 @@ class FamilyPack:
     longrope_only: bool = False  # Phi-3: its config reads `su` / `yarn` as longrope, refuses other types
     longrope_default_original: int | None = None  # Phi3Config's own original_max_position_embeddings
     has_mlp_bias_field: bool = True  # its config.json has an `mlp_bias` field
+    # The dim of the heads in the input of its per-head q / k norm, in transformers' model code (Qwen3's
+    # norm takes [batch, seq, heads, head_dim], Gemma 3's [batch, heads, seq, head_dim]): `meshc export
+    # --to dtensor` shards that dim (SequenceParallel) so the norm's scale gets its whole gradient
+    head_norm_heads_dim: int = 2
     checkpoint_qk_norm: str = "none"  # its checkpoints' q / k norms (attention's qk_norm: head, full)
     # Checkpoints that store projections fused (Phi-3): per module, the fused tensor and the separate
     # projections it holds in row order (runtime/hf/fused.py)

@@ -35,4 +35,4 @@ EXPERTS = ExpertNames(
 PACK = FamilyPack(
     "Qwen2MoeForCausalLM", "qwen2_moe", "qwen2_moe", read_moe, LLAMA_NAMES, title="Qwen2-MoE",
     attention=QWEN2, built_in_settings=("attn_bias", "attn_out_bias"),
-    experts_width_field="moe_intermediate_size", experts=EXPERTS, shared_expert=True, ep_export=True)
+    experts_width_field="moe_intermediate_size", experts=EXPERTS, shared_expert=True, tp_export=True, ep_export=True)

@@ -32,4 +32,4 @@ EXPERTS = ExpertNames(
 PACK = FamilyPack(
     "Qwen3MoeForCausalLM", "qwen3_moe", "qwen3_moe", read_moe, LLAMA_NAMES, title="Qwen3-MoE",
     attention=QWEN3, built_in_settings=("qk_norm",),
-    experts_width_field="moe_intermediate_size", experts=EXPERTS, ep_export=True)
+    experts_width_field="moe_intermediate_size", experts=EXPERTS, tp_export=True, ep_export=True)

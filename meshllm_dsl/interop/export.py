@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,7 +165,9 @@ class _Findings:
                                                                                           "a transformers tp_plan")
 
     def refuse(self, code: str, message: str, span: Span | None, label: str, help: str) -> None:  # noqa: A002
-        self.errors.append(Diagnostic(code, message, span or self.plan.span, label=label, help=help))
+        diag = Diagnostic(code, message, span or self.plan.span, label=label, help=help)
+        if diag not in self.errors:  # the same module of two repeats (DeepSeek-V3's dense and moe blocks): once
+            self.errors.append(diag)
 
 
 def _exported_help() -> str:
@@ -187,28 +189,38 @@ def _checkpoint_layout(plan: PlanIR, desc: dict[str, Any], where: str) -> str:
             plan.model.span or plan.span, label="no Hugging Face model has these modules",
             note=str(err), help="export models of the `llama` (Llama, Mistral, Qwen2) or `gpt2` family",
         )]) from None
+    # Exports are proven (tests/integration/test_export.py, test_export_families.py) for the packs marked
+    # tp_export only: another layout would need its own module names and its own proof first.
+    if arch not in HF_CLASSES:
+        raise SpecError([Diagnostic(
+            E1204, f"model `{plan.model.name}` (the {arch} checkpoint layout) is not exported to {where} yet",
+            plan.model.span or plan.span, label="no tested export for this model",
+            help=f"export models of the {_exported_help()} family; `meshc compile` and `meshc run` take this one",
+        )])
+    return arch
+
+
+def _refuse_unproven_model(plan: PlanIR, desc: dict[str, Any], pack: FamilyPack | None, where: str) -> None:
+    """Partial rotary outside a class whose config.json carries it (GLM-4.5's partial_rotary_factor), and
+    mixture-of-experts layers in a class whose export is not proven."""
     from meshllm_dsl.runtime.model.description import partial_rotary
 
     partial = partial_rotary(desc)
-    if partial is not None:
+    if partial is not None and (pack is None or not pack.checkpoint.partial_rotary):
         raise SpecError([Diagnostic(
             E1204, f"model `{plan.model.name}`: `{partial}` rotates part of each head (rotary_dim), which is not "
             f"exported to {where} yet", plan.model.span or plan.span, label="partial rotary",
             help="drop rotary_dim to export; `meshc compile` and `meshc run` take this model")])
-    # Exports are proven (tests/integration/test_export.py) for the packs marked tp_export only: another
-    # layout or a mixture-of-experts model would need its own module names and its own proof first.
     routes = any(primitives.of(u).routes_experts
                  for item in plan.model.items for u in (item.body if isinstance(item, Repeat) else (item,)))
-    if arch not in HF_CLASSES or routes:
-        what = "mixture-of-experts layers" if routes else f"the {arch} checkpoint layout"
+    if routes and (pack is None or not pack.tp_export):
         raise SpecError([Diagnostic(
-            E1204, f"model `{plan.model.name}` ({what}) is not exported to {where} yet",
+            E1204, f"model `{plan.model.name}` (mixture-of-experts layers) is not exported to {where} yet",
             plan.model.span or plan.span, label="no tested export for this model",
-            help=("its expert parallelism exports as transformers' `ep_plan` with `--to hf-ep-plan` ("
-                  + ", ".join(p.title for p in PACKS if p.ep_export) + "); " if routes else "")
-            + f"export models of the {_exported_help()} family; `meshc compile` and `meshc run` take this one",
+            help="its expert parallelism exports as transformers' `ep_plan` with `--to hf-ep-plan` ("
+                 + ", ".join(p.title for p in PACKS if p.ep_export) + "); "
+                 f"export models of the {_exported_help()} family; `meshc compile` and `meshc run` take this one",
         )])
-    return arch
 
 
 def _refuse_unexported_features(found: _Findings) -> None:
@@ -313,12 +325,17 @@ def _zero_axis(found: _Findings) -> str | None:
 
 
 def _placements(plan: PlanIR, item: Repeat | Unit, leaf: Leaf) -> Iterator[tuple[str, Placement]]:
-    """(block index, placement): `*` for a class of every block, else one per block of its class."""
+    """(block index, placement): `*` where every block of the repeat places the leaf alike (its classes
+    differing elsewhere), else one per block of its class."""
     if isinstance(item, Repeat):
-        for cls in plan.block_classes:
-            p = cls.placement(".".join(leaf.path))
-            for idx in ("*",) if len(cls.indices) == item.count else tuple(str(i) for i in cls.indices):
-                yield idx, p
+        classes = plan.classes_of(item.name)
+        placed = [(cls, cls.placement(".".join(leaf.path))) for cls in classes]
+        if len({(p.rule, p.axes, p.experts) for _, p in placed}) == 1:
+            yield "*", placed[0][1]
+            return
+        for cls, p in placed:
+            for idx in cls.indices:
+                yield str(idx), p
     else:
         yield "", plan.placement(".".join(leaf.path))
 
@@ -346,6 +363,12 @@ class _Modules:
     # a fused module's path -> (our leaf, its placement) of every projection it holds, compared after the walk
     fused: dict[str, list[tuple[str, Placement]]] = attrs.field(factory=dict)
     tp_axes: dict[str, Span | None] = attrs.field(factory=dict)
+    # Models of several repeats (DeepSeek-V3's dense blocks, then its moe ones) in one block list: a `*`
+    # entry's path -> the repeats that wrote it and where; per repeat its layers and the module paths
+    # (relative to a block) it has, so a `*` one repeat writes is checked against the others' layers
+    star: dict[str, tuple[set[str], Span | None]] = attrs.field(factory=dict)
+    layers: dict[str, range] = attrs.field(factory=dict)
+    rels: dict[str, set[str]] = attrs.field(factory=dict)
 
 
 def _gathered(found: _Findings, unit: Unit, module: str) -> tuple[str, str | None]:
@@ -366,29 +389,132 @@ def _gathered(found: _Findings, unit: Unit, module: str) -> tuple[str, str | Non
     return module, None
 
 
+# Where a tensor-parallel style says more than one module's: transformers' own plans for these classes
+# (DeepseekV3Config / GptOssConfig-like base_model_tp_plan) and torch's counterpart, if it has one.
+_MLA_KV_A_STYLE = "mla_kv_a_proj"  # the latent's rotary key feeds every rank's heads: its gradient summed
+_SINKS_STYLE = "colwise"  # a bare per-head parameter split as the heads are
+_LOCAL_PARAMS_STYLE = "local_params"  # its owner's forward then runs on the local slice
+
+
+# transformers' styles for the routed experts split by their ffn (Llama4Config.base_model_tp_plan's, for
+# transformers 5's stacked experts module [experts, 2 x ffn, hidden] / [experts, hidden, ffn]): gate and up
+# packed in one tensor whose halves each rank splits alike (`packed_colwise`: a strided shard of dim 1),
+# down split by its input (`rowwise`: dim -1), and the module run on those local slices with its input's
+# gradient and its output summed over the axis (`moe_tp_experts`).
+_EXPERTS_TP = {"column": ("gate_up_proj", "packed_colwise"), "row": ("down_proj", "rowwise")}
+_EXPERTS_TP_MODULE = "moe_tp_experts"
+
+
+def _routed(found: _Findings, out: _Modules, unit: Unit, leaf: Leaf, hf_name: str, item: Repeat | Unit) -> bool:
+    """A leaf of a mixture-of-experts layer's routed experts (per-expert names `{e}`, or GPT-OSS's stacked
+    tensors `%`) or its routers: their entries (the experts split by ffn in a tp_plan) or refusals; True
+    if the leaf is one of them (its entries are made here)."""
+    if not primitives.of(unit).routes_experts:
+        return False
+    experts = "{e}" in hf_name or "%" in hf_name
+    if not experts and leaf.path[-1] not in ("router", "shared_router"):
+        return False  # a shared expert: a dense MLP of transformers' own (colwise / rowwise)
+    title = found.pack.title if found.pack is not None else "this class"
+    # GPT-OSS stores gate and up interleaved (and biased), which packed_colwise's halves do not split
+    packed = found.pack is not None and found.pack.experts is not None and found.pack.experts.tensors is None
+    name = ".".join(leaf.path)
+    for idx, p in _placements(found.plan, item, leaf):
+        if (p.sharded and experts and not p.experts and found.target == "hf-tp-plan" and packed and idx == "*"
+                and len(p.axes) == 1 and p.rule in _EXPERTS_TP):
+            _experts_tp(out, hf_name, name, p)
+            continue
+        if p.experts:
+            found.refuse(E1205, f"{found.where} cannot express the placement of `{name}`: the experts split over "
+                         f"{' x '.join(p.experts)} (expert parallelism)", p.span,
+                         label=f"experts over {' x '.join(p.experts)}",
+                         help="export the expert parallelism with `--to hf-ep-plan`, and the tensor parallelism of a "
+                              "plan that keeps every expert on every rank here")
+        elif p.sharded and experts:
+            why = ("torch's parallel styles shard modules' 2-D weights, not transformers' stacked experts"
+                   if found.target != "hf-tp-plan" else
+                   f"transformers' {title} stores gate and up interleaved, which packed_colwise does not split"
+                   if not packed else "a tp_plan splits every block's experts alike over one axis, by ffn")
+            found.refuse(E1205, f"{found.where} cannot express the placement of `{name}`: the routed experts split "
+                         f"by {p.rule}({', '.join(p.axes)}); {why}", p.span,
+                         label=f"{p.rule}({', '.join(p.axes)}) on the routed experts",
+                         help="keep the routed experts whole in the export (`shard blocks.*.mlp.{gate,up,down} "
+                              "replicate`)" + ("" if found.target == "hf-tp-plan" or not packed else
+                                               ", or export the plan with `--to hf-tp-plan` (`moe_tp_experts`)"))
+        elif p.sharded:
+            found.refuse(E1205, f"{found.where} cannot express the placement of `{name}`: a router split by "
+                         f"{p.rule}({', '.join(p.axes)}); transformers' {title} scores every expert on every rank",
+                         p.span, label=f"{p.rule}({', '.join(p.axes)}) on the router",
+                         help=f"keep the router whole (`shard blocks.*.{name} replicate`)")
+        else:
+            continue
+        break  # one refusal per leaf
+    return True
+
+
+def _experts_tp(out: _Modules, hf_name: str, name: str, p: Placement) -> None:
+    """The entries of one routed experts' leaf split by ffn over one axis (every block alike): its stacked
+    parameter's style and the experts module's."""
+    from meshllm_dsl.interop.hf_ep import EXPERTS
+
+    module = f"{'.'.join(hf_name.split('.')[:2])}.*.{EXPERTS}"  # "model.layers" + transformers 5's module
+    param, style = _EXPERTS_TP[p.rule]
+    why = f"{name}: {p.rule}({p.axes[0]})"
+    out.tp_axes.setdefault(p.axes[0], p.span)
+    for entry in (Entry(f"{module}.{param}", p.axes[0], "", style, why),
+                  Entry(module, p.axes[0], "", _EXPERTS_TP_MODULE, f"{why} (the experts' sum over the axis)")):
+        at = next((i for i, e in enumerate(out.entries) if e.module == entry.module), None)
+        if at is None:
+            out.entries.append(entry)
+        elif why not in out.entries[at].why:
+            out.entries[at] = attrs.evolve(out.entries[at], why=f"{out.entries[at].why}, {why}")
+
+
 def _leaf_entries(found: _Findings, out: _Modules, item: Repeat | Unit, unit: Unit, leaf: Leaf,
-                  hf_name: str, conv1d: bool, norm: str | None = None) -> None:
+                  hf_name: str, conv1d: bool, extra: dict[str, str]) -> None:
     """The entries (one per block class) of one leaf whose first parameter transformers calls `hf_name`
-    (`norm`: the module of its per-head q / k norm, if it has one)."""
+    (`extra`: its other parameters' transformers names by our name: `norm`, a per-head q / k norm's;
+    `sinks`, GPT-OSS's attention sinks)."""
     plan = found.plan
+    if _routed(found, out, unit, leaf, hf_name, item):
+        return
     last = plan.model.items[-1]
     head_name = last.name if isinstance(last, Unit) and primitives.of(last) is LINEAR else None
     own, rel = hf_name.rsplit(".", 1)[0], ""
     module, gathered = _gathered(found, unit, own)
+    first = 0  # transformers' layer number of the repeat's block 0 (DeepSeek-V3's blocks follow its dense ones)
     if isinstance(item, Repeat):
         parts = module.split(".")
         out.blocks = ".".join(parts[:2])  # "model.layers.0.self_attn.q_proj" -> "model.layers"
-        rel = ".".join(parts[3:])
+        first, rel = int(parts[2]), ".".join(parts[3:])
     else:
         out.top[leaf.path[-1]] = module
     is_head = leaf.path[-1] == head_name
     role = ("head, loss parallel" if is_head and plan.roles.loss_parallel else "head" if is_head
             else "gathered layer" if gathered else "layer")
+    mla = found.pack is not None and found.pack.checkpoint.attention_kind == "mla"
     for idx, p in _placements(plan, item, leaf):
-        path = f"{out.blocks}.{idx}.{rel}" if isinstance(item, Repeat) else module
+        layer = idx if idx in ("*", "") else str(first + int(idx))
+        path = f"{out.blocks}.{layer}.{rel}" if isinstance(item, Repeat) else module
+
+        def beside(hf: str, layer: str = layer) -> str:  # a sibling parameter's module in the same block
+            return f"{out.blocks}.{layer}.{hf.split('.', 3)[3]}" if isinstance(item, Repeat) else hf
+
         if module != own:  # one projection of a fused module
             out.fused.setdefault(path, []).append((".".join(leaf.path), p))
         if not p.sharded or _unshardable(found, leaf, p, module, conv1d):
+            continue
+        if idx not in ("*", "") and found.target == "hf-tp-plan":
+            found.refuse(E1205, f"{found.where} cannot express the placement of `{'.'.join(leaf.path)}` in block "
+                         f"{idx} alone: transformers looks its rules up with every layer number replaced by `*`",
+                         p.span, label=f"{p.rule}({', '.join(p.axes)}) in some blocks",
+                         help="place every block of the repeat alike to export a tp_plan, or use `--to dtensor`, "
+                              "which names each layer")
+            continue
+        if mla and leaf.path[-1] in ("q_a", "kv_a"):
+            found.refuse(E1205, f"{found.where} cannot express the placement of `{'.'.join(leaf.path)}`: a latent "
+                         "down-projection split; transformers' DeepSeek-V3 normalises and splits the whole latent",
+                         p.span, label=f"{p.rule}({', '.join(p.axes)}) on a latent",
+                         help="keep the latents whole (`shard blocks.*.attn.{q_a,kv_a} replicate`)")
             continue
         style = _style(leaf, p, role, found.target)
         if isinstance(style, str):
@@ -399,16 +525,37 @@ def _leaf_entries(found: _Findings, out: _Modules, item: Repeat | Unit, unit: Un
         out.tp_axes.setdefault(p.axes[0], p.span)
         why = f"{'.'.join(leaf.path)}: {p.rule}({p.axes[0]})"
         same = next((i for i, e in enumerate(out.entries) if e.module == path), None)
-        if same is not None:  # another projection of the same fused module: one entry (`_fused_alike` checks them)
-            out.entries[same] = attrs.evolve(out.entries[same], why=f"{out.entries[same].why}, {why}")
+        if same is not None and (out.entries[same].style, out.entries[same].axis) != (style[0], p.axes[0]):
+            found.refuse(E1205, f"{found.where} cannot express the placement of `{'.'.join(leaf.path)}`: `{path}` is "
+                         f"one rule for every layer, and {out.entries[same].why} shards it otherwise", p.span,
+                         label=f"{p.rule}({', '.join(p.axes)})",
+                         help="place the repeats' layers of one module alike")
             continue
-        out.entries.append(Entry(path, p.axes[0], style[0], style[1], why))
-        if norm is not None and not gathered and p.rule == "column" and found.target == "hf-tp-plan":
+
+        def put(entry: Entry, span: Span | None = p.span) -> None:
+            """Add `entry`, or name `why` in the one already there (another projection of the same fused
+            module, or the same module of another repeat); a `*` one is recorded for `_repeats_apart`."""
+            at = next((i for i, e in enumerate(out.entries) if e.module == entry.module), None)
+            if at is None:
+                out.entries.append(entry)
+            elif entry.why not in out.entries[at].why:
+                out.entries[at] = attrs.evolve(out.entries[at], why=f"{out.entries[at].why}, {entry.why}")
+            if isinstance(item, Repeat) and ".*." in entry.module:
+                out.star.setdefault(entry.module, (set(), span))[0].add(item.name)
+
+        put(Entry(path, p.axes[0], style[0], style[1], why))
+        if "norm" in extra and not gathered and p.rule == "column":
             # Each rank normalises only its heads with the whole (replicated) per-head scale, so its
-            # gradient is partial: summed over the axis, as Qwen3 / Gemma3Config.base_model_tp_plan do.
-            # torch's parallel styles have no such style (a gap of the DTensor target, left as it was).
-            norm_path = f"{out.blocks}.{idx}.{norm.split('.', 3)[3]}" if isinstance(item, Repeat) else norm
-            out.entries.append(Entry(norm_path, p.axes[0], "", _PARTIAL_GRAD_STYLE, f"{why} (its per-head norm)"))
+            # gradient is partial: summed over the axis, as Qwen3 / Gemma3Config.base_model_tp_plan do;
+            # torch's SequenceParallel over the heads' dim of the norm's input does the same (the scale a
+            # Replicate DTensor whose Partial gradient is reduced).
+            heads = found.pack.head_norm_heads_dim if found.pack is not None else 2
+            put(Entry(beside(extra["norm"]), p.axes[0], f"SequenceParallel(sequence_dim={heads}, use_local_output=True)",
+                      _PARTIAL_GRAD_STYLE, f"{why} (its per-head norm)"))
+        if "sinks" in extra and p.rule == "column":
+            _sinks(found, put, p, why, beside(extra["sinks"]))
+        if mla and leaf.path[-1] == "kv_b" and p.rule == "column":
+            _mla_kv_a(found, put, p, why, beside(hf_name).rsplit(".", 2)[0])
         if leaf.path[-1] == head_name and plan.roles.loss_parallel and found.target == "hf-tp-plan":
             found.warnings.append(Diagnostic(
                 W1201, f"`{head_name}`'s logits are gathered in the tp_plan: transformers has no "
@@ -417,6 +564,36 @@ def _leaf_entries(found: _Findings, out: _Modules, item: Repeat | Unit, unit: Un
                      "them sharded (loss_parallel)"))
     if leaf.tie is not None and plan.placement(leaf.tie).sharded and leaf.tie in out.top:
         out.ties.append((module, out.top[leaf.tie]))
+
+
+def _sinks(found: _Findings, put: Callable[[Entry], None], p: Placement, why: str, sinks: str) -> None:
+    """GPT-OSS's attention sinks (one per head, a bare parameter of the attention) split as the heads are,
+    the attention's forward on its local slice (transformers' `local_params`, as its plans for classes
+    with sinks say); torch's parallel styles shard modules, not a bare parameter."""
+    if found.target != "hf-tp-plan":
+        found.refuse(E1205, f"{found.where} cannot express the heads split by {p.rule}({', '.join(p.axes)}) in "
+                     "an attention with sinks (one per head, a bare parameter of the attention module, which "
+                     "parallelize_module's styles do not shard)", p.span, label=f"{p.rule}({', '.join(p.axes)})",
+                     help="export it with `--to hf-tp-plan` (transformers' `local_params`), or keep the attention "
+                          "whole (`shard blocks.*.attn.{q,k,v,o} replicate`)")
+        return
+    put(Entry(sinks, p.axes[0], "", _SINKS_STYLE, f"{why} (its heads' sinks)"))
+    put(Entry(sinks.rsplit(".", 1)[0], p.axes[0], "", _LOCAL_PARAMS_STYLE, f"{why} (the attention's forward on its sinks' slice)"))
+
+
+def _mla_kv_a(found: _Findings, put: Callable[[Entry], None], p: Placement, why: str, attn: str) -> None:
+    """DeepSeek-V3's kv latent (kv_a_proj_with_mqa, whole on every rank) ends in the rotary key, which
+    every rank's heads read past the split kv_b_proj: its gradient is partial, summed over the axis by
+    transformers' `mla_kv_a_proj`; torch's parallel styles have no counterpart."""
+    kv_a = found.pack.checkpoint.attn[1]["kv_a"] if found.pack is not None else "kv_a_proj_with_mqa"
+    if found.target != "hf-tp-plan":
+        found.refuse(E1205, f"{found.where} cannot express the heads split by {p.rule}({', '.join(p.axes)}) in "
+                     f"multi-head latent attention: the whole latent's rotary key ({kv_a}) feeds every rank's heads, "
+                     "and no parallel style sums its gradient", p.span, label=f"{p.rule}({', '.join(p.axes)})",
+                     help="export it with `--to hf-tp-plan` (transformers' `mla_kv_a_proj`), or keep the "
+                          "attention whole (`shard blocks.*.attn.{q_b,kv_b,o} replicate`)")
+        return
+    put(Entry(f"{attn}.{kv_a}", p.axes[0], "", _MLA_KV_A_STYLE, f"{why} (the latent's rotary key)"))
 
 
 def _fused_alike(found: _Findings, out: _Modules) -> None:
@@ -439,6 +616,42 @@ def _fused_alike(found: _Findings, out: _Modules) -> None:
                 break
 
 
+def _block_modules(out: _Modules, item: Repeat, hf_params: list[str]) -> None:
+    """Record a repeat's layers and the modules (relative to a block) its leaf's parameters live in."""
+    first = int(hf_params[0].split(".")[2])  # "model.layers.2.mlp.gate_proj.weight"
+    out.layers[item.name] = range(first, first + item.count)
+    rels = out.rels.setdefault(item.name, set())
+    for name in hf_params:
+        parts = name.split(".")[3:]
+        rels.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+
+
+def _repeats_apart(found: _Findings, out: _Modules) -> None:
+    """A `*` entry names the module in every layer of the block list, but only its repeats wrote it: where
+    another repeat's blocks have that module (unsharded, or sharded otherwise) a tp_plan cannot say it
+    (transformers looks rules up with every layer number replaced by `*`); DTensor names the layers."""
+    told: set[tuple[str, ...]] = set()  # one refusal per pair of repeats placed apart
+    for path, (repeats, span) in out.star.items():
+        rel = path.split(".*.", 1)[1]
+        others = sorted(r for r, rels in out.rels.items() if r not in repeats and rel in rels)
+        if not others:
+            continue
+        if found.target == "hf-tp-plan":
+            if (*sorted(repeats), "|", *others) in told:
+                continue
+            told.add((*sorted(repeats), "|", *others))
+            found.refuse(E1205, f"{found.where} cannot express `{path}` sharded in the blocks of "
+                         f"{', '.join(sorted(repeats))} but not in those of {', '.join(others)}: transformers looks "
+                         "its rules up with every layer number replaced by `*`", span,
+                         label="sharded in some repeats' blocks", help="place the module alike in every repeat "
+                         "to export a tp_plan, or use `--to dtensor`, which names each layer")
+            continue
+        i = next(i for i, e in enumerate(out.entries) if e.module == path)
+        entry = out.entries.pop(i)
+        layers = sorted(n for r in repeats for n in out.layers[r])
+        out.entries[i:i] = [attrs.evolve(entry, module=path.replace(".*.", f".{n}.", 1)) for n in layers]
+
+
 def _modules(found: _Findings, desc: dict[str, Any]) -> _Modules:
     """Every leaf's tensor-parallel entries under transformers' module names (hf_key_map)."""
     from meshllm_dsl.runtime.hf.weights import hf_key_map
@@ -450,10 +663,15 @@ def _modules(found: _Findings, desc: dict[str, Any]) -> _Modules:
         names = _param_names(item, leaf) or ([".".join((*leaf.path, "weight"))] if leaf.tie else [])
         if names:
             keys = hf_key_map(desc, names)
-            # a per-head q / k norm is a parameter of the projection's leaf (its `norm`), its own module there
-            norm = next((keys[n][0].rsplit(".", 1)[0] for n, t in zip(names, leaf.params) if t.name == "norm"), None)
-            _leaf_entries(found, out, item, unit, leaf, *keys[names[0]], norm)
+            # a per-head q / k norm is a parameter of the projection's leaf (its `norm`), its own module there;
+            # GPT-OSS's sinks a bare parameter of the attention
+            extra = {t.name: keys[n][0].rsplit(".", 1)[0] if t.name == "norm" else keys[n][0]
+                     for n, t in zip(names, leaf.params) if t.name in ("norm", "sinks")}
+            _leaf_entries(found, out, item, unit, leaf, *keys[names[0]], extra)
+            if isinstance(item, Repeat):
+                _block_modules(out, item, [keys[n][0] for n in names])
     _fused_alike(found, out)
+    _repeats_apart(found, out)
     if found.target == "hf-tp-plan" and len(out.tp_axes) > 1:
         second = list(out.tp_axes)[1]
         found.refuse(E1205, f"a tp_plan shards over one mesh axis, but this plan shards over {' and '.join(out.tp_axes)}",
@@ -471,6 +689,7 @@ def analyze(plan: PlanIR, decls: Declarations | None, target: str, weights: str 
     arch = _checkpoint_layout(plan, desc, found.where)
     hf_class = _hf_class(plan, desc, arch, weights, found.where)
     found.pack = BY_ARCHITECTURE.get(hf_class)
+    _refuse_unproven_model(plan, desc, found.pack, found.where)
     _refuse_unexported_features(found)
     zero_axis = _zero_axis(found)
     out = _modules(found, desc)

@@ -46,12 +46,16 @@ from meshllm_dsl.ir import Placement, PlanIR, Repeat, Unit
 
 TARGET = "hf-ep-plan"  # meshc export's --to beside export.TARGETS
 
-# transformers 5's experts module (MixtralExperts, Qwen2MoeExperts, Qwen3MoeExperts) holds every expert
+# transformers 5's experts module (MixtralExperts, Qwen2MoeExperts, Qwen3MoeExperts, DeepseekV3NaiveMoe,
+# Glm4MoeNaiveMoe, GptOssExperts) holds every expert
 # stacked in two parameters ([experts, 2 * ffn, hidden] and [experts, hidden, ffn]): `grouped_gemm`
 # splits their dim 0. The checkpoint's per-expert tensors (experts.{e}.gate_proj ...) are converted into
 # them on loading, so these names are the module's, not the checkpoint's (hf_key_map).
 STACKED = ("gate_up_proj", "down_proj")
-# Where transformers 5 keeps that module in a block, for all three classes: a Mixtral checkpoint's
+# GPT-OSS's experts module (GptOssExperts) holds their biases stacked beside them ([experts, 2 * ffn] and
+# [experts, hidden]), split with them (GptOssConfig.base_model_ep_plan).
+STACKED_BIASES = ("gate_up_proj_bias", "down_proj_bias")
+# Where transformers 5 keeps that module in a block, for all these classes: a Mixtral checkpoint's
 # `block_sparse_moe.experts.{e}.w1` is renamed on loading (its conversion mapping), so the checkpoint's
 # names (hf_key_map) give only the block list's path.
 EXPERTS = "mlp.experts"
@@ -153,7 +157,8 @@ def _layout(found: _Findings, desc: dict[str, Any]) -> tuple[str | None, list[tu
             # override, so blocks placed apart are refused below rather than written per block
             key = hf_key_map(desc, [".".join((item.name, "0", *leaf.path, leaf.params[0].name))])
             path = f"{'.'.join(next(iter(key.values()))[0].split('.')[:2])}.*.{EXPERTS}"
-            entries += [(f"{path}.{param}", "grouped_gemm") for param in STACKED]
+            biased = found.pack is not None and found.pack.experts is not None and found.pack.experts.biased
+            entries += [(f"{path}.{param}", "grouped_gemm") for param in STACKED + (STACKED_BIASES if biased else ())]
             entries.append((path, "ep_dispatch_experts"))
     if not axes:
         found.refuse(E1206, f"plan `{plan.name}` keeps every expert on every rank: {found.where} has nothing to split",

@@ -12,6 +12,7 @@ with each rank holding half the experts. What transformers cannot lay out is a l
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ from meshllm_dsl.runtime.jobs.pool import WorkerPool  # noqa: E402
 
 GOLDEN = Path(__file__).parent / "golden_export"
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# The families the MoE issue added, their tiny checkpoints built by their own tests (tests/moe)
+NEW_FAMILIES = ("deepseek_v3", "glm4_moe", "gpt_oss")
 VOCAB = 64
 # The .mesh model of each tiny checkpoint `build` writes (the same dimensions).
 MODELS = {
@@ -41,6 +44,14 @@ MODELS = {
     "qwen3_moe": "model m = qwen3_moe { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 24,"
                  " experts = 4, top_k = 2, dtype = fp32 }",
 }
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "moe"))
+import test_deepseek_v3  # noqa: E402
+import test_glm4_moe  # noqa: E402
+import test_gpt_oss  # noqa: E402
+
+MODELS |= {"deepseek_v3": test_deepseek_v3.MODEL, "glm4_moe": test_glm4_moe._model("qk_norm"),
+           "gpt_oss": test_gpt_oss.MODEL}
 EP2 = "layout { batch -> data, experts -> data }\n    optimizer adamw { zero 3 }"
 
 
@@ -51,6 +62,12 @@ def spec(model: str, body: str = EP2, axes: str = "data = 2") -> str:
 def build(model: str, directory: Path) -> Any:
     """A tiny random checkpoint of `model`, weights (router included) redrawn away from HF's init so
     routing is peaked and a wrong expert, order or weighting shows."""
+    if model == "deepseek_v3":
+        return test_deepseek_v3.build_deepseek_v3(directory).eval()
+    if model == "glm4_moe":
+        return test_glm4_moe.build_glm4_moe(directory, use_qk_norm=True).eval()
+    if model == "gpt_oss":
+        return test_gpt_oss.build_gpt_oss(directory).eval()
     common = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   tie_word_embeddings=False)
     if model == "mixtral":
@@ -144,7 +161,7 @@ def ep_job(ctx: Any, config_path: str, hf_dir: str, tokens: Any) -> Any:
 HSDP = ("replica = 2, data = 2", "layout { batch -> replica * data, experts -> data }\n"
         "    optimizer adamw { zero 3 over data }")  # mesh axes, plan body
 PROOFS = [
-    *((model, "data = 2", EP2, (1, 2, 2)) for model in FAMILIES),
+    *((model, "data = 2", EP2, (1, 2, 2)) for model in FAMILIES + NEW_FAMILIES),
     ("mixtral", *HSDP, (2, 2, 2)),
     ("mixtral", "replica = 2, data = 2",
      "layout { batch -> replica * data, experts -> data }\n    optimizer adamw { zero 3 }", (1, 4, 2)),
@@ -170,10 +187,13 @@ def test_ep_plan_gives_unsharded_logits_and_gradients_in_transformers(
         want = hf(tokens).logits
         _next_token_loss(want, tokens).backward()
     assert (logits - want.detach()).abs().max().item() <= 1e-4
-    n_experts = hf.config.num_local_experts if model == "mixtral" else hf.config.num_experts
-    # rank 0's experts: experts / ep of them, FSDP-sharded over the ranks holding the same ones (efsdp)
+    n_experts = getattr(hf.config, "num_local_experts", None) or hf.config.num_experts
+    # rank 0's experts: experts / ep of them, FSDP-sharded over the ranks holding the same ones (efsdp);
+    # the first moe block's and the last's (DeepSeek-V3 / GLM-4.5 start with dense blocks)
     efsdp = sizes[1] // sizes[2]
-    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+    stacked = [n for n, _ in hf.named_parameters() if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]
+    assert stacked
+    for name in (stacked[0], stacked[-1]):
         assert local[name][0] == -(-n_experts // sizes[2] // efsdp), (name, local[name])
     for name, p in hf.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
