@@ -286,6 +286,13 @@ CODES: dict[str, tuple[str, str]] = {
               "over axes that hold the experts' (transformers shards the dense parameters with FSDP2 over "
               "the experts' ranks), experts kept whole, `precision`, a `capacity` (transformers routes dropless) or a "
               "`z_loss_coef`."),
+    "E1207": ("import: an engine argument meshc does not read", "`meshc import-megatron` reads the flags "
+              "`meshc export --to megatron` writes (meshllm_dsl/interop/megatron.py's FLAGS: parallel sizes, pipeline "
+              "split, ZeRO, recomputation, precision, batch and the model's shape). Any other flag, a flag without "
+              "its value, a value of the wrong type, or a value meshllm cannot honour (a recomputation method, a "
+              "normalization or activation Megatron's GPT model has but the meshllm families lack, sizes that do "
+              "not divide the devices) is an error at that argument, never ignored: an ignored flag would make "
+              "the imported plan another run than the one launched."),
     "W1201": ("tp_plan gathers the logits", "transformers computes its loss on full logits, so a head that "
               "meshc keeps vocab-sharded for a vocab-parallel loss is exported as `colwise_gather_output`: the "
               "same loss, with each rank holding the full logits. `--to dtensor` keeps them sharded."),
@@ -364,6 +371,7 @@ E1203: Final = "E1203"
 E1204: Final = "E1204"
 E1205: Final = "E1205"
 E1206: Final = "E1206"
+E1207: Final = "E1207"
 W1201: Final = "W1201"
 W1202: Final = "W1202"
 

@@ -1,0 +1,387 @@
+"""`meshc import-megatron -o FILE.mesh [--devices N] -- ARGS...`: the .mesh plan of a Megatron-LM run.
+
+ARGS is the `pretrain_gpt.py` argument line (what `meshc export --to megatron` writes). Each flag is
+one of megatron.FLAGS, read with its type; any other flag, a missing or mistyped value, or a value
+meshllm cannot honour is a located error (E1207) whose span is the argument in the line, never
+ignored. The written spec says the run in meshllm's words: one mesh axis per Megatron group
+(pipeline, data, expert, cp, tensor: Megatron's rank order, the tensor group fastest), the model from
+the shape flags, and a plan with Megatron's fixed tensor-parallel shards, explicit stages, schedule,
+ZeRO (distributed optimizer / Megatron-FSDP), recomputation and precision. Every line of the plan
+carries a `# from --flag value` comment, so the checker's diagnostics on the imported plan (sizes that
+do not divide, say) name the argument they came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from meshllm_dsl.codes import E1207
+from meshllm_dsl.diagnostics import Diagnostic, SpecError, render_all
+from meshllm_dsl.front.source import SourceFile, Span
+from meshllm_dsl.interop.megatron import FLAGS, ZERO
+
+MESH = "megatron"
+MODEL = "model"
+PLAN = "train"
+
+
+class _Args:
+    """The parsed argument line: values by flag, each with the span of its argument."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.source = SourceFile("<megatron arguments>", " ".join(shlex.quote(a) for a in args))
+        self.values: dict[str, Any] = {}
+        self.spans: dict[str, Span] = {}
+        self.errors: list[Diagnostic] = []
+        offsets, at = [], 0
+        for a in args:
+            offsets.append(at)
+            at += len(shlex.quote(a)) + 1
+        i = 0
+        while i < len(args):
+            flag, span = args[i], self._span(offsets[i], args[i])
+            kind = FLAGS.get(flag, False)
+            if kind is False:
+                what = "an argument" if flag.startswith("-") else "a positional argument"
+                self.error(span, f"`{flag}` is not a Megatron flag meshc imports", f"{what} meshc does not read",
+                           "remove it, or check it is one `meshc export --to megatron` writes")
+                i += 1
+                continue
+            if kind is None:
+                self.values[flag], self.spans[flag] = True, span
+                i += 1
+                continue
+            if i + 1 >= len(args) or args[i + 1].startswith("--"):
+                self.error(span, f"`{flag}` needs a value", "no value", f"write `{flag} VALUE`")
+                i += 1
+                continue
+            raw = args[i + 1]
+            vspan = self._span(offsets[i + 1], raw)
+            try:
+                value = kind(raw)
+            except ValueError:
+                self.error(vspan, f"`{flag} {raw}`: not {'an integer' if kind is int else 'a number'}",
+                           "wrong type", f"write `{flag}` with a {kind.__name__} value")
+                i += 2
+                continue
+            if kind is int and value < 1 and flag != "--num-layers-at-start-in-bf16" and flag != "--num-layers-at-end-in-bf16":
+                self.error(vspan, f"`{flag} {raw}`: not a positive integer", "not positive", f"write `{flag}` >= 1")
+            self.values[flag], self.spans[flag] = value, Span(self.source, span.start, vspan.end)
+            i += 2
+
+    def _span(self, start: int, arg: str) -> Span:
+        return Span(self.source, start, start + len(shlex.quote(arg)))
+
+    def error(self, span: Span | None, message: str, label: str, help: str) -> None:  # noqa: A002
+        self.errors.append(Diagnostic(E1207, message, span, label=label, help=help))
+
+    def get(self, flag: str, default: Any = None) -> Any:
+        return self.values.get(flag, default)
+
+    def src(self, *flags: str) -> str:
+        """`# from --a 1 --b` for the flags given: where a spec line comes from."""
+        given = [self.spans[f].text for f in flags if f in self.spans]
+        return f"  # from {' '.join(given)}" if given else ""
+
+    def refuse(self, flag: str, message: str, help: str) -> None:  # noqa: A002
+        self.error(self.spans.get(flag), message, "not imported", help)
+
+    def want(self, flag: str, allowed: tuple[Any, ...], why: str) -> None:
+        if flag in self.values and self.values[flag] not in allowed:
+            self.refuse(flag, f"`{self.spans[flag].text}`: {why}",
+                        f"use {' or '.join(f'`{flag} {a}`' for a in allowed)}")
+
+
+def _model(a: _Args) -> tuple[str, list[str]]:
+    """(family, the model's setting lines) from the shape flags."""
+    for need in ("--num-layers", "--hidden-size", "--num-attention-heads", "--vocab-size"):
+        if need not in a.values:
+            a.error(None, f"`{need}` is missing: the model's shape comes from the flags", "missing",
+                    f"add `{need} N`")
+    layers, hidden, heads = a.get("--num-layers", 1), a.get("--hidden-size", 1), a.get("--num-attention-heads", 1)
+    ffn = a.get("--ffn-hidden-size", 4 * hidden)
+    lines = [f"vocab = {a.get('--vocab-size', 1)}{a.src('--vocab-size')}", f"hidden = {hidden}{a.src('--hidden-size')}",
+             f"layers = {layers}{a.src('--num-layers')}", f"heads = {heads}{a.src('--num-attention-heads')}",
+             f"ffn = {ffn}{a.src('--ffn-hidden-size')}"]
+    a.want("--make-vocab-size-divisible-by", (1,), "Megatron pads the vocabulary, meshllm's model is unpadded")
+    eps = a.get("--norm-epsilon", 1e-5)
+    norm = a.get("--normalization", "LayerNorm")
+    if norm == "LayerNorm":
+        family = "gpt2"
+        if "--openai-gelu" not in a.values:
+            a.error(None, "GELU without `--openai-gelu`: meshllm's gpt2 uses the tanh GELU", "missing",
+                    "add `--openai-gelu`")
+        a.want("--position-embedding-type", ("learned_absolute",), "meshllm's gpt2 learns its positions")
+        for flag in ("--swiglu", "--disable-bias-linear", "--group-query-attention", "--num-experts"):
+            if flag in a.values:
+                a.refuse(flag, f"`{flag}` with LayerNorm: not a meshllm family (gpt2 has biases, GELU, MHA)",
+                         "drop it, or use `--normalization RMSNorm` for a llama-family model")
+        lines += [f"positions = {a.get('--max-position-embeddings', 1024)}{a.src('--max-position-embeddings')}",
+                  f"norm_eps = {eps!r}{a.src('--norm-epsilon')}",
+                  f"tie_embeddings = {'false' if '--untie-embeddings-and-output-weights' in a.values else 'true'}"
+                  f"{a.src('--untie-embeddings-and-output-weights')}"]
+        return family, lines
+    if norm != "RMSNorm":
+        a.refuse("--normalization", f"`--normalization {norm}`", "use RMSNorm or LayerNorm")
+    family = "mixtral" if "--num-experts" in a.values else "llama"
+    for flag, why in (("--swiglu", "meshllm's llama and mixtral use SwiGLU"),
+                      ("--disable-bias-linear", "meshllm's llama and mixtral have no linear biases")):
+        if flag not in a.values:
+            a.error(None, f"RMSNorm without `{flag}`: {why}", "missing", f"add `{flag}`")
+    a.want("--position-embedding-type", ("rope",), "meshllm's llama and mixtral use rope")
+    if "--openai-gelu" in a.values:
+        a.refuse("--openai-gelu", "`--openai-gelu` with `--swiglu`", "drop it")
+    kv = a.get("--num-query-groups", heads) if "--group-query-attention" in a.values else heads
+    lines.append(f"kv_heads = {kv}{a.src('--group-query-attention', '--num-query-groups')}")
+    if "--kv-channels" in a.values:
+        lines.append(f"head_dim = {a.get('--kv-channels')}{a.src('--kv-channels')}")
+    lines += [f"norm_eps = {eps!r}{a.src('--norm-epsilon')}",
+              f"rope_theta = {float(a.get('--rotary-base', 10000))!r}{a.src('--rotary-base')}"]
+    if "--use-rope-scaling" in a.values:
+        lines += [f"rope_type = llama3{a.src('--use-rope-scaling')}",
+                  f"rope_factor = {float(a.get('--rope-scaling-factor', 8.0))!r}{a.src('--rope-scaling-factor')}"]
+    if family == "llama":
+        if "--add-qkv-bias" in a.values:
+            lines.append(f"attn_bias = true{a.src('--add-qkv-bias')}")
+        if "--qk-layernorm" in a.values:
+            lines.append(f"qk_norm = head{a.src('--qk-layernorm')}")
+    else:
+        for flag in ("--add-qkv-bias", "--qk-layernorm"):
+            if flag in a.values:
+                a.refuse(flag, f"`{flag}` on a mixture-of-experts model: meshllm's mixtral has neither",
+                         "drop it")
+        moe_ffn = a.get("--moe-ffn-hidden-size", ffn)
+        if moe_ffn != ffn:
+            a.refuse("--moe-ffn-hidden-size", "experts of another width than `--ffn-hidden-size`: meshllm's mixtral "
+                     "has one ffn", "make them equal")
+        lines += [f"experts = {a.get('--num-experts')}{a.src('--num-experts')}",
+                  f"top_k = {a.get('--moe-router-topk', 2)}{a.src('--moe-router-topk')}"]
+        balance = a.get("--moe-router-load-balancing-type", "aux_loss")
+        a.want("--moe-router-load-balancing-type", ("aux_loss", "none"), "meshllm's mixtral has the aux loss only")
+        aux = a.get("--moe-aux-loss-coeff", 0.0) if balance == "aux_loss" else 0.0
+        lines.append(f"aux_loss_coef = {float(aux)!r}{a.src('--moe-router-load-balancing-type', '--moe-aux-loss-coeff')}")
+        if "--moe-z-loss-coeff" in a.values:
+            lines.append(f"z_loss_coef = {a.get('--moe-z-loss-coeff')!r}{a.src('--moe-z-loss-coeff')}")
+    lines.append(f"tie_embeddings = {'false' if '--untie-embeddings-and-output-weights' in a.values else 'true'}"
+                 f"{a.src('--untie-embeddings-and-output-weights')}")
+    return family, lines
+
+
+_SHARDS = {
+    "gpt2": ("blocks.*.attn.qkv column", "blocks.*.attn.o row", "blocks.*.mlp.up column", "blocks.*.mlp.down row",
+             "embed vocab_parallel", "lm_head column"),
+    "llama": ("blocks.*.attn.{q,k,v} column", "blocks.*.attn.o row", "blocks.*.mlp.{gate,up} column",
+              "blocks.*.mlp.down row", "embed vocab_parallel", "lm_head column"),
+}
+
+
+def spec_text(args: list[str], devices: int | None) -> str:
+    """The .mesh text of the run `args` on `devices` (default: one data-parallel replica)."""
+    a = _Args(args)
+    family, model_lines = _model(a)
+    tp, pp = a.get("--tensor-model-parallel-size", 1), a.get("--pipeline-model-parallel-size", 1)
+    cp, ep = a.get("--context-parallel-size", 1), a.get("--expert-model-parallel-size", 1)
+    sizes = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size")
+    devices = tp * pp * cp if devices is None else devices
+    if devices % (tp * pp * cp):
+        a.refuse(next((f for f in sizes if f in a.values), sizes[0]),
+                 f"{devices} devices are not a multiple of tensor x pipeline x context = {tp * pp * cp}",
+                 "give --devices a multiple of the model-parallel sizes")
+    dp = max(devices // (tp * pp * cp), 1)
+    a.want("--expert-tensor-parallel-size", (tp,), "meshllm splits the experts' ffn over the tensor axis as a dense one's")
+    if dp % ep:
+        a.refuse("--expert-model-parallel-size", f"`--expert-model-parallel-size {ep}` does not divide the "
+                 f"{dp} data-parallel ranks", "meshllm splits the experts over data-parallel axes")
+    if ep > 1 and family != "mixtral":
+        a.refuse("--expert-model-parallel-size", "expert parallelism without `--num-experts`", "add `--num-experts`")
+    # the mesh: Megatron's order tp-cp-ep-dp-pp, tensor fastest; meshllm's last axis is the fastest
+    axes = [("pipeline", pp, "--pipeline-model-parallel-size"), ("data", dp // ep, None),
+            ("expert", ep, "--expert-model-parallel-size"), ("cp", cp, "--context-parallel-size"),
+            ("tensor", tp, "--tensor-model-parallel-size")]
+    axes = [x for x in axes if x[1] > 1] or [("data", 1, None)]
+    names = [n for n, _, _ in axes]
+    batch_axes = [n for n in names if n in ("data", "expert")]
+    replicas = batch_axes + (["cp"] if cp > 1 else [])
+
+    gbs, mbs = a.get("--global-batch-size"), a.get("--micro-batch-size", 1)
+    gbs = mbs * dp if gbs is None else gbs
+    if gbs % (mbs * dp):
+        a.refuse("--global-batch-size", f"global batch {gbs} is not micro batch {mbs} x {dp} data-parallel ranks "
+                 "x microbatches", "make it a multiple")
+    seq = a.get("--seq-length")
+    if seq is None:
+        a.error(None, "`--seq-length` is missing", "missing", "add `--seq-length N`")
+    plan = [f"batch = {gbs}{a.src('--global-batch-size')}", f"seq = {seq}{a.src('--seq-length')}",
+            f"microbatches = {max(gbs // (mbs * dp), 1)}{a.src('--micro-batch-size')}"]
+    layout = [f"batch -> {' * '.join(batch_axes)}"] if batch_axes else []
+    seq_axes = (["tensor"] if "--sequence-parallel" in a.values and tp > 1 else []) + (["cp"] if cp > 1 else [])
+    if "--sequence-parallel" in a.values and tp == 1:
+        a.refuse("--sequence-parallel", "sequence parallelism without tensor parallelism", "drop it")
+    if seq_axes:
+        layout.append(f"seq -> {' * '.join(seq_axes)}")
+    if ep > 1:
+        layout.append("experts -> expert")
+    if layout:
+        plan.append(f"layout {{ {', '.join(layout)} }}{a.src('--sequence-parallel', '--context-parallel-size', '--expert-model-parallel-size')}")
+    if tp > 1:
+        for shard in _SHARDS["gpt2" if family == "gpt2" else "llama"]:
+            plan.append(f"shard {shard}(tensor){a.src('--tensor-model-parallel-size')}")
+    if family == "mixtral":
+        plan.append("shard blocks.*.mlp.router replicate")
+    plan += _stages(a, pp, a.get("--num-layers", 1))
+    plan += _recompute(a)
+    plan += _precision(a)
+    zero = _zero(a)
+    opt = [f"    zero {zero} over {' * '.join(replicas)}{a.src(*[f for f, _ in ZERO[zero]])}"] if zero and replicas else []
+    if zero and not replicas:
+        a.refuse("--use-distributed-optimizer", "a distributed optimizer with one data-parallel rank", "drop it")
+    plan += ["optimizer adamw {", *opt, "}"]
+    if a.errors:
+        raise SpecError(a.errors)
+    mesh = f"mesh {MESH} {{\n    axes {', '.join(f'{n} = {s}' for n, s, _ in axes)}\n}}\n"
+    body = "\n".join(f"    {x}" if not x.startswith("    ") else f"    {x}" for x in model_lines)
+    plan_body = "\n".join(f"    {x}" for x in plan)
+    return (f"# Imported from a Megatron-LM argument line by `meshc import-megatron`: {shlex.join(args)}\n"
+            f"{mesh}\nmodel {MODEL} = {family} {{\n{body}\n    dtype = {'bf16' if '--bf16' in a.values else 'fp32'}"
+            f"{a.src('--bf16')}\n}}\n\nplan {PLAN} on {MESH} for {MODEL} {{\n{plan_body}\n}}\n")
+
+
+def _stages(a: _Args, pp: int, layers: int) -> list[str]:
+    """Megatron's pipeline split as explicit stages: round-robin virtual stages, even or by the layout string."""
+    if pp == 1:
+        for flag in ("--num-layers-per-virtual-pipeline-stage", "--pipeline-model-parallel-layout"):
+            if flag in a.values:
+                a.refuse(flag, f"`{flag}` without pipeline parallelism", "drop it")
+        return []
+    counts: list[int] = []
+    if "--pipeline-model-parallel-layout" in a.values:
+        layout = a.get("--pipeline-model-parallel-layout")
+        stages = layout.split("|")
+        for i, stage in enumerate(stages):
+            want = ("E" if i == 0 else "") + "t" * stage.count("t") + ("L" if i == len(stages) - 1 else "")
+            if stage != want or len(stages) % pp:
+                a.refuse("--pipeline-model-parallel-layout", f"layout `{layout}`: meshc imports stages written "
+                         "`E` + `t` per block on the first, `t`s, and `L` on the last, a multiple of the pipeline size",
+                         "write each stage's blocks as `t`s (no `*`, `m` or `(...)`)")
+                return []
+            counts.append(stage.count("t"))
+    else:
+        per = a.get("--num-layers-per-virtual-pipeline-stage")
+        per = per if per is not None else layers // pp
+        if layers % per or (layers // per) % pp:
+            a.refuse("--num-layers-per-virtual-pipeline-stage" if "--num-layers-per-virtual-pipeline-stage" in a.values
+                     else "--pipeline-model-parallel-size",
+                     f"{layers} layers do not split into {pp} ranks of stages of {per}", "make them divide")
+            return []
+        counts = [per] * (layers // per)
+    if sum(counts) != layers:
+        a.refuse("--pipeline-model-parallel-layout", f"the layout holds {sum(counts)} blocks, the model {layers}",
+                 "give every block a `t`")
+        return []
+    virtual = len(counts) // pp
+    src = a.src("--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage", "--pipeline-model-parallel-layout")
+    out = [f"stages over pipeline{f' virtual {virtual}' if virtual > 1 else ''} {{{src}"]
+    start = 0
+    for i, n in enumerate(counts):
+        items = (["embed"] if i == 0 else []) + ([f"blocks[{start}:{start + n}]"] if n else [])
+        items += ["norm", "lm_head"] if i == len(counts) - 1 else []
+        out.append(f"    {i}: {', '.join(items)}")
+        start += n
+    out += ["}", f"schedule {'interleaved_1f1b' if virtual > 1 else '1f1b'}"]
+    return out
+
+
+def _recompute(a: _Args) -> list[str]:
+    gran = a.get("--recompute-granularity")
+    if gran is None:
+        for flag in ("--recompute-method", "--recompute-num-layers", "--recompute-modules"):
+            if flag in a.values:
+                a.refuse(flag, f"`{flag}` without `--recompute-granularity`", "add `--recompute-granularity`")
+        return []
+    if gran == "full":
+        a.want("--recompute-method", ("uniform",), "meshllm recomputes each block (uniform, 1 layer)")
+        a.want("--recompute-num-layers", (1,), "meshllm recomputes each block (uniform, 1 layer)")
+        if "--recompute-method" not in a.values:
+            a.refuse("--recompute-granularity", "full recomputation without `--recompute-method`",
+                     "add `--recompute-method uniform --recompute-num-layers 1`")
+        return [f"recompute = blocks{a.src('--recompute-granularity', '--recompute-method', '--recompute-num-layers')}"]
+    if gran == "selective":
+        a.want("--recompute-modules", ("core_attn",), "meshllm's `recompute = attention` is the attention core")
+        return [f"recompute = attention{a.src('--recompute-granularity', '--recompute-modules')}"]
+    a.want("--recompute-granularity", ("full", "selective"), "Megatron's granularities")
+    return []
+
+
+def _precision(a: _Args) -> list[str]:
+    """One `precision { ... }` (bf16 with fp32 main weights; the fp8 recipe) and the blocks kept in bf16."""
+    parts, blocks, flags = [], [], ["--bf16", "--grad-reduce-in-bf16"]
+    if "--bf16" in a.values:
+        parts.append(f"params = bf16, master = fp32, reduce = {'bf16' if '--grad-reduce-in-bf16' in a.values else 'fp32'}")
+    elif "--grad-reduce-in-bf16" in a.values:
+        a.refuse("--grad-reduce-in-bf16", "bf16 gradients without `--bf16`", "add `--bf16`")
+    if "--fp8-recipe" in a.values or "--fp8-format" in a.values:
+        flags += ["--fp8-format", "--fp8-recipe"]
+        recipe = {("hybrid", "tensorwise"): "fp8_tensorwise", ("e4m3", "mxfp8"): "mxfp8"}.get(
+            (a.get("--fp8-format"), a.get("--fp8-recipe")))
+        if recipe is None:
+            a.refuse("--fp8-recipe" if "--fp8-recipe" in a.values else "--fp8-format",
+                     f"fp8 format {a.get('--fp8-format')} with recipe {a.get('--fp8-recipe')}",
+                     "use `--fp8-format hybrid --fp8-recipe tensorwise` or `--fp8-format e4m3 --fp8-recipe mxfp8`")
+        else:
+            parts.append(f"matmul = {recipe}")
+        if "--first-last-layers-bf16" in a.values:
+            layers = a.get("--num-layers", 1)
+            start, end = a.get("--num-layers-at-start-in-bf16", 1), a.get("--num-layers-at-end-in-bf16", 1)
+            src = a.src("--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "--num-layers-at-end-in-bf16")
+            blocks = [f"precision blocks.{b} matmul = bf16{src}" for b in [*range(start), *range(layers - end, layers)]]
+    return ([f"precision {{ {', '.join(parts)} }}{a.src(*flags)}"] if parts else []) + blocks
+
+
+def _zero(a: _Args) -> int:
+    if "--use-megatron-fsdp" in a.values:
+        a.want("--data-parallel-sharding-strategy", ("optim_grads", "optim_grads_params"),
+               "meshllm's ZeRO 2 / 3 (ZeRO 1 is `--use-distributed-optimizer` alone)")
+        return 3 if a.get("--data-parallel-sharding-strategy", "optim_grads_params") == "optim_grads_params" else 2
+    for flag in ("--data-parallel-sharding-strategy", "--ckpt-format"):
+        if flag in a.values:
+            a.refuse(flag, f"`{flag}` without `--use-megatron-fsdp`", "add `--use-megatron-fsdp` or drop it")
+    return 1 if "--use-distributed-optimizer" in a.values else 0
+
+
+def cmd_import_megatron(args: argparse.Namespace) -> int:
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.cli.main import UsageError
+    from meshllm_dsl.runtime.outputs import check_new_file, write_output
+
+    engine_args = args.args[1:] if args.args[:1] == ["--"] else args.args
+    if not engine_args:
+        raise UsageError("give the Megatron arguments after `--`")
+    if args.devices is not None and args.devices < 1:
+        raise UsageError(f"--devices must be a positive integer, got {args.devices}")
+    out = Path(args.output)
+    check_new_file(out, ".mesh file", args.force)
+    try:
+        text = spec_text(engine_args, args.devices)
+    except SpecError as err:
+        print(render_all(err.diagnostics), end="", file=sys.stderr)
+        return 1
+    result = check_text(text, str(out))
+    if not result.ok:  # the checker's own diagnostics, on lines that name the argument they came from
+        print(render_all(result.diagnostics), end="", file=sys.stderr)
+        return 1
+    write_output(out, text.encode())
+    print(f"wrote {out}")
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("import-megatron", help="a .mesh spec (mesh, model, plan `train`) from a Megatron-LM argument line")
+    p.add_argument("-o", "--output", required=True, metavar="FILE.mesh")
+    p.add_argument("--force", action="store_true", help="replace FILE.mesh if it exists")
+    p.add_argument("--devices", type=int, help="devices of the run (default: tensor x pipeline x context, one replica)")
+    p.add_argument("args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="pretrain_gpt.py's arguments, after `--`")
+    p.set_defaults(func=cmd_import_megatron)
