@@ -49,7 +49,8 @@ class _Args:
                 what = "an argument" if flag.startswith("-") else "a positional argument"
                 self.error(span, f"`{flag}` is not a Megatron flag meshc imports", f"{what} meshc does not read",
                            "remove it, or check it is one `meshc export --to megatron` writes")
-                i += 1
+                # an unknown flag's value (if it has one) is not a second error
+                i += 2 if flag.startswith("--") and i + 1 < len(args) and not args[i + 1].startswith("--") else 1
                 continue
             if kind is None:
                 self.values[flag], self.spans[flag] = True, span
@@ -242,7 +243,8 @@ def spec_text(args: list[str], devices: int | None) -> str:
     plan += ["optimizer adamw {", *opt, "}"]
     if a.errors:
         raise SpecError(a.errors)
-    mesh = f"mesh {MESH} {{\n    axes {', '.join(f'{n} = {s}' for n, s, _ in axes)}\n}}\n"
+    mesh = (f"mesh {MESH} {{\n    axes {', '.join(f'{n} = {s}' for n, s, _ in axes)}"
+            f"{a.src(*[f for _, _, f in axes if f])}\n}}\n")
     body = "\n".join(f"    {x}" if not x.startswith("    ") else f"    {x}" for x in model_lines)
     plan_body = "\n".join(f"    {x}" for x in plan)
     return (f"# Imported from a Megatron-LM argument line by `meshc import-megatron`: {shlex.join(args)}\n"

@@ -1,0 +1,147 @@
+"""`meshc import-megatron`: a Megatron-LM argument line as a .mesh plan, and the round trip.
+
+Every example plan `--to megatron` exports is imported back from the written line; the imported spec
+must check, export to the same line, and be the same plan: the devices and each role's size, batch,
+sequence, microbatches, stages (blocks per stage, virtual stages, schedule), placements by rule,
+ZeRO, recomputation, precision, float8 and the model's settings. Bad lines are located errors: an
+unknown flag (E1207 with a caret under it), and values that do not divide through the checker's own
+diagnostics, on spec lines that name the argument they came from.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshllm_dsl.checker import check_file
+from meshllm_dsl.cli.main import main
+from meshllm_dsl.ir import PlanIR
+
+ROOT = Path(__file__).resolve().parents[2]
+
+ACCEPTED = (("gpt2_small", "train"), ("llama2_70b_train", "train_64"), ("tiny_llama", "train"),
+            ("tiny_llama_context", "train"), ("tiny_llama_fp8", "train"), ("tiny_llama_fsdp", "train"),
+            ("tiny_mixtral", "train"), ("tiny_mixtral_experts", "train"))
+
+
+def _script_args(script: Path) -> list[str]:
+    import shlex
+
+    text = script.read_text()
+    line = text[text.index("pretrain_gpt.py"):].replace("\\\n", " ")
+    return [a for a in shlex.split(line)[1:] if a != "$@"]
+
+
+def _export(src: Path, plan: str, out: Path) -> list[str]:
+    assert main(["export", str(src), "--plan", plan, "--to", "megatron", "-o", str(out)]) == 0
+    return _script_args(out)
+
+
+def _import(args: list[str], out: Path, devices: int | None, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    extra = ["--devices", str(devices)] if devices is not None else []
+    rc = main(["import-megatron", "-o", str(out), *extra, "--", *args])
+    return rc, capsys.readouterr().err
+
+
+def _summary(p: PlanIR) -> dict[str, Any]:
+    """The plan in Megatron's terms, free of the mesh's axis names."""
+    roles = p.roles
+    size = p.mesh.size
+
+    def role(axes: tuple[str, ...]) -> str:
+        return "tensor" if axes and axes == tuple(roles.tensor) else ("none" if not axes else "other")
+
+    placements = [(path, pl.rule, role(tuple(pl.axes)), bool(pl.experts)) for path, pl in p.top_placements]
+    for bc in p.block_classes:
+        placements += [(f"{bc.repeat}.{i}.{path}", pl.rule, role(tuple(pl.axes)), bool(pl.experts))
+                       for i in bc.indices for path, pl in bc.placements]
+    stages = [[(x.item, x.start, x.stop) for x in s.pieces] for s in p.stages]
+    v = dict(p.model.values)
+    model = {k: v.get(k) for k in ("vocab", "hidden", "layers", "heads", "kv_heads", "ffn", "head_dim", "norm_eps",
+                                   "rope_theta", "experts", "top_k", "aux_loss_coef", "positions", "tie_embeddings",
+                                   "attn_bias")}
+    return {
+        "devices": p.mesh.devices, "family": p.model.family,
+        "sizes": (p.pipeline_size, p.data_size, p.context_size, size(*roles.tensor) if roles.tensor else 1,
+                  size(*roles.expert) if roles.expert else 1, p.sequence_size, p.zero_size),
+        "batch": (p.batch, p.seq, p.microbatches), "stages": stages, "coords": [s.coord for s in p.stages],
+        "schedule": (p.schedule, p.virtual) if p.pipeline_size > 1 else None,
+        "zero": p.zero, "recompute": (p.recompute, p.recompute_every),
+        "precision": (p.dtype, p.master_dtype or p.dtype, p.reduce_dtype or p.dtype),
+        "float8": (p.float8.recipe, p.float8.layers) if p.float8 else None,
+        "placements": sorted(placements), "model": model,
+    }
+
+
+@pytest.mark.parametrize(("name", "plan"), ACCEPTED)
+def test_round_trip(name: str, plan: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = ROOT / "examples" / f"{name}.mesh"
+    original = check_file(src).plans[plan]
+    args = _export(src, plan, tmp_path / "a.sh")
+    rc, err = _import(args, tmp_path / "imported.mesh", original.mesh.devices, capsys)
+    assert rc == 0, err
+    result = check_file(tmp_path / "imported.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    imported = result.plans["train"]
+    assert _summary(imported) == _summary(original)
+    assert _export(tmp_path / "imported.mesh", "train", tmp_path / "b.sh") == args
+
+
+def test_uneven_layout_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = (ROOT / "examples" / "tiny_llama.mesh").read_text().replace(
+        "stages over pipeline balanced",
+        "stages over pipeline {\n        0: embed, blocks[0:3]\n        1: blocks[3:4], norm, lm_head\n    }")
+    (tmp_path / "u.mesh").write_text(text)
+    args = _export(tmp_path / "u.mesh", "train", tmp_path / "u.sh")
+    assert "--pipeline-model-parallel-layout" in args
+    rc, err = _import(args, tmp_path / "i.mesh", 8, capsys)
+    assert rc == 0, err
+    assert _summary(check_file(tmp_path / "i.mesh").plans["train"]) == _summary(check_file(tmp_path / "u.mesh").plans["train"])
+
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
+        "--vocab-size", "256", "--make-vocab-size-divisible-by", "1", "--normalization", "RMSNorm", "--swiglu",
+        "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+        "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "8"]
+
+
+def test_defaults_one_replica(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _import([*BASE, "--tensor-model-parallel-size", "2"], tmp_path / "d.mesh", None, capsys)
+    assert rc == 0, err
+    p = check_file(tmp_path / "d.mesh").plans["train"]
+    assert (p.mesh.devices, p.microbatches, p.model.family) == (2, 8, "llama")
+
+
+@pytest.mark.parametrize(("extra", "located", "message"), [
+    (["--tensor-model-paralel-size", "2"], "--tensor-model-paralel-size", "is not a Megatron flag meshc imports"),
+    (["--use-torch-fsdp2"], "--use-torch-fsdp2", "is not a Megatron flag meshc imports"),
+    (["--hidden-dropout", "0.1"], "--hidden-dropout", "is not a Megatron flag meshc imports"),
+    (["--tensor-model-parallel-size", "two"], "two", "not an integer"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
+     "--recompute-method block", "meshllm recomputes each block"),
+])
+def test_unknown_or_unreadable_argument_is_located(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                   extra: list[str], located: str, message: str) -> None:
+    rc, err = _import([*BASE, *extra], tmp_path / "x.mesh", None, capsys)
+    assert rc == 1
+    assert "error[E1207]" in err and message in err and "help:" in err, err
+    caret_line = next(line for line in err.splitlines() if "^" in line)
+    source_line = err.splitlines()[err.splitlines().index(caret_line) - 1]
+    col = caret_line.index("^")
+    assert source_line[col:].startswith(located), err  # the caret is under the argument
+    assert not (tmp_path / "x.mesh").exists()
+
+
+def test_values_that_do_not_divide_name_the_argument(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Heads 4 over a tensor group of 3: the checker's own error, on the line from the argument."""
+    rc, err = _import([*BASE, "--tensor-model-parallel-size", "3"], tmp_path / "x.mesh", None, capsys)
+    assert rc == 1
+    assert "error[E" in err and "--tensor-model-parallel-size 3" in err, err
+    assert not (tmp_path / "x.mesh").exists()
+
+
+def test_devices_not_a_multiple(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _import([*BASE, "--tensor-model-parallel-size", "2"], tmp_path / "x.mesh", 3, capsys)
+    assert rc == 1 and "error[E1207]" in err and "not a multiple" in err, err
