@@ -147,6 +147,8 @@ def _configs(ns: argparse.Namespace) -> tuple[Any, Any, Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tc = TransformerConfig(**kw)
+        if tc.pipeline_model_parallel_layout is not None:  # as arguments.py's validate_args does
+            tc.pipeline_model_parallel_layout.validate_layer_layout(tc.num_layers, 0)
         opt = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=ns.bf16, params_dtype=dtype,
                               use_distributed_optimizer=ns.use_distributed_optimizer)
         ddp = DistributedDataParallelConfig(
@@ -161,7 +163,6 @@ def _layout_counts(tc: Any) -> list[int]:
     from megatron.core.transformer.enums import LayerType
 
     lay = tc.pipeline_model_parallel_layout
-    lay.validate_layer_layout(tc.num_layers, 0)
     pp = tc.pipeline_model_parallel_size
     vpp = tc.virtual_pipeline_model_parallel_size or 1
     return [lay.layout[i % pp][i // pp].count(LayerType.decoder) for i in range(pp * vpp)]
@@ -302,3 +303,23 @@ def test_refusals_are_located(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert rc == 1, err
     assert f"error[{code}]" in err and line in err and "^" in err and "help:" in err, err
     assert not (tmp_path / f"{name}.sh").exists()
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    ({"--tensor-model-parallel-size": "3"}, "num_attention_heads"),  # 4 heads over 3 ranks
+    ({"--pipeline-model-parallel-layout": "Ettt|ttL"}, "layers"),  # 5 blocks in the layout, 4 in the model
+    ({"--recompute-granularity": "selective", "--recompute-num-layers": "1"}, "recompute_num_layers"),
+])
+def test_megatron_core_refuses_a_tampered_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                               change: dict[str, str], words: str) -> None:
+    """The validator is megatron-core's: the exported line passes, the same line with a size changed fails."""
+    out = tmp_path / "run.sh"
+    rc, err = _export(ROOT / "examples" / "tiny_llama.mesh", "train", out, capsys)
+    assert rc == 0, err
+    args = script_args(out)
+    _configs(_parser().parse_args(args))
+    for flag, value in change.items():
+        args = args[: args.index(flag) + 1] + [value] + args[args.index(flag) + 2:] if flag in args else [*args, flag, value]
+    with pytest.raises((ValueError, AssertionError)) as exc:
+        _configs(_parser().parse_args(args))
+    assert words in str(exc.value)
