@@ -176,9 +176,9 @@ def test_export_matches_golden_and_is_deterministic(target: str, request: pytest
 
 def test_cli_targets_are_the_exporters() -> None:
     from meshllm_dsl.cli import export as cli_export
-    from meshllm_dsl.interop import hf_ep, torchtitan
+    from meshllm_dsl.interop import hf_ep, megatron, torchtitan
 
-    assert cli_export.TARGETS == (*TARGETS, torchtitan.TARGET, hf_ep.TARGET)
+    assert cli_export.TARGETS == (*TARGETS, torchtitan.TARGET, hf_ep.TARGET, megatron.TARGET)
 
 
 def test_header_names_the_spec_and_its_hash() -> None:
