@@ -1,11 +1,12 @@
-"""`meshc import-megatron -o FILE.mesh [--devices N] -- ARGS...`: the .mesh plan of a Megatron-LM run.
+"""`meshc import-megatron -o FILE.mesh [--devices N] [--hf-config DIR] -- ARGS...`: the .mesh plan of a Megatron-LM run.
 
 ARGS is the `pretrain_gpt.py` argument line (what `meshc export --to megatron` writes). Each flag is
 one of megatron.FLAGS, read with its type; any other flag, a missing or mistyped value, or a value
 meshllm cannot honour is a located error (E1207) whose span is the argument in the line, never
 ignored. The written spec says the run in meshllm's words: one mesh axis per Megatron group
 (pipeline, data, expert, cp, tensor: Megatron's rank order, the tensor group fastest), the model from
-the shape flags, and a plan with Megatron's fixed tensor-parallel shards, explicit stages, schedule,
+the shape flags (or DIR's config.json, read as `meshc import-hf` reads it, the flags checked against
+it), and a plan with Megatron's fixed tensor-parallel shards, explicit stages, schedule,
 ZeRO (distributed optimizer / Megatron-FSDP), recomputation and precision. Every line of the plan
 carries a `# from --flag value` comment, so the checker's diagnostics on the imported plan (sizes that
 do not divide, say) name the argument they came from.
@@ -180,10 +181,39 @@ _SHARDS = {
 }
 
 
-def spec_text(args: list[str], devices: int | None) -> str:
-    """The .mesh text of the run `args` on `devices` (default: one data-parallel replica)."""
+# Megatron's shape flags and the model settings they are, for checking them against a config.json.
+_SHAPE = {"--num-layers": "layers", "--hidden-size": "hidden", "--num-attention-heads": "heads",
+          "--ffn-hidden-size": "ffn", "--vocab-size": "vocab", "--num-query-groups": "kv_heads",
+          "--kv-channels": "head_dim", "--num-experts": "experts", "--moe-router-topk": "top_k",
+          "--norm-epsilon": "norm_eps", "--rotary-base": "rope_theta", "--max-position-embeddings": "positions"}
+
+
+def _hf_model(a: _Args, family: str, hf_dir: str) -> list[str]:
+    """The model's settings from `hf_dir`/config.json (import-hf's reading), each flag of the line
+    checked against the setting it gives: a run whose flags say another model is an error at the flag."""
+    from meshllm_dsl.interop.import_hf import _num, model_settings, read_config
+
+    where = str(Path(hf_dir) / "config.json")
+    hf_family, settings, _ = model_settings(read_config(Path(hf_dir)), where)
+    if hf_family != family:
+        a.error(None, f"{where} is a `{hf_family}` model but the flags describe a `{family}` one", "another family",
+                "give the config of the model the run trains")
+    values = {k: v for k, v, _ in settings}
+    for flag, key in _SHAPE.items():
+        if flag in a.values and key in values and a.values[flag] != values[key] and not (
+                key == "positions" and family != "gpt2"):
+            a.refuse(flag, f"`{a.spans[flag].text}` but {where} gives {key} = {_num(values[key])}",
+                     "make the flag the config's value (or drop --hf-config to take the flags' model)")
+    return [f"{k} = {_num(v)}  # from config.json {src}" for k, v, src in settings if k != "dtype"]
+
+
+def spec_text(args: list[str], devices: int | None, hf_config: str | None = None) -> str:
+    """The .mesh text of the run `args` on `devices` (default: one data-parallel replica); the model
+    from `hf_config`'s config.json when given, else from the shape flags."""
     a = _Args(args)
     family, model_lines = _model(a)
+    if hf_config is not None:
+        model_lines = _hf_model(a, family, hf_config)
     tp, pp = a.get("--tensor-model-parallel-size", 1), a.get("--pipeline-model-parallel-size", 1)
     cp, ep = a.get("--context-parallel-size", 1), a.get("--expert-model-parallel-size", 1)
     sizes = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size")
@@ -357,19 +387,25 @@ def _zero(a: _Args) -> int:
 def cmd_import_megatron(args: argparse.Namespace) -> int:
     from meshllm_dsl.checker import check_text
     from meshllm_dsl.cli.main import UsageError
+    from meshllm_dsl.families.config_fields import ConfigError, ImportError_
     from meshllm_dsl.runtime.outputs import check_new_file, write_output
 
     engine_args = args.args[1:] if args.args[:1] == ["--"] else args.args
     if not engine_args:
         raise UsageError("give the Megatron arguments after `--`")
+    if args.hf_config is not None and not Path(args.hf_config).is_dir():
+        raise UsageError(f"no such directory: {args.hf_config}")
     if args.devices is not None and args.devices < 1:
         raise UsageError(f"--devices must be a positive integer, got {args.devices}")
     out = Path(args.output)
     check_new_file(out, ".mesh file", args.force)
     try:
-        text = spec_text(engine_args, args.devices)
+        text = spec_text(engine_args, args.devices, args.hf_config)
     except SpecError as err:
         print(render_all(err.diagnostics), end="", file=sys.stderr)
+        return 1
+    except (ImportError_, ConfigError) as err:  # config.json unreadable, or a model meshllm cannot honour
+        print(f"meshc: error: {err}", file=sys.stderr)
         return 1
     result = check_text(text, str(out))
     if not result.ok:  # the checker's own diagnostics, on lines that name the argument they came from
@@ -385,5 +421,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("-o", "--output", required=True, metavar="FILE.mesh")
     p.add_argument("--force", action="store_true", help="replace FILE.mesh if it exists")
     p.add_argument("--devices", type=int, help="devices of the run (default: tensor x pipeline x context, one replica)")
+    p.add_argument("--hf-config", metavar="DIR", help="a Hugging Face model directory: the model from its config.json "
+                   "(the shape flags must agree with it), not from the flags")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="pretrain_gpt.py's arguments, after `--`")
     p.set_defaults(func=cmd_import_megatron)

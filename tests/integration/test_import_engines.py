@@ -145,3 +145,35 @@ def test_values_that_do_not_divide_name_the_argument(tmp_path: Path, capsys: pyt
 def test_devices_not_a_multiple(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, err = _import([*BASE, "--tensor-model-parallel-size", "2"], tmp_path / "x.mesh", 3, capsys)
     assert rc == 1 and "error[E1207]" in err and "not a multiple" in err, err
+
+
+def _llama_config(directory: Path, layers: int = 4) -> Path:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-5,
+                                   rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=64)
+    cfg.save_pretrained(directory)
+    return directory
+
+
+def test_model_from_hf_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--hf-config: the model's settings are config.json's (as import-hf reads them), the plan the line's."""
+    src = ROOT / "examples" / "tiny_llama.mesh"
+    args = _export(src, "train", tmp_path / "a.sh")
+    hf = _llama_config(tmp_path / "hf")
+    rc = main(["import-megatron", "-o", str(tmp_path / "i.mesh"), "--devices", "8", "--hf-config", str(hf), "--", *args])
+    assert rc == 0, capsys.readouterr().err
+    text = (tmp_path / "i.mesh").read_text()
+    assert "layers = 4  # from config.json `num_hidden_layers`" in text
+    imported, original = check_file(tmp_path / "i.mesh").plans["train"], check_file(src).plans["train"]
+    assert _summary(imported) == _summary(original)
+    assert _export(tmp_path / "i.mesh", "train", tmp_path / "b.sh") == args
+
+
+def test_flags_that_contradict_the_hf_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    hf = _llama_config(tmp_path / "hf", layers=2)
+    rc = main(["import-megatron", "-o", str(tmp_path / "i.mesh"), "--hf-config", str(hf), "--",
+               *BASE, "--group-query-attention", "--num-query-groups", "2"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "error[E1207]" in err and "`--num-layers 4` but" in err and "layers = 2" in err, err
+    assert not (tmp_path / "i.mesh").exists()
