@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,10 @@ PLAN = "train"
 class _Args:
     """The parsed argument line: values by flag, each with the span of its argument."""
 
-    def __init__(self, args: list[str]) -> None:
-        self.source = SourceFile("<megatron arguments>", " ".join(shlex.quote(a) for a in args))
+    def __init__(self, args: list[str], flags: dict[str, type | None] = FLAGS, engine: str = "megatron",
+                 subcommands: tuple[str, ...] = ()) -> None:
+        self.source = SourceFile(f"<{engine} arguments>", " ".join(shlex.quote(a) for a in args))
+        self.subcommand: str | None = None
         self.values: dict[str, Any] = {}
         self.spans: dict[str, Span] = {}
         self.errors: list[Diagnostic] = []
@@ -45,11 +48,17 @@ class _Args:
         i = 0
         while i < len(args):
             flag, span = args[i], self._span(offsets[i], args[i])
-            kind = FLAGS.get(flag, False)
+            if flag in subcommands and self.subcommand is None:
+                self.subcommand, self.spans[flag] = flag, span
+                i += 1
+                continue
+            kind = flags.get(flag, False)
             if kind is False:
                 what = "an argument" if flag.startswith("-") else "a positional argument"
-                self.error(span, f"`{flag}` is not a Megatron flag meshc imports", f"{what} meshc does not read",
-                           "remove it, or check it is one `meshc export --to megatron` writes")
+                self.error(span, f"`{flag}` is not a{'' if engine == 'torchtitan' else ' Megatron'} "
+                           f"{'key' if engine == 'torchtitan' else 'flag'} meshc imports",
+                           f"{what} meshc does not read",
+                           f"remove it, or check it is one `meshc export --to {engine}` writes")
                 # an unknown flag's value (if it has one) is not a second error
                 i += 2 if flag.startswith("--") and i + 1 < len(args) and not args[i + 1].startswith("--") else 1
                 continue
@@ -70,7 +79,7 @@ class _Args:
                            "wrong type", f"write `{flag}` with a {kind.__name__} value")
                 i += 2
                 continue
-            if kind is int and value < 1 and flag != "--num-layers-at-start-in-bf16" and flag != "--num-layers-at-end-in-bf16":
+            if kind is int and value < 1 and not flag.endswith(("-in-bf16", "_less_layers")):
                 self.error(vspan, f"`{flag} {raw}`: not a positive integer", "not positive", f"write `{flag}` >= 1")
             self.values[flag], self.spans[flag] = value, Span(self.source, span.start, vspan.end)
             i += 2
@@ -384,7 +393,155 @@ def _zero(a: _Args) -> int:
     return 1 if "--use-distributed-optimizer" in a.values else 0
 
 
+_TITAN_DTYPES = {"bfloat16": "bf16", "float32": "fp32"}
+
+
+def titan_spec_text(args: list[str], hf_config: str) -> str:
+    """The .mesh text of the torchtitan 0.3 run `args` (`--module M --config C`, the `--section.key`
+    overrides `--to torchtitan` writes, the activation-checkpoint subcommand); the model is
+    `hf_config`'s config.json, torchtitan's being Python code in the config function, not flags."""
+    from meshllm_dsl.interop.import_hf import _num, model_settings, read_config
+    from meshllm_dsl.interop.torchtitan import KEYS, SCHEDULES, SUBCOMMANDS
+
+    a = _Args(args, KEYS, "torchtitan", tuple(SUBCOMMANDS))
+    where = str(Path(hf_config) / "config.json")
+    family, settings, _ = model_settings(read_config(Path(hf_config)), where)
+    if family != "llama":
+        a.error(None, f"{where} is a `{family}` model: torchtitan's llama3 is a `llama` family model",
+                "another family", "give the config of the llama the run trains")
+    values = {k: v for k, v, _ in settings}
+    P = "--parallelism."
+    rep, shard = a.get(P + "data_parallel_replicate_degree", 1), a.get(P + "data_parallel_shard_degree", 1)
+    tp, cp = a.get(P + "tensor_parallel_degree", 1), a.get(P + "context_parallel_degree", 1)
+    pp, ep = a.get(P + "pipeline_parallel_degree", 1), a.get(P + "expert_parallel_degree", 1)
+    if ep > 1:
+        a.refuse(P + "expert_parallel_degree", "expert parallelism for a llama (no experts)", "drop it")
+    # torchtitan's mesh: pp, dp_replicate, dp_shard, cp, tp (tp fastest); FSDP shards over dp_shard x cp
+    axes = [("pipeline", pp, P + "pipeline_parallel_degree"), ("rep", rep, P + "data_parallel_replicate_degree"),
+            ("data", shard, P + "data_parallel_shard_degree"), ("cp", cp, P + "context_parallel_degree"),
+            ("tensor", tp, P + "tensor_parallel_degree")]
+    axes = [x for x in axes if x[1] > 1] or [("data", 1, None)]
+    names = [n for n, _, _ in axes]
+    batch_axes = [n for n in names if n in ("rep", "data")]
+    zero_axes = [n for n in names if n in ("data", "cp")]
+    dp = rep * shard
+
+    T = "--training."
+    gbs, local = a.get(T + "global_batch_size"), a.get(T + "local_batch_size")
+    seq = a.get(T + "seq_len")
+    for need, value in ((T + "global_batch_size", gbs), (T + "local_batch_size", local), (T + "seq_len", seq)):
+        if value is None:
+            a.error(None, f"`{need}` is missing", "missing", f"add `{need} N`")
+    gbs, local = gbs or dp, local or 1
+    if pp > 1:  # torchtitan splits the local batch into pipeline microbatches
+        mb = a.get(P + "pipeline_parallel_microbatch_size", 1)
+        micro, micro_src = local // mb, (T + "local_batch_size", P + "pipeline_parallel_microbatch_size")
+        if local % mb or gbs != local * dp:
+            a.refuse(P + "pipeline_parallel_microbatch_size", f"local batch {local} over microbatches of {mb} with "
+                     f"global batch {gbs} and {dp} data ranks", "make local = global / data ranks, a multiple of it")
+    else:  # gradient accumulation
+        micro, micro_src = gbs // (local * dp), (T + "local_batch_size", T + "global_batch_size")
+        if gbs % (local * dp):
+            a.refuse(T + "global_batch_size", f"global batch {gbs} is not local batch {local} x {dp} data ranks x "
+                     "accumulation steps", "make it a multiple")
+    plan = [f"batch = {gbs}{a.src(T + 'global_batch_size')}", f"seq = {seq}{a.src(T + 'seq_len')}",
+            f"microbatches = {max(micro, 1)}{a.src(*micro_src)}"]
+    layout = [f"batch -> {' * '.join(batch_axes)}"] if batch_axes else []
+    sp = tp > 1 and P + "no-enable_sequence_parallel" not in a.values  # torchtitan's default: on
+    seq_axes = (["tensor"] if sp else []) + (["cp"] if cp > 1 else [])
+    if seq_axes:
+        layout.append(f"seq -> {' * '.join(seq_axes)}")
+    if layout:
+        plan.append(f"layout {{ {', '.join(layout)} }}{a.src(P + 'no-enable_sequence_parallel', P + 'context_parallel_degree')}")
+    if tp > 1:
+        plan += [f"shard {x}(tensor){a.src(P + 'tensor_parallel_degree')}" for x in _SHARDS["llama"]]
+    if pp > 1:
+        plan += _titan_stages(a, pp, values.get("layers", 1), {v: k for k, v in SCHEDULES.items()})
+    region = SUBCOMMANDS.get(a.subcommand or "activation-checkpoint:none", "none")
+    if region != "none":
+        plan.append(f"recompute = {region}{a.src(a.subcommand or '')}")
+    if "--compile.enable" in a.values:
+        a.want("--compile.components", ("model",), "meshllm compiles the model's blocks")
+        plan.append(f"compile = blocks{a.src('--compile.enable', '--compile.components')}")
+    master = _TITAN_DTYPES.get(a.get(T + "dtype", "float32"))
+    params = _TITAN_DTYPES.get(a.get(T + "mixed_precision_param", "bfloat16"))
+    for flag, got in ((T + "dtype", master), (T + "mixed_precision_param", params)):
+        if got is None:
+            a.want(flag, tuple(_TITAN_DTYPES), "meshllm's torchtitan dtypes")
+    # torchtitan 0.3 always installs FSDP2's MixedPrecisionPolicy (fully_shard over a shard degree of 1
+    # too): it computes in mixed_precision_param and keeps the weights in training.dtype
+    master, params = master or "fp32", params or "bf16"
+    if master != params:
+        plan.append(f"precision {{ params = {params}, master = {master}, reduce = fp32 }}"
+                    f"{a.src(T + 'dtype', T + 'mixed_precision_param')}")
+    opt = []
+    if zero_axes:
+        policy = a.get(P + "fsdp_reshard_after_forward", "default")
+        a.want(P + "fsdp_reshard_after_forward", ("always", "never", "default"), "torchtitan's reshard policies")
+        zero = 3 if policy == "always" or (policy == "default" and pp == 1) else 2
+        opt = [f"    zero {zero} over {' * '.join(zero_axes)}{a.src(P + 'fsdp_reshard_after_forward', P + 'data_parallel_shard_degree')}"]
+    plan += ["optimizer adamw {", *opt, "}"]
+    if a.errors:
+        raise SpecError(a.errors)
+    model = [f"{k} = {_num(v)}  # from config.json {src}" for k, v, src in settings if k != "dtype"]
+    mesh = f"mesh {MESH} {{\n    axes {', '.join(f'{n} = {s}' for n, s, _ in axes)}{a.src(*[f for _, _, f in axes if f])}\n}}\n"
+    return (f"# Imported from a torchtitan argument line by `meshc import-torchtitan`: {shlex.join(args)}\n"
+            f"{mesh}\nmodel {MODEL} = {family} {{\n" + "\n".join(f"    {x}" for x in model)
+            + f"\n    dtype = {params}{a.src(T + 'mixed_precision_param')}\n}}\n\nplan {PLAN} on {MESH} for {MODEL} {{\n"
+            + "\n".join(f"    {x}" for x in plan) + "\n}\n")
+
+
+def _titan_stages(a: _Args, pp: int, layers: int, schedules: dict[str, str]) -> list[str]:
+    """torchtitan's stages: `layers_per_stage` blocks each, the first / last fewer by their `less_layers`."""
+    P = "--parallelism."
+    sched = a.get(P + "pipeline_parallel_schedule", "1F1B")
+    if sched not in schedules:
+        a.refuse(P + "pipeline_parallel_schedule", f"schedule `{sched}` is not one meshllm runs",
+                 f"use one of {', '.join(schedules)}")
+        return []
+    per = a.get(P + "pipeline_parallel_layers_per_stage")
+    first, last = a.get(P + "pipeline_parallel_first_stage_less_layers", 1), a.get(P + "pipeline_parallel_last_stage_less_layers", 1)
+    if per is None:
+        a.error(None, f"`{P}pipeline_parallel_layers_per_stage` is missing: meshc imports explicit stages", "missing",
+                f"add `{P}pipeline_parallel_layers_per_stage N`")
+        return []
+    total = layers + first + last
+    n = total // per
+    if total % per or n % pp or first >= per or last >= per:
+        a.refuse(P + "pipeline_parallel_layers_per_stage", f"{layers} blocks (+{first} first, +{last} last) do not "
+                 f"make stages of {per} for {pp} ranks", "give a layers per stage that divides them")
+        return []
+    counts = [per] * n
+    counts[0] -= first
+    counts[-1] -= last
+    virtual = n // pp
+    src = a.src(P + "pipeline_parallel_degree", P + "pipeline_parallel_layers_per_stage",
+                P + "pipeline_parallel_first_stage_less_layers", P + "pipeline_parallel_last_stage_less_layers")
+    out = [f"stages over pipeline{f' virtual {virtual}' if virtual > 1 else ''} {{{src}"]
+    start = 0
+    for i, c in enumerate(counts):
+        items = (["embed"] if i == 0 else []) + ([f"blocks[{start}:{start + c}]"] if c else [])
+        items += ["norm", "lm_head"] if i == n - 1 else []
+        out.append(f"    {i}: {', '.join(items)}")
+        start += c
+    return [*out, "}", f"schedule {schedules[sched]}{a.src(P + 'pipeline_parallel_schedule')}"]
+
+
+def cmd_import_torchtitan(args: argparse.Namespace) -> int:
+    return _write(args, lambda engine_args: titan_spec_text(engine_args, args.hf_config), "torchtitan")
+
+
 def cmd_import_megatron(args: argparse.Namespace) -> int:
+    from meshllm_dsl.cli.main import UsageError
+
+    if args.devices is not None and args.devices < 1:
+        raise UsageError(f"--devices must be a positive integer, got {args.devices}")
+    return _write(args, lambda engine_args: spec_text(engine_args, args.devices, args.hf_config), "Megatron")
+
+
+def _write(args: argparse.Namespace, make: Callable[[list[str]], str], engine: str) -> int:
+    """Write the .mesh `make` gives for the arguments after `--`, once the checker accepts it: 1 with
+    the located errors (E1207, or the checker's own on lines naming the arguments) otherwise."""
     from meshllm_dsl.checker import check_text
     from meshllm_dsl.cli.main import UsageError
     from meshllm_dsl.families.config_fields import ConfigError, ImportError_
@@ -392,15 +549,13 @@ def cmd_import_megatron(args: argparse.Namespace) -> int:
 
     engine_args = args.args[1:] if args.args[:1] == ["--"] else args.args
     if not engine_args:
-        raise UsageError("give the Megatron arguments after `--`")
+        raise UsageError(f"give the {engine} arguments after `--`")
     if args.hf_config is not None and not Path(args.hf_config).is_dir():
         raise UsageError(f"no such directory: {args.hf_config}")
-    if args.devices is not None and args.devices < 1:
-        raise UsageError(f"--devices must be a positive integer, got {args.devices}")
     out = Path(args.output)
     check_new_file(out, ".mesh file", args.force)
     try:
-        text = spec_text(engine_args, args.devices, args.hf_config)
+        text = make(engine_args)
     except SpecError as err:
         print(render_all(err.diagnostics), end="", file=sys.stderr)
         return 1
@@ -425,3 +580,13 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                    "(the shape flags must agree with it), not from the flags")
     p.add_argument("args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="pretrain_gpt.py's arguments, after `--`")
     p.set_defaults(func=cmd_import_megatron)
+    t = sub.add_parser("import-torchtitan", help="a .mesh spec (mesh, model, plan `train`) from a torchtitan 0.3 "
+                       "argument line and the model's Hugging Face config")
+    t.add_argument("-o", "--output", required=True, metavar="FILE.mesh")
+    t.add_argument("--force", action="store_true", help="replace FILE.mesh if it exists")
+    t.add_argument("--hf-config", required=True, metavar="DIR",
+                   help="the Hugging Face model directory of the model trained (torchtitan's model is in its config "
+                        "function, not in the flags)")
+    t.add_argument("args", nargs=argparse.REMAINDER, metavar="-- ARGS",
+                   help="torchtitan.train's arguments (--module, --config, overrides, subcommand), after `--`")
+    t.set_defaults(func=cmd_import_torchtitan)

@@ -177,3 +177,82 @@ def test_flags_that_contradict_the_hf_config(tmp_path: Path, capsys: pytest.Capt
     err = capsys.readouterr().err
     assert rc == 1 and "error[E1207]" in err and "`--num-layers 4` but" in err and "layers = 2" in err, err
     assert not (tmp_path / "i.mesh").exists()
+
+
+# ---------------------------------------------------------------- torchtitan
+
+TITAN = (("llama2_70b", "train"), ("llama2_70b_train", "train"), ("llama2_70b_train", "train_64"),
+         ("llama2_70b_zbv", "train"), ("llama2_70b_zbv", "zbv_64"), ("llama3_8b_128k", "long_context"),
+         ("seed_mesh_2d", "seed"), ("tiny_llama_context", "train"), ("tiny_llama_fsdp", "train"))
+
+
+def _hf_config_of(plan: PlanIR, directory: Path) -> Path:
+    """A transformers LlamaConfig with the plan's model (torchtitan's model is code, not flags)."""
+    transformers = pytest.importorskip("transformers")
+    v = dict(plan.model.values)
+    rope = None
+    if getattr(v.get("rope_type"), "name", "default") == "llama3":
+        rope = {"rope_type": "llama3", "factor": float(v["rope_factor"]),
+                "low_freq_factor": float(v["rope_low_freq_factor"]),
+                "high_freq_factor": float(v["rope_high_freq_factor"]),
+                "original_max_position_embeddings": int(v["rope_original_positions"])}
+    transformers.LlamaConfig(
+        vocab_size=v["vocab"], hidden_size=v["hidden"], num_hidden_layers=v["layers"], num_attention_heads=v["heads"],
+        num_key_value_heads=v["kv_heads"], intermediate_size=v["ffn"], rms_norm_eps=v["norm_eps"],
+        rope_theta=v["rope_theta"], tie_word_embeddings=False, rope_scaling=rope,
+        max_position_embeddings=16384).save_pretrained(directory)
+    return directory
+
+
+def _titan_args(src: Path, plan: str, out: Path) -> list[str]:
+    import shlex
+
+    assert main(["export", str(src), "--plan", plan, "--to", "torchtitan", "-o", str(out)]) == 0
+    text = out.read_text()
+    line = text[text.index("-m torchtitan.train"):].replace("\\\n", " ")
+    return [a for a in shlex.split(line)[2:] if a != "$@"]
+
+
+def _masked(args: list[str]) -> list[str]:
+    """The line without the module / config function names (they follow the output file and plan names)."""
+    return [a for i, a in enumerate(args) if i == 0 or args[i - 1] not in ("--module", "--config")]
+
+
+@pytest.mark.parametrize(("name", "plan"), TITAN)
+def test_torchtitan_round_trip(name: str, plan: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = ROOT / "examples" / f"{name}.mesh"
+    original = check_file(src).plans[plan]
+    args = _titan_args(src, plan, tmp_path / "a.sh")
+    hf = _hf_config_of(original, tmp_path / "hf")
+    rc = main(["import-torchtitan", "-o", str(tmp_path / "i.mesh"), "--hf-config", str(hf), "--", *args])
+    assert rc == 0, capsys.readouterr().err
+    result = check_file(tmp_path / "i.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    imported = result.plans["train"]
+    assert _summary(imported) == _summary(original)
+    assert _masked(_titan_args(tmp_path / "i.mesh", "train", tmp_path / "b.sh")) == _masked(args)
+
+
+def test_torchtitan_unknown_key_is_located(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = ROOT / "examples" / "tiny_llama_fsdp.mesh"
+    args = _titan_args(src, "train", tmp_path / "a.sh")
+    hf = _hf_config_of(check_file(src).plans["train"], tmp_path / "hf")
+    args = [*args[:-1], "--parallelism.tensor_paralel_degree", "2", "--training.steps", "10", args[-1]]
+    rc = main(["import-torchtitan", "-o", str(tmp_path / "i.mesh"), "--hf-config", str(hf), "--", *args])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("error[E1207]") == 2, err
+    assert "`--parallelism.tensor_paralel_degree` is not a key meshc imports" in err
+    assert "`--training.steps` is not a key meshc imports" in err
+    assert not (tmp_path / "i.mesh").exists()
+
+
+def test_torchtitan_values_that_do_not_divide(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """tensor 3 over 4 heads: the checker's own error, on the lines from `--parallelism.tensor_parallel_degree 3`."""
+    src = ROOT / "examples" / "tiny_llama_context.mesh"
+    args = _titan_args(src, "train", tmp_path / "a.sh")
+    hf = _hf_config_of(check_file(src).plans["train"], tmp_path / "hf")
+    i = args.index("--parallelism.tensor_parallel_degree")
+    args[i + 1] = "3"
+    rc = main(["import-torchtitan", "-o", str(tmp_path / "i.mesh"), "--hf-config", str(hf), "--", *args])
+    err = capsys.readouterr().err
+    assert rc == 1 and "error[E0301]" in err and "# from --parallelism.tensor_parallel_degree 3" in err, err
