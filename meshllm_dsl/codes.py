@@ -294,7 +294,8 @@ CODES: dict[str, tuple[str, str]] = {
               "blocks in the middle of the stack, `compile`, ZeRO over part of the replica axes."),
     "E1207": ("import: an engine argument meshc does not read", "`meshc import-megatron` reads the flags "
               "`meshc export --to megatron` writes (meshllm_dsl/interop/megatron.py's FLAGS: parallel sizes, pipeline "
-              "split, ZeRO, recomputation, precision, batch and the model's shape). Any other flag, a flag without "
+              "split, ZeRO, recomputation, precision, batch and the model's shape), `meshc import-torchtitan` the "
+              "`--section.key` overrides `--to torchtitan` writes (torchtitan.py's KEYS). Any other flag, a flag without "
               "its value, a value of the wrong type, or a value meshllm cannot honour (a recomputation method, a "
               "normalization or activation Megatron's GPT model has but the meshllm families lack, sizes that do "
               "not divide the devices) is an error at that argument, never ignored: an ignored flag would make "
