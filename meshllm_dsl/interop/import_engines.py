@@ -119,6 +119,9 @@ def _model(a: _Args) -> tuple[str, list[str]]:
              f"layers = {layers}{a.src('--num-layers')}", f"heads = {heads}{a.src('--num-attention-heads')}",
              f"ffn = {ffn}{a.src('--ffn-hidden-size')}"]
     a.want("--make-vocab-size-divisible-by", (1,), "Megatron pads the vocabulary, meshllm's model is unpadded")
+    if "--num-experts" not in a.values:
+        for flag in [f for f in a.values if f.startswith("--moe-")]:
+            a.refuse(flag, f"`{flag}` without `--num-experts`: a dense model has no router", "drop it, or add `--num-experts`")
     eps = a.get("--norm-epsilon", 1e-5)
     norm = a.get("--normalization", "LayerNorm")
     if norm == "LayerNorm":

@@ -256,3 +256,8 @@ def test_torchtitan_values_that_do_not_divide(tmp_path: Path, capsys: pytest.Cap
     rc = main(["import-torchtitan", "-o", str(tmp_path / "i.mesh"), "--hf-config", str(hf), "--", *args])
     err = capsys.readouterr().err
     assert rc == 1 and "error[E0301]" in err and "# from --parallelism.tensor_parallel_degree 3" in err, err
+
+
+def test_moe_flag_on_a_dense_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, err = _import([*BASE, "--moe-router-topk", "2"], tmp_path / "x.mesh", None, capsys)
+    assert rc == 1 and "`--moe-router-topk` without `--num-experts`" in err, err
