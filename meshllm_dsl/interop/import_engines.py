@@ -389,10 +389,12 @@ def _zero(a: _Args) -> int:
     if "--use-megatron-fsdp" in a.values:
         a.want("--data-parallel-sharding-strategy", ("optim_grads", "optim_grads_params"),
                "meshllm's ZeRO 2 / 3 (ZeRO 1 is `--use-distributed-optimizer` alone)")
+        a.want("--ckpt-format", ("fsdp_dtensor",), "Megatron-FSDP saves fsdp_dtensor checkpoints only")
         return 3 if a.get("--data-parallel-sharding-strategy", "optim_grads_params") == "optim_grads_params" else 2
-    for flag in ("--data-parallel-sharding-strategy", "--ckpt-format"):
-        if flag in a.values:
-            a.refuse(flag, f"`{flag}` without `--use-megatron-fsdp`", "add `--use-megatron-fsdp` or drop it")
+    # --ckpt-format alone is how checkpoints are saved, nothing of the plan
+    if "--data-parallel-sharding-strategy" in a.values:
+        a.refuse("--data-parallel-sharding-strategy", "`--data-parallel-sharding-strategy` without `--use-megatron-fsdp`",
+                 "add `--use-megatron-fsdp` or drop it")
     return 1 if "--use-distributed-optimizer" in a.values else 0
 
 
