@@ -174,10 +174,10 @@ def _model(a: _Args) -> tuple[str, list[str]]:
                      "has one ffn", "make them equal")
         lines += [f"experts = {a.get('--num-experts')}{a.src('--num-experts')}",
                   f"top_k = {a.get('--moe-router-topk', 2)}{a.src('--moe-router-topk')}"]
-        balance = a.get("--moe-router-load-balancing-type", "aux_loss")
-        a.want("--moe-router-load-balancing-type", ("aux_loss", "none"), "meshllm's mixtral has the aux loss only")
-        aux = a.get("--moe-aux-loss-coeff", 0.0) if balance == "aux_loss" else 0.0
-        lines.append(f"aux_loss_coef = {float(aux)!r}{a.src('--moe-router-load-balancing-type', '--moe-aux-loss-coeff')}")
+        # Megatron's per-layer switch loss is not meshllm's (transformers' over all layers at once): only
+        # none (or aux_loss with Megatron's default coefficient 0) is the same run
+        a.want("--moe-router-load-balancing-type", ("none",),
+               "Megatron adds a load-balancing loss per layer, meshllm's is transformers' over all layers at once")
         if "--moe-z-loss-coeff" in a.values:
             lines.append(f"z_loss_coef = {a.get('--moe-z-loss-coeff')!r}{a.src('--moe-z-loss-coeff')}")
     lines.append(f"tie_embeddings = {'false' if '--untie-embeddings-and-output-weights' in a.values else 'true'}"

@@ -69,7 +69,7 @@ FLAGS: dict[str, type | None] = {
     "--untie-embeddings-and-output-weights": None, "--vocab-size": int, "--make-vocab-size-divisible-by": int,
     # mixture of experts
     "--num-experts": int, "--moe-router-topk": int, "--moe-ffn-hidden-size": int,
-    "--moe-router-load-balancing-type": str, "--moe-aux-loss-coeff": float, "--moe-z-loss-coeff": float,
+    "--moe-router-load-balancing-type": str, "--moe-z-loss-coeff": float,
     "--moe-token-dispatcher-type": str,
 }
 
@@ -178,9 +178,12 @@ def _model(found: _Findings) -> list[tuple[str, str | None]]:
                   ("--moe-ffn-hidden-size", str(v["ffn"])), ("--moe-token-dispatcher-type", "alltoall")]
         if float(v["capacity"]):
             refuse("capacity", "a capacity factor", "drop `capacity` (Megatron's dropless routing)")
-        aux = float(v["aux_loss_coef"])
-        flags += ([("--moe-router-load-balancing-type", "aux_loss"), ("--moe-aux-loss-coeff", repr(aux))] if aux
-                  else [("--moe-router-load-balancing-type", "none")])
+        if float(v["aux_loss_coef"]):
+            # meshllm's is transformers' load_balancing_loss_func over every layer's router logits at once (a
+            # product of sums); Megatron adds one switch loss per layer (a sum of products): another loss
+            refuse("aux_loss_coef", "transformers' load-balancing loss over all layers at once",
+                   "drop `aux_loss_coef` (Megatron adds a load-balancing loss per layer)")
+        flags.append(("--moe-router-load-balancing-type", "none"))
         if float(v["z_loss_coef"]):
             flags.append(("--moe-z-loss-coeff", repr(float(v["z_loss_coef"]))))
     return flags

@@ -323,3 +323,12 @@ def test_megatron_core_refuses_a_tampered_line(tmp_path: Path, capsys: pytest.Ca
     with pytest.raises((ValueError, AssertionError)) as exc:
         _configs(_parser().parse_args(args))
     assert words in str(exc.value)
+
+
+def test_load_balancing_loss_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """meshllm's aux loss is transformers' over all layers at once; Megatron's is one per layer: not the same run."""
+    text = (ROOT / "examples" / "tiny_mixtral.mesh").read_text().replace("    top_k = 2\n", "    top_k = 2\n    aux_loss_coef = 0.01\n")
+    src = tmp_path / "aux.mesh"
+    src.write_text(text)
+    rc, err = _export(src, "train", tmp_path / "aux.sh", capsys)
+    assert rc == 1 and "error[E1204]" in err and "`aux_loss_coef` = 0.01" in err and "help:" in err, err

@@ -261,3 +261,9 @@ def test_torchtitan_values_that_do_not_divide(tmp_path: Path, capsys: pytest.Cap
 def test_moe_flag_on_a_dense_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rc, err = _import([*BASE, "--moe-router-topk", "2"], tmp_path / "x.mesh", None, capsys)
     assert rc == 1 and "`--moe-router-topk` without `--num-experts`" in err, err
+
+
+def test_megatron_load_balancing_loss_is_not_imported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = [*BASE, "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss"]
+    rc, err = _import(args, tmp_path / "x.mesh", None, capsys)
+    assert rc == 1 and "error[E1207]" in err and "per layer" in err, err
