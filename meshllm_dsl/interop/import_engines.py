@@ -119,6 +119,11 @@ def _model(a: _Args) -> tuple[str, list[str]]:
              f"layers = {layers}{a.src('--num-layers')}", f"heads = {heads}{a.src('--num-attention-heads')}",
              f"ffn = {ffn}{a.src('--ffn-hidden-size')}"]
     a.want("--make-vocab-size-divisible-by", (1,), "Megatron pads the vocabulary, meshllm's model is unpadded")
+    for flag in ("--attention-dropout", "--hidden-dropout"):  # Megatron's default is 0.1; meshllm has no dropout
+        if flag not in a.values:
+            a.error(None, f"`{flag}` is missing: Megatron drops out 0.1 by default, meshllm's models never",
+                    "missing", f"add `{flag} 0.0`")
+        a.want(flag, (0.0,), "meshllm's models have no dropout")
     if "--num-experts" not in a.values:
         for flag in [f for f in a.values if f.startswith("--moe-")]:
             a.refuse(flag, f"`{flag}` without `--num-experts`: a dense model has no router", "drop it, or add `--num-experts`")

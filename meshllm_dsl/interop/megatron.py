@@ -61,6 +61,7 @@ FLAGS: dict[str, type | None] = {
     "--first-last-layers-bf16": None, "--num-layers-at-start-in-bf16": int, "--num-layers-at-end-in-bf16": int,
     # model shape
     "--num-layers": int, "--hidden-size": int, "--ffn-hidden-size": int, "--num-attention-heads": int,
+    "--attention-dropout": float, "--hidden-dropout": float,
     "--group-query-attention": None, "--num-query-groups": int, "--kv-channels": int,
     "--normalization": str, "--norm-epsilon": float, "--swiglu": None, "--openai-gelu": None,
     "--position-embedding-type": str, "--max-position-embeddings": int, "--rotary-base": int,
@@ -124,9 +125,11 @@ def _model(found: _Findings) -> list[tuple[str, str | None]]:
         found.refuse(E1204, f"model `{m.name}` has {what}, which Megatron's GPT model does not", span,
                      label=f"`{key}` = {_v(v.get(key))}", help=help)
 
+    # meshllm's models have no dropout; Megatron's TransformerConfig defaults to 0.1 on both
     flags: list[tuple[str, str | None]] = [
         ("--num-layers", str(v["layers"])), ("--hidden-size", str(v["hidden"])),
-        ("--ffn-hidden-size", str(v["ffn"])), ("--num-attention-heads", str(v["heads"]))]
+        ("--ffn-hidden-size", str(v["ffn"])), ("--num-attention-heads", str(v["heads"])),
+        ("--attention-dropout", "0.0"), ("--hidden-dropout", "0.0")]
     if v.get("vocab_used", v["vocab"]) != v["vocab"]:
         refuse("vocab_used", "a loss over fewer logits than the vocabulary", "drop `vocab_used`")
     if m.family == "gpt2":

@@ -51,6 +51,7 @@ MEGATRON_FLAGS: dict[str, tuple[dict[str, Any], bool]] = {
     "--num-layers-at-end-in-bf16": (_INT, True),
     "--num-layers": (_INT, True), "--hidden-size": (_INT, True), "--ffn-hidden-size": (_INT, True),
     "--num-attention-heads": (_INT, True), "--group-query-attention": (_TRUE, False),
+    "--attention-dropout": (_FLOAT, True), "--hidden-dropout": (_FLOAT, True),
     "--num-query-groups": (_INT, True), "--kv-channels": (_INT, True),
     "--normalization": ({"type": str, "choices": ["LayerNorm", "RMSNorm"]}, True),
     "--norm-epsilon": (_FLOAT, False), "--swiglu": (_TRUE, False), "--openai-gelu": (_TRUE, False),
@@ -116,6 +117,8 @@ def _configs(ns: argparse.Namespace) -> tuple[Any, Any, Any]:
     kw: dict[str, Any] = dict(
         num_layers=ns.num_layers, hidden_size=ns.hidden_size, num_attention_heads=ns.num_attention_heads,
         ffn_hidden_size=ns.ffn_hidden_size, kv_channels=ns.kv_channels,
+        attention_dropout=0.1 if ns.attention_dropout is None else ns.attention_dropout,
+        hidden_dropout=0.1 if ns.hidden_dropout is None else ns.hidden_dropout,
         num_query_groups=ns.num_query_groups if ns.group_query_attention else None,
         tensor_model_parallel_size=ns.tensor_model_parallel_size or 1,
         pipeline_model_parallel_size=ns.pipeline_model_parallel_size or 1,
@@ -221,6 +224,7 @@ def test_example(src: Path, plan: str, tmp_path: Path, capsys: pytest.CaptureFix
     assert (tc.num_layers, tc.hidden_size, tc.ffn_hidden_size, tc.num_attention_heads) == (
         v["layers"], v["hidden"], v["ffn"], v["heads"])
     assert ns.vocab_size == v["vocab"]
+    assert tc.attention_dropout == tc.hidden_dropout == 0.0  # meshllm's models have none
     assert tc.num_query_groups == v.get("kv_heads", v["heads"])
     assert tc.num_moe_experts == v.get("experts")
     assert tc.bf16 == (p.dtype == "bf16")

@@ -104,7 +104,8 @@ def test_uneven_layout_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--ffn-hidden-size", "128",
         "--vocab-size", "256", "--make-vocab-size-divisible-by", "1", "--normalization", "RMSNorm", "--swiglu",
         "--position-embedding-type", "rope", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-        "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "8"]
+        "--seq-length", "32", "--micro-batch-size", "1", "--global-batch-size", "8",
+        "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
 
 
 def test_defaults_one_replica(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -117,7 +118,7 @@ def test_defaults_one_replica(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 @pytest.mark.parametrize(("extra", "located", "message"), [
     (["--tensor-model-paralel-size", "2"], "--tensor-model-paralel-size", "is not a Megatron flag meshc imports"),
     (["--use-torch-fsdp2"], "--use-torch-fsdp2", "is not a Megatron flag meshc imports"),
-    (["--hidden-dropout", "0.1"], "--hidden-dropout", "is not a Megatron flag meshc imports"),
+    (["--lr", "3e-4"], "--lr", "is not a Megatron flag meshc imports"),
     (["--tensor-model-parallel-size", "two"], "two", "not an integer"),
     (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "2"],
      "--recompute-method block", "meshllm recomputes each block"),
@@ -267,3 +268,10 @@ def test_megatron_load_balancing_loss_is_not_imported(tmp_path: Path, capsys: py
     args = [*BASE, "--num-experts", "4", "--moe-router-topk", "2", "--moe-router-load-balancing-type", "aux_loss"]
     rc, err = _import(args, tmp_path / "x.mesh", None, capsys)
     assert rc == 1 and "error[E1207]" in err and "per layer" in err, err
+
+
+def test_megatron_default_dropout_is_not_imported(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without the dropout flags Megatron drops out 0.1: not a meshllm model."""
+    assert BASE[-4:] == ["--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
+    rc, err = _import([*BASE[:-4], "--hidden-dropout", "0.1"], tmp_path / "x.mesh", None, capsys)
+    assert rc == 1 and "`--attention-dropout` is missing" in err and "`--hidden-dropout 0.1`" in err, err
