@@ -336,3 +336,12 @@ def test_load_balancing_loss_is_refused(tmp_path: Path, capsys: pytest.CaptureFi
     src.write_text(text)
     rc, err = _export(src, "train", tmp_path / "aux.sh", capsys)
     assert rc == 1 and "error[E1204]" in err and "`aux_loss_coef` = 0.01" in err and "help:" in err, err
+
+
+def test_the_guide_shows_the_written_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/guides/export.md's Megatron example is what the export writes for llama2_70b_train's train_64."""
+    rc, err = _export(ROOT / "examples" / "llama2_70b_train.mesh", "train_64", tmp_path / "run.sh", capsys)
+    assert rc == 0, err
+    written = (tmp_path / "run.sh").read_text()
+    written = written[written.index("torchrun --nproc_per_node 64"):]
+    assert written in (ROOT / "docs" / "guides" / "export.md").read_text()
