@@ -165,7 +165,8 @@ def _model(a: _Args) -> tuple[str, list[str]]:
                   f"rope_factor = {float(a.get('--rope-scaling-factor', 8.0))!r}{a.src('--rope-scaling-factor')}"]
     if family == "llama":
         if "--add-qkv-bias" in a.values:
-            lines.append(f"attn_bias = true{a.src('--add-qkv-bias')}")
+            # Megatron's --add-qkv-bias biases q / k / v only (Qwen2's), not the output projection
+            lines += [f"attn_bias = true{a.src('--add-qkv-bias')}", f"attn_out_bias = false{a.src('--add-qkv-bias')}"]
         if "--qk-layernorm" in a.values:
             lines.append(f"qk_norm = head{a.src('--qk-layernorm')}")
     else:

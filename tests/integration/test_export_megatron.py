@@ -345,3 +345,18 @@ def test_the_guide_shows_the_written_line(tmp_path: Path, capsys: pytest.Capture
     written = (tmp_path / "run.sh").read_text()
     written = written[written.index("torchrun --nproc_per_node 64"):]
     assert written in (ROOT / "docs" / "guides" / "export.md").read_text()
+
+
+@pytest.mark.parametrize(("setting", "field", "want"), [
+    ("attn_bias = true\n    attn_out_bias = false", "add_qkv_bias", True), ("qk_norm = head", "qk_layernorm", True),
+    ("head_dim = 32", "kv_channels", 32)])
+def test_qwen_style_switches(tmp_path: Path, capsys: pytest.CaptureFixture[str], setting: str, field: str,
+                             want: Any) -> None:
+    """Qwen2's q / k / v biases, Qwen3's per-head q / k norms, a head_dim of its own, in TransformerConfig."""
+    text = (ROOT / "examples" / "tiny_llama.mesh").read_text().replace("    ffn = 128\n", f"    ffn = 128\n    {setting}\n")
+    (tmp_path / "q.mesh").write_text(text)
+    rc, err = _export(tmp_path / "q.mesh", "train", tmp_path / "q.sh", capsys)
+    assert rc == 0, err
+    tc, _, _ = _configs(_parser().parse_args(script_args(tmp_path / "q.sh")))
+    assert getattr(tc, field) == want
+    assert tc.add_bias_linear is False

@@ -275,3 +275,21 @@ def test_megatron_default_dropout_is_not_imported(tmp_path: Path, capsys: pytest
     assert BASE[-4:] == ["--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
     rc, err = _import([*BASE[:-4], "--hidden-dropout", "0.1"], tmp_path / "x.mesh", None, capsys)
     assert rc == 1 and "`--attention-dropout` is missing" in err and "`--hidden-dropout 0.1`" in err, err
+
+
+@pytest.mark.parametrize(("setting", "flag"), [("attn_bias = true\n    attn_out_bias = false", "--add-qkv-bias"), ("qk_norm = head", "--qk-layernorm"),
+                                               ("head_dim = 32", "--kv-channels")])
+def test_qwen_style_llama_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str], setting: str, flag: str) -> None:
+    """Qwen2's q / k / v biases, Qwen3's per-head q / k norms, a head_dim of its own: Megatron switches, both ways."""
+    text = (ROOT / "examples" / "tiny_llama.mesh").read_text().replace("    ffn = 128\n", f"    ffn = 128\n    {setting}\n")
+    (tmp_path / "q.mesh").write_text(text)
+    original = check_file(tmp_path / "q.mesh")
+    assert original.ok, [d.message for d in original.diagnostics]
+    args = _export(tmp_path / "q.mesh", "train", tmp_path / "a.sh")
+    assert flag in args
+    rc, err = _import(args, tmp_path / "i.mesh", 8, capsys)
+    assert rc == 0, err
+    imported = check_file(tmp_path / "i.mesh").plans["train"]
+    assert _summary(imported) == _summary(original.plans["train"])
+    assert dict(imported.model.values)[setting.split()[0]] == dict(original.plans["train"].model.values)[setting.split()[0]]
+    assert _export(tmp_path / "i.mesh", "train", tmp_path / "b.sh") == args
