@@ -265,7 +265,8 @@ CODES: dict[str, tuple[str, str]] = {
               "biases, tied embeddings, a window, q / k norms, another norm_eps, head_dim or rope. `--to hf-ep-plan` "
               "takes a model with routed experts of a class its expert parallelism is proven for (Mixtral, "
               "Qwen2-MoE, Qwen3-MoE). `--to megatron` takes what Megatron's GPT model's switches say: the `llama` "
-              "(q / k / v biases and head q / k norms included), `mixtral` (no capacity factor) and `gpt2` families."),
+              "(q / k / v biases and head q / k norms included), `gpt2`, `mixtral`, `qwen2_moe` and `qwen3_moe` "
+              "families (no capacity factor, no `aux_loss_coef`: Megatron's load-balancing loss is per layer)."),
     "E1205": ("export: layout the target lacks", "Each sharded layer becomes one parallel style over one mesh "
               "dimension: column -> ColwiseParallel / `colwise`, row -> RowwiseParallel / `rowwise`, "
               "vocab_parallel embedding -> RowwiseParallel(input_layouts=Replicate()) / `embedding_rowwise`. A "

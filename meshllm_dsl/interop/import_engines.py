@@ -146,12 +146,12 @@ def _model(a: _Args) -> tuple[str, list[str]]:
         return family, lines
     if norm != "RMSNorm":
         a.refuse("--normalization", f"`--normalization {norm}`", "use RMSNorm or LayerNorm")
-    family = "mixtral" if "--num-experts" in a.values else "llama"
-    for flag, why in (("--swiglu", "meshllm's llama and mixtral use SwiGLU"),
-                      ("--disable-bias-linear", "meshllm's llama and mixtral have no linear biases")):
+    family = _moe_family(a) if "--num-experts" in a.values else "llama"
+    for flag, why in (("--swiglu", "meshllm's llama-like families use SwiGLU"),
+                      ("--disable-bias-linear", "meshllm's llama-like families have no biases on every linear")):
         if flag not in a.values:
             a.error(None, f"RMSNorm without `{flag}`: {why}", "missing", f"add `{flag}`")
-    a.want("--position-embedding-type", ("rope",), "meshllm's llama and mixtral use rope")
+    a.want("--position-embedding-type", ("rope",), "meshllm's llama-like families use rope")
     if "--openai-gelu" in a.values:
         a.refuse("--openai-gelu", "`--openai-gelu` with `--swiglu`", "drop it")
     kv = a.get("--num-query-groups", heads) if "--group-query-attention" in a.values else heads
@@ -161,9 +161,14 @@ def _model(a: _Args) -> tuple[str, list[str]]:
     lines += [f"norm_eps = {eps!r}{a.src('--norm-epsilon')}",
               f"rope_theta = {float(a.get('--rotary-base', 10000))!r}{a.src('--rotary-base')}"]
     if "--use-rope-scaling" in a.values:
-        lines += [f"rope_type = llama3{a.src('--use-rope-scaling')}",
-                  f"rope_factor = {float(a.get('--rope-scaling-factor', 8.0))!r}{a.src('--rope-scaling-factor')}"]
-    if family == "llama":
+        if family == "llama":
+            lines += [f"rope_type = llama3{a.src('--use-rope-scaling')}",
+                      f"rope_factor = {float(a.get('--rope-scaling-factor', 8.0))!r}{a.src('--rope-scaling-factor')}"]
+        else:
+            a.refuse("--use-rope-scaling", f"llama3 rope scaling on a `{family}` model", "drop it")
+    # the q / k / v biases and q / k norms: settings of a llama, fixed by the mixture-of-experts families
+    fixed = {"mixtral": (), "qwen2_moe": ("--add-qkv-bias",), "qwen3_moe": ("--qk-layernorm",)}.get(family)
+    if fixed is None:
         if "--add-qkv-bias" in a.values:
             # Megatron's --add-qkv-bias biases q / k / v only (Qwen2's), not the output projection
             lines += [f"attn_bias = true{a.src('--add-qkv-bias')}", f"attn_out_bias = false{a.src('--add-qkv-bias')}"]
@@ -171,15 +176,28 @@ def _model(a: _Args) -> tuple[str, list[str]]:
             lines.append(f"qk_norm = head{a.src('--qk-layernorm')}")
     else:
         for flag in ("--add-qkv-bias", "--qk-layernorm"):
-            if flag in a.values:
-                a.refuse(flag, f"`{flag}` on a mixture-of-experts model: meshllm's mixtral has neither",
-                         "drop it")
+            if (flag in a.values) != (flag in fixed):
+                a.refuse(flag if flag in a.values else "--num-experts",
+                         f"meshllm's `{family}` {'has' if flag in fixed else 'has no'} `{flag}`",
+                         f"{'add' if flag in fixed else 'drop'} `{flag}`")
         moe_ffn = a.get("--moe-ffn-hidden-size", ffn)
         if moe_ffn != ffn:
-            a.refuse("--moe-ffn-hidden-size", "experts of another width than `--ffn-hidden-size`: meshllm's mixtral "
-                     "has one ffn", "make them equal")
+            a.refuse("--moe-ffn-hidden-size", "experts of another width than `--ffn-hidden-size`: meshllm's "
+                     "mixture-of-experts families have no dense layer to give it", "make them equal")
         lines += [f"experts = {a.get('--num-experts')}{a.src('--num-experts')}",
                   f"top_k = {a.get('--moe-router-topk', 2)}{a.src('--moe-router-topk')}"]
+        if family == "mixtral":
+            if "--moe-router-pre-softmax" in a.values:
+                a.refuse("--moe-router-pre-softmax", "Mixtral renormalises its top-k", "drop it")
+        else:
+            lines.append(f"norm_topk_prob = {'false' if '--moe-router-pre-softmax' in a.values else 'true'}"
+                         f"{a.src('--moe-router-pre-softmax')}")
+        if family == "qwen2_moe":
+            if "--moe-shared-expert-gate" not in a.values:
+                a.refuse("--moe-shared-expert-intermediate-size", "a shared expert without its gate: Qwen2-MoE's "
+                         "is gated", "add `--moe-shared-expert-gate`")
+            lines.append(f"shared_ffn = {a.get('--moe-shared-expert-intermediate-size')}"
+                         f"{a.src('--moe-shared-expert-intermediate-size', '--moe-shared-expert-gate')}")
         # Megatron's per-layer switch loss is not meshllm's (transformers' over all layers at once): only
         # none (or aux_loss with Megatron's default coefficient 0) is the same run
         a.want("--moe-router-load-balancing-type", ("none",),
@@ -189,6 +207,17 @@ def _model(a: _Args) -> tuple[str, list[str]]:
     lines.append(f"tie_embeddings = {'false' if '--untie-embeddings-and-output-weights' in a.values else 'true'}"
                  f"{a.src('--untie-embeddings-and-output-weights')}")
     return family, lines
+
+
+def _moe_family(a: _Args) -> str:
+    """The meshllm family of a mixture-of-experts line: a (gated) shared expert is Qwen2-MoE's, per-head
+    q / k norms Qwen3-MoE's, neither Mixtral's."""
+    if "--moe-shared-expert-intermediate-size" in a.values:
+        return "qwen2_moe"
+    if "--moe-shared-expert-gate" in a.values:
+        a.refuse("--moe-shared-expert-gate", "a shared-expert gate without a shared expert",
+                 "add `--moe-shared-expert-intermediate-size N` or drop it")
+    return "qwen3_moe" if "--qk-layernorm" in a.values else "mixtral"
 
 
 _SHARDS = {
@@ -245,7 +274,7 @@ def spec_text(args: list[str], devices: int | None, hf_config: str | None = None
     if dp % ep:
         a.refuse("--expert-model-parallel-size", f"`--expert-model-parallel-size {ep}` does not divide the "
                  f"{dp} data-parallel ranks", "meshllm splits the experts over data-parallel axes")
-    if ep > 1 and family != "mixtral":
+    if ep > 1 and family not in ("mixtral", "qwen2_moe", "qwen3_moe"):
         a.refuse("--expert-model-parallel-size", "expert parallelism without `--num-experts`", "add `--num-experts`")
     # the mesh: Megatron's order tp-cp-ep-dp-pp, tensor fastest; meshllm's last axis is the fastest
     axes = [("pipeline", pp, "--pipeline-model-parallel-size"), ("data", dp // ep, None),
@@ -279,8 +308,13 @@ def spec_text(args: list[str], devices: int | None, hf_config: str | None = None
     if tp > 1:
         for shard in _SHARDS["gpt2" if family == "gpt2" else "llama"]:
             plan.append(f"shard {shard}(tensor){a.src('--tensor-model-parallel-size')}")
-    if family == "mixtral":
+        if family == "qwen2_moe":
+            plan += [f"shard blocks.*.mlp.{{shared_gate,shared_up}} column(tensor){a.src('--tensor-model-parallel-size')}",
+                     f"shard blocks.*.mlp.shared_down row(tensor){a.src('--tensor-model-parallel-size')}"]
+    if tp > 1 and family in ("mixtral", "qwen2_moe", "qwen3_moe"):  # with shard rules, every leaf is placed
         plan.append("shard blocks.*.mlp.router replicate")
+    if tp > 1 and family == "qwen2_moe":
+        plan.append("shard blocks.*.mlp.shared_router replicate")
     plan += _stages(a, pp, a.get("--num-layers", 1))
     plan += _recompute(a)
     plan += _precision(a)

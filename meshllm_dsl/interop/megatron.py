@@ -6,7 +6,8 @@ generated from megatron-core's TransformerConfig fields): the parallel sizes, th
 `--pipeline-model-parallel-layout`), the distributed optimizer or Megatron-FSDP for ZeRO, activation
 recomputation, bf16 / fp8 and the model's shape. The export writes a shell file with the `torchrun
 pretrain_gpt.py` line, one flag a line. Megatron's GPT model is one fixed architecture with switches,
-so only what those switches say is exported (the `llama`, `mixtral` and `gpt2` families); Megatron's
+so only what those switches say is exported (the `llama`, `gpt2`, `mixtral`, `qwen2_moe` and
+`qwen3_moe` families); Megatron's
 tensor-parallel plan is fixed too (q / k / v / gate / up column, o / down row, embedding vocab-parallel,
 head column over one tensor group). Everything comes from the checked `PlanIR`; what Megatron cannot
 express is a located diagnostic (E1201-E1206), never a silently different plan.
@@ -71,8 +72,13 @@ FLAGS: dict[str, type | None] = {
     # mixture of experts
     "--num-experts": int, "--moe-router-topk": int, "--moe-ffn-hidden-size": int,
     "--moe-router-load-balancing-type": str, "--moe-z-loss-coeff": float,
-    "--moe-token-dispatcher-type": str,
+    "--moe-token-dispatcher-type": str, "--moe-router-pre-softmax": None,
+    "--moe-shared-expert-intermediate-size": int, "--moe-shared-expert-gate": None,
 }
+
+# meshllm's mixture-of-experts families Megatron's GPT model expresses: Mixtral's router, Qwen2-MoE's
+# (a gated shared expert, q / k / v biases), Qwen3-MoE's (per-head q / k norms).
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # meshllm's zero stage -> the Megatron switches that shard the same states over the data-parallel
 # group: the distributed optimizer (optimizer states, ZeRO 1), Megatron-FSDP's sharding strategies
@@ -92,7 +98,8 @@ _ROPE_LLAMA3 = {"rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope
 _TOP_RULES = {"embed": "vocab_parallel", "pos": "replicate", "norm": "replicate", "lm_head": "column"}
 _BLOCK_RULES = {"attn_norm": "replicate", "mlp_norm": "replicate", "attn.q": "column", "attn.k": "column",
                 "attn.v": "column", "attn.qkv": "column", "attn.o": "row", "mlp.gate": "column",
-                "mlp.up": "column", "mlp.down": "row", "mlp.router": "replicate"}
+                "mlp.up": "column", "mlp.down": "row", "mlp.router": "replicate", "mlp.shared_gate": "column",
+                "mlp.shared_up": "column", "mlp.shared_down": "row", "mlp.shared_router": "replicate"}
 
 
 @attrs.frozen
@@ -115,10 +122,10 @@ def _model(found: _Findings) -> list[tuple[str, str | None]]:
     v = dict(m.values)
     routes = any(primitives.of(u).routes_experts
                  for item in m.items for u in (item.body if isinstance(item, Repeat) else (item,)))
-    if m.family not in ("llama", "mixtral", "gpt2") or routes != (m.family == "mixtral"):
+    if m.family not in ("llama", "gpt2", *MOE_FAMILIES) or routes != (m.family in MOE_FAMILIES):
         found.refuse(E1204, f"model `{m.name}` (the `{m.family or 'primitives'}` family) is not exported to Megatron",
                      span, label="no Megatron GPT switches for this",
-                     help="export a model of the `llama`, `mixtral` or `gpt2` family")
+                     help="export a model of the `llama`, `gpt2`, `mixtral`, `qwen2_moe` or `qwen3_moe` family")
         return []
 
     def refuse(key: str, what: str, help: str) -> None:  # noqa: A002
@@ -160,11 +167,11 @@ def _model(found: _Findings) -> list[tuple[str, str | None]]:
             flags += [("--use-rope-scaling", None), ("--rope-scaling-factor", repr(float(v["rope_factor"])))]
         elif rope_type not in ("default", "llama3"):
             refuse("rope_type", f"rope `{rope_type}`", "use the default or the llama3 rope")
-        if v.get("attn_bias", False):
+        if v.get("attn_bias", m.family == "qwen2_moe"):  # the family's fixed q / k / v biases
             flags.append(("--add-qkv-bias", None))
         if v.get("attn_out_bias", False):
             refuse("attn_out_bias", "a bias on the attention output alone", "drop `attn_out_bias`")
-        qk = _v(v.get("qk_norm", "none"))
+        qk = _v(v.get("qk_norm", "head" if m.family == "qwen3_moe" else "none"))  # qwen3_moe: fixed per head
         if qk == "head":
             flags.append(("--qk-layernorm", None))
         elif qk != "none":
@@ -175,10 +182,15 @@ def _model(found: _Findings) -> list[tuple[str, str | None]]:
             flags.append(("--untie-embeddings-and-output-weights", None))
     # no padding: the plan's vocabulary is the model's (meshllm splits it over the tensor axis as it is)
     flags += [("--vocab-size", str(v["vocab"])), ("--make-vocab-size-divisible-by", "1")]
-    if m.family == "mixtral":
-        # Megatron's router: softmax over the top-k scores (= Mixtral's renormalised top-k), dropless
+    if m.family in MOE_FAMILIES:
+        # Megatron's router: softmax over the top-k scores (= the renormalised top-k of Mixtral and
+        # norm_topk_prob), or with --moe-router-pre-softmax the top-k of the softmax as they are; dropless
         flags += [("--num-experts", str(v["experts"])), ("--moe-router-topk", str(v["top_k"])),
                   ("--moe-ffn-hidden-size", str(v["ffn"])), ("--moe-token-dispatcher-type", "alltoall")]
+        if not v.get("norm_topk_prob", True):
+            flags.append(("--moe-router-pre-softmax", None))
+        if "shared_ffn" in v:  # Qwen2-MoE's shared expert, gated by sigmoid(a linear of the input)
+            flags += [("--moe-shared-expert-intermediate-size", str(v["shared_ffn"])), ("--moe-shared-expert-gate", None)]
         if float(v["capacity"]):
             refuse("capacity", "a capacity factor", "drop `capacity` (Megatron's dropless routing)")
         if float(v["aux_loss_coef"]):

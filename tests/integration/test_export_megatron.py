@@ -66,6 +66,8 @@ MEGATRON_FLAGS: dict[str, tuple[dict[str, Any], bool]] = {
     "--moe-router-load-balancing-type": ({"type": str, "nargs": "+"}, False),
     "--moe-aux-loss-coeff": ({"type": float, "nargs": "+"}, False), "--moe-z-loss-coeff": (_FLOAT, True),
     "--moe-token-dispatcher-type": ({"type": str, "choices": ["allgather", "alltoall", "flex"]}, True),
+    "--moe-router-pre-softmax": (_TRUE, True), "--moe-shared-expert-intermediate-size": (_INT, True),
+    "--moe-shared-expert-gate": (_TRUE, True),
 }
 
 
@@ -144,6 +146,10 @@ def _configs(ns: argparse.Namespace) -> tuple[Any, Any, Any]:
     if ns.first_last_layers_bf16:
         kw["num_layers_at_start_in_bf16"] = ns.num_layers_at_start_in_bf16
         kw["num_layers_at_end_in_bf16"] = ns.num_layers_at_end_in_bf16
+    if ns.moe_shared_expert_intermediate_size is not None:
+        kw["moe_shared_expert_intermediate_size"] = ns.moe_shared_expert_intermediate_size
+        kw["moe_shared_expert_gate"] = ns.moe_shared_expert_gate
+    kw["moe_router_pre_softmax"] = ns.moe_router_pre_softmax
     if ns.moe_router_load_balancing_type is not None:
         kw["moe_router_load_balancing_type"] = ns.moe_router_load_balancing_type[0]
         kw["moe_aux_loss_coeff"] = ns.moe_aux_loss_coeff[0] if ns.moe_aux_loss_coeff else 0.0
@@ -186,7 +192,7 @@ def test_generated_flags_name_transformer_config_fields() -> None:
 ACCEPTED = {  # every example plan the export takes; the others are refused (test_examples_refused)
     ("gpt2_small", "train"), ("llama2_70b_train", "train_64"), ("tiny_llama", "train"),
     ("tiny_llama_context", "train"), ("tiny_llama_fp8", "train"), ("tiny_llama_fsdp", "train"),
-    ("tiny_mixtral", "train"), ("tiny_mixtral_experts", "train"),
+    ("tiny_mixtral", "train"), ("tiny_mixtral_experts", "train"), ("tiny_qwen2_moe_experts_zero", "zero1"),
 }
 
 
@@ -360,3 +366,31 @@ def test_qwen_style_switches(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     tc, _, _ = _configs(_parser().parse_args(script_args(tmp_path / "q.sh")))
     assert getattr(tc, field) == want
     assert tc.add_bias_linear is False
+
+
+def qwen_moe_spec(family: str) -> str:
+    """examples/tiny_mixtral.mesh (data 2 x tensor 2) as a Qwen2-MoE (gated shared expert, q / k / v
+    biases) or Qwen3-MoE (per-head q / k norms, top-k renormalised) model."""
+    text = (ROOT / "examples" / "tiny_mixtral.mesh").read_text().replace("= mixtral {", f"= {family} {{")
+    if family == "qwen2_moe":
+        text = text.replace("    top_k = 2\n", "    top_k = 2\n    shared_ffn = 128\n").replace(
+            "    shard blocks.*.mlp.router replicate\n",
+            "    shard blocks.*.mlp.router replicate\n    shard blocks.*.mlp.shared_router replicate\n").replace(
+            "ffn -> tensor,", "ffn -> tensor, shared_ffn -> tensor,")
+    return text
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_qwen_moe(tmp_path: Path, capsys: pytest.CaptureFixture[str], family: str) -> None:
+    (tmp_path / "q.mesh").write_text(qwen_moe_spec(family))
+    assert check_file(tmp_path / "q.mesh").ok
+    rc, err = _export(tmp_path / "q.mesh", "train", tmp_path / "q.sh", capsys)
+    assert rc == 0, err
+    ns = _parser().parse_args(script_args(tmp_path / "q.sh"))
+    tc, _, _ = _configs(ns)
+    assert (tc.num_moe_experts, tc.moe_router_topk, tc.tensor_model_parallel_size) == (4, 2, 2)
+    if family == "qwen2_moe":  # HF Qwen2-MoE: q / k / v biases, softmax top-k not renormalised, gated shared expert
+        assert tc.add_qkv_bias and tc.moe_router_pre_softmax and tc.moe_shared_expert_gate
+        assert tc.moe_shared_expert_intermediate_size == 128
+    else:
+        assert tc.qk_layernorm and not tc.moe_router_pre_softmax and tc.moe_shared_expert_intermediate_size is None

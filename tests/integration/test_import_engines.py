@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 ACCEPTED = (("gpt2_small", "train"), ("llama2_70b_train", "train_64"), ("tiny_llama", "train"),
             ("tiny_llama_context", "train"), ("tiny_llama_fp8", "train"), ("tiny_llama_fsdp", "train"),
-            ("tiny_mixtral", "train"), ("tiny_mixtral_experts", "train"))
+            ("tiny_mixtral", "train"), ("tiny_mixtral_experts", "train"), ("tiny_qwen2_moe_experts_zero", "zero1"))
 
 
 def _script_args(script: Path) -> list[str]:
@@ -292,4 +292,23 @@ def test_qwen_style_llama_round_trip(tmp_path: Path, capsys: pytest.CaptureFixtu
     imported = check_file(tmp_path / "i.mesh").plans["train"]
     assert _summary(imported) == _summary(original.plans["train"])
     assert dict(imported.model.values)[setting.split()[0]] == dict(original.plans["train"].model.values)[setting.split()[0]]
+    assert _export(tmp_path / "i.mesh", "train", tmp_path / "b.sh") == args
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe"])
+def test_qwen_moe_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str], family: str) -> None:
+    text = (ROOT / "examples" / "tiny_mixtral.mesh").read_text().replace("= mixtral {", f"= {family} {{")
+    if family == "qwen2_moe":  # a gated shared expert, its gate replicated like the router
+        text = text.replace("    top_k = 2\n", "    top_k = 2\n    shared_ffn = 128\n").replace(
+            "    shard blocks.*.mlp.router replicate\n",
+            "    shard blocks.*.mlp.router replicate\n    shard blocks.*.mlp.shared_router replicate\n").replace(
+            "ffn -> tensor,", "ffn -> tensor, shared_ffn -> tensor,")
+    (tmp_path / "q.mesh").write_text(text)
+    original = check_file(tmp_path / "q.mesh").plans["train"]
+    args = _export(tmp_path / "q.mesh", "train", tmp_path / "a.sh")
+    rc, err = _import(args, tmp_path / "i.mesh", 4, capsys)
+    assert rc == 0, err
+    imported = check_file(tmp_path / "i.mesh").plans["train"]
+    assert imported.model.family == family
+    assert _summary(imported) == _summary(original)
     assert _export(tmp_path / "i.mesh", "train", tmp_path / "b.sh") == args
