@@ -1,4 +1,6 @@
-"""`meshc import-megatron -o FILE.mesh [--devices N] [--hf-config DIR] -- ARGS...`: the .mesh plan of a Megatron-LM run.
+"""`meshc import-megatron` / `import-torchtitan`: the .mesh plan of a Megatron-LM or torchtitan run.
+
+`meshc import-megatron -o FILE.mesh [--devices N] [--hf-config DIR] -- ARGS...`:
 
 ARGS is the `pretrain_gpt.py` argument line (what `meshc export --to megatron` writes). Each flag is
 one of megatron.FLAGS, read with its type; any other flag, a missing or mistyped value, or a value
@@ -10,6 +12,10 @@ it), and a plan with Megatron's fixed tensor-parallel shards, explicit stages, s
 ZeRO (distributed optimizer / Megatron-FSDP), recomputation and precision. Every line of the plan
 carries a `# from --flag value` comment, so the checker's diagnostics on the imported plan (sizes that
 do not divide, say) name the argument they came from.
+
+`meshc import-torchtitan -o FILE.mesh --hf-config DIR -- ARGS...` reads a torchtitan 0.3 line the same
+way (torchtitan.KEYS, the overrides `--to torchtitan` writes); its model is DIR's config.json, as
+torchtitan's is code in the config function, not flags.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from meshllm_dsl.front.source import SourceFile, Span
 from meshllm_dsl.interop.megatron import FLAGS, ZERO
 
 MESH = "megatron"
+TITAN_MESH = "torchtitan"
 MODEL = "model"
 PLAN = "train"
 
@@ -529,10 +536,10 @@ def titan_spec_text(args: list[str], hf_config: str) -> str:
     if a.errors:
         raise SpecError(a.errors)
     model = [f"{k} = {_num(v)}  # from config.json {src}" for k, v, src in settings if k != "dtype"]
-    mesh = f"mesh {MESH} {{\n    axes {', '.join(f'{n} = {s}' for n, s, _ in axes)}{a.src(*[f for _, _, f in axes if f])}\n}}\n"
+    mesh = f"mesh {TITAN_MESH} {{\n    axes {', '.join(f'{n} = {s}' for n, s, _ in axes)}{a.src(*[f for _, _, f in axes if f])}\n}}\n"
     return (f"# Imported from a torchtitan argument line by `meshc import-torchtitan`: {shlex.join(args)}\n"
             f"{mesh}\nmodel {MODEL} = {family} {{\n" + "\n".join(f"    {x}" for x in model)
-            + f"\n    dtype = {params}{a.src(T + 'mixed_precision_param')}\n}}\n\nplan {PLAN} on {MESH} for {MODEL} {{\n"
+            + f"\n    dtype = {params}{a.src(T + 'mixed_precision_param')}\n}}\n\nplan {PLAN} on {TITAN_MESH} for {MODEL} {{\n"
             + "\n".join(f"    {x}" for x in plan) + "\n}\n")
 
 
