@@ -245,7 +245,9 @@ CODES: dict[str, tuple[str, str]] = {
               "transformers tp_plan apply to one whole model; neither splits a model into pipeline stages "
               "(torch.distributed.pipelining does, outside them). Export a plan without `stages`. `--to torchtitan` "
               "does write a pipeline, with torchtitan's schedules and an even number of blocks per stage: "
-              "stages of different sizes are refused there."),
+              "stages of different sizes are refused there. `--to megatron` writes stages of any sizes (the layout "
+              "string) but only Megatron's schedules (1f1b; interleaved_1f1b with virtual stages), stages in "
+              "round-robin order, the embedding first and the head last."),
     "E1202": ("export: ZeRO 1", "fully_shard (FSDP2) shards gradients with the optimizer states: ZeRO 2 is "
               "reshard_after_forward=False, ZeRO 3 reshard_after_forward=True. It has no mode that shards only "
               "the optimizer states, so a `zero 1` plan is not exported; use `zero 2` or `zero 3` (torchtitan: "
@@ -266,7 +268,9 @@ CODES: dict[str, tuple[str, str]] = {
               "tp_plan shard. `--to torchtitan` builds torchtitan's llama3: a `llama` family model without "
               "biases, tied embeddings, a window, q / k norms, another norm_eps, head_dim or rope. `--to hf-ep-plan` "
               "takes a model with routed experts of a class its expert parallelism is proven for (Mixtral, "
-              "Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS)."),
+              "Qwen2-MoE, Qwen3-MoE, DeepSeek-V3, GLM-4.5, GPT-OSS). `--to megatron` takes what Megatron's GPT model's switches say: the `llama` "
+              "(q / k / v biases and head q / k norms included), `gpt2`, `mixtral`, `qwen2_moe` and `qwen3_moe` "
+              "families (no capacity factor, no `aux_loss_coef`: Megatron's load-balancing loss is per layer)."),
     "E1205": ("export: layout the target lacks", "Each sharded layer becomes one parallel style over one mesh "
               "dimension: column -> ColwiseParallel / `colwise`, row -> RowwiseParallel / `rowwise`, "
               "vocab_parallel embedding -> RowwiseParallel(input_layouts=Replicate()) / `embedding_rowwise`. A "
@@ -286,7 +290,8 @@ CODES: dict[str, tuple[str, str]] = {
               "transformers' expert parallelism (`--to hf-ep-plan`) splits every moe layer's experts over one "
               "group of ranks and shards nothing else by tensor parallelism beside it: its experts are not "
               "tensor-parallel and its expert groups hold the tensor-parallel ranks; its ranks are ordered replicas, "
-              "then FSDP ranks, the expert ranks fastest."),
+              "then FSDP ranks, the expert ranks fastest. Megatron's tensor-parallel plan is fixed as torchtitan's is, "
+              "with the router replicated and the experts' ffn split like a dense one's."),
     "E1206": ("export: not exported", "A part of the plan the export does not write, which would otherwise be "
               "dropped silently: activation recomputation, data parallelism without ZeRO 2 / 3 (wrap the model in "
               "DistributedDataParallel yourself), or ZeRO over other axes than the batch's (hybrid sharding). For `--to torchtitan`: "
@@ -295,7 +300,17 @@ CODES: dict[str, tuple[str, str]] = {
               "with no role torchtitan has a degree for. For `--to hf-ep-plan`: data parallelism other than ZeRO 3 "
               "over axes that hold the experts' (transformers shards the dense parameters with FSDP2 over "
               "the experts' ranks), experts kept whole, `precision`, a `capacity` (transformers routes dropless) or a "
-              "`z_loss_coef`."),
+              "`z_loss_coef`. For `--to megatron`: a precision other than fp32 or bf16 with fp32 master weights "
+              "(Megatron keeps fp32 main weights under --bf16), `recompute = ops` or `every N`, fp8_rowwise, bf16 "
+              "blocks in the middle of the stack, `compile`, ZeRO over part of the replica axes."),
+    "E1207": ("import: an engine argument meshc does not read", "`meshc import-megatron` reads the flags "
+              "`meshc export --to megatron` writes (meshllm_dsl/interop/megatron.py's FLAGS: parallel sizes, pipeline "
+              "split, ZeRO, recomputation, precision, batch and the model's shape), `meshc import-torchtitan` the "
+              "`--section.key` overrides `--to torchtitan` writes (torchtitan.py's KEYS). Any other flag, a flag without "
+              "its value, a value of the wrong type, or a value meshllm cannot honour (a recomputation method, a "
+              "normalization or activation Megatron's GPT model has but the meshllm families lack, sizes that do "
+              "not divide the devices) is an error at that argument, never ignored: an ignored flag would make "
+              "the imported plan another run than the one launched."),
     "W1201": ("tp_plan gathers the logits", "transformers computes its loss on full logits, so a head that "
               "meshc keeps vocab-sharded for a vocab-parallel loss is exported as `colwise_gather_output`: the "
               "same loss, with each rank holding the full logits. `--to dtensor` keeps them sharded."),
@@ -374,6 +389,7 @@ E1203: Final = "E1203"
 E1204: Final = "E1204"
 E1205: Final = "E1205"
 E1206: Final = "E1206"
+E1207: Final = "E1207"
 W1201: Final = "W1201"
 W1202: Final = "W1202"
 

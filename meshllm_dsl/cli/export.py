@@ -1,9 +1,9 @@
-"""`meshc export FILE --plan P --to dtensor|hf-tp-plan|torchtitan|hf-ep-plan -o OUT`: a checked plan for other tools.
+"""`meshc export FILE --plan P --to dtensor|hf-tp-plan|torchtitan|hf-ep-plan|megatron -o OUT`: a checked plan for other tools.
 
 `--to dtensor` writes a Python module with `parallelize(model, mesh)` (torch's parallelize_module and
 fully_shard over transformers' module names); `--to hf-tp-plan` writes transformers' `tp_plan` as
 JSON; `--to hf-ep-plan` a mixture-of-experts plan as transformers' `DistributedConfig` arguments (its
-`ep_plan` and the expert / FSDP sizes) as JSON. Exit 0 written (warnings included), 1 errors in the spec or a plan the target cannot express,
+`ep_plan` and the expert / FSDP sizes) as JSON; `--to megatron` Megatron-LM's pretrain_gpt.py flags. Exit 0 written (warnings included), 1 errors in the spec or a plan the target cannot express,
 2 usage. Torch is not imported here; runtime/hf/weights.py (the module names) imports it when it runs.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 from meshllm_dsl.diagnostics import SpecError, render_all
 
-TARGETS = ("dtensor", "hf-tp-plan", "torchtitan", "hf-ep-plan")
+TARGETS = ("dtensor", "hf-tp-plan", "torchtitan", "hf-ep-plan", "megatron")
 
 
 def cmd_export(args: argparse.Namespace) -> int:
@@ -25,8 +25,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     path = existing(args.file)[0]
     out = Path(args.output)
-    if args.to == "torchtitan":
-        return _torchtitan(args, path, out)
+    if args.to in ("torchtitan", "megatron"):
+        return _engine(args, path, out)
     check_new_file(out, {"dtensor": "exported plan", "hf-ep-plan": "DistributedConfig"}.get(args.to, "tp_plan"),
                    args.force)
     if args.to == "hf-ep-plan" and args.weights:
@@ -70,25 +70,28 @@ def _checked_plan(args: argparse.Namespace, path: str) -> tuple[Any, Any, str] |
     return result.plans[name[0]], decls, result.text
 
 
-def _torchtitan(args: argparse.Namespace, path: str, out: Path) -> int:
-    """`--to torchtitan`: OUT (the torchrun line) and OUT's stem + `_config.py` (its config_registry)."""
+def _engine(args: argparse.Namespace, path: str, out: Path) -> int:
+    """`--to torchtitan`: OUT (the torchrun line) and OUT's stem + `_config.py` (its config_registry);
+    `--to megatron`: OUT (the torchrun pretrain_gpt.py line)."""
     from meshllm_dsl.cli.main import UsageError
+    from meshllm_dsl.interop.megatron import export_megatron
     from meshllm_dsl.interop.torchtitan import export_torchtitan
     from meshllm_dsl.runtime.outputs import check_new_file, write_output
 
     if args.weights:
-        raise UsageError("--weights is for --to dtensor / hf-tp-plan; torchtitan builds its own llama3")
+        raise UsageError(f"--weights is for --to dtensor / hf-tp-plan; {args.to} builds its own model")
     checked = _checked_plan(args, path)
     if isinstance(checked, int):
         return checked
     plan, decls, text = checked
+    export = export_torchtitan if args.to == "torchtitan" else export_megatron
     try:
-        files, _ = export_torchtitan(plan, decls, str(path), text, out)
+        files, _ = export(plan, decls, str(path), text, out)
     except SpecError as err:
         print(render_all(err.diagnostics), end="", file=sys.stderr)
         return 1
     for f in files:
-        check_new_file(f, "torchtitan launch" if f == out else "torchtitan config_registry", args.force)
+        check_new_file(f, f"{args.to} launch" if f == out else "torchtitan config_registry", args.force)
     for f, content in files.items():
         write_output(f, content.encode())
         print(f"wrote {f}")
@@ -102,7 +105,8 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     e.add_argument("--to", required=True, choices=TARGETS,  # export.TARGETS, not imported: registering must stay light
                    help="dtensor: a module with parallelize(model, mesh); hf-tp-plan: transformers' tp_plan JSON; "
                         "torchtitan: torchtitan 0.3's torchrun line (OUT) and its config_registry (OUT_config.py); "
-                        "hf-ep-plan: transformers' DistributedConfig arguments (ep_plan, ep / fsdp sizes) as JSON")
+                        "hf-ep-plan: transformers' DistributedConfig arguments (ep_plan, ep / fsdp sizes) as JSON; "
+                        "megatron: Megatron-LM's torchrun pretrain_gpt.py line (OUT)")
     e.add_argument("--weights", metavar="DIR",
                    help="the checkpoint the model is of: its config.json's class names the modules (Phi-3's fused "
                         "qkv_proj, which a llama-family model alone does not say)")

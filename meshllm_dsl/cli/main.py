@@ -171,7 +171,8 @@ _EXTENSIONS: list[Callable[[argparse._SubParsersAction], None]] = []  # type: ig
 def _load_extensions() -> None:
     import importlib
 
-    for name in ("meshllm_dsl.cli.compile", "meshllm_dsl.cli.plan", "meshllm_dsl.interop.import_hf", "meshllm_dsl.planner.calibrate",
+    for name in ("meshllm_dsl.cli.compile", "meshllm_dsl.cli.plan", "meshllm_dsl.interop.import_hf", "meshllm_dsl.interop.import_engines",
+                 "meshllm_dsl.planner.calibrate",
                  "meshllm_dsl.cli.data", "meshllm_dsl.cli.export", "meshllm_dsl.cli.report"):
         try:
             module = importlib.import_module(name)

@@ -47,6 +47,27 @@ SCHEDULES = {
     "dualpipev": "DualPipeV",
 }
 
+# The overrides the export writes (and `meshc import-torchtitan` reads back): --section.key -> the
+# type of its value, or None for a bare switch. `--module` / `--config` name the config function.
+KEYS: dict[str, type | None] = {
+    "--module": str, "--config": str,
+    "--parallelism.data_parallel_replicate_degree": int, "--parallelism.data_parallel_shard_degree": int,
+    "--parallelism.fsdp_reshard_after_forward": str, "--parallelism.tensor_parallel_degree": int,
+    "--parallelism.enable_sequence_parallel": None, "--parallelism.no-enable_sequence_parallel": None,
+    "--parallelism.context_parallel_degree": int, "--parallelism.expert_parallel_degree": int,
+    "--parallelism.pipeline_parallel_degree": int, "--parallelism.pipeline_parallel_schedule": str,
+    "--parallelism.pipeline_parallel_layers_per_stage": int,
+    "--parallelism.pipeline_parallel_first_stage_less_layers": int,
+    "--parallelism.pipeline_parallel_last_stage_less_layers": int,
+    "--parallelism.pipeline_parallel_microbatch_size": int, "--training.disable_cuda_graphs": None,
+    "--training.local_batch_size": int, "--training.global_batch_size": int, "--training.seq_len": int,
+    "--training.dtype": str, "--training.mixed_precision_param": str,
+    "--compile.enable": None, "--compile.components": str,
+}
+# the subcommand the line ends with -> meshllm's recompute region
+SUBCOMMANDS = {"activation-checkpoint:none": "none", "activation-checkpoint:full": "blocks",
+               "activation-checkpoint:selective": "ops"}
+
 # torchtitan's llama3 (models/llama3): RMSNorm, SwiGLU, GQA, RoPE, untied head, no biases.
 _LLAMA_FIXED = (
     ("attn_bias", False, "biases on q / k / v"),
@@ -399,4 +420,4 @@ def export_torchtitan(plan: PlanIR, decls: Declarations | None, source_path: str
              out.with_name(module + ".py"): render_config(exp, plan, source_path)}, ())
 
 
-__all__ = ["SCHEDULES", "TARGET", "TitanExport", "analyze", "command_args", "export_torchtitan"]
+__all__ = ["KEYS", "SCHEDULES", "SUBCOMMANDS", "TARGET", "TitanExport", "analyze", "command_args", "export_torchtitan"]

@@ -178,9 +178,9 @@ def test_export_matches_golden_and_is_deterministic(target: str, request: pytest
 
 def test_cli_targets_are_the_exporters() -> None:
     from meshllm_dsl.cli import export as cli_export
-    from meshllm_dsl.interop import hf_ep, torchtitan
+    from meshllm_dsl.interop import hf_ep, megatron, torchtitan
 
-    assert cli_export.TARGETS == (*TARGETS, torchtitan.TARGET, hf_ep.TARGET)
+    assert cli_export.TARGETS == (*TARGETS, torchtitan.TARGET, hf_ep.TARGET, megatron.TARGET)
 
 
 def test_header_names_the_spec_and_its_hash() -> None:
@@ -203,7 +203,7 @@ def test_cli_writes_once_and_refuses_to_overwrite(tmp_path: Path, capsys: pytest
     assert "exists; pass --force" in capsys.readouterr().err
     assert main(["export", str(src), "--to", "hf-tp-plan", "-o", str(tmp_path / "tp.json")]) == 0
     assert json.loads((tmp_path / "tp.json").read_text())["model.layers.*.mlp.down_proj"] == "rowwise"
-    assert main(["export", str(src), "--to", "megatron", "-o", str(tmp_path / "x")]) == 2
+    assert main(["export", str(src), "--to", "deepspeed", "-o", str(tmp_path / "x")]) == 2  # not a target
     assert main(["export", str(tmp_path / "missing.mesh"), "--to", "dtensor", "-o", str(tmp_path / "y")]) == 2
     assert "no such file" in capsys.readouterr().err
 
