@@ -181,8 +181,9 @@ def moe_routing(ctx: PassContext) -> PassResult:
     """A moe model's routing in this plan. (Router losses need no check: with pipeline stages the
     runtime sends each stage's routing statistics on with its activations, in fp32 under any
     `precision`: runtime/train/program.py.) `skew = F` (the planner's routing
-    skew, meshllm_dsl/planner/moe.py): the share of a layer's routed tokens its busiest expert gets,
-    1 / experts (balanced) <= F <= 1. Group-limited routing (`groups`, `topk_groups`) narrows the
+    skew, meshllm_dsl/planner/moe.py): the share of a layer's routed (token, choice) pairs its
+    busiest expert gets, 1 / experts (balanced) <= F <= 1 / top_k (a token's choices are distinct
+    experts). Group-limited routing (`groups`, `topk_groups`) narrows the
     experts a token reaches, not the tokens one expert can take (every token may keep the busiest
     expert's group), so the same range and the planner's per-rank model apply to it unchanged."""
     w = _Worker.of(ctx)
@@ -202,6 +203,14 @@ def moe_routing(ctx: PassContext) -> PassResult:
                         label="the busiest expert gets at least an even share",
                         help=f"use 1 / {experts} <= skew <= 1: the share of a layer's routed tokens its busiest expert "
                         f"receives ({1 / experts:.4g} is balanced routing, 1 sends every token to one expert)")
+                skew = None
+            top_k = max(int(u.attr("top_k")) for u in moes)  # type: ignore[arg-type]
+            if skew is not None and skew > 1 / top_k:
+                # A token's top_k choices are distinct experts: one expert takes at most one of them.
+                w.error(E0307, f"`skew` = {skew:g} is more than 1 / top_k = {1 / top_k:.4g}", given.value.span,
+                        label=f"each token sends one of its {top_k} choices at most to one expert",
+                        help=f"use 1 / {experts} <= skew <= 1 / {top_k}: a token's top {top_k} experts are distinct, "
+                        f"so the busiest expert receives at most 1 / {top_k} of a layer's routed (token, choice) pairs")
                 skew = None
     return w.result(skew=skew)
 

@@ -52,7 +52,8 @@ PARAM_DOCS = {
                       "through; 0: none",
 }
 SETTING_DOCS = {
-    "skew": "planner only: the busiest expert of each moe layer receives this share of its routed tokens; "
+    "skew": "planner only: the busiest expert of each moe layer receives this share of its routed (token, "
+            "choice) pairs, 1 / experts to 1 / top_k; "
             "`meshc plan` gives each expert-parallel rank's memory and step under it (W0807); "
             "`meshc run --profile` measures it",
 }

@@ -177,6 +177,7 @@ def test_skew_stretches_every_expert_all_to_all_by_the_busiest_rank_s_rows() -> 
 @pytest.mark.parametrize("value, code, words", [
     ("0.1", "E0307", "less than 1 / experts = 0.125"),
     ("1.5", "E0307", "out of range"),
+    ("0.6", "E0307", "more than 1 / top_k = 0.5"),  # Mixtral's top 2: one expert takes at most half the pairs
     ("0", "E0307", "out of range"),
 ])
 def test_skew_range_is_checked(value: str, code: str, words: str) -> None:
