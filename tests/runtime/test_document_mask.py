@@ -232,3 +232,18 @@ def test_the_runtime_refuses_document_masks_under_pipeline_parallelism(pool: Any
     """The checker refuses the plan (E0309); a batch with documents handed to such a program anyway is refused too."""
     path, n = _module("ignored_pipeline2_micro2", tmp_path)
     assert set(pool.run(_pipeline_job, n, path)) == {"document masks with pipeline parallelism are not supported yet"}
+
+
+def test_the_planner_says_the_plan_masks_documents_and_prices_attention_over_seq() -> None:
+    from meshllm_dsl.parallel.devices import PROFILES
+    from meshllm_dsl.planner.analyze import analyze
+    from meshllm_dsl.planner.report import report_json, report_text
+
+    plan = check_text(_spec("cp = 2", RESTART + "    layout { seq -> cp }\n"), "t.mesh").plans["p"]
+    rep = analyze(plan, PROFILES["h100"])
+    assert "documents masked apart in every row (`pack = documents`, positions restart)" in report_text(rep)
+    data = report_json(rep)
+    assert data["document_mask"] and data["restart_positions"]
+    # No document lengths, no guess: the step is priced as the unmasked plan's.
+    plain = analyze(check_text(_spec("cp = 2", "    layout { seq -> cp }\n"), "t.mesh").plans["p"], PROFILES["h100"])
+    assert report_json(plain)["step"] == data["step"] and "documents masked" not in report_text(plain)
