@@ -390,9 +390,10 @@ def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
     are not ``IGNORE``; 0 (with zero gradients) when every target is ignored."""
     flat = logits.reshape(-1, logits.shape[-1]).to(_compute_dtype(logits.dtype))
     t = targets.reshape(-1)
-    if not bool((t != IGNORE).any()):  # torch's mean would be 0 / 0
-        return (flat * 0.0).sum()
-    return F.cross_entropy(flat, t, ignore_index=IGNORE)
+    loss = F.cross_entropy(flat, t, ignore_index=IGNORE)
+    # No target counted: torch's mean is 0 / 0 (its backward writes no row, so the gradients are 0);
+    # the loss is 0, chosen on the device (no host sync).
+    return torch.where((t != IGNORE).any(), loss, torch.zeros_like(loss))
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -403,9 +404,7 @@ class _VocabParallelCE(torch.autograd.Function):
         x = logits.reshape(-1, logits.shape[-1]).to(_compute_dtype(logits.dtype))
         t = targets.reshape(-1)
         n_local = x.shape[-1]
-        # [N] the targets the loss counts (None: all of them, the plain mean)
-        counted = t != IGNORE
-        counted_or_all = None if bool(counted.all()) else counted
+        counted = t != IGNORE  # [N] the targets the loss counts
         local_t = t - vocab_start
         outside = (local_t < 0) | (local_t >= n_local) | ~counted
         local_t = local_t.masked_fill(outside, 0)
@@ -419,31 +418,23 @@ class _VocabParallelCE(torch.autograd.Function):
         # the max and then one of the sums, so one wait per step); the logits themselves never move.
         shards = all_gather_cat(torch.stack([local_lse, target_logit]).unsqueeze(0), group, 0)
         lse = torch.logsumexp(shards[:, 0], dim=0)
-        per_token = lse - shards[:, 1].sum(0)
-        if counted_or_all is None:
-            loss, weight = per_token.mean(), None
-        else:
-            # [N] 1 / (counted targets) where counted, 0 where ignored (0 everywhere when none counts)
-            weight = counted.to(per_token.dtype) / counted.sum().clamp(min=1)
-            loss = (per_token * weight).sum()
+        # [N] 1 / (counted targets) where counted, 0 where ignored (0 everywhere when none counts)
+        weight = counted.to(x.dtype) / counted.sum().clamp(min=1)
+        loss = ((lse - shards[:, 1].sum(0)) * weight).sum()
         # exp(x - max) * exp(max - lse) = softmax, in place.
-        ctx.save_for_backward(exp.mul_((local_max - lse).exp_().unsqueeze(-1)), local_t, outside,
-                              *(() if weight is None else (weight,)))
+        ctx.save_for_backward(exp.mul_((local_max - lse).exp_().unsqueeze(-1)), local_t, outside, weight)
         ctx.shape, ctx.dtype = logits.shape, logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        softmax, local_t, outside, *weight = ctx.saved_tensors
+        softmax, local_t, outside, weight = ctx.saved_tensors
         # In place, as Megatron does: the saved softmax becomes the gradient, so backward needs
         # no second [N, Vl] buffer (this Function's graph is never run backward twice).
         g = softmax
         rows = torch.arange(g.shape[0], device=g.device)
         g[rows, local_t] -= (~outside).to(g.dtype)
-        if weight:  # ignored targets: their rows get no gradient, the rest 1 / counted
-            g.mul_((weight[0] * grad).unsqueeze(-1))
-        else:
-            g.mul_(grad / g.shape[0])
+        g.mul_((weight * grad).unsqueeze(-1))  # ignored targets' rows get none
         return g.to(ctx.dtype).reshape(ctx.shape), None, None, None
 
 

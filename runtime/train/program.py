@@ -778,9 +778,10 @@ class Built:
         batch's counted targets, on every rank.
         """
         self.optimizer.zero_grad(set_to_none=False)
+        # Counted where the batch comes from (the host), not after the copy: no device sync.
+        counted = int((targets != IGNORE).sum())
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         packing = self._packing(tokens, documents, positions)
-        counted = int((targets != IGNORE).sum())
         self._counted = None if counted == targets.numel() else counted
         try:
             local_loss = self._forward_backward(self._local_batch(tokens), self._local_batch(targets), packing)
