@@ -6,16 +6,19 @@ documents.py); `positions = restart`: rotary (and learned) positions restart at 
 The generated program carries both (``Program.document_mask`` / ``restart_positions``): the data
 path packs by them and `meshc verify` compares on packed batches. What the runtime does not carry
 through yet is refused here: pipeline schedules call each stage per microbatch (the document
-numbers would have to travel as stage inputs) and torch.compile'd blocks would read them as globals.
+numbers would have to travel as stage inputs), torch.compile'd blocks would read them as globals,
+and a moe layer whose routing depends on the whole forward's tokens (router losses, a capacity
+factor) is not compared with each document run alone by `meshc verify` yet.
 """
 
 from __future__ import annotations
 
+from meshllm_dsl import primitives
 from meshllm_dsl.checker.context import PlanContext
 from meshllm_dsl.codes import E0203, E0309
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.names import or_list
-from meshllm_dsl.ir import PACKS, POSITIONS
+from meshllm_dsl.ir import PACKS, POSITIONS, Repeat
 
 
 class PackingRules(PlanContext):
@@ -48,6 +51,16 @@ class PackingRules(PlanContext):
                        settings["pack"].value.span, label=f"stages over `{pipeline_axis}`",
                        help="the schedules run each stage per microbatch and the document numbers do not travel "
                             "with the activations yet: drop `pack = documents` or the `stages` statement")
+            masked = restart = False
+        per_forward = [u.name for item in self.model.items
+                       for u in (item.body if isinstance(item, Repeat) else (item,))
+                       if primitives.of(u).routes_experts
+                       and any(u.attr(a) for a in ("capacity", "aux_loss_coef", "z_loss_coef"))]
+        if masked and per_forward:
+            self.error(E0309, "`pack = documents` with router losses or a capacity factor is not supported yet",
+                       settings["pack"].value.span, label=f"`{per_forward[0]}` routes by the whole forward's tokens",
+                       help="drop `capacity`, `aux_loss_coef` and `z_loss_coef` from the model (or `pack = documents`): "
+                            "`meshc verify` compares packed rows with each document alone, which they do not match")
             masked = restart = False
         if masked and compiled != "none":
             self.error(E0309, f"`pack = documents` with `compile = {compiled}` is not supported yet",

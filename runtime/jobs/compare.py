@@ -13,8 +13,9 @@ import itertools
 import torch
 from torch import Tensor
 
+from meshllm_dsl.runtime.data.corpus import IGNORE
 from meshllm_dsl.runtime.model import description
-from meshllm_dsl.runtime.model.layers import IGNORE, cross_entropy
+from meshllm_dsl.runtime.model.layers import cross_entropy
 from meshllm_dsl.runtime.model.reference import build_reference, first_position
 from meshllm_dsl.runtime.moe.routing import RouterLosses, balance, balanced_routers, recording
 from meshllm_dsl.runtime.parallel.mesh import Mesh

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
+from meshllm_dsl.runtime.data.corpus import IGNORE  # a target the loss skips (torch's ignore_index)
 from meshllm_dsl.runtime.model import decode, documents, rope
 from meshllm_dsl.runtime.model.decode import DecodeSession, KVCache
 from meshllm_dsl.runtime.parallel.collectives import all_gather_cat, uses_module_forward
@@ -379,10 +380,6 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
         raise ValueError(
             f"unknown activation {name!r}; expected one of {sorted(_ACTIVATIONS)}"
         ) from None
-
-
-# A target the loss skips (runtime/data/corpus.py IGNORE, torch's cross_entropy ignore_index).
-IGNORE = -100
 
 
 def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:

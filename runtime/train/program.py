@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from meshllm_dsl.runtime.data.corpus import IGNORE
 from meshllm_dsl.runtime.model import description
 from meshllm_dsl.runtime.model.documents import Packing, packed
-from meshllm_dsl.runtime.model.layers import IGNORE
 from meshllm_dsl.runtime.moe import grouped
 from meshllm_dsl.runtime.moe import routing as moe_routing
 from meshllm_dsl.runtime.parallel import fsdp

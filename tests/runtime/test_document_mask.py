@@ -21,9 +21,9 @@ from meshllm_dsl.checker import check_text
 
 torch = pytest.importorskip("torch")
 
+from meshllm_dsl.runtime.data.corpus import IGNORE  # noqa: E402
 from meshllm_dsl.runtime.jobs.compare import TOLERANCE, packed_batches  # noqa: E402
 from meshllm_dsl.runtime.model import documents, layers  # noqa: E402
-from meshllm_dsl.runtime.model.layers import IGNORE  # noqa: E402
 
 LLAMA = "model m = llama { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64, dtype = fp32 }"
 GPT2 = "model m = gpt2 { vocab = 64, hidden = 32, layers = 2, heads = 4, positions = 16 }"
@@ -160,6 +160,9 @@ CASES: dict[str, tuple[str, bool]] = {  # name -> (spec, ignored targets in plai
                               "    optimizer adamw { zero 1 over data * cp, clip = 0.01 }\n"), False),
     # Learned positions restart too; windows and soft caps keep their masks; sinks; mla's attention.
     "gpt2_cp2_restart": (_spec("cp = 2", RESTART + "    layout { seq -> cp }\n", GPT2), False),
+    # Megatron sequence parallelism: learned positions added to the whole rows before the split.
+    "gpt2_tensor2_sp_restart": (_spec("tensor = 2", RESTART + "    layout { heads -> tensor, ffn -> tensor, "
+                                      "vocab -> tensor, seq -> tensor }\n", GPT2), False),
     "gemma2_cp2_restart": (_spec("cp = 2", RESTART + "    layout { seq -> cp }\n", GEMMA2), False),
     "gpt_oss_tensor2_recompute_attention": (_spec("tensor = 2", RESTART + "    layout { heads -> tensor, kv_heads -> tensor, "
                                                   "ffn -> tensor, vocab -> tensor }\n    shard blocks.*.mlp.router replicate\n"
@@ -247,3 +250,14 @@ def test_the_planner_says_the_plan_masks_documents_and_prices_attention_over_seq
     # No document lengths, no guess: the step is priced as the unmasked plan's.
     plain = analyze(check_text(_spec("cp = 2", "    layout { seq -> cp }\n"), "t.mesh").plans["p"], PROFILES["h100"])
     assert report_json(plain)["step"] == data["step"] and "documents masked" not in report_text(plain)
+
+
+def test_routing_by_the_whole_forward_is_refused_with_document_masks() -> None:
+    """Router losses and capacity count a forward's tokens across documents: not what each document
+    alone computes, which is what `meshc verify` compares with (E0309 until it compares otherwise)."""
+    mixtral = ("model m = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 48, experts = 4, "
+               "top_k = 2, aux_loss_coef = 0.05, dtype = fp32 }")
+    got = [d.code for d in check_text(_spec("data = 1", PACK, mixtral), "t.mesh").diagnostics]
+    assert got == ["E0309"], got
+    plain = mixtral.replace("aux_loss_coef = 0.05, ", "")
+    assert check_text(_spec("data = 1", PACK, plain), "t.mesh").ok
