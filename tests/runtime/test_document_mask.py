@@ -11,6 +11,7 @@ chunks) and data x context; with ignored targets alone, sharded == unsharded und
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -261,3 +262,35 @@ def test_routing_by_the_whole_forward_is_refused_with_document_masks() -> None:
     assert got == ["E0309"], got
     plain = mixtral.replace("aux_loss_coef = 0.05, ", "")
     assert check_text(_spec("data = 1", PACK, plain), "t.mesh").ok
+
+
+@pytest.mark.parametrize("kw", [{}, {"window": 5}, {"softcap": 2.0}, {"scale": 0.3}])
+@pytest.mark.parametrize("context", [False, True])
+def test_the_flex_block_mask_holds_the_same_pairs_as_the_boolean_mask(kw: dict[str, Any], context: bool,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA path's mask_mod, run here through flex_attention's eager forward (torch 2.13 has no CPU
+    backward; tests/gpu compares gradients on CUDA): the pairs the BlockMask admits are the boolean
+    mask's, also for a context rank's head-tail queries against keys gathered in rank order."""
+    import torch.nn.functional as F
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(layers, "_FLEX", flex_attention)
+    b, s, h, kvh, d = 2, 64, 4, 2, 16
+    docs, _ = _rows(0, b, s)
+    gen = torch.Generator().manual_seed(0)
+    k_pos = torch.arange(s)
+    if context:  # rank 1 of 2: chunks 1 and 2 of 4; keys in rank order, rank 0's chunks 0 and 3 first
+        k_pos = torch.cat([torch.arange(0, 16), torch.arange(48, 64), torch.arange(16, 48)])
+    q_pos = k_pos[32:] if context else k_pos
+    packing = documents.Packing(docs[:, q_pos], docs[:, k_pos], None)
+    q = torch.randn(b, h, q_pos.shape[0], d, generator=gen)
+    k, v = (torch.randn(b, kvh, s, d, generator=gen) for _ in range(2))
+    with warnings.catch_warnings():  # flex_attention's eager forward warns (once) that it is slow
+        warnings.simplefilter("ignore", UserWarning)
+        out = layers.flex_masked_attention(q, k, v, q_pos, k_pos, packing, **kw)
+    allowed = documents.same_document(layers._allowed(q_pos, k_pos, kw.get("window", 0)), packing)
+    if "softcap" in kw:
+        want = layers._softcapped_attention(q, k, v, allowed, d ** -0.5, kw["softcap"])
+    else:
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True, scale=kw.get("scale"))
+    assert (out - want).abs().max() < 1e-5
