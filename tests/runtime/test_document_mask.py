@@ -294,3 +294,17 @@ def test_the_flex_block_mask_holds_the_same_pairs_as_the_boolean_mask(kw: dict[s
     else:
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True, scale=kw.get("scale"))
     assert (out - want).abs().max() < 1e-5
+
+
+def test_meshc_verify_compares_on_packed_batches(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`meshc verify` of a plan with `pack = documents`: its tiny twin trains on packed batches while the
+    unsharded model runs each document alone, and says so."""
+    from meshllm_dsl.cli.main import main
+
+    spec = tmp_path / "packed.mesh"
+    spec.write_text(_spec("tensor = 2, cp = 2", RESTART + MEGATRON + "    layout { seq -> cp }\n"))
+    assert main(["verify", str(spec)]) == 0
+    out = capsys.readouterr().out
+    assert ("on packed batches: random document boundaries in every row, attention masked at them, positions "
+            "restarting at each, some targets ignored; the unsharded model runs each document alone") in out, out
+    assert "verdict: EQUAL" in out, out
