@@ -308,3 +308,20 @@ def test_meshc_verify_compares_on_packed_batches(tmp_path: Path, capsys: pytest.
     assert ("on packed batches: random document boundaries in every row, attention masked at them, positions "
             "restarting at each, some targets ignored; the unsharded model runs each document alone") in out, out
     assert "verdict: EQUAL" in out, out
+
+
+def test_a_recomputed_region_reruns_with_its_forwards_rows() -> None:
+    """Backward outside the packed scope (as a pipeline schedule would run it) still reruns the region
+    with the document mask its forward had."""
+    from meshllm_dsl.runtime.train.remat import recompute
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 12, n, 8, generator=gen, dtype=torch.float64, requires_grad=True) for n in (4, 2, 2))
+    docs, _ = _rows(5, 2, 12)
+    with documents.packed(documents.Packing(docs, docs, None)):
+        kept = layers.attention(q, k, v)
+        rerun = recompute(layers.attention, q, k, v)
+    want = torch.autograd.grad(kept.square().sum(), (q, k, v))
+    got = torch.autograd.grad(rerun.square().sum(), (q, k, v))  # the rerun happens here, unscoped
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
