@@ -5,8 +5,7 @@ earlier tokens of its own document (block-causal attention, as Llama 3 trains; r
 documents.py); `positions = restart`: rotary (and learned) positions restart at 0 at each document.
 The generated program carries both (``Program.document_mask`` / ``restart_positions``): the data
 path packs by them and `meshc verify` compares on packed batches. What the runtime does not carry
-through yet is refused here: pipeline schedules call each stage per microbatch (the document
-numbers would have to travel as stage inputs), torch.compile'd blocks would read them as globals,
+through yet is refused here: torch.compile'd blocks would read them as globals,
 and a moe layer whose routing depends on the whole forward's tokens (router losses, a capacity
 factor) is not compared with each document run alone by `meshc verify` yet.
 """
@@ -33,7 +32,7 @@ class PackingRules(PlanContext):
             return choices[0]
         return v.value
 
-    def packing(self, settings: dict[str, ast.Setting], pipeline_axis: str | None, compiled: str) -> tuple[bool, bool]:
+    def packing(self, settings: dict[str, ast.Setting], compiled: str) -> tuple[bool, bool]:
         """(document_mask, restart_positions) of `pack = none | documents` and `positions = continue | restart`."""
         pack = self._choice(settings.get("pack"), "pack", PACKS,
                             "a packing: `documents` masks attention at document boundaries")
@@ -46,12 +45,6 @@ class PackingRules(PlanContext):
                        label="positions restart at documents only a document mask keeps apart",
                        help="add `pack = documents` to the plan (or drop `positions = restart`)")
             restart = False
-        if masked and pipeline_axis is not None:
-            self.error(E0309, "`pack = documents` with pipeline parallelism is not supported yet",
-                       settings["pack"].value.span, label=f"stages over `{pipeline_axis}`",
-                       help="the schedules run each stage per microbatch and the document numbers do not travel "
-                            "with the activations yet: drop `pack = documents` or the `stages` statement")
-            masked = restart = False
         per_forward = [u.name for item in self.model.items
                        for u in (item.body if isinstance(item, Repeat) else (item,))
                        if primitives.of(u).routes_experts

@@ -266,7 +266,7 @@ def matmul(ctx: PassContext) -> PassResult:
 def packing(ctx: PassContext) -> PassResult:
     """`pack = documents` and `positions = restart`: checker/packing.py."""
     w = _Worker.of(ctx)
-    masked, restart = w.packing(dict(ctx["settings"]), ctx["pipeline_axis"], ctx["compile"])
+    masked, restart = w.packing(dict(ctx["settings"]), ctx["compile"])
     return w.result(document_mask=masked, restart_positions=restart)
 
 

@@ -2,11 +2,12 @@
 runs now.
 
 ``Built.train_step`` / ``Built.forward`` take a batch's ``documents`` / ``positions``
-(runtime/data/corpus.py ``Batch``) and run each microbatch's forward (and its backward, where
-activation recomputation reruns the forward) inside ``packed(...)`` with that microbatch's rows, so
-every attention layer of every block reads the same rows without a new argument on every stage's
-forward.  Pipeline schedules call the stages per microbatch out of the step's hands: the checker
-refuses `pack = documents` with a pipeline axis (E0309) until the rows travel as stage inputs.
+(runtime/data/corpus.py ``Batch``) and run each microbatch's forward inside ``packed(...)`` with that
+microbatch's rows, so every attention layer of every block reads the same rows without a new
+argument on every stage's forward.  Every rank holds the global batch, so nothing travels between
+pipeline stages: a schedule's forward of microbatch j on any stage (``forward_one_chunk(j, ...)``)
+runs inside microbatch j's rows, and a recomputed region keeps the rows of its forward for the rerun
+in backward (runtime/train/remat.py), whenever the schedule runs that backward.
 
 Attention is block-causal within documents: query ``i`` sees key ``j`` when ``j <= i`` (sequence
 order) and both carry the same document number; a sliding window still counts sequence positions,

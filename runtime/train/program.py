@@ -374,6 +374,8 @@ class Built:
         # The step's number of counted (not IGNORE) targets over the global batch while some are
         # ignored: each microbatch's mean loss is then weighted by its share (``_token_loss``).
         self._counted: int | None = None
+        # A pipeline step's rows per microbatch while its schedule runs (``_packed_chunk``).
+        self._micro_packings: list[Packing | None] | None = None
         self.grad_norm = float("nan")  # the global gradient norm of the last step (with clip)
         self._schedules: dict[tuple[int, int, bool], Any] = {}
 
@@ -656,6 +658,10 @@ class Built:
             )
             for i in self.stage_ids
         ]
+        for stage in stages:
+            # Every schedule runs a stage's forward of microbatch j as forward_one_chunk(j, ...): there
+            # it gets microbatch j's rows (its recomputed regions keep them for backward: remat.py).
+            stage.forward_one_chunk = functools.partial(self._packed_chunk, stage.forward_one_chunk)  # type: ignore[method-assign]
         kind = _schedule_name(p.schedule)
         cls = getattr(pl, _SCHEDULES[kind])
         # Microbatch losses are means, so the schedule divides gradients by the microbatch count.
@@ -675,6 +681,12 @@ class Built:
         assert self.router_losses is not None
         return self._token_loss(logits, target) + self.router_losses.loss(
             stats, self.context.sequence_sum if self.context is not None else None)
+
+    def _packed_chunk(self, forward_one_chunk: Callable[..., Any], fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        """A pipeline stage's forward of microbatch ``fwd_chunk_id`` with that microbatch's packed rows."""
+        rows = self._micro_packings[fwd_chunk_id] if self._micro_packings is not None else None
+        with packed(rows):
+            return forward_one_chunk(fwd_chunk_id, *args, **kwargs)
 
     def _token_loss(self, logits: Tensor, target: Tensor) -> Tensor:
         """One microbatch's token loss, the mean over its counted targets, weighted so that the
@@ -756,9 +768,6 @@ class Built:
         for name, t in (("documents", documents), ("positions", positions)):
             if t is not None and t.shape != tokens.shape:
                 raise ValueError(f"{name} of shape {tuple(t.shape)} for tokens of shape {tuple(tokens.shape)}")
-        if documents is not None and self.pp > 1:
-            # The schedules call each stage per microbatch: the rows would need to travel as stage inputs.
-            raise ValueError("document masks with pipeline parallelism are not supported yet")
         docs = self._rows(documents.to(self.device)) if documents is not None else None
         pos = self._local_batch(positions.to(self.device)) if positions is not None else None
         if docs is None:
@@ -895,8 +904,6 @@ class Built:
                     (loss / m).backward()
                 losses.append(loss.detach())
             return torch.stack(losses).mean()
-        if packing is not None and packing.positions is not None:
-            raise ValueError("restarting positions with pipeline parallelism are not supported yet")
         schedule = self._pipeline((tokens.shape[0] // m, tokens.shape[1]))
         n = len(p.stages)
         args = (tokens,) if 0 in self.stage_ids else ()
@@ -908,11 +915,14 @@ class Built:
         # expert weight gradients through torch._grouped_mm (measured: 6e-3 off under DualPipeV), so
         # their experts run the F.linear loop (runtime/moe/grouped.py loop_only).
         loop = grouped.loop_only() if splits_backward(p.schedule) else contextlib.nullcontext()
+        # Every rank holds the global batch, so each stage's rank knows every microbatch's rows itself.
+        self._micro_packings = None if packing is None else [_microbatch(packing, m, j) for j in range(m)]
         try:
             with loop:
                 schedule.step(*args, target=target, losses=losses, return_outputs=False)
         finally:
             self._carry_routing = False
+            self._micro_packings = None
         return torch.stack([x.detach() for x in losses]).mean() if losses else None
 
     def _sum_partial_grads(self) -> None:
@@ -1061,9 +1071,7 @@ class Built:
         """Full logits [B, S, vocab] of the global batch, on every rank (for equivalence checks);
         ``documents`` / ``positions``: a packed batch's, as ``train_step`` takes them."""
         tokens = tokens.to(self.device)
-        packing = self._packing(tokens, documents, positions)
-        if packing is not None and packing.positions is not None and self.pp > 1:
-            raise ValueError("restarting positions with pipeline parallelism are not supported yet")
+        packing = self._packing(tokens, documents, positions)  # every pipeline rank's stages read the same rows
         local = self._local_batch(tokens)
         with packed(packing):
             logits = self.gather_logits(self.run_stages(local), (local.shape[0], local.shape[1]))

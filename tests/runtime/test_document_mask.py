@@ -5,8 +5,9 @@ with windows, soft caps, sinks and GQA; the cross-entropies skip IGNORE targets.
 pool (tests/conftest.py): plans compiled by meshc train 3 AdamW steps on packed batches (random
 document boundaries, ignored targets) while the unsharded reference runs every document alone
 (runtime/jobs/compare.py): logits, losses, every gradient and parameter EQUAL in float64 (and within
-float32's tolerance), unsharded, under tensor parallelism, context parallelism 2 and 4 (head-tail
-chunks) and data x context; with ignored targets alone, sharded == unsharded under data x context.
+float32's tolerance), unsharded, under tensor and sequence parallelism, context parallelism 2 and 4
+(head-tail chunks), data x context and pipeline schedules; with ignored targets alone, sharded ==
+unsharded under data x context, tensor x data and pipeline.
 """
 
 from __future__ import annotations
@@ -133,7 +134,6 @@ def test_the_plan_settings_reach_the_generated_program() -> None:
     ("data = 1", "    pack = rows\n", "E0203"),
     ("data = 1", "    positions = reset\n", "E0203"),
     ("data = 1", "    positions = restart\n", "E0309"),
-    ("pipeline = 2", PACK + "    microbatches = 2\n    stages over pipeline balanced\n", "E0309"),
     ("data = 1", PACK + "    compile = blocks\n", "E0309"),
     ("data = 1", RESTART + "    pack = documents\n", "E0201"),  # given twice
 ])
@@ -169,6 +169,20 @@ CASES: dict[str, tuple[str, bool]] = {  # name -> (spec, ignored targets in plai
                                                   "ffn -> tensor, vocab -> tensor }\n    shard blocks.*.mlp.router replicate\n"
                                                   "    recompute = attention\n", GPT_OSS), False),
     "mla_cp2_restart": (_spec("cp = 2", RESTART + "    layout { seq -> cp }\n", MLA), False),
+    # Pipeline stages: every schedule's forward of microbatch j runs with microbatch j's rows, on
+    # every stage (each rank holds the global batch), and recomputed blocks rerun with them.
+    "pipeline2_gpipe_micro4_restart": (_spec("pipeline = 2", RESTART + "    microbatches = 4\n"
+                                             "    stages over pipeline balanced\n", batch=8), False),
+    "pipeline2_tensor2_1f1b_recompute": (_spec("pipeline = 2, tensor = 2", RESTART + MEGATRON + "    microbatches = 4\n"
+                                               "    stages over pipeline balanced\n    schedule 1f1b\n"
+                                               "    recompute = blocks\n", LLAMA.replace("layers = 2", "layers = 4"),
+                                               batch=8), False),
+    "pipeline2_cp2_interleaved_zb": (_spec("pipeline = 2, cp = 2", RESTART + "    layout { seq -> cp }\n"
+                                           "    microbatches = 4\n    stages over pipeline virtual 2 balanced\n"
+                                           "    schedule interleaved_zb\n", LLAMA.replace("layers = 2", "layers = 4"),
+                                           batch=8), False),
+    "pipeline2_dualpipev": (_spec("pipeline = 2", PACK + "    microbatches = 4\n    stages over pipeline virtual 2 balanced\n"
+                                  "    schedule dualpipev\n", LLAMA.replace("layers = 2", "layers = 4"), batch=8), False),
     # Ignored targets without packing: the loss is the mean over the global batch's counted targets,
     # not a mean of per-rank or per-microbatch means.
     "ignored_data2_cp2_micro2": (_spec("data = 2, cp = 2", "    layout { batch -> data, seq -> cp }\n"
@@ -217,25 +231,6 @@ def test_the_comparison_sees_the_mask(pool: Any, tmp_path: Path) -> None:
     """The packed batches' rows hold several documents, so leaving the mask out would be caught."""
     path, n = _module("cp2_restart", tmp_path)
     assert min(pool.run(_unmasked_job, n, path)) > 1e-3
-
-
-def _pipeline_job(ctx: Any, path: str) -> str:
-    from meshllm_dsl.verify.equivalence import load_generated
-
-    program = load_generated(path).PROGRAM
-    built = program.build(ctx.mesh(program.axes), seed=0)
-    (batch,) = packed_batches(program.vocab, program.batch, program.seq, 1, 0, documents=True, restart=False)
-    try:
-        built.train_step(batch.tokens, batch.targets, batch.documents)
-    except ValueError as e:
-        return str(e)
-    return "trained"
-
-
-def test_the_runtime_refuses_document_masks_under_pipeline_parallelism(pool: Any, tmp_path: Path) -> None:
-    """The checker refuses the plan (E0309); a batch with documents handed to such a program anyway is refused too."""
-    path, n = _module("ignored_pipeline2_micro2", tmp_path)
-    assert set(pool.run(_pipeline_job, n, path)) == {"document masks with pipeline parallelism are not supported yet"}
 
 
 def test_the_planner_says_the_plan_masks_documents_and_prices_attention_over_seq() -> None:
