@@ -320,3 +320,12 @@ def test_a_recomputed_region_reruns_with_its_forwards_rows() -> None:
     got = torch.autograd.grad(rerun.square().sum(), (q, k, v))  # the rerun happens here, unscoped
     for g, w in zip(got, want):
         assert torch.equal(g, w)
+
+
+def test_meshc_fmt_keeps_the_settings() -> None:
+    from meshllm_dsl.front.fmt import format_text
+
+    text = _spec("cp = 2", RESTART + "    layout { seq -> cp }\n")
+    once = format_text(text, "t.mesh")
+    assert "    pack = documents\n    positions = restart\n" in once and format_text(once, "t.mesh") == once
+    assert check_text(once, "t.mesh").plans["p"].restart_positions
