@@ -56,6 +56,10 @@ SETTING_DOCS = {
             "choice) pairs, 1 / experts to 1 / top_k; "
             "`meshc plan` gives each expert-parallel rank's memory and step under it (W0807); "
             "`meshc run --profile` measures it",
+    "pack": "`documents`: rows pack several documents and a token attends only to its own document's earlier tokens "
+            "(block-causal attention; flex_attention's block mask on CUDA); `none` (default): across documents",
+    "positions": "`restart`: rotary and learned positions start at 0 at each document (with `pack = documents`); "
+                 "`continue` (default): the row's positions",
 }
 
 
