@@ -71,9 +71,14 @@ def _run_inputs(args: argparse.Namespace, seq: int, plan: Any = None) -> list[st
     from meshllm_dsl.cli.data import run_data
 
     flags = ["--steps", str(args.steps), "--seed", str(args.seed), "--timeout", f"{args.timeout:g}"]
-    data = run_data(args)
+    data = run_data(args, documents=plan is not None and plan.document_mask)
     if data:
         flags += ["--data", data]
+    if plan is not None and plan.document_mask and data and not args.infer and not launch.is_corpus(Path(data)):
+        # The windows of a text or byte file cross document boundaries the mask cannot see.
+        raise UsageError(f"--data {data}: `pack = documents` in plan `{plan.name}` trains on documents; this file "
+                         "is read as windows of text or bytes that cross them. Pass --tokenizer DIR with a source "
+                         "it tokenizes into documents (JSONL, Parquet, a saved dataset), or `meshc tokenize` the text first")
     if args.balance:
         flags += ["--balance"]
     if args.infer:

@@ -200,17 +200,20 @@ def _needs_tokenizing(spec: str) -> bool:
     return True
 
 
-def run_data(args: argparse.Namespace) -> str | None:
+def run_data(args: argparse.Namespace, documents: bool = False) -> str | None:
     """The ``--data`` the ranks of `meshc run` read: a data spec's sources tokenized here, once, into
     cached corpora (runtime/data/prepare.py; the ranks then read token files), or ``--data`` itself
-    when it is one file they read (a token file, a text file, bytes)."""
+    when it is one file they read (a token file, a text file, bytes).  With ``documents`` (the plan
+    masks them) a text file with ``--tokenizer`` is tokenized into its documents too."""
     from meshllm_dsl.cli.main import UsageError
     from meshllm_dsl.runtime.data.prepare import prepare_corpora
-    from meshllm_dsl.runtime.train.tokens import DataError
+    from meshllm_dsl.runtime.train.tokens import DataError, token_file_header
 
     spec = args.data
     field = getattr(args, "text_field", "text")
-    if spec is None or args.infer or not (_needs_tokenizing(spec) or field != "text"):
+    text = spec is not None and Path(spec).is_file() and token_file_header(spec) is None
+    wanted = documents and text and args.tokenizer is not None
+    if spec is None or args.infer or not (_needs_tokenizing(spec) or field != "text" or wanted):
         return spec
     if args.tokenizer is None:
         raise UsageError(f"--data {spec}: these sources are tokenized before training; pass --tokenizer DIR")

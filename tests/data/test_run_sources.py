@@ -93,3 +93,22 @@ def test_run_stops_at_a_bad_line_naming_it(tmp_path: Path) -> None:
     code, err = _run(tmp_path, "--data", str(bad), "--tokenizer", str(tok), "--data-cache", str(tmp_path / "cache"),
                      "--skip-bad", "--steps", "1")
     assert code == 0 and "skipped 1 bad" in err, err[-3000:]
+
+
+def test_a_document_masked_plan_trains_on_documents_and_refuses_windows(tmp_path: Path) -> None:
+    """`pack = documents`: a text file with --tokenizer is tokenized into its documents (blank lines)
+    and trained on packed; the same file as bytes (no tokenizer) would be windows across documents:
+    refused before any rank starts."""
+    tok = build_tokenizer(tmp_path / "tok")
+    text = tmp_path / "alice.txt"
+    text.write_text("\n\n".join(ALICE) + "\n")
+    spec = tmp_path / "masked.mesh"
+    spec.write_text(SPEC.replace("    batch = 4\n", "    batch = 4\n    pack = documents\n    positions = restart\n"))
+    proc = run_module("meshllm_dsl", "run", str(spec), "--timeout", "120", "--data", str(text), "--tokenizer", str(tok),
+                      "--data-cache", str(tmp_path / "cache"), "--steps", "2", timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (corpus,) = (tmp_path / "cache").glob("*.tokens")
+    assert Path(f"{corpus}.docs").is_file()
+    proc = run_module("meshllm_dsl", "run", str(spec), "--timeout", "120", "--data", str(text), "--steps", "1",
+                      timeout=300, cwd=tmp_path)
+    assert proc.returncode == 2 and "`pack = documents`" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
