@@ -592,6 +592,9 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
               if plan.float8.skipped else "") + "."]
           if plan.float8 is not None else []),
         *(["Compiled: each block with torch.compile (`compile = blocks`)."] if plan.compile == "blocks" else []),
+        *(["Documents: rows pack several documents, each token attends only to its own document's earlier tokens "
+           "(`pack = documents`)" + (", positions restart at each document (`positions = restart`)" if plan.restart_positions
+                                     else "") + "."] if plan.document_mask else []),
         "",
         f"Run: torchrun --nproc-per-node {mesh.devices} THIS_FILE --steps 10",
     ]
@@ -640,6 +643,10 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
             program.append(Line("float8_gather=True,"))
     if plan.compile != "none":
         program.append(Line(f"compile={plan.compile!r},"))
+    if plan.document_mask:
+        program.append(Line("document_mask=True,", "`pack = documents`: train_step / forward take documents (runtime/model/documents.py)"))
+    if plan.restart_positions:
+        program.append(Line("restart_positions=True,", "`positions = restart`: positions restart at each document"))
     if mesh.hosts > 1:
         # The runtime checks at start-up that each group the planner keeps in a host is on one node.
         program.append(Line(f"hosts={mesh.hosts},"))

@@ -93,6 +93,11 @@ def fp8_dim_multiple(recipe: str) -> int:
 # `compile = ...`: what torch.compile wraps (runtime/train/compile.py): each block of the repeat on its
 # own, as torchtitan compiles per transformer block, or nothing.
 COMPILES = ("none", "blocks")
+# `pack = ...`: `documents` masks attention at the document boundaries within a row (block-causal,
+# runtime/model/documents.py); `none` attends across them. `positions = ...`: `restart` numbers each
+# document's tokens from 0; `continue` numbers the row's. The first of each is the default.
+PACKS = ("none", "documents")
+POSITIONS = ("continue", "restart")
 
 
 @attrs.frozen
@@ -512,6 +517,8 @@ class PlanIR:
     skew: float | None = None
     float8: Float8Plan | None = None  # low-precision matmuls; None: every matmul in the params dtype
     compile: str = "none"  # one of COMPILES
+    document_mask: bool = False  # `pack = documents`
+    restart_positions: bool = False  # `positions = restart`
     span: Span | None = attrs.field(eq=False, default=None)
 
     def __attrs_post_init__(self) -> None:

@@ -21,6 +21,7 @@ from meshllm_dsl.checker.batch import BatchRules
 from meshllm_dsl.checker.matmul import MatmulRules
 from meshllm_dsl.checker.memory import MemoryRules
 from meshllm_dsl.checker.optimizer import OptimizerRules
+from meshllm_dsl.checker.packing import PackingRules
 from meshllm_dsl.checker.pitfalls import PitfallRules
 from meshllm_dsl.checker.placements import PlacementRules
 from meshllm_dsl.checker.stages import StageRules
@@ -32,7 +33,7 @@ from meshllm_dsl.front.resolve import Binding
 from meshllm_dsl.ir import DTYPES, MeshIR, ModelIR, Repeat, Unit
 from meshllm_dsl.parallel.devices import DeviceProfile
 
-PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute", "skew", "compile")
+PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute", "skew", "compile", "pack", "positions")
 # Settings the language used to accept that nothing downstream reads: refused until they are honoured.
 UNSUPPORTEDPLAN_SETTINGS = {
     "seed": "the seed is chosen at launch: `meshc run FILE --seed N` (or `--seed N` on the generated module)",
@@ -83,7 +84,8 @@ class PassContext:
         return attrs.evolve(self, results=(*self.results, (name, result)))
 
 
-class _Worker(PlacementRules, StageRules, BatchRules, OptimizerRules, MatmulRules, MemoryRules, PitfallRules):
+class _Worker(PlacementRules, StageRules, BatchRules, OptimizerRules, MatmulRules, PackingRules, MemoryRules,
+              PitfallRules):
     """The rule methods over one pass's own state: made for a pass call and dropped after it."""
 
     @classmethod
@@ -126,7 +128,7 @@ def settings(ctx: PassContext) -> PassResult:
         if s.every is not None and key != "recompute":
             w.error(E0203, f"`every` does not apply to `{key}`", s.every.span, label="not a per-block setting",
                     help="`every N` picks the blocks `recompute` applies to: drop it here")
-        if key in ("dtype", "recompute", "skew", "compile"):  # not integers: read by their own passes
+        if key in ("dtype", "recompute", "skew", "compile", "pack", "positions"):  # not integers: read by their own passes
             continue
         v = w.eval_int(s.value, env, key)
         if v is not None:
@@ -261,6 +263,13 @@ def matmul(ctx: PassContext) -> PassResult:
     return w.result(float8=float8, compile=compiled)
 
 
+def packing(ctx: PassContext) -> PassResult:
+    """`pack = documents` and `positions = restart`: checker/packing.py."""
+    w = _Worker.of(ctx)
+    masked, restart = w.packing(dict(ctx["settings"]), ctx["compile"])
+    return w.result(document_mask=masked, restart_positions=restart)
+
+
 def expert_zero(ctx: PassContext) -> PassResult:
     """ZeRO with expert parallelism (E0412): what the runtime shards the experts' states over; the
     tokens splitting over the experts' tensor axes."""
@@ -333,6 +342,7 @@ PASSES: tuple[Pass, ...] = (
     optimizer,
     precision,
     matmul,
+    packing,
     expert_zero,
     axis_roles,
     pitfalls,

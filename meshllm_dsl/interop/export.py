@@ -256,6 +256,11 @@ def _refuse_unexported_features(found: _Findings) -> None:
                _setting_span(decl, "compile", plan.span), label="torch.compile per block",
                help="drop `compile` for the export and compile the model's blocks yourself "
                     "(`block.compile()` on each decoder layer, after parallelize_module)")
+    if plan.document_mask:
+        refuse(E1206, f"`pack = documents` is not exported to {where}",
+               _setting_span(decl, "pack", plan.span), label="attention masked at document boundaries",
+               help="drop `pack` (and `positions`) for the export and pass the documents' mask and position ids "
+                    "with each batch yourself (transformers: packed sequences' position_ids)")
     _refuse_unexported_precision(found)
 
 

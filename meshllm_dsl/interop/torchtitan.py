@@ -305,6 +305,12 @@ def analyze(plan: PlanIR, decls: Declarations | None) -> TitanExport:
         refuse(E1206, f"`recompute = {plan.recompute} every {plan.recompute_every}` is not a torchtitan 0.3 policy",
                rspan, label="every N", help="recompute every block")
 
+    if plan.document_mask:
+        refuse(E1206, "`pack = documents` is not exported to torchtitan", _setting_span(decl, "pack", plan.span),
+               label="attention masked at document boundaries",
+               help="drop `pack` (and `positions`) for the export; torchtitan's block-causal mask is a model flavor's "
+                    "(flex attention with attn_mask_type block_causal), not a launch flag")
+
     # compile
     if plan.compile == "blocks":
         flags += [("compile.enable", None), ("compile.components", "model")]

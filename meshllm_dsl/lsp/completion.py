@@ -16,7 +16,17 @@ import attrs
 from meshllm_dsl.checker.optimizer import MATMUL_KEYS, OPT_SETTINGS, PRECISION_KEYS
 from meshllm_dsl.checker.plan import PLAN_SETTINGS
 from meshllm_dsl.front import ast
-from meshllm_dsl.ir import COMPILES, DTYPES, MATMULS, PLACEMENTS, RECOMPUTE, RULES, SCHEDULES
+from meshllm_dsl.ir import (
+    COMPILES,
+    DTYPES,
+    MATMULS,
+    PACKS,
+    PLACEMENTS,
+    POSITIONS,
+    RECOMPUTE,
+    RULES,
+    SCHEDULES,
+)
 from meshllm_dsl.lsp.analysis import DECL_KEYWORDS, leaf_paths
 
 if TYPE_CHECKING:
@@ -239,6 +249,10 @@ def _plan(a: Analysis, header: list[str], inner: list[list[str]], line: list[str
         return [Item(d, "value", "dtype") for d in DTYPES]
     if first == "compile" and line[-1] == "=":
         return [Item(c, "value", "compile") for c in COMPILES]
+    if first == "pack" and line[-1] == "=":
+        return [Item(p, "value", "pack") for p in PACKS]
+    if first == "positions" and line[-1] == "=":
+        return [Item(p, "value", "positions") for p in POSITIONS]
     if first == "precision" and len(line) >= 2 and line[-1] == "=" and line[-2] == "matmul":
         return [Item(m, "value", "float8 recipe (torchao)") for m in MATMULS] + [Item(d, "value", "dtype") for d in DTYPES]
     if first == "recompute" and line[-1] == "=":

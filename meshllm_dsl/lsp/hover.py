@@ -55,6 +55,10 @@ SETTING_DOCS = {
     "skew": "planner only: the busiest expert of each moe layer receives this share of its routed tokens; "
             "`meshc plan` gives each expert-parallel rank's memory and step under it (W0807); "
             "`meshc run --profile` measures it",
+    "pack": "`documents`: rows pack several documents and a token attends only to its own document's earlier tokens "
+            "(block-causal attention; flex_attention's block mask on CUDA); `none` (default): across documents",
+    "positions": "`restart`: rotary and learned positions start at 0 at each document (with `pack = documents`); "
+                 "`continue` (default): the row's positions",
 }
 
 

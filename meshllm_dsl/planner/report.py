@@ -95,7 +95,20 @@ def _heading_lines(rep: PlanReport) -> list[str]:
         f"{plan.optimizer}, ZeRO {plan.zero}{' over ' + ' x '.join(plan.roles.batch_shard) if plan.zero else ''}"
         + (f"; context {plan.context_size} over {' x '.join(plan.roles.context)} ({plan.seq // plan.context_size:,} tokens "
            "of each sequence per rank)" if plan.roles.context else "")),
+        *_documents_lines(plan),
     ]
+
+
+def _documents_lines(plan: PlanIR) -> list[str]:
+    """`pack = documents`: the rows' documents are masked apart. The attention core is still priced
+    over all `seq` keys of each query (an upper bound: a token attends only within its document).
+    Pricing it by the documents' lengths (the sum of their squares, not seq squared) needs their
+    histogram from the data (`plan --data`, issue 41's item 3), which the plan alone does not have:
+    the lengths are not guessed here."""
+    if not plan.document_mask:
+        return []
+    return [f"  documents masked apart in every row (`pack = documents`{', positions restart' if plan.restart_positions else ''}); "
+            "attention priced over all seq keys, an upper bound without the documents' lengths"]
 
 
 def _model_lines(rep: PlanReport) -> list[str]:
@@ -321,6 +334,8 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
         "schedule": plan.schedule, "virtual": plan.virtual, "optimizer": plan.optimizer, "zero": plan.zero,
         "zero_axes": list(plan.roles.batch_shard),
         "context_axes": list(plan.roles.context),
+        "document_mask": plan.document_mask,
+        "restart_positions": plan.restart_positions,
         "kv_gather_bytes_per_layer": kv_gather_bytes_per_layer(plan),
         "parameters": model.numel,
         "weight_bytes": model.numel * w,

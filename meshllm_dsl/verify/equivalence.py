@@ -201,6 +201,9 @@ def verify(
         + f" ({twin.model.numel:,} parameters)",
         f"compared in {dtype_name} (tolerance {tol:g}) on all {len(per_rank)} ranks: logits, loss, {sum(k.startswith('grad ') for k in errs)} gradients,"
         f" {sum(k.startswith('param') for k in errs)} parameters after one AdamW step",
+        *([("on packed batches: random document boundaries in every row, attention masked at them"
+            + (", positions restarting at each" if twin.restart_positions else "")
+            + ", some targets ignored; the unsharded model runs each document alone")] if twin.document_mask else []),
         "",
         f"{'tensor':<44} {'max |sharded - unsharded|':>26}",
     ]

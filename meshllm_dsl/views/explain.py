@@ -155,6 +155,8 @@ def explain_json(plan: PlanIR) -> dict[str, Any]:
             "recipe": plan.float8.recipe, "layers": dict(plan.float8.layers), "kept": dict(plan.float8.skipped),
             "all_gather": "fp8" if plan.float8.gather else plan.dtype},
         "compile": plan.compile,
+        "document_mask": plan.document_mask,
+        "restart_positions": plan.restart_positions,
     }
 
 

@@ -39,7 +39,17 @@ def language_page() -> str:
     from meshllm_dsl.checker.passes import PLAN_SETTINGS, UNSUPPORTEDPLAN_SETTINGS
     from meshllm_dsl.front.parse_tables import grammar_text
     from meshllm_dsl.front.resolve import _MESH_SETTINGS
-    from meshllm_dsl.ir import COMPILES, DTYPES, MATMULS, PLACEMENTS, RECOMPUTE, RULES, SCHEDULES
+    from meshllm_dsl.ir import (
+        COMPILES,
+        DTYPES,
+        MATMULS,
+        PACKS,
+        PLACEMENTS,
+        POSITIONS,
+        RECOMPUTE,
+        RULES,
+        SCHEDULES,
+    )
 
     grammar = grammar_text().decode("utf-8")
     out = [HEADER, "# The .mesh language\n\n",
@@ -58,7 +68,11 @@ def language_page() -> str:
                                    "dtype": ", ".join(_code(d) for d in DTYPES),
                                    "recompute": ", ".join(_code(r) for r in RECOMPUTE) + " (`every N` for blocks, ops)",
                                    "skew": "share of a moe layer's routed tokens its busiest expert receives",
-                                   "compile": ", ".join(_code(c) for c in COMPILES) + ": torch.compile each block"}[s]]
+                                   "compile": ", ".join(_code(c) for c in COMPILES) + ": torch.compile each block",
+                                   "pack": ", ".join(_code(p) for p in PACKS) + ": `documents` masks attention at the "
+                                   "document boundaries of a row (a token sees only its own document's earlier tokens)",
+                                   "positions": ", ".join(_code(p) for p in POSITIONS) + ": `restart` numbers each "
+                                   "document's tokens from 0 (with `pack = documents`)"}[s]]
                for s in PLAN_SETTINGS] + [
                ["plan", _code(s), f"refused: {why}"] for s, why in UNSUPPORTEDPLAN_SETTINGS.items()] + [
                ["`optimizer adamw { }`", _code(s), f"{lo:g} {'<' if open_lo else '<='} value {'<' if open_hi else '<='} {hi:g}"]

@@ -8,18 +8,20 @@ same batches, same reference optimizer, same treatment of float32 rounding noise
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 from torch import Tensor
 
+from meshllm_dsl.runtime.data.corpus import IGNORE
 from meshllm_dsl.runtime.model import description
 from meshllm_dsl.runtime.model.layers import cross_entropy
-from meshllm_dsl.runtime.model.reference import build_reference
+from meshllm_dsl.runtime.model.reference import build_reference, first_position
 from meshllm_dsl.runtime.moe.routing import RouterLosses, balance, balanced_routers, recording
 from meshllm_dsl.runtime.parallel.mesh import Mesh
 from meshllm_dsl.runtime.train.program import Program, adamw_kwargs, lr_at
 
-__all__ = ["NOISE_GRAD", "TOLERANCE", "compare_to_reference", "reference_batches"]
+__all__ = ["NOISE_GRAD", "TOLERANCE", "PackedBatch", "compare_to_reference", "packed_batches", "reference_batches"]
 
 # Agreement expected between the sharded and the unsharded model: rounding, nothing more.
 TOLERANCE = {"float64": 1e-10, "float32": 1e-5}
@@ -33,6 +35,47 @@ def reference_batches(vocab: int, batch: int, seq: int, steps: int, seed: int) -
         (torch.randint(0, vocab, (batch, seq), generator=gen), torch.randint(0, vocab, (batch, seq), generator=gen))
         for _ in range(steps)
     ]
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedBatch:
+    """A batch as runtime/data/corpus.py's ``Batch``: [B, S] each; documents / positions None for plain rows."""
+
+    tokens: Tensor
+    targets: Tensor
+    documents: Tensor | None = None
+    positions: Tensor | None = None
+
+
+def packed_batches(vocab: int, batch: int, seq: int, steps: int, seed: int, *, documents: bool, restart: bool,
+                   ignored: bool = True) -> list[PackedBatch]:
+    """Deterministic batches, identical on every rank, with random document boundaries in every row
+    (``documents``: up to 3 cuts a row, so some rows hold one document), positions restarting at each
+    document (``restart``), and ``ignored``: the target of each document's last token (the next
+    document's first: no loss, as a packer leaves it) and about one target in 8 more ``IGNORE``."""
+    gen = torch.Generator().manual_seed(seed + 2)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
+        targets = torch.randint(0, vocab, (batch, seq), generator=gen)
+        docs = pos = None
+        if documents:
+            starts = torch.zeros(batch, seq, dtype=torch.long)
+            for row in range(batch):
+                cuts = torch.randperm(seq - 1, generator=gen)[: int(torch.randint(0, 4, (), generator=gen))] + 1
+                starts[row, cuts] = 1
+            docs = starts.cumsum(1)  # [B, S] 0, 0, 1, 1, 1, 2, ...
+            if ignored:
+                last = torch.cat([docs[:, 1:] != docs[:, :-1], torch.zeros(batch, 1, dtype=torch.bool)], 1)
+                targets = targets.masked_fill(last, IGNORE)
+            if restart:
+                index = torch.arange(seq).expand(batch, seq)
+                first = torch.where(starts.bool() | (index == 0), index, 0).cummax(1).values
+                pos = index - first
+        if ignored:
+            targets = targets.masked_fill(torch.rand(batch, seq, generator=gen) < 0.125, IGNORE)
+        out.append(PackedBatch(tokens, targets, docs, pos))
+    return out
 
 
 def _forwards(program: Program, mesh: Mesh, train: bool) -> int:
@@ -50,24 +93,57 @@ def _reference_logits(ref: torch.nn.Module, tokens: Tensor, program: Program, me
     return torch.cat([ref(tok) for tok in tokens.chunk(_forwards(program, mesh, train=False))])
 
 
-def _reference_loss(ref: torch.nn.Module, tokens: Tensor, targets: Tensor, program: Program, mesh: Mesh) -> Tensor:
-    """The unsharded model's training loss: the mean token cross-entropy, plus a moe model's router
-    losses over the tokens of each forward the plan runs (one microbatch of one data-parallel rank:
-    the batch in data ranks x microbatches consecutive groups), averaged like the cross-entropy."""
+def _each_document_alone(ref: torch.nn.Module, batch: PackedBatch) -> Tensor:
+    """Logits [B, S, vocab] of a packed batch with every document of every row run through the
+    reference on its own, at the positions it has in the row (from 0 where they restart): what
+    the document mask must reproduce."""
+    assert batch.documents is not None
+    rows = []
+    for row in range(batch.tokens.shape[0]):
+        docs = batch.documents[row]
+        bounds = [0, *(torch.nonzero(docs[1:] != docs[:-1]).flatten() + 1).tolist(), docs.shape[0]]
+        parts = []
+        for start, end in itertools.pairwise(bounds):
+            first = start
+            if batch.positions is not None:
+                first = int(batch.positions[row, start])
+                if not torch.equal(batch.positions[row, start:end], torch.arange(first, first + end - start)):
+                    raise ValueError(f"row {row}: positions of tokens {start}..{end - 1} do not count up within their document")
+            with first_position(first):
+                parts.append(ref(batch.tokens[row : row + 1, start:end]))
+        rows.append(torch.cat(parts, dim=1))
+    return torch.cat(rows)
+
+
+def _reference_loss(ref: torch.nn.Module, batch: PackedBatch, program: Program, mesh: Mesh) -> Tensor:
+    """The unsharded model's training loss: the mean token cross-entropy over the counted targets,
+    plus a moe model's router losses over the tokens of each forward the plan runs (one microbatch
+    of one data-parallel rank: the batch in data ranks x microbatches consecutive groups), averaged
+    over the groups. A packed batch: every document run alone (``_each_document_alone``)."""
+    tokens, targets = batch.tokens, batch.targets
     losses = RouterLosses.of(program.model)
     groups = _forwards(program, mesh, train=True)
+    if batch.documents is not None:
+        if groups > 1 or losses is not None:
+            raise ValueError("packed batches compare with each document alone only for models without "
+                             "per-forward routing (capacity, router losses)")
+        return cross_entropy(_each_document_alone(ref, batch), targets)
     if groups == 1 and losses is None:
         return cross_entropy(ref(tokens), targets)
+    counted = max(int((targets != IGNORE).sum()), 1)
     total = torch.zeros((), dtype=program.dtype)
     for tok, tgt in zip(tokens.chunk(groups), targets.chunk(groups)):
         with recording() as routing:
             logits = ref(tok)
-        total = total + cross_entropy(logits, tgt) + (losses(routing, tok.shape[0]) if losses is not None else 0.0)
+        # each group's mean weighted by its share of the counted targets: the mean over all of them
+        share = int((tgt != IGNORE).sum()) * groups / counted
+        total = total + cross_entropy(logits, tgt) * share + (losses(routing, tok.shape[0]) if losses is not None else 0.0)
     return total / groups
 
 
 def compare_to_reference(
-    program: Program, mesh: Mesh, *, dtype: torch.dtype | None = None, seed: int = 0, steps: int = 1
+    program: Program, mesh: Mesh, *, dtype: torch.dtype | None = None, seed: int = 0, steps: int = 1,
+    ignored: bool = False,
 ) -> dict[str, float]:
     """Max |sharded - unsharded| per quantity, on this rank, after `steps` AdamW steps.
 
@@ -76,6 +152,10 @@ def compare_to_reference(
     ``param NAME`` for every parameter after the last step, ``buffer NAME`` for every sigmoid
     router's correction bias this rank holds after the last step (moved toward balance after each
     step where the layer sets `balance_rate`). Must be called on every rank of ``mesh``.
+
+    A program with ``document_mask`` trains on packed batches (random document boundaries, positions
+    restarting where ``restart_positions``, ignored targets) and the reference runs each document
+    alone; ``ignored``: plain batches with some targets ``IGNORE``.
     """
     if dtype is not None:
         # Every dtype of a mixed-precision plan too, so its FSDP2 MixedPrecisionPolicy path runs
@@ -96,15 +176,23 @@ def compare_to_reference(
     ref_params = dict(ref.named_parameters())
     ref_opt = torch.optim.AdamW(ref.parameters(), **adamw_kwargs(program.optimizer))
     ref_routers = balanced_routers([ref])
-    batches = reference_batches(program.vocab, program.batch, program.seq, steps, seed)
+    packed = bool(getattr(program, "document_mask", False))
+    if packed or ignored:
+        batches = packed_batches(program.vocab, program.batch, program.seq, steps, seed, documents=packed,
+                                 restart=bool(getattr(program, "restart_positions", False)))
+    else:
+        batches = [PackedBatch(t, y) for t, y in reference_batches(program.vocab, program.batch, program.seq, steps, seed)]
     errs: dict[str, float] = {}
     with torch.no_grad():
-        errs["logits"] = (built.forward(batches[0][0]) - _reference_logits(ref, batches[0][0], program, mesh)).abs().max().item()
+        first = batches[0]
+        ref_logits = (_each_document_alone(ref, first) if first.documents is not None
+                      else _reference_logits(ref, first.tokens, program, mesh))
+        errs["logits"] = (built.forward(first.tokens, first.documents, first.positions) - ref_logits).abs().max().item()
     smallest_grad = {name: torch.full_like(p, torch.inf) for name, p in ref_params.items()}
-    for step, (tokens, targets) in enumerate(batches):
-        loss = built.train_step(tokens, targets)
+    for step, batch in enumerate(batches):
+        loss = built.train_step(batch.tokens, batch.targets, batch.documents, batch.positions)
         ref_opt.zero_grad()
-        ref_loss = _reference_loss(ref, tokens, targets, program, mesh)
+        ref_loss = _reference_loss(ref, batch, program, mesh)
         ref_loss.backward()
         errs[f"loss@{step}"] = abs(loss - ref_loss.item())
         if "clip" in program.optimizer:

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from meshllm_dsl.runtime.model import decode, rope
+from meshllm_dsl.runtime.data.corpus import IGNORE  # a target the loss skips (torch's ignore_index)
+from meshllm_dsl.runtime.model import decode, documents, rope
 from meshllm_dsl.runtime.model.decode import DecodeSession, KVCache
 from meshllm_dsl.runtime.parallel.collectives import all_gather_cat, uses_module_forward
 
@@ -27,6 +28,7 @@ __all__ = [
     "activation",
     "apply_rotary",
     "attention",
+    "masked_attention",
     "cross_entropy",
     "mask_vocab",
     "positions",
@@ -139,10 +141,16 @@ class VocabParallelEmbedding(nn.Module):
 
 
 def positions(seq: int, device: torch.device | str | None = None, offset: int = 0) -> Tensor:
-    """Token positions offset .. offset + seq - 1 (int64), after any cached tokens when decoding."""
+    """Token positions offset .. offset + seq - 1 (int64), after any cached tokens when decoding; in a
+    packed step (runtime/model/documents.py) the rows' own positions [b, seq] (restarting at each
+    document with `positions = restart`)."""
     session = decode.active()
     if session is not None:
         offset += session.offset
+    else:
+        packing = documents.active()
+        if packing is not None and packing.positions is not None:
+            return packing.positions.to(device)
     return torch.arange(offset, offset + seq, device=device, dtype=torch.long)
 
 
@@ -274,7 +282,8 @@ def attention(
     last ``window`` positions only (itself included: sliding-window layers), and a
     decoding cache holds no more than that.  ``scale``: the logit scale (default 1 / sqrt(d));
     ``softcap``: logits become tanh(x / softcap) * softcap; ``sinks`` [h]: a logit per head in the
-    softmax's denominator (``sink_attention``; this rank's heads).
+    softmax's denominator (``sink_attention``; this rank's heads).  In a packed step
+    (runtime/model/documents.py) a token attends only to earlier tokens of its own document.
     """
     b, s, h, d = q.shape
     session = decode.active()
@@ -285,24 +294,74 @@ def attention(
     if kv_cache is not None:
         held, past = kv_cache.length, kv_cache.seen
         kh, vh = kv_cache.update(kh, vh, window)
-    # enable_gqa: the kernel reads kv head j for query heads j*n_rep.. itself, so backward keeps
-    # k and v at kv_heads rather than copies repeated to every query head.
-    gqa = h != kh.shape[1]
-    if past == 0 and not window and not softcap and sinks is None:
-        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=gqa, scale=scale)
+    packing = documents.active() if kv_cache is None else None  # decoding: one sequence, no packing
+    if packing is not None and packing.documents is None:
+        packing = None
+    if past == 0 and packing is None and not window and not softcap and sinks is None:
+        # enable_gqa: the kernel reads kv head j for query heads j*n_rep.. itself, so backward keeps
+        # k and v at kv_heads rather than copies repeated to every query head.
+        out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, enable_gqa=h != kh.shape[1], scale=scale)
     else:
         q_pos = past + torch.arange(s, device=q.device)
         k_pos = past - held + torch.arange(kh.shape[2], device=q.device)
-        allowed = _allowed(q_pos, k_pos, window)
-        if sinks is not None:
-            if softcap:
-                raise ValueError("attention sinks with soft-capped logits: no family has both")
-            out = sink_attention(qh, kh, vh, allowed, 1.0 / math.sqrt(d) if scale is None else scale, sinks)
-        elif softcap:
-            out = _softcapped_attention(qh, kh, vh, allowed, 1.0 / math.sqrt(d) if scale is None else scale, softcap)
-        else:
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, enable_gqa=gqa, scale=scale)
+        out = masked_attention(qh, kh, vh, q_pos, k_pos, packing, window, scale, softcap, sinks)
     return out.transpose(1, 2).reshape(b, s, h * vh.shape[-1])  # v's head dim (mla's v_head_dim)
+
+
+def masked_attention(qh: Tensor, kh: Tensor, vh: Tensor, q_pos: Tensor, k_pos: Tensor,
+                     packing: documents.Packing | None, window: int = 0, scale: float | None = None,
+                     softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
+    """Attention of queries at sequence positions ``q_pos`` [s] over keys at ``k_pos`` [t]: causal,
+    within ``window``, and with ``packing``'s document numbers within one document. qh [b, h, s, d],
+    kh / vh [b, kvh, t, d] -> [b, h, s, dv].
+
+    Packed rows train through torch's flex_attention with a block mask on CUDA (blocks no document
+    reaches are skipped) and through SDPA with an explicit boolean mask elsewhere (torch 2.13's
+    flex_attention has no CPU backward: NotImplementedError)."""
+    d = qh.shape[-1]
+    gqa = qh.shape[1] != kh.shape[1]
+    if packing is not None and sinks is None and qh.device.type == "cuda":
+        return flex_masked_attention(qh, kh, vh, q_pos, k_pos, packing, window, scale, softcap)
+    allowed = documents.same_document(_allowed(q_pos, k_pos, window), packing)
+    if sinks is not None:
+        if softcap:
+            raise ValueError("attention sinks with soft-capped logits: no family has both")
+        return sink_attention(qh, kh, vh, allowed, 1.0 / math.sqrt(d) if scale is None else scale, sinks)
+    if softcap:
+        return _softcapped_attention(qh, kh, vh, allowed, 1.0 / math.sqrt(d) if scale is None else scale, softcap)
+    return F.scaled_dot_product_attention(qh, kh, vh, attn_mask=allowed, enable_gqa=gqa, scale=scale)
+
+
+_FLEX: Callable[..., Tensor] | None = None
+
+
+def flex_masked_attention(qh: Tensor, kh: Tensor, vh: Tensor, q_pos: Tensor, k_pos: Tensor,
+                          packing: documents.Packing, window: int = 0, scale: float | None = None,
+                          softcap: float = 0.0) -> Tensor:
+    """``masked_attention`` through torch's flex_attention (compiled once per process) with a
+    BlockMask of the same pairs: causal by sequence position, within the window, same document."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    global _FLEX
+    if _FLEX is None:
+        _FLEX = torch.compile(flex_attention, dynamic=False)
+    assert packing.documents is not None and packing.keys is not None
+    q_docs, k_docs = packing.documents.to(qh.device), packing.keys.to(qh.device)
+
+    def mask_mod(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+        seen = (k_pos[k] <= q_pos[q]) & (q_docs[b, q] == k_docs[b, k])
+        if window:
+            seen = seen & (k_pos[k] > q_pos[q] - window)
+        return seen
+
+    block_mask = create_block_mask(mask_mod, qh.shape[0], None, qh.shape[2], kh.shape[2], device=qh.device)
+    score_mod = None
+    if softcap:
+        def score_mod(score: Tensor, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
+            return torch.tanh(score / softcap) * softcap
+    out = _FLEX(qh, kh, vh, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                enable_gqa=qh.shape[1] != kh.shape[1])
+    return out
 
 
 _ACTIVATIONS: dict[str, Callable[[Tensor], Tensor]] = {
@@ -324,9 +383,14 @@ def activation(name: str) -> Callable[[Tensor], Tensor]:
 
 
 def cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
-    """Mean token cross-entropy of full logits [..., V] against targets [...]."""
+    """Mean token cross-entropy of full logits [..., V] against targets [...], over the targets that
+    are not ``IGNORE``; 0 (with zero gradients) when every target is ignored."""
     flat = logits.reshape(-1, logits.shape[-1]).to(_compute_dtype(logits.dtype))
-    return F.cross_entropy(flat, targets.reshape(-1))
+    t = targets.reshape(-1)
+    loss = F.cross_entropy(flat, t, ignore_index=IGNORE)
+    # No target counted: torch's mean is 0 / 0 (its backward writes no row, so the gradients are 0);
+    # the loss is 0, chosen on the device (no host sync).
+    return torch.where((t != IGNORE).any(), loss, torch.zeros_like(loss))
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -337,8 +401,9 @@ class _VocabParallelCE(torch.autograd.Function):
         x = logits.reshape(-1, logits.shape[-1]).to(_compute_dtype(logits.dtype))
         t = targets.reshape(-1)
         n_local = x.shape[-1]
+        counted = t != IGNORE  # [N] the targets the loss counts
         local_t = t - vocab_start
-        outside = (local_t < 0) | (local_t >= n_local)
+        outside = (local_t < 0) | (local_t >= n_local) | ~counted
         local_t = local_t.masked_fill(outside, 0)
         # Each shard's own log-sum-exp, stable against its own max; the global one combines them.
         local_max = x.max(dim=-1).values  # [N]
@@ -350,34 +415,37 @@ class _VocabParallelCE(torch.autograd.Function):
         # the max and then one of the sums, so one wait per step); the logits themselves never move.
         shards = all_gather_cat(torch.stack([local_lse, target_logit]).unsqueeze(0), group, 0)
         lse = torch.logsumexp(shards[:, 0], dim=0)
-        loss = (lse - shards[:, 1].sum(0)).mean()
+        # [N] 1 / (counted targets) where counted, 0 where ignored (0 everywhere when none counts)
+        weight = counted.to(x.dtype) / counted.sum().clamp(min=1)
+        loss = ((lse - shards[:, 1].sum(0)) * weight).sum()
         # exp(x - max) * exp(max - lse) = softmax, in place.
-        ctx.save_for_backward(exp.mul_((local_max - lse).exp_().unsqueeze(-1)), local_t, outside)
+        ctx.save_for_backward(exp.mul_((local_max - lse).exp_().unsqueeze(-1)), local_t, outside, weight)
         ctx.shape, ctx.dtype = logits.shape, logits.dtype
         return loss
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
-        softmax, local_t, outside = ctx.saved_tensors
+        softmax, local_t, outside, weight = ctx.saved_tensors
         # In place, as Megatron does: the saved softmax becomes the gradient, so backward needs
         # no second [N, Vl] buffer (this Function's graph is never run backward twice).
         g = softmax
         rows = torch.arange(g.shape[0], device=g.device)
         g[rows, local_t] -= (~outside).to(g.dtype)
-        g.mul_(grad / g.shape[0])
+        g.mul_((weight * grad).unsqueeze(-1))  # ignored targets' rows get none
         return g.to(ctx.dtype).reshape(ctx.shape), None, None, None
 
 
 def vocab_parallel_cross_entropy(
     local_logits: Tensor, targets: Tensor, group: ProcessGroup | None, vocab_start: int
 ) -> Tensor:
-    """Mean token cross-entropy of logits sharded over the vocab (last dim) across ``group``.
+    """Mean token cross-entropy of logits sharded over the vocab (last dim) across ``group``, over
+    the targets that are not ``IGNORE``.
 
     ``local_logits`` holds columns [vocab_start, vocab_start + V_local); the full logits are never
     gathered.  The result (and its gradient) equals ``cross_entropy`` of the gathered logits.
     """
     if group is None:
-        return cross_entropy(local_logits, targets - vocab_start)
+        return cross_entropy(local_logits, torch.where(targets == IGNORE, targets, targets - vocab_start))
     return _VocabParallelCE.apply(local_logits, targets, group, vocab_start)
 
 

@@ -6,8 +6,9 @@ equivalence tests compare two implementations, not one with itself.  Matches HF 
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -22,13 +23,28 @@ __all__ = ["ReferenceModel", "build_reference"]
 
 Layer = Mapping[str, Any]
 
+# The position of a forward's first token: 0, or a document's place in its packed row when the
+# document is run alone at the positions it had there (runtime/jobs/compare.py).
+_FIRST = 0
+
+
+@contextlib.contextmanager
+def first_position(first: int) -> Iterator[None]:
+    """Forwards inside give their tokens positions first, first + 1, ... (rotary and learned)."""
+    global _FIRST
+    outer, _FIRST = _FIRST, first
+    try:
+        yield
+    finally:
+        _FIRST = outer
+
 
 def rotate_halves(x: Tensor, theta: float, scaling: Any) -> Tensor:
     """Rotary positions on x [b, heads, s, d] whose pairs are its two halves (HF's rotate_half), with
     runtime/model/rope.py's frequencies over d (and yarn's / longrope's factor on cos and sin) for this length."""
     s, d = x.shape[2], x.shape[-1]
-    inv_freq, factor = rope.inv_freq(d, theta, scaling, s)
-    freqs = torch.outer(torch.arange(s, dtype=torch.float32), inv_freq)
+    inv_freq, factor = rope.inv_freq(d, theta, scaling, _FIRST + s)
+    freqs = torch.outer(torch.arange(_FIRST, _FIRST + s, dtype=torch.float32), inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = (emb.cos() * factor).to(x.dtype), (emb.sin() * factor).to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
@@ -314,7 +330,7 @@ _TOP: dict[str, tuple[Callable[[Layer], nn.Module | None], _Apply]] = {
     "embedding": (lambda spec: _Embedding(spec["num"], spec["dim"], bool(spec.get("scaled"))),
                   lambda mod, x, tokens: mod(tokens)),
     "positional": (lambda spec: nn.Embedding(spec["num"], spec["dim"]),
-                   lambda mod, x, tokens: x + mod(torch.arange(tokens.shape[1]))),
+                   lambda mod, x, tokens: x + mod(torch.arange(_FIRST, _FIRST + tokens.shape[1]))),
     **{kind: (build, _on_stream) for kind, build in _NORMS.items()},
     "linear": (_linear, _on_stream),
 }

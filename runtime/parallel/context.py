@@ -27,13 +27,12 @@ z-loss is a mean over tokens like the cross-entropy and needs nothing.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
 
-from meshllm_dsl.runtime.model import decode, layers
+from meshllm_dsl.runtime.model import decode, documents, layers
 from meshllm_dsl.runtime.moe.routing import capacity_of, keep_within_capacity
 from meshllm_dsl.runtime.parallel.collectives import _GatherSeq, all_gather_cat, all_reduce_sum
 from meshllm_dsl.runtime.parallel.mesh import Mesh
@@ -99,10 +98,24 @@ class ContextShard:
 
     def order(self, s_local: int) -> Tensor:
         """Global positions of the gathered sequence: rank 0's tokens, then rank 1's, ... [n * s_local]."""
-        return torch.cat([self.positions(s_local, index=i) for i in range(self.size)])
+        return torch.cat([self.indices(s_local, index=i) for i in range(self.size)])
+
+    def in_rank_order(self, t: Tensor, dim: int = SEQ_DIM) -> Tensor:
+        """Every context rank's chunks of the global ``t`` along ``dim``, rank 0's then rank 1's, ...:
+        the order K and V are gathered in (no communication: every rank holds the global batch)."""
+        parts = t.chunk(2 * self.size, dim=dim)
+        return torch.cat([parts[c] for i in range(self.size) for c in self.chunks(i)], dim=dim)
 
     def positions(self, s_local: int, device: torch.device | str | None = None, index: int | None = None) -> Tensor:
-        """Global positions of the ``s_local`` tokens context rank ``index`` holds (int64)."""
+        """Rotary positions of the ``s_local`` tokens context rank ``index`` holds (int64): their
+        global positions, or in a packed step the rows' own (this rank's chunks of them, [b, s_local])."""
+        packing = documents.active()
+        if index is None and decode.active() is None and packing is not None and packing.positions is not None:
+            return packing.positions.to(device)
+        return self.indices(s_local, device, index)
+
+    def indices(self, s_local: int, device: torch.device | str | None = None, index: int | None = None) -> Tensor:
+        """Global positions in the sequence of the ``s_local`` tokens context rank ``index`` holds (int64)."""
         if decode.active() is not None and not _SPLIT_PREFILL:  # decoding one token on every rank
             return layers.positions(s_local, device)
         c = s_local // 2
@@ -165,7 +178,8 @@ class ContextShard:
             # rank and each rank's cache holds the whole sequence.
             return layers.attention(q, k, v, kv_cache=kv_cache, window=window, scale=scale, softcap=softcap, sinks=sinks)
         b, s, h, d = q.shape
-        q_pos = self.positions(s, q.device)
+        q_pos = self.indices(s, q.device)
+        packing = documents.active() if not decoding else None
         k_pos = self.order(s).to(q.device)
         if decoding and kv_cache is not None:
             k_all, v_all = k, v  # the whole prompt's, rebuilt from the gathered latents
@@ -183,14 +197,10 @@ class ContextShard:
             # [b, s / n, kvh, d] per rank -> [b, s, kvh, d] in rank order; backward reduce-scatters dK, dV.
             k_all = _GatherSeq.apply(k.contiguous(), self.group)
             v_all = _GatherSeq.apply(v.contiguous(), self.group)
-        allowed = layers._allowed(q_pos, k_pos, window)
         qh, kh, vh = q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2)
-        if sinks is not None:  # each query's softmax is over every key it sees, all here: sinks need nothing more
-            out = layers.sink_attention(qh, kh, vh, allowed, 1.0 / math.sqrt(d) if scale is None else scale, sinks)
-        elif softcap:
-            out = layers._softcapped_attention(qh, kh, vh, allowed, 1.0 / math.sqrt(d) if scale is None else scale,
-                                               softcap)
-        else:
-            out = torch.nn.functional.scaled_dot_product_attention(
-                qh, kh, vh, attn_mask=allowed, enable_gqa=h != kh.shape[1], scale=scale)
+        if packing is not None and packing.documents is None:
+            packing = None
+        # Each query's softmax is over every key it sees, all here: sinks and soft caps need nothing
+        # more; in a packed step the keys' document numbers are every rank's, in rank order.
+        out = layers.masked_attention(qh, kh, vh, q_pos, k_pos, packing, window, scale, softcap, sinks)
         return out.transpose(1, 2).reshape(b, s, h * vh.shape[-1])  # v's head dim (mla's v_head_dim)

@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from meshllm_dsl.runtime.data.corpus import IGNORE
 from meshllm_dsl.runtime.model import description
+from meshllm_dsl.runtime.model.documents import Packing, packed
 from meshllm_dsl.runtime.moe import grouped
 from meshllm_dsl.runtime.moe import routing as moe_routing
 from meshllm_dsl.runtime.parallel import fsdp
@@ -149,6 +151,11 @@ class Program:
     float8: Mapping[str, str] = field(default_factory=dict)
     float8_gather: bool = False
     compile: str = "none"  # `compile = blocks`: torch.compile each block (runtime/train/compile.py)
+    # `pack = documents`: rows hold several documents and a token attends only to its own document's
+    # earlier tokens (runtime/model/documents.py); `positions = restart`: rotary positions restart
+    # at each document. The data path reads both to build batches (runtime/data/corpus.py ``Batch``).
+    document_mask: bool = False
+    restart_positions: bool = False
 
     @property
     def vocab(self) -> int:
@@ -181,6 +188,17 @@ class Program:
 
 
 _BUCKET_ELEMENTS = 1 << 24
+
+
+def _microbatch(packing: Packing | None, m: int, j: int) -> Packing | None:
+    """Microbatch ``j`` of ``m`` of this rank's rows (consecutive rows, as the tokens split)."""
+    if packing is None:
+        return None
+
+    def part(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t.chunk(m)[j]
+
+    return Packing(part(packing.documents), part(packing.keys), part(packing.positions))
 
 
 def _float8_recipe(patterns: Mapping[str, str], path: str) -> str | None:
@@ -353,6 +371,11 @@ class Built:
         balance_axes = tuple(a for a in mesh.names if a != pp_axis)
         self._balance_group = mesh.group(*balance_axes) if balance_axes else None
         self.steps_done = 0  # optimizer updates so far: the learning-rate schedule's clock
+        # The step's number of counted (not IGNORE) targets over the global batch while some are
+        # ignored: each microbatch's mean loss is then weighted by its share (``_token_loss``).
+        self._counted: int | None = None
+        # A pipeline step's rows per microbatch while its schedule runs (``_packed_chunk``).
+        self._micro_packings: list[Packing | None] | None = None
         self.grad_norm = float("nan")  # the global gradient norm of the last step (with clip)
         self._schedules: dict[tuple[int, int, bool], Any] = {}
 
@@ -622,7 +645,7 @@ class Built:
         # The stages' own device: a CPU plan on a machine with CUDA stays on the CPU.
         device = self.device
         example: dict[int, Any] = self._example_activations(mb_shape, device)
-        loss_fn: Callable[..., Tensor] | None = self.loss_fn if train else None
+        loss_fn: Callable[..., Tensor] | None = self._token_loss if train else None
         routed = train and self.router_losses is not None
         if routed:
             # [2 E + 3] routing statistics beside every stage boundary's activations (after stage
@@ -644,6 +667,10 @@ class Built:
             )
             for i in self.stage_ids
         ]
+        for stage in stages:
+            # Every schedule runs a stage's forward of microbatch j as forward_one_chunk(j, ...): there
+            # it gets microbatch j's rows (its recomputed regions keep them for backward: remat.py).
+            stage.forward_one_chunk = functools.partial(self._packed_chunk, stage.forward_one_chunk)  # type: ignore[method-assign]
         kind = _schedule_name(p.schedule)
         cls = getattr(pl, _SCHEDULES[kind])
         # Microbatch losses are means, so the schedule divides gradients by the microbatch count.
@@ -661,8 +688,25 @@ class Built:
         them without a pipeline)."""
         logits, stats = out
         assert self.router_losses is not None
-        return self.loss_fn(logits, target) + self.router_losses.loss(
+        return self._token_loss(logits, target) + self.router_losses.loss(
             stats, self.context.sequence_sum if self.context is not None else None)
+
+    def _packed_chunk(self, forward_one_chunk: Callable[..., Any], fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+        """A pipeline stage's forward of microbatch ``fwd_chunk_id`` with that microbatch's packed rows."""
+        rows = self._micro_packings[fwd_chunk_id] if self._micro_packings is not None else None
+        with packed(rows):
+            return forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
+    def _token_loss(self, logits: Tensor, target: Tensor) -> Tensor:
+        """One microbatch's token loss, the mean over its counted targets, weighted so that the
+        step's gradients (averaged over replicas and microbatches) are those of the mean over the
+        global batch's counted targets: by counted here x replicas x microbatches / counted in all.
+        Unweighted (that factor is exactly 1) when no target is ignored."""
+        loss = self.loss_fn(logits, target)
+        if self._counted is None:
+            return loss
+        here = (target != IGNORE).sum().to(loss.dtype)
+        return loss * (here * (self.replicas * self.program.microbatches) / max(self._counted, 1))
 
     def _example_activations(
         self, mb_shape: tuple[int, int], device: torch.device
@@ -712,24 +756,55 @@ class Built:
 
     # ------------------------------------------------------------------ training
 
-    def _local_batch(self, t: Tensor) -> Tensor:
-        """This rank's rows of the global [B, S] ``t`` and, with context parallelism, its chunks of
-        each sequence."""
+    def _rows(self, t: Tensor) -> Tensor:
+        """This rank's rows of the global [B, S] ``t``."""
         if t.shape[0] % self.dp:
             raise ValueError(
                 f"batch {t.shape[0]} does not split over {self.dp} data-parallel ranks"
             )
-        t = t.chunk(self.dp, dim=0)[self.mesh.index(*self.batch_axes)] if self.dp > 1 else t
+        return t.chunk(self.dp, dim=0)[self.mesh.index(*self.batch_axes)] if self.dp > 1 else t
+
+    def _local_batch(self, t: Tensor) -> Tensor:
+        """This rank's rows of the global [B, S] ``t`` and, with context parallelism, its chunks of
+        each sequence."""
+        t = self._rows(t)
         return self.context.local(t) if self.context is not None else t
 
-    def train_step(self, tokens: Tensor, targets: Tensor) -> float:
+    def _packing(self, tokens: Tensor, documents: Tensor | None, positions: Tensor | None) -> Packing | None:
+        """This rank's part of a packed batch's ``documents`` / ``positions`` [B, S] (None: plain rows)."""
+        if documents is None and positions is None:
+            return None
+        for name, t in (("documents", documents), ("positions", positions)):
+            if t is not None and t.shape != tokens.shape:
+                raise ValueError(f"{name} of shape {tuple(t.shape)} for tokens of shape {tuple(tokens.shape)}")
+        docs = self._rows(documents.to(self.device)) if documents is not None else None
+        pos = self._local_batch(positions.to(self.device)) if positions is not None else None
+        if docs is None:
+            return Packing(None, None, pos)
+        if self.context is None:
+            return Packing(docs, docs, pos)
+        # Keys are gathered over the context ranks in rank order: their document numbers likewise.
+        return Packing(self.context.local(docs), self.context.in_rank_order(docs), pos)
+
+    def train_step(self, tokens: Tensor, targets: Tensor, documents: Tensor | None = None,
+                   positions: Tensor | None = None) -> float:
         """One optimizer step on the global batch ``tokens``/``targets`` [B, S] (same on every rank).
 
-        Returns the mean token loss over the whole global batch, on every rank.
+        ``documents`` / ``positions`` [B, S]: a packed batch's document numbers and rotary positions
+        (runtime/data/corpus.py ``Batch``): each token attends only to its own document's earlier
+        tokens. Targets ``IGNORE`` take no loss. Returns the mean token loss over the whole global
+        batch's counted targets, on every rank.
         """
         self.optimizer.zero_grad(set_to_none=False)
+        # Counted where the batch comes from (the host), not after the copy: no device sync.
+        counted = int((targets != IGNORE).sum())
         tokens, targets = tokens.to(self.device), targets.to(self.device)
-        local_loss = self._forward_backward(self._local_batch(tokens), self._local_batch(targets))
+        packing = self._packing(tokens, documents, positions)
+        self._counted = None if counted == targets.numel() else counted
+        try:
+            local_loss = self._forward_backward(self._local_batch(tokens), self._local_batch(targets), packing)
+        finally:
+            self._counted = None
         self._sync_grads()
         settings = self.program.optimizer
         if "clip" in settings:
@@ -805,7 +880,7 @@ class Built:
                     q.grad.mul_(coef)
         return norm
 
-    def _forward_backward(self, tokens: Tensor, targets: Tensor) -> Tensor | None:
+    def _forward_backward(self, tokens: Tensor, targets: Tensor, packing: Packing | None = None) -> Tensor | None:
         p = self.program
         m = p.microbatches
         if tokens.shape[0] % m:
@@ -821,18 +896,21 @@ class Built:
                         self.modules[i].set_requires_gradient_sync(j == m - 1)  # type: ignore[operator]
                         self.modules[i].set_reshard_after_backward(j == m - 1)  # type: ignore[operator]
                 x = tok
-                with moe_routing.recording(self.router_losses is not None) as routing:
-                    for i in self.stage_ids:
-                        x = self.modules[i](x)
-                loss = self.loss_fn(x, tgt)
-                if self.router_losses is not None:
-                    # Over this microbatch's tokens on this replica, as transformers per forward
-                    # (its whole sequences: the statistics summed over the context ranks).
-                    stats = self._router_statistics(routing, None, tok.shape[0])
-                    loss = loss + self.router_losses.loss(
-                        stats, self.context.sequence_sum if self.context is not None else None)
-                del x  # the logits: backward needs only what the loss saved, not them
-                (loss / m).backward()
+                # This microbatch's rows for every attention layer, through backward too (where
+                # recomputed blocks rerun their forward).
+                with packed(_microbatch(packing, m, j)):
+                    with moe_routing.recording(self.router_losses is not None) as routing:
+                        for i in self.stage_ids:
+                            x = self.modules[i](x)
+                    loss = self._token_loss(x, tgt)
+                    if self.router_losses is not None:
+                        # Over this microbatch's tokens on this replica, as transformers per forward
+                        # (its whole sequences: the statistics summed over the context ranks).
+                        stats = self._router_statistics(routing, None, tok.shape[0])
+                        loss = loss + self.router_losses.loss(
+                            stats, self.context.sequence_sum if self.context is not None else None)
+                    del x  # the logits: backward needs only what the loss saved, not them
+                    (loss / m).backward()
                 losses.append(loss.detach())
             return torch.stack(losses).mean()
         schedule = self._pipeline((tokens.shape[0] // m, tokens.shape[1]))
@@ -846,11 +924,14 @@ class Built:
         # expert weight gradients through torch._grouped_mm (measured: 6e-3 off under DualPipeV), so
         # their experts run the F.linear loop (runtime/moe/grouped.py loop_only).
         loop = grouped.loop_only() if splits_backward(p.schedule) else contextlib.nullcontext()
+        # Every rank holds the global batch, so each stage's rank knows every microbatch's rows itself.
+        self._micro_packings = None if packing is None else [_microbatch(packing, m, j) for j in range(m)]
         try:
             with loop:
                 schedule.step(*args, target=target, losses=losses, return_outputs=False)
         finally:
             self._carry_routing = False
+            self._micro_packings = None
         return torch.stack([x.detach() for x in losses]).mean() if losses else None
 
     def _sum_partial_grads(self) -> None:
@@ -995,10 +1076,14 @@ class Built:
         return full
 
     @torch.no_grad()
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Full logits [B, S, vocab] of the global batch, on every rank (for equivalence checks)."""
-        local = self._local_batch(tokens.to(self.device))
-        logits = self.gather_logits(self.run_stages(local), (local.shape[0], local.shape[1]))
+    def forward(self, tokens: Tensor, documents: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
+        """Full logits [B, S, vocab] of the global batch, on every rank (for equivalence checks);
+        ``documents`` / ``positions``: a packed batch's, as ``train_step`` takes them."""
+        tokens = tokens.to(self.device)
+        packing = self._packing(tokens, documents, positions)  # every pipeline rank's stages read the same rows
+        local = self._local_batch(tokens)
+        with packed(packing):
+            logits = self.gather_logits(self.run_stages(local), (local.shape[0], local.shape[1]))
         if self.context is not None:
             # [B / dp, S / cp, vocab] per context rank -> [B / dp, S, vocab] in position order.
             logits = self.context.unshard(logits)

@@ -24,7 +24,8 @@ models never run. Backward then reruns the cheap ops and every second product; t
 recomputed too (in-place c10d ops cannot be cached), so every rank of a tensor group reruns them
 at the same point, as with full recomputation. meshllm_dsl/planner/recompute.py plans the same.
 
-Without gradients (inference, decoding) the region just runs.
+Without gradients (inference, decoding) the region just runs. In a packed step the rerun runs
+with the forward's documents and positions (runtime/model/documents.py), captured when it ran.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+
+from meshllm_dsl.runtime.model import documents
 
 __all__ = ["recompute", "recompute_ops"]
 
@@ -52,6 +55,15 @@ def _checkpoint(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str,
         for a in args:
             if isinstance(a, torch.Tensor):
                 hold(a)
+    packing = documents.active()
+    if packing is not None:
+        # The rerun in backward sees the rows of this forward's microbatch, whenever backward runs.
+        inner = fn
+
+        def fn(*a: Any, **k: Any) -> Any:
+            with documents.packed(packing):
+                return inner(*a, **k)
+
     return _torch_checkpoint(fn, *args, use_reentrant=False, **how, **kwargs)
 
 

@@ -32,7 +32,7 @@ def _contexts(path):  # type: ignore[no-untyped-def]
 def test_the_passes_run_in_this_order() -> None:
     assert [p.__name__ for p in PASSES] == [
         "settings", "recompute", "placements", "loss", "stages", "moe_routing", "schedule", "batch", "sequence_parallel",
-        "context_parallel", "optimizer", "precision", "matmul", "expert_zero", "axis_roles", "pitfalls"]
+        "context_parallel", "optimizer", "precision", "matmul", "packing", "expert_zero", "axis_roles", "pitfalls"]
 
 
 @pytest.mark.parametrize("path", SPECS, ids=lambda p: p.name)

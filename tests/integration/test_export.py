@@ -239,6 +239,8 @@ REFUSALS = [
         "ffn -> tensor", "ffn -> other"), "hf-tp-plan", "E1205", "ffn -> other"),
     (spec("llama", "data2_tensor2"), "dtensor", "E1206", "plan p on m for m"),
     (_edit("llama", "tensor2", "seq = 8", "seq = 8\n    recompute = blocks"), "dtensor", "E1206", "recompute = blocks"),
+    # A document mask the exported model would not apply.
+    (_edit("llama", "tensor2", "seq = 8", "seq = 8\n    pack = documents"), "hf-tp-plan", "E1206", "pack = documents"),
     # ZeRO 0 / 1 mixed precision is autocast over fp32 parameters: no fully_shard policy to write.
     (_edit("llama", "tensor2", "seq = 8", "seq = 8\n    precision { params = bf16, master = fp32 }"), "hf-tp-plan",
      "E1206", "precision {"),

@@ -187,6 +187,8 @@ def test_misspelled_key_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture
      "    optimizer adamw { zero 3 over data }\n", "E1206", "matmul = fp8_tensorwise"),
     ("attention", "data = 2", "    layout { batch -> data }\n    recompute = attention\n"
      "    optimizer adamw { zero 3 over data }\n", "E1206", "recompute = attention"),
+    ("pack", "data = 2", "    layout { batch -> data }\n    pack = documents\n"
+     "    optimizer adamw { zero 3 over data }\n", "E1206", "pack = documents"),
     ("tp_partial", "tensor = 2", TP.replace("    shard blocks.*.mlp.{gate,up} column(tensor)\n", "")
      .replace("shard blocks.*.mlp.down row(tensor)", "shard blocks.*.mlp.{gate,up,down} replicate"), "E1205",
      "shard blocks.*.mlp.{gate,up,down} replicate"),

@@ -1,0 +1,63 @@
+"""How a plan's rows hold documents: the plan settings `pack = documents` and `positions = restart`.
+
+`pack = documents`: each row of a batch holds several documents and a token attends only to the
+earlier tokens of its own document (block-causal attention, as Llama 3 trains; runtime/model/
+documents.py); `positions = restart`: rotary (and learned) positions restart at 0 at each document.
+The generated program carries both (``Program.document_mask`` / ``restart_positions``): the data
+path packs by them and `meshc verify` compares on packed batches. What the runtime does not carry
+through yet is refused here: torch.compile'd blocks would read them as globals,
+and a moe layer whose routing depends on the whole forward's tokens (router losses, a capacity
+factor) is not compared with each document run alone by `meshc verify` yet.
+"""
+
+from __future__ import annotations
+
+from meshllm_dsl import primitives
+from meshllm_dsl.checker.context import PlanContext
+from meshllm_dsl.codes import E0203, E0309
+from meshllm_dsl.front import ast
+from meshllm_dsl.front.names import or_list
+from meshllm_dsl.ir import PACKS, POSITIONS, Repeat
+
+
+class PackingRules(PlanContext):
+    def _choice(self, given: ast.Setting | None, key: str, choices: tuple[str, ...], what: str) -> str:
+        """The value of `key = NAME` among ``choices``; the first (the default) when absent or wrong."""
+        if given is None:
+            return choices[0]
+        v = given.value
+        if not isinstance(v, ast.Name) or v.value not in choices:
+            self.error(E0203, f"unknown `{key}` value", v.span, label=f"not {what}",
+                       help=f"use {or_list([f'`{c}`' for c in choices])}")
+            return choices[0]
+        return v.value
+
+    def packing(self, settings: dict[str, ast.Setting], compiled: str) -> tuple[bool, bool]:
+        """(document_mask, restart_positions) of `pack = none | documents` and `positions = continue | restart`."""
+        pack = self._choice(settings.get("pack"), "pack", PACKS,
+                            "a packing: `documents` masks attention at document boundaries")
+        positions = self._choice(settings.get("positions"), "positions", POSITIONS,
+                                 "a way of numbering positions: `restart` starts each document at 0")
+        masked, restart = pack == "documents", positions == "restart"
+        if restart and not masked and "pack" not in self.bad_settings:
+            given = settings["positions"]
+            self.error(E0309, "`positions = restart` without `pack = documents`", given.value.span,
+                       label="positions restart at documents only a document mask keeps apart",
+                       help="add `pack = documents` to the plan (or drop `positions = restart`)")
+            restart = False
+        per_forward = [u.name for item in self.model.items
+                       for u in (item.body if isinstance(item, Repeat) else (item,))
+                       if primitives.of(u).routes_experts
+                       and any(u.attr(a) for a in ("capacity", "aux_loss_coef", "z_loss_coef"))]
+        if masked and per_forward:
+            self.error(E0309, "`pack = documents` with router losses or a capacity factor is not supported yet",
+                       settings["pack"].value.span, label=f"`{per_forward[0]}` routes by the whole forward's tokens",
+                       help="drop `capacity`, `aux_loss_coef` and `z_loss_coef` from the model (or `pack = documents`): "
+                            "`meshc verify` compares packed rows with each document alone, which they do not match")
+            masked = restart = False
+        if masked and compiled != "none":
+            self.error(E0309, f"`pack = documents` with `compile = {compiled}` is not supported yet",
+                       settings["pack"].value.span, label="compiled blocks",
+                       help="drop `compile = blocks` (or `pack = documents`)")
+            masked = restart = False
+        return masked, restart

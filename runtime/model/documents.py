@@ -1,0 +1,70 @@
+"""Packed rows: which document each token belongs to and its rotary position, for the forward that
+runs now.
+
+``Built.train_step`` / ``Built.forward`` take a batch's ``documents`` / ``positions``
+(runtime/data/corpus.py ``Batch``) and run each microbatch's forward inside ``packed(...)`` with that
+microbatch's rows, so every attention layer of every block reads the same rows without a new
+argument on every stage's forward.  Every rank holds the global batch, so nothing travels between
+pipeline stages: a schedule's forward of microbatch j on any stage (``forward_one_chunk(j, ...)``)
+runs inside microbatch j's rows, and a recomputed region keeps the rows of its forward for the rerun
+in backward (runtime/train/remat.py), whenever the schedule runs that backward.
+
+Attention is block-causal within documents: query ``i`` sees key ``j`` when ``j <= i`` (sequence
+order) and both carry the same document number; a sliding window still counts sequence positions,
+which within one document differ as its own positions do.  Rotary takes ``positions`` (restarting
+at each document with `positions = restart`) instead of the row's 0 .. s - 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from torch import Tensor
+
+__all__ = ["Packing", "active", "packed", "same_document"]
+
+
+@dataclass(frozen=True)
+class Packing:
+    """This rank's rows of the running forward.
+
+    ``documents`` [b, s]: the document number of each of this rank's tokens (None: one stream,
+    causal across documents); ``keys`` [b, t]: the document numbers of the keys its attention sees
+    (under context parallelism every context rank's tokens in rank order, as K / V are gathered;
+    else ``documents``); ``positions`` [b, s]: each token's rotary position (None: the row's)."""
+
+    documents: Tensor | None
+    keys: Tensor | None
+    positions: Tensor | None
+
+
+_ACTIVE: Packing | None = None
+
+
+def active() -> Packing | None:
+    """The rows of the forward running now; None outside a packed step (every token attends to every
+    earlier one of its row, at the row's positions)."""
+    return _ACTIVE
+
+
+@contextlib.contextmanager
+def packed(packing: Packing | None) -> Iterator[None]:
+    """Run the forward (and backward) inside with ``packing``'s rows; None changes nothing."""
+    global _ACTIVE
+    outer, _ACTIVE = _ACTIVE, packing
+    try:
+        yield
+    finally:
+        _ACTIVE = outer
+
+
+def same_document(allowed: Tensor, packing: Packing | None) -> Tensor:
+    """``allowed`` [s, t] (causal, windowed) narrowed to pairs within one document: [b, 1, s, t],
+    broadcasting over heads; ``allowed`` itself without document numbers."""
+    if packing is None or packing.documents is None:
+        return allowed
+    assert packing.keys is not None
+    same = packing.documents[:, :, None] == packing.keys[:, None, :]  # [b, s, t]
+    return (allowed[None] & same)[:, None]
