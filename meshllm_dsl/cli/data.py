@@ -149,7 +149,55 @@ def cmd_data_stats(args: argparse.Namespace) -> int:
     except DataError as err:
         raise UsageError(str(err)) from None
     print(format_stats(counts, [s.describe() for s in sources]))
+    if args.plan is not None:
+        corpora = data_corpora([(p, 1.0) for p in args.sources], args.tokenizer, args)
+        source = " + ".join(s.describe() for s in sources)
+        from meshllm_dsl.cli.plan import data_report
+
+        return data_report(args.plan, args.plan_name, corpora, source, args)
     return 0
+
+
+def data_corpora(spec: str | list[tuple[str, float]], tokenizer: str | None, args: argparse.Namespace) -> list[Any]:
+    """The corpora of ``spec`` with their weights, tokenized into ``--data-cache`` as `meshc run` does."""
+    from meshllm_dsl.cli.main import UsageError
+    from meshllm_dsl.runtime.data.prepare import prepare_corpora
+    from meshllm_dsl.runtime.train.tokens import DataError
+
+    if tokenizer is not None and not Path(tokenizer).exists():
+        raise UsageError(f"--tokenizer {tokenizer}: no such directory")
+    try:
+        return prepare_corpora(spec, tokenizer, args.data_cache, text_field=args.text_field, skip_bad=args.skip_bad)
+    except DataError as err:
+        raise UsageError(str(err)) from None
+
+
+def measure_data(corpora: list[Any], plan: Any, *, seed: int, steps: int, balance: bool) -> Any:
+    """The data ranks' rows over the first ``steps`` global batches of ``plan`` in the seeded order
+    (runtime/data/packing.py's Packer, as `meshc run --data` packs them; with ``balance`` ordered
+    among the ranks as `meshc run --balance` orders them): a planner/data.py DataProfile."""
+    import numpy as np
+
+    from meshllm_dsl.cli.main import UsageError
+    from meshllm_dsl.planner.data import Row, data_profile, row_pairs
+    from meshllm_dsl.runtime.data.packing import Packer, balanced_order
+    from meshllm_dsl.runtime.train.tokens import DataError
+
+    ranks = plan.data_size
+    try:
+        packer = Packer(list(corpora), seq=plan.seq, seed=seed)
+        taken = []
+        for _ in range(steps):
+            rows = []
+            for _ids, docs, _pos, train in (packer.next_row() for _ in range(plan.batch)):
+                # Tokens are row[:-1], targets row[1:] (Packer.next_batch): the documents of the tokens.
+                rows.append(Row(tuple(int(n) for n in np.bincount(docs[:-1])), int(train[1:].sum())))
+            if balance and ranks > 1:
+                rows = [rows[i] for i in balanced_order([row_pairs(r, plan.seq, True) for r in rows], ranks)]
+            taken.append(rows)
+    except DataError as err:
+        raise UsageError(f"plan `{plan.name}`: {err}") from None
+    return data_profile(taken, seq=plan.seq, ranks=ranks, masked=plan.document_mask, balanced=balance)
 
 
 def _processes(text: str) -> int:
@@ -188,7 +236,29 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s.add_argument("--tokenizer", metavar="DIR",
                    help="a Hugging Face tokenizer (not needed for a token file)")
     _source_options(s)
+    s.add_argument("--plan", metavar="FILE.mesh",
+                   help="also each data rank's share of tokens and attention work over the plan's first steps "
+                        "(its seq, global batch and data ranks), and what they cost its step")
+    s.add_argument("--plan-name", metavar="P", help="with --plan: only this plan (default: every plan in the file)")
+    add_data_plan_flags(s)
     s.set_defaults(func=cmd_data_stats)
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of steps, 1 or more")
+    return int(text)
+
+
+def add_data_plan_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that say which rows a plan's data ranks take (`data-stats --plan`, `plan --data`)."""
+    p.add_argument("--seed", type=int, default=0, help="the packing order's seed, as `meshc run --seed` (default 0)")
+    p.add_argument("--steps", type=_positive, default=20, metavar="N",
+                   help="measure the first N steps of the seeded order (default 20)")
+    p.add_argument("--balance", action="store_true",
+                   help="with the rows ordered among the data ranks as `meshc run --balance` orders them")
+    p.add_argument("--data-cache", default="meshllm-data-cache", metavar="DIR",
+                   help="where tokenized sources are kept, named by content hash (default ./meshllm-data-cache)")
 
 
 

@@ -1,6 +1,6 @@
 """`meshc plan`, `meshc explain` and `meshc suggest`: look at a plan before spending GPU hours.
 
-None of these import torch. `plan` and `explain` exit 0 for a spec without errors (warnings included)
+None of these import torch (`plan --data` does, to pack the data's rows). `plan` and `explain` exit 0 for a spec without errors (warnings included)
 and 1 when the spec has errors; `suggest` exits 1 when no candidate passes the checker and fits.
 """
 
@@ -77,30 +77,102 @@ def cmd_plan(args: argparse.Namespace) -> int:
         _print_diags(list(loaded.diagnostics))
         return EXIT_SPEC
     plans = _select(loaded, args.plan)
-    reports, warns = [], list(loaded.diagnostics)
+    corpora = _plan_data(args)
+    reports, warns, datas = [], list(loaded.diagnostics), []
     for plan in plans:
         device, assumed = resolve_device(plan, loaded.devices, args.device)
         rep = analyze(plan, device, device_assumed=assumed)
         reports.append(rep)
         mine = plan_warnings(rep)
+        if corpora is not None:
+            da = _data_attention(rep, corpora, args)
+            datas.append(da)
+            mine.extend(_data_warnings(rep, da))
         # W0804 states what the checker's W0702 does, with the seconds it costs: keep the richer one.
         covered = {d.span.start for d in mine if d.code == W0804 and d.span is not None}
         warns = [d for d in warns if not (d.code == W0702 and any(
             lab.span.start in covered for lab in d.secondary))]
         warns.extend(mine)
     if args.format == "json":
-        print(json.dumps({"plans": [report_json(r) for r in reports],
-                          "diagnostics": [d.to_json() for d in warns]}, indent=2))
+        jsons = [report_json(r) for r in reports]
+        for js, da in zip(jsons, datas):
+            js["data"] = _data_json(da, args.data)
+        print(json.dumps({"plans": jsons, "diagnostics": [d.to_json() for d in warns]}, indent=2))
         _write_svgs(args, plans, reports)
         return EXIT_OK
     for i, rep in enumerate(reports):
         if i:
             print()
         print(report_text(rep), end="")
+        if datas:
+            print("\n".join(_data_lines(datas[i], args.data)))
     if warns:
         print()
         _print_diags(warns)
     _write_svgs(args, plans, reports)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------- the data's attention (plan --data, data-stats --plan)
+#
+# Only on these paths: tokenizing and packing (numpy, and torch through runtime/data/packing.py)
+# stay out of a plain `meshc plan`, which imports neither.
+
+
+def _plan_data(args: argparse.Namespace) -> list[Any] | None:
+    """`plan --data SPEC`: its corpora, tokenized into --data-cache as `meshc run` does; None without --data."""
+    if args.data is None:
+        return None
+    from meshllm_dsl.cli.data import data_corpora
+
+    return data_corpora(args.data, args.tokenizer, args)
+
+
+def _data_attention(rep: Any, corpora: list[Any], args: argparse.Namespace) -> Any:
+    from meshllm_dsl.cli.data import measure_data
+    from meshllm_dsl.planner.data import data_attention
+
+    return data_attention(rep, measure_data(corpora, rep.plan, seed=args.seed, steps=args.steps, balance=args.balance))
+
+
+def _data_warnings(rep: Any, da: Any) -> list[Diagnostic]:
+    from meshllm_dsl.planner.data import data_warnings
+
+    return data_warnings(rep, da)
+
+
+def _data_lines(da: Any, source: str) -> list[str]:
+    from meshllm_dsl.planner.data import data_lines
+
+    return data_lines(da, source)
+
+
+def _data_json(da: Any, source: str) -> dict[str, Any]:
+    from meshllm_dsl.planner.data import data_json
+
+    return data_json(da, source)
+
+
+def data_report(path: str, plan_name: str | None, corpora: list[Any], source: str, args: argparse.Namespace) -> int:
+    """`meshc data-stats --plan FILE`: each selected plan's data ranks on these corpora, and W0808."""
+    from meshllm_dsl.planner.analyze import analyze, resolve_device
+
+    loaded = load_checked(_existing(path))
+    if not loaded.ok:
+        _print_diags(list(loaded.diagnostics))
+        return EXIT_SPEC
+    warns: list[Diagnostic] = []
+    for plan in _select(loaded, plan_name):
+        device, assumed = resolve_device(plan, loaded.devices, None)
+        rep = analyze(plan, device, device_assumed=assumed)
+        da = _data_attention(rep, corpora, args)
+        print()
+        print(f"plan `{plan.name}`: batch {plan.batch} x seq {plan.seq:,} over {plan.data_size} data ranks on {device.name}")
+        print("\n".join(_data_lines(da, source)))
+        warns.extend(_data_warnings(rep, da))
+    if warns:
+        print()
+        _print_diags(warns)
     return EXIT_OK
 
 
@@ -212,6 +284,16 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p.add_argument("--device", help="device profile to assume instead of the mesh's")
     p.add_argument("--svg", metavar="DIR", help="also write PLAN_mesh.svg, PLAN_schedule.svg and PLAN_memory.svg to DIR")
     p.add_argument("--format", choices=("text", "json"), default="text")
+    p.add_argument("--data", metavar="SPEC",
+                   help="price attention by this data's documents (as `meshc run --data` takes it): each data rank's "
+                        "share of tokens and attention work over the first steps, and W0808 when they are uneven")
+    p.add_argument("--tokenizer", metavar="DIR", help="with --data: the tokenizer of sources that are not token files")
+    p.add_argument("--text-field", default="text", metavar="NAME",
+                   help="with --data: the JSONL / Parquet / dataset field of each document (default: text)")
+    p.add_argument("--skip-bad", action="store_true", help="with --data: skip and count unusable records")
+    from meshllm_dsl.cli.data import add_data_plan_flags
+
+    add_data_plan_flags(p)
     p.set_defaults(func=cmd_plan)
 
     e = sub.add_parser("explain", help="rank -> mesh coordinates, process groups, per-layer placement")
