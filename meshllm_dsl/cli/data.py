@@ -281,6 +281,15 @@ def run_data(args: argparse.Namespace, documents: bool = False) -> str | None:
 
     spec = args.data
     field = getattr(args, "text_field", "text")
+    if spec is not None and not args.infer and not Path(spec).exists():
+        from meshllm_dsl.runtime.data.sources import parse_data_spec
+
+        try:
+            missing = [path for path, _ in parse_data_spec(spec) if not path.exists()]
+        except DataError as err:
+            raise UsageError(str(err)) from None
+        if missing:
+            raise UsageError(f"--data {missing[0]}: no such file or directory")
     text = spec is not None and Path(spec).is_file() and token_file_header(spec) is None
     wanted = documents and text and args.tokenizer is not None
     if spec is None or args.infer or not (_needs_tokenizing(spec) or field != "text" or wanted):
