@@ -41,14 +41,32 @@ def _sources(tmp: Path) -> dict[str, Path]:
     return {"jsonl": jsonl, "parquet": parquet, "chats": chats}
 
 
-def _run(tmp: Path, *args: str) -> tuple[int, str]:
+# Document masks under tensor x context parallelism (sequence parallel over both, as
+# examples/tiny_llama_context.mesh): the corpora's documents reach every rank's attention.
+MASKED = """
+mesh m { axes tensor = 2, cp = 2 }
+model tiny = llama { vocab = 512, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 64 }
+plan train on m for tiny {
+    batch = 4
+    seq = 32
+    pack = documents
+    positions = restart
+    layout { seq -> tensor * cp, heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }
+    optimizer adamw { lr = 0.003 }
+}
+"""
+
+
+def _run(tmp: Path, *args: str, spec_text: str = SPEC) -> tuple[int, str]:
     spec = tmp / "tiny.mesh"
-    spec.write_text(SPEC)
+    spec.write_text(spec_text)
     proc = run_module("meshllm_dsl", "run", str(spec), "--timeout", "120", *args, timeout=300, cwd=tmp)
     return proc.returncode, proc.stderr
 
 
 def test_run_trains_on_a_weighted_mix_of_sources_tokenized_once(tmp_path: Path) -> None:
+    """JSONL, Parquet and a saved dataset of real text, weighted, with document masks under tensor x
+    context parallelism; the second run reads the cache and trains on the same batches."""
     tok = build_tokenizer(tmp_path / "tok")
     src = _sources(tmp_path)
     datasets = pytest.importorskip("datasets")
@@ -57,7 +75,7 @@ def test_run_trains_on_a_weighted_mix_of_sources_tokenized_once(tmp_path: Path) 
     spec = f"{src['jsonl']}:0.5,{src['parquet']}:0.3,{saved}:0.2"
     cache = tmp_path / "cache"
     code, err = _run(tmp_path, "--data", spec, "--tokenizer", str(tok), "--data-cache", str(cache), "--steps", "3",
-                     "--metrics", str(tmp_path / "m.jsonl"))
+                     "--metrics", str(tmp_path / "m.jsonl"), spec_text=MASKED)
     assert code == 0, err[-3000:]
     losses = [json.loads(line)["loss"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert len(losses) == 3 and all(0 < x < 10 for x in losses)
@@ -66,7 +84,7 @@ def test_run_trains_on_a_weighted_mix_of_sources_tokenized_once(tmp_path: Path) 
     stamps = {c: c.stat().st_mtime_ns for c in corpora}
     # The same run again reads the cache (nothing re-tokenized) and trains on the same batches.
     code, err = _run(tmp_path, "--data", spec, "--tokenizer", str(tok), "--data-cache", str(cache), "--steps", "3",
-                     "--metrics", str(tmp_path / "again.jsonl"))
+                     "--metrics", str(tmp_path / "again.jsonl"), spec_text=MASKED)
     assert code == 0, err[-3000:]
     assert {c: c.stat().st_mtime_ns for c in corpora} == stamps
     again = [json.loads(line)["loss"] for line in (tmp_path / "again.jsonl").read_text().splitlines()]
