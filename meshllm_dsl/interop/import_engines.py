@@ -458,24 +458,32 @@ def titan_spec_text(args: list[str], hf_config: str) -> str:
     a = _Args(args, KEYS, "torchtitan", tuple(SUBCOMMANDS))
     where = str(Path(hf_config) / "config.json")
     family, settings, _ = model_settings(read_config(Path(hf_config)), where)
-    if family != "llama":
-        a.error(None, f"{where} is a `{family}` model: torchtitan's llama3 is a `llama` family model",
-                "another family", "give the config of the llama the run trains")
+    if family not in ("llama", "qwen3_moe"):
+        a.error(None, f"{where} is a `{family}` model: torchtitan's llama3 / qwen3 are `llama` family models "
+                "(qwen3 with per-head q / k norms) and its qwen3 MoE the `qwen3_moe` family", "another family",
+                "give the config of the model the run trains")
     values = {k: v for k, v, _ in settings}
     P = "--parallelism."
     rep, shard = a.get(P + "data_parallel_replicate_degree", 1), a.get(P + "data_parallel_shard_degree", 1)
     tp, cp = a.get(P + "tensor_parallel_degree", 1), a.get(P + "context_parallel_degree", 1)
     pp, ep = a.get(P + "pipeline_parallel_degree", 1), a.get(P + "expert_parallel_degree", 1)
-    if ep > 1:
-        a.refuse(P + "expert_parallel_degree", "expert parallelism for a llama (no experts)", "drop it")
-    # torchtitan's mesh: pp, dp_replicate, dp_shard, cp, tp (tp fastest); FSDP shards over dp_shard x cp
+    if ep > 1 and family != "qwen3_moe":
+        a.refuse(P + "expert_parallel_degree", f"expert parallelism for a `{family}` model (no experts)", "drop it")
+    if ep > 1 and shard % ep:
+        # torchtitan's EP may borrow context and tensor ranks too; meshllm's import splits the FSDP ranks only
+        a.refuse(P + "expert_parallel_degree", f"`{P}expert_parallel_degree {ep}` does not divide "
+                 f"`{P}data_parallel_shard_degree {shard}`", "meshc imports EP over the FSDP (dp_shard) ranks")
+    expert = ep if ep > 1 and not shard % ep else 1
+    # torchtitan's mesh: pp, dp_replicate, dp_shard, cp, tp (tp fastest); FSDP shards over dp_shard x cp,
+    # EP borrows the fastest FSDP ranks (dp_shard = data x expert here)
     axes = [("pipeline", pp, P + "pipeline_parallel_degree"), ("rep", rep, P + "data_parallel_replicate_degree"),
-            ("data", shard, P + "data_parallel_shard_degree"), ("cp", cp, P + "context_parallel_degree"),
+            ("data", shard // expert, P + "data_parallel_shard_degree"),
+            ("expert", expert, P + "expert_parallel_degree"), ("cp", cp, P + "context_parallel_degree"),
             ("tensor", tp, P + "tensor_parallel_degree")]
     axes = [x for x in axes if x[1] > 1] or [("data", 1, None)]
     names = [n for n, _, _ in axes]
-    batch_axes = [n for n in names if n in ("rep", "data")]
-    zero_axes = [n for n in names if n in ("data", "cp")]
+    batch_axes = [n for n in names if n in ("rep", "data", "expert")]
+    zero_axes = [n for n in names if n in ("data", "expert", "cp")]
     dp = rep * shard
 
     T = "--training."
@@ -503,10 +511,19 @@ def titan_spec_text(args: list[str], hf_config: str) -> str:
     seq_axes = (["tensor"] if sp else []) + (["cp"] if cp > 1 else [])
     if seq_axes:
         layout.append(f"seq -> {' * '.join(seq_axes)}")
+    if expert > 1:
+        layout.append("experts -> expert")
     if layout:
-        plan.append(f"layout {{ {', '.join(layout)} }}{a.src(P + 'no-enable_sequence_parallel', P + 'context_parallel_degree')}")
+        plan.append(f"layout {{ {', '.join(layout)} }}{a.src(P + 'no-enable_sequence_parallel', P + 'context_parallel_degree', P + 'expert_parallel_degree')}")
     if tp > 1:
-        plan += [f"shard {x}(tensor){a.src(P + 'tensor_parallel_degree')}" for x in _SHARDS["llama"]]
+        src = a.src(P + "tensor_parallel_degree")
+        if family == "qwen3_moe":  # torchtitan's qwen3 MoE: attention and vocabulary split, router and experts whole
+            plan += [f"shard {x}(tensor){src}" for x in _SHARDS["llama"] if ".mlp." not in x]
+            plan.append(f"shard blocks.*.mlp.router replicate{src}")
+            if expert == 1:
+                plan.append(f"shard blocks.*.mlp.{{gate,up,down}} replicate{src}")
+        else:
+            plan += [f"shard {x}(tensor){src}" for x in _SHARDS["llama"]]
     if pp > 1:
         plan += _titan_stages(a, pp, values.get("layers", 1), {v: k for k, v in SCHEDULES.items()})
     region = SUBCOMMANDS.get(a.subcommand or "activation-checkpoint:none", "none")

@@ -92,6 +92,10 @@ class TitanExport:
 _TOP_RULES = {"embed": "vocab_parallel", "norm": "replicate", "lm_head": "column"}
 _BLOCK_RULES = {"attn_norm": "replicate", "mlp_norm": "replicate", "attn.q": "column", "attn.k": "column",
                 "attn.v": "column", "attn.o": "row", "mlp.gate": "column", "mlp.up": "column", "mlp.down": "row"}
+# torchtitan's qwen3 MoE blocks (models/qwen3/parallelize.py): the router replicated, the experts whole
+# on every tensor rank (split over the expert-parallel ranks only).
+_MOE_RULES = {**{k: v for k, v in _BLOCK_RULES.items() if not k.startswith("mlp.")}, "mlp.router": "replicate",
+              "mlp.gate": "experts", "mlp.up": "experts", "mlp.down": "experts"}
 
 
 def _class_placements_ok(found: _Findings) -> None:
@@ -107,11 +111,21 @@ def _class_placements_ok(found: _Findings) -> None:
                      help="shard every layer over one tensor axis")
         return
     axis = plan.roles.tensor
+    moe = plan.model.family == "qwen3_moe"
     got = [(path, p, _TOP_RULES.get(path)) for path, p in plan.top_placements]
     for bc in plan.block_classes:
-        got += [(f"blocks.{bc.indices[0]}.{path}", p, _BLOCK_RULES.get(path)) for path, p in bc.placements]
+        got += [(f"blocks.{bc.indices[0]}.{path}", p, _MOE_RULES.get(path) if moe else _BLOCK_RULES.get(path))
+                for path, p in bc.placements]
     for path, p, want in got:
         if want is None:
+            continue
+        if want == "experts":  # torchtitan 0.3 has no expert tensor parallelism: EP borrows the TP ranks
+            if axis[0] in p.axes:
+                found.refuse(E1205, f"`{path}` splits the experts' ffn over `{axis[0]}`: torchtitan 0.3 has no "
+                             "expert tensor parallelism", p.span or plan.span, label="expert tensor parallelism",
+                             help=f"keep the experts whole over `{axis[0]}` (`shard blocks.*.mlp.{{gate,up,down}} "
+                                  "replicate`; split them with `experts -> AXIS`)")
+                return
             continue
         ok = p.rule == want and (tuple(p.axes) == tuple(axis) if want != "replicate" else not p.sharded)
         if not ok:
@@ -124,46 +138,83 @@ def _class_placements_ok(found: _Findings) -> None:
             return
 
 
+def _rope(found: _Findings, v: dict[str, Any], span: Any, module: str) -> dict[str, Any]:
+    """torchtitan's RoPE.Config fields (the default or the llama3 rope; llama3 and qwen3 share the class's
+    fields)."""
+    rope_type = getattr(v.get("rope_type"), "name", str(v.get("rope_type", "default")))
+    if module == "qwen3" and rope_type == "llama3" and float(v.get("rope_factor", 1.0)) == 1.0:
+        rope_type = "default"  # llama3 scaling by 1 is the plain rope, which qwen3's CosSinRoPE computes
+    if rope_type not in (("default", "llama3") if module == "llama3" else ("default",)):
+        found.refuse(E1204, f"rope `{rope_type}` is not one torchtitan's {module} builds", span,
+                     label="rope scaling", help="use the default rope" + (" or the llama3 rope" if module == "llama3"
+                                                                           else " (qwen3's CosSinRoPE has no llama3 scaling)"))
+    return {"theta": float(v["rope_theta"]), "scaling": "llama" if rope_type == "llama3" else "none",
+            "scaling_factor": float(v.get("rope_factor", 8.0)),
+            "low_freq_factor": float(v.get("rope_low_freq_factor", 1.0)),
+            "high_freq_factor": float(v.get("rope_high_freq_factor", 4.0)),
+            "original_max_position_embeddings": int(v.get("rope_original_positions", 8192))}
+
+
+def _module(m: Any) -> str | None:
+    """torchtitan's module for the plan's model: llama3 (a llama without q / k norms), qwen3 (a llama with
+    per-head q / k norms, i.e. Qwen3, or the qwen3_moe family), or None."""
+    v = dict(m.values)
+    if m.family == "qwen3_moe":
+        return "qwen3"
+    if m.family == "llama":
+        return "qwen3" if getattr(v.get("qk_norm"), "name", "none") == "head" else "llama3"
+    return None
+
+
 def _model(found: _Findings) -> dict[str, Any] | None:
     plan = found.plan
     m = plan.model
     span = m.span or plan.span
     routes = any(primitives.of(u).routes_experts
                  for item in m.items for u in (item.body if isinstance(item, Repeat) else (item,)))
-    if m.family != "llama" or routes:
+    module = _module(m)
+    if module is None or routes != (m.family == "qwen3_moe"):
         what = "mixture-of-experts layers" if routes else f"the `{m.family or 'primitives'}` family"
         found.refuse(E1204, f"model `{m.name}` ({what}) is not exported to torchtitan",
                      span, label="no torchtitan model for this",
-                     help="export a model of the `llama` family (torchtitan's llama3 module)")
+                     help="export a model of the `llama` family (torchtitan's llama3 module, or its qwen3 module "
+                          "with `qk_norm = head`) or the `qwen3_moe` family (torchtitan's qwen3 MoE)")
         return None
     v = dict(m.values)
-    for key, want, what in _LLAMA_FIXED:
+    fixed = _LLAMA_FIXED if module == "llama3" else _LLAMA_FIXED[:2] + _LLAMA_FIXED[3:]  # qwen3 may tie
+    for key, want, what in fixed:
         if v.get(key, want) != want:
-            found.refuse(E1204, f"model `{m.name}` has {what}, which torchtitan's llama3 does not",
+            found.refuse(E1204, f"model `{m.name}` has {what}, which torchtitan's {module} does not",
                          span, label=f"`{key}` = {v.get(key)}", help=f"drop `{key}` to export to torchtitan")
-    if getattr(v.get("qk_norm"), "name", "none") != "none":
-        found.refuse(E1204, f"model `{m.name}` has q / k norms, which torchtitan's llama3 does not",
-                     span, label="`qk_norm`", help="export it without `qk_norm` (torchtitan's qwen3 is not mapped yet)")
-    if v["head_dim"] * v["heads"] != v["hidden"]:
+    qk = getattr(v.get("qk_norm"), "name", "head" if m.family == "qwen3_moe" else "none")
+    if module == "llama3" and qk != "none":
+        found.refuse(E1204, f"model `{m.name}` has q / k norms over `{qk}`, which torchtitan's llama3 and qwen3 do "
+                     "not", span, label="`qk_norm`", help="use `qk_norm = head` (torchtitan's qwen3) or none")
+    eps = {"llama3": 1e-5, "qwen3": 1e-6}[module]  # the modules' fixed RMSNorm eps
+    if float(v["norm_eps"]) != eps:
+        found.refuse(E1204, f"norm_eps {v['norm_eps']} is not torchtitan's {module} RMSNorm eps ({eps})", span,
+                     label="`norm_eps`", help=f"set `norm_eps = {eps}` to export to torchtitan")
+    if module == "llama3" and v["head_dim"] * v["heads"] != v["hidden"]:
         found.refuse(E1204, f"model `{m.name}` has head_dim {v['head_dim']} x {v['heads']} heads != hidden "
                      f"{v['hidden']}", span, label="torchtitan's llama3 derives head_dim = dim / n_heads",
                      help="drop `head_dim`")
-    if float(v["norm_eps"]) != 1e-5:
-        found.refuse(E1204, f"norm_eps {v['norm_eps']} is not torchtitan's llama3 RMSNorm eps (1e-5)", span,
-                     label="`norm_eps`", help="drop `norm_eps` to export to torchtitan")
-    rope_type = getattr(v.get("rope_type"), "name", str(v.get("rope_type", "default")))
-    if rope_type not in ("default", "llama3"):
-        found.refuse(E1204, f"rope `{rope_type}` is not torchtitan's llama3 rope", span,
-                     label="rope scaling", help="use the default or the llama3 rope")
-    return {
-        "dim": v["hidden"], "n_layers": v["layers"], "n_heads": v["heads"], "n_kv_heads": v["kv_heads"],
-        "hidden_dim": v["ffn"], "vocab_size": v["vocab"], "norm_eps": float(v["norm_eps"]),
-        "theta": float(v["rope_theta"]), "scaling": "llama" if rope_type == "llama3" else "none",
-        "scaling_factor": float(v["rope_factor"]), "low_freq_factor": float(v["rope_low_freq_factor"]),
-        "high_freq_factor": float(v["rope_high_freq_factor"]),
-        "original_max_position_embeddings": int(v["rope_original_positions"]),
-        "max_seq_len": max(plan.seq, 2048),
-    }
+    out: dict[str, Any] = {
+        "module": module, "dim": v["hidden"], "n_layers": v["layers"], "n_heads": v["heads"],
+        "n_kv_heads": v["kv_heads"], "head_dim": v["head_dim"], "hidden_dim": v["ffn"], "vocab_size": v["vocab"],
+        "norm_eps": float(v["norm_eps"]), "tie": bool(v.get("tie_embeddings", False)),
+        "max_seq_len": max(plan.seq, 2048), **_rope(found, v, span, module)}
+    if m.family == "qwen3_moe":
+        # torchtitan's qwen3 MoE router: softmax, top-k renormalised (route_norm), dropless, no router loss
+        for key, want, what, hlp in (
+                ("norm_topk_prob", True, "top-k weights not renormalised", "torchtitan's qwen3 router renormalises"),
+                ("capacity", 0.0, "a capacity factor", "torchtitan's qwen3 MoE is dropless"),
+                ("aux_loss_coef", 0.0, "a load-balancing loss", "torchtitan's MoE has no auxiliary loss"),
+                ("z_loss_coef", 0.0, "a router z-loss", "torchtitan's MoE has no z-loss")):
+            if v.get(key, want) != want:
+                found.refuse(E1204, f"model `{m.name}` has {what}, which torchtitan's qwen3 MoE does not", span,
+                             label=f"`{key}` = {v.get(key)}", help=f"{hlp}: drop `{key}`")
+        out.update(num_experts=v["experts"], top_k=v["top_k"])
+    return out
 
 
 def _converter(found: _Findings) -> str | None:
@@ -228,6 +279,13 @@ def analyze(plan: PlanIR, decls: Declarations | None) -> TitanExport:
     context = mesh.size(*roles.context) if roles.context else 1
     pipeline = mesh.size(roles.pipeline) if roles.pipeline else 1
     expert = mesh.size(*roles.expert) if roles.expert else 1
+    # torchtitan's EP borrows from the FSDP x context x tensor ranks (dp_shard * cp * tp = efsdp * ep)
+    borrowable = set(shard_axes) | set(roles.context) | set(roles.tensor)
+    if roles.expert and not set(roles.expert) <= borrowable:
+        other = [a for a in roles.expert if a not in borrowable]
+        refuse(E1203, f"experts split over {' x '.join(other)}, which is neither a ZeRO, context nor tensor axis",
+               _stmt_span(decl, ast.LayoutStmt, plan.span), label="torchtitan's EP borrows dp_shard x cp x tp",
+               help=f"add {' * '.join(other)} to ZeRO 2 / 3 (torchtitan's dp_shard) or split the experts over it")
     if roles.sequence and tuple(roles.sequence) != tuple(roles.tensor):
         refuse(E1203, f"sequence parallelism over {' x '.join(roles.sequence)} but tensor parallelism over "
                f"{' x '.join(roles.tensor)}", _seq_span(decl, plan.span), label="torchtitan's SP is over the TP axis",
@@ -277,6 +335,9 @@ def analyze(plan: PlanIR, decls: Declarations | None) -> TitanExport:
         local = plan.batch // dp
     else:
         local = plan.batch // (dp * plan.microbatches)  # microbatches without stages: gradient accumulation
+    if expert > 1 and roles.pipeline is None:
+        # torchtitan refuses CUDA graphs with its all-to-all token dispatcher (it synchronises with the CPU)
+        flags.append(("training.disable_cuda_graphs", None))
     flags += [("training.local_batch_size", str(local)),
               ("training.global_batch_size", str(plan.batch)),
               ("training.seq_len", str(plan.seq))]
@@ -324,6 +385,8 @@ def render_config(exp: TitanExport, plan: PlanIR, source_path: str) -> str:
     m = exp.model
     fn = config_name(plan)
     conv = f"[{exp.converter}]" if exp.converter else "None"
+    if m["module"] == "qwen3":
+        return _render_qwen3(exp, plan, source_path)
     text = f'''"""torchtitan {TORCHTITAN} config_registry for plan `{plan.name}` of {source_path} (written by `meshc export`).
 
 `{fn}()` is torchtitan's llama3_debugmodel() (its optimizer, data and schedule settings) with the
@@ -378,6 +441,97 @@ llama3.llama3_configs[{fn!r}] = _model
 def {fn}() -> Trainer.Config:
     config = _base.llama3_debugmodel()
     config.model_spec = llama3.model_registry({fn!r}, converters={conv})
+    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={m["vocab_size"]}))
+    return config
+'''
+    compile(text, "<torchtitan config>", "exec")
+    return text
+
+
+def _render_qwen3(exp: TitanExport, plan: PlanIR, source_path: str) -> str:
+    """The config_registry module for torchtitan's qwen3 (dense, or MoE for the qwen3_moe family)."""
+    m = exp.model
+    fn = config_name(plan)
+    conv = f"[{exp.converter}]" if exp.converter else "None"
+    moe = "num_experts" in m
+    if moe:
+        layers = f"""qwen3._build_qwen3_moe_layers(
+        n_layers={m["n_layers"]},
+        dim=dim,
+        n_heads={m["n_heads"]},
+        n_kv_heads={m["n_kv_heads"]},
+        head_dim=head_dim,
+        moe_hidden_dim={m["hidden_dim"]},
+        num_experts={m["num_experts"]},
+        top_k={m["top_k"]},
+        attn_backend=attn_backend,
+        moe_comm_backend=moe_comm_backend,
+        rope=rope,
+    )
+    # meshllm's qwen3_moe routes by the router's scores alone: no auxiliary-loss-free expert bias
+    for layer in layers:
+        layer.moe.load_balance_coeff = None"""
+        base, extra = "qwen3_moe_debug", ', moe_comm_backend: str = "standard"'
+    else:
+        layers = f"""qwen3._build_qwen3_layers(
+        n_layers={m["n_layers"]},
+        dim=dim,
+        n_heads={m["n_heads"]},
+        n_kv_heads={m["n_kv_heads"]},
+        head_dim=head_dim,
+        hidden_dim={m["hidden_dim"]},
+        attn_backend=attn_backend,
+        rope=rope,
+    )"""
+        base, extra = "qwen3_debugmodel", ""
+    text = f'''"""torchtitan {TORCHTITAN} config_registry for plan `{plan.name}` of {source_path} (written by `meshc export`).
+
+`{fn}()` is torchtitan's {base}() (its optimizer, data and schedule settings) with the plan's
+model registered as qwen3 flavor `{fn}`; the command line meshc wrote next to it sets the
+parallelism, batch, activation checkpointing and compile. The model is built with torchtitan {TORCHTITAN}'s own
+qwen3 helpers (`{"_build_qwen3_moe_layers" if moe else "_build_qwen3_layers"}`, its init tables), which are private: another
+torchtitan version may need the export again. Data, tokenizer (`--hf_assets_path`) and optimizer are the
+debug model's: set them with more flags.
+"""
+
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.quantization import Float8LinearConverter, MXFP8LinearConverter  # noqa: F401
+from torchtitan.models import qwen3
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.qwen3 import config_registry as _base
+from torchtitan.trainer import Trainer
+
+
+def _model(attn_backend: str = "flex"{extra}) -> qwen3.Qwen3Model.Config:
+    dim, head_dim, vocab = {m["dim"]}, {m["head_dim"]}, {m["vocab_size"]}
+    rope = CosSinRoPE.Config(
+        dim=head_dim,
+        max_seq_len={m["max_seq_len"]},
+        theta={m["theta"]!r},
+        scaling={m["scaling"]!r},
+        scaling_factor={m["scaling_factor"]!r},
+        low_freq_factor={m["low_freq_factor"]!r},
+        high_freq_factor={m["high_freq_factor"]!r},
+        original_max_position_embeddings={m["original_max_position_embeddings"]},
+    )
+    layers = {layers}
+    return qwen3.Qwen3Model.Config(
+        vocab_size=vocab,
+        dim=dim,
+        norm=qwen3._qwen3_norm(dim),
+        enable_weight_tying={m["tie"]},
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3._LINEAR_INIT),
+        layers=layers,
+    )
+
+
+qwen3.qwen3_configs[{fn!r}] = _model
+
+
+def {fn}() -> Trainer.Config:
+    config = _base.{base}()
+    config.model_spec = qwen3.model_registry({fn!r}, converters={conv})
     config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={m["vocab_size"]}))
     return config
 '''

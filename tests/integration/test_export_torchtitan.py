@@ -41,8 +41,40 @@ TP = """    shard blocks.*.attn.{q,k,v} column(tensor)
 """
 
 
-def _spec(axes: str, body: str, batch: int = 8, seq: int = 32) -> str:
-    return (f"mesh m {{ axes {axes} }}\n{MODEL}\nplan train on m for tiny {{\n    batch = {batch}\n"
+# Qwen3 (a llama with per-head q / k norms, its own head_dim, tied embeddings): torchtitan's qwen3 module
+QWEN3 = """model tiny = llama {
+    vocab = 256
+    hidden = 64
+    layers = 4
+    heads = 4
+    kv_heads = 2
+    head_dim = 32
+    ffn = 128
+    qk_norm = head
+    norm_eps = 1e-6
+    rope_theta = 1000000.0
+    tie_embeddings = true
+    dtype = bf16
+}
+"""
+
+# Qwen3-MoE: torchtitan's qwen3 MoE (softmax router, renormalised top-k)
+QWEN3_MOE = """model tiny = qwen3_moe {
+    vocab = 256
+    hidden = 64
+    layers = 2
+    heads = 4
+    kv_heads = 2
+    ffn = 32
+    experts = 4
+    top_k = 2
+    dtype = bf16
+}
+"""
+
+
+def _spec(axes: str, body: str, batch: int = 8, seq: int = 32, model: str = MODEL) -> str:
+    return (f"mesh m {{ axes {axes} }}\n{model}\nplan train on m for tiny {{\n    batch = {batch}\n"
             f"    seq = {seq}\n{body}}}\n")
 
 
@@ -76,6 +108,22 @@ def _check(tmp_path: Path, name: str, text: str, capsys: pytest.CaptureFixture[s
     return _parse(tmp_path, name, monkeypatch)
 
 
+def _meta_numel(cfg: Any) -> int:
+    """The parameters of torchtitan's model built from the parsed config (on the meta device), tied ones once."""
+    import torch
+
+    with torch.device("meta"):
+        model = cfg.model_spec.model.build()
+    return sum(p.numel() for p in model.parameters())
+
+
+def _planned_numel(text: str, tmp_path: Path) -> int:
+    from meshllm_dsl.checker import check_file
+
+    (tmp_path / "planned.mesh").write_text(text)
+    return check_file(tmp_path / "planned.mesh").plans["train"].model.numel
+
+
 def _degrees(cfg: Any) -> tuple[int, ...]:
     p = cfg.parallelism
     return (p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree,
@@ -83,8 +131,10 @@ def _degrees(cfg: Any) -> tuple[int, ...]:
 
 
 def test_fsdp(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = _check(tmp_path, "fsdp", _spec("data = 4", "    layout { batch -> data }\n"
-                                          "    optimizer adamw { zero 3 over data }\n"), capsys, monkeypatch)
+    text = _spec("data = 4", "    layout { batch -> data }\n    optimizer adamw { zero 3 over data }\n")
+    cfg = _check(tmp_path, "fsdp", text, capsys, monkeypatch)
+    assert cfg.model_spec.name == "llama3"
+    assert _meta_numel(cfg) == _planned_numel(text, tmp_path)  # torchtitan's model is the plan's, exactly
     assert _degrees(cfg) == (1, 4, 1, 1, 1, 1)
     assert cfg.parallelism.fsdp_reshard_after_forward == "always"
     assert (cfg.training.local_batch_size, cfg.training.global_batch_size, cfg.training.seq_len) == (2, 8, 32)
@@ -170,6 +220,41 @@ def test_float8_compile_selective(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert not type(cfg.model_spec.model.lm_head).__qualname__.startswith("Float8")
 
 
+def test_qwen3_dense(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A llama with per-head q / k norms is torchtitan's qwen3: its own head_dim, tied embeddings, eps 1e-6."""
+    text = _spec("data = 2, tensor = 2", "    layout { batch -> data, seq -> tensor }\n" + TP +
+                 "    optimizer adamw { zero 3 over data }\n", model=QWEN3)
+    cfg = _check(tmp_path, "qwen3", text, capsys, monkeypatch)
+    assert cfg.model_spec.name == "qwen3"
+    assert _degrees(cfg) == (1, 2, 2, 1, 1, 1)
+    assert cfg.parallelism.enable_sequence_parallel is True
+    m = cfg.model_spec.model
+    assert (m.dim, m.vocab_size, len(m.layers), m.enable_weight_tying) == (64, 256, 4, True)
+    attn = m.layers[0].attention
+    assert (attn.n_heads, attn.n_kv_heads, attn.head_dim) == (4, 2, 32)
+    assert m.layers[0].attention_norm.eps == 1e-6
+    assert _meta_numel(cfg) == _planned_numel(text, tmp_path)
+
+
+def test_qwen3_moe_expert_parallel(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-MoE: torchtitan's qwen3 MoE with the experts split over the FSDP ranks (its EP), whole over TP."""
+    text = _spec("data = 2, tensor = 2", "    layout { batch -> data, experts -> data, heads -> tensor, "
+                 "kv_heads -> tensor, vocab -> tensor }\n    shard blocks.*.mlp.router replicate\n"
+                 "    optimizer adamw { zero 3 over data }\n", model=QWEN3_MOE)
+    cfg = _check(tmp_path, "qwen3_moe", text, capsys, monkeypatch)
+    assert cfg.model_spec.name == "qwen3"
+    assert _degrees(cfg) == (1, 2, 2, 1, 1, 2)
+    assert cfg.training.disable_cuda_graphs is True  # torchtitan refuses its all-to-all EP with CUDA graphs
+    for layer in cfg.model_spec.model.layers:
+        moe = layer.moe
+        assert (moe.num_experts, moe.router.top_k, moe.router.score_func, moe.router.route_norm) == (
+            4, 2, "softmax", True)
+        assert moe.load_balance_coeff is None  # meshllm's qwen3_moe has no expert-bias balancing
+        assert moe.routed_experts.inner_experts.hidden_dim == 32
+    assert _meta_numel(cfg) == _planned_numel(text, tmp_path)
+
+
 def test_misspelled_key_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     rc, err = _export(tmp_path, "typo", _spec("data = 2", "    layout { batch -> data }\n"
@@ -192,6 +277,13 @@ def test_misspelled_key_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture
      "shard blocks.*.mlp.{gate,up,down} replicate"),
     ("gpt2", "data = 2", "    layout { batch -> data }\n    optimizer adamw { zero 3 over data }\n",
      "E1204", "model tiny = gpt2"),
+    ("qwen3_moe_etp", "data = 2, tensor = 2", "    layout { batch -> data, experts -> data, heads -> tensor, "
+     "kv_heads -> tensor, ffn -> tensor, vocab -> tensor }\n    shard blocks.*.mlp.router replicate\n"
+     "    optimizer adamw { zero 3 over data }\n", "E1205", "ffn -> tensor"),
+    ("qwen3_moe_aux", "data = 2", "    layout { batch -> data }\n    optimizer adamw { zero 3 over data }\n",
+     "E1204", "model tiny = qwen3_moe"),
+    ("qwen3_moe_ep_replicas", "data = 2", "    layout { batch -> data, experts -> data }\n", "E1203",
+     "layout { batch -> data, experts -> data }"),
 ])
 def test_refusals_are_located(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, axes: str,
                               body: str, code: str, line: str) -> None:
@@ -199,6 +291,9 @@ def test_refusals_are_located(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     if name == "gpt2":  # a family torchtitan has no module for
         text = text.replace(MODEL, "model tiny = gpt2 {\n    vocab = 256\n    hidden = 64\n    layers = 2\n"
                             "    heads = 4\n    positions = 64\n}\n")
+    if name.startswith("qwen3_moe"):  # experts torchtitan's qwen3 MoE cannot run so
+        text = text.replace(MODEL, QWEN3_MOE.replace("    top_k = 2\n", "    top_k = 2\n    aux_loss_coef = 0.01\n")
+                            if name == "qwen3_moe_aux" else QWEN3_MOE)
     rc, err = _export(tmp_path, name, text, capsys)
     assert rc == 1
     assert f"error[{code}]" in err
