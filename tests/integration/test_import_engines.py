@@ -312,3 +312,98 @@ def test_qwen_moe_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert imported.model.family == family
     assert _summary(imported) == _summary(original)
     assert _export(tmp_path / "i.mesh", "train", tmp_path / "b.sh") == args
+
+
+def _qwen3_hf_config(plan: PlanIR, directory: Path) -> Path:
+    """transformers' Qwen3Config / Qwen3MoeConfig with the plan's model."""
+    transformers = pytest.importorskip("transformers")
+    v = dict(plan.model.values)
+    common = dict(vocab_size=v["vocab"], hidden_size=v["hidden"], num_hidden_layers=v["layers"],
+                  num_attention_heads=v["heads"], num_key_value_heads=v["kv_heads"], head_dim=v["head_dim"],
+                  rms_norm_eps=v["norm_eps"], rope_theta=v["rope_theta"], max_position_embeddings=4096,
+                  tie_word_embeddings=bool(v.get("tie_embeddings", False)))
+    if plan.model.family == "qwen3_moe":
+        transformers.Qwen3MoeConfig(**common, moe_intermediate_size=v["ffn"], intermediate_size=v["ffn"],
+                                    num_experts=v["experts"], num_experts_per_tok=v["top_k"], norm_topk_prob=True,
+                                    decoder_sparse_step=1, mlp_only_layers=[]).save_pretrained(directory)
+    else:
+        transformers.Qwen3Config(**common, intermediate_size=v["ffn"]).save_pretrained(directory)
+    return directory
+
+
+_QWEN3 = """mesh m { axes data = 2, tensor = 2 }
+model tiny = llama {
+    vocab = 256
+    hidden = 64
+    layers = 4
+    heads = 4
+    kv_heads = 2
+    head_dim = 32
+    ffn = 128
+    qk_norm = head
+    norm_eps = 1e-6
+    rope_theta = 1000000.0
+    tie_embeddings = true
+    dtype = bf16
+}
+plan train on m for tiny {
+    batch = 8
+    seq = 32
+    layout { batch -> data, seq -> tensor }
+    shard blocks.*.attn.{q,k,v} column(tensor)
+    shard blocks.*.attn.o row(tensor)
+    shard blocks.*.mlp.{gate,up} column(tensor)
+    shard blocks.*.mlp.down row(tensor)
+    shard embed vocab_parallel(tensor)
+    shard lm_head column(tensor)
+    optimizer adamw { zero 3 over data }
+}
+"""
+
+_QWEN3_MOE = """mesh m { axes data = 4, tensor = 2 }
+model tiny = qwen3_moe {
+    vocab = 256
+    hidden = 64
+    layers = 2
+    heads = 4
+    kv_heads = 2
+    ffn = 32
+    experts = 4
+    top_k = 2
+    dtype = bf16
+}
+plan train on m for tiny {
+    batch = 8
+    seq = 32
+    layout { batch -> data, heads -> tensor, kv_heads -> tensor, vocab -> tensor }
+    shard blocks.*.mlp.router replicate
+    shard blocks.*.mlp.{gate,up,down} replicate
+    optimizer adamw { zero 3 over data }
+}
+"""
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen3_moe_ep"])
+def test_torchtitan_qwen3_round_trip(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torchtitan's qwen3 (dense, MoE, MoE with EP over the FSDP ranks): export, import with the HF config, same plan."""
+    text = _QWEN3 if name == "qwen3" else _QWEN3_MOE
+    if name == "qwen3_moe_ep":  # the experts split over 2 of the 4 FSDP ranks: torchtitan's EP borrows them
+        text = text.replace("data = 4,", "data = 2, expert = 2,").replace(
+            "batch -> data,", "batch -> data * expert, experts -> expert,").replace(
+            "    shard blocks.*.mlp.{gate,up,down} replicate\n", "").replace("zero 3 over data", "zero 3 over data * expert")
+    src = tmp_path / f"{name}.mesh"
+    src.write_text(text)
+    result = check_file(src)
+    assert result.ok, [d.message for d in result.diagnostics]
+    original = result.plans["train"]
+    args = _titan_args(src, "train", tmp_path / "a.sh")
+    hf = _qwen3_hf_config(original, tmp_path / "hf")
+    rc = main(["import-torchtitan", "-o", str(tmp_path / "i.mesh"), "--hf-config", str(hf), "--", *args])
+    assert rc == 0, capsys.readouterr().err
+    result = check_file(tmp_path / "i.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    imported = result.plans["train"]
+    assert imported.model.family == original.model.family
+    assert dict(imported.model.values).get("qk_norm") == dict(original.model.values).get("qk_norm")
+    assert _summary(imported) == _summary(original)
+    assert _masked(_titan_args(tmp_path / "i.mesh", "train", tmp_path / "b.sh")) == _masked(args)
