@@ -407,3 +407,52 @@ def test_torchtitan_qwen3_round_trip(name: str, tmp_path: Path, capsys: pytest.C
     assert dict(imported.model.values).get("qk_norm") == dict(original.model.values).get("qk_norm")
     assert _summary(imported) == _summary(original)
     assert _masked(_titan_args(tmp_path / "i.mesh", "train", tmp_path / "b.sh")) == _masked(args)
+
+
+# ---------------------------------------------------------------- DeepSeek-V3-class models, Megatron
+
+_DS_VARIANT = (("rope_original_positions = 16.0", "rope_original_positions = 4096.0"), ("top_k = 2", "top_k = 4"))
+
+
+def _units(p: PlanIR) -> list[tuple[str, str, dict[str, Any]]]:
+    """Every unit of the model with its attributes: the model as the planner and the runtime read it."""
+    out = []
+    for item in p.model.items:
+        for u in getattr(item, "body", (item,)):
+            out.append((getattr(item, "name", ""), u.kind, dict(u.attrs)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny_deepseek", "glm45"])
+def test_megatron_layered_round_trip(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/tiny_deepseek.mesh (with what Megatron-LM can say: 4096 YaRN positions, top 4 of 2 groups) and a
+    tiny GLM-4.5 of the glm4_moe family: export, import, the same plan and every unit's attributes equal."""
+    text = (ROOT / "examples" / "tiny_deepseek.mesh").read_text()
+    for old, new in _DS_VARIANT:
+        text = text.replace(old, new)
+    if name == "glm45":  # GQA, q / k / v biases, per-head q / k norms, half the head rotary
+        model = ("model tiny_deepseek = glm4_moe {\n    vocab = 256\n    hidden = 64\n    layers = 4\n    first_dense = 2\n"
+                 "    heads = 4\n    kv_heads = 2\n    head_dim = 16\n    rotary_dim = 8\n    ffn = 128\n"
+                 "    expert_ffn = 32\n    experts = 8\n    top_k = 4\n    groups = 1\n    topk_groups = 1\n"
+                 "    routed_scaling = 2.5\n    shared_experts = 1\n    attn_bias = true\n    qk_norm = head\n"
+                 "    dtype = fp32\n}\n")
+        start, end = text.index("model tiny_deepseek"), text.index("plan train")
+        text = text[:start] + model + "\n" + text[end:]
+        text = text.replace("heads -> tensor,", "heads -> tensor, kv_heads -> tensor,").replace(
+            "    shard {dense,blocks}.*.attn.{q_a,kv_a} replicate\n", "")
+    src = tmp_path / "ds.mesh"
+    src.write_text(text)
+    result = check_file(src)
+    assert result.ok, [d.message for d in result.diagnostics]
+    original = result.plans["train"]
+    args = _export(src, "train", tmp_path / "a.sh")
+    rc, err = _import(args, tmp_path / "i.mesh", original.mesh.devices, capsys)
+    assert rc == 0, err
+    result = check_file(tmp_path / "i.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    imported = result.plans["train"]
+    assert imported.model.family == original.model.family
+    assert _units(imported) == _units(original)
+    assert imported.model.numel == original.model.numel
+    assert _summary(imported) == _summary(original)
+    assert _export(tmp_path / "i.mesh", "train", tmp_path / "b.sh") == args
