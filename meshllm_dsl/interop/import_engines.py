@@ -619,13 +619,11 @@ def titan_spec_text(args: list[str], hf_config: str) -> str:
         plan.append(f"layout {{ {', '.join(layout)} }}{a.src(P + 'no-enable_sequence_parallel', P + 'context_parallel_degree', P + 'expert_parallel_degree')}")
     if tp > 1:
         src = a.src(P + "tensor_parallel_degree")
-        if family == "qwen3_moe":  # torchtitan's qwen3 MoE: attention and vocabulary split, router and experts whole
-            plan += [f"shard {x}(tensor){src}" for x in _SHARDS["llama"] if ".mlp." not in x]
+        # torchtitan's qwen3 MoE: the router whole; the experts split by ffn over TP like a dense MLP, or
+        # whole under EP (which borrows the tensor ranks)
+        plan += [f"shard {x}(tensor){src}" for x in _SHARDS["llama"] if expert == 1 or ".mlp." not in x]
+        if family == "qwen3_moe":
             plan.append(f"shard blocks.*.mlp.router replicate{src}")
-            if expert == 1:
-                plan.append(f"shard blocks.*.mlp.{{gate,up,down}} replicate{src}")
-        else:
-            plan += [f"shard {x}(tensor){src}" for x in _SHARDS["llama"]]
     if pp > 1:
         plan += _titan_stages(a, pp, values.get("layers", 1), {v: k for k, v in SCHEDULES.items()})
     region = SUBCOMMANDS.get(a.subcommand or "activation-checkpoint:none", "none")

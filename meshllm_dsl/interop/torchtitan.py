@@ -91,9 +91,11 @@ class TitanExport:
 # torchtitan's llama3 tensor-parallel plan (models/llama3/parallelize.py), in the plan's leaf names.
 _TOP_RULES = {"embed": "vocab_parallel", "norm": "replicate", "lm_head": "column"}
 _BLOCK_RULES = {"attn_norm": "replicate", "mlp_norm": "replicate", "attn.q": "column", "attn.k": "column",
-                "attn.v": "column", "attn.o": "row", "mlp.gate": "column", "mlp.up": "column", "mlp.down": "row"}
-# torchtitan's qwen3 MoE blocks (models/qwen3/parallelize.py): the router replicated, the experts whole
-# on every tensor rank (split over the expert-parallel ranks only).
+                "attn.v": "column", "attn.o": "row", "mlp.gate": "column", "mlp.up": "column", "mlp.down": "row",
+                "mlp.router": "replicate"}
+# torchtitan's qwen3 MoE blocks under EP (models/common/moe_sharding.py): the router replicated, the
+# experts whole on every tensor rank (split over the expert-parallel ranks only). Without EP the
+# experts are column / row over TP and the router replicated: _BLOCK_RULES.
 _MOE_RULES = {**{k: v for k, v in _BLOCK_RULES.items() if not k.startswith("mlp.")}, "mlp.router": "replicate",
               "mlp.gate": "experts", "mlp.up": "experts", "mlp.down": "experts"}
 
@@ -111,7 +113,9 @@ def _class_placements_ok(found: _Findings) -> None:
                      help="shard every layer over one tensor axis")
         return
     axis = plan.roles.tensor
-    moe = plan.model.family == "qwen3_moe"
+    # torchtitan's MoE: without EP the experts split by ffn over TP like a dense MLP; with EP whole,
+    # as EP borrows the TP ranks (there is no expert tensor parallelism beside EP)
+    moe = plan.model.family == "qwen3_moe" and bool(plan.roles.expert)
     got = [(path, p, _TOP_RULES.get(path)) for path, p in plan.top_placements]
     for bc in plan.block_classes:
         got += [(f"blocks.{bc.indices[0]}.{path}", p, _MOE_RULES.get(path) if moe else _BLOCK_RULES.get(path))
@@ -119,12 +123,13 @@ def _class_placements_ok(found: _Findings) -> None:
     for path, p, want in got:
         if want is None:
             continue
-        if want == "experts":  # torchtitan 0.3 has no expert tensor parallelism: EP borrows the TP ranks
+        if want == "experts":  # with EP, torchtitan 0.3 borrows the TP ranks for it: experts whole over TP
             if axis[0] in p.axes:
-                found.refuse(E1205, f"`{path}` splits the experts' ffn over `{axis[0]}`: torchtitan 0.3 has no "
-                             "expert tensor parallelism", p.span or plan.span, label="expert tensor parallelism",
-                             help=f"keep the experts whole over `{axis[0]}` (`shard blocks.*.mlp.{{gate,up,down}} "
-                                  "replicate`; split them with `experts -> AXIS`)")
+                found.refuse(E1205, f"`{path}` splits the experts' ffn over `{axis[0]}` beside expert parallelism: "
+                             "torchtitan 0.3's EP borrows the tensor ranks (no expert tensor parallelism)",
+                             p.span or plan.span, label="expert tensor parallelism",
+                             help=f"keep the experts whole over `{axis[0]}` under `experts -> AXIS`, or drop "
+                                  "`experts -> AXIS` and split their ffn over the tensor axis")
                 return
             continue
         ok = p.rule == want and (tuple(p.axes) == tuple(axis) if want != "replicate" else not p.sharded)

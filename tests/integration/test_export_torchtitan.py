@@ -238,7 +238,8 @@ def test_qwen3_dense(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeyp
 
 def test_qwen3_moe_expert_parallel(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Qwen3-MoE: torchtitan's qwen3 MoE with the experts split over the FSDP ranks (its EP), whole over TP."""
+    """Qwen3-MoE: torchtitan's qwen3 MoE with the experts split over the FSDP ranks (its EP), whole over TP
+    (EP borrows the tensor ranks)."""
     text = _spec("data = 2, tensor = 2", "    layout { batch -> data, experts -> data, heads -> tensor, "
                  "kv_heads -> tensor, vocab -> tensor }\n    shard blocks.*.mlp.router replicate\n"
                  "    optimizer adamw { zero 3 over data }\n", model=QWEN3_MOE)
@@ -252,6 +253,17 @@ def test_qwen3_moe_expert_parallel(tmp_path: Path, capsys: pytest.CaptureFixture
             4, 2, "softmax", True)
         assert moe.load_balance_coeff is None  # meshllm's qwen3_moe has no expert-bias balancing
         assert moe.routed_experts.inner_experts.hidden_dim == 32
+    assert _meta_numel(cfg) == _planned_numel(text, tmp_path)
+
+
+def test_qwen3_moe_experts_over_tensor(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without EP, torchtitan splits the experts' ffn over TP like a dense MLP: `ffn -> tensor`."""
+    text = _spec("data = 2, tensor = 2", "    layout { batch -> data, heads -> tensor, kv_heads -> tensor, "
+                 "ffn -> tensor, vocab -> tensor }\n    shard blocks.*.mlp.router replicate\n"
+                 "    optimizer adamw { zero 3 over data }\n", model=QWEN3_MOE)
+    cfg = _check(tmp_path, "qwen3_moe_tp", text, capsys, monkeypatch)
+    assert _degrees(cfg) == (1, 2, 2, 1, 1, 1)
     assert _meta_numel(cfg) == _planned_numel(text, tmp_path)
 
 
@@ -282,6 +294,9 @@ def test_misspelled_key_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture
      "    optimizer adamw { zero 3 over data }\n", "E1205", "ffn -> tensor"),
     ("qwen3_moe_aux", "data = 2", "    layout { batch -> data }\n    optimizer adamw { zero 3 over data }\n",
      "E1204", "model tiny = qwen3_moe"),
+    ("qwen3_moe_tp_whole", "data = 2, tensor = 2", "    layout { batch -> data, heads -> tensor, kv_heads -> tensor, "
+     "vocab -> tensor }\n    shard blocks.*.mlp.router replicate\n    shard blocks.*.mlp.{gate,up,down} replicate\n"
+     "    optimizer adamw { zero 3 over data }\n", "E1205", "shard blocks.*.mlp.{gate,up,down} replicate"),
     ("qwen3_moe_ep_replicas", "data = 2", "    layout { batch -> data, experts -> data }\n", "E1203",
      "layout { batch -> data, experts -> data }"),
 ])

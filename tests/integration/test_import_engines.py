@@ -375,9 +375,8 @@ model tiny = qwen3_moe {
 plan train on m for tiny {
     batch = 8
     seq = 32
-    layout { batch -> data, heads -> tensor, kv_heads -> tensor, vocab -> tensor }
+    layout { batch -> data, heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }
     shard blocks.*.mlp.router replicate
-    shard blocks.*.mlp.{gate,up,down} replicate
     optimizer adamw { zero 3 over data }
 }
 """
@@ -385,12 +384,13 @@ plan train on m for tiny {
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen3_moe_ep"])
 def test_torchtitan_qwen3_round_trip(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """torchtitan's qwen3 (dense, MoE, MoE with EP over the FSDP ranks): export, import with the HF config, same plan."""
+    """torchtitan's qwen3 (dense; MoE with the experts split over TP; MoE with EP over the FSDP ranks, the experts
+    whole over TP): export, import with the HF config, same plan."""
     text = _QWEN3 if name == "qwen3" else _QWEN3_MOE
-    if name == "qwen3_moe_ep":  # the experts split over 2 of the 4 FSDP ranks: torchtitan's EP borrows them
+    if name == "qwen3_moe_ep":  # the experts over 2 of the 4 FSDP ranks (torchtitan's EP borrows them), whole over TP
         text = text.replace("data = 4,", "data = 2, expert = 2,").replace(
             "batch -> data,", "batch -> data * expert, experts -> expert,").replace(
-            "    shard blocks.*.mlp.{gate,up,down} replicate\n", "").replace("zero 3 over data", "zero 3 over data * expert")
+            " ffn -> tensor,", "").replace("zero 3 over data", "zero 3 over data * expert")
     src = tmp_path / f"{name}.mesh"
     src.write_text(text)
     result = check_file(src)
