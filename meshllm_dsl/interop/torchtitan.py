@@ -92,12 +92,15 @@ class TitanExport:
 _TOP_RULES = {"embed": "vocab_parallel", "norm": "replicate", "lm_head": "column"}
 _BLOCK_RULES = {"attn_norm": "replicate", "mlp_norm": "replicate", "attn.q": "column", "attn.k": "column",
                 "attn.v": "column", "attn.o": "row", "mlp.gate": "column", "mlp.up": "column", "mlp.down": "row",
-                "mlp.router": "replicate"}
-# torchtitan's qwen3 MoE blocks under EP (models/common/moe_sharding.py): the router replicated, the
-# experts whole on every tensor rank (split over the expert-parallel ranks only). Without EP the
-# experts are column / row over TP and the router replicated: _BLOCK_RULES.
-_MOE_RULES = {**{k: v for k, v in _BLOCK_RULES.items() if not k.startswith("mlp.")}, "mlp.router": "replicate",
-              "mlp.gate": "experts", "mlp.up": "experts", "mlp.down": "experts"}
+                "mlp.router": "replicate",
+                # deepseek_v3 (models/deepseek_v3/sharding.py): the latents' down-projections replicated, the
+                # up-projections column; the shared experts split like a dense MLP
+                "attn.q_a": "replicate", "attn.kv_a": "replicate", "attn.q_b": "column", "attn.kv_b": "column",
+                "mlp.shared_gate": "column", "mlp.shared_up": "column", "mlp.shared_down": "row"}
+# torchtitan's MoE blocks under EP (models/common/moe_sharding.py): the router replicated, the routed
+# experts whole on every tensor rank (split over the expert-parallel ranks only), the shared experts
+# column / row. Without EP the routed experts are column / row over TP too: _BLOCK_RULES.
+_MOE_RULES = {**_BLOCK_RULES, "mlp.gate": "experts", "mlp.up": "experts", "mlp.down": "experts"}
 
 
 def _class_placements_ok(found: _Findings) -> None:
@@ -115,11 +118,12 @@ def _class_placements_ok(found: _Findings) -> None:
     axis = plan.roles.tensor
     # torchtitan's MoE: without EP the experts split by ffn over TP like a dense MLP; with EP whole,
     # as EP borrows the TP ranks (there is no expert tensor parallelism beside EP)
-    moe = plan.model.family == "qwen3_moe" and bool(plan.roles.expert)
+    routed = {it.name for it in plan.model.items
+              if isinstance(it, Repeat) and any(primitives.of(u).routes_experts for u in it.body)}
     got = [(path, p, _TOP_RULES.get(path)) for path, p in plan.top_placements]
     for bc in plan.block_classes:
-        got += [(f"blocks.{bc.indices[0]}.{path}", p, _MOE_RULES.get(path) if moe else _BLOCK_RULES.get(path))
-                for path, p in bc.placements]
+        rules = _MOE_RULES if plan.roles.expert and bc.repeat in routed else _BLOCK_RULES
+        got += [(f"{bc.repeat}.{bc.indices[0]}.{path}", p, rules.get(path)) for path, p in bc.placements]
     for path, p, want in got:
         if want is None:
             continue
@@ -164,6 +168,9 @@ def _module(m: Any) -> str | None:
     """torchtitan's module for the plan's model: llama3 (a llama without q / k norms), qwen3 (a llama with
     per-head q / k norms, i.e. Qwen3, or the qwen3_moe family), or None."""
     v = dict(m.values)
+    if m.family == "deepseek_v3" or (m.family is None and any(
+            u.kind == "mla" for item in m.items for u in (item.body if isinstance(item, Repeat) else (item,)))):
+        return "deepseek_v3"
     if m.family == "qwen3_moe":
         return "qwen3"
     if m.family == "llama":
@@ -178,12 +185,15 @@ def _model(found: _Findings) -> dict[str, Any] | None:
     routes = any(primitives.of(u).routes_experts
                  for item in m.items for u in (item.body if isinstance(item, Repeat) else (item,)))
     module = _module(m)
+    if module == "deepseek_v3":
+        return _deepseek(found)
     if module is None or routes != (m.family == "qwen3_moe"):
         what = "mixture-of-experts layers" if routes else f"the `{m.family or 'primitives'}` family"
         found.refuse(E1204, f"model `{m.name}` ({what}) is not exported to torchtitan",
                      span, label="no torchtitan model for this",
                      help="export a model of the `llama` family (torchtitan's llama3 module, or its qwen3 module "
-                          "with `qk_norm = head`) or the `qwen3_moe` family (torchtitan's qwen3 MoE)")
+                          "with `qk_norm = head`), the `qwen3_moe` family (torchtitan's qwen3 MoE) or the "
+                          "`deepseek_v3` family (torchtitan's deepseek_v3)")
         return None
     v = dict(m.values)
     fixed = _LLAMA_FIXED if module == "llama3" else _LLAMA_FIXED[:2] + _LLAMA_FIXED[3:]  # qwen3 may tie
@@ -220,6 +230,85 @@ def _model(found: _Findings) -> dict[str, Any] | None:
                              label=f"`{key}` = {v.get(key)}", help=f"{hlp}: drop `{key}`")
         out.update(num_experts=v["experts"], top_k=v["top_k"])
     return out
+
+
+def _deepseek(found: _Findings) -> dict[str, Any] | None:
+    """torchtitan's deepseek_v3 (`build_mla_moe_layers`) for a model of DeepSeek-V3's build: embed, dense
+    blocks, moe blocks (rmsnorm, multi-latent attention, rmsnorm, mlp / moe), norm, head; read from its
+    units, so a primitives model of that shape (examples/deepseek_v3_671b.mesh) is one too."""
+    plan = found.plan
+    m = plan.model
+    span = m.span or plan.span
+
+    def refuse(what: str, label: str, help: str) -> None:  # noqa: A002
+        found.refuse(E1204, f"model `{m.name}` has {what}, which torchtitan's deepseek_v3 does not", span,
+                     label=label, help=help)
+
+    repeats = [it for it in m.items if isinstance(it, Repeat)]
+    tops = {it.name: it for it in m.items if not isinstance(it, Repeat)}
+    bodies = [{u.name: u for u in r.body} for r in repeats]
+    kinds = [(b["attn"].kind, b["mlp"].kind) if set(b) == {"attn_norm", "attn", "mlp_norm", "mlp"} else None
+             for b in bodies]
+    if list(tops) != ["embed", "norm", "lm_head"] or kinds not in ([("mla", "moe")], [("mla", "mlp"), ("mla", "moe")]):
+        refuse("another build than embed, dense blocks, moe blocks, norm, head", "not torchtitan's DeepSeek-V3",
+               "export a model of DeepSeek-V3's build (a `deepseek_v3` family model)")
+        return None
+    dense = repeats[0] if len(repeats) == 2 else None
+    a, e = dict(bodies[-1]["attn"].attrs), dict(bodies[-1]["mlp"].attrs)
+    if any(dict(b["attn"].attrs) != a for b in bodies):
+        refuse("dense and moe blocks with different attention", "attention differs", "give every block the same attention")
+    norms = [b[n] for b in bodies for n in ("attn_norm", "mlp_norm")] + [tops["norm"]]
+    eps = {float(n.attr("eps")) for n in norms} | {float(a["norm_eps"])}  # type: ignore[arg-type]
+    if any(n.kind != "rmsnorm" or n.attr("offset") or n.attr("post") for n in norms) or len(eps) != 1:
+        refuse("norms other than one pre-norm RMSNorm eps (the latents' included)", "norms",
+               "use rmsnorm with one eps everywhere")
+    head, embed = dict(tops["lm_head"].attrs), dict(tops["embed"].attrs)
+    for what, bad in (("tied embeddings", head.get("tie")), ("a head bias or softcap", head.get("bias") or head.get("softcap")),
+                      ("a scaled embedding", embed.get("scaled")), ("biases in the latent attention", a.get("bias")),
+                      ("a rotary key rotating halves", not a.get("rope_interleave", True))):
+        if bad:
+            refuse(what, what, "drop it (torchtitan's DeepSeek-V3 has none)")
+    rope = dict(a.get("rope_scaling") or ())
+    if rope and rope.get("rope_type") != "yarn":
+        refuse(f"rope `{rope.get('rope_type')}`", "rope scaling", "use YaRN or no scaling")
+    if rope and float(rope.get("mscale", 1.0)) != float(rope.get("mscale_all_dim", 0.0)):
+        # transformers scales cos / sin by mscale / mscale_all_dim; torchtitan's rope is a pure rotation and
+        # folds mscale_all_dim into the softmax scale only
+        refuse(f"YaRN mscale {rope.get('mscale')} != mscale_all_dim {rope.get('mscale_all_dim')}", "`rope_mscale`",
+               "make `rope_mscale` equal `rope_mscale_all_dim` (torchtitan's rope is a pure rotation)")
+    if e["scoring"] != "sigmoid" or not e["norm_topk_prob"]:
+        refuse(f"`{e['scoring']}` scoring" + ("" if e["norm_topk_prob"] else " without renormalised top-k"),
+               "`scoring`", "use sigmoid scoring with renormalised top-k (DeepSeek-V3's)")
+    if float(e["balance_rate"]):  # type: ignore[arg-type]
+        # torchtitan subtracts the update's mean (components/optimizer.py); meshllm's is DeepSeek's sign update
+        refuse(f"an expert-bias update of {e['balance_rate']}", "`balance_rate`",
+               "torchtitan centres the bias update on zero, meshllm's is sign(mean - load): drop `balance_rate`")
+    for key, what in (("capacity", "a capacity factor"), ("aux_loss_coef", "a load-balancing loss"),
+                      ("z_loss_coef", "a router z-loss"), ("seq_aux_loss", "a sequence-wise auxiliary loss"),
+                      ("router_bias", "a router bias"), ("expert_bias", "biases on the experts")):
+        if e.get(key):
+            refuse(what, f"`{key}`", f"drop `{key}`")
+    if not e.get("shared_expert") or int(e["shared_ffn"]) % int(e["ffn"]):  # type: ignore[arg-type]
+        refuse("no whole shared experts", "`shared_experts`", "torchtitan's DeepSeek-V3 always has shared experts")
+    groups = int(e["groups"])  # type: ignore[arg-type]
+    dense_ffn = int(bodies[0]["mlp"].attr("ffn")) if dense else int(e["ffn"])  # type: ignore[arg-type]
+    theta = float(a["rope_theta"])  # type: ignore[arg-type]
+    return {
+        "module": "deepseek_v3", "dim": a["hidden"], "vocab_size": embed["num"], "norm_eps": min(eps),
+        "n_layers": repeats[-1].count + (dense.count if dense else 0), "n_dense_layers": dense.count if dense else 0,
+        "n_heads": a["heads"], "q_lora_rank": a.get("q_lora_rank") or 0, "kv_lora_rank": a["kv_lora_rank"],
+        "qk_nope_head_dim": a["qk_nope_head_dim"], "qk_rope_head_dim": a["qk_rope_head_dim"],
+        "v_head_dim": a["v_head_dim"], "mscale": float(rope.get("mscale_all_dim", 0.0)) if rope else 0.0,
+        "dense_hidden_dim": dense_ffn, "moe_hidden_dim": e["ffn"], "num_experts": e["experts"],
+        "num_shared_experts": int(e["shared_ffn"]) // int(e["ffn"]) if e.get("shared_expert") else 0,  # type: ignore[arg-type]
+        "top_k": e["top_k"], "groups": groups if groups > 1 else None,
+        "limited_groups": int(e["topk_groups"]) if groups > 1 else None,  # type: ignore[arg-type]
+        "route_scale": float(e["routed_scaling"]), "theta": theta,  # type: ignore[arg-type]
+        "scaling": "yarn" if rope else "none", "rope_factor": float(rope.get("factor", 1.0)),
+        "beta_fast": float(rope.get("beta_fast", 32.0)), "beta_slow": float(rope.get("beta_slow", 1.0)),
+        "original_seq_len": int(rope.get("original_max_position_embeddings", 4096)),
+        "truncate": bool(rope.get("truncate", True)), "max_seq_len": max(plan.seq, 2048),
+    }
 
 
 def _converter(found: _Findings) -> str | None:
@@ -392,6 +481,8 @@ def render_config(exp: TitanExport, plan: PlanIR, source_path: str) -> str:
     conv = f"[{exp.converter}]" if exp.converter else "None"
     if m["module"] == "qwen3":
         return _render_qwen3(exp, plan, source_path)
+    if m["module"] == "deepseek_v3":
+        return _render_deepseek(exp, plan, source_path)
     text = f'''"""torchtitan {TORCHTITAN} config_registry for plan `{plan.name}` of {source_path} (written by `meshc export`).
 
 `{fn}()` is torchtitan's llama3_debugmodel() (its optimizer, data and schedule settings) with the
@@ -537,6 +628,104 @@ qwen3.qwen3_configs[{fn!r}] = _model
 def {fn}() -> Trainer.Config:
     config = _base.{base}()
     config.model_spec = qwen3.model_registry({fn!r}, converters={conv})
+    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={m["vocab_size"]}))
+    return config
+'''
+    compile(text, "<torchtitan config>", "exec")
+    return text
+
+
+def _render_deepseek(exp: TitanExport, plan: PlanIR, source_path: str) -> str:
+    """The config_registry module for torchtitan's deepseek_v3: its `_build_dsv3_layers` with the plan's
+    shape, every RMSNorm at the model's eps (torchtitan's default is 1e-5), no expert-bias update."""
+    m = exp.model
+    fn = config_name(plan)
+    conv = f"[{exp.converter}]" if exp.converter else "None"
+    text = f'''"""torchtitan {TORCHTITAN} config_registry for plan `{plan.name}` of {source_path} (written by `meshc export`).
+
+`{fn}()` is torchtitan's deepseek_v3_debugmodel() (its optimizer, data and schedule settings) with
+the plan's model registered as deepseek_v3 flavor `{fn}`; the command line meshc wrote next to it sets
+the parallelism, batch, activation checkpointing and compile. The model is built with torchtitan
+{TORCHTITAN}'s own deepseek_v3 helpers (`_build_dsv3_layers`, its init tables), which are private: another
+torchtitan version may need the export again. No MTP layers (meshllm's model has none).
+"""
+
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.quantization import Float8LinearConverter, MXFP8LinearConverter  # noqa: F401
+from torchtitan.models import deepseek_v3
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.deepseek_v3 import config_registry as _base
+from torchtitan.trainer import Trainer
+
+EPS = {m["norm_eps"]!r}
+
+
+def _model(
+    attn_backend: str = "flex",
+    moe_comm_backend: str = "standard",
+    non_blocking_capacity_factor: float | None = None,
+    num_mtp_layers: int = 0,
+) -> deepseek_v3.DeepSeekV3Model.Config:
+    dim, vocab = {m["dim"]}, {m["vocab_size"]}
+    layers = deepseek_v3._build_dsv3_layers(
+        n_layers={m["n_layers"]},
+        n_dense_layers={m["n_dense_layers"]},
+        dim=dim,
+        n_heads={m["n_heads"]},
+        q_lora_rank={m["q_lora_rank"]},
+        kv_lora_rank={m["kv_lora_rank"]},
+        qk_nope_head_dim={m["qk_nope_head_dim"]},
+        qk_rope_head_dim={m["qk_rope_head_dim"]},
+        v_head_dim={m["v_head_dim"]},
+        mscale={m["mscale"]!r},
+        dense_hidden_dim={m["dense_hidden_dim"]},
+        moe_hidden_dim={m["moe_hidden_dim"]},
+        num_experts={m["num_experts"]},
+        num_shared_experts={m["num_shared_experts"]},
+        router_top_k={m["top_k"]},
+        router_score_func="sigmoid",
+        router_num_expert_groups={m["groups"]!r},
+        router_num_limited_groups={m["limited_groups"]!r},
+        router_route_scale={m["route_scale"]!r},
+        router_route_norm=True,
+        attn_backend=attn_backend,
+        moe_comm_backend=moe_comm_backend,
+        non_blocking_capacity_factor=non_blocking_capacity_factor,
+        rope=ComplexRoPE.Config(
+            dim={m["qk_rope_head_dim"]},
+            max_seq_len={m["max_seq_len"]},
+            theta={m["theta"]!r},
+            scaling={m["scaling"]!r},
+            rope_factor={m["rope_factor"]!r},
+            beta_fast={m["beta_fast"]!r},
+            beta_slow={m["beta_slow"]!r},
+            original_seq_len={m["original_seq_len"]},
+            truncate={m["truncate"]!r},
+        ),
+    )
+    for layer in layers:
+        # the model's eps in every norm, the latents' included (torchtitan's RMSNorm defaults to 1e-5)
+        for norm in (layer.attention_norm, layer.ffn_norm, layer.attention.q_norm, layer.attention.kv_norm):
+            norm.eps = EPS
+        if layer.moe is not None:  # meshllm's correction bias does not move (balance_rate 0)
+            layer.moe.load_balance_coeff = None
+    return deepseek_v3.DeepSeekV3Model.Config(
+        vocab_size=vocab,
+        dim=dim,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=deepseek_v3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, eps=EPS, param_init=deepseek_v3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=deepseek_v3._output_linear_init(dim)),
+        layers=layers,
+        mtp_layers=[],
+    )
+
+
+deepseek_v3.deepseekv3_configs[{fn!r}] = _model
+
+
+def {fn}() -> Trainer.Config:
+    config = _base.deepseek_v3_debugmodel()
+    config.model_spec = deepseek_v3.model_registry({fn!r}, converters={conv})
     config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={m["vocab_size"]}))
     return config
 '''

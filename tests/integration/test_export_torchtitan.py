@@ -267,6 +267,64 @@ def test_qwen3_moe_experts_over_tensor(tmp_path: Path, capsys: pytest.CaptureFix
     assert _meta_numel(cfg) == _planned_numel(text, tmp_path)
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _example(name: str, changes: tuple[tuple[str, str], ...]) -> str:
+    text = (ROOT / "examples" / f"{name}.mesh").read_text()
+    for old, new in changes:
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
+
+
+# examples/tiny_deepseek.mesh without expert parallelism (torchtitan's EP borrows the tensor ranks, so its
+# routed experts would be whole over TP while it splits the shared experts there: a plan meshllm refuses,
+# E0402); examples/deepseek_v3_671b.mesh without its pipeline (61 blocks over 16 stages are uneven),
+# with ZeRO 3 for its ZeRO 1 and without the expert-bias update (torchtitan centres it on zero)
+_DEEPSEEK = {
+    "tiny_deepseek": (("experts -> data, ", ""),),
+    "deepseek_v3_671b": (("axes pipeline = 16, replica = 2, data = 64\n    hosts = 256", "axes replica = 2, data = 64\n    hosts = 16"),
+                         ("    stages over pipeline balanced\n    schedule 1f1b\n", ""),
+                         ("zero 1 over replica * data", "zero 3 over data"), ("balance_rate = 0.001", "balance_rate = 0.0")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DEEPSEEK))
+def test_deepseek_v3(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchtitan's deepseek_v3 built from the written config function: its MLA, dense first blocks, sigmoid
+    routing over groups, shared experts and norms are the plan's, and its parameters (on the meta device)
+    are as many as meshllm's planner counts."""
+    from meshllm_dsl.checker import check_file
+
+    text = _example(name, _DEEPSEEK[name])
+    cfg = _check(tmp_path, name, text, capsys, monkeypatch)
+    p = check_file(tmp_path / f"{name}.mesh").plans["train"]
+    body = {r.name: {u.name: u for u in r.body} for r in p.model.items if hasattr(r, "body")}
+    a, e = dict(body["blocks"]["attn"].attrs), dict(body["blocks"]["mlp"].attrs)
+    rope = dict(a["rope_scaling"])
+    m = cfg.model_spec.model
+    assert cfg.model_spec.name == "deepseek_v3" and len(m.mtp_layers) == 0
+    n_dense = sum(1 for layer in m.layers if layer.moe is None)
+    assert (len(m.layers), n_dense) == (sum(r.count for r in p.model.items if hasattr(r, "body")),
+                                        next(r.count for r in p.model.items if getattr(r, "name", "") == "dense"))
+    attn = m.layers[-1].attention
+    assert (attn.n_heads, attn.q_lora_rank, attn.kv_lora_rank, attn.qk_nope_head_dim, attn.qk_rope_head_dim,
+            attn.v_head_dim) == (a["heads"], a["q_lora_rank"], a["kv_lora_rank"], a["qk_nope_head_dim"],
+                                 a["qk_rope_head_dim"], a["v_head_dim"])
+    assert (attn.rope.scaling, attn.rope.rope_factor, attn.rope.original_seq_len, attn.mscale) == (
+        "yarn", rope["factor"], rope["original_max_position_embeddings"], rope["mscale_all_dim"])
+    router = m.layers[-1].moe.router
+    assert (router.top_k, router.score_func, router.route_norm, router.route_scale) == (
+        e["top_k"], "sigmoid", True, e["routed_scaling"])
+    assert (router.num_expert_groups, router.num_limited_groups) == (e["groups"], e["topk_groups"])
+    assert m.layers[-1].moe.load_balance_coeff is None
+    assert {layer.attention_norm.eps for layer in m.layers} | {m.norm.eps, attn.kv_norm.eps} == {1e-6}
+    assert _degrees(cfg)[5] == (p.mesh.size(*p.roles.expert) if p.roles.expert else 1)
+    assert _meta_numel(cfg) == p.model.numel  # torchtitan's model is the plan's, exactly
+
+
 def test_misspelled_key_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     rc, err = _export(tmp_path, "typo", _spec("data = 2", "    layout { batch -> data }\n"
@@ -275,6 +333,21 @@ def test_misspelled_key_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit) as exc:
         _parse(tmp_path, "typo", monkeypatch, ("--parallelism.tensor_paralel_degree", "2"))
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize(("name", "changes", "code", "words"), [
+    ("tiny_deepseek", (), "E1205", "splits the experts' ffn over `tensor` beside expert parallelism"),
+    ("tiny_deepseek", (("experts -> data, ", ""), ("rope_mscale = 1.0", "rope_mscale = 0.5")), "E1204",
+     "YaRN mscale 0.5 != mscale_all_dim 1.0"),
+    ("deepseek_v3_671b", _DEEPSEEK["deepseek_v3_671b"][:3], "E1204", "an expert-bias update of 0.001"),
+])
+def test_deepseek_refusals_are_located(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str,
+                                       changes: tuple[tuple[str, str], ...], code: str, words: str) -> None:
+    """tiny_deepseek as it is (EP with the experts split over TP); transformers' cos / sin scaled by
+    mscale / mscale_all_dim (torchtitan's rope is a pure rotation); DeepSeek's sign update of the expert bias
+    (torchtitan's is centred on zero)."""
+    rc, err = _export(tmp_path, f"{name}_refused", _example(name, changes), capsys)
+    assert rc == 1 and f"error[{code}]" in err and words in err and "help:" in err and "^" in err, err
 
 
 @pytest.mark.parametrize(("name", "axes", "body", "code", "line"), [
