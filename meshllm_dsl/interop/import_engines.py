@@ -560,16 +560,21 @@ def titan_spec_text(args: list[str], hf_config: str) -> str:
     a = _Args(args, KEYS, "torchtitan", tuple(SUBCOMMANDS))
     where = str(Path(hf_config) / "config.json")
     family, settings, _ = model_settings(read_config(Path(hf_config)), where)
-    if family not in ("llama", "qwen3_moe"):
+    if family not in ("llama", "qwen3_moe", "deepseek_v3"):
         a.error(None, f"{where} is a `{family}` model: torchtitan's llama3 / qwen3 are `llama` family models "
-                "(qwen3 with per-head q / k norms) and its qwen3 MoE the `qwen3_moe` family", "another family",
-                "give the config of the model the run trains")
+                "(qwen3 with per-head q / k norms), its qwen3 MoE the `qwen3_moe` family and its deepseek_v3 the "
+                "`deepseek_v3` family", "another family", "give the config of the model the run trains")
     values = {k: v for k, v, _ in settings}
     P = "--parallelism."
     rep, shard = a.get(P + "data_parallel_replicate_degree", 1), a.get(P + "data_parallel_shard_degree", 1)
     tp, cp = a.get(P + "tensor_parallel_degree", 1), a.get(P + "context_parallel_degree", 1)
     pp, ep = a.get(P + "pipeline_parallel_degree", 1), a.get(P + "expert_parallel_degree", 1)
-    if ep > 1 and family != "qwen3_moe":
+    if ep > 1 and family == "deepseek_v3" and tp > 1:
+        # EP borrows the tensor ranks, so the routed experts are whole over TP while torchtitan splits the
+        # shared experts there; meshllm adds the two only in one layout (E0402)
+        a.refuse(P + "expert_parallel_degree", "expert parallelism beside tensor parallelism for DeepSeek-V3: "
+                 "torchtitan keeps the routed experts whole over TP and splits the shared experts", "drop one of them")
+    if ep > 1 and family not in ("qwen3_moe", "deepseek_v3"):
         a.refuse(P + "expert_parallel_degree", f"expert parallelism for a `{family}` model (no experts)", "drop it")
     if ep > 1 and shard % ep:
         # torchtitan's EP may borrow context and tensor ranks too; meshllm's import splits the FSDP ranks only
@@ -621,8 +626,11 @@ def titan_spec_text(args: list[str], hf_config: str) -> str:
         src = a.src(P + "tensor_parallel_degree")
         # torchtitan's qwen3 MoE: the router whole; the experts split by ffn over TP like a dense MLP, or
         # whole under EP (which borrows the tensor ranks)
-        plan += [f"shard {x}(tensor){src}" for x in _SHARDS["llama"] if expert == 1 or ".mlp." not in x]
-        if family == "qwen3_moe":
+        if family == "deepseek_v3":  # torchtitan's deepseek_v3 sharding.py: Megatron's plan for the latents
+            plan += [f"shard {x}{src}" for x in _LAYERED_SHARDS["deepseek_v3"]]
+        else:
+            plan += [f"shard {x}(tensor){src}" for x in _SHARDS["llama"] if expert == 1 or ".mlp." not in x]
+        if family != "llama":
             plan.append(f"shard blocks.*.mlp.router replicate{src}")
     if pp > 1:
         plan += _titan_stages(a, pp, values.get("layers", 1), {v: k for k, v in SCHEDULES.items()})

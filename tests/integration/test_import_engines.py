@@ -456,3 +456,36 @@ def test_megatron_layered_round_trip(name: str, tmp_path: Path, capsys: pytest.C
     assert imported.model.numel == original.model.numel
     assert _summary(imported) == _summary(original)
     assert _export(tmp_path / "i.mesh", "train", tmp_path / "b.sh") == args
+
+
+def test_torchtitan_deepseek_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/tiny_deepseek.mesh without EP (torchtitan's EP borrows the tensor ranks): export to torchtitan,
+    import with a DeepseekV3Config of its model, the same plan and every unit's attributes."""
+    transformers = pytest.importorskip("transformers")
+    text = (ROOT / "examples" / "tiny_deepseek.mesh").read_text().replace("experts -> data, ", "")
+    src = tmp_path / "ds.mesh"
+    src.write_text(text)
+    original = check_file(src).plans["train"]
+    v = dict(original.model.values)
+    transformers.DeepseekV3Config(
+        vocab_size=v["vocab"], hidden_size=v["hidden"], intermediate_size=v["ffn"], moe_intermediate_size=v["expert_ffn"],
+        num_hidden_layers=v["layers"], num_attention_heads=v["heads"], num_key_value_heads=v["heads"],
+        n_shared_experts=v["shared_experts"], n_routed_experts=v["experts"], routed_scaling_factor=v["routed_scaling"],
+        kv_lora_rank=v["kv_lora_rank"], q_lora_rank=v["q_lora_rank"], qk_rope_head_dim=v["qk_rope_head_dim"],
+        v_head_dim=v["v_head_dim"], qk_nope_head_dim=v["qk_nope_head_dim"], n_group=v["groups"],
+        topk_group=v["topk_groups"], num_experts_per_tok=v["top_k"], first_k_dense_replace=v["first_dense"],
+        norm_topk_prob=True, rms_norm_eps=v["norm_eps"], rope_theta=v["rope_theta"], tie_word_embeddings=False,
+        max_position_embeddings=64, rope_scaling={
+            "rope_type": "yarn", "factor": v["rope_factor"], "original_max_position_embeddings": 16,
+            "mscale": v["rope_mscale"], "mscale_all_dim": v["rope_mscale_all_dim"], "beta_fast": 32.0,
+            "beta_slow": 1.0}).save_pretrained(tmp_path / "hf")
+    args = _titan_args(src, "train", tmp_path / "a.sh")
+    rc = main(["import-torchtitan", "-o", str(tmp_path / "i.mesh"), "--hf-config", str(tmp_path / "hf"), "--", *args])
+    assert rc == 0, capsys.readouterr().err
+    result = check_file(tmp_path / "i.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    imported = result.plans["train"]
+    assert imported.model.family == "deepseek_v3"
+    assert _units(imported) == _units(original) and imported.model.numel == original.model.numel
+    assert _summary(imported) == _summary(original)
+    assert _masked(_titan_args(tmp_path / "i.mesh", "train", tmp_path / "b.sh")) == _masked(args)
