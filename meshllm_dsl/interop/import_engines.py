@@ -21,6 +21,7 @@ torchtitan's is code in the config function, not flags.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from typing import Any
 from meshllm_dsl.codes import E1207
 from meshllm_dsl.diagnostics import Diagnostic, SpecError, render_all
 from meshllm_dsl.front.source import SourceFile, Span
-from meshllm_dsl.interop.megatron import FLAGS, ZERO
+from meshllm_dsl.interop.megatron import FLAGS, LAYERED_FAMILIES, ZERO
 
 MESH = "megatron"
 TITAN_MESH = "torchtitan"
@@ -114,6 +115,90 @@ class _Args:
                         f"use {' or '.join(f'`{flag} {a}`' for a in allowed)}")
 
 
+def _layered_model(a: _Args, lines: list[str]) -> tuple[str, list[str]]:
+    """A DeepSeek-V3-class line (sigmoid routing with the expert bias; multi-latent attention: the
+    deepseek_v3 family, else GQA with q / k layernorm: glm4_moe), its dense first blocks from
+    `--moe-layer-freq`."""
+    mla = "--multi-latent-attention" in a.values
+    family = "deepseek_v3" if mla else "glm4_moe"
+    layers, ffn = a.get("--num-layers", 1), a.get("--ffn-hidden-size", 4 * a.get("--hidden-size", 1))
+    freq = a.get("--moe-layer-freq")
+    dense = 0
+    if freq is not None:
+        m = re.fullmatch(r"\(\[0\]\*(\d+)\+\[1\]\*(\d+)\)", freq)
+        if m is None or int(m[1]) + int(m[2]) != layers:
+            a.refuse("--moe-layer-freq", f"`--moe-layer-freq {freq}`: meshllm's {family} has dense blocks first, then "
+                     "moe blocks", f"write `([0]*D+[1]*M)` with D + M = `--num-layers` ({layers})")
+        else:
+            dense = int(m[1])
+    for flag, want, why in (("--moe-router-score-function", ("sigmoid",), "DeepSeek-V3's routers score by sigmoid"),
+                            ("--normalization", ("RMSNorm",), "DeepSeek-V3-class models use RMSNorm"),
+                            ("--rope-type", ("yarn", "rope") if mla else (), "multi-latent attention's rope"),
+                            ("--moe-router-load-balancing-type", ("none",), "meshllm balances by the expert bias only"),
+                            ("--position-embedding-type", ("rope",), "DeepSeek-V3-class models use rope")):
+        a.want(flag, want, why)
+    for flag, why in (("--moe-router-enable-expert-bias", "the routers choose with their correction bias"),
+                      ("--swiglu", "SwiGLU MLPs"), ("--disable-bias-linear", "no biases on the linears"),
+                      ("--untie-embeddings-and-output-weights", "an untied head"),
+                      ("--moe-router-score-function", "sigmoid routing")):
+        if flag not in a.values:
+            a.error(None, f"`{flag}` is missing: meshllm's {family} has {why}", "missing", f"add `{flag}`")
+    expert_ffn = a.get("--moe-ffn-hidden-size", ffn)
+    shared = a.get("--moe-shared-expert-intermediate-size", 0)
+    if shared % expert_ffn:
+        a.refuse("--moe-shared-expert-intermediate-size", f"a shared expert of {shared}, not a multiple of the experts' "
+                 f"{expert_ffn}", "meshllm's shared experts are whole experts")
+    if "--moe-shared-expert-gate" in a.values:
+        a.refuse("--moe-shared-expert-gate", f"a gated shared expert: meshllm's {family} adds it ungated", "drop it")
+    lines += [f"first_dense = {dense}{a.src('--moe-layer-freq')}",
+              f"expert_ffn = {expert_ffn}{a.src('--moe-ffn-hidden-size')}",
+              f"experts = {a.get('--num-experts')}{a.src('--num-experts')}",
+              f"top_k = {a.get('--moe-router-topk', 2)}{a.src('--moe-router-topk')}",
+              f"groups = {a.get('--moe-router-num-groups', 1)}{a.src('--moe-router-num-groups')}",
+              f"topk_groups = {a.get('--moe-router-group-topk', 1)}{a.src('--moe-router-group-topk')}",
+              f"routed_scaling = {float(a.get('--moe-router-topk-scaling-factor', 1.0))!r}"
+              f"{a.src('--moe-router-topk-scaling-factor')}",
+              f"shared_experts = {shared // expert_ffn}{a.src('--moe-shared-expert-intermediate-size')}",
+              f"balance_rate = {float(a.get('--moe-router-bias-update-rate', 1e-3))!r}"
+              f"{a.src('--moe-router-bias-update-rate')}",
+              f"norm_eps = {a.get('--norm-epsilon', 1e-5)!r}{a.src('--norm-epsilon')}",
+              f"rope_theta = {float(a.get('--rotary-base', 10000))!r}{a.src('--rotary-base')}"]
+    if "--moe-z-loss-coeff" in a.values:
+        lines.append(f"z_loss_coef = {a.get('--moe-z-loss-coeff')!r}{a.src('--moe-z-loss-coeff')}")
+    if mla:
+        lines += [f"q_lora_rank = {a.get('--q-lora-rank', 0)}{a.src('--q-lora-rank')}",
+                  f"kv_lora_rank = {a.get('--kv-lora-rank', 32)}{a.src('--kv-lora-rank')}",
+                  f"qk_nope_head_dim = {a.get('--qk-head-dim', 128)}{a.src('--qk-head-dim')}",
+                  f"qk_rope_head_dim = {a.get('--qk-pos-emb-head-dim', 64)}{a.src('--qk-pos-emb-head-dim')}",
+                  f"v_head_dim = {a.get('--v-head-dim', 128)}{a.src('--v-head-dim')}"]
+        if "--qk-layernorm" not in a.values:
+            a.error(None, "multi-latent attention without `--qk-layernorm`: DeepSeek-V3 normalises its latents",
+                    "missing", "add `--qk-layernorm`")
+        if a.get("--rope-type", "yarn") == "yarn":  # MLATransformerConfig's YaRN: 4096 original positions, betas 32 / 1
+            lines += [f"rope_type = yarn{a.src('--rope-type')}",
+                      f"rope_factor = {float(a.get('--rotary-scaling-factor', 1.0))!r}{a.src('--rotary-scaling-factor')}",
+                      "rope_original_positions = 4096.0  # MLATransformerConfig's original_max_position_embeddings",
+                      f"rope_mscale = {float(a.get('--mscale', 1.0))!r}{a.src('--mscale')}",
+                      f"rope_mscale_all_dim = {float(a.get('--mscale-all-dim', 0.0))!r}{a.src('--mscale-all-dim')}"]
+    else:
+        heads = a.get("--num-attention-heads", 1)
+        kv = a.get("--num-query-groups", heads) if "--group-query-attention" in a.values else heads
+        head_dim = a.get("--kv-channels", a.get("--hidden-size", 1) // heads)
+        lines += [f"kv_heads = {kv}{a.src('--group-query-attention', '--num-query-groups')}",
+                  f"head_dim = {head_dim}{a.src('--kv-channels')}",
+                  f"rotary_dim = {round(head_dim * a.get('--rotary-percent', 1.0))}{a.src('--rotary-percent')}",
+                  f"attn_bias = {'true' if '--add-qkv-bias' in a.values else 'false'}{a.src('--add-qkv-bias')}",
+                  f"qk_norm = {'head' if '--qk-layernorm' in a.values else 'none'}{a.src('--qk-layernorm')}"]
+    for flag in ("--mscale", "--mscale-all-dim", "--rotary-scaling-factor", "--q-lora-rank", "--kv-lora-rank",
+                 "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--rope-type"):
+        if flag in a.values and not mla:
+            a.refuse(flag, f"`{flag}` without `--multi-latent-attention`", "drop it, or add `--multi-latent-attention`")
+    if "--rotary-percent" in a.values and mla:
+        a.refuse("--rotary-percent", "a partial rotary in multi-latent attention", "drop it")
+    lines.append(f"tie_embeddings = false{a.src('--untie-embeddings-and-output-weights')}")
+    return family, lines
+
+
 def _model(a: _Args) -> tuple[str, list[str]]:
     """(family, the model's setting lines) from the shape flags."""
     for need in ("--num-layers", "--hidden-size", "--num-attention-heads", "--vocab-size"):
@@ -131,6 +216,9 @@ def _model(a: _Args) -> tuple[str, list[str]]:
             a.error(None, f"`{flag}` is missing: Megatron drops out 0.1 by default, meshllm's models never",
                     "missing", f"add `{flag} 0.0`")
         a.want(flag, (0.0,), "meshllm's models have no dropout")
+    if "--num-experts" in a.values and ("--multi-latent-attention" in a.values
+                                        or "--moe-router-score-function" in a.values):
+        return _layered_model(a, lines)
     if "--num-experts" not in a.values:
         for flag in [f for f in a.values if f.startswith("--moe-")]:
             a.refuse(flag, f"`{flag}` without `--num-experts`: a dense model has no router", "drop it, or add `--num-experts`")
@@ -235,6 +323,17 @@ _SHARDS = {
 }
 
 
+# Megatron's TP plan for DeepSeek-V3's latent attention / GLM-4.5's attention, over the dense and moe repeats
+_LAYERED_COMMON = ("{dense,blocks}.*.attn.o row(tensor)", "{dense,blocks}.*.mlp.{gate,up} column(tensor)",
+                   "{dense,blocks}.*.mlp.down row(tensor)", "blocks.*.mlp.{shared_gate,shared_up} column(tensor)",
+                   "blocks.*.mlp.shared_down row(tensor)", "embed vocab_parallel(tensor)", "lm_head column(tensor)")
+_LAYERED_SHARDS = {
+    "deepseek_v3": ("{dense,blocks}.*.attn.{q_b,kv_b} column(tensor)", "{dense,blocks}.*.attn.{q_a,kv_a} replicate",
+                    *_LAYERED_COMMON),
+    "glm4_moe": ("{dense,blocks}.*.attn.{q,k,v} column(tensor)", *_LAYERED_COMMON),
+}
+
+
 # Megatron's shape flags and the model settings they are, for checking them against a config.json.
 _SHAPE = {"--num-layers": "layers", "--hidden-size": "hidden", "--num-attention-heads": "heads",
           "--ffn-hidden-size": "ffn", "--vocab-size": "vocab", "--num-query-groups": "kv_heads",
@@ -281,7 +380,7 @@ def spec_text(args: list[str], devices: int | None, hf_config: str | None = None
     if dp % ep:
         a.refuse("--expert-model-parallel-size", f"`--expert-model-parallel-size {ep}` does not divide the "
                  f"{dp} data-parallel ranks", "meshllm splits the experts over data-parallel axes")
-    if ep > 1 and family not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    if ep > 1 and family not in ("mixtral", "qwen2_moe", "qwen3_moe", *LAYERED_FAMILIES):
         a.refuse("--expert-model-parallel-size", "expert parallelism without `--num-experts`", "add `--num-experts`")
     # the mesh: Megatron's order tp-cp-ep-dp-pp, tensor fastest; meshllm's last axis is the fastest
     axes = [("pipeline", pp, "--pipeline-model-parallel-size"), ("data", dp // ep, None),
@@ -312,13 +411,16 @@ def spec_text(args: list[str], devices: int | None, hf_config: str | None = None
         layout.append("experts -> expert")
     if layout:
         plan.append(f"layout {{ {', '.join(layout)} }}{a.src('--sequence-parallel', '--context-parallel-size', '--expert-model-parallel-size')}")
-    if tp > 1:
+    if tp > 1 and family in LAYERED_FAMILIES:  # Megatron's TP plan in the dense and moe repeats' names
+        src = a.src("--tensor-model-parallel-size")
+        plan += [f"shard {x}{src}" for x in _LAYERED_SHARDS[family]]
+    elif tp > 1:
         for shard in _SHARDS["gpt2" if family == "gpt2" else "llama"]:
             plan.append(f"shard {shard}(tensor){a.src('--tensor-model-parallel-size')}")
         if family == "qwen2_moe":
             plan += [f"shard blocks.*.mlp.{{shared_gate,shared_up}} column(tensor){a.src('--tensor-model-parallel-size')}",
                      f"shard blocks.*.mlp.shared_down row(tensor){a.src('--tensor-model-parallel-size')}"]
-    if tp > 1 and family in ("mixtral", "qwen2_moe", "qwen3_moe"):  # with shard rules, every leaf is placed
+    if tp > 1 and family in ("mixtral", "qwen2_moe", "qwen3_moe", *LAYERED_FAMILIES):  # every leaf is placed
         plan.append("shard blocks.*.mlp.router replicate")
     if tp > 1 and family == "qwen2_moe":
         plan.append("shard blocks.*.mlp.shared_router replicate")
@@ -458,24 +560,37 @@ def titan_spec_text(args: list[str], hf_config: str) -> str:
     a = _Args(args, KEYS, "torchtitan", tuple(SUBCOMMANDS))
     where = str(Path(hf_config) / "config.json")
     family, settings, _ = model_settings(read_config(Path(hf_config)), where)
-    if family != "llama":
-        a.error(None, f"{where} is a `{family}` model: torchtitan's llama3 is a `llama` family model",
-                "another family", "give the config of the llama the run trains")
+    if family not in ("llama", "qwen3_moe", "deepseek_v3"):
+        a.error(None, f"{where} is a `{family}` model: torchtitan's llama3 / qwen3 are `llama` family models "
+                "(qwen3 with per-head q / k norms), its qwen3 MoE the `qwen3_moe` family and its deepseek_v3 the "
+                "`deepseek_v3` family", "another family", "give the config of the model the run trains")
     values = {k: v for k, v, _ in settings}
     P = "--parallelism."
     rep, shard = a.get(P + "data_parallel_replicate_degree", 1), a.get(P + "data_parallel_shard_degree", 1)
     tp, cp = a.get(P + "tensor_parallel_degree", 1), a.get(P + "context_parallel_degree", 1)
     pp, ep = a.get(P + "pipeline_parallel_degree", 1), a.get(P + "expert_parallel_degree", 1)
-    if ep > 1:
-        a.refuse(P + "expert_parallel_degree", "expert parallelism for a llama (no experts)", "drop it")
-    # torchtitan's mesh: pp, dp_replicate, dp_shard, cp, tp (tp fastest); FSDP shards over dp_shard x cp
+    if ep > 1 and family == "deepseek_v3" and tp > 1:
+        # EP borrows the tensor ranks, so the routed experts are whole over TP while torchtitan splits the
+        # shared experts there; meshllm adds the two only in one layout (E0402)
+        a.refuse(P + "expert_parallel_degree", "expert parallelism beside tensor parallelism for DeepSeek-V3: "
+                 "torchtitan keeps the routed experts whole over TP and splits the shared experts", "drop one of them")
+    if ep > 1 and family not in ("qwen3_moe", "deepseek_v3"):
+        a.refuse(P + "expert_parallel_degree", f"expert parallelism for a `{family}` model (no experts)", "drop it")
+    if ep > 1 and shard % ep:
+        # torchtitan's EP may borrow context and tensor ranks too; meshllm's import splits the FSDP ranks only
+        a.refuse(P + "expert_parallel_degree", f"`{P}expert_parallel_degree {ep}` does not divide "
+                 f"`{P}data_parallel_shard_degree {shard}`", "meshc imports EP over the FSDP (dp_shard) ranks")
+    expert = ep if ep > 1 and not shard % ep else 1
+    # torchtitan's mesh: pp, dp_replicate, dp_shard, cp, tp (tp fastest); FSDP shards over dp_shard x cp,
+    # EP borrows the fastest FSDP ranks (dp_shard = data x expert here)
     axes = [("pipeline", pp, P + "pipeline_parallel_degree"), ("rep", rep, P + "data_parallel_replicate_degree"),
-            ("data", shard, P + "data_parallel_shard_degree"), ("cp", cp, P + "context_parallel_degree"),
+            ("data", shard // expert, P + "data_parallel_shard_degree"),
+            ("expert", expert, P + "expert_parallel_degree"), ("cp", cp, P + "context_parallel_degree"),
             ("tensor", tp, P + "tensor_parallel_degree")]
     axes = [x for x in axes if x[1] > 1] or [("data", 1, None)]
     names = [n for n, _, _ in axes]
-    batch_axes = [n for n in names if n in ("rep", "data")]
-    zero_axes = [n for n in names if n in ("data", "cp")]
+    batch_axes = [n for n in names if n in ("rep", "data", "expert")]
+    zero_axes = [n for n in names if n in ("data", "expert", "cp")]
     dp = rep * shard
 
     T = "--training."
@@ -503,10 +618,20 @@ def titan_spec_text(args: list[str], hf_config: str) -> str:
     seq_axes = (["tensor"] if sp else []) + (["cp"] if cp > 1 else [])
     if seq_axes:
         layout.append(f"seq -> {' * '.join(seq_axes)}")
+    if expert > 1:
+        layout.append("experts -> expert")
     if layout:
-        plan.append(f"layout {{ {', '.join(layout)} }}{a.src(P + 'no-enable_sequence_parallel', P + 'context_parallel_degree')}")
+        plan.append(f"layout {{ {', '.join(layout)} }}{a.src(P + 'no-enable_sequence_parallel', P + 'context_parallel_degree', P + 'expert_parallel_degree')}")
     if tp > 1:
-        plan += [f"shard {x}(tensor){a.src(P + 'tensor_parallel_degree')}" for x in _SHARDS["llama"]]
+        src = a.src(P + "tensor_parallel_degree")
+        # torchtitan's qwen3 MoE: the router whole; the experts split by ffn over TP like a dense MLP, or
+        # whole under EP (which borrows the tensor ranks)
+        if family == "deepseek_v3":  # torchtitan's deepseek_v3 sharding.py: Megatron's plan for the latents
+            plan += [f"shard {x}{src}" for x in _LAYERED_SHARDS["deepseek_v3"]]
+        else:
+            plan += [f"shard {x}(tensor){src}" for x in _SHARDS["llama"] if expert == 1 or ".mlp." not in x]
+        if family != "llama":
+            plan.append(f"shard blocks.*.mlp.router replicate{src}")
     if pp > 1:
         plan += _titan_stages(a, pp, values.get("layers", 1), {v: k for k, v in SCHEDULES.items()})
     region = SUBCOMMANDS.get(a.subcommand or "activation-checkpoint:none", "none")

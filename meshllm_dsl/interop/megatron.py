@@ -74,7 +74,21 @@ FLAGS: dict[str, type | None] = {
     "--moe-router-load-balancing-type": str, "--moe-z-loss-coeff": float,
     "--moe-token-dispatcher-type": str, "--moe-router-pre-softmax": None,
     "--moe-shared-expert-intermediate-size": int, "--moe-shared-expert-gate": None,
+    # DeepSeek-V3-class models: multi-latent attention, YaRN, sigmoid routing with the expert bias,
+    # node-limited groups, dense first blocks (the MoE layer pattern); GLM-4.5's partial rotary
+    "--multi-latent-attention": None, "--q-lora-rank": int, "--kv-lora-rank": int, "--qk-head-dim": int,
+    "--qk-pos-emb-head-dim": int, "--v-head-dim": int, "--rope-type": str, "--rotary-scaling-factor": float,
+    "--mscale": float, "--mscale-all-dim": float, "--rotary-percent": float,
+    "--moe-router-score-function": str, "--moe-router-enable-expert-bias": None,
+    "--moe-router-bias-update-rate": float, "--moe-router-num-groups": int, "--moe-router-group-topk": int,
+    "--moe-router-topk-scaling-factor": float, "--moe-router-dtype": str, "--moe-layer-freq": str,
 }
+
+# Models of DeepSeek-V3's build (embed, dense blocks, then moe blocks, norm, head): the deepseek_v3 and
+# glm4_moe families, or a primitives model of that shape (examples/deepseek_v3_671b.mesh).
+LAYERED_FAMILIES = ("deepseek_v3", "glm4_moe")
+# What Megatron-LM has no flag for in multi-latent attention's YaRN (MLATransformerConfig's defaults).
+_MLA_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
 
 # meshllm's mixture-of-experts families Megatron's GPT model expresses: Mixtral's router, Qwen2-MoE's
 # (a gated shared expert, q / k / v biases), Qwen3-MoE's (per-head q / k norms).
@@ -99,7 +113,9 @@ _TOP_RULES = {"embed": "vocab_parallel", "pos": "replicate", "norm": "replicate"
 _BLOCK_RULES = {"attn_norm": "replicate", "mlp_norm": "replicate", "attn.q": "column", "attn.k": "column",
                 "attn.v": "column", "attn.qkv": "column", "attn.o": "row", "mlp.gate": "column",
                 "mlp.up": "column", "mlp.down": "row", "mlp.router": "replicate", "mlp.shared_gate": "column",
-                "mlp.shared_up": "column", "mlp.shared_down": "row", "mlp.shared_router": "replicate"}
+                "mlp.shared_up": "column", "mlp.shared_down": "row", "mlp.shared_router": "replicate",
+                # multi-latent attention: the down-projections duplicated on every rank, the up-projections column
+                "attn.q_a": "replicate", "attn.kv_a": "replicate", "attn.q_b": "column", "attn.kv_b": "column"}
 
 
 @attrs.frozen
@@ -120,12 +136,15 @@ def _model(found: _Findings) -> list[tuple[str, str | None]]:
     m = plan.model
     span = m.span or plan.span
     v = dict(m.values)
-    routes = any(primitives.of(u).routes_experts
-                 for item in m.items for u in (item.body if isinstance(item, Repeat) else (item,)))
+    units = [u for item in m.items for u in (item.body if isinstance(item, Repeat) else (item,))]
+    routes = any(primitives.of(u).routes_experts for u in units)
+    if m.family in LAYERED_FAMILIES or (m.family is None and any(u.kind == "mla" for u in units)):
+        return _layered_model(found)
     if m.family not in ("llama", "gpt2", *MOE_FAMILIES) or routes != (m.family in MOE_FAMILIES):
         found.refuse(E1204, f"model `{m.name}` (the `{m.family or 'primitives'}` family) is not exported to Megatron",
                      span, label="no Megatron GPT switches for this",
-                     help="export a model of the `llama`, `gpt2`, `mixtral`, `qwen2_moe` or `qwen3_moe` family")
+                     help="export a model of the `llama`, `gpt2`, `mixtral`, `qwen2_moe`, `qwen3_moe`, "
+                          "`deepseek_v3` or `glm4_moe` family")
         return []
 
     def refuse(key: str, what: str, help: str) -> None:  # noqa: A002
@@ -204,6 +223,153 @@ def _model(found: _Findings) -> list[tuple[str, str | None]]:
     return flags
 
 
+def _layered_model(found: _Findings) -> list[tuple[str, str | None]]:
+    """The flags of a DeepSeek-V3-class model: embed, optionally a repeat of dense blocks, a repeat of
+    moe blocks (each rmsnorm, attention or multi-latent attention, rmsnorm, mlp / moe), norm, head.
+    Megatron's layers are the blocks in order; `--moe-layer-freq` says which are dense."""
+    plan = found.plan
+    m = plan.model
+    span = m.span or plan.span
+
+    def refuse(what: str, label: str, help: str) -> None:  # noqa: A002
+        found.refuse(E1204, f"model `{m.name}` has {what}, which Megatron's GPT model does not", span,
+                     label=label, help=help)
+
+    repeats = [it for it in m.items if isinstance(it, Repeat)]
+    tops = {it.name: it for it in m.items if not isinstance(it, Repeat)}
+    bodies = [{u.name: u for u in r.body} for r in repeats]
+    kinds = [b.get("mlp").kind if "mlp" in b else None for b in bodies]
+    if (list(tops) != ["embed", "norm", "lm_head"] or kinds not in (["moe"], ["mlp", "moe"])
+            or any(set(b) != {"attn_norm", "attn", "mlp_norm", "mlp"} for b in bodies)
+            or [it.name for it in m.items if isinstance(it, Repeat)] != [r.name for r in repeats]):
+        refuse("another build than embed, dense blocks, moe blocks, norm, head", "not Megatron's decoder",
+               "export a model of DeepSeek-V3's build (a `deepseek_v3` or `glm4_moe` family model)")
+        return []
+    dense, moe_blocks = (repeats[0], repeats[1]) if len(repeats) == 2 else (None, repeats[0])
+    attn, moe = bodies[-1]["attn"], bodies[-1]["mlp"]
+    a, e = dict(attn.attrs), dict(moe.attrs)
+    if any(dict(b["attn"].attrs) != a for b in bodies):
+        refuse("dense and moe blocks with different attention", "attention differs", "give every block the same attention")
+    norms = [b[n] for b in bodies for n in ("attn_norm", "mlp_norm")] + [tops["norm"]]
+    eps = {float(n.attr("eps")) for n in norms}  # type: ignore[arg-type]
+    if any(n.kind != "rmsnorm" or n.attr("offset") or n.attr("post") for n in norms) or len(eps) != 1:
+        refuse("norms other than one pre-norm RMSNorm eps", "norms", "use rmsnorm with one eps everywhere")
+    head, embed = dict(tops["lm_head"].attrs), dict(tops["embed"].attrs)
+    if head.get("bias") or head.get("softcap") or embed.get("scaled"):
+        refuse("a head bias, logit softcap or scaled embedding", "lm_head / embed", "drop them")
+    layers = moe_blocks.count + (dense.count if dense else 0)
+    dense_ffn = int(bodies[0]["mlp"].attr("ffn")) if dense else int(e["ffn"])  # type: ignore[arg-type]
+    if dense is not None and (bodies[0]["mlp"].attr("act") != "swiglu" or bodies[0]["mlp"].attr("bias")):
+        refuse("a dense MLP other than SwiGLU without biases", "dense mlp", "use a SwiGLU mlp")
+    flags: list[tuple[str, str | None]] = [
+        ("--num-layers", str(layers)), ("--hidden-size", str(a["hidden"])), ("--ffn-hidden-size", str(dense_ffn)),
+        ("--num-attention-heads", str(a["heads"])), ("--attention-dropout", "0.0"), ("--hidden-dropout", "0.0"),
+        ("--normalization", "RMSNorm"), ("--norm-epsilon", repr(min(eps))), ("--swiglu", None),
+        ("--position-embedding-type", "rope"), ("--max-position-embeddings", str(plan.seq))]
+    theta = float(a["rope_theta"])  # type: ignore[arg-type]
+    if theta != int(theta):
+        refuse("a fractional rope base", "`rope_theta`", "Megatron's --rotary-base is an integer")
+    flags.append(("--rotary-base", str(int(theta))))
+    rope = dict(a.get("rope_scaling") or ())
+    if attn.kind == "mla":
+        # Megatron's MLA: the latents' norms are its q / kv layernorms; it de-interleaves the rotary
+        # halves as DeepSeek's checkpoints do (transformers' rope_interleave)
+        flags += [("--multi-latent-attention", None)]
+        if a.get("q_lora_rank") is not None:
+            flags.append(("--q-lora-rank", str(a["q_lora_rank"])))
+        flags += [("--kv-lora-rank", str(a["kv_lora_rank"])), ("--qk-head-dim", str(a["qk_nope_head_dim"])),
+                  ("--qk-pos-emb-head-dim", str(a["qk_rope_head_dim"])), ("--v-head-dim", str(a["v_head_dim"])),
+                  ("--qk-layernorm", None)]
+        if a.get("bias"):
+            refuse("biases in the latent attention", "mla bias", "drop the bias")
+        if not a.get("rope_interleave", True):
+            refuse("a rotary key without DeepSeek's interleaving", "`rope_interleave` = false",
+                   "Megatron's MLA de-interleaves the rotary halves (transformers' rope_interleave)")
+        if float(a.get("norm_eps", min(eps))) != min(eps):  # type: ignore[arg-type]
+            refuse("latent norms of another eps than the blocks'", "mla norm_eps", "use one eps")
+        if rope.get("rope_type") == "yarn":
+            for key, want in _MLA_YARN_FIXED.items():
+                if rope.get(key, want) != want and float(rope.get(key, want)) != float(want):
+                    refuse(f"YaRN `{key}` = {rope.get(key)} (Megatron-LM has no flag for it: MLATransformerConfig's "
+                           f"{want})", f"`rope_{'original_positions' if key.startswith('original') else key}`",
+                           f"set it to {want}")
+            flags += [("--rope-type", "yarn"), ("--rotary-scaling-factor", repr(float(rope["factor"]))),
+                      ("--mscale", repr(float(rope.get("mscale", 1.0)))),
+                      ("--mscale-all-dim", repr(float(rope.get("mscale_all_dim", 0.0))))]
+        elif rope:
+            refuse(f"rope `{rope.get('rope_type')}` in the latent attention", "rope scaling", "use yarn or none")
+        else:
+            flags.append(("--rope-type", "rope"))
+    else:  # GLM-4.5's attention: GQA, q / k / v biases, per-head q / k norms, a partial rotary
+        if a["kv_heads"] != a["heads"]:
+            flags += [("--group-query-attention", None), ("--num-query-groups", str(a["kv_heads"]))]
+        if int(a["head_dim"]) * int(a["heads"]) != int(a["hidden"]):  # type: ignore[arg-type]
+            flags.append(("--kv-channels", str(a["head_dim"])))
+        rot = int(a.get("rotary_dim") or a["head_dim"])  # type: ignore[arg-type]
+        if rot != a["head_dim"]:
+            flags.append(("--rotary-percent", repr(rot / int(a["head_dim"]))))  # type: ignore[arg-type]
+        if a.get("bias"):
+            flags.append(("--add-qkv-bias", None))
+        if a.get("qk_norm") == "head":
+            flags.append(("--qk-layernorm", None))
+            if float(a.get("qk_norm_eps", min(eps))) != min(eps) or a.get("qk_norm_offset"):  # type: ignore[arg-type]
+                refuse("q / k norms of another eps than the blocks'", "qk_norm_eps", "use one eps")
+        elif a.get("qk_norm") not in (None, "none"):
+            refuse(f"q / k norms over `{a.get('qk_norm')}`", "`qk_norm`", "use `qk_norm = head`")
+        for key, what in (("out_bias", "a bias on the attention output"), ("window", "sliding-window attention"),
+                          ("softcap", "an attention softcap"), ("sinks", "attention sinks"),
+                          ("fused_qkv", "a fused q / k / v projection")):
+            if a.get(key):
+                refuse(what, f"`{key}`", f"drop `{key}`")
+        if rope:
+            refuse(f"rope `{rope.get('rope_type')}` scaling", "rope scaling", "use the default rope")
+        if a.get("scale_dim", a["head_dim"]) != a["head_dim"]:
+            refuse("an attention scale of another width than head_dim", "scale_dim", "drop it")
+    flags += [("--disable-bias-linear", None), ("--untie-embeddings-and-output-weights", None)]
+    if head.get("tie"):
+        refuse("tied embeddings", "`tie_embeddings`", "untie them (DeepSeek-V3 and GLM-4.5 do)")
+    flags += [("--vocab-size", str(embed["num"])), ("--make-vocab-size-divisible-by", "1")]
+
+    # the moe layers: Megatron's router (sigmoid scores, the expert bias for choosing, top-k renormalised and
+    # scaled), groups scored by their top topk / group_topk experts (DeepSeek's top 2), dropless
+    k, groups, chosen_groups = int(e["top_k"]), int(e["groups"]), int(e["topk_groups"])  # type: ignore[arg-type]
+    flags += [("--num-experts", str(e["experts"])), ("--moe-router-topk", str(k)),
+              ("--moe-ffn-hidden-size", str(e["ffn"])), ("--moe-token-dispatcher-type", "alltoall")]
+    if dense is not None:
+        flags.append(("--moe-layer-freq", f"([0]*{dense.count}+[1]*{moe_blocks.count})"))
+    if e["scoring"] == "sigmoid":
+        if not e["norm_topk_prob"] and k > 1:
+            refuse("sigmoid top-k weights not renormalised", "`norm_topk_prob` = false",
+                   "Megatron renormalises sigmoid top-k weights")
+        flags += [("--moe-router-score-function", "sigmoid"), ("--moe-router-enable-expert-bias", None),
+                  ("--moe-router-bias-update-rate", repr(float(e["balance_rate"])))]  # type: ignore[arg-type]
+    else:
+        refuse(f"`{e['scoring']}` scoring in a DeepSeek-V3-class model", "`scoring`", "use sigmoid scoring")
+    if groups > 1:
+        if k % chosen_groups or k // chosen_groups != 2:
+            refuse(f"groups scored by their top 2 experts with top_k {k} of {chosen_groups} groups (Megatron scores "
+                   f"a group by its top top_k / topk_groups = {k // chosen_groups})", "`topk_groups`",
+                   "make top_k twice topk_groups (DeepSeek-V3: 8 of 4 groups)")
+        flags += [("--moe-router-num-groups", str(groups)), ("--moe-router-group-topk", str(chosen_groups))]
+    if float(e["routed_scaling"]) != 1.0:  # type: ignore[arg-type]
+        flags.append(("--moe-router-topk-scaling-factor", repr(float(e["routed_scaling"]))))  # type: ignore[arg-type]
+    if e.get("weights_fp32"):
+        flags.append(("--moe-router-dtype", "fp32"))  # the router's scores in fp32, as DeepSeek's
+    if e.get("shared_expert"):
+        flags.append(("--moe-shared-expert-intermediate-size", str(e["shared_ffn"])))
+    for key, what in (("capacity", "a capacity factor"), ("aux_loss_coef", "transformers' load-balancing loss"),
+                      ("seq_aux_loss", "a sequence-wise auxiliary loss"), ("router_bias", "a router bias"),
+                      ("expert_bias", "biases on the experts")):
+        if e.get(key):
+            refuse(what, f"`{key}`", f"drop `{key}`")
+    if e.get("act") != "swiglu":
+        refuse(f"experts with `{e.get('act')}`", "`act`", "use SwiGLU experts")
+    flags.append(("--moe-router-load-balancing-type", "none"))
+    if float(e["z_loss_coef"]):  # type: ignore[arg-type]
+        flags.append(("--moe-z-loss-coeff", repr(float(e["z_loss_coef"]))))  # type: ignore[arg-type]
+    return flags
+
+
 def _placements_ok(found: _Findings) -> tuple[str, ...]:
     """The tensor axis of Megatron's fixed tensor-parallel plan (none: everything replicated)."""
     plan = found.plan
@@ -243,6 +409,9 @@ def _pipeline(found: _Findings, pp: int) -> list[tuple[str, str | None]]:
                      help=f"use `schedule {want}` (Megatron runs 1F1B, interleaved with virtual stages)")
     counts: list[int] = []
     last = len(plan.stages) - 1
+    # Megatron's decoder: the blocks, or DeepSeek-V3's dense blocks then moe blocks (one layer list)
+    decoder = ("dense", "blocks") if plan.model.family in LAYERED_FAMILIES or any(
+        isinstance(it, Repeat) and it.name == "dense" for it in plan.model.items) else ("blocks",)
     for stage in plan.stages:
         if stage.coord != stage.index % pp:
             found.refuse(E1201, f"stage {stage.index} runs on pipeline rank {stage.coord}: Megatron places virtual "
@@ -252,9 +421,9 @@ def _pipeline(found: _Findings, pp: int) -> list[tuple[str, str | None]]:
         n = 0
         for piece in stage.pieces:
             if piece.start is not None and piece.stop is not None:
-                if piece.item != "blocks":
+                if piece.item not in decoder:
                     found.refuse(E1201, f"repeat `{piece.item}` is not Megatron's decoder", span, label="repeat",
-                                 help="export a model whose blocks are one repeat")
+                                 help="export a model whose blocks are one repeat (or dense then moe blocks)")
                 n += piece.stop - piece.start
             else:
                 edge = 0 if piece.item in ("embed", "pos") else last

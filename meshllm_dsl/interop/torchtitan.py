@@ -91,7 +91,16 @@ class TitanExport:
 # torchtitan's llama3 tensor-parallel plan (models/llama3/parallelize.py), in the plan's leaf names.
 _TOP_RULES = {"embed": "vocab_parallel", "norm": "replicate", "lm_head": "column"}
 _BLOCK_RULES = {"attn_norm": "replicate", "mlp_norm": "replicate", "attn.q": "column", "attn.k": "column",
-                "attn.v": "column", "attn.o": "row", "mlp.gate": "column", "mlp.up": "column", "mlp.down": "row"}
+                "attn.v": "column", "attn.o": "row", "mlp.gate": "column", "mlp.up": "column", "mlp.down": "row",
+                "mlp.router": "replicate",
+                # deepseek_v3 (models/deepseek_v3/sharding.py): the latents' down-projections replicated, the
+                # up-projections column; the shared experts split like a dense MLP
+                "attn.q_a": "replicate", "attn.kv_a": "replicate", "attn.q_b": "column", "attn.kv_b": "column",
+                "mlp.shared_gate": "column", "mlp.shared_up": "column", "mlp.shared_down": "row"}
+# torchtitan's MoE blocks under EP (models/common/moe_sharding.py): the router replicated, the routed
+# experts whole on every tensor rank (split over the expert-parallel ranks only), the shared experts
+# column / row. Without EP the routed experts are column / row over TP too: _BLOCK_RULES.
+_MOE_RULES = {**_BLOCK_RULES, "mlp.gate": "experts", "mlp.up": "experts", "mlp.down": "experts"}
 
 
 def _class_placements_ok(found: _Findings) -> None:
@@ -107,11 +116,25 @@ def _class_placements_ok(found: _Findings) -> None:
                      help="shard every layer over one tensor axis")
         return
     axis = plan.roles.tensor
+    # torchtitan's MoE: without EP the experts split by ffn over TP like a dense MLP; with EP whole,
+    # as EP borrows the TP ranks (there is no expert tensor parallelism beside EP)
+    routed = {it.name for it in plan.model.items
+              if isinstance(it, Repeat) and any(primitives.of(u).routes_experts for u in it.body)}
     got = [(path, p, _TOP_RULES.get(path)) for path, p in plan.top_placements]
     for bc in plan.block_classes:
-        got += [(f"blocks.{bc.indices[0]}.{path}", p, _BLOCK_RULES.get(path)) for path, p in bc.placements]
+        rules = _MOE_RULES if plan.roles.expert and bc.repeat in routed else _BLOCK_RULES
+        got += [(f"{bc.repeat}.{bc.indices[0]}.{path}", p, rules.get(path)) for path, p in bc.placements]
     for path, p, want in got:
         if want is None:
+            continue
+        if want == "experts":  # with EP, torchtitan 0.3 borrows the TP ranks for it: experts whole over TP
+            if axis[0] in p.axes:
+                found.refuse(E1205, f"`{path}` splits the experts' ffn over `{axis[0]}` beside expert parallelism: "
+                             "torchtitan 0.3's EP borrows the tensor ranks (no expert tensor parallelism)",
+                             p.span or plan.span, label="expert tensor parallelism",
+                             help=f"keep the experts whole over `{axis[0]}` under `experts -> AXIS`, or drop "
+                                  "`experts -> AXIS` and split their ffn over the tensor axis")
+                return
             continue
         ok = p.rule == want and (tuple(p.axes) == tuple(axis) if want != "replicate" else not p.sharded)
         if not ok:
@@ -124,45 +147,167 @@ def _class_placements_ok(found: _Findings) -> None:
             return
 
 
+def _rope(found: _Findings, v: dict[str, Any], span: Any, module: str) -> dict[str, Any]:
+    """torchtitan's RoPE.Config fields (the default or the llama3 rope; llama3 and qwen3 share the class's
+    fields)."""
+    rope_type = getattr(v.get("rope_type"), "name", str(v.get("rope_type", "default")))
+    if module == "qwen3" and rope_type == "llama3" and float(v.get("rope_factor", 1.0)) == 1.0:
+        rope_type = "default"  # llama3 scaling by 1 is the plain rope, which qwen3's CosSinRoPE computes
+    if rope_type not in (("default", "llama3") if module == "llama3" else ("default",)):
+        found.refuse(E1204, f"rope `{rope_type}` is not one torchtitan's {module} builds", span,
+                     label="rope scaling", help="use the default rope" + (" or the llama3 rope" if module == "llama3"
+                                                                           else " (qwen3's CosSinRoPE has no llama3 scaling)"))
+    return {"theta": float(v["rope_theta"]), "scaling": "llama" if rope_type == "llama3" else "none",
+            "scaling_factor": float(v.get("rope_factor", 8.0)),
+            "low_freq_factor": float(v.get("rope_low_freq_factor", 1.0)),
+            "high_freq_factor": float(v.get("rope_high_freq_factor", 4.0)),
+            "original_max_position_embeddings": int(v.get("rope_original_positions", 8192))}
+
+
+def _module(m: Any) -> str | None:
+    """torchtitan's module for the plan's model: llama3 (a llama without q / k norms), qwen3 (a llama with
+    per-head q / k norms, i.e. Qwen3, or the qwen3_moe family), or None."""
+    v = dict(m.values)
+    if m.family == "deepseek_v3" or (m.family is None and any(
+            u.kind == "mla" for item in m.items for u in (item.body if isinstance(item, Repeat) else (item,)))):
+        return "deepseek_v3"
+    if m.family == "qwen3_moe":
+        return "qwen3"
+    if m.family == "llama":
+        return "qwen3" if getattr(v.get("qk_norm"), "name", "none") == "head" else "llama3"
+    return None
+
+
 def _model(found: _Findings) -> dict[str, Any] | None:
     plan = found.plan
     m = plan.model
     span = m.span or plan.span
     routes = any(primitives.of(u).routes_experts
                  for item in m.items for u in (item.body if isinstance(item, Repeat) else (item,)))
-    if m.family != "llama" or routes:
+    module = _module(m)
+    if module == "deepseek_v3":
+        return _deepseek(found)
+    if module is None or routes != (m.family == "qwen3_moe"):
         what = "mixture-of-experts layers" if routes else f"the `{m.family or 'primitives'}` family"
         found.refuse(E1204, f"model `{m.name}` ({what}) is not exported to torchtitan",
                      span, label="no torchtitan model for this",
-                     help="export a model of the `llama` family (torchtitan's llama3 module)")
+                     help="export a model of the `llama` family (torchtitan's llama3 module, or its qwen3 module "
+                          "with `qk_norm = head`), the `qwen3_moe` family (torchtitan's qwen3 MoE) or the "
+                          "`deepseek_v3` family (torchtitan's deepseek_v3)")
         return None
     v = dict(m.values)
-    for key, want, what in _LLAMA_FIXED:
+    fixed = _LLAMA_FIXED if module == "llama3" else _LLAMA_FIXED[:2] + _LLAMA_FIXED[3:]  # qwen3 may tie
+    for key, want, what in fixed:
         if v.get(key, want) != want:
-            found.refuse(E1204, f"model `{m.name}` has {what}, which torchtitan's llama3 does not",
+            found.refuse(E1204, f"model `{m.name}` has {what}, which torchtitan's {module} does not",
                          span, label=f"`{key}` = {v.get(key)}", help=f"drop `{key}` to export to torchtitan")
-    if getattr(v.get("qk_norm"), "name", "none") != "none":
-        found.refuse(E1204, f"model `{m.name}` has q / k norms, which torchtitan's llama3 does not",
-                     span, label="`qk_norm`", help="export it without `qk_norm` (torchtitan's qwen3 is not mapped yet)")
-    if v["head_dim"] * v["heads"] != v["hidden"]:
+    qk = getattr(v.get("qk_norm"), "name", "head" if m.family == "qwen3_moe" else "none")
+    if module == "llama3" and qk != "none":
+        found.refuse(E1204, f"model `{m.name}` has q / k norms over `{qk}`, which torchtitan's llama3 and qwen3 do "
+                     "not", span, label="`qk_norm`", help="use `qk_norm = head` (torchtitan's qwen3) or none")
+    eps = {"llama3": 1e-5, "qwen3": 1e-6}[module]  # the modules' fixed RMSNorm eps
+    if float(v["norm_eps"]) != eps:
+        found.refuse(E1204, f"norm_eps {v['norm_eps']} is not torchtitan's {module} RMSNorm eps ({eps})", span,
+                     label="`norm_eps`", help=f"set `norm_eps = {eps}` to export to torchtitan")
+    if module == "llama3" and v["head_dim"] * v["heads"] != v["hidden"]:
         found.refuse(E1204, f"model `{m.name}` has head_dim {v['head_dim']} x {v['heads']} heads != hidden "
                      f"{v['hidden']}", span, label="torchtitan's llama3 derives head_dim = dim / n_heads",
                      help="drop `head_dim`")
-    if float(v["norm_eps"]) != 1e-5:
-        found.refuse(E1204, f"norm_eps {v['norm_eps']} is not torchtitan's llama3 RMSNorm eps (1e-5)", span,
-                     label="`norm_eps`", help="drop `norm_eps` to export to torchtitan")
-    rope_type = getattr(v.get("rope_type"), "name", str(v.get("rope_type", "default")))
-    if rope_type not in ("default", "llama3"):
-        found.refuse(E1204, f"rope `{rope_type}` is not torchtitan's llama3 rope", span,
-                     label="rope scaling", help="use the default or the llama3 rope")
+    out: dict[str, Any] = {
+        "module": module, "dim": v["hidden"], "n_layers": v["layers"], "n_heads": v["heads"],
+        "n_kv_heads": v["kv_heads"], "head_dim": v["head_dim"], "hidden_dim": v["ffn"], "vocab_size": v["vocab"],
+        "norm_eps": float(v["norm_eps"]), "tie": bool(v.get("tie_embeddings", False)),
+        "max_seq_len": max(plan.seq, 2048), **_rope(found, v, span, module)}
+    if m.family == "qwen3_moe":
+        # torchtitan's qwen3 MoE router: softmax, top-k renormalised (route_norm), dropless, no router loss
+        for key, want, what, hlp in (
+                ("norm_topk_prob", True, "top-k weights not renormalised", "torchtitan's qwen3 router renormalises"),
+                ("capacity", 0.0, "a capacity factor", "torchtitan's qwen3 MoE is dropless"),
+                ("aux_loss_coef", 0.0, "a load-balancing loss", "torchtitan's MoE has no auxiliary loss"),
+                ("z_loss_coef", 0.0, "a router z-loss", "torchtitan's MoE has no z-loss")):
+            if v.get(key, want) != want:
+                found.refuse(E1204, f"model `{m.name}` has {what}, which torchtitan's qwen3 MoE does not", span,
+                             label=f"`{key}` = {v.get(key)}", help=f"{hlp}: drop `{key}`")
+        out.update(num_experts=v["experts"], top_k=v["top_k"])
+    return out
+
+
+def _deepseek(found: _Findings) -> dict[str, Any] | None:
+    """torchtitan's deepseek_v3 (`build_mla_moe_layers`) for a model of DeepSeek-V3's build: embed, dense
+    blocks, moe blocks (rmsnorm, multi-latent attention, rmsnorm, mlp / moe), norm, head; read from its
+    units, so a primitives model of that shape (examples/deepseek_v3_671b.mesh) is one too."""
+    plan = found.plan
+    m = plan.model
+    span = m.span or plan.span
+
+    def refuse(what: str, label: str, help: str) -> None:  # noqa: A002
+        found.refuse(E1204, f"model `{m.name}` has {what}, which torchtitan's deepseek_v3 does not", span,
+                     label=label, help=help)
+
+    repeats = [it for it in m.items if isinstance(it, Repeat)]
+    tops = {it.name: it for it in m.items if not isinstance(it, Repeat)}
+    bodies = [{u.name: u for u in r.body} for r in repeats]
+    kinds = [(b["attn"].kind, b["mlp"].kind) if set(b) == {"attn_norm", "attn", "mlp_norm", "mlp"} else None
+             for b in bodies]
+    if list(tops) != ["embed", "norm", "lm_head"] or kinds not in ([("mla", "moe")], [("mla", "mlp"), ("mla", "moe")]):
+        refuse("another build than embed, dense blocks, moe blocks, norm, head", "not torchtitan's DeepSeek-V3",
+               "export a model of DeepSeek-V3's build (a `deepseek_v3` family model)")
+        return None
+    dense = repeats[0] if len(repeats) == 2 else None
+    a, e = dict(bodies[-1]["attn"].attrs), dict(bodies[-1]["mlp"].attrs)
+    if any(dict(b["attn"].attrs) != a for b in bodies):
+        refuse("dense and moe blocks with different attention", "attention differs", "give every block the same attention")
+    norms = [b[n] for b in bodies for n in ("attn_norm", "mlp_norm")] + [tops["norm"]]
+    eps = {float(n.attr("eps")) for n in norms} | {float(a["norm_eps"])}  # type: ignore[arg-type]
+    if any(n.kind != "rmsnorm" or n.attr("offset") or n.attr("post") for n in norms) or len(eps) != 1:
+        refuse("norms other than one pre-norm RMSNorm eps (the latents' included)", "norms",
+               "use rmsnorm with one eps everywhere")
+    head, embed = dict(tops["lm_head"].attrs), dict(tops["embed"].attrs)
+    for what, bad in (("tied embeddings", head.get("tie")), ("a head bias or softcap", head.get("bias") or head.get("softcap")),
+                      ("a scaled embedding", embed.get("scaled")), ("biases in the latent attention", a.get("bias")),
+                      ("a rotary key rotating halves", not a.get("rope_interleave", True))):
+        if bad:
+            refuse(what, what, "drop it (torchtitan's DeepSeek-V3 has none)")
+    rope = dict(a.get("rope_scaling") or ())
+    if rope and rope.get("rope_type") != "yarn":
+        refuse(f"rope `{rope.get('rope_type')}`", "rope scaling", "use YaRN or no scaling")
+    if rope and float(rope.get("mscale", 1.0)) != float(rope.get("mscale_all_dim", 0.0)):
+        # transformers scales cos / sin by mscale / mscale_all_dim; torchtitan's rope is a pure rotation and
+        # folds mscale_all_dim into the softmax scale only
+        refuse(f"YaRN mscale {rope.get('mscale')} != mscale_all_dim {rope.get('mscale_all_dim')}", "`rope_mscale`",
+               "make `rope_mscale` equal `rope_mscale_all_dim` (torchtitan's rope is a pure rotation)")
+    if e["scoring"] != "sigmoid" or not e["norm_topk_prob"]:
+        refuse(f"`{e['scoring']}` scoring" + ("" if e["norm_topk_prob"] else " without renormalised top-k"),
+               "`scoring`", "use sigmoid scoring with renormalised top-k (DeepSeek-V3's)")
+    if float(e["balance_rate"]):  # type: ignore[arg-type]
+        # torchtitan subtracts the update's mean (components/optimizer.py); meshllm's is DeepSeek's sign update
+        refuse(f"an expert-bias update of {e['balance_rate']}", "`balance_rate`",
+               "torchtitan centres the bias update on zero, meshllm's is sign(mean - load): drop `balance_rate`")
+    for key, what in (("capacity", "a capacity factor"), ("aux_loss_coef", "a load-balancing loss"),
+                      ("z_loss_coef", "a router z-loss"), ("seq_aux_loss", "a sequence-wise auxiliary loss"),
+                      ("router_bias", "a router bias"), ("expert_bias", "biases on the experts")):
+        if e.get(key):
+            refuse(what, f"`{key}`", f"drop `{key}`")
+    if not e.get("shared_expert") or int(e["shared_ffn"]) % int(e["ffn"]):  # type: ignore[arg-type]
+        refuse("no whole shared experts", "`shared_experts`", "torchtitan's DeepSeek-V3 always has shared experts")
+    groups = int(e["groups"])  # type: ignore[arg-type]
+    dense_ffn = int(bodies[0]["mlp"].attr("ffn")) if dense else int(e["ffn"])  # type: ignore[arg-type]
+    theta = float(a["rope_theta"])  # type: ignore[arg-type]
     return {
-        "dim": v["hidden"], "n_layers": v["layers"], "n_heads": v["heads"], "n_kv_heads": v["kv_heads"],
-        "hidden_dim": v["ffn"], "vocab_size": v["vocab"], "norm_eps": float(v["norm_eps"]),
-        "theta": float(v["rope_theta"]), "scaling": "llama" if rope_type == "llama3" else "none",
-        "scaling_factor": float(v["rope_factor"]), "low_freq_factor": float(v["rope_low_freq_factor"]),
-        "high_freq_factor": float(v["rope_high_freq_factor"]),
-        "original_max_position_embeddings": int(v["rope_original_positions"]),
-        "max_seq_len": max(plan.seq, 2048),
+        "module": "deepseek_v3", "dim": a["hidden"], "vocab_size": embed["num"], "norm_eps": min(eps),
+        "n_layers": repeats[-1].count + (dense.count if dense else 0), "n_dense_layers": dense.count if dense else 0,
+        "n_heads": a["heads"], "q_lora_rank": a.get("q_lora_rank") or 0, "kv_lora_rank": a["kv_lora_rank"],
+        "qk_nope_head_dim": a["qk_nope_head_dim"], "qk_rope_head_dim": a["qk_rope_head_dim"],
+        "v_head_dim": a["v_head_dim"], "mscale": float(rope.get("mscale_all_dim", 0.0)) if rope else 0.0,
+        "dense_hidden_dim": dense_ffn, "moe_hidden_dim": e["ffn"], "num_experts": e["experts"],
+        "num_shared_experts": int(e["shared_ffn"]) // int(e["ffn"]) if e.get("shared_expert") else 0,  # type: ignore[arg-type]
+        "top_k": e["top_k"], "groups": groups if groups > 1 else None,
+        "limited_groups": int(e["topk_groups"]) if groups > 1 else None,  # type: ignore[arg-type]
+        "route_scale": float(e["routed_scaling"]), "theta": theta,  # type: ignore[arg-type]
+        "scaling": "yarn" if rope else "none", "rope_factor": float(rope.get("factor", 1.0)),
+        "beta_fast": float(rope.get("beta_fast", 32.0)), "beta_slow": float(rope.get("beta_slow", 1.0)),
+        "original_seq_len": int(rope.get("original_max_position_embeddings", 4096)),
+        "truncate": bool(rope.get("truncate", True)), "max_seq_len": max(plan.seq, 2048),
     }
 
 
@@ -228,6 +373,13 @@ def analyze(plan: PlanIR, decls: Declarations | None) -> TitanExport:
     context = mesh.size(*roles.context) if roles.context else 1
     pipeline = mesh.size(roles.pipeline) if roles.pipeline else 1
     expert = mesh.size(*roles.expert) if roles.expert else 1
+    # torchtitan's EP borrows from the FSDP x context x tensor ranks (dp_shard * cp * tp = efsdp * ep)
+    borrowable = set(shard_axes) | set(roles.context) | set(roles.tensor)
+    if roles.expert and not set(roles.expert) <= borrowable:
+        other = [a for a in roles.expert if a not in borrowable]
+        refuse(E1203, f"experts split over {' x '.join(other)}, which is neither a ZeRO, context nor tensor axis",
+               _stmt_span(decl, ast.LayoutStmt, plan.span), label="torchtitan's EP borrows dp_shard x cp x tp",
+               help=f"add {' * '.join(other)} to ZeRO 2 / 3 (torchtitan's dp_shard) or split the experts over it")
     if roles.sequence and tuple(roles.sequence) != tuple(roles.tensor):
         refuse(E1203, f"sequence parallelism over {' x '.join(roles.sequence)} but tensor parallelism over "
                f"{' x '.join(roles.tensor)}", _seq_span(decl, plan.span), label="torchtitan's SP is over the TP axis",
@@ -277,6 +429,9 @@ def analyze(plan: PlanIR, decls: Declarations | None) -> TitanExport:
         local = plan.batch // dp
     else:
         local = plan.batch // (dp * plan.microbatches)  # microbatches without stages: gradient accumulation
+    if expert > 1 and roles.pipeline is None:
+        # torchtitan refuses CUDA graphs with its all-to-all token dispatcher (it synchronises with the CPU)
+        flags.append(("training.disable_cuda_graphs", None))
     flags += [("training.local_batch_size", str(local)),
               ("training.global_batch_size", str(plan.batch)),
               ("training.seq_len", str(plan.seq))]
@@ -330,6 +485,10 @@ def render_config(exp: TitanExport, plan: PlanIR, source_path: str) -> str:
     m = exp.model
     fn = config_name(plan)
     conv = f"[{exp.converter}]" if exp.converter else "None"
+    if m["module"] == "qwen3":
+        return _render_qwen3(exp, plan, source_path)
+    if m["module"] == "deepseek_v3":
+        return _render_deepseek(exp, plan, source_path)
     text = f'''"""torchtitan {TORCHTITAN} config_registry for plan `{plan.name}` of {source_path} (written by `meshc export`).
 
 `{fn}()` is torchtitan's llama3_debugmodel() (its optimizer, data and schedule settings) with the
@@ -384,6 +543,195 @@ llama3.llama3_configs[{fn!r}] = _model
 def {fn}() -> Trainer.Config:
     config = _base.llama3_debugmodel()
     config.model_spec = llama3.model_registry({fn!r}, converters={conv})
+    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={m["vocab_size"]}))
+    return config
+'''
+    compile(text, "<torchtitan config>", "exec")
+    return text
+
+
+def _render_qwen3(exp: TitanExport, plan: PlanIR, source_path: str) -> str:
+    """The config_registry module for torchtitan's qwen3 (dense, or MoE for the qwen3_moe family)."""
+    m = exp.model
+    fn = config_name(plan)
+    conv = f"[{exp.converter}]" if exp.converter else "None"
+    moe = "num_experts" in m
+    if moe:
+        layers = f"""qwen3._build_qwen3_moe_layers(
+        n_layers={m["n_layers"]},
+        dim=dim,
+        n_heads={m["n_heads"]},
+        n_kv_heads={m["n_kv_heads"]},
+        head_dim=head_dim,
+        moe_hidden_dim={m["hidden_dim"]},
+        num_experts={m["num_experts"]},
+        top_k={m["top_k"]},
+        attn_backend=attn_backend,
+        moe_comm_backend=moe_comm_backend,
+        rope=rope,
+    )
+    # meshllm's qwen3_moe routes by the router's scores alone: no auxiliary-loss-free expert bias
+    for layer in layers:
+        layer.moe.load_balance_coeff = None"""
+        base, extra = "qwen3_moe_debug", ', moe_comm_backend: str = "standard"'
+    else:
+        layers = f"""qwen3._build_qwen3_layers(
+        n_layers={m["n_layers"]},
+        dim=dim,
+        n_heads={m["n_heads"]},
+        n_kv_heads={m["n_kv_heads"]},
+        head_dim=head_dim,
+        hidden_dim={m["hidden_dim"]},
+        attn_backend=attn_backend,
+        rope=rope,
+    )"""
+        base, extra = "qwen3_debugmodel", ""
+    text = f'''"""torchtitan {TORCHTITAN} config_registry for plan `{plan.name}` of {source_path} (written by `meshc export`).
+
+`{fn}()` is torchtitan's {base}() (its optimizer, data and schedule settings) with the plan's
+model registered as qwen3 flavor `{fn}`; the command line meshc wrote next to it sets the
+parallelism, batch, activation checkpointing and compile. The model is built with torchtitan {TORCHTITAN}'s own
+qwen3 helpers (`{"_build_qwen3_moe_layers" if moe else "_build_qwen3_layers"}`, its init tables), which are private: another
+torchtitan version may need the export again. Data, tokenizer (`--hf_assets_path`) and optimizer are the
+debug model's: set them with more flags.
+"""
+
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.quantization import Float8LinearConverter, MXFP8LinearConverter  # noqa: F401
+from torchtitan.models import qwen3
+from torchtitan.models.common import CosSinRoPE, Embedding, Linear
+from torchtitan.models.qwen3 import config_registry as _base
+from torchtitan.trainer import Trainer
+
+
+def _model(attn_backend: str = "flex"{extra}) -> qwen3.Qwen3Model.Config:
+    dim, head_dim, vocab = {m["dim"]}, {m["head_dim"]}, {m["vocab_size"]}
+    rope = CosSinRoPE.Config(
+        dim=head_dim,
+        max_seq_len={m["max_seq_len"]},
+        theta={m["theta"]!r},
+        scaling={m["scaling"]!r},
+        scaling_factor={m["scaling_factor"]!r},
+        low_freq_factor={m["low_freq_factor"]!r},
+        high_freq_factor={m["high_freq_factor"]!r},
+        original_max_position_embeddings={m["original_max_position_embeddings"]},
+    )
+    layers = {layers}
+    return qwen3.Qwen3Model.Config(
+        vocab_size=vocab,
+        dim=dim,
+        norm=qwen3._qwen3_norm(dim),
+        enable_weight_tying={m["tie"]},
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3._LINEAR_INIT),
+        layers=layers,
+    )
+
+
+qwen3.qwen3_configs[{fn!r}] = _model
+
+
+def {fn}() -> Trainer.Config:
+    config = _base.{base}()
+    config.model_spec = qwen3.model_registry({fn!r}, converters={conv})
+    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={m["vocab_size"]}))
+    return config
+'''
+    compile(text, "<torchtitan config>", "exec")
+    return text
+
+
+def _render_deepseek(exp: TitanExport, plan: PlanIR, source_path: str) -> str:
+    """The config_registry module for torchtitan's deepseek_v3: its `_build_dsv3_layers` with the plan's
+    shape, every RMSNorm at the model's eps (torchtitan's default is 1e-5), no expert-bias update."""
+    m = exp.model
+    fn = config_name(plan)
+    conv = f"[{exp.converter}]" if exp.converter else "None"
+    text = f'''"""torchtitan {TORCHTITAN} config_registry for plan `{plan.name}` of {source_path} (written by `meshc export`).
+
+`{fn}()` is torchtitan's deepseek_v3_debugmodel() (its optimizer, data and schedule settings) with
+the plan's model registered as deepseek_v3 flavor `{fn}`; the command line meshc wrote next to it sets
+the parallelism, batch, activation checkpointing and compile. The model is built with torchtitan
+{TORCHTITAN}'s own deepseek_v3 helpers (`_build_dsv3_layers`, its init tables), which are private: another
+torchtitan version may need the export again. No MTP layers (meshllm's model has none).
+"""
+
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.quantization import Float8LinearConverter, MXFP8LinearConverter  # noqa: F401
+from torchtitan.models import deepseek_v3
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.deepseek_v3 import config_registry as _base
+from torchtitan.trainer import Trainer
+
+EPS = {m["norm_eps"]!r}
+
+
+def _model(
+    attn_backend: str = "flex",
+    moe_comm_backend: str = "standard",
+    non_blocking_capacity_factor: float | None = None,
+    num_mtp_layers: int = 0,
+) -> deepseek_v3.DeepSeekV3Model.Config:
+    dim, vocab = {m["dim"]}, {m["vocab_size"]}
+    layers = deepseek_v3._build_dsv3_layers(
+        n_layers={m["n_layers"]},
+        n_dense_layers={m["n_dense_layers"]},
+        dim=dim,
+        n_heads={m["n_heads"]},
+        q_lora_rank={m["q_lora_rank"]},
+        kv_lora_rank={m["kv_lora_rank"]},
+        qk_nope_head_dim={m["qk_nope_head_dim"]},
+        qk_rope_head_dim={m["qk_rope_head_dim"]},
+        v_head_dim={m["v_head_dim"]},
+        mscale={m["mscale"]!r},
+        dense_hidden_dim={m["dense_hidden_dim"]},
+        moe_hidden_dim={m["moe_hidden_dim"]},
+        num_experts={m["num_experts"]},
+        num_shared_experts={m["num_shared_experts"]},
+        router_top_k={m["top_k"]},
+        router_score_func="sigmoid",
+        router_num_expert_groups={m["groups"]!r},
+        router_num_limited_groups={m["limited_groups"]!r},
+        router_route_scale={m["route_scale"]!r},
+        router_route_norm=True,
+        attn_backend=attn_backend,
+        moe_comm_backend=moe_comm_backend,
+        non_blocking_capacity_factor=non_blocking_capacity_factor,
+        rope=ComplexRoPE.Config(
+            dim={m["qk_rope_head_dim"]},
+            max_seq_len={m["max_seq_len"]},
+            theta={m["theta"]!r},
+            scaling={m["scaling"]!r},
+            rope_factor={m["rope_factor"]!r},
+            beta_fast={m["beta_fast"]!r},
+            beta_slow={m["beta_slow"]!r},
+            original_seq_len={m["original_seq_len"]},
+            truncate={m["truncate"]!r},
+        ),
+    )
+    for layer in layers:
+        # the model's eps in every norm, the latents' included (torchtitan's RMSNorm defaults to 1e-5)
+        for norm in (layer.attention_norm, layer.ffn_norm, layer.attention.q_norm, layer.attention.kv_norm):
+            norm.eps = EPS
+        if layer.moe is not None:  # meshllm's correction bias does not move (balance_rate 0)
+            layer.moe.load_balance_coeff = None
+    return deepseek_v3.DeepSeekV3Model.Config(
+        vocab_size=vocab,
+        dim=dim,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=deepseek_v3._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, eps=EPS, param_init=deepseek_v3._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=deepseek_v3._output_linear_init(dim)),
+        layers=layers,
+        mtp_layers=[],
+    )
+
+
+deepseek_v3.deepseekv3_configs[{fn!r}] = _model
+
+
+def {fn}() -> Trainer.Config:
+    config = _base.deepseek_v3_debugmodel()
+    config.model_spec = deepseek_v3.model_registry({fn!r}, converters={conv})
     config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={m["vocab_size"]}))
     return config
 '''

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import shlex
 import warnings
 from pathlib import Path
@@ -68,7 +69,28 @@ MEGATRON_FLAGS: dict[str, tuple[dict[str, Any], bool]] = {
     "--moe-token-dispatcher-type": ({"type": str, "choices": ["allgather", "alltoall", "flex"]}, True),
     "--moe-router-pre-softmax": (_TRUE, True), "--moe-shared-expert-intermediate-size": (_INT, True),
     "--moe-shared-expert-gate": (_TRUE, True),
+    # multi-latent attention (_add_mla_args) and the router's (generated from TransformerConfig)
+    "--multi-latent-attention": (_TRUE, True), "--q-lora-rank": (_INT, False), "--kv-lora-rank": (_INT, False),
+    "--qk-head-dim": (_INT, False), "--qk-pos-emb-head-dim": (_INT, False), "--v-head-dim": (_INT, False),
+    "--rope-type": ({"type": str, "choices": ["rope", "yarn"]}, False), "--rotary-scaling-factor": (_FLOAT, False),
+    "--mscale": (_FLOAT, False), "--mscale-all-dim": (_FLOAT, False), "--rotary-percent": (_FLOAT, False),
+    "--moe-router-score-function": ({"type": str, "choices": ["softmax", "sigmoid"]}, True),
+    "--moe-router-enable-expert-bias": (_TRUE, True), "--moe-router-bias-update-rate": (_FLOAT, True),
+    "--moe-router-num-groups": (_INT, True), "--moe-router-group-topk": (_INT, True),
+    "--moe-router-topk-scaling-factor": (_FLOAT, True),
+    "--moe-router-dtype": ({"type": str, "choices": ["fp32", "fp64"]}, True),
+    "--moe-layer-freq": ({"type": str}, False),
 }
+
+
+def _moe_freq(x: str | None) -> int | list[int]:
+    """arguments.py's moe_freq_type: an int, or a list expression of digits, brackets, + and *."""
+    if x is None:
+        return 1
+    if "[" not in x:
+        return int(x)
+    assert not re.search(r"[^,\d\[\]\(\)\+\*]", x), x
+    return list(eval(x))  # noqa: S307 - the pattern holds only list arithmetic, as Megatron evaluates it
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -106,7 +128,7 @@ def _configs(ns: argparse.Namespace) -> tuple[Any, Any, Any]:
     import torch.nn.functional as F
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     dtype = torch.bfloat16 if ns.bf16 else torch.float32
     vpp = None
@@ -153,9 +175,28 @@ def _configs(ns: argparse.Namespace) -> tuple[Any, Any, Any]:
     if ns.moe_router_load_balancing_type is not None:
         kw["moe_router_load_balancing_type"] = ns.moe_router_load_balancing_type[0]
         kw["moe_aux_loss_coeff"] = ns.moe_aux_loss_coeff[0] if ns.moe_aux_loss_coeff else 0.0
+    # the router and the dense / moe layer pattern (TransformerConfig fields, as arguments.py copies them)
+    kw["moe_layer_freq"] = _moe_freq(ns.moe_layer_freq)
+    kw["moe_router_score_function"] = ns.moe_router_score_function or "softmax"
+    kw["moe_router_enable_expert_bias"] = ns.moe_router_enable_expert_bias
+    for name in ("moe_router_bias_update_rate", "moe_router_num_groups", "moe_router_group_topk",
+                 "moe_router_topk_scaling_factor", "moe_router_dtype"):
+        if getattr(ns, name) is not None:
+            kw[name] = getattr(ns, name)
+    config_class: Any = TransformerConfig
+    if ns.multi_latent_attention:  # core_transformer_config_from_args: MLATransformerConfig, its fields from args
+        config_class = MLATransformerConfig
+        kw.update(q_lora_rank=ns.q_lora_rank, kv_lora_rank=ns.kv_lora_rank or 32, qk_head_dim=ns.qk_head_dim or 128,
+                  qk_pos_emb_head_dim=ns.qk_pos_emb_head_dim or 64, v_head_dim=ns.v_head_dim or 128,
+                  rotary_scaling_factor=1.0 if ns.rotary_scaling_factor is None else ns.rotary_scaling_factor,
+                  mscale=1.0 if ns.mscale is None else ns.mscale,
+                  mscale_all_dim=0.0 if ns.mscale_all_dim is None else ns.mscale_all_dim,
+                  rotary_base=ns.rotary_base or 10000, rotary_percent=ns.rotary_percent or 1.0)
+        if ns.rope_type is not None:
+            kw["rope_type"] = ns.rope_type
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        tc = TransformerConfig(**kw)
+        tc = config_class(**kw)
         if tc.pipeline_model_parallel_layout is not None:  # as arguments.py's validate_args does
             tc.pipeline_model_parallel_layout.validate_layer_layout(tc.num_layers, 0)
         opt = OptimizerConfig(optimizer="adam", lr=1e-4, bf16=ns.bf16, params_dtype=dtype,
@@ -394,3 +435,95 @@ def test_qwen_moe(tmp_path: Path, capsys: pytest.CaptureFixture[str], family: st
         assert tc.moe_shared_expert_intermediate_size == 128
     else:
         assert tc.qk_layernorm and not tc.moe_router_pre_softmax and tc.moe_shared_expert_intermediate_size is None
+
+
+# DeepSeek-V3-class models: examples/tiny_deepseek.mesh and examples/deepseek_v3_671b.mesh, GLM-4.5, with
+# what Megatron-LM cannot say changed (see test_deepseek_refusals_are_located for those as they are)
+_TINY_DS = (("rope_original_positions = 16.0", "rope_original_positions = 4096.0"), ("top_k = 2", "top_k = 4"))
+_PLAN_FIX = (("recompute = ops", "recompute = blocks\n    precision { params = bf16, master = fp32, reduce = fp32 }"),)
+
+
+def _variant(tmp_path: Path, name: str, changes: tuple[tuple[str, str], ...]) -> Path:
+    text = (ROOT / "examples" / f"{name}.mesh").read_text()
+    for old, new in changes:
+        assert old in text, old
+        text = text.replace(old, new)
+    out = tmp_path / f"{name}.mesh"
+    out.write_text(text)
+    return out
+
+
+def _layered_check(src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[argparse.Namespace, Any, Any]:
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+    rc, err = _export(src, "train", tmp_path / "run.sh", capsys)
+    assert rc == 0, err
+    ns = _parser().parse_args(script_args(tmp_path / "run.sh"))
+    tc, _, _ = _configs(ns)
+    p = check_file(src).plans["train"]
+    assert isinstance(tc, MLATransformerConfig) == any(u.kind == "mla" for r in p.model.items
+                                                       for u in getattr(r, "body", ()))
+    return ns, tc, p
+
+
+@pytest.mark.parametrize("name", ["tiny_deepseek", "deepseek_v3_671b"])
+def test_deepseek_v3(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Multi-latent attention, YaRN, sigmoid routing with the expert bias, groups, shared expert, dense first
+    blocks: megatron-core's MLATransformerConfig built from the written flags holds the model's settings."""
+    src = _variant(tmp_path, name, _TINY_DS if name == "tiny_deepseek" else _PLAN_FIX)
+    ns, tc, p = _layered_check(src, tmp_path, capsys)
+    body = {r.name: {u.name: u for u in r.body} for r in p.model.items if hasattr(r, "body")}
+    attn, moe = body["blocks"]["attn"], body["blocks"]["mlp"]
+    a, e = dict(attn.attrs), dict(moe.attrs)
+    rope = dict(a["rope_scaling"])
+    n_dense, n_moe = next(r.count for r in p.model.items if getattr(r, "name", "") == "dense"), next(
+        r.count for r in p.model.items if getattr(r, "name", "") == "blocks")
+    assert tc.multi_latent_attention and tc.qk_layernorm
+    assert (tc.q_lora_rank, tc.kv_lora_rank, tc.qk_head_dim, tc.qk_pos_emb_head_dim, tc.v_head_dim) == (
+        a["q_lora_rank"], a["kv_lora_rank"], a["qk_nope_head_dim"], a["qk_rope_head_dim"], a["v_head_dim"])
+    assert (tc.rope_type, tc.rotary_scaling_factor, tc.mscale, tc.mscale_all_dim) == (
+        "yarn", rope["factor"], rope["mscale"], rope["mscale_all_dim"])
+    assert (tc.original_max_position_embeddings, tc.beta_fast, tc.beta_slow) == (
+        rope["original_max_position_embeddings"], rope["beta_fast"], rope["beta_slow"])
+    assert tc.rotary_base == a["rope_theta"] and tc.num_layers == n_dense + n_moe
+    assert tc.moe_layer_freq == [0] * n_dense + [1] * n_moe
+    assert tc.ffn_hidden_size == body["dense"]["mlp"].attr("ffn") and tc.moe_ffn_hidden_size == e["ffn"]
+    assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_router_score_function) == (e["experts"], e["top_k"], "sigmoid")
+    assert tc.moe_router_enable_expert_bias and tc.moe_router_bias_update_rate == e["balance_rate"]
+    assert (tc.moe_router_num_groups, tc.moe_router_group_topk) == (e["groups"], e["topk_groups"])
+    assert e["top_k"] // tc.moe_router_group_topk == 2  # Megatron scores a group by its top 2, as DeepSeek does
+    assert tc.moe_router_topk_scaling_factor == e["routed_scaling"] and tc.moe_router_dtype == "fp32"
+    assert tc.moe_shared_expert_intermediate_size == e["shared_ffn"] and not tc.moe_shared_expert_gate
+    assert tc.layernorm_epsilon == 1e-6 and not tc.add_bias_linear and tc.gated_linear_unit
+    assert tc.expert_model_parallel_size == p.mesh.size(*p.roles.expert)
+    assert tc.expert_tensor_parallel_size == (p.mesh.size(*p.roles.tensor) if p.roles.tensor else 1)
+    if name == "deepseek_v3_671b":  # 61 blocks over 16 stages: the layout string, as megatron-core parses it
+        counts = [sum(x.stop - x.start for x in s.pieces if x.start is not None) for s in p.stages]
+        assert _layout_counts(tc) == counts and sum(counts) == 61
+
+
+def test_glm45(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """GLM-4.5: GQA with q / k / v biases, per-head q / k norms, half the head rotary (`--rotary-percent`),
+    sigmoid routing without groups, a shared expert, 3 dense blocks."""
+    src = _variant(tmp_path, "glm45_355b", _PLAN_FIX)
+    ns, tc, p = _layered_check(src, tmp_path, capsys)
+    v = dict(p.model.values)
+    assert (tc.num_query_groups, tc.kv_channels, tc.add_qkv_bias, tc.qk_layernorm) == (8, 128, True, True)
+    assert ns.rotary_percent == v["rotary_dim"] / v["head_dim"] == 0.5
+    assert tc.moe_layer_freq == [0] * 3 + [1] * 89 and tc.moe_router_num_groups is None
+    assert (tc.moe_router_score_function, tc.moe_router_topk_scaling_factor) == ("sigmoid", 2.5)
+    assert (tc.num_moe_experts, tc.moe_ffn_hidden_size, tc.ffn_hidden_size) == (160, 1536, 12288)
+
+
+@pytest.mark.parametrize(("changes", "words"), [
+    ((), "YaRN `original_max_position_embeddings` = 16"),
+    ((_TINY_DS[0],), "groups scored by their top 2 experts with top_k 2 of 2 groups"),
+])
+def test_deepseek_refusals_are_located(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                       changes: tuple[tuple[str, str], ...], words: str) -> None:
+    """examples/tiny_deepseek.mesh as it is: its YaRN base of 16 positions has no Megatron-LM flag, and
+    Megatron scores a group by its top top_k / topk_groups experts (1 here), DeepSeek by its top 2."""
+    src = _variant(tmp_path, "tiny_deepseek", changes)
+    rc, err = _export(src, "train", tmp_path / "run.sh", capsys)
+    assert rc == 1 and "error[E1204]" in err and words in err and "help:" in err and "^" in err, err
+    assert not (tmp_path / "run.sh").exists()

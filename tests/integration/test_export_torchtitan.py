@@ -41,8 +41,40 @@ TP = """    shard blocks.*.attn.{q,k,v} column(tensor)
 """
 
 
-def _spec(axes: str, body: str, batch: int = 8, seq: int = 32) -> str:
-    return (f"mesh m {{ axes {axes} }}\n{MODEL}\nplan train on m for tiny {{\n    batch = {batch}\n"
+# Qwen3 (a llama with per-head q / k norms, its own head_dim, tied embeddings): torchtitan's qwen3 module
+QWEN3 = """model tiny = llama {
+    vocab = 256
+    hidden = 64
+    layers = 4
+    heads = 4
+    kv_heads = 2
+    head_dim = 32
+    ffn = 128
+    qk_norm = head
+    norm_eps = 1e-6
+    rope_theta = 1000000.0
+    tie_embeddings = true
+    dtype = bf16
+}
+"""
+
+# Qwen3-MoE: torchtitan's qwen3 MoE (softmax router, renormalised top-k)
+QWEN3_MOE = """model tiny = qwen3_moe {
+    vocab = 256
+    hidden = 64
+    layers = 2
+    heads = 4
+    kv_heads = 2
+    ffn = 32
+    experts = 4
+    top_k = 2
+    dtype = bf16
+}
+"""
+
+
+def _spec(axes: str, body: str, batch: int = 8, seq: int = 32, model: str = MODEL) -> str:
+    return (f"mesh m {{ axes {axes} }}\n{model}\nplan train on m for tiny {{\n    batch = {batch}\n"
             f"    seq = {seq}\n{body}}}\n")
 
 
@@ -76,6 +108,22 @@ def _check(tmp_path: Path, name: str, text: str, capsys: pytest.CaptureFixture[s
     return _parse(tmp_path, name, monkeypatch)
 
 
+def _meta_numel(cfg: Any) -> int:
+    """The parameters of torchtitan's model built from the parsed config (on the meta device), tied ones once."""
+    import torch
+
+    with torch.device("meta"):
+        model = cfg.model_spec.model.build()
+    return sum(p.numel() for p in model.parameters())
+
+
+def _planned_numel(text: str, tmp_path: Path) -> int:
+    from meshllm_dsl.checker import check_file
+
+    (tmp_path / "planned.mesh").write_text(text)
+    return check_file(tmp_path / "planned.mesh").plans["train"].model.numel
+
+
 def _degrees(cfg: Any) -> tuple[int, ...]:
     p = cfg.parallelism
     return (p.data_parallel_replicate_degree, p.data_parallel_shard_degree, p.tensor_parallel_degree,
@@ -83,8 +131,10 @@ def _degrees(cfg: Any) -> tuple[int, ...]:
 
 
 def test_fsdp(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    cfg = _check(tmp_path, "fsdp", _spec("data = 4", "    layout { batch -> data }\n"
-                                          "    optimizer adamw { zero 3 over data }\n"), capsys, monkeypatch)
+    text = _spec("data = 4", "    layout { batch -> data }\n    optimizer adamw { zero 3 over data }\n")
+    cfg = _check(tmp_path, "fsdp", text, capsys, monkeypatch)
+    assert cfg.model_spec.name == "llama3"
+    assert _meta_numel(cfg) == _planned_numel(text, tmp_path)  # torchtitan's model is the plan's, exactly
     assert _degrees(cfg) == (1, 4, 1, 1, 1, 1)
     assert cfg.parallelism.fsdp_reshard_after_forward == "always"
     assert (cfg.training.local_batch_size, cfg.training.global_batch_size, cfg.training.seq_len) == (2, 8, 32)
@@ -170,6 +220,111 @@ def test_float8_compile_selective(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert not type(cfg.model_spec.model.lm_head).__qualname__.startswith("Float8")
 
 
+def test_qwen3_dense(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A llama with per-head q / k norms is torchtitan's qwen3: its own head_dim, tied embeddings, eps 1e-6."""
+    text = _spec("data = 2, tensor = 2", "    layout { batch -> data, seq -> tensor }\n" + TP +
+                 "    optimizer adamw { zero 3 over data }\n", model=QWEN3)
+    cfg = _check(tmp_path, "qwen3", text, capsys, monkeypatch)
+    assert cfg.model_spec.name == "qwen3"
+    assert _degrees(cfg) == (1, 2, 2, 1, 1, 1)
+    assert cfg.parallelism.enable_sequence_parallel is True
+    m = cfg.model_spec.model
+    assert (m.dim, m.vocab_size, len(m.layers), m.enable_weight_tying) == (64, 256, 4, True)
+    attn = m.layers[0].attention
+    assert (attn.n_heads, attn.n_kv_heads, attn.head_dim) == (4, 2, 32)
+    assert m.layers[0].attention_norm.eps == 1e-6
+    assert _meta_numel(cfg) == _planned_numel(text, tmp_path)
+
+
+def test_qwen3_moe_expert_parallel(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-MoE: torchtitan's qwen3 MoE with the experts split over the FSDP ranks (its EP), whole over TP
+    (EP borrows the tensor ranks)."""
+    text = _spec("data = 2, tensor = 2", "    layout { batch -> data, experts -> data, heads -> tensor, "
+                 "kv_heads -> tensor, vocab -> tensor }\n    shard blocks.*.mlp.router replicate\n"
+                 "    optimizer adamw { zero 3 over data }\n", model=QWEN3_MOE)
+    cfg = _check(tmp_path, "qwen3_moe", text, capsys, monkeypatch)
+    assert cfg.model_spec.name == "qwen3"
+    assert _degrees(cfg) == (1, 2, 2, 1, 1, 2)
+    assert cfg.training.disable_cuda_graphs is True  # torchtitan refuses its all-to-all EP with CUDA graphs
+    for layer in cfg.model_spec.model.layers:
+        moe = layer.moe
+        assert (moe.num_experts, moe.router.top_k, moe.router.score_func, moe.router.route_norm) == (
+            4, 2, "softmax", True)
+        assert moe.load_balance_coeff is None  # meshllm's qwen3_moe has no expert-bias balancing
+        assert moe.routed_experts.inner_experts.hidden_dim == 32
+    assert _meta_numel(cfg) == _planned_numel(text, tmp_path)
+
+
+def test_qwen3_moe_experts_over_tensor(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without EP, torchtitan splits the experts' ffn over TP like a dense MLP: `ffn -> tensor`."""
+    text = _spec("data = 2, tensor = 2", "    layout { batch -> data, heads -> tensor, kv_heads -> tensor, "
+                 "ffn -> tensor, vocab -> tensor }\n    shard blocks.*.mlp.router replicate\n"
+                 "    optimizer adamw { zero 3 over data }\n", model=QWEN3_MOE)
+    cfg = _check(tmp_path, "qwen3_moe_tp", text, capsys, monkeypatch)
+    assert _degrees(cfg) == (1, 2, 2, 1, 1, 1)
+    assert _meta_numel(cfg) == _planned_numel(text, tmp_path)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _example(name: str, changes: tuple[tuple[str, str], ...]) -> str:
+    text = (ROOT / "examples" / f"{name}.mesh").read_text()
+    for old, new in changes:
+        assert old in text, old
+        text = text.replace(old, new)
+    return text
+
+
+# examples/tiny_deepseek.mesh without expert parallelism (torchtitan's EP borrows the tensor ranks, so its
+# routed experts would be whole over TP while it splits the shared experts there: a plan meshllm refuses,
+# E0402); examples/deepseek_v3_671b.mesh without its pipeline (61 blocks over 16 stages are uneven),
+# with ZeRO 3 for its ZeRO 1 and without the expert-bias update (torchtitan centres it on zero)
+_DEEPSEEK = {
+    "tiny_deepseek": (("experts -> data, ", ""),),
+    "deepseek_v3_671b": (("axes pipeline = 16, replica = 2, data = 64\n    hosts = 256", "axes replica = 2, data = 64\n    hosts = 16"),
+                         ("    stages over pipeline balanced\n    schedule 1f1b\n", ""),
+                         ("zero 1 over replica * data", "zero 3 over data"), ("balance_rate = 0.001", "balance_rate = 0.0")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_DEEPSEEK))
+def test_deepseek_v3(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchtitan's deepseek_v3 built from the written config function: its MLA, dense first blocks, sigmoid
+    routing over groups, shared experts and norms are the plan's, and its parameters (on the meta device)
+    are as many as meshllm's planner counts."""
+    from meshllm_dsl.checker import check_file
+
+    text = _example(name, _DEEPSEEK[name])
+    cfg = _check(tmp_path, name, text, capsys, monkeypatch)
+    p = check_file(tmp_path / f"{name}.mesh").plans["train"]
+    body = {r.name: {u.name: u for u in r.body} for r in p.model.items if hasattr(r, "body")}
+    a, e = dict(body["blocks"]["attn"].attrs), dict(body["blocks"]["mlp"].attrs)
+    rope = dict(a["rope_scaling"])
+    m = cfg.model_spec.model
+    assert cfg.model_spec.name == "deepseek_v3" and len(m.mtp_layers) == 0
+    n_dense = sum(1 for layer in m.layers if layer.moe is None)
+    assert (len(m.layers), n_dense) == (sum(r.count for r in p.model.items if hasattr(r, "body")),
+                                        next(r.count for r in p.model.items if getattr(r, "name", "") == "dense"))
+    attn = m.layers[-1].attention
+    assert (attn.n_heads, attn.q_lora_rank, attn.kv_lora_rank, attn.qk_nope_head_dim, attn.qk_rope_head_dim,
+            attn.v_head_dim) == (a["heads"], a["q_lora_rank"], a["kv_lora_rank"], a["qk_nope_head_dim"],
+                                 a["qk_rope_head_dim"], a["v_head_dim"])
+    assert (attn.rope.scaling, attn.rope.rope_factor, attn.rope.original_seq_len, attn.mscale) == (
+        "yarn", rope["factor"], rope["original_max_position_embeddings"], rope["mscale_all_dim"])
+    router = m.layers[-1].moe.router
+    assert (router.top_k, router.score_func, router.route_norm, router.route_scale) == (
+        e["top_k"], "sigmoid", True, e["routed_scaling"])
+    assert (router.num_expert_groups, router.num_limited_groups) == (e["groups"], e["topk_groups"])
+    assert m.layers[-1].moe.load_balance_coeff is None
+    assert {layer.attention_norm.eps for layer in m.layers} | {m.norm.eps, attn.kv_norm.eps} == {1e-6}
+    assert _degrees(cfg)[5] == (p.mesh.size(*p.roles.expert) if p.roles.expert else 1)
+    assert _meta_numel(cfg) == p.model.numel  # torchtitan's model is the plan's, exactly
+
+
 def test_misspelled_key_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                    monkeypatch: pytest.MonkeyPatch) -> None:
     rc, err = _export(tmp_path, "typo", _spec("data = 2", "    layout { batch -> data }\n"
@@ -178,6 +333,21 @@ def test_misspelled_key_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture
     with pytest.raises(SystemExit) as exc:
         _parse(tmp_path, "typo", monkeypatch, ("--parallelism.tensor_paralel_degree", "2"))
     assert exc.value.code == 2
+
+
+@pytest.mark.parametrize(("name", "changes", "code", "words"), [
+    ("tiny_deepseek", (), "E1205", "splits the experts' ffn over `tensor` beside expert parallelism"),
+    ("tiny_deepseek", (("experts -> data, ", ""), ("rope_mscale = 1.0", "rope_mscale = 0.5")), "E1204",
+     "YaRN mscale 0.5 != mscale_all_dim 1.0"),
+    ("deepseek_v3_671b", _DEEPSEEK["deepseek_v3_671b"][:3], "E1204", "an expert-bias update of 0.001"),
+])
+def test_deepseek_refusals_are_located(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str,
+                                       changes: tuple[tuple[str, str], ...], code: str, words: str) -> None:
+    """tiny_deepseek as it is (EP with the experts split over TP); transformers' cos / sin scaled by
+    mscale / mscale_all_dim (torchtitan's rope is a pure rotation); DeepSeek's sign update of the expert bias
+    (torchtitan's is centred on zero)."""
+    rc, err = _export(tmp_path, f"{name}_refused", _example(name, changes), capsys)
+    assert rc == 1 and f"error[{code}]" in err and words in err and "help:" in err and "^" in err, err
 
 
 @pytest.mark.parametrize(("name", "axes", "body", "code", "line"), [
@@ -194,6 +364,16 @@ def test_misspelled_key_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture
      "shard blocks.*.mlp.{gate,up,down} replicate"),
     ("gpt2", "data = 2", "    layout { batch -> data }\n    optimizer adamw { zero 3 over data }\n",
      "E1204", "model tiny = gpt2"),
+    ("qwen3_moe_etp", "data = 2, tensor = 2", "    layout { batch -> data, experts -> data, heads -> tensor, "
+     "kv_heads -> tensor, ffn -> tensor, vocab -> tensor }\n    shard blocks.*.mlp.router replicate\n"
+     "    optimizer adamw { zero 3 over data }\n", "E1205", "ffn -> tensor"),
+    ("qwen3_moe_aux", "data = 2", "    layout { batch -> data }\n    optimizer adamw { zero 3 over data }\n",
+     "E1204", "model tiny = qwen3_moe"),
+    ("qwen3_moe_tp_whole", "data = 2, tensor = 2", "    layout { batch -> data, heads -> tensor, kv_heads -> tensor, "
+     "vocab -> tensor }\n    shard blocks.*.mlp.router replicate\n    shard blocks.*.mlp.{gate,up,down} replicate\n"
+     "    optimizer adamw { zero 3 over data }\n", "E1205", "shard blocks.*.mlp.{gate,up,down} replicate"),
+    ("qwen3_moe_ep_replicas", "data = 2", "    layout { batch -> data, experts -> data }\n", "E1203",
+     "layout { batch -> data, experts -> data }"),
 ])
 def test_refusals_are_located(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, axes: str,
                               body: str, code: str, line: str) -> None:
@@ -201,6 +381,9 @@ def test_refusals_are_located(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     if name == "gpt2":  # a family torchtitan has no module for
         text = text.replace(MODEL, "model tiny = gpt2 {\n    vocab = 256\n    hidden = 64\n    layers = 2\n"
                             "    heads = 4\n    positions = 64\n}\n")
+    if name.startswith("qwen3_moe"):  # experts torchtitan's qwen3 MoE cannot run so
+        text = text.replace(MODEL, QWEN3_MOE.replace("    top_k = 2\n", "    top_k = 2\n    aux_loss_coef = 0.01\n")
+                            if name == "qwen3_moe_aux" else QWEN3_MOE)
     rc, err = _export(tmp_path, name, text, capsys)
     assert rc == 1
     assert f"error[{code}]" in err

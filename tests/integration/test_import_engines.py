@@ -312,3 +312,180 @@ def test_qwen_moe_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert imported.model.family == family
     assert _summary(imported) == _summary(original)
     assert _export(tmp_path / "i.mesh", "train", tmp_path / "b.sh") == args
+
+
+def _qwen3_hf_config(plan: PlanIR, directory: Path) -> Path:
+    """transformers' Qwen3Config / Qwen3MoeConfig with the plan's model."""
+    transformers = pytest.importorskip("transformers")
+    v = dict(plan.model.values)
+    common = dict(vocab_size=v["vocab"], hidden_size=v["hidden"], num_hidden_layers=v["layers"],
+                  num_attention_heads=v["heads"], num_key_value_heads=v["kv_heads"], head_dim=v["head_dim"],
+                  rms_norm_eps=v["norm_eps"], rope_theta=v["rope_theta"], max_position_embeddings=4096,
+                  tie_word_embeddings=bool(v.get("tie_embeddings", False)))
+    if plan.model.family == "qwen3_moe":
+        transformers.Qwen3MoeConfig(**common, moe_intermediate_size=v["ffn"], intermediate_size=v["ffn"],
+                                    num_experts=v["experts"], num_experts_per_tok=v["top_k"], norm_topk_prob=True,
+                                    decoder_sparse_step=1, mlp_only_layers=[]).save_pretrained(directory)
+    else:
+        transformers.Qwen3Config(**common, intermediate_size=v["ffn"]).save_pretrained(directory)
+    return directory
+
+
+_QWEN3 = """mesh m { axes data = 2, tensor = 2 }
+model tiny = llama {
+    vocab = 256
+    hidden = 64
+    layers = 4
+    heads = 4
+    kv_heads = 2
+    head_dim = 32
+    ffn = 128
+    qk_norm = head
+    norm_eps = 1e-6
+    rope_theta = 1000000.0
+    tie_embeddings = true
+    dtype = bf16
+}
+plan train on m for tiny {
+    batch = 8
+    seq = 32
+    layout { batch -> data, seq -> tensor }
+    shard blocks.*.attn.{q,k,v} column(tensor)
+    shard blocks.*.attn.o row(tensor)
+    shard blocks.*.mlp.{gate,up} column(tensor)
+    shard blocks.*.mlp.down row(tensor)
+    shard embed vocab_parallel(tensor)
+    shard lm_head column(tensor)
+    optimizer adamw { zero 3 over data }
+}
+"""
+
+_QWEN3_MOE = """mesh m { axes data = 4, tensor = 2 }
+model tiny = qwen3_moe {
+    vocab = 256
+    hidden = 64
+    layers = 2
+    heads = 4
+    kv_heads = 2
+    ffn = 32
+    experts = 4
+    top_k = 2
+    dtype = bf16
+}
+plan train on m for tiny {
+    batch = 8
+    seq = 32
+    layout { batch -> data, heads -> tensor, kv_heads -> tensor, ffn -> tensor, vocab -> tensor }
+    shard blocks.*.mlp.router replicate
+    optimizer adamw { zero 3 over data }
+}
+"""
+
+
+@pytest.mark.parametrize("name", ["qwen3", "qwen3_moe", "qwen3_moe_ep"])
+def test_torchtitan_qwen3_round_trip(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torchtitan's qwen3 (dense; MoE with the experts split over TP; MoE with EP over the FSDP ranks, the experts
+    whole over TP): export, import with the HF config, same plan."""
+    text = _QWEN3 if name == "qwen3" else _QWEN3_MOE
+    if name == "qwen3_moe_ep":  # the experts over 2 of the 4 FSDP ranks (torchtitan's EP borrows them), whole over TP
+        text = text.replace("data = 4,", "data = 2, expert = 2,").replace(
+            "batch -> data,", "batch -> data * expert, experts -> expert,").replace(
+            " ffn -> tensor,", "").replace("zero 3 over data", "zero 3 over data * expert")
+    src = tmp_path / f"{name}.mesh"
+    src.write_text(text)
+    result = check_file(src)
+    assert result.ok, [d.message for d in result.diagnostics]
+    original = result.plans["train"]
+    args = _titan_args(src, "train", tmp_path / "a.sh")
+    hf = _qwen3_hf_config(original, tmp_path / "hf")
+    rc = main(["import-torchtitan", "-o", str(tmp_path / "i.mesh"), "--hf-config", str(hf), "--", *args])
+    assert rc == 0, capsys.readouterr().err
+    result = check_file(tmp_path / "i.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    imported = result.plans["train"]
+    assert imported.model.family == original.model.family
+    assert dict(imported.model.values).get("qk_norm") == dict(original.model.values).get("qk_norm")
+    assert _summary(imported) == _summary(original)
+    assert _masked(_titan_args(tmp_path / "i.mesh", "train", tmp_path / "b.sh")) == _masked(args)
+
+
+# ---------------------------------------------------------------- DeepSeek-V3-class models, Megatron
+
+_DS_VARIANT = (("rope_original_positions = 16.0", "rope_original_positions = 4096.0"), ("top_k = 2", "top_k = 4"))
+
+
+def _units(p: PlanIR) -> list[tuple[str, str, dict[str, Any]]]:
+    """Every unit of the model with its attributes: the model as the planner and the runtime read it."""
+    out = []
+    for item in p.model.items:
+        for u in getattr(item, "body", (item,)):
+            out.append((getattr(item, "name", ""), u.kind, dict(u.attrs)))
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny_deepseek", "glm45"])
+def test_megatron_layered_round_trip(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/tiny_deepseek.mesh (with what Megatron-LM can say: 4096 YaRN positions, top 4 of 2 groups) and a
+    tiny GLM-4.5 of the glm4_moe family: export, import, the same plan and every unit's attributes equal."""
+    text = (ROOT / "examples" / "tiny_deepseek.mesh").read_text()
+    for old, new in _DS_VARIANT:
+        text = text.replace(old, new)
+    if name == "glm45":  # GQA, q / k / v biases, per-head q / k norms, half the head rotary
+        model = ("model tiny_deepseek = glm4_moe {\n    vocab = 256\n    hidden = 64\n    layers = 4\n    first_dense = 2\n"
+                 "    heads = 4\n    kv_heads = 2\n    head_dim = 16\n    rotary_dim = 8\n    ffn = 128\n"
+                 "    expert_ffn = 32\n    experts = 8\n    top_k = 4\n    groups = 1\n    topk_groups = 1\n"
+                 "    routed_scaling = 2.5\n    shared_experts = 1\n    attn_bias = true\n    qk_norm = head\n"
+                 "    dtype = fp32\n}\n")
+        start, end = text.index("model tiny_deepseek"), text.index("plan train")
+        text = text[:start] + model + "\n" + text[end:]
+        text = text.replace("heads -> tensor,", "heads -> tensor, kv_heads -> tensor,").replace(
+            "    shard {dense,blocks}.*.attn.{q_a,kv_a} replicate\n", "")
+    src = tmp_path / "ds.mesh"
+    src.write_text(text)
+    result = check_file(src)
+    assert result.ok, [d.message for d in result.diagnostics]
+    original = result.plans["train"]
+    args = _export(src, "train", tmp_path / "a.sh")
+    rc, err = _import(args, tmp_path / "i.mesh", original.mesh.devices, capsys)
+    assert rc == 0, err
+    result = check_file(tmp_path / "i.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    imported = result.plans["train"]
+    assert imported.model.family == original.model.family
+    assert _units(imported) == _units(original)
+    assert imported.model.numel == original.model.numel
+    assert _summary(imported) == _summary(original)
+    assert _export(tmp_path / "i.mesh", "train", tmp_path / "b.sh") == args
+
+
+def test_torchtitan_deepseek_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/tiny_deepseek.mesh without EP (torchtitan's EP borrows the tensor ranks): export to torchtitan,
+    import with a DeepseekV3Config of its model, the same plan and every unit's attributes."""
+    transformers = pytest.importorskip("transformers")
+    text = (ROOT / "examples" / "tiny_deepseek.mesh").read_text().replace("experts -> data, ", "")
+    src = tmp_path / "ds.mesh"
+    src.write_text(text)
+    original = check_file(src).plans["train"]
+    v = dict(original.model.values)
+    transformers.DeepseekV3Config(
+        vocab_size=v["vocab"], hidden_size=v["hidden"], intermediate_size=v["ffn"], moe_intermediate_size=v["expert_ffn"],
+        num_hidden_layers=v["layers"], num_attention_heads=v["heads"], num_key_value_heads=v["heads"],
+        n_shared_experts=v["shared_experts"], n_routed_experts=v["experts"], routed_scaling_factor=v["routed_scaling"],
+        kv_lora_rank=v["kv_lora_rank"], q_lora_rank=v["q_lora_rank"], qk_rope_head_dim=v["qk_rope_head_dim"],
+        v_head_dim=v["v_head_dim"], qk_nope_head_dim=v["qk_nope_head_dim"], n_group=v["groups"],
+        topk_group=v["topk_groups"], num_experts_per_tok=v["top_k"], first_k_dense_replace=v["first_dense"],
+        norm_topk_prob=True, rms_norm_eps=v["norm_eps"], rope_theta=v["rope_theta"], tie_word_embeddings=False,
+        max_position_embeddings=64, rope_scaling={
+            "rope_type": "yarn", "factor": v["rope_factor"], "original_max_position_embeddings": 16,
+            "mscale": v["rope_mscale"], "mscale_all_dim": v["rope_mscale_all_dim"], "beta_fast": 32.0,
+            "beta_slow": 1.0}).save_pretrained(tmp_path / "hf")
+    args = _titan_args(src, "train", tmp_path / "a.sh")
+    rc = main(["import-torchtitan", "-o", str(tmp_path / "i.mesh"), "--hf-config", str(tmp_path / "hf"), "--", *args])
+    assert rc == 0, capsys.readouterr().err
+    result = check_file(tmp_path / "i.mesh")
+    assert result.ok, [d.message for d in result.diagnostics]
+    imported = result.plans["train"]
+    assert imported.model.family == "deepseek_v3"
+    assert _units(imported) == _units(original) and imported.model.numel == original.model.numel
+    assert _summary(imported) == _summary(original)
+    assert _masked(_titan_args(tmp_path / "i.mesh", "train", tmp_path / "b.sh")) == _masked(args)
