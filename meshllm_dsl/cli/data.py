@@ -290,7 +290,10 @@ def run_data(args: argparse.Namespace, documents: bool = False) -> str | None:
             raise UsageError(str(err)) from None
         if missing:
             raise UsageError(f"--data {missing[0]}: no such file or directory")
-    text = spec is not None and Path(spec).is_file() and token_file_header(spec) is None
+    try:
+        text = spec is not None and Path(spec).is_file() and token_file_header(spec) is None
+    except DataError:
+        text = False  # a broken token file: the launcher's checks name what is wrong with it
     wanted = documents and text and args.tokenizer is not None
     if spec is None or args.infer or not (_needs_tokenizing(spec) or field != "text" or wanted):
         return spec
