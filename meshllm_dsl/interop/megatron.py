@@ -38,6 +38,7 @@ from meshllm_dsl.interop.export import (
     _stmt_span,
     _zero_span,
 )
+from meshllm_dsl.interop.layered import layered_build
 from meshllm_dsl.ir import PlanIR, Repeat
 
 TARGET = "megatron"  # meshc export's --to beside export.TARGETS
@@ -235,30 +236,24 @@ def _layered_model(found: _Findings) -> list[tuple[str, str | None]]:
         found.refuse(E1204, f"model `{m.name}` has {what}, which Megatron's GPT model does not", span,
                      label=label, help=help)
 
-    repeats = [it for it in m.items if isinstance(it, Repeat)]
-    tops = {it.name: it for it in m.items if not isinstance(it, Repeat)}
-    bodies = [{u.name: u for u in r.body} for r in repeats]
-    kinds = [b.get("mlp").kind if "mlp" in b else None for b in bodies]
-    if (list(tops) != ["embed", "norm", "lm_head"] or kinds not in (["moe"], ["mlp", "moe"])
-            or any(set(b) != {"attn_norm", "attn", "mlp_norm", "mlp"} for b in bodies)
-            or [it.name for it in m.items if isinstance(it, Repeat)] != [r.name for r in repeats]):
+    build = layered_build(m)
+    if build is None:
         refuse("another build than embed, dense blocks, moe blocks, norm, head", "not Megatron's decoder",
                "export a model of DeepSeek-V3's build (a `deepseek_v3` or `glm4_moe` family model)")
         return []
-    dense, moe_blocks = (repeats[0], repeats[1]) if len(repeats) == 2 else (None, repeats[0])
-    attn, moe = bodies[-1]["attn"], bodies[-1]["mlp"]
+    tops, dense, bodies = build.tops, build.dense, build.bodies
+    attn, moe = build.attn, build.experts
     a, e = dict(attn.attrs), dict(moe.attrs)
-    if any(dict(b["attn"].attrs) != a for b in bodies):
+    if not build.same_attention():
         refuse("dense and moe blocks with different attention", "attention differs", "give every block the same attention")
-    norms = [b[n] for b in bodies for n in ("attn_norm", "mlp_norm")] + [tops["norm"]]
+    norms = build.norms()
     eps = {float(n.attr("eps")) for n in norms}  # type: ignore[arg-type]
     if any(n.kind != "rmsnorm" or n.attr("offset") or n.attr("post") for n in norms) or len(eps) != 1:
         refuse("norms other than one pre-norm RMSNorm eps", "norms", "use rmsnorm with one eps everywhere")
     head, embed = dict(tops["lm_head"].attrs), dict(tops["embed"].attrs)
     if head.get("bias") or head.get("softcap") or embed.get("scaled"):
         refuse("a head bias, logit softcap or scaled embedding", "lm_head / embed", "drop them")
-    layers = moe_blocks.count + (dense.count if dense else 0)
-    dense_ffn = int(bodies[0]["mlp"].attr("ffn")) if dense else int(e["ffn"])  # type: ignore[arg-type]
+    layers, dense_ffn = build.layers, build.dense_ffn
     if dense is not None and (bodies[0]["mlp"].attr("act") != "swiglu" or bodies[0]["mlp"].attr("bias")):
         refuse("a dense MLP other than SwiGLU without biases", "dense mlp", "use a SwiGLU mlp")
     flags: list[tuple[str, str | None]] = [
@@ -336,7 +331,7 @@ def _layered_model(found: _Findings) -> list[tuple[str, str | None]]:
     flags += [("--num-experts", str(e["experts"])), ("--moe-router-topk", str(k)),
               ("--moe-ffn-hidden-size", str(e["ffn"])), ("--moe-token-dispatcher-type", "alltoall")]
     if dense is not None:
-        flags.append(("--moe-layer-freq", f"([0]*{dense.count}+[1]*{moe_blocks.count})"))
+        flags.append(("--moe-layer-freq", f"([0]*{dense.count}+[1]*{build.moe.count})"))
     if e["scoring"] == "sigmoid":
         if not e["norm_topk_prob"] and k > 1:
             refuse("sigmoid top-k weights not renormalised", "`norm_topk_prob` = false",

@@ -31,6 +31,7 @@ from meshllm_dsl.interop.export import (
     _stmt_span,
     _zero_span,
 )
+from meshllm_dsl.interop.layered import layered_build
 from meshllm_dsl.ir import PlanIR, Repeat
 
 TORCHTITAN = "0.3"
@@ -244,20 +245,16 @@ def _deepseek(found: _Findings) -> dict[str, Any] | None:
         found.refuse(E1204, f"model `{m.name}` has {what}, which torchtitan's deepseek_v3 does not", span,
                      label=label, help=help)
 
-    repeats = [it for it in m.items if isinstance(it, Repeat)]
-    tops = {it.name: it for it in m.items if not isinstance(it, Repeat)}
-    bodies = [{u.name: u for u in r.body} for r in repeats]
-    kinds = [(b["attn"].kind, b["mlp"].kind) if set(b) == {"attn_norm", "attn", "mlp_norm", "mlp"} else None
-             for b in bodies]
-    if list(tops) != ["embed", "norm", "lm_head"] or kinds not in ([("mla", "moe")], [("mla", "mlp"), ("mla", "moe")]):
+    build = layered_build(m)
+    if build is None or any(b["attn"].kind != "mla" for b in build.bodies):
         refuse("another build than embed, dense blocks, moe blocks, norm, head", "not torchtitan's DeepSeek-V3",
                "export a model of DeepSeek-V3's build (a `deepseek_v3` family model)")
         return None
-    dense = repeats[0] if len(repeats) == 2 else None
-    a, e = dict(bodies[-1]["attn"].attrs), dict(bodies[-1]["mlp"].attrs)
-    if any(dict(b["attn"].attrs) != a for b in bodies):
+    tops, dense = build.tops, build.dense
+    a, e = dict(build.attn.attrs), dict(build.experts.attrs)
+    if not build.same_attention():
         refuse("dense and moe blocks with different attention", "attention differs", "give every block the same attention")
-    norms = [b[n] for b in bodies for n in ("attn_norm", "mlp_norm")] + [tops["norm"]]
+    norms = build.norms()
     eps = {float(n.attr("eps")) for n in norms} | {float(a["norm_eps"])}  # type: ignore[arg-type]
     if any(n.kind != "rmsnorm" or n.attr("offset") or n.attr("post") for n in norms) or len(eps) != 1:
         refuse("norms other than one pre-norm RMSNorm eps (the latents' included)", "norms",
@@ -291,11 +288,11 @@ def _deepseek(found: _Findings) -> dict[str, Any] | None:
     if not e.get("shared_expert") or int(e["shared_ffn"]) % int(e["ffn"]):  # type: ignore[arg-type]
         refuse("no whole shared experts", "`shared_experts`", "torchtitan's DeepSeek-V3 always has shared experts")
     groups = int(e["groups"])  # type: ignore[arg-type]
-    dense_ffn = int(bodies[0]["mlp"].attr("ffn")) if dense else int(e["ffn"])  # type: ignore[arg-type]
+    dense_ffn = build.dense_ffn
     theta = float(a["rope_theta"])  # type: ignore[arg-type]
     return {
         "module": "deepseek_v3", "dim": a["hidden"], "vocab_size": embed["num"], "norm_eps": min(eps),
-        "n_layers": repeats[-1].count + (dense.count if dense else 0), "n_dense_layers": dense.count if dense else 0,
+        "n_layers": build.layers, "n_dense_layers": dense.count if dense else 0,
         "n_heads": a["heads"], "q_lora_rank": a.get("q_lora_rank") or 0, "kv_lora_rank": a["kv_lora_rank"],
         "qk_nope_head_dim": a["qk_nope_head_dim"], "qk_rope_head_dim": a["qk_rope_head_dim"],
         "v_head_dim": a["v_head_dim"], "mscale": float(rope.get("mscale_all_dim", 0.0)) if rope else 0.0,
