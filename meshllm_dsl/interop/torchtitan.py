@@ -477,6 +477,22 @@ def config_name(plan: PlanIR) -> str:
     return f"meshllm_{plan.name}"
 
 
+def _registration(module: str, configs: str, base: str, fn: str, conv: str, vocab: object) -> str:
+    """The end of every written config_registry module: the model config registered under ``fn`` in
+    torchtitan's ``module`` registry, and the function `--config` names (``base``'s trainer config with
+    that model, the float8 converters ``conv`` and a chunked cross-entropy over ``vocab``)."""
+    return f'''
+{module}.{configs}[{fn!r}] = _model
+
+
+def {fn}() -> Trainer.Config:
+    config = _base.{base}()
+    config.model_spec = {module}.model_registry({fn!r}, converters={conv})
+    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={vocab}))
+    return config
+'''
+
+
 def render_config(exp: TitanExport, plan: PlanIR, source_path: str) -> str:
     """The config_registry module `--module` names: the plan's Llama with torchtitan's classes."""
     m = exp.model
@@ -533,16 +549,8 @@ def _model(attn_backend: str = "flex", tp_gemm_backend: str = "default") -> llam
         ),
     )
 
-
-llama3.llama3_configs[{fn!r}] = _model
-
-
-def {fn}() -> Trainer.Config:
-    config = _base.llama3_debugmodel()
-    config.model_spec = llama3.model_registry({fn!r}, converters={conv})
-    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={m["vocab_size"]}))
-    return config
 '''
+    text += _registration("llama3", "llama3_configs", "llama3_debugmodel", fn, conv, m["vocab_size"])
     compile(text, "<torchtitan config>", "exec")
     return text
 
@@ -624,16 +632,8 @@ def _model(attn_backend: str = "flex"{extra}) -> qwen3.Qwen3Model.Config:
         layers=layers,
     )
 
-
-qwen3.qwen3_configs[{fn!r}] = _model
-
-
-def {fn}() -> Trainer.Config:
-    config = _base.{base}()
-    config.model_spec = qwen3.model_registry({fn!r}, converters={conv})
-    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={m["vocab_size"]}))
-    return config
 '''
+    text += _registration("qwen3", "qwen3_configs", base, fn, conv, m["vocab_size"])
     compile(text, "<torchtitan config>", "exec")
     return text
 
@@ -722,16 +722,8 @@ def _model(
         mtp_layers=[],
     )
 
-
-deepseek_v3.deepseekv3_configs[{fn!r}] = _model
-
-
-def {fn}() -> Trainer.Config:
-    config = _base.deepseek_v3_debugmodel()
-    config.model_spec = deepseek_v3.model_registry({fn!r}, converters={conv})
-    config.loss = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size={m["vocab_size"]}))
-    return config
 '''
+    text += _registration("deepseek_v3", "deepseekv3_configs", "deepseek_v3_debugmodel", fn, conv, m["vocab_size"])
     compile(text, "<torchtitan config>", "exec")
     return text
 
