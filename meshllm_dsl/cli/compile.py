@@ -58,18 +58,6 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
-def _is_corpus(data: Path) -> bool:
-    """Whether the ranks read ``data`` as a corpus of documents; UsageError for a broken token file."""
-    from meshllm_dsl.cli.main import UsageError
-    from meshllm_dsl.runtime.train import launch
-    from meshllm_dsl.runtime.train.tokens import DataError
-
-    try:
-        return launch.is_corpus(data)
-    except DataError as err:
-        raise UsageError(str(err)) from None
-
-
 def _run_inputs(args: argparse.Namespace, seq: int, plan: Any = None) -> list[str]:
     """The flags passed to every rank, after the checks that need no rank (UsageError if bad)."""
     from meshllm_dsl.cli.main import UsageError
@@ -116,7 +104,7 @@ def _run_inputs(args: argparse.Namespace, seq: int, plan: Any = None) -> list[st
         launch.check_inputs(ns, model_description(plan) if plan is not None else None, seq)
     except launch.InputError as err:
         raise UsageError(str(err)) from None
-    if plan is not None and plan.document_mask and data and not args.infer and not _is_corpus(Path(data)):
+    if plan is not None and plan.document_mask and data and not args.infer and not launch.is_corpus(Path(data)):
         # The windows of a text or byte file cross document boundaries the mask cannot see.
         raise UsageError(f"--data {data}: `pack = documents` in plan `{plan.name}` trains on documents; this file "
                          "is read as windows of text or bytes that cross them. Pass --tokenizer DIR with a source "

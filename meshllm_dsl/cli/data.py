@@ -11,21 +11,16 @@ from typing import Any
 
 
 def _sources(paths: list[str]) -> list[Any]:
-    from meshllm_dsl.cli.main import UsageError
     from meshllm_dsl.runtime.data.sources import open_source
-    from meshllm_dsl.runtime.train.tokens import DataError
 
-    try:
-        return [open_source(p) for p in paths]
-    except DataError as err:
-        raise UsageError(str(err)) from None
+    return [open_source(p) for p in paths]
 
 
 def _encoder(tokenizer: str | None, sources: list[Any]) -> tuple[Any, Any]:
     """(the Tokenizer, its EncoderSpec), or (None, None) when every source is a token file."""
     from meshllm_dsl.cli.main import UsageError
     from meshllm_dsl.runtime.data.prepare import encoder_spec
-    from meshllm_dsl.runtime.train.tokens import DataError, Tokenizer
+    from meshllm_dsl.runtime.train.tokens import Tokenizer
 
     if tokenizer is None:
         needs = [s for s in sources if s.kind != "tokens"]
@@ -34,11 +29,8 @@ def _encoder(tokenizer: str | None, sources: list[Any]) -> tuple[Any, Any]:
         return None, None
     if not Path(tokenizer).exists():
         raise UsageError(f"--tokenizer {tokenizer}: no such directory")
-    try:
-        tok = Tokenizer(tokenizer)
-        return tok, encoder_spec(tok, Path(tokenizer))
-    except DataError as err:
-        raise UsageError(str(err)) from None
+    tok = Tokenizer(tokenizer)
+    return tok, encoder_spec(tok, Path(tokenizer))
 
 
 def _skipped(counts: Any) -> None:
@@ -126,28 +118,23 @@ def format_stats(counts: Any, described: list[str]) -> str:
 
 
 def cmd_data_stats(args: argparse.Namespace) -> int:
-    from meshllm_dsl.cli.main import UsageError
     from meshllm_dsl.runtime.data.prepare import Counts, encode_sources
-    from meshllm_dsl.runtime.train.tokens import DataError
 
     sources = _sources(args.sources)
-    try:
-        if all(s.kind == "tokens" for s in sources) and args.tokenizer is None:
-            total = Counts()
-            for s in sources:
-                c = _token_file_counts(s)
-                total.documents += c.documents
-                total.tokens += c.tokens
-                total.loss_tokens += c.loss_tokens
-                for k, n in c.histogram.items():
-                    total.histogram[k] = total.histogram.get(k, 0) + n
-            counts = total
-        else:
-            _, spec = _encoder(args.tokenizer, sources)
-            counts = encode_sources(sources, spec, None, text_field=args.text_field, skip_bad=args.skip_bad,
-                                    workers=args.workers)
-    except DataError as err:
-        raise UsageError(str(err)) from None
+    if all(s.kind == "tokens" for s in sources) and args.tokenizer is None:
+        total = Counts()
+        for s in sources:
+            c = _token_file_counts(s)
+            total.documents += c.documents
+            total.tokens += c.tokens
+            total.loss_tokens += c.loss_tokens
+            for k, n in c.histogram.items():
+                total.histogram[k] = total.histogram.get(k, 0) + n
+        counts = total
+    else:
+        _, spec = _encoder(args.tokenizer, sources)
+        counts = encode_sources(sources, spec, None, text_field=args.text_field, skip_bad=args.skip_bad,
+                                workers=args.workers)
     print(format_stats(counts, [s.describe() for s in sources]))
     if args.plan is not None:
         corpora = data_corpora([(p, 1.0) for p in args.sources], args.tokenizer, args)
@@ -162,14 +149,10 @@ def data_corpora(spec: str | list[tuple[str, float]], tokenizer: str | None, arg
     """The corpora of ``spec`` with their weights, tokenized into ``--data-cache`` as `meshc run` does."""
     from meshllm_dsl.cli.main import UsageError
     from meshllm_dsl.runtime.data.prepare import prepare_corpora
-    from meshllm_dsl.runtime.train.tokens import DataError
 
     if tokenizer is not None and not Path(tokenizer).exists():
         raise UsageError(f"--tokenizer {tokenizer}: no such directory")
-    try:
-        return prepare_corpora(spec, tokenizer, args.data_cache, text_field=args.text_field, skip_bad=args.skip_bad)
-    except DataError as err:
-        raise UsageError(str(err)) from None
+    return prepare_corpora(spec, tokenizer, args.data_cache, text_field=args.text_field, skip_bad=args.skip_bad)
 
 
 def measure_data(corpora: list[Any], plan: Any, *, seed: int, steps: int, balance: bool) -> Any:
@@ -276,7 +259,6 @@ def run_data(args: argparse.Namespace, documents: bool = False) -> str | None:
     when it is one file they read (a token file, a text file, bytes).  With ``documents`` (the plan
     masks them) a text file with ``--tokenizer`` is tokenized into its documents too."""
     from meshllm_dsl.cli.main import UsageError
-    from meshllm_dsl.runtime.data.prepare import prepare_corpora
     from meshllm_dsl.runtime.train.tokens import DataError, token_file_header
 
     spec = args.data
@@ -284,10 +266,7 @@ def run_data(args: argparse.Namespace, documents: bool = False) -> str | None:
     if spec is not None and not args.infer and not Path(spec).exists():
         from meshllm_dsl.runtime.data.sources import parse_data_spec
 
-        try:
-            missing = [path for path, _ in parse_data_spec(spec) if not path.exists()]
-        except DataError as err:
-            raise UsageError(str(err)) from None
+        missing = [path for path, _ in parse_data_spec(spec) if not path.exists()]
         if missing:
             raise UsageError(f"--data {missing[0]}: no such file or directory")
     try:
@@ -301,11 +280,7 @@ def run_data(args: argparse.Namespace, documents: bool = False) -> str | None:
         raise UsageError(f"--data {spec}: these sources are tokenized before training; pass --tokenizer DIR")
     if args.eval and "," in spec:
         raise UsageError("--eval takes one held-out --data source, not a weighted mix")
-    try:
-        corpora = prepare_corpora(spec, args.tokenizer, getattr(args, "data_cache", "meshllm-data-cache"),
-                                  text_field=field, skip_bad=getattr(args, "skip_bad", False))
-    except DataError as err:
-        raise UsageError(str(err)) from None
+    corpora = data_corpora(spec, args.tokenizer, args)
     return ",".join(f"{c.path.resolve()}:{w:g}" if len(corpora) > 1 else str(c.path.resolve()) for c, w in corpora)
 
 

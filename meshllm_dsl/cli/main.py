@@ -240,6 +240,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if outputs is not None and isinstance(err, outputs.OutputError):
             print(f"meshc: error: {err}", file=sys.stderr)
             return EXIT_USAGE
+        # DataError: training data that cannot be used (a bad record at file:line, a broken token
+        # file), one line naming it; only the commands that read data import where it lives.
+        tokens = sys.modules.get("meshllm_dsl.runtime.train.tokens")
+        if tokens is not None and isinstance(err, tokens.DataError):
+            print(f"meshc: error: {err}", file=sys.stderr)
+            return EXIT_USAGE
         import traceback
 
         print("meshc: internal error (please report it with the spec that caused it):", file=sys.stderr)
