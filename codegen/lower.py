@@ -595,6 +595,8 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         *(["Documents: rows pack several documents, each token attends only to its own document's earlier tokens "
            "(`pack = documents`)" + (", positions restart at each document (`positions = restart`)" if plan.restart_positions
                                      else "") + "."] if plan.document_mask else []),
+        *([f"Context balance: each packed row spread over the context ranks by its documents (`context_balance = "
+           f"{plan.context_balance}`, runtime/parallel/context_layout.py)."] if plan.context_balance != "headtail" else []),
         "",
         f"Run: torchrun --nproc-per-node {mesh.devices} THIS_FILE --steps 10",
     ]
@@ -647,6 +649,9 @@ def lower(plan: PlanIR, source_path: str, source_text: str) -> ModuleContext:
         program.append(Line("document_mask=True,", "`pack = documents`: train_step / forward take documents (runtime/model/documents.py)"))
     if plan.restart_positions:
         program.append(Line("restart_positions=True,", "`positions = restart`: positions restart at each document"))
+    if plan.context_balance != "headtail":
+        program.append(Line(f"context_balance={plan.context_balance!r},",
+                            "each packed row's tokens spread over the context ranks by its documents"))
     if mesh.hosts > 1:
         # The runtime checks at start-up that each group the planner keeps in a host is on one node.
         program.append(Line(f"hosts={mesh.hosts},"))

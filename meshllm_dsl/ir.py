@@ -98,6 +98,8 @@ COMPILES = ("none", "blocks")
 # document's tokens from 0; `continue` numbers the row's. The first of each is the default.
 PACKS = ("none", "documents")
 POSITIONS = ("continue", "restart")
+# `context_balance`: how packed rows spread over the context ranks (runtime/parallel/context_layout.py).
+CONTEXT_BALANCES = ("headtail", "per_document", "ptrr")
 
 
 @attrs.frozen
@@ -519,6 +521,7 @@ class PlanIR:
     compile: str = "none"  # one of COMPILES
     document_mask: bool = False  # `pack = documents`
     restart_positions: bool = False  # `positions = restart`
+    context_balance: str = "headtail"  # one of CONTEXT_BALANCES
     span: Span | None = attrs.field(eq=False, default=None)
 
     def __attrs_post_init__(self) -> None:

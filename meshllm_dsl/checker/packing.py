@@ -3,7 +3,11 @@
 `pack = documents`: each row of a batch holds several documents and a token attends only to the
 earlier tokens of its own document (block-causal attention, as Llama 3 trains; runtime/model/
 documents.py); `positions = restart`: rotary (and learned) positions restart at 0 at each document.
-The generated program carries both (``Program.document_mask`` / ``restart_positions``): the data
+`context_balance = headtail | per_document | ptrr`: how a packed row's tokens spread over the context
+ranks (runtime/parallel/context_layout.py); anything but head-tail needs documents to balance by
+and context ranks to spread over.
+The generated program carries them (``Program.document_mask`` / ``restart_positions`` /
+``context_balance``): the data
 path packs by them and `meshc verify` compares on packed batches. What the runtime does not carry
 through yet is refused here: torch.compile'd blocks would read them as globals,
 and a moe layer whose routing depends on the whole forward's tokens (router losses, a capacity
@@ -17,7 +21,7 @@ from meshllm_dsl.checker.context import PlanContext
 from meshllm_dsl.codes import E0203, E0309
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.names import or_list
-from meshllm_dsl.ir import PACKS, POSITIONS, Repeat
+from meshllm_dsl.ir import CONTEXT_BALANCES, PACKS, POSITIONS, Repeat
 
 
 class PackingRules(PlanContext):
@@ -61,3 +65,23 @@ class PackingRules(PlanContext):
                        help="drop `compile = blocks` (or `pack = documents`)")
             masked = restart = False
         return masked, restart
+
+    def context_balance(self, settings: dict[str, ast.Setting], masked: bool, context_axes: tuple[str, ...]) -> str:
+        """`context_balance = headtail | per_document | ptrr`; head-tail (the default) when absent,
+        wrong, or without the documents and context ranks a balance by documents needs."""
+        given = settings.get("context_balance")
+        balance = self._choice(given, "context_balance", CONTEXT_BALANCES,
+                               "a context balance: `per_document` or `ptrr` spread packed rows by their documents")
+        if given is None or balance == "headtail":
+            return balance
+        if not context_axes:
+            self.error(E0309, f"`context_balance = {balance}` without context parallelism", given.value.span,
+                       label="no context axes to spread the rows over",
+                       help="split the sequence over a context axis (`layout { seq -> AXIS }`), or drop `context_balance`")
+            return "headtail"
+        if not masked and "pack" not in self.bad_settings:
+            self.error(E0309, f"`context_balance = {balance}` without `pack = documents`", given.value.span,
+                       label="balances by documents, which only a document mask keeps apart",
+                       help="add `pack = documents` to the plan: without it head-tail already evens causal attention")
+            return "headtail"
+        return balance if masked else "headtail"

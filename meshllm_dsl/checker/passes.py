@@ -33,7 +33,8 @@ from meshllm_dsl.front.resolve import Binding
 from meshllm_dsl.ir import DTYPES, MeshIR, ModelIR, Repeat, Unit
 from meshllm_dsl.parallel.devices import DeviceProfile
 
-PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute", "skew", "compile", "pack", "positions")
+PLAN_SETTINGS = ("batch", "seq", "microbatches", "dtype", "recompute", "skew", "compile", "pack", "positions",
+                 "context_balance")
 # Settings the language used to accept that nothing downstream reads: refused until they are honoured.
 UNSUPPORTEDPLAN_SETTINGS = {
     "seed": "the seed is chosen at launch: `meshc run FILE --seed N` (or `--seed N` on the generated module)",
@@ -128,7 +129,7 @@ def settings(ctx: PassContext) -> PassResult:
         if s.every is not None and key != "recompute":
             w.error(E0203, f"`every` does not apply to `{key}`", s.every.span, label="not a per-block setting",
                     help="`every N` picks the blocks `recompute` applies to: drop it here")
-        if key in ("dtype", "recompute", "skew", "compile", "pack", "positions"):  # not integers: read by their own passes
+        if key in ("dtype", "recompute", "skew", "compile", "pack", "positions", "context_balance"):  # read by their own passes
             continue
         v = w.eval_int(s.value, env, key)
         if v is not None:
@@ -273,10 +274,12 @@ def matmul(ctx: PassContext) -> PassResult:
 
 
 def packing(ctx: PassContext) -> PassResult:
-    """`pack = documents` and `positions = restart`: checker/packing.py."""
+    """`pack = documents`, `positions = restart` and `context_balance`: checker/packing.py."""
     w = _Worker.of(ctx)
-    masked, restart = w.packing(dict(ctx["settings"]), ctx["compile"])
-    return w.result(document_mask=masked, restart_positions=restart)
+    settings = dict(ctx["settings"])
+    masked, restart = w.packing(settings, ctx["compile"])
+    balance = w.context_balance(settings, masked, ctx["context_axes"])
+    return w.result(document_mask=masked, restart_positions=restart, context_balance=balance)
 
 
 def expert_zero(ctx: PassContext) -> PassResult:

@@ -53,7 +53,7 @@ def plan_ir(ctx: PassContext) -> PlanIR:
         dtype=ctx["dtype"], master_dtype=ctx["master_dtype"], reduce_dtype=ctx["reduce_dtype"],
         recompute=ctx["recompute"], recompute_every=ctx["recompute_every"], skew=ctx["skew"],
         float8=ctx["float8"], compile=ctx["compile"], document_mask=ctx["document_mask"],
-        restart_positions=ctx["restart_positions"], span=ctx.decl.span,
+        restart_positions=ctx["restart_positions"], context_balance=ctx["context_balance"], span=ctx.decl.span,
     )
 
 

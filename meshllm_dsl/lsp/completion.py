@@ -18,6 +18,7 @@ from meshllm_dsl.checker.plan import PLAN_SETTINGS
 from meshllm_dsl.front import ast
 from meshllm_dsl.ir import (
     COMPILES,
+    CONTEXT_BALANCES,
     DTYPES,
     MATMULS,
     PACKS,
@@ -253,6 +254,8 @@ def _plan(a: Analysis, header: list[str], inner: list[list[str]], line: list[str
         return [Item(p, "value", "pack") for p in PACKS]
     if first == "positions" and line[-1] == "=":
         return [Item(p, "value", "positions") for p in POSITIONS]
+    if first == "context_balance" and line[-1] == "=":
+        return [Item(b, "value", "context_balance") for b in CONTEXT_BALANCES]
     if first == "precision" and len(line) >= 2 and line[-1] == "=" and line[-2] == "matmul":
         return [Item(m, "value", "float8 recipe (torchao)") for m in MATMULS] + [Item(d, "value", "dtype") for d in DTYPES]
     if first == "recompute" and line[-1] == "=":

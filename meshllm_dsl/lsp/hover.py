@@ -60,6 +60,9 @@ SETTING_DOCS = {
             "(block-causal attention; flex_attention's block mask on CUDA); `none` (default): across documents",
     "positions": "`restart`: rotary and learned positions start at 0 at each document (with `pack = documents`); "
                  "`continue` (default): the row's positions",
+    "context_balance": "how a packed row's tokens spread over the context ranks (with `pack = documents`): "
+                       "`headtail` (default) cuts the row into 2 n chunks, rank i takes i and 2 n - 1 - i; "
+                       "`per_document` does so within each document; `ptrr` deals blocks by their attention work",
 }
 
 

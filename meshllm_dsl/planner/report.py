@@ -336,6 +336,7 @@ def report_json(rep: PlanReport) -> dict[str, Any]:
         "context_axes": list(plan.roles.context),
         "document_mask": plan.document_mask,
         "restart_positions": plan.restart_positions,
+        "context_balance": plan.context_balance,
         "kv_gather_bytes_per_layer": kv_gather_bytes_per_layer(plan),
         "parameters": model.numel,
         "weight_bytes": model.numel * w,

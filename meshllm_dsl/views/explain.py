@@ -157,6 +157,7 @@ def explain_json(plan: PlanIR) -> dict[str, Any]:
         "compile": plan.compile,
         "document_mask": plan.document_mask,
         "restart_positions": plan.restart_positions,
+        "context_balance": plan.context_balance,
     }
 
 

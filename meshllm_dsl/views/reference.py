@@ -41,6 +41,7 @@ def language_page() -> str:
     from meshllm_dsl.front.resolve import _MESH_SETTINGS
     from meshllm_dsl.ir import (
         COMPILES,
+        CONTEXT_BALANCES,
         DTYPES,
         MATMULS,
         PACKS,
@@ -72,7 +73,10 @@ def language_page() -> str:
                                    "pack": ", ".join(_code(p) for p in PACKS) + ": `documents` masks attention at the "
                                    "document boundaries of a row (a token sees only its own document's earlier tokens)",
                                    "positions": ", ".join(_code(p) for p in POSITIONS) + ": `restart` numbers each "
-                                   "document's tokens from 0 (with `pack = documents`)"}[s]]
+                                   "document's tokens from 0 (with `pack = documents`)",
+                                   "context_balance": ", ".join(_code(b) for b in CONTEXT_BALANCES) + ": how a packed "
+                                   "row's tokens spread over the context ranks (`per_document`: head-tail within each "
+                                   "document; `ptrr`: blocks dealt by their attention work)"}[s]]
                for s in PLAN_SETTINGS] + [
                ["plan", _code(s), f"refused: {why}"] for s, why in UNSUPPORTEDPLAN_SETTINGS.items()] + [
                ["`optimizer adamw { }`", _code(s), f"{lo:g} {'<' if open_lo else '<='} value {'<' if open_hi else '<='} {hi:g}"]

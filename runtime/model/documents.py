@@ -33,11 +33,18 @@ class Packing:
     ``documents`` [b, s]: the document number of each of this rank's tokens (None: one stream,
     causal across documents); ``keys`` [b, t]: the document numbers of the keys its attention sees
     (under context parallelism every context rank's tokens in rank order, as K / V are gathered;
-    else ``documents``); ``positions`` [b, s]: each token's rotary position (None: the row's)."""
+    else ``documents``); ``positions`` [b, s]: each token's rotary position (None: the row's).
+
+    Under a context balance that depends on the rows (runtime/parallel/context_layout.py) each row's
+    tokens are spread over the context ranks its own way: ``sequence`` [b, s] holds this rank's
+    tokens' positions in their row and ``key_sequence`` [b, t] the gathered keys' (None: the static
+    head-tail split, the same for every row)."""
 
     documents: Tensor | None
     keys: Tensor | None
     positions: Tensor | None
+    sequence: Tensor | None = None
+    key_sequence: Tensor | None = None
 
 
 _ACTIVE: Packing | None = None
@@ -61,10 +68,11 @@ def packed(packing: Packing | None) -> Iterator[None]:
 
 
 def same_document(allowed: Tensor, packing: Packing | None) -> Tensor:
-    """``allowed`` [s, t] (causal, windowed) narrowed to pairs within one document: [b, 1, s, t],
+    """``allowed`` [s, t] or [b, s, t] (causal, windowed) narrowed to pairs within one document: [b, 1, s, t],
     broadcasting over heads; ``allowed`` itself without document numbers."""
     if packing is None or packing.documents is None:
         return allowed
     assert packing.keys is not None
     same = packing.documents[:, :, None] == packing.keys[:, None, :]  # [b, s, t]
-    return (allowed[None] & same)[:, None]
+    # ``allowed`` is [s, t] for positions shared by the rows, [b, s, t] for each row's own.
+    return ((allowed if allowed.dim() == 3 else allowed[None]) & same)[:, None]

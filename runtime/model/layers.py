@@ -228,10 +228,12 @@ def deinterleave(x: Tensor) -> Tensor:
 def _allowed(q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
     """[s, t] True where query position q_pos[i] may attend to key position k_pos[j]: causal, and
     within the last ``window`` positions (itself included) when a window is set (HF's
-    ``sliding_window_overlay``: kv_idx > q_idx - window)."""
-    allowed = k_pos[None, :] <= q_pos[:, None]
+    ``sliding_window_overlay``: kv_idx > q_idx - window). Positions [b, s] / [b, t] (each row's
+    own, under a context balance by documents) give [b, s, t]."""
+    k, q = k_pos.unsqueeze(-2), q_pos.unsqueeze(-1)
+    allowed = k <= q
     if window:
-        allowed &= k_pos[None, :] > q_pos[:, None] - window
+        allowed &= k > q - window
     return allowed
 
 
@@ -311,7 +313,8 @@ def attention(
 def masked_attention(qh: Tensor, kh: Tensor, vh: Tensor, q_pos: Tensor, k_pos: Tensor,
                      packing: documents.Packing | None, window: int = 0, scale: float | None = None,
                      softcap: float = 0.0, sinks: Tensor | None = None) -> Tensor:
-    """Attention of queries at sequence positions ``q_pos`` [s] over keys at ``k_pos`` [t]: causal,
+    """Attention of queries at sequence positions ``q_pos`` [s] (or [b, s]) over keys at ``k_pos`` [t]
+    (or [b, t]): causal,
     within ``window``, and with ``packing``'s document numbers within one document. qh [b, h, s, d],
     kh / vh [b, kvh, t, d] -> [b, h, s, dv].
 
@@ -347,11 +350,13 @@ def flex_masked_attention(qh: Tensor, kh: Tensor, vh: Tensor, q_pos: Tensor, k_p
         _FLEX = torch.compile(flex_attention, dynamic=False)
     assert packing.documents is not None and packing.keys is not None
     q_docs, k_docs = packing.documents.to(qh.device), packing.keys.to(qh.device)
+    # Sequence positions per row ([b, s] / [b, t]): shared ones broadcast over the rows.
+    q_seq, k_seq = q_pos.expand(q_docs.shape).to(qh.device), k_pos.expand(k_docs.shape).to(qh.device)
 
     def mask_mod(b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:
-        seen = (k_pos[k] <= q_pos[q]) & (q_docs[b, q] == k_docs[b, k])
+        seen = (k_seq[b, k] <= q_seq[b, q]) & (q_docs[b, q] == k_docs[b, k])
         if window:
-            seen = seen & (k_pos[k] > q_pos[q] - window)
+            seen = seen & (k_seq[b, k] > q_seq[b, q] - window)
         return seen
 
     block_mask = create_block_mask(mask_mod, qh.shape[0], None, qh.shape[2], kh.shape[2], device=qh.device)

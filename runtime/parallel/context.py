@@ -3,7 +3,10 @@ whole model (``layout { seq -> cp }`` over an axis that splits no weight).
 
 Load balance (torchtitan's head-tail): the sequence is cut into ``2 n`` equal chunks and context rank
 ``i`` holds chunks ``i`` and ``2 n - 1 - i``, so under the causal mask every rank attends to the same
-number of (query, key) pairs. Rotary takes each token's global position.
+number of (query, key) pairs. Rotary takes each token's global position. Packed rows under a
+document mask may instead be spread by their documents (`context_balance = per_document | ptrr`,
+runtime/parallel/context_layout.py): each row then has its own ``order`` (its positions in rank
+order), which ``local`` / ``unshard`` take and the step's ``Packing`` carries to attention.
 
 Attention all-gathers K and V over the axis (the Llama 3 paper's choice) instead of passing blocks
 around a ring with an online softmax: torch 2.13's own ``context_parallel`` (ring attention over
@@ -34,6 +37,7 @@ from torch import Tensor
 
 from meshllm_dsl.runtime.model import decode, documents, layers
 from meshllm_dsl.runtime.moe.routing import capacity_of, keep_within_capacity
+from meshllm_dsl.runtime.parallel import context_layout
 from meshllm_dsl.runtime.parallel.collectives import _GatherSeq, all_gather_cat, all_reduce_sum
 from meshllm_dsl.runtime.parallel.mesh import Mesh
 
@@ -72,22 +76,46 @@ class _SumOverSequence(torch.autograd.Function):
         return all_reduce_sum(grad, ctx.group), None  # type: ignore[attr-defined]
 
 
+def _take(t: Tensor, index: Tensor) -> Tensor:
+    """``t`` [b, s, ...] at each row's own positions ``index`` [b, k] along dim 1 -> [b, k, ...]."""
+    index = index.reshape(*index.shape, *([1] * (t.dim() - 2))).expand(*index.shape, *t.shape[2:])
+    return t.gather(1, index)
+
+
 class ContextShard:
     """This rank's part of the sequence over ``axes``: which chunks, their positions, attention."""
 
-    def __init__(self, mesh: Mesh, axes: tuple[str, ...]) -> None:
+    def __init__(self, mesh: Mesh, axes: tuple[str, ...], balance: str = "headtail") -> None:
         self.axes = tuple(axes)
         self.size = mesh.size(*self.axes)
         self.index = mesh.index(*self.axes)
         self.group = mesh.group(*self.axes)
+        if balance not in context_layout.BALANCES:
+            raise ValueError(f"unknown context balance {balance!r}; expected one of {', '.join(context_layout.BALANCES)}")
+        self.balance = balance
+
+    def row_order(self, documents: Tensor | None) -> Tensor | None:
+        """[b, s] each row's positions in context-rank order under a balance by documents, from the
+        rows' document numbers (host); None under head-tail, which every row shares."""
+        if self.balance == "headtail" or documents is None:
+            return None
+        return context_layout.layout(documents.cpu(), self.size, self.balance)
+
+    def mine(self, order: Tensor) -> Tensor:
+        """This rank's part of rows' ``order`` [b, s]: its tokens' positions in their rows [b, s / n]."""
+        part = order.shape[1] // self.size
+        return order[:, self.index * part : (self.index + 1) * part]
 
     def chunks(self, index: int | None = None) -> tuple[int, int]:
         """The two of the ``2 n`` chunks context rank ``index`` (default: this one) holds."""
         i = self.index if index is None else index
         return i, 2 * self.size - 1 - i
 
-    def local(self, t: Tensor, dim: int = SEQ_DIM) -> Tensor:
-        """This rank's chunks of the global ``t`` along ``dim``, head then tail."""
+    def local(self, t: Tensor, dim: int = SEQ_DIM, order: Tensor | None = None) -> Tensor:
+        """This rank's chunks of the global ``t`` along ``dim``, head then tail; with rows' ``order``
+        ([b, s], ``row_order``) the tokens it names for this rank ([b, s, ...] along dim 1)."""
+        if order is not None:
+            return _take(t, self.mine(order).to(t.device))
         n = 2 * self.size
         if t.shape[dim] % n:
             raise ValueError(f"sequence of {t.shape[dim]} tokens does not split into {n} equal chunks "
@@ -100,9 +128,11 @@ class ContextShard:
         """Global positions of the gathered sequence: rank 0's tokens, then rank 1's, ... [n * s_local]."""
         return torch.cat([self.indices(s_local, index=i) for i in range(self.size)])
 
-    def in_rank_order(self, t: Tensor, dim: int = SEQ_DIM) -> Tensor:
+    def in_rank_order(self, t: Tensor, dim: int = SEQ_DIM, order: Tensor | None = None) -> Tensor:
         """Every context rank's chunks of the global ``t`` along ``dim``, rank 0's then rank 1's, ...:
         the order K and V are gathered in (no communication: every rank holds the global batch)."""
+        if order is not None:
+            return _take(t, order.to(t.device))
         parts = t.chunk(2 * self.size, dim=dim)
         return torch.cat([parts[c] for i in range(self.size) for c in self.chunks(i)], dim=dim)
 
@@ -150,12 +180,15 @@ class ContextShard:
 
         return keep
 
-    def unshard(self, local: Tensor, dim: int = SEQ_DIM) -> Tensor:
-        """The global sequence from every rank's ``local`` (no autograd): the inverse of ``local``."""
+    def unshard(self, local: Tensor, dim: int = SEQ_DIM, order: Tensor | None = None) -> Tensor:
+        """The global sequence from every rank's ``local`` (no autograd): the inverse of ``local``
+        (with the same rows' ``order``, along dim 1)."""
         if self.group is None:
             return local
         # [.., s / n, ..] per rank -> [.., s, ..] in rank order, then back to position order.
         gathered = all_gather_cat(local, self.group, dim)
+        if order is not None:
+            return _take(gathered, torch.argsort(order, dim=1).to(local.device))
         inverse = torch.argsort(self.order(local.shape[dim]).to(local.device))
         return gathered.index_select(dim, inverse)
 
@@ -178,9 +211,13 @@ class ContextShard:
             # rank and each rank's cache holds the whole sequence.
             return layers.attention(q, k, v, kv_cache=kv_cache, window=window, scale=scale, softcap=softcap, sinks=sinks)
         b, s, h, d = q.shape
-        q_pos = self.indices(s, q.device)
         packing = documents.active() if not decoding else None
-        k_pos = self.order(s).to(q.device)
+        if packing is not None and packing.sequence is not None:
+            # Each row spread by its documents: its queries' and gathered keys' own positions [b, .].
+            assert packing.key_sequence is not None
+            q_pos, k_pos = packing.sequence.to(q.device), packing.key_sequence.to(q.device)
+        else:
+            q_pos, k_pos = self.indices(s, q.device), self.order(s).to(q.device)
         if decoding and kv_cache is not None:
             k_all, v_all = k, v  # the whole prompt's, rebuilt from the gathered latents
             k_pos = torch.arange(k_all.shape[1], device=q.device)

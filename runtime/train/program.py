@@ -156,6 +156,8 @@ class Program:
     # at each document. The data path reads both to build batches (runtime/data/corpus.py ``Batch``).
     document_mask: bool = False
     restart_positions: bool = False
+    # `context_balance`: how packed rows spread over the context ranks (runtime/parallel/context_layout.py).
+    context_balance: str = "headtail"
 
     @property
     def vocab(self) -> int:
@@ -198,7 +200,8 @@ def _microbatch(packing: Packing | None, m: int, j: int) -> Packing | None:
     def part(t: Tensor | None) -> Tensor | None:
         return None if t is None else t.chunk(m)[j]
 
-    return Packing(part(packing.documents), part(packing.keys), part(packing.positions))
+    return Packing(part(packing.documents), part(packing.keys), part(packing.positions),
+                   part(packing.sequence), part(packing.key_sequence))
 
 
 def _float8_recipe(patterns: Mapping[str, str], path: str) -> str | None:
@@ -339,7 +342,8 @@ class Built:
         self._hidden = int(description.token_embedding(program.model)["dim"])
         self.batch_axes = tuple(program.batch_axes)
         self.dp = mesh.size(*self.batch_axes) if self.batch_axes else 1
-        self.context = ContextShard(mesh, tuple(program.context_axes)) if program.context_axes else None
+        self.context = (ContextShard(mesh, tuple(program.context_axes), program.context_balance)
+                        if program.context_axes else None)
         # The axes the parameters are replicated over and their gradients averaged over: the batch
         # axes and the context axes (each context rank's loss is the mean over an equal share of tokens).
         self.grad_axes = tuple(a for a in mesh.names if a in self.batch_axes or a in program.context_axes)
@@ -764,13 +768,23 @@ class Built:
             )
         return t.chunk(self.dp, dim=0)[self.mesh.index(*self.batch_axes)] if self.dp > 1 else t
 
-    def _local_batch(self, t: Tensor) -> Tensor:
+    def _local_batch(self, t: Tensor, order: Tensor | None = None) -> Tensor:
         """This rank's rows of the global [B, S] ``t`` and, with context parallelism, its chunks of
-        each sequence."""
+        each sequence (each row's own under a balance by documents: ``order``, ``_context_order``)."""
         t = self._rows(t)
-        return self.context.local(t) if self.context is not None else t
+        return self.context.local(t, order=order) if self.context is not None else t
 
-    def _packing(self, tokens: Tensor, documents: Tensor | None, positions: Tensor | None) -> Packing | None:
+    def _context_order(self, tokens: Tensor, documents: Tensor | None) -> Tensor | None:
+        """This rank's rows' positions in context-rank order [B / dp, S] when the plan spreads packed
+        rows over the context ranks by their documents (`context_balance`); None: head-tail."""
+        if self.context is None or documents is None:
+            return None
+        if documents.shape != tokens.shape:
+            raise ValueError(f"documents of shape {tuple(documents.shape)} for tokens of shape {tuple(tokens.shape)}")
+        return self.context.row_order(self._rows(documents))
+
+    def _packing(self, tokens: Tensor, documents: Tensor | None, positions: Tensor | None,
+                 order: Tensor | None = None) -> Packing | None:
         """This rank's part of a packed batch's ``documents`` / ``positions`` [B, S] (None: plain rows)."""
         if documents is None and positions is None:
             return None
@@ -778,11 +792,18 @@ class Built:
             if t is not None and t.shape != tokens.shape:
                 raise ValueError(f"{name} of shape {tuple(t.shape)} for tokens of shape {tuple(tokens.shape)}")
         docs = self._rows(documents.to(self.device)) if documents is not None else None
-        pos = self._local_batch(positions.to(self.device)) if positions is not None else None
+        pos = self._local_batch(positions.to(self.device), order) if positions is not None else None
         if docs is None:
             return Packing(None, None, pos)
         if self.context is None:
             return Packing(docs, docs, pos)
+        if order is not None:
+            # Each row spread by its documents: this rank's tokens and the gathered keys at their own
+            # row positions, which also number the rotary positions when they continue over the row.
+            order = order.to(self.device)
+            mine = self.context.mine(order)
+            return Packing(self.context.local(docs, order=order), self.context.in_rank_order(docs, order=order),
+                           mine if pos is None else pos, sequence=mine, key_sequence=order)
         # Keys are gathered over the context ranks in rank order: their document numbers likewise.
         return Packing(self.context.local(docs), self.context.in_rank_order(docs), pos)
 
@@ -798,11 +819,14 @@ class Built:
         self.optimizer.zero_grad(set_to_none=False)
         # Counted where the batch comes from (the host), not after the copy: no device sync.
         counted = int((targets != IGNORE).sum())
+        order = self._context_order(tokens, documents)  # from the host's document numbers: no device sync
         tokens, targets = tokens.to(self.device), targets.to(self.device)
-        packing = self._packing(tokens, documents, positions)
+        packing = self._packing(tokens, documents, positions, order)
         self._counted = None if counted == targets.numel() else counted
+        if order is not None:
+            order = order.to(self.device)
         try:
-            local_loss = self._forward_backward(self._local_batch(tokens), self._local_batch(targets), packing)
+            local_loss = self._forward_backward(self._local_batch(tokens, order), self._local_batch(targets, order), packing)
         finally:
             self._counted = None
         self._sync_grads()
@@ -1079,14 +1103,17 @@ class Built:
     def forward(self, tokens: Tensor, documents: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
         """Full logits [B, S, vocab] of the global batch, on every rank (for equivalence checks);
         ``documents`` / ``positions``: a packed batch's, as ``train_step`` takes them."""
+        order = self._context_order(tokens, documents)
         tokens = tokens.to(self.device)
-        packing = self._packing(tokens, documents, positions)  # every pipeline rank's stages read the same rows
-        local = self._local_batch(tokens)
+        packing = self._packing(tokens, documents, positions, order)  # every pipeline rank's stages read the same rows
+        if order is not None:
+            order = order.to(self.device)
+        local = self._local_batch(tokens, order)
         with packed(packing):
             logits = self.gather_logits(self.run_stages(local), (local.shape[0], local.shape[1]))
         if self.context is not None:
             # [B / dp, S / cp, vocab] per context rank -> [B / dp, S, vocab] in position order.
-            logits = self.context.unshard(logits)
+            logits = self.context.unshard(logits, order=order)
         if self.dp > 1:
             parts = [torch.empty_like(logits) for _ in range(self.dp)]
             # [B / dp, S, vocab] per replica -> [B, S, vocab].

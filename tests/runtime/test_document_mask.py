@@ -40,6 +40,8 @@ MLA = ("model m {\n    vocab = 64, hidden = 32, layers = 2, heads = 4, ffn = 48,
        "    norm = rmsnorm(hidden)\n    lm_head = linear(hidden, vocab)\n}")
 PACK = "    pack = documents\n"
 RESTART = PACK + "    positions = restart\n"
+PER_DOCUMENT = "    context_balance = per_document\n"
+PTRR = "    context_balance = ptrr\n"
 
 
 def _spec(axes: str, body: str, model: str = LLAMA, seq: int = 16, batch: int = 4) -> str:
@@ -128,6 +130,10 @@ def test_the_plan_settings_reach_the_generated_program() -> None:
     plain = check_text(_spec("cp = 2", "    layout { seq -> cp }\n"), "t.mesh").plans["p"]
     assert not plain.document_mask and not plain.restart_positions
     assert "document_mask" not in render_plan(plain, "t.mesh", text)
+    assert plan.context_balance == plain.context_balance == "headtail" and "context_balance" not in code
+    balanced = check_text(_spec("cp = 2", PACK + PTRR + "    layout { seq -> cp }\n"), "t.mesh").plans["p"]
+    assert balanced.context_balance == "ptrr"
+    assert "    context_balance='ptrr'," in render_plan(balanced, "t.mesh", text)
 
 
 @pytest.mark.parametrize(("axes", "body", "code"), [
@@ -136,6 +142,9 @@ def test_the_plan_settings_reach_the_generated_program() -> None:
     ("data = 1", "    positions = restart\n", "E0309"),
     ("data = 1", PACK + "    compile = blocks\n", "E0309"),
     ("data = 1", RESTART + "    pack = documents\n", "E0201"),  # given twice
+    ("data = 1", "    context_balance = documents\n", "E0203"),
+    ("data = 1", PACK + PTRR, "E0309"),  # no context axes to spread over
+    ("cp = 2", PER_DOCUMENT + "    layout { seq -> cp }\n", "E0309"),  # no documents to balance by
 ])
 def test_packing_refusals(axes: str, body: str, code: str) -> None:
     got = [d.code for d in check_text(_spec(axes, body), "t.mesh").diagnostics]
@@ -183,6 +192,22 @@ CASES: dict[str, tuple[str, bool]] = {  # name -> (spec, ignored targets in plai
                                            batch=8), False),
     "pipeline2_dualpipev": (_spec("pipeline = 2", PACK + "    microbatches = 4\n    stages over pipeline virtual 2 balanced\n"
                                   "    schedule dualpipev\n", LLAMA.replace("layers = 2", "layers = 4"), batch=8), False),
+    # Rows spread over the context ranks by their documents (runtime/parallel/context_layout.py):
+    # each row its own order, positions continuing over the row or restarting, every schedule.
+    "cp2_per_document_restart": (_spec("cp = 2", RESTART + PER_DOCUMENT + "    layout { seq -> cp }\n"), False),
+    "cp4_per_document_recompute": (_spec("cp = 4", PACK + PER_DOCUMENT + "    layout { seq -> cp }\n"
+                                         "    recompute = blocks\n", LLAMA.replace("kv_heads = 2", "kv_heads = 1")), False),
+    "cp4_ptrr": (_spec("cp = 4", PACK + PTRR + "    layout { seq -> cp }\n", seq=32), False),
+    "tensor2_cp2_sp_micro2_ptrr": (_spec("tensor = 2, cp = 2", RESTART + PTRR + MEGATRON
+                                         + "    layout { seq -> tensor * cp }\n    microbatches = 2\n"), False),
+    "data2_cp2_zero1_per_document": (_spec("data = 2, cp = 2", PACK + PER_DOCUMENT + "    layout { batch -> data, seq -> cp }\n"
+                                           "    optimizer adamw { zero 1 over data * cp, clip = 0.01 }\n"), False),
+    "gemma2_cp2_per_document": (_spec("cp = 2", PACK + PER_DOCUMENT + "    layout { seq -> cp }\n", GEMMA2), False),
+    "gpt2_cp2_ptrr": (_spec("cp = 2", PACK + PTRR + "    layout { seq -> cp }\n", GPT2), False),
+    "mla_cp2_ptrr_restart": (_spec("cp = 2", RESTART + PTRR + "    layout { seq -> cp }\n", MLA), False),
+    "pipeline2_cp2_1f1b_per_document": (_spec("pipeline = 2, cp = 2", RESTART + PER_DOCUMENT + "    layout { seq -> cp }\n"
+                                              "    microbatches = 4\n    stages over pipeline balanced\n    schedule 1f1b\n",
+                                              LLAMA.replace("layers = 2", "layers = 4"), batch=8), False),
     # Ignored targets without packing: the loss is the mean over the global batch's counted targets,
     # not a mean of per-rank or per-microbatch means.
     "ignored_data2_cp2_micro2": (_spec("data = 2, cp = 2", "    layout { batch -> data, seq -> cp }\n"
