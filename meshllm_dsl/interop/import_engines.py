@@ -425,6 +425,13 @@ def spec_text(args: list[str], devices: int | None, hf_config: str | None = None
     if tp > 1 and family == "qwen2_moe":
         plan.append("shard blocks.*.mlp.shared_router replicate")
     plan += _stages(a, pp, a.get("--num-layers", 1))
+    if "--reset-attention-mask" in a.values:
+        plan.append(f"pack = documents{a.src('--reset-attention-mask')}")
+        if "--reset-position-ids" in a.values:
+            plan.append(f"positions = restart{a.src('--reset-position-ids')}")
+    elif "--reset-position-ids" in a.values:
+        a.refuse("--reset-position-ids", "positions reset at documents that attention is not masked at",
+                 "add `--reset-attention-mask` (meshllm restarts positions only within a document mask)")
     plan += _recompute(a)
     plan += _precision(a)
     zero = _zero(a)

@@ -53,8 +53,9 @@ FLAGS: dict[str, type | None] = {
     "--context-parallel-size": int, "--expert-model-parallel-size": int, "--expert-tensor-parallel-size": int,
     "--sequence-parallel": None, "--use-distributed-optimizer": None, "--use-megatron-fsdp": None,
     "--data-parallel-sharding-strategy": str, "--ckpt-format": str,
-    # batch
+    # batch; packed documents (GPTDatasetConfig: attention and positions reset after each end-of-document id)
     "--micro-batch-size": int, "--global-batch-size": int, "--seq-length": int,
+    "--reset-attention-mask": None, "--reset-position-ids": None,
     # recomputation
     "--recompute-granularity": str, "--recompute-method": str, "--recompute-num-layers": int,
     "--recompute-modules": str,
@@ -533,6 +534,17 @@ def analyze(plan: PlanIR, decls: Declarations | None) -> MegatronExport:
                help="make the batch a multiple of data-parallel size x microbatches")
     flags += [("--micro-batch-size", str(max(plan.batch // (dp * plan.microbatches), 1))),
               ("--global-batch-size", str(plan.batch)), ("--seq-length", str(plan.seq))]
+    # `pack = documents`: Megatron's GPTDataset masks attention after each end-of-document id (our
+    # corpora end every document with one, runtime/data/packing.py) and `positions = restart` resets
+    # the position ids there; its context parallelism splits every sequence head-tail.
+    if plan.document_mask:
+        flags.append(("--reset-attention-mask", None))
+    if plan.restart_positions:
+        flags.append(("--reset-position-ids", None))
+    if plan.context_balance != "headtail":
+        refuse(E1206, f"`context_balance = {plan.context_balance}`: Megatron's context parallelism splits every "
+               "sequence head-tail", _setting_span(decl, "context_balance", plan.span), label="context balance",
+               help="drop `context_balance` (head-tail)")
     rspan = _setting_span(decl, "recompute", plan.span)
     if plan.recompute_every != 1:
         refuse(E1206, f"`recompute = {plan.recompute} every {plan.recompute_every}` is not a Megatron policy", rspan,

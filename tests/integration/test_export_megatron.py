@@ -42,6 +42,7 @@ MEGATRON_FLAGS: dict[str, tuple[dict[str, Any], bool]] = {
                                                                      "optim_grads_params"]}, False),
     "--ckpt-format": ({"type": str, "choices": ["torch", "torch_dist", "zarr", "torch_dcp", "fsdp_dtensor"]}, False),
     "--micro-batch-size": (_INT, False), "--global-batch-size": (_INT, False), "--seq-length": (_INT, False),
+    "--reset-attention-mask": (_TRUE, False), "--reset-position-ids": (_TRUE, False),  # _add_data_args
     "--recompute-granularity": ({"type": str, "choices": ["full", "selective"]}, True),
     "--recompute-method": ({"type": str, "choices": ["uniform", "block"]}, True),
     "--recompute-num-layers": (_INT, True), "--recompute-modules": ({"nargs": "*", "type": str}, True),
@@ -345,6 +346,8 @@ def _spec(axes: str, body: str) -> str:
      "E1205", "shard blocks.*.mlp.{gate,up} replicate"),
     ("zero_part", "rep = 2, data = 2", "    layout { batch -> rep * data }\n" + MIXED +
      "    optimizer adamw { zero 1 over data }\n", "E1206", "zero 1 over data"),
+    ("context_balance", "cp = 2", "    layout { seq -> cp }\n    pack = documents\n    context_balance = ptrr\n" + MIXED,
+     "E1206", "context_balance = ptrr"),
 ])
 def test_refusals_are_located(tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, axes: str,
                               body: str, code: str, line: str) -> None:
@@ -527,3 +530,41 @@ def test_deepseek_refusals_are_located(tmp_path: Path, capsys: pytest.CaptureFix
     rc, err = _export(src, "train", tmp_path / "run.sh", capsys)
     assert rc == 1 and "error[E1204]" in err and words in err and "help:" in err and "^" in err, err
     assert not (tmp_path / "run.sh").exists()
+
+
+def test_packed_documents_are_megatrons_reset_masks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`pack = documents` / `positions = restart` are GPTDataset's reset_attention_mask / reset_position_ids:
+    on rows meshllm's packer makes (documents end with an end-of-text id), megatron-core's own mask and
+    position ids (``_get_ltor_masks_and_position_ids``) are the document mask and positions meshllm trains with."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    from meshllm_dsl.runtime.data.corpus import write_sidecars
+    from meshllm_dsl.runtime.data.packing import Packer, corpus_packer
+    from meshllm_dsl.runtime.model import documents
+    from meshllm_dsl.runtime.model.layers import _allowed
+    from meshllm_dsl.runtime.train.tokens import TOKEN_MAGIC
+
+    src = tmp_path / "packed.mesh"
+    src.write_text(_spec("cp = 2", "    layout { seq -> cp }\n    pack = documents\n    positions = restart\n" + MIXED))
+    rc, err = _export(src, "train", tmp_path / "run.sh", capsys)
+    assert rc == 0, err
+    ns = _parser().parse_args(script_args(tmp_path / "run.sh"))
+    assert ns.reset_attention_mask and ns.reset_position_ids
+    _configs(ns)
+
+    eos, gen = 0, np.random.default_rng(0)
+    docs = [gen.integers(1, 200, size=int(n)).tolist() for n in gen.integers(1, 40, size=60)]
+    path = tmp_path / "c.tokens"
+    with open(path, "wb") as f:
+        f.write(TOKEN_MAGIC + np.array([2, 256], dtype="<u4").tobytes())
+        np.asarray([i for d in docs for i in [*d, eos]], dtype="<u2").tofile(f)
+    write_sidecars(path, np.cumsum([0] + [len(d) + 1 for d in docs]), None)
+    packer: Packer = corpus_packer(path, seq=32, seed=0)
+    batch = packer.next_batch(8)
+    for row in range(8):
+        mask, _, pos = _get_ltor_masks_and_position_ids(batch.tokens[row], eos, True, True, False, True)
+        packing = documents.Packing(batch.documents[row:row + 1], batch.documents[row:row + 1], None)
+        ours = documents.same_document(_allowed(torch.arange(32), torch.arange(32), 0), packing)[0, 0]
+        assert torch.equal(~mask[0], ours) and torch.equal(pos, batch.positions[row])

@@ -489,3 +489,23 @@ def test_torchtitan_deepseek_round_trip(tmp_path: Path, capsys: pytest.CaptureFi
     assert _units(imported) == _units(original) and imported.model.numel == original.model.numel
     assert _summary(imported) == _summary(original)
     assert _masked(_titan_args(tmp_path / "i.mesh", "train", tmp_path / "b.sh")) == _masked(args)
+
+
+def test_megatron_packed_documents_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`pack = documents` / `positions = restart` <-> `--reset-attention-mask` / `--reset-position-ids`."""
+    text = (ROOT / "examples" / "tiny_llama.mesh").read_text().replace(
+        "    microbatches = 2\n", "    microbatches = 2\n    pack = documents\n    positions = restart\n")
+    (tmp_path / "p.mesh").write_text(text)
+    original = check_file(tmp_path / "p.mesh")
+    assert original.ok, [d.message for d in original.diagnostics]
+    args = _export(tmp_path / "p.mesh", "train", tmp_path / "a.sh")
+    assert "--reset-attention-mask" in args and "--reset-position-ids" in args
+    rc, err = _import(args, tmp_path / "i.mesh", 8, capsys)
+    assert rc == 0, err
+    imported = check_file(tmp_path / "i.mesh").plans["train"]
+    assert imported.document_mask and imported.restart_positions
+    assert _summary(imported) == _summary(original.plans["train"])
+    assert _export(tmp_path / "i.mesh", "train", tmp_path / "b.sh") == args
+    alone = [a for a in args if a != "--reset-attention-mask"]
+    rc, err = _import(alone, tmp_path / "j.mesh", 8, capsys)
+    assert rc == 1 and "positions reset at documents" in err and "--reset-position-ids" in err and "help:" in err, err
