@@ -203,6 +203,8 @@ def verify(
         f" {sum(k.startswith('param') for k in errs)} parameters after one AdamW step",
         *([("on packed batches: random document boundaries in every row, attention masked at them"
             + (", positions restarting at each" if twin.restart_positions else "")
+            + (f", each row spread over the context ranks by its documents (`{twin.context_balance}`)"
+               if twin.context_balance != "headtail" else "")
             + ", some targets ignored; the unsharded model runs each document alone")] if twin.document_mask else []),
         "",
         f"{'tensor':<44} {'max |sharded - unsharded|':>26}",

@@ -285,14 +285,17 @@ def test_routing_by_the_whole_forward_is_refused_with_document_masks() -> None:
 
 
 @pytest.mark.parametrize("kw", [{}, {"window": 5}, {"softcap": 2.0}, {"scale": 0.3}])
-@pytest.mark.parametrize("context", [False, True])
-def test_the_flex_block_mask_holds_the_same_pairs_as_the_boolean_mask(kw: dict[str, Any], context: bool,
+@pytest.mark.parametrize("context", [False, True, "per_document"])
+def test_the_flex_block_mask_holds_the_same_pairs_as_the_boolean_mask(kw: dict[str, Any], context: bool | str,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA path's mask_mod, run here through flex_attention's eager forward (torch 2.13 has no CPU
     backward; tests/gpu compares gradients on CUDA): the pairs the BlockMask admits are the boolean
-    mask's, also for a context rank's head-tail queries against keys gathered in rank order."""
+    mask's, also for a context rank's head-tail queries against keys gathered in rank order, and for
+    rows each spread by their documents (each row's own positions [b, s])."""
     import torch.nn.functional as F
     from torch.nn.attention.flex_attention import flex_attention
+
+    from meshllm_dsl.runtime.parallel import context_layout
 
     monkeypatch.setattr(layers, "_FLEX", flex_attention)
     b, s, h, kvh, d = 2, 64, 4, 2, 16
@@ -302,8 +305,11 @@ def test_the_flex_block_mask_holds_the_same_pairs_as_the_boolean_mask(kw: dict[s
     if context:  # rank 1 of 2: chunks 1 and 2 of 4; keys in rank order, rank 0's chunks 0 and 3 first
         k_pos = torch.cat([torch.arange(0, 16), torch.arange(48, 64), torch.arange(16, 48)])
     q_pos = k_pos[32:] if context else k_pos
-    packing = documents.Packing(docs[:, q_pos], docs[:, k_pos], None)
-    q = torch.randn(b, h, q_pos.shape[0], d, generator=gen)
+    if context == "per_document":  # rank 1 of 2, each row its own order
+        k_pos = context_layout.layout(docs, 2, "per_document")
+        q_pos = k_pos[:, 32:]
+    packing = documents.Packing(docs.gather(1, q_pos.expand(b, -1)), docs.gather(1, k_pos.expand(b, -1)), None)
+    q = torch.randn(b, h, q_pos.shape[-1], d, generator=gen)
     k, v = (torch.randn(b, kvh, s, d, generator=gen) for _ in range(2))
     with warnings.catch_warnings():  # flex_attention's eager forward warns (once) that it is slow
         warnings.simplefilter("ignore", UserWarning)
@@ -316,17 +322,19 @@ def test_the_flex_block_mask_holds_the_same_pairs_as_the_boolean_mask(kw: dict[s
     assert (out - want).abs().max() < 1e-5
 
 
-def test_meshc_verify_compares_on_packed_batches(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("balance", ["", PER_DOCUMENT])
+def test_meshc_verify_compares_on_packed_batches(tmp_path: Path, capsys: pytest.CaptureFixture[str], balance: str) -> None:
     """`meshc verify` of a plan with `pack = documents`: its tiny twin trains on packed batches while the
     unsharded model runs each document alone, and says so."""
     from meshllm_dsl.cli.main import main
 
     spec = tmp_path / "packed.mesh"
-    spec.write_text(_spec("tensor = 2, cp = 2", RESTART + MEGATRON + "    layout { seq -> cp }\n"))
+    spec.write_text(_spec("tensor = 2, cp = 2", RESTART + balance + MEGATRON + "    layout { seq -> cp }\n"))
     assert main(["verify", str(spec)]) == 0
     out = capsys.readouterr().out
+    spread = ", each row spread over the context ranks by its documents (`per_document`)" if balance else ""
     assert ("on packed batches: random document boundaries in every row, attention masked at them, positions "
-            "restarting at each, some targets ignored; the unsharded model runs each document alone") in out, out
+            f"restarting at each{spread}, some targets ignored; the unsharded model runs each document alone") in out, out
     assert "verdict: EQUAL" in out, out
 
 
