@@ -76,20 +76,23 @@ def _headtail(b: int, s: int, ranks: int) -> Tensor:
 
 def _per_document(documents: Tensor, ranks: int) -> Tensor:
     b, s = documents.shape
-    owner = torch.empty(b, s, dtype=torch.int64)
+    n2 = 2 * ranks
+    idx = torch.arange(s).expand(b, s)
     starts = _starts(documents)
-    for r in range(b):
-        bounds = torch.nonzero(starts[r]).flatten().tolist() + [s]
-        dealt = 0  # remainder tokens dealt so far along the row
-        for begin, end in zip(bounds[:-1], bounds[1:]):
-            length = end - begin
-            c, rest = divmod(length, 2 * ranks)
-            head = torch.arange(ranks).repeat_interleave(c)
-            middle = (dealt + torch.arange(rest)) % ranks
-            tail = torch.arange(ranks - 1, -1, -1).repeat_interleave(c)
-            owner[r, begin:end] = torch.cat([head, middle, tail])
-            dealt += rest
-    return owner
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values  # each token's document start
+    # Each token's document length: the next start after it (or the row's end) minus its own start.
+    nxt = torch.where(starts, idx, torch.full_like(idx, s))
+    nxt = torch.cat([nxt[:, 1:], torch.full((b, 1), s)], dim=1).flip(1).cummin(dim=1).values.flip(1)
+    length = nxt - first
+    offset = idx - first
+    c, rest = length // n2, length % n2
+    # Remainder tokens dealt before this document along the row (an exclusive running sum).
+    dealt = torch.where(starts, rest, torch.zeros_like(rest)).cumsum(dim=1) - rest
+    head_end, tail_start = ranks * c, ranks * c + rest
+    safe = c.clamp(min=1)  # c = 0: no head or tail chunks, every token is in the middle
+    return torch.where(offset < head_end, offset // safe,
+                       torch.where(offset < tail_start, (dealt + offset - head_end) % ranks,
+                                   ranks - 1 - (offset - tail_start) // safe))
 
 
 def _ptrr(documents: Tensor, ranks: int) -> Tensor:
@@ -103,7 +106,7 @@ def _ptrr(documents: Tensor, ranks: int) -> Tensor:
     rank_of_rank = torch.where(lap % 2 == 0, seat, ranks - 1 - seat)  # the snake over the ranks
     owner_block = torch.empty_like(ranked)
     owner_block.scatter_(1, ranked, rank_of_rank.expand_as(ranked).clone())
-    return owner_block.repeat_interleave(block, dim=1)
+    return owner_block.unsqueeze(2).expand(b, s // block, block).reshape(b, s)
 
 
 def owners(documents: Tensor, ranks: int, balance: str) -> Tensor:
