@@ -9,9 +9,10 @@ and context ranks to spread over.
 The generated program carries them (``Program.document_mask`` / ``restart_positions`` /
 ``context_balance``): the data
 path packs by them and `meshc verify` compares on packed batches. What the runtime does not carry
-through yet is refused here: torch.compile'd blocks would read them as globals,
-and a moe layer whose routing depends on the whole forward's tokens (router losses, a capacity
-factor) is not compared with each document run alone by `meshc verify` yet.
+through yet is refused here: torch.compile'd blocks would read them as globals, and a capacity
+factor drops (token, expert) pairs by the whole forward's token order, which each document run
+alone (what `meshc verify` compares with) does not reproduce. Router losses are over the forward's
+tokens in both (runtime/jobs/compare.py gathers the documents' routing per layer).
 """
 
 from __future__ import annotations
@@ -49,15 +50,14 @@ class PackingRules(PlanContext):
                        label="positions restart at documents only a document mask keeps apart",
                        help="add `pack = documents` to the plan (or drop `positions = restart`)")
             restart = False
-        per_forward = [u.name for item in self.model.items
-                       for u in (item.body if isinstance(item, Repeat) else (item,))
-                       if primitives.of(u).routes_experts
-                       and any(u.attr(a) for a in ("capacity", "aux_loss_coef", "z_loss_coef"))]
-        if masked and per_forward:
-            self.error(E0309, "`pack = documents` with router losses or a capacity factor is not supported yet",
-                       settings["pack"].value.span, label=f"`{per_forward[0]}` routes by the whole forward's tokens",
-                       help="drop `capacity`, `aux_loss_coef` and `z_loss_coef` from the model (or `pack = documents`): "
-                            "`meshc verify` compares packed rows with each document alone, which they do not match")
+        capped = [u.name for item in self.model.items
+                  for u in (item.body if isinstance(item, Repeat) else (item,))
+                  if primitives.of(u).routes_experts and u.attr("capacity")]
+        if masked and capped:
+            self.error(E0309, "`pack = documents` with a capacity factor is not supported yet",
+                       settings["pack"].value.span, label=f"`{capped[0]}` drops pairs by the whole forward's token order",
+                       help="drop `capacity` from the model (or `pack = documents`): `meshc verify` compares packed rows "
+                            "with each document alone, whose pairs a capacity would drop differently")
             masked = restart = False
         if masked and compiled != "none":
             self.error(E0309, f"`pack = documents` with `compile = {compiled}` is not supported yet",

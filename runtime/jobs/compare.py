@@ -17,7 +17,13 @@ from meshllm_dsl.runtime.data.corpus import IGNORE
 from meshllm_dsl.runtime.model import description
 from meshllm_dsl.runtime.model.layers import cross_entropy
 from meshllm_dsl.runtime.model.reference import build_reference, first_position
-from meshllm_dsl.runtime.moe.routing import RouterLosses, balance, balanced_routers, recording
+from meshllm_dsl.runtime.moe.routing import (
+    RouterLog,
+    RouterLosses,
+    balance,
+    balanced_routers,
+    recording,
+)
 from meshllm_dsl.runtime.parallel.mesh import Mesh
 from meshllm_dsl.runtime.train.program import Program, adamw_kwargs, lr_at
 
@@ -115,29 +121,44 @@ def _each_document_alone(ref: torch.nn.Module, batch: PackedBatch) -> Tensor:
     return torch.cat(rows)
 
 
+def _by_layer(log: RouterLog, layers: int) -> RouterLog:
+    """The routing of documents run alone one after another (each call ``layers`` entries, layer
+    order) as one forward's: each layer's logits and choices over every document, in row order."""
+    if len(log.logits) % layers:
+        raise ValueError(f"{len(log.logits)} routing records for {layers} moe layers")
+    return RouterLog(logits=[torch.cat(log.logits[i::layers]) for i in range(layers)],
+                     chosen=[torch.cat(log.chosen[i::layers]) for i in range(layers)])
+
+
 def _reference_loss(ref: torch.nn.Module, batch: PackedBatch, program: Program, mesh: Mesh) -> Tensor:
     """The unsharded model's training loss: the mean token cross-entropy over the counted targets,
     plus a moe model's router losses over the tokens of each forward the plan runs (one microbatch
     of one data-parallel rank: the batch in data ranks x microbatches consecutive groups), averaged
-    over the groups. A packed batch: every document run alone (``_each_document_alone``)."""
+    over the groups. A packed batch: every document run alone (``_each_document_alone``); its router
+    losses are over every token of the group's rows as the plan's forward routes them (each a
+    product of sums over the forward's tokens, or per row for the sequence-wise loss)."""
     tokens, targets = batch.tokens, batch.targets
     losses = RouterLosses.of(program.model)
     groups = _forwards(program, mesh, train=True)
-    if batch.documents is not None:
-        if groups > 1 or losses is not None:
-            raise ValueError("packed batches compare with each document alone only for models without "
-                             "per-forward routing (capacity, router losses)")
-        return cross_entropy(_each_document_alone(ref, batch), targets)
+    packed = batch.documents is not None
+    if packed and any(s.get("capacity") for s in description.moe_layers(program.model)):
+        raise ValueError("packed batches compare with each document alone only for models without a capacity "
+                         "factor (which drops pairs by the whole forward's token order)")
     if groups == 1 and losses is None:
-        return cross_entropy(ref(tokens), targets)
+        return cross_entropy(_each_document_alone(ref, batch) if packed else ref(tokens), targets)
     counted = max(int((targets != IGNORE).sum()), 1)
     total = torch.zeros((), dtype=program.dtype)
-    for tok, tgt in zip(tokens.chunk(groups), targets.chunk(groups)):
+    for part in torch.arange(tokens.shape[0]).chunk(groups):  # the rows of each forward, as tokens.chunk splits
+        group = PackedBatch(tokens[part], targets[part], None if batch.documents is None else batch.documents[part],
+                            None if batch.positions is None else batch.positions[part])
         with recording() as routing:
-            logits = ref(tok)
+            logits = _each_document_alone(ref, group) if packed else ref(group.tokens)
+        if packed and losses is not None:
+            routing = _by_layer(routing, len(description.moe_layers(program.model)))
         # each group's mean weighted by its share of the counted targets: the mean over all of them
-        share = int((tgt != IGNORE).sum()) * groups / counted
-        total = total + cross_entropy(logits, tgt) * share + (losses(routing, tok.shape[0]) if losses is not None else 0.0)
+        share = int((group.targets != IGNORE).sum()) * groups / counted
+        total = total + cross_entropy(logits, group.targets) * share + (
+            losses(routing, len(part)) if losses is not None else 0.0)
     return total / groups
 
 

@@ -38,6 +38,13 @@ MLA = ("model m {\n    vocab = 64, hidden = 32, layers = 2, heads = 4, ffn = 48,
        "        attn = mla(hidden, heads, 8, 6, 4, 5, q_lora_rank = 16)\n"
        "        mlp_norm = rmsnorm(hidden)\n        mlp = mlp(hidden, ffn)\n    }\n"
        "    norm = rmsnorm(hidden)\n    lm_head = linear(hidden, vocab)\n}")
+MIXTRAL_LOSSES = ("model m = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 48, experts = 4, "
+                  "top_k = 2, aux_loss_coef = 0.05, z_loss_coef = 0.01, dtype = fp32 }")
+# DeepSeek-V3's routing (sigmoid scores in groups, the correction bias, a shared expert) and its
+# sequence-wise balance loss, beside mla.
+DEEPSEEK_SEQ_AUX = MLA.replace("mlp = mlp(hidden, ffn)", "mlp = moe(hidden, 16, 8, 2, scoring = sigmoid, groups = 4, "
+                               "topk_groups = 2, routed_scaling = 2.5, shared_experts = 1, shared_ffn = 32, "
+                               "balance_rate = 0.01, seq_aux_loss = 0.001)")
 PACK = "    pack = documents\n"
 RESTART = PACK + "    positions = restart\n"
 PER_DOCUMENT = "    context_balance = per_document\n"
@@ -208,6 +215,17 @@ CASES: dict[str, tuple[str, bool]] = {  # name -> (spec, ignored targets in plai
     "pipeline2_cp2_1f1b_per_document": (_spec("pipeline = 2, cp = 2", RESTART + PER_DOCUMENT + "    layout { seq -> cp }\n"
                                               "    microbatches = 4\n    stages over pipeline balanced\n    schedule 1f1b\n",
                                               LLAMA.replace("layers = 2", "layers = 4"), batch=8), False),
+    # Router losses over each forward's tokens (per layer across the documents; the sequence-wise
+    # loss per row) with data x microbatch forwards, context ranks, expert parallelism and stages.
+    "mixtral_losses_data2_cp2_micro2_ptrr": (_spec("data = 2, cp = 2", RESTART + PTRR + "    layout { batch -> data, seq -> cp }\n"
+                                                   "    microbatches = 2\n", MIXTRAL_LOSSES, batch=8), False),
+    "mixtral_losses_experts_over_data2": (_spec("data = 2", PACK + "    layout { batch -> data, experts -> data }\n",
+                                                MIXTRAL_LOSSES), False),
+    "mixtral_losses_pipeline2_1f1b": (_spec("pipeline = 2", RESTART + "    microbatches = 4\n    stages over pipeline balanced\n"
+                                            "    schedule 1f1b\n", MIXTRAL_LOSSES.replace("layers = 2", "layers = 4"),
+                                            batch=8), False),
+    "deepseek_seq_aux_cp2_per_document": (_spec("cp = 2", RESTART + PER_DOCUMENT + "    layout { seq -> cp }\n",
+                                                DEEPSEEK_SEQ_AUX), False),
     # Ignored targets without packing: the loss is the mean over the global batch's counted targets,
     # not a mean of per-rank or per-microbatch means.
     "ignored_data2_cp2_micro2": (_spec("data = 2, cp = 2", "    layout { batch -> data, seq -> cp }\n"
@@ -273,15 +291,16 @@ def test_the_planner_says_the_plan_masks_documents_and_prices_attention_over_seq
     assert report_json(plain)["step"] == data["step"] and "documents masked" not in report_text(plain)
 
 
-def test_routing_by_the_whole_forward_is_refused_with_document_masks() -> None:
-    """Router losses and capacity count a forward's tokens across documents: not what each document
-    alone computes, which is what `meshc verify` compares with (E0309 until it compares otherwise)."""
+def test_a_capacity_factor_is_refused_with_document_masks() -> None:
+    """A capacity drops (token, expert) pairs by the whole forward's token order: not what each document
+    alone computes, which is what `meshc verify` compares with (E0309 until it compares otherwise).
+    Router losses are over the forward's tokens on both sides and pass."""
     mixtral = ("model m = mixtral { vocab = 64, hidden = 32, layers = 2, heads = 4, kv_heads = 2, ffn = 48, experts = 4, "
-               "top_k = 2, aux_loss_coef = 0.05, dtype = fp32 }")
+               "top_k = 2, capacity = 1.5, dtype = fp32 }")
     got = [d.code for d in check_text(_spec("data = 1", PACK, mixtral), "t.mesh").diagnostics]
     assert got == ["E0309"], got
-    plain = mixtral.replace("aux_loss_coef = 0.05, ", "")
-    assert check_text(_spec("data = 1", PACK, plain), "t.mesh").ok
+    assert check_text(_spec("data = 1", PACK, MIXTRAL_LOSSES), "t.mesh").ok
+    assert check_text(_spec("data = 1", PACK, DEEPSEEK_SEQ_AUX), "t.mesh").ok
 
 
 @pytest.mark.parametrize("kw", [{}, {"window": 5}, {"softcap": 2.0}, {"scale": 0.3}])
