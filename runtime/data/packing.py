@@ -50,7 +50,9 @@ that cannot end its row makes the next id none either).  On a corpus of mostly 1
 with one in ten as long as a row (seq 64, batch 8, 50 steps), the busiest rank's attention excess
 goes from 13.7% (as packed) to 2.9% (reordered rows) to 1.5% (repacked) at 2 data ranks and from
 46.4% to 13.1% to 8.7% at 4, at the cost of 70 and 85 of 25,600 targets (0.3%) after pieces cut
-mid-row (tests/data/test_packing.py).
+mid-row (tests/data/test_packing.py).  On bench/packed_attention.py's corpus (20,000 log-normal
+documents, median 300) at seq 4,096, batch 16 and 8 ranks: 84.9% to 40.2% to 27.9%, the pieces a
+row 7.61 to 8.20 (the splits), 202 of 1,310,720 targets cut.
 
 Memory: the ids are read through the corpus's memory map, one row at a time; the permutation of the
 current epoch is ``documents`` int64s per corpus, as the document index (``Corpus.starts``) already is.
