@@ -246,8 +246,9 @@ CODES: dict[str, tuple[str, str]] = {
               "squared lengths, not seq squared). Rows of one long document cost more than rows of many short ones, "
               "so one data rank can hold more attention work than the others, which wait for it every step. Warned "
               "when the busiest rank's work passes the average by more than 10% over those steps; the message says by "
-              "how much and what it costs per step. `meshc run --balance` reorders each step's rows among the data "
-              "ranks (the same documents each step); `meshc data-stats --plan FILE --balance` shows what it reaches."),
+              "how much and what it costs per step. `meshc run --balance` repacks each step's documents by length "
+              "so the data ranks' work evens out (the same documents each step); `meshc data-stats --plan FILE "
+              "--balance` shows what it reaches."),
     "E1201": ("export: pipeline", "`meshc export` writes what torch's parallelize_module / fully_shard or a "
               "transformers tp_plan apply to one whole model; neither splits a model into pipeline stages "
               "(torch.distributed.pipelining does, outside them). Export a plan without `stages`. `--to torchtitan` "

@@ -340,7 +340,7 @@ def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
                         "(docs/guides/data.md); a file without --tokenizer is read as bytes")
     add_run_data_flags(r)
     r.add_argument("--balance", action="store_true",
-                   help="with a token-file --data: order each step's packed rows so the data ranks' attention work evens out")
+                   help="with a token-file --data: repack each step's documents so the data ranks' attention work evens out")
     r.add_argument("--infer", action="store_true", help="greedy generation instead of training")
     r.add_argument("--tokens", type=int, default=16, help="tokens to generate with --infer")
     r.add_argument("--timeout", type=float, default=300.0, metavar="S",

@@ -157,27 +157,23 @@ def data_corpora(spec: str | list[tuple[str, float]], tokenizer: str | None, arg
 
 def measure_data(corpora: list[Any], plan: Any, *, seed: int, steps: int, balance: bool) -> Any:
     """The data ranks' rows over the first ``steps`` global batches of ``plan`` in the seeded order
-    (runtime/data/packing.py's Packer, as `meshc run --data` packs them; with ``balance`` ordered
-    among the ranks as `meshc run --balance` orders them): a planner/data.py DataProfile."""
+    (runtime/data/packing.py's Packer, as `meshc run --data` packs them; with ``balance`` repacked
+    for the ranks as `meshc run --balance` repacks them): a planner/data.py DataProfile."""
     import numpy as np
 
     from meshllm_dsl.cli.main import UsageError
-    from meshllm_dsl.planner.data import Row, data_profile, row_pairs
-    from meshllm_dsl.runtime.data.packing import Packer, balanced_order
+    from meshllm_dsl.planner.data import Row, data_profile
+    from meshllm_dsl.runtime.data.packing import Packer
     from meshllm_dsl.runtime.train.tokens import DataError
 
     ranks = plan.data_size
     try:
-        packer = Packer(list(corpora), seq=plan.seq, seed=seed)
+        packer = Packer(list(corpora), seq=plan.seq, seed=seed, balance=ranks if balance else 0)
         taken = []
         for _ in range(steps):
-            rows = []
-            for _ids, docs, _pos, train in (packer.next_row() for _ in range(plan.batch)):
-                # Tokens are row[:-1], targets row[1:] (Packer.next_batch): the documents of the tokens.
-                rows.append(Row(tuple(int(n) for n in np.bincount(docs[:-1])), int(train[1:].sum())))
-            if balance and ranks > 1:
-                rows = [rows[i] for i in balanced_order([row_pairs(r, plan.seq, True) for r in rows], ranks)]
-            taken.append(rows)
+            # Tokens are row[:-1], targets row[1:] (Packer.next_batch): the documents of the tokens.
+            taken.append([Row(tuple(int(n) for n in np.bincount(docs[:-1])), int(train[1:].sum()))
+                          for _ids, docs, _pos, train in packer.step_rows(plan.batch)])
     except DataError as err:
         raise UsageError(f"plan `{plan.name}`: {err}") from None
     return data_profile(taken, seq=plan.seq, ranks=ranks, masked=plan.document_mask, balanced=balance)
@@ -239,7 +235,7 @@ def add_data_plan_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", type=_positive, default=20, metavar="N",
                    help="measure the first N steps of the seeded order (default 20)")
     p.add_argument("--balance", action="store_true",
-                   help="with the rows ordered among the data ranks as `meshc run --balance` orders them")
+                   help="with each step's documents repacked for the data ranks as `meshc run --balance` repacks them")
     p.add_argument("--data-cache", default="meshllm-data-cache", metavar="DIR",
                    help="where tokenized sources are kept, named by content hash (default ./meshllm-data-cache)")
 

@@ -70,7 +70,7 @@ class DataProfile:
     ranks: int
     steps: int
     masked: bool  # the plan's `pack = documents`
-    balanced: bool  # each step's rows reordered among the ranks (`--balance`)
+    balanced: bool  # each step's documents repacked for the ranks (`--balance`)
     documents: int  # documents (and pieces of split ones) in the rows
     tokens: tuple[float, ...]
     attention: tuple[float, ...]
@@ -234,5 +234,5 @@ def data_warnings(rep: PlanReport, da: DataAttention) -> list[Diagnostic]:
         f"first {p.steps} steps: {fmt_seconds(da.excess_s)} a step waiting for it "
         f"({fmt_seconds(da.busiest_step_s)} against {fmt_seconds(da.even_step_s)} with the work even)", where,
         label=f"data ranks' attention uneven by more than {DATA_SKEW_WARN:.0%}",
-        help="`meshc run --balance` reorders each step's rows among the data ranks so their attention work evens out "
-        "(the same documents each step); `meshc data-stats --plan FILE --balance` shows the shares it reaches")]
+        help="`meshc run --balance` repacks each step's documents by length so the data ranks' attention work "
+        "evens out (the same documents each step); `meshc data-stats --plan FILE --balance` shows the shares it reaches")]

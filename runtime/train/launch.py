@@ -108,7 +108,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, help="train on this file: a token file's documents packed into rows "
                    "(docs/guides/data.md), else its bytes (token = byte mod vocab)")
     p.add_argument("--balance", action="store_true",
-                   help="with a token-file --data: order each step's rows so the data ranks' attention work evens out")
+                   help="with a token-file --data: repack each step's documents so the data ranks' attention work evens out")
     p.add_argument("--infer", action="store_true", help="greedy generation instead of training")
     p.add_argument("--tokens", type=int, default=16, help="tokens to generate with --infer")
     p.add_argument(
@@ -257,7 +257,7 @@ def check_inputs(args: argparse.Namespace, model: Any = None, seq: int = 0) -> N
             raise InputError("--eval takes one held-out --data file, not a weighted mix")
     if args.balance and (args.infer or args.eval or not is_corpus(args.data)):
         # Only packed rows have documents whose lengths say the attention work.
-        raise InputError("--balance orders the packed rows of a token-file --data among the data ranks: "
+        raise InputError("--balance repacks the documents of a token-file --data for the data ranks: "
                          "it needs one, and training (not --infer / --eval)")
     if model is not None and (args.weights or args.export_hf):
         from meshllm_dsl.runtime.hf.weights import maps_partial_rotary

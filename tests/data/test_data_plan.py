@@ -96,7 +96,7 @@ def test_the_profile_refuses_a_batch_that_does_not_split() -> None:
 
 @pytest.mark.parametrize("balance", [False, True])
 def test_the_measured_shares_are_the_packers_own(skewed: Path, balance: bool) -> None:
-    """measure_data packs with the runtime's Packer (numpy rows) and orders as `--balance` does:
+    """measure_data packs with the runtime's Packer (numpy rows) and repacks as `--balance` does:
     the same shares and excess as runtime/data/packing.py's data_skew over the same batches."""
     from meshllm_dsl.cli.data import measure_data
     from meshllm_dsl.runtime.data.corpus import open_corpus
@@ -152,9 +152,11 @@ def test_plan_data_warns_on_skew_and_balance_shrinks_it(capsys: pytest.CaptureFi
     b, a = before["plans"][0]["data"], after["plans"][0]["data"]
     assert b["attention_excess"] > DATA_SKEW_WARN and not b["balanced"] and a["balanced"]
     assert a["attention_excess"] < b["attention_excess"] / 2
-    # Balancing changes which rank trains on which row, not the rows: the same work in all.
-    assert a["attention_pairs"] == b["attention_pairs"] and a["attention_flops"] == b["attention_flops"]
-    assert a["step_s"] < b["step_s"] and a["step_s_even"] == pytest.approx(b["step_s_even"])
+    # Repacking moves the step's document pieces between rows, the same pieces: about the same work
+    # in all (which piece ends a row, whose last id is no token, and the few it splits change it).
+    assert a["attention_pairs"] == pytest.approx(b["attention_pairs"], rel=0.01)
+    assert a["attention_flops"] == pytest.approx(b["attention_flops"], rel=0.01)
+    assert a["step_s"] < b["step_s"] and a["step_s_even"] == pytest.approx(b["step_s_even"], rel=0.01)
     assert sum(b["attention_shares"]) == pytest.approx(1) and len(b["token_shares"]) == 4
     assert b["attention_flops"] < b["attention_flops_upper_bound"]
     assert [d["code"] for d in before["diagnostics"]].count("W0808") == 1

@@ -13,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from meshllm_dsl.runtime.data.corpus import IGNORE, open_corpus, write_sidecars
-from meshllm_dsl.runtime.data.packing import Cursor, Packer, balanced_order, data_skew
+from meshllm_dsl.runtime.data.packing import (
+    Cursor,
+    Packer,
+    balanced_order,
+    data_skew,
+    row_attention,
+)
 from meshllm_dsl.runtime.train.tokens import TOKEN_MAGIC, DataError
 
 EOS = 0
@@ -142,20 +148,21 @@ def test_epochs_are_shuffled_differently(tmp_path: Path) -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(stop=st.integers(0, 6), more=st.integers(1, 4), seq=st.integers(2, 12), seed=st.integers(0, 99),
-       weights=st.lists(st.floats(0.1, 5.0), min_size=1, max_size=3))
+       weights=st.lists(st.floats(0.1, 5.0), min_size=1, max_size=3), balance=st.sampled_from([0, 2]))
 def test_a_cursor_through_json_resumes_the_exact_batches(
-    tmp_path_factory: pytest.TempPathFactory, stop: int, more: int, seq: int, seed: int, weights: list[float]
+    tmp_path_factory: pytest.TempPathFactory, stop: int, more: int, seq: int, seed: int, weights: list[float],
+    balance: int
 ) -> None:
     tmp = tmp_path_factory.mktemp("c")
     sources = [(open_corpus(write_corpus(tmp / f"c{i}.tok", _docs([1 + (7 * k + i) % 11 for k in range(5 + i)], 100 * i))), w)
                for i, w in enumerate(weights)]
-    straight = Packer(sources, seq=seq, seed=seed)
+    straight = Packer(sources, seq=seq, seed=seed, balance=balance)
     want = [straight.next_batch(2) for _ in range(stop + more)]
-    first = Packer(sources, seq=seq, seed=seed)
+    first = Packer(sources, seq=seq, seed=seed, balance=balance)
     for _ in range(stop):
         first.next_batch(2)
     saved = json.loads(json.dumps(first.cursor.to_dict()))
-    resumed = Packer(sources, seq=seq, seed=seed, start=Cursor.from_dict(saved, len(sources)))
+    resumed = Packer(sources, seq=seq, seed=seed, start=Cursor.from_dict(saved, len(sources)), balance=balance)
     for w in want[stop:]:
         got = resumed.next_batch(2)
         for name in ("tokens", "targets", "documents", "positions"):
@@ -222,20 +229,77 @@ def test_data_skew_reports_each_ranks_share_of_tokens_and_of_attention(tmp_path:
     assert skew.excess > 0.2  # rows of one long document against rows of many short ones
 
 
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_balance_trains_each_step_on_the_same_rows_and_evens_the_attention_work(tmp_path: Path, ranks: int) -> None:
+def _busiest(rows: list[tuple[np.ndarray, ...]], ranks: int) -> int:
+    """The busiest of ``ranks`` equal consecutive slices of ``rows`` (as Built._local_batch slices):
+    its attention work over the rows' tokens (all ids but each row's last)."""
+    per = len(rows) // ranks
+    return max(sum(row_attention(r[1][:-1]) for r in rows[k * per : (k + 1) * per]) for k in range(ranks))
+
+
+def _reordered_busiest(rows: list[tuple[np.ndarray, ...]], ranks: int) -> int:
+    """The busiest rank's work with the rows as packed only reordered among the ranks."""
+    return _busiest([rows[i] for i in balanced_order([row_attention(r[1][:-1]) for r in rows], ranks)], ranks)
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=14), seq=st.integers(1, 24),
+       ranks=st.integers(2, 4), per=st.integers(1, 3), steps=st.integers(1, 4), seed=st.integers(0, 2**31),
+       masked=st.booleans())
+def test_balance_repacks_each_steps_documents_without_changing_them(
+    tmp_path_factory: pytest.TempPathFactory, lengths: list[int], seq: int, ranks: int, per: int, steps: int,
+    seed: int, masked: bool
+) -> None:
+    """With and without ``balance`` a step takes the same ids of the same documents (the ids name
+    (document, position): ``_docs``), the cursor moves alike, and the busiest rank's attention work
+    is no more than with the rows as packed only reordered among the ranks.  Each row is pieces of
+    documents, numbered 0, 1, ..., positions restarting at each; each id keeps its loss mask, and
+    the id after a piece whose document goes on elsewhere (no end-of-text: cut short) is no target."""
+    docs = _docs(lengths)
+    masks = [[(7 * k + len(d)) % 3 != 0 for k in range(len(d))] for d in docs] if masked else None
+    corpus = open_corpus(write_corpus(tmp_path_factory.mktemp("c") / "c.tok", docs, masks))
+    mask_of = {i: m for d, ms in zip(docs, masks or [[1] * len(d) for d in docs]) for i, m in zip([*d, EOS], [*ms, 1])}
+    batch = ranks * per
+    plain = Packer([(corpus, 1.0)], seq=seq, seed=seed)
+    balanced = Packer([(corpus, 1.0)], seq=seq, seed=seed, balance=ranks)
+    for _ in range(steps):
+        a, b = plain.step_rows(batch), balanced.step_rows(batch)
+        assert plain.cursor == balanced.cursor
+        assert sorted(np.concatenate([r[0] for r in a]).tolist()) == sorted(np.concatenate([r[0] for r in b]).tolist())
+        assert _busiest(b, ranks) <= _reordered_busiest(a, ranks)
+        for ids, documents, positions, train in b:
+            assert len(ids) == seq + 1 and documents[0] == 0 and positions[0] == 0
+            for j in range(1, seq + 1):
+                if documents[j] == documents[j - 1]:  # one document's next id, the position after
+                    assert positions[j] == positions[j - 1] + 1 and ids[j - 1] != EOS
+                    assert ids[j] in (ids[j - 1] % (VOCAB - 1) + 1, EOS)
+                else:  # the next piece: numbered next, at position 0
+                    assert documents[j] == documents[j - 1] + 1 and positions[j] == 0
+                cut = documents[j] != documents[j - 1] and ids[j - 1] != EOS
+                assert train[j] == (bool(mask_of[int(ids[j])]) and not cut)
+
+
+@pytest.mark.parametrize(("ranks", "reordered", "repacked"), [(2, 0.029, 0.015), (4, 0.131, 0.087)])
+def test_balance_evens_the_skewed_corpus_more_than_reordering_its_rows(
+    tmp_path: Path, ranks: int, reordered: float, repacked: float
+) -> None:
+    """The figures of the module's Balance paragraph: mostly 1 - 5-id documents, one in ten as long
+    as a row, seq 64, batch 8, the first 50 steps."""
     corpus = open_corpus(_skewed(tmp_path))
-    plain = Packer([(corpus, 1.0)], seq=64, seed=0)
-    balanced = Packer([(corpus, 1.0)], seq=64, seed=0, balance=ranks)
-    for _ in range(12):
-        a, b = plain.next_batch(8), balanced.next_batch(8)
-        # The multiset of rows (tokens, targets, documents and positions together) is the same.
-        key = [torch.cat([x.tokens, x.targets, x.documents, x.positions], 1) for x in (a, b)]
-        assert sorted(map(tuple, key[0].tolist())) == sorted(map(tuple, key[1].tolist()))
-    assert plain.cursor == balanced.cursor  # the same documents consumed, the same place next
-    before = data_skew(Packer([(corpus, 1.0)], seq=64, seed=0), batch=8, ranks=ranks, steps=50)
+    plain = data_skew(Packer([(corpus, 1.0)], seq=64, seed=0), batch=8, ranks=ranks, steps=50)
     after = data_skew(Packer([(corpus, 1.0)], seq=64, seed=0, balance=ranks), batch=8, ranks=ranks, steps=50)
-    assert after.excess < before.excess / 2, (before, after)
+    packer, busiest, mean = Packer([(corpus, 1.0)], seq=64, seed=0), 0, 0.0
+    trained = 0
+    balanced = Packer([(corpus, 1.0)], seq=64, seed=0, balance=ranks)
+    for _ in range(50):
+        rows = packer.step_rows(8)
+        busiest += _reordered_busiest(rows, ranks)
+        mean += sum(row_attention(r[1][:-1]) for r in rows) / ranks
+        trained += sum(int(r[3][1:].sum()) for r in balanced.step_rows(8))
+    assert plain.excess > 0.13
+    assert busiest / mean - 1 == pytest.approx(reordered, abs=5e-4)
+    assert after.excess == pytest.approx(repacked, abs=5e-4)
+    # No loss mask: every target trains but the first id after a piece cut short mid-row.
+    assert 0.995 * 50 * 8 * 64 < trained < 50 * 8 * 64
 
 
 def test_balanced_order_gives_each_rank_its_rows_largest_first() -> None:
