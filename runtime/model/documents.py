@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor
 
@@ -45,6 +45,9 @@ class Packing:
     positions: Tensor | None
     sequence: Tensor | None = None
     key_sequence: Tensor | None = None
+    # flex_attention's BlockMasks of these rows, built once and read by every attention layer of the
+    # forward and its recomputation (runtime/model/layers.py flex_masked_attention).
+    block_masks: dict[tuple[object, ...], object] = field(default_factory=dict, compare=False, repr=False)
 
 
 _ACTIVE: Packing | None = None

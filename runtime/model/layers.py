@@ -359,7 +359,13 @@ def flex_masked_attention(qh: Tensor, kh: Tensor, vh: Tensor, q_pos: Tensor, k_p
             seen = seen & (k_seq[b, k] > q_seq[b, q] - window)
         return seen
 
-    block_mask = create_block_mask(mask_mod, qh.shape[0], None, qh.shape[2], kh.shape[2], device=qh.device)
+    # Within one forward the positions are a function of the rows and the lengths (sequence order, or
+    # the context ranks' layout), so the layers share one mask per window: built once, not per layer.
+    key = (window, qh.shape[2], kh.shape[2], str(qh.device))
+    block_mask = packing.block_masks.get(key)
+    if block_mask is None:
+        block_mask = create_block_mask(mask_mod, qh.shape[0], None, qh.shape[2], kh.shape[2], device=qh.device)
+        packing.block_masks[key] = block_mask
     score_mod = None
     if softcap:
         def score_mod(score: Tensor, b: Tensor, h: Tensor, q: Tensor, k: Tensor) -> Tensor:

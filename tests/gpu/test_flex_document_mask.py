@@ -44,3 +44,33 @@ def test_flex_block_mask_equals_the_sdpa_mask(kw: dict[str, Any]) -> None:
     assert (out - want_out).abs().max() < 2e-5
     for g, w in zip(got, want):
         assert (g - w).abs().max() < 2e-4
+
+
+@pytest.mark.parametrize("balance", ["headtail", "per_document", "ptrr"])
+def test_flex_block_mask_under_a_context_layout(balance: str) -> None:
+    """Context rank 1 of 2's queries against keys gathered in rank order, each row spread by its
+    documents (runtime/parallel/context_layout.py): flex equals the boolean mask, with gradients."""
+    import torch.nn.functional as F
+
+    from meshllm_dsl.runtime.jobs.compare import packed_batches
+    from meshllm_dsl.runtime.model import documents, layers
+    from meshllm_dsl.runtime.parallel import context_layout
+
+    b, s, h, kvh, d = 2, 512, 8, 2, 64
+    (batch,) = packed_batches(64, b, s, 1, 0, documents=True, restart=True)
+    order = context_layout.layout(batch.documents, 2, balance).cuda()  # [b, s] positions in rank order
+    docs = batch.documents.cuda()
+    q_pos, k_pos = order[:, s // 2:], order
+    packing = documents.Packing(docs.gather(1, q_pos), docs.gather(1, k_pos), None)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(b, h, s // 2, d, generator=gen, device="cuda", requires_grad=True)
+    k, v = (torch.randn(b, kvh, s, d, generator=gen, device="cuda", requires_grad=True) for _ in range(2))
+    out = layers.masked_attention(q, k, v, q_pos, k_pos, packing)  # flex on CUDA
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    allowed = documents.same_document(layers._allowed(q_pos, k_pos, 0), packing)
+    want_out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=True)
+    want = torch.autograd.grad(want_out, (q, k, v), grad)
+    assert (out - want_out).abs().max() < 2e-5
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() < 2e-4

@@ -333,6 +333,9 @@ def test_the_flex_block_mask_holds_the_same_pairs_as_the_boolean_mask(kw: dict[s
     with warnings.catch_warnings():  # flex_attention's eager forward warns (once) that it is slow
         warnings.simplefilter("ignore", UserWarning)
         out = layers.flex_masked_attention(q, k, v, q_pos, k_pos, packing, **kw)
+        again = layers.flex_masked_attention(q, k, v, q_pos, k_pos, packing, **kw)
+    # Every layer of a forward reads the one BlockMask built for its rows.
+    assert len(packing.block_masks) == 1 and torch.equal(out, again)
     allowed = documents.same_document(layers._allowed(q_pos, k_pos, kw.get("window", 0)), packing)
     if "softcap" in kw:
         want = layers._softcapped_attention(q, k, v, allowed, d ** -0.5, kw["softcap"])
