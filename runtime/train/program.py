@@ -830,6 +830,7 @@ class Built:
         finally:
             self._counted = None
         self._sync_grads()
+        self._match_grad_layouts()
         settings = self.program.optimizer
         if "clip" in settings:
             self.grad_norm = self.clip_grads(float(settings["clip"]))
@@ -975,6 +976,23 @@ class Built:
             group = self.mesh.group(*axes)
             if group is not None:
                 _all_reduce_coalesced(grads, group)
+
+    def _match_grad_layouts(self) -> None:
+        """Each plain gradient in its parameter's memory layout before the optimizer reads it.
+
+        Autograd's accumulation keeps a parameter's strides, but torch's zero-bubble schedules
+        compute weight gradients apart (``stage_backward_weight``) and assign what autograd.grad
+        returns, whose strides can differ: a stacked experts' weight [hidden, experts, ffn] of
+        strides (128, 32, 1) got a gradient of strides (32, 1024, 1). torch 2.13's fused AdamW then
+        pairs the two as flat buffers on CPU (elements of different positions: measured, Mixtral
+        under ZBV / DualPipeV moved expert weights by lr the wrong way) and refuses them on CUDA
+        ("must have same dtype, device, and layout", pytorch/pytorch#106951). FSDP2's sharded
+        gradients are its own and already match."""
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if type(g) is torch.Tensor and g.stride() != p.stride():
+                    p.grad = torch.empty_like(p).copy_(g)  # empty_like keeps p's strides
 
     def _sync_grads(self) -> None:
         self._sum_partial_grads()

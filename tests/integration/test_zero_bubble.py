@@ -84,6 +84,10 @@ CASES: dict[str, str] = {
         "data = 2, pipeline = 2, tensor = 2",
         MEGATRON + "layout { batch -> data }\n optimizer adamw { zero 1 }\n" + _pipe("interleaved_zb", 1, 2)),
     "zbv_recompute_pipeline2": _spec("pipeline = 2", "recompute = blocks\n" + _pipe("zbv", 2, 4)),
+    # Stacked expert weights whose weight gradients (computed apart by the zero-bubble schedules) come
+    # back in other strides than the parameters': the optimizer must still pair them element by element.
+    "zbv_mixtral_pipeline2": _spec("pipeline = 2", _pipe("zbv", 2, 4), MIXTRAL),
+    "dualpipev_mixtral_pipeline2": _spec("pipeline = 2", _pipe("dualpipev", 2, 4), MIXTRAL),
     # Experts split over `data` (all-to-all inside every block), router losses carried across stages.
     "dualpipev_mixtral_data2_pipeline2_experts": _spec(
         "data = 2, pipeline = 2",
