@@ -180,7 +180,24 @@ def measure_data(corpora: list[Any], plan: Any, *, seed: int, steps: int, balanc
             taken.append(rows)
     except DataError as err:
         raise UsageError(f"plan `{plan.name}`: {err}") from None
-    return data_profile(taken, seq=plan.seq, ranks=ranks, masked=plan.document_mask, balanced=balance)
+    contexts = plan.context_size if plan.document_mask else 1  # a causal row's head-tail halves are even
+    return data_profile(taken, seq=plan.seq, ranks=ranks, masked=plan.document_mask, balanced=balance,
+                        contexts=plan.context_size, context_balance=plan.context_balance,
+                        context_pairs=_context_pairs(taken, contexts) if contexts > 1 else None)
+
+
+def _context_pairs(taken: list[list[Any]], contexts: int) -> dict[str, list[list[list[int]]]]:
+    """Under each `context_balance`, the causal pairs each of ``contexts`` context ranks' queries see
+    in each row of each step (``[step][row][c]``), as the runtime splits the rows
+    (runtime/parallel/context_layout.py, from the rows' document numbers: 0, 1, ... along the row,
+    as Packer.next_row numbers them, each as long as the Row's length)."""
+    import torch
+
+    from meshllm_dsl.runtime.parallel.context_layout import BALANCES, rank_pairs
+
+    numbers = [torch.stack([torch.repeat_interleave(torch.arange(len(row.lengths)), torch.tensor(row.lengths))
+                            for row in rows]) for rows in taken]
+    return {b: [rank_pairs(docs, contexts, b).tolist() for docs in numbers] for b in BALANCES}
 
 
 def _processes(text: str) -> int:
