@@ -409,7 +409,8 @@ def _context_warning(rep: PlanReport, da: DataAttention) -> Diagnostic:
         help = (f"`{p.context_balance}` already measured best on these rows ({measured}); fewer context ranks "
                 "(more data ranks) split each row's documents less")
     return Diagnostic(
-        W0809, f"on this data `context_balance = {p.context_balance}` leaves the busiest of the {p.contexts} context "
-        f"ranks {p.context_excess:.0%} more attention work than the average over the first {p.steps} steps, on top "
-        f"of the data ranks' {p.data_excess:.0%}: {fmt_seconds(da.context_excess_s)} a step waiting for it", where,
+        W0809, f"on this data `context_balance = {p.context_balance}` splits the rows unevenly over the {p.contexts} "
+        f"context ranks: the busiest device does {p.excess:.0%} more attention work than the average over the first "
+        f"{p.steps} steps, {p.context_excess:.0%} of it on top of the busiest data rank's {p.data_excess:.0%}: "
+        f"{fmt_seconds(da.context_excess_s)} a step waiting for it", where,
         label=f"context ranks' attention uneven by more than {DATA_SKEW_WARN:.0%}", help=help)
