@@ -20,7 +20,13 @@ from meshllm_dsl.checker import check_text  # noqa: E402
 from meshllm_dsl.cli.main import main  # noqa: E402
 from meshllm_dsl.parallel.devices import PROFILES  # noqa: E402
 from meshllm_dsl.planner.analyze import analyze  # noqa: E402
-from meshllm_dsl.planner.data import DATA_SKEW_WARN, Row, data_attention, data_profile, data_warnings  # noqa: E402
+from meshllm_dsl.planner.data import (  # noqa: E402
+    DATA_SKEW_WARN,
+    Row,
+    data_attention,
+    data_profile,
+    data_warnings,
+)
 
 torch = pytest.importorskip("torch")
 
