@@ -227,3 +227,17 @@ def test_data_stats_with_a_context_plan(capsys: pytest.CaptureFixture[str], skew
     assert main(["data-stats", str(skewed), "--plan", str(spec)]) == 0
     out = capsys.readouterr().out
     assert "busiest device's attention excess" in out and "warning[W0809]" in out
+
+
+def test_the_context_warning_renders_at_the_written_balance(capsys: pytest.CaptureFixture[str], skewed: Path,
+                                                            tmp_path: Path) -> None:
+    spec = tmp_path / "cp.mesh"
+    spec.write_text(_spec("ptrr"))
+    assert main(["plan", str(spec), "--data", str(skewed)]) == 0
+    out = capsys.readouterr().out
+    warning = out[out.index("warning[W0809]"):]
+    line = next(i for i, text in enumerate(_spec("ptrr").splitlines(), 1) if "context_balance" in text)
+    assert f" --> {spec}:{line}:5\n" in warning
+    assert f"{line} |     context_balance = ptrr\n" in warning
+    assert "  |     ^^^^^^^^^^^^^^^ context ranks' attention uneven by more than 10%\n" in warning
+    assert "= help: `context_balance = per_document` measured best on these rows: the context part " in warning
