@@ -342,11 +342,11 @@ def data_lines(da: DataAttention, source: str) -> list[str]:
                  f"({fmt_seconds(da.data_excess_s)}), context ranks {p.context_excess:.1%} "
                  f"({fmt_seconds(da.context_excess_s)}) under `context_balance = {p.context_balance}`")
     if p.splits:
-        lines.append("  context_balance          excess   context part   step")
+        lines.append(f"  {'context_balance':<26}  {'excess':>6}   {'context part':>12}   step")
         for split in p.splits:
             mine = " (the plan's)" if split.balance == p.context_balance else ""
             excess = p.split_excess(split)
-            lines.append(f"  {split.balance + mine:<22}  {excess:>6.1%}   {excess - p.data_excess:>12.1%}   "
+            lines.append(f"  {split.balance + mine:<26}  {excess:>6.1%}   {excess - p.data_excess:>12.1%}   "
                          f"{fmt_seconds(da.split_step_s(split))}")
     return lines
 

@@ -194,7 +194,7 @@ def test_plan_data_reports_the_busiest_device_under_every_balance(capsys: pytest
     assert main(["plan", str(spec), "--data", str(skewed)]) == 0
     out = capsys.readouterr().out
     assert "waiting for the busiest device" in out and "over 2 data x 4 context ranks: data ranks" in out
-    assert "context_balance          excess   context part   step" in out
+    assert "context_balance             excess   context part   step" in out
     assert "headtail (the plan's)" in out and "per_document" in out and "ptrr" in out
     assert "warning[W0809]" in out and "help: `context_balance = per_document` measured best" in out
 
