@@ -180,10 +180,12 @@ def measure_data(corpora: list[Any], plan: Any, *, seed: int, steps: int, balanc
             taken.append(rows)
     except DataError as err:
         raise UsageError(f"plan `{plan.name}`: {err}") from None
-    contexts = plan.context_size if plan.document_mask else 1  # a causal row's head-tail halves are even
+    # Under the document mask a context rank's share of a row depends on its documents: split the rows
+    # as the runtime does (without it a causal row's head-tail halves are even: nothing to measure).
+    split = plan.document_mask and plan.context_size > 1
     return data_profile(taken, seq=plan.seq, ranks=ranks, masked=plan.document_mask, balanced=balance,
                         contexts=plan.context_size, context_balance=plan.context_balance,
-                        context_pairs=_context_pairs(taken, contexts) if contexts > 1 else None)
+                        context_pairs=_context_pairs(taken, plan.context_size) if split else None)
 
 
 def _context_pairs(taken: list[list[Any]], contexts: int) -> dict[str, list[list[list[int]]]]:

@@ -156,11 +156,20 @@ class DataProfile:
     @property
     def context_excess(self) -> float:
         """The part of `excess` the split of the rows over the context ranks adds."""
-        return self.excess - self.data_excess
+        return self._part(self.busiest_device_pairs)
 
     def split_excess(self, split: DeviceSplit) -> float:
         """`excess` were the rows split as ``split`` (one of `splits`)."""
         return self._excess(split.busiest_pairs * self.devices)
+
+    def split_context_excess(self, split: DeviceSplit) -> float:
+        """`context_excess` were the rows split as ``split``."""
+        return self._part(split.busiest_pairs)
+
+    def _part(self, busiest_device_pairs: int) -> float:
+        # From the integers: a data rank's busiest device does at least its mean, so never below 0.
+        extra = busiest_device_pairs * self.devices - self.busiest_pairs * self.ranks
+        return extra / self.pairs if self.pairs else 0.0
 
     def split_share(self, split: DeviceSplit) -> float:
         """`busiest_share` were the rows split as ``split``."""
@@ -346,7 +355,7 @@ def data_lines(da: DataAttention, source: str) -> list[str]:
         for split in p.splits:
             mine = " (the plan's)" if split.balance == p.context_balance else ""
             excess = p.split_excess(split)
-            lines.append(f"  {split.balance + mine:<26}  {excess:>6.1%}   {excess - p.data_excess:>12.1%}   "
+            lines.append(f"  {split.balance + mine:<26}  {excess:>6.1%}   {p.split_context_excess(split):>12.1%}   "
                          f"{fmt_seconds(da.split_step_s(split))}")
     return lines
 
@@ -366,7 +375,7 @@ def data_json(da: DataAttention, source: str) -> dict[str, object]:
             "step_s": da.busiest_step_s, "step_s_even": da.even_step_s, "excess_s": da.excess_s,
             "excess_s_data": da.data_excess_s, "excess_s_context": da.context_excess_s,
             "context_balances": {s.balance: {
-                "attention_excess": p.split_excess(s), "attention_excess_context": p.split_excess(s) - p.data_excess,
+                "attention_excess": p.split_excess(s), "attention_excess_context": p.split_context_excess(s),
                 "busiest_device_attention_pairs": s.busiest_pairs, "busiest_share_of_upper_bound": p.split_share(s),
                 "step_s": da.split_step_s(s),
                 "device_attention_shares": [[w / max(p.pairs, 1) for w in row] for row in s.pairs]}
@@ -400,17 +409,17 @@ def _context_warning(rep: PlanReport, da: DataAttention) -> Diagnostic:
     where = (find_word(rep.plan.span, "context_balance") or find_word(rep.plan.span, "pack")
              or header_span(rep.plan.span))
     best = min(p.splits, key=lambda s: (s.busiest_pairs, s.balance != p.context_balance))
-    measured = ", ".join(f"{s.balance} {p.split_excess(s) - p.data_excess:.1%}" for s in p.splits)
+    measured = ", ".join(f"{s.balance} {p.split_context_excess(s):.1%}" for s in p.splits)
     if best.balance != p.context_balance:
-        help = (f"`context_balance = {best.balance}` measured best on these rows: the context part "
-                f"{p.split_excess(best) - p.data_excess:.1%} ({fmt_seconds(da.split_step_s(best))} a step); "
-                f"measured: {measured}")
+        advice = (f"`context_balance = {best.balance}` measured best on these rows: the context part "
+                  f"{p.split_context_excess(best):.1%} ({fmt_seconds(da.split_step_s(best))} a step); "
+                  f"measured: {measured}")
     else:
-        help = (f"`{p.context_balance}` already measured best on these rows ({measured}); fewer context ranks "
-                "(more data ranks) split each row's documents less")
+        advice = (f"`{p.context_balance}` already measured best on these rows ({measured}); fewer context ranks "
+                  "(more data ranks) split each row's documents less")
     return Diagnostic(
         W0809, f"on this data `context_balance = {p.context_balance}` splits the rows unevenly over the {p.contexts} "
         f"context ranks: the busiest device does {p.excess:.0%} more attention work than the average over the first "
         f"{p.steps} steps, {p.context_excess:.0%} of it on top of the busiest data rank's {p.data_excess:.0%}: "
         f"{fmt_seconds(da.context_excess_s)} a step waiting for it", where,
-        label=f"context ranks' attention uneven by more than {DATA_SKEW_WARN:.0%}", help=help)
+        label=f"context ranks' attention uneven by more than {DATA_SKEW_WARN:.0%}", help=advice)

@@ -110,38 +110,53 @@ def test_measure_data_splits_the_rows_as_rank_pairs_does_by_hand() -> None:
     assert got == {"headtail": [HEADTAIL], "per_document": [[[18, 18], [11, 13]]], "ptrr": [[[18, 18], [14, 10]]]}
 
 
+def test_the_context_warning_says_when_the_plans_balance_is_already_the_best() -> None:
+    # Row B alone on one data rank: head-tail 24 | 16 (20% over the even 20 | 20), a split the
+    # other way as bad; the plan's balance wins the tie.
+    pairs = {"headtail": [[[14, 10]]], "ptrr": [[[10, 14]]]}
+    profile = data_profile([[B]], seq=8, ranks=1, masked=True, balanced=False, contexts=2, context_pairs=pairs)
+    assert profile.context_excess == pytest.approx(0.2)
+    plan = check_text(_spec(), "t.mesh").plans["p"]
+    rep = analyze(plan, PROFILES["h100"])
+    (w,) = data_warnings(rep, data_attention(rep, profile))
+    assert w.code == "W0809" and "20% of it on top of the busiest data rank's 0%" in w.message
+    assert w.help == ("`headtail` already measured best on these rows (headtail 20.0%, ptrr 20.0%); fewer context "
+                      "ranks (more data ranks) split each row's documents less")
+
+
 # -- against the runtime
 
 
-@pytest.mark.parametrize("cp", [2, 4])
-def test_the_planners_devices_are_the_runtimes_layout(skewed: Path, cp: int) -> None:
+@pytest.mark.parametrize(("cp", "balance"), [(2, False), (4, False), (2, True)])
+def test_the_planners_devices_are_the_runtimes_layout(skewed: Path, cp: int, balance: bool) -> None:
     """Each device's work as the planner measures it equals the pairs of the queries the runtime's
     layout hands its context rank (context_layout.layout + query_pairs), in the runtime's own batches
-    (Packer.next_batch: the documents its ranks mask by, each data rank a slice of the rows)."""
+    (Packer.next_batch: the documents its ranks mask by, each data rank a slice of the rows; with
+    `--balance` as `meshc run --balance` packs them)."""
     from meshllm_dsl.cli.data import measure_data
     from meshllm_dsl.runtime.data.corpus import open_corpus
     from meshllm_dsl.runtime.data.packing import Packer
     from meshllm_dsl.runtime.parallel.context_layout import BALANCES, layout, query_pairs
 
     steps, ranks, batch = 6, 2, 4
-    for balance in BALANCES:
-        plan = check_text(_spec(balance, data=ranks, cp=cp, batch=batch), "t.mesh").plans["p"]
-        p = measure_data([(open_corpus(skewed), 1.0)], plan, seed=5, steps=steps, balance=False)
-        packer = Packer([(open_corpus(skewed), 1.0)], seq=SEQ, seed=5)
+    for context_balance in BALANCES:
+        plan = check_text(_spec(context_balance, data=ranks, cp=cp, batch=batch), "t.mesh").plans["p"]
+        p = measure_data([(open_corpus(skewed), 1.0)], plan, seed=5, steps=steps, balance=balance)
+        packer = Packer([(open_corpus(skewed), 1.0)], seq=SEQ, seed=5, balance=ranks if balance else 0)
         device = torch.zeros(ranks, cp, dtype=torch.int64)
         busiest = 0
         for _ in range(steps):
             documents = packer.next_batch(batch).documents
             work = torch.zeros(ranks, cp, dtype=torch.int64)
             for r, rows in enumerate(documents.chunk(ranks)):
-                order, pairs = layout(rows, cp, balance), query_pairs(rows)
+                order, pairs = layout(rows, cp, context_balance), query_pairs(rows)
                 for c, held in enumerate(order.chunk(cp, dim=1)):  # rank c's positions of each row
                     # In the planner's unit: twice the causal pairs less the queries (the diagonal once).
                     work[r, c] = 2 * int(pairs.gather(1, held).sum()) - held.numel()
             device += work
             busiest += int(work.max())
         mine = p.splits[0]
-        assert mine.balance == balance == p.context_balance
+        assert mine.balance == context_balance == p.context_balance
         assert mine.pairs == tuple(tuple(row) for row in device.tolist())
         assert mine.busiest_pairs == busiest
         assert int(device.sum()) == p.pairs  # the devices split the rows' squared lengths exactly
