@@ -96,7 +96,8 @@ class DeviceSplit:
 class DataProfile:
     """The data ranks' work over the first `steps` global batches of the seeded order: each rank's
     share of the trained tokens and of the attention pairs (shares sum to 1), the pairs of all
-    rows (`pairs`) and the sum over the steps of the busiest rank's pairs (`busiest_pairs`)."""
+    rows (`pairs`) and the sum over the steps of the busiest rank's pairs (`busiest_pairs`); with
+    `contexts` > 1, the devices' work under each measured `context_balance` (`splits`)."""
 
     seq: int
     batch: int

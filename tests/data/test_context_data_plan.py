@@ -256,3 +256,21 @@ def test_the_context_warning_renders_at_the_written_balance(capsys: pytest.Captu
     assert f"{line} |     context_balance = ptrr\n" in warning
     assert "  |     ^^^^^^^^^^^^^^^ context ranks' attention uneven by more than 10%\n" in warning
     assert "= help: `context_balance = per_document` measured best on these rows: the context part " in warning
+
+
+def test_plan_data_splits_a_tokenized_jsonl_over_the_context_ranks(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path, tok_dir: Path) -> None:
+    from alice_corpus import ALICE
+
+    src = tmp_path / "docs.jsonl"
+    long_doc = " ".join(ALICE)
+    src.write_text("".join(json.dumps({"text": long_doc if i % 10 == 0 else "Alice."}) + "\n" for i in range(200)))
+    spec = tmp_path / "cp.mesh"
+    spec.write_text(_spec())
+    assert main(["plan", str(spec), "--data", str(src), "--tokenizer", str(tok_dir), "--data-cache",
+                 str(tmp_path / "cache"), "--format", "json"]) == 0
+    d = json.loads(capsys.readouterr().out)["plans"][0]["data"]
+    assert d["document_mask"] and d["documents"] > d["rows"] and d["context_ranks"] == 4
+    for split in d["context_balances"].values():  # every balance splits the same rows' pairs
+        assert sum(map(sum, split["device_attention_shares"])) == pytest.approx(1)
+        assert split["attention_excess"] >= d["attention_excess_data"]
