@@ -176,7 +176,26 @@ def measure_data(corpora: list[Any], plan: Any, *, seed: int, steps: int, balanc
                           for _ids, docs, _pos, train in packer.step_rows(plan.batch)])
     except DataError as err:
         raise UsageError(f"plan `{plan.name}`: {err}") from None
-    return data_profile(taken, seq=plan.seq, ranks=ranks, masked=plan.document_mask, balanced=balance)
+    # Under the document mask a context rank's share of a row depends on its documents: split the rows
+    # as the runtime does (without it a causal row's head-tail halves are even: nothing to measure).
+    split = plan.document_mask and plan.context_size > 1
+    return data_profile(taken, seq=plan.seq, ranks=ranks, masked=plan.document_mask, balanced=balance,
+                        contexts=plan.context_size, context_balance=plan.context_balance,
+                        context_pairs=_context_pairs(taken, plan.context_size) if split else None)
+
+
+def _context_pairs(taken: list[list[Any]], contexts: int) -> dict[str, list[list[list[int]]]]:
+    """Under each `context_balance`, the causal pairs each of ``contexts`` context ranks' queries see
+    in each row of each step (``[step][row][c]``), as the runtime splits the rows
+    (runtime/parallel/context_layout.py, from the rows' document numbers: 0, 1, ... along the row,
+    as Packer.next_row numbers them, each as long as the Row's length)."""
+    import torch
+
+    from meshllm_dsl.runtime.parallel.context_layout import BALANCES, rank_pairs
+
+    numbers = [torch.stack([torch.repeat_interleave(torch.arange(len(row.lengths)), torch.tensor(row.lengths))
+                            for row in rows]) for rows in taken]
+    return {b: [rank_pairs(docs, contexts, b).tolist() for docs in numbers] for b in BALANCES}
 
 
 def _processes(text: str) -> int:
