@@ -111,14 +111,28 @@ def float8_job(ctx: Any, path: str, steps: int, recipe_off: bool) -> dict[str, A
 
 def compiled_job(ctx: Any, path: str, steps: int, compile_mode: str) -> dict[str, Any]:
     """On each rank: losses of `steps` AdamW steps of the module at `path` with `compile` set to
-    ``compile_mode``, and its parameters after them (full, as rank 0 gathers them)."""
+    ``compile_mode``, and its parameters after them (full, as rank 0 gathers them). A plan with
+    `pack = documents` trains on packed batches (compare.packed_batches); ``graphs``: the graphs
+    Dynamo compiled after each step (counted in this process)."""
     import dataclasses
 
+    from torch._dynamo.utils import counters
+
+    from meshllm_dsl.runtime.jobs.compare import packed_batches
     from meshllm_dsl.runtime.train.launch import synthetic_batch
     from meshllm_dsl.verify.equivalence import load_generated
 
     program = dataclasses.replace(load_generated(path).PROGRAM, compile=compile_mode)
     built = program.build(ctx.mesh(program.axes), seed=0)
-    losses = [built.train_step(*synthetic_batch(program.vocab, program.batch, program.seq, 0, step))
-              for step in range(steps)]
-    return {"losses": losses, "params": {k: v.float() for k, v in built.full_state_dict().items()}}
+    losses, graphs = [], []
+    if program.document_mask:
+        batches = packed_batches(program.vocab, program.batch, program.seq, steps, 0, documents=True,
+                                 restart=program.restart_positions)
+        for b in batches:
+            losses.append(built.train_step(b.tokens, b.targets, b.documents, b.positions))
+            graphs.append(counters["stats"]["unique_graphs"])
+    else:
+        for step in range(steps):
+            losses.append(built.train_step(*synthetic_batch(program.vocab, program.batch, program.seq, 0, step)))
+            graphs.append(counters["stats"]["unique_graphs"])
+    return {"losses": losses, "graphs": graphs, "params": {k: v.float() for k, v in built.full_state_dict().items()}}

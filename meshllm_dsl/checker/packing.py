@@ -7,12 +7,12 @@ documents.py); `positions = restart`: rotary (and learned) positions restart at 
 ranks (runtime/parallel/context_layout.py); anything but head-tail needs documents to balance by
 and context ranks to spread over.
 The generated program carries them (``Program.document_mask`` / ``restart_positions`` /
-``context_balance``): the data
-path packs by them and `meshc verify` compares on packed batches. What the runtime does not carry
-through yet is refused here: torch.compile'd blocks would read them as globals, and a capacity
-factor drops (token, expert) pairs by the whole forward's token order, which each document run
-alone (what `meshc verify` compares with) does not reproduce. Router losses are over the forward's
-tokens in both (runtime/jobs/compare.py gathers the documents' routing per layer).
+``context_balance``): the data path packs by them and `meshc verify` compares on packed batches.
+What the runtime does not carry through yet is refused here: a capacity factor drops (token, expert)
+pairs by the whole forward's token order, which each document run alone (what `meshc verify`
+compares with) does not reproduce. Router losses are over the forward's tokens in both
+(runtime/jobs/compare.py gathers the documents' routing per layer); compiled blocks take each
+microbatch's rows as graph inputs (runtime/model/documents.py ``active``).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class PackingRules(PlanContext):
             return choices[0]
         return v.value
 
-    def packing(self, settings: dict[str, ast.Setting], compiled: str) -> tuple[bool, bool]:
+    def packing(self, settings: dict[str, ast.Setting]) -> tuple[bool, bool]:
         """(document_mask, restart_positions) of `pack = none | documents` and `positions = continue | restart`."""
         pack = self._choice(settings.get("pack"), "pack", PACKS,
                             "a packing: `documents` masks attention at document boundaries")
@@ -58,11 +58,6 @@ class PackingRules(PlanContext):
                        settings["pack"].value.span, label=f"`{capped[0]}` drops pairs by the whole forward's token order",
                        help="drop `capacity` from the model (or `pack = documents`): `meshc verify` compares packed rows "
                             "with each document alone, whose pairs a capacity would drop differently")
-            masked = restart = False
-        if masked and compiled != "none":
-            self.error(E0309, f"`pack = documents` with `compile = {compiled}` is not supported yet",
-                       settings["pack"].value.span, label="compiled blocks",
-                       help="drop `compile = blocks` (or `pack = documents`)")
             masked = restart = False
         return masked, restart
 

@@ -277,7 +277,7 @@ def packing(ctx: PassContext) -> PassResult:
     """`pack = documents`, `positions = restart` and `context_balance`: checker/packing.py."""
     w = _Worker.of(ctx)
     settings = dict(ctx["settings"])
-    masked, restart = w.packing(settings, ctx["compile"])
+    masked, restart = w.packing(settings)
     balance = w.context_balance(settings, masked, ctx["context_axes"])
     return w.result(document_mask=masked, restart_positions=restart, context_balance=balance)
 

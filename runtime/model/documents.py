@@ -55,7 +55,11 @@ _ACTIVE: Packing | None = None
 
 def active() -> Packing | None:
     """The rows of the forward running now; None outside a packed step (every token attends to every
-    earlier one of its row, at the row's positions)."""
+    earlier one of its row, at the row's positions).
+
+    Inside a compiled block (`compile = blocks`) Dynamo reads the rows' tensors as the graph's
+    inputs, not as constants: another microbatch's rows run the same graph (no recompile, counted in
+    tests/runtime/test_compiled_blocks.py) and give the eager blocks' losses."""
     return _ACTIVE
 
 

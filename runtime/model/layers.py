@@ -338,6 +338,7 @@ def masked_attention(qh: Tensor, kh: Tensor, vh: Tensor, q_pos: Tensor, k_pos: T
 _FLEX: Callable[..., Tensor] | None = None
 
 
+@torch.compiler.disable  # compiled on its own (``_FLEX``), also inside a compiled block
 def flex_masked_attention(qh: Tensor, kh: Tensor, vh: Tensor, q_pos: Tensor, k_pos: Tensor,
                           packing: documents.Packing, window: int = 0, scale: float | None = None,
                           softcap: float = 0.0) -> Tensor:

@@ -82,6 +82,34 @@ def _fake_compile(raises: list[BaseException]) -> Any:
     return compile_
 
 
+PACKED = SPEC.replace("    compile = blocks\n", "    compile = blocks\n    pack = documents\n    positions = restart\n")
+
+
+@pytest.mark.parametrize("spec", [PACKED, PACKED.replace("axes tensor = 2", "axes tensor = 2, cp = 2").replace(
+    "vocab -> tensor }", "vocab -> tensor, seq -> cp }\n    context_balance = per_document")], ids=["tensor2", "tensor2_cp2"])
+def test_compiled_blocks_train_on_packed_documents_as_eager_blocks(spec: str, pool: Any, tmp_path: Path) -> None:
+    """Document masks inside compiled blocks: the same losses and parameters as the eager blocks (which
+    tests/runtime/test_document_mask.py proves EQUAL to every document alone), and no new graph after
+    the first step although every microbatch brings other rows (Dynamo takes them as inputs)."""
+    from meshllm_dsl.checker import check_text
+    from meshllm_dsl.codegen.emit import render_plan
+
+    result = check_text(spec, "packed.mesh")
+    assert result.ok, [str(d.message) for d in result.errors]
+    (plan,) = result.plans.values()
+    path = tmp_path / "packed.py"
+    path.write_text(render_plan(plan, "packed.mesh", spec))
+    n = plan.mesh.devices
+    eager = pool.run(compiled_job, n, str(path), 3, "none")[0]
+    compiled = pool.run(compiled_job, n, str(path), 3, "blocks")[0]
+    for a, b in zip(compiled["losses"], eager["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(b), (compiled["losses"], eager["losses"])
+    for name, p in eager["params"].items():
+        assert (compiled["params"][name] - p).abs().max() <= 2 * 1e-3 * 3, name
+    graphs = compiled["graphs"]
+    assert graphs[0] > 0 and graphs[-1] == graphs[0], graphs
+
+
 def test_a_block_that_fails_to_compile_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._dynamo.exc as exc
 

@@ -147,7 +147,6 @@ def test_the_plan_settings_reach_the_generated_program() -> None:
     ("data = 1", "    pack = rows\n", "E0203"),
     ("data = 1", "    positions = reset\n", "E0203"),
     ("data = 1", "    positions = restart\n", "E0309"),
-    ("data = 1", PACK + "    compile = blocks\n", "E0309"),
     ("data = 1", RESTART + "    pack = documents\n", "E0201"),  # given twice
     ("data = 1", "    context_balance = documents\n", "E0203"),
     ("data = 1", PACK + PTRR, "E0309"),  # no context axes to spread over
