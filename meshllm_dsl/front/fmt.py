@@ -61,9 +61,23 @@ def _rule(r: ast.Rule) -> str:
     return f"{r.name.value}({', '.join(a.value for a in r.axes)})"
 
 
-def _call(c: ast.Call) -> str:
+def _call(c: ast.Call, lead: int = 0) -> str:
+    """`func(args)`; ``lead``: the columns before it on its line. A call longer than _WIDTH wraps its
+    arguments, as many to a line as fit, each line after the first aligned under the first argument."""
     args = [format_expr(a) for a in c.args] + [_setting(k) for k in c.kwargs]
-    return f"{c.func.value}({', '.join(args)})"
+    one = f"{c.func.value}({', '.join(args)})"
+    if lead + len(one) <= _WIDTH or len(args) < 2:
+        return one
+    column = lead + len(c.func.value) + 1
+    rows, row = [], ""
+    for i, arg in enumerate(args):
+        item = arg + ("," if i < len(args) - 1 else ")")
+        if row and column + len(row) + 1 + len(item) > _WIDTH:
+            rows.append(row)
+            row = ""
+        row = f"{row} {item}" if row else item
+    rows.append(row)
+    return f"{c.func.value}(" + ("\n" + " " * column).join(rows)
 
 
 class _Printer:
@@ -211,7 +225,8 @@ class _Printer:
     def layers(self, body: tuple[ast.LayerStmt, ...], indent: int) -> None:
         for stmt in body:
             if isinstance(stmt, ast.LayerDecl):
-                self.line(indent, f"{stmt.name.value} = {_call(stmt.call)}", stmt)
+                head = f"{stmt.name.value} = "
+                self.line(indent, head + _call(stmt.call, 4 * indent + len(head)), stmt)
             else:
                 self.open(indent, f"{stmt.name.value} = repeat({format_expr(stmt.count)})", stmt)
                 self.layers(stmt.body, indent + 1)
