@@ -209,12 +209,22 @@ class _UnitWriter:
             return "self.ctx.attention"
         return "rt.attention"
 
-    def latent_cache(self) -> str:
-        """mla's latent KV cache call: under context parallelism a split prefill caches every rank's chunks."""
+    def latent_keys(self) -> str:
+        """mla's call giving the latents its keys and values come from: under context parallelism
+        every rank's, all-gathered (a split prefill caches every rank's chunks); else its own, or
+        while decoding the latent cache."""
         if self.plan.roles.context:
             self.context_used = True
-            return "self.ctx.latent_cache"
+            return "self.ctx.gather_latent"
         return "rt.latent_cache"
+
+    def gathered_attention(self) -> str:
+        """The attention function over keys and values already every context rank's (mla's, from
+        `latent_keys`' gathered latents)."""
+        if self.plan.roles.context:
+            self.context_used = True
+            return "self.ctx.gathered_attention"
+        return "rt.attention"
 
     def capacity_keep(self, x: str) -> str:
         """The `keep=` of a capacity-dropping router: under context parallelism capacity counts the

@@ -163,7 +163,9 @@ class _Calls:
     tensor: dict[tuple[tuple[str, ...], WirePrimitive, int], int] = attrs.Factory(dict)
     recompute: dict[tuple[tuple[str, ...], WirePrimitive, int], int] = attrs.Factory(dict)  # rerun forwards'
     expert: dict[tuple[tuple[str, ...], int], int] = attrs.Factory(dict)  # (expert axes, bytes per call): calls
-    kv_gathers: int = 0  # context parallelism: bytes of k and v one microbatch's forward all-gathers
+    # context parallelism: k and v (mla: its latents) one microbatch's forward all-gathers, bytes per call -> calls
+    kv_gathers: dict[int, int] = attrs.Factory(dict)
+    kv_regathers: dict[int, int] = attrs.Factory(dict)  # the same gathers again in recomputed blocks' forwards
     route_gathers: dict[int, int] = attrs.Factory(dict)  # context parallelism: capacity ids gathered, bytes -> calls
     router_sums: int = 0  # context parallelism: the load-balancing loss's [experts] sums (bytes)
     seq_counts: int = 0  # context parallelism: the sequence-wise loss's per-sequence counts, all layers (bytes)
@@ -184,9 +186,15 @@ def _unit_calls(setup: Setup, rank: Rank) -> _Calls:
         for axes, op, width in forward_collectives(hu) if rc else ():
             key = (axes, op, width or setup.hidden)
             calls.recompute[key] = calls.recompute.get(key, 0) + rc
-        if primitives.of(hu.unit).caches_kv:
-            # Context parallelism: k and v ([mb, s, kv / t, d] each for attention) once gathered, every copy.
-            calls.kv_gathers += hu.count * micro * plan.seq * primitives.of(hu.unit).gathered_values(plan, hu) * w
+        if cp > 1 and primitives.of(hu.unit).caches_kv:
+            # Context parallelism: k and v ([mb, s, kv / t, d] each for attention; mla's latent and
+            # rotary key together, [mb, s, r + rope]) once gathered, every copy.
+            kind = primitives.of(hu.unit)
+            n = kind.gathered_tensors()
+            size = micro * plan.seq * kind.gathered_values(plan, hu) * w // n
+            calls.kv_gathers[size] = calls.kv_gathers.get(size, 0) + n * hu.count
+            if rc:
+                calls.kv_regathers[size] = calls.kv_regathers.get(size, 0) + n * rc
         if cp > 1 and primitives.of(hu.unit).routes_experts:
             a = dict(hu.unit.attrs)
             if a.get("capacity"):
@@ -259,16 +267,13 @@ def _context_comms(setup: Setup, rank: Rank, calls: _Calls) -> list[Comm]:
     """Context parallelism's K / V gathers and the moe layers' routing over whole sequences."""
     plan, device, m, axes = setup.plan, setup.device, setup.plan.microbatches, setup.plan.roles.context
     comms = []
-    if plan.context_size > 1 and calls.kv_gathers:
-        # K and V all-gathered over the context axes in each attention's forward (again when
-        # backward recomputes the block), dK and dV reduce-scattered in its backward: per layer
-        # and microbatch 2 calls each way of [mb, s, kv / t, d] (runtime/parallel/context.py).
-        caching = [hu for hu in running_units(rank) if primitives.of(hu.unit).caches_kv]
-        layers_here = sum(hu.count for hu in caching)
-        reruns = sum(recomputed_copies(plan, hu) for hu in caching)
-        per_call = calls.kv_gathers // max(1, 2 * layers_here)
-        comms.append(comm_over(plan, device, axes, "context", "all_gather", 2 * (layers_here + reruns) * m, per_call))
-        comms.append(comm_over(plan, device, axes, "context", "reduce_scatter", 2 * layers_here * m, per_call))
+    for size, n in sorted(calls.kv_gathers.items()):
+        # K and V (mla: its latents) all-gathered over the context axes in each attention's forward
+        # (again when backward recomputes the block), reduce-scattered in its backward: per layer
+        # and microbatch 2 calls each way of [mb, s, kv / t, d], or mla's one of [mb, s, r + rope]
+        # (runtime/parallel/context.py).
+        comms.append(comm_over(plan, device, axes, "context", "all_gather", (n + calls.kv_regathers.get(size, 0)) * m, size))
+        comms.append(comm_over(plan, device, axes, "context", "reduce_scatter", n * m, size))
     for size, n in sorted(calls.route_gathers.items()):
         comms.append(comm_over(plan, device, axes, "context", "all_gather", n * m, size))
     if calls.router_sums:

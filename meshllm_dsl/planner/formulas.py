@@ -167,7 +167,8 @@ def kv_cache_bytes(plan: PlanIR, seq: int) -> int:
 
 def kv_gather_bytes_per_layer(plan: PlanIR) -> int:
     """Context parallelism: bytes one attention layer's K / V all-gather hands over per microbatch,
-    the whole sequence's (attention: [mb, s, kv_heads / t, head_dim] each of k and v; each rank sends its s / c)."""
+    the whole sequence's (attention: [mb, s, kv_heads / t, head_dim] each of k and v; mla: its normed
+    latent and rotary key, [mb, s, kv_lora_rank + qk_rope_head_dim]; each rank sends its s / c)."""
     if plan.context_size == 1:
         return 0
     micro = plan.batch // (plan.data_size * plan.microbatches)

@@ -149,6 +149,11 @@ class Primitive:
         """Values per token its context-parallel all-gather brings in on one device (kinds that cache)."""
         raise NotImplementedError(self.kind)
 
+    def gathered_tensors(self) -> int:
+        """How many all-gathers over the context axes carry `gathered_values` per layer and forward
+        (each reduce-scattered back in backward): k and v, 2, unless a kind gathers fewer."""
+        return 2
+
     # -- costs, per copy of the unit and microbatch (meshllm_dsl/parallel/costs.py holds the helpers they
     # use; the planner's steps, meshllm_dsl/planner/memory.py and time.py, add them up)
     def saved_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, local: int, seq: int, micro: int,

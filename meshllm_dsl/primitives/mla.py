@@ -203,31 +203,41 @@ class Mla(Primitive):
             saved += e * tokens * ql + fp32 * tokens
         # kv_a's whole output (the latent norm's input is a view of it) and the reciprocal RMS
         saved += e * tokens * (kvl + rope) + fp32 * tokens
+        # Under context parallelism kv_b reads every rank's latents (the whole sequence's micro x s
+        # tokens): a view of the gathered [latent | rotary key], which it keeps whole.
+        keys = micro * seq if plan.context_size > 1 else tokens
         if _splits_heads(hu):
             # the up-projections read views of f's concatenation: the normed query latent (or the
             # input), the normed latent and the rotary key
             saved += e * tokens * ((ql or hid) + kvl + rope)
+        elif plan.context_size > 1:
+            saved += e * tokens * ql  # q_b's input, the normed query latent
         else:
             saved += e * tokens * (ql + kvl)  # q_b's and kv_b's inputs, the normed latents
+        if plan.context_size > 1:
+            saved += e * keys * (kvl + rope)  # the gathered latents, kv_b's input
         saved += e * tokens * h * (nope + rope)  # q, rotary applied, for the core
         saved += e * tokens * h * vd  # o's input (the core's output reshaped: a copy)
         saved += 2 * e * (tokens // max(1, micro)) * rope  # rotary cos and sin
-        if plan.context_size > 1 and not (hu.prefix and plan.recompute == "attention"):
-            return saved  # the core keeps the gathered k and v instead (core_bytes)
+        if plan.context_size > 1 and not flash_attention and not (hu.prefix and plan.recompute == "attention"):
+            # SDPA's unfused path under the mask of global positions keeps its own contiguous copies
+            # of the whole sequence's k and v (transposed views of the cat and of kv_b's output)
+            return saved + e * keys * h * (nope + rope + vd)
         # k, and kv_b's whole output (v is a view of it): the core's inputs, or selective
-        # recomputation's, kept to rerun it
-        return saved + e * tokens * h * (nope + rope) + e * tokens * h * (nope + vd)
+        # recomputation's, kept to rerun it; under context parallelism every rank's tokens'
+        return saved + e * keys * h * (nope + rope) + e * keys * h * (nope + vd)
 
     def core_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> int:
         e, fp32 = DTYPES[plan.dtype], costs.FP32
-        _, _, _, nope, rope, vd = self._dims(hu.unit)
+        _, _, _, _, _, vd = self._dims(hu.unit)
         h = self._local_heads(plan, hu)
         # a fused kernel keeps its output and the fp32 log-sum-exp per head; without one (as CPU's
         # SDPA under context parallelism's mask) the probabilities
         core = e * tokens * h * vd + fp32 * tokens * h if flash_attention else e * tokens * h * seq
         if plan.context_size > 1:
-            # runtime/parallel/context.py, inside the core: the [s / c, s] mask and the all-gathered k and v
-            core += (tokens // max(1, micro)) * seq + e * micro * seq * h * (nope + rope + vd)
+            # runtime/parallel/context.py, inside the core: the [s / c, s] mask (the whole sequence's
+            # k and v it reads are kv_b's, counted in saved_bytes: the core gathers nothing)
+            core += (tokens // max(1, micro)) * seq
         return core
 
     def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
@@ -256,7 +266,13 @@ class Mla(Primitive):
         io = (queries + seq) * (nope + rope + vd) if flash_attention else None
         core = (Matmul(queries, seq, nope + rope, micro * h, core=True, io=io),
                 Matmul(queries, vd, seq, micro * h, core=True, io=io))
-        return Work(costs.linear_matmuls(plan, hu, tokens) + core)
+        linears = costs.linear_matmuls(plan, hu, tokens)
+        if plan.context_size > 1:
+            # kv_b up-projects every context rank's gathered latents: the whole sequence's micro x s
+            # tokens on each rank, c times its own (the price of gathering the latent, not k and v)
+            linears = tuple(attrs.evolve(mm, m=micro * seq) if mm.leaf.rsplit(".", 1)[-1] == "kv_b" else mm
+                            for mm in linears)
+        return Work(linears + core)
 
     def cached_values(self, unit: Unit) -> int:
         # the normed latent and the rotated shared key, whatever the heads (DeepSeek-V3: 512 + 64)
@@ -266,9 +282,13 @@ class Mla(Primitive):
         return self.cached_values(hu.unit)  # the latent is whole on every rank
 
     def gathered_values(self, plan: PlanIR, hu: HeldUnit) -> int:
-        # context parallelism gathers the heads' k ([nope + rope]) and v, as the attention kind does
-        _, _, _, nope, rope, vd = self._dims(hu.unit)
-        return self._local_heads(plan, hu) * (nope + rope + vd)
+        # context parallelism gathers the normed latent and the rotated shared key, whatever the
+        # heads (DeepSeek-V3: 576 values per token, not 128 heads x (192 + 128)); each rank then
+        # up-projects every rank's latents (work)
+        return self.cached_values(hu.unit)
+
+    def gathered_tensors(self) -> int:
+        return 1  # the latent and the rotary key concatenated: one all-gather (runtime ContextShard.gather_latent)
 
     # -- codegen
     def describe(self, a: Mapping[str, Any]) -> dict[str, Any]:
@@ -333,24 +353,41 @@ class Mla(Primitive):
             w.line(f"q_pe, k_pe = rt.apply_rotary(q_pe, k_pe, {w.positions('q')}, theta={float(a['rope_theta'])!r}{tail})",
                    "rotary on the rope parts only" + (" (yarn rope scaling: runtime/model/rope.py)" if scaling else "")),
             w.line("q = torch.cat([q_nope, q_pe], dim=-1)", f"[b, s, {h}, {nope + rope}]"),
-            w.line(f"latent, k_pe, cache = {w.latent_cache()}(latent, k_pe)",
-                   "while decoding: the cached latents and rotary keys of every position so far, t of them (else as given)"),
-            w.line(f"kv = {m}.kv_b(latent).view(b, -1, {h}, {nope + vd})", f"[b, t, {of}, {nope} nope key + {vd} value]"),
+        ]
+        scale = softmax_scale(a)
+        if w.plan.roles.context:
+            cp = w.plan.roles.context
+            n = w.plan.mesh.size(*cp)
+            # Gather the latent, not the heads: kv_lora_rank + rope values per token instead of
+            # heads x (nope + rope + v_head_dim); each rank then up-projects every rank's latents.
+            lines += [
+                w.line(f"latent, k_pe, cache = {w.latent_keys()}(latent, k_pe)",
+                       f"[b, t, {kvl}], [b, t, 1, {rope}]: every context rank's, t = s x {n} in rank order, one "
+                       f"all-gather of [b, s, {kvl} + {rope}] over {w.axes_text(cp)} ({n}) (backward reduce-scatters "
+                       "it); while decoding the cached ones"),
+                w.line(f"kv = {m}.kv_b(latent).view(b, -1, {h}, {nope + vd})",
+                       f"[b, t, {of}, {nope} nope key + {vd} value]: every rank's tokens' keys and values, up-projected here"),
+            ]
+        else:
+            lines += [
+                w.line(f"latent, k_pe, cache = {w.latent_keys()}(latent, k_pe)",
+                       "while decoding: the cached latents and rotary keys of every position so far, t of them (else as given)"),
+                w.line(f"kv = {m}.kv_b(latent).view(b, -1, {h}, {nope + vd})", f"[b, t, {of}, {nope} nope key + {vd} value]"),
+            ]
+        lines += [
             w.line(f"k_nope, v = kv.split([{nope}, {vd}], dim=-1)"),
             w.line(f"k = torch.cat([k_nope, k_pe.expand(b, -1, {h}, {rope})], dim=-1)", f"[b, t, {h}, {nope + rope}]"),
         ]
-        scale = softmax_scale(a)
         what = f"[b, s, {h * vd}] causal; logits scaled by {scale!r}"
         if w.plan.roles.context:
-            n = w.plan.mesh.size(*w.plan.roles.context)
-            what = (f"[b, s, {h * vd}] causal over the whole sequence: k [b, s, {h}, {nope + rope}] and v [b, s, {h}, {vd}] "
-                    f"all-gathered over {w.axes_text(w.plan.roles.context)} ({n}) (backward reduce-scatters them); "
+            what = (f"[b, s, {h * vd}] causal over the whole sequence's keys (masked by global positions); "
                     f"logits scaled by {scale!r}")
+        attention = w.gathered_attention()
         if w.plan.recompute == "attention":
-            lines.append(w.line(f"a = rt.recompute({w.attention()}, q, k, v, scale={scale!r}, kv_cache=cache)",
+            lines.append(w.line(f"a = rt.recompute({attention}, q, k, v, scale={scale!r}, kv_cache=cache)",
                                 what + "; recomputed in backward"))
         else:
-            lines.append(w.line(f"a = {w.attention()}(q, k, v, scale={scale!r}, kv_cache=cache)", what))
+            lines.append(w.line(f"a = {attention}(q, k, v, scale={scale!r}, kv_cache=cache)", what))
         o = unit.leaves[-1]
         bias = f" + {m}.o.bias" if len(o.params) > 1 else ""
         if reduce is not None:

@@ -199,28 +199,35 @@ class ContextShard:
             latent, k_pe = self.unshard(latent), self.unshard(k_pe)
         return decode.latent_cache(latent, k_pe)
 
+    def gather_latent(self, latent: Tensor, k_pe: Tensor) -> tuple[Tensor, Tensor, decode.HeldCache | None]:
+        """mla's keys and values before its up-projection, every context rank's: the normed latent
+        [b, s / n, r] and the rotated shared key [b, s / n, 1, rope] (each rank rotated its own tokens
+        at their global positions) -> [b, s, r], [b, s, 1, rope] in rank order, the order
+        ``gathered_attention`` reads keys in; backward reduce-scatters their gradients. One all-gather
+        of r + rope values per token instead of every head's k and v (DeepSeek-V3: 576 instead of
+        128 x 320). While decoding: the latent cache (``latent_cache``), in position order."""
+        if self.group is None or decode.active() is not None:
+            return self.latent_cache(latent, k_pe)
+        b, _, r = latent.shape
+        rope = k_pe.shape[-1]
+        # [b, s / n, r + rope] per rank -> [b, s, r + rope] in rank order: one collective for both.
+        both = _GatherSeq.apply(torch.cat([latent, k_pe.reshape(b, -1, rope)], dim=-1), self.group)
+        latent_all, pe_all = both.split([r, rope], dim=-1)
+        return latent_all, pe_all.view(b, -1, 1, rope), None
+
     def attention(self, q: Tensor, k: Tensor, v: Tensor, window: int = 0, scale: float | None = None,
                   softcap: float = 0.0, sinks: Tensor | None = None,
                   kv_cache: decode.KVCache | None = None) -> Tensor:
         """Causal GQA attention of this rank's queries over every rank's keys: q [b, s / n, h, d],
-        k [b, s / n, kvh, d], v [b, s / n, kvh, dv] -> [b, s / n, h * dv]. ``kv_cache`` (mla's
-        HeldCache while decoding): k and v already hold every position so far, in position order."""
+        k [b, s / n, kvh, d], v [b, s / n, kvh, dv] -> [b, s / n, h * dv]. ``kv_cache`` (a HeldCache
+        while decoding): k and v already hold every position so far, in position order."""
         decoding = decode.active() is not None
         if self.group is None or (decoding and not _SPLIT_PREFILL):
             # One rank, or a decoding step after the prefill: the new token is the same on every
             # rank and each rank's cache holds the whole sequence.
             return layers.attention(q, k, v, kv_cache=kv_cache, window=window, scale=scale, softcap=softcap, sinks=sinks)
-        b, s, h, d = q.shape
-        packing = documents.active() if not decoding else None
-        if packing is not None and packing.sequence is not None:
-            # Each row spread by its documents: its queries' and gathered keys' own positions [b, .].
-            assert packing.key_sequence is not None
-            q_pos, k_pos = packing.sequence.to(q.device), packing.key_sequence.to(q.device)
-        else:
-            q_pos, k_pos = self.indices(s, q.device), self.order(s).to(q.device)
         if decoding and kv_cache is not None:
             k_all, v_all = k, v  # the whole prompt's, rebuilt from the gathered latents
-            k_pos = torch.arange(k_all.shape[1], device=q.device)
         elif decoding:
             session = decode.active()
             assert session is not None
@@ -229,11 +236,42 @@ class ContextShard:
             k_all, v_all = self.unshard(k), self.unshard(v)
             k_all, v_all = (t.transpose(1, 2) for t in session.next_cache().update(
                 k_all.transpose(1, 2), v_all.transpose(1, 2), window))
-            k_pos = torch.arange(k_all.shape[1], device=q.device)
         else:
             # [b, s / n, kvh, d] per rank -> [b, s, kvh, d] in rank order; backward reduce-scatters dK, dV.
             k_all = _GatherSeq.apply(k.contiguous(), self.group)
             v_all = _GatherSeq.apply(v.contiguous(), self.group)
+        return self._over_all_keys(q, k_all, v_all, window, scale, softcap, sinks)
+
+    def gathered_attention(self, q: Tensor, k: Tensor, v: Tensor, window: int = 0, scale: float | None = None,
+                           softcap: float = 0.0, sinks: Tensor | None = None,
+                           kv_cache: decode.KVCache | None = None) -> Tensor:
+        """``attention`` over keys and values already every rank's (mla's, up-projected from
+        ``gather_latent``'s latents): q [b, s / n, h, d], k [b, s, kvh, d] and v [b, s, kvh, dv] in
+        rank order (while decoding: every position so far in position order, with ``kv_cache``)
+        -> [b, s / n, h * dv]. Nothing is gathered here, so a recomputed core gathers nothing again."""
+        decoding = decode.active() is not None
+        if self.group is None or (decoding and not _SPLIT_PREFILL):
+            return layers.attention(q, k, v, kv_cache=kv_cache, window=window, scale=scale, softcap=softcap, sinks=sinks)
+        if decoding and kv_cache is None:
+            raise ValueError("a split prefill's gathered attention needs the cache its keys were rebuilt from")
+        return self._over_all_keys(q, k, v, window, scale, softcap, sinks)
+
+    def _over_all_keys(self, q: Tensor, k_all: Tensor, v_all: Tensor, window: int, scale: float | None,
+                       softcap: float, sinks: Tensor | None) -> Tensor:
+        """This rank's queries q [b, s / n, h, d] over the whole sequence's keys k_all [b, s, kvh, d]
+        and v_all [b, s, kvh, dv] (rank order; position order in a split prefill), each query masked
+        by global positions: causal, its window, its document -> [b, s / n, h * dv]."""
+        b, s, h, _ = q.shape
+        decoding = decode.active() is not None
+        packing = documents.active() if not decoding else None
+        if packing is not None and packing.sequence is not None:
+            # Each row spread by its documents: its queries' and gathered keys' own positions [b, .].
+            assert packing.key_sequence is not None
+            q_pos, k_pos = packing.sequence.to(q.device), packing.key_sequence.to(q.device)
+        else:
+            q_pos, k_pos = self.indices(s, q.device), self.order(s).to(q.device)
+        if decoding:  # a split prefill's keys: the whole prompt, in position order
+            k_pos = torch.arange(k_all.shape[1], device=q.device)
         qh, kh, vh = q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2)
         if packing is not None and packing.documents is None:
             packing = None

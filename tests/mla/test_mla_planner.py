@@ -89,11 +89,28 @@ def test_flops_count_nope_plus_rope_for_scores_and_v_head_dim_for_values() -> No
     assert model_flops_per_token(plan) == 3 * (61 * (2 * weights + core + mlp) + 2 * 7168 * 129280)
 
 
-def test_context_parallelism_gathers_the_heads_keys_and_values() -> None:
+def test_context_parallelism_gathers_the_latent_not_the_heads() -> None:
+    """Under context parallelism each layer all-gathers the normed latent and the rotated shared key
+    ([mb, s, 512 + 64], one call; runtime ContextShard.gather_latent), not every head's k and v, and
+    each rank then up-projects the whole sequence's latents through its kv_b shard."""
     plan = _plan("tensor = 8, cp = 2", "    layout { heads -> tensor, ffn -> tensor, vocab -> tensor, seq -> cp }\n"
                  "    shard blocks.*.attn.{q_a,kv_a} replicate\n", seq=4096)
-    # per microbatch and layer: the whole sequence's k ([16 heads, 192]) and v ([16 heads, 128]), bf16
-    assert kv_gather_bytes_per_layer(plan) == 4096 * 16 * (192 + 128) * 2
+    # per microbatch and layer: the whole sequence's latent and rotary key, bf16, whatever the heads
+    # (the heads' k [16 heads, 192] and v [16 heads, 128] would be 4096 x 16 x 320 x 2, 8.9 x more)
+    assert kv_gather_bytes_per_layer(plan) == 4096 * (512 + 64) * 2
+    rc = analyze(plan).ranks[0]
+    gathers = [(c.op, c.calls, c.payload_bytes // c.calls) for c in rc.comms if c.kind == "context"]
+    # one all-gather per layer and microbatch forward, its reduce-scatter in backward
+    assert gathers == [("all_gather", 61, 4096 * 576 * 2), ("reduce_scatter", 61, 4096 * 576 * 2)], gathers
+    unit = _attn(plan)
+    kv_b = next(leaf for leaf in unit.leaves if leaf.name == "kv_b")
+    held = HeldUnit(unit, "blocks.0.", 1, plan.block_class("blocks", 0).placements, None)
+    assert held.placement(kv_b).axes == ("tensor",)
+    work = REGISTRY["mla"].work(plan, held, 2048, 4096, 1, True)
+    products = {mm.leaf: (mm.m, mm.n, mm.k) for mm in work.matmuls if not mm.core}
+    # the rank's own 2048 tokens through q_a, q_b, kv_a and o; every rank's 4096 through its kv_b shard
+    assert products["attn.kv_b"] == (4096, 16 * (128 + 128), 512)
+    assert products["attn.kv_a"][0] == products["attn.q_b"][0] == products["attn.o"][0] == 2048
 
 
 def test_tensor_parallel_all_reduces_carry_the_latents_and_the_residual_stream() -> None:
