@@ -39,6 +39,8 @@ PLANS = {  # mesh axes, plan lines
     "single": ("one = 1", ""),
     "tensor2": ("tensor = 2", TP),
     "context2": ("cp = 2", "    layout { seq -> cp }\n"),
+    # the heads split over tensor, every rank's latents gathered over cp and up-projected by each kv_b shard
+    "tensor2_context2": ("tensor = 2, cp = 2", TP.replace("vocab -> tensor }", "vocab -> tensor, seq -> cp }")),
     "pipeline2": ("pipeline = 2", "    microbatches = 2\n    stages over pipeline balanced\n"),
     # everything at once, the attention core recomputed in backward
     "pipeline2_tensor2_context2": ("pipeline = 2, tensor = 2, cp = 2", TP.replace("vocab -> tensor }", "vocab -> tensor, seq -> cp }")
