@@ -295,9 +295,11 @@ def _seq_entry(a: Document, name: str) -> str:
     from meshllm_dsl.planner.formulas import kv_gather_bytes_per_layer
 
     axes = " x ".join(plan.roles.context)
+    # mla gathers its latents and rotary keys, which every rank up-projects to its heads' K / V
+    what = "the latents" if any(u.kind == "mla" for r in plan.model.repeats for u in r.body) else "K / V"
     cp = (f"**context parallelism** over {axes} ({n}): each rank holds chunks i and {2 * n - 1} - i of {2 * n} of "
           f"every sequence ({plan.seq // n:,} of {plan.seq:,} tokens) through the whole model\n\n"
-          f"attention all-gathers K / V over {axes}: {fmt_bytes(kv_gather_bytes_per_layer(plan))} per layer and "
+          f"attention all-gathers {what} over {axes}: {fmt_bytes(kv_gather_bytes_per_layer(plan))} per layer and "
           "microbatch; gradients are averaged over the batch and context axes")
     return cp + (f"\n\n{sp}, its slice of this rank's chunks" if sp else "")
 

@@ -314,8 +314,11 @@ def _context_text(rep: PlanReport) -> str:
     plan = rep.plan
     n = plan.context_size
     per_layer = kv_gather_bytes_per_layer(plan)
-    return (f"K / V all-gathered over {' x '.join(plan.roles.context)} ({n}): {fmt_bytes(per_layer)} per layer and "
-            f"microbatch ({fmt_bytes(per_layer * (n - 1) // n)} sent per rank), dK / dV reduce-scattered back; not "
+    # mla gathers what its keys and values are up-projected from (runtime ContextShard.gather_latent)
+    latent = any(u.kind == "mla" for r in plan.model.repeats for u in r.body)
+    what, grads = ("the latents and rotary keys", "their gradients") if latent else ("K / V", "dK / dV")
+    return (f"{what} all-gathered over {' x '.join(plan.roles.context)} ({n}): {fmt_bytes(per_layer)} per layer and "
+            f"microbatch ({fmt_bytes(per_layer * (n - 1) // n)} sent per rank), {grads} reduce-scattered back; not "
             "overlapped with the compute (each attention waits for its gather)")
 
 
