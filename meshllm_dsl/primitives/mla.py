@@ -12,6 +12,10 @@ down-projections `q_a` / `kv_a` and their norms whole on every rank. The rank-lo
 of a whole latent are partial sums, so f (`copy_to`) sits on the normed latents and the shared rotary
 key (one all-reduce of them concatenated), not on the block's input: the replicated down-projections
 and norms then get whole gradients.
+
+Context parallelism gathers the latents, not the heads: the normed latent and the rotated shared key
+of every rank's tokens (one all-gather of kv_lora_rank + qk_rope_head_dim values per token), which
+each rank up-projects through its kv_b shard (runtime/parallel/context.py `gather_latent`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,10 @@ capping as they are: each query's mask is computed from global positions. Its co
 [b, s, kv_heads, head_dim] buffer each for K and V per layer, which ring attention would avoid.
 Backward reduce-scatters dK / dV, so each rank's K / V projections get the gradient of every
 rank's queries (collectives.py's sequence gather, the same autograd pair Megatron's sequence
-parallelism uses).
+parallelism uses). mla gathers what its keys and values are up-projected from instead, the normed
+latent and the rotated shared key (``gather_latent``: kv_lora_rank + rope values per token, DeepSeek-V3's
+576 where its heads' k and v are 40,960), and attends with ``gathered_attention``; both attentions
+mask in ``_over_all_keys``.
 
 The loss of a rank is the mean over its tokens; every rank holds the same number of them, so the
 mean of those means over the axis is the global mean, and the parameters (replicated over the
