@@ -1,7 +1,8 @@
 """What an `mla` layer keeps for backward, planned vs measured: the activations per microbatch the
 planner charges a rank against what `meshc run --profile`'s memory probe measures on gloo ranks
 (measured 2026-12-04, torch 2.13 CPU: planned / measured 1.0014 single, 1.0010 tensor 2, 1.0006
-context 2, 0.9998 and 0.9999 with `recompute = attention`)."""
+context 2, 0.9998 and 0.9999 with `recompute = attention`; 2026-12-05, the latents gathered under context
+parallelism: 1.0006 context 2, 1.0008 tensor 2 x context 2, 0.9999 context 2 with `recompute = attention`)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ PLANS = {
     "single": ("one = 1", "", True),
     "tensor2": ("tensor = 2", TP, True),
     "context2": ("cp = 2", "    layout { seq -> cp }\n", False),
+    # the heads split over tensor, every rank's latents gathered over cp into each kv_b shard
+    "tensor2_context2": ("tensor = 2, cp = 2", TP.replace("vocab -> tensor }", "vocab -> tensor, seq -> cp }"), False),
     "tensor2_recompute_attention": ("tensor = 2", TP + "    recompute = attention\n", True),
     # the core rerun in backward: its output and log-sum-exp, or its probabilities and the gathered k and v, not kept
     "context2_recompute_attention": ("cp = 2", "    layout { seq -> cp }\n    recompute = attention\n", False),

@@ -132,7 +132,8 @@ def _generate_job(ctx: Any, path: str, prompt_len: int) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize(("plan", "prompt_len"), [("single", 5), ("tensor2", 5), ("pipeline2", 5), ("context2", 8),
-                                                  ("context2", 5), ("pipeline2_tensor2_context2", 8)])
+                                                  ("context2", 5), ("tensor2_context2", 8),
+                                                  ("pipeline2_tensor2_context2", 8)])
 def test_mla_decodes_like_the_reference_caching_the_latent(plan: str, prompt_len: int, pool: Any, tmp_path: Path) -> None:
     """Each layer's cache holds the normed latent [b, 1, t, 8] and the rotated shared key [b, 1, t, 4]
     (DeepSeek's 512 + 64 per token), whole on every rank: the prompt (8 tokens split over cp in
