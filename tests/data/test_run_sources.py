@@ -130,3 +130,25 @@ def test_a_document_masked_plan_trains_on_documents_and_refuses_windows(tmp_path
     proc = run_module("meshllm_dsl", "run", str(spec), "--timeout", "120", "--data", str(text), "--steps", "1",
                       timeout=300, cwd=tmp_path)
     assert proc.returncode == 2 and "`pack = documents`" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("balance", ["per_document", "ptrr"])
+def test_run_spreads_the_rows_by_their_documents(tmp_path: Path, balance: str) -> None:
+    """`context_balance` through `meshc run`: the same real-text batches under tensor x context
+    parallelism train to the head-tail run's losses (the same sums in another order over the ranks)."""
+    tok = build_tokenizer(tmp_path / "tok")
+    src = _sources(tmp_path)
+    cache = tmp_path / "cache"
+    losses = {}
+    for name, text in (("headtail", MASKED), (balance, MASKED.replace(
+            "    positions = restart\n", f"    positions = restart\n    context_balance = {balance}\n"))):
+        code, err = _run(tmp_path, "--data", str(src["jsonl"]), "--tokenizer", str(tok), "--data-cache", str(cache),
+                         "--steps", "3", "--metrics", str(tmp_path / f"{name}.jsonl"), spec_text=text)
+        assert code == 0, err[-3000:]
+        losses[name] = [json.loads(line)["loss"] for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    first, then = losses["headtail"], losses[balance]
+    # The same parameters at step 0: the same loss to rounding; after fp32 AdamW steps (which move an
+    # element whose gradient is rounding noise by lr either way) close, not equal (float64 EQUAL:
+    # tests/runtime/test_document_mask.py).
+    assert len(first) == 3 and abs(first[0] - then[0]) <= 1e-6 * first[0], losses
+    assert all(abs(a - b) <= 1e-4 * a for a, b in zip(first, then)), losses
