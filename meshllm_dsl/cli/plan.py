@@ -167,7 +167,9 @@ def data_report(path: str, plan_name: str | None, corpora: list[Any], source: st
         rep = analyze(plan, device, device_assumed=assumed)
         da = _data_attention(rep, corpora, args)
         print()
-        print(f"plan `{plan.name}`: batch {plan.batch} x seq {plan.seq:,} over {plan.data_size} data ranks on {device.name}")
+        contexts = f" x {plan.context_size} context ranks" if plan.context_size > 1 else ""
+        print(f"plan `{plan.name}`: batch {plan.batch} x seq {plan.seq:,} over {plan.data_size} data ranks{contexts} "
+              f"on {device.name}")
         print("\n".join(_data_lines(da, source)))
         warns.extend(_data_warnings(rep, da))
     if warns:
