@@ -342,6 +342,12 @@ CODES: dict[str, tuple[str, str]] = {
               "same loss, with each rank holding the full logits. `--to dtensor` keeps them sharded."),
     "W1202": ("tp_plan leaves data parallelism out", "A tp_plan describes tensor parallelism only; the plan's "
               "data axes (and ZeRO) go to transformers' DistributedConfig or the launcher."),
+    "W1203": ("torchtitan masks documents", "torchtitan 0.3's language models always attend block-causally within "
+              "the documents its dataloader packs into a row, with positions restarting at each "
+              "(models/common/config_utils.py: every attention backend is a masked one; Decoder.get_attention_masks "
+              "builds the mask from the per-document positions): the plan `pack = documents` with `positions = "
+              "restart` describes. A plan that attends across documents is exported with this warning: on rows "
+              "of several documents torchtitan trains the masked run, not the plan's."),
 }
 
 
@@ -420,6 +426,7 @@ E1206: Final = "E1206"
 E1207: Final = "E1207"
 W1201: Final = "W1201"
 W1202: Final = "W1202"
+W1203: Final = "W1203"
 
 
 def check_registry(names: Iterable[str], explained: Mapping[str, object]) -> None:

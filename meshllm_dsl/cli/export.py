@@ -86,10 +86,12 @@ def _engine(args: argparse.Namespace, path: str, out: Path) -> int:
     plan, decls, text = checked
     export = export_torchtitan if args.to == "torchtitan" else export_megatron
     try:
-        files, _ = export(plan, decls, str(path), text, out)
+        files, warnings = export(plan, decls, str(path), text, out)
     except SpecError as err:
         print(render_all(err.diagnostics), end="", file=sys.stderr)
         return 1
+    if warnings:
+        print(render_all(warnings), end="", file=sys.stderr)
     for f in files:
         check_new_file(f, f"{args.to} launch" if f == out else "torchtitan config_registry", args.force)
     for f, content in files.items():

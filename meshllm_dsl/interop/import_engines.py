@@ -641,6 +641,13 @@ def titan_spec_text(args: list[str], hf_config: str) -> str:
             plan.append(f"shard blocks.*.mlp.router replicate{src}")
     if pp > 1:
         plan += _titan_stages(a, pp, values.get("layers", 1), {v: k for k, v in SCHEDULES.items()})
+    # torchtitan 0.3's language models always attend within the documents its dataloader packs, with
+    # positions restarting at each (export's W1203): the plan says so.
+    plan += ["pack = documents  # torchtitan masks attention at document boundaries", "positions = restart"]
+    balancer = a.get(P + "context_parallel_load_balancer", "headtail")
+    a.want(P + "context_parallel_load_balancer", ("headtail", "ptrr"), "meshllm's context balances torchtitan has")
+    if balancer == "ptrr" and cp > 1:  # without context ranks torchtitan builds no balancer
+        plan.append(f"context_balance = ptrr{a.src(P + 'context_parallel_load_balancer')}")
     region = SUBCOMMANDS.get(a.subcommand or "activation-checkpoint:none", "none")
     if region != "none":
         plan.append(f"recompute = {region}{a.src(a.subcommand or '')}")

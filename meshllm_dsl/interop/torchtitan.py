@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 
 from meshllm_dsl import primitives
-from meshllm_dsl.codes import E1201, E1202, E1203, E1204, E1205, E1206
+from meshllm_dsl.codes import E1201, E1202, E1203, E1204, E1205, E1206, W1203
 from meshllm_dsl.diagnostics import Diagnostic, SpecError
 from meshllm_dsl.front import ast
 from meshllm_dsl.front.load import Declarations
@@ -55,7 +55,7 @@ KEYS: dict[str, type | None] = {
     "--parallelism.data_parallel_replicate_degree": int, "--parallelism.data_parallel_shard_degree": int,
     "--parallelism.fsdp_reshard_after_forward": str, "--parallelism.tensor_parallel_degree": int,
     "--parallelism.enable_sequence_parallel": None, "--parallelism.no-enable_sequence_parallel": None,
-    "--parallelism.context_parallel_degree": int, "--parallelism.expert_parallel_degree": int,
+    "--parallelism.context_parallel_degree": int, "--parallelism.context_parallel_load_balancer": str, "--parallelism.expert_parallel_degree": int,
     "--parallelism.pipeline_parallel_degree": int, "--parallelism.pipeline_parallel_schedule": str,
     "--parallelism.pipeline_parallel_layers_per_stage": int,
     "--parallelism.pipeline_parallel_first_stage_less_layers": int,
@@ -87,6 +87,7 @@ class TitanExport:
     nproc: int
     model: dict[str, Any]  # the config_registry function's arguments
     converter: str | None  # the float8 converter's constructor expression, or None
+    warnings: tuple[Diagnostic, ...] = ()
 
 
 # torchtitan's llama3 tensor-parallel plan (models/llama3/parallelize.py), in the plan's leaf names.
@@ -457,11 +458,24 @@ def analyze(plan: PlanIR, decls: Declarations | None) -> TitanExport:
         refuse(E1206, f"`recompute = {plan.recompute} every {plan.recompute_every}` is not a torchtitan 0.3 policy",
                rspan, label="every N", help="recompute every block")
 
-    if plan.document_mask:
-        refuse(E1206, "`pack = documents` is not exported to torchtitan", _setting_span(decl, "pack", plan.span),
-               label="attention masked at document boundaries",
-               help="drop `pack` (and `positions`) for the export; torchtitan's block-causal mask is a model flavor's "
-                    "(flex attention with attn_mask_type block_causal), not a launch flag")
+    # Documents: torchtitan 0.3's language models always attend block-causally within the documents its
+    # dataloader packs, positions restarting at each (models/common/config_utils.py get_attention_config,
+    # Decoder.get_attention_masks): `pack = documents` with `positions = restart` is its run.
+    pack_span = _setting_span(decl, "pack", plan.span)
+    if not plan.document_mask:
+        found.warnings.append(Diagnostic(
+            W1203, "torchtitan masks attention at document boundaries and restarts positions at each document; "
+            "this plan attends across them", pack_span, label="attention across documents",
+            help="add `pack = documents` and `positions = restart` to describe the run torchtitan trains"))
+    elif not plan.restart_positions:
+        refuse(E1206, "`pack = documents` with positions continuing over the row: torchtitan restarts them at "
+               "every document", pack_span, label="positions continue", help="add `positions = restart`")
+    if plan.context_balance == "ptrr":
+        flags.append(("parallelism.context_parallel_load_balancer", "ptrr"))
+    elif plan.context_balance != "headtail":
+        refuse(E1206, f"`context_balance = {plan.context_balance}`: torchtitan balances context ranks head-tail or "
+               "by PTRR", _setting_span(decl, "context_balance", plan.span), label="context balance",
+               help="use `context_balance = ptrr` (torchtitan's context_parallel_load_balancer) or head-tail")
 
     # compile
     if plan.compile == "blocks":
@@ -470,7 +484,8 @@ def analyze(plan: PlanIR, decls: Declarations | None) -> TitanExport:
     if found.errors:
         raise SpecError(found.errors)
     assert model is not None
-    return TitanExport(tuple(flags), f"activation-checkpoint:{sub}", mesh.devices, model, converter)
+    return TitanExport(tuple(flags), f"activation-checkpoint:{sub}", mesh.devices, model, converter,
+                       tuple(found.warnings))
 
 
 def config_name(plan: PlanIR) -> str:
@@ -760,7 +775,7 @@ def export_torchtitan(plan: PlanIR, decls: Declarations | None, source_path: str
     exp = analyze(plan, decls)
     module = f"{out.stem.replace('-', '_').replace('.', '_')}_config"
     return ({out: render_command(exp, plan, source_path, module, _digest(source_text)),
-             out.with_name(module + ".py"): render_config(exp, plan, source_path)}, ())
+             out.with_name(module + ".py"): render_config(exp, plan, source_path)}, exp.warnings)
 
 
 __all__ = ["KEYS", "SCHEDULES", "SUBCOMMANDS", "TARGET", "TitanExport", "analyze", "command_args", "export_torchtitan"]

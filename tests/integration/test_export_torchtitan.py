@@ -196,6 +196,23 @@ def test_context_parallel(tmp_path: Path, capsys: pytest.CaptureFixture[str],
     assert (cfg.training.local_batch_size, cfg.training.seq_len) == (4, 64)
 
 
+def test_packed_documents_are_torchtitans_run(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchtitan 0.3 always masks attention at its dataloader's document boundaries and restarts
+    positions there: `pack = documents, positions = restart` exports silently (PTRR as its load
+    balancer), a plan attending across documents with W1203."""
+    packed = _spec("cp = 2", "    layout { seq -> cp }\n    pack = documents\n    positions = restart\n"
+                   "    context_balance = ptrr\n    optimizer adamw { zero 3 over cp }\n", batch=4, seq=64)
+    rc, err = _export(tmp_path, "packed", packed, capsys)
+    assert rc == 0 and "warning" not in err, err
+    cfg = _parse(tmp_path, "packed", monkeypatch)
+    assert cfg.parallelism.context_parallel_load_balancer == "ptrr"
+    plain = packed.replace("    pack = documents\n    positions = restart\n    context_balance = ptrr\n", "")
+    rc, err = _export(tmp_path, "plain", plain, capsys)
+    assert rc == 0 and "warning[W1203]" in err and "help: add `pack = documents` and `positions = restart`" in err, err
+    assert _parse(tmp_path, "plain", monkeypatch).parallelism.context_parallel_load_balancer == "headtail"
+
+
 def test_float8_compile_selective(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     import torchtitan.components.quantization.float8 as f8
@@ -359,6 +376,9 @@ def test_deepseek_refusals_are_located(tmp_path: Path, capsys: pytest.CaptureFix
      "    optimizer adamw { zero 3 over data }\n", "E1206", "recompute = attention"),
     ("pack", "data = 2", "    layout { batch -> data }\n    pack = documents\n"
      "    optimizer adamw { zero 3 over data }\n", "E1206", "pack = documents"),
+    ("per_document", "cp = 2", "    layout { seq -> cp }\n    pack = documents\n    positions = restart\n"
+     "    context_balance = per_document\n    optimizer adamw { zero 3 over cp }\n", "E1206",
+     "context_balance = per_document"),
     ("tp_partial", "tensor = 2", TP.replace("    shard blocks.*.mlp.{gate,up} column(tensor)\n", "")
      .replace("shard blocks.*.mlp.down row(tensor)", "shard blocks.*.mlp.{gate,up,down} replicate"), "E1205",
      "shard blocks.*.mlp.{gate,up,down} replicate"),

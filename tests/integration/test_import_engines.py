@@ -509,3 +509,23 @@ def test_megatron_packed_documents_round_trip(tmp_path: Path, capsys: pytest.Cap
     alone = [a for a in args if a != "--reset-attention-mask"]
     rc, err = _import(alone, tmp_path / "j.mesh", 8, capsys)
     assert rc == 1 and "positions reset at documents" in err and "--reset-position-ids" in err and "help:" in err, err
+
+
+def test_torchtitan_imports_its_document_mask_and_balancer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A torchtitan run masks its documents (always, in 0.3): the imported plan says `pack = documents`
+    and `positions = restart`, and PTRR over the context ranks is `context_balance = ptrr`."""
+    text = (ROOT / "examples" / "tiny_llama_context.mesh").read_text()
+    src = tmp_path / "c.mesh"
+    src.write_text(text.replace("    layout {", "    pack = documents\n    positions = restart\n    context_balance = ptrr\n"
+                                "    layout {", 1))
+    original = check_file(src)
+    assert original.ok, [d.message for d in original.diagnostics]
+    args = _titan_args(src, "train", tmp_path / "a.sh")
+    assert "--parallelism.context_parallel_load_balancer" in args
+    hf = _hf_config_of(original.plans["train"], tmp_path / "hf")
+    rc = main(["import-torchtitan", "-o", str(tmp_path / "i.mesh"), "--hf-config", str(hf), "--", *args])
+    assert rc == 0, capsys.readouterr().err
+    imported = check_file(tmp_path / "i.mesh").plans["train"]
+    assert imported.document_mask and imported.restart_positions and imported.context_balance == "ptrr"
+    assert _summary(imported) == _summary(original.plans["train"])
+    assert _masked(_titan_args(tmp_path / "i.mesh", "train", tmp_path / "b.sh")) == _masked(args)
