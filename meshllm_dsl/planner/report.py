@@ -107,8 +107,10 @@ def _documents_lines(plan: PlanIR) -> list[str]:
     the lengths are not guessed here."""
     if not plan.document_mask:
         return []
-    return [f"  documents masked apart in every row (`pack = documents`{', positions restart' if plan.restart_positions else ''}); "
-            "attention priced over all seq keys, an upper bound without the documents' lengths"]
+    spread = (f", rows spread over the context ranks by their documents (`{plan.context_balance}`)"
+              if plan.context_balance != "headtail" else "")
+    return [f"  documents masked apart in every row (`pack = documents`{', positions restart' if plan.restart_positions else ''}"
+            f"{spread}); attention priced over all seq keys, an upper bound without the documents' lengths"]
 
 
 def _model_lines(rep: PlanReport) -> list[str]:
