@@ -34,9 +34,12 @@ PLANS = {
     "context2": ("cp = 2", "    layout { seq -> cp }\n", False),
     # the heads split over tensor, every rank's latents gathered over cp into each kv_b shard
     "tensor2_context2": ("tensor = 2, cp = 2", TP.replace("vocab -> tensor }", "vocab -> tensor, seq -> cp }"), False),
+    "single_recompute_attention": ("one = 1", "    recompute = attention\n", True),
     "tensor2_recompute_attention": ("tensor = 2", TP + "    recompute = attention\n", True),
     # the core rerun in backward: its output and log-sum-exp, or its probabilities and the gathered k and v, not kept
     "context2_recompute_attention": ("cp = 2", "    layout { seq -> cp }\n    recompute = attention\n", False),
+    "tensor2_context2_recompute_attention": ("tensor = 2, cp = 2", TP.replace("vocab -> tensor }", "vocab -> tensor, seq -> cp }")
+                                             + "    recompute = attention\n", False),
 }
 
 

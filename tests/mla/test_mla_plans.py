@@ -42,6 +42,12 @@ PLANS = {  # mesh axes, plan lines
     # the heads split over tensor, every rank's latents gathered over cp and up-projected by each kv_b shard
     "tensor2_context2": ("tensor = 2, cp = 2", TP.replace("vocab -> tensor }", "vocab -> tensor, seq -> cp }")),
     "pipeline2": ("pipeline = 2", "    microbatches = 2\n    stages over pipeline balanced\n"),
+    # the recomputed region from the latents: kv_b's up-projection, k and v and the core rerun in
+    # backward (under context parallelism over the gathered latents, every rank's)
+    "tensor2_recompute": ("tensor = 2", TP + "    recompute = attention\n"),
+    "context2_recompute": ("cp = 2", "    layout { seq -> cp }\n    recompute = attention\n"),
+    "tensor2_context2_recompute": ("tensor = 2, cp = 2", TP.replace("vocab -> tensor }", "vocab -> tensor, seq -> cp }")
+                                   + "    recompute = attention\n"),
     # everything at once, the attention core recomputed in backward
     "pipeline2_tensor2_context2": ("pipeline = 2, tensor = 2, cp = 2", TP.replace("vocab -> tensor }", "vocab -> tensor, seq -> cp }")
                                    + "    microbatches = 2\n    stages over pipeline balanced\n    recompute = attention\n"),
