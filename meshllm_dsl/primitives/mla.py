@@ -420,7 +420,7 @@ class Mla(Primitive):
 
 
 MLA = Mla("mla", sublayer=True, float8_linears=True, reads_sequence=True, caches_kv=True, recomputed_core=True,
-          sequence_parallel=False, whole=DOWN, width_arg="hidden", args=(
+          core_reruns=("kv_b",), sequence_parallel=False, whole=DOWN, width_arg="hidden", args=(
     Arg("hidden", "dim"),
     Arg("heads", "dim"),
     Arg("kv_lora_rank", "dim"),
