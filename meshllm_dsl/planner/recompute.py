@@ -132,5 +132,9 @@ def recomputed_text(plan: PlanIR) -> str:
     """What the step report says backward recomputes."""
     what = {"blocks": "the blocks", "attention": "the attention core",
             "ops": "the blocks but their attention and every other matmul output"}[plan.recompute]
+    reruns = sorted({leaf for _, unit, _ in plan.model.leaves() for leaf in primitives.of(unit).core_reruns})
+    if plan.recompute == "attention" and reruns:
+        # the products its region reruns before the core (mla's kv_b: the region starts from the latents)
+        what += " and " + ", ".join(f"`{leaf}`" for leaf in reruns) + " before it"
     n = plan.recompute_every
     return what if n == 1 else f"{what} (blocks {n - 1}, {2 * n - 1}, ...: every {n})"

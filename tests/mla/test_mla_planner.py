@@ -149,3 +149,6 @@ def test_recompute_attention_reruns_kv_b_over_the_gathered_latents() -> None:
     rc = analyze(plan, device).ranks[0]
     kernels_s = rc.recompute_s - 61 * (core_s + kv_b_s)  # the host time of the rerun's kernels
     assert 0 <= kernels_s < 0.01 * rc.recompute_s, (rc.recompute_s, core_s, kv_b_s)
+    from meshllm_dsl.planner.report import report_text
+
+    assert "recomputes the attention core and `kv_b` before it in backward" in report_text(analyze(plan, device))
