@@ -115,9 +115,26 @@ def rerun_seconds(plan: PlanIR, device: DeviceProfile, hu: HeldUnit, forward_s: 
     return max(0.0, forward_s - skipped) + casts
 
 
+def core_rerun_seconds(plan: PlanIR, device: DeviceProfile, hu: HeldUnit, core_s: float, tokens: int, seq: int,
+                       micro: int, flash_attention: bool = True) -> tuple[float, int]:
+    """Backward's rerun of one copy's recomputed core (`recompute = attention`): the core, and the
+    products its region reruns with it (the kind's `core_reruns`: mla's kv_b over the latents, the
+    whole sequence's under context parallelism) with their float8 casts; (seconds, their products)."""
+    leaves = primitives.of(hu.unit).core_reruns
+    work = primitives.of(hu.unit).work(plan, hu, tokens, seq, micro, flash_attention)
+    products = [mm for mm in work.matmuls if not mm.core and mm.leaf.rsplit(".", 1)[-1] in leaves]
+    seconds = sum(product_seconds(plan, device, hu, mm) + cast_seconds(plan, device, hu, mm, rerun=True)
+                  for mm in products)
+    return core_s + seconds, sum(mm.count for mm in products)
+
+
 def recomputed_text(plan: PlanIR) -> str:
     """What the step report says backward recomputes."""
     what = {"blocks": "the blocks", "attention": "the attention core",
             "ops": "the blocks but their attention and every other matmul output"}[plan.recompute]
+    reruns = sorted({leaf for _, unit, _ in plan.model.leaves() for leaf in primitives.of(unit).core_reruns})
+    if plan.recompute == "attention" and reruns:
+        # the products its region reruns before the core (mla's kv_b: the region starts from the latents)
+        what += " and " + ", ".join(f"`{leaf}`" for leaf in reruns) + " before it"
     n = plan.recompute_every
     return what if n == 1 else f"{what} (blocks {n - 1}, {2 * n - 1}, ...: every {n})"

@@ -18,7 +18,7 @@ from meshllm_dsl.parallel.devices import COMPILED_ELEMENTWISE_PASSES, DeviceProf
 from meshllm_dsl.parallel.placements import runs_fsdp
 from meshllm_dsl.planner.float8 import cast_seconds, compiled, product_seconds
 from meshllm_dsl.planner.rank import Rank, Setup, Time, recomputes_core, running_units
-from meshllm_dsl.planner.recompute import recomputed_copies, rerun_seconds
+from meshllm_dsl.planner.recompute import core_rerun_seconds, recomputed_copies, rerun_seconds
 from meshllm_dsl.planner.records import RankClass, StepTime
 from meshllm_dsl.planner.schedule import schedule_cost
 
@@ -229,8 +229,10 @@ def _forward_time(setup: Setup, rank: Rank) -> tuple[float, float, int, int, flo
             rerun_s += rc * rerun_seconds(plan, device, hu, unit_time.forward_s, tokens, seq, micro, flash)
             rerun_kernels += round(FORWARD_KERNEL_SHARE * unit_kernels_n) * rc
         elif recomputes_core(plan, hu):
-            rerun_s += hu.count * unit_time.core_s
-            rerun_kernels += KERNELS["attention_core"] // 2 * hu.count  # the core's forward again
+            # the core's forward again, with what its region reruns before it (mla: kv_b)
+            core_s, products = core_rerun_seconds(plan, device, hu, unit_time.core_s, tokens, seq, micro, flash)
+            rerun_s += hu.count * core_s
+            rerun_kernels += (KERNELS["attention_core"] // 2 + products) * hu.count
     return forward_s, rerun_s, kernels, rerun_kernels, cast_s
 
 

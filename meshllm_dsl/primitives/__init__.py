@@ -69,6 +69,9 @@ class Primitive:
     caches_kv: bool = False
     # Selective recomputation (`recompute = attention`) reruns its core in backward.
     recomputed_core: bool = False
+    # Leaves whose products that recomputed region reruns with the core (mla's kv_b: its region
+    # starts from the latents, so backward up-projects them again); the planner prices them as rerun work.
+    core_reruns: tuple[str, ...] = ()
     # It routes each token to `top_k` of its experts (a moe layer): the planner's expert all-to-alls,
     # routing gathers under context parallelism, active parameters and routing skew; a plan's `skew`
     # and the `expert` rule apply to it.

@@ -223,26 +223,33 @@ class Mla(Primitive):
         saved += e * tokens * h * (nope + rope)  # q, rotary applied, for the core
         saved += e * tokens * h * vd  # o's input (the core's output reshaped: a copy)
         saved += 2 * e * (tokens // max(1, micro)) * rope  # rotary cos and sin
-        if plan.context_size > 1 and not flash_attention and not (hu.prefix and plan.recompute == "attention"):
-            # SDPA's unfused path under the mask of global positions keeps its own contiguous copies
-            # of the whole sequence's k and v (transposed views of the cat and of kv_b's output)
-            return saved + e * keys * h * (nope + rope + vd)
-        # k, and kv_b's whole output (v is a view of it): the core's inputs, or selective
-        # recomputation's, kept to rerun it; under context parallelism every rank's tokens'
-        return saved + e * keys * h * (nope + rope) + e * keys * h * (nope + vd)
+        if hu.prefix and plan.recompute == "attention" and plan.context_size == 1:
+            # the rotated rotary key, an input of the recomputed region (under context parallelism
+            # a view of the gathered latents, counted above)
+            saved += e * tokens * rope
+        return saved
 
     def core_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, seq: int, micro: int, flash_attention: bool) -> int:
+        # The recomputed region (`recompute = attention`) runs from the latents: kv_b's up-projection,
+        # k and v, and the core; what it keeps for backward, all rebuilt when backward reruns it.
         e, fp32 = DTYPES[plan.dtype], costs.FP32
-        _, _, _, _, _, vd = self._dims(hu.unit)
+        _, _, _, nope, rope, vd = self._dims(hu.unit)
         h = self._local_heads(plan, hu)
         # a fused kernel keeps its output and the fp32 log-sum-exp per head; without one (as CPU's
         # SDPA under context parallelism's mask) the probabilities
         core = e * tokens * h * vd + fp32 * tokens * h if flash_attention else e * tokens * h * seq
+        # Under context parallelism kv_b up-projects every rank's latents: the whole sequence's keys.
+        keys = micro * seq if plan.context_size > 1 else tokens
         if plan.context_size > 1:
             # runtime/parallel/context.py, inside the core: the [s / c, s] mask (the whole sequence's
-            # k and v it reads are kv_b's, counted in saved_bytes: the core gathers nothing)
+            # k and v come from kv_b here: the core gathers nothing)
             core += (tokens // max(1, micro)) * seq
-        return core
+            if not flash_attention:
+                # SDPA's unfused path under the mask of global positions keeps its own contiguous
+                # copies of the whole sequence's k and v (transposed views of the cat and of kv_b's output)
+                return core + e * keys * h * (nope + rope + vd)
+        # k, and kv_b's whole output (v is a view of it): the core's inputs
+        return core + e * keys * h * (nope + rope) + e * keys * h * (nope + vd)
 
     def backward_bytes(self, plan: PlanIR, hu: HeldUnit, tokens: int, regather: int) -> int:
         return 0  # sequence parallelism is refused (regather is 0); nothing measured beyond what it saved
@@ -364,34 +371,41 @@ class Mla(Primitive):
             n = w.plan.mesh.size(*cp)
             # Gather the latent, not the heads: kv_lora_rank + rope values per token instead of
             # heads x (nope + rope + v_head_dim); each rank then up-projects every rank's latents.
-            lines += [
-                w.line(f"latent, k_pe, cache = {w.latent_keys()}(latent, k_pe)",
-                       f"[b, t, {kvl}], [b, t, 1, {rope}]: every context rank's, t = s x {n} in rank order, one "
-                       f"all-gather of [b, s, {kvl} + {rope}] over {w.axes_text(cp)} ({n}) (backward reduce-scatters "
-                       "it); while decoding the cached ones"),
-                w.line(f"kv = {m}.kv_b(latent).view(b, -1, {h}, {nope + vd})",
-                       f"[b, t, {of}, {nope} nope key + {vd} value]: every rank's tokens' keys and values, up-projected here"),
-            ]
+            lines.append(w.line(f"latent, k_pe, cache = {w.latent_keys()}(latent, k_pe)",
+                                f"[b, t, {kvl}], [b, t, 1, {rope}]: every context rank's, t = s x {n} in rank order, one "
+                                f"all-gather of [b, s, {kvl} + {rope}] over {w.axes_text(cp)} ({n}) (backward "
+                                "reduce-scatters it); while decoding the cached ones"))
+            up = f"[b, t, {of}, {nope} nope key + {vd} value]: every rank's tokens' keys and values, up-projected here"
+            what = (f"[b, s, {h * vd}] causal over the whole sequence's keys (masked by global positions); "
+                    f"logits scaled by {scale!r}")
         else:
-            lines += [
-                w.line(f"latent, k_pe, cache = {w.latent_keys()}(latent, k_pe)",
-                       "while decoding: the cached latents and rotary keys of every position so far, t of them (else as given)"),
-                w.line(f"kv = {m}.kv_b(latent).view(b, -1, {h}, {nope + vd})", f"[b, t, {of}, {nope} nope key + {vd} value]"),
-            ]
-        lines += [
+            lines.append(w.line(f"latent, k_pe, cache = {w.latent_keys()}(latent, k_pe)",
+                                "while decoding: the cached latents and rotary keys of every position so far, t of "
+                                "them (else as given)"))
+            up = f"[b, t, {of}, {nope} nope key + {vd} value]"
+            what = f"[b, s, {h * vd}] causal; logits scaled by {scale!r}"
+        # From the latents to the heads' attention: kv_b's up-projection, k and v, the core.
+        core = [
+            w.line(f"kv = {m}.kv_b(latent).view(b, -1, {h}, {nope + vd})", up),
             w.line(f"k_nope, v = kv.split([{nope}, {vd}], dim=-1)"),
             w.line(f"k = torch.cat([k_nope, k_pe.expand(b, -1, {h}, {rope})], dim=-1)", f"[b, t, {h}, {nope + rope}]"),
         ]
-        what = f"[b, s, {h * vd}] causal; logits scaled by {scale!r}"
-        if w.plan.roles.context:
-            what = (f"[b, s, {h * vd}] causal over the whole sequence's keys (masked by global positions); "
-                    f"logits scaled by {scale!r}")
-        attention = w.gathered_attention()
+        call = f"{w.gathered_attention()}(q, k, v, scale={scale!r}, kv_cache=cache)"
         if w.plan.recompute == "attention":
-            lines.append(w.line(f"a = rt.recompute({attention}, q, k, v, scale={scale!r}, kv_cache=cache)",
-                                what + "; recomputed in backward"))
+            # The recomputed region starts from the latents, not from the heads' k and v: it keeps
+            # q, the latent and the rotary key (DeepSeek-V3: 576 values per token, not 128 x 320;
+            # under context parallelism the whole sequence's), and backward reruns kv_b with the core.
+            lines.append(w.line(""))
+            lines.append(w.line("def attend(q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:",
+                                "the attention from the latents, rerun in backward"))
+            lines += [w.line("    " + ln.code, ln.comment) for ln in core]
+            lines.append(w.line(f"    return {call}", what))
+            lines.append(w.line(""))
+            lines.append(w.line("a = rt.recompute(attend, q, latent, k_pe)",
+                                "keeps q, the latent and the rotary key; backward reruns kv_b and the core"))
         else:
-            lines.append(w.line(f"a = {attention}(q, k, v, scale={scale!r}, kv_cache=cache)", what))
+            lines += core
+            lines.append(w.line(f"a = {call}", what))
         o = unit.leaves[-1]
         bias = f" + {m}.o.bias" if len(o.params) > 1 else ""
         if reduce is not None:
@@ -406,7 +420,7 @@ class Mla(Primitive):
 
 
 MLA = Mla("mla", sublayer=True, float8_linears=True, reads_sequence=True, caches_kv=True, recomputed_core=True,
-          sequence_parallel=False, whole=DOWN, width_arg="hidden", args=(
+          core_reruns=("kv_b",), sequence_parallel=False, whole=DOWN, width_arg="hidden", args=(
     Arg("hidden", "dim"),
     Arg("heads", "dim"),
     Arg("kv_lora_rank", "dim"),

@@ -2,7 +2,11 @@
 planner charges a rank against what `meshc run --profile`'s memory probe measures on gloo ranks
 (measured 2026-12-04, torch 2.13 CPU: planned / measured 1.0014 single, 1.0010 tensor 2, 1.0006
 context 2, 0.9998 and 0.9999 with `recompute = attention`; 2026-12-05, the latents gathered under context
-parallelism: 1.0006 context 2, 1.0008 tensor 2 x context 2, 0.9999 context 2 with `recompute = attention`)."""
+parallelism: 1.0006 context 2, 1.0008 tensor 2 x context 2, 0.9999 context 2 with `recompute = attention`;
+the recomputed region started from the latents, keeping q, the latent and the rotary key instead of the
+heads' k and v: with `recompute = attention` 0.9999 single (21,091,365 -> 17,486,885 bytes), 0.9997 tensor 2
+(13,687,296 -> 11,917,824), 0.9999 context 2 (12,577,285 -> 8,907,269), 0.9997 tensor 2 x context 2
+(8,088,832 -> 6,253,824))."""
 
 from __future__ import annotations
 
@@ -34,9 +38,13 @@ PLANS = {
     "context2": ("cp = 2", "    layout { seq -> cp }\n", False),
     # the heads split over tensor, every rank's latents gathered over cp into each kv_b shard
     "tensor2_context2": ("tensor = 2, cp = 2", TP.replace("vocab -> tensor }", "vocab -> tensor, seq -> cp }"), False),
+    "single_recompute_attention": ("one = 1", "    recompute = attention\n", True),
     "tensor2_recompute_attention": ("tensor = 2", TP + "    recompute = attention\n", True),
-    # the core rerun in backward: its output and log-sum-exp, or its probabilities and the gathered k and v, not kept
+    # the region from the latents rerun in backward (kv_b, k and v, the core): its output and log-sum-exp,
+    # or its probabilities, and the whole sequence's k and v not kept; the gathered latents kept
     "context2_recompute_attention": ("cp = 2", "    layout { seq -> cp }\n    recompute = attention\n", False),
+    "tensor2_context2_recompute_attention": ("tensor = 2, cp = 2", TP.replace("vocab -> tensor }", "vocab -> tensor, seq -> cp }")
+                                             + "    recompute = attention\n", False),
 }
 
 

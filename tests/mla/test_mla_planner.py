@@ -126,3 +126,29 @@ def test_tensor_parallel_all_reduces_carry_the_latents_and_the_residual_stream()
     assert by_size[tokens * e * (1536 + 512 + 64)] == 61  # one per block
     # o's g, the mlp's f and g per block; the vocab-parallel embedding's sum and the head's f
     assert by_size[tokens * e * 7168] == 61 * 3 + 2
+
+
+def test_recompute_attention_reruns_kv_b_over_the_gathered_latents() -> None:
+    """`recompute = attention` reruns mla's region from the latents: backward's rerun is the core and
+    kv_b's up-projection of the whole sequence's gathered latents (4096 tokens under context 2, the
+    rank's own 2048 queries), priced as recompute work with the core."""
+    from meshllm_dsl.parallel.devices import PROFILES
+    from meshllm_dsl.planner.float8 import product_seconds
+    from meshllm_dsl.planner.time import unit_forward_time
+
+    layout = ("    layout { heads -> tensor, ffn -> tensor, vocab -> tensor, seq -> cp }\n"
+              "    shard blocks.*.attn.{q_a,kv_a} replicate\n    recompute = attention\n")
+    plan, device = _plan("tensor = 8, cp = 2", layout, seq=4096), PROFILES["h100"]
+    unit = _attn(plan)
+    held = HeldUnit(unit, "blocks.0.", 61, plan.block_class("blocks", 0).placements, None)
+    (kv_b,) = [mm for mm in REGISTRY["mla"].work(plan, held, 2048, 4096, 1, True).matmuls if mm.leaf == "attn.kv_b"]
+    assert (kv_b.m, kv_b.n, kv_b.k) == (4096, 16 * (128 + 128), 512)
+    core_s = unit_forward_time(plan, device, held, 2048, 4096, 1, True).core_s
+    kv_b_s = product_seconds(plan, device, held, kv_b)
+    assert kv_b_s > 0 and core_s > 0
+    rc = analyze(plan, device).ranks[0]
+    kernels_s = rc.recompute_s - 61 * (core_s + kv_b_s)  # the host time of the rerun's kernels
+    assert 0 <= kernels_s < 0.01 * rc.recompute_s, (rc.recompute_s, core_s, kv_b_s)
+    from meshllm_dsl.planner.report import report_text
+
+    assert "recomputes the attention core and `kv_b` before it in backward" in report_text(analyze(plan, device))

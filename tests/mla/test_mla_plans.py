@@ -42,6 +42,12 @@ PLANS = {  # mesh axes, plan lines
     # the heads split over tensor, every rank's latents gathered over cp and up-projected by each kv_b shard
     "tensor2_context2": ("tensor = 2, cp = 2", TP.replace("vocab -> tensor }", "vocab -> tensor, seq -> cp }")),
     "pipeline2": ("pipeline = 2", "    microbatches = 2\n    stages over pipeline balanced\n"),
+    # the recomputed region from the latents: kv_b's up-projection, k and v and the core rerun in
+    # backward (under context parallelism over the gathered latents, every rank's)
+    "tensor2_recompute": ("tensor = 2", TP + "    recompute = attention\n"),
+    "context2_recompute": ("cp = 2", "    layout { seq -> cp }\n    recompute = attention\n"),
+    "tensor2_context2_recompute": ("tensor = 2, cp = 2", TP.replace("vocab -> tensor }", "vocab -> tensor, seq -> cp }")
+                                   + "    recompute = attention\n"),
     # everything at once, the attention core recomputed in backward
     "pipeline2_tensor2_context2": ("pipeline = 2, tensor = 2, cp = 2", TP.replace("vocab -> tensor }", "vocab -> tensor, seq -> cp }")
                                    + "    microbatches = 2\n    stages over pipeline balanced\n    recompute = attention\n"),
@@ -87,6 +93,22 @@ def test_tensor_parallel_mla_splits_heads_and_keeps_the_latents_whole() -> None:
     assert "q = self.attn.q(q_in).view(b, s, 2, 10)" in direct
     assert "rt.deinterleave" not in direct and "rt.deinterleave" in code
     assert "('mscale', 1.0), ('mscale_all_dim', 0.7)" in direct
+
+
+def test_recomputed_mla_region_starts_from_the_latents() -> None:
+    """`recompute = attention`: the region rerun in backward takes q, the latent and the rotary key
+    (under context parallelism every rank's, gathered before it) and runs kv_b, k and v and the core."""
+    for plan, attention in (("tensor2_recompute", "rt.attention"), ("context2_recompute", "self.ctx.gathered_attention")):
+        code = _code("latent_q", plan)
+        forward = code.split("class Block")[1].split("def params")[0]
+        region = forward.split("def attend(q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor) -> torch.Tensor:")[1]
+        region = region.split("a = rt.recompute(attend, q, latent, k_pe)")[0]
+        heads = 2 if plan.startswith("tensor") else 4
+        assert f"            kv = self.attn.kv_b(latent).view(b, -1, {heads}, 11)" in region, region
+        assert f"            return {attention}(q, k, v, scale=" in region, region
+        assert forward.count("self.attn.kv_b(") == 1 and "rt.recompute(" + attention not in forward
+    # without recomputation the same statements run inline
+    assert "def attend" not in _code("latent_q", "context2")
 
 
 def _generate_job(ctx: Any, path: str, prompt_len: int) -> dict[str, Any]:

@@ -184,6 +184,9 @@ CASES: dict[str, tuple[str, bool]] = {  # name -> (spec, ignored targets in plai
                                                   "ffn -> tensor, vocab -> tensor }\n    shard blocks.*.mlp.router replicate\n"
                                                   "    recompute = attention\n", GPT_OSS), False),
     "mla_cp2_restart": (_spec("cp = 2", RESTART + "    layout { seq -> cp }\n", MLA), False),
+    # mla's recomputed region (from the gathered latents) reruns with its forward's documents
+    "mla_cp2_restart_recompute_attention": (_spec("cp = 2", RESTART + "    layout { seq -> cp }\n    recompute = attention\n",
+                                                  MLA), False),
     # Pipeline stages: every schedule's forward of microbatch j runs with microbatch j's rows, on
     # every stage (each rank holds the global batch), and recomputed blocks rerun with them.
     "pipeline2_gpipe_micro4_restart": (_spec("pipeline = 2", RESTART + "    microbatches = 4\n"
