@@ -254,9 +254,24 @@ def _column_kind(arrow_type: Any) -> str | None:
     return None
 
 
-def _column_error(where: Path, field: str, arrow_type: Any) -> DataError:
-    return DataError(f"--data {where}: column `{field}` is {arrow_type}, expected a string (or a chat: a "
-                     "list of {role: string, content: string}); --text-field names the column")
+def _check_column(where: Path, schema: Any, field: str) -> None:
+    """The Arrow ``schema`` (a Parquet file's, a saved dataset's) has ``field`` as text or a chat."""
+    if field not in schema.names:
+        raise DataError(f"--data {where}: no column `{field}` (columns: {', '.join(schema.names)}); "
+                        "--text-field names the column that holds the documents")
+    arrow_type = schema.field(field).type
+    if _column_kind(arrow_type) is None:
+        raise DataError(f"--data {where}: column `{field}` is {arrow_type}, expected a string (or a chat: a "
+                        "list of {role: string, content: string}); --text-field names the column")
+
+
+def _column_records(where: Path, columns: Iterator[Any], field: str) -> Iterator[Record]:
+    """One record per row of ``columns`` (Arrow arrays of ``field``, batch by batch), named by row."""
+    row = 0
+    for column in columns:
+        for value in column.to_pylist():
+            yield _row_record(f"{where}:row {row}", value, field)
+            row += 1
 
 
 def _parquet_records(path: Path, field: str) -> Iterator[Record]:
@@ -267,18 +282,8 @@ def _parquet_records(path: Path, field: str) -> Iterator[Record]:
         pf = pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as err:
         raise DataError(f"--data {path}: not a Parquet file pyarrow reads ({str(err).splitlines()[0][:160]})") from None
-    schema = pf.schema_arrow
-    if field not in schema.names:
-        raise DataError(f"--data {path}: no column `{field}` (columns: {', '.join(schema.names)}); "
-                        "--text-field names the column that holds the documents")
-    arrow_type = schema.field(field).type
-    if _column_kind(arrow_type) is None:
-        raise _column_error(path, field, arrow_type)
-    row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=[field]):
-        for value in batch.column(0).to_pylist():
-            yield _row_record(f"{path}:row {row}", value, field)
-            row += 1
+    _check_column(path, pf.schema_arrow, field)
+    yield from _column_records(path, (b.column(0) for b in pf.iter_batches(batch_size=1024, columns=[field])), field)
 
 
 def _row_record(where: str, value: Any, field: str) -> Record:
@@ -308,15 +313,6 @@ def _dataset_records(path: Path, field: str) -> Iterator[Record]:
                         f"{str(err).splitlines()[0][:200] if str(err) else ''})") from None
     if not isinstance(ds, datasets.Dataset):
         raise DataError(f"--data {path}: a `datasets` {type(ds).__name__}; name one split's directory")
-    schema = ds.data.schema
-    if field not in schema.names:
-        raise DataError(f"--data {path}: no column `{field}` (columns: {', '.join(schema.names)}); "
-                        "--text-field names the column that holds the documents")
-    arrow_type = schema.field(field).type
-    if _column_kind(arrow_type) is None:
-        raise _column_error(path, field, arrow_type)
-    row = 0
-    for table in ds.select_columns([field]).with_format("arrow").iter(batch_size=1024):
-        for value in table.column(0).to_pylist():
-            yield _row_record(f"{path}:row {row}", value, field)
-            row += 1
+    _check_column(path, ds.data.schema, field)
+    tables = ds.select_columns([field]).with_format("arrow").iter(batch_size=1024)
+    yield from _column_records(path, (t.column(0) for t in tables), field)
