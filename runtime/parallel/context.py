@@ -102,7 +102,7 @@ class ContextShard:
         rows' document numbers (host); None under head-tail, which every row shares."""
         if self.balance == "headtail" or documents is None:
             return None
-        return context_layout.layout(documents.cpu(), self.size, self.balance)
+        return context_layout.layout(documents, self.size, self.balance)
 
     def mine(self, order: Tensor) -> Tensor:
         """This rank's part of rows' ``order`` [b, s]: its tokens' positions in their rows [b, s / n]."""

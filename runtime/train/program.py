@@ -781,7 +781,9 @@ class Built:
             return None
         if documents.shape != tokens.shape:
             raise ValueError(f"documents of shape {tuple(documents.shape)} for tokens of shape {tuple(tokens.shape)}")
-        return self.context.row_order(self._rows(documents))
+        # Decided from the host's document numbers (no device sync), then copied to the device once.
+        order = self.context.row_order(self._rows(documents))
+        return None if order is None else order.to(self.device)
 
     def _packing(self, tokens: Tensor, documents: Tensor | None, positions: Tensor | None,
                  order: Tensor | None = None) -> Packing | None:
@@ -800,7 +802,6 @@ class Built:
         if order is not None:
             # Each row spread by its documents: this rank's tokens and the gathered keys at their own
             # row positions, which also number the rotary positions when they continue over the row.
-            order = order.to(self.device)
             mine = self.context.mine(order)
             return Packing(self.context.local(docs, order=order), self.context.in_rank_order(docs, order=order),
                            mine if pos is None else pos, sequence=mine, key_sequence=order)
@@ -819,12 +820,10 @@ class Built:
         self.optimizer.zero_grad(set_to_none=False)
         # Counted where the batch comes from (the host), not after the copy: no device sync.
         counted = int((targets != IGNORE).sum())
-        order = self._context_order(tokens, documents)  # from the host's document numbers: no device sync
+        order = self._context_order(tokens, documents)
         tokens, targets = tokens.to(self.device), targets.to(self.device)
         packing = self._packing(tokens, documents, positions, order)
         self._counted = None if counted == targets.numel() else counted
-        if order is not None:
-            order = order.to(self.device)
         try:
             local_loss = self._forward_backward(self._local_batch(tokens, order), self._local_batch(targets, order), packing)
         finally:
@@ -1124,8 +1123,6 @@ class Built:
         order = self._context_order(tokens, documents)
         tokens = tokens.to(self.device)
         packing = self._packing(tokens, documents, positions, order)  # every pipeline rank's stages read the same rows
-        if order is not None:
-            order = order.to(self.device)
         local = self._local_batch(tokens, order)
         with packed(packing):
             logits = self.gather_logits(self.run_stages(local), (local.shape[0], local.shape[1]))
